@@ -1,0 +1,35 @@
+"""The method framework: a registry of attention methods by name.
+
+Every method and baseline is a `flax.struct.dataclass` implementing `models.attention.AttentionMethod`:
+static configuration fields (`pytree_node=False`, hashable) and calibrated arrays as leaves, so a method
+object is an ordinary argument of the jitted prefill/decode functions.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+_REGISTRY: dict[str, Callable] = {}
+
+
+def register(name: str):
+    """Class decorator: makes `make_method(name, ...)` build this method."""
+
+    def deco(factory):
+        _REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+def method_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def make_method(name: str, **kwargs):
+    """Builds the method registered as `name` (keyword arguments go to its `build` classmethod)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown attention method {name!r}; expected one of {method_names()}")
+    factory = _REGISTRY[name]
+    build = getattr(factory, "build", factory)
+    return build(**kwargs)

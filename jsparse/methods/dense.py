@@ -1,0 +1,30 @@
+"""Dense attention: the baseline every method is measured against (cuDNN on GPU, XLA elsewhere)."""
+
+from __future__ import annotations
+
+from flax import struct
+
+from jsparse.methods.base import register
+from pallas_kernels.dense import dense_decode, dense_prefill
+
+
+@register("dense")
+@struct.dataclass
+class Dense:
+    """Full causal attention; its selection state is empty (None)."""
+
+    @classmethod
+    def build(cls, **unused):
+        return cls()
+
+    def init_state(self, cfg, batch, max_len):
+        return None
+
+    def layer_info(self, cfg):
+        return None
+
+    def prefill(self, ctx, q, k, v, state):
+        return dense_prefill(q, k, v), state
+
+    def decode(self, ctx, q, cache, state):
+        return dense_decode(q, cache.k, cache.v, ctx.lengths), state

@@ -1,0 +1,1 @@
+"""Flax Llama-family models, KV cache, checkpoint converters and the bundled model."""

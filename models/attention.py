@@ -1,0 +1,66 @@
+"""The attention seam between the model and the attention methods.
+
+The model knows a method only by this protocol (it never imports `jsparse`). A method is a pytree
+(`flax.struct.dataclass`): its configuration is static metadata (hashable) and its calibrated arrays (head
+maps, layer roles, ...) are leaves, so the method object itself can be passed into a jitted function.
+
+At every layer the model calls
+
+  method.prefill(ctx, q, k, v, state) -> (out, state)
+      q: [B, T, Hq, D] and k, v: [B, T, Hkv, D] (after RoPE); tokens are right-padded, ctx.lengths: i32[B]
+      valid tokens per row; out: [B, T, Hq, D].
+  method.decode(ctx, q, cache, state) -> (out, state)
+      q: [B, T, Hq, D], the T newest tokens (T = 1 in plain decoding); cache: LayerKV with this layer's
+      k, v: [B, Hkv, N, D] already holding the new tokens; ctx.lengths: i32[B] valid tokens after the write,
+      so query t of row b sits at position lengths[b] - T + t.
+
+and once per forward (outside the scan)
+
+  method.init_state(cfg, batch, max_len) -> state pytree (carried through the layer scan and the decode loop)
+  method.layer_info(cfg) -> pytree whose leaves have a leading axis of length L (the scan's `xs`), or None.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import jax
+from flax import struct
+
+Array = jax.Array
+
+
+@struct.dataclass
+class LayerKV:
+    """One layer's KV cache, head-major: k, v: [B, Hkv, N, D]."""
+
+    k: Array
+    v: Array
+
+
+@struct.dataclass
+class LayerContext:
+    """What a method learns about the layer it runs in.
+
+    Attributes:
+      layer: i32[] index of the layer (traced inside the scan).
+      lengths: i32[B] valid tokens per row (prompt length in prefill; cache length after the write in decode).
+      info: this layer's slice of `method.layer_info(cfg)` (or None).
+      hidden: [B, T, E] the layer's input hidden state after the attention norm (methods that predict
+        importance from hidden states use it; most ignore it).
+    """
+
+    layer: Array
+    lengths: Array
+    info: Any = None
+    hidden: Any = None
+
+
+class AttentionMethod(Protocol):
+    def init_state(self, cfg, batch: int, max_len: int) -> Any: ...
+
+    def layer_info(self, cfg) -> Any: ...
+
+    def prefill(self, ctx: LayerContext, q: Array, k: Array, v: Array, state: Any) -> tuple[Array, Any]: ...
+
+    def decode(self, ctx: LayerContext, q: Array, cache: LayerKV, state: Any) -> tuple[Array, Any]: ...

@@ -1,0 +1,181 @@
+"""Model configuration for the Llama family (Llama 2/3/3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM2).
+
+One frozen, hashable dataclass describes every supported architecture, so it can be a static argument of a
+jitted function. `ModelConfig.from_hf` reads a Hugging Face `config.json` dict (or a `transformers`
+`PretrainedConfig`) and rejects anything this decoder does not implement, naming the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+
+class ConfigError(ValueError):
+    """A checkpoint's configuration that this library cannot run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters.
+
+    Attributes:
+      theta: base of the rotary frequencies.
+      rope_type: "default", "llama3" (Llama 3.1 frequency scaling) or "linear" (position interpolation).
+      factor: scaling factor for "llama3" / "linear".
+      low_freq_factor, high_freq_factor, original_max_position: "llama3" parameters.
+    """
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Static description of a Llama-family decoder.
+
+    Attributes:
+      architecture: one of SUPPORTED_ARCHITECTURES ("llama" also covers SmolLM2).
+      vocab_size, hidden_size (E), intermediate_size (F), num_layers (L).
+      num_heads (Hq), num_kv_heads (Hkv), head_dim (D).
+      qkv_bias: q/k/v projections carry a bias (Qwen2).
+      o_bias / mlp_bias: output projection / MLP carry biases (Llama `attention_bias`, `mlp_bias`).
+      qk_norm: RMSNorm over head_dim on q and k before RoPE (Qwen3).
+      tie_word_embeddings: the LM head is the transposed embedding (SmolLM2, Llama 3.2).
+      max_position_embeddings: the longest context the checkpoint was trained for.
+      sliding_window: Mistral's window, or None; sequences longer than it are rejected by `check_length`.
+      bos_token_id / eos_token_ids: special tokens (several EOS ids are allowed).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope: RopeConfig = RopeConfig()
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name}={value!r}: expected a positive integer")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(f"architecture {self.architecture!r} is not supported; expected one of "
+                              f"{SUPPORTED_ARCHITECTURES}")
+
+    @property
+    def group_size(self) -> int:
+        """G = Hq / Hkv, the number of query heads sharing one KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    def check_length(self, total_tokens: int) -> None:
+        """Raises if `total_tokens` (prompt + generated) cannot be run by this model."""
+        if self.sliding_window is not None and total_tokens > self.sliding_window:
+            raise ConfigError(
+                f"{total_tokens} tokens exceed sliding_window={self.sliding_window}: sliding-window "
+                "attention is not implemented, so only sequences within the window are exact")
+
+    def num_params(self) -> int:
+        """Parameter count (embeddings and LM head included)."""
+        e, f, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = e * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        layer = attn + 3 * e * f + 2 * e
+        head = 0 if self.tie_word_embeddings else self.vocab_size * e
+        return self.num_layers * layer + self.vocab_size * e + head + e
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+        d = dict(d)
+        d["rope"] = RopeConfig(**d["rope"])
+        d["eos_token_ids"] = tuple(d["eos_token_ids"])
+        return cls(**d)
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> "ModelConfig":
+        """Builds a config from a Hugging Face config dict, `PretrainedConfig` or config.json path."""
+        if isinstance(hf, (str, os.PathLike)):
+            with open(hf) as f:
+                hf = json.load(f)
+        elif not isinstance(hf, Mapping):
+            hf = hf.to_dict()
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(f"unknown architecture model_type={model_type!r} (architectures="
+                              f"{hf.get('architectures')}); supported: {SUPPORTED_ARCHITECTURES}")
+        num_heads = hf["num_attention_heads"]
+        hidden = hf["hidden_size"]
+        head_dim = hf.get("head_dim") or hidden // num_heads
+        eos = hf.get("eos_token_id")
+        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        sliding = hf.get("sliding_window")
+        if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+            sliding = None
+        return cls(
+            architecture=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope=_rope_from_hf(hf),
+            qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+            o_bias=model_type in ("llama",) and bool(hf.get("attention_bias", False)),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            sliding_window=sliding,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos,
+        )
+
+
+def _rope_from_hf(hf: Mapping[str, Any]) -> RopeConfig:
+    # transformers 5 keeps theta and scaling in `rope_parameters`; older configs use rope_theta/rope_scaling.
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(f"rope_type={rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}")
+    return RopeConfig(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+    )

@@ -1,0 +1,135 @@
+"""Generation: a jitted prefill followed by an on-device decode loop (`lax.while_loop`), all one computation.
+
+`generate_tokens` compiles once per (config, method structure, prompt bucket, capacity, max_new_tokens,
+sampling) and never retraces per token: the loop carries the KV cache, the method's selection state, the
+last tokens, the per-row done flags and the PRNG key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from models import llama
+from models.cache import KVCache, init_cache
+from models.config import ModelConfig
+from models.params import Params
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """temperature == 0 is greedy; otherwise softmax(logits / temperature) restricted to the top-p nucleus."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature}: expected >= 0 (0 is greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p}: expected a value in (0, 1]")
+
+
+def sample(logits: Array, key: Array, sampling: Sampling) -> Array:
+    """logits: f32[B, V] -> i32[B]."""
+    if sampling.temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / sampling.temperature
+    if sampling.top_p < 1.0:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
+        sorted_logits = jnp.where(before < sampling.top_p, sorted_logits, -jnp.inf)
+        choice = jax.random.categorical(key, sorted_logits, axis=-1)
+        return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def check_request(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_tokens: int,
+                  capacity: int | None = None) -> int:
+    """Validates a generation request and returns the cache capacity to use."""
+    if len(prompt_lengths) == 0:
+        raise ValueError("no prompts given: expected at least one")
+    if min(prompt_lengths) <= 0:
+        raise ValueError(f"empty prompt (prompt lengths {list(prompt_lengths)}): expected at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 1")
+    need = max(prompt_lengths) + max_new_tokens
+    if need > cfg.max_position_embeddings:
+        raise ValueError(f"prompt ({max(prompt_lengths)} tokens) plus max_new_tokens={max_new_tokens} is {need} "
+                         f"tokens, longer than the model's context of {cfg.max_position_embeddings}")
+    if capacity is None:
+        capacity = min(round_up(need, 128), max(cfg.max_position_embeddings, need))
+    elif need > capacity:
+        raise ValueError(f"prompt ({max(prompt_lengths)} tokens) plus max_new_tokens={max_new_tokens} is {need} "
+                         f"tokens, longer than the KV cache capacity of {capacity}")
+    cfg.check_length(need)
+    return capacity
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "capacity", "sampling", "eos_ids"))
+def generate_tokens(params: Params, method, tokens: Array, lengths: Array, key: Array, *, cfg: ModelConfig,
+                    max_new_tokens: int, capacity: int, sampling: Sampling = Sampling(),
+                    eos_ids: tuple[int, ...] = ()):
+    """Prefill + decode loop in one jitted computation.
+
+    Args:
+      tokens: i32[B, T] right-padded prompts; lengths: i32[B].
+      method: an attention method (a pytree); key: PRNG key (unused when greedy).
+    Returns:
+      (out: i32[B, max_new_tokens] generated tokens, -1 after a row's EOS; num: i32[B] tokens generated per
+       row, the EOS included).
+    """
+    B = tokens.shape[0]
+    cache = init_cache(cfg, B, capacity, params.embed.dtype)
+    state = method.init_state(cfg, B, capacity)
+    logits, cache, state = llama.prefill(params, cfg, method, tokens, lengths, cache, state)
+    key, sub = jax.random.split(key)
+    tok = sample(logits, sub, sampling)
+    eos = jnp.asarray(eos_ids if eos_ids else (-2,), jnp.int32)
+    out = jnp.full((B, max_new_tokens), -1, jnp.int32).at[:, 0].set(tok)
+    done = jnp.isin(tok, eos)
+    num = jnp.ones((B,), jnp.int32)
+
+    def cond(c):
+        step, _, _, _, done, _, _, _ = c
+        return (step < max_new_tokens) & ~jnp.all(done)
+
+    def body(c):
+        step, tok, cache, state, done, out, num, key = c
+        logits, cache, state = llama.decode(params, cfg, method, tok[:, None], cache, state)
+        key, sub = jax.random.split(key)
+        new = sample(logits[:, 0], sub, sampling)
+        new = jnp.where(done, -1, new)
+        out = jax.lax.dynamic_update_slice(out, new[:, None], (0, step))
+        num = num + (~done).astype(jnp.int32)
+        done = done | jnp.isin(new, eos)
+        return step + 1, jnp.where(new < 0, tok, new), cache, state, done, out, num, key
+
+    init = (jnp.int32(1), tok, cache, state, done, out, num, key)
+    _, _, _, _, _, out, num, _ = jax.lax.while_loop(cond, body, init)
+    return out, num
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "all_logits"), donate_argnames=("cache",))
+def prefill_step(params: Params, method, tokens: Array, lengths: Array, cache: KVCache, state, *,
+                 cfg: ModelConfig, all_logits: bool = False):
+    """Jitted `llama.prefill` with the cache donated."""
+    return llama.prefill(params, cfg, method, tokens, lengths, cache, state, all_logits=all_logits)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def decode_step(params: Params, method, tokens: Array, cache: KVCache, state, *, cfg: ModelConfig):
+    """Jitted `llama.decode` (one step of T tokens) with the cache donated."""
+    return llama.decode(params, cfg, method, tokens, cache, state)

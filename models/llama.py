@@ -1,0 +1,193 @@
+"""The Llama-family decoder as pure functions over a stacked-layer params pytree.
+
+Both entry points run one `jax.lax.scan` over layers. The scan carry holds the hidden state, the KV cache and
+the attention method's selection state; its `xs` are the layer's params, the layer index and the method's
+per-layer info. Dtype policy: weights and activations in the params' dtype (bf16 or f32), matmuls accumulate
+in f32, RMSNorm, RoPE, softmax and logits in f32.
+
+  prefill(params, cfg, method, tokens, lengths, cache, state) -> (logits, cache, state)
+  decode(params, cfg, method, tokens, cache, state) -> (logits, cache, state)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.attention import LayerContext, LayerKV
+from models.cache import KVCache
+from models.config import ModelConfig
+from models.params import LayerParams, Params
+
+Array = jax.Array
+F32 = jnp.float32
+
+
+# ----------------------------------------------------------------------------------------------- pieces
+
+
+def rms_norm(x: Array, weight: Array, eps: float) -> Array:
+    """RMSNorm computed in f32, returned in x's dtype."""
+    xf = x.astype(F32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * weight.astype(F32)).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """f32[D/2] rotary inverse frequencies, with llama3 / linear scaling applied."""
+    r, d = cfg.rope, cfg.head_dim
+    inv_freq = 1.0 / (r.theta ** (np.arange(0, d, 2, dtype=np.float32) / d))
+    if r.rope_type == "linear":
+        inv_freq = inv_freq / r.factor
+    elif r.rope_type == "llama3":
+        low_wavelen = r.original_max_position / r.low_freq_factor
+        high_wavelen = r.original_max_position / r.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / r.factor, inv_freq)
+        smooth = (r.original_max_position / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / r.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
+    """Rotary embedding, rotate-half convention (as transformers). x: [B, T, H, D]; positions: i32[B, T]."""
+    freqs = positions.astype(F32)[..., None] * inv_freq  # [B, T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, D]
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    xf = x.astype(F32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+def _dense(x: Array, w: Array, spec: str, bias: Array | None = None) -> Array:
+    y = jnp.einsum(spec, x, w, preferred_element_type=F32)
+    if bias is not None:
+        y = y + bias.astype(F32)
+    return y.astype(x.dtype)
+
+
+def qkv_projection(cfg: ModelConfig, lp: LayerParams, h: Array, positions: Array, inv_freq: Array):
+    """h: [B, T, E] (normed) -> q: [B, T, Hq, D], k, v: [B, T, Hkv, D], RoPE applied to q and k."""
+    q = _dense(h, lp.wq, "bte,ehd->bthd", lp.bq)
+    k = _dense(h, lp.wk, "bte,ehd->bthd", lp.bk)
+    v = _dense(h, lp.wv, "bte,ehd->bthd", lp.bv)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def mlp(cfg: ModelConfig, lp: LayerParams, x: Array) -> Array:
+    h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+    gate = _dense(h, lp.w_gate, "bte,ef->btf", lp.b_gate)
+    up = _dense(h, lp.w_up, "bte,ef->btf", lp.b_up)
+    act = (jax.nn.silu(gate.astype(F32)) * up.astype(F32)).astype(x.dtype)
+    return _dense(act, lp.w_down, "btf,fe->bte", lp.b_down)
+
+
+def embed(params: Params, tokens: Array) -> Array:
+    return jnp.take(params.embed, tokens, axis=0)
+
+
+def lm_logits(cfg: ModelConfig, params: Params, x: Array) -> Array:
+    """x: [B, T, E] (last hidden state, before the final norm) -> f32[B, T, V]."""
+    h = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    if params.lm_head is None:
+        return jnp.einsum("bte,ve->btv", h, params.embed, preferred_element_type=F32)
+    return jnp.einsum("bte,ev->btv", h, params.lm_head, preferred_element_type=F32)
+
+
+def _layer_xs(cfg: ModelConfig, params: Params, method) -> tuple:
+    info = method.layer_info(cfg)
+    return params.layers, jnp.arange(cfg.num_layers, dtype=jnp.int32), info
+
+
+def _write_prefill(cache_k: Array, layer: Array, k: Array) -> Array:
+    """Writes k: [B, T, Hkv, D] into cache_k: [L, B, Hkv, N, D] at positions 0..T-1 of `layer`."""
+    upd = jnp.swapaxes(k, 1, 2)[None].astype(cache_k.dtype)  # [1, B, Hkv, T, D]
+    return jax.lax.dynamic_update_slice(cache_k, upd, (layer, 0, 0, 0, 0))
+
+
+def _write_decode(cache_k: Array, layer: Array, positions: Array, k: Array) -> Array:
+    """Scatters k: [B, T, Hkv, D] into cache_k[layer, b, :, positions[b, t]]."""
+    b = jnp.arange(k.shape[0])[:, None]
+    return cache_k.at[layer, b, :, positions].set(k.astype(cache_k.dtype), mode="drop")
+
+
+# ----------------------------------------------------------------------------------------------- forward
+
+
+def prefill(params: Params, cfg: ModelConfig, method, tokens: Array, lengths: Array, cache: KVCache,
+            state: Any, *, all_logits: bool = False, return_hidden: bool = False):
+    """Runs the prompt through the model and fills the cache from position 0.
+
+    Args:
+      tokens: i32[B, T] right-padded prompts; lengths: i32[B] their lengths (1 <= lengths <= T).
+      cache: an empty KVCache with capacity >= T; state: method.init_state(...).
+      all_logits: return f32[B, T, V] (for perplexity) instead of f32[B, V] at each row's last token.
+      return_hidden: also return the per-layer residual inputs [L+1, B, T, E] (for calibration).
+
+    Returns:
+      (logits, cache with lengths set, state) (+ hidden states when asked).
+    """
+    B, T = tokens.shape
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    x = embed(params, tokens)
+
+    def layer_fn(carry, xs):
+        x, ck, cv, state = carry
+        lp, layer, info = xs
+        h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+        q, k, v = qkv_projection(cfg, lp, h, positions, inv_freq)
+        ck = _write_prefill(ck, layer, k)
+        cv = _write_prefill(cv, layer, v)
+        ctx = LayerContext(layer=layer, lengths=lengths, info=info, hidden=h)
+        attn, state = method.prefill(ctx, q, k, v, state)
+        x_attn = x + _dense(attn.astype(x.dtype), lp.wo, "bthd,hde->bte", lp.bo)
+        x_out = x_attn + mlp(cfg, lp, x_attn)
+        return (x_out, ck, cv, state), (x if return_hidden else None)
+
+    (x, ck, cv, state), hidden = jax.lax.scan(
+        layer_fn, (x, cache.k, cache.v, state), _layer_xs(cfg, params, method))
+    cache = KVCache(k=ck, v=cv, lengths=lengths.astype(jnp.int32))
+    if not all_logits:
+        x = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [B, 1, E]
+        logits = lm_logits(cfg, params, x)[:, 0]
+    else:
+        logits = lm_logits(cfg, params, x)
+    if return_hidden:
+        return logits, cache, state, jnp.concatenate([hidden, x[None]], axis=0)
+    return logits, cache, state
+
+
+def decode(params: Params, cfg: ModelConfig, method, tokens: Array, cache: KVCache, state: Any):
+    """Appends tokens: i32[B, T] (T >= 1) at each row's cache length and returns f32[B, T, V] logits."""
+    B, T = tokens.shape
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    lengths = cache.lengths + T
+    x = embed(params, tokens)
+
+    def layer_fn(carry, xs):
+        x, ck, cv, state = carry
+        lp, layer, info = xs
+        h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+        q, k, v = qkv_projection(cfg, lp, h, positions, inv_freq)
+        ck = _write_decode(ck, layer, positions, k)
+        cv = _write_decode(cv, layer, positions, v)
+        ctx = LayerContext(layer=layer, lengths=lengths, info=info, hidden=h)
+        attn, state = method.decode(ctx, q, LayerKV(k=ck[layer], v=cv[layer]), state)
+        x_attn = x + _dense(attn.astype(x.dtype), lp.wo, "bthd,hde->bte", lp.bo)
+        return (x_attn + mlp(cfg, lp, x_attn), ck, cv, state), None
+
+    (x, ck, cv, state), _ = jax.lax.scan(layer_fn, (x, cache.k, cache.v, state),
+                                         _layer_xs(cfg, params, method))
+    return lm_logits(cfg, params, x), KVCache(k=ck, v=cv, lengths=lengths), state

@@ -1,0 +1,138 @@
+"""Parameter pytrees of the Llama-family decoder, with the layers stacked on a leading axis.
+
+Layout (E = hidden, F = intermediate, L = layers, Hq / Hkv = query / KV heads, D = head_dim, V = vocab):
+
+  embed        [V, E]
+  layers.attn_norm [L, E]      layers.mlp_norm [L, E]
+  layers.wq    [L, E, Hq, D]   layers.bq [L, Hq, D]   (Qwen2; None otherwise)
+  layers.wk    [L, E, Hkv, D]  layers.bk [L, Hkv, D]
+  layers.wv    [L, E, Hkv, D]  layers.bv [L, Hkv, D]
+  layers.wo    [L, Hq, D, E]   layers.bo [L, E]       (Llama attention_bias; None otherwise)
+  layers.q_norm / k_norm [L, D]                        (Qwen3; None otherwise)
+  layers.w_gate, w_up [L, E, F]   layers.w_down [L, F, E]   (+ b_gate/b_up [L, F], b_down [L, E] with mlp_bias)
+  final_norm   [E]
+  lm_head      [E, V]   (None when the embedding is tied)
+
+`param_axes` gives the same tree with logical axis names (heads, kv_heads, embed, mlp, vocab, layers,
+head_dim, norm) so params can be laid on a mesh with `flax.linen.logical_to_mesh_sharding`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from models.config import ModelConfig
+
+Array = jax.Array
+
+
+@struct.dataclass
+class LayerParams:
+    attn_norm: Array
+    wq: Array
+    wk: Array
+    wv: Array
+    wo: Array
+    mlp_norm: Array
+    w_gate: Array
+    w_up: Array
+    w_down: Array
+    bq: Optional[Array] = None
+    bk: Optional[Array] = None
+    bv: Optional[Array] = None
+    bo: Optional[Array] = None
+    q_norm: Optional[Array] = None
+    k_norm: Optional[Array] = None
+    b_gate: Optional[Array] = None
+    b_up: Optional[Array] = None
+    b_down: Optional[Array] = None
+
+
+@struct.dataclass
+class Params:
+    embed: Array
+    layers: LayerParams
+    final_norm: Array
+    lm_head: Optional[Array] = None
+
+
+def expected_shapes(cfg: ModelConfig) -> Params:
+    """The tree of shapes (tuples) every converter must produce for `cfg`; absent tensors are None."""
+    L, E, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+    Hq, Hkv, D, V = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
+    opt = lambda cond, shape: shape if cond else None  # noqa: E731
+    layers = LayerParams(
+        attn_norm=(L, E), wq=(L, E, Hq, D), wk=(L, E, Hkv, D), wv=(L, E, Hkv, D), wo=(L, Hq, D, E),
+        mlp_norm=(L, E), w_gate=(L, E, F), w_up=(L, E, F), w_down=(L, F, E),
+        bq=opt(cfg.qkv_bias, (L, Hq, D)), bk=opt(cfg.qkv_bias, (L, Hkv, D)), bv=opt(cfg.qkv_bias, (L, Hkv, D)),
+        bo=opt(cfg.o_bias, (L, E)), q_norm=opt(cfg.qk_norm, (L, D)), k_norm=opt(cfg.qk_norm, (L, D)),
+        b_gate=opt(cfg.mlp_bias, (L, F)), b_up=opt(cfg.mlp_bias, (L, F)), b_down=opt(cfg.mlp_bias, (L, E)),
+    )
+    return Params(embed=(V, E), layers=layers, final_norm=(E,),
+                  lm_head=None if cfg.tie_word_embeddings else (E, V))
+
+
+def param_axes(cfg: ModelConfig) -> Params:
+    """Logical axis names for every parameter (same tree as `Params`)."""
+    opt = lambda cond, axes: axes if cond else None  # noqa: E731
+    layers = LayerParams(
+        attn_norm=("layers", "norm"), mlp_norm=("layers", "norm"),
+        wq=("layers", "embed", "heads", "head_dim"), wk=("layers", "embed", "kv_heads", "head_dim"),
+        wv=("layers", "embed", "kv_heads", "head_dim"), wo=("layers", "heads", "head_dim", "embed"),
+        w_gate=("layers", "embed", "mlp"), w_up=("layers", "embed", "mlp"), w_down=("layers", "mlp", "embed"),
+        bq=opt(cfg.qkv_bias, ("layers", "heads", "head_dim")),
+        bk=opt(cfg.qkv_bias, ("layers", "kv_heads", "head_dim")),
+        bv=opt(cfg.qkv_bias, ("layers", "kv_heads", "head_dim")),
+        bo=opt(cfg.o_bias, ("layers", "embed")),
+        q_norm=opt(cfg.qk_norm, ("layers", "head_dim")), k_norm=opt(cfg.qk_norm, ("layers", "head_dim")),
+        b_gate=opt(cfg.mlp_bias, ("layers", "mlp")), b_up=opt(cfg.mlp_bias, ("layers", "mlp")),
+        b_down=opt(cfg.mlp_bias, ("layers", "embed")),
+    )
+    return Params(embed=("vocab", "embed"), layers=layers, final_norm=("norm",),
+                  lm_head=None if cfg.tie_word_embeddings else ("embed", "vocab"))
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
+
+
+def check_shapes(cfg: ModelConfig, params: Params, source: str = "checkpoint") -> None:
+    """Raises ValueError naming the first tensor whose shape disagrees with `cfg`."""
+    want = jax.tree_util.tree_leaves_with_path(expected_shapes(cfg), is_leaf=_is_shape)
+    got = dict(jax.tree_util.tree_leaves_with_path(params))
+    for path, shape in want:
+        name = jax.tree_util.keystr(path)
+        if path not in got:
+            raise ValueError(f"{source}: tensor {name} is missing (expected shape {shape})")
+        if tuple(got[path].shape) != shape:
+            raise ValueError(f"{source}: tensor {name} has shape {tuple(got[path].shape)}, but the config "
+                             f"implies {shape}")
+
+
+def random_params(cfg: ModelConfig, key: Array, dtype=jnp.bfloat16, scale: float = 0.02) -> Params:
+    """Random weights of the right shapes (for benchmarks and tests); norms are ones."""
+    shapes = expected_shapes(cfg)
+    leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=_is_shape)
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for (path, shape), k in zip(jax.tree_util.tree_leaves_with_path(shapes, is_leaf=_is_shape), keys):
+        name = jax.tree_util.keystr(path)
+        if "norm" in name:
+            out.append(jnp.ones(shape, dtype))
+        else:
+            out.append((scale * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def cast(params: Params, dtype) -> Params:
+    """Casts every floating leaf to `dtype`."""
+    return jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), params)
+
+
+def to_numpy(params: Params) -> Params:
+    return jax.tree_util.tree_map(np.asarray, params)
