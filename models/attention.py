@@ -18,6 +18,12 @@ and once per forward (outside the scan)
 
   method.init_state(cfg, batch, max_len) -> state pytree (carried through the layer scan and the decode loop)
   method.layer_info(cfg) -> pytree whose leaves have a leading axis of length L (the scan's `xs`), or None.
+  method.start(cfg, state, phase, batch, q_len) -> state   (optional; phase is "prefill" or "decode")
+  method.finish(state, phase) -> state                     (optional)
+
+`start` and `finish` bracket one forward: a method whose layers hand data to later layers (Kascade's anchor
+indices, EvoSparse's retrieval set) adds a buffer shaped for this forward's queries in `start` and drops it in
+`finish`, so the state that crosses decode steps keeps one structure.
 """
 
 from __future__ import annotations
@@ -64,3 +70,14 @@ class AttentionMethod(Protocol):
     def prefill(self, ctx: LayerContext, q: Array, k: Array, v: Array, state: Any) -> tuple[Array, Any]: ...
 
     def decode(self, ctx: LayerContext, q: Array, cache: LayerKV, state: Any) -> tuple[Array, Any]: ...
+
+
+def start(method, cfg, state, phase: str, batch: int, q_len: int):
+    """Calls `method.start` when the method defines it."""
+    fn = getattr(method, "start", None)
+    return state if fn is None else fn(cfg, state, phase, batch, q_len)
+
+
+def finish(method, state, phase: str):
+    fn = getattr(method, "finish", None)
+    return state if fn is None else fn(state, phase)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.attention import LayerContext, LayerKV
+from models.attention import LayerContext, LayerKV, finish, start
 from models.cache import KVCache
 from models.config import ModelConfig
 from models.params import LayerParams, Params
@@ -132,10 +132,11 @@ def prefill(params: Params, cfg: ModelConfig, method, tokens: Array, lengths: Ar
       tokens: i32[B, T] right-padded prompts; lengths: i32[B] their lengths (1 <= lengths <= T).
       cache: an empty KVCache with capacity >= T; state: method.init_state(...).
       all_logits: return f32[B, T, V] (for perplexity) instead of f32[B, V] at each row's last token.
-      return_hidden: also return the per-layer residual inputs [L+1, B, T, E] (for calibration).
+      return_hidden: also return (inputs, after_attn): each layer's residual input and its residual after the
+        attention block (x + attn(x)), both [L, B, T, E] (for calibration).
 
     Returns:
-      (logits, cache with lengths set, state) (+ hidden states when asked).
+      (logits, cache with lengths set, state) (+ (inputs, after_attn) when asked).
     """
     B, T = tokens.shape
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
@@ -153,10 +154,12 @@ def prefill(params: Params, cfg: ModelConfig, method, tokens: Array, lengths: Ar
         attn, state = method.prefill(ctx, q, k, v, state)
         x_attn = x + _dense(attn.astype(x.dtype), lp.wo, "bthd,hde->bte", lp.bo)
         x_out = x_attn + mlp(cfg, lp, x_attn)
-        return (x_out, ck, cv, state), (x if return_hidden else None)
+        return (x_out, ck, cv, state), ((x, x_attn) if return_hidden else None)
 
+    state = start(method, cfg, state, "prefill", B, T)
     (x, ck, cv, state), hidden = jax.lax.scan(
         layer_fn, (x, cache.k, cache.v, state), _layer_xs(cfg, params, method))
+    state = finish(method, state, "prefill")
     cache = KVCache(k=ck, v=cv, lengths=lengths.astype(jnp.int32))
     if not all_logits:
         x = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [B, 1, E]
@@ -164,7 +167,7 @@ def prefill(params: Params, cfg: ModelConfig, method, tokens: Array, lengths: Ar
     else:
         logits = lm_logits(cfg, params, x)
     if return_hidden:
-        return logits, cache, state, jnp.concatenate([hidden, x[None]], axis=0)
+        return logits, cache, state, hidden
     return logits, cache, state
 
 
@@ -188,6 +191,8 @@ def decode(params: Params, cfg: ModelConfig, method, tokens: Array, cache: KVCac
         x_attn = x + _dense(attn.astype(x.dtype), lp.wo, "bthd,hde->bte", lp.bo)
         return (x_attn + mlp(cfg, lp, x_attn), ck, cv, state), None
 
+    state = start(method, cfg, state, "decode", B, T)
     (x, ck, cv, state), _ = jax.lax.scan(layer_fn, (x, cache.k, cache.v, state),
                                          _layer_xs(cfg, params, method))
+    state = finish(method, state, "decode")
     return lm_logits(cfg, params, x), KVCache(k=ck, v=cv, lengths=lengths), state

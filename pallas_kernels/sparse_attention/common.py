@@ -1,0 +1,109 @@
+"""Argument checks and small helpers shared by every implementation of the gathered sparse-attention ops.
+
+Shapes are static under `jax.jit`, so every check here runs at trace time and raises `ValueError` naming the
+bad value and the valid range. Values inside arrays (indices, lengths) cannot be checked under tracing; their
+contract is documented in `reference.py` and every implementation masks rather than trusts them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def default_scale(head_dim: int, scale: float | None) -> float:
+    """The softmax scale: `scale` if given, else 1 / sqrt(head_dim)."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    scale = float(scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale={scale}: expected a finite positive number (or None for 1/sqrt(D))")
+    return scale
+
+
+def _check_int_array(name: str, x: Array, shape: tuple[int, ...]) -> None:
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name} has dtype {x.dtype}: expected an integer dtype (int32)")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(x.shape)}: expected {tuple(shape)}")
+
+
+def _check_heads(hq: int, hkv: int) -> None:
+    if hkv <= 0 or hq % hkv:
+        raise ValueError(f"Hq={hq} query heads is not a multiple of Hkv={hkv} KV heads (GQA needs Hq % Hkv == 0)")
+
+
+def _check_block_size(block_size: int) -> None:
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size={block_size!r}: expected an int >= 1 (tokens per index entry)")
+
+
+def check_decode_args(q: Array, k: Array, v: Array, indices: Array, lengths: Array, block_size: int) -> None:
+    """Validates the shapes of a `sparse_decode` call (see `reference.sparse_decode_reference`)."""
+    if q.ndim != 4:
+        raise ValueError(f"q has shape {tuple(q.shape)}: expected [B, T, Hq, D]")
+    B, T, Hq, D = q.shape
+    if k.ndim != 4 or k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k has shape {tuple(k.shape)}: expected a head-major cache [B={B}, Hkv, N, D={D}]")
+    if v.shape != k.shape:
+        raise ValueError(f"v has shape {tuple(v.shape)}: expected the shape of k, {tuple(k.shape)}")
+    Hkv, N = k.shape[1], k.shape[2]
+    _check_heads(Hq, Hkv)
+    _check_block_size(block_size)
+    if N % block_size:
+        raise ValueError(f"cache length N={N} is not a multiple of block_size={block_size}")
+    if T < 1 or T > N:
+        raise ValueError(f"T={T} new tokens: expected 1 <= T <= N={N}")
+    if indices.ndim != 4 or indices.shape[:3] != (B, Hkv, T) or indices.shape[3] < 1:
+        raise ValueError(f"indices has shape {tuple(indices.shape)}: expected [B={B}, Hkv={Hkv}, T={T}, K>=1]")
+    _check_int_array("indices", indices, indices.shape)
+    _check_int_array("lengths", lengths, (B,))
+
+
+def check_prefill_args(q: Array, k: Array, v: Array, indices: Array, lengths: Array, tile: int,
+                       block_size: int) -> None:
+    """Validates the shapes of a `sparse_prefill` call (see `reference.sparse_prefill_reference`)."""
+    if q.ndim != 4:
+        raise ValueError(f"q has shape {tuple(q.shape)}: expected [B, T, Hq, D]")
+    B, T, Hq, D = q.shape
+    if k.ndim != 4 or k.shape[0] != B or k.shape[1] != T or k.shape[3] != D:
+        raise ValueError(f"k has shape {tuple(k.shape)}: expected [B={B}, T={T}, Hkv, D={D}]")
+    if v.shape != k.shape:
+        raise ValueError(f"v has shape {tuple(v.shape)}: expected the shape of k, {tuple(k.shape)}")
+    Hkv = k.shape[2]
+    _check_heads(Hq, Hkv)
+    _check_block_size(block_size)
+    if not isinstance(tile, int) or tile < 1:
+        raise ValueError(f"tile={tile!r}: expected an int >= 1 (query rows per index row)")
+    if tile % block_size:
+        raise ValueError(f"tile={tile} is not a multiple of block_size={block_size}: a query tile must hold "
+                         f"whole blocks")
+    n_tiles = -(-T // tile)
+    if indices.ndim != 4 or indices.shape[:3] != (B, Hkv, n_tiles) or indices.shape[3] < 1:
+        raise ValueError(f"indices has shape {tuple(indices.shape)}: expected [B={B}, Hkv={Hkv}, "
+                         f"ceil(T/tile)={n_tiles}, K>=1]")
+    _check_int_array("indices", indices, indices.shape)
+    _check_int_array("lengths", lengths, (B,))
+
+
+def block_token_positions(indices: Array, block_size: int) -> Array:
+    """Expands block indices to token positions.
+
+    Args:
+      indices: int[..., K] block indices, -1 padded.
+      block_size: tokens per block.
+
+    Returns:
+      int32[..., K * block_size]: entry j's tokens j*bs .. j*bs + bs - 1, in order; a -1 entry gives
+      negative positions (every one of them < 0), so `>= 0` tells the real tokens.
+    """
+    indices = indices.astype(jnp.int32)
+    if block_size == 1:
+        return indices
+    offsets = jnp.arange(block_size, dtype=jnp.int32)
+    tok = jnp.where(indices[..., None] >= 0, indices[..., None] * block_size + offsets, -1)
+    return tok.reshape(*indices.shape[:-1], indices.shape[-1] * block_size)

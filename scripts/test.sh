@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The test command: set up .venv (Python 3.12, jax 0.11.2, torch CPU for parity tests) and run the suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh --test
+export JAX_PLATFORMS=cpu
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@"
