@@ -1,0 +1,1 @@
+"""Gathered sparse attention (decode and tile-gathered prefill): reference, XLA, Pallas GPU and TPU kernels."""

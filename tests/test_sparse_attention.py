@@ -1,0 +1,147 @@
+"""Gathered sparse attention: references vs brute force, XLA / Pallas GPU / Pallas TPU (interpret) vs references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.sparse_attention import reference as ref
+from pallas_kernels.sparse_attention.testing import random_decode_indices, random_prefill_indices
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def assert_close(got, want, dtype, what=""):
+    got = np.asarray(jnp.asarray(got, jnp.float32))
+    want = np.asarray(jnp.asarray(want, jnp.float32))
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert np.all(np.isfinite(got)), f"{what}: non-finite output"
+    tol = TOL[dtype]
+    scale = max(1.0, float(np.max(np.abs(want))))
+    err = float(np.max(np.abs(got - want)))
+    assert err <= tol * scale * 4, f"{what}: max abs err {err:.3g} > {tol * scale * 4:.3g}"
+
+
+def randn(rng, shape, dtype):
+    return jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
+
+
+def decode_inputs(seed, B, T, Hq, Hkv, D, N, K, lengths, block_size, dtype, fill=0.8):
+    rng = np.random.default_rng(seed)
+    q = randn(rng, (B, T, Hq, D), dtype)
+    k = randn(rng, (B, Hkv, N, D), dtype)
+    v = randn(rng, (B, Hkv, N, D), dtype)
+    lengths = np.asarray(lengths, np.int32)
+    idx = random_decode_indices(rng, lengths, Hkv, T, K, block_size=block_size, fill=fill)
+    return q, k, v, jnp.asarray(idx), jnp.asarray(lengths)
+
+
+def prefill_inputs(seed, B, T, Hq, Hkv, D, K, lengths, tile, block_size, dtype, fill=0.8):
+    rng = np.random.default_rng(seed)
+    q = randn(rng, (B, T, Hq, D), dtype)
+    k = randn(rng, (B, T, Hkv, D), dtype)
+    v = randn(rng, (B, T, Hkv, D), dtype)
+    idx = random_prefill_indices(rng, T, Hkv, B, K, tile=tile, block_size=block_size, fill=fill)
+    return q, k, v, jnp.asarray(idx), jnp.asarray(np.asarray(lengths, np.int32))
+
+
+# (B, T, Hq, Hkv, D, N, K, lengths, block_size)
+DECODE_CASES = [
+    (2, 1, 4, 2, 16, 64, 12, [37, 64], 1),
+    (1, 3, 6, 2, 32, 96, 20, [51], 1),
+    (2, 1, 4, 1, 16, 128, 4, [33, 128], 16),
+    (2, 2, 8, 2, 16, 160, 5, [97, 20], 16),
+]
+# (B, T, Hq, Hkv, D, K, lengths, tile, block_size)
+PREFILL_CASES = [
+    (2, 45, 4, 2, 16, 10, [45, 30], 8, 1),
+    (1, 64, 2, 1, 32, 3, [61], 16, 16),
+    (2, 40, 6, 3, 16, 2, [40, 23], 16, 8),
+]
+
+
+# --------------------------------------------------------------------------------------------------
+# The references against a brute-force dense masked softmax.
+
+
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_decode_reference_equals_masked_dense(case):
+    B, T, Hq, Hkv, D, N, K, lengths, bs = case
+    q, k, v, idx, lens = decode_inputs(0, B, T, Hq, Hkv, D, N, K, lengths, bs, jnp.float32)
+    out, lse = ref.sparse_decode_reference(q, k, v, idx, lens, block_size=bs, return_lse=True)
+    mask = ref.indices_to_mask(idx, lens, N, block_size=bs)
+    want, want_lse = ref.masked_attention_reference(q, k, v, mask, return_lse=True)
+    assert_close(out, want, jnp.float32, "decode ref vs masked")
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
+    assert mask.any(-1).all(), "every test row should attend to something"
+    assert (~mask).any(), "the mask must drop keys"
+
+
+def test_decode_reference_semantics_by_hand():
+    # One row, one head, N = 8, length 6, T = 1: index 7 lies past the length and index 5 is the query
+    # itself; -1 is padding. The output must be the softmax over keys {1, 5} only.
+    D = 4
+    q = jax.random.normal(jax.random.key(1), (1, 1, 1, D))
+    k = jax.random.normal(jax.random.key(2), (1, 1, 8, D))
+    v = jax.random.normal(jax.random.key(3), (1, 1, 8, D))
+    idx = jnp.array([[[[1, 5, 7, -1]]]], jnp.int32)
+    out, lse = ref.sparse_decode_reference(q, k, v, idx, jnp.array([6]), return_lse=True)
+    s = (k[0, 0, jnp.array([1, 5])] @ q[0, 0, 0]) / 2.0
+    p = jax.nn.softmax(s)
+    np.testing.assert_allclose(out[0, 0, 0], p @ v[0, 0, jnp.array([1, 5])], rtol=1e-5)
+    np.testing.assert_allclose(lse[0, 0, 0], jax.nn.logsumexp(s), rtol=1e-5)
+    # Probability recovery from lse, as methods use it.
+    np.testing.assert_allclose(jnp.exp(s - lse[0, 0, 0]), p, rtol=1e-5)
+
+
+def test_decode_reference_empty_row_is_zero():
+    q, k, v, idx, lens = decode_inputs(3, 2, 1, 4, 2, 16, 32, 4, [20, 32], 1, jnp.float32)
+    idx = idx.at[0, 1].set(-1).at[1, 0].set(jnp.array([[31 + 1, -1, -1, -1]]))  # all padding / out of range
+    out, lse = ref.sparse_decode_reference(q, k, v, idx, lens, return_lse=True)
+    assert np.all(np.asarray(out[0, 0, 2:]) == 0) and np.all(np.asarray(out[1, 0, :2]) == 0)
+    assert np.all(np.isneginf(np.asarray(lse[0, 0, 2:]))) and np.all(np.asarray(out[0, 0, :2]) != 0)
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_prefill_reference_equals_masked_dense(case):
+    B, T, Hq, Hkv, D, K, lengths, tile, bs = case
+    q, k, v, idx, lens = prefill_inputs(1, B, T, Hq, Hkv, D, K, lengths, tile, bs, jnp.float32)
+    out = ref.sparse_prefill_reference(q, k, v, idx, lens, tile=tile, block_size=bs)
+    mask = ref.indices_to_mask(idx, lens, T, block_size=bs, tile=tile)
+    want = ref.masked_attention_reference(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask)
+    assert_close(out, want, jnp.float32, "prefill ref vs masked")
+    # Padding rows are zero; the diagonal is always there, so every valid row attends to something.
+    for b, n in enumerate(lengths):
+        assert np.all(np.asarray(out[b, n:]) == 0)
+        assert np.asarray(mask[b, :, :n].any(-1)).all()
+
+
+def test_prefill_full_selection_equals_causal_dense():
+    B, T, H, D, tile = 1, 40, 2, 16, 8
+    ks = jax.random.split(jax.random.key(5), 3)
+    q, k, v = (jax.random.normal(s, (B, T, H, D)) for s in ks)
+    nt = T // tile
+    idx = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, H, nt, T))  # everything (later ones ignored)
+    out = ref.sparse_prefill_reference(q, k, v, idx, jnp.array([T]), tile=tile)
+    want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    assert_close(out, want, jnp.float32, "full selection vs causal")
+
+
+def test_reference_errors_name_bad_values():
+    q, k, v, idx, lens = decode_inputs(0, 1, 1, 4, 2, 16, 64, 4, [40], 1, jnp.float32)
+    with pytest.raises(ValueError, match="block_size=3"):
+        ref.sparse_decode_reference(q, k, v, idx, lens, block_size=3)
+    with pytest.raises(ValueError, match="Hq=4 .* Hkv=3"):
+        ref.sparse_decode_reference(q, k[:, :1].repeat(3, 1), v[:, :1].repeat(3, 1), idx, lens)
+    with pytest.raises(ValueError, match="indices has shape"):
+        ref.sparse_decode_reference(q, k, v, idx[:, :1], lens)
+    with pytest.raises(ValueError, match="float32"):
+        ref.sparse_decode_reference(q, k, v, idx.astype(jnp.float32), lens)
+    qp, kp, vp, idxp, lensp = prefill_inputs(0, 1, 32, 4, 2, 16, 4, [32], 16, 1, jnp.float32)
+    with pytest.raises(ValueError, match="tile=12 is not a multiple of block_size=8"):
+        ref.sparse_prefill_reference(qp, kp, vp, idxp, lensp, tile=12, block_size=8)
+    with pytest.raises(ValueError, match="scale=-1"):
+        ref.sparse_prefill_reference(qp, kp, vp, idxp, lensp, tile=16, scale=-1.0)
