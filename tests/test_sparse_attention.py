@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.sparse_attention import reference as ref
+from pallas_kernels.sparse_attention.xla import sparse_decode_xla, sparse_prefill_xla
 from pallas_kernels.sparse_attention.testing import random_decode_indices, random_prefill_indices
 
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
 
 def assert_close(got, want, dtype, what=""):
@@ -19,10 +20,10 @@ def assert_close(got, want, dtype, what=""):
     want = np.asarray(jnp.asarray(want, jnp.float32))
     assert got.shape == want.shape, (got.shape, want.shape)
     assert np.all(np.isfinite(got)), f"{what}: non-finite output"
-    tol = TOL[dtype]
-    scale = max(1.0, float(np.max(np.abs(want))))
+    # Error relative to the output's magnitude (outputs are convex mixes of unit-normal values).
+    tol = TOL[dtype] * max(1.0, float(np.max(np.abs(want))))
     err = float(np.max(np.abs(got - want)))
-    assert err <= tol * scale * 4, f"{what}: max abs err {err:.3g} > {tol * scale * 4:.3g}"
+    assert err <= tol, f"{what}: max abs err {err:.3g} > {tol:.3g}"
 
 
 def randn(rng, shape, dtype):
@@ -145,3 +146,31 @@ def test_reference_errors_name_bad_values():
         ref.sparse_prefill_reference(qp, kp, vp, idxp, lensp, tile=12, block_size=8)
     with pytest.raises(ValueError, match="scale=-1"):
         ref.sparse_prefill_reference(qp, kp, vp, idxp, lensp, tile=16, scale=-1.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# XLA implementations against the references.
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_decode_xla_matches_reference(case, dtype):
+    B, T, Hq, Hkv, D, N, K, lengths, bs = case
+    q, k, v, idx, lens = decode_inputs(2, B, T, Hq, Hkv, D, N, K, lengths, bs, dtype)
+    out, lse = sparse_decode_xla(q, k, v, idx, lens, block_size=bs, return_lse=True)
+    want, want_lse = ref.sparse_decode_reference(q, k, v, idx, lens, block_size=bs, return_lse=True)
+    assert out.dtype == dtype and lse.dtype == jnp.float32
+    assert_close(out, want, dtype, "decode xla")
+    assert_close(lse, want_lse, dtype, "decode xla lse")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_prefill_xla_matches_reference(case, dtype):
+    B, T, Hq, Hkv, D, K, lengths, tile, bs = case
+    q, k, v, idx, lens = prefill_inputs(3, B, T, Hq, Hkv, D, K, lengths, tile, bs, dtype)
+    want = ref.sparse_prefill_reference(q, k, v, idx, lens, tile=tile, block_size=bs)
+    # The first case also runs chunked over tiles (a tiny chunk budget: one tile per lax.map step).
+    chunk = 1 if case is PREFILL_CASES[0] else 1 << 30
+    got = sparse_prefill_xla(q, k, v, idx, lens, tile=tile, block_size=bs, max_chunk_bytes=chunk)
+    assert_close(got, want, dtype, "prefill xla")
