@@ -30,6 +30,37 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    import json
+    import os
+
+    import numpy as np
+    from tqdm import tqdm
+
+    import jsparse
+    from eval.ppl import DEFAULT_CORPUS, make_windows, read_corpus, tokenize_corpus
+    from jsparse.artifacts import save_artifact
+    from jsparse.methods import kascade_calibration
+
+    if args.method != "kascade":
+        raise ValueError(f"calibrate {args.method!r}: expected one of ['kascade']")
+    model = jsparse.load(args.model, args.dtype)
+    if not 1 <= args.anchors <= model.cfg.num_layers:
+        raise ValueError(f"--anchors {args.anchors}: expected between 1 and the model's {model.cfg.num_layers} layers")
+    corpus = args.corpus or [DEFAULT_CORPUS]
+    ids = np.concatenate([tokenize_corpus(model.tokenizer, read_corpus(path)) for path in corpus])
+    chunks = make_windows(model.tokenizer, ids, args.length, args.samples, args.seed)
+    with tqdm(total=len(chunks), desc="calibrating kascade") as bar:
+        art = kascade_calibration.calibrate(
+            model.params, model.cfg, (np.asarray(c)[None] for c in chunks), num_anchors=args.anchors,
+            budget=args.budget, tile=args.tile, fingerprint=jsparse.fingerprint(model), model_name=model.name,
+            progress=bar.update)
+    art.meta.update({"corpus": [os.path.abspath(c) for c in corpus], "length": args.length})
+    save_artifact(args.out, art)
+    print(json.dumps({"out": args.out, "anchors": art.meta["anchors"], "objective": art.meta["objective"]}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jsparse.methods import method_names
 
@@ -51,6 +82,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
     g.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling (default 0)")
     g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("calibrate", help="calibrate a method on development text (writes an artifact folder)",
+                       description="Calibrate a method on development text. The artifact is keyed to the model's "
+                                   "fingerprint; loading it for another model is an error.")
+    c.add_argument("method", choices=["kascade"], help="the method to calibrate")
+    _add_model_args(c)
+    c.add_argument("--out", required=True, help="artifact folder to write")
+    c.add_argument("--anchors", type=int, default=5, help="Kascade: anchor layers, layer 0 included (default 5)")
+    c.add_argument("--budget", type=float, default=0.1, help="kept fraction of the keys in (0, 1] (default 0.1)")
+    c.add_argument("--tile", type=int, default=32, help="Kascade: query rows pooled per tile (default 32)")
+    c.add_argument("--corpus", nargs="+", default=None,
+                   help="text files to cut development prompts from (default: the corpus bundled in eval/data)")
+    c.add_argument("--length", type=int, default=2048, help="tokens per development prompt (default 2048)")
+    c.add_argument("--samples", type=int, default=4, help="development prompts (default 4)")
+    c.add_argument("--seed", type=int, default=0, help="seed for choosing the prompts (default 0)")
+    c.set_defaults(func=cmd_calibrate)
     return parser
 
 

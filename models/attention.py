@@ -18,7 +18,8 @@ and once per forward (outside the scan)
 
   method.init_state(cfg, batch, max_len) -> state pytree (carried through the layer scan and the decode loop)
   method.layer_info(cfg) -> pytree whose leaves have a leading axis of length L (the scan's `xs`), or None.
-  method.start(cfg, state, phase, batch, q_len) -> state   (optional; phase is "prefill" or "decode")
+  method.start(cfg, state, phase, batch, q_len, kv_len) -> state   (optional; phase "prefill" or "decode";
+      kv_len: keys a query may see at most, T in prefill and the cache capacity N in decode)
   method.finish(state, phase) -> state                     (optional)
 
 `start` and `finish` bracket one forward: a method whose layers hand data to later layers (Kascade's anchor
@@ -72,10 +73,10 @@ class AttentionMethod(Protocol):
     def decode(self, ctx: LayerContext, q: Array, cache: LayerKV, state: Any) -> tuple[Array, Any]: ...
 
 
-def start(method, cfg, state, phase: str, batch: int, q_len: int):
+def start(method, cfg, state, phase: str, batch: int, q_len: int, kv_len: int):
     """Calls `method.start` when the method defines it."""
     fn = getattr(method, "start", None)
-    return state if fn is None else fn(cfg, state, phase, batch, q_len)
+    return state if fn is None else fn(cfg, state, phase, batch, q_len, kv_len)
 
 
 def finish(method, state, phase: str):

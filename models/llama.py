@@ -67,10 +67,12 @@ def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
 
 
 def _dense(x: Array, w: Array, spec: str, bias: Array | None = None) -> Array:
-    y = jnp.einsum(spec, x, w, preferred_element_type=F32)
+    # Output in the activation dtype: the matmul units accumulate in f32 either way, and a bf16 result avoids
+    # writing (and re-reading) an f32 copy of every activation.
+    y = jnp.einsum(spec, x, w, preferred_element_type=x.dtype)
     if bias is not None:
-        y = y + bias.astype(F32)
-    return y.astype(x.dtype)
+        y = (y.astype(F32) + bias.astype(F32)).astype(x.dtype)
+    return y
 
 
 def qkv_projection(cfg: ModelConfig, lp: LayerParams, h: Array, positions: Array, inv_freq: Array):
@@ -156,7 +158,7 @@ def prefill(params: Params, cfg: ModelConfig, method, tokens: Array, lengths: Ar
         x_out = x_attn + mlp(cfg, lp, x_attn)
         return (x_out, ck, cv, state), ((x, x_attn) if return_hidden else None)
 
-    state = start(method, cfg, state, "prefill", B, T)
+    state = start(method, cfg, state, "prefill", B, T, T)
     (x, ck, cv, state), hidden = jax.lax.scan(
         layer_fn, (x, cache.k, cache.v, state), _layer_xs(cfg, params, method))
     state = finish(method, state, "prefill")
@@ -191,7 +193,7 @@ def decode(params: Params, cfg: ModelConfig, method, tokens: Array, cache: KVCac
         x_attn = x + _dense(attn.astype(x.dtype), lp.wo, "bthd,hde->bte", lp.bo)
         return (x_attn + mlp(cfg, lp, x_attn), ck, cv, state), None
 
-    state = start(method, cfg, state, "decode", B, T)
+    state = start(method, cfg, state, "decode", B, T, cache.capacity)
     (x, ck, cv, state), _ = jax.lax.scan(layer_fn, (x, cache.k, cache.v, state),
                                          _layer_xs(cfg, params, method))
     state = finish(method, state, "decode")

@@ -1,4 +1,4 @@
 """Attention methods and baselines, registered by name (see `jsparse.methods.base`)."""
 
 from jsparse.methods.base import make_method, method_names, register  # noqa: F401
-from jsparse.methods import dense  # noqa: F401  (registers "dense")
+from jsparse.methods import dense, kascade, oracle, quest, streaming  # noqa: F401  (registration)

@@ -1,0 +1,77 @@
+"""Timing and device facts shared by every benchmark: medians after warm-up, measured ceilings, JSON records."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def time_ms(fn: Callable, *args, warmup: int = 3, iters: int = 20) -> float:
+    """Median wall time in ms of `fn(*args)` (results blocked on), after `warmup` calls."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(times))
+
+
+def git_commit() -> str:
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_facts() -> dict:
+    d = jax.devices()[0]
+    return {"device": getattr(d, "device_kind", str(d)), "platform": d.platform, "jax": jax.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": git_commit()}
+
+
+def measure_hbm_gbs(nbytes: int = 2 << 30) -> float:
+    """Device memory bandwidth from a large copy (bytes read + bytes written over the time)."""
+    n = nbytes // 2
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
+    f = jax.jit(lambda a: a * 1.0001)
+    ms = time_ms(f, x, iters=10)
+    return 2 * n * 2 / (ms * 1e-3) / 1e9
+
+
+def measure_matmul_tflops(n: int = 8192) -> float:
+    """bf16 matmul rate (TFLOP/s) of an n x n x n product."""
+    a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
+    f = jax.jit(lambda x, y: x @ y)
+    ms = time_ms(f, a, b, iters=10)
+    return 2 * n ** 3 / (ms * 1e-3) / 1e12
+
+
+def write_json(path: str, payload: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    """A small Markdown table of `rows` (missing values as '-')."""
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return "-" if v is None else str(v)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,97 @@
+"""Pieces shared by the sparse methods: budget fields, the dense-layer switch, attending selected keys."""
+
+from __future__ import annotations
+
+import numpy as np
+from flax import struct
+
+import jax
+from jsparse import selection as sel
+from pallas_kernels.dense import dense_decode, dense_prefill
+from pallas_kernels.sparse_attention import sparse_decode, sparse_prefill
+from pallas_kernels.sparse_attention.reference import decode_indices_to_mask, masked_attention_reference
+
+# Query rows per index row in prefill must divide the prefill kernel's query block.
+KERNEL_QUERY_BLOCK = 128
+
+
+def check_tile(tile: int) -> int:
+    sel.check_positive_int("tile", tile)
+    if KERNEL_QUERY_BLOCK % tile:
+        raise ValueError(f"tile={tile} does not divide the prefill kernel's query block of {KERNEL_QUERY_BLOCK} "
+                         f"rows; expected one of {[t for t in (8, 16, 32, 64, 128)]}")
+    return tile
+
+
+def attend_selected(q, cache, indices, lengths):
+    """Attention of q: [B, T, Hq, D] over exactly the selected keys int32[B, Hkv, T, K] of a head-major cache.
+
+    T = 1 (generation) runs the gathered-attention op; T > 1 (several new tokens, or perplexity with decode
+    simulated for every row) scatters the indices into a mask, which is cheaper than gathering T * K rows.
+    """
+    if q.shape[1] == 1:
+        return sparse_decode(q, cache.k, cache.v, indices, lengths)
+    mask = decode_indices_to_mask(indices, lengths, cache.k.shape[2])
+    return masked_attention_reference(q, cache.k, cache.v, mask)
+
+
+@struct.dataclass
+class TokenBudget:
+    """Fields and the dense-layer switch shared by the top-k style methods.
+
+    budget: kept fraction of the visible keys, in (0, 1]; k = min(max(ceil(budget * n), min_tokens), n).
+    dense_layers: the first layers attend densely. tile: query rows per index row in prefill.
+    """
+
+    budget: float = struct.field(pytree_node=False, default=0.1)
+    min_tokens: int = struct.field(pytree_node=False, default=128)
+    dense_layers: int = struct.field(pytree_node=False, default=1)
+    tile: int = struct.field(pytree_node=False, default=32)
+
+    def __post_init__(self):
+        sel.check_budget(self.budget)
+        sel.check_positive_int("min_tokens", self.min_tokens, 0)
+        sel.check_positive_int("dense_layers", self.dense_layers, 0)
+        check_tile(self.tile)
+
+    def init_state(self, cfg, batch, max_len):
+        return None
+
+    def layer_info(self, cfg):
+        return None
+
+    def prefill(self, ctx, q, k, v, state):
+        return jax.lax.cond(ctx.layer < self.dense_layers,
+                            lambda: (dense_prefill(q, k, v), state),
+                            lambda: self.sparse_prefill(ctx, q, k, v, state))
+
+    def decode(self, ctx, q, cache, state):
+        return jax.lax.cond(ctx.layer < self.dense_layers,
+                            lambda: (dense_decode(q, cache.k, cache.v, ctx.lengths), state),
+                            lambda: self.sparse_decode(ctx, q, cache, state))
+
+    def k_static(self, n: int) -> int:
+        return sel.budget_tokens(self.budget, n, self.min_tokens)
+
+    def achieved_sparsity(self, cfg, positions) -> float:
+        """Fraction of visible keys skipped, averaged over layers and the given query positions (decode rule)."""
+        sparse_layers = max(cfg.num_layers - self.dense_layers, 0)
+        return sparse_layers / cfg.num_layers * sel.topk_sparsity(self.budget, positions, self.min_tokens)
+
+    def tile_budget(self, T: int):
+        """i32[nT]: keys chosen for each query tile among those before it (rolling budget)."""
+        return sel.budget_tokens(self.budget, sel.tile_starts(T, self.tile), self.min_tokens)
+
+
+def kwargs_for(cls, options: dict) -> dict:
+    """The options a method's constructor takes (builders ignore the rest: cfg, artifact, ...)."""
+    names = set(cls.__dataclass_fields__)
+    return {k: v for k, v in options.items() if k in names and v is not None}
+
+
+def np_int(x) -> np.ndarray:
+    return np.asarray(x, np.int32)
+
+
+__all__ = ["TokenBudget", "attend_selected", "check_tile", "dense_decode", "dense_prefill", "masked_attention_reference",
+           "sparse_prefill"]

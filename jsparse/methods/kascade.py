@@ -1,0 +1,139 @@
+"""Kascade: exact top-k in a few anchor layers, reused by the other layers through head maps.
+
+Roles per layer (`layer_info`, scanned as `xs`):
+  0  layer 0: dense attention, and an anchor (its top-k feeds the next layers);
+  1  anchor: exact post-softmax weights over all visible keys, pooled over the GQA group (and in prefill over
+     the query tile), top-k (k = min(max(ceil(budget * n), 128), n)), attention over the selected keys;
+  2  reuse: attention over the latest anchor's indices, KV head h taking the anchor's head `head_map[l, h]`.
+
+State: the latest anchor's indices `int32[B, Hkv, T, K]` (T = new tokens in decode, query tiles in prefill),
+carried through the layer scan; added by `start` and dropped by `finish` so nothing crosses decode steps.
+Anchors and head maps come from `jsparse calibrate kascade` (kascade_calibration.py), an artifact keyed to the
+model.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jsparse import selection as sel
+from jsparse.artifacts import load_artifact
+from jsparse.methods.base import register
+from jsparse.methods.common import TokenBudget, attend_selected, dense_decode, dense_prefill, kwargs_for, sparse_prefill
+from jsparse.methods.oracle import select_decode, select_prefill
+
+ARTIFACT_KIND = "kascade"
+ROLE_DENSE_ANCHOR, ROLE_ANCHOR, ROLE_REUSE = 0, 1, 2
+
+
+@struct.dataclass
+class KascadeState:
+    indices: Optional[jax.Array] = None  # int32[B, Hkv, T, K] of the latest anchor, inside one forward
+
+
+@struct.dataclass
+class LayerRole:
+    role: jax.Array  # i32[L]
+    head_map: jax.Array  # i32[L, Hkv]
+
+
+def roles_from_anchors(num_layers: int, anchors) -> np.ndarray:
+    anchors = sorted(int(a) for a in anchors)
+    if not anchors or anchors[0] != 0:
+        raise ValueError(f"anchors={anchors}: layer 0 must be an anchor")
+    if anchors[-1] >= num_layers or len(set(anchors)) != len(anchors):
+        raise ValueError(f"anchors={anchors}: expected distinct layers in [0, {num_layers})")
+    roles = np.full((num_layers,), ROLE_REUSE, np.int32)
+    roles[anchors] = ROLE_ANCHOR
+    roles[0] = ROLE_DENSE_ANCHOR
+    return roles
+
+
+@register("kascade")
+@struct.dataclass
+class Kascade(TokenBudget):
+    roles: jax.Array = None  # i32[L]
+    head_map: jax.Array = None  # i32[L, Hkv]: for each layer and KV head, the anchor's KV head it reuses
+
+    @classmethod
+    def build(cls, cfg=None, artifact: str | None = None, fingerprint: str | None = None, **options):
+        if not artifact:
+            raise ValueError("kascade needs a calibration artifact: run `jsparse calibrate kascade --model M "
+                             "--out DIR` and pass --artifact DIR")
+        art = load_artifact(artifact, ARTIFACT_KIND, fingerprint)
+        return cls.from_anchors(cfg, art.arrays["anchors"], art.arrays["head_map"], **options)
+
+    @classmethod
+    def from_anchors(cls, cfg, anchors, head_map=None, **options):
+        """Kascade with explicit anchors (layer 0 included) and head map i32[L, Hkv] (identity if None)."""
+        roles = roles_from_anchors(cfg.num_layers, anchors)
+        if head_map is None:
+            head_map = np.tile(np.arange(cfg.num_kv_heads, dtype=np.int32), (cfg.num_layers, 1))
+        head_map = np.asarray(head_map, np.int32)
+        if head_map.shape != (cfg.num_layers, cfg.num_kv_heads):
+            raise ValueError(f"head_map has shape {head_map.shape}: expected (L, Hkv) = "
+                             f"{(cfg.num_layers, cfg.num_kv_heads)}")
+        if head_map.min() < 0 or head_map.max() >= cfg.num_kv_heads:
+            raise ValueError(f"head_map values span [{head_map.min()}, {head_map.max()}]: expected [0, "
+                             f"{cfg.num_kv_heads})")
+        options = kwargs_for(cls, options)
+        options.pop("dense_layers", None)
+        return cls(roles=jnp.asarray(roles), head_map=jnp.asarray(head_map), dense_layers=1, **options)
+
+    def init_state(self, cfg, batch, max_len):
+        return KascadeState()
+
+    def layer_info(self, cfg):
+        return LayerRole(role=self.roles, head_map=self.head_map)
+
+    def start(self, cfg, state, phase, batch, q_len, kv_len):
+        rows = -(-q_len // self.tile) if phase == "prefill" else q_len
+        return KascadeState(indices=jnp.full((batch, cfg.num_kv_heads, rows, self.k_static(kv_len)), -1, jnp.int32))
+
+    def finish(self, state, phase):
+        return KascadeState()
+
+    def prefill(self, ctx, q, k, v, state):
+        T = q.shape[1]
+        K = self.k_static(T)
+
+        def anchor(dense: bool):
+            def fn():
+                idx = select_prefill(q, k, self.tile, self.tile_budget(T), K)
+                out = dense_prefill(q, k, v) if dense else sparse_prefill(q, k, v, idx, ctx.lengths,
+                                                                           tile=self.tile)
+                return out, idx
+            return fn
+
+        def reuse():
+            idx = jnp.take(state.indices, ctx.info.head_map, axis=1)
+            return sparse_prefill(q, k, v, idx, ctx.lengths, tile=self.tile), state.indices
+
+        out, idx = jax.lax.switch(ctx.info.role, [anchor(True), anchor(False), reuse])
+        return out, KascadeState(indices=idx)
+
+    def decode(self, ctx, q, cache, state):
+        T, N = q.shape[1], cache.k.shape[2]
+        K = self.k_static(N)
+        indices = state.indices
+        pos = sel.decode_positions(ctx.lengths, T)
+
+        def anchor(dense: bool):
+            def fn():
+                idx = select_decode(q, cache.k, pos, self.budget, self.min_tokens, K)
+                out = dense_decode(q, cache.k, cache.v, ctx.lengths) if dense else attend_selected(
+                    q, cache, idx, ctx.lengths)
+                return out, idx
+            return fn
+
+        def reuse():
+            idx = jnp.take(indices, ctx.info.head_map, axis=1)
+            return attend_selected(q, cache, idx, ctx.lengths), indices
+
+        out, idx = jax.lax.switch(ctx.info.role, [anchor(True), anchor(False), reuse])
+        return out, KascadeState(indices=idx)

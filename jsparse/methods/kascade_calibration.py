@@ -1,0 +1,195 @@
+"""Kascade calibration: head-level reuse similarity, layer importance, anchors by dynamic programming.
+
+On development prompts, with dense attention:
+  * per layer and KV head, the causal post-softmax weights pooled over the GQA group and over each query tile,
+    restricted to the keys before the tile and normalised: P[l, h, i, :];
+  * that layer's top-k per tile (Kascade's prefill rule): I[l, h, i, :];
+  * sim[l1, l2, h1, h2] = min over tiles i (where top-k is a real choice) of sum_j P[l2, h2, i, I[l1, h1, i, j]],
+    the mass of layer l2 recovered with layer l1's indices; averaged over prompts;
+  * importance w[l] = mean over tokens of 1 - cos(x_l, x_l + attn_l(x_l));
+  * anchors: layer 0 plus M - 1 more maximising sum_l w[l] * S[a(l), l], where a(l) is the last anchor <= l and
+    S[a, l] = mean over h2 of max over h1 sim[a, l, h1, h2] (the head map takes the best anchor head);
+  * head_map[l, h2] = argmax_h1 sim[a(l), l, h1, h2] (identity for anchors).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jsparse import selection as sel
+from jsparse.artifacts import Artifact
+from jsparse.methods.common import check_tile
+from jsparse.methods.oracle import select_prefill
+from models import llama
+from models.cache import init_cache
+from pallas_kernels.dense import dense_prefill
+
+
+@struct.dataclass
+class RecorderState:
+    probs: jax.Array  # f32[L, B, Hkv, nT, T]  normalised mass over the keys before each tile
+    indices: jax.Array  # i32[L, B, Hkv, nT, K]
+
+
+@struct.dataclass
+class _Recorder:
+    """Dense attention that records every layer's tile-pooled weights and top-k (calibration only)."""
+
+    budget: float = struct.field(pytree_node=False, default=0.1)
+    min_tokens: int = struct.field(pytree_node=False, default=128)
+    tile: int = struct.field(pytree_node=False, default=32)
+
+    def init_state(self, cfg, batch, max_len):
+        n_tiles = -(-max_len // self.tile)
+        K = sel.budget_tokens(self.budget, max_len, self.min_tokens)
+        L, H = cfg.num_layers, cfg.num_kv_heads
+        return RecorderState(probs=jnp.zeros((L, batch, H, n_tiles, max_len), jnp.float32),
+                             indices=jnp.zeros((L, batch, H, n_tiles, K), jnp.int32))
+
+    def layer_info(self, cfg):
+        return None
+
+    def prefill(self, ctx, q, k, v, state):
+        T = q.shape[1]
+        probs = sel.before_tile_scores(sel.prefill_tile_probs(q, k, self.tile), self.tile)
+        probs = jnp.where(jnp.isfinite(probs), probs, 0.0)
+        probs = probs / jnp.maximum(probs.sum(-1, keepdims=True), 1e-30)
+        tile_budget = sel.budget_tokens(self.budget, sel.tile_starts(T, self.tile), self.min_tokens)
+        idx = select_prefill(q, k, self.tile, tile_budget, state.indices.shape[-1])
+        state = RecorderState(probs=state.probs.at[ctx.layer].set(probs),
+                              indices=state.indices.at[ctx.layer].set(idx))
+        return dense_prefill(q, k, v), state
+
+
+def _record(params, cfg, tokens, recorder):
+    B, T = tokens.shape
+    lengths = jnp.full((B,), T, jnp.int32)
+    cache = init_cache(cfg, B, T, params.embed.dtype)
+    _, _, state, (x_in, x_attn) = llama.prefill(params, cfg, recorder, tokens, lengths, cache,
+                                                recorder.init_state(cfg, B, T), return_hidden=True)
+    xi, xa = x_in.astype(jnp.float32), x_attn.astype(jnp.float32)
+    cos = jnp.sum(xi * xa, -1) / (jnp.linalg.norm(xi, axis=-1) * jnp.linalg.norm(xa, axis=-1) + 1e-12)
+    importance = jnp.mean(1.0 - cos, axis=(1, 2))  # [L]
+    return state, importance
+
+
+def _similarity(state: RecorderState, tile_budget, tile: int) -> jax.Array:
+    """f32[L, L, H, H]: sim[l1, l2, h1, h2] for one batch (mean over the batch of the min over tiles)."""
+    L, B, H, n_tiles, T = state.probs.shape
+    K = state.indices.shape[-1]
+    n_before = jnp.arange(n_tiles) * tile
+    eligible = n_before > tile_budget  # tiles where top-k leaves keys out
+    P = jnp.moveaxis(state.probs, 1, 0).reshape(B, L * H, n_tiles, T)
+    I = jnp.moveaxis(state.indices, 1, 0).reshape(B, L * H, n_tiles, K)
+
+    def per_source(idx):  # idx: [B, nT, K] of one (l1, h1) -> [B, L*H, nT] recovered mass
+        safe = jnp.where(idx >= 0, idx, 0)[:, None]
+        got = jnp.take_along_axis(P, jnp.broadcast_to(safe, (B, L * H, n_tiles, K)), axis=-1)
+        return jnp.sum(jnp.where(idx[:, None] >= 0, got, 0.0), axis=-1)
+
+    rec = jax.lax.map(per_source, jnp.moveaxis(I, 1, 0))  # [L*H (src), B, L*H (dst), nT]
+    rec = jnp.where(eligible, rec, jnp.inf).min(axis=-1)
+    rec = jnp.where(jnp.isfinite(rec), rec, 1.0).mean(axis=1)  # [L*H, L*H]
+    return rec.reshape(L, H, L, H).transpose(0, 2, 1, 3)
+
+
+def layer_similarity(sim: np.ndarray) -> np.ndarray:
+    """S[a, l] = mean over h2 of max over h1 sim[a, l, h1, h2]."""
+    return np.asarray(sim).max(axis=2).mean(axis=2)
+
+
+def select_anchors(S: np.ndarray, importance: np.ndarray, num_anchors: int) -> tuple[list[int], float]:
+    """The dynamic program: layer 0 plus num_anchors - 1 layers maximising sum_l w[l] * S[a(l), l].
+
+    Args:
+      S: f64[L, L] layer-level similarity (row: anchor, column: layer); importance: f64[L].
+    Returns:
+      (sorted anchor layers, objective value).
+    """
+    S = np.asarray(S, np.float64)
+    w = np.asarray(importance, np.float64)
+    L = S.shape[0]
+    if not 1 <= num_anchors <= L:
+        raise ValueError(f"num_anchors={num_anchors}: expected between 1 and the number of layers, {L}")
+    # seg[a, b] = sum_{l=a}^{b-1} w[l] * S[a, l]: the score of layers a..b-1 served by anchor a.
+    contrib = np.where(np.arange(L)[None, :] >= np.arange(L)[:, None], w[None, :] * S, 0.0)
+    prefix = np.concatenate([np.zeros((L, 1)), np.cumsum(contrib, axis=1)], axis=1)
+    seg = lambda a, b: prefix[a, b] - prefix[a, a]  # noqa: E731
+    # best[m, a]: best score of layers a..L-1 with an anchor at a and m more anchors after it.
+    best = np.full((num_anchors, L), -np.inf)
+    choice = np.zeros((num_anchors, L), np.int64)
+    best[0] = [seg(a, L) for a in range(L)]
+    for m in range(1, num_anchors):
+        for a in range(L - m):
+            cands = [(seg(a, b) + best[m - 1, b], b) for b in range(a + 1, L - m + 1) if best[m - 1, b] > -np.inf]
+            best[m, a], choice[m, a] = max(cands)
+    anchors, a = [0], 0
+    for m in range(num_anchors - 1, 0, -1):
+        a = int(choice[m, a])
+        anchors.append(a)
+    return anchors, float(best[num_anchors - 1, 0])
+
+
+def brute_force_anchors(S: np.ndarray, importance: np.ndarray, num_anchors: int) -> tuple[list[int], float]:
+    """Exhaustive search over anchor sets (for testing the dynamic program on small L)."""
+    L = S.shape[0]
+    best, best_set = -np.inf, None
+    for rest in itertools.combinations(range(1, L), num_anchors - 1):
+        anchors = [0, *rest]
+        owner = np.array([max(a for a in anchors if a <= l) for l in range(L)])
+        score = float(np.sum(importance * S[owner, np.arange(L)]))
+        if score > best:
+            best, best_set = score, anchors
+    return best_set, best
+
+
+def head_map_for(sim: np.ndarray, anchors: Sequence[int]) -> np.ndarray:
+    """i32[L, H]: for every layer, the anchor head each KV head reuses (identity at anchors)."""
+    L, H = sim.shape[0], sim.shape[2]
+    hm = np.zeros((L, H), np.int32)
+    for l in range(L):
+        a = max(x for x in anchors if x <= l)
+        hm[l] = np.arange(H) if a == l else np.argmax(sim[a, l], axis=0)
+    return hm
+
+
+def calibrate(params, cfg, prompts: Iterable[np.ndarray], *, num_anchors: int = 5, budget: float = 0.1,
+              tile: int = 32, min_tokens: int = 128, fingerprint: str = "", model_name: str = "",
+              progress=None) -> Artifact:
+    """Calibrates Kascade on prompts (each i32[B, T], all of one length) and returns the artifact."""
+    sel.check_budget(budget)
+    check_tile(tile)
+    if not 1 <= num_anchors <= cfg.num_layers:
+        raise ValueError(f"anchors={num_anchors}: expected between 1 and the model's {cfg.num_layers} layers")
+    recorder = _Recorder(budget=budget, min_tokens=min_tokens, tile=tile)
+    record = jax.jit(_record, static_argnames=("cfg",))
+    sim_fn = jax.jit(_similarity, static_argnames=("tile",))
+    sims, imps, n_batches = 0.0, 0.0, 0
+    for tokens in prompts:
+        tokens = jnp.asarray(tokens, jnp.int32)
+        state, importance = record(params, cfg, tokens, recorder)
+        T = tokens.shape[1]
+        tile_budget = sel.budget_tokens(budget, sel.tile_starts(T, tile), min_tokens)
+        sims = sims + np.asarray(sim_fn(state, tile_budget, tile), np.float64)
+        imps = imps + np.asarray(importance, np.float64)
+        n_batches += 1
+        if progress is not None:
+            progress(1)
+    if n_batches == 0:
+        raise ValueError("no calibration prompts given")
+    sim, importance = sims / n_batches, imps / n_batches
+    S = layer_similarity(sim)
+    anchors, objective = select_anchors(S, importance, num_anchors)
+    head_map = head_map_for(sim, anchors)
+    return Artifact(kind="kascade", fingerprint=fingerprint,
+                    arrays={"anchors": np.asarray(anchors, np.int32), "head_map": head_map,
+                            "similarity": sim.astype(np.float32), "importance": importance.astype(np.float32)},
+                    meta={"model": model_name, "num_anchors": num_anchors, "budget": budget, "tile": tile,
+                          "min_tokens": min_tokens, "objective": objective, "anchors": anchors,
+                          "prompts": n_batches})

@@ -1,0 +1,46 @@
+"""Oracle top-k: exact post-softmax scores pooled over the GQA group; the accuracy ceiling at a budget."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import struct
+
+from jsparse import selection as sel
+from jsparse.methods.base import register
+from jsparse.methods.common import TokenBudget, attend_selected, kwargs_for, sparse_prefill
+
+
+@register("oracle")
+@struct.dataclass
+class Oracle(TokenBudget):
+    """Every sparse layer keeps, per KV head, the k keys with the largest exact attention mass (summed over the
+    GQA group; in prefill also over the query tile). Layer 0 is dense, as in Kascade, so the two compare fairly."""
+
+    @classmethod
+    def build(cls, **options):
+        return cls(**kwargs_for(cls, options))
+
+    def sparse_decode(self, ctx, q, cache, state):
+        T, N = q.shape[1], cache.k.shape[2]
+        pos = sel.decode_positions(ctx.lengths, T)
+        idx = select_decode(q, cache.k, pos, self.budget, self.min_tokens, self.k_static(N))
+        return attend_selected(q, cache, idx, ctx.lengths), state
+
+    def sparse_prefill(self, ctx, q, k, v, state):
+        idx = select_prefill(q, k, self.tile, self.tile_budget(q.shape[1]), self.k_static(q.shape[1]))
+        return sparse_prefill(q, k, v, idx, ctx.lengths, tile=self.tile), state
+
+
+def select_decode(q, k_cache, positions, budget, min_tokens, K):
+    """Exact top-k per row: int32[B, Hkv, T, K] (rows at positions: i32[B, T])."""
+    probs = sel.pooled_probs(q, k_cache, positions)
+    visible = jnp.arange(k_cache.shape[2])[None, None, :] <= positions[:, :, None]
+    scores = jnp.where(visible[:, None], probs, sel.NEG_INF)
+    k_dyn = sel.budget_tokens(budget, positions + 1, min_tokens)[:, None]  # [B, 1, T]
+    return sel.topk_indices(scores, k_dyn, K)
+
+
+def select_prefill(q, k, tile, tile_budget, K):
+    """Exact top-k per query tile among the keys before it: int32[B, Hkv, nT, K]."""
+    scores = sel.before_tile_scores(sel.prefill_tile_probs(q, k, tile), tile)
+    return sel.topk_indices(scores, tile_budget[None, None, :], K)

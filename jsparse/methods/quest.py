@@ -1,0 +1,82 @@
+"""Quest: query-aware page selection from per-page key min/max (Tang et al., 2024).
+
+Keys are grouped in pages of `page_size` (16). A page's score for query head h is the upper bound
+`sum_d max(q_d * kmax_d, q_d * kmin_d)` (= sum_d |q_d| * max over the page of sign(q_d) k_d); each query head
+keeps its top pages within the token budget, plus the page holding the query itself. Layers 0-1 are dense, as in
+the paper. Quest selects per *query* head, so it attends through a per-head mask rather than the KV-head index
+contract; prefill is dense (Quest is a decode method).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jsparse import selection as sel
+from jsparse.methods.base import register
+from jsparse.methods.common import TokenBudget, dense_prefill, kwargs_for, masked_attention_reference
+
+
+@register("quest")
+@struct.dataclass
+class Quest(TokenBudget):
+    page_size: int = struct.field(pytree_node=False, default=16)
+    dense_layers: int = struct.field(pytree_node=False, default=2)
+
+    def __post_init__(self):
+        super().__post_init__()
+        sel.check_positive_int("page_size", self.page_size)
+
+    @classmethod
+    def build(cls, **options):
+        return cls(**kwargs_for(cls, options))
+
+    def sparse_prefill(self, ctx, q, k, v, state):
+        return dense_prefill(q, k, v), state
+
+    def sparse_decode(self, ctx, q, cache, state):
+        T = q.shape[1]
+        pos = sel.decode_positions(ctx.lengths, T)
+        mask = page_mask(q, cache.k, pos, self.budget, self.min_tokens, self.page_size)
+        return masked_attention_reference(q, cache.k, cache.v, mask), state
+
+
+def page_bounds(k_cache, lengths_max, page_size: int):
+    """Per-page elementwise min and max of the keys: f32[B, Hkv, P, D] each (keys >= length excluded)."""
+    B, Hkv, N, D = k_cache.shape
+    P = -(-N // page_size)
+    kf = jnp.pad(k_cache.astype(jnp.float32), ((0, 0), (0, 0), (0, P * page_size - N), (0, 0)))
+    valid = (jnp.arange(P * page_size) < lengths_max[:, None])[:, None, :, None]
+    kmax = jnp.where(valid, kf, -jnp.inf).reshape(B, Hkv, P, page_size, D).max(axis=3)
+    kmin = jnp.where(valid, kf, jnp.inf).reshape(B, Hkv, P, page_size, D).min(axis=3)
+    return kmin, kmax
+
+
+def page_mask(q, k_cache, positions, budget, min_tokens, page_size):
+    """bool[B, Hq, T, N]: the keys of each query head's chosen pages that are visible to it."""
+    B, T, Hq, D = q.shape
+    Hkv, N = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    P = -(-N // page_size)
+    kmin, kmax = page_bounds(k_cache, positions.max(axis=1) + 1, page_size)
+    qf = q.astype(jnp.float32).reshape(B, T, Hkv, G, D)
+    # sum_d max(q_d kmax_d, q_d kmin_d) = relu(q) . kmax + min(q, 0) . kmin (no [.., P, D] intermediate).
+    kmax = jnp.where(jnp.isfinite(kmax), kmax, 0.0)
+    kmin = jnp.where(jnp.isfinite(kmin), kmin, 0.0)
+    score = (jnp.einsum("btkgd,bkpd->bkgtp", jnp.maximum(qf, 0.0), kmax)
+             + jnp.einsum("btkgd,bkpd->bkgtp", jnp.minimum(qf, 0.0), kmin))  # [B, Hkv, G, T, P]
+    page = jnp.arange(P)[None, None, :]
+    own = positions[:, :, None] // page_size  # [B, T, 1]
+    visible_page = page <= own
+    score = jnp.where(visible_page[:, None, None], score, -jnp.inf)
+    score = jnp.where((page == own)[:, None, None], jnp.inf, score)  # the query's own page always
+    k_tok = sel.budget_tokens(budget, positions + 1, min_tokens)
+    n_pages = -(-k_tok // page_size)  # [B, T]
+    order = jnp.argsort(-score, axis=-1)
+    rank = jnp.argsort(order, axis=-1)
+    chosen = (rank < n_pages[:, None, None, :, None]) & jnp.isfinite(score) | (score == jnp.inf)
+    tok_mask = jnp.repeat(chosen, page_size, axis=-1)[..., :N]  # [B, Hkv, G, T, N]
+    visible = jnp.arange(N)[None, None, :] <= positions[:, :, None]
+    tok_mask = tok_mask & visible[:, None, None]
+    return tok_mask.reshape(B, Hq, T, N)

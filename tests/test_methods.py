@@ -1,0 +1,194 @@
+"""Every method equals a plain dense-masked reference over the keys it selects, and selects the right keys."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jsparse.methods import make_method
+from jsparse.methods.kascade import Kascade, KascadeState
+from models.attention import LayerContext, LayerKV
+from models.config import ModelConfig
+from pallas_kernels.dense import dense_decode, dense_prefill
+from pallas_kernels.sparse_attention.reference import masked_attention_reference
+
+B, HQ, HKV, D = 2, 4, 2, 16
+G = HQ // HKV
+CFG = ModelConfig(architecture="llama", vocab_size=32, hidden_size=64, intermediate_size=64, num_layers=4,
+                  num_heads=HQ, num_kv_heads=HKV, head_dim=D, max_position_embeddings=4096)
+
+
+def _inputs(seed, N=96, T=1, lengths=(61, 96)):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(ks[0], (B, T, HQ, D), jnp.float32)
+    k = jax.random.normal(ks[1], (B, HKV, N, D), jnp.float32)
+    v = jax.random.normal(ks[2], (B, HKV, N, D), jnp.float32)
+    return q, LayerKV(k=k, v=v), jnp.asarray(lengths, jnp.int32)
+
+
+def _pooled_np(q, k, pos):
+    """numpy: post-softmax weights summed over the GQA group, f64[B, Hkv, T, N]."""
+    q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    Bq, T = q.shape[:2]
+    N = k.shape[2]
+    out = np.zeros((Bq, HKV, T, N))
+    for b in range(Bq):
+        for t in range(T):
+            for h in range(HQ):
+                s = k[b, h // G, : pos[b, t] + 1] @ q[b, t, h] / math.sqrt(D)
+                p = np.exp(s - s.max())
+                out[b, h // G, t, : pos[b, t] + 1] += p / p.sum()
+    return out
+
+
+def _topk_mask_np(scores, pos, budget, min_tokens):
+    Bq, H, T, N = scores.shape
+    mask = np.zeros(scores.shape, bool)
+    for b in range(Bq):
+        for t in range(T):
+            n = pos[b, t] + 1
+            kk = min(max(math.ceil(budget * n), min_tokens), n)
+            for h in range(H):
+                order = np.argsort(-scores[b, h, t, :n], kind="stable")
+                mask[b, h, t, order[:kk]] = True
+    return mask
+
+
+def _ctx(layer, lengths, info=None):
+    return LayerContext(layer=jnp.int32(layer), lengths=lengths, info=info)
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_oracle_decode_equals_masked_reference(T):
+    q, cache, lengths = _inputs(0, T=T)
+    m = make_method("oracle", budget=0.2, min_tokens=8)
+    out, _ = m.decode(_ctx(1, lengths), q, cache, None)
+    pos = np.asarray(lengths)[:, None] - T + np.arange(T)
+    mask = _topk_mask_np(_pooled_np(q, cache.k, pos), pos, 0.2, 8)
+    want = masked_attention_reference(q, cache.k, cache.v, jnp.asarray(mask))
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+
+
+def test_oracle_full_budget_equals_dense():
+    q, cache, lengths = _inputs(1)
+    m = make_method("oracle", budget=1.0, min_tokens=8)
+    out, _ = m.decode(_ctx(2, lengths), q, cache, None)
+    np.testing.assert_allclose(out, dense_decode(q, cache.k, cache.v, lengths), rtol=2e-5, atol=2e-5)
+    T = 64
+    ks = jax.random.split(jax.random.key(5), 3)
+    qp = jax.random.normal(ks[0], (B, T, HQ, D))
+    kp = jax.random.normal(ks[1], (B, T, HKV, D))
+    vp = jax.random.normal(ks[2], (B, T, HKV, D))
+    out, _ = m.prefill(_ctx(2, jnp.array([T, 50])), qp, kp, vp, None)
+    np.testing.assert_allclose(out[0], dense_prefill(qp, kp, vp)[0], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(out[1, :50], dense_prefill(qp, kp, vp)[1, :50], rtol=2e-5, atol=2e-5)
+
+
+def test_dense_layers_are_dense():
+    q, cache, lengths = _inputs(2)
+    m = make_method("quest", budget=0.1, min_tokens=8)
+    out, _ = m.decode(_ctx(1, lengths), q, cache, None)  # quest: layers 0-1 dense
+    np.testing.assert_allclose(out, dense_decode(q, cache.k, cache.v, lengths), rtol=2e-5, atol=2e-5)
+
+
+def test_streaming_decode_sink_and_window():
+    q, cache, lengths = _inputs(3)
+    m = make_method("streaming", budget=0.25, min_tokens=16, sink=4)
+    out, _ = m.decode(_ctx(0, lengths), q, cache, None)
+    mask = np.zeros((B, HKV, 1, 96), bool)
+    for b, n in enumerate(np.asarray(lengths)):
+        kk = min(max(math.ceil(0.25 * n), 16), n)
+        mask[b, :, 0, :4] = True
+        mask[b, :, 0, n - (kk - 4): n] = True
+    want = masked_attention_reference(q, cache.k, cache.v, jnp.asarray(mask))
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+
+
+def test_quest_decode_pages():
+    q, cache, lengths = _inputs(4, N=96)
+    m = make_method("quest", budget=0.2, min_tokens=16, page_size=16)
+    out, _ = m.decode(_ctx(3, lengths), q, cache, None)
+    qn, kn = np.asarray(q, np.float64), np.asarray(cache.k, np.float64)
+    mask = np.zeros((B, HQ, 1, 96), bool)
+    for b, n in enumerate(np.asarray(lengths)):
+        pos = n - 1
+        kk = min(max(math.ceil(0.2 * n), 16), n)
+        n_pages = -(-kk // 16)
+        for h in range(HQ):
+            scores = []
+            for p in range(-(-n // 16)):
+                kp = kn[b, h // G, p * 16: min(p * 16 + 16, n)]
+                scores.append(np.sum(np.maximum(qn[b, 0, h] * kp.max(0), qn[b, 0, h] * kp.min(0))))
+            scores = np.array(scores)
+            scores[pos // 16] = np.inf
+            for p in np.argsort(-scores, kind="stable")[:n_pages]:
+                mask[b, h, 0, p * 16: min(p * 16 + 16, n)] = True
+    want = masked_attention_reference(q, cache.k, cache.v, jnp.asarray(mask))
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+
+
+def test_kascade_decode_anchor_and_reuse():
+    q, cache, lengths = _inputs(6)
+    head_map = np.array([[0, 1], [1, 0], [0, 1], [1, 1]], np.int32)
+    m = Kascade.from_anchors(CFG, [0, 2], head_map, budget=0.2, min_tokens=8)
+    info = m.layer_info(CFG)
+    state = m.start(CFG, m.init_state(CFG, B, 96), "decode", B, 1, 96)
+    pos = np.asarray(lengths)[:, None] - 1
+    outs = []
+    for layer in range(4):
+        layer_info = jax.tree_util.tree_map(lambda x: x[layer], info)
+        out, state = m.decode(_ctx(layer, lengths, layer_info), q, cache, state)
+        outs.append(out)
+    anchor_mask = _topk_mask_np(_pooled_np(q, cache.k, pos), pos, 0.2, 8)  # same q and cache in every layer
+    np.testing.assert_allclose(outs[0], dense_decode(q, cache.k, cache.v, lengths), rtol=2e-5, atol=2e-5)
+    for layer, src_layer in [(1, 0), (2, 2), (3, 2)]:
+        hm = head_map[layer] if layer != src_layer else np.arange(HKV)
+        want = masked_attention_reference(q, cache.k, cache.v, jnp.asarray(anchor_mask[:, hm]))
+        np.testing.assert_allclose(outs[layer], want, rtol=2e-5, atol=2e-5, err_msg=f"layer {layer}")
+    assert isinstance(m.finish(state, "decode"), KascadeState)
+
+
+def test_kascade_prefill_anchor_equals_masked_reference():
+    T, tile = 128, 32
+    ks = jax.random.split(jax.random.key(7), 3)
+    q = jax.random.normal(ks[0], (B, T, HQ, D))
+    k = jax.random.normal(ks[1], (B, T, HKV, D))
+    v = jax.random.normal(ks[2], (B, T, HKV, D))
+    lengths = jnp.array([T, 100])
+    m = Kascade.from_anchors(CFG, [0, 1], None, budget=0.25, min_tokens=8, tile=tile)
+    info = jax.tree_util.tree_map(lambda x: x[1], m.layer_info(CFG))
+    state = m.start(CFG, m.init_state(CFG, B, T), "prefill", B, T, T)
+    out, state = m.prefill(_ctx(1, lengths, info), q, k, v, state)
+    # numpy: pooled over group and tile, keys before the tile, rolling budget, plus the diagonal tile.
+    probs = _pooled_np(q, jnp.swapaxes(k, 1, 2), np.tile(np.arange(T), (B, 1)))  # [B, Hkv, T, T]
+    mask = np.zeros((B, HKV, T, T), bool)
+    for i in range(T // tile):
+        s = i * tile
+        pooled = probs[:, :, s: s + tile].sum(2)  # [B, Hkv, T]
+        kk = min(max(math.ceil(0.25 * s), 8), s)
+        for b in range(B):
+            for h in range(HKV):
+                chosen = np.argsort(-pooled[b, h, :s], kind="stable")[:kk]
+                for r in range(s, s + tile):
+                    mask[b, h, r, chosen] = True
+                    mask[b, h, r, s: r + 1] = True
+    want = masked_attention_reference(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), jnp.asarray(mask))
+    np.testing.assert_allclose(out[0], want[0], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(out[1, :100], want[1, :100], rtol=2e-5, atol=2e-5)
+
+
+def test_method_argument_errors():
+    with pytest.raises(ValueError, match="budget=1.5"):
+        make_method("oracle", budget=1.5)
+    with pytest.raises(ValueError, match="budget=0"):
+        make_method("kascade_unknown" if False else "oracle", budget=0.0)
+    with pytest.raises(ValueError, match="tile=48"):
+        make_method("oracle", tile=48)
+    with pytest.raises(ValueError, match="unknown attention method 'nope'"):
+        make_method("nope")
+    with pytest.raises(ValueError, match="layer 0 must be an anchor"):
+        Kascade.from_anchors(CFG, [1, 2])
+    with pytest.raises(ValueError, match="calibration artifact"):
+        make_method("kascade", cfg=CFG)
