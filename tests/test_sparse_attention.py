@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.sparse_attention import reference as ref
+from pallas_kernels.sparse_attention import sparse_decode, sparse_prefill
 from pallas_kernels.sparse_attention.xla import sparse_decode_xla, sparse_prefill_xla
 from pallas_kernels.sparse_attention.testing import random_decode_indices, random_prefill_indices
 
@@ -174,3 +175,19 @@ def test_prefill_xla_matches_reference(case, dtype):
     chunk = 1 if case is PREFILL_CASES[0] else 1 << 30
     got = sparse_prefill_xla(q, k, v, idx, lens, tile=tile, block_size=bs, max_chunk_bytes=chunk)
     assert_close(got, want, dtype, "prefill xla")
+
+
+# --------------------------------------------------------------------------------------------------
+# The entry points.
+
+
+def test_api_dispatch_and_errors():
+    q, k, v, idx, lens = decode_inputs(4, 1, 1, 4, 2, 16, 64, 8, [50], 1, jnp.float32)
+    want = ref.sparse_decode_reference(q, k, v, idx, lens)
+    for impl in (None, "xla", "reference"):  # None on CPU is XLA
+        assert_close(sparse_decode(q, k, v, idx, lens, implementation=impl), want, jnp.float32, str(impl))
+    with pytest.raises(ValueError, match="implementation='cuda'"):
+        sparse_decode(q, k, v, idx, lens, implementation="cuda")
+    qp, kp, vp, idxp, lensp = prefill_inputs(4, 1, 24, 4, 2, 16, 4, [24], 8, 1, jnp.float32)
+    want = ref.sparse_prefill_reference(qp, kp, vp, idxp, lensp, tile=8)
+    assert_close(sparse_prefill(qp, kp, vp, idxp, lensp, tile=8), want, jnp.float32, "prefill api")

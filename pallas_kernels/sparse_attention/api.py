@@ -1,0 +1,120 @@
+"""One entry point per op: `sparse_decode` and `sparse_prefill`, dispatching over implementations.
+
+  implementation=None       pick by `jax.default_backend()`: gpu -> "pallas_gpu", tpu -> "pallas_tpu",
+                            anything else -> "xla"; when the picked kernel cannot take the arguments (see
+                            `supported`), fall back to "xla".
+  "xla"                     `xla.py`: take_along_axis gathers + einsums (any backend).
+  "pallas_gpu"              `gpu.py`: Pallas Triton kernels (split-K gathered decode, tile-gathered prefill).
+  "pallas_tpu"              `tpu.py`: Pallas TPU kernels at block granularity (block_size % 8 == 0).
+  "reference"               `reference.py`: the plain-jnp specification (slow; tests only).
+
+Naming an implementation explicitly never falls back: arguments it cannot take raise ValueError.
+The semantics (index contract, masking, empty rows) are those of `reference.py`.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.sparse_attention import reference, xla
+
+Array = jax.Array
+
+IMPLEMENTATIONS = ("xla", "pallas_gpu", "pallas_tpu", "reference")
+
+
+def _unsupported_reason(implementation: str, q: Array, block_size: int, tile: int | None) -> str | None:
+    """Why `implementation` cannot run these arguments (None when it can)."""
+    D = q.shape[-1]
+    if implementation == "pallas_gpu":
+        from pallas_kernels.sparse_attention import gpu
+        return gpu.unsupported_reason(q.dtype, D, block_size, tile)
+    if implementation == "pallas_tpu":
+        from pallas_kernels.sparse_attention import tpu
+        return tpu.unsupported_reason(q.dtype, D, block_size, tile)
+    return None
+
+
+def supported(implementation: str, q: Array, *, block_size: int = 1, tile: int | None = None) -> bool:
+    """Whether `implementation` can run an op on queries like `q` (tile=None: decode)."""
+    return _unsupported_reason(implementation, q, block_size, tile) is None
+
+
+def _pick(implementation: str | None, q: Array, block_size: int, tile: int | None) -> str:
+    if implementation is None:
+        backend = jax.default_backend()
+        choice = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(backend, "xla")
+        if _unsupported_reason(choice, q, block_size, tile) is not None:
+            choice = "xla"
+        return choice
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r}: expected one of {IMPLEMENTATIONS} or None")
+    reason = _unsupported_reason(implementation, q, block_size, tile)
+    if reason is not None:
+        raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
+    return implementation
+
+
+def sparse_decode(q: Array, k: Array, v: Array, indices: Array, lengths: Array, *, block_size: int = 1,
+                  scale: float | None = None, return_lse: bool = False,
+                  implementation: str | None = None) -> Array | tuple[Array, Array]:
+    """Gathered decode attention over the selected blocks of a head-major cache.
+
+    Args:
+      q: [B, T, Hq, D] queries of the T newest tokens (positions lengths - T + t).
+      k: [B, Hkv, N, D] key cache (new tokens written), N % block_size == 0.
+      v: [B, Hkv, N, D] value cache.
+      indices: int32[B, Hkv, T, K] selected blocks (units of block_size tokens), unique, -1 padded.
+      lengths: int32[B] valid tokens per row.
+      block_size: tokens per index entry.
+      scale: softmax scale (None: 1/sqrt(D)).
+      return_lse: also return f32[B, T, Hq] logsumexp over the attended keys.
+      implementation: see the module docstring.
+
+    Returns:
+      [B, T, Hq, D] in q.dtype (zeros for a query with no valid key), and lse with return_lse.
+    """
+    impl = _pick(implementation, q, block_size, None)
+    kw = dict(block_size=block_size, scale=scale, return_lse=return_lse)
+    if impl == "xla":
+        return xla.sparse_decode_xla(q, k, v, indices, lengths, **kw)
+    if impl == "reference":
+        return reference.sparse_decode_reference(q, k, v, indices, lengths, **kw)
+    if impl == "pallas_gpu":
+        from pallas_kernels.sparse_attention import gpu
+        return gpu.sparse_decode_gpu(q, k, v, indices, lengths, **kw)
+    from pallas_kernels.sparse_attention import tpu
+    return tpu.sparse_decode_tpu(q, k, v, indices, lengths, **kw)
+
+
+def sparse_prefill(q: Array, k: Array, v: Array, indices: Array, lengths: Array, *, tile: int = 32,
+                   block_size: int = 1, scale: float | None = None,
+                   implementation: str | None = None) -> Array:
+    """Tile-gathered causal prefill attention: each query tile's selected blocks plus its diagonal tile.
+
+    Args:
+      q: [B, T, Hq, D] queries (positions 0 .. T-1, right padded).
+      k: [B, T, Hkv, D] keys.
+      v: [B, T, Hkv, D] values.
+      indices: int32[B, Hkv, ceil(T/tile), K] selected blocks per query tile (entries at or after the tile
+        start are ignored), unique, -1 padded.
+      lengths: int32[B] valid tokens per row.
+      tile: query rows per index row (a multiple of block_size).
+      block_size: tokens per index entry.
+      scale: softmax scale (None: 1/sqrt(D)).
+      implementation: see the module docstring.
+
+    Returns:
+      [B, T, Hq, D] in q.dtype; rows at or beyond lengths are zeros.
+    """
+    impl = _pick(implementation, q, block_size, tile)
+    kw = dict(tile=tile, block_size=block_size, scale=scale)
+    if impl == "xla":
+        return xla.sparse_prefill_xla(q, k, v, indices, lengths, **kw)
+    if impl == "reference":
+        return reference.sparse_prefill_reference(q, k, v, indices, lengths, **kw)
+    if impl == "pallas_gpu":
+        from pallas_kernels.sparse_attention import gpu
+        return gpu.sparse_prefill_gpu(q, k, v, indices, lengths, **kw)
+    from pallas_kernels.sparse_attention import tpu
+    return tpu.sparse_prefill_tpu(q, k, v, indices, lengths, **kw)
