@@ -1,0 +1,204 @@
+"""Passkey retrieval: a 5-digit key hidden at a chosen depth in seeded filler text, asked back at the end.
+
+The prompt is a raw completion (no chat template), assembled in token space so that it has exactly the
+requested number of tokens:
+
+    [special prefix (BOS, if the tokenizer adds one)] INTRO  FILLER[:before]  NEEDLE  FILLER[before:]  QUESTION
+
+  INTRO    "There is an important piece of information hidden inside a lot of irrelevant text. ..."
+  NEEDLE   "The pass key is 71432. Remember it. 71432 is the pass key."
+  QUESTION "What is the pass key? The pass key is"
+
+The filler is a stream of sentences drawn with the sample's seed from `FILLER_SENTENCES` (none holds a digit).
+The text before the needle is whole sentences, as many as fit in `depth * F` filler tokens (F = the filler
+tokens the length leaves), so the needle starts on a sentence boundary less than one sentence before the
+requested depth; the text after it is cut to fill the length exactly (only its last sentence may be cut).
+The model generates a few tokens greedily; a sample is correct when the first run of digits in the
+completion is exactly the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Sequence
+
+import numpy as np
+
+INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. Find it and "
+         "memorize it. I will quiz you about the important information there.")
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = "What is the pass key? The pass key is"
+DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+FILLER_SENTENCES = (
+    "The grass is green.",
+    "The sky is blue.",
+    "The sun is yellow.",
+    "Here we go.",
+    "There and back again.",
+    "A light wind moved through the tall trees at the edge of the field.",
+    "The river ran slowly past the old stone mill.",
+    "Clouds gathered over the hills in the late afternoon.",
+    "A small boat drifted along the quiet shore.",
+    "The market opened early and the streets filled with people.",
+    "Somewhere a dog barked, and then the village was silent again.",
+    "The road wound up the valley between fields of wheat.",
+    "Rain tapped softly against the windows of the kitchen.",
+    "An old clock ticked on the wall of the empty hall.",
+    "The baker set out fresh bread on the wooden counter.",
+    "Birds sang in the hedges along the lane.",
+    "The lamp in the window burned until the morning.",
+    "Snow covered the roofs of the houses on the hill.",
+    "A cart rolled past, loaded with apples and hay.",
+    "The children ran across the meadow toward the pond.",
+    "Smoke rose straight up from the chimney into the still air.",
+    "The ship left the harbour with the evening tide.",
+    "In the garden the roses were beginning to bloom.",
+    "The teacher wrote a long sentence on the board.",
+    "A gentle light fell across the floor of the library.",
+    "The mountains looked blue and far away in the haze.",
+    "Leaves turned red and gold as the days grew shorter.",
+    "A traveller stopped at the inn to rest his horse.",
+    "The bell in the tower rang for the evening meal.",
+    "Waves broke on the rocks below the lighthouse.",
+    "The path through the forest was narrow and dark.",
+    "A cat slept in the warm sun on the doorstep.",
+    "The farmer walked out to look at the sky before dawn.",
+    "Far away, a train whistled as it crossed the plain.",
+    "The pages of the book were yellow with age.",
+    "Frost made patterns on the glass during the night.",
+    "The fisherman mended his nets by the water.",
+    "A quiet song drifted from an open window.",
+    "The stars came out one by one over the sea.",
+    "Everyone agreed that the weather would change soon.",
+)
+
+_DIGITS = re.compile(r"\d+")
+
+
+@dataclasses.dataclass(frozen=True)
+class PasskeyPrompt:
+    """One passkey sample.
+
+    Attributes:
+      tokens: i32[length] the prompt's token ids (special prefix included).
+      key: the 5-digit pass key, as a string.
+      depth: the requested depth, a fraction of the filler placed before the needle.
+      needle_start: index in `tokens` of the needle's first token.
+      needle_len: the needle's length in tokens.
+      filler_start, filler_tokens: where the filler region (needle excluded) starts and how many filler tokens
+        the prompt holds; the achieved depth is (needle_start - filler_start) / filler_tokens.
+    """
+
+    tokens: np.ndarray
+    key: str
+    depth: float
+    needle_start: int
+    needle_len: int
+    filler_start: int
+    filler_tokens: int
+
+    @property
+    def achieved_depth(self) -> float:
+        return (self.needle_start - self.filler_start) / self.filler_tokens
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def special_prefix(tokenizer) -> list[int]:
+    """The ids the tokenizer puts in front of a text when adding special tokens (e.g. [BOS]), maybe []."""
+    probe = "Hello world"
+    plain = _ids(tokenizer, probe)
+    full = list(tokenizer(probe)["input_ids"])
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return full[:start]
+    return []
+
+
+def check_depths(depths: Sequence[float]) -> tuple[float, ...]:
+    depths = tuple(float(d) for d in depths)
+    if not depths:
+        raise ValueError("no passkey depths given: expected at least one fraction in [0, 1]")
+    for d in depths:
+        if not 0.0 <= d <= 1.0:
+            raise ValueError(f"passkey depth {d}: expected a fraction in [0, 1]")
+    return depths
+
+
+def make_prompt(tokenizer, length: int, depth: float, key: str, rng: np.random.Generator) -> PasskeyPrompt:
+    """Builds a passkey prompt of exactly `length` tokens with the needle at `depth` of the filler.
+
+    Args:
+      tokenizer: a transformers tokenizer.
+      length: the prompt's length in tokens.
+      depth: fraction in [0, 1] of the filler tokens placed before the needle.
+      key: the pass key (digits).
+      rng: draws the filler sentences.
+    """
+    check_depths([depth])
+    head = special_prefix(tokenizer) + _ids(tokenizer, INTRO)
+    needle = _ids(tokenizer, " " + NEEDLE.format(key=key))
+    tail = _ids(tokenizer, " " + QUESTION)
+    filler_tokens = length - len(head) - len(needle) - len(tail)
+    if filler_tokens < 1:
+        raise ValueError(f"passkey length={length} tokens is too short: the instructions, needle and question "
+                         f"alone take {length - filler_tokens} tokens with this tokenizer; expected a length "
+                         f">= {length - filler_tokens + 1}")
+    sentences = [_ids(tokenizer, " " + s) for s in FILLER_SENTENCES]
+
+    def draw(n_tokens: int) -> list[list[int]]:
+        out, total = [], 0
+        while total < n_tokens:
+            s = sentences[int(rng.integers(len(sentences)))]
+            out.append(s)
+            total += len(s)
+        return out
+
+    # Before the needle: whole sentences while they fit in depth * F tokens.
+    target_before = int(round(depth * filler_tokens))
+    before: list[int] = []
+    for s in draw(target_before + 64):
+        if len(before) + len(s) > target_before:
+            break
+        before += s
+    after: list[int] = []
+    for s in draw(filler_tokens - len(before)):
+        after += s
+    after = after[: filler_tokens - len(before)]
+    tokens = head + before + needle + after + tail
+    assert len(tokens) == length, (len(tokens), length)
+    return PasskeyPrompt(tokens=np.asarray(tokens, np.int32), key=key, depth=float(depth),
+                         needle_start=len(head) + len(before), needle_len=len(needle), filler_start=len(head),
+                         filler_tokens=filler_tokens)
+
+
+def make_prompts(tokenizer, length: int, samples: int, seed: int,
+                 depths: Sequence[float] = DEFAULT_DEPTHS) -> list[PasskeyPrompt]:
+    """`samples` prompts of `length` tokens; sample i has depth depths[i % len(depths)] and a random key.
+
+    The keys and filler depend only on (seed, length, i), so every method sees the same prompts.
+    """
+    if samples < 1:
+        raise ValueError(f"samples={samples}: expected >= 1")
+    depths = check_depths(depths)
+    prompts = []
+    for i in range(samples):
+        rng = np.random.default_rng([seed, length, i])
+        key = str(int(rng.integers(10000, 100000)))
+        prompts.append(make_prompt(tokenizer, length, depths[i % len(depths)], key, rng))
+    return prompts
+
+
+def extract_answer(completion: str) -> str | None:
+    """The first run of digits in the completion, or None."""
+    m = _DIGITS.search(completion)
+    return m.group(0) if m else None
+
+
+def is_correct(completion: str, key: str) -> bool:
+    """Exact match of the completion's first run of digits with the key."""
+    return extract_answer(completion) == key

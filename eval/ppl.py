@@ -1,0 +1,159 @@
+"""Perplexity on a text corpus, with decode simulated token by token or with the method's sparse prefill.
+
+Windows: the corpus is tokenized once; each sample is the tokenizer's special prefix (BOS, if it adds one)
+followed by `length - len(prefix)` consecutive corpus tokens from a seeded offset (non-overlapping windows
+while the corpus holds enough of them).
+
+Scored positions: every token 1..T-1 of a window is predicted from the tokens before it (T = length), so a
+window contributes T - 1 negative log-likelihoods; perplexity = exp(mean NLL) pooled over all windows'
+scored tokens.
+
+Two variants:
+  "decode"   `models.llama.decode` on an empty cache, fed the window in chunks of `chunk` tokens: every query
+             row attends as a decode step would (its own per-row selection over the keys before it), which is
+             what a method does when it generates token by token. The chunks only bound memory; the result
+             does not depend on the chunk size for a method whose decode is per-row.
+  "prefill"  `models.llama.prefill` over the whole window with all logits (the method's sparse prefill).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eval.passkey import special_prefix
+from models import llama
+from models.cache import KVCache, init_cache
+from models.config import ModelConfig
+from models.params import Params
+
+Array = jax.Array
+VARIANTS = ("decode", "prefill")
+DEFAULT_CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "call_of_the_wild.txt")
+
+
+def check_variants(variants) -> tuple[str, ...]:
+    variants = tuple(variants)
+    if not variants:
+        raise ValueError(f"no perplexity variant given: expected some of {list(VARIANTS)}")
+    for v in variants:
+        if v not in VARIANTS:
+            raise ValueError(f"unknown perplexity variant {v!r}: expected one of {list(VARIANTS)}")
+    return variants
+
+
+def read_corpus(path: str | None) -> str:
+    """Reads a UTF-8 text corpus; raises FileNotFoundError / ValueError naming the path when missing or empty."""
+    if path is None:
+        raise ValueError("the ppl task needs a corpus: pass --corpus PATH (a UTF-8 text file)")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"corpus {path!r} does not exist or is not a file: --corpus expects a UTF-8 "
+                                "text file")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if not text.strip():
+        raise ValueError(f"corpus {path!r} is empty: --corpus expects a UTF-8 text file with some text")
+    return text
+
+
+def tokenize_corpus(tokenizer, text: str) -> np.ndarray:
+    """i32[N] corpus token ids (no special tokens)."""
+    # Tokenize by paragraphs so that a long corpus never trips the tokenizer's max-length warning.
+    ids: list[int] = []
+    for part in text.split("\n\n"):
+        if part.strip():
+            ids += tokenizer(part + "\n\n", add_special_tokens=False, verbose=False)["input_ids"]
+    return np.asarray(ids, np.int32)
+
+
+def make_windows(tokenizer, corpus_ids: np.ndarray, length: int, samples: int, seed: int) -> np.ndarray:
+    """i32[samples, length] windows: special prefix + consecutive corpus tokens from seeded offsets.
+
+    Windows do not overlap when the corpus holds `samples` of them; otherwise offsets are drawn freely.
+    """
+    if samples < 1:
+        raise ValueError(f"samples={samples}: expected >= 1")
+    prefix = np.asarray(special_prefix(tokenizer), np.int32)
+    body = length - len(prefix)
+    if body < 2:
+        raise ValueError(f"ppl length={length}: expected at least {len(prefix) + 2} tokens")
+    n = len(corpus_ids)
+    if n < body:
+        raise ValueError(f"the corpus has {n} tokens, fewer than the {body} needed for a window of length {length}; "
+                         "use a longer corpus or a shorter length")
+    rng = np.random.default_rng([seed, length])
+    slots = n // body
+    if samples <= slots:
+        starts = np.sort(rng.choice(slots, size=samples, replace=False)) * body
+        starts = starts + rng.integers(0, n - slots * body + 1)  # shift the grid; stays in range
+    else:
+        starts = rng.integers(0, n - body + 1, size=samples)
+    rows = [np.concatenate([prefix, corpus_ids[s:s + body]]) for s in starts]
+    return np.stack(rows).astype(np.int32)
+
+
+def _token_nll(logits: Array, targets: Array) -> Array:
+    """logits: f32[B, T, V], targets: i32[B, T] -> f32[B, T] negative log-likelihoods."""
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return lse - picked
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def decode_chunk_nll(params: Params, method, tokens: Array, targets: Array, cache: KVCache, state, *,
+                     cfg: ModelConfig):
+    """One chunk of simulated decoding.
+
+    Args:
+      tokens: i32[B, C] the next C tokens of each row (appended at cache.lengths).
+      targets: i32[B, C] the token that follows each of them.
+    Returns:
+      (nll: f32[B, C], cache, state).
+    """
+    logits, cache, state = llama.decode(params, cfg, method, tokens, cache, state)
+    return _token_nll(logits, targets), cache, state
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def prefill_nll(params: Params, method, tokens: Array, *, cfg: ModelConfig) -> Array:
+    """tokens: i32[B, T] -> f32[B, T - 1] NLL of tokens 1..T-1 under the method's prefill."""
+    B, T = tokens.shape
+    cache = init_cache(cfg, B, T, params.embed.dtype)
+    state = method.init_state(cfg, B, T)
+    lengths = jnp.full((B,), T, jnp.int32)
+    logits, _, _ = llama.prefill(params, cfg, method, tokens, lengths, cache, state, all_logits=True)
+    return _token_nll(logits[:, :-1], tokens[:, 1:])
+
+
+def decode_nll(params: Params, cfg: ModelConfig, method, tokens: np.ndarray, chunk: int = 512,
+               on_chunk=None) -> np.ndarray:
+    """tokens: i32[B, T] -> f32[B, T - 1] NLL of tokens 1..T-1, decoding the rows `chunk` tokens at a time.
+
+    All T tokens are fed (the last one's prediction is dropped), so when `chunk` divides T every call has
+    the same shapes and one (method, T) compiles once.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk={chunk}: expected >= 1 tokens per decode call")
+    B, T = tokens.shape
+    capacity = -(-T // 128) * 128
+    cache = init_cache(cfg, B, capacity, params.embed.dtype)
+    state = method.init_state(cfg, B, capacity)
+    inputs = jnp.asarray(tokens)
+    targets = jnp.asarray(np.concatenate([tokens[:, 1:], np.zeros((B, 1), np.int32)], axis=1))
+    out = []
+    for s in range(0, T, chunk):
+        nll, cache, state = decode_chunk_nll(params, method, inputs[:, s:s + chunk], targets[:, s:s + chunk],
+                                             cache, state, cfg=cfg)
+        out.append(np.asarray(nll))
+        if on_chunk is not None:
+            on_chunk()
+    return np.concatenate(out, axis=1)[:, :-1]
+
+
+def perplexity(nll: np.ndarray) -> float:
+    """exp(mean NLL) over all given token NLLs."""
+    return float(np.exp(np.mean(np.asarray(nll, np.float64))))

@@ -1,0 +1,146 @@
+"""Writing an evaluation run: results.json (the records), summary.md (tables for people), run.json (metadata).
+
+summary.md holds
+  - the results table: one row per method, one column per (task [variant], length): passkey accuracy as
+    `0.80 (8/10)`, perplexity as `12.34`, with the change relative to dense in the same column when dense
+    was run (`12.50 (+1.3%)`);
+  - achieved sparsity per method and length;
+  - passkey accuracy per needle depth, one table per length.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+from typing import Any, Mapping, Sequence
+
+RESULTS_JSON = "results.json"
+SUMMARY_MD = "summary.md"
+RUN_JSON = "run.json"
+PASSKEY_OUTPUTS_JSON = "passkey_outputs.json"
+
+
+def run_metadata(**extra: Any) -> dict:
+    """Date, git commit, jax version and devices, plus `extra` (model, command, ...)."""
+    import jax
+
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        meta["commit"] = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                        timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        meta["commit"] = None
+    meta["jax"] = jax.__version__
+    meta["device"] = str(jax.devices()[0].device_kind)
+    meta["backend"] = jax.default_backend()
+    meta.update(extra)
+    return meta
+
+
+def _column(r: Mapping) -> tuple:
+    task = r["task"] if r["task"] == "passkey" else f"ppl {r['variant']}"
+    return (r["length"], 0 if r["task"] == "passkey" else 1, task)
+
+
+def _cell(r: Mapping, dense: Mapping | None) -> str:
+    if r["metric"] == "accuracy":
+        hits = round(r["value"] * r["n"])
+        return f"{r['value']:.2f} ({hits}/{r['n']})"
+    text = f"{r['value']:.3f}"
+    if dense is not None and r["method"] != "dense":
+        text += f" ({100.0 * (r['value'] / dense['value'] - 1.0):+.1f}%)"
+    return text
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def _methods(records: Sequence[Mapping]) -> list[str]:
+    seen: list[str] = []
+    for r in records:
+        if r["method"] not in seen:
+            seen.append(r["method"])
+    return seen
+
+
+def summary_markdown(records: Sequence[Mapping], meta: Mapping | None = None) -> str:
+    """The Markdown summary of a run's records (rows: methods; columns: task [variant] @ length)."""
+    meta = dict(meta or {})
+    methods = _methods(records)
+    main = [r for r in records if r["depth"] is None]
+    columns = sorted({_column(r) for r in main})
+    cells = {(r["method"], _column(r)): r for r in main}
+    budget = sorted({r["budget"] for r in records})
+
+    lines = ["# Evaluation summary", ""]
+    if meta.get("command"):
+        lines += ["```", meta["command"], "```", ""]
+    facts = [("model", meta.get("model")), ("budget", ", ".join(f"{b:g}" for b in budget) or None),
+             ("samples", meta.get("samples")), ("seed", meta.get("seed")), ("corpus", meta.get("corpus")),
+             ("device", meta.get("device")), ("jax", meta.get("jax")), ("commit", meta.get("commit")),
+             ("date", meta.get("date"))]
+    lines += [f"- {k}: {v}" for k, v in facts if v is not None] + [""]
+
+    header = ["method"] + [f"{task} @{length}" for length, _, task in columns]
+    rows = []
+    for m in methods:
+        row = [m]
+        for col in columns:
+            r = cells.get((m, col))
+            row.append("" if r is None else _cell(r, cells.get(("dense", col))))
+        rows.append(row)
+    lines += ["## Results", "",
+              "passkey: exact-match accuracy of the key's digits (correct/total); ppl: perplexity over every "
+              "token after the first, with the change relative to dense.", ""]
+    lines += _table(header, rows) + [""]
+
+    lengths = sorted({r["length"] for r in records})
+    sparsity = {}
+    for r in main:
+        sparsity.setdefault((r["method"], r["length"]), r["sparsity"])
+    lines += ["## Achieved sparsity", "", "Fraction of the visible keys not attended, averaged over layers and "
+              "query positions (blank: the method does not report it).", ""]
+    srows = [[m] + ["" if sparsity.get((m, L)) is None else f"{sparsity[(m, L)]:.3f}" for L in lengths]
+             for m in methods]
+    lines += _table(["method"] + [f"@{L}" for L in lengths], srows) + [""]
+
+    by_depth = [r for r in records if r["depth"] is not None]
+    if by_depth:
+        lines += ["## Passkey accuracy by needle depth", ""]
+        for L in lengths:
+            rs = [r for r in by_depth if r["length"] == L]
+            if not rs:
+                continue
+            depths = sorted({r["depth"] for r in rs})
+            cell = {(r["method"], r["depth"]): r for r in rs}
+            drows = [[m] + ["" if (m, d) not in cell else _cell(cell[(m, d)], None) for d in depths]
+                     for m in methods]
+            lines += [f"Length {L}:", ""] + _table(["method"] + [f"depth {d:g}" for d in depths], drows) + [""]
+    return "\n".join(lines)
+
+
+def write_results(out_dir: str, records: Sequence[Mapping], meta: Mapping | None = None,
+                  passkey_outputs: Sequence[Mapping] | None = None) -> None:
+    """Writes results.json, summary.md, run.json (when meta is given) and passkey_outputs.json (when given)."""
+    os.makedirs(out_dir, exist_ok=True)
+
+    def dump(name: str, obj: Any) -> None:
+        tmp = os.path.join(out_dir, name + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, os.path.join(out_dir, name))
+
+    dump(RESULTS_JSON, list(records))
+    if meta is not None:
+        dump(RUN_JSON, dict(meta))
+    if passkey_outputs is not None:
+        dump(PASSKEY_OUTPUTS_JSON, list(passkey_outputs))
+    with open(os.path.join(out_dir, SUMMARY_MD), "w") as f:
+        f.write(summary_markdown(records, meta))

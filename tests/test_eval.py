@@ -1,0 +1,309 @@
+"""The eval harness (eval/): passkey prompts, perplexity, records, summary and the `eval` command's errors.
+
+Runs on a tiny random Llama (2 layers) with a tiny byte-level BPE tokenizer trained in the test, so nothing
+is downloaded; a test-only method ("eval_test_sparse", dense attention that reports a sparsity of 0.5 and
+remembers the artifact it was given) stands in for the sparse methods.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import struct
+
+import jsparse
+from eval import cli_eval, harness, passkey, ppl, report
+from jsparse.methods import register
+from models import llama
+from models.bundled import LoadedModel
+from models.cache import init_cache
+from models.config import ModelConfig
+from models.params import expected_shapes
+from pallas_kernels.dense import dense_decode, dense_prefill
+
+SEEN_ARTIFACTS: list = []
+
+
+@register("eval_test_sparse")
+@struct.dataclass
+class _TestSparse:
+    """Dense attention that reports achieved sparsity 0.5 (a stand-in for a sparse method)."""
+
+    @classmethod
+    def build(cls, budget=None, artifact=None, **unused):
+        SEEN_ARTIFACTS.append(artifact)
+        return cls()
+
+    def init_state(self, cfg, batch, max_len):
+        return None
+
+    def layer_info(self, cfg):
+        return None
+
+    def prefill(self, ctx, q, k, v, state):
+        return dense_prefill(q, k, v), state
+
+    def decode(self, ctx, q, cache, state):
+        return dense_decode(q, cache.k, cache.v, ctx.lengths), state
+
+    def achieved_sparsity(self, cfg, positions):
+        assert positions.ndim == 1
+        return 0.5
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(passkey.FILLER_SENTENCES) + [passkey.INTRO, passkey.NEEDLE, passkey.QUESTION],
+                            trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    cfg = ModelConfig(architecture="llama", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=1024,
+                      bos_token_id=0, eos_token_ids=(1,))
+    # numpy draws (eager jax.random per leaf costs a compilation each); norms stay ones as in random_params.
+    rng = np.random.default_rng(0)
+    params = jax.tree_util.tree_map(
+        lambda shape: jnp.asarray(rng.normal(0.0, 0.2, shape), jnp.float32), expected_shapes(cfg),
+        is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x))
+    params = params.replace(final_norm=jnp.ones_like(params.final_norm), layers=params.layers.replace(
+        attn_norm=jnp.ones_like(params.layers.attn_norm), mlp_norm=jnp.ones_like(params.layers.mlp_norm)))
+    return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, name="tiny-random")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, tokenizer):
+    path = tmp_path_factory.mktemp("corpus") / "eval_corpus.txt"
+    rng = np.random.default_rng(0)
+    paragraphs = [" ".join(rng.choice(passkey.FILLER_SENTENCES, 12)) for _ in range(60)]
+    path.write_text("\n\n".join(paragraphs), encoding="utf-8")
+    return str(path)
+
+
+# ------------------------------------------------------------------------------------------------ passkey
+
+
+@pytest.mark.parametrize("length", [160, 301])
+def test_passkey_prompt_length_and_needle_depth(tokenizer, length):
+    longest = max(len(tokenizer(" " + s, add_special_tokens=False)["input_ids"])
+                  for s in passkey.FILLER_SENTENCES)
+    for i, depth in enumerate(passkey.DEFAULT_DEPTHS):
+        key = str(10000 + 7919 * i)
+        p = passkey.make_prompt(tokenizer, length, depth, key, np.random.default_rng(i))
+        assert p.tokens.shape == (length,) and p.tokens.dtype == np.int32
+        assert p.tokens[0] == tokenizer.bos_token_id
+        needle = tokenizer(" " + passkey.NEEDLE.format(key=key), add_special_tokens=False)["input_ids"]
+        assert list(p.tokens[p.needle_start:p.needle_start + p.needle_len]) == needle
+        # Needle on a sentence boundary at most one sentence before the requested depth.
+        target = depth * p.filler_tokens
+        assert target - longest < p.needle_start - p.filler_start <= target + 0.5
+        text = tokenizer.decode(p.tokens, skip_special_tokens=True)
+        assert passkey.NEEDLE.format(key=key) in text
+        assert text.startswith(passkey.INTRO) and text.endswith(passkey.QUESTION)
+        assert text.count(key) == 2  # the needle names the key twice and nothing else holds a digit
+
+
+def test_passkey_prompts_are_seeded_and_cycle_depths(tokenizer):
+    a = passkey.make_prompts(tokenizer, 200, 7, seed=3)
+    b = passkey.make_prompts(tokenizer, 200, 7, seed=3)
+    c = passkey.make_prompts(tokenizer, 200, 7, seed=4)
+    assert [p.key for p in a] == [p.key for p in b]
+    assert all(np.array_equal(p.tokens, q.tokens) for p, q in zip(a, b))
+    assert [p.key for p in a] != [p.key for p in c]
+    assert all(len(p.key) == 5 and p.key.isdigit() for p in a)
+    assert [p.depth for p in a] == [0.1, 0.3, 0.5, 0.7, 0.9, 0.1, 0.3]
+
+
+def test_passkey_errors(tokenizer):
+    with pytest.raises(ValueError, match="too short"):
+        passkey.make_prompt(tokenizer, 40, 0.5, "12345", np.random.default_rng(0))
+    with pytest.raises(ValueError, match=r"depth 1.5: expected a fraction in \[0, 1\]"):
+        passkey.make_prompt(tokenizer, 200, 1.5, "12345", np.random.default_rng(0))
+
+
+def test_passkey_scoring():
+    assert passkey.is_correct(" 71432. Remember", "71432")
+    assert passkey.is_correct("71432", "71432")
+    assert not passkey.is_correct(" 7143", "71432")
+    assert not passkey.is_correct(" 714321", "71432")
+    assert not passkey.is_correct(" the key", "71432")
+    assert not passkey.is_correct(" 1 71432", "71432")
+
+
+# ------------------------------------------------------------------------------------------------ ppl
+
+
+def test_windows(tokenizer, corpus):
+    ids = ppl.tokenize_corpus(tokenizer, ppl.read_corpus(corpus))
+    w = ppl.make_windows(tokenizer, ids, 100, 5, seed=1)
+    assert w.shape == (5, 100) and w.dtype == np.int32
+    assert (w[:, 0] == tokenizer.bos_token_id).all()
+    corpus_str = ",".join(map(str, ids))
+    for row in w:
+        assert ",".join(map(str, row[1:])) in corpus_str  # consecutive corpus tokens
+    np.testing.assert_array_equal(w, ppl.make_windows(tokenizer, ids, 100, 5, seed=1))
+    assert not np.array_equal(w, ppl.make_windows(tokenizer, ids, 100, 5, seed=2))
+    with pytest.raises(ValueError, match="corpus has .* fewer than"):
+        ppl.make_windows(tokenizer, ids[:50], 100, 1, seed=0)
+
+
+def _direct_nll(model, windows: np.ndarray) -> np.ndarray:
+    """NLL of tokens 1..T-1 straight from llama.prefill's logits, in numpy (f64)."""
+    cfg, B, T = model.cfg, windows.shape[0], windows.shape[1]
+    method = jsparse.build_method("dense", model)
+    logits, _, _ = llama.prefill(model.params, cfg, method, jnp.asarray(windows), jnp.full((B,), T, jnp.int32),
+                                 init_cache(cfg, B, T, jnp.float32), None, all_logits=True)
+    logits = np.asarray(logits, np.float64)[:, :-1]
+    m = logits.max(-1, keepdims=True)
+    logp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
+    return -np.take_along_axis(logp, windows[:, 1:, None], axis=-1)[..., 0]
+
+
+def test_ppl_of_dense_is_exp_mean_nll_of_prefill_logits(model, corpus):
+    # 3 windows in batches of 2 (the last padded) and chunks of 48 over 128 tokens (48, 48, 32).
+    spec = harness.EvalSpec(methods=("dense",), tasks=("ppl",), lengths=(128,), samples=3, seed=5, corpus=corpus,
+                            chunk=48, max_batch_tokens=256)
+    run = harness.evaluate(model, spec, progress=False)
+    ids = ppl.tokenize_corpus(model.tokenizer, ppl.read_corpus(corpus))
+    windows = ppl.make_windows(model.tokenizer, ids, 128, 3, seed=5)
+    nll = _direct_nll(model, windows)
+    want = float(np.exp(nll.mean()))
+    assert np.isfinite(want) and want > 1.0 and nll.std() > 0.1  # not a degenerate model
+    got = {r["variant"]: r for r in run.records}
+    assert set(got) == {"decode", "prefill"}
+    for r in got.values():
+        assert r["task"] == "ppl" and r["metric"] == "perplexity" and r["n"] == 3 and r["sparsity"] == 0.0
+        np.testing.assert_allclose(r["value"], want, rtol=2e-5)
+    # The per-token NLLs themselves agree (not only their mean).
+    np.testing.assert_allclose(ppl.decode_nll(model.params, model.cfg, jsparse.build_method("dense", model),
+                                              windows, chunk=48), nll, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------ the command
+
+
+def _parser():
+    parser = argparse.ArgumentParser(prog="jsparse")
+    cli_eval.add_eval_parser(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def test_eval_command_writes_records_and_summary(model, corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr(jsparse, "load", lambda spec, dtype=None: model)
+    SEEN_ARTIFACTS.clear()
+    out = tmp_path / "run"
+    from models.generate import generate_tokens
+
+    jitted = (ppl.prefill_nll, ppl.decode_chunk_nll, generate_tokens)
+    before = [f._cache_size() for f in jitted]
+    args = _parser().parse_args(
+        ["eval", "--model", "tiny", "--methods", "dense,eval_test_sparse", "--tasks", "passkey,ppl",
+         "--lengths", "128,192", "--budget", "0.25", "--samples", "2", "--corpus", corpus, "--artifact",
+         "eval_test_sparse=some/artifact", "--seed", "1", "--depths", "0.2,0.8", "--chunk", "64",
+         "--new-tokens", "6", "--max-batch-tokens", "200", "--out", str(out), "--no-progress"])
+    assert args.func(args) == 0
+    # One batch of 1 sample at a time (2 batches per length), decode chunks of 64: still one compilation per
+    # (method, length) for each jitted function.
+    assert [f._cache_size() - b for f, b in zip(jitted, before)] == [4, 4, 4]
+    assert SEEN_ARTIFACTS == ["some/artifact"]
+
+    records = json.loads((out / "results.json").read_text())
+    assert isinstance(records, list)
+    for r in records:
+        assert tuple(r) == harness.RECORD_KEYS
+        assert {"task", "method", "length", "budget", "metric", "value", "sparsity", "n"} <= set(r)
+        assert r["budget"] == 0.25
+        assert r["sparsity"] == {"dense": 0.0, "eval_test_sparse": 0.5}[r["method"]]
+    main = [r for r in records if r["depth"] is None]
+    assert sorted((r["method"], r["task"], r["variant"], r["length"]) for r in main) == sorted(
+        (m, t, v, L) for m in ("dense", "eval_test_sparse") for L in (128, 192)
+        for t, v in (("passkey", "generate"), ("ppl", "decode"), ("ppl", "prefill")))
+    for r in main:
+        assert r["n"] == 2 and r["seconds"] > 0
+        if r["task"] == "passkey":
+            assert r["metric"] == "accuracy" and 0.0 <= r["value"] <= 1.0
+        else:
+            assert r["metric"] == "perplexity" and r["value"] > 1.0
+    by_depth = [r for r in records if r["depth"] is not None]
+    assert sorted((r["method"], r["length"], r["depth"], r["n"]) for r in by_depth) == sorted(
+        (m, L, d, 1) for m in ("dense", "eval_test_sparse") for L in (128, 192) for d in (0.2, 0.8))
+    # The same dense attention under two names gives the same numbers.
+    val = {(r["method"], r["task"], r["variant"], r["length"]): r["value"] for r in main}
+    for (m, t, v, L), x in val.items():
+        np.testing.assert_allclose(x, val[("dense", t, v, L)], rtol=1e-5)
+
+    summary = (out / "summary.md").read_text()
+    table = summary.split("## Results")[1].split("##")[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| method")]
+    assert [row.split("|")[1].strip() for row in rows] == ["dense", "eval_test_sparse"]
+    assert "passkey @128" in table and "ppl decode @192" in table and "ppl prefill @128" in table
+    assert re.search(r"\([+-]0\.0%\)", table)  # relative to dense
+    outputs = json.loads((out / "passkey_outputs.json").read_text())
+    assert len(outputs) == 2 * 2 * 2 and {o["key"] for o in outputs} and all("completion" in o for o in outputs)
+    meta = json.loads((out / "run.json").read_text())
+    assert meta["model"] == "tiny-random" and meta["command"].startswith("jsparse ")
+
+
+@pytest.mark.parametrize("argv, error, match", [
+    (["--methods", "dense,nosuch"], ValueError, r"unknown method 'nosuch'; valid methods: .*dense"),
+    (["--tasks", "passkey,mmlu"], ValueError, r"unknown task 'mmlu'; valid tasks: passkey, ppl"),
+    (["--corpus", "/nonexistent/eval_corpus.txt"], FileNotFoundError, r"corpus '/nonexistent/eval_corpus.txt' "
+     "does not exist"),
+    (["--budget", "0"], ValueError, r"budget=0.0: expected a fraction in \(0, 1\]"),
+    (["--budget", "1.5"], ValueError, r"budget=1.5: expected a fraction in \(0, 1\]"),
+    (["--lengths", "2048,abc"], ValueError, r"length 'abc': expected a positive integer"),
+    (["--samples", "0"], ValueError, r"samples=0: expected a positive integer"),
+    (["--ppl-variants", "decode,beam"], ValueError, r"unknown perplexity variant 'beam'"),
+    (["--artifact", "nosuch=some/dir"], ValueError, r"unknown method 'nosuch'"),
+    (["--methods", "dense", "--artifact", "eval_test_sparse=some/dir"], ValueError, r"not in --methods"),
+])
+def test_eval_command_errors(argv, error, match, tmp_path, monkeypatch):
+    def no_load(*a, **k):
+        raise AssertionError("the model must not be loaded when the arguments are invalid")
+
+    monkeypatch.setattr(jsparse, "load", no_load)
+    args = _parser().parse_args(["eval", "--out", str(tmp_path / "x"), "--no-progress"] + argv)
+    with pytest.raises(error, match=match):
+        args.func(args)
+    assert not os.path.exists(tmp_path / "x")
+
+
+def test_empty_corpus_and_missing_tokenizer_errors(model, tmp_path):
+    empty = tmp_path / "eval_empty.txt"
+    empty.write_text("  \n\n ")
+    with pytest.raises(ValueError, match="is empty"):
+        ppl.read_corpus(str(empty))
+    with pytest.raises(ValueError, match="needs a corpus"):
+        ppl.read_corpus(None)
+    bare = LoadedModel(cfg=model.cfg, params=model.params, tokenizer=None, name="bare")
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        harness.evaluate(bare, harness.EvalSpec(methods=("dense",), lengths=(96,)), progress=False)
+
+
+def test_summary_of_records():
+    recs = [harness.make_record(task="ppl", method=m, length=64, budget=0.1, metric="perplexity", value=v,
+                                sparsity=s, n=2, variant="decode", depth=None, seconds=1.0)
+            for m, v, s in (("dense", 10.0, 0.0), ("oracle", 10.5, 0.8), ("quest", 12.0, None))]
+    md = report.summary_markdown(recs, {"model": "m"})
+    assert "| oracle | 10.500 (+5.0%) |" in md and "| quest | 12.000 (+20.0%) |" in md
+    assert "| quest |  |" in md  # unreported sparsity is blank
+    with pytest.raises(KeyError):
+        harness.make_record(task="ppl")
