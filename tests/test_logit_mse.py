@@ -95,7 +95,7 @@ def test_kernel_loss_and_grads_match_reference(impl, case, causal):
     want = logit_mse_reference(q.astype(jnp.float32), k.astype(jnp.float32), qp.astype(jnp.float32),
                                kp.astype(jnp.float32), causal=causal)
 
-    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2  # bf16 errors measured ~3e-3
     assert per_head.shape == (B, Hq) and per_head.dtype == jnp.float32
     np.testing.assert_allclose(per_head, want, rtol=tol)
     dq, dk, dqp, dkp = grads
