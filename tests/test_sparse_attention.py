@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
 import jax
 import jax.numpy as jnp
 
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.sparse_attention import gpu
 from pallas_kernels.sparse_attention import reference as ref
 from pallas_kernels.sparse_attention import sparse_decode, sparse_prefill
 from pallas_kernels.sparse_attention.xla import sparse_decode_xla, sparse_prefill_xla
 from pallas_kernels.sparse_attention.testing import random_decode_indices, random_prefill_indices
+
+# Triton-backed Pallas is deprecated upstream in favour of Mosaic GPU; the warning is expected here.
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
@@ -191,3 +199,77 @@ def test_api_dispatch_and_errors():
     qp, kp, vp, idxp, lensp = prefill_inputs(4, 1, 24, 4, 2, 16, 4, [24], 8, 1, jnp.float32)
     want = ref.sparse_prefill_reference(qp, kp, vp, idxp, lensp, tile=8)
     assert_close(sparse_prefill(qp, kp, vp, idxp, lensp, tile=8), want, jnp.float32, "prefill api")
+
+
+# --------------------------------------------------------------------------------------------------
+# Pallas GPU (Triton) kernels in interpret mode, and their CUDA lowering.
+
+
+@pytest.mark.parametrize("case,dtype,config", [
+    (DECODE_CASES[0], jnp.float32, gpu.DecodeConfig(block_k=16, num_splits=2)),
+    (DECODE_CASES[1], jnp.bfloat16, gpu.DecodeConfig(block_k=16)),  # heuristic splits
+    (DECODE_CASES[2], jnp.bfloat16, gpu.DecodeConfig(block_k=32, num_splits=3)),  # bs 16: 2 entries / step
+    (DECODE_CASES[3], jnp.float32, gpu.DecodeConfig(block_k=16, num_splits=2)),  # bs 16 = block_k, T = 2
+])
+def test_decode_gpu_interpret_matches_reference(case, dtype, config):
+    B, T, Hq, Hkv, D, N, K, lengths, bs = case
+    q, k, v, idx, lens = decode_inputs(5, B, T, Hq, Hkv, D, N, K, lengths, bs, dtype)
+    out, lse = gpu.sparse_decode_gpu(q, k, v, idx, lens, block_size=bs, return_lse=True, config=config,
+                                     interpret=True)
+    want, want_lse = ref.sparse_decode_reference(q, k, v, idx, lens, block_size=bs, return_lse=True)
+    assert out.dtype == dtype
+    assert_close(out, want, dtype, "decode gpu")
+    assert_close(lse, want_lse, dtype, "decode gpu lse")
+
+
+def test_decode_gpu_interpret_empty_rows_and_empty_splits():
+    # Row 0 head 1: all padding; row 1: a single entry, so most splits are empty.
+    q, k, v, idx, lens = decode_inputs(6, 2, 1, 4, 2, 16, 64, 12, [40, 64], 1, jnp.float32)
+    idx = idx.at[0, 1].set(-1).at[1].set(jnp.full((2, 1, 12), -1).at[:, :, 0].set(63))
+    out, lse = gpu.sparse_decode_gpu(q, k, v, idx, lens, return_lse=True, interpret=True,
+                                     config=gpu.DecodeConfig(block_k=16, num_splits=3))
+    want, want_lse = ref.sparse_decode_reference(q, k, v, idx, lens, return_lse=True)
+    assert_close(out, want, jnp.float32, "decode gpu empty")
+    assert np.all(np.asarray(out[0, 0, 2:]) == 0) and np.all(np.isneginf(np.asarray(lse[0, 0, 2:])))
+    np.testing.assert_allclose(np.asarray(out[1, 0]), np.asarray(v[1, :, 63].repeat(2, 0)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("case,dtype", [
+    (PREFILL_CASES[0], jnp.float32),
+    (PREFILL_CASES[1], jnp.bfloat16),
+    (PREFILL_CASES[2], jnp.float32),
+])
+def test_prefill_gpu_interpret_matches_reference(case, dtype):
+    B, T, Hq, Hkv, D, K, lengths, tile, bs = case
+    q, k, v, idx, lens = prefill_inputs(7, B, T, Hq, Hkv, D, K, lengths, tile, bs, dtype)
+    got = gpu.sparse_prefill_gpu(q, k, v, idx, lens, tile=tile, block_size=bs, interpret=True,
+                                 config=gpu.PrefillConfig(block_k=16))
+    want = ref.sparse_prefill_reference(q, k, v, idx, lens, tile=tile, block_size=bs)
+    assert_close(got, want, dtype, "prefill gpu")
+
+
+def _cuda_export(f, *args):
+    """Lowers f for CUDA on this CPU-only machine (an abstract H100 stands in for the device)."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+    check = jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)
+    with use_abstract_mesh(mesh):
+        return jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(*args)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_gpu_kernels_lower_for_cuda(block_size):
+    # Triton lowering (to the TTIR carried by the custom call) runs without a GPU; PTX compilation does not.
+    sds = jax.ShapeDtypeStruct
+    B, Hq, Hkv, D, N, T = 2, 32, 8, 128, 2048, 256
+    cache = sds((B, Hkv, N, D), jnp.bfloat16)
+    exp = _cuda_export(functools.partial(gpu.sparse_decode_gpu, block_size=block_size, return_lse=True),
+                       sds((B, 1, Hq, D), jnp.bfloat16), cache, cache, sds((B, Hkv, 1, 200 // block_size), jnp.int32),
+                       sds((B,), jnp.int32))
+    assert "sparse_decode_gathered" in exp.mlir_module()
+    kv = sds((B, T, Hkv, D), jnp.bfloat16)
+    exp = _cuda_export(functools.partial(gpu.sparse_prefill_gpu, tile=128, block_size=block_size),
+                       sds((B, T, Hq, D), jnp.bfloat16), kv, kv, sds((B, Hkv, 2, 64 // block_size), jnp.int32),
+                       sds((B,), jnp.int32))
+    assert "sparse_prefill_gathered" in exp.mlir_module()

@@ -1,0 +1,373 @@
+"""Pallas GPU (Triton) kernels of the gathered sparse-attention ops.
+
+Decode (`sparse_decode_gpu`): split-K flash decoding over a gathered key set.
+  grid (B, Hkv, T, S): one program per batch row, KV head, new token and split of the K index entries. The
+  program holds the whole GQA group's queries as one [Gp, D] tile (G padded to >= 16 rows for the tensor-core
+  dot), and each iteration gathers `block_k` key/value rows by index (block_k / block_size entries, each
+  expanded to its block_size tokens) straight from the head-major cache [N, D] of its KV head, then updates an
+  online softmax in f32. It writes a partial (o, m, l) per split; a jnp combine merges the S splits (as
+  jax/experimental/pallas/ops/gpu/decode_attention.py does for dense decode). Each program stops after the
+  last entry that can contribute (computed per row outside the kernel), so -1 padding costs nothing.
+
+Prefill (`sparse_prefill_gpu`): tile-gathered causal flash attention.
+  grid (B, Hq, nt): one program per batch row, query head and query tile of `tile` rows. It iterates first
+  over the tile's selected keys (gathered by index, `block_k` rows at a time, only up to the last entry before
+  the tile start), then over the causal diagonal tile (contiguous rows), with an online softmax in f32.
+
+Both read the inputs in place (no transposes, no copies of the cache) and run in interpret mode on CPU
+(`interpret=True`). Semantics: exactly `reference.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.sparse_attention.common import check_decode_args, check_prefill_args, default_scale
+
+Array = jax.Array
+
+_MASK = -1e30  # finite "minus infinity" for the running max (exp(_MASK - x) underflows to 0)
+_MIN_ROWS = 16  # Triton's tensor-core dot needs M >= 16
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Tuning of the decode kernel.
+
+    Attributes:
+      block_k: key rows gathered per inner iteration (a power of two >= block_size).
+      num_splits: splits of the index entries per (row, KV head, token); None picks enough splits for about
+        `target_programs` programs in total.
+      target_programs: grid size the split heuristic aims for (a few waves of 132 SMs on an H100).
+      num_warps: warps per program.
+      num_stages: software pipelining depth of the inner loop.
+    """
+
+    block_k: int = 64
+    num_splits: int | None = None
+    target_programs: int = 512
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """Tuning of the prefill kernel.
+
+    Attributes:
+      block_k: key rows per inner iteration (selected keys and diagonal tile alike); a power of two.
+      num_warps: warps per program.
+      num_stages: software pipelining depth.
+    """
+
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+def _pow2(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+def unsupported_reason(dtype, head_dim: int, block_size: int, tile: int | None, *,
+                       interpret: bool = False) -> str | None:
+    """Why the Triton kernels cannot take these arguments (None when they can).
+
+    Args:
+      dtype: the q/k/v dtype.
+      head_dim: D.
+      block_size: tokens per index entry.
+      tile: query rows per prefill program (None for decode).
+      interpret: the Pallas interpreter (CPU tests) has no tensor-core minimum, so it also takes tiles < 16.
+    """
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+        return f"dtype {jnp.dtype(dtype)} (expected bfloat16, float16 or float32)"
+    if not _pow2(head_dim) or head_dim < 16:
+        return f"head_dim D={head_dim} (Triton needs a power of two >= 16)"
+    if not _pow2(block_size):
+        return f"block_size={block_size} (expected a power of two)"
+    min_tile = 1 if interpret else _MIN_ROWS
+    if tile is not None and (not _pow2(tile) or tile < min_tile):
+        return f"tile={tile} (the prefill kernel needs a power of two >= {min_tile})"
+    return None
+
+
+def _check_supported(q: Array, block_size: int, tile: int | None, interpret: bool) -> None:
+    reason = unsupported_reason(q.dtype, q.shape[-1], block_size, tile, interpret=interpret)
+    if reason is not None:
+        raise ValueError(f"the Pallas GPU sparse-attention kernel cannot take {reason}")
+
+
+def _gather_rows(ent_ref, k_ref, v_ref, first_entry, block_size: int, block_k: int):
+    """Gathers `block_k` key/value rows for entries first_entry .. first_entry + block_k // block_size - 1.
+
+    Args:
+      ent_ref: int32[E] ref of index entries (block numbers, -1 padded).
+      k_ref, v_ref: [N, D] refs of one KV head.
+      first_entry: i32 scalar, a multiple of block_k // block_size.
+
+    Returns:
+      (tok: i32[block_k] token positions, -1 on padding; k: [block_k, D]; v: [block_k, D]); padded rows read
+      row 0 (their logits are masked by the caller).
+    """
+    if block_size == 1:
+        ent = ent_ref[pl.ds(first_entry, block_k)]
+        tok = ent
+    else:
+        lane = jnp.arange(block_k, dtype=jnp.int32)
+        ent = ent_ref[first_entry + lane // block_size]  # each entry repeated block_size times
+        tok = jnp.where(ent >= 0, ent * block_size + lane % block_size, -1)
+    safe = jnp.maximum(tok, 0)
+    return tok, k_ref[safe, :], v_ref[safe, :]
+
+
+def _online_softmax_step(q, k, v, ok, carry, scale):
+    """One flash step: q [M, D], k/v [n, D], ok bool[M, n] (or [1, n]); carry (o f32[M, D], m f32[M], l f32[M])."""
+    o, m, l = carry
+    s = plgpu.dot(q, k, trans_b=True) * scale  # [M, n] f32
+    s = jnp.where(ok, s, _MASK)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    corr = jnp.exp(m - m_new)
+    p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
+    l = corr * l + jnp.sum(p, axis=1)
+    o = corr[:, None] * o + plgpu.dot(p.astype(v.dtype), v)
+    return o, m_new, l
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Decode.
+
+
+def _decode_kernel(pos_ref, end_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale: float,
+                   block_size: int, block_k: int, entries_per_split: int):
+    """One (b, h, t, split) program.
+
+    Refs: pos_ref, end_ref: i32[1] (last token the query may see: its position, capped at N - 1; 1 + last
+    useful entry of the row); ent_ref: i32[E] this
+    split's entries; q_ref: [Gp, D]; k_ref, v_ref: [N, D]; outputs o_ref: f32[Gp, D], m_ref, l_ref: f32[Gp].
+    """
+    split = pl.program_id(3)
+    pos = pos_ref[0]
+    per_iter = block_k // block_size
+    n_entries = jnp.clip(end_ref[0] - split * entries_per_split, 0, entries_per_split)
+    q = q_ref[...]
+    gp, d = q.shape
+
+    def body(it, carry):
+        tok, k, v = _gather_rows(ent_ref, k_ref, v_ref, it * per_iter, block_size, block_k)
+        ok = ((tok >= 0) & (tok <= pos))[None, :]
+        return _online_softmax_step(q, k, v, ok, carry, scale)
+
+    init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), _MASK, jnp.float32), jnp.zeros((gp,), jnp.float32))
+    o, m, l = lax.fori_loop(0, pl.cdiv(n_entries, per_iter), body, init)
+    o_ref[...] = o
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _useful_end(indices: Array, limit: Array, block_size: int) -> Array:
+    """1 + the last entry position j whose block starts at or before `limit` (0 if none).
+
+    Args:
+      indices: int32[..., K]; limit: int32[...] (last usable token, inclusive).
+    """
+    K = indices.shape[-1]
+    ok = (indices >= 0) & (indices * block_size <= limit[..., None])
+    return jnp.max(jnp.where(ok, jnp.arange(1, K + 1, dtype=jnp.int32), 0), axis=-1).astype(jnp.int32)
+
+
+def _combine_splits(o: Array, m: Array, l: Array) -> tuple[Array, Array]:
+    """Merges split partials: o f32[S, ..., D], m, l f32[S, ...] -> (normalised o f32[..., D], lse f32[...])."""
+    m_all = jnp.max(m, axis=0)
+    w = jnp.exp(m - m_all[None])
+    l_all = jnp.sum(w * l, axis=0)
+    o_all = jnp.sum(w[..., None] * o, axis=0)
+    nonempty = l_all > 0
+    l_safe = jnp.where(nonempty, l_all, 1.0)
+    out = jnp.where(nonempty[..., None], o_all / l_safe[..., None], 0.0)
+    lse = jnp.where(nonempty, m_all + jnp.log(l_safe), -jnp.inf)
+    return out, lse
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "scale", "return_lse", "config", "interpret"))
+def sparse_decode_gpu(q: Array, k: Array, v: Array, indices: Array, lengths: Array, *, block_size: int = 1,
+                      scale: float | None = None, return_lse: bool = False,
+                      config: DecodeConfig = DecodeConfig(), interpret: bool = False) -> Array | tuple[Array, Array]:
+    """Gathered decode attention, Pallas Triton kernel. Args and returns as `reference.sparse_decode_reference`.
+
+    Args:
+      q: [B, T, Hq, D]; k, v: [B, Hkv, N, D] head-major cache; indices: int32[B, Hkv, T, K]; lengths: int32[B].
+      config: kernel tuning (`DecodeConfig`).
+      interpret: run the kernel in the Pallas interpreter (CPU tests).
+
+    Returns:
+      [B, T, Hq, D] in q.dtype (and lse: f32[B, T, Hq] with return_lse).
+    """
+    check_decode_args(q, k, v, indices, lengths, block_size)
+    _check_supported(q, block_size, None, interpret)
+    B, T, Hq, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    G, K = Hq // Hkv, indices.shape[3]
+    scale = default_scale(D, scale)
+    block_k = max(config.block_k, block_size)
+    if not _pow2(block_k):
+        raise ValueError(f"DecodeConfig.block_k={config.block_k}: expected a power of two")
+    per_iter = block_k // block_size
+    if config.num_splits is not None and config.num_splits < 1:
+        raise ValueError(f"DecodeConfig.num_splits={config.num_splits}: expected >= 1 or None")
+    max_splits = pl.cdiv(K, per_iter)
+    splits = config.num_splits or pl.cdiv(config.target_programs, B * Hkv * T)
+    splits = max(1, min(splits, max_splits))
+    E = pl.cdiv(pl.cdiv(K, splits), per_iter) * per_iter  # entries per split
+    Gp = max(_MIN_ROWS, pl.next_power_of_2(G))
+
+    lengths = lengths.astype(jnp.int32)
+    pos = lengths[:, None] - T + jnp.arange(T, dtype=jnp.int32)  # [B, T]
+    limit = jnp.minimum(pos, N - 1)  # tokens past the cache end can never be valid
+    ent = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, 0), (0, splits * E - K)), constant_values=-1)
+    end = _useful_end(ent, limit[:, None, :], block_size)  # [B, Hkv, T]
+    qg = q.reshape(B, T, Hkv, G, D).transpose(0, 2, 1, 3, 4)  # [B, Hkv, T, G, D]
+    if Gp != G:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, Gp - G), (0, 0)))
+
+    kernel = functools.partial(_decode_kernel, scale=scale, block_size=block_size, block_k=block_k,
+                               entries_per_split=E)
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=(B, Hkv, T, splits),
+        in_specs=[
+            pl.BlockSpec((None, 1), lambda b, h, t, s: (b, t)),  # limit: last token the query may see
+            pl.BlockSpec((None, None, 1), lambda b, h, t, s: (b, h, t)),  # end: 1 + last useful entry
+            pl.BlockSpec((None, None, None, E), lambda b, h, t, s: (b, h, t, s)),  # this split's entries
+            pl.BlockSpec((None, None, None, Gp, D), lambda b, h, t, s: (b, h, t, 0, 0)),  # GQA group queries
+            pl.BlockSpec((None, None, N, D), lambda b, h, t, s: (b, h, 0, 0)),  # the KV head's whole cache
+            pl.BlockSpec((None, None, N, D), lambda b, h, t, s: (b, h, 0, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, None, Gp, D), lambda b, h, t, s: (s, b, h, t, 0, 0)),
+            pl.BlockSpec((None, None, None, None, Gp), lambda b, h, t, s: (s, b, h, t, 0)),
+            pl.BlockSpec((None, None, None, None, Gp), lambda b, h, t, s: (s, b, h, t, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp, D), jnp.float32),
+            jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp), jnp.float32),
+            jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="sparse_decode_gathered",
+    )(limit, end, ent, qg, k, v)
+
+    out, lse = _combine_splits(o[..., :G, :], m[..., :G], l[..., :G])  # [B, Hkv, T, G, D], [B, Hkv, T, G]
+    out = out.transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D).astype(q.dtype)
+    if return_lse:
+        return out, lse.transpose(0, 2, 1, 3).reshape(B, T, Hq)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Prefill.
+
+
+def _prefill_kernel(len_ref, end_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, *, scale: float, block_size: int,
+                    block_k: int, tile: int):
+    """One (b, query head, query tile) program.
+
+    Refs: len_ref, end_ref: i32[1] (row length; 1 + last useful entry of the tile); ent_ref: i32[Kp] the tile's
+    entries; q_ref: [tile, D]; k_ref, v_ref: [Tp, D] (the KV head's keys, token stride Hkv * D);
+    o_ref: [tile, D].
+    """
+    i = pl.program_id(2)
+    start = i * tile
+    length = len_ref[0]
+    q = q_ref[...]
+    d = q.shape[-1]
+    qpos = start + jnp.arange(tile, dtype=jnp.int32)
+    per_iter = block_k // block_size
+    carry = (jnp.zeros((tile, d), jnp.float32), jnp.full((tile,), _MASK, jnp.float32),
+             jnp.zeros((tile,), jnp.float32))
+
+    def selected(it, carry):
+        tok, k, v = _gather_rows(ent_ref, k_ref, v_ref, it * per_iter, block_size, block_k)
+        ok = ((tok >= 0) & (tok < start))[None, :]  # entries at or after the tile start are ignored
+        return _online_softmax_step(q, k, v, ok, carry, scale)
+
+    carry = lax.fori_loop(0, pl.cdiv(end_ref[0], per_iter), selected, carry)
+
+    diag_k = min(block_k, tile)
+
+    def diagonal(c, carry):
+        kpos = start + c * diag_k + jnp.arange(diag_k, dtype=jnp.int32)
+        rows = pl.ds(start + c * diag_k, diag_k)
+        ok = kpos[None, :] <= qpos[:, None]
+        return _online_softmax_step(q, k_ref[rows, :], v_ref[rows, :], ok, carry, scale)
+
+    o, m, l = lax.fori_loop(0, tile // diag_k, diagonal, carry)
+    row_ok = (qpos < length) & (l > 0)
+    o = jnp.where(row_ok[:, None], o / jnp.where(row_ok, l, 1.0)[:, None], 0.0)
+    o_ref[...] = o.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("tile", "block_size", "scale", "config", "interpret"))
+def sparse_prefill_gpu(q: Array, k: Array, v: Array, indices: Array, lengths: Array, *, tile: int = 32,
+                       block_size: int = 1, scale: float | None = None, config: PrefillConfig = PrefillConfig(),
+                       interpret: bool = False) -> Array:
+    """Tile-gathered prefill attention, Pallas Triton kernel. Args and returns as
+    `reference.sparse_prefill_reference`.
+
+    Args:
+      q: [B, T, Hq, D]; k, v: [B, T, Hkv, D]; indices: int32[B, Hkv, ceil(T/tile), K]; lengths: int32[B].
+      tile: query rows per program; a power of two >= 16 (smaller powers of two only in interpret mode).
+      config: kernel tuning (`PrefillConfig`).
+      interpret: run the kernel in the Pallas interpreter (CPU tests).
+
+    Returns:
+      [B, T, Hq, D] in q.dtype; rows at or beyond lengths are zeros.
+    """
+    check_prefill_args(q, k, v, indices, lengths, tile, block_size)
+    _check_supported(q, block_size, tile, interpret)
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G, nt, K = Hq // Hkv, indices.shape[2], indices.shape[3]
+    Tp = nt * tile
+    scale = default_scale(D, scale)
+    block_k = max(config.block_k, block_size)
+    if not _pow2(block_k):
+        raise ValueError(f"PrefillConfig.block_k={config.block_k}: expected a power of two")
+    per_iter = block_k // block_size
+    Kp = pl.cdiv(K, per_iter) * per_iter
+
+    if Tp != T:
+        pad = [(0, 0), (0, Tp - T), (0, 0), (0, 0)]
+        q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
+    ent = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, 0), (0, Kp - K)), constant_values=-1)
+    starts = jnp.arange(nt, dtype=jnp.int32) * tile
+    end = _useful_end(ent, jnp.broadcast_to(starts - 1, (B, Hkv, nt)), block_size)[..., None]  # [B, Hkv, nt, 1]
+    lens = jnp.minimum(lengths.astype(jnp.int32), T)[:, None]  # [B, 1]
+
+    kernel = functools.partial(_prefill_kernel, scale=scale, block_size=block_size, block_k=block_k, tile=tile)
+    out = pl.pallas_call(
+        kernel,
+        grid=(B, Hq, nt),
+        in_specs=[
+            pl.BlockSpec((None, 1), lambda b, h, i: (b, 0)),  # row length
+            pl.BlockSpec((None, None, None, 1), lambda b, h, i: (b, h // G, i, 0)),  # 1 + last useful entry
+            pl.BlockSpec((None, None, None, Kp), lambda b, h, i: (b, h // G, i, 0)),  # the tile's entries
+            pl.BlockSpec((None, tile, None, D), lambda b, h, i: (b, i, h, 0)),  # query tile of head h
+            pl.BlockSpec((None, Tp, None, D), lambda b, h, i: (b, 0, h // G, 0)),  # KV head's keys
+            pl.BlockSpec((None, Tp, None, D), lambda b, h, i: (b, 0, h // G, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, tile, None, D), lambda b, h, i: (b, i, h, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, Tp, Hq, D), q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="sparse_prefill_gathered",
+    )(lens, end, ent, q, k, v)
+    return out[:, :T]
