@@ -33,7 +33,11 @@ from models.params import Params
 
 Array = jax.Array
 VARIANTS = ("decode", "prefill")
-DEFAULT_CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "call_of_the_wild.txt")
+_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+# The evaluation corpus (ppl) and a separate development corpus (calibration), so that no method is scored on
+# the text it was calibrated on (see eval/data/README.md).
+DEFAULT_CORPUS = os.path.join(_DATA, "call_of_the_wild.txt")
+DEV_CORPUS = os.path.join(_DATA, "alice_in_wonderland.txt")
 
 
 def check_variants(variants) -> tuple[str, ...]:
