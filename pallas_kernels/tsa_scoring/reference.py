@@ -10,6 +10,8 @@ probabilities in f32, which is what the kernels exist to avoid; it is meant for 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -33,11 +35,17 @@ def tsa_mean_probs_reference(
     Returns:
       f32[B, Hq, T]: mean probability per (query head, key); 0 for keys >= lengths.
     """
-    B, T, Hq, Hkv, D = common.check_inputs(q, k, lengths)
+    B, T, _, _, D = common.check_inputs(q, k, lengths)
     window = common.check_window(window)
     scale = common.default_scale(D, scale)
+    return _mean_probs(q, k, common.full_lengths(B, T, lengths), window=window, scale=scale)
+
+
+@functools.partial(jax.jit, static_argnames=("window", "scale"))
+def _mean_probs(q, k, lens, *, window, scale):
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
     G = Hq // Hkv
-    lens = common.full_lengths(B, T, lengths)
     pos = common.window_positions(lens, window)  # [B, W]
     qw = common.gather_window_queries(q, lens, window)  # [B, W, Hq, D]
     qw = qw.reshape(B, window, Hkv, G, D).astype(jnp.float32)
