@@ -83,9 +83,10 @@ def test_mean_probs_sum_to_one_and_pooling_is_torch_avg_pool1d():
     np.testing.assert_allclose(np.asarray(avg_pool_keys(mean[:1], 7)), want, rtol=1e-6, atol=1e-8)
 
 
-# (B, T, Hq, Hkv, D, window, lengths, dtype): odd lengths, lengths < window, T below a block, G = 1 / 2 / 4.
+# (B, T, Hq, Hkv, D, window, lengths, dtype): odd lengths, lengths < window, an empty row, T below a block,
+# G = 1 / 2 / 4.
 _KERNEL_CASES = [
-    (2, 100, 4, 2, 32, 16, [100, 11], jnp.float32),
+    (3, 100, 4, 2, 32, 16, [100, 11, 0], jnp.float32),  # an empty row too
     (2, 77, 4, 1, 48, 24, [77, 60], jnp.float32),  # D not a power of two (GPU pads it), W not a block multiple
     (1, 130, 2, 2, 64, 40, [129], jnp.bfloat16),
     (2, 12, 2, 1, 16, 8, [12, 3], jnp.bfloat16),  # T shorter than every block
