@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.sparse_attention import gpu
+from pallas_kernels.sparse_attention import gpu, tpu
 from pallas_kernels.sparse_attention import reference as ref
 from pallas_kernels.sparse_attention import sparse_decode, sparse_prefill
 from pallas_kernels.sparse_attention.xla import sparse_decode_xla, sparse_prefill_xla
@@ -28,7 +28,10 @@ def assert_close(got, want, dtype, what=""):
     got = np.asarray(jnp.asarray(got, jnp.float32))
     want = np.asarray(jnp.asarray(want, jnp.float32))
     assert got.shape == want.shape, (got.shape, want.shape)
-    assert np.all(np.isfinite(got)), f"{what}: non-finite output"
+    # Non-finite values only where the reference has the same ones (lse = -inf on an empty row).
+    fin = np.isfinite(want)
+    assert np.array_equal(np.isfinite(got), fin) and np.array_equal(got[~fin], want[~fin]), f"{what}: non-finite"
+    got, want = got[fin], want[fin]
     # Error relative to the output's magnitude (outputs are convex mixes of unit-normal values).
     tol = TOL[dtype] * max(1.0, float(np.max(np.abs(want))))
     err = float(np.max(np.abs(got - want)))
@@ -273,3 +276,74 @@ def test_gpu_kernels_lower_for_cuda(block_size):
                        sds((B, T, Hq, D), jnp.bfloat16), kv, kv, sds((B, Hkv, 2, 64 // block_size), jnp.int32),
                        sds((B,), jnp.int32))
     assert "sparse_prefill_gathered" in exp.mlir_module()
+
+
+# --------------------------------------------------------------------------------------------------
+# Pallas TPU kernels in interpret mode, and their TPU lowering.
+
+TPU_DECODE_CASES = [  # (B, T, Hq, Hkv, D, N, K, lengths, block_size), dtype, blocks_per_step
+    ((2, 1, 4, 2, 16, 128, 5, [77, 128], 8), jnp.float32, 2),
+    ((2, 2, 8, 2, 128, 160, 5, [97, 20], 16), jnp.bfloat16, 3),
+]
+TPU_PREFILL_CASES = [  # (B, T, Hq, Hkv, D, K, lengths, tile, block_size), dtype, blocks_per_step
+    ((2, 40, 4, 2, 16, 3, [40, 23], 16, 8), jnp.float32, 2),
+    ((1, 64, 2, 1, 128, 3, [61], 32, 16), jnp.bfloat16, 4),
+]
+
+
+@pytest.mark.parametrize("case,dtype,n", TPU_DECODE_CASES)
+def test_decode_tpu_interpret_matches_reference(case, dtype, n):
+    B, T, Hq, Hkv, D, N, K, lengths, bs = case
+    q, k, v, idx, lens = decode_inputs(8, B, T, Hq, Hkv, D, N, K, lengths, bs, dtype)
+    idx = idx.at[0, 0].set(-1)  # an empty row
+    out, lse = tpu.sparse_decode_tpu(q, k, v, idx, lens, block_size=bs, return_lse=True,
+                                     config=tpu.TpuConfig(blocks_per_step=n), interpret=True)
+    want, want_lse = ref.sparse_decode_reference(q, k, v, idx, lens, block_size=bs, return_lse=True)
+    assert_close(out, want, dtype, "decode tpu")
+    assert_close(lse, want_lse, dtype, "decode tpu lse")
+
+
+@pytest.mark.parametrize("case,dtype,n", TPU_PREFILL_CASES)
+def test_prefill_tpu_interpret_matches_reference(case, dtype, n):
+    B, T, Hq, Hkv, D, K, lengths, tile, bs = case
+    q, k, v, idx, lens = prefill_inputs(9, B, T, Hq, Hkv, D, K, lengths, tile, bs, dtype)
+    got = tpu.sparse_prefill_tpu(q, k, v, idx, lens, tile=tile, block_size=bs,
+                                 config=tpu.TpuConfig(blocks_per_step=n), interpret=True)
+    want = ref.sparse_prefill_reference(q, k, v, idx, lens, tile=tile, block_size=bs)
+    assert_close(got, want, dtype, "prefill tpu")
+
+
+def _tpu_export(f, *args):
+    """Lowers f for TPU on this CPU-only machine (an abstract TPU v5e stands in for the device)."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+    device = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+    with use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)):
+        return jax.export.export(jax.jit(f), platforms=["tpu"])(*args)
+
+
+@pytest.mark.parametrize("dtype,block_size", [(jnp.bfloat16, 16), (jnp.float32, 8)])
+def test_tpu_kernels_lower_for_tpu(dtype, block_size):
+    sds = jax.ShapeDtypeStruct
+    B, Hq, Hkv, D, N, T = 2, 32, 8, 128, 2048, 256
+    cache = sds((B, Hkv, N, D), dtype)
+    exp = _tpu_export(functools.partial(tpu.sparse_decode_tpu, block_size=block_size, return_lse=True),
+                      sds((B, 1, Hq, D), dtype), cache, cache, sds((B, Hkv, 1, 40), jnp.int32), sds((B,), jnp.int32))
+    assert "tpu_custom_call" in exp.mlir_module()
+    kv = sds((B, T, Hkv, D), dtype)
+    exp = _tpu_export(functools.partial(tpu.sparse_prefill_tpu, tile=128, block_size=block_size),
+                      sds((B, T, Hq, D), dtype), kv, kv, sds((B, Hkv, 2, 8), jnp.int32), sds((B,), jnp.int32))
+    assert "tpu_custom_call" in exp.mlir_module()
+
+
+def test_kernel_argument_errors():
+    q, k, v, idx, lens = decode_inputs(0, 1, 1, 4, 2, 16, 64, 4, [40], 1, jnp.float32)
+    with pytest.raises(ValueError, match="block_size=1 .*multiple of 8"):
+        tpu.sparse_decode_tpu(q, k, v, idx, lens, block_size=1, interpret=True)
+    with pytest.raises(ValueError, match="implementation='pallas_tpu' cannot run"):
+        sparse_decode(q, k, v, idx, lens, implementation="pallas_tpu")
+    q24 = jnp.zeros((1, 1, 4, 24)), jnp.zeros((1, 2, 64, 24))
+    with pytest.raises(ValueError, match="D=24"):
+        gpu.sparse_decode_gpu(q24[0], q24[1], q24[1], idx, lens, interpret=True)
+    with pytest.raises(ValueError, match="tile=12"):
+        qp, kp, vp, idxp, lensp = prefill_inputs(0, 1, 24, 4, 2, 16, 4, [24], 12, 1, jnp.float32)
+        gpu.sparse_prefill_gpu(qp, kp, vp, idxp, lensp, tile=12, interpret=True)
