@@ -173,7 +173,8 @@ def prefill(params: Params, cfg: ModelConfig, method, tokens: Array, lengths: Ar
     return logits, cache, state
 
 
-def decode(params: Params, cfg: ModelConfig, method, tokens: Array, cache: KVCache, state: Any):
+def decode(params: Params, cfg: ModelConfig, method, tokens: Array, cache: KVCache, state: Any, *,
+           unroll: int | bool = 1):
     """Appends tokens: i32[B, T] (T >= 1) at each row's cache length and returns f32[B, T, V] logits."""
     B, T = tokens.shape
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
@@ -195,6 +196,6 @@ def decode(params: Params, cfg: ModelConfig, method, tokens: Array, cache: KVCac
 
     state = start(method, cfg, state, "decode", B, T, cache.capacity)
     (x, ck, cv, state), _ = jax.lax.scan(layer_fn, (x, cache.k, cache.v, state),
-                                         _layer_xs(cfg, params, method))
+                                         _layer_xs(cfg, params, method), unroll=unroll)
     state = finish(method, state, "decode")
     return lm_logits(cfg, params, x), KVCache(k=ck, v=cv, lengths=lengths), state

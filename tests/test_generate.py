@@ -1,0 +1,105 @@
+"""Generation on the layer-scan model: cache consistency, one compiled computation, sampling, request errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jsparse.methods import make_method
+from models import llama
+from models.cache import init_cache
+from models.config import ModelConfig
+from models.generate import Sampling, check_request, generate_tokens, sample
+from models.params import random_params
+
+CFG = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3,
+                  num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256, eos_token_ids=(3,))
+DENSE = make_method("dense")
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_params(CFG, jax.random.key(0), jnp.float32, scale=0.3)
+
+
+def test_prefill_then_decode_equals_full_forward_batch2(params):
+    """Batch 2 with different lengths: prefill a prefix, decode the rest one token (and 3 tokens) at a time."""
+    T = 40
+    tokens = jax.random.randint(jax.random.key(1), (2, T), 0, CFG.vocab_size)
+    full, _, _ = llama.prefill(params, CFG, DENSE, tokens, jnp.array([T, T]), init_cache(CFG, 2, 64, jnp.float32),
+                               None, all_logits=True)
+    prefix = np.array([17, 9])
+    logits, cache, _ = llama.prefill(params, CFG, DENSE, tokens[:, :20], jnp.asarray(prefix),
+                                     init_cache(CFG, 2, 64, jnp.float32), None)
+    np.testing.assert_allclose(logits, full[np.arange(2), prefix - 1], atol=1e-4)
+    pos = prefix.copy()
+    for step in range(6):
+        T_new = 1 if step % 2 == 0 else 3
+        new = np.stack([np.asarray(tokens[b, pos[b]: pos[b] + T_new]) for b in range(2)])
+        logits, cache, _ = llama.decode(params, CFG, DENSE, jnp.asarray(new), cache, None)
+        for b in range(2):
+            np.testing.assert_allclose(logits[b], full[b, pos[b]: pos[b] + T_new], atol=1e-4)
+        pos += T_new
+    np.testing.assert_array_equal(cache.lengths, pos)
+
+
+def test_generate_is_one_compiled_computation(params):
+    tokens = jax.random.randint(jax.random.key(2), (2, 16), 4, CFG.vocab_size)
+    lengths = jnp.array([16, 11])
+    kwargs = dict(cfg=CFG, max_new_tokens=12, capacity=64)
+    generate_tokens._clear_cache()
+    with jax.log_compiles():
+        out1, _ = generate_tokens(params, DENSE, tokens, lengths, jax.random.key(0), **kwargs)
+    assert generate_tokens._cache_size() == 1
+    out2, _ = generate_tokens(params, DENSE, tokens + 1, lengths, jax.random.key(1), **kwargs)
+    assert generate_tokens._cache_size() == 1  # new prompts of the same bucket: no retrace
+    # The whole loop is inside one XLA computation: a while loop in the lowered HLO, no per-token dispatch.
+    hlo = generate_tokens.lower(params, DENSE, tokens, lengths, jax.random.key(0), **kwargs).as_text()
+    assert "stablehlo.while" in hlo
+    assert out1.shape == (2, 12)
+
+
+def test_greedy_generation_matches_step_by_step(params):
+    tokens = jax.random.randint(jax.random.key(3), (2, 10), 4, CFG.vocab_size)
+    lengths = np.array([10, 7])
+    out, num = generate_tokens(params, DENSE, tokens, jnp.asarray(lengths), jax.random.key(0), cfg=CFG,
+                               max_new_tokens=8, capacity=64)
+    for b in range(2):
+        seq = list(np.asarray(tokens[b, : lengths[b]]))
+        for i in range(int(num[b])):
+            logits, _, _ = llama.prefill(params, CFG, DENSE, jnp.asarray([seq]), jnp.asarray([len(seq)]),
+                                         init_cache(CFG, 1, 64, jnp.float32), None)
+            nxt = int(jnp.argmax(logits[0]))
+            assert int(out[b, i]) == nxt
+            seq.append(nxt)
+            if nxt in CFG.eos_token_ids:
+                break
+
+
+def test_eos_stops_a_row():
+    cfg = CFG
+    logits = jnp.zeros((2, cfg.vocab_size)).at[0, 3].set(10.0).at[1, 5].set(10.0)
+    assert list(np.asarray(sample(logits, jax.random.key(0), Sampling()))) == [3, 5]
+
+
+def test_top_p_sampling_stays_in_nucleus():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 4000))
+    draws = np.asarray(sample(logits, jax.random.key(0), Sampling(temperature=1.0, top_p=0.7)))
+    assert set(draws) <= {0, 1}
+    assert 0.55 < np.mean(draws == 0) < 0.70  # 0.5 / 0.8 renormalised
+    with pytest.raises(ValueError, match="top_p=0"):
+        Sampling(temperature=1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="temperature=-1"):
+        Sampling(temperature=-1)
+
+
+def test_request_errors():
+    with pytest.raises(ValueError, match="empty prompt"):
+        check_request(CFG, [5, 0], 4)
+    with pytest.raises(ValueError, match="longer than the KV cache capacity of 64"):
+        check_request(CFG, [60], 8, capacity=64)
+    with pytest.raises(ValueError, match="longer than the model's context of 256"):
+        check_request(CFG, [250], 8)
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        check_request(CFG, [5], 0)
+    assert check_request(CFG, [100], 20) == 128
