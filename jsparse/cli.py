@@ -38,26 +38,30 @@ def cmd_calibrate(args) -> int:
     from tqdm import tqdm
 
     import jsparse
-    from eval.ppl import DEFAULT_CORPUS, make_windows, read_corpus, tokenize_corpus
+    from eval.ppl import DEV_CORPUS, make_windows, read_corpus, tokenize_corpus
     from jsparse.artifacts import save_artifact
-    from jsparse.methods import kascade_calibration
+    from jsparse.methods import calibrators
 
-    if args.method != "kascade":
-        raise ValueError(f"calibrate {args.method!r}: expected one of ['kascade']")
     model = jsparse.load(args.model, args.dtype)
-    if not 1 <= args.anchors <= model.cfg.num_layers:
-        raise ValueError(f"--anchors {args.anchors}: expected between 1 and the model's {model.cfg.num_layers} layers")
-    corpus = args.corpus or [DEFAULT_CORPUS]
+    corpus = args.corpus or [DEV_CORPUS]
     ids = np.concatenate([tokenize_corpus(model.tokenizer, read_corpus(path)) for path in corpus])
-    chunks = make_windows(model.tokenizer, ids, args.length, args.samples, args.seed)
-    with tqdm(total=len(chunks), desc="calibrating kascade") as bar:
-        art = kascade_calibration.calibrate(
-            model.params, model.cfg, (np.asarray(c)[None] for c in chunks), num_anchors=args.anchors,
-            budget=args.budget, tile=args.tile, fingerprint=jsparse.fingerprint(model), model_name=model.name,
-            progress=bar.update)
-    art.meta.update({"corpus": [os.path.abspath(c) for c in corpus], "length": args.length})
+    windows = make_windows(model.tokenizer, ids, args.length, args.samples, args.seed)
+    _, run, _ = calibrators()[args.method]
+    with tqdm(total=len(windows), desc=f"calibrating {args.method}") as bar:
+        art = run(model, windows, args, progress=bar.update)
+    art.meta.update({"corpus": [os.path.abspath(c) for c in corpus], "length": args.length,
+                     "samples": args.samples, "seed": args.seed})
     save_artifact(args.out, art)
-    print(json.dumps({"out": args.out, "anchors": art.meta["anchors"], "objective": art.meta["objective"]}))
+    summary = {k: art.meta[k] for k in ("anchors", "objective", "sparse_layers", "retrieval_heads") if k in art.meta}
+    print(json.dumps({"out": args.out, **summary}))
+    return 0
+
+
+def cmd_bench_model(args) -> int:
+    from eval import bench_model
+
+    bench_model.main(["--shape", args.shape, "--context", args.context, "--batch", args.batch,
+                      "--steps", str(args.steps)] + (["--out", args.out] if args.out else []))
     return 0
 
 
@@ -83,21 +87,40 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling (default 0)")
     g.set_defaults(func=cmd_generate)
 
+    from jsparse.methods import calibrators
+
     c = sub.add_parser("calibrate", help="calibrate a method on development text (writes an artifact folder)",
                        description="Calibrate a method on development text. The artifact is keyed to the model's "
                                    "fingerprint; loading it for another model is an error.")
-    c.add_argument("method", choices=["kascade"], help="the method to calibrate")
-    _add_model_args(c)
-    c.add_argument("--out", required=True, help="artifact folder to write")
-    c.add_argument("--anchors", type=int, default=5, help="Kascade: anchor layers, layer 0 included (default 5)")
-    c.add_argument("--budget", type=float, default=0.1, help="kept fraction of the keys in (0, 1] (default 0.1)")
-    c.add_argument("--tile", type=int, default=32, help="Kascade: query rows pooled per tile (default 32)")
-    c.add_argument("--corpus", nargs="+", default=None,
-                   help="text files to cut development prompts from (default: the corpus bundled in eval/data)")
-    c.add_argument("--length", type=int, default=2048, help="tokens per development prompt (default 2048)")
-    c.add_argument("--samples", type=int, default=4, help="development prompts (default 4)")
-    c.add_argument("--seed", type=int, default=0, help="seed for choosing the prompts (default 0)")
-    c.set_defaults(func=cmd_calibrate)
+    csub = c.add_subparsers(dest="method", required=True, metavar="METHOD")
+    for name, (add_arguments, _, help_text) in sorted(calibrators().items()):
+        m = csub.add_parser(name, help=help_text, description=help_text)
+        _add_model_args(m)
+        m.add_argument("--out", required=True, help="artifact folder to write")
+        m.add_argument("--corpus", nargs="+", default=None,
+                       help="text files to cut development prompts from (default: the development corpus bundled "
+                            "in eval/data, Alice in Wonderland)")
+        m.add_argument("--length", type=int, default=2048, help="tokens per development prompt (default 2048)")
+        m.add_argument("--samples", type=int, default=4, help="development prompts (default 4)")
+        m.add_argument("--seed", type=int, default=0, help="seed for choosing the prompts (default 0)")
+        add_arguments(m)
+        m.set_defaults(func=cmd_calibrate)
+
+    from eval.cli_eval import add_eval_parser
+
+    add_eval_parser(sub)
+
+    b = sub.add_parser("bench", help="GPU/TPU benchmarks (random weights of real model shapes)",
+                       description="Benchmarks on random weights of real model shapes; each writes a JSON file "
+                                   "naming the device, jax version, date and commit.")
+    bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    bm = bsub.add_parser("model", help="dense prefill time and decode tokens/s beside the roofline")
+    bm.add_argument("--shape", default="llama3-8b", help="model shape preset: llama3-8b or qwen3-8b")
+    bm.add_argument("--context", default="8192,32768", help="comma-separated context lengths")
+    bm.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
+    bm.add_argument("--steps", type=int, default=16, help="decode steps timed per case (default 16)")
+    bm.add_argument("--out", default=None, help="JSON file to write")
+    bm.set_defaults(func=cmd_bench_model)
     return parser
 
 

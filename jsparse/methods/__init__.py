@@ -1,4 +1,4 @@
 """Attention methods and baselines, registered by name (see `jsparse.methods.base`)."""
 
-from jsparse.methods.base import make_method, method_names, register  # noqa: F401
-from jsparse.methods import dense, kascade, oracle, quest, streaming  # noqa: F401  (registration)
+from jsparse.methods.base import calibrators, make_method, method_names, register  # noqa: F401
+from jsparse.methods import dense, kascade, kascade_calibration, oracle, quest, streaming  # noqa: F401  (registration)

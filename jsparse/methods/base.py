@@ -33,3 +33,17 @@ def make_method(name: str, **kwargs):
     factory = _REGISTRY[name]
     build = getattr(factory, "build", factory)
     return build(**kwargs)
+
+
+# Calibration entry points, by method name: `jsparse calibrate NAME` builds its options with `add_arguments`
+# and calls `run(model, windows, args) -> Artifact`, where windows: i32[S, T] development token windows cut from
+# the user's corpus (the CLI makes them; a calibrator that builds its own prompts may ignore them).
+_CALIBRATORS: dict[str, tuple] = {}
+
+
+def register_calibration(name: str, add_arguments, run, help: str = "") -> None:
+    _CALIBRATORS[name] = (add_arguments, run, help)
+
+
+def calibrators() -> dict[str, tuple]:
+    return dict(_CALIBRATORS)

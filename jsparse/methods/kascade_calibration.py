@@ -24,6 +24,7 @@ from flax import struct
 
 from jsparse import selection as sel
 from jsparse.artifacts import Artifact
+from jsparse.methods.base import register_calibration
 from jsparse.methods.common import check_tile
 from jsparse.methods.oracle import select_prefill
 from models import llama
@@ -193,3 +194,24 @@ def calibrate(params, cfg, prompts: Iterable[np.ndarray], *, num_anchors: int = 
                     meta={"model": model_name, "num_anchors": num_anchors, "budget": budget, "tile": tile,
                           "min_tokens": min_tokens, "objective": objective, "anchors": anchors,
                           "prompts": n_batches})
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--anchors", type=int, default=5, help="anchor layers, layer 0 included (default 5)")
+    p.add_argument("--budget", type=float, default=0.1, help="kept fraction of the keys in (0, 1] (default 0.1)")
+    p.add_argument("--tile", type=int, default=32, help="query rows pooled per tile (default 32)")
+
+
+def run_cli(model, windows, args, progress=None) -> Artifact:
+    from jsparse.api import fingerprint
+
+    if not 1 <= args.anchors <= model.cfg.num_layers:
+        raise ValueError(f"--anchors {args.anchors}: expected between 1 and the model's {model.cfg.num_layers} "
+                         "layers")
+    return calibrate(model.params, model.cfg, (w[None] for w in windows), num_anchors=args.anchors,
+                     budget=args.budget, tile=args.tile, fingerprint=fingerprint(model), model_name=model.name,
+                     progress=progress)
+
+
+register_calibration("kascade", add_arguments, run_cli,
+                     help="Kascade: anchor layers by dynamic programming and head maps")
