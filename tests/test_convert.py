@@ -1,0 +1,290 @@
+"""Converter errors (each one named) and GGUF round trips through a tiny GGUF written with gguf.GGUFWriter."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file, save_file
+
+from models import bundled
+from models.bundled import load_gguf_cached, params_cache_path
+from models.config import ConfigError
+from models.convert import from_transformers, load_hf_folder
+from models.gguf_loader import load_gguf, permute_qk, unpermute_qk
+
+transformers.utils.logging.disable_progress_bar()
+
+VOCAB = 256
+
+
+def tiny_llama(seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, bos_token_id=None,
+        eos_token_id=None, pad_token_id=None, **overrides)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module")
+def llama_model():
+    return tiny_llama()
+
+
+@pytest.fixture()
+def folder(llama_model, tmp_path):
+    llama_model.save_pretrained(tmp_path / "hf")
+    return tmp_path / "hf"
+
+
+def _edit_config(folder, **changes):
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(changes)
+    path.write_text(json.dumps(cfg))
+
+
+# ----------------------------------------------------------------------------------------------- HF errors
+
+
+def test_unknown_architecture_is_named(folder):
+    _edit_config(folder, model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"])
+    with pytest.raises(ConfigError, match="gpt_neox"):
+        load_hf_folder(folder)
+
+
+def test_missing_weight_file_is_named(folder):
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_hf_folder(folder)
+
+
+def test_missing_shard_is_named(llama_model, tmp_path):
+    llama_model.save_pretrained(tmp_path, max_shard_size="100KB")
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    shards[-1].unlink()
+    with pytest.raises(FileNotFoundError, match=shards[-1].name):
+        load_hf_folder(tmp_path)
+
+
+def test_missing_folder_and_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        load_hf_folder(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_hf_folder(tmp_path)
+
+
+def test_shape_disagreeing_with_config_is_named(folder):
+    _edit_config(folder, intermediate_size=96)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.(gate|up|down)_proj\.weight.*shape.*96"):
+        load_hf_folder(folder)
+
+
+def test_kv_heads_disagreeing_with_config_is_named(folder):
+    _edit_config(folder, num_key_value_heads=4)
+    with pytest.raises(ValueError, match=r"self_attn\.[kv]_proj\.weight' has shape \(32, 64\).*\(64, 64\)"):
+        load_hf_folder(folder)
+
+
+def test_missing_tensor_is_named(folder):
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight.*missing"):
+        load_hf_folder(folder)
+
+
+def test_unknown_tensor_is_named(folder):
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.self_attn.rel_pos.weight"] = np.zeros((4,), np.float32)
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ValueError, match=r"rel_pos"):
+        load_hf_folder(folder)
+
+
+def test_corrupt_safetensors_is_named(folder):
+    (folder / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(ValueError, match="model.safetensors"):
+        load_hf_folder(folder)
+
+
+# ----------------------------------------------------------------------------------------------- GGUF
+
+
+def write_gguf(model, path, qtype=gguf.GGMLQuantizationType.F32, arch="llama"):
+    """Writes `model` (tiny HF Llama) as llama.cpp's convert_hf_to_gguf.py would: renamed, Q/K rows permuted."""
+    c = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny-llama")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    per_layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                 "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                 "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                 "mlp.down_proj": "ffn_down"}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue  # llama.cpp writes no output.weight for a tied head
+        x = t.detach().float().numpy()
+        if name in names:
+            gname = names[name]
+        else:
+            parts = name.split(".")  # model.layers.{i}.{module...}.weight
+            gname = f"blk.{parts[2]}.{per_layer['.'.join(parts[3:-1])]}.{parts[-1]}"
+        if name.endswith("q_proj.weight"):
+            x = permute_qk(x, c.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            x = permute_qk(x, c.num_key_value_heads)
+        if x.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(gname, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, np.ascontiguousarray(x, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _assert_trees_close(a, b, atol=0.0):
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    assert ta == tb
+    for x, y in zip(la, lb):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=atol)
+
+
+def test_permutation_round_trip():
+    w = np.arange(4 * 16 * 3, dtype=np.float32).reshape(4 * 16, 3)
+    p = permute_qk(w, 4)
+    assert not np.array_equal(p, w)
+    np.testing.assert_array_equal(unpermute_qk(p, 4), w)
+    # llama.cpp's layout interleaves the two rotate-half partners: rows (i, i + D/2) become (2i, 2i + 1).
+    np.testing.assert_array_equal(p[1], w[8])
+
+
+def test_gguf_f32_loads_equal_to_hf_folder(llama_model, folder, tmp_path, parity):
+    path = write_gguf(llama_model, tmp_path / "tiny.gguf")
+    cfg_g, params_g = load_gguf(path)
+    cfg_h, params_h = load_hf_folder(folder)
+    assert cfg_g.num_layers == cfg_h.num_layers and cfg_g.head_dim == cfg_h.head_dim
+    assert cfg_g.vocab_size == VOCAB and not cfg_g.tie_word_embeddings
+    assert cfg_g.rope == cfg_h.rope and cfg_g.rms_norm_eps == pytest.approx(cfg_h.rms_norm_eps)
+    _assert_trees_close(params_g, params_h)
+    # transformers' own GGUF loader agrees: it undoes the same permutation.
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf", dtype=torch.float32)
+    tokens = np.random.RandomState(0).randint(0, VOCAB, (1, 200))
+    with torch.no_grad():
+        ref = llama_model(torch.as_tensor(tokens)).logits.numpy()
+        ref_gguf = hf(torch.as_tensor(tokens)).logits.numpy()
+    ours = parity.logits(cfg_g, params_g, tokens)
+    assert parity.compare(ours, ref)[0] <= 1e-4
+    assert parity.compare(ref_gguf, ref)[0] <= 1e-4
+
+
+def test_gguf_without_unpermute_would_differ(llama_model, tmp_path):
+    """The permutation matters: the GGUF's raw Q rows are not HF's (so the test above can fail)."""
+    path = write_gguf(llama_model, tmp_path / "tiny.gguf")
+    reader = gguf.GGUFReader(str(path))
+    raw_q = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight").data
+    hf_q = llama_model.model.layers[0].self_attn.q_proj.weight.detach().numpy()
+    assert not np.allclose(raw_q, hf_q)
+    np.testing.assert_array_equal(unpermute_qk(np.asarray(raw_q), 4), hf_q)
+
+
+def test_gguf_q8_0_matches_transformers_gguf_load(llama_model, tmp_path):
+    tied = tiny_llama(seed=1, tie_word_embeddings=True)
+    path = write_gguf(tied, tmp_path / "tiny-q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
+    cfg, params = load_gguf(path)
+    assert cfg.tie_word_embeddings and params.lm_head is None
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    cfg_t, params_t = from_transformers(hf)
+    _assert_trees_close(params, params_t)  # identical dequantization, identical un-permutation
+    # ...and within Q8_0 rounding of the original weights.
+    _, params_orig = from_transformers(tied)
+    _assert_trees_close(params, params_orig, atol=0.02)
+
+
+def test_gguf_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="absent.gguf"):
+        load_gguf(tmp_path / "absent.gguf")
+
+
+def test_gguf_garbage_is_named(tmp_path):
+    path = tmp_path / "garbage.gguf"
+    path.write_bytes(b"this is not a gguf file at all" * 50)
+    with pytest.raises(ValueError, match="garbage.gguf"):
+        load_gguf(path)
+
+
+@pytest.mark.parametrize("keep", [0.3, 0.9, 0.999])
+def test_gguf_truncated_is_named(llama_model, tmp_path, keep):
+    path = write_gguf(llama_model, tmp_path / "whole.gguf")
+    data = path.read_bytes()
+    cut = tmp_path / "truncated.gguf"
+    cut.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(ValueError, match="truncated.gguf"):
+        load_gguf(cut)
+
+
+def test_gguf_unknown_architecture_is_named(llama_model, tmp_path):
+    path = write_gguf(llama_model, tmp_path / "falcon.gguf", arch="falcon")
+    with pytest.raises(ConfigError, match="falcon"):
+        load_gguf(path)
+
+
+# ----------------------------------------------------------------------------------------------- GGUF cache
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gguf_cache_hit_and_corrupt_entry_rebuilt(llama_model, tmp_path, monkeypatch, dtype):
+    monkeypatch.setenv(bundled.CACHE_ENV, str(tmp_path / "cache"))
+    path = write_gguf(llama_model, tmp_path / "tiny.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
+    cfg, params, hit = load_gguf_cached(path, dtype)
+    assert not hit and params.embed.dtype == dtype
+    target = params_cache_path(path, dtype)
+    assert target.is_file() and target.parent == tmp_path / "cache"
+    cfg2, params2, hit2 = load_gguf_cached(path, dtype)
+    assert hit2 and cfg2 == cfg
+    _assert_trees_close(params2, params)
+
+    size = target.stat().st_size
+    target.write_bytes(target.read_bytes()[: size // 2])  # a truncated entry
+    with pytest.warns(UserWarning, match="rebuilding"):
+        cfg3, params3, hit3 = load_gguf_cached(path, dtype)
+    assert not hit3 and cfg3 == cfg and target.stat().st_size == size
+    _assert_trees_close(params3, params)
+    target.write_bytes(b"not a safetensors file")  # a garbage entry
+    with pytest.warns(UserWarning, match="rebuilding"):
+        assert not load_gguf_cached(path, dtype)[2]
+    assert load_gguf_cached(path, dtype)[2]
+
+    # A GGUF that changed (mtime) has another key, so a stale entry is never read.
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert params_cache_path(path, dtype) != target
