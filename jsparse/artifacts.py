@@ -4,7 +4,8 @@ An artifact is a folder holding `artifact.json` (kind, model fingerprint, model 
 `arrays.npz` (the calibrated arrays). Loading an artifact for a model whose fingerprint differs is an error.
 
 The fingerprint hashes the model config and a strided sample of every weight tensor (4096 values per leaf,
-taken on the device), so it is cheap for an 8B checkpoint yet changes when any tensor is replaced.
+taken on the device and rounded to bf16, so the f32 and bf16 loads of one checkpoint agree), so it is cheap for
+an 8B checkpoint yet changes when any tensor is replaced.
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ def model_fingerprint(cfg: ModelConfig, params: Any) -> str:
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         flat = jnp.ravel(leaf)
         stride = max(1, flat.shape[0] // _SAMPLES_PER_LEAF)
-        sample = np.asarray(jax.device_get(flat[::stride][:_SAMPLES_PER_LEAF]).astype(np.float32))
+        # Sampled values rounded to bf16, so the f32 and bf16 loads of one checkpoint share a fingerprint.
+        sample = np.asarray(jax.device_get(flat[::stride][:_SAMPLES_PER_LEAF].astype(jnp.bfloat16)))
         h.update(jax.tree_util.keystr(path).encode())
         h.update(str(tuple(leaf.shape)).encode())
-        h.update(np.round(sample, 4).tobytes())
+        h.update(sample.view(np.uint16).tobytes())
     return h.hexdigest()[:16]
 
 
