@@ -126,6 +126,7 @@ def _save_params(target: Path, cfg: ModelConfig, params: Params, dtype) -> None:
     os.close(fd)
     try:
         save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, tmp, metadata=meta)
+        os.chmod(tmp, 0o644)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -183,6 +184,7 @@ def _gguf_tokenizer(path: Path):
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=target.parent, suffix=".tmp"))
         tok.save_pretrained(str(tmp))
+        os.chmod(tmp, 0o755)
         os.replace(tmp, target)
     except OSError as e:
         warnings.warn(f"could not write the tokenizer cache {target}: {e}")

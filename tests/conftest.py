@@ -23,7 +23,8 @@ def _our_logits(cfg, params, tokens, method_name: str = "dense") -> np.ndarray:
     lengths = jnp.full((B,), T, jnp.int32)
     fn = jax.jit(lambda p, t, c: llama.prefill(p, cfg, method, t, lengths, c, method.init_state(cfg, B, T),
                                                 all_logits=True)[0])
-    return np.asarray(fn(params, tokens, cache))
+    with jax.default_matmul_precision("highest"):  # no TF32 for f32 matmuls when run on a GPU
+        return np.asarray(fn(params, tokens, cache))
 
 
 def _compare(ours: np.ndarray, ref: np.ndarray) -> tuple[float, float]:

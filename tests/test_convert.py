@@ -126,9 +126,12 @@ def test_corrupt_safetensors_is_named(folder):
 # ----------------------------------------------------------------------------------------------- GGUF
 
 
-def write_gguf(model, path, qtype=gguf.GGMLQuantizationType.F32, arch="llama"):
-    """Writes `model` (tiny HF Llama) as llama.cpp's convert_hf_to_gguf.py would: renamed, Q/K rows permuted."""
+def write_gguf(model, path, qtype=gguf.GGMLQuantizationType.F32, arch=None):
+    """Writes `model` (tiny HF Llama or Qwen3) as llama.cpp's convert_hf_to_gguf.py would: renamed, and for
+    Llama the Q/K rows permuted (llama.cpp runs Qwen with NEOX RoPE, unpermuted)."""
     c = model.config
+    arch = arch or c.model_type
+    permute = c.model_type == "llama"
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny-llama")
     w.add_block_count(c.num_hidden_layers)
@@ -141,12 +144,15 @@ def write_gguf(model, path, qtype=gguf.GGMLQuantizationType.F32, arch="llama"):
     w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
+    if c.model_type == "qwen3":
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     per_layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                  "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                  "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                 "mlp.down_proj": "ffn_down"}
+                 "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue  # llama.cpp writes no output.weight for a tied head
@@ -156,9 +162,9 @@ def write_gguf(model, path, qtype=gguf.GGMLQuantizationType.F32, arch="llama"):
         else:
             parts = name.split(".")  # model.layers.{i}.{module...}.weight
             gname = f"blk.{parts[2]}.{per_layer['.'.join(parts[3:-1])]}.{parts[-1]}"
-        if name.endswith("q_proj.weight"):
+        if permute and name.endswith("q_proj.weight"):
             x = permute_qk(x, c.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
+        elif permute and name.endswith("k_proj.weight"):
             x = permute_qk(x, c.num_key_value_heads)
         if x.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
             w.add_tensor(gname, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
@@ -205,6 +211,29 @@ def test_gguf_f32_loads_equal_to_hf_folder(llama_model, folder, tmp_path, parity
     ours = parity.logits(cfg_g, params_g, tokens)
     assert parity.compare(ours, ref)[0] <= 1e-4
     assert parity.compare(ref_gguf, ref)[0] <= 1e-4
+
+
+def test_gguf_qwen3_loads_equal_to_hf_folder(tmp_path, parity):
+    torch.manual_seed(5)
+    config = transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=128, max_position_embeddings=512, initializer_range=0.1,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "hf")
+    path = write_gguf(model, tmp_path / "qwen3.gguf")
+    cfg_g, params_g = load_gguf(path)
+    cfg_h, params_h = load_hf_folder(tmp_path / "hf")
+    # head_dim (128) is not hidden / heads (16): it must come from qwen3.attention.key_length.
+    assert cfg_g.architecture == "qwen3" and cfg_g.qk_norm and cfg_g.head_dim == 128
+    _assert_trees_close(params_g, params_h)
+    # transformers reads no head_dim from a Qwen3 GGUF (its default, 128, is what real Qwen3 models use).
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    _assert_trees_close(from_transformers(hf)[1], params_h)
 
 
 def test_gguf_without_unpermute_would_differ(llama_model, tmp_path):

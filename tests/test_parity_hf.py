@@ -120,9 +120,10 @@ def test_greedy_matches_hf_generate(saved):
     hf_new = hf_out[0, tokens.shape[1]:].numpy()
     assert hf_new.shape == (NEW_TOKENS,)
     capacity = check_request(cfg, [tokens.shape[1]], NEW_TOKENS)
-    out, num = generate_tokens(params, make_method("dense"), jnp.asarray(tokens, jnp.int32),
-                               jnp.asarray([tokens.shape[1]], jnp.int32), jax.random.key(0), cfg=cfg,
-                               max_new_tokens=NEW_TOKENS, capacity=capacity)
+    with jax.default_matmul_precision("highest"):
+        out, num = generate_tokens(params, make_method("dense"), jnp.asarray(tokens, jnp.int32),
+                                   jnp.asarray([tokens.shape[1]], jnp.int32), jax.random.key(0), cfg=cfg,
+                                   max_new_tokens=NEW_TOKENS, capacity=capacity)
     ours = np.asarray(out[0])
     assert int(num[0]) == NEW_TOKENS
     np.testing.assert_array_equal(ours, hf_new, err_msg=f"{family}: greedy tokens differ from HF generate")
