@@ -10,7 +10,9 @@ Decode (`sparse_decode_gpu`): split-K flash decoding over a gathered key set.
   last entry that can contribute (computed per row outside the kernel), so -1 padding costs nothing.
 
 Prefill (`sparse_prefill_gpu`): tile-gathered causal flash attention.
-  grid (B, Hq, nt): one program per batch row, query head and query tile of `tile` rows. It iterates first
+  grid (B, Hq, nt): one program per batch row, query head and query tile of `tile` rows (the last tiles,
+  which have the most selected keys, are scheduled first; the heads of a GQA group run side by side, so
+  their shared K/V rows are served from L2). It iterates first
   over the tile's selected keys (gathered by index, `block_k` rows at a time, only up to the last entry before
   the tile start), then over the causal diagonal tile (contiguous rows), with an online softmax in f32.
 
@@ -277,14 +279,14 @@ def sparse_decode_gpu(q: Array, k: Array, v: Array, indices: Array, lengths: Arr
 
 
 def _prefill_kernel(len_ref, end_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, *, scale: float, block_size: int,
-                    block_k: int, tile: int):
-    """One (b, query head, query tile) program.
+                    block_k: int, tile: int, num_tiles: int):
+    """One (b, query head, query tile) program; grid step i runs tile num_tiles - 1 - i (the costliest first).
 
     Refs: len_ref, end_ref: i32[1] (row length; 1 + last useful entry of the tile); ent_ref: i32[Kp] the tile's
     entries; q_ref: [tile, D]; k_ref, v_ref: [Tp, D] (the KV head's keys, token stride Hkv * D);
     o_ref: [tile, D].
     """
-    i = pl.program_id(2)
+    i = num_tiles - 1 - pl.program_id(2)
     start = i * tile
     length = len_ref[0]
     q = q_ref[...]
@@ -352,19 +354,21 @@ def sparse_prefill_gpu(q: Array, k: Array, v: Array, indices: Array, lengths: Ar
     end = _useful_end(ent, jnp.broadcast_to(starts - 1, (B, Hkv, nt)), block_size)[..., None]  # [B, Hkv, nt, 1]
     lens = jnp.minimum(lengths.astype(jnp.int32), T)[:, None]  # [B, 1]
 
-    kernel = functools.partial(_prefill_kernel, scale=scale, block_size=block_size, block_k=block_k, tile=tile)
+    kernel = functools.partial(_prefill_kernel, scale=scale, block_size=block_size, block_k=block_k, tile=tile,
+                               num_tiles=nt)
+    last = nt - 1  # grid step i runs query tile last - i: late tiles have the most keys, so they start first
     out = pl.pallas_call(
         kernel,
         grid=(B, Hq, nt),
         in_specs=[
             pl.BlockSpec((None, 1), lambda b, h, i: (b, 0)),  # row length
-            pl.BlockSpec((None, None, None, 1), lambda b, h, i: (b, h // G, i, 0)),  # 1 + last useful entry
-            pl.BlockSpec((None, None, None, Kp), lambda b, h, i: (b, h // G, i, 0)),  # the tile's entries
-            pl.BlockSpec((None, tile, None, D), lambda b, h, i: (b, i, h, 0)),  # query tile of head h
+            pl.BlockSpec((None, None, None, 1), lambda b, h, i: (b, h // G, last - i, 0)),  # 1 + last useful entry
+            pl.BlockSpec((None, None, None, Kp), lambda b, h, i: (b, h // G, last - i, 0)),  # the tile's entries
+            pl.BlockSpec((None, tile, None, D), lambda b, h, i: (b, last - i, h, 0)),  # query tile of head h
             pl.BlockSpec((None, Tp, None, D), lambda b, h, i: (b, 0, h // G, 0)),  # KV head's keys
             pl.BlockSpec((None, Tp, None, D), lambda b, h, i: (b, 0, h // G, 0)),
         ],
-        out_specs=pl.BlockSpec((None, tile, None, D), lambda b, h, i: (b, i, h, 0)),
+        out_specs=pl.BlockSpec((None, tile, None, D), lambda b, h, i: (b, last - i, h, 0)),
         out_shape=jax.ShapeDtypeStruct((B, Tp, Hq, D), q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
