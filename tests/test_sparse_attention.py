@@ -226,9 +226,10 @@ def test_decode_gpu_interpret_matches_reference(case, dtype, config):
 
 
 def test_decode_gpu_interpret_empty_rows_and_empty_splits():
-    # Row 0 head 1: all padding; row 1: a single entry, so most splits are empty.
+    # Row 0 head 1: all padding; row 1: one real entry and one far past the cache end (ignored, never read),
+    # so most splits are empty.
     q, k, v, idx, lens = decode_inputs(6, 2, 1, 4, 2, 16, 64, 12, [40, 64], 1, jnp.float32)
-    idx = idx.at[0, 1].set(-1).at[1].set(jnp.full((2, 1, 12), -1).at[:, :, 0].set(63))
+    idx = idx.at[0, 1].set(-1).at[1].set(jnp.full((2, 1, 12), -1).at[:, :, 0].set(63).at[:, :, 1].set(10**6))
     out, lse = gpu.sparse_decode_gpu(q, k, v, idx, lens, return_lse=True, interpret=True,
                                      config=gpu.DecodeConfig(block_k=16, num_splits=3))
     want, want_lse = ref.sparse_decode_reference(q, k, v, idx, lens, return_lse=True)

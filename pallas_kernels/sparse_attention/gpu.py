@@ -107,27 +107,29 @@ def _check_supported(q: Array, block_size: int, tile: int | None, interpret: boo
         raise ValueError(f"the Pallas GPU sparse-attention kernel cannot take {reason}")
 
 
-def _gather_rows(ent_ref, k_ref, v_ref, first_entry, block_size: int, block_k: int):
+def _gather_rows(ent_ref, k_ref, v_ref, first_entry, limit, block_size: int, block_k: int):
     """Gathers `block_k` key/value rows for entries first_entry .. first_entry + block_k // block_size - 1.
 
     Args:
       ent_ref: int32[E] ref of index entries (block numbers, -1 padded).
       k_ref, v_ref: [N, D] refs of one KV head.
       first_entry: i32 scalar, a multiple of block_k // block_size.
+      limit: i32 scalar, the last token that may be used (inclusive; < N).
 
     Returns:
-      (tok: i32[block_k] token positions, -1 on padding; k: [block_k, D]; v: [block_k, D]); padded rows read
-      row 0 (their logits are masked by the caller).
+      (ok: bool[block_k] rows that are real tokens <= limit; k: [block_k, D]; v: [block_k, D]). Other rows
+      read row 0 (never out of bounds, whatever the entry holds) and must be masked by the caller.
     """
     if block_size == 1:
-        ent = ent_ref[pl.ds(first_entry, block_k)]
-        tok = ent
+        tok = ent_ref[pl.ds(first_entry, block_k)]
+        ok = (tok >= 0) & (tok <= limit)
     else:
         lane = jnp.arange(block_k, dtype=jnp.int32)
         ent = ent_ref[first_entry + lane // block_size]  # each entry repeated block_size times
-        tok = jnp.where(ent >= 0, ent * block_size + lane % block_size, -1)
-    safe = jnp.maximum(tok, 0)
-    return tok, k_ref[safe, :], v_ref[safe, :]
+        tok = ent * block_size + lane % block_size
+        ok = (ent >= 0) & (tok <= limit)
+    safe = jnp.where(ok, tok, 0)
+    return ok, k_ref[safe, :], v_ref[safe, :]
 
 
 def _online_softmax_step(q, k, v, ok, carry, scale):
@@ -163,9 +165,8 @@ def _decode_kernel(pos_ref, end_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, m_ref,
     gp, d = q.shape
 
     def body(it, carry):
-        tok, k, v = _gather_rows(ent_ref, k_ref, v_ref, it * per_iter, block_size, block_k)
-        ok = ((tok >= 0) & (tok <= pos))[None, :]
-        return _online_softmax_step(q, k, v, ok, carry, scale)
+        ok, k, v = _gather_rows(ent_ref, k_ref, v_ref, it * per_iter, pos, block_size, block_k)
+        return _online_softmax_step(q, k, v, ok[None, :], carry, scale)
 
     init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), _MASK, jnp.float32), jnp.zeros((gp,), jnp.float32))
     o, m, l = lax.fori_loop(0, pl.cdiv(n_entries, per_iter), body, init)
@@ -297,9 +298,9 @@ def _prefill_kernel(len_ref, end_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, *, sc
              jnp.zeros((tile,), jnp.float32))
 
     def selected(it, carry):
-        tok, k, v = _gather_rows(ent_ref, k_ref, v_ref, it * per_iter, block_size, block_k)
-        ok = ((tok >= 0) & (tok < start))[None, :]  # entries at or after the tile start are ignored
-        return _online_softmax_step(q, k, v, ok, carry, scale)
+        # Entries at or after the tile start are ignored (the diagonal loop covers the tile itself).
+        ok, k, v = _gather_rows(ent_ref, k_ref, v_ref, it * per_iter, start - 1, block_size, block_k)
+        return _online_softmax_step(q, k, v, ok[None, :], carry, scale)
 
     carry = lax.fori_loop(0, pl.cdiv(end_ref[0], per_iter), selected, carry)
 
