@@ -3,7 +3,7 @@
 The prompt is a raw completion (no chat template), assembled in token space so that it has exactly the
 requested number of tokens:
 
-    [special prefix (BOS, if the tokenizer adds one)] INTRO  FILLER[:before]  NEEDLE  FILLER[before:]  QUESTION
+    [special prefix (BOS, if the tokenizer adds one)] INTRO  FILLER[:before]  NEEDLE  FILLER[before:] \n QUESTION
 
   INTRO    "There is an important piece of information hidden inside a lot of irrelevant text. ..."
   NEEDLE   "The pass key is 71432. Remember it. 71432 is the pass key."
@@ -142,7 +142,7 @@ def make_prompt(tokenizer, length: int, depth: float, key: str, rng: np.random.G
     check_depths([depth])
     head = special_prefix(tokenizer) + _ids(tokenizer, INTRO)
     needle = _ids(tokenizer, " " + NEEDLE.format(key=key))
-    tail = _ids(tokenizer, " " + QUESTION)
+    tail = _ids(tokenizer, "\n" + QUESTION)  # on its own line: the filler before it may end mid-sentence
     filler_tokens = length - len(head) - len(needle) - len(tail)
     if filler_tokens < 1:
         raise ValueError(f"passkey length={length} tokens is too short: the instructions, needle and question "

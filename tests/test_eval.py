@@ -307,3 +307,12 @@ def test_summary_of_records():
     assert "| quest |  |" in md  # unreported sparsity is blank
     with pytest.raises(KeyError):
         harness.make_record(task="ppl")
+
+
+def test_jsparse_main_reports_eval_errors(tmp_path, capsys, monkeypatch):
+    from jsparse import cli
+
+    monkeypatch.setattr(jsparse, "load", lambda *a, **k: pytest.fail("the model must not be loaded"))
+    rc = cli.main(["eval", "--methods", "dense,nosuch", "--out", str(tmp_path / "x"), "--no-progress"])
+    assert rc == 2
+    assert "unknown method 'nosuch'; valid methods:" in capsys.readouterr().err
