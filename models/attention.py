@@ -39,10 +39,19 @@ Array = jax.Array
 
 @struct.dataclass
 class LayerKV:
-    """One layer's KV cache, head-major: k, v: [B, Hkv, N, D]."""
+    """One layer's KV cache, head-major: k, v: [B, Hkv, N, D].
+
+    Inside the model's layer scan the view also carries the whole stacked cache (`k_all`, `v_all`:
+    [L, B, Hkv, N, D]) and the traced `layer` index. A kernel that takes the stacked cache and the layer index
+    reads it in place; `k`/`v` are slices that XLA materialises (a copy of the layer's cache per step) only when
+    a consumer that cannot fuse them (cuDNN, cuBLAS, a Pallas call) uses them, and drops when nothing does.
+    """
 
     k: Array
     v: Array
+    k_all: Array | None = None
+    v_all: Array | None = None
+    layer: Array | None = None
 
 
 @struct.dataclass

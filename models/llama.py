@@ -190,7 +190,7 @@ def decode(params: Params, cfg: ModelConfig, method, tokens: Array, cache: KVCac
         ck = _write_decode(ck, layer, positions, k)
         cv = _write_decode(cv, layer, positions, v)
         ctx = LayerContext(layer=layer, lengths=lengths, info=info, hidden=h)
-        attn, state = method.decode(ctx, q, LayerKV(k=ck[layer], v=cv[layer]), state)
+        attn, state = method.decode(ctx, q, LayerKV(k=ck[layer], v=cv[layer], k_all=ck, v_all=cv, layer=layer), state)
         x_attn = x + _dense(attn.astype(x.dtype), lp.wo, "bthd,hde->bte", lp.bo)
         return (x_attn + mlp(cfg, lp, x_attn), ck, cv, state), None
 
