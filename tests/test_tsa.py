@@ -1,0 +1,320 @@
+"""Token Sparse Attention: coverage rule vs numpy, the layer vs a masked dense reference, tau = 0 is dense, drift
+calibration artifacts, composition with Kascade, argument errors."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jsparse.artifacts import Artifact, ArtifactError, save_artifact
+from jsparse.methods import make_method
+from jsparse.methods import tsa_calibration as tcal
+from jsparse.methods.kascade import Kascade
+from jsparse.methods.tsa import (TSA, TSALayerInfo, Selection, attend_compressed, capacities, coverage_counts,
+                                 masked_reference_mask, prefill_sparsity, select_tokens, translate_anchor_indices)
+from models import llama
+from models.attention import LayerContext
+from models.cache import init_cache
+from models.config import ModelConfig
+from models.generate import Sampling, generate_tokens
+from models.params import random_params
+from pallas_kernels.dense import dense_prefill
+from pallas_kernels.sparse_attention.reference import masked_attention_reference
+
+HQ, HKV, D = 4, 2, 16
+CFG = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3,
+                  num_heads=HQ, num_kv_heads=HKV, head_dim=D, max_position_embeddings=512, eos_token_ids=(3,))
+SMALL = dict(window=16, min_tokens=32)  # so that a 192-256 token prompt is long enough to compress
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_params(CFG, jax.random.key(0), jnp.float32, scale=0.3)
+
+
+def _qkv(seed, B=2, T=256, scale=2.0):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q = scale * jax.random.normal(ks[0], (B, T, HQ, D), jnp.float32)
+    k = scale * jax.random.normal(ks[1], (B, T, HKV, D), jnp.float32)
+    v = jax.random.normal(ks[2], (B, T, HKV, D), jnp.float32)
+    return q, k, v
+
+
+def _ctx(lengths, layer=1, sparse=1):
+    return LayerContext(layer=jnp.int32(layer), lengths=jnp.asarray(lengths, jnp.int32),
+                        info=TSALayerInfo(sparse=jnp.int32(sparse)))
+
+
+# ----------------------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("tau", [-0.01, 1.0, 1.5, "0.1", True])
+def test_tau_outside_range_is_an_error(tau):
+    with pytest.raises(ValueError, match="tau"):
+        TSA(tau=tau)
+    with pytest.raises(ValueError, match="tau"):
+        make_method("tsa", tau=tau)
+
+
+@pytest.mark.parametrize("window", [0, -3, 2.0])
+def test_window_not_positive_is_an_error(window):
+    with pytest.raises(ValueError, match="window"):
+        TSA(window=window)
+
+
+@pytest.mark.parametrize("pool_kernel", [0, -7])
+def test_pool_kernel_not_positive_is_an_error(pool_kernel):
+    with pytest.raises(ValueError, match="pool_kernel"):
+        TSA(pool_kernel=pool_kernel)
+
+
+@pytest.mark.parametrize("delta", [0.0, -0.5, 1.01, 2])
+def test_delta_outside_range_is_an_error(delta, params):
+    with pytest.raises(ValueError, match="delta"):
+        tcal.check_delta(delta)
+    with pytest.raises(ValueError, match="delta"):
+        tcal.sparse_layers_from_drift([0.1, 0.2, 0.3], delta)
+    with pytest.raises(ValueError, match="delta"):
+        tcal.calibrate(params, CFG, [np.zeros((1, 16), np.int32)], delta=delta)
+
+
+def test_other_argument_errors():
+    with pytest.raises(ValueError, match="min_tokens"):
+        TSA(min_tokens=-1)
+    with pytest.raises(ValueError, match="selection"):
+        TSA(selection="block")
+    with pytest.raises(ValueError, match="sparse_layers"):
+        TSA(sparse_layers=(1, 1))
+    kascade = Kascade.from_anchors(CFG, [0, 1], tile=16, min_tokens=16, budget=0.3)
+    with pytest.raises(ValueError, match="kv_head"):
+        TSA(inner=kascade, selection="query_head")
+
+
+# ----------------------------------------------------------------------------------------------- coverage
+
+
+def _coverage_np(scores, lengths, tau, window, min_tokens):
+    """numpy spec: (counts[B], keep bool[B, H, T])."""
+    B, H, T = scores.shape
+    counts = np.zeros(B, np.int64)
+    keep = np.zeros(scores.shape, bool)
+    for b in range(B):
+        n = int(lengths[b])
+        P = max(n - window, 0)
+        if n <= min_tokens + window:
+            counts[b] = n
+            keep[b, :, :n] = True
+            continue
+        g = scores[b, :, :P].astype(np.float64).sum(0)
+        p = np.sort(g / g.sum())
+        n_drop = int(np.sum(np.cumsum(p) < tau))
+        K = max(P - n_drop, min_tokens)
+        counts[b] = K + window
+        for h in range(H):
+            order = np.argsort(-scores[b, h, :P], kind="stable")  # ties: the lower position first
+            keep[b, h, order[:K]] = True
+            keep[b, h, P:n] = True
+    return counts, keep
+
+
+@jax.jit
+def _coverage_and_selection(scores, lengths, tau):
+    counts = coverage_counts(scores, lengths, tau=tau, window=16, min_tokens=20)
+    return counts, select_tokens(scores, lengths, counts, window=16, capacity=scores.shape[-1])
+
+
+def test_coverage_and_selection_match_numpy():
+    B, H, T, W, M = 4, 3, 300, 16, 20
+    rng = np.random.default_rng(0)
+    scores = rng.gamma(0.3, size=(B, H, T)).astype(np.float32)
+    scores[:, :, ::7] = np.round(scores[:, :, ::7], 1)  # ties at several values
+    scores[1, :, 40:60] = 0.0  # a block of zero scores (ties at zero)
+    lengths = np.array([300, 251, 30, 37])  # row 2: shorter than min_tokens + W (dense); row 3: just longer
+    scores = np.where(np.arange(T)[None, None, :] >= lengths[:, None, None], 0.0, scores).astype(np.float32)
+    for tau in (0.0, 0.07, 0.3, 0.9):
+        counts_np, keep_np = _coverage_np(scores, lengths, tau, W, M)
+        # No cumulative sum sits within rounding of tau (so f32 and f64 agree on the count).
+        for b in (0, 1, 3):
+            P = lengths[b] - W
+            g = scores[b, :, :P].astype(np.float64).sum(0)
+            assert np.min(np.abs(np.cumsum(np.sort(g / g.sum())) - tau)) > 1e-5 or tau == 0.0
+        counts, sel = _coverage_and_selection(jnp.asarray(scores), jnp.asarray(lengths), jnp.float32(tau))
+        np.testing.assert_array_equal(counts, counts_np)
+        np.testing.assert_array_equal(sel.keep, keep_np)
+        idx = np.asarray(sel.indices)
+        for b in range(B):
+            for h in range(H):
+                want = np.nonzero(keep_np[b, h])[0]
+                np.testing.assert_array_equal(idx[b, h, :len(want)], want)  # ascending
+                assert np.all(idx[b, h, len(want):] == -1)
+                np.testing.assert_array_equal(np.asarray(sel.slot)[b, h, want], np.arange(len(want)))
+        if tau == 0.0:
+            np.testing.assert_array_equal(counts, lengths)
+    assert counts_np[0] < lengths[0] - W  # the large tau really dropped tokens
+
+
+def test_capacities_are_static_buckets():
+    assert capacities(1000, 4) == (256, 512, 768, 1000)
+    assert capacities(200, 8) == (128, 200)
+    assert capacities(1000, 1) == (1000,)
+
+
+# ----------------------------------------------------------------------------------------------- the layer
+
+
+@pytest.mark.parametrize("selection,buckets", [("query_head", 4), ("kv_head", 1)])
+def test_layer_equals_masked_dense_reference(selection, buckets):
+    q, k, v = _qkv(1)
+    lengths = jnp.asarray([256, 203], jnp.int32)
+    m = TSA(tau=0.3, selection=selection, capacity_buckets=buckets, **SMALL)
+    state = m.init_state(CFG, 2, 256)
+    out, state = jax.jit(m.prefill)(_ctx(lengths), q, k, v, state)
+    counts, sel = jax.jit(m.select)(q, k, lengths)  # the selection, fixed
+    assert np.all(np.asarray(counts) < np.asarray(lengths))  # tokens really dropped in both rows
+    np.testing.assert_array_equal(state.kept[1], counts)
+    mask = masked_reference_mask(sel, HQ)
+    want = masked_attention_reference(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask)
+    for b, n in enumerate(np.asarray(lengths)):
+        np.testing.assert_allclose(out[b, :n], want[b, :n], rtol=1e-5, atol=1e-5)
+    assert np.any(np.all(np.asarray(out[0]) == 0, axis=-1))  # dropped rows are zeros
+
+
+def test_compressed_path_keeping_everything_equals_dense():
+    q, k, v = _qkv(2)
+    lengths = jnp.asarray([256, 190], jnp.int32)
+    scores = jax.random.uniform(jax.random.key(3), (2, HQ, 256))
+    out = jax.jit(lambda s, l: attend_compressed(q, k, v, select_tokens(s, l, l, window=16, capacity=256)))(
+        scores, lengths)
+    want = dense_prefill(q, k, v)
+    for b, n in enumerate(np.asarray(lengths)):
+        np.testing.assert_allclose(out[b, :n], want[b, :n], rtol=1e-5, atol=1e-5)
+
+
+def _prefill(params, method, tokens, lengths):
+    B, T = tokens.shape
+    fn = jax.jit(lambda p, t, l: llama.prefill(p, CFG, method, t, l, init_cache(CFG, B, T, jnp.float32),
+                                               method.init_state(CFG, B, T), all_logits=True))
+    logits, cache, state = fn(params, tokens, lengths)
+    return np.asarray(logits), state, cache
+
+
+def test_tau_zero_equals_dense_exactly(params):
+    tokens = jax.random.randint(jax.random.key(4), (2, 192), 4, CFG.vocab_size)
+    lengths = jnp.asarray([192, 150], jnp.int32)
+    dense = _prefill(params, make_method("dense"), tokens, lengths)[0]
+    got, state, _ = _prefill(params, TSA(tau=0.0, **SMALL), tokens, lengths)
+    np.testing.assert_array_equal(got, dense)
+    np.testing.assert_array_equal(state.kept, np.tile(lengths, (3, 1)))
+    # A prompt no longer than min_tokens + W stays dense too, whatever tau.
+    short = _prefill(params, TSA(tau=0.5, window=16, min_tokens=200), tokens, lengths)[0]
+    np.testing.assert_array_equal(short, dense)
+
+
+def test_model_prefill_sparse_layers_and_generation(params):
+    tokens = jax.random.randint(jax.random.key(5), (2, 192), 4, CFG.vocab_size)
+    lengths = jnp.asarray([192, 161], jnp.int32)
+    m = TSA(tau=0.2, sparse_layers=(2,), **SMALL)
+    rep = prefill_sparsity(params, CFG, m, tokens, lengths)
+    kept = rep["kept"]
+    np.testing.assert_array_equal(kept[:2], np.tile(lengths, (2, 1)))  # layers 0, 1 dense
+    assert np.all(kept[2] < np.asarray(lengths))
+    n = np.asarray(lengths, np.float64)
+    np.testing.assert_allclose(rep["attention_map_sparsity"][2],
+                               np.mean(1 - kept[2] * (kept[2] + 1.0) / (n * (n + 1))))
+    assert rep["attention_map_sparsity"][0] == 0.0
+    out, num = generate_tokens(params, m, tokens, lengths, jax.random.key(0), cfg=CFG, max_new_tokens=4,
+                               capacity=256, sampling=Sampling())
+    assert out.shape == (2, 4) and np.all(np.asarray(num) >= 1)
+
+
+# ----------------------------------------------------------------------------------------------- calibration
+
+
+def test_drift_rank_rule():
+    drift = [0.9, 0.1, 0.5, 0.2, 0.3, 0.8]
+    assert tcal.sparse_layers_from_drift(drift, 0.5) == [1, 3, 4]
+    assert tcal.sparse_layers_from_drift(drift, 1.0) == list(range(6))
+    assert tcal.sparse_layers_from_drift(drift, 0.2) == [1]
+    np.testing.assert_allclose(tcal.normalized_rank(drift), np.array([6, 1, 4, 2, 3, 5]) / 6)
+
+
+def test_calibration_writes_an_artifact_that_loads(params, tmp_path):
+    tokens = np.asarray(jax.random.randint(jax.random.key(6), (2, 64), 4, CFG.vocab_size))
+    art = tcal.calibrate(params, CFG, [tokens], delta=0.67, fingerprint="fp-tiny")
+    # Drift by hand: the layer inputs, then the last layer's output.
+    hidden = jax.jit(lambda p, t: llama.prefill(p, CFG, make_method("dense"), t, jnp.full((2,), 64, jnp.int32),
+                                                init_cache(CFG, 2, 64, jnp.float32), None,
+                                                return_hidden=True)[3])
+    x_in, x_attn = hidden(params, jnp.asarray(tokens))
+    last = jax.tree_util.tree_map(lambda a: a[-1], params.layers)
+    h_out = np.asarray(x_attn[-1] + llama.mlp(CFG, last, x_attn[-1]), np.float64)
+    h = np.concatenate([np.asarray(x_in, np.float64), h_out[None]])
+    want = np.mean(np.linalg.norm(h[1:] - h[:-1], axis=-1) / (np.linalg.norm(h[:-1], axis=-1) + 1e-6),
+                   axis=(1, 2))
+    np.testing.assert_allclose(art.arrays["drift"], want, rtol=1e-4)
+    assert art.meta["sparse_layers"] == tcal.sparse_layers_from_drift(want, 0.67)
+    assert len(art.arrays["sparse_layers"]) == 2  # rank / 3 <= 0.67: two of three layers
+    path = str(tmp_path / "tsa_art")
+    save_artifact(path, art)
+    m = make_method("tsa", cfg=CFG, artifact=path, fingerprint="fp-tiny", budget=0.1)
+    assert m.sparse_layers == tuple(int(l) for l in art.arrays["sparse_layers"])
+    with pytest.raises(ArtifactError):
+        make_method("tsa", cfg=CFG, artifact=path, fingerprint="another-model")
+
+
+# ----------------------------------------------------------------------------------------------- composition
+
+
+def test_translate_anchor_indices():
+    B, H, T, tile = 1, 1, 8, 2
+    anchor_idx = jnp.asarray([[[[-1, -1], [0, -1], [0, 2], [1, 3]]]], jnp.int32)  # [1, 1, 4, 2]
+    ident = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, H, T))
+    hm = jnp.zeros((H,), jnp.int32)
+    # Identical coordinates: the identity.
+    np.testing.assert_array_equal(translate_anchor_indices(anchor_idx, ident, hm, ident, ident, tile), anchor_idx)
+    # The anchor kept original positions (0, 2, 3, 5, 6, 7); this layer keeps (0, 1, 3, 5, 7).
+    a_map = jnp.asarray([[[0, 2, 3, 5, 6, 7, 8, 8]]], jnp.int32)
+    cur_map = jnp.asarray([[[0, 1, 3, 5, 7, 8, 8, 8]]], jnp.int32)
+    cur_slot = jnp.asarray([[[0, 1, -1, 2, -1, 3, -1, 4]]], jnp.int32)
+    got = np.asarray(translate_anchor_indices(anchor_idx, a_map, hm, cur_map, cur_slot, tile))[0, 0]
+    # Tile 0 (queries at 0, 1): first query 0 -> anchor slot 0, row 0 (nothing).
+    # Tile 1 (queries at 3, 5): 3 -> anchor slot 2, row 1: anchor slot 0 = pos 0 -> slot 0.
+    # Tile 2 (query at 7): 7 -> anchor slot 5, row 2: anchor slots 0, 2 = pos 0, 3 -> slots 0, 2.
+    # (Tile 3 holds only empty slots; its row is never read.)
+    np.testing.assert_array_equal(got[:3], [[-1, -1], [0, -1], [0, 2]])
+
+
+def _kascade():
+    return Kascade.from_anchors(CFG, [0, 1], tile=16, min_tokens=16, budget=0.3)
+
+
+def test_tsa_kascade(params, tmp_path):
+    tokens = jax.random.randint(jax.random.key(7), (2, 192), 4, CFG.vocab_size)
+    lengths = jnp.asarray([192, 170], jnp.int32)
+    kas = _prefill(params, _kascade(), tokens, lengths)[0]
+    # tau = 0: exactly Kascade.
+    comp = TSA(tau=0.0, inner=_kascade(), selection="kv_head", capacity_buckets=1, **SMALL)
+    np.testing.assert_array_equal(_prefill(params, comp, tokens, lengths)[0], kas)
+    # Built from both artifacts (one --artifact value, folders separated by os.pathsep): TSA-sparse layers 1, 2.
+    kdir, tdir = str(tmp_path / "k"), str(tmp_path / "t")
+    save_artifact(kdir, Artifact(kind="kascade", fingerprint="fp", arrays={
+        "anchors": np.asarray([0, 1], np.int32), "head_map": np.tile(np.arange(HKV, dtype=np.int32), (3, 1))}))
+    save_artifact(tdir, Artifact(kind="tsa", fingerprint="fp", arrays={"sparse_layers": np.asarray([1, 2])}))
+    m = make_method("tsa+kascade", cfg=CFG, artifact=f"{kdir}{os.pathsep}{tdir}", fingerprint="fp", budget=0.3,
+                    tile=16, min_tokens=16, tau=0.2, window=16, tsa_min_tokens=32)
+    assert isinstance(m, TSA) and isinstance(m.inner, Kascade) and m.sparse_layers == (1, 2)
+    assert m.selection == "kv_head" and m.inner.budget == 0.3 and m.min_tokens == 32 and m.tau == 0.2
+    logits, state, cache = _prefill(params, m, tokens, lengths)
+    assert np.isfinite(logits).all() and np.abs(logits - kas).max() > 1e-4
+    assert np.all(np.asarray(state.kept)[1:] < np.asarray(lengths))
+    # Decode is Kascade's: one step on the cache the composed prefill wrote.
+    step = jnp.asarray(np.argmax(logits[np.arange(2), np.asarray(lengths) - 1], -1)[:, None], jnp.int32)
+    cache = cache.replace(k=jnp.pad(cache.k, ((0, 0),) * 3 + ((0, 8), (0, 0))),
+                          v=jnp.pad(cache.v, ((0, 0),) * 3 + ((0, 8), (0, 0))))
+    got, _, _ = jax.jit(lambda p, t, c, s: llama.decode(p, CFG, m, t, c, s))(params, step, cache, state)
+    want, _, _ = jax.jit(lambda p, t, c: llama.decode(p, CFG, m.inner, t, c, None))(params, step, cache)
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="kascade needs a calibration artifact"):
+        make_method("tsa+kascade", cfg=CFG, artifact=tdir, fingerprint="fp")
