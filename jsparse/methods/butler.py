@@ -1,0 +1,205 @@
+"""TokenButler: decode attention over the keys a learned ~1% predictor ranks highest (Akhauri et al., 2025).
+
+At layer 0 of every forward the predictor (`butler_predictor.Predictor`) runs once on the layer's normed input
+(`ctx.hidden`) and yields, for every later layer l >= 1 and query head h, a predicted query q'[l, h] of the new
+tokens and a predicted key k'[l, h] that is appended to the method's state, so the state holds k' for every
+position seen so far. Layer 0 attends densely. Every layer l >= dense_layers then ranks the visible keys by the
+predicted logits `q'[l, h] . k'[l, h // (Hq / Hk')] / sqrt(d')` and attends to the top k of them
+(k = min(max(ceil(budget * n), min_tokens), n) over the n visible keys; the first `sink` tokens are always kept
+and count toward k).
+
+Selection per head. The paper selects per query head. The index contract of the gathered kernels is per KV head,
+so two modes (`selection`):
+  "head"   (default, the paper) every query head keeps its own top-k: the keys become a bool[B, Hq, T, N] mask
+           and attention runs as the dense masked reference (`masked_attention_reference`). Exact, but O(N) work.
+  "group"  the predicted post-softmax weights are summed over each GQA group and every KV head keeps one top-k
+           for its group, in the index contract: attention runs through the gathered sparse kernels
+           (`attend_selected`), the fast path on accelerators.
+
+Prefill is dense (TokenButler is a decode method); it fills the predictor's caches for the prompt.
+
+State (`ButlerState`, sized by `init_state(cfg, batch, max_len)`):
+  attn_k, attn_v  f32[B, N, attn_heads, attn_head_dim]  the predictor's own attention cache (keys after RoPE)
+  keys            f32[L', B, Hk', N, d']                  predicted keys k' of every position (L' = L - 1)
+  queries         f32[L', B, Hq, T, d']                   predicted queries of this forward's T tokens (added by
+                                                          `start`, dropped by `finish`)
+
+The predictor comes from `jsparse train-predictor --model M --data FILE... --out DIR`, which writes DIR as an
+artifact of kind "butler" (flattened params in arrays.npz, the PredictorConfig in the metadata) keyed to the
+model's fingerprint; `--method butler --artifact DIR` loads it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jsparse import selection as sel
+from jsparse.artifacts import load_artifact
+from jsparse.methods.base import register
+from jsparse.methods.butler_predictor import Predictor, PredictorConfig, unflatten_params
+from jsparse.methods.common import TokenBudget, attend_selected, dense_decode, dense_prefill, kwargs_for
+from pallas_kernels.sparse_attention.reference import decode_indices_to_mask, masked_attention_reference
+
+ARTIFACT_KIND = "butler"
+SELECTIONS = ("head", "group")
+F32 = jnp.float32
+
+
+@struct.dataclass
+class ButlerState:
+    attn_k: jax.Array  # f32[B, N, attn_heads, attn_head_dim]
+    attn_v: jax.Array
+    keys: jax.Array  # f32[L', B, Hk', N, d']
+    queries: Optional[jax.Array] = None  # f32[L', B, Hq, T, d'] inside a forward
+
+
+def predicted_logits(qp: jax.Array, kp: jax.Array, positions: jax.Array) -> jax.Array:
+    """Predicted logits of one layer over the visible keys.
+
+    Args:
+      qp: f32[B, Hq, T, d'] predicted queries; kp: f32[B, Hk', N, d'] predicted keys (query head h uses key head
+        h // (Hq / Hk')); positions: i32[B, T] query positions (query t sees keys <= positions[b, t]).
+    Returns:
+      f32[B, Hq, T, N]: q'k'^T / sqrt(d'), -inf on keys a query cannot see.
+    """
+    Hq, Hk = qp.shape[1], kp.shape[1]
+    kp = jnp.repeat(kp, Hq // Hk, axis=1)
+    logits = jnp.einsum("bhtd,bhnd->bhtn", qp.astype(F32), kp.astype(F32),
+                        precision=jax.lax.Precision.HIGHEST) / math.sqrt(qp.shape[-1])
+    visible = jnp.arange(kp.shape[2])[None, None, :] <= positions[:, :, None]  # [B, T, N]
+    return jnp.where(visible[:, None], logits, sel.NEG_INF)
+
+
+def _with_sinks(scores: jax.Array, sink: int) -> jax.Array:
+    """Visible keys among the first `sink` positions score +inf (always kept, counted in k)."""
+    n = jnp.arange(scores.shape[-1])
+    return jnp.where((n < sink) & (scores > sel.NEG_INF), jnp.inf, scores)
+
+
+def head_mask(logits: jax.Array, positions: jax.Array, lengths: jax.Array, budget: float, min_tokens: int,
+              K: int, sink: int) -> jax.Array:
+    """bool[B, Hq, T, N]: each query head's top-k keys by predicted logit (`predicted_logits`), sinks first."""
+    k_dyn = sel.budget_tokens(budget, positions + 1, min_tokens)[:, None, :]  # [B, 1, T]
+    idx = sel.topk_indices(_with_sinks(logits, sink), k_dyn, K)  # [B, Hq, T, K]
+    return decode_indices_to_mask(idx, lengths, logits.shape[-1])
+
+
+def group_indices(logits: jax.Array, num_kv_heads: int, positions: jax.Array, budget: float, min_tokens: int,
+                  K: int, sink: int) -> jax.Array:
+    """int32[B, Hkv, T, K]: per KV head, the top-k keys by predicted post-softmax weight summed over the GQA
+    group (sinks first), in the index contract."""
+    B, Hq, T, N = logits.shape
+    probs = jax.nn.softmax(logits, axis=-1).reshape(B, num_kv_heads, Hq // num_kv_heads, T, N).sum(axis=2)
+    visible = (logits > sel.NEG_INF)[:, :1]  # [B, 1, T, N], the same for every head
+    pooled = _with_sinks(jnp.where(visible, probs, sel.NEG_INF), sink)
+    k_dyn = sel.budget_tokens(budget, positions + 1, min_tokens)[:, None, :]
+    return sel.topk_indices(pooled, k_dyn, K)
+
+
+@register("butler")
+@struct.dataclass
+class Butler(TokenBudget):
+    """TokenButler decode (see the module docstring). `params`: the predictor's parameters (leaves)."""
+
+    params: Any = None
+    pcfg: PredictorConfig = struct.field(pytree_node=False, default=None)
+    sink: int = struct.field(pytree_node=False, default=4)
+    selection: str = struct.field(pytree_node=False, default="head")
+
+    def __post_init__(self):
+        super().__post_init__()
+        sel.check_positive_int("sink", self.sink, 0)
+        if self.dense_layers < 1:
+            raise ValueError(f"dense_layers={self.dense_layers}: butler needs layer 0 dense (the predictor reads "
+                             "layer 0's input), expected >= 1")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"selection={self.selection!r}: expected one of {SELECTIONS}")
+
+    @classmethod
+    def build(cls, cfg=None, artifact: str | None = None, fingerprint: str | None = None, **options):
+        if not artifact:
+            raise ValueError("butler needs a trained predictor: run `jsparse train-predictor --model M --data "
+                             "FILE... --out DIR` and pass --artifact DIR")
+        art = load_artifact(artifact, ARTIFACT_KIND, fingerprint)
+        if "predictor_config" not in art.meta:
+            raise ValueError(f"butler artifact at {artifact!r} has no predictor_config in its metadata")
+        pcfg = PredictorConfig.from_dict(art.meta["predictor_config"])
+        return cls.from_params(cfg, pcfg, unflatten_params(art.arrays, pcfg), **options)
+
+    @classmethod
+    def from_params(cls, cfg, pcfg: PredictorConfig, params, **options):
+        """A Butler for model `cfg` with the given predictor (checked against the model's shape)."""
+        if cfg is not None:
+            pcfg.check_model(cfg)
+        return cls(params=params, pcfg=pcfg, **kwargs_for(cls, options))
+
+    # -- protocol
+
+    def init_state(self, cfg, batch, max_len):
+        c = self.pcfg
+        return ButlerState(
+            attn_k=jnp.zeros((batch, max_len, c.attn_heads, c.attn_head_dim), F32),
+            attn_v=jnp.zeros((batch, max_len, c.attn_heads, c.attn_head_dim), F32),
+            keys=jnp.zeros((c.predicted_layers, batch, c.key_heads, max_len, c.head_dim), F32))
+
+    def start(self, cfg, state, phase, batch, q_len, kv_len):
+        c = self.pcfg
+        queries = jnp.zeros((c.predicted_layers, batch, c.num_heads, q_len, c.head_dim), F32)
+        return state.replace(queries=queries)
+
+    def finish(self, state, phase):
+        return state.replace(queries=None)
+
+    def run_predictor(self, hidden, positions, state: ButlerState) -> ButlerState:
+        """Runs the predictor on hidden: [B, T, E] at positions: i32[B, T]; appends k', sets this forward's q'."""
+        qp, kp, ak, av = Predictor(self.pcfg).apply({"params": self.params}, hidden, positions, state.attn_k,
+                                                    state.attn_v, method=Predictor.extend)
+        b = jnp.arange(hidden.shape[0])[:, None]
+        keys = state.keys.at[:, b, :, positions].set(kp.astype(state.keys.dtype), mode="drop")
+        return ButlerState(attn_k=ak, attn_v=av, keys=keys, queries=qp.transpose(2, 0, 3, 1, 4).astype(F32))
+
+    def prefill(self, ctx, q, k, v, state):
+        B, T = q.shape[:2]
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        state = jax.lax.cond(ctx.layer == 0, lambda: self.run_predictor(ctx.hidden, positions, state),
+                             lambda: state)
+        return dense_prefill(q, k, v), state
+
+    def decode(self, ctx, q, cache, state):
+        positions = sel.decode_positions(ctx.lengths, q.shape[1])
+
+        def first():
+            return dense_decode(q, cache.k, cache.v, ctx.lengths), self.run_predictor(ctx.hidden, positions, state)
+
+        def dense():
+            return dense_decode(q, cache.k, cache.v, ctx.lengths), state
+
+        def sparse():
+            return self.sparse_decode(ctx, q, cache, state)
+
+        branch = jnp.where(ctx.layer == 0, 0, jnp.where(ctx.layer < self.dense_layers, 1, 2))
+        return jax.lax.switch(branch, [first, dense, sparse])
+
+    # -- selection
+
+    def layer_logits(self, layer, positions, state: ButlerState):
+        """f32[B, Hq, T, N] predicted logits of `layer` (>= 1) for this forward's queries (-inf: not visible)."""
+        qp = jax.lax.dynamic_index_in_dim(state.queries, layer - 1, 0, keepdims=False)  # [B, Hq, T, d']
+        kp = jax.lax.dynamic_index_in_dim(state.keys, layer - 1, 0, keepdims=False)  # [B, Hk', N, d']
+        return predicted_logits(qp, kp, positions)
+
+    def sparse_decode(self, ctx, q, cache, state):
+        T, N = q.shape[1], cache.k.shape[2]
+        positions = sel.decode_positions(ctx.lengths, T)
+        logits = self.layer_logits(ctx.layer, positions, state)
+        K = self.k_static(N)
+        if self.selection == "head":
+            mask = head_mask(logits, positions, ctx.lengths, self.budget, self.min_tokens, K, self.sink)
+            return masked_attention_reference(q, cache.k, cache.v, mask), state
+        idx = group_indices(logits, cache.k.shape[1], positions, self.budget, self.min_tokens, K, self.sink)
+        return attend_selected(q, cache, idx, ctx.lengths), state

@@ -1,0 +1,100 @@
+"""H2O-style heavy hitters: keep the keys with the largest accumulated attention, plus a recent window.
+
+Heavy-Hitter Oracle (Zhang et al., 2023) scores every cached key by the attention it has received so far, summed
+over past queries, and keeps the top scorers plus the most recent tokens. Here:
+
+  * state `score`: f32[L, B, Hkv, N], per layer and KV head the accumulated post-softmax attention each key has
+    received (summed over the GQA group), carried across decode steps;
+  * prefill is dense and initialises `score` with the column sums of the prompt's causal attention (valid query
+    rows only);
+  * a decode row at position p keeps k = min(max(ceil(budget * (p + 1)), min_tokens), p + 1) keys: the
+    r = ceil(recent * k) most recent ones (itself included) and the k - r older keys with the largest `score`;
+    it attends over exactly those, and adds its attention weights to their `score`. Rows of a multi-token decode
+    (T > 1, e.g. perplexity) run one after the other, each seeing the scores its predecessors accumulated.
+
+Unlike H2O's fixed-size cache, a key is never deleted: it is re-ranked at every step, but since an unselected
+key's score stops growing while the kept ones' keep growing, it rarely comes back. Selection is per KV head
+(GQA groups pooled), in the index contract's granularity. All layers are sparse (dense_layers=0), as in the paper.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jsparse import selection as sel
+from jsparse.methods.base import register
+from jsparse.methods.common import TokenBudget, dense_prefill, kwargs_for
+from pallas_kernels.sparse_attention.reference import decode_indices_to_mask
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+@struct.dataclass
+class H2OState:
+    score: jax.Array  # f32[L, B, Hkv, N] accumulated attention per key
+
+
+@register("h2o")
+@struct.dataclass
+class H2O(TokenBudget):
+    """recent: fraction of the kept keys that form the recent window (H2O's even split: 0.5)."""
+
+    recent: float = struct.field(pytree_node=False, default=0.5)
+    dense_layers: int = struct.field(pytree_node=False, default=0)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.recent, (int, float)) or not 0.0 < float(self.recent) <= 1.0:
+            raise ValueError(f"recent={self.recent!r}: expected the recent window's share of the budget in (0, 1]")
+
+    @classmethod
+    def build(cls, **options):
+        return cls(**kwargs_for(cls, options))
+
+    def init_state(self, cfg, batch, max_len):
+        return H2OState(score=jnp.zeros((cfg.num_layers, batch, cfg.num_kv_heads, max_len), jnp.float32))
+
+    def prefill(self, ctx, q, k, v, state):
+        B, T = q.shape[:2]
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        probs = sel.pooled_probs(q, jnp.swapaxes(k, 1, 2), positions)  # [B, Hkv, T, T]
+        valid_rows = jnp.arange(T)[None, :] < ctx.lengths[:, None]  # [B, T]
+        colsum = jnp.sum(jnp.where(valid_rows[:, None, :, None], probs, 0.0), axis=2)  # [B, Hkv, T]
+        N = state.score.shape[-1]
+        row = jnp.pad(colsum, ((0, 0), (0, 0), (0, N - T)))
+        score = jax.lax.dynamic_update_index_in_dim(state.score, row, ctx.layer, 0)
+        return dense_prefill(q, k, v), H2OState(score=score)
+
+    def sparse_decode(self, ctx, q, cache, state):
+        B, T, Hq, D = q.shape
+        Hkv, N = cache.k.shape[1], cache.k.shape[2]
+        G = Hq // Hkv
+        K = self.k_static(N)
+        positions = sel.decode_positions(ctx.lengths, T)  # [B, T]
+        qg = jnp.swapaxes(q.astype(jnp.float32).reshape(B, T, Hkv, G, D), 0, 1)  # [T, B, Hkv, G, D]
+        kf, vf = cache.k.astype(jnp.float32), cache.v.astype(jnp.float32)
+        n = jnp.arange(N)
+
+        def row(score, xs):
+            q_t, p = xs  # [B, Hkv, G, D], i32[B]
+            k_t = sel.budget_tokens(self.budget, p + 1, self.min_tokens)  # [B]
+            r = jnp.maximum(jnp.ceil(self.recent * k_t.astype(jnp.float32)).astype(jnp.int32), 1)
+            visible = n[None, :] <= p[:, None]  # [B, N]
+            window = visible & (n[None, :] > (p - r)[:, None])
+            heavy = jnp.where((visible & ~window)[:, None], score, sel.NEG_INF)  # [B, Hkv, N]
+            idx = sel.topk_indices(heavy, jnp.broadcast_to((k_t - r)[:, None], (B, Hkv)), K)  # [B, Hkv, K]
+            keep = decode_indices_to_mask(idx[:, :, None], p + 1, N)[:, :, 0] | window[:, None]  # [B, Hkv, N]
+            logits = jnp.einsum("bhgd,bhnd->bhgn", q_t, kf, precision=_HIGHEST) / math.sqrt(D)
+            logits = jnp.where(keep[:, :, None], logits, -jnp.inf)
+            probs = jax.nn.softmax(logits, axis=-1)  # the row always keeps itself
+            out = jnp.einsum("bhgn,bhnd->bhgd", probs, vf, precision=_HIGHEST)
+            return score + probs.sum(axis=2), out
+
+        score = jax.lax.dynamic_index_in_dim(state.score, ctx.layer, 0, keepdims=False)  # [B, Hkv, N]
+        score, out = jax.lax.scan(row, score, (qg, positions.T))
+        out = jnp.swapaxes(out, 0, 1).reshape(B, T, Hq, D).astype(q.dtype)
+        return out, H2OState(score=jax.lax.dynamic_update_index_in_dim(state.score, score, ctx.layer, 0))

@@ -1,0 +1,117 @@
+"""`jsparse train-predictor`: train TokenButler's predictor for a model on text files.
+
+Hooked into `jsparse/cli.py` with
+
+    from train.cli_train import add_train_parser
+    add_train_parser(sub)          # sub = parser.add_subparsers(...); sets func=run_train
+
+Example:
+
+    jsparse train-predictor --model smollm2 --data 'books/*.txt' --seq-len 1024 --steps 2000 --out runs/butler
+
+writes runs/butler/{artifact.json, arrays.npz} (use with `--method butler --artifact runs/butler`),
+runs/butler/loss.jsonl and runs/butler/checkpoints/. Running the same command again after an interruption
+resumes from the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def add_train_parser(subparsers) -> argparse.ArgumentParser:
+    """Adds the `train-predictor` command to an argparse subparsers object; returns its parser."""
+    p = subparsers.add_parser(
+        "train-predictor", help="train TokenButler's importance predictor (writes a butler artifact)",
+        description="Train TokenButler's ~1%% predictor against the frozen model's attention logits (blockwise MSE), "
+                    "data-parallel over the devices present. Writes checkpoints, loss.jsonl and a 'butler' artifact "
+                    "to --out; rerunning the same command resumes from the latest checkpoint.")
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2' (the bundled SmolLM2-135M-Instruct), a Hugging Face folder or a .gguf file "
+                        "(default: smollm2)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="the frozen model's dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
+    p.add_argument("--data", nargs="+", required=True, metavar="FILE",
+                   help="UTF-8 text files or glob patterns (quoted) to train on")
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per training chunk (default 1024)")
+    p.add_argument("--steps", type=int, required=True, help="optimizer steps of the whole run")
+    p.add_argument("--out", required=True, help="output folder (checkpoints, loss log, artifact)")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="chunks per step over all devices, a multiple of the device count (default 8)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate (default 1e-3)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="linear warmup steps (default: min(100, steps // 10))")
+    p.add_argument("--end-lr-ratio", type=float, default=0.1,
+                   help="final learning rate of the cosine decay, as a fraction of --lr (default 0.1)")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default 0.01)")
+    p.add_argument("--clip-norm", type=float, default=1.0, help="global gradient-norm clip (default 1.0)")
+    p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (default 100)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the predictor init and the data shuffle (default 0)")
+    p.add_argument("--preset", default=None,
+                   help="predictor size preset: smollm2-135m, llama3-8b, qwen3-8b or auto (default: the preset "
+                        "matching the model's shape, else auto: ~1%% of the model)")
+    p.add_argument("--key-heads", choices=["query", "kv"], default="query",
+                   help="predicted keys per query head (the paper) or per KV head (default query)")
+    p.add_argument("--head-dim", type=int, default=None, help="override d', the predicted q/k width")
+    p.add_argument("--qk-hidden", type=int, default=None, help="override the QK networks' hidden width")
+    p.add_argument("--all-pairs", action="store_true",
+                   help="average the loss over all L x L query-key pairs (the official code) instead of the causal "
+                        "ones")
+    p.add_argument("--loss-impl", choices=["gpu", "tpu", "xla"], default=None,
+                   help="logit_mse implementation (default: by backend)")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="stop after this much wall time, saving a checkpoint and the artifact")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(func=run_train)
+    return p
+
+
+def run_train(args) -> int:
+    """The `train-predictor` command: check the data, load the model, tokenize, train; prints a JSON summary."""
+
+    import jsparse
+    from train import data as data_lib
+    from train.loop import TrainConfig, train
+    from train.predictor import describe, preset_config
+
+    paths = data_lib.expand_paths(args.data)  # fail on missing files before loading the model
+    for path in paths:
+        data_lib.read_text(path)
+    if args.steps is None or args.steps < 1:
+        raise ValueError(f"--steps {args.steps}: expected a positive number of steps")
+    warmup = args.warmup if args.warmup is not None else min(100, args.steps // 10)
+    model = jsparse.load(args.model, args.dtype)
+    tc = TrainConfig(seq_len=args.seq_len, steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr,
+                     warmup_steps=warmup, end_lr_ratio=args.end_lr_ratio, weight_decay=args.weight_decay,
+                     clip_norm=args.clip_norm, checkpoint_every=args.checkpoint_every, seed=args.seed,
+                     causal=not args.all_pairs, loss_impl=args.loss_impl)
+    import jax
+
+    tc.validate(model.cfg, jax.device_count())
+    pcfg = preset_config(model.cfg, args.preset, key_heads=args.key_heads, head_dim=args.head_dim,
+                         qk_hidden=args.qk_hidden)
+    if model.tokenizer is None:
+        raise ValueError(f"model {args.model!r} has no tokenizer: training on text needs one (a Hugging Face folder "
+                         "with tokenizer files, a GGUF, or the bundled smollm2)")
+    tok = model.tokenizer
+    sep = tok.eos_token_id if tok.eos_token_id is not None else None
+    ids = data_lib.tokenize_files(tok, paths, separator=sep)
+    from eval.passkey import special_prefix
+
+    chunks = data_lib.pack_chunks(ids, args.seq_len, special_prefix(tok))
+    size = describe(pcfg, model.cfg)
+    print(json.dumps({"files": len(paths), "tokens": int(len(ids)), "chunks": int(chunks.shape[0]),
+                      "devices": jax.device_count(), **{k: size[k] for k in ("predictor_params", "model_params",
+                                                                              "fraction")}}))
+    result = train(model.cfg, model.params, fingerprint=jsparse.fingerprint(model), chunks=chunks,
+                   out_dir=args.out, tc=tc, pcfg=pcfg, model_name=model.name, progress=not args.no_progress,
+                   max_seconds=args.max_seconds)
+    print(json.dumps({"out": os.path.abspath(args.out), "resumed_from": result.start_step,
+                      "steps": result.last_step, "final_loss": result.losses[-1][1] if result.losses else None,
+                      "stopped_early": result.stopped_early, "seconds": round(result.seconds, 1),
+                      "tokens_seen": int(result.last_step * tc.batch_size * tc.seq_len),
+                      "epochs": float(result.last_step * tc.batch_size / chunks.shape[0]),
+                      "artifact_bytes": os.path.getsize(os.path.join(args.out, "arrays.npz"))}))
+    return 0

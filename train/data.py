@@ -1,0 +1,160 @@
+"""Training data for the predictor: text files -> tokens -> fixed-length chunks -> a seeded, resumable stream.
+
+  paths = expand_paths(["books/*.txt"])           # globs expanded; a pattern matching nothing is an error
+  ids = tokenize_files(tokenizer, paths)         # i32[N]: every file's tokens, EOS between files
+  chunks = pack_chunks(ids, seq_len, prefix)     # i32[S, seq_len]: non-overlapping windows, each prefix + body
+  stream = ChunkStream(chunks, batch_size, seed)
+  stream.batch(step)                             # i32[batch_size, seq_len], a pure function of (seed, step)
+
+The stream is a pure function of its position: sample i (= step * batch_size + row) is chunk
+`perm_e[i mod S]` of epoch e = i // S, where perm_e is a permutation drawn from `default_rng([seed, e])`. A run
+that resumes at step s therefore reads exactly the batches an uninterrupted run would have read from step s on;
+the checkpoint stores the position and `ChunkStream.fingerprint()` (a digest of the chunks) to refuse resuming
+on other data.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+from typing import Sequence
+
+import numpy as np
+
+
+class DataError(ValueError):
+    """Training data that is missing, empty or too short (names the file or the sizes)."""
+
+
+def expand_paths(patterns: Sequence[str]) -> list[str]:
+    """Expands glob patterns and plain paths into a sorted, de-duplicated list of files.
+
+    Raises:
+      DataError: no pattern given.
+      FileNotFoundError: a plain path that does not exist, or a pattern that matches no file.
+    """
+    if not patterns:
+        raise DataError("no training data given: expected one or more text files (--data FILE...)")
+    out: list[str] = []
+    for pattern in patterns:
+        if glob.has_magic(pattern):
+            found = sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
+            if not found:
+                raise FileNotFoundError(f"--data pattern {pattern!r} matches no file")
+            out += found
+        elif os.path.isdir(pattern):
+            raise DataError(f"--data {pattern!r} is a folder: expected text files (a glob such as "
+                            f"'{os.path.join(pattern, '*.txt')}' works)")
+        elif not os.path.isfile(pattern):
+            raise FileNotFoundError(f"training data file {pattern!r} does not exist")
+        else:
+            out.append(pattern)
+    return sorted(dict.fromkeys(os.path.abspath(p) for p in out))
+
+
+def read_text(path: str) -> str:
+    """A UTF-8 text file's content; DataError when it holds no text."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise DataError(f"training data file {path!r} is not UTF-8 text: {e}") from None
+    if not text.strip():
+        raise DataError(f"training data file {path!r} is empty: expected UTF-8 text")
+    return text
+
+
+def tokenize_text(tokenizer, text: str, batch: int = 512) -> list[int]:
+    """Token ids of a text (no special tokens), tokenized paragraph by paragraph in batches (fast tokenizers run
+    a batch in parallel; paragraphs keep every call short)."""
+    parts = [p + "\n\n" for p in text.split("\n\n") if p.strip()]
+    ids: list[int] = []
+    for s in range(0, len(parts), batch):
+        enc = tokenizer(parts[s:s + batch], add_special_tokens=False, verbose=False)["input_ids"]
+        for row in enc:
+            ids += row
+    return ids
+
+
+def tokenize_files(tokenizer, paths: Sequence[str], separator: int | None = None) -> np.ndarray:
+    """i32[N]: the files' tokens in order, `separator` (e.g. EOS) between files when given."""
+    if not paths:
+        raise DataError("no training data files given")
+    ids: list[int] = []
+    for i, path in enumerate(paths):
+        file_ids = tokenize_text(tokenizer, read_text(path))
+        if not file_ids:
+            raise DataError(f"training data file {path!r} produced no tokens")
+        if i and separator is not None:
+            ids.append(int(separator))
+        ids += file_ids
+    return np.asarray(ids, np.int32)
+
+
+def pack_chunks(ids: np.ndarray, seq_len: int, prefix: Sequence[int] = ()) -> np.ndarray:
+    """i32[S, seq_len]: consecutive non-overlapping windows of `ids`, each `prefix` (e.g. BOS) + body tokens.
+
+    Raises:
+      DataError: seq_len too small for the prefix, or fewer tokens than one chunk needs.
+    """
+    prefix = np.asarray(list(prefix), np.int32)
+    body = seq_len - len(prefix)
+    if body < 2:
+        raise DataError(f"seq_len={seq_len}: expected at least {len(prefix) + 2} tokens per chunk")
+    n = len(ids) // body
+    if n == 0:
+        raise DataError(f"the training data has {len(ids)} tokens, fewer than the {body} one chunk of "
+                        f"seq_len={seq_len} needs: give more text or a shorter --seq-len")
+    rows = np.asarray(ids[: n * body], np.int32).reshape(n, body)
+    if len(prefix):
+        rows = np.concatenate([np.broadcast_to(prefix, (n, len(prefix))), rows], axis=1)
+    return np.ascontiguousarray(rows, np.int32)
+
+
+class ChunkStream:
+    """Seeded batches of chunks, an epoch-wise shuffle, addressable by step (see the module docstring)."""
+
+    def __init__(self, chunks: np.ndarray, batch_size: int, seed: int = 0):
+        chunks = np.asarray(chunks, np.int32)
+        if chunks.ndim != 2 or chunks.shape[0] < 1:
+            raise DataError(f"chunks must be i32[S >= 1, T], got shape {chunks.shape}")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise DataError(f"batch_size={batch_size!r}: expected a positive integer")
+        self.chunks = chunks
+        self.batch_size = batch_size
+        self.seed = int(seed)
+        self._perms: dict[int, np.ndarray] = {}
+
+    @property
+    def num_chunks(self) -> int:
+        return self.chunks.shape[0]
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            if len(self._perms) > 4:
+                self._perms.clear()
+            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_chunks)
+        return self._perms[epoch]
+
+    def sample_ids(self, step: int) -> np.ndarray:
+        """i64[batch_size]: the chunk index of every row of batch `step`."""
+        i = step * self.batch_size + np.arange(self.batch_size)
+        epochs, offsets = np.divmod(i, self.num_chunks)
+        return np.array([self._perm(int(e))[o] for e, o in zip(epochs, offsets)], np.int64)
+
+    def batch(self, step: int) -> np.ndarray:
+        """i32[batch_size, T]: the chunks of batch `step` (step >= 0)."""
+        if step < 0:
+            raise ValueError(f"step={step}: expected >= 0")
+        return self.chunks[self.sample_ids(step)]
+
+    def position(self, step: int) -> int:
+        """Samples consumed before batch `step`."""
+        return step * self.batch_size
+
+    def fingerprint(self) -> str:
+        """A digest of the chunks (shape and tokens): resuming on other data is refused."""
+        h = hashlib.sha256(str(self.chunks.shape).encode())
+        h.update(self.chunks.tobytes())
+        return h.hexdigest()[:16]

@@ -1,0 +1,455 @@
+"""Training TokenButler's predictor against a frozen model's attention logits.
+
+One step, data-parallel over the devices present (a 1-D mesh with axis 'data'; `shard_map` gives every device its
+slice of the batch, gradients are averaged with `pmean`, parameters and optimizer state are replicated):
+
+  1. the frozen model runs over the batch with `QKRecorder` as its attention method: dense causal attention that
+     records every layer's queries and keys (after RoPE) and layer 0's normed input h0;
+  2. the predictor maps h0 to q', k' for layers 1..L-1;
+  3. loss = mean over layers >= 1, heads and batch of `logit_mse(q, k, q', k')`, TokenButler's blockwise MSE between
+     the model's and the predictor's pre-softmax logits (causal pairs by default; see pallas_kernels/logit_mse);
+  4. optax: clip the global gradient norm, AdamW with linear warmup and cosine decay (to `end_lr_ratio` of the
+     peak).
+
+Sequence length. The loss kernel zero-pads the sequence to a multiple of its blocks, which adds exactly zero to the
+loss and gradients (pallas_kernels/logit_mse/gpu.py), so any `seq_len` >= 16 works; every chunk is full length, so
+no token of a batch is padding.
+
+Checkpoints (orbax, `OUT/checkpoints/<step>`): predictor params and optimizer state (which holds the step count that
+drives the schedule) plus JSON metadata: step, data position, seed, the model's fingerprint, the predictor config,
+the data's fingerprint and the training config. A run whose OUT already holds checkpoints resumes from the latest
+one: the data stream is a pure function of (seed, step) (train/data.py), so the resumed run reads exactly the
+batches the uninterrupted run would have, and no step is lost or repeated. Ctrl-C (KeyboardInterrupt) saves a
+checkpoint of the last completed step before exiting; a killed process resumes from its last periodic checkpoint.
+Resuming with another model, predictor shape, data or training config is an error naming both values.
+
+When training finishes, OUT holds a "butler" artifact (artifact.json + arrays.npz: the flattened params, the
+predictor config, the model fingerprint) that `--method butler --artifact OUT` loads, and loss.jsonl (one line per
+step: step, loss, learning rate, gradient norm, tokens/s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import time
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jsparse.artifacts import Artifact, save_artifact
+from jsparse.methods.butler import ARTIFACT_KIND
+from jsparse.methods.butler_predictor import Predictor, PredictorConfig, flatten_params, init_params
+from models import llama
+from models.cache import init_cache
+from models.config import ModelConfig
+from pallas_kernels.dense import dense_prefill
+from pallas_kernels.logit_mse import logit_mse
+from train.data import ChunkStream
+
+Array = jax.Array
+CHECKPOINTS = "checkpoints"
+LOSS_LOG = "loss.jsonl"
+MIN_SEQ_LEN = 16
+
+
+class TrainError(ValueError):
+    """A training run that cannot start or resume (names the bad value and what was expected)."""
+
+
+# ----------------------------------------------------------------------------------------------- the frozen model
+
+
+@struct.dataclass
+class QKState:
+    q: Array  # [L', B, Hq, T, D] queries of layers 1..L-1 (after RoPE), in the model's dtype
+    k: Array  # [L', B, Hkv, T, D]
+    h0: Array  # [B, T, E] layer 0's normed attention input
+
+
+@struct.dataclass
+class QKRecorder:
+    """An attention method that runs dense causal attention and records q, k of every layer >= 1 and layer 0's
+    normed input (training only; prefill only)."""
+
+    def init_state(self, cfg, batch, max_len, dtype=jnp.float32):
+        L = cfg.num_layers - 1
+        return QKState(q=jnp.zeros((L, batch, cfg.num_heads, max_len, cfg.head_dim), dtype),
+                       k=jnp.zeros((L, batch, cfg.num_kv_heads, max_len, cfg.head_dim), dtype),
+                       h0=jnp.zeros((batch, max_len, cfg.hidden_size), dtype))
+
+    def layer_info(self, cfg):
+        return None
+
+    def prefill(self, ctx, q, k, v, state):
+        slot = jnp.maximum(ctx.layer - 1, 0)  # layer 0 writes slot 0, which layer 1 then overwrites
+        qs = jax.lax.dynamic_update_index_in_dim(state.q, jnp.swapaxes(q, 1, 2).astype(state.q.dtype), slot, 0)
+        ks = jax.lax.dynamic_update_index_in_dim(state.k, jnp.swapaxes(k, 1, 2).astype(state.k.dtype), slot, 0)
+        h0 = jnp.where(ctx.layer == 0, ctx.hidden.astype(state.h0.dtype), state.h0)
+        return dense_prefill(q, k, v), QKState(q=qs, k=ks, h0=h0)
+
+    def decode(self, ctx, q, cache, state):
+        raise NotImplementedError("QKRecorder records prefill only")
+
+
+def record_qk(params, cfg: ModelConfig, tokens: Array):
+    """The frozen model's targets for a batch of full-length chunks.
+
+    Args:
+      tokens: i32[B, T].
+    Returns:
+      (h0: [B, T, E], q: [B, L' * Hq, T, D], k: [B, L' * Hkv, T, D]), layers stacked layer-major into the head
+      axis as `logit_mse` expects (q head l * Hq + h uses k head l * Hkv + h // G); all gradient-free.
+    """
+    B, T = tokens.shape
+    dtype = params.embed.dtype
+    rec = QKRecorder()
+    cache = init_cache(cfg, B, T, dtype)
+    _, _, st = llama.prefill(params, cfg, rec, tokens, jnp.full((B,), T, jnp.int32), cache,
+                             rec.init_state(cfg, B, T, dtype))
+    Lp = cfg.num_layers - 1
+    q = jnp.swapaxes(st.q, 0, 1).reshape(B, Lp * cfg.num_heads, T, cfg.head_dim)
+    k = jnp.swapaxes(st.k, 0, 1).reshape(B, Lp * cfg.num_kv_heads, T, cfg.head_dim)
+    return jax.lax.stop_gradient(st.h0), jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
+
+
+def predictor_qk(pparams, pcfg: PredictorConfig, h0: Array):
+    """h0: [B, T, E] -> (q': f32[B, L' * Hq, T, d'], k': f32[B, L' * Hk', T, d']) in `logit_mse`'s layout."""
+    B, T = h0.shape[:2]
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    qp, kp = Predictor(pcfg).apply({"params": pparams}, h0, positions)  # [B, T, L', H, d']
+    qp = qp.transpose(0, 2, 3, 1, 4).reshape(B, -1, T, pcfg.head_dim)
+    kp = kp.transpose(0, 2, 3, 1, 4).reshape(B, -1, T, pcfg.head_dim)
+    return qp, kp
+
+
+# ----------------------------------------------------------------------------------------------- configuration
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Hyper-parameters of a run (all part of the checkpoint's identity except max_seconds and progress).
+
+    Attributes:
+      seq_len: tokens per chunk (>= 16, <= the model's context). steps: optimizer steps of the whole run.
+      batch_size: chunks per step over all devices (a multiple of the device count).
+      learning_rate: AdamW peak; warmup_steps of linear warmup from 0, then cosine decay to
+        end_lr_ratio * learning_rate at the last step. weight_decay: AdamW's decoupled decay.
+      clip_norm: global gradient-norm clip. checkpoint_every: steps between checkpoints (the last step is always
+        saved). keep_checkpoints: how many to keep. seed: predictor init and data shuffle.
+      causal: the loss averages over causal pairs only (see logit_mse). loss_impl: logit_mse implementation
+        ("gpu", "tpu", "xla", or None for the backend's). interpret: run the loss kernel in the interpreter (tests).
+    """
+
+    seq_len: int
+    steps: int
+    batch_size: int = 8
+    learning_rate: float = 1e-3
+    warmup_steps: int = 100
+    end_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    seed: int = 0
+    causal: bool = True
+    loss_impl: Optional[str] = None
+    interpret: bool = False
+
+    def validate(self, cfg: ModelConfig, num_devices: int) -> "TrainConfig":
+        def pos_int(name, minimum=1):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+                raise TrainError(f"{name}={v!r}: expected an integer >= {minimum}")
+
+        for name in ("steps", "batch_size", "checkpoint_every", "keep_checkpoints"):
+            pos_int(name)
+        pos_int("warmup_steps", 0)
+        pos_int("seed", 0)
+        if not isinstance(self.seq_len, int) or not MIN_SEQ_LEN <= self.seq_len <= cfg.max_position_embeddings:
+            raise TrainError(f"seq_len={self.seq_len!r}: expected an integer in [{MIN_SEQ_LEN}, "
+                             f"{cfg.max_position_embeddings}] (the model's context)")
+        if self.warmup_steps >= self.steps:
+            raise TrainError(f"warmup_steps={self.warmup_steps}: expected fewer than steps={self.steps}")
+        if self.batch_size % num_devices:
+            raise TrainError(f"batch_size={self.batch_size} is not a multiple of the {num_devices} devices the "
+                             "batch is split over")
+        for name, lo, hi in (("learning_rate", 0.0, 1.0), ("end_lr_ratio", -1e-12, 1.0),
+                             ("weight_decay", -1e-12, 1.0)):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not lo < v <= hi:
+                raise TrainError(f"{name}={v!r}: expected a number in ({max(lo, 0)}, {hi}]")
+        if not isinstance(self.clip_norm, (int, float)) or self.clip_norm <= 0:
+            raise TrainError(f"clip_norm={self.clip_norm!r}: expected a positive number")
+        if self.loss_impl not in (None, "gpu", "tpu", "xla"):
+            raise TrainError(f"loss_impl={self.loss_impl!r}: expected 'gpu', 'tpu', 'xla' or None")
+        return self
+
+    def identity(self) -> dict:
+        """The fields a resumed run must share with the checkpoint."""
+        d = dataclasses.asdict(self)
+        for k in ("keep_checkpoints", "checkpoint_every", "loss_impl", "interpret"):
+            d.pop(k)
+        return d
+
+
+def make_schedule(tc: TrainConfig):
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=tc.learning_rate, warmup_steps=tc.warmup_steps, decay_steps=tc.steps,
+        end_value=tc.learning_rate * tc.end_lr_ratio)
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    return optax.chain(optax.clip_by_global_norm(tc.clip_norm),
+                       optax.adamw(make_schedule(tc), weight_decay=tc.weight_decay))
+
+
+def data_mesh(devices=None) -> jax.sharding.Mesh:
+    """A 1-D mesh over `devices` (default: all) with axis 'data'."""
+    devices = list(devices or jax.devices())
+    return jax.sharding.Mesh(np.asarray(devices), ("data",))
+
+
+@functools.lru_cache(maxsize=8)
+def make_train_step(mesh, cfg: ModelConfig, pcfg: PredictorConfig, tc: TrainConfig):
+    """jit(shard_map(step)): (pparams, opt_state, model_params, tokens i32[B, T]) -> (pparams, opt_state, loss,
+    grad_norm); tokens sharded over 'data', everything else replicated. Cached, so that runs of one process with
+    the same settings (a resume, tests) reuse the compiled step."""
+    tx = make_optimizer(tc)
+
+    def loss_fn(pparams, h0, q, k):
+        qp, kp = predictor_qk(pparams, pcfg, h0)
+        per_head = logit_mse(q, k, qp, kp, causal=tc.causal, implementation=tc.loss_impl,
+                             interpret=tc.interpret)  # f32[b, L' * Hq]
+        return jnp.mean(per_head)
+
+    def local_step(pparams, opt_state, mparams, tokens):
+        h0, q, k = record_qk(mparams, cfg, tokens)
+        loss, grads = jax.value_and_grad(loss_fn)(pparams, h0, q, k)
+        grads = jax.lax.pmean(grads, "data")
+        loss = jax.lax.pmean(loss, "data")
+        updates, opt_state = tx.update(grads, opt_state, pparams)
+        return optax.apply_updates(pparams, updates), opt_state, loss, optax.tree.norm(grads)
+
+    step = jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(), P(), P("data")),
+                         out_specs=(P(), P(), P(), P()), check_vma=False)
+    return jax.jit(step)
+
+
+# ----------------------------------------------------------------------------------------------- checkpoints
+
+
+def _manager(out_dir: str, tc: TrainConfig):
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(os.path.join(out_dir, CHECKPOINTS))
+    options = ocp.CheckpointManagerOptions(max_to_keep=tc.keep_checkpoints, create=True)
+    return ocp.CheckpointManager(path, options=options)
+
+
+def _save(mngr, step: int, pparams, opt_state, meta: dict) -> None:
+    import orbax.checkpoint as ocp
+
+    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": pparams, "opt_state": opt_state}),
+                                            meta=ocp.args.JsonSave(meta)), force=True)
+
+
+def _check_resume(meta: dict, expected: dict, where: str) -> None:
+    """Raises TrainError naming the first field where a checkpoint differs from this run."""
+    what = {"model_fingerprint": "model", "predictor_config": "predictor config", "data_fingerprint": "data",
+            "train_config": "training config"}
+    for key, label in what.items():
+        if meta.get(key) != expected[key]:
+            if key == "model_fingerprint":
+                raise TrainError(
+                    f"the checkpoint in {where} was made for another model: fingerprint {meta.get(key)!r} "
+                    f"({meta.get('model_name', '?')}), but the loaded model's is {expected[key]!r}; use another --out")
+            if key == "train_config":
+                diff = {k: (meta.get(key, {}).get(k), v) for k, v in expected[key].items()
+                        if meta.get(key, {}).get(k) != v}
+                raise TrainError(f"the checkpoint in {where} used another training config: (checkpoint, now) = "
+                                 f"{diff}; use the same settings to resume, or another --out")
+            raise TrainError(f"the checkpoint in {where} was made with another {label}: {meta.get(key)!r}, now "
+                             f"{expected[key]!r}; use the same {label} to resume, or another --out")
+
+
+def _restore(mngr, step: int, pparams, opt_state):
+    import orbax.checkpoint as ocp
+
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                            {"params": pparams, "opt_state": opt_state})
+    out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+    return out["state"]["params"], out["state"]["opt_state"]
+
+
+def _read_meta(mngr, step: int) -> dict:
+    import orbax.checkpoint as ocp
+
+    return dict(mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+
+
+def read_checkpoint_meta(out_dir: str) -> dict | None:
+    """The latest checkpoint's metadata in `out_dir`, or None when there is none."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(os.path.join(out_dir, CHECKPOINTS))
+    if not os.path.isdir(path):
+        return None
+    mngr = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(read_only=True))
+    try:
+        step = mngr.latest_step()
+        return None if step is None else _read_meta(mngr, step)
+    finally:
+        mngr.close()
+
+
+# ----------------------------------------------------------------------------------------------- the run
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """params: the predictor's final params; losses: [(step, loss)] of the steps this call ran; start_step: the
+    step it resumed from (0 for a fresh run); last_step: the last completed step; stopped_early: max_seconds hit."""
+
+    params: Any
+    pcfg: PredictorConfig
+    losses: list
+    start_step: int
+    last_step: int
+    stopped_early: bool
+    seconds: float
+
+
+def _rewrite_log(path: str, upto: int) -> None:
+    """Keeps the loss log's lines of steps <= upto (a resumed run re-logs the steps after its checkpoint)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= upto]
+    with open(path, "w") as f:
+        f.writelines(lines)
+
+
+def train(cfg: ModelConfig, model_params, *, fingerprint: str, chunks: np.ndarray, out_dir: str, tc: TrainConfig,
+          pcfg: PredictorConfig, model_name: str = "", on_step: Callable[[int, float], None] | None = None,
+          progress: bool = True, max_seconds: float | None = None, devices=None) -> TrainResult:
+    """Trains (or resumes training) the predictor and writes checkpoints, the loss log and the final artifact.
+
+    Args:
+      cfg, model_params: the frozen model. fingerprint: its `jsparse.artifacts.model_fingerprint`.
+      chunks: i32[S, seq_len] training chunks (train/data.py). out_dir: checkpoints, loss log and artifact.
+      tc: hyper-parameters. pcfg: the predictor's shape (train/predictor.py presets).
+      on_step: called as on_step(step, loss) after every completed step (step counts from 1); an exception it
+        raises ends the run like a crash (a KeyboardInterrupt saves a checkpoint of that step first).
+      max_seconds: stop after this much wall time (saving a checkpoint and the artifact), None for no limit.
+      devices: the devices of the data-parallel mesh (default: all).
+    Returns:
+      TrainResult.
+    """
+    mesh = data_mesh(devices)
+    tc.validate(cfg, mesh.size)
+    pcfg.check_model(cfg)
+    chunks = np.asarray(chunks, np.int32)
+    if chunks.ndim != 2 or chunks.shape[1] != tc.seq_len:
+        raise TrainError(f"chunks have shape {chunks.shape}: expected [S, seq_len={tc.seq_len}]")
+    stream = ChunkStream(chunks, tc.batch_size, tc.seed)
+    os.makedirs(out_dir, exist_ok=True)
+    expected = {"model_fingerprint": fingerprint, "predictor_config": pcfg.to_dict(),
+                "data_fingerprint": stream.fingerprint(), "train_config": tc.identity()}
+
+    replicated = NamedSharding(mesh, P())
+    batch_sharding = NamedSharding(mesh, P("data"))
+    tx = make_optimizer(tc)
+    pparams = jax.device_put(init_params(pcfg, jax.random.key(tc.seed)), replicated)
+    opt_state = jax.device_put(tx.init(pparams), replicated)
+    mparams = jax.device_put(model_params, replicated)
+    mngr = _manager(out_dir, tc)
+    log_path = os.path.join(out_dir, LOSS_LOG)
+    start = 0
+    latest = mngr.latest_step()
+    if latest is not None:
+        _check_resume(_read_meta(mngr, latest), expected, os.path.join(out_dir, CHECKPOINTS))
+        pparams, opt_state = _restore(mngr, latest, pparams, opt_state)
+        start = int(latest)
+    _rewrite_log(log_path, start)
+
+    def meta(step: int) -> dict:
+        return {**expected, "step": step, "data_position": stream.position(step), "seed": tc.seed,
+                "num_chunks": stream.num_chunks, "model_name": model_name}
+
+    step_fn = make_train_step(mesh, cfg, pcfg, tc)
+    schedule = make_schedule(tc)
+    tokens_per_step = tc.batch_size * tc.seq_len
+    losses: list = []
+    t_start = time.perf_counter()
+    step = start
+    stopped_early = False
+    saved_at = start if latest is not None else None
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=tc.steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True,
+               desc="train-predictor")
+    try:
+        with open(log_path, "a") as log:
+            while step < tc.steps:
+                t0 = time.perf_counter()
+                tokens = jax.device_put(stream.batch(step), batch_sharding)
+                new_p, new_o, loss, gnorm = step_fn(pparams, opt_state, mparams, tokens)
+                loss = float(loss)  # waits for the step
+                if not math.isfinite(loss):
+                    raise TrainError(f"the loss is {loss} at step {step + 1}: lower --lr or check the data")
+                pparams, opt_state, step = new_p, new_o, step + 1
+                dt = time.perf_counter() - t0
+                losses.append((step, loss))
+                rec = {"step": step, "loss": loss, "lr": float(schedule(step - 1)), "grad_norm": float(gnorm),
+                       "tokens_per_s": tokens_per_step / dt, "seconds": dt}
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4g}", tok_s=f"{tokens_per_step / dt:,.0f}")
+                if step % tc.checkpoint_every == 0 or step == tc.steps:
+                    _save(mngr, step, pparams, opt_state, meta(step))
+                    saved_at = step
+                if on_step is not None:
+                    on_step(step, loss)
+                if max_seconds is not None and time.perf_counter() - t_start > max_seconds and step < tc.steps:
+                    stopped_early = True
+                    break
+    except KeyboardInterrupt:
+        if saved_at != step:
+            _save(mngr, step, pparams, opt_state, meta(step))
+        mngr.wait_until_finished()
+        mngr.close()
+        bar.close()
+        raise
+    except BaseException:
+        mngr.wait_until_finished()
+        mngr.close()
+        bar.close()
+        raise
+    bar.close()
+    if saved_at != step:
+        _save(mngr, step, pparams, opt_state, meta(step))
+    mngr.wait_until_finished()
+    mngr.close()
+    export_artifact(out_dir, pparams, pcfg, fingerprint, {
+        "model": model_name, "steps": step, "planned_steps": tc.steps, "train_config": dataclasses.asdict(tc),
+        "data_fingerprint": stream.fingerprint(), "num_chunks": stream.num_chunks,
+        "final_loss": losses[-1][1] if losses else None, "stopped_early": stopped_early,
+        "predictor_params": pcfg.num_params()})
+    return TrainResult(params=pparams, pcfg=pcfg, losses=losses, start_step=start, last_step=step,
+                       stopped_early=stopped_early, seconds=time.perf_counter() - t_start)
+
+
+def export_artifact(out_dir: str, params, pcfg: PredictorConfig, fingerprint: str, meta: dict) -> None:
+    """Writes the predictor as a "butler" artifact (artifact.json + arrays.npz) in out_dir."""
+    save_artifact(out_dir, Artifact(kind=ARTIFACT_KIND, fingerprint=fingerprint, arrays=flatten_params(params),
+                                    meta={"predictor_config": pcfg.to_dict(), **meta}))
