@@ -1,0 +1,535 @@
+"""EvoSparse: decode-time block sparsity from sink + local + retrieval + heat blocks.
+
+Keys are grouped in blocks of `block_size` (16) tokens. Layers 0 .. dense_layers-1 (default 2) attend densely.
+In every other layer, for each KV head, a decode query at position p attends to the union of
+
+  * sink blocks       the first n_s blocks;
+  * local blocks      the n_l most recent blocks (the query's own, partial, block included);
+  * retrieval blocks  the n_r blocks outside sink and local with the largest block-max of q . K^T / sqrt(d) over
+                      the layer's retrieval heads (found by `jsparse calibrate evosparse`, see
+                      evosparse_calibration.py). A layer holding no retrieval head inherits the set the last
+                      retrieval layer computed (cross-layer propagation);
+  * heat blocks       the n_h blocks outside the three sets above with the largest heat, where per layer, KV
+                      head and block, after every decode step,  h <- lambda * h + s,  s = the post-softmax mass
+                      the block received in that step's sparse attention (mean over the GQA group, so s sums to
+                      1 over the blocks; 0 for blocks not attended). Selection at a step uses the heat of the
+                      steps before it.
+
+Budget. k tokens per query: `budget_tokens` (an int, k = min(budget_tokens, p + 1)) when given, else the
+fraction rule shared with the other methods, k = min(max(ceil(budget * (p + 1)), min_tokens), p + 1). That is
+kb = ceil(k / block_size) blocks, split by the fractions (sink, local, retrieval, heat), which must sum to 1:
+with cumulative fractions c_i (resolved to 1/4096), component i gets ceil(c_i * kb) - ceil(c_{i-1} * kb)
+blocks, so small budgets favour the sink and local blocks and the counts always sum to kb. Retrieval slots
+left empty (a layer before the first retrieval layer, too few candidates) go to heat. When kb covers every
+visible block the query attends to all of them (so a budget covering the context is dense attention).
+
+Choices the paper leaves open (documented here, measured where noted):
+  * retrieval set -> KV heads: ONE set per layer shared by all KV heads, ranked by the block-max over every
+    retrieval head of the layer (query heads and tokens of the block). Only the KV heads that hold a retrieval
+    head are read (`kv_heads`, at most R per layer), and only in layers that hold one (`lax.cond`).
+  * retrieval heads: the top `num_retrieval_heads` (layer, query head) pairs by calibrated score; default
+    max(1, round(1.5% of L * Hq)).
+  * prefill is dense (EvoSparse is a decode method). It initialises the heat as if the prompt's last
+    `heat_window` (64) tokens had been decoded with dense attention: h = sum_w lambda^(W-1-w) s_w over the last
+    W rows of each prompt (heat_window=0: zeros).
+  * T > 1 new tokens (perplexity "decode simulated per row"): exact. The retrieval sets of all T rows are
+    computed at once (they depend only on q and K); heat selection, attention and the heat update run as a
+    `lax.scan` over the rows inside the layer, so row t sees the heat after rows < t exactly as T = 1 decoding
+    of the same tokens would (layer l of row t needs only layer l - 1 of row t and layer l's heat).
+  * defaults (fractions 1/16, 1/4, 3/8, 5/16; decay 0.9): see DEFAULTS_NOTE, chosen by a sweep on SmolLM2.
+
+Ablations (registered names): "evosparse-noheat", "evosparse-noretrieval", "sink-local" drop components; the
+dropped fractions are given to the remaining ones in proportion (the total budget stays the same).
+
+State (`EvoState`): heat f32[L, B, Hkv, N / block_size] crosses decode steps (`init_state`); the retrieval set
+i32[B, T, Wr] crosses layers inside one forward (added by `start`, dropped by `finish`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jsparse import selection as sel
+from jsparse.artifacts import load_artifact
+from jsparse.methods.base import register
+from jsparse.methods.common import dense_decode, dense_prefill
+from pallas_kernels.sparse_attention import sparse_decode
+
+Array = jax.Array
+ARTIFACT_KIND = "evosparse"
+KERNEL_BLOCK = 128  # the sparse kernels' key block: block_size must divide it
+COMPONENTS = ("sink", "local", "retrieval", "heat")
+DEFAULT_FRACTIONS = (1 / 16, 1 / 4, 3 / 8, 5 / 16)
+DEFAULT_DECAY = 0.9
+DEFAULT_HEAD_FRACTION = 0.015
+_FIX = 4096  # fractions are resolved to 1/_FIX in integer arithmetic
+DEFAULTS_NOTE = ("defaults chosen by a sweep on SmolLM2-135M at 4K tokens, budget 512 (passkey + perplexity); "
+                 "see the EvoSparse report")
+
+
+@struct.dataclass
+class EvoState:
+    """heat: f32[L, B, Hkv, NB] (NB = max_len / block_size) decayed sparse-attention mass per block, or None
+    without heat; retrieval: i32[B, T, Wr] the latest retrieval blocks (best first, -1 padded) inside one
+    decode forward, else None."""
+
+    heat: Optional[Array] = None
+    retrieval: Optional[Array] = None
+
+
+@struct.dataclass
+class RetrievalLayout:
+    """Per-layer retrieval heads (the scan's xs): has_retrieval: bool[L]; kv_heads: i32[L, R] KV heads that
+    hold retrieval heads (padded with 0); head_mask: bool[L, R, G] which query heads of each such KV head's
+    GQA group are retrieval heads (all False on padding)."""
+
+    has_retrieval: Array
+    kv_heads: Array
+    head_mask: Array
+
+
+def retrieval_layout(cfg, heads: Sequence[tuple[int, int]]) -> RetrievalLayout:
+    """Layer info from a list of (layer, query head) retrieval heads."""
+    L, Hq, Hkv = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads
+    G = Hq // Hkv
+    per_layer: list[dict[int, list[int]]] = [dict() for _ in range(L)]
+    for layer, head in heads:
+        layer, head = int(layer), int(head)
+        if not (0 <= layer < L and 0 <= head < Hq):
+            raise ValueError(f"retrieval head (layer={layer}, head={head}): expected layer in [0, {L}) and head in "
+                             f"[0, {Hq})")
+        per_layer[layer].setdefault(head // G, []).append(head % G)
+    R = max(1, max(len(d) for d in per_layer))
+    kv = np.zeros((L, R), np.int32)
+    mask = np.zeros((L, R, G), bool)
+    for layer, d in enumerate(per_layer):
+        for r, (h, gs) in enumerate(sorted(d.items())):
+            kv[layer, r] = h
+            mask[layer, r, gs] = True
+    has = mask.any(axis=(1, 2))
+    return RetrievalLayout(has_retrieval=jnp.asarray(has), kv_heads=jnp.asarray(kv), head_mask=jnp.asarray(mask))
+
+
+def top_heads(scores: np.ndarray, num: int) -> list[tuple[int, int]]:
+    """The `num` (layer, head) pairs with the highest scores f32[L, Hq] (ties: lower layer, then head)."""
+    scores = np.asarray(scores, np.float64)
+    if num < 1 or num > scores.size:
+        raise ValueError(f"num_retrieval_heads={num}: expected between 1 and the model's {scores.size} heads")
+    order = np.argsort(-scores.ravel(), kind="stable")[:num]
+    return [(int(i // scores.shape[1]), int(i % scores.shape[1])) for i in order]
+
+
+def default_num_heads(cfg, fraction: float = DEFAULT_HEAD_FRACTION) -> int:
+    return max(1, int(round(fraction * cfg.num_layers * cfg.num_heads)))
+
+
+def check_fractions(fractions: Sequence[float]) -> tuple[float, ...]:
+    names = [f"{c}_fraction" for c in COMPONENTS]
+    desc = ", ".join(f"{n}={f!r}" for n, f in zip(names, fractions))
+    for f in fractions:
+        if not isinstance(f, (int, float)) or isinstance(f, bool) or not math.isfinite(f) or f < 0:
+            raise ValueError(f"budget fractions ({desc}): expected numbers >= 0 that sum to 1")
+    total = float(sum(fractions))
+    if abs(total - 1.0) > 1e-6:
+        raise ValueError(f"budget fractions sum to {total:g} ({desc}): expected {' + '.join(names)} = 1")
+    return tuple(float(f) for f in fractions)
+
+
+def _cumulative_fixed(fractions: Sequence[float]) -> tuple[int, ...]:
+    """Cumulative fractions in units of 1/_FIX, the last exactly _FIX."""
+    cum = np.cumsum(np.asarray(fractions, np.float64))
+    fixed = [int(round(c * _FIX)) for c in cum]
+    fixed[-1] = _FIX
+    return tuple(fixed)
+
+
+def split_counts(kb, cum_fixed: Sequence[int]):
+    """Blocks per component for kb budget blocks (int or i32 array): a tuple of 4 counts summing to kb."""
+    ends = [(c * kb + _FIX - 1) // _FIX for c in cum_fixed]
+    starts = [0 * kb] + ends[:-1]
+    return tuple(e - s for s, e in zip(starts, ends))
+
+
+def _max_counts(Kb: int, cum_fixed) -> tuple[int, ...]:
+    """Static width of each component: the largest count over budgets 1..Kb blocks."""
+    kb = np.arange(1, Kb + 1, dtype=np.int64)
+    return tuple(int(np.max(c)) for c in split_counts(kb, cum_fixed))
+
+
+def _topk_valid(scores: Array, count: Array, width: int) -> Array:
+    """Top-`width` positions of scores f32[..., M] by value, -1 beyond `count` i32[...] or at -inf scores.
+
+    Returns i32[..., width], best first (not sorted by position)."""
+    width = min(width, scores.shape[-1])
+    vals, idx = jax.lax.top_k(scores, width)
+    keep = (jnp.arange(width) < count[..., None]) & (vals > -jnp.inf)
+    return jnp.where(keep, idx, -1).astype(jnp.int32)
+
+
+def _scatter_blocks(idx: Array, nb: int, values=None) -> Array:
+    """Scatters block indices idx: i32[R, W] (-1 ignored) into f32[R, nb] (adds `values`, default ones)."""
+    rows = jnp.arange(idx.shape[0])[:, None]
+    safe = jnp.where(idx >= 0, idx, nb)  # out of range: dropped
+    vals = jnp.ones(idx.shape, jnp.float32) if values is None else values
+    return jnp.zeros((idx.shape[0], nb), jnp.float32).at[rows, safe].add(vals, mode="drop")
+
+
+@functools.partial(jax.jit, static_argnames=("decay",))
+def heat_step(heat: Array, mass: Array, decay: float) -> Array:
+    """h <- lambda * h + s (the recurrence, exposed for tests): f32[..., NB] both."""
+    return decay * heat + mass
+
+
+@register("evosparse")
+@struct.dataclass
+class EvoSparse:
+    """The method (see the module docstring). Static configuration:
+
+    budget: fraction of the visible keys in (0, 1] (ignored when budget_tokens is given).
+    budget_tokens: keys per query as a token count (e.g. 512), or None.
+    min_tokens: floor of the fraction rule (as the other methods). block_size: tokens per block, dividing 128.
+    sink/local/retrieval/heat_fraction: the budget split (sum to 1). decay: lambda in (0, 1).
+    dense_layers: the first layers attend densely. heat_window: prompt rows that initialise the heat in prefill.
+    Leaves: layout (RetrievalLayout) or None without retrieval.
+    """
+
+    layout: Optional[RetrievalLayout] = None
+    budget: float = struct.field(pytree_node=False, default=0.1)
+    budget_tokens: Optional[int] = struct.field(pytree_node=False, default=None)
+    min_tokens: int = struct.field(pytree_node=False, default=128)
+    block_size: int = struct.field(pytree_node=False, default=16)
+    sink_fraction: float = struct.field(pytree_node=False, default=DEFAULT_FRACTIONS[0])
+    local_fraction: float = struct.field(pytree_node=False, default=DEFAULT_FRACTIONS[1])
+    retrieval_fraction: float = struct.field(pytree_node=False, default=DEFAULT_FRACTIONS[2])
+    heat_fraction: float = struct.field(pytree_node=False, default=DEFAULT_FRACTIONS[3])
+    decay: float = struct.field(pytree_node=False, default=DEFAULT_DECAY)
+    dense_layers: int = struct.field(pytree_node=False, default=2)
+    heat_window: int = struct.field(pytree_node=False, default=64)
+
+    def __post_init__(self):
+        sel.check_budget(self.budget)
+        if self.budget_tokens is not None:
+            sel.check_positive_int("budget_tokens", self.budget_tokens)
+        sel.check_positive_int("min_tokens", self.min_tokens, 0)
+        sel.check_positive_int("block_size", self.block_size)
+        if KERNEL_BLOCK % self.block_size:
+            raise ValueError(f"block_size={self.block_size}: expected a divisor of the kernel block of "
+                             f"{KERNEL_BLOCK} tokens (1, 2, 4, 8, 16, 32, 64 or 128)")
+        check_fractions(self.fractions)
+        if not isinstance(self.decay, (int, float)) or not 0.0 < float(self.decay) < 1.0:
+            raise ValueError(f"decay={self.decay!r}: expected lambda in the open interval (0, 1)")
+        sel.check_positive_int("dense_layers", self.dense_layers, 0)
+        sel.check_positive_int("heat_window", self.heat_window, 0)
+
+    # ------------------------------------------------------------------------------------------- building
+
+    @classmethod
+    def build(cls, cfg=None, artifact: str | None = None, fingerprint: str | None = None,
+              num_retrieval_heads: int | None = None, **options):
+        """From options and a `jsparse calibrate evosparse` artifact (needed when retrieval_fraction > 0)."""
+        options = {k: v for k, v in options.items() if k in cls.__dataclass_fields__ and v is not None}
+        options.pop("layout", None)
+        if float(options.get("retrieval_fraction", DEFAULT_FRACTIONS[2])) == 0.0:
+            return cls(**options)
+        if not artifact:
+            raise ValueError("evosparse needs its retrieval heads: run `jsparse calibrate evosparse --model M "
+                             "--out DIR` and pass --artifact evosparse=DIR")
+        if cfg is None:
+            raise ValueError("evosparse needs the model config (cfg) to place its retrieval heads")
+        art = load_artifact(artifact, ARTIFACT_KIND, fingerprint)
+        scores = np.asarray(art.arrays["scores"])
+        if scores.shape != (cfg.num_layers, cfg.num_heads):
+            raise ValueError(f"artifact at {artifact!r} scores {scores.shape} heads: expected (L, Hq) = "
+                             f"{(cfg.num_layers, cfg.num_heads)}")
+        n = num_retrieval_heads or default_num_heads(cfg)
+        return cls.from_heads(cfg, top_heads(scores, n), **options)
+
+    @classmethod
+    def from_heads(cls, cfg, heads: Sequence[tuple[int, int]], **options):
+        """EvoSparse with explicit retrieval heads [(layer, query head), ...]."""
+        if not heads:
+            raise ValueError("no retrieval heads given: expected at least one (layer, head) pair")
+        return cls(layout=retrieval_layout(cfg, heads), **options)
+
+    @property
+    def fractions(self) -> tuple[float, float, float, float]:
+        return (self.sink_fraction, self.local_fraction, self.retrieval_fraction, self.heat_fraction)
+
+    @property
+    def uses_heat(self) -> bool:
+        return self.heat_fraction > 0
+
+    @property
+    def uses_retrieval(self) -> bool:
+        return self.retrieval_fraction > 0
+
+    # ------------------------------------------------------------------------------------------- budget
+
+    def _k_tokens(self, n_visible):
+        if self.budget_tokens is not None:
+            return jnp.minimum(self.budget_tokens, n_visible) if not isinstance(n_visible, int) else min(
+                self.budget_tokens, n_visible)
+        return sel.budget_tokens(self.budget, n_visible, self.min_tokens)
+
+    def widths(self, N: int) -> dict:
+        """Static widths for a cache of N tokens: Kb (selected blocks), and each component's width."""
+        nb = N // self.block_size
+        Kb = min(-(-self._k_tokens(N) // self.block_size), nb)
+        ws, wl, wr, wh = _max_counts(max(Kb, 1), _cumulative_fixed(self.fractions))
+        if not self.uses_retrieval:
+            wr = 0
+        if not self.uses_heat:
+            wh = 0
+        elif self.uses_retrieval:
+            wh = min(wh + wr, Kb)  # heat fills retrieval slots left empty
+        return dict(nb=nb, Kb=Kb, sink=ws, local=wl, retrieval=wr, heat=wh)
+
+    def _row_budget(self, pos: Array):
+        """pos: i32[...] query positions -> (kb blocks, visible blocks, (n_s, n_l, n_r, n_h))."""
+        bs = self.block_size
+        k = self._k_tokens(pos + 1)
+        kb = (k + bs - 1) // bs
+        return kb, pos // bs + 1, split_counts(kb, _cumulative_fixed(self.fractions))
+
+    def achieved_sparsity(self, cfg, positions) -> float:
+        """Fraction of visible keys not attended, over layers and query positions (decode rule, blocks rounded)."""
+        p = np.asarray(positions, np.int64)
+        n = p + 1
+        if self.budget_tokens is not None:
+            k = np.minimum(self.budget_tokens, n)
+        else:
+            k = np.minimum(np.maximum(np.ceil(self.budget * n), self.min_tokens), n)
+        bs = self.block_size
+        kb = -(-k // bs)
+        attended = np.minimum(kb * bs - (bs - 1 - p % bs), n)  # the own block is partial
+        sparse_layers = max(cfg.num_layers - self.dense_layers, 0)
+        return float(sparse_layers / cfg.num_layers * np.mean(1.0 - attended / n))
+
+    # ------------------------------------------------------------------------------------------- protocol
+
+    def init_state(self, cfg, batch, max_len):
+        if not self.uses_heat:
+            return EvoState()
+        nb = -(-max_len // self.block_size)
+        return EvoState(heat=jnp.zeros((cfg.num_layers, batch, cfg.num_kv_heads, nb), jnp.float32))
+
+    def layer_info(self, cfg):
+        if not self.uses_retrieval:
+            return None
+        if self.layout is None:
+            raise ValueError("evosparse with retrieval_fraction > 0 needs retrieval heads (EvoSparse.from_heads or "
+                             "an artifact)")
+        return self.layout
+
+    def start(self, cfg, state, phase, batch, q_len, kv_len):
+        if phase != "decode" or not self.uses_retrieval:
+            return state
+        wr = self.widths(kv_len)["retrieval"]
+        return state.replace(retrieval=jnp.full((batch, q_len, wr), -1, jnp.int32))
+
+    def finish(self, state, phase):
+        return state.replace(retrieval=None)
+
+    def prefill(self, ctx, q, k, v, state):
+        out = dense_prefill(q, k, v)
+        if self.uses_heat and self.heat_window > 0:
+            state = state.replace(heat=self._prefill_heat(ctx, q, k, state.heat))
+        return out, state
+
+    def decode(self, ctx, q, cache, state):
+        T, N = q.shape[1], cache.k.shape[2]
+        if N % self.block_size:
+            raise ValueError(f"cache capacity N={N} is not a multiple of block_size={self.block_size}")
+        if self.uses_heat and state.heat.shape[-1] != N // self.block_size:
+            raise ValueError(f"heat state has {state.heat.shape[-1]} blocks but the cache holds "
+                             f"{N // self.block_size}: init_state(max_len) must be the cache capacity {N}")
+        pos = sel.decode_positions(ctx.lengths, T)  # [B, T]
+        retrieval = state.retrieval
+        if self.uses_retrieval:
+            retrieval = jax.lax.cond(ctx.info.has_retrieval,
+                                     lambda: self.retrieval_blocks(ctx.info, q, cache.k, pos),
+                                     lambda: state.retrieval)
+        state = state.replace(retrieval=retrieval)
+        return jax.lax.cond(ctx.layer < self.dense_layers,
+                            lambda: (dense_decode(q, cache.k, cache.v, ctx.lengths), state),
+                            lambda: self._sparse_decode(ctx, q, cache, state, pos))
+
+    # ------------------------------------------------------------------------------------------- pieces
+
+    def retrieval_blocks(self, info: RetrievalLayout, q: Array, k_cache: Array, pos: Array) -> Array:
+        """The retrieval set of every new token: i32[B, T, Wr] blocks, best first, -1 padded.
+
+        Args:
+          info: this layer's RetrievalLayout slice (kv_heads: i32[R], head_mask: bool[R, G]).
+          q: [B, T, Hq, D]; k_cache: [B, Hkv, N, D]; pos: i32[B, T] query positions.
+        """
+        B, T, Hq, D = q.shape
+        Hkv, N = k_cache.shape[1], k_cache.shape[2]
+        G, bs = Hq // Hkv, self.block_size
+        w = self.widths(N)
+        nb = w["nb"]
+        kr = jnp.take(k_cache, info.kv_heads, axis=1)  # [B, R, N, D]: only the KV heads holding retrieval heads
+        qr = jnp.take(q.reshape(B, T, Hkv, G, D), info.kv_heads, axis=2)  # [B, T, R, G, D]
+        logits = jnp.einsum("btrgd,brnd->btrgn", qr, kr.astype(q.dtype),
+                            preferred_element_type=jnp.float32) / math.sqrt(D)
+        logits = jnp.where(info.head_mask[None, None, :, :, None], logits, -jnp.inf)
+        tok_max = logits.max(axis=(2, 3))  # [B, T, N]
+        tok_max = jnp.where(jnp.arange(N)[None, None] <= pos[..., None], tok_max, -jnp.inf)
+        block_max = tok_max.reshape(B, T, nb, bs).max(axis=-1)  # [B, T, nb]
+        kb, nbv, (n_s, n_l, n_r, _) = self._row_budget(pos)
+        blk = jnp.arange(nb)[None, None]
+        middle = (blk >= n_s[..., None]) & (blk < (nbv - n_l)[..., None])
+        scores = jnp.where(middle, block_max, -jnp.inf)
+        return _topk_valid(scores, n_r, w["retrieval"])
+
+    def _sparse_decode(self, ctx, q, cache, state, pos):
+        B, T, Hq, D = q.shape
+        heat = state.heat
+        heat_l = heat[ctx.layer] if self.uses_heat else None  # [B, Hkv, NB]
+        ret = state.retrieval  # [B, T, Wr] or None
+
+        def row(heat_l, xs):
+            q_t, ret_t, pos_t = xs  # [B, Hq, D], [B, Wr] | None, [B]
+            idx = self.select_blocks(heat_l, ret_t, pos_t, cache.k.shape[1], cache.k.shape[2])
+            out, mass = self.attend(q_t, cache, idx, pos_t)
+            if self.uses_heat:
+                heat_l = heat_step(heat_l, mass, self.decay)
+            return heat_l, out
+
+        xs = (jnp.swapaxes(q, 0, 1), None if ret is None else jnp.swapaxes(ret, 0, 1), jnp.swapaxes(pos, 0, 1))
+        if T == 1:
+            heat_l, out = row(heat_l, jax.tree_util.tree_map(lambda x: x[0], xs))
+            out = out[:, None]
+        else:
+            heat_l, out = jax.lax.scan(row, heat_l, xs)  # rows in order: exact sequential heat
+            out = jnp.swapaxes(out, 0, 1)
+        if self.uses_heat:
+            heat = jax.lax.dynamic_update_index_in_dim(heat, heat_l, ctx.layer, axis=0)
+        return out.astype(q.dtype), state.replace(heat=heat)
+
+    def select_blocks(self, heat_l, ret, pos, Hkv: int, N: int) -> Array:
+        """The attended blocks of one decode row: i32[B, Hkv, Kb] ascending, -1 padded.
+
+        Args:
+          heat_l: f32[B, Hkv, nb] this layer's heat (None without heat); ret: i32[B, Wr] the retrieval set (or
+          None); pos: i32[B] the query positions; Hkv, N: KV heads and cache length.
+        """
+        B = pos.shape[0]
+        w = self.widths(N)
+        nb, Kb = w["nb"], w["Kb"]
+        kb, nbv, (n_s, n_l, n_r, n_h) = self._row_budget(pos)
+        parts = []
+        j = jnp.arange(w["sink"])
+        parts.append(jnp.where(j[None] < n_s[:, None], j[None], -1))
+        j = jnp.arange(w["local"])
+        parts.append(jnp.where(j[None] < n_l[:, None], (nbv - n_l)[:, None] + j[None], -1))
+        parts = [jnp.broadcast_to(p[:, None], (B, Hkv, p.shape[-1])) for p in parts]
+        n_ret_valid = jnp.zeros_like(n_r)
+        if ret is not None:
+            parts.append(jnp.broadcast_to(ret[:, None], (B, Hkv, ret.shape[-1])))
+            n_ret_valid = jnp.sum(ret >= 0, axis=-1)
+        if heat_l is not None:
+            blk = jnp.arange(nb)[None, None]
+            middle = (blk >= n_s[:, None, None]) & (blk < (nbv - n_l)[:, None, None])
+            if ret is not None:
+                taken = _scatter_blocks(ret, nb) > 0  # [B, nb]
+                middle = middle & ~taken[:, None]
+            scores = jnp.where(middle, heat_l, -jnp.inf)
+            count = n_h + (n_r - n_ret_valid) if ret is not None or self.uses_retrieval else n_h
+            parts.append(_topk_valid(scores, jnp.broadcast_to(count[:, None], (B, Hkv)), w["heat"]))
+        cand = jnp.concatenate(parts, axis=-1)
+        big = jnp.iinfo(jnp.int32).max
+        cand = jnp.sort(jnp.where(cand >= 0, cand, big), axis=-1)
+        width = cand.shape[-1]
+        if width < Kb:
+            cand = jnp.pad(cand, ((0, 0), (0, 0), (0, Kb - width)), constant_values=big)
+        idx = jnp.where(cand[..., :Kb] == big, -1, cand[..., :Kb])
+        full = (kb >= nbv)[:, None, None]  # the budget covers every visible block
+        j = jnp.arange(Kb)[None, None]
+        every = jnp.where(j < nbv[:, None, None], j, -1)
+        return jnp.where(full, every, idx).astype(jnp.int32)
+
+    def attend(self, q_t: Array, cache, idx: Array, pos: Array):
+        """Attention of one row q_t: [B, Hq, D] at positions pos: i32[B] over blocks idx: i32[B, Hkv, K].
+
+        Returns (out: [B, Hq, D], mass: f32[B, Hkv, nb] post-softmax mass per block, mean over the GQA group).
+        """
+        B, Hq, D = q_t.shape
+        Hkv, N = cache.k.shape[1], cache.k.shape[2]
+        G, bs, nb = Hq // Hkv, self.block_size, N // self.block_size
+        lengths = pos + 1
+        out, lse = sparse_decode(q_t[:, None], cache.k, cache.v, idx[:, :, None], lengths, block_size=bs,
+                                 return_lse=True)
+        if not self.uses_heat:
+            return out[:, 0], None
+        # Recompute the selected keys' probabilities exp(q.k / sqrt(d) - lse) (K blocks only).
+        K = idx.shape[-1]
+        kb = cache.k.reshape(B, Hkv, nb, bs, D)
+        kg = jnp.take_along_axis(kb, jnp.clip(idx, 0, nb - 1)[..., None, None], axis=2)  # [B, Hkv, K, bs, D]
+        qg = q_t.reshape(B, Hkv, G, D)
+        logits = jnp.einsum("bhgd,bhksd->bhgks", qg, kg.astype(q_t.dtype),
+                            preferred_element_type=jnp.float32) / math.sqrt(D)
+        tok = idx[..., None] * bs + jnp.arange(bs)  # [B, Hkv, K, bs]
+        valid = (idx[..., None] >= 0) & (tok <= pos[:, None, None, None])
+        lse_g = lse[:, 0].reshape(B, Hkv, G)[..., None, None]
+        p = jnp.where(valid[:, :, None] & jnp.isfinite(lse_g), jnp.exp(logits - lse_g), 0.0)
+        block_mass = p.sum(axis=-1).mean(axis=2)  # [B, Hkv, K]
+        mass = _scatter_blocks(idx.reshape(B * Hkv, K), nb, block_mass.reshape(B * Hkv, K)).reshape(B, Hkv, nb)
+        return out[:, 0], mass
+
+    def _prefill_heat(self, ctx, q, k, heat):
+        """Heat of this layer after dense attention of each prompt's last heat_window rows (see the docstring)."""
+        B, T, Hq, D = q.shape
+        Hkv = k.shape[2]
+        G, bs = Hq // Hkv, self.block_size
+        W = min(self.heat_window, T)
+        NB = heat.shape[-1]
+        nbT = -(-T // bs)
+        if nbT > NB:
+            raise ValueError(f"prompt of {T} tokens needs {nbT} heat blocks, more than the state's {NB}")
+        rows = ctx.lengths[:, None] - W + jnp.arange(W)  # [B, W]
+        qr = jnp.take_along_axis(q, jnp.clip(rows, 0, T - 1)[:, :, None, None], axis=1)  # [B, W, Hq, D]
+        logits = jnp.einsum("bwhgd,bnhd->bhgwn", qr.reshape(B, W, Hkv, G, D), k,
+                            preferred_element_type=jnp.float32) / math.sqrt(D)
+        visible = jnp.arange(T)[None, None] <= rows[..., None]  # [B, W, T]
+        p = jax.nn.softmax(jnp.where(visible[:, None, None], logits, -jnp.inf), axis=-1).mean(axis=2)
+        weight = jnp.where(rows >= 0, self.decay ** (W - 1 - jnp.arange(W, dtype=jnp.float32)), 0.0)  # [B, W]
+        h = jnp.einsum("bhwn,bw->bhn", p, weight)  # [B, Hkv, T]
+        h = jnp.pad(h, ((0, 0), (0, 0), (0, nbT * bs - T))).reshape(B, Hkv, nbT, bs).sum(-1)
+        h = jnp.pad(h, ((0, 0), (0, 0), (0, NB - nbT)))
+        return jax.lax.dynamic_update_index_in_dim(heat, h, ctx.layer, axis=0)
+
+
+# ----------------------------------------------------------------------------------------------- ablations
+
+
+def ablation_fractions(fractions: Sequence[float], drop: Sequence[str]) -> tuple[float, ...]:
+    """The fractions with the `drop` components set to 0 and the rest scaled up in proportion (sum 1)."""
+    kept = [0.0 if c in drop else float(f) for c, f in zip(COMPONENTS, fractions)]
+    total = sum(kept)
+    if total <= 0:
+        raise ValueError(f"fractions {tuple(fractions)} leave nothing once {list(drop)} is dropped")
+    return tuple(f / total for f in kept)
+
+
+def _ablation(drop: tuple[str, ...]):
+    def build(cfg=None, artifact=None, fingerprint=None, **options):
+        given = tuple(options.pop(f"{c}_fraction", None) for c in COMPONENTS)
+        base = tuple(d if g is None else g for g, d in zip(given, DEFAULT_FRACTIONS))
+        fr = ablation_fractions(base, drop)
+        options.update({f"{c}_fraction": f for c, f in zip(COMPONENTS, fr)})
+        return EvoSparse.build(cfg=cfg, artifact=artifact if "retrieval" not in drop else None,
+                               fingerprint=fingerprint, **options)
+    return build
+
+
+register("evosparse-noheat")(_ablation(("heat",)))
+register("evosparse-noretrieval")(_ablation(("retrieval",)))
+register("sink-local")(_ablation(("retrieval", "heat")))
