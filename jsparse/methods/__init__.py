@@ -4,3 +4,4 @@ from jsparse.methods.base import calibrators, make_method, method_names, registe
 from jsparse.methods import dense, kascade, kascade_calibration, oracle, quest, streaming  # noqa: F401  (registration)
 from jsparse.methods import tsa, tsa_calibration  # noqa: F401  (registration)
 from jsparse.methods import butler, h2o  # noqa: F401  (registration)
+from jsparse.methods import evosparse, evosparse_calibration  # noqa: F401  (registration: evosparse, ablations)
