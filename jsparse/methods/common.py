@@ -28,8 +28,12 @@ def attend_selected(q, cache, indices, lengths):
 
     T = 1 (generation) runs the gathered-attention op; T > 1 (several new tokens, or perplexity with decode
     simulated for every row) scatters the indices into a mask, which is cheaper than gathering T * K rows.
+    Inside the model's layer scan the cache view carries the stacked cache and the layer index; the gathered
+    op then reads the selected rows of that layer in place (no copy of the layer's cache per step).
     """
     if q.shape[1] == 1:
+        if getattr(cache, "layer", None) is not None:
+            return sparse_decode(q, cache.k_all, cache.v_all, indices, lengths, layer=cache.layer)
         return sparse_decode(q, cache.k, cache.v, indices, lengths)
     mask = decode_indices_to_mask(indices, lengths, cache.k.shape[2])
     return masked_attention_reference(q, cache.k, cache.v, mask)

@@ -55,17 +55,21 @@ def _pick(implementation: str | None, q: Array, block_size: int, tile: int | Non
     return implementation
 
 
-def sparse_decode(q: Array, k: Array, v: Array, indices: Array, lengths: Array, *, block_size: int = 1,
-                  scale: float | None = None, return_lse: bool = False,
+def sparse_decode(q: Array, k: Array, v: Array, indices: Array, lengths: Array, *, layer: Array | None = None,
+                  block_size: int = 1, scale: float | None = None, return_lse: bool = False,
                   implementation: str | None = None) -> Array | tuple[Array, Array]:
     """Gathered decode attention over the selected blocks of a head-major cache.
 
     Args:
       q: [B, T, Hq, D] queries of the T newest tokens (positions lengths - T + t).
-      k: [B, Hkv, N, D] key cache (new tokens written), N % block_size == 0.
-      v: [B, Hkv, N, D] value cache.
+      k: [B, Hkv, N, D] key cache (new tokens written), N % block_size == 0; with `layer`, the stacked cache
+        of every layer, [L, B, Hkv, N, D], of which layer `layer` is read.
+      v: [B, Hkv, N, D] value cache (or [L, B, Hkv, N, D] with `layer`).
       indices: int32[B, Hkv, T, K] selected blocks (units of block_size tokens), unique, -1 padded.
       lengths: int32[B] valid tokens per row.
+      layer: i32[] (traced) or None. Given, k and v are stacked and the op equals the call on k[layer],
+        v[layer]; the Pallas kernels read that layer in place (stacked.py), where a slice handed to a kernel
+        would be copied by XLA; XLA and the reference slice.
       block_size: tokens per index entry.
       scale: softmax scale (None: 1/sqrt(D)).
       return_lse: also return f32[B, T, Hq] logsumexp over the attended keys.
@@ -76,6 +80,14 @@ def sparse_decode(q: Array, k: Array, v: Array, indices: Array, lengths: Array, 
     """
     impl = _pick(implementation, q, block_size, None)
     kw = dict(block_size=block_size, scale=scale, return_lse=return_lse)
+    if layer is not None:
+        from pallas_kernels.sparse_attention import stacked
+        stacked.check_stacked_args(q, k, v, layer, indices, lengths, block_size)
+        if impl == "pallas_gpu":
+            return stacked.sparse_decode_stacked_gpu(q, k, v, layer, indices, lengths, **kw)
+        if impl == "pallas_tpu":
+            return stacked.sparse_decode_stacked_tpu(q, k, v, layer, indices, lengths, **kw)
+        k, v = stacked.select_layer(k, layer), stacked.select_layer(v, layer)
     if impl == "xla":
         return xla.sparse_decode_xla(q, k, v, indices, lengths, **kw)
     if impl == "reference":

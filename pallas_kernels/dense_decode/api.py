@@ -1,0 +1,68 @@
+"""The entry point `dense_decode_stacked`, dispatching over implementations.
+
+  implementation=None   on a GPU with arguments the kernel takes: "pallas_gpu"; otherwise "sliced".
+  "pallas_gpu"          gpu.py: the Pallas Triton split-K kernel reading the layer in place.
+  "sliced"              slice the layer (`k_all[layer]`), then `pallas_kernels.dense.dense_decode` (cuDNN on a
+                        GPU, XLA elsewhere): what the model did before; XLA copies the slice for cuDNN.
+  "reference"           reference.py (plain jnp; tests).
+
+Naming an implementation never falls back: arguments it cannot take raise ValueError.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels import dense
+from pallas_kernels.dense_decode import reference
+
+Array = jax.Array
+
+IMPLEMENTATIONS = ("pallas_gpu", "sliced", "reference")
+
+
+def _unsupported_reason(implementation: str, q: Array) -> str | None:
+    if implementation == "pallas_gpu":
+        from pallas_kernels.dense_decode import gpu
+        return gpu.unsupported_reason(q.dtype, q.shape[-1])
+    return None
+
+
+def supported(implementation: str, q: Array) -> bool:
+    """Whether `implementation` can run on queries like q: [B, T, Hq, D]."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r}: expected one of {IMPLEMENTATIONS}")
+    return _unsupported_reason(implementation, q) is None
+
+
+def dense_decode_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, lengths: Array, *,
+                         implementation: str | None = None) -> Array:
+    """Dense decode attention of the T newest tokens over layer `layer` of a stacked head-major cache.
+
+    Args:
+      q: [B, T, Hq, D] queries of the tokens at positions lengths - T .. lengths - 1.
+      k_all: [L, B, Hkv, N, D] stacked key cache (the new tokens already written).
+      v_all: [L, B, Hkv, N, D] stacked value cache.
+      layer: i32[] (traced) layer to read, as `k_all[layer]`.
+      lengths: i32[B] valid tokens per row.
+      implementation: see the module docstring.
+
+    Returns:
+      [B, T, Hq, D] in q.dtype, equal to `pallas_kernels.dense.dense_decode(q, k_all[layer], v_all[layer],
+      lengths)`.
+    """
+    reference.check_args(q, k_all, v_all, layer, lengths)
+    if implementation is None:
+        on_gpu = jax.default_backend() == "gpu"
+        implementation = "pallas_gpu" if on_gpu and supported("pallas_gpu", q) else "sliced"
+    elif implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r}: expected one of {IMPLEMENTATIONS} or None")
+    reason = _unsupported_reason(implementation, q)
+    if reason is not None:
+        raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
+    if implementation == "pallas_gpu":
+        from pallas_kernels.dense_decode import gpu
+        return gpu.dense_decode_stacked_gpu(q, k_all, v_all, layer, lengths)
+    if implementation == "reference":
+        return reference.dense_decode_stacked_reference(q, k_all, v_all, layer, lengths)
+    return dense.dense_decode(q, reference.select_layer(k_all, layer), reference.select_layer(v_all, layer), lengths)

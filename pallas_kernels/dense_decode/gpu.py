@@ -1,0 +1,216 @@
+"""Pallas GPU (Triton) split-K dense decode (flash decoding) over one layer of the stacked KV cache, in place.
+
+grid (B, Hkv, R, S): one program per batch row, KV head, block of query rows and split of the cache.
+  * Queries: the T new tokens times the GQA group's G heads form T * G rows per KV head (row = t * G + g, as
+    `pallas_kernels.dense.dense_decode` orders them); a program holds `Mb` of them as one [Mb, D] tile
+    (padded to >= 16 rows for the tensor-core dot). In plain decoding (T = 1) R = 1 and the whole group
+    shares one read of the cache.
+  * Keys: split s covers cache rows [s * chunk, (s + 1) * chunk); the program streams them `block_k` rows at a
+    time straight from `k_all[layer, b, h]` (the K/V BlockSpec spans the L axis; the loads index it with the
+    traced layer, so the pointer is offset in place and nothing is copied), with an online softmax in f32.
+    It stops after the last key any of its rows may see (lengths masking per row, causal among the T new
+    tokens), so splits past a row's length cost nothing; loads past that key are masked (zeros, never read
+    out of bounds, whatever the cache holds there).
+  * Each program writes its partial (o, m, l) for its real rows only; a jnp combine merges the S splits.
+
+Runs in interpret mode on CPU (`interpret=True`). Semantics: exactly `reference.dense_decode_stacked_reference`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.dense_decode.reference import check_args, default_scale, layer_index
+
+Array = jax.Array
+
+_MASK = -1e30  # finite "minus infinity" for the running max (exp(_MASK - x) underflows to 0)
+_MIN_ROWS = 16  # Triton's tensor-core dot needs M >= 16
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseDecodeConfig:
+    """Tuning of the kernel.
+
+    Attributes:
+      block_k: cache rows per inner iteration (a power of two >= 16).
+      block_q: most query rows per program (a power of two >= 16); T * G rows are padded to the next power of
+        two >= 16 when they fit, else split over ceil(T * G / block_q) programs.
+      num_splits: splits of the cache per (row, KV head, query block); None picks enough for about
+        `target_programs` programs in total.
+      target_programs: grid size the split heuristic aims for (a few waves of 132 SMs on an H100).
+      num_warps: warps per program.
+      num_stages: software pipelining depth of the inner loop.
+    """
+
+    block_k: int = 64
+    block_q: int = 64
+    num_splits: int | None = None
+    target_programs: int = 512
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _pow2(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+def unsupported_reason(dtype, head_dim: int) -> str | None:
+    """Why the kernel cannot take these arguments (None when it can)."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+        return f"dtype {jnp.dtype(dtype)} (expected bfloat16, float16 or float32)"
+    if not _pow2(head_dim) or head_dim < 16:
+        return f"head_dim D={head_dim} (Triton needs a power of two >= 16)"
+    return None
+
+
+def _check_config(config: DenseDecodeConfig) -> None:
+    for name in ("block_k", "block_q"):
+        value = getattr(config, name)
+        if not _pow2(value) or value < 16:
+            raise ValueError(f"DenseDecodeConfig.{name}={value}: expected a power of two >= 16")
+    if config.num_splits is not None and config.num_splits < 1:
+        raise ValueError(f"DenseDecodeConfig.num_splits={config.num_splits}: expected >= 1 or None")
+    if config.target_programs < 1:
+        raise ValueError(f"DenseDecodeConfig.target_programs={config.target_programs}: expected >= 1")
+
+
+def _decode_kernel(layer_ref, lim_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale: float, block_k: int,
+                   chunk: int, rows: int):
+    """One (b, h, query block, split) program; `rows` = T * G real query rows per KV head.
+
+    Refs: layer_ref: i32[1]; lim_ref: i32[Mb] last key each query row may see (-1: none, padding rows too);
+    q_ref: [Mb, D]; k_ref, v_ref: [L, N, D] (every layer of the program's KV head); outputs o_ref: f32[Mb, D],
+    m_ref, l_ref: f32[Mb] (only real rows are written).
+    """
+    layer = layer_ref[0]
+    split = pl.program_id(3)
+    lim = lim_ref[...]
+    hi = jnp.max(lim)  # last key any row of this program sees
+    start = split * chunk
+    n_iter = pl.cdiv(jnp.clip(hi + 1 - start, 0, chunk), block_k)
+    q = q_ref[...]
+    mb, d = q.shape
+
+    def body(i, carry):
+        o, m, l = carry
+        k0 = start + i * block_k
+        kpos = k0 + jnp.arange(block_k, dtype=jnp.int32)
+        live = (kpos <= hi)[:, None]  # rows past hi (the cache end included) are never read
+        rows = pl.ds(k0, block_k)
+        k = plgpu.load(k_ref.at[layer, rows, :], mask=live, other=0.0)
+        v = plgpu.load(v_ref.at[layer, rows, :], mask=live, other=0.0)
+        ok = kpos[None, :] <= lim[:, None]  # [Mb, block_k]
+        s = plgpu.dot(q, k, trans_b=True) * scale
+        s = jnp.where(ok, s, _MASK)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        corr = jnp.exp(m - m_new)
+        p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
+        l = corr * l + jnp.sum(p, axis=1)
+        o = corr[:, None] * o + plgpu.dot(p.astype(v.dtype), v)
+        return o, m_new, l
+
+    init = (jnp.zeros((mb, d), jnp.float32), jnp.full((mb,), _MASK, jnp.float32), jnp.zeros((mb,), jnp.float32))
+    o, m, l = lax.fori_loop(0, n_iter, body, init)
+    real = pl.program_id(2) * mb + jnp.arange(mb, dtype=jnp.int32) < rows
+    plgpu.store(o_ref, o, mask=real[:, None])
+    plgpu.store(m_ref, m, mask=real)
+    plgpu.store(l_ref, l, mask=real)
+
+
+def _combine_splits(o: Array, m: Array, l: Array) -> Array:
+    """Merges split partials: o f32[S, ..., D], m, l f32[S, ...] -> normalised f32[..., D] (zeros if empty)."""
+    m_all = jnp.max(m, axis=0)
+    w = jnp.exp(m - m_all[None])
+    l_all = jnp.sum(w * l, axis=0)
+    o_all = jnp.sum(w[..., None] * o, axis=0)
+    nonempty = l_all > 0
+    return jnp.where(nonempty[..., None], o_all / jnp.where(nonempty, l_all, 1.0)[..., None], 0.0)
+
+
+def plan(B: int, T: int, Hq: int, Hkv: int, N: int, config: DenseDecodeConfig) -> dict:
+    """The static launch plan: rows per KV head, rows per program Mb, query blocks R, splits S, chunk."""
+    rows = T * (Hq // Hkv)
+    Mb = max(_MIN_ROWS, pl.next_power_of_2(rows)) if rows <= config.block_q else config.block_q
+    R = pl.cdiv(rows, Mb)
+    splits = config.num_splits or pl.cdiv(config.target_programs, B * Hkv * R)
+    splits = max(1, min(splits, pl.cdiv(N, config.block_k)))
+    chunk = pl.cdiv(pl.cdiv(N, splits), config.block_k) * config.block_k
+    return dict(rows=rows, Mb=Mb, R=R, splits=pl.cdiv(N, chunk), chunk=chunk)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
+def dense_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, lengths: Array, *,
+                             scale: float | None = None, config: DenseDecodeConfig = DenseDecodeConfig(),
+                             interpret: bool = False) -> Array:
+    """Dense decode attention over layer `layer` of a stacked cache, read in place (Pallas Triton kernel).
+
+    Args:
+      q: [B, T, Hq, D] queries of the tokens at positions lengths - T .. lengths - 1.
+      k_all: [L, B, Hkv, N, D] stacked head-major key cache (the new tokens written).
+      v_all: [L, B, Hkv, N, D] stacked value cache.
+      layer: i32[] (traced) layer to read, as `k_all[layer]`.
+      lengths: i32[B] valid tokens per row.
+      scale: softmax scale (None: 1/sqrt(D)).
+      config: `DenseDecodeConfig`.
+      interpret: run the kernel in the Pallas interpreter (CPU tests).
+
+    Returns:
+      [B, T, Hq, D] in q.dtype, as `reference.dense_decode_stacked_reference`.
+    """
+    check_args(q, k_all, v_all, layer, lengths)
+    reason = unsupported_reason(q.dtype, q.shape[-1])
+    if reason is not None:
+        raise ValueError(f"the Pallas GPU dense decode kernel cannot take {reason}")
+    _check_config(config)
+    B, T, Hq, D = q.shape
+    L, _, Hkv, N, _ = k_all.shape
+    G = Hq // Hkv
+    scale = default_scale(D, scale)
+    p = plan(B, T, Hq, Hkv, N, config)
+    rows, Mb, R, splits, chunk = p["rows"], p["Mb"], p["R"], p["splits"], p["chunk"]
+    Rp = R * Mb
+
+    qg = q.reshape(B, T, Hkv, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Hkv, rows, D)  # row = t * G + g
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Rp - rows), (0, 0)))
+    pos = lengths.astype(jnp.int32)[:, None] - T + jnp.arange(T, dtype=jnp.int32)  # [B, T]
+    lim = jnp.repeat(jnp.minimum(pos, N - 1), G, axis=1)  # [B, rows] last visible key per row
+    lim = jnp.pad(jnp.maximum(lim, -1), ((0, 0), (0, Rp - rows)), constant_values=-1)
+    lay = layer_index(layer, L).reshape(1)
+
+    kernel = functools.partial(_decode_kernel, scale=scale, block_k=config.block_k, chunk=chunk, rows=rows)
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=(B, Hkv, R, splits),
+        in_specs=[
+            pl.BlockSpec((1,), lambda b, h, r, s: (0,)),  # the layer index
+            pl.BlockSpec((None, Mb), lambda b, h, r, s: (b, r)),  # last visible key per query row
+            pl.BlockSpec((None, None, Mb, D), lambda b, h, r, s: (b, h, r, 0)),  # query rows of KV head h
+            pl.BlockSpec((L, None, None, N, D), lambda b, h, r, s: (0, b, h, 0, 0)),  # every layer of the KV head
+            pl.BlockSpec((L, None, None, N, D), lambda b, h, r, s: (0, b, h, 0, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, Mb, D), lambda b, h, r, s: (s, b, h, r, 0)),
+            pl.BlockSpec((None, None, None, Mb), lambda b, h, r, s: (s, b, h, r)),
+            pl.BlockSpec((None, None, None, Mb), lambda b, h, r, s: (s, b, h, r)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((splits, B, Hkv, Rp, D), jnp.float32),
+            jax.ShapeDtypeStruct((splits, B, Hkv, Rp), jnp.float32),
+            jax.ShapeDtypeStruct((splits, B, Hkv, Rp), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="dense_decode_stacked",
+    )(lay, lim, qg, k_all, v_all)
+
+    # Padding rows were never written: slice them off before combining.
+    out = _combine_splits(o[:, :, :, :rows], m[:, :, :, :rows], l[:, :, :, :rows])  # [B, Hkv, rows, D]
+    return out.reshape(B, Hkv, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D).astype(q.dtype)

@@ -1,0 +1,104 @@
+"""Plain-jnp specification of dense decode attention over one layer of the stacked KV cache.
+
+  dense_decode_stacked_reference(q: [B, T, Hq, D], k_all, v_all: [L, B, Hkv, N, D], layer: i32[],
+                                 lengths: i32[B]) -> [B, T, Hq, D]
+
+It equals `pallas_kernels.dense.dense_decode(q, k_all[layer], v_all[layer], lengths)`: query t of row b sits
+at position lengths[b] - T + t and attends to keys 0 .. that position (causal among the T new tokens), keys
+at or past N never; query head h reads KV head h // G (G = Hq // Hkv). Softmax in f32; a query with no
+visible key (position < 0) outputs zeros. `layer` follows jnp indexing of a traced index (negatives count from
+the end, then clamp to [0, L - 1], as XLA's dynamic slice), so no value of it reads out of bounds.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def default_scale(head_dim: int, scale: float | None) -> float:
+    """The softmax scale: `scale` if given, else 1 / sqrt(head_dim)."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    scale = float(scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale={scale}: expected a finite positive number (or None for 1/sqrt(D))")
+    return scale
+
+
+def check_args(q: Array, k_all: Array, v_all: Array, layer: Array, lengths: Array) -> None:
+    """Validates shapes and dtypes (at trace time); raises ValueError naming the bad value."""
+    if q.ndim != 4:
+        raise ValueError(f"q has shape {tuple(q.shape)}: expected [B, T, Hq, D]")
+    B, T, Hq, D = q.shape
+    if k_all.ndim != 5 or k_all.shape[1] != B or k_all.shape[4] != D:
+        raise ValueError(f"k_all has shape {tuple(k_all.shape)}: expected a stacked head-major cache "
+                         f"[L, B={B}, Hkv, N, D={D}]")
+    if v_all.shape != k_all.shape:
+        raise ValueError(f"v_all has shape {tuple(v_all.shape)}: expected the shape of k_all, {tuple(k_all.shape)}")
+    Hkv, N = k_all.shape[2], k_all.shape[3]
+    if Hkv <= 0 or Hq % Hkv:
+        raise ValueError(f"Hq={Hq} query heads is not a multiple of Hkv={Hkv} KV heads (GQA needs Hq % Hkv == 0)")
+    if T < 1 or T > N:
+        raise ValueError(f"T={T} new tokens: expected 1 <= T <= N={N}")
+    layer = jnp.asarray(layer)
+    if layer.ndim != 0 or not jnp.issubdtype(layer.dtype, jnp.integer):
+        raise ValueError(f"layer has shape {tuple(layer.shape)} and dtype {layer.dtype}: expected an integer "
+                         f"scalar in [0, L={k_all.shape[0]})")
+    if tuple(lengths.shape) != (B,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(f"lengths has shape {tuple(lengths.shape)} and dtype {lengths.dtype}: expected "
+                         f"int32[B={B}]")
+
+
+def layer_index(layer: Array, num_layers: int) -> Array:
+    """i32[]: the layer `k_all[layer]` reads (jnp semantics for a traced index: wrap negatives, then clamp)."""
+    layer = jnp.asarray(layer).astype(jnp.int32)
+    layer = jnp.where(layer < 0, layer + num_layers, layer)
+    return jnp.clip(layer, 0, num_layers - 1)
+
+
+def select_layer(x_all: Array, layer: Array) -> Array:
+    """x_all[layer] for x_all: [L, ...] (a dynamic slice: XLA copies it when a custom call consumes it)."""
+    return jax.lax.dynamic_index_in_dim(x_all, layer_index(layer, x_all.shape[0]), 0, keepdims=False)
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def dense_decode_stacked_reference(q: Array, k_all: Array, v_all: Array, layer: Array, lengths: Array, *,
+                                   scale: float | None = None) -> Array:
+    """Dense decode attention of the T newest tokens over layer `layer` of a stacked cache.
+
+    Args:
+      q: [B, T, Hq, D] (bf16/f16/f32) queries at positions lengths - T .. lengths - 1.
+      k_all: [L, B, Hkv, N, D] stacked head-major key cache (the new tokens already written).
+      v_all: [L, B, Hkv, N, D] stacked value cache.
+      layer: i32[] layer to read.
+      lengths: i32[B] valid tokens per row after the write.
+      scale: softmax scale (None: 1/sqrt(D)).
+
+    Returns:
+      [B, T, Hq, D] in q.dtype.
+    """
+    check_args(q, k_all, v_all, layer, lengths)
+    B, T, Hq, D = q.shape
+    Hkv, N = k_all.shape[2], k_all.shape[3]
+    G = Hq // Hkv
+    scale = default_scale(D, scale)
+    k = select_layer(k_all, layer).astype(jnp.float32)  # [B, Hkv, N, D]
+    v = select_layer(v_all, layer).astype(jnp.float32)
+    qf = q.astype(jnp.float32).reshape(B, T, Hkv, G, D)
+    logits = jnp.einsum("bthgd,bhnd->bhgtn", qf, k, precision=_HIGHEST) * scale
+    pos = lengths.astype(jnp.int32)[:, None] - T + jnp.arange(T, dtype=jnp.int32)  # [B, T]
+    valid = jnp.arange(N)[None, None, :] <= pos[:, :, None]  # [B, T, N]
+    logits = jnp.where(valid[:, None, None], logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    e = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
+    l = jnp.sum(e, axis=-1, keepdims=True)
+    p = jnp.where(l > 0, e / jnp.where(l > 0, l, 1.0), 0.0)
+    out = jnp.einsum("bhgtn,bhnd->bthgd", p, v, precision=_HIGHEST)
+    return out.reshape(B, T, Hq, D).astype(q.dtype)

@@ -1,0 +1,288 @@
+"""Gathered sparse decode that reads one layer of the stacked KV cache in place.
+
+Inside the model's decode scan the cache is one stacked array per K and V, [L, B, Hkv, N, D], and the layer
+index is traced. Handing a kernel the slice `k_all[layer]` makes XLA materialise it (a copy of the layer's
+whole cache, every layer, every step) because a custom call cannot fuse a dynamic slice. These variants take
+the stacked cache and the layer index instead and read only the selected rows of that layer:
+
+  sparse_decode_stacked_gpu(q, k_all, v_all, layer, indices, lengths)   Pallas Triton: `layer` enters as an
+      i32[1] input; the K/V BlockSpec spans the whole L axis of the program's (b, kv head), and the gather
+      indexes `k_ref[layer, rows, :]` (one indexer, so the pointer is offset by layer * B * Hkv * N * D,
+      64-bit when the array is over 4 GiB).
+  sparse_decode_stacked_tpu(q, k_all, v_all, layer, indices, lengths)   Pallas TPU: `layer` is one more
+      scalar-prefetch argument and the K/V index maps return (layer, b, h, block, 0), so the pipeline DMAs
+      the selected [block_size, D] blocks of that layer only.
+  sparse_decode_stacked_reference(...)                                    slices, then the reference.
+
+Semantics: exactly `sparse_decode_reference(q, k_all[layer], v_all[layer], indices, lengths)`; `layer`
+follows jnp indexing of a traced index (negative counts from the end, then clamped to [0, L - 1], as XLA's
+dynamic slice does), so no value of it reads out of bounds. The kernels' inner loops are those of gpu.py /
+tpu.py; only the addressing of K/V differs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.sparse_attention import gpu, reference, tpu
+from pallas_kernels.sparse_attention.common import check_decode_args, default_scale
+
+Array = jax.Array
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Arguments.
+
+
+def check_stacked_args(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array,
+                       block_size: int) -> None:
+    """Validates a stacked-cache decode call: k_all, v_all [L, B, Hkv, N, D], layer an integer scalar, and the
+    per-layer arguments as `check_decode_args`."""
+    if k_all.ndim != 5:
+        raise ValueError(f"k_all has shape {tuple(k_all.shape)}: expected a stacked head-major cache "
+                         f"[L, B, Hkv, N, D]")
+    if v_all.shape != k_all.shape:
+        raise ValueError(f"v_all has shape {tuple(v_all.shape)}: expected the shape of k_all, {tuple(k_all.shape)}")
+    layer = jnp.asarray(layer)
+    if layer.ndim != 0 or not jnp.issubdtype(layer.dtype, jnp.integer):
+        raise ValueError(f"layer has shape {tuple(layer.shape)} and dtype {layer.dtype}: expected an integer "
+                         f"scalar in [0, L={k_all.shape[0]})")
+    one = jax.ShapeDtypeStruct(k_all.shape[1:], k_all.dtype)
+    check_decode_args(q, one, one, indices, lengths, block_size)
+
+
+def layer_index(layer: Array, num_layers: int) -> Array:
+    """i32[]: the layer `k_all[layer]` reads (jnp semantics for a traced index: wrap negatives, then clamp)."""
+    layer = jnp.asarray(layer).astype(jnp.int32)
+    layer = jnp.where(layer < 0, layer + num_layers, layer)
+    return jnp.clip(layer, 0, num_layers - 1)
+
+
+def select_layer(x_all: Array, layer: Array) -> Array:
+    """x_all[layer] for x_all: [L, ...] (a dynamic slice; what the in-place kernels avoid)."""
+    return jax.lax.dynamic_index_in_dim(x_all, layer_index(layer, x_all.shape[0]), 0, keepdims=False)
+
+
+def sparse_decode_stacked_reference(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array,
+                                    lengths: Array, *, block_size: int = 1, scale: float | None = None,
+                                    return_lse: bool = False) -> Array | tuple[Array, Array]:
+    """The specification: slice the layer, then `reference.sparse_decode_reference`."""
+    check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size)
+    return reference.sparse_decode_reference(q, select_layer(k_all, layer), select_layer(v_all, layer), indices,
+                                             lengths, block_size=block_size, scale=scale, return_lse=return_lse)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pallas GPU (Triton).
+
+
+def _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, first_entry, limit, block_size: int, block_k: int):
+    """`gpu._gather_rows` on a stacked ref: k_ref, v_ref [L, N, D]; rows of layer `layer` (an i32 scalar).
+
+    Returns:
+      (ok: bool[block_k], k: [block_k, D], v: [block_k, D]); rows not ok read row 0 of the layer.
+    """
+    if block_size == 1:
+        tok = ent_ref[pl.ds(first_entry, block_k)]
+        ok = (tok >= 0) & (tok <= limit)
+    else:
+        lane = jnp.arange(block_k, dtype=jnp.int32)
+        ent = ent_ref[first_entry + lane // block_size]
+        tok = ent * block_size + lane % block_size
+        ok = (ent >= 0) & (tok <= limit)
+    safe = jnp.where(ok, tok, 0)
+    # One indexer (layer, rows, :): Triton lowering supports a single indexer per load.
+    return ok, k_ref[layer, safe, :], v_ref[layer, safe, :]
+
+
+def _decode_kernel_stacked(layer_ref, pos_ref, end_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
+                           scale: float, block_size: int, block_k: int, entries_per_split: int):
+    """One (b, h, t, split) program; as `gpu._decode_kernel` with k_ref, v_ref: [L, N, D] and layer_ref: i32[1]."""
+    layer = layer_ref[0]
+    split = pl.program_id(3)
+    pos = pos_ref[0]
+    per_iter = block_k // block_size
+    n_entries = jnp.clip(end_ref[0] - split * entries_per_split, 0, entries_per_split)
+    q = q_ref[...]
+    gp, d = q.shape
+
+    def body(it, carry):
+        ok, k, v = _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, it * per_iter, pos, block_size, block_k)
+        return gpu._online_softmax_step(q, k, v, ok[None, :], carry, scale)
+
+    init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), gpu._MASK, jnp.float32),
+            jnp.zeros((gp,), jnp.float32))
+    o, m, l = jax.lax.fori_loop(0, pl.cdiv(n_entries, per_iter), body, init)
+    o_ref[...] = o
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "scale", "return_lse", "config", "interpret"))
+def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array,
+                              *, block_size: int = 1, scale: float | None = None, return_lse: bool = False,
+                              config: gpu.DecodeConfig = gpu.DecodeConfig(),
+                              interpret: bool = False) -> Array | tuple[Array, Array]:
+    """Gathered decode attention over layer `layer` of a stacked cache, Pallas Triton kernel.
+
+    Args:
+      q: [B, T, Hq, D] queries of the T newest tokens (positions lengths - T + t).
+      k_all: [L, B, Hkv, N, D] stacked head-major key cache (new tokens written).
+      v_all: [L, B, Hkv, N, D] stacked value cache.
+      layer: i32[] (traced) layer to read, as `k_all[layer]`.
+      indices: int32[B, Hkv, T, K] selected blocks, -1 padded (contract of `reference.py`).
+      lengths: int32[B] valid tokens per row.
+      block_size: tokens per index entry (a power of two).
+      scale: softmax scale (None: 1/sqrt(D)).
+      return_lse: also return f32[B, T, Hq] logsumexp.
+      config: `gpu.DecodeConfig` (the kernel's tuning, shared with `gpu.sparse_decode_gpu`).
+      interpret: run in the Pallas interpreter (CPU tests).
+
+    Returns:
+      [B, T, Hq, D] in q.dtype (and lse: f32[B, T, Hq] with return_lse).
+    """
+    check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size)
+    gpu._check_supported(q, block_size, None, interpret)
+    B, T, Hq, D = q.shape
+    L, _, Hkv, N, _ = k_all.shape
+    G, K = Hq // Hkv, indices.shape[3]
+    scale = default_scale(D, scale)
+    block_k = max(config.block_k, block_size)
+    if not gpu._pow2(block_k):
+        raise ValueError(f"DecodeConfig.block_k={config.block_k}: expected a power of two")
+    if config.num_splits is not None and config.num_splits < 1:
+        raise ValueError(f"DecodeConfig.num_splits={config.num_splits}: expected >= 1 or None")
+    per_iter = block_k // block_size
+    splits = config.num_splits or pl.cdiv(config.target_programs, B * Hkv * T)
+    splits = max(1, min(splits, pl.cdiv(K, per_iter)))
+    E = pl.cdiv(pl.cdiv(K, splits), per_iter) * per_iter  # entries per split
+    Gp = max(gpu._MIN_ROWS, pl.next_power_of_2(G))
+
+    lengths = lengths.astype(jnp.int32)
+    pos = lengths[:, None] - T + jnp.arange(T, dtype=jnp.int32)  # [B, T]
+    limit = jnp.minimum(pos, N - 1)
+    ent = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, 0), (0, splits * E - K)), constant_values=-1)
+    end = gpu._useful_end(ent, limit[:, None, :], block_size)  # [B, Hkv, T]
+    qg = q.reshape(B, T, Hkv, G, D).transpose(0, 2, 1, 3, 4)  # [B, Hkv, T, G, D]
+    if Gp != G:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, Gp - G), (0, 0)))
+    lay = layer_index(layer, L).reshape(1)
+
+    kernel = functools.partial(_decode_kernel_stacked, scale=scale, block_size=block_size, block_k=block_k,
+                               entries_per_split=E)
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=(B, Hkv, T, splits),
+        in_specs=[
+            pl.BlockSpec((1,), lambda b, h, t, s: (0,)),  # the layer index
+            pl.BlockSpec((None, 1), lambda b, h, t, s: (b, t)),  # limit: last token the query may see
+            pl.BlockSpec((None, None, 1), lambda b, h, t, s: (b, h, t)),  # end: 1 + last useful entry
+            pl.BlockSpec((None, None, None, E), lambda b, h, t, s: (b, h, t, s)),  # this split's entries
+            pl.BlockSpec((None, None, None, Gp, D), lambda b, h, t, s: (b, h, t, 0, 0)),  # GQA group queries
+            pl.BlockSpec((L, None, None, N, D), lambda b, h, t, s: (0, b, h, 0, 0)),  # every layer of the KV head
+            pl.BlockSpec((L, None, None, N, D), lambda b, h, t, s: (0, b, h, 0, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, None, Gp, D), lambda b, h, t, s: (s, b, h, t, 0, 0)),
+            pl.BlockSpec((None, None, None, None, Gp), lambda b, h, t, s: (s, b, h, t, 0)),
+            pl.BlockSpec((None, None, None, None, Gp), lambda b, h, t, s: (s, b, h, t, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp, D), jnp.float32),
+            jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp), jnp.float32),
+            jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="sparse_decode_gathered_stacked",
+    )(lay, limit, end, ent, qg, k_all, v_all)
+
+    out, lse = gpu._combine_splits(o[..., :G, :], m[..., :G], l[..., :G])  # [B, Hkv, T, G, D], [B, Hkv, T, G]
+    out = out.transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D).astype(q.dtype)
+    if return_lse:
+        return out, lse.transpose(0, 2, 1, 3).reshape(B, T, Hq)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pallas TPU.
+
+
+def _decode_kernel_stacked_tpu(layer_ref, *refs, **kw):
+    """`tpu._decode_kernel` with one more scalar-prefetch ref in front (the layer; only the index maps read it)."""
+    del layer_ref
+    tpu._decode_kernel(*refs, **kw)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "scale", "return_lse", "config", "interpret"))
+def sparse_decode_stacked_tpu(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array,
+                              *, block_size: int = 16, scale: float | None = None, return_lse: bool = False,
+                              config: tpu.TpuConfig = tpu.TpuConfig(),
+                              interpret: bool = False) -> Array | tuple[Array, Array]:
+    """Gathered decode attention over layer `layer` of a stacked cache, Pallas TPU kernel.
+
+    Args:
+      q: [B, T, Hq, D]; k_all, v_all: [L, B, Hkv, N, D]; layer: i32[] (traced), as `k_all[layer]`;
+        indices: int32[B, Hkv, T, K] (block_size % 8 == 0); lengths: int32[B].
+      config: `tpu.TpuConfig`.
+      interpret: run in the Pallas interpreter (CPU tests).
+
+    Returns:
+      [B, T, Hq, D] in q.dtype (and lse: f32[B, T, Hq] with return_lse).
+    """
+    check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size)
+    tpu._check_supported(q, block_size, None, config)
+    B, T, Hq, D = q.shape
+    L, _, Hkv, N, _ = k_all.shape
+    G, K = Hq // Hkv, indices.shape[3]
+    n = min(config.blocks_per_step, K)
+    steps = pl.cdiv(K, n)
+    M = steps * n
+    scale = default_scale(D, scale)
+
+    lengths = lengths.astype(jnp.int32)
+    lim = jnp.minimum(lengths[:, None] - T + jnp.arange(T, dtype=jnp.int32), N - 1)  # [B, T]
+    ent = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, 0), (0, M - K)), constant_values=-1)
+    ent = jnp.where((ent >= 0) & (ent * block_size <= lim[:, None, :, None]), ent, -1)  # drop useless ones
+    blk = tpu._forward_fill(ent.reshape(-1, M))
+    qg = q.reshape(B, T, Hkv, G, D).transpose(0, 2, 1, 3, 4)  # [B, Hkv, T, G, D]
+    lay = layer_index(layer, L).reshape(1)
+
+    def kv_spec(r):
+        # Block r of step j of row (b, h, t): entry j * n + r of the prefetched table, in layer lay[0].
+        return pl.BlockSpec(
+            (None, None, None, block_size, D),
+            lambda b, h, t, j, lay, lim, blk, ent: (lay[0], b, h, blk[((b * Hkv + h) * T + t) * M + j * n + r], 0))
+
+    kernel = functools.partial(_decode_kernel_stacked_tpu, n=n, block_size=block_size, scale=scale, num_heads=Hkv,
+                               T=T, M=M)
+    o, lse = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(B, Hkv, T, steps),
+            in_specs=[pl.BlockSpec((None, None, None, G, D), lambda b, h, t, j, *_: (b, h, t, 0, 0))]
+            + [kv_spec(r) for r in range(n)] + [kv_spec(r) for r in range(n)],
+            out_specs=[pl.BlockSpec((None, None, None, G, D), lambda b, h, t, j, *_: (b, h, t, 0, 0)),
+                       pl.BlockSpec((None, None, None, G, 1), lambda b, h, t, j, *_: (b, h, t, 0, 0))],
+            scratch_shapes=[pltpu.VMEM((G, 1), jnp.float32), pltpu.VMEM((G, 1), jnp.float32),
+                            pltpu.VMEM((G, D), jnp.float32)],
+        ),
+        out_shape=[jax.ShapeDtypeStruct((B, Hkv, T, G, D), q.dtype),
+                   jax.ShapeDtypeStruct((B, Hkv, T, G, 1), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+        name="sparse_decode_gathered_stacked_tpu",
+    )(lay, lim.reshape(-1), blk.reshape(-1), ent.reshape(-1), qg, *([k_all] * n), *([v_all] * n))
+
+    out = o.transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
+    if return_lse:
+        return out, lse[..., 0].transpose(0, 2, 1, 3).reshape(B, T, Hq)
+    return out
