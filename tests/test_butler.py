@@ -1,0 +1,233 @@
+"""TokenButler decode and the H2O baseline: each equals a masked dense reference over the keys it should select."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jsparse.methods import make_method
+from jsparse.methods.butler import Butler, ButlerState
+from jsparse.methods.butler_predictor import Predictor, init_params
+from jsparse.methods.h2o import H2OState
+from models import llama
+from models.attention import LayerContext, LayerKV
+from models.cache import init_cache
+from models.config import ModelConfig
+from models.params import random_params
+from pallas_kernels.dense import dense_decode
+from pallas_kernels.sparse_attention.reference import masked_attention_reference
+from train.loop import record_qk
+from train.predictor import preset_config
+
+B, HQ, HKV, D = 2, 4, 2, 16
+G = HQ // HKV
+CFG = ModelConfig(architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=3,
+                  num_heads=HQ, num_kv_heads=HKV, head_dim=D, max_position_embeddings=512)
+N = 48
+LENGTHS = (37, 48)
+
+
+def _ctx(layer, lengths):
+    return LayerContext(layer=jnp.int32(layer), lengths=jnp.asarray(lengths, jnp.int32))
+
+
+def _normal(seed, shape):
+    """f32 normal samples from numpy (eager jax.random compiles per call, slow on a busy CPU)."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+def _cache_and_q(seed, T):
+    q = _normal([seed, 0], (B, T, HQ, D))
+    k = _normal([seed, 1], (B, HKV, N, D))
+    v = _normal([seed, 2], (B, HKV, N, D))
+    return q, LayerKV(k=k, v=v)
+
+
+def _budget(n, budget, min_tokens):
+    return min(max(math.ceil(budget * n), min_tokens), n)
+
+
+def _butler_mask_np(qp, kp, pos, budget, min_tokens, sink, group):
+    """numpy: bool[B, H, T, N] kept keys; H = Hq (per head) or Hkv (group-pooled)."""
+    qp, kp = np.asarray(qp, np.float64), np.asarray(kp, np.float64)
+    Hk = kp.shape[1]
+    T = qp.shape[2]
+    mask = np.zeros((B, HKV if group else HQ, T, N), bool)
+    for b in range(B):
+        for t in range(T):
+            n = pos[b, t] + 1
+            kk = _budget(n, budget, min_tokens)
+            logits = np.stack([kp[b, h // (HQ // Hk), :n] @ qp[b, h, t] / math.sqrt(qp.shape[-1])
+                               for h in range(HQ)])  # [Hq, n]
+            if group:
+                p = np.exp(logits - logits.max(-1, keepdims=True))
+                p /= p.sum(-1, keepdims=True)
+                scores = p.reshape(HKV, G, n).sum(1)
+            else:
+                scores = logits
+            for h in range(scores.shape[0]):
+                s = scores[h].copy()
+                s[: min(sink, n)] = np.inf
+                mask[b, h, t, np.argsort(-s, kind="stable")[:kk]] = True
+    return mask
+
+
+@pytest.fixture(scope="module")
+def pcfg():
+    return preset_config(CFG, "auto")
+
+
+@pytest.mark.parametrize("selection,T,key_heads", [("head", 1, "query"), ("head", 3, "kv"), ("group", 1, "query"),
+                                                   ("group", 3, "query")])
+def test_butler_decode_equals_masked_reference(selection, T, key_heads):
+    pc = preset_config(CFG, "auto", key_heads=key_heads)
+    m = Butler.from_params(CFG, pc, None, budget=0.3, min_tokens=6, sink=4, selection=selection)
+    q, cache = _cache_and_q(0, T)
+    Lp = CFG.num_layers - 1
+    state = m.init_state(CFG, B, N)
+    state = state.replace(keys=_normal(1, state.keys.shape), queries=_normal(2, (Lp, B, HQ, T, pc.head_dim)))
+    layer = 2
+    out, _ = jax.jit(m.sparse_decode)(_ctx(layer, LENGTHS), q, cache, state)
+    pos = np.asarray(LENGTHS)[:, None] - T + np.arange(T)
+    mask = _butler_mask_np(state.queries[layer - 1], state.keys[layer - 1], pos, 0.3, 6, 4, selection == "group")
+    assert mask[..., :4].all()  # the sinks are always kept
+    want = masked_attention_reference(q, cache.k, cache.v, jnp.asarray(mask))
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+    # ... and the selection is real: a different budget changes the output.
+    assert np.abs(np.asarray(out) - np.asarray(masked_attention_reference(
+        q, cache.k, cache.v, jnp.asarray(_butler_mask_np(state.queries[layer - 1], state.keys[layer - 1], pos,
+                                                         0.6, 6, 4, selection == "group"))))).max() > 1e-3
+
+
+@pytest.fixture(scope="module")
+def model():
+    return jax.jit(random_params, static_argnums=(0, 2, 3))(CFG, jax.random.key(7), jnp.float32, 0.2)
+
+
+@jax.jit
+def _run(params, method, tokens, lengths, new_tokens):
+    """Prefill of the prompts, then one decode call with the 4 new tokens of every row."""
+    capacity = 32
+    cache = init_cache(CFG, B, capacity, jnp.float32)
+    state = method.init_state(CFG, B, capacity)
+    lg0, cache, state = llama.prefill(params, CFG, method, tokens, lengths, cache, state)
+    lg1, cache, state = llama.decode(params, CFG, method, new_tokens, cache, state)
+    return lg0, lg1, state
+
+
+def test_butler_in_the_model(model, pcfg):
+    """Prefill + decode through the model: the predictor's key cache equals the full-sequence predictor, budget 1
+    equals dense, and a small budget does not."""
+    pp = init_params(pcfg, jax.random.key(3))
+    T0 = 20
+    lengths = jnp.asarray((20, 17), jnp.int32)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, T0)), jnp.int32)
+    new = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, 4)), jnp.int32)
+    full = Butler.from_params(CFG, pcfg, pp, budget=1.0, min_tokens=1)
+    d0, d1, _ = _run(model, make_method("dense"), tokens, lengths, new)
+    f0, f1, state = _run(model, full, tokens, lengths, new)
+    np.testing.assert_allclose(f0, d0, rtol=1e-4, atol=1e-4)  # prefill is dense
+    np.testing.assert_allclose(f1, d1, rtol=1e-4, atol=1e-4)  # budget 1 keeps every key
+    # The state holds k' of every position: compare row 1 (prompt of 17, then 4 decoded tokens) with the
+    # predictor run once over its 21 tokens.
+    seq = jnp.concatenate([tokens[1:, :17], new[1:]], axis=1)  # [1, 21]
+
+    @jax.jit
+    def predict(model, pp, seq):
+        h0, _, _ = record_qk(model, CFG, seq)
+        return Predictor(pcfg).apply({"params": pp}, h0, jnp.arange(21)[None])[1]  # [1, 21, L', Hk', d']
+
+    kp = predict(model, pp, seq)
+    got = np.asarray(state.keys[:, 1, :, :21])  # [L', Hk', 21, d']
+    np.testing.assert_allclose(got, np.asarray(kp[0]).transpose(1, 2, 0, 3), rtol=1e-4, atol=1e-4)
+    assert state.queries is None  # dropped by finish
+    small = Butler.from_params(CFG, pcfg, pp, budget=0.2, min_tokens=4)
+    assert small.achieved_sparsity(CFG, np.arange(64)) > 0.2
+
+
+def test_butler_options_errors(pcfg):
+    with pytest.raises(ValueError, match="selection='tile'"):
+        Butler.from_params(CFG, pcfg, None, selection="tile")
+    with pytest.raises(ValueError, match="dense_layers=0"):
+        Butler.from_params(CFG, pcfg, None, dense_layers=0)
+    other = ModelConfig(architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=4,
+                        num_heads=HQ, num_kv_heads=HKV, head_dim=D)
+    with pytest.raises(ValueError, match="made for a model with"):
+        Butler.from_params(other, pcfg, None)
+
+
+# ----------------------------------------------------------------------------------------------- H2O
+
+
+def _h2o_np(q, k, v, score, lengths, budget, min_tokens, recent):
+    """numpy sequential H2O over the T new rows: (out f64[B, T, Hq, D], score f64[B, Hkv, N])."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    score = np.asarray(score, np.float64).copy()
+    T = q.shape[1]
+    out = np.zeros(q.shape)
+    for t in range(T):
+        for b in range(B):
+            p = lengths[b] - T + t
+            kk = _budget(p + 1, budget, min_tokens)
+            r = max(math.ceil(recent * kk), 1)
+            for h in range(HKV):
+                keep = np.zeros(N, bool)
+                keep[max(p - r + 1, 0): p + 1] = True
+                older = np.arange(0, max(p - r + 1, 0))
+                heavy = older[np.argsort(-score[b, h, older], kind="stable")[: kk - r]]
+                keep[heavy] = True
+                for g in range(G):
+                    hq = h * G + g
+                    s = k[b, h] @ q[b, t, hq] / math.sqrt(D)
+                    s = np.where(keep, s, -np.inf)
+                    w = np.exp(s - s.max())
+                    w /= w.sum()
+                    out[b, t, hq] = w @ v[b, h]
+                    score[b, h] += w
+    return out, score
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_h2o_decode_equals_sequential_reference(T):
+    m = make_method("h2o", budget=0.3, min_tokens=6, recent=0.5)
+    q, cache = _cache_and_q(5, T)
+    score0 = jnp.asarray(np.random.default_rng(6).uniform(size=(CFG.num_layers, B, HKV, N)), jnp.float32)
+    out, st = jax.jit(m.sparse_decode)(_ctx(1, LENGTHS), q, cache, H2OState(score=score0))
+    want, want_score = _h2o_np(q, cache.k, cache.v, score0[1], LENGTHS, 0.3, 6, 0.5)
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(st.score[1], want_score, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(st.score[0], score0[0])  # other layers untouched
+
+
+def test_h2o_prefill_accumulates_column_sums():
+    m = make_method("h2o", budget=0.3, min_tokens=6)
+    T, lengths = 12, (12, 9)
+    q, k, v = _normal(80, (B, T, HQ, D)), _normal(81, (B, T, HKV, D)), _normal(82, (B, T, HKV, D))
+    state = m.init_state(CFG, B, N)
+    out, st = jax.jit(m.prefill)(_ctx(2, lengths), q, k, v, state)
+    qn, kn = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    want = np.zeros((B, HKV, N))
+    for b in range(B):
+        for i in range(lengths[b]):
+            for hq in range(HQ):
+                s = kn[b, : i + 1, hq // G] @ qn[b, i, hq] / math.sqrt(D)
+                w = np.exp(s - s.max())
+                want[b, hq // G, : i + 1] += w / w.sum()
+    np.testing.assert_allclose(st.score[2], want, rtol=1e-5, atol=1e-5)
+    assert float(jnp.abs(st.score[1]).max()) == 0.0
+    # H2O at budget 1 decodes densely.
+    qd, cache = _cache_and_q(9, 1)
+    full = make_method("h2o", budget=1.0, min_tokens=1)
+    out, _ = jax.jit(full.sparse_decode)(_ctx(1, LENGTHS), qd, cache, full.init_state(CFG, B, N))
+    np.testing.assert_allclose(out, dense_decode(qd, cache.k, cache.v, jnp.asarray(LENGTHS)), rtol=2e-5, atol=2e-5)
+
+
+def test_butler_state_type():
+    pc = preset_config(CFG, "auto")
+    st = Butler.from_params(CFG, pc, None).init_state(CFG, B, N)
+    assert isinstance(st, ButlerState)
+    assert st.keys.shape == (CFG.num_layers - 1, B, pc.key_heads, N, pc.head_dim)
+    assert st.attn_k.shape == (B, N, pc.attn_heads, pc.attn_head_dim)
