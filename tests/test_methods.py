@@ -43,7 +43,8 @@ def _pooled_np(q, k, pos):
     return out
 
 
-def _topk_mask_np(scores, pos, budget, min_tokens):
+def _topk_mask_np(scores, pos, budget, min_tokens, tile=32):
+    """Top-k with the query's diagonal tile (keys tile_start(pos)..pos) always among the k."""
     Bq, H, T, N = scores.shape
     mask = np.zeros(scores.shape, bool)
     for b in range(Bq):
@@ -51,7 +52,9 @@ def _topk_mask_np(scores, pos, budget, min_tokens):
             n = pos[b, t] + 1
             kk = min(max(math.ceil(budget * n), min_tokens), n)
             for h in range(H):
-                order = np.argsort(-scores[b, h, t, :n], kind="stable")
+                s = scores[b, h, t, :n].copy()
+                s[(pos[b, t] // tile) * tile:] = np.inf
+                order = np.argsort(-s, kind="stable")
                 mask[b, h, t, order[:kk]] = True
     return mask
 

@@ -125,7 +125,7 @@ class Kascade(TokenBudget):
 
         def anchor(dense: bool):
             def fn():
-                idx = select_decode(q, cache.k, pos, self.budget, self.min_tokens, K)
+                idx = select_decode(q, cache.k, pos, self.budget, self.min_tokens, K, self.tile)
                 out = dense_decode(q, cache.k, cache.v, ctx.lengths) if dense else attend_selected(
                     q, cache, idx, ctx.lengths)
                 return out, idx

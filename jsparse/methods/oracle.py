@@ -14,7 +14,9 @@ from jsparse.methods.common import TokenBudget, attend_selected, kwargs_for, spa
 @struct.dataclass
 class Oracle(TokenBudget):
     """Every sparse layer keeps, per KV head, the k keys with the largest exact attention mass (summed over the
-    GQA group; in prefill also over the query tile). Layer 0 is dense, as in Kascade, so the two compare fairly."""
+    GQA group; in prefill also over the query tile). Layer 0 is dense, as in Kascade, so the two compare fairly.
+    In both phases the query's causal diagonal tile is kept (prefill: added by the kernel; decode: forced into
+    the k chosen keys)."""
 
     @classmethod
     def build(cls, **options):
@@ -23,7 +25,7 @@ class Oracle(TokenBudget):
     def sparse_decode(self, ctx, q, cache, state):
         T, N = q.shape[1], cache.k.shape[2]
         pos = sel.decode_positions(ctx.lengths, T)
-        idx = select_decode(q, cache.k, pos, self.budget, self.min_tokens, self.k_static(N))
+        idx = select_decode(q, cache.k, pos, self.budget, self.min_tokens, self.k_static(N), self.tile)
         return attend_selected(q, cache, idx, ctx.lengths), state
 
     def sparse_prefill(self, ctx, q, k, v, state):
@@ -31,11 +33,19 @@ class Oracle(TokenBudget):
         return sparse_prefill(q, k, v, idx, ctx.lengths, tile=self.tile), state
 
 
-def select_decode(q, k_cache, positions, budget, min_tokens, K):
-    """Exact top-k per row: int32[B, Hkv, T, K] (rows at positions: i32[B, T])."""
+def select_decode(q, k_cache, positions, budget, min_tokens, K, tile: int = 0):
+    """Top-k per row by exact pooled scores: int32[B, Hkv, T, K] (rows at positions: i32[B, T]).
+
+    With `tile` > 0 the query's own (causal) diagonal tile, keys floor(pos / tile) * tile .. pos, is always kept,
+    inside the budget: decode keeps what the prefill kernel adds to every query tile.
+    """
     probs = sel.pooled_probs(q, k_cache, positions)
-    visible = jnp.arange(k_cache.shape[2])[None, None, :] <= positions[:, :, None]
+    key = jnp.arange(k_cache.shape[2])[None, None, :]
+    visible = key <= positions[:, :, None]
     scores = jnp.where(visible[:, None], probs, sel.NEG_INF)
+    if tile:
+        diagonal = visible & (key >= (positions[:, :, None] // tile) * tile)
+        scores = jnp.where(diagonal[:, None], jnp.inf, scores)
     k_dyn = sel.budget_tokens(budget, positions + 1, min_tokens)[:, None]  # [B, 1, T]
     return sel.topk_indices(scores, k_dyn, K)
 
