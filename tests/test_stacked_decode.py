@@ -1,0 +1,260 @@
+"""In-place decode over the stacked KV cache [L, B, Hkv, N, D] with a traced layer index.
+
+Gathered sparse decode (stacked.py: Triton and TPU kernels in interpret mode) against slicing the layer and
+running the reference; the split-K dense decode (pallas_kernels.dense_decode, Triton in interpret mode)
+against `pallas_kernels.dense.dense_decode` on the slice; the entry points; CUDA / TPU lowering; and the
+methods' use of the in-place paths inside the model's layer scan.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.dense import dense_decode
+from pallas_kernels.dense_decode import dense_decode_stacked, dense_decode_stacked_reference
+from pallas_kernels.dense_decode import gpu as dgpu
+from pallas_kernels.sparse_attention import gpu, sparse_decode, stacked, tpu
+from pallas_kernels.sparse_attention import reference as ref
+from pallas_kernels.sparse_attention.testing import random_decode_indices
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+
+
+def assert_close(got, want, dtype, what=""):
+    got = np.asarray(jnp.asarray(got, jnp.float32))
+    want = np.asarray(jnp.asarray(want, jnp.float32))
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert np.isfinite(got).all(), f"{what}: non-finite output"
+    tol = TOL[dtype] * max(1.0, float(np.max(np.abs(want))))
+    err = float(np.max(np.abs(got - want)))
+    assert err <= tol, f"{what}: max abs err {err:.3g} > {tol:.3g}"
+
+
+def randn(rng, shape, dtype):
+    return jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
+
+
+def stacked_inputs(seed, L, B, T, Hq, Hkv, D, N, lengths, dtype):
+    rng = np.random.default_rng(seed)
+    return (rng, randn(rng, (B, T, Hq, D), dtype), randn(rng, (L, B, Hkv, N, D), dtype),
+            randn(rng, (L, B, Hkv, N, D), dtype), jnp.asarray(np.asarray(lengths, np.int32)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Gathered sparse decode over the stacked cache.
+
+# (L, B, T, Hq, Hkv, D, N, K, lengths, block_size), dtype, layers, config
+SPARSE_GPU_CASES = [
+    ((3, 2, 1, 4, 2, 16, 64, 12, [37, 64], 1), jnp.float32, (0, 2, -1), gpu.DecodeConfig(block_k=16, num_splits=2)),
+    ((2, 2, 2, 8, 2, 16, 96, 5, [97 - 20, 20], 16), jnp.bfloat16, (1,), gpu.DecodeConfig(block_k=32)),
+]
+
+
+@pytest.mark.parametrize("case,dtype,layers,config", SPARSE_GPU_CASES)
+def test_sparse_stacked_gpu_interpret_matches_sliced_reference(case, dtype, layers, config):
+    L, B, T, Hq, Hkv, D, N, K, lengths, bs = case
+    rng, q, k_all, v_all, lens = stacked_inputs(10, L, B, T, Hq, Hkv, D, N, lengths, dtype)
+    idx = jnp.asarray(random_decode_indices(rng, lengths, Hkv, T, K, block_size=bs))
+    for layer in layers:
+        out, lse = stacked.sparse_decode_stacked_gpu(q, k_all, v_all, jnp.int32(layer), idx, lens, block_size=bs,
+                                                     return_lse=True, config=config, interpret=True)
+        want, want_lse = ref.sparse_decode_reference(q, k_all[layer], v_all[layer], idx, lens, block_size=bs,
+                                                     return_lse=True)
+        assert out.dtype == dtype
+        assert_close(out, want, dtype, f"sparse stacked gpu layer {layer}")
+        assert_close(lse, want_lse, dtype, f"sparse stacked gpu lse layer {layer}")
+    # The layers differ, so reading the wrong one would show.
+    other_layer = (layers[-1] % L + 1) % L
+    other = ref.sparse_decode_reference(q, k_all[other_layer], v_all[other_layer], idx, lens, block_size=bs)
+    assert float(jnp.max(jnp.abs(other.astype(jnp.float32) - want.astype(jnp.float32)))) > 0.1
+
+
+def test_sparse_stacked_tpu_interpret_matches_sliced_reference():
+    L, B, T, Hq, Hkv, D, N, K, lengths, bs = 3, 2, 1, 4, 2, 16, 128, 5, [77, 128], 8
+    rng, q, k_all, v_all, lens = stacked_inputs(11, L, B, T, Hq, Hkv, D, N, lengths, jnp.float32)
+    idx = jnp.asarray(random_decode_indices(rng, lengths, Hkv, T, K, block_size=bs)).at[0, 0].set(-1)
+    for layer in (2, 0):
+        out, lse = stacked.sparse_decode_stacked_tpu(q, k_all, v_all, jnp.int32(layer), idx, lens, block_size=bs,
+                                                     return_lse=True, config=tpu.TpuConfig(blocks_per_step=2),
+                                                     interpret=True)
+        want, want_lse = ref.sparse_decode_reference(q, k_all[layer], v_all[layer], idx, lens, block_size=bs,
+                                                     return_lse=True)
+        assert_close(out, want, jnp.float32, f"sparse stacked tpu layer {layer}")
+        fin = np.isfinite(np.asarray(want_lse))
+        assert np.array_equal(np.isfinite(np.asarray(lse)), fin)  # the empty row stays -inf
+        assert_close(np.asarray(lse)[fin], np.asarray(want_lse)[fin], jnp.float32, "sparse stacked tpu lse")
+
+
+def test_sparse_decode_api_with_layer_equals_slice():
+    L, B, T, Hq, Hkv, D, N, K, lengths = 3, 2, 1, 4, 2, 16, 64, 8, [50, 21]
+    rng, q, k_all, v_all, lens = stacked_inputs(12, L, B, T, Hq, Hkv, D, N, lengths, jnp.float32)
+    idx = jnp.asarray(random_decode_indices(rng, lengths, Hkv, T, K))
+    want = sparse_decode(q, k_all[1], v_all[1], idx, lens)
+    for impl in (None, "xla", "reference"):  # None on CPU is XLA
+        got = jax.jit(lambda l: sparse_decode(q, k_all, v_all, idx, lens, layer=l, implementation=impl))(1)
+        assert_close(got, want, jnp.float32, f"api layer= {impl}")
+    with pytest.raises(ValueError, match=r"k_all has shape \(2, 64, 16\)"):
+        sparse_decode(q, k_all[1, 0], v_all[1, 0], idx, lens, layer=1)
+    with pytest.raises(ValueError, match="layer has shape"):
+        sparse_decode(q, k_all, v_all, idx, lens, layer=jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match="indices has shape"):
+        sparse_decode(q, k_all, v_all, idx[:, :1], lens, layer=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Split-K dense decode over the stacked cache.
+
+# (L, B, T, Hq, Hkv, D, N, lengths), dtype, config: N not a multiple of block_k, a short row (empty splits),
+# several new tokens (causal among them), and T * G rows over several query blocks.
+DENSE_CASES = [
+    ((3, 2, 1, 8, 2, 16, 70, [37, 70]), jnp.float32, dgpu.DenseDecodeConfig(block_k=16, num_splits=3)),
+    ((2, 2, 3, 6, 2, 32, 64, [5, 64]), jnp.bfloat16, dgpu.DenseDecodeConfig(block_k=16)),
+    ((2, 1, 24, 4, 1, 16, 48, [40]), jnp.float32, dgpu.DenseDecodeConfig(block_k=16, block_q=32, num_splits=2)),
+]
+
+
+@pytest.mark.parametrize("case,dtype,config", DENSE_CASES)
+def test_dense_stacked_gpu_interpret_matches_dense_decode(case, dtype, config):
+    L, B, T, Hq, Hkv, D, N, lengths = case
+    _, q, k_all, v_all, lens = stacked_inputs(13, L, B, T, Hq, Hkv, D, N, lengths, dtype)
+    layer = L - 1
+    got = dgpu.dense_decode_stacked_gpu(q, k_all, v_all, jnp.int32(layer), lens, config=config, interpret=True)
+    want = dense_decode(q, k_all[layer], v_all[layer], lens)
+    assert got.dtype == dtype
+    assert_close(got, want, dtype, "dense stacked vs dense_decode")
+    spec = dense_decode_stacked_reference(q, k_all, v_all, jnp.int32(layer), lens)
+    assert_close(got, spec, dtype, "dense stacked vs reference")
+    plan = dgpu.plan(B, T, Hq, Hkv, N, config)
+    assert plan["splits"] > 1 and plan["splits"] * plan["chunk"] >= N
+
+
+def test_dense_stacked_masks_garbage_and_empty_rows():
+    # NaN past each row's length must not leak (masked loads, not multiply-by-zero); a query whose position
+    # is negative (lengths < T) sees no key and outputs zeros, as the reference says.
+    L, B, T, Hq, Hkv, D, N = 2, 2, 2, 4, 2, 16, 48
+    _, q, k_all, v_all, _ = stacked_inputs(14, L, B, T, Hq, Hkv, D, N, [1, 1], jnp.float32)
+    lens = jnp.array([1, 33], jnp.int32)
+    past = jnp.arange(N)[None, :] >= lens[:, None]  # [B, N]
+    k_all = jnp.where(past[None, :, None, :, None], jnp.nan, k_all)
+    v_all = jnp.where(past[None, :, None, :, None], jnp.nan, v_all)
+    got = dgpu.dense_decode_stacked_gpu(q, k_all, v_all, jnp.int32(1), lens, interpret=True,
+                                        config=dgpu.DenseDecodeConfig(block_k=16, num_splits=3))
+    want = dense_decode_stacked_reference(q, jnp.nan_to_num(k_all), jnp.nan_to_num(v_all), jnp.int32(1), lens)
+    assert_close(got, want, jnp.float32, "dense stacked with NaN past lengths")
+    assert np.all(np.asarray(got[0, 0]) == 0) and np.all(np.asarray(got[0, 1]) != 0)
+
+
+def test_dense_decode_stacked_api():
+    L, B, T, Hq, Hkv, D, N, lengths = 2, 2, 1, 4, 2, 16, 32, [20, 32]
+    _, q, k_all, v_all, lens = stacked_inputs(15, L, B, T, Hq, Hkv, D, N, lengths, jnp.float32)
+    want = dense_decode(q, k_all[0], v_all[0], lens)
+    for impl in (None, "sliced", "reference"):  # None on CPU slices
+        assert_close(dense_decode_stacked(q, k_all, v_all, jnp.int32(0), lens, implementation=impl), want,
+                     jnp.float32, f"dense api {impl}")
+    with pytest.raises(ValueError, match="implementation='cudnn'"):
+        dense_decode_stacked(q, k_all, v_all, 0, lens, implementation="cudnn")
+    with pytest.raises(ValueError, match=r"Hq=4 .* Hkv=3"):
+        dense_decode_stacked(q, k_all[:, :, :1].repeat(3, 2), v_all[:, :, :1].repeat(3, 2), 0, lens)
+    with pytest.raises(ValueError, match="head_dim D=24"):
+        dgpu.dense_decode_stacked_gpu(jnp.zeros((1, 1, 2, 24)), jnp.zeros((1, 1, 1, 8, 24)),
+                                      jnp.zeros((1, 1, 1, 8, 24)), 0, jnp.array([8]), interpret=True)
+    with pytest.raises(ValueError, match="block_k=24"):
+        dgpu.dense_decode_stacked_gpu(q, k_all, v_all, 0, lens, config=dgpu.DenseDecodeConfig(block_k=24),
+                                      interpret=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Lowering for CUDA and TPU on this CPU-only machine.
+
+
+def _export(platform, f, *args):
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+    if platform == "cuda":
+        device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+        checks = [jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)]
+    else:
+        device = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+        checks = []
+    with use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)):
+        return jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=checks)(*args)
+
+
+def test_stacked_kernels_lower_for_cuda_and_tpu():
+    sds = jax.ShapeDtypeStruct
+    # Llama-3.1-8B decode shapes at 128K and batch 8: the stacked cache is 64 GiB, so the kernels' offsets
+    # are 64-bit (Triton lowering switches above 4 GiB).
+    big = sds((32, 8, 8, 131072, 128), jnp.bfloat16)
+    q, layer, lens = sds((8, 1, 32, 128), jnp.bfloat16), sds((), jnp.int32), sds((8,), jnp.int32)
+    exp = _export("cuda", functools.partial(stacked.sparse_decode_stacked_gpu, block_size=16, return_lse=True),
+                  q, big, big, layer, sds((8, 8, 1, 819), jnp.int32), lens)
+    assert "sparse_decode_gathered_stacked" in exp.mlir_module()
+    exp = _export("cuda", dgpu.dense_decode_stacked_gpu, q, big, big, layer, lens)
+    assert "dense_decode_stacked" in exp.mlir_module()
+    small = sds((4, 2, 8, 2000, 128), jnp.bfloat16)  # N not a multiple of block_k, T = 3
+    exp = _export("cuda", dgpu.dense_decode_stacked_gpu, sds((2, 3, 32, 128), jnp.bfloat16), small, small, layer,
+                  sds((2,), jnp.int32))
+    assert "dense_decode_stacked" in exp.mlir_module()
+    cache = sds((4, 2, 8, 2048, 128), jnp.bfloat16)
+    exp = _export("tpu", functools.partial(stacked.sparse_decode_stacked_tpu, block_size=16, return_lse=True),
+                  sds((2, 1, 32, 128), jnp.bfloat16), cache, cache, layer, sds((2, 8, 1, 40), jnp.int32),
+                  sds((2,), jnp.int32))
+    assert "tpu_custom_call" in exp.mlir_module()
+
+
+# --------------------------------------------------------------------------------------------------
+# The methods inside the model's layer scan.
+
+
+def test_methods_use_stacked_cache_inside_the_scan():
+    from flax import struct
+
+    from jsparse.methods import make_method
+    from jsparse.methods.common import attend_selected
+    from models import llama
+    from models.attention import LayerKV
+    from models.cache import init_cache
+    from models.config import ModelConfig
+    from models.params import random_params
+
+    # attend_selected with the stacked view equals the sliced call.
+    L, B, Hq, Hkv, D, N, K, lengths = 2, 2, 4, 2, 16, 32, 6, [20, 32]
+    rng, q, k_all, v_all, lens = stacked_inputs(16, L, B, 1, Hq, Hkv, D, N, lengths, jnp.float32)
+    idx = jnp.asarray(random_decode_indices(rng, lengths, Hkv, 1, K))
+    view = LayerKV(k=k_all[1], v=v_all[1], k_all=k_all, v_all=v_all, layer=jnp.int32(1))
+    assert_close(attend_selected(q, view, idx, lens), sparse_decode(q, k_all[1], v_all[1], idx, lens),
+                 jnp.float32, "attend_selected stacked")
+
+    # A method that selects every visible key through attend_selected decodes like dense in the model.
+    @struct.dataclass
+    class AllKeys:
+        def init_state(self, cfg, batch, max_len):
+            return None
+
+        def layer_info(self, cfg):
+            return None
+
+        def decode(self, ctx, q, cache, state):
+            n = cache.k.shape[2]
+            idx = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (q.shape[0], cache.k.shape[1], 1, n))
+            return attend_selected(q, cache, jnp.where(idx < ctx.lengths[:, None, None, None], idx, -1),
+                                   ctx.lengths), state
+
+    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+    params = random_params(cfg, jax.random.key(0), jnp.float32)
+    empty = init_cache(cfg, 2, 16, jnp.float32)
+    filled = jax.random.normal(jax.random.key(1), empty.k.shape, jnp.float32)
+    cache = empty.replace(k=filled, v=filled[::-1], lengths=jnp.array([4, 9], jnp.int32))
+    tok = jnp.array([[11], [12]], jnp.int32)
+    step = jax.jit(lambda m: llama.decode(params, cfg, m, tok, cache, None)[0])
+    want, got = step(make_method("dense")), step(AllKeys())
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
