@@ -258,3 +258,16 @@ def test_methods_use_stacked_cache_inside_the_scan():
     step = jax.jit(lambda m: llama.decode(params, cfg, m, tok, cache, None)[0])
     want, got = step(make_method("dense")), step(AllKeys())
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
+def test_bench_fixed_selection_and_hlo_copy_counter():
+    from eval.bench_decode_step import fixed_indices, slice_copies
+
+    idx = np.asarray(fixed_indices(jnp.array([100, 10]), 16, 4))
+    np.testing.assert_array_equal(idx[0], np.r_[0:4, 88:100])  # sinks, then the last 12 tokens
+    real = idx[1][idx[1] >= 0]  # a short row: the windows overlap, every token once
+    np.testing.assert_array_equal(real, np.arange(10))
+    # The copy counter finds materialised dynamic slices (outside fusion bodies), not their consumers.
+    f = jax.jit(lambda x, i, y: (jnp.sort(x[i], axis=-1), jnp.dot(x[i + 1], y)))
+    hlo = f.lower(jnp.ones((4, 64, 64), jnp.bfloat16), 1, jnp.ones((64, 64), jnp.bfloat16)).compile().as_text()
+    assert slice_copies(hlo, {"w": {64 * 64}, "other": {7}}) == {"w": 2, "other": 0}
