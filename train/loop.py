@@ -227,6 +227,8 @@ def make_train_step(mesh, cfg: ModelConfig, pcfg: PredictorConfig, tc: TrainConf
 
     def loss_fn(pparams, h0, q, k):
         qp, kp = predictor_qk(pparams, pcfg, h0)
+        # The kernel's matmuls run in the model's dtype (bf16 on accelerators); params and updates stay f32.
+        qp, kp = qp.astype(q.dtype), kp.astype(q.dtype)
         per_head = logit_mse(q, k, qp, kp, causal=tc.causal, implementation=tc.loss_impl,
                              interpret=tc.interpret)  # f32[b, L' * Hq]
         return jnp.mean(per_head)
