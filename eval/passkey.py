@@ -9,7 +9,8 @@ requested number of tokens:
   NEEDLE   "The pass key is 71432. Remember it. 71432 is the pass key."
   QUESTION "What is the pass key? The pass key is"
 
-The filler is a stream of sentences drawn with the sample's seed from `FILLER_SENTENCES` (none holds a digit).
+The filler repeats the five classic passkey sentences (`FILLER_SENTENCES`, no digits) in an order drawn with the
+sample's seed.
 The text before the needle is whole sentences, as many as fit in `depth * F` filler tokens (F = the filler
 tokens the length leaves), so the needle starts on a sentence boundary less than one sentence before the
 requested depth; the text after it is cut to fill the length exactly (only its last sentence may be cut).
@@ -20,6 +21,7 @@ completion is exactly the key.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from typing import Sequence
 
@@ -31,47 +33,15 @@ NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? The pass key is"
 DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
+# The classic passkey filler (Mohtashami & Jaggi, 2023): five short sentences repeated. Each prompt repeats
+# them in its own seeded order. Varied, story-like filler makes the task much harder for small models: with
+# 40 distinct sentences SmolLM2-135M retrieved 0/20 keys at 2K with dense attention, with these 3/3.
 FILLER_SENTENCES = (
     "The grass is green.",
     "The sky is blue.",
     "The sun is yellow.",
     "Here we go.",
     "There and back again.",
-    "A light wind moved through the tall trees at the edge of the field.",
-    "The river ran slowly past the old stone mill.",
-    "Clouds gathered over the hills in the late afternoon.",
-    "A small boat drifted along the quiet shore.",
-    "The market opened early and the streets filled with people.",
-    "Somewhere a dog barked, and then the village was silent again.",
-    "The road wound up the valley between fields of wheat.",
-    "Rain tapped softly against the windows of the kitchen.",
-    "An old clock ticked on the wall of the empty hall.",
-    "The baker set out fresh bread on the wooden counter.",
-    "Birds sang in the hedges along the lane.",
-    "The lamp in the window burned until the morning.",
-    "Snow covered the roofs of the houses on the hill.",
-    "A cart rolled past, loaded with apples and hay.",
-    "The children ran across the meadow toward the pond.",
-    "Smoke rose straight up from the chimney into the still air.",
-    "The ship left the harbour with the evening tide.",
-    "In the garden the roses were beginning to bloom.",
-    "The teacher wrote a long sentence on the board.",
-    "A gentle light fell across the floor of the library.",
-    "The mountains looked blue and far away in the haze.",
-    "Leaves turned red and gold as the days grew shorter.",
-    "A traveller stopped at the inn to rest his horse.",
-    "The bell in the tower rang for the evening meal.",
-    "Waves broke on the rocks below the lighthouse.",
-    "The path through the forest was narrow and dark.",
-    "A cat slept in the warm sun on the doorstep.",
-    "The farmer walked out to look at the sky before dawn.",
-    "Far away, a train whistled as it crossed the plain.",
-    "The pages of the book were yellow with age.",
-    "Frost made patterns on the glass during the night.",
-    "The fisherman mended his nets by the water.",
-    "A quiet song drifted from an open window.",
-    "The stars came out one by one over the sea.",
-    "Everyone agreed that the weather would change soon.",
 )
 
 _DIGITS = re.compile(r"\d+")
@@ -137,7 +107,7 @@ def make_prompt(tokenizer, length: int, depth: float, key: str, rng: np.random.G
       length: the prompt's length in tokens.
       depth: fraction in [0, 1] of the filler tokens placed before the needle.
       key: the pass key (digits).
-      rng: draws the filler sentences.
+      rng: draws the order of the filler sentences.
     """
     check_depths([depth])
     head = special_prefix(tokenizer) + _ids(tokenizer, INTRO)
@@ -150,24 +120,20 @@ def make_prompt(tokenizer, length: int, depth: float, key: str, rng: np.random.G
                          f">= {length - filler_tokens + 1}")
     sentences = [_ids(tokenizer, " " + s) for s in FILLER_SENTENCES]
 
-    def draw(n_tokens: int) -> list[list[int]]:
-        out, total = [], 0
-        while total < n_tokens:
-            s = sentences[int(rng.integers(len(sentences)))]
-            out.append(s)
-            total += len(s)
-        return out
+    order = rng.permutation(len(sentences))
+    stream = (sentences[order[i % len(order)]] for i in itertools.count())  # the seeded order, repeated
 
-    # Before the needle: whole sentences while they fit in depth * F tokens.
+    # Before the needle: whole sentences while they fit in depth * F tokens; after it, the stream goes on.
     target_before = int(round(depth * filler_tokens))
     before: list[int] = []
-    for s in draw(target_before + 64):
-        if len(before) + len(s) > target_before:
-            break
+    s = next(stream)
+    while len(before) + len(s) <= target_before:
         before += s
+        s = next(stream)
     after: list[int] = []
-    for s in draw(filler_tokens - len(before)):
+    while len(after) < filler_tokens - len(before):
         after += s
+        s = next(stream)
     after = after[: filler_tokens - len(before)]
     tokens = head + before + needle + after + tail
     assert len(tokens) == length, (len(tokens), length)
