@@ -324,3 +324,41 @@ def test_cli_rejects_missing_and_empty_data_before_loading(tmp_path, capsys):
                  "--out", out]) == 2
     captured = capsys.readouterr()
     assert "is empty" in captured.out + captured.err
+
+
+_DP_SCRIPT = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+sys.path.insert(0, {root!r})
+from tests.test_train import CFG, TC, T
+from models.params import random_params
+from train.loop import train
+from train.predictor import preset_config
+assert jax.device_count() == 2, jax.devices()
+params = jax.jit(random_params, static_argnums=(0, 2, 3))(CFG, jax.random.key(0), jnp.float32, 0.2)
+chunks = np.random.default_rng(0).integers(0, CFG.vocab_size, (7, T)).astype(np.int32)
+train(CFG, params, fingerprint="fp-a", chunks=chunks, out_dir={out!r}, tc=TC, pcfg=preset_config(CFG, "auto"),
+      progress=False)
+"""
+
+
+def test_data_parallel_over_two_devices_matches_one(tmp_path, uninterrupted):
+    """The same run with its batch split over 2 (host-platform) devices ends at the 1-device parameters."""
+    import subprocess
+    import sys
+
+    from jsparse.methods.butler_predictor import flatten_params
+
+    _, full = uninterrupted
+    out = str(tmp_path / "dp")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", _DP_SCRIPT.format(root=root, out=out)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with np.load(os.path.join(out, "arrays.npz")) as z:
+        got = {k: z[k] for k in z.files}
+    want = flatten_params(full.params)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
