@@ -6,8 +6,11 @@ import numpy as np
 from flax import struct
 
 import jax
+import jax.numpy as jnp
 from jsparse import selection as sel
 from pallas_kernels.dense import dense_decode, dense_prefill
+from pallas_kernels.dense_decode import dense_decode_stacked
+from pallas_kernels.dense_decode import supported as dense_decode_supported
 from pallas_kernels.sparse_attention import sparse_decode, sparse_prefill
 from pallas_kernels.sparse_attention.reference import decode_indices_to_mask, masked_attention_reference
 
@@ -37,6 +40,20 @@ def attend_selected(q, cache, indices, lengths):
         return sparse_decode(q, cache.k, cache.v, indices, lengths)
     mask = decode_indices_to_mask(indices, lengths, cache.k.shape[2])
     return masked_attention_reference(q, cache.k, cache.v, mask)
+
+
+def attend_dense(q, cache, lengths):
+    """Dense decode attention of q: [B, T, Hq, D] over a head-major cache view (`models.attention.LayerKV`).
+
+    On a GPU with 16-bit activations, inside the model's layer scan (the view carries the stacked cache and
+    the layer index), a Pallas split-K kernel reads the layer in place: handing cuDNN the slice `cache.k`
+    makes XLA copy the layer's whole cache every step. Elsewhere (and for f32) it is `dense_decode` on the
+    slice, as before.
+    """
+    if (getattr(cache, "layer", None) is not None and jax.default_backend() == "gpu"
+            and q.dtype in (jnp.bfloat16, jnp.float16) and dense_decode_supported("pallas_gpu", q)):
+        return dense_decode_stacked(q, cache.k_all, cache.v_all, cache.layer, lengths, implementation="pallas_gpu")
+    return dense_decode(q, cache.k, cache.v, lengths)
 
 
 @struct.dataclass
@@ -97,5 +114,5 @@ def np_int(x) -> np.ndarray:
     return np.asarray(x, np.int32)
 
 
-__all__ = ["TokenBudget", "attend_selected", "check_tile", "dense_decode", "dense_prefill", "masked_attention_reference",
+__all__ = ["TokenBudget", "attend_dense", "attend_selected", "check_tile", "dense_decode", "dense_prefill", "masked_attention_reference",
            "sparse_prefill"]
