@@ -126,6 +126,38 @@ def _write_decode(cache_k: Array, layer: Array, positions: Array, k: Array) -> A
 # ----------------------------------------------------------------------------------------------- forward
 
 
+def _scan_layers(params: Params, cfg: ModelConfig, method, x: Array, positions: Array, lengths: Array,
+                 cache: KVCache, state: Any, *, phase: str, kv_len: int, write, attend, collect: bool = False,
+                 unroll: int | bool = 1):
+    """The layer scan shared by prefill and decode.
+
+    Each layer: RMSNorm, q/k/v with RoPE, `write(cache_k, layer, k)` into the stacked cache, `attend(ctx, q, k, v,
+    cache_k, cache_v, state) -> (attn, state)` (the method), the output projection, the MLP. The carry holds
+    (x, cache_k, cache_v, state); the method's `start`/`finish` bracket the scan.
+
+    Returns:
+      (x after the last layer, cache_k, cache_v, state, (inputs, after_attn) [L, B, T, E] each when `collect`).
+    """
+    B, T = positions.shape
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+
+    def layer_fn(carry, xs):
+        x, ck, cv, state = carry
+        lp, layer, info = xs
+        h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+        q, k, v = qkv_projection(cfg, lp, h, positions, inv_freq)
+        ck, cv = write(ck, layer, k), write(cv, layer, v)
+        ctx = LayerContext(layer=layer, lengths=lengths, info=info, hidden=h)
+        attn, state = attend(ctx, q, k, v, ck, cv, state)
+        x_attn = x + _dense(attn.astype(x.dtype), lp.wo, "bthd,hde->bte", lp.bo)
+        return (x_attn + mlp(cfg, lp, x_attn), ck, cv, state), ((x, x_attn) if collect else None)
+
+    state = start(method, cfg, state, phase, B, T, kv_len)
+    (x, ck, cv, state), hidden = jax.lax.scan(layer_fn, (x, cache.k, cache.v, state),
+                                              _layer_xs(cfg, params, method), unroll=unroll)
+    return x, ck, cv, finish(method, state, phase), hidden
+
+
 def prefill(params: Params, cfg: ModelConfig, method, tokens: Array, lengths: Array, cache: KVCache,
             state: Any, *, all_logits: bool = False, return_hidden: bool = False):
     """Runs the prompt through the model and fills the cache from position 0.
@@ -141,27 +173,14 @@ def prefill(params: Params, cfg: ModelConfig, method, tokens: Array, lengths: Ar
       (logits, cache with lengths set, state) (+ (inputs, after_attn) when asked).
     """
     B, T = tokens.shape
-    inv_freq = jnp.asarray(rope_inv_freq(cfg))
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    x = embed(params, tokens)
 
-    def layer_fn(carry, xs):
-        x, ck, cv, state = carry
-        lp, layer, info = xs
-        h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-        q, k, v = qkv_projection(cfg, lp, h, positions, inv_freq)
-        ck = _write_prefill(ck, layer, k)
-        cv = _write_prefill(cv, layer, v)
-        ctx = LayerContext(layer=layer, lengths=lengths, info=info, hidden=h)
-        attn, state = method.prefill(ctx, q, k, v, state)
-        x_attn = x + _dense(attn.astype(x.dtype), lp.wo, "bthd,hde->bte", lp.bo)
-        x_out = x_attn + mlp(cfg, lp, x_attn)
-        return (x_out, ck, cv, state), ((x, x_attn) if return_hidden else None)
+    def attend(ctx, q, k, v, ck, cv, state):
+        return method.prefill(ctx, q, k, v, state)
 
-    state = start(method, cfg, state, "prefill", B, T, T)
-    (x, ck, cv, state), hidden = jax.lax.scan(
-        layer_fn, (x, cache.k, cache.v, state), _layer_xs(cfg, params, method))
-    state = finish(method, state, "prefill")
+    x, ck, cv, state, hidden = _scan_layers(
+        params, cfg, method, embed(params, tokens), positions, lengths, cache, state, phase="prefill",
+        kv_len=T, write=_write_prefill, attend=attend, collect=return_hidden)
     cache = KVCache(k=ck, v=cv, lengths=lengths.astype(jnp.int32))
     if not all_logits:
         x = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [B, 1, E]
@@ -176,26 +195,16 @@ def prefill(params: Params, cfg: ModelConfig, method, tokens: Array, lengths: Ar
 def decode(params: Params, cfg: ModelConfig, method, tokens: Array, cache: KVCache, state: Any, *,
            unroll: int | bool = 1):
     """Appends tokens: i32[B, T] (T >= 1) at each row's cache length and returns f32[B, T, V] logits."""
-    B, T = tokens.shape
-    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    T = tokens.shape[1]
     positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
     lengths = cache.lengths + T
-    x = embed(params, tokens)
 
-    def layer_fn(carry, xs):
-        x, ck, cv, state = carry
-        lp, layer, info = xs
-        h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-        q, k, v = qkv_projection(cfg, lp, h, positions, inv_freq)
-        ck = _write_decode(ck, layer, positions, k)
-        cv = _write_decode(cv, layer, positions, v)
-        ctx = LayerContext(layer=layer, lengths=lengths, info=info, hidden=h)
-        attn, state = method.decode(ctx, q, LayerKV(k=ck[layer], v=cv[layer], k_all=ck, v_all=cv, layer=layer), state)
-        x_attn = x + _dense(attn.astype(x.dtype), lp.wo, "bthd,hde->bte", lp.bo)
-        return (x_attn + mlp(cfg, lp, x_attn), ck, cv, state), None
+    def attend(ctx, q, k, v, ck, cv, state):
+        layer = ctx.layer
+        return method.decode(ctx, q, LayerKV(k=ck[layer], v=cv[layer], k_all=ck, v_all=cv, layer=layer), state)
 
-    state = start(method, cfg, state, "decode", B, T, cache.capacity)
-    (x, ck, cv, state), _ = jax.lax.scan(layer_fn, (x, cache.k, cache.v, state),
-                                         _layer_xs(cfg, params, method), unroll=unroll)
-    state = finish(method, state, "decode")
+    x, ck, cv, state, _ = _scan_layers(
+        params, cfg, method, embed(params, tokens), positions, lengths, cache, state, phase="decode",
+        kv_len=cache.capacity, write=lambda c, layer, k: _write_decode(c, layer, positions, k), attend=attend,
+        unroll=unroll)
     return lm_logits(cfg, params, x), KVCache(k=ck, v=cv, lengths=lengths), state
