@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_parser(sub)
 
+    from train.cli_train import add_train_parser
+
+    add_train_parser(sub)
+
     b = sub.add_parser("bench", help="GPU/TPU benchmarks (random weights of real model shapes)",
                        description="Benchmarks on random weights of real model shapes; each writes a JSON file "
                                    "naming the device, jax version, date and commit.")
