@@ -1,0 +1,57 @@
+"""One entry point, `topk_select`, dispatching over implementations.
+
+  implementation=None   pick by `jax.default_backend()`: gpu -> "pallas_gpu", tpu -> "pallas_tpu", anything
+                        else -> "top_k" (on a CPU, XLA's sort-based top-k is the fastest exact choice).
+  "pallas_gpu"          `gpu.py`: Pallas Triton radix threshold search + ascending compaction.
+  "pallas_tpu"          `tpu.py`: Pallas TPU counting passes + XLA compaction (N < 2**24).
+  "xla"                 `xla.py`: the same radix search in plain XLA (any backend).
+  "top_k"               `reference.py`: `lax.top_k` and a sort; the specification.
+
+Every implementation returns exactly the same indices (`reference.py` states the semantics).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.topk_select import reference, xla
+
+Array = jax.Array
+
+IMPLEMENTATIONS = ("pallas_gpu", "pallas_tpu", "xla", "top_k")
+
+
+def _pick(implementation: str | None) -> str:
+    if implementation is None:
+        return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "top_k")
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r}: expected one of {IMPLEMENTATIONS} or None")
+    return implementation
+
+
+def topk_select(scores: Array, k, K: int, *, implementation: str | None = None, config=None) -> Array:
+    """Exact top-k positions per row, in the index contract.
+
+    Args:
+      scores: f32[..., N] (positions that may not be chosen hold -inf).
+      k: int or int array broadcastable to scores.shape[:-1]: positions to keep per row (clipped to
+        [0, min(K, N)]).
+      K: static output width.
+      implementation: see the module docstring.
+      config: tuning of the picked implementation (`gpu.SelectConfig`, `tpu.TpuSelectConfig`, or for "xla"
+        the int bits_per_pass); None: the default.
+
+    Returns:
+      int32[..., min(K, N)]: the kept positions ascending (largest scores first by `lax.top_k`'s order, ties to
+      the lower position; picks whose score is -inf or NaN dropped), then -1 padding.
+    """
+    impl = _pick(implementation)
+    if impl == "top_k":
+        return reference.topk_select_reference(scores, k, K)
+    if impl == "xla":
+        return xla.topk_select_xla(scores, k, K, **({} if config is None else {"bits_per_pass": config}))
+    if impl == "pallas_gpu":
+        from pallas_kernels.topk_select import gpu
+        return gpu.topk_select_gpu(scores, k, K, **({} if config is None else {"config": config}))
+    from pallas_kernels.topk_select import tpu
+    return tpu.topk_select_tpu(scores, k, K, **({} if config is None else {"config": config}))

@@ -1,0 +1,221 @@
+"""Pallas GPU (Triton) kernels of exact top-k selection: radix threshold search, then an ascending compaction.
+
+Three kernels, each on a grid (R, S): one program per row and split of the row (S splits of whole chunks of
+`block_n` scores, so that R * S is about `target_programs` and every SM has work even with a few rows):
+  * `_count_kernel` (32 / bits_per_pass launches): for the 2**bits candidate keys of its row, how many of its
+    scores have a key >= each; the split counts are summed and the next candidates chosen in XLA
+    (`common.radix_threshold`). Rows already resolved skip the reading.
+  * `_final_count_kernel` (one launch): per split, the keys the bulk rule takes (>= a), those of them that
+    are output (> -inf) and the ties (== t); `common.split_plan` turns them into per-split output offsets and
+    tie quotas.
+  * `_compact_kernel` (one launch): each split walks its chunks in order, ranks its picks with a running
+    count + in-block cumulative sum and scatters their positions to the output row (masked stores), so the
+    row comes out ascending without any sort.
+A row of 128K f32 scores is 512 KiB; all passes over the B * Hkv rows of a decode step (32 MiB at B = 8,
+Hkv = 8) are served mostly from L2.
+
+Semantics: exactly `reference.topk_select_reference` (including ties, -0.0, -inf and NaN scores).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.topk_select.common import (INT_MIN, check_args, check_bits, float_keys, pad_output,
+                                               radix_threshold, row_counts, selection_rule, split_plan, splits_for)
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectConfig:
+    """Tuning of the GPU selection kernels.
+
+    Attributes:
+      bits_per_pass: radix bits resolved per counting pass (1, 2, 4 or 8): 32 / bits passes of 2**bits
+        candidates each.
+      block_n: scores per inner iteration of the counting kernels (a power of two); None: 8192 / 2**bits
+        clipped to [64, 2048] (keeps the [2**bits, block_n] counters in registers).
+      compact_block_n: scores per inner iteration of the compaction (a power of two).
+      target_programs: about how many programs each launch should have (rows x splits).
+      num_warps: warps per program.
+    """
+
+    bits_per_pass: int = 4
+    block_n: int | None = None
+    compact_block_n: int = 1024
+    target_programs: int = 1024
+    num_warps: int = 4
+
+    def count_block(self) -> int:
+        if self.block_n is not None:
+            return self.block_n
+        return max(64, min(2048, 8192 >> self.bits_per_pass))
+
+
+def _pow2(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+def _check_config(config: SelectConfig) -> None:
+    check_bits(config.bits_per_pass)
+    for name in ("compact_block_n", "target_programs", "num_warps"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"SelectConfig.{name}={getattr(config, name)}: expected >= 1")
+    for name, val in (("block_n", config.count_block()), ("compact_block_n", config.compact_block_n)):
+        if not _pow2(val):
+            raise ValueError(f"SelectConfig.{name}={val}: expected a power of two")
+
+
+def _chunk(x_ref, c, block_n: int, n: int):
+    """Scores of chunk c: (pos i32[block_n], ok bool[block_n] pos < n, x f32[block_n] (0 where not ok))."""
+    start = c * block_n
+    pos = start + jnp.arange(block_n, dtype=jnp.int32)
+    ok = pos < n
+    x = plgpu.load(x_ref.at[pl.ds(start, block_n)], mask=ok, other=0.0)
+    return pos, ok, x
+
+
+def _split_chunks(n: int, block_n: int, per_split: int):
+    """(first chunk, chunk count) of this program's split."""
+    first = pl.program_id(1) * per_split
+    return first, jnp.clip(pl.cdiv(n, block_n) - first, 0, per_split)
+
+
+def _count_kernel(act_ref, cand_ref, x_ref, o_ref, *, n: int, block_n: int, per_split: int):
+    """One (row, split) program: o[j] = #(key >= cand[j]) over the split (j >= 1; column 0 may count
+    padding). Refs: act i32[1] (0: row resolved, skip); cand i32[M]; x f32[N] the row; o i32[M]."""
+    cand = cand_ref[...]
+    first, count = _split_chunks(n, block_n, per_split)
+    count = jnp.where(act_ref[0] > 0, count, 0)
+
+    def body(i, acc):
+        _, ok, x = _chunk(x_ref, first + i, block_n, n)
+        key = jnp.where(ok, float_keys(x), INT_MIN)  # padding: the smallest key, below every c_j (j >= 1)
+        return acc + (key[None, :] >= cand[:, None]).astype(jnp.int32)
+
+    acc = lax.fori_loop(0, count, body, jnp.zeros((cand.shape[0], block_n), jnp.int32))
+    o_ref[...] = jnp.sum(acc, axis=1)
+
+
+def _final_count_kernel(p_ref, x_ref, o_ref, *, n: int, block_n: int, per_split: int):
+    """One (row, split) program. Refs: p i32[4] = (a, t, bulk_on, -); x f32[N]; o i32[4] =
+    (#key >= a, #(key >= a and x > -inf), #key == t, 0) over the split (bulk counts 0 when bulk_on is 0)."""
+    a, t, on = p_ref[0], p_ref[1], p_ref[2]
+    first, count = _split_chunks(n, block_n, per_split)
+
+    def body(i, acc):
+        _, ok, x = _chunk(x_ref, first + i, block_n, n)
+        key = float_keys(x)
+        bulk = (key >= a) & ok & (on > 0)
+        ge, out, tie = acc
+        return (ge + bulk.astype(jnp.int32), out + (bulk & (x > -jnp.inf)).astype(jnp.int32),
+                tie + ((key == t) & ok).astype(jnp.int32))
+
+    zero = jnp.zeros((block_n,), jnp.int32)
+    ge, out, tie = lax.fori_loop(0, count, body, (zero, zero, zero))
+    lane = jnp.arange(4, dtype=jnp.int32)
+    o_ref[...] = jnp.where(lane == 0, jnp.sum(ge), jnp.where(lane == 1, jnp.sum(out),
+                                                             jnp.where(lane == 2, jnp.sum(tie), 0)))
+
+
+def _compact_kernel(p_ref, x_ref, o_ref, *, n: int, block_n: int, per_split: int, width: int):
+    """One (row, split) program: writes the split's chosen positions to their output slots.
+
+    Refs: p i32[8] = (a, t, bulk_on, quota: ties this split takes, base: its first output slot, -, -, -);
+    x f32[N]; o i32[width] the row's output (only the chosen slots are written).
+    """
+    a, t, on, quota, base = p_ref[0], p_ref[1], p_ref[2], p_ref[3], p_ref[4]
+    first, count = _split_chunks(n, block_n, per_split)
+
+    def body(i, carry):
+        run, tie_run = carry
+        pos, ok, x = _chunk(x_ref, first + i, block_n, n)
+        key = float_keys(x)
+        fin = x > -jnp.inf
+        tie = (key == t) & ok
+        tie_i = tie.astype(jnp.int32)
+        take = tie & (tie_run + jnp.cumsum(tie_i) - tie_i < quota)
+        sel = (((key >= a) & (on > 0)) | take) & ok & fin
+        sel_i = sel.astype(jnp.int32)
+        dst = base + run + jnp.cumsum(sel_i) - sel_i
+        sel = sel & (dst < width)
+        plgpu.store(o_ref.at[jnp.where(sel, dst, width)], pos, mask=sel)
+        return run + jnp.sum(sel_i), tie_run + jnp.sum(tie_i)
+
+    lax.fori_loop(0, count, body, (jnp.int32(0), jnp.int32(0)))
+
+
+@functools.partial(jax.jit, static_argnames=("K", "config", "interpret"))
+def topk_select_gpu(scores: Array, k, K: int, *, config: SelectConfig = SelectConfig(),
+                    interpret: bool = False) -> Array:
+    """Exact top-k positions per row, Pallas Triton kernels (semantics of `reference.topk_select_reference`).
+
+    Args:
+      scores: f32[..., N]; k: int or int array broadcastable to scores.shape[:-1]; K: static width.
+      config: `SelectConfig`.
+      interpret: run the kernels in the Pallas interpreter (CPU tests).
+
+    Returns:
+      int32[..., min(K, N)]: chosen positions ascending, then -1.
+    """
+    lead, N, Kp = check_args(scores, k, K)
+    _check_config(config)
+    x = scores.reshape(-1, N)
+    R = x.shape[0]
+    kk = row_counts(k, lead, Kp)
+    bits = config.bits_per_pass
+    M = 1 << bits
+    params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=2)
+    row_spec = pl.BlockSpec((None, N), lambda r, s: (r, 0))
+
+    bn = config.count_block()
+    S, per = splits_for(R, pl.cdiv(N, bn), config.target_programs)
+    count_call = pl.pallas_call(
+        functools.partial(_count_kernel, n=N, block_n=bn, per_split=per),
+        grid=(R, S),
+        in_specs=[pl.BlockSpec((None, 1), lambda r, s: (r, 0)),  # row still active
+                  pl.BlockSpec((None, M), lambda r, s: (r, 0)),  # candidate keys
+                  row_spec],
+        out_specs=pl.BlockSpec((None, None, M), lambda r, s: (s, r, 0)),
+        out_shape=jax.ShapeDtypeStruct((S, R, M), jnp.int32),
+        compiler_params=params, interpret=interpret, name="topk_select_count")
+
+    def count_fn(cand, active):
+        return jnp.sum(count_call(active.astype(jnp.int32)[:, None], cand, x), axis=0)
+
+    lo, done = radix_threshold(count_fn, kk, N, bits)
+    a, t, on = selection_rule(lo, done, kk)
+
+    # Per-split counts with the compaction's chunking (its splits must see the same positions).
+    cb = config.compact_block_n
+    Sc, per_c = splits_for(R, pl.cdiv(N, cb), config.target_programs)
+    fin = pl.pallas_call(
+        functools.partial(_final_count_kernel, n=N, block_n=cb, per_split=per_c),
+        grid=(R, Sc),
+        in_specs=[pl.BlockSpec((None, 4), lambda r, s: (r, 0)), row_spec],
+        out_specs=pl.BlockSpec((None, None, 4), lambda r, s: (s, r, 0)),
+        out_shape=jax.ShapeDtypeStruct((Sc, R, 4), jnp.int32),
+        compiler_params=params, interpret=interpret, name="topk_select_final_count",
+    )(jnp.stack([a, t, on, jnp.zeros_like(a)], axis=1), x).transpose(1, 0, 2)  # [R, Sc, 4]
+    quota, base, total = split_plan(kk, done, t, fin[..., 0], fin[..., 1], fin[..., 2])
+
+    zeros = jnp.zeros_like(quota)
+    p = jnp.stack([jnp.broadcast_to(a[:, None], quota.shape), jnp.broadcast_to(t[:, None], quota.shape),
+                   jnp.broadcast_to(on[:, None], quota.shape), quota, base, zeros, zeros, zeros], axis=2)
+    out = pl.pallas_call(
+        functools.partial(_compact_kernel, n=N, block_n=cb, per_split=per_c, width=Kp),
+        grid=(R, Sc),
+        in_specs=[pl.BlockSpec((None, None, 8), lambda r, s: (r, s, 0)), row_spec],
+        out_specs=pl.BlockSpec((None, Kp), lambda r, s: (r, 0)),
+        out_shape=jax.ShapeDtypeStruct((R, Kp), jnp.int32),
+        compiler_params=params, interpret=interpret, name="topk_select_compact",
+    )(p, x)
+    return pad_output(out, total).reshape(*lead, Kp)

@@ -1,0 +1,172 @@
+"""Exact top-k selection: the reference against jsparse's topk_indices, the radix implementations (XLA, Pallas
+GPU and TPU in interpret mode) against the reference, and the CUDA / TPU lowerings."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
+
+from jsparse.selection import topk_indices
+from pallas_kernels.topk_select import gpu, tpu, topk_select, topk_select_reference
+from pallas_kernels.topk_select.common import float_keys
+from pallas_kernels.topk_select.xla import topk_select_xla
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+
+
+def tricky_scores(rng, shape, special: bool = True) -> np.ndarray:
+    """Scores with many exact ties, -inf, +inf, +-0.0 and (with `special`) NaN."""
+    x = rng.integers(-6, 6, shape).astype(np.float32) / 4  # ties galore
+    cont = rng.random(shape[:-1]) < 0.5
+    x[cont] = rng.standard_normal(x[cont].shape).astype(np.float32)
+    m = rng.random(shape)
+    x[m < 0.15] = -np.inf
+    x[(m >= 0.15) & (m < 0.18)] = 0.0
+    x[(m >= 0.18) & (m < 0.21)] = -0.0
+    x[(m >= 0.21) & (m < 0.22)] = np.inf
+    if special:
+        x[(m >= 0.22) & (m < 0.23)] = np.nan
+    return x
+
+
+def row_k(rng, rows, K):
+    k = rng.integers(-1, K + 3, rows).astype(np.int32)  # below 0 and above K included
+    k.reshape(-1)[:2] = [K, 0]
+    return k
+
+
+def test_float_keys_order_like_total_order():
+    vals = np.array([-np.nan, -np.inf, -3.5, -1e-45, -0.0, 0.0, 1e-45, 2.0, np.inf, np.nan], np.float32)
+    vals[0] = -np.abs(vals[0])  # a NaN with the sign bit set
+    keys = np.asarray(float_keys(jnp.asarray(vals)))
+    assert np.all(np.diff(keys.astype(np.int64)) > 0), keys
+
+
+@pytest.mark.parametrize("shape,K", [((3, 2, 50), 12), ((4, 1), 1), ((2, 3, 4, 33), 40)])
+def test_reference_equals_topk_indices(shape, K):
+    # Broadcast k over a middle axis, as Kascade's decode selection does ([B, 1, T] against [B, Hkv, T]).
+    rng = np.random.default_rng(sum(shape) + K)
+    x = tricky_scores(rng, shape, special=False)  # topk_indices documents -inf, not NaN
+    k_shape = (shape[0], 1) + shape[2:-1] if len(shape) > 2 else shape[:-1]
+    k = rng.integers(0, K + 2, k_shape).astype(np.int32)
+    want = topk_indices(jnp.asarray(x), jnp.asarray(k), K)
+    got = topk_select_reference(jnp.asarray(x), jnp.asarray(k), K)
+    assert got.shape == shape[:-1] + (min(K, shape[-1]),)
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_reference_semantics_by_hand():
+    x = jnp.array([[1.0, 3.0, 3.0, -jnp.inf, 3.0, 0.5], [-jnp.inf] * 6, [-0.0, 0.0, 2.0, 1.0, 1.0, -0.0]])
+    got = np.asarray(topk_select_reference(x, jnp.array([2, 3, 4]), 4))
+    # Row 0: three 3.0's tie, the lower positions win. Row 1: nothing > -inf. Row 2: +0.0 (position 1)
+    # ranks above -0.0 (position 0), as in lax.top_k.
+    np.testing.assert_array_equal(got, [[1, 2, -1, -1], [-1, -1, -1, -1], [1, 2, 3, 4]])
+    for impl in ("xla", "pallas_gpu_interpret"):
+        fn = (functools.partial(topk_select_xla, K=4) if impl == "xla" else
+              functools.partial(gpu.topk_select_gpu, K=4, interpret=True))
+        np.testing.assert_array_equal(np.asarray(fn(x, jnp.array([2, 3, 4]))), got)
+
+
+@pytest.mark.parametrize("bits,K", [(1, 30), (2, 30), (4, 120), (8, 1)])  # K = 120 > N: width N
+def test_xla_radix_matches_reference(bits, K):
+    rng = np.random.default_rng(bits)
+    fn = jax.jit(functools.partial(topk_select_xla, K=K, bits_per_pass=bits))
+    for special in (True, False):
+        x = tricky_scores(rng, (6, 97), special=special)
+        k = row_k(rng, 6, K)
+        want = topk_select_reference(jnp.asarray(x), jnp.asarray(k), K)
+        assert np.array_equal(np.asarray(fn(jnp.asarray(x), jnp.asarray(k))), np.asarray(want)), (bits, K)
+
+
+GPU_CONFIGS = [
+    # Splits of 64-score chunks (3 programs per row), compaction in 32-score chunks with its own splits.
+    gpu.SelectConfig(bits_per_pass=4, block_n=64, compact_block_n=32, target_programs=12),
+    # One program per row, 8-bit passes (4 passes of 256 candidates), 128-score compaction chunks.
+    gpu.SelectConfig(bits_per_pass=8, block_n=64, compact_block_n=128, target_programs=1),
+]
+
+
+@pytest.mark.parametrize("config", GPU_CONFIGS)
+def test_gpu_interpret_matches_reference(config):
+    rng = np.random.default_rng(7)
+    R, N, K = 5, 300, 40  # N is not a multiple of any chunk: tails are masked
+    fn = jax.jit(lambda x, k: gpu.topk_select_gpu(x, k, K, config=config, interpret=True))
+    for trial in range(3):
+        x = tricky_scores(rng, (R, N), special=trial != 1)
+        if trial == 2:
+            x[3] = -np.inf  # a row with nothing to choose
+            x[4] = 1.0  # a row of N ties
+        k = row_k(rng, R, K)
+        want = topk_select_reference(jnp.asarray(x), jnp.asarray(k), K)
+        got = fn(jnp.asarray(x), jnp.asarray(k))
+        assert np.array_equal(np.asarray(got), np.asarray(want)), trial
+    kk = int(np.clip(k[4], 0, K))  # the row of ties takes its first kk positions
+    np.testing.assert_array_equal(np.asarray(got)[4], np.where(np.arange(K) < kk, np.arange(K), -1))
+
+
+def test_tpu_interpret_matches_reference():
+    rng = np.random.default_rng(8)
+    R, N, K = 11, 300, 40  # 11 rows: a partial block of 8; N: a partial chunk of 128
+    x = tricky_scores(rng, (R, N))
+    k = row_k(rng, R, K)
+    want = topk_select_reference(jnp.asarray(x), jnp.asarray(k), K)
+    got = tpu.topk_select_tpu(jnp.asarray(x), jnp.asarray(k), K, config=tpu.TpuSelectConfig(chunk=128),
+                              interpret=True)
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_api_dispatch_and_errors():
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(tricky_scores(rng, (2, 3, 20)))
+    want = topk_select_reference(x, 5, 8)
+    for impl in (None, "top_k", "xla"):
+        assert np.array_equal(np.asarray(topk_select(x, 5, 8, implementation=impl)), np.asarray(want)), impl
+    assert np.array_equal(np.asarray(topk_select(x, 5, 8, implementation="xla", config=2)), np.asarray(want))
+    with pytest.raises(ValueError, match="implementation='cuda'"):
+        topk_select(x, 5, 8, implementation="cuda")
+    with pytest.raises(ValueError, match="K=0"):
+        topk_select(x, 5, 0)
+    with pytest.raises(ValueError, match="float32"):
+        topk_select(x.astype(jnp.bfloat16), 5, 8)
+    with pytest.raises(ValueError, match="k has shape \\(4,\\)"):
+        topk_select(x, jnp.zeros((4,), jnp.int32), 8)
+    with pytest.raises(ValueError, match="k has dtype float32"):
+        topk_select(x, jnp.zeros((2, 3), jnp.float32), 8)
+    with pytest.raises(ValueError, match="bits_per_pass=3"):
+        topk_select(x, 5, 8, implementation="xla", config=3)
+    with pytest.raises(ValueError, match="block_n=48"):
+        gpu.topk_select_gpu(x, 5, 8, config=gpu.SelectConfig(block_n=48), interpret=True)
+    with pytest.raises(ValueError, match="chunk=100"):
+        tpu.topk_select_tpu(x, 5, 8, config=tpu.TpuSelectConfig(chunk=100), interpret=True)
+
+
+def _abstract(kind: str, cores: int, platform: str):
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+    device = AbstractDevice(device_kind=kind, num_cores=cores, platform=platform)
+    return use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device))
+
+
+def test_gpu_kernels_lower_for_cuda():
+    # Triton lowering (to the TTIR carried by the custom call) runs without a GPU; PTX compilation does not.
+    sds = jax.ShapeDtypeStruct
+    check = jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)
+    f = functools.partial(gpu.topk_select_gpu, K=1000)
+    with _abstract("NVIDIA H100 80GB HBM3", 132, "gpu"):
+        exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(
+            sds((64, 10000), jnp.float32), sds((64,), jnp.int32))
+    text = exp.mlir_module()
+    assert text.count("topk_select_count") >= 8 and "topk_select_compact" in text
+
+
+def test_tpu_kernel_lowers_for_tpu():
+    sds = jax.ShapeDtypeStruct
+    with _abstract("TPU v5 lite", 1, "tpu"):
+        exp = jax.export.export(jax.jit(functools.partial(tpu.topk_select_tpu, K=1000)), platforms=["tpu"])(
+            sds((64, 10000), jnp.float32), sds((64,), jnp.int32))
+    assert exp.mlir_module().count("tpu_custom_call") == 8  # one counting kernel per 4-bit pass
