@@ -88,7 +88,7 @@ class TokenBudget:
 
     def decode(self, ctx, q, cache, state):
         return jax.lax.cond(ctx.layer < self.dense_layers,
-                            lambda: (dense_decode(q, cache.k, cache.v, ctx.lengths), state),
+                            lambda: (attend_dense(q, cache, ctx.lengths), state),
                             lambda: self.sparse_decode(ctx, q, cache, state))
 
     def k_static(self, n: int) -> int:

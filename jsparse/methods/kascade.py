@@ -24,7 +24,7 @@ from flax import struct
 from jsparse import selection as sel
 from jsparse.artifacts import load_artifact
 from jsparse.methods.base import register
-from jsparse.methods.common import TokenBudget, attend_selected, dense_decode, dense_prefill, kwargs_for, sparse_prefill
+from jsparse.methods.common import TokenBudget, attend_dense, attend_selected, dense_prefill, kwargs_for, sparse_prefill
 from jsparse.methods.oracle import select_decode, select_prefill
 
 ARTIFACT_KIND = "kascade"
@@ -126,7 +126,7 @@ class Kascade(TokenBudget):
         def anchor(dense: bool):
             def fn():
                 idx = select_decode(q, cache.k, pos, self.budget, self.min_tokens, K, self.tile)
-                out = dense_decode(q, cache.k, cache.v, ctx.lengths) if dense else attend_selected(
+                out = attend_dense(q, cache, ctx.lengths) if dense else attend_selected(
                     q, cache, idx, ctx.lengths)
                 return out, idx
             return fn
