@@ -1,0 +1,65 @@
+"""One entry point, `anchor_decode`, dispatching over implementations.
+
+  implementation=None   pick by `jax.default_backend()`: gpu -> "pallas_gpu" (bf16/f16/f32, D a power of two
+                        >= 16, else "xla"), tpu -> "pallas_tpu", anything else -> "xla".
+  "pallas_gpu"          `gpu.py`: Triton scoring pass + Triton top-k + Triton gathered attention.
+  "pallas_tpu"          `tpu.py`: Pallas TPU scoring pass + TPU top-k counting + sparse_decode.
+  "xla"                 `xla.py`: einsum scores, then the selection and attention entry points.
+  "reference"           `reference.py`: the specification (dense softmax, lax.top_k, reference attention).
+"""
+
+from __future__ import annotations
+
+import jax
+
+Array = jax.Array
+
+IMPLEMENTATIONS = ("pallas_gpu", "pallas_tpu", "xla", "reference")
+
+
+def _pick(implementation: str | None, q: Array) -> str:
+    if implementation is None:
+        backend = jax.default_backend()
+        if backend == "gpu":
+            from pallas_kernels.anchor_attention import gpu
+            return "xla" if gpu.unsupported_reason(q.dtype, q.shape[-1]) else "pallas_gpu"
+        return "pallas_tpu" if backend == "tpu" else "xla"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r}: expected one of {IMPLEMENTATIONS} or None")
+    return implementation
+
+
+def anchor_decode(q: Array, k: Array, v: Array, lengths: Array, *, budget: float, min_tokens: int = 128,
+                  K: int | None = None, scale: float | None = None, dense_output: bool = False,
+                  implementation: str | None = None) -> tuple[Array, Array]:
+    """Kascade anchor decode layer: exact pooled post-softmax scores of every visible key, top-k selection,
+    attention over the selected keys (or dense attention for a dense anchor).
+
+    Args:
+      q: [B, T, Hq, D] queries of the T newest tokens (positions lengths - T + t).
+      k, v: [B, Hkv, N, D] head-major cache (new tokens written).
+      lengths: int32[B] valid tokens per row.
+      budget: kept fraction in (0, 1]: kk = min(max(ceil(budget * (pos + 1)), min_tokens), pos + 1) keys per
+        (row, KV head, token).
+      min_tokens: the floor of that rule.
+      K: static index width (None: the rule at N).
+      scale: softmax scale (None: 1/sqrt(D)).
+      dense_output: attend to every visible key (Kascade's layer 0, dense and an anchor).
+      implementation: see the module docstring.
+
+    Returns:
+      (out: [B, T, Hq, D] in q.dtype, indices: int32[B, Hkv, T, K] ascending, -1 padded).
+    """
+    impl = _pick(implementation, q)
+    kw = dict(budget=budget, min_tokens=min_tokens, K=K, scale=scale, dense_output=dense_output)
+    if impl == "reference":
+        from pallas_kernels.anchor_attention.reference import anchor_decode_reference
+        return anchor_decode_reference(q, k, v, lengths, **kw)
+    if impl == "xla":
+        from pallas_kernels.anchor_attention.xla import anchor_decode_xla
+        return anchor_decode_xla(q, k, v, lengths, **kw)
+    if impl == "pallas_gpu":
+        from pallas_kernels.anchor_attention.gpu import anchor_decode_gpu
+        return anchor_decode_gpu(q, k, v, lengths, **kw)
+    from pallas_kernels.anchor_attention.tpu import anchor_decode_tpu
+    return anchor_decode_tpu(q, k, v, lengths, **kw)

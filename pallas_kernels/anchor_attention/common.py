@@ -1,0 +1,104 @@
+"""Argument checks, Kascade's budget rule and the steps every anchor implementation shares.
+
+An anchor decode layer, for the T newest tokens of each row (query t at position pos = lengths - T + t):
+  1. logits of every visible key (n <= pos) for each query head, and each query head's logsumexp;
+  2. pooled scores: the post-softmax weights summed over the GQA group, -inf for keys not visible
+     (f32[B, Hkv, T, N]);
+  3. selection: the top kk = min(max(ceil(budget * (pos + 1)), min_tokens), pos + 1) keys per (row, KV head,
+     token), ascending, -1 padded to a static width K (`topk_select`);
+  4. attention over the selected keys (`sparse_decode`), or dense attention over all visible keys when the
+     anchor is also a dense layer (Kascade's layer 0).
+Step 1 is the kernel (it reads every key once, and every value only for a dense anchor); 2-4 are shared.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def default_scale(head_dim: int, scale: float | None) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    scale = float(scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale={scale}: expected a finite positive number (or None for 1/sqrt(D))")
+    return scale
+
+
+def budget_count(budget: float, n, min_tokens: int):
+    """Kascade's rule k = min(max(ceil(budget * n), min_tokens), n), on a Python int or an int array."""
+    if isinstance(n, int):
+        return min(max(math.ceil(budget * n), min_tokens), n)
+    k = jnp.ceil(budget * n.astype(jnp.float32)).astype(jnp.int32)
+    return jnp.minimum(jnp.maximum(k, min_tokens), n)
+
+
+def check_args(q: Array, k: Array, v: Array, lengths: Array, budget: float, min_tokens: int,
+               K: int | None) -> int:
+    """Validates an `anchor_decode` call; returns the static index width K."""
+    if q.ndim != 4:
+        raise ValueError(f"q has shape {tuple(q.shape)}: expected [B, T, Hq, D]")
+    B, T, Hq, D = q.shape
+    if k.ndim != 4 or k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k has shape {tuple(k.shape)}: expected a head-major cache [B={B}, Hkv, N, D={D}]")
+    if v.shape != k.shape:
+        raise ValueError(f"v has shape {tuple(v.shape)}: expected the shape of k, {tuple(k.shape)}")
+    Hkv, N = k.shape[1], k.shape[2]
+    if Hq % Hkv:
+        raise ValueError(f"Hq={Hq} query heads is not a multiple of Hkv={Hkv} KV heads (GQA needs Hq % Hkv == 0)")
+    if T < 1 or T > N:
+        raise ValueError(f"T={T} new tokens: expected 1 <= T <= N={N}")
+    if tuple(lengths.shape) != (B,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(f"lengths has shape {tuple(lengths.shape)} and dtype {lengths.dtype}: expected int32[{B}]")
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0.0 < float(budget) <= 1.0:
+        raise ValueError(f"budget={budget!r}: expected a fraction of the context in (0, 1]")
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
+        raise ValueError(f"min_tokens={min_tokens!r}: expected an int >= 0")
+    if K is None:
+        return budget_count(float(budget), N, min_tokens)
+    if isinstance(K, bool) or not isinstance(K, int) or not 1 <= K <= N:
+        raise ValueError(f"K={K!r}: expected an int in [1, N={N}] (the index width)")
+    return K
+
+
+def positions(lengths: Array, T: int) -> Array:
+    """i32[B, T]: position of each of the T newest tokens."""
+    return lengths.astype(jnp.int32)[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None]
+
+
+def combine_lse(m: Array, l: Array) -> Array:
+    """Logsumexp from split partials m, l: f32[S, ...] (running max and sum of exp(s - m)); -inf if empty."""
+    m_all = jnp.max(m, axis=0)
+    l_all = jnp.sum(jnp.exp(m - m_all[None]) * l, axis=0)
+    return jnp.where(l_all > 0, m_all + jnp.log(jnp.where(l_all > 0, l_all, 1.0)), -jnp.inf)
+
+
+def pool_scores(logits: Array, lse: Array, pos: Array) -> Array:
+    """Post-softmax weights summed over the GQA group.
+
+    Args:
+      logits: f32[B, Hkv, T, G, N] scaled q.k (anything where not visible).
+      lse: f32[B, Hkv, T, G] logsumexp over the visible keys.
+      pos: i32[B, T] last visible key of each query.
+
+    Returns:
+      f32[B, Hkv, T, N]: sum_g exp(logits - lse) over visible keys, -inf elsewhere.
+    """
+    N = logits.shape[-1]
+    visible = jnp.arange(N, dtype=jnp.int32)[None, None, :] <= pos[:, :, None]  # [B, T, N]
+    visible = visible[:, None, :, None, :]
+    p = jnp.where(visible, jnp.exp(logits - lse[..., None]), 0.0)
+    return jnp.where(visible[:, :, :, 0], jnp.sum(p, axis=3), -jnp.inf)
+
+
+def select(scores: Array, pos: Array, budget: float, min_tokens: int, K: int, implementation: str | None) -> Array:
+    """int32[B, Hkv, T, K]: the top kk(pos + 1) keys of scores f32[B, Hkv, T, N] (index contract)."""
+    from pallas_kernels.topk_select import topk_select
+
+    kk = budget_count(float(budget), pos + 1, min_tokens)[:, None, :]  # [B, 1, T]
+    return topk_select(scores, kk, K, implementation=implementation)

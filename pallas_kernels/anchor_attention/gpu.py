@@ -1,0 +1,231 @@
+"""Pallas GPU (Triton) kernel of the anchor decode layer's scoring pass, and the GPU anchor layer.
+
+Bytes first (B = 8, Hkv = 8, N = 128K, D = 128, bf16, 10% budget): the dense decode reads K and V in full
+(4 GiB). An anchor must see every key's post-softmax weight, so it reads K in full once (2 GiB), but V only
+for the ~10% selected keys (0.2 GiB through `sparse_decode`); the scores it writes and re-reads are small
+beside that (f32 logits, G rows per KV head: 128 MiB; pooled scores: 32 MiB). Its floor is thus a bit over
+half of the dense decode's.
+
+`_logits_kernel`, grid (B, Hkv, T, S): one program per row, KV head, new token and split of the keys (S
+splits so the grid fills the GPU). It holds the GQA group's queries as one [Gp, D] tile (G padded to 16 rows
+for the tensor-core dot), streams its split's keys `block_n` rows at a time, writes the G real rows of the
+scaled logits to f32[B, Hkv, T, G, N], and keeps an online (max, sum of exp) per query head; with
+`dense_output` it also reads V and accumulates the dense attention (flash decoding). Splits past the query's
+position read nothing. The splits' partials are merged in XLA (logsumexp per query head); pooling, selection
+(`topk_select`, Triton) and the gathered attention (`sparse_decode`, Triton) follow (common.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.anchor_attention.common import (check_args, combine_lse, default_scale, pool_scores, positions,
+                                                    select)
+
+Array = jax.Array
+
+_MASK = -1e30
+_MIN_ROWS = 16  # Triton's tensor-core dot needs M >= 16
+
+
+@dataclasses.dataclass(frozen=True)
+class AnchorConfig:
+    """Tuning of the scoring kernel.
+
+    Attributes:
+      block_n: keys per inner iteration (a power of two >= 16).
+      target_programs: grid size the split heuristic aims for.
+      num_warps: warps per program.
+      num_stages: software pipelining depth.
+    """
+
+    block_n: int = 128
+    target_programs: int = 1024
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _pow2(n: int) -> bool:
+    return n >= 1 and (n & (n - 1)) == 0
+
+
+def unsupported_reason(dtype, head_dim: int) -> str | None:
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+        return f"dtype {jnp.dtype(dtype)} (expected bfloat16, float16 or float32)"
+    if not _pow2(head_dim) or head_dim < 16:
+        return f"head_dim D={head_dim} (Triton needs a power of two >= 16)"
+    return None
+
+
+def _logits_kernel(lim_ref, q_ref, k_ref, *refs, scale: float, block_n: int, per_split: int, n: int, G: int,
+                   dense: bool):
+    """One (b, h, t, split) program.
+
+    Refs: lim i32[1] last visible key (the query's position; < 0: none); q [Gp, D]; k [N, D] (and v [N, D]
+    with dense); outputs logits f32[G, N] (only this split's visible chunks are written), m, l f32[Gp] (and
+    o f32[Gp, D] with dense).
+    """
+    if dense:
+        v_ref, lg_ref, m_ref, l_ref, o_ref = refs
+    else:
+        lg_ref, m_ref, l_ref = refs
+    lim = lim_ref[0]
+    q = q_ref[...]
+    gp, d = q.shape
+    first = pl.program_id(3) * per_split
+    count = jnp.clip(pl.cdiv(jnp.minimum(lim + 1, n), block_n) - first, 0, per_split)
+    rows = jnp.arange(gp, dtype=jnp.int32)
+    row_ok = rows < G
+    exact = n % block_n == 0
+
+    def body(i, carry):
+        start = (first + i) * block_n
+        kpos = start + jnp.arange(block_n, dtype=jnp.int32)
+        cols = pl.ds(start, block_n)
+        if exact:
+            k = k_ref[cols, :]
+        else:
+            k = plgpu.load(k_ref.at[cols, :], mask=(kpos < n)[:, None], other=0.0)
+        s = plgpu.dot(q, k, trans_b=True) * scale  # [Gp, block_n] f32
+        ok = kpos <= lim
+        s = jnp.where(ok[None, :], s, _MASK)
+        # Array indices on both axes (rows >= G and keys >= N are masked; never written).
+        plgpu.store(lg_ref.at[rows[:, None], kpos[None, :]], s, mask=row_ok[:, None] & (kpos < n)[None, :])
+        m, l = carry[0], carry[1]
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        corr = jnp.exp(m - m_new)
+        p = jnp.where(ok[None, :], jnp.exp(s - m_new[:, None]), 0.0)
+        l = corr * l + jnp.sum(p, axis=1)
+        if not dense:
+            return m_new, l
+        if exact:
+            v = v_ref[cols, :]
+        else:
+            v = plgpu.load(v_ref.at[cols, :], mask=(kpos < n)[:, None], other=0.0)
+        o = corr[:, None] * carry[2] + plgpu.dot(p.astype(v.dtype), v)
+        return m_new, l, o
+
+    init = (jnp.full((gp,), _MASK, jnp.float32), jnp.zeros((gp,), jnp.float32))
+    if dense:
+        init = init + (jnp.zeros((gp, d), jnp.float32),)
+    out = lax.fori_loop(0, count, body, init)
+    m_ref[...] = out[0]
+    l_ref[...] = out[1]
+    if dense:
+        o_ref[...] = out[2]
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "dense_output", "config", "interpret"))
+def decode_scores_gpu(q: Array, k: Array, v: Array, lengths: Array, *, scale: float | None = None,
+                      dense_output: bool = False, config: AnchorConfig = AnchorConfig(),
+                      interpret: bool = False) -> tuple[Array, Array | None]:
+    """Pooled post-softmax scores of every key (and the dense attention with `dense_output`), one pass over K.
+
+    Args:
+      q: [B, T, Hq, D]; k, v: [B, Hkv, N, D] head-major cache; lengths: int32[B].
+      scale: softmax scale (None: 1/sqrt(D)).
+      dense_output: also attend densely (reads V in full).
+      config: `AnchorConfig`.
+      interpret: run the kernel in the Pallas interpreter (CPU tests).
+
+    Returns:
+      (scores f32[B, Hkv, T, N]: sum over the GQA group of the softmax weights, -inf where not visible;
+       out [B, T, Hq, D] in q.dtype with dense_output, else None).
+    """
+    reason = unsupported_reason(q.dtype, q.shape[-1])
+    if reason is not None:
+        raise ValueError(f"the Pallas GPU anchor kernel cannot take {reason}")
+    if not _pow2(config.block_n) or config.block_n < 16:
+        raise ValueError(f"AnchorConfig.block_n={config.block_n}: expected a power of two >= 16")
+    B, T, Hq, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    scale = default_scale(D, scale)
+    bn = config.block_n
+    chunks = pl.cdiv(N, bn)
+    want = max(1, min(chunks, pl.cdiv(config.target_programs, B * Hkv * T)))
+    per = pl.cdiv(chunks, want)
+    S = pl.cdiv(chunks, per)
+    Gp = max(_MIN_ROWS, pl.next_power_of_2(G))
+
+    pos = positions(lengths, T)
+    lim = jnp.minimum(pos, N - 1)
+    qg = q.reshape(B, T, Hkv, G, D).transpose(0, 2, 1, 3, 4)  # [B, Hkv, T, G, D]
+    if Gp != G:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, Gp - G), (0, 0)))
+
+    cache_spec = pl.BlockSpec((None, None, N, D), lambda b, h, t, s: (b, h, 0, 0))
+    in_specs = [pl.BlockSpec((None, 1), lambda b, h, t, s: (b, t)),
+                pl.BlockSpec((None, None, None, Gp, D), lambda b, h, t, s: (b, h, t, 0, 0)),
+                cache_spec]
+    part = pl.BlockSpec((None, None, None, None, Gp), lambda b, h, t, s: (s, b, h, t, 0))
+    out_specs = [pl.BlockSpec((None, None, None, G, N), lambda b, h, t, s: (b, h, t, 0, 0)), part, part]
+    out_shape = [jax.ShapeDtypeStruct((B, Hkv, T, G, N), jnp.float32),
+                 jax.ShapeDtypeStruct((S, B, Hkv, T, Gp), jnp.float32),
+                 jax.ShapeDtypeStruct((S, B, Hkv, T, Gp), jnp.float32)]
+    args = [lim, qg, k]
+    if dense_output:
+        in_specs.append(cache_spec)
+        out_specs.append(pl.BlockSpec((None, None, None, None, Gp, D), lambda b, h, t, s: (s, b, h, t, 0, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((S, B, Hkv, T, Gp, D), jnp.float32))
+        args.append(v)
+    res = pl.pallas_call(
+        functools.partial(_logits_kernel, scale=scale, block_n=bn, per_split=per, n=N, G=G, dense=dense_output),
+        grid=(B, Hkv, T, S),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="anchor_decode_logits",
+    )(*args)
+    logits, m, l = res[0], res[1][..., :G], res[2][..., :G]
+    m = jnp.where(l > 0, m, -jnp.inf)  # an empty split contributes nothing
+    lse = combine_lse(m, l)  # [B, Hkv, T, G]
+    scores = pool_scores(logits, lse, pos)
+    out = None
+    if dense_output:
+        w = jnp.where(l > 0, jnp.exp(m - jnp.max(m, axis=0)[None]), 0.0)  # [S, B, Hkv, T, G]
+        den = jnp.sum(w * l, axis=0)
+        o = jnp.sum(w[..., None] * res[3][..., :G, :], axis=0)
+        o = jnp.where(den[..., None] > 0, o / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+        out = o.transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D).astype(q.dtype)
+    return scores, out
+
+
+@functools.partial(jax.jit, static_argnames=("budget", "min_tokens", "K", "scale", "dense_output", "config",
+                                             "select_config", "interpret"))
+def anchor_decode_gpu(q: Array, k: Array, v: Array, lengths: Array, *, budget: float, min_tokens: int = 128,
+                      K: int | None = None, scale: float | None = None, dense_output: bool = False,
+                      config: AnchorConfig = AnchorConfig(), select_config=None,
+                      interpret: bool = False) -> tuple[Array, Array]:
+    """Anchor decode layer on the GPU: Triton scoring pass, Triton top-k selection, Triton gathered attention.
+
+    Args and returns as `reference.anchor_decode_reference`; config: `AnchorConfig` of the scoring kernel;
+    select_config: `topk_select.gpu.SelectConfig` (None: default); interpret: all kernels in the Pallas
+    interpreter (CPU tests).
+    """
+    from pallas_kernels.sparse_attention import gpu as sparse_gpu
+    from pallas_kernels.topk_select import gpu as select_gpu
+
+    K = check_args(q, k, v, lengths, budget, min_tokens, K)
+    scores, out = decode_scores_gpu(q, k, v, lengths, scale=scale, dense_output=dense_output, config=config,
+                                    interpret=interpret)
+    pos = positions(lengths, q.shape[1])
+    if interpret or select_config is not None:
+        from pallas_kernels.anchor_attention.common import budget_count
+        kk = budget_count(float(budget), pos + 1, min_tokens)[:, None, :]
+        sc = select_config or select_gpu.SelectConfig()
+        indices = select_gpu.topk_select_gpu(scores, kk, K, config=sc, interpret=interpret)
+    else:
+        indices = select(scores, pos, budget, min_tokens, K, "pallas_gpu")
+    if out is None:
+        out = sparse_gpu.sparse_decode_gpu(q, k, v, indices, lengths, scale=scale, interpret=interpret)
+    return out, indices

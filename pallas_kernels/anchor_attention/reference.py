@@ -1,0 +1,82 @@
+"""Plain-jnp reference of the anchor decode layer: the specification every implementation matches.
+
+  anchor_decode_reference(q: [B, T, Hq, D], k, v: [B, Hkv, N, D], lengths: i32[B], *, budget, min_tokens, K,
+                          dense_output) -> (out: [B, T, Hq, D], indices: int32[B, Hkv, T, K])
+
+Exactly Kascade's anchor (jsparse.methods.kascade / oracle.select_decode): dense post-softmax scores over the
+visible keys (n <= position), pooled over the GQA group; the top kk = min(max(ceil(budget * (pos + 1)),
+min_tokens), pos + 1) per (row, KV head, token) by `topk_select_reference` (lax.top_k order, ties to the lower
+position); attention over exactly the selected keys (`sparse_decode_reference`), or with `dense_output` over
+every visible key.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.anchor_attention.common import budget_count, check_args, positions
+from pallas_kernels.sparse_attention.reference import sparse_decode_reference
+from pallas_kernels.topk_select.reference import topk_select_reference
+
+Array = jax.Array
+
+
+def _scores_and_probs(q: Array, k: Array, pos: Array, scale: float | None) -> tuple[Array, Array]:
+    """(pooled scores f32[B, Hkv, T, N] (-inf where not visible), per-head softmax f32[B, Hkv, G, T, N])."""
+    B, T, Hq, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    qg = q.reshape(B, T, Hkv, Hq // Hkv, D)
+    logits = jnp.einsum("btkgd,bknd->bkgtn", qg, k, preferred_element_type=jnp.float32)
+    logits = logits / math.sqrt(D) if scale is None else logits * scale
+    visible = jnp.arange(N)[None, None, :] <= pos[:, :, None]  # [B, T, N]
+    logits = jnp.where(visible[:, None, None], logits, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1)
+    return jnp.where(visible[:, None], probs.sum(axis=2), -jnp.inf), probs
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def decode_scores_reference(q: Array, k: Array, lengths: Array, *, scale: float | None = None) -> Array:
+    """Exact pooled post-softmax scores of every key (jsparse.selection.pooled_probs, -inf where not visible).
+
+    Args:
+      q: [B, T, Hq, D]; k: [B, Hkv, N, D]; lengths: int32[B].
+
+    Returns:
+      f32[B, Hkv, T, N].
+    """
+    return _scores_and_probs(q, k, positions(lengths, q.shape[1]), scale)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("budget", "min_tokens", "K", "scale", "dense_output"))
+def anchor_decode_reference(q: Array, k: Array, v: Array, lengths: Array, *, budget: float, min_tokens: int = 128,
+                            K: int | None = None, scale: float | None = None,
+                            dense_output: bool = False) -> tuple[Array, Array]:
+    """Anchor decode by dense scores, `lax.top_k` selection and the reference gathered attention.
+
+    Args:
+      q: [B, T, Hq, D] queries of the T newest tokens; k, v: [B, Hkv, N, D] head-major cache (new tokens
+        written); lengths: int32[B].
+      budget: kept fraction in (0, 1]; min_tokens: the floor of Kascade's rule; K: static index width (None:
+        the rule at N).
+      scale: softmax scale (None: divide by sqrt(D), as jsparse.selection.pooled_probs does).
+      dense_output: attend to every visible key (a dense anchor) instead of the selected ones.
+
+    Returns:
+      (out [B, T, Hq, D] in q.dtype, indices int32[B, Hkv, T, K]).
+    """
+    K = check_args(q, k, v, lengths, budget, min_tokens, K)
+    B, T, Hq, D = q.shape
+    pos = positions(lengths, T)
+    scores, probs = _scores_and_probs(q, k, pos, scale)
+    kk = budget_count(float(budget), pos + 1, min_tokens)[:, None, :]
+    indices = topk_select_reference(scores, kk, K)
+    if dense_output:
+        probs = jnp.where(jnp.isnan(probs), 0.0, probs)  # a row with no visible key
+        out = jnp.einsum("bkgtn,bknd->btkgd", probs, v.astype(jnp.float32)).reshape(B, T, Hq, D)
+    else:
+        out = sparse_decode_reference(q, k, v, indices, lengths, scale=scale)
+    return out.astype(q.dtype), indices

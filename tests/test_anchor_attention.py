@@ -1,0 +1,177 @@
+"""Anchor decode layer: the reference against jsparse's Kascade anchor (oracle selection + attention), the XLA,
+Pallas GPU and Pallas TPU implementations (interpret mode) against the reference, and their lowerings."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.anchor_attention import anchor_decode, anchor_decode_reference, gpu, tpu
+from pallas_kernels.anchor_attention.common import budget_count
+from pallas_kernels.anchor_attention.reference import decode_scores_reference
+from pallas_kernels.anchor_attention.xla import anchor_decode_xla
+from pallas_kernels.sparse_attention.reference import sparse_decode_reference
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def inputs(seed, B, T, Hq, Hkv, D, N, lengths, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((B, T, Hq, D), np.float32)).astype(dtype)
+    k = jnp.asarray(rng.standard_normal((B, Hkv, N, D), np.float32)).astype(dtype)
+    v = jnp.asarray(rng.standard_normal((B, Hkv, N, D), np.float32)).astype(dtype)
+    return q, k, v, jnp.asarray(np.asarray(lengths, np.int32))
+
+
+def assert_close(got, want, dtype, what):
+    got = np.asarray(jnp.asarray(got, jnp.float32))
+    want = np.asarray(jnp.asarray(want, jnp.float32))
+    err = float(np.max(np.abs(got - want)))
+    assert err <= TOL[dtype] * max(1.0, float(np.max(np.abs(want)))), f"{what}: max abs err {err:.3g}"
+
+
+def assert_valid_selection(idx, scores, kk, tol):
+    """idx int32[..., K] is a top-kk choice of scores f32[..., N] up to `tol` (ties at the threshold may fall
+    either way when the scores differ by rounding), ascending, unique, -1 padded, never a -inf key."""
+    idx, scores = np.asarray(idx), np.asarray(scores)
+    kk = np.broadcast_to(np.asarray(kk), idx.shape[:-1])
+    for row in np.ndindex(idx.shape[:-1]):
+        sel = idx[row][idx[row] >= 0]
+        s = scores[row]
+        n_ok = int(np.sum(s > -np.inf))
+        assert len(sel) == min(int(kk[row]), n_ok), (row, len(sel), kk[row])
+        assert np.all(idx[row][len(sel):] == -1) and np.all(np.diff(sel) > 0), row
+        if len(sel) == 0:
+            continue
+        assert np.all(s[sel] > -np.inf), row
+        rest = np.setdiff1d(np.arange(s.shape[0]), sel)
+        if rest.size:
+            assert s[sel].min() >= s[rest].max() - tol, (row, s[sel].min(), s[rest].max())
+
+
+# (B, T, Hq, Hkv, D, N, lengths, budget, min_tokens)
+CASES = [
+    (2, 1, 8, 2, 16, 200, [150, 77], 0.1, 16),
+    (1, 2, 4, 1, 32, 96, [61], 0.25, 4),
+    (2, 1, 6, 3, 16, 64, [64, 3], 0.5, 8),  # row 1: kk = 3 = every visible key (min_tokens above pos + 1)
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_reference_equals_kascade_anchor(case):
+    from jsparse import selection as sel
+    from jsparse.methods.oracle import select_decode
+
+    B, T, Hq, Hkv, D, N, lengths, budget, mt = case
+    q, k, v, lens = inputs(0, B, T, Hq, Hkv, D, N, lengths)
+    out, idx = anchor_decode_reference(q, k, v, lens, budget=budget, min_tokens=mt)
+    K = sel.budget_tokens(budget, N, mt)
+    pos = sel.decode_positions(lens, T)
+    want_idx = select_decode(q, k, pos, budget, mt, K)
+    assert idx.shape == (B, Hkv, T, K)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(want_idx))
+    assert_close(out, sparse_decode_reference(q, k, v, want_idx, lens), jnp.float32, "sparse out")
+    # The dense anchor attends to every visible key: the full selection's attention.
+    dense, idx2 = anchor_decode_reference(q, k, v, lens, budget=budget, min_tokens=mt, dense_output=True)
+    np.testing.assert_array_equal(np.asarray(idx2), np.asarray(idx))
+    every = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, Hkv, T, N))
+    assert_close(dense, sparse_decode_reference(q, k, v, every, lens), jnp.float32, "dense out")
+    scores = decode_scores_reference(q, k, lens)
+    np.testing.assert_allclose(np.asarray(jnp.where(jnp.isfinite(scores), scores, 0).sum(-1)), Hq // Hkv,
+                               rtol=1e-5)  # each query head's weights sum to 1
+
+
+def check_impl(fn, case, dtype, dense, seed):
+    B, T, Hq, Hkv, D, N, lengths, budget, mt = case
+    q, k, v, lens = inputs(seed, B, T, Hq, Hkv, D, N, lengths, dtype)
+    out, idx = fn(q, k, v, lens, budget=budget, min_tokens=mt, dense_output=dense)
+    want, want_idx = anchor_decode_reference(q, k, v, lens, budget=budget, min_tokens=mt, dense_output=dense)
+    assert out.dtype == dtype and idx.shape == want_idx.shape and idx.dtype == jnp.int32
+    pos = lens[:, None] - T + jnp.arange(T)
+    kk = budget_count(budget, pos + 1, mt)[:, None, :]
+    assert_valid_selection(idx, decode_scores_reference(q, k, lens), kk, tol=1e-2 if dtype == jnp.bfloat16 else 1e-6)
+    if dtype == jnp.float32:  # random f32 scores have no near-ties: the very same choice
+        np.testing.assert_array_equal(np.asarray(idx), np.asarray(want_idx))
+    # The output is the attention over the implementation's own choice (dense: over everything).
+    want = want if dense else sparse_decode_reference(q, k, v, idx, lens)
+    assert_close(out, want, dtype, "anchor out")
+
+
+@pytest.mark.parametrize("case,dense", [(CASES[0], False), (CASES[1], True)])
+def test_xla_matches_reference(case, dense):
+    check_impl(anchor_decode_xla, case, jnp.float32, dense, 1)
+
+
+@pytest.mark.parametrize("case,dtype,dense", [(CASES[0], jnp.float32, False), (CASES[1], jnp.float32, True),
+                                              (CASES[2], jnp.bfloat16, False)])
+def test_gpu_interpret_matches_reference(case, dtype, dense):
+    fn = functools.partial(gpu.anchor_decode_gpu, config=gpu.AnchorConfig(block_n=32, target_programs=16),
+                           interpret=True)  # N = 200, 96, 64: a masked tail and several splits
+    check_impl(fn, case, dtype, dense, 2)
+
+
+@pytest.mark.parametrize("case,dtype,dense", [(CASES[0], jnp.float32, False), (CASES[1], jnp.bfloat16, True)])
+def test_tpu_interpret_matches_reference(case, dtype, dense):
+    fn = functools.partial(tpu.anchor_decode_tpu, config=tpu.TpuAnchorConfig(chunk=128), interpret=True)
+    check_impl(fn, case, dtype, dense, 3)
+
+
+def test_api_dispatch_and_errors():
+    q, k, v, lens = inputs(4, 1, 1, 4, 2, 16, 64, [50])
+    want = anchor_decode_reference(q, k, v, lens, budget=0.2, min_tokens=4)
+    for impl in (None, "xla", "reference"):
+        out, idx = anchor_decode(q, k, v, lens, budget=0.2, min_tokens=4, implementation=impl)
+        np.testing.assert_array_equal(np.asarray(idx), np.asarray(want[1]))
+        assert_close(out, want[0], jnp.float32, str(impl))
+    with pytest.raises(ValueError, match="implementation='cuda'"):
+        anchor_decode(q, k, v, lens, budget=0.2, implementation="cuda")
+    with pytest.raises(ValueError, match="budget=0"):
+        anchor_decode(q, k, v, lens, budget=0)
+    with pytest.raises(ValueError, match="K=65"):
+        anchor_decode(q, k, v, lens, budget=0.2, K=65)
+    with pytest.raises(ValueError, match="min_tokens=-1"):
+        anchor_decode(q, k, v, lens, budget=0.2, min_tokens=-1)
+    with pytest.raises(ValueError, match="Hq=4 .* Hkv=3"):
+        anchor_decode(q, k[:, :1].repeat(3, 1), v[:, :1].repeat(3, 1), lens, budget=0.2)
+    with pytest.raises(ValueError, match="block_n=24"):
+        gpu.decode_scores_gpu(q, k, v, lens, config=gpu.AnchorConfig(block_n=24), interpret=True)
+
+
+def _abstract(kind: str, cores: int, platform: str):
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+    device = AbstractDevice(device_kind=kind, num_cores=cores, platform=platform)
+    return use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device))
+
+
+def _args(dtype):
+    sds = jax.ShapeDtypeStruct
+    B, Hq, Hkv, D, N = 2, 32, 8, 128, 4096
+    cache = sds((B, Hkv, N, D), dtype)
+    return sds((B, 1, Hq, D), dtype), cache, cache, sds((B,), jnp.int32)
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_gpu_lowers_for_cuda(dense):
+    check = jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)
+    f = functools.partial(gpu.anchor_decode_gpu, budget=0.1, dense_output=dense)
+    with _abstract("NVIDIA H100 80GB HBM3", 132, "gpu"):
+        text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(
+            *_args(jnp.bfloat16)).mlir_module()
+    assert "anchor_decode_logits" in text and "topk_select_compact" in text
+    assert ("sparse_decode_gathered" in text) == (not dense)  # a dense anchor reads V in the scoring pass
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_tpu_lowers_for_tpu(dense):
+    f = functools.partial(tpu.anchor_decode_tpu, budget=0.1, dense_output=dense)
+    with _abstract("TPU v5 lite", 1, "tpu"):
+        text = jax.export.export(jax.jit(f), platforms=["tpu"])(*_args(jnp.bfloat16)).mlir_module()
+    assert text.count("tpu_custom_call") >= 9  # the scoring kernel + 8 counting passes
