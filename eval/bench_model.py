@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from eval import benchmarking as bm
+from jsparse.cli import GPU_XLA_FLAGS
 from jsparse.methods import make_method
 from models import llama
 from models.cache import KVCache, init_cache
@@ -128,10 +129,9 @@ def main(argv=None):
     p.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per case")
     p.add_argument("--out", default=None, help="JSON file to write")
-    p.add_argument("--xla-flags", default="--xla_gpu_enable_triton_gemm=false",
-                   help="XLA_FLAGS for this run, set before the backend starts (default turns XLA's Triton GEMM "
-                        "fusions off: on the H100 cuBLAS decodes 1.6x faster, 12.6 vs 20.1 ms/step for Llama-3.1-8B "
-                        "at batch 1)")
+    p.add_argument("--xla-flags", default=" ".join(GPU_XLA_FLAGS),
+                   help="XLA_FLAGS for this run, set before the backend starts (default: jsparse.cli.GPU_XLA_FLAGS, "
+                        "cuBLAS GEMMs reading the stacked weights in place; see eval/results/h100/bench_decode_step.json)")
     a = p.parse_args(argv)
     if a.xla_flags:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + a.xla_flags).strip()
