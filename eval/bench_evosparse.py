@@ -1,0 +1,304 @@
+"""H100 benchmark of EvoSparse decode (issue 6) against the best dense decode, at Llama-3.1-8B shapes.
+
+Run on a GPU machine from the repository root:
+
+    GIT_COMMIT=$(git rev-parse HEAD) OUT=/some/dir python eval/bench_evosparse.py
+
+What it does (about 3 minutes on an H100; later cases are skipped past a 200 s budget):
+  1. Check (compiled on the GPU, bf16, B = 2, N = 8192): the EvoSparse layer with a budget covering every block
+     equals dense decode (max abs error / max abs dense <= 2e-2), and at budget 2048 it equals a dense softmax
+     over exactly the keys of the blocks it selected (the selection is recomputed with `select_blocks`).
+  2. Attention, per layer (Hq = 32, Hkv = 8, D = 128, bf16, B in {1, 4}, N in {32K, 64K, 100K, 128K}, budget 2048
+     tokens in blocks of 16): dense decode by cuDNN (`dense_decode(implementation="cudnn")`, K/V read once, no
+     repeated heads) and by XLA; EvoSparse's sparse layer without retrieval heads (heat + sink + local + the
+     inherited retrieval set) and with retrieval heads (also reads K of the KV heads that hold them: R = 2 of 8
+     here). Each is a jitted `lax.fori_loop` of `--iters` layer calls (the heat state carried, the query perturbed
+     by the previous output so nothing is hoisted), divided by the count. The "sparse layer average" weights the
+     two EvoSparse layers by the share of sparse layers holding retrieval heads in the model below (15 heads =
+     1.5% of 1024 in 11 of 32 layers, seed 0).
+  3. The whole decode step, end to end (random weights of Llama-3.1-8B, 32 layers, bf16, context 100,000, batch
+     1 and 4; capacity 100,352): dense (cuDNN attention) vs EvoSparse (layers 0-1 dense). The cache is filled as
+     in eval/bench_model.py (`filled_cache`); steps run in one jitted fori_loop carrying the cache and the
+     method's state (heat), timed over `--steps` steps.
+
+Floors (bytes moved at the measured HBM bandwidth): dense attention reads K and V once (2 B Hkv N D 2 bytes);
+an EvoSparse sparse layer reads the selected K/V blocks, K again for the heat mass, the heat row of its layer
+(read + write, f32), and in a retrieval layer K of its R KV heads. Decode step floor: every weight once (as
+bench_model.decode_bytes) plus the attention floors of all layers.
+
+Writes `$OUT/bench_evosparse.json` (device, jax version, date, GIT_COMMIT, measured HBM GB/s, checks, rows) and
+prints a table last. Options: `--contexts 32768,65536`, `--batches 1,4`, `--iters N`, `--steps N`, `--no-e2e`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eval import bench_model
+from eval.benchmarking import device_facts, measure_hbm_gbs, table, time_ms, write_json
+from jsparse.methods.evosparse import EvoSparse, EvoState, default_num_heads
+from models import llama
+from models.attention import LayerContext, LayerKV
+from models.cache import KVCache
+from models.generate import round_up
+from models.params import random_params
+from models.presets import preset
+from pallas_kernels.dense import dense_decode
+from pallas_kernels.sparse_attention.reference import decode_indices_to_mask, masked_attention_reference
+
+BUDGET_S = 200.0
+BUDGET_TOKENS, BLOCK = 2048, 16
+CONTEXT_E2E = 100_000
+CFG8B = preset("llama3-8b")
+
+
+def model_heads(cfg, seed: int = 0) -> list[tuple[int, int]]:
+    """1.5% of the heads, drawn at random in layers >= 2 (random weights have no real retrieval heads)."""
+    rng = np.random.default_rng(seed)
+    n = default_num_heads(cfg)
+    flat = rng.choice((cfg.num_layers - 2) * cfg.num_heads, size=n, replace=False)
+    return sorted((2 + int(i) // cfg.num_heads, int(i) % cfg.num_heads) for i in flat)
+
+
+def layer_cfg(R_heads: bool):
+    """A 3-layer config of 8B attention shapes: layers 0-1 dense, layer 2 sparse (with or without retrieval)."""
+    return dataclasses.replace(CFG8B, num_layers=3)
+
+
+def method_for(cfg, heads, **kw):
+    return EvoSparse.from_heads(cfg, heads, budget_tokens=BUDGET_TOKENS, block_size=BLOCK, **kw)
+
+
+def _state(method, cfg, B, N, key):
+    st = method.init_state(cfg, B, N)
+    st = st.replace(heat=jax.random.uniform(key, st.heat.shape))  # non-trivial heat ranking
+    return method.start(cfg, st, "decode", B, 1, N)
+
+
+@functools.partial(jax.jit, static_argnames=("iters",))
+def evo_layers(method, q, k, v, lengths, state, *, iters):
+    """`iters` calls of layer 2's decode, carrying the state; returns a checksum."""
+    info = jax.tree_util.tree_map(lambda x: x[2], method.layer_info(None))
+    ctx = LayerContext(layer=jnp.int32(2), lengths=lengths, info=info)
+
+    def body(_, c):
+        acc, st = c
+        out, st = method.decode(ctx, (q + acc[:, :, :, :1] * 1e-3).astype(q.dtype), LayerKV(k=k, v=v), st)
+        return out.astype(jnp.float32) * 0.5, st
+
+    acc, st = jax.lax.fori_loop(0, iters, body, (jnp.zeros(q.shape, jnp.float32), state))
+    return acc.sum() + st.heat.sum()
+
+
+@functools.partial(jax.jit, static_argnames=("iters", "impl"))
+def dense_layers(q, k, v, lengths, *, iters, impl):
+    def body(_, acc):
+        out = dense_decode((q + acc[:, :, :, :1] * 1e-3).astype(q.dtype), k, v, lengths, implementation=impl)
+        return out.astype(jnp.float32) * 0.5
+
+    return jax.lax.fori_loop(0, iters, body, jnp.zeros(q.shape, jnp.float32)).sum()
+
+
+def attention_floors(B, N, hbm_gbs, R: int):
+    cfg = CFG8B
+    Hkv, D = cfg.num_kv_heads, cfg.head_dim
+    dense = 2 * B * Hkv * N * D * 2
+    sel = BUDGET_TOKENS  # selected tokens per KV head
+    nb = N // BLOCK
+    sparse = 3 * B * Hkv * sel * D * 2 + 2 * B * Hkv * nb * 4
+    ret = sparse + B * R * N * D * 2
+    ms = lambda b: b / (hbm_gbs * 1e9) * 1e3  # noqa: E731
+    return dict(dense_bytes=dense, sparse_bytes=sparse, retrieval_bytes=ret, dense_floor_ms=ms(dense),
+                sparse_floor_ms=ms(sparse), retrieval_floor_ms=ms(ret))
+
+
+def check(key) -> list[dict]:
+    """Correctness on the GPU (bf16): full budget = dense; budget 2048 = masked dense over its own blocks."""
+    cfg = layer_cfg(True)
+    B, N = 2, 8192
+    ks = jax.random.split(key, 4)
+    q = jax.random.normal(ks[0], (B, 1, 32, 128), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (B, 8, N, 128), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (B, 8, N, 128), jnp.bfloat16)
+    lengths = jnp.array([N, 5001], jnp.int32)
+    heads = [(2, 0), (2, 9)]
+    out = []
+    for name, m in (("full_budget_vs_dense", EvoSparse.from_heads(cfg, heads, budget=1.0, min_tokens=1)),
+                    ("budget2048_vs_masked", method_for(cfg, heads))):
+        st = _state(m, cfg, B, N, ks[3])
+        info = jax.tree_util.tree_map(lambda x: x[2], m.layer_info(cfg))
+        ctx = LayerContext(layer=jnp.int32(2), lengths=lengths, info=info)
+        got, _ = jax.jit(lambda m, st: m.decode(ctx, q, LayerKV(k=k, v=v), st))(m, st)
+        if name.startswith("full"):
+            want = dense_decode(q, k, v, lengths, implementation="xla")
+        else:
+            pos = lengths - 1
+            ret = m.retrieval_blocks(info, q, k, pos[:, None])[:, 0]
+            idx = m.select_blocks(st.heat[2], ret, pos, 8, N)
+            mask = decode_indices_to_mask(idx[:, :, None], lengths, N, block_size=BLOCK)
+            want = masked_attention_reference(q, k, v, mask)
+        err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))) /
+                    jnp.max(jnp.abs(want.astype(jnp.float32))))
+        out.append(dict(check=name, rel_err=err, ok=err <= 2e-2))
+        print(out[-1], flush=True)
+    return out
+
+
+def attention_rows(contexts, batches, iters, hbm, heads_model, t0) -> list[dict]:
+    cfg = layer_cfg(True)
+    L = CFG8B.num_layers
+    ret_layers = sorted({l for l, _ in heads_model})
+    share = len(ret_layers) / (L - 2)
+    G = 4
+    rows = []
+    for B in batches:
+        for N in contexts:
+            row = dict(part="attention", batch=B, context=N, budget_tokens=BUDGET_TOKENS, block=BLOCK)
+            if time.perf_counter() - t0 > BUDGET_S:
+                row["skipped"] = "time budget"
+                rows.append(row)
+                continue
+            try:
+                ks = jax.random.split(jax.random.key(N + B), 4)
+                q = jax.random.normal(ks[0], (B, 1, 32, 128), jnp.bfloat16)
+                k = jax.random.normal(ks[1], (B, 8, N, 128), jnp.bfloat16)
+                v = jax.random.normal(ks[2], (B, 8, N, 128), jnp.bfloat16)
+                lengths = jnp.full((B,), N, jnp.int32)
+                per = lambda ms: ms / iters  # noqa: E731
+
+                def timed(label, fn):
+                    try:
+                        row[label] = per(time_ms(fn, warmup=2, iters=5))
+                    except Exception as e:  # noqa: BLE001 - e.g. cuDNN missing: record, go on
+                        row[label.replace("_ms", "_error")] = str(e).splitlines()[0][:200]
+
+                timed("dense_cudnn_ms", lambda: dense_layers(q, k, v, lengths, iters=iters, impl="cudnn"))
+                timed("dense_xla_ms", lambda: dense_layers(q, k, v, lengths, iters=iters, impl="xla"))
+                # Layer 2 inherits (retrieval heads only in layer 1, dense) / computes (two KV heads hold them).
+                inherit = method_for(cfg, [(1, 0)])
+                compute = method_for(cfg, [(2, 0), (2, 1 * G + 1)])
+                for label, m in (("evo_inherit_ms", inherit), ("evo_retrieval_ms", compute)):
+                    st = _state(m, cfg, B, N, ks[3])
+                    timed(label, lambda: evo_layers(m, q, k, v, lengths, st, iters=iters))
+                row["evo_sparse_layer_ms"] = share * row["evo_retrieval_ms"] + (1 - share) * row["evo_inherit_ms"]
+                best = min(row.get("dense_cudnn_ms", math.inf), row.get("dense_xla_ms", math.inf))
+                row["dense_best_ms"] = best
+                row["speedup_sparse_layer"] = best / row["evo_sparse_layer_ms"]
+                # Whole-model attention: 2 dense layers + 30 sparse ones.
+                row["speedup_model_attention"] = (L * best) / (2 * best + (L - 2) * row["evo_sparse_layer_ms"])
+                row.update(attention_floors(B, N, hbm, R=2))
+                row["evo_floor_layer_ms"] = (share * row["retrieval_floor_ms"] + (1 - share) * row["sparse_floor_ms"])
+                del q, k, v
+            except Exception as e:  # noqa: BLE001 - record and go on
+                row["error"] = str(e).splitlines()[0][:300]
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "steps"), donate_argnames=("cache", "state"))
+def decode_steps(params, method, tok, cache, state, *, cfg, steps):
+    """bench_model.decode_steps with the method's state (EvoSparse's heat) carried across the steps."""
+    def body(_, carry):
+        tok, cache, state = carry
+        logits, cache, state = llama.decode(params, cfg, method, tok, cache, state)
+        return jnp.argmax(logits, -1).astype(jnp.int32), cache, state
+    return jax.lax.fori_loop(0, steps, body, (tok, cache, state))
+
+
+def e2e_rows(batches, steps, hbm, heads_model, params, t0) -> list[dict]:
+    cfg = CFG8B
+    dense = bench_model.make_method("dense")
+    evo = method_for(cfg, heads_model)
+    capacity = round_up(CONTEXT_E2E + steps + 1, 256)
+    weights = bench_model.decode_bytes(cfg, params, 1, 0)
+    L = cfg.num_layers
+    ret_layers = sorted({l for l, _ in heads_model})
+    R = int(np.asarray(evo.layout.kv_heads).shape[1])
+    rows = []
+    for B in batches:
+        for name, m in (("dense", dense), ("evosparse", evo)):
+            row = dict(part="decode_step", method=name, batch=B, context=CONTEXT_E2E)
+            if time.perf_counter() - t0 > BUDGET_S + 60:
+                row["skipped"] = "time budget"
+                rows.append(row)
+                continue
+            cache = None
+            try:
+                cache = bench_model.filled_cache(cfg, B, CONTEXT_E2E, capacity, jnp.bfloat16)
+                state = m.init_state(cfg, B, capacity) if name != "dense" else None
+                tok = jnp.zeros((B, 1), jnp.int32)
+                tok, cache, state = decode_steps(params, m, tok, cache, state, cfg=cfg, steps=steps)  # compile
+                jax.block_until_ready(tok)
+                cache = KVCache(k=cache.k, v=cache.v, lengths=jnp.full((B,), CONTEXT_E2E, jnp.int32))
+                t = time.perf_counter()
+                tok, cache, state = decode_steps(params, m, tok, cache, state, cfg=cfg, steps=steps)
+                jax.block_until_ready(tok)
+                ms = (time.perf_counter() - t) * 1e3 / steps
+                fl = attention_floors(B, CONTEXT_E2E + steps // 2, hbm, R)
+                kv = L * fl["dense_bytes"] if name == "dense" else (
+                    2 * fl["dense_bytes"] + len(ret_layers) * fl["retrieval_bytes"]
+                    + (L - 2 - len(ret_layers)) * fl["sparse_bytes"])
+                nbytes = weights + kv
+                row.update(step_ms=ms, tokens_per_s=B / (ms * 1e-3), floor_ms=nbytes / (hbm * 1e9) * 1e3,
+                           weights_floor_ms=weights / (hbm * 1e9) * 1e3, bytes=nbytes)
+            except Exception as e:  # noqa: BLE001 - out of memory and the like: record and go on
+                row["error"] = str(e).splitlines()[0][:300]
+            del cache
+            rows.append(row)
+            print(row, flush=True)
+    for B in batches:
+        d = [r for r in rows if r["batch"] == B and r.get("method") == "dense" and "step_ms" in r]
+        e = [r for r in rows if r["batch"] == B and r.get("method") == "evosparse" and "step_ms" in r]
+        if d and e:
+            e[0]["speedup_vs_dense"] = d[0]["step_ms"] / e[0]["step_ms"]
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--contexts", default="32768,65536,100000,131072")
+    p.add_argument("--batches", default="1,4")
+    p.add_argument("--e2e-batches", default="1,4")
+    p.add_argument("--iters", type=int, default=20, help="layer calls per timed loop (attention part)")
+    p.add_argument("--steps", type=int, default=8, help="decode steps per timed loop (end to end)")
+    p.add_argument("--no-e2e", action="store_true")
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_evosparse.json"))
+    a = p.parse_args(argv)
+    t0 = time.perf_counter()
+    contexts = [round_up(int(x), 256) for x in a.contexts.split(",")]  # 100000 -> 100096 (whole blocks)
+    batches = [int(x) for x in a.batches.split(",")]
+    facts = device_facts()
+    hbm = measure_hbm_gbs()
+    heads_model = model_heads(CFG8B)
+    checks = check(jax.random.key(0))
+    rows = attention_rows(contexts, batches, a.iters, hbm, heads_model, t0)
+    e2e = []
+    if not a.no_e2e:
+        params = random_params(CFG8B, jax.random.key(0), jnp.bfloat16)
+        e2e = e2e_rows([int(x) for x in a.e2e_batches.split(",")], a.steps, hbm, heads_model, params, t0)
+        del params
+    payload = {**facts, "benchmark": "evosparse decode vs dense (cuDNN / XLA)", "command": "python eval/bench_evosparse.py",
+               "xla_flags": os.environ.get("XLA_FLAGS", ""), "shape": "llama3-8b", "dtype": "bfloat16",
+               "budget_tokens": BUDGET_TOKENS, "block_size": BLOCK, "measured_hbm_gbs": hbm,
+               "retrieval_heads_e2e": [list(h) for h in heads_model], "checks": checks, "attention": rows,
+               "decode_step": e2e, "seconds": time.perf_counter() - t0}
+    write_json(a.out, payload)
+    print(table(rows, ["batch", "context", "dense_cudnn_ms", "dense_xla_ms", "evo_inherit_ms", "evo_retrieval_ms",
+                       "evo_sparse_layer_ms", "evo_floor_layer_ms", "dense_floor_ms", "speedup_sparse_layer",
+                       "speedup_model_attention"]))
+    print(table(e2e, ["method", "batch", "context", "step_ms", "floor_ms", "weights_floor_ms", "tokens_per_s",
+                      "speedup_vs_dense", "error"]))
+
+
+if __name__ == "__main__":
+    main()
