@@ -442,11 +442,15 @@ def train(cfg: ModelConfig, model_params, *, fingerprint: str, chunks: np.ndarra
         _save(mngr, step, pparams, opt_state, meta(step))
     mngr.wait_until_finished()
     mngr.close()
+    final_loss = None
+    with open(log_path) as f:
+        for line in f:
+            if line.strip():
+                final_loss = json.loads(line)["loss"]
     export_artifact(out_dir, pparams, pcfg, fingerprint, {
         "model": model_name, "steps": step, "planned_steps": tc.steps, "train_config": dataclasses.asdict(tc),
-        "data_fingerprint": stream.fingerprint(), "num_chunks": stream.num_chunks,
-        "final_loss": losses[-1][1] if losses else None, "stopped_early": stopped_early,
-        "predictor_params": pcfg.num_params()})
+        "data_fingerprint": stream.fingerprint(), "num_chunks": stream.num_chunks, "final_loss": final_loss,
+        "stopped_early": stopped_early, "predictor_params": pcfg.num_params()})
     return TrainResult(params=pparams, pcfg=pcfg, losses=losses, start_step=start, last_step=step,
                        stopped_early=stopped_early, seconds=time.perf_counter() - t_start)
 

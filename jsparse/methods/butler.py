@@ -42,7 +42,7 @@ from jsparse import selection as sel
 from jsparse.artifacts import load_artifact
 from jsparse.methods.base import register
 from jsparse.methods.butler_predictor import Predictor, PredictorConfig, unflatten_params
-from jsparse.methods.common import TokenBudget, attend_selected, dense_decode, dense_prefill, kwargs_for
+from jsparse.methods.common import TokenBudget, attend_dense, attend_selected, dense_prefill, kwargs_for
 from pallas_kernels.sparse_attention.reference import decode_indices_to_mask, masked_attention_reference
 
 ARTIFACT_KIND = "butler"
@@ -174,10 +174,10 @@ class Butler(TokenBudget):
         positions = sel.decode_positions(ctx.lengths, q.shape[1])
 
         def first():
-            return dense_decode(q, cache.k, cache.v, ctx.lengths), self.run_predictor(ctx.hidden, positions, state)
+            return attend_dense(q, cache, ctx.lengths), self.run_predictor(ctx.hidden, positions, state)
 
         def dense():
-            return dense_decode(q, cache.k, cache.v, ctx.lengths), state
+            return attend_dense(q, cache, ctx.lengths), state
 
         def sparse():
             return self.sparse_decode(ctx, q, cache, state)
