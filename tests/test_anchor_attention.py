@@ -12,11 +12,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.anchor_attention import anchor_decode, anchor_decode_reference, gpu, tpu
-from pallas_kernels.anchor_attention.common import budget_count
+from pallas_kernels.anchor_attention import (anchor_decode, anchor_decode_reference, anchor_prefill,
+                                             anchor_prefill_reference, gpu, gpu_prefill, tile_scores_reference, tpu,
+                                             tpu_prefill)
+from pallas_kernels.anchor_attention.common import budget_count, tile_counts
 from pallas_kernels.anchor_attention.reference import decode_scores_reference
 from pallas_kernels.anchor_attention.xla import anchor_decode_xla
-from pallas_kernels.sparse_attention.reference import sparse_decode_reference
+from pallas_kernels.sparse_attention.reference import sparse_decode_reference, sparse_prefill_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
@@ -61,11 +63,11 @@ def assert_valid_selection(idx, scores, kk, tol):
 CASES = [
     (2, 1, 8, 2, 16, 200, [150, 77], 0.1, 16),
     (1, 2, 4, 1, 32, 96, [61], 0.25, 4),
-    (2, 1, 6, 3, 16, 64, [64, 3], 0.5, 8),  # row 1: kk = 3 = every visible key (min_tokens above pos + 1)
+    (2, 1, 6, 3, 16, 70, [64, 3], 0.5, 8),  # row 1: kk = 3 = every visible key (min_tokens above pos + 1)
 ]
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [CASES[0], CASES[2]])
 def test_reference_equals_kascade_anchor(case):
     from jsparse import selection as sel
     from jsparse.methods.oracle import select_decode
@@ -105,16 +107,14 @@ def check_impl(fn, case, dtype, dense, seed):
     assert_close(out, want, dtype, "anchor out")
 
 
-@pytest.mark.parametrize("case,dense", [(CASES[0], False), (CASES[1], True)])
-def test_xla_matches_reference(case, dense):
-    check_impl(anchor_decode_xla, case, jnp.float32, dense, 1)
+def test_xla_matches_reference():
+    check_impl(anchor_decode_xla, CASES[1], jnp.float32, True, 1)  # (the sparse one: test_api_dispatch_and_errors)
 
 
-@pytest.mark.parametrize("case,dtype,dense", [(CASES[0], jnp.float32, False), (CASES[1], jnp.float32, True),
-                                              (CASES[2], jnp.bfloat16, False)])
+@pytest.mark.parametrize("case,dtype,dense", [(CASES[1], jnp.float32, True), (CASES[2], jnp.bfloat16, False)])
 def test_gpu_interpret_matches_reference(case, dtype, dense):
     fn = functools.partial(gpu.anchor_decode_gpu, config=gpu.AnchorConfig(block_n=32, target_programs=16),
-                           interpret=True)  # N = 200, 96, 64: a masked tail and several splits
+                           interpret=True)  # N = 96, 70: several splits, and a masked tail
     check_impl(fn, case, dtype, dense, 2)
 
 
@@ -175,3 +175,99 @@ def test_tpu_lowers_for_tpu(dense):
     with _abstract("TPU v5 lite", 1, "tpu"):
         text = jax.export.export(jax.jit(f), platforms=["tpu"])(*_args(jnp.bfloat16)).mlir_module()
     assert text.count("tpu_custom_call") >= 9  # the scoring kernel + 8 counting passes
+
+
+# --------------------------------------------------------------------------------------------------
+# Prefill: tile-pooled scores without [T, T].
+
+def prefill_inputs(seed, B, T, Hq, Hkv, D, lengths, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(rng.standard_normal((B, T, h, D), np.float32)).astype(dtype) for h in (Hq, Hkv, Hkv))
+    return q, k, v, jnp.asarray(np.asarray(lengths, np.int32))
+
+
+def test_prefill_reference_equals_kascade_anchor():
+    from jsparse import selection as sel
+    from jsparse.methods.oracle import select_prefill
+
+    T, tile, budget, mt = 45, 8, 0.3, 2
+    q, k, v, lens = prefill_inputs(0, 2, T, 8, 2, 16, [45, 30])
+    np.testing.assert_allclose(np.asarray(tile_scores_reference(q, k, tile=tile)),
+                               np.asarray(sel.before_tile_scores(sel.prefill_tile_probs(q, k, tile), tile)),
+                               rtol=1e-5, atol=1e-6)
+    out, idx = anchor_prefill_reference(q, k, v, lens, tile=tile, budget=budget, min_tokens=mt)
+    want = select_prefill(q, k, tile, sel.budget_tokens(budget, sel.tile_starts(T, tile), mt),
+                          sel.budget_tokens(budget, T, mt))
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(want))
+    assert_close(out, sparse_prefill_reference(q, k, v, want, lens, tile=tile), jnp.float32, "prefill out")
+
+
+def check_prefill(fn, scores_fn, dtype, dense, T=45, tile=8, lengths=(45, 30)):
+    budget, mt = 0.3, 2
+    q, k, v, lens = prefill_inputs(5, 2, T, 8, 2, 16, list(lengths), dtype)
+    want_scores = tile_scores_reference(q, k, tile=tile)
+    scores = scores_fn(q, k, tile=tile)
+    fin = np.isfinite(np.asarray(want_scores))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(scores)), fin)
+    np.testing.assert_allclose(np.asarray(scores)[fin], np.asarray(want_scores)[fin], rtol=TOL[dtype],
+                               atol=TOL[dtype])
+    out, idx = fn(q, k, v, lens, tile=tile, budget=budget, min_tokens=mt, dense_output=dense)
+    kk = tile_counts(budget, T, tile, mt)[None, None, :]
+    assert_valid_selection(idx, want_scores, kk, tol=1e-2 if dtype == jnp.bfloat16 else 1e-5)
+    want = (jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla") if dense
+            else sparse_prefill_reference(q, k, v, idx, lens, tile=tile))
+    assert_close(out, want, dtype, "prefill anchor out")
+
+
+@pytest.mark.parametrize("dtype,dense", [(jnp.float32, False), (jnp.bfloat16, True)])
+def test_prefill_gpu_interpret_matches_reference(dtype, dense):
+    cfg = gpu_prefill.PrefillScoresConfig(lse_block_m=16, block_n=8)
+    check_prefill(functools.partial(gpu_prefill.anchor_prefill_gpu, config=cfg, interpret=True),
+                  functools.partial(gpu_prefill.tile_scores_gpu, config=cfg, interpret=True), dtype, dense)
+
+
+def test_prefill_tpu_interpret_matches_reference():
+    cfg = tpu_prefill.TpuPrefillScoresConfig(block_m=64, block_n=128, chunk=128)
+    check_prefill(functools.partial(tpu_prefill.anchor_prefill_tpu, config=cfg, interpret=True),
+                  functools.partial(tpu_prefill.tile_scores_tpu, config=cfg, interpret=True), jnp.float32, False,
+                  T=200, tile=64, lengths=(200, 151))
+
+
+def test_prefill_api_and_errors():
+    q, k, v, lens = prefill_inputs(6, 1, 24, 4, 2, 16, [24])
+    want = anchor_prefill_reference(q, k, v, lens, tile=8, budget=0.5, min_tokens=2)
+    out, idx = anchor_prefill(q, k, v, lens, tile=8, budget=0.5, min_tokens=2)  # CPU: the reference
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(want[1]))
+    with pytest.raises(ValueError, match="implementation='xla'"):
+        anchor_prefill(q, k, v, lens, tile=8, budget=0.5, implementation="xla")
+    with pytest.raises(ValueError, match="tile=12"):
+        gpu_prefill.tile_scores_gpu(q, k, tile=12, interpret=True)
+    with pytest.raises(ValueError, match="tile=12"):
+        tpu_prefill.tile_scores_tpu(q, k, tile=12, interpret=True)
+    with pytest.raises(ValueError, match="k has shape"):
+        anchor_prefill(q, k[:, :20], v[:, :20], lens, tile=8, budget=0.5)
+
+
+def _prefill_args():
+    sds = jax.ShapeDtypeStruct
+    B, T, Hq, Hkv, D = 1, 1024, 32, 8, 128
+    kv = sds((B, T, Hkv, D), jnp.bfloat16)
+    return sds((B, T, Hq, D), jnp.bfloat16), kv, kv, sds((B,), jnp.int32)
+
+
+def test_prefill_gpu_lowers_for_cuda():
+    # The sparse anchor (the dense one calls cuDNN, which lowers only with a GPU present).
+    check = jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)
+    f = functools.partial(gpu_prefill.anchor_prefill_gpu, tile=128, budget=0.1)
+    with _abstract("NVIDIA H100 80GB HBM3", 132, "gpu"):
+        text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(
+            *_prefill_args()).mlir_module()
+    for name in ("anchor_prefill_lse", "anchor_prefill_pool", "topk_select_compact", "sparse_prefill_gathered"):
+        assert name in text, name
+
+
+def test_prefill_tpu_lowers_for_tpu():
+    f = functools.partial(tpu_prefill.anchor_prefill_tpu, tile=128, budget=0.1)
+    with _abstract("TPU v5 lite", 1, "tpu"):
+        text = jax.export.export(jax.jit(f), platforms=["tpu"])(*_prefill_args()).mlir_module()
+    assert text.count("tpu_custom_call") >= 10  # lse + pooling + 8 counting passes

@@ -1,11 +1,14 @@
-"""One entry point, `anchor_decode`, dispatching over implementations.
+"""The entry points `anchor_decode` and `anchor_prefill`, dispatching over implementations.
 
   implementation=None   pick by `jax.default_backend()`: gpu -> "pallas_gpu" (bf16/f16/f32, D a power of two
                         >= 16, else "xla"), tpu -> "pallas_tpu", anything else -> "xla".
-  "pallas_gpu"          `gpu.py`: Triton scoring pass + Triton top-k + Triton gathered attention.
-  "pallas_tpu"          `tpu.py`: Pallas TPU scoring pass + TPU top-k counting + sparse_decode.
-  "xla"                 `xla.py`: einsum scores, then the selection and attention entry points.
-  "reference"           `reference.py`: the specification (dense softmax, lax.top_k, reference attention).
+  "pallas_gpu"          `gpu.py` / `gpu_prefill.py`: Triton scoring passes + Triton top-k + Triton gathered
+                        attention.
+  "pallas_tpu"          `tpu.py` / `tpu_prefill.py`: Pallas TPU scoring passes + TPU top-k counting +
+                        sparse_decode / sparse_prefill.
+  "xla"                 `xla.py`: decode only: einsum scores, then the selection and attention entry points.
+  "reference"           `reference.py`: the specification (dense softmax, lax.top_k, reference attention);
+                        materialises [T, T] in prefill.
 """
 
 from __future__ import annotations
@@ -63,3 +66,38 @@ def anchor_decode(q: Array, k: Array, v: Array, lengths: Array, *, budget: float
         return anchor_decode_gpu(q, k, v, lengths, **kw)
     from pallas_kernels.anchor_attention.tpu import anchor_decode_tpu
     return anchor_decode_tpu(q, k, v, lengths, **kw)
+
+
+def anchor_prefill(q: Array, k: Array, v: Array, lengths: Array, *, tile: int, budget: float,
+                   min_tokens: int = 128, K: int | None = None, scale: float | None = None,
+                   dense_output: bool = False, implementation: str | None = None) -> tuple[Array, Array]:
+    """Kascade anchor prefill layer: causal post-softmax scores pooled over the GQA group and each query tile
+    (never materialising [T, T] in the Pallas kernels), top-k per tile among the keys before it, tile-gathered
+    attention (or dense causal attention for a dense anchor).
+
+    Args:
+      q: [B, T, Hq, D]; k, v: [B, T, Hkv, D]; lengths: int32[B] valid tokens per row.
+      tile: query rows per index row (GPU: a power of two >= 16; TPU: a multiple of 8).
+      budget, min_tokens: tile i keeps min(max(ceil(budget * i * tile), min_tokens), i * tile) keys.
+      K: static index width (None: the rule at T).
+      scale: softmax scale (None: 1/sqrt(D)).
+      dense_output: dense causal attention (Kascade's layer 0).
+      implementation: "pallas_gpu", "pallas_tpu", "reference" or None (by backend; CPU: the reference).
+
+    Returns:
+      (out: [B, T, Hq, D] in q.dtype, indices: int32[B, Hkv, ceil(T / tile), K] ascending, -1 padded).
+    """
+    if implementation is None:
+        implementation = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "reference")
+    if implementation not in ("pallas_gpu", "pallas_tpu", "reference"):
+        raise ValueError(f"implementation={implementation!r}: expected 'pallas_gpu', 'pallas_tpu', 'reference' "
+                         f"or None")
+    kw = dict(tile=tile, budget=budget, min_tokens=min_tokens, K=K, scale=scale, dense_output=dense_output)
+    if implementation == "reference":
+        from pallas_kernels.anchor_attention.reference import anchor_prefill_reference
+        return anchor_prefill_reference(q, k, v, lengths, **kw)
+    if implementation == "pallas_gpu":
+        from pallas_kernels.anchor_attention.gpu_prefill import anchor_prefill_gpu
+        return anchor_prefill_gpu(q, k, v, lengths, **kw)
+    from pallas_kernels.anchor_attention.tpu_prefill import anchor_prefill_tpu
+    return anchor_prefill_tpu(q, k, v, lengths, **kw)

@@ -102,3 +102,28 @@ def select(scores: Array, pos: Array, budget: float, min_tokens: int, K: int, im
 
     kk = budget_count(float(budget), pos + 1, min_tokens)[:, None, :]  # [B, 1, T]
     return topk_select(scores, kk, K, implementation=implementation)
+
+
+def check_prefill_args(q: Array, k: Array, v: Array, lengths: Array, tile: int, budget: float, min_tokens: int,
+                       K: int | None) -> int:
+    """Validates an `anchor_prefill` call; returns the static index width K (default: the rule at T)."""
+    if q.ndim != 4:
+        raise ValueError(f"q has shape {tuple(q.shape)}: expected [B, T, Hq, D]")
+    B, T, Hq, D = q.shape
+    if k.ndim != 4 or k.shape[0] != B or k.shape[1] != T or k.shape[3] != D:
+        raise ValueError(f"k has shape {tuple(k.shape)}: expected [B={B}, T={T}, Hkv, D={D}]")
+    if v.shape != k.shape:
+        raise ValueError(f"v has shape {tuple(v.shape)}: expected the shape of k, {tuple(k.shape)}")
+    if Hq % k.shape[2]:
+        raise ValueError(f"Hq={Hq} query heads is not a multiple of Hkv={k.shape[2]} KV heads")
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
+        raise ValueError(f"tile={tile!r}: expected an int >= 1 (query rows per index row)")
+    sds = jax.ShapeDtypeStruct  # shape stand-ins: the decode checks of budget, min_tokens, K and lengths
+    cache = sds((B, k.shape[2], T, D), k.dtype)
+    return check_args(sds((B, 1, Hq, D), q.dtype), cache, cache, lengths, budget, min_tokens, K)
+
+
+def tile_counts(budget: float, T: int, tile: int, min_tokens: int) -> Array:
+    """i32[ceil(T / tile)]: keys chosen for each query tile among those before its start (rolling budget)."""
+    starts = jnp.arange(-(-T // tile), dtype=jnp.int32) * tile
+    return budget_count(float(budget), starts, min_tokens)

@@ -2,12 +2,20 @@
 
   anchor_decode_reference(q: [B, T, Hq, D], k, v: [B, Hkv, N, D], lengths: i32[B], *, budget, min_tokens, K,
                           dense_output) -> (out: [B, T, Hq, D], indices: int32[B, Hkv, T, K])
+  anchor_prefill_reference(q: [B, T, Hq, D], k, v: [B, T, Hkv, D], lengths: i32[B], *, tile, budget,
+                           min_tokens, K, dense_output) -> (out: [B, T, Hq, D], indices: int32[B, Hkv, nT, K])
 
 Exactly Kascade's anchor (jsparse.methods.kascade / oracle.select_decode): dense post-softmax scores over the
 visible keys (n <= position), pooled over the GQA group; the top kk = min(max(ceil(budget * (pos + 1)),
 min_tokens), pos + 1) per (row, KV head, token) by `topk_select_reference` (lax.top_k order, ties to the lower
 position); attention over exactly the selected keys (`sparse_decode_reference`), or with `dense_output` over
 every visible key.
+
+Prefill (oracle.select_prefill): causal post-softmax weights pooled over the GQA group and over each query tile
+of `tile` rows (jsparse.selection.prefill_tile_probs: every row t < T counts, row lengths play no part),
+restricted to the keys strictly before the tile's start (before_tile_scores); tile i keeps
+kk_i = min(max(ceil(budget * i * tile), min_tokens), i * tile) keys; attention by `sparse_prefill_reference`
+(which adds the diagonal tile), or dense causal attention with `dense_output`.
 """
 
 from __future__ import annotations
@@ -18,8 +26,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.anchor_attention.common import budget_count, check_args, positions
-from pallas_kernels.sparse_attention.reference import sparse_decode_reference
+from pallas_kernels.anchor_attention.common import (budget_count, check_args, check_prefill_args, positions,
+                                                    tile_counts)
+from pallas_kernels.sparse_attention.reference import sparse_decode_reference, sparse_prefill_reference
 from pallas_kernels.topk_select.reference import topk_select_reference
 
 Array = jax.Array
@@ -79,4 +88,52 @@ def anchor_decode_reference(q: Array, k: Array, v: Array, lengths: Array, *, bud
         out = jnp.einsum("bkgtn,bknd->btkgd", probs, v.astype(jnp.float32)).reshape(B, T, Hq, D)
     else:
         out = sparse_decode_reference(q, k, v, indices, lengths, scale=scale)
+    return out.astype(q.dtype), indices
+
+
+@functools.partial(jax.jit, static_argnames=("tile", "scale"))
+def tile_scores_reference(q: Array, k: Array, *, tile: int, scale: float | None = None) -> Array:
+    """Causal post-softmax weights pooled over the GQA group and each query tile, keys before the tile only.
+
+    Args:
+      q: [B, T, Hq, D]; k: [B, T, Hkv, D]; tile: query rows per tile; scale: None divides by sqrt(D).
+
+    Returns:
+      f32[B, Hkv, ceil(T / tile), T]: -inf at and after each tile's first position.
+    """
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    probs = _scores_and_probs(q, k.transpose(0, 2, 1, 3), pos, scale)[0]  # [B, Hkv, T, T], -inf above diag
+    probs = jnp.where(jnp.isfinite(probs), probs, 0.0)
+    nt = -(-T // tile)
+    probs = jnp.pad(probs, ((0, 0), (0, 0), (0, nt * tile - T), (0, 0)))
+    pooled = probs.reshape(B, Hkv, nt, tile, T).sum(axis=3)
+    before = jnp.arange(T)[None, :] < (jnp.arange(nt) * tile)[:, None]
+    return jnp.where(before, pooled, -jnp.inf)
+
+
+@functools.partial(jax.jit, static_argnames=("tile", "budget", "min_tokens", "K", "scale", "dense_output"))
+def anchor_prefill_reference(q: Array, k: Array, v: Array, lengths: Array, *, tile: int, budget: float,
+                             min_tokens: int = 128, K: int | None = None, scale: float | None = None,
+                             dense_output: bool = False) -> tuple[Array, Array]:
+    """Anchor prefill layer by dense tile-pooled scores, `lax.top_k` selection and the reference attention.
+
+    Args:
+      q: [B, T, Hq, D]; k, v: [B, T, Hkv, D]; lengths: int32[B] valid tokens per row.
+      tile: query rows per index row; budget, min_tokens: Kascade's rule; K: static index width (None: the
+        rule at T).
+      scale: softmax scale (None: 1/sqrt(D)); dense_output: dense causal attention instead of the sparse one.
+
+    Returns:
+      (out [B, T, Hq, D] in q.dtype, indices int32[B, Hkv, ceil(T / tile), K]).
+    """
+    K = check_prefill_args(q, k, v, lengths, tile, budget, min_tokens, K)
+    T = q.shape[1]
+    scores = tile_scores_reference(q, k, tile=tile, scale=scale)
+    indices = topk_select_reference(scores, tile_counts(budget, T, tile, min_tokens)[None, None, :], K)
+    if dense_output:
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale, implementation="xla")
+    else:
+        out = sparse_prefill_reference(q, k, v, indices, lengths, tile=tile, scale=scale)
     return out.astype(q.dtype), indices
