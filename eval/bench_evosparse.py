@@ -142,7 +142,7 @@ def check(key) -> list[dict]:
             want = dense_decode(q, k, v, lengths, implementation="xla")
         else:
             pos = lengths - 1
-            ret = m.retrieval_blocks(info, q, k, pos[:, None])[:, 0]
+            ret = m.retrieval_blocks(info, q, LayerKV(k=k, v=v), pos[:, None])[:, 0]
             idx = m.select_blocks(st.heat[2], ret, pos, 8, N)
             mask = decode_indices_to_mask(idx[:, :, None], lengths, N, block_size=BLOCK)
             want = masked_attention_reference(q, k, v, mask)

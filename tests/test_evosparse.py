@@ -87,7 +87,7 @@ def _select_np(p, bs, budget_tokens, heat, ret, ret_heads, q, k):
         tok[p + 1:] = -np.inf
         bmax = np.array([tok[b * bs:(b + 1) * bs].max() for b in range(k.shape[1] // bs)])
         order = sorted(middle, key=lambda b: (-bmax[b], b))
-        ret = order[:n_r]
+        ret = sorted(order[:n_r])
     sets = []
     for h in range(HKV):
         cand = [b for b in middle if b not in ret]

@@ -59,8 +59,9 @@ from flax import struct
 from jsparse import selection as sel
 from jsparse.artifacts import load_artifact
 from jsparse.methods.base import register
-from jsparse.methods.common import dense_decode, dense_prefill
+from jsparse.methods.common import attend_dense, dense_prefill
 from pallas_kernels.sparse_attention import sparse_decode
+from pallas_kernels.topk_select import topk_select
 
 Array = jax.Array
 ARTIFACT_KIND = "evosparse"
@@ -77,7 +78,7 @@ DEFAULTS_NOTE = ("defaults chosen by a sweep on SmolLM2-135M at 4K tokens, budge
 @struct.dataclass
 class EvoState:
     """heat: f32[L, B, Hkv, NB] (NB = max_len / block_size) decayed sparse-attention mass per block, or None
-    without heat; retrieval: i32[B, T, Wr] the latest retrieval blocks (best first, -1 padded) inside one
+    without heat; retrieval: i32[B, T, Wr] the latest retrieval blocks (ascending, -1 padded) inside one
     decode forward, else None."""
 
     heat: Optional[Array] = None
@@ -163,14 +164,13 @@ def _max_counts(Kb: int, cum_fixed) -> tuple[int, ...]:
     return tuple(int(np.max(c)) for c in split_counts(kb, cum_fixed))
 
 
-def _topk_valid(scores: Array, count: Array, width: int) -> Array:
-    """Top-`width` positions of scores f32[..., M] by value, -1 beyond `count` i32[...] or at -inf scores.
-
-    Returns i32[..., width], best first (not sorted by position)."""
-    width = min(width, scores.shape[-1])
-    vals, idx = jax.lax.top_k(scores, width)
-    keep = (jnp.arange(width) < count[..., None]) & (vals > -jnp.inf)
-    return jnp.where(keep, idx, -1).astype(jnp.int32)
+def _stacked(cache):
+    """(k_all, v_all: [L, B, Hkv, N, D], layer: i32[]) of a cache view. Inside the model's scan the view carries
+    the stacked cache: reading it with the layer index (in-place kernels, gathers) never copies the layer's
+    whole cache, which handing `cache.k` to a kernel would. A bare view is a stack of one layer."""
+    if getattr(cache, "layer", None) is not None:
+        return cache.k_all, cache.v_all, cache.layer
+    return cache.k[None], cache.v[None], jnp.int32(0)
 
 
 def _scatter_blocks(idx: Array, nb: int, values=None) -> Array:
@@ -354,30 +354,32 @@ class EvoSparse:
         retrieval = state.retrieval
         if self.uses_retrieval:
             retrieval = jax.lax.cond(ctx.info.has_retrieval,
-                                     lambda: self.retrieval_blocks(ctx.info, q, cache.k, pos),
+                                     lambda: self.retrieval_blocks(ctx.info, q, cache, pos),
                                      lambda: state.retrieval)
         state = state.replace(retrieval=retrieval)
         return jax.lax.cond(ctx.layer < self.dense_layers,
-                            lambda: (dense_decode(q, cache.k, cache.v, ctx.lengths), state),
+                            lambda: (attend_dense(q, cache, ctx.lengths), state),
                             lambda: self._sparse_decode(ctx, q, cache, state, pos))
 
     # ------------------------------------------------------------------------------------------- pieces
 
-    def retrieval_blocks(self, info: RetrievalLayout, q: Array, k_cache: Array, pos: Array) -> Array:
-        """The retrieval set of every new token: i32[B, T, Wr] blocks, best first, -1 padded.
+    def retrieval_blocks(self, info: RetrievalLayout, q: Array, cache, pos: Array) -> Array:
+        """The retrieval set of every new token: i32[B, T, Wr] blocks ascending, -1 padded.
 
         Args:
           info: this layer's RetrievalLayout slice (kv_heads: i32[R], head_mask: bool[R, G]).
-          q: [B, T, Hq, D]; k_cache: [B, Hkv, N, D]; pos: i32[B, T] query positions.
+          q: [B, T, Hq, D]; cache: the layer's cache view (models.attention.LayerKV, [B, Hkv, N, D]);
+          pos: i32[B, T] query positions.
         """
         B, T, Hq, D = q.shape
-        Hkv, N = k_cache.shape[1], k_cache.shape[2]
+        Hkv, N = cache.k.shape[1], cache.k.shape[2]
         G, bs = Hq // Hkv, self.block_size
         w = self.widths(N)
         nb = w["nb"]
-        kr = jnp.take(k_cache, info.kv_heads, axis=1)  # [B, R, N, D]: only the KV heads holding retrieval heads
+        k_all, _, layer = _stacked(cache)
+        kr = k_all[layer, :, info.kv_heads]  # [R, B, N, D]: one gather of the KV heads holding retrieval heads
         qr = jnp.take(q.reshape(B, T, Hkv, G, D), info.kv_heads, axis=2)  # [B, T, R, G, D]
-        logits = jnp.einsum("btrgd,brnd->btrgn", qr, kr.astype(q.dtype),
+        logits = jnp.einsum("btrgd,rbnd->btrgn", qr, kr.astype(q.dtype),
                             preferred_element_type=jnp.float32) / math.sqrt(D)
         logits = jnp.where(info.head_mask[None, None, :, :, None], logits, -jnp.inf)
         tok_max = logits.max(axis=(2, 3))  # [B, T, N]
@@ -387,7 +389,7 @@ class EvoSparse:
         blk = jnp.arange(nb)[None, None]
         middle = (blk >= n_s[..., None]) & (blk < (nbv - n_l)[..., None])
         scores = jnp.where(middle, block_max, -jnp.inf)
-        return _topk_valid(scores, n_r, w["retrieval"])
+        return topk_select(scores, n_r, w["retrieval"])
 
     def _sparse_decode(self, ctx, q, cache, state, pos):
         B, T, Hq, D = q.shape
@@ -443,7 +445,7 @@ class EvoSparse:
                 middle = middle & ~taken[:, None]
             scores = jnp.where(middle, heat_l, -jnp.inf)
             count = n_h + (n_r - n_ret_valid) if ret is not None or self.uses_retrieval else n_h
-            parts.append(_topk_valid(scores, jnp.broadcast_to(count[:, None], (B, Hkv)), w["heat"]))
+            parts.append(topk_select(scores, jnp.broadcast_to(count[:, None], (B, Hkv)), w["heat"]))
         cand = jnp.concatenate(parts, axis=-1)
         big = jnp.iinfo(jnp.int32).max
         cand = jnp.sort(jnp.where(cand >= 0, cand, big), axis=-1)
@@ -465,14 +467,16 @@ class EvoSparse:
         Hkv, N = cache.k.shape[1], cache.k.shape[2]
         G, bs, nb = Hq // Hkv, self.block_size, N // self.block_size
         lengths = pos + 1
-        out, lse = sparse_decode(q_t[:, None], cache.k, cache.v, idx[:, :, None], lengths, block_size=bs,
+        k_all, v_all, layer = _stacked(cache)
+        out, lse = sparse_decode(q_t[:, None], k_all, v_all, idx[:, :, None], lengths, layer=layer, block_size=bs,
                                  return_lse=True)
         if not self.uses_heat:
             return out[:, 0], None
-        # Recompute the selected keys' probabilities exp(q.k / sqrt(d) - lse) (K blocks only).
+        # Recompute the selected keys' probabilities exp(q.k / sqrt(d) - lse) (K blocks only, read in place).
         K = idx.shape[-1]
-        kb = cache.k.reshape(B, Hkv, nb, bs, D)
-        kg = jnp.take_along_axis(kb, jnp.clip(idx, 0, nb - 1)[..., None, None], axis=2)  # [B, Hkv, K, bs, D]
+        kb = k_all.reshape(k_all.shape[:3] + (nb, bs, D))
+        bi, hi = jnp.arange(B)[:, None, None], jnp.arange(Hkv)[None, :, None]
+        kg = kb[layer, bi, hi, jnp.clip(idx, 0, nb - 1)]  # [B, Hkv, K, bs, D]
         qg = q_t.reshape(B, Hkv, G, D)
         logits = jnp.einsum("bhgd,bhksd->bhgks", qg, kg.astype(q_t.dtype),
                             preferred_element_type=jnp.float32) / math.sqrt(D)
