@@ -105,8 +105,9 @@ def radix_threshold(count_fn: Callable[[Array, Array], Array], kk: Array, N: int
     """Radix search of each row's threshold key.
 
     Args:
-      count_fn: (cand: i32[R, M], active: bool[R]) -> i32[R, M], the number of keys >= cand[r, j] in row r
-        for j >= 1 (column 0, c = lo, and rows with active False may hold anything). M = 2**bits.
+      count_fn: (cand: i32[R, M], active: bool[R], lo: i32[R], shift: int) -> i32[R, M], the number of keys
+        >= cand[r, j] in row r for j >= 1 (column 0, c = lo, and rows with active False may hold anything);
+        cand[r, j] = lo[r] + j * 2**shift (wrapping int32 arithmetic), M = 2**bits.
       kk: i32[R] keys to choose per row (0 <= kk <= N).
       N: keys per row.
       bits: bits resolved per pass.
@@ -126,7 +127,7 @@ def radix_threshold(count_fn: Callable[[Array, Array], Array], kk: Array, N: int
         shift = 32 - bits * (p + 1)
         cand_u = lo_u[:, None] + (j[None, :] << jnp.uint32(shift))
         cand = lax.bitcast_convert_type(cand_u ^ SIGN, jnp.int32)
-        cnt = count_fn(cand, ~done)
+        cnt = count_fn(cand, ~done, lax.bitcast_convert_type(lo_u ^ SIGN, jnp.int32), shift)
         # Counts fall with j and count(key >= lo) >= kk, so the last candidate still >= kk is j* =
         # (number of such, column 0 included) - 1.
         ok = (cnt >= kk[:, None]) | (j[None, :] == 0)  # column 0 may hold anything

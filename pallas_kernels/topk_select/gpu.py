@@ -2,9 +2,10 @@
 
 Three kernels, each on a grid (R, S): one program per row and split of the row (S splits of whole chunks of
 `block_n` scores, so that R * S is about `target_programs` and every SM has work even with a few rows):
-  * `_count_kernel` (32 / bits_per_pass launches): for the 2**bits candidate keys of its row, how many of its
-    scores have a key >= each; the split counts are summed and the next candidates chosen in XLA
-    (`common.radix_threshold`). Rows already resolved skip the reading.
+  * `_count_kernel` (32 / bits_per_pass launches): for the 2**bits candidate keys lo + j * 2**shift of its
+    row, how many of its scores have a key >= each (by the keys' radix digits, see the kernel); the split
+    counts are summed and the next bin chosen in XLA (`common.radix_threshold`). Rows already resolved skip
+    the reading.
   * `_final_count_kernel` (one launch): per split, the keys the bulk rule takes (>= a), those of them that
     are output (> -inf) and the ties (== t); `common.split_plan` turns them into per-split output offsets and
     tie quotas.
@@ -28,8 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.topk_select.common import (INT_MIN, check_args, check_bits, float_keys, pad_output,
-                                               radix_threshold, row_counts, selection_rule, split_plan, splits_for)
+from pallas_kernels.topk_select.common import (check_args, check_bits, float_keys, pad_output, radix_threshold,
+                                               row_counts, selection_rule, split_plan, splits_for)
 
 Array = jax.Array
 
@@ -89,20 +90,30 @@ def _split_chunks(n: int, block_n: int, per_split: int):
     return first, jnp.clip(pl.cdiv(n, block_n) - first, 0, per_split)
 
 
-def _count_kernel(act_ref, cand_ref, x_ref, o_ref, *, n: int, block_n: int, per_split: int):
-    """One (row, split) program: o[j] = #(key >= cand[j]) over the split (j >= 1; column 0 may count
-    padding). Refs: act i32[1] (0: row resolved, skip); cand i32[M]; x f32[N] the row; o i32[M]."""
-    cand = cand_ref[...]
+def _count_kernel(p_ref, x_ref, o_ref, *, n: int, block_n: int, per_split: int, bits: int):
+    """One (row, split) program: o[j] = #(key >= lo + j * 2**shift) over the split, for j = 1 .. M - 1.
+
+    Each key becomes one small float, its radix digit relative to the row's bin [lo, lo + M * 2**shift):
+    -1 below the bin, M above it, else (key - lo) >> shift; the counts are then M float compares against
+    constants (the FP32 pipe, twice the integer rate), exact for any key. Refs: p i32[4] = (lo, active,
+    shift, -): a row with active 0 is resolved and skips the reading; x f32[N] the row; o i32[M].
+    """
+    lo, act, shift = p_ref[0], p_ref[1], p_ref[2]
+    M = 1 << bits
     first, count = _split_chunks(n, block_n, per_split)
-    count = jnp.where(act_ref[0] > 0, count, 0)
+    count = jnp.where(act > 0, count, 0)
+    levels = jnp.arange(M, dtype=jnp.int32).astype(jnp.float32)
 
     def body(i, acc):
         _, ok, x = _chunk(x_ref, first + i, block_n, n)
-        key = jnp.where(ok, float_keys(x), INT_MIN)  # padding: the smallest key, below every c_j (j >= 1)
-        return acc + (key[None, :] >= cand[:, None]).astype(jnp.int32)
+        key = float_keys(x)
+        d = lax.shift_right_logical(key - lo, shift)  # unsigned offset in the bin (wrapping subtraction)
+        above = lax.shift_right_logical(d, jnp.int32(bits)) != 0
+        digit = jnp.where((key >= lo) & ok, jnp.where(above, M, d), -1).astype(jnp.float32)
+        return acc + (digit[None, :] >= levels[:, None]).astype(jnp.float32)
 
-    acc = lax.fori_loop(0, count, body, jnp.zeros((cand.shape[0], block_n), jnp.int32))
-    o_ref[...] = jnp.sum(acc, axis=1)
+    acc = lax.fori_loop(0, count, body, jnp.zeros((M, block_n), jnp.float32))
+    o_ref[...] = jnp.sum(acc, axis=1).astype(jnp.int32)
 
 
 def _final_count_kernel(p_ref, x_ref, o_ref, *, n: int, block_n: int, per_split: int):
@@ -179,17 +190,18 @@ def topk_select_gpu(scores: Array, k, K: int, *, config: SelectConfig = SelectCo
     bn = config.count_block()
     S, per = splits_for(R, pl.cdiv(N, bn), config.target_programs)
     count_call = pl.pallas_call(
-        functools.partial(_count_kernel, n=N, block_n=bn, per_split=per),
+        functools.partial(_count_kernel, n=N, block_n=bn, per_split=per, bits=bits),
         grid=(R, S),
-        in_specs=[pl.BlockSpec((None, 1), lambda r, s: (r, 0)),  # row still active
-                  pl.BlockSpec((None, M), lambda r, s: (r, 0)),  # candidate keys
+        in_specs=[pl.BlockSpec((None, 4), lambda r, s: (r, 0)),  # (lo, active, shift, -)
                   row_spec],
         out_specs=pl.BlockSpec((None, None, M), lambda r, s: (s, r, 0)),
         out_shape=jax.ShapeDtypeStruct((S, R, M), jnp.int32),
         compiler_params=params, interpret=interpret, name="topk_select_count")
 
-    def count_fn(cand, active):
-        return jnp.sum(count_call(active.astype(jnp.int32)[:, None], cand, x), axis=0)
+    def count_fn(cand, active, lo, shift):
+        del cand
+        p = jnp.stack([lo, active.astype(jnp.int32), jnp.full_like(lo, shift), jnp.zeros_like(lo)], axis=1)
+        return jnp.sum(count_call(p, x), axis=0)
 
     lo, done = radix_threshold(count_fn, kk, N, bits)
     a, t, on = selection_rule(lo, done, kk)

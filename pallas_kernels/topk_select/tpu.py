@@ -97,8 +97,8 @@ def topk_select_tpu(scores: Array, k, K: int, *, config: TpuSelectConfig = TpuSe
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret, name="topk_select_count_tpu")
 
-    def count_fn(cand, active):
-        del active
+    def count_fn(cand, active, lo, shift):
+        del active, lo, shift
         return call(cand, x).astype(jnp.int32)
 
     lo, done = radix_threshold(count_fn, kk, N, config.bits_per_pass)

@@ -62,8 +62,8 @@ def topk_select_xla(scores: Array, k, K: int, *, bits_per_pass: int = 4) -> Arra
     kk = row_counts(k, lead, Kp)
     key = float_keys(x)
 
-    def count_fn(cand, active):
-        del active
+    def count_fn(cand, active, lo, shift):
+        del active, lo, shift
         return jnp.sum((key[:, None, :] >= cand[:, :, None]).astype(jnp.int32), axis=-1)
 
     lo, done = radix_threshold(count_fn, kk, N, bits_per_pass)
