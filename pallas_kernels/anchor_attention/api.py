@@ -33,19 +33,21 @@ def _pick(implementation: str | None, q: Array) -> str:
 
 
 def anchor_decode(q: Array, k: Array, v: Array, lengths: Array, *, budget: float, min_tokens: int = 128,
-                  K: int | None = None, scale: float | None = None, dense_output: bool = False,
-                  implementation: str | None = None) -> tuple[Array, Array]:
+                  K: int | None = None, layer: Array | None = None, scale: float | None = None,
+                  dense_output: bool = False, implementation: str | None = None) -> tuple[Array, Array]:
     """Kascade anchor decode layer: exact pooled post-softmax scores of every visible key, top-k selection,
     attention over the selected keys (or dense attention for a dense anchor).
 
     Args:
       q: [B, T, Hq, D] queries of the T newest tokens (positions lengths - T + t).
-      k, v: [B, Hkv, N, D] head-major cache (new tokens written).
+      k, v: [B, Hkv, N, D] head-major cache (new tokens written), or with `layer` the stacked cache
+        [L, B, Hkv, N, D] (models.attention.LayerKV's k_all, v_all), which the kernels read in place.
       lengths: int32[B] valid tokens per row.
       budget: kept fraction in (0, 1]: kk = min(max(ceil(budget * (pos + 1)), min_tokens), pos + 1) keys per
         (row, KV head, token).
       min_tokens: the floor of that rule.
       K: static index width (None: the rule at N).
+      layer: i32[] (traced) layer of a stacked cache, or None.
       scale: softmax scale (None: 1/sqrt(D)).
       dense_output: attend to every visible key (Kascade's layer 0, dense and an anchor).
       implementation: see the module docstring.
@@ -54,7 +56,7 @@ def anchor_decode(q: Array, k: Array, v: Array, lengths: Array, *, budget: float
       (out: [B, T, Hq, D] in q.dtype, indices: int32[B, Hkv, T, K] ascending, -1 padded).
     """
     impl = _pick(implementation, q)
-    kw = dict(budget=budget, min_tokens=min_tokens, K=K, scale=scale, dense_output=dense_output)
+    kw = dict(budget=budget, min_tokens=min_tokens, K=K, layer=layer, scale=scale, dense_output=dense_output)
     if impl == "reference":
         from pallas_kernels.anchor_attention.reference import anchor_decode_reference
         return anchor_decode_reference(q, k, v, lengths, **kw)

@@ -38,9 +38,30 @@ def budget_count(budget: float, n, min_tokens: int):
     return jnp.minimum(jnp.maximum(k, min_tokens), n)
 
 
+def unstack(k: Array, v: Array, layer) -> tuple[Array, Array]:
+    """Shape stand-ins of one layer's cache when `layer` is given (k, v: [L, B, Hkv, N, D]); else k, v."""
+    if layer is None:
+        return k, v
+    if k.ndim != 5 or v.shape != k.shape:
+        raise ValueError(f"k has shape {tuple(k.shape)} and v {tuple(v.shape)}: with layer= expected the "
+                         f"stacked cache [L, B, Hkv, N, D] for both")
+    layer = jnp.asarray(layer)
+    if layer.ndim != 0 or not jnp.issubdtype(layer.dtype, jnp.integer):
+        raise ValueError(f"layer has shape {tuple(layer.shape)} and dtype {layer.dtype}: expected an integer "
+                         f"scalar in [0, L={k.shape[0]})")
+    one = jax.ShapeDtypeStruct(k.shape[1:], k.dtype)
+    return one, one
+
+
+def layer_of(layer, num_layers: int) -> Array:
+    """i32[1]: the layer index as jnp indexing reads a traced index (negative from the end, then clamped)."""
+    layer = jnp.asarray(layer, jnp.int32)
+    return jnp.clip(jnp.where(layer < 0, layer + num_layers, layer), 0, num_layers - 1).reshape(1)
+
+
 def check_args(q: Array, k: Array, v: Array, lengths: Array, budget: float, min_tokens: int,
                K: int | None) -> int:
-    """Validates an `anchor_decode` call; returns the static index width K."""
+    """Validates an `anchor_decode` call (k, v: one layer's cache [B, Hkv, N, D]); returns the static K."""
     if q.ndim != 4:
         raise ValueError(f"q has shape {tuple(q.shape)}: expected [B, T, Hq, D]")
     B, T, Hq, D = q.shape

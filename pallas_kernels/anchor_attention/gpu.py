@@ -26,8 +26,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.anchor_attention.common import (check_args, combine_lse, default_scale, pool_scores, positions,
-                                                    select)
+from pallas_kernels.anchor_attention.common import (check_args, combine_lse, default_scale, layer_of, pool_scores,
+                                                    positions, select, unstack)
 
 Array = jax.Array
 
@@ -64,19 +64,19 @@ def unsupported_reason(dtype, head_dim: int) -> str | None:
     return None
 
 
-def _logits_kernel(lim_ref, q_ref, k_ref, *refs, scale: float, block_n: int, per_split: int, n: int, G: int,
-                   dense: bool):
+def _logits_kernel(layer_ref, lim_ref, q_ref, k_ref, *refs, scale: float, block_n: int, per_split: int, n: int,
+                   G: int, dense: bool):
     """One (b, h, t, split) program.
 
-    Refs: lim i32[1] last visible key (the query's position; < 0: none); q [Gp, D]; k [N, D] (and v [N, D]
-    with dense); outputs logits f32[G, N] (only this split's visible chunks are written), m, l f32[Gp] (and
-    o f32[Gp, D] with dense).
+    Refs: layer i32[1] the cache layer to read; lim i32[1] last visible key (the query's position; < 0:
+    none); q [Gp, D]; k [L, N, D] every layer of the KV head (and v with dense); outputs logits f32[G, N]
+    (only this split's visible chunks are written), m, l f32[Gp] (and o f32[Gp, D] with dense).
     """
     if dense:
         v_ref, lg_ref, m_ref, l_ref, o_ref = refs
     else:
         lg_ref, m_ref, l_ref = refs
-    lim = lim_ref[0]
+    layer, lim = layer_ref[0], lim_ref[0]
     q = q_ref[...]
     gp, d = q.shape
     first = pl.program_id(3) * per_split
@@ -90,9 +90,9 @@ def _logits_kernel(lim_ref, q_ref, k_ref, *refs, scale: float, block_n: int, per
         kpos = start + jnp.arange(block_n, dtype=jnp.int32)
         cols = pl.ds(start, block_n)
         if exact:
-            k = k_ref[cols, :]
+            k = k_ref[layer, cols, :]  # one indexer (layer, rows, :), as Triton's lowering needs
         else:
-            k = plgpu.load(k_ref.at[cols, :], mask=(kpos < n)[:, None], other=0.0)
+            k = plgpu.load(k_ref.at[layer, cols, :], mask=(kpos < n)[:, None], other=0.0)
         s = plgpu.dot(q, k, trans_b=True) * scale  # [Gp, block_n] f32
         ok = kpos <= lim
         s = jnp.where(ok[None, :], s, _MASK)
@@ -106,9 +106,9 @@ def _logits_kernel(lim_ref, q_ref, k_ref, *refs, scale: float, block_n: int, per
         if not dense:
             return m_new, l
         if exact:
-            v = v_ref[cols, :]
+            v = v_ref[layer, cols, :]
         else:
-            v = plgpu.load(v_ref.at[cols, :], mask=(kpos < n)[:, None], other=0.0)
+            v = plgpu.load(v_ref.at[layer, cols, :], mask=(kpos < n)[:, None], other=0.0)
         o = corr[:, None] * carry[2] + plgpu.dot(p.astype(v.dtype), v)
         return m_new, l, o
 
@@ -123,13 +123,15 @@ def _logits_kernel(lim_ref, q_ref, k_ref, *refs, scale: float, block_n: int, per
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "dense_output", "config", "interpret"))
-def decode_scores_gpu(q: Array, k: Array, v: Array, lengths: Array, *, scale: float | None = None,
-                      dense_output: bool = False, config: AnchorConfig = AnchorConfig(),
+def decode_scores_gpu(q: Array, k: Array, v: Array, lengths: Array, *, layer: Array | None = None,
+                      scale: float | None = None, dense_output: bool = False, config: AnchorConfig = AnchorConfig(),
                       interpret: bool = False) -> tuple[Array, Array | None]:
     """Pooled post-softmax scores of every key (and the dense attention with `dense_output`), one pass over K.
 
     Args:
-      q: [B, T, Hq, D]; k, v: [B, Hkv, N, D] head-major cache; lengths: int32[B].
+      q: [B, T, Hq, D]; k, v: [B, Hkv, N, D] head-major cache, or with `layer` the stacked cache
+        [L, B, Hkv, N, D] read in place at that layer; lengths: int32[B].
+      layer: i32[] (traced) layer of a stacked cache, or None.
       scale: softmax scale (None: 1/sqrt(D)).
       dense_output: also attend densely (reads V in full).
       config: `AnchorConfig`.
@@ -144,8 +146,10 @@ def decode_scores_gpu(q: Array, k: Array, v: Array, lengths: Array, *, scale: fl
         raise ValueError(f"the Pallas GPU anchor kernel cannot take {reason}")
     if not _pow2(config.block_n) or config.block_n < 16:
         raise ValueError(f"AnchorConfig.block_n={config.block_n}: expected a power of two >= 16")
-    B, T, Hq, D = q.shape
-    Hkv, N = k.shape[1], k.shape[2]
+    if layer is None:
+        k, v, layer = k[None], v[None], 0  # a leading unit axis: a free reshape
+    L, B, Hkv, N, D = k.shape
+    T, Hq = q.shape[1], q.shape[2]
     G = Hq // Hkv
     scale = default_scale(D, scale)
     bn = config.block_n
@@ -161,8 +165,9 @@ def decode_scores_gpu(q: Array, k: Array, v: Array, lengths: Array, *, scale: fl
     if Gp != G:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, Gp - G), (0, 0)))
 
-    cache_spec = pl.BlockSpec((None, None, N, D), lambda b, h, t, s: (b, h, 0, 0))
-    in_specs = [pl.BlockSpec((None, 1), lambda b, h, t, s: (b, t)),
+    cache_spec = pl.BlockSpec((L, None, None, N, D), lambda b, h, t, s: (0, b, h, 0, 0))  # every layer
+    in_specs = [pl.BlockSpec((1,), lambda b, h, t, s: (0,)),  # the layer index
+                pl.BlockSpec((None, 1), lambda b, h, t, s: (b, t)),
                 pl.BlockSpec((None, None, None, Gp, D), lambda b, h, t, s: (b, h, t, 0, 0)),
                 cache_spec]
     part = pl.BlockSpec((None, None, None, None, Gp), lambda b, h, t, s: (s, b, h, t, 0))
@@ -170,7 +175,7 @@ def decode_scores_gpu(q: Array, k: Array, v: Array, lengths: Array, *, scale: fl
     out_shape = [jax.ShapeDtypeStruct((B, Hkv, T, G, N), jnp.float32),
                  jax.ShapeDtypeStruct((S, B, Hkv, T, Gp), jnp.float32),
                  jax.ShapeDtypeStruct((S, B, Hkv, T, Gp), jnp.float32)]
-    args = [lim, qg, k]
+    args = [layer_of(layer, L), lim, qg, k]
     if dense_output:
         in_specs.append(cache_spec)
         out_specs.append(pl.BlockSpec((None, None, None, None, Gp, D), lambda b, h, t, s: (s, b, h, t, 0, 0)))
@@ -203,21 +208,23 @@ def decode_scores_gpu(q: Array, k: Array, v: Array, lengths: Array, *, scale: fl
 @functools.partial(jax.jit, static_argnames=("budget", "min_tokens", "K", "scale", "dense_output", "config",
                                              "select_config", "interpret"))
 def anchor_decode_gpu(q: Array, k: Array, v: Array, lengths: Array, *, budget: float, min_tokens: int = 128,
-                      K: int | None = None, scale: float | None = None, dense_output: bool = False,
+                      K: int | None = None, layer: Array | None = None, scale: float | None = None,
+                      dense_output: bool = False,
                       config: AnchorConfig = AnchorConfig(), select_config=None,
                       interpret: bool = False) -> tuple[Array, Array]:
     """Anchor decode layer on the GPU: Triton scoring pass, Triton top-k selection, Triton gathered attention.
 
-    Args and returns as `reference.anchor_decode_reference`; config: `AnchorConfig` of the scoring kernel;
-    select_config: `topk_select.gpu.SelectConfig` (None: default); interpret: all kernels in the Pallas
-    interpreter (CPU tests).
+    Args and returns as `reference.anchor_decode_reference`; with `layer` (i32[], traced) k and v are the
+    stacked cache [L, B, Hkv, N, D], read in place at that layer; config: `AnchorConfig` of the scoring
+    kernel; select_config: `topk_select.gpu.SelectConfig` (None: default); interpret: all kernels in the
+    Pallas interpreter (CPU tests).
     """
     from pallas_kernels.sparse_attention import gpu as sparse_gpu
     from pallas_kernels.topk_select import gpu as select_gpu
 
-    K = check_args(q, k, v, lengths, budget, min_tokens, K)
-    scores, out = decode_scores_gpu(q, k, v, lengths, scale=scale, dense_output=dense_output, config=config,
-                                    interpret=interpret)
+    K = check_args(q, *unstack(k, v, layer), lengths, budget, min_tokens, K)
+    scores, out = decode_scores_gpu(q, k, v, lengths, layer=layer, scale=scale, dense_output=dense_output,
+                                    config=config, interpret=interpret)
     pos = positions(lengths, q.shape[1])
     if interpret or select_config is not None:
         from pallas_kernels.anchor_attention.common import budget_count
@@ -226,6 +233,9 @@ def anchor_decode_gpu(q: Array, k: Array, v: Array, lengths: Array, *, budget: f
         indices = select_gpu.topk_select_gpu(scores, kk, K, config=sc, interpret=interpret)
     else:
         indices = select(scores, pos, budget, min_tokens, K, "pallas_gpu")
-    if out is None:
+    if out is None and layer is None:
         out = sparse_gpu.sparse_decode_gpu(q, k, v, indices, lengths, scale=scale, interpret=interpret)
+    elif out is None:
+        from pallas_kernels.sparse_attention.stacked import sparse_decode_stacked_gpu
+        out = sparse_decode_stacked_gpu(q, k, v, layer, indices, lengths, scale=scale, interpret=interpret)
     return out, indices

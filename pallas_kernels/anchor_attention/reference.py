@@ -26,8 +26,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.anchor_attention.common import (budget_count, check_args, check_prefill_args, positions,
-                                                    tile_counts)
+from pallas_kernels.anchor_attention.common import (budget_count, check_args, check_prefill_args, layer_of,
+                                                    positions, tile_counts, unstack)
 from pallas_kernels.sparse_attention.reference import sparse_decode_reference, sparse_prefill_reference
 from pallas_kernels.topk_select.reference import topk_select_reference
 
@@ -62,7 +62,7 @@ def decode_scores_reference(q: Array, k: Array, lengths: Array, *, scale: float 
 
 @functools.partial(jax.jit, static_argnames=("budget", "min_tokens", "K", "scale", "dense_output"))
 def anchor_decode_reference(q: Array, k: Array, v: Array, lengths: Array, *, budget: float, min_tokens: int = 128,
-                            K: int | None = None, scale: float | None = None,
+                            K: int | None = None, layer: Array | None = None, scale: float | None = None,
                             dense_output: bool = False) -> tuple[Array, Array]:
     """Anchor decode by dense scores, `lax.top_k` selection and the reference gathered attention.
 
@@ -73,11 +73,16 @@ def anchor_decode_reference(q: Array, k: Array, v: Array, lengths: Array, *, bud
         the rule at N).
       scale: softmax scale (None: divide by sqrt(D), as jsparse.selection.pooled_probs does).
       dense_output: attend to every visible key (a dense anchor) instead of the selected ones.
+      layer: i32[] (traced): k and v are the stacked cache [L, B, Hkv, N, D] and this layer is read (as
+        `k[layer]`); None: k and v are one layer's cache.
 
     Returns:
       (out [B, T, Hq, D] in q.dtype, indices int32[B, Hkv, T, K]).
     """
-    K = check_args(q, k, v, lengths, budget, min_tokens, K)
+    K = check_args(q, *unstack(k, v, layer), lengths, budget, min_tokens, K)
+    if layer is not None:
+        lay = layer_of(layer, k.shape[0])[0]
+        k, v = k[lay], v[lay]
     B, T, Hq, D = q.shape
     pos = positions(lengths, T)
     scores, probs = _scores_and_probs(q, k, pos, scale)

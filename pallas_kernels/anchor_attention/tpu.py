@@ -19,7 +19,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.anchor_attention.common import check_args, default_scale, pool_scores, positions, select
+from pallas_kernels.anchor_attention.common import (check_args, default_scale, layer_of, pool_scores, positions,
+                                                    select, unstack)
 
 Array = jax.Array
 
@@ -37,8 +38,9 @@ class TpuAnchorConfig:
     chunk: int = 512
 
 
-def _logits_kernel(lim_ref, q_ref, k_ref, *refs, scale: float, chunk: int, n: int, T: int, dense: bool):
-    """One (b, h, t, chunk) step. Scalar ref: lim i32[B*T] last visible key. q [G, D]; k [chunk, D] (and v);
+def _logits_kernel(lim_ref, layer_ref, q_ref, k_ref, *refs, scale: float, chunk: int, n: int, T: int, dense: bool):
+    """One (b, h, t, chunk) step. Scalar refs: lim i32[B*T] last visible key, layer i32[1] (used by the index
+    maps). q [G, D]; k [chunk, D] (and v);
     outputs logits f32[G, chunk], lse f32[G, 1] (and o [G, D]); scratch m, l f32[G, 1] (and acc f32[G, D])."""
     if dense:
         v_ref, lg_ref, lse_ref, o_ref, m_sc, l_sc, acc_sc = refs
@@ -84,15 +86,17 @@ def _logits_kernel(lim_ref, q_ref, k_ref, *refs, scale: float, chunk: int, n: in
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "dense_output", "config", "interpret"))
-def decode_scores_tpu(q: Array, k: Array, v: Array, lengths: Array, *, scale: float | None = None,
-                      dense_output: bool = False, config: TpuAnchorConfig = TpuAnchorConfig(),
-                      interpret: bool = False) -> tuple[Array, Array | None]:
+def decode_scores_tpu(q: Array, k: Array, v: Array, lengths: Array, *, layer: Array | None = None,
+                      scale: float | None = None, dense_output: bool = False,
+                      config: TpuAnchorConfig = TpuAnchorConfig(), interpret: bool = False) -> tuple[Array, Array | None]:
     """Pooled post-softmax scores f32[B, Hkv, T, N] (and the dense attention with `dense_output`); see
-    `gpu.decode_scores_gpu`."""
+    `gpu.decode_scores_gpu` (with `layer`, k and v are the stacked cache [L, B, Hkv, N, D], read in place)."""
     if config.chunk < 128 or config.chunk % 128:
         raise ValueError(f"TpuAnchorConfig.chunk={config.chunk}: expected a multiple of 128")
-    B, T, Hq, D = q.shape
-    Hkv, N = k.shape[1], k.shape[2]
+    if layer is None:
+        k, v, layer = k[None], v[None], 0
+    L, B, Hkv, N, D = k.shape
+    T, Hq = q.shape[1], q.shape[2]
     G = Hq // Hkv
     scale = default_scale(D, scale)
     chunk = N if N <= config.chunk else config.chunk
@@ -100,15 +104,15 @@ def decode_scores_tpu(q: Array, k: Array, v: Array, lengths: Array, *, scale: fl
     lim = jnp.minimum(pos, N - 1).reshape(-1)
     qg = q.reshape(B, T, Hkv, G, D).transpose(0, 2, 1, 3, 4)  # [B, Hkv, T, G, D]
 
-    kv_spec = pl.BlockSpec((None, None, chunk, D), lambda b, h, t, c, lim: (b, h, c, 0))
-    row = lambda b, h, t, c, lim: (b, h, t, 0, 0)
+    kv_spec = pl.BlockSpec((None, None, None, chunk, D), lambda b, h, t, c, lim, lay: (lay[0], b, h, c, 0))
+    row = lambda b, h, t, c, lim, lay: (b, h, t, 0, 0)
     in_specs = [pl.BlockSpec((None, None, None, G, D), row), kv_spec]
-    out_specs = [pl.BlockSpec((None, None, None, G, chunk), lambda b, h, t, c, lim: (b, h, t, 0, c)),
+    out_specs = [pl.BlockSpec((None, None, None, G, chunk), lambda b, h, t, c, lim, lay: (b, h, t, 0, c)),
                  pl.BlockSpec((None, None, None, G, 1), row)]
     out_shape = [jax.ShapeDtypeStruct((B, Hkv, T, G, N), jnp.float32),
                  jax.ShapeDtypeStruct((B, Hkv, T, G, 1), jnp.float32)]
     scratch = [pltpu.VMEM((G, 1), jnp.float32), pltpu.VMEM((G, 1), jnp.float32)]
-    args = [lim, qg, k]
+    args = [lim, layer_of(layer, L), qg, k]
     if dense_output:
         in_specs.append(kv_spec)
         out_specs.append(pl.BlockSpec((None, None, None, G, D), row))
@@ -117,7 +121,7 @@ def decode_scores_tpu(q: Array, k: Array, v: Array, lengths: Array, *, scale: fl
         args.append(v)
     res = pl.pallas_call(
         functools.partial(_logits_kernel, scale=scale, chunk=chunk, n=N, T=T, dense=dense_output),
-        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(B, Hkv, T, pl.cdiv(N, chunk)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, grid=(B, Hkv, T, pl.cdiv(N, chunk)),
                                                in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch),
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
@@ -134,16 +138,18 @@ def decode_scores_tpu(q: Array, k: Array, v: Array, lengths: Array, *, scale: fl
 @functools.partial(jax.jit, static_argnames=("budget", "min_tokens", "K", "scale", "dense_output", "config",
                                              "interpret"))
 def anchor_decode_tpu(q: Array, k: Array, v: Array, lengths: Array, *, budget: float, min_tokens: int = 128,
-                      K: int | None = None, scale: float | None = None, dense_output: bool = False,
+                      K: int | None = None, layer: Array | None = None, scale: float | None = None,
+                      dense_output: bool = False,
                       config: TpuAnchorConfig = TpuAnchorConfig(), interpret: bool = False) -> tuple[Array, Array]:
-    """Anchor decode layer on the TPU. Args and returns as `reference.anchor_decode_reference`; interpret: the
-    scoring and selection kernels in the Pallas interpreter (CPU tests)."""
+    """Anchor decode layer on the TPU. Args and returns as `reference.anchor_decode_reference` (with `layer`,
+    k and v are the stacked cache read in place); interpret: the scoring and selection kernels in the Pallas
+    interpreter (CPU tests)."""
     from pallas_kernels.sparse_attention import sparse_decode
     from pallas_kernels.topk_select import tpu as select_tpu
 
-    K = check_args(q, k, v, lengths, budget, min_tokens, K)
-    scores, out = decode_scores_tpu(q, k, v, lengths, scale=scale, dense_output=dense_output, config=config,
-                                    interpret=interpret)
+    K = check_args(q, *unstack(k, v, layer), lengths, budget, min_tokens, K)
+    scores, out = decode_scores_tpu(q, k, v, lengths, layer=layer, scale=scale, dense_output=dense_output,
+                                    config=config, interpret=interpret)
     pos = positions(lengths, q.shape[1])
     if interpret:
         from pallas_kernels.anchor_attention.common import budget_count
@@ -153,5 +159,5 @@ def anchor_decode_tpu(q: Array, k: Array, v: Array, lengths: Array, *, budget: f
         indices = select(scores, pos, budget, min_tokens, K, "pallas_tpu")
     if out is None:
         # Token indices (block_size 1): the TPU sparse kernel gathers blocks of >= 8 rows, so this is XLA's gather.
-        out = sparse_decode(q, k, v, indices, lengths, scale=scale)
+        out = sparse_decode(q, k, v, indices, lengths, scale=scale, layer=layer)
     return out, indices

@@ -8,7 +8,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.anchor_attention.common import (check_args, default_scale, pool_scores, positions, select)
+from pallas_kernels.anchor_attention.common import (check_args, default_scale, layer_of, pool_scores, positions,
+                                                    select, unstack)
 
 Array = jax.Array
 
@@ -38,12 +39,16 @@ def decode_scores_xla(q: Array, k: Array, v: Array, lengths: Array, *, scale: fl
 
 @functools.partial(jax.jit, static_argnames=("budget", "min_tokens", "K", "scale", "dense_output"))
 def anchor_decode_xla(q: Array, k: Array, v: Array, lengths: Array, *, budget: float, min_tokens: int = 128,
-                      K: int | None = None, scale: float | None = None,
+                      K: int | None = None, layer: Array | None = None, scale: float | None = None,
                       dense_output: bool = False) -> tuple[Array, Array]:
-    """Anchor decode layer with XLA scores; args and returns as `reference.anchor_decode_reference`."""
+    """Anchor decode layer with XLA scores; args and returns as `reference.anchor_decode_reference` (with
+    `layer`, k and v are the stacked cache; XLA slices the layer)."""
     from pallas_kernels.sparse_attention import sparse_decode
 
-    K = check_args(q, k, v, lengths, budget, min_tokens, K)
+    K = check_args(q, *unstack(k, v, layer), lengths, budget, min_tokens, K)
+    if layer is not None:
+        lay = layer_of(layer, k.shape[0])[0]
+        k, v = k[lay], v[lay]
     scores, out = decode_scores_xla(q, k, v, lengths, scale=scale, dense_output=dense_output)
     indices = select(scores, positions(lengths, q.shape[1]), budget, min_tokens, K, None)
     if out is None:
