@@ -125,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--steps", type=int, default=16, help="decode steps timed per case (default 16)")
     bm.add_argument("--out", default=None, help="JSON file to write")
     bm.set_defaults(func=cmd_bench_model)
+
+    from eval.bench_attention import add_bench_attention_parser
+
+    add_bench_attention_parser(bsub)
     return parser
 
 
