@@ -486,9 +486,10 @@ def run_prefill(run: Bench, cfg, T: int, summary: dict) -> None:
     add("pool_pass_gpu", jax.jit(lambda q, k, l: gpu_prefill.tile_scores_gpu(q, k, tile=tile, lse=l, **ik)),
         q, k, lse, part="scores", flops=pool_flops)
     if not args.no_variants and not args.interpret:
-        for name, c in (("bn128_w8", gpu_prefill.PrefillScoresConfig(block_n=128)),
-                        ("bn64_w4", gpu_prefill.PrefillScoresConfig(num_warps=4)),
-                        ("bn32_w4_s3", gpu_prefill.PrefillScoresConfig(block_n=32, num_warps=4, num_stages=3))):
+        for name, c in (("bn128_pool64_w8", gpu_prefill.PrefillScoresConfig(block_n=128, pool_block_n=64)),
+                        ("w4", gpu_prefill.PrefillScoresConfig(num_warps=4)),
+                        ("bn32_pool64_w4_s3", gpu_prefill.PrefillScoresConfig(block_n=32, pool_block_n=64,
+                                                                             num_warps=4, num_stages=3))):
             add(f"lse_pass_gpu[{name}]", jax.jit(lambda q, k, c=c: gpu_prefill.prefill_lse_gpu(q, k, config=c)),
                 q, k, part="scores", flops=qk_flops)
             add(f"pool_pass_gpu[{name}]", jax.jit(lambda q, k, l, c=c: gpu_prefill.tile_scores_gpu(

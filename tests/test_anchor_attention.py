@@ -245,7 +245,7 @@ def check_prefill(fn, scores_fn, dtype, dense, T=45, tile=8, lengths=(45, 30)):
 
 @pytest.mark.parametrize("dtype,dense", [(jnp.float32, False), (jnp.bfloat16, True)])
 def test_prefill_gpu_interpret_matches_reference(dtype, dense):
-    cfg = gpu_prefill.PrefillScoresConfig(lse_block_m=16, block_n=8)
+    cfg = gpu_prefill.PrefillScoresConfig(lse_block_m=16, block_n=8, pool_block_n=8)
     check_prefill(functools.partial(gpu_prefill.anchor_prefill_gpu, config=cfg, interpret=True),
                   functools.partial(gpu_prefill.tile_scores_gpu, config=cfg, interpret=True), dtype, dense)
 

@@ -9,9 +9,11 @@ dense causal attention in total, and as many exps):
     rows' logsumexp f32[B, Hq, Tp]. A dense anchor (Kascade's layer 0) can take the lse from its dense
     attention instead (`lse=`).
   * `_pool_kernel`, grid (B, Hkv, nT): one program per KV head and query tile; for each of the G heads in turn
-    (its [tile, D] queries held in registers) it streams the keys before the tile start and adds, per key,
-    sum over rows of exp(s - lse_row) to the output row (the first head writes, the others read-add-write the
-    same addresses: deterministic); keys at and after the tile start are written as -inf.
+    (its [tile, D] queries held in registers) it streams the keys before the tile start, `pool_block_n` at a
+    time, computes the transposed logits [keys, rows] (so the sum over the tile's rows is a row reduction
+    inside each warp, like flash attention's row sums) and adds sum_rows exp(s - lse_row) to the output row
+    (the first head writes, the others read-add-write the same addresses: deterministic); keys at and after
+    the tile start are written as -inf.
 Both schedule the costliest (last) query blocks first. Then `topk_select` (Triton) and `sparse_prefill`
 (Triton) or the dense cuDNN attention finish the layer (`anchor_prefill_gpu`).
 """
@@ -40,13 +42,15 @@ class PrefillScoresConfig:
 
     Attributes:
       lse_block_m: query rows per program of the lse pass (a power of two >= 16).
-      block_n: keys per inner iteration of both passes (a power of two; divides the tile and lse_block_m).
+      block_n: keys per inner iteration of the lse pass (a power of two dividing lse_block_m).
+      pool_block_n: keys per inner iteration of the pooling pass (a power of two >= 16 dividing the tile).
       num_warps: warps per program.
       num_stages: software pipelining depth.
     """
 
     lse_block_m: int = 128
     block_n: int = 64
+    pool_block_n: int = 128
     num_warps: int = 8
     num_stages: int = 2
 
@@ -64,10 +68,11 @@ def _check(q: Array, tile: int | None, config: PrefillScoresConfig, interpret: b
     min_rows = 1 if interpret else 16
     if tile is not None and (not _pow2(tile) or tile < min_rows):
         raise ValueError(f"tile={tile}: the prefill scoring kernel needs a power of two >= {min_rows}")
-    bm, bn = config.lse_block_m, config.block_n
-    if not _pow2(bm) or bm < min_rows or not _pow2(bn) or bn < min(16, min_rows) or bm % bn:
-        raise ValueError(f"PrefillScoresConfig(lse_block_m={bm}, block_n={bn}): expected powers of two, "
-                         f"block_n dividing lse_block_m")
+    bm, bn, pn = config.lse_block_m, config.block_n, config.pool_block_n
+    if (not _pow2(bm) or bm < min_rows or not _pow2(bn) or bn < min(16, min_rows) or bm % bn or not _pow2(pn)
+            or pn < min_rows):
+        raise ValueError(f"PrefillScoresConfig(lse_block_m={bm}, block_n={bn}, pool_block_n={pn}): expected "
+                         f"powers of two (>= {min_rows}), block_n dividing lse_block_m")
 
 
 def _lse_kernel(q_ref, k_ref, lse_ref, *, scale: float, bm: int, bn: int, nq: int):
@@ -145,8 +150,8 @@ def _pool_kernel(lse_ref, q_ref, k_ref, o_ref, *, scale: float, tile: int, bn: i
 
         def body(c, carry, g=g, q=q, lse=lse):
             cols = pl.ds(c * bn, bn)
-            s = plgpu.dot(q, k_ref[cols, :], trans_b=True) * scale
-            col = jnp.sum(jnp.exp(s - lse[:, None]), axis=0)
+            s_t = plgpu.dot(k_ref[cols, :], q, trans_b=True) * scale  # [bn keys, tile rows]
+            col = jnp.sum(jnp.exp(s_t - lse[None, :]), axis=1)
             if g:
                 col = col + o_ref[cols]
             o_ref[cols] = col
@@ -181,9 +186,9 @@ def tile_scores_gpu(q: Array, k: Array, *, tile: int, scale: float | None = None
     _check(q, tile, config, interpret)
     B, T, Hq, D = q.shape
     Hkv, G = k.shape[2], Hq // k.shape[2]
-    bn = min(config.block_n, tile)
+    bn = min(config.pool_block_n, tile)
     if tile % bn:
-        raise ValueError(f"tile={tile} is not a multiple of PrefillScoresConfig.block_n={bn}")
+        raise ValueError(f"tile={tile} is not a multiple of PrefillScoresConfig.pool_block_n={bn}")
     if lse is None:
         lse = prefill_lse_gpu(q, k, scale=scale, config=config, interpret=interpret)
     nt = pl.cdiv(T, tile)
