@@ -87,6 +87,9 @@ def test_other_argument_errors():
         TSA(selection="block")
     with pytest.raises(ValueError, match="sparse_layers"):
         TSA(sparse_layers=(1, 1))
+    with pytest.raises(ValueError, match="sparse_layers"):
+        TSA(sparse_layers=3)
+    assert TSA(sparse_layers=[2, 1]).sparse_layers == (1, 2)
     kascade = Kascade.from_anchors(CFG, [0, 1], tile=16, min_tokens=16, budget=0.3)
     with pytest.raises(ValueError, match="kv_head"):
         TSA(inner=kascade, selection="query_head")

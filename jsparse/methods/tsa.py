@@ -389,9 +389,10 @@ class TSA:
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection={self.selection!r}: expected one of {list(SELECTIONS)}")
         if self.sparse_layers is not None:
-            if not isinstance(self.sparse_layers, tuple):
-                raise ValueError(f"sparse_layers={self.sparse_layers!r}: expected a tuple of layer indices")
-            check_sparse_layers(self.sparse_layers, 1 << 30)
+            if isinstance(self.sparse_layers, (str, bytes)) or not hasattr(self.sparse_layers, "__iter__"):
+                raise ValueError(f"sparse_layers={self.sparse_layers!r}: expected a sequence of layer indices")
+            # A static field must be hashable: store the layers as a sorted tuple of ints.
+            object.__setattr__(self, "sparse_layers", check_sparse_layers(self.sparse_layers, 1 << 30))
         if isinstance(self.inner, kascade_mod.Kascade) and self.selection != "kv_head":
             raise ValueError(f"selection={self.selection!r} with an inner Kascade: Kascade selects per KV head "
                              "(head maps, group-pooled top-k), so the compressed space must keep the KV heads; "
