@@ -151,10 +151,12 @@ def selection_mask(name: str, method, cfg, layer: int, q_row, k_cache, P: int, h
         idx = sel.topk_indices(heavy, jnp.broadcast_to((k_t - r)[:, None], (B, Hkv)), K)
         keep = decode_indices_to_mask(idx[:, :, None], lengths, T)[:, :, 0] | window[:, None]
         return _kv_to_q(keep, G)
-    if name == "butler":
+    if name.startswith("butler"):
         if method.selection == "head":
-            return head_mask(butler_logits, pos, lengths, method.budget, method.min_tokens, K, method.sink)[:, :, 0]
-        idx = group_indices(butler_logits, Hkv, pos, method.budget, method.min_tokens, K, method.sink)
+            return head_mask(butler_logits, pos, lengths, method.budget, method.min_tokens, K, method.sink,
+                             method.local)[:, :, 0]
+        idx = group_indices(butler_logits, Hkv, pos, method.budget, method.min_tokens, K, method.sink,
+                            method.local)
         return _kv_to_q(decode_indices_to_mask(idx, lengths, T)[:, :, 0], G)
     raise ValueError(f"coverage is not implemented for method {name!r}; expected one of "
                      f"{['butler', *BASELINES]}")
@@ -183,7 +185,7 @@ def token_coverage(model, methods: dict, prompts: Sequence[coref_task.CorefPromp
     out = {}
     for name, method in methods.items():
         qp = kp = None
-        if name == "butler":
+        if name.startswith("butler"):
             qp, kp = predictor_qk(method.params, method.pcfg, h0)  # [B, L' * Hq, T, d'], [B, L' * Hk', T, d']
             qp = qp.reshape(B, Lp, Hq, T, -1)
             kp = kp.reshape(B, Lp, method.pcfg.key_heads, T, -1)
@@ -196,7 +198,7 @@ def token_coverage(model, methods: dict, prompts: Sequence[coref_task.CorefPromp
                 probs = sel.pooled_probs(jnp.swapaxes(q[:, l - 1, :, :P], 1, 2), k_l,
                                          jnp.broadcast_to(jnp.arange(P), (B, P)))
                 score = probs.sum(axis=2)  # [B, Hkv, T]: attention received from the rows before P
-            if name == "butler":
+            if name.startswith("butler"):
                 logits = predicted_logits(qp[:, l - 1, :, P:P + 1], kp[:, l - 1], jnp.full((B, 1), P, jnp.int32))
             mask = selection_mask(name, method, cfg, l, q_row, k_l, P, h2o_score=score, butler_logits=logits)
             kept = jnp.sum(mask & span[:, None], axis=-1) / jnp.sum(span, axis=-1)[:, None]  # [B, Hq]
@@ -232,7 +234,7 @@ def run_ppl_sweep(model, artifact: str, methods: Sequence[str], sparsities: Sequ
     for name, target, budget in runs:
         spec = EvalSpec(methods=(name,), tasks=("ppl",), lengths=tuple(lengths), budget=budget or 1.0,
                         samples=samples, seed=seed, corpus=corpus, ppl_variants=("decode",), chunk=chunk,
-                        artifacts={"butler": artifact} if name == "butler" else {})
+                        artifacts={name: artifact} if name.startswith("butler") else {})
         for r in evaluate(model, spec, progress=progress).records:
             r = dict(r)
             r["target_sparsity"] = 0.0 if name == "dense" else target
@@ -244,7 +246,7 @@ def run_coref_task(model, methods: dict, length: int, samples: int, seed: int, n
                    rows: int = 4) -> tuple[list[dict], list[dict]]:
     """Accuracy and coverage per method (dense included in `methods` when wanted), and the completions."""
     prompts = coref_task.make_prompts(model.tokenizer, length, samples, seed)
-    coverable = {n: m for n, m in methods.items() if n in ("butler", *BASELINES)}
+    coverable = {n: m for n, m in methods.items() if n.startswith("butler") or n in BASELINES}
     coverage = {}
     for s in range(0, len(prompts), rows):
         part = prompts[s:s + rows]
@@ -317,7 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--artifact", required=True, help="the butler artifact folder (jsparse train-predictor --out)")
     p.add_argument("--out", required=True)
     p.add_argument("--tasks", default=",".join(TASKS))
-    p.add_argument("--methods", default=",".join(BASELINES), help="baselines beside butler (default: all)")
+    p.add_argument("--methods", default=",".join(("butler-local",) + BASELINES),
+                   help="methods beside butler (default: butler-local and every baseline)")
     p.add_argument("--sparsities", default=",".join(f"{s:g}" for s in DEFAULT_SPARSITIES))
     p.add_argument("--lengths", default="2048", help="ppl window lengths")
     p.add_argument("--samples", type=int, default=4, help="ppl windows per length")
@@ -368,8 +371,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         budget = round(1.0 - args.coref_sparsity, 6)
         methods = {"dense": jsparse.build_method("dense", model)}
         for name in ["butler", *baselines]:
-            methods[name] = jsparse.build_method(name, model, budget=budget,
-                                                 **({"artifact": args.artifact} if name == "butler" else {}))
+            methods[name] = jsparse.build_method(
+                name, model, budget=budget, **({"artifact": args.artifact} if name.startswith("butler") else {}))
         recs, outs = run_coref_task(model, methods, args.coref_length, args.coref_samples, args.seed)
         records += recs
         outputs += outs

@@ -49,7 +49,7 @@ def _budget(n, budget, min_tokens):
     return min(max(math.ceil(budget * n), min_tokens), n)
 
 
-def _butler_mask_np(qp, kp, pos, budget, min_tokens, sink, group):
+def _butler_mask_np(qp, kp, pos, budget, min_tokens, sink, group, local=0):
     """numpy: bool[B, H, T, N] kept keys; H = Hq (per head) or Hkv (group-pooled)."""
     qp, kp = np.asarray(qp, np.float64), np.asarray(kp, np.float64)
     Hk = kp.shape[1]
@@ -67,9 +67,12 @@ def _butler_mask_np(qp, kp, pos, budget, min_tokens, sink, group):
                 scores = p.reshape(HKV, G, n).sum(1)
             else:
                 scores = logits
+            window = max(min(local, kk - sink), 0)
             for h in range(scores.shape[0]):
                 s = scores[h].copy()
                 s[: min(sink, n)] = np.inf
+                if window:
+                    s[n - window:] = np.inf
                 mask[b, h, t, np.argsort(-s, kind="stable")[:kk]] = True
     return mask
 
@@ -79,11 +82,11 @@ def pcfg():
     return preset_config(CFG, "auto")
 
 
-@pytest.mark.parametrize("selection,T,key_heads", [("head", 1, "query"), ("head", 3, "kv"), ("group", 1, "query"),
-                                                   ("group", 3, "query")])
-def test_butler_decode_equals_masked_reference(selection, T, key_heads):
+@pytest.mark.parametrize("selection,T,key_heads,local", [("head", 1, "query", 0), ("head", 3, "kv", 5),
+                                                         ("group", 1, "query", 0), ("group", 3, "query", 5)])
+def test_butler_decode_equals_masked_reference(selection, T, key_heads, local):
     pc = preset_config(CFG, "auto", key_heads=key_heads)
-    m = Butler.from_params(CFG, pc, None, budget=0.3, min_tokens=6, sink=4, selection=selection)
+    m = Butler.from_params(CFG, pc, None, budget=0.3, min_tokens=6, sink=4, selection=selection, local=local)
     q, cache = _cache_and_q(0, T)
     Lp = CFG.num_layers - 1
     state = m.init_state(CFG, B, N)
@@ -91,14 +94,29 @@ def test_butler_decode_equals_masked_reference(selection, T, key_heads):
     layer = 2
     out, _ = jax.jit(m.sparse_decode)(_ctx(layer, LENGTHS), q, cache, state)
     pos = np.asarray(LENGTHS)[:, None] - T + np.arange(T)
-    mask = _butler_mask_np(state.queries[layer - 1], state.keys[layer - 1], pos, 0.3, 6, 4, selection == "group")
+    mask = _butler_mask_np(state.queries[layer - 1], state.keys[layer - 1], pos, 0.3, 6, 4, selection == "group",
+                           local)
     assert mask[..., :4].all()  # the sinks are always kept
+    if local:  # and the local window: here k = 15 or 16 >= sink + local, so the whole window
+        for b in range(B):
+            for t in range(T):
+                assert mask[b, :, t, pos[b, t] - local + 1: pos[b, t] + 1].all()
     want = masked_attention_reference(q, cache.k, cache.v, jnp.asarray(mask))
     np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
     # ... and the selection is real: a different budget changes the output.
     assert np.abs(np.asarray(out) - np.asarray(masked_attention_reference(
         q, cache.k, cache.v, jnp.asarray(_butler_mask_np(state.queries[layer - 1], state.keys[layer - 1], pos,
-                                                         0.6, 6, 4, selection == "group"))))).max() > 1e-3
+                                                         0.6, 6, 4, selection == "group", local))))).max() > 1e-3
+
+
+def test_local_window_shrinks_to_the_budget():
+    """k = 10 < sink + local = 24: the sinks and the 6 most recent keys (the query's own included) fill the budget."""
+    from jsparse.methods.butler import head_mask
+
+    logits = _normal(3, (1, 1, 1, 40))
+    pos = jnp.asarray([[39]], jnp.int32)
+    mask = np.asarray(head_mask(logits, pos, jnp.asarray([40]), 0.25, 8, 10, 4, 20))[0, 0, 0]
+    assert mask.sum() == 10 and mask[:4].all() and mask[34:].all()
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@ tokens and a predicted key k'[l, h] that is appended to the method's state, so t
 position seen so far. Layer 0 attends densely. Every layer l >= dense_layers then ranks the visible keys by the
 predicted logits `q'[l, h] . k'[l, h // (Hq / Hk')] / sqrt(d')` and attends to the top k of them
 (k = min(max(ceil(budget * n), min_tokens), n) over the n visible keys; the first `sink` tokens are always kept
-and count toward k).
+and count toward k). `local` > 0 also always keeps the `local` most recent tokens (not in the paper; registered
+as "butler-local" with local=32: a small recency safety net, measured to help an under-trained predictor).
 
 Selection per head. The paper selects per query head. The index contract of the gathered kernels is per KV head,
 so two modes (`selection`):
@@ -75,30 +76,39 @@ def predicted_logits(qp: jax.Array, kp: jax.Array, positions: jax.Array) -> jax.
     return jnp.where(visible[:, None], logits, sel.NEG_INF)
 
 
-def _with_sinks(scores: jax.Array, sink: int) -> jax.Array:
-    """Visible keys among the first `sink` positions score +inf (always kept, counted in k)."""
-    n = jnp.arange(scores.shape[-1])
-    return jnp.where((n < sink) & (scores > sel.NEG_INF), jnp.inf, scores)
+def _with_forced(scores: jax.Array, positions: jax.Array, k_dyn: jax.Array, sink: int, local: int) -> jax.Array:
+    """Marks the keys every row keeps: the first `sink` positions and the `local` most recent ones (the query's own
+    position included) score +inf, so they are kept and counted in k; the window shrinks to k - sink where k is
+    smaller than sink + local.
+
+    Args:
+      scores: f32[B, H, T, N] (-inf: not visible); positions: i32[B, T]; k_dyn: i32[B, T] keys kept per row.
+    """
+    n = jnp.arange(scores.shape[-1])[None, None, :]
+    window = jnp.clip(jnp.minimum(local, k_dyn - sink), 0)  # [B, T]
+    forced = (n < sink) | (n > (positions - window)[:, :, None])  # [B, T, N]
+    return jnp.where(forced[:, None] & (scores > sel.NEG_INF), jnp.inf, scores)
 
 
 def head_mask(logits: jax.Array, positions: jax.Array, lengths: jax.Array, budget: float, min_tokens: int,
-              K: int, sink: int) -> jax.Array:
-    """bool[B, Hq, T, N]: each query head's top-k keys by predicted logit (`predicted_logits`), sinks first."""
-    k_dyn = sel.budget_tokens(budget, positions + 1, min_tokens)[:, None, :]  # [B, 1, T]
-    idx = sel.topk_indices(_with_sinks(logits, sink), k_dyn, K)  # [B, Hq, T, K]
+              K: int, sink: int, local: int = 0) -> jax.Array:
+    """bool[B, Hq, T, N]: each query head's top-k keys by predicted logit (`predicted_logits`), the sinks and
+    the local window first."""
+    k_dyn = sel.budget_tokens(budget, positions + 1, min_tokens)  # [B, T]
+    idx = sel.topk_indices(_with_forced(logits, positions, k_dyn, sink, local), k_dyn[:, None, :], K)
     return decode_indices_to_mask(idx, lengths, logits.shape[-1])
 
 
 def group_indices(logits: jax.Array, num_kv_heads: int, positions: jax.Array, budget: float, min_tokens: int,
-                  K: int, sink: int) -> jax.Array:
+                  K: int, sink: int, local: int = 0) -> jax.Array:
     """int32[B, Hkv, T, K]: per KV head, the top-k keys by predicted post-softmax weight summed over the GQA
-    group (sinks first), in the index contract."""
+    group (the sinks and the local window first), in the index contract."""
     B, Hq, T, N = logits.shape
     probs = jax.nn.softmax(logits, axis=-1).reshape(B, num_kv_heads, Hq // num_kv_heads, T, N).sum(axis=2)
     visible = (logits > sel.NEG_INF)[:, :1]  # [B, 1, T, N], the same for every head
-    pooled = _with_sinks(jnp.where(visible, probs, sel.NEG_INF), sink)
-    k_dyn = sel.budget_tokens(budget, positions + 1, min_tokens)[:, None, :]
-    return sel.topk_indices(pooled, k_dyn, K)
+    k_dyn = sel.budget_tokens(budget, positions + 1, min_tokens)  # [B, T]
+    pooled = _with_forced(jnp.where(visible, probs, sel.NEG_INF), positions, k_dyn, sink, local)
+    return sel.topk_indices(pooled, k_dyn[:, None, :], K)
 
 
 @register("butler")
@@ -109,11 +119,13 @@ class Butler(TokenBudget):
     params: Any = None
     pcfg: PredictorConfig = struct.field(pytree_node=False, default=None)
     sink: int = struct.field(pytree_node=False, default=4)
+    local: int = struct.field(pytree_node=False, default=0)
     selection: str = struct.field(pytree_node=False, default="head")
 
     def __post_init__(self):
         super().__post_init__()
         sel.check_positive_int("sink", self.sink, 0)
+        sel.check_positive_int("local", self.local, 0)
         if self.dense_layers < 1:
             raise ValueError(f"dense_layers={self.dense_layers}: butler needs layer 0 dense (the predictor reads "
                              "layer 0's input), expected >= 1")
@@ -199,7 +211,19 @@ class Butler(TokenBudget):
         logits = self.layer_logits(ctx.layer, positions, state)
         K = self.k_static(N)
         if self.selection == "head":
-            mask = head_mask(logits, positions, ctx.lengths, self.budget, self.min_tokens, K, self.sink)
+            mask = head_mask(logits, positions, ctx.lengths, self.budget, self.min_tokens, K, self.sink,
+                             self.local)
             return masked_attention_reference(q, cache.k, cache.v, mask), state
-        idx = group_indices(logits, cache.k.shape[1], positions, self.budget, self.min_tokens, K, self.sink)
+        idx = group_indices(logits, cache.k.shape[1], positions, self.budget, self.min_tokens, K, self.sink,
+                            self.local)
         return attend_selected(q, cache, idx, ctx.lengths), state
+
+
+@register("butler-local")
+class ButlerLocal:
+    """`butler` that also always keeps the 32 most recent tokens (`local=32` unless given)."""
+
+    @classmethod
+    def build(cls, **options):
+        options.setdefault("local", 32)
+        return Butler.build(**options)
