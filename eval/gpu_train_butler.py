@@ -92,6 +92,8 @@ def main(argv=None) -> int:
     p.add_argument("--work", default="/tmp/butler_work", help="checkpoint folder (emptied first)")
     p.add_argument("--acc-windows", type=int, default=4, help="held-out windows for the top-50%% accuracy (0: skip)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--loss-impl", choices=["gpu", "tpu", "xla"], default=None,
+                   help="logit_mse implementation (default: by backend; 'xla' materialises L x L per head)")
     args = p.parse_args(argv)
     out = os.environ.get("OUT") or "."
     os.makedirs(out, exist_ok=True)
@@ -133,7 +135,7 @@ def main(argv=None) -> int:
     shutil.rmtree(args.work, ignore_errors=True)
     tc = TrainConfig(seq_len=args.seq_len, steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr,
                      warmup_steps=min(args.warmup, args.steps // 10), checkpoint_every=args.checkpoint_every,
-                     seed=args.seed)
+                     seed=args.seed, loss_impl=args.loss_impl)
     marks = {}
 
     def on_step(step, loss):
