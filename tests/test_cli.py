@@ -1,0 +1,29 @@
+"""The `jsparse` command end to end on the bundled model."""
+
+import pytest
+
+from jsparse.cli import main
+
+
+def test_generate_bundled_chat_says_paris(capsys):
+    rc = main(["generate", "--model", "smollm2", "--chat", "--prompt", "What is the capital of France?",
+               "--max-new-tokens", "8"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "Paris" in out
+
+
+def test_generate_rejects_bad_budget(capsys):
+    rc = main(["generate", "--model", "smollm2", "--prompt", "Hello", "--method", "oracle", "--budget", "1.5"])
+    assert rc == 2
+    assert "budget=1.5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["eval", "--help"], ["calibrate", "--help"],
+                                  ["calibrate", "kascade", "--help"], ["train-predictor", "--help"],
+                                  ["bench", "attention", "--help"], ["bench", "model", "--help"]])
+def test_every_command_has_help(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0
+    assert "usage: jsparse" in capsys.readouterr().out
