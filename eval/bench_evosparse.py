@@ -10,7 +10,8 @@ What it does (about 3 minutes on an H100; later cases are skipped past a 200 s b
      over exactly the keys of the blocks it selected (the selection is recomputed with `select_blocks`).
   2. Attention, per layer (Hq = 32, Hkv = 8, D = 128, bf16, B in {1, 4}, N in {32K, 64K, 100K, 128K}, budget 2048
      tokens in blocks of 16): dense decode by cuDNN (`dense_decode(implementation="cudnn")`, K/V read once, no
-     repeated heads) and by XLA; EvoSparse's sparse layer without retrieval heads (heat + sink + local + the
+     repeated heads), by XLA, and by the in-place Pallas split-K kernel of the model's dense layers (the best of
+     the three is the baseline); EvoSparse's sparse layer without retrieval heads (heat + sink + local + the
      inherited retrieval set) and with retrieval heads (also reads K of the KV heads that hold them: R = 2 of 8
      here). Each is a jitted `lax.fori_loop` of `--iters` layer calls (the heat state carried, the query perturbed
      by the previous output so nothing is hoisted), divided by the count. The "sparse layer average" weights the
@@ -45,7 +46,8 @@ import numpy as np
 
 from eval import bench_model
 from eval.benchmarking import device_facts, measure_hbm_gbs, table, time_ms, write_json
-from jsparse.methods.evosparse import EvoSparse, EvoState, default_num_heads
+from jsparse.cli import set_xla_flags
+from jsparse.methods.evosparse import EvoSparse, default_num_heads
 from models import llama
 from models.attention import LayerContext, LayerKV
 from models.cache import KVCache
@@ -53,6 +55,7 @@ from models.generate import round_up
 from models.params import random_params
 from models.presets import preset
 from pallas_kernels.dense import dense_decode
+from pallas_kernels.dense_decode import dense_decode_stacked
 from pallas_kernels.sparse_attention.reference import decode_indices_to_mask, masked_attention_reference
 
 BUDGET_S = 200.0
@@ -69,7 +72,7 @@ def model_heads(cfg, seed: int = 0) -> list[tuple[int, int]]:
     return sorted((2 + int(i) // cfg.num_heads, int(i) % cfg.num_heads) for i in flat)
 
 
-def layer_cfg(R_heads: bool):
+def layer_cfg():
     """A 3-layer config of 8B attention shapes: layers 0-1 dense, layer 2 sparse (with or without retrieval)."""
     return dataclasses.replace(CFG8B, num_layers=3)
 
@@ -101,8 +104,14 @@ def evo_layers(method, q, k, v, lengths, state, *, iters):
 
 @functools.partial(jax.jit, static_argnames=("iters", "impl"))
 def dense_layers(q, k, v, lengths, *, iters, impl):
+    """`iters` dense decode calls: impl "cudnn" / "xla" (jax.nn.dot_product_attention on the [B, Hkv, N, D]
+    cache, no repeated KV heads) or "pallas_inplace" (the split-K kernel the model's dense layers use)."""
     def body(_, acc):
-        out = dense_decode((q + acc[:, :, :, :1] * 1e-3).astype(q.dtype), k, v, lengths, implementation=impl)
+        qi = (q + acc[:, :, :, :1] * 1e-3).astype(q.dtype)
+        if impl == "pallas_inplace":
+            out = dense_decode_stacked(qi, k[None], v[None], jnp.int32(0), lengths, implementation="pallas_gpu")
+        else:
+            out = dense_decode(qi, k, v, lengths, implementation=impl)
         return out.astype(jnp.float32) * 0.5
 
     return jax.lax.fori_loop(0, iters, body, jnp.zeros(q.shape, jnp.float32)).sum()
@@ -123,7 +132,7 @@ def attention_floors(B, N, hbm_gbs, R: int):
 
 def check(key) -> list[dict]:
     """Correctness on the GPU (bf16): full budget = dense; budget 2048 = masked dense over its own blocks."""
-    cfg = layer_cfg(True)
+    cfg = layer_cfg()
     B, N = 2, 8192
     ks = jax.random.split(key, 4)
     q = jax.random.normal(ks[0], (B, 1, 32, 128), jnp.bfloat16)
@@ -154,7 +163,7 @@ def check(key) -> list[dict]:
 
 
 def attention_rows(contexts, batches, iters, hbm, heads_model, t0) -> list[dict]:
-    cfg = layer_cfg(True)
+    cfg = layer_cfg()
     L = CFG8B.num_layers
     ret_layers = sorted({l for l, _ in heads_model})
     share = len(ret_layers) / (L - 2)
@@ -183,6 +192,7 @@ def attention_rows(contexts, batches, iters, hbm, heads_model, t0) -> list[dict]
 
                 timed("dense_cudnn_ms", lambda: dense_layers(q, k, v, lengths, iters=iters, impl="cudnn"))
                 timed("dense_xla_ms", lambda: dense_layers(q, k, v, lengths, iters=iters, impl="xla"))
+                timed("dense_pallas_ms", lambda: dense_layers(q, k, v, lengths, iters=iters, impl="pallas_inplace"))
                 # Layer 2 inherits (retrieval heads only in layer 1, dense) / computes (two KV heads hold them).
                 inherit = method_for(cfg, [(1, 0)])
                 compute = method_for(cfg, [(2, 0), (2, 1 * G + 1)])
@@ -190,7 +200,7 @@ def attention_rows(contexts, batches, iters, hbm, heads_model, t0) -> list[dict]
                     st = _state(m, cfg, B, N, ks[3])
                     timed(label, lambda: evo_layers(m, q, k, v, lengths, st, iters=iters))
                 row["evo_sparse_layer_ms"] = share * row["evo_retrieval_ms"] + (1 - share) * row["evo_inherit_ms"]
-                best = min(row.get("dense_cudnn_ms", math.inf), row.get("dense_xla_ms", math.inf))
+                best = min(row.get(f"dense_{n}_ms", math.inf) for n in ("cudnn", "xla", "pallas"))
                 row["dense_best_ms"] = best
                 row["speedup_sparse_layer"] = best / row["evo_sparse_layer_ms"]
                 # Whole-model attention: 2 dense layers + 30 sparse ones.
@@ -274,6 +284,7 @@ def main(argv=None):
     p.add_argument("--no-e2e", action="store_true")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_evosparse.json"))
     a = p.parse_args(argv)
+    set_xla_flags()  # cuBLAS GEMMs + dynamic-slice fusion, before the backend starts (as bench_model)
     t0 = time.perf_counter()
     contexts = [round_up(int(x), 256) for x in a.contexts.split(",")]  # 100000 -> 100096 (whole blocks)
     batches = [int(x) for x in a.batches.split(",")]
@@ -293,7 +304,8 @@ def main(argv=None):
                "retrieval_heads_e2e": [list(h) for h in heads_model], "checks": checks, "attention": rows,
                "decode_step": e2e, "seconds": time.perf_counter() - t0}
     write_json(a.out, payload)
-    print(table(rows, ["batch", "context", "dense_cudnn_ms", "dense_xla_ms", "evo_inherit_ms", "evo_retrieval_ms",
+    print(table(rows, ["batch", "context", "dense_cudnn_ms", "dense_xla_ms", "dense_pallas_ms", "evo_inherit_ms",
+                       "evo_retrieval_ms",
                        "evo_sparse_layer_ms", "evo_floor_layer_ms", "dense_floor_ms", "speedup_sparse_layer",
                        "speedup_model_attention"]))
     print(table(e2e, ["method", "batch", "context", "step_ms", "floor_ms", "weights_floor_ms", "tokens_per_s",
