@@ -18,16 +18,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.sparse_attention.common import default_scale  # noqa: F401  (re-exported)
+
 Array = jax.Array
-
-
-def default_scale(head_dim: int, scale: float | None) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    scale = float(scale)
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale={scale}: expected a finite positive number (or None for 1/sqrt(D))")
-    return scale
 
 
 def budget_count(budget: float, n, min_tokens: int):

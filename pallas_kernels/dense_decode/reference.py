@@ -13,23 +13,14 @@ the end, then clamp to [0, L - 1], as XLA's dynamic slice), so no value of it re
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.sparse_attention.common import default_scale  # noqa: F401  (re-exported)
+
 Array = jax.Array
 _HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def default_scale(head_dim: int, scale: float | None) -> float:
-    """The softmax scale: `scale` if given, else 1 / sqrt(head_dim)."""
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    scale = float(scale)
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale={scale}: expected a finite positive number (or None for 1/sqrt(D))")
-    return scale
 
 
 def check_args(q: Array, k_all: Array, v_all: Array, layer: Array, lengths: Array) -> None:
