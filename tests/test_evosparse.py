@@ -11,7 +11,8 @@ from flax import struct
 
 from jsparse.artifacts import Artifact, ArtifactError, save_artifact
 from jsparse.methods import make_method
-from jsparse.methods.evosparse import EvoSparse, EvoState, ablation_fractions, split_counts, _cumulative_fixed
+from jsparse.methods.evosparse import (DEFAULT_FRACTIONS, EvoSparse, EvoState, _cumulative_fixed, ablation_fractions,
+                                      split_counts)
 from jsparse.methods.evosparse_calibration import _ArgmaxRecorder, calibrate, head_scores
 from models import llama
 from models.attention import LayerContext, LayerKV
@@ -27,7 +28,7 @@ G = HQ // HKV
 CFG = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=5,
                   num_heads=HQ, num_kv_heads=HKV, head_dim=D, max_position_embeddings=512, eos_token_ids=(3,))
 HEADS = [(1, 0), (3, 2), (3, 3)]  # layer 1 (dense) computes a set, layer 2 inherits it, 3 computes, 4 inherits
-FRACTIONS = (1 / 16, 1 / 4, 3 / 8, 5 / 16)
+FRACTIONS = DEFAULT_FRACTIONS  # (1/16, 3/8, 5/16, 1/4)
 
 
 @pytest.fixture(scope="module")
@@ -142,8 +143,8 @@ def test_fixed_sets_equal_masked_reference():
     """Given heat and an inherited retrieval set, the layer attends exactly sink + local + retrieval + heat."""
     q, cache, lengths = _inputs(1)
     bs = 8
-    m = EvoSparse.from_heads(CFG, HEADS, budget_tokens=40, block_size=bs)  # kb = 5: 1 sink, 1 local, 2 ret, 1 heat
-    assert split_counts(5, _cumulative_fixed(m.fractions)) == (1, 1, 2, 1)
+    m = EvoSparse.from_heads(CFG, HEADS, budget_tokens=64, block_size=bs)  # kb = 8: 1 sink, 3 local, 2 ret, 2 heat
+    assert split_counts(8, _cumulative_fixed(m.fractions)) == (1, 3, 2, 2)
     heat = jax.random.uniform(jax.random.key(2), (CFG.num_layers, B, HKV, 16))
     state = m.start(CFG, EvoState(heat=heat), "decode", B, 1, 128)
     ret = np.array([[[3, 6, -1]], [[9, 2, -1]]], np.int32)[:, :, : state.retrieval.shape[-1]]
@@ -153,12 +154,12 @@ def test_fixed_sets_equal_masked_reference():
     mask = np.zeros((B, HKV, 1, 128), bool)
     for b in range(B):
         p = int(lengths[b]) - 1
-        sets, _ = _select_np(p, bs, 40, np.asarray(heat[2, b], np.float64), list(ret[b, 0][ret[b, 0] >= 0]), [],
+        sets, _ = _select_np(p, bs, 64, np.asarray(heat[2, b], np.float64), list(ret[b, 0][ret[b, 0] >= 0]), [],
                              qn[b, 0], kn[b])
         for h in range(HKV):
             for blk in sets[h]:
                 mask[b, h, 0, blk * bs:(blk + 1) * bs] = True
-        assert len(sets[0]) == 5
+        assert len(sets[0]) == 8
     mask &= np.arange(128)[None, None, None] < np.asarray(lengths)[:, None, None, None]
     want = masked_attention_reference(q, cache.k, cache.v, jnp.asarray(mask))
     np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
@@ -166,18 +167,18 @@ def test_fixed_sets_equal_masked_reference():
     # The heat of layer 2 is lambda * h + the block mass; the other layers are untouched.
     _, mass = zip(*[_attend_np(int(lengths[b]) - 1, bs, [np.flatnonzero(mask[b, h, 0, ::bs]) for h in range(HKV)],
                                qn[b, 0], kn[b], vn[b]) for b in range(B)])
-    np.testing.assert_allclose(new_state.heat[2], 0.9 * np.asarray(heat[2]) + np.stack(mass), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(new_state.heat[2], m.decay * np.asarray(heat[2]) + np.stack(mass), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(new_state.heat[3], heat[3])
 
 
 def test_retrieval_layer_computes_block_max_topk():
     q, cache, lengths = _inputs(3)
-    m = EvoSparse.from_heads(CFG, HEADS, budget_tokens=40, block_size=8)
+    m = EvoSparse.from_heads(CFG, HEADS, budget_tokens=64, block_size=8)
     state = m.start(CFG, m.init_state(CFG, B, 128), "decode", B, 1, 128)
     _, st = _decode(m, 3, lengths, q, cache, state)
     qn, kn = np.asarray(q, np.float64), np.asarray(cache.k, np.float64)
     for b in range(B):
-        _, ret = _select_np(int(lengths[b]) - 1, 8, 40, np.zeros((HKV, 16)), None, [(1, 0), (1, 1)], qn[b, 0], kn[b])
+        _, ret = _select_np(int(lengths[b]) - 1, 8, 64, np.zeros((HKV, 16)), None, [(1, 0), (1, 1)], qn[b, 0], kn[b])
         got = np.asarray(st.retrieval[b, 0])
         assert list(got[got >= 0]) == ret and len(ret) == 2
 
@@ -408,6 +409,6 @@ def test_errors(tmp_path):
     with pytest.raises(ArtifactError, match="calibrated for model fingerprint"):
         make_method("evosparse-noheat", cfg=CFG, artifact=path, fingerprint="bbbb")
     # ablations: the dropped share goes to the rest in proportion; no artifact needed without retrieval
-    assert make_method("sink-local", cfg=CFG).fractions == pytest.approx((0.2, 0.8, 0.0, 0.0))
+    assert make_method("sink-local", cfg=CFG).fractions == pytest.approx((1 / 7, 6 / 7, 0.0, 0.0))
     assert make_method("evosparse-noretrieval", cfg=CFG).fractions == pytest.approx(
         ablation_fractions(FRACTIONS, ("retrieval",)))
