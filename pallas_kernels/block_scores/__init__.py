@@ -1,0 +1,22 @@
+"""EvoSparse's decode kernels: retrieval block scores and gathered decode with per-entry softmax mass.
+
+  block_max_scores(q: [B, T, Hq, D], k_all: [L, B, Hkv, N, D], layer: i32[], kv_heads: i32[R],
+                   head_mask: bool[R, G], positions, lo, hi: i32[B, T], *, block_size) -> f32[B, T, N / block_size]
+      the block max of q . K^T * scale over the masked query heads of the KV heads `kv_heads` (the layer's
+      retrieval heads) and the block's visible tokens, -inf outside [lo, hi); K is read in place from the
+      stacked cache and no per-token logits reach HBM.
+  sparse_decode_mass(q: [B, T, Hq, D], k_all, v_all: [L, B, Hkv, N, D], layer: i32[], indices: i32[B, Hkv, T, K],
+                     lengths: i32[B], *, block_size) -> (out [B, T, Hq, D], mass f32[B, Hkv, T, K])
+      gathered sparse decode (as `pallas_kernels.sparse_attention.sparse_decode(layer=...)`) that also returns
+      the post-softmax mass each index entry received (mean over the GQA group), from per-entry partial sums
+      the kernel writes while it attends (no second gather of K).
+
+gpu.py: Pallas Triton kernels; xla.py: the XLA fallback (any backend; slices and gathers); reference.py: the
+plain-jnp specification; api.py dispatches (gpu -> "pallas_gpu" when the kernel takes the arguments, else "xla").
+"""
+
+from pallas_kernels.block_scores.api import IMPLEMENTATIONS, block_max_scores, sparse_decode_mass, supported
+from pallas_kernels.block_scores.reference import block_max_scores_reference, sparse_decode_mass_reference
+
+__all__ = ["IMPLEMENTATIONS", "block_max_scores", "sparse_decode_mass", "supported", "block_max_scores_reference",
+           "sparse_decode_mass_reference"]

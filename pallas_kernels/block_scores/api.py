@@ -1,0 +1,58 @@
+"""Dispatch of the block_scores ops: implementation=None picks "pallas_gpu" on a GPU when the kernel takes the
+arguments, else "xla"; "reference" is the plain-jnp specification. Naming one explicitly never falls back."""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.block_scores import reference, xla
+
+Array = jax.Array
+
+IMPLEMENTATIONS = ("pallas_gpu", "xla", "reference")
+
+
+def supported(implementation: str, q: Array, *, block_size: int) -> bool:
+    """Whether `implementation` can run the ops on queries like q."""
+    if implementation == "pallas_gpu":
+        from pallas_kernels.block_scores import gpu
+        return gpu.unsupported_reason(q.dtype, q.shape[-1], block_size) is None
+    return implementation in IMPLEMENTATIONS
+
+
+def _pick(implementation: str | None, q: Array, block_size: int) -> str:
+    if implementation is None:
+        if jax.default_backend() == "gpu" and supported("pallas_gpu", q, block_size=block_size):
+            return "pallas_gpu"
+        return "xla"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r}: expected one of {IMPLEMENTATIONS} or None")
+    return implementation
+
+
+def block_max_scores(q: Array, k_all: Array, layer: Array, kv_heads: Array, head_mask: Array, positions: Array,
+                     lo: Array, hi: Array, *, block_size: int, scale: float | None = None,
+                     implementation: str | None = None) -> Array:
+    """Retrieval block max, f32[B, T, N // block_size] (semantics: `reference.block_max_scores_reference`)."""
+    impl = _pick(implementation, q, block_size)
+    args = (q, k_all, layer, kv_heads, head_mask, positions, lo, hi)
+    if impl == "pallas_gpu":
+        from pallas_kernels.block_scores import gpu
+        return gpu.block_max_scores_gpu(*args, block_size=block_size, scale=scale)
+    if impl == "reference":
+        return reference.block_max_scores_reference(*args, block_size=block_size, scale=scale)
+    return xla.block_max_scores_xla(*args, block_size=block_size, scale=scale)
+
+
+def sparse_decode_mass(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array, *,
+                       block_size: int = 1, scale: float | None = None, implementation: str | None = None):
+    """Gathered decode over layer `layer` of a stacked cache and each index entry's softmax mass:
+    (out [B, T, Hq, D], mass f32[B, Hkv, T, K]) (semantics: `reference.sparse_decode_mass_reference`)."""
+    impl = _pick(implementation, q, block_size)
+    args = (q, k_all, v_all, layer, indices, lengths)
+    if impl == "pallas_gpu":
+        from pallas_kernels.block_scores import gpu
+        return gpu.sparse_decode_mass_gpu(*args, block_size=block_size, scale=scale)
+    if impl == "reference":
+        return reference.sparse_decode_mass_reference(*args, block_size=block_size, scale=scale)
+    return xla.sparse_decode_mass_xla(*args, block_size=block_size, scale=scale)
