@@ -11,6 +11,15 @@ Example:
         --lengths 2048,4096 --budget 0.1 --samples 10 --artifact kascade=artifacts/kascade --out runs/main
 
 writes runs/main/results.json (records, see eval/harness.py), summary.md, run.json and passkey_outputs.json.
+
+A prefill method (tsa) as a user meets it, with a fixed tau and its measured per-layer sparsity:
+
+    jsparse eval --model smollm2 --methods dense,tsa --tasks passkey,ppl --lengths 4096 \
+        --ppl-variants continuation,prefill --artifact tsa=artifacts/smollm2/tsa --method-option tsa.tau=0.01 ...
+
+Fixed token budgets (k = min(N, p + 1) keys per query) instead of the fraction rule:
+
+    jsparse eval --methods dense,oracle,evosparse --budget-tokens 256,512,1024,2048 ...
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ import sys
 
 from eval import harness, report
 from eval.passkey import DEFAULT_DEPTHS
-from eval.ppl import DEFAULT_CORPUS, VARIANTS
+from eval.ppl import DEFAULT_CONTINUATION, DEFAULT_CORPUS, DEFAULT_VARIANTS
 
 
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:
@@ -29,8 +38,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "eval", help="compare attention methods on passkey retrieval and perplexity",
         description="Run every method on every task and length; write results.json (one record per method, "
-                    "task, length: task, method, length, budget, metric, value, sparsity, n, variant, depth, "
-                    "seconds), summary.md (a table per method), run.json and passkey_outputs.json to --out.")
+                    "task, length: task, method, length, budget, budget_tokens, metric, value, sparsity, "
+                    "layer_sparsity, n, variant, depth, seconds), summary.md (a table per method), run.json and "
+                    "passkey_outputs.json to --out.")
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (the bundled SmolLM2-135M-Instruct), a Hugging Face folder or a .gguf file "
                         "(default: smollm2)")
@@ -45,6 +55,11 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    "(default: 2048,4096)")
     p.add_argument("--budget", type=float, default=0.1,
                    help="token budget of the sparse methods, a fraction of the context in (0, 1] (default 0.1)")
+    p.add_argument("--budget-tokens", default=None, metavar="N[,N...]",
+                   help="fixed token budgets instead of --budget: each N runs every budgeted method with "
+                        "k = min(N, p + 1) keys per query at position p (TokenBudget methods: budget ~ N / length "
+                        "and min_tokens = N; evosparse: budget_tokens = N); methods without a budget (dense, tsa) "
+                        "run once per length")
     p.add_argument("--samples", type=int, default=10,
                    help="passkey prompts and ppl windows per length (default 10); passkey depths cycle over them")
     p.add_argument("--corpus", default=DEFAULT_CORPUS,
@@ -55,9 +70,16 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the passkey keys/filler and ppl windows (default 0)")
     p.add_argument("--depths", default=",".join(f"{d:g}" for d in DEFAULT_DEPTHS),
                    help="passkey needle depths, fractions in [0, 1] (default 0.1,0.3,0.5,0.7,0.9)")
-    p.add_argument("--ppl-variants", default=",".join(VARIANTS),
-                   help="perplexity variants: decode (every token attends as in decode, own top-k) and/or "
-                        "prefill (the method's sparse prefill) (default: decode,prefill)")
+    p.add_argument("--ppl-variants", default=",".join(DEFAULT_VARIANTS),
+                   help="perplexity variants: decode (every token attends as in decode, own top-k), prefill (the "
+                        "method's sparse prefill over the whole window) and/or continuation (the method's prefill "
+                        "of the first length - C tokens, then its decode of the last C, which alone are scored) "
+                        "(default: decode,prefill)")
+    p.add_argument("--continuation-tokens", type=int, default=DEFAULT_CONTINUATION,
+                   help=f"C, the scored tokens of the ppl continuation variant (default {DEFAULT_CONTINUATION})")
+    p.add_argument("--method-option", action="append", default=None, metavar="METHOD.OPTION=VALUE",
+                   help="an option of one method's builder, VALUE read as JSON when it parses (e.g. "
+                        "tsa.tau=0.01); repeat or comma-separate for several")
     p.add_argument("--new-tokens", type=int, default=8, help="tokens generated for a passkey answer (default 8)")
     p.add_argument("--chunk", type=int, default=512,
                    help="tokens per decode call in the ppl decode variant (bounds memory; default 512)")
@@ -82,7 +104,9 @@ def spec_from_args(args) -> harness.EvalSpec:
         samples=args.samples, seed=args.seed, corpus=args.corpus,
         artifacts=harness.parse_artifacts(args.artifact, methods), depths=depths,
         ppl_variants=harness.parse_list(args.ppl_variants, "--ppl-variants"), new_tokens=args.new_tokens,
-        chunk=args.chunk, max_batch_tokens=args.max_batch_tokens)
+        chunk=args.chunk, max_batch_tokens=args.max_batch_tokens, continuation=args.continuation_tokens,
+        budget_tokens=harness.parse_budget_tokens(args.budget_tokens),
+        method_options=harness.parse_method_options(args.method_option, methods))
     spec.validate()
     if "ppl" in tasks:  # fail on a missing or empty corpus before loading the model
         from eval.ppl import read_corpus
@@ -103,7 +127,9 @@ def run_eval(args) -> int:
         model=getattr(model, "name", args.model), budget=spec.budget, samples=spec.samples, seed=spec.seed,
         corpus=spec.corpus if "ppl" in spec.tasks else None, methods=list(spec.methods), tasks=list(spec.tasks),
         lengths=list(spec.lengths), artifacts=dict(spec.artifacts), depths=list(spec.depths),
-        ppl_variants=list(spec.ppl_variants))
+        ppl_variants=list(spec.ppl_variants), continuation=spec.continuation,
+        budget_tokens=None if spec.budget_tokens is None else list(spec.budget_tokens),
+        method_options={k: dict(v) for k, v in spec.method_options.items()})
     run = harness.evaluate(model, spec, progress=not args.no_progress,
                            on_record=lambda records: report.write_results(args.out, records, meta))
     report.write_results(args.out, run.records, meta, run.passkey_outputs)

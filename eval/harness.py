@@ -3,20 +3,33 @@
     from eval.harness import EvalSpec, evaluate
     run = evaluate(model, EvalSpec(methods=("dense", "kascade"), tasks=("passkey", "ppl"), lengths=(2048,),
                                    artifacts={"kascade": "artifacts/kascade"}))
-    run.records  # [{task, method, length, budget, metric, value, sparsity, n, variant, depth, seconds}, ...]
+    run.records  # [{task, method, length, budget, budget_tokens, metric, value, sparsity, layer_sparsity, n,
+                 #   variant, depth, seconds}, ...]
 
 A record (every record has exactly the keys of `RECORD_KEYS`):
   task      "passkey" or "ppl"
   method    the method's registry name
   length    the prompt / window length in tokens
-  budget    the budget the method was built with (fraction of the context in (0, 1])
+  budget    the budget the method was built with (fraction of the context in (0, 1]); with a token budget,
+            budget_tokens / length
+  budget_tokens
+            the fixed token budget N of this record (`EvalSpec.budget_tokens`): every query attends to
+            k = min(N, p + 1) keys (p its position); None when the fraction rule was used or the method takes
+            no budget (dense, tsa)
   metric    "accuracy" (passkey: exact match of the key's digits) or "perplexity"
   value     the metric's value
   sparsity  achieved sparsity: fraction of visible keys not attended, averaged over layers and the query
             positions 0..length-1, from `method.achieved_sparsity(cfg, positions)`; 0.0 for dense; None when
-            the method does not report it
+            the method does not report it. For a method that measures its prefill (TSA, see layer_sparsity),
+            the measured attention-map sparsity of the record's prefills averaged over all layers (dense
+            layers count 0)
+  layer_sparsity
+            {layer (str): attention-map sparsity} of each sparse layer, measured on the record's prefills and
+            averaged over the samples, for methods with `prefill_layer_sparsity` (TSA: the fraction of the
+            causal attention map its compression skips, the paper's Table 3); None otherwise (and for the ppl
+            "decode" variant, which runs no prefill)
   n         samples behind the value (prompts or windows)
-  variant   ppl: "decode" or "prefill" (see eval/ppl.py); passkey: "generate" (the method's prefill of the
+  variant   ppl: "decode", "prefill" or "continuation" (see eval/ppl.py); passkey: "generate" (the method's prefill of the
             prompt, then its decode of the answer, as `jsparse generate` runs it)
   depth     passkey: the needle depth of a per-depth record, None for the record over all depths; ppl: None
   seconds   wall time of this (method, task, variant, length), compilation included
@@ -29,6 +42,7 @@ compiles once); compiled functions are module-level `jax.jit`s reused across sam
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Callable, Mapping, Sequence
 
@@ -41,8 +55,8 @@ from eval import ppl as ppl_task
 from models.generate import Sampling, check_request, generate_tokens
 
 TASKS = ("passkey", "ppl")
-RECORD_KEYS = ("task", "method", "length", "budget", "metric", "value", "sparsity", "n", "variant", "depth",
-               "seconds")
+RECORD_KEYS = ("task", "method", "length", "budget", "budget_tokens", "metric", "value", "sparsity",
+               "layer_sparsity", "n", "variant", "depth", "seconds")
 
 
 def method_names() -> list[str]:
@@ -93,17 +107,32 @@ def parse_lengths(text: str | Sequence[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
+def components(method: str) -> tuple[str, ...]:
+    """The component methods of a composed method name ('tsa+kascade' -> ('tsa', 'kascade')); () otherwise."""
+    parts = tuple(method.split("+"))
+    return parts if len(parts) > 1 else ()
+
+
 def parse_artifacts(values: Sequence[str] | None, methods: Sequence[str]) -> dict[str, str]:
     """Artifact folders per method from `--artifact` values: 'DIR' (every method) or 'NAME=DIR' (one).
 
-    Values may be repeated or comma-separated; a NAME=DIR entry wins over a plain DIR for its method.
+    Values may be repeated or comma-separated; a NAME=DIR entry wins over a plain DIR for its method. NAME may
+    also be a component of a composed method: `--artifact kascade=K --artifact tsa=T` gives `--methods
+    tsa+kascade` the folders 'K' + os.pathsep + 'T' (the composed builder routes each by its kind), unless a
+    'tsa+kascade=...' entry names the composed method itself.
     """
-    common, per = None, {}
+    import os
+
+    common, per, parts = None, {}, {}
+    used = {c for m in methods for c in components(m)}
     for value in values or ():
         for item in parse_list(value, "--artifact"):
             name, sep, path = item.partition("=")
-            if sep and name in methods:
-                per[name] = path
+            if sep and (name in methods or name in used):
+                if name in methods:
+                    per[name] = path
+                if name in used:
+                    parts[name] = path
             elif sep and name in method_names():
                 raise ValueError(f"--artifact {item!r} names method {name!r}, which is not in --methods "
                                  f"{','.join(methods)}")
@@ -116,7 +145,59 @@ def parse_artifacts(values: Sequence[str] | None, methods: Sequence[str]) -> dic
                                      "use NAME=DIR for per-method artifacts")
                 common = item
     out = {m: common for m in methods if common is not None}
+    for m in methods:
+        given = [parts[c] for c in components(m) if c in parts]
+        if given:
+            out[m] = os.pathsep.join(given)
     out.update(per)
+    return out
+
+
+def parse_budget_tokens(text: str | Sequence[int] | None) -> tuple[int, ...] | None:
+    """'256,512' -> (256, 512): fixed token budgets (positive integers); None/'' -> None (the fraction rule)."""
+    if text is None or (isinstance(text, str) and not text.strip()):
+        return None
+    items = parse_list(text, "--budget-tokens") if isinstance(text, str) else tuple(text)
+    out = []
+    for i in items:
+        try:
+            n = int(i)
+        except (TypeError, ValueError):
+            raise ValueError(f"budget tokens {i!r}: expected a positive integer number of tokens") from None
+        if isinstance(i, float) and i != n or n < 1:
+            raise ValueError(f"budget tokens {i!r}: expected a positive integer number of tokens")
+        out.append(n)
+    if len(set(out)) != len(out):
+        raise ValueError(f"--budget-tokens {list(out)} names a budget twice")
+    return tuple(out)
+
+
+def _option_value(text: str):
+    import json
+
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def parse_method_options(values: Sequence[str] | None, methods: Sequence[str]) -> dict[str, dict]:
+    """`--method-option NAME.KEY=VALUE` values (repeatable, comma-separated) -> {NAME: {KEY: VALUE}}.
+
+    VALUE is read as JSON when it parses (0.01, 3, true, [3, 4]) and as a string otherwise; NAME must be one of
+    `methods`. Each option is a keyword of the method's builder (e.g. tsa.tau=0.01).
+    """
+    out: dict[str, dict] = {}
+    for value in values or ():
+        for item in parse_list(value, "--method-option"):
+            key, sep, raw = item.partition("=")
+            name, dot, field = key.rpartition(".")
+            if not sep or not dot or not name or not field:
+                raise ValueError(f"--method-option {item!r}: expected METHOD.OPTION=VALUE, e.g. tsa.tau=0.01")
+            if name not in methods:
+                raise ValueError(f"--method-option {item!r} names method {name!r}, which is not in --methods "
+                                 f"{','.join(methods)}")
+            out.setdefault(name, {})[field] = _option_value(raw)
     return out
 
 
@@ -131,7 +212,14 @@ class EvalSpec:
         depth depths[i % len(depths)]).
       seed: seeds the passkey keys and filler and the ppl window offsets.
       corpus: the ppl corpus (a UTF-8 text file); artifacts: method name -> artifact folder.
-      depths: passkey needle depths; ppl_variants: subset of ("decode", "prefill").
+      depths: passkey needle depths; ppl_variants: subset of ("decode", "prefill", "continuation").
+      continuation: C, the scored tokens of the ppl "continuation" variant (the prompt is the rest).
+      budget_tokens: fixed token budgets N, or None for the fraction rule (`budget`). Each N runs every method
+        that takes a budget with k = min(N, p + 1) keys per query at position p: TokenBudget methods (and
+        compositions around one) get budget = N / (length + new_tokens) and min_tokens = N, methods with a
+        `budget_tokens` field (EvoSparse) get budget_tokens = N; methods without a budget (dense, tsa) run once
+        per length.
+      method_options: method name -> extra keyword options of its builder (e.g. {"tsa": {"tau": 0.01}}).
       new_tokens: tokens generated greedily for a passkey answer.
       chunk: tokens per decode call in the ppl "decode" variant.
       max_batch_tokens: rows per forward = max(1, max_batch_tokens // length).
@@ -146,7 +234,10 @@ class EvalSpec:
     corpus: str | None = ppl_task.DEFAULT_CORPUS
     artifacts: Mapping[str, str] = dataclasses.field(default_factory=dict)
     depths: tuple[float, ...] = passkey_task.DEFAULT_DEPTHS
-    ppl_variants: tuple[str, ...] = ppl_task.VARIANTS
+    ppl_variants: tuple[str, ...] = ppl_task.DEFAULT_VARIANTS
+    continuation: int = ppl_task.DEFAULT_CONTINUATION
+    budget_tokens: tuple[int, ...] | None = None
+    method_options: Mapping[str, Mapping] = dataclasses.field(default_factory=dict)
     new_tokens: int = 8
     chunk: int = 512
     max_batch_tokens: int = 8192
@@ -163,6 +254,15 @@ class EvalSpec:
                 raise ValueError(f"{name}={value!r}: expected a positive integer")
         passkey_task.check_depths(self.depths)
         ppl_task.check_variants(self.ppl_variants)
+        if "ppl" in self.tasks and "continuation" in self.ppl_variants:
+            for length in self.lengths:
+                ppl_task.check_continuation(self.continuation, length)
+        if self.budget_tokens is not None:
+            parse_budget_tokens(self.budget_tokens)
+        for name in self.method_options:
+            if name not in self.methods:
+                raise ValueError(f"method options given for method {name!r}, which is not among the methods "
+                                 f"{list(self.methods)}")
         for name in self.artifacts:
             if name not in self.methods:
                 raise ValueError(f"artifact given for method {name!r}, which is not among the methods "
@@ -182,7 +282,11 @@ class EvalRun:
     passkey_outputs: list[dict]
 
 
+OPTIONAL_KEYS = {"budget_tokens": None, "layer_sparsity": None}  # None when not given
+
+
 def make_record(**fields) -> dict:
+    fields = {**OPTIONAL_KEYS, **fields}
     missing = [k for k in RECORD_KEYS if k not in fields] + [k for k in fields if k not in RECORD_KEYS]
     if missing:
         raise KeyError(f"record keys {missing} do not match {RECORD_KEYS}")
@@ -215,9 +319,52 @@ def _eos_ids(model) -> tuple[int, ...]:
     return eos
 
 
+class LayerSparsity:
+    """Accumulates a method's measured prefill sparsity per layer over the samples (valid rows only)."""
+
+    def __init__(self, method, cfg):
+        self.fn = getattr(method, "prefill_layer_sparsity", None)
+        self.cfg = cfg
+        self.rows: dict[int, list] = {}
+
+    @property
+    def active(self) -> bool:
+        return self.fn is not None
+
+    def add(self, state, lengths, valid: int) -> None:
+        if self.fn is None:
+            return
+        for layer, values in self.fn(self.cfg, state, np.asarray(lengths)).items():
+            self.rows.setdefault(int(layer), []).extend(np.asarray(values, np.float64)[:valid].tolist())
+
+    def result(self) -> tuple[dict | None, float | None]:
+        """({layer (str): mean over samples}, mean over all layers with dense layers as 0), or (None, None)."""
+        if not self.rows:
+            return None, None
+        per = {str(layer): float(np.mean(v)) for layer, v in sorted(self.rows.items())}
+        return per, float(sum(per.values()) / self.cfg.num_layers)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _prefill_state_jit(params, method, tokens, lengths, *, cfg):
+    from models import llama
+    from models.cache import init_cache
+
+    B, T = tokens.shape
+    cache = init_cache(cfg, B, T, params.embed.dtype)
+    _, _, state = llama.prefill(params, cfg, method, tokens, lengths, cache, method.init_state(cfg, B, T))
+    return state
+
+
+def prefill_state(model, method, tokens: np.ndarray, lengths: np.ndarray):
+    """The method's state after its prefill of `tokens` (i32[B, T], right-padded to `lengths`)."""
+    return _prefill_state_jit(model.params, method, jnp.asarray(tokens), jnp.asarray(lengths), cfg=model.cfg)
+
+
 def run_passkey(model, method, prompts: Sequence[passkey_task.PasskeyPrompt], new_tokens: int, rows: int,
-                tick: Callable[[], None] = lambda: None) -> list[str]:
-    """Greedy completions (text) of the prompts, `rows` prompts per generate call."""
+                tick: Callable[[], None] = lambda: None, layer_sparsity: LayerSparsity | None = None) -> list[str]:
+    """Greedy completions (text) of the prompts, `rows` prompts per generate call (and, given `layer_sparsity`
+    of a method that measures its prefill, one more prefill per batch to measure it)."""
     length = len(prompts[0].tokens)
     capacity = check_request(model.cfg, [length], new_tokens)
     eos = _eos_ids(model)
@@ -232,26 +379,41 @@ def run_passkey(model, method, prompts: Sequence[passkey_task.PasskeyPrompt], ne
         for row, n in zip(out[:valid], num[:valid]):
             ids = [int(t) for t in row[:n] if t >= 0 and int(t) not in eos]
             completions.append(model.tokenizer.decode(ids, skip_special_tokens=True))
+        if layer_sparsity is not None and layer_sparsity.active:
+            layer_sparsity.add(prefill_state(model, method, batch, lengths), lengths, valid)
         tick()
     return completions
 
 
 def run_ppl(model, method, windows: np.ndarray, variant: str, rows: int, chunk: int,
-            tick: Callable[[], None] = lambda: None) -> np.ndarray:
-    """f32[n, T - 1] token NLLs of the windows under `variant` ("decode" or "prefill")."""
+            tick: Callable[[], None] = lambda: None, continuation: int = ppl_task.DEFAULT_CONTINUATION,
+            layer_sparsity: LayerSparsity | None = None) -> np.ndarray:
+    """Token NLLs of the windows under `variant`: f32[n, T - 1] for "decode" and "prefill", f32[n, C] for
+    "continuation" (C = `continuation`). `layer_sparsity` collects the measured sparsity of the prefills."""
     out = []
     for batch, valid in _batches(windows, rows):
         if variant == "decode":
             nll = ppl_task.decode_nll(model.params, model.cfg, method, batch, chunk=chunk, on_chunk=tick)
-        else:
-            nll = np.asarray(ppl_task.prefill_nll(model.params, method, jnp.asarray(batch), cfg=model.cfg))
+        elif variant == "prefill":
+            nll, state = ppl_task.prefill_nll_state(model.params, method, jnp.asarray(batch), cfg=model.cfg)
+            nll = np.asarray(nll)
+            if layer_sparsity is not None:
+                layer_sparsity.add(state, np.full((len(batch),), batch.shape[1], np.int32), valid)
             tick()
+        elif variant == "continuation":
+            nll, state = ppl_task.continuation_nll(model.params, model.cfg, method, batch, continuation,
+                                                   chunk=chunk, on_chunk=tick, return_state=True)
+            if layer_sparsity is not None:
+                P = batch.shape[1] - continuation
+                layer_sparsity.add(state, np.full((len(batch),), P, np.int32), valid)
+        else:
+            ppl_task.check_variants((variant,))
         out.append(nll[:valid])
     return np.concatenate(out)
 
 
-def _calls(spec: EvalSpec) -> int:
-    """Forward calls of the whole run (the progress bar's total)."""
+def _calls(spec: EvalSpec, runs_per_length: int) -> int:
+    """Forward calls of the whole run (the progress bar's total); runs_per_length: method builds per length."""
     total = 0
     for length in spec.lengths:
         batches = -(-spec.samples // spec.batch_rows(length))
@@ -260,22 +422,84 @@ def _calls(spec: EvalSpec) -> int:
             per_method += batches
         if "ppl" in spec.tasks:
             for v in spec.ppl_variants:
-                per_method += batches * (-(-length // spec.chunk) if v == "decode" else 1)
-        total += per_method * len(spec.methods)
+                calls = {"decode": -(-length // spec.chunk), "prefill": 1,
+                         "continuation": 1 + -(-spec.continuation // spec.chunk)}[v]
+                per_method += batches * calls
+        total += per_method * runs_per_length
     return total
+
+
+def _safe_budget(tokens: int, max_visible: int) -> float:
+    """The largest budget b <= 1 with ceil(b * n) <= tokens for every n <= max_visible, in float64 and float32
+    (so that with min_tokens = tokens the fraction rule gives k = min(tokens, n))."""
+    if tokens >= max_visible:
+        return 1.0
+    b = np.float32(tokens / max_visible)
+    while float(np.float32(b) * np.float32(max_visible)) > tokens or float(b) * max_visible > tokens:
+        b = np.nextafter(b, np.float32(0))
+    return float(b)
+
+
+def token_budget_options(method, tokens: int, max_visible: int) -> dict:
+    """Builder options that give `method` (a built instance) the fixed budget k = min(tokens, p + 1) at every
+    position p < max_visible; {} for a method without a budget (dense, tsa)."""
+    from jsparse.methods.common import TokenBudget
+
+    fields = getattr(method, "__dataclass_fields__", {})
+    if "budget_tokens" in fields:
+        return {"budget_tokens": int(tokens)}
+    inner = getattr(method, "inner", None)
+    if isinstance(method, TokenBudget) or isinstance(inner, TokenBudget):
+        return {"budget": _safe_budget(int(tokens), max_visible), "min_tokens": int(tokens)}
+    return {}
+
+
+def _check_options(method, name: str, options: Mapping) -> None:
+    missing = object()
+    for key, value in options.items():
+        holders = [method, getattr(method, "inner", None)]
+        if all(h is None or getattr(h, key, missing) is missing for h in holders):
+            raise ValueError(f"--method-option {name}.{key}={value!r}: method {name!r} has no option {key!r}")
+
+
+def build_method(model, spec: EvalSpec, name: str, **overrides):
+    """Builds one method of the run with its artifact, method options and `overrides` (budget ...)."""
+    import jsparse
+
+    options = {"budget": spec.budget}
+    if spec.artifacts.get(name):
+        options["artifact"] = spec.artifacts[name]
+    options.update(spec.method_options.get(name, {}))
+    options.update(overrides)
+    method = jsparse.build_method(name, model, **options)
+    _check_options(method, name, spec.method_options.get(name, {}))
+    return method
 
 
 def build_methods(model, spec: EvalSpec) -> dict:
     """Builds every method of the run (before any work, so a bad artifact fails fast)."""
-    import jsparse
+    return {name: build_method(model, spec, name) for name in spec.methods}
 
-    methods = {}
-    for name in spec.methods:
-        options = {"budget": spec.budget}
-        if spec.artifacts.get(name):
-            options["artifact"] = spec.artifacts[name]
-        methods[name] = jsparse.build_method(name, model, **options)
-    return methods
+
+def method_runs(model, spec: EvalSpec, methods: Mapping, length: int):
+    """Yields (name, method, budget, budget_tokens) for one length: every method once under the fraction rule,
+    or, with `spec.budget_tokens`, every budgeted method once per token budget (the others once)."""
+    if spec.budget_tokens is None:
+        for name, method in methods.items():
+            yield name, method, spec.budget, None
+        return
+    max_visible = length + (spec.new_tokens if "passkey" in spec.tasks else 0)
+    done = set()
+    for tokens in spec.budget_tokens:
+        for name, method in methods.items():
+            options = token_budget_options(method, tokens, max_visible)
+            if not options:
+                if name not in done:
+                    done.add(name)
+                    yield name, method, spec.budget, None
+                continue
+            built = build_method(model, spec, name, **options)
+            yield name, built, options.get("budget", spec.budget), int(tokens)
 
 
 def evaluate(model, spec: EvalSpec, *, progress: bool = True,
@@ -305,10 +529,14 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
     if "ppl" in spec.tasks:
         corpus_ids = ppl_task.tokenize_corpus(model.tokenizer, ppl_task.read_corpus(spec.corpus))
     methods = build_methods(model, spec)
+    if spec.budget_tokens is None:
+        runs = len(methods)
+    else:
+        runs = sum(len(spec.budget_tokens) if token_budget_options(m, 1, 2) else 1 for m in methods.values())
 
     records: list[dict] = []
     outputs: list[dict] = []
-    bar = tqdm(total=_calls(spec), disable=not progress, unit="call", dynamic_ncols=True)
+    bar = tqdm(total=_calls(spec, runs), disable=not progress, unit="call", dynamic_ncols=True)
     tick = lambda: bar.update(1)  # noqa: E731
 
     def emit(new: list[dict]) -> None:
@@ -324,38 +552,48 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
                 prompts = passkey_task.make_prompts(model.tokenizer, length, spec.samples, spec.seed, spec.depths)
             if "ppl" in spec.tasks:
                 windows = ppl_task.make_windows(model.tokenizer, corpus_ids, length, spec.samples, spec.seed)
-            for name, method in methods.items():
+            for name, method, budget, budget_tokens in method_runs(model, spec, methods, length):
                 sparsity = achieved_sparsity(method, name, cfg, length)
-                common = dict(method=name, length=length, budget=spec.budget, sparsity=sparsity)
+                label = name if budget_tokens is None else f"{name} k={budget_tokens}"
+                common = dict(method=name, length=length, budget=budget, budget_tokens=budget_tokens)
                 for task in spec.tasks:
                     if task == "passkey":
-                        bar.set_description(f"{name} passkey {length}")
+                        bar.set_description(f"{label} passkey {length}")
                         t0 = time.perf_counter()
-                        completions = run_passkey(model, method, prompts, spec.new_tokens, rows, tick)
+                        measured = LayerSparsity(method, cfg)
+                        completions = run_passkey(model, method, prompts, spec.new_tokens, rows, tick, measured)
                         seconds = time.perf_counter() - t0
+                        layers, mean = measured.result()
+                        common_t = dict(common, sparsity=sparsity if mean is None else mean,
+                                        layer_sparsity=layers)
                         correct = [passkey_task.is_correct(c, p.key) for p, c in zip(prompts, completions)]
                         for p, c, ok in zip(prompts, completions, correct):
-                            outputs.append(dict(method=name, length=length, depth=p.depth, key=p.key,
-                                                completion=c, correct=ok))
+                            outputs.append(dict(method=name, length=length, budget_tokens=budget_tokens,
+                                                depth=p.depth, key=p.key, completion=c, correct=ok))
                         new = [make_record(task="passkey", metric="accuracy", value=float(np.mean(correct)),
                                            n=len(correct), variant="generate", depth=None, seconds=seconds,
-                                           **common)]
+                                           **common_t)]
                         for depth in spec.depths:
                             hits = [ok for p, ok in zip(prompts, correct) if p.depth == depth]
                             if hits:
                                 new.append(make_record(task="passkey", metric="accuracy",
                                                        value=float(np.mean(hits)), n=len(hits),
-                                                       variant="generate", depth=depth, seconds=None, **common))
+                                                       variant="generate", depth=depth, seconds=None,
+                                                       **common_t))
                         emit(new)
                     else:
                         for variant in spec.ppl_variants:
-                            bar.set_description(f"{name} ppl-{variant} {length}")
+                            bar.set_description(f"{label} ppl-{variant} {length}")
                             t0 = time.perf_counter()
-                            nll = run_ppl(model, method, windows, variant, rows, spec.chunk, tick)
+                            measured = LayerSparsity(method, cfg)
+                            nll = run_ppl(model, method, windows, variant, rows, spec.chunk, tick,
+                                          spec.continuation, measured)
                             seconds = time.perf_counter() - t0
+                            layers, mean = measured.result()
                             emit([make_record(task="ppl", metric="perplexity", value=ppl_task.perplexity(nll),
                                               n=len(nll), variant=variant, depth=None, seconds=seconds,
-                                              **common)])
+                                              sparsity=sparsity if mean is None else mean,
+                                              layer_sparsity=layers, **common)])
     finally:
         bar.close()
     return EvalRun(records=records, passkey_outputs=outputs)

@@ -8,12 +8,22 @@ Scored positions: every token 1..T-1 of a window is predicted from the tokens be
 window contributes T - 1 negative log-likelihoods; perplexity = exp(mean NLL) pooled over all windows'
 scored tokens.
 
-Two variants:
+Three variants:
   "decode"   `models.llama.decode` on an empty cache, fed the window in chunks of `chunk` tokens: every query
              row attends as a decode step would (its own per-row selection over the keys before it), which is
              what a method does when it generates token by token. The chunks only bound memory; the result
              does not depend on the chunk size for a method whose decode is per-row.
   "prefill"  `models.llama.prefill` over the whole window with all logits (the method's sparse prefill).
+             Every token of the window is scored from this one forward, so a prefill method that computes no
+             attention output for some query rows (Token Sparse Attention drops them) is scored on rows it
+             never meant to produce.
+  "continuation"
+             how a user meets a prefill method (a prompt, then an answer): the method's prefill over the first
+             P = T - C tokens of each window (C = `continuation` tokens, default 256), then the last C tokens
+             teacher-forced through the method's decode (`models.llama.decode` on the prefill's cache, in chunks
+             of `chunk` tokens, as in "decode"). Only the last C tokens are scored: token P from the prefill's
+             last logit, tokens P+1..T-1 from the decode, so a window contributes C NLLs. For dense attention
+             these equal the "decode" / "prefill" NLLs of the same positions.
 """
 
 from __future__ import annotations
@@ -32,7 +42,9 @@ from models.config import ModelConfig
 from models.params import Params
 
 Array = jax.Array
-VARIANTS = ("decode", "prefill")
+VARIANTS = ("decode", "prefill", "continuation")
+DEFAULT_VARIANTS = ("decode", "prefill")  # what `jsparse eval` runs unless --ppl-variants says otherwise
+DEFAULT_CONTINUATION = 256
 _DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 # The evaluation corpus (ppl) and a separate development corpus (calibration), so that no method is scored on
 # the text it was calibrated on (see eval/data/README.md).
@@ -122,15 +134,42 @@ def decode_chunk_nll(params: Params, method, tokens: Array, targets: Array, cach
     return _token_nll(logits, targets), cache, state
 
 
+def _capacity(T: int) -> int:
+    return -(-T // 128) * 128
+
+
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def prefill_nll(params: Params, method, tokens: Array, *, cfg: ModelConfig) -> Array:
-    """tokens: i32[B, T] -> f32[B, T - 1] NLL of tokens 1..T-1 under the method's prefill."""
+def prefill_nll_state(params: Params, method, tokens: Array, *, cfg: ModelConfig):
+    """tokens: i32[B, T] -> (f32[B, T - 1] NLL of tokens 1..T-1 under the method's prefill, the method's state
+    after the prefill)."""
     B, T = tokens.shape
     cache = init_cache(cfg, B, T, params.embed.dtype)
     state = method.init_state(cfg, B, T)
     lengths = jnp.full((B,), T, jnp.int32)
-    logits, _, _ = llama.prefill(params, cfg, method, tokens, lengths, cache, state, all_logits=True)
-    return _token_nll(logits[:, :-1], tokens[:, 1:])
+    logits, _, state = llama.prefill(params, cfg, method, tokens, lengths, cache, state, all_logits=True)
+    return _token_nll(logits[:, :-1], tokens[:, 1:]), state
+
+
+def prefill_nll(params: Params, method, tokens: Array, *, cfg: ModelConfig) -> Array:
+    """tokens: i32[B, T] -> f32[B, T - 1] NLL of tokens 1..T-1 under the method's prefill."""
+    return prefill_nll_state(params, method, tokens, cfg=cfg)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "capacity"))
+def prefill_last_nll(params: Params, method, tokens: Array, target: Array, *, cfg: ModelConfig, capacity: int):
+    """The method's prefill of a prompt into a cache of `capacity` tokens, scoring the token after it.
+
+    Args:
+      tokens: i32[B, P] the prompts (all of length P); target: i32[B] the token that follows each.
+    Returns:
+      (nll: f32[B], cache, state) ready for `decode_chunk_nll` at position P.
+    """
+    B, P = tokens.shape
+    cache = init_cache(cfg, B, capacity, params.embed.dtype)
+    state = method.init_state(cfg, B, capacity)
+    lengths = jnp.full((B,), P, jnp.int32)
+    logits, cache, state = llama.prefill(params, cfg, method, tokens, lengths, cache, state)
+    return _token_nll(logits[:, None], target[:, None])[:, 0], cache, state
 
 
 def decode_nll(params: Params, cfg: ModelConfig, method, tokens: np.ndarray, chunk: int = 512,
@@ -143,7 +182,7 @@ def decode_nll(params: Params, cfg: ModelConfig, method, tokens: np.ndarray, chu
     if chunk < 1:
         raise ValueError(f"chunk={chunk}: expected >= 1 tokens per decode call")
     B, T = tokens.shape
-    capacity = -(-T // 128) * 128
+    capacity = _capacity(T)
     cache = init_cache(cfg, B, capacity, params.embed.dtype)
     state = method.init_state(cfg, B, capacity)
     inputs = jnp.asarray(tokens)
@@ -156,6 +195,47 @@ def decode_nll(params: Params, cfg: ModelConfig, method, tokens: np.ndarray, chu
         if on_chunk is not None:
             on_chunk()
     return np.concatenate(out, axis=1)[:, :-1]
+
+
+def check_continuation(continuation: int, length: int) -> int:
+    """C, the scored continuation tokens: an integer in [1, length - 2] (the prompt keeps at least 2 tokens)."""
+    if isinstance(continuation, bool) or not isinstance(continuation, (int, np.integer)) \
+            or not 1 <= continuation <= length - 2:
+        raise ValueError(f"continuation={continuation!r} tokens with length {length}: expected an integer in "
+                         f"[1, {length - 2}] (the prompt keeps at least 2 tokens)")
+    return int(continuation)
+
+
+def continuation_nll(params: Params, cfg: ModelConfig, method, tokens: np.ndarray, continuation: int,
+                     chunk: int = 512, on_chunk=None, return_state: bool = False):
+    """tokens: i32[B, T] -> f32[B, C] NLL of tokens T-C..T-1: the method's prefill of tokens 0..T-C-1, then its
+    decode of the last C tokens, `chunk` tokens per call (see the module docstring, variant "continuation").
+
+    With `return_state`, returns (nll, the method's state right after the prefill).
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk={chunk}: expected >= 1 tokens per decode call")
+    tokens = np.asarray(tokens, np.int32)
+    B, T = tokens.shape
+    C = check_continuation(continuation, T)
+    P = T - C
+    nll0, cache, state = prefill_last_nll(params, method, jnp.asarray(tokens[:, :P]), jnp.asarray(tokens[:, P]),
+                                          cfg=cfg, capacity=_capacity(T))
+    prefill_state = state
+    out = [np.asarray(nll0)[:, None]]
+    if on_chunk is not None:
+        on_chunk()
+    # Feed tokens P..T-1 (the last prediction is dropped), targets P+1..T-1.
+    inputs = jnp.asarray(tokens[:, P:])
+    targets = jnp.asarray(np.concatenate([tokens[:, P + 1:], np.zeros((B, 1), np.int32)], axis=1))
+    for s in range(0, C, chunk):
+        nll, cache, state = decode_chunk_nll(params, method, inputs[:, s:s + chunk], targets[:, s:s + chunk],
+                                             cache, state, cfg=cfg)
+        out.append(np.asarray(nll))
+        if on_chunk is not None:
+            on_chunk()
+    nll = np.concatenate(out, axis=1)[:, :C]
+    return (nll, prefill_state) if return_state else nll
 
 
 def perplexity(nll: np.ndarray) -> float:

@@ -1,10 +1,11 @@
 """Writing an evaluation run: results.json (the records), summary.md (tables for people), run.json (metadata).
 
 summary.md holds
-  - the results table: one row per method, one column per (task [variant], length): passkey accuracy as
-    `0.80 (8/10)`, perplexity as `12.34`, with the change relative to dense in the same column when dense
-    was run (`12.50 (+1.3%)`);
+  - the results table: one row per method (per method and token budget, `kascade k=512`, when the run used
+    --budget-tokens), one column per (task [variant], length): passkey accuracy as `0.80 (8/10)`, perplexity
+    as `12.34`, with the change relative to dense in the same column when dense was run (`12.50 (+1.3%)`);
   - achieved sparsity per method and length;
+  - the measured prefill attention-map sparsity per sparse layer (methods that report it, e.g. tsa);
   - passkey accuracy per needle depth, one table per length.
 """
 
@@ -61,11 +62,17 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return lines
 
 
+def _row(r: Mapping) -> str:
+    """The row label of a record: its method, with its token budget when it has one."""
+    k = r.get("budget_tokens")
+    return r["method"] if k is None else f"{r['method']} k={k}"
+
+
 def _methods(records: Sequence[Mapping]) -> list[str]:
     seen: list[str] = []
     for r in records:
-        if r["method"] not in seen:
-            seen.append(r["method"])
+        if _row(r) not in seen:
+            seen.append(_row(r))
     return seen
 
 
@@ -75,13 +82,18 @@ def summary_markdown(records: Sequence[Mapping], meta: Mapping | None = None) ->
     methods = _methods(records)
     main = [r for r in records if r["depth"] is None]
     columns = sorted({_column(r) for r in main})
-    cells = {(r["method"], _column(r)): r for r in main}
-    budget = sorted({r["budget"] for r in records})
+    cells = {(_row(r), _column(r)): r for r in main}
+    budget = sorted({r["budget"] for r in records if r.get("budget_tokens") is None})
+    tokens = sorted({r["budget_tokens"] for r in records if r.get("budget_tokens") is not None})
 
     lines = ["# Evaluation summary", ""]
     if meta.get("command"):
         lines += ["```", meta["command"], "```", ""]
     facts = [("model", meta.get("model")), ("budget", ", ".join(f"{b:g}" for b in budget) or None),
+             ("budget tokens", ", ".join(str(k) for k in tokens) or None),
+             ("method options", meta.get("method_options") or None),
+             ("continuation tokens", meta.get("continuation")
+              if "continuation" in (meta.get("ppl_variants") or ()) else None),
              ("samples", meta.get("samples")), ("seed", meta.get("seed")), ("corpus", meta.get("corpus")),
              ("device", meta.get("device")), ("jax", meta.get("jax")), ("commit", meta.get("commit")),
              ("date", meta.get("date"))]
@@ -97,18 +109,37 @@ def summary_markdown(records: Sequence[Mapping], meta: Mapping | None = None) ->
         rows.append(row)
     lines += ["## Results", "",
               "passkey: exact-match accuracy of the key's digits (correct/total); ppl: perplexity over every "
-              "token after the first, with the change relative to dense.", ""]
+              "token after the first (ppl continuation: over the last C tokens, the method's decode after its "
+              "prefill of the rest), with the change relative to dense; `k=N`: a fixed budget of N tokens.", ""]
     lines += _table(header, rows) + [""]
 
     lengths = sorted({r["length"] for r in records})
     sparsity = {}
     for r in main:
-        sparsity.setdefault((r["method"], r["length"]), r["sparsity"])
+        if sparsity.get((_row(r), r["length"])) is None:
+            sparsity[(_row(r), r["length"])] = r["sparsity"]
     lines += ["## Achieved sparsity", "", "Fraction of the visible keys not attended, averaged over layers and "
               "query positions (blank: the method does not report it).", ""]
     srows = [[m] + ["" if sparsity.get((m, L)) is None else f"{sparsity[(m, L)]:.3f}" for L in lengths]
              for m in methods]
     lines += _table(["method"] + [f"@{L}" for L in lengths], srows) + [""]
+
+    measured = [r for r in main if r.get("layer_sparsity")]
+    if measured:
+        layers = sorted({int(l) for r in measured for l in r["layer_sparsity"]})
+        lines += ["## Prefill attention-map sparsity per sparse layer", "",
+                  "Fraction of the causal attention map the method's prefill skipped in each sparse layer, "
+                  "averaged over the samples (measured on the record's prefills: the whole window for ppl "
+                  "prefill, the first length - C tokens for ppl continuation, the prompt for passkey); mean: "
+                  "over the sparse layers.", ""]
+        mrows = []
+        for r in measured:
+            task = r["task"] if r["task"] == "passkey" else f"ppl {r['variant']}"
+            vals = [r["layer_sparsity"].get(str(l)) for l in layers]
+            mean = sum(v for v in vals if v is not None) / max(sum(v is not None for v in vals), 1)
+            mrows.append([_row(r), f"{task} @{r['length']}", f"{mean:.3f}"]
+                         + ["" if v is None else f"{v:.3f}" for v in vals])
+        lines += _table(["method", "task", "mean"] + [f"L{l}" for l in layers], mrows) + [""]
 
     by_depth = [r for r in records if r["depth"] is not None]
     if by_depth:
@@ -118,7 +149,7 @@ def summary_markdown(records: Sequence[Mapping], meta: Mapping | None = None) ->
             if not rs:
                 continue
             depths = sorted({r["depth"] for r in rs})
-            cell = {(r["method"], r["depth"]): r for r in rs}
+            cell = {(_row(r), r["depth"]): r for r in rs}
             drows = [[m] + ["" if (m, d) not in cell else _cell(cell[(m, d)], None) for d in depths]
                      for m in methods]
             lines += [f"Length {L}:", ""] + _table(["method"] + [f"depth {d:g}" for d in depths], drows) + [""]

@@ -212,7 +212,7 @@ def test_eval_command_writes_records_and_summary(model, corpus, tmp_path, monkey
     out = tmp_path / "run"
     from models.generate import generate_tokens
 
-    jitted = (ppl.prefill_nll, ppl.decode_chunk_nll, generate_tokens)
+    jitted = (ppl.prefill_nll_state, ppl.decode_chunk_nll, generate_tokens)
     before = [f._cache_size() for f in jitted]
     args = _parser().parse_args(
         ["eval", "--model", "tiny", "--methods", "dense,eval_test_sparse", "--tasks", "passkey,ppl",

@@ -458,6 +458,24 @@ class TSA:
                             lambda: self._sparse_prefill(ctx, q, k, v, state),
                             lambda: self._dense_prefill(ctx, q, k, v, state))
 
+    def prefill_layer_sparsity(self, cfg, state: TSAState, lengths) -> dict[int, np.ndarray]:
+        """The attention-map sparsity of the last prefill per sparse layer and row (the paper's Table 3).
+
+        Args:
+          state: the state a prefill returned (its `kept`: i32[L, B] tokens each layer kept per row).
+          lengths: i32[B] the rows' prompt lengths in that prefill.
+        Returns:
+          {sparse layer: f64[B]} the fraction 1 - k (k + 1) / (n (n + 1)) of the causal attention map the
+          compression skipped (k kept of n tokens; 0 on rows short enough to stay dense). Used by the eval
+          harness (`layer_sparsity` in results.json).
+        """
+        kept = np.asarray(state.kept, np.float64)
+        n = np.maximum(np.asarray(lengths, np.float64), 1.0)
+        if kept.shape[1] != n.shape[0]:
+            raise ValueError(f"state.kept has {kept.shape[1]} rows but lengths has {n.shape[0]}")
+        frac = 1.0 - kept * (kept + 1.0) / (n * (n + 1.0))[None]
+        return {layer: frac[layer] for layer in self.layers(cfg.num_layers)}
+
     # --------------------------------------------------------------------------------------- pieces
 
     def select(self, q: Array, k: Array, lengths: Array, capacity: int | None = None):

@@ -1,0 +1,209 @@
+"""The eval harness's "continuation" perplexity, fixed token budgets, measured per-layer sparsity (TSA),
+method options and composed-method artifacts.
+
+Runs on the tiny random Llama (2 layers) and tokenizer of tests/test_eval.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsparse
+from eval import cli_eval, harness, ppl, report
+from jsparse import selection as sel
+from jsparse.artifacts import Artifact, save_artifact
+from jsparse.methods.kascade import Kascade, roles_from_anchors
+from jsparse.methods.tsa import TSA
+from models import llama
+from models.cache import init_cache
+from test_eval import _direct_nll, corpus, model, tokenizer  # noqa: F401  (fixtures)
+
+# A TSA that drops tokens at T = 96 on the tiny model: layer 1 sparse (layer 0 is dense).
+TSA_OPTIONS = dict(tau=0.3, window=8, min_tokens=8, pool_kernel=3)
+
+
+def _windows(model, corpus, length=96, samples=3, seed=3):
+    ids = ppl.tokenize_corpus(model.tokenizer, ppl.read_corpus(corpus))
+    return ppl.make_windows(model.tokenizer, ids, length, samples, seed=seed)
+
+
+def test_continuation_of_dense_equals_decode_and_prefill(model, corpus):
+    w = _windows(model, corpus)
+    T, C = w.shape[1], 20
+    dense = jsparse.build_method("dense", model)
+    # chunks of 8 over the 20 continuation tokens: 8, 8, 4
+    got = ppl.continuation_nll(model.params, model.cfg, dense, w, C, chunk=8)
+    assert got.shape == (3, C)
+    full = _direct_nll(model, w)  # f64[B, T - 1]: NLL of tokens 1..T-1
+    np.testing.assert_allclose(got, full[:, T - C - 1:], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got, ppl.decode_nll(model.params, model.cfg, dense, w, chunk=32)[:, T - C - 1:],
+                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got, ppl.prefill_nll(model.params, dense, jnp.asarray(w), cfg=model.cfg)[:, T - C - 1:],
+                               rtol=1e-4, atol=1e-4)
+    for bad in (0, T - 1, 2.5):
+        with pytest.raises(ValueError, match=r"continuation=.* expected an integer in \[1, 94\]"):
+            ppl.continuation_nll(model.params, model.cfg, dense, w, bad)
+
+
+def test_continuation_of_tsa_is_its_prefill_then_its_decode(model, corpus):
+    w = _windows(model, corpus)
+    B, T = w.shape
+    C, P = 20, w.shape[1] - 20
+    tsa = TSA(**TSA_OPTIONS)
+    cfg, params = model.cfg, model.params
+    got, state = ppl.continuation_nll(params, cfg, tsa, w, C, chunk=8, return_state=True)
+    # By hand: one prefill of the first P tokens into a cache of T, then one decode call of the last C tokens.
+    cache = init_cache(cfg, B, T, jnp.float32)
+    logits0, cache, st = llama.prefill(params, cfg, tsa, jnp.asarray(w[:, :P]), jnp.full((B,), P, jnp.int32), cache,
+                                       tsa.init_state(cfg, B, T))
+    logits1, _, _ = llama.decode(params, cfg, tsa, jnp.asarray(w[:, P:]), cache, st)
+    logits = np.concatenate([np.asarray(logits0)[:, None], np.asarray(logits1)[:, :-1]], axis=1)  # [B, C, V]
+    logp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
+    want = -np.take_along_axis(np.asarray(logp), w[:, P:, None], axis=-1)[..., 0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    # TSA really dropped tokens in layer 1 (so this is not dense by accident) and its prefill changed the NLLs.
+    kept = np.asarray(state.kept)
+    assert (kept[0] == P).all() and (kept[1] < P).all()
+    measured = tsa.prefill_layer_sparsity(cfg, state, np.full((B,), P))
+    assert list(measured) == [1]
+    np.testing.assert_allclose(measured[1], 1 - kept[1] * (kept[1] + 1.0) / (P * (P + 1.0)))
+    dense = ppl.continuation_nll(params, cfg, jsparse.build_method("dense", model), w, C, chunk=8)
+    assert np.abs(got - dense).max() > 1e-3
+
+
+def test_harness_continuation_records_and_layer_sparsity(model, corpus, tmp_path):
+    spec = harness.EvalSpec(methods=("dense", "tsa"), tasks=("passkey", "ppl"), lengths=(96,), samples=3,
+                            seed=3, corpus=corpus, ppl_variants=("continuation", "prefill", "decode"),
+                            continuation=20, chunk=8, max_batch_tokens=192, new_tokens=2,
+                            method_options={"tsa": TSA_OPTIONS})
+    run = harness.evaluate(model, spec, progress=False)
+    rec = {(r["method"], r["task"], r["variant"]): r for r in run.records if r["depth"] is None}
+    w = _windows(model, corpus)
+    tsa = TSA(**TSA_OPTIONS)
+    nll, state = ppl.continuation_nll(model.params, model.cfg, tsa, w, 20, chunk=8, return_state=True)
+    r = rec[("tsa", "ppl", "continuation")]
+    assert r["n"] == 3 and r["budget_tokens"] is None
+    np.testing.assert_allclose(r["value"], ppl.perplexity(nll), rtol=1e-5)
+    # Sparsity measured on the prefill of the first 76 tokens, per row, averaged over the 3 windows.
+    want = float(np.mean(tsa.prefill_layer_sparsity(model.cfg, state, np.full((3,), 76))[1]))
+    assert set(r["layer_sparsity"]) == {"1"} and want > 0.05
+    np.testing.assert_allclose(r["layer_sparsity"]["1"], want, rtol=1e-9)
+    np.testing.assert_allclose(r["sparsity"], want / 2)  # over both layers, layer 0 dense
+    # The prefill variant measures the whole window (96 tokens: more to drop), the passkey its prompts.
+    for key in (("tsa", "ppl", "prefill"), ("tsa", "passkey", "generate")):
+        assert set(rec[key]["layer_sparsity"]) == {"1"} and rec[key]["layer_sparsity"]["1"] > 0.0
+    assert rec[("tsa", "ppl", "decode")]["layer_sparsity"] is None  # no prefill in the decode variant
+    assert all(rec[("dense",) + k[1:]]["layer_sparsity"] is None for k in rec if k[0] == "tsa")
+    # Dense: continuation perplexity of the last 20 tokens from the full-window NLLs.
+    np.testing.assert_allclose(rec[("dense", "ppl", "continuation")]["value"],
+                               np.exp(_direct_nll(model, w)[:, -20:].mean()), rtol=1e-4)
+    md = report.summary_markdown(run.records, {"ppl_variants": ["continuation"], "continuation": 20})
+    assert "ppl continuation @96" in md and "## Prefill attention-map sparsity per sparse layer" in md
+    assert "| tsa | ppl continuation @96 |" in md and "continuation tokens: 20" in md
+    report.write_results(str(tmp_path), run.records)
+    assert json.loads((tmp_path / "results.json").read_text())[0]["layer_sparsity"] is None
+
+
+# ------------------------------------------------------------------------------------------------ token budgets
+
+
+def test_token_budget_options_give_k_min_n_p(model):
+    oracle = jsparse.build_method("oracle", model)
+    for tokens, max_visible in ((16, 72), (512, 4104), (1000, 4104), (100, 4096 + 8), (300, 301)):
+        opts = harness.token_budget_options(oracle, tokens, max_visible)
+        assert set(opts) == {"budget", "min_tokens"} and opts["min_tokens"] == tokens
+        n = np.arange(1, max_visible + 1)
+        want = np.minimum(tokens, n)
+        assert [sel.budget_tokens(opts["budget"], int(i), tokens) for i in n] == want.tolist()
+        np.testing.assert_array_equal(sel.budget_tokens(opts["budget"], jnp.asarray(n, jnp.int32), tokens), want)
+    assert harness.token_budget_options(oracle, 600, 500) == {"budget": 1.0, "min_tokens": 600}
+    evo = jsparse.build_method("sink-local", model)
+    assert harness.token_budget_options(evo, 512, 4104) == {"budget_tokens": 512}
+    assert harness.token_budget_options(jsparse.build_method("dense", model), 512, 4104) == {}
+    assert harness.token_budget_options(TSA(), 512, 4104) == {}
+    assert set(harness.token_budget_options(TSA(inner=Kascade(), selection="kv_head"), 512, 4104)) == {
+        "budget", "min_tokens"}
+
+
+def _parser():
+    parser = argparse.ArgumentParser(prog="jsparse")
+    cli_eval.add_eval_parser(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def test_eval_command_budget_tokens(model, corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr(jsparse, "load", lambda spec, dtype=None: model)
+    out = tmp_path / "run"
+    args = _parser().parse_args(
+        ["eval", "--model", "tiny", "--methods", "dense,oracle,sink-local", "--tasks", "ppl", "--lengths", "64",
+         "--budget-tokens", "16,32", "--samples", "1", "--corpus", corpus, "--ppl-variants", "decode",
+         "--chunk", "64", "--out", str(out), "--no-progress"])
+    assert args.func(args) == 0
+    records = json.loads((out / "results.json").read_text())
+    got = sorted((r["method"], r["budget_tokens"]) for r in records)
+    assert got == [("dense", None), ("oracle", 16), ("oracle", 32), ("sink-local", 16), ("sink-local", 32)]
+    by = {(r["method"], r["budget_tokens"]): r for r in records}
+    assert by[("oracle", 16)]["sparsity"] > by[("oracle", 32)]["sparsity"] > 0.0  # a smaller budget skips more
+    assert by[("oracle", 16)]["value"] != by[("oracle", 32)]["value"]
+    assert by[("sink-local", 16)]["budget"] == by[("dense", None)]["budget"] == 0.1  # evosparse: budget_tokens
+    assert 0.0 < by[("oracle", 16)]["budget"] <= 16 / 64
+    summary = (out / "summary.md").read_text()
+    assert "| oracle k=16 |" in summary and "| sink-local k=32 |" in summary and "budget tokens: 16, 32" in summary
+    assert json.loads((out / "run.json").read_text())["budget_tokens"] == [16, 32]
+    for bad, match in (("0", "budget tokens '0'"), ("16,abc", "budget tokens 'abc'"), ("16,16", "twice")):
+        with pytest.raises(ValueError, match=match):
+            harness.parse_budget_tokens(bad)
+
+
+# ------------------------------------------------------------------------------------------------ options, artifacts
+
+
+def test_method_options(model):
+    methods = ("dense", "tsa")
+    assert harness.parse_method_options(["tsa.tau=0.01", "tsa.window=16,tsa.selection=kv_head"], methods) == {
+        "tsa": {"tau": 0.01, "window": 16, "selection": "kv_head"}}
+    with pytest.raises(ValueError, match="expected METHOD.OPTION=VALUE"):
+        harness.parse_method_options(["tau=0.01"], methods)
+    with pytest.raises(ValueError, match="names method 'quest', which is not in --methods"):
+        harness.parse_method_options(["quest.page_size=8"], methods)
+    spec = harness.EvalSpec(methods=methods, method_options={"tsa": {"tau": 0.01}})
+    assert harness.build_methods(model, spec)["tsa"].tau == 0.01
+    with pytest.raises(ValueError, match="method 'tsa' has no option 'nosuch'"):
+        harness.build_methods(model, harness.EvalSpec(methods=methods, method_options={"tsa": {"nosuch": 1}}))
+    with pytest.raises(ValueError, match=r"tau=1\.5"):
+        harness.build_methods(model, harness.EvalSpec(methods=methods, method_options={"tsa": {"tau": 1.5}}))
+
+
+def test_component_artifacts_of_a_composed_method(model, tmp_path):
+    both = ("tsa+kascade",)
+    # Joined in the order of the components in the name (the builder routes each folder by its kind).
+    assert harness.parse_artifacts(["kascade=K", "tsa=T"], both) == {"tsa+kascade": f"T{os.pathsep}K"}
+    assert harness.parse_artifacts(["tsa=T,kascade=K"], both) == {"tsa+kascade": f"T{os.pathsep}K"}
+    assert harness.parse_artifacts(["kascade=K", "tsa+kascade=X"], both) == {"tsa+kascade": "X"}
+    assert harness.parse_artifacts(["kascade=K"], ("tsa", "tsa+kascade")) == {"tsa+kascade": "K"}
+    assert harness.parse_artifacts(["kascade=K", "tsa=T"], ("tsa", "tsa+kascade")) == {
+        "tsa": "T", "tsa+kascade": f"T{os.pathsep}K"}
+    with pytest.raises(ValueError, match="names method 'quest', which is not in --methods"):
+        harness.parse_artifacts(["quest=Q"], both)
+    # Built through the harness from two real folders, each routed by its kind.
+    fp = jsparse.fingerprint(model)
+    kdir, tdir = str(tmp_path / "k"), str(tmp_path / "t")
+    save_artifact(kdir, Artifact(kind="kascade", fingerprint=fp, arrays={
+        "anchors": np.asarray([0, 1], np.int32),
+        "head_map": np.tile(np.arange(model.cfg.num_kv_heads, dtype=np.int32), (2, 1))}))
+    save_artifact(tdir, Artifact(kind="tsa", fingerprint=fp, arrays={"sparse_layers": np.asarray([1])}))
+    spec = harness.EvalSpec(methods=both, artifacts=harness.parse_artifacts([f"kascade={kdir}", f"tsa={tdir}"],
+                                                                            both))
+    m = harness.build_methods(model, spec)["tsa+kascade"]
+    assert isinstance(m, TSA) and isinstance(m.inner, Kascade) and m.sparse_layers == (1,)
+    np.testing.assert_array_equal(m.inner.roles, roles_from_anchors(2, [0, 1]))
+    with pytest.raises(ValueError, match="kascade needs a calibration artifact"):
+        harness.build_methods(model, harness.EvalSpec(methods=both, artifacts=harness.parse_artifacts(
+            [f"tsa={tdir}"], both)))
