@@ -6,6 +6,14 @@ Roles per layer (`layer_info`, scanned as `xs`):
      the query tile), top-k (k = min(max(ceil(budget * n), 128), n)), attention over the selected keys;
   2  reuse: attention over the latest anchor's indices, KV head h taking the anchor's head `head_map[l, h]`.
 
+Anchors (roles 0 and 1) run the fused anchor ops of `pallas_kernels.anchor_attention`: `anchor_decode` reads
+the stacked cache in place at the traced layer (`LayerKV.k_all`, `v_all`, `layer`; no copy of the layer's
+cache per step) and keeps each query's diagonal tile inside the budget (`diagonal_tile=tile`, as
+`oracle.select_decode`); `anchor_prefill` scores the keys tile-pooled without a [T, T] array on the GPU and
+TPU. Both compute exactly `oracle.select_decode` / `oracle.select_prefill` (tests/test_kascade_anchor.py).
+With T > 1 new tokens (perplexity with decode simulated per row) a sparse anchor takes only the indices from
+`anchor_decode` and attends through a mask (`attend_selected`), cheaper than gathering T * K rows.
+
 State: the latest anchor's indices `int32[B, Hkv, T, K]` (T = new tokens in decode, query tiles in prefill),
 carried through the layer scan; added by `start` and dropped by `finish` so nothing crosses decode steps.
 Anchors and head maps come from `jsparse calibrate kascade` (kascade_calibration.py), an artifact keyed to the
@@ -21,11 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jsparse import selection as sel
 from jsparse.artifacts import load_artifact
 from jsparse.methods.base import register
-from jsparse.methods.common import TokenBudget, attend_dense, attend_selected, dense_prefill, kwargs_for, sparse_prefill
-from jsparse.methods.oracle import select_decode, select_prefill
+from jsparse.methods.common import TokenBudget, attend_selected, kwargs_for, sparse_prefill
+from pallas_kernels.anchor_attention import anchor_decode, anchor_prefill
 
 ARTIFACT_KIND = "kascade"
 ROLE_DENSE_ANCHOR, ROLE_ANCHOR, ROLE_REUSE = 0, 1, 2
@@ -104,10 +111,8 @@ class Kascade(TokenBudget):
 
         def anchor(dense: bool):
             def fn():
-                idx = select_prefill(q, k, self.tile, self.tile_budget(T), K)
-                out = dense_prefill(q, k, v) if dense else sparse_prefill(q, k, v, idx, ctx.lengths,
-                                                                           tile=self.tile)
-                return out, idx
+                return anchor_prefill(q, k, v, ctx.lengths, tile=self.tile, budget=self.budget,
+                                      min_tokens=self.min_tokens, K=K, dense_output=dense)
             return fn
 
         def reuse():
@@ -121,13 +126,17 @@ class Kascade(TokenBudget):
         T, N = q.shape[1], cache.k.shape[2]
         K = self.k_static(N)
         indices = state.indices
-        pos = sel.decode_positions(ctx.lengths, T)
+        stacked = getattr(cache, "layer", None) is not None
+        k, v, layer = (cache.k_all, cache.v_all, cache.layer) if stacked else (cache.k, cache.v, None)
 
         def anchor(dense: bool):
             def fn():
-                idx = select_decode(q, cache.k, pos, self.budget, self.min_tokens, K, self.tile)
-                out = attend_dense(q, cache, ctx.lengths) if dense else attend_selected(
-                    q, cache, idx, ctx.lengths)
+                gathered = T == 1 or dense  # T > 1 sparse rows: indices only, then the masked attention
+                out, idx = anchor_decode(q, k, v, ctx.lengths, budget=self.budget, min_tokens=self.min_tokens,
+                                         K=K, layer=layer, dense_output=dense, diagonal_tile=self.tile,
+                                         with_output=gathered)
+                if not gathered:
+                    out = attend_selected(q, cache, idx, ctx.lengths)
                 return out, idx
             return fn
 

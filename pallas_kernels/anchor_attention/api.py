@@ -6,7 +6,8 @@
                         attention.
   "pallas_tpu"          `tpu.py` / `tpu_prefill.py`: Pallas TPU scoring passes + TPU top-k counting +
                         sparse_decode / sparse_prefill.
-  "xla"                 `xla.py`: decode only: einsum scores, then the selection and attention entry points.
+  "xla"                 `xla.py`: einsum scores (prefill: [T, T], as the reference), then the selection and
+                        attention entry points (the CPU choice).
   "reference"           `reference.py`: the specification (dense softmax, lax.top_k, reference attention);
                         materialises [T, T] in prefill.
 """
@@ -14,6 +15,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 Array = jax.Array
 
@@ -34,7 +36,8 @@ def _pick(implementation: str | None, q: Array) -> str:
 
 def anchor_decode(q: Array, k: Array, v: Array, lengths: Array, *, budget: float, min_tokens: int = 128,
                   K: int | None = None, layer: Array | None = None, scale: float | None = None,
-                  dense_output: bool = False, implementation: str | None = None) -> tuple[Array, Array]:
+                  dense_output: bool = False, diagonal_tile: int = 0, with_output: bool = True,
+                  implementation: str | None = None, config=None) -> tuple[Array | None, Array]:
     """Kascade anchor decode layer: exact pooled post-softmax scores of every visible key, top-k selection,
     attention over the selected keys (or dense attention for a dense anchor).
 
@@ -50,13 +53,22 @@ def anchor_decode(q: Array, k: Array, v: Array, lengths: Array, *, budget: float
       layer: i32[] (traced) layer of a stacked cache, or None.
       scale: softmax scale (None: 1/sqrt(D)).
       dense_output: attend to every visible key (Kascade's layer 0, dense and an anchor).
+      diagonal_tile: 0, or a tile size: each query's own causal diagonal tile (keys floor(pos / tile) * tile
+        .. pos) is chosen first, inside the budget (Kascade's decode keeps what its prefill adds to every query
+        tile; jsparse.methods.oracle.select_decode).
+      with_output: False skips the attention (sparse anchors only) and returns (None, indices), for a caller
+        that attends itself (many rows at once through a mask, where gathering T * K rows would cost more).
       implementation: see the module docstring.
+      config: tuning of the Pallas GPU implementation (`gpu.AnchorConfig`; None: the default); ignored by the
+        others.
 
     Returns:
-      (out: [B, T, Hq, D] in q.dtype, indices: int32[B, Hkv, T, K] ascending, -1 padded).
+      (out: [B, T, Hq, D] in q.dtype (None when with_output is False and not dense_output),
+       indices: int32[B, Hkv, T, K] ascending, -1 padded).
     """
     impl = _pick(implementation, q)
-    kw = dict(budget=budget, min_tokens=min_tokens, K=K, layer=layer, scale=scale, dense_output=dense_output)
+    kw = dict(budget=budget, min_tokens=min_tokens, K=K, layer=layer, scale=scale, dense_output=dense_output,
+              diagonal_tile=diagonal_tile, with_output=with_output)
     if impl == "reference":
         from pallas_kernels.anchor_attention.reference import anchor_decode_reference
         return anchor_decode_reference(q, k, v, lengths, **kw)
@@ -65,14 +77,24 @@ def anchor_decode(q: Array, k: Array, v: Array, lengths: Array, *, budget: float
         return anchor_decode_xla(q, k, v, lengths, **kw)
     if impl == "pallas_gpu":
         from pallas_kernels.anchor_attention.gpu import anchor_decode_gpu
-        return anchor_decode_gpu(q, k, v, lengths, **kw)
+        return anchor_decode_gpu(q, k, v, lengths, **kw, **({} if config is None else {"config": config}))
     from pallas_kernels.anchor_attention.tpu import anchor_decode_tpu
     return anchor_decode_tpu(q, k, v, lengths, **kw)
 
 
+def _pick_prefill(q: Array, tile: int) -> str:
+    backend = jax.default_backend()
+    if backend == "gpu":
+        from pallas_kernels.anchor_attention import gpu
+        ok = gpu.unsupported_reason(q.dtype, q.shape[-1]) is None and tile >= 16 and not tile & (tile - 1)
+        return "pallas_gpu" if ok else "xla"
+    return "pallas_tpu" if backend == "tpu" else "xla"
+
+
 def anchor_prefill(q: Array, k: Array, v: Array, lengths: Array, *, tile: int, budget: float,
                    min_tokens: int = 128, K: int | None = None, scale: float | None = None,
-                   dense_output: bool = False, implementation: str | None = None) -> tuple[Array, Array]:
+                   dense_output: bool = False, implementation: str | None = None,
+                   config=None) -> tuple[Array, Array]:
     """Kascade anchor prefill layer: causal post-softmax scores pooled over the GQA group and each query tile
     (never materialising [T, T] in the Pallas kernels), top-k per tile among the keys before it, tile-gathered
     attention (or dense causal attention for a dense anchor).
@@ -84,22 +106,32 @@ def anchor_prefill(q: Array, k: Array, v: Array, lengths: Array, *, tile: int, b
       K: static index width (None: the rule at T).
       scale: softmax scale (None: 1/sqrt(D)).
       dense_output: dense causal attention (Kascade's layer 0).
-      implementation: "pallas_gpu", "pallas_tpu", "reference" or None (by backend; CPU: the reference).
+      implementation: "pallas_gpu", "pallas_tpu", "xla", "reference" or None (by backend: gpu -> "pallas_gpu"
+        when the Triton kernels take the dtype, D and tile (a power of two >= 16), else "xla"; tpu ->
+        "pallas_tpu"; else "xla"). "xla" materialises [T, T] scores as the reference does, then the selection
+        and attention entry points.
+      config: `gpu_prefill.PrefillScoresConfig` for "pallas_gpu" (None: the default); ignored by the others.
 
     Returns:
       (out: [B, T, Hq, D] in q.dtype, indices: int32[B, Hkv, ceil(T / tile), K] ascending, -1 padded).
     """
     if implementation is None:
-        implementation = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(jax.default_backend(), "reference")
-    if implementation not in ("pallas_gpu", "pallas_tpu", "reference"):
-        raise ValueError(f"implementation={implementation!r}: expected 'pallas_gpu', 'pallas_tpu', 'reference' "
-                         f"or None")
+        implementation = _pick_prefill(q, tile)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r}: expected one of {IMPLEMENTATIONS} or None")
     kw = dict(tile=tile, budget=budget, min_tokens=min_tokens, K=K, scale=scale, dense_output=dense_output)
     if implementation == "reference":
         from pallas_kernels.anchor_attention.reference import anchor_prefill_reference
         return anchor_prefill_reference(q, k, v, lengths, **kw)
+    if implementation == "xla":
+        from pallas_kernels.anchor_attention.xla import anchor_prefill_xla
+        return anchor_prefill_xla(q, k, v, lengths, **kw)
     if implementation == "pallas_gpu":
-        from pallas_kernels.anchor_attention.gpu_prefill import anchor_prefill_gpu
-        return anchor_prefill_gpu(q, k, v, lengths, **kw)
+        from pallas_kernels.anchor_attention.gpu_prefill import PrefillScoresConfig, anchor_prefill_gpu
+        # A dense anchor (Kascade's layer 0) takes the rows' logsumexp from cuDNN's dense attention instead of
+        # the lse pass (cuDNN: 16-bit inputs, the default scale).
+        dense_lse = dense_output and scale is None and q.dtype in (jnp.bfloat16, jnp.float16)
+        return anchor_prefill_gpu(q, k, v, lengths, **kw, dense_lse=dense_lse,
+                                  config=PrefillScoresConfig() if config is None else config)
     from pallas_kernels.anchor_attention.tpu_prefill import anchor_prefill_tpu
     return anchor_prefill_tpu(q, k, v, lengths, **kw)

@@ -110,6 +110,35 @@ def pool_scores(logits: Array, lse: Array, pos: Array) -> Array:
     return jnp.where(visible[:, :, :, 0], jnp.sum(p, axis=3), -jnp.inf)
 
 
+def check_diagonal_tile(diagonal_tile) -> int:
+    """`diagonal_tile` of anchor_decode: 0 (off) or the tile size (an int >= 1)."""
+    if isinstance(diagonal_tile, bool) or not isinstance(diagonal_tile, int) or diagonal_tile < 0:
+        raise ValueError(f"diagonal_tile={diagonal_tile!r}: expected 0 (off) or a tile size >= 1")
+    return diagonal_tile
+
+
+def force_diagonal(scores: Array, pos: Array, diagonal_tile: int) -> Array:
+    """Marks each query's own causal diagonal tile as chosen first: +inf on keys floor(pos / tile) * tile .. pos.
+
+    Kascade's decode keeps, inside its budget, the keys the prefill kernel adds to every query tile
+    (jsparse.methods.oracle.select_decode). Among the +inf keys, as among any ties, the lower positions win
+    when the budget is smaller than the tile.
+
+    Args:
+      scores: f32[B, Hkv, T, N] pooled scores (-inf where not visible); pos: i32[B, T]; diagonal_tile: 0 (off)
+        or the tile size.
+
+    Returns:
+      f32[B, Hkv, T, N].
+    """
+    if not diagonal_tile:
+        return scores
+    key = jnp.arange(scores.shape[-1], dtype=jnp.int32)[None, None, :]
+    p = pos[:, :, None]
+    diagonal = (key <= p) & (key >= (p // diagonal_tile) * diagonal_tile)  # [B, T, N]
+    return jnp.where(diagonal[:, None], jnp.inf, scores)
+
+
 def select(scores: Array, pos: Array, budget: float, min_tokens: int, K: int, implementation: str | None) -> Array:
     """int32[B, Hkv, T, K]: the top kk(pos + 1) keys of scores f32[B, Hkv, T, N] (index contract)."""
     from pallas_kernels.topk_select import topk_select

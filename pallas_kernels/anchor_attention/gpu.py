@@ -26,8 +26,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.anchor_attention.common import (check_args, combine_lse, default_scale, layer_of, pool_scores,
-                                                    positions, select, unstack)
+from pallas_kernels.anchor_attention.common import (check_args, check_diagonal_tile, combine_lse, default_scale,
+                                                    force_diagonal, layer_of, pool_scores, positions, select,
+                                                    unstack)
 
 Array = jax.Array
 
@@ -44,12 +45,21 @@ class AnchorConfig:
       target_programs: grid size the split heuristic aims for.
       num_warps: warps per program.
       num_stages: software pipelining depth.
+      pool: how the logits become pooled scores after the splits' (max, sum) partials are merged:
+        "xla": an XLA fusion (`common.pool_scores`, then `force_diagonal`);
+        "triton": `_pool_kernel`, one Triton pass that reads each visible key's G logits once (keys past the
+        query's position are never read) and writes its pooled score, visibility and diagonal applied.
+      pool_block: keys per program of the Triton pooling pass (a power of two >= 16).
+      pool_warps: warps per program of the Triton pooling pass.
     """
 
     block_n: int = 128
     target_programs: int = 1024
     num_warps: int = 4
     num_stages: int = 3
+    pool: str = "xla"
+    pool_block: int = 2048
+    pool_warps: int = 4
 
 
 def _pow2(n: int) -> bool:
@@ -122,9 +132,71 @@ def _logits_kernel(layer_ref, lim_ref, q_ref, k_ref, *refs, scale: float, block_
         o_ref[...] = out[2]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "dense_output", "config", "interpret"))
+def _pool_kernel(pos_ref, lse_ref, lg_ref, o_ref, *, G: int, bp: int, n: int, diagonal_tile: int):
+    """One (b, h, t, key block) program of the pooling pass.
+
+    Refs: pos i32[1] the query's position (last visible key; < 0: none); lse f32[Gp] each query head's
+    logsumexp (+inf on the padding rows >= G); lg f32[G, N] the logits (written only for visible keys);
+    o f32[N] the pooled scores.
+    """
+    pos = pos_ref[0]
+    lse = lse_ref[...]
+    gp = lse.shape[0]
+    kpos = pl.program_id(3) * bp + jnp.arange(bp, dtype=jnp.int32)
+    rows = jnp.arange(gp, dtype=jnp.int32)
+    visible = (kpos <= pos) & (kpos < n)
+    # Keys past the position were never written: masked, so never read (their lanes issue no load).
+    s = plgpu.load(lg_ref.at[rows[:, None], kpos[None, :]], mask=(rows < G)[:, None] & visible[None, :],
+                   other=_MASK)
+    pooled = jnp.sum(jnp.exp(s - lse[:, None]), axis=0)  # padding rows: exp(-inf) = 0
+    out = jnp.where(visible, pooled, -jnp.inf)
+    if diagonal_tile:
+        out = jnp.where(visible & (kpos >= (pos // diagonal_tile) * diagonal_tile), jnp.inf, out)
+    plgpu.store(o_ref.at[kpos], out, mask=kpos < n)
+
+
+def pool_gpu(logits: Array, lse: Array, pos: Array, *, diagonal_tile: int = 0, config: AnchorConfig = AnchorConfig(),
+             interpret: bool = False) -> Array:
+    """`common.pool_scores` (then `common.force_diagonal`) as one Triton pass.
+
+    Args:
+      logits: f32[B, Hkv, T, G, N] (read only where visible); lse: f32[B, Hkv, T, G]; pos: i32[B, T].
+
+    Returns:
+      f32[B, Hkv, T, N]: sum_g exp(logits - lse) over visible keys, -inf elsewhere, +inf on the diagonal tile.
+    """
+    B, Hkv, T, G, N = logits.shape
+    bp = config.pool_block
+    Gp = pl.next_power_of_2(G)
+    if Gp != G:
+        lse = jnp.pad(lse, ((0, 0), (0, 0), (0, 0), (0, Gp - G)), constant_values=jnp.inf)
+    return pl.pallas_call(
+        functools.partial(_pool_kernel, G=G, bp=bp, n=N, diagonal_tile=diagonal_tile),
+        grid=(B, Hkv, T, pl.cdiv(N, bp)),
+        in_specs=[pl.BlockSpec((None, 1), lambda b, h, t, c: (b, t)),
+                  pl.BlockSpec((None, None, None, Gp), lambda b, h, t, c: (b, h, t, 0)),
+                  pl.BlockSpec((None, None, None, G, N), lambda b, h, t, c: (b, h, t, 0, 0))],
+        out_specs=pl.BlockSpec((None, None, None, N), lambda b, h, t, c: (b, h, t, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, Hkv, T, N), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=config.pool_warps, num_stages=1),
+        interpret=interpret,
+        name="anchor_decode_pool",
+    )(pos.astype(jnp.int32), lse.astype(jnp.float32), logits)
+
+
+def _check_config(config: AnchorConfig) -> None:
+    if not _pow2(config.block_n) or config.block_n < 16:
+        raise ValueError(f"AnchorConfig.block_n={config.block_n}: expected a power of two >= 16")
+    if config.pool not in ("xla", "triton"):
+        raise ValueError(f"AnchorConfig.pool={config.pool!r}: expected 'xla' or 'triton'")
+    if not _pow2(config.pool_block) or config.pool_block < 16:
+        raise ValueError(f"AnchorConfig.pool_block={config.pool_block}: expected a power of two >= 16")
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "dense_output", "diagonal_tile", "config", "interpret"))
 def decode_scores_gpu(q: Array, k: Array, v: Array, lengths: Array, *, layer: Array | None = None,
-                      scale: float | None = None, dense_output: bool = False, config: AnchorConfig = AnchorConfig(),
+                      scale: float | None = None, dense_output: bool = False, diagonal_tile: int = 0,
+                      config: AnchorConfig = AnchorConfig(),
                       interpret: bool = False) -> tuple[Array, Array | None]:
     """Pooled post-softmax scores of every key (and the dense attention with `dense_output`), one pass over K.
 
@@ -134,6 +206,7 @@ def decode_scores_gpu(q: Array, k: Array, v: Array, lengths: Array, *, layer: Ar
       layer: i32[] (traced) layer of a stacked cache, or None.
       scale: softmax scale (None: 1/sqrt(D)).
       dense_output: also attend densely (reads V in full).
+      diagonal_tile: 0 or a tile size: +inf on each query's diagonal tile (`common.force_diagonal`).
       config: `AnchorConfig`.
       interpret: run the kernel in the Pallas interpreter (CPU tests).
 
@@ -144,8 +217,7 @@ def decode_scores_gpu(q: Array, k: Array, v: Array, lengths: Array, *, layer: Ar
     reason = unsupported_reason(q.dtype, q.shape[-1])
     if reason is not None:
         raise ValueError(f"the Pallas GPU anchor kernel cannot take {reason}")
-    if not _pow2(config.block_n) or config.block_n < 16:
-        raise ValueError(f"AnchorConfig.block_n={config.block_n}: expected a power of two >= 16")
+    _check_config(config)
     if layer is None:
         k, v, layer = k[None], v[None], 0  # a leading unit axis: a free reshape
     L, B, Hkv, N, D = k.shape
@@ -194,7 +266,10 @@ def decode_scores_gpu(q: Array, k: Array, v: Array, lengths: Array, *, layer: Ar
     logits, m, l = res[0], res[1][..., :G], res[2][..., :G]
     m = jnp.where(l > 0, m, -jnp.inf)  # an empty split contributes nothing
     lse = combine_lse(m, l)  # [B, Hkv, T, G]
-    scores = pool_scores(logits, lse, pos)
+    if config.pool == "triton":
+        scores = pool_gpu(logits, lse, pos, diagonal_tile=diagonal_tile, config=config, interpret=interpret)
+    else:
+        scores = force_diagonal(pool_scores(logits, lse, pos), pos, diagonal_tile)
     out = None
     if dense_output:
         w = jnp.where(l > 0, jnp.exp(m - jnp.max(m, axis=0)[None]), 0.0)  # [S, B, Hkv, T, G]
@@ -205,13 +280,13 @@ def decode_scores_gpu(q: Array, k: Array, v: Array, lengths: Array, *, layer: Ar
     return scores, out
 
 
-@functools.partial(jax.jit, static_argnames=("budget", "min_tokens", "K", "scale", "dense_output", "config",
-                                             "select_config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("budget", "min_tokens", "K", "scale", "dense_output", "diagonal_tile",
+                                             "with_output", "config", "select_config", "interpret"))
 def anchor_decode_gpu(q: Array, k: Array, v: Array, lengths: Array, *, budget: float, min_tokens: int = 128,
                       K: int | None = None, layer: Array | None = None, scale: float | None = None,
-                      dense_output: bool = False,
+                      dense_output: bool = False, diagonal_tile: int = 0, with_output: bool = True,
                       config: AnchorConfig = AnchorConfig(), select_config=None,
-                      interpret: bool = False) -> tuple[Array, Array]:
+                      interpret: bool = False) -> tuple[Array | None, Array]:
     """Anchor decode layer on the GPU: Triton scoring pass, Triton top-k selection, Triton gathered attention.
 
     Args and returns as `reference.anchor_decode_reference`; with `layer` (i32[], traced) k and v are the
@@ -223,8 +298,9 @@ def anchor_decode_gpu(q: Array, k: Array, v: Array, lengths: Array, *, budget: f
     from pallas_kernels.topk_select import gpu as select_gpu
 
     K = check_args(q, *unstack(k, v, layer), lengths, budget, min_tokens, K)
+    check_diagonal_tile(diagonal_tile)
     scores, out = decode_scores_gpu(q, k, v, lengths, layer=layer, scale=scale, dense_output=dense_output,
-                                    config=config, interpret=interpret)
+                                    diagonal_tile=diagonal_tile, config=config, interpret=interpret)
     pos = positions(lengths, q.shape[1])
     if interpret or select_config is not None:
         from pallas_kernels.anchor_attention.common import budget_count
@@ -233,6 +309,8 @@ def anchor_decode_gpu(q: Array, k: Array, v: Array, lengths: Array, *, budget: f
         indices = select_gpu.topk_select_gpu(scores, kk, K, config=sc, interpret=interpret)
     else:
         indices = select(scores, pos, budget, min_tokens, K, "pallas_gpu")
+    if out is None and not with_output:
+        return None, indices
     if out is None and layer is None:
         out = sparse_gpu.sparse_decode_gpu(q, k, v, indices, lengths, scale=scale, interpret=interpret)
     elif out is None:

@@ -8,7 +8,8 @@
 Exactly Kascade's anchor (jsparse.methods.kascade / oracle.select_decode): dense post-softmax scores over the
 visible keys (n <= position), pooled over the GQA group; the top kk = min(max(ceil(budget * (pos + 1)),
 min_tokens), pos + 1) per (row, KV head, token) by `topk_select_reference` (lax.top_k order, ties to the lower
-position); attention over exactly the selected keys (`sparse_decode_reference`), or with `dense_output` over
+position), with `diagonal_tile` the query's own diagonal tile forced first (+inf scores, as select_decode's
+`tile`); attention over exactly the selected keys (`sparse_decode_reference`), or with `dense_output` over
 every visible key.
 
 Prefill (oracle.select_prefill): causal post-softmax weights pooled over the GQA group and over each query tile
@@ -26,8 +27,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.anchor_attention.common import (budget_count, check_args, check_prefill_args, layer_of,
-                                                    positions, tile_counts, unstack)
+from pallas_kernels.anchor_attention.common import (budget_count, check_args, check_diagonal_tile,
+                                                    check_prefill_args, force_diagonal, layer_of, positions,
+                                                    tile_counts, unstack)
 from pallas_kernels.sparse_attention.reference import sparse_decode_reference, sparse_prefill_reference
 from pallas_kernels.topk_select.reference import topk_select_reference
 
@@ -47,23 +49,28 @@ def _scores_and_probs(q: Array, k: Array, pos: Array, scale: float | None) -> tu
     return jnp.where(visible[:, None], probs.sum(axis=2), -jnp.inf), probs
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
-def decode_scores_reference(q: Array, k: Array, lengths: Array, *, scale: float | None = None) -> Array:
+@functools.partial(jax.jit, static_argnames=("scale", "diagonal_tile"))
+def decode_scores_reference(q: Array, k: Array, lengths: Array, *, scale: float | None = None,
+                            diagonal_tile: int = 0) -> Array:
     """Exact pooled post-softmax scores of every key (jsparse.selection.pooled_probs, -inf where not visible).
 
     Args:
-      q: [B, T, Hq, D]; k: [B, Hkv, N, D]; lengths: int32[B].
+      q: [B, T, Hq, D]; k: [B, Hkv, N, D]; lengths: int32[B]; diagonal_tile: 0 or a tile size (+inf on each
+        query's diagonal tile, `common.force_diagonal`).
 
     Returns:
       f32[B, Hkv, T, N].
     """
-    return _scores_and_probs(q, k, positions(lengths, q.shape[1]), scale)[0]
+    pos = positions(lengths, q.shape[1])
+    return force_diagonal(_scores_and_probs(q, k, pos, scale)[0], pos, diagonal_tile)
 
 
-@functools.partial(jax.jit, static_argnames=("budget", "min_tokens", "K", "scale", "dense_output"))
+@functools.partial(jax.jit, static_argnames=("budget", "min_tokens", "K", "scale", "dense_output", "diagonal_tile",
+                                             "with_output"))
 def anchor_decode_reference(q: Array, k: Array, v: Array, lengths: Array, *, budget: float, min_tokens: int = 128,
                             K: int | None = None, layer: Array | None = None, scale: float | None = None,
-                            dense_output: bool = False) -> tuple[Array, Array]:
+                            dense_output: bool = False, diagonal_tile: int = 0,
+                            with_output: bool = True) -> tuple[Array | None, Array]:
     """Anchor decode by dense scores, `lax.top_k` selection and the reference gathered attention.
 
     Args:
@@ -75,19 +82,25 @@ def anchor_decode_reference(q: Array, k: Array, v: Array, lengths: Array, *, bud
       dense_output: attend to every visible key (a dense anchor) instead of the selected ones.
       layer: i32[] (traced): k and v are the stacked cache [L, B, Hkv, N, D] and this layer is read (as
         `k[layer]`); None: k and v are one layer's cache.
+      diagonal_tile: 0, or a tile size: each query's diagonal tile is chosen first (`common.force_diagonal`).
+      with_output: False: no attention for a sparse anchor (out is None).
 
     Returns:
-      (out [B, T, Hq, D] in q.dtype, indices int32[B, Hkv, T, K]).
+      (out [B, T, Hq, D] in q.dtype or None, indices int32[B, Hkv, T, K]).
     """
     K = check_args(q, *unstack(k, v, layer), lengths, budget, min_tokens, K)
+    check_diagonal_tile(diagonal_tile)
     if layer is not None:
         lay = layer_of(layer, k.shape[0])[0]
         k, v = k[lay], v[lay]
     B, T, Hq, D = q.shape
     pos = positions(lengths, T)
     scores, probs = _scores_and_probs(q, k, pos, scale)
+    scores = force_diagonal(scores, pos, diagonal_tile)
     kk = budget_count(float(budget), pos + 1, min_tokens)[:, None, :]
     indices = topk_select_reference(scores, kk, K)
+    if not dense_output and not with_output:
+        return None, indices
     if dense_output:
         probs = jnp.where(jnp.isnan(probs), 0.0, probs)  # a row with no visible key
         out = jnp.einsum("bkgtn,bknd->btkgd", probs, v.astype(jnp.float32)).reshape(B, T, Hq, D)

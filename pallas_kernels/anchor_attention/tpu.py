@@ -19,8 +19,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.anchor_attention.common import (check_args, default_scale, layer_of, pool_scores, positions,
-                                                    select, unstack)
+from pallas_kernels.anchor_attention.common import (check_args, check_diagonal_tile, default_scale, force_diagonal,
+                                                    layer_of, pool_scores, positions, select, unstack)
 
 Array = jax.Array
 
@@ -85,9 +85,9 @@ def _logits_kernel(lim_ref, layer_ref, q_ref, k_ref, *refs, scale: float, chunk:
             o_ref[...] = jnp.where(nonempty, acc_sc[...] / l_safe, 0.0).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "dense_output", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "dense_output", "diagonal_tile", "config", "interpret"))
 def decode_scores_tpu(q: Array, k: Array, v: Array, lengths: Array, *, layer: Array | None = None,
-                      scale: float | None = None, dense_output: bool = False,
+                      scale: float | None = None, dense_output: bool = False, diagonal_tile: int = 0,
                       config: TpuAnchorConfig = TpuAnchorConfig(), interpret: bool = False) -> tuple[Array, Array | None]:
     """Pooled post-softmax scores f32[B, Hkv, T, N] (and the dense attention with `dense_output`); see
     `gpu.decode_scores_gpu` (with `layer`, k and v are the stacked cache [L, B, Hkv, N, D], read in place)."""
@@ -128,18 +128,18 @@ def decode_scores_tpu(q: Array, k: Array, v: Array, lengths: Array, *, layer: Ar
         interpret=interpret,
         name="anchor_decode_logits_tpu",
     )(*args)
-    scores = pool_scores(res[0], res[1][..., 0], pos)
+    scores = force_diagonal(pool_scores(res[0], res[1][..., 0], pos), pos, diagonal_tile)
     out = None
     if dense_output:
         out = res[2].transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
     return scores, out
 
 
-@functools.partial(jax.jit, static_argnames=("budget", "min_tokens", "K", "scale", "dense_output", "config",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("budget", "min_tokens", "K", "scale", "dense_output", "diagonal_tile",
+                                             "with_output", "config", "interpret"))
 def anchor_decode_tpu(q: Array, k: Array, v: Array, lengths: Array, *, budget: float, min_tokens: int = 128,
                       K: int | None = None, layer: Array | None = None, scale: float | None = None,
-                      dense_output: bool = False,
+                      dense_output: bool = False, diagonal_tile: int = 0, with_output: bool = True,
                       config: TpuAnchorConfig = TpuAnchorConfig(), interpret: bool = False) -> tuple[Array, Array]:
     """Anchor decode layer on the TPU. Args and returns as `reference.anchor_decode_reference` (with `layer`,
     k and v are the stacked cache read in place); interpret: the scoring and selection kernels in the Pallas
@@ -148,8 +148,9 @@ def anchor_decode_tpu(q: Array, k: Array, v: Array, lengths: Array, *, budget: f
     from pallas_kernels.topk_select import tpu as select_tpu
 
     K = check_args(q, *unstack(k, v, layer), lengths, budget, min_tokens, K)
+    check_diagonal_tile(diagonal_tile)
     scores, out = decode_scores_tpu(q, k, v, lengths, layer=layer, scale=scale, dense_output=dense_output,
-                                    config=config, interpret=interpret)
+                                    diagonal_tile=diagonal_tile, config=config, interpret=interpret)
     pos = positions(lengths, q.shape[1])
     if interpret:
         from pallas_kernels.anchor_attention.common import budget_count
@@ -157,7 +158,7 @@ def anchor_decode_tpu(q: Array, k: Array, v: Array, lengths: Array, *, budget: f
         indices = select_tpu.topk_select_tpu(scores, kk, K, interpret=True)
     else:
         indices = select(scores, pos, budget, min_tokens, K, "pallas_tpu")
-    if out is None:
+    if out is None and with_output:
         # Token indices (block_size 1): the TPU sparse kernel gathers blocks of >= 8 rows, so this is XLA's gather.
         out = sparse_decode(q, k, v, indices, lengths, scale=scale, layer=layer)
     return out, indices

@@ -1,5 +1,10 @@
-"""The anchor decode layer in plain XLA: einsum logits, a per-head logsumexp, pooling, then the shared
-selection and gathered attention (each through its entry point, so on a GPU or TPU they are the Pallas ones)."""
+"""The anchor layers in plain XLA (any backend; the CPU choice).
+
+Decode: einsum logits, a per-head logsumexp, pooling, then the shared selection and gathered attention (each
+through its entry point, so on a GPU or TPU they are the Pallas ones). Prefill: the tile-pooled scores as the
+reference computes them (dense [T, T] probabilities: fine on a CPU at a few thousand tokens, not at 128K),
+then the selection and tile-gathered attention entry points, or dense causal attention for a dense anchor.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +13,16 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.anchor_attention.common import (check_args, default_scale, layer_of, pool_scores, positions,
-                                                    select, unstack)
+from pallas_kernels.anchor_attention.common import (check_args, check_diagonal_tile, check_prefill_args,
+                                                    default_scale, force_diagonal, layer_of, pool_scores, positions,
+                                                    select, tile_counts, unstack)
 
 Array = jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "dense_output"))
+@functools.partial(jax.jit, static_argnames=("scale", "dense_output", "diagonal_tile"))
 def decode_scores_xla(q: Array, k: Array, v: Array, lengths: Array, *, scale: float | None = None,
-                      dense_output: bool = False) -> tuple[Array, Array | None]:
+                      dense_output: bool = False, diagonal_tile: int = 0) -> tuple[Array, Array | None]:
     """Pooled scores f32[B, Hkv, T, N] (and the dense attention with dense_output); see gpu.decode_scores_gpu."""
     B, T, Hq, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
@@ -28,7 +34,7 @@ def decode_scores_xla(q: Array, k: Array, v: Array, lengths: Array, *, scale: fl
     visible = (jnp.arange(N)[None, None, :] <= pos[:, :, None])[:, None, :, None, :]
     logits = jnp.where(visible, logits, -jnp.inf)
     lse = jax.nn.logsumexp(logits, axis=-1)  # [B, Hkv, T, G]
-    scores = pool_scores(logits, lse, pos)
+    scores = force_diagonal(pool_scores(logits, lse, pos), pos, diagonal_tile)
     out = None
     if dense_output:
         p = jnp.where(visible, jnp.exp(logits - lse[..., None]), 0.0)
@@ -37,20 +43,50 @@ def decode_scores_xla(q: Array, k: Array, v: Array, lengths: Array, *, scale: fl
     return scores, out
 
 
-@functools.partial(jax.jit, static_argnames=("budget", "min_tokens", "K", "scale", "dense_output"))
+@functools.partial(jax.jit, static_argnames=("budget", "min_tokens", "K", "scale", "dense_output", "diagonal_tile",
+                                             "with_output"))
 def anchor_decode_xla(q: Array, k: Array, v: Array, lengths: Array, *, budget: float, min_tokens: int = 128,
                       K: int | None = None, layer: Array | None = None, scale: float | None = None,
-                      dense_output: bool = False) -> tuple[Array, Array]:
+                      dense_output: bool = False, diagonal_tile: int = 0,
+                      with_output: bool = True) -> tuple[Array | None, Array]:
     """Anchor decode layer with XLA scores; args and returns as `reference.anchor_decode_reference` (with
     `layer`, k and v are the stacked cache; XLA slices the layer)."""
     from pallas_kernels.sparse_attention import sparse_decode
 
     K = check_args(q, *unstack(k, v, layer), lengths, budget, min_tokens, K)
+    check_diagonal_tile(diagonal_tile)
     if layer is not None:
         lay = layer_of(layer, k.shape[0])[0]
         k, v = k[lay], v[lay]
-    scores, out = decode_scores_xla(q, k, v, lengths, scale=scale, dense_output=dense_output)
+    scores, out = decode_scores_xla(q, k, v, lengths, scale=scale, dense_output=dense_output,
+                                    diagonal_tile=diagonal_tile)
     indices = select(scores, positions(lengths, q.shape[1]), budget, min_tokens, K, None)
-    if out is None:
+    if out is None and with_output:
         out = sparse_decode(q, k, v, indices, lengths, scale=scale)
     return out, indices
+
+
+@functools.partial(jax.jit, static_argnames=("tile", "budget", "min_tokens", "K", "scale", "dense_output"))
+def anchor_prefill_xla(q: Array, k: Array, v: Array, lengths: Array, *, tile: int, budget: float,
+                       min_tokens: int = 128, K: int | None = None, scale: float | None = None,
+                       dense_output: bool = False) -> tuple[Array, Array]:
+    """Anchor prefill layer: the reference's [T, T] tile-pooled scores, then `topk_select` and
+    `sparse_prefill` (or `pallas_kernels.dense.dense_prefill` for a dense anchor) through their entry points.
+    Args and returns as `reference.anchor_prefill_reference`."""
+    from pallas_kernels.anchor_attention.reference import tile_scores_reference
+    from pallas_kernels.dense import dense_prefill
+    from pallas_kernels.sparse_attention import sparse_prefill
+    from pallas_kernels.topk_select import topk_select
+
+    K = check_prefill_args(q, k, v, lengths, tile, budget, min_tokens, K)
+    T = q.shape[1]
+    scores = tile_scores_reference(q, k, tile=tile, scale=scale)
+    indices = topk_select(scores, tile_counts(budget, T, tile, min_tokens)[None, None, :], K)
+    if dense_output:
+        if scale is None:
+            out = dense_prefill(q, k, v)
+        else:
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale, implementation="xla")
+    else:
+        out = sparse_prefill(q, k, v, indices, lengths, tile=tile, scale=scale)
+    return out.astype(q.dtype), indices

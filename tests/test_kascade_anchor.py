@@ -1,0 +1,237 @@
+"""Kascade's anchors through the fused anchor ops equal the selection they replaced (oracle.select_decode with
+the forced diagonal tile, oracle.select_prefill), layer by layer (one layer's cache and the stacked cache read
+in place, T = 1 and T = 3) and through the whole model; the anchor ops' diagonal_tile / with_output / xla
+prefill against their references."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jsparse import selection as sel
+from jsparse.methods.common import attend_dense, attend_selected, dense_prefill, sparse_prefill
+from jsparse.methods.kascade import Kascade, KascadeState
+from jsparse.methods.oracle import select_decode, select_prefill
+from models.attention import LayerContext, LayerKV
+from models.config import ModelConfig
+from pallas_kernels.anchor_attention import anchor_decode, anchor_decode_reference, anchor_prefill, gpu
+from pallas_kernels.anchor_attention.reference import anchor_prefill_reference, decode_scores_reference
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+
+B, HQ, HKV, D, L = 2, 6, 2, 16, 4
+CFG = ModelConfig(architecture="llama", vocab_size=48, hidden_size=48, intermediate_size=64, num_layers=L,
+                  num_heads=HQ, num_kv_heads=HKV, head_dim=D, max_position_embeddings=512)
+
+
+@struct.dataclass
+class KascadeBefore(Kascade):
+    """Kascade's anchors as they were: select_decode / select_prefill, then the attention ops."""
+
+    def prefill(self, ctx, q, k, v, state):
+        T = q.shape[1]
+        K = self.k_static(T)
+
+        def anchor(dense):
+            def fn():
+                idx = select_prefill(q, k, self.tile, self.tile_budget(T), K)
+                out = dense_prefill(q, k, v) if dense else sparse_prefill(q, k, v, idx, ctx.lengths, tile=self.tile)
+                return out, idx
+            return fn
+
+        def reuse():
+            idx = jnp.take(state.indices, ctx.info.head_map, axis=1)
+            return sparse_prefill(q, k, v, idx, ctx.lengths, tile=self.tile), state.indices
+
+        out, idx = jax.lax.switch(ctx.info.role, [anchor(True), anchor(False), reuse])
+        return out, KascadeState(indices=idx)
+
+    def decode(self, ctx, q, cache, state):
+        T, N = q.shape[1], cache.k.shape[2]
+        pos = sel.decode_positions(ctx.lengths, T)
+
+        def anchor(dense):
+            def fn():
+                idx = select_decode(q, cache.k, pos, self.budget, self.min_tokens, self.k_static(N), self.tile)
+                out = attend_dense(q, cache, ctx.lengths) if dense else attend_selected(q, cache, idx, ctx.lengths)
+                return out, idx
+            return fn
+
+        def reuse():
+            idx = jnp.take(state.indices, ctx.info.head_map, axis=1)
+            return attend_selected(q, cache, idx, ctx.lengths), state.indices
+
+        out, idx = jax.lax.switch(ctx.info.role, [anchor(True), anchor(False), reuse])
+        return out, KascadeState(indices=idx)
+
+
+def _methods(**kw):
+    head_map = np.array([[0, 1], [1, 0], [0, 1], [1, 1]], np.int32)
+    new = Kascade.from_anchors(CFG, [0, 2], head_map, **kw)
+    old = KascadeBefore.from_anchors(CFG, [0, 2], head_map, **kw)
+    return new, old
+
+
+def _close(got, want, what, tol=2e-5):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol, err_msg=what)
+
+
+@pytest.mark.parametrize("T,stacked", [(1, True), (3, True), (3, False)])
+def test_decode_layers_equal_select_decode(T, stacked):
+    # budget 0.1 with min_tokens 4 < tile 8: at short rows the diagonal tile alone overfills the budget.
+    N, lengths = 80, jnp.array([77, 11], jnp.int32)
+    ks = jax.random.split(jax.random.key(T), 3)
+    q = jax.random.normal(ks[0], (B, T, HQ, D))
+    k_all = jax.random.normal(ks[1], (L, B, HKV, N, D))
+    v_all = jax.random.normal(ks[2], (L, B, HKV, N, D))
+    new, old = _methods(budget=0.1, min_tokens=4, tile=8)
+    info = new.layer_info(CFG)
+    states = [m.start(CFG, m.init_state(CFG, B, N), "decode", B, T, N) for m in (new, old)]
+    for layer in range(L):
+        lay = jnp.int32(layer)
+        cache = (LayerKV(k=k_all[layer], v=v_all[layer], k_all=k_all, v_all=v_all, layer=lay) if stacked
+                 else LayerKV(k=k_all[layer], v=v_all[layer]))
+        ctx = LayerContext(layer=lay, lengths=lengths, info=jax.tree_util.tree_map(lambda x: x[layer], info))
+        (out_n, states[0]), (out_o, states[1]) = (m.decode(ctx, q, cache, s) for m, s in zip((new, old), states))
+        np.testing.assert_array_equal(np.asarray(states[0].indices), np.asarray(states[1].indices),
+                                      err_msg=f"layer {layer}")
+        _close(out_n, out_o, f"layer {layer}")
+    # The diagonal tile was forced: every row's own tile is in the anchor's selection.
+    idx = np.asarray(states[0].indices)
+    for b, n in enumerate(np.asarray(lengths)):
+        for t in range(T):
+            p = n - T + t
+            kk = sel.budget_tokens(0.1, p + 1, 4)
+            diag = np.arange((p // 8) * 8, p + 1)[:kk]
+            assert np.isin(diag, idx[b, :, t]).all() or kk == 0, (b, t)
+
+
+def test_prefill_layers_equal_select_prefill():
+    T, tile = 70, 16
+    ks = jax.random.split(jax.random.key(9), 3)
+    q = jax.random.normal(ks[0], (B, T, HQ, D))
+    k, v = (jax.random.normal(x, (B, T, HKV, D)) for x in ks[1:])
+    lengths = jnp.array([T, 53], jnp.int32)
+    new, old = _methods(budget=0.25, min_tokens=8, tile=tile)
+    info = new.layer_info(CFG)
+    states = [m.start(CFG, m.init_state(CFG, B, T), "prefill", B, T, T) for m in (new, old)]
+    for layer in range(L):
+        ctx = LayerContext(layer=jnp.int32(layer), lengths=lengths,
+                           info=jax.tree_util.tree_map(lambda x: x[layer], info))
+        (out_n, states[0]), (out_o, states[1]) = (m.prefill(ctx, q, k, v, s) for m, s in zip((new, old), states))
+        np.testing.assert_array_equal(np.asarray(states[0].indices), np.asarray(states[1].indices))
+        _close(out_n[0], out_o[0], f"layer {layer} row 0")
+        _close(out_n[1, :53], out_o[1, :53], f"layer {layer} row 1")
+
+
+def test_whole_model_prefill_then_decode_equals_before():
+    from models import llama
+    from models.cache import init_cache
+    from models.params import random_params
+
+    params = random_params(CFG, jax.random.key(0), jnp.float32, scale=0.3)
+    T, N = 48, 64
+    toks = jax.random.randint(jax.random.key(1), (B, T), 0, CFG.vocab_size)
+    lengths = jnp.array([T, 37], jnp.int32)
+    step_toks = jax.random.randint(jax.random.key(2), (B, 3), 0, CFG.vocab_size)
+    res = []
+    for m in _methods(budget=0.2, min_tokens=8, tile=16):
+        logits, cache, state = jax.jit(lambda p, t, l: llama.prefill(
+            p, CFG, m, t, l, init_cache(CFG, B, N, jnp.float32), None, all_logits=True))(params, toks, lengths)
+        dec = jax.jit(lambda p, t, c: llama.decode(p, CFG, m, t, c, None))
+        one, cache1, _ = dec(params, step_toks[:, :1], cache)
+        three, _, _ = dec(params, step_toks[:, 1:], cache1)
+        res.append((logits, one, three))
+    for what, got, want in zip(("prefill", "decode T=1", "decode T=2"), *res):
+        if what == "prefill":
+            got, want = got[1, :37], want[1, :37]
+        _close(got, want, what, tol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The anchor ops' new arguments against their references.
+
+def _decode_inputs(seed, T, N, lengths, Hq=8, Hkv=2):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((B, T, Hq, D), np.float32))
+    k, v = (jnp.asarray(rng.standard_normal((B, Hkv, N, D), np.float32)) for _ in range(2))
+    return q, k, v, jnp.asarray(lengths, jnp.int32)
+
+
+@pytest.mark.parametrize("T,mt", [(1, 4), (2, 40)])
+def test_diagonal_tile_equals_select_decode(T, mt):
+    q, k, v, lens = _decode_inputs(1, T, 96, [90, 21])
+    K = sel.budget_tokens(0.1, 96, mt)
+    want = select_decode(q, k, sel.decode_positions(lens, T), 0.1, mt, K, 32)
+    for impl in ("reference", "xla"):
+        out, idx = anchor_decode(q, k, v, lens, budget=0.1, min_tokens=mt, diagonal_tile=32, implementation=impl)
+        np.testing.assert_array_equal(np.asarray(idx), np.asarray(want), err_msg=impl)
+        none, idx2 = anchor_decode(q, k, v, lens, budget=0.1, min_tokens=mt, diagonal_tile=32, with_output=False,
+                                   implementation=impl)
+        assert none is None
+        np.testing.assert_array_equal(np.asarray(idx2), np.asarray(want))
+    with pytest.raises(ValueError, match="diagonal_tile=-1"):
+        anchor_decode(q, k, v, lens, budget=0.1, diagonal_tile=-1)
+
+
+@pytest.mark.parametrize("pool,G,dense", [("triton", 4, False), ("triton", 3, True), ("xla", 4, False)])
+def test_gpu_pool_variants_interpret(pool, G, dense):
+    # G = 3: the pooling pass pads the group to 4 rows. N = 100: a masked tail; lengths 100 / 9 / 1.
+    T = 1
+    q, k, v, lens = _decode_inputs(3, T, 100, [100, 9], Hq=2 * G)
+    cfg = gpu.AnchorConfig(block_n=16, target_programs=16, pool=pool, pool_block=32)
+    for dt in (0, 8):
+        out, idx = gpu.anchor_decode_gpu(q, k, v, lens, budget=0.2, min_tokens=4, diagonal_tile=dt,
+                                         dense_output=dense, config=cfg, interpret=True)
+        want, want_idx = anchor_decode_reference(q, k, v, lens, budget=0.2, min_tokens=4, diagonal_tile=dt,
+                                                 dense_output=dense)
+        np.testing.assert_array_equal(np.asarray(idx), np.asarray(want_idx), err_msg=f"dt={dt}")
+        _close(out, want, f"out dt={dt}", tol=1e-5)
+        scores, _ = gpu.decode_scores_gpu(q, k, v, lens, diagonal_tile=dt, config=cfg, interpret=True)
+        ref = decode_scores_reference(q, k, lens, diagonal_tile=dt)
+        np.testing.assert_array_equal(np.isposinf(np.asarray(scores)), np.isposinf(np.asarray(ref)))
+        np.testing.assert_array_equal(np.isneginf(np.asarray(scores)), np.isneginf(np.asarray(ref)))
+        fin = np.isfinite(np.asarray(ref))
+        np.testing.assert_allclose(np.asarray(scores)[fin], np.asarray(ref)[fin], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="pool='cuda'"):
+        gpu.decode_scores_gpu(q, k, v, lens, config=gpu.AnchorConfig(pool="cuda"), interpret=True)
+
+
+def test_gpu_stacked_with_output_false_interpret():
+    q, k, v, lens = _decode_inputs(4, 1, 64, [64, 30])
+    k_all, v_all = jnp.stack([v, k, v]), jnp.stack([k, v, k])
+    cfg = gpu.AnchorConfig(block_n=16, target_programs=8, pool="triton", pool_block=16)
+    out, idx = gpu.anchor_decode_gpu(q, k_all, v_all, lens, layer=jnp.int32(1), budget=0.2, min_tokens=4,
+                                     diagonal_tile=16, with_output=False, config=cfg, interpret=True)
+    assert out is None
+    want = anchor_decode_reference(q, v, k, lens, budget=0.2, min_tokens=4, diagonal_tile=16)[1]
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(want))
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_prefill_xla_equals_reference(dense):
+    rng = np.random.default_rng(5)
+    T = 40
+    q = jnp.asarray(rng.standard_normal((B, T, 8, D), np.float32))
+    k, v = (jnp.asarray(rng.standard_normal((B, T, 2, D), np.float32)) for _ in range(2))
+    lens = jnp.array([40, 27], jnp.int32)
+    kw = dict(tile=8, budget=0.3, min_tokens=2, dense_output=dense)
+    out, idx = anchor_prefill(q, k, v, lens, **kw)  # CPU: "xla"
+    want, want_idx = anchor_prefill_reference(q, k, v, lens, **kw)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(want_idx))
+    _close(out[0], want[0], "row 0")
+    _close(out[1, :27], want[1, :27], "row 1")
+
+
+def test_api_passes_gpu_config():
+    q, k, v, lens = _decode_inputs(6, 1, 64, [50, 64])
+    cfg = gpu.AnchorConfig(pool="nope")
+    with pytest.raises(ValueError, match="pool='nope'"):
+        jax.eval_shape(functools.partial(anchor_decode, budget=0.2, implementation="pallas_gpu", config=cfg),
+                       q, k, v, lens)
