@@ -61,6 +61,7 @@ from jsparse import selection as sel
 from jsparse.artifacts import load_artifact
 from jsparse.methods.base import register
 from jsparse.methods.common import attend_dense, dense_prefill
+from pallas_kernels.block_scores import block_max_scores, sparse_decode_mass
 from pallas_kernels.sparse_attention import sparse_decode
 from pallas_kernels.topk_select import topk_select
 
@@ -182,12 +183,28 @@ def _stacked(cache):
     return cache.k[None], cache.v[None], jnp.int32(0)
 
 
-def _scatter_blocks(idx: Array, nb: int, values=None) -> Array:
-    """Scatters block indices idx: i32[R, W] (-1 ignored) into f32[R, nb] (adds `values`, default ones)."""
-    rows = jnp.arange(idx.shape[0])[:, None]
-    safe = jnp.where(idx >= 0, idx, nb)  # out of range: dropped
-    vals = jnp.ones(idx.shape, jnp.float32) if values is None else values
-    return jnp.zeros((idx.shape[0], nb), jnp.float32).at[rows, safe].add(vals, mode="drop")
+def blocks_to_dense(idx: Array, values: Array, nb: int) -> Array:
+    """Sums values f32[..., K] into their blocks idx: i32[..., K] (-1 ignored, unique): f32[..., nb].
+
+    A compare-and-reduce over K (one fusion, no scatter, no zero-initialised buffer): out[..., j] =
+    sum_k [idx_k == j] values_k.
+    """
+    hit = idx[..., None, :] == jnp.arange(nb, dtype=idx.dtype)[:, None]  # [..., nb, K]
+    return jnp.sum(jnp.where(hit, values[..., None, :], 0.0), axis=-1)
+
+
+def merge_disjoint(cand: Array, width: int) -> Array:
+    """The entries of cand: i32[..., W] (distinct non-negative values and -1 padding), ascending then -1 padded,
+    as i32[..., width] (width >= the count of valid entries). Ranks by comparison and a one-hot reduce (no sort,
+    no scatter): entry x goes to slot #(valid entries < x)."""
+    valid = cand >= 0
+    big = jnp.iinfo(jnp.int32).max
+    key = jnp.where(valid, cand, big)
+    rank = jnp.sum((key[..., None, :] < key[..., :, None]).astype(jnp.int32), axis=-1)  # [..., W]
+    rank = jnp.where(valid, rank, width)  # padding: no slot
+    slot = jnp.arange(width, dtype=jnp.int32)[:, None]
+    hit = rank[..., None, :] == slot  # [..., width, W]
+    return jnp.sum(jnp.where(hit, cand[..., None, :] + 1, 0), axis=-1).astype(jnp.int32) - 1
 
 
 @functools.partial(jax.jit, static_argnames=("decay",))
@@ -206,6 +223,7 @@ class EvoSparse:
     min_tokens: floor of the fraction rule (as the other methods). block_size: tokens per block, dividing 128.
     sink/local/retrieval/heat_fraction: the budget split (sum to 1). decay: lambda in (0, 1).
     dense_layers: the first layers attend densely. heat_window: prompt rows that initialise the heat in prefill.
+    branchless: decode without lax.cond (None: on a GPU; see `is_branchless`). Same results either way.
     Leaves: layout (RetrievalLayout) or None without retrieval.
     """
 
@@ -221,6 +239,7 @@ class EvoSparse:
     decay: float = struct.field(pytree_node=False, default=DEFAULT_DECAY)
     dense_layers: int = struct.field(pytree_node=False, default=2)
     heat_window: int = struct.field(pytree_node=False, default=64)
+    branchless: Optional[bool] = struct.field(pytree_node=False, default=None)
 
     def __post_init__(self):
         sel.check_budget(self.budget)
@@ -352,6 +371,17 @@ class EvoSparse:
             state = state.replace(heat=self._prefill_heat(ctx, q, k, state.heat))
         return out, state
 
+    @property
+    def is_branchless(self) -> bool:
+        """Whether decode runs without `lax.cond` (branchless=None: on a GPU). A conditional on a GPU waits for
+        its predicate on the host (a device-to-host copy and a stream sync), so every sparse layer would stall
+        the launch queue twice; branchless, the dense-layer switch runs both attentions with the other one's
+        lengths set to 0 (its kernels then read nothing) and selects, and the retrieval scoring runs in every
+        layer (the kernel reads no key in a layer without retrieval heads) and is selected by has_retrieval."""
+        if self.branchless is None:
+            return jax.default_backend() == "gpu"
+        return bool(self.branchless)
+
     def decode(self, ctx, q, cache, state):
         T, N = q.shape[1], cache.k.shape[2]
         if N % self.block_size:
@@ -360,47 +390,53 @@ class EvoSparse:
             raise ValueError(f"heat state has {state.heat.shape[-1]} blocks but the cache holds "
                              f"{N // self.block_size}: init_state(max_len) must be the cache capacity {N}")
         pos = sel.decode_positions(ctx.lengths, T)  # [B, T]
+        branchless = self.is_branchless
         retrieval = state.retrieval
         if self.uses_retrieval:
-            retrieval = jax.lax.cond(ctx.info.has_retrieval,
-                                     lambda: self.retrieval_blocks(ctx.info, q, cache, pos),
-                                     lambda: state.retrieval)
+            if branchless:
+                retrieval = jnp.where(ctx.info.has_retrieval, self.retrieval_blocks(ctx.info, q, cache, pos),
+                                      state.retrieval)
+            else:
+                retrieval = jax.lax.cond(ctx.info.has_retrieval,
+                                         lambda: self.retrieval_blocks(ctx.info, q, cache, pos),
+                                         lambda: state.retrieval)
         state = state.replace(retrieval=retrieval)
-        return jax.lax.cond(ctx.layer < self.dense_layers,
-                            lambda: (attend_dense(q, cache, ctx.lengths), state),
-                            lambda: self._sparse_decode(ctx, q, cache, state, pos))
+        if not branchless:
+            return jax.lax.cond(ctx.layer < self.dense_layers,
+                                lambda: (attend_dense(q, cache, ctx.lengths), state),
+                                lambda: self._sparse_decode(ctx, q, cache, state, pos))
+        if self.dense_layers == 0:
+            return self._sparse_decode(ctx, q, cache, state, pos)
+        dense = ctx.layer < self.dense_layers
+        out_d = attend_dense(q, cache, jnp.where(dense, ctx.lengths, 0))
+        out_s, state = self._sparse_decode(ctx, q, cache, state, pos, live=~dense)
+        return jnp.where(dense, out_d, out_s), state
 
     # ------------------------------------------------------------------------------------------- pieces
 
     def retrieval_blocks(self, info: RetrievalLayout, q: Array, cache, pos: Array) -> Array:
         """The retrieval set of every new token: i32[B, T, Wr] blocks ascending, -1 padded.
 
+        The block max of q . K^T / sqrt(d) over the layer's retrieval heads (`block_max_scores`: on a GPU one
+        kernel that reads K of the R KV heads in place from the stacked cache and writes f32[B, T, nb]), over
+        the blocks outside sink and local, then the top n_r.
+
         Args:
           info: this layer's RetrievalLayout slice (kv_heads: i32[R], head_mask: bool[R, G]).
           q: [B, T, Hq, D]; cache: the layer's cache view (models.attention.LayerKV, [B, Hkv, N, D]);
           pos: i32[B, T] query positions.
         """
-        B, T, Hq, D = q.shape
-        Hkv, N = cache.k.shape[1], cache.k.shape[2]
-        G, bs = Hq // Hkv, self.block_size
+        N = cache.k.shape[2]
         w = self.widths(N)
-        nb = w["nb"]
         k_all, _, layer = _stacked(cache)
-        kr = k_all[layer, :, info.kv_heads]  # [R, B, N, D]: one gather of the KV heads holding retrieval heads
-        qr = jnp.take(q.reshape(B, T, Hkv, G, D), info.kv_heads, axis=2)  # [B, T, R, G, D]
-        logits = jnp.einsum("btrgd,rbnd->btrgn", qr, kr.astype(q.dtype),
-                            preferred_element_type=jnp.float32) / math.sqrt(D)
-        logits = jnp.where(info.head_mask[None, None, :, :, None], logits, -jnp.inf)
-        tok_max = logits.max(axis=(2, 3))  # [B, T, N]
-        tok_max = jnp.where(jnp.arange(N)[None, None] <= pos[..., None], tok_max, -jnp.inf)
-        block_max = tok_max.reshape(B, T, nb, bs).max(axis=-1)  # [B, T, nb]
-        kb, nbv, (n_s, n_l, n_r, _) = self._row_budget(pos)
-        blk = jnp.arange(nb)[None, None]
-        middle = (blk >= n_s[..., None]) & (blk < (nbv - n_l)[..., None])
-        scores = jnp.where(middle, block_max, -jnp.inf)
+        _, nbv, (n_s, n_l, n_r, _) = self._row_budget(pos)
+        scores = block_max_scores(q, k_all, layer, info.kv_heads, info.head_mask, pos, n_s, nbv - n_l,
+                                  block_size=self.block_size)
         return topk_select(scores, n_r, w["retrieval"])
 
-    def _sparse_decode(self, ctx, q, cache, state, pos):
+    def _sparse_decode(self, ctx, q, cache, state, pos, live=None):
+        """The sparse layer; live: bool[] or None (False: a dense layer run branchless, whose attention reads
+        nothing and whose heat stays)."""
         B, T, Hq, D = q.shape
         heat = state.heat
         heat_l = heat[ctx.layer] if self.uses_heat else None  # [B, Hkv, NB]
@@ -409,9 +445,10 @@ class EvoSparse:
         def row(heat_l, xs):
             q_t, ret_t, pos_t = xs  # [B, Hq, D], [B, Wr] | None, [B]
             idx = self.select_blocks(heat_l, ret_t, pos_t, cache.k.shape[1], cache.k.shape[2])
-            out, mass = self.attend(q_t, cache, idx, pos_t)
+            out, mass = self.attend(q_t, cache, idx, pos_t, live=live)
             if self.uses_heat:
-                heat_l = heat_step(heat_l, mass, self.decay)
+                new = heat_step(heat_l, mass, self.decay)
+                heat_l = new if live is None else jnp.where(live, new, heat_l)
             return heat_l, out
 
         xs = (jnp.swapaxes(q, 0, 1), None if ret is None else jnp.swapaxes(ret, 0, 1), jnp.swapaxes(pos, 0, 1))
@@ -422,11 +459,15 @@ class EvoSparse:
             heat_l, out = jax.lax.scan(row, heat_l, xs)  # rows in order: exact sequential heat
             out = jnp.swapaxes(out, 0, 1)
         if self.uses_heat:
-            heat = jax.lax.dynamic_update_index_in_dim(heat, heat_l, ctx.layer, axis=0)
+            heat = jax.lax.dynamic_update_index_in_dim(heat, heat_l, ctx.layer, axis=0)  # in place in the scan
         return out.astype(q.dtype), state.replace(heat=heat)
 
     def select_blocks(self, heat_l, ret, pos, Hkv: int, N: int) -> Array:
         """The attended blocks of one decode row: i32[B, Hkv, Kb] ascending, -1 padded.
+
+        Sink [0, n_s) and local [nbv - n_l, nbv) are ranges; the retrieval and heat blocks lie between them and
+        are disjoint (heat excludes the retrieval set), so the union is sink, then the two middle lists merged
+        by rank (`merge_disjoint`: comparisons, no sort), then local.
 
         Args:
           heat_l: f32[B, Hkv, nb] this layer's heat (None without heat); ret: i32[B, Wr] the retrieval set (or
@@ -436,66 +477,54 @@ class EvoSparse:
         w = self.widths(N)
         nb, Kb = w["nb"], w["Kb"]
         kb, nbv, (n_s, n_l, n_r, n_h) = self._row_budget(pos)
-        parts = []
-        j = jnp.arange(w["sink"])
-        parts.append(jnp.where(j[None] < n_s[:, None], j[None], -1))
-        j = jnp.arange(w["local"])
-        parts.append(jnp.where(j[None] < n_l[:, None], (nbv - n_l)[:, None] + j[None], -1))
-        parts = [jnp.broadcast_to(p[:, None], (B, Hkv, p.shape[-1])) for p in parts]
+        lo, hi = n_s, nbv - n_l  # the middle blocks
+        mids = []
         n_ret_valid = jnp.zeros_like(n_r)
         if ret is not None:
-            parts.append(jnp.broadcast_to(ret[:, None], (B, Hkv, ret.shape[-1])))
+            mids.append(jnp.broadcast_to(ret[:, None], (B, Hkv, ret.shape[-1])))
             n_ret_valid = jnp.sum(ret >= 0, axis=-1)
         if heat_l is not None:
-            blk = jnp.arange(nb)[None, None]
-            middle = (blk >= n_s[:, None, None]) & (blk < (nbv - n_l)[:, None, None])
+            blk = jnp.arange(nb, dtype=jnp.int32)[None]
+            middle = (blk >= lo[:, None]) & (blk < hi[:, None])  # [B, nb]
             if ret is not None:
-                taken = _scatter_blocks(ret, nb) > 0  # [B, nb]
-                middle = middle & ~taken[:, None]
-            scores = jnp.where(middle, heat_l, -jnp.inf)
+                middle = middle & ~jnp.any(ret[:, :, None] == blk[:, None, :], axis=1)
+            scores = jnp.where(middle[:, None], heat_l, -jnp.inf)
             count = n_h + (n_r - n_ret_valid) if ret is not None or self.uses_retrieval else n_h
-            parts.append(topk_select(scores, jnp.broadcast_to(count[:, None], (B, Hkv)), w["heat"]))
-        cand = jnp.concatenate(parts, axis=-1)
-        big = jnp.iinfo(jnp.int32).max
-        cand = jnp.sort(jnp.where(cand >= 0, cand, big), axis=-1)
-        width = cand.shape[-1]
-        if width < Kb:
-            cand = jnp.pad(cand, ((0, 0), (0, 0), (0, Kb - width)), constant_values=big)
-        idx = jnp.where(cand[..., :Kb] == big, -1, cand[..., :Kb])
+            mids.append(topk_select(scores, jnp.broadcast_to(count[:, None], (B, Hkv)), w["heat"]))
+        j = jnp.arange(Kb, dtype=jnp.int32)[None, None]
+        n_s3, n_l3, hi3 = n_s[:, None, None], n_l[:, None, None], hi[:, None, None]
+        if mids:
+            cand = jnp.concatenate(mids, axis=-1)
+            n_mid = jnp.sum(cand >= 0, axis=-1, keepdims=True)  # [B, Hkv, 1]
+            mid = merge_disjoint(cand, Kb)
+            mid_j = jnp.take_along_axis(mid, jnp.clip(j - n_s3, 0, Kb - 1), axis=-1)
+        else:
+            n_mid, mid_j = jnp.zeros_like(n_s3), jnp.zeros_like(j)
+        after = j - n_s3 - n_mid  # position inside the local range
+        idx = jnp.where(j < n_s3, j, jnp.where(after < 0, mid_j, jnp.where(after < n_l3, hi3 + after, -1)))
         full = (kb >= nbv)[:, None, None]  # the budget covers every visible block
-        j = jnp.arange(Kb)[None, None]
         every = jnp.where(j < nbv[:, None, None], j, -1)
-        return jnp.where(full, every, idx).astype(jnp.int32)
+        return jnp.broadcast_to(jnp.where(full, every, idx), (B, Hkv, Kb)).astype(jnp.int32)
 
-    def attend(self, q_t: Array, cache, idx: Array, pos: Array):
+    def attend(self, q_t: Array, cache, idx: Array, pos: Array, live=None):
         """Attention of one row q_t: [B, Hq, D] at positions pos: i32[B] over blocks idx: i32[B, Hkv, K].
+
+        With heat, one gathered-decode kernel (`sparse_decode_mass`) also returns each selected block's softmax
+        mass (from partial sums it keeps while attending; no second gather of K); live=False: lengths 0 (the
+        kernel reads nothing; a dense layer run branchless).
 
         Returns (out: [B, Hq, D], mass: f32[B, Hkv, nb] post-softmax mass per block, mean over the GQA group).
         """
-        B, Hq, D = q_t.shape
-        Hkv, N = cache.k.shape[1], cache.k.shape[2]
-        G, bs, nb = Hq // Hkv, self.block_size, N // self.block_size
-        lengths = pos + 1
+        nb = cache.k.shape[2] // self.block_size
+        lengths = pos + 1 if live is None else jnp.where(live, pos + 1, 0)
         k_all, v_all, layer = _stacked(cache)
-        out, lse = sparse_decode(q_t[:, None], k_all, v_all, idx[:, :, None], lengths, layer=layer, block_size=bs,
-                                 return_lse=True)
         if not self.uses_heat:
+            out = sparse_decode(q_t[:, None], k_all, v_all, idx[:, :, None], lengths, layer=layer,
+                                block_size=self.block_size)
             return out[:, 0], None
-        # Recompute the selected keys' probabilities exp(q.k / sqrt(d) - lse) (K blocks only, read in place).
-        K = idx.shape[-1]
-        kb = k_all.reshape(k_all.shape[:3] + (nb, bs, D))
-        bi, hi = jnp.arange(B)[:, None, None], jnp.arange(Hkv)[None, :, None]
-        kg = kb[layer, bi, hi, jnp.clip(idx, 0, nb - 1)]  # [B, Hkv, K, bs, D]
-        qg = q_t.reshape(B, Hkv, G, D)
-        logits = jnp.einsum("bhgd,bhksd->bhgks", qg, kg.astype(q_t.dtype),
-                            preferred_element_type=jnp.float32) / math.sqrt(D)
-        tok = idx[..., None] * bs + jnp.arange(bs)  # [B, Hkv, K, bs]
-        valid = (idx[..., None] >= 0) & (tok <= pos[:, None, None, None])
-        lse_g = lse[:, 0].reshape(B, Hkv, G)[..., None, None]
-        p = jnp.where(valid[:, :, None] & jnp.isfinite(lse_g), jnp.exp(logits - lse_g), 0.0)
-        block_mass = p.sum(axis=-1).mean(axis=2)  # [B, Hkv, K]
-        mass = _scatter_blocks(idx.reshape(B * Hkv, K), nb, block_mass.reshape(B * Hkv, K)).reshape(B, Hkv, nb)
-        return out[:, 0], mass
+        out, emass = sparse_decode_mass(q_t[:, None], k_all, v_all, layer, idx[:, :, None], lengths,
+                                        block_size=self.block_size)
+        return out[:, 0], blocks_to_dense(idx, emass[:, :, 0], nb)
 
     def _prefill_heat(self, ctx, q, k, heat):
         """Heat of this layer after dense attention of each prompt's last heat_window rows (see the docstring)."""

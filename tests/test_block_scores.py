@@ -1,0 +1,140 @@
+"""pallas_kernels.block_scores: the Triton kernels (interpret mode) and the XLA fallback equal the reference
+(retrieval block max over odd lengths, several R, masked heads and padding; gathered decode with per-entry mass),
+both kernels lower for CUDA, and bad arguments raise."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.block_scores import block_max_scores, gpu, reference, sparse_decode_mass, xla
+from pallas_kernels.sparse_attention import sparse_decode
+
+L, B, HQ, HKV, D, N, BS = 3, 2, 8, 2, 16, 256, 8
+G = HQ // HKV
+
+
+def _cache(seed, T=1, dtype=jnp.float32):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(ks[0], (B, T, HQ, D), dtype)
+    k = jax.random.normal(ks[1], (L, B, HKV, N, D), dtype)
+    v = jax.random.normal(ks[2], (L, B, HKV, N, D), dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("R,T", [(1, 1), (2, 2), (3, 1)])
+def test_block_max_matches_reference_and_numpy(R, T):
+    q, k, _ = _cache(R + 10 * T, T)
+    kvh = jnp.array([1, 0, 1][:R], jnp.int32)
+    hm = jnp.array([[True, False, True, False], [False, False, False, True], [False] * 4][:R])  # r=2: padding
+    pos = jnp.array([[200, 201][:T], [37, 38][:T]], jnp.int32)  # odd lengths, mid-block
+    lo = jnp.array([[1, 1][:T], [0, 2][:T]], jnp.int32)
+    hi = pos // BS + 1 - jnp.array([[2, 2][:T], [1, 0][:T]], jnp.int32)
+    args = (q, k, jnp.int32(1), kvh, hm, pos, lo, hi)
+    want = reference.block_max_scores_reference(*args, block_size=BS)
+    got = gpu.block_max_scores_gpu(*args, block_size=BS, interpret=True,
+                                   config=gpu.BlockMaxConfig(blocks_per_program=16))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(xla.block_max_scores_xla(*args, block_size=BS), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(block_max_scores(*args, block_size=BS), want, rtol=1e-5, atol=1e-5)
+    # NumPy, brute force
+    qn, kn = np.asarray(q, np.float64), np.asarray(k[1], np.float64)
+    for b in range(B):
+        for t in range(T):
+            p, a, z = int(pos[b, t]), int(lo[b, t]), int(hi[b, t])
+            tok = np.full(N, -np.inf)
+            for r in range(R):
+                for g in range(G):
+                    if hm[r, g]:
+                        h = int(kvh[r])
+                        tok = np.maximum(tok, kn[b, h] @ qn[b, t, h * G + g] / np.sqrt(D))
+            tok[p + 1:] = -np.inf
+            bmax = tok.reshape(-1, BS).max(-1)
+            bmax[:a] = -np.inf
+            bmax[z:] = -np.inf
+            np.testing.assert_allclose(want[b, t], bmax, rtol=1e-5, atol=1e-5)
+            assert np.isfinite(bmax).sum() == max(z - a, 0)
+
+
+def _indices(T, K=7, used=5):
+    rng = np.random.default_rng(0)
+    idx = np.full((B, HKV, T, K), -1, np.int32)
+    for b in range(B):
+        for h in range(HKV):
+            for t in range(T):
+                idx[b, h, t, :used] = np.sort(rng.choice(N // BS, used, replace=False))
+    return jnp.asarray(idx)
+
+
+@pytest.mark.parametrize("T,block_k", [(1, 16), (2, 32)])
+def test_decode_mass_matches_reference(T, block_k):
+    q, k, v = _cache(3, T)
+    idx = _indices(T)
+    lengths = jnp.array([200, 77], jnp.int32)
+    want_o, want_m = reference.sparse_decode_mass_reference(q, k, v, jnp.int32(2), idx, lengths, block_size=BS)
+    o, m = gpu.sparse_decode_mass_gpu(q, k, v, jnp.int32(2), idx, lengths, block_size=BS, interpret=True,
+                                      config=gpu.sgpu.DecodeConfig(block_k=block_k, num_splits=2))
+    np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(m, want_m, rtol=1e-4, atol=1e-6)
+    o, m = xla.sparse_decode_mass_xla(q, k, v, jnp.int32(2), idx, lengths, block_size=BS)
+    np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(m, want_m, rtol=1e-4, atol=1e-6)
+    # the output is the gathered decode's; the mass of each query sums to 1 over its entries (0 for -1 entries)
+    np.testing.assert_allclose(want_o, sparse_decode(q, k, v, idx, lengths, layer=jnp.int32(2), block_size=BS,
+                                                     implementation="reference"), rtol=1e-5, atol=1e-5)
+    sums = np.asarray(want_m).sum(-1)  # 1, or 0 for a query none of whose blocks is visible yet
+    assert np.all(np.isclose(sums, 1.0, rtol=1e-5) | (sums == 0.0)) and np.isclose(sums, 1.0).sum() >= 4
+    assert float(jnp.abs(want_m[..., 5:]).max()) == 0.0
+
+
+def test_decode_mass_with_no_visible_key_is_zero():
+    q, k, v = _cache(4)
+    idx = _indices(1)
+    lengths = jnp.array([0, 0], jnp.int32)  # lengths 0: the query sees nothing (a dense layer run branchless)
+    o, m = gpu.sparse_decode_mass_gpu(q, k, v, jnp.int32(0), idx, lengths, block_size=BS, interpret=True)
+    assert float(jnp.abs(o).max()) == 0.0 and float(jnp.abs(m).max()) == 0.0
+    o, m = sparse_decode_mass(q, k, v, jnp.int32(0), idx, lengths, block_size=BS)
+    assert float(jnp.abs(o).max()) == 0.0 and float(jnp.abs(m).max()) == 0.0
+
+
+def _abstract():
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    return use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device))
+
+
+def test_kernels_lower_for_cuda():
+    sds = jax.ShapeDtypeStruct
+    check = jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)
+    Bn, Hq, Hkv, Dn, Nn = 2, 32, 8, 128, 4096
+    q, cache = sds((Bn, 1, Hq, Dn), jnp.bfloat16), sds((4, Bn, Hkv, Nn, Dn), jnp.bfloat16)
+    i32 = lambda *s: sds(s, jnp.int32)  # noqa: E731
+    with _abstract():
+        f = functools.partial(gpu.block_max_scores_gpu, block_size=16)
+        text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(
+            q, cache, i32(), i32(2), sds((2, 4), jnp.bool_), i32(Bn, 1), i32(Bn, 1), i32(Bn, 1)).mlir_module()
+        assert "evosparse_block_max" in text
+        f = functools.partial(gpu.sparse_decode_mass_gpu, block_size=16)
+        text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(
+            q, cache, cache, i32(), i32(Bn, Hkv, 1, 128), i32(Bn)).mlir_module()
+        assert "evosparse_decode_mass" in text
+
+
+def test_errors():
+    q, k, v = _cache(5)
+    pos = jnp.zeros((B, 1), jnp.int32)
+    with pytest.raises(ValueError, match=r"head_mask has shape \(2, 3\)"):
+        block_max_scores(q, k, jnp.int32(0), jnp.zeros((2,), jnp.int32), jnp.zeros((2, 3), bool), pos, pos, pos,
+                         block_size=BS)
+    with pytest.raises(ValueError, match="block_size=7"):
+        block_max_scores(q, k, jnp.int32(0), jnp.zeros((1,), jnp.int32), jnp.zeros((1, G), bool), pos, pos, pos,
+                         block_size=7)
+    with pytest.raises(ValueError, match="implementation='cuda'"):
+        sparse_decode_mass(q, k, v, jnp.int32(0), _indices(1), jnp.array([3, 4]), block_size=BS,
+                           implementation="cuda")
+    with pytest.raises(ValueError, match="block_size=12"):
+        gpu.block_max_scores_gpu(q, jnp.zeros((L, B, HKV, 240, D)), jnp.int32(0), jnp.zeros((1,), jnp.int32),
+                                 jnp.zeros((1, G), bool), pos, pos, pos, block_size=12, interpret=True)
