@@ -1,7 +1,16 @@
 """Pallas GPU (Triton) kernels of exact top-k selection: radix threshold search, then an ascending compaction.
 
-Three kernels, each on a grid (R, S): one program per row and split of the row (S splits of whole chunks of
-`block_n` scores, so that R * S is about `target_programs` and every SM has work even with a few rows):
+`topk_select_gpu` picks one of three paths (`SelectConfig.path`; "auto": "row" when N <= row_max, else
+"fused"):
+  * "row" (`gpu_row.py`): ONE launch, one program per row holding the row in registers; the whole radix search
+    and the compaction run in-kernel. For the launch-bound regime (rows of up to ~16K scores).
+  * "fused" (`gpu_fused.py`): the counting passes below with their XLA glue moved into the kernels:
+    32 / bits + 2 launches and nothing between them.
+  * "passes" (this file, the original path): the kernels below with `common.radix_threshold` /
+    `common.split_plan` in XLA between them (~20 launches at 4 bits).
+
+The "passes" path: three kernels, each on a grid (R, S): one program per row and split of the row (S splits
+of whole chunks of `block_n` scores, so that R * S is about `target_programs` and every SM has work even with a few rows):
   * `_count_kernel` (32 / bits_per_pass launches): for the 2**bits candidate keys lo + j * 2**shift of its
     row, how many of its scores have a key >= each (by the keys' radix digits, see the kernel); the split
     counts are summed and the next bin chosen in XLA (`common.radix_threshold`). Rows already resolved skip
@@ -29,10 +38,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.topk_select import gpu_fused, gpu_row
 from pallas_kernels.topk_select.common import (check_args, check_bits, float_keys, pad_output, radix_threshold,
                                                row_counts, selection_rule, split_plan, splits_for)
 
 Array = jax.Array
+
+PATHS = ("auto", "row", "fused", "passes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +59,11 @@ class SelectConfig:
       compact_block_n: scores per inner iteration of the compaction (a power of two).
       target_programs: about how many programs each launch should have (rows x splits).
       num_warps: warps per program.
+      path: "auto" ("row" when N <= row_max, else "fused"), "row", "fused" or "passes" (module docstring).
+        bits_per_pass, block_n, compact_block_n, target_programs and num_warps tune "fused" and "passes".
+      row_max: the longest row "auto" sends to the single-launch "row" kernel (<= gpu_row.ROW_LIMIT).
+      row_bits: radix bits per in-kernel pass of the "row" kernel (1, 2, 4 or 8).
+      row_warps: warps per "row" program (None: `gpu_row.row_warps`, about 32 scores per thread).
     """
 
     bits_per_pass: int = 4
@@ -54,6 +71,15 @@ class SelectConfig:
     compact_block_n: int = 1024
     target_programs: int = 1024
     num_warps: int = 4
+    path: str = "auto"
+    row_max: int = 16384
+    row_bits: int = 2
+    row_warps: int | None = None
+
+    def pick_path(self, N: int) -> str:
+        if self.path != "auto":
+            return self.path
+        return "row" if N <= self.row_max else "fused"
 
     def count_block(self) -> int:
         if self.block_n is not None:
@@ -73,6 +99,14 @@ def _check_config(config: SelectConfig) -> None:
     for name, val in (("block_n", config.count_block()), ("compact_block_n", config.compact_block_n)):
         if not _pow2(val):
             raise ValueError(f"SelectConfig.{name}={val}: expected a power of two")
+    if config.path not in PATHS:
+        raise ValueError(f"SelectConfig.path={config.path!r}: expected one of {PATHS}")
+    if not 1 <= config.row_max <= gpu_row.ROW_LIMIT:
+        raise ValueError(f"SelectConfig.row_max={config.row_max}: expected 1 .. {gpu_row.ROW_LIMIT}")
+    if config.row_bits not in (1, 2, 4, 8):
+        raise ValueError(f"SelectConfig.row_bits={config.row_bits}: expected 1, 2, 4 or 8")
+    if config.row_warps is not None and not (_pow2(config.row_warps) and config.row_warps <= 32):
+        raise ValueError(f"SelectConfig.row_warps={config.row_warps}: expected a power of two <= 32 or None")
 
 
 def _chunk(x_ref, c, block_n: int, n: int):
@@ -181,6 +215,18 @@ def topk_select_gpu(scores: Array, k, K: int, *, config: SelectConfig = SelectCo
     _check_config(config)
     x = scores.reshape(-1, N)
     R = x.shape[0]
+    path = config.pick_path(N)
+    if path in ("row", "fused"):
+        k_rows = jnp.broadcast_to(jnp.asarray(k, jnp.int32), lead).reshape(R)  # clipped in-kernel
+        if path == "row":
+            out = gpu_row.topk_select_rows(x, k_rows, Kp, bits=config.row_bits, num_warps=config.row_warps,
+                                           interpret=interpret)
+        else:
+            out = gpu_fused.topk_select_fused(
+                x, k_rows, Kp, bits=config.bits_per_pass, block_n=config.count_block(),
+                compact_block_n=config.compact_block_n, target_programs=config.target_programs,
+                num_warps=config.num_warps, interpret=interpret)
+        return out.reshape(*lead, Kp)
     kk = row_counts(k, lead, Kp)
     bits = config.bits_per_pass
     M = 1 << bits

@@ -1,0 +1,249 @@
+"""Pallas GPU (Triton) top-k selection for long rows with no XLA work between the kernels.
+
+The passes of `gpu.py`'s "passes" path, with the glue moved into the kernels: 32 / bits counting launches,
+one final count and one compaction, each on a grid (R, S) of row splits (S a power of two), and nothing else
+(no XLA fusion between them: 10 launches at 4 bits instead of ~20).
+  * `_pass_kernel` p: every program first finishes pass p - 1 for its row itself: it sums that pass's
+    [S, 2**bits] split counts, picks the next bin and updates the row's state (lo, count(key >= lo)), which
+    split 0 writes out for pass p + 1; then it counts its split's keys >= each candidate of the new bin (the
+    radix-digit counting of `gpu._count_kernel`). Resolved rows skip the reading.
+  * `_final_kernel`: finishes the last pass (the threshold t), counts per split the bulk keys, those output and
+    the ties, and split 0 writes the row's rule (a, t, bulk_on, done).
+  * `_compact_kernel`: every program computes its split's tie quota and first output slot from all the row's
+    split counts (`common.split_plan`, in-kernel), writes its picks ascending (running count + in-chunk
+    cumulative sum, scattered stores) and split 0 writes the -1 padding after the row's last pick.
+
+Semantics: exactly `reference.topk_select_reference`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.topk_select.common import INT_MAX, INT_MIN, KEY_NEG_INF, KEY_POS_INF, float_keys
+
+Array = jax.Array
+
+
+def pow2_splits(rows: int, n_chunks: int, target_programs: int) -> tuple[int, int]:
+    """(S, chunks per split): S a power of two <= n_chunks with rows * S about `target_programs`."""
+    want = max(1, min(n_chunks, -(-target_programs // max(rows, 1))))
+    S = 1 << (want.bit_length() - 1)  # round down to a power of two
+    return S, -(-n_chunks // S)
+
+
+def _chunk(x_ref, c, block_n: int, n: int):
+    start = c * block_n
+    pos = start + jnp.arange(block_n, dtype=jnp.int32)
+    ok = pos < n
+    x = plgpu.load(x_ref.at[pl.ds(start, block_n)], mask=ok, other=0.0)
+    return pos, ok, x
+
+
+def _split_chunks(n: int, block_n: int, per_split: int):
+    first = pl.program_id(1) * per_split
+    return first, jnp.clip(pl.cdiv(n, block_n) - first, 0, per_split)
+
+
+def _kk(k_ref, width: int):
+    return jnp.clip(k_ref[0], 0, width)
+
+
+def _advance(kk, st_ref, c_ref, *, p: int, bits: int, n: int):
+    """The row's state at the start of pass p: (lo, count(key >= lo), done).
+
+    Refs (p >= 1): st i32[2] = state at the start of pass p - 1; c i32[S, M] pass p - 1's split counts.
+    """
+    if p == 0:
+        lo, cnt = jnp.int32(INT_MIN), jnp.int32(n)
+    else:
+        M = 1 << bits
+        lo0, cnt0 = st_ref[0], st_ref[1]
+        done0 = (kk <= 0) | (cnt0 == kk)
+        cnts = jnp.sum(c_ref[...], axis=0)  # [M]: count(key >= lo0 + j * 2**shift), j >= 1
+        j = jnp.arange(M, dtype=jnp.int32)
+        jstar = jnp.sum(((cnts >= kk) | (j == 0)).astype(jnp.int32)) - 1
+        picked = jnp.sum(jnp.where(j == jstar, cnts, 0))
+        new_cnt = jnp.where(jstar == 0, cnt0, picked)  # column 0 (lo itself) is not counted
+        shift = 32 - bits * p  # pass p - 1's shift
+        lo = jnp.where(done0, lo0, lo0 + lax.shift_left(jstar, jnp.int32(shift)))
+        cnt = jnp.where(done0, cnt0, new_cnt)
+    return lo, cnt, (kk <= 0) | (cnt == kk)
+
+
+def _store_row_state(ref, vals: list):
+    """Split 0 writes the row's state vals (scalars) to ref i32[len(vals)] (a power of two)."""
+    L = len(vals)
+    lane = jnp.arange(L, dtype=jnp.int32)
+    v = jnp.zeros((L,), jnp.int32)
+    for i, s in enumerate(vals):
+        v = jnp.where(lane == i, s.astype(jnp.int32), v)
+    plgpu.store(ref.at[pl.ds(0, L)], v, mask=(lane < L) & (pl.program_id(1) == 0))
+
+
+def _pass_kernel(*refs, p: int, n: int, width: int, block_n: int, per_split: int, bits: int):
+    """Pass p for one (row, split). Refs: k i32[1]; (p >= 1: st i32[2], c i32[S, M]); x f32[N];
+    outputs st i32[2] (the state at the start of pass p), o i32[M] (split counts of key >= lo + j * 2**shift)."""
+    if p == 0:
+        k_ref, x_ref, st_out, o_ref = refs
+        st_ref = c_ref = None
+    else:
+        k_ref, st_ref, c_ref, x_ref, st_out, o_ref = refs
+    kk = _kk(k_ref, width)
+    lo, cnt, done = _advance(kk, st_ref, c_ref, p=p, bits=bits, n=n)
+    _store_row_state(st_out, [lo, cnt])
+    M = 1 << bits
+    shift = jnp.int32(32 - bits * (p + 1))
+    first, count = _split_chunks(n, block_n, per_split)
+    count = jnp.where(done, 0, count)
+    levels = jnp.arange(M, dtype=jnp.int32).astype(jnp.float32)
+
+    def body(i, acc):
+        _, ok, x = _chunk(x_ref, first + i, block_n, n)
+        key = float_keys(x)
+        d = lax.shift_right_logical(key - lo, shift)  # offset in the bin (wrapping subtraction)
+        above = lax.shift_right_logical(d, jnp.int32(bits)) != 0
+        digit = jnp.where((key >= lo) & ok, jnp.where(above, M, d), -1).astype(jnp.float32)
+        return acc + (digit[None, :] >= levels[:, None]).astype(jnp.float32)
+
+    acc = lax.fori_loop(0, count, body, jnp.zeros((M, block_n), jnp.float32))
+    o_ref[...] = jnp.sum(acc, axis=1).astype(jnp.int32)
+
+
+def _final_kernel(k_ref, st_ref, c_ref, x_ref, r_out, o_ref, *, passes: int, n: int, width: int, block_n: int,
+                  per_split: int, bits: int):
+    """Finishes the search and counts per split. Refs: k i32[1]; st i32[2]; c i32[S, M] (last pass); x f32[N];
+    outputs r i32[4] = (a, t, bulk_on, done) (split 0), o i32[4] = (#key >= a, #(key >= a and x > -inf),
+    #key == t, 0) over the split (bulk counts 0 when bulk is off, ties 0 for a done row)."""
+    kk = _kk(k_ref, width)
+    lo, _, done = _advance(kk, st_ref, c_ref, p=passes, bits=bits, n=n)
+    t = lo
+    a = jnp.where(done, lo, jnp.where(t == INT_MAX, INT_MAX, t + 1))
+    on = jnp.where(done, kk > 0, t != INT_MAX)
+    _store_row_state(r_out, [a, t, on, done])
+    first, count = _split_chunks(n, block_n, per_split)
+    count = jnp.where(done & jnp.logical_not(on), 0, count)
+
+    def body(i, acc):
+        _, ok, x = _chunk(x_ref, first + i, block_n, n)
+        key = float_keys(x)
+        bulk = (key >= a) & ok & on
+        ge, out, tie = acc
+        return (ge + bulk.astype(jnp.int32), out + (bulk & (x > -jnp.inf)).astype(jnp.int32),
+                tie + ((key == t) & ok & jnp.logical_not(done)).astype(jnp.int32))
+
+    zero = jnp.zeros((block_n,), jnp.int32)
+    ge, out, tie = lax.fori_loop(0, count, body, (zero, zero, zero))
+    lane = jnp.arange(4, dtype=jnp.int32)
+    o_ref[...] = jnp.where(lane == 0, jnp.sum(ge), jnp.where(lane == 1, jnp.sum(out),
+                                                             jnp.where(lane == 2, jnp.sum(tie), 0)))
+
+
+def _compact_kernel(k_ref, r_ref, f_ref, x_ref, o_ref, *, n: int, width: int, wblock: int, block_n: int,
+                    per_split: int, S: int):
+    """One (row, split): its picks to their output slots. Refs: k i32[1]; r i32[4] = (a, t, bulk_on, done);
+    f i32[S, 4] every split's final counts; x f32[N]; o i32[width] the row's output."""
+    kk = _kk(k_ref, width)
+    a, t, on, done = r_ref[0], r_ref[1], r_ref[2] > 0, r_ref[3] > 0
+    f = f_ref[...]
+    lane = jnp.arange(4, dtype=jnp.int32)[None, :]
+    col = lambda c: jnp.sum(jnp.where(lane == c, f, 0), axis=1)  # [S]
+    n_ge, n_out, n_tie = col(0), col(1), col(2)
+    # common.split_plan for this row, in-kernel.
+    quota = jnp.where(done, 0, kk - jnp.sum(n_ge))
+    tie_before = jnp.cumsum(n_tie) - n_tie
+    quota_s = jnp.clip(quota - tie_before, 0, n_tie)
+    tie_out = (t > KEY_NEG_INF) & (t <= KEY_POS_INF)
+    out_s = n_out + jnp.where(tie_out, quota_s, 0)
+    me = pl.program_id(1)
+    sv = jnp.arange(S, dtype=jnp.int32)
+    base = jnp.sum(jnp.where(sv < me, out_s, 0))
+    my_quota = jnp.sum(jnp.where(sv == me, quota_s, 0))
+    total = jnp.sum(out_s)
+    first, count = _split_chunks(n, block_n, per_split)
+
+    def body(i, carry):
+        run, tie_run = carry
+        pos, ok, x = _chunk(x_ref, first + i, block_n, n)
+        key = float_keys(x)
+        fin = x > -jnp.inf
+        tie = (key == t) & ok & jnp.logical_not(done)
+        tie_i = tie.astype(jnp.int32)
+        take = tie & (tie_run + jnp.cumsum(tie_i) - tie_i < my_quota)
+        sel = (((key >= a) & on) | take) & ok & fin
+        sel_i = sel.astype(jnp.int32)
+        dst = base + run + jnp.cumsum(sel_i) - sel_i
+        sel = sel & (dst < width)
+        plgpu.store(o_ref.at[jnp.where(sel, dst, width)], pos, mask=sel)
+        return run + jnp.sum(sel_i), tie_run + jnp.sum(tie_i)
+
+    lax.fori_loop(0, count, body, (jnp.int32(0), jnp.int32(0)))
+
+    def pad(i, c):
+        slot = i * wblock + jnp.arange(wblock, dtype=jnp.int32)
+        plgpu.store(o_ref.at[pl.ds(i * wblock, wblock)], jnp.full((wblock,), -1, jnp.int32),
+                    mask=(slot >= total) & (slot < width))
+        return c
+
+    lax.fori_loop(0, jnp.where(me == 0, pl.cdiv(width, wblock), 0), pad, jnp.int32(0))
+
+
+def topk_select_fused(x: Array, k_rows: Array, K: int, *, bits: int, block_n: int, compact_block_n: int,
+                      target_programs: int, num_warps: int, interpret: bool = False) -> Array:
+    """Selection of every row by 32 / bits + 2 launches and no XLA work between them.
+
+    Args:
+      x: f32[R, N] scores; k_rows: i32[R] keys to keep per row (clipped to [0, K] in-kernel); K: width <= N.
+      bits: radix bits per counting pass (1, 2, 4 or 8); block_n, compact_block_n: scores per inner
+        iteration of the counting / final-count and compaction kernels (powers of two); target_programs:
+        about rows x splits per launch; num_warps: warps per program.
+      interpret: Pallas interpreter (CPU tests).
+
+    Returns:
+      int32[R, K]: the chosen positions ascending, then -1.
+    """
+    R, N = x.shape
+    M = 1 << bits
+    passes = 32 // bits
+    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
+    k2 = k_rows.reshape(R, 1)
+    k_spec = pl.BlockSpec((None, 1), lambda r, s: (r, 0))
+    row_spec = pl.BlockSpec((None, N), lambda r, s: (r, 0))
+    st_spec = pl.BlockSpec((None, 2), lambda r, s: (r, 0))
+    S, per = pow2_splits(R, pl.cdiv(N, block_n), target_programs)
+    c_in_spec = pl.BlockSpec((None, S, M), lambda r, s: (r, 0, 0))
+    c_out_spec = pl.BlockSpec((None, None, M), lambda r, s: (r, s, 0))
+    out_shapes = (jax.ShapeDtypeStruct((R, 2), jnp.int32), jax.ShapeDtypeStruct((R, S, M), jnp.int32))
+    st = cnt = None
+    for p in range(passes):
+        kern = functools.partial(_pass_kernel, p=p, n=N, width=K, block_n=block_n, per_split=per, bits=bits)
+        in_specs = [k_spec, row_spec] if p == 0 else [k_spec, st_spec, c_in_spec, row_spec]
+        args = (k2, x) if p == 0 else (k2, st, cnt, x)
+        st, cnt = pl.pallas_call(
+            kern, grid=(R, S), in_specs=in_specs, out_specs=(st_spec, c_out_spec), out_shape=out_shapes,
+            compiler_params=params, interpret=interpret, name=f"topk_select_fused_pass")(*args)
+
+    cb = compact_block_n
+    Sc, per_c = pow2_splits(R, pl.cdiv(N, cb), target_programs)
+    rule, fin = pl.pallas_call(
+        functools.partial(_final_kernel, passes=passes, n=N, width=K, block_n=cb, per_split=per_c, bits=bits),
+        grid=(R, Sc),
+        in_specs=[k_spec, st_spec, c_in_spec, row_spec],
+        out_specs=(pl.BlockSpec((None, 4), lambda r, s: (r, 0)), pl.BlockSpec((None, None, 4), lambda r, s: (r, s, 0))),
+        out_shape=(jax.ShapeDtypeStruct((R, 4), jnp.int32), jax.ShapeDtypeStruct((R, Sc, 4), jnp.int32)),
+        compiler_params=params, interpret=interpret, name="topk_select_fused_final")(k2, st, cnt, x)
+
+    return pl.pallas_call(
+        functools.partial(_compact_kernel, n=N, width=K, wblock=cb, block_n=cb, per_split=per_c, S=Sc),
+        grid=(R, Sc),
+        in_specs=[k_spec, pl.BlockSpec((None, 4), lambda r, s: (r, 0)),
+                  pl.BlockSpec((None, Sc, 4), lambda r, s: (r, 0, 0)), row_spec],
+        out_specs=pl.BlockSpec((None, K), lambda r, s: (r, 0)),
+        out_shape=jax.ShapeDtypeStruct((R, K), jnp.int32),
+        compiler_params=params, interpret=interpret, name="topk_select_fused_compact")(k2, rule, fin, x)

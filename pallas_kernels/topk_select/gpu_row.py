@@ -1,0 +1,150 @@
+"""Single-launch Pallas GPU (Triton) top-k selection for rows that fit in one program (N <= 32768).
+
+One program per row (grid (R,)): it loads the whole row once (P = next power of two >= N scores, the padding
+masked out), turns it into int32 keys held in registers, runs the complete radix threshold search in-kernel
+(a `lax.while_loop` over passes of `bits` bits: 2**bits - 1 candidate counts per pass, each a reduction over
+the row; the loop stops as soon as count(key >= lo) == kk, usually well before 32 / bits passes on continuous
+scores), and then compacts: one packed exclusive cumulative sum (bulk picks in the low 16 bits, threshold ties
+in the high 16) ranks every pick, and the positions are scattered to their output slots, ascending; the slots
+after the row's last pick get -1. The whole `topk_select` is this one launch (k is clipped in-kernel).
+
+Cost: (2**bits - 1) * 32 / bits compare-and-adds per score at worst, plus one reduction latency per candidate
+and pass; meant for the launch-bound regime (rows of a few thousand scores: one launch instead of ~20).
+
+Semantics: exactly `reference.topk_select_reference` (ties by position, -0.0 < +0.0, -inf and NaN ranked by
+the IEEE total order and never output).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.topk_select.common import INT_MAX, INT_MIN, KEY_NEG_INF, KEY_POS_INF, float_keys
+
+Array = jax.Array
+
+ROW_LIMIT = 1 << 15  # the packed cumulative sum holds each count in 16 bits
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def row_threshold(key: Array, kk: Array, n, bits: int, max_passes: int | None = None):
+    """In-kernel radix search of a row's threshold key (keys held as one vector).
+
+    Args:
+      key: i32[P] keys; positions that are not scores hold INT_MIN and must be no more than... any count of
+        a candidate above INT_MIN ignores them.
+      kk: i32 scalar, keys to choose (0 <= kk <= n).
+      n: i32 scalar or int, the row's real length (count(key >= INT_MIN) over the real keys).
+      bits: bits per pass (1, 2, 4 or 8).
+      max_passes: static bound of passes (default 32 / bits).
+
+    Returns:
+      (lo: i32, cnt: i32 = count(key >= lo), done: bool). Done (kk == 0 or cnt == kk): the choice is the keys
+      >= lo. Otherwise lo = t, the kk-th largest key, with count(key > t) < kk < count(key >= t).
+    """
+    M = 1 << bits
+    passes = 32 // bits if max_passes is None else max_passes
+
+    def cond(c):
+        p, _, cnt = c
+        return (p < passes) & (cnt != kk) & (kk > 0)
+
+    def body(c):
+        p, lo, cnt = c
+        shift = jnp.int32(32 - bits) - jnp.int32(bits) * p
+        jstar = jnp.int32(0)
+        new_cnt = cnt
+        for j in range(1, M):
+            # Candidate lo + j * 2**shift (wrapping: the keys' unsigned order is their signed order + 2**31).
+            cj = jnp.sum((key >= lo + lax.shift_left(jnp.int32(j), shift)).astype(jnp.int32))
+            ge = cj >= kk  # counts fall with j: the last candidate still >= kk wins
+            jstar = jstar + ge.astype(jnp.int32)
+            new_cnt = jnp.where(ge, cj, new_cnt)
+        return p + 1, lo + lax.shift_left(jstar, shift), new_cnt
+
+    _, lo, cnt = lax.while_loop(cond, body, (jnp.int32(0), jnp.int32(INT_MIN), jnp.asarray(n, jnp.int32)))
+    return lo, cnt, (kk <= 0) | (cnt == kk)
+
+
+def _row_kernel(k_ref, x_ref, o_ref, *, n: int, P: int, bits: int, width: int, wpad: int):
+    """One row. Refs: k i32[1] (the row's k, unclipped); x f32[N] the row; o i32[width] the row's output."""
+    kk = jnp.clip(k_ref[0], 0, width)
+    pos = jnp.arange(P, dtype=jnp.int32)
+    ok = pos < n
+    x = plgpu.load(x_ref.at[pl.ds(0, P)], mask=ok, other=0.0)
+    key = jnp.where(ok, float_keys(x), INT_MIN)  # padding: below every candidate above INT_MIN
+    lo, _, done = row_threshold(key, kk, n, bits)
+
+    # The selection rule (common.selection_rule), then the ranks of the picks by one packed scan.
+    t = lo
+    a = jnp.where(done, lo, jnp.where(t == INT_MAX, INT_MAX, t + 1))
+    on = jnp.where(done, kk > 0, t != INT_MAX)
+    bulk = (key >= a) & on & ok
+    tie = (key == t) & ok & jnp.logical_not(done)
+    n_bulk = jnp.sum(bulk.astype(jnp.int32))
+    quota = jnp.where(done, 0, kk - n_bulk)  # ties taken, by position
+    fin = ok & (x > -jnp.inf)  # output only scores > -inf (NaN compares false)
+    tie_out = (t > KEY_NEG_INF) & (t <= KEY_POS_INF)  # ties at -inf / NaN are ranked, not output
+    bulk_out = bulk & fin
+    packed = bulk_out.astype(jnp.int32) + lax.shift_left(tie.astype(jnp.int32), jnp.int32(16))
+    before = jnp.cumsum(packed) - packed  # exclusive: (#bulk_out before) + (#tie before) << 16
+    bulk_before = before & 0xFFFF
+    tie_before = lax.shift_right_logical(before, jnp.int32(16))
+    take = tie & tie_out & (tie_before < quota)
+    sel = bulk_out | take
+    dst = bulk_before + jnp.where(tie_out, jnp.minimum(tie_before, quota), 0)
+    sel = sel & (dst < width)  # always true (total <= kk <= width)
+    # Masked lanes point past the row (never written; the interpreter drops them as out of bounds).
+    plgpu.store(o_ref.at[jnp.where(sel, dst, width)], pos, mask=sel)
+    n_tie = jnp.sum(tie.astype(jnp.int32))
+    total = jnp.sum(bulk_out.astype(jnp.int32)) + jnp.where(tie_out, jnp.minimum(n_tie, quota), 0)
+    slot = jnp.arange(wpad, dtype=jnp.int32)
+    plgpu.store(o_ref.at[pl.ds(0, wpad)], jnp.full((wpad,), -1, jnp.int32),
+                mask=(slot >= total) & (slot < width))
+
+
+def row_warps(P: int) -> int:
+    """Default warps of a row program: about 32 keys per thread, 4 to 16 warps."""
+    return max(4, min(16, P // 1024))
+
+
+def topk_select_rows(x: Array, k_rows: Array, K: int, *, bits: int = 2, num_warps: int | None = None,
+                     interpret: bool = False) -> Array:
+    """Single-launch selection of every row.
+
+    Args:
+      x: f32[R, N] scores, N <= ROW_LIMIT.
+      k_rows: i32[R] keys to keep per row (clipped to [0, K] in-kernel).
+      K: output width (<= N).
+      bits: radix bits per in-kernel pass (1, 2, 4 or 8).
+      num_warps: warps per program (None: `row_warps`).
+      interpret: Pallas interpreter (CPU tests).
+
+    Returns:
+      int32[R, K]: the chosen positions ascending, then -1.
+    """
+    R, N = x.shape
+    if N > ROW_LIMIT:
+        raise ValueError(f"N={N} scores per row: the single-launch kernel takes N <= {ROW_LIMIT}")
+    if not 1 <= K <= N:
+        raise ValueError(f"K={K}: expected 1 <= K <= N={N}")
+    P = max(32, next_pow2(N))
+    warps = row_warps(P) if num_warps is None else num_warps
+    return pl.pallas_call(
+        functools.partial(_row_kernel, n=N, P=P, bits=bits, width=K, wpad=max(32, next_pow2(K))),
+        grid=(R,),
+        in_specs=[pl.BlockSpec((None, 1), lambda r: (r, 0)), pl.BlockSpec((None, N), lambda r: (r, 0))],
+        out_specs=pl.BlockSpec((None, K), lambda r: (r, 0)),
+        out_shape=jax.ShapeDtypeStruct((R, K), jnp.int32),
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1),
+        interpret=interpret, name="topk_select_row",
+    )(k_rows.reshape(R, 1), x)
