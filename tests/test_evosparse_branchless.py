@@ -1,0 +1,95 @@
+"""EvoSparse's fast decode path: the sort-free merge and scatter-free block sums against NumPy, the branchless
+layer (the GPU default) equal to the lax.cond layer in dense, inheriting and retrieval layers (T = 1 and 3,
+outputs and state), and a branchless model decode with no conditional in its program."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jsparse.methods.evosparse import EvoSparse, blocks_to_dense, merge_disjoint
+from models import llama
+from models.attention import LayerContext, LayerKV
+from models.cache import init_cache
+from models.config import ModelConfig
+from models.params import random_params
+
+B, HQ, HKV, D, N = 2, 4, 2, 16, 128
+CFG = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=5,
+                  num_heads=HQ, num_kv_heads=HKV, head_dim=D, max_position_embeddings=512, eos_token_ids=(3,))
+HEADS = [(1, 0), (3, 2), (3, 3)]  # layer 1 (dense) computes a set, 2 inherits, 3 computes, 4 inherits
+
+
+def test_merge_disjoint_and_blocks_to_dense_match_numpy():
+    rng = np.random.default_rng(0)
+    rows, W, width, nb = 16, 12, 10, 40
+    cand = np.full((rows, W), -1, np.int32)
+    for r in range(rows):
+        n = rng.integers(0, width + 1)
+        vals = rng.choice(nb, n, replace=False)
+        slots = rng.choice(W, n, replace=False)
+        cand[r, slots] = vals
+    got = np.asarray(merge_disjoint(jnp.asarray(cand), width))
+    for r in range(rows):
+        want = sorted(cand[r][cand[r] >= 0])
+        np.testing.assert_array_equal(got[r], want + [-1] * (width - len(want)))
+    vals = rng.normal(size=(rows, W)).astype(np.float32)
+    dense = np.asarray(blocks_to_dense(jnp.asarray(cand), jnp.asarray(vals), nb))
+    want = np.zeros((rows, nb), np.float32)
+    for r in range(rows):
+        for c, x in zip(cand[r], vals[r]):
+            if c >= 0:
+                want[r, c] += x
+    np.testing.assert_allclose(dense, want, rtol=1e-6, atol=1e-6)
+
+
+@jax.jit
+def _layer(m, layer, lengths, q, k, v, state):
+    info = jax.tree_util.tree_map(lambda x: x[layer], m.layer_info(CFG))
+    ctx = LayerContext(layer=jnp.int32(layer), lengths=lengths, info=info)
+    return m.decode(ctx, q, LayerKV(k=k[layer], v=v[layer], k_all=k, v_all=v, layer=jnp.int32(layer)), state)
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_branchless_layer_equals_cond_layer(T):
+    ks = jax.random.split(jax.random.key(T), 4)
+    q = jax.random.normal(ks[0], (B, T, HQ, D))
+    k = jax.random.normal(ks[1], (CFG.num_layers, B, HKV, N, D))
+    v = jax.random.normal(ks[2], (CFG.num_layers, B, HKV, N, D))
+    lengths = jnp.array([77, 128], jnp.int32)
+    kw = dict(budget_tokens=40, block_size=8)
+    cond, flat = EvoSparse.from_heads(CFG, HEADS, branchless=False, **kw), EvoSparse.from_heads(CFG, HEADS, **kw)
+    flat = flat.replace(branchless=True)
+    assert flat.is_branchless and not cond.is_branchless
+    heat = jax.random.uniform(ks[3], cond.init_state(CFG, B, N).heat.shape)
+    state = cond.start(CFG, cond.init_state(CFG, B, N).replace(heat=heat), "decode", B, T, N)
+    for layer in range(CFG.num_layers):  # dense (0, 1: 1 computes a set), inherit (2, 4), compute (3)
+        o1, s1 = _layer(cond, layer, lengths, q, k, v, state)
+        o2, s2 = _layer(flat, layer, lengths, q, k, v, state)
+        np.testing.assert_allclose(o2, o1, rtol=1e-5, atol=1e-5, err_msg=f"layer {layer}")
+        np.testing.assert_allclose(s2.heat, s1.heat, rtol=1e-5, atol=1e-7, err_msg=f"layer {layer}")
+        np.testing.assert_array_equal(s2.retrieval, s1.retrieval, err_msg=f"layer {layer}")
+        changed = np.flatnonzero(np.any(np.asarray(s1.heat) != np.asarray(state.heat), axis=(1, 2, 3)))
+        assert list(changed) == ([] if layer < 2 else [layer])  # dense layers keep their heat
+        state = s1
+
+
+def test_branchless_model_decode_has_no_conditional():
+    params = random_params(CFG, jax.random.key(0), jnp.float32, scale=0.4)
+    kw = dict(budget_tokens=40, block_size=8)
+
+    def program(m):
+        cache = init_cache(CFG, B, N, jnp.float32)
+        ks = jax.random.split(jax.random.key(1))
+        cache = cache.replace(k=jax.random.normal(ks[0], cache.k.shape), v=jax.random.normal(ks[1], cache.v.shape),
+                              lengths=jnp.array([90, 100], jnp.int32))  # a filled cache: real selections
+        state = m.init_state(CFG, B, N)
+        f = jax.jit(lambda p, m, t, c, s: llama.decode(p, CFG, m, t, c, s))
+        tok = jnp.zeros((B, 1), jnp.int32)
+        return f.lower(params, m, tok, cache, state).as_text(), f(params, m, tok, cache, state)
+
+    text_c, (lc, _, sc) = program(EvoSparse.from_heads(CFG, HEADS, branchless=False, **kw))
+    text_f, (lf, _, sf) = program(EvoSparse.from_heads(CFG, HEADS, branchless=True, **kw))
+    assert "stablehlo.case" in text_c and "stablehlo.case" not in text_f
+    np.testing.assert_allclose(lf, lc, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(sf.heat, sc.heat, rtol=1e-5, atol=1e-7)
