@@ -260,10 +260,10 @@ def test_prefill_tpu_interpret_matches_reference():
 def test_prefill_api_and_errors():
     q, k, v, lens = prefill_inputs(6, 1, 24, 4, 2, 16, [24])
     want = anchor_prefill_reference(q, k, v, lens, tile=8, budget=0.5, min_tokens=2)
-    out, idx = anchor_prefill(q, k, v, lens, tile=8, budget=0.5, min_tokens=2)  # CPU: the reference
+    out, idx = anchor_prefill(q, k, v, lens, tile=8, budget=0.5, min_tokens=2)  # CPU: "xla"
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(want[1]))
-    with pytest.raises(ValueError, match="implementation='xla'"):
-        anchor_prefill(q, k, v, lens, tile=8, budget=0.5, implementation="xla")
+    with pytest.raises(ValueError, match="implementation='cuda'"):
+        anchor_prefill(q, k, v, lens, tile=8, budget=0.5, implementation="cuda")
     with pytest.raises(ValueError, match="tile=12"):
         gpu_prefill.tile_scores_gpu(q, k, tile=12, interpret=True)
     with pytest.raises(ValueError, match="tile=12"):
