@@ -23,9 +23,16 @@ cases run first, then the decode step, then the other contexts):
      in eval/bench_model.py (`filled_cache`); steps run in one jitted fori_loop carrying the cache and the
      method's state (heat), timed over `--steps` steps.
 
+  4. At the first context (100K): the two layers again with lax.cond (branchless=False, the layout before the
+     GPU default), and each part of a sparse layer timed alone with its floor: retrieval (block max kernel +
+     top-k, R = 2 KV heads), block_max (the kernel alone), select (heat top-k, retrieval exclusion, merge),
+     attend (gathered decode), attend_mass (gathered decode with the entry mass), heat_update (block sums,
+     decay, in-place write of the layer's heat). Checks also compare the block_scores kernels, compiled, with
+     their references. The decode step at the largest batch is also run with lax.cond (`evosparse_cond`).
+
 Floors (bytes moved at the measured HBM bandwidth): dense attention reads K and V once (2 B Hkv N D 2 bytes);
-an EvoSparse sparse layer reads the selected K/V blocks, K again for the heat mass, the heat row of its layer
-(read + write, f32), and in a retrieval layer K of its R KV heads. Decode step floor: every weight once (as
+an EvoSparse sparse layer reads the selected K/V blocks and the heat row of its layer (read for the selection
+and the update, written, f32), and in a retrieval layer K of its R KV heads. Decode step floor: every weight once (as
 bench_model.decode_bytes) plus the attention floors of all layers.
 
 Writes `$OUT/bench_evosparse.json` (device, jax version, date, GIT_COMMIT, measured HBM GB/s, checks, rows) and
@@ -48,7 +55,7 @@ import numpy as np
 from eval import bench_model
 from eval.benchmarking import device_facts, measure_hbm_gbs, table, time_ms, write_json
 from jsparse.cli import set_xla_flags
-from jsparse.methods.evosparse import EvoSparse, default_num_heads
+from jsparse.methods.evosparse import EvoSparse, blocks_to_dense, default_num_heads, heat_step
 from models import llama
 from models.attention import LayerContext, LayerKV
 from models.cache import KVCache
@@ -57,6 +64,8 @@ from models.params import random_params
 from models.presets import preset
 from pallas_kernels.dense import dense_decode
 from pallas_kernels.dense_decode import dense_decode_stacked
+from pallas_kernels.block_scores import block_max_scores, sparse_decode_mass
+from pallas_kernels.sparse_attention import sparse_decode
 from pallas_kernels.sparse_attention.reference import decode_indices_to_mask, masked_attention_reference
 
 BUDGET_S = 215.0  # no new attention case after this many seconds
@@ -90,10 +99,10 @@ def _state(method, cfg, B, N, key):
 
 
 @functools.partial(jax.jit, static_argnames=("iters",))
-def evo_layers(method, q, k, v, lengths, state, *, iters):
-    """`iters` calls of layer 2's decode, carrying the state; returns a checksum."""
-    info = jax.tree_util.tree_map(lambda x: x[2], method.layer_info(None))
-    ctx = LayerContext(layer=jnp.int32(2), lengths=lengths, info=info)
+def evo_layers(method, q, k, v, lengths, state, layer, *, iters):
+    """`iters` calls of layer `layer`'s decode (2, traced as in the model's scan), carrying the state."""
+    info = jax.tree_util.tree_map(lambda x: x[layer], method.layer_info(None))
+    ctx = LayerContext(layer=layer, lengths=lengths, info=info)
 
     def body(_, c):
         acc, st = c
@@ -125,11 +134,116 @@ def attention_floors(B, N, hbm_gbs, R: int):
     dense = 2 * B * Hkv * N * D * 2
     sel = BUDGET_TOKENS  # selected tokens per KV head
     nb = N // BLOCK
-    sparse = 3 * B * Hkv * sel * D * 2 + 2 * B * Hkv * nb * 4
+    sparse = 2 * B * Hkv * sel * D * 2 + 3 * B * Hkv * nb * 4  # K, V of the selection; heat read twice, written
     ret = sparse + B * R * N * D * 2
     ms = lambda b: b / (hbm_gbs * 1e9) * 1e3  # noqa: E731
     return dict(dense_bytes=dense, sparse_bytes=sparse, retrieval_bytes=ret, dense_floor_ms=ms(dense),
                 sparse_floor_ms=ms(sparse), retrieval_floor_ms=ms(ret))
+
+
+@functools.partial(jax.jit, static_argnames=("iters", "part"))
+def part_loop(method, q, k, v, lengths, state, *, iters, part):
+    """`iters` calls of one part of layer 2 of a sparse layer (inputs perturbed by the running checksum)."""
+    info = jax.tree_util.tree_map(lambda x: x[2], method.layer_info(None))
+    B, _, Hq, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    nb = N // BLOCK
+    pos = lengths - 1
+    cache = LayerKV(k=k, v=v)
+    idx0 = method.select_blocks(state.heat[2], state.retrieval[:, 0], pos, Hkv, N)
+    emass0 = jnp.full(idx0.shape, 1.0 / idx0.shape[-1], jnp.float32)
+
+    def body(_, c):
+        acc, heat = c
+        qi = (q + acc * 1e-3).astype(q.dtype)
+        if part == "retrieval":  # block max (kernel) + top-k
+            ret = method.retrieval_blocks(info, qi, cache, pos[:, None])
+            return acc + ret.sum() * 1e-9, heat
+        if part == "block_max":  # the kernel alone
+            s = block_max_scores(qi, k[None], jnp.int32(0), info.kv_heads, info.head_mask, pos[:, None],
+                                 jnp.zeros_like(pos[:, None]), pos[:, None] // BLOCK + 1, block_size=BLOCK)
+            return acc + jnp.max(s) * 1e-9, heat
+        if part == "select":  # heat top-k, retrieval exclusion, merge
+            idx = method.select_blocks(heat[2] + acc * 1e-9, state.retrieval[:, 0], pos, Hkv, N)
+            return acc + idx.sum() * 1e-9, heat
+        if part == "attend":  # gathered decode, no mass
+            out = sparse_decode(qi, k[None], v[None], idx0[:, :, None], lengths, layer=jnp.int32(0), block_size=BLOCK)
+            return acc + out.astype(jnp.float32).sum() * 1e-9, heat
+        if part == "attend_mass":  # gathered decode with the entry mass
+            out, m = sparse_decode_mass(qi, k[None], v[None], jnp.int32(0), idx0[:, :, None], lengths,
+                                        block_size=BLOCK)
+            return acc + (out.astype(jnp.float32).sum() + m.sum()) * 1e-9, heat
+        if part == "heat_update":  # block sums of the mass, decay, in-place write of the layer's heat
+            h = heat_step(heat[2], blocks_to_dense(idx0, emass0 + acc * 1e-9, nb), method.decay)
+            heat = jax.lax.dynamic_update_index_in_dim(heat, h, 2, axis=0)
+            return acc + h[0, 0, 0] * 1e-9, heat
+        raise ValueError(part)
+
+    acc, heat = jax.lax.fori_loop(0, iters, body, (jnp.float32(0), state.heat))
+    return acc + heat.sum()
+
+
+PARTS = ("retrieval", "block_max", "select", "attend", "attend_mass", "heat_update")
+
+
+def part_rows(inherit, compute, q, k, v, lengths, key, iters, hbm) -> dict:
+    """Each part of a sparse layer timed alone (ms per layer call) beside its floor from bytes."""
+    B, N = q.shape[0], k.shape[2]
+    Hkv, D, nb = k.shape[1], k.shape[3], k.shape[2] // BLOCK
+    R = int(np.asarray(compute.layout.head_mask[2]).any(-1).sum())
+    ms = lambda b: b / (hbm * 1e9) * 1e3  # noqa: E731
+    floors = dict(retrieval=B * R * N * D * 2, block_max=B * R * N * D * 2, select=B * Hkv * nb * 4,
+                  attend=2 * B * Hkv * BUDGET_TOKENS * D * 2, attend_mass=2 * B * Hkv * BUDGET_TOKENS * D * 2,
+                  heat_update=2 * B * Hkv * nb * 4)
+    out = {}
+    for part in PARTS:
+        m = compute if part in ("retrieval", "block_max") else inherit
+        st = _state(m, layer_cfg(), B, N, key)
+        st = st.replace(retrieval=jnp.broadcast_to(jnp.arange(st.retrieval.shape[-1], dtype=jnp.int32) * 3 + 40,
+                                                   st.retrieval.shape))  # an inherited set in the middle
+        try:
+            out[f"part_{part}_ms"] = time_ms(lambda: part_loop(m, q, k, v, lengths, st, iters=iters, part=part),
+                                             warmup=2, iters=5) / iters
+        except Exception as e:  # noqa: BLE001 - record and go on
+            out[f"part_{part}_error"] = str(e).splitlines()[0][:200]
+        out[f"part_{part}_floor_ms"] = ms(floors[part])
+    out["part_retrieval_heads"] = R
+    return out
+
+
+def kernel_checks(key) -> list[dict]:
+    """The block_scores kernels, compiled on the GPU (bf16), against their references."""
+    B, N, L = 2, 8192, 3
+    ks = jax.random.split(key, 4)
+    q = jax.random.normal(ks[0], (B, 1, 32, 128), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (L, B, 8, N, 128), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (L, B, 8, N, 128), jnp.bfloat16)
+    pos = jnp.array([[N - 1], [5000]], jnp.int32)
+    kvh = jnp.array([0, 5], jnp.int32)
+    hm = jnp.array([[True, False, False, True], [False, True, False, False]])
+    lo, hi = jnp.array([[1], [3]], jnp.int32), pos // BLOCK + 1 - 24
+    out = []
+    args = (q, k, jnp.int32(1), kvh, hm, pos, lo, hi)
+    got = block_max_scores(*args, block_size=BLOCK, implementation="pallas_gpu")
+    want = block_max_scores(*args, block_size=BLOCK, implementation="reference")
+    fin = jnp.isfinite(want)
+    err = float(jnp.max(jnp.where(fin, jnp.abs(got - want), 0.0)))
+    same_inf = bool(jnp.all(fin == jnp.isfinite(got)))
+    out.append(dict(check="block_max_kernel_vs_reference", max_abs_err=err, ok=err <= 5e-2 and same_inf))
+    rng = np.random.default_rng(0)
+    idx = np.sort(np.stack([[rng.choice(300, 128, replace=False) for _ in range(8)] for _ in range(B)]), -1)
+    idx[:, :, 120:] = -1
+    idx = jnp.asarray(idx, jnp.int32)[:, :, None]
+    lengths = pos[:, 0] + 1
+    o1, m1 = sparse_decode_mass(q, k, v, jnp.int32(2), idx, lengths, block_size=BLOCK, implementation="pallas_gpu")
+    o2, m2 = sparse_decode_mass(q, k, v, jnp.int32(2), idx, lengths, block_size=BLOCK, implementation="reference")
+    eo = float(jnp.max(jnp.abs(o1.astype(jnp.float32) - o2.astype(jnp.float32))) / jnp.max(jnp.abs(o2.astype(jnp.float32))))
+    em = float(jnp.max(jnp.abs(m1 - m2)))
+    out.append(dict(check="decode_mass_kernel_vs_reference", rel_err_out=eo, max_abs_err_mass=em,
+                    ok=eo <= 2e-2 and em <= 2e-3))
+    for r in out:
+        print(r, flush=True)
+    return out
 
 
 def check(key) -> list[dict]:
@@ -164,7 +278,7 @@ def check(key) -> list[dict]:
     return out
 
 
-def attention_rows(contexts, batches, iters, hbm, heads_model, t0) -> list[dict]:
+def attention_rows(contexts, batches, iters, hbm, heads_model, t0, first_context=None) -> list[dict]:
     cfg = layer_cfg()
     L = CFG8B.num_layers
     ret_layers = sorted({l for l, _ in heads_model})
@@ -200,7 +314,13 @@ def attention_rows(contexts, batches, iters, hbm, heads_model, t0) -> list[dict]
                 compute = method_for(cfg, [(2, 0), (2, 1 * G + 1)])
                 for label, m in (("evo_inherit_ms", inherit), ("evo_retrieval_ms", compute)):
                     st = _state(m, cfg, B, N, ks[3])
-                    timed(label, lambda: evo_layers(m, q, k, v, lengths, st, iters=iters))
+                    timed(label, lambda: evo_layers(m, q, k, v, lengths, st, jnp.int32(2), iters=iters))
+                if N == first_context:  # the same layers with lax.cond (the layout before the branchless one)
+                    for label, m in (("evo_inherit_cond_ms", inherit), ("evo_retrieval_cond_ms", compute)):
+                        m = m.replace(branchless=False)
+                        st = _state(m, cfg, B, N, ks[3])
+                        timed(label, lambda: evo_layers(m, q, k, v, lengths, st, jnp.int32(2), iters=iters))
+                    row.update(part_rows(inherit, compute, q, k, v, lengths, ks[3], iters, hbm))
                 row["evo_sparse_layer_ms"] = share * row["evo_retrieval_ms"] + (1 - share) * row["evo_inherit_ms"]
                 best = min(row.get(f"dense_{n}_ms", math.inf) for n in ("cudnn", "xla", "pallas"))
                 row["dense_best_ms"] = best
@@ -238,7 +358,10 @@ def e2e_rows(batches, steps, hbm, heads_model, params, t0) -> list[dict]:
     R = int(np.asarray(evo.layout.kv_heads).shape[1])
     rows = []
     for B in batches:
-        for name, m in (("dense", dense), ("evosparse", evo)):
+        cases = [("dense", dense), ("evosparse", evo)]
+        if B == max(batches):
+            cases.append(("evosparse_cond", evo.replace(branchless=False)))
+        for name, m in cases:
             row = dict(part="decode_step", method=name, batch=B, context=CONTEXT_E2E)
             if time.perf_counter() - t0 > E2E_BUDGET_S:
                 row["skipped"] = "time budget"
@@ -270,9 +393,9 @@ def e2e_rows(batches, steps, hbm, heads_model, params, t0) -> list[dict]:
             print(row, flush=True)
     for B in batches:
         d = [r for r in rows if r["batch"] == B and r.get("method") == "dense" and "step_ms" in r]
-        e = [r for r in rows if r["batch"] == B and r.get("method") == "evosparse" and "step_ms" in r]
-        if d and e:
-            e[0]["speedup_vs_dense"] = d[0]["step_ms"] / e[0]["step_ms"]
+        for e in [r for r in rows if r["batch"] == B and r.get("method", "").startswith("evosparse") and "step_ms" in r]:
+            if d:
+                e["speedup_vs_dense"] = d[0]["step_ms"] / e["step_ms"]
     return rows
 
 
@@ -293,10 +416,10 @@ def main(argv=None):
     facts = device_facts()
     hbm = measure_hbm_gbs()
     heads_model = model_heads(CFG8B)
-    checks = check(jax.random.key(0))
+    checks = check(jax.random.key(0)) + kernel_checks(jax.random.key(1))
     # The 100K attention cases first, then the decode step, then the other contexts while time is left.
     first = [n for n in contexts if n == round_up(CONTEXT_E2E, 256)]
-    rows = attention_rows(first, batches, a.iters, hbm, heads_model, t0)
+    rows = attention_rows(first, batches, a.iters, hbm, heads_model, t0, first_context=first[0] if first else None)
     e2e = []
     if not a.no_e2e:
         params = random_params(CFG8B, jax.random.key(0), jnp.bfloat16)
@@ -314,6 +437,8 @@ def main(argv=None):
                        "evo_retrieval_ms",
                        "evo_sparse_layer_ms", "evo_floor_layer_ms", "dense_floor_ms", "speedup_sparse_layer",
                        "speedup_model_attention"]))
+    parts = [r for r in rows if "part_attend_ms" in r]
+    print(table(parts, ["batch", "context"] + [f"part_{p}_{x}" for p in PARTS for x in ("ms", "floor_ms")]))
     print(table(e2e, ["method", "batch", "context", "step_ms", "floor_ms", "weights_floor_ms", "tokens_per_s",
                       "speedup_vs_dense", "error"]))
 
