@@ -86,9 +86,9 @@ def test_xla_radix_matches_reference(bits, K):
 
 GPU_CONFIGS = [
     # Splits of 64-score chunks (3 programs per row), compaction in 32-score chunks with its own splits.
-    gpu.SelectConfig(bits_per_pass=4, block_n=64, compact_block_n=32, target_programs=12),
+    gpu.SelectConfig(bits_per_pass=4, block_n=64, compact_block_n=32, target_programs=12, path="passes"),
     # One program per row, 8-bit passes (4 passes of 256 candidates), 128-score compaction chunks.
-    gpu.SelectConfig(bits_per_pass=8, block_n=64, compact_block_n=128, target_programs=1),
+    gpu.SelectConfig(bits_per_pass=8, block_n=64, compact_block_n=128, target_programs=1, path="passes"),
 ]
 
 
@@ -156,7 +156,7 @@ def test_gpu_kernels_lower_for_cuda():
     # Triton lowering (to the TTIR carried by the custom call) runs without a GPU; PTX compilation does not.
     sds = jax.ShapeDtypeStruct
     check = jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)
-    f = functools.partial(gpu.topk_select_gpu, K=1000)
+    f = functools.partial(gpu.topk_select_gpu, K=1000, config=gpu.SelectConfig(path="passes"))
     with _abstract("NVIDIA H100 80GB HBM3", 132, "gpu"):
         exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(
             sds((64, 10000), jnp.float32), sds((64,), jnp.int32))

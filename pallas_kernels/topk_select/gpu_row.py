@@ -2,14 +2,14 @@
 
 One program per row (grid (R,)): it loads the whole row once (P = next power of two >= N scores, the padding
 masked out), turns it into int32 keys held in registers, runs the complete radix threshold search in-kernel
-(a `lax.while_loop` over passes of `bits` bits: 2**bits - 1 candidate counts per pass, each a reduction over
-the row; the loop stops as soon as count(key >= lo) == kk, usually well before 32 / bits passes on continuous
+(a `lax.while_loop` over passes of `bits` bits: 2**bits - 1 candidate counts per pass, two per reduction over
+the row, packed in 16-bit halves; the loop stops as soon as count(key >= lo) == kk, usually well before 32 / bits passes on continuous
 scores), and then compacts: one packed exclusive cumulative sum (bulk picks in the low 16 bits, threshold ties
 in the high 16) ranks every pick, and the positions are scattered to their output slots, ascending; the slots
 after the row's last pick get -1. The whole `topk_select` is this one launch (k is clipped in-kernel).
 
-Cost: (2**bits - 1) * 32 / bits compare-and-adds per score at worst, plus one reduction latency per candidate
-and pass; meant for the launch-bound regime (rows of a few thousand scores: one launch instead of ~20).
+Cost: (2**bits - 1) * 32 / bits compare-and-adds per score at worst, plus one reduction latency per two
+candidates and pass; meant for the launch-bound regime (rows of a few thousand scores: one launch instead of ~20).
 
 Semantics: exactly `reference.topk_select_reference` (ties by position, -0.0 < +0.0, -inf and NaN ranked by
 the IEEE total order and never output).
@@ -40,8 +40,8 @@ def row_threshold(key: Array, kk: Array, n, bits: int, max_passes: int | None = 
     """In-kernel radix search of a row's threshold key (keys held as one vector).
 
     Args:
-      key: i32[P] keys; positions that are not scores hold INT_MIN and must be no more than... any count of
-        a candidate above INT_MIN ignores them.
+      key: i32[P] keys (P < 2**16); positions that are not scores hold INT_MIN (every candidate counted is
+        above INT_MIN, so they are never counted).
       kk: i32 scalar, keys to choose (0 <= kk <= n).
       n: i32 scalar or int, the row's real length (count(key >= INT_MIN) over the real keys).
       bits: bits per pass (1, 2, 4 or 8).
@@ -61,11 +61,18 @@ def row_threshold(key: Array, kk: Array, n, bits: int, max_passes: int | None = 
     def body(c):
         p, lo, cnt = c
         shift = jnp.int32(32 - bits) - jnp.int32(bits) * p
+        # Candidate j is lo + j * 2**shift (wrapping: the keys' unsigned order is their signed order + 2**31).
+        ge_c = lambda j: (key >= lo + lax.shift_left(jnp.int32(j), shift)).astype(jnp.int32)
+        counts = []
+        for j in range(1, M, 2):  # two counts (< 2**16 each) per reduction: low and high 16 bits
+            if j + 1 < M:
+                both = jnp.sum(ge_c(j) + lax.shift_left(ge_c(j + 1), jnp.int32(16)))
+                counts += [both & 0xFFFF, lax.shift_right_logical(both, jnp.int32(16))]
+            else:
+                counts.append(jnp.sum(ge_c(j)))
         jstar = jnp.int32(0)
         new_cnt = cnt
-        for j in range(1, M):
-            # Candidate lo + j * 2**shift (wrapping: the keys' unsigned order is their signed order + 2**31).
-            cj = jnp.sum((key >= lo + lax.shift_left(jnp.int32(j), shift)).astype(jnp.int32))
+        for cj in counts:
             ge = cj >= kk  # counts fall with j: the last candidate still >= kk wins
             jstar = jstar + ge.astype(jnp.int32)
             new_cnt = jnp.where(ge, cj, new_cnt)

@@ -1,0 +1,132 @@
+"""The GPU top-k selection paths "row" (single launch) and "fused" (no XLA glue) in interpret mode against the
+reference, on adversarial rows (ties, -0.0, -inf, NaNs of every payload, k = 0 and k above the valid count),
+their dispatch and config errors, and their CUDA lowerings (launch counts)."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.topk_select import gpu, gpu_row, topk_select_reference
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+
+_NAN_BITS = np.array([0x7FFFFFFF, 0x7FC00000, 0x7F800001, 0xFFFFFFFF, 0xFFC00000], np.uint32)  # +-NaNs
+
+
+def adversarial(rng, R: int, N: int) -> np.ndarray:
+    """f32[R, N] rows cycling through: heavy ties with specials, all equal, all -inf, NaN payloads with +-0.0
+    and +-inf, continuous values, a few distinct values with -inf."""
+    x = np.empty((R, N), np.float32)
+    for r in range(R):
+        kind = r % 6
+        if kind == 0:
+            row = rng.integers(-4, 4, N).astype(np.float32) / 2
+            m = rng.random(N)
+            row[m < 0.2] = -np.inf
+            row[(m >= 0.2) & (m < 0.3)] = -0.0
+            row[(m >= 0.3) & (m < 0.35)] = np.inf
+        elif kind == 1:
+            row = np.full(N, 0.75, np.float32)
+        elif kind == 2:
+            row = np.full(N, -np.inf, np.float32)
+        elif kind == 3:
+            choices = np.concatenate([_NAN_BITS.view(np.float32),
+                                      np.array([0.0, -0.0, np.inf, -np.inf, 1.0], np.float32)])
+            row = choices[rng.integers(0, choices.size, N)]
+        elif kind == 4:
+            row = rng.standard_normal(N).astype(np.float32)
+        else:
+            row = np.array([-np.inf, 1.0, 2.0], np.float32)[rng.integers(0, 3, N)]
+        x[r] = row
+    return x
+
+
+def row_k(rng, R: int, K: int) -> np.ndarray:
+    k = rng.integers(-2, K + 3, R).astype(np.int32)  # below 0 and above K included
+    k[:3] = [0, K, K + 5]
+    return k
+
+
+def _check(fn, rng, R, N, K, trials=2):
+    for _ in range(trials):
+        x = adversarial(rng, R, N)
+        rng.shuffle(x)  # the row kinds meet different k
+        k = row_k(rng, R, min(K, N))
+        want = np.asarray(topk_select_reference(jnp.asarray(x), jnp.asarray(k), K))
+        got = np.asarray(fn(jnp.asarray(x), jnp.asarray(k)))
+        assert got.shape == want.shape and np.array_equal(got, want), (N, K, k, np.nonzero(got != want))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_row_kernel_matches_reference(bits):
+    rng = np.random.default_rng(bits)
+    config = gpu.SelectConfig(path="row", row_bits=bits)
+    R, N, K = 12, 300, 40  # N: padded to 512 in the program
+    fn = jax.jit(lambda x, k: gpu.topk_select_gpu(x, k, K, config=config, interpret=True))
+    _check(fn, rng, R, N, K)
+
+
+def test_row_kernel_odd_shapes():
+    # K > N (width N: every valid score is chosen for large k), N = 1, leading dims with a broadcast k.
+    rng = np.random.default_rng(11)
+    fn = jax.jit(lambda x, k: gpu.topk_select_gpu(x, k, 50, interpret=True))
+    _check(fn, rng, 6, 33, 50, trials=1)
+    x = jnp.asarray(adversarial(rng, 6, 1)).reshape(2, 3, 1)
+    k = jnp.array([[1], [0]], jnp.int32)
+    got = gpu.topk_select_gpu(x, k, 4, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(topk_select_reference(x, k, 4)))
+
+
+@pytest.mark.parametrize("config", [
+    gpu.SelectConfig(path="fused", bits_per_pass=4, block_n=64, compact_block_n=32, target_programs=40),
+    gpu.SelectConfig(path="fused", bits_per_pass=8, block_n=32, compact_block_n=128, target_programs=1),
+])
+def test_fused_matches_reference(config):
+    rng = np.random.default_rng(config.bits_per_pass)
+    R, N, K = 7, 300, 40  # splits of 64 / 32 scores, the last one partial (and empty splits at 4 bits)
+    fn = jax.jit(lambda x, k: gpu.topk_select_gpu(x, k, K, config=config, interpret=True))
+    _check(fn, rng, R, N, K)
+
+
+def test_dispatch_and_config_errors():
+    assert gpu.SelectConfig().pick_path(16384) == "row"
+    assert gpu.SelectConfig().pick_path(16385) == "fused"
+    assert gpu.SelectConfig(row_max=1000).pick_path(6256) == "fused"
+    assert gpu.SelectConfig(path="passes").pick_path(10) == "passes"
+    x = jnp.zeros((2, 40), jnp.float32)
+    for bad, match in [(dict(path="tree"), "path='tree'"), (dict(row_max=1 << 16), "row_max=65536"),
+                       (dict(row_bits=3), "row_bits=3"), (dict(row_warps=6), "row_warps=6")]:
+        with pytest.raises(ValueError, match=match):
+            gpu.topk_select_gpu(x, 1, 4, config=gpu.SelectConfig(**bad), interpret=True)
+    with pytest.raises(ValueError, match="N=40000"):
+        gpu_row.topk_select_rows(jnp.zeros((1, 40000), jnp.float32), jnp.zeros((1,), jnp.int32), 8)
+
+
+def _abstract_h100():
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    return use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device))
+
+
+@pytest.mark.parametrize("path,shape,K,launches", [
+    ("row", (32, 6256), 64, 1), ("fused", (64, 131072), 13108, 10)])
+def test_lowers_for_cuda_with_few_launches(path, shape, K, launches):
+    sds = jax.ShapeDtypeStruct
+    check = jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)
+    f = functools.partial(gpu.topk_select_gpu, K=K, config=gpu.SelectConfig(path=path))
+    with _abstract_h100():
+        exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(
+            sds(shape, jnp.float32), sds(shape[:1], jnp.int32))
+    text = exp.mlir_module()
+    assert text.count("stablehlo.custom_call") == launches
+    # Nothing but the kernels and free reshapes between them (no XLA fusions: no compares, adds, reduces).
+    ops = set(re.findall(r"= stablehlo\.(\w+)", text)) - {"custom_call", "reshape", "broadcast_in_dim", "constant"}
+    assert not ops, ops
