@@ -188,7 +188,7 @@ def test_gpu_lowers_for_cuda(dense, stacked):
         args = (args[0], cache, cache, args[3])
     with _abstract("NVIDIA H100 80GB HBM3", 132, "gpu"):
         text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(*args).mlir_module()
-    assert "anchor_decode_logits" in text and "topk_select_compact" in text
+    assert "anchor_decode_logits" in text and "topk_select" in text  # (the kernel name depends on its path)
     assert ("sparse_decode_gathered" in text) == (not dense)  # a dense anchor reads V in the scoring pass
     assert ("sparse_decode_gathered_stacked" in text) == (stacked and not dense)
 
@@ -286,7 +286,7 @@ def test_prefill_gpu_lowers_for_cuda():
     with _abstract("NVIDIA H100 80GB HBM3", 132, "gpu"):
         text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(
             *_prefill_args()).mlir_module()
-    for name in ("anchor_prefill_lse", "anchor_prefill_pool", "topk_select_compact", "sparse_prefill_gathered"):
+    for name in ("anchor_prefill_lse", "anchor_prefill_pool", "topk_select", "sparse_prefill_gathered"):
         assert name in text, name
 
 
