@@ -88,7 +88,11 @@ def layer_cfg():
     return dataclasses.replace(CFG8B, num_layers=3)
 
 
+EVO_KERNELS = None  # --evo-kernels: None (Triton on the GPU) or "xla" (fallback if a kernel fails to compile)
+
+
 def method_for(cfg, heads, **kw):
+    kw.setdefault("kernels", EVO_KERNELS)
     return EvoSparse.from_heads(cfg, heads, budget_tokens=BUDGET_TOKENS, block_size=BLOCK, **kw)
 
 
@@ -161,7 +165,8 @@ def part_loop(method, q, k, v, lengths, state, *, iters, part):
             return acc + ret.sum() * 1e-9, heat
         if part == "block_max":  # the kernel alone
             s = block_max_scores(qi, k[None], jnp.int32(0), info.kv_heads, info.head_mask, pos[:, None],
-                                 jnp.zeros_like(pos[:, None]), pos[:, None] // BLOCK + 1, block_size=BLOCK)
+                                 jnp.zeros_like(pos[:, None]), pos[:, None] // BLOCK + 1, block_size=BLOCK,
+                                 implementation=EVO_KERNELS)
             return acc + jnp.max(s) * 1e-9, heat
         if part == "select":  # heat top-k, retrieval exclusion, merge
             idx = method.select_blocks(heat[2] + acc * 1e-9, state.retrieval[:, 0], pos, Hkv, N)
@@ -171,7 +176,7 @@ def part_loop(method, q, k, v, lengths, state, *, iters, part):
             return acc + out.astype(jnp.float32).sum() * 1e-9, heat
         if part == "attend_mass":  # gathered decode with the entry mass
             out, m = sparse_decode_mass(qi, k[None], v[None], jnp.int32(0), idx0[:, :, None], lengths,
-                                        block_size=BLOCK)
+                                        block_size=BLOCK, implementation=EVO_KERNELS)
             return acc + (out.astype(jnp.float32).sum() + m.sum()) * 1e-9, heat
         if part == "heat_update":  # block sums of the mass, decay, in-place write of the layer's heat
             h = heat_step(heat[2], blocks_to_dense(idx0, emass0 + acc * 1e-9, nb), method.decay)
@@ -407,8 +412,13 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=20, help="layer calls per timed loop (attention part)")
     p.add_argument("--steps", type=int, default=8, help="decode steps per timed loop (end to end)")
     p.add_argument("--no-e2e", action="store_true")
+    p.add_argument("--evo-kernels", default=None, choices=["xla", "pallas_gpu"],
+                   help="EvoSparse's block_scores kernels (default: Triton on the GPU)")
+    p.add_argument("--no-kernel-checks", action="store_true")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_evosparse.json"))
     a = p.parse_args(argv)
+    global EVO_KERNELS
+    EVO_KERNELS = a.evo_kernels
     set_xla_flags()  # cuBLAS GEMMs + dynamic-slice fusion, before the backend starts (as bench_model)
     t0 = time.perf_counter()
     contexts = [round_up(int(x), 256) for x in a.contexts.split(",")]  # 100000 -> 100096 (whole blocks)
@@ -416,7 +426,7 @@ def main(argv=None):
     facts = device_facts()
     hbm = measure_hbm_gbs()
     heads_model = model_heads(CFG8B)
-    checks = check(jax.random.key(0)) + kernel_checks(jax.random.key(1))
+    checks = check(jax.random.key(0)) + ([] if a.no_kernel_checks else kernel_checks(jax.random.key(1)))
     # The 100K attention cases first, then the decode step, then the other contexts while time is left.
     first = [n for n in contexts if n == round_up(CONTEXT_E2E, 256)]
     rows = attention_rows(first, batches, a.iters, hbm, heads_model, t0, first_context=first[0] if first else None)
@@ -429,7 +439,7 @@ def main(argv=None):
     rows.sort(key=lambda r: (r["batch"], r["context"]))
     payload = {**facts, "benchmark": "evosparse decode vs dense (cuDNN / XLA)", "command": "python eval/bench_evosparse.py",
                "xla_flags": os.environ.get("XLA_FLAGS", ""), "shape": "llama3-8b", "dtype": "bfloat16",
-               "budget_tokens": BUDGET_TOKENS, "block_size": BLOCK, "measured_hbm_gbs": hbm,
+               "budget_tokens": BUDGET_TOKENS, "evo_kernels": EVO_KERNELS or "default", "block_size": BLOCK, "measured_hbm_gbs": hbm,
                "retrieval_heads_e2e": [list(h) for h in heads_model], "checks": checks, "attention": rows,
                "decode_step": e2e, "seconds": time.perf_counter() - t0}
     write_json(a.out, payload)

@@ -224,6 +224,7 @@ class EvoSparse:
     sink/local/retrieval/heat_fraction: the budget split (sum to 1). decay: lambda in (0, 1).
     dense_layers: the first layers attend densely. heat_window: prompt rows that initialise the heat in prefill.
     branchless: decode without lax.cond (None: on a GPU; see `is_branchless`). Same results either way.
+    kernels: implementation of the block_scores ops (None: by backend; "xla", "pallas_gpu", "reference").
     Leaves: layout (RetrievalLayout) or None without retrieval.
     """
 
@@ -240,6 +241,7 @@ class EvoSparse:
     dense_layers: int = struct.field(pytree_node=False, default=2)
     heat_window: int = struct.field(pytree_node=False, default=64)
     branchless: Optional[bool] = struct.field(pytree_node=False, default=None)
+    kernels: Optional[str] = struct.field(pytree_node=False, default=None)
 
     def __post_init__(self):
         sel.check_budget(self.budget)
@@ -255,6 +257,8 @@ class EvoSparse:
             raise ValueError(f"decay={self.decay!r}: expected lambda in the open interval (0, 1)")
         sel.check_positive_int("dense_layers", self.dense_layers, 0)
         sel.check_positive_int("heat_window", self.heat_window, 0)
+        if self.kernels not in (None, "xla", "pallas_gpu", "reference"):
+            raise ValueError(f"kernels={self.kernels!r}: expected None, 'xla', 'pallas_gpu' or 'reference'")
 
     # ------------------------------------------------------------------------------------------- building
 
@@ -431,7 +435,7 @@ class EvoSparse:
         k_all, _, layer = _stacked(cache)
         _, nbv, (n_s, n_l, n_r, _) = self._row_budget(pos)
         scores = block_max_scores(q, k_all, layer, info.kv_heads, info.head_mask, pos, n_s, nbv - n_l,
-                                  block_size=self.block_size)
+                                  block_size=self.block_size, implementation=self.kernels)
         return topk_select(scores, n_r, w["retrieval"])
 
     def _sparse_decode(self, ctx, q, cache, state, pos, live=None):
@@ -523,7 +527,7 @@ class EvoSparse:
                                 block_size=self.block_size)
             return out[:, 0], None
         out, emass = sparse_decode_mass(q_t[:, None], k_all, v_all, layer, idx[:, :, None], lengths,
-                                        block_size=self.block_size)
+                                        block_size=self.block_size, implementation=self.kernels)
         return out[:, 0], blocks_to_dense(idx, emass[:, :, 0], nb)
 
     def _prefill_heat(self, ctx, q, k, heat):
