@@ -11,8 +11,18 @@ splits so the grid fills the GPU). It holds the GQA group's queries as one [Gp, 
 for the tensor-core dot), streams its split's keys `block_n` rows at a time, writes the G real rows of the
 scaled logits to f32[B, Hkv, T, G, N], and keeps an online (max, sum of exp) per query head; with
 `dense_output` it also reads V and accumulates the dense attention (flash decoding). Splits past the query's
-position read nothing. The splits' partials are merged in XLA (logsumexp per query head); pooling, selection
-(`topk_select`, Triton) and the gathered attention (`sparse_decode`, Triton) follow (common.py).
+position read nothing. The splits' partials are merged in XLA (logsumexp per query head); pooling (an XLA
+fusion, or with AnchorConfig.pool="triton" the Triton pass `_pool_kernel`, which never reads the logits of
+keys past a query's position), selection (`topk_select`, Triton) and the gathered attention (`sparse_decode`,
+Triton) follow (common.py).
+
+Why the logits pass writes G values per key, not one: the pooled score sum_g exp(s_g - lse_g) needs each query
+head's global logsumexp, known only after every split has run. A per-key scalar written earlier (say
+sum_g exp(s_g - c_g) for split-local c_g) can be corrected afterwards by one factor per key, but the G heads
+need G different factors exp(c_g - lse_g), so the exact pooled score cannot be recovered from it; getting
+lse_g first costs a second read of K (2 GiB at 128K B8) against the 2 x 128 MiB of logits written and read.
+The logits' round trip is ~0.08 ms of the layer's ~1.3 ms at 128K B8; the Triton pooling pass fuses the
+merge-to-pool step into one read of them (eval/gpu_anchor_variants.py times both).
 """
 
 from __future__ import annotations

@@ -44,8 +44,12 @@ class PrefillScoresConfig:
       lse_block_m: query rows per program of the lse pass (a power of two >= 16).
       block_n: keys per inner iteration of the lse pass (a power of two dividing lse_block_m).
       pool_block_n: keys per inner iteration of the pooling pass (a power of two >= 16 dividing the tile).
-      num_warps: warps per program.
-      num_stages: software pipelining depth.
+      num_warps: warps per program (of the lse pass; of the pooling pass too unless pool_num_warps is set).
+      num_stages: software pipelining depth (likewise).
+      pool_num_warps, pool_num_stages: the pooling pass's own (None: num_warps, num_stages). The H100 sweep in
+        eval/results/h100/bench_attention_llama3-8b.json (128K) ran the lse pass best at block_n 128, 8 warps
+        (211 ms vs 220) and the pooling pass at pool_block_n 64, 4 warps, 3 stages (251 ms vs 310);
+        `TUNED_H100` combines the two (eval/gpu_anchor_variants.py times it against the default).
     """
 
     lse_block_m: int = 128
@@ -53,6 +57,12 @@ class PrefillScoresConfig:
     pool_block_n: int = 128
     num_warps: int = 8
     num_stages: int = 2
+    pool_num_warps: int | None = None
+    pool_num_stages: int | None = None
+
+
+TUNED_H100 = PrefillScoresConfig(block_n=128, pool_block_n=64, num_warps=8, num_stages=2, pool_num_warps=4,
+                                 pool_num_stages=3)
 
 
 def _pow2(n: int) -> bool:
@@ -208,7 +218,9 @@ def tile_scores_gpu(q: Array, k: Array, *, tile: int, scale: float | None = None
                   pl.BlockSpec((None, Tp, None, D), lambda b, h, i: (b, 0, h, 0))],  # the KV head's keys
         out_specs=pl.BlockSpec((None, None, None, width), lambda b, h, i: (b, h, last - i, 0)),
         out_shape=jax.ShapeDtypeStruct((B, Hkv, nt, width), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=config.num_warps if config.pool_num_warps is None else config.pool_num_warps,
+            num_stages=config.num_stages if config.pool_num_stages is None else config.pool_num_stages),
         interpret=interpret, name="anchor_prefill_pool",
     )(lse.astype(jnp.float32), q, k)
     return out[..., :T]
@@ -268,5 +280,5 @@ def anchor_prefill_gpu(q: Array, k: Array, v: Array, lengths: Array, *, tile: in
     return out, indices
 
 
-__all__ = ["PrefillScoresConfig", "anchor_prefill_gpu", "budget_count", "dense_prefill_with_lse",
+__all__ = ["PrefillScoresConfig", "TUNED_H100", "anchor_prefill_gpu", "budget_count", "dense_prefill_with_lse",
            "prefill_lse_gpu", "tile_scores_gpu"]
