@@ -4,9 +4,10 @@ The passes of `gpu.py`'s "passes" path, with the glue moved into the kernels: 32
 one final count and one compaction, each on a grid (R, S) of row splits (S a power of two), and nothing else
 (no XLA fusion between them: 10 launches at 4 bits instead of ~20).
   * `_pass_kernel` p: every program first finishes pass p - 1 for its row itself: it sums that pass's
-    [S, 2**bits] split counts, picks the next bin and updates the row's state (lo, count(key >= lo)), which
-    split 0 writes out for pass p + 1; then it counts its split's keys >= each candidate of the new bin (the
-    radix-digit counting of `gpu._count_kernel`). Resolved rows skip the reading.
+    [S, 2**bits] split counts, picks the next bin and updates the row's state (lo, count(key >= lo), shift),
+    which split 0 writes out for pass p + 1 (passes 1 .. 32 / bits - 1 are one compiled kernel); then it
+    counts its split's keys >= each candidate of the new bin (the radix-digit counting of
+    `gpu._count_kernel`). Resolved rows skip the reading.
   * `_final_kernel`: finishes the last pass (the threshold t), counts per split the bulk keys, those output and
     the ties, and split 0 writes the row's rule (a, t, bulk_on, done).
   * `_compact_kernel`: every program computes its split's tie quota and first output slot from all the row's
@@ -55,26 +56,26 @@ def _kk(k_ref, width: int):
     return jnp.clip(k_ref[0], 0, width)
 
 
-def _advance(kk, st_ref, c_ref, *, p: int, bits: int, n: int):
-    """The row's state at the start of pass p: (lo, count(key >= lo), done).
+def _advance(kk, st_ref, c_ref, *, first: bool, bits: int, n: int):
+    """The row's state at the start of this pass: (lo, count(key >= lo), done, shift of this pass).
 
-    Refs (p >= 1): st i32[2] = state at the start of pass p - 1; c i32[S, M] pass p - 1's split counts.
+    Refs (not the first pass): st i32[4] = (lo, count, shift, -) at the start of the previous pass; c i32[S, M]
+    the previous pass's split counts. The pass number is data (the shift), not a static argument, so that
+    every pass after the first runs the same compiled kernel.
     """
-    if p == 0:
-        lo, cnt = jnp.int32(INT_MIN), jnp.int32(n)
-    else:
-        M = 1 << bits
-        lo0, cnt0 = st_ref[0], st_ref[1]
-        done0 = (kk <= 0) | (cnt0 == kk)
-        cnts = jnp.sum(c_ref[...], axis=0)  # [M]: count(key >= lo0 + j * 2**shift), j >= 1
-        j = jnp.arange(M, dtype=jnp.int32)
-        jstar = jnp.sum(((cnts >= kk) | (j == 0)).astype(jnp.int32)) - 1
-        picked = jnp.sum(jnp.where(j == jstar, cnts, 0))
-        new_cnt = jnp.where(jstar == 0, cnt0, picked)  # column 0 (lo itself) is not counted
-        shift = 32 - bits * p  # pass p - 1's shift
-        lo = jnp.where(done0, lo0, lo0 + lax.shift_left(jstar, jnp.int32(shift)))
-        cnt = jnp.where(done0, cnt0, new_cnt)
-    return lo, cnt, (kk <= 0) | (cnt == kk)
+    if first:
+        return jnp.int32(INT_MIN), jnp.int32(n), (kk <= 0) | (n == kk), jnp.int32(32 - bits)
+    M = 1 << bits
+    lo0, cnt0, shift0 = st_ref[0], st_ref[1], st_ref[2]
+    done0 = (kk <= 0) | (cnt0 == kk)
+    cnts = jnp.sum(c_ref[...], axis=0)  # [M]: count(key >= lo0 + j * 2**shift0), j >= 1
+    j = jnp.arange(M, dtype=jnp.int32)
+    jstar = jnp.sum(((cnts >= kk) | (j == 0)).astype(jnp.int32)) - 1
+    picked = jnp.sum(jnp.where(j == jstar, cnts, 0))
+    new_cnt = jnp.where(jstar == 0, cnt0, picked)  # column 0 (lo itself) is not counted
+    lo = jnp.where(done0, lo0, lo0 + lax.shift_left(jstar, shift0))
+    cnt = jnp.where(done0, cnt0, new_cnt)
+    return lo, cnt, (kk <= 0) | (cnt == kk), shift0 - bits
 
 
 def _store_row_state(ref, vals: list):
@@ -87,19 +88,19 @@ def _store_row_state(ref, vals: list):
     plgpu.store(ref.at[pl.ds(0, L)], v, mask=(lane < L) & (pl.program_id(1) == 0))
 
 
-def _pass_kernel(*refs, p: int, n: int, width: int, block_n: int, per_split: int, bits: int):
-    """Pass p for one (row, split). Refs: k i32[1]; (p >= 1: st i32[2], c i32[S, M]); x f32[N];
-    outputs st i32[2] (the state at the start of pass p), o i32[M] (split counts of key >= lo + j * 2**shift)."""
-    if p == 0:
+def _pass_kernel(*refs, first_pass: bool, n: int, width: int, block_n: int, per_split: int, bits: int):
+    """One pass for one (row, split). Refs: k i32[1]; (after the first pass: st i32[4], c i32[S, M]); x f32[N];
+    outputs st i32[4] (the state at the start of this pass: lo, count, shift, 0) and o i32[M] (the split's
+    count of keys >= lo + j * 2**shift)."""
+    if first_pass:
         k_ref, x_ref, st_out, o_ref = refs
         st_ref = c_ref = None
     else:
         k_ref, st_ref, c_ref, x_ref, st_out, o_ref = refs
     kk = _kk(k_ref, width)
-    lo, cnt, done = _advance(kk, st_ref, c_ref, p=p, bits=bits, n=n)
-    _store_row_state(st_out, [lo, cnt])
+    lo, cnt, done, shift = _advance(kk, st_ref, c_ref, first=first_pass, bits=bits, n=n)
+    _store_row_state(st_out, [lo, cnt, shift, jnp.int32(0)])
     M = 1 << bits
-    shift = jnp.int32(32 - bits * (p + 1))
     first, count = _split_chunks(n, block_n, per_split)
     count = jnp.where(done, 0, count)
     levels = jnp.arange(M, dtype=jnp.int32).astype(jnp.float32)
@@ -116,13 +117,13 @@ def _pass_kernel(*refs, p: int, n: int, width: int, block_n: int, per_split: int
     o_ref[...] = jnp.sum(acc, axis=1).astype(jnp.int32)
 
 
-def _final_kernel(k_ref, st_ref, c_ref, x_ref, r_out, o_ref, *, passes: int, n: int, width: int, block_n: int,
+def _final_kernel(k_ref, st_ref, c_ref, x_ref, r_out, o_ref, *, n: int, width: int, block_n: int,
                   per_split: int, bits: int):
-    """Finishes the search and counts per split. Refs: k i32[1]; st i32[2]; c i32[S, M] (last pass); x f32[N];
+    """Finishes the search and counts per split. Refs: k i32[1]; st i32[4]; c i32[S, M] (last pass); x f32[N];
     outputs r i32[4] = (a, t, bulk_on, done) (split 0), o i32[4] = (#key >= a, #(key >= a and x > -inf),
     #key == t, 0) over the split (bulk counts 0 when bulk is off, ties 0 for a done row)."""
     kk = _kk(k_ref, width)
-    lo, _, done = _advance(kk, st_ref, c_ref, p=passes, bits=bits, n=n)
+    lo, _, done, _ = _advance(kk, st_ref, c_ref, first=False, bits=bits, n=n)
     t = lo
     a = jnp.where(done, lo, jnp.where(t == INT_MAX, INT_MAX, t + 1))
     on = jnp.where(done, kk > 0, t != INT_MAX)
@@ -215,24 +216,25 @@ def topk_select_fused(x: Array, k_rows: Array, K: int, *, bits: int, block_n: in
     k2 = k_rows.reshape(R, 1)
     k_spec = pl.BlockSpec((None, 1), lambda r, s: (r, 0))
     row_spec = pl.BlockSpec((None, N), lambda r, s: (r, 0))
-    st_spec = pl.BlockSpec((None, 2), lambda r, s: (r, 0))
+    st_spec = pl.BlockSpec((None, 4), lambda r, s: (r, 0))
     S, per = pow2_splits(R, pl.cdiv(N, block_n), target_programs)
     c_in_spec = pl.BlockSpec((None, S, M), lambda r, s: (r, 0, 0))
     c_out_spec = pl.BlockSpec((None, None, M), lambda r, s: (r, s, 0))
-    out_shapes = (jax.ShapeDtypeStruct((R, 2), jnp.int32), jax.ShapeDtypeStruct((R, S, M), jnp.int32))
+    out_shapes = (jax.ShapeDtypeStruct((R, 4), jnp.int32), jax.ShapeDtypeStruct((R, S, M), jnp.int32))
     st = cnt = None
     for p in range(passes):
-        kern = functools.partial(_pass_kernel, p=p, n=N, width=K, block_n=block_n, per_split=per, bits=bits)
+        kern = functools.partial(_pass_kernel, first_pass=p == 0, n=N, width=K, block_n=block_n, per_split=per,
+                                 bits=bits)
         in_specs = [k_spec, row_spec] if p == 0 else [k_spec, st_spec, c_in_spec, row_spec]
         args = (k2, x) if p == 0 else (k2, st, cnt, x)
         st, cnt = pl.pallas_call(
             kern, grid=(R, S), in_specs=in_specs, out_specs=(st_spec, c_out_spec), out_shape=out_shapes,
-            compiler_params=params, interpret=interpret, name=f"topk_select_fused_pass")(*args)
+            compiler_params=params, interpret=interpret, name="topk_select_fused_pass")(*args)
 
     cb = compact_block_n
     Sc, per_c = pow2_splits(R, pl.cdiv(N, cb), target_programs)
     rule, fin = pl.pallas_call(
-        functools.partial(_final_kernel, passes=passes, n=N, width=K, block_n=cb, per_split=per_c, bits=bits),
+        functools.partial(_final_kernel, n=N, width=K, block_n=cb, per_split=per_c, bits=bits),
         grid=(R, Sc),
         in_specs=[k_spec, st_spec, c_in_spec, row_spec],
         out_specs=(pl.BlockSpec((None, 4), lambda r, s: (r, 0)), pl.BlockSpec((None, None, 4), lambda r, s: (r, s, 0))),

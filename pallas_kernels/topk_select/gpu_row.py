@@ -99,7 +99,7 @@ def _row_kernel(k_ref, x_ref, o_ref, *, n: int, P: int, bits: int, width: int, w
     tie = (key == t) & ok & jnp.logical_not(done)
     n_bulk = jnp.sum(bulk.astype(jnp.int32))
     quota = jnp.where(done, 0, kk - n_bulk)  # ties taken, by position
-    fin = ok & (x > -jnp.inf)  # output only scores > -inf (NaN compares false)
+    fin = ok & (key > KEY_NEG_INF) & (key <= KEY_POS_INF)  # scores > -inf (no NaN): x is not kept live
     tie_out = (t > KEY_NEG_INF) & (t <= KEY_POS_INF)  # ties at -inf / NaN are ranked, not output
     bulk_out = bulk & fin
     packed = bulk_out.astype(jnp.int32) + lax.shift_left(tie.astype(jnp.int32), jnp.int32(16))
