@@ -93,7 +93,7 @@ def check_decode(checks):
     kk = budget_count(BUDGET, pos + 1, 128)[:, None, :]
     for name, (cfg, dt) in DECODE_VARIANTS.items():
         scores = ref.decode_scores_reference(q, k, lengths, diagonal_tile=dt)
-        for dense in (False, True):
+        for dense in ((False, True) if name in ("pool_xla", "pool_triton") else (False,)):
             try:
                 f = jax.jit(lambda q, ka, va, l, cfg=cfg, dt=dt, dense=dense: gpu.anchor_decode_gpu(
                     q, ka, va, l, layer=layer, budget=BUDGET, diagonal_tile=dt, dense_output=dense, config=cfg))
