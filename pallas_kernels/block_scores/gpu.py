@@ -125,8 +125,8 @@ def _block_max_kernel(lay_ref, kvh_ref, hm_ref, meta_ref, q_ref, k_ref, o_ref, *
             t = jnp.max(jnp.where(heads, logits, -jnp.inf), axis=0)
             return jnp.maximum(acc, jnp.where(ok, t, -jnp.inf))
 
-        n = jnp.where(live & (jnp.max(hm) > 0), block_size, 0)
-        acc = lax.fori_loop(0, n, body, acc)
+        n = jnp.where(live & (jnp.max(hm) > 0), jnp.int32(block_size), jnp.int32(0))
+        acc = lax.fori_loop(jnp.int32(0), n, body, acc)  # bounds of one dtype (Triton's scf.for needs it)
     o_ref[...] = acc * scale
 
 
