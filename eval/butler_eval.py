@@ -128,7 +128,7 @@ def selection_mask(name: str, method, cfg, layer: int, q_row, k_cache, P: int, h
     G = Hq // Hkv
     pos = jnp.full((B, 1), P, jnp.int32)
     lengths = pos[:, 0] + 1
-    if layer < getattr(method, "dense_layers", 0):
+    if layer < getattr(method, "dense_layers", 0) or layer in getattr(method, "dense_set", ()):
         return jnp.broadcast_to(jnp.arange(T) <= P, (B, Hq, T))
     K = method.k_static(T)
     k_dyn = sel.budget_tokens(method.budget, pos + 1, method.min_tokens)  # [B, 1]
@@ -152,10 +152,12 @@ def selection_mask(name: str, method, cfg, layer: int, q_row, k_cache, P: int, h
         keep = decode_indices_to_mask(idx[:, :, None], lengths, T)[:, :, 0] | window[:, None]
         return _kv_to_q(keep, G)
     if name.startswith("butler"):
+        budget = method.sparse_budget(cfg.num_layers)
+        K = sel.budget_tokens(budget, T, method.min_tokens)
         if method.selection == "head":
-            return head_mask(butler_logits, pos, lengths, method.budget, method.min_tokens, K, method.sink,
+            return head_mask(butler_logits, pos, lengths, budget, method.min_tokens, K, method.sink,
                              method.local)[:, :, 0]
-        idx = group_indices(butler_logits, Hkv, pos, method.budget, method.min_tokens, K, method.sink,
+        idx = group_indices(butler_logits, Hkv, pos, budget, method.min_tokens, K, method.sink,
                             method.local)
         return _kv_to_q(decode_indices_to_mask(idx, lengths, T)[:, :, 0], G)
     raise ValueError(f"coverage is not implemented for method {name!r}; expected one of "
@@ -319,8 +321,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--artifact", required=True, help="the butler artifact folder (jsparse train-predictor --out)")
     p.add_argument("--out", required=True)
     p.add_argument("--tasks", default=",".join(TASKS))
-    p.add_argument("--methods", default=",".join(("butler-local",) + BASELINES),
-                   help="methods beside butler (default: butler-local and every baseline)")
+    p.add_argument("--methods", default=",".join(("butler-paper",) + BASELINES),
+                   help="methods beside butler (default: butler-paper, the paper's rule, and every baseline)")
     p.add_argument("--sparsities", default=",".join(f"{s:g}" for s in DEFAULT_SPARSITIES))
     p.add_argument("--lengths", default="2048", help="ppl window lengths")
     p.add_argument("--samples", type=int, default=4, help="ppl windows per length")

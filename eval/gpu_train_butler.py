@@ -86,6 +86,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--end-lr-ratio", type=float, default=0.1, help="cosine decay ends at this fraction of --lr")
     p.add_argument("--checkpoint-every", type=int, default=250)
     p.add_argument("--max-seconds", type=float, default=300.0, help="wall-time limit of the training loop")
     p.add_argument("--dtype", default=None, help="model dtype (default: bf16 on GPU, f32 on CPU)")
@@ -134,7 +135,8 @@ def main(argv=None) -> int:
 
     shutil.rmtree(args.work, ignore_errors=True)
     tc = TrainConfig(seq_len=args.seq_len, steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr,
-                     warmup_steps=min(args.warmup, args.steps // 10), checkpoint_every=args.checkpoint_every,
+                     warmup_steps=min(args.warmup, args.steps // 10), end_lr_ratio=args.end_lr_ratio,
+                     checkpoint_every=args.checkpoint_every,
                      seed=args.seed, loss_impl=args.loss_impl)
     marks = {}
 

@@ -249,3 +249,59 @@ def test_butler_state_type():
     assert isinstance(st, ButlerState)
     assert st.keys.shape == (CFG.num_layers - 1, B, pc.key_heads, N, pc.head_dim)
     assert st.attn_k.shape == (B, N, pc.attn_heads, pc.attn_head_dim)
+
+
+# ----------------------------------------------------------------------------------------------- calibrated dense layers
+
+
+def test_dense_set_rebalances_the_budget_and_attends_densely():
+    """Layer 2 calibrated dense: it equals dense decode; layer 1 keeps the rebalanced budget
+    b' = (2 * 0.75 - 1) / 1 = 0.5, so the layers >= dense_layers keep as many keys as budget 0.75 on both."""
+    pc = preset_config(CFG, "auto")
+    pp = init_params(pc, jax.random.key(5))  # decode traces the predictor's branch too
+    m = Butler.from_params(CFG, pc, pp, budget=0.75, min_tokens=6, dense_layers=1, dense_set=(2,), local=0)
+    assert m.extra_dense(CFG.num_layers) == (2,) and m.sparse_budget(CFG.num_layers) == pytest.approx(0.5)
+    pos = np.arange(48)
+    from jsparse import selection as sel
+    assert m.achieved_sparsity(CFG, pos) == pytest.approx(sel.topk_sparsity(0.5, pos, 6) / 3)
+    no_re = Butler.from_params(CFG, pc, None, budget=0.75, min_tokens=6, dense_layers=1, dense_set=(2,),
+                               rebalance=False)
+    assert no_re.sparse_budget(CFG.num_layers) == 0.75
+    q, cache = _cache_and_q(11, 3)
+    Lp = CFG.num_layers - 1
+    state = m.init_state(CFG, B, N)
+    state = state.replace(keys=_normal(12, state.keys.shape), queries=_normal(13, (Lp, B, HQ, 3, pc.head_dim)))
+    hid = jnp.zeros((B, 3, CFG.hidden_size), jnp.float32)
+    ctx = lambda layer: LayerContext(layer=jnp.int32(layer), lengths=jnp.asarray(LENGTHS, jnp.int32),  # noqa: E731
+                                     hidden=hid)
+    out2, _ = jax.jit(m.decode)(ctx(2), q, cache, state)
+    np.testing.assert_allclose(out2, dense_decode(q, cache.k, cache.v, jnp.asarray(LENGTHS)), rtol=2e-5, atol=2e-5)
+    out1, _ = jax.jit(m.decode)(ctx(1), q, cache, state)
+    pos3 = np.asarray(LENGTHS)[:, None] - 3 + np.arange(3)
+    mask = _butler_mask_np(state.queries[0], state.keys[0], pos3, 0.5, 6, 4, False)
+    np.testing.assert_allclose(out1, masked_attention_reference(q, cache.k, cache.v, jnp.asarray(mask)),
+                               rtol=2e-5, atol=2e-5)
+
+
+def test_dense_set_errors(pcfg):
+    with pytest.raises(ValueError, match=r"dense_set=\[5\]"):
+        Butler.from_params(CFG, pcfg, None, dense_set=(5,))
+    m = Butler.from_params(CFG, pcfg, None, budget=0.5, dense_layers=1, dense_set=(2,))
+    with pytest.raises(ValueError, match="use more than the budget"):
+        m.sparse_budget(CFG.num_layers)
+
+
+def test_artifact_dense_set_and_variants(tmp_path, pcfg):
+    """`butler` reads the calibrated dense_set from the artifact; butler-paper and butler-local drop it."""
+    from jsparse.artifacts import Artifact, save_artifact
+    from jsparse.methods.butler_predictor import flatten_params
+
+    pp = init_params(pcfg, jax.random.key(4))
+    save_artifact(str(tmp_path), Artifact(kind="butler", fingerprint="f", arrays=flatten_params(pp),
+                                          meta={"predictor_config": pcfg.to_dict(), "dense_set": [2]}))
+    b = make_method("butler", cfg=CFG, artifact=str(tmp_path), budget=0.75)
+    assert b.dense_set == (2,) and b.local == 64 and b.dense_layers == 2
+    paper = make_method("butler-paper", cfg=CFG, artifact=str(tmp_path), budget=0.75)
+    assert paper.dense_set == () and paper.local == 0 and paper.dense_layers == 1
+    loc = make_method("butler-local", cfg=CFG, artifact=str(tmp_path), budget=0.75)
+    assert loc.dense_set == () and loc.local == 32

@@ -3,11 +3,33 @@
 At layer 0 of every forward the predictor (`butler_predictor.Predictor`) runs once on the layer's normed input
 (`ctx.hidden`) and yields, for every later layer l >= 1 and query head h, a predicted query q'[l, h] of the new
 tokens and a predicted key k'[l, h] that is appended to the method's state, so the state holds k' for every
-position seen so far. Layer 0 attends densely. Every layer l >= dense_layers then ranks the visible keys by the
-predicted logits `q'[l, h] . k'[l, h // (Hq / Hk')] / sqrt(d')` and attends to the top k of them
-(k = min(max(ceil(budget * n), min_tokens), n) over the n visible keys; the first `sink` tokens are always kept
-and count toward k). `local` > 0 also always keeps the `local` most recent tokens (not in the paper; registered
-as "butler-local" with local=32: a small recency safety net, measured to help an under-trained predictor).
+position seen so far. The first `dense_layers` layers (and the calibrated `dense_set`) attend densely. Every other
+layer ranks the visible keys by the predicted logits `q'[l, h] . k'[l, h // (Hq / Hk')] / sqrt(d')` and attends to
+the top k of them (k = min(max(ceil(b * n), min_tokens), n) over the n visible keys); the first `sink` tokens and
+the `local` most recent ones (the query's own included) are always kept and count toward k.
+
+Defaults (`butler`), each measured on the development corpus (Alice, 2 windows of 1024 tokens, budget 0.5,
+perplexity with decode simulated per row; dense 27.87, oracle 27.97, Quest 27.98, StreamingLLM 29.74; the committed
+2000-step predictor; eval/gpu_butler_coverage.py gives the per-layer numbers):
+  * the paper's rule (sinks only, layer 0 dense; registered as `butler-paper`): 28.84. Selection is not the
+    bottleneck's cause in the pipeline: the same rule on the true logits gives 27.93.
+  * `local` = 64 most recent tokens always kept: 28.25 (32: 28.27, 128: 28.52; 1/4/16: 28.81/28.75/28.65).
+    Not in the paper: a recency safety net for the predictor's misses next to the query.
+  * `dense_layers` = 2 (as Quest): 28.23.
+  * `dense_set`: per-layer calibration. The few layers where the predictor's selection loses most (largest mean
+    relative attention-output error against dense on dev windows; `python eval/gpu_butler_coverage.py
+    --dense-count 3` writes them into the artifact's metadata, which `build` reads) attend densely, and with
+    `rebalance` (default) the other sparse layers get the smaller budget b' = (n * b - e) / (n - e) (n layers
+    >= dense_layers, e of them calibrated dense), so the method keeps as many keys as with budget b everywhere
+    from layer dense_layers on: the achieved sparsity equals Quest's. Layers 7, 17, 20 for the committed
+    predictor: 27.99 (b' = 0.44), against Quest's 27.98 (by hand, layers 7, 20, 24: 28.03 at b' = 0.44, 27.98
+    without rebalancing, i.e. b = 0.5 on the other layers and a lower achieved sparsity).
+  * the mean attention mass the selection covers is not what separates the methods: per layer, the paper's rule
+    already covers more of the dense attention (0.965 averaged over layers and heads) than Quest (0.939), with
+    a smaller attention-output error (0.052 vs 0.071), yet its perplexity is worse; the predictor's misses
+    come from layer 0's view of the tokens and are correlated across layers, so the same keys are lost
+    everywhere (a better-trained predictor is the remaining lever; see eval/gpu_train_butler.py).
+`butler-local` is the earlier variant (local=32, no calibrated layers); `butler-paper` the paper's rule.
 
 Selection per head. The paper selects per query head. The index contract of the gathered kernels is per KV head,
 so two modes (`selection`):
@@ -15,7 +37,8 @@ so two modes (`selection`):
            and attention runs as the dense masked reference (`masked_attention_reference`). Exact, but O(N) work.
   "group"  the predicted post-softmax weights are summed over each GQA group and every KV head keeps one top-k
            for its group, in the index contract: attention runs through the gathered sparse kernels
-           (`attend_selected`), the fast path on accelerators.
+           (`attend_selected`), the fast path on accelerators. On the dev corpus it costs quality (28.84 ->
+           29.30 with the paper's rule): the group's heads want different keys.
 
 Prefill is dense (TokenButler is a decode method); it fills the predictor's caches for the prompt.
 
@@ -47,6 +70,8 @@ from jsparse.methods.common import TokenBudget, attend_dense, attend_selected, d
 from pallas_kernels.sparse_attention.reference import decode_indices_to_mask, masked_attention_reference
 
 ARTIFACT_KIND = "butler"
+DEFAULT_LOCAL = 64
+DEFAULT_DENSE_LAYERS = 2
 SELECTIONS = ("head", "group")
 F32 = jnp.float32
 
@@ -119,8 +144,11 @@ class Butler(TokenBudget):
     params: Any = None
     pcfg: PredictorConfig = struct.field(pytree_node=False, default=None)
     sink: int = struct.field(pytree_node=False, default=4)
-    local: int = struct.field(pytree_node=False, default=0)
+    local: int = struct.field(pytree_node=False, default=DEFAULT_LOCAL)
     selection: str = struct.field(pytree_node=False, default="head")
+    dense_layers: int = struct.field(pytree_node=False, default=DEFAULT_DENSE_LAYERS)
+    dense_set: tuple = struct.field(pytree_node=False, default=())
+    rebalance: bool = struct.field(pytree_node=False, default=True)
 
     def __post_init__(self):
         super().__post_init__()
@@ -131,6 +159,37 @@ class Butler(TokenBudget):
                              "layer 0's input), expected >= 1")
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection={self.selection!r}: expected one of {SELECTIONS}")
+        dense_set = tuple(sorted({int(x) for x in self.dense_set}))
+        if any(x < 0 for x in dense_set) or (self.pcfg is not None and any(x >= self.pcfg.num_layers
+                                                                            for x in dense_set)):
+            raise ValueError(f"dense_set={list(self.dense_set)}: expected layer indices in [0, "
+                             f"{self.pcfg.num_layers if self.pcfg is not None else 'L'})")
+        object.__setattr__(self, "dense_set", dense_set)
+
+    def extra_dense(self, num_layers: int) -> tuple[int, ...]:
+        """The calibrated dense layers beyond the first `dense_layers`."""
+        return tuple(x for x in self.dense_set if self.dense_layers <= x < num_layers)
+
+    def sparse_budget(self, num_layers: int) -> float:
+        """The budget of the sparse layers: `budget`, or with `rebalance` and calibrated dense layers, the smaller
+        budget b' that keeps the same number of keys over layers >= dense_layers as `budget` on all of them:
+        b' = (n * budget - e) / (n - e) for n = L - dense_layers layers of which e are calibrated dense."""
+        e = len(self.extra_dense(num_layers))
+        n = num_layers - self.dense_layers
+        if not e or not self.rebalance or self.budget >= 1.0:
+            return self.budget
+        b = (n * self.budget - e) / (n - e) if n > e else 0.0
+        if b <= 0.0:
+            raise ValueError(f"dense_set={list(self.dense_set)} at budget={self.budget}: the {e} calibrated dense "
+                             f"layers use more than the budget of the {n} layers >= dense_layers={self.dense_layers}; "
+                             "use fewer dense layers, a larger budget or rebalance=False")
+        return b
+
+    def achieved_sparsity(self, cfg, positions) -> float:
+        """Fraction of visible keys skipped, averaged over layers and query positions (decode rule)."""
+        L = cfg.num_layers
+        sparse_layers = max(L - self.dense_layers - len(self.extra_dense(L)), 0)
+        return sparse_layers / L * sel.topk_sparsity(self.sparse_budget(L), positions, self.min_tokens)
 
     @classmethod
     def build(cls, cfg=None, artifact: str | None = None, fingerprint: str | None = None, **options):
@@ -141,6 +200,8 @@ class Butler(TokenBudget):
         if "predictor_config" not in art.meta:
             raise ValueError(f"butler artifact at {artifact!r} has no predictor_config in its metadata")
         pcfg = PredictorConfig.from_dict(art.meta["predictor_config"])
+        if options.get("dense_set") is None and "dense_set" in art.meta:
+            options["dense_set"] = tuple(art.meta["dense_set"])  # the artifact's calibration (see the docstring)
         return cls.from_params(cfg, pcfg, unflatten_params(art.arrays, pcfg), **options)
 
     @classmethod
@@ -194,7 +255,10 @@ class Butler(TokenBudget):
         def sparse():
             return self.sparse_decode(ctx, q, cache, state)
 
-        branch = jnp.where(ctx.layer == 0, 0, jnp.where(ctx.layer < self.dense_layers, 1, 2))
+        dense_layer = ctx.layer < self.dense_layers
+        for x in self.dense_set:
+            dense_layer = dense_layer | (ctx.layer == x)
+        branch = jnp.where(ctx.layer == 0, 0, jnp.where(dense_layer, 1, 2))
         return jax.lax.switch(branch, [first, dense, sparse])
 
     # -- selection
@@ -209,21 +273,33 @@ class Butler(TokenBudget):
         T, N = q.shape[1], cache.k.shape[2]
         positions = sel.decode_positions(ctx.lengths, T)
         logits = self.layer_logits(ctx.layer, positions, state)
-        K = self.k_static(N)
+        budget = self.sparse_budget(self.pcfg.num_layers)
+        K = sel.budget_tokens(budget, N, self.min_tokens)
         if self.selection == "head":
-            mask = head_mask(logits, positions, ctx.lengths, self.budget, self.min_tokens, K, self.sink,
-                             self.local)
+            mask = head_mask(logits, positions, ctx.lengths, budget, self.min_tokens, K, self.sink, self.local)
             return masked_attention_reference(q, cache.k, cache.v, mask), state
-        idx = group_indices(logits, cache.k.shape[1], positions, self.budget, self.min_tokens, K, self.sink,
+        idx = group_indices(logits, cache.k.shape[1], positions, budget, self.min_tokens, K, self.sink,
                             self.local)
         return attend_selected(q, cache, idx, ctx.lengths), state
 
 
 @register("butler-local")
 class ButlerLocal:
-    """`butler` that also always keeps the 32 most recent tokens (`local=32` unless given)."""
+    """`butler` with a 32-token local window and no calibrated dense layers (the earlier `butler-local`)."""
 
     @classmethod
     def build(cls, **options):
         options.setdefault("local", 32)
+        options.setdefault("dense_set", ())
+        return Butler.build(**options)
+
+
+@register("butler-paper")
+class ButlerPaper:
+    """The paper's rule: sinks only (no local window), layer 0 dense, no calibrated dense layers."""
+
+    @classmethod
+    def build(cls, **options):
+        for k, v in (("local", 0), ("dense_layers", 1), ("dense_set", ())):
+            options.setdefault(k, v)
         return Butler.build(**options)

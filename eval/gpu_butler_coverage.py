@@ -1,0 +1,220 @@
+"""Attention-mass coverage of TokenButler's selection against the baselines, per layer (diagnosis; CPU or GPU).
+
+For windows of a corpus (default: the DEV corpus, Alice in Wonderland), the dense model's per-layer queries and
+keys are recorded once; for a set of query rows, every method's decode selection (applied to the dense q/k, as
+`eval.butler_eval.token_coverage` does) is compared with the true per-query-head attention distribution:
+
+    coverage = sum over the selected keys of softmax(q k^T / sqrt(d))  (per query head and row; 1 = dense)
+
+averaged over heads and rows, per layer and overall. Also reported: mean |predicted - true| logit error and the
+top-50% label agreement per layer, to separate "the predictor is wrong" from "the selection rule is wrong".
+
+    python eval/gpu_butler_coverage.py --artifact artifacts/smollm2/butler --length 1024 --samples 2 \\
+        --out /tmp/cov.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from eval import ppl as ppl_task  # noqa: E402
+from jsparse import selection as sel  # noqa: E402
+from jsparse.methods import butler as bt  # noqa: E402
+from jsparse.methods.oracle import select_decode  # noqa: E402
+from jsparse.methods.quest import page_mask  # noqa: E402
+from jsparse.methods.streaming import sink_window  # noqa: E402
+from pallas_kernels.sparse_attention.reference import decode_indices_to_mask  # noqa: E402
+from train.loop import predictor_qk, record_qk  # noqa: E402
+
+DEV_CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "alice_in_wonderland.txt")
+
+
+
+
+def layer_masks(q_rows, k_l, qp_rows, kp_l, pos, budget, min_tokens, N, Hq, Hkv, butler_variants):
+    """Masks of every method for one layer: dict name -> bool[B, Hq, R, N]."""
+    B, R = pos.shape
+    G = Hq // Hkv
+    K = sel.budget_tokens(budget, N, min_tokens)
+    k_dyn = sel.budget_tokens(budget, pos + 1, min_tokens)  # [B, R]
+    lengths = jnp.full((B,), N, jnp.int32)
+    out = {}
+    idx = select_decode(q_rows, k_l, pos, budget, min_tokens, K)
+    out["oracle"] = jnp.repeat(decode_indices_to_mask(idx, lengths, N), G, axis=1)
+    out["quest"] = page_mask(q_rows, k_l, pos, budget, min_tokens, 16)
+    idx = sink_window(pos + 1, k_dyn, 4, K)  # [B, R, K]
+    out["streaming"] = jnp.broadcast_to(decode_indices_to_mask(idx[:, None], lengths, N), (B, Hq, R, N))
+    logits = bt.predicted_logits(qp_rows, kp_l, pos)  # [B, Hq, R, N]
+    for name, (mode, local) in butler_variants.items():
+        if mode == "head":
+            out[name] = bt.head_mask(logits, pos, lengths, budget, min_tokens, K, 4, local)
+        else:
+            idx = bt.group_indices(logits, Hkv, pos, budget, min_tokens, K, 4, local)
+            out[name] = jnp.repeat(decode_indices_to_mask(idx, lengths, N), G, axis=1)
+    return out, logits
+
+
+def dense_values(model, tokens):
+    """f32[L, B, Hkv, N, D]: every layer's values from a dense prefill."""
+    from models import llama
+    from models.cache import init_cache
+
+    import jsparse
+
+    B, N = tokens.shape
+
+    @jax.jit
+    def run(params, tokens):
+        cache = init_cache(model.cfg, B, N, params.embed.dtype)
+        dense = jsparse.make_method("dense")
+        _, cache, _ = llama.prefill(params, model.cfg, dense, tokens, jnp.full((B,), N, jnp.int32), cache, None)
+        return cache.v.astype(jnp.float32)
+
+    return run(model.params, tokens)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--artifact", default="artifacts/smollm2/butler")
+    p.add_argument("--corpus", default=DEV_CORPUS)
+    p.add_argument("--length", type=int, default=1024)
+    p.add_argument("--samples", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget", type=float, default=0.5)
+    p.add_argument("--min-tokens", type=int, default=128)
+    p.add_argument("--row-start", type=int, default=256)
+    p.add_argument("--row-stride", type=int, default=16)
+    p.add_argument("--out", default=None)
+    p.add_argument("--dense-count", type=int, default=0,
+                   help="calibrate: write into the artifact's metadata dense_set = the layers (>= the default "
+                        "dense_layers) where butler's default selection has the largest attention-output error")
+    args = p.parse_args(argv)
+
+    import jsparse
+
+    model = jsparse.load(args.model, args.dtype)
+    cfg = model.cfg
+    butler = jsparse.build_method("butler", model, artifact=args.artifact, budget=args.budget)
+    ids = ppl_task.tokenize_corpus(model.tokenizer, ppl_task.read_corpus(args.corpus))
+    windows = ppl_task.make_windows(model.tokenizer, ids, args.length, args.samples, args.seed)
+    tokens = jnp.asarray(windows)
+    B, N = tokens.shape
+    Lp, Hq, Hkv, D = cfg.num_layers - 1, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    t0 = time.perf_counter()
+    h0, q, k = jax.jit(record_qk, static_argnums=1)(model.params, cfg, tokens)
+    v = dense_values(model, tokens)  # [L, B, Hkv, N, D]
+    qp, kp = jax.jit(predictor_qk, static_argnums=1)(butler.params, butler.pcfg, h0)
+    q = q.reshape(B, Lp, Hq, N, D).astype(jnp.float32)
+    k = k.reshape(B, Lp, Hkv, N, D).astype(jnp.float32)
+    qp = qp.reshape(B, Lp, Hq, N, -1)
+    kp = kp.reshape(B, Lp, butler.pcfg.key_heads, N, -1)
+    rows = np.arange(args.row_start, N, args.row_stride)
+    pos = jnp.broadcast_to(jnp.asarray(rows, jnp.int32), (B, len(rows)))
+    bvars = {"butler-default": ("head", bt.DEFAULT_LOCAL), "butler": ("head", 0), "butler-local32": ("head", 32), "butler-group": ("group", 0),
+             "butler-group-local32": ("group", 32)}
+    print(f"recorded in {time.perf_counter() - t0:.1f}s; rows {len(rows)}", flush=True)
+
+    @jax.jit
+    def one_layer(ql, kl, qpl, kpl, vl):
+        q_rows = jnp.swapaxes(ql[:, :, rows], 1, 2)  # [B, R, Hq, D]
+        masks, plog = layer_masks(q_rows, kl, qpl[:, :, rows], kpl, pos, args.budget, args.min_tokens, N, Hq, Hkv,
+                                  bvars)
+        true = jnp.einsum("bhrd,bhnd->bhrn", ql[:, :, rows], jnp.repeat(kl, Hq // Hkv, axis=1)) / math.sqrt(D)
+        visible = jnp.arange(N)[None, :] <= pos[:, :, None]  # [B, R, N]
+        true = jnp.where(visible[:, None], true, -jnp.inf)
+        probs = jax.nn.softmax(true, axis=-1)
+        cov = {}
+        vq = jnp.repeat(vl, Hq // Hkv, axis=1)  # [B, Hq, N, D]
+        dense_out = jnp.einsum("bhrn,bhnd->bhrd", probs, vq)
+        masks = dict(masks)
+        for n, m in masks.items():
+            pm = jnp.where(m, probs, 0.0)
+            out = jnp.einsum("bhrn,bhnd->bhrd", pm / jnp.sum(pm, -1, keepdims=True), vq)
+            rel = jnp.linalg.norm(out - dense_out, axis=-1) / jnp.linalg.norm(dense_out, axis=-1)
+            cov[n + ":outerr"] = jnp.mean(rel)
+            c = jnp.sum(jnp.where(m, probs, 0.0), axis=-1)  # [B, Hq, R]
+            cov[n] = jnp.mean(c)
+            cov[n + ":lt80"] = jnp.mean(c < 0.8)  # share of (row, head) pairs missing over 20% of the mass
+            cov[n + ":logmiss"] = jnp.mean(-jnp.log(jnp.maximum(c, 1e-6)))  # KL(dense || renormalised kept)
+        # per-head oracle (upper bound of a per-query-head selection)
+        kd = sel.budget_tokens(args.budget, pos + 1, args.min_tokens)
+        idx = sel.topk_indices(true, jnp.broadcast_to(kd[:, None], true.shape[:3]), sel.budget_tokens(
+            args.budget, N, args.min_tokens))
+        m = decode_indices_to_mask(idx, jnp.full((B,), N, jnp.int32), N)
+        cov["oracle-head"] = jnp.mean(jnp.sum(jnp.where(m, probs, 0.0), axis=-1))
+        pm = jnp.where(m, probs, 0.0)
+        out = jnp.einsum("bhrn,bhnd->bhrd", pm / jnp.sum(pm, -1, keepdims=True), vq)
+        cov["oracle-head:outerr"] = jnp.mean(jnp.linalg.norm(out - dense_out, axis=-1)
+                                             / jnp.linalg.norm(dense_out, axis=-1))
+        # predicted-vs-true logits: centered error (softmax is shift-invariant) and rank correlation proxy
+        tc = jnp.where(visible[:, None], true - jnp.sum(jnp.where(visible[:, None], true, 0), -1, keepdims=True)
+                       / visible.sum(-1)[:, None, :, None], 0.0)
+        pc = jnp.where(visible[:, None], plog - jnp.sum(jnp.where(visible[:, None], plog, 0), -1, keepdims=True)
+                       / visible.sum(-1)[:, None, :, None], 0.0)
+        err = jnp.sum(jnp.abs(tc - pc)) / (Hq * visible.sum())
+        tstd = jnp.sqrt(jnp.sum(tc ** 2) / (Hq * visible.sum()))
+        pstd = jnp.sqrt(jnp.sum(pc ** 2) / (Hq * visible.sum()))
+        corr = jnp.sum(tc * pc) / jnp.sqrt(jnp.sum(tc ** 2) * jnp.sum(pc ** 2))
+        # where is the mass: last 32 keys, first 4
+        n = jnp.arange(N)
+        recent = (n[None, None, :] > pos[:, :, None] - 32)[:, None]
+        cov["mass-last32"] = jnp.mean(jnp.sum(jnp.where(recent, probs, 0.0), -1))
+        cov["mass-first4"] = jnp.mean(jnp.sum(probs[..., :4], -1))
+        cov["err_abs"] = err
+        cov["true_std"] = tstd
+        cov["pred_std"] = pstd
+        cov["corr"] = corr
+        return cov
+
+    per_layer = []
+    for l in range(Lp):
+        c = {n: float(x) for n, x in one_layer(q[:, l], k[:, l], qp[:, l], kp[:, l], v[l + 1]).items()}
+        per_layer.append(c)
+        print(f"layer {l + 1:2d} " + " ".join(f"{n}={v:.3f}" for n, v in c.items()), flush=True)
+    names = list(per_layer[0])
+    mean = {n: float(np.mean([c[n] for c in per_layer])) for n in names}
+    mean2 = {n: float(np.mean([c[n] for c in per_layer[1:]])) for n in names}
+    print("mean layers 1..L-1: " + " ".join(f"{n}={v:.4f}" for n, v in mean.items()))
+    print("mean layers 2..L-1: " + " ".join(f"{n}={v:.4f}" for n, v in mean2.items()))
+    if args.dense_count:
+        from jsparse.artifacts import ARTIFACT_JSON
+
+        err = {l + 1: c["butler-default:outerr"] for l, c in enumerate(per_layer)
+               if l + 1 >= bt.DEFAULT_DENSE_LAYERS}
+        dense_set = sorted(sorted(err, key=lambda l: -err[l])[:args.dense_count])
+        path = os.path.join(args.artifact, ARTIFACT_JSON)  # only the metadata changes: arrays.npz is left as it is
+        with open(path) as f:
+            info = json.load(f)
+        meta = info["meta"]
+        meta["dense_set"] = dense_set
+        meta["dense_set_calibration"] = {
+            "rule": "layers with the largest mean relative attention-output error of butler's default selection "
+                    "(dense q/k/v, per query head and row)",
+            "corpus": os.path.basename(args.corpus), "length": args.length, "samples": args.samples,
+            "budget": args.budget, "rows": f"{args.row_start}::{args.row_stride}",
+            "outerr_per_layer": {str(l): round(v, 5) for l, v in err.items()}}
+        with open(path, "w") as f:
+            json.dump(info, f, indent=2)
+        print(f"wrote dense_set={dense_set} into {args.artifact}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "per_layer": per_layer, "mean": mean, "mean_from_layer2": mean2}, f,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
