@@ -192,7 +192,8 @@ def _compact_kernel(k_ref, r_ref, f_ref, x_ref, o_ref, *, n: int, width: int, wb
                     mask=(slot >= total) & (slot < width))
         return c
 
-    lax.fori_loop(0, jnp.where(me == 0, pl.cdiv(width, wblock), 0), pad, jnp.int32(0))
+    lax.fori_loop(jnp.int32(0), jnp.where(me == 0, jnp.int32(pl.cdiv(width, wblock)), jnp.int32(0)), pad,
+                  jnp.int32(0))  # bounds of one dtype (Triton's scf.for needs it)
 
 
 def topk_select_fused(x: Array, k_rows: Array, K: int, *, bits: int, block_n: int, compact_block_n: int,
