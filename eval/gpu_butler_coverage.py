@@ -123,7 +123,8 @@ def main(argv=None) -> int:
     kp = kp.reshape(B, Lp, butler.pcfg.key_heads, N, -1)
     rows = np.arange(args.row_start, N, args.row_stride)
     pos = jnp.broadcast_to(jnp.asarray(rows, jnp.int32), (B, len(rows)))
-    bvars = {"butler-default": ("head", bt.DEFAULT_LOCAL), "butler": ("head", 0), "butler-local32": ("head", 32), "butler-group": ("group", 0),
+    bvars = {"butler-default": ("head", bt.DEFAULT_LOCAL), "butler": ("head", 0), "butler-local32": ("head", 32),
+             "butler-group": ("group", 0),
              "butler-group-local32": ("group", 32)}
     print(f"recorded in {time.perf_counter() - t0:.1f}s; rows {len(rows)}", flush=True)
 

@@ -251,7 +251,7 @@ def test_butler_state_type():
     assert st.attn_k.shape == (B, N, pc.attn_heads, pc.attn_head_dim)
 
 
-# ----------------------------------------------------------------------------------------------- calibrated dense layers
+# ------------------------------------------------------------------------------------- calibrated dense layers
 
 
 def test_dense_set_rebalances_the_budget_and_attends_densely():
@@ -300,7 +300,7 @@ def test_artifact_dense_set_and_variants(tmp_path, pcfg):
     save_artifact(str(tmp_path), Artifact(kind="butler", fingerprint="f", arrays=flatten_params(pp),
                                           meta={"predictor_config": pcfg.to_dict(), "dense_set": [2]}))
     b = make_method("butler", cfg=CFG, artifact=str(tmp_path), budget=0.75)
-    assert b.dense_set == (2,) and b.local == 64 and b.dense_layers == 2
+    assert b.dense_set == (2,) and b.local == 32 and b.dense_layers == 2
     paper = make_method("butler-paper", cfg=CFG, artifact=str(tmp_path), budget=0.75)
     assert paper.dense_set == () and paper.local == 0 and paper.dense_layers == 1
     loc = make_method("butler-local", cfg=CFG, artifact=str(tmp_path), budget=0.75)

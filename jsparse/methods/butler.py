@@ -13,22 +13,26 @@ perplexity with decode simulated per row; dense 27.87, oracle 27.97, Quest 27.98
 2000-step predictor; eval/gpu_butler_coverage.py gives the per-layer numbers):
   * the paper's rule (sinks only, layer 0 dense; registered as `butler-paper`): 28.84. Selection is not the
     bottleneck's cause in the pipeline: the same rule on the true logits gives 27.93.
-  * `local` = 64 most recent tokens always kept: 28.25 (32: 28.27, 128: 28.52; 1/4/16: 28.81/28.75/28.65).
-    Not in the paper: a recency safety net for the predictor's misses next to the query.
-  * `dense_layers` = 2 (as Quest): 28.23.
+  * `local` most recent tokens always kept: 32: 28.27, 64: 28.25 (128: 28.52; 1/4/16: 28.81/28.75/28.65).
+    Not in the paper: a recency safety net for the predictor's misses next to the query. Default 32 (with the
+    two items below: 32: 27.96, 64: 27.99).
+  * `dense_layers` = 2 (as Quest; with local=64): 28.23.
   * `dense_set`: per-layer calibration. The few layers where the predictor's selection loses most (largest mean
     relative attention-output error against dense on dev windows; `python eval/gpu_butler_coverage.py
     --dense-count 3` writes them into the artifact's metadata, which `build` reads) attend densely, and with
     `rebalance` (default) the other sparse layers get the smaller budget b' = (n * b - e) / (n - e) (n layers
     >= dense_layers, e of them calibrated dense), so the method keeps as many keys as with budget b everywhere
     from layer dense_layers on: the achieved sparsity equals Quest's. Layers 7, 17, 20 for the committed
-    predictor: 27.99 (b' = 0.44), against Quest's 27.98 (by hand, layers 7, 20, 24: 28.03 at b' = 0.44, 27.98
-    without rebalancing, i.e. b = 0.5 on the other layers and a lower achieved sparsity).
+    predictor (picked alike with local 32 or 64): 27.99 with local=64 (b' = 0.44), against Quest's 27.98. By
+    hand, layers 7, 20, 24: 28.03 at b' = 0.44, 27.98 at b = 0.5 on the other layers (lower achieved sparsity).
   * the mean attention mass the selection covers is not what separates the methods: per layer, the paper's rule
     already covers more of the dense attention (0.965 averaged over layers and heads) than Quest (0.939), with
-    a smaller attention-output error (0.052 vs 0.071), yet its perplexity is worse; the predictor's misses
-    come from layer 0's view of the tokens and are correlated across layers, so the same keys are lost
-    everywhere (a better-trained predictor is the remaining lever; see eval/gpu_train_butler.py).
+    a smaller attention-output error (0.052 vs 0.071), yet its perplexity is worse. A plausible reading (not
+    measured): the predictor sees only layer 0's input, so its misses are correlated across layers and the
+    same keys are lost everywhere. A better-trained predictor is the remaining lever (eval/gpu_train_butler.py).
+With all three (the default): 27.96 (achieved sparsity equal to Quest's). Without the calibrated layers: 28.27
+(local=32, dense_layers=1), 28.23 (local=64, dense_layers=2); calibrated layers with dense_layers=1 (local=64):
+28.02.
 `butler-local` is the earlier variant (local=32, no calibrated layers); `butler-paper` the paper's rule.
 
 Selection per head. The paper selects per query head. The index contract of the gathered kernels is per KV head,
@@ -70,7 +74,7 @@ from jsparse.methods.common import TokenBudget, attend_dense, attend_selected, d
 from pallas_kernels.sparse_attention.reference import decode_indices_to_mask, masked_attention_reference
 
 ARTIFACT_KIND = "butler"
-DEFAULT_LOCAL = 64
+DEFAULT_LOCAL = 32
 DEFAULT_DENSE_LAYERS = 2
 SELECTIONS = ("head", "group")
 F32 = jnp.float32
