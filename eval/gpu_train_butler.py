@@ -9,6 +9,10 @@ Budget: under 8 minutes on an H100 in all (model load and tokenization ~1 min, c
 stopped by --max-seconds, default 300 s, whatever --steps says; the cosine schedule is laid out over --steps, so
 pick --steps the measured step rate can finish: the log prints steps/s after 20 steps).
 
+Longer recipe (about 6.5 minutes on an H100 at the measured ~27 steps/s of batch 8 x 2048): --steps 8000
+--max-seconds 320 --warmup 200 --end-lr-ratio 0.05 --checkpoint-every 1000; then calibrate the dense layers
+(eval/gpu_butler_coverage.py --dense-count 3 --artifact WORK) and evaluate (eval/gpu_butler_eval.py).
+
 The frozen model runs in bf16 (the loss kernel's matmuls too); the predictor's parameters and AdamW are f32.
 The evaluation corpora never enter training: files whose name matches --exclude (default: the evaluation corpus
 "The Call of the Wild" and the development corpus "Alice in Wonderland") are dropped from --data.
