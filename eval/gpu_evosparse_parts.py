@@ -1,0 +1,97 @@
+"""H100 micro-benchmark of EvoSparse's per-layer bookkeeping at 100K context, batch 4 (issue 6): the heat update
+as a one-hot compare-and-reduce (`evosparse.blocks_to_dense`) vs a scatter-add, and the heat top-k with the
+"row" selection kernel at 1, 2 and 4 radix bits per pass, 4 and 8 warps. Each variant runs `--iters` times in
+one jitted fori_loop (inputs perturbed by a running checksum), and is checked against the reference.
+
+    PYTHONPATH=. python eval/gpu_evosparse_parts.py --out $OUT/evosparse_parts.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eval.benchmarking import device_facts, table, write_json
+from jsparse.methods.evosparse import blocks_to_dense, heat_step
+from pallas_kernels.topk_select import topk_select
+from pallas_kernels.topk_select.reference import topk_select_reference
+
+
+def scatter_heat(heat, idx, values, decay):
+    """decay * heat + the values scattered into their blocks (-1 dropped)."""
+    B, H, nb = heat.shape
+    safe = jnp.where(idx >= 0, idx, nb)
+    bi = jnp.arange(B)[:, None, None]
+    hi = jnp.arange(H)[None, :, None]
+    return (decay * heat).at[bi, hi, safe].add(values, mode="drop")
+
+
+def onehot_heat(heat, idx, values, decay):
+    return heat_step(heat, blocks_to_dense(idx, values, heat.shape[-1]), decay)
+
+
+def timed(fn, *args, iters):
+    @jax.jit
+    def loop(*args):
+        def body(_, acc):
+            return acc + fn(acc, *args)
+        return jax.lax.fori_loop(0, iters, body, jnp.float32(0))
+    jax.block_until_ready(loop(*args))
+    ts = []
+    for _ in range(5):
+        t = time.perf_counter()
+        jax.block_until_ready(loop(*args))
+        ts.append((time.perf_counter() - t) * 1e3 / iters)
+    return float(np.median(ts))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "evosparse_parts.json"))
+    a = p.parse_args()
+    from pallas_kernels.topk_select.gpu import SelectConfig
+    B, H, nb, K, k = 4, 8, 6256, 128, 40
+    key = jax.random.key(0)
+    heat = jax.random.uniform(key, (B, H, nb))
+    idx = jnp.sort(jax.random.permutation(jax.random.key(1), nb)[:K])
+    idx = jnp.broadcast_to(idx, (B, H, K)).astype(jnp.int32).at[..., -3:].set(-1)
+    vals = jax.random.uniform(jax.random.key(2), (B, H, K))
+    rows = []
+    ref = onehot_heat(heat, idx, vals, 0.5)
+    for name, f in (("heat_onehot", onehot_heat), ("heat_scatter", scatter_heat)):
+        got = jax.jit(f, static_argnums=3)(heat, idx, vals, 0.5)
+        err = float(jnp.max(jnp.abs(got - ref)))
+        ms = timed(lambda acc, h, i, v, f=f: f(h + acc * 1e-9, i, v, 0.5)[0, 0, 0], heat, idx, vals, iters=a.iters)
+        rows.append(dict(part=name, ms=ms, max_err=err))
+    scores = jax.random.normal(jax.random.key(3), (B, H, nb))
+    want = topk_select_reference(scores, k, K)
+    for bits in (1, 2, 4):
+        for warps in (None, 4, 8):
+            cfg = SelectConfig(path="row", row_bits=bits, row_warps=warps)
+            try:
+                got = topk_select(scores, k, K, config=cfg)
+                exact = bool(jnp.all(got == want))
+                ms = timed(lambda acc, s, cfg=cfg: topk_select(s + acc * 1e-9, k, K, config=cfg)[0, 0, 0]
+                           .astype(jnp.float32), scores, iters=a.iters)
+                rows.append(dict(part=f"topk_row_b{bits}_w{warps}", ms=ms, exact=exact))
+            except Exception as e:  # noqa: BLE001
+                rows.append(dict(part=f"topk_row_b{bits}_w{warps}", error=str(e).splitlines()[0][:200]))
+    for path in ("fused", "passes"):
+        cfg = SelectConfig(path=path)
+        ms = timed(lambda acc, s, cfg=cfg: topk_select(s + acc * 1e-9, k, K, config=cfg)[0, 0, 0]
+                   .astype(jnp.float32), scores, iters=a.iters)
+        rows.append(dict(part=f"topk_{path}", ms=ms, exact=bool(jnp.all(topk_select(scores, k, K, config=cfg) == want))))
+    write_json(a.out, {**device_facts(), "benchmark": "EvoSparse per-layer bookkeeping, B 4, Hkv 8, 100K / 16",
+                       "shape": dict(B=B, Hkv=H, nb=nb, K=K, k=k), "iters": a.iters, "rows": rows})
+    print(table(rows, ["part", "ms", "max_err", "exact", "error"]))
+
+
+if __name__ == "__main__":
+    main()
