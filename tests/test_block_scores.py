@@ -120,7 +120,7 @@ def test_kernels_lower_for_cuda():
         f = functools.partial(gpu.sparse_decode_mass_gpu, block_size=16)
         text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(
             q, cache, cache, i32(), i32(Bn, Hkv, 1, 128), i32(Bn)).mlir_module()
-        assert "evosparse_decode_mass" in text
+        assert "sparse_decode_gathered_stacked_mass" in text
 
 
 def test_errors():

@@ -11,7 +11,8 @@ Retrieval block max (`block_max_scores_gpu`): grid (B, T, S), S = ceil(nb / cb).
   Bytes: K of the R heads' visible middle blocks once; out B * T * nb * 4. No [.., N] logits reach HBM.
 
 Gathered decode with entry mass (`sparse_decode_mass_gpu`): the split-K gathered decode of
-  `pallas_kernels.sparse_attention.stacked` (grid (B, Hkv, T, S), online softmax in f32) that also writes, for
+  `pallas_kernels.sparse_attention.stacked` with its `return_mass` option (grid (B, Hkv, T, S), online softmax in
+  f32): the kernel also writes, for
   every index entry and query row, the sum of exp(s - m) over the entry's tokens (m: the running max of the
   iteration that processed it) and that m. With the final logsumexp, mass = sum * exp(m - lse), computed in
   the jnp epilogue with the split combine. Extra bytes: 2 * Gp * K * 4 per (b, KV head, t); no second K read.
@@ -33,7 +34,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.block_scores.reference import check_block_max_args
 from pallas_kernels.sparse_attention import gpu as sgpu
 from pallas_kernels.sparse_attention.common import default_scale
-from pallas_kernels.sparse_attention.stacked import _gather_rows_stacked, check_stacked_args, layer_index
+from pallas_kernels.sparse_attention.stacked import layer_index, sparse_decode_stacked_gpu
 
 Array = jax.Array
 
@@ -174,46 +175,11 @@ def block_max_scores_gpu(q: Array, k_all: Array, layer: Array, kv_heads: Array, 
 # Gathered decode with per-entry mass.
 
 
-def _decode_mass_kernel(layer_ref, pos_ref, end_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, el_ref,
-                        em_ref, *, scale: float, block_size: int, block_k: int, entries_per_split: int):
-    """`stacked._decode_kernel_stacked` plus el_ref, em_ref: f32[Gp, E] (per entry: sum of exp(s - m) over its
-    tokens, and that m). Entries past the last useful one are not written."""
-    layer = layer_ref[0]
-    split = pl.program_id(3)
-    pos = pos_ref[0]
-    per_iter = block_k // block_size
-    n_entries = jnp.clip(end_ref[0] - split * entries_per_split, 0, entries_per_split)
-    q = q_ref[...]
-    gp, d = q.shape
-
-    def body(it, carry):
-        o, m, l = carry
-        ok, k, v = _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, it * per_iter, pos, block_size, block_k)
-        s = plgpu.dot(q, k, trans_b=True) * scale  # [Gp, block_k] f32
-        s = jnp.where(ok[None, :], s, _MASK)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        corr = jnp.exp(m - m_new)
-        p = jnp.where(ok[None, :], jnp.exp(s - m_new[:, None]), 0.0)
-        l = corr * l + jnp.sum(p, axis=1)
-        o = corr[:, None] * o + plgpu.dot(p.astype(v.dtype), v)
-        pe = p if block_size == 1 else jnp.sum(p.reshape(gp, per_iter, block_size), axis=2)  # [Gp, per_iter]
-        cols = pl.ds(it * per_iter, per_iter)
-        plgpu.store(el_ref.at[:, cols], pe)
-        plgpu.store(em_ref.at[:, cols], jnp.broadcast_to(m_new[:, None], (gp, per_iter)))
-        return o, m_new, l
-
-    init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), _MASK, jnp.float32), jnp.zeros((gp,), jnp.float32))
-    o, m, l = lax.fori_loop(0, pl.cdiv(n_entries, per_iter), body, init)
-    o_ref[...] = o
-    m_ref[...] = m
-    l_ref[...] = l
-
-
-@functools.partial(jax.jit, static_argnames=("block_size", "scale", "config", "interpret"))
 def sparse_decode_mass_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array, *,
                            block_size: int = 1, scale: float | None = None,
                            config: sgpu.DecodeConfig = sgpu.DecodeConfig(), interpret: bool = False):
-    """`reference.sparse_decode_mass_reference` by the Pallas Triton kernel (see the module docstring).
+    """`reference.sparse_decode_mass_reference` by the stacked gathered-decode Triton kernel with its mass output
+    (`sparse_attention.stacked.sparse_decode_stacked_gpu(..., return_mass=True)`).
 
     Args:
       q: [B, T, Hq, D]; k_all, v_all: [L, B, Hkv, N, D]; layer: i32[]; indices: int32[B, Hkv, T, K];
@@ -222,73 +188,6 @@ def sparse_decode_mass_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
     Returns:
       (out [B, T, Hq, D] in q.dtype, mass f32[B, Hkv, T, K]).
     """
-    check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size)
     _check_supported(q, block_size)
-    B, T, Hq, D = q.shape
-    L, _, Hkv, N, _ = k_all.shape
-    G, K = Hq // Hkv, indices.shape[3]
-    scale = default_scale(D, scale)
-    block_k = max(config.block_k, block_size)
-    if not _pow2(block_k):
-        raise ValueError(f"DecodeConfig.block_k={config.block_k}: expected a power of two")
-    if config.num_splits is not None and config.num_splits < 1:
-        raise ValueError(f"DecodeConfig.num_splits={config.num_splits}: expected >= 1 or None")
-    per_iter = block_k // block_size
-    splits = config.num_splits or pl.cdiv(config.target_programs, B * Hkv * T)
-    splits = max(1, min(splits, pl.cdiv(K, per_iter)))
-    E = pl.cdiv(pl.cdiv(K, splits), per_iter) * per_iter  # entries per split
-    Gp = max(_MIN_ROWS, pl.next_power_of_2(G))
-
-    lengths = lengths.astype(jnp.int32)
-    pos = lengths[:, None] - T + jnp.arange(T, dtype=jnp.int32)  # [B, T]
-    limit = jnp.minimum(pos, N - 1)
-    ent = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, 0), (0, splits * E - K)), constant_values=-1)
-    end = sgpu._useful_end(ent, limit[:, None, :], block_size)  # [B, Hkv, T]
-    qg = q.reshape(B, T, Hkv, G, D).transpose(0, 2, 1, 3, 4)  # [B, Hkv, T, G, D]
-    if Gp != G:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, Gp - G), (0, 0)))
-    lay = layer_index(layer, L).reshape(1)
-
-    kernel = functools.partial(_decode_mass_kernel, scale=scale, block_size=block_size, block_k=block_k,
-                               entries_per_split=E)
-    stat = lambda: pl.BlockSpec((None, None, None, None, Gp, E), lambda b, h, t, s: (s, b, h, t, 0, 0))  # noqa: E731
-    o, m, l, el, em = pl.pallas_call(
-        kernel,
-        grid=(B, Hkv, T, splits),
-        in_specs=[
-            pl.BlockSpec((1,), lambda b, h, t, s: (0,)),  # the layer index
-            pl.BlockSpec((None, 1), lambda b, h, t, s: (b, t)),  # limit: last token the query may see
-            pl.BlockSpec((None, None, 1), lambda b, h, t, s: (b, h, t)),  # end: 1 + last useful entry
-            pl.BlockSpec((None, None, None, E), lambda b, h, t, s: (b, h, t, s)),  # this split's entries
-            pl.BlockSpec((None, None, None, Gp, D), lambda b, h, t, s: (b, h, t, 0, 0)),  # GQA group queries
-            pl.BlockSpec((L, None, None, N, D), lambda b, h, t, s: (0, b, h, 0, 0)),  # every layer of the KV head
-            pl.BlockSpec((L, None, None, N, D), lambda b, h, t, s: (0, b, h, 0, 0)),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, None, Gp, D), lambda b, h, t, s: (s, b, h, t, 0, 0)),
-            pl.BlockSpec((None, None, None, None, Gp), lambda b, h, t, s: (s, b, h, t, 0)),
-            pl.BlockSpec((None, None, None, None, Gp), lambda b, h, t, s: (s, b, h, t, 0)),
-            stat(),
-            stat(),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp, D), jnp.float32),
-            jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp), jnp.float32),
-            jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp), jnp.float32),
-            jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp, E), jnp.float32),
-            jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp, E), jnp.float32),
-        ],
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-        interpret=interpret,
-        name="evosparse_decode_mass",
-    )(lay, limit, end, ent, qg, k_all, v_all)
-
-    out, lse = sgpu._combine_splits(o[..., :G, :], m[..., :G], l[..., :G])  # [B, Hkv, T, G, D], [B, Hkv, T, G]
-    out = out.transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D).astype(q.dtype)
-    # Entry j = s * E + e; entries at or past `end` were never written (garbage): select, never multiply.
-    el = jnp.moveaxis(el[..., :G, :], 0, -2).reshape(B, Hkv, T, G, splits * E)[..., :K]
-    em = jnp.moveaxis(em[..., :G, :], 0, -2).reshape(B, Hkv, T, G, splits * E)[..., :K]
-    written = (jnp.arange(K, dtype=jnp.int32) < end[..., None])[:, :, :, None]  # [B, Hkv, T, 1, K]
-    ok = written & jnp.isfinite(lse)[..., None]
-    mass = jnp.where(ok, el * jnp.exp(jnp.where(ok, em - lse[..., None], 0.0)), 0.0)
-    return out, jnp.mean(mass, axis=3)
+    return sparse_decode_stacked_gpu(q, k_all, v_all, layer, indices, lengths, block_size=block_size, scale=scale,
+                                     return_mass=True, config=config, interpret=interpret)

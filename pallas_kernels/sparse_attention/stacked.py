@@ -101,9 +101,14 @@ def _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, first_entry, limit, block
     return ok, k_ref[layer, safe, :], v_ref[layer, safe, :]
 
 
-def _decode_kernel_stacked(layer_ref, pos_ref, end_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
+def _decode_kernel_stacked(layer_ref, pos_ref, end_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *mass_refs,
                            scale: float, block_size: int, block_k: int, entries_per_split: int):
-    """One (b, h, t, split) program; as `gpu._decode_kernel` with k_ref, v_ref: [L, N, D] and layer_ref: i32[1]."""
+    """One (b, h, t, split) program; as `gpu._decode_kernel` with k_ref, v_ref: [L, N, D] and layer_ref: i32[1].
+
+    With mass_refs = (el_ref, em_ref), f32[Gp, E] each: per index entry of the split, the sum of exp(s - m) over
+    the entry's tokens and that m (the running max after the iteration that processed it); entries past the last
+    useful one are not written.
+    """
     layer = layer_ref[0]
     split = pl.program_id(3)
     pos = pos_ref[0]
@@ -114,7 +119,22 @@ def _decode_kernel_stacked(layer_ref, pos_ref, end_ref, ent_ref, q_ref, k_ref, v
 
     def body(it, carry):
         ok, k, v = _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, it * per_iter, pos, block_size, block_k)
-        return gpu._online_softmax_step(q, k, v, ok[None, :], carry, scale)
+        if not mass_refs:
+            return gpu._online_softmax_step(q, k, v, ok[None, :], carry, scale)
+        o, m, l = carry
+        s = plgpu.dot(q, k, trans_b=True) * scale  # [Gp, block_k] f32
+        s = jnp.where(ok[None, :], s, gpu._MASK)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        corr = jnp.exp(m - m_new)
+        p = jnp.where(ok[None, :], jnp.exp(s - m_new[:, None]), 0.0)
+        l = corr * l + jnp.sum(p, axis=1)
+        o = corr[:, None] * o + plgpu.dot(p.astype(v.dtype), v)
+        pe = p if block_size == 1 else jnp.sum(p.reshape(gp, per_iter, block_size), axis=2)  # [Gp, per_iter]
+        el_ref, em_ref = mass_refs
+        cols = pl.ds(it * per_iter, per_iter)
+        plgpu.store(el_ref.at[:, cols], pe)
+        plgpu.store(em_ref.at[:, cols], jnp.broadcast_to(m_new[:, None], (gp, per_iter)))
+        return o, m_new, l
 
     init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), gpu._MASK, jnp.float32),
             jnp.zeros((gp,), jnp.float32))
@@ -124,10 +144,11 @@ def _decode_kernel_stacked(layer_ref, pos_ref, end_ref, ent_ref, q_ref, k_ref, v
     l_ref[...] = l
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "scale", "return_lse", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_size", "scale", "return_lse", "return_mass", "config",
+                                             "interpret"))
 def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array,
                               *, block_size: int = 1, scale: float | None = None, return_lse: bool = False,
-                              config: gpu.DecodeConfig = gpu.DecodeConfig(),
+                              return_mass: bool = False, config: gpu.DecodeConfig = gpu.DecodeConfig(),
                               interpret: bool = False) -> Array | tuple[Array, Array]:
     """Gathered decode attention over layer `layer` of a stacked cache, Pallas Triton kernel.
 
@@ -141,11 +162,14 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
       block_size: tokens per index entry (a power of two).
       scale: softmax scale (None: 1/sqrt(D)).
       return_lse: also return f32[B, T, Hq] logsumexp.
+      return_mass: also return f32[B, Hkv, T, K], the post-softmax mass of each index entry's tokens, mean over
+        the GQA group (0 for padding and invisible entries), from partial sums the kernel keeps while attending
+        (no second read of K; EvoSparse's heat).
       config: `gpu.DecodeConfig` (the kernel's tuning, shared with `gpu.sparse_decode_gpu`).
       interpret: run in the Pallas interpreter (CPU tests).
 
     Returns:
-      [B, T, Hq, D] in q.dtype (and lse: f32[B, T, Hq] with return_lse).
+      [B, T, Hq, D] in q.dtype, followed by lse: f32[B, T, Hq] with return_lse and by the mass with return_mass.
     """
     check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size)
     gpu._check_supported(q, block_size, None, interpret)
@@ -176,7 +200,20 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
 
     kernel = functools.partial(_decode_kernel_stacked, scale=scale, block_size=block_size, block_k=block_k,
                                entries_per_split=E)
-    o, m, l = pl.pallas_call(
+    out_specs = [
+        pl.BlockSpec((None, None, None, None, Gp, D), lambda b, h, t, s: (s, b, h, t, 0, 0)),
+        pl.BlockSpec((None, None, None, None, Gp), lambda b, h, t, s: (s, b, h, t, 0)),
+        pl.BlockSpec((None, None, None, None, Gp), lambda b, h, t, s: (s, b, h, t, 0)),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp, D), jnp.float32),
+        jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp), jnp.float32),
+        jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp), jnp.float32),
+    ]
+    if return_mass:  # per entry: sum of exp(s - m) and that m
+        out_specs += [pl.BlockSpec((None, None, None, None, Gp, E), lambda b, h, t, s: (s, b, h, t, 0, 0))] * 2
+        out_shape += [jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp, E), jnp.float32)] * 2
+    res = pl.pallas_call(
         kernel,
         grid=(B, Hkv, T, splits),
         in_specs=[
@@ -188,26 +225,29 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
             pl.BlockSpec((L, None, None, N, D), lambda b, h, t, s: (0, b, h, 0, 0)),  # every layer of the KV head
             pl.BlockSpec((L, None, None, N, D), lambda b, h, t, s: (0, b, h, 0, 0)),
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, None, Gp, D), lambda b, h, t, s: (s, b, h, t, 0, 0)),
-            pl.BlockSpec((None, None, None, None, Gp), lambda b, h, t, s: (s, b, h, t, 0)),
-            pl.BlockSpec((None, None, None, None, Gp), lambda b, h, t, s: (s, b, h, t, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp, D), jnp.float32),
-            jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp), jnp.float32),
-            jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp), jnp.float32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
-        name="sparse_decode_gathered_stacked",
+        name="sparse_decode_gathered_stacked" + ("_mass" if return_mass else ""),
     )(lay, limit, end, ent, qg, k_all, v_all)
+    o, m, l = res[:3]
 
     out, lse = gpu._combine_splits(o[..., :G, :], m[..., :G], l[..., :G])  # [B, Hkv, T, G, D], [B, Hkv, T, G]
     out = out.transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D).astype(q.dtype)
+    extra = []
     if return_lse:
-        return out, lse.transpose(0, 2, 1, 3).reshape(B, T, Hq)
-    return out
+        extra.append(lse.transpose(0, 2, 1, 3).reshape(B, T, Hq))
+    if return_mass:
+        el, em = res[3:]
+        # Entry j = s * E + e; entries at or past `end` were never written (garbage): select, never multiply.
+        el = jnp.moveaxis(el[..., :G, :], 0, -2).reshape(B, Hkv, T, G, splits * E)[..., :K]
+        em = jnp.moveaxis(em[..., :G, :], 0, -2).reshape(B, Hkv, T, G, splits * E)[..., :K]
+        written = (jnp.arange(K, dtype=jnp.int32) < end[..., None])[:, :, :, None]  # [B, Hkv, T, 1, K]
+        ok = written & jnp.isfinite(lse)[..., None]
+        mass = jnp.where(ok, el * jnp.exp(jnp.where(ok, em - lse[..., None], 0.0)), 0.0)
+        extra.append(jnp.mean(mass, axis=3))
+    return (out, *extra) if extra else out
 
 
 # ---------------------------------------------------------------------------------------------------------
