@@ -37,10 +37,10 @@ import numpy as np
 
 from eval.benchmarking import device_facts, table, time_ms, write_json
 from pallas_kernels.topk_select import gpu, gpu_row, topk_select_reference
+from pallas_kernels.topk_select.testing import adversarial
 
 BUDGET_S = 85.0
 CASES = [(64, 131072, 13108), (64, 32768, 3277), (32, 6256, 64), (4, 6256, 64), (4, 8192, 40)]
-NAN_BITS = np.array([0x7FFFFFFF, 0x7FC00000, 0x7F800001, 0xFFFFFFFF, 0xFFC00000], np.uint32)
 
 
 def variants(N: int) -> dict:
@@ -59,29 +59,6 @@ def auto_variant(N: int) -> str:
     return f"row_b{c.row_bits}" if c.pick_path(N) == "row" else "fused"
 
 
-def adversarial(rng, R: int, N: int) -> np.ndarray:
-    x = np.empty((R, N), np.float32)
-    specials = np.concatenate([NAN_BITS.view(np.float32), np.array([0.0, -0.0, np.inf, -np.inf, 1.0], np.float32)])
-    for r in range(R):
-        kind = r % 6
-        if kind == 0:
-            row = rng.integers(-4, 4, N).astype(np.float32) / 2
-            m = rng.random(N)
-            row[m < 0.2] = -np.inf
-            row[(m >= 0.2) & (m < 0.3)] = -0.0
-            row[(m >= 0.3) & (m < 0.35)] = np.inf
-        elif kind == 1:
-            row = np.full(N, 0.75, np.float32)
-        elif kind == 2:
-            row = np.full(N, -np.inf, np.float32)
-        elif kind == 3:
-            row = specials[rng.integers(0, specials.size, N)]
-        elif kind == 4:
-            row = rng.standard_normal(N).astype(np.float32)
-        else:
-            row = np.array([-np.inf, 1.0, 2.0], np.float32)[rng.integers(0, 3, N)]
-        x[r] = row
-    return x
 
 
 def row_ks(rng, R: int, k: int, K: int) -> np.ndarray:

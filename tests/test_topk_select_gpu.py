@@ -15,38 +15,12 @@ import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.topk_select import gpu, gpu_row, topk_select_reference
+from pallas_kernels.topk_select.testing import adversarial
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
-_NAN_BITS = np.array([0x7FFFFFFF, 0x7FC00000, 0x7F800001, 0xFFFFFFFF, 0xFFC00000], np.uint32)  # +-NaNs
 
 
-def adversarial(rng, R: int, N: int) -> np.ndarray:
-    """f32[R, N] rows cycling through: heavy ties with specials, all equal, all -inf, NaN payloads with +-0.0
-    and +-inf, continuous values, a few distinct values with -inf."""
-    x = np.empty((R, N), np.float32)
-    for r in range(R):
-        kind = r % 6
-        if kind == 0:
-            row = rng.integers(-4, 4, N).astype(np.float32) / 2
-            m = rng.random(N)
-            row[m < 0.2] = -np.inf
-            row[(m >= 0.2) & (m < 0.3)] = -0.0
-            row[(m >= 0.3) & (m < 0.35)] = np.inf
-        elif kind == 1:
-            row = np.full(N, 0.75, np.float32)
-        elif kind == 2:
-            row = np.full(N, -np.inf, np.float32)
-        elif kind == 3:
-            choices = np.concatenate([_NAN_BITS.view(np.float32),
-                                      np.array([0.0, -0.0, np.inf, -np.inf, 1.0], np.float32)])
-            row = choices[rng.integers(0, choices.size, N)]
-        elif kind == 4:
-            row = rng.standard_normal(N).astype(np.float32)
-        else:
-            row = np.array([-np.inf, 1.0, 2.0], np.float32)[rng.integers(0, 3, N)]
-        x[r] = row
-    return x
 
 
 def row_k(rng, R: int, K: int) -> np.ndarray:

@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.topk_select import gpu_fused, gpu_row
+from pallas_kernels.topk_select.gpu_fused import _chunk, _split_chunks
 from pallas_kernels.topk_select.common import (check_args, check_bits, float_keys, pad_output, radix_threshold,
                                                row_counts, selection_rule, split_plan, splits_for)
 
@@ -107,21 +108,6 @@ def _check_config(config: SelectConfig) -> None:
         raise ValueError(f"SelectConfig.row_bits={config.row_bits}: expected 1, 2, 4 or 8")
     if config.row_warps is not None and not (_pow2(config.row_warps) and config.row_warps <= 32):
         raise ValueError(f"SelectConfig.row_warps={config.row_warps}: expected a power of two <= 32 or None")
-
-
-def _chunk(x_ref, c, block_n: int, n: int):
-    """Scores of chunk c: (pos i32[block_n], ok bool[block_n] pos < n, x f32[block_n] (0 where not ok))."""
-    start = c * block_n
-    pos = start + jnp.arange(block_n, dtype=jnp.int32)
-    ok = pos < n
-    x = plgpu.load(x_ref.at[pl.ds(start, block_n)], mask=ok, other=0.0)
-    return pos, ok, x
-
-
-def _split_chunks(n: int, block_n: int, per_split: int):
-    """(first chunk, chunk count) of this program's split."""
-    first = pl.program_id(1) * per_split
-    return first, jnp.clip(pl.cdiv(n, block_n) - first, 0, per_split)
 
 
 def _count_kernel(p_ref, x_ref, o_ref, *, n: int, block_n: int, per_split: int, bits: int):

@@ -40,6 +40,7 @@ def pow2_splits(rows: int, n_chunks: int, target_programs: int) -> tuple[int, in
 
 
 def _chunk(x_ref, c, block_n: int, n: int):
+    """Scores of chunk c: (pos i32[block_n], ok bool[block_n] pos < n, x f32[block_n] (0 where not ok))."""
     start = c * block_n
     pos = start + jnp.arange(block_n, dtype=jnp.int32)
     ok = pos < n
@@ -48,6 +49,7 @@ def _chunk(x_ref, c, block_n: int, n: int):
 
 
 def _split_chunks(n: int, block_n: int, per_split: int):
+    """(first chunk, chunk count) of this program's split (shared with gpu.py's counting kernels)."""
     first = pl.program_id(1) * per_split
     return first, jnp.clip(pl.cdiv(n, block_n) - first, 0, per_split)
 
