@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.sparse_attention.common import default_scale  # noqa: F401  (re-exported)
+from pallas_kernels.sparse_attention.stacked import layer_index
 
 Array = jax.Array
 
@@ -48,8 +49,7 @@ def unstack(k: Array, v: Array, layer) -> tuple[Array, Array]:
 
 def layer_of(layer, num_layers: int) -> Array:
     """i32[1]: the layer index as jnp indexing reads a traced index (negative from the end, then clamped)."""
-    layer = jnp.asarray(layer, jnp.int32)
-    return jnp.clip(jnp.where(layer < 0, layer + num_layers, layer), 0, num_layers - 1).reshape(1)
+    return layer_index(layer, num_layers).reshape(1)
 
 
 def check_args(q: Array, k: Array, v: Array, lengths: Array, budget: float, min_tokens: int,

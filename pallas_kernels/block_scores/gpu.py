@@ -42,19 +42,13 @@ _MASK = -1e30  # finite "minus infinity" (as the other Triton kernels)
 _MIN_ROWS = 16  # Triton's tensor-core dot needs M, N, K >= 16
 
 
-def _pow2(n: int) -> bool:
-    return n >= 1 and (n & (n - 1)) == 0
+_pow2 = sgpu._pow2
 
 
 def unsupported_reason(dtype, head_dim: int, block_size: int) -> str | None:
-    """Why the Triton kernels cannot take these arguments (None when they can)."""
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
-        return f"dtype {jnp.dtype(dtype)} (expected bfloat16, float16 or float32)"
-    if not _pow2(head_dim) or head_dim < 16:
-        return f"head_dim D={head_dim} (Triton needs a power of two >= 16)"
-    if not _pow2(block_size):
-        return f"block_size={block_size} (expected a power of two)"
-    return None
+    """Why the Triton kernels cannot take these arguments (None when they can): the gathered-decode kernel's
+    rules (`sparse_attention.gpu.unsupported_reason`)."""
+    return sgpu.unsupported_reason(dtype, head_dim, block_size, None)
 
 
 def _check_supported(q: Array, block_size: int) -> None:
