@@ -18,7 +18,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.sparse_attention.common import default_scale  # noqa: F401  (re-exported)
+from pallas_kernels.sparse_attention.common import check_decode_cache, default_scale  # noqa: F401  (re-exported)
 from pallas_kernels.sparse_attention.stacked import layer_index
 
 Array = jax.Array
@@ -55,16 +55,7 @@ def layer_of(layer, num_layers: int) -> Array:
 def check_args(q: Array, k: Array, v: Array, lengths: Array, budget: float, min_tokens: int,
                K: int | None) -> int:
     """Validates an `anchor_decode` call (k, v: one layer's cache [B, Hkv, N, D]); returns the static K."""
-    if q.ndim != 4:
-        raise ValueError(f"q has shape {tuple(q.shape)}: expected [B, T, Hq, D]")
-    B, T, Hq, D = q.shape
-    if k.ndim != 4 or k.shape[0] != B or k.shape[3] != D:
-        raise ValueError(f"k has shape {tuple(k.shape)}: expected a head-major cache [B={B}, Hkv, N, D={D}]")
-    if v.shape != k.shape:
-        raise ValueError(f"v has shape {tuple(v.shape)}: expected the shape of k, {tuple(k.shape)}")
-    Hkv, N = k.shape[1], k.shape[2]
-    if Hq % Hkv:
-        raise ValueError(f"Hq={Hq} query heads is not a multiple of Hkv={Hkv} KV heads (GQA needs Hq % Hkv == 0)")
+    B, T, Hq, D, Hkv, N = check_decode_cache(q, k, v)
     if T < 1 or T > N:
         raise ValueError(f"T={T} new tokens: expected 1 <= T <= N={N}")
     if tuple(lengths.shape) != (B,) or not jnp.issubdtype(lengths.dtype, jnp.integer):

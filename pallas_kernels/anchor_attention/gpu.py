@@ -36,6 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.sparse_attention import gpu as sparse_gpu
 from pallas_kernels.anchor_attention.common import (check_args, check_diagonal_tile, combine_lse, default_scale,
                                                     force_diagonal, layer_of, pool_scores, positions, select,
                                                     unstack)
@@ -72,16 +73,13 @@ class AnchorConfig:
     pool_warps: int = 4
 
 
-def _pow2(n: int) -> bool:
-    return n >= 1 and (n & (n - 1)) == 0
+_pow2 = sparse_gpu._pow2
 
 
 def unsupported_reason(dtype, head_dim: int) -> str | None:
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
-        return f"dtype {jnp.dtype(dtype)} (expected bfloat16, float16 or float32)"
-    if not _pow2(head_dim) or head_dim < 16:
-        return f"head_dim D={head_dim} (Triton needs a power of two >= 16)"
-    return None
+    """Why the Triton kernel cannot take these arguments (None when it can): dtype and head_dim as the gathered
+    kernels (`sparse_attention.gpu.unsupported_reason`)."""
+    return sparse_gpu.unsupported_reason(dtype, head_dim, 1, None)
 
 
 def _logits_kernel(layer_ref, lim_ref, q_ref, k_ref, *refs, scale: float, block_n: int, per_split: int, n: int,
@@ -304,7 +302,6 @@ def anchor_decode_gpu(q: Array, k: Array, v: Array, lengths: Array, *, budget: f
     kernel; select_config: `topk_select.gpu.SelectConfig` (None: default); interpret: all kernels in the
     Pallas interpreter (CPU tests).
     """
-    from pallas_kernels.sparse_attention import gpu as sparse_gpu
     from pallas_kernels.topk_select import gpu as select_gpu
 
     K = check_args(q, *unstack(k, v, layer), lengths, budget, min_tokens, K)

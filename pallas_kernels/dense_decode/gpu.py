@@ -27,6 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.sparse_attention import gpu as sparse_gpu
 from pallas_kernels.dense_decode.reference import check_args, default_scale, layer_index
 
 Array = jax.Array
@@ -58,17 +59,13 @@ class DenseDecodeConfig:
     num_stages: int = 3
 
 
-def _pow2(n: int) -> bool:
-    return n >= 1 and (n & (n - 1)) == 0
+_pow2 = sparse_gpu._pow2
 
 
 def unsupported_reason(dtype, head_dim: int) -> str | None:
-    """Why the kernel cannot take these arguments (None when it can)."""
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
-        return f"dtype {jnp.dtype(dtype)} (expected bfloat16, float16 or float32)"
-    if not _pow2(head_dim) or head_dim < 16:
-        return f"head_dim D={head_dim} (Triton needs a power of two >= 16)"
-    return None
+    """Why the Triton kernel cannot take these arguments (None when it can): dtype and head_dim as the gathered
+    kernels (`sparse_attention.gpu.unsupported_reason`)."""
+    return sparse_gpu.unsupported_reason(dtype, head_dim, 1, None)
 
 
 def _check_config(config: DenseDecodeConfig) -> None:

@@ -42,8 +42,9 @@ def _check_block_size(block_size: int) -> None:
         raise ValueError(f"block_size={block_size!r}: expected an int >= 1 (tokens per index entry)")
 
 
-def check_decode_args(q: Array, k: Array, v: Array, indices: Array, lengths: Array, block_size: int) -> None:
-    """Validates the shapes of a `sparse_decode` call (see `reference.sparse_decode_reference`)."""
+def check_decode_cache(q: Array, k: Array, v: Array) -> tuple[int, int, int, int, int, int]:
+    """Validates decode queries q [B, T, Hq, D] against one layer's head-major cache k, v [B, Hkv, N, D] (GQA
+    heads included); returns (B, T, Hq, D, Hkv, N)."""
     if q.ndim != 4:
         raise ValueError(f"q has shape {tuple(q.shape)}: expected [B, T, Hq, D]")
     B, T, Hq, D = q.shape
@@ -53,6 +54,12 @@ def check_decode_args(q: Array, k: Array, v: Array, indices: Array, lengths: Arr
         raise ValueError(f"v has shape {tuple(v.shape)}: expected the shape of k, {tuple(k.shape)}")
     Hkv, N = k.shape[1], k.shape[2]
     _check_heads(Hq, Hkv)
+    return B, T, Hq, D, Hkv, N
+
+
+def check_decode_args(q: Array, k: Array, v: Array, indices: Array, lengths: Array, block_size: int) -> None:
+    """Validates the shapes of a `sparse_decode` call (see `reference.sparse_decode_reference`)."""
+    B, T, Hq, D, Hkv, N = check_decode_cache(q, k, v)
     _check_block_size(block_size)
     if N % block_size:
         raise ValueError(f"cache length N={N} is not a multiple of block_size={block_size}")
