@@ -55,7 +55,7 @@ import numpy as np
 from eval import bench_model
 from eval.benchmarking import device_facts, measure_hbm_gbs, table, time_ms, write_json
 from jsparse.cli import set_xla_flags
-from jsparse.methods.evosparse import EvoSparse, blocks_to_dense, default_num_heads, heat_step
+from jsparse.methods.evosparse import EvoSparse, default_num_heads, heat_update
 from models import llama
 from models.attention import LayerContext, LayerKV
 from models.cache import KVCache
@@ -151,7 +151,6 @@ def part_loop(method, q, k, v, lengths, state, *, iters, part):
     info = jax.tree_util.tree_map(lambda x: x[2], method.layer_info(None))
     B, _, Hq, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
-    nb = N // BLOCK
     pos = lengths - 1
     cache = LayerKV(k=k, v=v)
     idx0 = method.select_blocks(state.heat[2], state.retrieval[:, 0], pos, Hkv, N)
@@ -179,7 +178,7 @@ def part_loop(method, q, k, v, lengths, state, *, iters, part):
                                         block_size=BLOCK, implementation=EVO_KERNELS)
             return acc + (out.astype(jnp.float32).sum() + m.sum()) * 1e-9, heat
         if part == "heat_update":  # block sums of the mass, decay, in-place write of the layer's heat
-            h = heat_step(heat[2], blocks_to_dense(idx0, emass0 + acc * 1e-9, nb), method.decay)
+            h = heat_update(heat[2], idx0, emass0 + acc * 1e-9, method.decay)
             heat = jax.lax.dynamic_update_index_in_dim(heat, h, 2, axis=0)
             return acc + h[0, 0, 0] * 1e-9, heat
         raise ValueError(part)

@@ -183,14 +183,23 @@ def _stacked(cache):
     return cache.k[None], cache.v[None], jnp.int32(0)
 
 
-def blocks_to_dense(idx: Array, values: Array, nb: int) -> Array:
-    """Sums values f32[..., K] into their blocks idx: i32[..., K] (-1 ignored, unique): f32[..., nb].
+def heat_update(heat: Array, idx: Array, values: Array, decay: float) -> Array:
+    """decay * heat + values summed into their blocks: heat f32[..., nb], idx i32[..., K] (valid entries unique,
+    ascending, then -1), values f32[..., K]. One scatter-add into the decayed row (the -1 padding is mapped to
+    distinct out-of-range blocks and dropped), so the indices are sorted and unique as XLA is told."""
+    lead = idx.shape[:-1]
+    nb, K = heat.shape[-1], idx.shape[-1]
+    safe = jnp.where(idx >= 0, idx, nb + jnp.arange(K, dtype=idx.dtype))
+    grids = jnp.meshgrid(*[jnp.arange(n) for n in lead], indexing="ij")
+    at = tuple(jnp.broadcast_to(g[..., None], idx.shape) for g in grids) + (safe,)
+    return (decay * heat).at[at].add(values.astype(heat.dtype), mode="drop", indices_are_sorted=True,
+                                     unique_indices=True)
 
-    A compare-and-reduce over K (one fusion, no scatter, no zero-initialised buffer): out[..., j] =
-    sum_k [idx_k == j] values_k.
-    """
-    hit = idx[..., None, :] == jnp.arange(nb, dtype=idx.dtype)[:, None]  # [..., nb, K]
-    return jnp.sum(jnp.where(hit, values[..., None, :], 0.0), axis=-1)
+
+def blocks_to_dense(idx: Array, values: Array, nb: int) -> Array:
+    """Sums values f32[..., K] into their blocks idx: i32[..., K] (-1 ignored, valid entries unique and
+    ascending): f32[..., nb]."""
+    return heat_update(jnp.zeros(idx.shape[:-1] + (nb,), jnp.float32), idx, values, 0.0)
 
 
 def merge_disjoint(cand: Array, width: int) -> Array:
@@ -451,7 +460,7 @@ class EvoSparse:
             idx = self.select_blocks(heat_l, ret_t, pos_t, cache.k.shape[1], cache.k.shape[2])
             out, mass = self.attend(q_t, cache, idx, pos_t, live=live)
             if self.uses_heat:
-                new = heat_step(heat_l, mass, self.decay)
+                new = heat_update(heat_l, idx, mass, self.decay)
                 heat_l = new if live is None else jnp.where(live, new, heat_l)
             return heat_l, out
 
@@ -517,9 +526,9 @@ class EvoSparse:
         mass (from partial sums it keeps while attending; no second gather of K); live=False: lengths 0 (the
         kernel reads nothing; a dense layer run branchless).
 
-        Returns (out: [B, Hq, D], mass: f32[B, Hkv, nb] post-softmax mass per block, mean over the GQA group).
+        Returns (out: [B, Hq, D], mass: f32[B, Hkv, K] the post-softmax mass of each entry of idx, mean over the
+        GQA group; `heat_update` sums it into the blocks), mass None without heat.
         """
-        nb = cache.k.shape[2] // self.block_size
         lengths = pos + 1 if live is None else jnp.where(live, pos + 1, 0)
         k_all, v_all, layer = _stacked(cache)
         if not self.uses_heat:
@@ -528,7 +537,7 @@ class EvoSparse:
             return out[:, 0], None
         out, emass = sparse_decode_mass(q_t[:, None], k_all, v_all, layer, idx[:, :, None], lengths,
                                         block_size=self.block_size, implementation=self.kernels)
-        return out[:, 0], blocks_to_dense(idx, emass[:, :, 0], nb)
+        return out[:, 0], emass[:, :, 0]
 
     def _prefill_heat(self, ctx, q, k, heat):
         """Heat of this layer after dense attention of each prompt's last heat_window rows (see the docstring)."""
