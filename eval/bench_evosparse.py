@@ -245,6 +245,20 @@ def kernel_checks(key) -> list[dict]:
     em = float(jnp.max(jnp.abs(m1 - m2)))
     out.append(dict(check="decode_mass_kernel_vs_reference", rel_err_out=eo, max_abs_err_mass=em,
                     ok=eo <= 2e-2 and em <= 2e-3))
+    # The one-launch block selection at the benchmark's shape (100K / 16 blocks, budget 2048), heat with ties.
+    m = EvoSparse(budget_tokens=BUDGET_TOKENS, block_size=BLOCK)
+    Nc = round_up(CONTEXT_E2E, 256)
+    wd = m.widths(Nc)
+    for trial in range(3):
+        heat = jnp.asarray(np.round(rng.random((4, 8, wd["nb"])) * (4 if trial else 1e6)) / 4, jnp.float32)
+        ret = np.full((4, max(wd["retrieval"], 1)), -1, np.int32)
+        ret[:, :5] = np.sort(rng.choice(np.arange(10, 5000), (4, 5), replace=False), -1)
+        pos_s = jnp.asarray([Nc - 1, 4000, 70000, 2100 * trial], jnp.int32)
+        r = None if trial == 2 else jnp.asarray(ret)
+        got = m.replace(kernels="pallas_gpu").select_blocks(heat, r, pos_s, 8, Nc)
+        want = m.replace(kernels="xla").select_blocks(heat, r, pos_s, 8, Nc)
+        out.append(dict(check=f"select_blocks_kernel_vs_xla[{trial}]", equal=bool(jnp.all(got == want)),
+                        ok=bool(jnp.all(got == want))))
     for r in out:
         print(r, flush=True)
     return out

@@ -1,4 +1,4 @@
-"""EvoSparse's fast decode path: the sort-free merge and scatter-free block sums against NumPy, the branchless
+"""EvoSparse's fast decode path: the sort-free merge and the scatter-add block sums against NumPy, the branchless
 layer (the GPU default) equal to the lax.cond layer in dense, inheriting and retrieval layers (T = 1 and 3,
 outputs and state), and a branchless model decode with no conditional in its program."""
 
@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jsparse.methods.evosparse import EvoSparse, blocks_to_dense, merge_disjoint
+from jsparse.methods.evosparse import EvoSparse, blocks_to_dense
+from pallas_kernels.block_scores.xla import merge_disjoint
 from models import llama
 from models.attention import LayerContext, LayerKV
 from models.cache import init_cache

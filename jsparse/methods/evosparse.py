@@ -61,7 +61,7 @@ from jsparse import selection as sel
 from jsparse.artifacts import load_artifact
 from jsparse.methods.base import register
 from jsparse.methods.common import attend_dense, dense_prefill
-from pallas_kernels.block_scores import block_max_scores, sparse_decode_mass
+from pallas_kernels.block_scores import block_max_scores, select_blocks, sparse_decode_mass
 from pallas_kernels.sparse_attention import sparse_decode
 from pallas_kernels.topk_select import topk_select
 
@@ -200,20 +200,6 @@ def blocks_to_dense(idx: Array, values: Array, nb: int) -> Array:
     """Sums values f32[..., K] into their blocks idx: i32[..., K] (-1 ignored, valid entries unique and
     ascending): f32[..., nb]."""
     return heat_update(jnp.zeros(idx.shape[:-1] + (nb,), jnp.float32), idx, values, 0.0)
-
-
-def merge_disjoint(cand: Array, width: int) -> Array:
-    """The entries of cand: i32[..., W] (distinct non-negative values and -1 padding), ascending then -1 padded,
-    as i32[..., width] (width >= the count of valid entries). Ranks by comparison and a one-hot reduce (no sort,
-    no scatter): entry x goes to slot #(valid entries < x)."""
-    valid = cand >= 0
-    big = jnp.iinfo(jnp.int32).max
-    key = jnp.where(valid, cand, big)
-    rank = jnp.sum((key[..., None, :] < key[..., :, None]).astype(jnp.int32), axis=-1)  # [..., W]
-    rank = jnp.where(valid, rank, width)  # padding: no slot
-    slot = jnp.arange(width, dtype=jnp.int32)[:, None]
-    hit = rank[..., None, :] == slot  # [..., width, W]
-    return jnp.sum(jnp.where(hit, cand[..., None, :] + 1, 0), axis=-1).astype(jnp.int32) - 1
 
 
 @functools.partial(jax.jit, static_argnames=("decay",))
@@ -478,46 +464,21 @@ class EvoSparse:
     def select_blocks(self, heat_l, ret, pos, Hkv: int, N: int) -> Array:
         """The attended blocks of one decode row: i32[B, Hkv, Kb] ascending, -1 padded.
 
-        Sink [0, n_s) and local [nbv - n_l, nbv) are ranges; the retrieval and heat blocks lie between them and
-        are disjoint (heat excludes the retrieval set), so the union is sink, then the two middle lists merged
-        by rank (`merge_disjoint`: comparisons, no sort), then local.
+        Sink [0, n_s) and local [nbv - n_l, nbv) are ranges; the retrieval blocks and the heat blocks lie between
+        them and are disjoint (heat excludes the retrieval set and also fills the retrieval slots the set left
+        empty); `pallas_kernels.block_scores.select_blocks` (one Triton kernel per row on the GPU) builds the
+        union.
 
         Args:
           heat_l: f32[B, Hkv, nb] this layer's heat (None without heat); ret: i32[B, Wr] the retrieval set (or
           None); pos: i32[B] the query positions; Hkv, N: KV heads and cache length.
         """
-        B = pos.shape[0]
         w = self.widths(N)
-        nb, Kb = w["nb"], w["Kb"]
         kb, nbv, (n_s, n_l, n_r, n_h) = self._row_budget(pos)
-        lo, hi = n_s, nbv - n_l  # the middle blocks
-        mids = []
-        n_ret_valid = jnp.zeros_like(n_r)
-        if ret is not None:
-            mids.append(jnp.broadcast_to(ret[:, None], (B, Hkv, ret.shape[-1])))
-            n_ret_valid = jnp.sum(ret >= 0, axis=-1)
-        if heat_l is not None:
-            blk = jnp.arange(nb, dtype=jnp.int32)[None]
-            middle = (blk >= lo[:, None]) & (blk < hi[:, None])  # [B, nb]
-            if ret is not None:
-                middle = middle & ~jnp.any(ret[:, :, None] == blk[:, None, :], axis=1)
-            scores = jnp.where(middle[:, None], heat_l, -jnp.inf)
-            count = n_h + (n_r - n_ret_valid) if ret is not None or self.uses_retrieval else n_h
-            mids.append(topk_select(scores, jnp.broadcast_to(count[:, None], (B, Hkv)), w["heat"]))
-        j = jnp.arange(Kb, dtype=jnp.int32)[None, None]
-        n_s3, n_l3, hi3 = n_s[:, None, None], n_l[:, None, None], hi[:, None, None]
-        if mids:
-            cand = jnp.concatenate(mids, axis=-1)
-            n_mid = jnp.sum(cand >= 0, axis=-1, keepdims=True)  # [B, Hkv, 1]
-            mid = merge_disjoint(cand, Kb)
-            mid_j = jnp.take_along_axis(mid, jnp.clip(j - n_s3, 0, Kb - 1), axis=-1)
-        else:
-            n_mid, mid_j = jnp.zeros_like(n_s3), jnp.zeros_like(j)
-        after = j - n_s3 - n_mid  # position inside the local range
-        idx = jnp.where(j < n_s3, j, jnp.where(after < 0, mid_j, jnp.where(after < n_l3, hi3 + after, -1)))
-        full = (kb >= nbv)[:, None, None]  # the budget covers every visible block
-        every = jnp.where(j < nbv[:, None, None], j, -1)
-        return jnp.broadcast_to(jnp.where(full, every, idx), (B, Hkv, Kb)).astype(jnp.int32)
+        n_ret_valid = jnp.zeros_like(n_r) if ret is None else jnp.sum(ret >= 0, axis=-1)
+        count = n_h + (n_r - n_ret_valid) if ret is not None or self.uses_retrieval else n_h
+        return select_blocks(heat_l, ret, n_s, nbv - n_l, nbv, count, kb >= nbv, num_kv_heads=Hkv, nb=w["nb"],
+                             width=w["Kb"], heat_width=w["heat"], implementation=self.kernels)
 
     def attend(self, q_t: Array, cache, idx: Array, pos: Array, live=None):
         """Attention of one row q_t: [B, Hq, D] at positions pos: i32[B] over blocks idx: i32[B, Hkv, K].

@@ -10,13 +10,19 @@
       gathered sparse decode (as `pallas_kernels.sparse_attention.sparse_decode(layer=...)`) that also returns
       the post-softmax mass each index entry received (mean over the GQA group), from per-entry partial sums
       the kernel writes while it attends (no second gather of K).
+  select_blocks(heat: f32[B, Hkv, nb] | None, ret: i32[B, Wr] | None, n_s, hi, nbv, count: i32[B], full: bool[B],
+                *, num_kv_heads, nb, width, heat_width) -> i32[B, Hkv, width]
+      EvoSparse's attended blocks of a decode row: sink [0, n_s), local [hi, nbv), the retrieval set and the
+      `count` hottest middle blocks outside it, ascending then -1 (every visible block where full); on the GPU
+      one Triton launch (the heat row's exact top-k in registers, then the union).
 
 gpu.py: Pallas Triton kernels; xla.py: the XLA fallback (any backend; slices and gathers); reference.py: the
 plain-jnp specification; api.py dispatches (gpu -> "pallas_gpu" when the kernel takes the arguments, else "xla").
 """
 
-from pallas_kernels.block_scores.api import IMPLEMENTATIONS, block_max_scores, sparse_decode_mass, supported
+from pallas_kernels.block_scores.api import (IMPLEMENTATIONS, block_max_scores, select_blocks, sparse_decode_mass,
+                                             supported)
 from pallas_kernels.block_scores.reference import block_max_scores_reference, sparse_decode_mass_reference
 
-__all__ = ["IMPLEMENTATIONS", "block_max_scores", "sparse_decode_mass", "supported", "block_max_scores_reference",
-           "sparse_decode_mass_reference"]
+__all__ = ["IMPLEMENTATIONS", "block_max_scores", "select_blocks", "sparse_decode_mass", "supported",
+           "block_max_scores_reference", "sparse_decode_mass_reference"]

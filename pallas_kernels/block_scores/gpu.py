@@ -35,6 +35,8 @@ from pallas_kernels.block_scores.reference import check_block_max_args
 from pallas_kernels.sparse_attention import gpu as sgpu
 from pallas_kernels.sparse_attention.common import default_scale
 from pallas_kernels.sparse_attention.stacked import layer_index, sparse_decode_stacked_gpu
+from pallas_kernels.topk_select.common import INT_MIN, float_keys
+from pallas_kernels.topk_select.gpu_row import ROW_LIMIT, next_pow2, row_pick_mask, row_warps
 
 Array = jax.Array
 
@@ -185,3 +187,74 @@ def sparse_decode_mass_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
     _check_supported(q, block_size)
     return sparse_decode_stacked_gpu(q, k_all, v_all, layer, indices, lengths, block_size=block_size, scale=scale,
                                      return_mass=True, config=config, interpret=interpret)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# EvoSparse's block selection of one decode row.
+
+
+def _select_blocks_kernel(meta_ref, ret_ref, heat_ref, o_ref, *, nb: int, P: int, wr: int, has_heat: bool,
+                          has_ret: bool, width: int, wpad: int, heat_width: int, bits: int):
+    """Row (b, kv head). Refs: meta i32[8] (n_s, hi, nbv, count, full); ret i32[wr]; heat f32[nb]; o i32[width]."""
+    n_s, hi, nbv, count, full = (meta_ref[i] for i in range(5))
+    blk = jnp.arange(P, dtype=jnp.int32)
+    vis = (blk < nb) & (blk < nbv)
+    in_ret = jnp.zeros((P,), jnp.bool_)
+    if has_ret:
+        for j in range(wr):  # wr scalar loads; -1 padding matches no block
+            in_ret = in_ret | (blk == ret_ref[j])
+    sel = vis & ((full != 0) | (blk < n_s) | (blk >= hi) | in_ret)
+    if has_heat:
+        cand = vis & (blk >= n_s) & (blk < hi) & jnp.logical_not(in_ret)
+        n_cand = jnp.sum(cand.astype(jnp.int32))
+        kk = jnp.minimum(jnp.clip(count, 0, heat_width), n_cand)
+        x = plgpu.load(heat_ref.at[pl.ds(0, P)], mask=blk < nb, other=0.0)
+        key = jnp.where(cand, float_keys(x), INT_MIN)
+        sel = sel | row_pick_mask(key, cand, kk, n_cand, bits)
+    s32 = sel.astype(jnp.int32)
+    dst = jnp.cumsum(s32) - s32
+    keep = sel & (dst < width)
+    plgpu.store(o_ref.at[jnp.where(keep, dst, width)], blk, mask=keep)
+    total = jnp.minimum(jnp.sum(s32), width)
+    slot = jnp.arange(wpad, dtype=jnp.int32)
+    plgpu.store(o_ref.at[pl.ds(0, wpad)], jnp.full((wpad,), -1, jnp.int32), mask=(slot >= total) & (slot < width))
+
+
+def select_blocks_gpu(heat: Array | None, ret: Array | None, n_s: Array, hi: Array, nbv: Array, count: Array,
+                      full: Array, *, num_kv_heads: int, nb: int, width: int, heat_width: int, bits: int = 2,
+                      num_warps: int | None = None, interpret: bool = False) -> Array:
+    """`xla.select_blocks_xla` in one launch: one program per (row, KV head), grid (B, Hkv).
+
+    The program holds the heat row in registers (P = next power of two >= nb keys): it marks the retrieval
+    blocks (wr scalar compares), runs the exact in-register radix search for the heat threshold over the
+    middle blocks outside the retrieval set (`topk_select.gpu_row.row_pick_mask`, ties by position), ORs in sink,
+    local and retrieval, and writes the union ascending by one cumulative sum (then -1). It replaces the heat
+    top-k launch and the ~15 XLA fusions of the merge. Heat must be finite (it is a sum of softmax masses).
+
+    Args / returns: as `xla.select_blocks_xla`; nb <= 32768.
+    """
+    B, Hkv = n_s.shape[0], num_kv_heads
+    if nb > ROW_LIMIT:
+        raise ValueError(f"nb={nb} blocks: the select_blocks kernel takes nb <= {ROW_LIMIT}")
+    if not 1 <= width <= nb:
+        raise ValueError(f"width={width}: expected 1 <= width <= nb={nb}")
+    has_heat, has_ret = heat is not None, ret is not None
+    if has_heat and heat.shape != (B, Hkv, nb):
+        raise ValueError(f"heat of shape {heat.shape}: expected {(B, Hkv, nb)}")
+    heat = heat.astype(jnp.float32) if has_heat else jnp.zeros((B, Hkv, 1), jnp.float32)
+    ret = ret.astype(jnp.int32) if has_ret else jnp.full((B, 1), -1, jnp.int32)
+    wr, hn = ret.shape[-1], heat.shape[-1]
+    meta = jnp.stack([n_s, hi, nbv, count, full.astype(jnp.int32)] + [jnp.zeros_like(n_s)] * 3, axis=-1)
+    P = max(32, next_pow2(nb))
+    return pl.pallas_call(
+        functools.partial(_select_blocks_kernel, nb=nb, P=P, wr=wr, has_heat=has_heat, has_ret=has_ret,
+                          width=width, wpad=max(32, next_pow2(width)), heat_width=heat_width, bits=bits),
+        grid=(B, Hkv),
+        in_specs=[pl.BlockSpec((None, 8), lambda b, h: (b, 0)), pl.BlockSpec((None, wr), lambda b, h: (b, 0)),
+                  pl.BlockSpec((None, None, hn), lambda b, h: (b, h, 0))],
+        out_specs=pl.BlockSpec((None, None, width), lambda b, h: (b, h, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, Hkv, width), jnp.int32),
+        compiler_params=plgpu.CompilerParams(num_warps=row_warps(P) if num_warps is None else num_warps,
+                                             num_stages=1),
+        interpret=interpret, name="evosparse_select_blocks",
+    )(meta.astype(jnp.int32), ret, heat)

@@ -12,6 +12,7 @@ from pallas_kernels.block_scores.reference import check_block_max_args
 from pallas_kernels.sparse_attention import sparse_decode
 from pallas_kernels.sparse_attention.common import default_scale
 from pallas_kernels.sparse_attention.stacked import check_stacked_args, layer_index
+from pallas_kernels.topk_select import topk_select
 
 Array = jax.Array
 
@@ -59,3 +60,61 @@ def sparse_decode_mass_xla(q: Array, k_all: Array, v_all: Array, layer: Array, i
     lse_g = lse.reshape(B, T, Hkv, G).transpose(0, 2, 1, 3)[..., None, None]  # [B, Hkv, T, G, 1, 1]
     p = jnp.where(valid[:, :, :, None] & jnp.isfinite(lse_g), jnp.exp(s - lse_g), 0.0)
     return out, p.sum(-1).mean(axis=3)
+
+
+def merge_disjoint(cand: Array, width: int) -> Array:
+    """The entries of cand: i32[..., W] (distinct non-negative values and -1 padding), ascending then -1 padded,
+    as i32[..., width] (width >= the count of valid entries). Ranks by comparison and a one-hot reduce (no sort,
+    no scatter): entry x goes to slot #(valid entries < x)."""
+    valid = cand >= 0
+    big = jnp.iinfo(jnp.int32).max
+    key = jnp.where(valid, cand, big)
+    rank = jnp.sum((key[..., None, :] < key[..., :, None]).astype(jnp.int32), axis=-1)  # [..., W]
+    rank = jnp.where(valid, rank, width)  # padding: no slot
+    slot = jnp.arange(width, dtype=jnp.int32)[:, None]
+    hit = rank[..., None, :] == slot  # [..., width, W]
+    return jnp.sum(jnp.where(hit, cand[..., None, :] + 1, 0), axis=-1).astype(jnp.int32) - 1
+
+
+def select_blocks_xla(heat: Array | None, ret: Array | None, n_s: Array, hi: Array, nbv: Array, count: Array,
+                      full: Array, *, num_kv_heads: int, nb: int, width: int, heat_width: int) -> Array:
+    """EvoSparse's attended blocks of one decode row (the specification of `select_blocks`).
+
+    Sink [0, n_s) and local [hi, nbv) are ranges; the retrieval blocks ret and the heat blocks lie between them
+    and are disjoint (heat picks among the middle blocks [n_s, hi) that are not in ret: the `count` hottest,
+    at most heat_width, ties by position), so the union is sink, then the two middle lists merged by rank
+    (`merge_disjoint`: comparisons, no sort), then local. Rows with full=True take every visible block.
+
+    Args:
+      heat: f32[B, Hkv, nb] the layer's heat, or None (no heat blocks); ret: i32[B, Wr] the retrieval set
+        (valid entries unique and inside the middle, -1 padding), or None.
+      n_s, hi, nbv, count: i32[B]; full: bool[B].
+      width: blocks per output row (Kb); heat_width: most heat picks.
+
+    Returns:
+      i32[B, Hkv, width]: the blocks ascending, then -1 (entries past `width` are dropped).
+    """
+    B, Hkv, Kb = n_s.shape[0], num_kv_heads, width
+    mids = []
+    if ret is not None:
+        mids.append(jnp.broadcast_to(ret[:, None], (B, Hkv, ret.shape[-1])))
+    if heat is not None:
+        blk = jnp.arange(nb, dtype=jnp.int32)[None]
+        middle = (blk >= n_s[:, None]) & (blk < hi[:, None])  # [B, nb]
+        if ret is not None:
+            middle = middle & ~jnp.any(ret[:, :, None] == blk[:, None, :], axis=1)
+        scores = jnp.where(middle[:, None], heat, -jnp.inf)
+        mids.append(topk_select(scores, jnp.broadcast_to(count[:, None], (B, Hkv)), heat_width))
+    j = jnp.arange(Kb, dtype=jnp.int32)[None, None]
+    n_s3, hi3, nbv3 = n_s[:, None, None], hi[:, None, None], nbv[:, None, None]
+    if mids:
+        cand = jnp.concatenate(mids, axis=-1)
+        n_mid = jnp.sum(cand >= 0, axis=-1, keepdims=True)  # [B, Hkv, 1]
+        mid = merge_disjoint(cand, Kb)
+        mid_j = jnp.take_along_axis(mid, jnp.clip(j - n_s3, 0, Kb - 1), axis=-1)
+    else:
+        n_mid, mid_j = jnp.zeros_like(n_s3), jnp.zeros_like(j)
+    after = j - n_s3 - n_mid  # position inside the local range
+    idx = jnp.where(j < n_s3, j, jnp.where(after < 0, mid_j, jnp.where(after < nbv3 - hi3, hi3 + after, -1)))
+    every = jnp.where(j < nbv3, j, -1)
+    return jnp.broadcast_to(jnp.where(full[:, None, None], every, idx), (B, Hkv, Kb)).astype(jnp.int32)

@@ -82,6 +82,27 @@ def row_threshold(key: Array, kk: Array, n, bits: int, max_passes: int | None = 
     return lo, cnt, (kk <= 0) | (cnt == kk)
 
 
+def _bulk_rule(lo, done, kk):
+    """(a, on): the bulk picks are the keys >= a when on (common.selection_rule; t = lo when not done)."""
+    a = jnp.where(done, lo, jnp.where(lo == INT_MAX, INT_MAX, lo + 1))
+    return a, jnp.where(done, kk > 0, lo != INT_MAX)
+
+
+def row_pick_mask(key: Array, cand: Array, kk: Array, n, bits: int) -> Array:
+    """In-kernel exact top-kk of a row held in registers, as a mask: bool[P] over the candidates `cand`.
+
+    key: i32[P] keys (`float_keys`) with INT_MIN at every position that is not a candidate; kk: i32 scalar,
+    0 <= kk <= n; n: the number of candidates. Ties at the threshold are taken by position (lowest first), as
+    `reference.topk_select_reference`. The keys must be finite scores (no -inf / NaN candidates)."""
+    lo, _, done = row_threshold(key, kk, n, bits)
+    a, on = _bulk_rule(lo, done, kk)
+    bulk = (key >= a) & on & cand
+    tie = ((key == lo) & cand & jnp.logical_not(done)).astype(jnp.int32)
+    quota = jnp.where(done, 0, kk - jnp.sum(bulk.astype(jnp.int32)))
+    tie_before = jnp.cumsum(tie) - tie
+    return bulk | ((tie > 0) & (tie_before < quota))
+
+
 def _row_kernel(k_ref, x_ref, o_ref, *, n: int, P: int, bits: int, width: int, wpad: int):
     """One row. Refs: k i32[1] (the row's k, unclipped); x f32[N] the row; o i32[width] the row's output."""
     kk = jnp.clip(k_ref[0], 0, width)
@@ -93,8 +114,7 @@ def _row_kernel(k_ref, x_ref, o_ref, *, n: int, P: int, bits: int, width: int, w
 
     # The selection rule (common.selection_rule), then the ranks of the picks by one packed scan.
     t = lo
-    a = jnp.where(done, lo, jnp.where(t == INT_MAX, INT_MAX, t + 1))
-    on = jnp.where(done, kk > 0, t != INT_MAX)
+    a, on = _bulk_rule(lo, done, kk)
     bulk = (key >= a) & on & ok
     tie = (key == t) & ok & jnp.logical_not(done)
     n_bulk = jnp.sum(bulk.astype(jnp.int32))

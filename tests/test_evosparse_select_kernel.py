@@ -1,0 +1,84 @@
+"""EvoSparse's one-launch block selection (`block_scores.select_blocks`, Pallas Triton in interpret mode) equals
+its XLA specification on random rows: heat with many ties (zeros and rounded values), retrieval sets with -1
+padding, rows whose budget covers every block, rows with fewer middle blocks than the heat count, no heat and
+no retrieval set; and the method's selection is the same through either implementation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.block_scores import gpu, xla
+from pallas_kernels.block_scores.api import select_blocks
+
+
+def _case(rng, B, Hkv, nb, width, wr, ties):
+    nbv = rng.integers(1, nb + 1, B)
+    n_s = np.minimum(rng.integers(0, 4, B), nbv)
+    n_l = np.minimum(rng.integers(0, 6, B), nbv - n_s)
+    hi = nbv - n_l
+    ret = np.full((B, wr), -1, np.int32)
+    for b in range(B):
+        mid = np.arange(n_s[b], hi[b])
+        take = rng.permutation(mid)[: rng.integers(0, min(wr, len(mid)) + 1)]
+        ret[b, : len(take)] = np.sort(take)
+    heat = rng.random((B, Hkv, nb)).astype(np.float32)
+    if ties:
+        heat = np.round(heat * 4) / 4  # many equal values, zeros among them
+    count = rng.integers(0, width, B)
+    full = rng.random(B) < 0.2
+    return [jnp.asarray(x) for x in (heat, ret, n_s, hi, nbv, count)] + [jnp.asarray(full)]
+
+
+@pytest.mark.parametrize("nb,width,wr,ties,seed", [(37, 12, 3, True, 0), (100, 30, 5, False, 1),
+                                                   (64, 64, 1, True, 2), (300, 41, 8, True, 3)])
+@pytest.mark.parametrize("parts", ["both", "no_heat", "no_ret"])
+def test_select_blocks_kernel_matches_xla(nb, width, wr, ties, seed, parts):
+    rng = np.random.default_rng(seed)
+    B, Hkv = 5, 3
+    heat, ret, n_s, hi, nbv, count, full = _case(rng, B, Hkv, nb, width, wr, ties)
+    heat = None if parts == "no_heat" else heat
+    ret = None if parts == "no_ret" else ret
+    kw = dict(num_kv_heads=Hkv, nb=nb, width=width, heat_width=max(1, width // 2))
+    want = np.asarray(xla.select_blocks_xla(heat, ret, n_s, hi, nbv, count, full, **kw))
+    got = np.asarray(gpu.select_blocks_gpu(heat, ret, n_s, hi, nbv, count, full, interpret=True, **kw))
+    np.testing.assert_array_equal(got, want)
+    # well formed: ascending, then -1; the sink and local ranges are in every row that is not full
+    for b in range(B):
+        for h in range(Hkv):
+            row = want[b, h]
+            v = row[row >= 0]
+            assert np.all(np.diff(v) > 0) and np.all(row[len(v):] == -1)
+
+
+def test_select_blocks_dispatch_and_errors():
+    rng = np.random.default_rng(4)
+    heat, ret, n_s, hi, nbv, count, full = _case(rng, 2, 2, 50, 10, 2, True)
+    kw = dict(num_kv_heads=2, nb=50, width=10, heat_width=5)
+    want = xla.select_blocks_xla(heat, ret, n_s, hi, nbv, count, full, **kw)
+    np.testing.assert_array_equal(np.asarray(select_blocks(heat, ret, n_s, hi, nbv, count, full, **kw)),
+                                  np.asarray(want))  # CPU: XLA
+    with pytest.raises(ValueError, match="implementation='triton'"):
+        select_blocks(heat, ret, n_s, hi, nbv, count, full, implementation="triton", **kw)
+    with pytest.raises(ValueError, match="nb=40000"):
+        gpu.select_blocks_gpu(None, ret, n_s, hi, nbv, count, full, num_kv_heads=2, nb=40000, width=10,
+                              heat_width=5, interpret=True)
+    with pytest.raises(ValueError, match="heat of shape"):
+        gpu.select_blocks_gpu(heat[:, :1], ret, n_s, hi, nbv, count, full, interpret=True, **kw)
+
+
+def test_method_selection_same_through_the_kernel(monkeypatch):
+    from jsparse.methods.evosparse import EvoSparse
+    real = gpu.select_blocks_gpu
+    monkeypatch.setattr(gpu, "select_blocks_gpu", lambda *a, **k: real(*a, interpret=True, **k))
+    rng = np.random.default_rng(5)
+    B, Hkv, N = 3, 2, 512
+    pos = jnp.asarray([100, 300, 511], jnp.int32)
+    for budget in (128, 600):  # 600: the last row's budget covers every block
+        m = EvoSparse(budget_tokens=budget, block_size=8)
+        heat = jnp.asarray(np.round(rng.random((B, Hkv, N // 8)) * 8) / 8, jnp.float32)
+        ret = jnp.full((B, max(m.widths(N)["retrieval"], 1)), -1, jnp.int32).at[:, 0].set(jnp.asarray([5, 7, 9]))
+        for r in (ret, None):
+            want = m.replace(kernels="xla").select_blocks(heat, r, pos, Hkv, N)
+            got = m.replace(kernels="pallas_gpu").select_blocks(heat, r, pos, Hkv, N)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
