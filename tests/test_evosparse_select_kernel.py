@@ -22,6 +22,12 @@ def _case(rng, B, Hkv, nb, width, wr, ties):
         mid = np.arange(n_s[b], hi[b])
         take = rng.permutation(mid)[: rng.integers(0, min(wr, len(mid)) + 1)]
         ret[b, : len(take)] = np.sort(take)
+    if ties:  # one more entry anywhere (sink, local, past the visible blocks too): outside the middle it is none
+        for b in range(B):
+            valid = ret[b][ret[b] >= 0]
+            if len(valid) < wr:
+                extra = rng.choice(np.setdiff1d(np.arange(nb), valid))
+                ret[b, : len(valid) + 1] = np.sort(np.append(valid, extra))
     heat = rng.random((B, Hkv, nb)).astype(np.float32)
     if ties:
         heat = np.round(heat * 4) / 4  # many equal values, zeros among them

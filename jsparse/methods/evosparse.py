@@ -392,8 +392,9 @@ class EvoSparse:
         branchless = self.is_branchless
         retrieval = state.retrieval
         if self.uses_retrieval:
-            if branchless:
-                retrieval = jnp.where(ctx.info.has_retrieval, self.retrieval_blocks(ctx.info, q, cache, pos),
+            if branchless:  # no retrieval heads here: the block max reads nothing and the top-k picks none
+                retrieval = jnp.where(ctx.info.has_retrieval,
+                                      self.retrieval_blocks(ctx.info, q, cache, pos, ctx.info.has_retrieval),
                                       state.retrieval)
             else:
                 retrieval = jax.lax.cond(ctx.info.has_retrieval,
@@ -413,7 +414,7 @@ class EvoSparse:
 
     # ------------------------------------------------------------------------------------------- pieces
 
-    def retrieval_blocks(self, info: RetrievalLayout, q: Array, cache, pos: Array) -> Array:
+    def retrieval_blocks(self, info: RetrievalLayout, q: Array, cache, pos: Array, active=None) -> Array:
         """The retrieval set of every new token: i32[B, T, Wr] blocks ascending, -1 padded.
 
         The block max of q . K^T / sqrt(d) over the layer's retrieval heads (`block_max_scores`: on a GPU one
@@ -423,7 +424,8 @@ class EvoSparse:
         Args:
           info: this layer's RetrievalLayout slice (kv_heads: i32[R], head_mask: bool[R, G]).
           q: [B, T, Hq, D]; cache: the layer's cache view (models.attention.LayerKV, [B, Hkv, N, D]);
-          pos: i32[B, T] query positions.
+          pos: i32[B, T] query positions; active: bool[] or None (False: choose no block, so the top-k kernel
+          stops at once; the caller discards the result).
         """
         N = cache.k.shape[2]
         w = self.widths(N)
@@ -431,7 +433,7 @@ class EvoSparse:
         _, nbv, (n_s, n_l, n_r, _) = self._row_budget(pos)
         scores = block_max_scores(q, k_all, layer, info.kv_heads, info.head_mask, pos, n_s, nbv - n_l,
                                   block_size=self.block_size, implementation=self.kernels)
-        return topk_select(scores, n_r, w["retrieval"])
+        return topk_select(scores, n_r if active is None else jnp.where(active, n_r, 0), w["retrieval"])
 
     def _sparse_decode(self, ctx, q, cache, state, pos, live=None):
         """The sparse layer; live: bool[] or None (False: a dense layer run branchless, whose attention reads

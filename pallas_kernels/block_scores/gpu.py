@@ -200,9 +200,19 @@ def _select_blocks_kernel(meta_ref, ret_ref, heat_ref, o_ref, *, nb: int, P: int
     blk = jnp.arange(P, dtype=jnp.int32)
     vis = (blk < nb) & (blk < nbv)
     in_ret = jnp.zeros((P,), jnp.bool_)
-    if has_ret:
-        for j in range(wr):  # wr scalar loads; -1 padding matches no block
-            in_ret = in_ret | (blk == ret_ref[j])
+    if has_ret:  # membership by a branchless binary search of every block in the ascending retrieval set
+        wp = next_pow2(wr)
+        slot = jnp.arange(wp, dtype=jnp.int32)
+        n_ret = jnp.sum((plgpu.load(ret_ref.at[pl.ds(0, wp)], mask=slot < wr, other=-1) >= 0).astype(jnp.int32))
+        below = jnp.zeros((P,), jnp.int32)  # count of retrieval blocks < blk
+        step = wp
+        while step >= 1:
+            t = below + step
+            v = plgpu.load(ret_ref.at[jnp.clip(t - 1, 0, wr - 1)])
+            below = jnp.where((t <= n_ret) & (v < blk), t, below)
+            step //= 2
+        at = plgpu.load(ret_ref.at[jnp.clip(below, 0, wr - 1)])
+        in_ret = (below < n_ret) & (at == blk)
     sel = vis & ((full != 0) | (blk < n_s) | (blk >= hi) | in_ret)
     if has_heat:
         cand = vis & (blk >= n_s) & (blk < hi) & jnp.logical_not(in_ret)
@@ -226,12 +236,12 @@ def select_blocks_gpu(heat: Array | None, ret: Array | None, n_s: Array, hi: Arr
     """`xla.select_blocks_xla` in one launch: one program per (row, KV head), grid (B, Hkv).
 
     The program holds the heat row in registers (P = next power of two >= nb keys): it marks the retrieval
-    blocks (wr scalar compares), runs the exact in-register radix search for the heat threshold over the
+    blocks (a binary search of each block in the ascending set: log2(wr) + 1 gathers), runs the exact in-register radix search for the heat threshold over the
     middle blocks outside the retrieval set (`topk_select.gpu_row.row_pick_mask`, ties by position), ORs in sink,
     local and retrieval, and writes the union ascending by one cumulative sum (then -1). It replaces the heat
     top-k launch and the ~15 XLA fusions of the merge. Heat must be finite (it is a sum of softmax masses).
 
-    Args / returns: as `xla.select_blocks_xla`; nb <= 32768.
+    Args / returns: as `xla.select_blocks_xla` (ret: valid entries ascending, then -1); nb <= 32768.
     """
     B, Hkv = n_s.shape[0], num_kv_heads
     if nb > ROW_LIMIT:

@@ -87,7 +87,7 @@ def select_blocks_xla(heat: Array | None, ret: Array | None, n_s: Array, hi: Arr
 
     Args:
       heat: f32[B, Hkv, nb] the layer's heat, or None (no heat blocks); ret: i32[B, Wr] the retrieval set
-        (valid entries unique and inside the middle, -1 padding), or None.
+        (valid entries unique and ascending, then -1; entries outside the middle count as none), or None.
       n_s, hi, nbv, count: i32[B]; full: bool[B].
       width: blocks per output row (Kb); heat_width: most heat picks.
 
@@ -96,7 +96,8 @@ def select_blocks_xla(heat: Array | None, ret: Array | None, n_s: Array, hi: Arr
     """
     B, Hkv, Kb = n_s.shape[0], num_kv_heads, width
     mids = []
-    if ret is not None:
+    if ret is not None:  # entries outside the middle are none of its blocks (sink / local already, or unseen)
+        ret = jnp.where((ret >= n_s[:, None]) & (ret < hi[:, None]), ret, -1)
         mids.append(jnp.broadcast_to(ret[:, None], (B, Hkv, ret.shape[-1])))
     if heat is not None:
         blk = jnp.arange(nb, dtype=jnp.int32)[None]
