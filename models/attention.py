@@ -64,12 +64,14 @@ class LayerContext:
       info: this layer's slice of `method.layer_info(cfg)` (or None).
       hidden: [B, T, E] the layer's input hidden state after the attention norm (methods that predict
         importance from hidden states use it; most ignore it).
+      segment: static tag of the run of layers this layer belongs to (`method.segments`), or None.
     """
 
     layer: Array
     lengths: Array
     info: Any = None
     hidden: Any = None
+    segment: Any = struct.field(pytree_node=False, default=None)
 
 
 class AttentionMethod(Protocol):
@@ -91,3 +93,24 @@ def start(method, cfg, state, phase: str, batch: int, q_len: int, kv_len: int):
 def finish(method, state, phase: str):
     fn = getattr(method, "finish", None)
     return state if fn is None else fn(state, phase)
+
+
+def segments(method, cfg, phase: str) -> tuple[tuple[int, int, Any], ...]:
+    """The runs of layers the model scans separately: ((start, stop, tag), ...) covering 0..L in order.
+
+    A method may define `segments(cfg, phase)` (returning such a tuple, or None for one run) when its layers
+    fall into kinds known before tracing (e.g. EvoSparse's dense first layers in decode): each run is its own
+    layer scan and its layers see `ctx.segment = tag`, so no layer pays for the other kind's work (neither a
+    `lax.cond`, which waits for its predicate on the host on a GPU, nor both kinds' kernels and a select).
+    """
+    L = cfg.num_layers
+    fn = getattr(method, "segments", None)
+    segs = None if fn is None else fn(cfg, phase)
+    if not segs:
+        return ((0, L, None),)
+    segs = tuple((int(a), int(b), t) for a, b, t in segs)
+    bounds = [segs[0][0]] + [b for _, b, _ in segs]
+    if bounds[0] != 0 or bounds[-1] != L or any(a != p for (a, _, _), p in zip(segs, bounds)) or \
+            any(b <= a for a, b, _ in segs):
+        raise ValueError(f"method segments {segs}: expected consecutive non-empty runs covering layers 0..{L}")
+    return segs

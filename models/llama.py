@@ -11,6 +11,7 @@ in f32, RMSNorm, RoPE, softmax and logits in f32.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.attention import LayerContext, LayerKV, finish, start
+from models.attention import LayerContext, LayerKV, finish, segments, start
 from models.cache import KVCache
 from models.config import ModelConfig
 from models.params import LayerParams, Params
@@ -141,20 +142,32 @@ def _scan_layers(params: Params, cfg: ModelConfig, method, x: Array, positions: 
     B, T = positions.shape
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
 
-    def layer_fn(carry, xs):
+    def layer_fn(carry, xs, segment=None):
         x, ck, cv, state = carry
         lp, layer, info = xs
         h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
         q, k, v = qkv_projection(cfg, lp, h, positions, inv_freq)
         ck, cv = write(ck, layer, k), write(cv, layer, v)
-        ctx = LayerContext(layer=layer, lengths=lengths, info=info, hidden=h)
+        ctx = LayerContext(layer=layer, lengths=lengths, info=info, hidden=h, segment=segment)
         attn, state = attend(ctx, q, k, v, ck, cv, state)
         x_attn = x + _dense(attn.astype(x.dtype), lp.wo, "bthd,hde->bte", lp.bo)
         return (x_attn + mlp(cfg, lp, x_attn), ck, cv, state), ((x, x_attn) if collect else None)
 
     state = start(method, cfg, state, phase, B, T, kv_len)
-    (x, ck, cv, state), hidden = jax.lax.scan(layer_fn, (x, cache.k, cache.v, state),
-                                              _layer_xs(cfg, params, method), unroll=unroll)
+    xs = _layer_xs(cfg, params, method)
+    carry = (x, cache.k, cache.v, state)
+    segs = segments(method, cfg, phase)
+    if len(segs) == 1:
+        carry, hidden = jax.lax.scan(functools.partial(layer_fn, segment=segs[0][2]), carry, xs, unroll=unroll)
+    else:  # one scan per run of layers; each indexes the stacked params in its body (no sliced copy of them)
+        parts = []
+        for a, b, tag in segs:
+            def seg_fn(carry, layer, tag=tag):
+                return layer_fn(carry, jax.tree_util.tree_map(lambda t: t[layer], xs), segment=tag)
+            carry, h = jax.lax.scan(seg_fn, carry, jnp.arange(a, b, dtype=jnp.int32), unroll=unroll)
+            parts.append(h)
+        hidden = jax.tree_util.tree_map(lambda *hs: jnp.concatenate(hs), *parts) if collect else None
+    x, ck, cv, state = carry
     return x, ck, cv, finish(method, state, phase), hidden
 
 

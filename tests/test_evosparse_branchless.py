@@ -75,22 +75,56 @@ def test_branchless_layer_equals_cond_layer(T):
         state = s1
 
 
-def test_branchless_model_decode_has_no_conditional():
+def _program(m):
+    """(lowered text, (logits, cache, state)) of one model decode step on a filled cache (real selections)."""
     params = random_params(CFG, jax.random.key(0), jnp.float32, scale=0.4)
-    kw = dict(budget_tokens=40, block_size=8)
+    cache = init_cache(CFG, B, N, jnp.float32)
+    ks = jax.random.split(jax.random.key(1))
+    cache = cache.replace(k=jax.random.normal(ks[0], cache.k.shape), v=jax.random.normal(ks[1], cache.v.shape),
+                          lengths=jnp.array([90, 100], jnp.int32))
+    state = m.init_state(CFG, B, N)
+    f = jax.jit(lambda p, m, t, c, s: llama.decode(p, CFG, m, t, c, s))
+    tok = jnp.zeros((B, 1), jnp.int32)
+    return f.lower(params, m, tok, cache, state).as_text(), f(params, m, tok, cache, state)
 
-    def program(m):
-        cache = init_cache(CFG, B, N, jnp.float32)
-        ks = jax.random.split(jax.random.key(1))
-        cache = cache.replace(k=jax.random.normal(ks[0], cache.k.shape), v=jax.random.normal(ks[1], cache.v.shape),
-                              lengths=jnp.array([90, 100], jnp.int32))  # a filled cache: real selections
-        state = m.init_state(CFG, B, N)
-        f = jax.jit(lambda p, m, t, c, s: llama.decode(p, CFG, m, t, c, s))
-        tok = jnp.zeros((B, 1), jnp.int32)
-        return f.lower(params, m, tok, cache, state).as_text(), f(params, m, tok, cache, state)
 
-    text_c, (lc, _, sc) = program(EvoSparse.from_heads(CFG, HEADS, branchless=False, **kw))
-    text_f, (lf, _, sf) = program(EvoSparse.from_heads(CFG, HEADS, branchless=True, **kw))
+KW = dict(budget_tokens=40, block_size=8)
+
+
+def test_branchless_model_decode_has_no_conditional():
+    text_c, (lc, _, sc) = _program(EvoSparse.from_heads(CFG, HEADS, branchless=False, **KW))
+    text_f, (lf, _, sf) = _program(EvoSparse.from_heads(CFG, HEADS, branchless=True, **KW))
     assert "stablehlo.case" in text_c and "stablehlo.case" not in text_f
     np.testing.assert_allclose(lf, lc, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(sf.heat, sc.heat, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("branchless", [True, False])
+def test_two_segment_decode_equals_one_scan(monkeypatch, branchless):
+    """The dense first layers and the sparse ones scanned apart (`EvoSparse.segments`) = one scan over all."""
+    m = EvoSparse.from_heads(CFG, HEADS, branchless=branchless, **KW)
+    assert m.segments(CFG, "decode") == ((0, m.dense_layers, "dense"), (m.dense_layers, CFG.num_layers, "sparse"))
+    text_s, (ls, cs, ss) = _program(m)
+    monkeypatch.setattr(EvoSparse, "segments", lambda self, cfg, phase: None)
+    text_o, (lo, co, so) = _program(m)
+    assert text_s.count("stablehlo.while") == text_o.count("stablehlo.while") + 1
+    np.testing.assert_allclose(ls, lo, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ss.heat, so.heat, rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(np.asarray(ss.retrieval), np.asarray(so.retrieval))
+    np.testing.assert_allclose(cs.k, co.k)
+
+
+def test_segments_must_cover_the_layers():
+    from models.attention import segments
+
+    class M:
+        def __init__(self, segs):
+            self.segs = segs
+
+        def segments(self, cfg, phase):
+            return self.segs
+
+    assert segments(M(None), CFG, "decode") == ((0, CFG.num_layers, None),)
+    for bad in (((0, 2, "a"), (3, 5, "b")), ((0, 2, "a"), (2, 4, "b")), ((1, 5, "a"),), ((0, 0, "a"), (0, 5, "b"))):
+        with pytest.raises(ValueError, match="expected consecutive non-empty runs covering layers 0..5"):
+            segments(M(bad), CFG, "decode")

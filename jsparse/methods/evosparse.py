@@ -370,6 +370,13 @@ class EvoSparse:
             state = state.replace(heat=self._prefill_heat(ctx, q, k, state.heat))
         return out, state
 
+    def segments(self, cfg, phase: str):
+        """Decode scans the dense first layers and the sparse ones as two runs (`models.attention.segments`), so
+        neither kind runs the other's kernels, with no `lax.cond`; prefill is one run."""
+        if phase != "decode" or not 0 < self.dense_layers < cfg.num_layers:
+            return None
+        return ((0, self.dense_layers, "dense"), (self.dense_layers, cfg.num_layers, "sparse"))
+
     @property
     def is_branchless(self) -> bool:
         """Whether decode runs without `lax.cond` (branchless=None: on a GPU). A conditional on a GPU waits for
@@ -401,6 +408,10 @@ class EvoSparse:
                                          lambda: self.retrieval_blocks(ctx.info, q, cache, pos),
                                          lambda: state.retrieval)
         state = state.replace(retrieval=retrieval)
+        if ctx.segment == "dense":  # the model scans the dense first layers apart (`segments`)
+            return attend_dense(q, cache, ctx.lengths), state
+        if ctx.segment == "sparse":
+            return self._sparse_decode(ctx, q, cache, state, pos)
         if not branchless:
             return jax.lax.cond(ctx.layer < self.dense_layers,
                                 lambda: (attend_dense(q, cache, ctx.lengths), state),
