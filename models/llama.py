@@ -159,12 +159,19 @@ def _scan_layers(params: Params, cfg: ModelConfig, method, x: Array, positions: 
     segs = segments(method, cfg, phase)
     if len(segs) == 1:
         carry, hidden = jax.lax.scan(functools.partial(layer_fn, segment=segs[0][2]), carry, xs, unroll=unroll)
-    else:  # one scan per run of layers; each indexes the stacked params in its body (no sliced copy of them)
+    else:
+        # One scan per run of layers. Each indexes the stacked params with its loop counter, as scan does with
+        # its xs (a slice of the params outside the loop would copy them; an index read from an array would
+        # keep XLA from fusing the weight slice into the GEMMs, which then copies it every layer).
         parts = []
         for a, b, tag in segs:
-            def seg_fn(carry, layer, tag=tag):
-                return layer_fn(carry, jax.tree_util.tree_map(lambda t: t[layer], xs), segment=tag)
-            carry, h = jax.lax.scan(seg_fn, carry, jnp.arange(a, b, dtype=jnp.int32), unroll=unroll)
+            def seg_fn(c, _, tag=tag):
+                i, inner = c
+                xs_i = jax.tree_util.tree_map(
+                    lambda t: jax.lax.dynamic_index_in_dim(t, i, keepdims=False, allow_negative_indices=False), xs)
+                inner, h = layer_fn(inner, xs_i, segment=tag)
+                return (i + 1, inner), h
+            (_, carry), h = jax.lax.scan(seg_fn, (jnp.int32(a), carry), None, length=b - a, unroll=unroll)
             parts.append(h)
         hidden = jax.tree_util.tree_map(lambda *hs: jnp.concatenate(hs), *parts) if collect else None
     x, ck, cv, state = carry
