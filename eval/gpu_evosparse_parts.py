@@ -1,6 +1,7 @@
 """H100 micro-benchmark of EvoSparse's per-layer bookkeeping at 100K context, batch 4 (issue 6): the heat update
-as a one-hot compare-and-reduce (`evosparse.blocks_to_dense`) vs a scatter-add, and the heat top-k with the
-"row" selection kernel at 1, 2 and 4 radix bits per pass, 4 and 8 warps. Each variant runs `--iters` times in
+as a one-hot compare-and-reduce vs the method's scatter-add (`evosparse.heat_update`), the heat top-k with the
+"row" selection kernel at 1, 2 and 4 radix bits per pass, 4 and 8 warps, and the whole block selection
+(`block_scores.select_blocks`: the one-launch Triton kernel at several bits / warps vs its XLA specification). Each variant runs `--iters` times in
 one jitted fori_loop (inputs perturbed by a running checksum), and is checked against the reference.
 
     PYTHONPATH=. python eval/gpu_evosparse_parts.py --out $OUT/evosparse_parts.json
@@ -18,22 +19,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from eval.benchmarking import device_facts, table, write_json
-from jsparse.methods.evosparse import blocks_to_dense, heat_step
+from jsparse.methods.evosparse import heat_step, heat_update
+from pallas_kernels.block_scores import gpu as bs_gpu
+from pallas_kernels.block_scores import xla as bs_xla
 from pallas_kernels.topk_select import topk_select
 from pallas_kernels.topk_select.reference import topk_select_reference
 
 
-def scatter_heat(heat, idx, values, decay):
-    """decay * heat + the values scattered into their blocks (-1 dropped)."""
-    B, H, nb = heat.shape
-    safe = jnp.where(idx >= 0, idx, nb)
-    bi = jnp.arange(B)[:, None, None]
-    hi = jnp.arange(H)[None, :, None]
-    return (decay * heat).at[bi, hi, safe].add(values, mode="drop")
-
-
 def onehot_heat(heat, idx, values, decay):
-    return heat_step(heat, blocks_to_dense(idx, values, heat.shape[-1]), decay)
+    """decay * heat + the block sums by a one-hot compare-and-reduce over [.., nb, K] (the earlier layout)."""
+    hit = idx[..., None, :] == jnp.arange(heat.shape[-1], dtype=idx.dtype)[:, None]
+    return heat_step(heat, jnp.sum(jnp.where(hit, values[..., None, :], 0.0), axis=-1), decay)
 
 
 def timed(fn, *args, iters):
@@ -65,7 +61,7 @@ def main():
     vals = jax.random.uniform(jax.random.key(2), (B, H, K))
     rows = []
     ref = onehot_heat(heat, idx, vals, 0.5)
-    for name, f in (("heat_onehot", onehot_heat), ("heat_scatter", scatter_heat)):
+    for name, f in (("heat_onehot", onehot_heat), ("heat_scatter", heat_update)):
         got = jax.jit(f, static_argnums=3)(heat, idx, vals, 0.5)
         err = float(jnp.max(jnp.abs(got - ref)))
         ms = timed(lambda acc, h, i, v, f=f: f(h + acc * 1e-9, i, v, 0.5)[0, 0, 0], heat, idx, vals, iters=a.iters)
@@ -88,6 +84,28 @@ def main():
         ms = timed(lambda acc, s, cfg=cfg: topk_select(s + acc * 1e-9, k, K, config=cfg)[0, 0, 0]
                    .astype(jnp.float32), scores, iters=a.iters)
         rows.append(dict(part=f"topk_{path}", ms=ms, exact=bool(jnp.all(topk_select(scores, k, K, config=cfg) == want))))
+    # The whole selection of a row: sink 8, local 48, 30 retrieval blocks, 82 heat picks of width 72.
+    rng = np.random.default_rng(0)
+    ret = np.full((B, 40), -1, np.int32)
+    for b in range(B):
+        ret[b, :30] = np.sort(rng.choice(np.arange(8, nb - 48), 30, replace=False))
+    ret = jnp.asarray(ret)
+    n_s, hi, nbv = (jnp.full((B,), v, jnp.int32) for v in (8, nb - 48, nb))
+    count, full = jnp.full((B,), 82, jnp.int32), jnp.zeros((B,), bool)
+    kw = dict(num_kv_heads=H, nb=nb, width=K, heat_width=72)
+    for label, hh in (("continuous", heat), ("ties", jnp.round(heat * 4) / 4)):
+        want = bs_xla.select_blocks_xla(hh, ret, n_s, hi, nbv, count, full, **kw)
+        variants = [("xla", lambda h: bs_xla.select_blocks_xla(h, ret, n_s, hi, nbv, count, full, **kw))]
+        for bits, warps in ((1, 8), (2, 4), (2, 8), (2, 16), (4, 8), (4, 16)):
+            variants.append((f"kernel_b{bits}_w{warps}", lambda h, bits=bits, warps=warps: bs_gpu.select_blocks_gpu(
+                h, ret, n_s, hi, nbv, count, full, bits=bits, num_warps=warps, **kw)))
+        for name, f in variants:
+            try:
+                exact = bool(jnp.all(jax.jit(f)(hh) == want))
+                ms = timed(lambda acc, h, f=f: f(h + acc * 1e-30)[0, 0, 0].astype(jnp.float32), hh, iters=a.iters)
+                rows.append(dict(part=f"select_{label}_{name}", ms=ms, exact=exact))
+            except Exception as e:  # noqa: BLE001
+                rows.append(dict(part=f"select_{label}_{name}", error=str(e).splitlines()[0][:200]))
     write_json(a.out, {**device_facts(), "benchmark": "EvoSparse per-layer bookkeeping, B 4, Hkv 8, 100K / 16",
                        "shape": dict(B=B, Hkv=H, nb=nb, K=K, k=k), "iters": a.iters, "rows": rows})
     print(table(rows, ["part", "ms", "max_err", "exact", "error"]))

@@ -195,10 +195,14 @@ def sparse_decode_mass_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
 
 def _select_blocks_kernel(meta_ref, ret_ref, heat_ref, o_ref, *, nb: int, P: int, wr: int, has_heat: bool,
                           has_ret: bool, width: int, wpad: int, heat_width: int, bits: int):
-    """Row (b, kv head). Refs: meta i32[8] (n_s, hi, nbv, count, full); ret i32[wr]; heat f32[nb]; o i32[width]."""
+    """Row (b, kv head). Refs: meta i32[8] (n_s, hi, nbv, count, full); ret i32[wr]; heat f32[nb]; o i32[width].
+
+    Only the keys stay live through the radix search (a block that is visible and in the middle but not a
+    candidate has key INT_MIN: it is a retrieval block), to keep register pressure low."""
     n_s, hi, nbv, count, full = (meta_ref[i] for i in range(5))
     blk = jnp.arange(P, dtype=jnp.int32)
-    vis = (blk < nb) & (blk < nbv)
+    vis = blk < jnp.minimum(nbv, nb)
+    middle = (blk >= n_s) & (blk < hi)
     in_ret = jnp.zeros((P,), jnp.bool_)
     if has_ret:  # membership by a branchless binary search of every block in the ascending retrieval set
         wp = next_pow2(wr)
@@ -213,14 +217,20 @@ def _select_blocks_kernel(meta_ref, ret_ref, heat_ref, o_ref, *, nb: int, P: int
             step //= 2
         at = plgpu.load(ret_ref.at[jnp.clip(below, 0, wr - 1)])
         in_ret = (below < n_ret) & (at == blk)
-    sel = vis & ((full != 0) | (blk < n_s) | (blk >= hi) | in_ret)
     if has_heat:
-        cand = vis & (blk >= n_s) & (blk < hi) & jnp.logical_not(in_ret)
+        cand = vis & middle & jnp.logical_not(in_ret)
         n_cand = jnp.sum(cand.astype(jnp.int32))
         kk = jnp.minimum(jnp.clip(count, 0, heat_width), n_cand)
         x = plgpu.load(heat_ref.at[pl.ds(0, P)], mask=blk < nb, other=0.0)
         key = jnp.where(cand, float_keys(x), INT_MIN)
+        blk = jnp.arange(P, dtype=jnp.int32)  # recomputed after the search rather than kept live
+        cand = key != INT_MIN
+        vis = blk < jnp.minimum(nbv, nb)
+        middle = (blk >= n_s) & (blk < hi)
+        sel = vis & ((full != 0) | jnp.logical_not(middle) | jnp.logical_not(cand))
         sel = sel | row_pick_mask(key, cand, kk, n_cand, bits)
+    else:
+        sel = vis & ((full != 0) | jnp.logical_not(middle) | in_ret)
     s32 = sel.astype(jnp.int32)
     dst = jnp.cumsum(s32) - s32
     keep = sel & (dst < width)
