@@ -1,5 +1,5 @@
-"""The GPU top-k selection paths "row" (single launch) and "fused" (no XLA glue) in interpret mode against the
-reference, on adversarial rows (ties, -0.0, -inf, NaNs of every payload, k = 0 and k above the valid count),
+"""The GPU top-k selection paths "row" (single launch), "fused" (no XLA glue) and "sample" (a sampled bracket,
+with its streaming fallback) in interpret mode against the reference, on adversarial rows (ties, -0.0, -inf, NaNs of every payload, k = 0 and k above the valid count),
 their dispatch and config errors, and their CUDA lowerings (launch counts)."""
 
 from __future__ import annotations
@@ -70,11 +70,50 @@ def test_fused_matches_reference(config):
     _check(fn, rng, R, N, K)
 
 
+SAMPLE = dict(path="sample", sample_size=256, band_cap=512, compact_block_n=128, target_programs=24)
+
+
+@pytest.mark.parametrize("cap", [512, 32])  # 32: every band overflows, so every row takes the fallback
+def test_sample_matches_reference(cap):
+    rng = np.random.default_rng(cap)
+    config = gpu.SelectConfig(**{**SAMPLE, "band_cap": cap})
+    R, N, K = 12, 2048, 300
+    fn = jax.jit(lambda x, k: gpu.topk_select_gpu(x, k, K, config=config, interpret=True))
+    _check(fn, rng, R, N, K)
+    x = rng.standard_normal((R, N)).astype(np.float32)  # continuous rows, k from 0 to K
+    k = np.linspace(0, K, R).astype(np.int32)
+    want = np.asarray(topk_select_reference(jnp.asarray(x), jnp.asarray(k), K))
+    np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(x), jnp.asarray(k))), want)
+
+
+def test_sample_bracket_holds_on_continuous_rows():
+    """White box: on continuous scores the sampled bracket holds the threshold and the band fits, so the exact
+    in-register search (not the fallback) decides; a periodic row aligned with the sample stride misses."""
+    from pallas_kernels.topk_select import gpu_sample
+    rng = np.random.default_rng(3)
+    R, N, K = 8, 8192, 600
+    x = rng.standard_normal((R, N)).astype(np.float32)
+    x[-1] = np.where(np.arange(N) % 8 == 0, 5.0, rng.random(N)).astype(np.float32)  # stride 8 sees only 5.0
+    k = np.array([1, 10, 100, 300, 409, 500, 600, 300], np.int32)
+    above, n_band, _ = gpu_sample.sample_band(
+        jnp.asarray(x), jnp.asarray(k)[:, None], K, sample=1024, sigmas=4.0, cap=2048, bits=2, block_n=128,
+        target_programs=24, params=None, interpret=True)
+    u, nb = np.asarray(above).sum(1), np.asarray(n_band)[:, 0]
+    fast = (u < k) & (k <= u + nb) & (nb <= 2048)
+    assert fast[:-1].all() and not fast[-1], (u, nb, k)
+    assert (nb[:-1] < N // 8).all()  # the band is a small part of the row
+    got = gpu.topk_select_gpu(jnp.asarray(x), jnp.asarray(k), K, interpret=True,
+                              config=gpu.SelectConfig(**{**SAMPLE, "sample_size": 1024, "band_cap": 2048}))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(topk_select_reference(jnp.asarray(x), jnp.asarray(k), K)))
+
+
 def test_dispatch_and_config_errors():
     assert gpu.SelectConfig().pick_path(16384) == "row"
     assert gpu.SelectConfig().pick_path(16385) == "fused"
     assert gpu.SelectConfig(row_max=1000).pick_path(6256) == "fused"
     assert gpu.SelectConfig(path="passes").pick_path(10) == "passes"
+    assert gpu.SelectConfig(path="sample").pick_path(4095) == "fused"  # shorter than the sample
+    assert gpu.SelectConfig(path="sample").pick_path(4096) == "sample"
     x = jnp.zeros((2, 40), jnp.float32)
     for bad, match in [(dict(path="tree"), "path='tree'"), (dict(row_max=1 << 16), "row_max=65536"),
                        (dict(row_bits=3), "row_bits=3"), (dict(row_warps=6), "row_warps=6")]:
@@ -91,7 +130,7 @@ def _abstract_h100():
 
 
 @pytest.mark.parametrize("path,shape,K,launches", [
-    ("row", (32, 6256), 64, 1), ("fused", (64, 131072), 13108, 10)])
+    ("row", (32, 6256), 64, 1), ("fused", (64, 131072), 13108, 10), ("sample", (64, 131072), 13108, 5)])
 def test_lowers_for_cuda_with_few_launches(path, shape, K, launches):
     sds = jax.ShapeDtypeStruct
     check = jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)

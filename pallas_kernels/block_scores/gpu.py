@@ -241,7 +241,7 @@ def _select_blocks_kernel(meta_ref, ret_ref, heat_ref, o_ref, *, nb: int, P: int
 
 
 def select_blocks_gpu(heat: Array | None, ret: Array | None, n_s: Array, hi: Array, nbv: Array, count: Array,
-                      full: Array, *, num_kv_heads: int, nb: int, width: int, heat_width: int, bits: int = 2,
+                      full: Array, *, num_kv_heads: int, nb: int, width: int, heat_width: int, bits: int = 1,
                       num_warps: int | None = None, interpret: bool = False) -> Array:
     """`xla.select_blocks_xla` in one launch: one program per (row, KV head), grid (B, Hkv).
 

@@ -1,11 +1,14 @@
 """Pallas GPU (Triton) kernels of exact top-k selection: radix threshold search, then an ascending compaction.
 
-`topk_select_gpu` picks one of three paths (`SelectConfig.path`; "auto": "row" when N <= row_max, else
+`topk_select_gpu` picks one of four paths (`SelectConfig.path`; "auto": "row" when N <= row_max, else
 "fused"):
   * "row" (`gpu_row.py`): ONE launch, one program per row holding the row in registers; the whole radix search
     and the compaction run in-kernel. For the launch-bound regime (rows of up to ~16K scores).
   * "fused" (`gpu_fused.py`): the counting passes below with their XLA glue moved into the kernels:
     32 / bits + 2 launches and nothing between them.
+  * "sample" (`gpu_sample.py`): a threshold bracket from a strided sample, one pass keeping the scores inside
+    it, the exact threshold among those (a streaming fallback when the bracket misses), then the fused
+    compaction: 5 launches, three reading the row.
   * "passes" (this file, the original path): the kernels below with `common.radix_threshold` /
     `common.split_plan` in XLA between them (~20 launches at 4 bits).
 
@@ -38,14 +41,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.topk_select import gpu_fused, gpu_row
+from pallas_kernels.topk_select import gpu_fused, gpu_row, gpu_sample
 from pallas_kernels.topk_select.gpu_fused import _chunk, _split_chunks
 from pallas_kernels.topk_select.common import (check_args, check_bits, float_keys, pad_output, radix_threshold,
                                                row_counts, selection_rule, split_plan, splits_for)
 
 Array = jax.Array
 
-PATHS = ("auto", "row", "fused", "passes")
+PATHS = ("auto", "row", "fused", "sample", "passes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +68,9 @@ class SelectConfig:
       row_max: the longest row "auto" sends to the single-launch "row" kernel (<= gpu_row.ROW_LIMIT).
       row_bits: radix bits per in-kernel pass of the "row" kernel (1, 2, 4 or 8).
       row_warps: warps per "row" program (None: `gpu_row.row_warps`, about 32 scores per thread).
+      sample_size, sample_sigmas, band_cap: the "sample" path's strided sample per row, bracket half-width in
+        standard deviations, and band capacity per row (`gpu_sample.topk_select_sample`); rows shorter than
+        sample_size take the "fused" path.
     """
 
     bits_per_pass: int = 4
@@ -76,8 +82,13 @@ class SelectConfig:
     row_max: int = 16384
     row_bits: int = 2
     row_warps: int | None = None
+    sample_size: int = 4096
+    sample_sigmas: float = 4.0
+    band_cap: int = 16384
 
     def pick_path(self, N: int) -> str:
+        if self.path == "sample" and N < self.sample_size:
+            return "fused"
         if self.path != "auto":
             return self.path
         return "row" if N <= self.row_max else "fused"
@@ -202,11 +213,16 @@ def topk_select_gpu(scores: Array, k, K: int, *, config: SelectConfig = SelectCo
     x = scores.reshape(-1, N)
     R = x.shape[0]
     path = config.pick_path(N)
-    if path in ("row", "fused"):
+    if path in ("row", "fused", "sample"):
         k_rows = jnp.broadcast_to(jnp.asarray(k, jnp.int32), lead).reshape(R)  # clipped in-kernel
         if path == "row":
             out = gpu_row.topk_select_rows(x, k_rows, Kp, bits=config.row_bits, num_warps=config.row_warps,
                                            interpret=interpret)
+        elif path == "sample":
+            out = gpu_sample.topk_select_sample(
+                x, k_rows, Kp, sample=config.sample_size, sigmas=config.sample_sigmas, cap=config.band_cap,
+                bits=config.row_bits, block_n=config.compact_block_n, target_programs=config.target_programs,
+                num_warps=config.num_warps, interpret=interpret)
         else:
             out = gpu_fused.topk_select_fused(
                 x, k_rows, Kp, bits=config.bits_per_pass, block_n=config.count_block(),

@@ -70,14 +70,37 @@ def _advance(kk, st_ref, c_ref, *, first: bool, bits: int, n: int):
     M = 1 << bits
     lo0, cnt0, shift0 = st_ref[0], st_ref[1], st_ref[2]
     done0 = (kk <= 0) | (cnt0 == kk)
-    cnts = jnp.sum(c_ref[...], axis=0)  # [M]: count(key >= lo0 + j * 2**shift0), j >= 1
-    j = jnp.arange(M, dtype=jnp.int32)
+    lo, cnt = pick_bin(jnp.sum(c_ref[...], axis=0), kk, lo0, cnt0, shift0, done0)
+    return lo, cnt, (kk <= 0) | (cnt == kk), shift0 - bits
+
+
+def pick_bin(cnts, kk, lo0, cnt0, shift0, done0):
+    """The next (lo, count(key >= lo)) of a radix pass from cnts i32[M] = count(key >= lo0 + j * 2**shift0)
+    for j >= 1 (column 0 is not counted: count(key >= lo0) = cnt0 is known); done rows keep theirs."""
+    j = jnp.arange(cnts.shape[0], dtype=jnp.int32)
     jstar = jnp.sum(((cnts >= kk) | (j == 0)).astype(jnp.int32)) - 1
     picked = jnp.sum(jnp.where(j == jstar, cnts, 0))
-    new_cnt = jnp.where(jstar == 0, cnt0, picked)  # column 0 (lo itself) is not counted
+    new_cnt = jnp.where(jstar == 0, cnt0, picked)
     lo = jnp.where(done0, lo0, lo0 + lax.shift_left(jstar, shift0))
-    cnt = jnp.where(done0, cnt0, new_cnt)
-    return lo, cnt, (kk <= 0) | (cnt == kk), shift0 - bits
+    return lo, jnp.where(done0, cnt0, new_cnt)
+
+
+def count_digits(x_ref, first, count, lo, shift, *, n: int, block_n: int, bits: int):
+    """i32[M]: over `count` chunks of block_n scores from chunk `first`, how many keys are >= lo + j * 2**shift
+    (column 0: the keys >= lo), by digit comparisons (2**bits per score)."""
+    M = 1 << bits
+    levels = jnp.arange(M, dtype=jnp.int32).astype(jnp.float32)
+
+    def body(i, acc):
+        _, ok, x = _chunk(x_ref, first + i, block_n, n)
+        key = float_keys(x)
+        d = lax.shift_right_logical(key - lo, shift)  # offset in the bin (wrapping subtraction)
+        above = lax.shift_right_logical(d, jnp.int32(bits)) != 0
+        digit = jnp.where((key >= lo) & ok, jnp.where(above, M, d), -1).astype(jnp.float32)
+        return acc + (digit[None, :] >= levels[:, None]).astype(jnp.float32)
+
+    acc = lax.fori_loop(0, count, body, jnp.zeros((M, block_n), jnp.float32))
+    return jnp.sum(acc, axis=1).astype(jnp.int32)
 
 
 def _store_row_state(ref, vals: list):
@@ -102,21 +125,8 @@ def _pass_kernel(*refs, first_pass: bool, n: int, width: int, block_n: int, per_
     kk = _kk(k_ref, width)
     lo, cnt, done, shift = _advance(kk, st_ref, c_ref, first=first_pass, bits=bits, n=n)
     _store_row_state(st_out, [lo, cnt, shift, jnp.int32(0)])
-    M = 1 << bits
     first, count = _split_chunks(n, block_n, per_split)
-    count = jnp.where(done, 0, count)
-    levels = jnp.arange(M, dtype=jnp.int32).astype(jnp.float32)
-
-    def body(i, acc):
-        _, ok, x = _chunk(x_ref, first + i, block_n, n)
-        key = float_keys(x)
-        d = lax.shift_right_logical(key - lo, shift)  # offset in the bin (wrapping subtraction)
-        above = lax.shift_right_logical(d, jnp.int32(bits)) != 0
-        digit = jnp.where((key >= lo) & ok, jnp.where(above, M, d), -1).astype(jnp.float32)
-        return acc + (digit[None, :] >= levels[:, None]).astype(jnp.float32)
-
-    acc = lax.fori_loop(0, count, body, jnp.zeros((M, block_n), jnp.float32))
-    o_ref[...] = jnp.sum(acc, axis=1).astype(jnp.int32)
+    o_ref[...] = count_digits(x_ref, first, jnp.where(done, 0, count), lo, shift, n=n, block_n=block_n, bits=bits)
 
 
 def _final_kernel(k_ref, st_ref, c_ref, x_ref, r_out, o_ref, *, n: int, width: int, block_n: int,
@@ -130,6 +140,12 @@ def _final_kernel(k_ref, st_ref, c_ref, x_ref, r_out, o_ref, *, n: int, width: i
     a = jnp.where(done, lo, jnp.where(t == INT_MAX, INT_MAX, t + 1))
     on = jnp.where(done, kk > 0, t != INT_MAX)
     _store_row_state(r_out, [a, t, on, done])
+    rule_counts(o_ref, x_ref, a, t, on, done, n=n, block_n=block_n, per_split=per_split)
+
+
+def rule_counts(o_ref, x_ref, a, t, on, done, *, n: int, block_n: int, per_split: int):
+    """Writes o i32[4] = (#key >= a, #(key >= a and x > -inf), #key == t, 0) over this program's split (bulk
+    counts 0 when bulk is off, ties 0 for a done row): the per-split counts `_compact_kernel` plans with."""
     first, count = _split_chunks(n, block_n, per_split)
     count = jnp.where(done & jnp.logical_not(on), 0, count)
 
@@ -244,11 +260,40 @@ def topk_select_fused(x: Array, k_rows: Array, K: int, *, bits: int, block_n: in
         out_shape=(jax.ShapeDtypeStruct((R, 4), jnp.int32), jax.ShapeDtypeStruct((R, Sc, 4), jnp.int32)),
         compiler_params=params, interpret=interpret, name="topk_select_fused_final")(k2, st, cnt, x)
 
+    return _compact_call(x, k2, rule, fin, K, block_n=cb, per_split=per_c, params=params, interpret=interpret)
+
+
+def _compact_call(x, k2, rule, fin, K: int, *, block_n: int, per_split: int, params, interpret: bool):
+    """The compaction launch: rule i32[R, 4] = (a, t, bulk_on, done), fin i32[R, S, 4] the splits' counts."""
+    R, N = x.shape
+    Sc = fin.shape[1]
     return pl.pallas_call(
-        functools.partial(_compact_kernel, n=N, width=K, wblock=cb, block_n=cb, per_split=per_c, S=Sc),
+        functools.partial(_compact_kernel, n=N, width=K, wblock=block_n, block_n=block_n, per_split=per_split,
+                          S=Sc),
         grid=(R, Sc),
-        in_specs=[k_spec, pl.BlockSpec((None, 4), lambda r, s: (r, 0)),
-                  pl.BlockSpec((None, Sc, 4), lambda r, s: (r, 0, 0)), row_spec],
+        in_specs=[pl.BlockSpec((None, 1), lambda r, s: (r, 0)), pl.BlockSpec((None, 4), lambda r, s: (r, 0)),
+                  pl.BlockSpec((None, Sc, 4), lambda r, s: (r, 0, 0)), pl.BlockSpec((None, N), lambda r, s: (r, 0))],
         out_specs=pl.BlockSpec((None, K), lambda r, s: (r, 0)),
         out_shape=jax.ShapeDtypeStruct((R, K), jnp.int32),
         compiler_params=params, interpret=interpret, name="topk_select_fused_compact")(k2, rule, fin, x)
+
+
+def _rule_count_kernel(r_ref, x_ref, o_ref, *, n: int, block_n: int, per_split: int):
+    a, t, on, done = r_ref[0], r_ref[1], r_ref[2] > 0, r_ref[3] > 0
+    rule_counts(o_ref, x_ref, a, t, on, done, n=n, block_n=block_n, per_split=per_split)
+
+
+def compact_with_rule(x: Array, k2: Array, rule: Array, K: int, *, block_n: int, target_programs: int, params,
+                      interpret: bool = False) -> Array:
+    """The chosen positions from each row's rule i32[R, 4] = (a, t, bulk_on, done): one launch counting per
+    split (`rule_counts`), one compacting (`_compact_kernel`). k2: i32[R, 1] the rows' k (clipped in-kernel)."""
+    R, N = x.shape
+    Sc, per_c = pow2_splits(R, pl.cdiv(N, block_n), target_programs)
+    fin = pl.pallas_call(
+        functools.partial(_rule_count_kernel, n=N, block_n=block_n, per_split=per_c),
+        grid=(R, Sc),
+        in_specs=[pl.BlockSpec((None, 4), lambda r, s: (r, 0)), pl.BlockSpec((None, N), lambda r, s: (r, 0))],
+        out_specs=pl.BlockSpec((None, None, 4), lambda r, s: (r, s, 0)),
+        out_shape=jax.ShapeDtypeStruct((R, Sc, 4), jnp.int32),
+        compiler_params=params, interpret=interpret, name="topk_select_rule_count")(rule, x)
+    return _compact_call(x, k2, rule, fin, K, block_n=block_n, per_split=per_c, params=params, interpret=interpret)
