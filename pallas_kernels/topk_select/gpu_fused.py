@@ -99,7 +99,8 @@ def count_digits(x_ref, first, count, lo, shift, *, n: int, block_n: int, bits: 
         digit = jnp.where((key >= lo) & ok, jnp.where(above, M, d), -1).astype(jnp.float32)
         return acc + (digit[None, :] >= levels[:, None]).astype(jnp.float32)
 
-    acc = lax.fori_loop(0, count, body, jnp.zeros((M, block_n), jnp.float32))
+    # Bounds of one dtype (Triton's scf.for needs it).
+    acc = lax.fori_loop(jnp.int32(0), jnp.asarray(count, jnp.int32), body, jnp.zeros((M, block_n), jnp.float32))
     return jnp.sum(acc, axis=1).astype(jnp.int32)
 
 

@@ -72,7 +72,7 @@ def _band_kernel(br_ref, x_ref, cnt_in, cnt_ref, band_ref, o_ref, *, n: int, blo
         plgpu.store(band_ref.at[jnp.where(keep, dst, cap)], key, mask=keep)
         return acc + above.astype(jnp.int32)
 
-    acc = lax.fori_loop(0, count, body, jnp.zeros((block_n,), jnp.int32))
+    acc = lax.fori_loop(jnp.int32(0), count, body, jnp.zeros((block_n,), jnp.int32))
     o_ref[0] = jnp.sum(acc)
 
 
@@ -97,7 +97,7 @@ def _resolve_kernel(k_ref, c_ref, cnt_ref, band_ref, x_ref, r_out, *, n: int, wi
     def pass_body(p, st):
         lo_f, cnt_f = st
         shift = jnp.int32(32 - fb_bits) - jnp.int32(fb_bits) * p
-        cnts = gpu_fused.count_digits(x_ref, jnp.int32(0), jnp.where(cnt_f == kk, 0, n_chunks), lo_f, shift,
+        cnts = gpu_fused.count_digits(x_ref, jnp.int32(0), jnp.where(cnt_f == kk, jnp.int32(0), jnp.int32(n_chunks)), lo_f, shift,
                                       n=n, block_n=block_n, bits=fb_bits)
         return gpu_fused.pick_bin(cnts, kk, lo_f, cnt_f, shift, cnt_f == kk)
 
