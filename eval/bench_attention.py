@@ -333,14 +333,12 @@ def run_decode(run: Bench, cfg, N: int, summary: dict) -> None:
     add("select_topk_select_gpu", jax.jit(lambda s: select_gpu.topk_select_gpu(s, kk, K, **ik)), scores,
         part="selection", **sel)
     if not args.no_variants:
-        for bits in (2, 8):
-            c = select_gpu.SelectConfig(bits_per_pass=bits)
-            add(f"select_topk_select_gpu[bits{bits}]",
+        for name, c in (("fused", select_gpu.SelectConfig(path="fused")),
+                        ("fused_bits2", select_gpu.SelectConfig(path="fused", bits_per_pass=2)),
+                        ("sample_s4096", select_gpu.SelectConfig(path="sample", sample_size=4096))):
+            add(f"select_topk_select_gpu[{name}]",
                 jax.jit(lambda s, c=c: select_gpu.topk_select_gpu(s, kk, K, config=c, **ik)), scores,
                 part="selection", **sel)
-        c = select_gpu.SelectConfig(target_programs=4096)
-        add("select_topk_select_gpu[4096prog]", jax.jit(lambda s: select_gpu.topk_select_gpu(s, kk, K, config=c, **ik)),
-            scores, part="selection", **sel)
     add("select_lax_top_k", jax.jit(lambda s: jax.lax.top_k(s, K)[1]), scores, part="selection", **sel)
     add("select_lax_top_k_sorted", jax.jit(lambda s: topk_select_reference(s, kk, K)), scores, part="selection",
         **sel)
@@ -376,9 +374,15 @@ def run_decode(run: Bench, cfg, N: int, summary: dict) -> None:
         *a, budget=budget, min_tokens=mt)), q, k, v, lengths, part="anchor", K=K)
 
     # Whole-model attention for Kascade: layer 0 (dense anchor) + the other anchors + reuse layers.
+    # A reuse layer as the model runs it: the stacked cache read in place, the head map applied in-kernel.
+    from pallas_kernels.sparse_attention import stacked as stacked_gpu
     head_map = jnp.asarray(np.roll(np.arange(Hkv), 1), jnp.int32)
-    r_reuse = add("kascade_reuse_layer", jax.jit(lambda q, k, v, i, l: sparse_gpu.sparse_decode_gpu(
-        q, k, v, jnp.take(i, head_map, axis=1), l, **ik)), q, k, v, idx, lengths, part="kascade", K=K)
+    r_reuse = add("kascade_reuse_layer", jax.jit(lambda q, k, v, i, l: stacked_gpu.sparse_decode_stacked_gpu(
+        q, k[None], v[None], jnp.int32(0), i, l, head_map=head_map, **ik)), q, k, v, idx, lengths, part="kascade",
+        K=K)
+    if not args.no_variants:  # the earlier form: an XLA gather of the index rows, then the kernel
+        add("kascade_reuse_layer[take]", jax.jit(lambda q, k, v, i, l: sparse_gpu.sparse_decode_gpu(
+            q, k, v, jnp.take(i, head_map, axis=1), l, **ik)), q, k, v, idx, lengths, part="kascade", K=K)
     A = args.anchors
     if all("ms" in r for r in (r_anchor, r_dense_anchor, r_reuse)) and dense:
         total = r_dense_anchor["ms"] + (A - 1) * r_anchor["ms"] + (L - A) * r_reuse["ms"]

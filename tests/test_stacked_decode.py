@@ -78,6 +78,32 @@ def test_sparse_stacked_gpu_interpret_matches_sliced_reference(case, dtype, laye
     assert float(jnp.max(jnp.abs(other.astype(jnp.float32) - want.astype(jnp.float32)))) > 0.1
 
 
+@pytest.mark.parametrize("case,dtype,layers,config", SPARSE_GPU_CASES)
+def test_sparse_stacked_gpu_head_map_equals_taken_indices(case, dtype, layers, config):
+    """head_map read in-kernel (Kascade's reuse layers) = the call on jnp.take(indices, head_map, axis=1)."""
+    L, B, T, Hq, Hkv, D, N, K, lengths, bs = case
+    Hq, Hkv = Hq * 2, Hkv * 2  # 4 KV heads: a map that is not a permutation too
+    rng, q, k_all, v_all, lens = stacked_inputs(13, L, B, T, Hq, Hkv, D, N, lengths, dtype)
+    idx = jnp.asarray(random_decode_indices(rng, lengths, Hkv, T, K, block_size=bs))
+    for hm in ([1, 0, 3, 2], [2, 2, 0, 1]):
+        hm = jnp.asarray(hm, jnp.int32)
+        got = stacked.sparse_decode_stacked_gpu(q, k_all, v_all, jnp.int32(layers[0]), idx, lens, block_size=bs,
+                                                config=config, head_map=hm, interpret=True)
+        want = ref.sparse_decode_reference(q, k_all[layers[0]], v_all[layers[0]], jnp.take(idx, hm, axis=1), lens,
+                                           block_size=bs)
+        assert_close(got, want, dtype, f"head map {hm}")
+        # the API applies the map for every implementation
+        api = sparse_decode(q, k_all, v_all, idx, lens, layer=jnp.int32(layers[0]), block_size=bs, head_map=hm,
+                            implementation="xla")
+        assert_close(api, want, dtype, "api head map")
+    with pytest.raises(ValueError, match="head_map has shape"):
+        stacked.sparse_decode_stacked_gpu(q, k_all, v_all, jnp.int32(0), idx, lens, block_size=bs,
+                                          head_map=jnp.zeros((3,), jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match="head_map with return_mass"):
+        stacked.sparse_decode_stacked_gpu(q, k_all, v_all, jnp.int32(0), idx, lens, block_size=bs,
+                                          head_map=jnp.zeros((Hkv,), jnp.int32), return_mass=True, interpret=True)
+
+
 def test_sparse_stacked_tpu_interpret_matches_sliced_reference():
     L, B, T, Hq, Hkv, D, N, K, lengths, bs = 3, 2, 1, 4, 2, 16, 128, 5, [77, 128], 8
     rng, q, k_all, v_all, lens = stacked_inputs(11, L, B, T, Hq, Hkv, D, N, lengths, jnp.float32)

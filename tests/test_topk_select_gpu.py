@@ -109,11 +109,11 @@ def test_sample_bracket_holds_on_continuous_rows():
 
 def test_dispatch_and_config_errors():
     assert gpu.SelectConfig().pick_path(16384) == "row"
-    assert gpu.SelectConfig().pick_path(16385) == "fused"
-    assert gpu.SelectConfig(row_max=1000).pick_path(6256) == "fused"
+    assert gpu.SelectConfig().pick_path(16385) == "sample"
+    assert gpu.SelectConfig(row_max=1000).pick_path(6256) == "fused"  # shorter than the sample (8192)
     assert gpu.SelectConfig(path="passes").pick_path(10) == "passes"
-    assert gpu.SelectConfig(path="sample").pick_path(4095) == "fused"  # shorter than the sample
-    assert gpu.SelectConfig(path="sample").pick_path(4096) == "sample"
+    assert gpu.SelectConfig(path="sample").pick_path(8191) == "fused"  # shorter than the sample
+    assert gpu.SelectConfig(path="sample").pick_path(8192) == "sample"
     x = jnp.zeros((2, 40), jnp.float32)
     for bad, match in [(dict(path="tree"), "path='tree'"), (dict(row_max=1 << 16), "row_max=65536"),
                        (dict(row_bits=3), "row_bits=3"), (dict(row_warps=6), "row_warps=6")]:

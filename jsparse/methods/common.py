@@ -26,18 +26,22 @@ def check_tile(tile: int) -> int:
     return tile
 
 
-def attend_selected(q, cache, indices, lengths):
+def attend_selected(q, cache, indices, lengths, head_map=None):
     """Attention of q: [B, T, Hq, D] over exactly the selected keys int32[B, Hkv, T, K] of a head-major cache.
 
     T = 1 (generation) runs the gathered-attention op; T > 1 (several new tokens, or perplexity with decode
     simulated for every row) scatters the indices into a mask, which is cheaper than gathering T * K rows.
     Inside the model's layer scan the cache view carries the stacked cache and the layer index; the gathered
     op then reads the selected rows of that layer in place (no copy of the layer's cache per step).
+    head_map: i32[Hkv] or None: KV head h uses the index row of head head_map[h] (read in place on the GPU).
     """
     if q.shape[1] == 1:
         if getattr(cache, "layer", None) is not None:
-            return sparse_decode(q, cache.k_all, cache.v_all, indices, lengths, layer=cache.layer)
-        return sparse_decode(q, cache.k, cache.v, indices, lengths)
+            return sparse_decode(q, cache.k_all, cache.v_all, indices, lengths, layer=cache.layer,
+                                 head_map=head_map)
+        return sparse_decode(q, cache.k, cache.v, indices, lengths, head_map=head_map)
+    if head_map is not None:
+        indices = jnp.take(indices, head_map, axis=1)
     mask = decode_indices_to_mask(indices, lengths, cache.k.shape[2])
     return masked_attention_reference(q, cache.k, cache.v, mask)
 

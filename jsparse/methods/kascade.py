@@ -141,8 +141,7 @@ class Kascade(TokenBudget):
             return fn
 
         def reuse():
-            idx = jnp.take(indices, ctx.info.head_map, axis=1)
-            return attend_selected(q, cache, idx, ctx.lengths), indices
+            return attend_selected(q, cache, indices, ctx.lengths, head_map=ctx.info.head_map), indices
 
         out, idx = jax.lax.switch(ctx.info.role, [anchor(True), anchor(False), reuse])
         return out, KascadeState(indices=idx)

@@ -15,6 +15,7 @@ The semantics (index contract, masking, empty rows) are those of `reference.py`.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.sparse_attention import reference, xla
 
@@ -57,7 +58,7 @@ def _pick(implementation: str | None, q: Array, block_size: int, tile: int | Non
 
 def sparse_decode(q: Array, k: Array, v: Array, indices: Array, lengths: Array, *, layer: Array | None = None,
                   block_size: int = 1, scale: float | None = None, return_lse: bool = False,
-                  implementation: str | None = None) -> Array | tuple[Array, Array]:
+                  head_map: Array | None = None, implementation: str | None = None) -> Array | tuple[Array, Array]:
     """Gathered decode attention over the selected blocks of a head-major cache.
 
     Args:
@@ -73,6 +74,8 @@ def sparse_decode(q: Array, k: Array, v: Array, indices: Array, lengths: Array, 
       block_size: tokens per index entry.
       scale: softmax scale (None: 1/sqrt(D)).
       return_lse: also return f32[B, T, Hq] logsumexp over the attended keys.
+      head_map: i32[Hkv] or None: KV head h attends over the index row of KV head head_map[h] (as
+        `jnp.take(indices, head_map, axis=1)`; the stacked Pallas GPU kernel reads the rows in place).
       implementation: see the module docstring.
 
     Returns:
@@ -80,11 +83,15 @@ def sparse_decode(q: Array, k: Array, v: Array, indices: Array, lengths: Array, 
     """
     impl = _pick(implementation, q, block_size, None)
     kw = dict(block_size=block_size, scale=scale, return_lse=return_lse)
+    if head_map is not None and not (layer is not None and impl == "pallas_gpu"):
+        from pallas_kernels.sparse_attention.stacked import check_head_map
+        check_head_map(head_map, indices.shape[1])
+        indices, head_map = jnp.take(indices, head_map, axis=1), None
     if layer is not None:
         from pallas_kernels.sparse_attention import stacked
         stacked.check_stacked_args(q, k, v, layer, indices, lengths, block_size)
         if impl == "pallas_gpu":
-            return stacked.sparse_decode_stacked_gpu(q, k, v, layer, indices, lengths, **kw)
+            return stacked.sparse_decode_stacked_gpu(q, k, v, layer, indices, lengths, head_map=head_map, **kw)
         if impl == "pallas_tpu":
             return stacked.sparse_decode_stacked_tpu(q, k, v, layer, indices, lengths, **kw)
         k, v = stacked.select_layer(k, layer), stacked.select_layer(v, layer)

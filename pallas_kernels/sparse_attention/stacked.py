@@ -57,6 +57,14 @@ def check_stacked_args(q: Array, k_all: Array, v_all: Array, layer: Array, indic
     check_decode_args(q, one, one, indices, lengths, block_size)
 
 
+def check_head_map(head_map, num_kv_heads: int) -> None:
+    """head_map: i32[Hkv] with values in [0, Hkv) (the kernel clips values outside)."""
+    hm = jnp.asarray(head_map)
+    if hm.shape != (num_kv_heads,) or not jnp.issubdtype(hm.dtype, jnp.integer):
+        raise ValueError(f"head_map has shape {tuple(hm.shape)} and dtype {hm.dtype}: expected an integer "
+                         f"[Hkv={num_kv_heads}] array")
+
+
 def layer_index(layer: Array, num_layers: int) -> Array:
     """i32[]: the layer `k_all[layer]` reads (jnp semantics for a traced index: wrap negatives, then clamp)."""
     layer = jnp.asarray(layer).astype(jnp.int32)
@@ -82,18 +90,21 @@ def sparse_decode_stacked_reference(q: Array, k_all: Array, v_all: Array, layer:
 # Pallas GPU (Triton).
 
 
-def _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, first_entry, limit, block_size: int, block_k: int):
+def _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, first_entry, limit, block_size: int, block_k: int,
+                         head=None):
     """`gpu._gather_rows` on a stacked ref: k_ref, v_ref [L, N, D]; rows of layer `layer` (an i32 scalar).
+    ent_ref: [E] the entries, or [Hkv, E] with head (i32 scalar): that head's row.
 
     Returns:
       (ok: bool[block_k], k: [block_k, D], v: [block_k, D]); rows not ok read row 0 of the layer.
     """
+    at = (lambda ix: ent_ref[ix]) if head is None else (lambda ix: ent_ref[head, ix])  # one indexer per load
     if block_size == 1:
-        tok = ent_ref[pl.ds(first_entry, block_k)]
+        tok = at(pl.ds(first_entry, block_k))
         ok = (tok >= 0) & (tok <= limit)
     else:
         lane = jnp.arange(block_k, dtype=jnp.int32)
-        ent = ent_ref[first_entry + lane // block_size]
+        ent = at(first_entry + lane // block_size)
         tok = ent * block_size + lane % block_size
         ok = (ent >= 0) & (tok <= limit)
     safe = jnp.where(ok, tok, 0)
@@ -101,24 +112,33 @@ def _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, first_entry, limit, block
     return ok, k_ref[layer, safe, :], v_ref[layer, safe, :]
 
 
-def _decode_kernel_stacked(layer_ref, pos_ref, end_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *mass_refs,
-                           scale: float, block_size: int, block_k: int, entries_per_split: int):
+def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, entries_per_split: int,
+                           mapped: bool = False):
     """One (b, h, t, split) program; as `gpu._decode_kernel` with k_ref, v_ref: [L, N, D] and layer_ref: i32[1].
 
+    Refs: ([hm_ref,] layer_ref, pos_ref, end_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *mass_refs).
     With mass_refs = (el_ref, em_ref), f32[Gp, E] each: per index entry of the split, the sum of exp(s - m) over
     the entry's tokens and that m (the running max after the iteration that processed it); entries past the last
-    useful one are not written.
+    useful one are not written. mapped: hm_ref i32[Hkv] is the head map, end_ref is [Hkv] and ent_ref [Hkv, E],
+    and KV head h reads the entries of head hm_ref[h].
     """
+    head = None
+    if mapped:
+        hm_ref, *refs = refs
+        head = hm_ref[pl.program_id(1)]
+    layer_ref, pos_ref, end_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *mass_refs = refs
     layer = layer_ref[0]
     split = pl.program_id(3)
     pos = pos_ref[0]
     per_iter = block_k // block_size
-    n_entries = jnp.clip(end_ref[0] - split * entries_per_split, 0, entries_per_split)
+    end = end_ref[0] if head is None else end_ref[head]
+    n_entries = jnp.clip(end - split * entries_per_split, 0, entries_per_split)
     q = q_ref[...]
     gp, d = q.shape
 
     def body(it, carry):
-        ok, k, v = _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, it * per_iter, pos, block_size, block_k)
+        ok, k, v = _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, it * per_iter, pos, block_size, block_k,
+                                        head)
         if not mass_refs:
             return gpu._online_softmax_step(q, k, v, ok[None, :], carry, scale)
         o, m, l = carry
@@ -149,7 +169,7 @@ def _decode_kernel_stacked(layer_ref, pos_ref, end_ref, ent_ref, q_ref, k_ref, v
 def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array,
                               *, block_size: int = 1, scale: float | None = None, return_lse: bool = False,
                               return_mass: bool = False, config: gpu.DecodeConfig = gpu.DecodeConfig(),
-                              interpret: bool = False) -> Array | tuple[Array, Array]:
+                              head_map: Array | None = None, interpret: bool = False) -> Array | tuple[Array, Array]:
     """Gathered decode attention over layer `layer` of a stacked cache, Pallas Triton kernel.
 
     Args:
@@ -166,12 +186,19 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
         the GQA group (0 for padding and invisible entries), from partial sums the kernel keeps while attending
         (no second read of K; EvoSparse's heat).
       config: `gpu.DecodeConfig` (the kernel's tuning, shared with `gpu.sparse_decode_gpu`).
+      head_map: i32[Hkv] or None: KV head h attends over the index row of KV head head_map[h] (Kascade's reuse
+        layers), read in place: the same as `jnp.take(indices, head_map, axis=1)` without that copy. Not with
+        return_mass.
       interpret: run in the Pallas interpreter (CPU tests).
 
     Returns:
       [B, T, Hq, D] in q.dtype, followed by lse: f32[B, T, Hq] with return_lse and by the mass with return_mass.
     """
     check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size)
+    if head_map is not None:
+        check_head_map(head_map, k_all.shape[2])
+        if return_mass:
+            raise ValueError("head_map with return_mass: the entry mass is defined for unmapped heads only")
     gpu._check_supported(q, block_size, None, interpret)
     B, T, Hq, D = q.shape
     L, _, Hkv, N, _ = k_all.shape
@@ -198,8 +225,9 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, Gp - G), (0, 0)))
     lay = layer_index(layer, L).reshape(1)
 
+    mapped = head_map is not None
     kernel = functools.partial(_decode_kernel_stacked, scale=scale, block_size=block_size, block_k=block_k,
-                               entries_per_split=E)
+                               entries_per_split=E, mapped=mapped)
     out_specs = [
         pl.BlockSpec((None, None, None, None, Gp, D), lambda b, h, t, s: (s, b, h, t, 0, 0)),
         pl.BlockSpec((None, None, None, None, Gp), lambda b, h, t, s: (s, b, h, t, 0)),
@@ -213,24 +241,33 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
     if return_mass:  # per entry: sum of exp(s - m) and that m
         out_specs += [pl.BlockSpec((None, None, None, None, Gp, E), lambda b, h, t, s: (s, b, h, t, 0, 0))] * 2
         out_shape += [jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp, E), jnp.float32)] * 2
+    # Mapped: every KV head's entries and end of the row (b, t), indexed in-kernel by the head map.
+    hs = Hkv if mapped else None
+    h_of = (lambda h: 0) if mapped else (lambda h: h)  # noqa: E731
+    in_specs = [
+        pl.BlockSpec((1,), lambda b, h, t, s: (0,)),  # the layer index
+        pl.BlockSpec((None, 1), lambda b, h, t, s: (b, t)),  # limit: last token the query may see
+        pl.BlockSpec((None, hs, None) if mapped else (None, None, 1),
+                     lambda b, h, t, s: (b, h_of(h), t)),  # end: 1 + last useful entry
+        pl.BlockSpec((None, hs, None, E), lambda b, h, t, s: (b, h_of(h), t, s)),  # this split's entries
+        pl.BlockSpec((None, None, None, Gp, D), lambda b, h, t, s: (b, h, t, 0, 0)),  # GQA group queries
+        pl.BlockSpec((L, None, None, N, D), lambda b, h, t, s: (0, b, h, 0, 0)),  # every layer of the KV head
+        pl.BlockSpec((L, None, None, N, D), lambda b, h, t, s: (0, b, h, 0, 0)),
+    ]
+    args = (lay, limit, end, ent, qg, k_all, v_all)
+    if mapped:
+        in_specs = [pl.BlockSpec((Hkv,), lambda b, h, t, s: (0,))] + in_specs
+        args = (jnp.clip(head_map.astype(jnp.int32), 0, Hkv - 1),) + args
     res = pl.pallas_call(
         kernel,
         grid=(B, Hkv, T, splits),
-        in_specs=[
-            pl.BlockSpec((1,), lambda b, h, t, s: (0,)),  # the layer index
-            pl.BlockSpec((None, 1), lambda b, h, t, s: (b, t)),  # limit: last token the query may see
-            pl.BlockSpec((None, None, 1), lambda b, h, t, s: (b, h, t)),  # end: 1 + last useful entry
-            pl.BlockSpec((None, None, None, E), lambda b, h, t, s: (b, h, t, s)),  # this split's entries
-            pl.BlockSpec((None, None, None, Gp, D), lambda b, h, t, s: (b, h, t, 0, 0)),  # GQA group queries
-            pl.BlockSpec((L, None, None, N, D), lambda b, h, t, s: (0, b, h, 0, 0)),  # every layer of the KV head
-            pl.BlockSpec((L, None, None, N, D), lambda b, h, t, s: (0, b, h, 0, 0)),
-        ],
+        in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
-        name="sparse_decode_gathered_stacked" + ("_mass" if return_mass else ""),
-    )(lay, limit, end, ent, qg, k_all, v_all)
+        name="sparse_decode_gathered_stacked" + ("_mass" if return_mass else "") + ("_mapped" if mapped else ""),
+    )(*args)
     o, m, l = res[:3]
 
     out, lse = gpu._combine_splits(o[..., :G, :], m[..., :G], l[..., :G])  # [B, Hkv, T, G, D], [B, Hkv, T, G]

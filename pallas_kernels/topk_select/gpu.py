@@ -1,7 +1,7 @@
 """Pallas GPU (Triton) kernels of exact top-k selection: radix threshold search, then an ascending compaction.
 
 `topk_select_gpu` picks one of four paths (`SelectConfig.path`; "auto": "row" when N <= row_max, else
-"fused"):
+"sample" (rows shorter than the sample: "fused")):
   * "row" (`gpu_row.py`): ONE launch, one program per row holding the row in registers; the whole radix search
     and the compaction run in-kernel. For the launch-bound regime (rows of up to ~16K scores).
   * "fused" (`gpu_fused.py`): the counting passes below with their XLA glue moved into the kernels:
@@ -63,7 +63,8 @@ class SelectConfig:
       compact_block_n: scores per inner iteration of the compaction (a power of two).
       target_programs: about how many programs each launch should have (rows x splits).
       num_warps: warps per program.
-      path: "auto" ("row" when N <= row_max, else "fused"), "row", "fused" or "passes" (module docstring).
+      path: "auto" ("row" when N <= row_max, else "sample"), "row", "fused", "sample" or "passes" (module
+        docstring).
         bits_per_pass, block_n, compact_block_n, target_programs and num_warps tune "fused" and "passes".
       row_max: the longest row "auto" sends to the single-launch "row" kernel (<= gpu_row.ROW_LIMIT).
       row_bits: radix bits per in-kernel pass of the "row" kernel (1, 2, 4 or 8).
@@ -82,16 +83,16 @@ class SelectConfig:
     row_max: int = 16384
     row_bits: int = 2
     row_warps: int | None = None
-    sample_size: int = 4096
+    sample_size: int = 8192
     sample_sigmas: float = 4.0
     band_cap: int = 16384
 
     def pick_path(self, N: int) -> str:
-        if self.path == "sample" and N < self.sample_size:
-            return "fused"
-        if self.path != "auto":
-            return self.path
-        return "row" if N <= self.row_max else "fused"
+        if self.path == "auto":
+            path = "row" if N <= self.row_max else "sample"
+        else:
+            path = self.path
+        return "fused" if path == "sample" and N < self.sample_size else path
 
     def count_block(self) -> int:
         if self.block_n is not None:
