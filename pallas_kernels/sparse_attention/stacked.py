@@ -90,21 +90,28 @@ def sparse_decode_stacked_reference(q: Array, k_all: Array, v_all: Array, layer:
 # Pallas GPU (Triton).
 
 
-def _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, first_entry, limit, block_size: int, block_k: int,
+def _entries(ent_ref, head, idx, valid):
+    """Index entries at positions idx (a pl.ds or an i32 vector) of the row, -1 where not valid; ent_ref is the
+    row [K], or every KV head's row [Hkv, K] with head (i32 scalar). One indexer per load (Triton's lowering)."""
+    ref = ent_ref.at[idx] if head is None else ent_ref.at[head, idx]
+    return plgpu.load(ref, mask=valid, other=-1)
+
+
+def _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, first_entry, n_valid, limit, block_size: int, block_k: int,
                          head=None):
-    """`gpu._gather_rows` on a stacked ref: k_ref, v_ref [L, N, D]; rows of layer `layer` (an i32 scalar).
-    ent_ref: [E] the entries, or [Hkv, E] with head (i32 scalar): that head's row.
+    """`gpu._gather_rows` on a stacked ref: k_ref, v_ref [L, N, D]; rows of layer `layer` (an i32 scalar); the
+    entries first_entry .. first_entry + block_k / block_size of the row (those at or past n_valid read as -1).
 
     Returns:
       (ok: bool[block_k], k: [block_k, D], v: [block_k, D]); rows not ok read row 0 of the layer.
     """
-    at = (lambda ix: ent_ref[ix]) if head is None else (lambda ix: ent_ref[head, ix])  # one indexer per load
+    lane = jnp.arange(block_k, dtype=jnp.int32)
     if block_size == 1:
-        tok = at(pl.ds(first_entry, block_k))
+        tok = _entries(ent_ref, head, pl.ds(first_entry, block_k), first_entry + lane < n_valid)
         ok = (tok >= 0) & (tok <= limit)
     else:
-        lane = jnp.arange(block_k, dtype=jnp.int32)
-        ent = at(first_entry + lane // block_size)
+        e = first_entry + lane // block_size
+        ent = _entries(ent_ref, head, e, e < n_valid)
         tok = ent * block_size + lane % block_size
         ok = (ent >= 0) & (tok <= limit)
     safe = jnp.where(ok, tok, 0)
@@ -112,34 +119,48 @@ def _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, first_entry, limit, block
     return ok, k_ref[layer, safe, :], v_ref[layer, safe, :]
 
 
-def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, entries_per_split: int,
-                           mapped: bool = False):
+def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, entries_per_split: int, K: int,
+                           T: int, N: int, L: int, G: int, mapped: bool = False, mass: bool = False):
     """One (b, h, t, split) program; as `gpu._decode_kernel` with k_ref, v_ref: [L, N, D] and layer_ref: i32[1].
 
-    Refs: ([hm_ref,] layer_ref, pos_ref, end_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *mass_refs).
-    With mass_refs = (el_ref, em_ref), f32[Gp, E] each: per index entry of the split, the sum of exp(s - m) over
-    the entry's tokens and that m (the running max after the iteration that processed it); entries past the last
-    useful one are not written. mapped: hm_ref i32[Hkv] is the head map, end_ref is [Hkv] and ent_ref [Hkv, E],
-    and KV head h reads the entries of head hm_ref[h].
+    Refs: ([hm_ref,] layer_ref, len_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref[, el_ref, em_ref,
+    nw_ref]). Everything XLA used to prepare is done here: the layer index is wrapped and clamped (jnp
+    semantics), the query's last visible token comes from the row's length, the split's entries are read from
+    the unpadded row [K] (or, mapped, the row of head hm_ref[h] of [Hkv, K]) and the split's useful length is
+    found from them (no padded copy of the indices, no reduction over them in XLA), and the GQA group's queries
+    are gathered from q [Hq, D] (rows past G repeat row G - 1; their outputs are dropped).
+    With mass, el_ref, em_ref f32[Gp, E]: per index entry of the split, the sum of exp(s - m) over the entry's
+    tokens and that m (the running max after the iteration that processed it), written for the entries before
+    nw_ref i32[1] (what this program wrote; the rest of the block is garbage).
     """
     head = None
     if mapped:
         hm_ref, *refs = refs
-        head = hm_ref[pl.program_id(1)]
-    layer_ref, pos_ref, end_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *mass_refs = refs
+        head = hm_ref[pl.program_id(1)]  # clipped to [0, Hkv) by the wrapper
+    layer_ref, len_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *mass_refs = refs
     layer = layer_ref[0]
+    layer = jnp.clip(jnp.where(layer < 0, layer + L, layer), 0, L - 1)
     split = pl.program_id(3)
-    pos = pos_ref[0]
+    pos = len_ref[0] - T + pl.program_id(2)
+    limit = jnp.minimum(pos, N - 1)
     per_iter = block_k // block_size
-    end = end_ref[0] if head is None else end_ref[head]
-    n_entries = jnp.clip(end - split * entries_per_split, 0, entries_per_split)
-    q = q_ref[...]
+    E = entries_per_split
+    base = split * E
+    n_valid = jnp.minimum(K, base + E)  # entries of this split: [base, n_valid)
+    # The split's useful length: 1 + its last entry whose block starts at or before the query.
+    Ep = max(16, pl.next_power_of_2(E))
+    j = jnp.arange(Ep, dtype=jnp.int32)
+    e = _entries(ent_ref, head, pl.ds(base, Ep), base + j < n_valid)
+    useful = (e >= 0) & (e * block_size <= limit)
+    n_entries = jnp.max(jnp.where(useful, j + 1, 0))
+    lane = jnp.arange(max(gpu._MIN_ROWS, pl.next_power_of_2(G)), dtype=jnp.int32)
+    q = q_ref[pl.program_id(1) * G + jnp.minimum(lane, G - 1), :]  # [Gp, D]
     gp, d = q.shape
 
     def body(it, carry):
-        ok, k, v = _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, it * per_iter, pos, block_size, block_k,
-                                        head)
-        if not mass_refs:
+        ok, k, v = _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, base + it * per_iter, n_valid, limit,
+                                        block_size, block_k, head)
+        if not mass:
             return gpu._online_softmax_step(q, k, v, ok[None, :], carry, scale)
         o, m, l = carry
         s = plgpu.dot(q, k, trans_b=True) * scale  # [Gp, block_k] f32
@@ -150,7 +171,7 @@ def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, e
         l = corr * l + jnp.sum(p, axis=1)
         o = corr[:, None] * o + plgpu.dot(p.astype(v.dtype), v)
         pe = p if block_size == 1 else jnp.sum(p.reshape(gp, per_iter, block_size), axis=2)  # [Gp, per_iter]
-        el_ref, em_ref = mass_refs
+        el_ref, em_ref, _ = mass_refs
         cols = pl.ds(it * per_iter, per_iter)
         plgpu.store(el_ref.at[:, cols], pe)
         plgpu.store(em_ref.at[:, cols], jnp.broadcast_to(m_new[:, None], (gp, per_iter)))
@@ -158,10 +179,13 @@ def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, e
 
     init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), gpu._MASK, jnp.float32),
             jnp.zeros((gp,), jnp.float32))
-    o, m, l = jax.lax.fori_loop(0, pl.cdiv(n_entries, per_iter), body, init)
+    iters = pl.cdiv(n_entries, per_iter)
+    o, m, l = jax.lax.fori_loop(jnp.int32(0), iters, body, init)
     o_ref[...] = o
     m_ref[...] = m
     l_ref[...] = l
+    if mass:
+        mass_refs[2][...] = jnp.full((1,), iters * per_iter, jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "scale", "return_lse", "return_mass", "config",
@@ -215,19 +239,9 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
     E = pl.cdiv(pl.cdiv(K, splits), per_iter) * per_iter  # entries per split
     Gp = max(gpu._MIN_ROWS, pl.next_power_of_2(G))
 
-    lengths = lengths.astype(jnp.int32)
-    pos = lengths[:, None] - T + jnp.arange(T, dtype=jnp.int32)  # [B, T]
-    limit = jnp.minimum(pos, N - 1)
-    ent = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, 0), (0, splits * E - K)), constant_values=-1)
-    end = gpu._useful_end(ent, limit[:, None, :], block_size)  # [B, Hkv, T]
-    qg = q.reshape(B, T, Hkv, G, D).transpose(0, 2, 1, 3, 4)  # [B, Hkv, T, G, D]
-    if Gp != G:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, Gp - G), (0, 0)))
-    lay = layer_index(layer, L).reshape(1)
-
     mapped = head_map is not None
     kernel = functools.partial(_decode_kernel_stacked, scale=scale, block_size=block_size, block_k=block_k,
-                               entries_per_split=E, mapped=mapped)
+                               entries_per_split=E, K=K, T=T, N=N, L=L, G=G, mapped=mapped, mass=return_mass)
     out_specs = [
         pl.BlockSpec((None, None, None, None, Gp, D), lambda b, h, t, s: (s, b, h, t, 0, 0)),
         pl.BlockSpec((None, None, None, None, Gp), lambda b, h, t, s: (s, b, h, t, 0)),
@@ -238,23 +252,23 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
         jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp), jnp.float32),
         jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp), jnp.float32),
     ]
-    if return_mass:  # per entry: sum of exp(s - m) and that m
+    if return_mass:  # per entry: sum of exp(s - m) and that m; and how many entries the program wrote
         out_specs += [pl.BlockSpec((None, None, None, None, Gp, E), lambda b, h, t, s: (s, b, h, t, 0, 0))] * 2
         out_shape += [jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp, E), jnp.float32)] * 2
-    # Mapped: every KV head's entries and end of the row (b, t), indexed in-kernel by the head map.
-    hs = Hkv if mapped else None
-    h_of = (lambda h: 0) if mapped else (lambda h: h)  # noqa: E731
+        out_specs.append(pl.BlockSpec((None, None, None, None, 1), lambda b, h, t, s: (s, b, h, t, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((splits, B, Hkv, T, 1), jnp.int32))
+    # Mapped: every KV head's index row of (b, t), the head chosen in-kernel by the head map.
     in_specs = [
-        pl.BlockSpec((1,), lambda b, h, t, s: (0,)),  # the layer index
-        pl.BlockSpec((None, 1), lambda b, h, t, s: (b, t)),  # limit: last token the query may see
-        pl.BlockSpec((None, hs, None) if mapped else (None, None, 1),
-                     lambda b, h, t, s: (b, h_of(h), t)),  # end: 1 + last useful entry
-        pl.BlockSpec((None, hs, None, E), lambda b, h, t, s: (b, h_of(h), t, s)),  # this split's entries
-        pl.BlockSpec((None, None, None, Gp, D), lambda b, h, t, s: (b, h, t, 0, 0)),  # GQA group queries
+        pl.BlockSpec((1,), lambda b, h, t, s: (0,)),  # the layer index (wrapped and clamped in-kernel)
+        pl.BlockSpec((1,), lambda b, h, t, s: (b,)),  # the row's length
+        pl.BlockSpec((None, Hkv if mapped else None, None, K),
+                     (lambda b, h, t, s: (b, 0, t, 0)) if mapped else (lambda b, h, t, s: (b, h, t, 0))),
+        pl.BlockSpec((None, None, Hq, D), lambda b, h, t, s: (b, t, 0, 0)),  # the token's queries
         pl.BlockSpec((L, None, None, N, D), lambda b, h, t, s: (0, b, h, 0, 0)),  # every layer of the KV head
         pl.BlockSpec((L, None, None, N, D), lambda b, h, t, s: (0, b, h, 0, 0)),
     ]
-    args = (lay, limit, end, ent, qg, k_all, v_all)
+    args = (jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32), indices.astype(jnp.int32), q,
+            k_all, v_all)
     if mapped:
         in_specs = [pl.BlockSpec((Hkv,), lambda b, h, t, s: (0,))] + in_specs
         args = (jnp.clip(head_map.astype(jnp.int32), 0, Hkv - 1),) + args
@@ -276,11 +290,12 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
     if return_lse:
         extra.append(lse.transpose(0, 2, 1, 3).reshape(B, T, Hq))
     if return_mass:
-        el, em = res[3:]
-        # Entry j = s * E + e; entries at or past `end` were never written (garbage): select, never multiply.
+        el, em, nw = res[3:]
+        # Entry j = s * E + e; entries a split did not write are garbage: select, never multiply.
         el = jnp.moveaxis(el[..., :G, :], 0, -2).reshape(B, Hkv, T, G, splits * E)[..., :K]
         em = jnp.moveaxis(em[..., :G, :], 0, -2).reshape(B, Hkv, T, G, splits * E)[..., :K]
-        written = (jnp.arange(K, dtype=jnp.int32) < end[..., None])[:, :, :, None]  # [B, Hkv, T, 1, K]
+        written = jnp.arange(E, dtype=jnp.int32) < nw  # [S, B, Hkv, T, E]: entry e of split s was written
+        written = jnp.moveaxis(written, 0, -2).reshape(B, Hkv, T, splits * E)[..., None, :K]  # [B, Hkv, T, 1, K]
         ok = written & jnp.isfinite(lse)[..., None]
         mass = jnp.where(ok, el * jnp.exp(jnp.where(ok, em - lse[..., None], 0.0)), 0.0)
         extra.append(jnp.mean(mass, axis=3))
