@@ -285,6 +285,7 @@ def run_decode(run: Bench, cfg, N: int, summary: dict) -> None:
     from pallas_kernels.topk_select import topk_select_reference
 
     anchor_gpu, _, sparse_gpu, select_gpu, ik = _kinds(run.args.interpret)
+    from pallas_kernels.sparse_attention import stacked as stacked_gpu
     args = run.args
     B, Hq, Hkv, D, L = args.batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
     budget, mt = args.budget, args.min_tokens
@@ -357,9 +358,24 @@ def run_decode(run: Bench, cfg, N: int, summary: dict) -> None:
         add(f"sparse_decode_gpu[bs{bs}]",
             jax.jit(lambda q, k, v, i, l, bs=bs: sparse_gpu.sparse_decode_gpu(q, k, v, i, l, block_size=bs, **ik)),
             q, k, v, ind, lengths, part="sparse", block_size=bs, nbytes=nb, K=K // bs)
+        add(f"sparse_decode_stacked_gpu[bs{bs}]",  # what the model runs: the layer read in place, no XLA glue
+            jax.jit(lambda q, k, v, i, l, bs=bs: stacked_gpu.sparse_decode_stacked_gpu(
+                q, k[None], v[None], jnp.int32(0), i, l, block_size=bs, **ik)),
+            q, k, v, ind, lengths, part="sparse", block_size=bs, nbytes=nb, K=K // bs)
         add(f"sparse_decode_xla[bs{bs}]",
             jax.jit(lambda q, k, v, i, l, bs=bs: sparse_xla.sparse_decode_xla(q, k, v, i, l, block_size=bs)),
             q, k, v, ind, lengths, part="sparse", block_size=bs, nbytes=nb, K=K // bs)
+    if not args.no_variants:  # tunings of the stacked gathered kernel at block_size 1
+        nb1 = 2 * B * Hkv * K * D * 2
+        for name, c in (("bk128", sparse_gpu.DecodeConfig(block_k=128)),
+                        ("s3", sparse_gpu.DecodeConfig(num_stages=3)),
+                        ("tp1024", sparse_gpu.DecodeConfig(target_programs=1024)),
+                        ("tp256", sparse_gpu.DecodeConfig(target_programs=256)),
+                        ("w8", sparse_gpu.DecodeConfig(num_warps=8))):
+            add(f"sparse_decode_stacked_gpu[bs1,{name}]",
+                jax.jit(lambda q, k, v, i, l, c=c: stacked_gpu.sparse_decode_stacked_gpu(
+                    q, k[None], v[None], jnp.int32(0), i, l, config=c, **ik)),
+                q, k, v, idx, lengths, part="sparse", block_size=1, nbytes=nb1, K=K)
     anchor_bytes = kv_bytes // 2 + sel_bytes
     r_anchor = add("anchor_decode_gpu", jax.jit(lambda *a: anchor_gpu.anchor_decode_gpu(
         *a, budget=budget, min_tokens=mt, **ik)), q, k, v, lengths, part="anchor", nbytes=anchor_bytes, K=K)
@@ -378,7 +394,6 @@ def run_decode(run: Bench, cfg, N: int, summary: dict) -> None:
 
     # Whole-model attention for Kascade: layer 0 (dense anchor) + the other anchors + reuse layers.
     # A reuse layer as the model runs it: the stacked cache read in place, the head map applied in-kernel.
-    from pallas_kernels.sparse_attention import stacked as stacked_gpu
     head_map = jnp.asarray(np.roll(np.arange(Hkv), 1), jnp.int32)
     r_reuse = add("kascade_reuse_layer", jax.jit(lambda q, k, v, i, l: stacked_gpu.sparse_decode_stacked_gpu(
         q, k[None], v[None], jnp.int32(0), i, l, head_map=head_map, **ik)), q, k, v, idx, lengths, part="kascade",
@@ -435,8 +450,10 @@ def run_decode(run: Bench, cfg, N: int, summary: dict) -> None:
     by = {r["impl"]: r for r in run.records if r.get("phase") == "decode" and r.get("N") == N and "ms" in r}
     summary[f"decode_N{N}"] = {
         "best_dense": best_name, "best_dense_ms": best,
-        "gathered_speedup": {n: by[n]["speedup_vs_best_dense"] for n in by if n.startswith("sparse_decode_gpu")},
-        "gathered_hbm_fraction": {n: by[n]["gbs"] / run.hbm for n in by if n.startswith("sparse_decode_gpu")},
+        "gathered_speedup": {n: by[n]["speedup_vs_best_dense"] for n in by
+                             if n.startswith(("sparse_decode_gpu", "sparse_decode_stacked_gpu"))},
+        "gathered_hbm_fraction": {n: by[n]["gbs"] / run.hbm for n in by
+                                  if n.startswith(("sparse_decode_gpu", "sparse_decode_stacked_gpu"))},
         "selection_ratio_to_dense": {n: by[n]["ratio_to_best_dense"] for n in by if n.startswith("select_")},
         "anchor_ratio_to_dense": by.get("anchor_decode_gpu", {}).get("ratio_to_best_dense"),
         "dense_anchor_ratio_to_dense": by.get("anchor_decode_gpu[dense_output]", {}).get("ratio_to_best_dense"),
