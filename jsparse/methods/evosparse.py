@@ -204,7 +204,7 @@ def blocks_to_dense(idx: Array, values: Array, nb: int) -> Array:
 
 @functools.partial(jax.jit, static_argnames=("decay",))
 def heat_step(heat: Array, mass: Array, decay: float) -> Array:
-    """h <- lambda * h + s (the recurrence, exposed for tests): f32[..., NB] both."""
+    """h <- lambda * h + s with s dense over the blocks: f32[..., NB] both (the method itself uses `heat_update`)."""
     return decay * heat + mass
 
 
