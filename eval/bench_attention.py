@@ -263,6 +263,27 @@ def check_decode(run: Bench, cfg, budget: float, min_tokens: int) -> None:
                       ok=bool(e <= TOL and gap <= 1e-3 and count_bad == 0 and bad == 0))
         except Exception as e:  # noqa: BLE001
             run.check(what="anchor_decode", dense_output=dense, error=repr(e)[:300], ok=False)
+    # The stacked-cache gathered kernel the model runs (layer 1 of 2 read in place), with and without a head map.
+    from pallas_kernels.sparse_attention import stacked as stacked_gpu
+    from pallas_kernels.sparse_attention.testing import random_decode_indices
+    rng = np.random.default_rng(7)
+    k_all, v_all = jnp.stack([v, k]), jnp.stack([k, v])
+    roll = jnp.asarray(np.roll(np.arange(Hkv), 3), jnp.int32)
+    for T, bs, mapped in ((1, 1, False), (1, 1, True), (2, 16, True), (1, 16, False)):
+        try:
+            poison()
+            qq = jax.random.normal(jax.random.key(T + bs), (B, T, Hq, D), jnp.bfloat16)
+            ind = jnp.asarray(random_decode_indices(rng, np.asarray(lengths), Hkv, T, max(1, K // bs), block_size=bs))
+            hm = roll if mapped else None
+            got = jax.jit(lambda qq, ka, va, i, l: stacked_gpu.sparse_decode_stacked_gpu(
+                qq, ka, va, jnp.int32(1), i, l, block_size=bs, head_map=hm, **ik))(qq, k_all, v_all, ind, lengths)
+            want = sparse_decode_reference(qq, k, v, jnp.take(ind, roll, axis=1) if mapped else ind, lengths,
+                                           block_size=bs)
+            e = rel_err(got, want)
+            run.check(what="sparse_decode_stacked", T=T, block_size=bs, head_map=mapped, out_rel_err=e, ok=e <= TOL)
+        except Exception as e:  # noqa: BLE001
+            run.check(what="sparse_decode_stacked", T=T, block_size=bs, head_map=mapped, error=repr(e)[:300],
+                      ok=False)
     # Exact equality of the selection with lax.top_k on the reference scores (with ties: rounded scores).
     scores = anchor_ref.decode_scores_reference(q, k, lengths)
     for name, s in (("pooled scores", scores), ("rounded (many ties)", jnp.round(scores * 64) / 64)):
