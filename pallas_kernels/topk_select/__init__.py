@@ -6,7 +6,8 @@ The chosen positions come out ascending, -1 padded (the index contract), exactly
 `jsparse.selection.topk_indices` (lax.top_k) would choose them, ties resolved by the lower position.
 Implementations: a radix threshold search over the scores' order-preserving int32 keys (a few counting
 passes) followed by an ascending compaction, as Pallas GPU (Triton) kernels (gpu.py: a single-launch kernel
-per row up to 16K scores in gpu_row.py, a glue-free multi-launch path in gpu_fused.py, the original path), a
+per row up to 16K scores in gpu_row.py, a sampled threshold bracket for longer rows in gpu_sample.py, a
+glue-free multi-launch path in gpu_fused.py, the original path), a
 Pallas TPU kernel (tpu.py) and plain XLA (xla.py); reference.py is the `lax.top_k` specification.
 """
 
