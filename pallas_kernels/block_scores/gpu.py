@@ -92,27 +92,29 @@ def _blocks_per_program(B: int, T: int, nb: int, config: BlockMaxConfig) -> int:
     return _MIN_ROWS
 
 
-def _block_max_kernel(lay_ref, kvh_ref, hm_ref, meta_ref, q_ref, k_ref, o_ref, *, scale: float, block_size: int,
-                      cb: int, G: int, Gp: int, R: int):
-    """One (b, t, s) program.
+def _block_max_kernel(lay_ref, kvh_ref, hm_ref, pos_ref, lo_ref, hi_ref, q_ref, k_ref, o_ref, *, scale: float,
+                      block_size: int, cb: int, G: int, Gp: int, R: int, L: int, Hkv: int, N: int, nb: int):
+    """One (b, t, s) program. Everything XLA would prepare is done here (the layer wrapped and clamped, the KV
+    heads clamped, the head mask read as is, the last visible token from the position).
 
-    Refs: lay_ref i32[1]; kvh_ref i32[R]; hm_ref f32[R, Gp] (1: query head g of KV head r counts); meta_ref
-    i32[4] (last visible token, lo, hi, unused); q_ref [Hq, D] the row's queries; k_ref [L, Hkv, N, D] every
-    layer and KV head of batch row b; o_ref f32[cb].
+    Refs: lay_ref i32[1]; kvh_ref i32[R]; hm_ref bool[R, G] (query head g of KV head r counts); pos_ref, lo_ref,
+    hi_ref i32[1] the row's position and middle range; q_ref [Hq, D] the row's queries; k_ref [L, Hkv, N, D]
+    every layer and KV head of batch row b; o_ref f32[nb] the row's block scores (this program writes its cb).
     """
     layer = lay_ref[0]
+    layer = jnp.clip(jnp.where(layer < 0, layer + L, layer), 0, L - 1)
     s = pl.program_id(2)
-    lim, lo, hi = meta_ref[0], meta_ref[1], meta_ref[2]
+    lim, lo, hi = jnp.minimum(pos_ref[0], N - 1), lo_ref[0], hi_ref[0]
     blk = s * cb + jnp.arange(cb, dtype=jnp.int32)
     blk_ok = (blk >= lo) & (blk < hi)
     live = (jnp.minimum(hi, s * cb + cb) > jnp.maximum(lo, s * cb)) & (lo < hi)
     lane = jnp.arange(Gp, dtype=jnp.int32)
     acc = jnp.full((cb,), -jnp.inf, jnp.float32)
     for r in range(R):
-        kvh = kvh_ref[r]
-        hm = hm_ref[r, :]  # [Gp]
+        kvh = jnp.clip(kvh_ref[r], 0, Hkv - 1)
+        hm = hm_ref[r, jnp.minimum(lane, G - 1)] & (lane < G)  # [Gp]
         q = q_ref[kvh * G + jnp.minimum(lane, G - 1), :]  # [Gp, D] the GQA group (padding rows repeat row G-1)
-        heads = (hm > 0)[:, None]
+        heads = hm[:, None]
 
         def body(j, acc, kvh=kvh, q=q, heads=heads):
             tok = blk * block_size + j
@@ -122,16 +124,17 @@ def _block_max_kernel(lay_ref, kvh_ref, hm_ref, meta_ref, q_ref, k_ref, o_ref, *
             t = jnp.max(jnp.where(heads, logits, -jnp.inf), axis=0)
             return jnp.maximum(acc, jnp.where(ok, t, -jnp.inf))
 
-        n = jnp.where(live & (jnp.max(hm) > 0), jnp.int32(block_size), jnp.int32(0))
+        n = jnp.where(live & (jnp.max(hm.astype(jnp.int32)) > 0), jnp.int32(block_size), jnp.int32(0))
         acc = lax.fori_loop(jnp.int32(0), n, body, acc)  # bounds of one dtype (Triton's scf.for needs it)
-    o_ref[...] = acc * scale
+    plgpu.store(o_ref.at[pl.ds(s * cb, cb)], acc * scale, mask=blk < nb)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "scale", "config", "interpret"))
 def block_max_scores_gpu(q: Array, k_all: Array, layer: Array, kv_heads: Array, head_mask: Array, positions: Array,
                          lo: Array, hi: Array, *, block_size: int, scale: float | None = None,
                          config: BlockMaxConfig = BlockMaxConfig(), interpret: bool = False) -> Array:
-    """`reference.block_max_scores_reference` by the Pallas Triton kernel (see the module docstring)."""
+    """`reference.block_max_scores_reference` by the Pallas Triton kernel (see the module docstring); no XLA
+    work around the launch."""
     check_block_max_args(q, k_all, layer, kv_heads, head_mask, positions, lo, hi, block_size)
     _check_supported(q, block_size)
     B, T, Hq, D = q.shape
@@ -141,30 +144,27 @@ def block_max_scores_gpu(q: Array, k_all: Array, layer: Array, kv_heads: Array, 
     scale = default_scale(D, scale)
     cb = _blocks_per_program(B, T, nb, config)
     S = pl.cdiv(nb, cb)
-    lay = layer_index(layer, L).reshape(1)
-    kvh = jnp.clip(kv_heads.astype(jnp.int32), 0, Hkv - 1)
-    hm = jnp.pad(head_mask.astype(jnp.float32), ((0, 0), (0, Gp - G)))
-    lim = jnp.minimum(positions.astype(jnp.int32), N - 1)
-    meta = jnp.stack([lim, lo.astype(jnp.int32), hi.astype(jnp.int32), jnp.zeros_like(lim)], axis=-1)  # [B, T, 4]
-    kernel = functools.partial(_block_max_kernel, scale=scale, block_size=block_size, cb=cb, G=G, Gp=Gp, R=R)
-    out = pl.pallas_call(
+    kernel = functools.partial(_block_max_kernel, scale=scale, block_size=block_size, cb=cb, G=G, Gp=Gp, R=R, L=L,
+                               Hkv=Hkv, N=N, nb=nb)
+    row = pl.BlockSpec((None, 1), lambda b, t, s: (b, t))
+    return pl.pallas_call(
         kernel,
         grid=(B, T, S),
         in_specs=[
             pl.BlockSpec((1,), lambda b, t, s: (0,)),  # the layer index
             pl.BlockSpec((R,), lambda b, t, s: (0,)),  # retrieval KV heads
-            pl.BlockSpec((R, Gp), lambda b, t, s: (0, 0)),  # their query-head masks
-            pl.BlockSpec((None, None, 4), lambda b, t, s: (b, t, 0)),  # last visible token, lo, hi
+            pl.BlockSpec((R, G), lambda b, t, s: (0, 0)),  # their query-head masks
+            row, row, row,  # position, lo, hi of the row
             pl.BlockSpec((None, None, Hq, D), lambda b, t, s: (b, t, 0, 0)),  # the row's queries
             pl.BlockSpec((L, None, Hkv, N, D), lambda b, t, s: (0, b, 0, 0, 0)),  # every layer and KV head of row b
         ],
-        out_specs=pl.BlockSpec((None, None, cb), lambda b, t, s: (b, t, s)),
-        out_shape=jax.ShapeDtypeStruct((B, T, S * cb), jnp.float32),
+        out_specs=pl.BlockSpec((None, None, nb), lambda b, t, s: (b, t, 0)),  # each program writes its cb blocks
+        out_shape=jax.ShapeDtypeStruct((B, T, nb), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="evosparse_block_max",
-    )(lay, kvh, hm, meta, q, k_all)
-    return out[:, :, :nb]
+    )(jnp.asarray(layer, jnp.int32).reshape(1), kv_heads.astype(jnp.int32), head_mask, positions.astype(jnp.int32),
+      lo.astype(jnp.int32), hi.astype(jnp.int32), q, k_all)
 
 
 # ---------------------------------------------------------------------------------------------------------
