@@ -3,6 +3,7 @@ its XLA specification on random rows: heat with many ties (zeros and rounded val
 padding, rows whose budget covers every block, rows with fewer middle blocks than the heat count, no heat and
 no retrieval set; and the method's selection is the same through either implementation."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -87,62 +88,3 @@ def test_method_selection_same_through_the_kernel(monkeypatch):
             want = m.replace(kernels="xla").select_blocks(heat, r, pos, Hkv, N)
             got = m.replace(kernels="pallas_gpu").select_blocks(heat, r, pos, Hkv, N)
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-
-
-def test_heat_update_kernel_matches_xla():
-    """The in-place heat kernel (interpret mode) = decay * row + the mass scattered into its blocks, on the chosen
-    layer only (negative layer wraps), for rows with -1 padding, a full row and an empty row."""
-    from pallas_kernels.block_scores.api import heat_update_layer
-    rng = np.random.default_rng(6)
-    L, B, Hkv, nb, K = 3, 2, 3, 70, 12
-    heat = jnp.asarray(rng.random((L, B, Hkv, nb)), jnp.float32)
-    idx = np.full((B, Hkv, K), -1, np.int32)
-    for b in range(B):
-        for h in range(Hkv):
-            n = [K, 0, 5][h]
-            idx[b, h, :n] = np.sort(rng.choice(nb, n, replace=False))
-    mass = jnp.asarray(rng.random((B, Hkv, K)), jnp.float32)
-    idx = jnp.asarray(idx)
-    for layer in (1, -1):
-        want = heat_update_layer(heat, jnp.int32(layer), idx, mass, 0.75, implementation="xla")
-        got = gpu.heat_update_gpu(heat, jnp.int32(layer), idx, mass, 0.75, interpret=True)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
-        lay = layer % L
-        manual = np.asarray(heat).copy()
-        manual[lay] *= 0.75
-        for b in range(B):
-            for h in range(Hkv):
-                for e, m in zip(np.asarray(idx[b, h]), np.asarray(mass[b, h])):
-                    if e >= 0:
-                        manual[lay, b, h, e] += m
-        np.testing.assert_allclose(np.asarray(got), manual, rtol=1e-6, atol=1e-7)
-    with pytest.raises(ValueError, match="expected \\[B=2, Hkv=3, K\\] both"):
-        gpu.heat_update_gpu(heat, jnp.int32(0), idx[:, :2], mass, 0.5, interpret=True)
-
-
-def test_method_heat_through_the_kernel(monkeypatch):
-    """A decode step of the EvoSparse layer with the GPU kernels (selection and in-place heat, interpret mode) =
-    the same step through XLA (outputs and state); the attention itself runs through XLA in both."""
-    from jsparse.methods.evosparse import EvoSparse, EvoState
-    from models.attention import LayerContext, LayerKV
-    for name in ("heat_update_gpu", "select_blocks_gpu"):
-        real = getattr(gpu, name)
-        monkeypatch.setattr(gpu, name, lambda *a, real=real, **k: real(*a, interpret=True, **k))
-    xla_attend = EvoSparse.attend
-    monkeypatch.setattr(EvoSparse, "attend", lambda self, *a, **k: xla_attend(self.replace(kernels="xla"), *a, **k))
-    rng = np.random.default_rng(8)
-    L, B, Hq, Hkv, D, N = 3, 2, 4, 2, 16, 256
-    k_all = jnp.asarray(rng.standard_normal((L, B, Hkv, N, D)), jnp.float32)
-    v_all = jnp.asarray(rng.standard_normal((L, B, Hkv, N, D)), jnp.float32)
-    q = jnp.asarray(rng.standard_normal((B, 1, Hq, D)), jnp.float32)
-    lengths = jnp.asarray([200, 256], jnp.int32)
-    m = EvoSparse(budget_tokens=64, block_size=8, sink_fraction=0.125, local_fraction=0.375, retrieval_fraction=0.0,
-                  heat_fraction=0.5)
-    heat = jnp.asarray(rng.random((L, B, Hkv, N // 8)), jnp.float32)
-    cache = LayerKV(k=k_all[1], v=v_all[1], k_all=k_all, v_all=v_all, layer=jnp.int32(1))
-    ctx = LayerContext(layer=jnp.int32(1), lengths=lengths, segment="sparse")
-    (o1, s1), (o2, s2) = (m.replace(kernels=kn).decode(ctx, q, cache, EvoState(heat=heat))
-                          for kn in ("xla", "pallas_gpu"))
-    np.testing.assert_allclose(np.asarray(o2), np.asarray(o1), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(s2.heat), np.asarray(s1.heat), rtol=1e-5, atol=1e-6)
-    assert float(jnp.max(jnp.abs(s1.heat[1] - heat[1]))) > 0 and bool(jnp.all(s1.heat[0] == heat[0]))

@@ -61,8 +61,7 @@ from jsparse import selection as sel
 from jsparse.artifacts import load_artifact
 from jsparse.methods.base import register
 from jsparse.methods.common import attend_dense, dense_prefill
-from pallas_kernels.block_scores import block_max_scores, heat_update_layer, select_blocks, sparse_decode_mass
-from pallas_kernels.block_scores.xla import heat_update  # noqa: F401 (the row step, re-exported)
+from pallas_kernels.block_scores import block_max_scores, select_blocks, sparse_decode_mass
 from pallas_kernels.sparse_attention import sparse_decode
 from pallas_kernels.topk_select import topk_select
 
@@ -182,6 +181,19 @@ def _stacked(cache):
     if getattr(cache, "layer", None) is not None:
         return cache.k_all, cache.v_all, cache.layer
     return cache.k[None], cache.v[None], jnp.int32(0)
+
+
+def heat_update(heat: Array, idx: Array, values: Array, decay: float) -> Array:
+    """decay * heat + values summed into their blocks: heat f32[..., nb], idx i32[..., K] (valid entries unique,
+    ascending, then -1), values f32[..., K]. One scatter-add into the decayed row (the -1 padding is mapped to
+    distinct out-of-range blocks and dropped), so the indices are sorted and unique as XLA is told."""
+    lead = idx.shape[:-1]
+    nb, K = heat.shape[-1], idx.shape[-1]
+    safe = jnp.where(idx >= 0, idx, nb + jnp.arange(K, dtype=idx.dtype))
+    grids = jnp.meshgrid(*[jnp.arange(n) for n in lead], indexing="ij")
+    at = tuple(jnp.broadcast_to(g[..., None], idx.shape) for g in grids) + (safe,)
+    return (decay * heat).at[at].add(values.astype(heat.dtype), mode="drop", indices_are_sorted=True,
+                                     unique_indices=True)
 
 
 def blocks_to_dense(idx: Array, values: Array, nb: int) -> Array:
@@ -452,12 +464,6 @@ class EvoSparse:
             return heat_l, out
 
         xs = (jnp.swapaxes(q, 0, 1), None if ret is None else jnp.swapaxes(ret, 0, 1), jnp.swapaxes(pos, 0, 1))
-        if T == 1 and live is None and self.uses_heat:  # one token: the heat row updated in place, one launch
-            q_t, ret_t, pos_t = jax.tree_util.tree_map(lambda x: x[0], xs)
-            idx = self.select_blocks(heat_l, ret_t, pos_t, cache.k.shape[1], cache.k.shape[2])
-            out, mass = self.attend(q_t, cache, idx, pos_t)
-            heat = heat_update_layer(heat, ctx.layer, idx, mass, self.decay, implementation=self.kernels)
-            return out[:, None].astype(q.dtype), state.replace(heat=heat)
         if T == 1:
             heat_l, out = row(heat_l, jax.tree_util.tree_map(lambda x: x[0], xs))
             out = out[:, None]

@@ -15,16 +15,14 @@
       EvoSparse's attended blocks of a decode row: sink [0, n_s), local [hi, nbv), the retrieval set and the
       `count` hottest middle blocks outside it, ascending then -1 (every visible block where full); on the GPU
       one Triton launch (the heat row's exact top-k in registers, then the union).
-  heat_update_layer(heat: f32[L, B, Hkv, nb], layer, idx: i32[B, Hkv, K], mass: f32[B, Hkv, K], decay)
-      heat[layer] <- decay * heat[layer] + the mass summed into its blocks; on the GPU one in-place launch.
 
 gpu.py: Pallas Triton kernels; xla.py: the XLA fallback (any backend; slices and gathers); reference.py: the
 plain-jnp specification; api.py dispatches (gpu -> "pallas_gpu" when the kernel takes the arguments, else "xla").
 """
 
-from pallas_kernels.block_scores.api import (IMPLEMENTATIONS, block_max_scores, heat_update_layer, select_blocks,
-                                             sparse_decode_mass, supported)
+from pallas_kernels.block_scores.api import (IMPLEMENTATIONS, block_max_scores, select_blocks, sparse_decode_mass,
+                                             supported)
 from pallas_kernels.block_scores.reference import block_max_scores_reference, sparse_decode_mass_reference
 
-__all__ = ["IMPLEMENTATIONS", "block_max_scores", "heat_update_layer", "select_blocks", "sparse_decode_mass",
-           "supported", "block_max_scores_reference", "sparse_decode_mass_reference"]
+__all__ = ["IMPLEMENTATIONS", "block_max_scores", "select_blocks", "sparse_decode_mass", "supported",
+           "block_max_scores_reference", "sparse_decode_mass_reference"]

@@ -75,20 +75,3 @@ def select_blocks(heat: Array | None, ret: Array | None, n_s: Array, hi: Array, 
         from pallas_kernels.block_scores import gpu
         return gpu.select_blocks_gpu(*args, **kw)
     return xla.select_blocks_xla(*args, **kw)
-
-
-def heat_update_layer(heat: Array, layer: Array, idx: Array, mass: Array, decay: float, *,
-                      implementation: str | None = None) -> Array:
-    """EvoSparse's heat step of one layer of the stacked heat f32[L, B, Hkv, nb]: heat[layer] <- decay *
-    heat[layer] + the entry mass f32[B, Hkv, K] summed into the blocks idx i32[B, Hkv, K] (valid entries unique
-    and ascending, then -1). implementation=None: one in-place Triton launch on a GPU when nb <= 32768, else XLA
-    (`xla.heat_update_layer_xla`, also the "reference")."""
-    from pallas_kernels.topk_select.gpu_row import ROW_LIMIT
-    if implementation is None:
-        implementation = "pallas_gpu" if jax.default_backend() == "gpu" and heat.shape[-1] <= ROW_LIMIT else "xla"
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation={implementation!r}: expected one of {IMPLEMENTATIONS} or None")
-    if implementation == "pallas_gpu":
-        from pallas_kernels.block_scores import gpu
-        return gpu.heat_update_gpu(heat, layer, idx, mass, decay)
-    return xla.heat_update_layer_xla(heat, layer, idx, mass, decay)

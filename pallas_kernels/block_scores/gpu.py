@@ -34,7 +34,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.block_scores.reference import check_block_max_args
 from pallas_kernels.sparse_attention import gpu as sgpu
 from pallas_kernels.sparse_attention.common import default_scale
-from pallas_kernels.sparse_attention.stacked import sparse_decode_stacked_gpu
+from pallas_kernels.sparse_attention.stacked import layer_index, sparse_decode_stacked_gpu
 from pallas_kernels.topk_select.common import INT_MIN, float_keys
 from pallas_kernels.topk_select.gpu_row import ROW_LIMIT, next_pow2, row_pick_mask, row_warps
 
@@ -193,23 +193,6 @@ def sparse_decode_mass_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
 # EvoSparse's block selection of one decode row.
 
 
-def _member_of_sorted(ref, width: int, x):
-    """bool mask of x (i32 vector) over the set in ref i32[width] (valid entries ascending, then -1): a branchless
-    binary search of every x, log2(width) + 1 gathers from the (cached) set."""
-    wp = next_pow2(width)
-    slot = jnp.arange(wp, dtype=jnp.int32)
-    n_set = jnp.sum((plgpu.load(ref.at[pl.ds(0, wp)], mask=slot < width, other=-1) >= 0).astype(jnp.int32))
-    below = jnp.zeros(x.shape, jnp.int32)  # count of set entries < x
-    step = wp
-    while step >= 1:
-        t = below + step
-        v = plgpu.load(ref.at[jnp.clip(t - 1, 0, width - 1)])
-        below = jnp.where((t <= n_set) & (v < x), t, below)
-        step //= 2
-    at = plgpu.load(ref.at[jnp.clip(below, 0, width - 1)])
-    return (below < n_set) & (at == x)
-
-
 def _select_blocks_kernel(meta_ref, ret_ref, heat_ref, o_ref, *, nb: int, P: int, wr: int, has_heat: bool,
                           has_ret: bool, width: int, wpad: int, heat_width: int, bits: int):
     """Row (b, kv head). Refs: meta i32[8] (n_s, hi, nbv, count, full); ret i32[wr]; heat f32[nb]; o i32[width].
@@ -220,7 +203,20 @@ def _select_blocks_kernel(meta_ref, ret_ref, heat_ref, o_ref, *, nb: int, P: int
     blk = jnp.arange(P, dtype=jnp.int32)
     vis = blk < jnp.minimum(nbv, nb)
     middle = (blk >= n_s) & (blk < hi)
-    in_ret = _member_of_sorted(ret_ref, wr, blk) if has_ret else jnp.zeros((P,), jnp.bool_)
+    in_ret = jnp.zeros((P,), jnp.bool_)
+    if has_ret:  # membership by a branchless binary search of every block in the ascending retrieval set
+        wp = next_pow2(wr)
+        slot = jnp.arange(wp, dtype=jnp.int32)
+        n_ret = jnp.sum((plgpu.load(ret_ref.at[pl.ds(0, wp)], mask=slot < wr, other=-1) >= 0).astype(jnp.int32))
+        below = jnp.zeros((P,), jnp.int32)  # count of retrieval blocks < blk
+        step = wp
+        while step >= 1:
+            t = below + step
+            v = plgpu.load(ret_ref.at[jnp.clip(t - 1, 0, wr - 1)])
+            below = jnp.where((t <= n_ret) & (v < blk), t, below)
+            step //= 2
+        at = plgpu.load(ret_ref.at[jnp.clip(below, 0, wr - 1)])
+        in_ret = (below < n_ret) & (at == blk)
     if has_heat:
         cand = vis & middle & jnp.logical_not(in_ret)
         n_cand = jnp.sum(cand.astype(jnp.int32))
@@ -282,63 +278,3 @@ def select_blocks_gpu(heat: Array | None, ret: Array | None, n_s: Array, hi: Arr
                                              num_stages=1),
         interpret=interpret, name="evosparse_select_blocks",
     )(meta.astype(jnp.int32), ret, heat)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# EvoSparse's heat update of one layer, in place.
-
-
-def _heat_update_kernel(lay_ref, idx_ref, mass_ref, heat_in, heat_out, *, decay: float, nb: int, P: int, K: int,
-                        L: int):
-    """Row (b, kv head). Refs: lay i32[1]; idx i32[K] the attended blocks (ascending, then -1); mass f32[K];
-    heat_in / heat_out f32[L, nb] the same buffer (aliased). Every read happens before any write, and the two
-    writes cover disjoint blocks: the decayed row outside idx, decay * old + mass at idx."""
-    del heat_in  # aliased with heat_out: read through it, before writing
-    layer = lay_ref[0]
-    layer = jnp.clip(jnp.where(layer < 0, layer + L, layer), 0, L - 1)
-    blk = jnp.arange(P, dtype=jnp.int32)
-    row = plgpu.load(heat_out.at[layer, pl.ds(0, P)], mask=blk < nb, other=0.0)
-    Kp = next_pow2(K)
-    j = jnp.arange(Kp, dtype=jnp.int32)
-    e = plgpu.load(idx_ref.at[pl.ds(0, Kp)], mask=j < K, other=-1)
-    m = plgpu.load(mass_ref.at[pl.ds(0, Kp)], mask=j < K, other=0.0)
-    ok = (j < K) & (e >= 0) & (e < nb)
-    safe = jnp.where(ok, e, 0)
-    old = plgpu.load(heat_out.at[layer, safe], mask=ok, other=0.0)
-    hit = _member_of_sorted(idx_ref, K, blk)
-    plgpu.store(heat_out.at[layer, pl.ds(0, P)], decay * row, mask=(blk < nb) & jnp.logical_not(hit))
-    plgpu.store(heat_out.at[layer, safe], decay * old + m, mask=ok)
-
-
-def heat_update_gpu(heat: Array, layer: Array, idx: Array, mass: Array, decay: float, *,
-                    interpret: bool = False) -> Array:
-    """EvoSparse's heat step for one layer of the stacked state, in place (input and output alias):
-    heat[layer] <- decay * heat[layer] + the mass summed into its blocks, as `jsparse.methods.evosparse.heat_update`
-    on that row (and the other layers untouched).
-
-    Args:
-      heat: f32[L, B, Hkv, nb] the method's state; layer: i32[] (traced); idx: i32[B, Hkv, K] the attended blocks
-        (valid entries unique and ascending, then -1); mass: f32[B, Hkv, K]; decay: lambda.
-
-    Returns:
-      The updated heat (the same buffer when the caller donates it or inside a scan carry).
-    """
-    L, B, Hkv, nb = heat.shape
-    K = idx.shape[-1]
-    if idx.shape != (B, Hkv, K) or mass.shape != (B, Hkv, K):
-        raise ValueError(f"idx {idx.shape} / mass {mass.shape}: expected [B={B}, Hkv={Hkv}, K] both")
-    if nb > ROW_LIMIT:
-        raise ValueError(f"nb={nb} blocks: the heat kernel takes nb <= {ROW_LIMIT}")
-    P = max(32, next_pow2(nb))
-    spec = pl.BlockSpec((L, None, None, nb), lambda b, h: (0, b, h, 0))
-    return pl.pallas_call(
-        functools.partial(_heat_update_kernel, decay=float(decay), nb=nb, P=P, K=K, L=L),
-        grid=(B, Hkv),
-        in_specs=[pl.BlockSpec((1,), lambda b, h: (0,)), pl.BlockSpec((None, None, K), lambda b, h: (b, h, 0)),
-                  pl.BlockSpec((None, None, K), lambda b, h: (b, h, 0)), spec],
-        out_specs=spec,
-        out_shape=jax.ShapeDtypeStruct(heat.shape, jnp.float32),
-        input_output_aliases={3: 0},
-        compiler_params=plgpu.CompilerParams(num_warps=row_warps(P), num_stages=1),
-        interpret=interpret, name="evosparse_heat_update",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), idx.astype(jnp.int32), mass.astype(jnp.float32), heat)

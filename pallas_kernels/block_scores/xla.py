@@ -119,24 +119,3 @@ def select_blocks_xla(heat: Array | None, ret: Array | None, n_s: Array, hi: Arr
     idx = jnp.where(j < n_s3, j, jnp.where(after < 0, mid_j, jnp.where(after < nbv3 - hi3, hi3 + after, -1)))
     every = jnp.where(j < nbv3, j, -1)
     return jnp.broadcast_to(jnp.where(full[:, None, None], every, idx), (B, Hkv, Kb)).astype(jnp.int32)
-
-
-def heat_update(heat: Array, idx: Array, values: Array, decay: float) -> Array:
-    """decay * heat + values summed into their blocks: heat f32[..., nb], idx i32[..., K] (valid entries unique,
-    ascending, then -1), values f32[..., K]. One scatter-add into the decayed row (the -1 padding is mapped to
-    distinct out-of-range blocks and dropped), so the indices are sorted and unique as XLA is told."""
-    lead = idx.shape[:-1]
-    nb, K = heat.shape[-1], idx.shape[-1]
-    safe = jnp.where(idx >= 0, idx, nb + jnp.arange(K, dtype=idx.dtype))
-    grids = jnp.meshgrid(*[jnp.arange(n) for n in lead], indexing="ij")
-    at = tuple(jnp.broadcast_to(g[..., None], idx.shape) for g in grids) + (safe,)
-    return (decay * heat).at[at].add(values.astype(heat.dtype), mode="drop", indices_are_sorted=True,
-                                     unique_indices=True)
-
-
-def heat_update_layer_xla(heat: Array, layer: Array, idx: Array, mass: Array, decay: float) -> Array:
-    """`heat_update` of row `layer` of the stacked heat f32[L, B, Hkv, nb] (a slice, then an in-place write)."""
-    L = heat.shape[0]
-    lay = layer_index(layer, L)
-    row = heat_update(jax.lax.dynamic_index_in_dim(heat, lay, 0, keepdims=False), idx, mass, decay)
-    return jax.lax.dynamic_update_index_in_dim(heat, row, lay, axis=0)
