@@ -116,7 +116,9 @@ def test_dispatch_and_config_errors():
     assert gpu.SelectConfig(path="sample").pick_path(8192) == "sample"
     x = jnp.zeros((2, 40), jnp.float32)
     for bad, match in [(dict(path="tree"), "path='tree'"), (dict(row_max=1 << 16), "row_max=65536"),
-                       (dict(row_bits=3), "row_bits=3"), (dict(row_warps=6), "row_warps=6")]:
+                       (dict(row_bits=3), "row_bits=3"), (dict(row_warps=6), "row_warps=6"),
+                       (dict(sample_size=1000), "sample_size=1000"), (dict(band_cap=65536), "band_cap=65536"),
+                       (dict(sample_sigmas=0.0), "sample_sigmas=0.0")]:
         with pytest.raises(ValueError, match=match):
             gpu.topk_select_gpu(x, 1, 4, config=gpu.SelectConfig(**bad), interpret=True)
     with pytest.raises(ValueError, match="N=40000"):

@@ -26,7 +26,8 @@ visible block the query attends to all of them (so a budget covering the context
 Choices the paper leaves open (documented here, measured where noted):
   * retrieval set -> KV heads: ONE set per layer shared by all KV heads, ranked by the block-max over every
     retrieval head of the layer (query heads and tokens of the block). Only the KV heads that hold a retrieval
-    head are read (`kv_heads`, at most R per layer), and only in layers that hold one (`lax.cond`).
+    head are read (`kv_heads`, at most R per layer), and only in layers that hold one (`lax.cond`, or on a
+    GPU a kernel that reads nothing elsewhere; see `is_branchless`).
   * retrieval heads: the top `num_retrieval_heads` (layer, query head) pairs by calibrated score; default
     max(1, round(1.5% of L * Hq)).
   * prefill is dense (EvoSparse is a decode method). It initialises the heat as if the prompt's last
@@ -381,9 +382,11 @@ class EvoSparse:
     def is_branchless(self) -> bool:
         """Whether decode runs without `lax.cond` (branchless=None: on a GPU). A conditional on a GPU waits for
         its predicate on the host (a device-to-host copy and a stream sync), so every sparse layer would stall
-        the launch queue twice; branchless, the dense-layer switch runs both attentions with the other one's
-        lengths set to 0 (its kernels then read nothing) and selects, and the retrieval scoring runs in every
-        layer (the kernel reads no key in a layer without retrieval heads) and is selected by has_retrieval."""
+        the launch queue twice; branchless, the retrieval scoring runs in every layer (the kernel reads no key in
+        a layer without retrieval heads, whose top-k then picks none) and is selected by has_retrieval. The
+        dense-layer switch needs neither inside the model, which scans the dense layers apart (`segments`);
+        called layer by layer (no ctx.segment), the branchless layer runs both attentions with the other one's
+        lengths set to 0 (its kernels then read nothing) and selects."""
         if self.branchless is None:
             return jax.default_backend() == "gpu"
         return bool(self.branchless)

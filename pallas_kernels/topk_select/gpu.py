@@ -120,6 +120,12 @@ def _check_config(config: SelectConfig) -> None:
         raise ValueError(f"SelectConfig.row_bits={config.row_bits}: expected 1, 2, 4 or 8")
     if config.row_warps is not None and not (_pow2(config.row_warps) and config.row_warps <= 32):
         raise ValueError(f"SelectConfig.row_warps={config.row_warps}: expected a power of two <= 32 or None")
+    for name in ("sample_size", "band_cap"):
+        v = getattr(config, name)
+        if not (_pow2(v) and 32 <= v <= gpu_row.ROW_LIMIT):
+            raise ValueError(f"SelectConfig.{name}={v}: expected a power of two in [32, {gpu_row.ROW_LIMIT}]")
+    if not config.sample_sigmas > 0:
+        raise ValueError(f"SelectConfig.sample_sigmas={config.sample_sigmas}: expected > 0")
 
 
 def _count_kernel(p_ref, x_ref, o_ref, *, n: int, block_n: int, per_split: int, bits: int):
