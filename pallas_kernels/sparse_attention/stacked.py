@@ -8,7 +8,10 @@ the stacked cache and the layer index instead and read only the selected rows of
   sparse_decode_stacked_gpu(q, k_all, v_all, layer, indices, lengths)   Pallas Triton: `layer` enters as an
       i32[1] input; the K/V BlockSpec spans the whole L axis of the program's (b, kv head), and the gather
       indexes `k_ref[layer, rows, :]` (one indexer, so the pointer is offset by layer * B * Hkv * N * D,
-      64-bit when the array is over 4 GiB).
+      64-bit when the array is over 4 GiB). No XLA work precedes the launch (the layer is wrapped and clamped,
+      the positions come from the lengths, each split finds its useful length from its own entries of the
+      unpadded index row, the GQA group's query rows are gathered in-kernel); only the split combine follows.
+      With head_map (i32[Hkv]) KV head h reads the index row of head head_map[h] (Kascade's reuse layers).
   sparse_decode_stacked_tpu(q, k_all, v_all, layer, indices, lengths)   Pallas TPU: `layer` is one more
       scalar-prefetch argument and the K/V index maps return (layer, b, h, block, 0), so the pipeline DMAs
       the selected [block_size, D] blocks of that layer only.
