@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.topk_select.common import INT_MAX, INT_MIN, KEY_NEG_INF, KEY_POS_INF, float_keys
+from pallas_kernels.topk_select.common import INT_MIN, KEY_NEG_INF, KEY_POS_INF, float_keys, selection_rule
 
 Array = jax.Array
 
@@ -67,7 +67,6 @@ def _advance(kk, st_ref, c_ref, *, first: bool, bits: int, n: int):
     """
     if first:
         return jnp.int32(INT_MIN), jnp.int32(n), (kk <= 0) | (n == kk), jnp.int32(32 - bits)
-    M = 1 << bits
     lo0, cnt0, shift0 = st_ref[0], st_ref[1], st_ref[2]
     done0 = (kk <= 0) | (cnt0 == kk)
     lo, cnt = pick_bin(jnp.sum(c_ref[...], axis=0), kk, lo0, cnt0, shift0, done0)
@@ -137,11 +136,9 @@ def _final_kernel(k_ref, st_ref, c_ref, x_ref, r_out, o_ref, *, n: int, width: i
     #key == t, 0) over the split (bulk counts 0 when bulk is off, ties 0 for a done row)."""
     kk = _kk(k_ref, width)
     lo, _, done, _ = _advance(kk, st_ref, c_ref, first=False, bits=bits, n=n)
-    t = lo
-    a = jnp.where(done, lo, jnp.where(t == INT_MAX, INT_MAX, t + 1))
-    on = jnp.where(done, kk > 0, t != INT_MAX)
+    a, t, on = selection_rule(lo, done, kk)
     _store_row_state(r_out, [a, t, on, done])
-    rule_counts(o_ref, x_ref, a, t, on, done, n=n, block_n=block_n, per_split=per_split)
+    rule_counts(o_ref, x_ref, a, t, on > 0, done, n=n, block_n=block_n, per_split=per_split)
 
 
 def rule_counts(o_ref, x_ref, a, t, on, done, *, n: int, block_n: int, per_split: int):

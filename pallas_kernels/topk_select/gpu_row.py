@@ -25,7 +25,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.topk_select.common import INT_MAX, INT_MIN, KEY_NEG_INF, KEY_POS_INF, float_keys
+from pallas_kernels.topk_select.common import (INT_MIN, KEY_NEG_INF, KEY_POS_INF, float_keys,
+                                               selection_rule)
 
 Array = jax.Array
 
@@ -82,12 +83,6 @@ def row_threshold(key: Array, kk: Array, n, bits: int, max_passes: int | None = 
     return lo, cnt, (kk <= 0) | (cnt == kk)
 
 
-def _bulk_rule(lo, done, kk):
-    """(a, on): the bulk picks are the keys >= a when on (common.selection_rule; t = lo when not done)."""
-    a = jnp.where(done, lo, jnp.where(lo == INT_MAX, INT_MAX, lo + 1))
-    return a, jnp.where(done, kk > 0, lo != INT_MAX)
-
-
 def row_pick_mask(key: Array, cand: Array, kk: Array, n, bits: int) -> Array:
     """In-kernel exact top-kk of a row held in registers, as a mask: bool[P] over the candidates `cand`.
 
@@ -95,8 +90,8 @@ def row_pick_mask(key: Array, cand: Array, kk: Array, n, bits: int) -> Array:
     0 <= kk <= n; n: the number of candidates. Ties at the threshold are taken by position (lowest first), as
     `reference.topk_select_reference`. The keys must be finite scores (no -inf / NaN candidates)."""
     lo, _, done = row_threshold(key, kk, n, bits)
-    a, on = _bulk_rule(lo, done, kk)
-    bulk = (key >= a) & on & cand
+    a, _, on = selection_rule(lo, done, kk)
+    bulk = (key >= a) & (on > 0) & cand
     tie = ((key == lo) & cand & jnp.logical_not(done)).astype(jnp.int32)
     quota = jnp.where(done, 0, kk - jnp.sum(bulk.astype(jnp.int32)))
     tie_before = jnp.cumsum(tie) - tie
@@ -113,9 +108,8 @@ def _row_kernel(k_ref, x_ref, o_ref, *, n: int, P: int, bits: int, width: int, w
     lo, _, done = row_threshold(key, kk, n, bits)
 
     # The selection rule (common.selection_rule), then the ranks of the picks by one packed scan.
-    t = lo
-    a, on = _bulk_rule(lo, done, kk)
-    bulk = (key >= a) & on & ok
+    a, t, on = selection_rule(lo, done, kk)
+    bulk = (key >= a) & (on > 0) & ok
     tie = (key == t) & ok & jnp.logical_not(done)
     n_bulk = jnp.sum(bulk.astype(jnp.int32))
     quota = jnp.where(done, 0, kk - n_bulk)  # ties taken, by position

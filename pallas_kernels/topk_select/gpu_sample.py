@@ -31,8 +31,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.topk_select import gpu_fused
-from pallas_kernels.topk_select.common import INT_MIN, float_keys
-from pallas_kernels.topk_select.gpu_row import _bulk_rule, next_pow2, row_threshold
+from pallas_kernels.topk_select.common import INT_MIN, float_keys, selection_rule
+from pallas_kernels.topk_select.gpu_row import row_threshold
 
 Array = jax.Array
 
@@ -105,9 +105,9 @@ def _resolve_kernel(k_ref, c_ref, cnt_ref, band_ref, x_ref, r_out, *, n: int, wi
     lo_f, cnt_f = lax.fori_loop(jnp.int32(0), passes, pass_body, (jnp.int32(INT_MIN), jnp.int32(n)))
     lo = jnp.where(ok, lo, lo_f)
     done = jnp.where(ok, done | (kk <= 0), (kk <= 0) | (cnt_f == kk))
-    a, on = _bulk_rule(lo, done, kk)
+    a, t, on = selection_rule(lo, done, kk)
     lane = jnp.arange(4, dtype=jnp.int32)
-    r_out[...] = jnp.where(lane == 0, a, jnp.where(lane == 1, lo, jnp.where(lane == 2, on, done)))
+    r_out[...] = jnp.where(lane == 0, a, jnp.where(lane == 1, t, jnp.where(lane == 2, on, done)))
 
 
 def topk_select_sample(x: Array, k_rows: Array, K: int, *, sample: int = 4096, sigmas: float = 4.0,
