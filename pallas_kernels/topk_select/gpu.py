@@ -183,23 +183,9 @@ def _compact_kernel(p_ref, x_ref, o_ref, *, n: int, block_n: int, per_split: int
     """
     a, t, on, quota, base = p_ref[0], p_ref[1], p_ref[2], p_ref[3], p_ref[4]
     first, count = _split_chunks(n, block_n, per_split)
-
-    def body(i, carry):
-        run, tie_run = carry
-        pos, ok, x = _chunk(x_ref, first + i, block_n, n)
-        key = float_keys(x)
-        fin = x > -jnp.inf
-        tie = (key == t) & ok
-        tie_i = tie.astype(jnp.int32)
-        take = tie & (tie_run + jnp.cumsum(tie_i) - tie_i < quota)
-        sel = (((key >= a) & (on > 0)) | take) & ok & fin
-        sel_i = sel.astype(jnp.int32)
-        dst = base + run + jnp.cumsum(sel_i) - sel_i
-        sel = sel & (dst < width)
-        plgpu.store(o_ref.at[jnp.where(sel, dst, width)], pos, mask=sel)
-        return run + jnp.sum(sel_i), tie_run + jnp.sum(tie_i)
-
-    lax.fori_loop(0, count, body, (jnp.int32(0), jnp.int32(0)))
+    # Done rows have quota 0 (common.split_plan), so ties can stay on.
+    gpu_fused.compact_chunks(x_ref, o_ref, first, count, a, t, on > 0, jnp.bool_(True), quota, base, n=n,
+                             block_n=block_n, width=width)
 
 
 @functools.partial(jax.jit, static_argnames=("K", "config", "interpret"))

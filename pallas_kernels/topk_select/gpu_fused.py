@@ -162,6 +162,29 @@ def rule_counts(o_ref, x_ref, a, t, on, done, *, n: int, block_n: int, per_split
                                                              jnp.where(lane == 2, jnp.sum(tie), 0)))
 
 
+def compact_chunks(x_ref, o_ref, first, count, a, t, on, ties, quota, base, *, n: int, block_n: int, width: int):
+    """Writes a split's picks to their output slots, ascending from slot `base`: over `count` chunks from chunk
+    `first`, the keys >= a (when on) and, when ties, the first `quota` keys == t (by position); picks whose
+    score is -inf or NaN are ranked, never written. A running count + in-chunk cumulative sum ranks the picks."""
+
+    def body(i, carry):
+        run, tie_run = carry
+        pos, ok, x = _chunk(x_ref, first + i, block_n, n)
+        key = float_keys(x)
+        fin = x > -jnp.inf
+        tie = (key == t) & ok & ties
+        tie_i = tie.astype(jnp.int32)
+        take = tie & (tie_run + jnp.cumsum(tie_i) - tie_i < quota)
+        sel = (((key >= a) & on) | take) & ok & fin
+        sel_i = sel.astype(jnp.int32)
+        dst = base + run + jnp.cumsum(sel_i) - sel_i
+        sel = sel & (dst < width)
+        plgpu.store(o_ref.at[jnp.where(sel, dst, width)], pos, mask=sel)
+        return run + jnp.sum(sel_i), tie_run + jnp.sum(tie_i)
+
+    lax.fori_loop(0, count, body, (jnp.int32(0), jnp.int32(0)))
+
+
 def _compact_kernel(k_ref, r_ref, f_ref, x_ref, o_ref, *, n: int, width: int, wblock: int, block_n: int,
                     per_split: int, S: int):
     """One (row, split): its picks to their output slots. Refs: k i32[1]; r i32[4] = (a, t, bulk_on, done);
@@ -184,23 +207,8 @@ def _compact_kernel(k_ref, r_ref, f_ref, x_ref, o_ref, *, n: int, width: int, wb
     my_quota = jnp.sum(jnp.where(sv == me, quota_s, 0))
     total = jnp.sum(out_s)
     first, count = _split_chunks(n, block_n, per_split)
-
-    def body(i, carry):
-        run, tie_run = carry
-        pos, ok, x = _chunk(x_ref, first + i, block_n, n)
-        key = float_keys(x)
-        fin = x > -jnp.inf
-        tie = (key == t) & ok & jnp.logical_not(done)
-        tie_i = tie.astype(jnp.int32)
-        take = tie & (tie_run + jnp.cumsum(tie_i) - tie_i < my_quota)
-        sel = (((key >= a) & on) | take) & ok & fin
-        sel_i = sel.astype(jnp.int32)
-        dst = base + run + jnp.cumsum(sel_i) - sel_i
-        sel = sel & (dst < width)
-        plgpu.store(o_ref.at[jnp.where(sel, dst, width)], pos, mask=sel)
-        return run + jnp.sum(sel_i), tie_run + jnp.sum(tie_i)
-
-    lax.fori_loop(0, count, body, (jnp.int32(0), jnp.int32(0)))
+    compact_chunks(x_ref, o_ref, first, count, a, t, on, jnp.logical_not(done), my_quota, base, n=n,
+                   block_n=block_n, width=width)
 
     def pad(i, c):
         slot = i * wblock + jnp.arange(wblock, dtype=jnp.int32)
