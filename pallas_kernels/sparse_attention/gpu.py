@@ -199,6 +199,40 @@ def _combine_splits(o: Array, m: Array, l: Array) -> tuple[Array, Array]:
     return out, lse
 
 
+def decode_split_plan(config: DecodeConfig, K: int, block_size: int, rows: int, G: int):
+    """(block_k, splits, E entries per split, Gp padded GQA rows) of a gathered decode over K index entries
+    for `rows` = B * Hkv * T programs before splitting (validates the config)."""
+    block_k = max(config.block_k, block_size)
+    if not _pow2(block_k):
+        raise ValueError(f"DecodeConfig.block_k={config.block_k}: expected a power of two")
+    if config.num_splits is not None and config.num_splits < 1:
+        raise ValueError(f"DecodeConfig.num_splits={config.num_splits}: expected >= 1 or None")
+    per_iter = block_k // block_size
+    splits = config.num_splits or pl.cdiv(config.target_programs, rows)
+    splits = max(1, min(splits, pl.cdiv(K, per_iter)))
+    E = pl.cdiv(pl.cdiv(K, splits), per_iter) * per_iter  # entries per split
+    return block_k, splits, E, max(_MIN_ROWS, pl.next_power_of_2(G))
+
+
+def split_outputs(splits: int, B: int, Hkv: int, T: int, Gp: int, D: int):
+    """(out_specs, out_shape) of the split partials o f32[S, B, Hkv, T, Gp, D], m, l f32[S, B, Hkv, T, Gp] of a
+    grid (B, Hkv, T, S)."""
+    specs = [pl.BlockSpec((None, None, None, None, Gp, D), lambda b, h, t, s: (s, b, h, t, 0, 0)),
+             pl.BlockSpec((None, None, None, None, Gp), lambda b, h, t, s: (s, b, h, t, 0)),
+             pl.BlockSpec((None, None, None, None, Gp), lambda b, h, t, s: (s, b, h, t, 0))]
+    shapes = [jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp, D), jnp.float32),
+              jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp), jnp.float32),
+              jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp), jnp.float32)]
+    return specs, shapes
+
+
+def finish_splits(o: Array, m: Array, l: Array, G: int, dtype):
+    """The split partials (`split_outputs`) merged: (out [B, T, Hq, D] in dtype, lse f32[B, Hkv, T, G])."""
+    _, B, Hkv, T, _, D = o.shape
+    out, lse = _combine_splits(o[..., :G, :], m[..., :G], l[..., :G])  # [B, Hkv, T, G, D], [B, Hkv, T, G]
+    return out.transpose(0, 2, 1, 3, 4).reshape(B, T, Hkv * G, D).astype(dtype), lse
+
+
 @functools.partial(jax.jit, static_argnames=("block_size", "scale", "return_lse", "config", "interpret"))
 def sparse_decode_gpu(q: Array, k: Array, v: Array, indices: Array, lengths: Array, *, block_size: int = 1,
                       scale: float | None = None, return_lse: bool = False,
@@ -219,17 +253,7 @@ def sparse_decode_gpu(q: Array, k: Array, v: Array, indices: Array, lengths: Arr
     Hkv, N = k.shape[1], k.shape[2]
     G, K = Hq // Hkv, indices.shape[3]
     scale = default_scale(D, scale)
-    block_k = max(config.block_k, block_size)
-    if not _pow2(block_k):
-        raise ValueError(f"DecodeConfig.block_k={config.block_k}: expected a power of two")
-    per_iter = block_k // block_size
-    if config.num_splits is not None and config.num_splits < 1:
-        raise ValueError(f"DecodeConfig.num_splits={config.num_splits}: expected >= 1 or None")
-    max_splits = pl.cdiv(K, per_iter)
-    splits = config.num_splits or pl.cdiv(config.target_programs, B * Hkv * T)
-    splits = max(1, min(splits, max_splits))
-    E = pl.cdiv(pl.cdiv(K, splits), per_iter) * per_iter  # entries per split
-    Gp = max(_MIN_ROWS, pl.next_power_of_2(G))
+    block_k, splits, E, Gp = decode_split_plan(config, K, block_size, B * Hkv * T, G)
 
     lengths = lengths.astype(jnp.int32)
     pos = lengths[:, None] - T + jnp.arange(T, dtype=jnp.int32)  # [B, T]
@@ -242,6 +266,7 @@ def sparse_decode_gpu(q: Array, k: Array, v: Array, indices: Array, lengths: Arr
 
     kernel = functools.partial(_decode_kernel, scale=scale, block_size=block_size, block_k=block_k,
                                entries_per_split=E)
+    out_specs, out_shape = split_outputs(splits, B, Hkv, T, Gp, D)
     o, m, l = pl.pallas_call(
         kernel,
         grid=(B, Hkv, T, splits),
@@ -253,23 +278,14 @@ def sparse_decode_gpu(q: Array, k: Array, v: Array, indices: Array, lengths: Arr
             pl.BlockSpec((None, None, N, D), lambda b, h, t, s: (b, h, 0, 0)),  # the KV head's whole cache
             pl.BlockSpec((None, None, N, D), lambda b, h, t, s: (b, h, 0, 0)),
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, None, Gp, D), lambda b, h, t, s: (s, b, h, t, 0, 0)),
-            pl.BlockSpec((None, None, None, None, Gp), lambda b, h, t, s: (s, b, h, t, 0)),
-            pl.BlockSpec((None, None, None, None, Gp), lambda b, h, t, s: (s, b, h, t, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp, D), jnp.float32),
-            jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp), jnp.float32),
-            jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp), jnp.float32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="sparse_decode_gathered",
     )(limit, end, ent, qg, k, v)
 
-    out, lse = _combine_splits(o[..., :G, :], m[..., :G], l[..., :G])  # [B, Hkv, T, G, D], [B, Hkv, T, G]
-    out = out.transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D).astype(q.dtype)
+    out, lse = finish_splits(o, m, l, G, q.dtype)
     if return_lse:
         return out, lse.transpose(0, 2, 1, 3).reshape(B, T, Hq)
     return out

@@ -231,30 +231,12 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
     L, _, Hkv, N, _ = k_all.shape
     G, K = Hq // Hkv, indices.shape[3]
     scale = default_scale(D, scale)
-    block_k = max(config.block_k, block_size)
-    if not gpu._pow2(block_k):
-        raise ValueError(f"DecodeConfig.block_k={config.block_k}: expected a power of two")
-    if config.num_splits is not None and config.num_splits < 1:
-        raise ValueError(f"DecodeConfig.num_splits={config.num_splits}: expected >= 1 or None")
-    per_iter = block_k // block_size
-    splits = config.num_splits or pl.cdiv(config.target_programs, B * Hkv * T)
-    splits = max(1, min(splits, pl.cdiv(K, per_iter)))
-    E = pl.cdiv(pl.cdiv(K, splits), per_iter) * per_iter  # entries per split
-    Gp = max(gpu._MIN_ROWS, pl.next_power_of_2(G))
+    block_k, splits, E, Gp = gpu.decode_split_plan(config, K, block_size, B * Hkv * T, G)
 
     mapped = head_map is not None
     kernel = functools.partial(_decode_kernel_stacked, scale=scale, block_size=block_size, block_k=block_k,
                                entries_per_split=E, K=K, T=T, N=N, L=L, G=G, mapped=mapped, mass=return_mass)
-    out_specs = [
-        pl.BlockSpec((None, None, None, None, Gp, D), lambda b, h, t, s: (s, b, h, t, 0, 0)),
-        pl.BlockSpec((None, None, None, None, Gp), lambda b, h, t, s: (s, b, h, t, 0)),
-        pl.BlockSpec((None, None, None, None, Gp), lambda b, h, t, s: (s, b, h, t, 0)),
-    ]
-    out_shape = [
-        jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp, D), jnp.float32),
-        jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp), jnp.float32),
-        jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp), jnp.float32),
-    ]
+    out_specs, out_shape = gpu.split_outputs(splits, B, Hkv, T, Gp, D)
     if return_mass:  # per entry: sum of exp(s - m) and that m; and how many entries the program wrote
         out_specs += [pl.BlockSpec((None, None, None, None, Gp, E), lambda b, h, t, s: (s, b, h, t, 0, 0))] * 2
         out_shape += [jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp, E), jnp.float32)] * 2
@@ -287,8 +269,7 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
     )(*args)
     o, m, l = res[:3]
 
-    out, lse = gpu._combine_splits(o[..., :G, :], m[..., :G], l[..., :G])  # [B, Hkv, T, G, D], [B, Hkv, T, G]
-    out = out.transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D).astype(q.dtype)
+    out, lse = gpu.finish_splits(o, m, l, G, q.dtype)
     extra = []
     if return_lse:
         extra.append(lse.transpose(0, 2, 1, 3).reshape(B, T, Hq))
