@@ -1,4 +1,4 @@
-"""EvoSparse's fast decode path: the sort-free merge and the scatter-add block sums against NumPy, the branchless
+"""EvoSparse's fast decode path: the sort-free merge and the scatter-add heat step against NumPy, the branchless
 layer (the GPU default) equal to the lax.cond layer in dense, inheriting and retrieval layers (T = 1 and 3,
 outputs and state), and a branchless model decode with no conditional in its program."""
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jsparse.methods.evosparse import EvoSparse, blocks_to_dense
+from jsparse.methods.evosparse import EvoSparse, heat_update
 from pallas_kernels.block_scores.xla import merge_disjoint
 from models import llama
 from models.attention import LayerContext, LayerKV
@@ -21,7 +21,7 @@ CFG = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermedi
 HEADS = [(1, 0), (3, 2), (3, 3)]  # layer 1 (dense) computes a set, 2 inherits, 3 computes, 4 inherits
 
 
-def test_merge_disjoint_and_blocks_to_dense_match_numpy():
+def test_merge_disjoint_and_heat_update_match_numpy():
     rng = np.random.default_rng(0)
     rows, W, width, nb = 16, 12, 10, 40
     cand = np.full((rows, W), -1, np.int32)
@@ -34,14 +34,16 @@ def test_merge_disjoint_and_blocks_to_dense_match_numpy():
     for r in range(rows):
         want = sorted(cand[r][cand[r] >= 0])
         np.testing.assert_array_equal(got[r], want + [-1] * (width - len(want)))
-    vals = rng.normal(size=(rows, W)).astype(np.float32)
-    dense = np.asarray(blocks_to_dense(jnp.asarray(cand), jnp.asarray(vals), nb))
-    want = np.zeros((rows, nb), np.float32)
+    # The heat step over the merged (ascending, -1 padded) blocks: decay * heat + the values in their blocks.
+    vals = rng.normal(size=(rows, width)).astype(np.float32)
+    heat = rng.random((rows, nb)).astype(np.float32)
+    new = np.asarray(heat_update(jnp.asarray(heat), jnp.asarray(got), jnp.asarray(vals), 0.5))
+    want = 0.5 * heat
     for r in range(rows):
-        for c, x in zip(cand[r], vals[r]):
+        for c, x in zip(got[r], vals[r]):
             if c >= 0:
                 want[r, c] += x
-    np.testing.assert_allclose(dense, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(new, want, rtol=1e-6, atol=1e-6)
 
 
 @jax.jit

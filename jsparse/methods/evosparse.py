@@ -197,12 +197,6 @@ def heat_update(heat: Array, idx: Array, values: Array, decay: float) -> Array:
                                      unique_indices=True)
 
 
-def blocks_to_dense(idx: Array, values: Array, nb: int) -> Array:
-    """Sums values f32[..., K] into their blocks idx: i32[..., K] (-1 ignored, valid entries unique and
-    ascending): f32[..., nb]."""
-    return heat_update(jnp.zeros(idx.shape[:-1] + (nb,), jnp.float32), idx, values, 0.0)
-
-
 @functools.partial(jax.jit, static_argnames=("decay",))
 def heat_step(heat: Array, mass: Array, decay: float) -> Array:
     """h <- lambda * h + s with s dense over the blocks: f32[..., NB] both (the method itself uses `heat_update`)."""
