@@ -13,11 +13,14 @@ cases run first, after the decode step (while the GPU memory is empty), then the
      tokens in blocks of 16): dense decode by cuDNN (`dense_decode(implementation="cudnn")`, K/V read once, no
      repeated heads), by XLA, and by the in-place Pallas split-K kernel of the model's dense layers (the best of
      the three is the baseline); EvoSparse's sparse layer without retrieval heads (heat + sink + local + the
-     inherited retrieval set) and with retrieval heads (also reads K of the KV heads that hold them: R = 2 of 8
-     here). Each is a jitted `lax.fori_loop` of `--iters` layer calls (the heat state carried, the query perturbed
-     by the previous output so nothing is hoisted), divided by the count. The "sparse layer average" weights the
-     two EvoSparse layers by the share of sparse layers holding retrieval heads in the model below (15 heads =
-     1.5% of 1024 in 11 of 32 layers, seed 0).
+     inherited retrieval set) and with retrieval heads in R KV heads (it also reads K of those R heads), for
+     every R of the model below and R = 2. Each is a jitted `lax.fori_loop` of `--iters` layer calls (the heat
+     state carried and decayed as `start` does at every step, over the 3 layers' heat, more than a layer's share
+     of the model's one decay per step; the query perturbed by the previous output so nothing is hoisted),
+     divided by the count. The "sparse layer average" weights these layers as the model's 30 sparse layers are
+     made (15 retrieval heads = 1.5% of 1024, drawn at random in layers >= 2, seed 0: 17 layers inherit, 11 hold
+     retrieval heads in one KV head, 2 in two). `evo_sparse_layer_r2_ms` keeps the earlier, coarser weighting
+     (every retrieval layer timed with R = 2).
   3. The whole decode step, end to end (random weights of Llama-3.1-8B, 32 layers, bf16, context 100,000, batch
      1 and 4; capacity 100,352): dense (cuDNN attention) vs EvoSparse (layers 0-1 dense). The cache is filled as
      in eval/bench_model.py (`filled_cache`); steps run in one jitted fori_loop carrying the cache and the
@@ -55,7 +58,7 @@ import numpy as np
 from eval import bench_model
 from eval.benchmarking import device_facts, measure_hbm_gbs, table, time_ms, write_json
 from jsparse.cli import set_xla_flags
-from jsparse.methods.evosparse import EvoSparse, default_num_heads, heat_update
+from jsparse.methods.evosparse import EvoSparse, decay_heat, default_num_heads, heat_add
 from models import llama
 from models.attention import LayerContext, LayerKV
 from models.cache import KVCache
@@ -73,6 +76,19 @@ E2E_BUDGET_S = 190.0  # no new decode-step case after this many seconds
 BUDGET_TOKENS, BLOCK = 2048, 16
 CONTEXT_E2E = 100_000
 CFG8B = preset("llama3-8b")
+
+
+def layer_kinds(cfg, heads) -> dict[int, int]:
+    """How many sparse layers (>= 2) hold retrieval heads in R distinct KV heads: {R: layers} (R = 0: inherit)."""
+    G = cfg.num_heads // cfg.num_kv_heads
+    kv = {}
+    for l, h in heads:
+        kv.setdefault(l, set()).add(h // G)
+    counts = {}
+    for l in range(2, cfg.num_layers):
+        R = len(kv.get(l, ()))
+        counts[R] = counts.get(R, 0) + 1
+    return counts
 
 
 def model_heads(cfg, seed: int = 0) -> list[tuple[int, int]]:
@@ -104,12 +120,15 @@ def _state(method, cfg, B, N, key):
 
 @functools.partial(jax.jit, static_argnames=("iters",))
 def evo_layers(method, q, k, v, lengths, state, layer, *, iters):
-    """`iters` calls of layer `layer`'s decode (2, traced as in the model's scan), carrying the state."""
+    """`iters` calls of layer `layer`'s decode (2, traced as in the model's scan), carrying the state; each call
+    is preceded by the method's `start` of a decode step (the heat decay of the 3-layer state)."""
     info = jax.tree_util.tree_map(lambda x: x[layer], method.layer_info(None))
     ctx = LayerContext(layer=layer, lengths=lengths, info=info)
+    B, N = q.shape[0], k.shape[2]
 
     def body(_, c):
         acc, st = c
+        st = method.start(layer_cfg(), st, "decode", B, 1, N)
         out, st = method.decode(ctx, (q + acc[:, :, :, :1] * 1e-3).astype(q.dtype), LayerKV(k=k, v=v), st)
         return out.astype(jnp.float32) * 0.5, st
 
@@ -153,7 +172,7 @@ def part_loop(method, q, k, v, lengths, state, *, iters, part):
     Hkv, N = k.shape[1], k.shape[2]
     pos = lengths - 1
     cache = LayerKV(k=k, v=v)
-    idx0 = method.select_blocks(state.heat[2], state.retrieval[:, 0], pos, Hkv, N)
+    idx0 = method.select_blocks(state.heat, state.retrieval[:, 0], pos, Hkv, N, layer=2)
     emass0 = jnp.full(idx0.shape, 1.0 / idx0.shape[-1], jnp.float32)
 
     def body(_, c):
@@ -167,8 +186,9 @@ def part_loop(method, q, k, v, lengths, state, *, iters, part):
                                  jnp.zeros_like(pos[:, None]), pos[:, None] // BLOCK + 1, block_size=BLOCK,
                                  implementation=EVO_KERNELS)
             return acc + jnp.max(s) * 1e-9, heat
-        if part == "select":  # heat top-k, retrieval exclusion, merge
-            idx = method.select_blocks(heat[2] + acc * 1e-9, state.retrieval[:, 0], pos, Hkv, N)
+        if part == "select":  # heat top-k, retrieval exclusion, merge (the stacked heat read in place)
+            heat = heat.at[2, 0, 0, 0].add(acc * 1e-9)
+            idx = method.select_blocks(heat, state.retrieval[:, 0], pos, Hkv, N, layer=2)
             return acc + idx.sum() * 1e-9, heat
         if part == "attend":  # gathered decode, no mass
             out = sparse_decode(qi, k[None], v[None], idx0[:, :, None], lengths, layer=jnp.int32(0), block_size=BLOCK)
@@ -177,10 +197,10 @@ def part_loop(method, q, k, v, lengths, state, *, iters, part):
             out, m = sparse_decode_mass(qi, k[None], v[None], jnp.int32(0), idx0[:, :, None], lengths,
                                         block_size=BLOCK, implementation=EVO_KERNELS)
             return acc + (out.astype(jnp.float32).sum() + m.sum()) * 1e-9, heat
-        if part == "heat_update":  # block sums of the mass, decay, in-place write of the layer's heat
-            h = heat_update(heat[2], idx0, emass0 + acc * 1e-9, method.decay)
-            heat = jax.lax.dynamic_update_index_in_dim(heat, h, 2, axis=0)
-            return acc + h[0, 0, 0] * 1e-9, heat
+        if part == "heat_update":  # the step's decay of the (3-layer) heat, then the in-place scatter-add
+            heat = decay_heat(heat, method.dense_layers, method.decay)
+            heat = heat_add(heat, jnp.int32(2), idx0, emass0 + acc * 1e-9)
+            return acc + heat[2, 0, 0, 0] * 1e-9, heat
         raise ValueError(part)
 
     acc, heat = jax.lax.fori_loop(0, iters, body, (jnp.float32(0), state.heat))
@@ -198,7 +218,7 @@ def part_rows(inherit, compute, q, k, v, lengths, key, iters, hbm) -> dict:
     ms = lambda b: b / (hbm * 1e9) * 1e3  # noqa: E731
     floors = dict(retrieval=B * R * N * D * 2, block_max=B * R * N * D * 2, select=B * Hkv * nb * 4,
                   attend=2 * B * Hkv * BUDGET_TOKENS * D * 2, attend_mass=2 * B * Hkv * BUDGET_TOKENS * D * 2,
-                  heat_update=2 * B * Hkv * nb * 4)
+                  heat_update=2 * B * Hkv * nb * 4 / (CFG8B.num_layers - 2))  # a sparse layer's share of the decay
     out = {}
     for part in PARTS:
         m = compute if part in ("retrieval", "block_max") else inherit
@@ -299,8 +319,8 @@ def check(key) -> list[dict]:
 def attention_rows(contexts, batches, iters, hbm, heads_model, t0, first_context=None) -> list[dict]:
     cfg = layer_cfg()
     L = CFG8B.num_layers
-    ret_layers = sorted({l for l, _ in heads_model})
-    share = len(ret_layers) / (L - 2)
+    kinds = layer_kinds(CFG8B, heads_model)  # {R: sparse layers}
+    share = sum(n for R, n in kinds.items() if R) / (L - 2)
     G = 4
     rows = []
     for B in batches:
@@ -327,26 +347,34 @@ def attention_rows(contexts, batches, iters, hbm, heads_model, t0, first_context
                 timed("dense_cudnn_ms", lambda: dense_layers(q, k, v, lengths, iters=iters, impl="cudnn"))
                 timed("dense_xla_ms", lambda: dense_layers(q, k, v, lengths, iters=iters, impl="xla"))
                 timed("dense_pallas_ms", lambda: dense_layers(q, k, v, lengths, iters=iters, impl="pallas_inplace"))
-                # Layer 2 inherits (retrieval heads only in layer 1, dense) / computes (two KV heads hold them).
+                # Layer 2 inherits (retrieval heads only in layer 1, dense) / computes (R KV heads hold them).
                 inherit = method_for(cfg, [(1, 0)])
-                compute = method_for(cfg, [(2, 0), (2, 1 * G + 1)])
-                for label, m in (("evo_inherit_ms", inherit), ("evo_retrieval_ms", compute)):
+                computes = {R: method_for(cfg, [(2, r * G + r % G) for r in range(R)])
+                            for R in sorted(set(kinds) | {2}) if R}
+                compute = computes[2]
+                cases = [("evo_inherit_ms", inherit)] + [(f"evo_retrieval_r{R}_ms", m) for R, m in computes.items()]
+                for label, m in cases:
                     st = _state(m, cfg, B, N, ks[3])
                     timed(label, lambda: evo_layers(m, q, k, v, lengths, st, jnp.int32(2), iters=iters))
+                row["evo_retrieval_ms"] = row.get("evo_retrieval_r2_ms", math.nan)  # the earlier name (R = 2)
                 if N == first_context:  # the same layers with lax.cond (the layout before the branchless one)
                     for label, m in (("evo_inherit_cond_ms", inherit), ("evo_retrieval_cond_ms", compute)):
                         m = m.replace(branchless=False)
                         st = _state(m, cfg, B, N, ks[3])
                         timed(label, lambda: evo_layers(m, q, k, v, lengths, st, jnp.int32(2), iters=iters))
                     row.update(part_rows(inherit, compute, q, k, v, lengths, ks[3], iters, hbm))
-                row["evo_sparse_layer_ms"] = share * row["evo_retrieval_ms"] + (1 - share) * row["evo_inherit_ms"]
+                row["evo_sparse_layer_ms"] = sum(n * row["evo_inherit_ms" if R == 0 else f"evo_retrieval_r{R}_ms"]
+                                                 for R, n in kinds.items()) / (L - 2)
+                row["evo_sparse_layer_r2_ms"] = share * row["evo_retrieval_ms"] + (1 - share) * row["evo_inherit_ms"]
+                row["layer_kinds"] = {str(R): n for R, n in sorted(kinds.items())}
                 best = min(row.get(f"dense_{n}_ms", math.inf) for n in ("cudnn", "xla", "pallas"))
                 row["dense_best_ms"] = best
                 row["speedup_sparse_layer"] = best / row["evo_sparse_layer_ms"]
                 # Whole-model attention: 2 dense layers + 30 sparse ones.
                 row["speedup_model_attention"] = (L * best) / (2 * best + (L - 2) * row["evo_sparse_layer_ms"])
                 row.update(attention_floors(B, N, hbm, R=2))
-                row["evo_floor_layer_ms"] = (share * row["retrieval_floor_ms"] + (1 - share) * row["sparse_floor_ms"])
+                row["evo_floor_layer_ms"] = sum(n * attention_floors(B, N, hbm, R=R)["retrieval_floor_ms"]
+                                                for R, n in kinds.items()) / (L - 2)
                 del q, k, v
             except Exception as e:  # noqa: BLE001 - record and go on
                 row["error"] = str(e).splitlines()[0][:300]
@@ -372,8 +400,7 @@ def e2e_rows(batches, steps, hbm, heads_model, params, t0) -> list[dict]:
     capacity = round_up(CONTEXT_E2E + steps + 1, 256)
     weights = bench_model.decode_bytes(cfg, params, 1, 0)
     L = cfg.num_layers
-    ret_layers = sorted({l for l, _ in heads_model})
-    R = int(np.asarray(evo.layout.kv_heads).shape[1])
+    kinds = layer_kinds(cfg, heads_model)
     rows = []
     for B in batches:
         cases = [("dense", dense), ("evosparse", evo)]
@@ -397,10 +424,10 @@ def e2e_rows(batches, steps, hbm, heads_model, params, t0) -> list[dict]:
                 tok, cache, state = decode_steps(params, m, tok, cache, state, cfg=cfg, steps=steps)
                 jax.block_until_ready(tok)
                 ms = (time.perf_counter() - t) * 1e3 / steps
-                fl = attention_floors(B, CONTEXT_E2E + steps // 2, hbm, R)
-                kv = L * fl["dense_bytes"] if name == "dense" else (
-                    2 * fl["dense_bytes"] + len(ret_layers) * fl["retrieval_bytes"]
-                    + (L - 2 - len(ret_layers)) * fl["sparse_bytes"])
+                fl = {R: attention_floors(B, CONTEXT_E2E + steps // 2, hbm, R) for R in kinds}
+                dense_bytes = next(iter(fl.values()))["dense_bytes"]
+                kv = L * dense_bytes if name == "dense" else (
+                    2 * dense_bytes + sum(n * fl[R]["retrieval_bytes"] for R, n in kinds.items()))
                 nbytes = weights + kv
                 row.update(step_ms=ms, tokens_per_s=B / (ms * 1e-3), floor_ms=nbytes / (hbm * 1e9) * 1e3,
                            weights_floor_ms=weights / (hbm * 1e9) * 1e3, bytes=nbytes)
@@ -461,7 +488,7 @@ def main(argv=None):
                "decode_step": e2e, "seconds": time.perf_counter() - t0}
     write_json(a.out, payload)
     print(table(rows, ["batch", "context", "dense_cudnn_ms", "dense_xla_ms", "dense_pallas_ms", "evo_inherit_ms",
-                       "evo_retrieval_ms",
+                       "evo_retrieval_r1_ms", "evo_retrieval_ms", "evo_sparse_layer_r2_ms",
                        "evo_sparse_layer_ms", "evo_floor_layer_ms", "dense_floor_ms", "speedup_sparse_layer",
                        "speedup_model_attention"]))
     parts = [r for r in rows if "part_attend_ms" in r]

@@ -164,11 +164,14 @@ def test_fixed_sets_equal_masked_reference():
     want = masked_attention_reference(q, cache.k, cache.v, jnp.asarray(mask))
     np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
     np.testing.assert_array_equal(new_state.retrieval, ret)  # inherited unchanged
-    # The heat of layer 2 is lambda * h + the block mass; the other layers are untouched.
+    # The heat of layer 2 is lambda * h + the block mass (start decays every sparse layer, the layer adds its
+    # mass); the layer touches no other layer's heat.
     _, mass = zip(*[_attend_np(int(lengths[b]) - 1, bs, [np.flatnonzero(mask[b, h, 0, ::bs]) for h in range(HKV)],
                                qn[b, 0], kn[b], vn[b]) for b in range(B)])
     np.testing.assert_allclose(new_state.heat[2], m.decay * np.asarray(heat[2]) + np.stack(mass), rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(new_state.heat[3], heat[3])
+    np.testing.assert_array_equal(new_state.heat[3], state.heat[3])
+    np.testing.assert_array_equal(state.heat[3], m.decay * heat[3])
+    np.testing.assert_array_equal(state.heat[:m.dense_layers], heat[:m.dense_layers])  # dense layers: no decay
 
 
 def test_retrieval_layer_computes_block_max_topk():

@@ -57,6 +57,23 @@ def test_select_blocks_kernel_matches_xla(nb, width, wr, ties, seed, parts):
             assert np.all(np.diff(v) > 0) and np.all(row[len(v):] == -1)
 
 
+@pytest.mark.parametrize("layer", [2, -1, 0])
+def test_select_blocks_reads_the_stacked_heat_in_place(layer):
+    """With `layer`, both implementations take the stacked heat [L, B, Hkv, nb] and use row `layer` (negative
+    indices wrap): the same blocks as the row handed over alone."""
+    rng = np.random.default_rng(7)
+    B, Hkv, nb, width, L = 3, 2, 50, 16, 4
+    heat, ret, n_s, hi, nbv, count, full = _case(rng, B, Hkv, nb, width, 4, False)
+    stacked = jnp.asarray(rng.random((L, B, Hkv, nb)).astype(np.float32)).at[layer].set(heat)
+    kw = dict(num_kv_heads=Hkv, nb=nb, width=width, heat_width=width // 2)
+    want = np.asarray(xla.select_blocks_xla(heat, ret, n_s, hi, nbv, count, full, **kw))
+    args = (stacked, ret, n_s, hi, nbv, count, full)
+    np.testing.assert_array_equal(xla.select_blocks_xla(*args, layer=jnp.int32(layer), **kw), want)
+    np.testing.assert_array_equal(gpu.select_blocks_gpu(*args, layer=jnp.int32(layer), interpret=True, **kw), want)
+    with pytest.raises(ValueError, match="expected"):
+        gpu.select_blocks_gpu(stacked[:, :, :1], *args[1:], layer=jnp.int32(0), interpret=True, **kw)
+
+
 def test_select_blocks_dispatch_and_errors():
     rng = np.random.default_rng(4)
     heat, ret, n_s, hi, nbv, count, full = _case(rng, 2, 2, 50, 10, 2, True)

@@ -44,7 +44,10 @@ Ablations (registered names): "evosparse-noheat", "evosparse-noretrieval", "sink
 dropped fractions are given to the remaining ones in proportion (the total budget stays the same).
 
 State (`EvoState`): heat f32[L, B, Hkv, N / block_size] crosses decode steps (`init_state`); the retrieval set
-i32[B, T, Wr] crosses layers inside one forward (added by `start`, dropped by `finish`).
+i32[B, T, Wr] crosses layers inside one forward (added by `start`, dropped by `finish`). For one new token, `start`
+decays the heat of every sparse layer at once and each sparse layer adds its mass in place (`heat_add`: one
+scatter into the stacked heat, which the selection kernel also reads in place); the result is the recurrence
+above exactly (the selection sees lambda * h, which orders the blocks as h does).
 """
 
 from __future__ import annotations
@@ -182,6 +185,25 @@ def _stacked(cache):
     if getattr(cache, "layer", None) is not None:
         return cache.k_all, cache.v_all, cache.layer
     return cache.k[None], cache.v[None], jnp.int32(0)
+
+
+def heat_add(heat: Array, layer: Array, idx: Array, values: Array) -> Array:
+    """heat[layer] + values summed into their blocks, in place in the stacked heat f32[L, B, Hkv, nb]: idx
+    i32[B, Hkv, K] (valid entries unique, ascending, then -1), values f32[B, Hkv, K]. One scatter-add of B * Hkv
+    * K entries into the carried state (the row's decay was applied by `decay_heat` at the start of the step)."""
+    B, Hkv, K = idx.shape
+    nb = heat.shape[-1]
+    safe = jnp.where(idx >= 0, idx, nb + jnp.arange(K, dtype=idx.dtype))
+    at = (jnp.broadcast_to(jnp.asarray(layer, jnp.int32), idx.shape),
+          jnp.broadcast_to(jnp.arange(B)[:, None, None], idx.shape),
+          jnp.broadcast_to(jnp.arange(Hkv)[None, :, None], idx.shape), safe)
+    return heat.at[at].add(values.astype(heat.dtype), mode="drop", indices_are_sorted=True, unique_indices=True)
+
+
+def decay_heat(heat: Array, first_layer: int, decay: float) -> Array:
+    """The stacked heat with the rows of layers >= first_layer multiplied by decay (one elementwise pass)."""
+    sparse = jnp.arange(heat.shape[0]) >= first_layer
+    return jnp.where(sparse.reshape((-1,) + (1,) * (heat.ndim - 1)), decay * heat, heat)
 
 
 def heat_update(heat: Array, idx: Array, values: Array, decay: float) -> Array:
@@ -351,7 +373,15 @@ class EvoSparse:
         return self.layout
 
     def start(self, cfg, state, phase, batch, q_len, kv_len):
-        if phase != "decode" or not self.uses_retrieval:
+        """Decode: an empty retrieval set; for one new token (q_len 1) also the heat's decay, h <- lambda * h, of
+        every sparse layer at once, so that each sparse layer only adds its mass in place (`heat_add`). The
+        selection of the step sees lambda * h instead of h: the same order, so the same blocks. Rows of a
+        q_len > 1 decode are decayed and updated row by row inside each layer (`heat_update`)."""
+        if phase != "decode":
+            return state
+        if self.uses_heat and q_len == 1:
+            state = state.replace(heat=decay_heat(state.heat, self.dense_layers, self.decay))
+        if not self.uses_retrieval:
             return state
         wr = self.widths(kv_len)["retrieval"]
         return state.replace(retrieval=jnp.full((batch, q_len, wr), -1, jnp.int32))
@@ -448,12 +478,19 @@ class EvoSparse:
         nothing and whose heat stays)."""
         B, T, Hq, D = q.shape
         heat = state.heat
-        heat_l = heat[ctx.layer] if self.uses_heat else None  # [B, Hkv, NB]
         ret = state.retrieval  # [B, T, Wr] or None
+        Hkv, N = cache.k.shape[1], cache.k.shape[2]
+        if T == 1:  # one decode token: the heat was decayed by `start`; the mass is added in place
+            idx = self.select_blocks(heat, None if ret is None else ret[:, 0], pos[:, 0], Hkv, N, layer=ctx.layer)
+            out, mass = self.attend(q[:, 0], cache, idx, pos[:, 0], live=live)
+            if self.uses_heat:
+                heat = heat_add(heat, ctx.layer, idx, mass if live is None else jnp.where(live, mass, 0.0))
+            return out[:, None].astype(q.dtype), state.replace(heat=heat)
+        heat_l = heat[ctx.layer] if self.uses_heat else None  # [B, Hkv, NB]
 
         def row(heat_l, xs):
             q_t, ret_t, pos_t = xs  # [B, Hq, D], [B, Wr] | None, [B]
-            idx = self.select_blocks(heat_l, ret_t, pos_t, cache.k.shape[1], cache.k.shape[2])
+            idx = self.select_blocks(heat_l, ret_t, pos_t, Hkv, N)
             out, mass = self.attend(q_t, cache, idx, pos_t, live=live)
             if self.uses_heat:
                 new = heat_update(heat_l, idx, mass, self.decay)
@@ -461,17 +498,13 @@ class EvoSparse:
             return heat_l, out
 
         xs = (jnp.swapaxes(q, 0, 1), None if ret is None else jnp.swapaxes(ret, 0, 1), jnp.swapaxes(pos, 0, 1))
-        if T == 1:
-            heat_l, out = row(heat_l, jax.tree_util.tree_map(lambda x: x[0], xs))
-            out = out[:, None]
-        else:
-            heat_l, out = jax.lax.scan(row, heat_l, xs)  # rows in order: exact sequential heat
-            out = jnp.swapaxes(out, 0, 1)
+        heat_l, out = jax.lax.scan(row, heat_l, xs)  # rows in order: exact sequential heat
+        out = jnp.swapaxes(out, 0, 1)
         if self.uses_heat:
             heat = jax.lax.dynamic_update_index_in_dim(heat, heat_l, ctx.layer, axis=0)  # in place in the scan
         return out.astype(q.dtype), state.replace(heat=heat)
 
-    def select_blocks(self, heat_l, ret, pos, Hkv: int, N: int) -> Array:
+    def select_blocks(self, heat_l, ret, pos, Hkv: int, N: int, layer=None) -> Array:
         """The attended blocks of one decode row: i32[B, Hkv, Kb] ascending, -1 padded.
 
         Sink [0, n_s) and local [nbv - n_l, nbv) are ranges; the retrieval blocks and the heat blocks lie between
@@ -480,15 +513,17 @@ class EvoSparse:
         union.
 
         Args:
-          heat_l: f32[B, Hkv, nb] this layer's heat (None without heat); ret: i32[B, Wr] the retrieval set (or
-          None); pos: i32[B] the query positions; Hkv, N: KV heads and cache length.
+          heat_l: f32[B, Hkv, nb] this layer's heat (None without heat), or with `layer` (i32[]) the stacked heat
+          f32[L, B, Hkv, nb] (read in place); ret: i32[B, Wr] the retrieval set (or None); pos: i32[B] the query
+          positions; Hkv, N: KV heads and cache length.
         """
         w = self.widths(N)
         kb, nbv, (n_s, n_l, n_r, n_h) = self._row_budget(pos)
         n_ret_valid = jnp.zeros_like(n_r) if ret is None else jnp.sum(ret >= 0, axis=-1)
         count = n_h + (n_r - n_ret_valid) if ret is not None or self.uses_retrieval else n_h
         return select_blocks(heat_l, ret, n_s, nbv - n_l, nbv, count, kb >= nbv, num_kv_heads=Hkv, nb=w["nb"],
-                             width=w["Kb"], heat_width=w["heat"], implementation=self.kernels)
+                             width=w["Kb"], heat_width=w["heat"], layer=None if heat_l is None else layer,
+                             implementation=self.kernels)
 
     def attend(self, q_t: Array, cache, idx: Array, pos: Array, live=None):
         """Attention of one row q_t: [B, Hq, D] at positions pos: i32[B] over blocks idx: i32[B, Hkv, K].

@@ -59,18 +59,19 @@ def sparse_decode_mass(q: Array, k_all: Array, v_all: Array, layer: Array, indic
 
 
 def select_blocks(heat: Array | None, ret: Array | None, n_s: Array, hi: Array, nbv: Array, count: Array,
-                  full: Array, *, num_kv_heads: int, nb: int, width: int, heat_width: int,
+                  full: Array, *, num_kv_heads: int, nb: int, width: int, heat_width: int, layer: Array | None = None,
                   implementation: str | None = None) -> Array:
     """EvoSparse's attended blocks of one decode row, i32[B, Hkv, width] (semantics: `xla.select_blocks_xla`,
     which is also the "reference"). implementation=None: the one-launch Triton kernel on a GPU when nb <= 32768,
-    else XLA."""
+    else XLA. With `layer` (i32[]), heat is the stacked heat f32[L, B, Hkv, nb] and row `layer` is read (in place
+    by the kernel)."""
     from pallas_kernels.topk_select.gpu_row import ROW_LIMIT
     if implementation is None:
         implementation = "pallas_gpu" if jax.default_backend() == "gpu" and nb <= ROW_LIMIT else "xla"
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r}: expected one of {IMPLEMENTATIONS} or None")
     args = (heat, ret, n_s, hi, nbv, count, full)
-    kw = dict(num_kv_heads=num_kv_heads, nb=nb, width=width, heat_width=heat_width)
+    kw = dict(num_kv_heads=num_kv_heads, nb=nb, width=width, heat_width=heat_width, layer=layer)
     if implementation == "pallas_gpu":
         from pallas_kernels.block_scores import gpu
         return gpu.select_blocks_gpu(*args, **kw)

@@ -194,8 +194,9 @@ def sparse_decode_mass_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
 
 
 def _select_blocks_kernel(meta_ref, ret_ref, heat_ref, o_ref, *, nb: int, P: int, wr: int, has_heat: bool,
-                          has_ret: bool, width: int, wpad: int, heat_width: int, bits: int):
-    """Row (b, kv head). Refs: meta i32[8] (n_s, hi, nbv, count, full); ret i32[wr]; heat f32[nb]; o i32[width].
+                          has_ret: bool, width: int, wpad: int, heat_width: int, bits: int, L: int):
+    """Row (b, kv head). Refs: meta i32[8] (n_s, hi, nbv, count, full, layer); ret i32[wr]; heat f32[L, nb] (the
+    row of every layer: row `layer`, wrapped and clamped, is read in place); o i32[width].
 
     Only the keys stay live through the radix search (a block that is visible and in the middle but not a
     candidate has key INT_MIN: it is a retrieval block), to keep register pressure low."""
@@ -221,7 +222,9 @@ def _select_blocks_kernel(meta_ref, ret_ref, heat_ref, o_ref, *, nb: int, P: int
         cand = vis & middle & jnp.logical_not(in_ret)
         n_cand = jnp.sum(cand.astype(jnp.int32))
         kk = jnp.minimum(jnp.clip(count, 0, heat_width), n_cand)
-        x = plgpu.load(heat_ref.at[pl.ds(0, P)], mask=blk < nb, other=0.0)
+        layer = meta_ref[5]
+        layer = jnp.clip(jnp.where(layer < 0, layer + L, layer), 0, L - 1)
+        x = plgpu.load(heat_ref.at[layer, pl.ds(0, P)], mask=blk < nb, other=0.0)
         key = jnp.where(cand, float_keys(x), INT_MIN)
         blk = jnp.arange(P, dtype=jnp.int32)  # recomputed after the search rather than kept live
         cand = key != INT_MIN
@@ -241,8 +244,9 @@ def _select_blocks_kernel(meta_ref, ret_ref, heat_ref, o_ref, *, nb: int, P: int
 
 
 def select_blocks_gpu(heat: Array | None, ret: Array | None, n_s: Array, hi: Array, nbv: Array, count: Array,
-                      full: Array, *, num_kv_heads: int, nb: int, width: int, heat_width: int, bits: int = 1,
-                      num_warps: int | None = None, interpret: bool = False) -> Array:
+                      full: Array, *, num_kv_heads: int, nb: int, width: int, heat_width: int,
+                      layer: Array | None = None, bits: int = 1, num_warps: int | None = None,
+                      interpret: bool = False) -> Array:
     """`xla.select_blocks_xla` in one launch: one program per (row, KV head), grid (B, Hkv).
 
     The program holds the heat row in registers (P = next power of two >= nb keys): it marks the retrieval
@@ -251,7 +255,8 @@ def select_blocks_gpu(heat: Array | None, ret: Array | None, n_s: Array, hi: Arr
     local and retrieval, and writes the union ascending by one cumulative sum (then -1). It replaces the heat
     top-k launch and the ~15 XLA fusions of the merge. Heat must be finite (it is a sum of softmax masses).
 
-    Args / returns: as `xla.select_blocks_xla` (ret: valid entries ascending, then -1); nb <= 32768.
+    Args / returns: as `xla.select_blocks_xla` (ret: valid entries ascending, then -1); nb <= 32768. With `layer`,
+    heat is the stacked heat f32[L, B, Hkv, nb], read in place (no slice of the layer's row is made).
     """
     B, Hkv = n_s.shape[0], num_kv_heads
     if nb > ROW_LIMIT:
@@ -259,19 +264,23 @@ def select_blocks_gpu(heat: Array | None, ret: Array | None, n_s: Array, hi: Arr
     if not 1 <= width <= nb:
         raise ValueError(f"width={width}: expected 1 <= width <= nb={nb}")
     has_heat, has_ret = heat is not None, ret is not None
-    if has_heat and heat.shape != (B, Hkv, nb):
-        raise ValueError(f"heat of shape {heat.shape}: expected {(B, Hkv, nb)}")
-    heat = heat.astype(jnp.float32) if has_heat else jnp.zeros((B, Hkv, 1), jnp.float32)
+    if has_heat and layer is None:
+        heat = heat[None]
+    if has_heat and heat.shape[1:] != (B, Hkv, nb):
+        want = (B, Hkv, nb) if layer is None else ("L", B, Hkv, nb)
+        raise ValueError(f"heat of shape {heat.shape}: expected {want}")
+    heat = heat.astype(jnp.float32) if has_heat else jnp.zeros((1, B, Hkv, 1), jnp.float32)
     ret = ret.astype(jnp.int32) if has_ret else jnp.full((B, 1), -1, jnp.int32)
-    wr, hn = ret.shape[-1], heat.shape[-1]
-    meta = jnp.stack([n_s, hi, nbv, count, full.astype(jnp.int32)] + [jnp.zeros_like(n_s)] * 3, axis=-1)
+    wr, (L, hn) = ret.shape[-1], (heat.shape[0], heat.shape[-1])
+    lay = jnp.broadcast_to(jnp.asarray(0 if layer is None else layer, jnp.int32), n_s.shape)
+    meta = jnp.stack([n_s, hi, nbv, count, full.astype(jnp.int32), lay] + [jnp.zeros_like(n_s)] * 2, axis=-1)
     P = max(32, next_pow2(nb))
     return pl.pallas_call(
         functools.partial(_select_blocks_kernel, nb=nb, P=P, wr=wr, has_heat=has_heat, has_ret=has_ret,
-                          width=width, wpad=max(32, next_pow2(width)), heat_width=heat_width, bits=bits),
+                          width=width, wpad=max(32, next_pow2(width)), heat_width=heat_width, bits=bits, L=L),
         grid=(B, Hkv),
         in_specs=[pl.BlockSpec((None, 8), lambda b, h: (b, 0)), pl.BlockSpec((None, wr), lambda b, h: (b, 0)),
-                  pl.BlockSpec((None, None, hn), lambda b, h: (b, h, 0))],
+                  pl.BlockSpec((L, None, None, hn), lambda b, h: (0, b, h, 0))],
         out_specs=pl.BlockSpec((None, None, width), lambda b, h: (b, h, 0)),
         out_shape=jax.ShapeDtypeStruct((B, Hkv, width), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=row_warps(P) if num_warps is None else num_warps,

@@ -77,7 +77,8 @@ def merge_disjoint(cand: Array, width: int) -> Array:
 
 
 def select_blocks_xla(heat: Array | None, ret: Array | None, n_s: Array, hi: Array, nbv: Array, count: Array,
-                      full: Array, *, num_kv_heads: int, nb: int, width: int, heat_width: int) -> Array:
+                      full: Array, *, num_kv_heads: int, nb: int, width: int, heat_width: int,
+                      layer: Array | None = None) -> Array:
     """EvoSparse's attended blocks of one decode row (the specification of `select_blocks`).
 
     Sink [0, n_s) and local [hi, nbv) are ranges; the retrieval blocks ret and the heat blocks lie between them
@@ -90,11 +91,14 @@ def select_blocks_xla(heat: Array | None, ret: Array | None, n_s: Array, hi: Arr
         (valid entries unique and ascending, then -1; entries outside the middle count as none), or None.
       n_s, hi, nbv, count: i32[B]; full: bool[B].
       width: blocks per output row (Kb); heat_width: most heat picks.
+      layer: i32[] or None; given, heat is the stacked heat f32[L, B, Hkv, nb] and its row `layer` is used.
 
     Returns:
       i32[B, Hkv, width]: the blocks ascending, then -1 (entries past `width` are dropped).
     """
     B, Hkv, Kb = n_s.shape[0], num_kv_heads, width
+    if heat is not None and layer is not None:
+        heat = heat[layer_index(layer, heat.shape[0])]
     mids = []
     if ret is not None:  # entries outside the middle are none of its blocks (sink / local already, or unseen)
         ret = jnp.where((ret >= n_s[:, None]) & (ret < hi[:, None]), ret, -1)
