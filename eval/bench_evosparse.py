@@ -29,9 +29,11 @@ cases run first, after the decode step (while the GPU memory is empty), then the
   4. At the first context (100K): the two layers again with lax.cond (branchless=False, the layout before the
      GPU default), and each part of a sparse layer timed alone with its floor: retrieval (block max kernel +
      top-k, R = 2 KV heads), block_max (the kernel alone), select (heat top-k, retrieval exclusion, merge),
-     attend (gathered decode), attend_mass (gathered decode with the entry mass), heat_update (block sums,
-     decay, in-place write of the layer's heat). Checks also compare the block_scores kernels, compiled, with
-     their references. The decode step at the largest batch is also run with lax.cond (`evosparse_cond`).
+     attend (gathered decode), attend_mass (gathered decode with the entry mass), heat_update (the step's decay
+     of the 3-layer heat and an XLA scatter-add of the mass), attend_heat (what the layer runs:
+     `sparse_decode_heat`, the gathered decode then one launch that merges the splits and adds the mass into
+     the heat in place; also at 2, 4, 8 and 16 splits: attend_heat_s<n>). Checks also compare the block_scores
+     kernels, compiled, with their references. The decode step at the largest batch is also run with lax.cond (`evosparse_cond`).
 
 Floors (bytes moved at the measured HBM bandwidth): dense attention reads K and V once (2 B Hkv N D 2 bytes);
 an EvoSparse sparse layer reads the selected K/V blocks and the heat row of its layer (read for the selection
@@ -58,7 +60,7 @@ import numpy as np
 from eval import bench_model
 from eval.benchmarking import device_facts, measure_hbm_gbs, table, time_ms, write_json
 from jsparse.cli import set_xla_flags
-from jsparse.methods.evosparse import EvoSparse, decay_heat, default_num_heads, heat_add
+from jsparse.methods.evosparse import EvoSparse, decay_heat, default_num_heads
 from models import llama
 from models.attention import LayerContext, LayerKV
 from models.cache import KVCache
@@ -67,8 +69,9 @@ from models.params import random_params
 from models.presets import preset
 from pallas_kernels.dense import dense_decode
 from pallas_kernels.dense_decode import dense_decode_stacked
-from pallas_kernels.block_scores import block_max_scores, sparse_decode_mass
+from pallas_kernels.block_scores import block_max_scores, heat_add, sparse_decode_heat, sparse_decode_mass
 from pallas_kernels.sparse_attention import sparse_decode
+from pallas_kernels.sparse_attention.gpu import DecodeConfig
 from pallas_kernels.sparse_attention.reference import decode_indices_to_mask, masked_attention_reference
 
 BUDGET_S = 215.0  # no new attention case after this many seconds
@@ -197,6 +200,11 @@ def part_loop(method, q, k, v, lengths, state, *, iters, part):
             out, m = sparse_decode_mass(qi, k[None], v[None], jnp.int32(0), idx0[:, :, None], lengths,
                                         block_size=BLOCK, implementation=EVO_KERNELS)
             return acc + (out.astype(jnp.float32).sum() + m.sum()) * 1e-9, heat
+        if part.startswith("attend_heat"):  # what the layer runs: decode + mass into the heat ("_s<n>": n splits)
+            cfg = None if part == "attend_heat" else DecodeConfig(num_splits=int(part.split("_s")[-1]))
+            out, heat = sparse_decode_heat(qi, k[None], v[None], jnp.int32(0), idx0[:, :, None], lengths, heat,
+                                           jnp.int32(2), block_size=BLOCK, implementation=EVO_KERNELS, config=cfg)
+            return acc + out.astype(jnp.float32).sum() * 1e-9, heat
         if part == "heat_update":  # the step's decay of the (3-layer) heat, then the in-place scatter-add
             heat = decay_heat(heat, method.dense_layers, method.decay)
             heat = heat_add(heat, jnp.int32(2), idx0, emass0 + acc * 1e-9)
@@ -207,7 +215,8 @@ def part_loop(method, q, k, v, lengths, state, *, iters, part):
     return acc + heat.sum()
 
 
-PARTS = ("retrieval", "block_max", "select", "attend", "attend_mass", "heat_update")
+PARTS = ("retrieval", "block_max", "select", "attend", "attend_mass", "heat_update", "attend_heat")
+HEAT_SPLITS = (2, 4, 8, 16)  # the layer's decode + heat step at these split counts (part rows only)
 
 
 def part_rows(inherit, compute, q, k, v, lengths, key, iters, hbm) -> dict:
@@ -218,9 +227,10 @@ def part_rows(inherit, compute, q, k, v, lengths, key, iters, hbm) -> dict:
     ms = lambda b: b / (hbm * 1e9) * 1e3  # noqa: E731
     floors = dict(retrieval=B * R * N * D * 2, block_max=B * R * N * D * 2, select=B * Hkv * nb * 4,
                   attend=2 * B * Hkv * BUDGET_TOKENS * D * 2, attend_mass=2 * B * Hkv * BUDGET_TOKENS * D * 2,
-                  heat_update=2 * B * Hkv * nb * 4 / (CFG8B.num_layers - 2))  # a sparse layer's share of the decay
+                  heat_update=2 * B * Hkv * nb * 4 / (CFG8B.num_layers - 2),  # a sparse layer's share of the decay
+                  attend_heat=2 * B * Hkv * BUDGET_TOKENS * D * 2)
     out = {}
-    for part in PARTS:
+    for part in PARTS + tuple(f"attend_heat_s{n}" for n in HEAT_SPLITS):
         m = compute if part in ("retrieval", "block_max") else inherit
         st = _state(m, layer_cfg(), B, N, key)
         st = st.replace(retrieval=jnp.broadcast_to(jnp.arange(st.retrieval.shape[-1], dtype=jnp.int32) * 3 + 40,
@@ -230,7 +240,7 @@ def part_rows(inherit, compute, q, k, v, lengths, key, iters, hbm) -> dict:
                                              warmup=2, iters=5) / iters
         except Exception as e:  # noqa: BLE001 - record and go on
             out[f"part_{part}_error"] = str(e).splitlines()[0][:200]
-        out[f"part_{part}_floor_ms"] = ms(floors[part])
+        out[f"part_{part}_floor_ms"] = ms(floors[part.split("_s")[0]])
     out["part_retrieval_heads"] = R
     return out
 
@@ -265,6 +275,18 @@ def kernel_checks(key) -> list[dict]:
     em = float(jnp.max(jnp.abs(m1 - m2)))
     out.append(dict(check="decode_mass_kernel_vs_reference", rel_err_out=eo, max_abs_err_mass=em,
                     ok=eo <= 2e-2 and em <= 2e-3))
+    heat = jax.random.uniform(ks[3], (L, B, 8, N // BLOCK))
+    for splits in (None, 4):
+        cfg = None if splits is None else DecodeConfig(num_splits=splits)
+        o1, h1 = sparse_decode_heat(q, k, v, jnp.int32(2), idx, lengths, heat, block_size=BLOCK,
+                                    implementation="pallas_gpu", config=cfg)
+        o2, h2 = sparse_decode_heat(q, k, v, jnp.int32(2), idx, lengths, heat, block_size=BLOCK,
+                                    implementation="reference")
+        eo = float(jnp.max(jnp.abs(o1.astype(jnp.float32) - o2.astype(jnp.float32))) /
+                   jnp.max(jnp.abs(o2.astype(jnp.float32))))
+        eh = float(jnp.max(jnp.abs(h1 - h2)))
+        out.append(dict(check=f"decode_heat_kernel_vs_reference[splits={splits}]", rel_err_out=eo,
+                        max_abs_err_heat=eh, ok=eo <= 2e-2 and eh <= 2e-3))
     # The one-launch block selection at the benchmark's shape (100K / 16 blocks, budget 2048), heat with ties.
     m = EvoSparse(budget_tokens=BUDGET_TOKENS, block_size=BLOCK)
     Nc = round_up(CONTEXT_E2E, 256)
@@ -492,7 +514,8 @@ def main(argv=None):
                        "evo_sparse_layer_ms", "evo_floor_layer_ms", "dense_floor_ms", "speedup_sparse_layer",
                        "speedup_model_attention"]))
     parts = [r for r in rows if "part_attend_ms" in r]
-    print(table(parts, ["batch", "context"] + [f"part_{p}_{x}" for p in PARTS for x in ("ms", "floor_ms")]))
+    print(table(parts, ["batch", "context"] + [f"part_{p}_{x}" for p in PARTS for x in ("ms", "floor_ms")]
+                + [f"part_attend_heat_s{n}_ms" for n in HEAT_SPLITS]))
     print(table(e2e, ["method", "batch", "context", "step_ms", "floor_ms", "weights_floor_ms", "tokens_per_s",
                       "speedup_vs_dense", "error"]))
 

@@ -100,6 +100,45 @@ def test_decode_mass_with_no_visible_key_is_zero():
     assert float(jnp.abs(o).max()) == 0.0 and float(jnp.abs(m).max()) == 0.0
 
 
+@pytest.mark.parametrize("splits,block_k,K,layer", [(2, 16, 7, 2), (3, 32, 9, -1), (1, 16, 5, 0)])
+def test_decode_heat_matches_reference(splits, block_k, K, layer):
+    """The gathered decode + in-place heat step (`sparse_decode_heat`): the Triton pair (interpret mode) and the
+    XLA fallback equal the reference (odd entry counts, -1 padding, split counts that do not divide K, a row
+    whose length is 0, negative layer); only row `layer` of the heat changes, by the block sums of the mass."""
+    q, k, v = _cache(6)
+    idx = _indices(1, K=K, used=min(5, K - 1))
+    lengths = jnp.array([200, 0], jnp.int32)  # row 1 sees nothing: its heat must not move
+    heat = jax.random.uniform(jax.random.key(9), (L, B, HKV, N // BS))
+    args = (q, k, v, jnp.int32(layer), idx, lengths, heat)
+    want_o, want_h = reference.sparse_decode_heat_reference(*args, block_size=BS)
+    o, h = gpu.sparse_decode_heat_gpu(*args, block_size=BS, interpret=True,
+                                      config=gpu.sgpu.DecodeConfig(block_k=block_k, num_splits=splits))
+    np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(h, want_h, rtol=1e-5, atol=1e-6)
+    o, h = xla.sparse_decode_heat_xla(*args, block_size=BS)
+    np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(h, want_h, rtol=1e-5, atol=1e-6)
+    # A cache of one layer (a bare view) with the heat row named apart: the same result.
+    one = (q, k[row := layer % L][None], v[row][None], jnp.int32(0), idx, lengths, heat, jnp.int32(layer))
+    o, h = gpu.sparse_decode_heat_gpu(*one, block_size=BS, interpret=True,
+                                      config=gpu.sgpu.DecodeConfig(block_k=block_k, num_splits=splits))
+    np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(h, want_h, rtol=1e-5, atol=1e-6)
+    changed = np.flatnonzero(np.any(np.asarray(want_h) != np.asarray(heat), axis=(1, 2, 3)))
+    assert list(changed) == [row]
+    np.testing.assert_array_equal(want_h[row, 1], heat[row, 1])  # length 0: unchanged
+    _, mass = reference.sparse_decode_mass_reference(q, k, v, jnp.int32(layer), idx, lengths, block_size=BS)
+    np.testing.assert_allclose(np.asarray(want_h[row]).sum() - np.asarray(heat[row]).sum(), float(mass.sum()),
+                               rtol=1e-5)
+    assert np.isclose(float(mass[0].sum()), HKV, rtol=1e-5)  # each KV head's masses sum to 1
+    with pytest.raises(ValueError, match="one"):
+        gpu.sparse_decode_heat_gpu(*_cache(6, 2)[:1], k, v, jnp.int32(0), _indices(2), lengths, heat, block_size=BS)
+    with pytest.raises(ValueError, match="heat has shape"):
+        xla_h = heat[:, :, :, :5]
+        from pallas_kernels.block_scores import sparse_decode_heat
+        sparse_decode_heat(q, k, v, jnp.int32(0), idx, lengths, xla_h, block_size=BS)
+
+
 def _abstract():
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
     device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
@@ -121,6 +160,11 @@ def test_kernels_lower_for_cuda():
         text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(
             q, cache, cache, i32(), i32(Bn, Hkv, 1, 128), i32(Bn)).mlir_module()
         assert "sparse_decode_gathered_stacked_mass" in text
+        f = functools.partial(gpu.sparse_decode_heat_gpu, block_size=16)
+        text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(
+            q, cache, cache, i32(), i32(Bn, Hkv, 1, 128), i32(Bn), sds((4, Bn, Hkv, Nn // 16), jnp.float32)
+        ).mlir_module()
+        assert "evosparse_finish_heat" in text
 
 
 def test_errors():

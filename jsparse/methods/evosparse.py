@@ -45,9 +45,10 @@ dropped fractions are given to the remaining ones in proportion (the total budge
 
 State (`EvoState`): heat f32[L, B, Hkv, N / block_size] crosses decode steps (`init_state`); the retrieval set
 i32[B, T, Wr] crosses layers inside one forward (added by `start`, dropped by `finish`). For one new token, `start`
-decays the heat of every sparse layer at once and each sparse layer adds its mass in place (`heat_add`: one
-scatter into the stacked heat, which the selection kernel also reads in place); the result is the recurrence
-above exactly (the selection sees lambda * h, which orders the blocks as h does).
+decays the heat of every sparse layer at once and each sparse layer adds its mass in place
+(`block_scores.sparse_decode_heat`: on a GPU the gathered decode, then one launch that merges its splits and adds
+every entry's mass into the stacked heat, which the selection kernel also reads in place); the result is the
+recurrence above exactly (the selection sees lambda * h, which orders the blocks as h does).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ from jsparse import selection as sel
 from jsparse.artifacts import load_artifact
 from jsparse.methods.base import register
 from jsparse.methods.common import attend_dense, dense_prefill
-from pallas_kernels.block_scores import block_max_scores, select_blocks, sparse_decode_mass
+from pallas_kernels.block_scores import block_max_scores, select_blocks, sparse_decode_heat, sparse_decode_mass
 from pallas_kernels.sparse_attention import sparse_decode
 from pallas_kernels.topk_select import topk_select
 
@@ -77,6 +78,7 @@ DEFAULT_FRACTIONS = (1 / 16, 3 / 8, 5 / 16, 1 / 4)  # sink, local, retrieval, he
 DEFAULT_DECAY = 0.5
 DEFAULT_HEAD_FRACTION = 0.015
 _FIX = 4096  # fractions are resolved to 1/_FIX in integer arithmetic
+DECODE_CONFIG = None  # the gathered decode's DecodeConfig on the GPU (None: the kernel's default)
 # How the defaults were chosen (development data only: passkey prompts of seed 1 at 3072 tokens, perplexity
 # on 4 windows of 4096 tokens of the development corpus, Alice; SmolLM2-135M, budget 512 tokens at the last
 # position, the 4 top retrieval heads of artifacts/smollm2/evosparse). Every configuration kept passkey at
@@ -185,19 +187,6 @@ def _stacked(cache):
     if getattr(cache, "layer", None) is not None:
         return cache.k_all, cache.v_all, cache.layer
     return cache.k[None], cache.v[None], jnp.int32(0)
-
-
-def heat_add(heat: Array, layer: Array, idx: Array, values: Array) -> Array:
-    """heat[layer] + values summed into their blocks, in place in the stacked heat f32[L, B, Hkv, nb]: idx
-    i32[B, Hkv, K] (valid entries unique, ascending, then -1), values f32[B, Hkv, K]. One scatter-add of B * Hkv
-    * K entries into the carried state (the row's decay was applied by `decay_heat` at the start of the step)."""
-    B, Hkv, K = idx.shape
-    nb = heat.shape[-1]
-    safe = jnp.where(idx >= 0, idx, nb + jnp.arange(K, dtype=idx.dtype))
-    at = (jnp.broadcast_to(jnp.asarray(layer, jnp.int32), idx.shape),
-          jnp.broadcast_to(jnp.arange(B)[:, None, None], idx.shape),
-          jnp.broadcast_to(jnp.arange(Hkv)[None, :, None], idx.shape), safe)
-    return heat.at[at].add(values.astype(heat.dtype), mode="drop", indices_are_sorted=True, unique_indices=True)
 
 
 def decay_heat(heat: Array, first_layer: int, decay: float) -> Array:
@@ -374,7 +363,7 @@ class EvoSparse:
 
     def start(self, cfg, state, phase, batch, q_len, kv_len):
         """Decode: an empty retrieval set; for one new token (q_len 1) also the heat's decay, h <- lambda * h, of
-        every sparse layer at once, so that each sparse layer only adds its mass in place (`heat_add`). The
+        every sparse layer at once, so that each sparse layer only adds its mass in place (`sparse_decode_heat`). The
         selection of the step sees lambda * h instead of h: the same order, so the same blocks. Rows of a
         q_len > 1 decode are decayed and updated row by row inside each layer (`heat_update`)."""
         if phase != "decode":
@@ -482,10 +471,15 @@ class EvoSparse:
         Hkv, N = cache.k.shape[1], cache.k.shape[2]
         if T == 1:  # one decode token: the heat was decayed by `start`; the mass is added in place
             idx = self.select_blocks(heat, None if ret is None else ret[:, 0], pos[:, 0], Hkv, N, layer=ctx.layer)
-            out, mass = self.attend(q[:, 0], cache, idx, pos[:, 0], live=live)
-            if self.uses_heat:
-                heat = heat_add(heat, ctx.layer, idx, mass if live is None else jnp.where(live, mass, 0.0))
-            return out[:, None].astype(q.dtype), state.replace(heat=heat)
+            if not self.uses_heat:
+                return self.attend(q[:, 0], cache, idx, pos[:, 0], live=live)[0][:, None].astype(q.dtype), state
+            # live=False: lengths 0, so every entry's mass is 0 and the heat is unchanged.
+            lengths = pos[:, 0] + 1 if live is None else jnp.where(live, pos[:, 0] + 1, 0)
+            k_all, v_all, layer = _stacked(cache)
+            out, heat = sparse_decode_heat(q, k_all, v_all, layer, idx[:, :, None], lengths, heat, ctx.layer,
+                                           block_size=self.block_size, implementation=self.kernels,
+                                           config=DECODE_CONFIG)
+            return out.astype(q.dtype), state.replace(heat=heat)
         heat_l = heat[ctx.layer] if self.uses_heat else None  # [B, Hkv, NB]
 
         def row(heat_l, xs):
@@ -542,7 +536,8 @@ class EvoSparse:
                                 block_size=self.block_size)
             return out[:, 0], None
         out, emass = sparse_decode_mass(q_t[:, None], k_all, v_all, layer, idx[:, :, None], lengths,
-                                        block_size=self.block_size, implementation=self.kernels)
+                                        block_size=self.block_size, implementation=self.kernels,
+                                        config=DECODE_CONFIG)
         return out[:, 0], emass[:, :, 0]
 
     def _prefill_heat(self, ctx, q, k, heat):

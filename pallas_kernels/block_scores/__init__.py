@@ -10,6 +10,10 @@
       gathered sparse decode (as `pallas_kernels.sparse_attention.sparse_decode(layer=...)`) that also returns
       the post-softmax mass each index entry received (mean over the GQA group), from per-entry partial sums
       the kernel writes while it attends (no second gather of K).
+  sparse_decode_heat(q: [B, 1, Hq, D], k_all, v_all, layer, indices: i32[B, Hkv, 1, K], lengths,
+                     heat: f32[L, B, Hkv, N / block_size], *, block_size) -> (out [B, 1, Hq, D], heat)
+      one decode token's sparse_decode_mass with each entry's mass added into heat[layer] (EvoSparse's heat
+      step); on the GPU the split merge, the mass and the in-place heat update are one launch after the decode.
   select_blocks(heat: f32[B, Hkv, nb] | None, ret: i32[B, Wr] | None, n_s, hi, nbv, count: i32[B], full: bool[B],
                 *, num_kv_heads, nb, width, heat_width) -> i32[B, Hkv, width]
       EvoSparse's attended blocks of a decode row: sink [0, n_s), local [hi, nbv), the retrieval set and the
@@ -20,9 +24,12 @@ gpu.py: Pallas Triton kernels; xla.py: the XLA fallback (any backend; slices and
 plain-jnp specification; api.py dispatches (gpu -> "pallas_gpu" when the kernel takes the arguments, else "xla").
 """
 
-from pallas_kernels.block_scores.api import (IMPLEMENTATIONS, block_max_scores, select_blocks, sparse_decode_mass,
-                                             supported)
-from pallas_kernels.block_scores.reference import block_max_scores_reference, sparse_decode_mass_reference
+from pallas_kernels.block_scores.api import (IMPLEMENTATIONS, block_max_scores, select_blocks, sparse_decode_heat,
+                                             sparse_decode_mass, supported)
+from pallas_kernels.block_scores.reference import (block_max_scores_reference, sparse_decode_heat_reference,
+                                                   sparse_decode_mass_reference)
+from pallas_kernels.block_scores.xla import heat_add
 
-__all__ = ["IMPLEMENTATIONS", "block_max_scores", "select_blocks", "sparse_decode_mass", "supported",
-           "block_max_scores_reference", "sparse_decode_mass_reference"]
+__all__ = ["IMPLEMENTATIONS", "block_max_scores", "select_blocks", "sparse_decode_heat", "sparse_decode_mass",
+           "supported", "block_max_scores_reference", "sparse_decode_heat_reference", "sparse_decode_mass_reference",
+           "heat_add"]

@@ -45,17 +45,41 @@ def block_max_scores(q: Array, k_all: Array, layer: Array, kv_heads: Array, head
 
 
 def sparse_decode_mass(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array, *,
-                       block_size: int = 1, scale: float | None = None, implementation: str | None = None):
+                       block_size: int = 1, scale: float | None = None, implementation: str | None = None,
+                       config=None):
     """Gathered decode over layer `layer` of a stacked cache and each index entry's softmax mass:
-    (out [B, T, Hq, D], mass f32[B, Hkv, T, K]) (semantics: `reference.sparse_decode_mass_reference`)."""
+    (out [B, T, Hq, D], mass f32[B, Hkv, T, K]) (semantics: `reference.sparse_decode_mass_reference`).
+    config: the Pallas GPU kernel's `sparse_attention.gpu.DecodeConfig` (None: its default)."""
     impl = _pick(implementation, q, block_size)
     args = (q, k_all, v_all, layer, indices, lengths)
     if impl == "pallas_gpu":
         from pallas_kernels.block_scores import gpu
-        return gpu.sparse_decode_mass_gpu(*args, block_size=block_size, scale=scale)
+        from pallas_kernels.sparse_attention.gpu import DecodeConfig
+        return gpu.sparse_decode_mass_gpu(*args, block_size=block_size, scale=scale,
+                                          config=DecodeConfig() if config is None else config)
     if impl == "reference":
         return reference.sparse_decode_mass_reference(*args, block_size=block_size, scale=scale)
     return xla.sparse_decode_mass_xla(*args, block_size=block_size, scale=scale)
+
+
+def sparse_decode_heat(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array,
+                       heat: Array, heat_layer: Array | None = None, *, block_size: int = 1,
+                       scale: float | None = None, implementation: str | None = None, config=None):
+    """One decode token's gathered decode over layer `layer` of a stacked cache, with each index entry's softmax
+    mass added into the stacked heat's row `heat_layer` (None: `layer`): (out [B, 1, Hq, D], heat f32[Lh, B,
+    Hkv, nb]) (semantics: `reference.sparse_decode_heat_reference`; on the GPU the heat is updated in place).
+    config: the Pallas GPU kernel's `sparse_attention.gpu.DecodeConfig` (None: its default)."""
+    impl = _pick(implementation, q, block_size)
+    args = (q, k_all, v_all, layer, indices, lengths, heat, heat_layer)
+    if impl == "pallas_gpu":
+        from pallas_kernels.block_scores import gpu
+        from pallas_kernels.sparse_attention.gpu import DecodeConfig
+        return gpu.sparse_decode_heat_gpu(*args, block_size=block_size, scale=scale,
+                                          config=DecodeConfig() if config is None else config)
+    reference.check_heat_args(q, indices, heat, k_all, block_size)
+    if impl == "reference":
+        return reference.sparse_decode_heat_reference(*args, block_size=block_size, scale=scale)
+    return xla.sparse_decode_heat_xla(*args, block_size=block_size, scale=scale)
 
 
 def select_blocks(heat: Array | None, ret: Array | None, n_s: Array, hi: Array, nbv: Array, count: Array,

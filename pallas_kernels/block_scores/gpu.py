@@ -31,10 +31,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.block_scores.reference import check_block_max_args
+from pallas_kernels.block_scores.reference import check_block_max_args, check_heat_args
 from pallas_kernels.sparse_attention import gpu as sgpu
 from pallas_kernels.sparse_attention.common import default_scale
-from pallas_kernels.sparse_attention.stacked import layer_index, sparse_decode_stacked_gpu
+from pallas_kernels.sparse_attention.stacked import decode_partials_stacked, layer_index, sparse_decode_stacked_gpu
 from pallas_kernels.topk_select.common import INT_MIN, float_keys
 from pallas_kernels.topk_select.gpu_row import ROW_LIMIT, next_pow2, row_pick_mask, row_warps
 
@@ -189,18 +189,110 @@ def sparse_decode_mass_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
                                      return_mass=True, config=config, interpret=interpret)
 
 
+def _finish_heat_kernel(lay_ref, idx_ref, o_ref, m_ref, l_ref, el_ref, em_ref, nw_ref, _heat_in, out_ref, heat_ref,
+                        *, S: int, E: int, K: int, G: int, L: int):
+    """Program (b, kv head) of one decode token: merges the S split partials of the GQA group (out [Gp, D], the
+    G real rows written), and adds each index entry's mass into heat row `layer` in place.
+
+    Refs: lay i32[1]; idx i32[K] the entries; o f32[S, Gp, D], m, l f32[S, Gp]; el, em f32[S, Gp, E]; nw
+    i32[S, 1]; heat (in and out, aliased) f32[L, nb]; out [Gp, D]. Rows past G of the partials were never
+    written: they are selected away, never multiplied."""
+    layer = lay_ref[0]
+    layer = jnp.clip(jnp.where(layer < 0, layer + L, layer), 0, L - 1)
+    gp = o_ref.shape[1]
+    real = jnp.arange(gp, dtype=jnp.int32) < G
+    ms = [jnp.where(real, m_ref[s, :], _MASK) for s in range(S)]
+    m_all = ms[0]
+    for m in ms[1:]:
+        m_all = jnp.maximum(m_all, m)
+    l_all = jnp.zeros((gp,), jnp.float32)
+    o_all = jnp.zeros(o_ref.shape[1:], jnp.float32)
+    for s in range(S):
+        w = jnp.where(real, jnp.exp(ms[s] - m_all), 0.0)
+        l_all = l_all + w * jnp.where(real, l_ref[s, :], 0.0)
+        o_all = o_all + w[:, None] * jnp.where(real[:, None], o_ref[s, :, :], 0.0)
+    nonempty = l_all > 0
+    l_safe = jnp.where(nonempty, l_all, 1.0)
+    out = jnp.where(nonempty[:, None], o_all / l_safe[:, None], 0.0)
+    plgpu.store(out_ref.at[pl.ds(0, gp), :], out.astype(out_ref.dtype),
+                mask=jnp.broadcast_to(real[:, None], out.shape))
+    lse = m_all + jnp.log(l_safe)
+    Ep = max(16, pl.next_power_of_2(E))
+    e = jnp.arange(Ep, dtype=jnp.int32)
+    live = real & nonempty
+    for s in range(S):
+        ent = s * E + e
+        written = (e < E) & (e < nw_ref[s, 0]) & (ent < K)
+        ok = live[:, None] & written[None, :]
+        # Index arrays (a static slice past the block would not be allowed; no slice beside an index array).
+        at = (s, jnp.arange(gp, dtype=jnp.int32)[:, None], jnp.minimum(e, E - 1)[None, :])
+        el = plgpu.load(el_ref.at[at], mask=ok, other=0.0)
+        em = plgpu.load(em_ref.at[at], mask=ok, other=0.0)
+        mass = jnp.sum(jnp.where(ok, el * jnp.exp(jnp.where(ok, em - lse[:, None], 0.0)), 0.0), axis=0) / G
+        blk = plgpu.load(idx_ref.at[jnp.minimum(ent, K - 1)], mask=written, other=-1)
+        hit = written & (blk >= 0)
+        at = heat_ref.at[layer, jnp.where(hit, blk, heat_ref.shape[1])]  # masked lanes point past the row
+        plgpu.store(at, plgpu.load(at, mask=hit, other=0.0) + mass, mask=hit)
+
+
+def sparse_decode_heat_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array,
+                           heat: Array, heat_layer: Array | None = None, *, block_size: int = 1,
+                           scale: float | None = None,
+                           config: sgpu.DecodeConfig = sgpu.DecodeConfig(), interpret: bool = False):
+    """`reference.sparse_decode_heat_reference` in two launches: the stacked gathered decode with its entry
+    sums (`sparse_attention.stacked.decode_partials_stacked`), then one program per (row, KV head) that merges
+    the splits, computes every entry's mass and adds it into heat[layer] in place (the heat buffer is aliased:
+    only the B * Hkv * K touched blocks are read and written). This replaces the XLA epilogue of
+    `sparse_decode_mass_gpu` (split max, split sum, written mask) and the heat scatter: four launches.
+
+    Args:
+      q: [B, 1, Hq, D]; k_all, v_all: [L, B, Hkv, N, D]; layer: i32[]; indices: int32[B, Hkv, 1, K] (valid
+      entries unique per row); lengths: int32[B]; heat: f32[Lh, B, Hkv, N // block_size]; heat_layer: i32[] the
+      heat row to update (None: `layer`).
+
+    Returns:
+      (out [B, 1, Hq, D] in q.dtype, heat).
+    """
+    check_heat_args(q, indices, heat, k_all, block_size)
+    _check_supported(q, block_size)
+    o, m, l, el, em, nw = decode_partials_stacked(q, k_all, v_all, layer, indices, lengths, block_size=block_size,
+                                                  scale=scale, return_mass=True, config=config, head_map=None,
+                                                  interpret=interpret)
+    S, B, Hkv, _, Gp, D = o.shape
+    L, nb, K, E = heat.shape[0], heat.shape[-1], indices.shape[-1], el.shape[-1]
+    G = q.shape[2] // Hkv
+    part = lambda *tail: pl.BlockSpec((S, None, None, None) + tail,  # noqa: E731
+                                      lambda b, h: (0, b, h, 0) + (0,) * len(tail))
+    heat_spec = pl.BlockSpec((L, None, None, nb), lambda b, h: (0, b, h, 0))
+    out, heat = pl.pallas_call(
+        functools.partial(_finish_heat_kernel, S=S, E=E, K=K, G=G, L=L),
+        grid=(B, Hkv),
+        in_specs=[pl.BlockSpec((1,), lambda b, h: (0,)), pl.BlockSpec((None, None, None, K), lambda b, h: (b, h, 0, 0)),
+                  part(Gp, D), part(Gp), part(Gp), part(Gp, E), part(Gp, E), part(1), heat_spec],
+        out_specs=[pl.BlockSpec((None, None, Gp, D), lambda b, h: (b, h, 0, 0)), heat_spec],
+        out_shape=[jax.ShapeDtypeStruct((B, Hkv, Gp, D), q.dtype), jax.ShapeDtypeStruct(heat.shape, heat.dtype)],
+        input_output_aliases={8: 1},
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret, name="evosparse_finish_heat",
+    )(jnp.asarray(layer if heat_layer is None else heat_layer, jnp.int32).reshape(1), indices.astype(jnp.int32), o,
+      m, l, el, em, nw, heat)
+    return out[:, :, :G].reshape(B, 1, Hkv * G, D), heat
+
+
 # ---------------------------------------------------------------------------------------------------------
 # EvoSparse's block selection of one decode row.
 
 
-def _select_blocks_kernel(meta_ref, ret_ref, heat_ref, o_ref, *, nb: int, P: int, wr: int, has_heat: bool,
-                          has_ret: bool, width: int, wpad: int, heat_width: int, bits: int, L: int):
-    """Row (b, kv head). Refs: meta i32[8] (n_s, hi, nbv, count, full, layer); ret i32[wr]; heat f32[L, nb] (the
-    row of every layer: row `layer`, wrapped and clamped, is read in place); o i32[width].
+def _select_blocks_kernel(ns_ref, hi_ref, nbv_ref, count_ref, full_ref, lay_ref, ret_ref, heat_ref, o_ref, *,
+                          nb: int, P: int, wr: int, has_heat: bool, has_ret: bool, width: int, wpad: int,
+                          heat_width: int, bits: int, L: int):
+    """Row (b, kv head). Refs: n_s, hi, nbv, count, full i32[1] the row's; lay i32[1] the layer; ret i32[wr];
+    heat f32[L, nb] (the row of every layer: row `layer`, wrapped and clamped, is read in place); o i32[width].
+    (Separate operands, not one stacked array: stacking them was one more XLA launch per layer.)
 
     Only the keys stay live through the radix search (a block that is visible and in the middle but not a
     candidate has key INT_MIN: it is a retrieval block), to keep register pressure low."""
-    n_s, hi, nbv, count, full = (meta_ref[i] for i in range(5))
+    n_s, hi, nbv, count, full = (r[0] for r in (ns_ref, hi_ref, nbv_ref, count_ref, full_ref))
     blk = jnp.arange(P, dtype=jnp.int32)
     vis = blk < jnp.minimum(nbv, nb)
     middle = (blk >= n_s) & (blk < hi)
@@ -222,7 +314,7 @@ def _select_blocks_kernel(meta_ref, ret_ref, heat_ref, o_ref, *, nb: int, P: int
         cand = vis & middle & jnp.logical_not(in_ret)
         n_cand = jnp.sum(cand.astype(jnp.int32))
         kk = jnp.minimum(jnp.clip(count, 0, heat_width), n_cand)
-        layer = meta_ref[5]
+        layer = lay_ref[0]
         layer = jnp.clip(jnp.where(layer < 0, layer + L, layer), 0, L - 1)
         x = plgpu.load(heat_ref.at[layer, pl.ds(0, P)], mask=blk < nb, other=0.0)
         key = jnp.where(cand, float_keys(x), INT_MIN)
@@ -272,18 +364,18 @@ def select_blocks_gpu(heat: Array | None, ret: Array | None, n_s: Array, hi: Arr
     heat = heat.astype(jnp.float32) if has_heat else jnp.zeros((1, B, Hkv, 1), jnp.float32)
     ret = ret.astype(jnp.int32) if has_ret else jnp.full((B, 1), -1, jnp.int32)
     wr, (L, hn) = ret.shape[-1], (heat.shape[0], heat.shape[-1])
-    lay = jnp.broadcast_to(jnp.asarray(0 if layer is None else layer, jnp.int32), n_s.shape)
-    meta = jnp.stack([n_s, hi, nbv, count, full.astype(jnp.int32), lay] + [jnp.zeros_like(n_s)] * 2, axis=-1)
+    lay = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
+    row = pl.BlockSpec((1,), lambda b, h: (b,))
     P = max(32, next_pow2(nb))
     return pl.pallas_call(
         functools.partial(_select_blocks_kernel, nb=nb, P=P, wr=wr, has_heat=has_heat, has_ret=has_ret,
                           width=width, wpad=max(32, next_pow2(width)), heat_width=heat_width, bits=bits, L=L),
         grid=(B, Hkv),
-        in_specs=[pl.BlockSpec((None, 8), lambda b, h: (b, 0)), pl.BlockSpec((None, wr), lambda b, h: (b, 0)),
+        in_specs=[row] * 5 + [pl.BlockSpec((1,), lambda b, h: (0,)), pl.BlockSpec((None, wr), lambda b, h: (b, 0)),
                   pl.BlockSpec((L, None, None, hn), lambda b, h: (0, b, h, 0))],
         out_specs=pl.BlockSpec((None, None, width), lambda b, h: (b, h, 0)),
         out_shape=jax.ShapeDtypeStruct((B, Hkv, width), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=row_warps(P) if num_warps is None else num_warps,
                                              num_stages=1),
         interpret=interpret, name="evosparse_select_blocks",
-    )(meta.astype(jnp.int32), ret, heat)
+    )(*(x.astype(jnp.int32) for x in (n_s, hi, nbv, count, full)), lay, ret, heat)

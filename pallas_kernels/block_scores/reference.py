@@ -114,3 +114,31 @@ def sparse_decode_mass_reference(q: Array, k_all: Array, v_all: Array, layer: Ar
     out = jnp.einsum("bhtgn,bhtnd->bthgd", p, vg, precision="highest").reshape(B, T, Hq, D)
     mass = p.reshape(B, Hkv, T, G, K, block_size).sum(-1).mean(axis=3)
     return out.astype(q.dtype), mass
+
+
+def check_heat_args(q: Array, indices: Array, heat: Array, k_all: Array, block_size: int) -> None:
+    """Validates the extra arguments of a `sparse_decode_heat` call: one new token, heat [Lh, B, Hkv, N / bs]."""
+    B, Hkv, N = k_all.shape[1:4]
+    if q.shape[1] != 1:
+        raise ValueError(f"q has {q.shape[1]} new tokens: sparse_decode_heat takes one (T = 1)")
+    want = (B, Hkv, N // block_size)
+    if heat.ndim != 4 or tuple(heat.shape[1:]) != want or heat.dtype != jnp.float32:
+        raise ValueError(f"heat has shape {tuple(heat.shape)} and dtype {heat.dtype}: expected f32[Lh, "
+                         f"{', '.join(map(str, want))}]")
+
+
+def sparse_decode_heat_reference(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array,
+                                 lengths: Array, heat: Array, heat_layer: Array | None = None, *, block_size: int = 1,
+                                 scale: float | None = None):
+    """One decode token's gathered decode over k_all[layer] and its entry mass added into the stacked heat's row
+    heat_layer (None: `layer`): (out [B, 1, Hq, D], heat f32[Lh, B, Hkv, nb] with heat[heat_layer, b, h,
+    indices[b, h, 0, j]] += mass[b, h, 0, j] for the valid entries (unique per row))."""
+    check_heat_args(q, indices, heat, k_all, block_size)
+    out, mass = sparse_decode_mass_reference(q, k_all, v_all, layer, indices, lengths, block_size=block_size,
+                                             scale=scale)
+    idx = indices[:, :, 0]
+    B, Hkv, K = idx.shape
+    hit = (idx[..., None] == jnp.arange(heat.shape[-1])) & (idx[..., None] >= 0)  # [B, Hkv, K, nb]
+    add = jnp.sum(jnp.where(hit, mass[:, :, 0, :, None], 0.0), axis=2)
+    row = layer_index(layer if heat_layer is None else heat_layer, heat.shape[0])
+    return out, heat.at[row].add(add)

@@ -62,6 +62,30 @@ def sparse_decode_mass_xla(q: Array, k_all: Array, v_all: Array, layer: Array, i
     return out, p.sum(-1).mean(axis=3)
 
 
+def heat_add(heat: Array, layer: Array, idx: Array, values: Array) -> Array:
+    """heat[layer] + values summed into their blocks, in place in the stacked heat f32[L, B, Hkv, nb]: idx
+    i32[B, Hkv, K] (valid entries unique, ascending, then -1), values f32[B, Hkv, K]. One scatter-add of B * Hkv
+    * K entries (the -1 padding is mapped to distinct out-of-range blocks and dropped, so the indices are sorted
+    and unique as XLA is told)."""
+    B, Hkv, K = idx.shape
+    nb = heat.shape[-1]
+    safe = jnp.where(idx >= 0, idx, nb + jnp.arange(K, dtype=idx.dtype))
+    at = (jnp.broadcast_to(layer_index(layer, heat.shape[0]), idx.shape),
+          jnp.broadcast_to(jnp.arange(B)[:, None, None], idx.shape),
+          jnp.broadcast_to(jnp.arange(Hkv)[None, :, None], idx.shape), safe)
+    return heat.at[at].add(values.astype(heat.dtype), mode="drop", indices_are_sorted=True, unique_indices=True)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "scale"))
+def sparse_decode_heat_xla(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array,
+                           heat: Array, heat_layer: Array | None = None, *, block_size: int = 1,
+                           scale: float | None = None):
+    """`sparse_decode_mass_xla` of one decode token, its entry mass added into heat[heat_layer] (`heat_add`)."""
+    out, mass = sparse_decode_mass_xla(q, k_all, v_all, layer, indices, lengths, block_size=block_size,
+                                       scale=scale)
+    return out, heat_add(heat, layer if heat_layer is None else heat_layer, indices[:, :, 0], mass[:, :, 0])
+
+
 def merge_disjoint(cand: Array, width: int) -> Array:
     """The entries of cand: i32[..., W] (distinct non-negative values and -1 padding), ascending then -1 padded,
     as i32[..., width] (width >= the count of valid entries). Ranks by comparison and a one-hot reduce (no sort,

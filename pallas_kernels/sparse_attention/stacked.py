@@ -176,17 +176,16 @@ def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, e
         pe = p if block_size == 1 else jnp.sum(p.reshape(gp, per_iter, block_size), axis=2)  # [Gp, per_iter]
         el_ref, em_ref, _ = mass_refs
         cols = pl.ds(it * per_iter, per_iter)
-        plgpu.store(el_ref.at[:, cols], pe)
-        plgpu.store(em_ref.at[:, cols], jnp.broadcast_to(m_new[:, None], (gp, per_iter)))
+        real = jnp.broadcast_to((lane < G)[:, None], (gp, per_iter))  # padding rows are never read
+        plgpu.store(el_ref.at[:, cols], pe, mask=real)
+        plgpu.store(em_ref.at[:, cols], jnp.broadcast_to(m_new[:, None], (gp, per_iter)), mask=real)
         return o, m_new, l
 
     init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), gpu._MASK, jnp.float32),
             jnp.zeros((gp,), jnp.float32))
     iters = pl.cdiv(n_entries, per_iter)
     o, m, l = jax.lax.fori_loop(jnp.int32(0), iters, body, init)
-    o_ref[...] = o
-    m_ref[...] = m
-    l_ref[...] = l
+    gpu.store_partials(o_ref, m_ref, l_ref, o, m, l, G)
     if mass:
         mass_refs[2][...] = jnp.full((1,), iters * per_iter, jnp.int32)
 
@@ -221,6 +220,36 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
     Returns:
       [B, T, Hq, D] in q.dtype, followed by lse: f32[B, T, Hq] with return_lse and by the mass with return_mass.
     """
+    res = decode_partials_stacked(q, k_all, v_all, layer, indices, lengths, block_size=block_size, scale=scale,
+                                  return_mass=return_mass, config=config, head_map=head_map, interpret=interpret)
+    B, T, Hq, _ = q.shape
+    Hkv, K = k_all.shape[2], indices.shape[3]
+    G = Hq // Hkv
+    o, m, l = res[:3]
+    out, lse = gpu.finish_splits(o, m, l, G, q.dtype)
+    extra = []
+    if return_lse:
+        extra.append(lse.transpose(0, 2, 1, 3).reshape(B, T, Hq))
+    if return_mass:
+        el, em, nw = res[3:]
+        splits, E = el.shape[0], el.shape[-1]
+        # Entry j = s * E + e; entries a split did not write are garbage: select, never multiply.
+        el = jnp.moveaxis(el[..., :G, :], 0, -2).reshape(B, Hkv, T, G, splits * E)[..., :K]
+        em = jnp.moveaxis(em[..., :G, :], 0, -2).reshape(B, Hkv, T, G, splits * E)[..., :K]
+        written = jnp.arange(E, dtype=jnp.int32) < nw  # [S, B, Hkv, T, E]: entry e of split s was written
+        written = jnp.moveaxis(written, 0, -2).reshape(B, Hkv, T, splits * E)[..., None, :K]  # [B, Hkv, T, 1, K]
+        ok = written & jnp.isfinite(lse)[..., None]
+        mass = jnp.where(ok, el * jnp.exp(jnp.where(ok, em - lse[..., None], 0.0)), 0.0)
+        extra.append(jnp.mean(mass, axis=3))
+    return (out, *extra) if extra else out
+
+
+def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array,
+                            *, block_size: int, scale: float | None, return_mass: bool, config: gpu.DecodeConfig,
+                            head_map: Array | None, interpret: bool) -> tuple:
+    """The launch of `sparse_decode_stacked_gpu` (arguments as there), without its epilogue: the split partials
+    (o f32[S, B, Hkv, T, Gp, D], m, l f32[S, B, Hkv, T, Gp]; rows past G are never written) and with
+    return_mass the entry sums el, em f32[S, B, Hkv, T, Gp, E] and the written counts nw i32[S, B, Hkv, T, 1]."""
     check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size)
     if head_map is not None:
         check_head_map(head_map, k_all.shape[2])
@@ -257,7 +286,7 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
     if mapped:
         in_specs = [pl.BlockSpec((Hkv,), lambda b, h, t, s: (0,))] + in_specs
         args = (jnp.clip(head_map.astype(jnp.int32), 0, Hkv - 1),) + args
-    res = pl.pallas_call(
+    return tuple(pl.pallas_call(
         kernel,
         grid=(B, Hkv, T, splits),
         in_specs=in_specs,
@@ -266,24 +295,7 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="sparse_decode_gathered_stacked" + ("_mass" if return_mass else "") + ("_mapped" if mapped else ""),
-    )(*args)
-    o, m, l = res[:3]
-
-    out, lse = gpu.finish_splits(o, m, l, G, q.dtype)
-    extra = []
-    if return_lse:
-        extra.append(lse.transpose(0, 2, 1, 3).reshape(B, T, Hq))
-    if return_mass:
-        el, em, nw = res[3:]
-        # Entry j = s * E + e; entries a split did not write are garbage: select, never multiply.
-        el = jnp.moveaxis(el[..., :G, :], 0, -2).reshape(B, Hkv, T, G, splits * E)[..., :K]
-        em = jnp.moveaxis(em[..., :G, :], 0, -2).reshape(B, Hkv, T, G, splits * E)[..., :K]
-        written = jnp.arange(E, dtype=jnp.int32) < nw  # [S, B, Hkv, T, E]: entry e of split s was written
-        written = jnp.moveaxis(written, 0, -2).reshape(B, Hkv, T, splits * E)[..., None, :K]  # [B, Hkv, T, 1, K]
-        ok = written & jnp.isfinite(lse)[..., None]
-        mass = jnp.where(ok, el * jnp.exp(jnp.where(ok, em - lse[..., None], 0.0)), 0.0)
-        extra.append(jnp.mean(mass, axis=3))
-    return (out, *extra) if extra else out
+    )(*args))
 
 
 # ---------------------------------------------------------------------------------------------------------
