@@ -139,6 +139,17 @@ def evo_layers(method, q, k, v, lengths, state, layer, *, iters):
     return acc.sum() + st.heat.sum()
 
 
+@functools.partial(jax.jit, static_argnames=("iters",))
+def empty_layers(q, *, iters):
+    """The timed loops' own cost: `iters` iterations of the query perturbation and output accumulation alone
+    (reported as loop_overhead_ms; no row subtracts it)."""
+    def body(_, acc):
+        qi = (q + acc[:, :, :, :1] * 1e-3).astype(q.dtype)
+        return qi.astype(jnp.float32) * 0.5
+
+    return jax.lax.fori_loop(0, iters, body, jnp.zeros(q.shape, jnp.float32)).sum()
+
+
 @functools.partial(jax.jit, static_argnames=("iters", "impl"))
 def dense_layers(q, k, v, lengths, *, iters, impl):
     """`iters` dense decode calls: impl "cudnn" / "xla" (jax.nn.dot_product_attention on the [B, Hkv, N, D]
@@ -369,6 +380,7 @@ def attention_rows(contexts, batches, iters, hbm, heads_model, t0, first_context
                 timed("dense_cudnn_ms", lambda: dense_layers(q, k, v, lengths, iters=iters, impl="cudnn"))
                 timed("dense_xla_ms", lambda: dense_layers(q, k, v, lengths, iters=iters, impl="xla"))
                 timed("dense_pallas_ms", lambda: dense_layers(q, k, v, lengths, iters=iters, impl="pallas_inplace"))
+                timed("loop_overhead_ms", lambda: empty_layers(q, iters=iters))
                 # Layer 2 inherits (retrieval heads only in layer 1, dense) / computes (R KV heads hold them).
                 inherit = method_for(cfg, [(1, 0)])
                 computes = {R: method_for(cfg, [(2, r * G + r % G) for r in range(R)])
@@ -512,7 +524,7 @@ def main(argv=None):
     print(table(rows, ["batch", "context", "dense_cudnn_ms", "dense_xla_ms", "dense_pallas_ms", "evo_inherit_ms",
                        "evo_retrieval_r1_ms", "evo_retrieval_ms", "evo_sparse_layer_r2_ms",
                        "evo_sparse_layer_ms", "evo_floor_layer_ms", "dense_floor_ms", "speedup_sparse_layer",
-                       "speedup_model_attention"]))
+                       "speedup_model_attention", "loop_overhead_ms"]))
     parts = [r for r in rows if "part_attend_ms" in r]
     print(table(parts, ["batch", "context"] + [f"part_{p}_{x}" for p in PARTS for x in ("ms", "floor_ms")]
                 + [f"part_attend_heat_s{n}_ms" for n in HEAT_SPLITS]))

@@ -191,31 +191,34 @@ def sparse_decode_mass_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
 
 def _finish_heat_kernel(lay_ref, idx_ref, o_ref, m_ref, l_ref, el_ref, em_ref, nw_ref, _heat_in, out_ref, heat_ref,
                         *, S: int, E: int, K: int, G: int, L: int):
-    """Program (b, kv head) of one decode token: merges the S split partials of the GQA group (out [Gp, D], the
-    G real rows written), and adds each index entry's mass into heat row `layer` in place.
+    """Program (b, kv head) of one decode token: merges the S split partials of the GQA group (out, the G real
+    rows written), and adds each index entry's mass into heat row `layer` in place.
 
     Refs: lay i32[1]; idx i32[K] the entries; o f32[S, Gp, D], m, l f32[S, Gp]; el, em f32[S, Gp, E]; nw
-    i32[S, 1]; heat (in and out, aliased) f32[L, nb]; out [Gp, D]. Rows past G of the partials were never
-    written: they are selected away, never multiplied."""
+    i32[S, 1]; heat (in and out, aliased) f32[L, nb]; out [Gp, D]. Only the first gq = next_pow2(G) rows are
+    loaded (the partials' padding rows were never written), and rows past G are masked."""
     layer = lay_ref[0]
     layer = jnp.clip(jnp.where(layer < 0, layer + L, layer), 0, L - 1)
-    gp = o_ref.shape[1]
-    real = jnp.arange(gp, dtype=jnp.int32) < G
-    ms = [jnp.where(real, m_ref[s, :], _MASK) for s in range(S)]
+    gq = max(2, pl.next_power_of_2(G))
+    rows = jnp.arange(gq, dtype=jnp.int32)
+    real = rows < G
+    rr = pl.ds(0, gq)
+    ms = [plgpu.load(m_ref.at[jnp.int32(s), rr], mask=real, other=_MASK) for s in range(S)]
     m_all = ms[0]
     for m in ms[1:]:
         m_all = jnp.maximum(m_all, m)
-    l_all = jnp.zeros((gp,), jnp.float32)
-    o_all = jnp.zeros(o_ref.shape[1:], jnp.float32)
+    d = o_ref.shape[-1]
+    l_all = jnp.zeros((gq,), jnp.float32)
+    o_all = jnp.zeros((gq, d), jnp.float32)
+    real2 = jnp.broadcast_to(real[:, None], (gq, d))
     for s in range(S):
         w = jnp.where(real, jnp.exp(ms[s] - m_all), 0.0)
-        l_all = l_all + w * jnp.where(real, l_ref[s, :], 0.0)
-        o_all = o_all + w[:, None] * jnp.where(real[:, None], o_ref[s, :, :], 0.0)
+        l_all = l_all + w * plgpu.load(l_ref.at[jnp.int32(s), rr], mask=real, other=0.0)
+        o_all = o_all + w[:, None] * plgpu.load(o_ref.at[jnp.int32(s), rr, :], mask=real2, other=0.0)
     nonempty = l_all > 0
     l_safe = jnp.where(nonempty, l_all, 1.0)
     out = jnp.where(nonempty[:, None], o_all / l_safe[:, None], 0.0)
-    plgpu.store(out_ref.at[pl.ds(0, gp), :], out.astype(out_ref.dtype),
-                mask=jnp.broadcast_to(real[:, None], out.shape))
+    plgpu.store(out_ref.at[rr, :], out.astype(out_ref.dtype), mask=real2)
     lse = m_all + jnp.log(l_safe)
     Ep = max(16, pl.next_power_of_2(E))
     e = jnp.arange(Ep, dtype=jnp.int32)
@@ -225,7 +228,7 @@ def _finish_heat_kernel(lay_ref, idx_ref, o_ref, m_ref, l_ref, el_ref, em_ref, n
         written = (e < E) & (e < nw_ref[s, 0]) & (ent < K)
         ok = live[:, None] & written[None, :]
         # Index arrays (a static slice past the block would not be allowed; no slice beside an index array).
-        at = (s, jnp.arange(gp, dtype=jnp.int32)[:, None], jnp.minimum(e, E - 1)[None, :])
+        at = (s, rows[:, None], jnp.minimum(e, E - 1)[None, :])
         el = plgpu.load(el_ref.at[at], mask=ok, other=0.0)
         em = plgpu.load(em_ref.at[at], mask=ok, other=0.0)
         mass = jnp.sum(jnp.where(ok, el * jnp.exp(jnp.where(ok, em - lse[:, None], 0.0)), 0.0), axis=0) / G
