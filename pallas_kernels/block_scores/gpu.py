@@ -195,47 +195,50 @@ def _finish_heat_kernel(lay_ref, idx_ref, o_ref, m_ref, l_ref, el_ref, em_ref, n
     rows written), and adds each index entry's mass into heat row `layer` in place.
 
     Refs: lay i32[1]; idx i32[K] the entries; o f32[S, Gp, D], m, l f32[S, Gp]; el, em f32[S, Gp, E]; nw
-    i32[S, 1]; heat (in and out, aliased) f32[L, nb]; out [Gp, D]. Only the first gq = next_pow2(G) rows are
-    loaded (the partials' padding rows were never written), and rows past G are masked."""
+    i32[S, 1]; heat (in and out, aliased) f32[L, nb]; out [Gp, D]. Every split is loaded at once as one
+    [S, rows, ...] tensor (gathers by index arrays), so the program waits on a few memory round trips, not on
+    a chain of them per split; only the first next_pow2(G) rows are loaded (the partials' padding rows were
+    never written) and rows past G are masked."""
     layer = lay_ref[0]
     layer = jnp.clip(jnp.where(layer < 0, layer + L, layer), 0, L - 1)
-    gq = max(2, pl.next_power_of_2(G))
-    rows = jnp.arange(gq, dtype=jnp.int32)
-    real = rows < G
-    rr = pl.ds(0, gq)
-    ms = [plgpu.load(m_ref.at[jnp.int32(s), rr], mask=real, other=_MASK) for s in range(S)]
-    m_all = ms[0]
-    for m in ms[1:]:
-        m_all = jnp.maximum(m_all, m)
+    gq, sp = max(2, pl.next_power_of_2(G)), max(2, pl.next_power_of_2(S))
     d = o_ref.shape[-1]
-    l_all = jnp.zeros((gq,), jnp.float32)
-    o_all = jnp.zeros((gq, d), jnp.float32)
-    real2 = jnp.broadcast_to(real[:, None], (gq, d))
-    for s in range(S):
-        w = jnp.where(real, jnp.exp(ms[s] - m_all), 0.0)
-        l_all = l_all + w * plgpu.load(l_ref.at[jnp.int32(s), rr], mask=real, other=0.0)
-        o_all = o_all + w[:, None] * plgpu.load(o_ref.at[jnp.int32(s), rr, :], mask=real2, other=0.0)
+    Ep = max(16, pl.next_power_of_2(E))
+    i32 = jnp.int32
+    split = jnp.arange(sp, dtype=i32)[:, None]  # [sp, 1]
+    row = jnp.arange(gq, dtype=i32)[None, :]  # [1, gq]
+    ok2 = (split < S) & (row < G)  # [sp, gq]
+    s2, r2 = jnp.minimum(split, S - 1), jnp.broadcast_to(row, (sp, gq))
+    m = plgpu.load(m_ref.at[s2, r2], mask=ok2, other=_MASK)
+    m_all = jnp.max(m, axis=0)  # [gq]
+    w = jnp.where(ok2, jnp.exp(m - m_all[None, :]), 0.0)
+    l_all = jnp.sum(w * plgpu.load(l_ref.at[s2, r2], mask=ok2, other=0.0), axis=0)
+    col = jnp.arange(d, dtype=i32)[None, None, :]
+    ok3 = jnp.broadcast_to(ok2[:, :, None], (sp, gq, d))
+    o = plgpu.load(o_ref.at[s2[:, :, None], r2[:, :, None], col], mask=ok3, other=0.0)  # [sp, gq, D]
+    o_all = jnp.sum(w[:, :, None] * o, axis=0)  # [gq, D]
     nonempty = l_all > 0
     l_safe = jnp.where(nonempty, l_all, 1.0)
     out = jnp.where(nonempty[:, None], o_all / l_safe[:, None], 0.0)
-    plgpu.store(out_ref.at[rr, :], out.astype(out_ref.dtype), mask=real2)
-    lse = m_all + jnp.log(l_safe)
-    Ep = max(16, pl.next_power_of_2(E))
-    e = jnp.arange(Ep, dtype=jnp.int32)
-    live = real & nonempty
-    for s in range(S):
-        ent = s * E + e
-        written = (e < E) & (e < nw_ref[s, 0]) & (ent < K)
-        ok = live[:, None] & written[None, :]
-        # Index arrays (a static slice past the block would not be allowed; no slice beside an index array).
-        at = (s, rows[:, None], jnp.minimum(e, E - 1)[None, :])
-        el = plgpu.load(el_ref.at[at], mask=ok, other=0.0)
-        em = plgpu.load(em_ref.at[at], mask=ok, other=0.0)
-        mass = jnp.sum(jnp.where(ok, el * jnp.exp(jnp.where(ok, em - lse[:, None], 0.0)), 0.0), axis=0) / G
-        blk = plgpu.load(idx_ref.at[jnp.minimum(ent, K - 1)], mask=written, other=-1)
-        hit = written & (blk >= 0)
-        at = heat_ref.at[layer, jnp.where(hit, blk, heat_ref.shape[1])]  # masked lanes point past the row
-        plgpu.store(at, plgpu.load(at, mask=hit, other=0.0) + mass, mask=hit)
+    real2 = jnp.broadcast_to((jnp.arange(gq, dtype=i32) < G)[:, None], (gq, d))
+    plgpu.store(out_ref.at[pl.ds(0, gq), :], out.astype(out_ref.dtype), mask=real2)
+    lse = m_all + jnp.log(l_safe)  # [gq]
+    # Entry j = s * E + e of every split at once: [sp, gq, Ep] sums and maxima, [sp, Ep] entries.
+    e = jnp.arange(Ep, dtype=i32)[None, :]  # [1, Ep]
+    nw = plgpu.load(nw_ref.at[jnp.minimum(jnp.arange(sp, dtype=i32), S - 1), jnp.zeros((sp,), i32)],
+                    mask=jnp.arange(sp) < S, other=0)  # [sp]
+    ent = split * E + e  # [sp, Ep]
+    written = (split < S) & (e < E) & (e < nw[:, None]) & (ent < K)
+    ok = (written[:, None, :] & ok2[:, :, None] & (nonempty & (jnp.arange(gq) < G))[None, :, None])
+    at = (s2[:, :, None], r2[:, :, None], jnp.minimum(e, E - 1)[:, None, :])
+    el = plgpu.load(el_ref.at[at], mask=ok, other=0.0)
+    em = plgpu.load(em_ref.at[at], mask=ok, other=0.0)
+    p = jnp.where(ok, el * jnp.exp(jnp.where(ok, em - lse[None, :, None], 0.0)), 0.0)
+    mass = jnp.sum(p, axis=1) / G  # [sp, Ep]
+    blk = plgpu.load(idx_ref.at[jnp.minimum(ent, K - 1)], mask=written, other=-1)
+    hit = written & (blk >= 0)
+    ref = heat_ref.at[layer, jnp.where(hit, blk, heat_ref.shape[1])]  # masked lanes point past the row
+    plgpu.store(ref, plgpu.load(ref, mask=hit, other=0.0) + mass, mask=hit)
 
 
 def sparse_decode_heat_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array,
