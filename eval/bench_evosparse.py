@@ -26,6 +26,11 @@ cases run first, after the decode step (while the GPU memory is empty), then the
      in eval/bench_model.py (`filled_cache`); steps run in one jitted fori_loop carrying the cache and the
      method's state (heat), timed over `--steps` steps.
 
+  3b. The whole model's attention of one decode step as ONE jitted program at 100K and the largest batch
+     (`model_program_rows`): 32 layers each reading its own layer of a stacked cache, outputs chained into the
+     next layer's query, EvoSparse (start + 2 dense + 30 sparse layers, the model's retrieval layout) against 32
+     dense layers (Pallas split-K); no timed loop, no per-call dispatch between layers. `--no-program` skips it.
+
   4. At the first context (100K): the two layers again with lax.cond (branchless=False, the layout before the
      GPU default), and each part of a sparse layer timed alone with its floor: retrieval (block max kernel +
      top-k, R = 2 KV heads), block_max (the kernel alone), select (heat top-k, retrieval exclusion, merge),
@@ -137,17 +142,6 @@ def evo_layers(method, q, k, v, lengths, state, layer, *, iters):
 
     acc, st = jax.lax.fori_loop(0, iters, body, (jnp.zeros(q.shape, jnp.float32), state))
     return acc.sum() + st.heat.sum()
-
-
-@functools.partial(jax.jit, static_argnames=("iters",))
-def empty_layers(q, *, iters):
-    """The timed loops' own cost: `iters` iterations of the query perturbation and output accumulation alone
-    (reported as loop_overhead_ms; no row subtracts it)."""
-    def body(_, acc):
-        qi = (q + acc[:, :, :, :1] * 1e-3).astype(q.dtype)
-        return qi.astype(jnp.float32) * 0.5
-
-    return jax.lax.fori_loop(0, iters, body, jnp.zeros(q.shape, jnp.float32)).sum()
 
 
 @functools.partial(jax.jit, static_argnames=("iters", "impl"))
@@ -380,7 +374,6 @@ def attention_rows(contexts, batches, iters, hbm, heads_model, t0, first_context
                 timed("dense_cudnn_ms", lambda: dense_layers(q, k, v, lengths, iters=iters, impl="cudnn"))
                 timed("dense_xla_ms", lambda: dense_layers(q, k, v, lengths, iters=iters, impl="xla"))
                 timed("dense_pallas_ms", lambda: dense_layers(q, k, v, lengths, iters=iters, impl="pallas_inplace"))
-                timed("loop_overhead_ms", lambda: empty_layers(q, iters=iters))
                 # Layer 2 inherits (retrieval heads only in layer 1, dense) / computes (R KV heads hold them).
                 inherit = method_for(cfg, [(1, 0)])
                 computes = {R: method_for(cfg, [(2, r * G + r % G) for r in range(R)])
@@ -414,6 +407,71 @@ def attention_rows(contexts, batches, iters, hbm, heads_model, t0, first_context
                 row["error"] = str(e).splitlines()[0][:300]
             rows.append(row)
             print(row, flush=True)
+    return rows
+
+
+def model_program_rows(B: int, heads_model, hbm) -> list[dict]:
+    """The whole model's attention of one decode step as ONE jitted program (what the decode step runs, without
+    its GEMMs): L = 32 layers, each reading its own layer of a stacked [L, B, Hkv, N, D] cache in place (49 GiB
+    at 100K, B 4: no layer's selection can hit in L2 from another layer's reads), each layer's output fed into
+    the next layer's query; EvoSparse = `start` (the heat decay) + layers 0-1 dense + 30 sparse layers with the
+    model's retrieval layout (the method's own decode, as the model's scan calls it), against 32 dense layers
+    by the best dense kernel (the in-place Pallas split-K). Timed with warm-up and the median of 5."""
+    cfg = CFG8B
+    L, N = cfg.num_layers, round_up(CONTEXT_E2E, 256)
+    rows = []
+    try:
+        cache = bench_model.filled_cache(cfg, B, CONTEXT_E2E, N, jnp.bfloat16)
+        k_all, v_all, lengths = cache.k, cache.v, cache.lengths
+        q = jax.random.normal(jax.random.key(5), (B, 1, cfg.num_heads, cfg.head_dim), jnp.bfloat16)
+        m = method_for(cfg, heads_model)
+        state = m.init_state(cfg, B, N)
+        state = state.replace(heat=jax.random.uniform(jax.random.key(6), state.heat.shape))
+        info_all = m.layer_info(cfg)
+
+        def chain(x, o):
+            return (x.astype(jnp.float32) + 1e-3 * o.astype(jnp.float32)).astype(x.dtype)
+
+        def evo_program(m, q, k_all, v_all, lengths, state):
+            state = m.start(cfg, state, "decode", B, 1, N)
+            x = q
+            for layer in range(L):
+                lay = jnp.int32(layer)
+                ctx = LayerContext(layer=lay, lengths=lengths, info=jax.tree_util.tree_map(lambda a: a[layer], info_all),
+                                   segment="dense" if layer < m.dense_layers else "sparse")
+                view = LayerKV(k=k_all[layer], v=v_all[layer], k_all=k_all, v_all=v_all, layer=lay)
+                o, state = m.decode(ctx, x, view, state)
+                x = chain(x, o)
+            return x, state.heat
+
+        def dense_program(q, k_all, v_all, lengths):
+            x = q
+            for layer in range(L):
+                x = chain(x, dense_decode_stacked(x, k_all, v_all, jnp.int32(layer), lengths,
+                                                  implementation="pallas_gpu"))
+            return x
+
+        evo = jax.jit(evo_program)
+        dense = jax.jit(dense_program)
+        t_evo = time_ms(lambda: evo(m, q, k_all, v_all, lengths, state), warmup=2, iters=5)
+        t_dense = time_ms(lambda: dense(q, k_all, v_all, lengths), warmup=2, iters=5)
+        fl = {R: attention_floors(B, CONTEXT_E2E, hbm, R) for R in layer_kinds(cfg, heads_model)}
+        kinds = layer_kinds(cfg, heads_model)
+        dense_floor = L * next(iter(fl.values()))["dense_floor_ms"]
+        evo_floor = 2 * next(iter(fl.values()))["dense_floor_ms"] + sum(n * fl[R]["retrieval_floor_ms"]
+                                                                     for R, n in kinds.items())
+        per_dense = t_dense / L
+        rows.append(dict(part="model_attention_program", batch=B, context=CONTEXT_E2E, layers=L,
+                         evosparse_ms=t_evo, dense_ms=t_dense, speedup=t_dense / t_evo,
+                         sparse_layer_ms=(t_evo - 2 * per_dense) / (L - 2), dense_layer_ms=per_dense,
+                         speedup_sparse_layer=per_dense / ((t_evo - 2 * per_dense) / (L - 2)),
+                         evosparse_floor_ms=evo_floor, dense_floor_ms=dense_floor,
+                         layer_kinds={str(R): n for R, n in sorted(kinds.items())}))
+        del cache, k_all, v_all
+    except Exception as e:  # noqa: BLE001 - out of memory and the like: record and go on
+        rows.append(dict(part="model_attention_program", batch=B, context=CONTEXT_E2E,
+                         error=str(e).splitlines()[0][:300]))
+    print(rows[-1], flush=True)
     return rows
 
 
@@ -489,6 +547,7 @@ def main(argv=None):
     p.add_argument("--evo-kernels", default=None, choices=["xla", "pallas_gpu"],
                    help="EvoSparse's block_scores kernels (default: Triton on the GPU)")
     p.add_argument("--no-kernel-checks", action="store_true")
+    p.add_argument("--no-program", action="store_true", help="skip the one-program whole-model attention")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_evosparse.json"))
     a = p.parse_args(argv)
     global EVO_KERNELS
@@ -511,6 +570,8 @@ def main(argv=None):
         e2e = e2e_rows([int(x) for x in a.e2e_batches.split(",")], a.steps, hbm, heads_model, params, t0)
         del params
         jax.clear_caches()
+    program = [] if a.no_program else model_program_rows(max(batches), heads_model, hbm)
+    jax.clear_caches()
     rows = attention_rows(first, batches, a.iters, hbm, heads_model, t0, first_context=first[0] if first else None)
     rows += attention_rows([n for n in contexts if n not in first], batches, a.iters, hbm, heads_model, t0)
     rows.sort(key=lambda r: (r["batch"], r["context"]))
@@ -519,15 +580,17 @@ def main(argv=None):
                "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), "shape": "llama3-8b", "dtype": "bfloat16",
                "budget_tokens": BUDGET_TOKENS, "evo_kernels": EVO_KERNELS or "default", "block_size": BLOCK, "measured_hbm_gbs": hbm,
                "retrieval_heads_e2e": [list(h) for h in heads_model], "checks": checks, "attention": rows,
-               "decode_step": e2e, "seconds": time.perf_counter() - t0}
+               "decode_step": e2e, "model_attention_program": program, "seconds": time.perf_counter() - t0}
     write_json(a.out, payload)
     print(table(rows, ["batch", "context", "dense_cudnn_ms", "dense_xla_ms", "dense_pallas_ms", "evo_inherit_ms",
                        "evo_retrieval_r1_ms", "evo_retrieval_ms", "evo_sparse_layer_r2_ms",
                        "evo_sparse_layer_ms", "evo_floor_layer_ms", "dense_floor_ms", "speedup_sparse_layer",
-                       "speedup_model_attention", "loop_overhead_ms"]))
+                       "speedup_model_attention"]))
     parts = [r for r in rows if "part_attend_ms" in r]
     print(table(parts, ["batch", "context"] + [f"part_{p}_{x}" for p in PARTS for x in ("ms", "floor_ms")]
                 + [f"part_attend_heat_s{n}_ms" for n in HEAT_SPLITS]))
+    print(table(program, ["batch", "context", "layers", "evosparse_ms", "dense_ms", "speedup", "sparse_layer_ms",
+                          "dense_layer_ms", "speedup_sparse_layer", "evosparse_floor_ms", "dense_floor_ms", "error"]))
     print(table(e2e, ["method", "batch", "context", "step_ms", "floor_ms", "weights_floor_ms", "tokens_per_s",
                       "speedup_vs_dense", "error"]))
 
