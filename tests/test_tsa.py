@@ -167,7 +167,7 @@ def test_capacities_are_static_buckets():
 # ----------------------------------------------------------------------------------------------- the layer
 
 
-@pytest.mark.parametrize("selection,buckets", [("query_head", 4), ("kv_head", 1)])
+@pytest.mark.parametrize("selection,buckets", [("query_head", 4), ("kv_head", 1), ("kv_union", 4)])
 def test_layer_equals_masked_dense_reference(selection, buckets):
     q, k, v = _qkv(1)
     lengths = jnp.asarray([256, 203], jnp.int32)
@@ -176,7 +176,15 @@ def test_layer_equals_masked_dense_reference(selection, buckets):
     out, state = jax.jit(m.prefill)(_ctx(lengths), q, k, v, state)
     counts, sel = jax.jit(m.select)(q, k, lengths)  # the selection, fixed
     assert np.all(np.asarray(counts) < np.asarray(lengths))  # tokens really dropped in both rows
-    np.testing.assert_array_equal(state.kept[1], counts)
+    if selection == "kv_union":  # each KV head keeps the union of its group's query-head selections
+        _, per_head = jax.jit(m.replace(selection="query_head").select)(q, k, lengths)
+        keep_q = np.asarray(per_head.keep).reshape(2, HKV, HQ // HKV, -1)
+        np.testing.assert_array_equal(np.asarray(sel.keep), keep_q.any(axis=2))
+        sizes = np.asarray(sel.keep).sum(-1)
+        assert np.all(sizes >= np.asarray(counts)[:, None]) and np.any(sizes > np.asarray(counts)[:, None])
+        np.testing.assert_array_equal(state.kept[1], np.round(sizes.mean(1)).astype(np.int32))
+    else:
+        np.testing.assert_array_equal(state.kept[1], counts)
     mask = masked_reference_mask(sel, HQ)
     want = masked_attention_reference(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask)
     for b, n in enumerate(np.asarray(lengths)):

@@ -31,6 +31,11 @@ GQA (`selection`):
   "kv_head": the scores are summed over each GQA group and every query head of a group shares its KV head's
      selection; the compressed attention stays GQA ([B, C, Hkv, D] K/V). Used by compositions whose inner method
      works per KV head (Kascade's head maps and group-pooled top-k).
+  "kv_union" (not in the paper): every query head selects as in "query_head" (same count, its own top-k), and a
+     KV head keeps the union of its group's selections, so a token one head of the group needs stays for all of
+     them; the compressed attention stays GQA and a head keeps at least the paper's count. On the bundled
+     SmolLM2 (GQA 9/3) "query_head" loses passkeys placed early in the prompt (a head that drops the needle gives
+     its tokens no output in that layer); see eval/results/h100/tsa_smollm2_4k_16*/NOTES.md for the numbers.
 
 Static shapes: the kept count is data-dependent, so the compressed sequence has a static capacity C. With
 `capacity_buckets = n`, the capacities are ceil(i * T / n) rounded up to a multiple of 128 (and T), i = 1..n;
@@ -79,7 +84,7 @@ from pallas_kernels.tsa_scoring.common import check_pool_kernel, check_window
 Array = jax.Array
 I32 = jnp.int32
 ARTIFACT_KIND = "tsa"
-SELECTIONS = ("query_head", "kv_head")
+SELECTIONS = ("query_head", "kv_head", "kv_union")
 CAPACITY_ALIGN = 128
 _SENTINEL_BITS = 0x7F800001  # one above the bit pattern of +inf: no score reaches it
 
@@ -218,17 +223,30 @@ def select_tokens(scores: Array, lengths: Array, counts: Array, *, window: int, 
     need = k_prefix[..., None] - jnp.sum(above, axis=-1, keepdims=True, dtype=I32)
     tied = bits == thr
     keep = above | (tied & (jnp.cumsum(tied, axis=-1, dtype=I32) <= need)) | in_window
+    return selection_from_keep(keep, capacity)
+
+
+def selection_from_keep(keep: Array, capacity: int) -> Selection:
+    """The Selection of a keep mask bool[B, H, T] (each row's kept positions ascending in its first slots)."""
+    B, H, T = keep.shape
     slot = jnp.where(keep, jnp.cumsum(keep, axis=-1, dtype=I32) - 1, -1)
     b = jnp.arange(B)[:, None, None]
     h = jnp.arange(H)[None, :, None]
     indices = jnp.full((B, H, capacity), -1, I32).at[b, h, jnp.where(keep, slot, capacity)].set(
-        jnp.broadcast_to(pos, (B, H, T)), mode="drop")
+        jnp.broadcast_to(jnp.arange(T, dtype=I32), (B, H, T)), mode="drop")
     return Selection(indices=indices, slot=slot)
+
+
+def union_selection(sel: Selection, num_kv_heads: int, capacity: int) -> Selection:
+    """"kv_union": the union of each GQA group's query-head selections, one Selection per KV head."""
+    B, Hq, T = sel.slot.shape
+    keep = sel.keep.reshape(B, num_kv_heads, Hq // num_kv_heads, T).any(axis=2)
+    return selection_from_keep(keep, capacity)
 
 
 def selection_scores(scores: Array, num_kv_heads: int, selection: str) -> Array:
     """f32[B, Hq, T] scores -> the selecting heads' scores (summed over each GQA group for "kv_head")."""
-    if selection == "query_head":
+    if selection in ("query_head", "kv_union"):
         return scores
     B, Hq, T = scores.shape
     return scores.reshape(B, num_kv_heads, Hq // num_kv_heads, T).sum(axis=2)
@@ -366,7 +384,8 @@ class TSA:
       pool_kernel: odd average-pooling kernel over the key scores (default 7).
       min_tokens: the least number of prefix tokens kept per head (default 1024).
       sparse_layers: the layers whose prefill is sparse; None = every layer but 0.
-      selection: "query_head" (each query head selects; default) or "kv_head" (GQA group-shared).
+      selection: "query_head" (each query head selects; default), "kv_head" (GQA group-shared) or "kv_union"
+        (each query head selects, each KV head keeps its group's union; not in the paper).
       capacity_buckets: static compressed capacities per prefill length (default 8; 1 = always T).
       inner: the method run inside the compressed space and for decode (None: dense).
     """
@@ -479,12 +498,19 @@ class TSA:
     # --------------------------------------------------------------------------------------- pieces
 
     def select(self, q: Array, k: Array, lengths: Array, capacity: int | None = None):
-        """(counts i32[B], Selection) of one sparse layer; capacity None = T."""
+        """(counts i32[B], Selection) of one sparse layer; capacity None = T. ("kv_union": counts are the
+        per-query-head counts; each KV head's union keeps at least that many.)"""
         scores = tsa_scores(q, k, window=self.window, pool_kernel=self.pool_kernel, lengths=lengths)
         scores = selection_scores(scores, k.shape[2], self.selection)
         counts = coverage_counts(scores, lengths, tau=self.tau, window=self.window, min_tokens=self.min_tokens)
         cap = q.shape[1] if capacity is None else capacity
-        return counts, select_tokens(scores, lengths, counts, window=self.window, capacity=cap)
+        return counts, self._selection(scores, lengths, counts, k.shape[2], cap)
+
+    def _selection(self, scores, lengths, counts, num_kv_heads: int, capacity: int) -> Selection:
+        if self.selection != "kv_union":
+            return select_tokens(scores, lengths, counts, window=self.window, capacity=capacity)
+        sel = select_tokens(scores, lengths, counts, window=self.window, capacity=scores.shape[-1])
+        return union_selection(sel, num_kv_heads, capacity)
 
     def _record(self, state, layer, counts):
         return state.kept.at[layer].set(counts.astype(I32))
@@ -494,7 +520,7 @@ class TSA:
         if self.inner is None:
             return dense_prefill(q, k, v), state.replace(kept=kept)
         B, T, Hq, _ = q.shape
-        H = k.shape[2] if self.selection == "kv_head" else Hq
+        H = k.shape[2] if self.selection in ("kv_head", "kv_union") else Hq
         ident = jnp.broadcast_to(jnp.arange(T, dtype=I32), (B, H, T))
         out, state = self._inner_prefill(ctx, q, k, v, state, ident, ident)
         return out, state.replace(kept=kept)
@@ -505,12 +531,20 @@ class TSA:
         scores = tsa_scores(q, k, window=self.window, pool_kernel=self.pool_kernel, lengths=lengths)
         scores = selection_scores(scores, k.shape[2], self.selection)
         counts = coverage_counts(scores, lengths, tau=self.tau, window=self.window, min_tokens=self.min_tokens)
-        kept = self._record(state, ctx.layer, counts)
         nothing_dropped = jnp.all(counts >= lengths)
+        if self.selection == "kv_union":  # the union's size is only known after the selection
+            union = union_selection(select_tokens(scores, lengths, counts, window=self.window, capacity=T),
+                                    k.shape[2], T)
+            sizes = jnp.sum(union.keep, axis=-1, dtype=I32)  # [B, Hkv]
+            kept = self._record(state, ctx.layer, jnp.round(jnp.mean(sizes, axis=1)).astype(I32))
+            largest = jnp.max(sizes)
+        else:
+            kept = self._record(state, ctx.layer, counts)
+            largest = jnp.max(counts)
 
         if self.inner is not None:  # capacity T: the inner method's state is shaped for T queries
             def compressed():
-                sel = select_tokens(scores, lengths, counts, window=self.window, capacity=T)
+                sel = self._selection(scores, lengths, counts, k.shape[2], T)
                 qc, kc, vc = compress(q, k, v, sel)
                 cur_map = jnp.where(sel.indices >= 0, sel.indices, T)
                 out_c, st = self._inner_prefill(ctx.replace(lengths=counts, hidden=None), qc, kc, vc, state,
@@ -525,11 +559,14 @@ class TSA:
 
         def branch(cap):
             def fn():
-                sel = select_tokens(scores, lengths, counts, window=self.window, capacity=cap)
+                if self.selection == "kv_union":
+                    sel = selection_from_keep(union.keep, cap)
+                else:
+                    sel = select_tokens(scores, lengths, counts, window=self.window, capacity=cap)
                 return attend_compressed(q, k, v, sel)
             return fn
 
-        which = jnp.searchsorted(jnp.asarray(caps, I32), jnp.max(counts)).astype(I32) + 1
+        which = jnp.searchsorted(jnp.asarray(caps, I32), largest).astype(I32) + 1
         which = jnp.where(nothing_dropped, 0, jnp.minimum(which, len(caps)))
         out = jax.lax.switch(which, [lambda: dense_prefill(q, k, v)] + [branch(c) for c in caps])
         return out, state.replace(kept=kept)
