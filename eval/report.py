@@ -23,17 +23,24 @@ RUN_JSON = "run.json"
 PASSKEY_OUTPUTS_JSON = "passkey_outputs.json"
 
 
+def _git_head() -> dict:
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        return {"commit": subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                         timeout=10).stdout.strip() or None}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None}
+
+
 def run_metadata(**extra: Any) -> dict:
     """Date, git commit, jax version and devices, plus `extra` (model, command, ...)."""
     import jax
 
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        meta["commit"] = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
-                                        timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        meta["commit"] = None
+    if os.environ.get("GIT_COMMIT"):  # a copy of the tree (e.g. on a GPU machine) may carry a stale .git
+        meta["commit"] = os.environ["GIT_COMMIT"]
+    else:
+        meta.update(_git_head())
     meta["jax"] = jax.__version__
     meta["device"] = str(jax.devices()[0].device_kind)
     meta["backend"] = jax.default_backend()

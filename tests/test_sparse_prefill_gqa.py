@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.sparse_attention import gpu
 from pallas_kernels.sparse_attention import reference as ref
 from pallas_kernels.sparse_attention.gpu_prefill_gqa import PrefillGQAConfig, plan, sparse_prefill_gqa_gpu
 from pallas_kernels.sparse_attention.testing import random_prefill_indices
