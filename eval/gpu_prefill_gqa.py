@@ -1,7 +1,7 @@
 """H100 check and timing of the GQA-packed tile-gathered prefill kernel (`gpu_prefill_gqa.sparse_prefill_gqa_gpu`)
 against the per-head kernel (`gpu.sparse_prefill_gpu`) and cuDNN dense causal attention.
 
-Run on a GPU machine from the repository root (about 1-2 minutes on an H100):
+Run on a GPU machine from the repository root (about 100 s on an H100; 25 GQA configs, 5 per-head ones, cuDNN):
 
     GIT_COMMIT=$(git rev-parse HEAD) PYTHONPATH=. python eval/gpu_prefill_gqa.py --out $OUT/prefill_gqa.json
 
@@ -14,8 +14,9 @@ What it does:
   1. Correctness, compiled on the GPU at T 4096: the per-head kernel, the GQA kernel at its default config and
      at M 128, against each other and against `reference.sparse_prefill_reference` (max abs error).
   2. Timing (warm-up 2, median of 5, results blocked on) at T 131072 of `sparse_prefill_gpu` (default config),
-     `sparse_prefill_gqa_gpu` at M 128 / 256 x block_k 32 / 64 x num_warps 4 / 8 x num_stages 2 / 3 (plus
-     two M 512 variants), and cuDNN dense causal attention (`pallas_kernels.dense.dense_prefill`). A config
+     the per-head kernel at 4 more configs (4 warps, 3 stages), `sparse_prefill_gqa_gpu` at M 128 / 256 x
+     block_k 32 / 64 x num_warps 4 / 8 x num_stages 2 / 3 (plus 9 extras: 16 warps, M 512, block_k 128), and
+     cuDNN dense causal attention (`pallas_kernels.dense.dense_prefill`). A config
      that fails to compile or run is recorded with its error and skipped. TFLOP/s counts
      4 * B * Hq * D * (selected keys + diagonal keys) per query row, summed (dense: the causal triangle).
 
@@ -115,9 +116,15 @@ def variants() -> list[tuple[str, PrefillGQAConfig]]:
             for w in (8, 4):
                 for s in (2, 3):
                     out.append((f"gqa_M{M}_bk{bk}_w{w}_s{s}", PrefillGQAConfig(bk, M, w, s)))
-    out += [("gqa_M512_bk32_w8_s2", PrefillGQAConfig(32, 512, 8, 2)),
-            ("gqa_M512_bk64_w8_s2", PrefillGQAConfig(64, 512, 8, 2))]
+    # Extras: 16 warps (M 256 / 512 hold a large f32 accumulator), whole-group programs (M 512), block_k 128.
+    for bk, M, w, s in ((64, 256, 16, 2), (64, 256, 16, 3), (128, 256, 16, 2), (128, 128, 4, 2), (128, 128, 8, 2),
+                        (32, 512, 8, 2), (64, 512, 8, 2), (32, 512, 16, 2), (64, 512, 16, 2)):
+        out.append((f"gqa_M{M}_bk{bk}_w{w}_s{s}", PrefillGQAConfig(bk, M, w, s)))
     return out
+
+
+PER_HEAD_EXTRAS = [gpu.PrefillConfig(64, 4, 2), gpu.PrefillConfig(64, 4, 3), gpu.PrefillConfig(64, 8, 3),
+                   gpu.PrefillConfig(32, 4, 3)]  # the per-head kernel at the warps / stages the GQA one likes
 
 
 def main(argv=None) -> int:
@@ -166,6 +173,10 @@ def main(argv=None) -> int:
     base = record("sparse_prefill_gpu", jax.jit(per_head), fl, kernel="per_head",
                   config=dataclasses.asdict(gpu.PrefillConfig()),
                   gathered_gb=gathered_gb(counts, G))
+    for c in [] if args.smoke else PER_HEAD_EXTRAS:
+        record(f"sparse_prefill_gpu_bk{c.block_k}_w{c.num_warps}_s{c.num_stages}",
+               jax.jit(lambda q, k, v, i, l, c=c: gpu.sparse_prefill_gpu(q, k, v, i, l, tile=TILE, config=c)), fl,
+               kernel="per_head", config=dataclasses.asdict(c), gathered_gb=gathered_gb(counts, G))
     for name, cfg in variants()[:2] if args.smoke else variants():
         parts = G * TILE // min(cfg.rows_per_program, G * TILE)
         record(name, gqa(cfg), fl, kernel="gqa", config=dataclasses.asdict(cfg), parts=parts,
