@@ -542,7 +542,7 @@ def main(argv=None):
     p.add_argument("--batches", default="1,4")
     p.add_argument("--e2e-batches", default="1,4")
     p.add_argument("--iters", type=int, default=20, help="layer calls per timed loop (attention part)")
-    p.add_argument("--steps", type=int, default=8, help="decode steps per timed loop (end to end)")
+    p.add_argument("--steps", type=int, default=16, help="decode steps per timed loop (end to end)")
     p.add_argument("--no-e2e", action="store_true")
     p.add_argument("--evo-kernels", default=None, choices=["xla", "pallas_gpu"],
                    help="EvoSparse's block_scores kernels (default: Triton on the GPU)")
