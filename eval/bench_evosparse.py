@@ -33,7 +33,9 @@ cases run first, after the decode step (while the GPU memory is empty), then the
 
   4. At the first context (100K): the two layers again with lax.cond (branchless=False, the layout before the
      GPU default), and each part of a sparse layer timed alone with its floor: retrieval (block max kernel +
-     top-k, R = 2 KV heads), block_max (the kernel alone), select (heat top-k, retrieval exclusion, merge),
+     top-k, R = 2 KV heads), block_max (the kernel alone), select (heat top-k, retrieval exclusion, merge, by
+     the one-launch search of the heat row), select_cand (the same from the step's heat candidates: what a layer
+     runs now), heat_candidates (the step's candidates of the 3 layers' heat, once per step in the model),
      attend (gathered decode), attend_mass (gathered decode with the entry mass), heat_update (the step's decay
      of the 3-layer heat and an XLA scatter-add of the mass), attend_heat (what the layer runs:
      `sparse_decode_heat`, the gathered decode then one launch that merges the splits and adds the mass into
@@ -65,9 +67,10 @@ import numpy as np
 from eval import bench_model
 from eval.benchmarking import device_facts, measure_hbm_gbs, table, time_ms, write_json
 from jsparse.cli import set_xla_flags
-from jsparse.methods.evosparse import EvoSparse, decay_heat, default_num_heads
+from jsparse.methods.evosparse import EvoSparse, EvoState, decay_heat, default_num_heads
 from models import llama
 from models.attention import LayerContext, LayerKV
+from models.attention import start as start_forward
 from models.cache import KVCache
 from models.generate import round_up
 from models.params import random_params
@@ -129,14 +132,15 @@ def _state(method, cfg, B, N, key):
 @functools.partial(jax.jit, static_argnames=("iters",))
 def evo_layers(method, q, k, v, lengths, state, layer, *, iters):
     """`iters` calls of layer `layer`'s decode (2, traced as in the model's scan), carrying the state; each call
-    is preceded by the method's `start` of a decode step (the heat decay of the 3-layer state)."""
+    is preceded by what the model runs once per decode step (`start` and `start_rows`: the heat decay and the
+    heat candidates of the 3-layer state; in the model that work is shared by its 30 sparse layers)."""
     info = jax.tree_util.tree_map(lambda x: x[layer], method.layer_info(None))
     ctx = LayerContext(layer=layer, lengths=lengths, info=info)
     B, N = q.shape[0], k.shape[2]
 
     def body(_, c):
         acc, st = c
-        st = method.start(layer_cfg(), st, "decode", B, 1, N)
+        st = start_forward(method, layer_cfg(), st, "decode", B, 1, N, lengths=lengths)
         out, st = method.decode(ctx, (q + acc[:, :, :, :1] * 1e-3).astype(q.dtype), LayerKV(k=k, v=v), st)
         return out.astype(jnp.float32) * 0.5, st
 
@@ -181,6 +185,7 @@ def part_loop(method, q, k, v, lengths, state, *, iters, part):
     pos = lengths - 1
     cache = LayerKV(k=k, v=v)
     idx0 = method.select_blocks(state.heat, state.retrieval[:, 0], pos, Hkv, N, layer=2)
+    cand0 = method.start_rows(None, state, "decode", lengths, 1).heat_cand
     emass0 = jnp.full(idx0.shape, 1.0 / idx0.shape[-1], jnp.float32)
 
     def body(_, c):
@@ -198,6 +203,14 @@ def part_loop(method, q, k, v, lengths, state, *, iters, part):
             heat = heat.at[2, 0, 0, 0].add(acc * 1e-9)
             idx = method.select_blocks(heat, state.retrieval[:, 0], pos, Hkv, N, layer=2)
             return acc + idx.sum() * 1e-9, heat
+        if part == "select_cand":  # the layer's selection from precomputed heat candidates (what it runs now)
+            heat = heat.at[2, 0, 0, 0].add(acc * 1e-9)
+            idx = method.select_blocks(heat, state.retrieval[:, 0], pos, Hkv, N, layer=2, cand=cand0)
+            return acc + idx.sum() * 1e-9, heat
+        if part == "heat_candidates":  # the step's candidates of every layer (here the 3 layers' heat)
+            heat = heat.at[2, 0, 0, 0].add(acc * 1e-9)
+            c = method.start_rows(None, state.replace(heat=heat), "decode", lengths, 1).heat_cand
+            return acc + c[2, 0, 0, 0] * 1e-9, heat
         if part == "attend":  # gathered decode, no mass
             out = sparse_decode(qi, k[None], v[None], idx0[:, :, None], lengths, layer=jnp.int32(0), block_size=BLOCK)
             return acc + out.astype(jnp.float32).sum() * 1e-9, heat
@@ -220,7 +233,8 @@ def part_loop(method, q, k, v, lengths, state, *, iters, part):
     return acc + heat.sum()
 
 
-PARTS = ("retrieval", "block_max", "select", "attend", "attend_mass", "heat_update", "attend_heat")
+PARTS = ("retrieval", "block_max", "select", "select_cand", "heat_candidates", "attend", "attend_mass",
+         "heat_update", "attend_heat")
 HEAT_SPLITS = (2, 4, 8, 16)  # the layer's decode + heat step at these split counts (part rows only)
 
 
@@ -231,6 +245,7 @@ def part_rows(inherit, compute, q, k, v, lengths, key, iters, hbm) -> dict:
     R = int(np.asarray(compute.layout.head_mask[2]).any(-1).sum())
     ms = lambda b: b / (hbm * 1e9) * 1e3  # noqa: E731
     floors = dict(retrieval=B * R * N * D * 2, block_max=B * R * N * D * 2, select=B * Hkv * nb * 4,
+                  select_cand=3 * B * Hkv * 128 * 4, heat_candidates=3 * B * Hkv * nb * 4,
                   attend=2 * B * Hkv * BUDGET_TOKENS * D * 2, attend_mass=2 * B * Hkv * BUDGET_TOKENS * D * 2,
                   heat_update=2 * B * Hkv * nb * 4 / (CFG8B.num_layers - 2),  # a sparse layer's share of the decay
                   attend_heat=2 * B * Hkv * BUDGET_TOKENS * D * 2)
@@ -305,6 +320,12 @@ def kernel_checks(key) -> list[dict]:
         got = m.replace(kernels="pallas_gpu").select_blocks(heat, r, pos_s, 8, Nc)
         want = m.replace(kernels="xla").select_blocks(heat, r, pos_s, 8, Nc)
         out.append(dict(check=f"select_blocks_kernel_vs_xla[{trial}]", equal=bool(jnp.all(got == want)),
+                        ok=bool(jnp.all(got == want))))
+        # The same selection from the step's heat candidates (top-k launch + the rank kernel), compiled.
+        mg = m.replace(kernels="pallas_gpu")
+        cand = mg.start_rows(None, EvoState(heat=heat[None]), "decode", pos_s + 1, 1).heat_cand
+        got = mg.select_blocks(heat[None], r, pos_s, 8, Nc, layer=jnp.int32(0), cand=cand)
+        out.append(dict(check=f"select_from_candidates_kernel_vs_xla[{trial}]", equal=bool(jnp.all(got == want)),
                         ok=bool(jnp.all(got == want))))
     for r in out:
         print(r, flush=True)
@@ -433,7 +454,7 @@ def model_program_rows(B: int, heads_model, hbm) -> list[dict]:
             return (x.astype(jnp.float32) + 1e-3 * o.astype(jnp.float32)).astype(x.dtype)
 
         def evo_program(m, q, k_all, v_all, lengths, state):
-            state = m.start(cfg, state, "decode", B, 1, N)
+            state = start_forward(m, cfg, state, "decode", B, 1, N, lengths=lengths)
             x = q
             for layer in range(L):
                 lay = jnp.int32(layer)

@@ -20,6 +20,9 @@ and once per forward (outside the scan)
   method.layer_info(cfg) -> pytree whose leaves have a leading axis of length L (the scan's `xs`), or None.
   method.start(cfg, state, phase, batch, q_len, kv_len) -> state   (optional; phase "prefill" or "decode";
       kv_len: keys a query may see at most, T in prefill and the cache capacity N in decode)
+  method.start_rows(cfg, state, phase, lengths, q_len) -> state   (optional; after `start`, with the rows'
+      valid tokens after this forward's writes: work that depends on the query positions but not on the layer,
+      done once per forward instead of in every layer)
   method.finish(state, phase) -> state                     (optional)
 
 `start` and `finish` bracket one forward: a method whose layers hand data to later layers (Kascade's anchor
@@ -84,10 +87,12 @@ class AttentionMethod(Protocol):
     def decode(self, ctx: LayerContext, q: Array, cache: LayerKV, state: Any) -> tuple[Array, Any]: ...
 
 
-def start(method, cfg, state, phase: str, batch: int, q_len: int, kv_len: int):
-    """Calls `method.start` when the method defines it."""
+def start(method, cfg, state, phase: str, batch: int, q_len: int, kv_len: int, lengths=None):
+    """Calls `method.start`, then `method.start_rows` (with `lengths`, when given), where the method defines them."""
     fn = getattr(method, "start", None)
-    return state if fn is None else fn(cfg, state, phase, batch, q_len, kv_len)
+    state = state if fn is None else fn(cfg, state, phase, batch, q_len, kv_len)
+    rows = getattr(method, "start_rows", None)
+    return state if rows is None or lengths is None else rows(cfg, state, phase, lengths, q_len)
 
 
 def finish(method, state, phase: str):

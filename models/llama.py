@@ -153,7 +153,7 @@ def _scan_layers(params: Params, cfg: ModelConfig, method, x: Array, positions: 
         x_attn = x + _dense(attn.astype(x.dtype), lp.wo, "bthd,hde->bte", lp.bo)
         return (x_attn + mlp(cfg, lp, x_attn), ck, cv, state), ((x, x_attn) if collect else None)
 
-    state = start(method, cfg, state, phase, B, T, kv_len)
+    state = start(method, cfg, state, phase, B, T, kv_len, lengths=lengths)
     xs = _layer_xs(cfg, params, method)
     carry = (x, cache.k, cache.v, state)
     segs = segments(method, cfg, phase)

@@ -105,3 +105,38 @@ def test_method_selection_same_through_the_kernel(monkeypatch):
             want = m.replace(kernels="xla").select_blocks(heat, r, pos, Hkv, N)
             got = m.replace(kernels="pallas_gpu").select_blocks(heat, r, pos, Hkv, N)
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("nb,width,wr,ties,seed", [(37, 12, 3, True, 0), (100, 30, 5, False, 1),
+                                                   (300, 41, 8, True, 3), (64, 64, 1, False, 4)])
+@pytest.mark.parametrize("has_ret", [True, False])
+def test_selection_from_heat_candidates_equals_select_blocks(nb, width, wr, ties, seed, has_ret):
+    """The two-part selection (the k hottest middle blocks per row, then ranks over those candidates outside
+    the retrieval set) equals `select_blocks_xla` whenever k >= count + the retrieval blocks in the middle, for
+    the XLA version and the Triton kernel (interpret mode), stacked with a layer index too."""
+    from pallas_kernels.block_scores.xla import heat_candidates, select_from_candidates_xla
+    rng = np.random.default_rng(seed)
+    B, Hkv = 5, 3
+    heat, ret, n_s, hi, nbv, count, full = _case(rng, B, Hkv, nb, width, wr, ties)
+    ret = ret if has_ret else None
+    hw = max(1, width // 2)
+    kw = dict(num_kv_heads=Hkv, width=width, heat_width=hw)
+    want = np.asarray(xla.select_blocks_xla(heat, ret, n_s, hi, nbv, count, full, nb=nb, **kw))
+    n_ret_mid = 0 if ret is None else jnp.sum((ret >= n_s[:, None]) & (ret < hi[:, None]), axis=-1)
+    for extra in (0, 3):  # the least k that works, and more
+        k = jnp.minimum(count, hw) + n_ret_mid + extra
+        cand = heat_candidates(heat, n_s, hi, k, width=hw + wr + 3)
+        got = select_from_candidates_xla(heat, cand, ret, n_s, hi, nbv, count, full, **kw)
+        np.testing.assert_array_equal(got, want)
+        got = gpu.select_from_candidates_gpu(heat, cand, ret, n_s, hi, nbv, count, full, interpret=True, **kw)
+        np.testing.assert_array_equal(got, want)
+    L = 3
+    stacked_h = jnp.stack([heat * 0.5, heat, heat * 2.0])  # row 1 is the layer's
+    stacked_c = jnp.stack([cand, cand, cand])
+    got = gpu.select_from_candidates_gpu(stacked_h, stacked_c, ret, n_s, hi, nbv, count, full, layer=jnp.int32(1),
+                                         interpret=True, **kw)
+    np.testing.assert_array_equal(got, want)
+    got = select_from_candidates_xla(stacked_h, stacked_c, ret, n_s, hi, nbv, count, full, layer=jnp.int32(-2),
+                                     **kw)
+    np.testing.assert_array_equal(got, want)
+    assert L == stacked_h.shape[0]

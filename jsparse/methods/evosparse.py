@@ -66,7 +66,8 @@ from jsparse import selection as sel
 from jsparse.artifacts import load_artifact
 from jsparse.methods.base import register
 from jsparse.methods.common import attend_dense, dense_prefill
-from pallas_kernels.block_scores import block_max_scores, select_blocks, sparse_decode_heat, sparse_decode_mass
+from pallas_kernels.block_scores import (block_max_scores, heat_candidates, select_blocks, select_from_candidates,
+                                         sparse_decode_heat, sparse_decode_mass)
 from pallas_kernels.sparse_attention import sparse_decode
 from pallas_kernels.topk_select import topk_select
 
@@ -95,10 +96,12 @@ DEFAULTS_NOTE = "fractions (1/16, 3/8, 5/16, 1/4), decay 0.5: chosen by the deve
 class EvoState:
     """heat: f32[L, B, Hkv, NB] (NB = max_len / block_size) decayed sparse-attention mass per block, or None
     without heat; retrieval: i32[B, T, Wr] the latest retrieval blocks (ascending, -1 padded) inside one
-    decode forward, else None."""
+    decode forward, else None; heat_cand: every layer's heat candidates of a one-token decode forward (the
+    n_h + n_r hottest middle blocks, `start_rows`), else None."""
 
     heat: Optional[Array] = None
     retrieval: Optional[Array] = None
+    heat_cand: Optional[Array] = None  # i32[L, B, Hkv, Wc] inside one T = 1 decode forward (`start_rows`)
 
 
 @struct.dataclass
@@ -375,8 +378,23 @@ class EvoSparse:
         wr = self.widths(kv_len)["retrieval"]
         return state.replace(retrieval=jnp.full((batch, q_len, wr), -1, jnp.int32))
 
+    def start_rows(self, cfg, state, phase, lengths, q_len):
+        """One-token decode: every layer's heat candidates at once (`block_scores.heat_candidates`: the n_h +
+        n_r hottest middle blocks of each row, one top-k launch over the L * B * Hkv heat rows), so that a
+        layer's selection only ranks those few candidates outside its retrieval set (`select_from_candidates`)
+        instead of searching its whole heat row. The heat is already decayed by `start`, and a layer's heat
+        does not change before that layer runs, so the blocks are exactly those of the per-layer search."""
+        if phase != "decode" or q_len != 1 or not self.uses_heat or state.heat is None:
+            return state
+        N = state.heat.shape[-1] * self.block_size
+        pos = lengths.astype(jnp.int32) - 1
+        _, nbv, (n_s, n_l, n_r, n_h) = self._row_budget(pos)
+        k = n_h + n_r if self.uses_retrieval else n_h
+        cand = heat_candidates(state.heat, n_s, nbv - n_l, k, self.widths(N)["heat"])
+        return state.replace(heat_cand=cand)
+
     def finish(self, state, phase):
-        return state.replace(retrieval=None)
+        return state.replace(retrieval=None, heat_cand=None)
 
     def prefill(self, ctx, q, k, v, state):
         out = dense_prefill(q, k, v)
@@ -470,7 +488,8 @@ class EvoSparse:
         ret = state.retrieval  # [B, T, Wr] or None
         Hkv, N = cache.k.shape[1], cache.k.shape[2]
         if T == 1:  # one decode token: the heat was decayed by `start`; the mass is added in place
-            idx = self.select_blocks(heat, None if ret is None else ret[:, 0], pos[:, 0], Hkv, N, layer=ctx.layer)
+            idx = self.select_blocks(heat, None if ret is None else ret[:, 0], pos[:, 0], Hkv, N, layer=ctx.layer,
+                                     cand=state.heat_cand)
             if not self.uses_heat:
                 return self.attend(q[:, 0], cache, idx, pos[:, 0], live=live)[0][:, None].astype(q.dtype), state
             # live=False: lengths 0, so every entry's mass is 0 and the heat is unchanged.
@@ -498,7 +517,7 @@ class EvoSparse:
             heat = jax.lax.dynamic_update_index_in_dim(heat, heat_l, ctx.layer, axis=0)  # in place in the scan
         return out.astype(q.dtype), state.replace(heat=heat)
 
-    def select_blocks(self, heat_l, ret, pos, Hkv: int, N: int, layer=None) -> Array:
+    def select_blocks(self, heat_l, ret, pos, Hkv: int, N: int, layer=None, cand=None) -> Array:
         """The attended blocks of one decode row: i32[B, Hkv, Kb] ascending, -1 padded.
 
         Sink [0, n_s) and local [nbv - n_l, nbv) are ranges; the retrieval blocks and the heat blocks lie between
@@ -509,12 +528,17 @@ class EvoSparse:
         Args:
           heat_l: f32[B, Hkv, nb] this layer's heat (None without heat), or with `layer` (i32[]) the stacked heat
           f32[L, B, Hkv, nb] (read in place); ret: i32[B, Wr] the retrieval set (or None); pos: i32[B] the query
-          positions; Hkv, N: KV heads and cache length.
+          positions; Hkv, N: KV heads and cache length; cand: the stacked heat candidates of `start_rows`
+          (with `layer`), or None (search the heat row).
         """
         w = self.widths(N)
         kb, nbv, (n_s, n_l, n_r, n_h) = self._row_budget(pos)
         n_ret_valid = jnp.zeros_like(n_r) if ret is None else jnp.sum(ret >= 0, axis=-1)
         count = n_h + (n_r - n_ret_valid) if ret is not None or self.uses_retrieval else n_h
+        if cand is not None and heat_l is not None:
+            return select_from_candidates(heat_l, cand, ret, n_s, nbv - n_l, nbv, count, kb >= nbv,
+                                          num_kv_heads=Hkv, width=w["Kb"], heat_width=w["heat"], layer=layer,
+                                          implementation=self.kernels)
         return select_blocks(heat_l, ret, n_s, nbv - n_l, nbv, count, kb >= nbv, num_kv_heads=Hkv, nb=w["nb"],
                              width=w["Kb"], heat_width=w["heat"], layer=None if heat_l is None else layer,
                              implementation=self.kernels)

@@ -100,3 +100,21 @@ def select_blocks(heat: Array | None, ret: Array | None, n_s: Array, hi: Array, 
         from pallas_kernels.block_scores import gpu
         return gpu.select_blocks_gpu(*args, **kw)
     return xla.select_blocks_xla(*args, **kw)
+
+
+def select_from_candidates(heat: Array, cand: Array, ret: Array | None, n_s: Array, hi: Array, nbv: Array,
+                           count: Array, full: Array, *, num_kv_heads: int, width: int, heat_width: int,
+                           layer: Array | None = None, implementation: str | None = None) -> Array:
+    """`select_blocks` given each row's heat candidates (`xla.heat_candidates`, computed once per decode step
+    for every layer): i32[B, Hkv, width], the same blocks (semantics: `xla.select_from_candidates_xla`).
+    implementation=None: the Triton kernel on a GPU, else XLA."""
+    if implementation is None:
+        implementation = "pallas_gpu" if jax.default_backend() == "gpu" else "xla"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r}: expected one of {IMPLEMENTATIONS} or None")
+    args = (heat, cand, ret, n_s, hi, nbv, count, full)
+    kw = dict(num_kv_heads=num_kv_heads, width=width, heat_width=heat_width, layer=layer)
+    if implementation == "pallas_gpu":
+        from pallas_kernels.block_scores import gpu
+        return gpu.select_from_candidates_gpu(*args, **kw)
+    return xla.select_from_candidates_xla(*args, **kw)

@@ -385,3 +385,83 @@ def select_blocks_gpu(heat: Array | None, ret: Array | None, n_s: Array, hi: Arr
                                              num_stages=1),
         interpret=interpret, name="evosparse_select_blocks",
     )(*(x.astype(jnp.int32) for x in (n_s, hi, nbv, count, full)), lay, ret, heat)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# EvoSparse's block selection from precomputed heat candidates.
+
+
+def _select_cand_kernel(ns_ref, hi_ref, nbv_ref, count_ref, full_ref, lay_ref, ret_ref, cand_ref, heat_ref, o_ref,
+                        *, wr: int, wc: int, has_ret: bool, width: int, wpad: int, heat_width: int, L: int):
+    """Row (b, kv head). Refs: n_s, hi, nbv, count, full, lay i32[1]; ret i32[wr]; cand i32[L, wc] (the row's
+    heat candidates of every layer); heat f32[L, nb]; o i32[width]. Pairwise ranks over the candidates (no
+    search over the row): the `count` hottest outside the retrieval set, then the union written ascending."""
+    n_s, hi, nbv, count, full = (r[0] for r in (ns_ref, hi_ref, nbv_ref, count_ref, full_ref))
+    layer = lay_ref[0]
+    layer = jnp.clip(jnp.where(layer < 0, layer + L, layer), 0, L - 1)
+    i32 = jnp.int32
+    cp, rp = max(16, next_pow2(wc)), max(16, next_pow2(wr))
+    c = jnp.arange(cp, dtype=i32)
+    cv = plgpu.load(cand_ref.at[layer, jnp.minimum(c, wc - 1)], mask=c < wc, other=-1)
+    valid = (c < wc) & (cv >= n_s) & (cv < hi)
+    r = jnp.arange(rp, dtype=i32)
+    if has_ret:
+        rv = plgpu.load(ret_ref.at[jnp.minimum(r, wr - 1)], mask=r < wr, other=-1)
+        rmid = (r < wr) & (rv >= n_s) & (rv < hi)
+        hit = (cv[:, None] == rv[None, :]) & rmid[None, :]
+        valid = valid & (jnp.max(hit.astype(i32), axis=1) == 0)
+    else:
+        rv = jnp.full((rp,), -1, i32)
+        rmid = r < 0
+    hv = plgpu.load(heat_ref.at[layer, jnp.where(valid, cv, 0)], mask=valid, other=0.0)
+    better = valid[None, :] & ((hv[None, :] > hv[:, None]) | ((hv[None, :] == hv[:, None]) & (c[None, :] < c[:, None])))
+    rank = jnp.sum(better.astype(i32), axis=1)
+    chosen = valid & (rank < jnp.clip(count, 0, heat_width))
+    n_mid = jnp.sum(rmid.astype(i32)) + jnp.sum(chosen.astype(i32))
+    # Each middle block's slot: the middle blocks below it (both lists are disjoint).
+    r_slot = n_s + jnp.sum((rmid[None, :] & (rv[None, :] < rv[:, None])).astype(i32), axis=1) \
+        + jnp.sum((chosen[None, :] & (cv[None, :] < rv[:, None])).astype(i32), axis=1)
+    c_slot = n_s + jnp.sum((chosen[None, :] & (cv[None, :] < cv[:, None])).astype(i32), axis=1) \
+        + jnp.sum((rmid[None, :] & (rv[None, :] < cv[:, None])).astype(i32), axis=1)
+    part = full == 0
+    keep_r = rmid & part & (r_slot < width)
+    keep_c = chosen & part & (c_slot < width)
+    plgpu.store(o_ref.at[jnp.where(keep_r, r_slot, width)], rv, mask=keep_r)  # masked lanes point past the row
+    plgpu.store(o_ref.at[jnp.where(keep_c, c_slot, width)], cv, mask=keep_c)
+    j = jnp.arange(wpad, dtype=i32)
+    after = j - n_s - n_mid
+    ranged = jnp.where(j < n_s, j, jnp.where(after < nbv - hi, hi + after, -1))
+    val = jnp.where(part, ranged, jnp.where(j < nbv, j, -1))
+    plgpu.store(o_ref.at[pl.ds(0, wpad)], val, mask=(j < width) & (jnp.logical_not(part) | (j < n_s) | (after >= 0)))
+
+
+def select_from_candidates_gpu(heat: Array, cand: Array, ret: Array | None, n_s: Array, hi: Array, nbv: Array,
+                               count: Array, full: Array, *, num_kv_heads: int, width: int, heat_width: int,
+                               layer: Array | None = None, interpret: bool = False) -> Array:
+    """`xla.select_from_candidates_xla` in one launch, grid (B, Hkv): pairwise ranks over the row's Wc heat
+    candidates (read in place from the stacked candidates and heat with `layer`), no search over the blocks.
+    Args / returns as there."""
+    B, Hkv = n_s.shape[0], num_kv_heads
+    if layer is None:
+        heat, cand = heat[None], cand[None]
+    if heat.shape[1:3] != (B, Hkv) or cand.shape[:3] != heat.shape[:3]:
+        raise ValueError(f"heat of shape {heat.shape} and candidates of shape {cand.shape}: expected [L, B={B}, "
+                         f"Hkv={Hkv}, nb] and [L, B, Hkv, Wc]")
+    has_ret = ret is not None
+    ret = ret.astype(jnp.int32) if has_ret else jnp.full((B, 1), -1, jnp.int32)
+    L, nb, wc, wr = heat.shape[0], heat.shape[-1], cand.shape[-1], ret.shape[-1]
+    lay = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
+    row = pl.BlockSpec((1,), lambda b, h: (b,))
+    return pl.pallas_call(
+        functools.partial(_select_cand_kernel, wr=wr, wc=wc, has_ret=has_ret, width=width,
+                          wpad=max(32, next_pow2(width)), heat_width=heat_width, L=L),
+        grid=(B, Hkv),
+        in_specs=[row] * 5 + [pl.BlockSpec((1,), lambda b, h: (0,)), pl.BlockSpec((None, wr), lambda b, h: (b, 0)),
+                  pl.BlockSpec((L, None, None, wc), lambda b, h: (0, b, h, 0)),
+                  pl.BlockSpec((L, None, None, nb), lambda b, h: (0, b, h, 0))],
+        out_specs=pl.BlockSpec((None, None, width), lambda b, h: (b, h, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, Hkv, width), jnp.int32),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret, name="evosparse_select_candidates",
+    )(*(x.astype(jnp.int32) for x in (n_s, hi, nbv, count, full)), lay, ret, cand.astype(jnp.int32),
+      heat.astype(jnp.float32))

@@ -134,6 +134,12 @@ def select_blocks_xla(heat: Array | None, ret: Array | None, n_s: Array, hi: Arr
             middle = middle & ~jnp.any(ret[:, :, None] == blk[:, None, :], axis=1)
         scores = jnp.where(middle[:, None], heat, -jnp.inf)
         mids.append(topk_select(scores, jnp.broadcast_to(count[:, None], (B, Hkv)), heat_width))
+    return _assemble(mids, n_s, hi, nbv, full, B, Hkv, Kb)
+
+
+def _assemble(mids: list, n_s: Array, hi: Array, nbv: Array, full: Array, B: int, Hkv: int, Kb: int) -> Array:
+    """Sink [0, n_s), the middle lists `mids` (disjoint entries, -1 padded) merged ascending, local [hi, nbv),
+    then -1; every visible block on full rows: i32[B, Hkv, Kb]."""
     j = jnp.arange(Kb, dtype=jnp.int32)[None, None]
     n_s3, hi3, nbv3 = n_s[:, None, None], hi[:, None, None], nbv[:, None, None]
     if mids:
@@ -147,3 +153,43 @@ def select_blocks_xla(heat: Array | None, ret: Array | None, n_s: Array, hi: Arr
     idx = jnp.where(j < n_s3, j, jnp.where(after < 0, mid_j, jnp.where(after < nbv3 - hi3, hi3 + after, -1)))
     every = jnp.where(j < nbv3, j, -1)
     return jnp.broadcast_to(jnp.where(full[:, None, None], every, idx), (B, Hkv, Kb)).astype(jnp.int32)
+
+
+def heat_candidates(heat: Array, n_s: Array, hi: Array, k: Array, width: int) -> Array:
+    """The `k` hottest middle blocks [n_s, hi) of every heat row, ascending (ties to the lower block), -1
+    padded: heat f32[..., B, Hkv, nb], n_s, hi, k i32[B] -> i32[..., B, Hkv, width]. With k = n_h + n_r they
+    hold every block `select_blocks` can pick by heat, whatever the retrieval set (see
+    `select_from_candidates`)."""
+    nb = heat.shape[-1]
+    blk = jnp.arange(nb, dtype=jnp.int32)
+    middle = (blk >= n_s[:, None]) & (blk < hi[:, None])  # [B, nb]
+    scores = jnp.where(middle[:, None], heat, -jnp.inf)
+    return topk_select(scores, jnp.broadcast_to(k[:, None], heat.shape[:-1]), width)
+
+
+def select_from_candidates_xla(heat: Array, cand: Array, ret: Array | None, n_s: Array, hi: Array, nbv: Array,
+                               count: Array, full: Array, *, num_kv_heads: int, width: int, heat_width: int,
+                               layer: Array | None = None) -> Array:
+    """`select_blocks_xla` given each row's heat candidates (`heat_candidates` with k >= count + the retrieval
+    blocks in the middle): the `count` hottest candidates outside the retrieval set (ties to the lower block)
+    by pairwise ranks over the few candidates, instead of a top-k over every block.
+
+    Args: as `select_blocks_xla`, plus cand i32[B, Hkv, Wc] (or [L, B, Hkv, Wc] with `layer`, like heat).
+    """
+    B, Hkv = n_s.shape[0], num_kv_heads
+    if layer is not None:
+        heat = heat[layer_index(layer, heat.shape[0])]
+        cand = cand[layer_index(layer, cand.shape[0])]
+    valid = (cand >= n_s[:, None, None]) & (cand < hi[:, None, None])
+    mids = []
+    if ret is not None:
+        ret = jnp.where((ret >= n_s[:, None]) & (ret < hi[:, None]), ret, -1)
+        mids.append(jnp.broadcast_to(ret[:, None], (B, Hkv, ret.shape[-1])))
+        valid = valid & ~jnp.any((cand[..., None] == ret[:, None, None, :]) & (ret >= 0)[:, None, None, :], -1)
+    hv = jnp.take_along_axis(heat, jnp.clip(cand, 0, heat.shape[-1] - 1), axis=-1)
+    hj, hi_, cj, ci = hv[..., None, :], hv[..., :, None], cand[..., None, :], cand[..., :, None]
+    better = valid[..., None, :] & ((hj > hi_) | ((hj == hi_) & (cj < ci)))  # [B, Hkv, i, j]
+    rank = jnp.sum(better, axis=-1)
+    chosen = valid & (rank < jnp.clip(count, 0, heat_width)[:, None, None])
+    mids.append(jnp.where(chosen, cand, -1))
+    return _assemble(mids, n_s, hi, nbv, full, B, Hkv, width)
