@@ -45,10 +45,12 @@ dropped fractions are given to the remaining ones in proportion (the total budge
 
 State (`EvoState`): heat f32[L, B, Hkv, N / block_size] crosses decode steps (`init_state`); the retrieval set
 i32[B, T, Wr] crosses layers inside one forward (added by `start`, dropped by `finish`). For one new token, `start`
-decays the heat of every sparse layer at once and each sparse layer adds its mass in place
-(`block_scores.sparse_decode_heat`: on a GPU the gathered decode, then one launch that merges its splits and adds
-every entry's mass into the stacked heat, which the selection kernel also reads in place); the result is the
-recurrence above exactly (the selection sees lambda * h, which orders the blocks as h does).
+decays the heat of every sparse layer at once, `start_rows` takes every layer's heat candidates at once (the
+n_h + n_r hottest middle blocks of each row: one top-k launch; `heat_cand`, dropped by `finish`), each sparse
+layer ranks its candidates outside its retrieval set (`block_scores.select_from_candidates`) and adds its mass in
+place (`block_scores.sparse_decode_heat`: on a GPU the gathered decode, then one launch that merges its splits and
+adds every entry's mass into the stacked heat); the result is the recurrence above exactly (the selection sees
+lambda * h, which orders the blocks as h does, and a layer's heat does not change before the layer runs).
 """
 
 from __future__ import annotations
