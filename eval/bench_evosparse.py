@@ -40,7 +40,8 @@ cases run first, after the decode step (while the GPU memory is empty), then the
      of the 3-layer heat and an XLA scatter-add of the mass), attend_heat (what the layer runs:
      `sparse_decode_heat`, the gathered decode then one launch that merges the splits and adds the mass into
      the heat in place; also at 2, 4, 8 and 16 splits: attend_heat_s<n>). Checks also compare the block_scores
-     kernels, compiled, with their references. The decode step at the largest batch is also run with lax.cond (`evosparse_cond`).
+     kernels, compiled, with their references. The decode step at the largest batch is also run with lax.cond
+     (`evosparse_cond`).
 
 Floors (bytes moved at the measured HBM bandwidth): dense attention reads K and V once (2 B Hkv N D 2 bytes);
 an EvoSparse sparse layer reads the selected K/V blocks and the heat row of its layer (read for the selection
@@ -458,7 +459,8 @@ def model_program_rows(B: int, heads_model, hbm) -> list[dict]:
             x = q
             for layer in range(L):
                 lay = jnp.int32(layer)
-                ctx = LayerContext(layer=lay, lengths=lengths, info=jax.tree_util.tree_map(lambda a: a[layer], info_all),
+                info = jax.tree_util.tree_map(lambda a: a[layer], info_all)
+                ctx = LayerContext(layer=lay, lengths=lengths, info=info,
                                    segment="dense" if layer < m.dense_layers else "sparse")
                 view = LayerKV(k=k_all[layer], v=v_all[layer], k_all=k_all, v_all=v_all, layer=lay)
                 o, state = m.decode(ctx, x, view, state)
