@@ -165,6 +165,14 @@ def test_kernels_lower_for_cuda():
             q, cache, cache, i32(), i32(Bn, Hkv, 1, 128), i32(Bn), sds((4, Bn, Hkv, Nn // 16), jnp.float32)
         ).mlir_module()
         assert "evosparse_finish_heat" in text
+        # EvoSparse's rank kernel at the benchmark's shape (100K / 16 blocks, budget 2048: 40 retrieval and 80
+        # candidate blocks, width 128), stacked with a layer index.
+        f = functools.partial(gpu.select_from_candidates_gpu, num_kv_heads=Hkv, width=128, heat_width=80)
+        text = jax.export.export(jax.jit(lambda h, c, r, *a: f(h, c, r, *a, layer=jnp.int32(3))), platforms=["cuda"],
+                                 disabled_checks=[check])(
+            sds((32, Bn, Hkv, 6256), jnp.float32), i32(32, Bn, Hkv, 80), i32(Bn, 40), i32(Bn), i32(Bn), i32(Bn),
+            i32(Bn), sds((Bn,), jnp.bool_)).mlir_module()
+        assert "evosparse_select_candidates" in text
 
 
 def test_errors():

@@ -130,13 +130,27 @@ def test_selection_from_heat_candidates_equals_select_blocks(nb, width, wr, ties
         np.testing.assert_array_equal(got, want)
         got = gpu.select_from_candidates_gpu(heat, cand, ret, n_s, hi, nbv, count, full, interpret=True, **kw)
         np.testing.assert_array_equal(got, want)
-    L = 3
-    stacked_h = jnp.stack([heat * 0.5, heat, heat * 2.0])  # row 1 is the layer's
-    stacked_c = jnp.stack([cand, cand, cand])
-    got = gpu.select_from_candidates_gpu(stacked_h, stacked_c, ret, n_s, hi, nbv, count, full, layer=jnp.int32(1),
-                                         interpret=True, **kw)
-    np.testing.assert_array_equal(got, want)
-    got = select_from_candidates_xla(stacked_h, stacked_c, ret, n_s, hi, nbv, count, full, layer=jnp.int32(-2),
-                                     **kw)
-    np.testing.assert_array_equal(got, want)
-    assert L == stacked_h.shape[0]
+    stacked_h = jnp.stack([heat * 0.5, heat, heat * 2.0])  # row 1 (= -2) is the layer's
+    stacked_c = jnp.stack([cand[..., ::-1], cand, cand[..., ::-1]])
+    for layer in (1, -2):
+        got = gpu.select_from_candidates_gpu(stacked_h, stacked_c, ret, n_s, hi, nbv, count, full,
+                                             layer=jnp.int32(layer), interpret=True, **kw)
+        np.testing.assert_array_equal(got, want)
+        got = select_from_candidates_xla(stacked_h, stacked_c, ret, n_s, hi, nbv, count, full,
+                                         layer=jnp.int32(layer), **kw)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_select_from_candidates_limits():
+    """The rank kernel refuses rows wider than CAND_LIMIT; the dispatch then picks XLA (its lowering for CUDA is
+    in tests/test_block_scores.py)."""
+    from pallas_kernels.block_scores.api import select_from_candidates
+    B, Hkv, nb = 2, 2, 600
+    z = jnp.zeros((B,), jnp.int32)
+    wide = jnp.zeros((B, Hkv, gpu.CAND_LIMIT + 1), jnp.int32)
+    with pytest.raises(ValueError, match="CAND_LIMIT"):
+        gpu.select_from_candidates_gpu(jnp.zeros((B, Hkv, nb)), wide, None, z, z, z, z, z.astype(bool),
+                                       num_kv_heads=Hkv, width=8, heat_width=4, interpret=True)
+    got = select_from_candidates(jnp.zeros((B, Hkv, nb)), wide - 1, None, z, z + 5, z + 9, z, z.astype(bool),
+                                 num_kv_heads=Hkv, width=8, heat_width=4)  # dispatch: XLA
+    np.testing.assert_array_equal(got[0, 0], [5, 6, 7, 8, -1, -1, -1, -1])  # no sink, no candidate: local 5-8

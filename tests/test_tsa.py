@@ -329,3 +329,8 @@ def test_tsa_kascade(params, tmp_path):
     np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match="kascade needs a calibration artifact"):
         make_method("tsa+kascade", cfg=CFG, artifact=tdir, fingerprint="fp")
+
+
+def test_kv_union_with_an_inner_method_is_an_error():
+    with pytest.raises(ValueError, match="kv_union"):
+        TSA(selection="kv_union", inner=_kascade(), **SMALL)

@@ -49,8 +49,10 @@ decays the heat of every sparse layer at once, `start_rows` takes every layer's 
 n_h + n_r hottest middle blocks of each row: one top-k launch; `heat_cand`, dropped by `finish`), each sparse
 layer ranks its candidates outside its retrieval set (`block_scores.select_from_candidates`) and adds its mass in
 place (`block_scores.sparse_decode_heat`: on a GPU the gathered decode, then one launch that merges its splits and
-adds every entry's mass into the stacked heat); the result is the recurrence above exactly (the selection sees
-lambda * h, which orders the blocks as h does, and a layer's heat does not change before the layer runs).
+adds every entry's mass into the stacked heat). The heat is the recurrence above exactly (the same float
+operations); the selection sees fl(lambda * h), which orders the blocks as h does up to rounding ties (none for
+lambda a power of two, as the default 0.5, short of subnormals), and a layer's heat does not change before the
+layer runs.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ from jsparse.methods.base import register
 from jsparse.methods.common import attend_dense, dense_prefill
 from pallas_kernels.block_scores import (block_max_scores, heat_candidates, select_blocks, select_from_candidates,
                                          sparse_decode_heat, sparse_decode_mass)
+from pallas_kernels.block_scores.gpu import CAND_LIMIT
 from pallas_kernels.sparse_attention import sparse_decode
 from pallas_kernels.topk_select import topk_select
 
@@ -81,7 +84,7 @@ DEFAULT_FRACTIONS = (1 / 16, 3 / 8, 5 / 16, 1 / 4)  # sink, local, retrieval, he
 DEFAULT_DECAY = 0.5
 DEFAULT_HEAD_FRACTION = 0.015
 _FIX = 4096  # fractions are resolved to 1/_FIX in integer arithmetic
-DECODE_CONFIG = None  # the gathered decode's DecodeConfig on the GPU (None: the kernel's default)
+DECODE_CONFIG = None  # the gathered decode's DecodeConfig on the GPU (None: the kernel's default); read when traced
 # How the defaults were chosen (development data only: passkey prompts of seed 1 at 3072 tokens, perplexity
 # on 4 windows of 4096 tokens of the development corpus, Alice; SmolLM2-135M, budget 512 tokens at the last
 # position, the 4 top retrieval heads of artifacts/smollm2/evosparse). Every configuration kept passkey at
@@ -369,10 +372,12 @@ class EvoSparse:
     def start(self, cfg, state, phase, batch, q_len, kv_len):
         """Decode: an empty retrieval set; for one new token (q_len 1) also the heat's decay, h <- lambda * h, of
         every sparse layer at once, so that each sparse layer only adds its mass in place (`sparse_decode_heat`). The
-        selection of the step sees lambda * h instead of h: the same order, so the same blocks. Rows of a
+        selection of the step sees lambda * h instead of h: the same order (up to rounding ties, none for the
+        default lambda 0.5), so the same blocks. Rows of a
         q_len > 1 decode are decayed and updated row by row inside each layer (`heat_update`)."""
         if phase != "decode":
             return state
+        state = state.replace(heat_cand=None)  # candidates belong to one forward (`start_rows` adds them)
         if self.uses_heat and q_len == 1:
             state = state.replace(heat=decay_heat(state.heat, self.dense_layers, self.decay))
         if not self.uses_retrieval:
@@ -389,6 +394,8 @@ class EvoSparse:
         if phase != "decode" or q_len != 1 or not self.uses_heat or state.heat is None:
             return state
         N = state.heat.shape[-1] * self.block_size
+        if self.widths(N)["heat"] > CAND_LIMIT:  # too many candidates to rank pairwise: search each row
+            return state
         pos = lengths.astype(jnp.int32) - 1
         _, nbv, (n_s, n_l, n_r, n_h) = self._row_budget(pos)
         k = n_h + n_r if self.uses_retrieval else n_h

@@ -135,7 +135,7 @@ class Selection:
 
     indices: i32[B, H, C] kept positions ascending, then -1 (C: the static capacity).
     slot: i32[B, H, T] the compressed slot of each position, -1 where it is not kept.
-    (H = Hq for "query_head" selection, Hkv for "kv_head".)
+    (H = Hq for "query_head" selection, Hkv for "kv_head" and "kv_union".)
     """
 
     indices: Array
@@ -358,7 +358,8 @@ def translate_anchor_indices(anchor_idx: Array, anchor_map: Array, head_map: Arr
 
 @struct.dataclass
 class TSAState:
-    """kept: i32[L, B] tokens each layer kept per row in the last prefill (n on dense layers and rows);
+    """kept: i32[L, B] tokens each layer kept per row in the last prefill (n on dense layers and rows; with
+    "kv_union" the mean over KV heads of their union sizes, rounded);
     inner: the inner method's state; anchor_map: i32[B, Hkv, T] original position of each compressed slot of
     the latest Kascade anchor layer (inside a composed prefill only)."""
 
@@ -412,6 +413,9 @@ class TSA:
                 raise ValueError(f"sparse_layers={self.sparse_layers!r}: expected a sequence of layer indices")
             # A static field must be hashable: store the layers as a sorted tuple of ints.
             object.__setattr__(self, "sparse_layers", check_sparse_layers(self.sparse_layers, 1 << 30))
+        if self.inner is not None and self.selection == "kv_union":
+            raise ValueError("selection='kv_union' with an inner method: the inner method runs on per-row "
+                             "compressed lengths, which a per-KV-head union does not have; use 'kv_head'")
         if isinstance(self.inner, kascade_mod.Kascade) and self.selection != "kv_head":
             raise ValueError(f"selection={self.selection!r} with an inner Kascade: Kascade selects per KV head "
                              "(head maps, group-pooled top-k), so the compressed space must keep the KV heads; "

@@ -68,6 +68,7 @@ def sparse_decode_heat(q: Array, k_all: Array, v_all: Array, layer: Array, indic
     """One decode token's gathered decode over layer `layer` of a stacked cache, with each index entry's softmax
     mass added into the stacked heat's row `heat_layer` (None: `layer`): (out [B, 1, Hq, D], heat f32[Lh, B,
     Hkv, nb]) (semantics: `reference.sparse_decode_heat_reference`; on the GPU the heat is updated in place).
+    The valid entries of each index row must be unique and ascending (then -1), as `select_blocks` writes them.
     config: the Pallas GPU kernel's `sparse_attention.gpu.DecodeConfig` (None: its default)."""
     impl = _pick(implementation, q, block_size)
     args = (q, k_all, v_all, layer, indices, lengths, heat, heat_layer)
@@ -107,9 +108,12 @@ def select_from_candidates(heat: Array, cand: Array, ret: Array | None, n_s: Arr
                            layer: Array | None = None, implementation: str | None = None) -> Array:
     """`select_blocks` given each row's heat candidates (`xla.heat_candidates`, computed once per decode step
     for every layer): i32[B, Hkv, width], the same blocks (semantics: `xla.select_from_candidates_xla`).
-    implementation=None: the Triton kernel on a GPU, else XLA."""
+    implementation=None: the Triton kernel on a GPU when the candidates and the retrieval set are at most
+    `gpu.CAND_LIMIT` wide (it ranks them pairwise in registers), else XLA."""
     if implementation is None:
-        implementation = "pallas_gpu" if jax.default_backend() == "gpu" else "xla"
+        from pallas_kernels.block_scores.gpu import CAND_LIMIT
+        small = cand.shape[-1] <= CAND_LIMIT and (ret is None or ret.shape[-1] <= CAND_LIMIT)
+        implementation = "pallas_gpu" if jax.default_backend() == "gpu" and small else "xla"
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r}: expected one of {IMPLEMENTATIONS} or None")
     args = (heat, cand, ret, n_s, hi, nbv, count, full)

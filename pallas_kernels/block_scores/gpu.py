@@ -391,6 +391,9 @@ def select_blocks_gpu(heat: Array | None, ret: Array | None, n_s: Array, hi: Arr
 # EvoSparse's block selection from precomputed heat candidates.
 
 
+CAND_LIMIT = 256  # widest candidate / retrieval row the rank kernel takes (pairwise [W, W] in registers)
+
+
 def _select_cand_kernel(ns_ref, hi_ref, nbv_ref, count_ref, full_ref, lay_ref, ret_ref, cand_ref, heat_ref, o_ref,
                         *, wr: int, wc: int, has_ret: bool, width: int, wpad: int, heat_width: int, L: int):
     """Row (b, kv head). Refs: n_s, hi, nbv, count, full, lay i32[1]; ret i32[wr]; cand i32[L, wc] (the row's
@@ -414,7 +417,8 @@ def _select_cand_kernel(ns_ref, hi_ref, nbv_ref, count_ref, full_ref, lay_ref, r
         rv = jnp.full((rp,), -1, i32)
         rmid = r < 0
     hv = plgpu.load(heat_ref.at[layer, jnp.where(valid, cv, 0)], mask=valid, other=0.0)
-    better = valid[None, :] & ((hv[None, :] > hv[:, None]) | ((hv[None, :] == hv[:, None]) & (c[None, :] < c[:, None])))
+    ahead = (hv[None, :] > hv[:, None]) | ((hv[None, :] == hv[:, None]) & (cv[None, :] < cv[:, None]))
+    better = valid[None, :] & ahead  # ties to the lower block
     rank = jnp.sum(better.astype(i32), axis=1)
     chosen = valid & (rank < jnp.clip(count, 0, heat_width))
     n_mid = jnp.sum(rmid.astype(i32)) + jnp.sum(chosen.astype(i32))
@@ -442,6 +446,10 @@ def select_from_candidates_gpu(heat: Array, cand: Array, ret: Array | None, n_s:
     candidates (read in place from the stacked candidates and heat with `layer`), no search over the blocks.
     Args / returns as there."""
     B, Hkv = n_s.shape[0], num_kv_heads
+    wide = max(cand.shape[-1], 0 if ret is None else ret.shape[-1])
+    if wide > CAND_LIMIT:
+        raise ValueError(f"{wide} candidates or retrieval blocks per row: the rank kernel takes at most "
+                         f"CAND_LIMIT={CAND_LIMIT} (use the XLA version)")
     if layer is None:
         heat, cand = heat[None], cand[None]
     if heat.shape[1:3] != (B, Hkv) or cand.shape[:3] != heat.shape[:3]:
