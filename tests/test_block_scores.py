@@ -190,3 +190,21 @@ def test_errors():
     with pytest.raises(ValueError, match="block_size=12"):
         gpu.block_max_scores_gpu(q, jnp.zeros((L, B, HKV, 240, D)), jnp.int32(0), jnp.zeros((1,), jnp.int32),
                                  jnp.zeros((1, G), bool), pos, pos, pos, block_size=12, interpret=True)
+
+
+def test_decode_heat_with_a_gqa_group_of_three():
+    """G = 3 (not a power of two: the partials' padded rows and the finish kernel's masked rows)."""
+    ks = jax.random.split(jax.random.key(11), 4)
+    q = jax.random.normal(ks[0], (B, 1, 6, D))
+    k = jax.random.normal(ks[1], (L, B, HKV, N, D))
+    v = jax.random.normal(ks[2], (L, B, HKV, N, D))
+    idx = _indices(1, K=9, used=6)
+    lengths = jnp.array([150, 231], jnp.int32)
+    heat = jax.random.uniform(ks[3], (L, B, HKV, N // BS))
+    args = (q, k, v, jnp.int32(-1), idx, lengths, heat)
+    want_o, want_h = reference.sparse_decode_heat_reference(*args, block_size=BS)
+    o, h = gpu.sparse_decode_heat_gpu(*args, block_size=BS, interpret=True,
+                                      config=gpu.sgpu.DecodeConfig(block_k=16, num_splits=3))
+    np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(h, want_h, rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(want_h - heat).max()) > 0  # the mass really moved the heat

@@ -334,3 +334,19 @@ def test_tsa_kascade(params, tmp_path):
 def test_kv_union_with_an_inner_method_is_an_error():
     with pytest.raises(ValueError, match="kv_union"):
         TSA(selection="kv_union", inner=_kascade(), **SMALL)
+
+
+def test_kv_union_capacity_holds_the_largest_union():
+    """The compressed capacity is chosen by the largest union, not by the per-head count: here every count
+    fits the 128 bucket but a union does not, and the layer still equals the masked reference of the unions."""
+    q, k, v = _qkv(1)
+    lengths = jnp.asarray([256, 203], jnp.int32)
+    m = TSA(tau=0.5, selection="kv_union", capacity_buckets=4, **SMALL)  # capacities (128, 256)
+    counts, sel = jax.jit(m.select)(q, k, lengths)
+    sizes = np.asarray(sel.keep).sum(-1)
+    assert int(np.max(counts)) <= 128 < int(sizes.max())
+    out, _ = jax.jit(m.prefill)(_ctx(lengths), q, k, v, m.init_state(CFG, 2, 256))
+    want = masked_attention_reference(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+                                      masked_reference_mask(sel, HQ))
+    for b, n in enumerate(np.asarray(lengths)):
+        np.testing.assert_allclose(out[b, :n], want[b, :n], rtol=1e-5, atol=1e-5)
