@@ -371,10 +371,10 @@ class EvoSparse:
 
     def start(self, cfg, state, phase, batch, q_len, kv_len):
         """Decode: an empty retrieval set; for one new token (q_len 1) also the heat's decay, h <- lambda * h, of
-        every sparse layer at once, so that each sparse layer only adds its mass in place (`sparse_decode_heat`). The
-        selection of the step sees lambda * h instead of h: the same order (up to rounding ties, none for the
-        default lambda 0.5), so the same blocks. Rows of a
-        q_len > 1 decode are decayed and updated row by row inside each layer (`heat_update`)."""
+        every sparse layer at once, so that each sparse layer only adds its mass in place (`sparse_decode_heat`).
+        The selection of the step sees lambda * h instead of h: the same order (up to rounding ties, none for
+        the default lambda 0.5), so the same blocks. Rows of a q_len > 1 decode are decayed and updated row by
+        row inside each layer (`heat_update`)."""
         if phase != "decode":
             return state
         state = state.replace(heat_cand=None)  # candidates belong to one forward (`start_rows` adds them)
@@ -393,13 +393,13 @@ class EvoSparse:
         does not change before that layer runs, so the blocks are exactly those of the per-layer search."""
         if phase != "decode" or q_len != 1 or not self.uses_heat or state.heat is None:
             return state
-        N = state.heat.shape[-1] * self.block_size
-        if self.widths(N)["heat"] > CAND_LIMIT:  # too many candidates to rank pairwise: search each row
+        width = self.widths(state.heat.shape[-1] * self.block_size)["heat"]
+        if width > CAND_LIMIT:  # too many candidates to rank pairwise: search each row
             return state
         pos = lengths.astype(jnp.int32) - 1
         _, nbv, (n_s, n_l, n_r, n_h) = self._row_budget(pos)
         k = n_h + n_r if self.uses_retrieval else n_h
-        cand = heat_candidates(state.heat, n_s, nbv - n_l, k, self.widths(N)["heat"])
+        cand = heat_candidates(state.heat, n_s, nbv - n_l, k, width)
         return state.replace(heat_cand=cand)
 
     def finish(self, state, phase):

@@ -101,8 +101,7 @@ def _block_max_kernel(lay_ref, kvh_ref, hm_ref, pos_ref, lo_ref, hi_ref, q_ref, 
     hi_ref i32[1] the row's position and middle range; q_ref [Hq, D] the row's queries; k_ref [L, Hkv, N, D]
     every layer and KV head of batch row b; o_ref f32[nb] the row's block scores (this program writes its cb).
     """
-    layer = lay_ref[0]
-    layer = jnp.clip(jnp.where(layer < 0, layer + L, layer), 0, L - 1)
+    layer = layer_index(lay_ref[0], L)
     s = pl.program_id(2)
     lim, lo, hi = jnp.minimum(pos_ref[0], N - 1), lo_ref[0], hi_ref[0]
     blk = s * cb + jnp.arange(cb, dtype=jnp.int32)
@@ -199,8 +198,7 @@ def _finish_heat_kernel(lay_ref, idx_ref, o_ref, m_ref, l_ref, el_ref, em_ref, n
     [S, rows, ...] tensor (gathers by index arrays), so the program waits on a few memory round trips, not on
     a chain of them per split; only the first next_pow2(G) rows are loaded (the partials' padding rows were
     never written) and rows past G are masked."""
-    layer = lay_ref[0]
-    layer = jnp.clip(jnp.where(layer < 0, layer + L, layer), 0, L - 1)
+    layer = layer_index(lay_ref[0], L)
     gq, sp = max(2, pl.next_power_of_2(G)), max(2, pl.next_power_of_2(S))
     d = o_ref.shape[-1]
     Ep = max(16, pl.next_power_of_2(E))
@@ -253,7 +251,7 @@ def sparse_decode_heat_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
 
     Args:
       q: [B, 1, Hq, D]; k_all, v_all: [L, B, Hkv, N, D]; layer: i32[]; indices: int32[B, Hkv, 1, K] (valid
-      entries unique per row); lengths: int32[B]; heat: f32[Lh, B, Hkv, N // block_size]; heat_layer: i32[] the
+      entries unique and ascending per row, then -1); lengths: int32[B]; heat: f32[Lh, B, Hkv, N // block_size]; heat_layer: i32[] the
       heat row to update (None: `layer`).
 
     Returns:
@@ -320,8 +318,7 @@ def _select_blocks_kernel(ns_ref, hi_ref, nbv_ref, count_ref, full_ref, lay_ref,
         cand = vis & middle & jnp.logical_not(in_ret)
         n_cand = jnp.sum(cand.astype(jnp.int32))
         kk = jnp.minimum(jnp.clip(count, 0, heat_width), n_cand)
-        layer = lay_ref[0]
-        layer = jnp.clip(jnp.where(layer < 0, layer + L, layer), 0, L - 1)
+        layer = layer_index(lay_ref[0], L)
         x = plgpu.load(heat_ref.at[layer, pl.ds(0, P)], mask=blk < nb, other=0.0)
         key = jnp.where(cand, float_keys(x), INT_MIN)
         blk = jnp.arange(P, dtype=jnp.int32)  # recomputed after the search rather than kept live
@@ -400,8 +397,7 @@ def _select_cand_kernel(ns_ref, hi_ref, nbv_ref, count_ref, full_ref, lay_ref, r
     heat candidates of every layer); heat f32[L, nb]; o i32[width]. Pairwise ranks over the candidates (no
     search over the row): the `count` hottest outside the retrieval set, then the union written ascending."""
     n_s, hi, nbv, count, full = (r[0] for r in (ns_ref, hi_ref, nbv_ref, count_ref, full_ref))
-    layer = lay_ref[0]
-    layer = jnp.clip(jnp.where(layer < 0, layer + L, layer), 0, L - 1)
+    layer = layer_index(lay_ref[0], L)
     i32 = jnp.int32
     cp, rp = max(16, next_pow2(wc)), max(16, next_pow2(wr))
     c = jnp.arange(cp, dtype=i32)

@@ -64,9 +64,9 @@ def sparse_decode_mass_xla(q: Array, k_all: Array, v_all: Array, layer: Array, i
 
 def heat_add(heat: Array, layer: Array, idx: Array, values: Array) -> Array:
     """heat[layer] + values summed into their blocks, in place in the stacked heat f32[L, B, Hkv, nb]: idx
-    i32[B, Hkv, K] (valid entries unique and ascending, then -1: XLA is told so), values f32[B, Hkv, K]. One scatter-add of B * Hkv
-    * K entries (the -1 padding is mapped to distinct out-of-range blocks and dropped, so the indices are sorted
-    and unique as XLA is told)."""
+    i32[B, Hkv, K] (valid entries unique and ascending, then -1), values f32[B, Hkv, K]. One scatter-add of
+    B * Hkv * K entries (the -1 padding is mapped to distinct out-of-range blocks and dropped, so the indices are
+    sorted and unique, as XLA is told)."""
     B, Hkv, K = idx.shape
     nb = heat.shape[-1]
     safe = jnp.where(idx >= 0, idx, nb + jnp.arange(K, dtype=idx.dtype))

@@ -141,8 +141,7 @@ def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, e
         hm_ref, *refs = refs
         head = hm_ref[pl.program_id(1)]  # clipped to [0, Hkv) by the wrapper
     layer_ref, len_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *mass_refs = refs
-    layer = layer_ref[0]
-    layer = jnp.clip(jnp.where(layer < 0, layer + L, layer), 0, L - 1)
+    layer = layer_index(layer_ref[0], L)
     split = pl.program_id(3)
     pos = len_ref[0] - T + pl.program_id(2)
     limit = jnp.minimum(pos, N - 1)
