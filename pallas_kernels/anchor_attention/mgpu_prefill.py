@@ -1,0 +1,375 @@
+"""Mosaic GPU (Hopper, warp-specialised) kernels of the anchor prefill scoring: the lse pass and the pooling pass.
+
+The same two passes as the Triton kernels in `gpu_prefill` (same inputs, same outputs, same semantics as
+`reference.tile_scores_reference`), written for the H100 the way FlashAttention-3 writes its forward pass: one
+memory warpgroup streams operands into shared memory by TMA, two compute warpgroups each own 64 rows of the
+matmul's M side and take turns on the tensor cores (a shared "schedule" barrier), so one warpgroup's `wgmma`
+runs while the other computes its exps. Both passes are bounded by the exps of the causal half of [T, T] (as
+many as a dense causal attention) and by Q.K^T (half a dense attention's FLOPs); the Triton versions serialise
+the two inside each program, these overlap them.
+
+  * `prefill_lse_mgpu`: grid (Hq, T / 128, B). A CTA takes 128 query rows of one head (64 per compute
+    warpgroup), streams the KV head's keys up to its diagonal `block_kv` at a time and keeps an online max and
+    sum of exp2; writes each row's natural-log logsumexp f32[B, Hq, T].
+  * `tile_scores_mgpu`: grid (Hkv, T / 128, B). A CTA takes 128 keys of one KV head (64 per compute
+    warpgroup) and streams, for every later query tile (128 rows) and every query head of the GQA group in
+    turn, the tile's queries and their lse; it computes the transposed logits [64 keys, 128 rows], sums
+    exp2(s - lse) over the rows and the group's heads and writes the tile's 64 pooled values. The keys at and
+    after each tile's start (the upper triangle) are set to -inf afterwards by one XLA select.
+
+Requirements (`mgpu_supported`): a CUDA device of compute capability 9.x, bf16 or f16, head_dim a multiple of 64,
+tile 128; T is padded to a multiple of 128 here. `gpu_prefill.tile_scores_gpu` picks these kernels when they
+apply (`PrefillScoresConfig.mosaic`), the Triton ones otherwise. There is no interpreter for these kernels: CI
+checks that they lower for CUDA, and the committed GPU check run compares them with the references.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.anchor_attention.common import default_scale
+
+Array = jax.Array
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+ROWS = 64  # rows of one compute warpgroup's wgmma (its M side)
+TILE = 2 * ROWS  # rows (lse pass) or keys (pooling pass) per CTA; also the only query tile the pooling pass takes
+
+
+def mgpu_supported(q: Array, tile: int | None = None) -> bool:
+    """Whether the Mosaic GPU kernels take these operands on the default device (Hopper, bf16/f16, D % 64 == 0,
+    tile 128)."""
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or q.shape[-1] % 64:
+        return False
+    if tile is not None and tile != TILE:
+        return False
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return False
+    cc = getattr(dev, "compute_capability", None)
+    return dev.platform == "gpu" and isinstance(cc, str) and cc.startswith("9")
+
+
+def _check(q: Array, k: Array, block_kv: int, stages: int) -> None:
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or k.dtype != q.dtype:
+        raise ValueError(f"the Mosaic GPU scoring kernels take bf16 or f16 q and k (got {q.dtype}, {k.dtype})")
+    if q.shape[-1] % 64:
+        raise ValueError(f"head_dim D={q.shape[-1]}: the Mosaic GPU scoring kernels need a multiple of 64")
+    if block_kv not in (64, 128):
+        raise ValueError(f"block_kv={block_kv}: expected 64 or 128")
+    if stages < 2:
+        raise ValueError(f"stages={stages}: expected at least 2")
+
+
+def _pad_rows(x: Array, Tp: int) -> Array:
+    T = x.shape[1]
+    return x if Tp == T else jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
+
+
+def _interpret(interpret: bool):
+    """The Mosaic GPU interpreter (CPU: simulated shared memory, warpgroups, barriers and TMA) or None."""
+    return plgpu.InterpretGPUParams() if interpret else None
+
+
+def _smem_transforms():
+    return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "stages", "schedule", "interpret"))
+def prefill_lse_mgpu(q: Array, k: Array, *, scale: float | None = None, block_kv: int = 128, stages: int = 4,
+                     schedule: bool = True, interpret: bool = False) -> Array:
+    """Causal logsumexp of every query row (as `gpu_prefill.prefill_lse_gpu`).
+
+    Args:
+      q: [B, T, Hq, D]; k: [B, T, Hkv, D] (bf16 or f16); scale: None divides by sqrt(D).
+      block_kv: keys per pipeline step (64 or 128); stages: K buffers in flight; schedule: the two compute
+        warpgroups take turns on the tensor cores.
+
+    Returns:
+      f32[B, Hq, T], natural log of the scaled scores' sum of exp.
+    """
+    _check(q, k, block_kv, stages)
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    Tp = pl.cdiv(T, max(TILE, block_kv)) * max(TILE, block_kv)
+    q, k = _pad_rows(q, Tp), _pad_rows(k, Tp)
+    nq = Tp // TILE
+    c = default_scale(D, scale) * LOG2E
+    dtype = q.dtype
+    S = min(stages, Tp // block_kv)
+
+    def kernel(q_ref, k_ref, lse_ref, q_smem2, k_smem, lse_smem2, k_ready, q_ready, k_free, sched):
+        b = lax.axis_index("batch")
+        h = lax.axis_index("heads")
+        wg = lax.axis_index("wg")
+        qi = nq - 1 - lax.axis_index("q_seq")  # the costliest query tiles first
+        cta_steps = pl.cdiv((qi + 1) * TILE, jnp.array(block_kv, jnp.int32))
+
+        def turn():
+            if schedule:
+                plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(sched)
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            q_smem = q_smem2.at[wg]
+            base = qi * TILE + wg * ROWS
+            steps = pl.cdiv(base + ROWS, jnp.array(block_kv, jnp.int32))
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(base, ROWS), h], q_smem, q_ready.at[wg])
+            plgpu.barrier_wait(q_ready.at[wg])
+            m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            plgpu.barrier_wait(k_ready.at[0])
+            pl.when(wg == 1)(turn)
+
+            def step(i, carry, masked: bool):
+                m, l = carry
+                slot = lax.rem(i, jnp.array(S, i.dtype))
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                    turn()
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                s = s * c
+                if masked:
+                    rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 0, layout=plgpu.Layout.WGMMA)
+                    cols = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
+                    s = jnp.where(rows + base >= cols + i * block_kv, s, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l = l * jnp.exp2(m - m_new) + p.sum(axis=1)
+                turn()
+                nxt = i + 1
+
+                @pl.when(nxt < steps)
+                def _():
+                    plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.array(S, i.dtype))])
+
+                return m_new, l
+
+            full = lax.div(base, jnp.array(block_kv, jnp.int32))
+            carry = lax.fori_loop(0, full, functools.partial(step, masked=False), (m, l))
+            m, l = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
+
+            def drain(i, _):  # steps the other warpgroup still runs: release their buffers, keep the turns
+                slot = lax.rem(i, jnp.array(S, i.dtype))
+                plgpu.barrier_wait(k_ready.at[slot])
+                plgpu.barrier_arrive(k_free.at[slot])
+                turn()
+                turn()
+
+            lax.fori_loop(steps, cta_steps, drain, None)
+            pl.when(wg == 0)(turn)
+            lse_smem = lse_smem2.at[wg]
+            lse_smem[...] = (m + jnp.log(l) * LOG2E) * LN2
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(base, ROWS)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            kh = lax.div(h, jnp.array(G, h.dtype))
+            for i in range(S):
+                @pl.when(i < cta_steps)
+                def _(i=i):
+                    plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(i * block_kv, block_kv), kh], k_smem.at[i],
+                                            k_ready.at[i])
+
+            @pl.loop(0, cta_steps - S)
+            def _(i):
+                slot = lax.rem(i, jnp.array(S, i.dtype))
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds((i + S) * block_kv, block_kv), kh], k_smem.at[slot],
+                                        k_ready.at[slot])
+
+            @pl.loop(jnp.maximum(cta_steps - S, 0), cta_steps)
+            def _(i):  # the last buffers' release (nothing waits on it otherwise)
+                plgpu.barrier_wait(k_free.at[lax.rem(i, jnp.array(S, i.dtype))])
+
+    tiling, swizzle = _smem_transforms()
+    lse = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((B, Hq, Tp), jnp.float32),
+        scratch_types=[
+            plgpu.SMEM((2, ROWS, D), dtype, transforms=(tiling, swizzle)),
+            plgpu.SMEM((S, block_kv, D), dtype, transforms=(tiling, swizzle)),
+            plgpu.SMEM((2, ROWS), jnp.float32),
+            plgpu.Barrier(num_barriers=S),
+            plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(num_arrivals=2, num_barriers=S),
+            plgpu.Barrier(num_arrivals=2),
+        ],
+        grid=(Hq, nq, B),
+        grid_names=("heads", "q_seq", "batch"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        kernel_name="anchor_prefill_lse_mgpu", interpret=_interpret(interpret),
+    )(q, k)
+    return lse[:, :, :T]
+
+
+@functools.partial(jax.jit, static_argnames=("tile", "scale", "stages", "schedule", "interpret"))
+def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = TILE, scale: float | None = None,
+                     stages: int = 3, schedule: bool = True, interpret: bool = False) -> Array:
+    """Tile-pooled causal scores (as `gpu_prefill.tile_scores_gpu`) given every row's logsumexp.
+
+    Args:
+      q: [B, T, Hq, D]; k: [B, T, Hkv, D] (bf16 or f16); lse: f32[B, Hq, T] natural-log logsumexp of the
+        scaled causal scores (`prefill_lse_mgpu` or a dense attention's); tile: must be 128.
+      stages: query buffers in flight; schedule: the two compute warpgroups take turns on the tensor cores.
+
+    Returns:
+      f32[B, Hkv, ceil(T / 128), T]: -inf at and after each tile's first position.
+    """
+    if tile != TILE:
+        raise ValueError(f"tile={tile}: the Mosaic GPU pooling kernel takes tile {TILE} only")
+    _check(q, k, 64, stages)
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    nt = pl.cdiv(T, TILE)
+    Tp = nt * TILE
+    q, k = _pad_rows(q, Tp), _pad_rows(k, Tp)
+    # exp2(c s - lse2): rows past T get +inf and add nothing
+    lse2 = jnp.pad(lse.astype(jnp.float32) * LOG2E, ((0, 0), (0, 0), (0, Tp - T)), constant_values=jnp.inf)
+    c = default_scale(D, scale) * LOG2E
+    dtype = q.dtype
+    S = stages
+
+    def kernel(q_ref, k_ref, lse_ref, o_ref, k_smem2, q_smem, lse_smem, o_smem, k_ready, q_ready, l_ready,
+               q_free, sched):
+        b = lax.axis_index("batch")
+        kh = lax.axis_index("heads")
+        wg = lax.axis_index("wg")
+        kb = lax.axis_index("kv_seq")  # the key block; tiles kb + 1 .. nt - 1 see all of its keys
+        tiles = nt - 1 - kb
+        n_steps = tiles * G
+
+        def turn():
+            if schedule:
+                plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(sched)
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            k_smem = k_smem2.at[wg]
+            base = kb * TILE + wg * ROWS
+            plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(base, ROWS), kh], k_smem, k_ready.at[wg])
+            plgpu.barrier_wait(k_ready.at[wg])
+
+            @pl.when(tiles > 0)
+            def _():
+                plgpu.barrier_wait(q_ready.at[0])
+                plgpu.barrier_wait(l_ready.at[0])
+                pl.when(wg == 1)(turn)
+
+            def tile_body(j, _):
+                acc = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+                for g in range(G):
+                    i = j * G + g
+                    slot = lax.rem(i, jnp.array(S, i.dtype))
+
+                    def qk(acc_ref):
+                        plgpu.wgmma(acc_ref, k_smem, q_smem.at[slot].transpose((1, 0)))
+                        turn()
+                        return acc_ref[...]
+
+                    s_t = pl.run_scoped(qk, plgpu.ACC((ROWS, TILE), jnp.float32))  # [keys, rows]
+                    lse_t = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                    plgpu.barrier_arrive(q_free.at[slot])
+                    p = jnp.exp2(s_t * c - lax.broadcast_in_dim(lse_t, s_t.shape, [1]))
+                    acc = acc + p.sum(axis=1)
+                    turn()
+                    nxt = i + 1
+
+                    @pl.when(nxt < n_steps)
+                    def _():
+                        ns = lax.rem(nxt, jnp.array(S, i.dtype))
+                        plgpu.barrier_wait(q_ready.at[ns])
+                        plgpu.barrier_wait(l_ready.at[ns])
+
+                par = lax.rem(j, jnp.array(2, j.dtype))
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the copy out of this buffer two tiles ago
+                o_smem.at[wg, par][...] = acc
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[wg, par], o_ref.at[b, kh, kb + 1 + j, pl.ds(base, ROWS)])
+                return None
+
+            lax.fori_loop(0, tiles, tile_body, None)
+
+            @pl.when(tiles > 0)
+            def _():
+                pl.when(wg == 0)(turn)
+
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def load(i, slot):
+                t = kb + 1 + lax.div(i, jnp.array(G, i.dtype))
+                h = kh * G + lax.rem(i, jnp.array(G, i.dtype))
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(t * TILE, TILE), h], q_smem.at[slot], q_ready.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[b, h, pl.ds(t * TILE, TILE)], lse_smem.at[slot],
+                                        l_ready.at[slot])
+
+            for i in range(S):
+                @pl.when(i < n_steps)
+                def _(i=i):
+                    load(jnp.int32(i), i)
+
+            @pl.loop(0, n_steps - S)
+            def _(i):
+                slot = lax.rem(i, jnp.array(S, i.dtype))
+                plgpu.barrier_wait(q_free.at[slot])
+                load(i + S, slot)
+
+            @pl.loop(jnp.maximum(n_steps - S, 0), n_steps)
+            def _(i):  # the last buffers' release (nothing waits on it otherwise)
+                plgpu.barrier_wait(q_free.at[lax.rem(i, jnp.array(S, i.dtype))])
+
+    tiling, swizzle = _smem_transforms()
+    out = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((B, Hkv, nt, Tp), jnp.float32),
+        scratch_types=[
+            plgpu.SMEM((2, ROWS, D), dtype, transforms=(tiling, swizzle)),
+            plgpu.SMEM((S, TILE, D), dtype, transforms=(tiling, swizzle)),
+            plgpu.SMEM((S, TILE), jnp.float32),
+            plgpu.SMEM((2, 2, ROWS), jnp.float32),
+            plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(num_barriers=S),
+            plgpu.Barrier(num_barriers=S),
+            plgpu.Barrier(num_arrivals=2, num_barriers=S),
+            plgpu.Barrier(num_arrivals=2),
+        ],
+        grid=(Hkv, nt, B),
+        grid_names=("heads", "kv_seq", "batch"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        kernel_name="anchor_prefill_pool_mgpu", interpret=_interpret(interpret),
+    )(q, k, lse2)
+    before = jnp.arange(Tp, dtype=jnp.int32)[None, :] < (jnp.arange(nt, dtype=jnp.int32) * TILE)[:, None]
+    return jnp.where(before, out, -jnp.inf)[..., :T]
+
+
+__all__ = ["mgpu_supported", "prefill_lse_mgpu", "tile_scores_mgpu"]
