@@ -59,7 +59,7 @@ def mgpu_supported(q: Array, tile: int | None = None) -> bool:
     return dev.platform == "gpu" and isinstance(cc, str) and cc.startswith("9")
 
 
-def _check(q: Array, k: Array, block_kv: int, stages: int) -> None:
+def _check(q: Array, k: Array, block_kv: int, stages: int, rows: int) -> None:
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or k.dtype != q.dtype:
         raise ValueError(f"the Mosaic GPU scoring kernels take bf16 or f16 q and k (got {q.dtype}, {k.dtype})")
     if q.shape[-1] % 64:
@@ -68,6 +68,8 @@ def _check(q: Array, k: Array, block_kv: int, stages: int) -> None:
         raise ValueError(f"block_kv={block_kv}: expected 64 or 128")
     if stages < 2:
         raise ValueError(f"stages={stages}: expected at least 2")
+    if rows not in (64, 128):
+        raise ValueError(f"rows={rows}: expected 64 or 128")
 
 
 def _pad_rows(x: Array, Tp: int) -> Array:
@@ -84,26 +86,27 @@ def _smem_transforms():
     return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "stages", "schedule", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "stages", "schedule", "rows", "interpret"))
 def prefill_lse_mgpu(q: Array, k: Array, *, scale: float | None = None, block_kv: int = 128, stages: int = 4,
-                     schedule: bool = True, interpret: bool = False) -> Array:
+                     schedule: bool = False, rows: int = ROWS, interpret: bool = False) -> Array:
     """Causal logsumexp of every query row (as `gpu_prefill.prefill_lse_gpu`).
 
     Args:
       q: [B, T, Hq, D]; k: [B, T, Hkv, D] (bf16 or f16); scale: None divides by sqrt(D).
       block_kv: keys per pipeline step (64 or 128); stages: K buffers in flight; schedule: the two compute
-        warpgroups take turns on the tensor cores.
+        warpgroups take turns on the tensor cores; rows: query rows per compute warpgroup (64 or 128).
 
     Returns:
       f32[B, Hq, T], natural log of the scaled scores' sum of exp.
     """
-    _check(q, k, block_kv, stages)
+    _check(q, k, block_kv, stages, rows)
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv
-    Tp = pl.cdiv(T, max(TILE, block_kv)) * max(TILE, block_kv)
+    cta = 2 * rows
+    Tp = pl.cdiv(T, max(cta, block_kv)) * max(cta, block_kv)
     q, k = _pad_rows(q, Tp), _pad_rows(k, Tp)
-    nq = Tp // TILE
+    nq = Tp // cta
     c = default_scale(D, scale) * LOG2E
     dtype = q.dtype
     S = min(stages, Tp // block_kv)
@@ -113,7 +116,7 @@ def prefill_lse_mgpu(q: Array, k: Array, *, scale: float | None = None, block_kv
         h = lax.axis_index("heads")
         wg = lax.axis_index("wg")
         qi = nq - 1 - lax.axis_index("q_seq")  # the costliest query tiles first
-        cta_steps = pl.cdiv((qi + 1) * TILE, jnp.array(block_kv, jnp.int32))
+        cta_steps = pl.cdiv((qi + 1) * cta, jnp.array(block_kv, jnp.int32))
 
         def turn():
             if schedule:
@@ -124,12 +127,12 @@ def prefill_lse_mgpu(q: Array, k: Array, *, scale: float | None = None, block_kv
         def _compute():
             plgpu.set_max_registers(232, action="increase")
             q_smem = q_smem2.at[wg]
-            base = qi * TILE + wg * ROWS
-            steps = pl.cdiv(base + ROWS, jnp.array(block_kv, jnp.int32))
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(base, ROWS), h], q_smem, q_ready.at[wg])
+            base = qi * cta + wg * rows
+            steps = pl.cdiv(base + rows, jnp.array(block_kv, jnp.int32))
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(base, rows), h], q_smem, q_ready.at[wg])
             plgpu.barrier_wait(q_ready.at[wg])
-            m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-            l = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            m = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l = plgpu.layout_cast(jnp.full((rows,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             plgpu.barrier_wait(k_ready.at[0])
             pl.when(wg == 1)(turn)
 
@@ -142,16 +145,16 @@ def prefill_lse_mgpu(q: Array, k: Array, *, scale: float | None = None, block_kv
                     turn()
                     return acc_ref[...]
 
-                s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
+                s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                s = s * c
                 if masked:
-                    rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 0, layout=plgpu.Layout.WGMMA)
-                    cols = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
-                    s = jnp.where(rows + base >= cols + i * block_kv, s, -jnp.inf)
+                    r = plgpu.broadcasted_iota(jnp.int32, (rows, block_kv), 0, layout=plgpu.Layout.WGMMA)
+                    col = plgpu.broadcasted_iota(jnp.int32, (rows, block_kv), 1, layout=plgpu.Layout.WGMMA)
+                    s = jnp.where(r + base >= col + i * block_kv, s, -jnp.inf)
+                # m in units of the raw logits, so that c * s - c * m is one FMA per entry
                 m_new = jnp.maximum(m, s.max(axis=1))
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                l = l * jnp.exp2(m - m_new) + p.sum(axis=1)
+                p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new * c, s.shape, [0]))
+                l = l * jnp.exp2((m - m_new) * c) + p.sum(axis=1)
                 turn()
                 nxt = i + 1
 
@@ -175,9 +178,9 @@ def prefill_lse_mgpu(q: Array, k: Array, *, scale: float | None = None, block_kv
             lax.fori_loop(steps, cta_steps, drain, None)
             pl.when(wg == 0)(turn)
             lse_smem = lse_smem2.at[wg]
-            lse_smem[...] = (m + jnp.log(l) * LOG2E) * LN2
+            lse_smem[...] = m * (c * LN2) + jnp.log(l)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(base, ROWS)])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(base, rows)])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 2)
@@ -206,9 +209,9 @@ def prefill_lse_mgpu(q: Array, k: Array, *, scale: float | None = None, block_kv
         kernel,
         out_type=jax.ShapeDtypeStruct((B, Hq, Tp), jnp.float32),
         scratch_types=[
-            plgpu.SMEM((2, ROWS, D), dtype, transforms=(tiling, swizzle)),
+            plgpu.SMEM((2, rows, D), dtype, transforms=(tiling, swizzle)),
             plgpu.SMEM((S, block_kv, D), dtype, transforms=(tiling, swizzle)),
-            plgpu.SMEM((2, ROWS), jnp.float32),
+            plgpu.SMEM((2, rows), jnp.float32),
             plgpu.Barrier(num_barriers=S),
             plgpu.Barrier(num_barriers=2),
             plgpu.Barrier(num_arrivals=2, num_barriers=S),
@@ -224,27 +227,29 @@ def prefill_lse_mgpu(q: Array, k: Array, *, scale: float | None = None, block_kv
     return lse[:, :, :T]
 
 
-@functools.partial(jax.jit, static_argnames=("tile", "scale", "stages", "schedule", "interpret"))
+@functools.partial(jax.jit, static_argnames=("tile", "scale", "stages", "schedule", "rows", "interpret"))
 def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = TILE, scale: float | None = None,
-                     stages: int = 3, schedule: bool = True, interpret: bool = False) -> Array:
+                     stages: int = 2, schedule: bool = True, rows: int = ROWS, interpret: bool = False) -> Array:
     """Tile-pooled causal scores (as `gpu_prefill.tile_scores_gpu`) given every row's logsumexp.
 
     Args:
       q: [B, T, Hq, D]; k: [B, T, Hkv, D] (bf16 or f16); lse: f32[B, Hq, T] natural-log logsumexp of the
         scaled causal scores (`prefill_lse_mgpu` or a dense attention's); tile: must be 128.
-      stages: query buffers in flight; schedule: the two compute warpgroups take turns on the tensor cores.
+      stages: query buffers in flight; schedule: the two compute warpgroups take turns on the tensor cores;
+        rows: keys per compute warpgroup (64 or 128).
 
     Returns:
       f32[B, Hkv, ceil(T / 128), T]: -inf at and after each tile's first position.
     """
     if tile != TILE:
         raise ValueError(f"tile={tile}: the Mosaic GPU pooling kernel takes tile {TILE} only")
-    _check(q, k, 64, stages)
+    _check(q, k, 64, stages, rows)
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv
-    nt = pl.cdiv(T, TILE)
-    Tp = nt * TILE
+    cta = 2 * rows
+    Tp = pl.cdiv(T, cta) * cta
+    nt = Tp // TILE
     q, k = _pad_rows(q, Tp), _pad_rows(k, Tp)
     # exp2(c s - lse2): rows past T get +inf and add nothing
     lse2 = jnp.pad(lse.astype(jnp.float32) * LOG2E, ((0, 0), (0, 0), (0, Tp - T)), constant_values=jnp.inf)
@@ -257,8 +262,9 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = TILE, scale:
         b = lax.axis_index("batch")
         kh = lax.axis_index("heads")
         wg = lax.axis_index("wg")
-        kb = lax.axis_index("kv_seq")  # the key block; tiles kb + 1 .. nt - 1 see all of its keys
-        tiles = nt - 1 - kb
+        kb = lax.axis_index("kv_seq")  # the key block [kb * cta, (kb + 1) * cta)
+        first = kb * (cta // TILE) + 1  # the first tile that starts after some of its keys
+        tiles = nt - first
         n_steps = tiles * G
 
         def turn():
@@ -270,8 +276,8 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = TILE, scale:
         def _compute():
             plgpu.set_max_registers(232, action="increase")
             k_smem = k_smem2.at[wg]
-            base = kb * TILE + wg * ROWS
-            plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(base, ROWS), kh], k_smem, k_ready.at[wg])
+            base = kb * cta + wg * rows
+            plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(base, rows), kh], k_smem, k_ready.at[wg])
             plgpu.barrier_wait(k_ready.at[wg])
 
             @pl.when(tiles > 0)
@@ -281,7 +287,7 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = TILE, scale:
                 pl.when(wg == 1)(turn)
 
             def tile_body(j, _):
-                acc = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+                acc = plgpu.layout_cast(jnp.full((rows,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
                 for g in range(G):
                     i = j * G + g
                     slot = lax.rem(i, jnp.array(S, i.dtype))
@@ -291,7 +297,7 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = TILE, scale:
                         turn()
                         return acc_ref[...]
 
-                    s_t = pl.run_scoped(qk, plgpu.ACC((ROWS, TILE), jnp.float32))  # [keys, rows]
+                    s_t = pl.run_scoped(qk, plgpu.ACC((rows, TILE), jnp.float32))  # [keys, query rows]
                     lse_t = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
                     plgpu.barrier_arrive(q_free.at[slot])
                     p = jnp.exp2(s_t * c - lax.broadcast_in_dim(lse_t, s_t.shape, [1]))
@@ -309,7 +315,8 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = TILE, scale:
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the copy out of this buffer two tiles ago
                 o_smem.at[wg, par][...] = acc
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[wg, par], o_ref.at[b, kh, kb + 1 + j, pl.ds(base, ROWS)])
+                # (keys at or after the tile's start, in its first tile, are overwritten by -inf below)
+                plgpu.copy_smem_to_gmem(o_smem.at[wg, par], o_ref.at[b, kh, first + j, pl.ds(base, rows)])
                 return None
 
             lax.fori_loop(0, tiles, tile_body, None)
@@ -325,7 +332,7 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = TILE, scale:
             plgpu.set_max_registers(40, action="decrease")
 
             def load(i, slot):
-                t = kb + 1 + lax.div(i, jnp.array(G, i.dtype))
+                t = first + lax.div(i, jnp.array(G, i.dtype))
                 h = kh * G + lax.rem(i, jnp.array(G, i.dtype))
                 plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(t * TILE, TILE), h], q_smem.at[slot], q_ready.at[slot])
                 plgpu.copy_gmem_to_smem(lse_ref.at[b, h, pl.ds(t * TILE, TILE)], lse_smem.at[slot],
@@ -351,17 +358,17 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = TILE, scale:
         kernel,
         out_type=jax.ShapeDtypeStruct((B, Hkv, nt, Tp), jnp.float32),
         scratch_types=[
-            plgpu.SMEM((2, ROWS, D), dtype, transforms=(tiling, swizzle)),
+            plgpu.SMEM((2, rows, D), dtype, transforms=(tiling, swizzle)),
             plgpu.SMEM((S, TILE, D), dtype, transforms=(tiling, swizzle)),
             plgpu.SMEM((S, TILE), jnp.float32),
-            plgpu.SMEM((2, 2, ROWS), jnp.float32),
+            plgpu.SMEM((2, 2, rows), jnp.float32),
             plgpu.Barrier(num_barriers=2),
             plgpu.Barrier(num_barriers=S),
             plgpu.Barrier(num_barriers=S),
             plgpu.Barrier(num_arrivals=2, num_barriers=S),
             plgpu.Barrier(num_arrivals=2),
         ],
-        grid=(Hkv, nt, B),
+        grid=(Hkv, Tp // cta, B),
         grid_names=("heads", "kv_seq", "batch"),
         num_threads=3,
         thread_name="wg",
@@ -369,7 +376,7 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = TILE, scale:
         kernel_name="anchor_prefill_pool_mgpu", interpret=_interpret(interpret),
     )(q, k, lse2)
     before = jnp.arange(Tp, dtype=jnp.int32)[None, :] < (jnp.arange(nt, dtype=jnp.int32) * TILE)[:, None]
-    return jnp.where(before, out, -jnp.inf)[..., :T]
+    return jnp.where(before, out, -jnp.inf)[:, :, :pl.cdiv(T, TILE), :T]
 
 
 __all__ = ["mgpu_supported", "prefill_lse_mgpu", "tile_scores_mgpu"]
