@@ -83,16 +83,19 @@ def main(argv=None) -> None:
     rec("dense_cudnn_causal", jax.jit(dense_prefill), q, k, v, flops=2 * qk_flops)
     rec("lse_triton", jax.jit(tri.prefill_lse_gpu), q, k)
     lse = jax.jit(tri.prefill_lse_gpu)(q, k)
-    for bkv, st, sch, rows in ((128, 4, False, 64), (128, 4, False, 128), (128, 4, True, 128), (64, 4, False, 128),
-                               (128, 2, False, 128)):
-        rec(f"lse_mgpu[bkv{bkv},s{st},rows{rows}{',sched' if sch else ''}]",
-            jax.jit(lambda q, k, b=bkv, s=st, c=sch, r=rows: mg.prefill_lse_mgpu(q, k, block_kv=b, stages=s,
-                                                                                 schedule=c, rows=r)), q, k)
+    lse_variants = ((128, 4, False, 64, True), (128, 4, True, 64, True), (64, 4, False, 128, True),
+                    (64, 4, True, 128, True), (128, 4, False, 128, True), (128, 4, True, 128, False))
+    for bkv, st, sch, rows, ov in lse_variants:
+        rec(f"lse_mgpu[bkv{bkv},s{st},rows{rows}{',sched' if sch else ''}{'' if ov else ',no_overlap'}]",
+            jax.jit(lambda q, k, b=bkv, s=st, c=sch, r=rows, o=ov: mg.prefill_lse_mgpu(
+                q, k, block_kv=b, stages=s, schedule=c, rows=r, overlap=o)), q, k)
     rec("pool_triton", jax.jit(lambda q, k, l: tri.tile_scores_gpu(q, k, tile=128, lse=l)), q, k, lse)
-    for st, sch, rows in ((2, True, 64), (2, True, 128), (3, True, 128), (2, False, 128)):
-        rec(f"pool_mgpu[s{st},rows{rows}{'' if sch else ',nosched'}]",
-            jax.jit(lambda q, k, l, s=st, c=sch, r=rows: mg.tile_scores_mgpu(q, k, l, stages=s, schedule=c, rows=r)),
-            q, k, lse)
+    pool_variants = ((2, True, 64, True), (2, False, 64, True), (3, True, 64, True), (2, True, 128, True),
+                     (2, True, 128, False))
+    for st, sch, rows, ov in pool_variants:
+        rec(f"pool_mgpu[s{st},rows{rows}{'' if sch else ',nosched'}{'' if ov else ',no_overlap'}]",
+            jax.jit(lambda q, k, l, s=st, c=sch, r=rows, o=ov: mg.tile_scores_mgpu(
+                q, k, l, stages=s, schedule=c, rows=r, overlap=o)), q, k, lse)
     nt = T // 128
     x = jnp.zeros((1, Hkv, nt, T), jnp.float32)
     rec("upper_triangle_select", jax.jit(lambda x: jnp.where(

@@ -86,15 +86,18 @@ def _smem_transforms():
     return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "stages", "schedule", "rows", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "stages", "schedule", "rows", "overlap",
+                                             "interpret"))
 def prefill_lse_mgpu(q: Array, k: Array, *, scale: float | None = None, block_kv: int = 128, stages: int = 4,
-                     schedule: bool = False, rows: int = ROWS, interpret: bool = False) -> Array:
+                     schedule: bool = False, rows: int = ROWS, overlap: bool = True, interpret: bool = False) -> Array:
     """Causal logsumexp of every query row (as `gpu_prefill.prefill_lse_gpu`).
 
     Args:
       q: [B, T, Hq, D]; k: [B, T, Hkv, D] (bf16 or f16); scale: None divides by sqrt(D).
       block_kv: keys per pipeline step (64 or 128); stages: K buffers in flight; schedule: the two compute
-        warpgroups take turns on the tensor cores; rows: query rows per compute warpgroup (64 or 128).
+        warpgroups take turns on the tensor cores; rows: query rows per compute warpgroup (64 or 128);
+        overlap: each warpgroup issues the next step's Q.K^T before the exps of the current one (two logit tiles
+        live in registers).
 
     Returns:
       f32[B, Hq, T], natural log of the scaled scores' sum of exp.
@@ -136,37 +139,67 @@ def prefill_lse_mgpu(q: Array, k: Array, *, scale: float | None = None, block_kv
             plgpu.barrier_wait(k_ready.at[0])
             pl.when(wg == 1)(turn)
 
-            def step(i, carry, masked: bool):
-                m, l = carry
-                slot = lax.rem(i, jnp.array(S, i.dtype))
-
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-                    turn()
-                    return acc_ref[...]
-
-                s = pl.run_scoped(qk, plgpu.ACC((rows, block_kv), jnp.float32))
-                plgpu.barrier_arrive(k_free.at[slot])
-                if masked:
-                    r = plgpu.broadcasted_iota(jnp.int32, (rows, block_kv), 0, layout=plgpu.Layout.WGMMA)
-                    col = plgpu.broadcasted_iota(jnp.int32, (rows, block_kv), 1, layout=plgpu.Layout.WGMMA)
-                    s = jnp.where(r + base >= col + i * block_kv, s, -jnp.inf)
-                # m in units of the raw logits, so that c * s - c * m is one FMA per entry
+            def update(s, m, l):  # online max and sum of exp2; m in units of the raw logits (one FMA per entry)
                 m_new = jnp.maximum(m, s.max(axis=1))
                 p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new * c, s.shape, [0]))
-                l = l * jnp.exp2((m - m_new) * c) + p.sum(axis=1)
-                turn()
-                nxt = i + 1
+                return m_new, l * jnp.exp2((m - m_new) * c) + p.sum(axis=1)
 
-                @pl.when(nxt < steps)
+            def mask(s, i):
+                r = plgpu.broadcasted_iota(jnp.int32, (rows, block_kv), 0, layout=plgpu.Layout.WGMMA)
+                col = plgpu.broadcasted_iota(jnp.int32, (rows, block_kv), 1, layout=plgpu.Layout.WGMMA)
+                return jnp.where(r + base >= col + i * block_kv, s, -jnp.inf)
+
+            def wait_next(i):
+                @pl.when(i + 1 < steps)
                 def _():
-                    plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.array(S, i.dtype))])
+                    plgpu.barrier_wait(k_ready.at[lax.rem(i + 1, jnp.array(S, i.dtype))])
 
-                return m_new, l
+            def logits(i, during=None):
+                """Issue step i's Q.K^T, run `during` (if any) while the tensor cores work, then read it."""
+                slot = lax.rem(i, jnp.array(S, i.dtype))
+
+                def body(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                    turn()
+                    extra = during() if during is not None else None
+                    return acc_ref[...], extra
+
+                s, extra = pl.run_scoped(body, plgpu.ACC((rows, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                return s, extra
 
             full = lax.div(base, jnp.array(block_kv, jnp.int32))
-            carry = lax.fori_loop(0, full, functools.partial(step, masked=False), (m, l))
-            m, l = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
+            if overlap:
+                # software pipeline: step i's exps run while the tensor cores compute step i + 1's logits
+                def ostep(i, carry, masked: bool):
+                    s_prev, m, l = carry
+                    s, (m, l) = logits(i, lambda: update(s_prev, m, l))
+                    if masked:
+                        s = mask(s, i)
+                    turn()
+                    wait_next(i)
+                    return s, m, l
+
+                i0 = jnp.int32(0)
+                s0 = mask(logits(i0)[0], i0)  # (the mask is a no-op unless step 0 holds the diagonal)
+                turn()
+                wait_next(i0)
+                lo = jnp.maximum(full, 1)
+                carry = lax.fori_loop(1, lo, functools.partial(ostep, masked=False), (s0, m, l))
+                s_last, m, l = lax.fori_loop(lo, steps, functools.partial(ostep, masked=True), carry)
+                m, l = update(s_last, m, l)
+            else:
+                def step(i, carry, masked: bool):
+                    s = logits(i)[0]
+                    if masked:
+                        s = mask(s, i)
+                    carry = update(s, *carry)
+                    turn()
+                    wait_next(i)
+                    return carry
+
+                carry = lax.fori_loop(0, full, functools.partial(step, masked=False), (m, l))
+                m, l = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
 
             def drain(i, _):  # steps the other warpgroup still runs: release their buffers, keep the turns
                 slot = lax.rem(i, jnp.array(S, i.dtype))
@@ -227,16 +260,19 @@ def prefill_lse_mgpu(q: Array, k: Array, *, scale: float | None = None, block_kv
     return lse[:, :, :T]
 
 
-@functools.partial(jax.jit, static_argnames=("tile", "scale", "stages", "schedule", "rows", "interpret"))
+@functools.partial(jax.jit, static_argnames=("tile", "scale", "stages", "schedule", "rows", "overlap",
+                                             "interpret"))
 def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = TILE, scale: float | None = None,
-                     stages: int = 2, schedule: bool = True, rows: int = ROWS, interpret: bool = False) -> Array:
+                     stages: int = 2, schedule: bool = True, rows: int = ROWS, overlap: bool = True,
+                     interpret: bool = False) -> Array:
     """Tile-pooled causal scores (as `gpu_prefill.tile_scores_gpu`) given every row's logsumexp.
 
     Args:
       q: [B, T, Hq, D]; k: [B, T, Hkv, D] (bf16 or f16); lse: f32[B, Hq, T] natural-log logsumexp of the
         scaled causal scores (`prefill_lse_mgpu` or a dense attention's); tile: must be 128.
       stages: query buffers in flight; schedule: the two compute warpgroups take turns on the tensor cores;
-        rows: keys per compute warpgroup (64 or 128).
+        rows: keys per compute warpgroup (64 or 128); overlap: each warpgroup issues the next step's logits
+        before the exps of the current one (two logit tiles live in registers).
 
     Returns:
       f32[B, Hkv, ceil(T / 128), T]: -inf at and after each tile's first position.
@@ -286,40 +322,76 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = TILE, scale:
                 plgpu.barrier_wait(l_ready.at[0])
                 pl.when(wg == 1)(turn)
 
-            def tile_body(j, _):
-                acc = plgpu.layout_cast(jnp.full((rows,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-                for g in range(G):
-                    i = j * G + g
-                    slot = lax.rem(i, jnp.array(S, i.dtype))
-
-                    def qk(acc_ref):
-                        plgpu.wgmma(acc_ref, k_smem, q_smem.at[slot].transpose((1, 0)))
-                        turn()
-                        return acc_ref[...]
-
-                    s_t = pl.run_scoped(qk, plgpu.ACC((rows, TILE), jnp.float32))  # [keys, query rows]
-                    lse_t = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                    plgpu.barrier_arrive(q_free.at[slot])
-                    p = jnp.exp2(s_t * c - lax.broadcast_in_dim(lse_t, s_t.shape, [1]))
-                    acc = acc + p.sum(axis=1)
+            def logits(slot, during=None):
+                """Issue the transposed logits [keys, query rows] of the step in `slot`, run `during` (if any)
+                while the tensor cores work, then read them."""
+                def body(acc_ref):
+                    plgpu.wgmma(acc_ref, k_smem, q_smem.at[slot].transpose((1, 0)))
                     turn()
-                    nxt = i + 1
+                    extra = during() if during is not None else None
+                    return acc_ref[...], extra
 
-                    @pl.when(nxt < n_steps)
-                    def _():
-                        ns = lax.rem(nxt, jnp.array(S, i.dtype))
-                        plgpu.barrier_wait(q_ready.at[ns])
-                        plgpu.barrier_wait(l_ready.at[ns])
+                return pl.run_scoped(body, plgpu.ACC((rows, TILE), jnp.float32))
 
+            def mass(s_t, slot):  # sum over the tile's rows of exp2(c s - lse2)
+                lse_t = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                return jnp.exp2(s_t * c - lax.broadcast_in_dim(lse_t, s_t.shape, [1])).sum(axis=1)
+
+            def wait_step(i):
+                @pl.when(i < n_steps)
+                def _():
+                    ns = lax.rem(i, jnp.array(S, i.dtype))
+                    plgpu.barrier_wait(q_ready.at[ns])
+                    plgpu.barrier_wait(l_ready.at[ns])
+
+            def write(j, acc):
                 par = lax.rem(j, jnp.array(2, j.dtype))
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the copy out of this buffer two tiles ago
                 o_smem.at[wg, par][...] = acc
                 plgpu.commit_smem()
                 # (keys at or after the tile's start, in its first tile, are overwritten by -inf below)
                 plgpu.copy_smem_to_gmem(o_smem.at[wg, par], o_ref.at[b, kh, first + j, pl.ds(base, rows)])
-                return None
 
-            lax.fori_loop(0, tiles, tile_body, None)
+            def zeros():
+                return plgpu.layout_cast(jnp.full((rows,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+
+            if overlap:
+                # software pipeline: step i's exps run while the tensor cores compute step i + 1's logits; the
+                # last step issues its own operands again (a discarded product) so that every step looks alike
+                s0 = logits(0)[0]  # (garbage, never used, when the block has no later tile)
+                turn()
+
+                def tile_body(j, s_prev):
+                    acc = zeros()
+                    for g in range(G):
+                        i = j * G + g
+                        slot = lax.rem(i, jnp.array(S, i.dtype))
+                        nxt = i + 1
+                        wait_step(nxt)
+                        nslot = jnp.where(nxt < n_steps, lax.rem(nxt, jnp.array(S, i.dtype)), slot)
+                        s_prev, part = logits(nslot, lambda s_t=s_prev, sl=slot: mass(s_t, sl))
+                        acc = acc + part
+                        plgpu.barrier_arrive(q_free.at[slot])
+                        turn()
+                    write(j, acc)
+                    return s_prev
+
+                lax.fori_loop(0, tiles, tile_body, s0)
+            else:
+                def tile_body(j, _):
+                    acc = zeros()
+                    for g in range(G):
+                        i = j * G + g
+                        slot = lax.rem(i, jnp.array(S, i.dtype))
+                        s_t = logits(slot)[0]
+                        acc = acc + mass(s_t, slot)
+                        plgpu.barrier_arrive(q_free.at[slot])
+                        turn()
+                        wait_step(i + 1)
+                    write(j, acc)
+                    return None
+
+                lax.fori_loop(0, tiles, tile_body, None)
 
             @pl.when(tiles > 0)
             def _():
