@@ -28,7 +28,8 @@ Prefill (B = --prefill-batch, T = each context, tile = --tile query rows per ind
   * dense cuDNN causal attention (`pallas_kernels.dense.dense_prefill`), TFLOP/s;
   * tile-gathered attention (`sparse_attention.sparse_prefill`, Triton) over the anchor's indices;
   * the tile-pooled scores without [T, T] (`anchor_attention.gpu_prefill`: the lse pass, the pooling pass, or
-    cuDNN's lse for the dense anchor), the selection over them, the anchor layers, and the whole-model sum.
+    cuDNN's lse for the dense anchor; the Mosaic GPU kernels on Hopper, and the Triton ones beside them as
+    "[triton]"), the selection over them, the anchor layers, and the whole-model sum.
 Checks (compiled, against the jnp references, on smaller shapes, device memory poisoned with NaNs first):
 topk_select equals lax.top_k exactly; the anchor kernels choose a valid top-k of the reference scores and
 match the reference attention; the tile-pooled scores match the reference.
@@ -40,6 +41,7 @@ and check, and a summary of the issue's targets. Sections past --time-budget sec
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -508,13 +510,21 @@ def check_prefill(run: Bench, cfg, budget: float, min_tokens: int, tile: int) ->
         e = rel_err(got, want)
         run.check(what="tile_scores", T=T, tile=tile, rel_err=e, finite_pattern_ok=fin_ok, ok=bool(e <= 1e-2 and fin_ok))
         if not run.args.interpret:
+            for name, c in (("default", gpu_prefill.PrefillScoresConfig()),
+                            ("triton", gpu_prefill.PrefillScoresConfig(mosaic=False))):
+                poison()
+                got = jax.jit(lambda q, k, c=c: gpu_prefill.tile_scores_gpu(q, k, tile=tile, config=c))(q, k)
+                fin_ok = bool(jnp.all(jnp.isfinite(got) == jnp.isfinite(want)))
+                e = rel_err(got, want)
+                run.check(what="tile_scores", config=name, T=T, tile=tile, rel_err=e, finite_pattern_ok=fin_ok,
+                          ok=bool(e <= 1e-2 and fin_ok))
             try:  # cuDNN's lse comes through a JAX-internal entry point: optional, not counted in the exit code
-                lse_tri = gpu_prefill.prefill_lse_gpu(q, k)
+                lse_pass = gpu_prefill.prefill_lse_gpu(q, k)
                 _, lse_cudnn = jax.jit(gpu_prefill.dense_prefill_with_lse)(q, k, v)
-                d = float(jnp.max(jnp.abs(lse_tri - lse_cudnn)))
-                run.check(what="cudnn_lse_vs_triton_lse", T=T, max_abs_diff=d, ok=bool(d <= 2e-2), optional=True)
+                d = float(jnp.max(jnp.abs(lse_pass - lse_cudnn)))
+                run.check(what="cudnn_lse_vs_lse_pass", T=T, max_abs_diff=d, ok=bool(d <= 2e-2), optional=True)
             except Exception as e:  # noqa: BLE001
-                run.check(what="cudnn_lse_vs_triton_lse", error=repr(e)[:300], ok=False, optional=True)
+                run.check(what="cudnn_lse_vs_lse_pass", error=repr(e)[:300], ok=False, optional=True)
         for dense in (False, True):
             poison()
             out, idx = jax.jit(lambda *a: gpu_prefill.anchor_prefill_gpu(
@@ -567,11 +577,17 @@ def run_prefill(run: Bench, cfg, T: int, summary: dict) -> None:
     pool_flops = 2 * D * Hq * B * tile * tile * nt * (nt - 1) / 2  # keys strictly before each tile
     add("pool_pass_gpu", jax.jit(lambda q, k, l: gpu_prefill.tile_scores_gpu(q, k, tile=tile, lse=l, **ik)),
         q, k, lse, part="scores", flops=pool_flops)
+    if not args.interpret:  # the Triton kernels where the default above ran the Mosaic GPU ones
+        c = gpu_prefill.PrefillScoresConfig(mosaic=False)
+        add("lse_pass_gpu[triton]", jax.jit(lambda q, k: gpu_prefill.prefill_lse_gpu(q, k, config=c)), q, k,
+            part="scores", flops=qk_flops)
+        add("pool_pass_gpu[triton]", jax.jit(lambda q, k, l: gpu_prefill.tile_scores_gpu(
+            q, k, tile=tile, lse=l, config=c)), q, k, lse, part="scores", flops=pool_flops)
     if not args.no_variants and not args.interpret:
-        for name, c in (("bn128_pool64_w8", gpu_prefill.PrefillScoresConfig(block_n=128, pool_block_n=64)),
-                        ("w4", gpu_prefill.PrefillScoresConfig(num_warps=4)),
-                        ("bn32_pool64_w4_s3", gpu_prefill.PrefillScoresConfig(block_n=32, pool_block_n=64,
-                                                                             num_warps=4, num_stages=3))):
+        PSC = functools.partial(gpu_prefill.PrefillScoresConfig, mosaic=False)
+        for name, c in (("bn128_pool64_w8", PSC(block_n=128, pool_block_n=64)),
+                        ("w4", PSC(num_warps=4)),
+                        ("bn32_pool64_w4_s3", PSC(block_n=32, pool_block_n=64, num_warps=4, num_stages=3))):
             add(f"lse_pass_gpu[{name}]", jax.jit(lambda q, k, c=c: gpu_prefill.prefill_lse_gpu(q, k, config=c)),
                 q, k, part="scores", flops=qk_flops)
             add(f"pool_pass_gpu[{name}]", jax.jit(lambda q, k, l, c=c: gpu_prefill.tile_scores_gpu(

@@ -1,0 +1,78 @@
+"""Mosaic GPU anchor scoring kernels (`anchor_attention.mgpu_prefill`): in the Mosaic GPU interpreter (simulated
+warpgroups, barriers, TMA and shared memory) against the jnp references, their CUDA lowering, dispatch and
+errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.anchor_attention import gpu_prefill, mgpu_prefill, tile_scores_reference
+
+
+def _inputs(seed, B, T, Hq, Hkv, D):
+    kq, kk = jax.random.split(jax.random.key(seed))
+    return (jax.random.normal(kq, (B, T, Hq, D), jnp.bfloat16), jax.random.normal(kk, (B, T, Hkv, D), jnp.bfloat16))
+
+
+def _lse_reference(q, k):
+    B, T, Hq, D = q.shape
+    G = Hq // k.shape[2]
+    kr = jnp.repeat(k.astype(jnp.float32), G, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kr) / np.sqrt(D)
+    s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -jnp.inf)
+    return jax.nn.logsumexp(s, axis=-1)
+
+
+@pytest.mark.parametrize("B,T,Hq,Hkv,D,opts", [
+    (1, 300, 4, 2, 64, dict(rows=128)),  # T padded to 512; the default layout
+    (2, 200, 3, 1, 64, dict(rows=64, block_kv=64, stages=2, schedule=False)),  # GQA group of 3, short steps
+    (1, 384, 2, 2, 128, dict(rows=64, overlap=True)),  # no GQA, D 128, the software-pipelined variant
+])
+def test_interpret_matches_reference(B, T, Hq, Hkv, D, opts):
+    q, k = _inputs(T, B, T, Hq, Hkv, D)
+    interp = dict(interpret=True, rows=opts["rows"], schedule=opts.get("schedule", True),
+                  overlap=opts.get("overlap", False))
+    lse = mgpu_prefill.prefill_lse_mgpu(q, k, block_kv=opts.get("block_kv", 128), stages=opts.get("stages", 4),
+                                        **interp)
+    want_lse = _lse_reference(q, k)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=2e-5, rtol=1e-5)
+    got = np.asarray(mgpu_prefill.tile_scores_mgpu(q, k, lse, stages=opts.get("stages", 2), **interp))
+    want = np.asarray(tile_scores_reference(q, k, tile=128))
+    assert got.shape == want.shape
+    fin = np.isfinite(want)
+    np.testing.assert_array_equal(np.isfinite(got), fin)  # -inf at and after each tile's start
+    np.testing.assert_allclose(got[fin], want[fin], rtol=1e-4, atol=1e-6)
+    assert np.all(got[~fin] == -np.inf)
+
+
+def test_lowers_for_cuda():
+    sds = jax.ShapeDtypeStruct
+    q, k = sds((1, 1024, 32, 128), jnp.bfloat16), sds((1, 1024, 8, 128), jnp.bfloat16)
+    lse = sds((1, 32, 1024), jnp.float32)
+    text = jax.export.export(mgpu_prefill.prefill_lse_mgpu, platforms=["cuda"])(q, k).mlir_module()
+    assert "anchor_prefill_lse_mgpu" in text and "mosaic_gpu" in text
+    text = jax.export.export(mgpu_prefill.tile_scores_mgpu, platforms=["cuda"])(q, k, lse).mlir_module()
+    assert "anchor_prefill_pool_mgpu" in text and "mosaic_gpu" in text
+
+
+def test_dispatch_and_errors():
+    q, k = _inputs(0, 1, 256, 4, 2, 64)
+    # no Hopper GPU here: the Triton kernels (interpret) take the call, and the Mosaic ones are never chosen
+    assert not mgpu_prefill.mgpu_supported(q, 128)
+    assert not gpu_prefill._use_mosaic(q, 128, gpu_prefill.PrefillScoresConfig(), interpret=False)
+    assert not gpu_prefill._use_mosaic(q, 128, gpu_prefill.PrefillScoresConfig(mosaic=False), interpret=False)
+    assert not mgpu_prefill.mgpu_supported(q.astype(jnp.float32), 128)
+    with pytest.raises(ValueError, match="tile=64"):
+        mgpu_prefill.tile_scores_mgpu(q, k, jnp.zeros((1, 4, 256)), tile=64, interpret=True)
+    with pytest.raises(ValueError, match="rows=32"):
+        mgpu_prefill.prefill_lse_mgpu(q, k, rows=32, interpret=True)
+    with pytest.raises(ValueError, match="block_kv=256"):
+        mgpu_prefill.prefill_lse_mgpu(q, k, block_kv=256, interpret=True)
+    with pytest.raises(ValueError, match="bf16 or f16"):
+        mgpu_prefill.prefill_lse_mgpu(q.astype(jnp.float32), k.astype(jnp.float32), interpret=True)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        mgpu_prefill.prefill_lse_mgpu(q[..., :48], k[..., :48], interpret=True)
