@@ -29,8 +29,9 @@ def _lse_reference(q, k):
 
 @pytest.mark.parametrize("B,T,Hq,Hkv,D,opts", [
     (1, 300, 4, 2, 64, dict(rows=128)),  # T padded to 512; the default layout
-    (2, 200, 3, 1, 64, dict(rows=64, block_kv=64, stages=2, schedule=False)),  # GQA group of 3, short steps
+    (2, 200, 3, 1, 64, dict(rows=64, block_kv=64, stages=2, schedule=False, tile=32)),  # GQA of 3, short steps
     (1, 384, 2, 2, 128, dict(rows=64, overlap=True)),  # no GQA, D 128, the software-pipelined variant
+    (1, 150, 2, 1, 64, dict(rows=128, tile=64, overlap=True)),
 ])
 def test_interpret_matches_reference(B, T, Hq, Hkv, D, opts):
     q, k = _inputs(T, B, T, Hq, Hkv, D)
@@ -40,8 +41,9 @@ def test_interpret_matches_reference(B, T, Hq, Hkv, D, opts):
                                         **interp)
     want_lse = _lse_reference(q, k)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=2e-5, rtol=1e-5)
-    got = np.asarray(mgpu_prefill.tile_scores_mgpu(q, k, lse, stages=opts.get("stages", 2), **interp))
-    want = np.asarray(tile_scores_reference(q, k, tile=128))
+    tile = opts.get("tile", 128)
+    got = np.asarray(mgpu_prefill.tile_scores_mgpu(q, k, lse, tile=tile, stages=opts.get("stages", 2), **interp))
+    want = np.asarray(tile_scores_reference(q, k, tile=tile))
     assert got.shape == want.shape
     fin = np.isfinite(want)
     np.testing.assert_array_equal(np.isfinite(got), fin)  # -inf at and after each tile's start
@@ -66,8 +68,9 @@ def test_dispatch_and_errors():
     assert not gpu_prefill._use_mosaic(q, 128, gpu_prefill.PrefillScoresConfig(), interpret=False)
     assert not gpu_prefill._use_mosaic(q, 128, gpu_prefill.PrefillScoresConfig(mosaic=False), interpret=False)
     assert not mgpu_prefill.mgpu_supported(q.astype(jnp.float32), 128)
-    with pytest.raises(ValueError, match="tile=64"):
-        mgpu_prefill.tile_scores_mgpu(q, k, jnp.zeros((1, 4, 256)), tile=64, interpret=True)
+    assert not mgpu_prefill.mgpu_supported(q, 16)
+    with pytest.raises(ValueError, match="tile=16"):
+        mgpu_prefill.tile_scores_mgpu(q, k, jnp.zeros((1, 4, 256)), tile=16, interpret=True)
     with pytest.raises(ValueError, match="rows=32"):
         mgpu_prefill.prefill_lse_mgpu(q, k, rows=32, interpret=True)
     with pytest.raises(ValueError, match="block_kv=256"):

@@ -12,7 +12,7 @@ FLOPs).
     head's keys up to its diagonal `block_kv` at a time and keeps an online max and sum of exp2; writes each
     row's natural-log logsumexp f32[B, Hq, T]. The costliest (last) query blocks run first.
   * `tile_scores_mgpu`: grid (Hkv, T / (2 rows), B). A CTA takes 2 x rows keys of one KV head and streams, for
-    every later query tile (128 rows) and every query head of the GQA group in turn, the tile's queries and
+    every later query tile (`tile` rows: 32, 64 or 128) and every query head of the GQA group in turn, the tile's queries and
     their lse; it computes the transposed logits [rows keys, 128 query rows], sums exp2(s - lse) over the rows
     and the group's heads and writes the tile's pooled values. The keys at and after each tile's start (the
     upper triangle, and the part of a block its first tile does not see) are set to -inf afterwards by one XLA
@@ -25,7 +25,7 @@ its next wgmma before its current exps, FA3's intra-warpgroup pipelining) was no
 registers at 128, so it is off by default.
 
 Requirements (`mgpu_supported`): a CUDA device of compute capability 9.x, bf16 or f16, head_dim a multiple of 64,
-tile 128; T is padded here. `gpu_prefill.prefill_lse_gpu` / `tile_scores_gpu` pick these kernels when they apply
+a tile of 32, 64 or 128 (the timings above are at 128); T is padded here. `gpu_prefill.prefill_lse_gpu` / `tile_scores_gpu` pick these kernels when they apply
 (`PrefillScoresConfig.mosaic`), the Triton ones otherwise. CI runs them in the Mosaic GPU interpreter
 (`interpret=True`: simulated shared memory, warpgroups, barriers and TMA) and lowers them for CUDA; the committed
 GPU run compares them with the references compiled.
@@ -49,15 +49,15 @@ Array = jax.Array
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 ROWS = 128  # default rows (lse pass) or keys (pooling pass) of one compute warpgroup's wgmma (its M side)
-TILE = 128  # the only query tile the pooling pass takes (the N side of its wgmma)
+TILES = (32, 64, 128)  # query tiles the pooling pass takes (the N side of its wgmma)
 
 
 def mgpu_supported(q: Array, tile: int | None = None) -> bool:
     """Whether the Mosaic GPU kernels take these operands on the default device (Hopper, bf16/f16, D % 64 == 0,
-    tile 128)."""
+    tile 32, 64 or 128)."""
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or q.shape[-1] % 64:
         return False
-    if tile is not None and tile != TILE:
+    if tile is not None and tile not in TILES:
         return False
     try:
         dev = jax.devices()[0]
@@ -270,30 +270,31 @@ def prefill_lse_mgpu(q: Array, k: Array, *, scale: float | None = None, block_kv
 
 @functools.partial(jax.jit, static_argnames=("tile", "scale", "stages", "schedule", "rows", "overlap",
                                              "interpret"))
-def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = TILE, scale: float | None = None,
+def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = 128, scale: float | None = None,
                      stages: int = 2, schedule: bool = True, rows: int = ROWS, overlap: bool = False,
                      interpret: bool = False) -> Array:
     """Tile-pooled causal scores (as `gpu_prefill.tile_scores_gpu`) given every row's logsumexp.
 
     Args:
       q: [B, T, Hq, D]; k: [B, T, Hkv, D] (bf16 or f16); lse: f32[B, Hq, T] natural-log logsumexp of the
-        scaled causal scores (`prefill_lse_mgpu` or a dense attention's); tile: must be 128.
+        scaled causal scores (`prefill_lse_mgpu` or a dense attention's); tile: query rows per pooled row (32,
+        64 or 128).
       stages: query buffers in flight; schedule: the two compute warpgroups take turns on the tensor cores;
         rows: keys per compute warpgroup (64 or 128); overlap: each warpgroup issues the next step's logits
         before the exps of the current one (two logit tiles live in registers).
 
     Returns:
-      f32[B, Hkv, ceil(T / 128), T]: -inf at and after each tile's first position.
+      f32[B, Hkv, ceil(T / tile), T]: -inf at and after each tile's first position.
     """
-    if tile != TILE:
-        raise ValueError(f"tile={tile}: the Mosaic GPU pooling kernel takes tile {TILE} only")
+    if tile not in TILES:
+        raise ValueError(f"tile={tile}: the Mosaic GPU pooling kernel takes a tile in {TILES}")
     _check(q, k, 64, stages, rows)
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv
     cta = 2 * rows
     Tp = pl.cdiv(T, cta) * cta
-    nt = Tp // TILE
+    nt = Tp // tile
     q, k = _pad_rows(q, Tp), _pad_rows(k, Tp)
     # exp2(c s - lse2): rows past T get +inf and add nothing
     lse2 = jnp.pad(lse.astype(jnp.float32) * LOG2E, ((0, 0), (0, 0), (0, Tp - T)), constant_values=jnp.inf)
@@ -307,7 +308,7 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = TILE, scale:
         kh = lax.axis_index("heads")
         wg = lax.axis_index("wg")
         kb = lax.axis_index("kv_seq")  # the key block [kb * cta, (kb + 1) * cta)
-        first = kb * (cta // TILE) + 1  # the first tile that starts after some of its keys
+        first = kb * (cta // tile) + 1  # the first tile that starts after some of its keys
         tiles = nt - first
         n_steps = tiles * G
 
@@ -339,7 +340,7 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = TILE, scale:
                     extra = during() if during is not None else None
                     return acc_ref[...], extra
 
-                return pl.run_scoped(body, plgpu.ACC((rows, TILE), jnp.float32))
+                return pl.run_scoped(body, plgpu.ACC((rows, tile), jnp.float32))
 
             def mass(s_t, slot):  # sum over the tile's rows of exp2(c s - lse2)
                 lse_t = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
@@ -414,8 +415,8 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = TILE, scale:
             def load(i, slot):
                 t = first + lax.div(i, jnp.array(G, i.dtype))
                 h = kh * G + lax.rem(i, jnp.array(G, i.dtype))
-                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(t * TILE, TILE), h], q_smem.at[slot], q_ready.at[slot])
-                plgpu.copy_gmem_to_smem(lse_ref.at[b, h, pl.ds(t * TILE, TILE)], lse_smem.at[slot],
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(t * tile, tile), h], q_smem.at[slot], q_ready.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[b, h, pl.ds(t * tile, tile)], lse_smem.at[slot],
                                         l_ready.at[slot])
 
             for i in range(S):
@@ -439,8 +440,8 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = TILE, scale:
         out_type=jax.ShapeDtypeStruct((B, Hkv, nt, Tp), jnp.float32),
         scratch_types=[
             plgpu.SMEM((2, rows, D), dtype, transforms=(tiling, swizzle)),
-            plgpu.SMEM((S, TILE, D), dtype, transforms=(tiling, swizzle)),
-            plgpu.SMEM((S, TILE), jnp.float32),
+            plgpu.SMEM((S, tile, D), dtype, transforms=(tiling, swizzle)),
+            plgpu.SMEM((S, tile), jnp.float32),
             plgpu.SMEM((2, 2, rows), jnp.float32),
             plgpu.Barrier(num_barriers=2),
             plgpu.Barrier(num_barriers=S),
@@ -455,8 +456,8 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = TILE, scale:
         compiler_params=plgpu.CompilerParams(approx_math=True),
         kernel_name="anchor_prefill_pool_mgpu", interpret=_interpret(interpret),
     )(q, k, lse2)
-    before = jnp.arange(Tp, dtype=jnp.int32)[None, :] < (jnp.arange(nt, dtype=jnp.int32) * TILE)[:, None]
-    return jnp.where(before, out, -jnp.inf)[:, :, :pl.cdiv(T, TILE), :T]
+    before = jnp.arange(Tp, dtype=jnp.int32)[None, :] < (jnp.arange(nt, dtype=jnp.int32) * tile)[:, None]
+    return jnp.where(before, out, -jnp.inf)[:, :, :pl.cdiv(T, tile), :T]
 
 
 __all__ = ["mgpu_supported", "prefill_lse_mgpu", "tile_scores_mgpu"]
