@@ -246,10 +246,11 @@ def test_decode_gpu_interpret_empty_rows_and_empty_splits():
 def test_prefill_gpu_interpret_matches_reference(case, dtype):
     B, T, Hq, Hkv, D, K, lengths, tile, bs = case
     q, k, v, idx, lens = prefill_inputs(7, B, T, Hq, Hkv, D, K, lengths, tile, bs, dtype)
-    got = gpu.sparse_prefill_gpu(q, k, v, idx, lens, tile=tile, block_size=bs, interpret=True,
-                                 config=gpu.PrefillConfig(block_k=16))
     want = ref.sparse_prefill_reference(q, k, v, idx, lens, tile=tile, block_size=bs)
-    assert_close(got, want, dtype, "prefill gpu")
+    # one program per query head (gqa_rows=0), and the default, which packs a power-of-two GQA group
+    for cfg in (gpu.PrefillConfig(block_k=16, gqa_rows=0), gpu.PrefillConfig(block_k=16)):
+        got = gpu.sparse_prefill_gpu(q, k, v, idx, lens, tile=tile, block_size=bs, interpret=True, config=cfg)
+        assert_close(got, want, dtype, f"prefill gpu {cfg}")
 
 
 def _cuda_export(f, *args):

@@ -11,6 +11,11 @@ The queries of a program are one [r, G, D] block of q [B, T, Hq, D] (heads kv * 
 adjacent), loaded whole and reshaped to [M, D]; the output goes back the same way. Nothing is transposed or
 copied outside the kernel (only the padding of T to whole tiles, as the per-head kernel does).
 
+Where it is used: `gpu.sparse_prefill_gpu` hands a call to this kernel when G is a power of two > 1 and G * tile
+<= `PrefillConfig.gqa_rows` (one part of M = G * tile rows): at Kascade's default tile of 32 it takes 56 ms where
+one program per head takes 115 (H100, 128K, 10%; eval/results/h100/prefill_gqa/). At tile 128 (M 256 or 512) it
+was no faster than one program per head, which therefore stays the kernel there.
+
 Schedule: the grid is (B, parts, Hkv, nt); Triton launches the collapsed (B, parts) fastest, then the KV heads,
 then the tiles, last tile first (the costliest, like `gpu.sparse_prefill_gpu`), so the parts of one
 (KV head, tile) run side by side and share their gathered rows in L2. The diagonal loop of part p only visits
