@@ -57,8 +57,10 @@ def test_lowers_for_cuda():
     lse = sds((1, 32, 1024), jnp.float32)
     text = jax.export.export(mgpu_prefill.prefill_lse_mgpu, platforms=["cuda"])(q, k).mlir_module()
     assert "anchor_prefill_lse_mgpu" in text and "mosaic_gpu" in text
-    text = jax.export.export(mgpu_prefill.tile_scores_mgpu, platforms=["cuda"])(q, k, lse).mlir_module()
-    assert "anchor_prefill_pool_mgpu" in text and "mosaic_gpu" in text
+    for tile in (128, 32):  # (32: each step's row sums split into four tiles by static column slices)
+        f = jax.jit(lambda q, k, lse, tile=tile: mgpu_prefill.tile_scores_mgpu(q, k, lse, tile=tile))
+        text = jax.export.export(f, platforms=["cuda"])(q, k, lse).mlir_module()
+        assert "anchor_prefill_pool_mgpu" in text and "mosaic_gpu" in text
 
 
 def test_dispatch_and_errors():

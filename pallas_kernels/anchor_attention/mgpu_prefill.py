@@ -12,11 +12,12 @@ FLOPs).
     head's keys up to its diagonal `block_kv` at a time and keeps an online max and sum of exp2; writes each
     row's natural-log logsumexp f32[B, Hq, T]. The costliest (last) query blocks run first.
   * `tile_scores_mgpu`: grid (Hkv, T / (2 rows), B). A CTA takes 2 x rows keys of one KV head and streams, for
-    every later query tile (`tile` rows: 32, 64 or 128) and every query head of the GQA group in turn, the tile's queries and
+    every later block of 128 query rows and every query head of the GQA group in turn, the block's queries and
     their lse; it computes the transposed logits [rows keys, 128 query rows], sums exp2(s - lse) over the rows
-    and the group's heads and writes the tile's pooled values. The keys at and after each tile's start (the
-    upper triangle, and the part of a block its first tile does not see) are set to -inf afterwards by one XLA
-    select (3 ms at 128K).
+    of each query tile in the block (`tile` 128, 64 or 32: one, two or four sums, static column slices of the
+    logits) and over the group's heads, and writes each tile's pooled values. The keys at and after each
+    tile's start (the upper triangle, which the kernel partly computes and partly leaves unwritten) are set to
+    -inf afterwards by one XLA select (3 ms at 128K).
 
 Measured on the H100 at 128K, Llama-3.1-8B heads, B 1 (eval/results/h100/anchor_mgpu/): lse pass 141 ms (Triton
 209), pooling pass 130 ms (Triton 248), cuDNN's whole causal attention 253 ms. Settings swept there: 128 rows per
@@ -49,7 +50,8 @@ Array = jax.Array
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 ROWS = 128  # default rows (lse pass) or keys (pooling pass) of one compute warpgroup's wgmma (its M side)
-TILES = (32, 64, 128)  # query tiles the pooling pass takes (the N side of its wgmma)
+TILES = (32, 64, 128)  # query tiles the pooling pass takes
+SPAN = 128  # query rows per step of the pooling pass (the N side of its wgmma): 128 / tile tiles at once
 
 
 def mgpu_supported(q: Array, tile: int | None = None) -> bool:
@@ -295,6 +297,7 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = 128, scale: 
     cta = 2 * rows
     Tp = pl.cdiv(T, cta) * cta
     nt = Tp // tile
+    seg = SPAN // tile  # tiles per step: a step takes SPAN query rows, its row sums split by tile
     q, k = _pad_rows(q, Tp), _pad_rows(k, Tp)
     # exp2(c s - lse2): rows past T get +inf and add nothing
     lse2 = jnp.pad(lse.astype(jnp.float32) * LOG2E, ((0, 0), (0, 0), (0, Tp - T)), constant_values=jnp.inf)
@@ -308,8 +311,9 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = 128, scale: 
         kh = lax.axis_index("heads")
         wg = lax.axis_index("wg")
         kb = lax.axis_index("kv_seq")  # the key block [kb * cta, (kb + 1) * cta)
-        first = kb * (cta // tile) + 1  # the first tile that starts after some of its keys
-        tiles = nt - first
+        # the first SPAN-row query block holding a tile that starts after some of the block's keys
+        first = kb * (cta // SPAN) + (1 if seg == 1 else 0)
+        tiles = Tp // SPAN - first  # (query blocks; "tiles" when tile == SPAN)
         n_steps = tiles * G
 
         def turn():
@@ -340,11 +344,12 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = 128, scale: 
                     extra = during() if during is not None else None
                     return acc_ref[...], extra
 
-                return pl.run_scoped(body, plgpu.ACC((rows, tile), jnp.float32))
+                return pl.run_scoped(body, plgpu.ACC((rows, SPAN), jnp.float32))
 
-            def mass(s_t, slot):  # sum over the tile's rows of exp2(c s - lse2)
+            def mass(s_t, slot):  # per tile of the step, the sum over its rows of exp2(c s - lse2)
                 lse_t = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                return jnp.exp2(s_t * c - lax.broadcast_in_dim(lse_t, s_t.shape, [1])).sum(axis=1)
+                p = jnp.exp2(s_t * c - lax.broadcast_in_dim(lse_t, s_t.shape, [1]))
+                return [p[:, j * tile:(j + 1) * tile].sum(axis=1) for j in range(seg)]
 
             def wait_step(i):
                 @pl.when(i < n_steps)
@@ -355,14 +360,21 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = 128, scale: 
 
             def write(j, acc):
                 par = lax.rem(j, jnp.array(2, j.dtype))
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the copy out of this buffer two tiles ago
-                o_smem.at[wg, par][...] = acc
+                plgpu.wait_smem_to_gmem(seg, wait_read_only=True)  # the copies out of these buffers two steps ago
+                for u in range(seg):
+                    o_smem.at[wg, par, u][...] = acc[u]
                 plgpu.commit_smem()
-                # (keys at or after the tile's start, in its first tile, are overwritten by -inf below)
-                plgpu.copy_smem_to_gmem(o_smem.at[wg, par], o_ref.at[b, kh, first + j, pl.ds(base, rows)])
+                for u in range(seg):
+                    # (keys at or after a tile's start are overwritten by -inf below)
+                    plgpu.copy_smem_to_gmem(o_smem.at[wg, par, u],
+                                            o_ref.at[b, kh, (first + j) * seg + u, pl.ds(base, rows)])
 
             def zeros():
-                return plgpu.layout_cast(jnp.full((rows,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+                z = plgpu.layout_cast(jnp.full((rows,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+                return [z] * seg
+
+            def add(acc, part):
+                return [a + b for a, b in zip(acc, part)]
 
             if overlap:
                 # software pipeline: step i's exps run while the tensor cores compute step i + 1's logits; the
@@ -379,7 +391,7 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = 128, scale: 
                         wait_step(nxt)
                         nslot = jnp.where(nxt < n_steps, lax.rem(nxt, jnp.array(S, i.dtype)), slot)
                         s_prev, part = logits(nslot, lambda s_t=s_prev, sl=slot: mass(s_t, sl))
-                        acc = acc + part
+                        acc = add(acc, part)
                         plgpu.barrier_arrive(q_free.at[slot])
                         turn()
                     write(j, acc)
@@ -393,7 +405,7 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = 128, scale: 
                         i = j * G + g
                         slot = lax.rem(i, jnp.array(S, i.dtype))
                         s_t = logits(slot)[0]
-                        acc = acc + mass(s_t, slot)
+                        acc = add(acc, mass(s_t, slot))
                         plgpu.barrier_arrive(q_free.at[slot])
                         turn()
                         wait_step(i + 1)
@@ -415,8 +427,8 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = 128, scale: 
             def load(i, slot):
                 t = first + lax.div(i, jnp.array(G, i.dtype))
                 h = kh * G + lax.rem(i, jnp.array(G, i.dtype))
-                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(t * tile, tile), h], q_smem.at[slot], q_ready.at[slot])
-                plgpu.copy_gmem_to_smem(lse_ref.at[b, h, pl.ds(t * tile, tile)], lse_smem.at[slot],
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(t * SPAN, SPAN), h], q_smem.at[slot], q_ready.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[b, h, pl.ds(t * SPAN, SPAN)], lse_smem.at[slot],
                                         l_ready.at[slot])
 
             for i in range(S):
@@ -440,9 +452,9 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = 128, scale: 
         out_type=jax.ShapeDtypeStruct((B, Hkv, nt, Tp), jnp.float32),
         scratch_types=[
             plgpu.SMEM((2, rows, D), dtype, transforms=(tiling, swizzle)),
-            plgpu.SMEM((S, tile, D), dtype, transforms=(tiling, swizzle)),
-            plgpu.SMEM((S, tile), jnp.float32),
-            plgpu.SMEM((2, 2, rows), jnp.float32),
+            plgpu.SMEM((S, SPAN, D), dtype, transforms=(tiling, swizzle)),
+            plgpu.SMEM((S, SPAN), jnp.float32),
+            plgpu.SMEM((2, 2, seg, rows), jnp.float32),
             plgpu.Barrier(num_barriers=2),
             plgpu.Barrier(num_barriers=S),
             plgpu.Barrier(num_barriers=S),
