@@ -87,6 +87,12 @@ def _pad_rows(x: Array, Tp: int) -> Array:
     return x if Tp == T else jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
 
 
+def _rowsum_exp2(x: Array) -> Array:
+    """Row sums of exp2(x), x [rows, cols] in the wgmma layout (both kernels' only exps of the logits; a hook
+    `eval/gpu_anchor_exp_diag.py` swaps to see what the exps cost)."""
+    return jnp.exp2(x).sum(axis=1)
+
+
 def _interpret(interpret: bool):
     """The Mosaic GPU interpreter (CPU: simulated shared memory, warpgroups, barriers and TMA) or None."""
     return plgpu.InterpretGPUParams() if interpret else None
@@ -151,8 +157,8 @@ def prefill_lse_mgpu(q: Array, k: Array, *, scale: float | None = None, block_kv
 
             def update(s, m, l):  # online max and sum of exp2; m in units of the raw logits (one FMA per entry)
                 m_new = jnp.maximum(m, s.max(axis=1))
-                p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new * c, s.shape, [0]))
-                return m_new, l * jnp.exp2((m - m_new) * c) + p.sum(axis=1)
+                x = s * c - lax.broadcast_in_dim(m_new * c, s.shape, [0])
+                return m_new, l * jnp.exp2((m - m_new) * c) + _rowsum_exp2(x)
 
             def mask(s, i):
                 r = plgpu.broadcasted_iota(jnp.int32, (rows, block_kv), 0, layout=plgpu.Layout.WGMMA)
@@ -348,8 +354,8 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = 128, scale: 
 
             def mass(s_t, slot):  # per tile of the step, the sum over its rows of exp2(c s - lse2)
                 lse_t = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                p = jnp.exp2(s_t * c - lax.broadcast_in_dim(lse_t, s_t.shape, [1]))
-                return [p[:, j * tile:(j + 1) * tile].sum(axis=1) for j in range(seg)]
+                x = s_t * c - lax.broadcast_in_dim(lse_t, s_t.shape, [1])
+                return [_rowsum_exp2(x[:, j * tile:(j + 1) * tile]) for j in range(seg)]
 
             def wait_step(i):
                 @pl.when(i < n_steps)
