@@ -1,5 +1,6 @@
 """H100 check and timing of the GQA-packed tile-gathered prefill kernel (`gpu_prefill_gqa.sparse_prefill_gqa_gpu`)
-against the per-head kernel (`gpu.sparse_prefill_gpu`) and cuDNN dense causal attention.
+against the per-head kernel (`gpu.sparse_prefill_gpu` with `PrefillConfig(gqa_rows=0)`) and cuDNN dense causal
+attention.
 
 Run on a GPU machine from the repository root (about 100 s on an H100; 25 GQA configs, 5 per-head ones, cuDNN):
 
@@ -77,8 +78,8 @@ def gathered_gb(counts: np.ndarray, gathers_per_tile: int) -> float:
     return float(np.sum(counts)) * HKV * B * gathers_per_tile * 2 * D * 2 / 1e9
 
 
-def per_head(q, k, v, idx, lengths):
-    return gpu.sparse_prefill_gpu(q, k, v, idx, lengths, tile=TILE, **KW)
+def per_head(q, k, v, idx, lengths):  # (gqa_rows=0: never the packed kernel, which small tiles now default to)
+    return gpu.sparse_prefill_gpu(q, k, v, idx, lengths, tile=TILE, config=gpu.PrefillConfig(gqa_rows=0), **KW)
 
 
 def gqa(config: PrefillGQAConfig):
@@ -129,8 +130,8 @@ def variants() -> list[tuple[str, PrefillGQAConfig]]:
     return out
 
 
-PER_HEAD_EXTRAS = [gpu.PrefillConfig(64, 4, 2), gpu.PrefillConfig(64, 4, 3), gpu.PrefillConfig(64, 8, 3),
-                   gpu.PrefillConfig(32, 4, 3)]  # the per-head kernel at the warps / stages the GQA one likes
+PER_HEAD_EXTRAS = [gpu.PrefillConfig(64, 4, 2, 0), gpu.PrefillConfig(64, 4, 3, 0), gpu.PrefillConfig(64, 8, 3, 0),
+                   gpu.PrefillConfig(32, 4, 3, 0)]  # the per-head kernel at the warps / stages the GQA one likes
 
 
 def main(argv=None) -> int:

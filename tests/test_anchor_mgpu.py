@@ -9,8 +9,13 @@ import pytest
 
 import jax
 import jax.numpy as jnp
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as mgpu_interpreter
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.anchor_attention import gpu_prefill, mgpu_prefill, tile_scores_reference
+
+# A miscounted barrier makes the interpreter wait forever: fail instead.
+pytestmark = pytest.mark.timeout(600)
 
 
 def _inputs(seed, B, T, Hq, Hkv, D):
@@ -32,6 +37,8 @@ def _lse_reference(q, k):
     (2, 200, 3, 1, 64, dict(rows=64, block_kv=64, stages=2, schedule=False, tile=32)),  # GQA of 3, short steps
     (1, 384, 2, 2, 128, dict(rows=64, overlap=True)),  # no GQA, D 128, the software-pipelined variant
     (1, 150, 2, 1, 64, dict(rows=128, tile=64, overlap=True)),
+    # buffers wrap around with turns taken, a drain of several steps (rows 128, block_kv 64), tile 32
+    (2, 257, 2, 1, 64, dict(rows=128, block_kv=64, stages=2, tile=32)),
 ])
 def test_interpret_matches_reference(B, T, Hq, Hkv, D, opts):
     q, k = _inputs(T, B, T, Hq, Hkv, D)
@@ -51,6 +58,21 @@ def test_interpret_matches_reference(B, T, Hq, Hkv, D, opts):
     assert np.all(got[~fin] == -np.inf)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_no_shared_memory_races(overlap):
+    """The interpreter's race detector: no shared-memory access of one thread (warpgroup or TMA) unordered with a
+    conflicting one of another (e.g. a buffer overwritten by TMA while still being read)."""
+    q, k = _inputs(3, 1, 300, 2, 1, 64)
+    params = plgpu.InterpretGPUParams(detect_races=True)
+    rows = 64 if overlap else 128
+    lse = jax.block_until_ready(mgpu_prefill.prefill_lse_mgpu(q, k, rows=rows, block_kv=64, stages=2,
+                                                              overlap=overlap, interpret=params))
+    assert not mgpu_interpreter.get_races().races_found, "lse pass"
+    jax.block_until_ready(mgpu_prefill.tile_scores_mgpu(q, k, lse, tile=32, rows=rows, overlap=overlap,
+                                                        interpret=params))
+    assert not mgpu_interpreter.get_races().races_found, "pooling pass"
+
+
 def test_lowers_for_cuda():
     sds = jax.ShapeDtypeStruct
     q, k = sds((1, 1024, 32, 128), jnp.bfloat16), sds((1, 1024, 8, 128), jnp.bfloat16)
@@ -65,12 +87,18 @@ def test_lowers_for_cuda():
 
 def test_dispatch_and_errors():
     q, k = _inputs(0, 1, 256, 4, 2, 64)
-    # no Hopper GPU here: the Triton kernels (interpret) take the call, and the Mosaic ones are never chosen
-    assert not mgpu_prefill.mgpu_supported(q, 128)
-    assert not gpu_prefill._use_mosaic(q, 128, gpu_prefill.PrefillScoresConfig(), interpret=False)
-    assert not gpu_prefill._use_mosaic(q, 128, gpu_prefill.PrefillScoresConfig(mosaic=False), interpret=False)
-    assert not mgpu_prefill.mgpu_supported(q.astype(jnp.float32), 128)
-    assert not mgpu_prefill.mgpu_supported(q, 16)
+    assert mgpu_prefill.mgpu_shapes_ok(q, k, 128) and mgpu_prefill.mgpu_shapes_ok(q, k, 32)
+    assert mgpu_prefill.mgpu_shapes_ok(q[..., :32].repeat(4, -1), k[..., :32].repeat(4, -1))  # D 128
+    assert not mgpu_prefill.mgpu_shapes_ok(q, k, 16)  # tile
+    assert not mgpu_prefill.mgpu_shapes_ok(q.astype(jnp.float32), k.astype(jnp.float32))  # dtype
+    assert not mgpu_prefill.mgpu_shapes_ok(q, k.astype(jnp.float16))  # q and k differ
+    q256 = jax.ShapeDtypeStruct((1, 256, 4, 256), jnp.bfloat16)  # D 256: its buffers exceed shared memory
+    assert not mgpu_prefill.mgpu_shapes_ok(q256, jax.ShapeDtypeStruct((1, 256, 2, 256), jnp.bfloat16))
+    # interpret mode and mosaic=False never take the Mosaic kernels; compiled calls do only on Hopper
+    cfg = gpu_prefill.PrefillScoresConfig()
+    assert not gpu_prefill._use_mosaic(q, k, 128, cfg, interpret=True)
+    assert not gpu_prefill._use_mosaic(q, k, 128, gpu_prefill.PrefillScoresConfig(mosaic=False), interpret=False)
+    assert gpu_prefill._use_mosaic(q, k, 128, cfg, interpret=False) == mgpu_prefill.hopper()
     with pytest.raises(ValueError, match="tile=16"):
         mgpu_prefill.tile_scores_mgpu(q, k, jnp.zeros((1, 4, 256)), tile=16, interpret=True)
     with pytest.raises(ValueError, match="rows=32"):
@@ -79,5 +107,5 @@ def test_dispatch_and_errors():
         mgpu_prefill.prefill_lse_mgpu(q, k, block_kv=256, interpret=True)
     with pytest.raises(ValueError, match="bf16 or f16"):
         mgpu_prefill.prefill_lse_mgpu(q.astype(jnp.float32), k.astype(jnp.float32), interpret=True)
-    with pytest.raises(ValueError, match="multiple of 64"):
+    with pytest.raises(ValueError, match="D=48"):
         mgpu_prefill.prefill_lse_mgpu(q[..., :48], k[..., :48], interpret=True)

@@ -14,8 +14,8 @@ dense causal attention in total, and as many exps):
     inside each warp, like flash attention's row sums) and adds sum_rows exp(s - lse_row) to the output row
     (the first head writes, the others read-add-write the same addresses: deterministic); keys at and after
     the tile start are written as -inf.
-Both schedule the costliest (last) query blocks first. On a Hopper GPU (bf16/f16, head_dim a multiple of 64,
-tile 128) the same two passes run as warp-specialised Mosaic GPU kernels instead (`mgpu_prefill`, chosen by
+Both schedule the costliest (last) query blocks first. On a Hopper GPU (bf16/f16, head_dim 64 or 128, tile 32,
+64 or 128) the same two passes run as warp-specialised Mosaic GPU kernels instead (`mgpu_prefill`, chosen by
 `PrefillScoresConfig.mosaic`; about 1.6x faster at 128K). Then `topk_select` (Triton) and `sparse_prefill`
 (Triton) or the dense cuDNN attention finish the layer (`anchor_prefill_gpu`).
 """
@@ -53,10 +53,10 @@ class PrefillScoresConfig:
         eval/results/h100/bench_attention_llama3-8b.json (128K) ran the lse pass best at block_n 128, 8 warps
         (211 ms vs 220) and the pooling pass at pool_block_n 64, 4 warps, 3 stages (251 ms vs 310);
         `TUNED_H100` combines the two and is now the default (see the note below the class).
-      mosaic: on a Hopper GPU, with bf16/f16 operands, head_dim a multiple of 64 and tile 128, run the Mosaic GPU
-        kernels of `mgpu_prefill` instead (the fields above then play no part): at 128K on the H100 the lse pass
-        takes 141 ms instead of 209 and the pooling pass 130 ms instead of 248
-        (eval/results/h100/anchor_mgpu/).
+      mosaic: on a Hopper GPU, with bf16/f16 operands, head_dim 64 or 128 and tile 32, 64 or 128, run the
+        Mosaic GPU kernels of `mgpu_prefill` instead (the fields above then play no part): at 128K on the H100
+        the lse pass takes 140 ms instead of 207 and the pooling pass 127 ms instead of 240 at tile 128, 150
+        instead of 487 at tile 32 (eval/results/h100/anchor_mgpu/).
     """
 
     lse_block_m: int = 128
@@ -78,9 +78,9 @@ def _pow2(n: int) -> bool:
     return n >= 1 and (n & (n - 1)) == 0
 
 
-def _use_mosaic(q: Array, tile: int | None, config: PrefillScoresConfig, interpret: bool) -> bool:
+def _use_mosaic(q: Array, k: Array, tile: int | None, config: PrefillScoresConfig, interpret: bool) -> bool:
     """Whether the Mosaic GPU kernels (`mgpu_prefill`) take this call: compiled, asked for, and supported."""
-    return not interpret and config.mosaic and mgpu_prefill.mgpu_supported(q, tile)
+    return not interpret and config.mosaic and mgpu_prefill.mgpu_supported(q, k, tile)
 
 
 def _check(q: Array, tile: int | None, config: PrefillScoresConfig, interpret: bool) -> None:
@@ -137,7 +137,7 @@ def prefill_lse_gpu(q: Array, k: Array, *, scale: float | None = None,
     Returns:
       f32[B, Hq, T].
     """
-    if _use_mosaic(q, None, config, interpret):
+    if _use_mosaic(q, k, None, config, interpret):
         return mgpu_prefill.prefill_lse_mgpu(q, k, scale=scale)
     _check(q, None, config, interpret)
     B, T, Hq, D = q.shape
@@ -209,7 +209,7 @@ def tile_scores_gpu(q: Array, k: Array, *, tile: int, scale: float | None = None
     Returns:
       f32[B, Hkv, ceil(T / tile), T].
     """
-    if _use_mosaic(q, tile, config, interpret):
+    if _use_mosaic(q, k, tile, config, interpret):
         if lse is None:
             lse = mgpu_prefill.prefill_lse_mgpu(q, k, scale=scale)
         return mgpu_prefill.tile_scores_mgpu(q, k, lse, tile=tile, scale=scale)
@@ -269,8 +269,9 @@ def anchor_prefill_gpu(q: Array, k: Array, v: Array, lengths: Array, *, tile: in
                        dense_output: bool = False, dense_lse: bool = False,
                        config: PrefillScoresConfig = PrefillScoresConfig(),
                        interpret: bool = False) -> tuple[Array, Array]:
-    """Anchor prefill layer on the GPU: Triton tile-pooled scores, Triton top-k, Triton tile-gathered attention
-    (or dense causal attention with `dense_output`). Args and returns as `reference.anchor_prefill_reference`.
+    """Anchor prefill layer on the GPU: tile-pooled scores (Mosaic GPU on Hopper, else Triton), Triton top-k, Triton
+    tile-gathered attention (or dense causal attention with `dense_output`). Args and returns as
+    `reference.anchor_prefill_reference`.
 
     Args:
       dense_lse: with dense_output, take the rows' logsumexp from cuDNN's dense attention

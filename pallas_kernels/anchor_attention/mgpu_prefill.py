@@ -25,8 +25,9 @@ warpgroup beat 64 (fewer operand bytes per exp); the turn-taking helps a little;
 its next wgmma before its current exps, FA3's intra-warpgroup pipelining) was no faster at 64 rows and spills
 registers at 128, so it is off by default.
 
-Requirements (`mgpu_supported`): a CUDA device of compute capability 9.x, bf16 or f16, head_dim a multiple of 64,
-a tile of 32, 64 or 128 (the timings above are at 128); T is padded here. `gpu_prefill.prefill_lse_gpu` / `tile_scores_gpu` pick these kernels when they apply
+Requirements (`mgpu_supported`): a CUDA device of compute capability 9.x, bf16 or f16, head_dim 64 or 128 (the
+operand buffers of larger heads do not fit in shared memory), a tile of 32, 64 or 128 (the timings above are at
+128); T is padded here. `gpu_prefill.prefill_lse_gpu` / `tile_scores_gpu` pick these kernels when they apply
 (`PrefillScoresConfig.mosaic`), the Triton ones otherwise. CI runs them in the Mosaic GPU interpreter
 (`interpret=True`: simulated shared memory, warpgroups, barriers and TMA) and lowers them for CUDA; the committed
 GPU run compares them with the references compiled.
@@ -54,13 +55,20 @@ TILES = (32, 64, 128)  # query tiles the pooling pass takes
 SPAN = 128  # query rows per step of the pooling pass (the N side of its wgmma): 128 / tile tiles at once
 
 
-def mgpu_supported(q: Array, tile: int | None = None) -> bool:
-    """Whether the Mosaic GPU kernels take these operands on the default device (Hopper, bf16/f16, D % 64 == 0,
-    tile 32, 64 or 128)."""
-    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or q.shape[-1] % 64:
+HEAD_DIMS = (64, 128)  # head dims whose operand buffers fit the H100's 227 KB of shared memory at the defaults
+
+
+def mgpu_shapes_ok(q: Array, k: Array, tile: int | None = None) -> bool:
+    """Whether the Mosaic GPU kernels take these operands (bf16/f16 q and k alike, head_dim 64 or 128, tile 32, 64
+    or 128), on whatever device."""
+    dt = jnp.dtype(q.dtype)
+    if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or jnp.dtype(k.dtype) != dt:
         return False
-    if tile is not None and tile not in TILES:
-        return False
+    return q.shape[-1] in HEAD_DIMS and (tile is None or tile in TILES)
+
+
+def hopper() -> bool:
+    """Whether the default device is a CUDA GPU of compute capability 9.x."""
     try:
         dev = jax.devices()[0]
     except RuntimeError:
@@ -69,11 +77,16 @@ def mgpu_supported(q: Array, tile: int | None = None) -> bool:
     return dev.platform == "gpu" and isinstance(cc, str) and cc.startswith("9")
 
 
+def mgpu_supported(q: Array, k: Array, tile: int | None = None) -> bool:
+    """Whether the Mosaic GPU kernels take these operands on the default device (`mgpu_shapes_ok` and Hopper)."""
+    return mgpu_shapes_ok(q, k, tile) and hopper()
+
+
 def _check(q: Array, k: Array, block_kv: int, stages: int, rows: int) -> None:
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or k.dtype != q.dtype:
         raise ValueError(f"the Mosaic GPU scoring kernels take bf16 or f16 q and k (got {q.dtype}, {k.dtype})")
-    if q.shape[-1] % 64:
-        raise ValueError(f"head_dim D={q.shape[-1]}: the Mosaic GPU scoring kernels need a multiple of 64")
+    if q.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"head_dim D={q.shape[-1]}: the Mosaic GPU scoring kernels take {HEAD_DIMS}")
     if block_kv not in (64, 128):
         raise ValueError(f"block_kv={block_kv}: expected 64 or 128")
     if stages < 2:
@@ -87,14 +100,25 @@ def _pad_rows(x: Array, Tp: int) -> Array:
     return x if Tp == T else jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
 
 
+def _turn(sched, schedule: bool) -> None:
+    """With `schedule`, meet the other compute warpgroup at the shared barrier (the two take turns on the tensor
+    cores; every call in one warpgroup must be matched by one in the other)."""
+    if schedule:
+        plgpu.barrier_arrive(sched)
+        plgpu.barrier_wait(sched)
+
+
 def _rowsum_exp2(x: Array) -> Array:
     """Row sums of exp2(x), x [rows, cols] in the wgmma layout (both kernels' only exps of the logits; a hook
     `eval/gpu_anchor_exp_diag.py` swaps to see what the exps cost)."""
     return jnp.exp2(x).sum(axis=1)
 
 
-def _interpret(interpret: bool):
-    """The Mosaic GPU interpreter (CPU: simulated shared memory, warpgroups, barriers and TMA) or None."""
+def _interpret(interpret):
+    """The Mosaic GPU interpreter (CPU: simulated shared memory, warpgroups, barriers and TMA) or None: `interpret`
+    is False, True (default parameters) or a `plgpu.InterpretGPUParams` (e.g. with detect_races=True)."""
+    if isinstance(interpret, plgpu.InterpretGPUParams):
+        return interpret
     return plgpu.InterpretGPUParams() if interpret else None
 
 
@@ -105,7 +129,7 @@ def _smem_transforms():
 @functools.partial(jax.jit, static_argnames=("scale", "block_kv", "stages", "schedule", "rows", "overlap",
                                              "interpret"))
 def prefill_lse_mgpu(q: Array, k: Array, *, scale: float | None = None, block_kv: int = 128, stages: int = 4,
-                     schedule: bool = True, rows: int = ROWS, overlap: bool = False, interpret: bool = False) -> Array:
+                     schedule: bool = True, rows: int = ROWS, overlap: bool = False, interpret=False) -> Array:
     """Causal logsumexp of every query row (as `gpu_prefill.prefill_lse_gpu`).
 
     Args:
@@ -114,6 +138,7 @@ def prefill_lse_mgpu(q: Array, k: Array, *, scale: float | None = None, block_kv
         warpgroups take turns on the tensor cores; rows: query rows per compute warpgroup (64 or 128);
         overlap: each warpgroup issues the next step's Q.K^T before the exps of the current one (two logit tiles
         live in registers).
+      interpret: False, True or a `plgpu.InterpretGPUParams`: run in the Mosaic GPU interpreter (CPU tests).
 
     Returns:
       f32[B, Hq, T], natural log of the scaled scores' sum of exp.
@@ -137,10 +162,7 @@ def prefill_lse_mgpu(q: Array, k: Array, *, scale: float | None = None, block_kv
         qi = nq - 1 - lax.axis_index("q_seq")  # the costliest query tiles first
         cta_steps = pl.cdiv((qi + 1) * cta, jnp.array(block_kv, jnp.int32))
 
-        def turn():
-            if schedule:
-                plgpu.barrier_arrive(sched)
-                plgpu.barrier_wait(sched)
+        turn = functools.partial(_turn, sched, schedule)
 
         @pl.when(wg < 2)
         def _compute():
@@ -280,7 +302,7 @@ def prefill_lse_mgpu(q: Array, k: Array, *, scale: float | None = None, block_kv
                                              "interpret"))
 def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = 128, scale: float | None = None,
                      stages: int = 2, schedule: bool = True, rows: int = ROWS, overlap: bool = False,
-                     interpret: bool = False) -> Array:
+                     interpret=False) -> Array:
     """Tile-pooled causal scores (as `gpu_prefill.tile_scores_gpu`) given every row's logsumexp.
 
     Args:
@@ -290,6 +312,7 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = 128, scale: 
       stages: query buffers in flight; schedule: the two compute warpgroups take turns on the tensor cores;
         rows: keys per compute warpgroup (64 or 128); overlap: each warpgroup issues the next step's logits
         before the exps of the current one (two logit tiles live in registers).
+      interpret: as `prefill_lse_mgpu`.
 
     Returns:
       f32[B, Hkv, ceil(T / tile), T]: -inf at and after each tile's first position.
@@ -322,10 +345,7 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = 128, scale: 
         tiles = Tp // SPAN - first  # (query blocks; "tiles" when tile == SPAN)
         n_steps = tiles * G
 
-        def turn():
-            if schedule:
-                plgpu.barrier_arrive(sched)
-                plgpu.barrier_wait(sched)
+        turn = functools.partial(_turn, sched, schedule)
 
         @pl.when(wg < 2)
         def _compute():
@@ -398,6 +418,7 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = 128, scale: 
                         nslot = jnp.where(nxt < n_steps, lax.rem(nxt, jnp.array(S, i.dtype)), slot)
                         s_prev, part = logits(nslot, lambda s_t=s_prev, sl=slot: mass(s_t, sl))
                         acc = add(acc, part)
+                        plgpu.commit_smem()  # our reads of the lse buffer, before TMA may overwrite it
                         plgpu.barrier_arrive(q_free.at[slot])
                         turn()
                     write(j, acc)
@@ -412,6 +433,7 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = 128, scale: 
                         slot = lax.rem(i, jnp.array(S, i.dtype))
                         s_t = logits(slot)[0]
                         acc = add(acc, mass(s_t, slot))
+                        plgpu.commit_smem()  # our reads of the lse buffer, before TMA may overwrite it
                         plgpu.barrier_arrive(q_free.at[slot])
                         turn()
                         wait_step(i + 1)
@@ -474,8 +496,9 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = 128, scale: 
         compiler_params=plgpu.CompilerParams(approx_math=True),
         kernel_name="anchor_prefill_pool_mgpu", interpret=_interpret(interpret),
     )(q, k, lse2)
-    before = jnp.arange(Tp, dtype=jnp.int32)[None, :] < (jnp.arange(nt, dtype=jnp.int32) * tile)[:, None]
-    return jnp.where(before, out, -jnp.inf)[:, :, :pl.cdiv(T, tile), :T]
+    ntT = pl.cdiv(T, tile)
+    before = jnp.arange(T, dtype=jnp.int32)[None, :] < (jnp.arange(ntT, dtype=jnp.int32) * tile)[:, None]
+    return jnp.where(before, out[:, :, :ntT, :T], -jnp.inf)  # (one fused pass: slice and select)
 
 
 __all__ = ["mgpu_supported", "prefill_lse_mgpu", "tile_scores_mgpu"]

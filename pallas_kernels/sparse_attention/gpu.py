@@ -15,6 +15,8 @@ Prefill (`sparse_prefill_gpu`): tile-gathered causal flash attention.
   their shared K/V rows are served from L2). It iterates first
   over the tile's selected keys (gathered by index, `block_k` rows at a time, only up to the last entry before
   the tile start), then over the causal diagonal tile (contiguous rows), with an online softmax in f32.
+  Small tiles (G * tile <= `PrefillConfig.gqa_rows`, G a power of two) go to `gpu_prefill_gqa` instead: one
+  program per (KV head, tile) holding the whole GQA group, so each selected row is gathered once per tile.
 
 Both read the inputs in place (no transposes, no copies of the cache) and run in interpret mode on CPU
 (`interpret=True`). Semantics: exactly `reference.py`.
@@ -67,11 +69,12 @@ class PrefillConfig:
       block_k: key rows per inner iteration (selected keys and diagonal tile alike); a power of two.
       num_warps: warps per program.
       num_stages: software pipelining depth.
-      gqa_rows: when the GQA group is a power of two G > 1 and G * tile <= gqa_rows, one program takes the whole
-        group of a query tile (`gpu_prefill_gqa`, M = G * tile rows, 4 warps, 3 stages): each selected K/V row
-        is gathered once per tile instead of once per query head. H100, 128K, 10%, Llama-3.1-8B heads: at tile
-        32 56.3 ms against 115.1 for one program per head (eval/results/h100/prefill_gqa/); at tile 128 (M 512)
-        it is slower, at tile 64 (M 256) about equal, hence 128. 0: never.
+      gqa_rows: when the GQA group is a power of two G > 1, G * tile <= gqa_rows and D <= 128 (an M x D f32
+        accumulator on 4 warps), one program takes the whole group of a query tile (`gpu_prefill_gqa`, M = G *
+        tile rows, 4 warps, 3 stages): each selected K/V row is gathered once per tile instead of once per query
+        head. H100, 128K, 10%, Llama-3.1-8B heads: at tile 32 56.3 ms against 115.1 for one program per head
+        (eval/results/h100/prefill_gqa/); at tile 128 (M 512) it is slower, at tile 64 (M 256) about equal,
+        hence 128. 0: never.
     """
 
     block_k: int = 64
@@ -371,7 +374,8 @@ def sparse_prefill_gpu(q: Array, k: Array, v: Array, indices: Array, lengths: Ar
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     G, nt, K = Hq // Hkv, indices.shape[2], indices.shape[3]
-    if G > 1 and _pow2(G) and G * tile <= config.gqa_rows and (interpret or G * tile >= _MIN_ROWS):
+    if (G > 1 and _pow2(G) and G * tile <= config.gqa_rows and D <= 128
+            and (interpret or G * tile >= _MIN_ROWS)):
         from pallas_kernels.sparse_attention import gpu_prefill_gqa as gqa
 
         cfg = gqa.PrefillGQAConfig(block_k=config.block_k, rows_per_program=G * tile, num_warps=4, num_stages=3)
