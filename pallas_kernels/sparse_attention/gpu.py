@@ -314,6 +314,25 @@ def sparse_decode_gpu(q: Array, k: Array, v: Array, indices: Array, lengths: Arr
 # Prefill.
 
 
+def prefill_operands(q, k, v, indices, lengths, tile: int, block_size: int, block_k: int):
+    """The tile-gathered prefill kernels' operands: q, k, v padded to whole tiles; lens i32[B, 1] (row lengths);
+    end i32[B, Hkv, nt, 1] (1 + the last entry before each tile's start); ent i32[B, Hkv, nt, Kp] (the indices, -1
+    padded to whole iterations of block_k / block_size entries)."""
+    B, T = q.shape[:2]
+    Hkv, nt, K = k.shape[2], indices.shape[2], indices.shape[3]
+    Tp = nt * tile
+    per_iter = block_k // block_size
+    Kp = pl.cdiv(K, per_iter) * per_iter
+    if Tp != T:
+        pad = [(0, 0), (0, Tp - T), (0, 0), (0, 0)]
+        q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
+    ent = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, 0), (0, Kp - K)), constant_values=-1)
+    starts = jnp.arange(nt, dtype=jnp.int32) * tile
+    end = _useful_end(ent, jnp.broadcast_to(starts - 1, (B, Hkv, nt)), block_size)[..., None]
+    lens = jnp.minimum(lengths.astype(jnp.int32), T)[:, None]
+    return q, k, v, lens, end, ent
+
+
 def _prefill_kernel(len_ref, end_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, *, scale: float, block_size: int,
                     block_k: int, tile: int, num_tiles: int):
     """One (b, query head, query tile) program; grid step i runs tile num_tiles - 1 - i (the costliest first).
@@ -373,7 +392,7 @@ def sparse_prefill_gpu(q: Array, k: Array, v: Array, indices: Array, lengths: Ar
     _check_supported(q, block_size, tile, interpret)
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
-    G, nt, K = Hq // Hkv, indices.shape[2], indices.shape[3]
+    G, nt = Hq // Hkv, indices.shape[2]
     if (G > 1 and _pow2(G) and G * tile <= config.gqa_rows and D <= 128
             and (interpret or G * tile >= _MIN_ROWS)):
         from pallas_kernels.sparse_attention import gpu_prefill_gqa as gqa
@@ -381,21 +400,12 @@ def sparse_prefill_gpu(q: Array, k: Array, v: Array, indices: Array, lengths: Ar
         cfg = gqa.PrefillGQAConfig(block_k=config.block_k, rows_per_program=G * tile, num_warps=4, num_stages=3)
         return gqa.sparse_prefill_gqa_gpu(q, k, v, indices, lengths, tile=tile, block_size=block_size, scale=scale,
                                           config=cfg, interpret=interpret)
-    Tp = nt * tile
     scale = default_scale(D, scale)
     block_k = max(config.block_k, block_size)
     if not _pow2(block_k):
         raise ValueError(f"PrefillConfig.block_k={config.block_k}: expected a power of two")
-    per_iter = block_k // block_size
-    Kp = pl.cdiv(K, per_iter) * per_iter
-
-    if Tp != T:
-        pad = [(0, 0), (0, Tp - T), (0, 0), (0, 0)]
-        q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
-    ent = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, 0), (0, Kp - K)), constant_values=-1)
-    starts = jnp.arange(nt, dtype=jnp.int32) * tile
-    end = _useful_end(ent, jnp.broadcast_to(starts - 1, (B, Hkv, nt)), block_size)[..., None]  # [B, Hkv, nt, 1]
-    lens = jnp.minimum(lengths.astype(jnp.int32), T)[:, None]  # [B, 1]
+    q, k, v, lens, end, ent = prefill_operands(q, k, v, indices, lengths, tile, block_size, block_k)
+    Tp, Kp = q.shape[1], ent.shape[-1]
 
     kernel = functools.partial(_prefill_kernel, scale=scale, block_size=block_size, block_k=block_k, tile=tile,
                                num_tiles=nt)

@@ -35,7 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.sparse_attention.common import check_prefill_args, default_scale
 from pallas_kernels.sparse_attention.gpu import (_MASK, _MIN_ROWS, _check_supported, _gather_rows,
-                                                 _online_softmax_step, _pow2, _useful_end)
+                                                 _online_softmax_step, _pow2, prefill_operands)
 
 Array = jax.Array
 
@@ -148,20 +148,11 @@ def sparse_prefill_gqa_gpu(q: Array, k: Array, v: Array, indices: Array, lengths
     _check_supported(q, block_size, tile, interpret)
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
-    G, nt, K = Hq // Hkv, indices.shape[2], indices.shape[3]
+    G, nt = Hq // Hkv, indices.shape[2]
     M, parts, r, block_k = plan(config, G, tile, block_size, interpret)
-    Tp = nt * tile
     scale = default_scale(D, scale)
-    per_iter = block_k // block_size
-    Kp = pl.cdiv(K, per_iter) * per_iter
-
-    if Tp != T:
-        pad = [(0, 0), (0, Tp - T), (0, 0), (0, 0)]
-        q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
-    ent = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, 0), (0, Kp - K)), constant_values=-1)
-    starts = jnp.arange(nt, dtype=jnp.int32) * tile
-    end = _useful_end(ent, jnp.broadcast_to(starts - 1, (B, Hkv, nt)), block_size)[..., None]  # [B, Hkv, nt, 1]
-    lens = jnp.minimum(lengths.astype(jnp.int32), T)[:, None]  # [B, 1]
+    q, k, v, lens, end, ent = prefill_operands(q, k, v, indices, lengths, tile, block_size, block_k)
+    Tp, Kp = q.shape[1], ent.shape[-1]
 
     kernel = functools.partial(_prefill_gqa_kernel, scale=scale, block_size=block_size, block_k=block_k,
                                tile=tile, rows=r, num_tiles=nt)
