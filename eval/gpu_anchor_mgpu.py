@@ -87,19 +87,16 @@ def main(argv=None) -> None:
     tcfg = tri.PrefillScoresConfig(mosaic=False)
     rec("lse_triton", jax.jit(lambda q, k: tri.prefill_lse_gpu(q, k, config=tcfg)), q, k)
     lse = jax.jit(lambda q, k: tri.prefill_lse_gpu(q, k, config=tcfg))(q, k)
-    lse_variants = ((128, 4, True, 128, False), (128, 4, False, 128, False))
-    for bkv, st, sch, rows, ov in lse_variants:
-        rec(f"lse_mgpu[bkv{bkv},s{st},rows{rows}{',sched' if sch else ''}{',overlap' if ov else ''}]",
-            jax.jit(lambda q, k, b=bkv, s=st, c=sch, r=rows, o=ov: mg.prefill_lse_mgpu(
-                q, k, block_kv=b, stages=s, schedule=c, rows=r, overlap=o)), q, k)
+    for bkv, st, sch, rows in ((128, 4, True, 128), (128, 4, False, 128)):
+        rec(f"lse_mgpu[bkv{bkv},s{st},rows{rows}{',sched' if sch else ''}]",
+            jax.jit(lambda q, k, b=bkv, s=st, c=sch, r=rows: mg.prefill_lse_mgpu(
+                q, k, block_kv=b, stages=s, schedule=c, rows=r)), q, k)
     rec("pool_triton", jax.jit(lambda q, k, l: tri.tile_scores_gpu(q, k, tile=128, lse=l, config=tcfg)), q, k, lse,
         flops=2 * Hq * D * T * (T - 128) / 2)
-    pool_variants = ((2, True, 128, False, 128), (2, True, 128, False, 64), (2, True, 128, False, 32),
-                     (3, True, 128, False, 32))
-    for st, sch, rows, ov, tile in pool_variants:
-        rec(f"pool_mgpu[tile{tile},s{st},rows{rows}{'' if sch else ',nosched'}{',overlap' if ov else ''}]",
-            jax.jit(lambda q, k, l, s=st, c=sch, r=rows, o=ov, t=tile: mg.tile_scores_mgpu(
-                q, k, l, tile=t, stages=s, schedule=c, rows=r, overlap=o)), q, k, lse,
+    for st, sch, rows, tile in ((2, True, 128, 128), (2, True, 128, 64), (2, True, 128, 32), (3, True, 128, 32)):
+        rec(f"pool_mgpu[tile{tile},s{st},rows{rows}{'' if sch else ',nosched'}]",
+            jax.jit(lambda q, k, l, s=st, c=sch, r=rows, t=tile: mg.tile_scores_mgpu(
+                q, k, l, tile=t, stages=s, schedule=c, rows=r)), q, k, lse,
             flops=2 * Hq * D * T * (T - tile) / 2)
     for tile in (64, 32):
         rec(f"pool_triton[tile{tile}]", jax.jit(lambda q, k, l, t=tile: tri.tile_scores_gpu(

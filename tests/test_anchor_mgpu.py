@@ -35,15 +35,14 @@ def _lse_reference(q, k):
 @pytest.mark.parametrize("B,T,Hq,Hkv,D,opts", [
     (1, 300, 4, 2, 64, dict(rows=128)),  # T padded to 512; the default layout
     (2, 200, 3, 1, 64, dict(rows=64, block_kv=64, stages=2, schedule=False, tile=32)),  # GQA of 3, short steps
-    (1, 384, 2, 2, 128, dict(rows=64, overlap=True)),  # no GQA, D 128, the software-pipelined variant
-    (1, 150, 2, 1, 64, dict(rows=128, tile=64, overlap=True)),
+    (1, 384, 2, 2, 128, dict(rows=64)),  # no GQA, D 128
+    (1, 150, 2, 1, 64, dict(rows=128, tile=64)),
     # buffers wrap around with turns taken, a drain of several steps (rows 128, block_kv 64), tile 32
     (2, 257, 2, 1, 64, dict(rows=128, block_kv=64, stages=2, tile=32)),
 ])
 def test_interpret_matches_reference(B, T, Hq, Hkv, D, opts):
     q, k = _inputs(T, B, T, Hq, Hkv, D)
-    interp = dict(interpret=True, rows=opts["rows"], schedule=opts.get("schedule", True),
-                  overlap=opts.get("overlap", False))
+    interp = dict(interpret=True, rows=opts["rows"], schedule=opts.get("schedule", True))
     lse = mgpu_prefill.prefill_lse_mgpu(q, k, block_kv=opts.get("block_kv", 128), stages=opts.get("stages", 4),
                                         **interp)
     want_lse = _lse_reference(q, k)
@@ -58,18 +57,16 @@ def test_interpret_matches_reference(B, T, Hq, Hkv, D, opts):
     assert np.all(got[~fin] == -np.inf)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_no_shared_memory_races(overlap):
+@pytest.mark.parametrize("rows", [64, 128])
+def test_no_shared_memory_races(rows):
     """The interpreter's race detector: no shared-memory access of one thread (warpgroup or TMA) unordered with a
     conflicting one of another (e.g. a buffer overwritten by TMA while still being read)."""
     q, k = _inputs(3, 1, 300, 2, 1, 64)
     params = plgpu.InterpretGPUParams(detect_races=True)
-    rows = 64 if overlap else 128
     lse = jax.block_until_ready(mgpu_prefill.prefill_lse_mgpu(q, k, rows=rows, block_kv=64, stages=2,
-                                                              overlap=overlap, interpret=params))
+                                                              interpret=params))
     assert not mgpu_interpreter.get_races().races_found, "lse pass"
-    jax.block_until_ready(mgpu_prefill.tile_scores_mgpu(q, k, lse, tile=32, rows=rows, overlap=overlap,
-                                                        interpret=params))
+    jax.block_until_ready(mgpu_prefill.tile_scores_mgpu(q, k, lse, tile=32, rows=rows, interpret=params))
     assert not mgpu_interpreter.get_races().races_found, "pooling pass"
 
 

@@ -19,11 +19,12 @@ FLOPs).
     tile's start (the upper triangle, which the kernel partly computes and partly leaves unwritten) are set to
     -inf afterwards by one XLA select (3 ms at 128K).
 
-Measured on the H100 at 128K, Llama-3.1-8B heads, B 1 (eval/results/h100/anchor_mgpu/): lse pass 141 ms (Triton
-209), pooling pass 130 ms (Triton 248), cuDNN's whole causal attention 253 ms. Settings swept there: 128 rows per
-warpgroup beat 64 (fewer operand bytes per exp); the turn-taking helps a little; `overlap` (each warpgroup issues
-its next wgmma before its current exps, FA3's intra-warpgroup pipelining) was no faster at 64 rows and spills
-registers at 128, so it is off by default.
+Measured on the H100 at 128K, Llama-3.1-8B heads, B 1 (eval/results/h100/anchor_mgpu/): lse pass 138 ms (Triton
+204), pooling pass 128 ms at tile 128 and 145-155 ms at tile 32 (Triton 239 and 484), cuDNN's whole causal
+attention 252-258 ms. Settings swept there: 128 rows per warpgroup beat 64 (fewer operand bytes per exp); the
+turn-taking helps a little. Tried and dropped: FA3's intra-warpgroup pipelining (each warpgroup issuing its next
+wgmma before its current exps; no faster at 64 rows, spills registers at 128; the code is at commit 4348553) and
+FA4's polynomial exp2 on the FMA units (the exps cost only 14-35 ms of each pass).
 
 Requirements (`mgpu_supported`): a CUDA device of compute capability 9.x, bf16 or f16, head_dim 64 or 128 (the
 operand buffers of larger heads do not fit in shared memory), a tile of 32, 64 or 128 (the timings above are at
@@ -126,18 +127,15 @@ def _smem_transforms():
     return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "stages", "schedule", "rows", "overlap",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "stages", "schedule", "rows", "interpret"))
 def prefill_lse_mgpu(q: Array, k: Array, *, scale: float | None = None, block_kv: int = 128, stages: int = 4,
-                     schedule: bool = True, rows: int = ROWS, overlap: bool = False, interpret=False) -> Array:
+                     schedule: bool = True, rows: int = ROWS, interpret=False) -> Array:
     """Causal logsumexp of every query row (as `gpu_prefill.prefill_lse_gpu`).
 
     Args:
       q: [B, T, Hq, D]; k: [B, T, Hkv, D] (bf16 or f16); scale: None divides by sqrt(D).
       block_kv: keys per pipeline step (64 or 128); stages: K buffers in flight; schedule: the two compute
-        warpgroups take turns on the tensor cores; rows: query rows per compute warpgroup (64 or 128);
-        overlap: each warpgroup issues the next step's Q.K^T before the exps of the current one (two logit tiles
-        live in registers).
+        warpgroups take turns on the tensor cores; rows: query rows per compute warpgroup (64 or 128).
       interpret: False, True or a `plgpu.InterpretGPUParams`: run in the Mosaic GPU interpreter (CPU tests).
 
     Returns:
@@ -192,52 +190,31 @@ def prefill_lse_mgpu(q: Array, k: Array, *, scale: float | None = None, block_kv
                 def _():
                     plgpu.barrier_wait(k_ready.at[lax.rem(i + 1, jnp.array(S, i.dtype))])
 
-            def logits(i, during=None):
-                """Issue step i's Q.K^T, run `during` (if any) while the tensor cores work, then read it."""
+            def logits(i):
+                """Step i's Q.K^T (the other warpgroup takes its turn while the tensor cores work)."""
                 slot = lax.rem(i, jnp.array(S, i.dtype))
 
                 def body(acc_ref):
                     plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
                     turn()
-                    extra = during() if during is not None else None
-                    return acc_ref[...], extra
+                    return acc_ref[...]
 
-                s, extra = pl.run_scoped(body, plgpu.ACC((rows, block_kv), jnp.float32))
+                s = pl.run_scoped(body, plgpu.ACC((rows, block_kv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                return s, extra
+                return s
+
+            def step(i, carry, masked: bool):
+                s = logits(i)
+                if masked:
+                    s = mask(s, i)
+                carry = update(s, *carry)
+                turn()
+                wait_next(i)
+                return carry
 
             full = lax.div(base, jnp.array(block_kv, jnp.int32))
-            if overlap:
-                # software pipeline: step i's exps run while the tensor cores compute step i + 1's logits
-                def ostep(i, carry, masked: bool):
-                    s_prev, m, l = carry
-                    s, (m, l) = logits(i, lambda: update(s_prev, m, l))
-                    if masked:
-                        s = mask(s, i)
-                    turn()
-                    wait_next(i)
-                    return s, m, l
-
-                i0 = jnp.int32(0)
-                s0 = mask(logits(i0)[0], i0)  # (the mask is a no-op unless step 0 holds the diagonal)
-                turn()
-                wait_next(i0)
-                lo = jnp.maximum(full, 1)
-                carry = lax.fori_loop(1, lo, functools.partial(ostep, masked=False), (s0, m, l))
-                s_last, m, l = lax.fori_loop(lo, steps, functools.partial(ostep, masked=True), carry)
-                m, l = update(s_last, m, l)
-            else:
-                def step(i, carry, masked: bool):
-                    s = logits(i)[0]
-                    if masked:
-                        s = mask(s, i)
-                    carry = update(s, *carry)
-                    turn()
-                    wait_next(i)
-                    return carry
-
-                carry = lax.fori_loop(0, full, functools.partial(step, masked=False), (m, l))
-                m, l = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
+            carry = lax.fori_loop(0, full, functools.partial(step, masked=False), (m, l))
+            m, l = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
 
             def drain(i, _):  # steps the other warpgroup still runs: release their buffers, keep the turns
                 slot = lax.rem(i, jnp.array(S, i.dtype))
@@ -298,11 +275,9 @@ def prefill_lse_mgpu(q: Array, k: Array, *, scale: float | None = None, block_kv
     return lse[:, :, :T]
 
 
-@functools.partial(jax.jit, static_argnames=("tile", "scale", "stages", "schedule", "rows", "overlap",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("tile", "scale", "stages", "schedule", "rows", "interpret"))
 def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = 128, scale: float | None = None,
-                     stages: int = 2, schedule: bool = True, rows: int = ROWS, overlap: bool = False,
-                     interpret=False) -> Array:
+                     stages: int = 2, schedule: bool = True, rows: int = ROWS, interpret=False) -> Array:
     """Tile-pooled causal scores (as `gpu_prefill.tile_scores_gpu`) given every row's logsumexp.
 
     Args:
@@ -310,8 +285,7 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = 128, scale: 
         scaled causal scores (`prefill_lse_mgpu` or a dense attention's); tile: query rows per pooled row (32,
         64 or 128).
       stages: query buffers in flight; schedule: the two compute warpgroups take turns on the tensor cores;
-        rows: keys per compute warpgroup (64 or 128); overlap: each warpgroup issues the next step's logits
-        before the exps of the current one (two logit tiles live in registers).
+        rows: keys per compute warpgroup (64 or 128).
       interpret: as `prefill_lse_mgpu`.
 
     Returns:
@@ -361,14 +335,13 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = 128, scale: 
                 plgpu.barrier_wait(l_ready.at[0])
                 pl.when(wg == 1)(turn)
 
-            def logits(slot, during=None):
-                """Issue the transposed logits [keys, query rows] of the step in `slot`, run `during` (if any)
-                while the tensor cores work, then read them."""
+            def logits(slot):
+                """The transposed logits [keys, query rows] of the step in `slot` (the other warpgroup takes its
+                turn while the tensor cores work)."""
                 def body(acc_ref):
                     plgpu.wgmma(acc_ref, k_smem, q_smem.at[slot].transpose((1, 0)))
                     turn()
-                    extra = during() if during is not None else None
-                    return acc_ref[...], extra
+                    return acc_ref[...]
 
                 return pl.run_scoped(body, plgpu.ACC((rows, SPAN), jnp.float32))
 
@@ -402,45 +375,20 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = 128, scale: 
             def add(acc, part):
                 return [a + b for a, b in zip(acc, part)]
 
-            if overlap:
-                # software pipeline: step i's exps run while the tensor cores compute step i + 1's logits; the
-                # last step issues its own operands again (a discarded product) so that every step looks alike
-                s0 = logits(0)[0]  # (garbage, never used, when the block has no later tile)
-                turn()
+            def tile_body(j, _):
+                acc = zeros()
+                for g in range(G):
+                    i = j * G + g
+                    slot = lax.rem(i, jnp.array(S, i.dtype))
+                    acc = add(acc, mass(logits(slot), slot))
+                    plgpu.commit_smem()  # our reads of the lse buffer, before TMA may overwrite it
+                    plgpu.barrier_arrive(q_free.at[slot])
+                    turn()
+                    wait_step(i + 1)
+                write(j, acc)
+                return None
 
-                def tile_body(j, s_prev):
-                    acc = zeros()
-                    for g in range(G):
-                        i = j * G + g
-                        slot = lax.rem(i, jnp.array(S, i.dtype))
-                        nxt = i + 1
-                        wait_step(nxt)
-                        nslot = jnp.where(nxt < n_steps, lax.rem(nxt, jnp.array(S, i.dtype)), slot)
-                        s_prev, part = logits(nslot, lambda s_t=s_prev, sl=slot: mass(s_t, sl))
-                        acc = add(acc, part)
-                        plgpu.commit_smem()  # our reads of the lse buffer, before TMA may overwrite it
-                        plgpu.barrier_arrive(q_free.at[slot])
-                        turn()
-                    write(j, acc)
-                    return s_prev
-
-                lax.fori_loop(0, tiles, tile_body, s0)
-            else:
-                def tile_body(j, _):
-                    acc = zeros()
-                    for g in range(G):
-                        i = j * G + g
-                        slot = lax.rem(i, jnp.array(S, i.dtype))
-                        s_t = logits(slot)[0]
-                        acc = add(acc, mass(s_t, slot))
-                        plgpu.commit_smem()  # our reads of the lse buffer, before TMA may overwrite it
-                        plgpu.barrier_arrive(q_free.at[slot])
-                        turn()
-                        wait_step(i + 1)
-                    write(j, acc)
-                    return None
-
-                lax.fori_loop(0, tiles, tile_body, None)
+            lax.fori_loop(0, tiles, tile_body, None)
 
             @pl.when(tiles > 0)
             def _():
