@@ -12,9 +12,9 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
+from eval.bench_attention import rel_err
 from eval.benchmarking import device_facts, time_ms
 from pallas_kernels.anchor_attention import mgpu_prefill as mg
 
@@ -37,12 +37,6 @@ def split(k):
 VARIANTS = (("mufu", lambda x: jnp.exp2(x).sum(axis=1)), ("identity", lambda x: x.sum(axis=1)),
             ("fma_all", lambda x: exp2_fma(x).sum(axis=1)), ("split32", split(32)), ("split16", split(16)),
             ("split48", split(48)))
-
-
-def rel_err(got, want) -> float:
-    got, want = np.asarray(got), np.asarray(want)
-    f = np.isfinite(want)
-    return float(np.max(np.abs(np.where(f, got - want, 0))) / np.max(np.abs(np.where(f, want, 0))))
 
 
 def main() -> None:

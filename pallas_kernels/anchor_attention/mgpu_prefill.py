@@ -59,13 +59,17 @@ SPAN = 128  # query rows per step of the pooling pass (the N side of its wgmma):
 HEAD_DIMS = (64, 128)  # head dims whose operand buffers fit the H100's 227 KB of shared memory at the defaults
 
 
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _dtypes_ok(q: Array, k: Array) -> bool:
+    return jnp.dtype(q.dtype) in DTYPES and jnp.dtype(k.dtype) == jnp.dtype(q.dtype)
+
+
 def mgpu_shapes_ok(q: Array, k: Array, tile: int | None = None) -> bool:
     """Whether the Mosaic GPU kernels take these operands (bf16/f16 q and k alike, head_dim 64 or 128, tile 32, 64
     or 128), on whatever device."""
-    dt = jnp.dtype(q.dtype)
-    if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or jnp.dtype(k.dtype) != dt:
-        return False
-    return q.shape[-1] in HEAD_DIMS and (tile is None or tile in TILES)
+    return _dtypes_ok(q, k) and q.shape[-1] in HEAD_DIMS and (tile is None or tile in TILES)
 
 
 def hopper() -> bool:
@@ -84,7 +88,7 @@ def mgpu_supported(q: Array, k: Array, tile: int | None = None) -> bool:
 
 
 def _check(q: Array, k: Array, block_kv: int, stages: int, rows: int) -> None:
-    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or k.dtype != q.dtype:
+    if not _dtypes_ok(q, k):
         raise ValueError(f"the Mosaic GPU scoring kernels take bf16 or f16 q and k (got {q.dtype}, {k.dtype})")
     if q.shape[-1] not in HEAD_DIMS:
         raise ValueError(f"head_dim D={q.shape[-1]}: the Mosaic GPU scoring kernels take {HEAD_DIMS}")
@@ -107,6 +111,31 @@ def _turn(sched, schedule: bool) -> None:
     if schedule:
         plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(sched)
+
+
+def _slot(i, S: int):
+    """Ring buffer of step i (i % S, in i's dtype)."""
+    return lax.rem(i, jnp.array(S, i.dtype))
+
+
+def _feed(n, S: int, load, free) -> None:
+    """The memory warpgroup's loop: `load(i, slot)` issues step i's TMA copies into ring buffer `slot` = i % S, for
+    i in [0, n); a buffer is refilled once both compute warpgroups have arrived at `free[slot]`, and the last S
+    releases are waited for too (the interpreter checks that every barrier phase is observed)."""
+    for i in range(S):
+        @pl.when(i < n)
+        def _(i=i):
+            load(jnp.int32(i), i)
+
+    @pl.loop(0, n - S)
+    def _(i):
+        slot = _slot(i, S)
+        plgpu.barrier_wait(free.at[slot])
+        load(i + S, slot)
+
+    @pl.loop(jnp.maximum(n - S, 0), n)
+    def _(i):
+        plgpu.barrier_wait(free.at[_slot(i, S)])
 
 
 def _rowsum_exp2(x: Array) -> Array:
@@ -188,11 +217,11 @@ def prefill_lse_mgpu(q: Array, k: Array, *, scale: float | None = None, block_kv
             def wait_next(i):
                 @pl.when(i + 1 < steps)
                 def _():
-                    plgpu.barrier_wait(k_ready.at[lax.rem(i + 1, jnp.array(S, i.dtype))])
+                    plgpu.barrier_wait(k_ready.at[_slot(i + 1, S)])
 
             def logits(i):
                 """Step i's Q.K^T (the other warpgroup takes its turn while the tensor cores work)."""
-                slot = lax.rem(i, jnp.array(S, i.dtype))
+                slot = _slot(i, S)
 
                 def body(acc_ref):
                     plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -217,7 +246,7 @@ def prefill_lse_mgpu(q: Array, k: Array, *, scale: float | None = None, block_kv
             m, l = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
 
             def drain(i, _):  # steps the other warpgroup still runs: release their buffers, keep the turns
-                slot = lax.rem(i, jnp.array(S, i.dtype))
+                slot = _slot(i, S)
                 plgpu.barrier_wait(k_ready.at[slot])
                 plgpu.barrier_arrive(k_free.at[slot])
                 turn()
@@ -235,22 +264,12 @@ def prefill_lse_mgpu(q: Array, k: Array, *, scale: float | None = None, block_kv
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
             kh = lax.div(h, jnp.array(G, h.dtype))
-            for i in range(S):
-                @pl.when(i < cta_steps)
-                def _(i=i):
-                    plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(i * block_kv, block_kv), kh], k_smem.at[i],
-                                            k_ready.at[i])
 
-            @pl.loop(0, cta_steps - S)
-            def _(i):
-                slot = lax.rem(i, jnp.array(S, i.dtype))
-                plgpu.barrier_wait(k_free.at[slot])
-                plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds((i + S) * block_kv, block_kv), kh], k_smem.at[slot],
+            def load(i, slot):
+                plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(i * block_kv, block_kv), kh], k_smem.at[slot],
                                         k_ready.at[slot])
 
-            @pl.loop(jnp.maximum(cta_steps - S, 0), cta_steps)
-            def _(i):  # the last buffers' release (nothing waits on it otherwise)
-                plgpu.barrier_wait(k_free.at[lax.rem(i, jnp.array(S, i.dtype))])
+            _feed(cta_steps, S, load, k_free)
 
     tiling, swizzle = _smem_transforms()
     lse = plgpu.kernel(
@@ -353,7 +372,7 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = 128, scale: 
             def wait_step(i):
                 @pl.when(i < n_steps)
                 def _():
-                    ns = lax.rem(i, jnp.array(S, i.dtype))
+                    ns = _slot(i, S)
                     plgpu.barrier_wait(q_ready.at[ns])
                     plgpu.barrier_wait(l_ready.at[ns])
 
@@ -379,7 +398,7 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = 128, scale: 
                 acc = zeros()
                 for g in range(G):
                     i = j * G + g
-                    slot = lax.rem(i, jnp.array(S, i.dtype))
+                    slot = _slot(i, S)
                     acc = add(acc, mass(logits(slot), slot))
                     plgpu.commit_smem()  # our reads of the lse buffer, before TMA may overwrite it
                     plgpu.barrier_arrive(q_free.at[slot])
@@ -407,20 +426,7 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = 128, scale: 
                 plgpu.copy_gmem_to_smem(lse_ref.at[b, h, pl.ds(t * SPAN, SPAN)], lse_smem.at[slot],
                                         l_ready.at[slot])
 
-            for i in range(S):
-                @pl.when(i < n_steps)
-                def _(i=i):
-                    load(jnp.int32(i), i)
-
-            @pl.loop(0, n_steps - S)
-            def _(i):
-                slot = lax.rem(i, jnp.array(S, i.dtype))
-                plgpu.barrier_wait(q_free.at[slot])
-                load(i + S, slot)
-
-            @pl.loop(jnp.maximum(n_steps - S, 0), n_steps)
-            def _(i):  # the last buffers' release (nothing waits on it otherwise)
-                plgpu.barrier_wait(q_free.at[lax.rem(i, jnp.array(S, i.dtype))])
+            _feed(n_steps, S, load, q_free)
 
     tiling, swizzle = _smem_transforms()
     out = plgpu.kernel(
@@ -449,4 +455,4 @@ def tile_scores_mgpu(q: Array, k: Array, lse: Array, *, tile: int = 128, scale: 
     return jnp.where(before, out[:, :, :ntT, :T], -jnp.inf)  # (one fused pass: slice and select)
 
 
-__all__ = ["mgpu_supported", "prefill_lse_mgpu", "tile_scores_mgpu"]
+__all__ = ["hopper", "mgpu_shapes_ok", "mgpu_supported", "prefill_lse_mgpu", "tile_scores_mgpu"]
