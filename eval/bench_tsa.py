@@ -11,7 +11,9 @@ What it does (about 2 minutes on an H100; cases past a 165 s budget are recorded
         for selection "query_head" and "kv_head" (tolerance: max abs error / max abs reference <= 2e-2);
      b. the selection itself: every head keeps exactly the row's count, ascending, the last W positions included;
      c. the registered method's prefill (`TSA.prefill`: Pallas scoring, coverage at tau = 0.05, capacity buckets
-        under lax.switch) against the masked reference built from its own selection.
+        under lax.switch) against the masked reference built from its own selection;
+     d. the step with `fill="local"` (dropped rows: sliding window of 64 keys + 4 sinks, `local_prefill`) against
+        the same reference with the dropped rows taken from a banded f32 reference.
   2. Timing at Llama-3.1-8B attention shapes (B = 1, Hq = 32, Hkv = 8, D = 128, bf16, W = 128, pooling 7) for
      T in {32768, 65536, 131072}. Random weights give flat attention, so the kept fraction f is set explicitly
      (the coverage count is computed and timed, then replaced by C = f * T rounded to 128): f = 0.68 (the paper's
@@ -23,7 +25,9 @@ What it does (about 2 minutes on an H100; cases past a 165 s budget are recorded
        gather     `compress`: Q, K, V rows per query head -> [B, C, Hq, D] x 3
        attention  cuDNN causal attention over the compressed sequence
        scatter    `decompress`: outputs back to [B, T, Hq, D], zeros elsewhere
-       total      the whole step in one jit
+       fill       `local_prefill` (window 64, 4 sinks): what dropped rows get with `fill="local"` (not in the paper)
+       total      the whole step in one jit; also with fill="local" (total_local_ms, overhead_share_local counts
+                  the fill as overhead)
      against cuDNN dense causal GQA attention at the same T. Also the whole step with selection "kv_head" (GQA kept
      in the compressed space). Each part has a floor: bytes at the measured HBM bandwidth or FLOPs at the
      measured bf16 matmul rate (see `floors`).
@@ -37,7 +41,6 @@ Options: `--lengths 32768,65536`, `--fractions 0.68,0.5`, `--iters N`.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -50,11 +53,13 @@ from eval.benchmarking import device_facts, measure_hbm_gbs, measure_matmul_tflo
 from jsparse.methods.tsa import (TSA, TSALayerInfo, attend_compressed, compress, coverage_counts, decompress,
                                  masked_reference_mask, select_tokens, selection_scores)
 from models.attention import LayerContext
+from pallas_kernels.dense import local_prefill
 from pallas_kernels.sparse_attention.reference import masked_attention_reference
 from pallas_kernels.tsa_scoring import tsa_scores
 
 BUDGET_S = 165.0
 HQ, HKV, D, W, POOL, TAU, MIN_TOKENS = 32, 8, 128, 128, 7, 0.005, 1024
+LOCAL_WINDOW, LOCAL_SINKS = 64, 4  # TSA's fill="local" defaults
 EXP_PER_S = 3.9e12  # H100 SXM special-function throughput (FlashAttention-3 paper)
 
 
@@ -80,10 +85,18 @@ def _rel_err(got, want, rows) -> float:
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
-def _reference(q, k, v, sel):
-    mask = masked_reference_mask(sel, HQ)
-    return masked_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32).transpose(0, 2, 1, 3),
-                                      v.astype(jnp.float32).transpose(0, 2, 1, 3), mask)
+def _reference(q, k, v, sel, fill="zeros"):
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    qf, kf, vf = f32(q), f32(k).transpose(0, 2, 1, 3), f32(v).transpose(0, 2, 1, 3)
+    out = masked_attention_reference(qf, kf, vf, masked_reference_mask(sel, HQ))
+    if fill == "zeros":
+        return out
+    T = q.shape[1]
+    i = jnp.arange(T)
+    band = (i[None] <= i[:, None]) & ((i[:, None] - i[None] < LOCAL_WINDOW) | (i[None] < LOCAL_SINKS))
+    local = masked_attention_reference(qf, kf, vf, jnp.broadcast_to(band, (q.shape[0], HQ, T, T)))
+    keep = jnp.repeat(sel.keep, HQ // sel.keep.shape[1], axis=1).transpose(0, 2, 1)[..., None]
+    return jnp.where(keep, out, local)
 
 
 def checks() -> list[dict]:
@@ -93,15 +106,15 @@ def checks() -> list[dict]:
     lengths = jnp.full((1,), T, jnp.int32)
     C = capacity_for(0.5, T)
     counts = jnp.full((1,), C, jnp.int32)
-    for selection in ("query_head", "kv_head"):
-        out, _ = _step_jit(q, k, v, lengths, counts, C, selection)
+    for selection, fill in (("query_head", "zeros"), ("kv_head", "zeros"), ("query_head", "local")):
+        out, _ = _step_jit(q, k, v, lengths, counts, C, selection, fill)
         s = selection_scores(_scoring(q, k, lengths), HKV, selection)
         sel = _select(s, lengths, counts, C)
-        err = _rel_err(out, _reference(q, k, v, sel), T)
+        err = _rel_err(out, _reference(q, k, v, sel, fill), T)
         idx, keep = np.asarray(sel.indices), np.asarray(sel.keep)
         sel_ok = bool(np.all(keep.sum(-1) == C) and np.all(np.diff(idx, axis=-1) > 0) and np.all(keep[..., -W:]))
-        rows.append({"check": f"step f=0.5 {selection}", "rel_err": err, "selection_ok": sel_ok,
-                     "ok": bool(err <= 2e-2 and sel_ok)})
+        name = f"step f=0.5 {selection}" + ("" if fill == "zeros" else f" fill={fill}")
+        rows.append({"check": name, "rel_err": err, "selection_ok": sel_ok, "ok": bool(err <= 2e-2 and sel_ok)})
     m = TSA(tau=0.05, min_tokens=256)
     ctx = LayerContext(layer=jnp.int32(1), lengths=lengths, info=TSALayerInfo(sparse=jnp.int32(1)))
     out, state = jax.jit(m.prefill)(ctx, q, k, v, m.init_state(_Cfg(), 1, T))
@@ -143,6 +156,7 @@ _select = jax.jit(lambda s, lengths, counts, C: select_tokens(s, lengths, counts
 _gather = jax.jit(compress)
 _attention = jax.jit(cudnn)
 _scatter = jax.jit(decompress)
+_fill = jax.jit(lambda q, k, v: local_prefill(q, k, v, window=LOCAL_WINDOW, sinks=LOCAL_SINKS))
 
 
 @jax.jit
@@ -150,16 +164,17 @@ def _dense(q, k, v):
     return cudnn(q, k, v)
 
 
-def _step(q, k, v, lengths, counts, C, selection):
+def _step(q, k, v, lengths, counts, C, selection, fill="zeros"):
     """The whole TSA step: scoring, coverage (timed, then replaced by the explicit count), selection, gather,
-    cuDNN causal attention over the compressed sequence, scatter."""
+    cuDNN causal attention over the compressed sequence, scatter (into zeros, or into the local fill)."""
     s = selection_scores(tsa_scores(q, k, window=W, pool_kernel=POOL, lengths=lengths), HKV, selection)
     measured = coverage_counts(s, lengths, tau=TAU, window=W, min_tokens=MIN_TOKENS)
     sel = select_tokens(s, lengths, counts, window=W, capacity=C)
-    return attend_compressed(q, k, v, sel, cudnn), measured
+    rows = None if fill == "zeros" else local_prefill(q, k, v, window=LOCAL_WINDOW, sinks=LOCAL_SINKS)
+    return attend_compressed(q, k, v, sel, cudnn, fill=rows), measured
 
 
-_step_jit = jax.jit(_step, static_argnums=(5, 6))
+_step_jit = jax.jit(_step, static_argnums=(5, 6, 7))
 
 
 def bench_case(T: int, fraction: float, dense_ms: float, iters: int, hbm_gbs: float, tflops: float) -> dict:
@@ -180,12 +195,15 @@ def bench_case(T: int, fraction: float, dense_ms: float, iters: int, hbm_gbs: fl
         "gather": t(_gather, q, k, v, sel),
         "attention": t(_attention, qc, kc, vc),
         "scatter": t(_scatter, out_c, sel),
+        "fill": t(_fill, q, k, v),
     }
     del qc, kc, vc, out_c
     parts["index"] = parts["coverage"] + parts["select"]
     total = t(lambda *a: _step_jit(*a, C, "query_head"), q, k, v, lengths, counts)
     total_kv = t(lambda *a: _step_jit(*a, C, "kv_head"), q, k, v, lengths, counts)
+    total_local = t(lambda *a: _step_jit(*a, C, "query_head", "local"), q, k, v, lengths, counts)
     overhead = parts["scoring"] + parts["index"] + parts["gather"] + parts["scatter"]
+    overhead_local = overhead + parts["fill"]
     fl = floors(T, C, hbm_gbs, tflops)
     return {
         "T": T, "kept_fraction": fraction, "C": C, "attention_map_sparsity": 1 - (C * (C + 1)) / (T * (T + 1)),
@@ -194,6 +212,8 @@ def bench_case(T: int, fraction: float, dense_ms: float, iters: int, hbm_gbs: fl
         "speedup": dense_ms / total, "speedup_kv_head": dense_ms / total_kv, "ideal_speedup": T * T / (C * C),
         "overhead_ms": overhead, "overhead_share": overhead / (overhead + parts["attention"]),
         "overhead_share_of_total": overhead / total,
+        "total_local_ms": total_local, "speedup_local": dense_ms / total_local,
+        "overhead_share_local": overhead_local / (overhead_local + parts["attention"]),
     }
 
 
@@ -252,13 +272,16 @@ def main(argv=None) -> int:
         rows.append({"T": c["T"], "f": c["kept_fraction"], "map sparsity": c["attention_map_sparsity"],
                      "dense ms": c["dense_ms"], "TSA ms": c["total_ms"], "speedup": c["speedup"],
                      "ideal": c["ideal_speedup"], "kv_head ms": c["total_kv_head_ms"],
+                     "local-fill ms": c["total_local_ms"], "fill ms": c["parts_ms"]["fill"],
+                     "local speedup": c["speedup_local"], "overhead share local": c["overhead_share_local"],
                      "score ms (floor)": f"{pm['scoring']:.2f} ({fl['scoring']:.2f})",
                      "index ms (floor)": f"{pm['index']:.2f} ({fl['index']:.2f})",
                      "gather ms (floor)": f"{pm['gather']:.2f} ({fl['gather']:.2f})",
                      "attn ms (floor)": f"{pm['attention']:.2f} ({fl['attention']:.2f})",
                      "scatter ms (floor)": f"{pm['scatter']:.2f} ({fl['scatter']:.2f})",
                      "overhead share": c["overhead_share"]})
-    cols = ["T", "f", "map sparsity", "dense ms", "TSA ms", "speedup", "ideal", "kv_head ms", "score ms (floor)",
+    cols = ["T", "f", "map sparsity", "dense ms", "TSA ms", "speedup", "ideal", "kv_head ms", "local-fill ms",
+            "fill ms", "local speedup", "overhead share local", "score ms (floor)",
             "index ms (floor)", "gather ms (floor)", "attn ms (floor)", "scatter ms (floor)", "overhead share",
             "note"]
     errs = ", ".join("%s: %.1e" % (r["check"], r["rel_err"]) for r in check_rows)

@@ -12,7 +12,7 @@ from jsparse.artifacts import Artifact, ArtifactError, save_artifact
 from jsparse.methods import make_method
 from jsparse.methods import tsa_calibration as tcal
 from jsparse.methods.kascade import Kascade
-from jsparse.methods.tsa import (TSA, TSALayerInfo, Selection, attend_compressed, capacities, coverage_counts,
+from jsparse.methods.tsa import (TSA, TSALayerInfo, attend_compressed, capacities, coverage_counts,
                                  masked_reference_mask, prefill_sparsity, select_tokens, translate_anchor_indices)
 from models import llama
 from models.attention import LayerContext
@@ -20,7 +20,7 @@ from models.cache import init_cache
 from models.config import ModelConfig
 from models.generate import Sampling, generate_tokens
 from models.params import random_params
-from pallas_kernels.dense import dense_prefill
+from pallas_kernels.dense import dense_prefill, local_prefill
 from pallas_kernels.sparse_attention.reference import masked_attention_reference
 
 HQ, HKV, D = 4, 2, 16
@@ -93,6 +93,14 @@ def test_other_argument_errors():
     kascade = Kascade.from_anchors(CFG, [0, 1], tile=16, min_tokens=16, budget=0.3)
     with pytest.raises(ValueError, match="kv_head"):
         TSA(inner=kascade, selection="query_head")
+    with pytest.raises(ValueError, match="fill='window'"):
+        TSA(fill="window")
+    with pytest.raises(ValueError, match="local_window=0"):
+        TSA(fill="local", local_window=0)
+    with pytest.raises(ValueError, match="local_sinks=-1"):
+        TSA(fill="local", local_sinks=-1)
+    with pytest.raises(ValueError, match="window=0"):
+        local_prefill(*_qkv(0, T=8), window=0)
 
 
 # ----------------------------------------------------------------------------------------------- coverage
@@ -190,6 +198,38 @@ def test_layer_equals_masked_dense_reference(selection, buckets):
     for b, n in enumerate(np.asarray(lengths)):
         np.testing.assert_allclose(out[b, :n], want[b, :n], rtol=1e-5, atol=1e-5)
     assert np.any(np.all(np.asarray(out[0]) == 0, axis=-1))  # dropped rows are zeros
+
+
+@pytest.mark.parametrize("selection", ["query_head", "kv_union"])
+def test_local_fill_gives_dropped_rows_a_sliding_window(selection):
+    """fill="local": kept rows as the masked dense reference, dropped rows as a banded (window + sinks) one."""
+    q, k, v = _qkv(6)
+    lengths = jnp.asarray([256, 211], jnp.int32)
+    m = TSA(tau=0.3, selection=selection, fill="local", local_window=8, local_sinks=3, **SMALL)
+    out, _ = jax.jit(m.prefill)(_ctx(lengths), q, k, v, m.init_state(CFG, 2, 256))
+    _, sel = jax.jit(m.select)(q, k, lengths)
+    kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    sparse = masked_attention_reference(q, kt, vt, masked_reference_mask(sel, HQ))
+    i = np.arange(256)
+    band = (i[None] <= i[:, None]) & ((i[:, None] - i[None] < 8) | (i[None] < 3))
+    local = masked_attention_reference(q, kt, vt, jnp.broadcast_to(band, (2, HQ, 256, 256)))
+    keep = np.asarray(sel.keep)
+    keep = np.repeat(keep, HQ // keep.shape[1], axis=1).transpose(0, 2, 1)[..., None]  # [B, T, Hq, 1]
+    want = np.where(keep, sparse, local)
+    assert not keep[0].all()  # some rows really take the fill
+    for b, n in enumerate(np.asarray(lengths)):
+        np.testing.assert_allclose(out[b, :n], want[b, :n], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("T,window,sinks", [(100, 16, 4), (64, 64, 4), (37, 8, 0), (50, 7, 60), (5, 16, 2)])
+def test_local_prefill_matches_banded_reference(T, window, sinks):
+    q, k, v = _qkv(7, T=T)
+    out = local_prefill(q, k, v, window=window, sinks=sinks)
+    i = np.arange(T)
+    band = (i[None] <= i[:, None]) & ((i[:, None] - i[None] < window) | (i[None] < sinks))
+    want = masked_attention_reference(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+                                      jnp.broadcast_to(band, (2, HQ, T, T)))
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=2e-5)
 
 
 def test_compressed_path_keeping_everything_equals_dense():

@@ -15,7 +15,8 @@ per right-padded row, window W and prefix P = max(n - W, 0):
      compressed sequence (cuDNN on GPU via `pallas_kernels.dense.dense_prefill`), and write each head's outputs
      back to their positions, zeros elsewhere; the model's o_proj follows (outside the method). The compressed
      positions keep their original order, so causality in the compressed space is the original causality:
-     a kept query at position i sees exactly the kept keys j <= i of its head.
+     a kept query at position i sees exactly the kept keys j <= i of its head. (`fill="local"`, not in the
+     paper: the positions a head dropped get a sliding-window attention instead of zeros; see below.)
   4. The KV cache keeps the full K and V (the model writes it); decode is dense unless an inner method is
      composed (`tsa+kascade`: Kascade's decode).
 
@@ -36,6 +37,16 @@ GQA (`selection`):
      them; the compressed attention stays GQA and a head keeps at least the paper's count. On the bundled
      SmolLM2 (GQA 9/3) "query_head" loses passkeys placed early in the prompt (a head that drops the needle gives
      its tokens no output in that layer); see eval/results/h100/tsa_smollm2_4k_16*/NOTES.md for the numbers.
+
+What a head's dropped positions get (`fill`):
+  "zeros" (default, the paper): no output from that head in that layer; the residual stream carries the token on.
+  "local" (not in the paper): causal sliding-window attention over the full K/V, the last `local_window` keys
+     (default 64) plus the first `local_sinks` tokens (default 4), from `pallas_kernels.dense.local_prefill`:
+     O(T * local_window) work, a few percent of a sparse layer's compressed attention at long context. On the
+     bundled SmolLM2 the paper's zeros lose passkeys placed early in the prompt and add 2.6-4% perplexity at
+     tau 0.005: a dropped token's hidden state misses the head's contribution in every sparse layer, and the
+     needle's digits lose the context that marks them as the key. The local fill keeps each token's
+     neighbourhood (eval/results/*/tsa_fill_local*/NOTES.md has the numbers).
 
 Static shapes: the kept count is data-dependent, so the compressed sequence has a static capacity C. With
 `capacity_buckets = n`, the capacities are ceil(i * T / n) rounded up to a multiple of 128 (and T), i = 1..n;
@@ -77,7 +88,7 @@ from jsparse.methods import kascade as kascade_mod
 from jsparse.methods.base import register
 from jsparse.methods.common import kwargs_for
 from models import attention as attention_protocol
-from pallas_kernels.dense import dense_decode, dense_prefill
+from pallas_kernels.dense import dense_decode, dense_prefill, local_prefill
 from pallas_kernels.tsa_scoring import tsa_scores
 from pallas_kernels.tsa_scoring.common import check_pool_kernel, check_window
 
@@ -85,6 +96,7 @@ Array = jax.Array
 I32 = jnp.int32
 ARTIFACT_KIND = "tsa"
 SELECTIONS = ("query_head", "kv_head", "kv_union")
+FILLS = ("zeros", "local")
 CAPACITY_ALIGN = 128
 _SENTINEL_BITS = 0x7F800001  # one above the bit pattern of +inf: no score reaches it
 
@@ -284,24 +296,37 @@ def compress(q: Array, k: Array, v: Array, sel: Selection):
     return qc, kc, vc
 
 
-def decompress(out_c: Array, sel: Selection) -> Array:
-    """Writes compressed outputs back to their positions: out_c [B, C, Hq, D] -> [B, T, Hq, D], zeros on the
-    positions a head did not keep (a gather by each position's slot, which equals scattering into zeros)."""
+def decompress(out_c: Array, sel: Selection, fill: Array | None = None) -> Array:
+    """Writes compressed outputs back to their positions: out_c [B, C, Hq, D] -> [B, T, Hq, D], zeros (or `fill`'s
+    rows, [B, T, Hq, D]) on the positions a head did not keep (a gather by each position's slot, which equals
+    scattering into zeros or into `fill`)."""
     B, C, Hq, D = out_c.shape
-    H, T = sel.slot.shape[1], sel.slot.shape[2]
+    H = sel.slot.shape[1]
     slot = jnp.swapaxes(sel.slot, 1, 2)  # [B, T, H]
     if H != Hq:
         slot = jnp.repeat(slot, Hq // H, axis=2)
     b = jnp.arange(B)[:, None, None]
     hq = jnp.arange(Hq, dtype=I32)[None, None, :]
     out = out_c[b, jnp.maximum(slot, 0), hq]
-    return jnp.where((slot >= 0)[..., None], out, jnp.zeros((), out.dtype))
+    other = jnp.zeros((), out.dtype) if fill is None else fill.astype(out.dtype)
+    return jnp.where((slot >= 0)[..., None], out, other)
 
 
 def attend_compressed(q: Array, k: Array, v: Array, sel: Selection,
-                      attend: Callable[[Array, Array, Array], Array] = dense_prefill) -> Array:
-    """Compress, causal attention in the compressed space, decompress: [B, T, Hq, D]."""
-    return decompress(attend(*compress(q, k, v, sel)), sel)
+                      attend: Callable[[Array, Array, Array], Array] = dense_prefill,
+                      fill: Array | None = None) -> Array:
+    """Compress, causal attention in the compressed space, decompress (dropped positions: zeros or `fill`'s
+    rows): [B, T, Hq, D]."""
+    return decompress(attend(*compress(q, k, v, sel)), sel, fill)
+
+
+def check_fill(fill, local_window, local_sinks) -> str:
+    """TSA's `fill` ("zeros" or "local") and, for "local", a positive window and non-negative sinks."""
+    if fill not in FILLS:
+        raise ValueError(f"fill={fill!r}: expected one of {list(FILLS)}")
+    _check_positive_int("local_window", local_window)
+    _check_nonneg_int("local_sinks", local_sinks)
+    return fill
 
 
 def masked_reference_mask(sel: Selection, num_query_heads: int) -> Array:
@@ -388,6 +413,10 @@ class TSA:
       selection: "query_head" (each query head selects; default), "kv_head" (GQA group-shared) or "kv_union"
         (each query head selects, each KV head keeps its group's union; not in the paper).
       capacity_buckets: static compressed capacities per prefill length (default 8; 1 = always T).
+      fill: what a head's dropped positions get: "zeros" (the paper; default) or "local" (sliding-window attention
+        over the last `local_window` keys and the first `local_sinks` tokens; not in the paper).
+      local_window: keys of the "local" fill's window, the query itself included (default 64).
+      local_sinks: leading tokens every "local" fill row attends to as well (default 4).
       inner: the method run inside the compressed space and for decode (None: dense).
     """
 
@@ -398,6 +427,9 @@ class TSA:
     sparse_layers: Optional[tuple] = struct.field(pytree_node=False, default=None)
     selection: str = struct.field(pytree_node=False, default="query_head")
     capacity_buckets: int = struct.field(pytree_node=False, default=8)
+    fill: str = struct.field(pytree_node=False, default="zeros")
+    local_window: int = struct.field(pytree_node=False, default=64)
+    local_sinks: int = struct.field(pytree_node=False, default=4)
     inner: Any = None
 
     def __post_init__(self):
@@ -408,6 +440,7 @@ class TSA:
         _check_positive_int("capacity_buckets", self.capacity_buckets)
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection={self.selection!r}: expected one of {list(SELECTIONS)}")
+        check_fill(self.fill, self.local_window, self.local_sinks)
         if self.sparse_layers is not None:
             if isinstance(self.sparse_layers, (str, bytes)) or not hasattr(self.sparse_layers, "__iter__"):
                 raise ValueError(f"sparse_layers={self.sparse_layers!r}: expected a sequence of layer indices")
@@ -516,6 +549,12 @@ class TSA:
         sel = select_tokens(scores, lengths, counts, window=self.window, capacity=scores.shape[-1])
         return union_selection(sel, num_kv_heads, capacity)
 
+    def _fill(self, q: Array, k: Array, v: Array) -> Array | None:
+        """The rows a head's dropped positions get: None (zeros) or the "local" sliding-window attention."""
+        if self.fill == "zeros":
+            return None
+        return local_prefill(q, k, v, window=self.local_window, sinks=self.local_sinks)
+
     def _record(self, state, layer, counts):
         return state.kept.at[layer].set(counts.astype(I32))
 
@@ -553,7 +592,7 @@ class TSA:
                 cur_map = jnp.where(sel.indices >= 0, sel.indices, T)
                 out_c, st = self._inner_prefill(ctx.replace(lengths=counts, hidden=None), qc, kc, vc, state,
                                                 cur_map, sel.slot)
-                return decompress(out_c, sel), st
+                return decompress(out_c, sel, self._fill(q, k, v)), st
 
             out, state = jax.lax.cond(nothing_dropped,
                                       lambda: self._dense_prefill(ctx, q, k, v, state), compressed)
@@ -567,7 +606,7 @@ class TSA:
                     sel = selection_from_keep(union.keep, cap)
                 else:
                     sel = select_tokens(scores, lengths, counts, window=self.window, capacity=cap)
-                return attend_compressed(q, k, v, sel)
+                return attend_compressed(q, k, v, sel, fill=self._fill(q, k, v))
             return fn
 
         which = jnp.searchsorted(jnp.asarray(caps, I32), largest).astype(I32) + 1
@@ -643,7 +682,7 @@ class TSAKascade:
     `jsparse eval --methods tsa+kascade --artifact tsa+kascade=artifacts/kascade:artifacts/tsa`; or pass
     `kascade_artifact=` / `tsa_artifact=` (Python). The Kascade artifact is required; without a TSA artifact
     every layer but 0 is TSA-sparse. `budget`, `tile`, `min_tokens` go to Kascade; `tau`, `window`,
-    `pool_kernel`, `tsa_min_tokens`, `sparse_layers` to TSA.
+    `pool_kernel`, `tsa_min_tokens`, `sparse_layers`, `fill`, `local_window`, `local_sinks` to TSA.
     """
 
     @classmethod
@@ -653,7 +692,8 @@ class TSAKascade:
         kascade_artifact = kascade_artifact or paths.get(kascade_mod.ARTIFACT_KIND)
         tsa_artifact = tsa_artifact or paths.get(ARTIFACT_KIND)
         inner = kascade_mod.Kascade.build(cfg=cfg, artifact=kascade_artifact, fingerprint=fingerprint, **options)
-        tsa_options = {k: options[k] for k in ("tau", "window", "pool_kernel", "sparse_layers") if k in options}
+        tsa_options = {k: options[k] for k in ("tau", "window", "pool_kernel", "sparse_layers", "fill",
+                                               "local_window", "local_sinks") if k in options}
         if "tsa_min_tokens" in options:
             tsa_options["min_tokens"] = options["tsa_min_tokens"]
         return TSA.build(cfg=cfg, artifact=tsa_artifact, fingerprint=fingerprint, inner=inner,
