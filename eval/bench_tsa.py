@@ -12,7 +12,7 @@ What it does (about 2 minutes on an H100; cases past a 165 s budget are recorded
      b. the selection itself: every head keeps exactly the row's count, ascending, the last W positions included;
      c. the registered method's prefill (`TSA.prefill`: Pallas scoring, coverage at tau = 0.05, capacity buckets
         under lax.switch) against the masked reference built from its own selection;
-     d. the step with `fill="local"` (dropped rows: sliding window of 64 keys + 4 sinks, `local_prefill`) against
+     d. the step with `fill="local"` (dropped rows: sliding window of 64 keys + 4 sinks, `local_attention`) against
         the same reference with the dropped rows taken from a banded f32 reference.
   2. Timing at Llama-3.1-8B attention shapes (B = 1, Hq = 32, Hkv = 8, D = 128, bf16, W = 128, pooling 7) for
      T in {32768, 65536, 131072}. Random weights give flat attention, so the kept fraction f is set explicitly
@@ -25,7 +25,7 @@ What it does (about 2 minutes on an H100; cases past a 165 s budget are recorded
        gather     `compress`: Q, K, V rows per query head -> [B, C, Hq, D] x 3
        attention  cuDNN causal attention over the compressed sequence
        scatter    `decompress`: outputs back to [B, T, Hq, D], zeros elsewhere
-       fill       `local_prefill` (window 64, 4 sinks): what dropped rows get with `fill="local"` (not in the paper)
+       fill       `local_attention` (Triton kernel; window 64, 4 sinks): what dropped rows get with `fill="local"` (not in the paper)
        total      the whole step in one jit; also with fill="local" (total_local_ms, overhead_share_local counts
                   the fill as overhead)
      against cuDNN dense causal GQA attention at the same T. Also the whole step with selection "kv_head" (GQA kept
@@ -53,7 +53,7 @@ from eval.benchmarking import device_facts, measure_hbm_gbs, measure_matmul_tflo
 from jsparse.methods.tsa import (TSA, TSALayerInfo, attend_compressed, compress, coverage_counts, decompress,
                                  masked_reference_mask, select_tokens, selection_scores)
 from models.attention import LayerContext
-from pallas_kernels.dense import local_prefill
+from pallas_kernels.local_attention import banded_mask, local_attention
 from pallas_kernels.sparse_attention.reference import masked_attention_reference
 from pallas_kernels.tsa_scoring import tsa_scores
 
@@ -92,8 +92,7 @@ def _reference(q, k, v, sel, fill="zeros"):
     if fill == "zeros":
         return out
     T = q.shape[1]
-    i = jnp.arange(T)
-    band = (i[None] <= i[:, None]) & ((i[:, None] - i[None] < LOCAL_WINDOW) | (i[None] < LOCAL_SINKS))
+    band = jnp.asarray(banded_mask(T, LOCAL_WINDOW, LOCAL_SINKS))
     local = masked_attention_reference(qf, kf, vf, jnp.broadcast_to(band, (q.shape[0], HQ, T, T)))
     keep = jnp.repeat(sel.keep, HQ // sel.keep.shape[1], axis=1).transpose(0, 2, 1)[..., None]
     return jnp.where(keep, out, local)
@@ -156,7 +155,7 @@ _select = jax.jit(lambda s, lengths, counts, C: select_tokens(s, lengths, counts
 _gather = jax.jit(compress)
 _attention = jax.jit(cudnn)
 _scatter = jax.jit(decompress)
-_fill = jax.jit(lambda q, k, v: local_prefill(q, k, v, window=LOCAL_WINDOW, sinks=LOCAL_SINKS))
+_fill = jax.jit(lambda q, k, v: local_attention(q, k, v, window=LOCAL_WINDOW, sinks=LOCAL_SINKS))
 
 
 @jax.jit
@@ -170,7 +169,7 @@ def _step(q, k, v, lengths, counts, C, selection, fill="zeros"):
     s = selection_scores(tsa_scores(q, k, window=W, pool_kernel=POOL, lengths=lengths), HKV, selection)
     measured = coverage_counts(s, lengths, tau=TAU, window=W, min_tokens=MIN_TOKENS)
     sel = select_tokens(s, lengths, counts, window=W, capacity=C)
-    rows = None if fill == "zeros" else local_prefill(q, k, v, window=LOCAL_WINDOW, sinks=LOCAL_SINKS)
+    rows = None if fill == "zeros" else local_attention(q, k, v, window=LOCAL_WINDOW, sinks=LOCAL_SINKS)
     return attend_compressed(q, k, v, sel, cudnn, fill=rows), measured
 
 

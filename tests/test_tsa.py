@@ -20,7 +20,8 @@ from models.cache import init_cache
 from models.config import ModelConfig
 from models.generate import Sampling, generate_tokens
 from models.params import random_params
-from pallas_kernels.dense import dense_prefill, local_prefill
+from pallas_kernels.dense import dense_prefill
+from pallas_kernels.local_attention import banded_mask
 from pallas_kernels.sparse_attention.reference import masked_attention_reference
 
 HQ, HKV, D = 4, 2, 16
@@ -99,8 +100,6 @@ def test_other_argument_errors():
         TSA(fill="local", local_window=0)
     with pytest.raises(ValueError, match="local_sinks=-1"):
         TSA(fill="local", local_sinks=-1)
-    with pytest.raises(ValueError, match="window=0"):
-        local_prefill(*_qkv(0, T=8), window=0)
 
 
 # ----------------------------------------------------------------------------------------------- coverage
@@ -210,9 +209,7 @@ def test_local_fill_gives_dropped_rows_a_sliding_window(selection):
     _, sel = jax.jit(m.select)(q, k, lengths)
     kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     sparse = masked_attention_reference(q, kt, vt, masked_reference_mask(sel, HQ))
-    i = np.arange(256)
-    band = (i[None] <= i[:, None]) & ((i[:, None] - i[None] < 8) | (i[None] < 3))
-    local = masked_attention_reference(q, kt, vt, jnp.broadcast_to(band, (2, HQ, 256, 256)))
+    local = masked_attention_reference(q, kt, vt, jnp.broadcast_to(banded_mask(256, 8, 3), (2, HQ, 256, 256)))
     keep = np.asarray(sel.keep)
     keep = np.repeat(keep, HQ // keep.shape[1], axis=1).transpose(0, 2, 1)[..., None]  # [B, T, Hq, 1]
     want = np.where(keep, sparse, local)
@@ -220,16 +217,6 @@ def test_local_fill_gives_dropped_rows_a_sliding_window(selection):
     for b, n in enumerate(np.asarray(lengths)):
         np.testing.assert_allclose(out[b, :n], want[b, :n], rtol=1e-5, atol=1e-5)
 
-
-@pytest.mark.parametrize("T,window,sinks", [(100, 16, 4), (64, 64, 4), (37, 8, 0), (50, 7, 60), (5, 16, 2)])
-def test_local_prefill_matches_banded_reference(T, window, sinks):
-    q, k, v = _qkv(7, T=T)
-    out = local_prefill(q, k, v, window=window, sinks=sinks)
-    i = np.arange(T)
-    band = (i[None] <= i[:, None]) & ((i[:, None] - i[None] < window) | (i[None] < sinks))
-    want = masked_attention_reference(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
-                                      jnp.broadcast_to(band, (2, HQ, T, T)))
-    np.testing.assert_allclose(out, want, rtol=1e-5, atol=2e-5)
 
 
 def test_compressed_path_keeping_everything_equals_dense():

@@ -41,8 +41,8 @@ GQA (`selection`):
 What a head's dropped positions get (`fill`):
   "zeros" (default, the paper): no output from that head in that layer; the residual stream carries the token on.
   "local" (not in the paper): causal sliding-window attention over the full K/V, the last `local_window` keys
-     (default 64) plus the first `local_sinks` tokens (default 4), from `pallas_kernels.dense.local_prefill`:
-     O(T * local_window) work, a few percent of a sparse layer's compressed attention at long context. On the
+     (default 64) plus the first `local_sinks` tokens (default 4), from `pallas_kernels.local_attention` (a
+     Triton kernel on GPU, blocked jnp elsewhere): O(T * local_window) work, a few percent of a sparse layer's compressed attention at long context. On the
      bundled SmolLM2 the paper's zeros lose passkeys placed early in the prompt and add 2.6-4% perplexity at
      tau 0.005: a dropped token's hidden state misses the head's contribution in every sparse layer, and the
      needle's digits lose the context that marks them as the key. The local fill keeps each token's
@@ -88,7 +88,8 @@ from jsparse.methods import kascade as kascade_mod
 from jsparse.methods.base import register
 from jsparse.methods.common import kwargs_for
 from models import attention as attention_protocol
-from pallas_kernels.dense import dense_decode, dense_prefill, local_prefill
+from pallas_kernels.dense import dense_decode, dense_prefill
+from pallas_kernels.local_attention import local_attention
 from pallas_kernels.tsa_scoring import tsa_scores
 from pallas_kernels.tsa_scoring.common import check_pool_kernel, check_window
 
@@ -553,7 +554,7 @@ class TSA:
         """The rows a head's dropped positions get: None (zeros) or the "local" sliding-window attention."""
         if self.fill == "zeros":
             return None
-        return local_prefill(q, k, v, window=self.local_window, sinks=self.local_sinks)
+        return local_attention(q, k, v, window=self.local_window, sinks=self.local_sinks)
 
     def _record(self, state, layer, counts):
         return state.kept.at[layer].set(counts.astype(I32))

@@ -1,0 +1,63 @@
+"""One entry point for causal sliding-window attention with attention sinks, picking the backend.
+
+  local_attention(q: [B, T, Hq, D], k, v: [B, T, Hkv, D], *, window, sinks=0, implementation=None)
+      -> [B, T, Hq, D]
+
+Query i attends key j iff j <= i and (i - j < window or j < sinks). `implementation`: "pallas_gpu" (the Triton
+kernel, gpu.py) or "xla" (the blocked jnp version, reference.py, O(T * window) work as well); None picks
+"pallas_gpu" on a GPU backend and "xla" elsewhere (CPU, TPU). Used by Token Sparse Attention's `fill="local"`
+for the rows a head dropped.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.local_attention import gpu, reference
+
+Array = jax.Array
+
+IMPLEMENTATIONS = ("pallas_gpu", "xla")
+
+
+def _check_count(name: str, value, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name}={value!r}: expected an integer >= {least} (tokens)")
+    return value
+
+
+def check_inputs(q: Array, k: Array, v: Array) -> None:
+    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
+        raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape}: expected q [B, T, Hq, D] and k, v "
+                         "[B, T, Hkv, D] of one shape")
+    B, T, Hq, D = q.shape
+    if k.shape[0] != B or k.shape[1] != T or k.shape[3] != D or Hq % k.shape[2]:
+        raise ValueError(f"q {q.shape} and k {k.shape}: expected the same B, T, D and Hq a multiple of Hkv")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}: expected one dtype")
+
+
+def local_attention(q: Array, k: Array, v: Array, *, window: int, sinks: int = 0, scale: float | None = None,
+                    implementation: str | None = None) -> Array:
+    """Causal sliding-window attention over the last `window` keys plus the first `sinks` tokens.
+
+    Args:
+      q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] (GQA: query head h reads KV head h // (Hq // Hkv)), one dtype.
+      window: keys each query sees counting back from itself (itself included), >= 1.
+      sinks: leading tokens every query sees as well (StreamingLLM's attention sinks), >= 0.
+      scale: softmax scale (default 1 / sqrt(D)).
+      implementation: "pallas_gpu", "xla" or None (by backend).
+    Returns:
+      [B, T, Hq, D] in q's dtype (rows of right padding hold values nobody should read).
+    Raises:
+      ValueError: window < 1, sinks < 0, mismatched shapes or dtypes, unknown implementation.
+    """
+    window = _check_count("window", window, 1)
+    sinks = _check_count("sinks", sinks, 0)
+    check_inputs(q, k, v)
+    impl = implementation or ("pallas_gpu" if jax.default_backend() == "gpu" else "xla")
+    if impl == "pallas_gpu":
+        return gpu.local_attention_gpu(q, k, v, window=window, sinks=sinks, scale=scale)
+    if impl == "xla":
+        return reference.local_attention_reference(q, k, v, window=window, sinks=sinks, scale=scale)
+    raise ValueError(f"implementation={implementation!r}: expected one of {list(IMPLEMENTATIONS)} or None")

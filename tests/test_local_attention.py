@@ -1,0 +1,93 @@
+"""Sliding-window attention with sinks: the Triton kernel (interpret mode) and the blocked jnp version against a
+dense masked reference on random inputs, CUDA lowering for an H100, dispatch and argument errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import triton as plgpu
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from pallas_kernels.local_attention import (BlockSizes, banded_mask, local_attention, local_attention_gpu,
+                                            local_attention_reference)
+from pallas_kernels.sparse_attention.reference import masked_attention_reference
+
+
+def _inputs(seed, T, Hq, Hkv, D, dtype, B=2):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q = (2.0 * jax.random.normal(ks[0], (B, T, Hq, D))).astype(dtype)
+    k = (2.0 * jax.random.normal(ks[1], (B, T, Hkv, D))).astype(dtype)
+    v = jax.random.normal(ks[2], (B, T, Hkv, D)).astype(dtype)
+    return q, k, v
+
+
+def _dense_reference(q, k, v, window, sinks):
+    B, T, Hq, _ = q.shape
+    f = lambda x: x.astype(jnp.float32)  # noqa: E731
+    mask = jnp.broadcast_to(jnp.asarray(banded_mask(T, window, sinks)), (B, Hq, T, T))
+    return masked_attention_reference(f(q), f(k).transpose(0, 2, 1, 3), f(v).transpose(0, 2, 1, 3), mask)
+
+
+CASES = [  # T, Hq, Hkv, D, window, sinks, dtype, block sizes
+    (100, 4, 2, 16, 16, 4, jnp.float32, None),
+    (130, 3, 1, 64, 64, 4, jnp.float32, None),  # T not a multiple of the block, window = block
+    (37, 2, 2, 8, 8, 0, jnp.float32, None),  # no sinks, D padded to 16
+    (50, 2, 1, 16, 7, 60, jnp.float32, None),  # sinks past T: every key visible (causal)
+    (200, 2, 1, 32, 100, 3, jnp.bfloat16, BlockSizes(block_q=32, block_k=128)),  # window > block, bf16
+    (96, 2, 1, 16, 1, 0, jnp.float32, None),  # window 1: each query sees itself
+]
+
+
+@pytest.mark.parametrize("T,Hq,Hkv,D,window,sinks,dtype,bs", CASES)
+def test_kernel_interpret_and_blocked_jnp_match_dense_reference(T, Hq, Hkv, D, window, sinks, dtype, bs):
+    q, k, v = _inputs(T, T, Hq, Hkv, D, dtype)
+    want = _dense_reference(q, k, v, window, sinks)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 2e-5
+    got = local_attention_gpu(q, k, v, window=window, sinks=sinks, block_sizes=bs, interpret=True)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol)
+    blocked = local_attention_reference(q, k, v, window=window, sinks=sinks)
+    np.testing.assert_allclose(np.asarray(blocked, np.float32), want, rtol=tol, atol=tol)
+
+
+def test_window_covering_everything_is_causal_dense():
+    q, k, v = _inputs(1, 64, 2, 1, 16, jnp.float32)
+    got = local_attention(q, k, v, window=64, sinks=0)
+    want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_cuda_lowering_for_h100():
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
+    q = jax.ShapeDtypeStruct((1, 4096, 32, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16)
+    with jax.sharding.use_abstract_mesh(mesh):
+        exported = jax.export.export(
+            jax.jit(lambda q, k, v: local_attention_gpu(q, k, v, window=64, sinks=4)), platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)],
+        )(q, k, k)
+    assert exported.mlir_module().count("xla.gpu.triton") == 1
+
+
+def test_dispatch_and_errors():
+    q, k, v = _inputs(2, 40, 2, 1, 8, jnp.float32)
+    np.testing.assert_array_equal(local_attention(q, k, v, window=8, sinks=2),  # cpu -> "xla"
+                                  local_attention_reference(q, k, v, window=8, sinks=2))
+    with pytest.raises(ValueError, match="window=0"):
+        local_attention(q, k, v, window=0)
+    with pytest.raises(ValueError, match="sinks=-1"):
+        local_attention(q, k, v, window=8, sinks=-1)
+    with pytest.raises(ValueError, match="window=2.0"):
+        local_attention(q, k, v, window=2.0)
+    with pytest.raises(ValueError, match="implementation='cuda'"):
+        local_attention(q, k, v, window=8, implementation="cuda")
+    with pytest.raises(ValueError, match="Hq a multiple"):
+        local_attention(q[:, :, :1].repeat(3, axis=2), jnp.concatenate([k, k], axis=2),
+                        jnp.concatenate([v, v], axis=2), window=8)
+    with pytest.raises(ValueError, match="one dtype"):
+        local_attention(q, k.astype(jnp.bfloat16), v, window=8)
+    with pytest.raises(ValueError, match="BlockSizes.block_q"):
+        BlockSizes(block_q=48)
