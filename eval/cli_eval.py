@@ -79,7 +79,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"C, the scored tokens of the ppl continuation variant (default {DEFAULT_CONTINUATION})")
     p.add_argument("--method-option", action="append", default=None, metavar="METHOD.OPTION=VALUE",
                    help="an option of one method's builder, VALUE read as JSON when it parses (e.g. "
-                        "tsa.tau=0.01); repeat or comma-separate for several")
+                        "tsa.tau=0.01 or tsa.fill=local); repeat or comma-separate for several")
     p.add_argument("--new-tokens", type=int, default=8, help="tokens generated for a passkey answer (default 8)")
     p.add_argument("--chunk", type=int, default=512,
                    help="tokens per decode call in the ppl decode variant (bounds memory; default 512)")

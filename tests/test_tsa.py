@@ -347,6 +347,13 @@ def test_tsa_kascade(params, tmp_path):
     logits, state, cache = _prefill(params, m, tokens, lengths)
     assert np.isfinite(logits).all() and np.abs(logits - kas).max() > 1e-4
     assert np.all(np.asarray(state.kept)[1:] < np.asarray(lengths))
+    # fill="local" reaches the composition: dropped rows get the window instead of zeros.
+    m_local = make_method("tsa+kascade", cfg=CFG, artifact=f"{kdir}{os.pathsep}{tdir}", fingerprint="fp",
+                          budget=0.3, tile=16, min_tokens=16, tau=0.2, window=16, tsa_min_tokens=32, fill="local",
+                          local_window=8, local_sinks=2)
+    assert (m_local.fill, m_local.local_window, m_local.local_sinks) == ("local", 8, 2)
+    local_logits = _prefill(params, m_local, tokens, lengths)[0]
+    assert np.isfinite(local_logits).all() and np.abs(local_logits - logits).max() > 1e-4
     # Decode is Kascade's: one step on the cache the composed prefill wrote.
     step = jnp.asarray(np.argmax(logits[np.arange(2), np.asarray(lengths) - 1], -1)[:, None], jnp.int32)
     cache = cache.replace(k=jnp.pad(cache.k, ((0, 0),) * 3 + ((0, 8), (0, 0))),

@@ -46,7 +46,7 @@ What a head's dropped positions get (`fill`):
      bundled SmolLM2 the paper's zeros lose passkeys placed early in the prompt and add 2.6-4% perplexity at
      tau 0.005: a dropped token's hidden state misses the head's contribution in every sparse layer, and the
      needle's digits lose the context that marks them as the key. The local fill keeps each token's
-     neighbourhood (eval/results/*/tsa_fill_local*/NOTES.md has the numbers).
+     neighbourhood (eval/results/h100/tsa_fill_local_4k_16/NOTES.md has the numbers).
 
 Static shapes: the kept count is data-dependent, so the compressed sequence has a static capacity C. With
 `capacity_buckets = n`, the capacities are ceil(i * T / n) rounded up to a multiple of 128 (and T), i = 1..n;
