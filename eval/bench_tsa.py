@@ -25,7 +25,8 @@ What it does (about 2 minutes on an H100; cases past a 165 s budget are recorded
        gather     `compress`: Q, K, V rows per query head -> [B, C, Hq, D] x 3
        attention  cuDNN causal attention over the compressed sequence
        scatter    `decompress`: outputs back to [B, T, Hq, D], zeros elsewhere
-       fill       `local_attention` (Triton kernel; window 64, 4 sinks): what dropped rows get with `fill="local"` (not in the paper)
+       fill       `local_attention` (Triton kernel; window 64, 4 sinks): what dropped rows get with
+                  `fill="local"` (not in the paper)
        total      the whole step in one jit; also with fill="local" (total_local_ms, overhead_share_local counts
                   the fill as overhead)
      against cuDNN dense causal GQA attention at the same T. Also the whole step with selection "kv_head" (GQA kept
@@ -170,7 +171,7 @@ def _step(q, k, v, lengths, counts, C, selection, fill="zeros"):
     measured = coverage_counts(s, lengths, tau=TAU, window=W, min_tokens=MIN_TOKENS)
     sel = select_tokens(s, lengths, counts, window=W, capacity=C)
     rows = None if fill == "zeros" else local_attention(q, k, v, window=LOCAL_WINDOW, sinks=LOCAL_SINKS)
-    return attend_compressed(q, k, v, sel, cudnn, fill=rows), measured
+    return attend_compressed(q, k, v, sel, cudnn, fill_rows=rows), measured
 
 
 _step_jit = jax.jit(_step, static_argnums=(5, 6, 7))

@@ -57,4 +57,3 @@ def dense_decode(q: Array, k: Array, v: Array, lengths: Array, *, implementation
         mask = jnp.arange(N)[None, None, :] < limit[:, :, None]
         out = jax.nn.dot_product_attention(qg, kg, vg, mask=mask[:, None], implementation="xla")
     return out.reshape(B, Hkv, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
-

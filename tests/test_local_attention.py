@@ -37,6 +37,7 @@ CASES = [  # T, Hq, Hkv, D, window, sinks, dtype, block sizes
     (50, 2, 1, 16, 7, 60, jnp.float32, None),  # sinks past T: every key visible (causal)
     (200, 2, 1, 32, 100, 3, jnp.bfloat16, BlockSizes(block_q=32, block_k=128)),  # window > block, bf16
     (96, 2, 1, 16, 1, 0, jnp.float32, None),  # window 1: each query sees itself
+    (200, 2, 1, 16, 8, 70, jnp.float32, BlockSizes(block_q=32, block_k=16)),  # sinks over several key blocks
 ]
 
 
@@ -52,9 +53,10 @@ def test_kernel_interpret_and_blocked_jnp_match_dense_reference(T, Hq, Hkv, D, w
     np.testing.assert_allclose(np.asarray(blocked, np.float32), want, rtol=tol, atol=tol)
 
 
-def test_window_covering_everything_is_causal_dense():
+@pytest.mark.parametrize("window", [64, 10**6])  # a window past T: blocks of T, not of the window
+def test_window_covering_everything_is_causal_dense(window):
     q, k, v = _inputs(1, 64, 2, 1, 16, jnp.float32)
-    got = local_attention(q, k, v, window=64, sinks=0)
+    got = local_attention(q, k, v, window=window, sinks=np.int64(2))  # numpy integers are integers
     want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 

@@ -100,6 +100,12 @@ def test_other_argument_errors():
         TSA(fill="local", local_window=0)
     with pytest.raises(ValueError, match="local_sinks=-1"):
         TSA(fill="local", local_sinks=-1)
+    m = TSA(fill="local", local_window=np.int64(8), local_sinks=np.int32(2))
+    assert (type(m.local_window), type(m.local_sinks)) == (int, int)
+    q, k, v = _qkv(0, T=64)
+    _, sel = jax.jit(TSA(tau=0.3, window=16, min_tokens=16).select)(q, k, jnp.asarray([64, 64], jnp.int32))
+    with pytest.raises(ValueError, match=r"fill_rows has shape \(2, 64, 4, 8\): expected \(2, 64, 4, 16\)"):
+        attend_compressed(q, k, v, sel, fill_rows=q[..., :8])
 
 
 # ----------------------------------------------------------------------------------------------- coverage
@@ -199,7 +205,7 @@ def test_layer_equals_masked_dense_reference(selection, buckets):
     assert np.any(np.all(np.asarray(out[0]) == 0, axis=-1))  # dropped rows are zeros
 
 
-@pytest.mark.parametrize("selection", ["query_head", "kv_union"])
+@pytest.mark.parametrize("selection", ["query_head", "kv_head", "kv_union"])
 def test_local_fill_gives_dropped_rows_a_sliding_window(selection):
     """fill="local": kept rows as the masked dense reference, dropped rows as a banded (window + sinks) one."""
     q, k, v = _qkv(6)
@@ -216,7 +222,6 @@ def test_local_fill_gives_dropped_rows_a_sliding_window(selection):
     assert not keep[0].all()  # some rows really take the fill
     for b, n in enumerate(np.asarray(lengths)):
         np.testing.assert_allclose(out[b, :n], want[b, :n], rtol=1e-5, atol=1e-5)
-
 
 
 def test_compressed_path_keeping_everything_equals_dense():

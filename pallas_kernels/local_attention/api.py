@@ -11,6 +11,8 @@ for the rows a head dropped.
 
 from __future__ import annotations
 
+import operator
+
 import jax
 
 from pallas_kernels.local_attention import gpu, reference
@@ -21,9 +23,13 @@ IMPLEMENTATIONS = ("pallas_gpu", "xla")
 
 
 def _check_count(name: str, value, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+    try:
+        count = None if isinstance(value, bool) else operator.index(value)  # int or numpy integer
+    except TypeError:
+        count = None
+    if count is None or count < least:
         raise ValueError(f"{name}={value!r}: expected an integer >= {least} (tokens)")
-    return value
+    return count
 
 
 def check_inputs(q: Array, k: Array, v: Array) -> None:

@@ -1,9 +1,9 @@
 """Causal sliding-window attention with attention sinks as one Pallas GPU (Triton) kernel.
 
 Grid (Hq, query blocks, B): a program takes `block_q` queries of one head, starts the online softmax with the
-sink keys (one masked block of the first max(16, next_pow2(sinks)) keys, when sinks > 0) and then walks the key
-blocks of its window, [first query - window + 1, last query], `block_k` keys at a time. The keys below the sinks
-are left to the sink block, so none is counted twice. Keys and values are read from the caller's [B, T, Hkv, D]
+sink keys (the key blocks below min(sinks, last query + 1), masked to keys < sinks) and then walks the key blocks
+of its window, [first query - window + 1, last query], masked to keys >= sinks, `block_k` keys at a time, so no
+key is counted twice. Keys and values are read from the caller's [B, T, Hkv, D]
 layout; grid dimension 0 is CUDA's fastest-moving launch index, so the G query heads of one KV head run side by
 side and share its K/V blocks in L2. Work O(T * (window + block_q)) per head, the dense kernel's O(T^2 / 2) aside.
 """
@@ -53,8 +53,8 @@ def _load_rows(ref, start, rows: int, seq_len: int, head_dim: int):
     return plgpu.load(ref.at[pl.ds(start, rows), :], mask=mask, other=0.0)
 
 
-def _kernel(q_ref, k_ref, v_ref, o_ref, *, qk_scale, window, sinks, sink_rows, block_q, block_k, seq_len,
-            head_dim, precision):
+def _kernel(q_ref, k_ref, v_ref, o_ref, *, qk_scale, window, sinks, block_q, block_k, seq_len, head_dim,
+            precision):
     """Refs: q_ref [block_q, Dp] (one head); k_ref, v_ref [Tk, Dp] (its KV head); o_ref [block_q, Dp]."""
     i = pl.program_id(1)
     q0 = i * block_q
@@ -62,11 +62,11 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, *, qk_scale, window, sinks, sink_rows, b
     q = q_ref[...]
     Dp = q.shape[-1]
 
-    def step(carry, k0, n, visible_fn):
+    def step(carry, k0, visible_fn):
         m_prev, l_prev, acc = carry
-        k = _load_rows(k_ref, k0, n, seq_len, head_dim)
-        v = _load_rows(v_ref, k0, n, seq_len, head_dim)
-        cols = k0 + jnp.arange(n, dtype=jnp.int32)
+        k = _load_rows(k_ref, k0, block_k, seq_len, head_dim)
+        v = _load_rows(v_ref, k0, block_k, seq_len, head_dim)
+        cols = k0 + jnp.arange(block_k, dtype=jnp.int32)
         logits = plgpu.dot(q, k, trans_b=True, precision=precision) * qk_scale
         visible = visible_fn(cols)
         logits = jnp.where(visible, logits, _NEG)
@@ -80,8 +80,11 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, *, qk_scale, window, sinks, sink_rows, b
     carry = (jnp.full((block_q,), _NEG, jnp.float32), jnp.zeros((block_q,), jnp.float32),
              jnp.zeros((block_q, Dp), jnp.float32))
     if sinks:
-        carry = step(carry, 0, sink_rows,
-                     lambda cols: (cols[None, :] < sinks) & (cols[None, :] <= rows[:, None]))
+        def sink_visible(cols):
+            return (cols[None, :] < sinks) & (cols[None, :] <= rows[:, None])
+
+        n_sink = lax.div(jnp.minimum(sinks, q0 + block_q) + block_k - 1, block_k)  # blocks below the sinks' end
+        carry = lax.fori_loop(0, n_sink, lambda j, c: step(c, j * block_k, sink_visible), carry)
 
     def window_visible(cols):
         return ((cols[None, :] >= sinks) & (cols[None, :] <= rows[:, None])
@@ -89,7 +92,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, *, qk_scale, window, sinks, sink_rows, b
 
     lo = lax.div(jnp.maximum(q0 - window + 1, sinks), block_k)  # first key block with a visible key
     hi = lax.div(q0 + block_q - 1, block_k) + 1  # past the block of the last query
-    carry = lax.fori_loop(lo, hi, lambda j, c: step(c, j * block_k, block_k, window_visible), carry)
+    carry = lax.fori_loop(lo, hi, lambda j, c: step(c, j * block_k, window_visible), carry)
     m, l, acc = carry
     o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
 
@@ -108,13 +111,12 @@ def local_attention_gpu(q: Array, k: Array, v: Array, *, window: int, sinks: int
     nq = pl.cdiv(T, bs.block_q)
     Tq = nq * bs.block_q
     s = min(sinks, T)
-    sink_rows = max(16, pl.next_power_of_2(s)) if s else 0
-    Tk = max(pl.cdiv(Tq, bs.block_k) * bs.block_k, sink_rows)  # every key block read lies inside [0, Tk)
+    Tk = pl.cdiv(Tq, bs.block_k) * bs.block_k  # every key block read lies inside [0, Tk)
     pad = lambda x, t: jnp.pad(x, ((0, 0), (0, t - T), (0, 0), (0, Dp - D))) if (t, Dp) != (T, D) else x  # noqa
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     out = pl.pallas_call(
-        functools.partial(_kernel, qk_scale=scale * _LOG2E, window=window, sinks=s, sink_rows=sink_rows,
-                          block_q=bs.block_q, block_k=bs.block_k, seq_len=T, head_dim=D, precision=precision),
+        functools.partial(_kernel, qk_scale=scale * _LOG2E, window=window, sinks=s, block_q=bs.block_q,
+                          block_k=bs.block_k, seq_len=T, head_dim=D, precision=precision),
         grid=(Hq, nq, B),
         in_specs=[
             pl.BlockSpec((None, bs.block_q, None, Dp), lambda h, i, b: (b, i, h, 0)),

@@ -26,8 +26,8 @@ def local_attention_reference(q: Array, k: Array, v: Array, *, window: int, sink
                               scale: float | None = None) -> Array:
     """Sliding-window attention with sinks, in blocks of `window` queries.
 
-    Block c attends its own keys, block c - 1's and the sinks (window * (2 * window + sinks) f32 scores per
-    block rather than T per query).
+    Block c attends its own keys, block c - 1's and the sinks (w * (2 * w + sinks) f32 scores per block of
+    w = min(window, T) queries, rather than T per query). f32 inputs use HIGHEST matmul precision.
 
     Args:
       q: [B, T, Hq, D]; k, v: [B, T, Hkv, D]; window >= 1; sinks >= 0; scale: default 1 / sqrt(D).
@@ -36,7 +36,7 @@ def local_attention_reference(q: Array, k: Array, v: Array, *, window: int, sink
     """
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
-    G, w = Hq // Hkv, window
+    G, w = Hq // Hkv, min(window, T)  # a window of T or more sees every earlier key: blocks of T do
     s = min(sinks, T)
     scale = D ** -0.5 if scale is None else scale
     N = -(-T // w)
@@ -57,8 +57,11 @@ def local_attention_reference(q: Array, k: Array, v: Array, *, window: int, sink
     in_window = (kpos[:, None, :] >= s) & (qpos[:, :, None] - kpos[:, None, :] < w)
     is_sink = jnp.arange(s + 2 * w) < s
     visible = (kpos[:, None, :] <= qpos[:, :, None]) & (in_window | is_sink[None, None, :])  # [N, w, s+2w]
-    scores = jnp.einsum("bnqhgd,bnkhd->bnhgqk", qb, kb, preferred_element_type=jnp.float32) * scale
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    scores = jnp.einsum("bnqhgd,bnkhd->bnhgqk", qb, kb, preferred_element_type=jnp.float32,
+                        precision=precision) * scale
     scores = jnp.where(visible[None, :, None, None], scores, -jnp.inf)
     p = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bnhgqk,bnkhd->bnqhgd", p.astype(v.dtype), vb, preferred_element_type=jnp.float32)
+    out = jnp.einsum("bnhgqk,bnkhd->bnqhgd", p.astype(v.dtype), vb, preferred_element_type=jnp.float32,
+                     precision=precision)
     return out.reshape(B, Tp, Hq, D)[:, :T].astype(q.dtype)
