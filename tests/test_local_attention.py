@@ -1,5 +1,6 @@
-"""Sliding-window attention with sinks: the Triton kernel (interpret mode) and the blocked jnp version against a
-dense masked reference on random inputs, CUDA lowering for an H100, dispatch and argument errors."""
+"""Sliding-window attention with sinks: the Triton and TPU kernels (interpret mode) and the blocked jnp version
+against a dense masked reference on random inputs, CUDA lowering for an H100, TPU lowering, dispatch and argument
+errors."""
 
 from __future__ import annotations
 
@@ -8,10 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import triton as plgpu
-from jax.sharding import AbstractDevice, AbstractMesh
 
-from pallas_kernels.local_attention import (BlockSizes, banded_mask, local_attention, local_attention_gpu,
-                                            local_attention_reference)
+from pallas_kernels.local_attention import (BlockSizes, banded_mask, default_implementation, local_attention,
+                                            local_attention_gpu, local_attention_reference, local_attention_tpu)
 from pallas_kernels.sparse_attention.reference import masked_attention_reference
 
 
@@ -53,6 +53,34 @@ def test_kernel_interpret_and_blocked_jnp_match_dense_reference(T, Hq, Hkv, D, w
     np.testing.assert_allclose(np.asarray(blocked, np.float32), want, rtol=tol, atol=tol)
 
 
+TPU_CASES = [  # T, Hq, Hkv, D, window, sinks, dtype: the kernel serves window <= 129, sinks <= 128
+    (300, 4, 2, 128, 64, 4, jnp.float32),  # D = 128: blocks read from the caller's layout
+    (200, 2, 1, 64, 129, 0, jnp.float32),  # the widest window, D < 128: head-major copies
+    (130, 3, 1, 16, 1, 128, jnp.float32),  # window 1, the most sinks
+    (260, 2, 2, 128, 100, 7, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("T,Hq,Hkv,D,window,sinks,dtype", TPU_CASES)
+def test_tpu_kernel_interpret_matches_dense_reference(T, Hq, Hkv, D, window, sinks, dtype):
+    q, k, v = _inputs(T + 1, T, Hq, Hkv, D, dtype)
+    got = local_attention_tpu(q, k, v, window=window, sinks=sinks, interpret=True)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    tol = 2e-2 if dtype == jnp.bfloat16 else 2e-5
+    np.testing.assert_allclose(np.asarray(got, np.float32), _dense_reference(q, k, v, window, sinks), rtol=tol,
+                               atol=tol)
+
+
+@pytest.mark.parametrize("D", [128, 64])
+def test_tpu_lowering(D, abstract_device):
+    q = jax.ShapeDtypeStruct((1, 4096, 32, D), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 4096, 8, D), jnp.bfloat16)
+    with abstract_device("TPU v5 lite", 1, "tpu"):
+        exported = jax.export.export(jax.jit(lambda q, k, v: local_attention_tpu(q, k, v, window=64, sinks=4)),
+                                     platforms=["tpu"])(q, k, k)
+    assert exported.mlir_module().count("tpu_custom_call") == 1
+
+
 @pytest.mark.parametrize("window", [64, 10**6])  # a window past T: blocks of T, not of the window
 def test_window_covering_everything_is_causal_dense(window):
     q, k, v = _inputs(1, 64, 2, 1, 16, jnp.float32)
@@ -61,12 +89,10 @@ def test_window_covering_everything_is_causal_dense(window):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_cuda_lowering_for_h100():
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-        device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
+def test_cuda_lowering_for_h100(abstract_device):
     q = jax.ShapeDtypeStruct((1, 4096, 32, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16)
-    with jax.sharding.use_abstract_mesh(mesh):
+    with abstract_device("NVIDIA H100 80GB HBM3", 132, "gpu"):
         exported = jax.export.export(
             jax.jit(lambda q, k, v: local_attention_gpu(q, k, v, window=64, sinks=4)), platforms=["cuda"],
             disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)],
@@ -93,3 +119,6 @@ def test_dispatch_and_errors():
         local_attention(q, k.astype(jnp.bfloat16), v, window=8)
     with pytest.raises(ValueError, match="BlockSizes.block_q"):
         BlockSizes(block_q=48)
+    assert default_implementation(64, 4) == "xla"  # on this CPU backend
+    with pytest.raises(ValueError, match="window=200, sinks=4: the TPU kernel serves window <= 129"):
+        local_attention(q, k, v, window=200, sinks=4, implementation="pallas_tpu")

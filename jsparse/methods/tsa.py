@@ -42,12 +42,13 @@ What a head's dropped positions get (`fill`):
   "zeros" (default, the paper): no output from that head in that layer; the residual stream carries the token on.
   "local" (not in the paper): causal sliding-window attention over the full K/V, the last `local_window` keys
      (default 64) plus the first `local_sinks` tokens (default 4), from `pallas_kernels.local_attention` (a
-     Triton kernel on GPU, blocked jnp elsewhere). It runs for every row, O(T * (local_window + local_sinks))
-     work: 1.8 ms against a 106 ms compressed attention at 128K on an H100 (Llama-3.1-8B heads). On the
-     bundled SmolLM2 the paper's zeros lose passkeys placed early in the prompt and add 2.6-4% perplexity at
-     tau 0.005: a dropped token's hidden state misses the head's contribution in every sparse layer, and the
-     needle's digits lose the context that marks them as the key. The local fill keeps each token's
-     neighbourhood (eval/results/h100/tsa_fill_local_4k_16/NOTES.md has the numbers).
+     Triton kernel on GPU, a Mosaic kernel on TPU up to a window of 129 and 128 sinks, blocked jnp otherwise).
+     It runs for every row, O(T * (local_window + local_sinks)) work: 1.8 ms against a 106 ms compressed
+     attention at 128K on an H100 (Llama-3.1-8B heads). On the bundled SmolLM2 the paper's zeros lose passkeys
+     placed early in the prompt and add 2.6-4% perplexity at tau 0.005: a dropped token's hidden state misses
+     the head's contribution in every sparse layer, and the needle's digits lose the context that marks them as
+     the key. The local fill keeps each token's neighbourhood, dense's passkey accuracy and perplexity within 1%
+     (eval/results/h100/tsa_fill_local_4k_16/NOTES.md has the numbers).
 
 Static shapes: the kept count is data-dependent, so the compressed sequence has a static capacity C. With
 `capacity_buckets = n`, the capacities are ceil(i * T / n) rounded up to a multiple of 128 (and T), i = 1..n;

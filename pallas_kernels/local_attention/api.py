@@ -4,9 +4,10 @@
       -> [B, T, Hq, D]
 
 Query i attends key j iff j <= i and (i - j < window or j < sinks). `implementation`: "pallas_gpu" (the Triton
-kernel, gpu.py) or "xla" (the blocked jnp version, reference.py, O(T * window) work as well); None picks
-"pallas_gpu" on a GPU backend and "xla" elsewhere (CPU, TPU). Used by Token Sparse Attention's `fill="local"`
-for the rows a head dropped.
+kernel, gpu.py), "pallas_tpu" (the Mosaic kernel, tpu.py: window <= 129, sinks <= 128) or "xla" (the blocked jnp
+version, reference.py, O(T * window) work as well); None picks "pallas_gpu" on a GPU backend, "pallas_tpu" on a
+TPU backend when the sizes fit it, and "xla" otherwise. Used by Token Sparse Attention's `fill="local"` for the
+rows a head dropped.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import operator
 
 import jax
 
-from pallas_kernels.local_attention import gpu, reference
+from pallas_kernels.local_attention import gpu, reference, tpu
 
 Array = jax.Array
 
-IMPLEMENTATIONS = ("pallas_gpu", "xla")
+IMPLEMENTATIONS = ("pallas_gpu", "pallas_tpu", "xla")
 
 
 def _check_count(name: str, value, least: int) -> int:
@@ -43,6 +44,16 @@ def check_inputs(q: Array, k: Array, v: Array) -> None:
         raise ValueError(f"dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}: expected one dtype")
 
 
+def default_implementation(window: int, sinks: int) -> str:
+    """The implementation `local_attention` uses when none is named, from `jax.default_backend()` and the sizes."""
+    backend = jax.default_backend()
+    if backend == "gpu":
+        return "pallas_gpu"
+    if backend == "tpu" and tpu.supported(window, sinks):
+        return "pallas_tpu"
+    return "xla"
+
+
 def local_attention(q: Array, k: Array, v: Array, *, window: int, sinks: int = 0, scale: float | None = None,
                     implementation: str | None = None) -> Array:
     """Causal sliding-window attention over the last `window` keys plus the first `sinks` tokens.
@@ -52,18 +63,21 @@ def local_attention(q: Array, k: Array, v: Array, *, window: int, sinks: int = 0
       window: keys each query sees counting back from itself (itself included), >= 1.
       sinks: leading tokens every query sees as well (StreamingLLM's attention sinks), >= 0.
       scale: softmax scale (default 1 / sqrt(D)).
-      implementation: "pallas_gpu", "xla" or None (by backend).
+      implementation: "pallas_gpu", "pallas_tpu", "xla" or None (by backend and sizes).
     Returns:
       [B, T, Hq, D] in q's dtype (rows of right padding hold values nobody should read).
     Raises:
-      ValueError: window < 1, sinks < 0, mismatched shapes or dtypes, unknown implementation.
+      ValueError: window < 1, sinks < 0, mismatched shapes or dtypes, unknown implementation, "pallas_tpu" with
+        sizes its kernel does not serve.
     """
     window = _check_count("window", window, 1)
     sinks = _check_count("sinks", sinks, 0)
     check_inputs(q, k, v)
-    impl = implementation or ("pallas_gpu" if jax.default_backend() == "gpu" else "xla")
+    impl = implementation or default_implementation(window, sinks)
     if impl == "pallas_gpu":
         return gpu.local_attention_gpu(q, k, v, window=window, sinks=sinks, scale=scale)
+    if impl == "pallas_tpu":
+        return tpu.local_attention_tpu(q, k, v, window=window, sinks=sinks, scale=scale)
     if impl == "xla":
         return reference.local_attention_reference(q, k, v, window=window, sinks=sinks, scale=scale)
     raise ValueError(f"implementation={implementation!r}: expected one of {list(IMPLEMENTATIONS)} or None")
