@@ -42,16 +42,3 @@ def _compare(ours: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
 def parity():
     """`parity.logits(cfg, params, tokens)` and `parity.compare(ours, ref) -> (max_abs_diff, kl)`."""
     return types.SimpleNamespace(logits=_our_logits, compare=_compare)
-
-
-@pytest.fixture
-def abstract_device():
-    """`with abstract_device(kind, cores, platform):` makes lowering on this CPU-only machine target that device
-    (e.g. "TPU v5 lite", 1, "tpu" or "NVIDIA H100 80GB HBM3", 132, "gpu")."""
-    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
-
-    def enter(kind: str, cores: int, platform: str):
-        device = AbstractDevice(device_kind=kind, num_cores=cores, platform=platform)
-        return use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device))
-
-    return enter

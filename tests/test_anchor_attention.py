@@ -19,6 +19,7 @@ from pallas_kernels.anchor_attention.common import budget_count, tile_counts
 from pallas_kernels.anchor_attention.reference import decode_scores_reference
 from pallas_kernels.anchor_attention.xla import anchor_decode_xla
 from pallas_kernels.sparse_attention.reference import sparse_decode_reference, sparse_prefill_reference
+from lowering import H100, TPU_V5E, abstract_device
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
@@ -164,12 +165,6 @@ def test_api_dispatch_and_errors():
         gpu.decode_scores_gpu(q, k, v, lens, config=gpu.AnchorConfig(block_n=24), interpret=True)
 
 
-def _abstract(kind: str, cores: int, platform: str):
-    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
-    device = AbstractDevice(device_kind=kind, num_cores=cores, platform=platform)
-    return use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device))
-
-
 def _args(dtype):
     sds = jax.ShapeDtypeStruct
     B, Hq, Hkv, D, N = 2, 32, 8, 128, 4096
@@ -186,7 +181,7 @@ def test_gpu_lowers_for_cuda(dense, stacked):
         f = functools.partial(f, layer=jnp.int32(2))
         cache = jax.ShapeDtypeStruct((4,) + args[1].shape, args[1].dtype)
         args = (args[0], cache, cache, args[3])
-    with _abstract("NVIDIA H100 80GB HBM3", 132, "gpu"):
+    with abstract_device(*H100):
         text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(*args).mlir_module()
     assert "anchor_decode_logits" in text and "topk_select" in text  # (the kernel name depends on its path)
     assert ("sparse_decode_gathered" in text) == (not dense)  # a dense anchor reads V in the scoring pass
@@ -196,7 +191,7 @@ def test_gpu_lowers_for_cuda(dense, stacked):
 @pytest.mark.parametrize("dense", [False, True])
 def test_tpu_lowers_for_tpu(dense):
     f = functools.partial(tpu.anchor_decode_tpu, budget=0.1, dense_output=dense)
-    with _abstract("TPU v5 lite", 1, "tpu"):
+    with abstract_device(*TPU_V5E):
         text = jax.export.export(jax.jit(f), platforms=["tpu"])(*_args(jnp.bfloat16)).mlir_module()
     assert text.count("tpu_custom_call") >= 9  # the scoring kernel + 8 counting passes
 
@@ -283,7 +278,7 @@ def test_prefill_gpu_lowers_for_cuda():
     # The sparse anchor (the dense one calls cuDNN, which lowers only with a GPU present).
     check = jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)
     f = functools.partial(gpu_prefill.anchor_prefill_gpu, tile=128, budget=0.1)
-    with _abstract("NVIDIA H100 80GB HBM3", 132, "gpu"):
+    with abstract_device(*H100):
         text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(
             *_prefill_args()).mlir_module()
     for name in ("anchor_prefill_lse", "anchor_prefill_pool", "topk_select", "sparse_prefill_gathered"):
@@ -292,6 +287,6 @@ def test_prefill_gpu_lowers_for_cuda():
 
 def test_prefill_tpu_lowers_for_tpu():
     f = functools.partial(tpu_prefill.anchor_prefill_tpu, tile=128, budget=0.1)
-    with _abstract("TPU v5 lite", 1, "tpu"):
+    with abstract_device(*TPU_V5E):
         text = jax.export.export(jax.jit(f), platforms=["tpu"])(*_prefill_args()).mlir_module()
     assert text.count("tpu_custom_call") >= 10  # lse + pooling + 8 counting passes

@@ -12,6 +12,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.block_scores import block_max_scores, gpu, reference, sparse_decode_mass, xla
 from pallas_kernels.sparse_attention import sparse_decode
+from lowering import H100, abstract_device
 
 L, B, HQ, HKV, D, N, BS = 3, 2, 8, 2, 16, 256, 8
 G = HQ // HKV
@@ -139,19 +140,13 @@ def test_decode_heat_matches_reference(splits, block_k, K, layer):
         sparse_decode_heat(q, k, v, jnp.int32(0), idx, lengths, xla_h, block_size=BS)
 
 
-def _abstract():
-    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
-    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
-    return use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device))
-
-
 def test_kernels_lower_for_cuda():
     sds = jax.ShapeDtypeStruct
     check = jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)
     Bn, Hq, Hkv, Dn, Nn = 2, 32, 8, 128, 4096
     q, cache = sds((Bn, 1, Hq, Dn), jnp.bfloat16), sds((4, Bn, Hkv, Nn, Dn), jnp.bfloat16)
     i32 = lambda *s: sds(s, jnp.int32)  # noqa: E731
-    with _abstract():
+    with abstract_device(*H100):
         f = functools.partial(gpu.block_max_scores_gpu, block_size=16)
         text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(
             q, cache, i32(), i32(2), sds((2, 4), jnp.bool_), i32(Bn, 1), i32(Bn, 1), i32(Bn, 1)).mlir_module()

@@ -244,17 +244,13 @@ def test_api_passes_gpu_config():
 
 
 def test_gpu_pool_variant_lowers_for_cuda():
-    from jax.experimental.pallas import triton as plgpu
-    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+    from lowering import export_for
 
     sds = jax.ShapeDtypeStruct
     cache = sds((4, 2, 8, 4096, 128), jnp.bfloat16)  # a stacked cache, layer traced
     args = (sds((2, 1, 32, 128), jnp.bfloat16), cache, cache, sds((2,), jnp.int32))
     f = functools.partial(gpu.anchor_decode_gpu, budget=0.1, layer=jnp.int32(2), diagonal_tile=32,
                           config=gpu.AnchorConfig(pool="triton"))
-    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
-    check = jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)
-    with use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)):
-        text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(*args).mlir_module()
+    text = export_for("cuda", f, *args).mlir_module()
     for name in ("anchor_decode_logits", "anchor_decode_pool", "topk_select", "sparse_decode_gathered_stacked"):
         assert name in text, name

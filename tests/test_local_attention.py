@@ -13,6 +13,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.local_attention import (BlockSizes, banded_mask, default_implementation, local_attention,
                                             local_attention_gpu, local_attention_reference, local_attention_tpu)
 from pallas_kernels.sparse_attention.reference import masked_attention_reference
+from lowering import H100, TPU_V5E, abstract_device
 
 
 def _inputs(seed, T, Hq, Hkv, D, dtype, B=2):
@@ -72,10 +73,10 @@ def test_tpu_kernel_interpret_matches_dense_reference(T, Hq, Hkv, D, window, sin
 
 
 @pytest.mark.parametrize("D", [128, 64])
-def test_tpu_lowering(D, abstract_device):
+def test_tpu_lowering(D):
     q = jax.ShapeDtypeStruct((1, 4096, 32, D), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 4096, 8, D), jnp.bfloat16)
-    with abstract_device("TPU v5 lite", 1, "tpu"):
+    with abstract_device(*TPU_V5E):
         exported = jax.export.export(jax.jit(lambda q, k, v: local_attention_tpu(q, k, v, window=64, sinks=4)),
                                      platforms=["tpu"])(q, k, k)
     assert exported.mlir_module().count("tpu_custom_call") == 1
@@ -89,10 +90,10 @@ def test_window_covering_everything_is_causal_dense(window):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_cuda_lowering_for_h100(abstract_device):
+def test_cuda_lowering_for_h100():
     q = jax.ShapeDtypeStruct((1, 4096, 32, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16)
-    with abstract_device("NVIDIA H100 80GB HBM3", 132, "gpu"):
+    with abstract_device(*H100):
         exported = jax.export.export(
             jax.jit(lambda q, k, v: local_attention_gpu(q, k, v, window=64, sinks=4)), platforms=["cuda"],
             disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)],

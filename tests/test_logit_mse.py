@@ -164,30 +164,18 @@ def _value_and_grad(impl, causal):
 def test_tpu_lowering(causal):
     """Forward and backward lower to two Mosaic kernels for a real TPU (SmolLM2-like stacked heads, L not a
     multiple of the 512 default tile)."""
-    mesh = jax.sharding.AbstractMesh(
-        (1,), ("x",), abstract_device=jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
-    )
-    with jax.sharding.use_abstract_mesh(mesh):
-        exported = jax.export.export(_value_and_grad("tpu", causal), platforms=["tpu"])(
-            *_train_step_args(1, 18, 6, 1000, 64, 32)
-        )
+    from lowering import export_for
+
+    exported = export_for("tpu", _value_and_grad("tpu", causal), *_train_step_args(1, 18, 6, 1000, 64, 32))
     assert exported.mlir_module().count("tpu_custom_call") == 2  # fwd(+dq') and dk'
 
 
 def test_gpu_lowering():
     """The Triton kernels lower for an H100 without a GPU present (an abstract device names the target)."""
     from jax.experimental.pallas import triton as plgpu
+    from lowering import export_for
 
-    mesh = jax.sharding.AbstractMesh(
-        (1,), ("x",), abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
-                                                                 platform="gpu")
-    )
-    with jax.sharding.use_abstract_mesh(mesh):
-        exported = jax.export.export(
-            _value_and_grad("gpu", True),
-            platforms=["cuda"],
-            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)],
-        )(*_train_step_args(1, 18, 6, 1000, 64, 32))
+    exported = export_for("cuda", _value_and_grad("gpu", True), *_train_step_args(1, 18, 6, 1000, 64, 32))
     text = exported.mlir_module()
     assert text.count(plgpu.CUSTOM_CALL_TARGET_NAME) == 2
     assert "logit_mse_fwd" in text and "logit_mse_dkp" in text

@@ -10,13 +10,13 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.sparse_attention import gpu, tpu
 from pallas_kernels.sparse_attention import reference as ref
 from pallas_kernels.sparse_attention import sparse_decode, sparse_prefill
 from pallas_kernels.sparse_attention.xla import sparse_decode_xla, sparse_prefill_xla
 from pallas_kernels.sparse_attention.testing import random_decode_indices, random_prefill_indices
+from lowering import export_for
 
 # Triton-backed Pallas is deprecated upstream in favour of Mosaic GPU; the warning is expected here.
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -253,28 +253,18 @@ def test_prefill_gpu_interpret_matches_reference(case, dtype):
         assert_close(got, want, dtype, f"prefill gpu {cfg}")
 
 
-def _cuda_export(f, *args):
-    """Lowers f for CUDA on this CPU-only machine (an abstract H100 stands in for the device)."""
-    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
-    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
-    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
-    check = jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)
-    with use_abstract_mesh(mesh):
-        return jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(*args)
-
-
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_gpu_kernels_lower_for_cuda(block_size):
     # Triton lowering (to the TTIR carried by the custom call) runs without a GPU; PTX compilation does not.
     sds = jax.ShapeDtypeStruct
     B, Hq, Hkv, D, N, T = 2, 32, 8, 128, 2048, 256
     cache = sds((B, Hkv, N, D), jnp.bfloat16)
-    exp = _cuda_export(functools.partial(gpu.sparse_decode_gpu, block_size=block_size, return_lse=True),
+    exp = export_for("cuda", functools.partial(gpu.sparse_decode_gpu, block_size=block_size, return_lse=True),
                        sds((B, 1, Hq, D), jnp.bfloat16), cache, cache, sds((B, Hkv, 1, 200 // block_size), jnp.int32),
                        sds((B,), jnp.int32))
     assert "sparse_decode_gathered" in exp.mlir_module()
     kv = sds((B, T, Hkv, D), jnp.bfloat16)
-    exp = _cuda_export(functools.partial(gpu.sparse_prefill_gpu, tile=128, block_size=block_size),
+    exp = export_for("cuda", functools.partial(gpu.sparse_prefill_gpu, tile=128, block_size=block_size),
                        sds((B, T, Hq, D), jnp.bfloat16), kv, kv, sds((B, Hkv, 2, 64 // block_size), jnp.int32),
                        sds((B,), jnp.int32))
     assert "sparse_prefill_gathered" in exp.mlir_module()
@@ -315,24 +305,16 @@ def test_prefill_tpu_interpret_matches_reference(case, dtype, n):
     assert_close(got, want, dtype, "prefill tpu")
 
 
-def _tpu_export(f, *args):
-    """Lowers f for TPU on this CPU-only machine (an abstract TPU v5e stands in for the device)."""
-    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
-    device = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
-    with use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)):
-        return jax.export.export(jax.jit(f), platforms=["tpu"])(*args)
-
-
 @pytest.mark.parametrize("dtype,block_size", [(jnp.bfloat16, 16), (jnp.float32, 8)])
 def test_tpu_kernels_lower_for_tpu(dtype, block_size):
     sds = jax.ShapeDtypeStruct
     B, Hq, Hkv, D, N, T = 2, 32, 8, 128, 2048, 256
     cache = sds((B, Hkv, N, D), dtype)
-    exp = _tpu_export(functools.partial(tpu.sparse_decode_tpu, block_size=block_size, return_lse=True),
+    exp = export_for("tpu", functools.partial(tpu.sparse_decode_tpu, block_size=block_size, return_lse=True),
                       sds((B, 1, Hq, D), dtype), cache, cache, sds((B, Hkv, 1, 40), jnp.int32), sds((B,), jnp.int32))
     assert "tpu_custom_call" in exp.mlir_module()
     kv = sds((B, T, Hkv, D), dtype)
-    exp = _tpu_export(functools.partial(tpu.sparse_prefill_tpu, tile=128, block_size=block_size),
+    exp = export_for("tpu", functools.partial(tpu.sparse_prefill_tpu, tile=128, block_size=block_size),
                       sds((B, T, Hq, D), dtype), kv, kv, sds((B, Hkv, 2, 8), jnp.int32), sds((B,), jnp.int32))
     assert "tpu_custom_call" in exp.mlir_module()
 

@@ -12,7 +12,6 @@ import pytest
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.sparse_attention import reference as ref
 from pallas_kernels.sparse_attention.gpu_prefill_gqa import PrefillGQAConfig, plan, sparse_prefill_gqa_gpu
@@ -95,15 +94,11 @@ def test_config_errors():
 @pytest.mark.parametrize("M", [128, 256])
 def test_lowers_for_cuda(M):
     # Triton lowering (to the TTIR carried by the custom call) runs without a GPU; PTX compilation does not.
-    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+    from lowering import export_for
     sds = jax.ShapeDtypeStruct
     B, T, Hq, Hkv, D, tile = 1, 4096, 32, 8, 128, 128
-    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
-    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
-    check = jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)
     f = functools.partial(sparse_prefill_gqa_gpu, tile=tile, config=PrefillGQAConfig(rows_per_program=M))
     kv = sds((B, T, Hkv, D), jnp.bfloat16)
-    with use_abstract_mesh(mesh):
-        exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(
-            sds((B, T, Hq, D), jnp.bfloat16), kv, kv, sds((B, Hkv, T // tile, 410), jnp.int32), sds((B,), jnp.int32))
+    exp = export_for("cuda", f, sds((B, T, Hq, D), jnp.bfloat16), kv, kv, sds((B, Hkv, T // tile, 410), jnp.int32),
+                     sds((B,), jnp.int32))
     assert "sparse_prefill_gathered_gqa" in exp.mlir_module()

@@ -15,7 +15,6 @@ import pytest
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.dense import dense_decode
 from pallas_kernels.dense_decode import dense_decode_stacked, dense_decode_stacked_reference
@@ -23,6 +22,7 @@ from pallas_kernels.dense_decode import gpu as dgpu
 from pallas_kernels.sparse_attention import gpu, sparse_decode, stacked, tpu
 from pallas_kernels.sparse_attention import reference as ref
 from pallas_kernels.sparse_attention.testing import random_decode_indices
+from lowering import export_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
@@ -202,35 +202,23 @@ def test_dense_decode_stacked_api():
 # Lowering for CUDA and TPU on this CPU-only machine.
 
 
-def _export(platform, f, *args):
-    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
-    if platform == "cuda":
-        device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
-        checks = [jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)]
-    else:
-        device = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
-        checks = []
-    with use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)):
-        return jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=checks)(*args)
-
-
 def test_stacked_kernels_lower_for_cuda_and_tpu():
     sds = jax.ShapeDtypeStruct
     # Llama-3.1-8B decode shapes at 128K and batch 8: the stacked cache is 64 GiB, so the kernels' offsets
     # are 64-bit (Triton lowering switches above 4 GiB).
     big = sds((32, 8, 8, 131072, 128), jnp.bfloat16)
     q, layer, lens = sds((8, 1, 32, 128), jnp.bfloat16), sds((), jnp.int32), sds((8,), jnp.int32)
-    exp = _export("cuda", functools.partial(stacked.sparse_decode_stacked_gpu, block_size=16, return_lse=True),
+    exp = export_for("cuda", functools.partial(stacked.sparse_decode_stacked_gpu, block_size=16, return_lse=True),
                   q, big, big, layer, sds((8, 8, 1, 819), jnp.int32), lens)
     assert "sparse_decode_gathered_stacked" in exp.mlir_module()
-    exp = _export("cuda", dgpu.dense_decode_stacked_gpu, q, big, big, layer, lens)
+    exp = export_for("cuda", dgpu.dense_decode_stacked_gpu, q, big, big, layer, lens)
     assert "dense_decode_stacked" in exp.mlir_module()
     small = sds((4, 2, 8, 2000, 128), jnp.bfloat16)  # N not a multiple of block_k, T = 3
-    exp = _export("cuda", dgpu.dense_decode_stacked_gpu, sds((2, 3, 32, 128), jnp.bfloat16), small, small, layer,
+    exp = export_for("cuda", dgpu.dense_decode_stacked_gpu, sds((2, 3, 32, 128), jnp.bfloat16), small, small, layer,
                   sds((2,), jnp.int32))
     assert "dense_decode_stacked" in exp.mlir_module()
     cache = sds((4, 2, 8, 2048, 128), jnp.bfloat16)
-    exp = _export("tpu", functools.partial(stacked.sparse_decode_stacked_tpu, block_size=16, return_lse=True),
+    exp = export_for("tpu", functools.partial(stacked.sparse_decode_stacked_tpu, block_size=16, return_lse=True),
                   sds((2, 1, 32, 128), jnp.bfloat16), cache, cache, layer, sds((2, 8, 1, 40), jnp.int32),
                   sds((2,), jnp.int32))
     assert "tpu_custom_call" in exp.mlir_module()

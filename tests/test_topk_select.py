@@ -16,6 +16,7 @@ from jsparse.selection import topk_indices
 from pallas_kernels.topk_select import gpu, tpu, topk_select, topk_select_reference
 from pallas_kernels.topk_select.common import float_keys
 from pallas_kernels.topk_select.xla import topk_select_xla
+from lowering import H100, TPU_V5E, abstract_device
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
@@ -146,18 +147,12 @@ def test_api_dispatch_and_errors():
         tpu.topk_select_tpu(x, 5, 8, config=tpu.TpuSelectConfig(chunk=100), interpret=True)
 
 
-def _abstract(kind: str, cores: int, platform: str):
-    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
-    device = AbstractDevice(device_kind=kind, num_cores=cores, platform=platform)
-    return use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device))
-
-
 def test_gpu_kernels_lower_for_cuda():
     # Triton lowering (to the TTIR carried by the custom call) runs without a GPU; PTX compilation does not.
     sds = jax.ShapeDtypeStruct
     check = jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)
     f = functools.partial(gpu.topk_select_gpu, K=1000, config=gpu.SelectConfig(path="passes"))
-    with _abstract("NVIDIA H100 80GB HBM3", 132, "gpu"):
+    with abstract_device(*H100):
         exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(
             sds((64, 10000), jnp.float32), sds((64,), jnp.int32))
     text = exp.mlir_module()
@@ -166,7 +161,7 @@ def test_gpu_kernels_lower_for_cuda():
 
 def test_tpu_kernel_lowers_for_tpu():
     sds = jax.ShapeDtypeStruct
-    with _abstract("TPU v5 lite", 1, "tpu"):
+    with abstract_device(*TPU_V5E):
         exp = jax.export.export(jax.jit(functools.partial(tpu.topk_select_tpu, K=1000)), platforms=["tpu"])(
             sds((64, 10000), jnp.float32), sds((64,), jnp.int32))
     assert exp.mlir_module().count("tpu_custom_call") == 8  # one counting kernel per 4-bit pass

@@ -16,11 +16,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.topk_select import gpu, gpu_row, topk_select_reference
 from pallas_kernels.topk_select.testing import adversarial
+from lowering import H100, abstract_device
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
-
-
-
 
 
 def row_k(rng, R: int, K: int) -> np.ndarray:
@@ -125,19 +123,13 @@ def test_dispatch_and_config_errors():
         gpu_row.topk_select_rows(jnp.zeros((1, 40000), jnp.float32), jnp.zeros((1,), jnp.int32), 8)
 
 
-def _abstract_h100():
-    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
-    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
-    return use_abstract_mesh(AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device))
-
-
 @pytest.mark.parametrize("path,shape,K,launches", [
     ("row", (32, 6256), 64, 1), ("fused", (64, 131072), 13108, 10), ("sample", (64, 131072), 13108, 5)])
 def test_lowers_for_cuda_with_few_launches(path, shape, K, launches):
     sds = jax.ShapeDtypeStruct
     check = jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)
     f = functools.partial(gpu.topk_select_gpu, K=K, config=gpu.SelectConfig(path=path))
-    with _abstract_h100():
+    with abstract_device(*H100):
         exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(
             sds(shape, jnp.float32), sds(shape[:1], jnp.int32))
     text = exp.mlir_module()

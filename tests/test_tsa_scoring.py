@@ -8,11 +8,10 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import triton as plgpu
-from jax.sharding import AbstractDevice, AbstractMesh
 
 from pallas_kernels.tsa_scoring import avg_pool_keys, gpu, reference, tpu, tsa_scores
 from pallas_kernels.tsa_scoring.common import default_scale
+from lowering import export_for
 
 
 def _inputs(B, T, Hq, Hkv, D, dtype, seed=0):
@@ -177,16 +176,10 @@ def test_tpu_lowering(T, Hq, Hkv, D, lengths):
 
 def test_cuda_lowering_for_h100():
     # Triton lowering needs a GPU model; an abstract H100 lets it run here (PTX compilation happens on the GPU).
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-        device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
     q = jax.ShapeDtypeStruct((1, 4096, 32, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16)
     lens = jax.ShapeDtypeStruct((1,), jnp.int32)
-    with jax.sharding.use_abstract_mesh(mesh):
-        exported = jax.export.export(
-            jax.jit(lambda q, k, l: gpu.tsa_scores_gpu(q, k, lengths=l)), platforms=["cuda"],
-            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)],
-        )(q, k, lens)
+    exported = export_for("cuda", lambda q, k, l: gpu.tsa_scores_gpu(q, k, lengths=l), q, k, lens)
     assert exported.mlir_module().count("xla.gpu.triton") == 2
 
 
