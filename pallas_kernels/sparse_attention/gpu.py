@@ -116,6 +116,16 @@ def _check_supported(q: Array, block_size: int, tile: int | None, interpret: boo
         raise ValueError(f"the Pallas GPU sparse-attention kernel cannot take {reason}")
 
 
+def _check_prefill(q: Array, k: Array, v: Array, indices: Array, lengths: Array, tile: int, block_size: int,
+                   interpret: bool) -> tuple[int, ...]:
+    """The argument checks of both prefill kernels (this one and gpu_prefill_gqa's): (B, T, Hq, D, Hkv, G, number
+    of query tiles)."""
+    check_prefill_args(q, k, v, indices, lengths, tile, block_size)
+    _check_supported(q, block_size, tile, interpret)
+    B, T, Hq, D = q.shape
+    return B, T, Hq, D, k.shape[2], Hq // k.shape[2], indices.shape[2]
+
+
 def _gather_rows(ent_ref, k_ref, v_ref, first_entry, limit, block_size: int, block_k: int):
     """Gathers `block_k` key/value rows for entries first_entry .. first_entry + block_k // block_size - 1.
 
@@ -388,11 +398,7 @@ def sparse_prefill_gpu(q: Array, k: Array, v: Array, indices: Array, lengths: Ar
     Returns:
       [B, T, Hq, D] in q.dtype; rows at or beyond lengths are zeros.
     """
-    check_prefill_args(q, k, v, indices, lengths, tile, block_size)
-    _check_supported(q, block_size, tile, interpret)
-    B, T, Hq, D = q.shape
-    Hkv = k.shape[2]
-    G, nt = Hq // Hkv, indices.shape[2]
+    B, T, Hq, D, Hkv, G, nt = _check_prefill(q, k, v, indices, lengths, tile, block_size, interpret)
     if (G > 1 and _pow2(G) and G * tile <= config.gqa_rows and D <= 128
             and (interpret or G * tile >= _MIN_ROWS)):
         from pallas_kernels.sparse_attention import gpu_prefill_gqa as gqa

@@ -33,9 +33,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.sparse_attention.common import check_prefill_args, default_scale
-from pallas_kernels.sparse_attention.gpu import (_MASK, _MIN_ROWS, _check_supported, _gather_rows,
-                                                 _online_softmax_step, _pow2, prefill_operands)
+from pallas_kernels.sparse_attention.common import default_scale
+from pallas_kernels.sparse_attention.gpu import (_MASK, _MIN_ROWS, _check_prefill, _gather_rows, _online_softmax_step,
+                                                 _pow2, prefill_operands)
 
 Array = jax.Array
 
@@ -144,11 +144,7 @@ def sparse_prefill_gqa_gpu(q: Array, k: Array, v: Array, indices: Array, lengths
     Returns:
       [B, T, Hq, D] in q.dtype; rows at or beyond lengths are zeros.
     """
-    check_prefill_args(q, k, v, indices, lengths, tile, block_size)
-    _check_supported(q, block_size, tile, interpret)
-    B, T, Hq, D = q.shape
-    Hkv = k.shape[2]
-    G, nt = Hq // Hkv, indices.shape[2]
+    B, T, Hq, D, Hkv, G, nt = _check_prefill(q, k, v, indices, lengths, tile, block_size, interpret)
     M, parts, r, block_k = plan(config, G, tile, block_size, interpret)
     scale = default_scale(D, scale)
     q, k, v, lens, end, ent = prefill_operands(q, k, v, indices, lengths, tile, block_size, block_k)
