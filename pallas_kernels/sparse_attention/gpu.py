@@ -343,6 +343,44 @@ def prefill_operands(q, k, v, indices, lengths, tile: int, block_size: int, bloc
     return q, k, v, lens, end, ent
 
 
+def _tile_attention(q, qpos, length, end_ref, ent_ref, k_ref, v_ref, start, diag_keys, *, scale: float,
+                    block_size: int, block_k: int, tile: int):
+    """Attention of one program's query rows in the query tile that starts at `start`: the tile's selected keys
+    before it, then its own keys causally (shared by this module's kernel and gpu_prefill_gqa's).
+
+    Args: q [M, D] and qpos i32[M] (the rows and their positions); length: the row's length; end_ref, ent_ref,
+    k_ref, v_ref: as in `_prefill_kernel`; diag_keys: how many of the tile's own keys the rows can see (a static
+    int, or traced).
+    Returns: f32[M, D], zeros on rows at or beyond `length`.
+    """
+    M, d = q.shape
+    per_iter = block_k // block_size
+    carry = (jnp.zeros((M, d), jnp.float32), jnp.full((M,), _MASK, jnp.float32), jnp.zeros((M,), jnp.float32))
+
+    def selected(it, carry):
+        # Entries at or after the tile start are ignored (the diagonal loop covers the tile itself).
+        ok, k, v = _gather_rows(ent_ref, k_ref, v_ref, it * per_iter, start - 1, block_size, block_k)
+        return _online_softmax_step(q, k, v, ok[None, :], carry, scale)
+
+    carry = lax.fori_loop(jnp.int32(0), pl.cdiv(end_ref[0], jnp.int32(per_iter)), selected, carry)
+
+    diag_k = min(block_k, tile)
+
+    def diagonal(c, carry):
+        kpos = start + c * diag_k + jnp.arange(diag_k, dtype=jnp.int32)
+        keys = pl.ds(start + c * diag_k, diag_k)
+        ok = kpos[None, :] <= qpos[:, None]
+        return _online_softmax_step(q, k_ref[keys, :], v_ref[keys, :], ok, carry, scale)
+
+    if isinstance(diag_keys, int):  # a static trip count
+        o, m, l = lax.fori_loop(0, pl.cdiv(diag_keys, diag_k), diagonal, carry)
+    else:
+        n_diag = pl.cdiv(diag_keys, jnp.int32(diag_k)).astype(jnp.int32)
+        o, m, l = lax.fori_loop(jnp.int32(0), n_diag, diagonal, carry)
+    row_ok = (qpos < length) & (l > 0)
+    return jnp.where(row_ok[:, None], o / jnp.where(row_ok, l, 1.0)[:, None], 0.0)
+
+
 def _prefill_kernel(len_ref, end_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, *, scale: float, block_size: int,
                     block_k: int, tile: int, num_tiles: int):
     """One (b, query head, query tile) program; grid step i runs tile num_tiles - 1 - i (the costliest first).
@@ -351,34 +389,10 @@ def _prefill_kernel(len_ref, end_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, *, sc
     entries; q_ref: [tile, D]; k_ref, v_ref: [Tp, D] (the KV head's keys, token stride Hkv * D);
     o_ref: [tile, D].
     """
-    i = num_tiles - 1 - pl.program_id(2)
-    start = i * tile
-    length = len_ref[0]
-    q = q_ref[...]
-    d = q.shape[-1]
+    start = (num_tiles - 1 - pl.program_id(2)) * tile
     qpos = start + jnp.arange(tile, dtype=jnp.int32)
-    per_iter = block_k // block_size
-    carry = (jnp.zeros((tile, d), jnp.float32), jnp.full((tile,), _MASK, jnp.float32),
-             jnp.zeros((tile,), jnp.float32))
-
-    def selected(it, carry):
-        # Entries at or after the tile start are ignored (the diagonal loop covers the tile itself).
-        ok, k, v = _gather_rows(ent_ref, k_ref, v_ref, it * per_iter, start - 1, block_size, block_k)
-        return _online_softmax_step(q, k, v, ok[None, :], carry, scale)
-
-    carry = lax.fori_loop(0, pl.cdiv(end_ref[0], per_iter), selected, carry)
-
-    diag_k = min(block_k, tile)
-
-    def diagonal(c, carry):
-        kpos = start + c * diag_k + jnp.arange(diag_k, dtype=jnp.int32)
-        rows = pl.ds(start + c * diag_k, diag_k)
-        ok = kpos[None, :] <= qpos[:, None]
-        return _online_softmax_step(q, k_ref[rows, :], v_ref[rows, :], ok, carry, scale)
-
-    o, m, l = lax.fori_loop(0, tile // diag_k, diagonal, carry)
-    row_ok = (qpos < length) & (l > 0)
-    o = jnp.where(row_ok[:, None], o / jnp.where(row_ok, l, 1.0)[:, None], 0.0)
+    o = _tile_attention(q_ref[...], qpos, len_ref[0], end_ref, ent_ref, k_ref, v_ref, start, tile, scale=scale,
+                        block_size=block_size, block_k=block_k, tile=tile)
     o_ref[...] = o.astype(o_ref.dtype)
 
 

@@ -29,13 +29,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.sparse_attention.common import default_scale
-from pallas_kernels.sparse_attention.gpu import (_MASK, _MIN_ROWS, _check_prefill, _gather_rows, _online_softmax_step,
-                                                 _pow2, prefill_operands)
+from pallas_kernels.sparse_attention.gpu import _MIN_ROWS, _check_prefill, _pow2, _tile_attention, prefill_operands
 
 Array = jax.Array
 
@@ -94,37 +92,14 @@ def _prefill_gqa_kernel(len_ref, end_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, *
     k_ref, v_ref: [Tp, D] (the KV head's keys, token stride Hkv * D); o_ref: [rows, G, D].
     """
     part = pl.program_id(1)
-    i = num_tiles - 1 - pl.program_id(3)
-    start = i * tile
-    length = len_ref[0]
+    start = (num_tiles - 1 - pl.program_id(3)) * tile
     r, G, d = q_ref.shape
-    M = r * G
-    q = q_ref[...].reshape(M, d)  # row m = (query row m // G, head m % G)
+    q = q_ref[...].reshape(r * G, d)  # row m = (query row m // G, head m % G)
     first = start + part * rows  # the program's first query row
-    qpos = first + jnp.arange(M, dtype=jnp.int32) // G
-    per_iter = block_k // block_size
-    carry = (jnp.zeros((M, d), jnp.float32), jnp.full((M,), _MASK, jnp.float32), jnp.zeros((M,), jnp.float32))
-
-    def selected(it, carry):
-        # Entries at or after the tile start are ignored (the diagonal loop covers the tile itself).
-        ok, k, v = _gather_rows(ent_ref, k_ref, v_ref, it * per_iter, start - 1, block_size, block_k)
-        return _online_softmax_step(q, k, v, ok[None, :], carry, scale)
-
-    carry = lax.fori_loop(jnp.int32(0), pl.cdiv(end_ref[0], jnp.int32(per_iter)), selected, carry)
-
-    diag_k = min(block_k, tile)
-
-    def diagonal(c, carry):
-        kpos = start + c * diag_k + jnp.arange(diag_k, dtype=jnp.int32)
-        keys = pl.ds(start + c * diag_k, diag_k)
-        ok = kpos[None, :] <= qpos[:, None]
-        return _online_softmax_step(q, k_ref[keys, :], v_ref[keys, :], ok, carry, scale)
-
-    # Keys start .. first + rows - 1: chunks past the program's last query row are never needed.
-    n_diag = pl.cdiv((part + 1) * rows, jnp.int32(diag_k)).astype(jnp.int32)
-    o, m, l = lax.fori_loop(jnp.int32(0), n_diag, diagonal, carry)
-    row_ok = (qpos < length) & (l > 0)
-    o = jnp.where(row_ok[:, None], o / jnp.where(row_ok, l, 1.0)[:, None], 0.0)
+    qpos = first + jnp.arange(r * G, dtype=jnp.int32) // G
+    # The tile's keys start .. first + rows - 1: chunks past the program's last query row are never needed.
+    o = _tile_attention(q, qpos, len_ref[0], end_ref, ent_ref, k_ref, v_ref, start, (part + 1) * rows, scale=scale,
+                        block_size=block_size, block_k=block_k, tile=tile)
     o_ref[...] = o.reshape(r, G, d).astype(o_ref.dtype)
 
 
