@@ -70,6 +70,10 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the passkey keys/filler and ppl windows (default 0)")
     p.add_argument("--depths", default=",".join(f"{d:g}" for d in DEFAULT_DEPTHS),
                    help="passkey needle depths, fractions in [0, 1] (default 0.1,0.3,0.5,0.7,0.9)")
+    p.add_argument("--haystack", choices=["repeat", "corpus"], default="repeat",
+                   help="passkey filler: 'repeat' (the classic five sentences, repeated; default) or 'corpus' "
+                        "(stretches of --corpus at seeded offsets: real text, independent of the calibration "
+                        "corpus when --corpus differs from it)")
     p.add_argument("--ppl-variants", default=",".join(DEFAULT_VARIANTS),
                    help="perplexity variants: decode (every token attends as in decode, own top-k), prefill (the "
                         "method's sparse prefill over the whole window) and/or continuation (the method's prefill "
@@ -101,14 +105,14 @@ def spec_from_args(args) -> harness.EvalSpec:
         raise ValueError(f"--depths {args.depths!r}: expected comma-separated fractions in [0, 1]") from None
     spec = harness.EvalSpec(
         methods=methods, tasks=tasks, lengths=harness.parse_lengths(args.lengths), budget=args.budget,
-        samples=args.samples, seed=args.seed, corpus=args.corpus,
+        samples=args.samples, seed=args.seed, corpus=args.corpus, haystack=args.haystack,
         artifacts=harness.parse_artifacts(args.artifact, methods), depths=depths,
         ppl_variants=harness.parse_list(args.ppl_variants, "--ppl-variants"), new_tokens=args.new_tokens,
         chunk=args.chunk, max_batch_tokens=args.max_batch_tokens, continuation=args.continuation_tokens,
         budget_tokens=harness.parse_budget_tokens(args.budget_tokens),
         method_options=harness.parse_method_options(args.method_option, methods))
     spec.validate()
-    if "ppl" in tasks:  # fail on a missing or empty corpus before loading the model
+    if "ppl" in tasks or spec.haystack == "corpus":  # fail on a missing or empty corpus before loading the model
         from eval.ppl import read_corpus
 
         read_corpus(spec.corpus)
@@ -125,7 +129,8 @@ def run_eval(args) -> int:
     meta = report.run_metadata(
         command=command,
         model=getattr(model, "name", args.model), budget=spec.budget, samples=spec.samples, seed=spec.seed,
-        corpus=spec.corpus if "ppl" in spec.tasks else None, methods=list(spec.methods), tasks=list(spec.tasks),
+        corpus=spec.corpus if "ppl" in spec.tasks or spec.haystack == "corpus" else None, haystack=spec.haystack,
+        methods=list(spec.methods), tasks=list(spec.tasks),
         lengths=list(spec.lengths), artifacts=dict(spec.artifacts), depths=list(spec.depths),
         ppl_variants=list(spec.ppl_variants), continuation=spec.continuation,
         budget_tokens=None if spec.budget_tokens is None else list(spec.budget_tokens),

@@ -213,6 +213,7 @@ class EvalSpec:
       seed: seeds the passkey keys and filler and the ppl window offsets.
       corpus: the ppl corpus (a UTF-8 text file); artifacts: method name -> artifact folder.
       depths: passkey needle depths; ppl_variants: subset of ("decode", "prefill", "continuation").
+      haystack: the passkey filler, "repeat" (the classic sentences) or "corpus" (stretches of `corpus`).
       continuation: C, the scored tokens of the ppl "continuation" variant (the prompt is the rest).
       budget_tokens: fixed token budgets N, or None for the fraction rule (`budget`). Each N runs every method
         that takes a budget with k = min(N, p + 1) keys per query at position p: TokenBudget methods (and
@@ -234,6 +235,7 @@ class EvalSpec:
     corpus: str | None = ppl_task.DEFAULT_CORPUS
     artifacts: Mapping[str, str] = dataclasses.field(default_factory=dict)
     depths: tuple[float, ...] = passkey_task.DEFAULT_DEPTHS
+    haystack: str = "repeat"
     ppl_variants: tuple[str, ...] = ppl_task.DEFAULT_VARIANTS
     continuation: int = ppl_task.DEFAULT_CONTINUATION
     budget_tokens: tuple[int, ...] | None = None
@@ -253,6 +255,7 @@ class EvalSpec:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected a positive integer")
         passkey_task.check_depths(self.depths)
+        passkey_task.check_haystack(self.haystack)
         ppl_task.check_variants(self.ppl_variants)
         if "ppl" in self.tasks and "continuation" in self.ppl_variants:
             for length in self.lengths:
@@ -526,7 +529,7 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
         if "ppl" in spec.tasks:
             check_request(cfg, [length - 1], 1)
     corpus_ids = None
-    if "ppl" in spec.tasks:
+    if "ppl" in spec.tasks or ("passkey" in spec.tasks and spec.haystack == "corpus"):
         corpus_ids = ppl_task.tokenize_corpus(model.tokenizer, ppl_task.read_corpus(spec.corpus))
     methods = build_methods(model, spec)
     if spec.budget_tokens is None:
@@ -549,7 +552,9 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
             rows = spec.batch_rows(length)
             prompts = windows = None
             if "passkey" in spec.tasks:
-                prompts = passkey_task.make_prompts(model.tokenizer, length, spec.samples, spec.seed, spec.depths)
+                prompts = passkey_task.make_prompts(
+                    model.tokenizer, length, spec.samples, spec.seed, spec.depths,
+                    corpus_ids if spec.haystack == "corpus" else None)
             if "ppl" in spec.tasks:
                 windows = ppl_task.make_windows(model.tokenizer, corpus_ids, length, spec.samples, spec.seed)
             for name, method, budget, budget_tokens in method_runs(model, spec, methods, length):

@@ -9,8 +9,13 @@ requested number of tokens:
   NEEDLE   "The pass key is 71432. Remember it. 71432 is the pass key."
   QUESTION "What is the pass key? The pass key is"
 
-The filler repeats the five classic passkey sentences (`FILLER_SENTENCES`, no digits) in an order drawn with the
-sample's seed.
+Two haystacks (`haystack`):
+  "repeat"  the five classic passkey sentences (`FILLER_SENTENCES`, no digits) repeated in an order drawn with
+            the sample's seed (Mohtashami & Jaggi, 2023);
+  "corpus"  a stretch of the user's corpus (the ppl corpus of `jsparse eval`, `--corpus`) at an offset drawn
+            with the sample's seed: real text, harder for small models, and independent of the calibration
+            corpus when the two differ (the bundled artifacts were calibrated on Alice, eval's default corpus is
+            The Call of the Wild).
 The text before the needle is whole sentences, as many as fit in `depth * F` filler tokens (F = the filler
 tokens the length leaves), so the needle starts on a sentence boundary less than one sentence before the
 requested depth; the text after it is cut to fill the length exactly (only its last sentence may be cut).
@@ -99,7 +104,17 @@ def check_depths(depths: Sequence[float]) -> tuple[float, ...]:
     return depths
 
 
-def make_prompt(tokenizer, length: int, depth: float, key: str, rng: np.random.Generator) -> PasskeyPrompt:
+HAYSTACKS = ("repeat", "corpus")
+
+
+def check_haystack(haystack: str) -> str:
+    if haystack not in HAYSTACKS:
+        raise ValueError(f"haystack={haystack!r}: expected one of {list(HAYSTACKS)}")
+    return haystack
+
+
+def make_prompt(tokenizer, length: int, depth: float, key: str, rng: np.random.Generator,
+                corpus_ids: np.ndarray | None = None) -> PasskeyPrompt:
     """Builds a passkey prompt of exactly `length` tokens with the needle at `depth` of the filler.
 
     Args:
@@ -107,7 +122,9 @@ def make_prompt(tokenizer, length: int, depth: float, key: str, rng: np.random.G
       length: the prompt's length in tokens.
       depth: fraction in [0, 1] of the filler tokens placed before the needle.
       key: the pass key (digits).
-      rng: draws the order of the filler sentences.
+      rng: draws the order of the filler sentences (or the corpus offset).
+      corpus_ids: i32[N] a tokenized corpus: the filler is N's stretch at a random offset ("corpus" haystack);
+        None: the repeated classic sentences.
     """
     check_depths([depth])
     head = special_prefix(tokenizer) + _ids(tokenizer, INTRO)
@@ -118,6 +135,19 @@ def make_prompt(tokenizer, length: int, depth: float, key: str, rng: np.random.G
         raise ValueError(f"passkey length={length} tokens is too short: the instructions, needle and question "
                          f"alone take {length - filler_tokens} tokens with this tokenizer; expected a length "
                          f">= {length - filler_tokens + 1}")
+    if corpus_ids is not None:
+        corpus_ids = np.asarray(corpus_ids)
+        if len(corpus_ids) < filler_tokens + 1:
+            raise ValueError(f"the corpus has {len(corpus_ids)} tokens: a passkey prompt of {length} tokens needs "
+                             f"at least {filler_tokens + 1} of filler; give a longer --corpus or a shorter length")
+        start = int(rng.integers(0, len(corpus_ids) - filler_tokens))
+        filler = [int(t) for t in corpus_ids[start:start + filler_tokens]]
+        cut = int(round(depth * filler_tokens))
+        tokens = head + filler[:cut] + needle + filler[cut:] + tail
+        assert len(tokens) == length, (len(tokens), length)
+        return PasskeyPrompt(tokens=np.asarray(tokens, np.int32), key=key, depth=float(depth),
+                             needle_start=len(head) + cut, needle_len=len(needle), filler_start=len(head),
+                             filler_tokens=filler_tokens)
     sentences = [_ids(tokenizer, " " + s) for s in FILLER_SENTENCES]
 
     order = rng.permutation(len(sentences))
@@ -143,10 +173,11 @@ def make_prompt(tokenizer, length: int, depth: float, key: str, rng: np.random.G
 
 
 def make_prompts(tokenizer, length: int, samples: int, seed: int,
-                 depths: Sequence[float] = DEFAULT_DEPTHS) -> list[PasskeyPrompt]:
+                 depths: Sequence[float] = DEFAULT_DEPTHS, corpus_ids: np.ndarray | None = None) -> list[PasskeyPrompt]:
     """`samples` prompts of `length` tokens; sample i has depth depths[i % len(depths)] and a random key.
 
-    The keys and filler depend only on (seed, length, i), so every method sees the same prompts.
+    The keys and filler depend only on (seed, length, i) (and the corpus), so every method sees the same prompts.
+    corpus_ids: the "corpus" haystack's tokens (see `make_prompt`); None: the repeated classic sentences.
     """
     if samples < 1:
         raise ValueError(f"samples={samples}: expected >= 1")
@@ -155,7 +186,7 @@ def make_prompts(tokenizer, length: int, samples: int, seed: int,
     for i in range(samples):
         rng = np.random.default_rng([seed, length, i])
         key = str(int(rng.integers(10000, 100000)))
-        prompts.append(make_prompt(tokenizer, length, depths[i % len(depths)], key, rng))
+        prompts.append(make_prompt(tokenizer, length, depths[i % len(depths)], key, rng, corpus_ids))
     return prompts
 
 

@@ -53,10 +53,25 @@ def _column(r: Mapping) -> tuple:
     return (r["length"], 0 if r["task"] == "passkey" else 1, task)
 
 
+BELOW_DENSE = "**below dense**"
+
+
+def below_dense(records: Sequence[Mapping]) -> list[tuple[str, int, Mapping, Mapping]]:
+    """The fidelity gate: (row label, length, record, dense record) for every passkey result (all depths pooled)
+    that scores below dense's at the same length. Nothing a summary shows can hide these."""
+    main = [r for r in records if r["task"] == "passkey" and r["depth"] is None]
+    dense = {r["length"]: r for r in main if r["method"] == "dense"}
+    return [(_row(r), r["length"], r, dense[r["length"]]) for r in main
+            if r["method"] != "dense" and r["length"] in dense and r["value"] < dense[r["length"]]["value"]]
+
+
 def _cell(r: Mapping, dense: Mapping | None) -> str:
     if r["metric"] == "accuracy":
         hits = round(r["value"] * r["n"])
-        return f"{r['value']:.2f} ({hits}/{r['n']})"
+        text = f"{r['value']:.2f} ({hits}/{r['n']})"
+        if dense is not None and r["method"] != "dense" and r["value"] < dense["value"]:
+            text += " " + BELOW_DENSE
+        return text
     text = f"{r['value']:.3f}"
     if dense is not None and r["method"] != "dense":
         text += f" ({100.0 * (r['value'] / dense['value'] - 1.0):+.1f}%)"
@@ -119,6 +134,18 @@ def summary_markdown(records: Sequence[Mapping], meta: Mapping | None = None) ->
               "token after the first (ppl continuation: over the last C tokens, the method's decode after its "
               "prefill of the rest), with the change relative to dense; `k=N`: a fixed budget of N tokens.", ""]
     lines += _table(header, rows) + [""]
+
+    gate = below_dense(records)
+    lines += ["## Fidelity gate", "",
+              "Passkey results below dense's at the same length (marked " + BELOW_DENSE + " above):", ""]
+    if gate:
+        lines += [f"- {m} @{L}: {round(r['value'] * r['n'])}/{r['n']} against dense's "
+                  f"{round(d['value'] * d['n'])}/{d['n']}" for m, L, r, d in gate]
+    elif any(r["method"] == "dense" and r["task"] == "passkey" for r in main):
+        lines += ["- none: every method scores at least dense's passkey."]
+    else:
+        lines += ["- not checked: the run has no dense passkey result."]
+    lines += [""]
 
     lengths = sorted({r["length"] for r in records})
     sparsity = {}

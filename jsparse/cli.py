@@ -52,7 +52,7 @@ def cmd_calibrate(args) -> int:
     art.meta.update({"corpus": [os.path.abspath(c) for c in corpus], "length": args.length,
                      "samples": args.samples, "seed": args.seed})
     save_artifact(args.out, art)
-    summary = {k: art.meta[k] for k in ("anchors", "objective", "sparse_layers", "retrieval_heads") if k in art.meta}
+    summary = {k: art.meta[k] for k in ("anchors", "share", "objective", "sparse_layers", "retrieval_heads") if k in art.meta}
     print(json.dumps({"out": args.out, **summary}))
     return 0
 

@@ -305,3 +305,18 @@ def test_artifact_dense_set_and_variants(tmp_path, pcfg):
     assert paper.dense_set == () and paper.local == 0 and paper.dense_layers == 1
     loc = make_method("butler-local", cfg=CFG, artifact=str(tmp_path), budget=0.75)
     assert loc.dense_set == () and loc.local == 32
+
+
+def test_shipped_artifact_states_its_supported_budgets():
+    """The shipped predictor's calibrated dense layers (3 of 28) need a budget above 3/28 with rebalance: the
+    error names the supported range and the two ways to go lower, which both work."""
+    import jsparse
+
+    m = jsparse.load("smollm2")
+    art = "artifacts/smollm2/butler"
+    with pytest.raises(ValueError, match=r"budget=0\.1 .*supported budgets: \(0\.1071, 1\].*dense_set=\(\)"):
+        jsparse.build_method("butler", m, artifact=art, budget=0.1)
+    assert jsparse.build_method("butler", m, artifact=art, budget=0.1, dense_set=()).dense_set == ()
+    assert jsparse.build_method("butler", m, artifact=art, budget=0.1, rebalance=False).sparse_budget(30) == 0.1
+    ok = jsparse.build_method("butler", m, artifact=art, budget=0.2)
+    assert ok.min_budget(30) == pytest.approx(3 / 28) and 0 < ok.sparse_budget(30) < 0.2

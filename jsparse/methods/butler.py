@@ -184,10 +184,18 @@ class Butler(TokenBudget):
             return self.budget
         b = (n * self.budget - e) / (n - e) if n > e else 0.0
         if b <= 0.0:
-            raise ValueError(f"dense_set={list(self.dense_set)} at budget={self.budget}: the {e} calibrated dense "
-                             f"layers use more than the budget of the {n} layers >= dense_layers={self.dense_layers}; "
-                             "use fewer dense layers, a larger budget or rebalance=False")
+            raise ValueError(
+                f"budget={self.budget} is below what this predictor's calibrated dense layers allow: dense_set="
+                f"{list(self.extra_dense(num_layers))} keeps {e} of the {n} layers >= dense_layers="
+                f"{self.dense_layers} dense, so with rebalance the budget must exceed {e}/{n} = {e / n:.4f} "
+                f"(supported budgets: ({e / n:.4f}, 1]); for a smaller budget pass dense_set=() (every layer "
+                "sparse) or rebalance=False (the dense layers on top of the budget)")
         return b
+
+    def min_budget(self, num_layers: int) -> float:
+        """The budget this method's calibrated dense layers need with `rebalance` (budgets must exceed it)."""
+        e = len(self.extra_dense(num_layers))
+        return e / (num_layers - self.dense_layers) if e and self.rebalance else 0.0
 
     def achieved_sparsity(self, cfg, positions) -> float:
         """Fraction of visible keys skipped, averaged over layers and query positions (decode rule)."""
@@ -213,7 +221,9 @@ class Butler(TokenBudget):
         """A Butler for model `cfg` with the given predictor (checked against the model's shape)."""
         if cfg is not None:
             pcfg.check_model(cfg)
-        return cls(params=params, pcfg=pcfg, **kwargs_for(cls, options))
+        method = cls(params=params, pcfg=pcfg, **kwargs_for(cls, options))
+        method.sparse_budget(pcfg.num_layers)  # a budget the calibrated dense layers cannot pay for fails here
+        return method
 
     # -- protocol
 

@@ -6,6 +6,14 @@ Roles per layer (`layer_info`, scanned as `xs`):
      the query tile), top-k (k = min(max(ceil(budget * n), 128), n)), attention over the selected keys;
   2  reuse: attention over the latest anchor's indices, KV head h taking the anchor's head `head_map[l, h]`.
 
+Per-layer budgets (`reuse_scale` r >= 1): an anchor attends its own top-k but hands its top-(r * k) keys
+(k_r = min(max(ceil(r * budget * n), min_tokens), n)) to the reuse layers, which attend to those. r = 1 is the
+paper's rule. On SmolLM2-135M a reuse layer's set from even the adjacent layer misses what that layer's own
+top-k keeps and the passkey is lost (eval/results/kascade_diagnosis/REPORT.md); the calibrated artifact of
+the bundled model carries r = 2 and anchors chosen for a target share of the oracle's mass, and `build` takes
+them from the artifact unless given. The kept fraction over the sparse layers is reported by
+`achieved_sparsity` (anchors at `budget`, reuse layers at r * budget).
+
 Anchors (roles 0 and 1) run the fused anchor ops of `pallas_kernels.anchor_attention`: `anchor_decode` reads
 the stacked cache in place at the traced layer (`LayerKV.k_all`, `v_all`, `layer`; no copy of the layer's
 cache per step) and keeps each query's diagonal tile inside the budget (`diagonal_tile=tile`, as
@@ -29,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jsparse import selection as sel
 from jsparse.artifacts import load_artifact
 from jsparse.methods.base import register
 from jsparse.methods.common import TokenBudget, attend_selected, kwargs_for, sparse_prefill
@@ -66,6 +75,7 @@ def roles_from_anchors(num_layers: int, anchors) -> np.ndarray:
 class Kascade(TokenBudget):
     roles: jax.Array = None  # i32[L]
     head_map: jax.Array = None  # i32[L, Hkv]: for each layer and KV head, the anchor's KV head it reuses
+    reuse_scale: float = struct.field(pytree_node=False, default=1.0)  # r: reuse layers keep r * k keys
 
     @classmethod
     def build(cls, cfg=None, artifact: str | None = None, fingerprint: str | None = None, **options):
@@ -73,6 +83,8 @@ class Kascade(TokenBudget):
             raise ValueError("kascade needs a calibration artifact: run `jsparse calibrate kascade --model M "
                              "--out DIR` and pass --artifact DIR")
         art = load_artifact(artifact, ARTIFACT_KIND, fingerprint)
+        if options.get("reuse_scale") is None:
+            options["reuse_scale"] = float(art.meta.get("reuse_scale", 1.0))
         return cls.from_anchors(cfg, art.arrays["anchors"], art.arrays["head_map"], **options)
 
     @classmethod
@@ -90,7 +102,27 @@ class Kascade(TokenBudget):
                              f"{cfg.num_kv_heads})")
         options = kwargs_for(cls, options)
         options.pop("dense_layers", None)
+        scale = float(options.get("reuse_scale", 1.0))
+        if not scale >= 1.0:
+            raise ValueError(f"reuse_scale={scale}: expected >= 1 (1: reuse layers keep the anchor's k keys)")
         return cls(roles=jnp.asarray(roles), head_map=jnp.asarray(head_map), dense_layers=1, **options)
+
+    @property
+    def reuse_budget(self) -> float:
+        """The kept fraction of the reuse layers (and of the sets anchors hand them): r * budget, at most 1."""
+        return min(self.budget * self.reuse_scale, 1.0)
+
+    def k_reuse(self, n: int) -> int:
+        return sel.budget_tokens(self.reuse_budget, n, self.min_tokens)
+
+    def achieved_sparsity(self, cfg, positions) -> float:
+        """Fraction of visible keys skipped, averaged over layers (layer 0 dense, anchors at `budget`, reuse layers
+        at `reuse_budget`) and the given query positions (decode rule)."""
+        roles = np.asarray(self.roles)
+        anchors = int(np.sum(roles == ROLE_ANCHOR))
+        reuse = int(np.sum(roles == ROLE_REUSE))
+        return (anchors * sel.topk_sparsity(self.budget, positions, self.min_tokens)
+                + reuse * sel.topk_sparsity(self.reuse_budget, positions, self.min_tokens)) / cfg.num_layers
 
     def init_state(self, cfg, batch, max_len):
         return KascadeState()
@@ -100,7 +132,7 @@ class Kascade(TokenBudget):
 
     def start(self, cfg, state, phase, batch, q_len, kv_len):
         rows = -(-q_len // self.tile) if phase == "prefill" else q_len
-        return KascadeState(indices=jnp.full((batch, cfg.num_kv_heads, rows, self.k_static(kv_len)), -1, jnp.int32))
+        return KascadeState(indices=jnp.full((batch, cfg.num_kv_heads, rows, self.k_reuse(kv_len)), -1, jnp.int32))
 
     def finish(self, state, phase):
         return KascadeState()
@@ -109,10 +141,18 @@ class Kascade(TokenBudget):
         T = q.shape[1]
         K = self.k_static(T)
 
+        Kr = self.k_reuse(T)
+
         def anchor(dense: bool):
             def fn():
-                return anchor_prefill(q, k, v, ctx.lengths, tile=self.tile, budget=self.budget,
-                                      min_tokens=self.min_tokens, K=K, dense_output=dense)
+                out, idx = anchor_prefill(q, k, v, ctx.lengths, tile=self.tile, budget=self.budget,
+                                          min_tokens=self.min_tokens, K=K, dense_output=dense)
+                if self.reuse_scale == 1.0:
+                    return out, idx
+                # The wider set for the reuse layers (its attention output is unused and dropped by XLA).
+                _, wide = anchor_prefill(q, k, v, ctx.lengths, tile=self.tile, budget=self.reuse_budget,
+                                         min_tokens=self.min_tokens, K=Kr, dense_output=dense)
+                return out, wide
             return fn
 
         def reuse():
@@ -124,7 +164,7 @@ class Kascade(TokenBudget):
 
     def decode(self, ctx, q, cache, state):
         T, N = q.shape[1], cache.k.shape[2]
-        K = self.k_static(N)
+        K, Kr = self.k_static(N), self.k_reuse(N)
         indices = state.indices
         stacked = getattr(cache, "layer", None) is not None
         k, v, layer = (cache.k_all, cache.v_all, cache.layer) if stacked else (cache.k, cache.v, None)
@@ -137,6 +177,10 @@ class Kascade(TokenBudget):
                                          with_output=gathered)
                 if not gathered:
                     out = attend_selected(q, cache, idx, ctx.lengths)
+                if self.reuse_scale != 1.0:  # the wider set for the reuse layers
+                    _, idx = anchor_decode(q, k, v, ctx.lengths, budget=self.reuse_budget,
+                                           min_tokens=self.min_tokens, K=Kr, layer=layer, dense_output=dense,
+                                           diagonal_tile=self.tile, with_output=False)
                 return out, idx
             return fn
 

@@ -7,14 +7,23 @@ On development prompts, with dense attention:
   * sim[l1, l2, h1, h2] = min over tiles i (where top-k is a real choice) of sum_j P[l2, h2, i, I[l1, h1, i, j]],
     the mass of layer l2 recovered with layer l1's indices; averaged over prompts;
   * importance w[l] = mean over tokens of 1 - cos(x_l, x_l + attn_l(x_l));
-  * anchors: layer 0 plus M - 1 more maximising sum_l w[l] * S[a(l), l], where a(l) is the last anchor <= l and
-    S[a, l] = mean over h2 of max over h1 sim[a, l, h1, h2] (the head map takes the best anchor head);
-  * head_map[l, h2] = argmax_h1 sim[a(l), l, h1, h2] (identity for anchors).
+  * anchors, by fidelity (the default, `target_share`): a layer's *share* is the mass its reuse set recovers over
+    the mass its own exact top-k keeps (the oracle's), S[a(l), l] / S[l, l], where a(l) is the last anchor <= l
+    and S[a, l] = mean over h2 of max over h1 sim[a, l, h1, h2] (the head map takes the best anchor head).
+    Layers are scanned in order and a layer becomes an anchor when the current anchor's share falls below the
+    target, so every reuse layer keeps at least `target_share` of the oracle's mass on the development prompts.
+    On SmolLM2-135M adjacent layers share only 52-96% (min over tiles) and the paper's fixed 5 anchors lose
+    the passkey (eval/results/kascade_diagnosis/REPORT.md); a fixed anchor count is still available
+    (`num_anchors`: layer 0 plus M - 1 more maximising sum_l w[l] * S[a(l), l], by dynamic programming);
+  * head_map[l, h2] = argmax_h1 sim[a(l), l, h1, h2] (identity for anchors);
+  * reuse_scale r (per-layer budgets): an anchor hands its top-(r * k) keys to the reuse layers (it attends its
+    own top-k); sim_wide records what those wider sets recover, and the report gives both shares per layer.
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
 from typing import Iterable, Sequence
 
 import jax
@@ -36,6 +45,7 @@ from pallas_kernels.dense import dense_prefill
 class RecorderState:
     probs: jax.Array  # f32[L, B, Hkv, nT, T]  normalised mass over the keys before each tile
     indices: jax.Array  # i32[L, B, Hkv, nT, K]
+    wide: jax.Array  # i32[L, B, Hkv, nT, Kw]: top-(reuse_scale * k), what an anchor hands to its reuse layers
 
 
 @struct.dataclass
@@ -45,13 +55,16 @@ class _Recorder:
     budget: float = struct.field(pytree_node=False, default=0.1)
     min_tokens: int = struct.field(pytree_node=False, default=128)
     tile: int = struct.field(pytree_node=False, default=32)
+    reuse_scale: float = struct.field(pytree_node=False, default=1.0)
 
     def init_state(self, cfg, batch, max_len):
         n_tiles = -(-max_len // self.tile)
         K = sel.budget_tokens(self.budget, max_len, self.min_tokens)
+        Kw = sel.budget_tokens(min(self.budget * self.reuse_scale, 1.0), max_len, self.min_tokens)
         L, H = cfg.num_layers, cfg.num_kv_heads
         return RecorderState(probs=jnp.zeros((L, batch, H, n_tiles, max_len), jnp.float32),
-                             indices=jnp.zeros((L, batch, H, n_tiles, K), jnp.int32))
+                             indices=jnp.zeros((L, batch, H, n_tiles, K), jnp.int32),
+                             wide=jnp.zeros((L, batch, H, n_tiles, Kw), jnp.int32))
 
     def layer_info(self, cfg):
         return None
@@ -63,8 +76,11 @@ class _Recorder:
         probs = probs / jnp.maximum(probs.sum(-1, keepdims=True), 1e-30)
         tile_budget = sel.budget_tokens(self.budget, sel.tile_starts(T, self.tile), self.min_tokens)
         idx = select_prefill(q, k, self.tile, tile_budget, state.indices.shape[-1])
+        wide_budget = sel.budget_tokens(min(self.budget * self.reuse_scale, 1.0), sel.tile_starts(T, self.tile),
+                                        self.min_tokens)
+        wide = select_prefill(q, k, self.tile, wide_budget, state.wide.shape[-1])
         state = RecorderState(probs=state.probs.at[ctx.layer].set(probs),
-                              indices=state.indices.at[ctx.layer].set(idx))
+                              indices=state.indices.at[ctx.layer].set(idx), wide=state.wide.at[ctx.layer].set(wide))
         return dense_prefill(q, k, v), state
 
 
@@ -80,14 +96,16 @@ def _record(params, cfg, tokens, recorder):
     return state, importance
 
 
-def _similarity(state: RecorderState, tile_budget, tile: int) -> jax.Array:
-    """f32[L, L, H, H]: sim[l1, l2, h1, h2] for one batch (mean over the batch of the min over tiles)."""
+def _similarity(state: RecorderState, tile_budget, tile: int, wide: bool = False) -> jax.Array:
+    """f32[L, L, H, H]: sim[l1, l2, h1, h2] for one batch (mean over the batch of the min over tiles); with
+    `wide`, the mass recovered by layer l1's top-(reuse_scale * k) sets."""
     L, B, H, n_tiles, T = state.probs.shape
-    K = state.indices.shape[-1]
+    indices = state.wide if wide else state.indices
+    K = indices.shape[-1]
     n_before = jnp.arange(n_tiles) * tile
     eligible = n_before > tile_budget  # tiles where top-k leaves keys out
     P = jnp.moveaxis(state.probs, 1, 0).reshape(B, L * H, n_tiles, T)
-    I = jnp.moveaxis(state.indices, 1, 0).reshape(B, L * H, n_tiles, K)
+    I = jnp.moveaxis(indices, 1, 0).reshape(B, L * H, n_tiles, K)
 
     def per_source(idx):  # idx: [B, nT, K] of one (l1, h1) -> [B, L*H, nT] recovered mass
         safe = jnp.where(idx >= 0, idx, 0)[:, None]
@@ -137,6 +155,31 @@ def select_anchors(S: np.ndarray, importance: np.ndarray, num_anchors: int) -> t
     return anchors, float(best[num_anchors - 1, 0])
 
 
+def share_matrix(S: np.ndarray, S_from: np.ndarray | None = None) -> np.ndarray:
+    """share[a, l] = S_from[a, l] / S[l, l]: the part of layer l's own top-k mass (the oracle's) that anchor a's
+    sets recover (S_from = S: same budget; S_from = the wide similarity: the reuse_scale-wider sets)."""
+    S = np.asarray(S, np.float64)
+    S_from = S if S_from is None else np.asarray(S_from, np.float64)
+    return S_from / np.maximum(np.diag(S)[None, :], 1e-12)
+
+
+def anchors_for_share(share: np.ndarray, target: float) -> list[int]:
+    """Layer 0, then every layer whose share from the current anchor falls below `target` (scan in order)."""
+    if not 0.0 < target <= 1.0:
+        raise ValueError(f"target_share={target}: expected a fraction in (0, 1]")
+    anchors = [0]
+    for l in range(1, share.shape[0]):
+        if share[anchors[-1], l] < target:
+            anchors.append(l)
+    return anchors
+
+
+def per_layer_share(share: np.ndarray, anchors: Sequence[int]) -> np.ndarray:
+    """f64[L]: the share each layer reaches under `anchors` (1 at anchors)."""
+    L = share.shape[0]
+    return np.array([1.0 if l in anchors else share[max(a for a in anchors if a <= l), l] for l in range(L)])
+
+
 def brute_force_anchors(S: np.ndarray, importance: np.ndarray, num_anchors: int) -> tuple[list[int], float]:
     """Exhaustive search over anchor sets (for testing the dynamic program on small L)."""
     L = S.shape[0]
@@ -160,44 +203,95 @@ def head_map_for(sim: np.ndarray, anchors: Sequence[int]) -> np.ndarray:
     return hm
 
 
-def calibrate(params, cfg, prompts: Iterable[np.ndarray], *, num_anchors: int = 5, budget: float = 0.1,
-              tile: int = 32, min_tokens: int = 128, fingerprint: str = "", model_name: str = "",
-              progress=None) -> Artifact:
-    """Calibrates Kascade on prompts (each i32[B, T], all of one length) and returns the artifact."""
+DEFAULT_TARGET_SHARE = 0.9
+DEFAULT_REUSE_SCALE = 2.0
+
+
+def calibrate(params, cfg, prompts: Iterable[np.ndarray], *, num_anchors: int | None = None,
+              target_share: float = DEFAULT_TARGET_SHARE, reuse_scale: float = DEFAULT_REUSE_SCALE,
+              budget: float = 0.1, tile: int = 32, min_tokens: int = 128, fingerprint: str = "",
+              model_name: str = "", progress=None) -> Artifact:
+    """Calibrates Kascade on prompts (each i32[B, T], all of one length) and returns the artifact.
+
+    Anchors: the fewest (scanning layers in order) that keep every reuse layer's share of its own top-k mass at
+    or above `target_share`, or, with `num_anchors`, that many chosen by the dynamic program. `reuse_scale` (>= 1)
+    widens what anchors hand to reuse layers; it is stored in the artifact and Kascade uses it by default.
+    """
     sel.check_budget(budget)
     check_tile(tile)
-    if not 1 <= num_anchors <= cfg.num_layers:
+    if num_anchors is not None and not 1 <= num_anchors <= cfg.num_layers:
         raise ValueError(f"anchors={num_anchors}: expected between 1 and the model's {cfg.num_layers} layers")
-    recorder = _Recorder(budget=budget, min_tokens=min_tokens, tile=tile)
+    if not 0.0 < target_share <= 1.0:
+        raise ValueError(f"target_share={target_share}: expected a fraction in (0, 1]")
+    if not reuse_scale >= 1.0:
+        raise ValueError(f"reuse_scale={reuse_scale}: expected >= 1 (1: reuse layers keep the anchor's k keys)")
+    recorder = _Recorder(budget=budget, min_tokens=min_tokens, tile=tile, reuse_scale=reuse_scale)
     record = jax.jit(_record, static_argnames=("cfg",))
-    sim_fn = jax.jit(_similarity, static_argnames=("tile",))
-    sims, imps, n_batches = 0.0, 0.0, 0
+    sim_fn = jax.jit(_similarity, static_argnames=("tile", "wide"))
+    sims, wides, imps, n_batches = 0.0, 0.0, 0.0, 0
     for tokens in prompts:
         tokens = jnp.asarray(tokens, jnp.int32)
         state, importance = record(params, cfg, tokens, recorder)
         T = tokens.shape[1]
         tile_budget = sel.budget_tokens(budget, sel.tile_starts(T, tile), min_tokens)
         sims = sims + np.asarray(sim_fn(state, tile_budget, tile), np.float64)
+        wides = wides + np.asarray(sim_fn(state, tile_budget, tile, wide=True), np.float64)
         imps = imps + np.asarray(importance, np.float64)
         n_batches += 1
         if progress is not None:
             progress(1)
     if n_batches == 0:
         raise ValueError("no calibration prompts given")
-    sim, importance = sims / n_batches, imps / n_batches
+    sim, sim_wide, importance = sims / n_batches, wides / n_batches, imps / n_batches
     S = layer_similarity(sim)
-    anchors, objective = select_anchors(S, importance, num_anchors)
+    share = share_matrix(S)
+    if num_anchors is None:
+        anchors = anchors_for_share(share, target_share)
+        objective = float(np.sum(importance * S[[max(a for a in anchors if a <= l) for l in range(len(S))],
+                                                np.arange(len(S))]))
+    else:
+        anchors, objective = select_anchors(S, importance, num_anchors)
     head_map = head_map_for(sim, anchors)
+    wide_share = share_matrix(S, layer_similarity(sim_wide))
+    reached = per_layer_share(share, anchors)
+    reached_wide = per_layer_share(wide_share, anchors)
     return Artifact(kind="kascade", fingerprint=fingerprint,
                     arrays={"anchors": np.asarray(anchors, np.int32), "head_map": head_map,
-                            "similarity": sim.astype(np.float32), "importance": importance.astype(np.float32)},
-                    meta={"model": model_name, "num_anchors": num_anchors, "budget": budget, "tile": tile,
+                            "similarity": sim.astype(np.float32), "similarity_wide": sim_wide.astype(np.float32),
+                            "importance": importance.astype(np.float32)},
+                    meta={"model": model_name, "num_anchors": len(anchors), "budget": budget, "tile": tile,
                           "min_tokens": min_tokens, "objective": objective, "anchors": anchors,
+                          "target_share": None if num_anchors is not None else target_share,
+                          "reuse_scale": reuse_scale,
+                          "share": [round(float(x), 4) for x in reached],
+                          "share_wide": [round(float(x), 4) for x in reached_wide],
                           "prompts": n_batches})
 
 
+def report(art: Artifact) -> str:
+    """The calibration report: anchors and, per layer, the share of the oracle's mass its reuse set keeps."""
+    m = art.meta
+    how = (f"target share {m['target_share']}" if m.get("target_share") is not None
+           else f"{m['num_anchors']} anchors (dynamic program)")
+    lines = [f"Kascade calibration ({how}, budget {m['budget']}, tile {m['tile']}, reuse_scale "
+             f"{m.get('reuse_scale', 1.0)}): {len(m['anchors'])} anchors {m['anchors']}",
+             "layer  role    share(k)  share(reuse_scale*k)   [own top-k mass kept by the reuse set, min over tiles]"]
+    for l, (s1, s2) in enumerate(zip(m.get("share", []), m.get("share_wide", []))):
+        role = "anchor" if l in m["anchors"] else "reuse"
+        lines.append(f"{l:5d}  {role:6s}  {s1:8.3f}  {s2:8.3f}")
+    return "\n".join(lines)
+
+
 def add_arguments(p) -> None:
-    p.add_argument("--anchors", type=int, default=5, help="anchor layers, layer 0 included (default 5)")
+    p.add_argument("--target-share", type=float, default=DEFAULT_TARGET_SHARE,
+                   help="choose anchors so that every reuse layer keeps at least this share of its own exact "
+                        f"top-k mass on the development prompts (default {DEFAULT_TARGET_SHARE})")
+    p.add_argument("--anchors", type=int, default=None,
+                   help="a fixed number of anchor layers, layer 0 included, chosen by the paper's dynamic "
+                        "program instead of --target-share (the paper uses 5; on SmolLM2 that loses the passkey)")
+    p.add_argument("--reuse-scale", type=float, default=DEFAULT_REUSE_SCALE,
+                   help="anchors hand their top-(reuse_scale * k) keys to the reuse layers, which attend to "
+                        f"that many (default {DEFAULT_REUSE_SCALE}; 1 is the paper's rule)")
     p.add_argument("--budget", type=float, default=0.1, help="kept fraction of the keys in (0, 1] (default 0.1)")
     p.add_argument("--tile", type=int, default=32, help="query rows pooled per tile (default 32)")
 
@@ -205,12 +299,14 @@ def add_arguments(p) -> None:
 def run_cli(model, windows, args, progress=None) -> Artifact:
     from jsparse.api import fingerprint
 
-    if not 1 <= args.anchors <= model.cfg.num_layers:
+    if args.anchors is not None and not 1 <= args.anchors <= model.cfg.num_layers:
         raise ValueError(f"--anchors {args.anchors}: expected between 1 and the model's {model.cfg.num_layers} "
                          "layers")
-    return calibrate(model.params, model.cfg, (w[None] for w in windows), num_anchors=args.anchors,
-                     budget=args.budget, tile=args.tile, fingerprint=fingerprint(model), model_name=model.name,
-                     progress=progress)
+    art = calibrate(model.params, model.cfg, (w[None] for w in windows), num_anchors=args.anchors,
+                    target_share=args.target_share, reuse_scale=args.reuse_scale, budget=args.budget,
+                    tile=args.tile, fingerprint=fingerprint(model), model_name=model.name, progress=progress)
+    print(report(art), file=sys.stderr)
+    return art
 
 
 register_calibration("kascade", add_arguments, run_cli,

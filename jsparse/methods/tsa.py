@@ -39,8 +39,7 @@ GQA (`selection`):
      its tokens no output in that layer); see eval/results/h100/tsa_smollm2_4k_16*/NOTES.md for the numbers.
 
 What a head's dropped positions get (`fill`):
-  "zeros" (default, the paper): no output from that head in that layer; the residual stream carries the token on.
-  "local" (not in the paper): causal sliding-window attention over the full K/V, the last `local_window` keys
+  "local" (the default; not in the paper): causal sliding-window attention over the full K/V, the last `local_window` keys
      (default 64) plus the first `local_sinks` tokens (default 4), from `pallas_kernels.local_attention` (a
      Triton kernel on GPU, a Mosaic kernel on TPU up to a window of 129 and 128 sinks, blocked jnp otherwise).
      It runs for every row, O(T * (local_window + local_sinks)) work: 1.8 ms against a 106 ms compressed
@@ -48,7 +47,9 @@ What a head's dropped positions get (`fill`):
      placed early in the prompt and add 2.6-4% perplexity at tau 0.005: a dropped token's hidden state misses
      the head's contribution in every sparse layer, and the needle's digits lose the context that marks them as
      the key. The local fill keeps each token's neighbourhood, dense's passkey accuracy and perplexity within 1%
-     (eval/results/h100/tsa_fill_local_4k_16/NOTES.md has the numbers).
+     (eval/results/h100/tsa_fill_local_4k_16/NOTES.md has the numbers), so it is the default.
+  "zeros" (the paper's behaviour, `fill="zeros"`): no output from that head in that layer; the residual stream
+     carries the token on.
 
 Static shapes: the kept count is data-dependent, so the compressed sequence has a static capacity C. With
 `capacity_buckets = n`, the capacities are ceil(i * T / n) rounded up to a multiple of 128 (and T), i = 1..n;
@@ -417,8 +418,9 @@ class TSA:
       selection: "query_head" (each query head selects; default), "kv_head" (GQA group-shared) or "kv_union"
         (each query head selects, each KV head keeps its group's union; not in the paper).
       capacity_buckets: static compressed capacities per prefill length (default 8; 1 = always T).
-      fill: what a head's dropped positions get: "zeros" (the paper; default) or "local" (sliding-window attention
-        over the last `local_window` keys and the first `local_sinks` tokens; not in the paper).
+      fill: what a head's dropped positions get: "local" (default; sliding-window attention over the last
+        `local_window` keys and the first `local_sinks` tokens; not in the paper: the paper's zeros lose needles
+        on the bundled model) or "zeros" (the paper's behaviour: no output from that head).
       local_window: keys of the "local" fill's window, the query itself included (default 64).
       local_sinks: leading tokens every "local" fill row attends to as well (default 4).
       inner: the method run inside the compressed space and for decode (None: dense).
@@ -431,7 +433,7 @@ class TSA:
     sparse_layers: Optional[tuple] = struct.field(pytree_node=False, default=None)
     selection: str = struct.field(pytree_node=False, default="query_head")
     capacity_buckets: int = struct.field(pytree_node=False, default=8)
-    fill: str = struct.field(pytree_node=False, default="zeros")
+    fill: str = struct.field(pytree_node=False, default="local")
     local_window: int = struct.field(pytree_node=False, default=64)
     local_sinks: int = struct.field(pytree_node=False, default=4)
     inner: Any = None
