@@ -139,6 +139,46 @@ def test_passkey_errors(tokenizer):
         passkey.make_prompt(tokenizer, 200, 1.5, "12345", np.random.default_rng(0))
 
 
+def test_passkey_corpus_haystack(tokenizer, corpus):
+    """The "corpus" haystack: exact length, the needle at the requested depth of a seeded stretch of the corpus."""
+    ids = ppl.tokenize_corpus(tokenizer, ppl.read_corpus(corpus))
+    a = passkey.make_prompts(tokenizer, 200, 5, seed=3, corpus_ids=ids)
+    b = passkey.make_prompts(tokenizer, 200, 5, seed=3, corpus_ids=ids)
+    assert all(np.array_equal(p.tokens, q.tokens) for p, q in zip(a, b))
+    text = ",".join(map(str, ids))
+    for p in a:
+        assert p.tokens.shape == (200,)
+        needle = tokenizer(" " + passkey.NEEDLE.format(key=p.key), add_special_tokens=False)["input_ids"]
+        assert list(p.tokens[p.needle_start:p.needle_start + p.needle_len]) == needle
+        assert abs(p.achieved_depth - p.depth) <= 1.0 / p.filler_tokens
+        filler = np.concatenate([p.tokens[p.filler_start:p.needle_start],
+                                 p.tokens[p.needle_start + p.needle_len:p.filler_start + p.needle_len + p.filler_tokens]])
+        assert len(filler) == p.filler_tokens and ",".join(map(str, filler)) in text  # one stretch of the corpus
+    classic = passkey.make_prompts(tokenizer, 200, 5, seed=3)
+    assert not any(np.array_equal(p.tokens, q.tokens) for p, q in zip(a, classic))
+    with pytest.raises(ValueError, match="the corpus has 50 tokens"):
+        passkey.make_prompt(tokenizer, 200, 0.5, "12345", np.random.default_rng(0), ids[:50])
+    with pytest.raises(ValueError, match="haystack='books'"):
+        passkey.check_haystack("books")
+
+
+def test_fidelity_gate_marks_methods_below_dense():
+    def rec(method, length, hits, depth=None):
+        return harness.make_record(task="passkey", method=method, length=length, budget=0.1, metric="accuracy",
+                                   value=hits / 10, sparsity=0.0, n=10, variant="generate", depth=depth,
+                                   seconds=1.0)
+
+    recs = [rec("dense", 64, 7), rec("kascade", 64, 6), rec("oracle", 64, 7), rec("tsa", 64, 9),
+            rec("dense", 128, 5), rec("kascade", 128, 5), rec("kascade", 128, 0, depth=0.5)]
+    gate = report.below_dense(recs)
+    assert [(m, L) for m, L, _, _ in gate] == [("kascade", 64)]
+    md = report.summary_markdown(recs, {})
+    assert "0.60 (6/10) " + report.BELOW_DENSE in md and "- kascade @64: 6/10 against dense's 7/10" in md
+    assert "0.90 (9/10) |" in md and md.count(report.BELOW_DENSE) == 2  # the cell and the gate's heading
+    clean = report.summary_markdown([r for r in recs if r["method"] != "kascade"], {})
+    assert "- none: every method scores at least dense's passkey." in clean
+
+
 def test_passkey_scoring():
     assert passkey.is_correct(" 71432. Remember", "71432")
     assert passkey.is_correct("71432", "71432")

@@ -32,7 +32,8 @@ CFG = ModelConfig(architecture="llama", vocab_size=48, hidden_size=48, intermedi
 
 @struct.dataclass
 class KascadeBefore(Kascade):
-    """Kascade's anchors as they were: select_decode / select_prefill, then the attention ops."""
+    """Kascade's anchors as they were: select_decode / select_prefill, then the attention ops. With reuse_scale r,
+    an anchor hands the reuse layers select_prefill / select_decode at budget r * budget (width k_reuse)."""
 
     def prefill(self, ctx, q, k, v, state):
         T = q.shape[1]
@@ -42,7 +43,9 @@ class KascadeBefore(Kascade):
             def fn():
                 idx = select_prefill(q, k, self.tile, self.tile_budget(T), K)
                 out = dense_prefill(q, k, v) if dense else sparse_prefill(q, k, v, idx, ctx.lengths, tile=self.tile)
-                return out, idx
+                wide = select_prefill(q, k, self.tile, sel.budget_tokens(self.reuse_budget, sel.tile_starts(
+                    T, self.tile), self.min_tokens), self.k_reuse(T))
+                return out, wide
             return fn
 
         def reuse():
@@ -60,7 +63,8 @@ class KascadeBefore(Kascade):
             def fn():
                 idx = select_decode(q, cache.k, pos, self.budget, self.min_tokens, self.k_static(N), self.tile)
                 out = attend_dense(q, cache, ctx.lengths) if dense else attend_selected(q, cache, idx, ctx.lengths)
-                return out, idx
+                wide = select_decode(q, cache.k, pos, self.reuse_budget, self.min_tokens, self.k_reuse(N), self.tile)
+                return out, wide
             return fn
 
         def reuse():
@@ -136,7 +140,9 @@ def test_prefill_layers_equal_select_prefill():
         _close(out_n[1, :53], out_o[1, :53], f"layer {layer} row 1")
 
 
-def test_whole_model_prefill_then_decode_equals_before():
+@pytest.mark.parametrize("reuse_scale", [1.0, 2.0])
+def test_whole_model_prefill_then_decode_equals_before(reuse_scale):
+    """Also with reuse_scale 2: the anchors attend their own top-k and hand top-(2k) to the reuse layers."""
     from models import llama
     from models.cache import init_cache
     from models.params import random_params
@@ -147,7 +153,9 @@ def test_whole_model_prefill_then_decode_equals_before():
     lengths = jnp.array([T, 37], jnp.int32)
     step_tok = jax.random.randint(jax.random.key(2), (B, 1), 0, CFG.vocab_size)
     res = []
-    for m in _methods(budget=0.2, min_tokens=8, tile=16):
+    methods = _methods(budget=0.2, min_tokens=8, tile=16, reuse_scale=reuse_scale)
+    assert methods[0].k_reuse(N) == sel.budget_tokens(min(0.2 * reuse_scale, 1.0), N, 8)
+    for m in methods:
         logits, cache, state = jax.jit(lambda p, t, l: llama.prefill(
             p, CFG, m, t, l, init_cache(CFG, B, N, jnp.float32), None, all_logits=True))(params, toks, lengths)
         one = jax.jit(lambda p, t, c: llama.decode(p, CFG, m, t, c, None)[0])(params, step_tok, cache)

@@ -39,3 +39,57 @@ def test_head_map_picks_best_anchor_head():
     np.testing.assert_array_equal(hm[0], [0, 1, 2])
     np.testing.assert_array_equal(hm[1], [1, 0, 2])
     np.testing.assert_array_equal(hm[2], [0, 1, 2])
+
+
+def test_share_anchors_keep_every_reuse_layer_above_target():
+    from jsparse.methods.kascade_calibration import anchors_for_share, per_layer_share, share_matrix
+
+    rng = np.random.default_rng(0)
+    L = 12
+    S = rng.uniform(0.3, 0.9, size=(L, L))
+    np.fill_diagonal(S, rng.uniform(0.8, 1.0, size=L))
+    share = share_matrix(S)
+    np.testing.assert_allclose(np.diag(share), 1.0)
+    for target in (0.5, 0.8, 0.95, 1.0):
+        anchors = anchors_for_share(share, target)
+        reached = per_layer_share(share, anchors)
+        assert anchors[0] == 0 and anchors == sorted(set(anchors))
+        assert np.all(reached >= target) and np.all(reached[anchors] == 1.0)
+        # scanning in order, a layer is an anchor exactly when the previous anchor falls short
+        for l in range(1, L):
+            owner = max(a for a in anchors if a < l)
+            assert (l in anchors) == (share[owner, l] < target)
+    assert anchors_for_share(share, 1e-9) == [0]
+    with pytest.raises(ValueError, match="target_share=0"):
+        anchors_for_share(share, 0.0)
+    # a wider reuse set recovers more: its share is measured against the same own top-k mass
+    wide = np.minimum(S * 1.2, 1.0)
+    assert np.all(share_matrix(S, wide) >= share)
+
+
+def test_calibrate_by_share_on_a_tiny_model():
+    """End to end on a tiny random model: anchors, head map and the per-layer shares in the artifact's meta."""
+    import jax
+    import jax.numpy as jnp
+
+    from jsparse.methods.kascade_calibration import calibrate, report
+    from models.config import ModelConfig
+    from models.params import random_params
+
+    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=5,
+                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512)
+    params = random_params(cfg, jax.random.key(0), jnp.float32, scale=0.5)
+    prompts = [np.asarray(jax.random.randint(jax.random.key(i), (1, 256), 0, 64)) for i in range(2)]
+    kw = dict(budget=0.1, tile=16, min_tokens=8)
+    art = calibrate(params, cfg, prompts, target_share=0.97, reuse_scale=2.0, **kw)
+    m = art.meta
+    assert m["target_share"] == 0.97 and m["reuse_scale"] == 2.0 and m["anchors"][0] == 0
+    assert len(m["share"]) == len(m["share_wide"]) == 5
+    for l in range(5):
+        assert (m["share"][l] == 1.0) if l in m["anchors"] else (0.97 <= m["share"][l] <= m["share_wide"][l] + 1e-9)
+    assert art.arrays["head_map"].shape == (5, 2) and art.arrays["similarity_wide"].shape == (5, 5, 2, 2)
+    assert "anchors" in report(art) and f"{len(m['anchors'])} anchors" in report(art)
+    fixed = calibrate(params, cfg, prompts, num_anchors=2, **kw)
+    assert len(fixed.meta["anchors"]) == 2 and fixed.meta["target_share"] is None
+    with pytest.raises(ValueError, match="reuse_scale=0.5"):
+        calibrate(params, cfg, prompts, reuse_scale=0.5, **kw)

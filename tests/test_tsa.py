@@ -100,6 +100,7 @@ def test_other_argument_errors():
         TSA(fill="local", local_window=0)
     with pytest.raises(ValueError, match="local_sinks=-1"):
         TSA(fill="local", local_sinks=-1)
+    assert TSA().fill == "local"  # the default keeps dense's passkey; the paper's behaviour is fill="zeros"
     m = TSA(fill="local", local_window=np.int64(8), local_sinks=np.int32(2))
     assert (type(m.local_window), type(m.local_sinks)) == (int, int)
     q, k, v = _qkv(0, T=64)

@@ -203,7 +203,7 @@ def head_map_for(sim: np.ndarray, anchors: Sequence[int]) -> np.ndarray:
     return hm
 
 
-DEFAULT_TARGET_SHARE = 0.9
+DEFAULT_TARGET_SHARE = 0.95
 DEFAULT_REUSE_SCALE = 2.0
 
 
