@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsparse.artifacts import model_fingerprint
+from jsparse.artifacts import fingerprint
 from jsparse.methods import make_method
 from models.bundled import LoadedModel, load_model
 from models.generate import Sampling, check_request, generate_tokens, round_up
@@ -33,15 +33,6 @@ def load(spec: str = "smollm2", dtype: str | None = None) -> LoadedModel:
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {sorted(_DTYPES)}")
     return load_model(spec, dtype=_DTYPES[dtype])
-
-
-def fingerprint(model: LoadedModel) -> str:
-    """The model's fingerprint (cached on the LoadedModel), used to key calibration artifacts."""
-    fp = getattr(model, "_fingerprint", None)
-    if fp is None:
-        fp = model_fingerprint(model.cfg, model.params)
-        object.__setattr__(model, "_fingerprint", fp)
-    return fp
 
 
 def build_method(name: str, model: LoadedModel | None = None, **options: Any):
