@@ -25,10 +25,23 @@ def cmd_generate(args) -> int:
         options["budget"] = args.budget
     if args.artifact:
         options["artifact"] = args.artifact
+    draft = None
+    if args.draft:
+        draft = jsparse.load(args.draft, args.dtype)
+        options["draft"] = draft
+    elif args.gamma is not None:
+        raise ValueError("--gamma needs --draft (speculative decoding)")
+    if args.method != "sts":
+        options.pop("draft", None)
     method = jsparse.build_method(args.method, model, **options)
+    stats = {}
     texts = jsparse.generate(model, [args.prompt], method=method, max_new_tokens=args.max_new_tokens,
-                             chat=args.chat, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+                             chat=args.chat, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                             draft=draft, gamma=4 if args.gamma is None else args.gamma, stats=stats)
     print(texts[0])
+    if draft is not None:
+        print(f"[speculative decoding: {stats['rounds']} rounds, acceptance rate {stats['acceptance_rate']:.2f}]",
+              file=sys.stderr)
     return 0
 
 
@@ -84,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--budget", type=float, default=None, help="token budget of a sparse method, as a fraction of "
                    "the context in (0, 1] (method default when omitted)")
     g.add_argument("--artifact", default=None, help="calibration artifact folder of a method that needs one")
+    g.add_argument("--draft", default=None,
+                   help="speculative decoding with this draft model (any --model spec with the target's "
+                        "vocabulary; SPEC:layers=0-9 keeps those layers of a model, e.g. smollm2:layers=0-9)")
+    g.add_argument("--gamma", type=int, default=None, help="draft tokens proposed per round (default 4; needs "
+                   "--draft)")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
     g.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling (default 0)")
