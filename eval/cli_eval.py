@@ -25,6 +25,7 @@ Fixed token budgets (k = min(N, p + 1) keys per query) instead of the fraction r
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 
@@ -85,7 +86,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help="tokens per decode call in the ppl decode variant (bounds memory; default 512)")
     p.add_argument("--max-batch-tokens", type=int, default=8192,
                    help="tokens per forward: samples are batched max(1, this // length) at a time (default 8192)")
-    p.add_argument("--out", required=True, help="output folder for results.json and summary.md")
+    p.add_argument("--out", required=True,
+                   help="output folder for results.json and summary.md (created; an existing folder's files of "
+                        "these names are replaced; an existing file is an error)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run_eval)
     return p
@@ -115,11 +118,24 @@ def spec_from_args(args) -> harness.EvalSpec:
     return spec
 
 
+def check_out(out: str) -> None:
+    """Makes the --out folder, before any work; raises ValueError when `out` is an existing file or cannot be made
+    (a parent that is a file, no permission)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out!r} is an existing file: expected a folder (new or existing) for results.json "
+                         "and summary.md")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {out!r}: cannot make the folder ({e.strerror or e})") from None
+
+
 def run_eval(args) -> int:
     """The `jsparse eval` command: validate, load the model, evaluate, write the files; returns 0."""
     import jsparse
 
     spec = spec_from_args(args)
+    check_out(args.out)
     model = jsparse.load(args.model, args.dtype)
     command = getattr(args, "command_line", None) or shlex.join(["jsparse", *sys.argv[1:]])
     meta = report.run_metadata(
