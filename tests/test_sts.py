@@ -1,0 +1,115 @@
+"""STS: tile-wise top-k, the head-map calibration, STS-D/STS-P inside speculative decoding, multi-turn sessions."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jsparse import selection as sel
+from jsparse.api import generate_ids
+from jsparse.artifacts import ArtifactError, save_artifact
+from jsparse.methods import make_method
+from jsparse.methods.sts import STS, tile_head_topk
+from jsparse.methods.sts_calibration import calibrate, load_head_map
+from models.bundled import LoadedModel
+from models.config import ModelConfig
+from models.params import random_params
+
+CFG = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3,
+                  num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512, eos_token_ids=(3,))
+DRAFT_CFG = dataclasses.replace(CFG, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = LoadedModel(cfg=CFG, params=random_params(CFG, jax.random.key(0), jnp.float32, scale=0.3),
+                         tokenizer=None, name="target")
+    draft = LoadedModel(cfg=DRAFT_CFG, params=random_params(DRAFT_CFG, jax.random.key(1), jnp.float32, scale=0.3),
+                        tokenizer=None, name="draft")
+    return target, draft
+
+
+def test_tile_head_topk_matches_full_scores():
+    B, T, Hq, Hkv, D, tile, W = 2, 37, 4, 2, 8, 8, 6
+    q = jax.random.normal(jax.random.key(0), (B, T, Hq, D))
+    k = jax.random.normal(jax.random.key(1), (B, T, Hkv, D))
+    val, idx = tile_head_topk(q, k, tile, W)
+    # The full [T, T] computation per query head: repeat K over the group, pool over tiles, keys before the tile.
+    k_rep = jnp.repeat(k, Hq // Hkv, axis=2)
+    probs = sel.before_tile_scores(sel.prefill_tile_probs(q, k_rep, tile), tile)  # [B, Hq, nT, T]
+    ref_val, ref_idx = jax.lax.top_k(probs, W)
+    ref_idx = np.where(np.isfinite(np.asarray(ref_val)), np.asarray(ref_idx), -1)
+    np.testing.assert_array_equal(np.asarray(idx), ref_idx)
+    assert np.all(np.asarray(idx)[:, :, 0] == -1)  # the first tile has no keys before it
+
+
+def _windows(n=2, T=96, seed=0):
+    return [np.asarray(jax.random.randint(jax.random.key(seed + i), (1, T), 4, CFG.vocab_size)) for i in range(n)]
+
+
+def test_calibration_with_draft_equal_to_target_is_identity(pair):
+    target, _ = pair
+    art = calibrate(target.params, CFG, target.params, CFG, _windows(), ks=(8, 24), tile=16)
+    maps = art.arrays["head_maps"]
+    assert maps.shape == (2, CFG.num_layers, CFG.num_heads, 2)
+    L, H = np.meshgrid(np.arange(CFG.num_layers), np.arange(CFG.num_heads), indexing="ij")
+    for m in maps:
+        np.testing.assert_array_equal(m[..., 0], L)
+        np.testing.assert_array_equal(m[..., 1], H)
+
+
+def test_artifact_keyed_to_both_models(pair, tmp_path):
+    target, draft = pair
+    art = calibrate(target.params, CFG, draft.params, DRAFT_CFG, _windows(1), ks=(8,), tile=16,
+                    fingerprint="t" * 16, draft_fingerprint="d" * 16)
+    assert art.arrays["head_maps"].shape == (1, CFG.num_layers, CFG.num_heads, 2)
+    assert art.arrays["head_maps"][..., 0].max() < DRAFT_CFG.num_layers
+    save_artifact(str(tmp_path), art)
+    assert load_head_map(str(tmp_path), "t" * 16, "d" * 16, 8).shape == (CFG.num_layers, CFG.num_heads, 2)
+    with pytest.raises(ArtifactError, match="model fingerprint 'tttttttttttttttt'"):
+        load_head_map(str(tmp_path), "x" * 16, "d" * 16, 8)
+    with pytest.raises(ArtifactError, match="draft fingerprint 'dddddddddddddddd'"):
+        load_head_map(str(tmp_path), "t" * 16, "y" * 16, 8)
+    with pytest.raises(ValueError, match="too short"):
+        calibrate(target.params, CFG, draft.params, DRAFT_CFG, _windows(1, T=30), ks=(24,), tile=16)
+
+
+def _head_map(cfg, dcfg):
+    return np.stack(np.meshgrid(np.arange(cfg.num_layers) % dcfg.num_layers,
+                                np.arange(cfg.num_heads) % dcfg.num_heads, indexing="ij"), axis=-1)
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_full_budget_sts_equals_target_only_dense_greedy(pair, gamma):
+    target, draft = pair
+    sts = make_method("sts", cfg=CFG, draft=draft, head_map=_head_map(CFG, DRAFT_CFG), budget=1.0, tile=16)
+    ids = [list(range(5, 45)), list(range(60, 83))]
+    ref = generate_ids(target, ids, max_new_tokens=12)
+    assert generate_ids(target, ids, method=sts, max_new_tokens=12, draft=draft, gamma=gamma) == ref
+
+
+def test_sparse_budget_runs_and_errors(pair):
+    target, draft = pair
+    hm = _head_map(CFG, DRAFT_CFG)
+    ids = [list(range(5, 85))]
+    sts = make_method("sts", cfg=CFG, draft=draft, head_map=hm, budget=16, min_tokens=0, tile=16)
+    stats = {}
+    out = generate_ids(target, ids, method=sts, max_new_tokens=8, draft=draft, gamma=2, stats=stats)
+    assert len(out[0]) >= 1 and all(0 <= t < CFG.vocab_size for t in out[0])
+    assert 0.0 <= stats["acceptance_rate"] <= 1.0
+    too_big = make_method("sts", cfg=CFG, draft=draft, head_map=hm, budget=4096)
+    with pytest.raises(ValueError, match="budget=4096 tokens is larger than the context"):
+        generate_ids(target, ids, method=too_big, max_new_tokens=8, draft=draft, gamma=2)
+    with pytest.raises(ValueError, match="pass draft="):
+        generate_ids(target, ids, method=sts, max_new_tokens=8)
+    with pytest.raises(ValueError, match="head map has shape"):
+        make_method("sts", cfg=CFG, draft=draft, head_map=hm[:2])
+    with pytest.raises(ValueError, match="heads in \\[0, 2\\)"):
+        make_method("sts", cfg=CFG, draft=draft, head_map=hm + 1)
+    with pytest.raises(ValueError, match="needs a head map"):
+        make_method("sts", cfg=CFG, draft=draft)
+    with pytest.raises(ValueError, match="budget=1.5"):
+        make_method("sts", cfg=CFG, draft=draft, head_map=hm, budget=1.5)
+    assert isinstance(sts, STS)
