@@ -12,16 +12,15 @@ draft). With `method="sts"` the draft's attention also chooses the keys the targ
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import dataclasses
-import re
-
-from jsparse.artifacts import model_fingerprint
+from jsparse.artifacts import fingerprint
 from jsparse.methods import make_method
 from models.bundled import LoadedModel, load_model
 from models.generate import Sampling, check_request, generate_tokens, round_up
@@ -79,15 +78,6 @@ def keep_layers(model: LoadedModel, layers: Sequence[int]) -> LoadedModel:
     text = ",".join(str(x) for x in layers) if len(layers) < 4 or layers != list(range(layers[0], layers[-1] + 1)) \
         else f"{layers[0]}-{layers[-1]}"
     return LoadedModel(cfg=cfg, params=params, tokenizer=model.tokenizer, name=f"{model.name}:layers={text}")
-
-
-def fingerprint(model: LoadedModel) -> str:
-    """The model's fingerprint (cached on the LoadedModel), used to key calibration artifacts."""
-    fp = getattr(model, "_fingerprint", None)
-    if fp is None:
-        fp = model_fingerprint(model.cfg, model.params)
-        object.__setattr__(model, "_fingerprint", fp)
-    return fp
 
 
 def build_method(name: str, model: LoadedModel | None = None, **options: Any):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jsparse.xla_flags import set_xla_flags
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2",
@@ -148,26 +150,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_attention_parser(bsub)
     return parser
-
-
-# On GPUs, XLA's own Triton GEMM fusions decode 1.6x slower than cuBLAS, and only dynamic-slice fusion lets
-# cuBLAS read a layer's weights straight out of the stacked params inside the layer scan (measured on the H100:
-# Llama-3.1-8B decode at 32K, batch 1, 17.1 -> 9.5 ms/step; eval/results/h100/bench_decode_step.json). XLA reads
-# XLA_FLAGS when its backend starts, so the command sets them first; library users set them the same way.
-# XLA's dot merger would concatenate each layer's q/k/v weight slices into a new array at every layer of every
-# step (1.0 ms of a 100K batch-4 decode step; off: dense 26.5 -> 25.7 ms, EvoSparse 12.2 -> 11.2 ms,
-# eval/results/h100/profile/ and bench_evosparse_flags.json), so it is off.
-GPU_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false", "--xla_gpu_enable_dynamic_slice_fusion=true",
-                 "--xla_gpu_dot_merger_threshold_mb=0")
-
-
-def set_xla_flags() -> None:
-    import os
-
-    flags = os.environ.get("XLA_FLAGS", "")
-    extra = [f for f in GPU_XLA_FLAGS if f.split("=")[0] not in flags]
-    if extra:
-        os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
 
 
 def main(argv: list[str] | None = None) -> int:
