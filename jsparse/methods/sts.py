@@ -31,6 +31,7 @@ import numpy as np
 from flax import struct
 
 from jsparse import selection as sel
+from jsparse.artifacts import ArtifactError, load_artifact
 from jsparse.methods.base import register
 from jsparse.methods.common import attend_dense, attend_selected, check_tile
 from pallas_kernels.dense import dense_prefill
@@ -236,9 +237,7 @@ class STS(_Budget):
             if not artifact:
                 raise ValueError("method 'sts' needs a head map: --artifact DIR from `jsparse calibrate sts --model T "
                                  "--draft D --out DIR`")
-            from jsparse.api import fingerprint as model_fp
-            from jsparse.methods.sts_calibration import load_head_map
-
+            from jsparse.artifacts import fingerprint as model_fp
             head_map = load_head_map(artifact, fingerprint, model_fp(draft), budget)
         head_map = np.asarray(head_map, np.int32)
         check_head_map(head_map, cfg, draft.cfg)
@@ -324,3 +323,17 @@ def check_head_map(head_map: np.ndarray, cfg, draft_cfg) -> None:
         raise ValueError(f"STS head map names draft layers {head_map[..., 0].min()}..{head_map[..., 0].max()} and heads "
                          f"{head_map[..., 1].min()}..{head_map[..., 1].max()}: expected layers in [0, "
                          f"{draft_cfg.num_layers}) and heads in [0, {draft_cfg.num_heads}) of the draft")
+
+
+def load_head_map(path: str, fingerprint: str | None, draft_fingerprint: str, budget: float) -> np.ndarray:
+    """The head map i32[L_t, Hq_t, 2] of an STS artifact made for this target and draft: the one calibrated at
+    the k nearest (in ratio) to the budget (a token count; a fraction is taken of the calibration length)."""
+    art = load_artifact(path, "sts", fingerprint)
+    got = art.meta.get("draft_fingerprint")
+    if got != draft_fingerprint:
+        raise ArtifactError(f"STS artifact at {path!r} was calibrated with draft fingerprint {got!r} "
+                            f"({art.meta.get('draft', '?')}), but the draft's fingerprint is {draft_fingerprint!r}")
+    ks = np.asarray(art.arrays["ks"])
+    tokens = budget if budget > 1 else budget * float(art.meta.get("length", ks[-1]))
+    best = int(np.argmin(np.abs(np.log(ks / max(tokens, 1.0)))))
+    return np.asarray(art.arrays["head_maps"][best], np.int32)

@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jsparse.artifacts import Artifact, ArtifactError, load_artifact
+from jsparse.artifacts import Artifact
 from jsparse.methods.base import register_calibration
 from jsparse.methods.common import check_tile
-from jsparse.methods.sts import tile_head_topk
+from jsparse.methods.sts import load_head_map, tile_head_topk  # noqa: F401  (load_head_map re-exported)
 from models import llama
 from models.cache import init_cache
 from pallas_kernels.dense import dense_prefill
@@ -128,20 +128,6 @@ def calibrate(t_params, t_cfg, d_params, d_cfg, prompts: Iterable[np.ndarray], *
                           "ks": list(ks), "tile": tile, "prompts": n})
 
 
-def load_head_map(path: str, fingerprint: str | None, draft_fingerprint: str, budget: float) -> np.ndarray:
-    """The head map i32[L_t, Hq_t, 2] of an STS artifact made for this target and draft: the one calibrated at
-    the k nearest (in ratio) to the budget (a token count; a fraction is taken of the calibration length)."""
-    art = load_artifact(path, "sts", fingerprint)
-    got = art.meta.get("draft_fingerprint")
-    if got != draft_fingerprint:
-        raise ArtifactError(f"STS artifact at {path!r} was calibrated with draft fingerprint {got!r} "
-                            f"({art.meta.get('draft', '?')}), but the draft's fingerprint is {draft_fingerprint!r}")
-    ks = np.asarray(art.arrays["ks"])
-    tokens = budget if budget > 1 else budget * float(art.meta.get("length", ks[-1]))
-    best = int(np.argmin(np.abs(np.log(ks / max(tokens, 1.0)))))
-    return np.asarray(art.arrays["head_maps"][best], np.int32)
-
-
 def add_arguments(p) -> None:
     p.add_argument("--draft", required=True, help="the draft model (any --model spec with the target's vocabulary, "
                    "e.g. smollm2:layers=0-9)")
@@ -151,15 +137,16 @@ def add_arguments(p) -> None:
 
 
 def run_cli(model, windows, args, progress=None) -> Artifact:
-    import jsparse
+    from jsparse.artifacts import fingerprint
+    from models.bundled import load_model
 
     try:
         ks = [int(x) for x in str(args.k).split(",")]
     except ValueError:
         raise ValueError(f"--k {args.k!r}: expected comma-separated token counts like 64,256") from None
-    draft = jsparse.load(args.draft, args.dtype)
+    draft = load_model(args.draft, dtype=model.params.embed.dtype)  # the target's dtype
     return calibrate(model.params, model.cfg, draft.params, draft.cfg, (w[None] for w in windows), ks=ks,
-                     tile=args.tile, fingerprint=jsparse.fingerprint(model), draft_fingerprint=jsparse.fingerprint(draft),
+                     tile=args.tile, fingerprint=fingerprint(model), draft_fingerprint=fingerprint(draft),
                      model_name=model.name, draft_name=draft.name, progress=progress)
 
 
