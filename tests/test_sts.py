@@ -113,3 +113,25 @@ def test_sparse_budget_runs_and_errors(pair):
     with pytest.raises(ValueError, match="budget=1.5"):
         make_method("sts", cfg=CFG, draft=draft, head_map=hm, budget=1.5)
     assert isinstance(sts, STS)
+
+
+def test_three_turn_session_equals_dense(pair):
+    """Full budget: every reply equals target-only dense greedy decoding of the whole conversation so far; the
+    second message is short (gathered verification path), the third long (more than 32 new tokens)."""
+    from jsparse.session import Session
+
+    target, draft = pair
+    target = dataclasses.replace(target, cfg=dataclasses.replace(CFG, eos_token_ids=()))  # full-length replies
+    method = make_method("sts", cfg=CFG, draft=draft, head_map=_head_map(CFG, DRAFT_CFG), budget=1.0, tile=16)
+    session = Session(target, draft, method=method, gamma=3, capacity=256)
+    history = []
+    for msg in (list(range(10, 50)), list(range(60, 70)), list(range(70, 105))):
+        reply = session.send_ids(msg, max_new_tokens=10)
+        assert len(reply) == 10
+        ref = generate_ids(target, [history + msg], max_new_tokens=10)[0]
+        assert reply == ref
+        history += msg + reply
+    assert session.tokens == history
+    assert 0.0 <= session.acceptance_rate <= 1.0
+    with pytest.raises(ValueError, match="more than the session's capacity of 256"):
+        session.send_ids(list(range(200)), max_new_tokens=10)
