@@ -135,3 +135,52 @@ def test_three_turn_session_equals_dense(pair):
     assert 0.0 <= session.acceptance_rate <= 1.0
     with pytest.raises(ValueError, match="more than the session's capacity of 256"):
         session.send_ids(list(range(200)), max_new_tokens=10)
+
+
+def test_sts_decode_selects_the_mapped_draft_heads_top_k():
+    """STS-D on one layer: the draft's recorded rows (its T newest queries, pooled) -> per query head top-W ->
+    head map -> summed over the GQA group -> top-K of the keys before the block, plus the block itself; the
+    output equals masked attention over exactly those keys (numpy reference of the selection)."""
+    from jsparse.methods.sts import StsDraft, empty_record
+    from models.attention import LayerContext, LayerKV
+    from pallas_kernels.sparse_attention.reference import masked_attention_reference
+
+    B, Hq, Hkv, D, N, T, K = 2, 4, 2, 8, 48, 3, 6
+    lengths = jnp.array([40, 29])
+    q_d, q_t = (jax.random.normal(jax.random.key(i), (B, T, Hq, D)) for i in (0, 1))
+    k, v = (jax.random.normal(jax.random.key(i), (B, Hkv, N, D)) for i in (2, 3))
+    draft = StsDraft(budget=K, min_tokens=0, tile=16, slack=T)
+    W = draft.decode_width(N)
+    ctx = LayerContext(layer=jnp.int32(0), lengths=lengths)
+    _, record = draft.decode(ctx, q_d, LayerKV(k=k, v=v), empty_record(1, B, Hq, 1, W))
+    hm = np.array([[[0, 3], [0, 1], [0, 0], [0, 2]]], np.int32)  # target head h reads draft head hm[0, h, 1]
+    sts = STS(head_map=jnp.asarray(hm), budget=K, min_tokens=0, tile=16, slack=T, draft_layers=1, draft_heads=Hq)
+    out, _ = sts.decode(LayerContext(layer=jnp.int32(0), lengths=lengths, info=jnp.asarray(hm[0])), q_t,
+                        LayerKV(k=k, v=v), record)
+    # numpy reference
+    qd, kk = np.asarray(q_d, np.float64), np.asarray(k, np.float64)
+    mask = np.zeros((B, Hkv, T, N), bool)
+    for b in range(B):
+        L = int(lengths[b])
+        n = L - T
+        rows = {}
+        for h in range(Hq):
+            pooled = np.zeros(N)
+            for t in range(T):
+                logit = kk[b, h // 2, :n + t + 1] @ qd[b, t, h] / np.sqrt(D)
+                p = np.exp(logit - logit.max())
+                pooled[:n + t + 1] += p / p.sum()
+            top = np.argsort(-pooled[:L], kind="stable")[:W]
+            rows[h] = {int(i): pooled[i] for i in top}
+        for g in range(Hkv):
+            score = {}
+            for h in (2 * g, 2 * g + 1):
+                for i, s in rows[hm[0, h, 1]].items():
+                    if i < n:
+                        score[i] = score.get(i, 0.0) + s
+            chosen = sorted(score, key=lambda i: -score[i])[:K]
+            for t in range(T):
+                mask[b, g, t, chosen] = True
+                mask[b, g, t, n: n + t + 1] = True
+    ref = masked_attention_reference(q_t, k, v, jnp.asarray(mask))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)
