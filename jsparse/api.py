@@ -12,8 +12,6 @@ draft). With `method="sts"` the draft's attention also chooses the keys the targ
 
 from __future__ import annotations
 
-import dataclasses
-import re
 from typing import Any, Sequence
 
 import jax
@@ -22,7 +20,7 @@ import numpy as np
 
 from jsparse.artifacts import fingerprint
 from jsparse.methods import make_method
-from models.bundled import LoadedModel, load_model
+from models.bundled import LoadedModel, keep_layers, load_model, parse_layers  # noqa: F401  (re-exported)
 from models.generate import Sampling, check_request, generate_tokens, round_up
 from models.speculative import check_gamma, check_pair, speculative_generate
 
@@ -43,41 +41,7 @@ def load(spec: str = "smollm2", dtype: str | None = None) -> LoadedModel:
     dtype = dtype or default_dtype()
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {sorted(_DTYPES)}")
-    spec = str(spec)
-    m = re.fullmatch(r"(.+):layers=([0-9,\- ]+)", spec)
-    if m is None:
-        return load_model(spec, dtype=_DTYPES[dtype])
-    model = load_model(m.group(1), dtype=_DTYPES[dtype])
-    return keep_layers(model, parse_layers(m.group(2), model.cfg.num_layers))
-
-
-def parse_layers(text: str, num_layers: int) -> list[int]:
-    """'0-9,12' -> [0, ..., 9, 12]; every layer must lie in [0, num_layers) and appear once, ascending."""
-    layers: list[int] = []
-    for part in text.replace(" ", "").split(","):
-        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
-        if m is None:
-            raise ValueError(f"layers={text!r}: expected comma-separated layers or ranges like 0-9,12")
-        a, b = int(m.group(1)), int(m.group(2) or m.group(1))
-        if b < a:
-            raise ValueError(f"layers={text!r}: range {part} runs backwards")
-        layers.extend(range(a, b + 1))
-    if any(not 0 <= x < num_layers for x in layers):
-        raise ValueError(f"layers={text!r}: expected layers between 0 and {num_layers - 1} (the model has "
-                         f"{num_layers} layers)")
-    if layers != sorted(set(layers)):
-        raise ValueError(f"layers={text!r}: expected each layer once, in ascending order")
-    return layers
-
-
-def keep_layers(model: LoadedModel, layers: Sequence[int]) -> LoadedModel:
-    """A copy of `model` with only `layers` (embedding, final norm and head kept): a layer-skipped draft."""
-    idx = jnp.asarray(layers, jnp.int32)
-    params = model.params.replace(layers=jax.tree_util.tree_map(lambda x: x[idx], model.params.layers))
-    cfg = dataclasses.replace(model.cfg, num_layers=len(layers))
-    text = ",".join(str(x) for x in layers) if len(layers) < 4 or layers != list(range(layers[0], layers[-1] + 1)) \
-        else f"{layers[0]}-{layers[-1]}"
-    return LoadedModel(cfg=cfg, params=params, tokenizer=model.tokenizer, name=f"{model.name}:layers={text}")
+    return load_model(spec, dtype=_DTYPES[dtype])
 
 
 def build_method(name: str, model: LoadedModel | None = None, **options: Any):

@@ -19,12 +19,14 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -236,10 +238,17 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 def load_model(spec: str | os.PathLike, dtype=jnp.float32) -> LoadedModel:
     """Loads "smollm2", a Hugging Face folder or a .gguf file (see `resolve_model`).
 
+    `SPEC:layers=0-9` (ranges and single layers, comma-separated, e.g. `layers=0-5,29`) keeps only those layers
+    of the loaded model, in order: a layer-skipped copy that serves as a cheap speculative draft.
+
     Args:
       spec: the model to load.
       dtype: dtype of the params (jnp.float32 or jnp.bfloat16).
     """
+    m = re.fullmatch(r"(.+):layers=([0-9,\- ]+)", os.fspath(spec))
+    if m is not None:
+        model = load_model(m.group(1), dtype)
+        return keep_layers(model, parse_layers(m.group(2), model.cfg.num_layers))
     resolved = resolve_model(spec)
     if resolved.kind == "gguf":
         cfg, params, _ = load_gguf_cached(resolved.path, dtype)
@@ -252,3 +261,32 @@ def load_model(spec: str | os.PathLike, dtype=jnp.float32) -> LoadedModel:
 
             tokenizer = transformers_module().AutoTokenizer.from_pretrained(str(resolved.path))
     return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, name=resolved.name)
+
+
+def parse_layers(text: str, num_layers: int) -> list[int]:
+    """'0-9,12' -> [0, ..., 9, 12]; every layer must lie in [0, num_layers) and appear once, ascending."""
+    layers: list[int] = []
+    for part in text.replace(" ", "").split(","):
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if m is None:
+            raise ValueError(f"layers={text!r}: expected comma-separated layers or ranges like 0-9,12")
+        a, b = int(m.group(1)), int(m.group(2) or m.group(1))
+        if b < a:
+            raise ValueError(f"layers={text!r}: range {part} runs backwards")
+        layers.extend(range(a, b + 1))
+    if any(not 0 <= x < num_layers for x in layers):
+        raise ValueError(f"layers={text!r}: expected layers between 0 and {num_layers - 1} (the model has "
+                         f"{num_layers} layers)")
+    if layers != sorted(set(layers)):
+        raise ValueError(f"layers={text!r}: expected each layer once, in ascending order")
+    return layers
+
+
+def keep_layers(model: LoadedModel, layers: Sequence[int]) -> LoadedModel:
+    """A copy of `model` with only `layers` (embedding, final norm and head kept): a layer-skipped draft."""
+    idx = np.asarray(layers, np.int32)
+    params = model.params.replace(layers=jax.tree_util.tree_map(lambda x: x[idx], model.params.layers))
+    cfg = dataclasses.replace(model.cfg, num_layers=len(layers))
+    text = ",".join(str(x) for x in layers) if len(layers) < 4 or layers != list(range(layers[0], layers[-1] + 1)) \
+        else f"{layers[0]}-{layers[-1]}"
+    return LoadedModel(cfg=cfg, params=params, tokenizer=model.tokenizer, name=f"{model.name}:layers={text}")

@@ -157,13 +157,15 @@ def spec_append(t_params: Params, d_params: Params, t_method, d_method, s: SpecS
 
 def spec_round(t_params: Params, d_params: Params, t_method, d_method, s: SpecState, key: Array, limit: Array, *,
                t_cfg: ModelConfig, d_cfg: ModelConfig, gamma: int, sampling: Sampling = Sampling(),
-               eos_ids: tuple[int, ...] = ()):
+               eos_ids: tuple[int, ...] = (), forced_accept: Array | None = None):
     """One speculative round (see the module docstring).
 
     Args:
       s: the state before the round; key: PRNG key (unused when greedy).
       limit: i32[B] most tokens each row may emit this round (0 for a finished row: it emits nothing and its
         state stays as it was).
+      forced_accept: i32[B] or None. For benchmarks only (random weights have no meaningful acceptance): the
+        number of draft tokens accepted (0 .. gamma) instead of the acceptance test's; the work done is the same.
     Returns:
       (s, emitted: i32[B, gamma + 1] the row's new tokens then -1, count: i32[B] tokens emitted,
        accepted: i32[B] draft tokens the target accepted, 0 .. gamma).
@@ -224,6 +226,10 @@ def spec_round(t_params: Params, d_params: Params, t_method, d_method, s: SpecSt
         total = jnp.sum(resid, axis=-1, keepdims=True)
         resid = jnp.where(total > 0, resid / jnp.where(total > 0, total, 1.0), p_a)  # p == q: nothing to fix
         new = _draw(keys[gamma + 1], resid)
+
+    if forced_accept is not None:
+        a = jnp.clip(forced_accept, 0, gamma).astype(a.dtype)
+        new = jnp.argmax(logits[rows, a], axis=-1).astype(jnp.int32)
 
     # 4. What each row emits, and the rollback by lengths.
     j = jnp.arange(gamma + 1)[None]

@@ -20,7 +20,7 @@ def test_generate_rejects_bad_budget(capsys):
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["eval", "--help"], ["calibrate", "--help"],
-                                  ["calibrate", "kascade", "--help"], ["train-predictor", "--help"],
+                                  ["calibrate", "kascade", "--help"], ["calibrate", "sts", "--help"], ["train-predictor", "--help"],
                                   ["bench", "attention", "--help"], ["bench", "model", "--help"]])
 def test_every_command_has_help(argv, capsys):
     with pytest.raises(SystemExit) as e:

@@ -172,3 +172,16 @@ def test_speculative_generate_is_one_computation(models):
                                          t_cfg=CFG, d_cfg=DRAFT_CFG, gamma=2, max_new_tokens=6, capacity=32)
     assert "stablehlo.while" in lowered.as_text()
     assert isinstance(SpecState, type)
+
+
+def test_forced_accept_sets_the_round_length(models):
+    """The benchmark knob: forced_accept fixes each row's accepted count; lengths move by it + 1."""
+    target, draft = models
+    tokens = jax.random.randint(jax.random.key(8), (2, 9), 4, CFG.vocab_size)
+    s = spec_prefill(target, draft, DENSE, DENSE, tokens, jnp.array([9, 6]), jax.random.key(0), t_cfg=CFG,
+                     d_cfg=DRAFT_CFG, capacity=32)
+    s2, emitted, count, acc = jax.jit(spec_round, static_argnames=("t_cfg", "d_cfg", "gamma"))(
+        target, draft, DENSE, DENSE, s, jax.random.key(1), jnp.array([10, 10]), t_cfg=CFG, d_cfg=DRAFT_CFG, gamma=3,
+        forced_accept=jnp.array([3, 1]))
+    np.testing.assert_array_equal(np.asarray(acc), [3, 1])
+    np.testing.assert_array_equal(np.asarray(s2.target.lengths), [9 + 4, 6 + 2])
