@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 from jsparse.xla_flags import set_xla_flags
@@ -156,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     set_xla_flags()
     parser = build_parser()
     args = parser.parse_args(argv)
+    # What a run records as its command (eval's run.json): this call's arguments, also when called from Python.
+    args.command_line = shlex.join(["jsparse", *(sys.argv[1:] if argv is None else argv)])
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
