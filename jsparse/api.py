@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsparse.artifacts import model_fingerprint
-from jsparse.methods import make_method
+from jsparse.methods import make_method, window_methods
 from models.bundled import LoadedModel, load_model
 from models.generate import Sampling, check_request, generate_tokens, round_up
 
@@ -86,11 +86,27 @@ def pad_batch(token_lists: Sequence[Sequence[int]], multiple: int = 64, limit: i
 def generate(model: LoadedModel, prompts: Sequence[str], *, method: Any = "dense", max_new_tokens: int = 64,
              chat: bool = False, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
              capacity: int | None = None) -> list[str]:
-    """Generates a completion for every prompt (one batch, per-row lengths, stops at EOS)."""
+    """Generates a completion for every prompt (one batch, per-row lengths, stops at EOS).
+
+    On a model with sliding-window layers (`model.cfg.window_size`), a method that does not honour the window
+    (not in `window_methods()`) runs only while prompt plus new tokens fit the window (the window then never
+    binds; the default cache capacity is capped at it) and is refused otherwise.
+    """
     if isinstance(method, str):
         method = build_method(method, model)
     ids = encode(model, prompts, chat)
+    chosen = capacity
     capacity = check_request(model.cfg, [len(t) for t in ids], max_new_tokens, capacity)
+    W = model.cfg.window_size
+    if W is not None and not getattr(method, "supports_window", False):
+        need = max(len(t) for t in ids) + max_new_tokens
+        if need > W:
+            raise ValueError(
+                f"method {type(method).__name__} does not support sliding-window attention and prompt plus "
+                f"max_new_tokens is {need} tokens, more than the model's sliding_window={W}; use one of "
+                f"{window_methods()} or keep the request within {W} tokens")
+        if chosen is None:
+            capacity = min(capacity, W)
     tokens, lengths = pad_batch(ids, limit=capacity - max_new_tokens)
     eos = tuple(model.cfg.eos_token_ids)
     if model.tokenizer.eos_token_id is not None and model.tokenizer.eos_token_id not in eos:
