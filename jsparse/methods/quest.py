@@ -7,8 +7,9 @@ the paper. Quest selects per *query* head, so it attends through a per-head mask
 contract; prefill is dense (Quest is a decode method).
 
 Sliding-window models: on a windowed layer (window W) only the pages that overlap the query's window
-(positions p - W < j <= p) compete, the budget counts the min(p + 1, W) keys the query may see, and the chosen
-pages are cut to the window, so the selection is a subset of the window; prefill and the dense layers attend
+(positions p - W < j <= p) compete, the budget counts the min(p + 1, W) keys the query may see (from the start of
+the window's first page), and the chosen pages are cut to the window, so the selection is a subset of the window
+and the whole budget is the whole window; prefill and the dense layers attend
 within the window too.
 """
 
@@ -92,7 +93,9 @@ def page_mask(q, k_cache, positions, budget, min_tokens, page_size, window=None)
     score = jnp.where(visible_page[:, None, None], score, -jnp.inf)
     score = jnp.where((page == own)[:, None, None], jnp.inf, score)  # the query's own page always
     k_tok = sel.budget_tokens(budget, n_visible, min_tokens)
-    n_pages = -(-k_tok // page_size)  # [B, T]
+    # Pages for k_tok keys counted from the first visible page's start (a window's first page is partly before
+    # it): the whole budget then covers the whole window.
+    n_pages = -(-(k_tok + first % page_size) // page_size)  # [B, T]
     order = jnp.argsort(-score, axis=-1)
     rank = jnp.argsort(order, axis=-1)
     chosen = (rank < n_pages[:, None, None, :, None]) & jnp.isfinite(score) | (score == jnp.inf)
