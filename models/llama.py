@@ -14,7 +14,8 @@ an `xs` entry handed to the method as `ctx.window`. The cache stays full length.
 Both entry points check the request limits `models.generate.check_request` checks (batch sizes agree, the prompt
 fits the cache, positions stay within the cache and the model's context): shapes always, values when they are
 concrete (an eager call, `models.generate.prefill_step` / `decode_step`). Under a trace the values cannot raise, so
-a row that breaks a limit gets NaN logits instead of wrong numbers.
+a result that would be garbage (a prefill length outside the padded prompt, a decode write past the cache) gets NaN
+logits instead of wrong numbers.
 """
 
 from __future__ import annotations
@@ -147,11 +148,12 @@ def _concrete(x) -> np.ndarray | None:
 
 
 def check_prefill_request(cfg: ModelConfig, tokens: Array, lengths: Array, cache: KVCache) -> Array | None:
-    """Checks a prefill's limits; returns the rows that break a value limit: bool[B] when
-    `lengths` is traced, None when it is concrete (and passed).
+    """Checks a prefill's limits; returns the rows whose logits would be garbage: bool[B] when `lengths` is traced,
+    None when it is concrete (and passed).
 
-    Shapes always raise; `lengths` values raise when concrete and are flagged when traced: each row needs
-    1 <= lengths <= T (the padded prompt) and lengths <= cfg.max_position_embeddings.
+    Shapes always raise. Each row needs 1 <= lengths <= T (the padded prompt) and lengths <=
+    cfg.max_position_embeddings: concrete lengths raise, traced ones flag the rows outside [1, T] (whose last-token
+    logits would be read from the wrong position; past the context RoPE only extrapolates).
     """
     if tokens.ndim != 2:
         raise ValueError(f"tokens {tokens.shape}: expected i32[B, T]")
@@ -171,15 +173,16 @@ def check_prefill_request(cfg: ModelConfig, tokens: Array, lengths: Array, cache
             raise ValueError(f"lengths {got.tolist()}: expected every row in [1, {limit}] (padded prompt length "
                              f"T={T}, model context max_position_embeddings={cfg.max_position_embeddings})")
         return None
-    return (lengths < 1) | (lengths > limit)
+    return (lengths < 1) | (lengths > T)
 
 
 def check_decode_request(cfg: ModelConfig, tokens: Array, cache: KVCache) -> Array | None:
-    """Checks a decode step's limits; returns the rows that break a value limit: bool[B]
-    when the cache lengths are traced, None when they are concrete (and passed).
+    """Checks a decode step's limits; returns the queries whose results would be garbage: bool[B, T] when the
+    cache lengths are traced, None when they are concrete (and passed).
 
     Each row's T new tokens take positions cache.lengths .. cache.lengths + T - 1, which must lie within the cache
-    capacity and the model's context; cache.lengths >= 0.
+    capacity and the model's context; cache.lengths >= 0. Concrete lengths raise on any of these; traced ones flag
+    the positions at or past the cache capacity (their writes are dropped).
     """
     if tokens.ndim != 2:
         raise ValueError(f"tokens {tokens.shape}: expected i32[B, T]")
@@ -199,7 +202,11 @@ def check_decode_request(cfg: ModelConfig, tokens: Array, cache: KVCache) -> Arr
                              f"{limit} tokens (cache capacity {cache.capacity}, "
                              f"max_position_embeddings={cfg.max_position_embeddings})")
         return None
-    return (cache.lengths < 0) | (cache.lengths + T > limit)
+    # Traced: flag the queries whose key/value write falls past the cache (dropped: their attention is garbage).
+    # A position past max_position_embeddings only extrapolates RoPE; it is not flagged (a speculative round's
+    # verification may reach past the context in rows that are then discarded).
+    pos = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T]
+    return (pos >= cache.capacity) | (cache.lengths < 0)[:, None]
 
 
 def _write_prefill(cache_k: Array, layer: Array, k: Array) -> Array:
@@ -282,8 +289,8 @@ def prefill(params: Params, cfg: ModelConfig, method, tokens: Array, lengths: Ar
         attention block (x + attn(x)), both [L, B, T, E] (for calibration).
 
     Returns:
-      (logits, cache with lengths set, state) (+ (inputs, after_attn) when asked); a row whose length breaks a
-      limit under a trace gets NaN logits (see `check_prefill_request`).
+      (logits, cache with lengths set, state) (+ (inputs, after_attn) when asked); a row whose length lies
+      outside [1, T] under a trace gets NaN logits (see `check_prefill_request`).
 
     Raises:
       ValueError: batch sizes differ, T exceeds the cache capacity, a concrete length lies outside
@@ -315,8 +322,8 @@ def decode(params: Params, cfg: ModelConfig, method, tokens: Array, cache: KVCac
            unroll: int | bool = 1):
     """Appends tokens: i32[B, T] (T >= 1) at each row's cache length and returns f32[B, T, V] logits.
 
-    Returns (logits, cache, state); a row that would pass the cache capacity or the model's context under a trace
-    gets NaN logits (see `check_decode_request`).
+    Returns (logits, cache, state); under a trace, a query whose write falls past the cache capacity gets NaN
+    logits (see `check_decode_request`).
 
     Raises:
       ValueError: batch sizes differ, or (concrete lengths) a row's new tokens would pass the cache capacity or
@@ -339,7 +346,7 @@ def decode(params: Params, cfg: ModelConfig, method, tokens: Array, cache: KVCac
 
 
 def _poison(logits: Array, bad: Array) -> Array:
-    """NaN logits (f32[B, ...]) for the rows flagged in bad: bool[B]; bad None (checked concretely) is a no-op."""
+    """NaN logits (f32[B, ...]) where bad (bool[B] rows or bool[B, T] queries) is set; None (checked) is a no-op."""
     if bad is None:
         return logits
-    return jnp.where(bad.reshape(bad.shape + (1,) * (logits.ndim - 1)), jnp.nan, logits)
+    return jnp.where(bad.reshape(bad.shape + (1,) * (logits.ndim - bad.ndim)), jnp.nan, logits)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The test command: set up .venv (Python 3.12, jax 0.11.2, torch CPU for parity tests) and run the suite.
+# The test command: set up .venv with the test extra (Python 3.12, jax 0.11.2, torch CPU for parity tests) and run
+# the suite on the CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test

@@ -5,3 +5,4 @@ from jsparse.methods import dense, kascade, kascade_calibration, oracle, quest, 
 from jsparse.methods import tsa, tsa_calibration  # noqa: F401  (registration)
 from jsparse.methods import butler, h2o  # noqa: F401  (registration)
 from jsparse.methods import evosparse, evosparse_calibration  # noqa: F401  (registration: evosparse, ablations)
+from jsparse.methods import sts, sts_calibration  # noqa: F401  (registration: sts, calibrate sts)
