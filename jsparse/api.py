@@ -56,8 +56,12 @@ def build_method(name: str, model: LoadedModel | None = None, **options: Any):
     return make_method(name, **options)
 
 
-def encode(model: LoadedModel, prompts: Sequence[str], chat: bool = False) -> list[list[int]]:
-    """Tokenizes prompts (with the model's chat template when `chat`)."""
+def encode(model: LoadedModel, prompts: str | Sequence[str], chat: bool = False) -> list[int] | list[list[int]]:
+    """Tokenizes prompts (with the model's chat template when `chat`): one prompt (a str) -> its token ids, a list
+    of prompts -> one list of ids per prompt."""
+    if isinstance(prompts, str):
+        return encode(model, [prompts], chat)[0]
+    _check_prompts(prompts)
     tok = model.tokenizer
     out = []
     for p in prompts:
@@ -181,17 +185,34 @@ def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: An
     return [[int(t) for t in row[:n]] for row, n in zip(out, num)]
 
 
-def generate(model: LoadedModel, prompts: Sequence[str], *, method: Any = "dense", max_new_tokens: int = 64,
+def _check_prompts(prompts) -> None:
+    if not isinstance(prompts, Sequence) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"prompts={prompts!r:.80}: expected a str or a non-empty list of str")
+
+
+def generate(model: LoadedModel, prompts: str | Sequence[str], *, method: Any = "dense", max_new_tokens: int = 64,
              chat: bool = False, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
              capacity: int | None = None, draft: LoadedModel | None = None, gamma: int = 4,
-             stats: dict | None = None) -> list[str]:
+             stats: dict | None = None) -> str | list[str]:
     """Generates a completion for every prompt (one batch, per-row lengths, stops at EOS).
 
-    draft: a model with the target's vocabulary: speculative decoding with `gamma` draft tokens per round
-    (greedy acceptance at temperature 0, speculative rejection sampling otherwise). `stats`: see `generate_ids`.
+    Args:
+      prompts: one prompt (a str; the completion is returned as a str) or a list of prompts (a list of
+        completions is returned, in order).
+      method: a method object or a method name (built with default options).
+      chat: wrap each prompt in the model's chat template as a user turn (what instruct models expect).
+      draft: a model with the target's vocabulary: speculative decoding with `gamma` draft tokens per round
+        (greedy acceptance at temperature 0, speculative rejection sampling otherwise). `stats`: see
+        `generate_ids`.
+
     On a model with sliding-window layers, a method outside `window_methods()` runs only while the request fits
     the window (see `fit_windows`).
     """
+    if isinstance(prompts, str):
+        return generate(model, [prompts], method=method, max_new_tokens=max_new_tokens, chat=chat,
+                        temperature=temperature, top_p=top_p, seed=seed, capacity=capacity, draft=draft,
+                        gamma=gamma, stats=stats)[0]
+    _check_prompts(prompts)
     ids = encode(model, prompts, chat)
     rows = generate_ids(model, ids, method=method, max_new_tokens=max_new_tokens, temperature=temperature,
                         top_p=top_p, seed=seed, capacity=capacity, draft=draft, gamma=gamma, stats=stats)
