@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shlex
 import sys
 
@@ -91,7 +92,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                         "vocabulary, e.g. smollm2:layers=0-9); records carry the acceptance rate. Needed by --methods "
                         "sts (which runs ppl variant prefill only: STS-P)")
     p.add_argument("--gamma", type=int, default=4, help="draft tokens proposed per round with --draft (default 4)")
-    p.add_argument("--out", required=True, help="output folder for results.json and summary.md")
+    p.add_argument("--out", required=True,
+                   help="output folder for results.json and summary.md (created; an existing folder's files of "
+                        "these names are replaced; an existing file is an error)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run_eval)
     return p
@@ -122,11 +125,24 @@ def spec_from_args(args) -> harness.EvalSpec:
     return spec
 
 
+def check_out(out: str) -> None:
+    """Makes the --out folder, before any work; raises ValueError when `out` is an existing file or cannot be made
+    (a parent that is a file, no permission)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out!r} is an existing file: expected a folder (new or existing) for results.json "
+                         "and summary.md")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {out!r}: cannot make the folder ({e.strerror or e})") from None
+
+
 def run_eval(args) -> int:
     """The `jsparse eval` command: validate, load the model, evaluate, write the files; returns 0."""
     import jsparse
 
     spec = spec_from_args(args)
+    check_out(args.out)
     model = jsparse.load(args.model, args.dtype)
     if spec.draft is not None:
         spec = dataclasses.replace(spec, draft=jsparse.load(args.draft, args.dtype))

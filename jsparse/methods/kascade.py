@@ -72,6 +72,9 @@ class Kascade(TokenBudget):
         if not artifact:
             raise ValueError("kascade needs a calibration artifact: run `jsparse calibrate kascade --model M "
                              "--out DIR` and pass --artifact DIR")
+        if cfg is None:
+            raise ValueError("kascade needs the model its artifact was calibrated for: pass the model, "
+                             "`build_method('kascade', model, artifact=DIR)` (or cfg= to make_method)")
         art = load_artifact(artifact, ARTIFACT_KIND, fingerprint)
         return cls.from_anchors(cfg, art.arrays["anchors"], art.arrays["head_map"], **options)
 
