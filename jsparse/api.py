@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsparse.artifacts import fingerprint
-from jsparse.methods import make_method
+from jsparse.methods import make_method, window_methods
 from models.bundled import LoadedModel, keep_layers, load_model, parse_layers  # noqa: F401  (re-exported)
 from models.generate import Sampling, check_request, generate_tokens, round_up
 from models.speculative import check_gamma, check_pair, speculative_generate
@@ -116,6 +116,27 @@ def speculative_methods(method: Any, model: LoadedModel, draft: LoadedModel, gam
     return method, make_method("dense")
 
 
+def fit_windows(pairs, need: int, capacity: int, capped: bool) -> int:
+    """The cache capacity for models with sliding windows run by methods that may not honour them.
+
+    pairs: (LoadedModel, method) for the target (and the draft). A method outside `window_methods()` on a model
+    whose window W is shorter than `need` (prompt + new tokens (+ speculative rows)) is refused; within the window
+    it runs, with the default capacity (`capped`) cut to W so the window never binds.
+    """
+    for model, method in pairs:
+        W = model.cfg.window_size
+        if W is None or getattr(method, "supports_window", False):
+            continue
+        if need > W:
+            raise ValueError(
+                f"method {type(method).__name__} does not support sliding-window attention and this request needs "
+                f"{need} tokens, more than {model.name}'s sliding_window={W}; use one of {window_methods()} or "
+                f"keep prompt plus max_new_tokens within {W} tokens")
+        if capped:
+            capacity = min(capacity, W)
+    return capacity
+
+
 def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: Any = "dense",
                  max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                  capacity: int | None = None, draft: LoadedModel | None = None, gamma: int = 4,
@@ -129,25 +150,30 @@ def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: An
         raise ValueError("method 'sts' takes its selection from a draft model: pass draft= (--draft) as well")
     if draft is not None:
         check_draft(model, draft, gamma)
+    if draft is None:
+        method = build_method(method, model) if isinstance(method, str) else method
+        pairs = [(model, method)]
+    else:
+        t_method, d_method = speculative_methods(method, model, draft, gamma)
+        pairs = [(model, t_method), (draft, d_method)]
     lengths_list = [len(t) for t in ids]
     extra = 0 if draft is None else gamma + 1
+    chosen = capacity
     if capacity is None:
         capacity = check_request(model.cfg, lengths_list, max_new_tokens)
         if extra:  # the verification writes up to gamma + 1 rows past the accepted tokens
             capacity = round_up(max(lengths_list) + max_new_tokens + extra, 128)
     else:
         check_request(model.cfg, lengths_list, max_new_tokens + extra, capacity)
+    capacity = fit_windows(pairs, max(lengths_list) + max_new_tokens + extra, capacity, capped=chosen is None)
     tokens, lengths = pad_batch(ids, limit=capacity - max_new_tokens - extra)
     eos = eos_ids(model)
     sampling = Sampling(temperature, top_p)
     if draft is None:
-        if isinstance(method, str):
-            method = build_method(method, model)
         out, num = generate_tokens(model.params, method, jnp.asarray(tokens), jnp.asarray(lengths),
                                    jax.random.key(seed), cfg=model.cfg, max_new_tokens=max_new_tokens,
                                    capacity=capacity, sampling=sampling, eos_ids=eos)
     else:
-        t_method, d_method = speculative_methods(method, model, draft, gamma)
         out, num, rounds, accepted = speculative_generate(
             model.params, draft.params, t_method, d_method, jnp.asarray(tokens), jnp.asarray(lengths),
             jax.random.key(seed), t_cfg=model.cfg, d_cfg=draft.cfg, gamma=gamma, max_new_tokens=max_new_tokens,
@@ -178,6 +204,9 @@ def generate(model: LoadedModel, prompts: str | Sequence[str], *, method: Any = 
       draft: a model with the target's vocabulary: speculative decoding with `gamma` draft tokens per round
         (greedy acceptance at temperature 0, speculative rejection sampling otherwise). `stats`: see
         `generate_ids`.
+
+    On a model with sliding-window layers, a method outside `window_methods()` runs only while the request fits
+    the window (see `fit_windows`).
     """
     if isinstance(prompts, str):
         return generate(model, [prompts], method=method, max_new_tokens=max_new_tokens, chat=chat,

@@ -28,6 +28,12 @@ def method_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def window_methods() -> list[str]:
+    """The registered methods that honour a model's sliding window (`supports_window`); the model refuses the
+    others when the window binds."""
+    return sorted(n for n, f in _REGISTRY.items() if getattr(f, "supports_window", False))
+
+
 def method_factory(name: str):
     """The class (or function) registered as `name`; raises ValueError naming the registered ones."""
     if name not in _REGISTRY:
