@@ -67,7 +67,7 @@ import numpy as np
 
 from eval import bench_model
 from eval.benchmarking import device_facts, measure_hbm_gbs, table, time_ms, write_json
-from jsparse.cli import set_xla_flags
+from jsparse.xla_flags import set_xla_flags
 from jsparse.methods.evosparse import EvoSparse, EvoState, decay_heat, default_num_heads
 from models import llama
 from models.attention import LayerContext, LayerKV

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from eval import benchmarking as bm
-from jsparse.cli import GPU_XLA_FLAGS
+from jsparse.xla_flags import GPU_XLA_FLAGS
 from jsparse.methods import make_method
 from models import llama
 from models.cache import KVCache, init_cache
@@ -130,7 +130,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per case")
     p.add_argument("--out", default=None, help="JSON file to write")
     p.add_argument("--xla-flags", default=" ".join(GPU_XLA_FLAGS),
-                   help="XLA_FLAGS for this run, set before the backend starts (default: jsparse.cli.GPU_XLA_FLAGS, "
+                   help="XLA_FLAGS for this run, set before the backend starts (default: jsparse.xla_flags.GPU_XLA_FLAGS, "
                         "cuBLAS GEMMs reading the stacked weights in place; see eval/results/h100/bench_decode_step.json)")
     a = p.parse_args(argv)
     if a.xla_flags:

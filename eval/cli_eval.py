@@ -25,6 +25,8 @@ Fixed token budgets (k = min(N, p + 1) keys per query) instead of the fraction r
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import shlex
 import sys
 
@@ -89,7 +91,14 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help="tokens per decode call in the ppl decode variant (bounds memory; default 512)")
     p.add_argument("--max-batch-tokens", type=int, default=8192,
                    help="tokens per forward: samples are batched max(1, this // length) at a time (default 8192)")
-    p.add_argument("--out", required=True, help="output folder for results.json and summary.md")
+    p.add_argument("--draft", default=None,
+                   help="passkey by speculative decoding with this draft model (any --model spec with the target's "
+                        "vocabulary, e.g. smollm2:layers=0-9); records carry the acceptance rate. Needed by --methods "
+                        "sts (which runs ppl variant prefill only: STS-P)")
+    p.add_argument("--gamma", type=int, default=4, help="draft tokens proposed per round with --draft (default 4)")
+    p.add_argument("--out", required=True,
+                   help="output folder for results.json and summary.md (created; an existing folder's files of "
+                        "these names are replaced; an existing file is an error)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run_eval)
     return p
@@ -110,7 +119,8 @@ def spec_from_args(args) -> harness.EvalSpec:
         ppl_variants=harness.parse_list(args.ppl_variants, "--ppl-variants"), new_tokens=args.new_tokens,
         chunk=args.chunk, max_batch_tokens=args.max_batch_tokens, continuation=args.continuation_tokens,
         budget_tokens=harness.parse_budget_tokens(args.budget_tokens),
-        method_options=harness.parse_method_options(args.method_option, methods))
+        method_options=harness.parse_method_options(args.method_option, methods), gamma=args.gamma,
+        draft="(loaded after validation)" if getattr(args, "draft", None) else None)
     spec.validate()
     if "ppl" in tasks or spec.haystack == "corpus":  # fail on a missing or empty corpus before loading the model
         from eval.ppl import read_corpus
@@ -119,12 +129,27 @@ def spec_from_args(args) -> harness.EvalSpec:
     return spec
 
 
+def check_out(out: str) -> None:
+    """Makes the --out folder, before any work; raises ValueError when `out` is an existing file or cannot be made
+    (a parent that is a file, no permission)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out!r} is an existing file: expected a folder (new or existing) for results.json "
+                         "and summary.md")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {out!r}: cannot make the folder ({e.strerror or e})") from None
+
+
 def run_eval(args) -> int:
     """The `jsparse eval` command: validate, load the model, evaluate, write the files; returns 0."""
     import jsparse
 
     spec = spec_from_args(args)
+    check_out(args.out)
     model = jsparse.load(args.model, args.dtype)
+    if spec.draft is not None:
+        spec = dataclasses.replace(spec, draft=jsparse.load(args.draft, args.dtype))
     command = getattr(args, "command_line", None) or shlex.join(["jsparse", *sys.argv[1:]])
     meta = report.run_metadata(
         command=command,
@@ -134,7 +159,9 @@ def run_eval(args) -> int:
         lengths=list(spec.lengths), artifacts=dict(spec.artifacts), depths=list(spec.depths),
         ppl_variants=list(spec.ppl_variants), continuation=spec.continuation,
         budget_tokens=None if spec.budget_tokens is None else list(spec.budget_tokens),
-        method_options={k: dict(v) for k, v in spec.method_options.items()})
+        method_options={k: dict(v) for k, v in spec.method_options.items()},
+        draft=None if spec.draft is None else getattr(spec.draft, "name", args.draft),
+        gamma=None if spec.draft is None else spec.gamma)
     run = harness.evaluate(model, spec, progress=not args.no_progress,
                            on_record=lambda records: report.write_results(args.out, records, meta))
     report.write_results(args.out, run.records, meta, run.passkey_outputs)

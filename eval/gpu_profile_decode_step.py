@@ -52,7 +52,7 @@ def main():
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile_decode_step.json"))
     a = p.parse_args()
-    from jsparse.cli import set_xla_flags
+    from jsparse.xla_flags import set_xla_flags
     set_xla_flags()
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     from eval import bench_evosparse as be, bench_model

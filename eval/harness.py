@@ -33,6 +33,9 @@ A record (every record has exactly the keys of `RECORD_KEYS`):
             prompt, then its decode of the answer, as `jsparse generate` runs it)
   depth     passkey: the needle depth of a per-depth record, None for the record over all depths; ppl: None
   seconds   wall time of this (method, task, variant, length), compilation included
+  acceptance_rate
+            passkey with a draft (`EvalSpec.draft`, speculative decoding): accepted draft tokens / proposed ones
+            over the record's rounds; None otherwise
 
 Speed: prompts and windows are built once per length and shared by every method; samples are batched
 (`max_batch_tokens` tokens per forward, the last batch padded by repeating rows so one (method, length)
@@ -56,7 +59,7 @@ from models.generate import Sampling, check_request, generate_tokens
 
 TASKS = ("passkey", "ppl")
 RECORD_KEYS = ("task", "method", "length", "budget", "budget_tokens", "metric", "value", "sparsity",
-               "layer_sparsity", "n", "variant", "depth", "seconds")
+               "layer_sparsity", "n", "variant", "depth", "seconds", "acceptance_rate")
 
 
 def method_names() -> list[str]:
@@ -243,6 +246,8 @@ class EvalSpec:
     new_tokens: int = 8
     chunk: int = 512
     max_batch_tokens: int = 8192
+    draft: object = None
+    gamma: int = 4
 
     def validate(self) -> "EvalSpec":
         check_methods(self.methods)
@@ -257,6 +262,16 @@ class EvalSpec:
         passkey_task.check_depths(self.depths)
         passkey_task.check_haystack(self.haystack)
         ppl_task.check_variants(self.ppl_variants)
+        if not isinstance(self.gamma, int) or self.gamma < 1:
+            raise ValueError(f"gamma={self.gamma!r}: expected an integer >= 1 (draft tokens proposed per round)")
+        if "sts" in self.methods:
+            if self.draft is None:
+                raise ValueError("method 'sts' needs a draft model: pass --draft (EvalSpec.draft)")
+            other = [v for v in self.ppl_variants if v != "prefill"] if "ppl" in self.tasks else []
+            if other:
+                raise ValueError(f"method 'sts' runs perplexity as ppl variant 'prefill' only (STS-P: the draft's "
+                                 f"prefill chooses the target's keys), got variants {list(self.ppl_variants)}: pass "
+                                 "--ppl-variants prefill")
         if "ppl" in self.tasks and "continuation" in self.ppl_variants:
             for length in self.lengths:
                 ppl_task.check_continuation(self.continuation, length)
@@ -285,7 +300,7 @@ class EvalRun:
     passkey_outputs: list[dict]
 
 
-OPTIONAL_KEYS = {"budget_tokens": None, "layer_sparsity": None}  # None when not given
+OPTIONAL_KEYS = {"budget_tokens": None, "layer_sparsity": None, "acceptance_rate": None}  # None when not given
 
 
 def make_record(**fields) -> dict:
@@ -365,9 +380,14 @@ def prefill_state(model, method, tokens: np.ndarray, lengths: np.ndarray):
 
 
 def run_passkey(model, method, prompts: Sequence[passkey_task.PasskeyPrompt], new_tokens: int, rows: int,
-                tick: Callable[[], None] = lambda: None, layer_sparsity: LayerSparsity | None = None) -> list[str]:
+                tick: Callable[[], None] = lambda: None, layer_sparsity: LayerSparsity | None = None,
+                draft=None, gamma: int = 4, stats: dict | None = None) -> list[str]:
     """Greedy completions (text) of the prompts, `rows` prompts per generate call (and, given `layer_sparsity`
-    of a method that measures its prefill, one more prefill per batch to measure it)."""
+    of a method that measures its prefill, one more prefill per batch to measure it). With `draft`, speculative
+    decoding (gamma tokens per round; STS takes its selection from the draft); `stats` then receives
+    `rounds` and `accepted` summed over the prompts."""
+    if draft is not None:
+        return _run_passkey_speculative(model, method, prompts, new_tokens, rows, tick, draft, gamma, stats)
     length = len(prompts[0].tokens)
     capacity = check_request(model.cfg, [length], new_tokens)
     eos = _eos_ids(model)
@@ -388,12 +408,75 @@ def run_passkey(model, method, prompts: Sequence[passkey_task.PasskeyPrompt], ne
     return completions
 
 
+def _run_passkey_speculative(model, method, prompts, new_tokens, rows, tick, draft, gamma, stats):
+    from jsparse.api import check_draft, speculative_methods
+    from models.generate import round_up
+    from models.speculative import speculative_generate
+
+    check_draft(model, draft, gamma)
+    length = len(prompts[0].tokens)
+    check_request(model.cfg, [length], new_tokens + gamma + 1)
+    capacity = round_up(length + new_tokens + gamma + 1, 128)
+    t_method, d_method = speculative_methods(method, model, draft, gamma)
+    eos = _eos_ids(model)
+    tokens = np.stack([p.tokens for p in prompts])
+    lengths = jnp.full((rows,), length, jnp.int32)
+    completions, rounds, accepted = [], 0, 0
+    for batch, valid in _batches(tokens, rows):
+        out, num, r, a = speculative_generate(
+            model.params, draft.params, t_method, d_method, jnp.asarray(batch), lengths, jax.random.key(0),
+            t_cfg=model.cfg, d_cfg=draft.cfg, gamma=gamma, max_new_tokens=new_tokens, capacity=capacity,
+            sampling=Sampling(), eos_ids=eos)
+        out, num = np.asarray(out), np.asarray(num)
+        rounds += int(np.asarray(r)[:valid].sum())
+        accepted += int(np.asarray(a)[:valid].sum())
+        for row, n in zip(out[:valid], num[:valid]):
+            ids = [int(t) for t in row[:n] if t >= 0 and int(t) not in eos]
+            completions.append(model.tokenizer.decode(ids, skip_special_tokens=True))
+        tick()
+    if stats is not None:
+        stats.update(rounds=rounds, accepted=accepted, gamma=gamma)
+    return completions
+
+
+@functools.partial(jax.jit, static_argnames=("t_cfg", "d_cfg"))
+def _sts_prefill_nll(t_params, d_params, t_method, d_method, tokens, *, t_cfg, d_cfg):
+    """STS-P perplexity: the draft's prefill records its tile-pooled rows, the target's prefill attends the keys
+    they choose. tokens: i32[B, T] -> f32[B, T - 1] NLL of tokens 1..T-1."""
+    from models import llama
+    from models.cache import init_cache
+
+    B, T = tokens.shape
+    lengths = jnp.full((B,), T, jnp.int32)
+    _, _, d_state = llama.prefill(d_params, d_cfg, d_method, tokens, lengths, init_cache(d_cfg, B, T, d_params.embed.dtype),
+                                  d_method.init_state(d_cfg, B, T))
+    state = t_method.adopt_draft(t_method.init_state(t_cfg, B, T), d_state)
+    logits, _, _ = llama.prefill(t_params, t_cfg, t_method, tokens, lengths,
+                                 init_cache(t_cfg, B, T, t_params.embed.dtype), state, all_logits=True)
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+
+
 def run_ppl(model, method, windows: np.ndarray, variant: str, rows: int, chunk: int,
             tick: Callable[[], None] = lambda: None, continuation: int = ppl_task.DEFAULT_CONTINUATION,
-            layer_sparsity: LayerSparsity | None = None) -> np.ndarray:
+            layer_sparsity: LayerSparsity | None = None, draft=None) -> np.ndarray:
     """Token NLLs of the windows under `variant`: f32[n, T - 1] for "decode" and "prefill", f32[n, C] for
-    "continuation" (C = `continuation`). `layer_sparsity` collects the measured sparsity of the prefills."""
+    "continuation" (C = `continuation`). `layer_sparsity` collects the measured sparsity of the prefills.
+    A method that selects from a draft (STS) needs `draft` and runs the "prefill" variant only (STS-P)."""
     out = []
+    if getattr(method, "needs_draft", False):
+        if draft is None or variant != "prefill":
+            raise ValueError(f"method 'sts' runs ppl variant 'prefill' with a draft only (got variant {variant!r}"
+                             f"{'' if draft is not None else ', no draft'})")
+        from jsparse.api import speculative_methods
+
+        t_method, d_method = speculative_methods(method, model, draft, 1)
+        for batch, valid in _batches(windows, rows):
+            nll = _sts_prefill_nll(model.params, draft.params, t_method, d_method, jnp.asarray(batch),
+                                   t_cfg=model.cfg, d_cfg=draft.cfg)
+            out.append(np.asarray(nll)[:valid])
+            tick()
+        return np.concatenate(out)
     for batch, valid in _batches(windows, rows):
         if variant == "decode":
             nll = ppl_task.decode_nll(model.params, model.cfg, method, batch, chunk=chunk, on_chunk=tick)
@@ -449,6 +532,8 @@ def token_budget_options(method, tokens: int, max_visible: int) -> dict:
     from jsparse.methods.common import TokenBudget
 
     fields = getattr(method, "__dataclass_fields__", {})
+    if getattr(method, "needs_draft", False):  # STS: budgets above 1 count tokens
+        return {"budget": float(tokens) if 1 < tokens < max_visible else 1.0}
     if "budget_tokens" in fields:
         return {"budget_tokens": int(tokens)}
     inner = getattr(method, "inner", None)
@@ -458,11 +543,18 @@ def token_budget_options(method, tokens: int, max_visible: int) -> dict:
 
 
 def _check_options(method, name: str, options: Mapping) -> None:
-    missing = object()
+    """--method-option keys the method (`method`, once built; else its registered options) does not take."""
+    import dataclasses
+
+    from jsparse.methods.base import method_factory, method_options
+
+    if method is None and not dataclasses.is_dataclass(method_factory(name)):
+        return  # a builder wrapping another method: make_method checks the options of what it builds
+    valid = method_options(name, method)
     for key, value in options.items():
-        holders = [method, getattr(method, "inner", None)]
-        if all(h is None or getattr(h, key, missing) is missing for h in holders):
-            raise ValueError(f"--method-option {name}.{key}={value!r}: method {name!r} has no option {key!r}")
+        if key not in valid:
+            raise ValueError(f"--method-option {name}.{key}={value!r}: method {name!r} has no option {key!r}; its "
+                             f"options are {', '.join(v for v in valid if v not in ('cfg', 'fingerprint'))}")
 
 
 def build_method(model, spec: EvalSpec, name: str, **overrides):
@@ -470,12 +562,14 @@ def build_method(model, spec: EvalSpec, name: str, **overrides):
     import jsparse
 
     options = {"budget": spec.budget}
+    if name == "sts":
+        options["draft"] = spec.draft
     if spec.artifacts.get(name):
         options["artifact"] = spec.artifacts[name]
     options.update(spec.method_options.get(name, {}))
     options.update(overrides)
+    _check_options(None, name, spec.method_options.get(name, {}))  # before building (wrappers: partial list)
     method = jsparse.build_method(name, model, **options)
-    _check_options(method, name, spec.method_options.get(name, {}))
     return method
 
 
@@ -531,6 +625,8 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
     corpus_ids = None
     if "ppl" in spec.tasks or ("passkey" in spec.tasks and spec.haystack == "corpus"):
         corpus_ids = ppl_task.tokenize_corpus(model.tokenizer, ppl_task.read_corpus(spec.corpus))
+        for length in spec.lengths:  # a corpus too short for the windows fails before any work
+            ppl_task.check_windows(model.tokenizer, corpus_ids, length, spec.samples)
     methods = build_methods(model, spec)
     if spec.budget_tokens is None:
         runs = len(methods)
@@ -566,11 +662,15 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
                         bar.set_description(f"{label} passkey {length}")
                         t0 = time.perf_counter()
                         measured = LayerSparsity(method, cfg)
-                        completions = run_passkey(model, method, prompts, spec.new_tokens, rows, tick, measured)
+                        spec_stats = {}
+                        completions = run_passkey(model, method, prompts, spec.new_tokens, rows, tick, measured,
+                                                  draft=spec.draft, gamma=spec.gamma, stats=spec_stats)
                         seconds = time.perf_counter() - t0
                         layers, mean = measured.result()
+                        rate = None if not spec_stats else \
+                            spec_stats["accepted"] / max(spec_stats["rounds"] * spec_stats["gamma"], 1)
                         common_t = dict(common, sparsity=sparsity if mean is None else mean,
-                                        layer_sparsity=layers)
+                                        layer_sparsity=layers, acceptance_rate=rate)
                         correct = [passkey_task.is_correct(c, p.key) for p, c in zip(prompts, completions)]
                         for p, c, ok in zip(prompts, completions, correct):
                             outputs.append(dict(method=name, length=length, budget_tokens=budget_tokens,
@@ -592,7 +692,7 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
                             t0 = time.perf_counter()
                             measured = LayerSparsity(method, cfg)
                             nll = run_ppl(model, method, windows, variant, rows, spec.chunk, tick,
-                                          spec.continuation, measured)
+                                          spec.continuation, measured, draft=spec.draft)
                             seconds = time.perf_counter() - t0
                             layers, mean = measured.result()
                             emit([make_record(task="ppl", metric="perplexity", value=ppl_task.perplexity(nll),

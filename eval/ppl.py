@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -86,14 +87,17 @@ def tokenize_corpus(tokenizer, text: str) -> np.ndarray:
     return np.asarray(ids, np.int32)
 
 
-def make_windows(tokenizer, corpus_ids: np.ndarray, length: int, samples: int, seed: int) -> np.ndarray:
-    """i32[samples, length] windows: special prefix + consecutive corpus tokens from seeded offsets.
+def check_windows(tokenizer, corpus_ids: np.ndarray, length: int, samples: int) -> int:
+    """Checks that the corpus can give `samples` windows of `length` tokens; returns how many non-overlapping
+    windows it holds (more samples than that overlap, with a warning from `make_windows`).
 
-    Windows do not overlap when the corpus holds `samples` of them; otherwise offsets are drawn freely.
+    Raises:
+      ValueError: samples < 1; a length too short for the special prefix; a corpus shorter than one window; or
+        more samples than the corpus has distinct window offsets (windows would repeat), naming the numbers.
     """
     if samples < 1:
         raise ValueError(f"samples={samples}: expected >= 1")
-    prefix = np.asarray(special_prefix(tokenizer), np.int32)
+    prefix = special_prefix(tokenizer)
     body = length - len(prefix)
     if body < 2:
         raise ValueError(f"ppl length={length}: expected at least {len(prefix) + 2} tokens")
@@ -101,12 +105,31 @@ def make_windows(tokenizer, corpus_ids: np.ndarray, length: int, samples: int, s
     if n < body:
         raise ValueError(f"the corpus has {n} tokens, fewer than the {body} needed for a window of length {length}; "
                          "use a longer corpus or a shorter length")
+    offsets = n - body + 1
+    if samples > offsets:
+        raise ValueError(f"--samples {samples}: the corpus ({n} tokens) has only {offsets} distinct windows of "
+                         f"length {length} ({n // body} without overlap); use --samples <= {n // body}, a longer "
+                         "--corpus or a shorter length")
+    return n // body
+
+
+def make_windows(tokenizer, corpus_ids: np.ndarray, length: int, samples: int, seed: int) -> np.ndarray:
+    """i32[samples, length] windows: special prefix + consecutive corpus tokens from seeded offsets.
+
+    Windows do not overlap when the corpus holds `samples` of them; otherwise offsets are drawn freely (with a
+    warning). Errors as `check_windows`.
+    """
+    slots = check_windows(tokenizer, corpus_ids, length, samples)
+    prefix = np.asarray(special_prefix(tokenizer), np.int32)
+    body = length - len(prefix)
+    n = len(corpus_ids)
     rng = np.random.default_rng([seed, length])
-    slots = n // body
     if samples <= slots:
         starts = np.sort(rng.choice(slots, size=samples, replace=False)) * body
         starts = starts + rng.integers(0, n - slots * body + 1)  # shift the grid; stays in range
     else:
+        warnings.warn(f"ppl at length {length}: {samples} samples from a corpus holding {slots} non-overlapping "
+                      "windows; the windows overlap")
         starts = rng.integers(0, n - body + 1, size=samples)
     rows = [np.concatenate([prefix, corpus_ids[s:s + body]]) for s in starts]
     return np.stack(rows).astype(np.int32)

@@ -116,6 +116,7 @@ def summary_markdown(records: Sequence[Mapping], meta: Mapping | None = None) ->
              ("method options", meta.get("method_options") or None),
              ("continuation tokens", meta.get("continuation")
               if "continuation" in (meta.get("ppl_variants") or ()) else None),
+             ("draft", meta.get("draft")), ("gamma", meta.get("gamma")),
              ("samples", meta.get("samples")), ("seed", meta.get("seed")), ("corpus", meta.get("corpus")),
              ("device", meta.get("device")), ("jax", meta.get("jax")), ("commit", meta.get("commit")),
              ("date", meta.get("date"))]
@@ -174,6 +175,14 @@ def summary_markdown(records: Sequence[Mapping], meta: Mapping | None = None) ->
             mrows.append([_row(r), f"{task} @{r['length']}", f"{mean:.3f}"]
                          + ["" if v is None else f"{v:.3f}" for v in vals])
         lines += _table(["method", "task", "mean"] + [f"L{l}" for l in layers], mrows) + [""]
+
+    spec = [r for r in main if r.get("acceptance_rate") is not None]
+    if spec:
+        lines += ["## Speculative decoding acceptance rate", "",
+                  "Accepted draft tokens / proposed ones over the passkey answers' rounds.", ""]
+        acc = {(_row(r), r["length"]): r["acceptance_rate"] for r in spec}
+        arows = [[m] + ["" if acc.get((m, L)) is None else f"{acc[(m, L)]:.3f}" for L in lengths] for m in methods]
+        lines += _table(["method"] + [f"@{L}" for L in lengths], arows) + [""]
 
     by_depth = [r for r in records if r["depth"] is not None]
     if by_depth:

@@ -4,6 +4,10 @@
     model = jsparse.load("smollm2")                       # or an HF folder, or a .gguf file
     method = jsparse.build_method("dense", model)
     print(jsparse.generate(model, ["What is the capital of France?"], method=method, chat=True)[0])
+
+Speculative decoding: `jsparse.generate(model, prompts, draft=jsparse.load("smollm2:layers=0-9"), gamma=4)`
+(any draft with the target's vocabulary; `SPEC:layers=A-B,C` keeps those layers of a model, a cheap local
+draft). With `method="sts"` the draft's attention also chooses the keys the target attends to (STS).
 """
 
 from __future__ import annotations
@@ -14,10 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsparse.artifacts import model_fingerprint
-from jsparse.methods import make_method
-from models.bundled import LoadedModel, load_model
+from jsparse.artifacts import fingerprint
+from jsparse.methods import make_method, window_methods
+from models.bundled import LoadedModel, keep_layers, load_model, parse_layers  # noqa: F401  (re-exported)
 from models.generate import Sampling, check_request, generate_tokens, round_up
+from models.speculative import check_gamma, check_pair, speculative_generate
 
 _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
 
@@ -28,20 +33,15 @@ def default_dtype() -> str:
 
 
 def load(spec: str = "smollm2", dtype: str | None = None) -> LoadedModel:
-    """Loads `smollm2` (the bundled model), a Hugging Face folder or a GGUF file."""
+    """Loads `smollm2` (the bundled model), a Hugging Face folder or a GGUF file.
+
+    `SPEC:layers=0-9` (ranges and single layers, comma-separated, e.g. `layers=0-5,29`) keeps only those layers
+    of the loaded model, in order: a layer-skipped copy that serves as a cheap speculative draft.
+    """
     dtype = dtype or default_dtype()
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {sorted(_DTYPES)}")
     return load_model(spec, dtype=_DTYPES[dtype])
-
-
-def fingerprint(model: LoadedModel) -> str:
-    """The model's fingerprint (cached on the LoadedModel), used to key calibration artifacts."""
-    fp = getattr(model, "_fingerprint", None)
-    if fp is None:
-        fp = model_fingerprint(model.cfg, model.params)
-        object.__setattr__(model, "_fingerprint", fp)
-    return fp
 
 
 def build_method(name: str, model: LoadedModel | None = None, **options: Any):
@@ -56,8 +56,12 @@ def build_method(name: str, model: LoadedModel | None = None, **options: Any):
     return make_method(name, **options)
 
 
-def encode(model: LoadedModel, prompts: Sequence[str], chat: bool = False) -> list[list[int]]:
-    """Tokenizes prompts (with the model's chat template when `chat`)."""
+def encode(model: LoadedModel, prompts: str | Sequence[str], chat: bool = False) -> list[int] | list[list[int]]:
+    """Tokenizes prompts (with the model's chat template when `chat`): one prompt (a str) -> its token ids, a list
+    of prompts -> one list of ids per prompt."""
+    if isinstance(prompts, str):
+        return encode(model, [prompts], chat)[0]
+    _check_prompts(prompts)
     tok = model.tokenizer
     out = []
     for p in prompts:
@@ -83,24 +87,138 @@ def pad_batch(token_lists: Sequence[Sequence[int]], multiple: int = 64, limit: i
     return tokens, lengths
 
 
-def generate(model: LoadedModel, prompts: Sequence[str], *, method: Any = "dense", max_new_tokens: int = 64,
-             chat: bool = False, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-             capacity: int | None = None) -> list[str]:
-    """Generates a completion for every prompt (one batch, per-row lengths, stops at EOS)."""
-    if isinstance(method, str):
-        method = build_method(method, model)
-    ids = encode(model, prompts, chat)
-    capacity = check_request(model.cfg, [len(t) for t in ids], max_new_tokens, capacity)
-    tokens, lengths = pad_batch(ids, limit=capacity - max_new_tokens)
+def eos_ids(model: LoadedModel) -> tuple[int, ...]:
     eos = tuple(model.cfg.eos_token_ids)
-    if model.tokenizer.eos_token_id is not None and model.tokenizer.eos_token_id not in eos:
-        eos = eos + (model.tokenizer.eos_token_id,)
-    out, num = generate_tokens(model.params, method, jnp.asarray(tokens), jnp.asarray(lengths),
-                               jax.random.key(seed), cfg=model.cfg, max_new_tokens=max_new_tokens,
-                               capacity=capacity, sampling=Sampling(temperature, top_p), eos_ids=eos)
+    tok = model.tokenizer
+    if tok is not None and tok.eos_token_id is not None and tok.eos_token_id not in eos:
+        eos = eos + (tok.eos_token_id,)
+    return eos
+
+
+def check_draft(model: LoadedModel, draft: LoadedModel, gamma: int) -> None:
+    """A draft must share the target's vocabulary (and tokenizer, where both have one); gamma >= 1."""
+    check_gamma(gamma)
+    check_pair(model.cfg, draft.cfg)
+    if model.tokenizer is not None and draft.tokenizer is not None and \
+            len(model.tokenizer) != len(draft.tokenizer):
+        raise ValueError(f"draft tokenizer has {len(draft.tokenizer)} tokens, the target's {len(model.tokenizer)}: "
+                         "a draft must share the target's tokenizer")
+
+
+def speculative_methods(method: Any, model: LoadedModel, draft: LoadedModel, gamma: int):
+    """(target method, draft method) for speculative decoding: a method that takes its selection from the draft
+    (STS: `for_round`) names the draft's method; any other method pairs with a dense draft."""
+    if isinstance(method, str):
+        method = build_method(method, model, draft=draft) if method == "sts" else build_method(method, model)
+    for_round = getattr(method, "for_round", None)
+    if for_round is not None:
+        return for_round(draft.cfg, gamma)
+    return method, make_method("dense")
+
+
+def fit_windows(pairs, need: int, capacity: int, capped: bool) -> int:
+    """The cache capacity for models with sliding windows run by methods that may not honour them.
+
+    pairs: (LoadedModel, method) for the target (and the draft). A method outside `window_methods()` on a model
+    whose window W is shorter than `need` (prompt + new tokens (+ speculative rows)) is refused; within the window
+    it runs, with the default capacity (`capped`) cut to W so the window never binds.
+    """
+    for model, method in pairs:
+        W = model.cfg.window_size
+        if W is None or getattr(method, "supports_window", False):
+            continue
+        if need > W:
+            raise ValueError(
+                f"method {type(method).__name__} does not support sliding-window attention and this request needs "
+                f"{need} tokens, more than {model.name}'s sliding_window={W}; use one of {window_methods()} or "
+                f"keep prompt plus max_new_tokens within {W} tokens")
+        if capped:
+            capacity = min(capacity, W)
+    return capacity
+
+
+def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: Any = "dense",
+                 max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                 capacity: int | None = None, draft: LoadedModel | None = None, gamma: int = 4,
+                 stats: dict | None = None) -> list[list[int]]:
+    """Token-level `generate`: prompts as token lists -> generated tokens per row (EOS included).
+
+    With `draft`, speculative decoding (gamma draft tokens per round); `stats`, when given, receives
+    `rounds`, `accepted` and `acceptance_rate` (accepted draft tokens / proposed ones).
+    """
+    if draft is None and getattr(method, "needs_draft", False):
+        raise ValueError("method 'sts' takes its selection from a draft model: pass draft= (--draft) as well")
+    if draft is not None:
+        check_draft(model, draft, gamma)
+    if draft is None:
+        method = build_method(method, model) if isinstance(method, str) else method
+        pairs = [(model, method)]
+    else:
+        t_method, d_method = speculative_methods(method, model, draft, gamma)
+        pairs = [(model, t_method), (draft, d_method)]
+    lengths_list = [len(t) for t in ids]
+    extra = 0 if draft is None else gamma + 1
+    chosen = capacity
+    if capacity is None:
+        capacity = check_request(model.cfg, lengths_list, max_new_tokens)
+        if extra:  # the verification writes up to gamma + 1 rows past the accepted tokens
+            capacity = round_up(max(lengths_list) + max_new_tokens + extra, 128)
+    else:
+        check_request(model.cfg, lengths_list, max_new_tokens + extra, capacity)
+    capacity = fit_windows(pairs, max(lengths_list) + max_new_tokens + extra, capacity, capped=chosen is None)
+    tokens, lengths = pad_batch(ids, limit=capacity - max_new_tokens - extra)
+    eos = eos_ids(model)
+    sampling = Sampling(temperature, top_p)
+    if draft is None:
+        out, num = generate_tokens(model.params, method, jnp.asarray(tokens), jnp.asarray(lengths),
+                                   jax.random.key(seed), cfg=model.cfg, max_new_tokens=max_new_tokens,
+                                   capacity=capacity, sampling=sampling, eos_ids=eos)
+    else:
+        out, num, rounds, accepted = speculative_generate(
+            model.params, draft.params, t_method, d_method, jnp.asarray(tokens), jnp.asarray(lengths),
+            jax.random.key(seed), t_cfg=model.cfg, d_cfg=draft.cfg, gamma=gamma, max_new_tokens=max_new_tokens,
+            capacity=capacity, sampling=sampling, eos_ids=eos)
+        if stats is not None:
+            r, acc = int(np.sum(rounds)), int(np.sum(accepted))
+            stats.update(rounds=r, accepted=acc, acceptance_rate=acc / max(r * gamma, 1))
     out, num = np.asarray(out), np.asarray(num)
+    return [[int(t) for t in row[:n]] for row, n in zip(out, num)]
+
+
+def _check_prompts(prompts) -> None:
+    if not isinstance(prompts, Sequence) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"prompts={prompts!r:.80}: expected a str or a non-empty list of str")
+
+
+def generate(model: LoadedModel, prompts: str | Sequence[str], *, method: Any = "dense", max_new_tokens: int = 64,
+             chat: bool = False, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+             capacity: int | None = None, draft: LoadedModel | None = None, gamma: int = 4,
+             stats: dict | None = None) -> str | list[str]:
+    """Generates a completion for every prompt (one batch, per-row lengths, stops at EOS).
+
+    Args:
+      prompts: one prompt (a str; the completion is returned as a str) or a list of prompts (a list of
+        completions is returned, in order).
+      method: a method object or a method name (built with default options).
+      chat: wrap each prompt in the model's chat template as a user turn (what instruct models expect).
+      draft: a model with the target's vocabulary: speculative decoding with `gamma` draft tokens per round
+        (greedy acceptance at temperature 0, speculative rejection sampling otherwise). `stats`: see
+        `generate_ids`.
+
+    On a model with sliding-window layers, a method outside `window_methods()` runs only while the request fits
+    the window (see `fit_windows`).
+    """
+    if isinstance(prompts, str):
+        return generate(model, [prompts], method=method, max_new_tokens=max_new_tokens, chat=chat,
+                        temperature=temperature, top_p=top_p, seed=seed, capacity=capacity, draft=draft,
+                        gamma=gamma, stats=stats)[0]
+    _check_prompts(prompts)
+    ids = encode(model, prompts, chat)
+    rows = generate_ids(model, ids, method=method, max_new_tokens=max_new_tokens, temperature=temperature,
+                        top_p=top_p, seed=seed, capacity=capacity, draft=draft, gamma=gamma, stats=stats)
+    eos = eos_ids(model)
     texts = []
-    for row, n in zip(out, num):
-        toks = [int(t) for t in row[:n] if t >= 0 and int(t) not in eos]
+    for row in rows:
+        toks = [t for t in row if t >= 0 and t not in eos]
         texts.append(model.tokenizer.decode(toks, skip_special_tokens=True))
     return texts

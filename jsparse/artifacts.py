@@ -46,6 +46,16 @@ def model_fingerprint(cfg: ModelConfig, params: Any) -> str:
     return h.hexdigest()[:16]
 
 
+def fingerprint(model: Any) -> str:
+    """The fingerprint of a loaded model (`models.bundled.LoadedModel`: its cfg and params), computed once and
+    cached on the model object; calibration artifacts are keyed by it."""
+    fp = getattr(model, "_fingerprint", None)
+    if fp is None:
+        fp = model_fingerprint(model.cfg, model.params)
+        object.__setattr__(model, "_fingerprint", fp)
+    return fp
+
+
 @dataclasses.dataclass
 class Artifact:
     kind: str

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
+
+from jsparse.xla_flags import set_xla_flags
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -23,10 +26,23 @@ def cmd_generate(args) -> int:
         options["budget"] = args.budget
     if args.artifact:
         options["artifact"] = args.artifact
+    draft = None
+    if args.draft:
+        draft = jsparse.load(args.draft, args.dtype)
+        options["draft"] = draft
+    elif args.gamma is not None:
+        raise ValueError("--gamma needs --draft (speculative decoding)")
+    if args.method != "sts":
+        options.pop("draft", None)
     method = jsparse.build_method(args.method, model, **options)
+    stats = {}
     texts = jsparse.generate(model, [args.prompt], method=method, max_new_tokens=args.max_new_tokens,
-                             chat=args.chat, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+                             chat=args.chat, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                             draft=draft, gamma=4 if args.gamma is None else args.gamma, stats=stats)
     print(texts[0])
+    if draft is not None:
+        print(f"[speculative decoding: {stats['rounds']} rounds, acceptance rate {stats['acceptance_rate']:.2f}]",
+              file=sys.stderr)
     return 0
 
 
@@ -82,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--budget", type=float, default=None, help="token budget of a sparse method, as a fraction of "
                    "the context in (0, 1] (method default when omitted)")
     g.add_argument("--artifact", default=None, help="calibration artifact folder of a method that needs one")
+    g.add_argument("--draft", default=None,
+                   help="speculative decoding with this draft model (any --model spec with the target's "
+                        "vocabulary; SPEC:layers=0-9 keeps those layers of a model, e.g. smollm2:layers=0-9)")
+    g.add_argument("--gamma", type=int, default=None, help="draft tokens proposed per round (default 4; needs "
+                   "--draft)")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
     g.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling (default 0)")
@@ -132,30 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# On GPUs, XLA's own Triton GEMM fusions decode 1.6x slower than cuBLAS, and only dynamic-slice fusion lets
-# cuBLAS read a layer's weights straight out of the stacked params inside the layer scan (measured on the H100:
-# Llama-3.1-8B decode at 32K, batch 1, 17.1 -> 9.5 ms/step; eval/results/h100/bench_decode_step.json). XLA reads
-# XLA_FLAGS when its backend starts, so the command sets them first; library users set them the same way.
-# XLA's dot merger would concatenate each layer's q/k/v weight slices into a new array at every layer of every
-# step (1.0 ms of a 100K batch-4 decode step; off: dense 26.5 -> 25.7 ms, EvoSparse 12.2 -> 11.2 ms,
-# eval/results/h100/profile/ and bench_evosparse_flags.json), so it is off.
-GPU_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false", "--xla_gpu_enable_dynamic_slice_fusion=true",
-                 "--xla_gpu_dot_merger_threshold_mb=0")
-
-
-def set_xla_flags() -> None:
-    import os
-
-    flags = os.environ.get("XLA_FLAGS", "")
-    extra = [f for f in GPU_XLA_FLAGS if f.split("=")[0] not in flags]
-    if extra:
-        os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
-
-
 def main(argv: list[str] | None = None) -> int:
     set_xla_flags()
     parser = build_parser()
     args = parser.parse_args(argv)
+    # What a run records as its command (eval's run.json): this call's arguments, also when called from Python.
+    args.command_line = shlex.join(["jsparse", *(sys.argv[1:] if argv is None else argv)])
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:

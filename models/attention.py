@@ -28,6 +28,10 @@ and once per forward (outside the scan)
 `start` and `finish` bracket one forward: a method whose layers hand data to later layers (Kascade's anchor
 indices, EvoSparse's retrieval set) adds a buffer shaped for this forward's queries in `start` and drops it in
 `finish`, so the state that crosses decode steps keeps one structure.
+
+Sliding-window models (`cfg.layer_windows`): a method that honours the window declares `supports_window = True`
+and reads `ctx.window` / `ctx.window_size`; the model refuses any other method when the window can bind (the keys
+a query may see exceed the window), since its selection would reach keys the model must not see.
 """
 
 from __future__ import annotations
@@ -68,6 +72,13 @@ class LayerContext:
       hidden: [B, T, E] the layer's input hidden state after the attention norm (methods that predict
         importance from hidden states use it; most ignore it).
       segment: static tag of the run of layers this layer belongs to (`method.segments`), or None.
+      window: i32[] this layer's sliding window in tokens (traced inside the scan; 0 = full attention): a query
+        at position p sees keys p - window < j <= p.
+      window_size: static W shared by the model's windowed layers when the window can bind in this forward (the
+        keys a query may see, T in prefill or the cache capacity in decode, exceed W), else None: a method that
+        sees None attends as if no layer were windowed.
+      every_layer_windowed: static; with window_size set, True when every layer is windowed (no per-layer
+        choice needed).
     """
 
     layer: Array
@@ -75,6 +86,9 @@ class LayerContext:
     info: Any = None
     hidden: Any = None
     segment: Any = struct.field(pytree_node=False, default=None)
+    window: Any = None
+    window_size: int | None = struct.field(pytree_node=False, default=None)
+    every_layer_windowed: bool = struct.field(pytree_node=False, default=False)
 
 
 class AttentionMethod(Protocol):

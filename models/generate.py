@@ -74,7 +74,6 @@ def check_request(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_token
     elif need > capacity:
         raise ValueError(f"prompt ({max(prompt_lengths)} tokens) plus max_new_tokens={max_new_tokens} is {need} "
                          f"tokens, longer than the KV cache capacity of {capacity}")
-    cfg.check_length(need)
     return capacity
 
 
@@ -123,13 +122,26 @@ def generate_tokens(params: Params, method, tokens: Array, lengths: Array, key: 
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "all_logits"), donate_argnames=("cache",))
-def prefill_step(params: Params, method, tokens: Array, lengths: Array, cache: KVCache, state, *,
-                 cfg: ModelConfig, all_logits: bool = False):
-    """Jitted `llama.prefill` with the cache donated."""
+def _prefill_step(params, method, tokens, lengths, cache, state, *, cfg, all_logits):
     return llama.prefill(params, cfg, method, tokens, lengths, cache, state, all_logits=all_logits)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def decode_step(params: Params, method, tokens: Array, cache: KVCache, state, *, cfg: ModelConfig):
-    """Jitted `llama.decode` (one step of T tokens) with the cache donated."""
+def _decode_step(params, method, tokens, cache, state, *, cfg):
     return llama.decode(params, cfg, method, tokens, cache, state)
+
+
+def prefill_step(params: Params, method, tokens: Array, lengths: Array, cache: KVCache, state, *,
+                 cfg: ModelConfig, all_logits: bool = False):
+    """Jitted `llama.prefill` with the cache donated; the request is checked first (`llama.check_prefill_request`
+    raises naming the bad value)."""
+    llama.check_prefill_request(cfg, tokens, lengths, cache)
+    return _prefill_step(params, method, tokens, lengths, cache, state, cfg=cfg, all_logits=all_logits)
+
+
+def decode_step(params: Params, method, tokens: Array, cache: KVCache, state, *, cfg: ModelConfig):
+    """Jitted `llama.decode` (one step of T tokens) with the cache donated; the request is checked first
+    (`llama.check_decode_request`, which reads the cache lengths on the host: a loop that must not wait on the
+    device each step runs `llama.decode` inside its own jit, where a bad row gets NaN logits)."""
+    llama.check_decode_request(cfg, tokens, cache)
+    return _decode_step(params, method, tokens, cache, state, cfg=cfg)

@@ -7,6 +7,15 @@ in f32, RMSNorm, RoPE, softmax and logits in f32.
 
   prefill(params, cfg, method, tokens, lengths, cache, state) -> (logits, cache, state)
   decode(params, cfg, method, tokens, cache, state) -> (logits, cache, state)
+
+Sliding-window layers (`cfg.layer_windows`) enter the scan as data: each layer's window (0 = full attention) is
+an `xs` entry handed to the method as `ctx.window`. The cache stays full length.
+
+Both entry points check the request limits `models.generate.check_request` checks (batch sizes agree, the prompt
+fits the cache, positions stay within the cache and the model's context): shapes always, values when they are
+concrete (an eager call, `models.generate.prefill_step` / `decode_step`). Under a trace the values cannot raise, so
+a result that would be garbage (a prefill length outside the padded prompt, a decode write past the cache) gets NaN
+logits instead of wrong numbers.
 """
 
 from __future__ import annotations
@@ -109,7 +118,95 @@ def lm_logits(cfg: ModelConfig, params: Params, x: Array) -> Array:
 
 def _layer_xs(cfg: ModelConfig, params: Params, method) -> tuple:
     info = method.layer_info(cfg)
-    return params.layers, jnp.arange(cfg.num_layers, dtype=jnp.int32), info
+    return params.layers, jnp.arange(cfg.num_layers, dtype=jnp.int32), info, jnp.asarray(cfg.windows)
+
+
+def binding_window(cfg: ModelConfig, method, kv_len: int) -> int | None:
+    """The sliding window W when it can bind in a forward whose queries see up to `kv_len` keys, else None.
+
+    Raises:
+      ValueError: the window binds and `method` does not declare `supports_window`.
+    """
+    W = cfg.window_size
+    if W is None or kv_len <= W:
+        return None
+    if not getattr(method, "supports_window", False):
+        raise ValueError(
+            f"attention method {type(method).__name__} does not support sliding-window attention, and this "
+            f"{cfg.architecture} model's sliding_window={W} binds here ({kv_len} keys per query at most, > {W}); "
+            "use a method that honours the window (jsparse.window_methods(): dense, quest) or keep prompt plus "
+            f"generated tokens (and the cache capacity) within {W}")
+    return W
+
+
+# ----------------------------------------------------------------------------------------------- request checks
+
+
+def _concrete(x) -> np.ndarray | None:
+    """x as a numpy array, or None when it is traced (its values unknown until run)."""
+    return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
+
+
+def check_prefill_request(cfg: ModelConfig, tokens: Array, lengths: Array, cache: KVCache) -> Array | None:
+    """Checks a prefill's limits; returns the rows whose logits would be garbage: bool[B] when `lengths` is traced,
+    None when it is concrete (and passed).
+
+    Shapes always raise. Each row needs 1 <= lengths <= T (the padded prompt) and lengths <=
+    cfg.max_position_embeddings: concrete lengths raise, traced ones flag the rows outside [1, T] (whose last-token
+    logits would be read from the wrong position; past the context RoPE only extrapolates).
+    """
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens {tokens.shape}: expected i32[B, T]")
+    B, T = tokens.shape
+    if lengths.shape != (B,):
+        raise ValueError(f"lengths {lengths.shape}: expected i32[{B}], one length per row of tokens {tokens.shape}")
+    if cache.k.shape[1] != B or cache.lengths.shape != (B,):
+        raise ValueError(f"cache batch {cache.k.shape[1]} (k {cache.k.shape}) and tokens batch {B} differ: "
+                         "expected a cache made for this batch")
+    if T > cache.capacity:
+        raise ValueError(f"prompt of {T} tokens (padded) is longer than the KV cache capacity of {cache.capacity}")
+    limit = min(T, cfg.max_position_embeddings)
+    got = _concrete(lengths)
+    if got is not None:
+        bad = (got < 1) | (got > limit)
+        if bad.any():
+            raise ValueError(f"lengths {got.tolist()}: expected every row in [1, {limit}] (padded prompt length "
+                             f"T={T}, model context max_position_embeddings={cfg.max_position_embeddings})")
+        return None
+    return (lengths < 1) | (lengths > T)
+
+
+def check_decode_request(cfg: ModelConfig, tokens: Array, cache: KVCache) -> Array | None:
+    """Checks a decode step's limits; returns the queries whose results would be garbage: bool[B, T] when the
+    cache lengths are traced, None when they are concrete (and passed).
+
+    Each row's T new tokens take positions cache.lengths .. cache.lengths + T - 1, which must lie within the cache
+    capacity and the model's context; cache.lengths >= 0. Concrete lengths raise on any of these; traced ones flag
+    the positions at or past the cache capacity (their writes are dropped).
+    """
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens {tokens.shape}: expected i32[B, T]")
+    B, T = tokens.shape
+    if cache.k.shape[1] != B or cache.lengths.shape != (B,):
+        raise ValueError(f"cache batch {cache.k.shape[1]} (lengths {cache.lengths.shape}) and tokens batch {B} "
+                         "differ: expected one cache row per row of tokens")
+    limit = min(cache.capacity, cfg.max_position_embeddings)
+    if T > limit:
+        raise ValueError(f"{T} new tokens exceed the limit of {limit} tokens (cache capacity {cache.capacity}, "
+                         f"max_position_embeddings={cfg.max_position_embeddings})")
+    got = _concrete(cache.lengths)
+    if got is not None:
+        bad = (got < 0) | (got + T > limit)
+        if bad.any():
+            raise ValueError(f"cache lengths {got.tolist()} plus {T} new tokens: expected every row to end within "
+                             f"{limit} tokens (cache capacity {cache.capacity}, "
+                             f"max_position_embeddings={cfg.max_position_embeddings})")
+        return None
+    # Traced: flag the queries whose key/value write falls past the cache (dropped: their attention is garbage).
+    # A position past max_position_embeddings only extrapolates RoPE; it is not flagged (a speculative round's
+    # verification may reach past the context in rows that are then discarded).
+    pos = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T]
+    return (pos >= cache.capacity) | (cache.lengths < 0)[:, None]
 
 
 def _write_prefill(cache_k: Array, layer: Array, k: Array) -> Array:
@@ -141,14 +238,16 @@ def _scan_layers(params: Params, cfg: ModelConfig, method, x: Array, positions: 
     """
     B, T = positions.shape
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    window_size = binding_window(cfg, method, kv_len)
 
     def layer_fn(carry, xs, segment=None):
         x, ck, cv, state = carry
-        lp, layer, info = xs
+        lp, layer, info, window = xs
         h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
         q, k, v = qkv_projection(cfg, lp, h, positions, inv_freq)
         ck, cv = write(ck, layer, k), write(cv, layer, v)
-        ctx = LayerContext(layer=layer, lengths=lengths, info=info, hidden=h, segment=segment)
+        ctx = LayerContext(layer=layer, lengths=lengths, info=info, hidden=h, segment=segment, window=window,
+                           window_size=window_size, every_layer_windowed=cfg.every_layer_windowed)
         attn, state = attend(ctx, q, k, v, ck, cv, state)
         x_attn = x + _dense(attn.astype(x.dtype), lp.wo, "bthd,hde->bte", lp.bo)
         return (x_attn + mlp(cfg, lp, x_attn), ck, cv, state), ((x, x_attn) if collect else None)
@@ -190,8 +289,14 @@ def prefill(params: Params, cfg: ModelConfig, method, tokens: Array, lengths: Ar
         attention block (x + attn(x)), both [L, B, T, E] (for calibration).
 
     Returns:
-      (logits, cache with lengths set, state) (+ (inputs, after_attn) when asked).
+      (logits, cache with lengths set, state) (+ (inputs, after_attn) when asked); a row whose length lies
+      outside [1, T] under a trace gets NaN logits (see `check_prefill_request`).
+
+    Raises:
+      ValueError: batch sizes differ, T exceeds the cache capacity, a concrete length lies outside
+        [1, min(T, max_position_embeddings)], or the model's sliding window binds and `method` does not honour it.
     """
+    bad = check_prefill_request(cfg, tokens, lengths, cache)
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
 
@@ -207,6 +312,7 @@ def prefill(params: Params, cfg: ModelConfig, method, tokens: Array, lengths: Ar
         logits = lm_logits(cfg, params, x)[:, 0]
     else:
         logits = lm_logits(cfg, params, x)
+    logits = _poison(logits, bad)
     if return_hidden:
         return logits, cache, state, hidden
     return logits, cache, state
@@ -214,7 +320,16 @@ def prefill(params: Params, cfg: ModelConfig, method, tokens: Array, lengths: Ar
 
 def decode(params: Params, cfg: ModelConfig, method, tokens: Array, cache: KVCache, state: Any, *,
            unroll: int | bool = 1):
-    """Appends tokens: i32[B, T] (T >= 1) at each row's cache length and returns f32[B, T, V] logits."""
+    """Appends tokens: i32[B, T] (T >= 1) at each row's cache length and returns f32[B, T, V] logits.
+
+    Returns (logits, cache, state); under a trace, a query whose write falls past the cache capacity gets NaN
+    logits (see `check_decode_request`).
+
+    Raises:
+      ValueError: batch sizes differ, or (concrete lengths) a row's new tokens would pass the cache capacity or
+        max_position_embeddings, or the model's sliding window binds and `method` does not honour it.
+    """
+    bad = check_decode_request(cfg, tokens, cache)
     T = tokens.shape[1]
     positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
     lengths = cache.lengths + T
@@ -227,4 +342,11 @@ def decode(params: Params, cfg: ModelConfig, method, tokens: Array, cache: KVCac
         params, cfg, method, embed(params, tokens), positions, lengths, cache, state, phase="decode",
         kv_len=cache.capacity, write=lambda c, layer, k: _write_decode(c, layer, positions, k), attend=attend,
         unroll=unroll)
-    return lm_logits(cfg, params, x), KVCache(k=ck, v=cv, lengths=lengths), state
+    return _poison(lm_logits(cfg, params, x), bad), KVCache(k=ck, v=cv, lengths=lengths), state
+
+
+def _poison(logits: Array, bad: Array) -> Array:
+    """NaN logits (f32[B, ...]) where bad (bool[B] rows or bool[B, T] queries) is set; None (checked) is a no-op."""
+    if bad is None:
+        return logits
+    return jnp.where(bad.reshape(bad.shape + (1,) * (logits.ndim - bad.ndim)), jnp.nan, logits)

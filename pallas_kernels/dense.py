@@ -2,8 +2,13 @@
 
 Two entry points, one per phase, both with the library's layouts:
 
-  dense_prefill(q: [B, T, Hq, D], k, v: [B, T, Hkv, D]) -> [B, T, Hq, D]      causal, GQA
-  dense_decode(q: [B, T, Hq, D], k, v: [B, Hkv, N, D], lengths: i32[B]) -> [B, T, Hq, D]
+  dense_prefill(q: [B, T, Hq, D], k, v: [B, T, Hkv, D], window=None) -> [B, T, Hq, D]      causal, GQA
+  dense_decode(q: [B, T, Hq, D], k, v: [B, Hkv, N, D], lengths: i32[B], window=None) -> [B, T, Hq, D]
+
+Both take an optional sliding window (the models' `sliding_window`): query i sees key j iff i - window < j <= i
+(transformers' rule). Prefill takes it static and runs `local_attention` (O(T * window)); decode takes it as
+data (an i32 scalar, 0 = full attention, so one compiled layer serves windowed and full layers) and masks
+positions in XLA.
 
 Decode reads the head-major cache without a transpose: a GQA group's G query heads (times the T new
 tokens) become the query sequence of a single-head attention whose batch is B * Hkv, so the cache is only
@@ -12,8 +17,12 @@ reshaped ([B, Hkv, N, D] -> [B * Hkv, N, 1, D]), never copied, and each KV head 
 
 from __future__ import annotations
 
+import operator
+
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.local_attention import local_attention
 
 Array = jax.Array
 
@@ -25,19 +34,35 @@ def _implementation(q: Array) -> str | None:
     return "xla"
 
 
-def dense_prefill(q: Array, k: Array, v: Array, *, implementation: str | None = None) -> Array:
-    """Causal attention over a right-padded prompt (padding rows produce values nobody reads)."""
+def dense_prefill(q: Array, k: Array, v: Array, *, window: int | None = None,
+                  implementation: str | None = None) -> Array:
+    """Causal attention over a right-padded prompt (padding rows produce values nobody reads).
+
+    Args:
+      q: [B, T, Hq, D]; k, v: [B, T, Hkv, D].
+      window: None (full causal attention) or a static sliding window >= 1: query i sees keys i - window < j <= i
+        (`local_attention`, whose backend choice `implementation` then names).
+    Returns:
+      [B, T, Hq, D] in q's dtype.
+    """
+    if window is not None:
+        return local_attention(q, k, v, window=window, implementation=implementation)
     impl = implementation or _implementation(q)
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
 
 
-def dense_decode(q: Array, k: Array, v: Array, lengths: Array, *, implementation: str | None = None) -> Array:
+def dense_decode(q: Array, k: Array, v: Array, lengths: Array, *, window: Array | int | None = None,
+                 implementation: str | None = None) -> Array:
     """Attention of the T newest tokens over a head-major cache.
 
     Args:
       q: [B, T, Hq, D] queries of the tokens at positions lengths - T .. lengths - 1.
       k, v: [B, Hkv, N, D] cache (the new tokens already written).
       lengths: i32[B] valid tokens per row.
+      window: None, or i32[] (traced or not): the query at position p sees keys p - window < j <= p, with 0
+        meaning full attention. Windowed decode runs on XLA with a position mask.
+    Returns:
+      [B, T, Hq, D] in q's dtype.
     """
     B, T, Hq, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
@@ -47,13 +72,22 @@ def dense_decode(q: Array, k: Array, v: Array, lengths: Array, *, implementation
     kg = k.reshape(B * Hkv, N, 1, D)
     vg = v.reshape(B * Hkv, N, 1, D)
     kv_len = jnp.repeat(lengths.astype(jnp.int32), Hkv)
-    if T == 1:
+    if T == 1 and window is None:
         impl = implementation or _implementation(q)
         out = jax.nn.dot_product_attention(qg, kg, vg, key_value_seq_lengths=kv_len, implementation=impl)
     else:
-        # Query t sees keys < lengths - T + t + 1 (causal among the new tokens).
+        # Query t sits at position p = lengths - T + t and sees keys lo <= j <= p (causal among the new tokens).
         t = jnp.arange(T * G) // G
-        limit = kv_len[:, None] - T + t[None] + 1  # [B*Hkv, T*G]
-        mask = jnp.arange(N)[None, None, :] < limit[:, :, None]
+        pos = kv_len[:, None] - T + t[None]  # [B*Hkv, T*G]
+        keys = jnp.arange(N)[None, None, :]
+        mask = keys <= pos[:, :, None]
+        if window is not None:
+            if not isinstance(window, jax.Array):
+                window = operator.index(window)
+                if window < 0:
+                    raise ValueError(f"window={window}: expected >= 0 tokens (0 = full attention)")
+            window = jnp.asarray(window, jnp.int32)
+            lo = jnp.where(window > 0, pos - window + 1, 0)
+            mask = mask & (keys >= lo[:, :, None])
         out = jax.nn.dot_product_attention(qg, kg, vg, mask=mask[:, None], implementation="xla")
     return out.reshape(B, Hkv, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D)

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The test command: set up .venv (Python 3.12, jax 0.11.2, torch CPU for parity tests) and run the suite.
+# The test command: set up .venv with the test extra (Python 3.12, jax 0.11.2, torch CPU for parity tests) and run
+# the suite on the CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
 export JAX_PLATFORMS=cpu
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@"
+# Two workers (JSPARSE_TEST_WORKERS), each taking whole test files so module fixtures are built once.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 -n "${JSPARSE_TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -20,10 +20,23 @@ def test_generate_rejects_bad_budget(capsys):
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["eval", "--help"], ["calibrate", "--help"],
-                                  ["calibrate", "kascade", "--help"], ["train-predictor", "--help"],
+                                  ["calibrate", "kascade", "--help"], ["calibrate", "sts", "--help"], ["train-predictor", "--help"],
                                   ["bench", "attention", "--help"], ["bench", "model", "--help"]])
 def test_every_command_has_help(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 0
     assert "usage: jsparse" in capsys.readouterr().out
+
+
+def test_generate_speculative_with_layer_skipped_draft_equals_dense(capsys):
+    argv = ["generate", "--model", "smollm2", "--chat", "--prompt", "What is the capital of France?",
+            "--max-new-tokens", "8"]
+    assert main(argv) == 0
+    dense = capsys.readouterr().out
+    assert main(argv + ["--draft", "smollm2:layers=0-9", "--gamma", "3"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == dense and "Paris" in dense
+    assert "acceptance rate" in captured.err
+    assert main(argv + ["--draft", "smollm2:layers=0-9", "--gamma", "0"]) == 2
+    assert "gamma=0" in capsys.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import gguf
 import jax
@@ -313,7 +314,18 @@ def test_gguf_cache_hit_and_corrupt_entry_rebuilt(llama_model, tmp_path, monkeyp
         assert not load_gguf_cached(path, dtype)[2]
     assert load_gguf_cached(path, dtype)[2]
 
-    # A GGUF that changed (mtime) has another key, so a stale entry is never read.
+    # The key is the file's content, not its path or mtime: a copy elsewhere (or a touched file) hits the same
+    # entry, converting nothing; a GGUF whose bytes changed has another key, so a stale entry is never read.
+    copy = tmp_path / "elsewhere" / "tiny.gguf"
+    copy.parent.mkdir()
+    shutil.copy(path, copy)
+    assert params_cache_path(copy, dtype) == target
+    with monkeypatch.context() as mp:
+        mp.setattr(bundled, "load_gguf", lambda *a, **k: pytest.fail("a copy of a cached GGUF was converted again"))
+        assert load_gguf_cached(copy, dtype)[2]
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    assert params_cache_path(path, dtype) != target
+    assert params_cache_path(path, dtype) == target
+    changed = write_gguf(llama_model, tmp_path / "elsewhere" / "changed.gguf", qtype=gguf.GGMLQuantizationType.Q4_0)
+    assert params_cache_path(changed, dtype) != target
+    assert sorted(p.name for p in (tmp_path / "cache").glob("*.safetensors")) == [target.name]

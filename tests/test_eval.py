@@ -11,6 +11,8 @@ import argparse
 import json
 import os
 import re
+import shlex
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -254,11 +256,12 @@ def test_eval_command_writes_records_and_summary(model, corpus, tmp_path, monkey
 
     jitted = (ppl.prefill_nll_state, ppl.decode_chunk_nll, generate_tokens)
     before = [f._cache_size() for f in jitted]
-    args = _parser().parse_args(
-        ["eval", "--model", "tiny", "--methods", "dense,eval_test_sparse", "--tasks", "passkey,ppl",
-         "--lengths", "128,192", "--budget", "0.25", "--samples", "2", "--corpus", corpus, "--artifact",
-         "eval_test_sparse=some/artifact", "--seed", "1", "--depths", "0.2,0.8", "--chunk", "64",
-         "--new-tokens", "6", "--max-batch-tokens", "200", "--out", str(out), "--no-progress"])
+    argv = ["eval", "--model", "tiny", "--methods", "dense,eval_test_sparse", "--tasks", "passkey,ppl",
+            "--lengths", "128,192", "--budget", "0.25", "--samples", "2", "--corpus", corpus, "--artifact",
+            "eval_test_sparse=some/artifact", "--seed", "1", "--depths", "0.2,0.8", "--chunk", "64",
+            "--new-tokens", "6", "--max-batch-tokens", "200", "--out", str(out), "--no-progress"]
+    monkeypatch.setattr(sys, "argv", ["jsparse", *argv])  # the command line the run records
+    args = _parser().parse_args(argv)
     assert args.func(args) == 0
     # One batch of 1 sample at a time (2 batches per length), decode chunks of 64: still one compilation per
     # (method, length) for each jitted function.
@@ -299,7 +302,7 @@ def test_eval_command_writes_records_and_summary(model, corpus, tmp_path, monkey
     outputs = json.loads((out / "passkey_outputs.json").read_text())
     assert len(outputs) == 2 * 2 * 2 and {o["key"] for o in outputs} and all("completion" in o for o in outputs)
     meta = json.loads((out / "run.json").read_text())
-    assert meta["model"] == "tiny-random" and meta["command"].startswith("jsparse ")
+    assert meta["model"] == "tiny-random" and meta["command"] == shlex.join(["jsparse", *argv])
 
 
 @pytest.mark.parametrize("argv, error, match", [

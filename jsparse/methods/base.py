@@ -7,7 +7,9 @@ object is an ordinary argument of the jitted prefill/decode functions.
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+import inspect
+from typing import Any, Callable
 
 _REGISTRY: dict[str, Callable] = {}
 
@@ -26,13 +28,66 @@ def method_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def window_methods() -> list[str]:
+    """The registered methods that honour a model's sliding window (`supports_window`); the model refuses the
+    others when the window binds."""
+    return sorted(n for n, f in _REGISTRY.items() if getattr(f, "supports_window", False))
+
+
+def method_factory(name: str):
+    """The class (or function) registered as `name`; raises ValueError naming the registered ones."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown attention method {name!r}; expected one of {method_names()}")
+    return _REGISTRY[name]
+
+
+# Options every builder takes: the model config, an artifact and its model fingerprint (`jsparse.build_method`
+# fills cfg and fingerprint from the model), and `budget`, which the CLI and the eval harness give every method of a
+# run (methods without a budget, such as dense or tsa, ignore it).
+COMMON_OPTIONS = ("cfg", "artifact", "fingerprint", "budget")
+
+
+def _fields(obj) -> set[str]:
+    return {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else set()
+
+
+def method_options(name: str, method: Any = None) -> list[str]:
+    """The option names `make_method(name, ...)` accepts: COMMON_OPTIONS, the builder's named parameters, names
+    it lists in `EXTRA_OPTIONS`, and the fields of the method it builds (and of its `inner` method), taken from
+    `method` when given (a built instance), else from the registered class."""
+    factory = _REGISTRY[name]
+    build = getattr(factory, "build", factory)
+    names = set(COMMON_OPTIONS) | set(getattr(factory, "EXTRA_OPTIONS", ()))
+    names |= {p.name for p in inspect.signature(build).parameters.values()
+              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    target = method if method is not None else factory
+    names |= _fields(target) | _fields(getattr(target, "inner", None))
+    return sorted(names)
+
+
 def make_method(name: str, **kwargs):
-    """Builds the method registered as `name` (keyword arguments go to its `build` classmethod)."""
+    """Builds the method registered as `name` (keyword arguments go to its `build` classmethod).
+
+    Raises:
+      ValueError: an unknown method name, or an option the method does not take (e.g. a misspelled `budgett`),
+        naming the options it takes (`method_options`).
+    """
     if name not in _REGISTRY:
         raise ValueError(f"unknown attention method {name!r}; expected one of {method_names()}")
     factory = _REGISTRY[name]
     build = getattr(factory, "build", factory)
-    return build(**kwargs)
+    if dataclasses.is_dataclass(factory):  # the options are known before building: check them first
+        _check_options(name, kwargs, method_options(name))
+    method = build(**kwargs)
+    _check_options(name, kwargs, method_options(name, method))  # wrappers: the options of what they built
+    return method
+
+
+def _check_options(name: str, kwargs: dict, valid: list[str]) -> None:
+    unknown = sorted(set(kwargs) - set(valid))
+    if unknown:
+        raise ValueError(f"method {name!r} takes no option {', '.join(map(repr, unknown))}; its options are "
+                         f"{', '.join(v for v in valid if v not in ('cfg', 'fingerprint'))}")
 
 
 # Calibration entry points, by method name: `jsparse calibrate NAME` builds its options with `add_arguments`

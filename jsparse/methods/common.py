@@ -60,6 +60,30 @@ def attend_dense(q, cache, lengths):
     return dense_decode(q, cache.k, cache.v, lengths)
 
 
+def prefill_dense(ctx, q, k, v):
+    """Dense causal prefill honouring the layer's sliding window (`ctx.window`, `ctx.window_size`).
+
+    q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] -> [B, T, Hq, D]. Without a binding window this is `dense_prefill`; with
+    one on every layer, `local_attention` over the last W keys; with windowed and full layers mixed, the layer's
+    window chooses between the two (`lax.cond` on the traced `ctx.window`).
+    """
+    W = getattr(ctx, "window_size", None)
+    if W is None:
+        return dense_prefill(q, k, v)
+    if ctx.every_layer_windowed:
+        return dense_prefill(q, k, v, window=W)
+    return jax.lax.cond(ctx.window > 0, lambda: dense_prefill(q, k, v, window=W), lambda: dense_prefill(q, k, v))
+
+
+def decode_dense(ctx, q, cache):
+    """Dense decode over a head-major cache view honouring the layer's sliding window: q: [B, T, Hq, D] ->
+    [B, T, Hq, D]. Without a binding window this is `attend_dense`; with one, `dense_decode` masks the positions
+    outside each query's window (XLA; the layer's window is data, 0 on full-attention layers)."""
+    if getattr(ctx, "window_size", None) is None:
+        return attend_dense(q, cache, ctx.lengths)
+    return dense_decode(q, cache.k, cache.v, ctx.lengths, window=ctx.window)
+
+
 @struct.dataclass
 class TokenBudget:
     """Fields and the dense-layer switch shared by the top-k style methods.
@@ -87,12 +111,12 @@ class TokenBudget:
 
     def prefill(self, ctx, q, k, v, state):
         return jax.lax.cond(ctx.layer < self.dense_layers,
-                            lambda: (dense_prefill(q, k, v), state),
+                            lambda: (prefill_dense(ctx, q, k, v), state),
                             lambda: self.sparse_prefill(ctx, q, k, v, state))
 
     def decode(self, ctx, q, cache, state):
         return jax.lax.cond(ctx.layer < self.dense_layers,
-                            lambda: (attend_dense(q, cache, ctx.lengths), state),
+                            lambda: (decode_dense(ctx, q, cache), state),
                             lambda: self.sparse_decode(ctx, q, cache, state))
 
     def k_static(self, n: int) -> int:
@@ -118,5 +142,5 @@ def np_int(x) -> np.ndarray:
     return np.asarray(x, np.int32)
 
 
-__all__ = ["TokenBudget", "attend_dense", "attend_selected", "check_tile", "dense_decode", "dense_prefill", "masked_attention_reference",
-           "sparse_prefill"]
+__all__ = ["TokenBudget", "attend_dense", "attend_selected", "check_tile", "decode_dense", "dense_decode",
+           "dense_prefill", "masked_attention_reference", "prefill_dense", "sparse_prefill"]

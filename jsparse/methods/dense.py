@@ -6,14 +6,16 @@ from __future__ import annotations
 from flax import struct
 
 from jsparse.methods.base import register
-from jsparse.methods.common import attend_dense
-from pallas_kernels.dense import dense_prefill
+from jsparse.methods.common import decode_dense, prefill_dense
 
 
 @register("dense")
 @struct.dataclass
 class Dense:
-    """Full causal attention; its selection state is empty (None)."""
+    """Full causal attention (within the model's sliding window on windowed layers); its selection state is
+    empty (None)."""
+
+    supports_window = True  # honours ctx.window (models.attention)
 
     @classmethod
     def build(cls, **unused):
@@ -26,8 +28,9 @@ class Dense:
         return None
 
     def prefill(self, ctx, q, k, v, state):
-        return dense_prefill(q, k, v), state
+        return prefill_dense(ctx, q, k, v), state
 
     def decode(self, ctx, q, cache, state):
-        # In place on a GPU (the stacked cache and the layer index; no copy of the layer's cache per step).
-        return attend_dense(q, cache, ctx.lengths), state
+        # Without a window: in place on a GPU (the stacked cache and the layer index; no copy of the layer's
+        # cache per step). With one: a position mask in XLA.
+        return decode_dense(ctx, q, cache), state

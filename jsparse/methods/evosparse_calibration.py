@@ -240,7 +240,7 @@ def add_arguments(p) -> None:
 
 
 def run_cli(model, windows, args, progress=None) -> Artifact:
-    from jsparse.api import fingerprint
+    from jsparse.artifacts import fingerprint
 
     T = int(np.asarray(windows).shape[1])
     if args.prompt_lengths:

@@ -82,6 +82,9 @@ class Kascade(TokenBudget):
         if not artifact:
             raise ValueError("kascade needs a calibration artifact: run `jsparse calibrate kascade --model M "
                              "--out DIR` and pass --artifact DIR")
+        if cfg is None:
+            raise ValueError("kascade needs the model its artifact was calibrated for: pass the model, "
+                             "`build_method('kascade', model, artifact=DIR)` (or cfg= to make_method)")
         art = load_artifact(artifact, ARTIFACT_KIND, fingerprint)
         if options.get("reuse_scale") is None:
             options["reuse_scale"] = float(art.meta.get("reuse_scale", 1.0))

@@ -297,7 +297,7 @@ def add_arguments(p) -> None:
 
 
 def run_cli(model, windows, args, progress=None) -> Artifact:
-    from jsparse.api import fingerprint
+    from jsparse.artifacts import fingerprint
 
     if args.anchors is not None and not 1 <= args.anchors <= model.cfg.num_layers:
         raise ValueError(f"--anchors {args.anchors}: expected between 1 and the model's {model.cfg.num_layers} "

@@ -5,6 +5,12 @@ Keys are grouped in pages of `page_size` (16). A page's score for query head h i
 keeps its top pages within the token budget, plus the page holding the query itself. Layers 0-1 are dense, as in
 the paper. Quest selects per *query* head, so it attends through a per-head mask rather than the KV-head index
 contract; prefill is dense (Quest is a decode method).
+
+Sliding-window models: on a windowed layer (window W) only the pages that overlap the query's window
+(positions p - W < j <= p) compete, the budget counts the min(p + 1, W) keys the query may see (from the start of
+the window's first page), and the chosen pages are cut to the window, so the selection is a subset of the window
+and the whole budget is the whole window; prefill and the dense layers attend
+within the window too.
 """
 
 from __future__ import annotations
@@ -15,12 +21,14 @@ from flax import struct
 
 from jsparse import selection as sel
 from jsparse.methods.base import register
-from jsparse.methods.common import TokenBudget, dense_prefill, kwargs_for, masked_attention_reference
+from jsparse.methods.common import TokenBudget, kwargs_for, masked_attention_reference, prefill_dense
 
 
 @register("quest")
 @struct.dataclass
 class Quest(TokenBudget):
+    supports_window = True  # honours ctx.window (models.attention)
+
     page_size: int = struct.field(pytree_node=False, default=16)
     dense_layers: int = struct.field(pytree_node=False, default=2)
 
@@ -33,12 +41,13 @@ class Quest(TokenBudget):
         return cls(**kwargs_for(cls, options))
 
     def sparse_prefill(self, ctx, q, k, v, state):
-        return dense_prefill(q, k, v), state
+        return prefill_dense(ctx, q, k, v), state
 
     def sparse_decode(self, ctx, q, cache, state):
         T = q.shape[1]
         pos = sel.decode_positions(ctx.lengths, T)
-        mask = page_mask(q, cache.k, pos, self.budget, self.min_tokens, self.page_size)
+        window = None if getattr(ctx, "window_size", None) is None else ctx.window
+        mask = page_mask(q, cache.k, pos, self.budget, self.min_tokens, self.page_size, window=window)
         return masked_attention_reference(q, cache.k, cache.v, mask), state
 
 
@@ -53,8 +62,14 @@ def page_bounds(k_cache, lengths_max, page_size: int):
     return kmin, kmax
 
 
-def page_mask(q, k_cache, positions, budget, min_tokens, page_size):
-    """bool[B, Hq, T, N]: the keys of each query head's chosen pages that are visible to it."""
+def page_mask(q, k_cache, positions, budget, min_tokens, page_size, window=None):
+    """bool[B, Hq, T, N]: the keys of each query head's chosen pages that are visible to it.
+
+    Args:
+      q: [B, T, Hq, D]; k_cache: [B, Hkv, N, D]; positions: i32[B, T] the queries' positions.
+      window: None or i32[] sliding window (0 = full attention): a query at p sees keys p - window < j <= p only;
+        pages wholly before its window do not compete and the budget counts min(p + 1, window) keys.
+    """
     B, T, Hq, D = q.shape
     Hkv, N = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
@@ -68,15 +83,24 @@ def page_mask(q, k_cache, positions, budget, min_tokens, page_size):
              + jnp.einsum("btkgd,bkpd->bkgtp", jnp.minimum(qf, 0.0), kmin))  # [B, Hkv, G, T, P]
     page = jnp.arange(P)[None, None, :]
     own = positions[:, :, None] // page_size  # [B, T, 1]
-    visible_page = page <= own
+    n_visible = positions + 1  # [B, T] keys the query may see
+    first = jnp.zeros_like(positions)  # [B, T] first key it may see
+    if window is not None:
+        window = jnp.asarray(window, jnp.int32)
+        first = jnp.where(window > 0, jnp.maximum(positions - window + 1, 0), 0)
+        n_visible = positions + 1 - first
+    visible_page = (page <= own) & (page >= (first // page_size)[:, :, None])
     score = jnp.where(visible_page[:, None, None], score, -jnp.inf)
     score = jnp.where((page == own)[:, None, None], jnp.inf, score)  # the query's own page always
-    k_tok = sel.budget_tokens(budget, positions + 1, min_tokens)
-    n_pages = -(-k_tok // page_size)  # [B, T]
+    k_tok = sel.budget_tokens(budget, n_visible, min_tokens)
+    # Pages for k_tok keys counted from the first visible page's start (a window's first page is partly before
+    # it): the whole budget then covers the whole window.
+    n_pages = -(-(k_tok + first % page_size) // page_size)  # [B, T]
     order = jnp.argsort(-score, axis=-1)
     rank = jnp.argsort(order, axis=-1)
     chosen = (rank < n_pages[:, None, None, :, None]) & jnp.isfinite(score) | (score == jnp.inf)
     tok_mask = jnp.repeat(chosen, page_size, axis=-1)[..., :N]  # [B, Hkv, G, T, N]
-    visible = jnp.arange(N)[None, None, :] <= positions[:, :, None]
+    keys = jnp.arange(N)[None, None, :]
+    visible = (keys <= positions[:, :, None]) & (keys >= first[:, :, None])
     tok_mask = tok_mask & visible[:, None, None]
     return tok_mask.reshape(B, Hq, T, N)

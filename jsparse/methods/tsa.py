@@ -693,6 +693,8 @@ class TSAKascade:
     `pool_kernel`, `tsa_min_tokens`, `sparse_layers`, `fill`, `local_window`, `local_sinks` to TSA.
     """
 
+    EXTRA_OPTIONS = ("tsa_min_tokens",)  # an option of the builder's own (see `jsparse.methods.base.method_options`)
+
     @classmethod
     def build(cls, cfg=None, artifact: str | None = None, fingerprint: str | None = None,
               kascade_artifact: str | None = None, tsa_artifact: str | None = None, **options):

@@ -116,7 +116,7 @@ def add_arguments(p) -> None:
 
 
 def run_cli(model, windows, args, progress=None) -> Artifact:
-    from jsparse.api import fingerprint
+    from jsparse.artifacts import fingerprint
 
     return calibrate(model.params, model.cfg, (w[None] for w in windows), delta=check_delta(args.delta),
                      fingerprint=fingerprint(model), model_name=model.name, progress=progress)

@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.sparse_attention.common import default_scale
-from pallas_kernels.sparse_attention.gpu import _MIN_ROWS, _check_prefill, _pow2, _tile_attention, prefill_operands
+from pallas_kernels.sparse_attention.gpu_common import _MIN_ROWS, _check_prefill, _pow2, _tile_attention, prefill_operands
 
 Array = jax.Array
 

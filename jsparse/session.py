@@ -1,0 +1,92 @@
+"""Multi-turn conversations with speculative decoding (and STS): both KV caches live across turns.
+
+    session = jsparse.Session(model, draft, method=sts, gamma=4, capacity=8192)
+    reply = session.send_ids(first_message_ids, max_new_tokens=128)   # prefill (STS-P) + rounds (STS-D)
+    reply = session.send_ids(next_message_ids, max_new_tokens=128)    # appended on top of both caches
+
+The first message is prefilled by both models; every later message is appended at the end of both caches (one
+forward of the message's tokens per model, the draft first so STS selects the target's keys from the draft's
+attention over the new tokens), and nothing earlier is recomputed. The last token of a reply (often the EOS)
+is written at the start of the next message, so the caches always hold the whole conversation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.bundled import LoadedModel
+from models.generate import Sampling
+from models.speculative import append_step, loop_step, prefill_step
+
+
+class Session:
+    """A conversation of one row (batch 1) between a user and a target model with a speculative draft.
+
+    Args:
+      model, draft: target and draft (same vocabulary); method: the target's method ("dense", "sts" or a method
+        object; STS builds its draft's recorder itself); gamma: draft tokens per round; capacity: cache rows of
+        each model (the whole conversation plus gamma + 1 must fit); temperature, top_p, seed: sampling.
+    """
+
+    def __init__(self, model: LoadedModel, draft: LoadedModel, *, method: Any = "dense", gamma: int = 4,
+                 capacity: int | None = None, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0):
+        from jsparse.api import check_draft, eos_ids, speculative_methods
+
+        check_draft(model, draft, gamma)
+        self.model, self.draft, self.gamma = model, draft, gamma
+        self.capacity = int(capacity or min(model.cfg.max_position_embeddings, 4096))
+        self.t_method, self.d_method = speculative_methods(method, model, draft, gamma)
+        self.sampling = Sampling(temperature, top_p)
+        self.eos = eos_ids(model)
+        self.key = jax.random.key(seed)
+        self.state = None
+        self.tokens: list[int] = []  # the conversation so far (messages and replies)
+        self.rounds = 0
+        self.accepted = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / proposed ones, over the session's rounds."""
+        return self.accepted / max(self.rounds * self.gamma, 1)
+
+    def send_ids(self, ids: Sequence[int], max_new_tokens: int = 64) -> list[int]:
+        """Adds a message (token ids) and returns the reply's tokens (EOS included when one was generated)."""
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError("empty message: expected at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 1")
+        need = len(self.tokens) + len(ids) + max_new_tokens + self.gamma + 1
+        if need > self.capacity:
+            raise ValueError(f"the conversation ({len(self.tokens)} tokens) plus this message ({len(ids)}) and "
+                             f"max_new_tokens={max_new_tokens} (+ gamma + 1 = {self.gamma + 1} verification rows) "
+                             f"need {need} cache rows, more than the session's capacity of {self.capacity}")
+        m, d = self.model, self.draft
+        common = dict(t_cfg=m.cfg, d_cfg=d.cfg, sampling=self.sampling)
+        self.key, k1, k2 = jax.random.split(self.key, 3)
+        msg = jnp.asarray([ids], jnp.int32)
+        if self.state is None:
+            self.state = prefill_step(m.params, d.params, self.t_method, self.d_method, msg,
+                                      jnp.asarray([len(ids)], jnp.int32), k1, capacity=self.capacity, **common)
+        else:
+            self.state = append_step(m.params, d.params, self.t_method, self.d_method, self.state, msg, k1, **common)
+        out, num, rounds, accepted, self.state = loop_step(
+            m.params, d.params, self.t_method, self.d_method, self.state, k2, gamma=self.gamma,
+            max_new_tokens=max_new_tokens, eos_ids=self.eos, **common)
+        reply = [int(t) for t in np.asarray(out)[0, : int(num[0])]]
+        self.rounds += int(rounds[0])
+        self.accepted += int(accepted[0])
+        self.tokens += ids + reply
+        return reply
+
+    def send(self, text: str, max_new_tokens: int = 64) -> str:
+        """Adds a message given as raw text (tokenized without special tokens or a chat template; format turns
+        yourself, e.g. with the tokenizer's chat markers) and returns the reply's text."""
+        tok = self.model.tokenizer
+        ids = tok(text, add_special_tokens=not self.tokens)["input_ids"]
+        reply = self.send_ids(ids, max_new_tokens)
+        return tok.decode([t for t in reply if t not in self.eos], skip_special_tokens=True)

@@ -1,0 +1,163 @@
+"""The edges a new user meets first (issue 17, item 5): each is a clear error or the right behaviour.
+
+1. a misspelled method option is an error naming it and the valid options;
+2. `build_method("kascade", None, artifact=...)` is a clear error, not an AttributeError;
+3. `generate(m, "hi")` is one prompt and returns a str;
+4. `jsparse eval --out EXISTING_FILE` fails before the model is loaded;
+5. `--samples` beyond what the corpus holds is a clear error, before any work;
+6. the converted-GGUF cache is keyed by the file's content, not its path (test_convert.py checks copies and
+   changed files; here: two paths of the bundled GGUF share one cache entry).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsparse
+from jsparse.methods import make_method, method_names
+from jsparse.methods.base import method_options
+from models import bundled
+
+KASCADE_ARTIFACT = os.path.join(os.path.dirname(__file__), "..", "artifacts", "smollm2", "kascade")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return jsparse.load("smollm2")
+
+
+# 1 ------------------------------------------------------------------------------------- misspelled options
+
+
+@pytest.mark.parametrize("name, typo", [("oracle", "budgett"), ("streaming", "sinks"), ("quest", "page"),
+                                        ("dense", "budget_tokens"), ("tsa", "taus"), ("evosparse", "decay_rate")])
+def test_misspelled_option_is_named_with_the_valid_ones(name, typo):
+    with pytest.raises(ValueError, match=rf"method '{name}' takes no option '{typo}'; its options are .*budget"):
+        make_method(name, **{typo: 0.1})
+
+
+def test_valid_options_still_build():
+    assert make_method("oracle", budget=0.2, tile=16).budget == 0.2
+    assert make_method("streaming", budget=0.3, sink=8).sink == 8
+    assert make_method("dense", budget=0.1) is not None  # budget: given to every method of an eval run
+    assert "sink" in method_options("streaming") and "tau" in method_options("tsa")
+    for name in method_names():  # every registered builder has introspectable options
+        assert {"budget", "artifact"} <= set(method_options(name))
+
+
+def test_misspelled_option_through_build_method(smollm2):
+    with pytest.raises(ValueError, match=r"'budgett'.*its options are artifact, budget, dense_layers"):
+        jsparse.build_method("oracle", smollm2, budgett=0.1)
+
+
+# 2 --------------------------------------------------------------------------------------- method w/o model
+
+
+def test_kascade_without_model_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"kascade needs the model.*build_method\('kascade', model"):
+        jsparse.build_method("kascade", None, budget=0.1, artifact=KASCADE_ARTIFACT)
+
+
+def test_kascade_without_artifact_names_the_calibration_command():
+    with pytest.raises(ValueError, match="jsparse calibrate kascade"):
+        jsparse.build_method("kascade", None, budget=0.1)
+
+
+# 3 ----------------------------------------------------------------------------------------- str prompts
+
+
+def test_generate_one_string_is_one_prompt(smollm2):
+    one = jsparse.generate(smollm2, "What is the capital of France?", chat=True, max_new_tokens=8)
+    assert isinstance(one, str) and "Paris" in one
+    batch = jsparse.generate(smollm2, ["What is the capital of France?", "hi"], chat=True, max_new_tokens=8)
+    assert isinstance(batch, list) and len(batch) == 2 and batch[0] == one
+    ids = jsparse.encode(smollm2, "hi")
+    assert isinstance(ids, list) and all(isinstance(i, int) for i in ids)
+    assert jsparse.encode(smollm2, ["hi"]) == [ids]
+
+
+@pytest.mark.parametrize("bad", [[], ["ok", 3], None])
+def test_generate_rejects_non_prompts(smollm2, bad):
+    with pytest.raises(ValueError, match="expected a str or a non-empty list of str"):
+        jsparse.generate(smollm2, bad)
+
+
+# 4 ------------------------------------------------------------------------------------ eval --out a file
+
+
+def test_eval_out_existing_file_fails_before_loading(tmp_path, monkeypatch, capsys):
+    from jsparse.cli import main
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded although --out is unusable")
+
+    monkeypatch.setattr(jsparse, "load", no_load)
+    existing = tmp_path / "results.txt"
+    existing.write_text("keep me")
+    rc = main(["eval", "--methods", "dense", "--tasks", "passkey", "--lengths", "256", "--out", str(existing),
+               "--no-progress"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert f"--out '{existing}' is an existing file: expected a folder" in err
+    assert existing.read_text() == "keep me"
+    under_file = existing / "run"
+    rc = main(["eval", "--methods", "dense", "--tasks", "passkey", "--lengths", "256", "--out", str(under_file),
+               "--no-progress"])
+    assert rc == 2 and "cannot make the folder" in capsys.readouterr().err
+
+
+# 5 ------------------------------------------------------------------------------------ --samples too big
+
+
+def test_samples_beyond_the_corpus_is_an_error_before_any_work(smollm2, tmp_path, monkeypatch, capsys):
+    from eval import harness
+    from jsparse.cli import main
+
+    corpus = tmp_path / "short.txt"
+    corpus.write_text("The quick brown fox jumps over the lazy dog. " * 40)  # ~400 tokens
+    monkeypatch.setattr(jsparse, "load", lambda *a, **k: smollm2)
+
+    def no_work(*a, **k):
+        raise AssertionError("methods were built although --samples cannot be met")
+
+    monkeypatch.setattr(harness, "build_methods", no_work)
+    rc = main(["eval", "--methods", "dense", "--tasks", "ppl", "--lengths", "256", "--samples", "100000",
+               "--corpus", str(corpus), "--out", str(tmp_path / "run"), "--no-progress"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--samples 100000: the corpus" in err and "distinct windows of length 256" in err
+
+
+def test_overlapping_windows_warn(smollm2):
+    from eval import ppl
+
+    ids = np.arange(1000, dtype=np.int32) % 500 + 100
+    assert ppl.check_windows(smollm2.tokenizer, ids, 256, 3) == 3
+    with pytest.warns(UserWarning, match="the windows overlap"):
+        rows = ppl.make_windows(smollm2.tokenizer, ids, 256, 5, seed=0)
+    assert rows.shape == (5, 256)
+    with pytest.raises(ValueError, match="--samples 746"):
+        ppl.check_windows(smollm2.tokenizer, ids, 256, 746)
+
+
+# 6 ------------------------------------------------------------------------------- cache keyed by content
+
+
+def test_bundled_gguf_cache_is_shared_by_two_paths(tmp_path, monkeypatch):
+    monkeypatch.setenv(bundled.CACHE_ENV, str(tmp_path / "cache"))
+    src = bundled.resolve_model("smollm2").path
+    link = tmp_path / "models" / "another-name.gguf"
+    link.parent.mkdir()
+    os.symlink(src, link)
+    copy = tmp_path / "models" / "copy.gguf"
+    shutil.copy(src, copy)
+    keys = {bundled.cache_key(p, jnp.float32) for p in (src, link, copy)}
+    assert len(keys) == 1
+    assert bundled.cache_key(src, jnp.bfloat16) not in keys
+    digests = (tmp_path / "cache" / bundled.DIGESTS).read_text()
+    assert str(copy.resolve()) in digests  # each path's sha256 is remembered, so a second load does not rehash

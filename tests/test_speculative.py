@@ -1,0 +1,187 @@
+"""Speculative decoding: greedy equality with target-only decoding, rejection sampling's distribution, rollback,
+batch rows with their own acceptance lengths, errors."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+from jsparse.api import generate_ids, keep_layers, parse_layers
+from jsparse.methods import make_method
+from models import llama
+from models.bundled import LoadedModel
+from models.cache import init_cache
+from models.config import ModelConfig
+from models.generate import Sampling, generate_tokens
+from models.params import random_params
+from models.speculative import (SpecState, sampling_probs, spec_prefill, spec_round, speculative_generate)
+
+CFG = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3,
+                  num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256, eos_token_ids=(3,))
+DRAFT_CFG = dataclasses.replace(CFG, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32)
+DENSE = make_method("dense")
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = random_params(CFG, jax.random.key(0), jnp.float32, scale=0.3)
+    draft = random_params(DRAFT_CFG, jax.random.key(1), jnp.float32, scale=0.3)
+    return target, draft
+
+
+def _target_only(params, tokens, lengths, max_new):
+    out, num = generate_tokens(params, DENSE, tokens, lengths, jax.random.key(0), cfg=CFG, max_new_tokens=max_new,
+                               capacity=128)
+    return np.asarray(out), np.asarray(num)
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_greedy_equals_target_only_batch2(models, gamma):
+    """Batch 2, different prompt lengths, a weak random draft (rows accept different numbers of tokens)."""
+    target, draft = models
+    tokens = jax.random.randint(jax.random.key(5), (2, 12), 4, CFG.vocab_size)
+    lengths = jnp.array([12, 7])
+    ref_out, ref_num = _target_only(target, tokens, lengths, 20)
+    out, num, rounds, accepted = speculative_generate(
+        target, draft, DENSE, DENSE, tokens, lengths, jax.random.key(0), t_cfg=CFG, d_cfg=DRAFT_CFG, gamma=gamma,
+        max_new_tokens=20, capacity=128)
+    np.testing.assert_array_equal(np.asarray(num), ref_num)
+    np.testing.assert_array_equal(np.asarray(out), ref_out)
+    assert np.all(np.asarray(rounds) >= 1) and np.all(np.asarray(accepted) <= gamma * np.asarray(rounds))
+
+
+def test_draft_equal_to_target_accepts_everything(models):
+    target, _ = models
+    tokens = jax.random.randint(jax.random.key(6), (2, 10), 4, CFG.vocab_size)
+    lengths = jnp.array([10, 6])
+    gamma, max_new = 3, 13  # 1 from the prefill + 3 full rounds of gamma + 1
+    ref_out, ref_num = _target_only(target, tokens, lengths, max_new)
+    out, num, rounds, accepted = speculative_generate(
+        target, target, DENSE, DENSE, tokens, lengths, jax.random.key(0), t_cfg=CFG, d_cfg=CFG, gamma=gamma,
+        max_new_tokens=max_new, capacity=128)
+    np.testing.assert_array_equal(np.asarray(out), ref_out)
+    full = ref_num == max_new  # rows without an early EOS
+    np.testing.assert_array_equal(np.asarray(rounds)[full], 3)
+    np.testing.assert_array_equal(np.asarray(accepted)[full], 9)
+
+
+def test_round_rolls_back_by_lengths_and_rows_accept_independently(models):
+    """One round by hand: the caches' lengths move by each row's count; the target cache's accepted rows equal a
+    fresh prefill of the accepted text (the rejected rows past lengths are never read)."""
+    target, draft = models
+    tokens = jax.random.randint(jax.random.key(7), (3, 9), 4, CFG.vocab_size)
+    lengths = jnp.array([9, 5, 8])
+    s = jax.jit(spec_prefill, static_argnames=("t_cfg", "d_cfg", "capacity"))(target, draft, DENSE, DENSE, tokens, lengths, jax.random.key(0), t_cfg=CFG, d_cfg=DRAFT_CFG,
+                     capacity=64)
+    limit = jnp.array([10, 10, 2])
+    s2, emitted, count, acc = jax.jit(spec_round, static_argnames=("t_cfg", "d_cfg", "gamma"))(target, draft, DENSE, DENSE, s, jax.random.key(1), limit, t_cfg=CFG,
+                                               d_cfg=DRAFT_CFG, gamma=4)
+    count = np.asarray(count)
+    assert count[2] <= 2
+    np.testing.assert_array_equal(np.asarray(s2.target.lengths), np.asarray(lengths) + count)
+    for b in range(3):
+        em = [int(t) for t in np.asarray(emitted[b]) if t >= 0]
+        assert len(em) == count[b] and int(s2.tok[b]) == em[-1]
+        seq = list(np.asarray(tokens[b, : int(lengths[b])])) + [int(s.tok[b])] + em
+        padded = jnp.asarray([seq + [0] * (24 - len(seq))])
+        logits, ref_cache, _ = llama.prefill(target, CFG, DENSE, padded, jnp.asarray([len(seq)]),
+                                             init_cache(CFG, 1, 24, jnp.float32), None, all_logits=True)
+        # Greedy: each emitted token is the target's argmax after the text before it.
+        n0 = int(lengths[b])
+        np.testing.assert_array_equal(np.argmax(np.asarray(logits[0, n0: n0 + len(em)]), -1), em)
+        # The cache rows below the new length hold the accepted text's keys (rows past it are never read).
+        n = int(s2.target.lengths[b])
+        np.testing.assert_allclose(s2.target.k[:, b, :, :n], ref_cache.k[:, 0, :, :n], atol=1e-4)
+
+
+def test_rejection_sampling_matches_the_target_distribution():
+    """Chi-square: the first three sampled tokens (x1 from the prefill, x2, x3 from speculative rounds with a
+    different draft) over 4000 rows follow the target's exact joint distribution p(x1) p(x2|x1) p(x3|x1,x2)."""
+    V = 5
+    cfg = dataclasses.replace(CFG, vocab_size=V, eos_token_ids=())
+    dcfg = dataclasses.replace(DRAFT_CFG, vocab_size=V, eos_token_ids=())
+    target = random_params(cfg, jax.random.key(10), jnp.float32, scale=0.5)
+    draft = random_params(dcfg, jax.random.key(11), jnp.float32, scale=0.5)
+    B = 4000
+    prompt = jnp.broadcast_to(jnp.array([1, 4, 2, 0], jnp.int32), (B, 4))
+    lengths = jnp.full((B,), 4, jnp.int32)
+    sampling = Sampling(temperature=1.0)
+    out, num, rounds, accepted = speculative_generate(
+        target, draft, DENSE, DENSE, prompt, lengths, jax.random.key(3), t_cfg=cfg, d_cfg=dcfg, gamma=2,
+        max_new_tokens=3, capacity=16, sampling=sampling)
+    out = np.asarray(out)
+    assert np.all(np.asarray(num) == 3)
+    acc = np.asarray(accepted).sum() / (np.asarray(rounds).sum() * 2)
+    assert 0.05 < acc < 0.95  # the draft differs from the target: both acceptance and rejection happen
+    # Exact joint from the target: all V^2 continuations in one batch.
+    pairs = np.array([[a, b] for a in range(V) for b in range(V)], np.int32)
+    seqs = np.concatenate([np.tile([1, 4, 2, 0], (V * V, 1)), pairs], axis=1)
+    logits, _, _ = llama.prefill(target, cfg, DENSE, jnp.asarray(seqs), jnp.full((V * V,), 6), 
+                                 init_cache(cfg, V * V, 8, jnp.float32), None, all_logits=True)
+    probs = np.asarray(sampling_probs(logits, sampling))  # [V*V, 6, V]
+    p1 = probs[0, 3]
+    p2 = probs[np.arange(0, V * V, V), 4]  # rows (a, 0): p(x2 | x1 = a)
+    p3 = probs[:, 5]  # p(x3 | x1, x2)
+    joint = (p1[:, None, None] * p2[:, :, None] * p3.reshape(V, V, V)).ravel()
+    counts = np.bincount(out[:, 0] * V * V + out[:, 1] * V + out[:, 2], minlength=V ** 3)
+    expected = joint.astype(np.float64) / joint.sum() * B
+    big = expected >= 5  # pool the sparse cells
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    stat = float(np.sum((obs - exp) ** 2 / exp))
+    pval = scipy_stats.chi2.sf(stat, len(obs) - 1)
+    assert pval > 1e-3, pval
+
+
+def test_sampling_probs_nucleus():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+    p = np.asarray(sampling_probs(logits, Sampling(temperature=1.0, top_p=0.7)))
+    np.testing.assert_allclose(p[0], [0.625, 0.375, 0, 0], atol=1e-6)
+
+
+def test_layer_skipped_draft_and_errors(models):
+    target, draft = models
+    tgt = LoadedModel(cfg=CFG, params=target, tokenizer=None, name="t")
+    assert parse_layers("0-1,2", 3) == [0, 1, 2]
+    with pytest.raises(ValueError, match="between 0 and 2"):
+        parse_layers("0-5", 3)
+    skipped = keep_layers(tgt, [0, 2])
+    assert skipped.cfg.num_layers == 2 and skipped.params.layers.wq.shape[0] == 2
+    np.testing.assert_array_equal(skipped.params.layers.wq[1], target.layers.wq[2])
+    ids = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    ref = generate_ids(tgt, ids, max_new_tokens=10)
+    stats = {}
+    assert generate_ids(tgt, ids, max_new_tokens=10, draft=skipped, gamma=2, stats=stats) == ref
+    assert 0.0 <= stats["acceptance_rate"] <= 1.0 and stats["rounds"] >= 1
+    other = LoadedModel(cfg=dataclasses.replace(DRAFT_CFG, vocab_size=100),
+                        params=random_params(dataclasses.replace(DRAFT_CFG, vocab_size=100), jax.random.key(2),
+                                             jnp.float32), tokenizer=None, name="d")
+    with pytest.raises(ValueError, match="draft vocabulary of 100 tokens differs from the target's 128"):
+        generate_ids(tgt, ids, max_new_tokens=4, draft=other)
+    with pytest.raises(ValueError, match="gamma=0: expected an integer >= 1"):
+        generate_ids(tgt, ids, max_new_tokens=4, draft=skipped, gamma=0)
+
+
+def test_speculative_generate_is_one_computation(models):
+    target, draft = models
+    tokens = jax.random.randint(jax.random.key(2), (2, 8), 4, CFG.vocab_size)
+    lowered = speculative_generate.lower(target, draft, DENSE, DENSE, tokens, jnp.array([8, 5]), jax.random.key(0),
+                                         t_cfg=CFG, d_cfg=DRAFT_CFG, gamma=2, max_new_tokens=6, capacity=32)
+    assert "stablehlo.while" in lowered.as_text()
+    assert isinstance(SpecState, type)
+
+
+def test_forced_accept_sets_the_round_length(models):
+    """The benchmark knob: forced_accept fixes each row's accepted count; lengths move by it + 1."""
+    target, draft = models
+    tokens = jax.random.randint(jax.random.key(8), (2, 9), 4, CFG.vocab_size)
+    s = spec_prefill(target, draft, DENSE, DENSE, tokens, jnp.array([9, 6]), jax.random.key(0), t_cfg=CFG,
+                     d_cfg=DRAFT_CFG, capacity=32)
+    s2, emitted, count, acc = jax.jit(spec_round, static_argnames=("t_cfg", "d_cfg", "gamma"))(
+        target, draft, DENSE, DENSE, s, jax.random.key(1), jnp.array([10, 10]), t_cfg=CFG, d_cfg=DRAFT_CFG, gamma=3,
+        forced_accept=jnp.array([3, 1]))
+    np.testing.assert_array_equal(np.asarray(acc), [3, 1])
+    np.testing.assert_array_equal(np.asarray(s2.target.lengths), [9 + 4, 6 + 2])

@@ -1,0 +1,186 @@
+"""STS: tile-wise top-k, the head-map calibration, STS-D/STS-P inside speculative decoding, multi-turn sessions."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jsparse import selection as sel
+from jsparse.api import generate_ids
+from jsparse.artifacts import ArtifactError, save_artifact
+from jsparse.methods import make_method
+from jsparse.methods.sts import STS, tile_head_topk
+from jsparse.methods.sts_calibration import calibrate, load_head_map
+from models.bundled import LoadedModel
+from models.config import ModelConfig
+from models.params import random_params
+
+CFG = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3,
+                  num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512, eos_token_ids=(3,))
+DRAFT_CFG = dataclasses.replace(CFG, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = LoadedModel(cfg=CFG, params=random_params(CFG, jax.random.key(0), jnp.float32, scale=0.3),
+                         tokenizer=None, name="target")
+    draft = LoadedModel(cfg=DRAFT_CFG, params=random_params(DRAFT_CFG, jax.random.key(1), jnp.float32, scale=0.3),
+                        tokenizer=None, name="draft")
+    return target, draft
+
+
+def test_tile_head_topk_matches_full_scores():
+    B, T, Hq, Hkv, D, tile, W = 2, 37, 4, 2, 8, 8, 6
+    q = jax.random.normal(jax.random.key(0), (B, T, Hq, D))
+    k = jax.random.normal(jax.random.key(1), (B, T, Hkv, D))
+    val, idx = tile_head_topk(q, k, tile, W)
+    # The full [T, T] computation per query head: repeat K over the group, pool over tiles, keys before the tile.
+    k_rep = jnp.repeat(k, Hq // Hkv, axis=2)
+    probs = sel.before_tile_scores(sel.prefill_tile_probs(q, k_rep, tile), tile)  # [B, Hq, nT, T]
+    ref_val, ref_idx = jax.lax.top_k(probs, W)
+    ref_idx = np.where(np.isfinite(np.asarray(ref_val)), np.asarray(ref_idx), -1)
+    np.testing.assert_array_equal(np.asarray(idx), ref_idx)
+    assert np.all(np.asarray(idx)[:, :, 0] == -1)  # the first tile has no keys before it
+
+
+def _windows(n=2, T=96, seed=0):
+    return [np.asarray(jax.random.randint(jax.random.key(seed + i), (1, T), 4, CFG.vocab_size)) for i in range(n)]
+
+
+def test_calibration_with_draft_equal_to_target_is_identity(pair):
+    target, _ = pair
+    art = calibrate(target.params, CFG, target.params, CFG, _windows(), ks=(8, 24), tile=16)
+    maps = art.arrays["head_maps"]
+    assert maps.shape == (2, CFG.num_layers, CFG.num_heads, 2)
+    L, H = np.meshgrid(np.arange(CFG.num_layers), np.arange(CFG.num_heads), indexing="ij")
+    for m in maps:
+        np.testing.assert_array_equal(m[..., 0], L)
+        np.testing.assert_array_equal(m[..., 1], H)
+
+
+def test_artifact_keyed_to_both_models(pair, tmp_path):
+    target, draft = pair
+    art = calibrate(target.params, CFG, draft.params, DRAFT_CFG, _windows(1), ks=(8,), tile=16,
+                    fingerprint="t" * 16, draft_fingerprint="d" * 16)
+    assert art.arrays["head_maps"].shape == (1, CFG.num_layers, CFG.num_heads, 2)
+    assert art.arrays["head_maps"][..., 0].max() < DRAFT_CFG.num_layers
+    save_artifact(str(tmp_path), art)
+    assert load_head_map(str(tmp_path), "t" * 16, "d" * 16, 8).shape == (CFG.num_layers, CFG.num_heads, 2)
+    with pytest.raises(ArtifactError, match="model fingerprint 'tttttttttttttttt'"):
+        load_head_map(str(tmp_path), "x" * 16, "d" * 16, 8)
+    with pytest.raises(ArtifactError, match="draft fingerprint 'dddddddddddddddd'"):
+        load_head_map(str(tmp_path), "t" * 16, "y" * 16, 8)
+    with pytest.raises(ValueError, match="too short"):
+        calibrate(target.params, CFG, draft.params, DRAFT_CFG, _windows(1, T=30), ks=(24,), tile=16)
+
+
+def _head_map(cfg, dcfg):
+    return np.stack(np.meshgrid(np.arange(cfg.num_layers) % dcfg.num_layers,
+                                np.arange(cfg.num_heads) % dcfg.num_heads, indexing="ij"), axis=-1)
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_full_budget_sts_equals_target_only_dense_greedy(pair, gamma):
+    target, draft = pair
+    sts = make_method("sts", cfg=CFG, draft=draft, head_map=_head_map(CFG, DRAFT_CFG), budget=1.0, tile=16)
+    ids = [list(range(5, 45)), list(range(60, 83))]
+    ref = generate_ids(target, ids, max_new_tokens=12)
+    assert generate_ids(target, ids, method=sts, max_new_tokens=12, draft=draft, gamma=gamma) == ref
+
+
+def test_sparse_budget_runs_and_errors(pair):
+    target, draft = pair
+    hm = _head_map(CFG, DRAFT_CFG)
+    ids = [list(range(5, 85))]
+    sts = make_method("sts", cfg=CFG, draft=draft, head_map=hm, budget=16, min_tokens=0, tile=16)
+    stats = {}
+    out = generate_ids(target, ids, method=sts, max_new_tokens=8, draft=draft, gamma=2, stats=stats)
+    assert len(out[0]) >= 1 and all(0 <= t < CFG.vocab_size for t in out[0])
+    assert 0.0 <= stats["acceptance_rate"] <= 1.0
+    too_big = make_method("sts", cfg=CFG, draft=draft, head_map=hm, budget=4096)
+    with pytest.raises(ValueError, match="budget=4096 tokens is larger than the context"):
+        generate_ids(target, ids, method=too_big, max_new_tokens=8, draft=draft, gamma=2)
+    with pytest.raises(ValueError, match="pass draft="):
+        generate_ids(target, ids, method=sts, max_new_tokens=8)
+    with pytest.raises(ValueError, match="head map has shape"):
+        make_method("sts", cfg=CFG, draft=draft, head_map=hm[:2])
+    with pytest.raises(ValueError, match="heads in \\[0, 2\\)"):
+        make_method("sts", cfg=CFG, draft=draft, head_map=hm + 1)
+    with pytest.raises(ValueError, match="needs a head map"):
+        make_method("sts", cfg=CFG, draft=draft)
+    with pytest.raises(ValueError, match="budget=1.5"):
+        make_method("sts", cfg=CFG, draft=draft, head_map=hm, budget=1.5)
+    assert isinstance(sts, STS)
+
+
+def test_three_turn_session_equals_dense(pair):
+    """Full budget: every reply equals target-only dense greedy decoding of the whole conversation so far; the
+    second message is short (gathered verification path), the third long (more than 32 new tokens)."""
+    from jsparse.session import Session
+
+    target, draft = pair
+    target = dataclasses.replace(target, cfg=dataclasses.replace(CFG, eos_token_ids=()))  # full-length replies
+    method = make_method("sts", cfg=CFG, draft=draft, head_map=_head_map(CFG, DRAFT_CFG), budget=1.0, tile=16)
+    session = Session(target, draft, method=method, gamma=3, capacity=256)
+    history = []
+    for msg in (list(range(10, 50)), list(range(60, 70)), list(range(70, 105))):
+        reply = session.send_ids(msg, max_new_tokens=10)
+        assert len(reply) == 10
+        ref = generate_ids(target, [history + msg], max_new_tokens=10)[0]
+        assert reply == ref
+        history += msg + reply
+    assert session.tokens == history
+    assert 0.0 <= session.acceptance_rate <= 1.0
+    with pytest.raises(ValueError, match="more than the session's capacity of 256"):
+        session.send_ids(list(range(200)), max_new_tokens=10)
+
+
+def test_sts_decode_selects_the_mapped_draft_heads_top_k():
+    """STS-D on one layer: the draft's recorded rows (its T newest queries, pooled) -> per query head top-W ->
+    head map -> summed over the GQA group -> top-K of the keys before the block, plus the block itself; the
+    output equals masked attention over exactly those keys (numpy reference of the selection)."""
+    from jsparse.methods.sts import StsDraft, empty_record
+    from models.attention import LayerContext, LayerKV
+    from pallas_kernels.sparse_attention.reference import masked_attention_reference
+
+    B, Hq, Hkv, D, N, T, K = 2, 4, 2, 8, 48, 3, 6
+    lengths = jnp.array([40, 29])
+    q_d, q_t = (jax.random.normal(jax.random.key(i), (B, T, Hq, D)) for i in (0, 1))
+    k, v = (jax.random.normal(jax.random.key(i), (B, Hkv, N, D)) for i in (2, 3))
+    draft = StsDraft(budget=K, min_tokens=0, tile=16, slack=T)
+    W = draft.decode_width(N)
+    ctx = LayerContext(layer=jnp.int32(0), lengths=lengths)
+    _, record = draft.decode(ctx, q_d, LayerKV(k=k, v=v), empty_record(1, B, Hq, 1, W))
+    hm = np.array([[[0, 3], [0, 1], [0, 0], [0, 2]]], np.int32)  # target head h reads draft head hm[0, h, 1]
+    sts = STS(head_map=jnp.asarray(hm), budget=K, min_tokens=0, tile=16, slack=T, draft_layers=1, draft_heads=Hq)
+    out, _ = sts.decode(LayerContext(layer=jnp.int32(0), lengths=lengths, info=jnp.asarray(hm[0])), q_t,
+                        LayerKV(k=k, v=v), record)
+    # numpy reference
+    qd, kk = np.asarray(q_d, np.float64), np.asarray(k, np.float64)
+    mask = np.zeros((B, Hkv, T, N), bool)
+    for b in range(B):
+        L = int(lengths[b])
+        n = L - T
+        rows = {}
+        for h in range(Hq):
+            pooled = np.zeros(N)
+            for t in range(T):
+                logit = kk[b, h // 2, :n + t + 1] @ qd[b, t, h] / np.sqrt(D)
+                p = np.exp(logit - logit.max())
+                pooled[:n + t + 1] += p / p.sum()
+            top = np.argsort(-pooled[:L], kind="stable")[:W]
+            rows[h] = {int(i): pooled[i] for i in top}
+        for g in range(Hkv):
+            score = {}
+            for h in (2 * g, 2 * g + 1):
+                for i, s in rows[hm[0, h, 1]].items():
+                    if i < n:
+                        score[i] = score.get(i, 0.0) + s
+            chosen = sorted(score, key=lambda i: -score[i])[:K]
+            for t in range(T):
+                mask[b, g, t, chosen] = True
+                mask[b, g, t, n: n + t + 1] = True
+    ref = masked_attention_reference(q_t, k, v, jnp.asarray(mask))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)

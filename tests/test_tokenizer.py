@@ -1,0 +1,76 @@
+"""The bundled GGUF's tokenizer built from its metadata (`models.tokenizer`, no torch) tokenizes, decodes and applies
+the chat template exactly as transformers' own GGUF tokenizer (which needs torch and accelerate: the test extra)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from models.bundled import resolve_model
+from models.gguf_loader import open_gguf
+from models.tokenizer import PRE_TOKENIZERS, gguf_tokenizer
+
+TEXT = Path(__file__).parent / "data" / "austen_pride_and_prejudice_ch1-2.txt"
+SAMPLES = [
+    "The pass key is 12345. Remember it. 12345 is the pass key.\n\nWhat is the pass key? The pass key is",
+    "Numbers: 3.14159, 2024-11-24, $1,000,000 and 007; x=42+17",
+    "Unicode: héllo wörld, naïve café, 東京, Москва, emoji 😀👍🏽, tabs\tand\r\nnewlines   trailing  ",
+    "Special tokens inside text: <|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
+    "  leading spaces, don't, won't, I'm, we'll, they've, it's, O'Neil's",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def ours():
+    path = resolve_model("smollm2").path
+    return gguf_tokenizer(open_gguf(path), path)
+
+
+@pytest.fixture(scope="module")
+def tokenizers_pair(ours):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    pytest.importorskip("accelerate")
+    path = resolve_model("smollm2").path
+    theirs = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return ours, theirs
+
+
+def test_encode_decode_match_transformers(tokenizers_pair):
+    ours, theirs = tokenizers_pair
+    for text in SAMPLES + [TEXT.read_text()]:
+        ids = ours(text)["input_ids"]
+        assert ids == theirs(text)["input_ids"], text[:80]
+        assert ours.decode(ids) == theirs.decode(ids) == text
+        assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True)
+    assert len(ours) == len(theirs) == 49152
+
+
+def test_special_tokens_and_chat_template_match_transformers(tokenizers_pair):
+    ours, theirs = tokenizers_pair
+    for attr in ("bos_token", "eos_token", "unk_token", "pad_token", "bos_token_id", "eos_token_id", "pad_token_id"):
+        assert getattr(ours, attr) == getattr(theirs, attr), attr
+    assert (ours.eos_token, ours.eos_token_id) == ("<|im_end|>", 2)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    text = ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert text == theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nWhat is the capital" in text
+    ids = ours(text, add_special_tokens=False)["input_ids"]
+    assert ids == theirs(text, add_special_tokens=False)["input_ids"]
+    assert ids.count(1) == 3 and ids.count(2) == 2  # <|im_start|> x3, <|im_end|> x2: kept whole
+
+
+def test_digits_are_split_one_by_one(ours):
+    """SmolLM's pre-tokenizer ("smollm") puts every digit on its own, as the model was trained."""
+    pieces = ours.convert_ids_to_tokens(ours("in 1987 and 42")["input_ids"])
+    assert pieces == ["in", "Ġ", "1", "9", "8", "7", "Ġand", "Ġ", "4", "2"], pieces
+
+
+def test_unknown_pre_tokenizer_is_named():
+    from models import tokenizer as tk
+
+    with pytest.raises(ValueError, match="'mystery-pre'.*expected one of"):
+        tk._pre_tokenizer("mystery-pre", "x.gguf")
+    assert "smollm" in PRE_TOKENIZERS and "llama-bpe" in PRE_TOKENIZERS and "qwen2" in PRE_TOKENIZERS
