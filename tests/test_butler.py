@@ -286,9 +286,10 @@ def test_dense_set_rebalances_the_budget_and_attends_densely():
 def test_dense_set_errors(pcfg):
     with pytest.raises(ValueError, match=r"dense_set=\[5\]"):
         Butler.from_params(CFG, pcfg, None, dense_set=(5,))
-    m = Butler.from_params(CFG, pcfg, None, budget=0.5, dense_layers=1, dense_set=(2,))
-    with pytest.raises(ValueError, match="use more than the budget"):
-        m.sparse_budget(CFG.num_layers)
+    with pytest.raises(ValueError, match=r"budget=0.5 is below .*supported budgets: \(0.5000, 1\]"):
+        Butler.from_params(CFG, pcfg, None, budget=0.5, dense_layers=1, dense_set=(2,))  # refused at build time
+    m = Butler.from_params(CFG, pcfg, None, budget=0.5, dense_layers=1, dense_set=(2,), rebalance=False)
+    assert m.sparse_budget(CFG.num_layers) == 0.5 and m.min_budget(CFG.num_layers) == 0.0
 
 
 def test_artifact_dense_set_and_variants(tmp_path, pcfg):
@@ -299,7 +300,9 @@ def test_artifact_dense_set_and_variants(tmp_path, pcfg):
     pp = init_params(pcfg, jax.random.key(4))
     save_artifact(str(tmp_path), Artifact(kind="butler", fingerprint="f", arrays=flatten_params(pp),
                                           meta={"predictor_config": pcfg.to_dict(), "dense_set": [2]}))
-    b = make_method("butler", cfg=CFG, artifact=str(tmp_path), budget=0.75)
+    with pytest.raises(ValueError, match="supported budgets"):  # its one sparse layer is calibrated dense
+        make_method("butler", cfg=CFG, artifact=str(tmp_path), budget=0.75)
+    b = make_method("butler", cfg=CFG, artifact=str(tmp_path), budget=0.75, rebalance=False)
     assert b.dense_set == (2,) and b.local == 32 and b.dense_layers == 2
     paper = make_method("butler-paper", cfg=CFG, artifact=str(tmp_path), budget=0.75)
     assert paper.dense_set == () and paper.local == 0 and paper.dense_layers == 1

@@ -185,7 +185,7 @@ def test_capacities_are_static_buckets():
 def test_layer_equals_masked_dense_reference(selection, buckets):
     q, k, v = _qkv(1)
     lengths = jnp.asarray([256, 203], jnp.int32)
-    m = TSA(tau=0.3, selection=selection, capacity_buckets=buckets, **SMALL)
+    m = TSA(tau=0.3, selection=selection, capacity_buckets=buckets, fill="zeros", **SMALL)  # the paper's rows
     state = m.init_state(CFG, 2, 256)
     out, state = jax.jit(m.prefill)(_ctx(lengths), q, k, v, state)
     counts, sel = jax.jit(m.select)(q, k, lengths)  # the selection, fixed
@@ -381,7 +381,7 @@ def test_kv_union_capacity_holds_the_largest_union():
     fits the 128 bucket but a union does not, and the layer still equals the masked reference of the unions."""
     q, k, v = _qkv(1)
     lengths = jnp.asarray([256, 203], jnp.int32)
-    m = TSA(tau=0.5, selection="kv_union", capacity_buckets=4, **SMALL)  # capacities (128, 256)
+    m = TSA(tau=0.5, selection="kv_union", capacity_buckets=4, fill="zeros", **SMALL)  # capacities (128, 256)
     counts, sel = jax.jit(m.select)(q, k, lengths)
     sizes = np.asarray(sel.keep).sum(-1)
     assert int(np.max(counts)) <= 128 < int(sizes.max())
