@@ -11,7 +11,7 @@ from jsparse import selection as sel
 from jsparse.api import generate_ids
 from jsparse.artifacts import ArtifactError, save_artifact
 from jsparse.methods import make_method
-from jsparse.methods.sts import STS, tile_head_topk
+from jsparse.methods.sts import STS, _scores, _topk_rows, _topk_set, tile_head_topk
 from jsparse.methods.sts_calibration import calibrate, load_head_map
 from models.bundled import LoadedModel
 from models.config import ModelConfig
@@ -137,7 +137,8 @@ def test_three_turn_session_equals_dense(pair):
         session.send_ids(list(range(200)), max_new_tokens=10)
 
 
-def test_sts_decode_selects_the_mapped_draft_heads_top_k():
+@pytest.mark.parametrize("selection", [None, "xla"])
+def test_sts_decode_selects_the_mapped_draft_heads_top_k(selection):
     """STS-D on one layer: the draft's recorded rows (its T newest queries, pooled) -> per query head top-W ->
     head map -> summed over the GQA group -> top-K of the keys before the block, plus the block itself; the
     output equals masked attention over exactly those keys (numpy reference of the selection)."""
@@ -149,12 +150,13 @@ def test_sts_decode_selects_the_mapped_draft_heads_top_k():
     lengths = jnp.array([40, 29])
     q_d, q_t = (jax.random.normal(jax.random.key(i), (B, T, Hq, D)) for i in (0, 1))
     k, v = (jax.random.normal(jax.random.key(i), (B, Hkv, N, D)) for i in (2, 3))
-    draft = StsDraft(budget=K, min_tokens=0, tile=16, slack=T)
+    draft = StsDraft(budget=K, min_tokens=0, tile=16, slack=T, selection=selection)
     W = draft.decode_width(N)
     ctx = LayerContext(layer=jnp.int32(0), lengths=lengths)
     _, record = draft.decode(ctx, q_d, LayerKV(k=k, v=v), empty_record(1, B, Hq, 1, W))
     hm = np.array([[[0, 3], [0, 1], [0, 0], [0, 2]]], np.int32)  # target head h reads draft head hm[0, h, 1]
-    sts = STS(head_map=jnp.asarray(hm), budget=K, min_tokens=0, tile=16, slack=T, draft_layers=1, draft_heads=Hq)
+    sts = STS(head_map=jnp.asarray(hm), budget=K, min_tokens=0, tile=16, slack=T, draft_layers=1, draft_heads=Hq,
+              selection=selection)
     out, _ = sts.decode(LayerContext(layer=jnp.int32(0), lengths=lengths, info=jnp.asarray(hm[0])), q_t,
                         LayerKV(k=k, v=v), record)
     # numpy reference
@@ -184,3 +186,67 @@ def test_sts_decode_selects_the_mapped_draft_heads_top_k():
                 mask[b, g, t, n: n + t + 1] = True
     ref = masked_attention_reference(q_t, k, v, jnp.asarray(mask))
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "top_k"])
+def test_topk_set_records_the_keys_of_lax_top_k(implementation):
+    """The draft's decode record by topk_select: the same (key, weight) pairs as lax.top_k's rank-ordered rows
+    (ties, -inf keys, rows with fewer than W choosable keys), positions ascending, -1 / -inf padded."""
+    B, H, N, W = 3, 4, 300, 37
+    x = jax.random.uniform(jax.random.key(0), (B, H, N))
+    x = jnp.where(jnp.arange(H)[None, :, None] % 2 == 0, jnp.round(x * 8) / 8, x)  # many ties in even rows
+    lengths = jnp.array([300, 120, 20])  # the last row has fewer than W choosable keys
+    scores = jnp.where(jnp.arange(N)[None, None, :] < lengths[:, None, None], x, -jnp.inf)
+    val, idx = _topk_set(scores, W, implementation)
+    ref_val, ref_idx = _topk_rows(scores, W)
+    val, idx, ref_val, ref_idx = map(np.asarray, (val, idx, ref_val, ref_idx))
+    assert idx.shape == ref_idx.shape == (B, H, W)
+    for b in range(B):
+        for h in range(H):
+            got = idx[b, h][idx[b, h] >= 0]
+            assert np.all(np.diff(got) > 0)  # ascending
+            assert np.all(idx[b, h][len(got):] == -1) and np.all(val[b, h][len(got):] == -np.inf)
+            ref = ref_idx[b, h] >= 0
+            assert dict(zip(got.tolist(), val[b, h][:len(got)].tolist())) == \
+                dict(zip(ref_idx[b, h][ref].tolist(), ref_val[b, h][ref].tolist()))
+    assert (idx[2] >= 0).sum(axis=-1).tolist() == [20] * H
+
+
+@pytest.mark.parametrize("implementation", ["xla", "top_k"])
+def test_target_selection_equals_lax_top_k_selection(implementation):
+    """The target's top-k over the summed draft rows: topk_select on the new (ascending) record equals
+    sel.topk_indices (lax.top_k) on the old (rank-ordered) record, per-row budgets and the limit included."""
+    from pallas_kernels.topk_select import topk_select
+
+    B, H, G, N, W, K = 2, 3, 4, 500, 40, 48
+    probs = jax.random.uniform(jax.random.key(1), (B, H * G, N))
+    probs = jnp.round(probs * 64) / 64  # ties in the pooled weights and their sums
+    limit = jnp.array([450, 90])
+    masked = jnp.where(jnp.arange(N)[None, None, :] < limit[:, None, None] + 5, probs, -jnp.inf)
+    old_val, old_idx = _topk_rows(masked, W)
+    new_val, new_idx = _topk_set(masked, W, implementation)
+    group = lambda x: x.reshape(B, H, G * W)  # noqa: E731
+    old_scores = _scores(group(old_idx), group(old_val), N, limit)
+    new_scores = _scores(group(new_idx), group(new_val), N, limit)
+    np.testing.assert_allclose(np.asarray(new_scores), np.asarray(old_scores), rtol=1e-6)
+    k_dyn = jnp.array([[40], [30]])
+    old = sel.topk_indices(old_scores, k_dyn, K)
+    new = topk_select(new_scores, k_dyn, K, implementation=implementation)
+    np.testing.assert_array_equal(np.asarray(new), np.asarray(old))
+    assert (np.asarray(new)[0] >= 0).sum(axis=-1).tolist() == [40] * H
+
+
+def test_sparse_generation_same_with_xla_selection(pair):
+    """STS-P and STS-D end to end at a sparse budget: the sort-free "xla" selection gives the tokens of lax.top_k."""
+    target, draft = pair
+    hm = _head_map(CFG, DRAFT_CFG)
+    ids = [list(range(5, 85)), list(range(20, 70))]
+    out = {}
+    for selection in (None, "xla"):
+        sts = make_method("sts", cfg=CFG, draft=draft, head_map=hm, budget=16, min_tokens=0, tile=16,
+                          selection=selection)
+        assert sts.selection == selection
+        out[selection] = generate_ids(target, ids, method=sts, max_new_tokens=8, draft=draft, gamma=2)
+    assert out["xla"] == out[None]
+    with pytest.raises(ValueError, match="selection='sort'"):
+        make_method("sts", cfg=CFG, draft=draft, head_map=hm, selection="sort")

@@ -19,6 +19,12 @@ one round: the next round's draft steps overwrite it.
 Budgets: `budget` <= 1 is a fraction of the visible keys (k = min(max(ceil(budget * n), min_tokens), n), the
 rule of the other methods); `budget` > 1 is a number of tokens (k = min(budget, n)). A token budget larger than
 the cache capacity (the longest context of the request) is an error.
+
+Selection: the draft's decode record and the target's top-k use the exact threshold top-k of
+`pallas_kernels.topk_select` (a Pallas Triton kernel on GPU, `lax.top_k` on CPU; `selection` picks another
+implementation), which chooses exactly the keys `lax.top_k` would (ties to the lower position) without sorting
+the cache-wide row. The prefill record (`tile_head_topk`) stays in rank order (`lax.top_k`): the head-map
+calibration reads its first k entries.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from jsparse.methods.base import register
 from jsparse.methods.common import attend_dense, attend_selected, check_tile
 from pallas_kernels.dense import dense_prefill
 from pallas_kernels.sparse_attention import sparse_decode, sparse_prefill
+from pallas_kernels.topk_select import topk_select
+from pallas_kernels.topk_select.api import IMPLEMENTATIONS
 
 Array = jax.Array
 NEG_INF = -jnp.inf
@@ -93,6 +101,17 @@ def _topk_rows(scores: Array, W: int) -> tuple[Array, Array]:
     return val, jnp.where(val > NEG_INF, idx, -1).astype(jnp.int32)
 
 
+def _topk_set(scores: Array, W: int, implementation: str | None = None) -> tuple[Array, Array]:
+    """The keys of `_topk_rows`, positions ascending, by `topk_select` (no sort of the N-wide row).
+
+    scores f32[..., N] (-inf: not choosable), W <= N -> (val f32[..., W], idx i32[..., W]): the kept positions
+    ascending with their scores, then idx -1 / val -inf padding (where fewer than W keys are choosable).
+    """
+    idx = topk_select(scores, W, W, implementation=implementation)
+    val = jnp.take_along_axis(scores, jnp.maximum(idx, 0), axis=-1)
+    return jnp.where(idx >= 0, val, NEG_INF), idx
+
+
 def tile_head_topk(q: Array, k: Array, tile: int, W: int) -> tuple[Array, Array]:
     """Per query head and query tile, the top-W keys before the tile by causal weight pooled over the tile.
 
@@ -129,8 +148,8 @@ def tile_head_topk(q: Array, k: Array, tile: int, W: int) -> tuple[Array, Array]
 class DraftRecord:
     """The draft's attention rows of the current forward: per draft layer and query head, its top-W keys.
 
-    idx: i32[L_d, B, Hq_d, R, W] (rank order, -1 padded); val: f32[...] their pooled weights. R = 1 in decode,
-    one row per query tile in prefill.
+    idx: i32[L_d, B, Hq_d, R, W] (-1 padded); val: f32[...] their pooled weights. R = 1 in decode (positions
+    ascending), one row per query tile in prefill (rank order). Readers treat a row as a set.
     """
 
     idx: Array
@@ -148,6 +167,8 @@ class _Budget:
     min_tokens: int = struct.field(pytree_node=False, default=128)
     tile: int = struct.field(pytree_node=False, default=32)
     slack: int = struct.field(pytree_node=False, default=8)
+    # `topk_select` implementation of the decode record and the target's top-k (None: by backend).
+    selection: str | None = struct.field(pytree_node=False, default=None)
 
     def decode_width(self, capacity: int) -> int:
         """Draft keys recorded per decode row: the budget plus `slack` (the round's own new keys, which the
@@ -185,7 +206,7 @@ class StsDraft(_Budget):
         T = q.shape[1]
         probs = head_probs(q, cache.k, sel.decode_positions(ctx.lengths, T)).sum(axis=2)  # [B, Hq, N]
         visible = jnp.arange(cache.k.shape[2])[None, None, :] < ctx.lengths[:, None, None]
-        val, idx = _topk_rows(jnp.where(visible, probs, NEG_INF), state.idx.shape[-1])
+        val, idx = _topk_set(jnp.where(visible, probs, NEG_INF), state.idx.shape[-1], self.selection)
         state = DraftRecord(idx=state.idx.at[ctx.layer].set(idx[:, :, None]),
                             val=state.val.at[ctx.layer].set(val[:, :, None]))
         return attend_dense(q, cache, ctx.lengths), state
@@ -223,10 +244,13 @@ class STS(_Budget):
         check_budget(self.budget)
         sel.check_positive_int("min_tokens", self.min_tokens, 0)
         check_tile(self.tile)
+        if self.selection is not None and self.selection not in IMPLEMENTATIONS:
+            raise ValueError(f"selection={self.selection!r}: expected one of {IMPLEMENTATIONS} (the topk_select "
+                             f"implementation) or None (by backend)")
 
     @classmethod
     def build(cls, cfg=None, draft=None, artifact=None, fingerprint=None, head_map=None, budget=0.1,
-              min_tokens=128, tile=32, **unused):
+              min_tokens=128, tile=32, selection=None, **unused):
         """Builds STS for target `cfg` and `draft` (a LoadedModel) from an `artifact` folder (`jsparse calibrate
         sts`, checked against both models' fingerprints) or an explicit `head_map` i32[L_t, Hq_t, 2]."""
         if cfg is None or draft is None:
@@ -242,7 +266,7 @@ class STS(_Budget):
         head_map = np.asarray(head_map, np.int32)
         check_head_map(head_map, cfg, draft.cfg)
         return cls(head_map=jnp.asarray(head_map), budget=float(budget), min_tokens=min_tokens, tile=tile,
-                   draft_layers=draft.cfg.num_layers, draft_heads=draft.cfg.num_heads)
+                   selection=selection, draft_layers=draft.cfg.num_layers, draft_heads=draft.cfg.num_heads)
 
     # -- speculative decoding hooks (models.speculative)
 
@@ -252,7 +276,8 @@ class STS(_Budget):
             raise ValueError(f"STS head map made for a draft of {self.draft_layers} layers x {self.draft_heads} heads, "
                              f"got a draft of {draft_cfg.num_layers} x {draft_cfg.num_heads}")
         m = self.replace(slack=max(gamma, 1))
-        return m, StsDraft(budget=m.budget, min_tokens=m.min_tokens, tile=m.tile, slack=m.slack)
+        return m, StsDraft(budget=m.budget, min_tokens=m.min_tokens, tile=m.tile, slack=m.slack,
+                           selection=m.selection)
 
     def adopt_draft(self, state, draft_state):
         return draft_state
@@ -285,7 +310,8 @@ class STS(_Budget):
         def one_tile(args):
             i, v_, s = args
             scores = _scores(i, v_, T, s)
-            return sel.topk_indices(scores, budget_k(self.budget, s, self.min_tokens)[None, None], K)
+            return topk_select(scores, budget_k(self.budget, s, self.min_tokens)[None, None], K,
+                               implementation=self.selection)
 
         chosen = jax.lax.map(one_tile, (jnp.moveaxis(idx, 2, 0), jnp.moveaxis(val, 2, 0), starts))  # [nT, B, H, K]
         return sparse_prefill(q, k, v, jnp.moveaxis(chosen, 0, 2), ctx.lengths, tile=self.tile), state
@@ -297,7 +323,8 @@ class STS(_Budget):
         idx, val = self._rows(state, ctx.info, Hkv)  # [B, Hkv, 1, C]
         scores = _scores(idx[:, :, 0], val[:, :, 0], N, n)
         K = static_k(self.budget, N, self.min_tokens)
-        chosen = sel.topk_indices(scores, budget_k(self.budget, n, self.min_tokens)[:, None], K)  # [B, Hkv, K]
+        chosen = topk_select(scores, budget_k(self.budget, n, self.min_tokens)[:, None], K,
+                             implementation=self.selection)  # [B, Hkv, K]
         new = jnp.broadcast_to((n[:, None] + jnp.arange(T, dtype=jnp.int32))[:, None], (B, Hkv, T))
         both = jnp.concatenate([chosen, new], axis=-1)
         big = jnp.iinfo(jnp.int32).max
