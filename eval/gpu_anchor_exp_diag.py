@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from eval.bench_attention import rel_err
-from eval.benchmarking import device_facts, time_ms
+from eval.bench.attention import rel_err
+from eval.bench.common import device_facts, time_ms
 from pallas_kernels.anchor_attention import mgpu_prefill as mg
 
 

@@ -18,8 +18,8 @@ import os
 import jax
 import jax.numpy as jnp
 
-from eval.bench_attention import rel_err
-from eval.benchmarking import device_facts, table, time_ms, write_json
+from eval.bench.attention import rel_err
+from eval.bench.common import device_facts, table, time_ms, write_json
 
 
 def main(argv=None) -> None:

@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from eval import benchmarking as bm  # noqa: E402
+from eval.bench import common as bm  # noqa: E402
 from pallas_kernels.anchor_attention import gpu, gpu_prefill  # noqa: E402
 from pallas_kernels.anchor_attention import reference as ref  # noqa: E402
 from pallas_kernels.anchor_attention.common import budget_count, positions, tile_counts  # noqa: E402

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.benchmarking import device_facts, measure_hbm_gbs, table, write_json
+from eval.bench.common import device_facts, measure_hbm_gbs, table, write_json
 from pallas_kernels.dense import dense_decode, dense_prefill
 from pallas_kernels.sparse_attention import gpu, reference, xla
 from pallas_kernels.sparse_attention.testing import strided_indices

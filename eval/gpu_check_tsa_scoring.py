@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.benchmarking import device_facts, measure_hbm_gbs, measure_matmul_tflops, time_ms
+from eval.bench.common import device_facts, measure_hbm_gbs, measure_matmul_tflops, time_ms
 from pallas_kernels.tsa_scoring import gpu, reference
 
 BUDGET_S = 170.0

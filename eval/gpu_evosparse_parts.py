@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.benchmarking import device_facts, table, write_json
+from eval.bench.common import device_facts, table, write_json
 from jsparse.methods.evosparse import heat_step, heat_update
 from pallas_kernels.block_scores import gpu as bs_gpu
 from pallas_kernels.block_scores import xla as bs_xla

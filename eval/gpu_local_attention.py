@@ -25,7 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from eval.benchmarking import device_facts, measure_hbm_gbs, table, time_ms, write_json
+from eval.bench.common import device_facts, measure_hbm_gbs, table, time_ms, write_json
 from pallas_kernels.local_attention import BlockSizes, banded_mask, local_attention_gpu, local_attention_reference
 from pallas_kernels.sparse_attention.reference import masked_attention_reference
 

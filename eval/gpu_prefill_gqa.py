@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.benchmarking import device_facts, table, time_ms, write_json
+from eval.bench.common import device_facts, table, time_ms, write_json
 from pallas_kernels.dense import dense_prefill
 from pallas_kernels.sparse_attention import gpu
 from pallas_kernels.sparse_attention.gpu_prefill_gqa import PrefillGQAConfig, sparse_prefill_gqa_gpu

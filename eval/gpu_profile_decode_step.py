@@ -1,5 +1,5 @@
 """Where the time of one EvoSparse (or dense) decode step goes on the GPU: a `jax.profiler` trace of a few steps
-of Llama-3.1-8B shapes (random bf16 weights, 100K context, batch 4, budget 2048 tokens, as eval/bench_evosparse.py),
+of Llama-3.1-8B shapes (random bf16 weights, 100K context, batch 4, budget 2048 tokens, as eval/bench/evosparse.py),
 written as a Perfetto JSON trace and summarised per kernel name (launches and total device time per step).
 
     PYTHONPATH=. python eval/gpu_profile_decode_step.py --method evosparse --out $OUT/profile_evosparse.json
@@ -55,7 +55,7 @@ def main():
     from jsparse.xla_flags import set_xla_flags
     set_xla_flags()
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-    from eval import bench_evosparse as be, bench_model
+    from eval.bench import evosparse as be, model as bench_model
     from models.cache import KVCache
     from models.generate import round_up
     from models.params import random_params

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.benchmarking import device_facts, table, time_ms, write_json
+from eval.bench.common import device_facts, table, time_ms, write_json
 from pallas_kernels.topk_select import gpu, gpu_row, topk_select_reference
 from pallas_kernels.topk_select.testing import adversarial
 

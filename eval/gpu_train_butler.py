@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     import jsparse
-    from eval.benchmarking import device_facts
+    from eval.bench.common import device_facts
     from eval.passkey import special_prefix
     from train import data as data_lib
     from train.loop import LOSS_LOG, TrainConfig, train

@@ -73,12 +73,25 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
-def cmd_bench_model(args) -> int:
-    from eval import bench_model
+# `jsparse bench NAME`: module of eval/bench and one-line help; each module's `main(argv, prog)` parses its own options.
+BENCHMARKS = {
+    "model": ("eval.bench.model", "dense prefill time and decode tokens/s of a model shape beside the roofline"),
+    "decode_step": ("eval.bench.decode_step", "whole decode step: KV cache read in place vs sliced, XLA-flag variants"),
+    "evosparse": ("eval.bench.evosparse", "EvoSparse decode (layer, parts, decode step) vs dense cuDNN/XLA"),
+    "tsa": ("eval.bench.tsa", "TSA prefill (scoring, compression, compressed attention) vs dense cuDNN"),
+}
 
-    bench_model.main(["--shape", args.shape, "--context", args.context, "--batch", args.batch,
-                      "--steps", str(args.steps)] + (["--out", args.out] if args.out else []))
-    return 0
+
+def cmd_bench(args) -> int:
+    import importlib
+
+    from eval.bench import common
+
+    common.COMMAND = args.command_line  # recorded in the JSON as the command that reproduces it
+    if args.bench == "attention":
+        return args.run(args) or 0
+    module = importlib.import_module(BENCHMARKS[args.bench][0])
+    return module.main(args.bench_args, prog=f"jsparse bench {args.bench}") or 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,27 +149,28 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
 
     b = sub.add_parser("bench", help="GPU/TPU benchmarks (random weights of real model shapes)",
-                       description="Benchmarks on random weights of real model shapes; each writes a JSON file "
-                                   "naming the device, jax version, date and commit.")
+                       description="Benchmarks on random weights of real model shapes (eval/bench/); each writes a "
+                                   "JSON file naming the device, jax version, date, commit and this command, with the "
+                                   "dense baseline of the same run. `jsparse bench NAME --help` lists NAME's options.")
     bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    bm = bsub.add_parser("model", help="dense prefill time and decode tokens/s beside the roofline")
-    bm.add_argument("--shape", default="llama3-8b", help="model shape preset: llama3-8b or qwen3-8b")
-    bm.add_argument("--context", default="8192,32768", help="comma-separated context lengths")
-    bm.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
-    bm.add_argument("--steps", type=int, default=16, help="decode steps timed per case (default 16)")
-    bm.add_argument("--out", default=None, help="JSON file to write")
-    bm.set_defaults(func=cmd_bench_model)
+    from eval.bench.attention import add_bench_attention_parser
 
-    from eval.bench_attention import add_bench_attention_parser
-
-    add_bench_attention_parser(bsub)
+    a = add_bench_attention_parser(bsub)
+    a.set_defaults(run=a.get_default("func"), func=cmd_bench)
+    for name, (_, help_text) in BENCHMARKS.items():
+        # Its options (--help included) pass through unparsed to the module's own parser (see main).
+        bsub.add_parser(name, help=help_text, description=help_text, add_help=False).set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     set_xla_flags()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if getattr(args, "bench", None) in BENCHMARKS:
+        args.bench_args = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     # What a run records as its command (eval's run.json): this call's arguments, also when called from Python.
     args.command_line = shlex.join(["jsparse", *(sys.argv[1:] if argv is None else argv)])
     try:

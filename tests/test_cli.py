@@ -1,5 +1,7 @@
 """The `jsparse` command end to end on the bundled model."""
 
+import re
+
 import pytest
 
 from jsparse.cli import main
@@ -21,7 +23,8 @@ def test_generate_rejects_bad_budget(capsys):
 
 @pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["eval", "--help"], ["calibrate", "--help"],
                                   ["calibrate", "kascade", "--help"], ["calibrate", "sts", "--help"], ["train-predictor", "--help"],
-                                  ["bench", "attention", "--help"], ["bench", "model", "--help"]])
+                                  ["bench", "--help"], ["bench", "attention", "--help"], ["bench", "model", "--help"],
+                                  ["bench", "decode_step", "--help"], ["bench", "evosparse", "--help"], ["bench", "tsa", "--help"]])
 def test_every_command_has_help(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -40,3 +43,19 @@ def test_generate_speculative_with_layer_skipped_draft_equals_dense(capsys):
     assert "acceptance rate" in captured.err
     assert main(argv + ["--draft", "smollm2:layers=0-9", "--gamma", "0"]) == 2
     assert "gamma=0" in capsys.readouterr().err
+
+
+def test_bench_help_lists_every_benchmark_module(capsys):
+    """`jsparse bench --help` names every module of eval/bench (but the shared helper)."""
+    import pathlib
+
+    import eval.bench
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    names = sorted(p.stem for p in pathlib.Path(eval.bench.__file__).parent.glob("*.py")
+                   if p.stem not in ("__init__", "common"))
+    assert names == ["attention", "decode_step", "evosparse", "model", "tsa"]
+    for name in names:
+        assert re.search(rf"^    {name}\b", out, re.M), name

@@ -277,7 +277,7 @@ def test_methods_use_stacked_cache_inside_the_scan():
 
 
 def test_bench_fixed_selection_and_hlo_copy_counter():
-    from eval.bench_decode_step import fixed_indices, slice_copies
+    from eval.bench.decode_step import fixed_indices, slice_copies
 
     idx = np.asarray(fixed_indices(jnp.array([100, 10]), 16, 4))
     np.testing.assert_array_equal(idx[0], np.r_[0:4, 88:100])  # sinks, then the last 12 tokens

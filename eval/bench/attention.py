@@ -2,10 +2,10 @@
 
     jsparse bench attention --shape llama3-8b --context 32768,131072 --batch 8 --budget 0.1 --out FILE.json
     jsparse bench attention --phase prefill --shape llama3-8b --context 32768,131072 --out FILE.json
-    (or python -m eval.bench_attention with the same arguments)
+    (or python -m eval.bench.attention with the same arguments)
 
 Random bf16 inputs of a real model's attention shape (heads, KV heads, head dim and layer count from
-models/presets.py). Every time is a median after warm-up (`eval.benchmarking.time_ms`; calls faster than 2 ms
+models/presets.py). Every time is a median after warm-up (`eval.bench.common.time_ms`; calls faster than 2 ms
 are dispatched back to back in groups, so launch latency overlaps).
 
 Decode (B = --batch, one new token, the cache full at each context N):
@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval import benchmarking as bm
+from eval.bench import common as bm
 
 TOL = 2e-2  # bf16 outputs: max abs error / max abs reference
 
@@ -674,8 +674,6 @@ def run_bench_attention(args) -> int:
                 continue
             (run_decode if phase == "decode" else run_prefill)(run, cfg, n, summary)
     payload = dict(facts, benchmark="attention: sparse kernels, selection, Kascade layers vs dense",
-                   command="jsparse bench attention " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "attention"]
-                                                                 else sys.argv[1:]),
                    shape=dict(preset=args.shape, layers=cfg.num_layers, Hq=cfg.num_heads, Hkv=cfg.num_kv_heads,
                               D=cfg.head_dim, dtype="bfloat16"),
                    args={k: v for k, v in vars(args).items() if k != "func"},

@@ -2,7 +2,7 @@
 
 Run on a GPU machine from the repository root:
 
-    GIT_COMMIT=$(git rev-parse HEAD) OUT=/some/dir python eval/bench_tsa.py
+    GIT_COMMIT=$(git rev-parse HEAD) OUT=/some/dir python eval/bench/tsa.py
 
 What it does (about 2 minutes on an H100; cases past a 165 s budget are recorded as skipped):
   1. Checks, compiled on the GPU (bf16, Llama-3.1-8B heads, T = 2048):
@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.benchmarking import device_facts, measure_hbm_gbs, measure_matmul_tflops, table, time_ms, write_json
+from eval.bench.common import device_facts, measure_hbm_gbs, measure_matmul_tflops, table, time_ms, write_json
 from jsparse.methods.tsa import (TSA, TSALayerInfo, attend_compressed, compress, coverage_counts, decompress,
                                  masked_reference_mask, select_tokens, selection_scores)
 from models.attention import LayerContext
@@ -217,8 +217,8 @@ def bench_case(T: int, fraction: float, dense_ms: float, iters: int, hbm_gbs: fl
     }
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, prog=None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--lengths", default="32768,65536,131072")
     p.add_argument("--fractions", default="0.68,0.5,0.3")
     p.add_argument("--iters", type=int, default=0, help="timed calls per measurement (default: 10, 5 at >= 64K)")
@@ -237,7 +237,6 @@ def main(argv=None) -> int:
                "config": {"B": 1, "Hq": HQ, "Hkv": HKV, "D": D, "dtype": "bfloat16", "window": W, "pool_kernel": POOL,
                           "tau": TAU, "min_tokens": MIN_TOKENS, "dense": "cudnn causal GQA",
                           "compressed_attention": "cudnn causal on gathered [B, C, Hq, D] (query_head)"},
-               "command": "python eval/bench_tsa.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                "checks": check_rows, "cases": []}
     path = os.path.join(out_dir, "bench_tsa.json")
     for T in sorted(lengths, reverse=True):  # the acceptance case (128K, f = 0.68) first

@@ -2,7 +2,7 @@
 
 Run on a GPU machine from the repository root:
 
-    GIT_COMMIT=$(git rev-parse HEAD) OUT=/some/dir python eval/bench_evosparse.py
+    GIT_COMMIT=$(git rev-parse HEAD) OUT=/some/dir python eval/bench/evosparse.py
 
 What it does (about 3.5 minutes on an H100; cases are skipped once a time budget is spent: the 100K attention
 cases run first, after the decode step (while the GPU memory is empty), then the other contexts):
@@ -23,7 +23,7 @@ cases run first, after the decode step (while the GPU memory is empty), then the
      (every retrieval layer timed with R = 2).
   3. The whole decode step, end to end (random weights of Llama-3.1-8B, 32 layers, bf16, context 100,000, batch
      1 and 4; capacity 100,352): dense (cuDNN attention) vs EvoSparse (layers 0-1 dense). The cache is filled as
-     in eval/bench_model.py (`filled_cache`); steps run in one jitted fori_loop carrying the cache and the
+     in eval/bench/model.py (`filled_cache`); steps run in one jitted fori_loop carrying the cache and the
      method's state (heat), timed over `--steps` steps.
 
   3b. The whole model's attention of one decode step as ONE jitted program at 100K and the largest batch
@@ -65,8 +65,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval import bench_model
-from eval.benchmarking import device_facts, measure_hbm_gbs, table, time_ms, write_json
+from eval.bench import model as bench_model
+from eval.bench.common import device_facts, measure_hbm_gbs, table, time_ms, write_json
 from jsparse.xla_flags import set_xla_flags
 from jsparse.methods.evosparse import EvoSparse, EvoState, decay_heat, default_num_heads
 from models import llama
@@ -559,8 +559,8 @@ def e2e_rows(batches, steps, hbm, heads_model, params, t0) -> list[dict]:
     return rows
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None, prog=None):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", default="32768,65536,100000,131072")
     p.add_argument("--batches", default="1,4")
     p.add_argument("--e2e-batches", default="1,4")
@@ -598,7 +598,7 @@ def main(argv=None):
     rows = attention_rows(first, batches, a.iters, hbm, heads_model, t0, first_context=first[0] if first else None)
     rows += attention_rows([n for n in contexts if n not in first], batches, a.iters, hbm, heads_model, t0)
     rows.sort(key=lambda r: (r["batch"], r["context"]))
-    payload = {**facts, "benchmark": "evosparse decode vs dense (cuDNN / XLA)", "command": "python eval/bench_evosparse.py",
+    payload = {**facts, "benchmark": "evosparse decode vs dense (cuDNN / XLA)",
                "xla_flags": os.environ.get("XLA_FLAGS", ""),
                "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), "shape": "llama3-8b", "dtype": "bfloat16",
                "budget_tokens": BUDGET_TOKENS, "evo_kernels": EVO_KERNELS or "default", "block_size": BLOCK, "measured_hbm_gbs": hbm,

@@ -5,7 +5,7 @@ context and batch: prefill of the whole context (time, TFLOP/s) and decode steps
 context (tokens/s), beside the roofline: prefill FLOPs over the measured matmul rate, decode bytes per step
 (weights + KV read) over the measured HBM bandwidth.
 
-    python -m eval.bench_model --shape llama3-8b --context 8192,32768 --batch 1,8 --out bench.json
+    python -m eval.bench.model --shape llama3-8b --context 8192,32768 --batch 1,8 --out bench.json
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from eval import benchmarking as bm
+from eval.bench import common as bm
 from jsparse.xla_flags import GPU_XLA_FLAGS
 from jsparse.methods import make_method
 from models import llama
@@ -122,8 +122,8 @@ def run(shape: str, contexts, batches, steps: int = 16, out: str | None = None):
     return payload
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None, prog=None):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama3-8b", help="model shape preset (llama3-8b, qwen3-8b)")
     p.add_argument("--context", default="8192,32768", help="comma-separated context lengths")
     p.add_argument("--batch", default="1,8", help="comma-separated batch sizes")

@@ -7,7 +7,7 @@ benchmark measures what reading it in place buys, end to end.
 Run on the GPU machine from the repository root (about 4-5 minutes on an H100; parts past the time budget are
 recorded as skipped):
 
-    GIT_COMMIT=$(git rev-parse HEAD) OUT=/some/dir python -m eval.bench_decode_step
+    GIT_COMMIT=$(git rev-parse HEAD) OUT=/some/dir python -m eval.bench.decode_step
 
 The command is an orchestrator that never touches the GPU itself; it runs, one after another, each in its own
 process (so that each sets its own XLA_FLAGS before the backend starts and gets the whole GPU):
@@ -21,7 +21,7 @@ process (so that each sets its own XLA_FLAGS before the backend starts and gets 
         and its variants against XLA's einsum and cuDNN on an already materialised layer, cuDNN on a slice
         taken inside the jitted function (what the model did: the copy included), and the sparse kernel
         (K = 2048 tokens) in place vs on a slice taken inside the function.
-     b. the whole decode step (`eval.bench_model.decode_steps`, 16 steps timed after a warm run of 16) at
+     b. the whole decode step (`eval.bench.model.decode_steps`, 16 steps timed after a warm run of 16) at
         context 32K (batch 1, 4, 8) and 100K (batch 1, 4), four attention paths:
           dense_sliced     `pallas_kernels.dense.dense_decode` on `cache.k` (cuDNN on the copied slice; the old path)
           dense_inplace    the registered "dense" method (the in-place split-K kernel on a GPU)
@@ -79,7 +79,7 @@ def _run_child(role: str, flags: str, deadline: float, args, result_path: str, e
     env = dict(os.environ)
     env["XLA_FLAGS"] = flags
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # 100K x batch 4: 53 GB of cache + 16 GB weights
-    cmd = [sys.executable, "-m", "eval.bench_decode_step", "--role", role, "--deadline", str(deadline),
+    cmd = [sys.executable, "-m", "eval.bench.decode_step", "--role", role, "--deadline", str(deadline),
            "--result", result_path, "--steps", str(args.steps), *extra]
     if args.smoke:
         cmd.append("--smoke")
@@ -101,7 +101,7 @@ def _run_child(role: str, flags: str, deadline: float, args, result_path: str, e
 
 
 def orchestrate(args) -> int:
-    from eval.benchmarking import table, write_json  # jax is imported, its backend never started
+    from eval.bench.common import table, write_json  # jax is imported, its backend never started
 
     deadline = T0 + args.budget_s
     tmp = tempfile.mkdtemp(prefix="bench_decode_step_")
@@ -124,10 +124,12 @@ def orchestrate(args) -> int:
             res["variant"] = name
             variants.append(res)
 
+    from eval.bench.common import command_line
+
     payload = {k: main.get(k) for k in ("device", "platform", "jax", "date", "commit", "measured_hbm_gbs",
                                          "param_bytes", "shape")}
+    payload["command"] = command_line()  # the orchestrator's command, not the child's
     payload.update(benchmark="whole decode step, KV cache read in place vs sliced",
-                   command="python -m eval.bench_decode_step " + " ".join(sys.argv[1:]),
                    xla_flags_main=BASE_FLAGS, steps_timed=args.steps, k_tokens=K_TOKENS, sinks=SINKS,
                    kernel_checks=main.get("kernel_checks", []), kernel_records=main.get("kernel_records", []),
                    steps=main.get("steps", []), main_returncode=main.get("returncode"), variants=variants,
@@ -379,7 +381,7 @@ def step_section(args, hbm: float, deadline: float, out: dict) -> None:
     import jax
     import jax.numpy as jnp
 
-    from eval.bench_model import decode_bytes, decode_steps, filled_cache, param_bytes
+    from eval.bench.model import decode_bytes, decode_steps, filled_cache, param_bytes
     from models.config import ModelConfig
     from models.generate import round_up
     from models.params import random_params
@@ -475,7 +477,7 @@ def _rel(a, b) -> float:
 def child(args) -> int:
     import jax
 
-    from eval import benchmarking as bm
+    from eval.bench import common as bm
 
     out = dict(bm.device_facts())
     out["xla_flags"] = os.environ.get("XLA_FLAGS", "")
@@ -502,8 +504,8 @@ def child(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None, prog=None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="llama3-8b", help="model shape preset")
     p.add_argument("--cases", default=DEFAULT_CASES, help="comma-separated context:batch cases, by priority")
     p.add_argument("--paths", default=",".join(PATHS), help=f"attention paths, some of {PATHS}")

@@ -1,11 +1,17 @@
-"""Timing and device facts shared by every benchmark: medians after warm-up, measured ceilings, JSON records."""
+"""Timing, device facts and JSON records shared by every benchmark of `jsparse bench` (one results schema).
+
+Every benchmark JSON starts with `device_facts()`: device, platform, jax, date (UTC), commit and command (the
+command line that reproduces it); its rows hold the dense baseline measured in the same run beside each method.
+"""
 
 from __future__ import annotations
 
 import datetime
 import json
 import os
+import shlex
 import subprocess
+import sys
 import time
 from typing import Callable
 
@@ -26,6 +32,17 @@ def time_ms(fn: Callable, *args, warmup: int = 3, iters: int = 20) -> float:
     return float(np.median(times))
 
 
+# The command line of this run, set by `jsparse bench NAME` before it calls the benchmark (None: run as a script).
+COMMAND: str | None = None
+
+
+def command_line() -> str:
+    """The command that reproduces this run: `jsparse bench ...` when called through the CLI, else python + argv."""
+    if COMMAND is not None:
+        return COMMAND
+    return shlex.join(["python", *sys.argv])
+
+
 def git_commit() -> str:
     if os.environ.get("GIT_COMMIT"):
         return os.environ["GIT_COMMIT"]
@@ -39,7 +56,7 @@ def device_facts() -> dict:
     d = jax.devices()[0]
     return {"device": getattr(d, "device_kind", str(d)), "platform": d.platform, "jax": jax.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": git_commit()}
+            "commit": git_commit(), "command": command_line()}
 
 
 def measure_hbm_gbs(nbytes: int = 2 << 30) -> float:
