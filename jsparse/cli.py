@@ -79,6 +79,21 @@ BENCHMARKS = {
     "decode_step": ("eval.bench.decode_step", "whole decode step: KV cache read in place vs sliced, XLA-flag variants"),
     "evosparse": ("eval.bench.evosparse", "EvoSparse decode (layer, parts, decode step) vs dense cuDNN/XLA"),
     "tsa": ("eval.bench.tsa", "TSA prefill (scoring, compression, compressed attention) vs dense cuDNN"),
+    "sparse_attention": ("eval.bench.sparse_attention", "gathered sparse decode and tile-gathered prefill kernels: "
+                         "check, then time vs dense cuDNN/XLA"),
+    "prefill_gqa": ("eval.bench.prefill_gqa", "GQA-packed tile-gathered prefill kernel vs per-head and cuDNN"),
+    "anchor_variants": ("eval.bench.anchor_variants", "Kascade anchor-layer variants vs the in-place dense decode"),
+    "anchor_mgpu": ("eval.bench.anchor_mgpu", "Mosaic GPU anchor scoring kernels vs the Triton ones"),
+    "topk_select": ("eval.bench.topk_select", "exact top-k selection paths vs lax.top_k"),
+    "evosparse_parts": ("eval.bench.evosparse_parts", "EvoSparse's per-layer bookkeeping (heat update, top-k)"),
+    "local_attention": ("eval.bench.local_attention", "sliding-window attention with sinks (TSA fill=local) vs XLA"),
+    "tsa_scoring": ("eval.bench.tsa_scoring", "TSA scoring kernel: check and timing"),
+    "logit_mse": ("eval.bench.logit_mse", "TokenButler's blockwise logit-MSE loss vs the materialised loss"),
+    "profile_decode_step": ("eval.bench.profile_decode_step", "per-kernel device time of a dense/EvoSparse decode "
+                            "step (jax.profiler trace)"),
+    "profile_ops": ("eval.bench.profile_ops", "per-kernel device time of single ops (jax.profiler trace)"),
+    "butler_coverage": ("eval.bench.butler_coverage", "attention-mass coverage of TokenButler's selection per layer "
+                        "(diagnosis; CPU or GPU)"),
 }
 
 

@@ -175,7 +175,7 @@ def kernel_section(hbm: float, deadline: float, checks: list, records: list, con
     import jax
     import jax.numpy as jnp
 
-    from eval.gpu_check_sparse_attention import dense_einsum_decode, poison, rel_err, time_ms
+    from eval.bench.sparse_attention import dense_einsum_decode, poison, rel_err, time_ms
     from pallas_kernels.dense import dense_decode
     from pallas_kernels.dense_decode import gpu as dgpu
     from pallas_kernels.dense_decode.reference import dense_decode_stacked_reference

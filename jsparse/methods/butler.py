@@ -10,7 +10,7 @@ the `local` most recent ones (the query's own included) are always kept and coun
 
 Defaults (`butler`), each measured on the development corpus (Alice, 2 windows of 1024 tokens, budget 0.5,
 perplexity with decode simulated per row; dense 27.87, oracle 27.97, Quest 27.98, StreamingLLM 29.74; the committed
-2000-step predictor; eval/gpu_butler_coverage.py gives the per-layer numbers):
+2000-step predictor; `jsparse bench butler_coverage` gives the per-layer numbers):
   * the paper's rule (sinks only, layer 0 dense; registered as `butler-paper`): 28.84. Selection is not the
     bottleneck's cause in the pipeline: the same rule on the true logits gives 27.93.
   * `local` most recent tokens always kept: 32: 28.27, 64: 28.25 (128: 28.52; 1/4/16: 28.81/28.75/28.65).
@@ -18,7 +18,7 @@ perplexity with decode simulated per row; dense 27.87, oracle 27.97, Quest 27.98
     two items below: 32: 27.96, 64: 27.99).
   * `dense_layers` = 2 (as Quest; with local=64): 28.23.
   * `dense_set`: per-layer calibration. The few layers where the predictor's selection loses most (largest mean
-    relative attention-output error against dense on dev windows; `python eval/gpu_butler_coverage.py
+    relative attention-output error against dense on dev windows; `jsparse bench butler_coverage
     --dense-count 3` writes them into the artifact's metadata, which `build` reads) attend densely, and with
     `rebalance` (default) the other sparse layers get the smaller budget b' = (n * b - e) / (n - e) (n layers
     >= dense_layers, e of them calibrated dense), so the method keeps as many keys as with budget b everywhere
@@ -29,7 +29,7 @@ perplexity with decode simulated per row; dense 27.87, oracle 27.97, Quest 27.98
     already covers more of the dense attention (0.965 averaged over layers and heads) than Quest (0.939), with
     a smaller attention-output error (0.052 vs 0.071), yet its perplexity is worse. A plausible reading (not
     measured): the predictor sees only layer 0's input, so its misses are correlated across layers and the
-    same keys are lost everywhere. A better-trained predictor is the remaining lever (eval/gpu_train_butler.py).
+    same keys are lost everywhere. A better-trained predictor is the remaining lever (`jsparse train-predictor`).
 With all three (the default): 27.96 (achieved sparsity equal to Quest's). Without the calibrated layers: 28.27
 (local=32, dense_layers=1), 28.23 (local=64, dense_layers=2); calibrated layers with dense_layers=1 (local=64):
 28.02.

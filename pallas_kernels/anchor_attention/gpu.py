@@ -22,7 +22,7 @@ sum_g exp(s_g - c_g) for split-local c_g) can be corrected afterwards by one fac
 need G different factors exp(c_g - lse_g), so the exact pooled score cannot be recovered from it; getting
 lse_g first costs a second read of K (2 GiB at 128K B8) against the 2 x 128 MiB of logits written and read.
 The logits' round trip is ~0.08 ms of the layer's ~1.3 ms at 128K B8; the Triton pooling pass fuses the
-merge-to-pool step into one read of them (eval/gpu_anchor_variants.py times both).
+merge-to-pool step into one read of them (eval/bench/anchor_variants.py times both).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ class BlockSizes:
     """block_q queries per program, block_k keys per step (powers of two >= 16); Triton launch parameters.
     The defaults were the fastest of a sweep at 128K, window 64, 4 sinks, Llama-3.1-8B heads on an H100
     (1.74 ms, 1.7x the HBM floor; cuDNN's sliding window without sinks takes 2.02 ms; made by
-    eval/gpu_local_attention.py, eval/results/h100/local_attention.json)."""
+    eval/bench/local_attention.py, eval/results/h100/local_attention.json)."""
 
     block_q: int = 64
     block_k: int = 32

@@ -40,7 +40,7 @@ Array = jax.Array
 IMPLEMENTATIONS = ("gpu", "tpu", "xla")
 
 # Default tiles. GPU: 128 query rows x 64 keys, 4 warps (the Triton flash-attention choice for d = 64 on
-# Hopper; eval/gpu_bench_logit_mse.py sweeps alternatives). TPU: 512 x 512, to amortise the ~0.35 us
+# Hopper; eval/bench/logit_mse.py sweeps alternatives). TPU: 512 x 512, to amortise the ~0.35 us
 # per-grid-step overhead; both shrink for short sequences (never below the backend's minimum).
 _GPU_BLOCKS = (128, 64)
 _TPU_BLOCKS = (512, 512)

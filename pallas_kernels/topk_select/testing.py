@@ -1,5 +1,5 @@
 """Adversarial inputs for testing the selection kernels against `reference.topk_select_reference` (shared by the
-CPU tests and the GPU check script eval/gpu_topk_select.py)."""
+CPU tests and the GPU check script eval/bench/topk_select.py)."""
 
 from __future__ import annotations
 

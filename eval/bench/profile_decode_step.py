@@ -2,7 +2,7 @@
 of Llama-3.1-8B shapes (random bf16 weights, 100K context, batch 4, budget 2048 tokens, as eval/bench/evosparse.py),
 written as a Perfetto JSON trace and summarised per kernel name (launches and total device time per step).
 
-    PYTHONPATH=. python eval/gpu_profile_decode_step.py --method evosparse --out $OUT/profile_evosparse.json
+    jsparse bench profile_decode_step --method evosparse --out $OUT/profile_evosparse.json
 """
 
 from __future__ import annotations
@@ -44,14 +44,14 @@ def kernel_table(trace_dir: str, steps: int, top: int) -> dict:
             "device_us_per_step": total / steps, "top": rows[:top]}
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None, prog=None):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--method", default="evosparse", choices=["evosparse", "dense"])
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile_decode_step.json"))
-    a = p.parse_args()
+    a = p.parse_args(argv)
     from jsparse.xla_flags import set_xla_flags
     set_xla_flags()
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")

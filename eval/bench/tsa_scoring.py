@@ -2,7 +2,7 @@
 
 Run on a GPU machine from the repository root:
 
-    GIT_COMMIT=$(git rev-parse HEAD) OUT=/some/dir python eval/gpu_check_tsa_scoring.py
+    GIT_COMMIT=$(git rev-parse HEAD) OUT=/some/dir jsparse bench tsa_scoring
 
 What it does (about 1-2 minutes on an H100; cases past a 170 s budget are recorded as skipped):
   1. Correctness, compiled on the GPU, at small shapes that hit every edge (B = 3 rows of lengths 1000,
@@ -150,8 +150,8 @@ def long_case(T: int, variants: dict, peak_tflops: float, hbm_gbs: float, t_star
     return row
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, prog=None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--lengths", default="32768,65536,131072")
     p.add_argument("--no-variants", action="store_true")
     args = p.parse_args(argv)

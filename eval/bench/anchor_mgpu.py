@@ -1,7 +1,7 @@
 """GPU check and timing of the Mosaic GPU anchor scoring kernels (`anchor_attention.mgpu_prefill`) against the
 Triton ones (`anchor_attention.gpu_prefill`), on the H100.
 
-    python -m eval.gpu_anchor_mgpu --out DIR [--context 131072]
+    python -m eval.bench.anchor_mgpu --out DIR [--context 131072]
 
 Checks, compiled: the lse and the pooled scores of both (Mosaic GPU with 64 and 128 rows per warpgroup; tiles of
 128, 64 and 32 query rows) against each other and against the jnp reference at a few small shapes (odd lengths
@@ -22,8 +22,8 @@ from eval.bench.attention import rel_err
 from eval.bench.common import device_facts, table, time_ms, write_json
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None, prog=None) -> None:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--context", type=int, default=131072, help="T of the timed shapes (default 131072)")
     p.add_argument("--iters", type=int, default=10, help="timed calls per variant (default 10)")

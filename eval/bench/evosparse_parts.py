@@ -4,7 +4,7 @@ as a one-hot compare-and-reduce vs the method's scatter-add (`evosparse.heat_upd
 (`block_scores.select_blocks`: the one-launch Triton kernel at several bits / warps vs its XLA specification). Each variant runs `--iters` times in
 one jitted fori_loop (inputs perturbed by a running checksum), and is checked against the reference.
 
-    PYTHONPATH=. python eval/gpu_evosparse_parts.py --out $OUT/evosparse_parts.json
+    jsparse bench evosparse_parts --out $OUT/evosparse_parts.json
 """
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ def timed(fn, *args, iters):
     return float(np.median(ts))
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None, prog=None):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "evosparse_parts.json"))
-    a = p.parse_args()
+    a = p.parse_args(argv)
     from pallas_kernels.topk_select.gpu import SelectConfig
     B, H, nb, K, k = 4, 8, 6256, 128, 40
     key = jax.random.key(0)

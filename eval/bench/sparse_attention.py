@@ -2,7 +2,7 @@
 
 Run on a GPU machine from the repository root:
 
-    GIT_COMMIT=$(git rev-parse HEAD) OUT=/some/dir python eval/gpu_check_sparse_attention.py
+    GIT_COMMIT=$(git rev-parse HEAD) OUT=/some/dir jsparse bench sparse_attention
 
 What it does (about 2-3 minutes on an H100; sections past a 210 s budget are recorded as skipped):
   1. Decode at B=8, Hq=32, Hkv=8, D=128, bf16, N in {32768, 131072}, budget 10% (K = N/10 tokens), block_size
@@ -271,9 +271,9 @@ def run_prefill(T: int, tile: int, variants: bool, records: list, checks: list) 
         del q, k, v
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog=None) -> int:
     global ARGS
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--contexts", default="32768,131072", help="decode cache lengths N")
     p.add_argument("--prefill-length", type=int, default=32768)
     p.add_argument("--tile", type=int, default=128)
@@ -297,7 +297,6 @@ def main(argv=None) -> int:
             r["hbm_fraction"] = r["gbs"] / hbm
 
     payload = dict(facts, benchmark="gathered sparse attention: Pallas Triton / XLA gather vs dense cuDNN / XLA",
-                   command="python eval/gpu_check_sparse_attention.py " + " ".join(argv or sys.argv[1:]),
                    shape=dict(B=B, Hq=HQ, Hkv=HKV, D=D, dtype="bfloat16", budget=BUDGET,
                               prefill=dict(B=1, T=ARGS.prefill_length, tile=ARGS.tile)),
                    default_decode_config=dataclasses.asdict(gpu.DecodeConfig()),

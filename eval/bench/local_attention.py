@@ -2,7 +2,7 @@
 
 Run on a GPU machine from the repository root:
 
-    GIT_COMMIT=$(git rev-parse HEAD) OUT=/some/dir python -m eval.gpu_local_attention
+    GIT_COMMIT=$(git rev-parse HEAD) OUT=/some/dir jsparse bench local_attention
 
 What it does (about a minute on an H100):
   1. Checks the compiled Triton kernel against a dense masked f32 reference (query i sees key j iff j <= i and
@@ -18,6 +18,7 @@ Writes `$OUT/local_attention.json` and prints a table last.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -55,7 +56,8 @@ def checks() -> list[dict]:
     return rows
 
 
-def main() -> int:
+def main(argv=None, prog=None) -> int:
+    argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0]).parse_args(argv)  # --help
     t0 = time.perf_counter()
     facts = device_facts()
     hbm = measure_hbm_gbs()
@@ -86,7 +88,7 @@ def main() -> int:
     for c in cases:
         if "ms" in c:
             c["floor_ms"], c["x_floor"] = floor_ms, c["ms"] / floor_ms
-    payload = {**facts, "hbm_gbs": hbm, "command": "python -m eval.gpu_local_attention",
+    payload = {**facts, "hbm_gbs": hbm,
                "config": {"B": 1, "T": T, "Hq": HQ, "Hkv": HKV, "D": D, "dtype": "bfloat16", "window": WINDOW,
                           "sinks": SINKS},
                "checks": check_rows, "cases": cases, "seconds": time.perf_counter() - t0}

@@ -2,7 +2,7 @@
 
 Run on a GPU machine from the repository root:
 
-    GIT_COMMIT=$(git rev-parse HEAD) OUT=/some/dir python eval/gpu_bench_logit_mse.py
+    GIT_COMMIT=$(git rev-parse HEAD) OUT=/some/dir jsparse bench logit_mse
 
 What it does (about 2-3 minutes on an H100; hard budget 4 minutes, cases past it are recorded as skipped):
   1. Correctness, compiled on the GPU, at a small size (2 stacked layers of SmolLM2, L = 1000: not a
@@ -33,6 +33,8 @@ import os
 import subprocess
 import sys
 import time
+
+from eval.bench.common import command_line
 
 BUDGET_S = 235.0  # the whole script, including subprocess start-up
 CHILD_TIMEOUT_S = 120.0
@@ -200,14 +202,14 @@ def _fmt_bytes(b) -> str:
     return "-" if not isinstance(b, int) or b < 0 else f"{b / 2**30:.2f} GiB"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None, prog=None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--child", nargs="*", help=argparse.SUPPRESS)
     ap.add_argument("--lengths", default="1024,2048,4096,8192,16384")
     ap.add_argument("--heads", type=int, default=LAYERS, help="stacked layers (x9 query heads, x3 KV heads)")
     ap.add_argument("--full", action="store_true", help="also time causal=False")
     ap.add_argument("--no-sweep", action="store_true")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
 
     if a.child is not None:  # child process: one job, result as one JSON line
         kind, *rest = a.child
@@ -234,8 +236,7 @@ def main() -> None:
         benchmark="logit_mse forward+backward (value_and_grad wrt q', k'), blockwise Pallas Triton vs materialised jnp",
         device=check.get("device", "?"), device_kind=check.get("device_kind", "?"), platform=check.get("platform", "?"),
         jax_version=check.get("jax_version", "?"), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        git_commit=commit or "unknown",
-        command="python eval/gpu_bench_logit_mse.py " + " ".join(sys.argv[1:]),
+        git_commit=commit or "unknown", command=command_line(),
         shapes=dict(B=1, Hq=a.heads * HEADS, Hkv=a.heads * KV_HEADS, d=D, dp=DP, dtype="bfloat16",
                     note=f"{a.heads} layers x {HEADS} heads of SmolLM2-135M stacked into the head axis"),
     )

@@ -1,6 +1,6 @@
 """GPU check and timing of the fused anchor variants (Kascade's anchor layers), against the in-place dense decode.
 
-  python eval/gpu_anchor_variants.py [--out DIR] [--quick]
+  jsparse bench anchor_variants [--out DIR] [--quick]
 
 1. Compiled checks (small shapes) of every variant against the jnp reference: anchor_decode_gpu with
    AnchorConfig.pool "xla" / "triton", diagonal_tile 0 / 32, sparse and dense anchors, one layer of a stacked
@@ -250,13 +250,13 @@ def time_prefill(records, T):
             r["ratio_to_dense"] = r["ms"] / dense["ms"]
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None, prog=None):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="output folder (default $OUT)")
     p.add_argument("--quick", action="store_true", help="N 32768 and T 8192 instead of 131072 and 32768")
     args = p.parse_args(argv)
     if jax.default_backend() != "gpu":
-        print("gpu_anchor_variants.py needs a GPU", file=sys.stderr)
+        print("jsparse bench anchor_variants needs a GPU", file=sys.stderr)
         return 2
     t0 = time.time()
     checks, records = [], []
@@ -266,7 +266,7 @@ def main(argv=None):
         print(c, flush=True)
     time_decode(records, 32768 if args.quick else 131072)
     time_prefill(records, 8192 if args.quick else 32768)
-    payload = dict(bm.device_facts(), benchmark="gpu_anchor_variants", command=" ".join(sys.argv),
+    payload = dict(bm.device_facts(), benchmark="anchor_variants",
                    xla_flags=os.environ.get("XLA_FLAGS", ""), shape=dict(Hq=HQ, Hkv=HKV, D=D, dtype="bfloat16",
                                                                          budget=BUDGET),
                    checks=checks, records=records, wall_s=time.time() - t0)
