@@ -59,3 +59,22 @@ def test_bench_help_lists_every_benchmark_module(capsys):
     assert len(names) >= 5 and "model" in names and "attention" in names
     for name in names:
         assert re.search(rf"^    {name}\b", out, re.M), name
+
+
+def test_bench_record_schema_is_enforced(tmp_path):
+    """Every benchmark JSON names device, jax, date, commit and command; a record without them is refused."""
+    import json
+
+    from eval.bench import common
+
+    common.COMMAND = "jsparse bench model --steps 1"
+    try:
+        facts = common.device_facts()
+        assert facts["command"] == "jsparse bench model --steps 1"
+        common.write_json(str(tmp_path / "ok.json"), {**facts, "rows": []})
+        assert json.loads((tmp_path / "ok.json").read_text())["command"] == "jsparse bench model --steps 1"
+        with pytest.raises(ValueError, match="lacks \\['date', 'commit', 'command'\\]"):
+            common.write_json(str(tmp_path / "bad.json"), {"device": "cpu", "jax": "0"})
+        assert not (tmp_path / "bad.json").exists()
+    finally:
+        common.COMMAND = None

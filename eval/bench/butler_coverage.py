@@ -211,9 +211,10 @@ def main(argv=None, prog=None) -> int:
             json.dump(info, f, indent=2)
         print(f"wrote dense_set={dense_set} into {args.artifact}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "per_layer": per_layer, "mean": mean, "mean_from_layer2": mean2}, f,
-                      indent=1)
+        from eval.bench.common import device_facts, write_json
+
+        write_json(args.out, {**device_facts(), "args": {k: v for k, v in vars(args).items() if k != "func"},
+                              "per_layer": per_layer, "mean": mean, "mean_from_layer2": mean2})
     return 0
 
 

@@ -77,7 +77,17 @@ def measure_matmul_tflops(n: int = 8192) -> float:
     return 2 * n ** 3 / (ms * 1e-3) / 1e12
 
 
+# The results schema: what every benchmark JSON names (its rows then hold the dense baseline of the same run).
+SCHEMA = ("device", "jax", "date", "commit", "command")
+
+
 def write_json(path: str, payload: dict) -> None:
+    """Writes a benchmark's record to `path`; raises ValueError if a key of SCHEMA is missing (start payloads from
+    `device_facts()`)."""
+    missing = [k for k in SCHEMA if k not in payload]
+    if missing:
+        raise ValueError(f"benchmark record for {path} lacks {missing}; every record names {list(SCHEMA)} "
+                         "(start it from eval.bench.common.device_facts())")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(payload, f, indent=2)

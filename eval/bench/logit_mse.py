@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 
-from eval.bench.common import command_line
+from eval.bench.common import command_line, write_json
 
 BUDGET_S = 235.0  # the whole script, including subprocess start-up
 CHILD_TIMEOUT_S = 120.0
@@ -235,8 +235,8 @@ def main(argv=None, prog=None) -> None:
     report = dict(
         benchmark="logit_mse forward+backward (value_and_grad wrt q', k'), blockwise Pallas Triton vs materialised jnp",
         device=check.get("device", "?"), device_kind=check.get("device_kind", "?"), platform=check.get("platform", "?"),
-        jax_version=check.get("jax_version", "?"), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        git_commit=commit or "unknown", command=command_line(),
+        jax=check.get("jax_version", "?"), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        commit=commit or "unknown", command=command_line(),
         shapes=dict(B=1, Hq=a.heads * HEADS, Hkv=a.heads * KV_HEADS, d=D, dp=DP, dtype="bfloat16",
                     note=f"{a.heads} layers x {HEADS} heads of SmolLM2-135M stacked into the head axis"),
     )
@@ -274,11 +274,10 @@ def main(argv=None, prog=None) -> None:
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "logit_mse.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2)
+    write_json(path, report)
 
     # Table last.
-    print(f"\nwrote {path}  ({report['total_s']:.0f} s)  device={report['device_kind']} jax={report['jax_version']} commit={commit}")
+    print(f"\nwrote {path}  ({report['total_s']:.0f} s)  device={report['device_kind']} jax={report['jax']} commit={commit}")
     print("correctness (kernel on GPU vs f32 reference, L=1000):")
     for r in report["check"] if isinstance(report["check"], list) else []:
         if "error" in r:

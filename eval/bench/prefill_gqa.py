@@ -149,7 +149,7 @@ def main(argv=None, prog=None) -> int:
     t_start = time.perf_counter()
     facts = device_facts()
     print(facts, flush=True)
-    payload = {"facts": facts, "device": facts["device"], "jax": facts["jax"], "commit": facts["commit"],
+    payload = {**facts,
                "shape": dict(B=B, T=args.T, Hq=HQ, Hkv=HKV, D=D, tile=TILE, dtype="bfloat16", budget=BUDGET)}
     payload["check"] = check(256 if args.smoke else 4096)
 

@@ -18,6 +18,8 @@ import time
 import jax
 import jax.numpy as jnp
 
+from eval.bench.common import device_facts, write_json
+
 
 def kernel_table(trace_dir: str, steps: int, top: int) -> dict:
     """Aggregates the device ops (events on GPU streams) of the Perfetto trace under trace_dir."""
@@ -80,10 +82,9 @@ def main(argv=None, prog=None):
         tok, cache, state = be.decode_steps(params, m, tok, cache, state, cfg=cfg, steps=a.steps)
         jax.block_until_ready(tok)
     wall = (time.perf_counter() - t) * 1e3 / a.steps
-    res = {"method": a.method, "batch": B, "context": ctx, "steps": a.steps, "wall_ms_per_step_traced": wall,
+    res = {**device_facts(), "method": a.method, "batch": B, "context": ctx, "steps": a.steps, "wall_ms_per_step_traced": wall,
            **kernel_table(d, a.steps, a.top)}
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(a.out, res)
     print(f"{a.method}: {res['kernels_per_step']:.0f} kernels/step, device {res['device_us_per_step'] / 1e3:.2f} ms/step, "
           f"wall (traced) {wall:.2f} ms/step; processes {res['gpu_processes']}")
     for r in res["top"]:

@@ -12,7 +12,6 @@ the Kascade anchor's decode shape: B 8, Hq 32, Hkv 8, D 128, bf16, N 131072, bud
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
@@ -20,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eval.bench.common import device_facts, write_json
 from eval.bench.profile_decode_step import kernel_table
 from pallas_kernels.topk_select import gpu, topk_select_reference
 
@@ -58,7 +58,7 @@ def main(argv=None, prog=None):
     a = p.parse_args(argv)
     B, Hq, Hkv, D, N = 8, 32, 8, 128, 131072
     K = int(np.ceil(0.1 * N))
-    res = {"shape": dict(B=B, Hq=Hq, Hkv=Hkv, D=D, N=N, K=K)}
+    res = {**device_facts(), "shape": dict(B=B, Hq=Hq, Hkv=Hkv, D=D, N=N, K=K)}
     if "select" in a.what:
         R = B * Hkv
         x = jnp.exp(2.0 * jax.random.normal(jax.random.key(0), (R, N), jnp.float32)) / N  # pooled-like
@@ -87,8 +87,7 @@ def main(argv=None, prog=None):
         hm = jnp.asarray(np.roll(np.arange(Hkv), 1), jnp.int32)
         f = jax.jit(lambda q, k, v, i, l: sparse_decode_stacked_gpu(q, k, v, lay, i, l, head_map=hm))
         res["reuse"] = profile("reuse", f, (q, kc, vc, idx, lengths), a.calls)
-    with open(a.out, "w") as fh:
-        json.dump(res, fh, indent=1)
+    write_json(a.out, res)
 
 
 if __name__ == "__main__":

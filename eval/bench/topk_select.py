@@ -11,7 +11,7 @@ What it does:
      all -inf, NaNs of several payloads with +-0.0 / +-inf, a few distinct values), plus small odd shapes
      (N = 1, 33, 300, 1000 with k = 0 and k above the valid count), against `topk_select_reference`:
      EXACT equality of the int32 index arrays.
-  2. Timing (eval.benchmarking.time_ms: 3 warm-ups, median of 20, results blocked on) at
+  2. Timing (eval.bench.common.time_ms: 3 warm-ups, median of 20, results blocked on) at
      (rows, N, k) = (64, 131072, 13108), (64, 32768, 3277), (32, 6256, 64), (4, 6256, 64), (4, 8192, 40) of:
        passes   the old path (8 counting launches at 4 bits with XLA glue, final count, split plan, compaction)
        fused    32 / bits counting launches + final count + compaction, no XLA between them (4 and 2 bits)

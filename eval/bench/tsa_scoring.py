@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -37,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.bench.common import device_facts, measure_hbm_gbs, measure_matmul_tflops, time_ms
+from eval.bench.common import device_facts, measure_hbm_gbs, measure_matmul_tflops, time_ms, write_json
 from pallas_kernels.tsa_scoring import gpu, reference
 
 BUDGET_S = 170.0
@@ -183,8 +182,7 @@ def main(argv=None, prog=None) -> int:
                             and all(r.get("ok", False) for r in record["cases"] if "skipped" not in r))
 
     path = os.path.join(out_dir, "tsa_scoring.json")
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
+    write_json(path, record)
 
     print(f"\nwrote {path}; device {record['device']}, jax {record['jax']}, commit {record['git_commit']}")
     print(f"small-shape checks: {sum(all(v for kk, v in r.items() if kk.startswith('ok_')) for r in record['checks'])}"
