@@ -210,18 +210,6 @@ def selection_gap(indices, scores, kk):
 # Decode.
 
 
-def dense_einsum_decode(q, k, v, lengths):
-    """Dense decode in plain XLA over the head-major cache (T = 1)."""
-    b, _, hq, d = q.shape
-    hkv, n = k.shape[1], k.shape[2]
-    qg = q.reshape(b, hkv, hq // hkv, d)
-    s = jnp.einsum("bhgd,bhnd->bhgn", qg, k, preferred_element_type=jnp.float32) / math.sqrt(d)
-    s = jnp.where(jnp.arange(n) < lengths[:, None, None, None], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bhgn,bhnd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return o.reshape(b, 1, hq, d).astype(q.dtype)
-
-
 def _kinds(interpret: bool):
     """The GPU kernels' modules and the keyword that runs them in the interpreter."""
     from pallas_kernels.anchor_attention import gpu as anchor_gpu
@@ -325,7 +313,7 @@ def run_decode(run: Bench, cfg, N: int, summary: dict) -> None:
     # Dense baselines.
     dense = {}
     fns = {"dense_cudnn": jax.jit(lambda q, k, v, l: dense_decode(q, k, v, l)),
-           "dense_xla_einsum": jax.jit(dense_einsum_decode)}
+           "dense_xla_einsum": jax.jit(bm.dense_einsum_decode)}
     if jax.default_backend() == "gpu" or args.interpret:
         from pallas_kernels.dense_decode import gpu as dense_gpu
         if not args.interpret:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -102,3 +103,15 @@ def table(rows: list[dict], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def dense_einsum_decode(q, k, v, lengths):
+    """Dense decode in plain XLA over the head-major cache (T = 1): q [B, 1, Hq, D], k, v [B, Hkv, N, D]."""
+    b, _, hq, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    qg = q.reshape(b, hkv, hq // hkv, d)
+    s = jnp.einsum("bhgd,bhnd->bhgn", qg, k, preferred_element_type=jnp.float32) / math.sqrt(d)
+    s = jnp.where(jnp.arange(n) < lengths[:, None, None, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bhgn,bhnd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(b, 1, hq, d).astype(q.dtype)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import statistics
 import sys
@@ -40,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.bench.common import device_facts, measure_hbm_gbs, table, write_json
+from eval.bench.common import dense_einsum_decode, device_facts, measure_hbm_gbs, table, write_json
 from pallas_kernels.dense import dense_decode, dense_prefill
 from pallas_kernels.sparse_attention import gpu, reference, xla
 from pallas_kernels.sparse_attention.testing import strided_indices
@@ -128,18 +127,6 @@ def decode_inputs(N: int, T: int, bs: int, seed: int, odd: bool):
     limit = jnp.broadcast_to(blocks[:, None, None], (B, HKV, T))
     idx = strided_indices(ks[5], limit, count, K)
     return q, k, v, idx, lengths.astype(jnp.int32), K
-
-
-def dense_einsum_decode(q, k, v, lengths):
-    """Dense decode in plain XLA over the head-major cache (T = 1): q [B, 1, Hq, D], k, v [B, Hkv, N, D]."""
-    b, _, hq, d = q.shape
-    hkv, n = k.shape[1], k.shape[2]
-    qg = q.reshape(b, hkv, hq // hkv, d)
-    s = jnp.einsum("bhgd,bhnd->bhgn", qg, k, preferred_element_type=jnp.float32) / math.sqrt(d)
-    s = jnp.where(jnp.arange(n) < lengths[:, None, None, None], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bhgn,bhnd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return o.reshape(b, 1, hq, d).astype(q.dtype)
 
 
 def run_decode(N: int, variants: bool, records: list, checks: list) -> None:
