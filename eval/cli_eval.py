@@ -52,13 +52,19 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help="comma-separated attention methods, e.g. dense,oracle,kascade,streaming,quest "
                         "(default: dense)")
     p.add_argument("--tasks", default=",".join(harness.TASKS),
-                   help=f"comma-separated tasks among {','.join(harness.TASKS)} (default: all)")
+                   help=f"comma-separated tasks among {','.join(harness.task_names())} (passkey and ppl built in, "
+                        "the others the generation tasks of eval/tasks, scored with their RULER metric) (default: "
+                        f"{','.join(harness.TASKS)})")
     p.add_argument("--lengths", default="2048,4096", help="comma-separated prompt lengths in tokens "
                    "(default: 2048,4096)")
-    p.add_argument("--budget", type=float, default=0.1,
+    p.add_argument("--budget", type=float, default=None,
                    help="token budget of the sparse methods, a fraction of the context in (0, 1] (default 0.1)")
+    p.add_argument("--budgets", default=None, metavar="F[,F...]",
+                   help="budget fractions to sweep in one run, each in (0, 1] (e.g. 0.05,0.1,0.2): every method that "
+                        "takes a budget runs once per fraction (and once per --budget-tokens N); dense and tsa take "
+                        "none and run once, their records' budget null. Replaces --budget")
     p.add_argument("--budget-tokens", default=None, metavar="N[,N...]",
-                   help="fixed token budgets instead of --budget: each N runs every budgeted method with "
+                   help="fixed token budgets (instead of --budget; beside --budgets): each N runs every budgeted method with "
                         "k = min(N, p + 1) keys per query at position p (TokenBudget methods: budget ~ N / length "
                         "and min_tokens = N; evosparse: budget_tokens = N); methods without a budget (dense, tsa) "
                         "run once per length")
@@ -86,7 +92,11 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--method-option", action="append", default=None, metavar="METHOD.OPTION=VALUE",
                    help="an option of one method's builder, VALUE read as JSON when it parses (e.g. "
                         "tsa.tau=0.01 or tsa.fill=local); repeat or comma-separate for several")
-    p.add_argument("--new-tokens", type=int, default=8, help="tokens generated for a passkey answer (default 8)")
+    p.add_argument("--new-tokens", type=int, default=8, help="tokens generated for a passkey answer (default 8; a "
+                   "generation task generates its own number)")
+    p.add_argument("--chat", action="store_true",
+                   help="the generation tasks' prompts in the model's chat template (records' variant 'chat') "
+                        "instead of raw completions (variant 'generate'); passkey and ppl stay raw")
     p.add_argument("--chunk", type=int, default=512,
                    help="tokens per decode call in the ppl decode variant (bounds memory; default 512)")
     p.add_argument("--max-batch-tokens", type=int, default=8192,
@@ -97,8 +107,16 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                         "sts (which runs ppl variant prefill only: STS-P)")
     p.add_argument("--gamma", type=int, default=4, help="draft tokens proposed per round with --draft (default 4)")
     p.add_argument("--out", required=True,
-                   help="output folder for results.json and summary.md (created; an existing folder's files of "
-                        "these names are replaced; an existing file is an error)")
+                   help="output folder (created) for results.json, summary.md, report.md and plots/. A run into a "
+                        "folder that holds results.json of the same configuration (model, dtype, samples, seed, "
+                        "corpus, haystack, depths, new tokens, continuation, chat, draft, and each method's "
+                        "artifact and options) resumes: units already recorded (method, budget, task, length, "
+                        "variant) are skipped and new records are appended; another configuration is an error "
+                        "(use --overwrite or another folder)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="discard the records of an existing results.json in --out instead of resuming")
+    p.add_argument("--no-report", action="store_true",
+                   help="skip report.md and its plots (write them later with eval.report.write_report(DIR))")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run_eval)
     return p
@@ -112,8 +130,13 @@ def spec_from_args(args) -> harness.EvalSpec:
         depths = tuple(float(d) for d in harness.parse_list(args.depths, "--depths"))
     except ValueError:
         raise ValueError(f"--depths {args.depths!r}: expected comma-separated fractions in [0, 1]") from None
+    budgets = harness.parse_budgets(getattr(args, "budgets", None))
+    if budgets is not None and args.budget is not None:
+        raise ValueError(f"--budget {args.budget:g} and --budgets {args.budgets} both given: pass the fractions to "
+                         "--budgets alone")
     spec = harness.EvalSpec(
-        methods=methods, tasks=tasks, lengths=harness.parse_lengths(args.lengths), budget=args.budget,
+        methods=methods, tasks=tasks, lengths=harness.parse_lengths(args.lengths),
+        budget=0.1 if args.budget is None else args.budget, budgets=budgets, chat=getattr(args, "chat", False),
         samples=args.samples, seed=args.seed, corpus=args.corpus, haystack=args.haystack,
         artifacts=harness.parse_artifacts(args.artifact, methods), depths=depths,
         ppl_variants=harness.parse_list(args.ppl_variants, "--ppl-variants"), new_tokens=args.new_tokens,
@@ -141,12 +164,61 @@ def check_out(out: str) -> None:
         raise ValueError(f"--out {out!r}: cannot make the folder ({e.strerror or e})") from None
 
 
+def run_config(spec: harness.EvalSpec, model: str, dtype: str | None) -> dict:
+    """What must match for a run to resume into a folder's results.json (besides what it runs)."""
+    return dict(model=model, dtype=dtype, samples=spec.samples, seed=spec.seed, corpus=spec.corpus,
+                haystack=spec.haystack, depths=list(spec.depths), new_tokens=spec.new_tokens,
+                continuation=spec.continuation, chat=spec.chat,
+                draft=None if spec.draft is None else getattr(spec.draft, "name", str(spec.draft)),
+                gamma=None if spec.draft is None else spec.gamma,
+                artifacts=dict(spec.artifacts), method_options={k: dict(v) for k, v in spec.method_options.items()})
+
+
+def _same(key: str, a, b) -> bool:
+    if key == "corpus" and a and b:
+        return os.path.realpath(a) == os.path.realpath(b)
+    return a == b
+
+
+def resume_config(out: str, config: dict, overwrite: bool) -> tuple[list[dict], list[dict], dict]:
+    """(records, runs, config) to continue from in `out`: ([], [], config) for a new folder or with `overwrite`;
+    the folder's records and runs, and `config` merged with its per-method artifacts and options, when its
+    results.json has the same configuration. Raises ValueError naming the first difference otherwise."""
+    if overwrite or not os.path.exists(os.path.join(out, report.RESULTS_JSON)):
+        return [], [], config
+    data = report.read_results(out)
+    where = os.path.join(out, report.RESULTS_JSON)
+    if data["schema_version"] != report.SCHEMA_VERSION:
+        raise ValueError(f"{where} has schema version {data['schema_version']} (a list of records written before "
+                         f"version {report.SCHEMA_VERSION}): cannot resume it; pass --overwrite or another --out")
+    old = data["meta"].get("config")
+    if old is None:
+        raise ValueError(f"{where} names no run configuration: cannot resume it; pass --overwrite or another --out")
+    merged = dict(config)
+    for key, value in config.items():
+        if key in ("artifacts", "method_options"):
+            prev = old.get(key) or {}
+            for name in set(prev) & set(value):
+                if prev[name] != value[name]:
+                    raise ValueError(f"{where} was run with {key} {name}={prev[name]!r}, this run has "
+                                     f"{value[name]!r}: pass --overwrite or another --out")
+            merged[key] = {**prev, **value}
+        elif not _same(key, old.get(key), value):
+            raise ValueError(f"{where} was run with {key}={old.get(key)!r}, this run has {key}={value!r}: a run "
+                             "resumes only into the same configuration; pass --overwrite or another --out")
+    return list(data["records"]), list(data["runs"]), merged
+
+
 def run_eval(args) -> int:
-    """The `jsparse eval` command: validate, load the model, evaluate, write the files; returns 0."""
+    """The `jsparse eval` command: validate, load the model, evaluate (resuming into --out), write the files and
+    the report; returns 0."""
     import jsparse
+    from jsparse.api import default_dtype
 
     spec = spec_from_args(args)
     check_out(args.out)
+    config = run_config(spec, args.model, args.dtype or default_dtype())
+    previous, runs, config = resume_config(args.out, config, getattr(args, "overwrite", False))
     model = jsparse.load(args.model, args.dtype)
     if spec.draft is not None:
         spec = dataclasses.replace(spec, draft=jsparse.load(args.draft, args.dtype))
@@ -158,12 +230,30 @@ def run_eval(args) -> int:
         methods=list(spec.methods), tasks=list(spec.tasks),
         lengths=list(spec.lengths), artifacts=dict(spec.artifacts), depths=list(spec.depths),
         ppl_variants=list(spec.ppl_variants), continuation=spec.continuation,
+        budgets=None if spec.budgets is None else list(spec.budgets),
         budget_tokens=None if spec.budget_tokens is None else list(spec.budget_tokens),
-        method_options={k: dict(v) for k, v in spec.method_options.items()},
+        method_options={k: dict(v) for k, v in spec.method_options.items()}, chat=spec.chat,
         draft=None if spec.draft is None else getattr(spec.draft, "name", args.draft),
-        gamma=None if spec.draft is None else spec.gamma)
-    run = harness.evaluate(model, spec, progress=not args.no_progress,
-                           on_record=lambda records: report.write_results(args.out, records, meta))
-    report.write_results(args.out, run.records, meta, run.passkey_outputs)
+        gamma=None if spec.draft is None else spec.gamma, config=config)
+    this_run = {k: meta.get(k) for k in ("command", "date", "commit", "device")}
+    if previous:
+        print(f"resuming into {args.out}: {len(previous)} records already there; their (method, budget, task, "
+              "length, variant) units are skipped", file=sys.stderr)
+    outputs_path = os.path.join(args.out, report.OUTPUTS_JSON)
+    old_outputs = []
+    if previous and os.path.isfile(outputs_path):
+        import json
+
+        with open(outputs_path) as f:
+            old_outputs = json.load(f)
+
+    def write(records, outputs=None):
+        added = len(records) - len(previous)
+        report.write_results(args.out, records, meta, outputs, runs + [dict(this_run, records=added)])
+
+    run = harness.evaluate(model, spec, progress=not args.no_progress, on_record=write, previous=previous)
+    write(run.records, old_outputs + run.outputs)
+    if not getattr(args, "no_report", False):
+        report.write_report(args.out)
     print(report.summary_markdown(run.records, meta))
     return 0

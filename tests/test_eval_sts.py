@@ -24,7 +24,7 @@ def test_eval_sts_full_budget_matches_dense(model, corpus):  # noqa: F811
         assert rate is not None and 0.0 <= rate <= 1.0
         assert main[(m, "ppl")]["acceptance_rate"] is None
     np.testing.assert_allclose(main[("sts", "ppl")]["value"], main[("dense", "ppl")]["value"], rtol=1e-4)
-    answers = {m: [o["completion"] for o in run.passkey_outputs if o["method"] == m] for m in ("dense", "sts")}
+    answers = {m: [o["completion"] for o in run.outputs if o["method"] == m] for m in ("dense", "sts")}
     assert answers["sts"] == answers["dense"]
     assert "acceptance rate" in summary_markdown(run.records)
 
