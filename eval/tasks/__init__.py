@@ -13,13 +13,14 @@ its Task.
 
 from __future__ import annotations
 
-from eval.tasks import niah_single
+from eval.tasks import (coref, cwe, fwe, niah_multikey, niah_multiquery, niah_multivalue, niah_single, passkey,
+                        vt)
 from eval.tasks.base import METRICS, Sample, Task, score, string_match_all, string_match_part
 
 __all__ = ["METRICS", "Sample", "Task", "TASKS", "get_task", "score", "string_match_all", "string_match_part"]
 
 TASKS: dict[str, Task] = {}
-for _module in (niah_single,):
+for _module in (niah_single, niah_multikey, niah_multivalue, niah_multiquery, vt, cwe, fwe, passkey, coref):
     for _task in _module.TASKS:
         if _task.name in TASKS:
             raise ValueError(f"task {_task.name!r} registered twice")  # pragma: no cover

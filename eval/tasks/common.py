@@ -20,6 +20,7 @@ the last token that ends a sentence (., !, ? or a paragraph break) at or before 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import zlib
@@ -276,3 +277,157 @@ def distinct(rng: np.random.Generator, draw: Callable[[np.random.Generator], str
         out.append(v)
         seen.append(lv)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------- word lists
+
+def corpus_words(tokenizer, haystack: str) -> tuple[str, ...]:
+    """The distinct lowercase words (4-12 letters a-z) of a corpus or path haystack, sorted."""
+    import re
+
+    path = os.path.abspath(corpus_path(haystack))
+    return _cached(tokenizer, ("words", path, os.path.getmtime(path)),
+                   lambda: tuple(sorted(set(re.findall(r"\b[a-z]{4,12}\b", corpus_text(haystack).lower())))))
+
+
+class WordSource:
+    """Distinct words for a list task, drawn with the sample's rng: from `pool` when given, else made by
+    `make(rng)`. No word taken is inside another one taken or inside `avoid` (the prompt's own text), so a
+    substring match scores only its own word.
+
+    cost(w): the tokens of " " + w; take(cost=None): an unused word (of exactly `cost` tokens when given), or None
+    when there is none left (pool) or none found in 2048 draws (make).
+    """
+
+    def __init__(self, tokenizer, rng: np.random.Generator, pool: Sequence[str] | None = None,
+                 make: Callable[[np.random.Generator], str] | None = None, avoid: str = ""):
+        self.tokenizer, self.rng, self.make, self.avoid = tokenizer, rng, make, avoid.lower()
+        self.taken: list[str] = []
+        self._taken: set[str] = set()
+        self._subs: collections.Counter = collections.Counter()  # every substring of the words taken
+        self._costs: dict[str, int] = {}
+        self._dropped: set[str] = set()
+        self._made: list[str] = []  # words made (with their costs) and not yet taken
+        if pool is not None:
+            pool = tuple(pool)
+            self._costs.update(_cached(tokenizer, ("costs", pool), lambda: dict(zip(pool, map(len, tokenizer(
+                [" " + w for w in pool], add_special_tokens=False)["input_ids"])))))
+            order = [pool[j] for j in rng.permutation(len(pool))]
+            self._free = order[::-1]  # popped from the end: the seeded order
+            self._by_cost: dict[int, list[str]] = collections.defaultdict(list)
+            for w in self._free:
+                self._by_cost[self._costs[w]].append(w)
+
+    def cost(self, word: str) -> int:
+        if word not in self._costs:
+            self._costs[word] = len(ids(self.tokenizer, " " + word))
+        return self._costs[word]
+
+    @staticmethod
+    def _substrings(word: str):
+        return {word[a:b] for a in range(len(word)) for b in range(a + 1, len(word) + 1)}
+
+    def _ok(self, word: str) -> bool:
+        if word in self.avoid or self._subs[word] > 0:
+            return False
+        return not any(s in self._taken for s in self._substrings(word))
+
+    def _add(self, word: str) -> str:
+        self.taken.append(word)
+        self._taken.add(word)
+        self._subs.update(self._substrings(word))
+        return word
+
+    def take(self, cost: int | None = None) -> str | None:
+        if self.make is None:
+            free = self._free if cost is None else self._by_cost.get(cost, [])
+            while free:
+                w = free.pop()
+                if w in self._dropped or w in self._taken:
+                    continue  # taken through the other list, or dropped
+                if self._ok(w):
+                    return self._add(w)
+                self._dropped.add(w)  # clashes with a word taken: never offered again
+            return None
+        batches = 0  # the words made so far are looked at first, then up to 32 more batches of 64
+        while True:
+            j = next((j for j, w in enumerate(self._made) if cost is None or self._costs[w] == cost), None)
+            if j is None:
+                if batches == 32:
+                    return None
+                made = [self.make(self.rng) for _ in range(64)]
+                enc = self.tokenizer([" " + w for w in made], add_special_tokens=False)["input_ids"]
+                self._costs.update({w: len(e) for w, e in zip(made, enc)})
+                self._made += made
+                batches += 1
+                continue
+            w = self._made.pop(j)
+            if w not in self._taken and self._ok(w):
+                return self._add(w)
+
+    def give_back(self, word: str) -> None:
+        self.taken.remove(word)
+        self._taken.discard(word)
+        self._subs.subtract(self._substrings(word))
+        if self.make is None:
+            self._free.append(word)
+            self._by_cost[self.cost(word)].append(word)
+
+
+def word_ids(tokenizer, words) -> dict[str, list[int]]:
+    """{word: ids of " " + word} for distinct words, tokenized in one batch."""
+    words = list(dict.fromkeys(words))
+    return dict(zip(words, tokenizer([" " + w for w in words], add_special_tokens=False)["input_ids"]))
+
+
+def fill_list(budget: int, counts: dict[str, int], words: WordSource, index_cost: Callable[[int], int],
+              max_cost: int = 6) -> int:
+    """Adds words of count 1 to `counts` (in place) until the list costs `budget` tokens; returns the tokens left
+    unfilled (0 unless no word of a fitting length is left).
+
+    The list of n items costs sum(count * words.cost(w)) + sum(index_cost(i) for i in 1..n) tokens (index_cost:
+    the item's own tokens besides its word, e.g. "12." and a newline). Words are added while they fit; the last
+    gap is closed by an item of exactly the right length or by swapping count-1 words for longer ones.
+    """
+    n = sum(counts.values())
+    total = sum(c * words.cost(w) for w, c in counts.items()) + sum(index_cost(i) for i in range(1, n + 1))
+    if total > budget:
+        raise ValueError(f"list of {total} tokens over a budget of {budget}")  # pragma: no cover - callers check
+    while True:
+        gap, ic = budget - total, index_cost(n + 1)
+        if gap == 0:
+            return 0
+        if 1 <= gap - ic <= max_cost:
+            w = words.take(gap - ic)
+            if w is not None:
+                counts[w] = 1
+                return 0
+        w = words.take()
+        if w is None:
+            break
+        new_total = total + ic + words.cost(w)
+        if new_total != budget and new_total > budget - 1 - index_cost(n + 2):  # leave room for one more item
+            words.give_back(w)
+            break
+        counts[w] = 1
+        n, total = n + 1, new_total
+    gap = budget - total
+    singles = [w for w, c in counts.items() if c == 1]
+    while gap > 0:
+        for d in range(min(gap, max_cost), 0, -1):
+            for length in sorted({words.cost(s) for s in singles}):
+                w = words.take(length + d)
+                if w is not None:
+                    s = next(s for s in singles if words.cost(s) == length)
+                    del counts[s]
+                    words.give_back(s)
+                    counts[w] = 1
+                    singles[singles.index(s)] = w
+                    gap -= d
+                    break
+            else:
+                continue
+            break
+        else:
+            return gap
+    return 0
