@@ -152,3 +152,106 @@ def test_resume_refuses_a_version_1_results_file(tmp_path):
     with pytest.raises(ValueError, match="schema version 1 .*--overwrite"):
         cli_eval.resume_config(str(tmp_path), {"seed": 0}, overwrite=False)
     assert cli_eval.resume_config(str(tmp_path), {"seed": 0}, overwrite=True) == ([], [], {"seed": 0})
+
+
+# ------------------------------------------------------------------------------------------------ the report
+
+
+def _records():
+    """A synthetic sweep: dense, oracle at 3 budgets, tsa (no budget), streaming (no sparsity reported)."""
+    rec = []
+
+    def add(method, budget, sparsity, acc, ppl, tokens=None):
+        common = dict(method=method, budget=budget, budget_tokens=tokens, sparsity=sparsity, seconds=1.0)
+        for L in (256, 512):
+            for task, metric in (("passkey", "accuracy"), ("niah_single_number", "string_match_all")):
+                rec.append(harness.make_record(task=task, length=L, metric=metric, value=acc, n=4,
+                                               variant="generate", depth=None, **common))
+                for d in (0.25, 0.75):
+                    rec.append(harness.make_record(task=task, length=L, metric=metric, value=acc * d, n=2,
+                                                   variant="generate", depth=d, **common))
+            rec.append(harness.make_record(task="ppl", length=L, metric="perplexity", value=ppl, n=4,
+                                           variant="continuation", depth=None, **common))
+
+    add("dense", None, 0.0, 1.0, 10.0)
+    for b, s, a, p in ((0.05, 0.9, 0.5, 12.0), (0.1, 0.8, 0.75, 11.0), (0.2, 0.6, 1.0, 10.2)):
+        add("oracle", b, s, a, p)
+    add("oracle", 64 / 512, 0.85, 0.25, 13.0, tokens=64)
+    add("tsa", None, 0.3, 1.0, 10.1)
+    add("streaming", 0.1, None, 0.0, 15.0)
+    return rec
+
+
+def test_write_report_makes_leaderboard_and_plots(tmp_path):
+    records = _records()
+    report.write_results(str(tmp_path), records, {"command": "jsparse eval ...", "model": "m"})
+    (tmp_path / "report.md").write_text("stale")
+    written = report.write_report(str(tmp_path))
+    pngs = sorted(os.path.relpath(p, tmp_path) for p in written if p.endswith(".png"))
+    assert pngs == sorted(["plots/accuracy_vs_sparsity_passkey.png", "plots/accuracy_vs_sparsity_niah_single_number.png",
+                           "plots/ppl_vs_sparsity.png"]
+                          + [f"plots/depth_heatmap_{m}.png" for m in ("dense", "oracle", "tsa", "streaming")])
+    for p in pngs:
+        assert (tmp_path / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / p).stat().st_size > 5000
+    md = (tmp_path / "report.md").read_text()
+    assert md.startswith("# Evaluation report") and "jsparse eval ..." in md
+    board = md.split("## Leaderboard")[1].split("##")[0]
+    rows = [line.split("|")[2].strip() for line in board.splitlines() if line.startswith("| ") and "rank" not in line]
+    # accuracy first (dense, tsa and oracle b=0.2 all 1.0: then the perplexity change), streaming last.
+    assert rows == ["dense", "tsa", "oracle b=0.2", "oracle b=0.1", "oracle b=0.05", "oracle k=64", "streaming b=0.1"]
+    assert "| 3 | oracle b=0.2 | 0.2 | 0.600 | 1.000 | 1.00 | 1.00 | +2.0% | 0 |" in board
+    assert "| 1 | dense | none | 0.000 |" in board
+    assert "| 6 | oracle k=64 | 64 tokens | 0.850 | 0.250 | 0.25 | 0.25 | +30.0% | 4 |" in board  # 4 below dense
+    assert "| 7 | streaming b=0.1 | 0.1 |  | 0.000 |" in board  # no sparsity reported: blank
+    for p in pngs:
+        assert f"]({p})" in md
+    assert "not plotted (no sparsity reported): streaming" in md  # its line is missing
+    assert "## Fidelity gate" in md and "- oracle b=0.05 niah_single_number @256" in md
+    assert (tmp_path / "summary.md").read_text().startswith("# Evaluation summary")
+    # Version 1 files (a bare list) still make a report; unknown versions are refused.
+    (tmp_path / "results.json").write_text(json.dumps(records))
+    assert report.read_results(str(tmp_path))["schema_version"] == 1 and report.write_report(str(tmp_path))
+    (tmp_path / "results.json").write_text(json.dumps({"schema_version": 99, "records": []}))
+    with pytest.raises(ValueError, match="schema_version 99, expected 2"):
+        report.write_report(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="results.json"):
+        report.write_report(str(tmp_path / "nothing"))
+
+
+# ------------------------------------------------------------------------------------------------ jsparse demo
+
+
+def test_demo_command_runs_eval_with_every_cpu_method(tmp_path, monkeypatch):
+    from eval import demo
+    from jsparse import cli
+
+    seen = {}
+
+    def fake_run_eval(args):
+        seen["args"] = args
+        return 0
+
+    monkeypatch.setattr(cli_eval, "run_eval", fake_run_eval)
+    out = str(tmp_path / "demo")
+    assert cli.main(["demo", "--out", out, "--no-progress"]) == 0
+    args = seen["args"]
+    spec = cli_eval.spec_from_args(args)
+    assert args.out == out and args.model == "smollm2" and args.no_progress
+    assert spec.methods == demo.METHODS and set(spec.methods) >= {"dense", "oracle", "kascade", "tsa", "evosparse"}
+    assert spec.fractions() == (0.1,) and spec.budget_tokens is None and spec.lengths == (2048,)
+    assert spec.tasks == ("passkey", "niah_single_number", "niah_multikey", "coref", "ppl")
+    assert sum(t not in harness.TASKS + ("coref",) for t in spec.tasks) == 2  # two RULER tasks
+    assert spec.samples == 2 and spec.ppl_variants == ("continuation",)
+    for name in ("kascade", "tsa", "evosparse", "butler"):
+        assert os.path.isdir(spec.artifacts[name]), spec.artifacts[name]
+    assert spec.method_options == {"butler": {"rebalance": False}}
+    assert args.command_line == "jsparse demo --out " + out + " --no-progress"
+    # Every registered method but sts (a draft) and the ablations runs in the demo.
+    from jsparse.methods import method_names
+
+    left_out = set(method_names()) - set(demo.METHODS) - {"eval_test_sparse"}  # test_eval.py registers it
+    assert left_out == {"sts", "evosparse-noheat", "evosparse-noretrieval", "sink-local", "butler-local",
+                        "butler-paper"}
+    assert cli.main(["demo", "--out", out, "--lengths", "2048,4096", "--samples", "3"]) == 0
+    spec = cli_eval.spec_from_args(seen["args"])
+    assert spec.lengths == (2048, 4096) and spec.samples == 3 and not seen["args"].no_progress
