@@ -164,19 +164,33 @@ def check_out(out: str) -> None:
         raise ValueError(f"--out {out!r}: cannot make the folder ({e.strerror or e})") from None
 
 
+def portable_path(path: str | None) -> str | None:
+    """A path inside the repository as relative to its root (so results committed from one clone resume in
+    another), joined paths (os.pathsep) part by part; other paths and None as given."""
+    if not path:
+        return path
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    parts = []
+    for part in path.split(os.pathsep):
+        full = os.path.abspath(part)
+        parts.append(os.path.relpath(full, root) if full.startswith(root + os.sep) else part)
+    return os.pathsep.join(parts)
+
+
 def run_config(spec: harness.EvalSpec, model: str, dtype: str | None) -> dict:
-    """What must match for a run to resume into a folder's results.json (besides what it runs)."""
-    return dict(model=model, dtype=dtype, samples=spec.samples, seed=spec.seed, corpus=spec.corpus,
+    """What must match for a run to resume into a folder's results.json (besides what it runs); paths inside the
+    repository relative to its root."""
+    return dict(model=model, dtype=dtype, samples=spec.samples, seed=spec.seed, corpus=portable_path(spec.corpus),
                 haystack=spec.haystack, depths=list(spec.depths), new_tokens=spec.new_tokens,
                 continuation=spec.continuation, chat=spec.chat,
                 draft=None if spec.draft is None else getattr(spec.draft, "name", str(spec.draft)),
                 gamma=None if spec.draft is None else spec.gamma,
-                artifacts=dict(spec.artifacts), method_options={k: dict(v) for k, v in spec.method_options.items()})
+                artifacts={k: portable_path(v) for k, v in spec.artifacts.items()}, method_options={k: dict(v) for k, v in spec.method_options.items()})
 
 
 def _same(key: str, a, b) -> bool:
     if key == "corpus" and a and b:
-        return os.path.realpath(a) == os.path.realpath(b)
+        return portable_path(a) == portable_path(b)
     return a == b
 
 
@@ -198,6 +212,8 @@ def resume_config(out: str, config: dict, overwrite: bool) -> tuple[list[dict], 
     for key, value in config.items():
         if key in ("artifacts", "method_options"):
             prev = old.get(key) or {}
+            if key == "artifacts":
+                prev = {k: portable_path(v) for k, v in prev.items()}
             for name in set(prev) & set(value):
                 if prev[name] != value[name]:
                     raise ValueError(f"{where} was run with {key} {name}={prev[name]!r}, this run has "
@@ -226,9 +242,9 @@ def run_eval(args) -> int:
     meta = report.run_metadata(
         command=command,
         model=getattr(model, "name", args.model), budget=spec.budget, samples=spec.samples, seed=spec.seed,
-        corpus=spec.corpus if "ppl" in spec.tasks or spec.haystack == "corpus" else None, haystack=spec.haystack,
-        methods=list(spec.methods), tasks=list(spec.tasks),
-        lengths=list(spec.lengths), artifacts=dict(spec.artifacts), depths=list(spec.depths),
+        corpus=portable_path(spec.corpus) if "ppl" in spec.tasks or spec.haystack == "corpus" else None,
+        haystack=spec.haystack, methods=list(spec.methods), tasks=list(spec.tasks), lengths=list(spec.lengths),
+        artifacts={k: portable_path(v) for k, v in spec.artifacts.items()}, depths=list(spec.depths),
         ppl_variants=list(spec.ppl_variants), continuation=spec.continuation,
         budgets=None if spec.budgets is None else list(spec.budgets),
         budget_tokens=None if spec.budget_tokens is None else list(spec.budget_tokens),

@@ -41,7 +41,7 @@ def repo_root() -> str:
 def add_demo_parser(subparsers) -> argparse.ArgumentParser:
     """Adds the `demo` command to an argparse subparsers object; returns its parser."""
     p = subparsers.add_parser(
-        "demo", help="every CPU method on the bundled model at 10%: passkey, two RULER tasks, co-reference, "
+        "demo", help="every CPU method on the bundled model at 10%%: passkey, two RULER tasks, co-reference, "
                      "perplexity; a report with plots",
         description="Run every method that runs on the CPU (" + ", ".join(METHODS) + ") on the bundled model at a "
                     "10%% budget on passkey, niah_single_number, niah_multikey, coref and perplexity (continuation) "

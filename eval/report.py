@@ -36,7 +36,7 @@ RUN_JSON = "run.json"
 OUTPUTS_JSON = "outputs.json"
 REPORT_MD = "report.md"
 PLOTS_DIR = "plots"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 2  # = eval.harness.SCHEMA_VERSION (tests/test_eval_sweep.py checks); bump both with RECORD_KEYS
 
 
 def _git_head() -> dict:

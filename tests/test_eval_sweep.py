@@ -90,6 +90,7 @@ def test_sweep_resumes_where_it_stopped(model, corpus, test_task, tmp_path, monk
         args.func(args)
     first = json.loads((out / "results.json").read_text())
     done = {harness.record_key(r) for r in first["records"]}
+    assert report.SCHEMA_VERSION == harness.SCHEMA_VERSION
     assert len(done) == 4 and done < units and first["runs"][0]["records"] == len(first["records"])
 
     # The rerun runs only the 4 missing units and keeps the first run's records as they were.
@@ -152,6 +153,12 @@ def test_resume_refuses_a_version_1_results_file(tmp_path):
     with pytest.raises(ValueError, match="schema version 1 .*--overwrite"):
         cli_eval.resume_config(str(tmp_path), {"seed": 0}, overwrite=False)
     assert cli_eval.resume_config(str(tmp_path), {"seed": 0}, overwrite=True) == ([], [], {"seed": 0})
+    # Paths inside the repository are recorded relative to it, so committed results resume in another clone.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(cli_eval.__file__)))
+    inside = os.path.join(root, "artifacts", "smollm2", "tsa") + os.pathsep + os.path.join(root, "eval", "data")
+    assert cli_eval.portable_path(inside) == os.path.join("artifacts", "smollm2", "tsa") + os.pathsep + os.path.join(
+        "eval", "data")
+    assert cli_eval.portable_path(str(tmp_path)) == str(tmp_path) and cli_eval.portable_path(None) is None
 
 
 # ------------------------------------------------------------------------------------------------ the report

@@ -103,10 +103,12 @@ def _run_jsparse(args: list[str], tmp_path: Path, monkeypatch, outs: dict[str, s
         from eval import cli_eval
 
         seen = []
-        monkeypatch.setattr(cli_eval, "run_eval", lambda a: seen.append(cli_eval.spec_from_args(a)) or 0)
-    assert main(args) == 0, f"jsparse {shlex.join(args)} failed"
-    if args[0] == "demo":
+        with monkeypatch.context() as m:
+            m.setattr(cli_eval, "run_eval", lambda a: seen.append(cli_eval.spec_from_args(a)) or 0)
+            assert main(args) == 0, f"jsparse {shlex.join(args)} failed"
         assert len(seen) == 1 and "dense" in seen[0].methods and len(seen[0].tasks) >= 5
+        return
+    assert main(args) == 0, f"jsparse {shlex.join(args)} failed"
     if args[0] == "eval":
         records = json.loads((out / "results.json").read_text())["records"]
         methods = args[args.index("--methods") + 1].split(",")
