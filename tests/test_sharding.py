@@ -1,0 +1,86 @@
+"""Sharding on a CPU mesh of 8 virtual devices: every method's prefill and decode on 2x4 and 1x8 meshes equal the
+one-device output (tests/sharding_check.py, run in a fresh process: the device count is fixed when jax starts,
+and this suite's process has one CPU device), plus the mesh spec and head-divisibility errors (in-process)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from models import sharding
+from models.config import ModelConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run_script(*args, timeout=600):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["JAX_PLATFORMS"] = "cpu"
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_every_method_on_2x4_and_1x8_meshes_equals_one_device():
+    proc = _run_script(str(ROOT / "tests" / "sharding_check.py"))
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = {(r["method"], r["path"], r["mesh"]) for r in rows if r["ok"]}
+    for name in ("dense", "oracle", "streaming", "quest", "h2o", "kascade", "tsa", "tsa+kascade", "evosparse",
+                 "butler"):
+        for mesh in ("data=2,model=4", "model=8"):
+            assert (name, "forward", mesh) in got, (name, mesh, rows)
+    assert ("dense", "steps", "data=2,model=4") in got and ("kascade", "generated", "model=8") in got
+
+
+def test_parse_mesh_and_errors():
+    assert sharding.parse_mesh("data=2,model=4") == {"data": 2, "model": 4}
+    assert sharding.parse_mesh("model=8") == {"data": 1, "model": 8}
+    with pytest.raises(ValueError, match="'tensor=2' is not AXIS=SIZE"):
+        sharding.parse_mesh("tensor=2")
+    with pytest.raises(ValueError, match="model='x', expected a positive integer"):
+        sharding.parse_mesh("model=x")
+    with pytest.raises(ValueError, match="given twice"):
+        sharding.parse_mesh("model=2,model=2")
+    with pytest.raises(ValueError, match="= 8 devices, but 1 are available"):
+        sharding.make_mesh("data=2,model=4")
+    mesh = sharding.make_mesh("model=1")
+    assert dict(mesh.shape) == {"data": 1, "model": 1}
+
+
+def test_heads_must_divide_the_model_axis():
+    import jax
+    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=2,
+                      num_heads=9, num_kv_heads=3, head_dim=16, max_position_embeddings=128)
+    mesh = jax.sharding.AbstractMesh((1, 2), ("data", "model"))
+    with pytest.raises(ValueError, match=r"num_heads \(Hq\)=9 is not divisible by the mesh's model axis of 2.*"
+                                         r"use model in \[1, 3\]"):
+        sharding.check_heads(cfg, mesh)
+    with pytest.raises(ValueError, match="batch of 3 rows is not divisible by the mesh's data axis of 2"):
+        sharding.check_batch(3, jax.sharding.AbstractMesh((2, 1), ("data", "model")))
+
+
+def test_axis_table_specs():
+    import jax
+    mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
+    P = jax.sharding.PartitionSpec
+    assert sharding.logical_spec(("layers", "embed", "heads", "head_dim"), (2, 64, 16, 8), mesh) == \
+        P(None, None, "model")
+    assert sharding.logical_spec(("layers", "batch", "kv_heads", "length", "head_dim"), (2, 2, 8, 64, 8), mesh) == \
+        P(None, "data", "model")
+    # A vocabulary that does not divide the model axis is replicated; a head axis is an error.
+    assert sharding.logical_spec(("vocab", "embed"), (49154, 64), mesh) == P()
+    with pytest.raises(ValueError, match="axis 'kv_heads' of size 3"):
+        sharding.logical_spec(("layers", "embed", "kv_heads", "head_dim"), (2, 64, 3, 8), mesh)
+    assert sharding.state_axes((3, 2, 8, 10), _cfg8(), 2) == (None, "batch", "kv_heads", None)
+    assert sharding.state_axes((2, 8, 5, 4), _cfg8(), 2) == ("batch", "kv_heads", None, None)
+    assert sharding.state_axes((3, 2), _cfg8(), 2) == (None, "batch")
+
+
+def _cfg8():
+    return ModelConfig(architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=3,
+                       num_heads=16, num_kv_heads=8, head_dim=16, max_position_embeddings=128)
