@@ -152,8 +152,11 @@ def decode_step(params: Params, method, tokens: Array, cache: KVCache, state, *,
 
 
 @functools.lru_cache(maxsize=32)
-def _sharded_fns(mesh, cfg: ModelConfig, batch: int, capacity: int, all_logits: bool):
-    """(prefill, decode) jitted with in/out shardings on `mesh` (models.sharding), cache donated."""
+def sharded_fns(mesh, cfg: ModelConfig, batch: int, capacity: int, all_logits: bool = False):
+    """(prefill, decode, param shardings, cache shardings): `llama.prefill(params, method, tokens, lengths, cache,
+    state)` and `llama.decode(params, method, tokens, cache, state)` jitted with in/out shardings on `mesh`
+    (models.sharding), the cache donated; call them with the mesh set (`sharding.use_mesh(mesh)`) so the kernels
+    run per shard. No request checks (see `sharded_prefill_step` / `sharded_decode_step`)."""
     params_sh = sharding.param_shardings(cfg, mesh)
     cache_sh = sharding.cache_sharding_for(cfg, batch, capacity, mesh)
     rows, rows2, rows3 = (sharding.batch_sharding(mesh, n) for n in (1, 2, 3))
@@ -171,7 +174,7 @@ def _sharded_fns(mesh, cfg: ModelConfig, batch: int, capacity: int, all_logits: 
 
 
 def _place(mesh, cfg, params, tokens, cache, all_logits, lengths=None):
-    fns = _sharded_fns(mesh, cfg, tokens.shape[0], cache.capacity, all_logits)
+    fns = sharded_fns(mesh, cfg, tokens.shape[0], cache.capacity, all_logits)
     params, cache = jax.device_put(params, fns[2]), jax.device_put(cache, fns[3])
     tokens = sharding.shard_batch(tokens, mesh)
     lengths = None if lengths is None else sharding.shard_batch(lengths, mesh)

@@ -312,12 +312,17 @@ def constrain(x, axes):
     mesh = active_mesh()
     if mesh is None:
         return x
+    def one(a, ax):
+        # Lenient: an axis that does not divide its mesh axis (a batch of 1 on data=2) stays unsplit here; the
+        # placement functions are where a misfit raises.
+        spec = [AXIS_RULES.get(n) if n is not None else None for n in ax]
+        spec = [m if m is not None and a.shape[i] % mesh_size(mesh, m) == 0 else None for i, m in enumerate(spec)]
+        return jax.lax.with_sharding_constraint(a, P(*spec))
     if _is_axes(axes):
-        return jax.lax.with_sharding_constraint(x, logical_spec(axes, x.shape, mesh))
+        return one(x, axes)
     leaves = jax.tree_util.tree_leaves(axes, is_leaf=_is_axes)
     xs, treedef = jax.tree_util.tree_flatten(x)
-    out = [jax.lax.with_sharding_constraint(a, logical_spec(ax, a.shape, mesh)) for a, ax in zip(xs, leaves)]
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return jax.tree_util.tree_unflatten(treedef, [one(a, ax) for a, ax in zip(xs, leaves)])
 
 
 def use_mesh(mesh: Mesh | None):
