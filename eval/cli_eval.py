@@ -96,8 +96,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help="tokens per forward: samples are batched max(1, this // length) at a time (default 8192)")
     p.add_argument("--draft", default=None,
                    help="passkey by speculative decoding with this draft model (any --model spec with the target's "
-                        "vocabulary, e.g. smollm2:layers=0-9); records carry the acceptance rate. Needed by --methods "
-                        "sts (which runs ppl variant prefill only: STS-P)")
+                        "vocabulary, e.g. smollm2:layers=0-14); records carry the acceptance rate. Needed by --methods "
+                        "sts (ppl variants prefill: STS-P, and continuation: STS-D as teacher-forced verification "
+                        "rounds)")
     p.add_argument("--gamma", type=int, default=4, help="draft tokens proposed per round with --draft (default 4)")
     p.add_argument("--out", required=True,
                    help="output folder for results.json and summary.md (created; an existing folder's files of "

@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--artifact", default=None, help="calibration artifact folder of a method that needs one")
     g.add_argument("--draft", default=None,
                    help="speculative decoding with this draft model (any --model spec with the target's "
-                        "vocabulary; SPEC:layers=0-9 keeps those layers of a model, e.g. smollm2:layers=0-9)")
+                        "vocabulary; SPEC:layers=0-9 keeps those layers of a model, e.g. smollm2:layers=0-14)")
     g.add_argument("--gamma", type=int, default=None, help="draft tokens proposed per round (default 4; needs "
                    "--draft)")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default)")
