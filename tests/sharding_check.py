@@ -34,6 +34,7 @@ from models.cache import cache_axes, init_cache  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from models.generate import (decode_step, generate_tokens, prefill_step, sharded_decode_step,  # noqa: E402
                              sharded_generate_tokens, sharded_prefill_step)
+from models.convert import params_from_numpy, params_to_numpy  # noqa: E402
 from models.params import random_params  # noqa: E402
 from train.predictor import preset_config  # noqa: E402
 
@@ -135,7 +136,17 @@ def main(argv):
     tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, T)), jnp.int32)
     lengths = jnp.asarray(LENGTHS, jnp.int32)
     meshes = {spec: sharding.make_mesh(spec) for spec in MESHES}
-    placed = {spec: sharding.shard_params(CFG, params, m) for spec, m in meshes.items()}
+    # 2x4: placed as a checkpoint loader places them (host array -> its shards); 1x8: device_put of the tree.
+    placed = {MESHES[0]: params_from_numpy(CFG, params_to_numpy(params), jnp.float32, mesh=meshes[MESHES[0]]),
+              MESHES[1]: sharding.shard_params(CFG, params, meshes[MESHES[1]])}
+    for spec, m in meshes.items():
+        want_sh = sharding.param_shardings(CFG, m)
+        for got, sh in zip(jax.tree_util.tree_leaves(placed[spec]), jax.tree_util.tree_leaves(want_sh)):
+            assert got.sharding == sh, (spec, got.sharding, sh)
+        assert placed[spec].layers.wq.sharding.spec == jax.sharding.PartitionSpec(None, None, "model")
+        assert len(placed[spec].layers.wq.addressable_shards[0].data.shape) == 4
+        assert placed[spec].layers.wq.addressable_shards[0].data.shape[2] == CFG.num_heads // sharding.mesh_size(
+            m, "model")
     failed = False
     cases = [(name, forward) for name in names]
     if not argv:  # the public step functions and the generation loop, once
