@@ -1,16 +1,20 @@
 """A budget of kb blocks split among components by fractions (EvoSparse's sink / local / retrieval / heat).
 
-With cumulative fractions c_i resolved to 1/4096 in integer arithmetic, component i gets
+A query at position p sees n = p + 1 keys and keeps k of them: k = min(tokens, n) with a token count, else the
+fraction rule k = min(max(ceil(budget * n), min_tokens), n); that is kb = ceil(k / block_size) blocks. With cumulative fractions c_i resolved to 1/4096 in integer arithmetic, component i gets
 ceil(c_i * kb) - ceil(c_{i-1} * kb) blocks: the counts always sum to kb, and small budgets favour the first
 components.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
+
+from jsparse import selection as sel
 
 FIX = 4096  # fractions are resolved to 1/FIX in integer arithmetic
 
@@ -55,3 +59,45 @@ def drop_components(fractions: Sequence[float], names: Sequence[str], drop: Sequ
     if total <= 0:
         raise ValueError(f"fractions {tuple(fractions)} leave nothing once {list(drop)} is dropped")
     return tuple(f / total for f in kept)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockBudget:
+    """The budget rule of the module docstring: kb blocks per query, split by `fractions` (summing to 1)."""
+
+    budget: float
+    min_tokens: int
+    block_size: int
+    fractions: tuple
+    tokens: Optional[int] = None
+
+    def keys(self, n):
+        """Keys kept among n visible ones (int or int array)."""
+        return sel.keys_to_keep(n, self.budget, self.min_tokens, self.tokens)
+
+    def widths(self, N: int) -> tuple[int, int, tuple[int, ...]]:
+        """(nb blocks of an N-token cache, Kb: the static number of selected blocks, each component's static
+        width: its largest count over budgets of 1..Kb blocks)."""
+        nb = N // self.block_size
+        Kb = min(-(-self.keys(N) // self.block_size), nb)
+        return nb, Kb, max_counts(max(Kb, 1), cumulative_fixed(self.fractions))
+
+    def row(self, pos):
+        """pos: i32[...] query positions -> (kb blocks, visible blocks pos // block_size + 1, the component
+        counts, a tuple of i32[...] summing to kb)."""
+        bs = self.block_size
+        kb = (self.keys(pos + 1) + bs - 1) // bs
+        return kb, pos // bs + 1, split_counts(kb, cumulative_fixed(self.fractions))
+
+    def attended_fraction(self, positions) -> np.ndarray:
+        """f64[...]: the fraction of its visible keys a query at each position attends to (whole blocks, its own
+        block partial)."""
+        p = np.asarray(positions, np.int64)
+        n = p + 1
+        if self.tokens is not None:
+            k = np.minimum(self.tokens, n)
+        else:
+            k = np.minimum(np.maximum(np.ceil(self.budget * n), self.min_tokens), n)
+        bs = self.block_size
+        kb = -(-k // bs)
+        return np.minimum(kb * bs - (bs - 1 - p % bs), n) / n

@@ -156,3 +156,11 @@ def attention_map_sparsity(kept: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """f64[L]: per layer, the fraction of the causal attention map not computed, averaged over rows:
     1 - k (k + 1) / (n (n + 1)) for k kept of n tokens (kept: i32[L, B], lengths: i32[B])."""
     return np.mean(causal_map_sparsity(kept, np.asarray(lengths)[None]), axis=1)
+
+
+def kept_summary(kept: np.ndarray, lengths: np.ndarray) -> dict:
+    """What a compressed prefill kept, for kept: i32[L, B] tokens per layer and row of lengths: i32[B]:
+    {"kept": kept, "kept_fraction": f64[L], "attention_map_sparsity": f64[L]} (means over rows)."""
+    n = np.asarray(lengths)
+    return {"kept": kept, "kept_fraction": np.mean(kept / np.maximum(n, 1)[None], axis=1),
+            "attention_map_sparsity": attention_map_sparsity(kept, n)}

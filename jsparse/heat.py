@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jsparse import selection as sel
+from pallas_kernels.block_scores import sparse_decode_mass
 
 Array = jax.Array
 
@@ -72,7 +73,44 @@ def prefill_heat(q: Array, k: Array, lengths: Array, window: int, decay: float, 
     W = window
     rows = lengths[:, None] - W + jnp.arange(W)  # [B, W]
     qr = jnp.take_along_axis(q, jnp.clip(rows, 0, T - 1)[:, :, None, None], axis=1)  # [B, W, Hq, D]
-    p = sel.group_probs(qr, jnp.swapaxes(k, 1, 2), rows).mean(axis=2)  # [B, Hkv, W, T] (NaN where rows < 0)
+    p = sel.group_probs(qr, jnp.swapaxes(k, 1, 2), rows).mean(axis=2)  # [B, Hkv, W, T]
     weight = jnp.where(rows >= 0, decay ** (W - 1 - jnp.arange(W, dtype=jnp.float32)), 0.0)  # [B, W]
     h = jnp.einsum("bhwn,bw->bhn", p, weight)  # [B, Hkv, T]
     return pool_blocks(h, block_size, num_blocks)
+
+
+def scan_rows(heat: Array | None, layer, step, xs):
+    """Runs the T new rows of a decode in order over one layer's heat, so row t sees the heat after rows < t
+    exactly as T = 1 decoding of the same tokens would.
+
+    Args:
+      heat: the stacked heat f32[L, ...] (or None: no heat, the carry stays None); layer: i32[] this layer.
+      step: (heat_l: f32[...] | None, x_t) -> (heat_l, out_t), one row.
+      xs: a pytree of arrays [B, T, ...] (None leaves allowed), row t is x[:, t].
+    Returns:
+      (outs: the out_t stacked as [B, T, ...], the stacked heat with this layer's row updated in place).
+    """
+    heat_l = None if heat is None else jax.lax.dynamic_index_in_dim(heat, layer, 0, keepdims=False)
+    heat_l, out = jax.lax.scan(step, heat_l, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), xs))
+    if heat is not None:
+        heat = jax.lax.dynamic_update_index_in_dim(heat, heat_l, layer, axis=0)
+    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), out), heat
+
+
+def attend_with_mass(q_t: Array, k_all: Array, v_all: Array, layer: Array, idx: Array, lengths: Array,
+                     block_size: int, implementation: str | None = None, config=None):
+    """Attention of one decode row over selected blocks, with the mass each block received (the heat's s).
+
+    One gathered-decode kernel (`block_scores.sparse_decode_mass`) returns each selected block's softmax mass
+    from partial sums it keeps while attending (no second gather of K).
+
+    Args:
+      q_t: [B, Hq, D]; k_all, v_all: [L, B, Hkv, N, D] the stacked cache, read at `layer` (i32[]);
+      idx: i32[B, Hkv, K] blocks ascending, -1 padded; lengths: i32[B] visible keys (0: read nothing).
+    Returns:
+      (out: [B, Hq, D], mass: f32[B, Hkv, K] the post-softmax mass of each entry of idx, mean over the GQA group;
+      `heat_update` sums it into the blocks).
+    """
+    out, emass = sparse_decode_mass(q_t[:, None], k_all, v_all, layer, idx[:, :, None], lengths,
+                                    block_size=block_size, implementation=implementation, config=config)
+    return out[:, 0], emass[:, :, 0]

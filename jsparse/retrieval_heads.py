@@ -14,6 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jsparse.artifacts import load_artifact
+from pallas_kernels.block_scores import block_max_scores
+from pallas_kernels.topk_select import topk_select
+
 Array = jax.Array
 DEFAULT_HEAD_FRACTION = 0.015  # retrieval heads by default: 1.5% of the model's L * Hq heads
 
@@ -63,3 +67,33 @@ def top_heads(scores: np.ndarray, num: int) -> list[tuple[int, int]]:
 def default_num_heads(cfg, fraction: float = DEFAULT_HEAD_FRACTION) -> int:
     """max(1, round(fraction * L * Hq)) retrieval heads."""
     return max(1, int(round(fraction * cfg.num_layers * cfg.num_heads)))
+
+
+def load_retrieval_heads(path: str, kind: str, fingerprint: str | None, cfg, num: int | None = None):
+    """The top `num` (default `default_num_heads`) heads [(layer, query head), ...] by the scores f32[L, Hq] of a
+    calibration artifact of `kind` (checked against the model's fingerprint and shape)."""
+    art = load_artifact(path, kind, fingerprint)
+    scores = np.asarray(art.arrays["scores"])
+    if scores.shape != (cfg.num_layers, cfg.num_heads):
+        raise ValueError(f"artifact at {path!r} scores {scores.shape} heads: expected (L, Hq) = "
+                         f"{(cfg.num_layers, cfg.num_heads)}")
+    return top_heads(scores, num or default_num_heads(cfg))
+
+
+def retrieval_blocks(info: RetrievalLayout, q: Array, k_all: Array, layer: Array, pos: Array, first, last, count,
+                     width: int, block_size: int, implementation: str | None = None) -> Array:
+    """The retrieval set of every new token: i32[B, T, width] blocks ascending, -1 padded.
+
+    The block max of q . K^T / sqrt(d) over the layer's retrieval heads (`block_max_scores`: on a GPU one kernel
+    that reads K of the R KV heads in place from the stacked cache and writes f32[B, T, nb]), over the blocks in
+    [first, last), then the top `count`.
+
+    Args:
+      info: this layer's RetrievalLayout slice (kv_heads: i32[R], head_mask: bool[R, G]).
+      q: [B, T, Hq, D]; k_all: [L, B, Hkv, N, D] the stacked cache, read at `layer` (i32[]).
+      pos: i32[B, T] query positions; first, last: i32[B, T] the candidate blocks; count: i32[B, T] blocks to
+        choose (0: none, so the top-k kernel stops at once); width: the static set width.
+    """
+    scores = block_max_scores(q, k_all, layer, info.kv_heads, info.head_mask, pos, first, last,
+                              block_size=block_size, implementation=implementation)
+    return topk_select(scores, count, width)

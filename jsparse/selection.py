@@ -32,6 +32,8 @@ def check_positive_int(name: str, value, minimum: int = 1) -> int:
 
 def check_layers(name: str, layers, num_layers: int) -> tuple[int, ...]:
     """Distinct layer indices in [0, num_layers), as a sorted tuple of ints (a hashable static field)."""
+    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+        raise ValueError(f"{name}={layers!r}: expected a sequence of layer indices")
     layers = tuple(sorted(int(l) for l in layers))
     if len(set(layers)) != len(layers) or (layers and (layers[0] < 0 or layers[-1] >= num_layers)):
         raise ValueError(f"{name}={list(layers)}: expected distinct layers in [0, {num_layers})")
@@ -133,6 +135,22 @@ def topk_indices(scores: Array, k_dyn: Array, K: int) -> Array:
     big = jnp.iinfo(jnp.int32).max
     idx = jnp.sort(jnp.where(keep, idx, big), axis=-1)
     return jnp.where(idx == big, -1, idx).astype(jnp.int32)
+
+
+def coverage_drop_count(scores: Array, eligible: Array, tau: float) -> Array:
+    """Dynamic coverage (TSA's tau; top-p from the other end): how many eligible keys of each row can be dropped,
+    least mass first, while the dropped share of the row's mass stays below tau.
+
+    Args:
+      scores: f32[..., N] (>= 0); eligible: bool[..., N] the keys that count; tau: in [0, 1).
+    Returns:
+      i32[...]: #{i : cumsum(sorted p)_i < tau}, p the eligible scores normalised to sum 1 (0 for tau = 0).
+    """
+    g = jnp.where(eligible, scores, 0.0)
+    total = jnp.sum(g, axis=-1, keepdims=True)
+    p = jnp.where(eligible, g / jnp.where(total > 0, total, 1.0), jnp.inf)  # ineligible keys sort last
+    cum = jnp.cumsum(jnp.sort(p, axis=-1), axis=-1)
+    return jnp.sum(cum < tau, axis=-1, dtype=jnp.int32)
 
 
 _SENTINEL_BITS = 0x7F800001  # one above the bit pattern of +inf: no non-negative f32 score reaches it

@@ -62,12 +62,12 @@ from flax import struct
 from jsparse import selection as sel
 from jsparse.artifacts import load_artifact
 from jsparse.compression import (Selection, attend_at_capacity, attend_compressed, attention_map_sparsity,  # noqa: F401
-                                 capacities, causal_map_sparsity, compress, decompress, masked_reference_mask,
-                                 selection_from_keep, union_selection)
+                                 capacities, causal_map_sparsity, compress, decompress, kept_summary,
+                                 masked_reference_mask, selection_from_keep, union_selection)
 from jsparse.methods import kascade as kascade_mod
-from jsparse.methods.kascade import translate_anchor_indices  # noqa: F401  (re-exported)
 from jsparse.methods.base import register
-from jsparse.methods.common import kwargs_for
+from jsparse.methods.common import kwargs_for, prefill_state
+from jsparse.methods.kascade import translate_anchor_indices  # noqa: F401  (re-exported)
 from models import attention as attention_protocol
 from pallas_kernels.dense import dense_decode, dense_prefill
 from pallas_kernels.local_attention import local_attention
@@ -124,15 +124,10 @@ def coverage_counts(scores: Array, lengths: Array, *, tau: float, window: int, m
       i32[B]: kept tokens per row, window included: K + min(W, n) with K = max(P - n_drop, min_tokens) on sparse
       rows, n on dense rows (n <= min_tokens + W).
     """
-    B, H, T = scores.shape
     n = lengths.astype(I32)
     P, w_eff = _prefix(n, window)
-    in_prefix = jnp.arange(T, dtype=I32)[None, :] < P[:, None]  # [B, T]
-    g = jnp.where(in_prefix, jnp.sum(scores.astype(jnp.float32), axis=1), 0.0)
-    total = jnp.sum(g, axis=-1, keepdims=True)
-    p = jnp.where(in_prefix, g / jnp.where(total > 0, total, 1.0), jnp.inf)  # out-of-prefix keys sort last
-    cum = jnp.cumsum(jnp.sort(p, axis=-1), axis=-1)
-    n_drop = jnp.sum(cum < tau, axis=-1, dtype=I32)
+    in_prefix = jnp.arange(scores.shape[-1], dtype=I32)[None, :] < P[:, None]  # [B, T]
+    n_drop = sel.coverage_drop_count(jnp.sum(scores.astype(jnp.float32), axis=1), in_prefix, tau)
     k_prefix = jnp.maximum(P - n_drop, min_tokens)
     return jnp.where(n <= min_tokens + window, n, k_prefix + w_eff).astype(I32)
 
@@ -231,10 +226,7 @@ class TSA:
         _, local_window, local_sinks = check_fill(self.fill, self.local_window, self.local_sinks)
         object.__setattr__(self, "local_window", local_window)  # plain ints (static, hashable fields)
         object.__setattr__(self, "local_sinks", local_sinks)
-        if self.sparse_layers is not None:
-            if isinstance(self.sparse_layers, (str, bytes)) or not hasattr(self.sparse_layers, "__iter__"):
-                raise ValueError(f"sparse_layers={self.sparse_layers!r}: expected a sequence of layer indices")
-            # A static field must be hashable: store the layers as a sorted tuple of ints.
+        if self.sparse_layers is not None:  # a static field must be hashable: a sorted tuple of ints
             object.__setattr__(self, "sparse_layers", check_sparse_layers(self.sparse_layers, 1 << 30))
         if self.inner is not None and self.selection == "kv_union":
             raise ValueError("selection='kv_union' with an inner method: the inner method runs on per-row "
@@ -305,16 +297,9 @@ class TSA:
                             lambda: self._dense_prefill(ctx, q, k, v, state))
 
     def prefill_layer_sparsity(self, cfg, state: TSAState, lengths) -> dict[int, np.ndarray]:
-        """The attention-map sparsity of the last prefill per sparse layer and row (the paper's Table 3).
-
-        Args:
-          state: the state a prefill returned (its `kept`: i32[L, B] tokens each layer kept per row).
-          lengths: i32[B] the rows' prompt lengths in that prefill.
-        Returns:
-          {sparse layer: f64[B]} the fraction 1 - k (k + 1) / (n (n + 1)) of the causal attention map the
-          compression skipped (k kept of n tokens; 0 on rows short enough to stay dense). Used by the eval
-          harness (`layer_sparsity` in results.json).
-        """
+        """{sparse layer: f64[B]} the fraction of the causal attention map the last prefill skipped per row
+        (`compression.causal_map_sparsity`; the paper's Table 3), from the state it returned (its `kept`: i32[L, B])
+        and the rows' prompt lengths i32[B]. Used by the eval harness (`layer_sparsity` in results.json)."""
         kept = np.asarray(state.kept)
         if kept.shape[1] != np.shape(lengths)[0]:
             raise ValueError(f"state.kept has {kept.shape[1]} rows but lengths has {np.shape(lengths)[0]}")
@@ -412,9 +397,6 @@ class TSA:
         return out, state.replace(inner=inner, anchor_map=anchor_map)
 
 
-# ----------------------------------------------------------------------------------------------- artifacts
-
-
 def load_sparse_layers(path: str, fingerprint: str | None, cfg=None) -> tuple[int, ...]:
     """The sparse layers stored in a "tsa" artifact (checked against the model's fingerprint and layers)."""
     art = load_artifact(path, ARTIFACT_KIND, fingerprint)
@@ -429,20 +411,5 @@ def load_sparse_layers(path: str, fingerprint: str | None, cfg=None) -> tuple[in
 def prefill_sparsity(params, cfg, method: TSA, tokens, lengths) -> dict:
     """Runs one prefill and reports what TSA kept: {"kept": i32[L, B], "kept_fraction": f64[L],
     "attention_map_sparsity": f64[L]} (means over rows; dense layers keep everything)."""
-    from models import llama
-    from models.cache import init_cache
-
-    tokens = jnp.asarray(tokens, I32)
-    lengths = jnp.asarray(lengths, I32)
-    B, T = tokens.shape
-
-    @jax.jit
-    def run(params, tokens, lengths):
-        cache = init_cache(cfg, B, T, params.embed.dtype)
-        _, _, state = llama.prefill(params, cfg, method, tokens, lengths, cache, method.init_state(cfg, B, T))
-        return state.kept
-
-    kept = np.asarray(run(params, tokens, lengths))
-    n = np.asarray(lengths)
-    return {"kept": kept, "kept_fraction": np.mean(kept / np.maximum(n, 1)[None], axis=1),
-            "attention_map_sparsity": attention_map_sparsity(kept, n)}
+    kept = np.asarray(prefill_state(params, cfg, method, tokens, lengths).kept)
+    return kept_summary(kept, np.asarray(lengths))
