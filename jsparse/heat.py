@@ -74,6 +74,7 @@ def prefill_heat(q: Array, k: Array, lengths: Array, window: int, decay: float, 
     rows = lengths[:, None] - W + jnp.arange(W)  # [B, W]
     qr = jnp.take_along_axis(q, jnp.clip(rows, 0, T - 1)[:, :, None, None], axis=1)  # [B, W, Hq, D]
     p = sel.group_probs(qr, jnp.swapaxes(k, 1, 2), rows).mean(axis=2)  # [B, Hkv, W, T]
+    p = jnp.where((rows >= 0)[:, None, :, None], p, 0.0)  # a row before the prompt sees no key: its softmax is NaN
     weight = jnp.where(rows >= 0, decay ** (W - 1 - jnp.arange(W, dtype=jnp.float32)), 0.0)  # [B, W]
     h = jnp.einsum("bhwn,bw->bhn", p, weight)  # [B, Hkv, T]
     return pool_blocks(h, block_size, num_blocks)

@@ -208,3 +208,26 @@ def test_stacked_cache_of_a_bare_view_is_a_stack_of_one():
     k_all, v_all, layer = stacked_cache(LayerKV(k=k, v=2 * k))
     assert k_all.shape == (1, 2, 3, 8, 4) and int(layer) == 0 and float(v_all[0, 0, 0, 0, 0]) == 2.0
 
+
+def test_prefill_heat_of_a_prompt_shorter_than_the_window():
+    """A right-padded batch whose short row has fewer tokens than the heat window: that row's heat comes from its
+    own rows only (it was NaN: the rows before its start see no key), the long row's is unchanged."""
+    B, T, Hq, Hkv, D, W = 2, 24, 4, 2, 8, 8
+    ks = jax.random.split(jax.random.key(3), 2)
+    q = jax.random.normal(ks[0], (B, T, Hq, D))
+    k = jax.random.normal(ks[1], (B, T, Hkv, D))
+    lengths = jnp.array([T, 5])
+    h = np.asarray(heat.prefill_heat(q, k, lengths, W, 0.5, 4, 8))
+    assert np.isfinite(h).all()
+    qn, kn = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    for b in range(B):
+        n = int(lengths[b])
+        want = np.zeros((Hkv, 8))
+        for r in range(max(n - W, 0), n):
+            for hq in range(Hq):
+                s = kn[b, : r + 1, hq // 2] @ qn[b, r, hq] / np.sqrt(D)
+                p = np.exp(s - s.max())
+                p /= p.sum()
+                for t in range(r + 1):
+                    want[hq // 2, t // 4] += 0.5 ** (n - 1 - r) * p[t] / 2
+        np.testing.assert_allclose(h[b], want, rtol=1e-5, atol=1e-6)
