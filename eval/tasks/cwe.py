@@ -88,8 +88,10 @@ def make_samples(tokenizer, length: int, samples: int, seed: int, *, haystack: s
             body += list(index_ids(j)) + pieces[items_list[k]] + newline
         tokens = prefix + body + suffix
         assert len(tokens) == length - gap, (len(tokens), length, gap)
-        if gap > 0.01 * length:
-            raise RuntimeError(f"task {NAME!r}: could not fill length={length} within 1% ({gap} tokens short)")
+        if gap > 0.01 * length:  # the word source ran dry
+            raise ValueError(f"task {NAME!r}: length={length}: the word source ran out of distinct words after "
+                             f"{len(words.taken)} ({gap} tokens short); use a haystack with more distinct words "
+                             "(a corpus holds more words than the 'repeat' list) or a shorter length")
         out.append(Sample(task=NAME, tokens=tuple(tokens), answers=answers, depth=None, length=length))
     return out
 
