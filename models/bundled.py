@@ -54,12 +54,14 @@ class ResolvedModel:
 @dataclasses.dataclass(frozen=True, eq=False)
 class LoadedModel:
     """A model ready to run: cfg (static), params (pytree), tokenizer (a transformers tokenizer, or None for a
-    folder without tokenizer files) and a name for reports."""
+    folder without tokenizer files) and a name for reports; mesh: the `jax.sharding.Mesh` its params are placed on
+    (`models.sharding.shard_params`), or None (one device)."""
 
     cfg: ModelConfig
     params: Params
     tokenizer: Any
     name: str
+    mesh: Any = None
 
 
 def _bundled_smollm2() -> Path:

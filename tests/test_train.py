@@ -362,3 +362,30 @@ def test_data_parallel_over_two_devices_matches_one(tmp_path, uninterrupted):
     assert sorted(got) == sorted(want)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+_DP_CRASH = _DP_SCRIPT.replace("progress=False)", "progress=False, on_step=crash)").replace(
+    "params = jax.jit", "def crash(step, loss):\n    if step == 3:\n        raise RuntimeError('killed')\nparams = jax.jit")
+
+
+def test_two_device_checkpoint_resumes_on_one_device(tmp_path, uninterrupted, model_params, pcfg, chunks):
+    """A run killed at step 3 on 2 devices (checkpoint of step 2, sharded state) resumes on 1 device and ends at the
+    uninterrupted run's parameters."""
+    import subprocess
+    import sys
+
+    from jsparse.methods.butler_predictor import flatten_params
+
+    _, full = uninterrupted
+    out = str(tmp_path / "dp")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", _DP_CRASH.format(root=root, out=out)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "killed" in proc.stderr, proc.stderr[-3000:]
+    resumed = train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg,
+                    progress=False)
+    assert resumed.start_step == 2
+    got, want = flatten_params(resumed.params), flatten_params(full.params)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
