@@ -133,7 +133,8 @@ def test_task_samples(tokenizer, name, length):
     assert len(samples) == 5
     for s in samples:
         assert s.task == name and s.length == length
-        assert abs(len(s.tokens) - length) <= 0.01 * length, (len(s.tokens), length)
+        assert abs(len(s.tokens) - length) <= 0.01 * length, (len(s.tokens), length)  # the interface
+        assert len(s.tokens) == length  # what the registered tasks promise beyond it
         assert all(isinstance(t, int) for t in s.tokens) and s.answers
         CHECKS[name](tokenizer, s)
         assert score(task, " ".join(s.answers), s.answers) == 1.0
@@ -275,3 +276,15 @@ def test_fwe_corpus_words_run_out_with_a_clear_error(tokenizer, tmp_path):
     few.write_text(" ".join(NOUNS[:40]) + ".\n")
     with pytest.raises(ValueError, match=r"length=4096: the word source ran out of distinct words after \d+"):
         get_task("fwe").make_samples(tokenizer, 4096, 1, 0, haystack=str(few))
+
+
+def test_cwe_gap_the_words_cannot_close_is_padded(tokenizer):
+    """At 3044 tokens (seed 6) the repo's word pool is nearly used up and swaps cannot close the last 2 tokens: blank
+    lines before the question do, and the list is still right."""
+    samples = []
+    for chat in (False, True):
+        samples += get_task("cwe").make_samples(tokenizer, 3044, 4, 6, chat=chat)
+    for s in samples:
+        assert len(s.tokens) == 3044
+        _check_cwe(tokenizer, s)
+    assert any("\n\n\nQuestion:" in _text(tokenizer, s) for s in samples)

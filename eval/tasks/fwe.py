@@ -15,6 +15,9 @@ for the "repeat" haystack (RULER's coded words); the words of the corpus for "co
 haystack here is only the word source). Metric: string_match_all (the fraction of the three found in the
 completion).
 
+When the words cannot close the last few tokens exactly, blank lines before the question do, so the length is
+exact. A corpus's words serve up to about 30K tokens of The Call of the Wild; past that the error says so.
+
 Differences from RULER: no "...." noise word (RULER makes it the most frequent "word" and asks to ignore it);
 frequencies are exact rather than sampled; 24 new tokens instead of 50.
 """
@@ -91,12 +94,13 @@ def make_samples(tokenizer, length: int, samples: int, seed: int, *, haystack: s
         body: list[int] = []
         for k in rng.permutation(len(items)):
             body += pieces[items[k]]
-        tokens = prefix + body + suffix
-        assert len(tokens) == length - gap, (len(tokens), length, gap)
         if gap > 0.01 * length:  # the word source ran dry
             raise ValueError(f"task {NAME!r}: length={length}: the word source ran out of distinct words after "
                              f"{len(words.taken)} ({gap} tokens short); use a haystack with more distinct words "
                              "(the 'repeat' haystack makes coded words without limit) or a shorter length")
+        # a gap the words could not close (rare, < 1%): blank lines before the question, so the length is exact
+        tokens = prefix + body + common.ids(tokenizer, "\n")[-1:] * gap + suffix
+        assert len(tokens) == length, (len(tokens), length, gap)
         out.append(Sample(task=NAME, tokens=tuple(tokens), answers=answers, depth=None, length=length))
     return out
 
