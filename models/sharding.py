@@ -234,8 +234,9 @@ def shard_params(cfg: ModelConfig, params: Params, mesh: Mesh) -> Params:
 
 def placer(cfg: ModelConfig, mesh: Mesh):
     """`place(name, host_array) -> jax.Array` for the checkpoint loaders: "embed", "layers.wq", ... (the names of
-    `models.convert.params_to_numpy`) placed by `param_shardings`: `jax.device_put` of a host array copies each
-    device's slice only, so a checkpoint loads without a full copy of any sharded tensor on one device."""
+    `models.convert.params_to_numpy`) placed by `param_shardings` with `jax.make_array_from_callback`: each device
+    receives its slice of the host array only (no device holds a full copy of a sharded tensor), and on several
+    hosts (`jax.distributed.initialize`) each process fills only the devices it owns."""
     check_heads(cfg, mesh)
     named = {".".join(str(getattr(k, "name", k)) for k in path): sh
              for path, sh in jax.tree_util.tree_leaves_with_path(param_shardings(cfg, mesh))}
@@ -243,7 +244,8 @@ def placer(cfg: ModelConfig, mesh: Mesh):
     def place(name: str, array) -> Array:
         if name not in named:
             raise ShardingError(f"no sharding for tensor {name!r}: expected one of {sorted(named)}")
-        return jax.device_put(array, named[name])
+        array = np.asarray(array)
+        return jax.make_array_from_callback(array.shape, named[name], lambda index: array[index])
     return place
 
 
