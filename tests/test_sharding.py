@@ -169,3 +169,28 @@ def test_triton_kernels_lower_per_shard_for_cuda_on_a_2x4_mesh():
             assert plgpu.CUSTOM_CALL_TARGET_NAME in manual or "triton" in manual, name
             if name == "block_max_scores":
                 assert "all_reduce" in manual, name
+
+
+def test_evosparse_select_kernel_lowers_per_shard_for_cuda():
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas import triton as plgpu
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+    from pallas_kernels.block_scores.api import select_blocks
+    from tests.lowering import H100
+
+    device = AbstractDevice(device_kind=H100[0], num_cores=H100[1], platform="gpu")
+    mesh = AbstractMesh((2, 4), ("data", "model"), (AxisType.Auto,) * 2, abstract_device=device)
+    B, Hkv, nb, L = 2, 8, 256, 3
+    sds = jax.ShapeDtypeStruct
+    args = (sds((L, B, Hkv, nb), jnp.float32), sds((B,), jnp.int32), sds((B,), jnp.int32), sds((B,), jnp.bool_),
+            sds((), jnp.int32))
+
+    def f(heat, n_s, hi, full, layer):
+        return select_blocks(heat, None, n_s, hi, hi + 2, n_s + 4, full, num_kv_heads=Hkv, nb=nb, width=16,
+                             heat_width=8, layer=layer, implementation="pallas_gpu")
+    check = [jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)]
+    with use_abstract_mesh(mesh):
+        text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=check)(*args).mlir_module()
+    assert "triton" in text[text.index("sdy.manual_computation"):]

@@ -129,7 +129,16 @@ def select_blocks(heat: Array | None, ret: Array | None, n_s: Array, hi: Array, 
     """EvoSparse's attended blocks of one decode row, i32[B, Hkv, width] (semantics: `xla.select_blocks_xla`,
     which is also the "reference"). implementation=None: the one-launch Triton kernel on a GPU when nb <= 32768,
     else XLA. With `layer` (i32[]), heat is the stacked heat f32[L, B, Hkv, nb] and row `layer` is read (in place
-    by the kernel)."""
+    by the kernel). Under a mesh, per shard (rows over data, KV heads over model; the retrieval set, one per row,
+    replicated over model)."""
+    if active_mesh() is not None:
+        out = _select_per_shard(
+            lambda heat, cand, ret, n_s, hi, nbv, count, full, layer, h: select_blocks(
+                heat, ret, n_s, hi, nbv, count, full, num_kv_heads=h, nb=nb, width=width, heat_width=heat_width,
+                layer=layer, implementation=implementation),
+            heat, None, ret, (n_s, hi, nbv, count, full), layer, num_kv_heads)
+        if out is not None:
+            return out
     from pallas_kernels.topk_select.gpu_row import ROW_LIMIT
     if implementation is None:
         implementation = "pallas_gpu" if jax.default_backend() == "gpu" and nb <= ROW_LIMIT else "xla"
@@ -149,7 +158,16 @@ def select_from_candidates(heat: Array, cand: Array, ret: Array | None, n_s: Arr
     """`select_blocks` given each row's heat candidates (`xla.heat_candidates`, computed once per decode step
     for every layer): i32[B, Hkv, width], the same blocks (semantics: `xla.select_from_candidates_xla`).
     implementation=None: the Triton kernel on a GPU when the candidates and the retrieval set are at most
-    `gpu.CAND_LIMIT` wide (it ranks them pairwise in registers), else XLA."""
+    `gpu.CAND_LIMIT` wide (it ranks them pairwise in registers), else XLA. Under a mesh, per shard (see
+    `select_blocks`)."""
+    if active_mesh() is not None:
+        out = _select_per_shard(
+            lambda heat, cand, ret, n_s, hi, nbv, count, full, layer, h: select_from_candidates(
+                heat, cand, ret, n_s, hi, nbv, count, full, num_kv_heads=h, width=width, heat_width=heat_width,
+                layer=layer, implementation=implementation),
+            heat, cand, ret, (n_s, hi, nbv, count, full), layer, num_kv_heads)
+        if out is not None:
+            return out
     if implementation is None:
         from pallas_kernels.block_scores.gpu import CAND_LIMIT
         small = cand.shape[-1] <= CAND_LIMIT and (ret is None or ret.shape[-1] <= CAND_LIMIT)
@@ -162,3 +180,23 @@ def select_from_candidates(heat: Array, cand: Array, ret: Array | None, n_s: Arr
         from pallas_kernels.block_scores import gpu
         return gpu.select_from_candidates_gpu(*args, **kw)
     return xla.select_from_candidates_xla(*args, **kw)
+
+
+def _select_per_shard(call, heat, cand, ret, rows, layer, num_kv_heads: int):
+    """call(heat, cand, ret, *rows, layer, local_num_kv_heads) per shard, or None when the KV heads do not divide
+    the model axis (the caller then runs unsplit). heat / cand: [B, Hkv, ...] or stacked [L, B, Hkv, ...] (with
+    `layer`); ret: [B, Wr] (replicated over model); rows: i32/bool[B] each."""
+    m = dict(active_mesh().shape).get(MODEL, 1)
+    if num_kv_heads % m:
+        return None
+    per_head = dims(4, 1, 2) if layer is not None else dims(3, 0, 1)
+    named = [("heat", heat, per_head), ("cand", cand, per_head), ("ret", ret, dims(2, 0)), ("layer", layer, ())]
+    present = [(k, a, t) for k, a, t in named if a is not None]
+    args = [a for _, a, _ in present] + list(rows)
+    templates = [t for _, _, t in present] + [dims(1, 0)] * len(rows)
+
+    def local(*xs):
+        got = dict(zip([k for k, _, _ in present], xs))
+        return call(got.get("heat"), got.get("cand"), got.get("ret"), *xs[len(present):], got.get("layer"),
+                    num_kv_heads // m)
+    return per_shard(local, args, templates, dims(3, 0, 1))
