@@ -243,7 +243,8 @@ def run_methods(shape: str, methods, contexts, batches, steps: int, out: str | N
     mm = bm.measure_matmul_tflops() if prefill_contexts else 0.0
     rows = method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, prefill_contexts, mm)
     payload = {**facts, "benchmark": "model_methods", "xla_flags": os.environ.get("XLA_FLAGS", ""), "shape": shape,
-               "dtype": "bfloat16", "weights": "random", "budget": budget, "measured_hbm_gbs": hbm,
+               "dtype": "bfloat16", "weights": "random", "budget": budget,
+               "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), "measured_hbm_gbs": hbm,
                "param_bytes": param_bytes(params), "decode_steps_timed": steps, "measured_matmul_tflops": mm or None,
                "rows": rows}
     if out:
@@ -325,6 +326,7 @@ def main(argv=None, prog=None):
                    help="XLA_FLAGS for this run, set before the backend starts (default: jsparse.xla_flags.GPU_XLA_FLAGS, "
                         "cuBLAS GEMMs reading the stacked weights in place; see eval/results/h100/bench_decode_step.json)")
     a = p.parse_args(argv)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # 100K x batch 4: 53 GB of cache + 16 GB weights
     if a.xla_flags:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + a.xla_flags).strip()
     contexts, batches = [int(x) for x in a.context.split(",")], [int(x) for x in a.batch.split(",")]
