@@ -185,7 +185,7 @@ def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, pre
                 cache = state = None
                 try:
                     capacity = round_up(context + 2 * steps + 1, 256)
-                    cache = filled_cache(cfg, batch, context, capacity, jnp.bfloat16)
+                    cache = filled_cache(cfg, batch, context, capacity, params.embed.dtype)
                     state = method.init_state(cfg, batch, capacity)
                     tok = jnp.zeros((batch, 1), jnp.int32)
                     tok, cache, state = method_decode_steps(params, method, tok, cache, state, cfg=cfg, steps=steps)
