@@ -48,6 +48,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                         "(default: smollm2)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="weights and activations dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
+    p.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                   help="run sharded on a mesh of all the local devices (D * M = the device count; M divides the "
+                        "model's head counts): params by heads, every forward under the mesh (default: one device)")
     p.add_argument("--methods", default="dense",
                    help="comma-separated attention methods, e.g. dense,oracle,kascade,streaming,quest "
                         "(default: dense)")
@@ -148,7 +151,7 @@ def run_eval(args) -> int:
 
     spec = spec_from_args(args)
     check_out(args.out)
-    model = jsparse.load(args.model, args.dtype)
+    model = jsparse.load(args.model, args.dtype, mesh=getattr(args, "mesh", None))
     if spec.draft is not None:
         spec = dataclasses.replace(spec, draft=jsparse.load(args.draft, args.dtype))
     command = getattr(args, "command_line", None) or shlex.join(["jsparse", *sys.argv[1:]])
@@ -163,8 +166,11 @@ def run_eval(args) -> int:
         method_options={k: dict(v) for k, v in spec.method_options.items()},
         draft=None if spec.draft is None else getattr(spec.draft, "name", args.draft),
         gamma=None if spec.draft is None else spec.gamma)
-    run = harness.evaluate(model, spec, progress=not args.no_progress,
-                           on_record=lambda records: report.write_results(args.out, records, meta))
+    from models.sharding import use_mesh
+
+    with use_mesh(model.mesh):  # the harness's jitted forwards run with the mesh set: kernels per shard
+        run = harness.evaluate(model, spec, progress=not args.no_progress,
+                               on_record=lambda records: report.write_results(args.out, records, meta))
     report.write_results(args.out, run.records, meta, run.passkey_outputs)
     print(report.summary_markdown(run.records, meta))
     return 0

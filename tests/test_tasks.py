@@ -133,7 +133,8 @@ def test_task_samples(tokenizer, name, length):
     assert len(samples) == 5
     for s in samples:
         assert s.task == name and s.length == length
-        assert abs(len(s.tokens) - length) <= 0.01 * length, (len(s.tokens), length)
+        assert abs(len(s.tokens) - length) <= 0.01 * length, (len(s.tokens), length)  # the interface
+        assert len(s.tokens) == length  # what the registered tasks promise beyond it
         assert all(isinstance(t, int) for t in s.tokens) and s.answers
         CHECKS[name](tokenizer, s)
         assert score(task, " ".join(s.answers), s.answers) == 1.0
@@ -250,3 +251,40 @@ def test_bundled_model_answers_niah_single_number():
     scores = [score(task, p, s.answers) for p, s in zip(preds, samples)]
     assert all(0.0 <= x <= 1.0 for x in scores)
     assert sum(scores) >= 2, list(zip(preds, [s.answers for s in samples]))
+
+
+def test_passkey_and_coref_wrap_the_harness_prompts(tokenizer):
+    """Raw mode gives exactly the prompts of eval.passkey / eval.coref (the harness's own, for one seed)."""
+    from eval import coref, passkey
+
+    corpus_ids = common.corpus_tokens(tokenizer, "corpus").ids
+    for haystack, ids in (("repeat", None), ("corpus", corpus_ids)):
+        ours = get_task("passkey").make_samples(tokenizer, 1024, 5, seed=3, haystack=haystack)
+        theirs = passkey.make_prompts(tokenizer, 1024, 5, 3, passkey.DEFAULT_DEPTHS, ids)
+        assert [s.tokens for s in ours] == [tuple(p.tokens.tolist()) for p in theirs]
+        assert [s.answers for s in ours] == [(p.key,) for p in theirs]
+        chat = get_task("passkey").make_samples(tokenizer, 1024, 5, seed=3, haystack=haystack, chat=True)
+        assert [s.answers for s in chat] == [s.answers for s in ours]  # same keys and filler draws
+    ours = get_task("coref").make_samples(tokenizer, 1024, 3, seed=3)
+    theirs = coref.make_prompts(tokenizer, 1024, 3, seed=3)
+    assert [s.tokens for s in ours] == [tuple(p.tokens.tolist()) for p in theirs]
+    assert [s.answers for s in ours] == [(p.answer,) for p in theirs]
+
+
+def test_fwe_corpus_words_run_out_with_a_clear_error(tokenizer, tmp_path):
+    few = tmp_path / "few.txt"  # 40 distinct words: the ranked words fit, the words of count 1 run out
+    few.write_text(" ".join(NOUNS[:40]) + ".\n")
+    with pytest.raises(ValueError, match=r"length=4096: the word source ran out of distinct words after \d+"):
+        get_task("fwe").make_samples(tokenizer, 4096, 1, 0, haystack=str(few))
+
+
+def test_cwe_gap_the_words_cannot_close_is_padded(tokenizer):
+    """At 3044 tokens (seed 6) the repo's word pool is nearly used up and swaps cannot close the last 2 tokens: blank
+    lines before the question do, and the list is still right."""
+    samples = []
+    for chat in (False, True):
+        samples += get_task("cwe").make_samples(tokenizer, 3044, 4, 6, chat=chat)
+    for s in samples:
+        assert len(s.tokens) == 3044
+        _check_cwe(tokenizer, s)
+    assert any("\n\n\nQuestion:" in _text(tokenizer, s) for s in samples)

@@ -61,12 +61,8 @@ def check_budget(budget) -> float:
 
 
 def budget_k(budget: float, n, min_tokens: int):
-    """Keys to keep among n visible ones (int or i32 array)."""
-    if budget <= 1:
-        return sel.budget_tokens(budget, n, min_tokens)
-    if isinstance(n, int):
-        return min(int(budget), n)
-    return jnp.minimum(jnp.int32(int(budget)), n)
+    """Keys to keep among n visible ones (int or i32 array): a fraction <= 1, or a token count above 1."""
+    return sel.keys_to_keep(n, budget, min_tokens, int(budget) if budget > 1 else None)
 
 
 def static_k(budget: float, capacity: int, min_tokens: int) -> int:
@@ -85,14 +81,8 @@ def head_probs(q: Array, k_cache: Array, positions: Array) -> Array:
     Returns:
       f32[B, Hq, T, N].
     """
-    B, T, Hq, D = q.shape
-    Hkv, N = k_cache.shape[1], k_cache.shape[2]
-    G = Hq // Hkv
-    logits = jnp.einsum("btkgd,bknd->bkgtn", q.reshape(B, T, Hkv, G, D), k_cache,
-                        preferred_element_type=jnp.float32) / math.sqrt(D)
-    visible = jnp.arange(N)[None, None, :] <= positions[:, :, None]
-    logits = jnp.where(visible[:, None, None], logits, NEG_INF)
-    return jax.nn.softmax(logits, axis=-1).reshape(B, Hq, T, N)
+    B, T, Hq, _ = q.shape
+    return sel.group_probs(q, k_cache, positions).reshape(B, Hq, T, k_cache.shape[2])
 
 
 def _topk_rows(scores: Array, W: int) -> tuple[Array, Array]:

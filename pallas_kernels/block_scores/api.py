@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels.block_scores import reference, xla
+from pallas_kernels.sharding import MODEL, active_mesh, dims, per_shard
 
 Array = jax.Array
 
@@ -33,7 +34,27 @@ def _pick(implementation: str | None, q: Array, block_size: int) -> str:
 def block_max_scores(q: Array, k_all: Array, layer: Array, kv_heads: Array, head_mask: Array, positions: Array,
                      lo: Array, hi: Array, *, block_size: int, scale: float | None = None,
                      implementation: str | None = None) -> Array:
-    """Retrieval block max, f32[B, T, N // block_size] (semantics: `reference.block_max_scores_reference`)."""
+    """Retrieval block max, f32[B, T, N // block_size] (semantics: `reference.block_max_scores_reference`).
+
+    Under a mesh (`pallas_kernels.sharding`): per shard, each device takes the max over the retrieval heads it
+    holds (the others masked out), then a `pmax` over `model` of the f32[B, T, nb] result (the cross-head step:
+    the retrieval set is one per row, shared by every head)."""
+    if active_mesh() is not None:
+        def local(q, k_all, layer, kv_heads, head_mask, positions, lo, hi):
+            mesh = jax.sharding.get_abstract_mesh()
+            if MODEL not in mesh.axis_names:
+                return block_max_scores(q, k_all, layer, kv_heads, head_mask, positions, lo, hi,
+                                        block_size=block_size, scale=scale, implementation=implementation)
+            h = k_all.shape[2]  # local KV heads; this device holds heads [i * h, (i + 1) * h)
+            mine = kv_heads.astype(jax.numpy.int32) - jax.lax.axis_index(MODEL) * h
+            held = (mine >= 0) & (mine < h)
+            out = block_max_scores(q, k_all, layer, jax.numpy.clip(mine, 0, h - 1), head_mask & held[:, None],
+                                   positions, lo, hi, block_size=block_size, scale=scale,
+                                   implementation=implementation)
+            return jax.lax.pmax(out, MODEL)
+        rows = dims(2, 0)
+        return per_shard(local, [q, k_all, layer, kv_heads, head_mask, positions, lo, hi],
+                         [dims(4, 0, 2), dims(5, 1, 2), (), (None,), (None, None), rows, rows, rows], dims(3, 0))
     impl = _pick(implementation, q, block_size)
     args = (q, k_all, layer, kv_heads, head_mask, positions, lo, hi)
     if impl == "pallas_gpu":
@@ -49,7 +70,14 @@ def sparse_decode_mass(q: Array, k_all: Array, v_all: Array, layer: Array, indic
                        config=None):
     """Gathered decode over layer `layer` of a stacked cache and each index entry's softmax mass:
     (out [B, T, Hq, D], mass f32[B, Hkv, T, K]) (semantics: `reference.sparse_decode_mass_reference`).
-    config: the Pallas GPU kernel's `sparse_attention.gpu.DecodeConfig` (None: its default)."""
+    config: the Pallas GPU kernel's `sparse_attention.gpu.DecodeConfig` (None: its default). Under a mesh, per
+    shard (rows over data, heads over model)."""
+    if active_mesh() is not None:
+        kv = dims(5, 1, 2)
+        return per_shard(lambda q, k, v, layer, indices, lengths: sparse_decode_mass(
+            q, k, v, layer, indices, lengths, block_size=block_size, scale=scale, implementation=implementation,
+            config=config), [q, k_all, v_all, layer, indices, lengths],
+            [dims(4, 0, 2), kv, kv, (), dims(4, 0, 1), dims(1, 0)], (dims(4, 0, 2), dims(4, 0, 1)))
     impl = _pick(implementation, q, block_size)
     args = (q, k_all, v_all, layer, indices, lengths)
     if impl == "pallas_gpu":
@@ -69,7 +97,19 @@ def sparse_decode_heat(q: Array, k_all: Array, v_all: Array, layer: Array, indic
     mass added into the stacked heat's row `heat_layer` (None: `layer`): (out [B, 1, Hq, D], heat f32[Lh, B,
     Hkv, nb]) (semantics: `reference.sparse_decode_heat_reference`; on the GPU the heat is updated in place).
     The valid entries of each index row must be unique and ascending (then -1), as `select_blocks` writes them.
-    config: the Pallas GPU kernel's `sparse_attention.gpu.DecodeConfig` (None: its default)."""
+    config: the Pallas GPU kernel's `sparse_attention.gpu.DecodeConfig` (None: its default). Under a mesh, per
+    shard (rows over data, heads over model; the heat [Lh, B, Hkv, nb] with them)."""
+    if active_mesh() is not None:
+        kv = dims(5, 1, 2)
+        extra = [] if heat_layer is None else [heat_layer]
+
+        def local(q, k, v, layer, indices, lengths, heat, *rest):
+            return sparse_decode_heat(q, k, v, layer, indices, lengths, heat, rest[0] if rest else None,
+                                      block_size=block_size, scale=scale, implementation=implementation,
+                                      config=config)
+        return per_shard(local, [q, k_all, v_all, layer, indices, lengths, heat] + extra,
+                         [dims(4, 0, 2), kv, kv, (), dims(4, 0, 1), dims(1, 0), dims(4, 1, 2)] + [()] * len(extra),
+                         (dims(4, 0, 2), dims(4, 1, 2)))
     impl = _pick(implementation, q, block_size)
     args = (q, k_all, v_all, layer, indices, lengths, heat, heat_layer)
     if impl == "pallas_gpu":
