@@ -101,9 +101,10 @@ def bench_method(name: str, cfg, budget: float):
         return (Kascade.from_anchors(cfg, anchors, budget=budget),
                 f"synthetic: anchors {anchors}, identity head map (calibration on random weights means nothing)")
     if name == "evosparse":
-        from eval.bench import evosparse as be
+        from eval.bench import evo_layout as be
+        from jsparse.methods.evosparse import EvoSparse
         heads = be.model_heads(cfg)
-        return (be.method_for(cfg, heads),
+        return (EvoSparse.from_heads(cfg, heads, budget_tokens=be.BUDGET_TOKENS, block_size=be.BLOCK),
                 f"synthetic: {len(heads)} retrieval heads drawn at random (seed 0), budget {be.BUDGET_TOKENS} tokens "
                 f"in blocks of {be.BLOCK}")
     if name == "butler":
@@ -129,10 +130,10 @@ def attention_bytes(name: str, method, cfg, batch: int, n: int) -> int:
     if name == "dense":
         return L * dense_layer
     if name == "evosparse":
-        from eval.bench import evosparse as be
+        from eval.bench import evo_layout as be
         heads = be.model_heads(cfg)
         kinds = be.layer_kinds(cfg, heads)
-        fl = {R: be.attention_floors(batch, n, 1.0, R) for R in kinds}
+        fl = {R: be.attention_floors(batch, n, 1.0, R, cfg) for R in kinds}
         return 2 * dense_layer + sum(c * fl[R]["retrieval_bytes"] for R, c in kinds.items())
     k = sel.budget_tokens(getattr(method, "budget", 1.0), n, getattr(method, "min_tokens", 128))
     picked = 2 * k * U
