@@ -33,8 +33,10 @@ kernels (Pallas calls, which XLA cannot partition) run per shard under `jax.shar
 Kernels per shard (`pallas_kernels.sharding.per_shard`, active whenever a mesh of more than one device is set):
 dense prefill/decode (`pallas_kernels.dense`, `dense_decode`), gathered sparse decode and tile-gathered prefill
 (`sparse_attention`), Kascade's anchor layers (`anchor_attention`), EvoSparse's block ops (`block_scores`: retrieval
-block max, gathered decode with mass / heat), TSA's scoring and local fill (`tsa_scoring`, `local_attention`).
-The selection glue between them (top-k in XLA, index arithmetic, compression gathers) is partitioned by XLA.
+block max, block selection, gathered decode with mass / heat), TSA's scoring and local fill (`tsa_scoring`,
+`local_attention`). The glue between them (top-k, index arithmetic, compression gathers, the heat update) is
+partitioned by XLA; one known cost: XLA all-gathers EvoSparse's heat f32[L, B, Hkv, nb] once per decode step (at
+128K, batch 8, Llama-3.1-8B: 67 MB) where a `where` over it meets a replicated operand.
 
 Cross-head steps of the methods, and the collective each needs (the results equal the one-device ones, which
 tests/sharding_check.py checks on 2x4 and 1x8 meshes for every method):
