@@ -10,7 +10,7 @@ Example:
     jsparse eval --model smollm2 --methods dense,oracle,kascade,streaming,quest --tasks passkey,ppl \
         --lengths 2048,4096 --budget 0.1 --samples 10 --artifact kascade=artifacts/kascade --out runs/main
 
-writes runs/main/results.json (records, see eval/harness.py), summary.md, run.json and passkey_outputs.json.
+writes runs/main/results.json (records, see eval/harness.py), summary.md, report.md with plots/, run.json and outputs.json.
 
 A prefill method (tsa) as a user meets it, with a fixed tau and its measured per-layer sparsity:
 
@@ -38,16 +38,20 @@ from eval.ppl import DEFAULT_CONTINUATION, DEFAULT_CORPUS, DEFAULT_VARIANTS
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     """Adds the `eval` command to an argparse subparsers object; returns its parser."""
     p = subparsers.add_parser(
-        "eval", help="compare attention methods on passkey retrieval and perplexity",
-        description="Run every method on every task and length; write results.json (one record per method, "
-                    "task, length: task, method, length, budget, budget_tokens, metric, value, sparsity, "
-                    "layer_sparsity, n, variant, depth, seconds), summary.md (a table per method), run.json and "
-                    "passkey_outputs.json to --out.")
+        "eval", help="compare attention methods on passkey, RULER-style tasks, co-reference and perplexity",
+        description="Run every method at every budget on every task and length; write results.json (schema 2: "
+                    "meta, runs and one record per method, budget, task, variant, length: task, method, length, "
+                    "budget, budget_tokens, metric, value, sparsity, layer_sparsity, n, variant, depth, seconds, "
+                    "acceptance_rate), summary.md (tables), report.md (leaderboard and plots/), run.json and "
+                    "outputs.json to --out. A rerun into the same folder resumes.")
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (the bundled SmolLM2-135M-Instruct), a Hugging Face folder or a .gguf file "
                         "(default: smollm2)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="weights and activations dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
+    p.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                   help="run sharded on a mesh of all the local devices (D * M = the device count; M divides the "
+                        "model's head counts): params by heads, every forward under the mesh (default: one device)")
     p.add_argument("--methods", default="dense",
                    help="comma-separated attention methods, e.g. dense,oracle,kascade,streaming,quest "
                         "(default: dense)")
@@ -103,8 +107,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help="tokens per forward: samples are batched max(1, this // length) at a time (default 8192)")
     p.add_argument("--draft", default=None,
                    help="passkey by speculative decoding with this draft model (any --model spec with the target's "
-                        "vocabulary, e.g. smollm2:layers=0-9); records carry the acceptance rate. Needed by --methods "
-                        "sts (which runs ppl variant prefill only: STS-P)")
+                        "vocabulary, e.g. smollm2:layers=0-14); records carry the acceptance rate. Needed by --methods "
+                        "sts (ppl variants prefill: STS-P, and continuation: STS-D as teacher-forced verification "
+                        "rounds)")
     p.add_argument("--gamma", type=int, default=4, help="draft tokens proposed per round with --draft (default 4)")
     p.add_argument("--out", required=True,
                    help="output folder (created) for results.json, summary.md, report.md and plots/. A run into a "
@@ -235,7 +240,7 @@ def run_eval(args) -> int:
     check_out(args.out)
     config = run_config(spec, args.model, args.dtype or default_dtype())
     previous, runs, config = resume_config(args.out, config, getattr(args, "overwrite", False))
-    model = jsparse.load(args.model, args.dtype)
+    model = jsparse.load(args.model, args.dtype, mesh=getattr(args, "mesh", None))
     if spec.draft is not None:
         spec = dataclasses.replace(spec, draft=jsparse.load(args.draft, args.dtype))
     command = getattr(args, "command_line", None) or shlex.join(["jsparse", *sys.argv[1:]])
@@ -267,7 +272,10 @@ def run_eval(args) -> int:
         added = len(records) - len(previous)
         report.write_results(args.out, records, meta, outputs, runs + [dict(this_run, records=added)])
 
-    run = harness.evaluate(model, spec, progress=not args.no_progress, on_record=write, previous=previous)
+    from models.sharding import use_mesh
+
+    with use_mesh(model.mesh):  # the harness's jitted forwards run with the mesh set: kernels per shard
+        run = harness.evaluate(model, spec, progress=not args.no_progress, on_record=write, previous=previous)
     write(run.records, old_outputs + run.outputs)
     if not getattr(args, "no_report", False):
         report.write_report(args.out)

@@ -72,6 +72,7 @@ from models.generate import Sampling, check_request, generate_tokens
 
 TASKS = ("passkey", "ppl")  # the built-in tasks; generation_tasks() adds eval/tasks' registry
 SCHEMA_VERSION = 2  # of results.json (see eval/report.py); bump it when RECORD_KEYS or a key's meaning changes
+STS_PPL_VARIANTS = ("prefill", "continuation")  # STS-P; STS-D (teacher-forced verification rounds)
 RECORD_KEYS = ("task", "method", "length", "budget", "budget_tokens", "metric", "value", "sparsity",
                "layer_sparsity", "n", "variant", "depth", "seconds", "acceptance_rate")
 
@@ -324,11 +325,11 @@ class EvalSpec:
         if "sts" in self.methods:
             if self.draft is None:
                 raise ValueError("method 'sts' needs a draft model: pass --draft (EvalSpec.draft)")
-            other = [v for v in self.ppl_variants if v != "prefill"] if "ppl" in self.tasks else []
+            other = [v for v in self.ppl_variants if v not in STS_PPL_VARIANTS] if "ppl" in self.tasks else []
             if other:
-                raise ValueError(f"method 'sts' runs perplexity as ppl variant 'prefill' only (STS-P: the draft's "
-                                 f"prefill chooses the target's keys), got variants {list(self.ppl_variants)}: pass "
-                                 "--ppl-variants prefill")
+                raise ValueError(f"method 'sts' runs perplexity as ppl variants {list(STS_PPL_VARIANTS)} only (STS-P: "
+                                 f"the draft's prefill chooses the target's keys; STS-D: teacher-forced verification "
+                                 f"rounds), got variants {list(self.ppl_variants)}: pass --ppl-variants prefill,continuation")
         if "ppl" in self.tasks and "continuation" in self.ppl_variants:
             for length in self.lengths:
                 ppl_task.check_continuation(self.continuation, length)
@@ -554,23 +555,84 @@ def _sts_prefill_nll(t_params, d_params, t_method, d_method, tokens, *, t_cfg, d
     return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
 
 
+@functools.partial(jax.jit, static_argnames=("t_cfg", "d_cfg", "continuation", "gamma"))
+def _sts_continuation_nll(t_params, d_params, t_method, d_method, tokens, *, t_cfg, d_cfg, continuation, gamma):
+    """STS-D perplexity: STS-P prefill of the first P = T - C tokens, then the last C tokens teacher-forced through
+    verification rounds in which every draft token is accepted: per round the draft decodes [prev, tok] and then
+    gamma - 1 single tokens of the text (its last step's attention rows are the record), and the target verifies
+    the gamma + 1 positions n .. n + gamma through the keys the record chooses (`models.speculative.spec_round`
+    with the text as the draft's proposals). tokens: i32[B, T] -> f32[B, C] NLL of tokens P .. T - 1."""
+    from models import llama
+    from models.cache import init_cache
+    from models.generate import round_up
+
+    B, T = tokens.shape
+    C, P, g = continuation, T - continuation, gamma
+    R = -(-(C - 1) // (g + 1))  # rounds to feed tokens P .. T - 2
+    feed = jnp.pad(tokens[:, P:], ((0, 0), (0, R * (g + 1) + 1 - C)))  # [B, R (g + 1) + 1]: inputs then targets
+    cap = round_up(P + R * (g + 1) + 1, 128)
+    lengths = jnp.full((B,), P, jnp.int32)
+    d_state = d_method.init_state(d_cfg, B, cap)
+    _, d_cache, d_state = llama.prefill(d_params, d_cfg, d_method, tokens[:, :P], lengths,
+                                        init_cache(d_cfg, B, cap, d_params.embed.dtype), d_state)
+    t_state = t_method.adopt_draft(t_method.init_state(t_cfg, B, cap), d_state)
+    logits, t_cache, t_state = llama.prefill(t_params, t_cfg, t_method, tokens[:, :P], lengths,
+                                             init_cache(t_cfg, B, cap, t_params.embed.dtype), t_state)
+    nll0 = _nll(logits, tokens[:, P])  # token P from the prefill's last logits
+    t_state, d_state = t_method.end_prefill(t_cfg, t_state, B, cap), d_method.end_prefill(d_cfg, d_state, B, cap)
+    rounds = feed[:, :R * (g + 1)].reshape(B, R, g + 1)
+    targets = feed[:, 1:R * (g + 1) + 1].reshape(B, R, g + 1)
+
+    def one_round(carry, xs):
+        t_cache, d_cache, t_state, d_state, prev = carry
+        chunk, tgt = xs  # [B, g + 1] fed tokens (tok, d_1 .. d_g), [B, g + 1] their targets
+        n = t_cache.lengths
+        _, d_cache, d_state = llama.decode(d_params, d_cfg, d_method, jnp.stack([prev, chunk[:, 0]], axis=1),
+                                           d_cache.replace(lengths=n - 1), d_state)
+        for j in range(1, g):
+            _, d_cache, d_state = llama.decode(d_params, d_cfg, d_method, chunk[:, j:j + 1], d_cache, d_state)
+        t_state = t_method.adopt_draft(t_state, d_state)
+        logits, t_cache, t_state = llama.decode(t_params, t_cfg, t_method, chunk, t_cache, t_state)
+        nll = _nll(logits, tgt)
+        d_cache = d_cache.replace(lengths=t_cache.lengths)
+        return (t_cache, d_cache, t_state, d_state, chunk[:, -1]), nll
+
+    carry = (t_cache, d_cache, t_state, d_state, tokens[:, P - 1])
+    _, nll = jax.lax.scan(one_round, carry, (jnp.moveaxis(rounds, 1, 0), jnp.moveaxis(targets, 1, 0)))
+    nll = jnp.moveaxis(nll, 0, 1).reshape(B, R * (g + 1))[:, :C - 1]
+    return jnp.concatenate([nll0[:, None], nll], axis=1)
+
+
+def _nll(logits, targets):
+    """f32 NLL of targets (i32[...]) under logits [..., V]."""
+    logits = logits.astype(jnp.float32)
+    return jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+
+
 def run_ppl(model, method, windows: np.ndarray, variant: str, rows: int, chunk: int,
             tick: Callable[[], None] = lambda: None, continuation: int = ppl_task.DEFAULT_CONTINUATION,
-            layer_sparsity: LayerSparsity | None = None, draft=None) -> np.ndarray:
+            layer_sparsity: LayerSparsity | None = None, draft=None, gamma: int = 4) -> np.ndarray:
     """Token NLLs of the windows under `variant`: f32[n, T - 1] for "decode" and "prefill", f32[n, C] for
     "continuation" (C = `continuation`). `layer_sparsity` collects the measured sparsity of the prefills.
-    A method that selects from a draft (STS) needs `draft` and runs the "prefill" variant only (STS-P)."""
+    A method that selects from a draft (STS) needs `draft` and runs the "prefill" variant (STS-P) or the
+    "continuation" variant (STS-D: its decode as teacher-forced verification rounds of `gamma` + 1 tokens)."""
     out = []
     if getattr(method, "needs_draft", False):
-        if draft is None or variant != "prefill":
-            raise ValueError(f"method 'sts' runs ppl variant 'prefill' with a draft only (got variant {variant!r}"
-                             f"{'' if draft is not None else ', no draft'})")
+        if draft is None or variant not in STS_PPL_VARIANTS:
+            raise ValueError(f"method 'sts' runs ppl variants {list(STS_PPL_VARIANTS)} with a draft only (got variant "
+                             f"{variant!r}{'' if draft is not None else ', no draft'})")
         from jsparse.api import speculative_methods
 
-        t_method, d_method = speculative_methods(method, model, draft, 1)
+        t_method, d_method = speculative_methods(method, model, draft, gamma)
         for batch, valid in _batches(windows, rows):
-            nll = _sts_prefill_nll(model.params, draft.params, t_method, d_method, jnp.asarray(batch),
-                                   t_cfg=model.cfg, d_cfg=draft.cfg)
+            if variant == "prefill":
+                nll = _sts_prefill_nll(model.params, draft.params, t_method, d_method, jnp.asarray(batch),
+                                       t_cfg=model.cfg, d_cfg=draft.cfg)
+            else:
+                nll = _sts_continuation_nll(model.params, draft.params, t_method, d_method, jnp.asarray(batch),
+                                            t_cfg=model.cfg, d_cfg=draft.cfg,
+                                            continuation=ppl_task.check_continuation(continuation, batch.shape[1]),
+                                            gamma=gamma)
             out.append(np.asarray(nll)[:valid])
             tick()
         return np.concatenate(out)
@@ -855,7 +917,7 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
                                             acceptance_rate=rate, **common))
                     elif task == "ppl":
                         nll = run_ppl(model, method, windows, variant, rows, spec.chunk, tick,
-                                      spec.continuation, measured, draft=spec.draft)
+                                      spec.continuation, measured, draft=spec.draft, gamma=spec.gamma)
                         seconds = time.perf_counter() - t0
                         layers, mean = measured.result()
                         emit([make_record(task="ppl", metric="perplexity", value=ppl_task.perplexity(nll),

@@ -12,6 +12,7 @@ draft). With `method="sts"` the draft's attention also chooses the keys the targ
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import jax
@@ -20,8 +21,9 @@ import numpy as np
 
 from jsparse.artifacts import fingerprint
 from jsparse.methods import make_method, window_methods
+from models import sharding
 from models.bundled import LoadedModel, keep_layers, load_model, parse_layers  # noqa: F401  (re-exported)
-from models.generate import Sampling, check_request, generate_tokens, round_up
+from models.generate import Sampling, check_request, generate_tokens, round_up, sharded_generate_tokens
 from models.speculative import check_gamma, check_pair, speculative_generate
 
 _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
@@ -32,16 +34,31 @@ def default_dtype() -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
-def load(spec: str = "smollm2", dtype: str | None = None) -> LoadedModel:
+def load(spec: str = "smollm2", dtype: str | None = None, mesh: Any = None) -> LoadedModel:
     """Loads `smollm2` (the bundled model), a Hugging Face folder or a GGUF file.
 
     `SPEC:layers=0-9` (ranges and single layers, comma-separated, e.g. `layers=0-5,29`) keeps only those layers
     of the loaded model, in order: a layer-skipped copy that serves as a cheap speculative draft.
+
+    mesh: None (one device), a `jax.sharding.Mesh` with axes ("data", "model"), or a spec such as
+    "data=2,model=4" (`models.sharding.make_mesh` over `jax.devices()`): the params are placed on it by heads (q/k/v/o),
+    MLP hidden and vocabulary (`models.sharding.AXIS_RULES`), each device receiving only its shards, and
+    `generate` runs sharded. Raises ValueError when a head count does not divide the model axis.
     """
     dtype = dtype or default_dtype()
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {sorted(_DTYPES)}")
-    return load_model(spec, dtype=_DTYPES[dtype])
+    if isinstance(mesh, str):
+        mesh = sharding.make_mesh(mesh)  # a bad spec fails before the model loads
+    return load_model(spec, dtype=_DTYPES[dtype], mesh=mesh)
+
+
+def on_mesh(model: LoadedModel, mesh: Any) -> LoadedModel:
+    """`model` with its params placed on `mesh` (a Mesh or a spec string, see `load`)."""
+    if isinstance(mesh, str):
+        mesh = sharding.make_mesh(mesh)
+    sharding.check_heads(model.cfg, mesh)
+    return dataclasses.replace(model, params=sharding.shard_params(model.cfg, model.params, mesh), mesh=mesh)
 
 
 def build_method(name: str, model: LoadedModel | None = None, **options: Any):
@@ -150,6 +167,9 @@ def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: An
         raise ValueError("method 'sts' takes its selection from a draft model: pass draft= (--draft) as well")
     if draft is not None:
         check_draft(model, draft, gamma)
+        if model.mesh is not None or draft.mesh is not None:
+            raise ValueError("speculative decoding (draft=) runs on one device: load the target and the draft "
+                             "without mesh=")
     if draft is None:
         method = build_method(method, model) if isinstance(method, str) else method
         pairs = [(model, method)]
@@ -169,7 +189,17 @@ def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: An
     tokens, lengths = pad_batch(ids, limit=capacity - max_new_tokens - extra)
     eos = eos_ids(model)
     sampling = Sampling(temperature, top_p)
-    if draft is None:
+    if draft is None and model.mesh is not None:
+        # Rows over the data axis: pad the batch with copies of row 0 to a multiple of it, drop them after.
+        rows = len(ids)
+        extra_rows = -rows % sharding.mesh_size(model.mesh, "data")
+        tokens = np.concatenate([tokens, np.repeat(tokens[:1], extra_rows, 0)])
+        lengths = np.concatenate([lengths, np.repeat(lengths[:1], extra_rows, 0)])
+        out, num = sharded_generate_tokens(model.mesh, model.params, method, tokens, lengths, jax.random.key(seed),
+                                           cfg=model.cfg, max_new_tokens=max_new_tokens, capacity=capacity,
+                                           sampling=sampling, eos_ids=eos)
+        out, num = np.asarray(out)[:rows], np.asarray(num)[:rows]
+    elif draft is None:
         out, num = generate_tokens(model.params, method, jnp.asarray(tokens), jnp.asarray(lengths),
                                    jax.random.key(seed), cfg=model.cfg, max_new_tokens=max_new_tokens,
                                    capacity=capacity, sampling=sampling, eos_ids=eos)

@@ -105,3 +105,31 @@ def _json_default(x):
     if isinstance(x, np.ndarray):
         return x.tolist()
     raise TypeError(f"not JSON serialisable: {type(x)}")
+
+
+def artifact_kind(path: str) -> str:
+    """The kind recorded in an artifact folder's artifact.json."""
+    meta = os.path.join(path, ARTIFACT_JSON)
+    if not os.path.exists(meta):
+        raise ArtifactError(f"no artifact at {path!r}: {ARTIFACT_JSON} is missing")
+    try:
+        with open(meta) as f:
+            return str(json.load(f).get("kind"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ArtifactError(f"artifact at {path!r} is corrupt: {e}") from e
+
+
+def split_artifacts(artifact: str | None, kinds: tuple[str, ...]) -> dict[str, str]:
+    """Artifact folders by kind from one string of folders separated by os.pathsep (':' on Linux, ';' on
+    Windows), each routed by the kind in its artifact.json."""
+    out: dict[str, str] = {}
+    for path in (artifact or "").split(os.pathsep):
+        if not path:
+            continue
+        kind = artifact_kind(path)
+        if kind not in kinds:
+            raise ArtifactError(f"artifact at {path!r} is a {kind!r} artifact: expected one of {list(kinds)}")
+        if kind in out:
+            raise ArtifactError(f"two {kind!r} artifacts given: {out[kind]!r} and {path!r}")
+        out[kind] = path
+    return out

@@ -17,10 +17,17 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights and activations dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
 
 
+def _add_mesh_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                   help="run sharded on a mesh of all the local devices: D-way data parallel (batch rows) times "
+                        "M-way tensor parallel (heads; M must divide the KV and query head counts); "
+                        "D * M = the device count (default: one device)")
+
+
 def cmd_generate(args) -> int:
     import jsparse
 
-    model = jsparse.load(args.model, args.dtype)
+    model = jsparse.load(args.model, args.dtype, mesh=args.mesh)
     options = {}
     if args.budget is not None:
         options["budget"] = args.budget
@@ -92,6 +99,8 @@ BENCHMARKS = {
     "profile_decode_step": ("eval.bench.profile_decode_step", "per-kernel device time of a dense/EvoSparse decode "
                             "step (jax.profiler trace)"),
     "profile_ops": ("eval.bench.profile_ops", "per-kernel device time of single ops (jax.profiler trace)"),
+    "sharded": ("eval.bench.sharded", "sharded decode on 1/2/4/8 devices (dense, Kascade, EvoSparse): tokens/s, "
+                "bytes floor per device; --compare-unsharded: a mesh of one vs no mesh"),
     "butler_coverage": ("eval.bench.butler_coverage", "attention-mass coverage of TokenButler's selection per layer "
                         "(diagnosis; CPU or GPU)"),
 }
@@ -128,12 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--artifact", default=None, help="calibration artifact folder of a method that needs one")
     g.add_argument("--draft", default=None,
                    help="speculative decoding with this draft model (any --model spec with the target's "
-                        "vocabulary; SPEC:layers=0-9 keeps those layers of a model, e.g. smollm2:layers=0-9)")
+                        "vocabulary; SPEC:layers=0-9 keeps those layers of a model, e.g. smollm2:layers=0-14)")
     g.add_argument("--gamma", type=int, default=None, help="draft tokens proposed per round (default 4; needs "
                    "--draft)")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
     g.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling (default 0)")
+    _add_mesh_arg(g)
     g.set_defaults(func=cmd_generate)
 
     from jsparse.methods import calibrators

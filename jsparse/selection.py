@@ -1,4 +1,4 @@
-"""Shared selection machinery: budgets, exact pooled scores, top-k to the index contract.
+"""Shared selection machinery: budgets, exact (pooled) scores, top-k to the index contract, top-k by threshold.
 
 Index contract (DESIGN.md): `int32[B, Hkv, T, K]`, ascending, padded with -1 at the end; T = 1 (or the number
 of new tokens) in decode, one row per query tile in prefill.
@@ -10,6 +10,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 NEG_INF = -jnp.inf
@@ -23,9 +24,20 @@ def check_budget(budget: float) -> float:
 
 
 def check_positive_int(name: str, value, minimum: int = 1) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+    """An integer (Python or numpy, not bool) >= minimum, returned as a Python int."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name}={value!r}: expected an integer >= {minimum}")
-    return value
+    return int(value)
+
+
+def check_layers(name: str, layers, num_layers: int) -> tuple[int, ...]:
+    """Distinct layer indices in [0, num_layers), as a sorted tuple of ints (a hashable static field)."""
+    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+        raise ValueError(f"{name}={layers!r}: expected a sequence of layer indices")
+    layers = tuple(sorted(int(l) for l in layers))
+    if len(set(layers)) != len(layers) or (layers and (layers[0] < 0 or layers[-1] >= num_layers)):
+        raise ValueError(f"{name}={list(layers)}: expected distinct layers in [0, {num_layers})")
+    return layers
 
 
 def budget_tokens(budget: float, n, min_tokens: int = 128):
@@ -36,18 +48,29 @@ def budget_tokens(budget: float, n, min_tokens: int = 128):
     return jnp.minimum(jnp.maximum(k, min_tokens), n)
 
 
+def keys_to_keep(n, budget: float, min_tokens: int = 128, tokens: int | None = None):
+    """Keys kept among n visible ones (int or int array): min(tokens, n) with a token count `tokens`, else the
+    fraction rule `budget_tokens(budget, n, min_tokens)`."""
+    if tokens is None:
+        return budget_tokens(budget, n, min_tokens)
+    if isinstance(n, int):
+        return min(int(tokens), n)
+    return jnp.minimum(jnp.int32(int(tokens)), n)
+
+
 def decode_positions(lengths: Array, T: int) -> Array:
     """i32[B, T]: position of each of the T newest tokens (query t of row b sits at lengths[b] - T + t)."""
     return lengths[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None]
 
 
-def pooled_probs(q: Array, k_cache: Array, positions: Array) -> Array:
-    """Exact post-softmax attention weights summed over each GQA group.
+def group_probs(q: Array, k_cache: Array, positions: Array) -> Array:
+    """Exact causal post-softmax attention weights of every query head, grouped by KV head.
 
     Args:
       q: [B, T, Hq, D]; k_cache: [B, Hkv, N, D]; positions: i32[B, T] (query t sees keys <= positions[b, t]).
     Returns:
-      f32[B, Hkv, T, N] (each row sums to G over the visible keys, 0 elsewhere).
+      f32[B, Hkv, G, T, N] (G = Hq / Hkv; query head h is group member h % G of KV head h // G; a row with no
+      visible key is NaN).
     """
     B, T, Hq, D = q.shape
     Hkv, N = k_cache.shape[1], k_cache.shape[2]
@@ -56,7 +79,28 @@ def pooled_probs(q: Array, k_cache: Array, positions: Array) -> Array:
     logits = jnp.einsum("btkgd,bknd->bkgtn", qg, k_cache, preferred_element_type=jnp.float32) / math.sqrt(D)
     visible = jnp.arange(N)[None, None, :] <= positions[:, :, None]  # [B, T, N]
     logits = jnp.where(visible[:, None, None], logits, NEG_INF)
-    return jax.nn.softmax(logits, axis=-1).sum(axis=2)
+    return jax.nn.softmax(logits, axis=-1)
+
+
+def pooled_probs(q: Array, k_cache: Array, positions: Array) -> Array:
+    """Exact post-softmax attention weights summed over each GQA group (`group_probs` summed over G).
+
+    Args:
+      q: [B, T, Hq, D]; k_cache: [B, Hkv, N, D]; positions: i32[B, T] (query t sees keys <= positions[b, t]).
+    Returns:
+      f32[B, Hkv, T, N] (each row sums to G over the visible keys, 0 elsewhere).
+    """
+    return group_probs(q, k_cache, positions).sum(axis=2)
+
+
+def group_sum(scores: Array, num_kv_heads: int, axis: int = 1) -> Array:
+    """Per-query-head scores pooled over each GQA group: the Hq entries of `axis` -> Hkv sums (query head h
+    belongs to KV head h // G)."""
+    Hq = scores.shape[axis]
+    if Hq % num_kv_heads:
+        raise ValueError(f"{Hq} query heads do not split into {num_kv_heads} KV heads' groups")
+    shape = scores.shape[:axis] + (num_kv_heads, Hq // num_kv_heads) + scores.shape[axis + 1:]
+    return scores.reshape(shape).sum(axis=axis + 1)
 
 
 def prefill_tile_probs(q: Array, k: Array, tile: int) -> Array:
@@ -93,6 +137,62 @@ def topk_indices(scores: Array, k_dyn: Array, K: int) -> Array:
     return jnp.where(idx == big, -1, idx).astype(jnp.int32)
 
 
+def coverage_drop_count(scores: Array, eligible: Array, tau: float) -> Array:
+    """Dynamic coverage (TSA's tau; top-p from the other end): how many eligible keys of each row can be dropped,
+    least mass first, while the dropped share of the row's mass stays below tau.
+
+    Args:
+      scores: f32[..., N] (>= 0); eligible: bool[..., N] the keys that count; tau: in [0, 1).
+    Returns:
+      i32[...]: #{i : cumsum(sorted p)_i < tau}, p the eligible scores normalised to sum 1 (0 for tau = 0).
+    """
+    g = jnp.where(eligible, scores, 0.0)
+    total = jnp.sum(g, axis=-1, keepdims=True)
+    p = jnp.where(eligible, g / jnp.where(total > 0, total, 1.0), jnp.inf)  # ineligible keys sort last
+    cum = jnp.cumsum(jnp.sort(p, axis=-1), axis=-1)
+    return jnp.sum(cum < tau, axis=-1, dtype=jnp.int32)
+
+
+_SENTINEL_BITS = 0x7F800001  # one above the bit pattern of +inf: no non-negative f32 score reaches it
+
+
+def kth_largest_bits(bits: Array, k: Array) -> Array:
+    """The bit pattern of each row's k-th largest entry: max t with #{bits >= t} >= k (0x7f800000 when k = 0).
+
+    bits: i32[..., N] non-negative f32 scores as int32 (order-preserving), -1 for keys not to be chosen;
+    k: i32 broadcastable to bits.shape[:-1], at most the number of choosable keys. A binary search over the 31-bit range: 31 counting
+    passes over the scores, no sort (top-k by threshold, as kernels without a sort can do it).
+    """
+    lo = jnp.zeros(bits.shape[:-1], jnp.int32)
+    hi = jnp.full(bits.shape[:-1], _SENTINEL_BITS, jnp.int32)
+
+    def body(_, lohi):
+        lo, hi = lohi
+        mid = lo + (hi - lo) // 2
+        ok = jnp.sum(bits >= mid[..., None], axis=-1, dtype=jnp.int32) >= k
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    lo, _ = jax.lax.fori_loop(0, 31, body, (lo, hi))
+    return lo
+
+
+def topk_mask(scores: Array, k: Array, eligible: Array) -> Array:
+    """bool[..., N]: the k highest-scoring eligible keys of each row (ties: the lower position first), by threshold.
+
+    Args:
+      scores: f32[..., N] (negative scores count as 0); k: i32 broadcastable to scores.shape[:-1], how many to
+        keep, at most the number of eligible keys per row; eligible: bool[..., N] (broadcast against scores) the keys that may be chosen.
+    """
+    s = scores.astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(jnp.where(s > 0, s, 0.0), jnp.int32)
+    bits = jnp.where(eligible, bits, -1)
+    thr = kth_largest_bits(bits, k)[..., None]
+    above = bits > thr
+    need = k[..., None] - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)
+    tied = bits == thr
+    return above | (tied & (jnp.cumsum(tied, axis=-1, dtype=jnp.int32) <= need))
+
+
 def tile_starts(T: int, tile: int) -> Array:
     """i32[ceil(T / tile)]: first query position of every tile."""
     return jnp.arange(-(-T // tile), dtype=jnp.int32) * tile
@@ -107,8 +207,6 @@ def before_tile_scores(scores: Array, tile: int) -> Array:
 
 def topk_sparsity(budget: float, positions, min_tokens: int = 128) -> float:
     """Mean fraction of visible keys a top-k rule skips over query positions (0-based)."""
-    import numpy as np
-
     n = np.asarray(positions, np.int64) + 1
     k = np.minimum(np.maximum(np.ceil(budget * n), min_tokens), n)
     return float(np.mean(1.0 - k / n))

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from models import llama
-from models.cache import KVCache, init_cache
+from models import sharding
+from models.cache import KVCache, cache_axes, init_cache
 from models.config import ModelConfig
 from models.params import Params
 
@@ -91,7 +92,7 @@ def generate_tokens(params: Params, method, tokens: Array, lengths: Array, key: 
        row, the EOS included).
     """
     B = tokens.shape[0]
-    cache = init_cache(cfg, B, capacity, params.embed.dtype)
+    cache = sharding.constrain(init_cache(cfg, B, capacity, params.embed.dtype), cache_axes())
     state = method.init_state(cfg, B, capacity)
     logits, cache, state = llama.prefill(params, cfg, method, tokens, lengths, cache, state)
     key, sub = jax.random.split(key)
@@ -145,3 +146,76 @@ def decode_step(params: Params, method, tokens: Array, cache: KVCache, state, *,
     device each step runs `llama.decode` inside its own jit, where a bad row gets NaN logits)."""
     llama.check_decode_request(cfg, tokens, cache)
     return _decode_step(params, method, tokens, cache, state, cfg=cfg)
+
+
+# ----------------------------------------------------------------------------------------------- on a mesh
+
+
+@functools.lru_cache(maxsize=32)
+def sharded_fns(mesh, cfg: ModelConfig, batch: int, capacity: int, all_logits: bool = False):
+    """(prefill, decode, param shardings, cache shardings): `llama.prefill(params, method, tokens, lengths, cache,
+    state)` and `llama.decode(params, method, tokens, cache, state)` jitted with in/out shardings on `mesh`
+    (models.sharding), the cache donated; call them with the mesh set (`sharding.use_mesh(mesh)`) so the kernels
+    run per shard. No request checks (see `sharded_prefill_step` / `sharded_decode_step`)."""
+    params_sh = sharding.param_shardings(cfg, mesh)
+    cache_sh = sharding.cache_sharding_for(cfg, batch, capacity, mesh)
+    rows, rows2, rows3 = (sharding.batch_sharding(mesh, n) for n in (1, 2, 3))
+    logits_sh = rows3 if all_logits else rows2
+    prefill = jax.jit(
+        lambda params, method, tokens, lengths, cache, state: llama.prefill(
+            params, cfg, method, tokens, lengths, cache, state, all_logits=all_logits),
+        in_shardings=(params_sh, None, rows2, rows, cache_sh, None), out_shardings=(logits_sh, cache_sh, None),
+        donate_argnums=(4,))
+    decode = jax.jit(
+        lambda params, method, tokens, cache, state: llama.decode(params, cfg, method, tokens, cache, state),
+        in_shardings=(params_sh, None, rows2, cache_sh, None), out_shardings=(rows3, cache_sh, None),
+        donate_argnums=(3,))
+    return prefill, decode, params_sh, cache_sh
+
+
+def _place(mesh, cfg, params, tokens, cache, all_logits, lengths=None):
+    fns = sharded_fns(mesh, cfg, tokens.shape[0], cache.capacity, all_logits)
+    params, cache = jax.device_put(params, fns[2]), jax.device_put(cache, fns[3])
+    tokens = sharding.shard_batch(tokens, mesh)
+    lengths = None if lengths is None else sharding.shard_batch(lengths, mesh)
+    return fns, params, tokens, lengths, cache
+
+
+def sharded_prefill_step(mesh, params: Params, method, tokens: Array, lengths: Array, cache: KVCache, state, *,
+                         cfg: ModelConfig, all_logits: bool = False):
+    """`prefill_step` on `mesh`: params / cache / tokens / lengths placed by `models.sharding` (arrays already
+    placed so are not moved; host arrays are copied shard by shard), the selection state by
+    `sharding.state_shardings`, and the jitted prefill runs with the mesh set (its kernels per shard).
+
+    Returns (logits rows over data, cache on the mesh, state)."""
+    llama.check_prefill_request(cfg, tokens, lengths, cache)
+    sharding.check_batch(tokens.shape[0], mesh)
+    fns, params, tokens, lengths, cache = _place(mesh, cfg, params, tokens, cache, all_logits, lengths)
+    state = sharding.shard_state(state, cfg, tokens.shape[0], mesh)
+    with sharding.use_mesh(mesh):
+        return fns[0](params, method, tokens, lengths, cache, state)
+
+
+def sharded_decode_step(mesh, params: Params, method, tokens: Array, cache: KVCache, state, *, cfg: ModelConfig):
+    """`decode_step` on `mesh` (see `sharded_prefill_step`); returns (f32[B, T, V] rows over data, cache, state)."""
+    llama.check_decode_request(cfg, tokens, cache)
+    sharding.check_batch(tokens.shape[0], mesh)
+    fns, params, tokens, _, cache = _place(mesh, cfg, params, tokens, cache, False)
+    state = sharding.shard_state(state, cfg, tokens.shape[0], mesh)
+    with sharding.use_mesh(mesh):
+        return fns[1](params, method, tokens, cache, state)
+
+
+def sharded_generate_tokens(mesh, params: Params, method, tokens: Array, lengths: Array, key: Array, *,
+                            cfg: ModelConfig, max_new_tokens: int, capacity: int, sampling: Sampling = Sampling(),
+                            eos_ids: tuple[int, ...] = ()):
+    """`generate_tokens` on `mesh`: params placed by `models.sharding` (a no-op when already placed), the prompt
+    rows over data, the whole prefill + decode loop one jitted computation with the mesh set (cache and
+    selection state sharded by heads and rows inside it). Returns what `generate_tokens` returns."""
+    sharding.check_heads(cfg, mesh)
+    sharding.check_batch(tokens.shape[0], mesh)
+    params = jax.device_put(params, sharding.param_shardings(cfg, mesh, params))
+    tokens, lengths = sharding.shard_batch(tokens, mesh), sharding.shard_batch(lengths, mesh)
+    with sharding.use_mesh(mesh):
+        return generate_tokens(params, method, tokens, lengths, key, cfg=cfg, max_new_tokens=max_new_tokens,
+                               capacity=capacity, sampling=sampling, eos_ids=eos_ids)

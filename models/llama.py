@@ -32,9 +32,11 @@ from models.attention import LayerContext, LayerKV, finish, segments, start
 from models.cache import KVCache
 from models.config import ModelConfig
 from models.params import LayerParams, Params
+from models.sharding import constrain
 
 Array = jax.Array
 F32 = jnp.float32
+_CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
 
 
 # ----------------------------------------------------------------------------------------------- pieces
@@ -245,7 +247,10 @@ def _scan_layers(params: Params, cfg: ModelConfig, method, x: Array, positions: 
         lp, layer, info, window = xs
         h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
         q, k, v = qkv_projection(cfg, lp, h, positions, inv_freq)
-        ck, cv = write(ck, layer, k), write(cv, layer, v)
+        # Under a mesh (models.sharding): the method sees q, k, v and the cache split by heads and rows.
+        q = constrain(q, ("batch", None, "heads", "head_dim"))
+        k, v = (constrain(a, ("batch", None, "kv_heads", "head_dim")) for a in (k, v))
+        ck, cv = (constrain(c, _CACHE_AXES) for c in (write(ck, layer, k), write(cv, layer, v)))
         ctx = LayerContext(layer=layer, lengths=lengths, info=info, hidden=h, segment=segment, window=window,
                            window_size=window_size, every_layer_windowed=cfg.every_layer_windowed)
         attn, state = attend(ctx, q, k, v, ck, cv, state)
@@ -254,7 +259,7 @@ def _scan_layers(params: Params, cfg: ModelConfig, method, x: Array, positions: 
 
     state = start(method, cfg, state, phase, B, T, kv_len, lengths=lengths)
     xs = _layer_xs(cfg, params, method)
-    carry = (x, cache.k, cache.v, state)
+    carry = (x, constrain(cache.k, _CACHE_AXES), constrain(cache.v, _CACHE_AXES), state)
     segs = segments(method, cfg, phase)
     if len(segs) == 1:
         carry, hidden = jax.lax.scan(functools.partial(layer_fn, segment=segs[0][2]), carry, xs, unroll=unroll)

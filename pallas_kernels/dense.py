@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.local_attention import local_attention
+from pallas_kernels.sharding import active_mesh, dims, per_shard
 
 Array = jax.Array
 
@@ -43,8 +44,13 @@ def dense_prefill(q: Array, k: Array, v: Array, *, window: int | None = None,
       window: None (full causal attention) or a static sliding window >= 1: query i sees keys i - window < j <= i
         (`local_attention`, whose backend choice `implementation` then names).
     Returns:
-      [B, T, Hq, D] in q's dtype.
+      [B, T, Hq, D] in q's dtype. Under a mesh (`pallas_kernels.sharding`), per shard: rows over data, heads
+      over model.
     """
+    if active_mesh() is not None:
+        s = dims(4, 0, 2)
+        return per_shard(lambda q, k, v: dense_prefill(q, k, v, window=window, implementation=implementation),
+                         [q, k, v], [s, s, s], s)
     if window is not None:
         return local_attention(q, k, v, window=window, implementation=implementation)
     impl = implementation or _implementation(q)
@@ -62,8 +68,18 @@ def dense_decode(q: Array, k: Array, v: Array, lengths: Array, *, window: Array 
       window: None, or i32[] (traced or not): the query at position p sees keys p - window < j <= p, with 0
         meaning full attention. Windowed decode runs on XLA with a position mask.
     Returns:
-      [B, T, Hq, D] in q's dtype.
+      [B, T, Hq, D] in q's dtype. Under a mesh (`pallas_kernels.sharding`), per shard: rows over data, heads
+      over model.
     """
+    if active_mesh() is not None:
+        qs, kv = dims(4, 0, 2), dims(4, 0, 1)
+        traced = isinstance(window, jax.Array)
+        args = [q, k, v, lengths] + ([window] if traced else [])
+
+        def local(q, k, v, lengths, *rest):
+            return dense_decode(q, k, v, lengths, window=rest[0] if traced else window,
+                                implementation=implementation)
+        return per_shard(local, args, [qs, kv, kv, dims(1, 0)] + ([()] if traced else []), qs)
     B, T, Hq, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
     G = Hq // Hkv

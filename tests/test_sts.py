@@ -250,3 +250,29 @@ def test_sparse_generation_same_with_xla_selection(pair):
     assert out["xla"] == out[None]
     with pytest.raises(ValueError, match="selection='sort'"):
         make_method("sts", cfg=CFG, draft=draft, head_map=hm, selection="sort")
+
+
+def test_sts_forced_sink_and_local_keys():
+    """`sink` and `local` keep the first keys and the keys just below the limit (inside the budget); no others."""
+    import jax.numpy as jnp
+
+    from jsparse.methods.sts import _scores
+
+    idx = jnp.asarray([[[5, 1, -1]]], jnp.int32)  # [B=1, H=1, C=3]: draft keys 5 and 1
+    val = jnp.asarray([[[0.5, 0.25, 0.0]]], jnp.float32)
+    s = np.asarray(_scores(idx, val, 16, jnp.asarray([12]), sink=2, local=3))[0, 0]
+    assert np.isinf(s[[0, 1, 9, 10, 11]]).all() and (s[[0, 1, 9, 10, 11]] > 0).all()
+    assert s[5] == 0.5 and np.isneginf(s[[2, 3, 4, 6, 7, 8, 12, 13, 14, 15]]).all()
+    plain = np.asarray(_scores(idx, val, 16, jnp.asarray([12])))[0, 0]
+    assert plain[1] == 0.25 and plain[5] == 0.5 and np.isneginf(np.delete(plain, [1, 5])).all()
+
+
+def test_sts_option_errors():
+    from jsparse.methods.sts import STS
+
+    with pytest.raises(ValueError, match="local=-1"):
+        STS(local=-1)
+    with pytest.raises(ValueError, match="dense_layers=3"):
+        cfg = type("C", (), {"num_layers": 2, "num_heads": 2, "num_kv_heads": 1})()
+        draft = type("D", (), {"cfg": cfg})()
+        STS.build(cfg=cfg, draft=draft, head_map=np.zeros((2, 2, 2), np.int32), dense_layers=3)

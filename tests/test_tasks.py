@@ -133,7 +133,8 @@ def test_task_samples(tokenizer, name, length):
     assert len(samples) == 5
     for s in samples:
         assert s.task == name and s.length == length
-        assert abs(len(s.tokens) - length) <= 0.01 * length, (len(s.tokens), length)
+        assert abs(len(s.tokens) - length) <= 0.01 * length, (len(s.tokens), length)  # the interface
+        assert len(s.tokens) == length  # what the registered tasks promise beyond it
         assert all(isinstance(t, int) for t in s.tokens) and s.answers
         CHECKS[name](tokenizer, s)
         assert score(task, " ".join(s.answers), s.answers) == 1.0
@@ -220,3 +221,70 @@ def test_chat_needs_a_template(tokenizer):
 
     with pytest.raises(ValueError, match="'plain'.*has no chat template"):
         common.chat_pieces(NoTemplate())
+
+
+def test_bundled_model_answers_niah_single_number():
+    """End to end: the bundled SmolLM2-135M with dense attention, prefill + greedy generation of
+    max_new_tokens, finds the number of 512-token niah_single_number prompts (5 of 5 found with seed 0, raw and
+    chat; greedy decoding on CPU is deterministic, and the bound leaves one miss of slack)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jsparse.methods import make_method
+    from models.bundled import load_model
+    from models.generate import Sampling, check_request, generate_tokens
+
+    model = load_model("smollm2", jnp.float32)
+    task = get_task("niah_single_number")
+    samples = task.make_samples(model.tokenizer, 512, 3, seed=0)
+    tokens = np.stack([np.asarray(s.tokens, np.int32) for s in samples])  # i32[3, 512]
+    B, T = tokens.shape
+    eos = (model.tokenizer.eos_token_id,)
+    out, num = generate_tokens(model.params, make_method("dense"), jnp.asarray(tokens), jnp.full((B,), T, jnp.int32),
+                               jax.random.key(0), cfg=model.cfg, max_new_tokens=task.max_new_tokens,
+                               capacity=check_request(model.cfg, [T], task.max_new_tokens), sampling=Sampling(),
+                               eos_ids=eos)
+    out, num = np.asarray(out), np.asarray(num)
+    preds = [model.tokenizer.decode([int(t) for t in row[:n] if t >= 0 and int(t) not in eos])
+             for row, n in zip(out, num)]
+    scores = [score(task, p, s.answers) for p, s in zip(preds, samples)]
+    assert all(0.0 <= x <= 1.0 for x in scores)
+    assert sum(scores) >= 2, list(zip(preds, [s.answers for s in samples]))
+
+
+def test_passkey_and_coref_wrap_the_harness_prompts(tokenizer):
+    """Raw mode gives exactly the prompts of eval.passkey / eval.coref (the harness's own, for one seed)."""
+    from eval import coref, passkey
+
+    corpus_ids = common.corpus_tokens(tokenizer, "corpus").ids
+    for haystack, ids in (("repeat", None), ("corpus", corpus_ids)):
+        ours = get_task("passkey").make_samples(tokenizer, 1024, 5, seed=3, haystack=haystack)
+        theirs = passkey.make_prompts(tokenizer, 1024, 5, 3, passkey.DEFAULT_DEPTHS, ids)
+        assert [s.tokens for s in ours] == [tuple(p.tokens.tolist()) for p in theirs]
+        assert [s.answers for s in ours] == [(p.key,) for p in theirs]
+        chat = get_task("passkey").make_samples(tokenizer, 1024, 5, seed=3, haystack=haystack, chat=True)
+        assert [s.answers for s in chat] == [s.answers for s in ours]  # same keys and filler draws
+    ours = get_task("coref").make_samples(tokenizer, 1024, 3, seed=3)
+    theirs = coref.make_prompts(tokenizer, 1024, 3, seed=3)
+    assert [s.tokens for s in ours] == [tuple(p.tokens.tolist()) for p in theirs]
+    assert [s.answers for s in ours] == [(p.answer,) for p in theirs]
+
+
+def test_fwe_corpus_words_run_out_with_a_clear_error(tokenizer, tmp_path):
+    few = tmp_path / "few.txt"  # 40 distinct words: the ranked words fit, the words of count 1 run out
+    few.write_text(" ".join(NOUNS[:40]) + ".\n")
+    with pytest.raises(ValueError, match=r"length=4096: the word source ran out of distinct words after \d+"):
+        get_task("fwe").make_samples(tokenizer, 4096, 1, 0, haystack=str(few))
+
+
+def test_cwe_gap_the_words_cannot_close_is_padded(tokenizer):
+    """At 3044 tokens (seed 6) the repo's word pool is nearly used up and swaps cannot close the last 2 tokens: blank
+    lines before the question do, and the list is still right."""
+    samples = []
+    for chat in (False, True):
+        samples += get_task("cwe").make_samples(tokenizer, 3044, 4, 6, chat=chat)
+    for s in samples:
+        assert len(s.tokens) == 3044
+        _check_cwe(tokenizer, s)
+    assert any("\n\n\nQuestion:" in _text(tokenizer, s) for s in samples)

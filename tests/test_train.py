@@ -362,3 +362,43 @@ def test_data_parallel_over_two_devices_matches_one(tmp_path, uninterrupted):
     assert sorted(got) == sorted(want)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+_DP_CRASH = _DP_SCRIPT.replace("progress=False)", "progress=False, on_step=crash)").replace(
+    "params = jax.jit", "def crash(step, loss):\n    if step == 3:\n        raise RuntimeError('killed')\nparams = jax.jit")
+
+
+def test_two_device_checkpoint_resumes_on_one_device(tmp_path, uninterrupted, model_params, pcfg, chunks):
+    """A run killed at step 3 on 2 devices (checkpoint of step 2, sharded state) resumes on 1 device and ends at the
+    uninterrupted run's parameters."""
+    import subprocess
+    import sys
+
+    from jsparse.methods.butler_predictor import flatten_params
+
+    _, full = uninterrupted
+    out = str(tmp_path / "dp")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", _DP_CRASH.format(root=root, out=out)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "killed" in proc.stderr, proc.stderr[-3000:]
+    resumed = train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg,
+                    progress=False)
+    assert resumed.start_step == 2
+    got, want = flatten_params(resumed.params), flatten_params(full.params)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_fsdp_dims_split_the_frozen_model_over_data(model_params):
+    """FSDP at rest: each frozen-model param splits its last dim that the device count divides (-1: replicated)."""
+    from train.loop import fsdp_dims, fsdp_spec
+
+    dims = fsdp_dims(model_params, 2)
+    for x, d in zip(jax.tree.leaves(model_params), jax.tree.leaves(dims)):
+        fits = [i for i, n in enumerate(x.shape) if n % 2 == 0]
+        assert d == (fits[-1] if fits else -1), (x.shape, d)
+    assert dims.layers.wq == model_params.layers.wq.ndim - 1
+    assert fsdp_spec(dims.layers.wq) == jax.sharding.PartitionSpec(None, None, None, "data")
+    assert all(d == -1 for d in jax.tree.leaves(fsdp_dims(model_params, 1)))

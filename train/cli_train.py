@@ -63,6 +63,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                    help="logit_mse implementation (default: by backend)")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="stop after this much wall time, saving a checkpoint and the artifact")
+    p.add_argument("--mesh", default=None, metavar="data=D",
+                   help="data-parallel over the first D devices (default: all); the predictor trains data-parallel "
+                        "only, so a model axis must be 1")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run_train)
     return p
@@ -82,14 +85,13 @@ def run_train(args) -> int:
     if args.steps is None or args.steps < 1:
         raise ValueError(f"--steps {args.steps}: expected a positive number of steps")
     warmup = args.warmup if args.warmup is not None else min(100, args.steps // 10)
+    devices = train_devices(getattr(args, "mesh", None))
     model = jsparse.load(args.model, args.dtype)
     tc = TrainConfig(seq_len=args.seq_len, steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr,
                      warmup_steps=warmup, end_lr_ratio=args.end_lr_ratio, weight_decay=args.weight_decay,
                      clip_norm=args.clip_norm, checkpoint_every=args.checkpoint_every, seed=args.seed,
                      causal=not args.all_pairs, loss_impl=args.loss_impl)
-    import jax
-
-    tc.validate(model.cfg, jax.device_count())
+    tc.validate(model.cfg, len(devices))
     pcfg = preset_config(model.cfg, args.preset, key_heads=args.key_heads, head_dim=args.head_dim,
                          qk_hidden=args.qk_hidden)
     if model.tokenizer is None:
@@ -103,11 +105,11 @@ def run_train(args) -> int:
     chunks = data_lib.pack_chunks(ids, args.seq_len, special_prefix(tok))
     size = describe(pcfg, model.cfg)
     print(json.dumps({"files": len(paths), "tokens": int(len(ids)), "chunks": int(chunks.shape[0]),
-                      "devices": jax.device_count(), **{k: size[k] for k in ("predictor_params", "model_params",
+                      "devices": len(devices), **{k: size[k] for k in ("predictor_params", "model_params",
                                                                               "fraction")}}))
     result = train(model.cfg, model.params, fingerprint=jsparse.fingerprint(model), chunks=chunks,
                    out_dir=args.out, tc=tc, pcfg=pcfg, model_name=model.name, progress=not args.no_progress,
-                   max_seconds=args.max_seconds)
+                   max_seconds=args.max_seconds, devices=devices)
     print(json.dumps({"out": os.path.abspath(args.out), "resumed_from": result.start_step,
                       "steps": result.last_step, "final_loss": result.losses[-1][1] if result.losses else None,
                       "stopped_early": result.stopped_early, "seconds": round(result.seconds, 1),
@@ -115,3 +117,20 @@ def run_train(args) -> int:
                       "epochs": float(result.last_step * tc.batch_size / chunks.shape[0]),
                       "artifact_bytes": os.path.getsize(os.path.join(args.out, "arrays.npz"))}))
     return 0
+
+
+def train_devices(mesh: str | None) -> list:
+    """The devices of `--mesh data=D` (the first D), or all of them; a model axis other than 1 is an error."""
+    import jax
+
+    from models.sharding import parse_mesh
+
+    if mesh is None:
+        return list(jax.devices())
+    sizes = parse_mesh(mesh)
+    if sizes["model"] != 1:
+        raise ValueError(f"--mesh {mesh}: train-predictor is data-parallel only (the predictor is ~1% of the "
+                         "model); expected model=1")
+    if sizes["data"] > jax.device_count():
+        raise ValueError(f"--mesh {mesh}: data={sizes['data']} devices asked, {jax.device_count()} available")
+    return list(jax.devices())[: sizes["data"]]

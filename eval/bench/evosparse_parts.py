@@ -1,5 +1,5 @@
 """H100 micro-benchmark of EvoSparse's per-layer bookkeeping at 100K context, batch 4 (issue 6): the heat update
-as a one-hot compare-and-reduce vs the method's scatter-add (`evosparse.heat_update`), the heat top-k with the
+as a one-hot compare-and-reduce vs the method's scatter-add (`jsparse.heat.heat_update`), the heat top-k with the
 "row" selection kernel at 1, 2 and 4 radix bits per pass, 4 and 8 warps, and the whole block selection
 (`block_scores.select_blocks`: the one-launch Triton kernel at several bits / warps vs its XLA specification). Each variant runs `--iters` times in
 one jitted fori_loop (inputs perturbed by a running checksum), and is checked against the reference.
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eval.bench.common import device_facts, table, write_json
-from jsparse.methods.evosparse import heat_step, heat_update
+from jsparse.heat import heat_step, heat_update
 from pallas_kernels.block_scores import gpu as bs_gpu
 from pallas_kernels.block_scores import xla as bs_xla
 from pallas_kernels.topk_select import topk_select

@@ -51,8 +51,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from eval.bench.common import device_facts, measure_hbm_gbs, measure_matmul_tflops, table, time_ms, write_json
-from jsparse.methods.tsa import (TSA, TSALayerInfo, attend_compressed, compress, coverage_counts, decompress,
-                                 masked_reference_mask, select_tokens, selection_scores)
+from jsparse.compression import attend_compressed, compress, decompress, masked_reference_mask
+from jsparse.methods.tsa import TSA, TSALayerInfo, coverage_counts, select_tokens, selection_scores
 from models.attention import LayerContext
 from pallas_kernels.local_attention import banded_mask, local_attention
 from pallas_kernels.sparse_attention.reference import masked_attention_reference

@@ -6,6 +6,11 @@
     # generate task.max_new_tokens tokens greedily after each sample.tokens, decode, then
     s = score(task, completion, samples[0].answers)            # in [0, 1]
 
+Registered tasks (module: names): niah_single: niah_single_number, niah_single_word, niah_single_uuid;
+niah_multikey; niah_multivalue; niah_multiquery; vt (variable tracking); cwe (common words); fwe (frequent words);
+passkey and coref (the prompts of eval.passkey and eval.coref). Shared machinery: `common` (haystacks, chat template,
+token-space assembly, word sources), `niah` (the needle template), `words` (the word lists).
+
 `Sample`, `Task`, the metrics and `score` are defined in `eval.tasks.base`; each task lives in its own module
 (module docstrings: the task, its metric and how it differs from RULER); `TASKS` maps every registered name to
 its Task.

@@ -1,7 +1,7 @@
 """The task interface shared by every generated task: `Sample`, `Task` and RULER's two string metrics.
 
 A task turns (tokenizer, length, samples, seed) into `Sample`s: prompts as token ids whose length is within 1%
-of the requested length (most tasks hit it exactly), the reference strings, and the needle depth where the task
+of the requested length (the registered tasks hit it exactly), the reference strings, and the needle depth where the task
 has one. A model answers a sample by greedy generation of at most `Task.max_new_tokens` tokens after the prompt
 (the prompt ends with an answer prefix, so a raw-completion model continues with the value); `score` compares
 the decoded completion with the references by the task's metric.
@@ -21,7 +21,9 @@ class Sample:
 
     Attributes:
       task: the registry name of the task that made it, e.g. "niah_single_number".
-      tokens: the full prompt's token ids (special prefix or chat template included), len within 1% of `length`.
+      tokens: the full prompt's token ids (special prefix or chat template included). The interface allows a
+        length within 1% of `length`; every task registered here makes exactly `length` tokens, so the samples of
+        one (task, length) batch without padding.
       answers: the reference strings (all of them are wanted for "string_match_all", any one for "_part").
       depth: the requested depth in [0, 1] of the queried needle (fraction of the haystack before it) when the
         task has one needle to find, else None.

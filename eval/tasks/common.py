@@ -28,9 +28,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from eval.passkey import DEFAULT_DEPTHS, special_prefix
+
 NOISE = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
 HAYSTACKS = ("repeat", "corpus")
-DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # sample i of a needle task has depth DEPTHS[i % 5], as passkey's default
+DEPTHS = DEFAULT_DEPTHS  # sample i of a needle task has depth DEPTHS[i % 5] = 0.1, 0.3, ..., 0.9, as passkey
 _SENTINEL = "\u2063JSPARSE_USER_TEXT\u2063"
 _MAX_TRIES = 50
 
@@ -103,8 +105,6 @@ def frame(tokenizer, head: str, tail: str, answer_prefix: str, chat: bool) -> tu
     if chat:
         before, after = chat_pieces(tokenizer)
         return before + ids(tokenizer, head), ids(tokenizer, tail) + after + ids(tokenizer, answer_prefix.lstrip())
-    from eval.passkey import special_prefix
-
     return special_prefix(tokenizer) + ids(tokenizer, head), ids(tokenizer, tail + answer_prefix)
 
 

@@ -15,6 +15,9 @@ the ten answers are always strictly the most frequent. Words: this repo's list (
 source: the list is the whole context). Metric: string_match_all (the fraction of the ten found in the
 completion).
 
+When the words cannot close the last few tokens exactly (rare: the pool nearly used up), blank lines before the
+question do, so the length is exact.
+
 Differences from RULER: no one-shot example before the list; frequencies scale with the length as above; one item
 per line; 48 new tokens instead of 120.
 """
@@ -86,10 +89,13 @@ def make_samples(tokenizer, length: int, samples: int, seed: int, *, haystack: s
         body: list[int] = []
         for j, k in enumerate(order, start=1):
             body += list(index_ids(j)) + pieces[items_list[k]] + newline
-        tokens = prefix + body + suffix
-        assert len(tokens) == length - gap, (len(tokens), length, gap)
-        if gap > 0.01 * length:
-            raise RuntimeError(f"task {NAME!r}: could not fill length={length} within 1% ({gap} tokens short)")
+        if gap > 0.01 * length:  # the word source ran dry
+            raise ValueError(f"task {NAME!r}: length={length}: the word source ran out of distinct words after "
+                             f"{len(words.taken)} ({gap} tokens short); use a haystack with more distinct words "
+                             "(a corpus holds more words than the 'repeat' list) or a shorter length")
+        # a gap the words could not close (rare, < 1%): blank lines before the question, so the length is exact
+        tokens = prefix + body + common.ids(tokenizer, "\n")[-1:] * gap + suffix
+        assert len(tokens) == length, (len(tokens), length, gap)
         out.append(Sample(task=NAME, tokens=tuple(tokens), answers=answers, depth=None, length=length))
     return out
 

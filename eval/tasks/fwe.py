@@ -7,12 +7,16 @@ question asks for the three most frequent.
     TAIL    "Question: What are the three most frequently appeared words in the above coded text?"
     ANSWER  "Answer: According to the coded text above, the three most frequently appeared words are:"
 
-Frequencies are Zipf's with exponent ALPHA = 2 (RULER's), made deterministic: with about N words, the word of rank
-r appears floor(N / (2 r^2)) times while that is at least 2, then words of count 1 fill the text to the exact
-length, so the three answers are strictly the most frequent. Words: seeded random strings of 3-6 lowercase letters
+Frequencies are Zipf's with exponent ALPHA = 2 (RULER's), made deterministic: the word of rank r appears
+floor(S / r^2) times while that is at least 2, S set so that these ranked words take RANKED_SHARE = 85% of the
+text's tokens; words of count 1 fill the rest to the exact length, so the three answers are strictly the most
+frequent. Words: seeded random strings of 3-6 lowercase letters
 for the "repeat" haystack (RULER's coded words); the words of the corpus for "corpus" or a user's file (the
 haystack here is only the word source). Metric: string_match_all (the fraction of the three found in the
 completion).
+
+When the words cannot close the last few tokens exactly, blank lines before the question do, so the length is
+exact. A corpus's words serve up to about 30K tokens of The Call of the Wild; past that the error says so.
 
 Differences from RULER: no "...." noise word (RULER makes it the most frequent "word" and asks to ignore it);
 frequencies are exact rather than sampled; 24 new tokens instead of 50.
@@ -34,11 +38,36 @@ HEAD = ("Read the following coded text and track the frequency of each coded wor
         "appeared coded words.\n")
 TAIL = "\nQuestion: What are the three most frequently appeared words in the above coded text?"
 ANSWER = " Answer: According to the coded text above, the three most frequently appeared words are:"
-_EST_WORD = 4  # tokens per word, for the frequencies only
+RANKED_SHARE = 0.85  # of the text's tokens: the ranked words; the rest are words of count 1
 
 
 def coded_word(rng: np.random.Generator) -> str:
     return "".join(rng.choice(list(string.ascii_lowercase), size=int(rng.integers(3, 7))))
+
+
+def _ranked_counts(words: common.WordSource, budget: int) -> dict[str, int] | None:
+    """{word: count} of the ranked words, most frequent first: count_r = floor(S / r^ALPHA) >= 2, with S set so that
+    they take RANKED_SHARE of `budget` tokens (by the words' own token costs); None when fewer than TOP + 1 ranks
+    fit or rank TOP is not strictly above rank TOP + 1."""
+    ranked: list[str] = []
+    weight = 0.0  # sum over the ranks of cost_r / r^ALPHA
+    while True:
+        w = words.take()
+        if w is None:
+            break
+        r = len(ranked) + 1
+        if RANKED_SHARE * budget / (weight + words.cost(w) / r ** ALPHA) / r ** ALPHA < 2:
+            words.give_back(w)
+            break
+        ranked.append(w)
+        weight += words.cost(w) / r ** ALPHA
+    if len(ranked) <= TOP:
+        return None
+    scale = RANKED_SHARE * budget / weight
+    counts = {w: int(scale / r ** ALPHA) for r, w in enumerate(ranked, start=1)}
+    if counts[ranked[TOP - 1]] <= counts[ranked[TOP]]:
+        return None
+    return counts
 
 
 def make_samples(tokenizer, length: int, samples: int, seed: int, *, haystack: str = "repeat", chat: bool = False):
@@ -49,30 +78,15 @@ def make_samples(tokenizer, length: int, samples: int, seed: int, *, haystack: s
     prefix, suffix = common.frame(tokenizer, HEAD, TAIL, ANSWER, chat)
     budget = length - len(prefix) - len(suffix)
     template = common.decode(tokenizer, prefix + suffix)
-    n_est = budget // _EST_WORD
-    freqs = []
-    r = 1
-    while (c := int(n_est / (2 * r ** ALPHA))) >= 2:
-        freqs.append(c)
-        r += 1
-    if len(freqs) < TOP + 1 or freqs[TOP - 1] <= freqs[TOP]:
-        raise ValueError(f"task {NAME!r}: length={length} is too short to rank {TOP} words by frequency; expected a "
-                         f"length >= {length - budget + 64 * _EST_WORD}")
     out = []
     for i in range(samples):
         rng = common.sample_rng(NAME, seed, length, i)
         words = common.WordSource(tokenizer, rng, avoid=template, pool=pool,
                                   make=None if pool is not None else coded_word)
-        counts: dict[str, int] = {}
-        used = 0
-        for c in freqs:
-            w = words.take()
-            if w is None or used + c * words.cost(w) > budget - 16:
-                if len(counts) <= TOP:
-                    raise ValueError(f"task {NAME!r}: length={length} is too short to rank {TOP} words by frequency")
-                break
-            counts[w] = c
-            used += c * words.cost(w)
+        counts = _ranked_counts(words, budget)
+        if counts is None:
+            raise ValueError(f"task {NAME!r}: length={length} is too short to rank {TOP} words by frequency; expected "
+                             f"a length >= {length - budget + 256}")
         answers = tuple(list(counts)[:TOP])
         gap = common.fill_list(budget, counts, words, lambda j: 0)
         items = [w for w, c in counts.items() for _ in range(c)]
@@ -80,10 +94,13 @@ def make_samples(tokenizer, length: int, samples: int, seed: int, *, haystack: s
         body: list[int] = []
         for k in rng.permutation(len(items)):
             body += pieces[items[k]]
-        tokens = prefix + body + suffix
-        assert len(tokens) == length - gap, (len(tokens), length, gap)
-        if gap > 0.01 * length:
-            raise RuntimeError(f"task {NAME!r}: could not fill length={length} within 1% ({gap} tokens short)")
+        if gap > 0.01 * length:  # the word source ran dry
+            raise ValueError(f"task {NAME!r}: length={length}: the word source ran out of distinct words after "
+                             f"{len(words.taken)} ({gap} tokens short); use a haystack with more distinct words "
+                             "(the 'repeat' haystack makes coded words without limit) or a shorter length")
+        # a gap the words could not close (rare, < 1%): blank lines before the question, so the length is exact
+        tokens = prefix + body + common.ids(tokenizer, "\n")[-1:] * gap + suffix
+        assert len(tokens) == length, (len(tokens), length, gap)
         out.append(Sample(task=NAME, tokens=tuple(tokens), answers=answers, depth=None, length=length))
     return out
 

@@ -8,6 +8,8 @@ from flax import struct
 import jax
 import jax.numpy as jnp
 from jsparse import selection as sel
+from models import llama
+from models.cache import init_cache
 from pallas_kernels.dense import dense_decode, dense_prefill
 from pallas_kernels.dense_decode import dense_decode_stacked
 from pallas_kernels.dense_decode import supported as dense_decode_supported
@@ -44,6 +46,15 @@ def attend_selected(q, cache, indices, lengths, head_map=None):
         indices = jnp.take(indices, head_map, axis=1)
     mask = decode_indices_to_mask(indices, lengths, cache.k.shape[2])
     return masked_attention_reference(q, cache.k, cache.v, mask)
+
+
+def stacked_cache(cache):
+    """(k_all, v_all: [L, B, Hkv, N, D], layer: i32[]) of a cache view. Inside the model's scan the view carries
+    the stacked cache: reading it with the layer index (in-place kernels, gathers) never copies the layer's
+    whole cache, which handing `cache.k` to a kernel would. A bare view is a stack of one layer."""
+    if getattr(cache, "layer", None) is not None:
+        return cache.k_all, cache.v_all, cache.layer
+    return cache.k[None], cache.v[None], jnp.int32(0)
 
 
 def attend_dense(q, cache, lengths):
@@ -132,6 +143,20 @@ class TokenBudget:
         return sel.budget_tokens(self.budget, sel.tile_starts(T, self.tile), self.min_tokens)
 
 
+def prefill_state(params, cfg, method, tokens, lengths):
+    """The method's state after one jitted prefill of tokens: int[B, T] (lengths: int[B]) from an empty cache."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    B, T = tokens.shape
+
+    @jax.jit
+    def run(params, tokens, lengths):
+        cache = init_cache(cfg, B, T, params.embed.dtype)
+        return llama.prefill(params, cfg, method, tokens, lengths, cache, method.init_state(cfg, B, T))[2]
+
+    return run(params, tokens, lengths)
+
+
 def kwargs_for(cls, options: dict) -> dict:
     """The options a method's constructor takes (builders ignore the rest: cfg, artifact, ...)."""
     names = set(cls.__dataclass_fields__)
@@ -143,4 +168,4 @@ def np_int(x) -> np.ndarray:
 
 
 __all__ = ["TokenBudget", "attend_dense", "attend_selected", "check_tile", "decode_dense", "dense_decode",
-           "dense_prefill", "masked_attention_reference", "prefill_dense", "sparse_prefill"]
+           "dense_prefill", "masked_attention_reference", "prefill_dense", "sparse_prefill", "stacked_cache"]

@@ -30,7 +30,8 @@ from flax import struct
 from jsparse.artifacts import Artifact
 from jsparse.methods.base import register_calibration
 from jsparse.methods.common import dense_decode, dense_prefill
-from jsparse.methods.evosparse import ARTIFACT_KIND, DEFAULT_HEAD_FRACTION, top_heads
+from jsparse.methods.evosparse import ARTIFACT_KIND
+from jsparse.retrieval_heads import DEFAULT_HEAD_FRACTION, top_heads
 from models import llama
 from models.cache import init_cache
 

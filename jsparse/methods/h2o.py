@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jsparse import selection as sel
+from jsparse.heat import scan_rows
 from jsparse.methods.base import register
 from jsparse.methods.common import TokenBudget, dense_prefill, kwargs_for
 from pallas_kernels.sparse_attention.reference import decode_indices_to_mask
@@ -75,7 +76,7 @@ class H2O(TokenBudget):
         G = Hq // Hkv
         K = self.k_static(N)
         positions = sel.decode_positions(ctx.lengths, T)  # [B, T]
-        qg = jnp.swapaxes(q.astype(jnp.float32).reshape(B, T, Hkv, G, D), 0, 1)  # [T, B, Hkv, G, D]
+        qg = q.astype(jnp.float32).reshape(B, T, Hkv, G, D)
         kf, vf = cache.k.astype(jnp.float32), cache.v.astype(jnp.float32)
         n = jnp.arange(N)
 
@@ -94,7 +95,5 @@ class H2O(TokenBudget):
             out = jnp.einsum("bhgn,bhnd->bhgd", probs, vf, precision=_HIGHEST)
             return score + probs.sum(axis=2), out
 
-        score = jax.lax.dynamic_index_in_dim(state.score, ctx.layer, 0, keepdims=False)  # [B, Hkv, N]
-        score, out = jax.lax.scan(row, score, (qg, positions.T))
-        out = jnp.swapaxes(out, 0, 1).reshape(B, T, Hq, D).astype(q.dtype)
-        return out, H2OState(score=jax.lax.dynamic_update_index_in_dim(state.score, score, ctx.layer, 0))
+        out, score = scan_rows(state.score, ctx.layer, row, (qg, positions))  # rows in order, as T = 1 decoding
+        return out.reshape(B, T, Hq, D).astype(q.dtype), H2OState(score=score)

@@ -62,8 +62,7 @@ def roles_from_anchors(num_layers: int, anchors) -> np.ndarray:
     anchors = sorted(int(a) for a in anchors)
     if not anchors or anchors[0] != 0:
         raise ValueError(f"anchors={anchors}: layer 0 must be an anchor")
-    if anchors[-1] >= num_layers or len(set(anchors)) != len(anchors):
-        raise ValueError(f"anchors={anchors}: expected distinct layers in [0, {num_layers})")
+    sel.check_layers("anchors", anchors, num_layers)
     roles = np.full((num_layers,), ROLE_REUSE, np.int32)
     roles[anchors] = ROLE_ANCHOR
     roles[0] = ROLE_DENSE_ANCHOR
@@ -192,3 +191,72 @@ class Kascade(TokenBudget):
 
         out, idx = jax.lax.switch(ctx.info.role, [anchor(True), anchor(False), reuse])
         return out, KascadeState(indices=idx)
+
+
+# ----------------------------------------------------------------------------------------------- compressed coordinates
+# Inside TSA (`tsa+kascade`) each layer attends over its own compressed sequence, so an anchor's selected keys
+# (positions in the anchor layer's compressed sequence) mean other tokens in a reuse layer's. Before a reuse layer
+# the anchor's keys go to original positions, then into this layer's compressed positions (keys this layer dropped
+# are dropped), each compressed query tile taking the anchor row of the tile that holds its first query. With
+# identical coordinates (both layers dense) this is the identity, so `tsa+kascade` with tau = 0 is Kascade.
+
+
+def translate_anchor_indices(anchor_idx: Array, anchor_map: Array, head_map: Array, cur_map: Array,
+                             cur_slot: Array, tile: int) -> Array:
+    """Kascade anchor indices from the anchor layer's compressed coordinates to this layer's.
+
+    Args:
+      anchor_idx: i32[B, Hkv, nT, K] the anchor's selection (its compressed positions, -1 padded), one row per
+        compressed query tile of the anchor layer.
+      anchor_map: i32[B, Hkv, T] original position of each anchor slot (T for empty slots).
+      head_map: i32[Hkv] the anchor KV head each of this layer's KV heads reuses.
+      cur_map: i32[B, Hkv, T] original position of each of this layer's slots (T for empty slots).
+      cur_slot: i32[B, Hkv, T] this layer's slot of each original position (-1 if not kept).
+      tile: Kascade's query tile.
+
+    Returns:
+      i32[B, Hkv, nT, K] in this layer's compressed positions, ascending, -1 padded, already head-mapped (use
+      them with an identity head map). Every key lies strictly before its tile's first query.
+    """
+    B, Hkv, nT, K = anchor_idx.shape
+    T = anchor_map.shape[-1]
+    a_idx = jnp.take(anchor_idx, head_map, axis=1)
+    a_map = jnp.take(anchor_map, head_map, axis=1)
+    first = jnp.minimum(jnp.arange(nT, dtype=jnp.int32) * tile, T - 1)
+    p0 = cur_map[:, :, first]  # [B, Hkv, nT] original position of each tile's first query
+    search = jax.vmap(jax.vmap(lambda a, v: jnp.searchsorted(a, v, side="right")))
+    a_pos = jnp.clip(search(a_map, p0) - 1, 0, T - 1)  # the anchor slot at or before p0
+    rows = jnp.take_along_axis(a_idx, (a_pos // tile)[..., None], axis=2)  # [B, Hkv, nT, K]
+    valid = rows >= 0
+    orig = jnp.take_along_axis(a_map, jnp.where(valid, rows, 0).reshape(B, Hkv, nT * K), axis=2)
+    valid = valid & (orig.reshape(B, Hkv, nT, K) < T)
+    cur = jnp.take_along_axis(cur_slot, jnp.minimum(orig, T - 1), axis=2).reshape(B, Hkv, nT, K)
+    valid = valid & (cur >= 0)
+    big = jnp.iinfo(jnp.int32).max
+    cur = jnp.sort(jnp.where(valid, cur, big), axis=-1)
+    return jnp.where(cur == big, -1, cur).astype(jnp.int32)
+
+
+def prefill_in_coordinates(inner: Kascade, ctx, q: Array, k: Array, v: Array, state: KascadeState,
+                    anchor_map: Array, cur_map: Array, cur_slot: Array):
+    """Kascade's prefill of one layer in (possibly compressed) coordinates (TSA around Kascade, `tsa_kascade`).
+
+    Args:
+      inner: the Kascade method; ctx: the layer context with Kascade's layer info (`ctx.info`: LayerRole slice);
+      q, k, v: the layer's (compressed) sequence, [B, C, Hq, D] and [B, C, Hkv, D]; state: Kascade's state (the
+      latest anchor's indices in the anchor layer's coordinates); anchor_map: i32[B, Hkv, T] original position of
+      each slot of the latest anchor layer; cur_map, cur_slot: i32[B, Hkv, T] original position of each of this
+      layer's slots (T: empty) and slot of each original position (-1: not kept).
+    Returns:
+      (out: [B, C, Hq, D], Kascade's new state, the new anchor_map).
+    """
+    info = ctx.info
+    reuse = info.role == ROLE_REUSE
+    anchor = state.indices
+    translated = translate_anchor_indices(anchor, anchor_map, info.head_map, cur_map, cur_slot, inner.tile)
+    ident = jnp.arange(info.head_map.shape[0], dtype=jnp.int32)
+    call_info = LayerRole(role=info.role, head_map=ident)
+    call_state = KascadeState(indices=jnp.where(reuse, translated, anchor))
+    out, new = inner.prefill(ctx.replace(info=call_info), q, k, v, call_state)
+    new_state = KascadeState(indices=jnp.where(reuse, anchor, new.indices))
+    return out, new_state, jnp.where(reuse, anchor_map, cur_map)

@@ -61,12 +61,8 @@ def check_budget(budget) -> float:
 
 
 def budget_k(budget: float, n, min_tokens: int):
-    """Keys to keep among n visible ones (int or i32 array)."""
-    if budget <= 1:
-        return sel.budget_tokens(budget, n, min_tokens)
-    if isinstance(n, int):
-        return min(int(budget), n)
-    return jnp.minimum(jnp.int32(int(budget)), n)
+    """Keys to keep among n visible ones (int or i32 array): a fraction <= 1, or a token count above 1."""
+    return sel.keys_to_keep(n, budget, min_tokens, int(budget) if budget > 1 else None)
 
 
 def static_k(budget: float, capacity: int, min_tokens: int) -> int:
@@ -85,14 +81,8 @@ def head_probs(q: Array, k_cache: Array, positions: Array) -> Array:
     Returns:
       f32[B, Hq, T, N].
     """
-    B, T, Hq, D = q.shape
-    Hkv, N = k_cache.shape[1], k_cache.shape[2]
-    G = Hq // Hkv
-    logits = jnp.einsum("btkgd,bknd->bkgtn", q.reshape(B, T, Hkv, G, D), k_cache,
-                        preferred_element_type=jnp.float32) / math.sqrt(D)
-    visible = jnp.arange(N)[None, None, :] <= positions[:, :, None]
-    logits = jnp.where(visible[:, None, None], logits, NEG_INF)
-    return jax.nn.softmax(logits, axis=-1).reshape(B, Hq, T, N)
+    B, T, Hq, _ = q.shape
+    return sel.group_probs(q, k_cache, positions).reshape(B, Hq, T, k_cache.shape[2])
 
 
 def _topk_rows(scores: Array, W: int) -> tuple[Array, Array]:
@@ -212,9 +202,10 @@ class StsDraft(_Budget):
         return attend_dense(q, cache, ctx.lengths), state
 
 
-def _scores(idx: Array, val: Array, N: int, limit: Array) -> Array:
+def _scores(idx: Array, val: Array, N: int, limit: Array, sink: int = 0, local: int = 0) -> Array:
     """Summed weights of the recorded keys: idx, val [B, H, C] -> f32[B, H, N], -inf where no key was recorded
-    or the key is not below limit: i32[B] (or [])."""
+    or the key is not below limit: i32[B] (or []); +inf (always kept) for the first `sink` keys and the `local`
+    keys just below limit."""
     B, H, _ = idx.shape
     ok = (idx >= 0) & (idx < jnp.reshape(limit, (-1, 1, 1)))
     safe = jnp.where(ok, idx, N)
@@ -222,7 +213,13 @@ def _scores(idx: Array, val: Array, N: int, limit: Array) -> Array:
     h = jnp.arange(H)[None, :, None]
     total = jnp.zeros((B, H, N), jnp.float32).at[b, h, safe].add(val, mode="drop")
     hit = jnp.zeros((B, H, N), bool).at[b, h, safe].set(True, mode="drop")
-    return jnp.where(hit, total, NEG_INF)
+    scores = jnp.where(hit, total, NEG_INF)
+    if sink or local:
+        key = jnp.arange(N)[None, None, :]
+        lim = jnp.reshape(limit, (-1, 1, 1))
+        forced = ((key < sink) | (key >= lim - local)) & (key < lim)
+        scores = jnp.where(forced, jnp.inf, scores)
+    return scores
 
 
 @register("sts")
@@ -237,6 +234,12 @@ class STS(_Budget):
     head_map: Array = None
     draft_layers: int = struct.field(pytree_node=False, default=1)
     draft_heads: int = struct.field(pytree_node=False, default=1)
+    # Fidelity options (not in the paper, whose default is 0 for all three): the first `dense_layers` target
+    # layers attend densely; every selection keeps the first `sink` keys and the `local` keys just before the
+    # query (its tile in prefill), inside the budget.
+    dense_layers: int = struct.field(pytree_node=False, default=0)
+    sink: int = struct.field(pytree_node=False, default=0)
+    local: int = struct.field(pytree_node=False, default=0)
 
     needs_draft = True  # not a field: STS runs only inside speculative decoding
 
@@ -244,13 +247,15 @@ class STS(_Budget):
         check_budget(self.budget)
         sel.check_positive_int("min_tokens", self.min_tokens, 0)
         check_tile(self.tile)
+        for name in ("dense_layers", "sink", "local"):
+            sel.check_positive_int(name, getattr(self, name), 0)
         if self.selection is not None and self.selection not in IMPLEMENTATIONS:
             raise ValueError(f"selection={self.selection!r}: expected one of {IMPLEMENTATIONS} (the topk_select "
                              f"implementation) or None (by backend)")
 
     @classmethod
     def build(cls, cfg=None, draft=None, artifact=None, fingerprint=None, head_map=None, budget=0.1,
-              min_tokens=128, tile=32, selection=None, **unused):
+              min_tokens=128, tile=32, selection=None, dense_layers=0, sink=0, local=0, **unused):
         """Builds STS for target `cfg` and `draft` (a LoadedModel) from an `artifact` folder (`jsparse calibrate
         sts`, checked against both models' fingerprints) or an explicit `head_map` i32[L_t, Hq_t, 2]."""
         if cfg is None or draft is None:
@@ -265,8 +270,11 @@ class STS(_Budget):
             head_map = load_head_map(artifact, fingerprint, model_fp(draft), budget)
         head_map = np.asarray(head_map, np.int32)
         check_head_map(head_map, cfg, draft.cfg)
+        if not 0 <= dense_layers <= cfg.num_layers:
+            raise ValueError(f"dense_layers={dense_layers!r}: expected 0..{cfg.num_layers} (the target's layers)")
         return cls(head_map=jnp.asarray(head_map), budget=float(budget), min_tokens=min_tokens, tile=tile,
-                   selection=selection, draft_layers=draft.cfg.num_layers, draft_heads=draft.cfg.num_heads)
+                   selection=selection, draft_layers=draft.cfg.num_layers, draft_heads=draft.cfg.num_heads,
+                   dense_layers=dense_layers, sink=sink, local=local)
 
     # -- speculative decoding hooks (models.speculative)
 
@@ -302,6 +310,18 @@ class STS(_Budget):
         return group(idx), group(val)
 
     def prefill(self, ctx, q, k, v, state):
+        if not self.dense_layers:
+            return self._sparse_prefill(ctx, q, k, v, state)
+        return jax.lax.cond(ctx.layer < self.dense_layers, lambda: (dense_prefill(q, k, v), state),
+                            lambda: self._sparse_prefill(ctx, q, k, v, state))
+
+    def decode(self, ctx, q, cache, state):
+        if not self.dense_layers:
+            return self._sparse_decode(ctx, q, cache, state)
+        return jax.lax.cond(ctx.layer < self.dense_layers, lambda: (attend_dense(q, cache, ctx.lengths), state),
+                            lambda: self._sparse_decode(ctx, q, cache, state))
+
+    def _sparse_prefill(self, ctx, q, k, v, state):
         B, T, Hkv = q.shape[0], q.shape[1], k.shape[2]
         idx, val = self._rows(state, ctx.info, Hkv)  # [B, Hkv, nT, C]
         K = self.prefill_width(T)
@@ -309,19 +329,19 @@ class STS(_Budget):
 
         def one_tile(args):
             i, v_, s = args
-            scores = _scores(i, v_, T, s)
+            scores = _scores(i, v_, T, s, self.sink, self.local)
             return topk_select(scores, budget_k(self.budget, s, self.min_tokens)[None, None], K,
                                implementation=self.selection)
 
         chosen = jax.lax.map(one_tile, (jnp.moveaxis(idx, 2, 0), jnp.moveaxis(val, 2, 0), starts))  # [nT, B, H, K]
         return sparse_prefill(q, k, v, jnp.moveaxis(chosen, 0, 2), ctx.lengths, tile=self.tile), state
 
-    def decode(self, ctx, q, cache, state):
+    def _sparse_decode(self, ctx, q, cache, state):
         B, T = q.shape[0], q.shape[1]
         Hkv, N = cache.k.shape[1], cache.k.shape[2]
         n = ctx.lengths - T  # keys before this forward's new tokens
         idx, val = self._rows(state, ctx.info, Hkv)  # [B, Hkv, 1, C]
-        scores = _scores(idx[:, :, 0], val[:, :, 0], N, n)
+        scores = _scores(idx[:, :, 0], val[:, :, 0], N, n, self.sink, self.local)
         K = static_k(self.budget, N, self.min_tokens)
         chosen = topk_select(scores, budget_k(self.budget, n, self.min_tokens)[:, None], K,
                              implementation=self.selection)  # [B, Hkv, K]

@@ -130,7 +130,7 @@ def calibrate(t_params, t_cfg, d_params, d_cfg, prompts: Iterable[np.ndarray], *
 
 def add_arguments(p) -> None:
     p.add_argument("--draft", required=True, help="the draft model (any --model spec with the target's vocabulary, "
-                   "e.g. smollm2:layers=0-9)")
+                   "e.g. smollm2:layers=0-14)")
     p.add_argument("--k", default="64,256", help="comma-separated top-k sizes in tokens; one head map per k "
                    "(default 64,256)")
     p.add_argument("--tile", type=int, default=32, help="query rows pooled per tile (default 32)")

@@ -17,6 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.sharding import active_mesh, dims, per_shard
+
 Array = jax.Array
 
 IMPLEMENTATIONS = ("pallas_gpu", "pallas_tpu", "xla", "reference")
@@ -64,8 +66,24 @@ def anchor_decode(q: Array, k: Array, v: Array, lengths: Array, *, budget: float
 
     Returns:
       (out: [B, T, Hq, D] in q.dtype (None when with_output is False and not dense_output),
-       indices: int32[B, Hkv, T, K] ascending, -1 padded).
+       indices: int32[B, Hkv, T, K] ascending, -1 padded). Under a mesh (`pallas_kernels.sharding`), per shard:
+      rows over data, heads over model (the GQA pooling stays within a KV head's group, on one device).
     """
+    if active_mesh() is not None:
+        kv = dims(5, 1, 2) if layer is not None else dims(4, 0, 1)
+        args = [q, k, v, lengths] + ([layer] if layer is not None else [])
+        templates = [dims(4, 0, 2), kv, kv, dims(1, 0)] + ([()] if layer is not None else [])
+        has_out = with_output or dense_output
+
+        def local(q, k, v, lengths, *rest):
+            out, idx = anchor_decode(q, k, v, lengths, budget=budget, min_tokens=min_tokens, K=K,
+                                     layer=rest[0] if rest else None, scale=scale, dense_output=dense_output,
+                                     diagonal_tile=diagonal_tile, with_output=with_output,
+                                     implementation=implementation, config=config)
+            return (out, idx) if has_out else idx
+        if has_out:
+            return per_shard(local, args, templates, (dims(4, 0, 2), dims(4, 0, 1)))
+        return None, per_shard(local, args, templates, dims(4, 0, 1))
     impl = _pick(implementation, q)
     kw = dict(budget=budget, min_tokens=min_tokens, K=K, layer=layer, scale=scale, dense_output=dense_output,
               diagonal_tile=diagonal_tile, with_output=with_output)
@@ -113,8 +131,15 @@ def anchor_prefill(q: Array, k: Array, v: Array, lengths: Array, *, tile: int, b
       config: `gpu_prefill.PrefillScoresConfig` for "pallas_gpu" (None: the default); ignored by the others.
 
     Returns:
-      (out: [B, T, Hq, D] in q.dtype, indices: int32[B, Hkv, ceil(T / tile), K] ascending, -1 padded).
+      (out: [B, T, Hq, D] in q.dtype, indices: int32[B, Hkv, ceil(T / tile), K] ascending, -1 padded). Under a
+      mesh, per shard (see anchor_decode).
     """
+    if active_mesh() is not None:
+        qs = dims(4, 0, 2)
+        return per_shard(lambda q, k, v, lengths: anchor_prefill(
+            q, k, v, lengths, tile=tile, budget=budget, min_tokens=min_tokens, K=K, scale=scale,
+            dense_output=dense_output, implementation=implementation, config=config),
+            [q, k, v, lengths], [qs, qs, qs, dims(1, 0)], (qs, dims(4, 0, 1)))
     if implementation is None:
         implementation = _pick_prefill(q, tile)
     if implementation not in IMPLEMENTATIONS:

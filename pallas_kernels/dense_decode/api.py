@@ -15,6 +15,7 @@ import jax
 
 from pallas_kernels import dense
 from pallas_kernels.dense_decode import reference
+from pallas_kernels.sharding import active_mesh, dims, per_shard
 
 Array = jax.Array
 
@@ -52,6 +53,11 @@ def dense_decode_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, len
       lengths)`.
     """
     reference.check_args(q, k_all, v_all, layer, lengths)
+    if active_mesh() is not None:  # per shard (pallas_kernels.sharding): rows over data, heads over model
+        qs, kv = dims(4, 0, 2), dims(5, 1, 2)
+        return per_shard(lambda q, k, v, layer, lengths: dense_decode_stacked(
+            q, k, v, layer, lengths, implementation=implementation),
+            [q, k_all, v_all, layer, lengths], [qs, kv, kv, (), dims(1, 0)], qs)
     if implementation is None:
         on_gpu = jax.default_backend() == "gpu"
         implementation = "pallas_gpu" if on_gpu and supported("pallas_gpu", q) else "sliced"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.sharding import active_mesh, dims, per_shard
 from pallas_kernels.sparse_attention import reference, xla
 
 Array = jax.Array
@@ -80,7 +81,24 @@ def sparse_decode(q: Array, k: Array, v: Array, indices: Array, lengths: Array, 
 
     Returns:
       [B, T, Hq, D] in q.dtype (zeros for a query with no valid key), and lse with return_lse.
+
+    Under a mesh (`pallas_kernels.sharding`) the op runs per shard (rows over data, heads over model); a
+    `head_map` is applied first, outside the shards (its take over the head axis reads other devices' rows).
     """
+    if active_mesh() is not None:
+        if head_map is not None:
+            from pallas_kernels.sparse_attention.stacked import check_head_map
+            check_head_map(head_map, indices.shape[1])
+            indices = jnp.take(indices, head_map, axis=1)
+        kv = dims(5, 1, 2) if layer is not None else dims(4, 0, 1)
+        args = [q, k, v, indices, lengths] + ([layer] if layer is not None else [])
+        templates = [dims(4, 0, 2), kv, kv, dims(4, 0, 1), dims(1, 0)] + ([()] if layer is not None else [])
+        outs = (dims(4, 0, 2), dims(3, 0, 2)) if return_lse else dims(4, 0, 2)
+
+        def local(q, k, v, indices, lengths, *rest):
+            return sparse_decode(q, k, v, indices, lengths, layer=rest[0] if rest else None, block_size=block_size,
+                                 scale=scale, return_lse=return_lse, implementation=implementation)
+        return per_shard(local, args, templates, outs)
     impl = _pick(implementation, q, block_size, None)
     kw = dict(block_size=block_size, scale=scale, return_lse=return_lse)
     if head_map is not None and not (layer is not None and impl == "pallas_gpu"):
@@ -124,8 +142,13 @@ def sparse_prefill(q: Array, k: Array, v: Array, indices: Array, lengths: Array,
       implementation: see the module docstring.
 
     Returns:
-      [B, T, Hq, D] in q.dtype; rows at or beyond lengths are zeros.
+      [B, T, Hq, D] in q.dtype; rows at or beyond lengths are zeros. Under a mesh, per shard (see sparse_decode).
     """
+    if active_mesh() is not None:
+        qs, kv = dims(4, 0, 2), dims(4, 0, 2)
+        return per_shard(lambda q, k, v, indices, lengths: sparse_prefill(
+            q, k, v, indices, lengths, tile=tile, block_size=block_size, scale=scale, implementation=implementation),
+            [q, k, v, indices, lengths], [qs, kv, kv, dims(4, 0, 1), dims(1, 0)], qs)
     impl = _pick(implementation, q, block_size, tile)
     kw = dict(tile=tile, block_size=block_size, scale=scale)
     if impl == "xla":

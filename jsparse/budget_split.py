@@ -1,0 +1,103 @@
+"""A budget of kb blocks split among components by fractions (EvoSparse's sink / local / retrieval / heat).
+
+A query at position p sees n = p + 1 keys and keeps k of them: k = min(tokens, n) with a token count, else the
+fraction rule k = min(max(ceil(budget * n), min_tokens), n); that is kb = ceil(k / block_size) blocks. With cumulative fractions c_i resolved to 1/4096 in integer arithmetic, component i gets
+ceil(c_i * kb) - ceil(c_{i-1} * kb) blocks: the counts always sum to kb, and small budgets favour the first
+components.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Sequence
+
+import numpy as np
+
+from jsparse import selection as sel
+
+FIX = 4096  # fractions are resolved to 1/FIX in integer arithmetic
+
+
+def check_fractions(fractions: Sequence[float], names: Sequence[str]) -> tuple[float, ...]:
+    """Fractions >= 0 that sum to 1 (names: the option names, for the error), as floats."""
+    desc = ", ".join(f"{n}={f!r}" for n, f in zip(names, fractions))
+    for f in fractions:
+        if not isinstance(f, (int, float)) or isinstance(f, bool) or not math.isfinite(f) or f < 0:
+            raise ValueError(f"budget fractions ({desc}): expected numbers >= 0 that sum to 1")
+    total = float(sum(fractions))
+    if abs(total - 1.0) > 1e-6:
+        raise ValueError(f"budget fractions sum to {total:g} ({desc}): expected {' + '.join(names)} = 1")
+    return tuple(float(f) for f in fractions)
+
+
+def cumulative_fixed(fractions: Sequence[float]) -> tuple[int, ...]:
+    """Cumulative fractions in units of 1/FIX, the last exactly FIX."""
+    cum = np.cumsum(np.asarray(fractions, np.float64))
+    fixed = [int(round(c * FIX)) for c in cum]
+    fixed[-1] = FIX
+    return tuple(fixed)
+
+
+def split_counts(kb, cum_fixed: Sequence[int]):
+    """Blocks per component for kb budget blocks (int or int array): a tuple of counts summing to kb."""
+    ends = [(c * kb + FIX - 1) // FIX for c in cum_fixed]
+    starts = [0 * kb] + ends[:-1]
+    return tuple(e - s for s, e in zip(starts, ends))
+
+
+def max_counts(Kb: int, cum_fixed: Sequence[int]) -> tuple[int, ...]:
+    """Static width of each component: the largest count over budgets of 1..Kb blocks."""
+    kb = np.arange(1, Kb + 1, dtype=np.int64)
+    return tuple(int(np.max(c)) for c in split_counts(kb, cum_fixed))
+
+
+def drop_components(fractions: Sequence[float], names: Sequence[str], drop: Sequence[str]) -> tuple[float, ...]:
+    """The fractions with the `drop` components set to 0 and the rest scaled up in proportion (sum 1)."""
+    kept = [0.0 if c in drop else float(f) for c, f in zip(names, fractions)]
+    total = sum(kept)
+    if total <= 0:
+        raise ValueError(f"fractions {tuple(fractions)} leave nothing once {list(drop)} is dropped")
+    return tuple(f / total for f in kept)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockBudget:
+    """The budget rule of the module docstring: kb blocks per query, split by `fractions` (summing to 1)."""
+
+    budget: float
+    min_tokens: int
+    block_size: int
+    fractions: tuple
+    tokens: Optional[int] = None
+
+    def keys(self, n):
+        """Keys kept among n visible ones (int or int array)."""
+        return sel.keys_to_keep(n, self.budget, self.min_tokens, self.tokens)
+
+    def widths(self, N: int) -> tuple[int, int, tuple[int, ...]]:
+        """(nb blocks of an N-token cache, Kb: the static number of selected blocks, each component's static
+        width: its largest count over budgets of 1..Kb blocks)."""
+        nb = N // self.block_size
+        Kb = min(-(-self.keys(N) // self.block_size), nb)
+        return nb, Kb, max_counts(max(Kb, 1), cumulative_fixed(self.fractions))
+
+    def row(self, pos):
+        """pos: i32[...] query positions -> (kb blocks, visible blocks pos // block_size + 1, the component
+        counts, a tuple of i32[...] summing to kb)."""
+        bs = self.block_size
+        kb = (self.keys(pos + 1) + bs - 1) // bs
+        return kb, pos // bs + 1, split_counts(kb, cumulative_fixed(self.fractions))
+
+    def attended_fraction(self, positions) -> np.ndarray:
+        """f64[...]: the fraction of its visible keys a query at each position attends to (whole blocks, its own
+        block partial)."""
+        p = np.asarray(positions, np.int64)
+        n = p + 1
+        if self.tokens is not None:
+            k = np.minimum(self.tokens, n)
+        else:
+            k = np.minimum(np.maximum(np.ceil(self.budget * n), self.min_tokens), n)
+        bs = self.block_size
+        kb = -(-k // bs)
+        return np.minimum(kb * bs - (bs - 1 - p % bs), n) / n

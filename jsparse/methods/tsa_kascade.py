@@ -1,0 +1,39 @@
+"""`tsa+kascade`: TSA's token-compressed prefill around Kascade (Kascade inside the compressed space and for
+decode); the method object is a `TSA` whose `inner` is a `Kascade` (see `tsa` and `kascade.prefill_in_coordinates`).
+"""
+
+from __future__ import annotations
+
+from jsparse.artifacts import split_artifacts
+from jsparse.methods import kascade as kascade_mod
+from jsparse.methods.base import register
+from jsparse.methods.tsa import ARTIFACT_KIND, TSA
+
+
+@register("tsa+kascade")
+class TSAKascade:
+    """Builder of TSA around Kascade: TSA prefill with Kascade's attention inside the compressed space, Kascade
+    decode (the method object is a `TSA` with `inner` a `Kascade` and selection "kv_head").
+
+    Artifacts: `artifact` is one folder or several separated by os.pathsep, each routed by its kind, e.g.
+    `jsparse eval --methods tsa+kascade --artifact tsa+kascade=artifacts/kascade:artifacts/tsa`; or pass
+    `kascade_artifact=` / `tsa_artifact=` (Python). The Kascade artifact is required; without a TSA artifact
+    every layer but 0 is TSA-sparse. `budget`, `tile`, `min_tokens` go to Kascade; `tau`, `window`,
+    `pool_kernel`, `tsa_min_tokens`, `sparse_layers`, `fill`, `local_window`, `local_sinks` to TSA.
+    """
+
+    EXTRA_OPTIONS = ("tsa_min_tokens",)  # an option of the builder's own (see `jsparse.methods.base.method_options`)
+
+    @classmethod
+    def build(cls, cfg=None, artifact: str | None = None, fingerprint: str | None = None,
+              kascade_artifact: str | None = None, tsa_artifact: str | None = None, **options):
+        paths = split_artifacts(artifact, (kascade_mod.ARTIFACT_KIND, ARTIFACT_KIND))
+        kascade_artifact = kascade_artifact or paths.get(kascade_mod.ARTIFACT_KIND)
+        tsa_artifact = tsa_artifact or paths.get(ARTIFACT_KIND)
+        inner = kascade_mod.Kascade.build(cfg=cfg, artifact=kascade_artifact, fingerprint=fingerprint, **options)
+        tsa_options = {k: options[k] for k in ("tau", "window", "pool_kernel", "sparse_layers", "fill",
+                                               "local_window", "local_sinks") if k in options}
+        if "tsa_min_tokens" in options:
+            tsa_options["min_tokens"] = options["tsa_min_tokens"]
+        return TSA.build(cfg=cfg, artifact=tsa_artifact, fingerprint=fingerprint, inner=inner,
+                         selection="kv_head", capacity_buckets=1, **tsa_options)

@@ -1,0 +1,181 @@
+"""Every method's prefill and decode on 2x4 (and 1x8) meshes equal the one-device output (run by test_sharding.py).
+
+Run as a script in a fresh process: it sets XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing
+jax, so the CPU shows 8 devices (the rest of the suite runs with one).
+
+  python tests/sharding_check.py [METHOD ...]     # prints one JSON line per (method, mesh) and exits 1 on a mismatch
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+# 8 CPU devices; the cheapest CPU code generation (compiles dominate this check: 3 per method).
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+                           " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jsparse.api import generate_ids  # noqa: E402
+from jsparse.methods import make_method  # noqa: E402
+from jsparse.methods.butler import Butler  # noqa: E402
+from jsparse.methods.butler_predictor import init_params  # noqa: E402
+from jsparse.methods.evosparse import EvoSparse  # noqa: E402
+from jsparse.methods.kascade import Kascade  # noqa: E402
+from jsparse.methods.tsa import TSA  # noqa: E402
+from models import sharding  # noqa: E402
+from models import llama  # noqa: E402
+from models.cache import cache_axes, init_cache  # noqa: E402
+from models.config import ModelConfig  # noqa: E402
+from models.bundled import LoadedModel  # noqa: E402
+from models.generate import decode_step, prefill_step, sharded_decode_step, sharded_prefill_step  # noqa: E402
+from models.convert import params_from_numpy, params_to_numpy  # noqa: E402
+from models.params import random_params  # noqa: E402
+from train.predictor import preset_config  # noqa: E402
+
+# Tiny Llama with 8 KV heads (16 query heads, groups of 2), so 8 divides the model axis.
+CFG = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3,
+                  num_heads=16, num_kv_heads=8, head_dim=16, max_position_embeddings=512)
+B, T, CAPACITY = 2, 48, 64
+LENGTHS = (48, 37)
+MESHES = ("data=2,model=4", "model=8")
+ATOL = 2e-5  # f32: the model-axis psums reorder sums, nothing else differs
+
+
+def _head_map(seed):
+    """i32[L, Hkv]: a permutation per layer, so a reuse head reads an anchor head held by another device."""
+    rng = np.random.default_rng(seed)
+    return np.stack([rng.permutation(CFG.num_kv_heads) for _ in range(CFG.num_layers)]).astype(np.int32)
+
+
+def build(name):
+    small = dict(budget=0.3, min_tokens=8)
+    if name in ("dense",):
+        return make_method(name)
+    if name in ("oracle", "streaming", "quest", "h2o"):
+        return make_method(name, **small)
+    if name == "kascade":
+        return Kascade.from_anchors(CFG, [0, 1], _head_map(0), tile=16, **small)
+    if name == "tsa":
+        return TSA(tau=0.05, window=8, min_tokens=4, capacity_buckets=2)
+    if name == "tsa+kascade":
+        inner = Kascade.from_anchors(CFG, [0, 1], _head_map(1), tile=16, **small)
+        return TSA(tau=0.05, window=8, min_tokens=4, inner=inner, selection="kv_head", capacity_buckets=1)
+    if name == "evosparse":
+        return EvoSparse.from_heads(CFG, [(1, 3), (2, 12)], budget_tokens=24, block_size=4, heat_window=8,
+                                    dense_layers=1, min_tokens=4)
+    if name == "butler":
+        pcfg = preset_config(CFG, "auto")
+        return Butler.from_params(CFG, pcfg, init_params(pcfg, jax.random.key(3)), budget=0.3, min_tokens=4)
+    raise ValueError(f"unknown method {name!r}")
+
+
+# The selection baselines run the same per-shard kernels as the others with no cross-head step: to keep this check
+# fast (each case compiles the sharded forward), they run on the 2x4 mesh only; every other method on both.
+ONE_MESH = ("oracle", "streaming", "quest", "h2o")
+METHODS = ("dense", "oracle", "streaming", "quest", "h2o", "kascade", "tsa", "tsa+kascade", "evosparse", "butler")
+
+
+def forward(method, params, tokens, lengths, mesh):
+    """(prefill logits f32[B, V], decode logits f32[B, 1, V]) of one jitted prefill + decode step on `mesh`
+    (None: one device, no mesh): the whole forward one computation, params / rows / cache placed on the mesh."""
+    def fn(params, tokens, lengths):
+        cache = sharding.constrain(init_cache(CFG, B, CAPACITY, jnp.float32), cache_axes())
+        state = method.init_state(CFG, B, CAPACITY)
+        logits, cache, state = llama.prefill(params, CFG, method, tokens, lengths, cache, state)
+        tok = jnp.argmax(logits, -1).astype(jnp.int32)[:, None]
+        logits2, cache, _ = llama.decode(params, CFG, method, tok, cache, state)
+        return logits, logits2, cache.k
+    if mesh is None:
+        return jax.jit(fn)(params, tokens, lengths)
+    rows = [sharding.batch_sharding(mesh, n) for n in (1, 2, 3)]
+    kspec = sharding.cache_sharding_for(CFG, B, CAPACITY, mesh).k
+    jitted = jax.jit(fn, in_shardings=(sharding.param_shardings(CFG, mesh), rows[1], rows[0]),
+                     out_shardings=(rows[1], rows[2], kspec))
+    with sharding.use_mesh(mesh):
+        out = jitted(params, tokens, lengths)
+    assert out[2].sharding == kspec, (out[2].sharding, kspec)
+    return out
+
+
+def steps(method, params, tokens, lengths, mesh):
+    """The public step functions: prefill_step / decode_step, or their sharded_* versions on `mesh`."""
+    cache = init_cache(CFG, B, CAPACITY, jnp.float32)
+    state = method.init_state(CFG, B, CAPACITY)
+    if mesh is None:
+        logits, cache, state = prefill_step(params, method, tokens, lengths, cache, state, cfg=CFG)
+    else:
+        logits, cache, state = sharded_prefill_step(mesh, params, method, tokens, lengths, cache, state, cfg=CFG)
+    tok = jnp.argmax(logits, -1).astype(jnp.int32)[:, None]
+    if mesh is None:
+        logits2, cache, state = decode_step(params, method, tok, cache, state, cfg=CFG)
+    else:
+        logits2, cache, state = sharded_decode_step(mesh, params, method, tok, cache, state, cfg=CFG)
+        assert tuple(cache.k.sharding.spec)[:3] == tuple(
+            sharding.logical_spec(("layers", "batch", "kv_heads"), cache.k.shape[:3], mesh)), cache.k.sharding
+    return logits, logits2
+
+
+def generated(method, params, tokens, lengths, mesh):
+    """`jsparse.api.generate_ids` of 3 prompts (on a mesh: padded to a multiple of the data axis, then cut),
+    through `sharded_generate_tokens`: (tokens i32[3, 4], counts i32[3])."""
+    model = LoadedModel(cfg=CFG, params=params, tokenizer=None, name="tiny", mesh=mesh)
+    ids = [list(np.asarray(tokens[0, :40])), list(np.asarray(tokens[1, :29])), list(np.asarray(tokens[0, :33]))]
+    rows = generate_ids(model, ids, method=method, max_new_tokens=4, capacity=CAPACITY)
+    return np.asarray([r + [-1] * (4 - len(r)) for r in rows]), np.asarray([len(r) for r in rows])
+
+
+def main(argv):
+    names = argv or METHODS
+    assert len(jax.devices()) == 8, jax.devices()
+    params = random_params(CFG, jax.random.key(0), jnp.float32, scale=0.08)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, T)), jnp.int32)
+    lengths = jnp.asarray(LENGTHS, jnp.int32)
+    meshes = {spec: sharding.make_mesh(spec) for spec in MESHES}
+    # 2x4: placed as a checkpoint loader places them (host array -> its shards); 1x8: device_put of the tree.
+    placed = {MESHES[0]: params_from_numpy(CFG, params_to_numpy(params), jnp.float32, mesh=meshes[MESHES[0]]),
+              MESHES[1]: sharding.shard_params(CFG, params, meshes[MESHES[1]])}
+    for spec, m in meshes.items():
+        want_sh = sharding.param_shardings(CFG, m)
+        for got, sh in zip(jax.tree_util.tree_leaves(placed[spec]), jax.tree_util.tree_leaves(want_sh)):
+            assert got.sharding == sh, (spec, got.sharding, sh)
+        assert placed[spec].layers.wq.sharding.spec == jax.sharding.PartitionSpec(None, None, "model")
+        assert len(placed[spec].layers.wq.addressable_shards[0].data.shape) == 4
+        assert placed[spec].layers.wq.addressable_shards[0].data.shape[2] == CFG.num_heads // sharding.mesh_size(
+            m, "model")
+    failed = False
+    cases = [(name, forward) for name in names]
+    if not argv:  # the public step functions and the generation loop, once
+        cases += [("dense", steps), ("dense", generated)]
+    baseline = {}
+    for name, fn in cases:
+        method = build(name)
+        key = (name, "forward" if fn is steps else fn.__name__)  # steps compute what forward does
+        if key not in baseline:
+            baseline[key] = [np.asarray(x) for x in fn(method, params, tokens, lengths, None)[:2]]
+        want = baseline[key]
+        specs = {forward: MESHES if name not in ONE_MESH else MESHES[:1], steps: MESHES[:1],
+                 generated: MESHES[:1]}[fn]
+        for spec, mesh in ((s, meshes[s]) for s in specs):
+            t0 = time.perf_counter()
+            got = [np.asarray(x) for x in fn(method, placed[spec], tokens, lengths, mesh)[:2]]
+            if fn is generated:
+                err = float(max(np.sum(g != w) for g, w in zip(got, want)))  # tokens: exact
+            else:
+                err = max(float(np.max(np.abs(g - w))) for g, w in zip(got, want))
+            ok = err <= ATOL and all(np.isfinite(g).all() for g in got)
+            failed |= not ok
+            print(json.dumps({"method": name, "path": fn.__name__, "mesh": spec, "max_abs_err": err, "ok": ok,
+                              "seconds": round(time.perf_counter() - t0, 2)}), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,233 @@
+"""The shared selection machinery the methods use, against plain numpy: top-k by threshold, coverage, GQA pooling,
+budgets and their split, heat bookkeeping, token compression's capacities, retrieval heads."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jsparse import budget_split, compression, heat, retrieval_heads
+from jsparse import selection as sel
+from jsparse.methods.common import stacked_cache
+from models.attention import LayerKV
+
+
+def _np_topk_mask(scores, k, eligible):
+    """Reference: the k largest eligible scores (negative as 0), ties to the lower position."""
+    out = np.zeros(scores.shape, bool)
+    for idx in np.ndindex(scores.shape[:-1]):
+        s = np.where(scores[idx] > 0, scores[idx], 0.0)
+        cand = [j for j in range(s.shape[0]) if eligible[idx][j]]
+        cand.sort(key=lambda j: (-s[j], j))
+        out[idx][cand[:int(k[idx])]] = True
+    return out
+
+
+def test_topk_mask_matches_sorting_with_ties_to_the_lower_position():
+    rng = np.random.default_rng(0)
+    scores = rng.integers(0, 5, size=(3, 2, 40)).astype(np.float32) / 4  # many ties
+    scores[0, 0, :5] = -1.0  # negative counts as 0
+    eligible = rng.random((3, 1, 40)) < 0.7
+    n_elig = eligible.sum(-1)  # [3, 1]
+    k = np.minimum(rng.integers(0, 30, size=(3, 1)), n_elig)
+    got = np.asarray(sel.topk_mask(jnp.asarray(scores), jnp.asarray(k, jnp.int32), jnp.asarray(eligible)))
+    want = _np_topk_mask(scores, np.broadcast_to(k, (3, 2)), np.broadcast_to(eligible, scores.shape))
+    np.testing.assert_array_equal(got, want)
+    assert (got.sum(-1) == np.broadcast_to(k, (3, 2))).all()
+
+
+def test_coverage_drop_count_is_the_light_tail_below_tau():
+    rng = np.random.default_rng(1)
+    scores = rng.random((4, 30)).astype(np.float32) ** 4
+    eligible = np.arange(30)[None] < np.array([30, 20, 5, 0])[:, None]
+    for tau in (0.0, 0.05, 0.3):
+        got = np.asarray(sel.coverage_drop_count(jnp.asarray(scores), jnp.asarray(eligible), tau))
+        for b in range(4):
+            s = np.sort(scores[b, eligible[b]].astype(np.float64))
+            p = s / s.sum() if s.size else s
+            assert got[b] == int(np.sum(np.cumsum(p) < tau)), (b, tau)
+    assert np.asarray(sel.coverage_drop_count(jnp.asarray(scores), jnp.asarray(eligible), 0.0)).max() == 0
+
+
+def test_group_probs_pool_to_pooled_probs_and_group_sum():
+    ks = jax.random.split(jax.random.key(0), 2)
+    B, T, Hq, Hkv, D, N = 2, 3, 6, 2, 8, 10
+    q = jax.random.normal(ks[0], (B, T, Hq, D))
+    k = jax.random.normal(ks[1], (B, Hkv, N, D))
+    pos = jnp.array([[4, 5, 6], [7, 8, 9]])
+    gp = sel.group_probs(q, k, pos)
+    assert gp.shape == (B, Hkv, Hq // Hkv, T, N)
+    np.testing.assert_allclose(gp.sum(-1), 1.0, rtol=1e-5)
+    assert float(jnp.abs(jnp.where(jnp.arange(N)[None, None, None, None] > pos[:, None, None, :, None], gp, 0)).max()) == 0
+    np.testing.assert_allclose(sel.pooled_probs(q, k, pos), gp.sum(axis=2), rtol=1e-6)
+    per_head = gp.reshape(B, Hq, T, N)
+    np.testing.assert_allclose(sel.group_sum(per_head, Hkv), gp.sum(axis=2), rtol=1e-6)
+    with pytest.raises(ValueError, match="do not split into 4"):
+        sel.group_sum(per_head, 4)
+
+
+def test_keys_to_keep_token_count_or_fraction():
+    assert sel.keys_to_keep(1000, 0.1, 128) == 128
+    assert sel.keys_to_keep(1000, 0.5, 128) == 500
+    assert sel.keys_to_keep(1000, 0.1, 128, tokens=300) == 300
+    assert sel.keys_to_keep(200, 0.1, 128, tokens=300) == 200
+    n = jnp.array([1, 100, 1000])
+    np.testing.assert_array_equal(sel.keys_to_keep(n, 0.5, 10, tokens=64), [1, 64, 64])
+    np.testing.assert_array_equal(sel.keys_to_keep(n, 0.5, 10), [1, 50, 500])
+
+
+def test_check_layers_and_positive_int():
+    assert sel.check_layers("x", [3, 1, np.int64(2)], 4) == (1, 2, 3)
+    for bad in ([1, 1], [4], [-1]):
+        with pytest.raises(ValueError, match=r"expected distinct layers in \[0, 4\)"):
+            sel.check_layers("sparse_layers", bad, 4)
+    with pytest.raises(ValueError, match="expected a sequence of layer indices"):
+        sel.check_layers("sparse_layers", "12", 4)
+    assert sel.check_positive_int("n", np.int32(3)) == 3 and type(sel.check_positive_int("n", np.int32(3))) is int
+    for bad in (0, True, 1.5, "2"):
+        with pytest.raises(ValueError, match="expected an integer >= 1"):
+            sel.check_positive_int("n", bad)
+
+
+def test_budget_split_counts_sum_to_the_budget_and_favour_the_first_components():
+    fr = (1 / 16, 3 / 8, 5 / 16, 1 / 4)
+    cum = budget_split.cumulative_fixed(fr)
+    assert cum[-1] == budget_split.FIX
+    for kb in range(0, 200):
+        counts = budget_split.split_counts(kb, cum)
+        assert sum(counts) == kb and min(counts) >= 0
+    assert budget_split.split_counts(1, cum)[0] == 1  # one block: the sink
+    widths = budget_split.max_counts(40, cum)
+    kb = np.arange(1, 41)
+    assert widths == tuple(int(c.max()) for c in budget_split.split_counts(kb, cum))
+    assert budget_split.drop_components(fr, ("a", "b", "c", "d"), ("c",)) == pytest.approx((1 / 11, 6 / 11, 0, 4 / 11))
+    with pytest.raises(ValueError, match="leave nothing"):
+        budget_split.drop_components((0, 0, 1, 0), "abcd", ("c",))
+    with pytest.raises(ValueError, match="sum to 0.9"):
+        budget_split.check_fractions((0.5, 0.4), ("x_fraction", "y_fraction"))
+
+
+def test_block_budget_attended_fraction_counts_whole_blocks():
+    bb = budget_split.BlockBudget(budget=0.25, min_tokens=8, block_size=4, fractions=(0.5, 0.5))
+    for p in range(0, 60):
+        n = p + 1
+        k = min(max(int(np.ceil(0.25 * n)), 8), n)
+        kb = -(-k // 4)
+        own = p % 4 + 1  # keys of the own, partial, block
+        assert bb.attended_fraction(p) == pytest.approx(min((kb - 1) * 4 + own, n) / n)
+        kb_arr, nbv, counts = bb.row(jnp.int32(p))
+        assert int(kb_arr) == kb and int(nbv) == p // 4 + 1 and sum(int(c) for c in counts) == kb
+    nb, Kb, widths = bb.widths(64)
+    assert (nb, Kb) == (16, 4) and len(widths) == 2
+    tok = budget_split.BlockBudget(budget=0.25, min_tokens=8, block_size=4, fractions=(1.0,), tokens=6)
+    assert tok.widths(64)[1] == 2
+
+
+def test_heat_update_decay_and_pool_against_numpy():
+    rng = np.random.default_rng(2)
+    h = rng.random((2, 3, 10)).astype(np.float32)
+    idx = np.array([[[0, 4, 9, -1]] * 3] * 2, np.int32)
+    vals = rng.random((2, 3, 4)).astype(np.float32)
+    want = 0.5 * h.copy()
+    for b in range(2):
+        for hh in range(3):
+            for j in range(3):
+                want[b, hh, idx[b, hh, j]] += vals[b, hh, j]
+    np.testing.assert_allclose(heat.heat_update(jnp.asarray(h), jnp.asarray(idx), jnp.asarray(vals), 0.5), want,
+                               rtol=1e-6)
+    stacked = jnp.asarray(rng.random((4, 2, 3)).astype(np.float32))
+    d = np.asarray(heat.decay_heat(stacked, 2, 0.5))
+    np.testing.assert_allclose(d[:2], stacked[:2])
+    np.testing.assert_allclose(d[2:], 0.5 * np.asarray(stacked[2:]))
+    x = jnp.arange(10, dtype=jnp.float32)[None]
+    np.testing.assert_allclose(heat.pool_blocks(x, 4, 5), [[6, 22, 17, 0, 0]])
+    with pytest.raises(ValueError, match="need 3 blocks of 4, more than the 2"):
+        heat.pool_blocks(x, 4, 2)
+
+
+def test_scan_rows_runs_rows_in_order_on_one_layer():
+    stack = jnp.zeros((3, 2, 5))
+    xs = jnp.arange(2 * 4, dtype=jnp.float32).reshape(2, 4)  # [B, T]
+
+    def step(h, x_t):  # h: [B, 5]; each row adds x_t to block 0 and returns the running total seen
+        h = h.at[:, 0].add(x_t)
+        return h, h[:, 0]
+
+    out, new = heat.scan_rows(stack, jnp.int32(1), step, xs)
+    np.testing.assert_allclose(out, np.cumsum(np.asarray(xs), axis=1))
+    np.testing.assert_allclose(new[1, :, 0], np.asarray(xs).sum(1))
+    assert float(jnp.abs(new[0]).max()) == 0 and float(jnp.abs(new[2]).max()) == 0
+    out, none = heat.scan_rows(None, jnp.int32(0), lambda h, x: (h, 2 * x), xs)
+    assert none is None
+    np.testing.assert_allclose(out, 2 * np.asarray(xs))
+
+
+def test_capacities_and_the_bucket_switch():
+    assert compression.capacities(1000, 4) == (256, 512, 768, 1000)
+    assert compression.capacities(300, 8) == (128, 256, 300)
+    assert compression.capacities(300, 1) == (300,)
+    caps = compression.capacities(1000, 4)
+    pick = jax.jit(lambda largest, none: compression.attend_at_capacity(
+        largest, caps, lambda c: jnp.float32(c), lambda: jnp.float32(-1), none))
+    for largest, want in ((1, 256), (256, 256), (257, 512), (999, 1000), (1000, 1000)):
+        assert float(pick(jnp.int32(largest), jnp.bool_(False))) == want
+    assert float(pick(jnp.int32(10), jnp.bool_(True))) == -1
+
+
+def test_map_sparsity_and_kept_summary():
+    kept = np.array([[10, 4], [5, 4]])
+    lengths = np.array([10, 4])
+    np.testing.assert_allclose(compression.causal_map_sparsity(kept, lengths[None]),
+                               [[0, 0], [1 - 30 / 110, 0]])
+    s = compression.kept_summary(kept, lengths)
+    np.testing.assert_allclose(s["kept_fraction"], [1.0, 0.75])
+    np.testing.assert_allclose(s["attention_map_sparsity"], [0, (1 - 30 / 110) / 2])
+
+
+def test_retrieval_layout_and_top_heads():
+    cfg = types.SimpleNamespace(num_layers=3, num_heads=4, num_kv_heads=2)
+    lay = retrieval_heads.retrieval_layout(cfg, [(1, 3), (1, 0), (2, 2)])
+    np.testing.assert_array_equal(lay.has_retrieval, [False, True, True])
+    np.testing.assert_array_equal(lay.kv_heads[1], [0, 1])
+    np.testing.assert_array_equal(lay.head_mask[1], [[True, False], [False, True]])
+    np.testing.assert_array_equal(lay.head_mask[2, 0], [True, False])
+    assert lay.kv_heads[2, 0] == 1
+    with pytest.raises(ValueError, match=r"head=4\): expected layer in \[0, 3\) and head in \[0, 4\)"):
+        retrieval_heads.retrieval_layout(cfg, [(0, 4)])
+    scores = np.array([[0, 5, 1, 1], [2, 0, 0, 5], [0, 0, 0, 0]], float)
+    assert retrieval_heads.top_heads(scores, 3) == [(0, 1), (1, 3), (1, 0)]
+    assert retrieval_heads.default_num_heads(cfg) == 1
+
+
+def test_stacked_cache_of_a_bare_view_is_a_stack_of_one():
+    k = jnp.ones((2, 3, 8, 4))
+    k_all, v_all, layer = stacked_cache(LayerKV(k=k, v=2 * k))
+    assert k_all.shape == (1, 2, 3, 8, 4) and int(layer) == 0 and float(v_all[0, 0, 0, 0, 0]) == 2.0
+
+
+def test_prefill_heat_of_a_prompt_shorter_than_the_window():
+    """A right-padded batch whose short row has fewer tokens than the heat window: that row's heat comes from its
+    own rows only (it was NaN: the rows before its start see no key), the long row's is unchanged."""
+    B, T, Hq, Hkv, D, W = 2, 24, 4, 2, 8, 8
+    ks = jax.random.split(jax.random.key(3), 2)
+    q = jax.random.normal(ks[0], (B, T, Hq, D))
+    k = jax.random.normal(ks[1], (B, T, Hkv, D))
+    lengths = jnp.array([T, 5])
+    h = np.asarray(heat.prefill_heat(q, k, lengths, W, 0.5, 4, 8))
+    assert np.isfinite(h).all()
+    qn, kn = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    for b in range(B):
+        n = int(lengths[b])
+        want = np.zeros((Hkv, 8))
+        for r in range(max(n - W, 0), n):
+            for hq in range(Hq):
+                s = kn[b, : r + 1, hq // 2] @ qn[b, r, hq] / np.sqrt(D)
+                p = np.exp(s - s.max())
+                p /= p.sum()
+                for t in range(r + 1):
+                    want[hq // 2, t // 4] += 0.5 ** (n - 1 - r) * p[t] / 2
+        np.testing.assert_allclose(h[b], want, rtol=1e-5, atol=1e-6)
