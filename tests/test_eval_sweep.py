@@ -63,7 +63,7 @@ def test_generation_of_ragged_batch_equals_one_prompt_at_a_time(model, test_task
 
 
 def test_sweep_resumes_where_it_stopped(model, corpus, test_task, tmp_path, monkeypatch):
-    monkeypatch.setattr(jsparse, "load", lambda spec, dtype=None: model)
+    monkeypatch.setattr(jsparse, "load", lambda spec, dtype=None, **kw: model)
     out = tmp_path / "run"
     argv = ["eval", "--model", "tiny", "--methods", "dense,oracle", "--tasks", f"{TASK},ppl", "--lengths", "64",
             "--budgets", "0.25,0.5", "--budget-tokens", "16", "--method-option", "oracle.min_tokens=4",
