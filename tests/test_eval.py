@@ -249,7 +249,7 @@ def _parser():
 
 
 def test_eval_command_writes_records_and_summary(model, corpus, tmp_path, monkeypatch):
-    monkeypatch.setattr(jsparse, "load", lambda spec, dtype=None: model)
+    monkeypatch.setattr(jsparse, "load", lambda spec, dtype=None, **kwargs: model)
     SEEN_ARTIFACTS.clear()
     out = tmp_path / "run"
     from models.generate import generate_tokens
