@@ -67,17 +67,18 @@ def parity():
     return types.SimpleNamespace(logits=_our_logits, compare=_compare)
 
 
-# The slowest files, slowest first (CPU seconds on a 2-core machine, rounded; the rest follow in collection order).
-# With `--dist loadfile --no-loadscope-reorder` (scripts/test.sh) the workers take files in this order, so the
-# long files start first and the two workers finish together; xdist's own order (most tests first) started the
-# slowest files (test_readme, test_bundled: a few long tests each) last, leaving one worker idle at the end.
+# The slowest files, slowest first (from `--durations` of a whole run on a 2-core machine; the rest follow in
+# collection order). With `--dist loadfile --no-loadscope-reorder` (scripts/test.sh) the workers take files in this
+# order, so the long files start first and the two workers finish together; xdist's own order (most tests first)
+# started the slowest files (test_readme, test_bundled, test_sharding: a few long tests each) last.
 SLOW_FILES_FIRST = (
-    "test_readme.py", "test_bundled.py", "test_evosparse_select_kernel.py", "test_sts.py", "test_tsa.py",
-    "test_sharding.py", "test_eval_continuation.py", "test_local_attention.py", "test_evosparse.py",
-    "test_block_scores.py", "test_kascade_anchor.py", "test_generate.py", "test_anchor_mgpu.py", "test_tasks.py",
-    "test_eval.py", "test_logit_mse.py", "test_train.py", "test_anchor_attention.py", "test_cli.py",
-    "test_api_edges.py", "test_butler.py", "test_tsa_scoring.py", "test_sparse_attention.py",
-    "test_evosparse_branchless.py", "test_stacked_decode.py", "test_eval_sts.py",
+    "test_readme.py", "test_sts.py", "test_bundled.py", "test_sharding.py", "test_tsa.py",
+    "test_evosparse_select_kernel.py", "test_eval_continuation.py", "test_tasks.py", "test_train.py",
+    "test_anchor_mgpu.py", "test_generate.py", "test_local_attention.py", "test_evosparse.py", "test_eval.py",
+    "test_speculative.py", "test_block_scores.py", "test_kascade_anchor.py", "test_cli.py", "test_eval_sts.py",
+    "test_tokenizer.py", "test_logit_mse.py", "test_anchor_attention.py", "test_butler.py", "test_parity_hf.py",
+    "test_api_edges.py", "test_tsa_scoring.py", "test_sparse_attention.py", "test_evosparse_branchless.py",
+    "test_stacked_decode.py",
 )
 
 
