@@ -50,8 +50,7 @@ def load(spec: str = "smollm2", dtype: str | None = None, mesh: Any = None) -> L
         raise ValueError(f"dtype={dtype!r}: expected one of {sorted(_DTYPES)}")
     if isinstance(mesh, str):
         mesh = sharding.make_mesh(mesh)  # a bad spec fails before the model loads
-    model = load_model(spec, dtype=_DTYPES[dtype])
-    return model if mesh is None else on_mesh(model, mesh)
+    return load_model(spec, dtype=_DTYPES[dtype], mesh=mesh)
 
 
 def on_mesh(model: LoadedModel, mesh: Any) -> LoadedModel:

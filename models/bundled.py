@@ -171,7 +171,7 @@ def _save_params(target: Path, cfg: ModelConfig, params: Params, dtype) -> None:
             os.remove(tmp)
 
 
-def _load_params(target: Path, dtype) -> tuple[ModelConfig, Params]:
+def _load_params(target: Path, dtype, mesh=None) -> tuple[ModelConfig, Params]:
     from safetensors import safe_open
 
     with safe_open(str(target), framework="numpy") as f:
@@ -183,21 +183,22 @@ def _load_params(target: Path, dtype) -> tuple[ModelConfig, Params]:
         arrays = {k: f.get_tensor(k) for k in f.keys()}
     if jnp.dtype(dtype) == jnp.bfloat16:
         arrays = {k: v.view(jnp.bfloat16) for k, v in arrays.items()}
-    return cfg, params_from_numpy(cfg, arrays, dtype, where=str(target))
+    return cfg, params_from_numpy(cfg, arrays, dtype, where=str(target), mesh=mesh)
 
 
-def load_gguf_cached(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, Params, bool]:
-    """`load_gguf` through the disk cache. Returns (cfg, params, hit) where hit says the cache was used."""
+def load_gguf_cached(path: str | os.PathLike, dtype=jnp.float32, mesh=None) -> tuple[ModelConfig, Params, bool]:
+    """`load_gguf` through the disk cache. Returns (cfg, params, hit) where hit says the cache was used. With `mesh`
+    the params are placed on it from the host (`models.sharding.placer`)."""
     path = Path(path)
     target = params_cache_path(path, dtype)
     if target.is_file():
         try:
-            cfg, params = _load_params(target, dtype)
+            cfg, params = _load_params(target, dtype, mesh)
             return cfg, params, True
         except Exception as e:  # a truncated or foreign file: rebuild it
             warnings.warn(f"rebuilding unreadable cache entry {target}: {type(e).__name__}: {e}")
             target.unlink(missing_ok=True)
-    cfg, params = load_gguf(path, dtype)
+    cfg, params = load_gguf(path, dtype, mesh)
     try:
         _save_params(target, cfg, params, dtype)
     except OSError as e:
@@ -237,7 +238,7 @@ def _gguf_tokenizer(path: Path):
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def load_model(spec: str | os.PathLike, dtype=jnp.float32) -> LoadedModel:
+def load_model(spec: str | os.PathLike, dtype=jnp.float32, mesh=None) -> LoadedModel:
     """Loads "smollm2", a Hugging Face folder or a .gguf file (see `resolve_model`).
 
     `SPEC:layers=0-9` (ranges and single layers, comma-separated, e.g. `layers=0-5,29`) keeps only those layers
@@ -246,23 +247,25 @@ def load_model(spec: str | os.PathLike, dtype=jnp.float32) -> LoadedModel:
     Args:
       spec: the model to load.
       dtype: dtype of the params (jnp.float32 or jnp.bfloat16).
+      mesh: None (one device) or a `jax.sharding.Mesh`: each tensor goes from the host to its shards
+        (`models.sharding`), no device holding a full copy of a sharded tensor; the model records the mesh.
     """
     m = re.fullmatch(r"(.+):layers=([0-9,\- ]+)", os.fspath(spec))
     if m is not None:
-        model = load_model(m.group(1), dtype)
+        model = load_model(m.group(1), dtype, mesh)
         return keep_layers(model, parse_layers(m.group(2), model.cfg.num_layers))
     resolved = resolve_model(spec)
     if resolved.kind == "gguf":
-        cfg, params, _ = load_gguf_cached(resolved.path, dtype)
+        cfg, params, _ = load_gguf_cached(resolved.path, dtype, mesh)
         tokenizer = _gguf_tokenizer(resolved.path)
     else:
-        cfg, params = load_hf_folder(resolved.path, dtype)
+        cfg, params = load_hf_folder(resolved.path, dtype, mesh)
         tokenizer = None
         if any((resolved.path / f).is_file() for f in _TOKENIZER_FILES):
             from models.tokenizer import transformers_module
 
             tokenizer = transformers_module().AutoTokenizer.from_pretrained(str(resolved.path))
-    return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, name=resolved.name)
+    return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, name=resolved.name, mesh=mesh)
 
 
 def parse_layers(text: str, num_layers: int) -> list[int]:

@@ -179,7 +179,8 @@ class DictSource(TensorSource):
 
 
 def convert_tensors(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32, *, where: str = "checkpoint",
-                    transform: Callable[[str, np.ndarray], np.ndarray] | None = None) -> Params:
+                    transform: Callable[[str, np.ndarray], np.ndarray] | None = None,
+                    place: Callable[[str, np.ndarray], jax.Array] | None = None) -> Params:
     """Converts Hugging Face-named tensors into `Params` for `cfg`.
 
     Args:
@@ -247,14 +248,16 @@ def convert_tensors(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32, *
         elif field not in top:
             raise ValueError(f"{where}: tensor {template!r} is missing")
 
-    def put(x):
-        return None if x is None else jnp.asarray(x, dtype)
+    def put(name, x):
+        if x is None:
+            return None
+        return jnp.asarray(x, dtype) if place is None else place(name, np.asarray(x).astype(np_dtype, copy=False))
 
     layer_fields = {f.name for f in dataclasses.fields(LayerParams)}
-    layers = LayerParams(**{f: put(np.stack([per_layer[f][i] for i in range(cfg.num_layers)]))
+    layers = LayerParams(**{f: put(f"layers.{f}", np.stack([per_layer[f][i] for i in range(cfg.num_layers)]))
                             if f in per_layer else None for f in layer_fields})
-    params = Params(embed=put(top["embed"]), layers=layers, final_norm=put(top["final_norm"]),
-                    lm_head=put(top.get("lm_head")))
+    params = Params(embed=put("embed", top["embed"]), layers=layers, final_norm=put("final_norm", top["final_norm"]),
+                    lm_head=put("lm_head", top.get("lm_head")))
     check_shapes(cfg, params, where)
     return params
 
@@ -344,12 +347,14 @@ def _weight_files(folder: Path) -> dict[str, Path]:
                             f"{str(index)!r}{hint}")
 
 
-def load_hf_folder(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
+def load_hf_folder(path: str | os.PathLike, dtype=jnp.float32, mesh=None) -> tuple[ModelConfig, Params]:
     """Loads a Hugging Face checkpoint folder (config.json + safetensors weights).
 
     Args:
       path: folder holding config.json and model.safetensors or model.safetensors.index.json with its shards.
       dtype: dtype of the returned params (jnp.float32 or jnp.bfloat16).
+      mesh: None, or a `jax.sharding.Mesh`: each tensor goes from the host straight to its shards
+        (`models.sharding.placer`), no device holding a full copy of a sharded tensor.
 
     Returns:
       (cfg, params) with params in the layout of `models.params`.
@@ -372,7 +377,14 @@ def load_hf_folder(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelCon
             raise ConfigError(f"{config_path}: not valid JSON ({e})") from e
     cfg = ModelConfig.from_hf(hf)
     source = SafetensorsSource(_weight_files(folder))
-    return cfg, convert_tensors(cfg, source, dtype, where=str(folder))
+    return cfg, convert_tensors(cfg, source, dtype, where=str(folder), place=_placer(cfg, mesh))
+
+
+def _placer(cfg: ModelConfig, mesh):
+    if mesh is None:
+        return None
+    from models.sharding import placer
+    return placer(cfg, mesh)
 
 
 def _torch_to_numpy(t) -> np.ndarray:
@@ -406,10 +418,19 @@ def params_to_numpy(params: Params) -> dict[str, np.ndarray]:
 
 
 def params_from_numpy(cfg: ModelConfig, arrays: Mapping[str, np.ndarray], dtype=jnp.float32,
-                      where: str = "arrays") -> Params:
-    """Inverse of `params_to_numpy`; checks every shape against `cfg`."""
+                      where: str = "arrays", mesh=None) -> Params:
+    """Inverse of `params_to_numpy`; checks every shape against `cfg`. With `mesh`, each array goes from the host
+    to its shards (`models.sharding.placer`)."""
     layer_fields = [f.name for f in dataclasses.fields(LayerParams)]
-    get = lambda k: None if k not in arrays else jnp.asarray(arrays[k], dtype)  # noqa: E731
+    place = _placer(cfg, mesh)
+    np_dtype = jnp.dtype(dtype)
+
+    def get(k):
+        if k not in arrays:
+            return None
+        if place is None:
+            return jnp.asarray(arrays[k], dtype)
+        return place(k, np.asarray(arrays[k]).astype(np_dtype, copy=False))
     params = Params(embed=get("embed"), layers=LayerParams(**{f: get(f"layers.{f}") for f in layer_fields}),
                     final_norm=get("final_norm"), lm_head=get("lm_head"))
     check_shapes(cfg, params, where)

@@ -221,12 +221,13 @@ def _with_llama3_rope(cfg: ModelConfig, reader, tensor, path) -> ModelConfig:
     return candidate
 
 
-def load_gguf(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
+def load_gguf(path: str | os.PathLike, dtype=jnp.float32, mesh=None) -> tuple[ModelConfig, Params]:
     """Loads and dequantizes a GGUF file.
 
     Args:
       path: a .gguf file (llama / qwen2 / qwen3 architectures; any quantization `gguf` can dequantize).
       dtype: dtype of the returned params.
+      mesh: None, or a `jax.sharding.Mesh` to place each tensor on from the host (`models.sharding.placer`).
 
     Returns:
       (cfg, params) with params in the layout of `models.params` (Q/K rows restored to Hugging Face order).
@@ -253,4 +254,8 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, 
             if ".self_attn.k_proj." in name:
                 return unpermute_qk(w, cfg.num_kv_heads)
             return w
-    return cfg, convert_tensors(cfg, source, dtype, where=str(path), transform=transform)
+    place = None
+    if mesh is not None:
+        from models.sharding import placer
+        place = placer(cfg, mesh)
+    return cfg, convert_tensors(cfg, source, dtype, where=str(path), transform=transform, place=place)

@@ -21,8 +21,8 @@ hold whole KV heads and their whole GQA groups. Contiguous blocks of heads go to
 KV heads [i*Hkv/m, (i+1)*Hkv/m) and exactly their query heads [i*Hq/m, (i+1)*Hq/m) (GQA group g = h // (Hq/Hkv)).
 Any other axis that does not divide its mesh axis (a vocabulary of 49152 on 5 devices) is replicated instead.
 
-How a forward runs sharded (`models.generate.sharded_prefill_step` / `sharded_decode_step` / `generate_tokens`
-under `use_mesh`): the jitted computation takes params, cache and tokens placed here (`NamedSharding`), and XLA's
+How a forward runs sharded (`models.generate.sharded_prefill_step` / `sharded_decode_step` /
+`sharded_generate_tokens`): the jitted computation takes params, cache and tokens placed here (`NamedSharding`), and XLA's
 SPMD partitioner splits every jnp op by the operands' shardings: q/k/v projections are local per head block,
 the output projection `wo` and `w_down` end in a psum over `model` (the only collectives of a dense layer), the
 embedding gather and the vocab-sharded logits gather over `model`. Inside the layer the model pins q, k, v and
@@ -30,24 +30,33 @@ the cache to their head shardings (`constrain`), so the attention method sees th
 kernels (Pallas calls, which XLA cannot partition) run per shard under `jax.shard_map`
 (`pallas_kernels.sharding.per_shard`): each device attends over its own batch rows and KV heads.
 
-Cross-head steps of the methods, and the collective each needs (in each case GSPMD inserts it from the ops
-the method already writes: nothing in the methods is mesh-aware, and the results equal the one-device ones,
-which tests/test_sharding.py checks on 2x4 and 1x8 meshes):
+Kernels per shard (`pallas_kernels.sharding.per_shard`, active whenever a mesh of more than one device is set):
+dense prefill/decode (`pallas_kernels.dense`, `dense_decode`), gathered sparse decode and tile-gathered prefill
+(`sparse_attention`), Kascade's anchor layers (`anchor_attention`), EvoSparse's block ops (`block_scores`: retrieval
+block max, block selection, gathered decode with mass / heat), TSA's scoring and local fill (`tsa_scoring`,
+`local_attention`). The glue between them (top-k, index arithmetic, compression gathers, the heat update) is
+partitioned by XLA; one known cost: XLA all-gathers EvoSparse's heat f32[L, B, Hkv, nb] once per decode step (at
+128K, batch 8, Llama-3.1-8B: 67 MB) where a `where` over it meets a replicated operand.
 
-  GQA pooling (Kascade, oracle, quest, h2o, EvoSparse, TSA "kv_head")  none: a KV head's query group lives on
-      the device that holds the KV head (contiguous head blocks, above).
+Cross-head steps of the methods, and the collective each needs (the results equal the one-device ones, which
+tests/sharding_check.py checks on 2x4 and 1x8 meshes for every method):
+
+  GQA pooling (Kascade, oracle, quest, h2o, EvoSparse heat, TSA "kv_head")  none: a KV head's query group lives
+      on the device that holds the KV head (contiguous head blocks, above).
   Kascade head map (reuse layer head h reads the anchor's row of head head_map[l, h], any KV head)   an
-      all-gather of the anchor's indices i32[B, Hkv, T, K] over `model` (the `jnp.take` over the head axis;
-      small: K indices per head, not keys).
-  TSA's shared count per row (every head of a row keeps the same number of tokens: a max/quantile over heads)
-      an all-reduce over `model` of i32/f32[B, H] per layer (the reduction over the head axis).
-  EvoSparse retrieval set (the top-k of the retrieval heads' scores handed to later layers' heads)   an
-      all-gather of the retrieval indices over `model` (a take over heads), small as Kascade's.
+      all-gather over `model` of the anchor's indices i32[B, Hkv, T, K] (the `jnp.take` over the head axis that
+      `sparse_decode` applies outside its per-shard kernel; K indices per head, not keys). TSA+Kascade's
+      translated anchor maps likewise.
+  TSA's shared count per row (every head of a row keeps the same number of tokens, from the scores summed over
+      heads)   an all-reduce (sum) over `model` of f32[B, T] per sparse layer (XLA's, from the head-axis sum).
+  EvoSparse retrieval set (one per row, from the retrieval heads' block max, handed to every head)   a `pmax`
+      over `model` of f32[B, T, nb] inside `block_scores.block_max_scores` (each device maxes over the retrieval
+      heads it holds); the set itself is then replicated over `model`.
   TokenButler predictor (layer-0 hidden states -> every layer's and head's logits)   none for its input (the
-      hidden state is replicated over `model`); its head outputs are sliced to the local heads by the
-      partitioner (the predictor's params are replicated: ~1% of the model).
-  STS (draft attention -> target heads through a head map)   an all-gather over `model` of the draft's top-k
-      rows (a take over the draft's heads), as Kascade's head map.
+      hidden state is replicated over `model`); its params (~1% of the model) are replicated and XLA partitions
+      its head outputs to the heads' devices.
+  STS (draft attention -> target heads through a head map)   not run sharded: speculative decoding runs on one
+      device (`jsparse.generate` refuses a draft on a mesh).
 """
 
 from __future__ import annotations
@@ -223,6 +232,23 @@ def shard_params(cfg: ModelConfig, params: Params, mesh: Mesh) -> Params:
     """Places params on the mesh. Host (numpy) leaves are copied shard by shard: each device receives only its
     slice, and no device holds a full copy of a sharded tensor."""
     return jax.device_put(params, param_shardings(cfg, mesh, params))
+
+
+def placer(cfg: ModelConfig, mesh: Mesh):
+    """`place(name, host_array) -> jax.Array` for the checkpoint loaders: "embed", "layers.wq", ... (the names of
+    `models.convert.params_to_numpy`) placed by `param_shardings` with `jax.make_array_from_callback`: each device
+    receives its slice of the host array only (no device holds a full copy of a sharded tensor), and on several
+    hosts (`jax.distributed.initialize`) each process fills only the devices it owns."""
+    check_heads(cfg, mesh)
+    named = {".".join(str(getattr(k, "name", k)) for k in path): sh
+             for path, sh in jax.tree_util.tree_leaves_with_path(param_shardings(cfg, mesh))}
+
+    def place(name: str, array) -> Array:
+        if name not in named:
+            raise ShardingError(f"no sharding for tensor {name!r}: expected one of {sorted(named)}")
+        array = np.asarray(array)
+        return jax.make_array_from_callback(array.shape, named[name], lambda index: array[index])
+    return place
 
 
 def cache_shardings(cache: KVCache, mesh: Mesh) -> KVCache:

@@ -37,7 +37,7 @@ def test_every_method_on_2x4_and_1x8_meshes_equals_one_device():
         for mesh in ("data=2,model=4", "model=8"):
             if mesh == "data=2,model=4" or name not in ("oracle", "streaming", "quest", "h2o"):
                 assert (name, "forward", mesh) in got, (name, mesh, rows)
-    assert ("dense", "steps", "data=2,model=4") in got and ("dense", "generated", "model=8") in got
+    assert ("dense", "steps", "data=2,model=4") in got and ("dense", "generated", "data=2,model=4") in got
 
 
 def test_parse_mesh_and_errors():
@@ -122,3 +122,75 @@ def test_cli_mesh_errors_name_the_device_count(capsys):
     assert "data=2 x model=4 = 8 devices, but 1 are available" in capsys.readouterr().err
     assert main(["generate", "--prompt", "hi", "--mesh", "model=four"]) == 2
     assert "model='four', expected a positive integer" in capsys.readouterr().err
+
+
+def test_triton_kernels_lower_per_shard_for_cuda_on_a_2x4_mesh():
+    """On an abstract 2x4 mesh of H100s, the Pallas GPU kernels lower for CUDA inside a shard_map (a manual
+    computation holding the Triton call: XLA never sees a custom call it would have to replicate), and the
+    retrieval block max carries its pmax over `model`."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas import triton as plgpu
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+    from pallas_kernels.anchor_attention.api import anchor_decode
+    from pallas_kernels.block_scores.api import block_max_scores
+    from pallas_kernels.dense_decode.api import dense_decode_stacked
+    from pallas_kernels.sparse_attention.api import sparse_decode
+    from tests.lowering import H100
+
+    device = AbstractDevice(device_kind=H100[0], num_cores=H100[1], platform="gpu")
+    mesh = AbstractMesh((2, 4), ("data", "model"), (AxisType.Auto,) * 2, abstract_device=device)
+    B, Hq, Hkv, N, D, K, L = 2, 16, 8, 256, 128, 32, 3
+    sds = jax.ShapeDtypeStruct
+    args = (sds((B, 1, Hq, D), jnp.bfloat16), sds((L, B, Hkv, N, D), jnp.bfloat16),
+            sds((L, B, Hkv, N, D), jnp.bfloat16), sds((), jnp.int32), sds((B, Hkv, 1, K), jnp.int32),
+            sds((B,), jnp.int32))
+
+    def retrieval(q, k, v, layer, idx, lengths):
+        pos = lengths[:, None] - 1
+        return block_max_scores(q, k, layer, jnp.array([1, 6], jnp.int32), jnp.ones((2, Hq // Hkv), bool), pos,
+                                jnp.zeros_like(pos), pos // 16 + 1, block_size=16, implementation="pallas_gpu")
+
+    ops = {
+        "sparse_decode": lambda q, k, v, layer, idx, n: sparse_decode(q, k, v, idx, n, layer=layer,
+                                                                      implementation="pallas_gpu"),
+        "dense_decode_stacked": lambda q, k, v, layer, idx, n: dense_decode_stacked(q, k, v, layer, n,
+                                                                                    implementation="pallas_gpu"),
+        "anchor_decode": lambda q, k, v, layer, idx, n: anchor_decode(q, k, v, n, budget=0.1, min_tokens=16,
+                                                                      layer=layer, implementation="pallas_gpu"),
+        "block_max_scores": retrieval,
+    }
+    check = [jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)]
+    with use_abstract_mesh(mesh):
+        for name, fn in ops.items():
+            text = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=check)(*args).mlir_module()
+            manual = text[text.index("sdy.manual_computation"):] if "sdy.manual_computation" in text else ""
+            assert plgpu.CUSTOM_CALL_TARGET_NAME in manual or "triton" in manual, name
+            if name == "block_max_scores":
+                assert "all_reduce" in manual, name
+
+
+def test_evosparse_select_kernel_lowers_per_shard_for_cuda():
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas import triton as plgpu
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+    from pallas_kernels.block_scores.api import select_blocks
+    from tests.lowering import H100
+
+    device = AbstractDevice(device_kind=H100[0], num_cores=H100[1], platform="gpu")
+    mesh = AbstractMesh((2, 4), ("data", "model"), (AxisType.Auto,) * 2, abstract_device=device)
+    B, Hkv, nb, L = 2, 8, 256, 3
+    sds = jax.ShapeDtypeStruct
+    args = (sds((L, B, Hkv, nb), jnp.float32), sds((B,), jnp.int32), sds((B,), jnp.int32), sds((B,), jnp.bool_),
+            sds((), jnp.int32))
+
+    def f(heat, n_s, hi, full, layer):
+        return select_blocks(heat, None, n_s, hi, hi + 2, n_s + 4, full, num_kv_heads=Hkv, nb=nb, width=16,
+                             heat_width=8, layer=layer, implementation="pallas_gpu")
+    check = [jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)]
+    with use_abstract_mesh(mesh):
+        text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=check)(*args).mlir_module()
+    assert "triton" in text[text.index("sdy.manual_computation"):]

@@ -389,3 +389,16 @@ def test_two_device_checkpoint_resumes_on_one_device(tmp_path, uninterrupted, mo
     got, want = flatten_params(resumed.params), flatten_params(full.params)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_fsdp_dims_split_the_frozen_model_over_data(model_params):
+    """FSDP at rest: each frozen-model param splits its last dim that the device count divides (-1: replicated)."""
+    from train.loop import fsdp_dims, fsdp_spec
+
+    dims = fsdp_dims(model_params, 2)
+    for x, d in zip(jax.tree.leaves(model_params), jax.tree.leaves(dims)):
+        fits = [i for i, n in enumerate(x.shape) if n % 2 == 0]
+        assert d == (fits[-1] if fits else -1), (x.shape, d)
+    assert dims.layers.wq == model_params.layers.wq.ndim - 1
+    assert fsdp_spec(dims.layers.wq) == jax.sharding.PartitionSpec(None, None, None, "data")
+    assert all(d == -1 for d in jax.tree.leaves(fsdp_dims(model_params, 1)))

@@ -1,7 +1,8 @@
 """Training TokenButler's predictor against a frozen model's attention logits.
 
 One step, data-parallel over the devices present (a 1-D mesh with axis 'data'; `shard_map` gives every device its
-slice of the batch, gradients are averaged with `pmean`, parameters and optimizer state are replicated):
+slice of the batch, gradients are averaged with `pmean`, the predictor's parameters and optimizer state are
+replicated; the frozen model's params are FSDP-sharded over 'data' at rest and all-gathered for each step):
 
   1. the frozen model runs over the batch with `QKRecorder` as its attention method: dense causal attention that
      records every layer's queries and keys (after RoPE) and layer 0's normed input h0;
@@ -218,11 +219,28 @@ def data_mesh(devices=None) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(np.asarray(devices), ("data",))
 
 
+def fsdp_dims(model_params, n: int):
+    """Per frozen-model param, the dim split over the n devices of 'data' (FSDP at rest): the last dim whose size
+    n divides, or -1 (replicated: a vector too small, or n == 1). Same tree as the params (hashable: a static
+    argument of `make_train_step`)."""
+    def dim(x):
+        fits = [i for i, size in enumerate(x.shape) if n > 1 and size % n == 0 and size >= n]
+        return fits[-1] if fits else -1
+    return jax.tree_util.tree_map(dim, model_params)
+
+
+def fsdp_spec(d: int) -> P:
+    return P() if d < 0 else P(*([None] * d + ["data"]))
+
+
 @functools.lru_cache(maxsize=8)
-def make_train_step(mesh, cfg: ModelConfig, pcfg: PredictorConfig, tc: TrainConfig):
+def make_train_step(mesh, cfg: ModelConfig, pcfg: PredictorConfig, tc: TrainConfig, mdims=None):
     """jit(shard_map(step)): (pparams, opt_state, model_params, tokens i32[B, T]) -> (pparams, opt_state, loss,
-    grad_norm); tokens sharded over 'data', everything else replicated. Cached, so that runs of one process with
-    the same settings (a resume, tests) reuse the compiled step."""
+    grad_norm); tokens sharded over 'data', the predictor and its optimizer state replicated. The frozen model's
+    params are replicated (mdims None) or FSDP-sharded at rest: mdims (`fsdp_dims`, the params' tree) names the
+    dim of each param split over 'data' (-1: replicated), and the step all-gathers them before the forward (each
+    device holds 1/n of the frozen model between steps; the gathered copy lives for the step only). Cached, so that runs of one process with the same
+    settings (a resume, tests) reuse the compiled step."""
     tx = make_optimizer(tc)
 
     def loss_fn(pparams, h0, q, k):
@@ -233,15 +251,22 @@ def make_train_step(mesh, cfg: ModelConfig, pcfg: PredictorConfig, tc: TrainConf
                              interpret=tc.interpret)  # f32[b, L' * Hq]
         return jnp.mean(per_head)
 
+    def gather(mparams):
+        if mdims is None:
+            return mparams
+        return jax.tree_util.tree_map(
+            lambda x, d: x if d < 0 else jax.lax.all_gather(x, "data", axis=d, tiled=True), mparams, mdims)
+
     def local_step(pparams, opt_state, mparams, tokens):
-        h0, q, k = record_qk(mparams, cfg, tokens)
+        h0, q, k = record_qk(gather(mparams), cfg, tokens)
         loss, grads = jax.value_and_grad(loss_fn)(pparams, h0, q, k)
         grads = jax.lax.pmean(grads, "data")
         loss = jax.lax.pmean(loss, "data")
         updates, opt_state = tx.update(grads, opt_state, pparams)
         return optax.apply_updates(pparams, updates), opt_state, loss, optax.tree.norm(grads)
 
-    step = jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(), P(), P("data")),
+    mspec = P() if mdims is None else jax.tree_util.tree_map(fsdp_spec, mdims)
+    step = jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(), mspec, P("data")),
                          out_specs=(P(), P(), P(), P()), check_vma=False)
     return jax.jit(step)
 
@@ -342,7 +367,7 @@ def _rewrite_log(path: str, upto: int) -> None:
 
 def train(cfg: ModelConfig, model_params, *, fingerprint: str, chunks: np.ndarray, out_dir: str, tc: TrainConfig,
           pcfg: PredictorConfig, model_name: str = "", on_step: Callable[[int, float], None] | None = None,
-          progress: bool = True, max_seconds: float | None = None, devices=None) -> TrainResult:
+          progress: bool = True, max_seconds: float | None = None, devices=None, fsdp: bool = True) -> TrainResult:
     """Trains (or resumes training) the predictor and writes checkpoints, the loss log and the final artifact.
 
     Args:
@@ -353,6 +378,8 @@ def train(cfg: ModelConfig, model_params, *, fingerprint: str, chunks: np.ndarra
         raises ends the run like a crash (a KeyboardInterrupt saves a checkpoint of that step first).
       max_seconds: stop after this much wall time (saving a checkpoint and the artifact), None for no limit.
       devices: the devices of the data-parallel mesh (default: all).
+      fsdp: on more than one device, keep the frozen model's params sharded over 'data' between steps (each
+        device holds 1/n; gathered for each step's forward), else replicated. Same results either way.
     Returns:
       TrainResult.
     """
@@ -372,7 +399,9 @@ def train(cfg: ModelConfig, model_params, *, fingerprint: str, chunks: np.ndarra
     tx = make_optimizer(tc)
     pparams = jax.device_put(init_params(pcfg, jax.random.key(tc.seed)), replicated)
     opt_state = jax.device_put(tx.init(pparams), replicated)
-    mparams = jax.device_put(model_params, replicated)
+    mdims = fsdp_dims(model_params, mesh.size) if fsdp and mesh.size > 1 else None
+    mparams = jax.device_put(model_params, replicated if mdims is None else jax.tree_util.tree_map(
+        lambda d: NamedSharding(mesh, fsdp_spec(d)), mdims))
     mngr = _manager(out_dir, tc)
     log_path = os.path.join(out_dir, LOSS_LOG)
     start = 0
@@ -387,7 +416,7 @@ def train(cfg: ModelConfig, model_params, *, fingerprint: str, chunks: np.ndarra
         return {**expected, "step": step, "data_position": stream.position(step), "seed": tc.seed,
                 "num_chunks": stream.num_chunks, "model_name": model_name}
 
-    step_fn = make_train_step(mesh, cfg, pcfg, tc)
+    step_fn = make_train_step(mesh, cfg, pcfg, tc, mdims)
     schedule = make_schedule(tc)
     tokens_per_step = tc.batch_size * tc.seq_len
     losses: list = []

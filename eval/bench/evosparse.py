@@ -85,30 +85,8 @@ from pallas_kernels.sparse_attention.reference import decode_indices_to_mask, ma
 
 BUDGET_S = 215.0  # no new attention case after this many seconds
 E2E_BUDGET_S = 190.0  # no new decode-step case after this many seconds
-BUDGET_TOKENS, BLOCK = 2048, 16
 CONTEXT_E2E = 100_000
-CFG8B = preset("llama3-8b")
-
-
-def layer_kinds(cfg, heads) -> dict[int, int]:
-    """How many sparse layers (>= 2) hold retrieval heads in R distinct KV heads: {R: layers} (R = 0: inherit)."""
-    G = cfg.num_heads // cfg.num_kv_heads
-    kv = {}
-    for l, h in heads:
-        kv.setdefault(l, set()).add(h // G)
-    counts = {}
-    for l in range(2, cfg.num_layers):
-        R = len(kv.get(l, ()))
-        counts[R] = counts.get(R, 0) + 1
-    return counts
-
-
-def model_heads(cfg, seed: int = 0) -> list[tuple[int, int]]:
-    """1.5% of the heads, drawn at random in layers >= 2 (random weights have no real retrieval heads)."""
-    rng = np.random.default_rng(seed)
-    n = default_num_heads(cfg)
-    flat = rng.choice((cfg.num_layers - 2) * cfg.num_heads, size=n, replace=False)
-    return sorted((2 + int(i) // cfg.num_heads, int(i) % cfg.num_heads) for i in flat)
+from eval.bench.evo_layout import BLOCK, BUDGET_TOKENS, CFG8B, attention_floors, layer_kinds, model_heads  # noqa: E402,F401
 
 
 def layer_cfg():
@@ -162,19 +140,6 @@ def dense_layers(q, k, v, lengths, *, iters, impl):
         return out.astype(jnp.float32) * 0.5
 
     return jax.lax.fori_loop(0, iters, body, jnp.zeros(q.shape, jnp.float32)).sum()
-
-
-def attention_floors(B, N, hbm_gbs, R: int):
-    cfg = CFG8B
-    Hkv, D = cfg.num_kv_heads, cfg.head_dim
-    dense = 2 * B * Hkv * N * D * 2
-    sel = BUDGET_TOKENS  # selected tokens per KV head
-    nb = N // BLOCK
-    sparse = 2 * B * Hkv * sel * D * 2 + 3 * B * Hkv * nb * 4  # K, V of the selection; heat read twice, written
-    ret = sparse + B * R * N * D * 2
-    ms = lambda b: b / (hbm_gbs * 1e9) * 1e3  # noqa: E731
-    return dict(dense_bytes=dense, sparse_bytes=sparse, retrieval_bytes=ret, dense_floor_ms=ms(dense),
-                sparse_floor_ms=ms(sparse), retrieval_floor_ms=ms(ret))
 
 
 @functools.partial(jax.jit, static_argnames=("iters", "part"))

@@ -1,11 +1,24 @@
-"""Dense end-to-end benchmark of the model substrate: prefill time and decode tokens/s beside the roofline.
+"""End-to-end benchmark of the model with every method: prefill time and decode tokens/s beside the floors.
 
-Random weights of a real model shape (default Llama-3.1-8B), bf16, dense attention (cuDNN on GPU). For each
-context and batch: prefill of the whole context (time, TFLOP/s) and decode steps with a cache holding the
-context (tokens/s), beside the roofline: prefill FLOPs over the measured matmul rate, decode bytes per step
-(weights + KV read) over the measured HBM bandwidth.
+Random weights of a real model shape (default Llama-3.1-8B), bf16. For each method, context and batch: prefill
+of the whole context (time, TFLOP/s) and decode steps with a cache holding the context (tokens/s), beside the
+floors: prefill FLOPs over the measured matmul rate; decode bytes per step (every weight once + the K/V and the
+selection state the method must read) over the measured HBM bandwidth.
 
     python -m eval.bench.model --shape llama3-8b --context 8192,32768 --batch 1,8 --out bench.json
+    python -m eval.bench.model --methods dense,kascade,evosparse,quest,streaming,oracle,h2o,butler \
+        --context 32768,100000 --batch 1,4 --out bench_methods.json
+
+The decode loop is the library's own decode (`models.llama.decode` in a jitted `fori_loop`, the cache and the
+method's state carried and donated), as `jsparse generate` runs it. Methods whose calibration means nothing on
+random weights get synthetic state of the right shape (the JSON's `state` field says which): Kascade 5 anchors
+evenly spread (layer 0 first) with the identity head map; EvoSparse 1.5% of the heads as retrieval heads drawn
+at random (as eval/bench/evosparse.py); TokenButler a randomly initialised predictor of the model's preset size.
+`tsa+kascade` decodes exactly as `kascade` (TSA is a prefill method), so it is not timed twice.
+
+Each row carries `speedup` (dense step time / the method's, dense measured in the same run),
+`floor_speedup` (dense bytes per step / the method's bytes per step, weights included) and their ratio
+`floor_fraction`, the issue's "share of its own bytes-floor speedup".
 """
 
 from __future__ import annotations
@@ -60,7 +73,8 @@ def decode_steps(params, method, tok, cache, *, cfg, steps):
 def prefill_only(params, method, tokens, *, cfg):
     B, T = tokens.shape
     cache = init_cache(cfg, B, T, params.embed.dtype)
-    logits, cache, _ = llama.prefill(params, cfg, method, tokens, jnp.full((B,), T, jnp.int32), cache, None)
+    state = method.init_state(cfg, B, T)
+    logits, cache, _ = llama.prefill(params, cfg, method, tokens, jnp.full((B,), T, jnp.int32), cache, state)
     return logits
 
 
@@ -69,6 +83,179 @@ def filled_cache(cfg, batch, context, capacity, dtype):
     tile = jax.random.normal(jax.random.key(3), (cfg.num_layers, batch, cfg.num_kv_heads, 256, cfg.head_dim), dtype)
     k = jnp.tile(tile, (1, 1, 1, capacity // 256, 1))
     return KVCache(k=k, v=k * 0.5, lengths=jnp.full((batch,), context, jnp.int32))
+
+
+# -------------------------------------------------------------------------------------------- the methods
+
+METHODS = ("dense", "kascade", "evosparse", "quest", "streaming", "oracle", "h2o", "butler")
+KASCADE_ANCHORS = 5
+
+
+def bench_method(name: str, cfg, budget: float):
+    """(method, how its state was made) for the benchmark at model shape `cfg`."""
+    if name == "dense":
+        return make_method("dense"), "none"
+    if name == "kascade":
+        from jsparse.methods.kascade import Kascade
+        anchors = sorted({round(i * cfg.num_layers / KASCADE_ANCHORS) for i in range(KASCADE_ANCHORS)})
+        return (Kascade.from_anchors(cfg, anchors, budget=budget),
+                f"synthetic: anchors {anchors}, identity head map (calibration on random weights means nothing)")
+    if name == "evosparse":
+        from eval.bench import evo_layout as be
+        from jsparse.methods.evosparse import EvoSparse
+        heads = be.model_heads(cfg)
+        return (EvoSparse.from_heads(cfg, heads, budget_tokens=be.BUDGET_TOKENS, block_size=be.BLOCK),
+                f"synthetic: {len(heads)} retrieval heads drawn at random (seed 0), budget {be.BUDGET_TOKENS} tokens "
+                f"in blocks of {be.BLOCK}")
+    if name == "butler":
+        from jsparse.methods.butler import Butler
+        from jsparse.methods.butler_predictor import init_params
+        from train.predictor import preset_config
+        pcfg = preset_config(cfg)
+        return (Butler.from_params(cfg, pcfg, init_params(pcfg, jax.random.key(7)), budget=budget),
+                "synthetic: a randomly initialised predictor of the preset size (training on random weights means "
+                "nothing)")
+    if name in ("quest", "streaming", "oracle", "h2o"):
+        return make_method(name, budget=budget), "none (no calibration)"
+    raise ValueError(f"unknown method {name!r} for the model benchmark: expected some of {list(METHODS)}")
+
+
+def attention_bytes(name: str, method, cfg, batch: int, n: int) -> int:
+    """Bytes one decode step's attention must read over all layers at context n: K/V rows (bf16) and the
+    selection state the method reads (and writes) per step."""
+    from jsparse import selection as sel
+    U = batch * cfg.num_kv_heads * cfg.head_dim * 2  # one token position of K (or V), all rows and KV heads
+    L = cfg.num_layers
+    dense_layer = 2 * n * U
+    if name == "dense":
+        return L * dense_layer
+    if name == "evosparse":
+        from eval.bench import evo_layout as be
+        heads = be.model_heads(cfg)
+        kinds = be.layer_kinds(cfg, heads)
+        fl = {R: be.attention_floors(batch, n, 1.0, R, cfg) for R in kinds}
+        return 2 * dense_layer + sum(c * fl[R]["retrieval_bytes"] for R, c in kinds.items())
+    k = sel.budget_tokens(getattr(method, "budget", 1.0), n, getattr(method, "min_tokens", 128))
+    picked = 2 * k * U
+    if name == "kascade":
+        anchors = KASCADE_ANCHORS - 1  # layer 0 is the dense anchor
+        return dense_layer + anchors * (n * U + picked) + (L - 1 - anchors) * picked
+    if name == "oracle":  # exact scores over K, then the picked rows
+        d = method.dense_layers
+        return d * dense_layer + (L - d) * (n * U + picked)
+    if name == "streaming":
+        return L * picked
+    if name == "quest":  # per-page min and max of K (bf16, as a Quest cache keeps them) + the picked pages
+        d = method.dense_layers
+        pages = -(-n // method.page_size)
+        return d * dense_layer + (L - d) * (2 * pages * U + picked)
+    if name == "h2o":  # the accumulated score row (f32, read and written) + the picked rows
+        return L * (picked + 2 * batch * cfg.num_kv_heads * n * 4)
+    if name == "butler":  # the predicted keys of every predicted layer (f32) + the picked rows
+        c = method.pcfg
+        d = method.dense_layers
+        keys = (L - 1) * batch * c.key_heads * n * c.head_dim * 4
+        return d * dense_layer + (L - d) * picked + keys
+    raise ValueError(f"no byte model for method {name!r}")
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "steps"), donate_argnames=("cache", "state"))
+def method_decode_steps(params, method, tok, cache, state, *, cfg, steps):
+    """`steps` greedy decode steps of `models.llama.decode` (the library's step), carrying the method's state."""
+    def body(_, carry):
+        tok, cache, state = carry
+        logits, cache, state = llama.decode(params, cfg, method, tok, cache, state)
+        return jnp.argmax(logits, -1).astype(jnp.int32), cache, state
+    return jax.lax.fori_loop(0, steps, body, (tok, cache, state))
+
+
+def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, prefill_contexts=(),
+                mm: float = 0.0) -> list[dict]:
+    """Decode rows (and prefill rows at `prefill_contexts`, batch 1) of every method; dense first."""
+    import time
+
+    rows = []
+    weights = decode_bytes(cfg, params, 1, 0)
+    built = {m: bench_method(m, cfg, budget) for m in methods}
+    for context in contexts:
+        for batch in batches:
+            dense_ms = None
+            for name in methods:
+                method, how = built[name]
+                row = dict(phase="decode", method=name, context=context, batch=batch, state=how)
+                cache = state = None
+                try:
+                    capacity = round_up(context + 2 * steps + 1, 256)
+                    cache = filled_cache(cfg, batch, context, capacity, params.embed.dtype)
+                    state = method.init_state(cfg, batch, capacity)
+                    tok = jnp.zeros((batch, 1), jnp.int32)
+                    tok, cache, state = method_decode_steps(params, method, tok, cache, state, cfg=cfg, steps=steps)
+                    jax.block_until_ready(tok)  # compiled and warm
+                    cache = KVCache(k=cache.k, v=cache.v, lengths=jnp.full((batch,), context, jnp.int32))
+                    t0 = time.perf_counter()
+                    tok, cache, state = method_decode_steps(params, method, tok, cache, state, cfg=cfg, steps=steps)
+                    jax.block_until_ready(tok)
+                    ms = (time.perf_counter() - t0) * 1e3 / steps
+                    n = context + steps // 2
+                    nbytes = weights + attention_bytes(name, method, cfg, batch, n)
+                    dense_bytes = weights + attention_bytes("dense", None, cfg, batch, n)
+                    row.update(step_ms=ms, tokens_per_s=batch / (ms * 1e-3), bytes=nbytes,
+                               floor_ms=nbytes / (hbm * 1e9) * 1e3, floor_speedup=dense_bytes / nbytes)
+                    if name == "dense":
+                        dense_ms = ms
+                    if dense_ms is not None:
+                        row["speedup"] = dense_ms / ms
+                        row["floor_fraction"] = row["speedup"] / row["floor_speedup"]
+                except Exception as e:  # noqa: BLE001 - out of memory and the like: record and go on
+                    row["error"] = str(e).splitlines()[0][:300]
+                del cache, state
+                rows.append(row)
+                print(row, flush=True)
+    for context in prefill_contexts:
+        dense_ms = None
+        for name in methods:
+            method, how = built[name]
+            row = dict(phase="prefill", method=name, context=context, batch=1, state=how)
+            try:
+                tokens = jax.random.randint(jax.random.key(1), (1, context), 0, cfg.vocab_size)
+                ms = bm.time_ms(lambda t: prefill_only(params, method, t, cfg=cfg), tokens, warmup=1, iters=2)
+                row.update(prefill_ms=ms, prefill_tokens_per_s=context / (ms * 1e-3),
+                           flop_floor_ms=prefill_flops(cfg, 1, context) / (mm * 1e12) * 1e3)
+                if name == "dense":
+                    dense_ms = ms
+                if dense_ms is not None:
+                    row["speedup"] = dense_ms / ms
+            except Exception as e:  # noqa: BLE001
+                row["error"] = str(e).splitlines()[0][:300]
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def run_methods(shape: str, methods, contexts, batches, steps: int, out: str | None, budget: float,
+                prefill_contexts=()):
+    cfg = preset(shape)
+    facts = bm.device_facts()
+    hbm = bm.measure_hbm_gbs()
+    params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
+    if methods[0] != "dense":
+        methods = ("dense",) + tuple(m for m in methods if m != "dense")  # the baseline of the same run, first
+    methods = tuple(m for m in methods if m != "tsa+kascade")  # decodes as kascade
+    mm = bm.measure_matmul_tflops() if prefill_contexts else 0.0
+    rows = method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, prefill_contexts, mm)
+    payload = {**facts, "benchmark": "model_methods", "xla_flags": os.environ.get("XLA_FLAGS", ""), "shape": shape,
+               "dtype": "bfloat16", "weights": "random", "budget": budget,
+               "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), "measured_hbm_gbs": hbm,
+               "param_bytes": param_bytes(params), "decode_steps_timed": steps, "measured_matmul_tflops": mm or None,
+               "rows": rows}
+    if out:
+        bm.write_json(out, payload)
+    print(bm.table([r for r in rows if r["phase"] == "decode"],
+                   ["method", "context", "batch", "step_ms", "tokens_per_s", "speedup", "floor_speedup",
+                    "floor_fraction"]))
+    if prefill_contexts:
+        print(bm.table([r for r in rows if r["phase"] == "prefill"], ["method", "context", "prefill_ms", "speedup"]))
+    return payload
 
 
 def run(shape: str, contexts, batches, steps: int = 16, out: str | None = None):
@@ -129,13 +316,30 @@ def main(argv=None, prog=None):
     p.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per case")
     p.add_argument("--out", default=None, help="JSON file to write")
+    p.add_argument("--methods", default="dense",
+                   help=f"comma-separated methods (some of {','.join(METHODS)},tsa+kascade); anything beside dense "
+                        "runs the per-method comparison (dense first, in the same run)")
+    p.add_argument("--budget", type=float, default=0.1, help="kept fraction of the context for the budgeted methods "
+                   "(default 0.1; EvoSparse keeps its 2048-token budget)")
+    p.add_argument("--prefill-context", default="",
+                   help="with --methods: comma-separated contexts at which to time each method's prefill (batch 1)")
     p.add_argument("--xla-flags", default=" ".join(GPU_XLA_FLAGS),
                    help="XLA_FLAGS for this run, set before the backend starts (default: jsparse.xla_flags.GPU_XLA_FLAGS, "
                         "cuBLAS GEMMs reading the stacked weights in place; see eval/results/h100/bench_decode_step.json)")
     a = p.parse_args(argv)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # 100K x batch 4: 53 GB of cache + 16 GB weights
     if a.xla_flags:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + a.xla_flags).strip()
-    run(a.shape, [int(x) for x in a.context.split(",")], [int(x) for x in a.batch.split(",")], a.steps, a.out)
+    contexts, batches = [int(x) for x in a.context.split(",")], [int(x) for x in a.batch.split(",")]
+    methods = tuple(m.strip() for m in a.methods.split(",") if m.strip())
+    unknown = sorted(set(methods) - set(METHODS) - {"tsa+kascade"})
+    if unknown:
+        p.error(f"--methods: unknown {unknown}; expected some of {list(METHODS) + ['tsa+kascade']}")
+    if methods == ("dense",):
+        run(a.shape, contexts, batches, a.steps, a.out)
+    else:
+        pre = [int(x) for x in a.prefill_context.split(",") if x.strip()]
+        run_methods(a.shape, methods, contexts, batches, a.steps, a.out, a.budget, pre)
 
 
 if __name__ == "__main__":

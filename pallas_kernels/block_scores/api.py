@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels.block_scores import reference, xla
+from pallas_kernels.sharding import MODEL, active_mesh, dims, per_shard
 
 Array = jax.Array
 
@@ -33,7 +34,27 @@ def _pick(implementation: str | None, q: Array, block_size: int) -> str:
 def block_max_scores(q: Array, k_all: Array, layer: Array, kv_heads: Array, head_mask: Array, positions: Array,
                      lo: Array, hi: Array, *, block_size: int, scale: float | None = None,
                      implementation: str | None = None) -> Array:
-    """Retrieval block max, f32[B, T, N // block_size] (semantics: `reference.block_max_scores_reference`)."""
+    """Retrieval block max, f32[B, T, N // block_size] (semantics: `reference.block_max_scores_reference`).
+
+    Under a mesh (`pallas_kernels.sharding`): per shard, each device takes the max over the retrieval heads it
+    holds (the others masked out), then a `pmax` over `model` of the f32[B, T, nb] result (the cross-head step:
+    the retrieval set is one per row, shared by every head)."""
+    if active_mesh() is not None:
+        def local(q, k_all, layer, kv_heads, head_mask, positions, lo, hi):
+            mesh = jax.sharding.get_abstract_mesh()
+            if MODEL not in mesh.axis_names:
+                return block_max_scores(q, k_all, layer, kv_heads, head_mask, positions, lo, hi,
+                                        block_size=block_size, scale=scale, implementation=implementation)
+            h = k_all.shape[2]  # local KV heads; this device holds heads [i * h, (i + 1) * h)
+            mine = kv_heads.astype(jax.numpy.int32) - jax.lax.axis_index(MODEL) * h
+            held = (mine >= 0) & (mine < h)
+            out = block_max_scores(q, k_all, layer, jax.numpy.clip(mine, 0, h - 1), head_mask & held[:, None],
+                                   positions, lo, hi, block_size=block_size, scale=scale,
+                                   implementation=implementation)
+            return jax.lax.pmax(out, MODEL)
+        rows = dims(2, 0)
+        return per_shard(local, [q, k_all, layer, kv_heads, head_mask, positions, lo, hi],
+                         [dims(4, 0, 2), dims(5, 1, 2), (), (None,), (None, None), rows, rows, rows], dims(3, 0))
     impl = _pick(implementation, q, block_size)
     args = (q, k_all, layer, kv_heads, head_mask, positions, lo, hi)
     if impl == "pallas_gpu":
@@ -49,7 +70,14 @@ def sparse_decode_mass(q: Array, k_all: Array, v_all: Array, layer: Array, indic
                        config=None):
     """Gathered decode over layer `layer` of a stacked cache and each index entry's softmax mass:
     (out [B, T, Hq, D], mass f32[B, Hkv, T, K]) (semantics: `reference.sparse_decode_mass_reference`).
-    config: the Pallas GPU kernel's `sparse_attention.gpu.DecodeConfig` (None: its default)."""
+    config: the Pallas GPU kernel's `sparse_attention.gpu.DecodeConfig` (None: its default). Under a mesh, per
+    shard (rows over data, heads over model)."""
+    if active_mesh() is not None:
+        kv = dims(5, 1, 2)
+        return per_shard(lambda q, k, v, layer, indices, lengths: sparse_decode_mass(
+            q, k, v, layer, indices, lengths, block_size=block_size, scale=scale, implementation=implementation,
+            config=config), [q, k_all, v_all, layer, indices, lengths],
+            [dims(4, 0, 2), kv, kv, (), dims(4, 0, 1), dims(1, 0)], (dims(4, 0, 2), dims(4, 0, 1)))
     impl = _pick(implementation, q, block_size)
     args = (q, k_all, v_all, layer, indices, lengths)
     if impl == "pallas_gpu":
@@ -69,7 +97,19 @@ def sparse_decode_heat(q: Array, k_all: Array, v_all: Array, layer: Array, indic
     mass added into the stacked heat's row `heat_layer` (None: `layer`): (out [B, 1, Hq, D], heat f32[Lh, B,
     Hkv, nb]) (semantics: `reference.sparse_decode_heat_reference`; on the GPU the heat is updated in place).
     The valid entries of each index row must be unique and ascending (then -1), as `select_blocks` writes them.
-    config: the Pallas GPU kernel's `sparse_attention.gpu.DecodeConfig` (None: its default)."""
+    config: the Pallas GPU kernel's `sparse_attention.gpu.DecodeConfig` (None: its default). Under a mesh, per
+    shard (rows over data, heads over model; the heat [Lh, B, Hkv, nb] with them)."""
+    if active_mesh() is not None:
+        kv = dims(5, 1, 2)
+        extra = [] if heat_layer is None else [heat_layer]
+
+        def local(q, k, v, layer, indices, lengths, heat, *rest):
+            return sparse_decode_heat(q, k, v, layer, indices, lengths, heat, rest[0] if rest else None,
+                                      block_size=block_size, scale=scale, implementation=implementation,
+                                      config=config)
+        return per_shard(local, [q, k_all, v_all, layer, indices, lengths, heat] + extra,
+                         [dims(4, 0, 2), kv, kv, (), dims(4, 0, 1), dims(1, 0), dims(4, 1, 2)] + [()] * len(extra),
+                         (dims(4, 0, 2), dims(4, 1, 2)))
     impl = _pick(implementation, q, block_size)
     args = (q, k_all, v_all, layer, indices, lengths, heat, heat_layer)
     if impl == "pallas_gpu":
@@ -89,7 +129,16 @@ def select_blocks(heat: Array | None, ret: Array | None, n_s: Array, hi: Array, 
     """EvoSparse's attended blocks of one decode row, i32[B, Hkv, width] (semantics: `xla.select_blocks_xla`,
     which is also the "reference"). implementation=None: the one-launch Triton kernel on a GPU when nb <= 32768,
     else XLA. With `layer` (i32[]), heat is the stacked heat f32[L, B, Hkv, nb] and row `layer` is read (in place
-    by the kernel)."""
+    by the kernel). Under a mesh, per shard (rows over data, KV heads over model; the retrieval set, one per row,
+    replicated over model)."""
+    if active_mesh() is not None:
+        out = _select_per_shard(
+            lambda heat, cand, ret, n_s, hi, nbv, count, full, layer, h: select_blocks(
+                heat, ret, n_s, hi, nbv, count, full, num_kv_heads=h, nb=nb, width=width, heat_width=heat_width,
+                layer=layer, implementation=implementation),
+            heat, None, ret, (n_s, hi, nbv, count, full), layer, num_kv_heads)
+        if out is not None:
+            return out
     from pallas_kernels.topk_select.gpu_row import ROW_LIMIT
     if implementation is None:
         implementation = "pallas_gpu" if jax.default_backend() == "gpu" and nb <= ROW_LIMIT else "xla"
@@ -109,7 +158,16 @@ def select_from_candidates(heat: Array, cand: Array, ret: Array | None, n_s: Arr
     """`select_blocks` given each row's heat candidates (`xla.heat_candidates`, computed once per decode step
     for every layer): i32[B, Hkv, width], the same blocks (semantics: `xla.select_from_candidates_xla`).
     implementation=None: the Triton kernel on a GPU when the candidates and the retrieval set are at most
-    `gpu.CAND_LIMIT` wide (it ranks them pairwise in registers), else XLA."""
+    `gpu.CAND_LIMIT` wide (it ranks them pairwise in registers), else XLA. Under a mesh, per shard (see
+    `select_blocks`)."""
+    if active_mesh() is not None:
+        out = _select_per_shard(
+            lambda heat, cand, ret, n_s, hi, nbv, count, full, layer, h: select_from_candidates(
+                heat, cand, ret, n_s, hi, nbv, count, full, num_kv_heads=h, width=width, heat_width=heat_width,
+                layer=layer, implementation=implementation),
+            heat, cand, ret, (n_s, hi, nbv, count, full), layer, num_kv_heads)
+        if out is not None:
+            return out
     if implementation is None:
         from pallas_kernels.block_scores.gpu import CAND_LIMIT
         small = cand.shape[-1] <= CAND_LIMIT and (ret is None or ret.shape[-1] <= CAND_LIMIT)
@@ -122,3 +180,23 @@ def select_from_candidates(heat: Array, cand: Array, ret: Array | None, n_s: Arr
         from pallas_kernels.block_scores import gpu
         return gpu.select_from_candidates_gpu(*args, **kw)
     return xla.select_from_candidates_xla(*args, **kw)
+
+
+def _select_per_shard(call, heat, cand, ret, rows, layer, num_kv_heads: int):
+    """call(heat, cand, ret, *rows, layer, local_num_kv_heads) per shard, or None when the KV heads do not divide
+    the model axis (the caller then runs unsplit). heat / cand: [B, Hkv, ...] or stacked [L, B, Hkv, ...] (with
+    `layer`); ret: [B, Wr] (replicated over model); rows: i32/bool[B] each."""
+    m = dict(active_mesh().shape).get(MODEL, 1)
+    if num_kv_heads % m:
+        return None
+    per_head = dims(4, 1, 2) if layer is not None else dims(3, 0, 1)
+    named = [("heat", heat, per_head), ("cand", cand, per_head), ("ret", ret, dims(2, 0)), ("layer", layer, ())]
+    present = [(k, a, t) for k, a, t in named if a is not None]
+    args = [a for _, a, _ in present] + list(rows)
+    templates = [t for _, _, t in present] + [dims(1, 0)] * len(rows)
+
+    def local(*xs):
+        got = dict(zip([k for k, _, _ in present], xs))
+        return call(got.get("heat"), got.get("cand"), got.get("ret"), *xs[len(present):], got.get("layer"),
+                    num_kv_heads // m)
+    return per_shard(local, args, templates, dims(3, 0, 1))

@@ -17,6 +17,7 @@ import operator
 import jax
 
 from pallas_kernels.local_attention import gpu, reference, tpu
+from pallas_kernels.sharding import active_mesh, dims, per_shard
 
 Array = jax.Array
 
@@ -73,6 +74,10 @@ def local_attention(q: Array, k: Array, v: Array, *, window: int, sinks: int = 0
     window = _check_count("window", window, 1)
     sinks = _check_count("sinks", sinks, 0)
     check_inputs(q, k, v)
+    if active_mesh() is not None:  # per shard (pallas_kernels.sharding): rows over data, heads over model
+        t = dims(4, 0, 2)
+        return per_shard(lambda q, k, v: local_attention(q, k, v, window=window, sinks=sinks, scale=scale,
+                                                         implementation=implementation), [q, k, v], [t, t, t], t)
     impl = implementation or default_implementation(window, sinks)
     if impl == "pallas_gpu":
         return gpu.local_attention_gpu(q, k, v, window=window, sinks=sinks, scale=scale)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 
+from pallas_kernels.sharding import active_mesh, dims, per_shard
 from pallas_kernels.tsa_scoring import common, gpu, reference, tpu
 
 Array = jax.Array
@@ -70,6 +71,15 @@ def tsa_scores(
     window = common.check_window(window)
     pool_kernel = common.check_pool_kernel(pool_kernel)
     common.check_inputs(q, k, lengths)
+    if active_mesh() is not None:  # per shard (pallas_kernels.sharding): rows over data, heads over model
+        t = dims(4, 0, 2)
+        if lengths is None:
+            return per_shard(lambda q, k: tsa_scores(q, k, window=window, pool_kernel=pool_kernel,
+                                                     implementation=implementation, scale=scale),
+                             [q, k], [t, t], dims(3, 0, 1))
+        return per_shard(lambda q, k, n: tsa_scores(q, k, window=window, pool_kernel=pool_kernel, lengths=n,
+                                                    implementation=implementation, scale=scale),
+                         [q, k, lengths], [t, t, dims(1, 0)], dims(3, 0, 1))
     impl = default_implementation() if implementation is None else implementation
     if impl == "xla":
         return reference.tsa_scores_reference(
