@@ -5,5 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
 export JAX_PLATFORMS=cpu
-# Two workers (JSPARSE_TEST_WORKERS), each taking whole test files so module fixtures are built once.
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 -n "${JSPARSE_TEST_WORKERS:-2}" --dist loadfile "$@"
+# Two workers (JSPARSE_TEST_WORKERS), each taking whole test files so module fixtures are built once, the slowest
+# files first (tests/conftest.py: SLOW_FILES_FIRST; --no-loadscope-reorder keeps that order).
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 -n "${JSPARSE_TEST_WORKERS:-2}" --dist loadfile \
+    --no-loadscope-reorder "$@"

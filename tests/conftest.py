@@ -1,13 +1,36 @@
-"""Shared fixtures: our logits for a converted model, and the logit comparison used by the parity tests."""
+"""Shared fixtures: our logits for a converted model, and the logit comparison used by the parity tests.
+
+Most of the suite compiles far more than it computes (interpret-mode kernels, tiny models, many shapes), so XLA's
+LLVM backend runs at -O0 there (`jax_disable_most_optimizations`: the HLO passes, fusion included, still run and
+the float operations are the same; only the machine code is less optimised): about half the CPU time of a
+kernel-heavy file (tests/test_local_attention.py 54 s -> 29 s, tests/test_generate.py 48 s -> 27 s). The files
+that run the bundled 135M model for real (XLA_OPTIMIZED_FILES) compute more than they compile and keep the
+optimised backend (the README's eval command: 118 s of CPU optimised, 150 s at -O0). JSPARSE_TEST_XLA_OPT=1
+optimises every file. The environment variable carries the setting into the subprocesses some tests start.
+"""
 
 from __future__ import annotations
 
+import os
 import types
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import pytest
+if os.environ.get("JSPARSE_TEST_XLA_OPT") != "1":
+    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
+import jax  # noqa: E402  (after the environment above)
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+XLA_OPTIMIZED_FILES = ("test_readme.py", "test_bundled.py", "test_cli.py", "test_api_edges.py")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _xla_backend_optimization(request):
+    """-O0 for the compile-bound files, the optimised backend for XLA_OPTIMIZED_FILES (read at each compile)."""
+    if os.environ.get("JSPARSE_TEST_XLA_OPT") != "1":
+        jax.config.update("jax_disable_most_optimizations", request.path.name not in XLA_OPTIMIZED_FILES)
+    yield
 
 
 def _our_logits(cfg, params, tokens, method_name: str = "dense") -> np.ndarray:
@@ -42,3 +65,23 @@ def _compare(ours: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
 def parity():
     """`parity.logits(cfg, params, tokens)` and `parity.compare(ours, ref) -> (max_abs_diff, kl)`."""
     return types.SimpleNamespace(logits=_our_logits, compare=_compare)
+
+
+# The slowest files, slowest first (from `--durations` of a whole run on a 2-core machine; the rest follow in
+# collection order). With `--dist loadfile --no-loadscope-reorder` (scripts/test.sh) the workers take files in this
+# order, so the long files start first and the two workers finish together; xdist's own order (most tests first)
+# started the slowest files (test_readme, test_bundled, test_sharding: a few long tests each) last.
+SLOW_FILES_FIRST = (
+    "test_readme.py", "test_sts.py", "test_bundled.py", "test_sharding.py", "test_tsa.py",
+    "test_evosparse_select_kernel.py", "test_eval_continuation.py", "test_tasks.py", "test_train.py",
+    "test_anchor_mgpu.py", "test_generate.py", "test_local_attention.py", "test_evosparse.py", "test_eval.py",
+    "test_speculative.py", "test_block_scores.py", "test_kascade_anchor.py", "test_cli.py", "test_eval_sts.py",
+    "test_tokenizer.py", "test_logit_mse.py", "test_anchor_attention.py", "test_butler.py", "test_parity_hf.py",
+    "test_api_edges.py", "test_tsa_scoring.py", "test_sparse_attention.py", "test_evosparse_branchless.py",
+    "test_stacked_decode.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order

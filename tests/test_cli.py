@@ -46,7 +46,8 @@ def test_generate_speculative_with_layer_skipped_draft_equals_dense(capsys):
 
 
 def test_bench_help_lists_every_benchmark_module(capsys):
-    """`jsparse bench --help` names every module of eval/bench (but the shared helper)."""
+    """`jsparse bench --help` names every benchmark module of eval/bench (one with a `main`; not the shared helpers,
+    common.py and evo_layout.py)."""
     import pathlib
 
     import eval.bench
@@ -55,7 +56,7 @@ def test_bench_help_lists_every_benchmark_module(capsys):
         main(["bench", "--help"])
     out = capsys.readouterr().out
     names = sorted(p.stem for p in pathlib.Path(eval.bench.__file__).parent.glob("*.py")
-                   if p.stem not in ("__init__", "common"))
+                   if p.stem != "__init__" and re.search(r"^def main\(", p.read_text(), re.M))
     assert len(names) >= 5 and "model" in names and "attention" in names
     for name in names:
         assert re.search(rf"^    {name}\b", out, re.M), name
@@ -78,3 +79,20 @@ def test_bench_record_schema_is_enforced(tmp_path):
         assert not (tmp_path / "bad.json").exists()
     finally:
         common.COMMAND = None
+
+
+def test_every_benchmark_takes_its_output_as_out(capsys, tmp_path):
+    """Every `jsparse bench NAME` takes `--out` (eval.bench.common.add_out_argument): the JSON file to write, or a
+    folder (existing, or ending in '/') to write the benchmark's default file name in."""
+    from eval.bench.common import out_path
+    from jsparse.cli import BENCHMARKS
+
+    for name in sorted(BENCHMARKS) + ["attention"]:
+        with pytest.raises(SystemExit) as exit_:
+            main(["bench", name, "--help"])
+        assert exit_.value.code == 0, name
+        assert "--out" in capsys.readouterr().out, f"jsparse bench {name} takes no --out"
+    assert out_path(str(tmp_path), "x.json") == str(tmp_path / "x.json")
+    assert out_path(str(tmp_path / "new") + "/", "x.json") == str(tmp_path / "new" / "x.json")
+    assert (tmp_path / "new").is_dir()
+    assert out_path(str(tmp_path / "f.json"), "x.json") == str(tmp_path / "f.json")

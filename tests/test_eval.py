@@ -249,12 +249,14 @@ def _parser():
 
 
 def test_eval_command_writes_records_and_summary(model, corpus, tmp_path, monkeypatch):
-    monkeypatch.setattr(jsparse, "load", lambda spec, dtype=None: model)
+    monkeypatch.setattr(jsparse, "load", lambda spec, dtype=None, **kwargs: model)
     SEEN_ARTIFACTS.clear()
     out = tmp_path / "run"
     from models.generate import generate_tokens
 
     jitted = (ppl.prefill_nll_state, ppl.decode_chunk_nll, generate_tokens)
+    for f in jitted:  # what earlier tests of this process compiled (other files share these functions) must not count
+        f.clear_cache()
     before = [f._cache_size() for f in jitted]
     argv = ["eval", "--model", "tiny", "--methods", "dense,eval_test_sparse", "--tasks", "passkey,ppl",
             "--lengths", "128,192", "--budget", "0.25", "--samples", "2", "--corpus", corpus, "--artifact",

@@ -139,7 +139,7 @@ def _parser():
 
 
 def test_eval_command_budget_tokens(model, corpus, tmp_path, monkeypatch):
-    monkeypatch.setattr(jsparse, "load", lambda spec, dtype=None: model)
+    monkeypatch.setattr(jsparse, "load", lambda spec, dtype=None, **kwargs: model)
     out = tmp_path / "run"
     args = _parser().parse_args(
         ["eval", "--model", "tiny", "--methods", "dense,oracle,sink-local", "--tasks", "ppl", "--lengths", "64",

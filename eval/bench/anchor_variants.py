@@ -1,6 +1,6 @@
 """GPU check and timing of the fused anchor variants (Kascade's anchor layers), against the in-place dense decode.
 
-  jsparse bench anchor_variants [--out DIR] [--quick]
+  jsparse bench anchor_variants [--out PATH] [--quick]
 
 1. Compiled checks (small shapes) of every variant against the jnp reference: anchor_decode_gpu with
    AnchorConfig.pool "xla" / "triton", diagonal_tile 0 / 32, sparse and dense anchors, one layer of a stacked
@@ -14,7 +14,7 @@
 3. Prefill timing at T 32768, B 1, tile 128: cuDNN causal attention, the lse and pooling passes per config,
    the sparse anchor and the dense anchor (cuDNN lse vs the lse pass).
 
-Writes $OUT/anchor_variants.json (device facts, checks, records) and prints a table last. About 1.5 minutes
+Writes the JSON named by --out (default ./anchor_variants.json) (device facts, checks, records) and prints a table last. About 1.5 minutes
 on an H100 (compiles dominate).
 """
 
@@ -252,7 +252,7 @@ def time_prefill(records, T):
 
 def main(argv=None, prog=None):
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=os.environ.get("OUT", "."), help="output folder (default $OUT)")
+    bm.add_out_argument(p, "anchor_variants.json")
     p.add_argument("--quick", action="store_true", help="N 32768 and T 8192 instead of 131072 and 32768")
     args = p.parse_args(argv)
     if jax.default_backend() != "gpu":
@@ -270,7 +270,7 @@ def main(argv=None, prog=None):
                    xla_flags=os.environ.get("XLA_FLAGS", ""), shape=dict(Hq=HQ, Hkv=HKV, D=D, dtype="bfloat16",
                                                                          budget=BUDGET),
                    checks=checks, records=records, wall_s=time.time() - t0)
-    path = os.path.join(args.out, "anchor_variants.json")
+    path = bm.out_path(args.out, "anchor_variants.json")
     bm.write_json(path, payload)
     failed = [c for c in checks if not c.get("ok")]
     print(f"\nwrote {path}; checks: {len(checks) - len(failed)}/{len(checks)} ok; {time.time() - t0:.0f} s")

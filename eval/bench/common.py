@@ -44,6 +44,20 @@ def command_line() -> str:
     return shlex.join(["python", *sys.argv])
 
 
+def add_out_argument(parser, name: str) -> None:
+    """`--out PATH`, the one way every benchmark takes its output: the JSON file to write, or a folder (an existing
+    one, or a path ending in '/') to write `name` in; default `name` in the current folder (`out_path` resolves it)."""
+    parser.add_argument("--out", default=name, metavar="PATH",
+                        help=f"JSON file to write, or a folder to write {name} in (default ./{name})")
+
+
+def out_path(out: str, name: str) -> str:
+    """The file `--out` names (see `add_out_argument`); its folder is created."""
+    path = os.path.join(out, name) if out.endswith(("/", os.sep)) or os.path.isdir(out) else out
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    return path
+
+
 def git_commit() -> str:
     if os.environ.get("GIT_COMMIT"):
         return os.environ["GIT_COMMIT"]

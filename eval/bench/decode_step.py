@@ -7,7 +7,7 @@ benchmark measures what reading it in place buys, end to end.
 Run on the GPU machine from the repository root (about 4-5 minutes on an H100; parts past the time budget are
 recorded as skipped):
 
-    GIT_COMMIT=$(git rev-parse HEAD) OUT=/some/dir python -m eval.bench.decode_step
+    GIT_COMMIT=$(git rev-parse HEAD) jsparse bench decode_step --out /some/dir/
 
 The command is an orchestrator that never touches the GPU itself; it runs, one after another, each in its own
 process (so that each sets its own XLA_FLAGS before the backend starts and gets the whole GPU):
@@ -39,7 +39,8 @@ process (so that each sets its own XLA_FLAGS before the backend starts and gets 
      =true` (XLA fuses the dynamic slice into the cuBLAS call's address computation), the same with command
      buffers off, and XLA's defaults (Triton GEMM fusions, which can fuse a dynamic slice of an operand).
 
-Writes `$OUT/bench_decode_step.json` (device, jax version, date, GIT_COMMIT, flags, every record) and prints
+Writes the JSON named by --out (default ./bench_decode_step.json; the HLO of the 32K batch-1 steps beside it;
+device, jax version, date, GIT_COMMIT, flags, every record) and prints
 tables last. Options: `--cases 32768:1,100000:4`, `--no-kernels`, `--no-variants`, `--budget-s 290`,
 `--steps 16`; `--smoke` runs a tiny model on any backend (plumbing check).
 """
@@ -80,7 +81,7 @@ def _run_child(role: str, flags: str, deadline: float, args, result_path: str, e
     env["XLA_FLAGS"] = flags
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # 100K x batch 4: 53 GB of cache + 16 GB weights
     cmd = [sys.executable, "-m", "eval.bench.decode_step", "--role", role, "--deadline", str(deadline),
-           "--result", result_path, "--steps", str(args.steps), *extra]
+           "--result", result_path, "--steps", str(args.steps), "--out", args.out, *extra]
     if args.smoke:
         cmd.append("--smoke")
     timeout = max(10.0, deadline - time.time() + 30.0)
@@ -134,8 +135,9 @@ def orchestrate(args) -> int:
                    kernel_checks=main.get("kernel_checks", []), kernel_records=main.get("kernel_records", []),
                    steps=main.get("steps", []), main_returncode=main.get("returncode"), variants=variants,
                    wall_s=time.time() - T0)
-    out_dir = os.environ.get("OUT", ".")
-    out = os.path.join(out_dir, "bench_decode_step.json")
+    from eval.bench.common import out_path
+
+    out = out_path(args.out, "bench_decode_step.json")
     write_json(out, payload)
 
     rows = list(payload["steps"])
@@ -432,9 +434,10 @@ def step_section(args, hbm: float, deadline: float, out: dict) -> None:
                 row["kv_stacked_copies"] = copies["kv_stacked"]
                 row["dynamic_slice_fusions"] = len(re.findall(r"dynamic_address_computation|dynamic_slice_fusion",
                                                               hlo))
-                if context == 32768 and batch == 1 and os.environ.get("OUT"):
+                if context == 32768 and batch == 1:  # the HLO beside the JSON
                     name = f"hlo_{args.variant_name or 'main'}_{path}.txt".replace("+", "_")
-                    with open(os.path.join(os.environ["OUT"], name), "w") as f:
+                    folder = os.path.dirname(out_path(args.out, "bench_decode_step.json"))
+                    with open(os.path.join(folder, name), "w") as f:
                         f.write(hlo)
                 tok, cache = compiled(params, method, tok, cache)  # warm run from the filled state
                 jax.block_until_ready(tok)
@@ -505,6 +508,8 @@ def child(args) -> int:
 
 
 def main(argv=None, prog=None) -> int:
+    from eval.bench.common import add_out_argument
+
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="llama3-8b", help="model shape preset")
     p.add_argument("--cases", default=DEFAULT_CASES, help="comma-separated context:batch cases, by priority")
@@ -521,6 +526,7 @@ def main(argv=None, prog=None) -> int:
     p.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--result", default="", help=argparse.SUPPRESS)
     p.add_argument("--variant-name", default="", help=argparse.SUPPRESS)
+    add_out_argument(p, "bench_decode_step.json")
     args = p.parse_args(argv)
     if args.smoke and args.cases == DEFAULT_CASES:
         args.cases = "1024:1,2048:2"

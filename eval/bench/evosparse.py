@@ -2,7 +2,7 @@
 
 Run on a GPU machine from the repository root:
 
-    GIT_COMMIT=$(git rev-parse HEAD) OUT=/some/dir python eval/bench/evosparse.py
+    GIT_COMMIT=$(git rev-parse HEAD) jsparse bench evosparse --out /some/dir/
 
 What it does (about 3.5 minutes on an H100; cases are skipped once a time budget is spent: the 100K attention
 cases run first, after the decode step (while the GPU memory is empty), then the other contexts):
@@ -48,8 +48,8 @@ an EvoSparse sparse layer reads the selected K/V blocks and the heat row of its 
 and the update, written, f32), and in a retrieval layer K of its R KV heads. Decode step floor: every weight once (as
 bench_model.decode_bytes) plus the attention floors of all layers.
 
-Writes `$OUT/bench_evosparse.json` (device, jax version, date, GIT_COMMIT, measured HBM GB/s, checks, rows) and
-prints a table last. Options: `--contexts 32768,65536`, `--batches 1,4`, `--iters N`, `--steps N`, `--no-e2e`.
+Writes the JSON named by --out (default ./bench_evosparse.json; device, jax version, date, GIT_COMMIT, measured HBM
+GB/s, checks, rows) and prints a table last. Options: `--contexts 32768,65536`, `--batches 1,4`, `--iters N`, `--steps N`, `--no-e2e`.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eval.bench import model as bench_model
-from eval.bench.common import device_facts, measure_hbm_gbs, table, time_ms, write_json
+from eval.bench.common import add_out_argument, device_facts, measure_hbm_gbs, out_path, table, time_ms, write_json
 from jsparse.xla_flags import set_xla_flags
 from jsparse.methods.evosparse import EvoSparse, EvoState, decay_heat, default_num_heads
 from models import llama
@@ -536,8 +536,9 @@ def main(argv=None, prog=None):
                    help="EvoSparse's block_scores kernels (default: Triton on the GPU)")
     p.add_argument("--no-kernel-checks", action="store_true")
     p.add_argument("--no-program", action="store_true", help="skip the one-program whole-model attention")
-    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_evosparse.json"))
+    add_out_argument(p, "bench_evosparse.json")
     a = p.parse_args(argv)
+    a.out = out_path(a.out, "bench_evosparse.json")
     global EVO_KERNELS
     EVO_KERNELS = a.evo_kernels
     set_xla_flags()  # cuBLAS GEMMs + dynamic-slice fusion, before the backend starts (as bench_model)

@@ -4,7 +4,7 @@ as a one-hot compare-and-reduce vs the method's scatter-add (`jsparse.heat.heat_
 (`block_scores.select_blocks`: the one-launch Triton kernel at several bits / warps vs its XLA specification). Each variant runs `--iters` times in
 one jitted fori_loop (inputs perturbed by a running checksum), and is checked against the reference.
 
-    jsparse bench evosparse_parts --out $OUT/evosparse_parts.json
+    jsparse bench evosparse_parts --out /some/dir/evosparse_parts.json
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.bench.common import device_facts, table, write_json
+from eval.bench.common import add_out_argument, device_facts, out_path, table, write_json
 from jsparse.heat import heat_step, heat_update
 from pallas_kernels.block_scores import gpu as bs_gpu
 from pallas_kernels.block_scores import xla as bs_xla
@@ -50,8 +50,9 @@ def timed(fn, *args, iters):
 def main(argv=None, prog=None):
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "evosparse_parts.json"))
+    add_out_argument(p, "evosparse_parts.json")
     a = p.parse_args(argv)
+    a.out = out_path(a.out, "evosparse_parts.json")
     from pallas_kernels.topk_select.gpu import SelectConfig
     B, H, nb, K, k = 4, 8, 6256, 128, 40
     key = jax.random.key(0)

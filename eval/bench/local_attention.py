@@ -2,7 +2,7 @@
 
 Run on a GPU machine from the repository root:
 
-    GIT_COMMIT=$(git rev-parse HEAD) OUT=/some/dir jsparse bench local_attention
+    GIT_COMMIT=$(git rev-parse HEAD) jsparse bench local_attention --out /some/dir/
 
 What it does (about a minute on an H100):
   1. Checks the compiled Triton kernel against a dense masked f32 reference (query i sees key j iff j <= i and
@@ -13,7 +13,7 @@ What it does (about a minute on an H100):
      (`local_attention_reference`, XLA) and cuDNN's own sliding window (`jax.nn.dot_product_attention` with
      `local_window_size`, no sinks: the strongest dense baseline for the window alone), and gives the HBM floor
      (read Q, K, V once, write the output).
-Writes `$OUT/local_attention.json` and prints a table last.
+Writes the JSON named by --out (default ./local_attention.json) and prints a table last.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from eval.bench.common import device_facts, measure_hbm_gbs, table, time_ms, write_json
+from eval.bench.common import add_out_argument, device_facts, measure_hbm_gbs, out_path, table, time_ms, write_json
 from pallas_kernels.local_attention import BlockSizes, banded_mask, local_attention_gpu, local_attention_reference
 from pallas_kernels.sparse_attention.reference import masked_attention_reference
 
@@ -57,7 +57,9 @@ def checks() -> list[dict]:
 
 
 def main(argv=None, prog=None) -> int:
-    argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0]).parse_args(argv)  # --help
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    add_out_argument(p, "local_attention.json")
+    args = p.parse_args(argv)
     t0 = time.perf_counter()
     facts = device_facts()
     hbm = measure_hbm_gbs()
@@ -92,7 +94,7 @@ def main(argv=None, prog=None) -> int:
                "config": {"B": 1, "T": T, "Hq": HQ, "Hkv": HKV, "D": D, "dtype": "bfloat16", "window": WINDOW,
                           "sinks": SINKS},
                "checks": check_rows, "cases": cases, "seconds": time.perf_counter() - t0}
-    path = os.path.join(os.environ.get("OUT", "."), "local_attention.json")
+    path = out_path(args.out, "local_attention.json")
     write_json(path, payload)
     ok = all(r["ok"] for r in check_rows)
     print("\nchecks: %s (%s)" % ("all ok" if ok else "FAILED",

@@ -2,7 +2,7 @@
 
 Run on a GPU machine from the repository root:
 
-    GIT_COMMIT=$(git rev-parse HEAD) OUT=/some/dir jsparse bench logit_mse
+    GIT_COMMIT=$(git rev-parse HEAD) jsparse bench logit_mse --out /some/dir/
 
 What it does (about 2-3 minutes on an H100; hard budget 4 minutes, cases past it are recorded as skipped):
   1. Correctness, compiled on the GPU, at a small size (2 stacked layers of SmolLM2, L = 1000: not a
@@ -19,7 +19,8 @@ What it does (about 2-3 minutes on an H100; hard budget 4 minutes, cases past it
      (and gives the predicted size where a case ran out of memory).
   3. A tile-size sweep of the kernel at L = 4K (informational; the defaults are in api.py).
 
-Writes ``$OUT/logit_mse.json`` (device, jax version, date, GIT_COMMIT, every case) and prints a table last.
+Writes the JSON named by --out (default ./logit_mse.json; device, jax version, date, GIT_COMMIT, every case) and
+prints a table last.
 Options: ``--lengths 1024,2048``, ``--heads 261`` (reduce if too slow), ``--full`` (also time causal=False),
 ``--no-sweep``.
 """
@@ -34,7 +35,7 @@ import subprocess
 import sys
 import time
 
-from eval.bench.common import command_line, write_json
+from eval.bench.common import add_out_argument, command_line, out_path, write_json
 
 BUDGET_S = 235.0  # the whole script, including subprocess start-up
 CHILD_TIMEOUT_S = 120.0
@@ -209,6 +210,7 @@ def main(argv=None, prog=None) -> None:
     ap.add_argument("--heads", type=int, default=LAYERS, help="stacked layers (x9 query heads, x3 KV heads)")
     ap.add_argument("--full", action="store_true", help="also time causal=False")
     ap.add_argument("--no-sweep", action="store_true")
+    add_out_argument(ap, "logit_mse.json")
     a = ap.parse_args(argv)
 
     if a.child is not None:  # child process: one job, result as one JSON line
@@ -271,9 +273,7 @@ def main(argv=None, prog=None) -> None:
     report["sweep_L4096_causal"] = sweep
     report["total_s"] = time.perf_counter() - start
 
-    out_dir = os.environ.get("OUT", "out")
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "logit_mse.json")
+    path = out_path(a.out, "logit_mse.json")
     write_json(path, report)
 
     # Table last.

@@ -4,7 +4,7 @@ attention.
 
 Run on a GPU machine from the repository root (about 100 s on an H100; 25 GQA configs, 5 per-head ones, cuDNN):
 
-    GIT_COMMIT=$(git rev-parse HEAD) jsparse bench prefill_gqa --out $OUT/prefill_gqa.json
+    GIT_COMMIT=$(git rev-parse HEAD) jsparse bench prefill_gqa --out /some/dir/prefill_gqa.json
 
 Shapes: Llama-3.1-8B attention, B 1, T 131072, Hq 32, Hkv 8, D 128, bf16, tile 128 (`--tile`: 32 and 64 too; with
 `--tile` below 128 only the one-part configs, M = G * tile, and a short sweep around them). Each (KV head, query tile)
@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.bench.common import device_facts, table, time_ms, write_json
+from eval.bench.common import add_out_argument, device_facts, out_path, table, time_ms, write_json
 from pallas_kernels.dense import dense_prefill
 from pallas_kernels.sparse_attention import gpu
 from pallas_kernels.sparse_attention.gpu_prefill_gqa import PrefillGQAConfig, sparse_prefill_gqa_gpu
@@ -136,11 +136,12 @@ PER_HEAD_EXTRAS = [gpu.PrefillConfig(64, 4, 2, 0), gpu.PrefillConfig(64, 4, 3, 0
 
 def main(argv=None, prog=None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "prefill_gqa.json"))
+    add_out_argument(p, "prefill_gqa.json")
     p.add_argument("--T", type=int, default=131072)
     p.add_argument("--tile", type=int, default=128, help="query rows per index row (default 128)")
     p.add_argument("--smoke", action="store_true", help="CPU dry run: interpreter, T 512, check at T 256")
     args = p.parse_args(argv)
+    args.out = out_path(args.out, "prefill_gqa.json")
     global TILE
     TILE = args.tile
     if args.smoke:

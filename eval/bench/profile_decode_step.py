@@ -2,7 +2,7 @@
 of Llama-3.1-8B shapes (random bf16 weights, 100K context, batch 4, budget 2048 tokens, as eval/bench/evosparse.py),
 written as a Perfetto JSON trace and summarised per kernel name (launches and total device time per step).
 
-    jsparse bench profile_decode_step --method evosparse --out $OUT/profile_evosparse.json
+    jsparse bench profile_decode_step --method evosparse --out /some/dir/profile_evosparse.json
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from eval.bench.common import device_facts, write_json
+from eval.bench.common import add_out_argument, device_facts, out_path, write_json
 
 
 def kernel_table(trace_dir: str, steps: int, top: int) -> dict:
@@ -52,8 +52,9 @@ def main(argv=None, prog=None):
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--top", type=int, default=40)
-    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile_decode_step.json"))
+    add_out_argument(p, "profile_decode_step.json")
     a = p.parse_args(argv)
+    a.out = out_path(a.out, "profile_decode_step.json")
     from jsparse.xla_flags import set_xla_flags
     set_xla_flags()
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")

@@ -1,7 +1,7 @@
 """Per-kernel device time of single ops on the GPU (a `jax.profiler` trace of a few calls of each variant), at
 the Kascade anchor's decode shape: B 8, Hq 32, Hkv 8, D 128, bf16, N 131072, budget 10%.
 
-    jsparse bench profile_ops --what select,anchor --out $OUT/profile_ops.json
+    jsparse bench profile_ops --what select,anchor --out /some/dir/profile_ops.json
 
   select: the long-row top-k paths on 64 rows (B x Hkv) of pooled-like scores, k = 10%: "fused" and "sample"
           at a few sample sizes / band capacities / bracket widths (each checked exact against the reference).
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.bench.common import device_facts, write_json
+from eval.bench.common import add_out_argument, device_facts, out_path, write_json
 from eval.bench.profile_decode_step import kernel_table
 from pallas_kernels.topk_select import gpu, topk_select_reference
 
@@ -54,8 +54,9 @@ def main(argv=None, prog=None):
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--what", default="select,anchor")
     p.add_argument("--calls", type=int, default=5)
-    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile_ops.json"))
+    add_out_argument(p, "profile_ops.json")
     a = p.parse_args(argv)
+    a.out = out_path(a.out, "profile_ops.json")
     B, Hq, Hkv, D, N = 8, 32, 8, 128, 131072
     K = int(np.ceil(0.1 * N))
     res = {**device_facts(), "shape": dict(B=B, Hq=Hq, Hkv=Hkv, D=D, N=N, K=K)}

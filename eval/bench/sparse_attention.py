@@ -2,7 +2,7 @@
 
 Run on a GPU machine from the repository root:
 
-    GIT_COMMIT=$(git rev-parse HEAD) OUT=/some/dir jsparse bench sparse_attention
+    GIT_COMMIT=$(git rev-parse HEAD) jsparse bench sparse_attention --out /some/dir/
 
 What it does (about 2-3 minutes on an H100; sections past a 210 s budget are recorded as skipped):
   1. Decode at B=8, Hq=32, Hkv=8, D=128, bf16, N in {32768, 131072}, budget 10% (K = N/10 tokens), block_size
@@ -22,8 +22,8 @@ What it does (about 2-3 minutes on an H100; sections past a 210 s budget are rec
      then timing at T = 32768 against cuDNN causal prefill (`dense_prefill`), with TFLOP/s of the attended
      (query, key) pairs.
 
-Writes `$OUT/sparse_attention.json` (device, jax version, date, GIT_COMMIT, measured HBM GB/s, every case)
-and prints a table last. Options: `--contexts 32768` and `--no-variants` if time is short.
+Writes the JSON named by --out (default ./sparse_attention.json; device, jax version, date, GIT_COMMIT, measured HBM
+GB/s, every case) and prints a table last. Options: `--contexts 32768` and `--no-variants` if time is short.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.bench.common import dense_einsum_decode, device_facts, measure_hbm_gbs, table, write_json
+from eval.bench.common import (add_out_argument, dense_einsum_decode, device_facts, measure_hbm_gbs, out_path, table,
+                               write_json)
 from pallas_kernels.dense import dense_decode, dense_prefill
 from pallas_kernels.sparse_attention import gpu, reference, xla
 from pallas_kernels.sparse_attention.testing import strided_indices
@@ -266,6 +267,7 @@ def main(argv=None, prog=None) -> int:
     p.add_argument("--tile", type=int, default=128)
     p.add_argument("--no-variants", action="store_true", help="default kernel configs only")
     p.add_argument("--no-prefill", action="store_true")
+    add_out_argument(p, "sparse_attention.json")
     ARGS = p.parse_args(argv)
     ARGS.contexts = [int(x) for x in ARGS.contexts.split(",")]
 
@@ -289,7 +291,7 @@ def main(argv=None, prog=None) -> int:
                    default_decode_config=dataclasses.asdict(gpu.DecodeConfig()),
                    default_prefill_config=dataclasses.asdict(gpu.PrefillConfig()),
                    hbm_gbs_measured=hbm, checks=checks, records=records, wall_s=elapsed())
-    out = os.path.join(os.environ.get("OUT", "."), "sparse_attention.json")
+    out = out_path(ARGS.out, "sparse_attention.json")
     write_json(out, payload)
 
     print(table(checks, ["phase", "N", "T", "block_size", "K", "impl", "rel_err", "lse_abs_err", "ok"]))

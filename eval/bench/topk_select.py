@@ -3,7 +3,7 @@ against the single-launch "row" kernel and the glue-free "fused" path, and `lax.
 
 Run on a GPU machine from the repository root (about 40-80 s on an H100):
 
-    GIT_COMMIT=$(git rev-parse HEAD) OUT=/some/dir jsparse bench topk_select
+    GIT_COMMIT=$(git rev-parse HEAD) jsparse bench topk_select --out /some/dir/
 
 What it does:
   1. Correctness, compiled on the GPU: every variant below that applies, at every case's shape, on two inputs
@@ -23,7 +23,7 @@ What it does:
        reference      `topk_select_reference` (top_k + mask + sort: the contract)
      with the number of kernels each launches (custom calls in its lowered module).
 
-Writes `$OUT/topk_select.json` (device facts and every case) and prints a table last. Cases past a 150 s
+Writes the JSON named by --out (default ./topk_select.json) (device facts and every case) and prints a table last. Cases past a 150 s
 budget are recorded as skipped.
 """
 
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.bench.common import device_facts, table, time_ms, write_json
+from eval.bench.common import add_out_argument, device_facts, out_path, table, time_ms, write_json
 from pallas_kernels.topk_select import gpu, gpu_row, topk_select_reference
 from pallas_kernels.topk_select.testing import adversarial
 
@@ -145,8 +145,9 @@ def case(R: int, N: int, k: int, t_start: float) -> list[dict]:
 
 
 def main(argv=None, prog=None) -> int:
-    argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0]).parse_args(argv)  # --help
-    out_dir = os.environ.get("OUT", ".")
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    add_out_argument(p, "topk_select.json")
+    args = p.parse_args(argv)
     t_start = time.perf_counter()
     facts = device_facts()
     tiny = jnp.zeros((4, 64), jnp.float32)
@@ -160,7 +161,7 @@ def main(argv=None, prog=None) -> int:
         rows += case(R, N, k, t_start)
         print(f"case {(R, N, k)} done at {time.perf_counter() - t_start:.1f} s", flush=True)
     all_exact = all(r["exact"] for r in small) and all(r.get("exact", True) for r in rows)
-    write_json(os.path.join(out_dir, "topk_select.json"),
+    write_json(out_path(args.out, "topk_select.json"),
                {**facts, "all_exact": all_exact, "small_checks": small, "cases": rows,
                 "wall_s": time.perf_counter() - t_start})
     bad = [r for r in small if not r["exact"]] + [r for r in rows if r.get("exact") is False or "error" in r]

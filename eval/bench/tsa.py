@@ -2,7 +2,7 @@
 
 Run on a GPU machine from the repository root:
 
-    GIT_COMMIT=$(git rev-parse HEAD) OUT=/some/dir python eval/bench/tsa.py
+    GIT_COMMIT=$(git rev-parse HEAD) jsparse bench tsa --out /some/dir/
 
 What it does (about 2 minutes on an H100; cases past a 165 s budget are recorded as skipped):
   1. Checks, compiled on the GPU (bf16, Llama-3.1-8B heads, T = 2048):
@@ -35,7 +35,8 @@ What it does (about 2 minutes on an H100; cases past a 165 s budget are recorded
   Reported: speedup = dense / total, ideal = 1 / f^2, overhead share = (scoring + index + gather + scatter) /
   (their sum + attention).
 
-Writes `$OUT/bench_tsa.json` (device, jax version, date, GIT_COMMIT, checks, every case) and prints a table last.
+Writes the JSON named by --out (default ./bench_tsa.json; device, jax version, date, GIT_COMMIT, checks, every case)
+and prints a table last.
 Options: `--lengths 32768,65536`, `--fractions 0.68,0.5`, `--iters N`.
 """
 
@@ -50,7 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.bench.common import device_facts, measure_hbm_gbs, measure_matmul_tflops, table, time_ms, write_json
+from eval.bench.common import (add_out_argument, device_facts, measure_hbm_gbs, measure_matmul_tflops, out_path, table,
+                               time_ms, write_json)
 from jsparse.compression import attend_compressed, compress, decompress, masked_reference_mask
 from jsparse.methods.tsa import TSA, TSALayerInfo, coverage_counts, select_tokens, selection_scores
 from models.attention import LayerContext
@@ -222,10 +224,10 @@ def main(argv=None, prog=None) -> int:
     p.add_argument("--lengths", default="32768,65536,131072")
     p.add_argument("--fractions", default="0.68,0.5,0.3")
     p.add_argument("--iters", type=int, default=0, help="timed calls per measurement (default: 10, 5 at >= 64K)")
+    add_out_argument(p, "bench_tsa.json")
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     fractions = [float(x) for x in args.fractions.split(",")]
-    out_dir = os.environ.get("OUT", ".")
     t0 = time.perf_counter()
     facts = device_facts()
     hbm, tflops = measure_hbm_gbs(), measure_matmul_tflops()
@@ -238,7 +240,7 @@ def main(argv=None, prog=None) -> int:
                           "tau": TAU, "min_tokens": MIN_TOKENS, "dense": "cudnn causal GQA",
                           "compressed_attention": "cudnn causal on gathered [B, C, Hq, D] (query_head)"},
                "checks": check_rows, "cases": []}
-    path = os.path.join(out_dir, "bench_tsa.json")
+    path = out_path(args.out, "bench_tsa.json")
     for T in sorted(lengths, reverse=True):  # the acceptance case (128K, f = 0.68) first
         iters = args.iters or (10 if T < 65536 else 5)
         if time.perf_counter() - t0 > BUDGET_S:

@@ -2,7 +2,7 @@
 
 Run on a GPU machine from the repository root:
 
-    GIT_COMMIT=$(git rev-parse HEAD) OUT=/some/dir jsparse bench tsa_scoring
+    GIT_COMMIT=$(git rev-parse HEAD) jsparse bench tsa_scoring --out /some/dir/
 
 What it does (about 1-2 minutes on an H100; cases past a 170 s budget are recorded as skipped):
   1. Correctness, compiled on the GPU, at small shapes that hit every edge (B = 3 rows of lengths 1000,
@@ -20,7 +20,8 @@ What it does (about 1-2 minutes on an H100; cases past a 170 s budget are record
         2 passes x W * Hq * T exponentials at H100's 3.9 T/s special-function rate, and the bytes of K
         read twice at the measured HBM bandwidth.
 
-Writes `$OUT/tsa_scoring.json` (device, jax version, date, GIT_COMMIT, every case) and prints a table last.
+Writes the JSON named by --out (default ./tsa_scoring.json; device, jax version, date, GIT_COMMIT, every case) and
+prints a table last.
 Options: `--lengths 32768,65536` and `--no-variants` (default tiles only) if time is short.
 """
 
@@ -36,7 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.bench.common import device_facts, measure_hbm_gbs, measure_matmul_tflops, time_ms, write_json
+from eval.bench.common import (add_out_argument, device_facts, measure_hbm_gbs, measure_matmul_tflops, out_path, time_ms,
+                               write_json)
 from pallas_kernels.tsa_scoring import gpu, reference
 
 BUDGET_S = 170.0
@@ -153,10 +155,9 @@ def main(argv=None, prog=None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--lengths", default="32768,65536,131072")
     p.add_argument("--no-variants", action="store_true")
+    add_out_argument(p, "tsa_scoring.json")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
-    out_dir = os.environ.get("OUT", ".")
-    os.makedirs(out_dir, exist_ok=True)
 
     record: dict = dict(device_facts())
     record["git_commit"] = os.environ.get("GIT_COMMIT", record.get("commit"))
@@ -181,7 +182,7 @@ def main(argv=None, prog=None) -> int:
     record["all_ok"] = bool(all(all(v for kk, v in r.items() if kk.startswith("ok_")) for r in record["checks"])
                             and all(r.get("ok", False) for r in record["cases"] if "skipped" not in r))
 
-    path = os.path.join(out_dir, "tsa_scoring.json")
+    path = out_path(args.out, "tsa_scoring.json")
     write_json(path, record)
 
     print(f"\nwrote {path}; device {record['device']}, jax {record['jax']}, commit {record['git_commit']}")
