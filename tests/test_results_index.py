@@ -32,7 +32,7 @@ def test_every_committed_benchmark_json_names_its_command():
 def test_results_index_names_existing_files():
     with open(os.path.join(RESULTS, "README.md")) as f:
         text = f.read()
-    named = [p for p in re.findall(r"`((?:h100|cpu|kascade_diagnosis|sts_smollm2_2k)/[^`]*)`", text)]
+    named = [p for p in re.findall(r"`((?:h100|cpu|kascade_diagnosis|sts_smollm2_2k|demo)/[^`]*)`", text)]
     assert len(named) > 20
     for rel in named:
         assert glob.glob(os.path.join(RESULTS, rel)), f"eval/results/README.md names {rel!r}, which does not exist"
