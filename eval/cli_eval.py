@@ -10,7 +10,7 @@ Example:
     jsparse eval --model smollm2 --methods dense,oracle,kascade,streaming,quest --tasks passkey,ppl \
         --lengths 2048,4096 --budget 0.1 --samples 10 --artifact kascade=artifacts/kascade --out runs/main
 
-writes runs/main/results.json (records, see eval/harness.py), summary.md, run.json and passkey_outputs.json.
+writes runs/main/results.json (records, see eval/harness.py), summary.md, report.md with plots/, run.json and outputs.json.
 
 A prefill method (tsa) as a user meets it, with a fixed tau and its measured per-layer sparsity:
 
@@ -38,11 +38,12 @@ from eval.ppl import DEFAULT_CONTINUATION, DEFAULT_CORPUS, DEFAULT_VARIANTS
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     """Adds the `eval` command to an argparse subparsers object; returns its parser."""
     p = subparsers.add_parser(
-        "eval", help="compare attention methods on passkey retrieval and perplexity",
-        description="Run every method on every task and length; write results.json (one record per method, "
-                    "task, length: task, method, length, budget, budget_tokens, metric, value, sparsity, "
-                    "layer_sparsity, n, variant, depth, seconds), summary.md (a table per method), run.json and "
-                    "passkey_outputs.json to --out.")
+        "eval", help="compare attention methods on passkey, RULER-style tasks, co-reference and perplexity",
+        description="Run every method at every budget on every task and length; write results.json (schema 2: "
+                    "meta, runs and one record per method, budget, task, variant, length: task, method, length, "
+                    "budget, budget_tokens, metric, value, sparsity, layer_sparsity, n, variant, depth, seconds, "
+                    "acceptance_rate), summary.md (tables), report.md (leaderboard and plots/), run.json and "
+                    "outputs.json to --out. A rerun into the same folder resumes.")
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (the bundled SmolLM2-135M-Instruct), a Hugging Face folder or a .gguf file "
                         "(default: smollm2)")
@@ -55,13 +56,19 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help="comma-separated attention methods, e.g. dense,oracle,kascade,streaming,quest "
                         "(default: dense)")
     p.add_argument("--tasks", default=",".join(harness.TASKS),
-                   help=f"comma-separated tasks among {','.join(harness.TASKS)} (default: all)")
+                   help=f"comma-separated tasks among {','.join(harness.task_names())} (passkey and ppl built in, "
+                        "the others the generation tasks of eval/tasks, scored with their RULER metric) (default: "
+                        f"{','.join(harness.TASKS)})")
     p.add_argument("--lengths", default="2048,4096", help="comma-separated prompt lengths in tokens "
                    "(default: 2048,4096)")
-    p.add_argument("--budget", type=float, default=0.1,
+    p.add_argument("--budget", type=float, default=None,
                    help="token budget of the sparse methods, a fraction of the context in (0, 1] (default 0.1)")
+    p.add_argument("--budgets", default=None, metavar="F[,F...]",
+                   help="budget fractions to sweep in one run, each in (0, 1] (e.g. 0.05,0.1,0.2): every method that "
+                        "takes a budget runs once per fraction (and once per --budget-tokens N); dense and tsa take "
+                        "none and run once, their records' budget null. Replaces --budget")
     p.add_argument("--budget-tokens", default=None, metavar="N[,N...]",
-                   help="fixed token budgets instead of --budget: each N runs every budgeted method with "
+                   help="fixed token budgets (instead of --budget; beside --budgets): each N runs every budgeted method with "
                         "k = min(N, p + 1) keys per query at position p (TokenBudget methods: budget ~ N / length "
                         "and min_tokens = N; evosparse: budget_tokens = N); methods without a budget (dense, tsa) "
                         "run once per length")
@@ -89,7 +96,11 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--method-option", action="append", default=None, metavar="METHOD.OPTION=VALUE",
                    help="an option of one method's builder, VALUE read as JSON when it parses (e.g. "
                         "tsa.tau=0.01 or tsa.fill=local); repeat or comma-separate for several")
-    p.add_argument("--new-tokens", type=int, default=8, help="tokens generated for a passkey answer (default 8)")
+    p.add_argument("--new-tokens", type=int, default=8, help="tokens generated for a passkey answer (default 8; a "
+                   "generation task generates its own number)")
+    p.add_argument("--chat", action="store_true",
+                   help="the generation tasks' prompts in the model's chat template (records' variant 'chat') "
+                        "instead of raw completions (variant 'generate'); passkey and ppl stay raw")
     p.add_argument("--chunk", type=int, default=512,
                    help="tokens per decode call in the ppl decode variant (bounds memory; default 512)")
     p.add_argument("--max-batch-tokens", type=int, default=8192,
@@ -101,8 +112,16 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                         "rounds)")
     p.add_argument("--gamma", type=int, default=4, help="draft tokens proposed per round with --draft (default 4)")
     p.add_argument("--out", required=True,
-                   help="output folder for results.json and summary.md (created; an existing folder's files of "
-                        "these names are replaced; an existing file is an error)")
+                   help="output folder (created) for results.json, summary.md, report.md and plots/. A run into a "
+                        "folder that holds results.json of the same configuration (model, dtype, samples, seed, "
+                        "corpus, haystack, depths, new tokens, continuation, chat, draft, and each method's "
+                        "artifact and options) resumes: units already recorded (method, budget, task, length, "
+                        "variant) are skipped and new records are appended; another configuration is an error "
+                        "(use --overwrite or another folder)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="discard the records of an existing results.json in --out instead of resuming")
+    p.add_argument("--no-report", action="store_true",
+                   help="skip report.md and its plots (write them later with eval.report.write_report(DIR))")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run_eval)
     return p
@@ -116,8 +135,13 @@ def spec_from_args(args) -> harness.EvalSpec:
         depths = tuple(float(d) for d in harness.parse_list(args.depths, "--depths"))
     except ValueError:
         raise ValueError(f"--depths {args.depths!r}: expected comma-separated fractions in [0, 1]") from None
+    budgets = harness.parse_budgets(getattr(args, "budgets", None))
+    if budgets is not None and args.budget is not None:
+        raise ValueError(f"--budget {args.budget:g} and --budgets {args.budgets} both given: pass the fractions to "
+                         "--budgets alone")
     spec = harness.EvalSpec(
-        methods=methods, tasks=tasks, lengths=harness.parse_lengths(args.lengths), budget=args.budget,
+        methods=methods, tasks=tasks, lengths=harness.parse_lengths(args.lengths),
+        budget=0.1 if args.budget is None else args.budget, budgets=budgets, chat=getattr(args, "chat", False),
         samples=args.samples, seed=args.seed, corpus=args.corpus, haystack=args.haystack,
         artifacts=harness.parse_artifacts(args.artifact, methods), depths=depths,
         ppl_variants=harness.parse_list(args.ppl_variants, "--ppl-variants"), new_tokens=args.new_tokens,
@@ -145,12 +169,77 @@ def check_out(out: str) -> None:
         raise ValueError(f"--out {out!r}: cannot make the folder ({e.strerror or e})") from None
 
 
+def portable_path(path: str | None) -> str | None:
+    """A path inside the repository as relative to its root (so results committed from one clone resume in
+    another), joined paths (os.pathsep) part by part; other paths and None as given."""
+    if not path:
+        return path
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    parts = []
+    for part in path.split(os.pathsep):
+        full = os.path.abspath(part)
+        parts.append(os.path.relpath(full, root) if full.startswith(root + os.sep) else part)
+    return os.pathsep.join(parts)
+
+
+def run_config(spec: harness.EvalSpec, model: str, dtype: str | None) -> dict:
+    """What must match for a run to resume into a folder's results.json (besides what it runs); paths inside the
+    repository relative to its root."""
+    return dict(model=model, dtype=dtype, samples=spec.samples, seed=spec.seed, corpus=portable_path(spec.corpus),
+                haystack=spec.haystack, depths=list(spec.depths), new_tokens=spec.new_tokens,
+                continuation=spec.continuation, chat=spec.chat,
+                draft=None if spec.draft is None else getattr(spec.draft, "name", str(spec.draft)),
+                gamma=None if spec.draft is None else spec.gamma,
+                artifacts={k: portable_path(v) for k, v in spec.artifacts.items()}, method_options={k: dict(v) for k, v in spec.method_options.items()})
+
+
+def _same(key: str, a, b) -> bool:
+    if key == "corpus" and a and b:
+        return portable_path(a) == portable_path(b)
+    return a == b
+
+
+def resume_config(out: str, config: dict, overwrite: bool) -> tuple[list[dict], list[dict], dict]:
+    """(records, runs, config) to continue from in `out`: ([], [], config) for a new folder or with `overwrite`;
+    the folder's records and runs, and `config` merged with its per-method artifacts and options, when its
+    results.json has the same configuration. Raises ValueError naming the first difference otherwise."""
+    if overwrite or not os.path.exists(os.path.join(out, report.RESULTS_JSON)):
+        return [], [], config
+    data = report.read_results(out)
+    where = os.path.join(out, report.RESULTS_JSON)
+    if data["schema_version"] != report.SCHEMA_VERSION:
+        raise ValueError(f"{where} has schema version {data['schema_version']} (a list of records written before "
+                         f"version {report.SCHEMA_VERSION}): cannot resume it; pass --overwrite or another --out")
+    old = data["meta"].get("config")
+    if old is None:
+        raise ValueError(f"{where} names no run configuration: cannot resume it; pass --overwrite or another --out")
+    merged = dict(config)
+    for key, value in config.items():
+        if key in ("artifacts", "method_options"):
+            prev = old.get(key) or {}
+            if key == "artifacts":
+                prev = {k: portable_path(v) for k, v in prev.items()}
+            for name in set(prev) & set(value):
+                if prev[name] != value[name]:
+                    raise ValueError(f"{where} was run with {key} {name}={prev[name]!r}, this run has "
+                                     f"{value[name]!r}: pass --overwrite or another --out")
+            merged[key] = {**prev, **value}
+        elif not _same(key, old.get(key), value):
+            raise ValueError(f"{where} was run with {key}={old.get(key)!r}, this run has {key}={value!r}: a run "
+                             "resumes only into the same configuration; pass --overwrite or another --out")
+    return list(data["records"]), list(data["runs"]), merged
+
+
 def run_eval(args) -> int:
-    """The `jsparse eval` command: validate, load the model, evaluate, write the files; returns 0."""
+    """The `jsparse eval` command: validate, load the model, evaluate (resuming into --out), write the files and
+    the report; returns 0."""
     import jsparse
+    from jsparse.api import default_dtype
 
     spec = spec_from_args(args)
     check_out(args.out)
+    config = run_config(spec, args.model, args.dtype or default_dtype())
+    previous, runs, config = resume_config(args.out, config, getattr(args, "overwrite", False))
     model = jsparse.load(args.model, args.dtype, mesh=getattr(args, "mesh", None))
     if spec.draft is not None:
         spec = dataclasses.replace(spec, draft=jsparse.load(args.draft, args.dtype))
@@ -158,19 +247,37 @@ def run_eval(args) -> int:
     meta = report.run_metadata(
         command=command,
         model=getattr(model, "name", args.model), budget=spec.budget, samples=spec.samples, seed=spec.seed,
-        corpus=spec.corpus if "ppl" in spec.tasks or spec.haystack == "corpus" else None, haystack=spec.haystack,
-        methods=list(spec.methods), tasks=list(spec.tasks),
-        lengths=list(spec.lengths), artifacts=dict(spec.artifacts), depths=list(spec.depths),
+        corpus=portable_path(spec.corpus) if "ppl" in spec.tasks or spec.haystack == "corpus" else None,
+        haystack=spec.haystack, methods=list(spec.methods), tasks=list(spec.tasks), lengths=list(spec.lengths),
+        artifacts={k: portable_path(v) for k, v in spec.artifacts.items()}, depths=list(spec.depths),
         ppl_variants=list(spec.ppl_variants), continuation=spec.continuation,
+        budgets=None if spec.budgets is None else list(spec.budgets),
         budget_tokens=None if spec.budget_tokens is None else list(spec.budget_tokens),
-        method_options={k: dict(v) for k, v in spec.method_options.items()},
+        method_options={k: dict(v) for k, v in spec.method_options.items()}, chat=spec.chat,
         draft=None if spec.draft is None else getattr(spec.draft, "name", args.draft),
-        gamma=None if spec.draft is None else spec.gamma)
+        gamma=None if spec.draft is None else spec.gamma, config=config)
+    this_run = {k: meta.get(k) for k in ("command", "date", "commit", "device")}
+    if previous:
+        print(f"resuming into {args.out}: {len(previous)} records already there; their (method, budget, task, "
+              "length, variant) units are skipped", file=sys.stderr)
+    outputs_path = os.path.join(args.out, report.OUTPUTS_JSON)
+    old_outputs = []
+    if previous and os.path.isfile(outputs_path):
+        import json
+
+        with open(outputs_path) as f:
+            old_outputs = json.load(f)
+
+    def write(records, outputs=None):
+        added = len(records) - len(previous)
+        report.write_results(args.out, records, meta, outputs, runs + [dict(this_run, records=added)])
+
     from models.sharding import use_mesh
 
     with use_mesh(model.mesh):  # the harness's jitted forwards run with the mesh set: kernels per shard
-        run = harness.evaluate(model, spec, progress=not args.no_progress,
-                               on_record=lambda records: report.write_results(args.out, records, meta))
-    report.write_results(args.out, run.records, meta, run.passkey_outputs)
+        run = harness.evaluate(model, spec, progress=not args.no_progress, on_record=write, previous=previous)
+    write(run.records, old_outputs + run.outputs)
+    if not getattr(args, "no_report", False):
+        report.write_report(args.out)
     print(report.summary_markdown(run.records, meta))
     return 0

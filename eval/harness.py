@@ -1,23 +1,30 @@
-"""The evaluation harness: every (method, task, length) of a run, as a list of flat records.
+"""The evaluation harness: every (method, budget, task, length) of a run, as a list of flat records.
 
     from eval.harness import EvalSpec, evaluate
-    run = evaluate(model, EvalSpec(methods=("dense", "kascade"), tasks=("passkey", "ppl"), lengths=(2048,),
+    run = evaluate(model, EvalSpec(methods=("dense", "kascade"), tasks=("passkey", "niah_single_number", "ppl"),
+                                   lengths=(2048,), budgets=(0.05, 0.1, 0.2),
                                    artifacts={"kascade": "artifacts/kascade"}))
     run.records  # [{task, method, length, budget, budget_tokens, metric, value, sparsity, layer_sparsity, n,
-                 #   variant, depth, seconds}, ...]
+                 #   variant, depth, seconds, acceptance_rate}, ...]
 
-A record (every record has exactly the keys of `RECORD_KEYS`):
-  task      "passkey" or "ppl"
+Tasks: the built-in "passkey" (eval/passkey.py) and "ppl" (eval/ppl.py), and every generation task registered in
+eval/tasks (RULER-style needles, variable tracking, word extraction, co-reference, ...): its seeded prompts,
+the method's prefill then its greedy decode of the task's `max_new_tokens`, scored with the task's metric.
+
+A record (every record has exactly the keys of `RECORD_KEYS`; results.json schema version `SCHEMA_VERSION`):
+  task      "passkey", "ppl" or a generation task's name (eval/tasks)
   method    the method's registry name
-  length    the prompt / window length in tokens
-  budget    the budget the method was built with (fraction of the context in (0, 1]); with a token budget,
-            budget_tokens / length
+  length    the prompt / window length in tokens (requested: a generation task's prompts hit it within 1%)
+  budget    the budget fraction the method was built with, in (0, 1] (with a token budget, budget_tokens /
+            visible tokens); None for a method that takes no budget (dense, tsa)
   budget_tokens
             the fixed token budget N of this record (`EvalSpec.budget_tokens`): every query attends to
             k = min(N, p + 1) keys (p its position); None when the fraction rule was used or the method takes
             no budget (dense, tsa)
-  metric    "accuracy" (passkey: exact match of the key's digits) or "perplexity"
-  value     the metric's value
+  metric    "accuracy" (passkey: exact match of the key's digits), the generation task's metric
+            ("string_match_all": fraction of the answers found in the completion; "string_match_part": 1 when
+            any is), or "perplexity"
+  value     the metric's value (a mean over the samples)
   sparsity  achieved sparsity: fraction of visible keys not attended, averaged over layers and the query
             positions 0..length-1, from `method.achieved_sparsity(cfg, positions)`; 0.0 for dense; None when
             the method does not report it. For a method that measures its prefill (TSA, see layer_sparsity),
@@ -29,17 +36,23 @@ A record (every record has exactly the keys of `RECORD_KEYS`):
             causal attention map its compression skips, the paper's Table 3); None otherwise (and for the ppl
             "decode" variant, which runs no prefill)
   n         samples behind the value (prompts or windows)
-  variant   ppl: "decode", "prefill" or "continuation" (see eval/ppl.py); passkey: "generate" (the method's prefill of the
-            prompt, then its decode of the answer, as `jsparse generate` runs it)
-  depth     passkey: the needle depth of a per-depth record, None for the record over all depths; ppl: None
-  seconds   wall time of this (method, task, variant, length), compilation included
+  variant   ppl: "decode", "prefill" or "continuation" (see eval/ppl.py); passkey: "generate" (the method's
+            prefill of the prompt, then its decode of the answer, as `jsparse generate` runs it); a generation
+            task: "generate" (raw completion) or "chat" (the prompt in the model's chat template)
+  depth     passkey and the needle tasks: the needle depth of a per-depth record, None for the record over all
+            depths; otherwise None
+  seconds   wall time of this (method, budget, task, variant, length), compilation included
   acceptance_rate
             passkey with a draft (`EvalSpec.draft`, speculative decoding): accepted draft tokens / proposed ones
             over the record's rounds; None otherwise
 
-Speed: prompts and windows are built once per length and shared by every method; samples are batched
-(`max_batch_tokens` tokens per forward, the last batch padded by repeating rows so one (method, length)
-compiles once); compiled functions are module-level `jax.jit`s reused across samples and batches.
+A record's unit (`record_key`: method, budget, budget_tokens, task, length, variant) is what a resumed run skips.
+
+Speed: prompts and windows are built once per length and shared by every method and budget; samples are
+batched (`max_batch_tokens` tokens per forward, the last batch padded by repeating rows so one (method, length)
+compiles once); passkey and the generation tasks of a length pad to one width and one decode length, so they
+share one compiled generate per method; compiled functions are module-level `jax.jit`s reused across samples
+and batches.
 """
 
 from __future__ import annotations
@@ -57,7 +70,8 @@ from eval import passkey as passkey_task
 from eval import ppl as ppl_task
 from models.generate import Sampling, check_request, generate_tokens
 
-TASKS = ("passkey", "ppl")
+TASKS = ("passkey", "ppl")  # the built-in tasks; generation_tasks() adds eval/tasks' registry
+SCHEMA_VERSION = 2  # of results.json (see eval/report.py); bump it when RECORD_KEYS or a key's meaning changes
 STS_PPL_VARIANTS = ("prefill", "continuation")  # STS-P; STS-D (teacher-forced verification rounds)
 RECORD_KEYS = ("task", "method", "length", "budget", "budget_tokens", "metric", "value", "sparsity",
                "layer_sparsity", "n", "variant", "depth", "seconds", "acceptance_rate")
@@ -88,10 +102,24 @@ def check_methods(methods: Sequence[str]) -> tuple[str, ...]:
     return tuple(methods)
 
 
+def generation_tasks() -> dict:
+    """The generation tasks of eval/tasks (name -> Task) the harness runs by prefill + greedy decode, all but
+    passkey (its built-in path, eval/passkey.py, keeps its per-depth records and haystacks)."""
+    from eval import tasks as task_registry
+
+    return {name: task for name, task in task_registry.TASKS.items() if name not in TASKS}
+
+
+def task_names() -> tuple[str, ...]:
+    """Every task `jsparse eval --tasks` accepts: passkey, ppl, then the generation tasks."""
+    return TASKS + tuple(generation_tasks())
+
+
 def check_tasks(tasks: Sequence[str]) -> tuple[str, ...]:
+    valid = task_names()
     for t in tasks:
-        if t not in TASKS:
-            raise ValueError(f"unknown task {t!r}; valid tasks: {', '.join(TASKS)}")
+        if t not in valid:
+            raise ValueError(f"unknown task {t!r}; valid tasks: {', '.join(valid)}")
     if len(set(tasks)) != len(tasks):
         raise ValueError(f"tasks {list(tasks)} name a task twice")
     return tuple(tasks)
@@ -176,6 +204,27 @@ def parse_budget_tokens(text: str | Sequence[int] | None) -> tuple[int, ...] | N
     return tuple(out)
 
 
+def parse_budgets(text: str | Sequence[float] | None) -> tuple[float, ...] | None:
+    """'0.05,0.1,0.2' -> (0.05, 0.1, 0.2): budget fractions in (0, 1], each once; None/'' -> None."""
+    if text is None or (isinstance(text, str) and not text.strip()):
+        return None
+    items = parse_list(text, "--budgets") if isinstance(text, str) else tuple(text)
+    out = []
+    for i in items:
+        try:
+            b = float(i)
+        except (TypeError, ValueError):
+            raise ValueError(f"budget {i!r}: expected a fraction of the context in (0, 1] (token budgets go to "
+                             "--budget-tokens)") from None
+        if not 0.0 < b <= 1.0:
+            raise ValueError(f"budget {i!r}: expected a fraction of the context in (0, 1] (token budgets go to "
+                             "--budget-tokens)")
+        out.append(b)
+    if len(set(out)) != len(out):
+        raise ValueError(f"--budgets {list(out)} names a budget twice")
+    return tuple(out)
+
+
 def _option_value(text: str):
     import json
 
@@ -211,7 +260,10 @@ class EvalSpec:
 
     Attributes:
       methods: registry names of the methods; tasks: subset of TASKS; lengths: prompt lengths in tokens.
-      budget: the budget every sparse method is built with, in (0, 1].
+      budget: the budget every sparse method is built with, in (0, 1] (when `budgets` is None).
+      budgets: budget fractions to sweep, each in (0, 1]: every method that takes a budget runs once per fraction
+        (and once per token budget of `budget_tokens`); None: `budget` alone, or only `budget_tokens` when those
+        are given. Methods without a budget (dense, tsa) run once per length, their records' budget None.
       samples: passkey prompts / ppl windows per length (passkey depths cycle over the samples: sample i has
         depth depths[i % len(depths)]).
       seed: seeds the passkey keys and filler and the ppl window offsets.
@@ -225,7 +277,10 @@ class EvalSpec:
         `budget_tokens` field (EvoSparse) get budget_tokens = N; methods without a budget (dense, tsa) run once
         per length.
       method_options: method name -> extra keyword options of its builder (e.g. {"tsa": {"tau": 0.01}}).
-      new_tokens: tokens generated greedily for a passkey answer.
+      new_tokens: tokens generated greedily for a passkey answer (a generation task of eval/tasks generates its
+        own `max_new_tokens`).
+      chat: the generation tasks' prompts in the model's chat template (variant "chat") instead of raw
+        completions (variant "generate"); passkey and ppl are always raw.
       chunk: tokens per decode call in the ppl "decode" variant.
       max_batch_tokens: rows per forward = max(1, max_batch_tokens // length).
     """
@@ -243,6 +298,8 @@ class EvalSpec:
     ppl_variants: tuple[str, ...] = ppl_task.DEFAULT_VARIANTS
     continuation: int = ppl_task.DEFAULT_CONTINUATION
     budget_tokens: tuple[int, ...] | None = None
+    budgets: tuple[float, ...] | None = None
+    chat: bool = False
     method_options: Mapping[str, Mapping] = dataclasses.field(default_factory=dict)
     new_tokens: int = 8
     chunk: int = 512
@@ -278,6 +335,12 @@ class EvalSpec:
                 ppl_task.check_continuation(self.continuation, length)
         if self.budget_tokens is not None:
             parse_budget_tokens(self.budget_tokens)
+        if self.budgets is not None:
+            parse_budgets(self.budgets)
+        generation = [t for t in self.tasks if t not in TASKS]
+        if generation and self.draft is not None:
+            raise ValueError(f"--draft (speculative decoding) runs the passkey and ppl tasks only, got tasks "
+                             f"{generation}")
         for name in self.method_options:
             if name not in self.methods:
                 raise ValueError(f"method options given for method {name!r}, which is not among the methods "
@@ -291,14 +354,25 @@ class EvalSpec:
     def batch_rows(self, length: int) -> int:
         return max(1, min(self.samples, self.max_batch_tokens // length))
 
+    def fractions(self) -> tuple[float, ...]:
+        """The budget fractions every budgeted method runs at: `budgets`, else (`budget`,) unless only token
+        budgets are given."""
+        if self.budgets is not None:
+            return tuple(self.budgets)
+        return () if self.budget_tokens is not None else (self.budget,)
+
+    def generation_variant(self) -> str:
+        return "chat" if self.chat else "generate"
+
 
 @dataclasses.dataclass
 class EvalRun:
-    """records: the flat records (see the module docstring); passkey_outputs: one dict per passkey sample
-    (method, length, depth, key, completion, correct) for reading failures."""
+    """records: the flat records (see the module docstring); outputs: one dict per sample of passkey and the
+    generation tasks (task, method, budget, budget_tokens, length, depth, answers, completion, score) for
+    reading failures."""
 
     records: list[dict]
-    passkey_outputs: list[dict]
+    outputs: list[dict]
 
 
 OPTIONAL_KEYS = {"budget_tokens": None, "layer_sparsity": None, "acceptance_rate": None}  # None when not given
@@ -380,33 +454,56 @@ def prefill_state(model, method, tokens: np.ndarray, lengths: np.ndarray):
     return _prefill_state_jit(model.params, method, jnp.asarray(tokens), jnp.asarray(lengths), cfg=model.cfg)
 
 
-def run_passkey(model, method, prompts: Sequence[passkey_task.PasskeyPrompt], new_tokens: int, rows: int,
-                tick: Callable[[], None] = lambda: None, layer_sparsity: LayerSparsity | None = None,
-                draft=None, gamma: int = 4, stats: dict | None = None) -> list[str]:
-    """Greedy completions (text) of the prompts, `rows` prompts per generate call (and, given `layer_sparsity`
-    of a method that measures its prefill, one more prefill per batch to measure it). With `draft`, speculative
-    decoding (gamma tokens per round; STS takes its selection from the draft); `stats` then receives
-    `rounds` and `accepted` summed over the prompts."""
-    if draft is not None:
-        return _run_passkey_speculative(model, method, prompts, new_tokens, rows, tick, draft, gamma, stats)
-    length = len(prompts[0].tokens)
-    capacity = check_request(model.cfg, [length], new_tokens)
+def run_generation(model, method, prompts: Sequence[Sequence[int]], new_tokens: int, rows: int,
+                   tick: Callable[[], None] = lambda: None, layer_sparsity: LayerSparsity | None = None, *,
+                   width: int | None = None, max_new_tokens: int | None = None) -> list[str]:
+    """Greedy completions (text, `new_tokens` tokens at most) of token prompts of any lengths: the method's
+    prefill of each prompt, then its decode, `rows` prompts per generate call (the last batch padded by repeating
+    its last row), prompts right-padded to `width` tokens (default: the longest prompt).
+
+    `width` and `max_new_tokens` (>= new_tokens, default new_tokens) fix the compiled shape, so that every task
+    of a length shares one compilation per method; a completion is cut to its first `new_tokens` tokens, which
+    greedy decoding makes the same as generating `new_tokens`. Given `layer_sparsity` of a method that measures
+    its prefill, one more prefill per batch measures it.
+    """
+    lengths_all = np.asarray([len(p) for p in prompts], np.int32)
+    width = int(lengths_all.max()) if width is None else int(width)
+    steps = new_tokens if max_new_tokens is None else int(max_new_tokens)
+    if width < lengths_all.max() or steps < new_tokens:
+        raise ValueError(f"width={width}, max_new_tokens={steps}: expected >= the longest prompt "
+                         f"({lengths_all.max()}) and new_tokens={new_tokens}")
+    capacity = check_request(model.cfg, [width], steps)
     eos = _eos_ids(model)
-    tokens = np.stack([p.tokens for p in prompts])
-    lengths = jnp.full((rows,), length, jnp.int32)
+    tokens = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = np.asarray(p, np.int32)
     completions = []
-    for batch, valid in _batches(tokens, rows):
+    for (batch, valid), (lengths, _) in zip(_batches(tokens, rows), _batches(lengths_all, rows)):
+        lengths = jnp.asarray(lengths)
         out, num = generate_tokens(model.params, method, jnp.asarray(batch), lengths, jax.random.key(0),
-                                   cfg=model.cfg, max_new_tokens=new_tokens, capacity=capacity,
+                                   cfg=model.cfg, max_new_tokens=steps, capacity=capacity,
                                    sampling=Sampling(), eos_ids=eos)
         out, num = np.asarray(out), np.asarray(num)
         for row, n in zip(out[:valid], num[:valid]):
-            ids = [int(t) for t in row[:n] if t >= 0 and int(t) not in eos]
+            ids = [int(t) for t in row[:min(n, new_tokens)] if t >= 0 and int(t) not in eos]
             completions.append(model.tokenizer.decode(ids, skip_special_tokens=True))
         if layer_sparsity is not None and layer_sparsity.active:
             layer_sparsity.add(prefill_state(model, method, batch, lengths), lengths, valid)
         tick()
     return completions
+
+
+def run_passkey(model, method, prompts: Sequence[passkey_task.PasskeyPrompt], new_tokens: int, rows: int,
+                tick: Callable[[], None] = lambda: None, layer_sparsity: LayerSparsity | None = None,
+                draft=None, gamma: int = 4, stats: dict | None = None, *, width: int | None = None,
+                max_new_tokens: int | None = None) -> list[str]:
+    """Greedy completions (text) of the prompts, `rows` prompts per generate call (see `run_generation`, which
+    `width` and `max_new_tokens` go to). With `draft`, speculative decoding (gamma tokens per round; STS takes
+    its selection from the draft); `stats` then receives `rounds` and `accepted` summed over the prompts."""
+    if draft is not None:
+        return _run_passkey_speculative(model, method, prompts, new_tokens, rows, tick, draft, gamma, stats)
+    return run_generation(model, method, [p.tokens for p in prompts], new_tokens, rows, tick, layer_sparsity,
+                          width=width, max_new_tokens=max_new_tokens)
 
 
 def _run_passkey_speculative(model, method, prompts, new_tokens, rows, tick, draft, gamma, stats):
@@ -560,23 +657,6 @@ def run_ppl(model, method, windows: np.ndarray, variant: str, rows: int, chunk: 
     return np.concatenate(out)
 
 
-def _calls(spec: EvalSpec, runs_per_length: int) -> int:
-    """Forward calls of the whole run (the progress bar's total); runs_per_length: method builds per length."""
-    total = 0
-    for length in spec.lengths:
-        batches = -(-spec.samples // spec.batch_rows(length))
-        per_method = 0
-        if "passkey" in spec.tasks:
-            per_method += batches
-        if "ppl" in spec.tasks:
-            for v in spec.ppl_variants:
-                calls = {"decode": -(-length // spec.chunk), "prefill": 1,
-                         "continuation": 1 + -(-spec.continuation // spec.chunk)}[v]
-                per_method += batches * calls
-        total += per_method * runs_per_length
-    return total
-
-
 def _safe_budget(tokens: int, max_visible: int) -> float:
     """The largest budget b <= 1 with ceil(b * n) <= tokens for every n <= max_visible, in float64 and float32
     (so that with min_tokens = tokens the fraction rule gives k = min(tokens, n))."""
@@ -640,37 +720,107 @@ def build_methods(model, spec: EvalSpec) -> dict:
     return {name: build_method(model, spec, name) for name in spec.methods}
 
 
-def method_runs(model, spec: EvalSpec, methods: Mapping, length: int):
-    """Yields (name, method, budget, budget_tokens) for one length: every method once under the fraction rule,
-    or, with `spec.budget_tokens`, every budgeted method once per token budget (the others once)."""
-    if spec.budget_tokens is None:
-        for name, method in methods.items():
-            yield name, method, spec.budget, None
-        return
-    max_visible = length + (spec.new_tokens if "passkey" in spec.tasks else 0)
-    done = set()
-    for tokens in spec.budget_tokens:
-        for name, method in methods.items():
+def takes_budget(method) -> bool:
+    """Whether a built method takes a budget (a `budget` field or a token-budget option; dense and tsa do not:
+    they run once per length)."""
+    return "budget" in getattr(method, "__dataclass_fields__", {}) or bool(token_budget_options(method, 2, 4))
+
+
+def record_key(r: Mapping) -> tuple:
+    """The identity of a record's unit of work: (method, budget, budget_tokens, task, length, variant), budget
+    None for a token-budget record (its fraction derives from the token budget). A resumed run skips the units
+    whose keys its results.json already holds."""
+    tokens = r.get("budget_tokens")
+    return (r["method"], None if tokens is not None else r["budget"], tokens, r["task"], r["length"], r["variant"])
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodRun:
+    """One method at one budget: `build()` makes it (the base instance when the budget is the run's default)."""
+
+    name: str
+    budget: float | None
+    budget_tokens: int | None
+    build: Callable[[], object]
+
+    @property
+    def label(self) -> str:
+        if self.budget_tokens is not None:
+            return f"{self.name} k={self.budget_tokens}"
+        return self.name if self.budget is None else f"{self.name} b={self.budget:g}"
+
+
+def method_runs(model, spec: EvalSpec, methods: Mapping, max_visible: int) -> list[MethodRun]:
+    """Every (method, budget) of one length: each method that takes a budget once per fraction of
+    `spec.fractions()` and once per token budget of `spec.budget_tokens` (k = min(N, p + 1) keys per query at
+    every position p < max_visible); a method without a budget (dense, tsa) once, with budget None."""
+    out = []
+    for name, method in methods.items():
+        if not takes_budget(method):
+            out.append(MethodRun(name, None, None, lambda m=method: m))
+            continue
+        for b in spec.fractions():
+            build = (lambda m=method: m) if b == spec.budget else \
+                (lambda n=name, b=b: build_method(model, spec, n, budget=b))
+            out.append(MethodRun(name, b, None, build))
+        for tokens in spec.budget_tokens or ():
             options = token_budget_options(method, tokens, max_visible)
             if not options:
-                if name not in done:
-                    done.add(name)
-                    yield name, method, spec.budget, None
-                continue
-            built = build_method(model, spec, name, **options)
-            yield name, built, options.get("budget", spec.budget), int(tokens)
+                continue  # a fraction-only budget: no fixed token budget to give it
+            out.append(MethodRun(name, options.get("budget", min(1.0, tokens / max_visible)), int(tokens),
+                                 lambda n=name, o=options: build_method(model, spec, n, **o)))
+    return out
+
+
+def _units(spec: EvalSpec) -> list[tuple[str, str]]:
+    """The (task, variant) units every (method, budget, length) runs."""
+    units = []
+    for task in spec.tasks:
+        if task == "passkey":
+            units.append(("passkey", "generate"))
+        elif task == "ppl":
+            units += [("ppl", v) for v in spec.ppl_variants]
+        else:
+            units.append((task, spec.generation_variant()))
+    return units
+
+
+def _unit_calls(spec: EvalSpec, length: int, task: str, variant: str) -> int:
+    """Forward calls of one unit (the progress bar's steps)."""
+    batches = -(-spec.samples // spec.batch_rows(length))
+    if task != "ppl":
+        return batches
+    return batches * {"decode": -(-length // spec.chunk), "prefill": 1,
+                      "continuation": 1 + -(-spec.continuation // spec.chunk)}[variant]
+
+
+def _score_records(task: str, metric: str, scores: Sequence[float], depths: Sequence, seconds: float,
+                   variant: str, **common) -> list[dict]:
+    """The record over all samples, then one per needle depth (when the samples have depths)."""
+    new = [make_record(task=task, metric=metric, value=float(np.mean(scores)), n=len(scores), variant=variant,
+                       depth=None, seconds=seconds, **common)]
+    for depth in sorted({d for d in depths if d is not None}):
+        hits = [x for x, d in zip(scores, depths) if d == depth]
+        new.append(make_record(task=task, metric=metric, value=float(np.mean(hits)), n=len(hits), variant=variant,
+                               depth=depth, seconds=None, **common))
+    return new
 
 
 def evaluate(model, spec: EvalSpec, *, progress: bool = True,
-             on_record: Callable[[list[dict]], None] | None = None) -> EvalRun:
-    """Runs every (method, task, length) of `spec` on `model`.
+             on_record: Callable[[list[dict]], None] | None = None,
+             previous: Sequence[Mapping] = ()) -> EvalRun:
+    """Runs every (method, budget, task, variant, length) of `spec` on `model`.
 
     Args:
       model: a LoadedModel (anything with .cfg, .params, .tokenizer).
       spec: what to run (validated here).
       progress: show a tqdm progress bar on stderr.
-      on_record: called with all records so far after each (method, task, variant, length), e.g. to write
-        results.json as the run goes.
+      on_record: called with all records so far (`previous` first) after each unit, e.g. to write results.json
+        as the run goes.
+      previous: records of an earlier run of the same configuration: their units (`record_key`) are skipped
+        (the resume of an interrupted run) and they lead the returned records.
+    Returns:
+      EvalRun with `previous` + the new records and the new per-sample outputs.
     """
     from tqdm.auto import tqdm
 
@@ -679,9 +829,12 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
     if getattr(model, "tokenizer", None) is None:
         raise ValueError(f"model {getattr(model, 'name', '?')!r} has no tokenizer: the eval tasks need one (a "
                          "Hugging Face folder with tokenizer files, a GGUF, or the bundled smollm2)")
+    generation = {t: task for t, task in generation_tasks().items() if t in spec.tasks}
+    gen_new = max([spec.new_tokens] * ("passkey" in spec.tasks) + [t.max_new_tokens for t in generation.values()],
+                  default=spec.new_tokens)
     for length in spec.lengths:  # fail before any work on a length the model cannot run
-        if "passkey" in spec.tasks:
-            check_request(cfg, [length], spec.new_tokens)
+        if "passkey" in spec.tasks or generation:
+            check_request(cfg, [int(length * 1.01) + 1 if generation else length], gen_new)
         if "ppl" in spec.tasks:
             check_request(cfg, [length - 1], 1)
     corpus_ids = None
@@ -690,14 +843,20 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
         for length in spec.lengths:  # a corpus too short for the windows fails before any work
             ppl_task.check_windows(model.tokenizer, corpus_ids, length, spec.samples)
     methods = build_methods(model, spec)
-    if spec.budget_tokens is None:
-        runs = len(methods)
-    else:
-        runs = sum(len(spec.budget_tokens) if token_budget_options(m, 1, 2) else 1 for m in methods.values())
+    done = {record_key(r) for r in previous}
+    units = _units(spec)
+    # Max visible keys of a length (token budgets): the generation tasks' prompts may pass the length by 1%.
+    visible = {L: int(L * 1.01) + 1 + gen_new if generation else L + (gen_new if "passkey" in spec.tasks else 0)
+               for L in spec.lengths}
+    plan = [(L, run, [(t, v) for t, v in units
+                      if (run.name, None if run.budget_tokens is not None else run.budget, run.budget_tokens, t, L,
+                          v) not in done])
+            for L in spec.lengths for run in method_runs(model, spec, methods, visible[L])]
 
-    records: list[dict] = []
+    records: list[dict] = [dict(r) for r in previous]
     outputs: list[dict] = []
-    bar = tqdm(total=_calls(spec, runs), disable=not progress, unit="call", dynamic_ncols=True)
+    total = sum(_unit_calls(spec, L, t, v) for L, _, todo in plan for t, v in todo)
+    bar = tqdm(total=total, disable=not progress, unit="call", dynamic_ncols=True)
     tick = lambda: bar.update(1)  # noqa: E731
 
     def emit(new: list[dict]) -> None:
@@ -707,60 +866,81 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
 
     try:
         for length in spec.lengths:
+            todo_tasks = {t for L, _, todo in plan if L == length for t, _ in todo}
+            if not todo_tasks:
+                continue
             rows = spec.batch_rows(length)
             prompts = windows = None
-            if "passkey" in spec.tasks:
+            samples = {}
+            if "passkey" in todo_tasks:
                 prompts = passkey_task.make_prompts(
                     model.tokenizer, length, spec.samples, spec.seed, spec.depths,
                     corpus_ids if spec.haystack == "corpus" else None)
-            if "ppl" in spec.tasks:
+            if "ppl" in todo_tasks:
                 windows = ppl_task.make_windows(model.tokenizer, corpus_ids, length, spec.samples, spec.seed)
-            for name, method, budget, budget_tokens in method_runs(model, spec, methods, length):
+            haystack = spec.corpus if spec.haystack == "corpus" else spec.haystack
+            for name, task in generation.items():
+                if name in todo_tasks:
+                    samples[name] = task.make_samples(model.tokenizer, length, spec.samples, spec.seed,
+                                                      haystack=haystack, chat=spec.chat)
+            # One compiled generate per (method, length): every generation task pads to one width.
+            width = max([length] * (prompts is not None) + [len(s.tokens) for ss in samples.values() for s in ss],
+                        default=length)
+            for L, run, todo in plan:
+                if L != length or not todo:
+                    continue
+                method = run.build()
+                name, budget, budget_tokens = run.name, run.budget, run.budget_tokens
                 sparsity = achieved_sparsity(method, name, cfg, length)
-                label = name if budget_tokens is None else f"{name} k={budget_tokens}"
                 common = dict(method=name, length=length, budget=budget, budget_tokens=budget_tokens)
-                for task in spec.tasks:
+                for task, variant in todo:
+                    bar.set_description(f"{run.label} {task}{'' if task != 'ppl' else '-' + variant} {length}")
+                    t0 = time.perf_counter()
+                    measured = LayerSparsity(method, cfg)
                     if task == "passkey":
-                        bar.set_description(f"{label} passkey {length}")
-                        t0 = time.perf_counter()
-                        measured = LayerSparsity(method, cfg)
                         spec_stats = {}
                         completions = run_passkey(model, method, prompts, spec.new_tokens, rows, tick, measured,
-                                                  draft=spec.draft, gamma=spec.gamma, stats=spec_stats)
+                                                  draft=spec.draft, gamma=spec.gamma, stats=spec_stats,
+                                                  width=width, max_new_tokens=gen_new)
                         seconds = time.perf_counter() - t0
                         layers, mean = measured.result()
                         rate = None if not spec_stats else \
                             spec_stats["accepted"] / max(spec_stats["rounds"] * spec_stats["gamma"], 1)
-                        common_t = dict(common, sparsity=sparsity if mean is None else mean,
-                                        layer_sparsity=layers, acceptance_rate=rate)
                         correct = [passkey_task.is_correct(c, p.key) for p, c in zip(prompts, completions)]
                         for p, c, ok in zip(prompts, completions, correct):
-                            outputs.append(dict(method=name, length=length, budget_tokens=budget_tokens,
-                                                depth=p.depth, key=p.key, completion=c, correct=ok))
-                        new = [make_record(task="passkey", metric="accuracy", value=float(np.mean(correct)),
-                                           n=len(correct), variant="generate", depth=None, seconds=seconds,
-                                           **common_t)]
-                        for depth in spec.depths:
-                            hits = [ok for p, ok in zip(prompts, correct) if p.depth == depth]
-                            if hits:
-                                new.append(make_record(task="passkey", metric="accuracy",
-                                                       value=float(np.mean(hits)), n=len(hits),
-                                                       variant="generate", depth=depth, seconds=None,
-                                                       **common_t))
-                        emit(new)
+                            outputs.append(dict(task="passkey", method=name, budget=budget,
+                                                budget_tokens=budget_tokens, length=length, depth=p.depth,
+                                                answers=[p.key], completion=c, score=float(ok)))
+                        emit(_score_records("passkey", "accuracy", [float(ok) for ok in correct],
+                                            [p.depth for p in prompts], seconds, "generate",
+                                            sparsity=sparsity if mean is None else mean, layer_sparsity=layers,
+                                            acceptance_rate=rate, **common))
+                    elif task == "ppl":
+                        nll = run_ppl(model, method, windows, variant, rows, spec.chunk, tick,
+                                      spec.continuation, measured, draft=spec.draft, gamma=spec.gamma)
+                        seconds = time.perf_counter() - t0
+                        layers, mean = measured.result()
+                        emit([make_record(task="ppl", metric="perplexity", value=ppl_task.perplexity(nll),
+                                          n=len(nll), variant=variant, depth=None, seconds=seconds,
+                                          sparsity=sparsity if mean is None else mean,
+                                          layer_sparsity=layers, **common)])
                     else:
-                        for variant in spec.ppl_variants:
-                            bar.set_description(f"{label} ppl-{variant} {length}")
-                            t0 = time.perf_counter()
-                            measured = LayerSparsity(method, cfg)
-                            nll = run_ppl(model, method, windows, variant, rows, spec.chunk, tick,
-                                          spec.continuation, measured, draft=spec.draft, gamma=spec.gamma)
-                            seconds = time.perf_counter() - t0
-                            layers, mean = measured.result()
-                            emit([make_record(task="ppl", metric="perplexity", value=ppl_task.perplexity(nll),
-                                              n=len(nll), variant=variant, depth=None, seconds=seconds,
-                                              sparsity=sparsity if mean is None else mean,
-                                              layer_sparsity=layers, **common)])
+                        gen = generation[task]
+                        ss = samples[task]
+                        completions = run_generation(model, method, [s.tokens for s in ss], gen.max_new_tokens,
+                                                     rows, tick, measured, width=width, max_new_tokens=gen_new)
+                        seconds = time.perf_counter() - t0
+                        layers, mean = measured.result()
+                        from eval import tasks as task_registry
+
+                        scores = [float(task_registry.score(gen, c, s.answers)) for s, c in zip(ss, completions)]
+                        for s, c, x in zip(ss, completions, scores):
+                            outputs.append(dict(task=task, method=name, budget=budget, budget_tokens=budget_tokens,
+                                                length=length, depth=s.depth, answers=list(s.answers),
+                                                completion=c, score=x))
+                        emit(_score_records(task, gen.metric, scores, [s.depth for s in ss], seconds, variant,
+                                            sparsity=sparsity if mean is None else mean, layer_sparsity=layers,
+                                            **common))
     finally:
         bar.close()
-    return EvalRun(records=records, passkey_outputs=outputs)
+    return EvalRun(records=records, outputs=outputs)

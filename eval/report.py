@@ -1,12 +1,25 @@
-"""Writing an evaluation run: results.json (the records), summary.md (tables for people), run.json (metadata).
+"""Writing an evaluation run: results.json (the records), summary.md (tables), report.md + plots, run.json.
+
+results.json, schema version 2 (`SCHEMA_VERSION`; version 1 was the bare list of records):
+
+    {"schema_version": 2,
+     "meta": {...},      # the metadata of the latest run into the folder: command, model, date, commit, device,
+                         #   config (what must match for a run to resume into the folder), ...
+     "runs": [{...}],    # one entry per `jsparse eval` / `jsparse demo` invocation that wrote records here:
+                         #   command, date, commit, records (records it added)
+     "records": [...]}   # flat records, keys `eval.harness.RECORD_KEYS` (described in eval/harness.py)
 
 summary.md holds
-  - the results table: one row per method (per method and token budget, `kascade k=512`, when the run used
-    --budget-tokens), one column per (task [variant], length): passkey accuracy as `0.80 (8/10)`, perplexity
-    as `12.34`, with the change relative to dense in the same column when dense was run (`12.50 (+1.3%)`);
-  - achieved sparsity per method and length;
-  - the measured prefill attention-map sparsity per sparse layer (methods that report it, e.g. tsa);
-  - passkey accuracy per needle depth, one table per length.
+  - the results table: one row per method (per method and budget, `kascade b=0.05` / `kascade k=512`, when the
+    run swept budgets), one column per (task [variant], length): passkey accuracy as `0.80 (8/10)`, generation
+    tasks as their mean score, perplexity as `12.34`, with the change relative to dense in the same column when
+    dense was run (`12.50 (+1.3%)`);
+  - the fidelity gate, achieved sparsity per method and length, measured prefill sparsity per layer, and
+    accuracy per needle depth.
+
+report.md (`write_report(run_dir)`, regenerated from results.json alone) holds the leaderboard and the plots
+(PNG, matplotlib's Agg backend, in `plots/`): accuracy against achieved sparsity per task, perplexity change
+against achieved sparsity, and a needle depth x length heatmap per method; then summary.md's tables.
 """
 
 from __future__ import annotations
@@ -20,7 +33,10 @@ from typing import Any, Mapping, Sequence
 RESULTS_JSON = "results.json"
 SUMMARY_MD = "summary.md"
 RUN_JSON = "run.json"
-PASSKEY_OUTPUTS_JSON = "passkey_outputs.json"
+OUTPUTS_JSON = "outputs.json"
+REPORT_MD = "report.md"
+PLOTS_DIR = "plots"
+SCHEMA_VERSION = 2  # = eval.harness.SCHEMA_VERSION (tests/test_eval_sweep.py checks); bump both with RECORD_KEYS
 
 
 def _git_head() -> dict:
@@ -49,32 +65,51 @@ def run_metadata(**extra: Any) -> dict:
 
 
 def _column(r: Mapping) -> tuple:
-    task = r["task"] if r["task"] == "passkey" else f"ppl {r['variant']}"
-    return (r["length"], 0 if r["task"] == "passkey" else 1, task)
+    """(length, order, label) of a record's column: passkey first, then the generation tasks, then ppl."""
+    if r["task"] == "passkey":
+        return (r["length"], 0, "passkey")
+    if r["task"] == "ppl":
+        return (r["length"], 2, f"ppl {r['variant']}")
+    return (r["length"], 1, r["task"] if r["variant"] == "generate" else f"{r['task']} {r['variant']}")
 
 
 BELOW_DENSE = "**below dense**"
 
 
+def is_accuracy(r: Mapping) -> bool:
+    """Records of a task scored in [0, 1], higher is better (passkey and the generation tasks)."""
+    return r["metric"] != "perplexity"
+
+
 def below_dense(records: Sequence[Mapping]) -> list[tuple[str, int, Mapping, Mapping]]:
-    """The fidelity gate: (row label, length, record, dense record) for every passkey result (all depths pooled)
-    that scores below dense's at the same length. Nothing a summary shows can hide these."""
-    main = [r for r in records if r["task"] == "passkey" and r["depth"] is None]
-    dense = {r["length"]: r for r in main if r["method"] == "dense"}
-    return [(_row(r), r["length"], r, dense[r["length"]]) for r in main
-            if r["method"] != "dense" and r["length"] in dense and r["value"] < dense[r["length"]]["value"]]
+    """The fidelity gate: (row label, length, record, dense record) for every passkey or generation-task result
+    (all depths pooled) that scores below dense's at the same (task, variant, length). Nothing a summary shows can
+    hide these. The row label names the task unless it is passkey."""
+    row = row_labeler(records)
+    main = [r for r in records if is_accuracy(r) and r["depth"] is None]
+    dense = {(r["task"], r["variant"], r["length"]): r for r in main if r["method"] == "dense"}
+    out = []
+    for r in main:
+        d = dense.get((r["task"], r["variant"], r["length"]))
+        if r["method"] != "dense" and d is not None and r["value"] < d["value"]:
+            label = row(r) if r["task"] == "passkey" else f"{row(r)} {_column(r)[2]}"
+            out.append((label, r["length"], r, d))
+    return out
 
 
 def _cell(r: Mapping, dense: Mapping | None) -> str:
     if r["metric"] == "accuracy":
         hits = round(r["value"] * r["n"])
         text = f"{r['value']:.2f} ({hits}/{r['n']})"
-        if dense is not None and r["method"] != "dense" and r["value"] < dense["value"]:
-            text += " " + BELOW_DENSE
+    elif is_accuracy(r):
+        text = f"{r['value']:.2f}"
+    else:
+        text = f"{r['value']:.3f}"
+        if dense is not None and r["method"] != "dense":
+            text += f" ({100.0 * (r['value'] / dense['value'] - 1.0):+.1f}%)"
         return text
-    text = f"{r['value']:.3f}"
-    if dense is not None and r["method"] != "dense":
-        text += f" ({100.0 * (r['value'] / dense['value'] - 1.0):+.1f}%)"
+    if dense is not None and r["method"] != "dense" and r["value"] < dense["value"]:
+        text += " " + BELOW_DENSE
     return text
 
 
@@ -84,28 +119,41 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return lines
 
 
-def _row(r: Mapping) -> str:
-    """The row label of a record: its method, with its token budget when it has one."""
+def _row(r: Mapping, fractions: bool = False) -> str:
+    """The row label of a record: its method, with its token budget when it has one (`k=N`), and with its budget
+    fraction (`b=0.1`) when `fractions` (a run that swept several)."""
     k = r.get("budget_tokens")
-    return r["method"] if k is None else f"{r['method']} k={k}"
+    if k is not None:
+        return f"{r['method']} k={k}"
+    if fractions and r.get("budget") is not None:
+        return f"{r['method']} b={r['budget']:g}"
+    return r["method"]
+
+
+def row_labeler(records: Sequence[Mapping]):
+    """The row label function of a set of records: budget fractions shown when the records hold several."""
+    fractions = {r["budget"] for r in records if r.get("budget_tokens") is None and r.get("budget") is not None}
+    return lambda r: _row(r, len(fractions) > 1)
 
 
 def _methods(records: Sequence[Mapping]) -> list[str]:
+    row = row_labeler(records)
     seen: list[str] = []
     for r in records:
-        if _row(r) not in seen:
-            seen.append(_row(r))
+        if row(r) not in seen:
+            seen.append(row(r))
     return seen
 
 
 def summary_markdown(records: Sequence[Mapping], meta: Mapping | None = None) -> str:
     """The Markdown summary of a run's records (rows: methods; columns: task [variant] @ length)."""
     meta = dict(meta or {})
+    _row = row_labeler(records)  # noqa: N806  (shadows the module's: budget fractions when several)
     methods = _methods(records)
     main = [r for r in records if r["depth"] is None]
     columns = sorted({_column(r) for r in main})
     cells = {(_row(r), _column(r)): r for r in main}
-    budget = sorted({r["budget"] for r in records if r.get("budget_tokens") is None})
+    budget = sorted({r["budget"] for r in records if r.get("budget_tokens") is None and r.get("budget") is not None})
     tokens = sorted({r["budget_tokens"] for r in records if r.get("budget_tokens") is not None})
 
     lines = ["# Evaluation summary", ""]
@@ -131,21 +179,25 @@ def summary_markdown(records: Sequence[Mapping], meta: Mapping | None = None) ->
             row.append("" if r is None else _cell(r, cells.get(("dense", col))))
         rows.append(row)
     lines += ["## Results", "",
-              "passkey: exact-match accuracy of the key's digits (correct/total); ppl: perplexity over every "
+              "passkey: exact-match accuracy of the key's digits (correct/total); generation tasks (eval/tasks): "
+              "the mean of the task's metric (string_match_all / string_match_part) over the samples; ppl: perplexity over every "
               "token after the first (ppl continuation: over the last C tokens, the method's decode after its "
-              "prefill of the rest), with the change relative to dense; `k=N`: a fixed budget of N tokens.", ""]
+              "prefill of the rest), with the change relative to dense; `b=F`: a budget of the fraction F of the "
+              "context; `k=N`: a fixed budget of N tokens.", ""]
     lines += _table(header, rows) + [""]
 
     gate = below_dense(records)
     lines += ["## Fidelity gate", "",
-              "Passkey results below dense's at the same length (marked " + BELOW_DENSE + " above):", ""]
+              "Passkey and generation-task results below dense's at the same task and length (marked " + BELOW_DENSE
+              + " above):", ""]
     if gate:
         lines += [f"- {m} @{L}: {round(r['value'] * r['n'])}/{r['n']} against dense's "
                   f"{round(d['value'] * d['n'])}/{d['n']}" for m, L, r, d in gate]
-    elif any(r["method"] == "dense" and r["task"] == "passkey" for r in main):
-        lines += ["- none: every method scores at least dense's passkey."]
+    elif any(r["method"] == "dense" and is_accuracy(r) for r in main):
+        lines += ["- none: every method scores at least dense's passkey." if all(
+            r["task"] == "passkey" for r in main if is_accuracy(r)) else "- none: every method scores at least dense's."]
     else:
-        lines += ["- not checked: the run has no dense passkey result."]
+        lines += ["- not checked: the run has no dense passkey or generation-task result."]
     lines += [""]
 
     lengths = sorted({r["length"] for r in records})
@@ -186,35 +238,307 @@ def summary_markdown(records: Sequence[Mapping], meta: Mapping | None = None) ->
 
     by_depth = [r for r in records if r["depth"] is not None]
     if by_depth:
-        lines += ["## Passkey accuracy by needle depth", ""]
+        lines += ["## Accuracy by needle depth", "",
+                  "passkey, and the needle tasks of eval/tasks (one table per length and task).", ""]
         for L in lengths:
-            rs = [r for r in by_depth if r["length"] == L]
-            if not rs:
-                continue
-            depths = sorted({r["depth"] for r in rs})
-            cell = {(_row(r), r["depth"]): r for r in rs}
-            drows = [[m] + ["" if (m, d) not in cell else _cell(cell[(m, d)], None) for d in depths]
-                     for m in methods]
-            lines += [f"Length {L}:", ""] + _table(["method"] + [f"depth {d:g}" for d in depths], drows) + [""]
+            for col in sorted({_column(r) for r in by_depth if r["length"] == L}):
+                rs = [r for r in by_depth if _column(r) == col]
+                depths = sorted({r["depth"] for r in rs})
+                cell = {(_row(r), r["depth"]): r for r in rs}
+                drows = [[m] + ["" if (m, d) not in cell else _cell(cell[(m, d)], None) for d in depths]
+                         for m in methods if any((m, d) in cell for d in depths)]
+                title = f"Length {L}:" if col[2] == "passkey" else f"Length {L}, {col[2]}:"
+                lines += [title, ""] + _table(["method"] + [f"depth {d:g}" for d in depths], drows) + [""]
     return "\n".join(lines)
 
 
+def _dump(out_dir: str, name: str, obj: Any) -> None:
+    tmp = os.path.join(out_dir, name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, os.path.join(out_dir, name))  # a run killed mid-write leaves the previous file whole
+
+
+def read_results(run_dir: str) -> dict:
+    """The results.json of `run_dir` as {"schema_version", "meta", "runs", "records"}.
+
+    A version-1 file (a bare list of records) reads as version 1 with the meta of run.json beside it (or {})
+    and no runs. Raises FileNotFoundError when there is none, ValueError for a file of another form or a newer
+    schema.
+    """
+    path = os.path.join(run_dir, RESULTS_JSON)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} does not exist: expected the results.json of a `jsparse eval` run")
+    with open(path) as f:
+        data = json.load(f)
+    if isinstance(data, list):
+        meta = {}
+        if os.path.isfile(os.path.join(run_dir, RUN_JSON)):
+            with open(os.path.join(run_dir, RUN_JSON)) as f:
+                meta = json.load(f)
+        return {"schema_version": 1, "meta": meta, "runs": [], "records": data}
+    version = data.get("schema_version") if isinstance(data, dict) else None
+    if version != SCHEMA_VERSION or not isinstance(data.get("records"), list):
+        raise ValueError(f"{path}: schema_version {version!r}, expected {SCHEMA_VERSION} (or a version-1 list of "
+                         "records)")
+    return {"schema_version": version, "meta": data.get("meta") or {}, "runs": data.get("runs") or [],
+            "records": data["records"]}
+
+
 def write_results(out_dir: str, records: Sequence[Mapping], meta: Mapping | None = None,
-                  passkey_outputs: Sequence[Mapping] | None = None) -> None:
-    """Writes results.json, summary.md, run.json (when meta is given) and passkey_outputs.json (when given)."""
+                  outputs: Sequence[Mapping] | None = None, runs: Sequence[Mapping] | None = None) -> None:
+    """Writes results.json (schema `SCHEMA_VERSION`: meta, runs, records), summary.md, run.json (when meta is
+    given) and outputs.json (per-sample completions of the generation tasks, when given)."""
     os.makedirs(out_dir, exist_ok=True)
-
-    def dump(name: str, obj: Any) -> None:
-        tmp = os.path.join(out_dir, name + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, os.path.join(out_dir, name))
-
-    dump(RESULTS_JSON, list(records))
+    _dump(out_dir, RESULTS_JSON, {"schema_version": SCHEMA_VERSION, "meta": dict(meta or {}),
+                                  "runs": list(runs or []), "records": list(records)})
     if meta is not None:
-        dump(RUN_JSON, dict(meta))
-    if passkey_outputs is not None:
-        dump(PASSKEY_OUTPUTS_JSON, list(passkey_outputs))
+        _dump(out_dir, RUN_JSON, dict(meta))
+    if outputs is not None:
+        _dump(out_dir, OUTPUTS_JSON, list(outputs))
     with open(os.path.join(out_dir, SUMMARY_MD), "w") as f:
         f.write(summary_markdown(records, meta))
+
+
+# ------------------------------------------------------------------------------------------------ the report
+
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def leaderboard(records: Sequence[Mapping]) -> list[dict]:
+    """One row per (method, budget), best first: {label, method, budget, budget_tokens, sparsity, accuracy,
+    tasks: {task column: mean over lengths}, ppl_change, below_dense}.
+
+    accuracy: the mean over the row's (task, variant, length) results of passkey and the generation tasks (each
+    counts once); sparsity: its mean achieved sparsity (None when unreported); ppl_change: the mean relative
+    perplexity change against dense at the same (variant, length), in percent (None without dense or ppl);
+    below_dense: how many of its accuracy results fall below dense's. Sorted by accuracy (high first), then
+    perplexity change (low first).
+    """
+    row = row_labeler(records)
+    main = [r for r in records if r["depth"] is None]
+    dense_ppl = {(r["variant"], r["length"]): r["value"] for r in main if r["method"] == "dense" and not is_accuracy(r)}
+    gate = {id(r) for _, _, r, _ in below_dense(records)}
+    rows: dict[str, dict] = {}
+    for r in main:
+        e = rows.setdefault(row(r), dict(label=row(r), method=r["method"], budget=r["budget"],
+                                         budget_tokens=r.get("budget_tokens"), _acc=[], _sp=[], _ppl=[], _tasks={},
+                                         below_dense=0))
+        if r["sparsity"] is not None:
+            e["_sp"].append(r["sparsity"])
+        if is_accuracy(r):
+            e["_acc"].append(r["value"])
+            e["_tasks"].setdefault(_column(r)[2], []).append(r["value"])
+            e["below_dense"] += id(r) in gate
+        elif (r["variant"], r["length"]) in dense_ppl:
+            e["_ppl"].append(100.0 * (r["value"] / dense_ppl[(r["variant"], r["length"])] - 1.0))
+    out = []
+    for e in rows.values():
+        out.append(dict(label=e["label"], method=e["method"], budget=e["budget"], budget_tokens=e["budget_tokens"],
+                        sparsity=_mean(e["_sp"]), accuracy=_mean(e["_acc"]),
+                        tasks={t: _mean(v) for t, v in e["_tasks"].items()}, ppl_change=_mean(e["_ppl"]),
+                        below_dense=e["below_dense"]))
+    big = float("inf")
+    out.sort(key=lambda e: (-(e["accuracy"] if e["accuracy"] is not None else -1.0),
+                            e["ppl_change"] if e["ppl_change"] is not None else big, e["label"]))
+    return out
+
+
+def leaderboard_markdown(records: Sequence[Mapping]) -> list[str]:
+    rows = leaderboard(records)
+    tasks = sorted({t for e in rows for t in e["tasks"]}, key=lambda t: (t != "passkey", t))
+    fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
+    header = ["rank", "method", "budget", "sparsity", "mean accuracy"] + tasks + ["ppl change", "below dense"]
+    table = []
+    for i, e in enumerate(rows, 1):
+        budget = "none" if e["budget"] is None else (f"{e['budget_tokens']} tokens" if e["budget_tokens"] is not None
+                                                      else f"{e['budget']:g}")
+        table.append([str(i), e["label"], budget, fmt(e["sparsity"], ".3f"), fmt(e["accuracy"], ".3f")]
+                     + [fmt(e["tasks"].get(t), ".2f") for t in tasks]
+                     + ["" if e["ppl_change"] is None else f"{e['ppl_change']:+.1f}%", str(e["below_dense"])])
+    return _table(header, table)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _style(i: int) -> dict:
+    return dict(color=f"C{i % 10}", marker="osD^v<>ph*"[i % 10], linestyle=("-", "--", ":", "-.")[(i // 10) % 4])
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+
+
+def _grid(plt, n: int, width: float = 5.0, height: float = 3.8):
+    fig, axes = plt.subplots(1, n, figsize=(width * n, height), squeeze=False)
+    return fig, list(axes[0])
+
+
+def plot_accuracy_vs_sparsity(records: Sequence[Mapping], out_dir: str) -> list[tuple[str, str]]:
+    """One PNG per accuracy task: score against achieved sparsity, one subplot per length, one line per method
+    (its budgets), dense as a horizontal band (its score +- one binomial standard error). Returns [(path relative
+    to out_dir, caption)]."""
+    plt = _pyplot()
+    main = [r for r in records if r["depth"] is None and is_accuracy(r)]
+    methods = list(dict.fromkeys(r["method"] for r in records if r["method"] != "dense"))
+    written = []
+    for col in sorted({_column(r)[1:] for r in main}):
+        rs = [r for r in main if _column(r)[1:] == col]
+        lengths = sorted({r["length"] for r in rs})
+        fig, axes = _grid(plt, len(lengths))
+        unplotted = set()
+        for ax, L in zip(axes, lengths):
+            for r in rs:
+                if r["length"] == L and r["method"] == "dense":
+                    err = max((r["value"] * (1 - r["value"]) / max(r["n"], 1)) ** 0.5, 0.01)
+                    ax.axhspan(r["value"] - err, r["value"] + err, color="0.8", zorder=0, label="dense (+-1 s.e.)")
+                    ax.axhline(r["value"], color="0.4", linewidth=1, zorder=1)
+            for i, m in enumerate(methods):
+                pts = sorted((r["sparsity"], r["value"]) for r in rs
+                             if r["length"] == L and r["method"] == m and r["sparsity"] is not None)
+                if any(r["length"] == L and r["method"] == m and r["sparsity"] is None for r in rs):
+                    unplotted.add(m)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], label=m, **_style(i))
+            ax.set_title(f"{col[1]} @{L}")
+            ax.set_xlabel("achieved sparsity")
+            ax.set_ylabel("accuracy")
+            ax.set_ylim(-0.05, 1.05)
+            ax.grid(alpha=0.3)
+        axes[-1].legend(fontsize=7, loc="best")
+        fig.tight_layout()
+        name = f"{PLOTS_DIR}/accuracy_vs_sparsity_{_slug(col[1])}.png"
+        fig.savefig(os.path.join(out_dir, name), dpi=90)
+        plt.close(fig)
+        caption = f"{col[1]}: accuracy against achieved sparsity (one line per method over its budgets; grey band: dense)"
+        if unplotted:
+            caption += f"; not plotted (no sparsity reported): {', '.join(sorted(unplotted))}"
+        written.append((name, caption))
+    return written
+
+
+def plot_ppl_vs_sparsity(records: Sequence[Mapping], out_dir: str) -> list[tuple[str, str]]:
+    """One PNG: perplexity change against dense (%) against achieved sparsity, one subplot per (variant, length),
+    one line per method."""
+    plt = _pyplot()
+    main = [r for r in records if r["depth"] is None and not is_accuracy(r)]
+    dense = {(r["variant"], r["length"]): r["value"] for r in main if r["method"] == "dense"}
+    cols = sorted({(r["variant"], r["length"]) for r in main if (r["variant"], r["length"]) in dense},
+                  key=lambda c: (c[1], c[0]))
+    if not cols:
+        return []
+    methods = list(dict.fromkeys(r["method"] for r in records if r["method"] != "dense"))
+    fig, axes = _grid(plt, len(cols))
+    unplotted = set()
+    for ax, (variant, L) in zip(axes, cols):
+        ax.axhline(0.0, color="0.4", linewidth=1, label="dense")
+        for i, m in enumerate(methods):
+            rs = [r for r in main if r["variant"] == variant and r["length"] == L and r["method"] == m]
+            unplotted |= {m for r in rs if r["sparsity"] is None}
+            pts = sorted((r["sparsity"], 100.0 * (r["value"] / dense[(variant, L)] - 1.0)) for r in rs
+                         if r["sparsity"] is not None)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=m, **_style(i))
+        ax.set_title(f"ppl {variant} @{L}")
+        ax.set_xlabel("achieved sparsity")
+        ax.set_ylabel("perplexity change vs dense (%)")
+        ax.grid(alpha=0.3)
+    axes[-1].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    name = f"{PLOTS_DIR}/ppl_vs_sparsity.png"
+    fig.savefig(os.path.join(out_dir, name), dpi=90)
+    plt.close(fig)
+    caption = "perplexity change against dense (%) against achieved sparsity (one line per method over its budgets)"
+    if unplotted:
+        caption += f"; not plotted (no sparsity reported): {', '.join(sorted(unplotted))}"
+    return [(name, caption)]
+
+
+def plot_depth_heatmaps(records: Sequence[Mapping], out_dir: str) -> list[tuple[str, str]]:
+    """One PNG per method: accuracy by needle depth (rows) x length (columns), pooled over the needle tasks
+    (passkey and the eval/tasks needle tasks, weighted by samples), one panel per budget."""
+    plt = _pyplot()
+    row = row_labeler(records)
+    rs = [r for r in records if r["depth"] is not None and is_accuracy(r)]
+    written = []
+    for m in dict.fromkeys(r["method"] for r in rs):
+        mine = [r for r in rs if r["method"] == m]
+        labels = list(dict.fromkeys(row(r) for r in mine))
+        depths = sorted({r["depth"] for r in mine})
+        lengths = sorted({r["length"] for r in mine})
+        fig, axes = _grid(plt, len(labels), width=max(2.2 + 0.9 * len(lengths), 3.2), height=0.9 + 0.45 * len(depths))
+        for ax, label in zip(axes, labels):
+            grid = [[None] * len(lengths) for _ in depths]
+            for i, d in enumerate(depths):
+                for j, L in enumerate(lengths):
+                    cell = [r for r in mine if row(r) == label and r["depth"] == d and r["length"] == L]
+                    n = sum(r["n"] for r in cell)
+                    if n:
+                        grid[i][j] = sum(r["value"] * r["n"] for r in cell) / n
+            data = [[float("nan") if v is None else v for v in line] for line in grid]
+            ax.imshow(data, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
+            for i in range(len(depths)):
+                for j in range(len(lengths)):
+                    if grid[i][j] is not None:
+                        ax.text(j, i, f"{grid[i][j]:.2f}", ha="center", va="center", fontsize=7,
+                                color="white" if grid[i][j] < 0.6 else "black")
+            ax.set_xticks(range(len(lengths)), [str(L) for L in lengths])
+            ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+            ax.set_xlabel("length (tokens)")
+            ax.set_ylabel("needle depth")
+            ax.set_title(label, fontsize=9)
+        fig.tight_layout()
+        name = f"{PLOTS_DIR}/depth_heatmap_{_slug(m)}.png"
+        fig.savefig(os.path.join(out_dir, name), dpi=90)
+        plt.close(fig)
+        written.append((name, f"{m}: accuracy by needle depth x length (needle tasks pooled; one panel per budget)"))
+    return written
+
+
+def report_markdown(records: Sequence[Mapping], meta: Mapping | None, plots: Sequence[tuple[str, str]]) -> str:
+    """report.md: the leaderboard, the plots, then the tables of summary.md."""
+    summary = summary_markdown(records, meta).split("\n")
+    head = summary[:summary.index("## Results")] if "## Results" in summary else summary
+    rest = summary[len(head):]
+    lines = ["# Evaluation report"] + head[1:]
+    lines += ["## Leaderboard", "",
+              "One row per method and budget, best first: mean accuracy over passkey and the generation tasks (each "
+              "task and length once), then the mean perplexity change against dense (every ppl variant and length); "
+              "sparsity: mean achieved sparsity (blank: not reported); below dense: results under dense's (the "
+              "fidelity gate below).", ""]
+    lines += leaderboard_markdown(records) + [""]
+    if plots:
+        lines += ["## Plots", ""]
+        for path, caption in plots:
+            lines += [f"![{caption}]({path})", "", f"*{caption}*", ""]
+    return "\n".join(lines + rest)
+
+
+def write_report(run_dir: str) -> list[str]:
+    """Regenerates report.md, summary.md and the PNG plots of `run_dir` from its results.json alone.
+
+    Returns the paths written (report.md first). Plots: `plots/accuracy_vs_sparsity_TASK.png` per accuracy task,
+    `plots/ppl_vs_sparsity.png` (with dense perplexity in the run), `plots/depth_heatmap_METHOD.png` per method
+    with needle-depth records.
+    """
+    data = read_results(run_dir)
+    records, meta = data["records"], data["meta"]
+    os.makedirs(os.path.join(run_dir, PLOTS_DIR), exist_ok=True)
+    plots = (plot_accuracy_vs_sparsity(records, run_dir) + plot_ppl_vs_sparsity(records, run_dir)
+             + plot_depth_heatmaps(records, run_dir))
+    with open(os.path.join(run_dir, REPORT_MD), "w") as f:
+        f.write(report_markdown(records, meta, plots))
+    with open(os.path.join(run_dir, SUMMARY_MD), "w") as f:
+        f.write(summary_markdown(records, meta))
+    return [os.path.join(run_dir, REPORT_MD)] + [os.path.join(run_dir, p) for p, _ in plots]

@@ -166,8 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
         m.set_defaults(func=cmd_calibrate)
 
     from eval.cli_eval import add_eval_parser
+    from eval.demo import add_demo_parser
 
     add_eval_parser(sub)
+    add_demo_parser(sub)
 
     from train.cli_train import add_train_parser
 

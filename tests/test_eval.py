@@ -36,12 +36,14 @@ SEEN_ARTIFACTS: list = []
 @register("eval_test_sparse")
 @struct.dataclass
 class _TestSparse:
-    """Dense attention that reports achieved sparsity 0.5 (a stand-in for a sparse method)."""
+    """Dense attention that reports achieved sparsity 0.5 (a stand-in for a sparse method with a budget)."""
+
+    budget: float = struct.field(pytree_node=False, default=0.1)
 
     @classmethod
     def build(cls, budget=None, artifact=None, **unused):
         SEEN_ARTIFACTS.append(artifact)
-        return cls()
+        return cls(budget=0.1 if budget is None else budget)
 
     def init_state(self, cfg, batch, max_len):
         return None
@@ -270,12 +272,15 @@ def test_eval_command_writes_records_and_summary(model, corpus, tmp_path, monkey
     assert [f._cache_size() - b for f, b in zip(jitted, before)] == [4, 4, 4]
     assert SEEN_ARTIFACTS == ["some/artifact"]
 
-    records = json.loads((out / "results.json").read_text())
-    assert isinstance(records, list)
+    data = json.loads((out / "results.json").read_text())
+    assert data["schema_version"] == report.SCHEMA_VERSION == 2
+    assert data["meta"]["command"] == shlex.join(["jsparse", *argv]) and len(data["runs"]) == 1
+    records = data["records"]
+    assert data["runs"][0]["records"] == len(records)
     for r in records:
         assert tuple(r) == harness.RECORD_KEYS
         assert {"task", "method", "length", "budget", "metric", "value", "sparsity", "n"} <= set(r)
-        assert r["budget"] == 0.25
+        assert r["budget"] == {"dense": None, "eval_test_sparse": 0.25}[r["method"]]  # dense takes no budget
         assert r["sparsity"] == {"dense": 0.0, "eval_test_sparse": 0.5}[r["method"]]
     main = [r for r in records if r["depth"] is None]
     assert sorted((r["method"], r["task"], r["variant"], r["length"]) for r in main) == sorted(
@@ -301,8 +306,10 @@ def test_eval_command_writes_records_and_summary(model, corpus, tmp_path, monkey
     assert [row.split("|")[1].strip() for row in rows] == ["dense", "eval_test_sparse"]
     assert "passkey @128" in table and "ppl decode @192" in table and "ppl prefill @128" in table
     assert re.search(r"\([+-]0\.0%\)", table)  # relative to dense
-    outputs = json.loads((out / "passkey_outputs.json").read_text())
-    assert len(outputs) == 2 * 2 * 2 and {o["key"] for o in outputs} and all("completion" in o for o in outputs)
+    outputs = json.loads((out / "outputs.json").read_text())
+    assert len(outputs) == 2 * 2 * 2 and all(o["task"] == "passkey" and len(o["answers"]) == 1 for o in outputs)
+    assert all("completion" in o and o["score"] in (0.0, 1.0) for o in outputs)
+    assert (out / "report.md").is_file() and "## Leaderboard" in (out / "report.md").read_text()
     meta = json.loads((out / "run.json").read_text())
     assert meta["model"] == "tiny-random" and meta["command"] == shlex.join(["jsparse", *argv])
 

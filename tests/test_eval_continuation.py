@@ -108,7 +108,7 @@ def test_harness_continuation_records_and_layer_sparsity(model, corpus, tmp_path
     assert "ppl continuation @96" in md and "## Prefill attention-map sparsity per sparse layer" in md
     assert "| tsa | ppl continuation @96 |" in md and "continuation tokens: 20" in md
     report.write_results(str(tmp_path), run.records)
-    assert json.loads((tmp_path / "results.json").read_text())[0]["layer_sparsity"] is None
+    assert json.loads((tmp_path / "results.json").read_text())["records"][0]["layer_sparsity"] is None
 
 
 # ------------------------------------------------------------------------------------------------ token budgets
@@ -146,13 +146,14 @@ def test_eval_command_budget_tokens(model, corpus, tmp_path, monkeypatch):
          "--budget-tokens", "16,32", "--samples", "1", "--corpus", corpus, "--ppl-variants", "decode",
          "--chunk", "64", "--out", str(out), "--no-progress"])
     assert args.func(args) == 0
-    records = json.loads((out / "results.json").read_text())
+    records = json.loads((out / "results.json").read_text())["records"]
     got = sorted((r["method"], r["budget_tokens"]) for r in records)
     assert got == [("dense", None), ("oracle", 16), ("oracle", 32), ("sink-local", 16), ("sink-local", 32)]
     by = {(r["method"], r["budget_tokens"]): r for r in records}
     assert by[("oracle", 16)]["sparsity"] > by[("oracle", 32)]["sparsity"] > 0.0  # a smaller budget skips more
     assert by[("oracle", 16)]["value"] != by[("oracle", 32)]["value"]
-    assert by[("sink-local", 16)]["budget"] == by[("dense", None)]["budget"] == 0.1  # evosparse: budget_tokens
+    assert by[("sink-local", 16)]["budget"] == 16 / 64  # evosparse: budget_tokens = 16 of the 64 visible keys
+    assert by[("dense", None)]["budget"] is None  # dense takes no budget
     assert 0.0 < by[("oracle", 16)]["budget"] <= 16 / 64
     summary = (out / "summary.md").read_text()
     assert "| oracle k=16 |" in summary and "| sink-local k=32 |" in summary and "budget tokens: 16, 32" in summary

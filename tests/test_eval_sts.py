@@ -27,7 +27,7 @@ def test_eval_sts_full_budget_matches_dense(model, corpus):  # noqa: F811
     for variant in ("prefill", "continuation"):  # STS-P; STS-D as teacher-forced rounds (37 = 12 rounds of 3, + 1)
         np.testing.assert_allclose(main[("sts", "ppl", variant)]["value"], main[("dense", "ppl", variant)]["value"],
                                    rtol=1e-4)
-    answers = {m: [o["completion"] for o in run.passkey_outputs if o["method"] == m] for m in ("dense", "sts")}
+    answers = {m: [o["completion"] for o in run.outputs if o["method"] == m] for m in ("dense", "sts")}
     assert answers["sts"] == answers["dense"]
     assert "acceptance rate" in summary_markdown(run.records)
 

@@ -8,7 +8,8 @@
     `.venv/bin/jsparse ARGS` / `jsparse ARGS`: run through `jsparse.cli.main` (the console script's function),
       with `--out` in a temporary folder (later commands reading it read that folder) and, to stay fast,
       `--lengths` cut to 512 and `calibrate` on one development prompt of 512 tokens (every other argument as
-      written); the files `eval` says it writes are checked;
+      written); the files `eval` says it writes are checked; `demo` (every method on five tasks: minutes, timed by
+      hand in the README) is checked for the `eval` run it makes, not run;
     `bash scripts/test.sh`: this suite itself (not run again here; checked to parse);
   any other command fails the test, so a new block needs a check here.
 - ```text blocks are synopses (`jsparse generate --model {smollm2|...}`), not run; every command they name exists.
@@ -98,9 +99,18 @@ def _run_jsparse(args: list[str], tmp_path: Path, monkeypatch, outs: dict[str, s
             if flag not in args:
                 args += [flag, value]
     monkeypatch.chdir(ROOT)
+    if args[0] == "demo":
+        from eval import cli_eval
+
+        seen = []
+        with monkeypatch.context() as m:
+            m.setattr(cli_eval, "run_eval", lambda a: seen.append(cli_eval.spec_from_args(a)) or 0)
+            assert main(args) == 0, f"jsparse {shlex.join(args)} failed"
+        assert len(seen) == 1 and "dense" in seen[0].methods and len(seen[0].tasks) >= 5
+        return
     assert main(args) == 0, f"jsparse {shlex.join(args)} failed"
     if args[0] == "eval":
-        records = json.loads((out / "results.json").read_text())
+        records = json.loads((out / "results.json").read_text())["records"]
         methods = args[args.index("--methods") + 1].split(",")
         tasks = args[args.index("--tasks") + 1].split(",")
         assert {r["method"] for r in records} == set(methods)

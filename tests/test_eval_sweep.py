@@ -1,0 +1,264 @@
+"""Budget sweeps, generation tasks, resuming an interrupted run, and the report (eval/harness.py, eval/report.py).
+
+Runs on the tiny random Llama and tokenizer of tests/test_eval.py with a test-only generation task registered
+for the test ("sweep_test_task": seeded random prompts of two lengths with needle depths); the library's own
+tasks are tested in their own files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+
+import numpy as np
+import pytest
+
+import jsparse
+from eval import cli_eval, harness, report
+from eval import tasks as task_registry
+from test_eval import corpus, model, tokenizer  # noqa: F401  (fixtures)
+
+TASK = "sweep_test_task"
+
+
+def _make_samples(tokenizer, length, samples, seed, *, haystack="repeat", chat=False):
+    """Seeded random prompts of `length` or `length - 3` tokens (ragged batches); answers are two token strings."""
+    rng = np.random.default_rng([seed, length])
+    out = []
+    for i in range(samples):
+        n = length - 3 * (i % 2)
+        tokens = tuple(int(t) for t in rng.integers(2, len(tokenizer), n))
+        answers = (tokenizer.decode([tokens[5]]), tokenizer.decode([tokens[7]]))
+        out.append(task_registry.Sample(task=TASK, tokens=tokens, answers=answers, depth=(0.25, 0.75)[i % 2],
+                                        length=n))
+    return out
+
+
+@pytest.fixture
+def test_task(monkeypatch):
+    task = task_registry.Task(name=TASK, metric="string_match_all", max_new_tokens=3, make_samples=_make_samples,
+                              doc="test-only")
+    monkeypatch.setitem(task_registry.TASKS, TASK, task)
+    return task
+
+
+def _parser():
+    parser = argparse.ArgumentParser(prog="jsparse")
+    cli_eval.add_eval_parser(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def test_generation_of_ragged_batch_equals_one_prompt_at_a_time(model, test_task):
+    samples = _make_samples(model.tokenizer, 40, 3, seed=1)
+    assert {len(s.tokens) for s in samples} == {40, 37}
+    dense = jsparse.build_method("dense", model)
+    prompts = [s.tokens for s in samples]
+    batched = harness.run_generation(model, dense, prompts, 3, rows=2, width=48, max_new_tokens=5)
+    alone = [harness.run_generation(model, dense, [p], 3, rows=1)[0] for p in prompts]
+    assert batched == alone and any(batched)
+    with pytest.raises(ValueError, match="width=30"):
+        harness.run_generation(model, dense, prompts, 3, rows=2, width=30)
+
+
+def test_sweep_resumes_where_it_stopped(model, corpus, test_task, tmp_path, monkeypatch):
+    monkeypatch.setattr(jsparse, "load", lambda spec, dtype=None, **kw: model)
+    out = tmp_path / "run"
+    argv = ["eval", "--model", "tiny", "--methods", "dense,oracle", "--tasks", f"{TASK},ppl", "--lengths", "64",
+            "--budgets", "0.25,0.5", "--budget-tokens", "16", "--method-option", "oracle.min_tokens=4",
+            "--ppl-variants", "prefill", "--samples", "2",
+            "--corpus", corpus, "--out", str(out), "--no-progress", "--no-report"]
+    units = {(m, b, k, t, 64, v) for m, b, k in (("dense", None, None), ("oracle", 0.25, None),
+                                                 ("oracle", 0.5, None), ("oracle", None, 16))
+             for t, v in ((TASK, "generate"), ("ppl", "prefill"))}
+    calls = []
+    real_gen, real_ppl = harness.run_generation, harness.run_ppl
+
+    def counting(real, kind, stop_at=None):
+        def run(*a, **k):
+            calls.append(kind)
+            if stop_at is not None and len(calls) == stop_at:
+                raise KeyboardInterrupt  # the user stops the run in its 5th unit
+            return real(*a, **k)
+        return run
+
+    monkeypatch.setattr(harness, "run_generation", counting(real_gen, "gen", stop_at=5))
+    monkeypatch.setattr(harness, "run_ppl", counting(real_ppl, "ppl", stop_at=5))
+    args = _parser().parse_args(argv)
+    with pytest.raises(KeyboardInterrupt):
+        args.func(args)
+    first = json.loads((out / "results.json").read_text())
+    done = {harness.record_key(r) for r in first["records"]}
+    assert report.SCHEMA_VERSION == harness.SCHEMA_VERSION
+    assert len(done) == 4 and done < units and first["runs"][0]["records"] == len(first["records"])
+
+    # The rerun runs only the 4 missing units and keeps the first run's records as they were.
+    calls.clear()
+    monkeypatch.setattr(harness, "run_generation", counting(real_gen, "gen"))
+    monkeypatch.setattr(harness, "run_ppl", counting(real_ppl, "ppl"))
+    args = _parser().parse_args(argv)
+    assert args.func(args) == 0
+    assert len(calls) == 4
+    data = json.loads((out / "results.json").read_text())
+    main = [r for r in data["records"] if r["depth"] is None]
+    assert sorted(map(harness.record_key, main), key=str) == sorted(units, key=str)  # each unit once
+    assert data["records"][:len(first["records"])] == first["records"]
+    assert [r["records"] for r in data["runs"]] == [len(first["records"]), len(data["records"]) - len(first["records"])]
+    by = {harness.record_key(r)[:3] + (r["task"],): r for r in main}
+    assert by[("dense", None, None, "ppl")]["budget"] is None  # dense takes no budget
+    assert by[("oracle", 0.25, None, "ppl")]["sparsity"] > by[("oracle", 0.5, None, "ppl")]["sparsity"] > 0.0
+    gen = by[("oracle", 0.25, None, TASK)]
+    assert gen["metric"] == "string_match_all" and gen["n"] == 2 and 0.0 <= gen["value"] <= 1.0
+    depth = [r for r in data["records"] if r["task"] == TASK and r["depth"] is not None]
+    assert sorted({r["depth"] for r in depth}) == [0.25, 0.75] and all(r["n"] == 1 for r in depth)
+    outputs = json.loads((out / "outputs.json").read_text())  # the rerun's completions (2 samples per unit)
+    assert len(outputs) == 2 * sum(1 for u in units - done if u[3] == TASK)
+    assert all(o["task"] == TASK and len(o["answers"]) == 2 and o["score"] in (0.0, 0.5, 1.0) for o in outputs)
+
+    # A third run has nothing left to do; another configuration is refused before any work.
+    calls.clear()
+    args = _parser().parse_args(argv)
+    assert args.func(args) == 0 and calls == []
+    assert json.loads((out / "results.json").read_text())["records"] == data["records"]
+    args = _parser().parse_args(argv + ["--seed", "2"])
+    with pytest.raises(ValueError, match=r"was run with seed=0, this run has seed=2: .*--overwrite"):
+        args.func(args)
+    args = _parser().parse_args(argv + ["--overwrite", "--tasks", "ppl", "--budgets", "0.25"])
+    assert args.func(args) == 0
+    assert len(json.loads((out / "results.json").read_text())["records"]) == 3  # dense, oracle 0.25, oracle k=16
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--budgets", "0"], r"budget '0': expected a fraction of the context in \(0, 1\]"),
+    (["--budgets", "0.1,1.5"], r"budget '1.5': expected a fraction"),
+    (["--budgets", "256"], r"budget '256': .*token budgets go to --budget-tokens"),
+    (["--budgets", "0.1,abc"], r"budget 'abc': expected a fraction"),
+    (["--budgets", "0.1,0.1"], r"names a budget twice"),
+    (["--budgets", " , "], r"--budgets: expected a comma-separated list"),
+    (["--budgets", "0.1", "--budget", "0.2"], r"--budget 0.2 and --budgets 0.1 both given"),
+    (["--budget-tokens", "0"], r"budget tokens '0'"),
+    (["--tasks", "nosuch_task"], r"unknown task 'nosuch_task'; valid tasks: passkey, ppl"),
+])
+def test_bad_budgets_fail_before_loading(extra, match, tmp_path, monkeypatch):
+    monkeypatch.setattr(jsparse, "load", lambda *a, **k: pytest.fail("the model must not be loaded"))
+    args = _parser().parse_args(["eval", "--out", str(tmp_path / "x"), "--no-progress"] + extra)
+    with pytest.raises(ValueError, match=match):
+        args.func(args)
+    assert not os.path.exists(tmp_path / "x")
+
+
+def test_resume_refuses_a_version_1_results_file(tmp_path):
+    (tmp_path / "results.json").write_text("[]")
+    with pytest.raises(ValueError, match="schema version 1 .*--overwrite"):
+        cli_eval.resume_config(str(tmp_path), {"seed": 0}, overwrite=False)
+    assert cli_eval.resume_config(str(tmp_path), {"seed": 0}, overwrite=True) == ([], [], {"seed": 0})
+    # Paths inside the repository are recorded relative to it, so committed results resume in another clone.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(cli_eval.__file__)))
+    inside = os.path.join(root, "artifacts", "smollm2", "tsa") + os.pathsep + os.path.join(root, "eval", "data")
+    assert cli_eval.portable_path(inside) == os.path.join("artifacts", "smollm2", "tsa") + os.pathsep + os.path.join(
+        "eval", "data")
+    assert cli_eval.portable_path(str(tmp_path)) == str(tmp_path) and cli_eval.portable_path(None) is None
+
+
+# ------------------------------------------------------------------------------------------------ the report
+
+
+def _records():
+    """A synthetic sweep: dense, oracle at 3 budgets, tsa (no budget), streaming (no sparsity reported)."""
+    rec = []
+
+    def add(method, budget, sparsity, acc, ppl, tokens=None):
+        common = dict(method=method, budget=budget, budget_tokens=tokens, sparsity=sparsity, seconds=1.0)
+        for L in (256, 512):
+            for task, metric in (("passkey", "accuracy"), ("niah_single_number", "string_match_all")):
+                rec.append(harness.make_record(task=task, length=L, metric=metric, value=acc, n=4,
+                                               variant="generate", depth=None, **common))
+                for d in (0.25, 0.75):
+                    rec.append(harness.make_record(task=task, length=L, metric=metric, value=acc * d, n=2,
+                                                   variant="generate", depth=d, **common))
+            rec.append(harness.make_record(task="ppl", length=L, metric="perplexity", value=ppl, n=4,
+                                           variant="continuation", depth=None, **common))
+
+    add("dense", None, 0.0, 1.0, 10.0)
+    for b, s, a, p in ((0.05, 0.9, 0.5, 12.0), (0.1, 0.8, 0.75, 11.0), (0.2, 0.6, 1.0, 10.2)):
+        add("oracle", b, s, a, p)
+    add("oracle", 64 / 512, 0.85, 0.25, 13.0, tokens=64)
+    add("tsa", None, 0.3, 1.0, 10.1)
+    add("streaming", 0.1, None, 0.0, 15.0)
+    return rec
+
+
+def test_write_report_makes_leaderboard_and_plots(tmp_path):
+    records = _records()
+    report.write_results(str(tmp_path), records, {"command": "jsparse eval ...", "model": "m"})
+    (tmp_path / "report.md").write_text("stale")
+    written = report.write_report(str(tmp_path))
+    pngs = sorted(os.path.relpath(p, tmp_path) for p in written if p.endswith(".png"))
+    assert pngs == sorted(["plots/accuracy_vs_sparsity_passkey.png", "plots/accuracy_vs_sparsity_niah_single_number.png",
+                           "plots/ppl_vs_sparsity.png"]
+                          + [f"plots/depth_heatmap_{m}.png" for m in ("dense", "oracle", "tsa", "streaming")])
+    for p in pngs:
+        assert (tmp_path / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / p).stat().st_size > 5000
+    md = (tmp_path / "report.md").read_text()
+    assert md.startswith("# Evaluation report") and "jsparse eval ..." in md
+    board = md.split("## Leaderboard")[1].split("##")[0]
+    rows = [line.split("|")[2].strip() for line in board.splitlines() if line.startswith("| ") and "rank" not in line]
+    # accuracy first (dense, tsa and oracle b=0.2 all 1.0: then the perplexity change), streaming last.
+    assert rows == ["dense", "tsa", "oracle b=0.2", "oracle b=0.1", "oracle b=0.05", "oracle k=64", "streaming b=0.1"]
+    assert "| 3 | oracle b=0.2 | 0.2 | 0.600 | 1.000 | 1.00 | 1.00 | +2.0% | 0 |" in board
+    assert "| 1 | dense | none | 0.000 |" in board
+    assert "| 6 | oracle k=64 | 64 tokens | 0.850 | 0.250 | 0.25 | 0.25 | +30.0% | 4 |" in board  # 4 below dense
+    assert "| 7 | streaming b=0.1 | 0.1 |  | 0.000 |" in board  # no sparsity reported: blank
+    for p in pngs:
+        assert f"]({p})" in md
+    assert "not plotted (no sparsity reported): streaming" in md  # its line is missing
+    assert "## Fidelity gate" in md and "- oracle b=0.05 niah_single_number @256" in md
+    assert (tmp_path / "summary.md").read_text().startswith("# Evaluation summary")
+    # Version 1 files (a bare list) still make a report; unknown versions are refused.
+    (tmp_path / "results.json").write_text(json.dumps(records))
+    assert report.read_results(str(tmp_path))["schema_version"] == 1 and report.write_report(str(tmp_path))
+    (tmp_path / "results.json").write_text(json.dumps({"schema_version": 99, "records": []}))
+    with pytest.raises(ValueError, match="schema_version 99, expected 2"):
+        report.write_report(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="results.json"):
+        report.write_report(str(tmp_path / "nothing"))
+
+
+# ------------------------------------------------------------------------------------------------ jsparse demo
+
+
+def test_demo_command_runs_eval_with_every_cpu_method(tmp_path, monkeypatch):
+    from eval import demo
+    from jsparse import cli
+
+    seen = {}
+
+    def fake_run_eval(args):
+        seen["args"] = args
+        return 0
+
+    monkeypatch.setattr(cli_eval, "run_eval", fake_run_eval)
+    out = str(tmp_path / "demo")
+    assert cli.main(["demo", "--out", out, "--no-progress"]) == 0
+    args = seen["args"]
+    spec = cli_eval.spec_from_args(args)
+    assert args.out == out and args.model == "smollm2" and args.no_progress
+    assert spec.methods == demo.METHODS and set(spec.methods) >= {"dense", "oracle", "kascade", "tsa", "evosparse"}
+    assert spec.fractions() == (0.1,) and spec.budget_tokens is None and spec.lengths == (2048,)
+    assert spec.tasks == ("passkey", "niah_single_number", "niah_multikey", "coref", "ppl")
+    assert sum(t not in harness.TASKS + ("coref",) for t in spec.tasks) == 2  # two RULER tasks
+    assert spec.samples == 2 and spec.ppl_variants == ("continuation",)
+    for name in ("kascade", "tsa", "evosparse", "butler"):
+        assert os.path.isdir(spec.artifacts[name]), spec.artifacts[name]
+    assert spec.method_options == {"butler": {"rebalance": False}}
+    assert args.command_line == "jsparse demo --out " + out + " --no-progress"
+    # Every registered method but sts (a draft) and the ablations runs in the demo.
+    from jsparse.methods import method_names
+
+    left_out = set(method_names()) - set(demo.METHODS) - {"eval_test_sparse"}  # test_eval.py registers it
+    assert left_out == {"sts", "evosparse-noheat", "evosparse-noretrieval", "sink-local", "butler-local",
+                        "butler-paper"}
+    assert cli.main(["demo", "--out", out, "--lengths", "2048,4096", "--samples", "3"]) == 0
+    spec = cli_eval.spec_from_args(seen["args"])
+    assert spec.lengths == (2048, 4096) and spec.samples == 3 and not seen["args"].no_progress
