@@ -243,7 +243,7 @@ def main(argv=None, prog=None):
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of --compare-unsharded (default 5)")
     p.add_argument("--tiny", action="store_true",
                    help="smoke run on tiny shapes (CPU): shape tiny, context 96, batch 2, 2 steps, f32")
-    p.add_argument("--out", default=None, help="JSON file to write")
+    bm.add_out_argument(p, "sharded.json")  # --compare-unsharded: sharded_vs_unsharded.json in a folder --out
     a = p.parse_args(argv)
     if a.tiny:
         a.shape, a.context, a.batch, a.steps, a.dtype, a.rounds, a.block = "tiny", 96, 2, 2, "float32", 1, 8
@@ -256,11 +256,13 @@ def main(argv=None, prog=None):
             raise ValueError(f"--methods: unknown method {m!r}; expected among {METHODS}")
     dtype = jnp.bfloat16 if a.dtype == "bfloat16" else jnp.float32
     if a.compare_unsharded:
+        out = bm.out_path(a.out, "sharded_vs_unsharded.json") if a.out != "sharded.json" else \
+            "sharded_vs_unsharded.json"
         return run_compare(cfg, a.shape, methods, a.batch, a.context, a.budget, a.block, a.steps, a.rounds, dtype,
-                           a.out)
+                           out)
     devices = [int(x) for x in (a.devices or "1,2,4,8").split(",")]
     return run_sharded(cfg, a.shape, methods, devices, a.layout, a.batch, a.context, a.budget, a.block, a.steps,
-                       dtype, a.out)
+                       dtype, bm.out_path(a.out, "sharded.json"))
 
 
 if __name__ == "__main__":
