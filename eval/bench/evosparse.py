@@ -69,7 +69,6 @@ from eval.bench import model as bench_model
 from eval.bench.common import add_out_argument, device_facts, measure_hbm_gbs, out_path, table, time_ms, write_json
 from jsparse.xla_flags import set_xla_flags
 from jsparse.methods.evosparse import EvoSparse, EvoState, decay_heat, default_num_heads
-from models import llama
 from models.attention import LayerContext, LayerKV
 from models.attention import start as start_forward
 from models.cache import KVCache
