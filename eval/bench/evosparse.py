@@ -69,7 +69,6 @@ from eval.bench import model as bench_model
 from eval.bench.common import add_out_argument, device_facts, measure_hbm_gbs, out_path, table, time_ms, write_json
 from jsparse.xla_flags import set_xla_flags
 from jsparse.methods.evosparse import EvoSparse, EvoState, decay_heat, default_num_heads
-from models import llama
 from models.attention import LayerContext, LayerKV
 from models.attention import start as start_forward
 from models.cache import KVCache
@@ -463,14 +462,8 @@ def model_program_rows(B: int, heads_model, hbm) -> list[dict]:
     return rows
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "steps"), donate_argnames=("cache", "state"))
-def decode_steps(params, method, tok, cache, state, *, cfg, steps):
-    """bench_model.decode_steps with the method's state (EvoSparse's heat) carried across the steps."""
-    def body(_, carry):
-        tok, cache, state = carry
-        logits, cache, state = llama.decode(params, cfg, method, tok, cache, state)
-        return jnp.argmax(logits, -1).astype(jnp.int32), cache, state
-    return jax.lax.fori_loop(0, steps, body, (tok, cache, state))
+# bench_model.decode_steps with the method's state (EvoSparse's heat) carried across the steps.
+decode_steps = bench_model.method_decode_steps
 
 
 def e2e_rows(batches, steps, hbm, heads_model, params, t0) -> list[dict]:
