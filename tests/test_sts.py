@@ -276,3 +276,27 @@ def test_sts_option_errors():
         cfg = type("C", (), {"num_layers": 2, "num_heads": 2, "num_kv_heads": 1})()
         draft = type("D", (), {"cfg": cfg})()
         STS.build(cfg=cfg, draft=draft, head_map=np.zeros((2, 2, 2), np.int32), dense_layers=3)
+
+
+def test_sts_draft_carry_pools_the_steps():
+    """carry = 0 keeps the last step's weights alone; carry > 0 adds the decayed earlier record."""
+    from types import SimpleNamespace
+
+    from jsparse.methods.sts import StsDraft, empty_record
+
+    B, Hq, Hkv, N, D = 1, 2, 1, 16, 8
+    key = jax.random.key(0)
+    k = jax.random.normal(key, (B, Hkv, N, D))
+    cache = SimpleNamespace(k=k, v=k)
+    q = jax.random.normal(jax.random.key(1), (B, 1, Hq, D))
+    ctx = SimpleNamespace(layer=0, lengths=jnp.asarray([12]))
+    rec = empty_record(1, B, Hq, 1, 12)
+    rec = rec.replace(idx=rec.idx.at[0, 0, 0, 0, 0].set(3), val=rec.val.at[0, 0, 0, 0, 0].set(5.0))
+    _, plain = StsDraft(budget=12, min_tokens=0, slack=0).decode(ctx, q, cache, rec)
+    _, pooled = StsDraft(budget=12, min_tokens=0, slack=0, carry=0.5).decode(ctx, q, cache, rec)
+    v0 = dict(zip(np.asarray(plain.idx[0, 0, 0, 0]), np.asarray(plain.val[0, 0, 0, 0])))
+    v1 = dict(zip(np.asarray(pooled.idx[0, 0, 0, 0]), np.asarray(pooled.val[0, 0, 0, 0])))
+    np.testing.assert_allclose(v1[3], v0[3] + 2.5, rtol=1e-6)
+    np.testing.assert_allclose([v1[j] for j in v0 if j != 3], [v0[j] for j in v0 if j != 3], rtol=1e-6)
+    with pytest.raises(ValueError, match="carry=2"):
+        STS(carry=2.0)

@@ -159,6 +159,9 @@ class _Budget:
     slack: int = struct.field(pytree_node=False, default=8)
     # `topk_select` implementation of the decode record and the target's top-k (None: by backend).
     selection: str | None = struct.field(pytree_node=False, default=None)
+    # Decode record across the draft's steps (not in the paper, whose value is 0: the last step alone): each step
+    # adds `carry` times the recorded weights of the steps before it, so a round's rows pool its queries.
+    carry: float = struct.field(pytree_node=False, default=0.0)
 
     def decode_width(self, capacity: int) -> int:
         """Draft keys recorded per decode row: the budget plus `slack` (the round's own new keys, which the
@@ -195,6 +198,10 @@ class StsDraft(_Budget):
     def decode(self, ctx, q, cache, state):
         T = q.shape[1]
         probs = head_probs(q, cache.k, sel.decode_positions(ctx.lengths, T)).sum(axis=2)  # [B, Hq, N]
+        if self.carry:  # the earlier steps' recorded weights, decayed: h = carry * h + s over the steps
+            old = _scores(state.idx[ctx.layer][:, :, 0], state.val[ctx.layer][:, :, 0], cache.k.shape[2],
+                          ctx.lengths)
+            probs = probs + self.carry * jnp.where(jnp.isfinite(old), old, 0.0)
         visible = jnp.arange(cache.k.shape[2])[None, None, :] < ctx.lengths[:, None, None]
         val, idx = _topk_set(jnp.where(visible, probs, NEG_INF), state.idx.shape[-1], self.selection)
         state = DraftRecord(idx=state.idx.at[ctx.layer].set(idx[:, :, None]),
@@ -249,13 +256,15 @@ class STS(_Budget):
         check_tile(self.tile)
         for name in ("dense_layers", "sink", "local"):
             sel.check_positive_int(name, getattr(self, name), 0)
+        if isinstance(self.carry, bool) or not isinstance(self.carry, (int, float)) or not 0.0 <= self.carry <= 1.0:
+            raise ValueError(f"carry={self.carry!r}: expected a decay in [0, 1] (0: the draft's last step alone)")
         if self.selection is not None and self.selection not in IMPLEMENTATIONS:
             raise ValueError(f"selection={self.selection!r}: expected one of {IMPLEMENTATIONS} (the topk_select "
                              f"implementation) or None (by backend)")
 
     @classmethod
     def build(cls, cfg=None, draft=None, artifact=None, fingerprint=None, head_map=None, budget=0.1,
-              min_tokens=128, tile=32, selection=None, dense_layers=0, sink=0, local=0, **unused):
+              min_tokens=128, tile=32, selection=None, dense_layers=0, sink=0, local=0, carry=0.0, **unused):
         """Builds STS for target `cfg` and `draft` (a LoadedModel) from an `artifact` folder (`jsparse calibrate
         sts`, checked against both models' fingerprints) or an explicit `head_map` i32[L_t, Hq_t, 2]."""
         if cfg is None or draft is None:
@@ -274,7 +283,7 @@ class STS(_Budget):
             raise ValueError(f"dense_layers={dense_layers!r}: expected 0..{cfg.num_layers} (the target's layers)")
         return cls(head_map=jnp.asarray(head_map), budget=float(budget), min_tokens=min_tokens, tile=tile,
                    selection=selection, draft_layers=draft.cfg.num_layers, draft_heads=draft.cfg.num_heads,
-                   dense_layers=dense_layers, sink=sink, local=local)
+                   dense_layers=dense_layers, sink=sink, local=local, carry=float(carry))
 
     # -- speculative decoding hooks (models.speculative)
 
@@ -285,7 +294,7 @@ class STS(_Budget):
                              f"got a draft of {draft_cfg.num_layers} x {draft_cfg.num_heads}")
         m = self.replace(slack=max(gamma, 1))
         return m, StsDraft(budget=m.budget, min_tokens=m.min_tokens, tile=m.tile, slack=m.slack,
-                           selection=m.selection)
+                           selection=m.selection, carry=m.carry)
 
     def adopt_draft(self, state, draft_state):
         return draft_state
