@@ -431,3 +431,19 @@ def fill_list(budget: int, counts: dict[str, int], words: WordSource, index_cost
         else:
             return gap
     return 0
+
+
+def close_word_list(tokenizer, task: str, prefix: list[int], body: list[int], suffix: list[int], gap: int,
+                    length: int, words_taken: int, hint: str) -> tuple[int, ...]:
+    """The prompt of a word-list task (cwe, fwe): prefix + body + suffix, exactly `length` tokens.
+
+    A gap of more than 1% of the length means the word source ran dry: a ValueError naming the length and `hint`
+    (what to change). A smaller gap the words could not close becomes blank lines before the question.
+    """
+    if gap > 0.01 * length:
+        raise ValueError(f"task {task!r}: length={length}: the word source ran out of distinct words after "
+                         f"{words_taken} ({gap} tokens short); {hint} or a shorter length")
+    tokens = prefix + body + ids(tokenizer, "\n")[-1:] * gap + suffix
+    assert len(tokens) == length, (len(tokens), length, gap)
+    return tuple(tokens)
+

@@ -89,14 +89,9 @@ def make_samples(tokenizer, length: int, samples: int, seed: int, *, haystack: s
         body: list[int] = []
         for j, k in enumerate(order, start=1):
             body += list(index_ids(j)) + pieces[items_list[k]] + newline
-        if gap > 0.01 * length:  # the word source ran dry
-            raise ValueError(f"task {NAME!r}: length={length}: the word source ran out of distinct words after "
-                             f"{len(words.taken)} ({gap} tokens short); use a haystack with more distinct words "
-                             "(a corpus holds more words than the 'repeat' list) or a shorter length")
-        # a gap the words could not close (rare, < 1%): blank lines before the question, so the length is exact
-        tokens = prefix + body + common.ids(tokenizer, "\n")[-1:] * gap + suffix
-        assert len(tokens) == length, (len(tokens), length, gap)
-        out.append(Sample(task=NAME, tokens=tuple(tokens), answers=answers, depth=None, length=length))
+        tokens = common.close_word_list(tokenizer, NAME, prefix, body, suffix, gap, length, len(words.taken),
+                                        "use a haystack with more distinct words (a corpus holds more words than the 'repeat' list)")
+        out.append(Sample(task=NAME, tokens=tokens, answers=answers, depth=None, length=length))
     return out
 
 

@@ -94,14 +94,9 @@ def make_samples(tokenizer, length: int, samples: int, seed: int, *, haystack: s
         body: list[int] = []
         for k in rng.permutation(len(items)):
             body += pieces[items[k]]
-        if gap > 0.01 * length:  # the word source ran dry
-            raise ValueError(f"task {NAME!r}: length={length}: the word source ran out of distinct words after "
-                             f"{len(words.taken)} ({gap} tokens short); use a haystack with more distinct words "
-                             "(the 'repeat' haystack makes coded words without limit) or a shorter length")
-        # a gap the words could not close (rare, < 1%): blank lines before the question, so the length is exact
-        tokens = prefix + body + common.ids(tokenizer, "\n")[-1:] * gap + suffix
-        assert len(tokens) == length, (len(tokens), length, gap)
-        out.append(Sample(task=NAME, tokens=tuple(tokens), answers=answers, depth=None, length=length))
+        tokens = common.close_word_list(tokenizer, NAME, prefix, body, suffix, gap, length, len(words.taken),
+                                        "use a haystack with more distinct words (the 'repeat' haystack makes coded words without limit)")
+        out.append(Sample(task=NAME, tokens=tokens, answers=answers, depth=None, length=length))
     return out
 
 
