@@ -380,6 +380,15 @@ def _slug(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
 
 
+def _save_lines(plt, fig, axes, out_dir: str, name: str) -> str:
+    """Legend on the last panel, then the figure saved as `name` (relative to out_dir) and closed; returns name."""
+    axes[-1].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, name), dpi=90)
+    plt.close(fig)
+    return name
+
+
 def _grid(plt, n: int, width: float = 5.0, height: float = 3.8):
     fig, axes = plt.subplots(1, n, figsize=(width * n, height), squeeze=False)
     return fig, list(axes[0])
@@ -416,11 +425,7 @@ def plot_accuracy_vs_sparsity(records: Sequence[Mapping], out_dir: str) -> list[
             ax.set_ylabel("accuracy")
             ax.set_ylim(-0.05, 1.05)
             ax.grid(alpha=0.3)
-        axes[-1].legend(fontsize=7, loc="best")
-        fig.tight_layout()
-        name = f"{PLOTS_DIR}/accuracy_vs_sparsity_{_slug(col[1])}.png"
-        fig.savefig(os.path.join(out_dir, name), dpi=90)
-        plt.close(fig)
+        name = _save_lines(plt, fig, axes, out_dir, f"{PLOTS_DIR}/accuracy_vs_sparsity_{_slug(col[1])}.png")
         caption = f"{col[1]}: accuracy against achieved sparsity (one line per method over its budgets; grey band: dense)"
         if unplotted:
             caption += f"; not plotted (no sparsity reported): {', '.join(sorted(unplotted))}"
@@ -454,11 +459,7 @@ def plot_ppl_vs_sparsity(records: Sequence[Mapping], out_dir: str) -> list[tuple
         ax.set_xlabel("achieved sparsity")
         ax.set_ylabel("perplexity change vs dense (%)")
         ax.grid(alpha=0.3)
-    axes[-1].legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    name = f"{PLOTS_DIR}/ppl_vs_sparsity.png"
-    fig.savefig(os.path.join(out_dir, name), dpi=90)
-    plt.close(fig)
+    name = _save_lines(plt, fig, axes, out_dir, f"{PLOTS_DIR}/ppl_vs_sparsity.png")
     caption = "perplexity change against dense (%) against achieved sparsity (one line per method over its budgets)"
     if unplotted:
         caption += f"; not plotted (no sparsity reported): {', '.join(sorted(unplotted))}"
