@@ -578,7 +578,7 @@ def _sts_continuation_nll(t_params, d_params, t_method, d_method, tokens, *, t_c
     t_state = t_method.adopt_draft(t_method.init_state(t_cfg, B, cap), d_state)
     logits, t_cache, t_state = llama.prefill(t_params, t_cfg, t_method, tokens[:, :P], lengths,
                                              init_cache(t_cfg, B, cap, t_params.embed.dtype), t_state)
-    nll0 = _nll(logits, tokens[:, P])  # token P from the prefill's last logits
+    nll0 = ppl_task._token_nll(logits, tokens[:, P])  # token P from the prefill's last logits
     t_state, d_state = t_method.end_prefill(t_cfg, t_state, B, cap), d_method.end_prefill(d_cfg, d_state, B, cap)
     rounds = feed[:, :R * (g + 1)].reshape(B, R, g + 1)
     targets = feed[:, 1:R * (g + 1) + 1].reshape(B, R, g + 1)
@@ -593,7 +593,7 @@ def _sts_continuation_nll(t_params, d_params, t_method, d_method, tokens, *, t_c
             _, d_cache, d_state = llama.decode(d_params, d_cfg, d_method, chunk[:, j:j + 1], d_cache, d_state)
         t_state = t_method.adopt_draft(t_state, d_state)
         logits, t_cache, t_state = llama.decode(t_params, t_cfg, t_method, chunk, t_cache, t_state)
-        nll = _nll(logits, tgt)
+        nll = ppl_task._token_nll(logits, tgt)
         d_cache = d_cache.replace(lengths=t_cache.lengths)
         return (t_cache, d_cache, t_state, d_state, chunk[:, -1]), nll
 
@@ -601,12 +601,6 @@ def _sts_continuation_nll(t_params, d_params, t_method, d_method, tokens, *, t_c
     _, nll = jax.lax.scan(one_round, carry, (jnp.moveaxis(rounds, 1, 0), jnp.moveaxis(targets, 1, 0)))
     nll = jnp.moveaxis(nll, 0, 1).reshape(B, R * (g + 1))[:, :C - 1]
     return jnp.concatenate([nll0[:, None], nll], axis=1)
-
-
-def _nll(logits, targets):
-    """f32 NLL of targets (i32[...]) under logits [..., V]."""
-    logits = logits.astype(jnp.float32)
-    return jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
 
 
 def run_ppl(model, method, windows: np.ndarray, variant: str, rows: int, chunk: int,

@@ -90,7 +90,8 @@ def make_samples(tokenizer, length: int, samples: int, seed: int, *, haystack: s
         for j, k in enumerate(order, start=1):
             body += list(index_ids(j)) + pieces[items_list[k]] + newline
         tokens = common.close_word_list(tokenizer, NAME, prefix, body, suffix, gap, length, len(words.taken),
-                                        "use a haystack with more distinct words (a corpus holds more words than the 'repeat' list)")
+                                        "use a haystack with more distinct words "
+                                        "(a corpus holds more words than the 'repeat' list)")
         out.append(Sample(task=NAME, tokens=tokens, answers=answers, depth=None, length=length))
     return out
 

@@ -95,7 +95,8 @@ def make_samples(tokenizer, length: int, samples: int, seed: int, *, haystack: s
         for k in rng.permutation(len(items)):
             body += pieces[items[k]]
         tokens = common.close_word_list(tokenizer, NAME, prefix, body, suffix, gap, length, len(words.taken),
-                                        "use a haystack with more distinct words (the 'repeat' haystack makes coded words without limit)")
+                                        "use a haystack with more distinct words "
+                                        "(the 'repeat' haystack makes coded words without limit)")
         out.append(Sample(task=NAME, tokens=tokens, answers=answers, depth=None, length=length))
     return out
 
