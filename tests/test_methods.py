@@ -195,3 +195,37 @@ def test_method_argument_errors():
         Kascade.from_anchors(CFG, [1, 2])
     with pytest.raises(ValueError, match="calibration artifact"):
         make_method("kascade", cfg=CFG)
+
+
+@pytest.mark.parametrize("B,T,Hq,Hkv,tile", [(2, 1, 4, 2, None), (2, 37, 4, 2, 8), (1, 300, 9, 3, None),
+                                            (1, 64, 4, 4, 64), (2, 129, 6, 2, 128)])
+def test_tiled_causal_attention_matches_full_causal_attention(B, T, Hq, Hkv, tile):
+    """The CPU prefill path (query tiles against the keys up to each tile's end) equals XLA's full masked causal
+    attention, with tiles dividing T or not, one tile, GQA groups of 1-3; bf16 stays bf16."""
+    from pallas_kernels.dense import tiled_causal_attention
+
+    ks = jax.random.split(jax.random.key(T), 3)
+    q = jax.random.normal(ks[0], (B, T, Hq, D), jnp.float32)
+    k = jax.random.normal(ks[1], (B, T, Hkv, D), jnp.float32)
+    v = jax.random.normal(ks[2], (B, T, Hkv, D), jnp.float32)
+    want = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    np.testing.assert_allclose(tiled_causal_attention(q, k, v, tile=tile), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dense_prefill(q, k, v), want, rtol=1e-5, atol=1e-5)
+    if jax.default_backend() == "cpu":  # the CPU's prefill is the tiled path, bit for bit
+        np.testing.assert_array_equal(dense_prefill(q, k, v), tiled_causal_attention(q, k, v))
+    low = tiled_causal_attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), tile=tile)
+    assert low.dtype == jnp.bfloat16
+    np.testing.assert_allclose(low.astype(jnp.float32), want, rtol=0, atol=5e-2)
+
+
+def test_tiled_causal_attention_tiles_and_errors():
+    from pallas_kernels.dense import CAUSAL_TILE, MAX_CAUSAL_TILES, causal_tile, tiled_causal_attention
+
+    assert causal_tile(2069) == CAUSAL_TILE and causal_tile(CAUSAL_TILE * MAX_CAUSAL_TILES) == CAUSAL_TILE
+    big = causal_tile(131072)
+    assert big % 128 == 0 and -(-131072 // big) <= MAX_CAUSAL_TILES
+    q = jnp.zeros((1, 8, 3, D))
+    with pytest.raises(ValueError, match="3 heads, not a multiple of the 2 KV heads"):
+        tiled_causal_attention(q, jnp.zeros((1, 8, 2, D)), jnp.zeros((1, 8, 2, D)))
+    with pytest.raises(ValueError, match="tile=0: expected >= 1"):
+        tiled_causal_attention(q, q, q, tile=0)
