@@ -120,6 +120,7 @@ def test_bench_exits_nonzero_before_timing_when_a_check_fails(monkeypatch, tiny)
                 "tol": {"rtol": 1e-3, "atol": 1e-3}, "wrong_selection_err_over_tol": 9.0,
                 "probe_logits_max_diff": 0.0, "probe_logits_tol": 1e-3}
     monkeypatch.setattr(model_check, "check_method", fake)
+    monkeypatch.setattr(model_check, "random_params", lambda *a: None)  # the fake check takes no weights
     monkeypatch.setattr(bench_model.bm, "measure_hbm_gbs", lambda: pytest.fail("timed before the check"))
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     with pytest.raises(SystemExit) as e:
