@@ -1,6 +1,7 @@
 """`jsparse bench model --methods`: every method's decode step in the library's own loop, with its bytes floor."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -112,22 +113,34 @@ def test_check_fails_when_the_step_attends_other_keys(name, monkeypatch, fresh_j
     assert f"{name}: max_abs_err" in msg and "x the tolerance" in msg
 
 
-def test_bench_exits_nonzero_before_timing_when_a_check_fails(monkeypatch, tiny):
-    """`jsparse bench model` stops with a non-zero exit naming the failed method before it measures anything;
-    --no-check records the skip instead."""
+def test_bench_exits_before_timing_on_a_failed_check_and_records_passed_ones(monkeypatch, tiny, tmp_path):
+    """`jsparse bench model` stops with a non-zero exit naming the failed method before it measures anything; when
+    every check passes, the JSON holds each method's check beside the timed rows; --no-check records the skip."""
+    verdict = {"streaming": False}
+
     def fake(name, method, cfg, params, **kw):
-        return {"passed": name != "streaming", "max_abs_err": 0.5, "err_over_tol": 7.0,
+        return {"passed": verdict.get(name, True), "max_abs_err": 0.5, "err_over_tol": 7.0,
                 "tol": {"rtol": 1e-3, "atol": 1e-3}, "wrong_selection_err_over_tol": 9.0,
                 "probe_logits_max_diff": 0.0, "probe_logits_tol": 1e-3}
+    cfg, _ = tiny
     monkeypatch.setattr(model_check, "check_method", fake)
     monkeypatch.setattr(model_check, "random_params", lambda *a: None)  # the fake check takes no weights
+    monkeypatch.setattr(bench_model, "preset", lambda name: cfg)  # time the tiny model, not Llama-3.1-8B
     monkeypatch.setattr(bench_model.bm, "measure_hbm_gbs", lambda: pytest.fail("timed before the check"))
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    argv = ["--methods", "dense,streaming", "--context", "384", "--batch", "1", "--steps", "1", "--xla-flags", "",
+            "--out", str(tmp_path / "bench.json")]
     with pytest.raises(SystemExit) as e:
-        bench_model.main(["--methods", "dense,streaming", "--context", "1024", "--batch", "1", "--xla-flags", ""],
-                         prog="jsparse bench model")
+        bench_model.main(argv, prog="jsparse bench model")
     assert str(e.value.code).startswith("jsparse bench model: error: decode step differs from its masked reference")
     assert "streaming: max_abs_err 0.5, 7x the tolerance" in str(e.value.code) and "dense:" not in str(e.value.code)
-    cfg, _ = tiny
+    assert not (tmp_path / "bench.json").exists()
+
+    verdict["streaming"] = True
+    monkeypatch.setattr(bench_model.bm, "measure_hbm_gbs", lambda: 1000.0)
+    bench_model.main(argv, prog="jsparse bench model")
+    record = json.loads((tmp_path / "bench.json").read_text())
+    assert {m: c["check"]["passed"] for m, c in record["methods"].items()} == {"dense": True, "streaming": True}
+    assert {r["method"] for r in record["rows"] if "step_ms" in r} == {"dense", "streaming"}
     assert bench_model.method_checks(cfg, ("dense", "kascade"), 0.1, check=False) == {
         "dense": {"check": "skipped (--no-check)"}, "kascade": {"check": "skipped (--no-check)"}}
