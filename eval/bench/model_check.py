@@ -135,13 +135,10 @@ def _h2o(m, ctx, q, cache, s_in, s_out):
 def _kascade(m, ctx, q, cache, s_in, s_out):
     from jsparse.methods.kascade import ROLE_ANCHOR, ROLE_DENSE_ANCHOR
     N = cache.k.shape[2]
-    if m.reuse_scale != 1.0:  # the state holds the wider set handed to the reuse layers: the anchor's own again
-        from pallas_kernels.anchor_attention import anchor_decode
-        _, own = anchor_decode(q, cache.k, cache.v, ctx.lengths, budget=m.budget, min_tokens=m.min_tokens,
-                               K=m.k_static(N), diagonal_tile=m.tile, with_output=False)
-    else:
-        own = s_out.indices  # the anchor's selection, handed to the next layers
-    anchor = decode_indices_to_mask(own, ctx.lengths, N)
+    if m.reuse_scale != 1.0:
+        raise ValueError(f"kascade reuse_scale={m.reuse_scale}: the check reads an anchor's selection from the state, "
+                         "which holds the anchor's own top-k only at reuse_scale 1 (the benchmark's Kascade)")
+    anchor = decode_indices_to_mask(s_out.indices, ctx.lengths, N)  # the anchor's selection, handed on
     reuse = decode_indices_to_mask(jnp.take(s_in.indices, ctx.info.head_map, axis=1), ctx.lengths, N)
     role = ctx.info.role
     return jnp.where(role == ROLE_DENSE_ANCHOR, visible_keys(ctx, q, cache),
