@@ -175,6 +175,22 @@ def _butler(m, ctx, q, cache, s_in, s_out):
     return jnp.where(dense, vis, mask)
 
 
+# What each method's mask is read from (the JSON's `reference`).
+REFERENCE = {
+    "dense": "every visible key",
+    "kascade": "layer 0 every visible key; an anchor the indices it hands on in its state (KascadeState.indices); "
+               "a reuse layer the state's indices of the latest anchor through its head map",
+    "evosparse": "first dense_layers every visible key; then the blocks of EvoSparse.select_blocks on the state's "
+                 "heat (and heat candidates) and the retrieval set the layer used, in blocks of block_size",
+    "quest": "first dense_layers every visible key; then quest.page_mask (per query head)",
+    "streaming": "streaming.sink_window: the sink tokens and the recent window",
+    "oracle": "layer 0 every visible key; then oracle.select_decode (exact pooled top-k, the diagonal tile kept)",
+    "h2o": "H2O.kept_keys on the state's accumulated score before the step: the recent window and the heavy hitters",
+    "butler": "dense layers every visible key; then, on the predictor's logits in the state (Butler.layer_logits), "
+              "butler.head_mask per query head (selection 'head') or butler.group_indices (selection 'group')",
+}
+
+
 def _one_token(name, q):
     if q.shape[1] != 1:
         raise ValueError(f"the {name} check decodes one token per step; got T={q.shape[1]}")
@@ -304,6 +320,7 @@ def check_method(name: str, method, cfg, params, *, lengths=CHECK_LENGTHS, steps
     logit_tol = rtol
     passed = bool(finite and ratio.max() <= 1.0 and logit_diff <= logit_tol)
     return {
+        "reference": "masked_attention_reference over the keys the method selected: " + REFERENCE[name],
         "max_abs_err": float(err.max()),
         "tol": {"rtol": rtol, "atol": atol_v * float(vmax.max()),
                 "rule": "elementwise |out - ref| <= rtol * |ref| + atol, atol = atol_v * max|v|", "atol_v": atol_v},
