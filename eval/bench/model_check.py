@@ -135,13 +135,10 @@ def _h2o(m, ctx, q, cache, s_in, s_out):
 def _kascade(m, ctx, q, cache, s_in, s_out):
     from jsparse.methods.kascade import ROLE_ANCHOR, ROLE_DENSE_ANCHOR
     N = cache.k.shape[2]
-    if m.reuse_scale != 1.0:  # the state holds the wider set handed to the reuse layers: the anchor's own again
-        from pallas_kernels.anchor_attention import anchor_decode
-        _, own = anchor_decode(q, cache.k, cache.v, ctx.lengths, budget=m.budget, min_tokens=m.min_tokens,
-                               K=m.k_static(N), diagonal_tile=m.tile, with_output=False)
-    else:
-        own = s_out.indices  # the anchor's selection, handed to the next layers
-    anchor = decode_indices_to_mask(own, ctx.lengths, N)
+    if m.reuse_scale != 1.0:
+        raise ValueError(f"kascade reuse_scale={m.reuse_scale}: the check reads an anchor's selection from the state, "
+                         "which holds the anchor's own top-k only at reuse_scale 1 (the benchmark's Kascade)")
+    anchor = decode_indices_to_mask(s_out.indices, ctx.lengths, N)  # the anchor's selection, handed on
     reuse = decode_indices_to_mask(jnp.take(s_in.indices, ctx.info.head_map, axis=1), ctx.lengths, N)
     role = ctx.info.role
     return jnp.where(role == ROLE_DENSE_ANCHOR, visible_keys(ctx, q, cache),
@@ -176,6 +173,22 @@ def _butler(m, ctx, q, cache, s_in, s_out):
         dense = dense | (ctx.layer == x)
     vis = jnp.repeat(visible_keys(ctx, q, cache), q.shape[2] // cache.k.shape[1], axis=1)
     return jnp.where(dense, vis, mask)
+
+
+# What each method's mask is read from (the JSON's `reference`).
+REFERENCE = {
+    "dense": "every visible key",
+    "kascade": "layer 0 every visible key; an anchor the indices it hands on in its state (KascadeState.indices); "
+               "a reuse layer the state's indices of the latest anchor through its head map",
+    "evosparse": "first dense_layers every visible key; then the blocks of EvoSparse.select_blocks on the state's "
+                 "heat (and heat candidates) and the retrieval set the layer used, in blocks of block_size",
+    "quest": "first dense_layers every visible key; then quest.page_mask (per query head)",
+    "streaming": "streaming.sink_window: the sink tokens and the recent window",
+    "oracle": "layer 0 every visible key; then oracle.select_decode (exact pooled top-k, the diagonal tile kept)",
+    "h2o": "H2O.kept_keys on the state's accumulated score before the step: the recent window and the heavy hitters",
+    "butler": "dense layers every visible key; then, on the predictor's logits in the state (Butler.layer_logits), "
+              "butler.head_mask per query head (selection 'head') or butler.group_indices (selection 'group')",
+}
 
 
 def _one_token(name, q):
@@ -307,6 +320,7 @@ def check_method(name: str, method, cfg, params, *, lengths=CHECK_LENGTHS, steps
     logit_tol = rtol
     passed = bool(finite and ratio.max() <= 1.0 and logit_diff <= logit_tol)
     return {
+        "reference": "masked_attention_reference over the keys the method selected: " + REFERENCE[name],
         "max_abs_err": float(err.max()),
         "tol": {"rtol": rtol, "atol": atol_v * float(vmax.max()),
                 "rule": "elementwise |out - ref| <= rtol * |ref| + atol, atol = atol_v * max|v|", "atol_v": atol_v},
