@@ -85,7 +85,24 @@ def forward(t_method, d_method, t_params, d_params, tokens, lengths, mesh):
                                        rows[1], rows[0]),
                      out_shardings=(rows[1], rows[2], None, None))
     with sharding.use_mesh(mesh):
-        return jitted(t_params, d_params, tokens, lengths)
+        compiled = jitted.lower(t_params, d_params, tokens, lengths).compile()
+        return (*compiled(t_params, d_params, tokens, lengths), compiled.as_text())
+
+
+def record_rows_collectives(hlo_text: str) -> dict:
+    """STS's cross-head step in a compiled forward on the 1x8 mesh: {(op, shape): count} of the collectives whose
+    result has the shape of the draft-record rows one target layer reads, [Hq_t, B, R, W] (prefill R = 3 tiles of
+    W = 15 keys, decode R = 1 of W = 22), or the shape of the whole record [L_d, B, Hq_d, R, W]."""
+    rows = {f"{t}[{CFG.num_heads},{B},{r},{w}]" for t in ("s32", "f32") for r, w in ((3, 15), (1, 22))}
+    whole = {f"{t}[{DRAFT_CFG.num_layers},{B},{DRAFT_CFG.num_heads},{r},{w}]" for t in ("s32", "f32")
+             for r, w in ((3, 15), (1, 22))}
+    return {k: n for k, n in base.collectives(hlo_text).items() if k[1] in rows | whole}
+
+
+# The rows of each target layer are gathered across `model` as an all-reduce of a masked local gather (each device
+# fills the rows of the draft heads it holds), once per phase; the whole record never moves.
+RECORD_ROWS_COLLECTIVES = {("all-reduce", f"{t}[16,2,{r},{w}]"): 1
+                           for t in ("s32", "f32") for r, w in ((3, 15), (1, 22))}
 
 
 def generated(target, draft, sts, tokens, mesh):
@@ -132,13 +149,20 @@ def main() -> int:
         for spec in base.MESHES:
             mesh = sharding.make_mesh(spec)
             t0 = time.perf_counter()
-            got = [np.asarray(x) for x in fn(mesh)]
+            result = fn(mesh)
+            got = [np.asarray(x) for x in result[:4]]
+            row = {}
+            if name == "forward" and spec == "model=8":
+                found = record_rows_collectives(result[4])
+                row = {"record_collectives": {f"{op} {shape}": n for (op, shape), n in found.items()},
+                       "collectives_ok": found == RECORD_ROWS_COLLECTIVES}
             exact = [g.dtype.kind in "iu" for g in got]
             mismatched = [i for i, (g, w, e) in enumerate(zip(got, want, exact)) if e and not np.array_equal(g, w)]
             err = max([float(np.max(np.abs(g - w))) for g, w, e in zip(got, want, exact) if not e] or [0.0])
             ok = not mismatched and err <= ATOL and all(np.isfinite(g).all() for g in got)
+            ok &= row.get("collectives_ok", True)
             failed |= not ok
-            print(json.dumps({"check": name, "mesh": spec, "max_abs_err": err, "int_mismatch": mismatched,
+            print(json.dumps({"check": name, "mesh": spec, "max_abs_err": err, "int_mismatch": mismatched, **row,
                               "ok": ok, "seconds": round(time.perf_counter() - t0, 2)}), flush=True)
     return 1 if failed else 0
 

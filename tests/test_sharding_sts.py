@@ -29,6 +29,8 @@ def test_sts_prefill_round_and_generation_on_2x4_and_1x8_meshes_equal_one_device
     for check in ("forward", "generated"):
         for mesh in ("data=2,model=4", "model=8"):
             assert (check, mesh) in got, (check, mesh, rows)
+    # STS's cross-head step in the HLO: the rows a target layer reads, gathered across `model`, never the record.
+    assert any(r.get("collectives_ok") for r in rows if (r["check"], r["mesh"]) == ("forward", "model=8")), rows
 
 
 @pytest.fixture(scope="module")
