@@ -96,6 +96,8 @@ BENCHMARKS = {
     "prefill_gqa": ("eval.bench.prefill_gqa", "GQA-packed tile-gathered prefill kernel vs per-head and cuDNN"),
     "anchor_variants": ("eval.bench.anchor_variants", "Kascade anchor-layer variants vs the in-place dense decode"),
     "anchor_mgpu": ("eval.bench.anchor_mgpu", "Mosaic GPU anchor scoring kernels vs the Triton ones"),
+    "sparse_prefill_mgpu": ("eval.bench.sparse_prefill_mgpu", "Mosaic GPU tile-gathered sparse prefill (block "
+                            "selections) vs the Triton kernel and cuDNN dense"),
     "topk_select": ("eval.bench.topk_select", "exact top-k selection paths vs lax.top_k"),
     "evosparse_parts": ("eval.bench.evosparse_parts", "EvoSparse's per-layer bookkeeping (heat update, top-k)"),
     "local_attention": ("eval.bench.local_attention", "sliding-window attention with sinks (TSA fill=local) vs XLA"),

@@ -74,11 +74,12 @@ def parity():
 SLOW_FILES_FIRST = (
     "test_readme.py", "test_sts.py", "test_bundled.py", "test_sharding.py", "test_sharding_sts.py", "test_tsa.py",
     "test_evosparse_select_kernel.py", "test_eval_continuation.py", "test_tasks.py", "test_train.py",
-    "test_anchor_mgpu.py", "test_generate.py", "test_local_attention.py", "test_evosparse.py", "test_eval.py",
-    "test_speculative.py", "test_block_scores.py", "test_kascade_anchor.py", "test_cli.py", "test_eval_sts.py",
-    "test_tokenizer.py", "test_logit_mse.py", "test_anchor_attention.py", "test_butler.py", "test_parity_hf.py",
-    "test_api_edges.py", "test_tsa_scoring.py", "test_sparse_attention.py", "test_evosparse_branchless.py",
-    "test_stacked_decode.py",
+    "test_sparse_prefill_mgpu.py", "test_anchor_mgpu.py", "test_generate.py", "test_bench_model.py",
+    "test_local_attention.py", "test_evosparse.py", "test_eval.py", "test_speculative.py", "test_block_scores.py",
+    "test_kascade_anchor.py", "test_cli.py", "test_eval_sts.py", "test_tokenizer.py", "test_logit_mse.py",
+    "test_anchor_attention.py", "test_butler.py",
+    "test_parity_hf.py", "test_api_edges.py", "test_tsa_scoring.py", "test_sparse_attention.py",
+    "test_evosparse_branchless.py", "test_stacked_decode.py",
 )
 
 

@@ -1,12 +1,14 @@
 """`jsparse bench model --methods`: every method's decode step in the library's own loop, with its bytes floor."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 from eval.bench import model as bench_model
+from eval.bench import model_check
 from models.params import random_params
 from models.presets import preset
 
@@ -47,3 +49,98 @@ def test_attention_bytes_follow_what_each_method_reads(tiny):
     assert cfg.num_layers * 2 * 1000 * U < k_bytes < dense  # anchors read all of K, reuse layers the picked rows
     with pytest.raises(ValueError, match="unknown method 'nope'"):
         bench_model.bench_method("nope", cfg, 0.1)
+
+
+# ------------------------------------------------------------------------- the correctness check before timing
+
+
+def _build(budget=0.1):
+    """The methods as `jsparse bench model` builds them for its check (EvoSparse's budget scaled to the context)."""
+    return lambda name, cfg: bench_model.bench_method(name, cfg, budget,
+                                                      evo_budget_tokens=model_check.CHECK_EVO_TOKENS)[0]
+
+
+@pytest.fixture
+def fresh_jit():
+    """Compiled steps traced with a patched module function must not outlive the patch (nor be reused by it)."""
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("name", bench_model.METHODS)
+def test_check_passes_for_every_method(name):
+    """Each method's real decode step (8 layers, 2 prompts of 384 and 301 tokens, 2 steps after the method's
+    prefill) equals the masked reference over the keys it selected, layer by layer; the probe leaves the step's
+    logits unchanged; the sparse methods select (well under every visible key) and a selection one key off would
+    fail the tolerance."""
+    c = model_check.run_checks(preset("llama3-8b"), [name], _build(), jnp.float32)[name]
+    assert c["passed"], c
+    assert c["err_over_tol"] <= 1.0 and c["max_abs_err"] < 1e-4  # f32 on the CPU: rounding only
+    assert c["probe_logits_max_diff"] <= c["probe_logits_tol"]
+    assert c["shape"] == {"layers": 8, "hidden": 256, "heads": 8, "kv_heads": 2, "head_dim": 128, "batch": 2,
+                          "lengths": [384, 301], "decode_steps": 2, "capacity": 512, "dtype": "float32"}
+    kept = c["kept_fraction_per_layer"]
+    if name == "dense":
+        assert kept == [1.0] * 8
+    else:
+        assert 0.0 < min(kept) < 0.5 and c["wrong_selection_err_over_tol"] > 1.0
+
+
+@pytest.mark.parametrize("name", ["kascade", "evosparse"])
+def test_check_fails_when_the_step_attends_other_keys(name, monkeypatch, fresh_jit):
+    """An off-by-one in the indices handed to the attention kernel (Kascade's reuse layers; EvoSparse's blocks)
+    fails the check in exactly the layers that have it, and the message names the method and its error."""
+    from jsparse.methods import common, evosparse, kascade
+
+    if name == "kascade":
+        def shifted(q, cache, indices, lengths, head_map=None):
+            return common.attend_selected(q, cache, jnp.where(indices >= 0, indices + 1, -1), lengths, head_map)
+        monkeypatch.setattr(kascade, "attend_selected", shifted)
+        bad_layers = [1, 4, 7]  # the reuse layers (anchors 0, 2, 3, 5, 6)
+    else:
+        real = evosparse.sparse_decode_heat
+
+        def shifted(q, k_all, v_all, layer, idx, *args, **kw):
+            return real(q, k_all, v_all, layer, jnp.where(idx >= 0, idx + 1, -1), *args, **kw)
+        monkeypatch.setattr(evosparse, "sparse_decode_heat", shifted)
+        bad_layers = list(range(2, 8))  # the sparse layers
+    c = model_check.run_checks(preset("llama3-8b"), [name], _build(), jnp.float32, raise_on_failure=False)[name]
+    assert not c["passed"] and c["err_over_tol"] > 1.0
+    worst = [i for i, e in enumerate(c["err_per_layer"]) if e > 1e-3]
+    assert worst == bad_layers, c["err_per_layer"]
+    msg = model_check.failure_message({name: c})
+    assert f"{name}: max_abs_err" in msg and "x the tolerance" in msg
+
+
+def test_bench_exits_before_timing_on_a_failed_check_and_records_passed_ones(monkeypatch, tiny, tmp_path):
+    """`jsparse bench model` stops with a non-zero exit naming the failed method before it measures anything; when
+    every check passes, the JSON holds each method's check beside the timed rows; --no-check records the skip."""
+    verdict = {"streaming": False}
+
+    def fake(name, method, cfg, params, **kw):
+        return {"passed": verdict.get(name, True), "max_abs_err": 0.5, "err_over_tol": 7.0,
+                "tol": {"rtol": 1e-3, "atol": 1e-3}, "wrong_selection_err_over_tol": 9.0,
+                "probe_logits_max_diff": 0.0, "probe_logits_tol": 1e-3}
+    cfg, _ = tiny
+    monkeypatch.setattr(model_check, "check_method", fake)
+    monkeypatch.setattr(model_check, "random_params", lambda *a: None)  # the fake check takes no weights
+    monkeypatch.setattr(bench_model, "preset", lambda name: cfg)  # time the tiny model, not Llama-3.1-8B
+    monkeypatch.setattr(bench_model.bm, "measure_hbm_gbs", lambda: pytest.fail("timed before the check"))
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    argv = ["--methods", "dense,streaming", "--context", "384", "--batch", "1", "--steps", "1", "--xla-flags", "",
+            "--out", str(tmp_path / "bench.json")]
+    with pytest.raises(SystemExit) as e:
+        bench_model.main(argv, prog="jsparse bench model")
+    assert str(e.value.code).startswith("jsparse bench model: error: decode step differs from its masked reference")
+    assert "streaming: max_abs_err 0.5, 7x the tolerance" in str(e.value.code) and "dense:" not in str(e.value.code)
+    assert not (tmp_path / "bench.json").exists()
+
+    verdict["streaming"] = True
+    monkeypatch.setattr(bench_model.bm, "measure_hbm_gbs", lambda: 1000.0)
+    bench_model.main(argv, prog="jsparse bench model")
+    record = json.loads((tmp_path / "bench.json").read_text())
+    assert {m: c["check"]["passed"] for m, c in record["methods"].items()} == {"dense": True, "streaming": True}
+    assert {r["method"] for r in record["rows"] if "step_ms" in r} == {"dense", "streaming"}
+    assert bench_model.method_checks(cfg, ("dense", "kascade"), 0.1, check=False) == {
+        "dense": {"check": "skipped (--no-check)"}, "kascade": {"check": "skipped (--no-check)"}}

@@ -316,22 +316,52 @@ def test_translate_anchor_indices():
     anchor_idx = jnp.asarray([[[[-1, -1], [0, -1], [0, 2], [1, 3]]]], jnp.int32)  # [1, 1, 4, 2]
     ident = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, H, T))
     hm = jnp.zeros((H,), jnp.int32)
-    # Identical coordinates: the identity.
-    np.testing.assert_array_equal(translate_anchor_indices(anchor_idx, ident, hm, ident, ident, tile), anchor_idx)
+    # Identical coordinates: the identity (the anchor tile's own slots all lie in the query tile itself).
+    got = np.asarray(translate_anchor_indices(anchor_idx, ident, hm, ident, ident, tile))
+    assert got.shape == (B, H, 4, 2 + tile)
+    np.testing.assert_array_equal(got[..., :2], anchor_idx)
+    assert np.all(got[..., 2:] == -1)
     # The anchor kept original positions (0, 2, 3, 5, 6, 7); this layer keeps (0, 1, 3, 5, 7).
     a_map = jnp.asarray([[[0, 2, 3, 5, 6, 7, 8, 8]]], jnp.int32)
     cur_map = jnp.asarray([[[0, 1, 3, 5, 7, 8, 8, 8]]], jnp.int32)
     cur_slot = jnp.asarray([[[0, 1, -1, 2, -1, 3, -1, 4]]], jnp.int32)
     got = np.asarray(translate_anchor_indices(anchor_idx, a_map, hm, cur_map, cur_slot, tile))[0, 0]
-    # Tile 0 (queries at 0, 1): first query 0 -> anchor slot 0, row 0 (nothing).
-    # Tile 1 (queries at 3, 5): 3 -> anchor slot 2, row 1: anchor slot 0 = pos 0 -> slot 0.
-    # Tile 2 (query at 7): 7 -> anchor slot 5, row 2: anchor slots 0, 2 = pos 0, 3 -> slots 0, 2.
+    # Tile 0 (queries at 0, 1): first query 0 -> anchor slot 0, row 0 (nothing); slot 0 is the query itself.
+    # Tile 1 (queries at 3, 5): 3 -> anchor slot 2, row 1: anchor slot 0 = pos 0 -> slot 0; tile 1's own slot 2
+    #   is pos 3, the query itself.
+    # Tile 2 (query at 7): 7 -> anchor slot 5, row 2: anchor slots 0, 2 = pos 0, 3 -> slots 0, 2; the anchor
+    #   tile's slot 4 (pos 6) was dropped here, slot 5 is the query.
     # (Tile 3 holds only empty slots; its row is never read.)
-    np.testing.assert_array_equal(got[:3], [[-1, -1], [0, -1], [0, 2]])
+    np.testing.assert_array_equal(got[:3], [[-1, -1, -1, -1], [0, -1, -1, -1], [0, 2, -1, -1]])
+    # A query tile that starts in the middle of an anchor tile gets the anchor tile's slots before it: tile 4,
+    # the anchor dense (identity), this layer dropped position 3. Query tile 1 = slots 4..7 = positions 5, 6, 7;
+    # 5 lies in anchor tile 1 (positions 4..7), whose row holds the keys before 4 (0..3: here slots 0, 1, 2);
+    # position 4 (slot 3), just before the tile, comes from the anchor tile's own slots.
+    tile = 4
+    anchor_idx = jnp.asarray([[[[-1, -1, -1, -1], [0, 1, 2, 3]]]], jnp.int32)
+    cur_map = jnp.asarray([[[0, 1, 2, 4, 5, 6, 7, 8]]], jnp.int32)
+    cur_slot = jnp.asarray([[[0, 1, 2, -1, 3, 4, 5, 6]]], jnp.int32)
+    got = np.asarray(translate_anchor_indices(anchor_idx, ident, hm, cur_map, cur_slot, tile))[0, 0]
+    np.testing.assert_array_equal(got[1], [0, 1, 2, 3, -1, -1, -1, -1])
 
 
 def _kascade():
     return Kascade.from_anchors(CFG, [0, 1], tile=16, min_tokens=16, budget=0.3)
+
+
+def test_tsa_kascade_full_budget_is_tsa(params):
+    """Kascade at budget 1 inside TSA is TSA (kv_head): every reuse layer, TSA-sparse here and reusing the dense
+    layer-0 anchor, attends exactly to the keys it kept, the tokens just before each compressed tile included
+    (they lie in the anchor's diagonal tile, not in its row; losing them cost +12% perplexity on SmolLM2)."""
+    tokens = jax.random.randint(jax.random.key(8), (2, 256), 4, CFG.vocab_size)
+    lengths = jnp.asarray([256, 230], jnp.int32)
+    opts = dict(tau=0.2, selection="kv_head", capacity_buckets=1, sparse_layers=(1, 2), **SMALL)
+    tsa = _prefill(params, TSA(**opts), tokens, lengths)
+    full = Kascade.from_anchors(CFG, [0], tile=16, min_tokens=16, budget=1.0)
+    comp = _prefill(params, TSA(inner=full, **opts), tokens, lengths)
+    assert np.all(np.asarray(tsa[1].kept)[1:] < np.asarray(lengths))  # the reuse layers did compress
+    np.testing.assert_array_equal(np.asarray(comp[1].kept), np.asarray(tsa[1].kept))
+    np.testing.assert_allclose(comp[0], tsa[0], atol=2e-5, rtol=2e-5)
 
 
 def test_tsa_kascade(params, tmp_path):

@@ -16,6 +16,13 @@ evenly spread (layer 0 first) with the identity head map; EvoSparse 1.5% of the 
 at random (as eval/bench/evosparse.py); TokenButler a randomly initialised predictor of the model's preset size.
 `tsa+kascade` decodes exactly as `kascade` (TSA is a prefill method), so it is not timed twice.
 
+Before anything is timed, each method's decode step is checked against its own masked reference on a small model
+of the same shape family (eval/bench/model_check.py: 8 layers, batch 2, prompts of 384 and 301 tokens, the run's
+dtype; the method and its state built as here): at every layer the method's attention output must equal a dense
+softmax over exactly the keys it selected (read from its own state and selection functions) within
+|out - ref| <= rtol * |ref| + atol. The JSON's `methods` holds each method's `check`; a failed check stops the run
+with a non-zero exit naming the method and its error, before any timing. `--no-check` skips it.
+
 Each row carries `speedup` (dense step time / the method's, dense measured in the same run),
 `floor_speedup` (dense bytes per step / the method's bytes per step, weights included) and their ratio
 `floor_fraction`, the issue's "share of its own bytes-floor speedup".
@@ -26,6 +33,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -91,8 +99,9 @@ METHODS = ("dense", "kascade", "evosparse", "quest", "streaming", "oracle", "h2o
 KASCADE_ANCHORS = 5
 
 
-def bench_method(name: str, cfg, budget: float):
-    """(method, how its state was made) for the benchmark at model shape `cfg`."""
+def bench_method(name: str, cfg, budget: float, evo_budget_tokens: int | None = None):
+    """(method, how its state was made) for the benchmark at model shape `cfg`; evo_budget_tokens: EvoSparse's
+    token budget (None: the benchmark's 2048; the correctness check's small context takes a smaller one)."""
     if name == "dense":
         return make_method("dense"), "none"
     if name == "kascade":
@@ -104,8 +113,9 @@ def bench_method(name: str, cfg, budget: float):
         from eval.bench import evo_layout as be
         from jsparse.methods.evosparse import EvoSparse
         heads = be.model_heads(cfg)
-        return (EvoSparse.from_heads(cfg, heads, budget_tokens=be.BUDGET_TOKENS, block_size=be.BLOCK),
-                f"synthetic: {len(heads)} retrieval heads drawn at random (seed 0), budget {be.BUDGET_TOKENS} tokens "
+        tokens = be.BUDGET_TOKENS if evo_budget_tokens is None else evo_budget_tokens
+        return (EvoSparse.from_heads(cfg, heads, budget_tokens=tokens, block_size=be.BLOCK),
+                f"synthetic: {len(heads)} retrieval heads drawn at random (seed 0), budget {tokens} tokens "
                 f"in blocks of {be.BLOCK}")
     if name == "butler":
         from jsparse.methods.butler import Butler
@@ -232,22 +242,34 @@ def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, pre
     return rows
 
 
+def method_checks(cfg, methods, budget: float, check: bool) -> dict:
+    """{method: {"check": ...}} for the JSON: each method's correctness check (`model_check.run_checks`, in bf16 as
+    the timed run; raises model_check.CheckFailed naming the failed methods), or a note that it was skipped."""
+    if not check:
+        return {m: {"check": "skipped (--no-check)"} for m in methods}
+    from eval.bench import model_check
+    def build(name, small_cfg):
+        return bench_method(name, small_cfg, budget, evo_budget_tokens=model_check.CHECK_EVO_TOKENS)[0]
+    return {m: {"check": c} for m, c in model_check.run_checks(cfg, methods, build, jnp.bfloat16).items()}
+
+
 def run_methods(shape: str, methods, contexts, batches, steps: int, out: str | None, budget: float,
-                prefill_contexts=()):
+                prefill_contexts=(), check: bool = True):
     cfg = preset(shape)
-    facts = bm.device_facts()
-    hbm = bm.measure_hbm_gbs()
-    params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
     if methods[0] != "dense":
         methods = ("dense",) + tuple(m for m in methods if m != "dense")  # the baseline of the same run, first
     methods = tuple(m for m in methods if m != "tsa+kascade")  # decodes as kascade
+    checks = method_checks(cfg, methods, budget, check)  # before anything is timed
+    facts = bm.device_facts()
+    hbm = bm.measure_hbm_gbs()
+    params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
     mm = bm.measure_matmul_tflops() if prefill_contexts else 0.0
     rows = method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, prefill_contexts, mm)
     payload = {**facts, "benchmark": "model_methods", "xla_flags": os.environ.get("XLA_FLAGS", ""), "shape": shape,
                "dtype": "bfloat16", "weights": "random", "budget": budget,
                "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), "measured_hbm_gbs": hbm,
                "param_bytes": param_bytes(params), "decode_steps_timed": steps, "measured_matmul_tflops": mm or None,
-               "rows": rows}
+               "methods": checks, "rows": rows}
     if out:
         bm.write_json(out, payload)
     print(bm.table([r for r in rows if r["phase"] == "decode"],
@@ -258,8 +280,9 @@ def run_methods(shape: str, methods, contexts, batches, steps: int, out: str | N
     return payload
 
 
-def run(shape: str, contexts, batches, steps: int = 16, out: str | None = None):
+def run(shape: str, contexts, batches, steps: int = 16, out: str | None = None, check: bool = True):
     cfg = preset(shape)
+    checks = method_checks(cfg, ("dense",), 0.1, check)
     facts = bm.device_facts()
     hbm = bm.measure_hbm_gbs()
     mm = bm.measure_matmul_tflops()
@@ -301,7 +324,7 @@ def run(shape: str, contexts, batches, steps: int = 16, out: str | None = None):
             print(row, flush=True)
     payload = {**facts, "benchmark": "model_dense", "xla_flags": os.environ.get("XLA_FLAGS", ""), "shape": shape, "dtype": "bfloat16", "weights": "random",
                "measured_hbm_gbs": hbm, "measured_matmul_tflops": mm, "param_bytes": param_bytes(params),
-               "decode_steps_timed": steps, "rows": rows}
+               "decode_steps_timed": steps, "methods": checks, "rows": rows}
     if out:
         bm.write_json(out, payload)
     print(bm.table(rows, ["context", "batch", "prefill_ms", "prefill_tflops", "prefill_roofline_ms",
@@ -326,6 +349,9 @@ def main(argv=None, prog=None):
     p.add_argument("--xla-flags", default=" ".join(GPU_XLA_FLAGS),
                    help="XLA_FLAGS for this run, set before the backend starts (default: jsparse.xla_flags.GPU_XLA_FLAGS, "
                         "cuBLAS GEMMs reading the stacked weights in place; see eval/results/h100/bench_decode_step.json)")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the correctness check that runs before timing (each method's decode step against its "
+                        "masked reference on a small model; see above)")
     a = p.parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # 100K x batch 4: 53 GB of cache + 16 GB weights
     if a.xla_flags:
@@ -335,11 +361,15 @@ def main(argv=None, prog=None):
     unknown = sorted(set(methods) - set(METHODS) - {"tsa+kascade"})
     if unknown:
         p.error(f"--methods: unknown {unknown}; expected some of {list(METHODS) + ['tsa+kascade']}")
-    if methods == ("dense",):
-        run(a.shape, contexts, batches, a.steps, a.out)
-    else:
-        pre = [int(x) for x in a.prefill_context.split(",") if x.strip()]
-        run_methods(a.shape, methods, contexts, batches, a.steps, a.out, a.budget, pre)
+    from eval.bench.model_check import CheckFailed
+    try:
+        if methods == ("dense",):
+            run(a.shape, contexts, batches, a.steps, a.out, check=not a.no_check)
+        else:
+            pre = [int(x) for x in a.prefill_context.split(",") if x.strip()]
+            run_methods(a.shape, methods, contexts, batches, a.steps, a.out, a.budget, pre, check=not a.no_check)
+    except CheckFailed as e:
+        sys.exit(f"{p.prog}: error: {e}")
 
 
 if __name__ == "__main__":

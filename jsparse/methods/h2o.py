@@ -71,6 +71,23 @@ class H2O(TokenBudget):
         score = jax.lax.dynamic_update_index_in_dim(state.score, row, ctx.layer, 0)
         return dense_prefill(q, k, v), H2OState(score=score)
 
+    def kept_keys(self, score, p, K: int):
+        """bool[B, Hkv, N]: the keys a decode row at positions p: i32[B] attends, given its layer's accumulated
+        score f32[B, Hkv, N]: the r = ceil(recent * k) most recent visible keys and the k - r older ones with the
+        largest score (K: the static top-k width, >= k)."""
+        B, Hkv, N = score.shape
+        n = jnp.arange(N)
+        k_t = sel.budget_tokens(self.budget, p + 1, self.min_tokens)  # [B]
+        r = jnp.maximum(jnp.ceil(self.recent * k_t.astype(jnp.float32)).astype(jnp.int32), 1)
+        visible = n[None, :] <= p[:, None]  # [B, N]
+        window = visible & (n[None, :] > (p - r)[:, None])
+        heavy = jnp.where((visible & ~window)[:, None], score, sel.NEG_INF)  # [B, Hkv, N]
+        idx = sel.topk_indices(heavy, jnp.broadcast_to((k_t - r)[:, None], (B, Hkv)), K, per_shard=True)
+        # The mask per shard too (XLA's scatter would all-gather the indices): every step stays per KV head.
+        keep = per_shard(lambda i, n_: decode_indices_to_mask(i[:, :, None], n_, N)[:, :, 0], [idx, p + 1],
+                         [dims(3, 0, 1), dims(1, 0)], dims(3, 0, 1))  # [B, Hkv, N]
+        return keep | window[:, None]
+
     def sparse_decode(self, ctx, q, cache, state):
         B, T, Hq, D = q.shape
         Hkv, N = cache.k.shape[1], cache.k.shape[2]
@@ -79,20 +96,10 @@ class H2O(TokenBudget):
         positions = sel.decode_positions(ctx.lengths, T)  # [B, T]
         qg = q.astype(jnp.float32).reshape(B, T, Hkv, G, D)
         kf, vf = cache.k.astype(jnp.float32), cache.v.astype(jnp.float32)
-        n = jnp.arange(N)
 
         def row(score, xs):
             q_t, p = xs  # [B, Hkv, G, D], i32[B]
-            k_t = sel.budget_tokens(self.budget, p + 1, self.min_tokens)  # [B]
-            r = jnp.maximum(jnp.ceil(self.recent * k_t.astype(jnp.float32)).astype(jnp.int32), 1)
-            visible = n[None, :] <= p[:, None]  # [B, N]
-            window = visible & (n[None, :] > (p - r)[:, None])
-            heavy = jnp.where((visible & ~window)[:, None], score, sel.NEG_INF)  # [B, Hkv, N]
-            k_heavy = jnp.broadcast_to((k_t - r)[:, None], (B, Hkv))
-            idx = sel.topk_indices(heavy, k_heavy, K, per_shard=True)  # [B, Hkv, K]
-            # The mask per shard too (XLA's scatter would all-gather the indices): every step stays per KV head.
-            keep = per_shard(lambda i, n_: decode_indices_to_mask(i[:, :, None], n_, N)[:, :, 0], [idx, p + 1],
-                             [dims(3, 0, 1), dims(1, 0)], dims(3, 0, 1)) | window[:, None]  # [B, Hkv, N]
+            keep = self.kept_keys(score, p, K)  # [B, Hkv, N]
             logits = jnp.einsum("bhgd,bhnd->bhgn", q_t, kf, precision=_HIGHEST) / math.sqrt(D)
             logits = jnp.where(keep[:, :, None], logits, -jnp.inf)
             probs = jax.nn.softmax(logits, axis=-1)  # the row always keeps itself

@@ -197,8 +197,11 @@ class Kascade(TokenBudget):
 # Inside TSA (`tsa+kascade`) each layer attends over its own compressed sequence, so an anchor's selected keys
 # (positions in the anchor layer's compressed sequence) mean other tokens in a reuse layer's. Before a reuse layer
 # the anchor's keys go to original positions, then into this layer's compressed positions (keys this layer dropped
-# are dropped), each compressed query tile taking the anchor row of the tile that holds its first query. With
-# identical coordinates (both layers dense) this is the identity, so `tsa+kascade` with tau = 0 is Kascade.
+# are dropped), each compressed query tile taking the anchor row of the tile that holds its first query. That
+# anchor tile attended its own earlier slots densely (its diagonal tile), and a compressed tile of this layer may
+# start in the middle of it: those slots, the tokens just before the tile, are added to the row (at most `tile`
+# keys), or every tile starting mid-way would lose its most recent context. With identical coordinates (both
+# layers dense) the added slots all lie in the tile itself, so `tsa+kascade` with tau = 0 is Kascade.
 
 
 def translate_anchor_indices(anchor_idx: Array, anchor_map: Array, head_map: Array, cur_map: Array,
@@ -215,8 +218,11 @@ def translate_anchor_indices(anchor_idx: Array, anchor_map: Array, head_map: Arr
       tile: Kascade's query tile.
 
     Returns:
-      i32[B, Hkv, nT, K] in this layer's compressed positions, ascending, -1 padded, already head-mapped (use
-      them with an identity head map). Every key lies strictly before its tile's first query.
+      i32[B, Hkv, nT, K + tile] in this layer's compressed positions, ascending, -1 padded, already head-mapped
+      (use them with an identity head map): for each of this layer's query tiles, with p0 the original position
+      of its first query and t the anchor tile holding the anchor's last slot at or before p0, the keys of anchor
+      row t and the anchor's slots of tile t before p0, those this layer kept. Every key lies strictly before its
+      tile's first query.
     """
     B, Hkv, nT, K = anchor_idx.shape
     T = anchor_map.shape[-1]
@@ -227,11 +233,14 @@ def translate_anchor_indices(anchor_idx: Array, anchor_map: Array, head_map: Arr
     search = jax.vmap(jax.vmap(lambda a, v: jnp.searchsorted(a, v, side="right")))
     a_pos = jnp.clip(search(a_map, p0) - 1, 0, T - 1)  # the anchor slot at or before p0
     rows = jnp.take_along_axis(a_idx, (a_pos // tile)[..., None], axis=2)  # [B, Hkv, nT, K]
-    valid = rows >= 0
-    orig = jnp.take_along_axis(a_map, jnp.where(valid, rows, 0).reshape(B, Hkv, nT * K), axis=2)
-    valid = valid & (orig.reshape(B, Hkv, nT, K) < T)
-    cur = jnp.take_along_axis(cur_slot, jnp.minimum(orig, T - 1), axis=2).reshape(B, Hkv, nT, K)
-    valid = valid & (cur >= 0)
+    # The anchor tile's own slots up to a_pos (its dense diagonal part), as anchor slots.
+    diag = (a_pos // tile * tile)[..., None] + jnp.arange(tile, dtype=jnp.int32)  # [B, Hkv, nT, tile]
+    slots = jnp.concatenate([rows, jnp.where(diag <= a_pos[..., None], diag, -1)], axis=-1)
+    valid = (slots >= 0) & (slots < T)
+    orig = jnp.take_along_axis(a_map, jnp.where(valid, slots, 0).reshape(B, Hkv, -1), axis=2)
+    valid = valid & (orig.reshape(slots.shape) < T)
+    cur = jnp.take_along_axis(cur_slot, jnp.minimum(orig, T - 1), axis=2).reshape(slots.shape)
+    valid = valid & (cur >= 0) & (cur < first[:, None])  # kept here, strictly before this tile
     big = jnp.iinfo(jnp.int32).max
     cur = jnp.sort(jnp.where(valid, cur, big), axis=-1)
     return jnp.where(cur == big, -1, cur).astype(jnp.int32)
@@ -252,11 +261,14 @@ def prefill_in_coordinates(inner: Kascade, ctx, q: Array, k: Array, v: Array, st
     """
     info = ctx.info
     reuse = info.role == ROLE_REUSE
-    anchor = state.indices
-    translated = translate_anchor_indices(anchor, anchor_map, info.head_map, cur_map, cur_slot, inner.tile)
-    ident = jnp.arange(info.head_map.shape[0], dtype=jnp.int32)
-    call_info = LayerRole(role=info.role, head_map=ident)
-    call_state = KascadeState(indices=jnp.where(reuse, translated, anchor))
-    out, new = inner.prefill(ctx.replace(info=call_info), q, k, v, call_state)
-    new_state = KascadeState(indices=jnp.where(reuse, anchor, new.indices))
-    return out, new_state, jnp.where(reuse, anchor_map, cur_map)
+
+    def reuse_layer():  # the anchor's keys, translated (`translate_anchor_indices`); the anchor state stays
+        idx = translate_anchor_indices(state.indices, anchor_map, info.head_map, cur_map, cur_slot, inner.tile)
+        return sparse_prefill(q, k, v, idx, ctx.lengths, tile=inner.tile), state.indices
+
+    def anchor_layer():
+        out, new = inner.prefill(ctx, q, k, v, state)
+        return out, new.indices
+
+    out, indices = jax.lax.cond(reuse, reuse_layer, anchor_layer)
+    return out, KascadeState(indices=indices), jnp.where(reuse, anchor_map, cur_map)

@@ -3,7 +3,8 @@
   sparse_decode(q: [B, T, Hq, D], k, v: [B, Hkv, N, D], indices: i32[B, Hkv, T, K], lengths: i32[B])
   sparse_prefill(q: [B, T, Hq, D], k, v: [B, T, Hkv, D], indices: i32[B, Hkv, ceil(T/tile), K], lengths: i32[B])
 
-Each dispatches (by backend, or `implementation=`) to the Pallas GPU kernel (gpu.py), the Pallas TPU kernel
+Each dispatches (by backend, or `implementation=`) to the Pallas GPU kernel (gpu.py; for prefill over block
+selections also the Mosaic GPU one, mgpu_prefill.py, by `implementation="mosaic_gpu"`), the Pallas TPU kernel
 (tpu.py) or XLA (xla.py); reference.py is the plain-jnp specification, with `masked_attention_reference` and
 `indices_to_mask` for brute-force checks of every method.
 """

@@ -5,6 +5,9 @@
                             `supported`), fall back to "xla".
   "xla"                     `xla.py`: take_along_axis gathers + einsums (any backend).
   "pallas_gpu"              `gpu.py`: Pallas Triton kernels (split-K gathered decode, tile-gathered prefill).
+  "mosaic_gpu"              `mgpu_prefill.py`: the Pallas Mosaic GPU prefill kernel (Hopper: TMA + WGMMA) over block
+                            selections (block_size a power of two >= 8, tile 32/64/128, bf16/f16, D 64/128);
+                            prefill only, never picked by default (token-level selections need "pallas_gpu").
   "pallas_tpu"              `tpu.py`: Pallas TPU kernels at block granularity (block_size % 8 == 0).
   "reference"               `reference.py`: the plain-jnp specification (slow; tests only).
 
@@ -22,7 +25,7 @@ from pallas_kernels.sparse_attention import reference, xla
 
 Array = jax.Array
 
-IMPLEMENTATIONS = ("xla", "pallas_gpu", "pallas_tpu", "reference")
+IMPLEMENTATIONS = ("xla", "pallas_gpu", "mosaic_gpu", "pallas_tpu", "reference")
 
 
 def _unsupported_reason(implementation: str, q: Array, block_size: int, tile: int | None) -> str | None:
@@ -31,6 +34,13 @@ def _unsupported_reason(implementation: str, q: Array, block_size: int, tile: in
     if implementation == "pallas_gpu":
         from pallas_kernels.sparse_attention import gpu
         return gpu.unsupported_reason(q.dtype, D, block_size, tile)
+    if implementation == "mosaic_gpu":
+        from pallas_kernels.sparse_attention import mgpu_prefill
+        reason = mgpu_prefill.unsupported_reason(q.dtype, D, block_size, tile)
+        if reason is None and not mgpu_prefill.hopper():
+            reason = (f"a {jax.devices()[0].platform} device (the Mosaic GPU kernel needs a CUDA GPU of compute "
+                      f"capability 9.x, Hopper)")
+        return reason
     if implementation == "pallas_tpu":
         from pallas_kernels.sparse_attention import tpu
         return tpu.unsupported_reason(q.dtype, D, block_size, tile)
@@ -158,5 +168,8 @@ def sparse_prefill(q: Array, k: Array, v: Array, indices: Array, lengths: Array,
     if impl == "pallas_gpu":
         from pallas_kernels.sparse_attention import gpu
         return gpu.sparse_prefill_gpu(q, k, v, indices, lengths, **kw)
+    if impl == "mosaic_gpu":
+        from pallas_kernels.sparse_attention import mgpu_prefill
+        return mgpu_prefill.sparse_prefill_mgpu(q, k, v, indices, lengths, **kw)
     from pallas_kernels.sparse_attention import tpu
     return tpu.sparse_prefill_tpu(q, k, v, indices, lengths, **kw)
