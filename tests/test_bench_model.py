@@ -78,6 +78,7 @@ def test_check_passes_for_every_method(name):
     assert c["passed"], c
     assert c["err_over_tol"] <= 1.0 and c["max_abs_err"] < 1e-4  # f32 on the CPU: rounding only
     assert c["probe_logits_max_diff"] <= c["probe_logits_tol"]
+    assert c["reference"].startswith("masked_attention_reference over the keys the method selected: ")
     assert c["shape"] == {"layers": 8, "hidden": 256, "heads": 8, "kv_heads": 2, "head_dim": 128, "batch": 2,
                           "lengths": [384, 301], "decode_steps": 2, "capacity": 512, "dtype": "float32"}
     kept = c["kept_fraction_per_layer"]

@@ -3,14 +3,16 @@ against the Triton kernels (`sparse_attention.gpu`) and cuDNN's dense causal att
 
     python -m eval.bench.sparse_prefill_mgpu --out DIR      (or: jsparse bench sparse_prefill_mgpu --out DIR)
 
-1. Checks, compiled: the Mosaic kernel against `sparse_prefill_reference` at a small shape (B 2, T 1000 and 2048,
-   Hq 8, Hkv 2, D 128, bf16, a shorter second row) for every timed tile and block size.
-2. Times, at each --context (B 1, Llama-3.1-8B heads: 32 query, 8 KV, d 128, bf16) and each --tiles, with a
-   --budget selection per query tile (Kascade's rolling count, `tile_counts`, with random unique entries):
+1. Checks, compiled: the Mosaic kernel against `sparse_prefill_reference` at a small shape (B 2, T 1000, Hq 8,
+   Hkv 2, D 128, bf16, a shorter second row) for every timed tile, block size and Mosaic config.
+2. Times, at each --context (B 1, Llama-3.1-8B heads: 32 query, 8 KV, d 128, bf16) and each --tiles (all contexts
+   of the first tile first, so a time budget that runs out drops the later tiles), with a --budget selection per
+   query tile (Kascade's rolling count, `tile_counts`, with random unique entries):
      * dense_cudnn_causal: `jax.nn.dot_product_attention(..., implementation="cudnn")`;
      * triton[bs1]: the Triton kernel over a token-level selection (what Kascade runs today);
      * triton[bsN]: the Triton kernel over the same block selection the Mosaic kernel gets;
-     * mosaic[bsN]: the Mosaic GPU kernel over a selection of blocks of N tokens (`--block-sizes`).
+     * mosaic[bsN]: the Mosaic GPU kernel over a selection of blocks of N tokens (`--block-sizes`; block sizes
+       that do not divide the tile are skipped), one row per --mosaic-configs entry (block_kv x stages).
    Each row reports ms and the effective TFLOP/s of its selected work, 4 * D * Hq * B * (pairs), pairs = sum over
    tiles of (selected tokens before the tile) * tile + the causal diagonal tile (as `eval/bench/attention.py`), and
    the speedup over the dense run of the same context.
@@ -48,6 +50,9 @@ def _parser(prog=None) -> argparse.ArgumentParser:
                    help="tokens per index entry of the Mosaic kernel's selection (default 64,16)")
     p.add_argument("--budget", type=float, default=0.1, help="selected fraction of the keys before each tile")
     p.add_argument("--min-tokens", type=int, default=128, help="Kascade's minimum selection per tile (default 128)")
+    p.add_argument("--mosaic-configs", default="128x2",
+                   help="Mosaic kernel configs to time, block_kv x stages, comma separated (default 128x2; "
+                        "e.g. 128x2,64x3,64x4)")
     p.add_argument("--iters", type=int, default=5, help="timed calls per variant (default 5)")
     p.add_argument("--time-budget", type=float, default=210.0,
                    help="seconds after which the remaining variants are skipped (recorded; default 210)")
@@ -76,6 +81,16 @@ def selection(key, T: int, Hkv: int, tile: int, block_size: int, budget: float, 
     return idx, blocks * block_size
 
 
+def _configs(spec: str):
+    from pallas_kernels.sparse_attention.mgpu_prefill import MosaicPrefillConfig
+
+    out = []
+    for item in spec.split(","):
+        bkv, stages = (int(x) for x in item.lower().split("x"))
+        out.append((f"bkv{bkv}_s{stages}", MosaicPrefillConfig(block_kv=bkv, stages=stages)))
+    return out
+
+
 def flops(tokens_per_tile: np.ndarray, tile: int, Hq: int, D: int, B: int = 1) -> float:
     nt = tokens_per_tile.shape[0]
     pairs = int(np.sum(tokens_per_tile * tile) + nt * tile * (tile + 1) // 2)
@@ -100,8 +115,11 @@ def main(argv=None, prog=None) -> int:
     def over() -> bool:
         return time.perf_counter() - t0 > args.time_budget
 
-    # 1. Checks against the reference (small shapes).
-    small = ((2, 1000, 8, 2, 128), (1, 2048, 8, 2, 128)) if not args.interpret else ((1, 256, 4, 1, 64),)
+    configs = _configs(args.mosaic_configs)
+    default_name = configs[0][0]
+
+    # 1. Checks against the reference (a small shape).
+    small = ((2, 1000, 8, 2, 128),) if not args.interpret else ((1, 256, 4, 1, 64),)
     for (B, T, Hq, Hkv, D) in small:
         ks = jax.random.split(jax.random.key(T), 4)
         q = jax.random.normal(ks[0], (B, T, Hq, D), jnp.bfloat16)
@@ -109,25 +127,29 @@ def main(argv=None, prog=None) -> int:
         v = jax.random.normal(ks[2], (B, T, Hkv, D), jnp.bfloat16)
         lengths = jnp.asarray([T] + [T - 77] * (B - 1), jnp.int32)
         for tile in args.tiles:
-            for bs in args.block_sizes:
-                rec = dict(B=B, T=T, Hq=Hq, Hkv=Hkv, D=D, tile=tile, block_size=bs)
-                try:
-                    idx, _ = selection(ks[3], T, Hkv, tile, bs, 0.3, 64)
-                    idx = jnp.concatenate([idx] * B, axis=0)
-                    want = sparse_prefill_reference(q, k, v, idx, lengths, tile=tile, block_size=bs)
-                    got = mg.sparse_prefill_mgpu(q, k, v, idx, lengths, tile=tile, block_size=bs, **ik)
-                    rec["rel_err"] = rel_err(got, want)
-                    rec["ok"] = bool(rec["rel_err"] < 2e-2)
-                except Exception as e:  # noqa: BLE001 - recorded, the other variants go on
-                    rec.update(error=(type(e).__name__ + ": " + str(e))[:400], ok=False)
-                out["checks"].append(rec)
-                print("check", rec, flush=True)
+            for bs in [b for b in args.block_sizes if tile % b == 0]:
+                idx, _ = selection(ks[3], T, Hkv, tile, bs, 0.3, 64)
+                idx = jnp.concatenate([idx] * B, axis=0)
+                want = sparse_prefill_reference(q, k, v, idx, lengths, tile=tile, block_size=bs)
+                for cname, cfg in configs:
+                    rec = dict(B=B, T=T, Hq=Hq, Hkv=Hkv, D=D, tile=tile, block_size=bs, config=cname)
+                    t1 = time.perf_counter()
+                    try:
+                        got = mg.sparse_prefill_mgpu(q, k, v, idx, lengths, tile=tile, block_size=bs, config=cfg, **ik)
+                        rec["rel_err"] = rel_err(got, want)
+                        rec["ok"] = bool(rec["rel_err"] < 2e-2)
+                    except Exception as e:  # noqa: BLE001 - recorded, the other variants go on
+                        rec.update(error=(type(e).__name__ + ": " + str(e))[:400], ok=False)
+                    rec["seconds"] = time.perf_counter() - t1
+                    out["checks"].append(rec)
+                    print("check", rec, flush=True)
 
     # 2. Timings at Llama-3.1-8B heads.
     Hq, Hkv, D = (32, 8, 128) if not args.interpret else (4, 1, 64)
 
     def record(sec: dict, impl: str, fn, *a, work: float | None = None, dense_ms: float | None = None) -> dict:
         r = dict(sec, impl=impl)
+        t1 = time.perf_counter()
         if over():
             r["skipped"] = "time budget"
         else:
@@ -141,44 +163,51 @@ def main(argv=None, prog=None) -> int:
             except Exception as e:  # noqa: BLE001 - a variant that fails is recorded, not fatal
                 r["error"] = (type(e).__name__ + ": " + str(e).strip().splitlines()[0] if str(e).strip()
                               else type(e).__name__)[:400]
+            r["seconds"] = time.perf_counter() - t1  # compile and timing
         out["records"].append(r)
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
         return r
 
+    data, dense_ms = {}, {}
     for T in args.context:
         ks = jax.random.split(jax.random.key(T), 4)
-        q = jax.random.normal(ks[0], (1, T, Hq, D), jnp.bfloat16)
-        k = jax.random.normal(ks[1], (1, T, Hkv, D), jnp.bfloat16)
-        v = jax.random.normal(ks[2], (1, T, Hkv, D), jnp.bfloat16)
-        lengths = jnp.full((1,), T, jnp.int32)
-        dense_work = 4.0 * D * Hq * T * (T + 1) / 2
-        dense = {} if args.interpret else record(
-            dict(T=T), "dense_cudnn_causal", jax.jit(lambda q, k, v: dense_prefill(q, k, v, implementation="cudnn")),
-            q, k, v, work=dense_work)
-        dense_ms = dense.get("ms")
-        for tile in args.tiles:
-            for bs in [1] + list(args.block_sizes):
+        data[T] = [jax.random.normal(ks[0], (1, T, Hq, D), jnp.bfloat16),
+                   jax.random.normal(ks[1], (1, T, Hkv, D), jnp.bfloat16),
+                   jax.random.normal(ks[2], (1, T, Hkv, D), jnp.bfloat16), jnp.full((1,), T, jnp.int32), ks[3]]
+        if not args.interpret:
+            r = record(dict(T=T), "dense_cudnn_causal", jax.jit(
+                lambda q, k, v: dense_prefill(q, k, v, implementation="cudnn")), *data[T][:3],
+                work=4.0 * D * Hq * T * (T + 1) / 2)
+            dense_ms[T] = r.get("ms")
+    for tile in args.tiles:
+        for T in args.context:
+            q, k, v, lengths, key = data[T]
+            for bs in [1] + [b for b in args.block_sizes if tile % b == 0]:
                 sec = dict(T=T, tile=tile, block_size=bs)
                 try:
-                    idx, tokens = selection(ks[3], T, Hkv, tile, bs, args.budget, args.min_tokens)
+                    idx, tokens = selection(key, T, Hkv, tile, bs, args.budget, args.min_tokens)
                 except Exception as e:  # noqa: BLE001
                     out["records"].append(dict(sec, impl="selection", error=repr(e)[:400]))
                     continue
                 work = flops(tokens, tile, Hq, D)
                 sec["selected_fraction"] = float(np.sum(tokens * tile)) / (T * (T + 1) / 2)
+                kw = dict(work=work, dense_ms=dense_ms.get(T))
                 record(dict(sec), f"triton[bs{bs}]", jax.jit(lambda q, k, v, i, l, t=tile, b=bs: gpu.sparse_prefill_gpu(
-                    q, k, v, i, l, tile=t, block_size=b, **ik)), q, k, v, idx, lengths, work=work, dense_ms=dense_ms)
-                if bs > 1:
-                    fn = jax.jit(lambda q, k, v, i, l, t=tile, b=bs: mg.sparse_prefill_mgpu(
-                        q, k, v, i, l, tile=t, block_size=b, **ik))
-                    record(dict(sec), f"mosaic[bs{bs}]", fn, q, k, v, idx, lengths, work=work, dense_ms=dense_ms)
+                    q, k, v, i, l, tile=t, block_size=b, **ik)), q, k, v, idx, lengths, **kw)
+                if bs == 1:
+                    continue
+                for cname, cfg in configs:
+                    fn = jax.jit(lambda q, k, v, i, l, t=tile, b=bs, c=cfg: mg.sparse_prefill_mgpu(
+                        q, k, v, i, l, tile=t, block_size=b, config=c, **ik))
+                    name = f"mosaic[bs{bs}]" if cname == default_name else f"mosaic[bs{bs},{cname}]"
+                    record(dict(sec, config=cname), name, fn, q, k, v, idx, lengths, **kw)
                 del idx
-        del q, k, v
+    del data
 
     out["seconds"] = time.perf_counter() - t0
     path = out_path(args.out, NAME)
     write_json(path, out)
-    print(table(out["checks"], ["B", "T", "tile", "block_size", "rel_err", "ok", "error"]))
+    print(table(out["checks"], ["B", "T", "tile", "block_size", "config", "rel_err", "ok", "seconds", "error"]))
     print(table(out["records"], ["T", "tile", "block_size", "impl", "ms", "tflops", "speedup_vs_dense", "error",
                                  "skipped"]))
     print(f"wrote {path} ({out['seconds']:.0f} s)")
