@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import sharding as shard
+
 Array = jax.Array
 NEG_INF = -jnp.inf
 
@@ -141,7 +143,7 @@ def prefill_tile_probs(q: Array, k: Array, tile: int) -> Array:
     return jnp.concatenate(out, axis=2)
 
 
-def topk_indices(scores: Array, k_dyn: Array, K: int) -> Array:
+def topk_indices(scores: Array, k_dyn: Array, K: int, per_shard: bool = False) -> Array:
     """Top-k key positions per row, in the index contract.
 
     Args:
@@ -149,7 +151,21 @@ def topk_indices(scores: Array, k_dyn: Array, K: int) -> Array:
       k_dyn: i32[...] how many to keep per row (<= K); K: static width.
     Returns:
       int32[..., K]: the chosen positions ascending, then -1 padding (also for -inf picks).
+
+    per_shard: under a mesh, select scores in the index contract's layout [B, Hkv, ..., N] per shard (rows over
+    data, heads over model; the rows are independent), for scores computed per KV head: XLA's partitioner
+    gathers every head's scores onto every device for the top-k otherwise (oracle, h2o). Off, XLA places the
+    top-k (Butler's scores come from a replicated predictor; per shard would add an all-gather of the indices).
     """
+    if per_shard and scores.ndim >= 3 and shard.active_mesh() is not None:
+        k_rows = jnp.broadcast_to(k_dyn, scores.shape[:-1])
+        return shard.per_shard(lambda s, k: _topk_indices(s, k, K), [scores, k_rows],
+                               [shard.dims(scores.ndim, 0, 1), shard.dims(scores.ndim - 1, 0, 1)],
+                               shard.dims(scores.ndim, 0, 1))
+    return _topk_indices(scores, k_dyn, K)
+
+
+def _topk_indices(scores: Array, k_dyn: Array, K: int) -> Array:
     K = min(K, scores.shape[-1])
     vals, idx = jax.lax.top_k(scores, K)
     rank = jnp.arange(K, dtype=jnp.int32)

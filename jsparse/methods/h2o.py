@@ -29,6 +29,7 @@ from jsparse import selection as sel
 from jsparse.heat import scan_rows
 from jsparse.methods.base import register
 from jsparse.methods.common import TokenBudget, dense_prefill, kwargs_for
+from pallas_kernels.sharding import dims, per_shard
 from pallas_kernels.sparse_attention.reference import decode_indices_to_mask
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -82,8 +83,11 @@ class H2O(TokenBudget):
         visible = n[None, :] <= p[:, None]  # [B, N]
         window = visible & (n[None, :] > (p - r)[:, None])
         heavy = jnp.where((visible & ~window)[:, None], score, sel.NEG_INF)  # [B, Hkv, N]
-        idx = sel.topk_indices(heavy, jnp.broadcast_to((k_t - r)[:, None], (B, Hkv)), K)  # [B, Hkv, K]
-        return decode_indices_to_mask(idx[:, :, None], p + 1, N)[:, :, 0] | window[:, None]
+        idx = sel.topk_indices(heavy, jnp.broadcast_to((k_t - r)[:, None], (B, Hkv)), K, per_shard=True)
+        # The mask per shard too (XLA's scatter would all-gather the indices): every step stays per KV head.
+        keep = per_shard(lambda i, n_: decode_indices_to_mask(i[:, :, None], n_, N)[:, :, 0], [idx, p + 1],
+                         [dims(3, 0, 1), dims(1, 0)], dims(3, 0, 1))  # [B, Hkv, N]
+        return keep | window[:, None]
 
     def sparse_decode(self, ctx, q, cache, state):
         B, T, Hq, D = q.shape
