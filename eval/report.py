@@ -217,11 +217,11 @@ def summary_markdown(records: Sequence[Mapping], meta: Mapping | None = None) ->
         lines += ["## Prefill attention-map sparsity per sparse layer", "",
                   "Fraction of the causal attention map the method's prefill skipped in each sparse layer, "
                   "averaged over the samples (measured on the record's prefills: the whole window for ppl "
-                  "prefill, the first length - C tokens for ppl continuation, the prompt for passkey); mean: "
-                  "over the sparse layers.", ""]
+                  "prefill, the first length - C tokens for ppl continuation, the prompt for passkey and the "
+                  "generation tasks); mean: over the sparse layers.", ""]
         mrows = []
         for r in measured:
-            task = r["task"] if r["task"] == "passkey" else f"ppl {r['variant']}"
+            task = f"ppl {r['variant']}" if r["task"] == "ppl" else r["task"]
             vals = [r["layer_sparsity"].get(str(l)) for l in layers]
             mean = sum(v for v in vals if v is not None) / max(sum(v is not None for v in vals), 1)
             mrows.append([_row(r), f"{task} @{r['length']}", f"{mean:.3f}"]

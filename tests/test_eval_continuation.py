@@ -216,3 +216,18 @@ def test_component_artifacts_of_a_composed_method(model, tmp_path):
     with pytest.raises(ValueError, match="kascade needs a calibration artifact"):
         harness.build_methods(model, harness.EvalSpec(methods=both, artifacts=harness.parse_artifacts(
             [f"tsa={tdir}"], both)))
+
+
+def test_layer_sparsity_table_names_each_task():
+    """The per-layer sparsity table labels a generation task by its name (not as a ppl variant)."""
+    common = dict(method="tsa", length=96, budget=None, sparsity=0.1, n=2, depth=None, seconds=1.0)
+    records = [harness.make_record(task="niah_single_number", metric="string_match_all", value=1.0,
+                                   variant="generate", layer_sparsity={"1": 0.25}, **common),
+               harness.make_record(task="ppl", metric="perplexity", value=30.0, variant="continuation",
+                                   layer_sparsity={"1": 0.5}, **common),
+               harness.make_record(task="passkey", metric="accuracy", value=1.0, variant="generate",
+                                   layer_sparsity={"1": 0.75}, **common)]
+    md = report.summary_markdown(records, {"ppl_variants": ["continuation"], "continuation": 20})
+    assert "| tsa | niah_single_number @96 | 0.250 | 0.250 |" in md
+    assert "| tsa | ppl continuation @96 | 0.500 | 0.500 |" in md and "| tsa | passkey @96 | 0.750 | 0.750 |" in md
+    assert "ppl generate" not in md
