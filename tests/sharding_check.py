@@ -128,13 +128,10 @@ EXTRA_COLLECTIVES = {
     "oracle": {}, "streaming": {}, "quest": {}, "h2o": {}, "butler": {},
     # the head map: a reuse layer's heads read the anchor's indices i32[B, Hkv, T, K] of any head
     "kascade": {("all-gather", "s32[2,8,1,20]"): 1, ("all-gather", "s32[2,8,3,15]"): 1},
-    # the shared count per row: the head-summed scores f32[B, T]; and (not needed: a known cost) XLA's
-    # compression gather all-gathers Q f32[B, T, Hq, D], K and V f32[B, T, Hkv, D] and its indices
-    "tsa": {("all-reduce", "f32[2,48]"): 1, ("all-gather", "f32[2,48,16,16]"): 2, ("all-gather", "f32[2,48,8,16]"): 2,
-            ("all-gather", "s32[2,16,48]"): 1, ("all-gather", "s32[2,16,48,3]"): 1},
-    "tsa+kascade": {("all-reduce", "f32[2,48]"): 1, ("all-gather", "f32[2,48,16,16]"): 2,
-                    ("all-gather", "f32[2,48,8,16]"): 2, ("all-gather", "s32[2,8,48]"): 4,
-                    ("all-gather", "s32[2,8,48,3]"): 1, ("all-gather", "s32[2,48,8]"): 1,
+    # the shared count per row: the head-summed scores f32[B, T] (the compression gathers run per shard)
+    "tsa": {("all-reduce", "f32[2,48]"): 1},
+    # both; and the anchors' coordinate maps i32[B, Hkv, T] in the compressed space, read through the head map
+    "tsa+kascade": {("all-reduce", "f32[2,48]"): 1, ("all-gather", "s32[2,8,48]"): 3,
                     ("all-gather", "s32[2,8,1,20]"): 1, ("all-gather", "s32[2,8,3,15]"): 6},
     # the retrieval set: the pmax of the block max f32[B, T, nb] (two places in the layer loops); the heat
     # f32[L, B, Hkv, nb] all-gathered once (a known cost); and the model's own wo / w_down psums once more (the
