@@ -62,10 +62,11 @@ class H2O(TokenBudget):
 
     def prefill(self, ctx, q, k, v, state):
         B, T = q.shape[:2]
-        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        probs = sel.pooled_probs(q, jnp.swapaxes(k, 1, 2), positions)  # [B, Hkv, T, T]
-        valid_rows = jnp.arange(T)[None, :] < ctx.lengths[:, None]  # [B, T]
-        colsum = jnp.sum(jnp.where(valid_rows[:, None, :, None], probs, 0.0), axis=2)  # [B, Hkv, T]
+        colsum = jnp.zeros((B, k.shape[2], T), jnp.float32)  # [B, Hkv, T]: the weight each key got from the prompt
+        for s, e, probs in sel.causal_prob_chunks(q, k):  # probs: [B, Hkv, e - s, e]
+            valid_rows = jnp.arange(s, e)[None, :] < ctx.lengths[:, None]  # [B, e - s]
+            part = jnp.sum(jnp.where(valid_rows[:, None, :, None], probs, 0.0), axis=2)  # [B, Hkv, e]
+            colsum = colsum + jnp.pad(part, ((0, 0), (0, 0), (0, T - e)))
         N = state.score.shape[-1]
         row = jnp.pad(colsum, ((0, 0), (0, 0), (0, N - T)))
         score = jax.lax.dynamic_update_index_in_dim(state.score, row, ctx.layer, 0)
