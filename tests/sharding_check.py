@@ -133,11 +133,10 @@ EXTRA_COLLECTIVES = {
     # both; and the anchors' coordinate maps i32[B, Hkv, T] in the compressed space, read through the head map
     "tsa+kascade": {("all-reduce", "f32[2,48]"): 1, ("all-gather", "s32[2,8,48]"): 3,
                     ("all-gather", "s32[2,8,1,20]"): 1, ("all-gather", "s32[2,8,3,15]"): 6},
-    # the retrieval set: the pmax of the block max f32[B, T, nb] (two places in the layer loops); the heat
-    # f32[L, B, Hkv, nb] all-gathered once (a known cost); and the model's own wo / w_down psums once more (the
-    # decode runs its dense and its sparse layers as two loops)
-    "evosparse": {("all-reduce", "f32[2,1,16]"): 2, ("all-gather", "f32[3,2,8,16]"): 1,
-                  ("all-reduce", "f32[2,1,64]"): 2},
+    # the retrieval set: the pmax of the block max f32[B, T, nb] (two places in the layer loops); and the model's
+    # own wo / w_down psums once more (the decode runs its dense and its sparse layers as two loops). The heat
+    # f32[L, B, Hkv, nb] stays per shard (its candidates' top-k too).
+    "evosparse": {("all-reduce", "f32[2,1,16]"): 2, ("all-reduce", "f32[2,1,64]"): 2},
 }
 COLLECTIVES_MESH = "model=8"
 
