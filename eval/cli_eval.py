@@ -242,7 +242,8 @@ def run_eval(args) -> int:
     previous, runs, config = resume_config(args.out, config, getattr(args, "overwrite", False))
     model = jsparse.load(args.model, args.dtype, mesh=getattr(args, "mesh", None))
     if spec.draft is not None:
-        spec = dataclasses.replace(spec, draft=jsparse.load(args.draft, args.dtype))
+        # On the target's mesh: speculative decoding runs both models on one mesh.
+        spec = dataclasses.replace(spec, draft=jsparse.load(args.draft, args.dtype, mesh=model.mesh))
     command = getattr(args, "command_line", None) or shlex.join(["jsparse", *sys.argv[1:]])
     meta = report.run_metadata(
         command=command,

@@ -438,22 +438,6 @@ class LayerSparsity:
         return per, float(sum(per.values()) / self.cfg.num_layers)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _prefill_state_jit(params, method, tokens, lengths, *, cfg):
-    from models import llama
-    from models.cache import init_cache
-
-    B, T = tokens.shape
-    cache = init_cache(cfg, B, T, params.embed.dtype)
-    _, _, state = llama.prefill(params, cfg, method, tokens, lengths, cache, method.init_state(cfg, B, T))
-    return state
-
-
-def prefill_state(model, method, tokens: np.ndarray, lengths: np.ndarray):
-    """The method's state after its prefill of `tokens` (i32[B, T], right-padded to `lengths`)."""
-    return _prefill_state_jit(model.params, method, jnp.asarray(tokens), jnp.asarray(lengths), cfg=model.cfg)
-
-
 def run_generation(model, method, prompts: Sequence[Sequence[int]], new_tokens: int, rows: int,
                    tick: Callable[[], None] = lambda: None, layer_sparsity: LayerSparsity | None = None, *,
                    width: int | None = None, max_new_tokens: int | None = None) -> list[str]:
@@ -464,7 +448,7 @@ def run_generation(model, method, prompts: Sequence[Sequence[int]], new_tokens: 
     `width` and `max_new_tokens` (>= new_tokens, default new_tokens) fix the compiled shape, so that every task
     of a length shares one compilation per method; a completion is cut to its first `new_tokens` tokens, which
     greedy decoding makes the same as generating `new_tokens`. Given `layer_sparsity` of a method that measures
-    its prefill, one more prefill per batch measures it.
+    its prefill, the generate call returns the state of its own prefill for it (no second prefill).
     """
     lengths_all = np.asarray([len(p) for p in prompts], np.int32)
     width = int(lengths_all.max()) if width is None else int(width)
@@ -478,17 +462,18 @@ def run_generation(model, method, prompts: Sequence[Sequence[int]], new_tokens: 
     for i, p in enumerate(prompts):
         tokens[i, :len(p)] = np.asarray(p, np.int32)
     completions = []
+    measure = layer_sparsity is not None and layer_sparsity.active
     for (batch, valid), (lengths, _) in zip(_batches(tokens, rows), _batches(lengths_all, rows)):
         lengths = jnp.asarray(lengths)
-        out, num = generate_tokens(model.params, method, jnp.asarray(batch), lengths, jax.random.key(0),
-                                   cfg=model.cfg, max_new_tokens=steps, capacity=capacity,
-                                   sampling=Sampling(), eos_ids=eos)
+        out, num, *state = generate_tokens(model.params, method, jnp.asarray(batch), lengths, jax.random.key(0),
+                                           cfg=model.cfg, max_new_tokens=steps, capacity=capacity,
+                                           sampling=Sampling(), eos_ids=eos, return_prefill_state=measure)
         out, num = np.asarray(out), np.asarray(num)
         for row, n in zip(out[:valid], num[:valid]):
             ids = [int(t) for t in row[:min(n, new_tokens)] if t >= 0 and int(t) not in eos]
             completions.append(model.tokenizer.decode(ids, skip_special_tokens=True))
-        if layer_sparsity is not None and layer_sparsity.active:
-            layer_sparsity.add(prefill_state(model, method, batch, lengths), lengths, valid)
+        if measure:
+            layer_sparsity.add(state[0], lengths, valid)
         tick()
     return completions
 

@@ -7,7 +7,8 @@
 
 Speculative decoding: `jsparse.generate(model, prompts, draft=jsparse.load("smollm2:layers=0-9"), gamma=4)`
 (any draft with the target's vocabulary; `SPEC:layers=A-B,C` keeps those layers of a model, a cheap local
-draft). With `method="sts"` the draft's attention also chooses the keys the target attends to (STS).
+draft). With `method="sts"` the draft's attention also chooses the keys the target attends to (STS). On a mesh,
+the target and the draft are loaded with the same `mesh=` and both run sharded on it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from jsparse.methods import make_method, window_methods
 from models import sharding
 from models.bundled import LoadedModel, keep_layers, load_model, parse_layers  # noqa: F401  (re-exported)
 from models.generate import Sampling, check_request, generate_tokens, round_up, sharded_generate_tokens
-from models.speculative import check_gamma, check_pair, speculative_generate
+from models.speculative import check_gamma, check_pair, sharded_speculative_generate, speculative_generate
 
 _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
 
@@ -43,7 +44,8 @@ def load(spec: str = "smollm2", dtype: str | None = None, mesh: Any = None) -> L
     mesh: None (one device), a `jax.sharding.Mesh` with axes ("data", "model"), or a spec such as
     "data=2,model=4" (`models.sharding.make_mesh` over `jax.devices()`): the params are placed on it by heads (q/k/v/o),
     MLP hidden and vocabulary (`models.sharding.AXIS_RULES`), each device receiving only its shards, and
-    `generate` runs sharded. Raises ValueError when a head count does not divide the model axis.
+    `generate` runs sharded (a speculative draft is loaded with the same mesh). Raises ValueError when a head
+    count does not divide the model axis.
     """
     dtype = dtype or default_dtype()
     if dtype not in _DTYPES:
@@ -113,13 +115,31 @@ def eos_ids(model: LoadedModel) -> tuple[int, ...]:
 
 
 def check_draft(model: LoadedModel, draft: LoadedModel, gamma: int) -> None:
-    """A draft must share the target's vocabulary (and tokenizer, where both have one); gamma >= 1."""
+    """A draft must share the target's vocabulary (and tokenizer, where both have one) and its mesh (both on
+    the same mesh, or neither on one); gamma >= 1."""
     check_gamma(gamma)
     check_pair(model.cfg, draft.cfg)
     if model.tokenizer is not None and draft.tokenizer is not None and \
             len(model.tokenizer) != len(draft.tokenizer):
         raise ValueError(f"draft tokenizer has {len(draft.tokenizer)} tokens, the target's {len(model.tokenizer)}: "
                          "a draft must share the target's tokenizer")
+    if not _same_mesh(model.mesh, draft.mesh):
+        raise ValueError(f"the target is on {_mesh_text(model.mesh)} and the draft on {_mesh_text(draft.mesh)}: "
+                         "speculative decoding runs both models on the same mesh; load them with the same mesh= "
+                         "(--mesh loads both)")
+
+
+def _same_mesh(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.axis_names == b.axis_names and a.devices.shape == b.devices.shape and \
+        [d.id for d in a.devices.flat] == [d.id for d in b.devices.flat]
+
+
+def _mesh_text(mesh) -> str:
+    if mesh is None:
+        return "one device (no mesh)"
+    return "a mesh " + ",".join(f"{k}={v}" for k, v in dict(mesh.shape).items())
 
 
 def speculative_methods(method: Any, model: LoadedModel, draft: LoadedModel, gamma: int):
@@ -160,16 +180,14 @@ def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: An
                  stats: dict | None = None) -> list[list[int]]:
     """Token-level `generate`: prompts as token lists -> generated tokens per row (EOS included).
 
-    With `draft`, speculative decoding (gamma draft tokens per round); `stats`, when given, receives
-    `rounds`, `accepted` and `acceptance_rate` (accepted draft tokens / proposed ones).
+    With `draft`, speculative decoding (gamma draft tokens per round; on a mesh the draft must be on the
+    target's mesh); `stats`, when given, receives `rounds`, `accepted` and `acceptance_rate` (accepted draft
+    tokens / proposed ones).
     """
     if draft is None and getattr(method, "needs_draft", False):
         raise ValueError("method 'sts' takes its selection from a draft model: pass draft= (--draft) as well")
     if draft is not None:
         check_draft(model, draft, gamma)
-        if model.mesh is not None or draft.mesh is not None:
-            raise ValueError("speculative decoding (draft=) runs on one device: load the target and the draft "
-                             "without mesh=")
     if draft is None:
         method = build_method(method, model) if isinstance(method, str) else method
         pairs = [(model, method)]
@@ -189,29 +207,36 @@ def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: An
     tokens, lengths = pad_batch(ids, limit=capacity - max_new_tokens - extra)
     eos = eos_ids(model)
     sampling = Sampling(temperature, top_p)
-    if draft is None and model.mesh is not None:
+    rows = len(ids)
+    if model.mesh is not None:
         # Rows over the data axis: pad the batch with copies of row 0 to a multiple of it, drop them after.
-        rows = len(ids)
         extra_rows = -rows % sharding.mesh_size(model.mesh, "data")
         tokens = np.concatenate([tokens, np.repeat(tokens[:1], extra_rows, 0)])
         lengths = np.concatenate([lengths, np.repeat(lengths[:1], extra_rows, 0)])
+    if draft is None and model.mesh is not None:
         out, num = sharded_generate_tokens(model.mesh, model.params, method, tokens, lengths, jax.random.key(seed),
                                            cfg=model.cfg, max_new_tokens=max_new_tokens, capacity=capacity,
                                            sampling=sampling, eos_ids=eos)
-        out, num = np.asarray(out)[:rows], np.asarray(num)[:rows]
     elif draft is None:
         out, num = generate_tokens(model.params, method, jnp.asarray(tokens), jnp.asarray(lengths),
                                    jax.random.key(seed), cfg=model.cfg, max_new_tokens=max_new_tokens,
                                    capacity=capacity, sampling=sampling, eos_ids=eos)
     else:
-        out, num, rounds, accepted = speculative_generate(
-            model.params, draft.params, t_method, d_method, jnp.asarray(tokens), jnp.asarray(lengths),
-            jax.random.key(seed), t_cfg=model.cfg, d_cfg=draft.cfg, gamma=gamma, max_new_tokens=max_new_tokens,
-            capacity=capacity, sampling=sampling, eos_ids=eos)
+        spec = dict(t_cfg=model.cfg, d_cfg=draft.cfg, gamma=gamma, max_new_tokens=max_new_tokens,
+                    capacity=capacity, sampling=sampling, eos_ids=eos)
+        if model.mesh is not None:  # the draft is on the same mesh (check_draft)
+            out, num, rounds, accepted = sharded_speculative_generate(
+                model.mesh, model.params, draft.params, t_method, d_method, tokens, lengths, jax.random.key(seed),
+                **spec)
+        else:
+            out, num, rounds, accepted = speculative_generate(
+                model.params, draft.params, t_method, d_method, jnp.asarray(tokens), jnp.asarray(lengths),
+                jax.random.key(seed), **spec)
+        rounds, accepted = np.asarray(rounds)[:rows], np.asarray(accepted)[:rows]
         if stats is not None:
             r, acc = int(np.sum(rounds)), int(np.sum(accepted))
             stats.update(rounds=r, accepted=acc, acceptance_rate=acc / max(r * gamma, 1))
-    out, num = np.asarray(out), np.asarray(num)
+    out, num = np.asarray(out)[:rows], np.asarray(num)[:rows]
     return [[int(t) for t in row[:n]] for row, n in zip(out, num)]
 
 

@@ -35,7 +35,12 @@ def cmd_generate(args) -> int:
         options["artifact"] = args.artifact
     draft = None
     if args.draft:
-        draft = jsparse.load(args.draft, args.dtype)
+        from models.sharding import ShardingError
+
+        try:  # on the target's mesh (speculative decoding runs both models on one mesh)
+            draft = jsparse.load(args.draft, args.dtype, mesh=model.mesh)
+        except ShardingError as e:
+            raise ShardingError(f"--draft {args.draft} on --mesh {args.mesh}: {e}") from None
         options["draft"] = draft
     elif args.gamma is not None:
         raise ValueError("--gamma needs --draft (speculative decoding)")
@@ -139,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--artifact", default=None, help="calibration artifact folder of a method that needs one")
     g.add_argument("--draft", default=None,
                    help="speculative decoding with this draft model (any --model spec with the target's "
-                        "vocabulary; SPEC:layers=0-9 keeps those layers of a model, e.g. smollm2:layers=0-14)")
+                        "vocabulary; SPEC:layers=0-9 keeps those layers of a model, e.g. smollm2:layers=0-14); "
+                        "with --mesh the draft is sharded on the same mesh (its heads must divide the model axis too)")
     g.add_argument("--gamma", type=int, default=None, help="draft tokens proposed per round (default 4; needs "
                    "--draft)")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default)")

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import sharding as shard
+
 Array = jax.Array
 NEG_INF = -jnp.inf
 
@@ -103,23 +105,45 @@ def group_sum(scores: Array, num_kv_heads: int, axis: int = 1) -> Array:
     return scores.reshape(shape).sum(axis=axis + 1)
 
 
+PROB_CHUNK_ROWS = 256  # query rows per chunk of `causal_prob_chunks` (the prefill's exact scores)
+
+
+def causal_prob_chunks(q: Array, k: Array, rows: int = PROB_CHUNK_ROWS):
+    """The prefill's exact causal pooled weights (`pooled_probs` of every row), chunk of query rows by chunk: rows
+    s..e-1 against only the keys 0..e-1, so the upper triangle of the [T, T] map is never built.
+
+    Args:
+      q: [B, T, Hq, D]; k: [B, T, Hkv, D]; rows: query rows per chunk (static; the last chunk may be shorter).
+    Yields:
+      (s, e, probs f32[B, Hkv, e - s, e]): `pooled_probs` rows s..e-1 over keys 0..e-1 (the keys after e are not
+      visible to these rows; their weight is 0).
+    """
+    B, T = q.shape[:2]
+    kh = jnp.swapaxes(k, 1, 2)
+    for s in range(0, T, rows):
+        e = min(s + rows, T)
+        positions = jnp.broadcast_to(jnp.arange(s, e, dtype=jnp.int32), (B, e - s))
+        yield s, e, pooled_probs(q[:, s:e], kh[:, :, :e], positions)
+
+
 def prefill_tile_probs(q: Array, k: Array, tile: int) -> Array:
     """Causal post-softmax weights pooled over the GQA group and over each query tile.
 
     Args:
       q: [B, T, Hq, D]; k: [B, T, Hkv, D]; tile: query rows per tile (T is padded up to a multiple).
     Returns:
-      f32[B, Hkv, ceil(T / tile), T].
+      f32[B, Hkv, ceil(T / tile), T]. Computed in chunks of whole tiles (`causal_prob_chunks`).
     """
-    B, T, Hq, D = q.shape
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    probs = pooled_probs(q, jnp.swapaxes(k, 1, 2), positions)  # [B, Hkv, T, T]
-    n_tiles = -(-T // tile)
-    probs = jnp.pad(probs, ((0, 0), (0, 0), (0, n_tiles * tile - T), (0, 0)))
-    return probs.reshape(B, probs.shape[1], n_tiles, tile, T).sum(axis=3)
+    B, T = q.shape[:2]
+    out = []
+    for s, e, probs in causal_prob_chunks(q, k, max(1, PROB_CHUNK_ROWS // tile) * tile):
+        n = -(-(e - s) // tile)
+        probs = jnp.pad(probs, ((0, 0), (0, 0), (0, n * tile - (e - s)), (0, T - e)))
+        out.append(probs.reshape(B, probs.shape[1], n, tile, T).sum(axis=3))
+    return jnp.concatenate(out, axis=2)
 
 
-def topk_indices(scores: Array, k_dyn: Array, K: int) -> Array:
+def topk_indices(scores: Array, k_dyn: Array, K: int, per_shard: bool = False) -> Array:
     """Top-k key positions per row, in the index contract.
 
     Args:
@@ -127,7 +151,21 @@ def topk_indices(scores: Array, k_dyn: Array, K: int) -> Array:
       k_dyn: i32[...] how many to keep per row (<= K); K: static width.
     Returns:
       int32[..., K]: the chosen positions ascending, then -1 padding (also for -inf picks).
+
+    per_shard: under a mesh, select scores in the index contract's layout [B, Hkv, ..., N] per shard (rows over
+    data, heads over model; the rows are independent), for scores computed per KV head: XLA's partitioner
+    gathers every head's scores onto every device for the top-k otherwise (oracle, h2o). Off, XLA places the
+    top-k (Butler's scores come from a replicated predictor; per shard would add an all-gather of the indices).
     """
+    if per_shard and scores.ndim >= 3 and shard.active_mesh() is not None:
+        k_rows = jnp.broadcast_to(k_dyn, scores.shape[:-1])
+        return shard.per_shard(lambda s, k: _topk_indices(s, k, K), [scores, k_rows],
+                               [shard.dims(scores.ndim, 0, 1), shard.dims(scores.ndim - 1, 0, 1)],
+                               shard.dims(scores.ndim, 0, 1))
+    return _topk_indices(scores, k_dyn, K)
+
+
+def _topk_indices(scores: Array, k_dyn: Array, K: int) -> Array:
     K = min(K, scores.shape[-1])
     vals, idx = jax.lax.top_k(scores, K)
     rank = jnp.arange(K, dtype=jnp.int32)

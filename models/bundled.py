@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import sharding
 from models.config import ModelConfig
 from models.convert import load_hf_folder, params_from_numpy, params_to_numpy
 from models.gguf_loader import load_gguf, open_gguf
@@ -288,10 +289,14 @@ def parse_layers(text: str, num_layers: int) -> list[int]:
 
 
 def keep_layers(model: LoadedModel, layers: Sequence[int]) -> LoadedModel:
-    """A copy of `model` with only `layers` (embedding, final norm and head kept): a layer-skipped draft."""
+    """A copy of `model` with only `layers` (embedding, final norm and head kept): a layer-skipped draft. A model
+    on a mesh stays on it (its params placed as `models.sharding` places the new shapes)."""
     idx = np.asarray(layers, np.int32)
     params = model.params.replace(layers=jax.tree_util.tree_map(lambda x: x[idx], model.params.layers))
     cfg = dataclasses.replace(model.cfg, num_layers=len(layers))
+    if model.mesh is not None:
+        params = sharding.shard_params(cfg, params, model.mesh)
     text = ",".join(str(x) for x in layers) if len(layers) < 4 or layers != list(range(layers[0], layers[-1] + 1)) \
         else f"{layers[0]}-{layers[-1]}"
-    return LoadedModel(cfg=cfg, params=params, tokenizer=model.tokenizer, name=f"{model.name}:layers={text}")
+    return LoadedModel(cfg=cfg, params=params, tokenizer=model.tokenizer, name=f"{model.name}:layers={text}",
+                       mesh=model.mesh)

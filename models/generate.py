@@ -78,23 +78,27 @@ def check_request(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_token
     return capacity
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "capacity", "sampling", "eos_ids"))
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "capacity", "sampling", "eos_ids",
+                                             "return_prefill_state"))
 def generate_tokens(params: Params, method, tokens: Array, lengths: Array, key: Array, *, cfg: ModelConfig,
                     max_new_tokens: int, capacity: int, sampling: Sampling = Sampling(),
-                    eos_ids: tuple[int, ...] = ()):
+                    eos_ids: tuple[int, ...] = (), return_prefill_state: bool = False):
     """Prefill + decode loop in one jitted computation.
 
     Args:
       tokens: i32[B, T] right-padded prompts; lengths: i32[B].
       method: an attention method (a pytree); key: PRNG key (unused when greedy).
+      return_prefill_state: also return the method's selection state right after the prefill (what a method's
+        `prefill_layer_sparsity` reads), so that measuring the prefill needs no second prefill.
     Returns:
       (out: i32[B, max_new_tokens] generated tokens, -1 after a row's EOS; num: i32[B] tokens generated per
-       row, the EOS included).
+       row, the EOS included), then the prefill's state when `return_prefill_state`.
     """
     B = tokens.shape[0]
     cache = sharding.constrain(init_cache(cfg, B, capacity, params.embed.dtype), cache_axes())
     state = method.init_state(cfg, B, capacity)
     logits, cache, state = llama.prefill(params, cfg, method, tokens, lengths, cache, state)
+    prefill_state = state
     key, sub = jax.random.split(key)
     tok = sample(logits, sub, sampling)
     eos = jnp.asarray(eos_ids if eos_ids else (-2,), jnp.int32)
@@ -119,7 +123,7 @@ def generate_tokens(params: Params, method, tokens: Array, lengths: Array, key: 
 
     init = (jnp.int32(1), tok, cache, state, done, out, num, key)
     _, _, _, _, _, out, num, _ = jax.lax.while_loop(cond, body, init)
-    return out, num
+    return (out, num, prefill_state) if return_prefill_state else (out, num)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "all_logits"), donate_argnames=("cache",))

@@ -34,12 +34,15 @@ Kernels per shard (`pallas_kernels.sharding.per_shard`, active whenever a mesh o
 dense prefill/decode (`pallas_kernels.dense`, `dense_decode`), gathered sparse decode and tile-gathered prefill
 (`sparse_attention`), Kascade's anchor layers (`anchor_attention`), EvoSparse's block ops (`block_scores`: retrieval
 block max, block selection, gathered decode with mass / heat), TSA's scoring and local fill (`tsa_scoring`,
-`local_attention`). The glue between them (top-k, index arithmetic, compression gathers, the heat update) is
-partitioned by XLA; one known cost: XLA all-gathers EvoSparse's heat f32[L, B, Hkv, nb] once per decode step (at
-128K, batch 8, Llama-3.1-8B: 67 MB) where a `where` over it meets a replicated operand.
+`local_attention`), STS's exact top-k (`topk_select`, on GPU and TPU); and, in plain jnp but per shard because
+XLA would otherwise gather every head's rows, TSA's compression gathers (`jsparse.compression`) and the oracle's
+and H2O's top-k (`selection.topk_indices(per_shard=True)`), EvoSparse's heat candidates
+(`block_scores.heat_candidates`: XLA all-gathered the whole heat f32[L, B, Hkv, nb] for their top-k, 67 MB per
+decode step at 128K, batch 8, Llama-3.1-8B). The rest of the glue (index arithmetic, the heat update, other
+top-ks) is partitioned by XLA. tests/sharding_check.py counts every method's collectives in the compiled HLO (the README lists them).
 
 Cross-head steps of the methods, and the collective each needs (the results equal the one-device ones, which
-tests/sharding_check.py checks on 2x4 and 1x8 meshes for every method):
+tests/sharding_check.py checks on 2x4 and 1x8 meshes for every method, tests/sts_sharding_check.py for STS):
 
   GQA pooling (Kascade, oracle, quest, h2o, EvoSparse heat, TSA "kv_head")  none: a KV head's query group lives
       on the device that holds the KV head (contiguous head blocks, above).
@@ -55,8 +58,12 @@ tests/sharding_check.py checks on 2x4 and 1x8 meshes for every method):
   TokenButler predictor (layer-0 hidden states -> every layer's and head's logits)   none for its input (the
       hidden state is replicated over `model`); its params (~1% of the model) are replicated and XLA partitions
       its head outputs to the heads' devices.
-  STS (draft attention -> target heads through a head map)   not run sharded: speculative decoding runs on one
-      device (`jsparse.generate` refuses a draft on a mesh).
+  STS (draft attention -> target heads through a head map: target head h of layer l reads the record of draft
+      (layer, head) = head_map[l, h], held by any device)   per target layer, the rows its heads read,
+      i32 / f32[Hq_t, B, R, W] (R = 1 in decode, a row per query tile in prefill; W the recorded width), gathered
+      across `model` by XLA (a masked local gather + an all-reduce over `model`), never the whole record. The
+      draft and the target run on the same mesh (`models.speculative.sharded_speculative_generate`; the draft's
+      heads must divide the model axis too); the draft's own attention and record stay per head.
 """
 
 from __future__ import annotations

@@ -38,7 +38,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from models import llama
-from models.cache import KVCache, init_cache
+from models import sharding
+from models.cache import KVCache, cache_axes, init_cache
 from models.config import ModelConfig
 from models.generate import Sampling, sample
 from models.params import Params
@@ -121,8 +122,8 @@ def spec_prefill(t_params: Params, d_params: Params, t_method, d_method, tokens:
       SpecState with tok = the first generated token per row.
     """
     B = tokens.shape[0]
-    d_cache = init_cache(d_cfg, B, capacity, d_params.embed.dtype)
-    t_cache = init_cache(t_cfg, B, capacity, t_params.embed.dtype)
+    d_cache = sharding.constrain(init_cache(d_cfg, B, capacity, d_params.embed.dtype), cache_axes())
+    t_cache = sharding.constrain(init_cache(t_cfg, B, capacity, t_params.embed.dtype), cache_axes())
     d_state = d_method.init_state(d_cfg, B, capacity)
     t_state = t_method.init_state(t_cfg, B, capacity)
     _, d_cache, d_state = llama.prefill(d_params, d_cfg, d_method, tokens, lengths, d_cache, d_state)
@@ -309,6 +310,37 @@ def speculative_generate(t_params: Params, d_params: Params, t_method, d_method,
                                               d_cfg=d_cfg, gamma=gamma, max_new_tokens=max_new_tokens,
                                               sampling=sampling, eos_ids=eos_ids)
     return out, num, rounds, accepted
+
+
+def sharded_speculative_generate(mesh, t_params: Params, d_params: Params, t_method, d_method, tokens: Array,
+                                 lengths: Array, key: Array, *, t_cfg: ModelConfig, d_cfg: ModelConfig, gamma: int,
+                                 max_new_tokens: int, capacity: int, sampling: Sampling = Sampling(),
+                                 eos_ids: tuple[int, ...] = ()):
+    """`speculative_generate` on `mesh`, the target and the draft on the same mesh: both models' params placed by
+    heads (`models.sharding`; a no-op when already placed), the prompt rows over data, and the whole computation
+    (both prefills, every round) one jitted call with the mesh set, so both caches shard by KV heads and rows and
+    both models' kernels run per shard. STS's cross-head step (a target head reads the record of the draft head
+    its head map names, held by any device) is XLA's gather over `model` (see `models.sharding`).
+
+    Raises:
+      ShardingError: a head count of either model does not divide the model axis (the message names which
+        model), or the batch does not divide the data axis.
+    Returns:
+      what `speculative_generate` returns (rows over data).
+    """
+    for who, cfg in (("target", t_cfg), ("draft", d_cfg)):
+        try:
+            sharding.check_heads(cfg, mesh)
+        except sharding.ShardingError as e:
+            raise sharding.ShardingError(f"speculative decoding on a mesh: the {who}'s {e}") from None
+    sharding.check_batch(tokens.shape[0], mesh)
+    t_params = jax.device_put(t_params, sharding.param_shardings(t_cfg, mesh, t_params))
+    d_params = jax.device_put(d_params, sharding.param_shardings(d_cfg, mesh, d_params))
+    tokens, lengths = sharding.shard_batch(tokens, mesh), sharding.shard_batch(lengths, mesh)
+    with sharding.use_mesh(mesh):
+        return speculative_generate(t_params, d_params, t_method, d_method, tokens, lengths, key, t_cfg=t_cfg,
+                                    d_cfg=d_cfg, gamma=gamma, max_new_tokens=max_new_tokens, capacity=capacity,
+                                    sampling=sampling, eos_ids=eos_ids)
 
 
 # The benchmark-ready round: one jitted call with both caches donated (call it repeatedly on its own output).

@@ -5,6 +5,10 @@ Two entry points, one per phase, both with the library's layouts:
   dense_prefill(q: [B, T, Hq, D], k, v: [B, T, Hkv, D], window=None) -> [B, T, Hq, D]      causal, GQA
   dense_decode(q: [B, T, Hq, D], k, v: [B, Hkv, N, D], lengths: i32[B], window=None) -> [B, T, Hq, D]
 
+On the CPU, causal prefill runs as `tiled_causal_attention` (query tiles that read only the keys up to
+their last row, in jnp): about 3x less CPU time than XLA's full masked [T, T] attention at T = 2K (B 2, 9 query
+heads over 3 KV heads, head_dim 64: 0.33 against 1.09 CPU-s per layer), the same values to f32 rounding.
+
 Both take an optional sliding window (the models' `sliding_window`): query i sees key j iff i - window < j <= i
 (transformers' rule). Prefill takes it static and runs `local_attention` (O(T * window)); decode takes it as
 data (an i32 scalar, 0 = full attention, so one compiled layer serves windowed and full layers) and masks
@@ -28,11 +32,60 @@ from pallas_kernels.sharding import active_mesh, dims, per_shard
 Array = jax.Array
 
 
+CAUSAL_TILE = 256  # query rows per tile of `tiled_causal_attention` (at most MAX_CAUSAL_TILES tiles)
+MAX_CAUSAL_TILES = 32  # bounds the unrolled tiles (compile time) at long prompts: the tile grows instead
+
+
 def _implementation(q: Array) -> str | None:
     # cuDNN's fused kernels need bf16/f16 on a GPU; everything else takes the XLA path.
     if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
         return "cudnn"
     return "xla"
+
+
+def causal_tile(T: int) -> int:
+    """Query rows per tile of `tiled_causal_attention` for a prompt of T tokens: CAUSAL_TILE, or more (a multiple
+    of 128) when T would need over MAX_CAUSAL_TILES tiles."""
+    return max(CAUSAL_TILE, -(-T // (MAX_CAUSAL_TILES * 128)) * 128)
+
+
+def tiled_causal_attention(q: Array, k: Array, v: Array, *, tile: int | None = None) -> Array:
+    """Causal GQA attention in query tiles, each against only the keys up to its last row (plain jnp).
+
+    Tile i (rows s..e-1) computes its logits against keys 0..e-1 and masks the ones after each row, so the upper
+    triangle of the [T, T] map is skipped tile by tile and a tile's logits ([B, Hkv, G, tile, e] f32) stay small;
+    the G query heads of a KV head share its keys without a copy. The values equal
+    `jax.nn.dot_product_attention(q, k, v, is_causal=True)` up to f32 rounding (the sums run in another order).
+
+    Args:
+      q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] (Hq a multiple of Hkv).
+      tile: query rows per tile (static; default `causal_tile(T)`).
+    Returns:
+      [B, T, Hq, D] in q's dtype; logits and softmax in f32 (at least).
+    """
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    if Hq % Hkv:
+        raise ValueError(f"q has {Hq} heads, not a multiple of the {Hkv} KV heads")
+    tile = causal_tile(T) if tile is None else operator.index(tile)
+    if tile < 1:
+        raise ValueError(f"tile={tile}: expected >= 1 query rows")
+    G = Hq // Hkv
+    acc = jnp.promote_types(q.dtype, jnp.float32)
+    qh = (q.reshape(B, T, Hkv, G, D).transpose(0, 2, 3, 1, 4) * (D ** -0.5)).astype(q.dtype)  # [B, Hkv, G, T, D]
+    kh = k.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
+    vh = v.transpose(0, 2, 1, 3)
+    outs = []
+    for s in range(0, T, tile):
+        e = min(s + tile, T)
+        logits = jnp.einsum("bhgqd,bhkd->bhgqk", qh[:, :, :, s:e], kh[:, :, :e], preferred_element_type=acc)
+        causal = jnp.arange(s, e)[:, None] >= jnp.arange(e)[None, :]  # [e - s, e]
+        logits = jnp.where(causal, logits, -jnp.inf)
+        p = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+        out = jnp.einsum("bhgqk,bhkd->bhgqd", p, vh[:, :, :e].astype(acc)) / jnp.sum(p, axis=-1, keepdims=True)
+        outs.append(out)
+    out = jnp.concatenate(outs, axis=3)  # [B, Hkv, G, T, D]
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq, D).astype(q.dtype)
 
 
 def dense_prefill(q: Array, k: Array, v: Array, *, window: int | None = None,
@@ -43,6 +96,8 @@ def dense_prefill(q: Array, k: Array, v: Array, *, window: int | None = None,
       q: [B, T, Hq, D]; k, v: [B, T, Hkv, D].
       window: None (full causal attention) or a static sliding window >= 1: query i sees keys i - window < j <= i
         (`local_attention`, whose backend choice `implementation` then names).
+      implementation: None picks by backend (CPU: `tiled_causal_attention`; GPU bf16/f16: cuDNN; else XLA), or
+        'xla' / 'cudnn' for `jax.nn.dot_product_attention`'s.
     Returns:
       [B, T, Hq, D] in q's dtype. Under a mesh (`pallas_kernels.sharding`), per shard: rows over data, heads
       over model.
@@ -53,6 +108,8 @@ def dense_prefill(q: Array, k: Array, v: Array, *, window: int | None = None,
                          [q, k, v], [s, s, s], s)
     if window is not None:
         return local_attention(q, k, v, window=window, implementation=implementation)
+    if implementation is None and jax.default_backend() == "cpu":
+        return tiled_causal_attention(q, k, v)
     impl = implementation or _implementation(q)
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
 

@@ -72,7 +72,7 @@ def parity():
 # order, so the long files start first and the two workers finish together; xdist's own order (most tests first)
 # started the slowest files (test_readme, test_bundled, test_sharding: a few long tests each) last.
 SLOW_FILES_FIRST = (
-    "test_readme.py", "test_sts.py", "test_bundled.py", "test_sharding.py", "test_tsa.py",
+    "test_readme.py", "test_sts.py", "test_bundled.py", "test_sharding.py", "test_sharding_sts.py", "test_tsa.py",
     "test_evosparse_select_kernel.py", "test_eval_continuation.py", "test_tasks.py", "test_train.py",
     "test_sparse_prefill_mgpu.py", "test_anchor_mgpu.py", "test_generate.py", "test_bench_model.py",
     "test_local_attention.py", "test_evosparse.py", "test_eval.py", "test_speculative.py", "test_block_scores.py",

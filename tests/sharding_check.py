@@ -1,4 +1,5 @@
-"""Every method's prefill and decode on 2x4 (and 1x8) meshes equal the one-device output (run by test_sharding.py).
+"""Every method's prefill and decode on 2x4 and 1x8 meshes equal the one-device output (run by test_sharding.py;
+STS, which needs a draft on the same mesh: tests/sts_sharding_check.py).
 
 Run as a script in a fresh process: it sets XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing
 jax, so the CPU shows 8 devices (the rest of the suite runs with one).
@@ -8,8 +9,10 @@ jax, so the CPU shows 8 devices (the rest of the suite runs with one).
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import re
 import sys
 import time
 
@@ -46,6 +49,10 @@ B, T, CAPACITY = 2, 48, 64
 LENGTHS = (48, 37)
 MESHES = ("data=2,model=4", "model=8")
 ATOL = 2e-5  # f32: the model-axis psums reorder sums, nothing else differs
+# bf16 (params, activations and cache): the reordered sums round differently; |error| <= BF16_RTOL * max |logit|
+# (measured: 0.7-1.4%). Run for the methods whose selection runs per shard in plain jnp, on the 1x8 mesh.
+BF16_RTOL = 3e-2
+BF16_METHODS = ("oracle", "h2o")
 
 
 def _head_map(seed):
@@ -76,9 +83,6 @@ def build(name):
     raise ValueError(f"unknown method {name!r}")
 
 
-# The selection baselines run the same per-shard kernels as the others with no cross-head step: to keep this check
-# fast (each case compiles the sharded forward), they run on the 2x4 mesh only; every other method on both.
-ONE_MESH = ("oracle", "streaming", "quest", "h2o")
 METHODS = ("dense", "oracle", "streaming", "quest", "h2o", "kascade", "tsa", "tsa+kascade", "evosparse", "butler")
 
 
@@ -86,7 +90,7 @@ def forward(method, params, tokens, lengths, mesh):
     """(prefill logits f32[B, V], decode logits f32[B, 1, V]) of one jitted prefill + decode step on `mesh`
     (None: one device, no mesh): the whole forward one computation, params / rows / cache placed on the mesh."""
     def fn(params, tokens, lengths):
-        cache = sharding.constrain(init_cache(CFG, B, CAPACITY, jnp.float32), cache_axes())
+        cache = sharding.constrain(init_cache(CFG, B, CAPACITY, params.embed.dtype), cache_axes())
         state = method.init_state(CFG, B, CAPACITY)
         logits, cache, state = llama.prefill(params, CFG, method, tokens, lengths, cache, state)
         tok = jnp.argmax(logits, -1).astype(jnp.int32)[:, None]
@@ -99,9 +103,46 @@ def forward(method, params, tokens, lengths, mesh):
     jitted = jax.jit(fn, in_shardings=(sharding.param_shardings(CFG, mesh), rows[1], rows[0]),
                      out_shardings=(rows[1], rows[2], kspec))
     with sharding.use_mesh(mesh):
-        out = jitted(params, tokens, lengths)
+        compiled = jitted.lower(params, tokens, lengths).compile()
+        out = compiled(params, tokens, lengths)
     assert out[2].sharding == kspec, (out[2].sharding, kspec)
-    return out
+    return (*out, compiled.as_text())
+
+
+def collectives(hlo_text: str) -> collections.Counter:
+    """{(op, result shape): count} of the cross-device collectives in a compiled module's HLO text (a loop body
+    counts once, whatever its trip count)."""
+    ops = re.findall(r"= (\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(",
+                     hlo_text)
+    return collections.Counter((op, re.sub(r"\{.*\}", "", shape)) for shape, op in ops)
+
+
+# The collectives of the compiled prefill + decode forward on the 1x8 mesh (model axis only), B=2, T=48, N=64,
+# E=64, Hq=16, Hkv=8, D=16, V=128: dense's (the model's own), then what each method adds to them. The README's
+# "More than one device" lists them; a change in the partitioning shows up here.
+DENSE_COLLECTIVES = {
+    ("all-reduce", "f32[2,48,64]"): 3,  # prefill: the vocab-sharded embedding lookup, wo and w_down per layer
+    ("all-reduce", "f32[2,1,64]"): 3,  # decode: the same
+    ("all-gather", "f32[2,128]"): 1,  # the vocab-sharded prefill logits f32[B, V]
+    ("all-gather", "f32[2,1,128]"): 1,  # the decode logits f32[B, 1, V]
+    ("all-gather", "f32[2,8]"): 1,  # the argmax over vocab shards: each shard's max and position [B, model]
+    ("all-gather", "s32[2,8]"): 1,
+}
+EXTRA_COLLECTIVES = {
+    "oracle": {}, "streaming": {}, "quest": {}, "h2o": {}, "butler": {},
+    # the head map: a reuse layer's heads read the anchor's indices i32[B, Hkv, T, K] of any head
+    "kascade": {("all-gather", "s32[2,8,1,20]"): 1, ("all-gather", "s32[2,8,3,15]"): 1},
+    # the shared count per row: the head-summed scores f32[B, T] (the compression gathers run per shard)
+    "tsa": {("all-reduce", "f32[2,48]"): 1},
+    # both; and the anchors' coordinate maps i32[B, Hkv, T] in the compressed space, read through the head map
+    "tsa+kascade": {("all-reduce", "f32[2,48]"): 1, ("all-gather", "s32[2,8,48]"): 3,
+                    ("all-gather", "s32[2,8,1,20]"): 1, ("all-gather", "s32[2,8,3,15]"): 6},
+    # the retrieval set: the pmax of the block max f32[B, T, nb] (two places in the layer loops); and the model's
+    # own wo / w_down psums once more (the decode runs its dense and its sparse layers as two loops). The heat
+    # f32[L, B, Hkv, nb] stays per shard (its candidates' top-k too).
+    "evosparse": {("all-reduce", "f32[2,1,16]"): 2, ("all-reduce", "f32[2,1,64]"): 2},
+}
+COLLECTIVES_MESH = "model=8"
 
 
 def steps(method, params, tokens, lengths, mesh):
@@ -155,25 +196,52 @@ def main(argv):
     if not argv:  # the public step functions and the generation loop, once
         cases += [("dense", steps), ("dense", generated)]
     baseline = {}
+    dense_found = None  # dense's collectives on COLLECTIVES_MESH: what the others are compared with
     for name, fn in cases:
         method = build(name)
         key = (name, "forward" if fn is steps else fn.__name__)  # steps compute what forward does
         if key not in baseline:
             baseline[key] = [np.asarray(x) for x in fn(method, params, tokens, lengths, None)[:2]]
         want = baseline[key]
-        specs = {forward: MESHES if name not in ONE_MESH else MESHES[:1], steps: MESHES[:1],
+        specs = {forward: MESHES, steps: MESHES[:1],
                  generated: MESHES[:1]}[fn]
         for spec, mesh in ((s, meshes[s]) for s in specs):
             t0 = time.perf_counter()
-            got = [np.asarray(x) for x in fn(method, placed[spec], tokens, lengths, mesh)[:2]]
+            result = fn(method, placed[spec], tokens, lengths, mesh)
+            got = [np.asarray(x) for x in result[:2]]
             if fn is generated:
                 err = float(max(np.sum(g != w) for g, w in zip(got, want)))  # tokens: exact
             else:
                 err = max(float(np.max(np.abs(g - w))) for g, w in zip(got, want))
             ok = err <= ATOL and all(np.isfinite(g).all() for g in got)
+            row = {"method": name, "path": fn.__name__, "mesh": spec, "max_abs_err": err}
+            if fn is forward and spec == COLLECTIVES_MESH:
+                found = collectives(result[3])
+                if name == "dense":
+                    dense_found = found
+                    row["collectives_ok"] = found == collections.Counter(DENSE_COLLECTIVES)
+                elif dense_found is not None:
+                    extra = found - dense_found
+                    row["collectives_ok"] = extra == collections.Counter(EXTRA_COLLECTIVES[name]) and \
+                        not dense_found - found
+                row["collectives"] = {f"{op} {shape}": n for (op, shape), n in sorted(found.items())}
+                ok &= row.get("collectives_ok", True)
             failed |= not ok
-            print(json.dumps({"method": name, "path": fn.__name__, "mesh": spec, "max_abs_err": err, "ok": ok,
-                              "seconds": round(time.perf_counter() - t0, 2)}), flush=True)
+            print(json.dumps({**row, "ok": ok, "seconds": round(time.perf_counter() - t0, 2)}), flush=True)
+    bf16 = random_params(CFG, jax.random.key(0), jnp.bfloat16, scale=0.08)
+    bf16_placed = sharding.shard_params(CFG, bf16, meshes[MESHES[1]])
+    for name in (n for n in BF16_METHODS if n in names):
+        t0 = time.perf_counter()
+        method = build(name)
+        want = [np.asarray(x, np.float32) for x in forward(method, bf16, tokens, lengths, None)[:2]]
+        got = [np.asarray(x, np.float32) for x in forward(method, bf16_placed, tokens, lengths, meshes[MESHES[1]])[:2]]
+        err = max(float(np.max(np.abs(g - w))) for g, w in zip(got, want))
+        scale = max(float(np.max(np.abs(w))) for w in want)
+        ok = err <= BF16_RTOL * scale and all(np.isfinite(g).all() for g in got)
+        failed |= not ok
+        print(json.dumps({"method": name, "path": "forward", "mesh": MESHES[1], "dtype": "bfloat16",
+                          "max_abs_err": err, "max_abs_logit": scale, "ok": ok,
+                          "seconds": round(time.perf_counter() - t0, 2)}), flush=True)
     return 1 if failed else 0
 
 

@@ -221,6 +221,23 @@ def test_prefill_reference_equals_kascade_anchor():
     assert_close(out, sparse_prefill_reference(q, k, v, want, lens, tile=tile), jnp.float32, "prefill out")
 
 
+@pytest.mark.parametrize("dense", [False, True])
+def test_prefill_xla_in_chunks_of_tiles_matches_reference(dense):
+    """The CPU's anchor prefill scores chunks of whole tiles (256 rows) against the keys up to each chunk's end:
+    T = 300 with tile 32 is two chunks, the second one short and ending in a partial tile."""
+    from pallas_kernels.anchor_attention import xla
+
+    assert xla.SCORE_CHUNK_ROWS < 300
+    check_prefill(xla.anchor_prefill_xla, xla.tile_scores_xla, jnp.float32, dense, T=300, tile=32,
+                  lengths=(300, 170))
+    q, k, _, _ = prefill_inputs(2, 1, 300, 4, 2, 16, [300])
+    want = tile_scores_reference(q, k, tile=32, scale=0.3)
+    got = xla.tile_scores_xla(q, k, tile=32, scale=0.3)
+    fin = np.isfinite(np.asarray(want))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(got)), fin)
+    np.testing.assert_allclose(np.asarray(got)[fin], np.asarray(want)[fin], rtol=1e-5, atol=1e-6)
+
+
 def check_prefill(fn, scores_fn, dtype, dense, T=45, tile=8, lengths=(45, 30)):
     budget, mt = 0.3, 2
     q, k, v, lens = prefill_inputs(5, 2, T, 8, 2, 16, list(lengths), dtype)

@@ -43,6 +43,10 @@ def test_generate_speculative_with_layer_skipped_draft_equals_dense(capsys):
     assert "acceptance rate" in captured.err
     assert main(argv + ["--draft", "smollm2:layers=0-9", "--gamma", "0"]) == 2
     assert "gamma=0" in capsys.readouterr().err
+    # On a mesh (of the one CPU device here; tests/sts_sharding_check.py runs 2x4 and 1x8): the draft is loaded
+    # on the target's mesh and the same tokens come out.
+    assert main(argv + ["--draft", "smollm2:layers=0-9", "--gamma", "3", "--mesh", "model=1"]) == 0
+    assert capsys.readouterr().out == dense
 
 
 def test_bench_help_lists_every_benchmark_module(capsys):

@@ -99,6 +99,14 @@ def test_harness_continuation_records_and_layer_sparsity(model, corpus, tmp_path
     # The prefill variant measures the whole window (96 tokens: more to drop), the passkey its prompts.
     for key in (("tsa", "ppl", "prefill"), ("tsa", "passkey", "generate")):
         assert set(rec[key]["layer_sparsity"]) == {"1"} and rec[key]["layer_sparsity"]["1"] > 0.0
+    # The passkey's comes from the generate call's own prefill: the same as a standalone prefill of its prompts.
+    from eval import passkey
+    from jsparse.methods.common import prefill_state
+
+    prompts = np.stack([p.tokens for p in passkey.make_prompts(model.tokenizer, 96, 3, 3, spec.depths)])
+    alone = prefill_state(model.params, model.cfg, tsa, prompts, np.full((3,), 96))
+    want = float(np.mean(tsa.prefill_layer_sparsity(model.cfg, alone, np.full((3,), 96))[1]))
+    np.testing.assert_allclose(rec[("tsa", "passkey", "generate")]["layer_sparsity"]["1"], want, rtol=1e-9)
     assert rec[("tsa", "ppl", "decode")]["layer_sparsity"] is None  # no prefill in the decode variant
     assert all(rec[("dense",) + k[1:]]["layer_sparsity"] is None for k in rec if k[0] == "tsa")
     # Dense: continuation perplexity of the last 20 tokens from the full-window NLLs.

@@ -103,3 +103,23 @@ def test_request_errors():
     with pytest.raises(ValueError, match="max_new_tokens=0"):
         check_request(CFG, [5], 0)
     assert check_request(CFG, [100], 20) == 128
+
+
+def test_generate_returns_the_state_of_its_own_prefill(params):
+    """return_prefill_state: the same tokens, and the method's state equal to a standalone prefill's (TSA's kept
+    counts, what the eval harness measures its sparsity from, with tokens dropped in layers 1-2)."""
+    from jsparse.methods.tsa import TSA
+
+    tsa = TSA(tau=0.3, window=8, min_tokens=8, pool_kernel=3)
+    tokens = jax.random.randint(jax.random.key(5), (2, 64), 4, CFG.vocab_size)
+    lengths = jnp.array([64, 50])
+    kwargs = dict(cfg=CFG, max_new_tokens=6, capacity=128)
+    out, num = generate_tokens(params, tsa, tokens, lengths, jax.random.key(0), **kwargs)
+    out2, num2, state = generate_tokens(params, tsa, tokens, lengths, jax.random.key(0), return_prefill_state=True,
+                                        **kwargs)
+    np.testing.assert_array_equal(out2, out)
+    np.testing.assert_array_equal(num2, num)
+    _, _, want = llama.prefill(params, CFG, tsa, tokens, lengths, init_cache(CFG, 2, 64, jnp.float32),
+                               tsa.init_state(CFG, 2, 64))
+    np.testing.assert_array_equal(state.kept, want.kept)
+    assert (np.asarray(state.kept)[1:] < np.asarray(lengths)[None]).all()  # really dropped, not dense by accident

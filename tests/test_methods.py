@@ -195,3 +195,64 @@ def test_method_argument_errors():
         Kascade.from_anchors(CFG, [1, 2])
     with pytest.raises(ValueError, match="calibration artifact"):
         make_method("kascade", cfg=CFG)
+
+
+@pytest.mark.parametrize("B,T,Hq,Hkv,tile", [(2, 1, 4, 2, None), (2, 37, 4, 2, 8), (1, 300, 9, 3, None),
+                                            (1, 64, 4, 4, 64), (2, 129, 6, 2, 128)])
+def test_tiled_causal_attention_matches_full_causal_attention(B, T, Hq, Hkv, tile):
+    """The CPU prefill path (query tiles against the keys up to each tile's end) equals XLA's full masked causal
+    attention, with tiles dividing T or not, one tile, GQA groups of 1-3; bf16 stays bf16."""
+    from pallas_kernels.dense import tiled_causal_attention
+
+    ks = jax.random.split(jax.random.key(T), 3)
+    q = jax.random.normal(ks[0], (B, T, Hq, D), jnp.float32)
+    k = jax.random.normal(ks[1], (B, T, Hkv, D), jnp.float32)
+    v = jax.random.normal(ks[2], (B, T, Hkv, D), jnp.float32)
+    want = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    np.testing.assert_allclose(tiled_causal_attention(q, k, v, tile=tile), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dense_prefill(q, k, v), want, rtol=1e-5, atol=1e-5)
+    if jax.default_backend() == "cpu":  # the CPU's prefill is the tiled path, bit for bit
+        np.testing.assert_array_equal(dense_prefill(q, k, v), tiled_causal_attention(q, k, v))
+    low = tiled_causal_attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), tile=tile)
+    assert low.dtype == jnp.bfloat16
+    np.testing.assert_allclose(low.astype(jnp.float32), want, rtol=0, atol=5e-2)
+
+
+def test_tiled_causal_attention_tiles_and_errors():
+    from pallas_kernels.dense import CAUSAL_TILE, MAX_CAUSAL_TILES, causal_tile, tiled_causal_attention
+
+    assert causal_tile(2069) == CAUSAL_TILE and causal_tile(CAUSAL_TILE * MAX_CAUSAL_TILES) == CAUSAL_TILE
+    big = causal_tile(131072)
+    assert big % 128 == 0 and -(-131072 // big) <= MAX_CAUSAL_TILES
+    q = jnp.zeros((1, 8, 3, D))
+    with pytest.raises(ValueError, match="3 heads, not a multiple of the 2 KV heads"):
+        tiled_causal_attention(q, jnp.zeros((1, 8, 2, D)), jnp.zeros((1, 8, 2, D)))
+    with pytest.raises(ValueError, match="tile=0: expected >= 1"):
+        tiled_causal_attention(q, q, q, tile=0)
+
+
+def test_prefill_exact_scores_in_chunks_equal_the_full_map():
+    """Oracle's tile-pooled prefill scores and H2O's prefill column sums, computed chunk by chunk of query rows
+    (T = 300: two chunks of 256 rows, the second short), equal the full [T, T] probabilities' (padding rows of a
+    short prompt excluded from H2O's sums)."""
+    from jsparse import selection as sel
+
+    T, tile = 300, 32
+    assert sel.PROB_CHUNK_ROWS < T
+    ks = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(ks[0], (B, T, HQ, D), jnp.float32)
+    k = jax.random.normal(ks[1], (B, T, HKV, D), jnp.float32)
+    v = jax.random.normal(ks[2], (B, T, HKV, D), jnp.float32)
+    full = sel.pooled_probs(q, jnp.swapaxes(k, 1, 2), jnp.broadcast_to(jnp.arange(T), (B, T)))  # [B, Hkv, T, T]
+    padded = jnp.pad(full, ((0, 0), (0, 0), (0, -T % tile), (0, 0)))
+    want = padded.reshape(B, HKV, -1, tile, T).sum(axis=3)
+    np.testing.assert_allclose(sel.prefill_tile_probs(q, k, tile), want, rtol=1e-5, atol=1e-6)
+    lengths = jnp.asarray([T, 211], jnp.int32)
+    h2o = make_method("h2o", budget=0.1)
+    ctx = LayerContext(layer=jnp.int32(2), lengths=lengths)
+    out, state = h2o.prefill(ctx, q, k, v, h2o.init_state(CFG, B, 384))
+    rows = (jnp.arange(T)[None, :] < lengths[:, None])[:, None, :, None]
+    want = jnp.sum(jnp.where(rows, full, 0.0), axis=2)  # [B, Hkv, T]
+    np.testing.assert_allclose(state.score[2, :, :, :T], want, rtol=1e-5, atol=1e-5)
+    assert float(jnp.abs(state.score[2, :, :, T:]).max()) == 0.0 and float(jnp.abs(state.score[1]).max()) == 0.0
+    np.testing.assert_allclose(out, dense_prefill(q, k, v), rtol=1e-5, atol=1e-5)

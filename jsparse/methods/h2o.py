@@ -29,6 +29,7 @@ from jsparse import selection as sel
 from jsparse.heat import scan_rows
 from jsparse.methods.base import register
 from jsparse.methods.common import TokenBudget, dense_prefill, kwargs_for
+from pallas_kernels.sharding import dims, per_shard
 from pallas_kernels.sparse_attention.reference import decode_indices_to_mask
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -61,10 +62,11 @@ class H2O(TokenBudget):
 
     def prefill(self, ctx, q, k, v, state):
         B, T = q.shape[:2]
-        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        probs = sel.pooled_probs(q, jnp.swapaxes(k, 1, 2), positions)  # [B, Hkv, T, T]
-        valid_rows = jnp.arange(T)[None, :] < ctx.lengths[:, None]  # [B, T]
-        colsum = jnp.sum(jnp.where(valid_rows[:, None, :, None], probs, 0.0), axis=2)  # [B, Hkv, T]
+        colsum = jnp.zeros((B, k.shape[2], T), jnp.float32)  # [B, Hkv, T]: the weight each key got from the prompt
+        for s, e, probs in sel.causal_prob_chunks(q, k):  # probs: [B, Hkv, e - s, e]
+            valid_rows = jnp.arange(s, e)[None, :] < ctx.lengths[:, None]  # [B, e - s]
+            part = jnp.sum(jnp.where(valid_rows[:, None, :, None], probs, 0.0), axis=2)  # [B, Hkv, e]
+            colsum = colsum + jnp.pad(part, ((0, 0), (0, 0), (0, T - e)))
         N = state.score.shape[-1]
         row = jnp.pad(colsum, ((0, 0), (0, 0), (0, N - T)))
         score = jax.lax.dynamic_update_index_in_dim(state.score, row, ctx.layer, 0)
@@ -81,8 +83,11 @@ class H2O(TokenBudget):
         visible = n[None, :] <= p[:, None]  # [B, N]
         window = visible & (n[None, :] > (p - r)[:, None])
         heavy = jnp.where((visible & ~window)[:, None], score, sel.NEG_INF)  # [B, Hkv, N]
-        idx = sel.topk_indices(heavy, jnp.broadcast_to((k_t - r)[:, None], (B, Hkv)), K)  # [B, Hkv, K]
-        return decode_indices_to_mask(idx[:, :, None], p + 1, N)[:, :, 0] | window[:, None]
+        idx = sel.topk_indices(heavy, jnp.broadcast_to((k_t - r)[:, None], (B, Hkv)), K, per_shard=True)
+        # The mask per shard too (XLA's scatter would all-gather the indices): every step stays per KV head.
+        keep = per_shard(lambda i, n_: decode_indices_to_mask(i[:, :, None], n_, N)[:, :, 0], [idx, p + 1],
+                         [dims(3, 0, 1), dims(1, 0)], dims(3, 0, 1))  # [B, Hkv, N]
+        return keep | window[:, None]
 
     def sparse_decode(self, ctx, q, cache, state):
         B, T, Hq, D = q.shape

@@ -47,10 +47,10 @@ def select_decode(q, k_cache, positions, budget, min_tokens, K, tile: int = 0):
         diagonal = visible & (key >= (positions[:, :, None] // tile) * tile)
         scores = jnp.where(diagonal[:, None], jnp.inf, scores)
     k_dyn = sel.budget_tokens(budget, positions + 1, min_tokens)[:, None]  # [B, 1, T]
-    return sel.topk_indices(scores, k_dyn, K)
+    return sel.topk_indices(scores, k_dyn, K, per_shard=True)
 
 
 def select_prefill(q, k, tile, tile_budget, K):
     """Exact top-k per query tile among the keys before it: int32[B, Hkv, nT, K]."""
     scores = sel.before_tile_scores(sel.prefill_tile_probs(q, k, tile), tile)
-    return sel.topk_indices(scores, tile_budget[None, None, :], K)
+    return sel.topk_indices(scores, tile_budget[None, None, :], K, per_shard=True)

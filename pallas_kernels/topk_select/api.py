@@ -11,13 +11,21 @@
   "top_k"               `reference.py`: `lax.top_k` and a sort; the specification.
 
 Every implementation returns exactly the same indices (`reference.py` states the semantics).
+
+Under a mesh (`pallas_kernels.sharding`: more than one device, axes `data` and `model`) the Pallas
+implementations run per shard: the rows are independent, so a score array in the index contract's layout
+[B, H, ..., N] splits its batch over `data` and its heads over `model` (XLA cannot partition the Pallas call and
+would otherwise gather every row onto every device). "xla" and "top_k" are plain XLA, partitioned by XLA.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
+from pallas_kernels.sharding import active_mesh, dims, per_shard
 from pallas_kernels.topk_select import reference, xla
+from pallas_kernels.topk_select.common import check_args
 
 Array = jax.Array
 
@@ -44,11 +52,18 @@ def topk_select(scores: Array, k, K: int, *, implementation: str | None = None, 
       config: tuning of the picked implementation (`gpu.SelectConfig`, `tpu.TpuSelectConfig`, or for "xla"
         the int bits_per_pass); None: the default.
 
+    Under a mesh, a Pallas implementation runs per shard (see the module docstring).
+
     Returns:
       int32[..., min(K, N)]: the kept positions ascending (largest scores first by `lax.top_k`'s order, ties to
       the lower position; picks whose score is -inf or NaN dropped), then -1 padding.
     """
     impl = _pick(implementation)
+    if impl in ("pallas_gpu", "pallas_tpu") and scores.ndim >= 3 and active_mesh() is not None:
+        check_args(scores, k, K)  # the errors of the unsharded call, before k is broadcast to the rows
+        k_rows = jnp.broadcast_to(jnp.asarray(k), scores.shape[:-1])
+        return per_shard(lambda s, k: topk_select(s, k, K, implementation=impl, config=config), [scores, k_rows],
+                         [dims(scores.ndim, 0, 1), dims(scores.ndim - 1, 0, 1)], dims(scores.ndim, 0, 1))
     if impl == "top_k":
         return reference.topk_select_reference(scores, k, K)
     if impl == "xla":
