@@ -7,6 +7,9 @@ causality in the compressed space is the original causality. The kept count is d
 static: the compressed length is a static capacity C, chosen among a few buckets (`capacities`) by `lax.switch`
 (`attend_at_capacity`). Each head's kept tokens fill the first slots of its compressed row and empty slots come
 after them, so under the causal mask no kept query ever sees an empty slot.
+
+Under a mesh (`pallas_kernels.sharding`) the gathers run per shard (rows over data, heads over model: a head's
+kept rows come from its own Q, K, V); XLA's partitioner would otherwise all-gather Q, K and V for them.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from pallas_kernels import sharding as shard
 from pallas_kernels.dense import dense_prefill
 
 Array = jax.Array
@@ -62,13 +66,19 @@ class Selection:
 
 def selection_from_keep(keep: Array, capacity: int) -> Selection:
     """The Selection of a keep mask bool[B, H, T] (each row's kept positions ascending in its first slots)."""
+    per = shard.dims(3, 0, 1)
+    indices, slot = shard.per_shard(lambda keep: _selection_from_keep(keep, capacity), [keep], [per], (per, per))
+    return Selection(indices=indices, slot=slot)
+
+
+def _selection_from_keep(keep: Array, capacity: int) -> tuple[Array, Array]:
     B, H, T = keep.shape
     slot = jnp.where(keep, jnp.cumsum(keep, axis=-1, dtype=I32) - 1, -1)
     b = jnp.arange(B)[:, None, None]
     h = jnp.arange(H)[None, :, None]
     indices = jnp.full((B, H, capacity), -1, I32).at[b, h, jnp.where(keep, slot, capacity)].set(
         jnp.broadcast_to(jnp.arange(T, dtype=I32), (B, H, T)), mode="drop")
-    return Selection(indices=indices, slot=slot)
+    return indices, slot
 
 
 def union_selection(sel: Selection, num_kv_heads: int, capacity: int) -> Selection:
@@ -88,11 +98,17 @@ def compress(q: Array, k: Array, v: Array, sel: Selection):
       (qc: [B, C, Hq, D], kc, vc: [B, C, Hq, D] per query head, or [B, C, Hkv, D] per KV head). Empty slots
       hold position 0's rows (they come after every kept slot, so causally no kept query sees them).
     """
+    rows = shard.dims(4, 0, 2)
+    return shard.per_shard(_compress, [q, k, v, sel.indices], [rows, rows, rows, shard.dims(3, 0, 1)],
+                           (rows, rows, rows))
+
+
+def _compress(q: Array, k: Array, v: Array, indices: Array):
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv
-    H = sel.indices.shape[1]
-    idx = jnp.swapaxes(jnp.where(sel.indices >= 0, sel.indices, 0), 1, 2)  # [B, C, H]
+    H = indices.shape[1]
+    idx = jnp.swapaxes(jnp.where(indices >= 0, indices, 0), 1, 2)  # [B, C, H]
     b = jnp.arange(B)[:, None, None]
     hq = jnp.arange(Hq, dtype=I32)[None, None, :]
     if H == Hq:
@@ -111,9 +127,18 @@ def decompress(out_c: Array, sel: Selection, fill_rows: Array | None = None) -> 
     """Writes compressed outputs back to their positions: out_c [B, C, Hq, D] -> [B, T, Hq, D], zeros (or the rows
     of `fill_rows`: [B, T, Hq, D]) on the positions a head did not keep (a gather by each position's slot, which
     equals scattering into zeros or into `fill_rows`)."""
+    if fill_rows is not None and fill_rows.shape != (out_c.shape[0], sel.slot.shape[2]) + out_c.shape[2:]:
+        raise ValueError(f"fill_rows has shape {fill_rows.shape}: expected "
+                         f"{(out_c.shape[0], sel.slot.shape[2]) + out_c.shape[2:]} ([B, T, Hq, D])")
+    rows = shard.dims(4, 0, 2)
+    args = [out_c, sel.slot] + ([] if fill_rows is None else [fill_rows])
+    return shard.per_shard(_decompress, args, [rows, shard.dims(3, 0, 1)] + [rows] * (len(args) - 2), rows)
+
+
+def _decompress(out_c: Array, slot: Array, fill_rows: Array | None = None) -> Array:
     B, C, Hq, D = out_c.shape
-    H = sel.slot.shape[1]
-    slot = jnp.swapaxes(sel.slot, 1, 2)  # [B, T, H]
+    H = slot.shape[1]
+    slot = jnp.swapaxes(slot, 1, 2)  # [B, T, H]
     if H != Hq:
         slot = jnp.repeat(slot, Hq // H, axis=2)
     b = jnp.arange(B)[:, None, None]
@@ -121,8 +146,6 @@ def decompress(out_c: Array, sel: Selection, fill_rows: Array | None = None) -> 
     out = out_c[b, jnp.maximum(slot, 0), hq]
     if fill_rows is None:
         return jnp.where((slot >= 0)[..., None], out, jnp.zeros((), out.dtype))
-    if fill_rows.shape != out.shape:
-        raise ValueError(f"fill_rows has shape {fill_rows.shape}: expected {out.shape} ([B, T, Hq, D])")
     return jnp.where((slot >= 0)[..., None], out, fill_rows.astype(out.dtype))
 
 

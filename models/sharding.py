@@ -34,9 +34,12 @@ Kernels per shard (`pallas_kernels.sharding.per_shard`, active whenever a mesh o
 dense prefill/decode (`pallas_kernels.dense`, `dense_decode`), gathered sparse decode and tile-gathered prefill
 (`sparse_attention`), Kascade's anchor layers (`anchor_attention`), EvoSparse's block ops (`block_scores`: retrieval
 block max, block selection, gathered decode with mass / heat), TSA's scoring and local fill (`tsa_scoring`,
-`local_attention`), STS's exact top-k (`topk_select`, on GPU and TPU). The glue between them (top-k, index
-arithmetic, compression gathers, the heat update) is partitioned by XLA; one known cost: XLA all-gathers EvoSparse's heat f32[L, B, Hkv, nb] once per decode step (at
-128K, batch 8, Llama-3.1-8B: 67 MB) where a `where` over it meets a replicated operand.
+`local_attention`), STS's exact top-k (`topk_select`, on GPU and TPU); and, in plain jnp but per shard because
+XLA would otherwise gather every head's rows, TSA's compression gathers (`jsparse.compression`) and the oracle's
+and H2O's top-k (`selection.topk_indices(per_shard=True)`), EvoSparse's heat candidates
+(`block_scores.heat_candidates`: XLA all-gathered the whole heat f32[L, B, Hkv, nb] for their top-k, 67 MB per
+decode step at 128K, batch 8, Llama-3.1-8B). The rest of the glue (index arithmetic, the heat update, other
+top-ks) is partitioned by XLA. tests/sharding_check.py counts every method's collectives in the compiled HLO (the README lists them).
 
 Cross-head steps of the methods, and the collective each needs (the results equal the one-device ones, which
 tests/sharding_check.py checks on 2x4 and 1x8 meshes for every method, tests/sts_sharding_check.py for STS):

@@ -292,7 +292,7 @@ def test_sts_draft_carry_pools_the_steps():
     ctx = SimpleNamespace(layer=0, lengths=jnp.asarray([12]))
     rec = empty_record(1, B, Hq, 1, 12)
     rec = rec.replace(idx=rec.idx.at[0, 0, 0, 0, 0].set(3), val=rec.val.at[0, 0, 0, 0, 0].set(5.0))
-    _, plain = StsDraft(budget=12, min_tokens=0, slack=0).decode(ctx, q, cache, rec)
+    _, plain = StsDraft(budget=12, min_tokens=0, slack=0, carry=0.0).decode(ctx, q, cache, rec)
     _, pooled = StsDraft(budget=12, min_tokens=0, slack=0, carry=0.5).decode(ctx, q, cache, rec)
     v0 = dict(zip(np.asarray(plain.idx[0, 0, 0, 0]), np.asarray(plain.val[0, 0, 0, 0])))
     v1 = dict(zip(np.asarray(pooled.idx[0, 0, 0, 0]), np.asarray(pooled.val[0, 0, 0, 0])))
@@ -300,3 +300,4 @@ def test_sts_draft_carry_pools_the_steps():
     np.testing.assert_allclose([v1[j] for j in v0 if j != 3], [v0[j] for j in v0 if j != 3], rtol=1e-6)
     with pytest.raises(ValueError, match="carry=2"):
         STS(carry=2.0)
+    assert StsDraft().carry == STS().carry == 0.5  # the default (measured; the paper's is 0)

@@ -1,6 +1,7 @@
 """Token Sparse Attention: coverage rule vs numpy, the layer vs a masked dense reference, tau = 0 is dense, drift
 calibration artifacts, composition with Kascade, argument errors."""
 
+import dataclasses
 import os
 
 import jax
@@ -362,6 +363,20 @@ def test_tsa_kascade_full_budget_is_tsa(params):
     assert np.all(np.asarray(tsa[1].kept)[1:] < np.asarray(lengths))  # the reuse layers did compress
     np.testing.assert_array_equal(np.asarray(comp[1].kept), np.asarray(tsa[1].kept))
     np.testing.assert_allclose(comp[0], tsa[0], atol=2e-5, rtol=2e-5)
+
+
+def test_tsa_kascade_keeps_anchors_of_dense_reuse_layers_dense():
+    """An anchor read by a TSA-dense reuse layer is not compressed (the reuse layer would lose what it dropped);
+    one read only by TSA-sparse reuse layers is."""
+    from jsparse.methods.kascade import anchors_read_by
+    cfg = dataclasses.replace(CFG, num_layers=8)
+    kas = Kascade.from_anchors(cfg, [0, 1, 3, 6], tile=16, min_tokens=16, budget=0.3)  # reuse: 2, 4, 5, 7
+    np.testing.assert_array_equal(anchors_read_by(kas.roles, jnp.asarray([0, 0, 1, 0, 0, 1, 0, 1])),
+                                  [0, 1, 0, 1, 0, 0, 1, 0])
+    m = TSA(inner=kas, selection="kv_head", sparse_layers=(1, 2, 3, 4, 6, 7), **SMALL)
+    assert m.layers(8) == (1, 2, 4, 6, 7)  # 3 is read by dense reuse layer 5; 1 and 6 only by sparse 2 and 7
+    np.testing.assert_array_equal(m.layer_info(cfg).sparse, [0, 1, 1, 0, 1, 0, 1, 1])
+    assert TSA(sparse_layers=(1, 2, 3, 4, 6, 7), **SMALL).layers(8) == (1, 2, 3, 4, 6, 7)
 
 
 def test_tsa_kascade(params, tmp_path):

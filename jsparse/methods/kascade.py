@@ -204,6 +204,17 @@ class Kascade(TokenBudget):
 # layers dense) the added slots all lie in the tile itself, so `tsa+kascade` with tau = 0 is Kascade.
 
 
+def anchors_read_by(roles: Array, layers: Array) -> Array:
+    """The anchors that the given layers reuse: roles i32[L] (ROLE_*), layers bool/int[L] (nonzero: a layer of
+    interest) -> i32[L], 1 for each anchor that some reuse layer of interest reads (its latest anchor at or before
+    it). Works on traced arrays (jnp)."""
+    L = roles.shape[0]
+    pos = jnp.arange(L, dtype=jnp.int32)
+    anchor_of = jax.lax.cummax(jnp.where(roles == ROLE_REUSE, 0, pos))  # the latest anchor at or before each layer
+    reading = (roles == ROLE_REUSE) & (jnp.asarray(layers) != 0)
+    return jnp.zeros((L,), jnp.int32).at[anchor_of].max(reading.astype(jnp.int32))
+
+
 def translate_anchor_indices(anchor_idx: Array, anchor_map: Array, head_map: Array, cur_map: Array,
                              cur_slot: Array, tile: int) -> Array:
     """Kascade anchor indices from the anchor layer's compressed coordinates to this layer's.

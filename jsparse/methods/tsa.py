@@ -47,7 +47,8 @@ per row (right padding). The scoring pools over [0, n) rather than the prefix al
 Composition (`TSA(inner=method)`, registered as "tsa+kascade"): in sparse layers the inner method's prefill runs
 on the compressed sequence (its `ctx.lengths` are the kept counts, `ctx.hidden` is None), in dense layers on the
 full one; decode is the inner method's. Kascade's anchor indices cross layers whose compressed coordinates differ:
-`kascade.prefill_in_coordinates` translates them, so `tsa+kascade` with tau = 0 is Kascade.
+`kascade.prefill_in_coordinates` translates them, so `tsa+kascade` with tau = 0 is Kascade. A reuse layer attends
+only to keys its anchor saw, so an anchor that a TSA-dense reuse layer reads is kept TSA-dense as well (`layers`).
 """
 
 from __future__ import annotations
@@ -248,10 +249,26 @@ class TSA:
         return cls(**options)
 
     def layers(self, num_layers: int) -> tuple[int, ...]:
-        """The sparse layers of an L-layer model."""
+        """The sparse layers of an L-layer model (with an inner Kascade, less the anchors of dense reuse layers:
+        see `_sparse_flags`)."""
+        return tuple(int(l) for l in np.flatnonzero(np.asarray(self._sparse_flags(num_layers))))
+
+    def _given_layers(self, num_layers: int) -> tuple[int, ...]:
         if self.sparse_layers is None:
             return tuple(range(1, num_layers))
         return check_sparse_layers(self.sparse_layers, num_layers)
+
+    def _sparse_flags(self, num_layers: int) -> Array:
+        """i32[L], 1 on the layers whose prefill is token-sparse. Around Kascade, an anchor that a TSA-dense reuse
+        layer reads stays dense too: a reuse layer attends only to keys its anchor saw, so a dense layer reusing a
+        compressed anchor would lose every token the anchor's compression dropped (on SmolLM2, layers 18-19
+        reusing TSA-sparse anchor 17 lost the passkey that TSA and Kascade alone keep)."""
+        sparse = np.zeros((num_layers,), np.int32)
+        sparse[list(self._given_layers(num_layers))] = 1
+        if not self._kascade:
+            return jnp.asarray(sparse)
+        dense = jnp.asarray(1 - sparse)
+        return jnp.asarray(sparse) * (1 - kascade_mod.anchors_read_by(self.inner.roles, dense))
 
     # --------------------------------------------------------------------------------------- protocol
 
@@ -264,10 +281,8 @@ class TSA:
         return TSAState(kept=jnp.zeros((cfg.num_layers, batch), I32), inner=inner)
 
     def layer_info(self, cfg):
-        sparse = np.zeros((cfg.num_layers,), np.int32)
-        sparse[list(self.layers(cfg.num_layers))] = 1
         inner = None if self.inner is None else self.inner.layer_info(cfg)
-        return TSALayerInfo(sparse=jnp.asarray(sparse), inner=inner)
+        return TSALayerInfo(sparse=self._sparse_flags(cfg.num_layers), inner=inner)
 
     def start(self, cfg, state, phase, batch, q_len, kv_len):
         inner = state.inner

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.block_scores.reference import check_block_max_args
+from pallas_kernels.sharding import dims, per_shard
 from pallas_kernels.sparse_attention import sparse_decode
 from pallas_kernels.sparse_attention.common import default_scale
 from pallas_kernels.sparse_attention.stacked import check_stacked_args, layer_index
@@ -159,7 +160,16 @@ def heat_candidates(heat: Array, n_s: Array, hi: Array, k: Array, width: int) ->
     """The `k` hottest middle blocks [n_s, hi) of every heat row, ascending (ties to the lower block), -1
     padded: heat f32[..., B, Hkv, nb], n_s, hi, k i32[B] -> i32[..., B, Hkv, width]. With k = n_h + n_r they
     hold every block `select_blocks` can pick by heat, whatever the retrieval set (see
-    `select_from_candidates`)."""
+    `select_from_candidates`).
+
+    Under a mesh (`pallas_kernels.sharding`) it runs per shard, rows over data and KV heads over model, as the heat
+    is laid out (XLA's partitioner would all-gather the whole heat for the top-k)."""
+    nd = heat.ndim
+    return per_shard(lambda heat, n_s, hi, k: _heat_candidates(heat, n_s, hi, k, width), [heat, n_s, hi, k],
+                     [dims(nd, nd - 3, nd - 2)] + [dims(1, 0)] * 3, dims(nd, nd - 3, nd - 2))
+
+
+def _heat_candidates(heat: Array, n_s: Array, hi: Array, k: Array, width: int) -> Array:
     nb = heat.shape[-1]
     blk = jnp.arange(nb, dtype=jnp.int32)
     middle = (blk >= n_s[:, None]) & (blk < hi[:, None])  # [B, nb]
