@@ -46,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.anchor_attention.common import default_scale
+from pallas_kernels.sparse_attention.mgpu_prefill import hopper  # noqa: F401  (re-exported)
 
 Array = jax.Array
 
@@ -70,16 +71,6 @@ def mgpu_shapes_ok(q: Array, k: Array, tile: int | None = None) -> bool:
     """Whether the Mosaic GPU kernels take these operands (bf16/f16 q and k alike, head_dim 64 or 128, tile 32, 64
     or 128), on whatever device."""
     return _dtypes_ok(q, k) and q.shape[-1] in HEAD_DIMS and (tile is None or tile in TILES)
-
-
-def hopper() -> bool:
-    """Whether the default device is a CUDA GPU of compute capability 9.x."""
-    try:
-        dev = jax.devices()[0]
-    except RuntimeError:
-        return False
-    cc = getattr(dev, "compute_capability", None)
-    return dev.platform == "gpu" and isinstance(cc, str) and cc.startswith("9")
 
 
 def mgpu_supported(q: Array, k: Array, tile: int | None = None) -> bool:
