@@ -342,19 +342,24 @@ train(CFG, params, fingerprint="fp-a", chunks=chunks, out_dir={out!r}, tc=TC, pc
 """
 
 
-def test_data_parallel_over_two_devices_matches_one(tmp_path, uninterrupted):
-    """The same run with its batch split over 2 (host-platform) devices ends at the 1-device parameters."""
+def _run_on_two_devices(script: str, out: str):
+    """Runs a training script (formatted with the repository root and `out`) in a subprocess on 2 host devices."""
     import subprocess
     import sys
 
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-c", script.format(root=root, out=out)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_data_parallel_over_two_devices_matches_one(tmp_path, uninterrupted):
+    """The same run with its batch split over 2 (host-platform) devices ends at the 1-device parameters."""
     from jsparse.methods.butler_predictor import flatten_params
 
     _, full = uninterrupted
     out = str(tmp_path / "dp")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", _DP_SCRIPT.format(root=root, out=out)], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=300)
+    proc = _run_on_two_devices(_DP_SCRIPT, out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with np.load(os.path.join(out, "arrays.npz")) as z:
         got = {k: z[k] for k in z.files}
@@ -371,17 +376,11 @@ _DP_CRASH = _DP_SCRIPT.replace("progress=False)", "progress=False, on_step=crash
 def test_two_device_checkpoint_resumes_on_one_device(tmp_path, uninterrupted, model_params, pcfg, chunks):
     """A run killed at step 3 on 2 devices (checkpoint of step 2, sharded state) resumes on 1 device and ends at the
     uninterrupted run's parameters."""
-    import subprocess
-    import sys
-
     from jsparse.methods.butler_predictor import flatten_params
 
     _, full = uninterrupted
     out = str(tmp_path / "dp")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", _DP_CRASH.format(root=root, out=out)], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=300)
+    proc = _run_on_two_devices(_DP_CRASH, out)
     assert proc.returncode != 0 and "killed" in proc.stderr, proc.stderr[-3000:]
     resumed = train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg,
                     progress=False)
