@@ -16,6 +16,12 @@ import types
 
 if os.environ.get("JSPARSE_TEST_XLA_OPT") != "1":
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+# The Mosaic GPU interpreter (tests/test_*_mgpu.py) runs every simulated warpgroup and TMA engine as its own XLA CPU
+# computation that blocks in barrier callbacks until the others arrive, so it needs as many threads in XLA's CPU
+# pool as it simulates. That pool has one thread per schedulable CPU unless NPROC says otherwise (XLA's CPU client
+# reads it): on a machine that gives a worker one CPU, the interpreter waited forever (reproduced here with
+# `taskset -c 0`; the CI run of 2026-11-25 hung). Eight threads keep it moving on any machine.
+os.environ.setdefault("NPROC", str(max(8, os.cpu_count() or 1)))
 
 import jax  # noqa: E402  (after the environment above)
 import jax.numpy as jnp  # noqa: E402
