@@ -237,3 +237,12 @@ def test_sparse_prefill_picks_mosaic_for_blocks_on_hopper(monkeypatch):
     assert api._pick(None, jax.ShapeDtypeStruct((1, 256, 32, 128), jnp.float32), 16, 128, group=4) == "pallas_gpu"
     monkeypatch.setattr(mgpu_prefill, "hopper", lambda: False)
     assert api._pick(None, q, 16, 128, group=4) == "pallas_gpu"  # not Hopper
+
+
+def test_bench_attention_rejects_a_bad_block_size():
+    from eval.bench import attention
+
+    for bs, match in ((3, "--block-size=3: expected a power of two"), (256, "--block-size=256 does not divide")):
+        with pytest.raises(ValueError, match=match):
+            attention.main(["--phase", "prefill", "--interpret", "--context", "64", "--tile", "128",
+                            "--block-size", str(bs)])

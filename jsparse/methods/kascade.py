@@ -32,7 +32,8 @@ Reuse layers read the anchor's blocks through the head maps, and every sparse pr
 on a Hopper GPU the tile-gathered attention runs on the Mosaic GPU kernel (bs >= 8; `sparse_prefill`'s pick),
 on the Triton kernel elsewhere. bs must be a power of two dividing the tile; bs = 1 (the default) is the token
 selection. Decode stays token-level. `tsa+kascade` takes token mode only (its compressed coordinates move single
-tokens).
+tokens). `achieved_sparsity` reports the token rule (the decode rule), which the block mode's prefill exceeds by
+at most bs - 1 keys per tile.
 
 State: the latest anchor's indices `int32[B, Hkv, T, K]` (T = new tokens in decode, query tiles in prefill),
 carried through the layer scan; added by `start` and dropped by `finish` so nothing crosses decode steps.
