@@ -246,3 +246,23 @@ def test_bench_attention_rejects_a_bad_block_size():
         with pytest.raises(ValueError, match=match):
             attention.main(["--phase", "prefill", "--interpret", "--context", "64", "--tile", "128",
                             "--block-size", str(bs)])
+
+
+@pytest.mark.timeout(600)
+def test_anchor_block_selection_runs_on_the_mosaic_kernel_interpreted():
+    """The anchor's block indices (what Kascade's reuse layers hand `sparse_prefill` on Hopper) in the Mosaic GPU
+    kernel (its interpreter) equal the reference attention over them."""
+    from pallas_kernels.sparse_attention import mgpu_prefill as mg
+
+    T, tile, bs = 192, 64, 16
+    kq, kk, kv = jax.random.split(jax.random.key(4), 3)
+    q = jax.random.normal(kq, (1, T, 2, 64), jnp.bfloat16)
+    k, v = (jax.random.normal(x, (1, T, 1, 64), jnp.bfloat16) for x in (kk, kv))
+    lengths = jnp.array([T - 5], jnp.int32)
+    _, idx = anchor_prefill(q, k, v, lengths, tile=tile, budget=0.2, min_tokens=16, block_size=bs)
+    assert int(jnp.sum(idx >= 0)) > 0
+    got = mg.sparse_prefill_mgpu(q, k, v, idx, lengths, tile=tile, block_size=bs,
+                                 config=mg.MosaicPrefillConfig(block_kv=64), interpret=True)
+    want = sparse_prefill_reference(q, k, v, idx, lengths, tile=tile, block_size=bs)
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < 1e-2
