@@ -6,8 +6,9 @@ is `jsparse eval` with a fixed plan (`demo_argv`): the bundled SmolLM2-135M-Inst
 downloaded), every method below at a budget of 10% with the calibration artifacts shipped in artifacts/smollm2,
 on passkey, two RULER tasks (niah_single_number, niah_multikey), co-reference and perplexity (the continuation
 variant: each method's own prefill of a window but its last 512 tokens (1536 at 2K), then its own decode of those
-512, which are scored; one window per two prompts of the other tasks), at 2K tokens; then report.md with the leaderboard and the plots in the
-output folder. Like every `jsparse eval` run it resumes where it stopped when run again into the same folder.
+512, which are scored; one window per two prompts of the other tasks), at 2K tokens; then report.md with the
+leaderboard and the plots in the output folder. Like every `jsparse eval` run it resumes where it stopped when run
+again into the same folder.
 
 Time (it must stay under 15 minutes on a 2-core CPU): the prompts of the four generation tasks run together,
 `MAX_BATCH_TOKENS` tokens per generate call, one generate compilation per method; perplexity scores 512 tokens of one
