@@ -9,12 +9,22 @@ attends densely and records, per draft layer and query head, the top-W keys of i
   * prefill (STS-P): weights pooled over each query tile and restricted to the keys before the tile (as
     Kascade's prefill does), computed tile by tile (never a [T, T] array).
 
+With `first_step_mask` (not in the paper; default off) only the round's first draft step (the call with
+T >= 2 queries: [prev, tok], or an appended message) attends densely and takes the top-W over the cache; the
+later steps (one query each) attend, per query head, through that step's W recorded keys plus the last gamma
+keys (the round's new tokens) and update the recorded keys' weights (same `carry` rule, the softmax taken over
+that set) instead of a top-W over the cache: the record keeps the first step's keys, of which at least W - 1 =
+K + gamma - 1 lie before the round, so the target still has K keys to choose from.
+
 The target's method (`STS`) adopts that record and, at target layer l, takes for each query head h the row of
 draft (layer, head) = head_map[l, h] (the calibrated STS head map, `sts_calibration`), sums the rows of the
 query heads of each KV group (GQA) and keeps the top k keys per KV head: the index contract
-int32[B, Hkv, T, K], ascending, -1 padded, attended by the existing gathered-attention kernels. In decode the
-T = gamma + 1 verification queries share one row of selected keys before the round plus the round's own new
-tokens (causal among themselves); in prefill the kernel adds each tile's diagonal block. The record belongs to
+int32[B, Hkv, T, K], ascending, -1 padded, attended by the existing gathered-attention kernels. The union is
+done at index level (`merge_rows`: the group's G * W entries sorted by key and summed, at most G * W + sink +
+local candidates, never an array as wide as the cache); `row_merge="scatter"` keeps the N-wide path
+(`merge_rows_reference`), which selects the same keys. In decode the T = gamma + 1 verification queries share
+one row of selected keys before the round plus the round's own new tokens (causal among themselves); in prefill
+the kernel adds each tile's diagonal block. The record belongs to
 one round: the next round's draft steps overwrite it.
 
 Budgets: `budget` <= 1 is a fraction of the visible keys (k = min(max(ceil(budget * n), min_tokens), n), the
@@ -306,9 +316,10 @@ def merge_rows(idx: Array, val: Array, limit: Array, k, K: int, sink: int = 0, l
     The C entries of a row (a GQA group's draft rows side by side; a key may appear in several) and the forced
     keys (the first `sink` keys, the `local` keys just below the limit) are sorted by position (stably, so equal
     keys keep their row order); the weights of equal keys are summed (a scatter-add into C + sink + local slots,
-    in the order `_scores` adds them), a forced key scores +inf, and `topk_select` keeps the top k of these at
-    most C + sink + local distinct keys. Same rule as the reference: largest sum first, ties to the lower
-    position, keys whose score is -inf dropped.
+    in the order `_scores` adds them: the same sums, bit for bit where XLA applies a scatter's updates in order,
+    as on the CPU), a forced key scores +inf, and `topk_select` keeps the top k of these at most C + sink + local
+    distinct keys. Same rule as the reference: largest sum first, ties to the lower position, keys whose score
+    is -inf dropped.
 
     Args:
       idx: i32[B, H, C] recorded keys (-1 padded); val: f32[B, H, C] their weights.

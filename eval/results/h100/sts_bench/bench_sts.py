@@ -19,7 +19,7 @@ Environment: CELLS="32768:1,100000:2" (context:batch list; the default), BUDGETS
 (budgets whose rounds are timed), SMOKE=1 (tiny shapes: a CPU check of the script), GIT_COMMIT (recorded).
 GPU: `OUT=... GIT_COMMIT=$(git rev-parse --short HEAD) python eval/results/h100/sts_bench/bench_sts.py`.
 """
-import dataclasses, json, os, time, datetime
+import dataclasses, json, os, time, datetime, traceback
 import numpy as np
 import jax, jax.numpy as jnp
 
@@ -108,7 +108,7 @@ def main():
             row0 = dict(context=ctx, batch=B, gamma=GAMMA, target_dense_step_ms=t_dense_step,
                         verify_dense_ms=t_ver_dense, draft_dense_step_ms=t_draft_dense,
                         dense_decode_tokens_per_s=B / t_dense_step * 1e3)
-            s = SpecState(target=tc, draft=dc, t_state=None, d_state=None, tok=tok, prev=tok + 0)
+            s = SpecState(target=tc, draft=dc, t_state=None, d_state=None, tok=tok + 0, prev=tok + 0)  # donated
             limit = jnp.full((B,), GAMMA + 1, jnp.int32)
             key = jax.random.key(0)
             fa = jnp.full((B,), ACCEPT, jnp.int32)
@@ -180,6 +180,7 @@ def main():
                 print(line, flush=True)
             s = tc = dc = tcache = st = dstate = None
         except Exception as e:  # noqa: BLE001 - an OOM cell is reported, not hidden
+            traceback.print_exc()
             msg = str(e).splitlines()[0][:300]
             print(f"ctx {ctx} B {B}: failed: {msg}", flush=True)
             recs.append(dict(context=ctx, batch=B, error=msg))
