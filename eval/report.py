@@ -165,7 +165,9 @@ def summary_markdown(records: Sequence[Mapping], meta: Mapping | None = None) ->
              ("continuation tokens", meta.get("continuation")
               if "continuation" in (meta.get("ppl_variants") or ()) else None),
              ("draft", meta.get("draft")), ("gamma", meta.get("gamma")),
-             ("samples", meta.get("samples")), ("seed", meta.get("seed")), ("corpus", meta.get("corpus")),
+             ("samples", meta.get("samples")),
+             ("ppl windows", meta.get("ppl_samples") if meta.get("ppl_samples") != meta.get("samples") else None),
+             ("seed", meta.get("seed")), ("corpus", meta.get("corpus")),
              ("device", meta.get("device")), ("jax", meta.get("jax")), ("commit", meta.get("commit")),
              ("date", meta.get("date"))]
     lines += [f"- {k}: {v}" for k, v in facts if v is not None] + [""]

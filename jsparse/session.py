@@ -8,6 +8,10 @@ The first message is prefilled by both models; every later message is appended a
 forward of the message's tokens per model, the draft first so STS selects the target's keys from the draft's
 attention over the new tokens), and nothing earlier is recomputed. The last token of a reply (often the EOS)
 is written at the start of the next message, so the caches always hold the whole conversation.
+
+On a mesh (both models loaded with the same `mesh=`, e.g. `model=8`), every step runs sharded: both caches by KV
+heads, both models' kernels per shard, STS's draft rows gathered across `model` (`models.speculative`). A session is
+one conversation (batch 1), so the mesh's data axis must be 1.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import sharding
 from models.bundled import LoadedModel
 from models.generate import Sampling
 from models.speculative import append_step, loop_step, prefill_step
@@ -27,7 +32,7 @@ class Session:
     """A conversation of one row (batch 1) between a user and a target model with a speculative draft.
 
     Args:
-      model, draft: target and draft (same vocabulary); method: the target's method ("dense", "sts" or a method
+      model, draft: target and draft (same vocabulary, on the same mesh or neither on one); method: the target's method ("dense", "sts" or a method
         object; STS builds its draft's recorder itself); gamma: draft tokens per round; capacity: cache rows of
         each model (the whole conversation plus gamma + 1 must fit); temperature, top_p, seed: sampling.
     """
@@ -37,6 +42,18 @@ class Session:
         from jsparse.api import check_draft, eos_ids, speculative_methods
 
         check_draft(model, draft, gamma)
+        self.mesh = model.mesh
+        if self.mesh is not None:
+            data = sharding.mesh_size(self.mesh, "data")
+            if data != 1:
+                raise sharding.ShardingError(
+                    f"a Session holds one conversation (batch 1) and its mesh has a data axis of {data}: expected "
+                    "data=1 (shard a session over model= only; batches of prompts go through generate)")
+            for who, m in (("target", model), ("draft", draft)):
+                try:
+                    sharding.check_heads(m.cfg, self.mesh)
+                except sharding.ShardingError as e:
+                    raise sharding.ShardingError(f"a Session on a mesh: the {who}'s {e}") from None
         self.model, self.draft, self.gamma = model, draft, gamma
         self.capacity = int(capacity or min(model.cfg.max_position_embeddings, 4096))
         self.t_method, self.d_method = speculative_methods(method, model, draft, gamma)
@@ -68,15 +85,19 @@ class Session:
         m, d = self.model, self.draft
         common = dict(t_cfg=m.cfg, d_cfg=d.cfg, sampling=self.sampling)
         self.key, k1, k2 = jax.random.split(self.key, 3)
-        msg = jnp.asarray([ids], jnp.int32)
-        if self.state is None:
-            self.state = prefill_step(m.params, d.params, self.t_method, self.d_method, msg,
-                                      jnp.asarray([len(ids)], jnp.int32), k1, capacity=self.capacity, **common)
-        else:
-            self.state = append_step(m.params, d.params, self.t_method, self.d_method, self.state, msg, k1, **common)
-        out, num, rounds, accepted, self.state = loop_step(
-            m.params, d.params, self.t_method, self.d_method, self.state, k2, gamma=self.gamma,
-            max_new_tokens=max_new_tokens, eos_ids=self.eos, **common)
+        msg, length = jnp.asarray([ids], jnp.int32), jnp.asarray([len(ids)], jnp.int32)
+        if self.mesh is not None:
+            msg, length = sharding.shard_batch(msg, self.mesh), sharding.shard_batch(length, self.mesh)
+        with sharding.use_mesh(self.mesh):
+            if self.state is None:
+                self.state = prefill_step(m.params, d.params, self.t_method, self.d_method, msg, length, k1,
+                                          capacity=self.capacity, **common)
+            else:
+                self.state = append_step(m.params, d.params, self.t_method, self.d_method, self.state, msg, k1,
+                                         **common)
+            out, num, rounds, accepted, self.state = loop_step(
+                m.params, d.params, self.t_method, self.d_method, self.state, k2, gamma=self.gamma,
+                max_new_tokens=max_new_tokens, eos_ids=self.eos, **common)
         reply = [int(t) for t in np.asarray(out)[0, : int(num[0])]]
         self.rounds += int(rounds[0])
         self.accepted += int(accepted[0])

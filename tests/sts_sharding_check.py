@@ -15,6 +15,9 @@ Checks, on each mesh against one device:
   generated  `jsparse.api.generate_ids(target, prompts, method=sts, draft=draft)` with both models on the mesh:
              the whole speculative generation (prefills, greedy rounds, rollbacks by length): tokens, rounds and
              accepted draft tokens exactly equal.
+  session    a three-turn `jsparse.Session` with STS (the first message prefilled, two more appended on top of
+             both caches, greedy rounds after each): the replies, rounds and accepted tokens exactly equal. A
+             session is batch 1, so on the 2x4 mesh (data axis 2) it must raise ShardingError naming the data axis.
 
 The draft has other head counts than the target (8 query and KV heads vs 16 and 8) and the head map sends every
 target head to a random (draft layer, draft head), so a target head's draft row is held by another device.
@@ -119,6 +122,21 @@ def generated(target, draft, sts, tokens, mesh):
             np.asarray([stats["rounds"], stats["accepted"]]))
 
 
+def session(target, draft, sts, tokens, mesh):
+    """Replies i32[3, 5] (-1 padded), reply lengths i32[3] and (rounds, accepted) of a three-turn greedy STS
+    `Session` (messages of 30, 7 and 9 tokens); on a mesh both models are sharded on it first."""
+    from jsparse.session import Session
+
+    if mesh is not None:
+        target = dataclasses.replace(target, params=sharding.shard_params(CFG, target.params, mesh), mesh=mesh)
+        draft = dataclasses.replace(draft, params=sharding.shard_params(DRAFT_CFG, draft.params, mesh), mesh=mesh)
+    s = Session(target, draft, method=sts, gamma=GAMMA, capacity=CAPACITY)
+    t = np.asarray(tokens[0])
+    replies = [s.send_ids(list(m), max_new_tokens=5) for m in (t[:30], t[30:37], t[40:49])]
+    return (np.asarray([r + [-1] * (5 - len(r)) for r in replies]), np.asarray([len(r) for r in replies]),
+            np.asarray([s.rounds, s.accepted]))
+
+
 def main() -> int:
     assert len(jax.devices()) == 8, jax.devices()
     t_params = random_params(CFG, jax.random.key(0), jnp.float32, scale=0.08)
@@ -136,6 +154,7 @@ def main() -> int:
     cases = {
         "forward": lambda mesh: forward(t_method, d_method, t_params, d_params, tokens, lengths, mesh),
         "generated": lambda mesh: generated(target, draft, sts, tokens, mesh),
+        "session": lambda mesh: session(target, draft, sts, tokens, mesh),
     }
     failed = False
     for name, fn in cases.items():
@@ -149,6 +168,16 @@ def main() -> int:
         for spec in base.MESHES:
             mesh = sharding.make_mesh(spec)
             t0 = time.perf_counter()
+            if name == "session" and sharding.mesh_size(mesh, "data") > 1:  # a session is one row
+                try:
+                    fn(mesh)
+                    error = None
+                except sharding.ShardingError as e:
+                    error = str(e)
+                ok = error is not None and "data axis of 2" in error
+                failed |= not ok
+                print(json.dumps({"check": name, "mesh": spec, "error": error, "ok": ok}), flush=True)
+                continue
             result = fn(mesh)
             got = [np.asarray(x) for x in result[:4]]
             row = {}

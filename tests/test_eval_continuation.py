@@ -68,6 +68,10 @@ def test_continuation_of_tsa_is_its_prefill_then_its_decode(model, corpus):
     logp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
     want = -np.take_along_axis(np.asarray(logp), w[:, P:, None], axis=-1)[..., 0]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    # chunk >= C: the prefill and the decode as one compiled function (continuation_one_nll), the same numbers.
+    one, one_state = ppl.continuation_nll(params, cfg, tsa, w, C, chunk=C, return_state=True)
+    np.testing.assert_allclose(one, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(one_state.kept), np.asarray(state.kept))
     # TSA really dropped tokens in layer 1 (so this is not dense by accident) and its prefill changed the NLLs.
     kept = np.asarray(state.kept)
     assert (kept[0] == P).all() and (kept[1] < P).all()

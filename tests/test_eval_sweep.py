@@ -62,6 +62,34 @@ def test_generation_of_ragged_batch_equals_one_prompt_at_a_time(model, test_task
         harness.run_generation(model, dense, prompts, 3, rows=2, width=30)
 
 
+def test_generation_tasks_share_generate_calls_and_ppl_has_its_own_window_count(model, corpus, test_task,
+                                                                                monkeypatch):
+    prompts_per_call = []
+    real = harness.run_generation
+
+    def counting(model, method, prompts, *a, **k):
+        prompts_per_call.append(len(prompts))
+        return real(model, method, prompts, *a, **k)
+
+    monkeypatch.setattr(harness, "run_generation", counting)
+    spec = harness.EvalSpec(methods=("dense",), tasks=("passkey", TASK, "ppl"), lengths=(96,), samples=3,
+                            ppl_samples=1, corpus=corpus, ppl_variants=("continuation",), continuation=16,
+                            new_tokens=2, max_batch_tokens=4 * 96)
+    both = harness.evaluate(model, spec, progress=False)
+    # One run_generation for passkey's 3 prompts and the task's 3 (2 generate calls of 3 rows: 4 at most).
+    assert prompts_per_call == [6] and spec.generation_rows(96, 6) == 3
+    rec = {r["task"]: r for r in both.records if r["depth"] is None}
+    assert rec["ppl"]["n"] == 1 and rec["passkey"]["n"] == 3 and rec[TASK]["n"] == 3
+    assert rec["passkey"]["seconds"] > 0 and rec["passkey"]["seconds"] == pytest.approx(rec[TASK]["seconds"])
+    # Each task's completions (cut to its own max_new_tokens) are those of a run of that task alone.
+    for task in ("passkey", TASK):
+        alone = harness.evaluate(model, dataclasses.replace(spec, tasks=(task,)), progress=False)
+        assert [o["completion"] for o in alone.outputs] == [o["completion"] for o in both.outputs if o["task"] == task]
+    assert any(o["completion"] for o in both.outputs)
+    with pytest.raises(ValueError, match=r"ppl_samples=0: expected a positive integer"):
+        dataclasses.replace(spec, ppl_samples=0).validate()
+
+
 def test_sweep_resumes_where_it_stopped(model, corpus, test_task, tmp_path, monkeypatch):
     monkeypatch.setattr(jsparse, "load", lambda spec, dtype=None, **kw: model)
     out = tmp_path / "run"
@@ -249,6 +277,8 @@ def test_demo_command_runs_eval_with_every_cpu_method(tmp_path, monkeypatch):
     assert spec.tasks == ("passkey", "niah_single_number", "niah_multikey", "coref", "ppl")
     assert sum(t not in harness.TASKS + ("coref",) for t in spec.tasks) == 2  # two RULER tasks
     assert spec.samples == 2 and spec.ppl_variants == ("continuation",)
+    # Perplexity: one 2048-token window whose last 512 tokens are scored (the time budget, see eval/demo.py).
+    assert spec.ppl_windows() == 1 and spec.continuation == 512
     for name in ("kascade", "tsa", "evosparse", "butler"):
         assert os.path.isdir(spec.artifacts[name]), spec.artifacts[name]
     assert spec.method_options == {"butler": {"rebalance": False}}
@@ -262,3 +292,4 @@ def test_demo_command_runs_eval_with_every_cpu_method(tmp_path, monkeypatch):
     assert cli.main(["demo", "--out", out, "--lengths", "2048,4096", "--samples", "3"]) == 0
     spec = cli_eval.spec_from_args(seen["args"])
     assert spec.lengths == (2048, 4096) and spec.samples == 3 and not seen["args"].no_progress
+    assert spec.ppl_windows() == 1

@@ -21,12 +21,12 @@ CFG = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermedi
                   num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128)
 
 
-def test_sts_prefill_round_and_generation_on_2x4_and_1x8_meshes_equal_one_device():
+def test_sts_prefill_round_generation_and_session_on_2x4_and_1x8_meshes_equal_one_device():
     proc = _run_script(str(ROOT / "tests" / "sts_sharding_check.py"))
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = {(r["check"], r["mesh"]) for r in rows if r.get("ok")}
-    for check in ("forward", "generated"):
+    for check in ("forward", "generated", "session"):
         for mesh in ("data=2,model=4", "model=8"):
             assert (check, mesh) in got, (check, mesh, rows)
     # STS's cross-head step in the HLO: the rows a target layer reads, gathered across `model`, never the record.

@@ -123,7 +123,8 @@ def test_errors_and_dispatch():
         call(tile=64, block_size=16, config=mg.MosaicPrefillConfig(block_kv=96), interpret=True)
     with pytest.raises(ValueError, match="stages=1"):
         call(tile=64, block_size=16, config=mg.MosaicPrefillConfig(stages=1), interpret=True)
-    # The API: never picked by default; named explicitly, it runs only on Hopper (clear errors elsewhere).
+    # The API: picked by default only on Hopper (tests/test_kascade_blocks.py); named explicitly, it runs only on
+    # Hopper (clear errors elsewhere).
     assert not supported("mosaic_gpu", q, block_size=1, tile=64)
     assert supported("mosaic_gpu", q, block_size=16, tile=64) == mg.hopper()
     if not mg.hopper():

@@ -22,6 +22,19 @@ TPU. Both compute exactly `oracle.select_decode` / `oracle.select_prefill` (test
 With T > 1 new tokens (perplexity with decode simulated per row) a sparse anchor takes only the indices from
 `anchor_decode` and attends through a mask (`attend_selected`), cheaper than gathering T * K rows.
 
+Block mode (`prefill_block_size` bs > 1; prefill only): the anchors select key blocks of bs tokens instead of
+tokens (the index contract's block units: entry j covers tokens j*bs .. j*bs + bs - 1). A block scores the sum
+of its keys' tile-pooled scores (the attention mass the tile puts on it, from the same pooled scores, never a
+[T, T] array on the GPU and TPU), and query tile i keeps ceil(k_i / bs) blocks, k_i the token rule above at the
+tile's start (min_tokens counted in tokens, before the rounding): the budget is counted in keys and rounded up to
+whole blocks (at most bs - 1 keys more per tile, never more than the keys before the tile; nothing is clamped).
+Reuse layers read the anchor's blocks through the head maps, and every sparse prefill passes `block_size=bs`, so
+on a Hopper GPU the tile-gathered attention runs on the Mosaic GPU kernel (bs >= 8; `sparse_prefill`'s pick),
+on the Triton kernel elsewhere. bs must be a power of two dividing the tile; bs = 1 (the default) is the token
+selection. Decode stays token-level. `tsa+kascade` takes token mode only (its compressed coordinates move single
+tokens). `achieved_sparsity` reports the token rule (the decode rule), which the block mode's prefill exceeds by
+at most bs - 1 keys per tile.
+
 State: the latest anchor's indices `int32[B, Hkv, T, K]` (T = new tokens in decode, query tiles in prefill),
 carried through the layer scan; added by `start` and dropped by `finish` so nothing crosses decode steps.
 Anchors and head maps come from `jsparse calibrate kascade` (kascade_calibration.py), an artifact keyed to the
@@ -42,6 +55,7 @@ from jsparse.artifacts import load_artifact
 from jsparse.methods.base import register
 from jsparse.methods.common import TokenBudget, attend_selected, kwargs_for, sparse_prefill
 from pallas_kernels.anchor_attention import anchor_decode, anchor_prefill
+from pallas_kernels.anchor_attention.common import block_width, check_block_size
 
 ARTIFACT_KIND = "kascade"
 ROLE_DENSE_ANCHOR, ROLE_ANCHOR, ROLE_REUSE = 0, 1, 2
@@ -75,6 +89,12 @@ class Kascade(TokenBudget):
     roles: jax.Array = None  # i32[L]
     head_map: jax.Array = None  # i32[L, Hkv]: for each layer and KV head, the anchor's KV head it reuses
     reuse_scale: float = struct.field(pytree_node=False, default=1.0)  # r: reuse layers keep r * k keys
+    # bs: prefill selects key blocks of bs tokens (1: tokens); a power of two dividing the tile. Decode: tokens.
+    prefill_block_size: int = struct.field(pytree_node=False, default=1)
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_block_size(self.prefill_block_size, self.tile, "prefill_block_size")
 
     @classmethod
     def build(cls, cfg=None, artifact: str | None = None, fingerprint: str | None = None, **options):
@@ -133,33 +153,38 @@ class Kascade(TokenBudget):
         return LayerRole(role=self.roles, head_map=self.head_map)
 
     def start(self, cfg, state, phase, batch, q_len, kv_len):
-        rows = -(-q_len // self.tile) if phase == "prefill" else q_len
-        return KascadeState(indices=jnp.full((batch, cfg.num_kv_heads, rows, self.k_reuse(kv_len)), -1, jnp.int32))
+        if phase == "prefill":  # one row per query tile, in blocks of prefill_block_size
+            rows, width = -(-q_len // self.tile), block_width(self.k_reuse(kv_len), self.prefill_block_size)
+        else:
+            rows, width = q_len, self.k_reuse(kv_len)
+        return KascadeState(indices=jnp.full((batch, cfg.num_kv_heads, rows, width), -1, jnp.int32))
 
     def finish(self, state, phase):
         return KascadeState()
 
     def prefill(self, ctx, q, k, v, state):
+        """q: [B, T, Hq, D], k, v: [B, T, Hkv, D] -> (out [B, T, Hq, D], state with the latest anchor's indices
+        int32[B, Hkv, ceil(T / tile), ceil(k_reuse(T) / prefill_block_size)], in blocks when the block size > 1)."""
         T = q.shape[1]
-        K = self.k_static(T)
-
+        K = self.k_static(T)  # index widths in keys; anchor_prefill returns ceil(K / bs) block entries
         Kr = self.k_reuse(T)
+        bs = self.prefill_block_size
 
         def anchor(dense: bool):
             def fn():
                 out, idx = anchor_prefill(q, k, v, ctx.lengths, tile=self.tile, budget=self.budget,
-                                          min_tokens=self.min_tokens, K=K, dense_output=dense)
+                                          min_tokens=self.min_tokens, K=K, dense_output=dense, block_size=bs)
                 if self.reuse_scale == 1.0:
                     return out, idx
                 # The wider set for the reuse layers (its attention output is unused and dropped by XLA).
                 _, wide = anchor_prefill(q, k, v, ctx.lengths, tile=self.tile, budget=self.reuse_budget,
-                                         min_tokens=self.min_tokens, K=Kr, dense_output=dense)
+                                         min_tokens=self.min_tokens, K=Kr, dense_output=dense, block_size=bs)
                 return out, wide
             return fn
 
         def reuse():
             idx = jnp.take(state.indices, ctx.info.head_map, axis=1)
-            return sparse_prefill(q, k, v, idx, ctx.lengths, tile=self.tile), state.indices
+            return sparse_prefill(q, k, v, idx, ctx.lengths, tile=self.tile, block_size=bs), state.indices
 
         out, idx = jax.lax.switch(ctx.info.role, [anchor(True), anchor(False), reuse])
         return out, KascadeState(indices=idx)
@@ -270,6 +295,10 @@ def prefill_in_coordinates(inner: Kascade, ctx, q: Array, k: Array, v: Array, st
     Returns:
       (out: [B, C, Hq, D], Kascade's new state, the new anchor_map).
     """
+    if inner.prefill_block_size != 1:
+        raise ValueError(f"tsa+kascade with prefill_block_size={inner.prefill_block_size}: TSA's compressed "
+                         f"coordinates move single tokens, so Kascade inside TSA selects tokens only (expected "
+                         f"prefill_block_size=1)")
     info = ctx.info
     reuse = info.role == ROLE_REUSE
 

@@ -18,7 +18,8 @@ class TSAKascade:
     Artifacts: `artifact` is one folder or several separated by os.pathsep, each routed by its kind, e.g.
     `jsparse eval --methods tsa+kascade --artifact tsa+kascade=artifacts/kascade:artifacts/tsa`; or pass
     `kascade_artifact=` / `tsa_artifact=` (Python). The Kascade artifact is required; without a TSA artifact
-    every layer but 0 is TSA-sparse. `budget`, `tile`, `min_tokens` go to Kascade; `tau`, `window`,
+    every layer but 0 is TSA-sparse. `budget`, `tile`, `min_tokens` go to Kascade (its `prefill_block_size` must stay
+1: the compressed coordinates move single tokens); `tau`, `window`,
     `pool_kernel`, `tsa_min_tokens`, `sparse_layers`, `fill`, `local_window`, `local_sinks` to TSA.
     """
 
@@ -27,6 +28,11 @@ class TSAKascade:
     @classmethod
     def build(cls, cfg=None, artifact: str | None = None, fingerprint: str | None = None,
               kascade_artifact: str | None = None, tsa_artifact: str | None = None, **options):
+        bs = options.get("prefill_block_size")
+        if bs is not None and bs != 1:
+            raise ValueError(f"tsa+kascade does not take prefill_block_size={bs}: TSA's compressed coordinates move "
+                             f"single tokens, so Kascade inside TSA selects tokens (use kascade alone for block "
+                             f"selections, or prefill_block_size=1)")
         paths = split_artifacts(artifact, (kascade_mod.ARTIFACT_KIND, ARTIFACT_KIND))
         kascade_artifact = kascade_artifact or paths.get(kascade_mod.ARTIFACT_KIND)
         tsa_artifact = tsa_artifact or paths.get(ARTIFACT_KIND)

@@ -111,7 +111,7 @@ def _pick_prefill(q: Array, tile: int) -> str:
 
 def anchor_prefill(q: Array, k: Array, v: Array, lengths: Array, *, tile: int, budget: float,
                    min_tokens: int = 128, K: int | None = None, scale: float | None = None,
-                   dense_output: bool = False, implementation: str | None = None,
+                   dense_output: bool = False, block_size: int = 1, implementation: str | None = None,
                    config=None) -> tuple[Array, Array]:
     """Kascade anchor prefill layer: causal post-softmax scores pooled over the GQA group and each query tile
     (never materialising [T, T] in the Pallas kernels), top-k per tile among the keys before it, tile-gathered
@@ -121,9 +121,16 @@ def anchor_prefill(q: Array, k: Array, v: Array, lengths: Array, *, tile: int, b
       q: [B, T, Hq, D]; k, v: [B, T, Hkv, D]; lengths: int32[B] valid tokens per row.
       tile: query rows per index row (GPU: a power of two >= 16; TPU: a multiple of 8).
       budget, min_tokens: tile i keeps min(max(ceil(budget * i * tile), min_tokens), i * tile) keys.
-      K: static index width (None: the rule at T).
+      K: static index width in keys (None: the rule at T).
       scale: softmax scale (None: 1/sqrt(D)).
       dense_output: dense causal attention (Kascade's layer 0).
+      block_size: 1 selects keys (tokens). A power of two dividing `tile` selects key blocks of that many tokens
+        (entry j covers tokens j*bs .. j*bs + bs - 1): each block scores the sum of its keys' tile-pooled scores
+        (the same pooled scores; [T, T] is still never stored), tile i keeps ceil(kk_i / block_size) blocks
+        for the token rule kk_i above (the budget counted in keys and rounded up to whole blocks: at most
+        block_size - 1 keys more, never more than the keys before the tile), and the attention gathers blocks
+        (`sparse_prefill(..., block_size=...)`: on Hopper, blocks of >= 8 tokens run on the Mosaic GPU kernel).
+        The index width is ceil(K / block_size).
       implementation: "pallas_gpu", "pallas_tpu", "xla", "reference" or None (by backend: gpu -> "pallas_gpu"
         when the Triton kernels take the dtype, D and tile (a power of two >= 16), else "xla"; tpu ->
         "pallas_tpu"; else "xla"). "xla" materialises [T, T] scores as the reference does, then the selection
@@ -131,20 +138,21 @@ def anchor_prefill(q: Array, k: Array, v: Array, lengths: Array, *, tile: int, b
       config: `gpu_prefill.PrefillScoresConfig` for "pallas_gpu" (None: the default); ignored by the others.
 
     Returns:
-      (out: [B, T, Hq, D] in q.dtype, indices: int32[B, Hkv, ceil(T / tile), K] ascending, -1 padded). Under a
-      mesh, per shard (see anchor_decode).
+      (out: [B, T, Hq, D] in q.dtype, indices: int32[B, Hkv, ceil(T / tile), ceil(K / block_size)] ascending,
+      -1 padded, in blocks when block_size > 1). Under a mesh, per shard (see anchor_decode).
     """
     if active_mesh() is not None:
         qs = dims(4, 0, 2)
         return per_shard(lambda q, k, v, lengths: anchor_prefill(
             q, k, v, lengths, tile=tile, budget=budget, min_tokens=min_tokens, K=K, scale=scale,
-            dense_output=dense_output, implementation=implementation, config=config),
+            dense_output=dense_output, block_size=block_size, implementation=implementation, config=config),
             [q, k, v, lengths], [qs, qs, qs, dims(1, 0)], (qs, dims(4, 0, 1)))
     if implementation is None:
         implementation = _pick_prefill(q, tile)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r}: expected one of {IMPLEMENTATIONS} or None")
-    kw = dict(tile=tile, budget=budget, min_tokens=min_tokens, K=K, scale=scale, dense_output=dense_output)
+    kw = dict(tile=tile, budget=budget, min_tokens=min_tokens, K=K, scale=scale, dense_output=dense_output,
+              block_size=block_size)
     if implementation == "reference":
         from pallas_kernels.anchor_attention.reference import anchor_prefill_reference
         return anchor_prefill_reference(q, k, v, lengths, **kw)

@@ -161,3 +161,56 @@ def tile_counts(budget: float, T: int, tile: int, min_tokens: int) -> Array:
     """i32[ceil(T / tile)]: keys chosen for each query tile among those before its start (rolling budget)."""
     starts = jnp.arange(-(-T // tile), dtype=jnp.int32) * tile
     return budget_count(float(budget), starts, min_tokens)
+
+
+# ------------------------------------------------------------------------------------------------ block selections
+# With block_size bs > 1 an anchor selects key blocks (entry j covers tokens j*bs .. j*bs + bs - 1, the index
+# contract's block units) instead of tokens: a block's score is the sum of its keys' tile-pooled scores (the
+# attention mass the tile puts on the block), and tile i keeps ceil(kk_i / bs) blocks, kk_i the token rule of
+# `tile_counts`. The budget is counted in keys and rounded up to whole blocks: a tile keeps at most bs - 1 keys
+# more than the token rule, never fewer, and never more than the keys before it (bs divides the tile, so the
+# i * tile keys before tile i are i * tile / bs whole blocks).
+
+
+def check_block_size(block_size, tile: int, name: str = "block_size") -> int:
+    """`block_size` of anchor_prefill (`name` in messages): a power of two >= 1 dividing `tile` (a query tile
+    holds whole blocks)."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 or block_size & (
+            block_size - 1):
+        raise ValueError(f"{name}={block_size!r}: expected a power of two >= 1 dividing tile={tile} (tokens per "
+                         f"selected block; 1: token-level selection)")
+    if tile % block_size:
+        raise ValueError(f"{name}={block_size} does not divide tile={tile}: a query tile must hold whole blocks "
+                         f"(expected a power of two <= {tile})")
+    return block_size
+
+
+def pool_blocks(scores: Array, block_size: int) -> Array:
+    """Tile-pooled key scores summed per key block.
+
+    Args:
+      scores: f32[B, Hkv, nT, T] tile-pooled scores (-inf at and after each tile's first position).
+      block_size: keys per block (dividing the tile, so each tile start is a block start).
+
+    Returns:
+      f32[B, Hkv, nT, ceil(T / block_size)]: the sum of each block's scores; -inf for a block not wholly before
+      the tile's first position (a trailing partial block, T % block_size != 0, never is).
+    """
+    if block_size == 1:
+        return scores
+    T = scores.shape[-1]
+    nb = -(-T // block_size)
+    padded = jnp.pad(scores, [(0, 0)] * (scores.ndim - 1) + [(0, nb * block_size - T)], constant_values=-jnp.inf)
+    return padded.reshape(*scores.shape[:-1], nb, block_size).sum(axis=-1)  # any -inf key makes the block -inf
+
+
+def block_counts(budget: float, T: int, tile: int, min_tokens: int, block_size: int) -> Array:
+    """i32[ceil(T / tile)]: blocks chosen for each query tile, ceil(kk_i / block_size) for the token rule kk_i of
+    `tile_counts` (block_size 1: kk_i itself)."""
+    kk = tile_counts(budget, T, tile, min_tokens)
+    return kk if block_size == 1 else -(-kk // block_size)
+
+
+def block_width(K: int, block_size: int) -> int:
+    """The static index width in entries for a width of K keys: ceil(K / block_size)."""
+    return -(-K // block_size)

@@ -17,7 +17,8 @@ dense causal attention in total, and as many exps):
 Both schedule the costliest (last) query blocks first. On a Hopper GPU (bf16/f16, head_dim 64 or 128, tile 32,
 64 or 128) the same two passes run as warp-specialised Mosaic GPU kernels instead (`mgpu_prefill`, chosen by
 `PrefillScoresConfig.mosaic`; about 1.6x faster at 128K). Then `topk_select` (Triton) and `sparse_prefill`
-(Triton) or the dense cuDNN attention finish the layer (`anchor_prefill_gpu`).
+(Triton; with block selections on Hopper the Mosaic GPU kernel) or the dense cuDNN attention finish the layer
+(`anchor_prefill_gpu`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.anchor_attention import mgpu_prefill
-from pallas_kernels.anchor_attention.common import (budget_count, check_prefill_args, default_scale, tile_counts)
+from pallas_kernels.anchor_attention.common import (block_counts, pool_blocks, block_width, budget_count,
+                                                    check_block_size, check_prefill_args, default_scale)
 
 Array = jax.Array
 
@@ -263,41 +265,53 @@ def dense_prefill_with_lse(q: Array, k: Array, v: Array) -> tuple[Array, Array]:
 
 
 @functools.partial(jax.jit, static_argnames=("tile", "budget", "min_tokens", "K", "scale", "dense_output",
-                                             "dense_lse", "config", "interpret"))
+                                             "dense_lse", "block_size", "config", "interpret"))
 def anchor_prefill_gpu(q: Array, k: Array, v: Array, lengths: Array, *, tile: int, budget: float,
                        min_tokens: int = 128, K: int | None = None, scale: float | None = None,
-                       dense_output: bool = False, dense_lse: bool = False,
+                       dense_output: bool = False, dense_lse: bool = False, block_size: int = 1,
                        config: PrefillScoresConfig = PrefillScoresConfig(),
                        interpret: bool = False) -> tuple[Array, Array]:
-    """Anchor prefill layer on the GPU: tile-pooled scores (Mosaic GPU on Hopper, else Triton), Triton top-k, Triton
+    """Anchor prefill layer on the GPU: tile-pooled scores (Mosaic GPU on Hopper, else Triton), Triton top-k,
     tile-gathered attention (or dense causal attention with `dense_output`). Args and returns as
     `reference.anchor_prefill_reference`.
 
     Args:
       dense_lse: with dense_output, take the rows' logsumexp from cuDNN's dense attention
         (`dense_prefill_with_lse`, scale 1/sqrt(D) only) instead of the lse pass.
+      block_size: 1 (token selection) or a power of two dividing the tile (block selection: the scores summed
+        per block, `common.pool_blocks`). Compiled on a Hopper GPU, block selections the Mosaic GPU kernel
+        takes (block_size >= 8, tile 32/64/128, bf16/f16, D 64/128) run on it; the rest (and interpreted runs)
+        on the Triton kernel.
     """
     from pallas_kernels.sparse_attention import gpu as sparse_gpu
+    from pallas_kernels.sparse_attention import sparse_prefill, supported
     from pallas_kernels.topk_select import gpu as select_gpu
 
     K = check_prefill_args(q, k, v, lengths, tile, budget, min_tokens, K)
+    check_block_size(block_size, tile)
     T = q.shape[1]
     lse = out = None
     if dense_output and dense_lse:
         if scale is not None:
             raise ValueError(f"dense_lse=True takes the default scale only (got scale={scale})")
         out, lse = dense_prefill_with_lse(q, k, v)
-    scores = tile_scores_gpu(q, k, tile=tile, scale=scale, lse=lse, config=config, interpret=interpret)
-    kk = tile_counts(budget, T, tile, min_tokens)[None, None, :]
-    indices = select_gpu.topk_select_gpu(scores, kk, K, interpret=interpret)
+    scores = pool_blocks(tile_scores_gpu(q, k, tile=tile, scale=scale, lse=lse, config=config,
+                                          interpret=interpret), block_size)
+    kk = block_counts(budget, T, tile, min_tokens, block_size)[None, None, :]
+    indices = select_gpu.topk_select_gpu(scores, kk, block_width(K, block_size), interpret=interpret)
     if out is None:
         if dense_output:
             cudnn = not interpret and q.dtype in (jnp.bfloat16, jnp.float16)
             out = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                implementation="cudnn" if cudnn else "xla")
-        else:
-            out = sparse_gpu.sparse_prefill_gpu(q, k, v, indices, lengths, tile=tile, scale=scale,
-                                                interpret=interpret)
+        elif interpret:
+            out = sparse_gpu.sparse_prefill_gpu(q, k, v, indices, lengths, tile=tile, block_size=block_size,
+                                                scale=scale, interpret=True)
+        else:  # block selections the Mosaic GPU kernel takes on Hopper go to it, the rest to Triton
+            mosaic = block_size > 1 and supported("mosaic_gpu", q, block_size=block_size, tile=tile,
+                                                  group=q.shape[2] // k.shape[2])
+            out = sparse_prefill(q, k, v, indices, lengths, tile=tile, block_size=block_size, scale=scale,
+                                 implementation="mosaic_gpu" if mosaic else "pallas_gpu")
     return out, indices
 
 

@@ -16,7 +16,8 @@ Prefill (oracle.select_prefill): causal post-softmax weights pooled over the GQA
 of `tile` rows (jsparse.selection.prefill_tile_probs: every row t < T counts, row lengths play no part),
 restricted to the keys strictly before the tile's start (before_tile_scores); tile i keeps
 kk_i = min(max(ceil(budget * i * tile), min_tokens), i * tile) keys; attention by `sparse_prefill_reference`
-(which adds the diagonal tile), or dense causal attention with `dense_output`.
+(which adds the diagonal tile), or dense causal attention with `dense_output`. With `block_size` > 1 the scores
+are summed per key block and tile i keeps ceil(kk_i / block_size) blocks (`common.pool_blocks`).
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.anchor_attention.common import (budget_count, check_args, check_diagonal_tile,
+from pallas_kernels.anchor_attention.common import (block_counts, pool_blocks, block_width, budget_count,
+                                                    check_args, check_block_size, check_diagonal_tile,
                                                     check_prefill_args, force_diagonal, layer_of, positions,
-                                                    tile_counts, unstack)
+                                                    unstack)
 from pallas_kernels.sparse_attention.reference import sparse_decode_reference, sparse_prefill_reference
 from pallas_kernels.topk_select.reference import topk_select_reference
 
@@ -131,10 +133,11 @@ def tile_scores_reference(q: Array, k: Array, *, tile: int, scale: float | None 
     return jnp.where(before, pooled, -jnp.inf)
 
 
-@functools.partial(jax.jit, static_argnames=("tile", "budget", "min_tokens", "K", "scale", "dense_output"))
+@functools.partial(jax.jit, static_argnames=("tile", "budget", "min_tokens", "K", "scale", "dense_output",
+                                             "block_size"))
 def anchor_prefill_reference(q: Array, k: Array, v: Array, lengths: Array, *, tile: int, budget: float,
                              min_tokens: int = 128, K: int | None = None, scale: float | None = None,
-                             dense_output: bool = False) -> tuple[Array, Array]:
+                             dense_output: bool = False, block_size: int = 1) -> tuple[Array, Array]:
     """Anchor prefill layer by dense tile-pooled scores, `lax.top_k` selection and the reference attention.
 
     Args:
@@ -142,16 +145,22 @@ def anchor_prefill_reference(q: Array, k: Array, v: Array, lengths: Array, *, ti
       tile: query rows per index row; budget, min_tokens: Kascade's rule; K: static index width (None: the
         rule at T).
       scale: softmax scale (None: 1/sqrt(D)); dense_output: dense causal attention instead of the sparse one.
+      block_size: 1 selects keys; a power of two dividing the tile selects key blocks of that many tokens
+        (`common.pool_blocks`: each block scores the sum of its keys' tile-pooled scores; tile i keeps
+        ceil(kk_i / block_size) blocks, `common.block_counts`).
 
     Returns:
-      (out [B, T, Hq, D] in q.dtype, indices int32[B, Hkv, ceil(T / tile), K]).
+      (out [B, T, Hq, D] in q.dtype, indices int32[B, Hkv, ceil(T / tile), ceil(K / block_size)], in blocks
+      when block_size > 1).
     """
     K = check_prefill_args(q, k, v, lengths, tile, budget, min_tokens, K)
+    check_block_size(block_size, tile)
     T = q.shape[1]
-    scores = tile_scores_reference(q, k, tile=tile, scale=scale)
-    indices = topk_select_reference(scores, tile_counts(budget, T, tile, min_tokens)[None, None, :], K)
+    scores = pool_blocks(tile_scores_reference(q, k, tile=tile, scale=scale), block_size)
+    indices = topk_select_reference(scores, block_counts(budget, T, tile, min_tokens, block_size)[None, None, :],
+                                    block_width(K, block_size))
     if dense_output:
         out = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale, implementation="xla")
     else:
-        out = sparse_prefill_reference(q, k, v, indices, lengths, tile=tile, scale=scale)
+        out = sparse_prefill_reference(q, k, v, indices, lengths, tile=tile, block_size=block_size, scale=scale)
     return out.astype(q.dtype), indices

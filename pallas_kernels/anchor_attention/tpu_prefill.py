@@ -20,7 +20,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.anchor_attention.common import check_prefill_args, default_scale, tile_counts
+from pallas_kernels.anchor_attention.common import (block_counts, pool_blocks, block_width, check_block_size,
+                                                    check_prefill_args, default_scale)
 
 Array = jax.Array
 
@@ -171,10 +172,11 @@ def tile_scores_tpu(q: Array, k: Array, *, tile: int, scale: float | None = None
 
 
 @functools.partial(jax.jit, static_argnames=("tile", "budget", "min_tokens", "K", "scale", "dense_output",
-                                             "config", "interpret"))
+                                             "block_size", "config", "interpret"))
 def anchor_prefill_tpu(q: Array, k: Array, v: Array, lengths: Array, *, tile: int, budget: float,
                        min_tokens: int = 128, K: int | None = None, scale: float | None = None,
-                       dense_output: bool = False, config: TpuPrefillScoresConfig = TpuPrefillScoresConfig(),
+                       dense_output: bool = False, block_size: int = 1,
+                       config: TpuPrefillScoresConfig = TpuPrefillScoresConfig(),
                        interpret: bool = False) -> tuple[Array, Array]:
     """Anchor prefill layer on the TPU: Pallas scores, TPU top-k counting, then `sparse_prefill` (or dense
     attention). Args and returns as `reference.anchor_prefill_reference`."""
@@ -182,12 +184,14 @@ def anchor_prefill_tpu(q: Array, k: Array, v: Array, lengths: Array, *, tile: in
     from pallas_kernels.topk_select import tpu as select_tpu
 
     K = check_prefill_args(q, k, v, lengths, tile, budget, min_tokens, K)
+    check_block_size(block_size, tile)
     T = q.shape[1]
-    scores = tile_scores_tpu(q, k, tile=tile, scale=scale, config=config, interpret=interpret)
-    indices = select_tpu.topk_select_tpu(scores, tile_counts(budget, T, tile, min_tokens)[None, None, :], K,
-                                         interpret=interpret)
+    scores = pool_blocks(tile_scores_tpu(q, k, tile=tile, scale=scale, config=config, interpret=interpret),
+                          block_size)
+    indices = select_tpu.topk_select_tpu(scores, block_counts(budget, T, tile, min_tokens, block_size)[None, None, :],
+                                         block_width(K, block_size), interpret=interpret)
     if dense_output:
         out = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale, implementation="xla")
     else:
-        out = sparse_prefill(q, k, v, indices, lengths, tile=tile, scale=scale)
+        out = sparse_prefill(q, k, v, indices, lengths, tile=tile, block_size=block_size, scale=scale)
     return out, indices

@@ -15,9 +15,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.anchor_attention.common import (check_args, check_diagonal_tile, check_prefill_args,
+from pallas_kernels.anchor_attention.common import (block_counts, pool_blocks, block_width, check_args,
+                                                    check_block_size, check_diagonal_tile, check_prefill_args,
                                                     default_scale, force_diagonal, layer_of, pool_scores, positions,
-                                                    select, tile_counts, unstack)
+                                                    select, unstack)
 
 Array = jax.Array
 
@@ -102,10 +103,11 @@ def tile_scores_xla(q: Array, k: Array, *, tile: int, scale: float | None = None
     return jnp.where(before, pooled, -jnp.inf)
 
 
-@functools.partial(jax.jit, static_argnames=("tile", "budget", "min_tokens", "K", "scale", "dense_output"))
+@functools.partial(jax.jit, static_argnames=("tile", "budget", "min_tokens", "K", "scale", "dense_output",
+                                             "block_size"))
 def anchor_prefill_xla(q: Array, k: Array, v: Array, lengths: Array, *, tile: int, budget: float,
                        min_tokens: int = 128, K: int | None = None, scale: float | None = None,
-                       dense_output: bool = False) -> tuple[Array, Array]:
+                       dense_output: bool = False, block_size: int = 1) -> tuple[Array, Array]:
     """Anchor prefill layer: the tile-pooled scores (`tile_scores_xla`), then `topk_select` and `sparse_prefill`
     (or `pallas_kernels.dense.dense_prefill` for a dense anchor) through their entry points.
     Args and returns as `reference.anchor_prefill_reference`."""
@@ -114,14 +116,16 @@ def anchor_prefill_xla(q: Array, k: Array, v: Array, lengths: Array, *, tile: in
     from pallas_kernels.topk_select import topk_select
 
     K = check_prefill_args(q, k, v, lengths, tile, budget, min_tokens, K)
+    check_block_size(block_size, tile)
     T = q.shape[1]
-    scores = tile_scores_xla(q, k, tile=tile, scale=scale)
-    indices = topk_select(scores, tile_counts(budget, T, tile, min_tokens)[None, None, :], K)
+    scores = pool_blocks(tile_scores_xla(q, k, tile=tile, scale=scale), block_size)
+    indices = topk_select(scores, block_counts(budget, T, tile, min_tokens, block_size)[None, None, :],
+                          block_width(K, block_size))
     if dense_output:
         if scale is None:
             out = dense_prefill(q, k, v)
         else:
             out = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale, implementation="xla")
     else:
-        out = sparse_prefill(q, k, v, indices, lengths, tile=tile, scale=scale)
+        out = sparse_prefill(q, k, v, indices, lengths, tile=tile, block_size=block_size, scale=scale)
     return out.astype(q.dtype), indices

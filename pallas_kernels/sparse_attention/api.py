@@ -1,13 +1,15 @@
 """One entry point per op: `sparse_decode` and `sparse_prefill`, dispatching over implementations.
 
-  implementation=None       pick by `jax.default_backend()`: gpu -> "pallas_gpu", tpu -> "pallas_tpu",
+  implementation=None       pick by `jax.default_backend()`: gpu -> "pallas_gpu" (prefill over block selections
+                            that the Mosaic GPU kernel takes on a Hopper GPU -> "mosaic_gpu"), tpu -> "pallas_tpu",
                             anything else -> "xla"; when the picked kernel cannot take the arguments (see
                             `supported`), fall back to "xla".
   "xla"                     `xla.py`: take_along_axis gathers + einsums (any backend).
   "pallas_gpu"              `gpu.py`: Pallas Triton kernels (split-K gathered decode, tile-gathered prefill).
   "mosaic_gpu"              `mgpu_prefill.py`: the Pallas Mosaic GPU prefill kernel (Hopper: TMA + WGMMA) over block
-                            selections (block_size a power of two >= 8, tile 32/64/128, bf16/f16, D 64/128);
-                            prefill only, never picked by default (token-level selections need "pallas_gpu").
+                            selections (block_size a power of two >= 8, tile 32/64/128, bf16/f16, D 64/128,
+                            G * tile a multiple of 64); prefill only; picked by default on Hopper when it takes
+                            the call (token-level selections run on "pallas_gpu").
   "pallas_tpu"              `tpu.py`: Pallas TPU kernels at block granularity (block_size % 8 == 0).
   "reference"               `reference.py`: the plain-jnp specification (slow; tests only).
 
@@ -28,15 +30,17 @@ Array = jax.Array
 IMPLEMENTATIONS = ("xla", "pallas_gpu", "mosaic_gpu", "pallas_tpu", "reference")
 
 
-def _unsupported_reason(implementation: str, q: Array, block_size: int, tile: int | None) -> str | None:
-    """Why `implementation` cannot run these arguments (None when it can)."""
+def _unsupported_reason(implementation: str, q: Array, block_size: int, tile: int | None,
+                        group: int | None = None) -> str | None:
+    """Why `implementation` cannot run these arguments (None when it can); group: G = Hq / Hkv (None: not
+    checked)."""
     D = q.shape[-1]
     if implementation == "pallas_gpu":
         from pallas_kernels.sparse_attention import gpu
         return gpu.unsupported_reason(q.dtype, D, block_size, tile)
     if implementation == "mosaic_gpu":
         from pallas_kernels.sparse_attention import mgpu_prefill
-        reason = mgpu_prefill.unsupported_reason(q.dtype, D, block_size, tile)
+        reason = mgpu_prefill.unsupported_reason(q.dtype, D, block_size, tile, group)
         if reason is None and not mgpu_prefill.hopper():
             reason = (f"a {jax.devices()[0].platform} device (the Mosaic GPU kernel needs a CUDA GPU of compute "
                       f"capability 9.x, Hopper)")
@@ -47,21 +51,28 @@ def _unsupported_reason(implementation: str, q: Array, block_size: int, tile: in
     return None
 
 
-def supported(implementation: str, q: Array, *, block_size: int = 1, tile: int | None = None) -> bool:
-    """Whether `implementation` can run an op on queries like `q` (tile=None: decode)."""
-    return _unsupported_reason(implementation, q, block_size, tile) is None
+def supported(implementation: str, q: Array, *, block_size: int = 1, tile: int | None = None,
+              group: int | None = None) -> bool:
+    """Whether `implementation` can run an op on queries like `q` (tile=None: decode; group: G = Hq / Hkv, None:
+    not checked)."""
+    return _unsupported_reason(implementation, q, block_size, tile, group) is None
 
 
-def _pick(implementation: str | None, q: Array, block_size: int, tile: int | None) -> str:
+def _pick(implementation: str | None, q: Array, block_size: int, tile: int | None,
+          group: int | None = None) -> str:
+    """The implementation that runs a call (tile None: decode; group: G = Hq / Hkv, for the Mosaic GPU kernel)."""
     if implementation is None:
         backend = jax.default_backend()
         choice = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(backend, "xla")
+        if (backend == "gpu" and tile is not None and block_size > 1
+                and _unsupported_reason("mosaic_gpu", q, block_size, tile, group) is None):
+            return "mosaic_gpu"  # block selections on Hopper: TMA block gathers + WGMMA
         if _unsupported_reason(choice, q, block_size, tile) is not None:
             choice = "xla"
         return choice
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r}: expected one of {IMPLEMENTATIONS} or None")
-    reason = _unsupported_reason(implementation, q, block_size, tile)
+    reason = _unsupported_reason(implementation, q, block_size, tile, group)
     if reason is not None:
         raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
     return implementation
@@ -149,7 +160,8 @@ def sparse_prefill(q: Array, k: Array, v: Array, indices: Array, lengths: Array,
       tile: query rows per index row (a multiple of block_size).
       block_size: tokens per index entry.
       scale: softmax scale (None: 1/sqrt(D)).
-      implementation: see the module docstring.
+      implementation: see the module docstring (None on a Hopper GPU: "mosaic_gpu" for block selections it
+        takes, e.g. block_size 16 or 64 at tile 128 with bf16 and D 128; "pallas_gpu" otherwise).
 
     Returns:
       [B, T, Hq, D] in q.dtype; rows at or beyond lengths are zeros. Under a mesh, per shard (see sparse_decode).
@@ -159,7 +171,8 @@ def sparse_prefill(q: Array, k: Array, v: Array, indices: Array, lengths: Array,
         return per_shard(lambda q, k, v, indices, lengths: sparse_prefill(
             q, k, v, indices, lengths, tile=tile, block_size=block_size, scale=scale, implementation=implementation),
             [q, k, v, indices, lengths], [qs, kv, kv, dims(4, 0, 1), dims(1, 0)], qs)
-    impl = _pick(implementation, q, block_size, tile)
+    group = q.shape[2] // k.shape[2] if q.ndim == 4 and k.ndim == 4 and k.shape[2] else None
+    impl = _pick(implementation, q, block_size, tile, group)
     kw = dict(tile=tile, block_size=block_size, scale=scale)
     if impl == "xla":
         return xla.sparse_prefill_xla(q, k, v, indices, lengths, **kw)
