@@ -266,3 +266,25 @@ def test_anchor_block_selection_runs_on_the_mosaic_kernel_interpreted():
     want = sparse_prefill_reference(q, k, v, idx, lengths, tile=tile, block_size=bs)
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < 1e-2
+
+
+@pytest.mark.parametrize("hopper", [False, True])
+def test_gpu_anchor_block_path_lowers_for_cuda(hopper, monkeypatch):
+    """Kascade's anchor at 128 queries per tile with blocks of 16 on Llama-3.1-8B heads: its attention runs on the
+    Mosaic GPU kernel when the device is Hopper, on the Triton kernel otherwise."""
+    from lowering import export_for
+    from pallas_kernels.anchor_attention.gpu_prefill import anchor_prefill_gpu
+    from pallas_kernels.sparse_attention import mgpu_prefill as mg
+
+    monkeypatch.setattr(mg, "hopper", lambda: hopper)
+    sds, T = jax.ShapeDtypeStruct, 2048
+    q, kv, lens = sds((1, T, 32, 128), jnp.bfloat16), sds((1, T, 8, 128), jnp.bfloat16), sds((1,), jnp.int32)
+    f = functools.partial(anchor_prefill_gpu, tile=128, budget=0.1, block_size=16)
+    anchor_prefill_gpu.clear_cache()  # the device check runs at trace time: no trace of another parametrization
+    try:
+        text = export_for("cuda", f, q, kv, kv, lens).mlir_module()
+    finally:
+        anchor_prefill_gpu.clear_cache()
+    assert "anchor_prefill_pool" in text and "topk_select" in text
+    assert ("sparse_prefill_mgpu" in text) == hopper
+    assert ("sparse_prefill_gathered" in text) == (not hopper)

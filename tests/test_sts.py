@@ -301,3 +301,157 @@ def test_sts_draft_carry_pools_the_steps():
     with pytest.raises(ValueError, match="carry=2"):
         STS(carry=2.0)
     assert StsDraft().carry == STS().carry == 0.5  # the default (measured; the paper's is 0)
+
+
+def _random_rows(seed, B, H, G, W, N, limit, dyadic):
+    """G draft rows per KV head side by side [B, H, G * W]: each a set of distinct keys in [0, N) (rank order,
+    some -1 padding), weights dyadic (exact sums, many ties) or random floats."""
+    rng = np.random.default_rng(seed)
+    idx = np.full((B, H, G, W), -1, np.int32)
+    for b in range(B):
+        for h in range(H):
+            for g in range(G):
+                m = int(rng.integers(0, W + 1))  # entries in this row; the rest -1
+                pool = max(int(limit[b]) + 3, m)  # some keys at or past the limit (dropped)
+                idx[b, h, g, :m] = rng.choice(min(pool, N), size=min(m, min(pool, N)), replace=False)
+    val = rng.integers(0, 8, idx.shape) / 8.0 if dyadic else rng.random(idx.shape)
+    val = np.where(idx >= 0, val, -np.inf).astype(np.float32)
+    return jnp.asarray(idx.reshape(B, H, G * W)), jnp.asarray(val.reshape(B, H, G * W))
+
+
+@pytest.mark.parametrize("implementation,sink,local,dyadic", [
+    ("top_k", 0, 0, True), ("top_k", 0, 0, False), ("top_k", 3, 0, True), ("top_k", 0, 5, False),
+    ("top_k", 4, 6, True), ("top_k", 4, 6, False), ("xla", 4, 6, True)])
+def test_merge_rows_selects_the_keys_of_the_scatter_reference(implementation, sink, local, dyadic):
+    """The index-level union of a group's draft rows (`merge_rows`) chooses exactly the keys of the N-wide path
+    (`merge_rows_reference`): duplicates across rows summed, ties to the lower key, -1 padding, keys past the
+    limit dropped, budgets above the candidate count, forced sink/local keys (overlapping when the limit is
+    small), per-row budgets, and the prefill's scalar limit."""
+    from jsparse.methods.sts import merge_rows, merge_rows_reference
+
+    B, H, G, W, N = 3, 2, 4, 6, 64
+    limit = jnp.array([40, 7, 0])  # row 2: nothing below the limit
+    idx, val = _random_rows(sink * 10 + local + dyadic, B, H, G, W, N, limit, dyadic)
+    for k, K in ((jnp.array([[5], [3], [4]]), 8), (jnp.array([[30], [30], [30]]), 48), (2, 2)):
+        got = merge_rows(idx, val, limit, k, K, sink, local, implementation)
+        ref = merge_rows_reference(idx, val, N, limit, k, K, sink, local, implementation)
+        assert got.shape == ref.shape == (B, H, K)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    got = merge_rows(idx, val, jnp.int32(20), 6, 10, sink, local, implementation)  # prefill: one tile's start
+    ref = merge_rows_reference(idx, val, N, jnp.int32(20), 6, 10, sink, local, implementation)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    assert np.all(np.asarray(got)[2] >= -1)
+
+
+def test_merge_rows_sums_duplicates_and_breaks_ties_low():
+    from jsparse.methods.sts import merge_rows
+
+    idx = jnp.asarray([[[9, 4, 2, -1, 4, 9, 7, 2]]], jnp.int32)  # two rows of 4: keys 9, 4, 2 repeat
+    val = jnp.asarray([[[0.25, 0.5, 0.5, -jnp.inf, 0.25, 0.25, 1.0, 0.5]]], jnp.float32)
+    # sums: 9 -> 0.5, 4 -> 0.75, 2 -> 1.0, 7 -> 1.0: the top 2 are 2 and 7 (1.0); top 3 adds 4; key 9 is past 9
+    assert np.asarray(merge_rows(idx, val, jnp.asarray([10]), 2, 4)).tolist() == [[[2, 7, -1, -1]]]
+    assert np.asarray(merge_rows(idx, val, jnp.asarray([10]), 3, 3)).tolist() == [[[2, 4, 7]]]
+    assert np.asarray(merge_rows(idx, val, jnp.asarray([7]), 8, 8)).tolist() == [[[2, 4] + [-1] * 6]]
+    # a tie between the sums of 2 and 7 goes to the lower key; sink keys 0, 1 are forced first
+    assert np.asarray(merge_rows(idx, val, jnp.asarray([10]), 3, 3, sink=2)).tolist() == [[[0, 1, 2]]]
+
+
+def test_row_merge_option_same_generation(pair):
+    """STS-P and STS-D end to end at a sparse budget with sink/local: the index-level merge gives the tokens of the
+    N-wide scatter path."""
+    target, draft = pair
+    hm = _head_map(CFG, DRAFT_CFG)
+    ids = [list(range(5, 85)), list(range(20, 70))]
+    out = {}
+    for row_merge in ("index", "scatter"):
+        sts = make_method("sts", cfg=CFG, draft=draft, head_map=hm, budget=16, min_tokens=0, tile=16, sink=2,
+                          local=4, row_merge=row_merge)
+        out[row_merge] = generate_ids(target, ids, method=sts, max_new_tokens=8, draft=draft, gamma=2)
+    assert out["index"] == out["scatter"]
+    with pytest.raises(ValueError, match="row_merge='dense'"):
+        make_method("sts", cfg=CFG, draft=draft, head_map=hm, row_merge="dense")
+    with pytest.raises(ValueError, match="first_step_mask='yes'"):
+        make_method("sts", cfg=CFG, draft=draft, head_map=hm, first_step_mask="yes")
+
+
+@pytest.mark.parametrize("gamma", [3])
+def test_first_step_mask_full_budget_equals_target_only_dense_greedy(pair, gamma):
+    target, draft = pair
+    sts = make_method("sts", cfg=CFG, draft=draft, head_map=_head_map(CFG, DRAFT_CFG), budget=1.0, tile=16,
+                      first_step_mask=True)
+    assert sts.first_step_mask and sts.for_round(DRAFT_CFG, gamma)[1].first_step_mask
+    ids = [list(range(5, 45)), list(range(60, 83))]
+    ref = generate_ids(target, ids, max_new_tokens=12)
+    assert generate_ids(target, ids, method=sts, max_new_tokens=12, draft=draft, gamma=gamma) == ref
+
+
+def _draft_round(first_step_mask, budget, carry, seed=0):
+    """One draft layer through a round's first step (T = 2) and two later steps (T = 1) on a random cache.
+    Returns (records after each step, outputs of the later steps, q of the later steps, k, v, lengths, W)."""
+    from jsparse.methods.sts import StsDraft, empty_record
+    from models.attention import LayerContext, LayerKV
+
+    B, Hq, Hkv, D, N, gamma = 2, 4, 2, 8, 64, 3
+    lengths = jnp.array([41, 23])  # after the first step (T = 2)
+    keys = jax.random.split(jax.random.key(seed), 6)
+    k, v = (jax.random.normal(keys[i], (B, Hkv, N, D)) for i in (0, 1))
+    draft = StsDraft(budget=budget, min_tokens=0, tile=16, slack=gamma, carry=carry, first_step_mask=first_step_mask)
+    W = draft.decode_width(N)
+    rec = empty_record(1, B, Hq, 1, W)
+    records, outs, qs = [], [], []
+    for step, T in enumerate((2, 1, 1)):
+        q = jax.random.normal(keys[2 + step], (B, T, Hq, D))
+        ctx = LayerContext(layer=jnp.int32(0), lengths=lengths + step)
+        out, rec = draft.decode(ctx, q, LayerKV(k=k, v=v), rec)
+        records.append(rec)
+        outs.append(out)
+        qs.append(q)
+    return records, outs, qs, k, v, lengths, W, gamma
+
+
+@pytest.mark.parametrize("carry", [0.0, 0.5])
+def test_first_step_mask_record_matches_reference(carry):
+    """Small budget: a later draft step attends, per query head, to the first step's recorded keys S plus the
+    last gamma keys (softmax over that set), and the record keeps S with weights carry * old + p (numpy)."""
+    records, outs, qs, k, v, lengths, W, gamma = _draft_round(True, 6, carry)
+    first = records[0]
+    S = np.asarray(first.idx[0, :, :, 0])  # [B, Hq, W]
+    assert (S >= 0).sum(axis=-1).min() == W  # a full record: the keys of the first step
+    kk, vv = np.asarray(k, np.float64), np.asarray(v, np.float64)
+    B, Hq, D = S.shape[0], S.shape[1], kk.shape[-1]
+    old = np.asarray(first.val[0, :, :, 0], np.float64)
+    for step in (1, 2):
+        rec = records[step]
+        np.testing.assert_array_equal(np.asarray(rec.idx[0, :, :, 0]), S)  # the keys stay S
+        q = np.asarray(qs[step], np.float64)
+        new = np.zeros_like(old)
+        for b in range(B):
+            L = int(lengths[b]) + step
+            for h in range(Hq):
+                keys = sorted(set(S[b, h][S[b, h] >= 0].tolist()) | set(range(L - gamma, L)))
+                logit = kk[b, h // 2, keys] @ q[b, 0, h] / np.sqrt(D)
+                p = np.exp(logit - logit.max())
+                p /= p.sum()
+                np.testing.assert_allclose(np.asarray(outs[step])[b, 0, h], p @ vv[b, h // 2, keys], atol=1e-5)
+                weight = dict(zip(keys, p))
+                new[b, h] = [weight[i] + carry * old[b, h, j] for j, i in enumerate(S[b, h])]
+        np.testing.assert_allclose(np.asarray(rec.val[0, :, :, 0]), new, rtol=1e-5, atol=1e-7)
+        old = new
+
+
+def test_first_step_mask_full_budget_record_and_output_equal_dense_steps():
+    """Full budget: the first step records every visible key, so the later steps' attention is dense attention
+    and their record holds today's weights on every key before the round's new tokens."""
+    masked = _draft_round(True, 1.0, 0.5)
+    dense = _draft_round(False, 1.0, 0.5)
+    lengths = masked[5]
+    for step in (1, 2):
+        np.testing.assert_allclose(np.asarray(masked[1][step]), np.asarray(dense[1][step]), atol=1e-5)
+        for b in range(2):
+            first_len = int(lengths[b])
+            m_idx, m_val = np.asarray(masked[0][step].idx[0, b, :, 0]), np.asarray(masked[0][step].val[0, b, :, 0])
+            d_idx, d_val = np.asarray(dense[0][step].idx[0, b, :, 0]), np.asarray(dense[0][step].val[0, b, :, 0])
+            for h in range(m_idx.shape[0]):
+                np.testing.assert_array_equal(m_idx[h][m_idx[h] >= 0], np.arange(first_len))
+                d = dict(zip(d_idx[h].tolist(), d_val[h].tolist()))
+                np.testing.assert_allclose(m_val[h][:first_len], [d[i] for i in range(first_len)], rtol=1e-5)

@@ -9,12 +9,22 @@ attends densely and records, per draft layer and query head, the top-W keys of i
   * prefill (STS-P): weights pooled over each query tile and restricted to the keys before the tile (as
     Kascade's prefill does), computed tile by tile (never a [T, T] array).
 
+With `first_step_mask` (not in the paper; default off) only the round's first draft step (the call with
+T >= 2 queries: [prev, tok], or an appended message) attends densely and takes the top-W over the cache; the
+later steps (one query each) attend, per query head, through that step's W recorded keys plus the last gamma
+keys (the round's new tokens) and update the recorded keys' weights (same `carry` rule, the softmax taken over
+that set) instead of a top-W over the cache: the record keeps the first step's keys, of which at least W - 1 =
+K + gamma - 1 lie before the round, so the target still has K keys to choose from.
+
 The target's method (`STS`) adopts that record and, at target layer l, takes for each query head h the row of
 draft (layer, head) = head_map[l, h] (the calibrated STS head map, `sts_calibration`), sums the rows of the
 query heads of each KV group (GQA) and keeps the top k keys per KV head: the index contract
-int32[B, Hkv, T, K], ascending, -1 padded, attended by the existing gathered-attention kernels. In decode the
-T = gamma + 1 verification queries share one row of selected keys before the round plus the round's own new
-tokens (causal among themselves); in prefill the kernel adds each tile's diagonal block. The record belongs to
+int32[B, Hkv, T, K], ascending, -1 padded, attended by the existing gathered-attention kernels. The union is
+done at index level (`merge_rows`: the group's G * W entries sorted by key and summed, at most G * W + sink +
+local candidates, never an array as wide as the cache); `row_merge="scatter"` keeps the N-wide path
+(`merge_rows_reference`), which selects the same keys. In decode the T = gamma + 1 verification queries share
+one row of selected keys before the round plus the round's own new tokens (causal among themselves); in prefill
+the kernel adds each tile's diagonal block. The record belongs to
 one round: the next round's draft steps overwrite it.
 
 Budgets: `budget` <= 1 is a fraction of the visible keys (k = min(max(ceil(budget * n), min_tokens), n), the
@@ -40,7 +50,7 @@ from flax import struct
 from jsparse import selection as sel
 from jsparse.artifacts import ArtifactError, load_artifact
 from jsparse.methods.base import register
-from jsparse.methods.common import attend_dense, attend_selected, check_tile
+from jsparse.methods.common import attend_dense, attend_selected, check_tile, stacked_cache
 from pallas_kernels.dense import dense_prefill
 from pallas_kernels.sparse_attention import sparse_decode, sparse_prefill
 from pallas_kernels.topk_select import topk_select
@@ -50,6 +60,7 @@ Array = jax.Array
 NEG_INF = -jnp.inf
 # Verification blocks up to this many queries use the gathered decode op; longer appended messages a mask.
 GATHER_MAX_QUERIES = 32
+ROW_MERGES = ("index", "scatter")
 
 
 def check_budget(budget) -> float:
@@ -165,6 +176,14 @@ class _Budget:
     # default: STS-D perplexity on SmolLM2 +1.1% / +2.0% at 2K / 4K against +4.1% / +7.9% with 0
     # (eval/results/h100/sts_smollm2/NOTES.md).
     carry: float = struct.field(pytree_node=False, default=0.5)
+    # The draft's steps 2..gamma of a round (its one-query decode calls) attend through the keys its first step
+    # recorded plus the last `slack` keys (which hold the round's new tokens) instead of the whole cache, and
+    # update the weights of the recorded keys instead of a top-W over the cache (`StsDraft.decode`). False: the
+    # paper's dense draft steps.
+    first_step_mask: bool = struct.field(pytree_node=False, default=False)
+    # How the target unites a GQA group's draft rows: "index" (`merge_rows`: sort and sum the <= G * W + sink +
+    # local entries) or "scatter" (`merge_rows_reference`: an N-wide score array, the specification). Same keys.
+    row_merge: str = struct.field(pytree_node=False, default="index")
 
     def decode_width(self, capacity: int) -> int:
         """Draft keys recorded per decode row: the budget plus `slack` (the round's own new keys, which the
@@ -200,6 +219,8 @@ class StsDraft(_Budget):
 
     def decode(self, ctx, q, cache, state):
         T = q.shape[1]
+        if self.first_step_mask and T == 1:
+            return self._later_step(ctx, q, cache, state)
         probs = head_probs(q, cache.k, sel.decode_positions(ctx.lengths, T)).sum(axis=2)  # [B, Hq, N]
         if self.carry:  # the earlier steps' recorded weights, decayed: h = carry * h + s over the steps
             old = _scores(state.idx[ctx.layer][:, :, 0], state.val[ctx.layer][:, :, 0], cache.k.shape[2],
@@ -210,6 +231,51 @@ class StsDraft(_Budget):
         state = DraftRecord(idx=state.idx.at[ctx.layer].set(idx[:, :, None]),
                             val=state.val.at[ctx.layer].set(val[:, :, None]))
         return attend_dense(q, cache, ctx.lengths), state
+
+    def _later_step(self, ctx, q, cache, state):
+        """A round's later draft step with `first_step_mask`: per query head h, attention over the keys S_h of
+        its record (written by the round's first step, a call with T >= 2 queries) plus the last `slack` keys
+        (the round's new tokens; a key in both is attended once), softmax over that set; the record keeps the
+        keys S_h and updates their weights, h = carry * h + p. q: [B, 1, Hq, D] -> ([B, 1, Hq, D], state)."""
+        B, _, Hq, D = q.shape
+        idx = state.idx[ctx.layer][:, :, 0]  # [B, Hq, W]: S_h ascending, -1 padded
+        old = state.val[ctx.layer][:, :, 0]
+        out, p_rec = later_step_attention(q, cache, ctx.lengths, idx, self.slack)
+        val = jnp.where(idx >= 0, p_rec + self.carry * jnp.where(jnp.isfinite(old), old, 0.0), old)
+        return out, state.replace(val=state.val.at[ctx.layer].set(val[:, :, None]))
+
+
+def later_step_attention(q: Array, cache, lengths: Array, idx: Array, window: int) -> tuple[Array, Array]:
+    """One query per row attending, per query head, to its own key set: the recorded keys `idx` plus the last
+    `window` keys below `lengths` (a key in both counted once).
+
+    Args:
+      q: [B, 1, Hq, D]; cache: a layer view (`models.attention.LayerKV`; inside the layer scan it is read in
+        place through the stacked cache); lengths: i32[B] (keys < lengths are visible); idx: i32[B, Hq, W]
+        (-1 padded); window: static, >= 1.
+    Returns:
+      (out [B, 1, Hq, D] in q's dtype, p f32[B, Hq, W]: the softmax weight of each recorded key, 0 at padding).
+    """
+    B, _, Hq, D = q.shape
+    k_all, v_all, layer = stacked_cache(cache)
+    G = Hq // k_all.shape[2]
+    W = idx.shape[-1]
+    start = (lengths - window)[:, None, None]  # [B, 1, 1]: first key of the window
+    win = jnp.broadcast_to(start + jnp.arange(window, dtype=jnp.int32)[None, None, :], (B, Hq, window))
+    lim = lengths[:, None, None]
+    keys = jnp.concatenate([jnp.where((idx >= 0) & (idx < start) & (idx < lim), idx, -1),
+                            jnp.where(win >= 0, win, -1)], axis=-1)  # [B, Hq, W + window], distinct
+    b = jnp.arange(B)[:, None, None]
+    kv = (jnp.arange(Hq) // G)[None, :, None]
+    safe = jnp.maximum(keys, 0)
+    k_sel, v_sel = k_all[layer, b, kv, safe], v_all[layer, b, kv, safe]  # [B, Hq, W + window, D]
+    logits = jnp.einsum("bhd,bhmd->bhm", q[:, 0], k_sel, preferred_element_type=jnp.float32) / math.sqrt(D)
+    p = jax.nn.softmax(jnp.where(keys >= 0, logits, NEG_INF), axis=-1)
+    out = jnp.einsum("bhm,bhmd->bhd", p, v_sel.astype(jnp.float32))[:, None].astype(q.dtype)
+    in_win = (idx >= start) & (idx < lim)
+    p_win = jnp.take_along_axis(p[..., W:], jnp.clip(idx - start, 0, window - 1), axis=-1)
+    p_rec = jnp.where(idx >= 0, jnp.where(in_win, p_win, p[..., :W]), 0.0)
+    return out, p_rec
 
 
 def _scores(idx: Array, val: Array, N: int, limit: Array, sink: int = 0, local: int = 0) -> Array:
@@ -230,6 +296,66 @@ def _scores(idx: Array, val: Array, N: int, limit: Array, sink: int = 0, local: 
         forced = ((key < sink) | (key >= lim - local)) & (key < lim)
         scores = jnp.where(forced, jnp.inf, scores)
     return scores
+
+
+def merge_rows_reference(idx: Array, val: Array, N: int, limit: Array, k, K: int, sink: int = 0, local: int = 0,
+                         implementation: str | None = None) -> Array:
+    """The target's selection through an N-wide score array (the specification of `merge_rows`): the draft
+    entries summed per key by `_scores` (forced keys +inf), then `topk_select` over the N keys.
+
+    idx, val: [B, H, C]; limit: i32[B] or []; k: int or i32 broadcastable to [B, H]; K: static width
+    -> i32[B, H, min(K, N)], ascending, -1 padded."""
+    return topk_select(_scores(idx, val, N, limit, sink, local), k, K, implementation=implementation)
+
+
+def merge_rows(idx: Array, val: Array, limit: Array, k, K: int, sink: int = 0, local: int = 0,
+               implementation: str | None = None) -> Array:
+    """The target's selection from the draft's rows at index level: the keys of `merge_rows_reference`, with no
+    array as wide as the cache.
+
+    The C entries of a row (a GQA group's draft rows side by side; a key may appear in several) and the forced
+    keys (the first `sink` keys, the `local` keys just below the limit) are sorted by position (stably, so equal
+    keys keep their row order); the weights of equal keys are summed (a scatter-add into C + sink + local slots,
+    in the order `_scores` adds them: the same sums, bit for bit where XLA applies a scatter's updates in order,
+    as on the CPU), a forced key scores +inf, and `topk_select` keeps the top k of these at most C + sink + local
+    distinct keys. Same rule as the reference: largest sum first, ties to the lower position, keys whose score
+    is -inf dropped.
+
+    Args:
+      idx: i32[B, H, C] recorded keys (-1 padded); val: f32[B, H, C] their weights.
+      limit: i32[B] or i32[]: only keys below it count (the cache before the verified block; the tile's start).
+      k: int or i32 broadcastable to [B, H]: keys to keep per row; K: static output width.
+    Returns:
+      i32[B, H, K]: the kept keys ascending, -1 padded (the index contract's row).
+    """
+    B, H, C = idx.shape
+    big = jnp.iinfo(jnp.int32).max
+    lim = jnp.broadcast_to(jnp.reshape(jnp.asarray(limit, jnp.int32), (-1, 1, 1)), (B, 1, 1))
+    ok = (idx >= 0) & (idx < lim)
+    pos, w = [jnp.where(ok, idx, big)], [jnp.where(ok, val.astype(jnp.float32), 0.0)]
+    forced = [jnp.zeros((B, H, C), jnp.int32)]
+    for extra in ((jnp.arange(sink, dtype=jnp.int32)[None, None, :],) if sink else ()) + \
+            ((lim - local + jnp.arange(local, dtype=jnp.int32)[None, None, :],) if local else ()):
+        extra = jnp.broadcast_to(extra, (B, H, extra.shape[-1]))
+        pos.append(jnp.where((extra >= 0) & (extra < lim), extra, big))
+        w.append(jnp.zeros(extra.shape, jnp.float32))
+        forced.append(jnp.ones(extra.shape, jnp.int32))
+    pos, w, forced = (jnp.concatenate(x, axis=-1) for x in (pos, w, forced))
+    M = pos.shape[-1]
+    pos, w, forced = jax.lax.sort((pos, w, forced), dimension=-1, is_stable=True, num_keys=1)
+    first = jnp.concatenate([jnp.ones((B, H, 1), bool), pos[..., 1:] != pos[..., :-1]], axis=-1)
+    seg = jnp.cumsum(first, axis=-1, dtype=jnp.int32) - 1  # [B, H, M]: the distinct key each entry belongs to
+    b = jnp.arange(B)[:, None, None]
+    h = jnp.arange(H)[None, :, None]
+    total = jnp.zeros((B, H, M), jnp.float32).at[b, h, seg].add(w)
+    is_forced = jnp.zeros((B, H, M), jnp.int32).at[b, h, seg].max(forced)
+    key = jnp.full((B, H, M), big, jnp.int32).at[b, h, seg].min(pos)  # ascending; `big` past the last key
+    scores = jnp.where(key < big, jnp.where(is_forced > 0, jnp.inf, total), NEG_INF)
+    slot = topk_select(scores, k, K, implementation=implementation)  # [B, H, min(K, M)], ascending
+    chosen = jnp.where(slot >= 0, jnp.take_along_axis(key, jnp.maximum(slot, 0), axis=-1), -1)
+    if chosen.shape[-1] < K:
+        chosen = jnp.pad(chosen, ((0, 0), (0, 0), (0, K - chosen.shape[-1])), constant_values=-1)
+    return chosen.astype(jnp.int32)
 
 
 @register("sts")
@@ -261,13 +387,18 @@ class STS(_Budget):
             sel.check_positive_int(name, getattr(self, name), 0)
         if isinstance(self.carry, bool) or not isinstance(self.carry, (int, float)) or not 0.0 <= self.carry <= 1.0:
             raise ValueError(f"carry={self.carry!r}: expected a decay in [0, 1] (0: the draft's last step alone)")
+        if not isinstance(self.first_step_mask, (bool, np.bool_)):
+            raise ValueError(f"first_step_mask={self.first_step_mask!r}: expected true or false")
+        if self.row_merge not in ROW_MERGES:
+            raise ValueError(f"row_merge={self.row_merge!r}: expected one of {ROW_MERGES}")
         if self.selection is not None and self.selection not in IMPLEMENTATIONS:
             raise ValueError(f"selection={self.selection!r}: expected one of {IMPLEMENTATIONS} (the topk_select "
                              f"implementation) or None (by backend)")
 
     @classmethod
     def build(cls, cfg=None, draft=None, artifact=None, fingerprint=None, head_map=None, budget=0.1,
-              min_tokens=128, tile=32, selection=None, dense_layers=0, sink=0, local=0, carry=0.5, **unused):
+              min_tokens=128, tile=32, selection=None, dense_layers=0, sink=0, local=0, carry=0.5,
+              first_step_mask=False, row_merge="index", **unused):
         """Builds STS for target `cfg` and `draft` (a LoadedModel) from an `artifact` folder (`jsparse calibrate
         sts`, checked against both models' fingerprints) or an explicit `head_map` i32[L_t, Hq_t, 2]."""
         if cfg is None or draft is None:
@@ -286,7 +417,8 @@ class STS(_Budget):
             raise ValueError(f"dense_layers={dense_layers!r}: expected 0..{cfg.num_layers} (the target's layers)")
         return cls(head_map=jnp.asarray(head_map), budget=float(budget), min_tokens=min_tokens, tile=tile,
                    selection=selection, draft_layers=draft.cfg.num_layers, draft_heads=draft.cfg.num_heads,
-                   dense_layers=dense_layers, sink=sink, local=local, carry=float(carry))
+                   dense_layers=dense_layers, sink=sink, local=local, carry=float(carry),
+                   first_step_mask=first_step_mask, row_merge=row_merge)
 
     # -- speculative decoding hooks (models.speculative)
 
@@ -297,7 +429,7 @@ class STS(_Budget):
                              f"got a draft of {draft_cfg.num_layers} x {draft_cfg.num_heads}")
         m = self.replace(slack=max(gamma, 1))
         return m, StsDraft(budget=m.budget, min_tokens=m.min_tokens, tile=m.tile, slack=m.slack,
-                           selection=m.selection, carry=m.carry)
+                           selection=m.selection, carry=m.carry, first_step_mask=m.first_step_mask)
 
     def adopt_draft(self, state, draft_state):
         return draft_state
@@ -333,6 +465,12 @@ class STS(_Budget):
         return jax.lax.cond(ctx.layer < self.dense_layers, lambda: (attend_dense(q, cache, ctx.lengths), state),
                             lambda: self._sparse_decode(ctx, q, cache, state))
 
+    def _merge(self, idx, val, N, limit, k, K):
+        """Top-k keys of a group's draft rows idx, val [B, Hkv, C] below limit -> i32[B, Hkv, K] (`row_merge`)."""
+        if self.row_merge == "index":
+            return merge_rows(idx, val, limit, k, K, self.sink, self.local, self.selection)
+        return merge_rows_reference(idx, val, N, limit, k, K, self.sink, self.local, self.selection)
+
     def _sparse_prefill(self, ctx, q, k, v, state):
         B, T, Hkv = q.shape[0], q.shape[1], k.shape[2]
         idx, val = self._rows(state, ctx.info, Hkv)  # [B, Hkv, nT, C]
@@ -341,9 +479,7 @@ class STS(_Budget):
 
         def one_tile(args):
             i, v_, s = args
-            scores = _scores(i, v_, T, s, self.sink, self.local)
-            return topk_select(scores, budget_k(self.budget, s, self.min_tokens)[None, None], K,
-                               implementation=self.selection)
+            return self._merge(i, v_, T, s, budget_k(self.budget, s, self.min_tokens)[None, None], K)
 
         chosen = jax.lax.map(one_tile, (jnp.moveaxis(idx, 2, 0), jnp.moveaxis(val, 2, 0), starts))  # [nT, B, H, K]
         return sparse_prefill(q, k, v, jnp.moveaxis(chosen, 0, 2), ctx.lengths, tile=self.tile), state
@@ -353,10 +489,9 @@ class STS(_Budget):
         Hkv, N = cache.k.shape[1], cache.k.shape[2]
         n = ctx.lengths - T  # keys before this forward's new tokens
         idx, val = self._rows(state, ctx.info, Hkv)  # [B, Hkv, 1, C]
-        scores = _scores(idx[:, :, 0], val[:, :, 0], N, n, self.sink, self.local)
         K = static_k(self.budget, N, self.min_tokens)
-        chosen = topk_select(scores, budget_k(self.budget, n, self.min_tokens)[:, None], K,
-                             implementation=self.selection)  # [B, Hkv, K]
+        chosen = self._merge(idx[:, :, 0], val[:, :, 0], N, n, budget_k(self.budget, n, self.min_tokens)[:, None],
+                             K)  # [B, Hkv, K]
         new = jnp.broadcast_to((n[:, None] + jnp.arange(T, dtype=jnp.int32))[:, None], (B, Hkv, T))
         both = jnp.concatenate([chosen, new], axis=-1)
         big = jnp.iinfo(jnp.int32).max

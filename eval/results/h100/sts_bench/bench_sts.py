@@ -1,16 +1,30 @@
 """STS speculative decoding vs dense on Llama-3.1-8B-shaped target + Llama-3.2-1B-shaped draft (random weights).
 
-Per (context, batch, budget): target-only dense decode step; the target's verification step (T = gamma + 1) dense
-vs STS; whole rounds (draft gamma steps + verification) for dense speculative and STS speculative decoding with
-the accepted length forced to a (0..gamma) per round; tokens/s = B * (a + 1) / round time. Bytes floors: weights +
-KV read per step. Writes JSON to $OUT/sts_bench.json and prints a table.
+Per (context, batch) cell, in one process (dense measured in the same run):
+  * target-only dense decode step (T = 1) and the dense verification step (T = gamma + 1);
+  * per budget: the STS verification step with the target's union of draft rows done by the N-wide scatter
+    (`STS(row_merge="scatter")`, the path before issue 23's index-level merge) and at index level
+    (`row_merge="index"`, `jsparse.methods.sts.merge_rows`);
+  * the draft's own steps: dense (no record), STS's round-opening step (T = 2: dense + a top-W per layer and head
+    over the cache), STS's later step with dense attention + top-W (the paper's) and with `first_step_mask`
+    (attention through the first step's record plus the round's new keys, no top-W);
+  * whole rounds (gamma draft steps + verification, `models.speculative.round_step`, caches donated) for dense
+    speculative decoding and for STS: "old" (scatter merge, dense draft steps), "index" (index-level merge, dense
+    draft steps), "index+mask" (index-level merge, `first_step_mask`). A round does the same work whatever the
+    accepted length a (the forward shapes are fixed), so each round is timed once (a forced to ACCEPT, default 3)
+    and tokens/s = B * (a + 1) / round time is reported for a = 0 .. gamma.
+Bytes floors: weights + KV bytes read per step. Writes JSON to $OUT/$JSON (default sts_bench.json) and prints a table.
+
+Environment: CELLS="32768:1,100000:2" (context:batch list; the default), BUDGETS="512,4096", ROUND_BUDGETS="512"
+(budgets whose rounds are timed), SMOKE=1 (tiny shapes: a CPU check of the script), GIT_COMMIT (recorded).
+GPU: `OUT=... GIT_COMMIT=$(git rev-parse --short HEAD) python eval/results/h100/sts_bench/bench_sts.py`.
 """
-import dataclasses, json, os, sys, time, datetime, subprocess
+import dataclasses, json, os, time, datetime, traceback
 import numpy as np
 import jax, jax.numpy as jnp
 
 from jsparse.methods.base import make_method
-from jsparse.methods.sts import STS, DraftRecord, StsDraft
+from jsparse.methods.sts import STS, DraftRecord
 from models import llama
 from models.cache import KVCache
 from models.params import random_params
@@ -27,6 +41,7 @@ if SMOKE:  # a CPU check of the script on tiny shapes
                                 num_heads=4, num_kv_heads=2, head_dim=16)
     D_CFG = dataclasses.replace(T_CFG, num_layers=1)
 BF = jnp.bfloat16
+ACCEPT = int(os.environ.get("ACCEPT", 3))
 
 
 def timeit(fn, carry, n=5, warm=2):
@@ -49,6 +64,18 @@ def param_bytes(p):
     return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(p))
 
 
+def ints(name, default):
+    return [int(x) for x in os.environ.get(name, default).split(",") if x]
+
+
+def random_record(rng, cfg, B, W, n):
+    """A full draft record (W distinct keys below n per layer, row and head, ascending) with random weights."""
+    L, H = cfg.num_layers, cfg.num_heads
+    idx = np.sort(np.argsort(rng.random((L, B, H, 1, n)), axis=-1)[..., :W], axis=-1) if n <= 4096 else \
+        np.sort(rng.choice(n, size=(L, B, H, 1, W), replace=True), axis=-1)  # duplicates: harmless for timing
+    return DraftRecord(idx=jnp.asarray(idx, jnp.int32), val=jnp.asarray(rng.random(idx.shape), jnp.float32))
+
+
 def main():
     out = os.environ.get("OUT", "/tmp")
     tp = random_params(T_CFG, jax.random.key(0), BF)
@@ -60,82 +87,113 @@ def main():
     head_map = np.stack([rng.integers(0, D_CFG.num_layers, (T_CFG.num_layers, T_CFG.num_heads)),
                          rng.integers(0, D_CFG.num_heads, (T_CFG.num_layers, T_CFG.num_heads))], -1).astype(np.int32)
     dense = make_method("dense")
-    cells = [(c, b) for c, bs in (((1024, (1, 2)),) if SMOKE else ((32768, (1, 8)), (100000, (1, 3, 2)))) for b in bs]
-    if os.environ.get("CELLS"):  # e.g. "100000:3,100000:2"
-        cells = [tuple(int(x) for x in c.split(":")) for c in os.environ["CELLS"].split(",")]
-    recs, done100 = [], set()
+    cells = os.environ.get("CELLS", "1024:1,1024:2" if SMOKE else "32768:1,100000:2")
+    cells = [tuple(int(x) for x in c.split(":")) for c in cells.split(",")]
+    budgets = ints("BUDGETS", "128,256" if SMOKE else "512,4096")
+    round_budgets = ints("ROUND_BUDGETS", "128" if SMOKE else "512")
+    recs = []
+    dec = jax.jit(lambda p, m, t, c, st: llama.decode(p, T_CFG, m, t, c, st)[1], donate_argnums=(3,))
+    ddec = jax.jit(lambda p, m, t, c, st: llama.decode(p, D_CFG, m, t, c, st)[1:], donate_argnums=(3, 4))
     for ctx, B in cells:
-        if ctx == 100000 and B == 2 and 3 in done100:
-            continue
-        n = ctx
-        cap = ctx + 640
+        n, cap = ctx, ctx + 640
         try:
             tc, dc = cache(T_CFG, B, cap, n), cache(D_CFG, B, cap, n)
             tok = jnp.ones((B,), jnp.int32)
-            # target-only dense decode step (cache donated and threaded, as in generation)
-            dec = jax.jit(lambda p, m, t, c, st: llama.decode(p, T_CFG, m, t, c, st)[1], donate_argnums=(3,))
             t_dense_step, tc = timeit(lambda c: dec(tp, dense, tok[:, None], c, None), tc)
             toks = jnp.ones((B, GAMMA + 1), jnp.int32)
             t_ver_dense, tc = timeit(lambda c: dec(tp, dense, toks, c, None), tc)
-            ddec = jax.jit(lambda p, t, c: llama.decode(p, D_CFG, dense, t, c, None)[1], donate_argnums=(2,))
-            t_draft_step, dc = timeit(lambda c: ddec(dp, tok[:, None], c), dc)
-            s = SpecState(target=tc, draft=dc, t_state=None, d_state=None, tok=tok, prev=tok + 0)
+            dstate = (dc, None)
+            t_draft_dense, dstate = timeit(lambda c: ddec(dp, dense, tok[:, None], *c), dstate)
+            dc = dstate[0]
+            row0 = dict(context=ctx, batch=B, gamma=GAMMA, target_dense_step_ms=t_dense_step,
+                        verify_dense_ms=t_ver_dense, draft_dense_step_ms=t_draft_dense,
+                        dense_decode_tokens_per_s=B / t_dense_step * 1e3)
+            s = SpecState(target=tc, draft=dc, t_state=None, d_state=None, tok=tok + 0, prev=tok + 0)  # donated
             limit = jnp.full((B,), GAMMA + 1, jnp.int32)
             key = jax.random.key(0)
-            for budget in ((128, 256) if SMOKE else (512, 4096)):
-                sts = STS(head_map=jnp.asarray(head_map), budget=float(budget), draft_layers=D_CFG.num_layers,
-                          draft_heads=D_CFG.num_heads)
-                t_m, d_m = sts.for_round(D_CFG, GAMMA)
-                W = t_m.decode_width(cap)
-                rec = DraftRecord(idx=jnp.asarray(rng.integers(0, n, (D_CFG.num_layers, B, D_CFG.num_heads, 1, W)),
-                                                  jnp.int32),
-                                  val=jnp.asarray(rng.random((D_CFG.num_layers, B, D_CFG.num_heads, 1, W)), jnp.float32))
-                tcache = s.target
-                t_ver_sts, tcache = timeit(lambda c: dec(tp, t_m, toks, c, rec), tcache)
-                s = s.replace(target=tcache)
-                row = dict(context=ctx, batch=B, budget_tokens=budget, gamma=GAMMA,
-                           target_dense_step_ms=t_dense_step, verify_dense_ms=t_ver_dense, verify_sts_ms=t_ver_sts,
-                           verify_speedup=t_ver_dense / t_ver_sts, draft_dense_step_ms=t_draft_step,
-                           floor_bytes=dict(target_dense_step=wb_t + B * n * kv_tok_t,
-                                            verify_sts=wb_t + B * (budget + GAMMA + 1) * kv_tok_t,
-                                            draft_step=wb_d + B * n * kv_tok_d))
-                rounds = {}
-                for name, (tm, dm) in {"dense_spec": (dense, dense), "sts_spec": (t_m, d_m)}.items():
-                    for a in (0, 1, 3, GAMMA):
-                        if name == "sts_spec":  # fresh states (the round donates its input)
-                            s = s.replace(t_state=jax.tree_util.tree_map(jnp.copy, rec),
-                                          d_state=d_m.init_state(D_CFG, B, cap))
-                        else:
-                            s = s.replace(t_state=None, d_state=None)
-                        fa = jnp.full((B,), a, jnp.int32)
-                        fn = lambda st, tm=tm, dm=dm, fa=fa: round_step(tp, dp, tm, dm, st, key, limit, t_cfg=T_CFG,
-                                                                       d_cfg=D_CFG, gamma=GAMMA, forced_accept=fa)[0]
-                        ms, s = timeit(fn, s, n=3, warm=1)
-                        rounds[f"{name}_a{a}"] = dict(round_ms=ms, tokens_per_s=B * (a + 1) / ms * 1e3)
-                row["rounds"] = rounds
-                row["dense_decode_tokens_per_s"] = B / t_dense_step * 1e3
-                for a in (0, 1, 3, GAMMA):
-                    row[f"sts_vs_dense_decode_a{a}"] = rounds[f"sts_spec_a{a}"]["tokens_per_s"] / row["dense_decode_tokens_per_s"]
-                    row[f"sts_vs_dense_spec_a{a}"] = rounds[f"sts_spec_a{a}"]["tokens_per_s"] / rounds[f"dense_spec_a{a}"]["tokens_per_s"]
+            fa = jnp.full((B,), ACCEPT, jnp.int32)
+
+            def round_ms(s, tm, dm, t_state, d_state):
+                s = s.replace(t_state=t_state, d_state=d_state)
+                fn = lambda st: round_step(tp, dp, tm, dm, st, key, limit, t_cfg=T_CFG, d_cfg=D_CFG, gamma=GAMMA,
+                                           forced_accept=fa)[0]
+                return timeit(fn, s, n=3, warm=1)
+
+            ms, s = round_ms(s, dense, dense, None, None)
+            row0["dense_spec_round_ms"] = ms
+            for budget in budgets:
+                row = dict(row0, budget_tokens=budget)
+                base = STS(head_map=jnp.asarray(head_map), budget=float(budget), draft_layers=D_CFG.num_layers,
+                           draft_heads=D_CFG.num_heads)
+                variants = {"old": base.replace(row_merge="scatter"), "index": base,
+                            "index+mask": base.replace(first_step_mask=True)}
+                pairs = {name: m.for_round(D_CFG, GAMMA) for name, m in variants.items()}
+                W = pairs["index"][0].decode_width(cap)
+                rec = random_record(rng, D_CFG, B, W, n)
+                # (a) the target's verification step, two merges
+                for name in ("old", "index"):
+                    tcache = s.target
+                    ms, tcache = timeit(lambda c: dec(tp, pairs[name][0], toks, c, rec), tcache)
+                    s = s.replace(target=tcache)
+                    row[f"verify_sts_{name}_ms"] = ms
+                    row[f"verify_speedup_{name}"] = t_ver_dense / ms
+                # (c) the draft's steps: the round's opening step (T = 2) and a later step (T = 1) with and without
+                # first_step_mask (carry threads the draft cache and the record)
+                copy = lambda r: jax.tree_util.tree_map(jnp.copy, r)  # noqa: E731
+                two = jnp.ones((B, 2), jnp.int32)
+                for label, dm, t in (("draft_sts_first_step_ms", pairs["index"][1], two),
+                                     ("draft_sts_later_step_dense_ms", pairs["index"][1], tok[:, None]),
+                                     ("draft_sts_later_step_mask_ms", pairs["index+mask"][1], tok[:, None])):
+                    st = (s.draft, copy(rec))
+                    ms, st = timeit(lambda c, dm=dm, t=t: ddec(dp, dm, t, *c), st)
+                    s = s.replace(draft=st[0].replace(lengths=jnp.full((B,), n, jnp.int32)))
+                    row[label] = ms
+                row["floor_bytes"] = dict(target_dense_step=wb_t + B * n * kv_tok_t,
+                                          verify_sts=wb_t + B * (budget + GAMMA + 1) * kv_tok_t,
+                                          draft_dense_step=wb_d + B * n * kv_tok_d,
+                                          # the later masked step gathers W + gamma keys per QUERY head
+                                          draft_later_step_mask=wb_d + B * (W + GAMMA) * kv_tok_d
+                                          * D_CFG.num_heads // D_CFG.num_kv_heads)
+                # (b) whole rounds
+                if budget in round_budgets:
+                    rounds = {}
+                    for name, (tm, dm) in pairs.items():
+                        ms, s = round_ms(s, tm, dm, copy(rec), dm.init_state(D_CFG, B, cap))
+                        rounds[name] = ms
+                    row["sts_round_ms"] = rounds
+                    for a in range(GAMMA + 1):
+                        dense_spec = B * (a + 1) / row0["dense_spec_round_ms"] * 1e3
+                        for name, ms in rounds.items():
+                            tps = B * (a + 1) / ms * 1e3
+                            row[f"sts_{name}_tokens_per_s_a{a}"] = tps
+                            row[f"sts_{name}_vs_dense_decode_a{a}"] = tps / row0["dense_decode_tokens_per_s"]
+                            row[f"sts_{name}_vs_dense_spec_a{a}"] = tps / dense_spec
                 recs.append(row)
-                print(f"ctx {ctx} B {B} k {budget}: dense step {t_dense_step:.2f} ms | verify dense {t_ver_dense:.2f} "
-                      f"sts {t_ver_sts:.2f} ({t_ver_dense / t_ver_sts:.2f}x) | draft step {t_draft_step:.2f} | "
-                      f"a=3: sts {rounds['sts_spec_a3']['tokens_per_s']:.0f} tok/s, dense spec "
-                      f"{rounds['dense_spec_a3']['tokens_per_s']:.0f}, dense decode {row['dense_decode_tokens_per_s']:.0f} "
-                      f"-> {row['sts_vs_dense_decode_a3']:.2f}x", flush=True)
-            s = tc = dc = tcache = None
-            if ctx == 100000:
-                done100.add(B)
-            del tc, dc
+                line = (f"ctx {ctx} B {B} k {budget}: dense step {t_dense_step:.2f} ms | verify dense {t_ver_dense:.2f} "
+                        f"old {row['verify_sts_old_ms']:.2f} ({row['verify_speedup_old']:.2f}x) index "
+                        f"{row['verify_sts_index_ms']:.2f} ({row['verify_speedup_index']:.2f}x) | draft dense "
+                        f"{t_draft_dense:.2f} first {row['draft_sts_first_step_ms']:.2f} later dense "
+                        f"{row['draft_sts_later_step_dense_ms']:.2f} mask {row['draft_sts_later_step_mask_ms']:.2f}")
+                if "sts_round_ms" in row:
+                    line += " | a=%d vs dense decode: " % ACCEPT + ", ".join(
+                        f"{name} {row[f'sts_{name}_vs_dense_decode_a{ACCEPT}']:.2f}x" for name in pairs)
+                print(line, flush=True)
+            s = tc = dc = tcache = st = dstate = None
         except Exception as e:  # noqa: BLE001 - an OOM cell is reported, not hidden
+            traceback.print_exc()
             msg = str(e).splitlines()[0][:300]
             print(f"ctx {ctx} B {B}: failed: {msg}", flush=True)
             recs.append(dict(context=ctx, batch=B, error=msg))
+            s = tc = dc = tcache = st = dstate = None
         json.dump(dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       commit=os.environ.get("GIT_COMMIT", ""), command="python eval/bench/sts.py (see NOTES)",
-                       target="llama3-8b shapes", draft="llama3.2-1b shapes", dtype="bfloat16",
-                       weights_bytes=dict(target=wb_t, draft=wb_d), records=recs),
+                       commit=os.environ.get("GIT_COMMIT", ""),
+                       command="python eval/results/h100/sts_bench/bench_sts.py (env: CELLS=%s BUDGETS=%s "
+                               "ROUND_BUDGETS=%s ACCEPT=%d)" % (os.environ.get("CELLS", ""),
+                                                                os.environ.get("BUDGETS", ""),
+                                                                os.environ.get("ROUND_BUDGETS", ""), ACCEPT),
+                       target="llama3-8b shapes", draft="llama3.2-1b shapes", dtype="bfloat16", gamma=GAMMA,
+                       accepted_timed=ACCEPT, smoke=SMOKE, weights_bytes=dict(target=wb_t, draft=wb_d), records=recs),
                   open(os.path.join(out, os.environ.get("JSON", "sts_bench.json")), "w"), indent=1)
 
 
