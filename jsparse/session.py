@@ -25,16 +25,17 @@ import numpy as np
 from models import sharding
 from models.bundled import LoadedModel
 from models.generate import Sampling
-from models.speculative import append_step, loop_step, prefill_step
+from models.speculative import append_step, check_heads_on_mesh, loop_step, prefill_step
 
 
 class Session:
     """A conversation of one row (batch 1) between a user and a target model with a speculative draft.
 
     Args:
-      model, draft: target and draft (same vocabulary, on the same mesh or neither on one); method: the target's method ("dense", "sts" or a method
-        object; STS builds its draft's recorder itself); gamma: draft tokens per round; capacity: cache rows of
-        each model (the whole conversation plus gamma + 1 must fit); temperature, top_p, seed: sampling.
+      model, draft: target and draft (same vocabulary, on the same mesh or neither on one); method: the
+        target's method ("dense", "sts" or a method object; STS builds its draft's recorder itself); gamma: draft
+        tokens per round; capacity: cache rows of each model (the whole conversation plus gamma + 1 must fit);
+        temperature, top_p, seed: sampling.
     """
 
     def __init__(self, model: LoadedModel, draft: LoadedModel, *, method: Any = "dense", gamma: int = 4,
@@ -49,11 +50,7 @@ class Session:
                 raise sharding.ShardingError(
                     f"a Session holds one conversation (batch 1) and its mesh has a data axis of {data}: expected "
                     "data=1 (shard a session over model= only; batches of prompts go through generate)")
-            for who, m in (("target", model), ("draft", draft)):
-                try:
-                    sharding.check_heads(m.cfg, self.mesh)
-                except sharding.ShardingError as e:
-                    raise sharding.ShardingError(f"a Session on a mesh: the {who}'s {e}") from None
+            check_heads_on_mesh(model.cfg, draft.cfg, self.mesh, "a Session on a mesh")
         self.model, self.draft, self.gamma = model, draft, gamma
         self.capacity = int(capacity or min(model.cfg.max_position_embeddings, 4096))
         self.t_method, self.d_method = speculative_methods(method, model, draft, gamma)

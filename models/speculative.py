@@ -312,6 +312,16 @@ def speculative_generate(t_params: Params, d_params: Params, t_method, d_method,
     return out, num, rounds, accepted
 
 
+def check_heads_on_mesh(t_cfg: ModelConfig, d_cfg: ModelConfig, mesh, what: str) -> None:
+    """Raises ShardingError, prefixed by `what` and naming the model, when a head count of the target or the draft
+    does not divide the mesh's model axis."""
+    for who, cfg in (("target", t_cfg), ("draft", d_cfg)):
+        try:
+            sharding.check_heads(cfg, mesh)
+        except sharding.ShardingError as e:
+            raise sharding.ShardingError(f"{what}: the {who}'s {e}") from None
+
+
 def sharded_speculative_generate(mesh, t_params: Params, d_params: Params, t_method, d_method, tokens: Array,
                                  lengths: Array, key: Array, *, t_cfg: ModelConfig, d_cfg: ModelConfig, gamma: int,
                                  max_new_tokens: int, capacity: int, sampling: Sampling = Sampling(),
@@ -328,11 +338,7 @@ def sharded_speculative_generate(mesh, t_params: Params, d_params: Params, t_met
     Returns:
       what `speculative_generate` returns (rows over data).
     """
-    for who, cfg in (("target", t_cfg), ("draft", d_cfg)):
-        try:
-            sharding.check_heads(cfg, mesh)
-        except sharding.ShardingError as e:
-            raise sharding.ShardingError(f"speculative decoding on a mesh: the {who}'s {e}") from None
+    check_heads_on_mesh(t_cfg, d_cfg, mesh, "speculative decoding on a mesh")
     sharding.check_batch(tokens.shape[0], mesh)
     t_params = jax.device_put(t_params, sharding.param_shardings(t_cfg, mesh, t_params))
     d_params = jax.device_put(d_params, sharding.param_shardings(d_cfg, mesh, d_params))
