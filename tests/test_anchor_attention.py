@@ -302,8 +302,9 @@ def test_prefill_gpu_lowers_for_cuda():
         assert name in text, name
 
 
-def test_prefill_tpu_lowers_for_tpu():
-    f = functools.partial(tpu_prefill.anchor_prefill_tpu, tile=128, budget=0.1)
+@pytest.mark.parametrize("block_size", [1, 16])  # token rows, and Kascade's block-selection prefill
+def test_prefill_tpu_lowers_for_tpu(block_size):
+    f = functools.partial(tpu_prefill.anchor_prefill_tpu, tile=128, budget=0.1, block_size=block_size)
     with abstract_device(*TPU_V5E):
         text = jax.export.export(jax.jit(f), platforms=["tpu"])(*_prefill_args()).mlir_module()
     assert text.count("tpu_custom_call") >= 10  # lse + pooling + 8 counting passes
