@@ -73,6 +73,7 @@ import numpy as np
 from eval import passkey as passkey_task
 from eval import ppl as ppl_task
 from models.generate import Sampling, check_request, generate_tokens
+from models.compile_options import model_jit
 
 TASKS = ("passkey", "ppl")  # the built-in tasks; generation_tasks() adds eval/tasks' registry
 SCHEMA_VERSION = 2  # of results.json (see eval/report.py); bump it when RECORD_KEYS or a key's meaning changes
@@ -562,7 +563,7 @@ def _run_passkey_speculative(model, method, prompts, new_tokens, rows, tick, dra
     return completions
 
 
-@functools.partial(jax.jit, static_argnames=("t_cfg", "d_cfg"))
+@functools.partial(model_jit, static_argnames=("t_cfg", "d_cfg"))
 def _sts_prefill_nll(t_params, d_params, t_method, d_method, tokens, *, t_cfg, d_cfg):
     """STS-P perplexity: the draft's prefill records its tile-pooled rows, the target's prefill attends the keys
     they choose. tokens: i32[B, T] -> f32[B, T - 1] NLL of tokens 1..T-1."""
@@ -580,7 +581,7 @@ def _sts_prefill_nll(t_params, d_params, t_method, d_method, tokens, *, t_cfg, d
     return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
 
 
-@functools.partial(jax.jit, static_argnames=("t_cfg", "d_cfg", "continuation", "gamma"))
+@functools.partial(model_jit, static_argnames=("t_cfg", "d_cfg", "continuation", "gamma"))
 def _sts_continuation_nll(t_params, d_params, t_method, d_method, tokens, *, t_cfg, d_cfg, continuation, gamma):
     """STS-D perplexity: STS-P prefill of the first P = T - C tokens, then the last C tokens teacher-forced through
     verification rounds in which every draft token is accepted: per round the draft decodes [prev, tok] and then

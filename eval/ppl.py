@@ -41,6 +41,7 @@ from models import llama
 from models.cache import KVCache, init_cache
 from models.config import ModelConfig
 from models.params import Params
+from models.compile_options import model_jit
 
 Array = jax.Array
 VARIANTS = ("decode", "prefill", "continuation")
@@ -142,7 +143,7 @@ def _token_nll(logits: Array, targets: Array) -> Array:
     return lse - picked
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+@functools.partial(model_jit, static_argnames=("cfg",), donate_argnames=("cache",))
 def decode_chunk_nll(params: Params, method, tokens: Array, targets: Array, cache: KVCache, state, *,
                      cfg: ModelConfig):
     """One chunk of simulated decoding.
@@ -161,7 +162,7 @@ def _capacity(T: int) -> int:
     return -(-T // 128) * 128
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@functools.partial(model_jit, static_argnames=("cfg",))
 def prefill_nll_state(params: Params, method, tokens: Array, *, cfg: ModelConfig):
     """tokens: i32[B, T] -> (f32[B, T - 1] NLL of tokens 1..T-1 under the method's prefill, the method's state
     after the prefill)."""
@@ -178,7 +179,7 @@ def prefill_nll(params: Params, method, tokens: Array, *, cfg: ModelConfig) -> A
     return prefill_nll_state(params, method, tokens, cfg=cfg)[0]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "capacity"))
+@functools.partial(model_jit, static_argnames=("cfg", "capacity"))
 def prefill_last_nll(params: Params, method, tokens: Array, target: Array, *, cfg: ModelConfig, capacity: int):
     """The method's prefill of a prompt into a cache of `capacity` tokens, scoring the token after it.
 
@@ -195,7 +196,7 @@ def prefill_last_nll(params: Params, method, tokens: Array, target: Array, *, cf
     return _token_nll(logits[:, None], target[:, None])[:, 0], cache, state
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "continuation", "capacity", "return_state"))
+@functools.partial(model_jit, static_argnames=("cfg", "continuation", "capacity", "return_state"))
 def continuation_one_nll(params: Params, method, tokens: Array, *, cfg: ModelConfig, continuation: int,
                          capacity: int, return_state: bool = False):
     """The "continuation" variant in one compiled function (C = `continuation` tokens decoded in one call).

@@ -7,15 +7,18 @@ Llama-3.1-8B decode at 32K, batch 1, 17.1 -> 9.5 ms/step; eval/results/h100/benc
 merger would concatenate each layer's q/k/v weight slices into a new array at every layer of every step (1.0 ms
 of a 100K batch-4 decode step; off: dense 26.5 -> 25.7 ms, EvoSparse 12.2 -> 11.2 ms, eval/results/h100/profile/
 and bench_evosparse_flags.json), so it is off. XLA reads XLA_FLAGS when its backend starts: call
-`set_xla_flags()` before the first JAX computation.
+`set_xla_flags()` before the first JAX computation. The model's own compiled entry points (`models.generate`,
+`models.speculative`, the eval's) carry the same options through `models.compile_options.model_jit`, whatever
+XLA_FLAGS holds; the flags still matter for everything else compiled in the process.
 """
 
 from __future__ import annotations
 
 import os
 
-GPU_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false", "--xla_gpu_enable_dynamic_slice_fusion=true",
-                 "--xla_gpu_dot_merger_threshold_mb=0")
+from models.compile_options import MODEL_COMPILER_OPTIONS
+
+GPU_XLA_FLAGS = tuple(f"--{k}={str(v).lower()}" for k, v in MODEL_COMPILER_OPTIONS.items())
 
 
 def set_xla_flags() -> None:

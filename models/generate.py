@@ -19,6 +19,7 @@ from models import sharding
 from models.cache import KVCache, cache_axes, init_cache
 from models.config import ModelConfig
 from models.params import Params
+from models.compile_options import model_jit
 
 Array = jax.Array
 
@@ -78,7 +79,7 @@ def check_request(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_token
     return capacity
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "capacity", "sampling", "eos_ids",
+@functools.partial(model_jit, static_argnames=("cfg", "max_new_tokens", "capacity", "sampling", "eos_ids",
                                              "return_prefill_state"))
 def generate_tokens(params: Params, method, tokens: Array, lengths: Array, key: Array, *, cfg: ModelConfig,
                     max_new_tokens: int, capacity: int, sampling: Sampling = Sampling(),
@@ -126,12 +127,12 @@ def generate_tokens(params: Params, method, tokens: Array, lengths: Array, key: 
     return (out, num, prefill_state) if return_prefill_state else (out, num)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "all_logits"), donate_argnames=("cache",))
+@functools.partial(model_jit, static_argnames=("cfg", "all_logits"), donate_argnames=("cache",))
 def _prefill_step(params, method, tokens, lengths, cache, state, *, cfg, all_logits):
     return llama.prefill(params, cfg, method, tokens, lengths, cache, state, all_logits=all_logits)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+@functools.partial(model_jit, static_argnames=("cfg",), donate_argnames=("cache",))
 def _decode_step(params, method, tokens, cache, state, *, cfg):
     return llama.decode(params, cfg, method, tokens, cache, state)
 
@@ -165,12 +166,12 @@ def sharded_fns(mesh, cfg: ModelConfig, batch: int, capacity: int, all_logits: b
     cache_sh = sharding.cache_sharding_for(cfg, batch, capacity, mesh)
     rows, rows2, rows3 = (sharding.batch_sharding(mesh, n) for n in (1, 2, 3))
     logits_sh = rows3 if all_logits else rows2
-    prefill = jax.jit(
+    prefill = model_jit(
         lambda params, method, tokens, lengths, cache, state: llama.prefill(
             params, cfg, method, tokens, lengths, cache, state, all_logits=all_logits),
         in_shardings=(params_sh, None, rows2, rows, cache_sh, None), out_shardings=(logits_sh, cache_sh, None),
         donate_argnums=(4,))
-    decode = jax.jit(
+    decode = model_jit(
         lambda params, method, tokens, cache, state: llama.decode(params, cfg, method, tokens, cache, state),
         in_shardings=(params_sh, None, rows2, cache_sh, None), out_shardings=(rows3, cache_sh, None),
         donate_argnums=(3,))

@@ -43,6 +43,7 @@ from models.cache import KVCache, cache_axes, init_cache
 from models.config import ModelConfig
 from models.generate import Sampling, sample
 from models.params import Params
+from models.compile_options import model_jit
 
 Array = jax.Array
 
@@ -290,7 +291,7 @@ def spec_loop(t_params: Params, d_params: Params, t_method, d_method, s: SpecSta
 # ----------------------------------------------------------------------------------------------- jitted entry points
 
 
-@functools.partial(jax.jit, static_argnames=("t_cfg", "d_cfg", "gamma", "max_new_tokens", "capacity", "sampling",
+@functools.partial(model_jit, static_argnames=("t_cfg", "d_cfg", "gamma", "max_new_tokens", "capacity", "sampling",
                                              "eos_ids"))
 def speculative_generate(t_params: Params, d_params: Params, t_method, d_method, tokens: Array, lengths: Array,
                          key: Array, *, t_cfg: ModelConfig, d_cfg: ModelConfig, gamma: int, max_new_tokens: int,
@@ -350,9 +351,9 @@ def sharded_speculative_generate(mesh, t_params: Params, d_params: Params, t_met
 
 
 # The benchmark-ready round: one jitted call with both caches donated (call it repeatedly on its own output).
-round_step = jax.jit(spec_round, static_argnames=("t_cfg", "d_cfg", "gamma", "sampling", "eos_ids"),
+round_step = model_jit(spec_round, static_argnames=("t_cfg", "d_cfg", "gamma", "sampling", "eos_ids"),
                      donate_argnames=("s",))
-prefill_step = jax.jit(spec_prefill, static_argnames=("t_cfg", "d_cfg", "capacity", "sampling"))
-append_step = jax.jit(spec_append, static_argnames=("t_cfg", "d_cfg", "sampling"), donate_argnames=("s",))
-loop_step = jax.jit(spec_loop, static_argnames=("t_cfg", "d_cfg", "gamma", "max_new_tokens", "sampling", "eos_ids"),
+prefill_step = model_jit(spec_prefill, static_argnames=("t_cfg", "d_cfg", "capacity", "sampling"))
+append_step = model_jit(spec_append, static_argnames=("t_cfg", "d_cfg", "sampling"), donate_argnames=("s",))
+loop_step = model_jit(spec_loop, static_argnames=("t_cfg", "d_cfg", "gamma", "max_new_tokens", "sampling", "eos_ids"),
                     donate_argnames=("s",))

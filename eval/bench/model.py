@@ -46,6 +46,7 @@ from models.cache import KVCache, init_cache
 from models.generate import round_up
 from models.params import random_params
 from models.presets import preset
+from models.compile_options import model_jit
 
 
 def param_bytes(params) -> int:
@@ -68,7 +69,7 @@ def prefill_flops(cfg, batch: int, T: int) -> float:
     return batch * (2 * n_matmul * T + attn)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "steps"), donate_argnames=("cache",))
+@functools.partial(model_jit, static_argnames=("cfg", "steps"), donate_argnames=("cache",))
 def decode_steps(params, method, tok, cache, *, cfg, steps):
     def body(_, carry):
         tok, cache = carry
@@ -77,7 +78,7 @@ def decode_steps(params, method, tok, cache, *, cfg, steps):
     return jax.lax.fori_loop(0, steps, body, (tok, cache))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@functools.partial(model_jit, static_argnames=("cfg",))
 def prefill_only(params, method, tokens, *, cfg):
     B, T = tokens.shape
     cache = init_cache(cfg, B, T, params.embed.dtype)
@@ -169,7 +170,7 @@ def attention_bytes(name: str, method, cfg, batch: int, n: int) -> int:
     raise ValueError(f"no byte model for method {name!r}")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "steps"), donate_argnames=("cache", "state"))
+@functools.partial(model_jit, static_argnames=("cfg", "steps"), donate_argnames=("cache", "state"))
 def method_decode_steps(params, method, tok, cache, state, *, cfg, steps):
     """`steps` greedy decode steps of `models.llama.decode` (the library's step), carrying the method's state."""
     def body(_, carry):

@@ -30,6 +30,7 @@ from models.cache import KVCache
 from models.params import random_params
 from models.presets import preset
 from models.speculative import SpecState, round_step
+from models.compile_options import model_jit
 
 T_CFG = preset("llama3-8b")
 D_CFG = dataclasses.replace(T_CFG, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
@@ -92,8 +93,8 @@ def main():
     budgets = ints("BUDGETS", "128,256" if SMOKE else "512,4096")
     round_budgets = ints("ROUND_BUDGETS", "128" if SMOKE else "512")
     recs = []
-    dec = jax.jit(lambda p, m, t, c, st: llama.decode(p, T_CFG, m, t, c, st)[1], donate_argnums=(3,))
-    ddec = jax.jit(lambda p, m, t, c, st: llama.decode(p, D_CFG, m, t, c, st)[1:], donate_argnums=(3, 4))
+    dec = model_jit(lambda p, m, t, c, st: llama.decode(p, T_CFG, m, t, c, st)[1], donate_argnums=(3,))
+    ddec = model_jit(lambda p, m, t, c, st: llama.decode(p, D_CFG, m, t, c, st)[1:], donate_argnums=(3, 4))
     for ctx, B in cells:
         n, cap = ctx, ctx + 640
         try:

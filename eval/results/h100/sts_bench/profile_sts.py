@@ -1,0 +1,93 @@
+"""Where an STS round's time goes on the GPU: per-kernel totals of one call of each step (jax.profiler, perfetto
+trace), on the shapes of `bench_sts.py` (Llama-3.1-8B target, Llama-3.2-1B draft, random bf16 weights).
+
+Steps profiled at CTX (default 100000), batch B (default 2), budget K (default 512): the target's dense verification
+(T = gamma + 1), the STS verification (index merge), the draft's dense step, its STS first step (T = 2) and later
+step (dense + top-W; and with `first_step_mask`). Writes $OUT/profile_sts.json and prints the top kernels per step.
+"""
+import dataclasses, glob, gzip, json, os, sys, time
+from collections import defaultdict
+import numpy as np
+import jax, jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(__file__))
+import bench_sts as bs  # noqa: E402
+from jsparse.methods.base import make_method  # noqa: E402
+from jsparse.methods.sts import STS  # noqa: E402
+from models import llama  # noqa: E402
+from models.compile_options import model_jit  # noqa: E402
+
+CTX, B, K = int(os.environ.get("CTX", 100000)), int(os.environ.get("B", 2)), int(os.environ.get("K", 512))
+T_CFG, D_CFG, GAMMA = bs.T_CFG, bs.D_CFG, bs.GAMMA
+
+
+def kernel_totals(trace_dir):
+    path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))[-1]
+    ev = json.load(gzip.open(path))
+    ev = ev["traceEvents"] if isinstance(ev, dict) else ev
+    pname = {e["pid"]: e["args"]["name"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"}
+    tot = defaultdict(float)
+    for e in ev:
+        if e.get("ph") == "X" and "GPU" in pname.get(e.get("pid"), "") and "dur" in e:
+            tot[e["name"]] += e["dur"]
+    return dict(sorted(tot.items(), key=lambda kv: -kv[1]))
+
+
+def profile(name, fn, carry, reps=3):
+    for _ in range(2):
+        carry = jax.block_until_ready(fn(carry))
+    t = time.perf_counter()
+    for _ in range(reps):
+        carry = jax.block_until_ready(fn(carry))
+    wall = (time.perf_counter() - t) / reps * 1e3
+    d = f"/tmp/prof_{name}"
+    with jax.profiler.trace(d, create_perfetto_trace=True):
+        for _ in range(reps):
+            carry = jax.block_until_ready(fn(carry))
+    tot = {k: v / reps for k, v in kernel_totals(d).items()}
+    gpu = sum(tot.values()) / 1e3
+    print(f"\n== {name}: wall {wall:.2f} ms, GPU kernels {gpu:.2f} ms, {len(tot)} kernel names", flush=True)
+    for k, v in list(tot.items())[:18]:
+        print(f"  {v:9.1f} us  {k[:110]}")
+    return dict(wall_ms=wall, gpu_ms=gpu, kernels_us=dict(list(tot.items())[:60])), carry
+
+
+def main():
+    out = os.environ.get("OUT", "/tmp")
+    tp = bs.random_params(T_CFG, jax.random.key(0), bs.BF)
+    dp = bs.random_params(D_CFG, jax.random.key(1), bs.BF)
+    rng = np.random.default_rng(0)
+    head_map = np.stack([rng.integers(0, D_CFG.num_layers, (T_CFG.num_layers, T_CFG.num_heads)),
+                         rng.integers(0, D_CFG.num_heads, (T_CFG.num_layers, T_CFG.num_heads))], -1).astype(np.int32)
+    dense = make_method("dense")
+    n, cap = CTX, CTX + 640
+    tc, dc = bs.cache(T_CFG, B, cap, n), bs.cache(D_CFG, B, cap, n)
+    dec = model_jit(lambda p, m, t, c, st: llama.decode(p, T_CFG, m, t, c, st)[1], donate_argnums=(3,))
+    ddec = model_jit(lambda p, m, t, c, st: llama.decode(p, D_CFG, m, t, c, st)[1:], donate_argnums=(3, 4))
+    tok = jnp.ones((B, 1), jnp.int32)
+    toks = jnp.ones((B, GAMMA + 1), jnp.int32)
+    base = STS(head_map=jnp.asarray(head_map), budget=float(K), draft_layers=D_CFG.num_layers,
+               draft_heads=D_CFG.num_heads)
+    tm, dm = base.for_round(D_CFG, GAMMA)
+    _, dmm = base.replace(first_step_mask=True).for_round(D_CFG, GAMMA)
+    W = tm.decode_width(cap)
+    rec = bs.random_record(rng, D_CFG, B, W, n)
+    res = dict(context=CTX, batch=B, budget=K, device=str(jax.devices()[0].device_kind))
+    res["verify_dense"], tc = profile("verify_dense", lambda c: dec(tp, dense, toks, c, None), tc)
+    res["verify_sts"], tc = profile("verify_sts", lambda c: dec(tp, tm, toks, c, rec), tc)
+    res["target_step_1k"], _ = profile("verify_dense_ctx1k", lambda c: dec(tp, dense, toks, c, None),
+                                      bs.cache(T_CFG, B, 1664, 1024))
+    st = (dc, None)
+    res["draft_dense"], st = profile("draft_dense", lambda c: ddec(dp, dense, tok, *c), st)
+    copy = lambda r: jax.tree_util.tree_map(jnp.copy, r)  # noqa: E731
+    dc = st[0].replace(lengths=jnp.full((B,), n, jnp.int32))
+    for label, m, t in (("draft_first", dm, jnp.ones((B, 2), jnp.int32)), ("draft_later_dense", dm, tok),
+                        ("draft_later_mask", dmm, tok)):
+        st = (dc, copy(rec))
+        res[label], st = profile(label, lambda c, m=m, t=t: ddec(dp, m, t, *c), st)
+        dc = st[0].replace(lengths=jnp.full((B,), n, jnp.int32))
+    json.dump(res, open(os.path.join(out, "profile_sts.json"), "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
