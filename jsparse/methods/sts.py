@@ -35,7 +35,9 @@ Selection: the draft's decode record and the target's top-k use the exact thresh
 `pallas_kernels.topk_select` (a Pallas Triton kernel on GPU, `lax.top_k` on CPU; `selection` picks another
 implementation), which chooses exactly the keys `lax.top_k` would (ties to the lower position) without sorting
 the cache-wide row. The prefill record (`tile_head_topk`) stays in rank order (`lax.top_k`): the head-map
-calibration reads its first k entries.
+calibration reads its first k entries. On a GPU the draft's decode weights come from two Pallas kernels that read
+the layer's K in place from the stacked cache (`attend_and_probs`: the dense decode's log-sum-exp, then
+`pallas_kernels.head_probs`); elsewhere from XLA (`head_probs`), with the same record up to float rounding.
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ from jsparse.artifacts import ArtifactError, load_artifact
 from jsparse.methods.base import register
 from jsparse.methods.common import attend_dense, attend_selected, check_tile, stacked_cache
 from pallas_kernels.dense import dense_prefill
+from pallas_kernels.dense_decode import dense_decode_stacked
+from pallas_kernels.dense_decode import supported as dense_decode_supported
+from pallas_kernels.head_probs import head_probs_stacked
+from pallas_kernels.head_probs import supported as head_probs_supported
 from pallas_kernels.sparse_attention import sparse_decode, sparse_prefill
 from pallas_kernels.topk_select import topk_select
 from pallas_kernels.topk_select.api import IMPLEMENTATIONS
@@ -95,6 +101,38 @@ def head_probs(q: Array, k_cache: Array, positions: Array) -> Array:
     """
     B, T, Hq, _ = q.shape
     return sel.group_probs(q, k_cache, positions).reshape(B, Hq, T, k_cache.shape[2])
+
+
+def in_place_probs(q: Array, cache) -> bool:
+    """Whether `attend_and_probs` takes the in-place Pallas path: on a GPU, with 16-bit queries, inside the
+    model's layer scan (the cache view carries the stacked cache and the layer index), kernels permitting."""
+    return (getattr(cache, "layer", None) is not None and jax.default_backend() == "gpu"
+            and q.dtype in (jnp.bfloat16, jnp.float16) and dense_decode_supported("pallas_gpu", q)
+            and head_probs_supported("pallas_gpu", q))
+
+
+def attend_and_probs(q: Array, cache, lengths: Array, in_place: bool | None = None) -> tuple[Array, Array]:
+    """Dense decode attention and the draft's record row: each query head's post-softmax weights over the cache,
+    summed over the T new queries.
+
+    In place (`in_place_probs`; None: by that rule): the split-K dense decode kernel returns each query row's
+    log-sum-exp next to its output, and `pallas_kernels.head_probs` rebuilds the weights from it, both reading
+    the layer's K from the stacked cache (no copy of the layer, no [B, Hq, T, N] array). Otherwise
+    `attend_dense` and `head_probs` (XLA) on the layer view; the two agree up to float rounding.
+
+    Args:
+      q: [B, T, Hq, D]; cache: a layer view (`models.attention.LayerKV`); lengths: i32[B] (after the write).
+    Returns:
+      (out [B, T, Hq, D] in q's dtype, probs f32[B, Hq, N]; 0 at keys >= lengths).
+    """
+    if in_place is None:
+        in_place = in_place_probs(q, cache)
+    if in_place:
+        k_all, v_all, layer = stacked_cache(cache)
+        out, lse = dense_decode_stacked(q, k_all, v_all, layer, lengths, return_lse=True, implementation="pallas_gpu")
+        return out, head_probs_stacked(q, k_all, layer, lengths, lse, implementation="pallas_gpu")
+    probs = head_probs(q, cache.k, sel.decode_positions(lengths, q.shape[1])).sum(axis=2)  # [B, Hq, N]
+    return attend_dense(q, cache, lengths), probs
 
 
 def _topk_rows(scores: Array, W: int) -> tuple[Array, Array]:
@@ -221,7 +259,7 @@ class StsDraft(_Budget):
         T = q.shape[1]
         if self.first_step_mask and T == 1:
             return self._later_step(ctx, q, cache, state)
-        probs = head_probs(q, cache.k, sel.decode_positions(ctx.lengths, T)).sum(axis=2)  # [B, Hq, N]
+        out, probs = attend_and_probs(q, cache, ctx.lengths)  # probs f32[B, Hq, N]
         if self.carry:  # the earlier steps' recorded weights, decayed: h = carry * h + s over the steps
             old = _scores(state.idx[ctx.layer][:, :, 0], state.val[ctx.layer][:, :, 0], cache.k.shape[2],
                           ctx.lengths)
@@ -230,7 +268,7 @@ class StsDraft(_Budget):
         val, idx = _topk_set(jnp.where(visible, probs, NEG_INF), state.idx.shape[-1], self.selection)
         state = DraftRecord(idx=state.idx.at[ctx.layer].set(idx[:, :, None]),
                             val=state.val.at[ctx.layer].set(val[:, :, None]))
-        return attend_dense(q, cache, ctx.lengths), state
+        return out, state
 
     def _later_step(self, ctx, q, cache, state):
         """A round's later draft step with `first_step_mask`: per query head h, attention over the keys S_h of

@@ -1,7 +1,7 @@
 """Dense decode attention over one layer of the stacked KV cache, read in place.
 
   dense_decode_stacked(q: [B, T, Hq, D], k_all, v_all: [L, B, Hkv, N, D], layer: i32[], lengths: i32[B])
-      -> [B, T, Hq, D]
+      -> [B, T, Hq, D]   (return_lse=True: and lse f32[B, T, Hq], the query rows' log-sum-exp)
 
 equals `pallas_kernels.dense.dense_decode(q, k_all[layer], v_all[layer], lengths)` without the copy of the
 layer's cache that XLA makes when a custom call (cuDNN, a Pallas kernel) consumes the slice inside the

@@ -3,7 +3,8 @@
   implementation=None   on a GPU with arguments the kernel takes: "pallas_gpu"; otherwise "sliced".
   "pallas_gpu"          gpu.py: the Pallas Triton split-K kernel reading the layer in place.
   "sliced"              slice the layer (`k_all[layer]`), then `pallas_kernels.dense.dense_decode` (cuDNN on a
-                        GPU, XLA elsewhere): what the model did before; XLA copies the slice for cuDNN.
+                        GPU, XLA elsewhere): what the model did before; XLA copies the slice for cuDNN. Its
+                        log-sum-exp (`return_lse`) is a separate XLA computation (`reference.decode_lse`).
   "reference"           reference.py (plain jnp; tests).
 
 Naming an implementation never falls back: arguments it cannot take raise ValueError.
@@ -37,7 +38,7 @@ def supported(implementation: str, q: Array) -> bool:
 
 
 def dense_decode_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, lengths: Array, *,
-                         implementation: str | None = None) -> Array:
+                         return_lse: bool = False, implementation: str | None = None):
     """Dense decode attention of the T newest tokens over layer `layer` of a stacked head-major cache.
 
     Args:
@@ -46,18 +47,20 @@ def dense_decode_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, len
       v_all: [L, B, Hkv, N, D] stacked value cache.
       layer: i32[] (traced) layer to read, as `k_all[layer]`.
       lengths: i32[B] valid tokens per row.
+      return_lse: also return each query row's log-sum-exp of its scaled visible logits.
       implementation: see the module docstring.
 
     Returns:
       [B, T, Hq, D] in q.dtype, equal to `pallas_kernels.dense.dense_decode(q, k_all[layer], v_all[layer],
-      lengths)`.
+      lengths)`; with return_lse, (that, lse f32[B, T, Hq]) (-inf for a row with no visible key).
     """
     reference.check_args(q, k_all, v_all, layer, lengths)
     if active_mesh() is not None:  # per shard (pallas_kernels.sharding): rows over data, heads over model
         qs, kv = dims(4, 0, 2), dims(5, 1, 2)
         return per_shard(lambda q, k, v, layer, lengths: dense_decode_stacked(
-            q, k, v, layer, lengths, implementation=implementation),
-            [q, k_all, v_all, layer, lengths], [qs, kv, kv, (), dims(1, 0)], qs)
+            q, k, v, layer, lengths, return_lse=return_lse, implementation=implementation),
+            [q, k_all, v_all, layer, lengths], [qs, kv, kv, (), dims(1, 0)],
+            (qs, dims(3, 0, 2)) if return_lse else qs)
     if implementation is None:
         on_gpu = jax.default_backend() == "gpu"
         implementation = "pallas_gpu" if on_gpu and supported("pallas_gpu", q) else "sliced"
@@ -68,7 +71,9 @@ def dense_decode_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, len
         raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
     if implementation == "pallas_gpu":
         from pallas_kernels.dense_decode import gpu
-        return gpu.dense_decode_stacked_gpu(q, k_all, v_all, layer, lengths)
+        return gpu.dense_decode_stacked_gpu(q, k_all, v_all, layer, lengths, return_lse=return_lse)
     if implementation == "reference":
-        return reference.dense_decode_stacked_reference(q, k_all, v_all, layer, lengths)
-    return dense.dense_decode(q, reference.select_layer(k_all, layer), reference.select_layer(v_all, layer), lengths)
+        return reference.dense_decode_stacked_reference(q, k_all, v_all, layer, lengths, return_lse=return_lse)
+    k = reference.select_layer(k_all, layer)
+    out = dense.dense_decode(q, k, reference.select_layer(v_all, layer), lengths)
+    return (out, reference.decode_lse(q, k, lengths)) if return_lse else out

@@ -11,7 +11,8 @@ grid (B, Hkv, R, S): one program per batch row, KV head, block of query rows and
     It stops after the last key any of its rows may see (lengths masking per row, causal among the T new
     tokens), so splits past a row's length cost nothing; loads past that key are masked (zeros, never read
     out of bounds, whatever the cache holds there).
-  * Each program writes its partial (o, m, l) for its real rows only; a jnp combine merges the S splits.
+  * Each program writes its partial (o, m, l) for its real rows only; a jnp combine merges the S splits (and,
+    with `return_lse`, gives each query row's log-sum-exp m + log l, which `pallas_kernels.head_probs` needs).
 
 Runs in interpret mode on CPU (`interpret=True`). Semantics: exactly `reference.dense_decode_stacked_reference`.
 """
@@ -122,14 +123,17 @@ def _decode_kernel(layer_ref, lim_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
     plgpu.store(l_ref, l, mask=real)
 
 
-def _combine_splits(o: Array, m: Array, l: Array) -> Array:
-    """Merges split partials: o f32[S, ..., D], m, l f32[S, ...] -> normalised f32[..., D] (zeros if empty)."""
+def _combine_splits(o: Array, m: Array, l: Array) -> tuple[Array, Array]:
+    """Merges split partials: o f32[S, ..., D], m, l f32[S, ...] -> (normalised f32[..., D] (zeros if empty),
+    log-sum-exp f32[...] (-inf if empty))."""
     m_all = jnp.max(m, axis=0)
     w = jnp.exp(m - m_all[None])
     l_all = jnp.sum(w * l, axis=0)
     o_all = jnp.sum(w[..., None] * o, axis=0)
     nonempty = l_all > 0
-    return jnp.where(nonempty[..., None], o_all / jnp.where(nonempty, l_all, 1.0)[..., None], 0.0)
+    safe = jnp.where(nonempty, l_all, 1.0)
+    out = jnp.where(nonempty[..., None], o_all / safe[..., None], 0.0)
+    return out, jnp.where(nonempty, m_all + jnp.log(safe), -jnp.inf)
 
 
 def plan(B: int, T: int, Hq: int, Hkv: int, N: int, config: DenseDecodeConfig) -> dict:
@@ -143,10 +147,10 @@ def plan(B: int, T: int, Hq: int, Hkv: int, N: int, config: DenseDecodeConfig) -
     return dict(rows=rows, Mb=Mb, R=R, splits=pl.cdiv(N, chunk), chunk=chunk)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "return_lse", "config", "interpret"))
 def dense_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, lengths: Array, *,
-                             scale: float | None = None, config: DenseDecodeConfig = DenseDecodeConfig(),
-                             interpret: bool = False) -> Array:
+                             scale: float | None = None, return_lse: bool = False,
+                             config: DenseDecodeConfig = DenseDecodeConfig(), interpret: bool = False):
     """Dense decode attention over layer `layer` of a stacked cache, read in place (Pallas Triton kernel).
 
     Args:
@@ -156,11 +160,13 @@ def dense_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array,
       layer: i32[] (traced) layer to read, as `k_all[layer]`.
       lengths: i32[B] valid tokens per row.
       scale: softmax scale (None: 1/sqrt(D)).
+      return_lse: also return each query row's log-sum-exp (from the partials the kernel writes anyway).
       config: `DenseDecodeConfig`.
       interpret: run the kernel in the Pallas interpreter (CPU tests).
 
     Returns:
-      [B, T, Hq, D] in q.dtype, as `reference.dense_decode_stacked_reference`.
+      [B, T, Hq, D] in q.dtype, as `reference.dense_decode_stacked_reference`; with return_lse, (that,
+      lse f32[B, T, Hq]: log-sum-exp of the row's scaled visible logits, -inf for a row with no visible key).
     """
     check_args(q, k_all, v_all, layer, lengths)
     reason = unsupported_reason(q.dtype, q.shape[-1])
@@ -209,5 +215,8 @@ def dense_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array,
     )(lay, lim, qg, k_all, v_all)
 
     # Padding rows were never written: slice them off before combining.
-    out = _combine_splits(o[:, :, :, :rows], m[:, :, :, :rows], l[:, :, :, :rows])  # [B, Hkv, rows, D]
-    return out.reshape(B, Hkv, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D).astype(q.dtype)
+    out, lse = _combine_splits(o[:, :, :, :rows], m[:, :, :, :rows], l[:, :, :, :rows])  # [B, Hkv, rows(, D)]
+    out = out.reshape(B, Hkv, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D).astype(q.dtype)
+    if not return_lse:
+        return out
+    return out, lse.reshape(B, Hkv, T, G).transpose(0, 2, 1, 3).reshape(B, T, Hq)

@@ -1,13 +1,15 @@
 """Plain-jnp specification of dense decode attention over one layer of the stacked KV cache.
 
   dense_decode_stacked_reference(q: [B, T, Hq, D], k_all, v_all: [L, B, Hkv, N, D], layer: i32[],
-                                 lengths: i32[B]) -> [B, T, Hq, D]
+                                 lengths: i32[B], return_lse=False) -> [B, T, Hq, D] (, lse f32[B, T, Hq])
 
 It equals `pallas_kernels.dense.dense_decode(q, k_all[layer], v_all[layer], lengths)`: query t of row b sits
 at position lengths[b] - T + t and attends to keys 0 .. that position (causal among the T new tokens), keys
 at or past N never; query head h reads KV head h // G (G = Hq // Hkv). Softmax in f32; a query with no
 visible key (position < 0) outputs zeros. `layer` follows jnp indexing of a traced index (negatives count from
 the end, then clamp to [0, L - 1], as XLA's dynamic slice), so no value of it reads out of bounds.
+With `return_lse` it also returns each query row's log-sum-exp of its scaled visible logits (-inf for a row with
+no visible key), from which `pallas_kernels.head_probs` rebuilds the post-softmax weights.
 """
 
 from __future__ import annotations
@@ -59,9 +61,23 @@ def select_layer(x_all: Array, layer: Array) -> Array:
     return jax.lax.dynamic_index_in_dim(x_all, layer_index(layer, x_all.shape[0]), 0, keepdims=False)
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
+def decode_lse(q: Array, k: Array, lengths: Array, scale: float | None = None) -> Array:
+    """f32[B, T, Hq]: log-sum-exp over the visible keys of q: [B, T, Hq, D] . k: [B, Hkv, N, D] * scale (query t
+    sees keys <= lengths - T + t, as the decode); -inf for a row with no visible key."""
+    B, T, Hq, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    scale = default_scale(D, scale)
+    qf = q.astype(jnp.float32).reshape(B, T, Hkv, Hq // Hkv, D)
+    logits = jnp.einsum("bthgd,bhnd->bthgn", qf, k.astype(jnp.float32), precision=_HIGHEST) * scale
+    pos = lengths.astype(jnp.int32)[:, None] - T + jnp.arange(T, dtype=jnp.int32)  # [B, T]
+    valid = jnp.arange(N)[None, None, :] <= pos[:, :, None]  # [B, T, N]
+    logits = jnp.where(valid[:, :, None, None], logits, -jnp.inf)
+    return jax.nn.logsumexp(logits, axis=-1).reshape(B, T, Hq)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "return_lse"))
 def dense_decode_stacked_reference(q: Array, k_all: Array, v_all: Array, layer: Array, lengths: Array, *,
-                                   scale: float | None = None) -> Array:
+                                   scale: float | None = None, return_lse: bool = False):
     """Dense decode attention of the T newest tokens over layer `layer` of a stacked cache.
 
     Args:
@@ -71,9 +87,10 @@ def dense_decode_stacked_reference(q: Array, k_all: Array, v_all: Array, layer: 
       layer: i32[] layer to read.
       lengths: i32[B] valid tokens per row after the write.
       scale: softmax scale (None: 1/sqrt(D)).
+      return_lse: also return the log-sum-exp of each query row (`decode_lse`).
 
     Returns:
-      [B, T, Hq, D] in q.dtype.
+      [B, T, Hq, D] in q.dtype; with return_lse, (that, lse f32[B, T, Hq]).
     """
     check_args(q, k_all, v_all, layer, lengths)
     B, T, Hq, D = q.shape
@@ -91,5 +108,8 @@ def dense_decode_stacked_reference(q: Array, k_all: Array, v_all: Array, layer: 
     e = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
     l = jnp.sum(e, axis=-1, keepdims=True)
     p = jnp.where(l > 0, e / jnp.where(l > 0, l, 1.0), 0.0)
-    out = jnp.einsum("bhgtn,bhnd->bthgd", p, v, precision=_HIGHEST)
-    return out.reshape(B, T, Hq, D).astype(q.dtype)
+    out = jnp.einsum("bhgtn,bhnd->bthgd", p, v, precision=_HIGHEST).reshape(B, T, Hq, D).astype(q.dtype)
+    if not return_lse:
+        return out
+    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)[..., 0]  # [B, Hkv, G, T]
+    return out, lse.transpose(0, 3, 1, 2).reshape(B, T, Hq)
