@@ -8,9 +8,10 @@ grid (B, Hkv, S): one program per batch row, KV head and split of the cache (the
     key block, so that every K row is read once whatever T.
   * Keys: split s covers cache rows [s * chunk, (s + 1) * chunk); the program streams them `block_k` rows at a
     time straight from `k_all[layer, b, h]` (the K BlockSpec spans the L axis; the loads index it with the
-    traced layer: the pointer is offset in place, nothing is copied). For each block: logits [Mb, block_k] by
-    one dot, p = exp(logits * scale - lse) where the row sees the key, else 0, and the sum over the T rows of
-    each group member g (a masked row sum per g, exact f32): G rows of the output [G, block_k].
+    traced layer: the pointer is offset in place, nothing is copied). For each block: logits [block_k, Mb] by
+    one dot (K . q^T), p = exp(logits * scale - lse) where the row sees the key, else 0, and the sum over the T
+    rows of each group member g (a masked sum along the rows per g, exact f32): G rows of the output
+    [G, block_k].
   * The sum over T is done here, not in XLA: the output is f32[B, Hkv, G, N] = [B, Hq, N] (a free reshape),
     written once; no [.., T, N] array reaches HBM.
   * Blocks past the last key any row of the row sees (lengths masking) are not read: the program writes
@@ -117,10 +118,10 @@ def _probs_kernel(layer_ref, hi_ref, lim_ref, lse_ref, q_ref, k_ref, o_ref, *, s
     def weights(acc, tile_args, k, kpos):
         """acc (G x f32[block_k]) + the tile's weights on the block, summed over its rows per group member."""
         q, lim, lse, member = tile_args
-        s = plgpu.dot(q, k, trans_b=True) * scale  # [Mb, block_k] f32
-        ok = kpos[None, :] <= lim[:, None]
-        p = jnp.where(ok, jnp.exp(s - lse[:, None]), 0.0)
-        return tuple(a + jnp.sum(jnp.where((member == g)[:, None], p, 0.0), axis=0) for g, a in enumerate(acc))
+        s = plgpu.dot(k, q, trans_b=True) * scale  # [block_k, Mb] f32: keys down, query rows across
+        ok = kpos[:, None] <= lim[None, :]
+        p = jnp.where(ok, jnp.exp(s - lse[None, :]), 0.0)
+        return tuple(a + jnp.sum(jnp.where((member == g)[None, :], p, 0.0), axis=1) for g, a in enumerate(acc))
 
     def store(k0, kpos, acc):  # row g of the output: keys k0 .. k0 + block_k - 1 (those below N)
         for g in range(G):

@@ -35,6 +35,8 @@ from pallas_kernels.dense_decode import gpu as dgpu
 from pallas_kernels.head_probs import gpu as hgpu
 from pallas_kernels.head_probs import head_probs_stacked_reference
 
+COMMAND = ("OUT=... GIT_COMMIT=$(git rev-parse --short HEAD) PYTHONPATH=. "
+           "python eval/results/h100/sts_bench/bench_head_probs.py")
 SMOKE = bool(os.environ.get("SMOKE"))
 REPS = int(os.environ.get("REPS", 3 if SMOKE else 20))
 L, B, HQ, HKV, D = (2, 2, 4, 2, 16) if SMOKE else (16, 2, 32, 8, 64)
@@ -118,7 +120,8 @@ def main():
     os.makedirs(out_dir, exist_ok=True)
     if SMOKE:
         patch_interpret()
-    res = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+    res = dict(command=COMMAND + (" (SMOKE=1)" if SMOKE else ""),
+               device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                commit=os.environ.get("GIT_COMMIT", "unknown"), smoke=SMOKE, reps=REPS,
                shape=dict(L=L, B=B, Hq=HQ, Hkv=HKV, D=D, N=N, lengths=N, layer=LAYER, dtype="bfloat16"),
