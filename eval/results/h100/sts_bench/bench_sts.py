@@ -15,6 +15,8 @@ Per (context, batch) cell, in one process (dense measured in the same run):
     and tokens/s = B * (a + 1) / round time is reported for a = 0 .. gamma.
 Bytes floors: weights + KV bytes read per step. Writes JSON to $OUT/$JSON (default sts_bench.json) and prints a table.
 
+Caches hold random normal values (`cache`). Run it with XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (batch 3 at 100K needs
+about 68 GB: weights 18.5 GB, target cache 39.6 GB, draft cache 9.9 GB).
 Environment: CELLS="32768:1,100000:2" (context:batch list; the default), BUDGETS="512,4096", ROUND_BUDGETS="512"
 (budgets whose rounds are timed), SMOKE=1 (tiny shapes: a CPU check of the script), GIT_COMMIT (recorded).
 GPU: `OUT=... GIT_COMMIT=$(git rev-parse --short HEAD) python eval/results/h100/sts_bench/bench_sts.py`.
@@ -55,10 +57,18 @@ def timeit(fn, carry, n=5, warm=2):
     return float(np.median(ts)) * 1e3, carry
 
 
-def cache(cfg, B, N, n):
+def cache(cfg, B, N, n, seed=0):
+    """Stacked caches of random normal bf16 keys and values, written one layer at a time into one allocation per
+    buffer. Random values, not a constant: with equal keys every score ties, which is the worst case of the
+    exact top-k selections (the measurements before 2026-11-25 used a constant fill)."""
     shape = (cfg.num_layers, B, cfg.num_kv_heads, N, cfg.head_dim)
-    fill = jax.jit(lambda: jnp.full(shape, 0.01, BF))  # one allocation per buffer
-    return KVCache(k=fill(), v=fill(), lengths=jnp.full((B,), n, jnp.int32))
+
+    @jax.jit
+    def fill(key):
+        put = lambda i, buf: buf.at[i].set(jax.random.normal(jax.random.fold_in(key, i), shape[1:], BF))  # noqa
+        return jax.lax.fori_loop(0, shape[0], put, jnp.zeros(shape, BF))
+    return KVCache(k=fill(jax.random.key(seed)), v=fill(jax.random.key(seed + 1)),
+                   lengths=jnp.full((B,), n, jnp.int32))
 
 
 def param_bytes(p):
