@@ -694,7 +694,7 @@ def run_bench_attention(args) -> int:
     payload = dict(facts, benchmark="attention: sparse kernels, selection, Kascade layers vs dense",
                    shape=dict(preset=args.shape, layers=cfg.num_layers, Hq=cfg.num_heads, Hkv=cfg.num_kv_heads,
                               D=cfg.head_dim, dtype="bfloat16"),
-                   args={k: v for k, v in vars(args).items() if k != "func"},
+                   args={k: v for k, v in vars(args).items() if not callable(v)},
                    xla_flags=os.environ.get("XLA_FLAGS", ""), hbm_gbs_measured=run.hbm,
                    matmul_tflops_measured=mm, summary=summary, checks=run.checks, records=run.records,
                    wall_s=run.elapsed())

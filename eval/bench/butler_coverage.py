@@ -213,7 +213,7 @@ def main(argv=None, prog=None) -> int:
     if args.out:
         from eval.bench.common import device_facts, write_json
 
-        write_json(args.out, {**device_facts(), "args": {k: v for k, v in vars(args).items() if k != "func"},
+        write_json(args.out, {**device_facts(), "args": {k: v for k, v in vars(args).items() if not callable(v)},
                               "per_layer": per_layer, "mean": mean, "mean_from_layer2": mean2})
     return 0
 

@@ -72,7 +72,9 @@ def main():
     _, dmm = base.replace(first_step_mask=True).for_round(D_CFG, GAMMA)
     W = tm.decode_width(cap)
     rec = bs.random_record(rng, D_CFG, B, W, n)
-    res = dict(context=CTX, batch=B, budget=K, device=str(jax.devices()[0].device_kind))
+    res = dict(command=f"CTX={CTX} B={B} K={K} python eval/results/h100/sts_bench/profile_sts.py",
+               commit=os.environ.get("GIT_COMMIT", ""), context=CTX, batch=B, budget=K,
+               device=str(jax.devices()[0].device_kind))
     res["verify_dense"], tc = profile("verify_dense", lambda c: dec(tp, dense, toks, c, None), tc)
     res["verify_sts"], tc = profile("verify_sts", lambda c: dec(tp, tm, toks, c, rec), tc)
     res["target_step_1k"], _ = profile("verify_dense_ctx1k", lambda c: dec(tp, dense, toks, c, None),

@@ -64,7 +64,8 @@ if __name__ == "__main__":
         r = json.loads(line[0][7:]) if line else dict(error=p.stderr[-800:])
         rows.append(dict(variant=name, xla_flags=flags, unroll=unroll or "full", **r))
         print(name, json.dumps(r)[:400], flush=True)
-    json.dump(dict(loop_steps=int(os.environ.get("LOOP", 0)), rows=rows),
+    json.dump(dict(command="LOOP=%s python eval/results/h100/sts_bench/weights_copy.py" % os.environ.get("LOOP", 0),
+                   commit=os.environ.get("GIT_COMMIT", ""), loop_steps=int(os.environ.get("LOOP", 0)), rows=rows),
               open(os.path.join(out, os.environ.get("JSON", "weights_copy.json")), "w"), indent=1)
     print("\nvariant                 T1 ms  memcpy us |  T5 ms  memcpy us")
     for r in rows:
