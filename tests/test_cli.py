@@ -100,3 +100,16 @@ def test_every_benchmark_takes_its_output_as_out(capsys, tmp_path):
     assert out_path(str(tmp_path / "new") + "/", "x.json") == str(tmp_path / "new" / "x.json")
     assert (tmp_path / "new").is_dir()
     assert out_path(str(tmp_path / "f.json"), "x.json") == str(tmp_path / "f.json")
+
+
+def test_bench_attention_writes_its_json_through_the_cli(tmp_path, capsys):
+    """`jsparse bench attention --out` writes a JSON whose args are the command's options (the CLI's own handler,
+    a function, once made the write fail after the whole run)."""
+    import json
+
+    out = tmp_path / "attention.json"
+    main(["bench", "attention", "--phase", "decode", "--context", "256", "--batch", "1", "--interpret", "--no-check",
+          "--no-variants", "--time-budget", "1", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["args"]["context"] == "256" and data["args"]["phase"] == "decode"
+    assert data["records"] and data["command"].startswith("jsparse bench attention")
