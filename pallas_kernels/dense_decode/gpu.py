@@ -136,6 +136,23 @@ def _combine_splits(o: Array, m: Array, l: Array) -> tuple[Array, Array]:
     return out, jnp.where(nonempty, m_all + jnp.log(safe), -jnp.inf)
 
 
+def rows_by_kv_head(x: Array, Hkv: int, Rp: int) -> Array:
+    """[B, T, Hq, ...] -> [B, Hkv, Rp, ...]: each KV head's T * G query rows (row = t * G + g, the kernels' order),
+    zero-padded to Rp rows."""
+    B, T, Hq = x.shape[:3]
+    G, rows = Hq // Hkv, T * (Hq // Hkv)
+    x = x.reshape(B, T, Hkv, G, *x.shape[3:]).swapaxes(1, 2).reshape(B, Hkv, rows, *x.shape[3:])
+    return jnp.pad(x, ((0, 0), (0, 0), (0, Rp - rows)) + ((0, 0),) * (x.ndim - 3))
+
+
+def row_limits(lengths: Array, T: int, G: int, N: int, Rp: int) -> Array:
+    """i32[B, Rp]: the last key each query row may see (row = t * G + g; the T new tokens sit at positions
+    lengths - T .. lengths - 1, below N), -1 for a row that sees none and for the padding rows."""
+    pos = lengths.astype(jnp.int32)[:, None] - T + jnp.arange(T, dtype=jnp.int32)  # [B, T]
+    lim = jnp.maximum(jnp.repeat(jnp.minimum(pos, N - 1), G, axis=1), -1)  # [B, T * G]
+    return jnp.pad(lim, ((0, 0), (0, Rp - T * G)), constant_values=-1)
+
+
 def plan(B: int, T: int, Hq: int, Hkv: int, N: int, config: DenseDecodeConfig) -> dict:
     """The static launch plan: rows per KV head, rows per program Mb, query blocks R, splits S, chunk."""
     rows = T * (Hq // Hkv)
@@ -181,11 +198,8 @@ def dense_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array,
     rows, Mb, R, splits, chunk = p["rows"], p["Mb"], p["R"], p["splits"], p["chunk"]
     Rp = R * Mb
 
-    qg = q.reshape(B, T, Hkv, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Hkv, rows, D)  # row = t * G + g
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Rp - rows), (0, 0)))
-    pos = lengths.astype(jnp.int32)[:, None] - T + jnp.arange(T, dtype=jnp.int32)  # [B, T]
-    lim = jnp.repeat(jnp.minimum(pos, N - 1), G, axis=1)  # [B, rows] last visible key per row
-    lim = jnp.pad(jnp.maximum(lim, -1), ((0, 0), (0, Rp - rows)), constant_values=-1)
+    qg = rows_by_kv_head(q, Hkv, Rp)
+    lim = row_limits(lengths, T, G, N, Rp)
     lay = layer_index(layer, L).reshape(1)
 
     kernel = functools.partial(_decode_kernel, scale=scale, block_k=config.block_k, chunk=chunk, rows=rows)

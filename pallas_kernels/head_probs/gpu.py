@@ -181,18 +181,12 @@ def head_probs_stacked_gpu(q: Array, k_all: Array, layer: Array, lengths: Array,
     G = Hq // Hkv
     scale = default_scale(D, scale)
     p = plan(B, T, Hq, Hkv, N, config)
-    rows, Mb, R, splits, chunk = p["rows"], p["Mb"], p["R"], p["splits"], p["chunk"]
+    Mb, R, splits, chunk = p["Mb"], p["R"], p["splits"], p["chunk"]
     Rp = R * Mb
 
-    def by_kv_head(x):  # [B, T, Hq, ...] -> [B, Hkv, Rp, ...], row = t * G + g, padding rows at the end
-        x = x.reshape(B, T, Hkv, G, *x.shape[3:]).swapaxes(1, 2).reshape(B, Hkv, rows, *x.shape[3:])
-        return jnp.pad(x, ((0, 0), (0, 0), (0, Rp - rows)) + ((0, 0),) * (x.ndim - 3))
-
-    qg = by_kv_head(q)
-    lse_g = by_kv_head(lse.astype(jnp.float32))
-    pos = lengths.astype(jnp.int32)[:, None] - T + jnp.arange(T, dtype=jnp.int32)  # [B, T]
-    lim = jnp.maximum(jnp.repeat(jnp.minimum(pos, N - 1), G, axis=1), -1)  # [B, rows] last visible key per row
-    lim = jnp.pad(lim, ((0, 0), (0, Rp - rows)), constant_values=-1)
+    qg = dense_gpu.rows_by_kv_head(q, Hkv, Rp)
+    lse_g = dense_gpu.rows_by_kv_head(lse.astype(jnp.float32), Hkv, Rp)
+    lim = dense_gpu.row_limits(lengths, T, G, N, Rp)  # [B, Rp] last visible key per query row
     hi = jnp.max(lim, axis=1, keepdims=True)  # [B, 1]
     lay = layer_index(layer, L).reshape(1)
 
