@@ -103,8 +103,8 @@ BENCHMARKS = {
     "local_attention": ("eval.bench.local_attention", "sliding-window attention with sinks (TSA fill=local) vs XLA"),
     "tsa_scoring": ("eval.bench.tsa_scoring", "TSA scoring kernel: check and timing"),
     "logit_mse": ("eval.bench.logit_mse", "TokenButler's blockwise logit-MSE loss vs the materialised loss"),
-    "profile_decode_step": ("eval.bench.profile_decode_step", "per-kernel device time of a dense/EvoSparse decode "
-                            "step (jax.profiler trace)"),
+    "profile_decode_step": ("eval.bench.profile_decode_step", "per-kernel device time of a method's decode step "
+                            "as `bench model` builds it (jax.profiler trace); --time: its step times beside dense"),
     "profile_ops": ("eval.bench.profile_ops", "per-kernel device time of single ops (jax.profiler trace)"),
     "sharded": ("eval.bench.sharded", "sharded decode on 1/2/4/8 devices (dense, Kascade, EvoSparse): tokens/s, "
                 "bytes floor per device; --compare-unsharded: a mesh of one vs no mesh"),

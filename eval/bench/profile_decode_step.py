@@ -1,8 +1,25 @@
-"""Where the time of one EvoSparse (or dense) decode step goes on the GPU: a `jax.profiler` trace of a few steps
-of Llama-3.1-8B shapes (random bf16 weights, 100K context, batch 4, budget 2048 tokens, as eval/bench/evosparse.py),
-written as a Perfetto JSON trace and summarised per kernel name (launches and total device time per step).
+"""Where the time of one decode step goes on the GPU: a `jax.profiler` trace of a few steps of the model's own
+decode loop (random weights of a model shape, default Llama-3.1-8B in bf16, 100K context, batch 4), written as a
+Perfetto JSON trace and summarised per kernel name (launches and device time per step), with the compiled HLO
+(gzipped, to look fusions up) beside the JSON.
 
-    jsparse bench profile_decode_step --method evosparse --out /some/dir/profile_evosparse.json
+    jsparse bench profile_decode_step --method kascade --out /some/dir/profile_kascade.json
+    jsparse bench profile_decode_step --method kascade --time dense,kascade --out /some/dir/
+
+Any method of `jsparse bench model` (eval/bench/model.py) is profiled with exactly the state and the step that
+benchmark builds and times: `bench_method` (Kascade 5 anchors 0, 6, 13, 19, 26 with the identity head map at
+Llama-3.1-8B's 32 layers; EvoSparse its 2048-token budget with 15 random retrieval heads; `--budget` the kept
+fraction of the others), `filled_cache` and `method_decode_steps` (`models.llama.decode` in a jitted `fori_loop`,
+the cache and the method's state donated). `--time` first times the listed methods' steps in the same process as
+`jsparse bench model` does (`method_rows`: dense first, speedup and bytes floor; no correctness check), so the
+profile sits beside the timings of the same build.
+
+The JSON's kernel table counts the device ops of the trace (events on GPU streams): per step, the kernels and
+their device time (`device_us_per_step`), the time some kernel runs (`gpu_busy_us_per_step`, overlaps counted
+once) against the span from the first kernel to the last (`gpu_span_us_per_step`): the difference,
+`gpu_idle_us_per_step`, is the GPU waiting on the host (launch gaps, a conditional's predicate read back); and the
+XLA fusions and copies that take under 5 us a launch (`small_xla_*`), the per-layer bookkeeping. A CPU run
+(tests) writes the same JSON with an empty table: its trace has no GPU streams.
 """
 
 from __future__ import annotations
@@ -13,6 +30,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import time
 
 import jax
@@ -20,9 +38,40 @@ import jax.numpy as jnp
 
 from eval.bench.common import add_out_argument, device_facts, out_path, write_json
 
+SMALL_US = 5.0  # an XLA kernel under this per launch counts as per-layer bookkeeping (`small_xla_*`)
+_GEMM = ("gemm", "xmma", "cutlass", "cublas", "nvjet", "sm90_", "sm80_")
+_XLA_PREFIX = ("copy", "wrapped_", "memcpy", "memset", "dynamic-update-slice", "dynamic_update_slice")
+_XLA_INSTRUCTION = re.compile(r"^[a-z][a-z0-9_\-]*(\.\d+)+$")  # an HLO instruction's name, e.g. transpose.12
+
+
+def kernel_kind(name: str) -> str:
+    """'gemm' (cuBLAS/CUTLASS), 'xla' (XLA fusions, copies, memsets, single HLO instructions) or 'custom'
+    (Pallas/Triton kernels, named by their pallas_call, and the rest)."""
+    low = name.lower()
+    if any(g in low for g in _GEMM):
+        return "gemm"
+    if "fusion" in low or low.startswith(_XLA_PREFIX) or _XLA_INSTRUCTION.match(low):
+        return "xla"
+    return "custom"
+
+
+def _busy_us(intervals) -> tuple[float, float]:
+    """(union length, span) of [start, end) intervals in us."""
+    busy, end, first, last = 0.0, None, None, None
+    for s, e in sorted(intervals):
+        first = s if first is None else first
+        last = e if last is None else max(last, e)
+        if end is None or s >= end:
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+    return busy, (last - first) if first is not None else 0.0
+
 
 def kernel_table(trace_dir: str, steps: int, top: int) -> dict:
-    """Aggregates the device ops (events on GPU streams) of the Perfetto trace under trace_dir."""
+    """Aggregates the device ops (events on GPU streams) of the newest Perfetto trace under trace_dir, per step."""
     path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))[-1]
     with gzip.open(path, "rt") as f:
         trace = json.load(f)
@@ -31,65 +80,113 @@ def kernel_table(trace_dir: str, steps: int, top: int) -> dict:
                  if e.get("ph") == "M" and e.get("name") == "process_name"}
     gpu_pids = {p for p, n in pid_names.items() if "/device:GPU" in n or "GPU" in n and "host" not in n.lower()}
     agg = collections.defaultdict(lambda: [0, 0.0])
-    total, count = 0.0, 0
+    total, count, intervals = 0.0, 0, []
     for e in events:
         if e.get("ph") != "X" or e.get("pid") not in gpu_pids:
             continue
-        name = e.get("name", "?")
+        name, dur = e.get("name", "?"), float(e.get("dur", 0.0))
         agg[name][0] += 1
-        agg[name][1] += float(e.get("dur", 0.0))
-        total += float(e.get("dur", 0.0))
+        agg[name][1] += dur
+        total += dur
         count += 1
-    rows = sorted(({"kernel": k[:90], "launches_per_step": v[0] / steps, "us_per_step": v[1] / steps}
-                   for k, v in agg.items()), key=lambda r: -r["us_per_step"])
+        intervals.append((float(e.get("ts", 0.0)), float(e.get("ts", 0.0)) + dur))
+    rows = sorted(({"kernel": k[:90], "kind": kernel_kind(k), "launches_per_step": v[0] / steps,
+                    "us_per_step": v[1] / steps} for k, v in agg.items()), key=lambda r: -r["us_per_step"])
+    kinds = collections.defaultdict(lambda: [0.0, 0.0])
+    for r in rows:
+        kinds[r["kind"]][0] += r["launches_per_step"]
+        kinds[r["kind"]][1] += r["us_per_step"]
+    small = [r for r in rows if r["kind"] == "xla" and r["us_per_step"] < SMALL_US * r["launches_per_step"]]
+    busy, span = _busy_us(intervals)
     return {"trace": path, "gpu_processes": [pid_names[p] for p in gpu_pids], "kernels_per_step": count / steps,
-            "device_us_per_step": total / steps, "top": rows[:top]}
+            "device_us_per_step": total / steps, "gpu_busy_us_per_step": busy / steps,
+            "gpu_span_us_per_step": span / steps, "gpu_idle_us_per_step": (span - busy) / steps,
+            "by_kind": {k: {"launches_per_step": v[0], "us_per_step": v[1]} for k, v in sorted(kinds.items())},
+            "small_xla_launches_per_step": sum(r["launches_per_step"] for r in small),
+            "small_xla_us_per_step": sum(r["us_per_step"] for r in small), "top": rows[:top]}
 
 
 def main(argv=None, prog=None):
+    from eval.bench import model as bench_model
+
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--method", default="evosparse", choices=["evosparse", "dense"])
+    p.add_argument("--method", default="evosparse", choices=list(bench_model.METHODS),
+                   help="the method whose step is profiled, built as `jsparse bench model` builds it")
+    p.add_argument("--shape", default="llama3-8b", help="model shape preset (random weights)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--context", type=int, default=100_000, help="tokens in the cache before the steps")
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--top", type=int, default=40)
+    p.add_argument("--budget", type=float, default=0.1,
+                   help="kept fraction of the budgeted methods (EvoSparse keeps its 2048-token budget)")
+    p.add_argument("--steps", type=int, default=4, help="decode steps traced (and timed per case with --time)")
+    p.add_argument("--top", type=int, default=40, help="kernels listed (by device time)")
+    p.add_argument("--time", default="", metavar="METHODS",
+                   help="comma-separated methods to time first in the same process (`jsparse bench model`'s "
+                        "method_rows, dense first); e.g. dense,kascade")
     add_out_argument(p, "profile_decode_step.json")
     a = p.parse_args(argv)
     a.out = out_path(a.out, "profile_decode_step.json")
+    timed_methods = tuple(m.strip() for m in a.time.split(",") if m.strip())
+    unknown = sorted(set(timed_methods) - set(bench_model.METHODS))
+    if unknown:
+        p.error(f"--time: unknown {unknown}; expected some of {list(bench_model.METHODS)}")
     from jsparse.xla_flags import set_xla_flags
     set_xla_flags()
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-    from eval.bench import evosparse as be, model as bench_model
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # 100K x batch 4: 53 GB of cache + 16 GB weights
+    from eval.bench import common as bm
     from models.cache import KVCache
     from models.generate import round_up
     from models.params import random_params
 
-    cfg = be.CFG8B
-    params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
-    m = be.method_for(cfg, be.model_heads(cfg)) if a.method == "evosparse" else bench_model.make_method("dense")
-    B, ctx = a.batch, be.CONTEXT_E2E
-    cap = round_up(ctx + 2 * a.steps + 1, 256)
-    cache = bench_model.filled_cache(cfg, B, ctx, cap, jnp.bfloat16)
-    state = m.init_state(cfg, B, cap) if a.method == "evosparse" else None
+    cfg = bench_model.preset(a.shape)
+    dtype = jnp.dtype(a.dtype)
+    params = random_params(cfg, jax.random.key(0), dtype)
+    B, ctx, steps = a.batch, a.context, a.steps
+    timed = []
+    if timed_methods:  # before the profile's cache exists: each case builds (and frees) its own
+        if timed_methods[0] != "dense":
+            timed_methods = ("dense",) + tuple(m for m in timed_methods if m != "dense")
+        hbm = bm.measure_hbm_gbs()
+        timed = bench_model.method_rows(cfg, params, timed_methods, [ctx], [B], steps, hbm, a.budget)
+
+    m, how = bench_model.bench_method(a.method, cfg, a.budget)
+    cap = round_up(ctx + 2 * steps + 1, 256)
+    cache = bench_model.filled_cache(cfg, B, ctx, cap, dtype)
+    state = m.init_state(cfg, B, cap)
+    step = bench_model.method_decode_steps
     tok = jnp.zeros((B, 1), jnp.int32)
-    tok, cache, state = be.decode_steps(params, m, tok, cache, state, cfg=cfg, steps=a.steps)
+    tok, cache, state = step(params, m, tok, cache, state, cfg=cfg, steps=steps)  # compiled (or cached) and warm
     jax.block_until_ready(tok)
     cache = KVCache(k=cache.k, v=cache.v, lengths=jnp.full((B,), ctx, jnp.int32))
-    hlo = be.decode_steps.lower(params, m, tok, cache, state, cfg=cfg, steps=a.steps).compile().as_text()
-    with open(os.path.splitext(a.out)[0] + ".hlo.txt", "w") as f:  # to look up what a fusion computes
+    hlo = step.lower(params, m, tok, cache, state, cfg=cfg, steps=steps).compile().as_text()
+    with gzip.open(os.path.splitext(a.out)[0] + ".hlo.txt.gz", "wt") as f:  # to look up what a fusion computes
         f.write(hlo)
-    d = f"/tmp/jsparse_profile_{a.method}"
+    d = f"/tmp/jsparse_profile_{a.method}_{os.getpid()}"
     t = time.perf_counter()
     with jax.profiler.trace(d, create_perfetto_trace=True):
-        tok, cache, state = be.decode_steps(params, m, tok, cache, state, cfg=cfg, steps=a.steps)
+        tok, cache, state = step(params, m, tok, cache, state, cfg=cfg, steps=steps)
         jax.block_until_ready(tok)
-    wall = (time.perf_counter() - t) * 1e3 / a.steps
-    res = {**device_facts(), "method": a.method, "batch": B, "context": ctx, "steps": a.steps, "wall_ms_per_step_traced": wall,
-           **kernel_table(d, a.steps, a.top)}
+    wall = (time.perf_counter() - t) * 1e3 / steps
+    tab = kernel_table(d, steps, a.top)
+    res = {**device_facts(), "benchmark": "profile_decode_step", "method": a.method, "state": how, "shape": a.shape,
+           "dtype": a.dtype, "batch": B, "context": ctx, "budget": a.budget, "steps": steps,
+           "xla_flags": os.environ.get("XLA_FLAGS", ""),
+           "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), "wall_ms_per_step_traced": wall,
+           **tab, "timed": timed}
     write_json(a.out, res)
-    print(f"{a.method}: {res['kernels_per_step']:.0f} kernels/step, device {res['device_us_per_step'] / 1e3:.2f} ms/step, "
-          f"wall (traced) {wall:.2f} ms/step; processes {res['gpu_processes']}")
-    for r in res["top"]:
-        print(f"{r['us_per_step']:9.1f} us {r['launches_per_step']:7.1f}x  {r['kernel']}")
+    for r in tab["top"]:
+        print(f"{r['us_per_step']:9.1f} us {r['launches_per_step']:7.1f}x  {r['kind']:6s} {r['kernel']}")
+    print(bm.table([{"kind": k, **v} for k, v in tab["by_kind"].items()], ["kind", "launches_per_step",
+                                                                           "us_per_step"]))
+    print(f"{a.method}: {tab['kernels_per_step']:.0f} kernels/step, device {tab['device_us_per_step'] / 1e3:.2f} "
+          f"ms/step (busy {tab['gpu_busy_us_per_step'] / 1e3:.2f}, idle {tab['gpu_idle_us_per_step'] / 1e3:.2f}; "
+          f"{tab['small_xla_launches_per_step']:.0f} XLA kernels under {SMALL_US:g} us: "
+          f"{tab['small_xla_us_per_step'] / 1e3:.2f} ms), wall (traced) {wall:.2f} ms/step; "
+          f"processes {tab['gpu_processes']}")
+    if timed:
+        print(bm.table(timed, ["method", "context", "batch", "step_ms", "tokens_per_s", "speedup", "floor_speedup",
+                            "floor_fraction", "error"]))
+    return 0
 
 
 if __name__ == "__main__":
