@@ -130,8 +130,10 @@ DENSE_COLLECTIVES = {
 }
 EXTRA_COLLECTIVES = {
     "oracle": {}, "streaming": {}, "quest": {}, "h2o": {}, "butler": {},
-    # the head map: a reuse layer's heads read the anchor's indices i32[B, Hkv, T, K] of any head
-    "kascade": {("all-gather", "s32[2,8,1,20]"): 1, ("all-gather", "s32[2,8,3,15]"): 1},
+    # the head map: a reuse layer's heads read the anchor's indices i32[B, Hkv, T, K] of any head; and the
+    # model's own wo / w_down psums twice more (the decode runs its layers 0 | 1 | 2, one role each, as 3 loops)
+    "kascade": {("all-gather", "s32[2,8,1,20]"): 1, ("all-gather", "s32[2,8,3,15]"): 1,
+                ("all-reduce", "f32[2,1,64]"): 4},
     # the shared count per row: the head-summed scores f32[B, T] (the compression gathers run per shard)
     "tsa": {("all-reduce", "f32[2,48]"): 1},
     # both; and the anchors' coordinate maps i32[B, Hkv, T] in the compressed space, read through the head map

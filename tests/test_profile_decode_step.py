@@ -52,18 +52,33 @@ def test_profiles_the_kascade_step_as_bench_model_builds_it_on_the_cpu(tmp_path,
     monkeypatch.setattr(bench_model.bm, "measure_hbm_gbs", lambda: 1000.0)
     out = tmp_path / "profile_kascade.json"
     assert prof.main(["--method", "kascade", "--dtype", "float32", "--context", "384", "--batch", "2", "--steps",
-                      "2", "--time", "kascade,dense", "--out", str(out)]) == 0
+                      "2", "--time", "kascade,kascade:switch", "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     assert (r["method"], r["context"], r["batch"], r["budget"], r["steps"]) == ("kascade", 384, 2, 0.1, 2)
     assert r["state"].startswith("synthetic: anchors [0, 1, 2, 4, 5], identity head map")
     assert r["wall_ms_per_step_traced"] > 0 and r["gpu_processes"] == [] and r["top"] == []
-    assert [t["method"] for t in r["timed"]] == ["dense", "kascade"]  # dense first: the baseline
+    assert [t["method"] for t in r["timed"]] == ["dense", "kascade", "kascade:switch"]  # dense first: the baseline
     assert all(t["step_ms"] > 0 and t["context"] == 384 and "error" not in t for t in r["timed"])
     assert r["timed"][0]["speedup"] == 1.0 and r["timed"][1]["floor_speedup"] > 1.0
+    assert r["timed"][2]["floor_speedup"] == r["timed"][1]["floor_speedup"]  # Kascade's byte model
+    assert r["timed"][2]["state"].endswith("a lax.switch on the role in every layer (anchor_layers=None), not as "
+                                           "runs of layers of one role")
     with gzip.open(tmp_path / "profile_kascade.hlo.txt.gz", "rt") as f:
         assert f.read().startswith("HloModule")
     last = capsys.readouterr().out.strip().splitlines()
-    assert last[-4].startswith("| method | context | batch | step_ms") and last[-1].startswith("| kascade | 384 | 2 |")
+    assert last[-5].startswith("| method | context | batch | step_ms") and last[-2].startswith("| kascade | 384 | 2 |")
+    assert last[-1].startswith("| kascade:switch | 384 | 2 |")
+
+
+def test_the_switch_variant_is_kascade_without_static_anchors():
+    cfg = preset("llama3-8b")
+    m, how = prof.build_method("kascade", cfg, 0.1)
+    v, how_v = prof.build_method("kascade:switch", cfg, 0.1)
+    assert m.anchor_layers == (0, 6, 13, 19, 26) and v.anchor_layers is None and v.segments(cfg, "decode") is None
+    assert (v.roles == m.roles).all() and (v.head_map == m.head_map).all() and v.budget == m.budget == 0.1
+    assert how_v.startswith(how + "; decode as one layer scan")
+    with pytest.raises(ValueError, match="unknown method 'dense:switch'"):
+        prof.build_method("dense:switch", cfg, 0.1)
 
 
 def test_rejects_an_unknown_method_to_time(capsys):

@@ -181,13 +181,16 @@ def method_decode_steps(params, method, tok, cache, state, *, cfg, steps):
 
 
 def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, prefill_contexts=(),
-                mm: float = 0.0) -> list[dict]:
-    """Decode rows (and prefill rows at `prefill_contexts`, batch 1) of every method; dense first."""
+                mm: float = 0.0, built: dict | None = None) -> list[dict]:
+    """Decode rows (and prefill rows at `prefill_contexts`, batch 1) of every method; dense first.
+
+    built: {row name: (method, how its state was made)} for names whose method is not `bench_method(name)`'s
+    (a variant named "method:variant" takes the byte model of "method"; eval/bench/profile_decode_step.py)."""
     import time
 
     rows = []
     weights = decode_bytes(cfg, params, 1, 0)
-    built = {m: bench_method(m, cfg, budget) for m in methods}
+    built = {m: (built or {}).get(m) or bench_method(m, cfg, budget) for m in methods}
     for context in contexts:
         for batch in batches:
             dense_ms = None
@@ -208,7 +211,7 @@ def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, pre
                     jax.block_until_ready(tok)
                     ms = (time.perf_counter() - t0) * 1e3 / steps
                     n = context + steps // 2
-                    nbytes = weights + attention_bytes(name, method, cfg, batch, n)
+                    nbytes = weights + attention_bytes(name.split(":")[0], method, cfg, batch, n)
                     dense_bytes = weights + attention_bytes("dense", None, cfg, batch, n)
                     row.update(step_ms=ms, tokens_per_s=batch / (ms * 1e-3), bytes=nbytes,
                                floor_ms=nbytes / (hbm * 1e9) * 1e3, floor_speedup=dense_bytes / nbytes)

@@ -12,7 +12,9 @@ Llama-3.1-8B's 32 layers; EvoSparse its 2048-token budget with 15 random retriev
 fraction of the others), `filled_cache` and `method_decode_steps` (`models.llama.decode` in a jitted `fori_loop`,
 the cache and the method's state donated). `--time` first times the listed methods' steps in the same process as
 `jsparse bench model` does (`method_rows`: dense first, speedup and bytes floor; no correctness check), so the
-profile sits beside the timings of the same build.
+profile sits beside the timings of the same build. Beside the methods, `VARIANTS` can be profiled or timed:
+`kascade:switch` decodes as Kascade did before its runs of layers of one role were scanned apart (one layer scan,
+a `lax.switch` on the role in every layer).
 
 The JSON's kernel table counts the device ops of the trace (events on GPU streams): per step, the kernels and
 their device time (`device_us_per_step`), the time some kernel runs (`gpu_busy_us_per_step`, overlaps counted
@@ -106,11 +108,28 @@ def kernel_table(trace_dir: str, steps: int, top: int) -> dict:
             "small_xla_us_per_step": sum(r["us_per_step"] for r in small), "top": rows[:top]}
 
 
+# Variants of `jsparse bench model`'s methods, profiled (--method) or timed (--time) beside them: name -> what differs.
+VARIANTS = {"kascade:switch": "decode as one layer scan with a lax.switch on the role in every layer "
+                              "(anchor_layers=None), not as runs of layers of one role"}
+
+
+def build_method(name: str, cfg, budget: float):
+    """(method, how its state was made) as `jsparse bench model` builds `name` (`bench_method`), or a variant."""
+    from eval.bench import model as bench_model
+
+    method, how = bench_model.bench_method(name.split(":")[0], cfg, budget)
+    if name == "kascade:switch":
+        method = method.replace(anchor_layers=None)
+    elif name not in bench_model.METHODS:
+        raise ValueError(f"unknown method {name!r}: expected one of {list(bench_model.METHODS) + list(VARIANTS)}")
+    return method, how + (f"; {VARIANTS[name]}" if name in VARIANTS else "")
+
+
 def main(argv=None, prog=None):
     from eval.bench import model as bench_model
 
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--method", default="evosparse", choices=list(bench_model.METHODS),
+    p.add_argument("--method", default="evosparse", choices=list(bench_model.METHODS) + list(VARIANTS),
                    help="the method whose step is profiled, built as `jsparse bench model` builds it")
     p.add_argument("--shape", default="llama3-8b", help="model shape preset (random weights)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -121,15 +140,15 @@ def main(argv=None, prog=None):
     p.add_argument("--steps", type=int, default=4, help="decode steps traced (and timed per case with --time)")
     p.add_argument("--top", type=int, default=40, help="kernels listed (by device time)")
     p.add_argument("--time", default="", metavar="METHODS",
-                   help="comma-separated methods to time first in the same process (`jsparse bench model`'s "
-                        "method_rows, dense first); e.g. dense,kascade")
+                   help="comma-separated methods (or variants) to time first in the same process (`jsparse "
+                        "bench model`'s method_rows, dense first); e.g. dense,kascade,kascade:switch")
     add_out_argument(p, "profile_decode_step.json")
     a = p.parse_args(argv)
     a.out = out_path(a.out, "profile_decode_step.json")
     timed_methods = tuple(m.strip() for m in a.time.split(",") if m.strip())
-    unknown = sorted(set(timed_methods) - set(bench_model.METHODS))
+    unknown = sorted(set(timed_methods) - set(bench_model.METHODS) - set(VARIANTS))
     if unknown:
-        p.error(f"--time: unknown {unknown}; expected some of {list(bench_model.METHODS)}")
+        p.error(f"--time: unknown {unknown}; expected some of {list(bench_model.METHODS) + list(VARIANTS)}")
     from jsparse.xla_flags import set_xla_flags
     set_xla_flags()
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # 100K x batch 4: 53 GB of cache + 16 GB weights
@@ -147,9 +166,10 @@ def main(argv=None, prog=None):
         if timed_methods[0] != "dense":
             timed_methods = ("dense",) + tuple(m for m in timed_methods if m != "dense")
         hbm = bm.measure_hbm_gbs()
-        timed = bench_model.method_rows(cfg, params, timed_methods, [ctx], [B], steps, hbm, a.budget)
+        built = {name: build_method(name, cfg, a.budget) for name in timed_methods}
+        timed = bench_model.method_rows(cfg, params, timed_methods, [ctx], [B], steps, hbm, a.budget, built=built)
 
-    m, how = bench_model.bench_method(a.method, cfg, a.budget)
+    m, how = build_method(a.method, cfg, a.budget)
     cap = round_up(ctx + 2 * steps + 1, 256)
     cache = bench_model.filled_cache(cfg, B, ctx, cap, dtype)
     state = m.init_state(cfg, B, cap)

@@ -5,6 +5,8 @@ Roles per layer (`layer_info`, scanned as `xs`):
   1  anchor: exact post-softmax weights over all visible keys, pooled over the GQA group (and in prefill over
      the query tile), top-k (k = min(max(ceil(budget * n), 128), n)), attention over the selected keys;
   2  reuse: attention over the latest anchor's indices, KV head h taking the anchor's head `head_map[l, h]`.
+In prefill each layer picks its role's branch with a `lax.switch` on `role`; decode scans each run of layers of one
+role apart (`segments`, from the static `anchor_layers`), so no decode layer waits on a conditional.
 
 Per-layer budgets (`reuse_scale` r >= 1): an anchor attends its own top-k but hands its top-(r * k) keys
 (k_r = min(max(ceil(r * budget * n), min_tokens), n)) to the reuse layers, which attend to those. r = 1 is the
@@ -59,6 +61,7 @@ from pallas_kernels.anchor_attention.common import block_width, check_block_size
 
 ARTIFACT_KIND = "kascade"
 ROLE_DENSE_ANCHOR, ROLE_ANCHOR, ROLE_REUSE = 0, 1, 2
+ROLE_TAGS = ("dense_anchor", "anchor", "reuse")  # decode's segment tag of a run of layers of each role
 
 
 @struct.dataclass
@@ -91,6 +94,9 @@ class Kascade(TokenBudget):
     reuse_scale: float = struct.field(pytree_node=False, default=1.0)  # r: reuse layers keep r * k keys
     # bs: prefill selects key blocks of bs tokens (1: tokens); a power of two dividing the tile. Decode: tokens.
     prefill_block_size: int = struct.field(pytree_node=False, default=1)
+    # The anchors as static ints (`from_anchors` sets them beside `roles`): decode scans each run of layers of
+    # one role apart (`segments`); None: the roles alone decide, a `lax.switch` in every layer.
+    anchor_layers: Optional[tuple[int, ...]] = struct.field(pytree_node=False, default=None)
 
     def __post_init__(self):
         super().__post_init__()
@@ -124,10 +130,12 @@ class Kascade(TokenBudget):
                              f"{cfg.num_kv_heads})")
         options = kwargs_for(cls, options)
         options.pop("dense_layers", None)
+        options.pop("anchor_layers", None)  # from `anchors`
         scale = float(options.get("reuse_scale", 1.0))
         if not scale >= 1.0:
             raise ValueError(f"reuse_scale={scale}: expected >= 1 (1: reuse layers keep the anchor's k keys)")
-        return cls(roles=jnp.asarray(roles), head_map=jnp.asarray(head_map), dense_layers=1, **options)
+        return cls(roles=jnp.asarray(roles), head_map=jnp.asarray(head_map), dense_layers=1,
+                   anchor_layers=tuple(int(a) for a in np.flatnonzero(roles != ROLE_REUSE)), **options)
 
     @property
     def reuse_budget(self) -> float:
@@ -148,6 +156,17 @@ class Kascade(TokenBudget):
 
     def init_state(self, cfg, batch, max_len):
         return KascadeState()
+
+    def segments(self, cfg, phase: str):
+        """Decode scans each run of consecutive layers of one role apart (`models.attention.segments`; tags
+        `ROLE_TAGS`): each layer runs its role's kernels directly, with no `lax.switch`, which on a GPU reads its
+        branch index back to the host and waits for it in every layer. Prefill is one run (a conditional per
+        layer is nothing beside a prefill's layer); so is a Kascade without static `anchor_layers`."""
+        if phase != "decode" or self.anchor_layers is None:
+            return None
+        roles = roles_from_anchors(cfg.num_layers, self.anchor_layers)
+        starts = [0] + [i for i in range(1, cfg.num_layers) if roles[i] != roles[i - 1]]
+        return tuple((a, b, ROLE_TAGS[roles[a]]) for a, b in zip(starts, starts[1:] + [cfg.num_layers]))
 
     def layer_info(self, cfg):
         return LayerRole(role=self.roles, head_map=self.head_map)
@@ -214,7 +233,12 @@ class Kascade(TokenBudget):
         def reuse():
             return attend_selected(q, cache, indices, ctx.lengths, head_map=ctx.info.head_map), indices
 
-        out, idx = jax.lax.switch(ctx.info.role, [anchor(True), anchor(False), reuse])
+        branches = [anchor(True), anchor(False), reuse]
+        tag = getattr(ctx, "segment", None)
+        if tag in ROLE_TAGS:  # a run of layers of one role (`segments`): that role's kernels, no conditional
+            out, idx = branches[ROLE_TAGS.index(tag)]()
+        else:
+            out, idx = jax.lax.switch(ctx.info.role, branches)
         return out, KascadeState(indices=idx)
 
 
