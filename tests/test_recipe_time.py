@@ -37,7 +37,9 @@ def test_recipe_counts_batch_as_the_harness():
     assert (c32["gen_prompts"], c32["gen_rows"], c32["gen_calls"]) == (220, 2, 110)
     assert c4["ppl"] == {"continuation": {"rows": 16, "calls": 2}}
     assert c32["ppl"] == {"continuation": {"rows": 2, "calls": 10}}
-    assert rt.default_plan(spec.methods, spec.lengths) == "dense@*,*@32768,*@4096,*@16384,*@8192"
+    assert rt.default_plan(spec.methods, spec.lengths) == "*@32768,dense@*,*@4096,*@16384,*@8192"
+    assert rt.parse_plan(rt.default_plan(spec.methods, spec.lengths), spec.methods, spec.lengths)[9:12] == [
+        ("dense", 4096), ("dense", 8192), ("dense", 16384)]  # every method at 32K, then dense at the others
 
 
 def test_plan_cells_in_order_once():
@@ -173,4 +175,4 @@ def test_time_limit_skips_cells_and_leaves_them_unknown(tmp_path, capsys):
     d = json.loads(out.read_text())
     assert d["cells"] == [] and len(d["skipped_cells"]) == 8
     assert d["prompt_errors"] == {} and len(d["extrapolation"]["unknown"]) == 16
-    assert "NOT in the total" in capsys.readouterr().out
+    assert "NOT in the total: 8 cells without a time" in capsys.readouterr().out

@@ -1,7 +1,7 @@
 """How long the README's GPU recipe takes, measured on random weights of its model's shape.
 
     jsparse bench recipe_time --out recipe_time.json                    # the README's recipe, Llama-3.1-8B shape
-    jsparse bench recipe_time --time-limit 240 --plan 'dense@*,*@32768,*@4096' --out DIR/
+    jsparse bench recipe_time --time-limit 240 --plan '*@32768,dense@*,*@4096' --out DIR/
 
 The recipe (README, "GPU recipe") is one `jsparse eval` run: methods x budgets x tasks x lengths. Nearly all of its
 time is forward calls of two kinds, and each depends on the (method, length) only:
@@ -30,8 +30,10 @@ since the start, it times one gen call and one ppl batch per variant at the reci
 width and decode steps), on prompts made by the tasks' own generators (each task's first samples, round robin),
 through the harness functions `jsparse eval` calls; the method at the middle one of the recipe's budget fractions
 (`--budget`). Compilation is timed apart: the seconds of jax's trace, lowering and backend-compile events during
-the call (their union), subtracted from the call's wall time; `--repeat N` also times N more calls of the
-compiled function and takes their median as the run time.
+the call (their union), subtracted from the call's wall time (what stays is a little over a compiled call's time:
+first-call work outside those events stays in; on the CPU, tiny model at 1K: 0.40 s against 0.30 s for the calls
+after it). `--repeat N` times N more calls of the compiled function and takes their median as the run time (and
+the first call's excess over it as the compile time).
 
 Extrapolation (`extrapolate`): the recipe's time is the sum over its lengths L and method runs r (one per budget
 of a method that takes one, `eval.harness.method_runs`) of
@@ -39,11 +41,13 @@ of a method that takes one, `eval.harness.method_runs`) of
 plus the compilations: per (method, length) one of each call kind, times the runs of the method when a budget
 changes the method's static fields (then every budget compiles its own; `recompiles_per_budget` checks the
 treedefs), plus building the prompts (per task, the measured seconds of a sample times the samples; per length)
-and the model fingerprint. gen_calls = ceil(prompts / rows) with prompts = (passkey + generation tasks) x
+and, once, the model fingerprint, building the methods and tokenizing the corpus. overhead_s (building the
+method at its budget and its achieved sparsity) is the measured cell's, or the method's at the nearest measured
+length. gen_calls = ceil(prompts / rows) with prompts = (passkey + generation tasks) x
 samples, as the harness batches them. A budget's call time is taken as the measured budget's. A cell not measured
 (outside the plan, past the time limit) takes: dense's time at L times the method's ratio to dense at the
-measured length nearest in log2 (L); else the method's own time at the nearest measured length (every call holds
-about the same `--max-batch-tokens` tokens); else, for a method never measured, dense's time at L. Its `source`
+measured length nearest in log2 (L); else the method's own time at the nearest measured length (a call holds
+about `--max-batch-tokens` tokens at every length up to it, though attention grows with the length); else, for a method never measured, dense's time at L. Its `source`
 says which. Not counted: loading the checkpoint (16 GB of safetensors for the 8B), calibration, writing the
 report, and the decode steps a real model saves by ending its answers early (random weights never emit EOS, so
 every call decodes all its steps: an upper bound for that part). A cell that fails (out of memory) is recorded
@@ -268,10 +272,12 @@ def recompiles_per_budget(model, spec, methods) -> dict[str, bool]:
 
 
 def default_plan(methods, lengths) -> str:
-    """Dense at every length, then every method at the longest length, the shortest, and the rest (longest first)."""
+    """Every method at the longest length (the costliest part of the recipe), dense at every length (the ratio rule
+    needs it), then every method at the shortest length and at the rest, longest first."""
     order = sorted(lengths, reverse=True)
     order = order[:1] + order[-1:] + order[1:-1] if len(order) > 1 else order
-    return ",".join(["dense@*" if "dense" in methods else ""] + [f"*@{L}" for L in order]).strip(",")
+    dense = ["dense@*"] if "dense" in methods else []
+    return ",".join([f"*@{order[0]}"] + dense + [f"*@{L}" for L in order[1:]])
 
 
 def parse_plan(text: str, methods, lengths) -> list[tuple[str, int]]:
@@ -441,6 +447,7 @@ def make_pool(model, spec, length: int, corpus_ids, gen_rows: int, ppl_rows: int
     width = max([length] * ("passkey" in made) + [len(p) for _, p, _ in gen], default=length)
     windows, windows_s = None, 0.0
     if "ppl" in spec.tasks:
+        ppl_task.check_windows(model.tokenizer, corpus_ids, length, spec.ppl_windows())  # as evaluate, up front
         t0 = time.perf_counter()
         windows = ppl_task.make_windows(model.tokenizer, corpus_ids, length, ppl_rows, spec.seed)
         windows_s = (time.perf_counter() - t0) / ppl_rows
@@ -597,8 +604,9 @@ def run(a) -> dict:
             row["error"] = str(e).splitlines()[0][:300]
             failed.append((name, length))
         payload["cells"].append(row)
-        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if not isinstance(v, dict)},
-              {k: round(v["run_s"], 3) for k, v in row.items() if isinstance(v, dict)}, flush=True)
+        print(f"{name}@{length} budget {run_.budget}: " + (row["error"] if "error" in row else ", ".join(
+            f"{k} {v['run_s']:.3f} s/call of {v['rows']} (+{v['compile_s']:.1f} s compile)" for k, v in row.items()
+            if isinstance(v, dict))), flush=True)
         finish()
     finish()
     print(summary_table(payload))
@@ -636,7 +644,9 @@ def summary_table(payload: dict) -> str:
              f"{x['compile_s'] / 3600:.2f} h + prompts {x['prompts_s'] / 60:.1f} min + setup {x['fixed_s']:.0f} s "
              "(checkpoint loading and calibration not counted)"]
     if x["unknown"] or x["failed"]:
-        lines.append(f"NOT in the total: unknown {x['unknown']}, failed {x['failed']}")
+        cells = sorted({(m, L) for m, L, _ in x["unknown"]})
+        lines.append(f"NOT in the total: {len(cells)} cells without a time (neither the method nor dense measured), "
+                     f"failed cells {x['failed']}")
     if payload["prompt_errors"]:
         lines.append(f"prompt errors (the recipe as given stops there): {payload['prompt_errors']}")
     return "\n".join(lines)
@@ -652,7 +662,8 @@ def main(argv=None, prog=None):
     p.add_argument("--shape", default="llama3-8b", help="model shape preset (llama3-8b, qwen3-8b) or 'tiny' (tests)")
     p.add_argument("--plan", default=None, metavar="METHOD@LENGTH,...",
                    help="the cells to measure, in order ('*' for every method or length of the recipe; default: "
-                        "dense@*, then *@ the longest length, the shortest, and the rest, longest first)")
+                        "every method at the longest length, dense@*, then every method at the shortest length and "
+                        "the rest, longest first: for the README's recipe *@32768,dense@*,*@4096,*@16384,*@8192)")
     p.add_argument("--time-limit", type=float, default=240.0,
                    help="seconds since the start after which no further cell starts (default 240; the others are "
                         "extrapolated)")
