@@ -372,22 +372,26 @@ def test_row_merge_option_same_generation(pair):
         make_method("sts", cfg=CFG, draft=draft, head_map=hm, row_merge="dense")
     with pytest.raises(ValueError, match="first_step_mask='yes'"):
         make_method("sts", cfg=CFG, draft=draft, head_map=hm, first_step_mask="yes")
+    with pytest.raises(ValueError, match="mask_pool=0"):
+        make_method("sts", cfg=CFG, draft=draft, head_map=hm, first_step_mask=True, mask_pool=0)
 
 
-@pytest.mark.parametrize("gamma", [3])
-def test_first_step_mask_full_budget_equals_target_only_dense_greedy(pair, gamma):
+@pytest.mark.parametrize("gamma,mask_pool", [(3, 1), (3, 2)])
+def test_first_step_mask_full_budget_equals_target_only_dense_greedy(pair, gamma, mask_pool):
     target, draft = pair
     sts = make_method("sts", cfg=CFG, draft=draft, head_map=_head_map(CFG, DRAFT_CFG), budget=1.0, tile=16,
-                      first_step_mask=True)
-    assert sts.first_step_mask and sts.for_round(DRAFT_CFG, gamma)[1].first_step_mask
+                      first_step_mask=True, mask_pool=mask_pool)
+    d_method = sts.for_round(DRAFT_CFG, gamma)[1]
+    assert sts.first_step_mask and d_method.first_step_mask and d_method.mask_pool == mask_pool
     ids = [list(range(5, 45)), list(range(60, 83))]
     ref = generate_ids(target, ids, max_new_tokens=12)
     assert generate_ids(target, ids, method=sts, max_new_tokens=12, draft=draft, gamma=gamma) == ref
 
 
-def _draft_round(first_step_mask, budget, carry, seed=0):
+def _draft_round(first_step_mask, budget, carry, seed=0, mask_pool=1):
     """One draft layer through a round's first step (T = 2) and two later steps (T = 1) on a random cache.
-    Returns (records after each step, outputs of the later steps, q of the later steps, k, v, lengths, W)."""
+    Returns (states after each step, outputs of the later steps, q of the later steps, k, v, lengths, W, gamma);
+    with `first_step_mask` the states' records are read through `pool_record` (what the target adopts)."""
     from jsparse.methods.sts import StsDraft, empty_record
     from models.attention import LayerContext, LayerKV
 
@@ -395,9 +399,10 @@ def _draft_round(first_step_mask, budget, carry, seed=0):
     lengths = jnp.array([41, 23])  # after the first step (T = 2)
     keys = jax.random.split(jax.random.key(seed), 6)
     k, v = (jax.random.normal(keys[i], (B, Hkv, N, D)) for i in (0, 1))
-    draft = StsDraft(budget=budget, min_tokens=0, tile=16, slack=gamma, carry=carry, first_step_mask=first_step_mask)
+    draft = StsDraft(budget=budget, min_tokens=0, tile=16, slack=gamma, carry=carry, first_step_mask=first_step_mask,
+                     mask_pool=mask_pool)
     W = draft.decode_width(N)
-    rec = empty_record(1, B, Hq, 1, W)
+    rec = empty_record(1, B, Hq, 1, W, draft.pool_width(N))
     records, outs, qs = [], [], []
     for step, T in enumerate((2, 1, 1)):
         q = jax.random.normal(keys[2 + step], (B, T, Hq, D))
@@ -409,20 +414,26 @@ def _draft_round(first_step_mask, budget, carry, seed=0):
     return records, outs, qs, k, v, lengths, W, gamma
 
 
-@pytest.mark.parametrize("carry", [0.0, 0.5])
-def test_first_step_mask_record_matches_reference(carry):
-    """Small budget: a later draft step attends, per query head, to the first step's recorded keys S plus the
-    last gamma keys (softmax over that set), and the record keeps S with weights carry * old + p (numpy)."""
-    records, outs, qs, k, v, lengths, W, gamma = _draft_round(True, 6, carry)
-    first = records[0]
-    S = np.asarray(first.idx[0, :, :, 0])  # [B, Hq, W]
-    assert (S >= 0).sum(axis=-1).min() == W  # a full record: the keys of the first step
+@pytest.mark.parametrize("carry,mask_pool", [(0.0, 1), (0.5, 1), (0.5, 2)])
+def test_first_step_mask_record_matches_reference(carry, mask_pool):
+    """Small budget: the first step keeps a pool S of its top P = mask_pool * W keys; a later draft step attends,
+    per query head, to S plus the last gamma keys (softmax over that set), the pool keeps S with weights
+    carry * old + p, and the record the target adopts is the top W of S by that weight (numpy)."""
+    from jsparse.methods.sts import pool_record
+
+    states, outs, qs, k, v, lengths, W, gamma = _draft_round(True, 6, carry, mask_pool=mask_pool)
+    first = states[0]
+    S = np.asarray(first.pool_idx[0])  # [B, Hq, P]
+    P = S.shape[-1]
+    assert P == min(mask_pool * W, k.shape[2])
+    # a full pool: the first step's top P of the visible keys
+    np.testing.assert_array_equal((S >= 0).sum(axis=-1), np.broadcast_to(np.minimum(P, np.asarray(lengths))[:, None], S.shape[:2]))
     kk, vv = np.asarray(k, np.float64), np.asarray(v, np.float64)
     B, Hq, D = S.shape[0], S.shape[1], kk.shape[-1]
-    old = np.asarray(first.val[0, :, :, 0], np.float64)
+    old = np.asarray(first.pool_val[0], np.float64)
     for step in (1, 2):
-        rec = records[step]
-        np.testing.assert_array_equal(np.asarray(rec.idx[0, :, :, 0]), S)  # the keys stay S
+        st = states[step]
+        np.testing.assert_array_equal(np.asarray(st.pool_idx[0]), S)  # the keys stay S
         q = np.asarray(qs[step], np.float64)
         new = np.zeros_like(old)
         for b in range(B):
@@ -434,14 +445,41 @@ def test_first_step_mask_record_matches_reference(carry):
                 p /= p.sum()
                 np.testing.assert_allclose(np.asarray(outs[step])[b, 0, h], p @ vv[b, h // 2, keys], atol=1e-5)
                 weight = dict(zip(keys, p))
-                new[b, h] = [weight[i] + carry * old[b, h, j] for j, i in enumerate(S[b, h])]
-        np.testing.assert_allclose(np.asarray(rec.val[0, :, :, 0]), new, rtol=1e-5, atol=1e-7)
+                new[b, h] = [weight[i] + carry * old[b, h, j] if i >= 0 else old[b, h, j]
+                             for j, i in enumerate(S[b, h])]
+        np.testing.assert_allclose(np.asarray(st.pool_val[0]), new, rtol=1e-5, atol=1e-7)
+        rec = pool_record(st)  # what the target adopts: the top W of the pool by pooled weight
+        assert rec.pool_idx is None and rec.idx.shape == (1, B, Hq, 1, W)
+        for b in range(B):
+            for h in range(Hq):
+                slots = [j for j in range(P) if S[b, h, j] >= 0]
+                best = sorted(slots, key=lambda j: (-new[b, h, j], S[b, h, j]))[:W]
+                got = np.asarray(rec.idx[0, b, h, 0])
+                np.testing.assert_array_equal(got[got >= 0], np.sort(S[b, h, best]))
+                np.testing.assert_allclose(np.asarray(rec.val[0, b, h, 0])[got >= 0],
+                                           [new[b, h, j] for j in sorted(best, key=lambda j: S[b, h, j])],
+                                           rtol=1e-5, atol=1e-7)
         old = new
+
+
+def test_first_step_mask_pool_first_step_record_is_the_dense_steps():
+    """After the round's first step the record the target adopts from a pool of 2 W keys is the default draft's
+    first-step record (the top W of the same weights)."""
+    from jsparse.methods.sts import pool_record
+
+    masked = _draft_round(True, 6, 0.5, mask_pool=2)[0][0]
+    dense = _draft_round(False, 6, 0.5)[0][0]
+    assert masked.pool_idx.shape[-1] == 2 * dense.idx.shape[-1]
+    rec = pool_record(masked)
+    np.testing.assert_array_equal(np.asarray(rec.idx), np.asarray(dense.idx))
+    np.testing.assert_allclose(np.asarray(rec.val), np.asarray(dense.val), rtol=1e-6)
 
 
 def test_first_step_mask_full_budget_record_and_output_equal_dense_steps():
     """Full budget: the first step records every visible key, so the later steps' attention is dense attention
     and their record holds today's weights on every key before the round's new tokens."""
+    from jsparse.methods.sts import pool_record
+
     masked = _draft_round(True, 1.0, 0.5)
     dense = _draft_round(False, 1.0, 0.5)
     lengths = masked[5]
@@ -449,7 +487,8 @@ def test_first_step_mask_full_budget_record_and_output_equal_dense_steps():
         np.testing.assert_allclose(np.asarray(masked[1][step]), np.asarray(dense[1][step]), atol=1e-5)
         for b in range(2):
             first_len = int(lengths[b])
-            m_idx, m_val = np.asarray(masked[0][step].idx[0, b, :, 0]), np.asarray(masked[0][step].val[0, b, :, 0])
+            m_rec = pool_record(masked[0][step])
+            m_idx, m_val = np.asarray(m_rec.idx[0, b, :, 0]), np.asarray(m_rec.val[0, b, :, 0])
             d_idx, d_val = np.asarray(dense[0][step].idx[0, b, :, 0]), np.asarray(dense[0][step].val[0, b, :, 0])
             for h in range(m_idx.shape[0]):
                 np.testing.assert_array_equal(m_idx[h][m_idx[h] >= 0], np.arange(first_len))

@@ -100,6 +100,12 @@ METHODS = ("dense", "kascade", "evosparse", "quest", "streaming", "oracle", "h2o
 KASCADE_ANCHORS = 5
 
 
+def kascade_anchors(cfg, count: int = KASCADE_ANCHORS) -> list[int]:
+    """`count` anchor layers evenly spread over the model, layer 0 first: the synthetic Kascade state of a model of
+    random weights (calibration on random weights means nothing)."""
+    return sorted({round(i * cfg.num_layers / count) for i in range(count)})
+
+
 def bench_method(name: str, cfg, budget: float, evo_budget_tokens: int | None = None):
     """(method, how its state was made) for the benchmark at model shape `cfg`; evo_budget_tokens: EvoSparse's
     token budget (None: the benchmark's 2048; the correctness check's small context takes a smaller one)."""
@@ -107,7 +113,7 @@ def bench_method(name: str, cfg, budget: float, evo_budget_tokens: int | None = 
         return make_method("dense"), "none"
     if name == "kascade":
         from jsparse.methods.kascade import Kascade
-        anchors = sorted({round(i * cfg.num_layers / KASCADE_ANCHORS) for i in range(KASCADE_ANCHORS)})
+        anchors = kascade_anchors(cfg)
         return (Kascade.from_anchors(cfg, anchors, budget=budget),
                 f"synthetic: anchors {anchors}, identity head map (calibration on random weights means nothing)")
     if name == "evosparse":

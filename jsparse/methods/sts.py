@@ -10,11 +10,13 @@ attends densely and records, per draft layer and query head, the top-W keys of i
     Kascade's prefill does), computed tile by tile (never a [T, T] array).
 
 With `first_step_mask` (not in the paper; default off) only the round's first draft step (the call with
-T >= 2 queries: [prev, tok], or an appended message) attends densely and takes the top-W over the cache; the
-later steps (one query each) attend, per query head, through that step's W recorded keys plus the last gamma
-keys (the round's new tokens) and update the recorded keys' weights (same `carry` rule, the softmax taken over
-that set) instead of a top-W over the cache: the record keeps the first step's keys, of which at least W - 1 =
-K + gamma - 1 lie before the round, so the target still has K keys to choose from.
+T >= 2 queries: [prev, tok], or an appended message) attends densely and takes a top-P over the cache, the pool
+(P = `mask_pool` * W); the later steps (one query each) attend, per query head, through the pool plus the last
+gamma keys (the round's new tokens) and update the pool's weights (same `carry` rule, the softmax taken over
+that set) instead of a top-W over the cache. The target takes each row's top W of the pooled weights
+(`pool_record`), so keys the later queries weigh most can enter the record as long as the first step ranked
+them among its top P; with `mask_pool` 1 the record holds exactly the first step's keys, of which at least
+W - 1 = K + gamma - 1 lie before the round, so the target still has K keys to choose from.
 
 The target's method (`STS`) adopts that record and, at target layer l, takes for each query head h the row of
 draft (layer, head) = head_map[l, h] (the calibrated STS head map, `sts_calibration`), sums the rows of the
@@ -190,15 +192,43 @@ class DraftRecord:
 
     idx: i32[L_d, B, Hq_d, R, W] (-1 padded); val: f32[...] their pooled weights. R = 1 in decode (positions
     ascending), one row per query tile in prefill (rank order). Readers treat a row as a set.
+
+    With `first_step_mask` the draft's decode state also holds the pool: pool_idx i32[L_d, B, Hq_d, P] (P >= W
+    keys per head, ascending, -1 padded: the round's first step's top P) and pool_val f32[...] their weights
+    pooled over the round's steps; the draft leaves idx / val alone and the target's `STS.adopt_draft` takes the
+    row's top W from the pool (`pool_record`). None otherwise (the target's own state never holds a pool).
     """
 
     idx: Array
     val: Array
+    pool_idx: Array | None = None
+    pool_val: Array | None = None
 
 
-def empty_record(layers: int, batch: int, heads: int, rows: int, width: int) -> DraftRecord:
+def empty_record(layers: int, batch: int, heads: int, rows: int, width: int, pool: int = 0) -> DraftRecord:
+    """An empty record ([L, B, H, rows, width]; with `pool` > 0 also an empty pool of that width)."""
     shape = (layers, batch, heads, rows, width)
-    return DraftRecord(idx=jnp.full(shape, -1, jnp.int32), val=jnp.zeros(shape, jnp.float32))
+    rec = DraftRecord(idx=jnp.full(shape, -1, jnp.int32), val=jnp.zeros(shape, jnp.float32))
+    if pool:
+        rec = rec.replace(pool_idx=jnp.full(shape[:3] + (pool,), -1, jnp.int32),
+                          pool_val=jnp.zeros(shape[:3] + (pool,), jnp.float32))
+    return rec
+
+
+def pool_record(rec: DraftRecord, implementation: str | None = None) -> DraftRecord:
+    """The record the target reads from a draft state with a pool: per draft layer and head the top W (the
+    record's width) of the pool's keys by pooled weight (ties to the lower position), ascending, -1 padded; a
+    state without a pool is returned as it is."""
+    if rec.pool_idx is None:
+        return rec
+    W = rec.idx.shape[-1]
+    scores = jnp.where(rec.pool_idx >= 0, rec.pool_val, NEG_INF)  # positions ascending along the pool
+    slot = topk_select(scores, W, W, implementation=implementation)  # slots of the pool, ascending
+    ok = slot >= 0
+    safe = jnp.maximum(slot, 0)
+    idx = jnp.where(ok, jnp.take_along_axis(rec.pool_idx, safe, axis=-1), -1)
+    val = jnp.where(ok, jnp.take_along_axis(rec.pool_val, safe, axis=-1), 0.0)
+    return DraftRecord(idx=idx[:, :, :, None].astype(jnp.int32), val=val[:, :, :, None])
 
 
 @struct.dataclass
@@ -219,6 +249,10 @@ class _Budget:
     # update the weights of the recorded keys instead of a top-W over the cache (`StsDraft.decode`). False: the
     # paper's dense draft steps.
     first_step_mask: bool = struct.field(pytree_node=False, default=False)
+    # With `first_step_mask`: the first step keeps its top `mask_pool` * W keys (W = `decode_width`) as the pool
+    # the later steps attend through and re-weight; the target takes the top W of the pooled weights. 1: the
+    # record is the first step's top W (later steps cannot change which keys it holds).
+    mask_pool: int = struct.field(pytree_node=False, default=1)
     # How the target unites a GQA group's draft rows: "index" (`merge_rows`: sort and sum the <= G * W + sink +
     # local entries) or "scatter" (`merge_rows_reference`: an N-wide score array, the specification). Same keys.
     row_merge: str = struct.field(pytree_node=False, default="index")
@@ -231,13 +265,18 @@ class _Budget:
     def prefill_width(self, T: int) -> int:
         return budget_k(self.budget, T, self.min_tokens)
 
+    def pool_width(self, capacity: int) -> int:
+        """Keys in the draft's pool (`first_step_mask`; 0 without it)."""
+        return min(self.mask_pool * self.decode_width(capacity), capacity) if self.first_step_mask else 0
+
 
 @struct.dataclass
 class StsDraft(_Budget):
     """The draft's method in STS: dense attention that records its attention rows (`DraftRecord`)."""
 
     def init_state(self, cfg, batch, max_len):
-        return empty_record(cfg.num_layers, batch, cfg.num_heads, 1, self.decode_width(max_len))
+        return empty_record(cfg.num_layers, batch, cfg.num_heads, 1, self.decode_width(max_len),
+                            self.pool_width(max_len))
 
     def end_prefill(self, cfg, state, batch, max_len):
         return self.init_state(cfg, batch, max_len)
@@ -257,30 +296,36 @@ class StsDraft(_Budget):
 
     def decode(self, ctx, q, cache, state):
         T = q.shape[1]
-        if self.first_step_mask and T == 1:
+        masked = self.first_step_mask
+        if masked and state.pool_idx is None:
+            raise ValueError("StsDraft(first_step_mask=True) needs a state with a pool: build it with "
+                             "`init_state` (empty_record(..., pool=pool_width(capacity)))")
+        if masked and T == 1:
             return self._later_step(ctx, q, cache, state)
         out, probs = attend_and_probs(q, cache, ctx.lengths)  # probs f32[B, Hq, N]
+        rec_idx, rec_val = (state.pool_idx, state.pool_val) if masked else (state.idx[:, :, :, 0], state.val[:, :, :, 0])
         if self.carry:  # the earlier steps' recorded weights, decayed: h = carry * h + s over the steps
-            old = _scores(state.idx[ctx.layer][:, :, 0], state.val[ctx.layer][:, :, 0], cache.k.shape[2],
-                          ctx.lengths)
+            old = _scores(rec_idx[ctx.layer], rec_val[ctx.layer], cache.k.shape[2], ctx.lengths)
             probs = probs + self.carry * jnp.where(jnp.isfinite(old), old, 0.0)
         visible = jnp.arange(cache.k.shape[2])[None, None, :] < ctx.lengths[:, None, None]
-        val, idx = _topk_set(jnp.where(visible, probs, NEG_INF), state.idx.shape[-1], self.selection)
+        val, idx = _topk_set(jnp.where(visible, probs, NEG_INF), rec_idx.shape[-1], self.selection)
+        if masked:  # the first step of a round: the pool
+            return out, state.replace(pool_idx=state.pool_idx.at[ctx.layer].set(idx),
+                                      pool_val=state.pool_val.at[ctx.layer].set(val))
         state = DraftRecord(idx=state.idx.at[ctx.layer].set(idx[:, :, None]),
                             val=state.val.at[ctx.layer].set(val[:, :, None]))
         return out, state
 
     def _later_step(self, ctx, q, cache, state):
         """A round's later draft step with `first_step_mask`: per query head h, attention over the keys S_h of
-        its record (written by the round's first step, a call with T >= 2 queries) plus the last `slack` keys
-        (the round's new tokens; a key in both is attended once), softmax over that set; the record keeps the
+        its pool (written by the round's first step, a call with T >= 2 queries) plus the last `slack` keys
+        (the round's new tokens; a key in both is attended once), softmax over that set; the pool keeps the
         keys S_h and updates their weights, h = carry * h + p. q: [B, 1, Hq, D] -> ([B, 1, Hq, D], state)."""
-        B, _, Hq, D = q.shape
-        idx = state.idx[ctx.layer][:, :, 0]  # [B, Hq, W]: S_h ascending, -1 padded
-        old = state.val[ctx.layer][:, :, 0]
+        idx = state.pool_idx[ctx.layer]  # [B, Hq, P]: S_h ascending, -1 padded
+        old = state.pool_val[ctx.layer]
         out, p_rec = later_step_attention(q, cache, ctx.lengths, idx, self.slack)
         val = jnp.where(idx >= 0, p_rec + self.carry * jnp.where(jnp.isfinite(old), old, 0.0), old)
-        return out, state.replace(val=state.val.at[ctx.layer].set(val[:, :, None]))
+        return out, state.replace(pool_val=state.pool_val.at[ctx.layer].set(val))
 
 
 def later_step_attention(q: Array, cache, lengths: Array, idx: Array, window: int) -> tuple[Array, Array]:
@@ -427,6 +472,7 @@ class STS(_Budget):
             raise ValueError(f"carry={self.carry!r}: expected a decay in [0, 1] (0: the draft's last step alone)")
         if not isinstance(self.first_step_mask, (bool, np.bool_)):
             raise ValueError(f"first_step_mask={self.first_step_mask!r}: expected true or false")
+        sel.check_positive_int("mask_pool", self.mask_pool, 1)
         if self.row_merge not in ROW_MERGES:
             raise ValueError(f"row_merge={self.row_merge!r}: expected one of {ROW_MERGES}")
         if self.selection is not None and self.selection not in IMPLEMENTATIONS:
@@ -436,7 +482,7 @@ class STS(_Budget):
     @classmethod
     def build(cls, cfg=None, draft=None, artifact=None, fingerprint=None, head_map=None, budget=0.1,
               min_tokens=128, tile=32, selection=None, dense_layers=0, sink=0, local=0, carry=0.5,
-              first_step_mask=False, row_merge="index", **unused):
+              first_step_mask=False, mask_pool=1, row_merge="index", **unused):
         """Builds STS for target `cfg` and `draft` (a LoadedModel) from an `artifact` folder (`jsparse calibrate
         sts`, checked against both models' fingerprints) or an explicit `head_map` i32[L_t, Hq_t, 2]."""
         if cfg is None or draft is None:
@@ -456,7 +502,7 @@ class STS(_Budget):
         return cls(head_map=jnp.asarray(head_map), budget=float(budget), min_tokens=min_tokens, tile=tile,
                    selection=selection, draft_layers=draft.cfg.num_layers, draft_heads=draft.cfg.num_heads,
                    dense_layers=dense_layers, sink=sink, local=local, carry=float(carry),
-                   first_step_mask=first_step_mask, row_merge=row_merge)
+                   first_step_mask=first_step_mask, mask_pool=mask_pool, row_merge=row_merge)
 
     # -- speculative decoding hooks (models.speculative)
 
@@ -467,10 +513,11 @@ class STS(_Budget):
                              f"got a draft of {draft_cfg.num_layers} x {draft_cfg.num_heads}")
         m = self.replace(slack=max(gamma, 1))
         return m, StsDraft(budget=m.budget, min_tokens=m.min_tokens, tile=m.tile, slack=m.slack,
-                           selection=m.selection, carry=m.carry, first_step_mask=m.first_step_mask)
+                           selection=m.selection, carry=m.carry, first_step_mask=m.first_step_mask,
+                           mask_pool=m.mask_pool)
 
     def adopt_draft(self, state, draft_state):
-        return draft_state
+        return pool_record(draft_state, self.selection)
 
     def init_state(self, cfg, batch, max_len):
         return empty_record(self.draft_layers, batch, self.draft_heads, 1, self.decode_width(max_len))

@@ -8,9 +8,11 @@ Per (context, batch) cell, in one process (dense measured in the same run):
   * the draft's own steps: dense (no record), STS's round-opening step (T = 2: dense + a top-W per layer and head
     over the cache), STS's later step with dense attention + top-W (the paper's) and with `first_step_mask`
     (attention through the first step's record plus the round's new keys, no top-W);
+    and with `first_step_mask` and a pool of `mask_pool` p * W keys (POOLS; the first step takes the top p * W);
   * whole rounds (gamma draft steps + verification, `models.speculative.round_step`, caches donated) for dense
-    speculative decoding and for STS: "old" (scatter merge, dense draft steps), "index" (index-level merge, dense
-    draft steps), "index+mask" (index-level merge, `first_step_mask`). A round does the same work whatever the
+    speculative decoding and for STS (ROUND_VARIANTS): "old" (scatter merge, dense draft steps), "index"
+    (index-level merge, dense draft steps), "index+mask" (index-level merge, `first_step_mask`),
+    "index+mask_poolP" (the same with `mask_pool` P). A round does the same work whatever the
     accepted length a (the forward shapes are fixed), so each round is timed once (a forced to ACCEPT, default 3)
     and tokens/s = B * (a + 1) / round time is reported for a = 0 .. gamma.
 Bytes floors: weights + KV bytes read per step. Writes JSON to $OUT/$JSON (default sts_bench.json) and prints a table.
@@ -45,6 +47,8 @@ if SMOKE:  # a CPU check of the script on tiny shapes
     D_CFG = dataclasses.replace(T_CFG, num_layers=1)
 BF = jnp.bfloat16
 ACCEPT = int(os.environ.get("ACCEPT", 3))
+POOLS = [int(x) for x in os.environ.get("POOLS", "2,4").split(",") if x]  # `mask_pool` values measured
+ROUND_VARIANTS = os.environ.get("ROUND_VARIANTS", "index,index+mask," + ",".join(f"index+mask_pool{p}" for p in POOLS))
 
 
 def timeit(fn, carry, n=5, warm=2):
@@ -77,6 +81,12 @@ def param_bytes(p):
 
 def ints(name, default):
     return [int(x) for x in os.environ.get(name, default).split(",") if x]
+
+
+def with_pool(rng, rec, P, n):
+    """The record plus a random pool of P keys per layer, row and head (the draft state of `first_step_mask`)."""
+    pool = random_record(rng, D_CFG, rec.idx.shape[1], P, n)
+    return rec.replace(pool_idx=pool.idx[:, :, :, 0], pool_val=pool.val[:, :, :, 0])
 
 
 def random_record(rng, cfg, B, W, n):
@@ -138,6 +148,8 @@ def main():
                            draft_heads=D_CFG.num_heads)
                 variants = {"old": base.replace(row_merge="scatter"), "index": base,
                             "index+mask": base.replace(first_step_mask=True)}
+                variants.update({f"index+mask_pool{p}": base.replace(first_step_mask=True, mask_pool=p)
+                                 for p in POOLS})
                 pairs = {name: m.for_round(D_CFG, GAMMA) for name, m in variants.items()}
                 W = pairs["index"][0].decode_width(cap)
                 rec = random_record(rng, D_CFG, B, W, n)
@@ -152,10 +164,15 @@ def main():
                 # first_step_mask (carry threads the draft cache and the record)
                 copy = lambda r: jax.tree_util.tree_map(jnp.copy, r)  # noqa: E731
                 two = jnp.ones((B, 2), jnp.int32)
-                for label, dm, t in (("draft_sts_first_step_ms", pairs["index"][1], two),
-                                     ("draft_sts_later_step_dense_ms", pairs["index"][1], tok[:, None]),
-                                     ("draft_sts_later_step_mask_ms", pairs["index+mask"][1], tok[:, None])):
-                    st = (s.draft, copy(rec))
+                steps = [("draft_sts_first_step_ms", pairs["index"][1], two),
+                         ("draft_sts_later_step_dense_ms", pairs["index"][1], tok[:, None])]
+                for name in ["index+mask"] + [f"index+mask_pool{p}" for p in POOLS]:
+                    suffix = name.split("+")[1]
+                    steps += [(f"draft_sts_first_step_{suffix}_ms", pairs[name][1], two),
+                              (f"draft_sts_later_step_{suffix}_ms", pairs[name][1], tok[:, None])]
+                for label, dm, t in steps:
+                    P = dm.pool_width(cap)
+                    st = (s.draft, with_pool(rng, copy(rec), P, n) if P else copy(rec))
                     ms, st = timeit(lambda c, dm=dm, t=t: ddec(dp, dm, t, *c), st)
                     s = s.replace(draft=st[0].replace(lengths=jnp.full((B,), n, jnp.int32)))
                     row[label] = ms
@@ -164,11 +181,15 @@ def main():
                                           draft_dense_step=wb_d + B * n * kv_tok_d,
                                           # the later masked step gathers W + gamma keys per QUERY head
                                           draft_later_step_mask=wb_d + B * (W + GAMMA) * kv_tok_d
-                                          * D_CFG.num_heads // D_CFG.num_kv_heads)
+                                          * D_CFG.num_heads // D_CFG.num_kv_heads,
+                                          **{f"draft_later_step_mask_pool{p}": wb_d + B * (min(p * W, cap) + GAMMA)
+                                             * kv_tok_d * D_CFG.num_heads // D_CFG.num_kv_heads for p in POOLS})
                 # (b) whole rounds
                 if budget in round_budgets:
                     rounds = {}
                     for name, (tm, dm) in pairs.items():
+                        if name not in ROUND_VARIANTS:
+                            continue
                         ms, s = round_ms(s, tm, dm, copy(rec), dm.init_state(D_CFG, B, cap))
                         rounds[name] = ms
                     row["sts_round_ms"] = rounds
@@ -184,10 +205,11 @@ def main():
                         f"old {row['verify_sts_old_ms']:.2f} ({row['verify_speedup_old']:.2f}x) index "
                         f"{row['verify_sts_index_ms']:.2f} ({row['verify_speedup_index']:.2f}x) | draft dense "
                         f"{t_draft_dense:.2f} first {row['draft_sts_first_step_ms']:.2f} later dense "
-                        f"{row['draft_sts_later_step_dense_ms']:.2f} mask {row['draft_sts_later_step_mask_ms']:.2f}")
+                        f"{row['draft_sts_later_step_dense_ms']:.2f} mask "
+                        + " / ".join(f"{row[k]:.2f}" for k in row if k.startswith("draft_sts_later_step_mask")))
                 if "sts_round_ms" in row:
                     line += " | a=%d vs dense decode: " % ACCEPT + ", ".join(
-                        f"{name} {row[f'sts_{name}_vs_dense_decode_a{ACCEPT}']:.2f}x" for name in pairs)
+                        f"{name} {row[f'sts_{name}_vs_dense_decode_a{ACCEPT}']:.2f}x" for name in row["sts_round_ms"])
                 print(line, flush=True)
             s = tc = dc = tcache = st = dstate = None
         except Exception as e:  # noqa: BLE001 - an OOM cell is reported, not hidden
@@ -200,9 +222,10 @@ def main():
                        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        commit=os.environ.get("GIT_COMMIT", ""),
                        command="python eval/results/h100/sts_bench/bench_sts.py (env: CELLS=%s BUDGETS=%s "
-                               "ROUND_BUDGETS=%s ACCEPT=%d)" % (os.environ.get("CELLS", ""),
-                                                                os.environ.get("BUDGETS", ""),
-                                                                os.environ.get("ROUND_BUDGETS", ""), ACCEPT),
+                               "ROUND_BUDGETS=%s ACCEPT=%d POOLS=%s ROUND_VARIANTS=%s)" % (
+                                   os.environ.get("CELLS", ""), os.environ.get("BUDGETS", ""),
+                                   os.environ.get("ROUND_BUDGETS", ""), ACCEPT, os.environ.get("POOLS", ""),
+                                   ROUND_VARIANTS),
                        target="llama3-8b shapes", draft="llama3.2-1b shapes", dtype="bfloat16", gamma=GAMMA,
                        accepted_timed=ACCEPT, smoke=SMOKE, weights_bytes=dict(target=wb_t, draft=wb_d), records=recs),
                   open(os.path.join(out, os.environ.get("JSON", "sts_bench.json")), "w"), indent=1)
