@@ -19,9 +19,11 @@ a `lax.switch` on the role in every layer).
 The JSON's kernel table counts the device ops of the trace (events on GPU streams): per step, the kernels and
 their device time (`device_us_per_step`), the time some kernel runs (`gpu_busy_us_per_step`, overlaps counted
 once) against the span from the first kernel to the last (`gpu_span_us_per_step`): the difference,
-`gpu_idle_us_per_step`, is the GPU waiting on the host (launch gaps, a conditional's predicate read back); and the
-XLA fusions and copies that take under 5 us a launch (`small_xla_*`), the per-layer bookkeeping. A CPU run
-(tests) writes the same JSON with an empty table: its trace has no GPU streams.
+`gpu_idle_us_per_step`, is the GPU waiting on the host (launch gaps, a conditional's predicate read back; the
+tracer slows the host's launches, so this is an upper bound: `wall_ms_per_step_traced` beside the untraced
+`timed` rows shows by how much); and the XLA fusions and copies that take under 5 us a launch (`small_xla_*`),
+the per-layer bookkeeping. A CPU run (tests) writes the same JSON with an empty table: its trace has no GPU
+streams.
 """
 
 from __future__ import annotations
