@@ -52,11 +52,12 @@ def test_profiles_the_kascade_step_as_bench_model_builds_it_on_the_cpu(tmp_path,
     monkeypatch.setattr(bench_model.bm, "measure_hbm_gbs", lambda: 1000.0)
     out = tmp_path / "profile_kascade.json"
     assert prof.main(["--method", "kascade", "--dtype", "float32", "--context", "384", "--batch", "2", "--steps",
-                      "2", "--time", "kascade,kascade:switch", "--out", str(out)]) == 0
+                      "2", "--time", "kascade,kascade:switch", "--trace-dir", str(tmp_path / "trace"), "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     assert (r["method"], r["context"], r["batch"], r["budget"], r["steps"]) == ("kascade", 384, 2, 0.1, 2)
     assert r["state"].startswith("synthetic: anchors [0, 1, 2, 4, 5], identity head map")
     assert r["wall_ms_per_step_traced"] > 0 and r["gpu_processes"] == [] and r["top"] == []
+    assert r["trace"].startswith(str(tmp_path / "trace")) and r["trace"].endswith(".trace.json.gz")
     assert [t["method"] for t in r["timed"]] == ["dense", "kascade", "kascade:switch"]  # dense first: the baseline
     assert all(t["step_ms"] > 0 and t["context"] == 384 and "error" not in t for t in r["timed"])
     assert r["timed"][0]["speedup"] == 1.0 and r["timed"][1]["floor_speedup"] > 1.0

@@ -144,6 +144,8 @@ def main(argv=None, prog=None):
     p.add_argument("--time", default="", metavar="METHODS",
                    help="comma-separated methods (or variants) to time first in the same process (`jsparse "
                         "bench model`'s method_rows, dense first); e.g. dense,kascade,kascade:switch")
+    p.add_argument("--trace-dir", default=None,
+                   help="folder of the Perfetto trace (default /tmp/jsparse_profile_METHOD_PID)")
     add_out_argument(p, "profile_decode_step.json")
     a = p.parse_args(argv)
     a.out = out_path(a.out, "profile_decode_step.json")
@@ -183,7 +185,7 @@ def main(argv=None, prog=None):
     hlo = step.lower(params, m, tok, cache, state, cfg=cfg, steps=steps).compile().as_text()
     with gzip.open(os.path.splitext(a.out)[0] + ".hlo.txt.gz", "wt") as f:  # to look up what a fusion computes
         f.write(hlo)
-    d = f"/tmp/jsparse_profile_{a.method}_{os.getpid()}"
+    d = a.trace_dir or f"/tmp/jsparse_profile_{a.method}_{os.getpid()}"
     t = time.perf_counter()
     with jax.profiler.trace(d, create_perfetto_trace=True):
         tok, cache, state = step(params, m, tok, cache, state, cfg=cfg, steps=steps)
