@@ -97,6 +97,21 @@ def random_record(rng, cfg, B, W, n):
     return DraftRecord(idx=jnp.asarray(idx, jnp.int32), val=jnp.asarray(rng.random(idx.shape), jnp.float32))
 
 
+def dump(out, recs, wb_t, wb_d):
+    """Writes the JSON (after every row, so a run cut short keeps what it measured)."""
+    json.dump(dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   commit=os.environ.get("GIT_COMMIT", ""),
+                   command="python eval/results/h100/sts_bench/bench_sts.py (env: CELLS=%s BUDGETS=%s "
+                           "ROUND_BUDGETS=%s ACCEPT=%d POOLS=%s ROUND_VARIANTS=%s)" % (
+                               os.environ.get("CELLS", ""), os.environ.get("BUDGETS", ""),
+                               os.environ.get("ROUND_BUDGETS", ""), ACCEPT, os.environ.get("POOLS", ""),
+                               ROUND_VARIANTS),
+                   target="llama3-8b shapes", draft="llama3.2-1b shapes", dtype="bfloat16", gamma=GAMMA,
+                   accepted_timed=ACCEPT, smoke=SMOKE, weights_bytes=dict(target=wb_t, draft=wb_d), records=recs),
+              open(os.path.join(out, os.environ.get("JSON", "sts_bench.json")), "w"), indent=1)
+
+
 def main():
     out = os.environ.get("OUT", "/tmp")
     tp = random_params(T_CFG, jax.random.key(0), BF)
@@ -201,6 +216,7 @@ def main():
                             row[f"sts_{name}_vs_dense_decode_a{a}"] = tps / row0["dense_decode_tokens_per_s"]
                             row[f"sts_{name}_vs_dense_spec_a{a}"] = tps / dense_spec
                 recs.append(row)
+                dump(out, recs, wb_t, wb_d)
                 line = (f"ctx {ctx} B {B} k {budget}: dense step {t_dense_step:.2f} ms | verify dense {t_ver_dense:.2f} "
                         f"old {row['verify_sts_old_ms']:.2f} ({row['verify_speedup_old']:.2f}x) index "
                         f"{row['verify_sts_index_ms']:.2f} ({row['verify_speedup_index']:.2f}x) | draft dense "
@@ -218,17 +234,7 @@ def main():
             print(f"ctx {ctx} B {B}: failed: {msg}", flush=True)
             recs.append(dict(context=ctx, batch=B, error=msg))
             s = tc = dc = tcache = st = dstate = None
-        json.dump(dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
-                       date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       commit=os.environ.get("GIT_COMMIT", ""),
-                       command="python eval/results/h100/sts_bench/bench_sts.py (env: CELLS=%s BUDGETS=%s "
-                               "ROUND_BUDGETS=%s ACCEPT=%d POOLS=%s ROUND_VARIANTS=%s)" % (
-                                   os.environ.get("CELLS", ""), os.environ.get("BUDGETS", ""),
-                                   os.environ.get("ROUND_BUDGETS", ""), ACCEPT, os.environ.get("POOLS", ""),
-                                   ROUND_VARIANTS),
-                       target="llama3-8b shapes", draft="llama3.2-1b shapes", dtype="bfloat16", gamma=GAMMA,
-                       accepted_timed=ACCEPT, smoke=SMOKE, weights_bytes=dict(target=wb_t, draft=wb_d), records=recs),
-                  open(os.path.join(out, os.environ.get("JSON", "sts_bench.json")), "w"), indent=1)
+        dump(out, recs, wb_t, wb_d)
 
 
 if __name__ == "__main__":
