@@ -86,9 +86,10 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--depths", default=",".join(f"{d:g}" for d in DEFAULT_DEPTHS),
                    help="passkey needle depths, fractions in [0, 1] (default 0.1,0.3,0.5,0.7,0.9)")
     p.add_argument("--haystack", choices=["repeat", "corpus"], default="repeat",
-                   help="passkey filler: 'repeat' (the classic five sentences, repeated; default) or 'corpus' "
-                        "(stretches of --corpus at seeded offsets: real text, independent of the calibration "
-                        "corpus when --corpus differs from it)")
+                   help="haystack of passkey and the generation tasks: 'repeat' (the classic noise sentences, repeated; "
+                        "default) or 'corpus' (stretches of --corpus at seeded offsets: real text, independent of the "
+                        "calibration corpus when --corpus differs from it); coref always uses its own story "
+                        "sentences, whichever is given")
     p.add_argument("--ppl-variants", default=",".join(DEFAULT_VARIANTS),
                    help="perplexity variants: decode (every token attends as in decode, own top-k), prefill (the "
                         "method's sparse prefill over the whole window) and/or continuation (the method's prefill "

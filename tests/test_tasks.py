@@ -150,12 +150,16 @@ def test_task_samples(tokenizer, name, length):
 @pytest.mark.parametrize("name", sorted(TASKS))
 def test_task_corpus_and_chat(tokenizer, name, tmp_path):
     task = get_task(name)
-    if name == "coref":  # its own story sentences: a corpus is refused, chat mode works
-        with pytest.raises(ValueError, match="haystack='corpus'"):
-            task.make_samples(tokenizer, 1024, 1, 0, haystack="corpus")
-        for s in task.make_samples(tokenizer, 1024, 2, seed=0, chat=True):
-            assert len(s.tokens) == 1024 and _text(tokenizer, s).startswith("<|im_start|>system")
-            CHECKS[name](tokenizer, s)
+    if name == "coref":  # its own story sentences whatever the haystack (a sweep's corpus), chat mode works
+        for chat in (False, True):
+            plain = task.make_samples(tokenizer, 1024, 2, seed=0, chat=chat)
+            for haystack in ("corpus", str(DEV_CORPUS)):
+                assert task.make_samples(tokenizer, 1024, 2, seed=0, haystack=haystack, chat=chat) == plain
+            for s in plain:
+                assert len(s.tokens) == 1024 and _text(tokenizer, s).startswith("<|im_start|>system") == chat
+                CHECKS[name](tokenizer, s)
+        with pytest.raises(ValueError, match="haystack='no-such-file.txt'"):  # a bad haystack is still an error
+            task.make_samples(tokenizer, 1024, 1, 0, haystack="no-such-file.txt")
         return
     for haystack in ("corpus", DEV_CORPUS):  # the shipped default, and a user's file
         for chat in (False, True):

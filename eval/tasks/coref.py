@@ -2,8 +2,10 @@
 {location}." early in a story with distractor facts, then "Where did {name} put the {object}?".
 
 Raw mode gives exactly `eval.coref.make_prompts`' prompts (its whole prompt: context and question); the answer prefix
-is "Answer: {name} put the {object} in the". Its haystack is its own pool of story sentences, so `haystack` must be
-"repeat" (a corpus or file is refused, not ignored). Chat mode puts the story and "Question: Where did {name} put the
+is "Answer: {name} put the {object} in the". Its haystack is always its own pool of story sentences (the distractor
+facts are part of the task): `haystack` is checked like every task's ("repeat", "corpus" or a path to an existing
+file) and otherwise not used, so a sweep with `--haystack corpus` runs coref on the same prompts as with "repeat".
+Chat mode puts the story and "Question: Where did {name} put the
 {object}?" in the user's turn and "{name} put the {object} in the" after the template's assistant header.
 Metric: string_match_part (the location found in the completion; `eval.coref.is_correct`, which `run_coref` uses,
 asks for the completion to start with it). Sample.depth is None (the fact is always at the start).
@@ -27,11 +29,9 @@ ANSWER = "{name} put the {object} in the"
 
 
 def make_samples(tokenizer, length: int, samples: int, seed: int, *, haystack: str = "repeat", chat: bool = False):
-    """coref samples (see the module docstring)."""
+    """coref samples (see the module docstring; `haystack` is validated, not used: the story is its own)."""
     common.check_request(NAME, length, samples)
-    if haystack != "repeat":
-        raise ValueError(f"task {NAME!r}: haystack={haystack!r}: co-reference uses its own story sentences; expected "
-                         "haystack='repeat'")
+    common.check_haystack(haystack)
     if not chat:
         return [Sample(task=NAME, tokens=tuple(int(t) for t in p.tokens), answers=(p.answer,), depth=None,
                        length=length) for p in coref_prompts.make_prompts(tokenizer, length, samples, seed)]
