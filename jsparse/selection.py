@@ -126,6 +126,48 @@ def causal_prob_chunks(q: Array, k: Array, rows: int = PROB_CHUNK_ROWS):
         yield s, e, pooled_probs(q[:, s:e], kh[:, :, :e], positions)
 
 
+PROB_BANDS = 8  # key-width bands of `causal_prob_fold`: its work is (bands + 1) / (2 bands) of the [T, T] map
+
+
+def causal_prob_fold(q: Array, k: Array, fn, init, rows: int = PROB_CHUNK_ROWS, bands: int = PROB_BANDS):
+    """Folds `fn` over the prefill's exact causal pooled weights (`pooled_probs` of every row), chunk of query rows
+    by chunk inside `lax.scan`s, so that one chunk's weights are live at a time whatever the backend's scheduler
+    does (the unrolled chunks of `causal_prob_chunks` leave it free to keep them all: on the CPU its compiled
+    temp memory holds about half the [B, Hq, T, T] f32 map).
+
+    The chunks (T padded up to a multiple of `rows`) go in `bands` runs of consecutive chunks, one scan each; a
+    run's rows see the keys 0..W-1, W the end of its last chunk (static), with the causal mask inside it (the
+    weights of keys past a row's position are 0). Its work is (bands + 1) / (2 bands) of the full map's (the
+    exact triangle is 1/2), its memory one chunk's f32[B, Hkv, G, rows, W] and fn's carry.
+
+    Args:
+      q: [B, T, Hq, D]; k: [B, T, Hkv, D].
+      fn: (carry, s: i32[] the chunk's first row, probs: f32[B, Hkv, rows, W]) -> carry; rows s + i >= T are
+        padding (their weights are a valid causal row; fn drops them).
+      init: the initial carry (a pytree of arrays, shapes fixed).
+      rows, bands: query rows per chunk and the number of scans (static; bands is cut to the chunks' count).
+    Returns:
+      the final carry.
+    """
+    B, T = q.shape[:2]
+    rows, bands = check_positive_int("rows", rows), check_positive_int("bands", bands)
+    n = -(-T // rows)
+    qp = jnp.pad(q, ((0, 0), (0, n * rows - T), (0, 0), (0, 0)))
+    kh = jnp.swapaxes(k, 1, 2)  # [B, Hkv, T, D]
+    carry = init
+    for run in np.array_split(np.arange(n), min(bands, n)):
+        W = min(int(run[-1] + 1) * rows, T)
+        kw = kh[:, :, :W]
+
+        def body(c, s, kw=kw):
+            q_s = jax.lax.dynamic_slice_in_dim(qp, s, rows, axis=1)  # [B, rows, Hq, D]
+            positions = jnp.broadcast_to(s + jnp.arange(rows, dtype=jnp.int32), (B, rows))
+            return fn(c, s, pooled_probs(q_s, kw, positions)), None
+
+        carry, _ = jax.lax.scan(body, carry, jnp.asarray(run * rows, jnp.int32))
+    return carry
+
+
 def prefill_tile_probs(q: Array, k: Array, tile: int) -> Array:
     """Causal post-softmax weights pooled over the GQA group and over each query tile.
 

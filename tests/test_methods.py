@@ -256,3 +256,83 @@ def test_prefill_exact_scores_in_chunks_equal_the_full_map():
     np.testing.assert_allclose(state.score[2, :, :, :T], want, rtol=1e-5, atol=1e-5)
     assert float(jnp.abs(state.score[2, :, :, T:]).max()) == 0.0 and float(jnp.abs(state.score[1]).max()) == 0.0
     np.testing.assert_allclose(out, dense_prefill(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,bands", [(32, 3), (64, 8), (256, 8), (512, 2)])
+def test_causal_prob_fold_equals_the_full_map(rows, bands):
+    """selection.causal_prob_fold: chunks of query rows in `bands` scans (T = 300 padded up to whole chunks, a
+    band's keys cut at its last chunk's end) visit every row's exact weights once: their column sums and row
+    sums equal the full map's, and the padding rows past T are visited too (for fn to drop)."""
+    from jsparse import selection as sel
+
+    T = 300
+    ks = jax.random.split(jax.random.key(5), 2)
+    q = jax.random.normal(ks[0], (B, T, HQ, D), jnp.float32)
+    k = jax.random.normal(ks[1], (B, T, HKV, D), jnp.float32)
+    full = sel.pooled_probs(q, jnp.swapaxes(k, 1, 2), jnp.broadcast_to(jnp.arange(T), (B, T)))  # [B, Hkv, T, T]
+    n = -(-T // rows)
+
+    def fn(c, s, probs):  # probs: [B, Hkv, rows, W]
+        colsum, rowsum = c
+        W = probs.shape[3]
+        real = (s + jnp.arange(rows) < T)[None, None, :, None]
+        colsum = colsum + jnp.pad(jnp.where(real, probs, 0.0).sum(axis=2), ((0, 0), (0, 0), (0, T - W)))
+        rowsum = jax.lax.dynamic_update_slice_in_dim(rowsum, probs.sum(axis=3), s, axis=2)
+        return colsum, rowsum
+
+    init = (jnp.zeros((B, HKV, T), jnp.float32), jnp.zeros((B, HKV, n * rows), jnp.float32))
+    colsum, rowsum = jax.jit(lambda q, k: sel.causal_prob_fold(q, k, fn, init, rows=rows, bands=bands))(q, k)
+    np.testing.assert_allclose(colsum, full.sum(axis=2), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(rowsum, np.full((B, HKV, n * rows), float(G)), rtol=1e-5)  # every row, G each
+    with pytest.raises(ValueError, match="bands=0"):
+        sel.causal_prob_fold(q, k, fn, init, bands=0)
+
+
+def _h2o_prefill_score_unrolled(q, k, lengths):
+    """H2O's prefill column sums as computed before causal_prob_fold: the unrolled chunks of
+    selection.causal_prob_chunks (f32[B, Hkv, T])."""
+    from jsparse import selection as sel
+
+    T = q.shape[1]
+    colsum = jnp.zeros((q.shape[0], k.shape[2], T), jnp.float32)
+    for s, e, probs in sel.causal_prob_chunks(q, k):
+        valid_rows = jnp.arange(s, e)[None, :] < lengths[:, None]
+        part = jnp.sum(jnp.where(valid_rows[:, None, :, None], probs, 0.0), axis=2)
+        colsum = colsum + jnp.pad(part, ((0, 0), (0, 0), (0, T - e)))
+    return colsum
+
+
+def test_h2o_long_prefill_equals_the_unrolled_chunks():
+    """T = 2100: 9 chunks of 256 rows in 8 scans (one of two chunks, the last chunk short): H2O's prefill score
+    equals the unrolled chunks' (its implementation before) and its output dense attention."""
+    T = 2100
+    ks = jax.random.split(jax.random.key(4), 3)
+    q = jax.random.normal(ks[0], (B, T, HQ, D), jnp.float32)
+    k = jax.random.normal(ks[1], (B, T, HKV, D), jnp.float32)
+    v = jax.random.normal(ks[2], (B, T, HKV, D), jnp.float32)
+    lengths = jnp.asarray([T, 1777], jnp.int32)
+    h2o = make_method("h2o", budget=0.1)
+    out, state = jax.jit(lambda q, k, v: h2o.prefill(_ctx(1, lengths), q, k, v, h2o.init_state(CFG, B, T + 4)))(
+        q, k, v)
+    want = jax.jit(_h2o_prefill_score_unrolled)(q, k, lengths)
+    np.testing.assert_allclose(state.score[1, :, :, :T], want, rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(state.score[1, :, :, T:]).max()) == 0.0 and float(jnp.abs(state.score[0]).max()) == 0.0
+    np.testing.assert_allclose(out, dense_prefill(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def test_h2o_prefill_score_memory_is_a_chunk_not_the_map():
+    """The compiled prefill score of H2O at T = 8192 (lowered and compiled on the CPU, not run) holds a few chunks
+    of weights, not the [B, Hq, T, T] f32 map (nor the half of it that the unrolled chunks kept live)."""
+    from jsparse import selection as sel
+
+    T = 8192
+    q = jax.ShapeDtypeStruct((B, T, HQ, D), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((B, T, HKV, D), jnp.bfloat16)
+    lengths = jnp.full((B,), T, jnp.int32)
+    h2o = make_method("h2o", budget=0.1)
+    state = h2o.init_state(CFG, B, T)
+    temp = jax.jit(lambda q, k: h2o.prefill(_ctx(1, lengths), q, k, k, state)[1]).lower(q, k).compile() \
+        .memory_analysis().temp_size_in_bytes
+    full_map = B * HQ * T * T * 4
+    chunk = B * HQ * sel.PROB_CHUNK_ROWS * T * 4  # one chunk's f32 weights at the widest band
+    assert temp < 4 * chunk <= full_map / 8, (temp, chunk, full_map)

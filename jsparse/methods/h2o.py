@@ -6,7 +6,8 @@ over past queries, and keeps the top scorers plus the most recent tokens. Here:
   * state `score`: f32[L, B, Hkv, N], per layer and KV head the accumulated post-softmax attention each key has
     received (summed over the GQA group), carried across decode steps;
   * prefill is dense and initialises `score` with the column sums of the prompt's causal attention (valid query
-    rows only);
+    rows only), computed a chunk of query rows at a time in a loop (`selection.causal_prob_fold`: one chunk's
+    weights are live at a time, never the [T, T] map);
   * a decode row at position p keeps k = min(max(ceil(budget * (p + 1)), min_tokens), p + 1) keys: the
     r = ceil(recent * k) most recent ones (itself included) and the k - r older keys with the largest `score`;
     it attends over exactly those, and adds its attention weights to their `score`. Rows of a multi-token decode
@@ -62,11 +63,15 @@ class H2O(TokenBudget):
 
     def prefill(self, ctx, q, k, v, state):
         B, T = q.shape[:2]
-        colsum = jnp.zeros((B, k.shape[2], T), jnp.float32)  # [B, Hkv, T]: the weight each key got from the prompt
-        for s, e, probs in sel.causal_prob_chunks(q, k):  # probs: [B, Hkv, e - s, e]
-            valid_rows = jnp.arange(s, e)[None, :] < ctx.lengths[:, None]  # [B, e - s]
-            part = jnp.sum(jnp.where(valid_rows[:, None, :, None], probs, 0.0), axis=2)  # [B, Hkv, e]
-            colsum = colsum + jnp.pad(part, ((0, 0), (0, 0), (0, T - e)))
+
+        def add(colsum, s, probs):  # probs: [B, Hkv, R, W], rows s..s+R-1 over keys 0..W-1
+            R, W = probs.shape[2:]
+            valid_rows = s + jnp.arange(R)[None, :] < ctx.lengths[:, None]  # [B, R] (padding rows past T too)
+            part = jnp.sum(jnp.where(valid_rows[:, None, :, None], probs, 0.0), axis=2)  # [B, Hkv, W]
+            return colsum + jnp.pad(part, ((0, 0), (0, 0), (0, T - W)))
+
+        # [B, Hkv, T]: the weight each key got from the prompt, a chunk of query rows at a time (sel.causal_prob_fold)
+        colsum = sel.causal_prob_fold(q, k, add, jnp.zeros((B, k.shape[2], T), jnp.float32))
         N = state.score.shape[-1]
         row = jnp.pad(colsum, ((0, 0), (0, 0), (0, N - T)))
         score = jax.lax.dynamic_update_index_in_dim(state.score, row, ctx.layer, 0)
