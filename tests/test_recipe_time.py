@@ -176,3 +176,130 @@ def test_time_limit_skips_cells_and_leaves_them_unknown(tmp_path, capsys):
     assert d["cells"] == [] and len(d["skipped_cells"]) == 8
     assert d["prompt_errors"] == {} and len(d["extrapolation"]["unknown"]) == 16
     assert "NOT in the total: 8 cells without a time" in capsys.readouterr().out
+
+
+def _cell(method, length, gen=None, ppl=None, error=None, overhead=0.5):
+    c = {"method": method, "length": length, "budget": 0.1}
+    if error:
+        return {**c, "error": error}
+    return {**c, "overhead_s": overhead, "gen": {**_t(*gen), "rows": 4}, "ppl:continuation": {**_t(*ppl), "rows": 2}}
+
+
+def _record(date, commit, cells, **over):
+    """A recipe_time record of the COUNTS / RUNS recipe (as run() writes it) with the given cells."""
+    d = {"benchmark": "recipe_time", "device": "NVIDIA H100 80GB HBM3", "platform": "gpu", "jax": "0.11.2",
+         "xla_flags": "", "shape": "llama3-8b", "dtype": "bfloat16", "weights": "random", "measured_budget": 0.1,
+         "state": {"kascade": "synthetic"}, "recompiles_per_budget": {"dense": False, "kascade": True, "quest": False},
+         "recipe": {"args": "--methods dense,kascade,quest", "methods": ["dense", "kascade", "quest"],
+                    "lengths": [1024, 4096], "calls": {str(L): c for L, c in COUNTS.items()},
+                    "decode_steps_per_gen_call": 12},
+         "runs_per_length": {str(L): r for L, r in RUNS.items()}, "prompts_s": {"1024": 1.0, "4096": 2.0},
+         "setup_s": {"tokenizer": 9.0, "fingerprint": 0.25, "build_methods": 0.125, "tokenize_corpus": 0.125},
+         "date": date, "commit": commit, "command": f"jsparse bench recipe_time ({commit})", "prompt_errors": {},
+         "measured_part_s": 100.0, "cells": cells, "skipped_cells": []}
+    d.update(over)
+    return d
+
+
+A = _record("2026-11-25T12:32:17+00:00", "aaa", [
+    _cell("dense", 1024, (2.0, 10.0), (1.0, 5.0)), _cell("kascade", 1024, error="RESOURCE_EXHAUSTED: 63 GiB")])
+B = _record("2026-11-25T12:36:01+00:00", "bbb", [
+    _cell("dense", 1024, (2.5, 9.0), (1.5, 4.0)), _cell("dense", 4096, (4.0, 12.0), (3.0, 6.0)),
+    _cell("kascade", 1024, (3.0, 20.0), (2.0, 8.0))])
+
+
+def test_merge_takes_each_cell_from_the_latest_run_and_extrapolates_from_all():
+    for order in ([("a.json", A), ("b.json", B)], [("b.json", B), ("a.json", A)]):  # by date, not by argument order
+        m = rt.merge_runs(order)
+        assert [(r["file"], r["commit"]) for r in m["runs"]] == [("a.json", "aaa"), ("b.json", "bbb")]
+        cells = {(c["method"], c["length"]): c for c in m["cells"]}
+        assert set(cells) == {("dense", 1024), ("dense", 4096), ("kascade", 1024)}
+        d1 = cells["dense", 1024]
+        assert (d1["run"], d1["file"], d1["gen"]["run_s"]) == (1, "b.json", 2.5)
+        assert d1["superseded"] == [{"run": 0, "file": "a.json", "gen_run_s": 2.0, "gen_compile_s": 10.0}]
+        k1 = cells["kascade", 1024]
+        assert "error" not in k1 and k1["superseded"][0]["error"].startswith("RESOURCE_EXHAUSTED")
+        # The extrapolation is extrapolate's over the chosen cells, with the latest run's prompts and setup.
+        times = {("dense", 1024): {"gen": _t(2.5, 9.0), "ppl:continuation": _t(1.5, 4.0)},
+                 ("dense", 4096): TIMES["dense", 4096], ("kascade", 1024): TIMES["kascade", 1024]}
+        want = rt.extrapolate(COUNTS, RUNS, times, B["recompiles_per_budget"],
+                              {("dense", 1024): 0.5, ("dense", 4096): 0.5, ("kascade", 1024): 0.5},
+                              {1024: 1.0, 4096: 2.0}, fixed_s=0.5)
+        x = m["extrapolation"]
+        assert x["failed"] == [] and x["total_s"] == pytest.approx(want["total_s"])
+        assert x["by_method_s"] == pytest.approx(want["by_method_s"]) and x["prompts_s"] == 3.0
+        # dense at 1K: 3 x 2.5 + 5 x 1.5 + 0.5 overhead, compiled once (9 + 4).
+        assert {(c["method"], c["length"]): c for c in x["cells"]}["dense", 1024]["total_s"] == 15.5 + 13.0
+        assert m["device"] == "NVIDIA H100 80GB HBM3" and m["commit"] == "aaa, bbb"
+        assert m["date"] == B["date"] and m["merged_by"]["commit"] and m["measured_part_s"] == 200.0
+        assert m["not_measured"] == ["kascade@4096", "quest@4096"]  # the recipe's cells (RUNS) without a time
+
+
+def test_merge_a_later_failure_wins_and_mismatches_are_refused():
+    C = _record("2026-11-25T13:00:00+00:00", "ccc", [_cell("dense", 4096, error="RESOURCE_EXHAUSTED")])
+    m = rt.merge_runs([("a.json", A), ("b.json", B), ("c.json", C)])
+    cells = {(c["method"], c["length"]): c for c in m["cells"]}
+    assert cells["dense", 4096]["run"] == 2 and m["extrapolation"]["failed"] == [["dense", 4096]]
+    assert cells["dense", 4096]["superseded"] == [{"run": 1, "file": "b.json", "gen_run_s": 4.0,
+                                                   "gen_compile_s": 12.0}]
+    with pytest.raises(ValueError, match="b.json and a.json differ in shape"):
+        rt.merge_runs([("a.json", A), ("b.json", {**B, "shape": "qwen3-8b"})])
+    with pytest.raises(ValueError, match="differ in recipe"):
+        rt.merge_runs([("a.json", A), ("b.json", {**B, "recipe": {**B["recipe"], "args": "--methods dense"}})])
+    with pytest.raises(ValueError, match="differ in device"):
+        rt.merge_runs([("a.json", A), ("b.json", {**B, "device": "NVIDIA H200"})])
+
+
+def test_merge_older_records_and_merged_files():
+    """Records written before runs_per_length / prompts_s take them from their extrapolation; a merged file merges
+    again as its runs."""
+    old = {k: v for k, v in A.items() if k not in ("runs_per_length", "prompts_s")}
+    old["extrapolation"] = rt.extrapolate(COUNTS, RUNS, {("dense", 1024): TIMES["dense", 1024]}, {}, {},
+                                          {1024: 1.0, 4096: 2.0}, failed=[("kascade", 1024)])
+    m = rt.merge_runs([("old.json", old)])
+    # Every method of the recipe at every length (kascade@1K failed: its count at another length; quest too).
+    assert m["runs_per_length"] == {"1024": {"dense": 1, "kascade": 3, "quest": 3}, "4096": RUNS[4096]}
+    assert m["prompts_s"] == {"all": 3.0} and m["extrapolation"]["prompts_s"] == 3.0
+    assert m["runs"][0]["extrapolated_total_h"] == old["extrapolation"]["total_h"]
+    again = rt.merge_runs([("m.json", rt.merge_runs([("a.json", A), ("b.json", B)])),
+                           ("c.json", _record("2026-11-25T13:00:00+00:00", "ccc",
+                                              [_cell("quest", 4096, (5.0, 1.0), (4.0, 1.0))]))])
+    assert [r["file"] for r in again["runs"]] == ["a.json", "b.json", "c.json"]
+    cells = {(c["method"], c["length"]): c for c in again["cells"]}
+    assert cells["dense", 1024]["file"] == "b.json" and cells["quest", 4096]["run"] == 2
+
+
+def test_merge_command_measures_nothing(tmp_path, capsys):
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "merged.json"
+    a.write_text(json.dumps(A))
+    b.write_text(json.dumps(B))
+    rt.main(["--merge", str(a), str(b), "--out", str(out)])
+    m = json.loads(out.read_text())
+    assert [r["file"] for r in m["runs"]] == [str(a), str(b)] and m["platform"] == "gpu"
+    assert m["extrapolation"]["total_s"] == pytest.approx(rt.merge_runs([(str(a), A), (str(b), B)])[
+        "extrapolation"]["total_s"])
+    printed = capsys.readouterr().out
+    assert "2 runs merged" in printed and "extrapolated recipe:" in printed
+    with pytest.raises(SystemExit, match="not a recipe_time JSON"):
+        (tmp_path / "x.json").write_text(json.dumps({"benchmark": "model"}))
+        rt.main(["--merge", str(tmp_path / "x.json"), "--out", str(out)])
+
+
+def test_a_run_merges_with_an_earlier_file(tmp_path):
+    """--merge with --plan: the plan is measured and merged with the file's cells (this run the latest); a file
+    of another recipe is refused before any forward."""
+    first, out = tmp_path / "first.json", tmp_path / "merged.json"
+    recipe = TINY_RECIPE.replace("--lengths 384,768", "--lengths 384")
+    rt.main(["--shape", "tiny", "--recipe", recipe, "--plan", "dense@384", "--out", str(first)])
+    rt.main(["--shape", "tiny", "--recipe", recipe, "--plan", "dense@384,kascade@384", "--merge", str(first),
+             "--out", str(out)])
+    m = json.loads(out.read_text())
+    assert [r["file"] for r in m["runs"]] == [str(first), "this run"]
+    cells = {(c["method"], c["length"]): c for c in m["cells"]}
+    assert cells["dense", 384]["run"] == 1 and cells["dense", 384]["superseded"][0]["file"] == str(first)
+    assert cells["kascade", 384]["run"] == 1 and m["not_measured"] == ["tsa+kascade@384", "evosparse@384"]
+    assert m["runs"][0]["cells"][0]["gen"]["run_s"] == json.loads(first.read_text())["cells"][0]["gen"]["run_s"]
+    with pytest.raises(SystemExit, match="differ in recipe"):
+        rt.main(["--shape", "tiny", "--recipe", recipe.replace("--samples 3", "--samples 2"), "--plan", "dense@384",
+                 "--merge", str(first), "--out", str(tmp_path / "x.json")])
+    assert not (tmp_path / "x.json").exists()

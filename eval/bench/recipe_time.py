@@ -2,6 +2,7 @@
 
     jsparse bench recipe_time --out recipe_time.json                    # the README's recipe, Llama-3.1-8B shape
     jsparse bench recipe_time --time-limit 240 --plan '*@32768,dense@*,*@4096' --out DIR/
+    jsparse bench recipe_time --merge a.json b.json --out merged.json        # earlier runs' cells: no device work
 
 The recipe (README, "GPU recipe") is one `jsparse eval` run: methods x budgets x tasks x lengths. Nearly all of its
 time is forward calls of two kinds, and each depends on the (method, length) only:
@@ -52,6 +53,13 @@ says which. Not counted: loading the checkpoint (16 GB of safetensors for the 8B
 report, and the decode steps a real model saves by ending its answers early (random weights never emit EOS, so
 every call decodes all its steps: an upper bound for that part). A cell that fails (out of memory) is recorded
 with its error, and the recipe would stop there.
+
+Merging (`--merge JSON ...`, `merge_runs`): runs of one recipe on one kind of machine (same shape, dtype, measured
+budget, synthetic state, device kind, jax and XLA flags; anything else is refused) pool their measured cells, and the
+extrapolation is recomputed from all of them. A cell measured in several runs takes the latest run's (by date), a
+failure included, and lists the earlier ones in its `superseded`; every cell names its `run` and `file`, and `runs`
+keeps each run's own record (commit, date, command, plan, cells). With --plan the plan is measured first and this
+run is the latest; without it nothing is measured.
 
 The JSON (`--out`) names the device, date, commit and command, what was measured (`cells`), how the state was
 made (`state`), and the extrapolation (`extrapolation`: per (method, length) its calls, times and source, and the
@@ -349,7 +357,7 @@ def extrapolate(counts: dict, runs: dict, times: dict, recompiles: dict, overhea
       recompiles: {method: each run compiles its own (see recompiles_per_budget)}.
       overhead: {(method, length): seconds per run outside the calls (building the method, its sparsity)} of the
         measured cells (another length takes the nearest measured one's).
-      prompts_s: {length: seconds to build that length's prompts and windows}.
+      prompts_s: {length: seconds to build that length's prompts and windows} (or {"all": seconds}: summed).
       fixed_s: seconds once per recipe (the fingerprint, building the methods).
       failed: (method, length) cells whose call failed: left out of the totals (the recipe stops there).
     Returns:
@@ -385,7 +393,7 @@ def extrapolate(counts: dict, runs: dict, times: dict, recompiles: dict, overhea
             run_total += cell["run_s"]
             compile_total += cell["compile_s"]
             cells.append(cell)
-    prompts = float(sum(prompts_s.get(L, 0.0) for L in counts))
+    prompts = float(sum(prompts_s.values()))
     total = run_total + compile_total + prompts + fixed_s
     by_method, by_length = {}, {}
     for c in cells:
@@ -394,6 +402,149 @@ def extrapolate(counts: dict, runs: dict, times: dict, recompiles: dict, overhea
     return {"cells": cells, "by_method_s": by_method, "by_length_s": by_length, "run_s": run_total,
             "compile_s": compile_total, "prompts_s": prompts, "fixed_s": fixed_s, "total_s": total,
             "total_h": total / 3600, "unknown": [list(u) for u in unknown], "failed": [list(f) for f in failed]}
+
+
+NOT_COUNTED = ("loading the checkpoint (the 8B: 16 GB of safetensors)", "calibrating kascade, tsa and evosparse",
+               "writing report.md and its plots", "decode steps a real model saves by ending its answers early "
+               "(random weights never emit EOS: every gen call decodes all its steps)")
+
+
+# ------------------------------------------------------------------------------------------- merging runs
+
+# What runs must share to be merged: their cells are then times of the same calls on the same machine kind.
+SAME = ("device", "platform", "jax", "xla_flags", "shape", "dtype", "weights", "measured_budget", "state",
+        "recompiles_per_budget")
+
+
+def load_run(path: str) -> dict:
+    """A recipe_time JSON (one run, or a merge of runs) for `merge_runs`."""
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        d = json.load(f)
+    if d.get("benchmark") != "recipe_time":
+        raise ValueError(f"--merge {path}: not a recipe_time JSON (benchmark={d.get('benchmark')!r})")
+    return d
+
+
+def _runs_of(name: str, d: dict) -> list[tuple[str, dict]]:
+    """(name, run record) of a file: itself, or the runs a merged file holds (`runs`, with the merge's shared
+    fields), each with `runs_per_length` and `prompts_s` (older records: derived, see `_runs_per_length`)."""
+    if "runs" in d:
+        return [(r["file"], {**{k: d[k] for k in SAME + ("recipe", "benchmark")}, **r}) for r in d["runs"]]
+    d = dict(d)
+    if "runs_per_length" not in d:
+        d["runs_per_length"] = {str(L): v for L, v in _runs_per_length(d).items()}
+    if "prompts_s" not in d:
+        d["prompts_s"] = {"all": d["extrapolation"]["prompts_s"]}  # older records: their total
+    if "extrapolation" in d:
+        d["extrapolated_total_h"] = d["extrapolation"]["total_h"]  # the run's own estimate, from its cells alone
+    return [(name, d)]
+
+
+def check_mergeable(named: list[tuple[str, dict]]) -> None:
+    """Raises ValueError naming the first field (SAME, or the recipe's arguments) in which a run differs from the
+    first one."""
+    runs = [r for name, d in named for r in _runs_of(name, d)]
+    (first_name, first), rest = runs[0], runs[1:]
+    for name, d in rest:
+        for key in SAME + ("recipe",):
+            a, b = first.get(key), d.get(key)
+            if key == "recipe":
+                a, b = (a or {}).get("args"), (b or {}).get("args")
+            if a != b:
+                raise ValueError(f"--merge: {name} and {first_name} differ in {key} ({b!r} against {a!r}): only runs "
+                                 "of one recipe, shape, dtype, budget, synthetic state, device kind, jax and XLA "
+                                 "flags merge")
+
+
+def _runs_per_length(d: dict) -> dict[int, dict[str, int]]:
+    """{length: {method: runs}} of a run record (older records: from their extrapolation's cells; a method
+    missing at a length there, its failed cell, takes its count at another length: the same budgets)."""
+    if "runs_per_length" in d:
+        return {int(L): dict(per) for L, per in d["runs_per_length"].items()}
+    if "extrapolation" not in d:
+        raise ValueError("a recipe_time record without runs_per_length nor an extrapolation")
+    any_length = {c["method"]: c["runs"] for c in d["extrapolation"]["cells"]}
+    out = {}
+    for L in d["recipe"]["lengths"]:
+        have = {c["method"]: c["runs"] for c in d["extrapolation"]["cells"] if c["length"] == L}
+        out[L] = {m: have.get(m, any_length.get(m, 1)) for m in d["recipe"]["methods"]}
+    return out
+
+
+def merge_runs(named: list[tuple[str, dict]]) -> dict:
+    """One record of several recipe_time runs of the same recipe on the same kind of machine (`check_mergeable`),
+    the extrapolation recomputed from all their measured cells.
+
+    A cell (method, length) measured in several runs takes the latest run's (by date; equal dates: the order
+    given), failed or not; the earlier ones are listed in its `superseded`. Each cell names its `run` (an index of
+    `runs`) and `file`. `runs` keeps every run's own record (its cells, plan, commit, date, command, prompt
+    errors); the prompts' and setup seconds and the prompt errors are the latest run's. The top level names the
+    runs' device and jax, their commits (`commit`, comma-separated when they differ) and the latest run's date;
+    `merged_by` the commit, date and command that merged them (which measures nothing).
+
+    Args:
+      named: (file name, recipe_time JSON) per run; a merged JSON counts as its runs.
+    """
+    import datetime
+
+    from eval.bench import common as bm
+
+    check_mergeable(named)
+    flat = [r for name, d in named for r in _runs_of(name, d)]
+    order = sorted(range(len(flat)), key=lambda i: (datetime.datetime.fromisoformat(flat[i][1]["date"]), i))
+    runs = [flat[i] for i in order]
+    first, last = runs[0][1], runs[-1][1]
+    chosen: dict[tuple[str, int], dict] = {}
+    for index, (name, d) in enumerate(runs):
+        for c in d["cells"]:
+            key = (c["method"], c["length"])
+            old = chosen.get(key)
+            cell = {k: v for k, v in c.items() if k not in ("run", "file", "superseded")}
+            cell.update(run=index, file=name)
+            if old is not None:
+                gen = old.get(KINDS_GEN, {})
+                cell["superseded"] = old.get("superseded", []) + [
+                    {"run": old["run"], "file": old["file"], "error": old["error"]} if "error" in old else
+                    {"run": old["run"], "file": old["file"], "gen_run_s": gen.get("run_s"),
+                     "gen_compile_s": gen.get("compile_s")}]
+            chosen[key] = cell
+    spec_order = {(m, L): i for i, (m, L) in enumerate((m, L) for L in first["recipe"]["lengths"]
+                                                      for m in first["recipe"]["methods"])}
+    cells = sorted(chosen.values(), key=lambda c: spec_order.get((c["method"], c["length"]), 1 << 30))
+    times = {(c["method"], c["length"]): {k: c[k] for k in c if k == KINDS_GEN or k.startswith("ppl:")}
+             for c in cells if "error" not in c}
+    overhead = {(c["method"], c["length"]): c["overhead_s"] for c in cells if "error" not in c and "overhead_s" in c}
+    failed = [(c["method"], c["length"]) for c in cells if "error" in c]
+    counts = {int(L): c for L, c in first["recipe"]["calls"].items()}
+    setup = last["setup_s"]
+    fixed = setup["fingerprint"] + setup["build_methods"] + setup["tokenize_corpus"]  # as run's extrapolation
+    x = extrapolate(counts, _runs_per_length(last), times, last["recompiles_per_budget"], overhead,
+                    last["prompts_s"], fixed_s=fixed, failed=failed)
+    x["not_counted"] = list(NOT_COUNTED)
+    measured = {(c["method"], c["length"]) for c in cells}
+    commits = list(dict.fromkeys(d["commit"] for _, d in runs))
+    merged_by = {"commit": bm.git_commit(), "command": bm.command_line(),
+                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    return {"device": first["device"], "platform": first["platform"], "jax": first["jax"],
+            "date": last["date"], "commit": ", ".join(commits),
+            "command": f"merge of {len(runs)} runs (each run's command: runs[i].command)", "benchmark": "recipe_time",
+            "merged_by": merged_by,
+            **{k: first[k] for k in SAME if k not in ("device", "platform", "jax")},
+            "tokenizer": last.get("tokenizer"), "recipe": last["recipe"],
+            "runs_per_length": last["runs_per_length"], "prompts_s": last["prompts_s"],
+            "prompt_errors": last.get("prompt_errors", {}),
+            **({"note_prompt_errors": last["note_prompt_errors"]} if last.get("prompt_errors") else {}),
+            "cells": cells,
+            "not_measured": [f"{m}@{L}" for L, per in _runs_per_length(last).items() for m in per
+                             if (m, L) not in measured],
+            "skipped_cells": [],
+            "measured_part_s": sum(d.get("measured_part_s", 0.0) for _, d in runs),
+            "runs": [{"file": name, **{k: d[k] for k in d if k not in SAME + ("recipe", "benchmark", "extrapolation",
+                                                                             "runs", "file")}}
+                     for name, d in runs],
+            "extrapolation": x}
 
 
 # ------------------------------------------------------------------------------------------- measuring
@@ -561,6 +712,8 @@ def run(a) -> dict:
                           "max_batch_tokens": spec.max_batch_tokens, "decode_steps_per_gen_call": gen_new,
                           "calls": {str(L): c for L, c in counts.items()}},
                "state": state, "measured_budget": budget, "recompiles_per_budget": recompiles,
+               "runs_per_length": {str(L): {m: len(rs) for m, rs in per.items()} for L, per in runs_by_length.items()},
+               "prompts_s": {str(L): v for L, v in prompts_s.items()},
                "prompt_errors": errors,
                "plan": {"cells": [f"{m}@{L}" for m, L in cells], "time_limit_s": a.time_limit, "repeat": a.repeat},
                "setup_s": {"tokenizer": tokenizer_s, "fingerprint": fingerprint_s, "build_methods": build_s,
@@ -571,6 +724,8 @@ def run(a) -> dict:
             "the recipe as given stops at these tasks' prompt errors before any forward; the extrapolation counts "
             "their prompts anyway (every prompt of a length has the same shape), i.e. the recipe once they are fixed")
     out = bm.out_path(a.out, "recipe_time.json")
+    earlier = [(f, load_run(f)) for f in a.merge or ()]
+    check_mergeable([*earlier, ("this run", payload)])  # before any forward
     times, overhead, failed = {}, {}, []
 
     def finish():
@@ -578,12 +733,9 @@ def run(a) -> dict:
         payload["extrapolation"] = extrapolate(
             counts, runs, times, recompiles, overhead, prompts_s,
             fixed_s=fingerprint_s + build_s + corpus_s, failed=failed)
-        payload["extrapolation"]["not_counted"] = [
-            "loading the checkpoint (the 8B: 16 GB of safetensors)", "calibrating kascade, tsa and evosparse",
-            "writing report.md and its plots", "decode steps a real model saves by ending its answers early "
-            "(random weights never emit EOS: every gen call decodes all its steps)"]
+        payload["extrapolation"]["not_counted"] = list(NOT_COUNTED)
         payload["measured_part_s"] = time.time() - started
-        bm.write_json(out, payload)
+        bm.write_json(out, merge_runs([*earlier, ("this run", payload)]) if earlier else payload)
 
     for name, length in cells:
         if time.time() - started > a.time_limit:
@@ -609,6 +761,8 @@ def run(a) -> dict:
             if isinstance(v, dict))), flush=True)
         finish()
     finish()
+    if earlier:
+        payload = merge_runs([*earlier, ("this run", payload)])
     print(summary_table(payload))
     return payload
 
@@ -635,11 +789,18 @@ def summary_table(payload: dict) -> str:
         rows.append(row)
     calls = payload["recipe"]["calls"]
     measured = sum(1 for c in payload["cells"] if "error" not in c)
+    if "runs" in payload:
+        where = (f"{measured} cells measured ({len(x['failed'])} failed) in {len(payload['runs'])} runs merged ("
+                 + ", ".join(f"run {i}: {r['file']}, commit {r['commit']}, {r['date']}"
+                             for i, r in enumerate(payload["runs"]))
+                 + f"), {payload['measured_part_s']:.0f} s in all on {payload['device']}")
+    else:
+        where = (f"{measured} cells measured ({len(payload['skipped_cells'])} skipped at the time limit, "
+                 f"{len(x['failed'])} failed) in {payload['measured_part_s']:.0f} s on {payload['device']}")
     lines = [bm.table(rows, ["method"] + [f"gen s @{L}" for L in lengths] + ["recipe_h"]),
              "gen call rows per length: " + ", ".join(f"{L}: {calls[str(L)]['gen_rows']}" for L in lengths) +
              f"; {payload['recipe']['decode_steps_per_gen_call']} decode steps per call",
-             f"{measured} cells measured ({len(payload['skipped_cells'])} skipped at the time limit, "
-             f"{len(x['failed'])} failed) in {payload['measured_part_s']:.0f} s on {payload['device']}",
+             where,
              f"extrapolated recipe: {x['total_h']:.2f} h = calls {x['run_s'] / 3600:.2f} h + compilation "
              f"{x['compile_s'] / 3600:.2f} h + prompts {x['prompts_s'] / 60:.1f} min + setup {x['fixed_s']:.0f} s "
              "(checkpoint loading and calibration not counted)"]
@@ -675,13 +836,23 @@ def main(argv=None, prog=None):
     p.add_argument("--kascade-anchors", type=int, default=5,
                    help="anchor layers of the synthetic Kascade state (default 5, as `jsparse bench model`; a "
                         "calibrated artifact may hold more, and each anchor reads all of K)")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="earlier recipe_time JSONs (same recipe, shape, dtype, budget, device kind, jax, XLA flags) "
+                        "to merge: their measured cells and this run's extrapolate together, a cell measured twice "
+                        "from the later run. Without --plan nothing is measured (no device work): the files alone "
+                        "are merged into --out")
     bm.add_out_argument(p, "recipe_time.json")
     a = p.parse_args(argv)
     if a.repeat < 0 or a.kascade_anchors < 1:
         p.error("--repeat must be >= 0 and --kascade-anchors >= 1")
     try:
-        run(a)
-    except ValueError as e:
+        if a.merge and a.plan is None:
+            payload = merge_runs([(f, load_run(f)) for f in a.merge])
+            bm.write_json(bm.out_path(a.out, "recipe_time.json"), payload)
+            print(summary_table(payload))
+        else:
+            run(a)
+    except (ValueError, OSError) as e:
         sys.exit(f"{p.prog}: error: {e}")
 
 
