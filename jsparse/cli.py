@@ -109,7 +109,8 @@ BENCHMARKS = {
     "sharded": ("eval.bench.sharded", "sharded decode on 1/2/4/8 devices (dense, Kascade, EvoSparse): tokens/s, "
                 "bytes floor per device; --compare-unsharded: a mesh of one vs no mesh"),
     "recipe_time": ("eval.bench.recipe_time", "the README's GPU recipe (jsparse eval, every method, RULER 4K-32K) on "
-                    "random weights of its shape: cells measured until a time limit, the whole recipe extrapolated"),
+                    "random weights of its shape: cells measured until a time limit, the whole recipe extrapolated; "
+                    "--merge pools earlier runs' cells"),
     "butler_coverage": ("eval.bench.butler_coverage", "attention-mass coverage of TokenButler's selection per layer "
                         "(diagnosis; CPU or GPU)"),
 }
