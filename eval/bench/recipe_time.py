@@ -481,8 +481,9 @@ def merge_runs(named: list[tuple[str, dict]]) -> dict:
     given), failed or not; the earlier ones are listed in its `superseded`. Each cell names its `run` (an index of
     `runs`) and `file`. `runs` keeps every run's own record (its cells, plan, commit, date, command, prompt
     errors); the prompts' and setup seconds and the prompt errors are the latest run's. The top level names the
-    runs' device and jax, their commits (`commit`, comma-separated when they differ) and the latest run's date;
-    `merged_by` the commit, date and command that merged them (which measures nothing).
+    runs' device and jax, their commits (`commit`, comma-separated when they differ), the latest run's date and
+    the command that merged them (`command`; each run's own is in `runs`); `merged_by` the commit, date and command
+    of the merge (the merge itself measures nothing).
 
     Args:
       named: (file name, recipe_time JSON) per run; a merged JSON counts as its runs.
@@ -529,7 +530,7 @@ def merge_runs(named: list[tuple[str, dict]]) -> dict:
                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     return {"device": first["device"], "platform": first["platform"], "jax": first["jax"],
             "date": last["date"], "commit": ", ".join(commits),
-            "command": f"merge of {len(runs)} runs (each run's command: runs[i].command)", "benchmark": "recipe_time",
+            "command": merged_by["command"], "benchmark": "recipe_time",
             "merged_by": merged_by,
             **{k: first[k] for k in SAME if k not in ("device", "platform", "jax")},
             "tokenizer": last.get("tokenizer"), "recipe": last["recipe"],
