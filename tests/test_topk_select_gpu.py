@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.topk_select import gpu, gpu_row, topk_select_reference
-from pallas_kernels.topk_select.testing import adversarial
+from pallas_kernels.topk_select.testing import adversarial, kascade_like_rows
 from lowering import H100, abstract_device
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -119,25 +119,6 @@ def test_sample_bracket_holds_on_continuous_and_periodic_rows():
     assert (how[:-1] == "band").all() and how[-1] == "a", (how, nb)  # the last: t = 5.0, tied 1024 times
     assert (nb < N // 8).all()  # the band is a small part of the row
     _sample_exact(x, k, K, sample_size=1024, band_cap=2048)
-
-
-def kascade_like_rows(rng, R: int, context: int, capacity: int, period: int = 256, tile: int = 32):
-    """Rows like a Kascade anchor's pooled scores on `jsparse bench model`'s cache (`filled_cache`: keys tiled
-    with a period of 256): the group-summed softmax weights of `period` distinct keys repeated over the context
-    (each value tied ~context / period times), a few fresh keys after it, +inf on the query's diagonal tile and
-    -inf past its position. Returns (x f32[R, capacity], k i32[R]: the budget 0.1 rule)."""
-    x = np.full((R, capacity), -np.inf, np.float32)
-    k = np.zeros((R,), np.int32)
-    for r in range(R):
-        pos = context + r % 4
-        logits = rng.normal(0, 1.3, (4, period))
-        full = np.concatenate([np.tile(logits, (1, -(-context // period)))[:, :context],
-                               rng.normal(0, 1.3, (4, pos + 1 - context))], axis=1)
-        p = np.exp(full - full.max(axis=1, keepdims=True))
-        x[r, : pos + 1] = (p / p.sum(axis=1, keepdims=True)).sum(axis=0)
-        x[r, pos // tile * tile: pos + 1] = np.inf
-        k[r] = min(max(int(np.ceil(0.1 * (pos + 1))), 128), pos + 1)
-    return x, k
 
 
 def test_sample_resolves_kascade_like_rows_without_fallback():

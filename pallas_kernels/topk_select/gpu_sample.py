@@ -154,10 +154,11 @@ def topk_select_sample(x: Array, k_rows: Array, K: int, *, sample: int = 4096, s
 
     Args:
       x: f32[R, N] scores (N >= sample); k_rows: i32[R] keys to keep (clipped to [0, K] in-kernel); K: width <= N.
-      sample: sampled scores per row (`sample_positions`; a power of two, <= 32768); sigmas: bracket half-width in standard
-        deviations of the sample rank; cap: band capacity per row (a power of two, <= 32768); bits: radix bits
-        of the in-register searches; block_n: scores per inner iteration of the streaming kernels (a power of
-        two); target_programs: about rows x splits per streaming launch; num_warps: warps per program.
+      sample: sampled scores per row (`sample_positions`; a power of two, <= 32768); sigmas: bracket
+        half-width in standard deviations of the sample rank; cap: band capacity per row (a power of two,
+        <= 32768); bits: radix bits of the in-register searches; block_n: scores per inner iteration of the
+        streaming kernels (a power of two); target_programs: about rows x splits per streaming launch;
+        num_warps: warps per program.
       interpret: Pallas interpreter (CPU tests).
 
     Returns:
