@@ -288,3 +288,21 @@ def test_gpu_anchor_block_path_lowers_for_cuda(hopper, monkeypatch):
     assert "anchor_prefill_pool" in text and "topk_select" in text
     assert ("sparse_prefill_mgpu" in text) == hopper
     assert ("sparse_prefill_gathered" in text) == (not hopper)
+
+
+@pytest.mark.parametrize("block_size", [1, 8])
+def test_bench_attention_prefill_checks_pass_and_cover_the_reuse_kernel(block_size):
+    """The bench's compiled prefill checks (interpret mode on the CPU): the tile scores, the anchor prefill and the
+    reuse layers' gathered prefill kernel on the anchor's selection, each against its jnp reference."""
+    import argparse
+    import dataclasses
+
+    from eval.bench import attention
+    from models.presets import preset
+
+    cfg = dataclasses.replace(preset("llama3-8b"), num_heads=4, num_kv_heads=2, head_dim=32)
+    run = attention.Bench(argparse.Namespace(interpret=True, time_budget=1e9))
+    attention.check_prefill(run, cfg, 0.25, 4, 128, block_size)
+    whats = [c["what"] for c in run.checks]
+    assert "sparse_prefill" in whats and "anchor_prefill" in whats, run.checks
+    assert all(c["ok"] for c in run.checks), run.checks

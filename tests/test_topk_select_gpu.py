@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.topk_select import gpu, gpu_row, topk_select_reference
-from pallas_kernels.topk_select.testing import adversarial
+from pallas_kernels.topk_select.testing import adversarial, kascade_like_rows
 from lowering import H100, abstract_device
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -84,25 +84,81 @@ def test_sample_matches_reference(cap):
     np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(x), jnp.asarray(k))), want)
 
 
-def test_sample_bracket_holds_on_continuous_rows():
-    """White box: on continuous scores the sampled bracket holds the threshold and the band fits, so the exact
-    in-register search (not the fallback) decides; a periodic row aligned with the sample stride misses."""
+def _sample_resolution(x, k, K, *, sample, cap):
+    """White box: how `gpu_sample`'s resolve kernel decides each row: 'a' (t is the bracket's A), 'band' (the
+    in-register search over the band), 'b' (t is B) or 'fallback' (the streaming search over the row)."""
     from pallas_kernels.topk_select import gpu_sample
+    _, counts, n_band, _ = gpu_sample.sample_band(
+        jnp.asarray(x), jnp.asarray(k)[:, None], K, sample=sample, sigmas=4.0, cap=cap, bits=2, block_n=128,
+        target_programs=24, params=None, interpret=True)
+    c, nb = np.asarray(counts).sum(1), np.asarray(n_band)[:, 0]
+    kk = np.clip(k, 0, K)
+    gt_a, ge_a = c[:, 0], c[:, 0] + c[:, 1]
+    ge_b = ge_a + nb + c[:, 2]
+    return np.where((gt_a < kk) & (kk <= ge_a), "a", np.where(
+        (ge_a < kk) & (kk <= ge_a + nb) & (nb <= cap), "band",
+        np.where((ge_a + nb < kk) & (kk <= ge_b), "b", "fallback"))), nb
+
+
+def _sample_exact(x, k, K, **config):
+    got = gpu.topk_select_gpu(jnp.asarray(x), jnp.asarray(k), K, interpret=True,
+                              config=gpu.SelectConfig(**{**SAMPLE, **config}))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(topk_select_reference(jnp.asarray(x), jnp.asarray(k), K)))
+
+
+def test_sample_bracket_holds_on_continuous_and_periodic_rows():
+    """White box: on continuous scores the sampled bracket holds the threshold and the band fits, so the exact
+    in-register search (not the fallback) decides; so it does on a periodic row whose period divides a fixed
+    stride (the sample's hashed offsets do not alias with it)."""
     rng = np.random.default_rng(3)
     R, N, K = 8, 8192, 600
     x = rng.standard_normal((R, N)).astype(np.float32)
-    x[-1] = np.where(np.arange(N) % 8 == 0, 5.0, rng.random(N)).astype(np.float32)  # stride 8 sees only 5.0
+    x[-1] = np.where(np.arange(N) % 8 == 0, 5.0, rng.random(N)).astype(np.float32)  # stride 8 would see only 5.0
     k = np.array([1, 10, 100, 300, 409, 500, 600, 300], np.int32)
-    above, n_band, _ = gpu_sample.sample_band(
-        jnp.asarray(x), jnp.asarray(k)[:, None], K, sample=1024, sigmas=4.0, cap=2048, bits=2, block_n=128,
-        target_programs=24, params=None, interpret=True)
-    u, nb = np.asarray(above).sum(1), np.asarray(n_band)[:, 0]
-    fast = (u < k) & (k <= u + nb) & (nb <= 2048)
-    assert fast[:-1].all() and not fast[-1], (u, nb, k)
-    assert (nb[:-1] < N // 8).all()  # the band is a small part of the row
-    got = gpu.topk_select_gpu(jnp.asarray(x), jnp.asarray(k), K, interpret=True,
-                              config=gpu.SelectConfig(**{**SAMPLE, "sample_size": 1024, "band_cap": 2048}))
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(topk_select_reference(jnp.asarray(x), jnp.asarray(k), K)))
+    how, nb = _sample_resolution(x, k, K, sample=1024, cap=2048)
+    assert (how[:-1] == "band").all() and how[-1] == "a", (how, nb)  # the last: t = 5.0, tied 1024 times
+    assert (nb < N // 8).all()  # the band is a small part of the row
+    _sample_exact(x, k, K, sample_size=1024, band_cap=2048)
+
+
+def test_sample_resolves_kascade_like_rows_without_fallback():
+    """Rows of ~N / 256 exact ties per value (Kascade's anchor scores in the decode benchmark, at 1/8 of its
+    100K context): every row is resolved from the bracket, and the selection is exactly the reference's. A
+    sample at the fixed stride 12 sees 64 of the 256 values; with it most such rows took the fallback."""
+    rng = np.random.default_rng(24)
+    x, k = kascade_like_rows(rng, 8, context=12500, capacity=12544)
+    K = int(k.max())
+    how, _ = _sample_resolution(x, k, K, sample=1024, cap=2048)
+    assert (how != "fallback").all(), how
+    _sample_exact(x, k, K, sample_size=1024, band_cap=2048)
+
+
+def test_sample_ties_at_the_bracket_ends_do_not_fill_the_band():
+    """The threshold inside a tie group far larger than the band's capacity, at either end of the bracket: the
+    group is counted, not stored, so the row resolves without the fallback (cap 64 here)."""
+    rng = np.random.default_rng(5)
+    N = 4096
+    x = np.zeros((4, N), np.float32)
+    x[0] = np.where(rng.random(N) < 0.7, 0.0, rng.random(N) + 1.0)  # ~1200 values above ~2900 zeros
+    x[1] = x[0]
+    x[2] = np.where(rng.random(N) < 0.6, 0.25, rng.standard_normal(N))  # a tie group in the middle
+    x[3] = 0.75  # all equal
+    k = np.array([1600, 3000, 2000, 700], np.int32)
+    K = 3000
+    how, nb = _sample_resolution(x, k, K, sample=512, cap=64)
+    assert set(how) <= {"a", "b"} and "fallback" not in how, (how, nb)
+    assert (nb <= 64).all(), nb
+    _sample_exact(x, k, K, sample_size=512, band_cap=64)
+
+
+def test_sample_positions_stratified():
+    from pallas_kernels.topk_select.gpu_sample import sample_positions
+    for n, ns in [(8192, 8192), (100096, 8192), (12345, 1024), (2 ** 24 + 3, 32768)]:
+        pos = np.asarray(sample_positions(n, ns)).astype(np.int64)
+        i = np.arange(ns, dtype=np.int64)
+        assert ((pos >= i * n // ns) & (pos < (i + 1) * n // ns)).all(), (n, ns)  # one per stratum, in order
+    pos = np.asarray(sample_positions(100096, 8192))
+    assert np.unique(pos % 256).size == 256  # every residue of a period of 256 (a stride of 12 sees 64)
 
 
 def test_dispatch_and_config_errors():

@@ -38,7 +38,9 @@ Prefill (B = --prefill-batch, T = each context, tile = --tile query rows per ind
     tile 128).
 Checks (compiled, against the jnp references, on smaller shapes, device memory poisoned with NaNs first):
 topk_select equals lax.top_k exactly; the anchor kernels choose a valid top-k of the reference scores and
-match the reference attention; the tile-pooled scores match the reference.
+match the reference attention; the reuse layers' prefill kernels (Triton, and the one `sparse_attention.sparse_prefill`
+picks: Mosaic GPU for blocks on Hopper) match the reference on the anchor's selection; the tile-pooled scores match
+the reference.
 
 The JSON names the device, jax version, date, commit, the measured HBM bandwidth and matmul rate, every record
 and check, and a summary of the issue's targets. Sections past --time-budget seconds are recorded as skipped.
@@ -495,7 +497,9 @@ def check_prefill(run: Bench, cfg, budget: float, min_tokens: int, tile: int, bl
     from pallas_kernels.anchor_attention.common import block_counts, pool_blocks
     from pallas_kernels.sparse_attention.reference import sparse_prefill_reference
 
-    _, gpu_prefill, _, _, ik = _kinds(run.args.interpret)
+    from pallas_kernels.sparse_attention import api as sparse_api
+
+    _, gpu_prefill, sparse_gpu, _, ik = _kinds(run.args.interpret)
     T = 2048 if not run.args.interpret else 64
     tile = tile if not run.args.interpret else 16
     bs = min(block_size, tile)
@@ -536,6 +540,21 @@ def check_prefill(run: Bench, cfg, budget: float, min_tokens: int, tile: int, bl
             run.check(what="anchor_prefill", dense_output=dense, T=T, tile=tile, block_size=bs, out_rel_err=e,
                       selection_gap=gap, count_mismatch=count_bad, malformed_rows=bad,
                       ok=bool(e <= TOL and gap <= 1e-2 and count_bad == 0 and bad == 0))
+            if not dense:
+                sel_idx = idx
+        # The reuse layers' kernels on the anchor's selection: the Triton kernel, and the one the entry point picks
+        # (the Mosaic GPU kernel for blocks on Hopper), the two the timed section runs.
+        ref_out = sparse_prefill_reference(q, k, v, sel_idx, lengths, tile=tile, block_size=bs)
+        kernels = {"pallas_gpu": lambda q, k, v, i, l: sparse_gpu.sparse_prefill_gpu(
+            q, k, v, i, l, tile=tile, block_size=bs, **ik)}
+        picked = "pallas_gpu" if run.args.interpret else sparse_api._pick(None, q, bs, tile, Hq // Hkv)
+        if picked != "pallas_gpu":
+            kernels[picked] = lambda q, k, v, i, l: sparse_api.sparse_prefill(q, k, v, i, l, tile=tile, block_size=bs)
+        for name, fn in kernels.items():
+            poison()
+            got = jax.jit(fn)(q, k, v, sel_idx, lengths)
+            e = rel_err(got[:, :T - 37], ref_out[:, :T - 37])
+            run.check(what="sparse_prefill", kernel=name, T=T, tile=tile, block_size=bs, out_rel_err=e, ok=bool(e <= TOL))
     except Exception as e:  # noqa: BLE001
         run.check(what="prefill", error=repr(e)[:300], ok=False)
 

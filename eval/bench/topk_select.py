@@ -23,6 +23,16 @@ What it does:
        reference      `topk_select_reference` (top_k + mask + sort: the contract)
      with the number of kernels each launches (custom calls in its lowered module).
 
+  3. The Kascade case (issue 24; `--cases kascade` runs only it and the small checks): 32 rows like the Kascade
+     anchor scores of `jsparse bench model` at 100K context, batch 4 (`testing.kascade_like_rows`: the bench
+     cache's keys are tiled with a period of 256, so each score is tied ~390 times; N = 100096, k = 10001 ..
+     10004, K = 10010), every variant exact against the reference, and timed:
+       sample           the sampled path now (the default for N > 16384)
+       sample_before24  the sampled path before issue 24 (eval/bench/topk_select_before24.py: a fixed stride
+                        aliased with the period, so most rows took the one-program streaming fallback)
+       fused, lax_top_k, reference   as above
+     beside how each sampled path resolves the rows (`resolution`: rows per way, from its own launches 1-2).
+
 Writes the JSON named by --out (default ./topk_select.json) (device facts and every case) and prints a table last. Cases past a 150 s
 budget are recorded as skipped.
 """
@@ -39,8 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from eval.bench.common import add_out_argument, device_facts, out_path, table, time_ms, write_json
-from pallas_kernels.topk_select import gpu, gpu_row, topk_select_reference
-from pallas_kernels.topk_select.testing import adversarial
+from pallas_kernels.topk_select import gpu, gpu_row, gpu_sample, topk_select_reference
+from pallas_kernels.topk_select.testing import adversarial, kascade_like_rows
 
 BUDGET_S = 150.0
 CASES = [(64, 131072, 13108), (64, 32768, 3277), (32, 6256, 64), (4, 6256, 64), (4, 8192, 40)]
@@ -144,9 +154,78 @@ def case(R: int, N: int, k: int, t_start: float) -> list[dict]:
     return rows
 
 
+KASCADE = dict(rows=32, context=100_000, capacity=100_096, K=10_010)  # B 4 x Hkv 8; bench model's cache capacity
+
+
+def resolution(x, k, K: int, before: bool) -> dict:
+    """How the sampled path (now, or before issue 24) resolves each row, counted from its launches 1 and 2 at the
+    default config: {'a', 'band', 'b', 'fallback'} -> rows ('a' / 'b': t at a bracket end; before: band or
+    fallback only)."""
+    c = gpu.SelectConfig()
+    kw = dict(sample=c.sample_size, sigmas=c.sample_sigmas, cap=c.band_cap, bits=c.row_bits,
+              block_n=c.compact_block_n, target_programs=c.target_programs, params=None, interpret=SMOKE)
+    kk = np.clip(np.asarray(k), 0, K)
+    if before:
+        from eval.bench import topk_select_before24 as old
+        above, nb, _ = jax.jit(lambda a, b: old.sample_band(a, b[:, None], K, **kw))(x, k)
+        u, nb = np.asarray(above).sum(1), np.asarray(nb)[:, 0]
+        band = (u < kk) & (kk <= u + nb) & (nb <= c.band_cap)
+        return {"band": int(band.sum()), "fallback": int((~band & (kk > 0)).sum())}
+    _, counts, nb, _ = jax.jit(lambda a, b: gpu_sample.sample_band(a, b[:, None], K, **kw))(x, k)
+    cnt, nb = np.asarray(counts).sum(1), np.asarray(nb)[:, 0]
+    gt_a, ge_a = cnt[:, 0], cnt[:, 0] + cnt[:, 1]
+    at_a = (gt_a < kk) & (kk <= ge_a)
+    band = (ge_a < kk) & (kk <= ge_a + nb) & (nb <= c.band_cap)
+    at_b = (ge_a + nb < kk) & (kk <= ge_a + nb + cnt[:, 2])
+    return {"a": int(at_a.sum()), "band": int(band.sum()), "b": int(at_b.sum()),
+            "fallback": int((~(at_a | band | at_b) & (kk > 0)).sum())}
+
+
+def kascade_case() -> list[dict]:
+    """The Kascade case (module docstring, 3.)."""
+    R, ctx, cap, K = ((4, 9000, 9088, 910) if SMOKE else
+                      (KASCADE["rows"], KASCADE["context"], KASCADE["capacity"], KASCADE["K"]))
+    xn, kn = kascade_like_rows(np.random.default_rng(24), R, ctx, cap)
+    x, kv = jnp.asarray(xn), jnp.asarray(kn)
+    want = np.asarray(topk_select_reference(x, kv, K))
+    from eval.bench import topk_select_before24 as old
+    c = gpu.SelectConfig()
+    fns = {"sample": select_fn(gpu.SelectConfig(path="sample"), K),
+           "sample_before24": jax.jit(lambda a, b: old.topk_select_sample(
+               a, b, K, sample=c.sample_size, sigmas=c.sample_sigmas, cap=c.band_cap, bits=c.row_bits,
+               block_n=c.compact_block_n, target_programs=c.target_programs, num_warps=c.num_warps,
+               interpret=SMOKE)),
+           "fused": select_fn(gpu.SelectConfig(path="fused"), K)}
+    rows = []
+    for name, fn in fns.items():
+        rec = {"case": "kascade", "rows": R, "N": cap, "k": int(kn.max()), "K": K, "variant": name}
+        try:
+            rec["exact"] = bool(np.array_equal(np.asarray(fn(x, kv)), want))
+            if name.startswith("sample"):
+                rec["resolution"] = resolution(x, kv, K, before=name != "sample")
+            rec["ms"] = time_ms(fn, x, kv, **({"warmup": 1, "iters": 1} if SMOKE else {}))
+        except Exception as e:  # a variant that does not compile is a result, not the end of the run
+            rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(rec)
+    top_k = jax.jit(lambda a: jax.lax.top_k(a, K))
+    ref = jax.jit(lambda a, kk: topk_select_reference(a, kk, K))
+    rows.append({"case": "kascade", "rows": R, "N": cap, "k": int(kn.max()), "K": K, "variant": "lax_top_k",
+                 "ms": time_ms(top_k, x)})
+    rows.append({"case": "kascade", "rows": R, "N": cap, "k": int(kn.max()), "K": K, "variant": "reference",
+                 "ms": time_ms(ref, x, kv)})
+    base = next((r.get("ms") for r in rows if r["variant"] == "sample_before24"), None)
+    for r in rows:
+        if base and r.get("ms"):
+            r["speedup_vs_before24"] = base / r["ms"]
+    return rows
+
+
 def main(argv=None, prog=None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     add_out_argument(p, "topk_select.json")
+    p.add_argument("--cases", default="all", choices=["all", "kascade"],
+                   help="all: the small checks, the timed cases and the Kascade case; kascade: the small checks "
+                        "and the Kascade case only")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     facts = device_facts()
@@ -157,17 +236,25 @@ def main(argv=None, prog=None) -> int:
     print(f"small checks: {sum(r['exact'] for r in small)}/{len(small)} exact "
           f"({time.perf_counter() - t_start:.1f} s)", flush=True)
     rows = []
-    for R, N, k in ([(3, 40, 5), (2, 200, 20)] if SMOKE else CASES):
+    for R, N, k in ([] if args.cases == "kascade" else [(3, 40, 5), (2, 200, 20)] if SMOKE else CASES):
         rows += case(R, N, k, t_start)
         print(f"case {(R, N, k)} done at {time.perf_counter() - t_start:.1f} s", flush=True)
-    all_exact = all(r["exact"] for r in small) and all(r.get("exact", True) for r in rows)
+    kascade = kascade_case()
+    print(f"kascade case done at {time.perf_counter() - t_start:.1f} s", flush=True)
+    all_exact = (all(r["exact"] for r in small) and all(r.get("exact", True) for r in rows + kascade)
+                 and not any("error" in r for r in kascade))
     write_json(out_path(args.out, "topk_select.json"),
-               {**facts, "all_exact": all_exact, "small_checks": small, "cases": rows,
+               {**facts, "all_exact": all_exact, "small_checks": small, "cases": rows, "kascade": kascade,
                 "wall_s": time.perf_counter() - t_start})
-    bad = [r for r in small if not r["exact"]] + [r for r in rows if r.get("exact") is False or "error" in r]
+    bad = [r for r in small if not r["exact"]] + [r for r in rows + kascade
+                                                  if r.get("exact") is False or "error" in r]
     for r in bad:
         print("NOT EXACT / ERROR:", r)
-    print(table(rows, ["rows", "N", "k", "variant", "path", "kernels", "exact", "ms", "speedup_vs_passes"]))
+    if rows:
+        print(table(rows, ["rows", "N", "k", "variant", "path", "kernels", "exact", "ms", "speedup_vs_passes"]))
+    for r in kascade:
+        r["resolution"] = " ".join(f"{w}:{n}" for w, n in r.get("resolution", {}).items()) or None
+    print(table(kascade, ["case", "rows", "N", "k", "variant", "exact", "resolution", "ms", "speedup_vs_before24"]))
     print(f"all exact: {all_exact}; wall {time.perf_counter() - t_start:.1f} s")
     return 0 if all_exact else 1
 

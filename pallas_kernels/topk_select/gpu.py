@@ -6,9 +6,10 @@
     and the compaction run in-kernel. For the launch-bound regime (rows of up to ~16K scores).
   * "fused" (`gpu_fused.py`): the counting passes below with their XLA glue moved into the kernels:
     32 / bits + 2 launches and nothing between them.
-  * "sample" (`gpu_sample.py`): a threshold bracket from a strided sample, one pass keeping the scores inside
-    it, the exact threshold among those (a streaming fallback when the bracket misses), then the fused
-    compaction: 5 launches, three reading the row.
+  * "sample" (`gpu_sample.py`): a threshold bracket from a sample (one score per stratum of the row, at a
+    hashed offset), one pass keeping the scores inside it, the exact threshold among those (or at a bracket
+    end; a streaming fallback when the bracket misses), then the fused compaction: 5 launches, three reading
+    the row.
   * "passes" (this file, the original path): the kernels below with `common.radix_threshold` /
     `common.split_plan` in XLA between them (~20 launches at 4 bits).
 
@@ -69,7 +70,7 @@ class SelectConfig:
       row_max: the longest row "auto" sends to the single-launch "row" kernel (<= gpu_row.ROW_LIMIT).
       row_bits: radix bits per in-kernel pass of the "row" kernel (1, 2, 4 or 8).
       row_warps: warps per "row" program (None: `gpu_row.row_warps`, about 32 scores per thread).
-      sample_size, sample_sigmas, band_cap: the "sample" path's strided sample per row, bracket half-width in
+      sample_size, sample_sigmas, band_cap: the "sample" path's sampled scores per row, bracket half-width in
         standard deviations, and band capacity per row (`gpu_sample.topk_select_sample`); rows shorter than
         sample_size take the "fused" path.
     """

@@ -1,20 +1,24 @@
-"""Pallas GPU (Triton) top-k selection for long rows by sampling: a bracket of the threshold from a strided
-sample, one pass that keeps the scores inside the bracket, and the exact threshold among those.
+"""Pallas GPU (Triton) top-k selection for long rows by sampling: a bracket of the threshold from a sample of
+the row, one pass that keeps the scores inside the bracket, and the exact threshold among those.
 
-Five launches, three of which read the row (each with one or two comparisons per score), instead of the fused
+Five launches, three of which read the row (each with a few comparisons per score), instead of the fused
 path's 32 / bits counting passes of 2**bits comparisons each:
-  1. `_sample_kernel` (one program per row): the keys of `sample` scores at a fixed stride, held in registers;
-     the exact in-register radix search (`gpu_row.row_threshold`) finds two sample keys A >= B around the
-     sample rank that corresponds to kk (kk * sample / N, +- `sigmas` binomial standard deviations + 8).
-  2. `_band_kernel` (row x split): counts the keys >= A per split and appends every key in [B, A) to the row's
-     band buffer (capacity `cap`; slots reserved with one atomic add per chunk, so the band's order is
-     arbitrary, which does not matter for a threshold).
-  3. `_resolve_kernel` (one program per row): with U keys >= A and the band's count Bn, when U < kk <= U + Bn
-     and the band fits, the kk-th largest key is the (kk - U)-th largest of the band: the in-register radix
-     search over the band gives it exactly. Otherwise (a bracket the sample missed, a band over `cap`: rare for
-     continuous scores, common for rows of a few distinct values) the program runs the streaming radix search
-     over its whole row (`gpu_fused.count_digits`, 4 bits a pass): slow but exact, so no input is wrong.
-     It writes the row's rule (a, t, bulk_on, done).
+  1. `_sample_kernel` (one program per row): the keys of `sample` scores, one at a hashed offset inside each of
+     `sample` equal strata of the row (`sample_positions`: the whole row is covered, and a periodic row, such as
+     a cache of tiled keys, is not aliased by a fixed stride), held in registers; the exact in-register radix
+     search (`gpu_row.row_threshold`) finds two sample keys A >= B around the sample rank that corresponds to kk
+     (kk * sample / N, +- `sigmas` binomial standard deviations + 8).
+  2. `_band_kernel` (row x split): counts per split the keys > A, == A and == B (B < A), and appends every key
+     strictly between B and A to the row's band buffer (capacity `cap`; slots reserved with one atomic add per
+     chunk, so the band's order is arbitrary, which does not matter for a threshold).
+  3. `_resolve_kernel` (one program per row): with G = #(key > A), E_A = #(key == A), Bn the band's count and
+     E_B = #(key == B), the kk-th largest key t is A when G < kk <= G + E_A, the (kk - G - E_A)-th largest of
+     the band when the band fits and G + E_A < kk <= G + E_A + Bn (the in-register radix search over the band
+     gives it exactly), and B when the next E_B ranks hold kk. So ties at either end of the bracket, however
+     many, never fill the band. Otherwise (a bracket the sample missed, a band over `cap`: rare, even for rows
+     of a few distinct values) the program runs the streaming radix search over its whole row
+     (`gpu_fused.count_digits`, 4 bits a pass): slow (one program reads its row 8 times) but exact, so no input
+     is wrong. It writes the row's rule (a, t, bulk_on, done).
   4. `gpu_fused.rule_counts` per split and 5. `gpu_fused._compact_kernel`: the fused path's compaction.
 
 Semantics: exactly `reference.topk_select_reference` (every path ends in the same threshold rule).
@@ -37,10 +41,25 @@ from pallas_kernels.topk_select.gpu_row import row_threshold
 Array = jax.Array
 
 
-def _sample_kernel(k_ref, x_ref, o_ref, *, n: int, width: int, ns: int, stride: int, bits: int, sigmas: float):
+def sample_positions(n: int, ns: int) -> Array:
+    """i32[ns]: one position in each of ns strata [floor(i * n / ns), floor((i + 1) * n / ns)) of a row of n
+    (n >= ns), at an offset given by an integer hash of i: the sample covers the whole row, and no fixed stride
+    aliases with a periodic row. Exact int32 arithmetic (ns <= 32768), the same in a kernel and in jnp."""
+    q, rem = divmod(n, ns)
+    i = jnp.arange(ns, dtype=jnp.int32)
+    start = i * q + (i * rem) // ns  # floor(i * n / ns) without overflow: i * rem < ns**2 <= 2**30
+    width = q + ((i + 1) * rem) // ns - (i * rem) // ns  # q or q + 1 (>= 1)
+    h = i * jnp.int32(-1640531535)  # 0x9E3779B1 (wrapping int32 products: a murmur-style mix)
+    h = h ^ lax.shift_right_logical(h, jnp.int32(16))
+    h = h * jnp.int32(-2048144789)  # 0x85EBCA6B
+    h = h ^ lax.shift_right_logical(h, jnp.int32(13))
+    return start + lax.rem(lax.shift_right_logical(h, jnp.int32(1)), width)
+
+
+def _sample_kernel(k_ref, x_ref, o_ref, *, n: int, width: int, ns: int, bits: int, sigmas: float):
     """Row r. Refs: k i32[1]; x f32[N]; o i32[4] = (A, B, above_on, 0)."""
     kk = jnp.clip(k_ref[0], 0, width)
-    key = float_keys(plgpu.load(x_ref.at[jnp.arange(ns, dtype=jnp.int32) * stride]))
+    key = float_keys(plgpu.load(x_ref.at[sample_positions(n, ns)]))
     r = kk.astype(jnp.float32) * (ns / n)
     m = sigmas * jnp.sqrt(jnp.maximum(r * (1.0 - r / ns), 0.0)) + 8.0
     r_hi = jnp.clip(jnp.floor(r - m), 0, ns).astype(jnp.int32)
@@ -54,7 +73,8 @@ def _sample_kernel(k_ref, x_ref, o_ref, *, n: int, width: int, ns: int, stride: 
 def _band_kernel(br_ref, x_ref, cnt_in, cnt_ref, band_ref, o_ref, *, n: int, block_n: int, per_split: int,
                  cap: int):
     """(row, split). Refs: br i32[4] the bracket; x f32[N]; cnt i32[1] the row's band count (zero in, aliased
-    out, atomically added); band i32[cap] the row's band keys; o i32[1] this split's count of keys >= A."""
+    out, atomically added); band i32[cap] the row's band keys (B < key < A; key > B when A is off); o i32[4] this
+    split's counts (#key > A, #key == A, #key == B below A, 0) (the A counts 0 when A is off)."""
     del cnt_in
     a_key, b_key, on = br_ref[0], br_ref[1], br_ref[2] > 0
     first, count = gpu_fused._split_chunks(n, block_n, per_split)
@@ -62,33 +82,51 @@ def _band_kernel(br_ref, x_ref, cnt_in, cnt_ref, band_ref, o_ref, *, n: int, blo
     def body(i, acc):
         _, ok, x = gpu_fused._chunk(x_ref, first + i, block_n, n)
         key = float_keys(x)
-        above = ok & on & (key >= a_key)
-        band = ok & (key >= b_key) & jnp.logical_not(above)
+        at_a = ok & on & (key >= a_key)
+        below = ok & jnp.logical_not(at_a)
+        band = below & (key > b_key)
         b32 = band.astype(jnp.int32)
         nb = jnp.sum(b32)
         base = plgpu.atomic_add(cnt_ref, (jnp.int32(0),), nb)
         dst = base + jnp.cumsum(b32) - b32
         keep = band & (dst < cap)
         plgpu.store(band_ref.at[jnp.where(keep, dst, cap)], key, mask=keep)
-        return acc + above.astype(jnp.int32)
+        gt, eq_a, eq_b = acc
+        return (gt + (at_a & (key > a_key)).astype(jnp.int32), eq_a + (at_a & (key == a_key)).astype(jnp.int32),
+                eq_b + (below & (key == b_key)).astype(jnp.int32))
 
-    acc = lax.fori_loop(jnp.int32(0), count, body, jnp.zeros((block_n,), jnp.int32))
-    o_ref[0] = jnp.sum(acc)
+    zero = jnp.zeros((block_n,), jnp.int32)
+    gt, eq_a, eq_b = lax.fori_loop(jnp.int32(0), count, body, (zero, zero, zero))
+    lane = jnp.arange(4, dtype=jnp.int32)
+    o_ref[...] = jnp.where(lane == 0, jnp.sum(gt), jnp.where(lane == 1, jnp.sum(eq_a),
+                                                             jnp.where(lane == 2, jnp.sum(eq_b), 0)))
 
 
-def _resolve_kernel(k_ref, c_ref, cnt_ref, band_ref, x_ref, r_out, *, n: int, width: int, cap: int, bits: int,
-                    block_n: int):
-    """Row r. Refs: k i32[1]; c i32[S] the splits' counts of keys >= A; cnt i32[1] the band count; band
-    i32[cap]; x f32[N] (read only by the fallback); out r i32[4] = (a, t, bulk_on, done)."""
+def _resolve_kernel(k_ref, c_ref, cnt_ref, band_ref, br_ref, x_ref, r_out, *, n: int, width: int, cap: int,
+                    bits: int, block_n: int):
+    """Row r. Refs: k i32[1]; c i32[S, 4] the splits' counts (#key > A, #key == A, #key == B below A, 0); cnt
+    i32[1] the band count; band i32[cap]; br i32[4] the bracket (A, B, above_on, 0); x f32[N] (read only by the
+    fallback); out r i32[4] = (a, t, bulk_on, done)."""
     kk = jnp.clip(k_ref[0], 0, width)
-    above = jnp.sum(c_ref[...])
+    c = jnp.sum(c_ref[...], axis=0)
+    lane = jnp.arange(4, dtype=jnp.int32)
+    gt_a = jnp.sum(jnp.where(lane == 0, c, 0))
+    ge_a = gt_a + jnp.sum(jnp.where(lane == 1, c, 0))
     n_band = cnt_ref[0]
-    need = kk - above
-    ok = (kk <= 0) | ((need > 0) & (need <= n_band) & (n_band <= cap))
+    gt_b = ge_a + n_band  # #key > B (B < A, or A off)
+    ge_b = gt_b + jnp.sum(jnp.where(lane == 2, c, 0))
+    a_key, b_key = br_ref[0], br_ref[1]
+    at_a = (gt_a < kk) & (kk <= ge_a)  # t = A (never when A is off: then ge_a = 0)
+    in_band = (ge_a < kk) & (kk <= gt_b) & (n_band <= cap)
+    at_b = (gt_b < kk) & (kk <= ge_b)  # t = B
+    ok = (kk <= 0) | at_a | in_band | at_b
+    need = kk - ge_a
     slot = jnp.arange(cap, dtype=jnp.int32)
     band = plgpu.load(band_ref.at[pl.ds(0, cap)], mask=slot < n_band, other=INT_MIN)
     band = jnp.where(slot < n_band, band, INT_MIN)
-    lo, _, done = row_threshold(band, jnp.where(ok, need, 0), jnp.where(ok, n_band, 0), bits)
+    lo, _, done = row_threshold(band, jnp.where(in_band, need, 0), jnp.where(in_band, n_band, 0), bits)
+    lo = jnp.where(at_a, a_key, jnp.where(at_b, b_key, lo))
+    done = jnp.where(at_a, kk == ge_a, jnp.where(at_b, kk == ge_b, done))
 
     # Fallback: the streaming radix search over the whole row (4 bits a pass), in this one program.
     fb_bits = 4
@@ -106,7 +144,6 @@ def _resolve_kernel(k_ref, c_ref, cnt_ref, band_ref, x_ref, r_out, *, n: int, wi
     lo = jnp.where(ok, lo, lo_f)
     done = jnp.where(ok, done | (kk <= 0), (kk <= 0) | (cnt_f == kk))
     a, t, on = selection_rule(lo, done, kk)
-    lane = jnp.arange(4, dtype=jnp.int32)
     r_out[...] = jnp.where(lane == 0, a, jnp.where(lane == 1, t, jnp.where(lane == 2, on, done)))
 
 
@@ -117,10 +154,11 @@ def topk_select_sample(x: Array, k_rows: Array, K: int, *, sample: int = 4096, s
 
     Args:
       x: f32[R, N] scores (N >= sample); k_rows: i32[R] keys to keep (clipped to [0, K] in-kernel); K: width <= N.
-      sample: strided sample per row (a power of two, <= 32768); sigmas: bracket half-width in standard
-        deviations of the sample rank; cap: band capacity per row (a power of two, <= 32768); bits: radix bits
-        of the in-register searches; block_n: scores per inner iteration of the streaming kernels (a power of
-        two); target_programs: about rows x splits per streaming launch; num_warps: warps per program.
+      sample: sampled scores per row (`sample_positions`; a power of two, <= 32768); sigmas: bracket
+        half-width in standard deviations of the sample rank; cap: band capacity per row (a power of two,
+        <= 32768); bits: radix bits of the in-register searches; block_n: scores per inner iteration of the
+        streaming kernels (a power of two); target_programs: about rows x splits per streaming launch;
+        num_warps: warps per program.
       interpret: Pallas interpreter (CPU tests).
 
     Returns:
@@ -134,16 +172,18 @@ def topk_select_sample(x: Array, k_rows: Array, K: int, *, sample: int = 4096, s
         raise ValueError(f"N={N} scores per row: the sampling path needs N >= sample={sample}")
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
     k2 = k_rows.reshape(R, 1).astype(jnp.int32)
-    above, n_band, band = sample_band(x, k2, K, sample=sample, sigmas=sigmas, cap=cap, bits=bits, block_n=block_n,
-                                      target_programs=target_programs, params=params, interpret=interpret)
-    S = above.shape[1]
+    bracket, counts, n_band, band = sample_band(x, k2, K, sample=sample, sigmas=sigmas, cap=cap, bits=bits,
+                                                block_n=block_n, target_programs=target_programs, params=params,
+                                                interpret=interpret)
+    S = counts.shape[1]
     row1 = lambda w: pl.BlockSpec((None, w), lambda r: (r, 0))  # noqa: E731
     rule = pl.pallas_call(
         functools.partial(_resolve_kernel, n=N, width=K, cap=cap, bits=bits, block_n=block_n),
-        grid=(R,), in_specs=[row1(1), pl.BlockSpec((None, S), lambda r: (r, 0)), row1(1), row1(cap), row1(N)],
+        grid=(R,), in_specs=[row1(1), pl.BlockSpec((None, S, 4), lambda r: (r, 0, 0)), row1(1), row1(cap), row1(4),
+                             row1(N)],
         out_specs=row1(4), out_shape=jax.ShapeDtypeStruct((R, 4), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=max(4, min(16, cap // 1024)), num_stages=1),
-        interpret=interpret, name="topk_select_resolve")(k2, above, n_band, band, x)
+        interpret=interpret, name="topk_select_resolve")(k2, counts, n_band, band, bracket, x)
 
     return gpu_fused.compact_with_rule(x, k2, rule, K, block_n=block_n, target_programs=target_programs,
                                        params=params, interpret=interpret)
@@ -151,25 +191,27 @@ def topk_select_sample(x: Array, k_rows: Array, K: int, *, sample: int = 4096, s
 
 def sample_band(x: Array, k2: Array, K: int, *, sample: int, sigmas: float, cap: int, bits: int, block_n: int,
                 target_programs: int, params, interpret: bool = False):
-    """Launches 1 and 2: (above i32[R, S] the splits' counts of keys >= A, n_band i32[R, 1], band i32[R, cap]).
-    The fast path holds for row r when above[r].sum() < kk <= above[r].sum() + n_band[r] <= cap."""
+    """Launches 1 and 2: (bracket i32[R, 4] = (A, B, above_on, 0), counts i32[R, S, 4] the splits' (#key > A,
+    #key == A, #key == B below A, 0), n_band i32[R, 1] the keys strictly between B and A, band i32[R, cap] their
+    keys). With G, E_A, E_B the counts summed over the splits and Bn = n_band[r], row r resolves without the
+    fallback when G < kk <= G + E_A + Bn + E_B and, if G + E_A < kk <= G + E_A + Bn, Bn <= cap."""
     R, N = x.shape
     row1 = lambda w: pl.BlockSpec((None, w), lambda r: (r, 0))  # noqa: E731
     row2 = lambda w: pl.BlockSpec((None, w), lambda r, s: (r, 0))  # noqa: E731
     bracket = pl.pallas_call(
-        functools.partial(_sample_kernel, n=N, width=K, ns=sample, stride=N // sample, bits=bits, sigmas=sigmas),
+        functools.partial(_sample_kernel, n=N, width=K, ns=sample, bits=bits, sigmas=sigmas),
         grid=(R,), in_specs=[row1(1), row1(N)], out_specs=row1(4),
         out_shape=jax.ShapeDtypeStruct((R, 4), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=max(4, min(16, sample // 1024)), num_stages=1),
         interpret=interpret, name="topk_select_sample")(k2, x)
     S, per = gpu_fused.pow2_splits(R, pl.cdiv(N, block_n), target_programs)
-    n_band, band, above = pl.pallas_call(
+    n_band, band, counts = pl.pallas_call(
         functools.partial(_band_kernel, n=N, block_n=block_n, per_split=per, cap=cap),
         grid=(R, S), in_specs=[row2(4), row2(N), row2(1)],
-        out_specs=(row2(1), row2(cap), pl.BlockSpec((None, None, 1), lambda r, s: (r, s, 0))),
+        out_specs=(row2(1), row2(cap), pl.BlockSpec((None, None, 4), lambda r, s: (r, s, 0))),
         out_shape=(jax.ShapeDtypeStruct((R, 1), jnp.int32), jax.ShapeDtypeStruct((R, cap), jnp.int32),
-                   jax.ShapeDtypeStruct((R, S, 1), jnp.int32)),
+                   jax.ShapeDtypeStruct((R, S, 4), jnp.int32)),
         input_output_aliases={2: 0},
         compiler_params=params, interpret=interpret, name="topk_select_band",
     )(bracket, x, jnp.zeros((R, 1), jnp.int32))
-    return above.reshape(R, S), n_band, band
+    return bracket, counts, n_band, band
