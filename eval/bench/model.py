@@ -87,11 +87,22 @@ def prefill_only(params, method, tokens, *, cfg):
     return logits
 
 
-def filled_cache(cfg, batch, context, capacity, dtype):
-    """A cache whose first `context` positions hold random (tiled) keys and values."""
-    tile = jax.random.normal(jax.random.key(3), (cfg.num_layers, batch, cfg.num_kv_heads, 256, cfg.head_dim), dtype)
-    k = jnp.tile(tile, (1, 1, 1, capacity // 256, 1))
-    return KVCache(k=k, v=k * 0.5, lengths=jnp.full((batch,), context, jnp.int32))
+def filled_cache(cfg, batch, context, capacity, dtype, seed: int = 3):
+    """A cache whose first `context` positions (all `capacity`, in fact) hold random normal keys and values, drawn
+    layer by layer into one buffer each (no temporary as large as the cache).
+
+    Random everywhere, not a tiled block: a cache that repeats every few hundred positions gives every score
+    hundreds of exact ties, the worst case of the exact top-k selections (before 2026-11-25 this cache repeated a
+    256-position block, and Kascade's anchor selection fell back to its slow path on most rows)."""
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+
+    @jax.jit
+    def fill(key):
+        put = lambda i, buf: buf.at[i].set(jax.random.normal(jax.random.fold_in(key, i), shape[1:], dtype))  # noqa
+        return jax.lax.fori_loop(0, shape[0], put, jnp.zeros(shape, dtype))
+
+    return KVCache(k=fill(jax.random.key(seed)), v=fill(jax.random.key(seed + 1)),
+                   lengths=jnp.full((batch,), context, jnp.int32))
 
 
 # -------------------------------------------------------------------------------------------- the methods

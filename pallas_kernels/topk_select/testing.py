@@ -36,8 +36,8 @@ def adversarial(rng: np.random.Generator, R: int, N: int) -> np.ndarray:
 
 
 def kascade_like_rows(rng, R: int, context: int, capacity: int, period: int = 256, tile: int = 32):
-    """Rows like a Kascade anchor's pooled scores on `jsparse bench model`'s cache (`filled_cache`: keys tiled
-    with a period of 256): the softmax weights of 4 query heads (Llama-3.1-8B's GQA group; logits N(0, 1.3**2),
+    """Rows like a Kascade anchor's pooled scores on the cache `jsparse bench model` used before 2026-11-25 (keys
+    tiled with a period of 256; a worst case of many ties that a periodic input can produce): the softmax weights of 4 query heads (Llama-3.1-8B's GQA group; logits N(0, 1.3**2),
     about the spread of q.k / sqrt(D) in the random-weight model) summed, over `period` distinct keys repeated
     over the context (each value tied ~context / period times) and 1 to 4 fresh keys after it (query position
     context + r % 4), +inf on the query's diagonal `tile` and -inf past its position.
