@@ -110,10 +110,11 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-batch-tokens", type=int, default=8192,
                    help="tokens per forward: samples are batched max(1, this // length) at a time (default 8192)")
     p.add_argument("--draft", default=None,
-                   help="passkey by speculative decoding with this draft model (any --model spec with the target's "
-                        "vocabulary, e.g. smollm2:layers=0-14); records carry the acceptance rate. Needed by --methods "
-                        "sts (ppl variants prefill: STS-P, and continuation: STS-D as teacher-forced verification "
-                        "rounds)")
+                   help="passkey and every generation task (the RULER-style tasks) by greedy speculative decoding "
+                        "with this draft model (any --model spec with the target's vocabulary, e.g. "
+                        "smollm2:layers=0-14), for every method; their records carry the acceptance rate. Needed by "
+                        "--methods sts (which selects the target's keys from the draft's attention; ppl variants "
+                        "prefill: STS-P, and continuation: STS-D as teacher-forced verification rounds)")
     p.add_argument("--gamma", type=int, default=4, help="draft tokens proposed per round with --draft (default 4)")
     p.add_argument("--out", required=True,
                    help="output folder (created) for results.json, summary.md, report.md and plots/. A run into a "

@@ -15,8 +15,8 @@ Time (it must stay under 15 minutes on a 2-core CPU): the prompts of the four ge
 2048-token window (the same number of scored tokens as two windows of 256, at half the prefill), its prefill and
 decode compiled as one function. eval/results/demo/README.md records the timings.
 
-Methods left out: `sts` (needs a draft model and runs the passkey by speculative decoding, which would change
-every other method's passkey too; see `jsparse eval --draft`), and the ablations of evosparse and butler
+Methods left out: `sts` (needs a draft model, with which every method's passkey and generation tasks run by
+speculative decoding; see `jsparse eval --draft`), and the ablations of evosparse and butler
 (`evosparse-noheat`, `evosparse-noretrieval`, `sink-local`, `butler-local`, `butler-paper`).
 """
 

@@ -9,7 +9,9 @@
 
 Tasks: the built-in "passkey" (eval/passkey.py) and "ppl" (eval/ppl.py), and every generation task registered in
 eval/tasks (RULER-style needles, variable tracking, word extraction, co-reference, ...): its seeded prompts,
-the method's prefill then its greedy decode of the task's `max_new_tokens`, scored with the task's metric.
+the method's prefill then its greedy decode of the task's `max_new_tokens`, scored with the task's metric. With
+a draft (`EvalSpec.draft`) passkey and the generation tasks decode by greedy speculative decoding instead (the
+same completions for an exact method; STS selects the target's keys from the draft's attention).
 
 A record (every record has exactly the keys of `RECORD_KEYS`; results.json schema version `SCHEMA_VERSION`):
   task      "passkey", "ppl" or a generation task's name (eval/tasks)
@@ -45,8 +47,9 @@ A record (every record has exactly the keys of `RECORD_KEYS`; results.json schem
             generation tasks of one (method, budget, length) run in shared generate calls, whose time each of
             them gets in proportion to its prompts
   acceptance_rate
-            passkey with a draft (`EvalSpec.draft`, speculative decoding): accepted draft tokens / proposed ones
-            over the record's rounds; None otherwise
+            passkey and the generation tasks with a draft (`EvalSpec.draft`, greedy speculative decoding):
+            accepted draft tokens / proposed ones over the rounds of the record's prompts (each prompt's row
+            stops at its task's token count); None otherwise (ppl, no draft)
 
 A record's unit (`record_key`: method, budget, budget_tokens, task, length, variant) is what a resumed run skips.
 
@@ -289,6 +292,11 @@ class EvalSpec:
         completions (variant "generate"); passkey and ppl are always raw.
       chunk: tokens per decode call in the ppl "decode" variant.
       max_batch_tokens: rows per forward = max(1, max_batch_tokens // length).
+      draft: a draft model (a LoadedModel with the target's vocabulary) or None. With one, passkey and every
+        generation task answer by greedy speculative decoding (`gamma` draft tokens per round; their records
+        carry the acceptance rate), and STS (which needs it) takes its selection from the draft's attention;
+        ppl runs STS as the "prefill" (STS-P) and "continuation" (STS-D) variants, the other methods as without.
+      gamma: draft tokens proposed per round with `draft`.
     """
 
     methods: tuple[str, ...]
@@ -346,10 +354,6 @@ class EvalSpec:
             parse_budget_tokens(self.budget_tokens)
         if self.budgets is not None:
             parse_budgets(self.budgets)
-        generation = [t for t in self.tasks if t not in TASKS]
-        if generation and self.draft is not None:
-            raise ValueError(f"--draft (speculative decoding) runs the passkey and ppl tasks only, got tasks "
-                             f"{generation}")
         for name in self.method_options:
             if name not in self.methods:
                 raise ValueError(f"method options given for method {name!r}, which is not among the methods "
@@ -359,9 +363,6 @@ class EvalSpec:
                 raise ValueError(f"artifact given for method {name!r}, which is not among the methods "
                                  f"{list(self.methods)}")
         return self
-
-    def batch_rows(self, length: int) -> int:
-        return max(1, min(self.samples, self.max_batch_tokens // length))
 
     def ppl_windows(self) -> int:
         """ppl windows per length: `ppl_samples`, else `samples`."""
@@ -466,7 +467,8 @@ class LayerSparsity:
 def run_generation(model, method, prompts: Sequence[Sequence[int]], new_tokens: int | Sequence[int], rows: int,
                    tick: Callable[[], None] = lambda: None,
                    layer_sparsity: LayerSparsity | Sequence[LayerSparsity] | None = None, *,
-                   width: int | None = None, max_new_tokens: int | None = None) -> list[str]:
+                   width: int | None = None, max_new_tokens: int | None = None, draft=None, gamma: int = 4,
+                   stats: dict | None = None) -> list[str]:
     """Greedy completions (text, `new_tokens` tokens at most) of token prompts of any lengths: the method's
     prefill of each prompt, then its decode, `rows` prompts per generate call (the last batch padded by repeating
     its last row), prompts right-padded to `width` tokens (default: the longest prompt).
@@ -477,6 +479,12 @@ def run_generation(model, method, prompts: Sequence[Sequence[int]], new_tokens: 
     which greedy decoding makes the same as generating `new_tokens`. Given `layer_sparsity` (one, or one per
     prompt) of a method that measures its prefill, the generate call returns the state of its own prefill for it
     (no second prefill); each prompt's row goes to its own accumulator.
+
+    With `draft`: greedy speculative decoding (`models.speculative.speculative_generate`, `gamma` draft tokens
+    per round; the same completions as without a draft, up to the method; STS takes its selection from the
+    draft), each row stopping at its own `new_tokens`; `stats` then receives `rounds` and `accepted` (lists, one
+    per prompt: the rounds the prompt's row took part in and the draft tokens accepted over them) and `gamma`.
+    The prefill is not measured with a draft (`layer_sparsity` stays empty).
     """
     lengths_all = np.asarray([len(p) for p in prompts], np.int32)
     per_new = np.broadcast_to(np.asarray(new_tokens, np.int64), (len(prompts),))
@@ -490,21 +498,41 @@ def run_generation(model, method, prompts: Sequence[Sequence[int]], new_tokens: 
     if len(trackers) != len(prompts):
         raise ValueError(f"{len(trackers)} layer_sparsity accumulators for {len(prompts)} prompts: expected one, "
                          "or one per prompt")
-    capacity = check_request(model.cfg, [width], steps)
+    if draft is None:
+        capacity = check_request(model.cfg, [width], steps)
+    else:
+        from jsparse.api import check_draft, speculative_methods
+        from models.generate import round_up
+        from models.speculative import speculative_generate
+
+        check_draft(model, draft, gamma)
+        extra = gamma + 1  # the verification writes up to gamma + 1 rows past the accepted tokens
+        check_request(model.cfg, [width], steps + extra)
+        capacity = round_up(width + steps + extra, 128)
+        t_method, d_method = speculative_methods(method, model, draft, gamma)
     eos = _eos_ids(model)
     tokens = np.zeros((len(prompts), width), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, :len(p)] = np.asarray(p, np.int32)
-    completions = []
-    measure = any(t is not None and t.active for t in trackers)
-    for start, ((batch, valid), (lengths, _)) in enumerate(zip(_batches(tokens, rows), _batches(lengths_all, rows))):
+    completions, rounds, accepted = [], [], []
+    measure = draft is None and any(t is not None and t.active for t in trackers)
+    for start, ((batch, valid), (lengths, _), (cuts, _)) in enumerate(
+            zip(_batches(tokens, rows), _batches(lengths_all, rows), _batches(np.asarray(per_new, np.int32), rows))):
         start *= rows
         lengths = jnp.asarray(lengths)
-        out, num, *state = generate_tokens(model.params, method, jnp.asarray(batch), lengths, jax.random.key(0),
-                                           cfg=model.cfg, max_new_tokens=steps, capacity=capacity,
-                                           sampling=Sampling(), eos_ids=eos, return_prefill_state=measure)
+        if draft is None:
+            out, num, *state = generate_tokens(model.params, method, jnp.asarray(batch), lengths, jax.random.key(0),
+                                               cfg=model.cfg, max_new_tokens=steps, capacity=capacity,
+                                               sampling=Sampling(), eos_ids=eos, return_prefill_state=measure)
+        else:
+            out, num, r, a = speculative_generate(
+                model.params, draft.params, t_method, d_method, jnp.asarray(batch), lengths, jax.random.key(0),
+                t_cfg=model.cfg, d_cfg=draft.cfg, gamma=gamma, max_new_tokens=steps, capacity=capacity,
+                sampling=Sampling(), eos_ids=eos, row_new_tokens=jnp.asarray(cuts))
+            rounds += np.asarray(r)[:valid].tolist()
+            accepted += np.asarray(a)[:valid].tolist()
         out, num = np.asarray(out), np.asarray(num)
-        for row, n, cut in zip(out[:valid], num[:valid], per_new[start:start + valid]):
+        for row, n, cut in zip(out[:valid], num[:valid], cuts[:valid]):
             ids = [int(t) for t in row[:min(n, cut)] if t >= 0 and int(t) not in eos]
             completions.append(model.tokenizer.decode(ids, skip_special_tokens=True))
         if measure:
@@ -516,7 +544,19 @@ def run_generation(model, method, prompts: Sequence[Sequence[int]], new_tokens: 
             for tracker, idx in groups.values():
                 tracker.add(state[0], lengths, valid, rows=idx)
         tick()
+    if draft is not None and stats is not None:
+        stats.update(rounds=rounds, accepted=accepted, gamma=gamma)
     return completions
+
+
+def acceptance_rate(stats: Mapping, prompts: Sequence[int] | None = None) -> float | None:
+    """Accepted draft tokens / proposed ones (gamma per round) over the prompts `prompts` (indices; None: all)
+    of `run_generation`'s speculative `stats`; None without stats (no draft)."""
+    if not stats:
+        return None
+    idx = range(len(stats["rounds"])) if prompts is None else prompts
+    rounds = sum(int(stats["rounds"][i]) for i in idx)
+    return sum(int(stats["accepted"][i]) for i in idx) / max(rounds * stats["gamma"], 1)
 
 
 def run_passkey(model, method, prompts: Sequence[passkey_task.PasskeyPrompt], new_tokens: int, rows: int,
@@ -524,42 +564,15 @@ def run_passkey(model, method, prompts: Sequence[passkey_task.PasskeyPrompt], ne
                 draft=None, gamma: int = 4, stats: dict | None = None, *, width: int | None = None,
                 max_new_tokens: int | None = None) -> list[str]:
     """Greedy completions (text) of the prompts, `rows` prompts per generate call (see `run_generation`, which
-    `width` and `max_new_tokens` go to). With `draft`, speculative decoding (gamma tokens per round; STS takes
-    its selection from the draft); `stats` then receives `rounds` and `accepted` summed over the prompts."""
-    if draft is not None:
-        return _run_passkey_speculative(model, method, prompts, new_tokens, rows, tick, draft, gamma, stats)
-    return run_generation(model, method, [p.tokens for p in prompts], new_tokens, rows, tick, layer_sparsity,
-                          width=width, max_new_tokens=max_new_tokens)
-
-
-def _run_passkey_speculative(model, method, prompts, new_tokens, rows, tick, draft, gamma, stats):
-    from jsparse.api import check_draft, speculative_methods
-    from models.generate import round_up
-    from models.speculative import speculative_generate
-
-    check_draft(model, draft, gamma)
-    length = len(prompts[0].tokens)
-    check_request(model.cfg, [length], new_tokens + gamma + 1)
-    capacity = round_up(length + new_tokens + gamma + 1, 128)
-    t_method, d_method = speculative_methods(method, model, draft, gamma)
-    eos = _eos_ids(model)
-    tokens = np.stack([p.tokens for p in prompts])
-    lengths = jnp.full((rows,), length, jnp.int32)
-    completions, rounds, accepted = [], 0, 0
-    for batch, valid in _batches(tokens, rows):
-        out, num, r, a = speculative_generate(
-            model.params, draft.params, t_method, d_method, jnp.asarray(batch), lengths, jax.random.key(0),
-            t_cfg=model.cfg, d_cfg=draft.cfg, gamma=gamma, max_new_tokens=new_tokens, capacity=capacity,
-            sampling=Sampling(), eos_ids=eos)
-        out, num = np.asarray(out), np.asarray(num)
-        rounds += int(np.asarray(r)[:valid].sum())
-        accepted += int(np.asarray(a)[:valid].sum())
-        for row, n in zip(out[:valid], num[:valid]):
-            ids = [int(t) for t in row[:n] if t >= 0 and int(t) not in eos]
-            completions.append(model.tokenizer.decode(ids, skip_special_tokens=True))
-        tick()
-    if stats is not None:
-        stats.update(rounds=rounds, accepted=accepted, gamma=gamma)
+    `width`, `max_new_tokens`, `draft` and `gamma` go to). With `draft`, speculative decoding (gamma tokens per
+    round; STS takes its selection from the draft); `stats` then receives `rounds` and `accepted` summed over the
+    prompts, and `gamma`."""
+    per_prompt: dict = {}
+    completions = run_generation(model, method, [p.tokens for p in prompts], new_tokens, rows, tick, layer_sparsity,
+                                 width=width, max_new_tokens=max_new_tokens, draft=draft, gamma=gamma,
+                                 stats=per_prompt)
+    if per_prompt and stats is not None:
+        stats.update(rounds=sum(per_prompt["rounds"]), accepted=sum(per_prompt["accepted"]), gamma=gamma)
     return completions
 
 
@@ -806,9 +819,9 @@ def _units(spec: EvalSpec) -> list[tuple[str, str]]:
 
 
 def _generation_units(spec: EvalSpec, todo: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
-    """The units of `todo` whose prompts run together in shared generate calls: passkey (unless it runs by
-    speculative decoding with a draft) and the generation tasks."""
-    return [(t, v) for t, v in todo if t != "ppl" and not (t == "passkey" and spec.draft is not None)]
+    """The units of `todo` whose prompts run together in shared generate calls (speculative decoding ones with a
+    draft): passkey and the generation tasks."""
+    return [(t, v) for t, v in todo if t != "ppl"]
 
 
 def _unit_calls(spec: EvalSpec, length: int, todo: Sequence[tuple[str, str]]) -> int:
@@ -816,9 +829,7 @@ def _unit_calls(spec: EvalSpec, length: int, todo: Sequence[tuple[str, str]]) ->
     together = len(_generation_units(spec, todo)) * spec.samples
     calls = -(-together // spec.generation_rows(length, together)) if together else 0
     for task, variant in todo:
-        if task == "passkey" and spec.draft is not None:
-            calls += -(-spec.samples // spec.batch_rows(length))
-        elif task == "ppl":
+        if task == "ppl":
             calls += -(-spec.ppl_windows() // spec.ppl_rows(length)) * {
                 "decode": -(-length // spec.chunk), "prefill": 1,
                 "continuation": 1 + -(-spec.continuation // spec.chunk)}[variant]
@@ -865,7 +876,8 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
                   default=spec.new_tokens)
     for length in spec.lengths:  # fail before any work on a length the model cannot run
         if "passkey" in spec.tasks or generation:
-            check_request(cfg, [int(length * 1.01) + 1 if generation else length], gen_new)
+            check_request(cfg, [int(length * 1.01) + 1 if generation else length],
+                          gen_new + (0 if spec.draft is None else spec.gamma + 1))
         if "ppl" in spec.tasks:
             check_request(cfg, [length - 1], 1)
     corpus_ids = None
@@ -901,7 +913,6 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
             todo_tasks = {t for L, _, todo in plan if L == length for t, _ in todo}
             if not todo_tasks:
                 continue
-            rows = spec.batch_rows(length)
             prompts = windows = None
             samples = {}
             if "passkey" in todo_tasks:
@@ -925,7 +936,8 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
                 name, budget, budget_tokens = run.name, run.budget, run.budget_tokens
                 sparsity = achieved_sparsity(method, name, cfg, length)
                 common = dict(method=name, length=length, budget=budget, budget_tokens=budget_tokens)
-                # Passkey (without a draft) and the generation tasks: their prompts in shared generate calls.
+                # Passkey and the generation tasks: their prompts in shared generate calls (speculative decoding
+                # ones with a draft).
                 together = _generation_units(spec, todo)
                 done_gen = {}
                 if together:
@@ -941,29 +953,23 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
                         tokens += toks
                         new += [n_new] * len(toks)
                         owners += [task] * len(toks)
+                    spec_stats: dict = {}
                     completions = run_generation(model, method, tokens, new, spec.generation_rows(length, len(tokens)),
                                                  tick, [trackers[o] for o in owners], width=width,
-                                                 max_new_tokens=gen_new)
+                                                 max_new_tokens=gen_new, draft=spec.draft, gamma=spec.gamma,
+                                                 stats=spec_stats)
                     elapsed = time.perf_counter() - t0
                     for task, _ in together:
-                        mine = [c for c, o in zip(completions, owners) if o == task]
-                        done_gen[task] = (mine, trackers[task], elapsed * len(mine) / len(tokens))
+                        idx = [i for i, o in enumerate(owners) if o == task]
+                        done_gen[task] = ([completions[i] for i in idx], trackers[task],
+                                          elapsed * len(idx) / len(tokens), acceptance_rate(spec_stats, idx))
                 for task, variant in todo:
                     bar.set_description(f"{run.label} {task}{'' if task != 'ppl' else '-' + variant} {length}")
                     t0 = time.perf_counter()
                     measured = LayerSparsity(method, cfg)
                     if task == "passkey":
-                        spec_stats = {}
-                        if task in done_gen:
-                            completions, measured, seconds = done_gen[task]
-                        else:
-                            completions = run_passkey(model, method, prompts, spec.new_tokens, rows, tick, measured,
-                                                      draft=spec.draft, gamma=spec.gamma, stats=spec_stats,
-                                                      width=width, max_new_tokens=gen_new)
-                            seconds = time.perf_counter() - t0
+                        completions, measured, seconds, rate = done_gen[task]
                         layers, mean = measured.result()
-                        rate = None if not spec_stats else \
-                            spec_stats["accepted"] / max(spec_stats["rounds"] * spec_stats["gamma"], 1)
                         correct = [passkey_task.is_correct(c, p.key) for p, c in zip(prompts, completions)]
                         for p, c, ok in zip(prompts, completions, correct):
                             outputs.append(dict(task="passkey", method=name, budget=budget,
@@ -985,7 +991,7 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
                     else:
                         gen = generation[task]
                         ss = samples[task]
-                        completions, measured, seconds = done_gen[task]
+                        completions, measured, seconds, rate = done_gen[task]
                         layers, mean = measured.result()
                         from eval import tasks as task_registry
 
@@ -996,7 +1002,7 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
                                                 completion=c, score=x))
                         emit(_score_records(task, gen.metric, scores, [s.depth for s in ss], seconds, variant,
                                             sparsity=sparsity if mean is None else mean, layer_sparsity=layers,
-                                            **common))
+                                            acceptance_rate=rate, **common))
     finally:
         bar.close()
     return EvalRun(records=records, outputs=outputs)

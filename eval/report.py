@@ -233,10 +233,12 @@ def summary_markdown(records: Sequence[Mapping], meta: Mapping | None = None) ->
     spec = [r for r in main if r.get("acceptance_rate") is not None]
     if spec:
         lines += ["## Speculative decoding acceptance rate", "",
-                  "Accepted draft tokens / proposed ones over the passkey answers' rounds.", ""]
-        acc = {(_row(r), r["length"]): r["acceptance_rate"] for r in spec}
-        arows = [[m] + ["" if acc.get((m, L)) is None else f"{acc[(m, L)]:.3f}" for L in lengths] for m in methods]
-        lines += _table(["method"] + [f"@{L}" for L in lengths], arows) + [""]
+                  "Accepted draft tokens / proposed ones over the rounds of the answers (passkey and the "
+                  "generation tasks).", ""]
+        acc = {(_row(r), _column(r)): r["acceptance_rate"] for r in spec}
+        acols = sorted({_column(r) for r in spec})
+        arows = [[m] + ["" if acc.get((m, c)) is None else f"{acc[(m, c)]:.3f}" for c in acols] for m in methods]
+        lines += _table(["method"] + [f"{label} @{L}" for L, _, label in acols], arows) + [""]
 
     by_depth = [r for r in records if r["depth"] is not None]
     if by_depth:

@@ -252,8 +252,11 @@ def spec_round(t_params: Params, d_params: Params, t_method, d_method, s: SpecSt
 
 def spec_loop(t_params: Params, d_params: Params, t_method, d_method, s: SpecState, key: Array, *,
               t_cfg: ModelConfig, d_cfg: ModelConfig, gamma: int, max_new_tokens: int,
-              sampling: Sampling = Sampling(), eos_ids: tuple[int, ...] = ()):
+              sampling: Sampling = Sampling(), eos_ids: tuple[int, ...] = (), row_new_tokens: Array | None = None):
     """Rounds until every row has max_new_tokens tokens or an EOS; `s.tok` is the first of them.
+
+    row_new_tokens: i32[B] each row's own token count (1 .. max_new_tokens; None: max_new_tokens for all): a row
+    stops at it, so its rounds and accepted tokens count its own tokens only (rows of several tasks in one batch).
 
     Returns:
       (out: i32[B, max_new_tokens] (-1 after a row's end), num: i32[B] tokens per row (EOS included),
@@ -264,7 +267,9 @@ def spec_loop(t_params: Params, d_params: Params, t_method, d_method, s: SpecSta
     eos = jnp.asarray(eos_ids if eos_ids else (-2,), jnp.int32)
     out = jnp.full((B, width), -1, jnp.int32).at[:, 0].set(s.tok)
     num = jnp.ones((B,), jnp.int32)
-    done = jnp.isin(s.tok, eos) | (num >= max_new_tokens)
+    stop = jnp.full((B,), max_new_tokens, jnp.int32) if row_new_tokens is None else \
+        jnp.minimum(jnp.asarray(row_new_tokens, jnp.int32), max_new_tokens)
+    done = jnp.isin(s.tok, eos) | (num >= stop)
     zeros = jnp.zeros((B,), jnp.int32)
 
     def cond(c):
@@ -273,7 +278,7 @@ def spec_loop(t_params: Params, d_params: Params, t_method, d_method, s: SpecSta
     def body(c):
         s, out, done, num, rounds, accepted, key = c
         key, sub = jax.random.split(key)
-        limit = jnp.where(done, 0, max_new_tokens - num)
+        limit = jnp.where(done, 0, stop - num)
         s, emitted, count, acc = spec_round(t_params, d_params, t_method, d_method, s, sub, limit, t_cfg=t_cfg,
                                             d_cfg=d_cfg, gamma=gamma, sampling=sampling, eos_ids=eos_ids)
         cols = num[:, None] + jnp.arange(gamma + 1)[None]
@@ -281,7 +286,7 @@ def spec_loop(t_params: Params, d_params: Params, t_method, d_method, s: SpecSta
         out = out.at[jnp.arange(B)[:, None], cols].set(emitted, mode="drop")
         active = (limit > 0).astype(jnp.int32)
         num = num + count
-        done = done | jnp.any(jnp.isin(emitted, eos), axis=1) | (num >= max_new_tokens)
+        done = done | jnp.any(jnp.isin(emitted, eos), axis=1) | (num >= stop)
         return s, out, done, num, rounds + active, accepted + acc, key
 
     s, out, done, num, rounds, accepted, _ = jax.lax.while_loop(cond, body, (s, out, done, num, zeros, zeros, key))
@@ -295,12 +300,14 @@ def spec_loop(t_params: Params, d_params: Params, t_method, d_method, s: SpecSta
                                              "eos_ids"))
 def speculative_generate(t_params: Params, d_params: Params, t_method, d_method, tokens: Array, lengths: Array,
                          key: Array, *, t_cfg: ModelConfig, d_cfg: ModelConfig, gamma: int, max_new_tokens: int,
-                         capacity: int, sampling: Sampling = Sampling(), eos_ids: tuple[int, ...] = ()):
+                         capacity: int, sampling: Sampling = Sampling(), eos_ids: tuple[int, ...] = (),
+                         row_new_tokens: Array | None = None):
     """Prefill of both models + speculative rounds, one jitted computation.
 
     Args:
       tokens: i32[B, T] right-padded prompts; lengths: i32[B]. capacity: cache rows per model; it must hold
         the prompt, max_new_tokens and gamma + 1 more (the verification writes past the accepted tokens).
+      row_new_tokens: i32[B] or None, each row's own token count (see `spec_loop`).
     Returns:
       (out: i32[B, max_new_tokens], num: i32[B], rounds: i32[B], accepted: i32[B]) as `spec_loop`.
     """
@@ -309,7 +316,7 @@ def speculative_generate(t_params: Params, d_params: Params, t_method, d_method,
                      capacity=capacity, sampling=sampling)
     out, num, rounds, accepted, _ = spec_loop(t_params, d_params, t_method, d_method, s, key, t_cfg=t_cfg,
                                               d_cfg=d_cfg, gamma=gamma, max_new_tokens=max_new_tokens,
-                                              sampling=sampling, eos_ids=eos_ids)
+                                              sampling=sampling, eos_ids=eos_ids, row_new_tokens=row_new_tokens)
     return out, num, rounds, accepted
 
 
