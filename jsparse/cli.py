@@ -87,7 +87,8 @@ def cmd_calibrate(args) -> int:
 
 # `jsparse bench NAME`: module of eval/bench and one-line help; each module's `main(argv, prog)` parses its own options.
 BENCHMARKS = {
-    "model": ("eval.bench.model", "dense prefill time and decode tokens/s of a model shape beside the roofline"),
+    "model": ("eval.bench.model", "prefill time and decode tokens/s of a model shape beside the roofline: dense, "
+              "or every method of --methods (each checked against its masked reference first)"),
     "decode_step": ("eval.bench.decode_step", "whole decode step: KV cache read in place vs sliced, XLA-flag variants"),
     "evosparse": ("eval.bench.evosparse", "EvoSparse decode (layer, parts, decode step) vs dense cuDNN/XLA"),
     "tsa": ("eval.bench.tsa", "TSA prefill (scoring, compression, compressed attention) vs dense cuDNN"),

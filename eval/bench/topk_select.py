@@ -1,5 +1,7 @@
-"""H100 check and timing of exact top-k selection (`pallas_kernels.topk_select`): the old multi-pass GPU path
-against the single-launch "row" kernel and the glue-free "fused" path, and `lax.top_k`.
+"""H100 check and timing of exact top-k selection (`pallas_kernels.topk_select`): every GPU path, and `lax.top_k`.
+
+It checks and times the old multi-pass GPU path, the single-launch "row" kernel, the glue-free "fused" path and
+the sampled-bracket "sample" path against `lax.top_k`.
 
 Run on a GPU machine from the repository root (about 40-80 s on an H100):
 
@@ -18,15 +20,15 @@ What it does:
        row_bN   the single-launch kernel, N radix bits per in-kernel pass (N <= 32768 only)
        sample   the sampled-bracket path (N >= 4096; _cb2048: compaction chunks of 2048; _s2048: a sample of
                 2048 and a band of 32768; sample_small: 256 / 1024 on the short odd shapes)
-       auto     what `topk_select` picks by default (row_b2 when N <= 16384, else fused; not timed again)
+       auto     what `topk_select` picks by default (row_b2 when N <= 16384, else sample; not timed again)
        lax_top_k      `lax.top_k(x, k)` alone (values + indices, not the index contract)
        reference      `topk_select_reference` (top_k + mask + sort: the contract)
      with the number of kernels each launches (custom calls in its lowered module).
 
   3. The Kascade case (issue 24; `--cases kascade` runs only it and the small checks): 32 rows like the Kascade
-     anchor scores of `jsparse bench model` at 100K context, batch 4 (`testing.kascade_like_rows`: the bench
-     cache's keys are tiled with a period of 256, so each score is tied ~390 times; N = 100096, k = 10001 ..
-     10004, K = 10010), every variant exact against the reference, and timed:
+     anchor scores of `jsparse bench model` at 100K context, batch 4, on the cache it used before 918fbd1
+     (`testing.kascade_like_rows`: keys tiled with a period of 256, so each score is tied ~390 times;
+     N = 100096, k = 10001 .. 10004, K = 10010), every variant exact against the reference, and timed:
        sample           the sampled path (the default for N > 16384)
        fused, lax_top_k, reference   as above
      beside how the sampled path resolves the rows (`resolution`: rows per way, from its own launches 1-2). The
