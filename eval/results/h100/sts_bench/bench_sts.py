@@ -20,7 +20,9 @@ Bytes floors: weights + KV bytes read per step. Writes JSON to $OUT/$JSON (defau
 Caches hold random normal values (`cache`). Run it with XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (batch 3 at 100K needs
 about 68 GB: weights 18.5 GB, target cache 39.6 GB, draft cache 9.9 GB).
 Environment: CELLS="32768:1,100000:2" (context:batch list; the default), BUDGETS="512,4096", ROUND_BUDGETS="512"
-(budgets whose rounds are timed), SMOKE=1 (tiny shapes: a CPU check of the script), GIT_COMMIT (recorded).
+(budgets whose rounds are timed), ACCEPT=3, POOLS="2,4" (the `mask_pool` values), ROUND_VARIANTS (default
+"index,index+mask" and "index+mask_poolP" for each pool; "old" only when named), SMOKE=1 (tiny shapes: a CPU
+check of the script), GIT_COMMIT (recorded).
 GPU: `OUT=... GIT_COMMIT=$(git rev-parse --short HEAD) python eval/results/h100/sts_bench/bench_sts.py`.
 """
 import dataclasses, json, os, time, datetime, traceback
