@@ -27,10 +27,10 @@ import dataclasses, json, os, time, datetime, traceback
 import numpy as np
 import jax, jax.numpy as jnp
 
+from eval.bench.model import filled_cache
 from jsparse.methods.base import make_method
 from jsparse.methods.sts import STS, DraftRecord
 from models import llama
-from models.cache import KVCache
 from models.params import random_params
 from models.presets import preset
 from models.speculative import SpecState, round_step
@@ -49,6 +49,7 @@ BF = jnp.bfloat16
 ACCEPT = int(os.environ.get("ACCEPT", 3))
 POOLS = [int(x) for x in os.environ.get("POOLS", "2,4").split(",") if x]  # `mask_pool` values measured
 ROUND_VARIANTS = os.environ.get("ROUND_VARIANTS", "index,index+mask," + ",".join(f"index+mask_pool{p}" for p in POOLS))
+ROUND_SET = set(ROUND_VARIANTS.split(","))  # the round variants timed (whole names)
 
 
 def timeit(fn, carry, n=5, warm=2):
@@ -62,17 +63,10 @@ def timeit(fn, carry, n=5, warm=2):
 
 
 def cache(cfg, B, N, n, seed=0):
-    """Stacked caches of random normal bf16 keys and values, written one layer at a time into one allocation per
-    buffer. Random values, not a constant: with equal keys every score ties, which is the worst case of the
-    exact top-k selections (the measurements before 2026-11-25 used a constant fill)."""
-    shape = (cfg.num_layers, B, cfg.num_kv_heads, N, cfg.head_dim)
-
-    @jax.jit
-    def fill(key):
-        put = lambda i, buf: buf.at[i].set(jax.random.normal(jax.random.fold_in(key, i), shape[1:], BF))  # noqa
-        return jax.lax.fori_loop(0, shape[0], put, jnp.zeros(shape, BF))
-    return KVCache(k=fill(jax.random.key(seed)), v=fill(jax.random.key(seed + 1)),
-                   lengths=jnp.full((B,), n, jnp.int32))
+    """Stacked caches of random normal bf16 keys and values (`eval.bench.model.filled_cache`). Random values, not
+    a constant: with equal keys every score ties, which is the worst case of the exact top-k selections (the
+    measurements before 2026-11-25 used a constant fill)."""
+    return filled_cache(cfg, B, n, N, BF, seed=seed)
 
 
 def param_bytes(p):
@@ -203,7 +197,7 @@ def main():
                 if budget in round_budgets:
                     rounds = {}
                     for name, (tm, dm) in pairs.items():
-                        if name not in ROUND_VARIANTS:
+                        if name not in ROUND_SET:
                             continue
                         ms, s = round_ms(s, tm, dm, copy(rec), dm.init_state(D_CFG, B, cap))
                         rounds[name] = ms
