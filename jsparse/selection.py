@@ -105,35 +105,17 @@ def group_sum(scores: Array, num_kv_heads: int, axis: int = 1) -> Array:
     return scores.reshape(shape).sum(axis=axis + 1)
 
 
-PROB_CHUNK_ROWS = 256  # query rows per chunk of `causal_prob_chunks` (the prefill's exact scores)
-
-
-def causal_prob_chunks(q: Array, k: Array, rows: int = PROB_CHUNK_ROWS):
-    """The prefill's exact causal pooled weights (`pooled_probs` of every row), chunk of query rows by chunk: rows
-    s..e-1 against only the keys 0..e-1, so the upper triangle of the [T, T] map is never built.
-
-    Args:
-      q: [B, T, Hq, D]; k: [B, T, Hkv, D]; rows: query rows per chunk (static; the last chunk may be shorter).
-    Yields:
-      (s, e, probs f32[B, Hkv, e - s, e]): `pooled_probs` rows s..e-1 over keys 0..e-1 (the keys after e are not
-      visible to these rows; their weight is 0).
-    """
-    B, T = q.shape[:2]
-    kh = jnp.swapaxes(k, 1, 2)
-    for s in range(0, T, rows):
-        e = min(s + rows, T)
-        positions = jnp.broadcast_to(jnp.arange(s, e, dtype=jnp.int32), (B, e - s))
-        yield s, e, pooled_probs(q[:, s:e], kh[:, :, :e], positions)
-
-
+PROB_CHUNK_ROWS = 256  # query rows per chunk of `causal_prob_fold` (the prefill's exact scores)
 PROB_BANDS = 8  # key-width bands of `causal_prob_fold`: its work is (bands + 1) / (2 bands) of the [T, T] map
 
 
 def causal_prob_fold(q: Array, k: Array, fn, init, rows: int = PROB_CHUNK_ROWS, bands: int = PROB_BANDS):
     """Folds `fn` over the prefill's exact causal pooled weights (`pooled_probs` of every row), chunk of query rows
     by chunk inside `lax.scan`s, so that one chunk's weights are live at a time whatever the backend's scheduler
-    does (the unrolled chunks of `causal_prob_chunks` leave it free to keep them all: on the CPU its compiled
-    temp memory holds about half the [B, Hq, T, T] f32 map).
+    does (chunks in an unrolled Python loop, as H2O and the oracle computed them before, leave it free to keep
+    them all: on the CPU their compiled temp memory held about half the [B, Hq, T, T] f32 map). The one place
+    the prefill's exact [T, T] weights are computed (H2O's score, the oracle's and Kascade calibration's tile
+    scores through `prefill_tile_probs`).
 
     The chunks (T padded up to a multiple of `rows`) go in `bands` runs of consecutive chunks, one scan each; a
     run's rows see the keys 0..W-1, W the end of its last chunk (static), with the causal mask inside it (the
@@ -172,17 +154,30 @@ def prefill_tile_probs(q: Array, k: Array, tile: int) -> Array:
     """Causal post-softmax weights pooled over the GQA group and over each query tile.
 
     Args:
-      q: [B, T, Hq, D]; k: [B, T, Hkv, D]; tile: query rows per tile (T is padded up to a multiple).
+      q: [B, T, Hq, D]; k: [B, T, Hkv, D]; tile: query rows per tile (T is padded up to a multiple; the padding
+        rows add nothing).
     Returns:
-      f32[B, Hkv, ceil(T / tile), T]. Computed in chunks of whole tiles (`causal_prob_chunks`).
+      f32[B, Hkv, ceil(T / tile), T]. Computed by `causal_prob_fold` in chunks of max(1, PROB_CHUNK_ROWS // tile)
+      whole tiles, each written into the result in place: the memory is the result and one chunk's weights, never
+      the [T, T] map.
     """
     B, T = q.shape[:2]
-    out = []
-    for s, e, probs in causal_prob_chunks(q, k, max(1, PROB_CHUNK_ROWS // tile) * tile):
-        n = -(-(e - s) // tile)
-        probs = jnp.pad(probs, ((0, 0), (0, 0), (0, n * tile - (e - s)), (0, T - e)))
-        out.append(probs.reshape(B, probs.shape[1], n, tile, T).sum(axis=3))
-    return jnp.concatenate(out, axis=2)
+    Hkv = k.shape[2]
+    tile = check_positive_int("tile", tile)
+    per = max(1, PROB_CHUNK_ROWS // tile)  # tiles per chunk
+    rows = per * tile
+    n_tiles = -(-T // tile)
+
+    def put(out, s, probs):  # probs: [B, Hkv, rows, W], rows s..s+rows-1 over keys 0..W-1
+        W = probs.shape[3]
+        real = (s + jnp.arange(rows) < T)[None, None, :, None]  # padding rows past T add nothing
+        pooled = jnp.where(real, probs, 0.0).reshape(B, Hkv, per, tile, W).sum(axis=3)  # [B, Hkv, per, W]
+        pooled = jnp.pad(pooled, ((0, 0), (0, 0), (0, 0), (0, T - W)))
+        return jax.lax.dynamic_update_slice_in_dim(out, pooled, s // tile, axis=2)
+
+    init = jnp.zeros((B, Hkv, -(-T // rows) * per, T), jnp.float32)  # whole chunks' tiles, cut to n_tiles below
+    out = causal_prob_fold(q, k, put, init, rows=rows)
+    return out if out.shape[2] == n_tiles else out[:, :, :n_tiles]
 
 
 def topk_indices(scores: Array, k_dyn: Array, K: int, per_shard: bool = False) -> Array:

@@ -288,14 +288,36 @@ def test_causal_prob_fold_equals_the_full_map(rows, bands):
         sel.causal_prob_fold(q, k, fn, init, bands=0)
 
 
-def _h2o_prefill_score_unrolled(q, k, lengths):
-    """H2O's prefill column sums as computed before causal_prob_fold: the unrolled chunks of
-    selection.causal_prob_chunks (f32[B, Hkv, T])."""
+def _causal_prob_chunks_unrolled(q, k, rows=256):
+    """The prefill's exact causal pooled weights as H2O and the oracle computed them before causal_prob_fold
+    (selection.causal_prob_chunks, removed): chunks of query rows in an unrolled Python loop, rows s..e-1 against
+    the keys 0..e-1. Yields (s, e, probs f32[B, Hkv, e - s, e])."""
     from jsparse import selection as sel
 
+    Bq, T = q.shape[:2]
+    kh = jnp.swapaxes(k, 1, 2)
+    for s in range(0, T, rows):
+        e = min(s + rows, T)
+        positions = jnp.broadcast_to(jnp.arange(s, e, dtype=jnp.int32), (Bq, e - s))
+        yield s, e, sel.pooled_probs(q[:, s:e], kh[:, :, :e], positions)
+
+
+def _prefill_tile_probs_unrolled(q, k, tile):
+    """selection.prefill_tile_probs as it was before causal_prob_fold: f32[B, Hkv, ceil(T / tile), T]."""
+    Bq, T = q.shape[:2]
+    out = []
+    for s, e, probs in _causal_prob_chunks_unrolled(q, k, max(1, 256 // tile) * tile):
+        n = -(-(e - s) // tile)
+        probs = jnp.pad(probs, ((0, 0), (0, 0), (0, n * tile - (e - s)), (0, T - e)))
+        out.append(probs.reshape(Bq, probs.shape[1], n, tile, T).sum(axis=3))
+    return jnp.concatenate(out, axis=2)
+
+
+def _h2o_prefill_score_unrolled(q, k, lengths):
+    """H2O's prefill column sums as computed before causal_prob_fold: the unrolled chunks (f32[B, Hkv, T])."""
     T = q.shape[1]
     colsum = jnp.zeros((q.shape[0], k.shape[2], T), jnp.float32)
-    for s, e, probs in sel.causal_prob_chunks(q, k):
+    for s, e, probs in _causal_prob_chunks_unrolled(q, k):
         valid_rows = jnp.arange(s, e)[None, :] < lengths[:, None]
         part = jnp.sum(jnp.where(valid_rows[:, None, :, None], probs, 0.0), axis=2)
         colsum = colsum + jnp.pad(part, ((0, 0), (0, 0), (0, T - e)))
@@ -336,3 +358,49 @@ def test_h2o_prefill_score_memory_is_a_chunk_not_the_map():
     full_map = B * HQ * T * T * 4
     chunk = B * HQ * sel.PROB_CHUNK_ROWS * T * 4  # one chunk's f32 weights at the widest band
     assert temp < 4 * chunk <= full_map / 8, (temp, chunk, full_map)
+
+
+@pytest.mark.parametrize("tile", [16, 32, 512])
+def test_prefill_tile_probs_equal_the_unrolled_chunks(tile):
+    """T = 2100 (tile 16, 32: 9 chunks of 256 rows in 8 scans, the last chunk 52 rows and its last tile short;
+    tile 512: 5 chunks of one tile, the last 52 rows): prefill_tile_probs through causal_prob_fold equals the
+    unrolled chunks (its implementation before), and so do the oracle's prefill indices (select_prefill)."""
+    from jsparse import selection as sel
+    from jsparse.methods.oracle import select_prefill
+
+    T = 2100
+    ks = jax.random.split(jax.random.key(6), 2)
+    q = jax.random.normal(ks[0], (B, T, HQ, D), jnp.float32)
+    k = jax.random.normal(ks[1], (B, T, HKV, D), jnp.float32)
+    got = jax.jit(lambda q, k: sel.prefill_tile_probs(q, k, tile))(q, k)
+    want = jax.jit(lambda q, k: _prefill_tile_probs_unrolled(q, k, tile))(q, k)
+    assert got.shape == want.shape == (B, HKV, -(-T // tile), T)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert float(jnp.abs(got.sum(axis=3) - jnp.minimum(tile, T - jnp.arange(got.shape[2]) * tile) * G).max()) < 1e-3
+    tile_budget = sel.budget_tokens(0.1, sel.tile_starts(T, tile), 16)
+    K = int(sel.budget_tokens(0.1, T, 16))
+    idx = jax.jit(lambda q, k: select_prefill(q, k, tile, tile_budget, K))(q, k)
+    scores = sel.before_tile_scores(want, tile)
+    want_idx = sel.topk_indices(scores, tile_budget[None, None, :], K)
+    np.testing.assert_array_equal(idx, want_idx)
+    assert int((idx >= 0).sum(axis=-1).max()) > 0
+
+
+def test_oracle_prefill_scores_memory_is_a_chunk_not_the_map():
+    """The compiled prefill selection of the oracle (select_prefill, tile 32) at T = 8192, lowered and compiled on
+    the CPU, not run, holds the [B, Hkv, nT, T] result and a few chunks of weights, not the [B, Hq, T, T] f32 map
+    (nor the 60% of it that the unrolled chunks kept live: 1.30 GB here)."""
+    from jsparse import selection as sel
+    from jsparse.methods.oracle import select_prefill
+
+    T, tile = 8192, 32
+    q = jax.ShapeDtypeStruct((B, T, HQ, D), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((B, T, HKV, D), jnp.bfloat16)
+    tile_budget = sel.budget_tokens(0.1, sel.tile_starts(T, tile), 128)
+    K = int(sel.budget_tokens(0.1, T, 128))
+    temp = jax.jit(lambda q, k: select_prefill(q, k, tile, tile_budget, K)).lower(q, k).compile() \
+        .memory_analysis().temp_size_in_bytes
+    full_map = B * HQ * T * T * 4
+    chunk = B * HQ * sel.PROB_CHUNK_ROWS * T * 4  # one chunk's f32 weights at the widest band
+    result = B * HKV * (T // tile) * T * 4
+    assert temp < 4 * chunk + result <= full_map / 6, (temp, chunk, result, full_map)

@@ -51,6 +51,10 @@ def select_decode(q, k_cache, positions, budget, min_tokens, K, tile: int = 0):
 
 
 def select_prefill(q, k, tile, tile_budget, K):
-    """Exact top-k per query tile among the keys before it: int32[B, Hkv, nT, K]."""
+    """Exact top-k per query tile among the keys before it: int32[B, Hkv, nT, K].
+
+    The scores (`selection.prefill_tile_probs`) come a chunk of query rows at a time inside scans
+    (`selection.causal_prob_fold`): the memory is the f32[B, Hkv, nT, T] tile scores and one chunk's weights,
+    never the [T, T] map."""
     scores = sel.before_tile_scores(sel.prefill_tile_probs(q, k, tile), tile)
     return sel.topk_indices(scores, tile_budget[None, None, :], K, per_shard=True)
