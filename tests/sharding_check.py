@@ -136,9 +136,11 @@ EXTRA_COLLECTIVES = {
                 ("all-reduce", "f32[2,1,64]"): 4},
     # the shared count per row: the head-summed scores f32[B, T] (the compression gathers run per shard)
     "tsa": {("all-reduce", "f32[2,48]"): 1},
-    # both; and the anchors' coordinate maps i32[B, Hkv, T] in the compressed space, read through the head map
+    # both (the decode in Kascade's 3 loops); and the anchors' coordinate maps i32[B, Hkv, T] in the compressed
+    # space, read through the head map
     "tsa+kascade": {("all-reduce", "f32[2,48]"): 1, ("all-gather", "s32[2,8,48]"): 3,
-                    ("all-gather", "s32[2,8,1,20]"): 1, ("all-gather", "s32[2,8,3,15]"): 6},
+                    ("all-gather", "s32[2,8,1,20]"): 1, ("all-gather", "s32[2,8,3,15]"): 6,
+                    ("all-reduce", "f32[2,1,64]"): 4},
     # the retrieval set: the pmax of the block max f32[B, T, nb] (two places in the layer loops); and the model's
     # own wo / w_down psums once more (the decode runs its dense and its sparse layers as two loops). The heat
     # f32[L, B, Hkv, nb] stays per shard (its candidates' top-k too).

@@ -33,12 +33,14 @@ def _decode(method, T):
     params = random_params(CFG, jax.random.key(0), jnp.float32, scale=0.3)
     toks = jax.random.randint(jax.random.key(1), (B, 96), 0, CFG.vocab_size)
     lengths = jnp.array([96, 71], jnp.int32)
-    _, cache, _ = jax.jit(lambda p, t, l: llama.prefill(p, CFG, method, t, l, init_cache(CFG, B, N, jnp.float32),
-                                                         None))(params, toks, lengths)
+    state = method.init_state(CFG, B, N) if hasattr(method, "init_state") else None
+    _, cache, state = jax.jit(lambda p, t, l, s: llama.prefill(p, CFG, method, t, l,
+                                                                init_cache(CFG, B, N, jnp.float32), s))(
+        params, toks, lengths, state)
     new = jax.random.randint(jax.random.key(2), (B, T), 0, CFG.vocab_size)
-    step = jax.jit(lambda p, t, c: llama.decode(p, CFG, method, t, c, None))
-    text = step.lower(params, new, cache).as_text()
-    logits, cache, _ = step(params, new, cache)
+    step = jax.jit(lambda p, t, c, s: llama.decode(p, CFG, method, t, c, s))
+    text = step.lower(params, new, cache, state).as_text()
+    logits, cache, _ = step(params, new, cache, state)
     return text, logits, cache
 
 
@@ -52,3 +54,20 @@ def test_segmented_decode_equals_the_switch_in_every_layer(T, reuse_scale):
     np.testing.assert_allclose(np.asarray(logits_s), np.asarray(logits_w), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(cache_s.k), np.asarray(cache_w.k))
     np.testing.assert_array_equal(np.asarray(cache_s.lengths), np.asarray(cache_w.lengths))
+
+
+def test_tsa_kascade_decodes_in_kascades_runs():
+    """`tsa+kascade` decodes as Kascade: TSA hands on the inner method's runs of layers (no per-layer switch),
+    with the logits of the same composition decoding in one scan with the switch (its inner Kascade without
+    static anchors)."""
+    from jsparse.methods.tsa import TSA
+
+    kas = Kascade.from_anchors(CFG, ANCHORS, HEAD_MAP, budget=0.25, min_tokens=8, tile=16)
+    both = TSA(inner=kas, selection="kv_head", min_tokens=8, window=16)
+    assert both.segments(CFG, "decode") == kas.segments(CFG, "decode")
+    assert both.segments(CFG, "prefill") is None and TSA().segments(CFG, "decode") is None
+    text_t, logits_t, _ = _decode(both, 1)
+    text_w, logits_w, _ = _decode(both.replace(inner=kas.replace(anchor_layers=None)), 1)
+    assert "stablehlo.case" not in text_t and "stablehlo.case" in text_w
+    assert text_t.count("stablehlo.while") == text_w.count("stablehlo.while") + 4
+    np.testing.assert_allclose(np.asarray(logits_t), np.asarray(logits_w), rtol=1e-5, atol=1e-5)

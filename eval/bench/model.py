@@ -14,9 +14,8 @@ method's state carried and donated), as `jsparse generate` runs it. Methods whos
 random weights get synthetic state of the right shape (the JSON's `state` field says which): Kascade 5 anchors
 evenly spread (layer 0 first) with the identity head map; EvoSparse 1.5% of the heads as retrieval heads drawn
 at random (as eval/bench/evosparse.py); TokenButler a randomly initialised predictor of the model's preset size.
-`tsa+kascade` decodes with `kascade`'s kernels (TSA is a prefill method), so it is not timed twice (its decode
-scans the layers in one loop with a `lax.switch` on the role, as `profile_decode_step`'s `kascade:switch`: TSA
-does not pass Kascade's per-role `segments` on; at 100K, batch 4 that loop took 13.42 ms against 13.29).
+`tsa+kascade` decodes exactly as `kascade` (TSA is a prefill method and hands Kascade's per-role runs of layers
+on), so it is not timed twice.
 
 Before anything is timed, each method's decode step is checked against its own masked reference on a small model
 of the same shape family (eval/bench/model_check.py: 8 layers, batch 2, prompts of 384 and 301 tokens, the run's

@@ -280,6 +280,12 @@ class TSA:
         inner = None if self.inner is None else self.inner.init_state(cfg, batch, max_len)
         return TSAState(kept=jnp.zeros((cfg.num_layers, batch), I32), inner=inner)
 
+    def segments(self, cfg, phase):
+        """Decode runs as the inner method's (`tsa+kascade`: Kascade's runs of one role, no per-layer switch);
+        prefill, and TSA alone, one run."""
+        fn = getattr(self.inner, "segments", None)
+        return None if fn is None or phase != "decode" else fn(cfg, phase)
+
     def layer_info(self, cfg):
         inner = None if self.inner is None else self.inner.layer_info(cfg)
         return TSALayerInfo(sparse=self._sparse_flags(cfg.num_layers), inner=inner)
