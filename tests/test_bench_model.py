@@ -36,6 +36,32 @@ def test_method_rows_time_every_method_beside_dense(tiny):
     assert {r["method"] for r in rows if r["phase"] == "prefill" and r["prefill_ms"] > 0} == set(methods)
 
 
+def test_prefill_methods_get_prefill_rows_at_their_kept_share(tiny):
+    """tsa and tsa+kascade: prefill rows only (their decode is dense's / Kascade's), each keeping the fixed share
+    it was given on its sparse layers (random weights: coverage would keep nearly all)."""
+    from jsparse.methods.kascade import Kascade
+    from jsparse.methods.tsa import TSA
+    cfg, params = tiny
+    tsa, how = bench_model.bench_method("tsa", cfg, 0.25, tsa_kept=0.5)
+    assert isinstance(tsa, TSA) and tsa.kept_fraction == 0.5 and tsa.inner is None and "0.5" in how
+    both, how = bench_model.bench_method("tsa+kascade", cfg, 0.25, tsa_kept=0.5)
+    assert isinstance(both.inner, Kascade) and both.kept_fraction == 0.5 and both.inner.budget == 0.25
+    assert "anchors" in how and "0.5" in how
+    small = dict(window=16, min_tokens=32)  # so that a 512-token prompt compresses (the defaults need > 1152)
+    built = {"tsa": (tsa.replace(**small), "tsa"), "tsa+kascade": (both.replace(**small), "tsa+kascade")}
+    methods = ("dense", "tsa", "tsa+kascade")
+    rows = bench_model.method_rows(cfg, params, methods, [384], [1], 2, 1000.0, 0.25, prefill_contexts=[512],
+                                   mm=100.0, built=built)
+    assert not any("error" in r for r in rows), rows
+    assert {r["method"] for r in rows if r["phase"] == "decode"} == {"dense"}
+    pre = {r["method"]: r for r in rows if r["phase"] == "prefill"}
+    assert set(pre) == set(methods) and all(r["prefill_ms"] > 0 and "speedup" in r for r in pre.values())
+    for m in methods[1:]:
+        assert pre[m]["tsa_sparse_layers"] == cfg.num_layers - 1  # every layer but 0
+        assert pre[m]["tsa_kept_fraction"] == pytest.approx(0.5, abs=1e-3)
+    assert "tsa_kept_fraction" not in pre["dense"]
+
+
 def test_attention_bytes_follow_what_each_method_reads(tiny):
     cfg, _ = tiny
     n, B = 10_000, 2
@@ -145,3 +171,14 @@ def test_bench_exits_before_timing_on_a_failed_check_and_records_passed_ones(mon
     assert {r["method"] for r in record["rows"] if "step_ms" in r} == {"dense", "streaming"}
     assert bench_model.method_checks(cfg, ("dense", "kascade"), 0.1, check=False) == {
         "dense": {"check": "skipped (--no-check)"}, "kascade": {"check": "skipped (--no-check)"}}
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--methods", "dense,tsa", "--prefill-context", "4096", "--tsa-kept", "1.5"], "kept_fraction=1.5"),
+    (["--methods", "dense,tsa", "--context", ""], "--context is empty"),
+    (["--methods", "dense,tsa+kascade,nope"], "unknown ['nope']"),
+])
+def test_cli_errors_name_the_value(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench_model.main(argv, prog="jsparse bench model")
+    assert message in capsys.readouterr().err

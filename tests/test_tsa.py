@@ -13,7 +13,7 @@ from jsparse.artifacts import Artifact, ArtifactError, save_artifact
 from jsparse.methods import make_method
 from jsparse.methods import tsa_calibration as tcal
 from jsparse.methods.kascade import Kascade
-from jsparse.methods.tsa import (TSA, TSALayerInfo, attend_compressed, capacities, coverage_counts,
+from jsparse.methods.tsa import (TSA, TSALayerInfo, attend_compressed, capacities, coverage_counts, fixed_counts,
                                  masked_reference_mask, prefill_sparsity, select_tokens, translate_anchor_indices)
 from models import llama
 from models.attention import LayerContext
@@ -171,6 +171,45 @@ def test_coverage_and_selection_match_numpy():
         if tau == 0.0:
             np.testing.assert_array_equal(counts, lengths)
     assert counts_np[0] < lengths[0] - W  # the large tau really dropped tokens
+
+
+@pytest.mark.parametrize("fraction", [0.0, -0.2, 1.01, "0.5", True])
+def test_kept_fraction_outside_range_is_an_error(fraction):
+    with pytest.raises(ValueError, match="kept_fraction"):
+        TSA(kept_fraction=fraction)
+    with pytest.raises(ValueError, match="kept_fraction"):
+        make_method("tsa", kept_fraction=fraction)
+
+
+def test_fixed_counts_keep_the_share_window_and_min_tokens():
+    """round(f * n) tokens, window included; at least min_tokens prefix tokens, at most n; short rows dense."""
+    lengths = jnp.asarray([1000, 300, 40, 48, 600], jnp.int32)
+    got = np.asarray(fixed_counts(lengths, fraction=0.3, window=16, min_tokens=32))
+    # 300 of 1000; 90 of 300; 40 <= 32 + 16: dense; 48: dense; 180 of 600
+    np.testing.assert_array_equal(got, [300, 90, 40, 48, 180])
+    got = np.asarray(fixed_counts(lengths, fraction=0.01, window=16, min_tokens=32))
+    np.testing.assert_array_equal(got, [48, 48, 40, 48, 48])  # min_tokens + W
+    np.testing.assert_array_equal(fixed_counts(lengths, fraction=1.0, window=16, min_tokens=32), lengths)
+
+
+def test_kept_fraction_layer_keeps_that_share_and_equals_the_masked_reference():
+    """TSA(kept_fraction=f): tau unused, the top-scored round(f * n) tokens of each row kept (the count recorded),
+    the output the masked dense reference over them."""
+    q, k, v = _qkv(3)
+    lengths = jnp.asarray([256, 203], jnp.int32)
+    m = TSA(kept_fraction=0.4, fill="zeros", **SMALL)
+    out, state = jax.jit(m.prefill)(_ctx(lengths), q, k, v, m.init_state(CFG, 2, 256))
+    counts, sel = jax.jit(m.select)(q, k, lengths)
+    np.testing.assert_array_equal(counts, [102, 81])  # round(0.4 * n)
+    np.testing.assert_array_equal(state.kept[1], counts)
+    np.testing.assert_array_equal(np.asarray(sel.keep).sum(-1), np.broadcast_to(np.asarray(counts)[:, None], (2, HQ)))
+    # the kept tokens are the selection TSA's own scoring makes at that count
+    want_sel = select_tokens(m._coverage(q, k, lengths)[0], lengths, counts, window=16, capacity=256)
+    np.testing.assert_array_equal(sel.keep, want_sel.keep)
+    want = masked_attention_reference(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+                                      masked_reference_mask(sel, HQ))
+    for b, n in enumerate(np.asarray(lengths)):
+        np.testing.assert_allclose(out[b, :n], want[b, :n], rtol=1e-5, atol=1e-5)
 
 
 def test_capacities_are_static_buckets():

@@ -14,8 +14,11 @@ method's state carried and donated), as `jsparse generate` runs it. Methods whos
 random weights get synthetic state of the right shape (the JSON's `state` field says which): Kascade 5 anchors
 evenly spread (layer 0 first) with the identity head map; EvoSparse 1.5% of the heads as retrieval heads drawn
 at random (as eval/bench/evosparse.py); TokenButler a randomly initialised predictor of the model's preset size.
-`tsa+kascade` decodes exactly as `kascade` (TSA is a prefill method and hands Kascade's per-role runs of layers
-on), so it is not timed twice.
+`tsa` and `tsa+kascade` are prefill methods: `tsa` decodes as dense and `tsa+kascade` exactly as `kascade` (TSA
+hands Kascade's per-role runs of layers on), so they get prefill rows only (`--prefill-context`). Random weights
+give flat attention, on which TSA's coverage keeps nearly every token, so both keep a fixed share of every row
+(`TSA.kept_fraction`, `--tsa-kept`, default 0.68: the paper's 54% attention-map sparsity), the selection still
+TSA's own scoring; `tsa+kascade` runs Kascade's synthetic state inside the compressed space.
 
 Before anything is timed, each method's decode step is checked against its own masked reference on a small model
 of the same shape family (eval/bench/model_check.py: 8 layers, batch 2, prompts of 384 and 301 tokens, the run's
@@ -38,6 +41,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from eval.bench import common as bm
 from jsparse.xla_flags import GPU_XLA_FLAGS
@@ -81,11 +85,12 @@ def decode_steps(params, method, tok, cache, *, cfg, steps):
 
 @functools.partial(model_jit, static_argnames=("cfg",))
 def prefill_only(params, method, tokens, *, cfg):
+    """(logits, the kept counts i32[L, B] TSA records per layer, or None for the other methods) of one prefill."""
     B, T = tokens.shape
     cache = init_cache(cfg, B, T, params.embed.dtype)
     state = method.init_state(cfg, B, T)
-    logits, cache, _ = llama.prefill(params, cfg, method, tokens, jnp.full((B,), T, jnp.int32), cache, state)
-    return logits
+    logits, cache, state = llama.prefill(params, cfg, method, tokens, jnp.full((B,), T, jnp.int32), cache, state)
+    return logits, getattr(state, "kept", None)
 
 
 def filled_cache(cfg, batch, context, capacity, dtype, seed: int = 3):
@@ -109,7 +114,9 @@ def filled_cache(cfg, batch, context, capacity, dtype, seed: int = 3):
 # -------------------------------------------------------------------------------------------- the methods
 
 METHODS = ("dense", "kascade", "evosparse", "quest", "streaming", "oracle", "h2o", "butler")
+PREFILL_METHODS = ("tsa", "tsa+kascade")  # prefill rows only: their decode is dense's / Kascade's
 KASCADE_ANCHORS = 5
+TSA_KEPT = 0.68  # the paper's operating point: 1 - 0.68^2 = 54% attention-map sparsity
 
 
 def kascade_anchors(cfg, count: int = KASCADE_ANCHORS) -> list[int]:
@@ -118,16 +125,26 @@ def kascade_anchors(cfg, count: int = KASCADE_ANCHORS) -> list[int]:
     return sorted({round(i * cfg.num_layers / count) for i in range(count)})
 
 
-def bench_method(name: str, cfg, budget: float, evo_budget_tokens: int | None = None):
+def bench_method(name: str, cfg, budget: float, evo_budget_tokens: int | None = None, tsa_kept: float = TSA_KEPT):
     """(method, how its state was made) for the benchmark at model shape `cfg`; evo_budget_tokens: EvoSparse's
-    token budget (None: the benchmark's 2048; the correctness check's small context takes a smaller one)."""
+    token budget (None: the benchmark's 2048; the correctness check's small context takes a smaller one);
+    tsa_kept: the fixed kept share of `tsa` and `tsa+kascade` (see the module docstring)."""
     if name == "dense":
         return make_method("dense"), "none"
-    if name == "kascade":
+    if name in ("kascade", "tsa+kascade"):
         from jsparse.methods.kascade import Kascade
         anchors = kascade_anchors(cfg)
-        return (Kascade.from_anchors(cfg, anchors, budget=budget),
-                f"synthetic: anchors {anchors}, identity head map (calibration on random weights means nothing)")
+        kascade = Kascade.from_anchors(cfg, anchors, budget=budget)
+        how = f"synthetic: anchors {anchors}, identity head map (calibration on random weights means nothing)"
+        if name == "kascade":
+            return kascade, how
+        from jsparse.methods.tsa import TSA
+        return (TSA(inner=kascade, selection="kv_head", capacity_buckets=1, kept_fraction=tsa_kept),
+                f"{how}; TSA keeps a fixed {tsa_kept} of every row (coverage on random weights keeps nearly all)")
+    if name == "tsa":
+        from jsparse.methods.tsa import TSA
+        return (TSA(kept_fraction=tsa_kept),
+                f"synthetic: a fixed {tsa_kept} of every row kept (coverage on random weights keeps nearly all)")
     if name == "evosparse":
         from eval.bench import evo_layout as be
         from jsparse.methods.evosparse import EvoSparse
@@ -146,7 +163,8 @@ def bench_method(name: str, cfg, budget: float, evo_budget_tokens: int | None = 
                 "nothing)")
     if name in ("quest", "streaming", "oracle", "h2o"):
         return make_method(name, budget=budget), "none (no calibration)"
-    raise ValueError(f"unknown method {name!r} for the model benchmark: expected some of {list(METHODS)}")
+    raise ValueError(f"unknown method {name!r} for the model benchmark: expected some of "
+                     f"{list(METHODS + PREFILL_METHODS)}")
 
 
 def attention_bytes(name: str, method, cfg, batch: int, n: int) -> int:
@@ -199,8 +217,9 @@ def method_decode_steps(params, method, tok, cache, state, *, cfg, steps):
 
 
 def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, prefill_contexts=(),
-                mm: float = 0.0, built: dict | None = None) -> list[dict]:
-    """Decode rows (and prefill rows at `prefill_contexts`, batch 1) of every method; dense first.
+                mm: float = 0.0, built: dict | None = None, tsa_kept: float = TSA_KEPT) -> list[dict]:
+    """Decode rows (and prefill rows at `prefill_contexts`, batch 1) of every method; dense first. The prefill
+    methods (PREFILL_METHODS) get prefill rows only.
 
     built: {row name: (method, how its state was made)} for names whose method is not `bench_method(name)`'s
     (a variant named "method:variant" takes the byte model of "method"; eval/bench/profile_decode_step.py)."""
@@ -208,11 +227,11 @@ def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, pre
 
     rows = []
     weights = decode_bytes(cfg, params, 1, 0)
-    built = {m: (built or {}).get(m) or bench_method(m, cfg, budget) for m in methods}
+    built = {m: (built or {}).get(m) or bench_method(m, cfg, budget, tsa_kept=tsa_kept) for m in methods}
     for context in contexts:
         for batch in batches:
             dense_ms = None
-            for name in methods:
+            for name in (m for m in methods if m not in PREFILL_METHODS):
                 method, how = built[name]
                 row = dict(phase="decode", method=name, context=context, batch=batch, state=how)
                 cache = state = None
@@ -253,6 +272,11 @@ def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, pre
                 ms = bm.time_ms(lambda t: prefill_only(params, method, t, cfg=cfg), tokens, warmup=1, iters=2)
                 row.update(prefill_ms=ms, prefill_tokens_per_s=context / (ms * 1e-3),
                            flop_floor_ms=prefill_flops(cfg, 1, context) / (mm * 1e12) * 1e3)
+                if name in PREFILL_METHODS:  # the share TSA kept, as it recorded it (its sparse layers)
+                    kept = np.asarray(prefill_only(params, method, tokens, cfg=cfg)[1])
+                    layers = list(method.layers(cfg.num_layers))
+                    row.update(tsa_sparse_layers=len(layers),
+                               tsa_kept_fraction=float(kept[layers].mean() / context) if layers else None)
                 if name == "dense":
                     dense_ms = ms
                 if dense_ms is not None:
@@ -276,19 +300,24 @@ def method_checks(cfg, methods, budget: float, check: bool) -> dict:
 
 
 def run_methods(shape: str, methods, contexts, batches, steps: int, out: str | None, budget: float,
-                prefill_contexts=(), check: bool = True):
+                prefill_contexts=(), check: bool = True, tsa_kept: float = TSA_KEPT):
     cfg = preset(shape)
     if methods[0] != "dense":
         methods = ("dense",) + tuple(m for m in methods if m != "dense")  # the baseline of the same run, first
-    methods = tuple(m for m in methods if m != "tsa+kascade")  # decodes as kascade
-    checks = method_checks(cfg, methods, budget, check)  # before anything is timed
+    if not prefill_contexts:  # the prefill methods have no decode rows of their own
+        methods = tuple(m for m in methods if m not in PREFILL_METHODS)
+    checks = method_checks(cfg, tuple(m for m in methods if m not in PREFILL_METHODS), budget, check)
+    checks.update({m: {"check": f"prefill only: decodes as {'dense' if m == 'tsa' else 'kascade'} (checked there); "
+                                "its prefill kernels are checked by `jsparse bench tsa`"}
+                   for m in methods if m in PREFILL_METHODS})
     facts = bm.device_facts()
     hbm = bm.measure_hbm_gbs()
     params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
     mm = bm.measure_matmul_tflops() if prefill_contexts else 0.0
-    rows = method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, prefill_contexts, mm)
+    rows = method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, prefill_contexts, mm,
+                       tsa_kept=tsa_kept)
     payload = {**facts, "benchmark": "model_methods", "xla_flags": os.environ.get("XLA_FLAGS", ""), "shape": shape,
-               "dtype": "bfloat16", "weights": "random", "budget": budget,
+               "dtype": "bfloat16", "weights": "random", "budget": budget, "tsa_kept_fraction": tsa_kept,
                "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), "measured_hbm_gbs": hbm,
                "param_bytes": param_bytes(params), "decode_steps_timed": steps, "measured_matmul_tflops": mm or None,
                "methods": checks, "rows": rows}
@@ -357,17 +386,22 @@ def run(shape: str, contexts, batches, steps: int = 16, out: str | None = None, 
 def main(argv=None, prog=None):
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama3-8b", help="model shape preset (llama3-8b, qwen3-8b)")
-    p.add_argument("--context", default="8192,32768", help="comma-separated context lengths")
+    p.add_argument("--context", default="8192,32768",
+                   help="comma-separated context lengths of the decode rows (with --methods, '' times prefill only)")
     p.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per case")
     p.add_argument("--out", default=None, help="JSON file to write")
     p.add_argument("--methods", default="dense",
-                   help=f"comma-separated methods (some of {','.join(METHODS)},tsa+kascade); anything beside dense "
-                        "runs the per-method comparison (dense first, in the same run)")
+                   help=f"comma-separated methods (some of {','.join(METHODS + PREFILL_METHODS)}); anything beside "
+                        "dense runs the per-method comparison (dense first, in the same run); tsa and tsa+kascade "
+                        "get prefill rows only")
     p.add_argument("--budget", type=float, default=0.1, help="kept fraction of the context for the budgeted methods "
                    "(default 0.1; EvoSparse keeps its 2048-token budget)")
     p.add_argument("--prefill-context", default="",
                    help="with --methods: comma-separated contexts at which to time each method's prefill (batch 1)")
+    p.add_argument("--tsa-kept", type=float, default=TSA_KEPT,
+                   help=f"the fixed kept share of every row for tsa and tsa+kascade (default {TSA_KEPT}: the paper's "
+                        "54%% attention-map sparsity; coverage on random weights keeps nearly every token)")
     p.add_argument("--xla-flags", default=" ".join(GPU_XLA_FLAGS),
                    help="XLA_FLAGS for this run, set before the backend starts (default: jsparse.xla_flags.GPU_XLA_FLAGS, "
                         "cuBLAS GEMMs reading the stacked weights in place; see eval/results/h100/bench_decode_step.json)")
@@ -378,18 +412,27 @@ def main(argv=None, prog=None):
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # 100K x batch 4: 53 GB of cache + 16 GB weights
     if a.xla_flags:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + a.xla_flags).strip()
-    contexts, batches = [int(x) for x in a.context.split(",")], [int(x) for x in a.batch.split(",")]
+    contexts = [int(x) for x in a.context.split(",") if x.strip()]
+    batches = [int(x) for x in a.batch.split(",") if x.strip()]
     methods = tuple(m.strip() for m in a.methods.split(",") if m.strip())
-    unknown = sorted(set(methods) - set(METHODS) - {"tsa+kascade"})
+    unknown = sorted(set(methods) - set(METHODS) - set(PREFILL_METHODS))
     if unknown:
-        p.error(f"--methods: unknown {unknown}; expected some of {list(METHODS) + ['tsa+kascade']}")
+        p.error(f"--methods: unknown {unknown}; expected some of {list(METHODS + PREFILL_METHODS)}")
+    from jsparse.methods.tsa import check_kept_fraction
+    try:
+        check_kept_fraction(a.tsa_kept)
+    except ValueError as e:
+        p.error(f"--tsa-kept: {e}")
+    if not contexts and (methods == ("dense",) or not a.prefill_context.strip()):
+        p.error("--context is empty: expected decode contexts, or --methods with --prefill-context")
     from eval.bench.model_check import CheckFailed
     try:
         if methods == ("dense",):
             run(a.shape, contexts, batches, a.steps, a.out, check=not a.no_check)
         else:
             pre = [int(x) for x in a.prefill_context.split(",") if x.strip()]
-            run_methods(a.shape, methods, contexts, batches, a.steps, a.out, a.budget, pre, check=not a.no_check)
+            run_methods(a.shape, methods, contexts, batches, a.steps, a.out, a.budget, pre, check=not a.no_check,
+                        tsa_kept=a.tsa_kept)
     except CheckFailed as e:
         sys.exit(f"{p.prog}: error: {e}")
 

@@ -92,6 +92,18 @@ def check_tau(tau) -> float:
     return float(tau)
 
 
+def check_kept_fraction(fraction) -> float | None:
+    """kept_fraction (a fixed share of each row in place of the coverage count) must be None or a real number in
+    (0, 1]."""
+    if fraction is None:
+        return None
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float, np.integer, np.floating)) \
+            or not 0.0 < float(fraction) <= 1.0:
+        raise ValueError(f"kept_fraction={fraction!r}: expected None (coverage) or the kept share of each row "
+                         f"in (0, 1]")
+    return float(fraction)
+
+
 def check_sparse_layers(sparse_layers, num_layers: int) -> tuple[int, ...]:
     return sel.check_layers("sparse_layers", sparse_layers, num_layers)
 
@@ -130,6 +142,17 @@ def coverage_counts(scores: Array, lengths: Array, *, tau: float, window: int, m
     in_prefix = jnp.arange(scores.shape[-1], dtype=I32)[None, :] < P[:, None]  # [B, T]
     n_drop = sel.coverage_drop_count(jnp.sum(scores.astype(jnp.float32), axis=1), in_prefix, tau)
     k_prefix = jnp.maximum(P - n_drop, min_tokens)
+    return jnp.where(n <= min_tokens + window, n, k_prefix + w_eff).astype(I32)
+
+
+def fixed_counts(lengths: Array, *, fraction: float, window: int, min_tokens: int) -> Array:
+    """A fixed share of each row in place of the coverage count: i32[B] kept tokens, window included,
+    round(fraction * n) with at least `min_tokens` prefix tokens and at most n; n on dense rows (n <= min_tokens + W),
+    as `coverage_counts`."""
+    n = lengths.astype(I32)
+    P, w_eff = _prefix(n, window)
+    total = jnp.round(fraction * n.astype(jnp.float32)).astype(I32)
+    k_prefix = jnp.minimum(jnp.maximum(total - w_eff, min_tokens), P)
     return jnp.where(n <= min_tokens + window, n, k_prefix + w_eff).astype(I32)
 
 
@@ -201,6 +224,11 @@ class TSA:
         paper's: no output from that head).
       local_window: keys of the "local" fill's window, the query itself included (default 64).
       local_sinks: leading tokens every "local" fill row attends to as well (default 4).
+      kept_fraction: None (default: the coverage count at tau) or a fixed share of each row, in (0, 1]: every
+        sparse layer keeps round(kept_fraction * n) tokens (window included, at least min_tokens prefix tokens)
+        and tau is unused; the selection is still the top-scored tokens. Not in the paper: a fixed budget, and
+        the way benchmarks on random weights (whose flat attention makes coverage keep nearly every token) set
+        the paper's operating point (0.68: 54% attention-map sparsity).
       inner: the method run inside the compressed space and for decode (None: dense).
     """
 
@@ -214,10 +242,12 @@ class TSA:
     fill: str = struct.field(pytree_node=False, default="local")
     local_window: int = struct.field(pytree_node=False, default=64)
     local_sinks: int = struct.field(pytree_node=False, default=4)
+    kept_fraction: Optional[float] = struct.field(pytree_node=False, default=None)
     inner: Any = None
 
     def __post_init__(self):
         check_tau(self.tau)
+        object.__setattr__(self, "kept_fraction", check_kept_fraction(self.kept_fraction))
         check_window(self.window)
         check_pool_kernel(self.pool_kernel)
         sel.check_positive_int("min_tokens", self.min_tokens, 0)
@@ -340,6 +370,9 @@ class TSA:
         """(the selecting heads' scores f32[B, H, T], kept counts i32[B]) of one sparse layer."""
         scores = tsa_scores(q, k, window=self.window, pool_kernel=self.pool_kernel, lengths=lengths)
         scores = selection_scores(scores, k.shape[2], self.selection)
+        if self.kept_fraction is not None:
+            return scores, fixed_counts(lengths, fraction=self.kept_fraction, window=self.window,
+                                        min_tokens=self.min_tokens)
         return scores, coverage_counts(scores, lengths, tau=self.tau, window=self.window, min_tokens=self.min_tokens)
 
     def _selection(self, scores, lengths, counts, num_kv_heads: int, capacity: int) -> Selection:

@@ -20,7 +20,8 @@ class TSAKascade:
     `kascade_artifact=` / `tsa_artifact=` (Python). The Kascade artifact is required; without a TSA artifact
     every layer but 0 is TSA-sparse. `budget`, `tile`, `min_tokens` go to Kascade (its `prefill_block_size` must stay
 1: the compressed coordinates move single tokens); `tau`, `window`,
-    `pool_kernel`, `tsa_min_tokens`, `sparse_layers`, `fill`, `local_window`, `local_sinks` to TSA.
+    `pool_kernel`, `tsa_min_tokens`, `sparse_layers`, `fill`, `local_window`, `local_sinks`, `kept_fraction` to
+    TSA.
     """
 
     EXTRA_OPTIONS = ("tsa_min_tokens",)  # an option of the builder's own (see `jsparse.methods.base.method_options`)
@@ -38,7 +39,7 @@ class TSAKascade:
         tsa_artifact = tsa_artifact or paths.get(ARTIFACT_KIND)
         inner = kascade_mod.Kascade.build(cfg=cfg, artifact=kascade_artifact, fingerprint=fingerprint, **options)
         tsa_options = {k: options[k] for k in ("tau", "window", "pool_kernel", "sparse_layers", "fill",
-                                               "local_window", "local_sinks") if k in options}
+                                               "local_window", "local_sinks", "kept_fraction") if k in options}
         if "tsa_min_tokens" in options:
             tsa_options["min_tokens"] = options["tsa_min_tokens"]
         return TSA.build(cfg=cfg, artifact=tsa_artifact, fingerprint=fingerprint, inner=inner,
