@@ -173,7 +173,31 @@ def test_bench_exits_before_timing_on_a_failed_check_and_records_passed_ones(mon
         "dense": {"check": "skipped (--no-check)"}, "kascade": {"check": "skipped (--no-check)"}}
 
 
+def test_prefill_flops_count_the_lm_head_once_per_row():
+    cfg = preset("llama3-8b")
+    T = 32768
+    layers = cfg.num_layers * (cfg.hidden_size * cfg.head_dim * 2 * (cfg.num_heads + cfg.num_kv_heads)
+                               + 3 * cfg.hidden_size * cfg.intermediate_size + 2 * cfg.hidden_size)
+    want = 2 * (layers + cfg.hidden_size) * T + 2 * cfg.vocab_size * cfg.hidden_size \
+        + 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * T * T
+    assert bench_model.prefill_flops(cfg, 1, T) == pytest.approx(want, rel=1e-12)
+    assert bench_model.prefill_flops(cfg, 3, T) == pytest.approx(3 * want, rel=1e-12)
+
+
+def test_attention_only_config_keeps_the_attention_and_cuts_the_rest():
+    cfg = preset("llama3-8b")
+    small = bench_model.attention_only_config(cfg)
+    for k in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "rope", "vocab_size"):
+        assert getattr(small, k) == getattr(cfg, k)
+    assert small.hidden_size == small.intermediate_size == bench_model.ATTENTION_ONLY_WIDTH
+    T = 131072
+    attn = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * T * T
+    assert attn / bench_model.prefill_flops(small, 1, T) > 0.98  # the prefill is the attention's
+    assert attn / bench_model.prefill_flops(cfg, 1, T) < 0.8
+
+
 @pytest.mark.parametrize("argv,message", [
+    (["--attention-only", "--context", "1024"], "--attention-only compares methods"),
     (["--methods", "dense,tsa", "--prefill-context", "4096", "--tsa-kept", "1.5"], "kept_fraction=1.5"),
     (["--methods", "dense,tsa", "--context", ""], "--context is empty"),
     (["--methods", "dense,tsa+kascade,nope"], "unknown ['nope']"),

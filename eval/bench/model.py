@@ -20,6 +20,13 @@ give flat attention, on which TSA's coverage keeps nearly every token, so both k
 (`TSA.kept_fraction`, `--tsa-kept`, default 0.68: the paper's 54% attention-map sparsity), the selection still
 TSA's own scoring; `tsa+kascade` runs Kascade's synthetic state inside the compressed space.
 
+`--attention-only` cuts the preset's hidden and MLP widths to 512 and keeps its attention (layers, heads, KV heads,
+head dim): the prefill and decode rows then time each method's whole-model attention, its selection state
+included, through the model's own path (issue 19's whole-model attention figures, with TSA's overhead in):
+
+    python -m eval.bench.model --methods dense,kascade,tsa,tsa+kascade --context '' --prefill-context 131072 \
+        --attention-only --out bench_attention_only.json
+
 Before anything is timed, each method's decode step is checked against its own masked reference on a small model
 of the same shape family (eval/bench/model_check.py: 8 layers, batch 2, prompts of 384 and 301 tokens, the run's
 dtype; the method and its state built as here): at every layer the method's attention output must equal a dense
@@ -35,6 +42,7 @@ Each row carries `speedup` (dense step time / the method's, dense measured in th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import sys
@@ -69,9 +77,14 @@ def decode_bytes(cfg, params, batch: int, context: int) -> int:
 
 
 def prefill_flops(cfg, batch: int, T: int) -> float:
-    n_matmul = cfg.num_params() - cfg.vocab_size * cfg.hidden_size  # embedding lookup is no matmul
+    """Matmul FLOPs of one prefill: every layer's weights at each of the T positions, causal attention (half of
+    T x T), the LM head at each row's last position only (the prefill returns the last logits). Runs before
+    2026-11-27 (`bench_model_llama3-8b.json`, `bench_model_methods_32k.json`) counted the LM head at every position,
+    about 4% more at Llama-3.1-8B's shape."""
+    vocab = cfg.vocab_size * cfg.hidden_size
+    per_token = cfg.num_params() - vocab - (0 if cfg.tie_word_embeddings else vocab)  # the embedding is a lookup
     attn = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * T * T / 2
-    return batch * (2 * n_matmul * T + attn)
+    return batch * (2 * per_token * T + 2 * vocab + attn)
 
 
 @functools.partial(model_jit, static_argnames=("cfg", "steps"), donate_argnames=("cache",))
@@ -109,6 +122,17 @@ def filled_cache(cfg, batch, context, capacity, dtype, seed: int = 3):
 
     return KVCache(k=fill(jax.random.key(seed)), v=fill(jax.random.key(seed + 1)),
                    lengths=jnp.full((batch,), context, jnp.int32))
+
+
+ATTENTION_ONLY_WIDTH = 512  # the hidden and MLP width of `--attention-only`
+
+
+def attention_only_config(cfg):
+    """The preset with its hidden and MLP widths cut to ATTENTION_ONLY_WIDTH: the same attention (layers, heads, KV
+    heads, head dim) through the model's own prefill and decode, with projections and MLP about 1% of a 128K
+    prefill (Llama-3.1-8B: 44 TFLOP of projections against 4.5 PFLOP of attention), so a method's whole-model time
+    is its attention's (and its selection state's) across all layers."""
+    return dataclasses.replace(cfg, hidden_size=ATTENTION_ONLY_WIDTH, intermediate_size=ATTENTION_ONLY_WIDTH)
 
 
 # -------------------------------------------------------------------------------------------- the methods
@@ -300,8 +324,8 @@ def method_checks(cfg, methods, budget: float, check: bool) -> dict:
 
 
 def run_methods(shape: str, methods, contexts, batches, steps: int, out: str | None, budget: float,
-                prefill_contexts=(), check: bool = True, tsa_kept: float = TSA_KEPT):
-    cfg = preset(shape)
+                prefill_contexts=(), check: bool = True, tsa_kept: float = TSA_KEPT, attention_only: bool = False):
+    cfg = attention_only_config(preset(shape)) if attention_only else preset(shape)
     if methods[0] != "dense":
         methods = ("dense",) + tuple(m for m in methods if m != "dense")  # the baseline of the same run, first
     if not prefill_contexts:  # the prefill methods have no decode rows of their own
@@ -318,6 +342,9 @@ def run_methods(shape: str, methods, contexts, batches, steps: int, out: str | N
                        tsa_kept=tsa_kept)
     payload = {**facts, "benchmark": "model_methods", "xla_flags": os.environ.get("XLA_FLAGS", ""), "shape": shape,
                "dtype": "bfloat16", "weights": "random", "budget": budget, "tsa_kept_fraction": tsa_kept,
+               "attention_only": attention_only,
+               "config": {k: getattr(cfg, k) for k in ("num_layers", "hidden_size", "intermediate_size", "num_heads",
+                                                       "num_kv_heads", "head_dim", "vocab_size")},
                "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), "measured_hbm_gbs": hbm,
                "param_bytes": param_bytes(params), "decode_steps_timed": steps, "measured_matmul_tflops": mm or None,
                "methods": checks, "rows": rows}
@@ -405,6 +432,10 @@ def main(argv=None, prog=None):
     p.add_argument("--xla-flags", default=" ".join(GPU_XLA_FLAGS),
                    help="XLA_FLAGS for this run, set before the backend starts (default: jsparse.xla_flags.GPU_XLA_FLAGS, "
                         "cuBLAS GEMMs reading the stacked weights in place; see eval/results/h100/bench_decode_step.json)")
+    p.add_argument("--attention-only", action="store_true",
+                   help=f"with --methods: the preset's hidden and MLP widths cut to {ATTENTION_ONLY_WIDTH} (its "
+                        "attention unchanged), so each method's prefill and decode time is its whole-model attention "
+                        "through the model's own path (projections and MLP about 1%% of a 128K prefill)")
     p.add_argument("--no-check", action="store_true",
                    help="skip the correctness check that runs before timing (each method's decode step against its "
                         "masked reference on a small model; see above)")
@@ -428,11 +459,13 @@ def main(argv=None, prog=None):
     from eval.bench.model_check import CheckFailed
     try:
         if methods == ("dense",):
+            if a.attention_only:
+                p.error("--attention-only compares methods: give --methods (dense and others)")
             run(a.shape, contexts, batches, a.steps, a.out, check=not a.no_check)
         else:
             pre = [int(x) for x in a.prefill_context.split(",") if x.strip()]
             run_methods(a.shape, methods, contexts, batches, a.steps, a.out, a.budget, pre, check=not a.no_check,
-                        tsa_kept=a.tsa_kept)
+                        tsa_kept=a.tsa_kept, attention_only=a.attention_only)
     except CheckFailed as e:
         sys.exit(f"{p.prog}: error: {e}")
 
