@@ -404,6 +404,30 @@ def test_tsa_kascade_full_budget_is_tsa(params):
     np.testing.assert_allclose(comp[0], tsa[0], atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("anchors,reuse_scale", [([0, 1], 1.0), ([0, 2], 2.0)])
+def test_tsa_kascade_at_capacity_buckets_equals_capacity_t(params, anchors, reuse_scale):
+    """Kascade inside TSA runs at the smallest capacity bucket holding the kept tokens (its anchors and reuse
+    layers over C < T slots, its state padded back to T's shape): the same logits, kept counts, Kascade state and
+    decode step as at capacity T."""
+    tokens = jax.random.randint(jax.random.key(9), (2, 512), 4, CFG.vocab_size)
+    lengths = jnp.asarray([512, 430], jnp.int32)
+    kas = Kascade.from_anchors(CFG, anchors, tile=16, min_tokens=16, budget=0.3, reuse_scale=reuse_scale)
+    opts = dict(inner=kas, selection="kv_head", kept_fraction=0.4, **SMALL)
+    at_t = TSA(capacity_buckets=1, **opts)
+    buckets = TSA(capacity_buckets=4, **opts)  # capacities (128, 256, 384, 512): 205 kept -> 256
+    want, want_state, cache = _prefill(params, at_t, tokens, lengths)
+    got, got_state, _ = _prefill(params, buckets, tokens, lengths)
+    np.testing.assert_array_equal(np.asarray(got_state.kept)[1:], [[205, 172]] * 2)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(got_state.inner.indices, want_state.inner.indices)
+    np.testing.assert_array_equal(got_state.anchor_map, want_state.anchor_map)
+    step = jnp.asarray(np.argmax(want[np.arange(2), np.asarray(lengths) - 1], -1)[:, None], jnp.int32)
+    cache = cache.replace(k=jnp.pad(cache.k, ((0, 0),) * 3 + ((0, 8), (0, 0))),
+                          v=jnp.pad(cache.v, ((0, 0),) * 3 + ((0, 8), (0, 0))))
+    dec = lambda m, s: jax.jit(lambda p, t, c: llama.decode(p, CFG, m, t, c, s))(params, step, cache)[0]  # noqa
+    np.testing.assert_array_equal(dec(buckets, got_state), dec(at_t, want_state))
+
+
 def test_tsa_kascade_keeps_anchors_of_dense_reuse_layers_dense():
     """An anchor read by a TSA-dense reuse layer is not compressed (the reuse layer would lose what it dropped);
     one read only by TSA-sparse reuse layers is."""
@@ -434,6 +458,10 @@ def test_tsa_kascade(params, tmp_path):
                     tile=16, min_tokens=16, tau=0.2, window=16, tsa_min_tokens=32)
     assert isinstance(m, TSA) and isinstance(m.inner, Kascade) and m.sparse_layers == (1, 2)
     assert m.selection == "kv_head" and m.inner.budget == 0.3 and m.min_tokens == 32 and m.tau == 0.2
+    assert m.capacity_buckets == 4 and m.kept_fraction is None  # the builder's default buckets (not TSA's 8)
+    m2 = make_method("tsa+kascade", cfg=CFG, artifact=f"{kdir}{os.pathsep}{tdir}", fingerprint="fp",
+                     capacity_buckets=2, kept_fraction=0.5)
+    assert (m2.capacity_buckets, m2.kept_fraction) == (2, 0.5)
     logits, state, cache = _prefill(params, m, tokens, lengths)
     assert np.isfinite(logits).all() and np.abs(logits - kas).max() > 1e-4
     assert np.all(np.asarray(state.kept)[1:] < np.asarray(lengths))

@@ -163,7 +163,8 @@ def bench_method(name: str, cfg, budget: float, evo_budget_tokens: int | None = 
         if name == "kascade":
             return kascade, how
         from jsparse.methods.tsa import TSA
-        return (TSA(inner=kascade, selection="kv_head", capacity_buckets=1, kept_fraction=tsa_kept),
+        from jsparse.methods.tsa_kascade import CAPACITY_BUCKETS
+        return (TSA(inner=kascade, selection="kv_head", capacity_buckets=CAPACITY_BUCKETS, kept_fraction=tsa_kept),
                 f"{how}; TSA keeps a fixed {tsa_kept} of every row (coverage on random weights keeps nearly all)")
     if name == "tsa":
         from jsparse.methods.tsa import TSA

@@ -312,10 +312,12 @@ def prefill_in_coordinates(inner: Kascade, ctx, q: Array, k: Array, v: Array, st
 
     Args:
       inner: the Kascade method; ctx: the layer context with Kascade's layer info (`ctx.info`: LayerRole slice);
-      q, k, v: the layer's (compressed) sequence, [B, C, Hq, D] and [B, C, Hkv, D]; state: Kascade's state (the
-      latest anchor's indices in the anchor layer's coordinates); anchor_map: i32[B, Hkv, T] original position of
-      each slot of the latest anchor layer; cur_map, cur_slot: i32[B, Hkv, T] original position of each of this
-      layer's slots (T: empty) and slot of each original position (-1: not kept).
+      q, k, v: the layer's (compressed) sequence, [B, C, Hq, D] and [B, C, Hkv, D], C <= T (TSA's capacity);
+      state: Kascade's state, shaped for the T-query prefill (the latest anchor's indices in the anchor layer's
+      coordinates, -1 padded; an anchor at C slots selects at most k_reuse(C) keys for ceil(C / tile) rows);
+      anchor_map: i32[B, Hkv, T] original position of each slot of the latest anchor layer; cur_map, cur_slot:
+      i32[B, Hkv, T] original position of each of this layer's slots (T: empty, and every slot past C) and slot of
+      each original position (-1: not kept).
     Returns:
       (out: [B, C, Hq, D], Kascade's new state, the new anchor_map).
     """
@@ -325,14 +327,18 @@ def prefill_in_coordinates(inner: Kascade, ctx, q: Array, k: Array, v: Array, st
                          f"prefill_block_size=1)")
     info = ctx.info
     reuse = info.role == ROLE_REUSE
+    full = state.indices  # shaped for the T-query prefill (`start`); C <= T compressed slots run here
+    rows = -(-q.shape[1] // inner.tile)
 
     def reuse_layer():  # the anchor's keys, translated (`translate_anchor_indices`); the anchor state stays
-        idx = translate_anchor_indices(state.indices, anchor_map, info.head_map, cur_map, cur_slot, inner.tile)
-        return sparse_prefill(q, k, v, idx, ctx.lengths, tile=inner.tile), state.indices
+        idx = translate_anchor_indices(full, anchor_map, info.head_map, cur_map, cur_slot, inner.tile)
+        return sparse_prefill(q, k, v, idx[:, :, :rows], ctx.lengths, tile=inner.tile), full
 
-    def anchor_layer():
-        out, new = inner.prefill(ctx, q, k, v, state)
-        return out, new.indices
+    def anchor_layer():  # Kascade's own prefill at C slots; its indices padded back to the T-shaped state
+        at_c = full[:, :, :rows, :block_width(inner.k_reuse(q.shape[1]), 1)]
+        out, new = inner.prefill(ctx, q, k, v, KascadeState(indices=at_c))
+        pad = [(0, 0), (0, 0), (0, full.shape[2] - new.indices.shape[2]), (0, full.shape[3] - new.indices.shape[3])]
+        return out, jnp.pad(new.indices, pad, constant_values=-1)
 
     out, indices = jax.lax.cond(reuse, reuse_layer, anchor_layer)
     return out, KascadeState(indices=indices), jnp.where(reuse, anchor_map, cur_map)

@@ -16,7 +16,9 @@ per right-padded row, window W and prefix P = max(n - W, 0):
      positions; the model's o_proj follows. Kept positions keep their order, so a kept query at position i sees
      exactly the kept keys j <= i of its head. The compressed length is a static capacity: with
      `capacity_buckets = n`, ceil(i * T / n) rounded up to a multiple of 128 (and T), i = 1..n, the smallest
-     that holds the batch's largest kept count (dense attention when no row drops a token; compositions: T).
+     that holds the batch's largest kept count (dense attention when no row drops a token). Around Kascade the
+     same buckets hold Kascade's anchors and reuse layers (its state padded back to T's shape); around another
+     inner method, whose state is shaped for T queries, the capacity is T.
   4. The KV cache keeps the full K and V (the model writes it); decode is dense unless an inner method is
      composed (`tsa+kascade`: Kascade's decode).
 
@@ -219,7 +221,8 @@ class TSA:
       sparse_layers: the layers whose prefill is sparse; None = every layer but 0.
       selection: "query_head" (each query head selects; default), "kv_head" (GQA group-shared) or "kv_union"
         (each query head selects, each KV head keeps its group's union; not in the paper).
-      capacity_buckets: static compressed capacities per prefill length (default 8; 1 = always T).
+      capacity_buckets: static compressed capacities per prefill length (default 8; 1 = always T; each is one
+        branch of a `lax.switch`, compiled once per prefill length).
       fill: what a head's dropped positions get: "local" (default; sliding-window attention) or "zeros" (the
         paper's: no output from that head).
       local_window: keys of the "local" fill's window, the query itself included (default 64).
@@ -415,17 +418,21 @@ class TSA:
             kept = self._record(state, ctx.layer, counts)
             largest = jnp.max(counts)
 
-        if self.inner is not None:  # capacity T: the inner method's state is shaped for T queries
-            def compressed():
-                sel = self._selection(scores, lengths, counts, k.shape[2], T)
+        if self.inner is not None:
+            def compressed(cap):
+                sel = self._selection(scores, lengths, counts, k.shape[2], cap)
                 qc, kc, vc = compress(q, k, v, sel)
                 cur_map = jnp.where(sel.indices >= 0, sel.indices, T)
+                cur_map = jnp.pad(cur_map, [(0, 0), (0, 0), (0, T - cap)], constant_values=T)
                 out_c, st = self._inner_prefill(ctx.replace(lengths=counts, hidden=None), qc, kc, vc, state,
                                                 cur_map, sel.slot)
                 return decompress(out_c, sel, self._fill(q, k, v)), st
 
-            out, state = jax.lax.cond(nothing_dropped,
-                                      lambda: self._dense_prefill(ctx, q, k, v, state), compressed)
+            # Kascade runs at the capacity buckets (its state padded back to T's shape); another inner method's
+            # state is shaped for T queries, so it runs at capacity T.
+            caps = capacities(T, self.capacity_buckets) if self._kascade else (T,)
+            out, state = attend_at_capacity(largest, caps, compressed,
+                                            lambda: self._dense_prefill(ctx, q, k, v, state), nothing_dropped)
             return out, state.replace(kept=kept)
 
         def attend(cap):
