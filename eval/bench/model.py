@@ -351,9 +351,10 @@ def run_methods(shape: str, methods, contexts, batches, steps: int, out: str | N
                "methods": checks, "rows": rows}
     if out:
         bm.write_json(out, payload)
-    print(bm.table([r for r in rows if r["phase"] == "decode"],
-                   ["method", "context", "batch", "step_ms", "tokens_per_s", "speedup", "floor_speedup",
-                    "floor_fraction"]))
+    if contexts:
+        print(bm.table([r for r in rows if r["phase"] == "decode"],
+                       ["method", "context", "batch", "step_ms", "tokens_per_s", "speedup", "floor_speedup",
+                        "floor_fraction"]))
     if prefill_contexts:
         print(bm.table([r for r in rows if r["phase"] == "prefill"], ["method", "context", "prefill_ms", "speedup"]))
     return payload
