@@ -30,10 +30,14 @@ I32 = jnp.int32
 CAPACITY_ALIGN = 128
 
 
-def capacities(T: int, buckets: int) -> tuple[int, ...]:
+def capacities(T: int, buckets: int, exact: int | None = None) -> tuple[int, ...]:
     """The static compressed capacities for a length-T prefill: ceil(i * T / buckets) rounded up to a multiple
-    of 128 and capped at T, i = 1..buckets (ascending, distinct, the last one T)."""
-    caps = {min(T, -(-math.ceil(i * T / buckets) // CAPACITY_ALIGN) * CAPACITY_ALIGN) for i in range(1, buckets + 1)}
+    of 128 and capped at T, i = 1..buckets (ascending, distinct, the last one T); `exact` (a count known before
+    the prefill, e.g. TSA's fixed kept share of T) adds that count rounded up the same way."""
+    align = lambda n: min(T, -(-n // CAPACITY_ALIGN) * CAPACITY_ALIGN)  # noqa: E731
+    caps = {align(math.ceil(i * T / buckets)) for i in range(1, buckets + 1)}
+    if exact is not None:
+        caps.add(align(max(int(exact), 1)))
     return tuple(sorted(caps | {T}))
 
 

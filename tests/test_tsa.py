@@ -404,20 +404,33 @@ def test_tsa_kascade_full_budget_is_tsa(params):
     np.testing.assert_allclose(comp[0], tsa[0], atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("anchors,reuse_scale", [([0, 1], 1.0), ([0, 2], 2.0)])
-def test_tsa_kascade_at_capacity_buckets_equals_capacity_t(params, anchors, reuse_scale):
-    """Kascade inside TSA runs at the smallest capacity bucket holding the kept tokens (its anchors and reuse
-    layers over C < T slots, its state padded back to T's shape): the same logits, kept counts, Kascade state and
-    decode step as at capacity T."""
+def test_capacities_add_the_fixed_share_of_a_full_row():
+    assert TSA().capacities(131072) == capacities(131072, 8)
+    assert TSA(kept_fraction=0.68).capacities(131072) == tuple(sorted(capacities(131072, 8) + (89216,)))  # 89129
+    assert TSA(kept_fraction=0.2, capacity_buckets=1, **SMALL).capacities(512) == (128, 512)  # 102 kept
+    assert TSA(kept_fraction=0.2).capacities(1100) == capacities(1100, 8)  # a dense row (n <= 1024 + 128)
+
+
+@pytest.mark.parametrize("anchors,reuse_scale,fraction,buckets,kept", [
+    ([0, 1], 1.0, 0.4, 4, [205, 172]),  # capacities (128, 256, 384, 512): 205 kept -> 256
+    ([0, 2], 2.0, 0.4, 4, [205, 172]),
+    ([0, 1], 1.0, 0.2, 1, [102, 86]),  # (128, 512): the fixed share's own capacity
+])
+def test_tsa_kascade_at_capacity_buckets_equals_capacity_t(params, monkeypatch, anchors, reuse_scale, fraction,
+                                                           buckets, kept):
+    """Kascade inside TSA runs at the smallest capacity holding the kept tokens (its anchors and reuse layers over
+    C < T slots, its state padded back to T's shape): the same logits, kept counts, Kascade state and decode step
+    as at capacity T."""
     tokens = jax.random.randint(jax.random.key(9), (2, 512), 4, CFG.vocab_size)
     lengths = jnp.asarray([512, 430], jnp.int32)
     kas = Kascade.from_anchors(CFG, anchors, tile=16, min_tokens=16, budget=0.3, reuse_scale=reuse_scale)
-    opts = dict(inner=kas, selection="kv_head", kept_fraction=0.4, **SMALL)
+    opts = dict(inner=kas, selection="kv_head", kept_fraction=fraction, **SMALL)
+    at_c = TSA(capacity_buckets=buckets, **opts)
+    got, got_state, _ = _prefill(params, at_c, tokens, lengths)
     at_t = TSA(capacity_buckets=1, **opts)
-    buckets = TSA(capacity_buckets=4, **opts)  # capacities (128, 256, 384, 512): 205 kept -> 256
+    monkeypatch.setattr(TSA, "capacities", lambda self, T: (T,))  # the reference: always capacity T
     want, want_state, cache = _prefill(params, at_t, tokens, lengths)
-    got, got_state, _ = _prefill(params, buckets, tokens, lengths)
-    np.testing.assert_array_equal(np.asarray(got_state.kept)[1:], [[205, 172]] * 2)
+    np.testing.assert_array_equal(np.asarray(got_state.kept)[1:], [kept] * 2)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
     np.testing.assert_array_equal(got_state.inner.indices, want_state.inner.indices)
     np.testing.assert_array_equal(got_state.anchor_map, want_state.anchor_map)
@@ -425,7 +438,7 @@ def test_tsa_kascade_at_capacity_buckets_equals_capacity_t(params, anchors, reus
     cache = cache.replace(k=jnp.pad(cache.k, ((0, 0),) * 3 + ((0, 8), (0, 0))),
                           v=jnp.pad(cache.v, ((0, 0),) * 3 + ((0, 8), (0, 0))))
     dec = lambda m, s: jax.jit(lambda p, t, c: llama.decode(p, CFG, m, t, c, s))(params, step, cache)[0]  # noqa
-    np.testing.assert_array_equal(dec(buckets, got_state), dec(at_t, want_state))
+    np.testing.assert_array_equal(dec(at_c, got_state), dec(at_t, want_state))
 
 
 def test_tsa_kascade_keeps_anchors_of_dense_reuse_layers_dense():

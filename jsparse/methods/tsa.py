@@ -229,7 +229,8 @@ class TSA:
       local_sinks: leading tokens every "local" fill row attends to as well (default 4).
       kept_fraction: None (default: the coverage count at tau) or a fixed share of each row, in (0, 1]: every
         sparse layer keeps round(kept_fraction * n) tokens (window included, at least min_tokens prefix tokens)
-        and tau is unused; the selection is still the top-scored tokens. Not in the paper: a fixed budget, and
+        and tau is unused; the selection is still the top-scored tokens, and the prefill has a capacity at the
+        count a full row keeps besides the buckets (`capacities`). Not in the paper: a fixed budget, and
         the way benchmarks on random weights (whose flat attention makes coverage keep nearly every token) set
         the paper's operating point (0.68: 54% attention-map sparsity).
       inner: the method run inside the compressed space and for decode (None: dense).
@@ -369,6 +370,17 @@ class TSA:
         cap = q.shape[1] if capacity is None else capacity
         return counts, self._selection(scores, lengths, counts, k.shape[2], cap)
 
+    def capacities(self, T: int) -> tuple[int, ...]:
+        """The static compressed capacities of a length-T prefill: `capacity_buckets` buckets and, with a
+        `kept_fraction`, the count a full row keeps (so a fixed share runs at its own capacity, not the next
+        bucket's)."""
+        exact = None
+        if self.kept_fraction is not None:  # `fixed_counts` of a full row, in numpy (T is static)
+            P, w = max(T - self.window, 0), min(T, self.window)
+            total = int(np.round(np.float32(self.kept_fraction) * np.float32(T)))
+            exact = T if T <= self.min_tokens + self.window else min(max(total - w, self.min_tokens), P) + w
+        return capacities(T, self.capacity_buckets, exact)
+
     def _coverage(self, q: Array, k: Array, lengths: Array):
         """(the selecting heads' scores f32[B, H, T], kept counts i32[B]) of one sparse layer."""
         scores = tsa_scores(q, k, window=self.window, pool_kernel=self.pool_kernel, lengths=lengths)
@@ -430,7 +442,7 @@ class TSA:
 
             # Kascade runs at the capacity buckets (its state padded back to T's shape); another inner method's
             # state is shaped for T queries, so it runs at capacity T.
-            caps = capacities(T, self.capacity_buckets) if self._kascade else (T,)
+            caps = self.capacities(T) if self._kascade else (T,)
             out, state = attend_at_capacity(largest, caps, compressed,
                                             lambda: self._dense_prefill(ctx, q, k, v, state), nothing_dropped)
             return out, state.replace(kept=kept)
@@ -442,7 +454,7 @@ class TSA:
                 s = select_tokens(scores, lengths, counts, window=self.window, capacity=cap)
             return attend_compressed(q, k, v, s, fill_rows=self._fill(q, k, v))
 
-        out = attend_at_capacity(largest, capacities(T, self.capacity_buckets), attend,
+        out = attend_at_capacity(largest, self.capacities(T), attend,
                                  lambda: dense_prefill(q, k, v), nothing_dropped)
         return out, state.replace(kept=kept)
 
