@@ -15,7 +15,7 @@ kept rows come from its own Q, K, V); XLA's partitioner would otherwise all-gath
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -41,10 +41,11 @@ def capacities(T: int, buckets: int, exact: int | None = None) -> tuple[int, ...
     return tuple(sorted(caps | {T}))
 
 
-def attend_at_capacity(largest: Array, caps: tuple[int, ...], attend: Callable[[int], Array],
-                       dense: Callable[[], Array], nothing_dropped: Array) -> Array:
+def attend_at_capacity(largest: Array, caps: tuple[int, ...], attend: Callable[[int], Any],
+                       dense: Callable[[], Any], nothing_dropped: Array) -> Any:
     """`attend(C)` at the smallest capacity C of `caps` (ascending, static) holding `largest` (i32[], the batch's
-    largest kept count), or `dense()` when nothing_dropped (bool[]): one `lax.switch` over 1 + len(caps) branches."""
+    largest kept count), or `dense()` when nothing_dropped (bool[]): one `lax.switch` over 1 + len(caps) branches
+    (each returning the same pytree: an output, or TSA's output and its inner method's state)."""
     which = jnp.searchsorted(jnp.asarray(caps, I32), largest).astype(I32) + 1
     which = jnp.where(nothing_dropped, 0, jnp.minimum(which, len(caps)))
     return jax.lax.switch(which, [dense] + [lambda c=c: attend(c) for c in caps])
