@@ -190,6 +190,10 @@ def test_fixed_counts_keep_the_share_window_and_min_tokens():
     got = np.asarray(fixed_counts(lengths, fraction=0.01, window=16, min_tokens=32))
     np.testing.assert_array_equal(got, [48, 48, 40, 48, 48])  # min_tokens + W
     np.testing.assert_array_equal(fixed_counts(lengths, fraction=1.0, window=16, min_tokens=32), lengths)
+    n = np.arange(1, 200_000, 37)  # numpy (static lengths, `TSA.capacities`) counts as jnp does
+    for f in (0.68, 0.3, 0.013):
+        np.testing.assert_array_equal(fixed_counts(n, fraction=f, window=128, min_tokens=1024, xp=np),
+                                      fixed_counts(jnp.asarray(n), fraction=f, window=128, min_tokens=1024))
 
 
 def test_kept_fraction_layer_keeps_that_share_and_equals_the_masked_reference():

@@ -147,15 +147,15 @@ def coverage_counts(scores: Array, lengths: Array, *, tau: float, window: int, m
     return jnp.where(n <= min_tokens + window, n, k_prefix + w_eff).astype(I32)
 
 
-def fixed_counts(lengths: Array, *, fraction: float, window: int, min_tokens: int) -> Array:
+def fixed_counts(lengths: Array, *, fraction: float, window: int, min_tokens: int, xp=jnp) -> Array:
     """A fixed share of each row in place of the coverage count: i32[B] kept tokens, window included,
     round(fraction * n) with at least `min_tokens` prefix tokens and at most n; n on dense rows (n <= min_tokens + W),
-    as `coverage_counts`."""
-    n = lengths.astype(I32)
-    P, w_eff = _prefix(n, window)
-    total = jnp.round(fraction * n.astype(jnp.float32)).astype(I32)
-    k_prefix = jnp.minimum(jnp.maximum(total - w_eff, min_tokens), P)
-    return jnp.where(n <= min_tokens + window, n, k_prefix + w_eff).astype(I32)
+    as `coverage_counts`. xp: jnp, or np for static lengths (`TSA.capacities`; the same f32 arithmetic)."""
+    n = lengths.astype(np.int32)
+    P, w_eff = xp.maximum(n - window, 0), xp.minimum(n, window)
+    total = xp.round(xp.float32(fraction) * n.astype(np.float32)).astype(np.int32)
+    k_prefix = xp.minimum(xp.maximum(total - w_eff, min_tokens), P)
+    return xp.where(n <= min_tokens + window, n, k_prefix + w_eff).astype(np.int32)
 
 
 def select_tokens(scores: Array, lengths: Array, counts: Array, *, window: int, capacity: int) -> Selection:
@@ -375,10 +375,9 @@ class TSA:
         `kept_fraction`, the count a full row keeps (so a fixed share runs at its own capacity, not the next
         bucket's)."""
         exact = None
-        if self.kept_fraction is not None:  # `fixed_counts` of a full row, in numpy (T is static)
-            P, w = max(T - self.window, 0), min(T, self.window)
-            total = int(np.round(np.float32(self.kept_fraction) * np.float32(T)))
-            exact = T if T <= self.min_tokens + self.window else min(max(total - w, self.min_tokens), P) + w
+        if self.kept_fraction is not None:  # T is static: the count in numpy
+            exact = int(fixed_counts(np.asarray([T]), fraction=self.kept_fraction, window=self.window,
+                                     min_tokens=self.min_tokens, xp=np)[0])
         return capacities(T, self.capacity_buckets, exact)
 
     def _coverage(self, q: Array, k: Array, lengths: Array):
