@@ -294,11 +294,13 @@ def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, pre
             row = dict(phase="prefill", method=name, context=context, batch=1, state=how)
             try:
                 tokens = jax.random.randint(jax.random.key(1), (1, context), 0, cfg.vocab_size)
-                ms = bm.time_ms(lambda t: prefill_only(params, method, t, cfg=cfg), tokens, warmup=1, iters=2)
+                # The warm-up call (compiles) is also the one whose kept counts are read.
+                _, kept = jax.block_until_ready(prefill_only(params, method, tokens, cfg=cfg))
+                ms = bm.time_ms(lambda t: prefill_only(params, method, t, cfg=cfg), tokens, warmup=0, iters=2)
                 row.update(prefill_ms=ms, prefill_tokens_per_s=context / (ms * 1e-3),
                            flop_floor_ms=prefill_flops(cfg, 1, context) / (mm * 1e12) * 1e3)
                 if name in PREFILL_METHODS:  # the share TSA kept, as it recorded it (its sparse layers)
-                    kept = np.asarray(prefill_only(params, method, tokens, cfg=cfg)[1])
+                    kept = np.asarray(kept)
                     layers = list(method.layers(cfg.num_layers))
                     row.update(tsa_sparse_layers=len(layers),
                                tsa_kept_fraction=float(kept[layers].mean() / context) if layers else None)
