@@ -162,9 +162,8 @@ def bench_method(name: str, cfg, budget: float, evo_budget_tokens: int | None = 
         how = f"synthetic: anchors {anchors}, identity head map (calibration on random weights means nothing)"
         if name == "kascade":
             return kascade, how
-        from jsparse.methods.tsa import TSA
-        from jsparse.methods.tsa_kascade import CAPACITY_BUCKETS
-        return (TSA(inner=kascade, selection="kv_head", capacity_buckets=CAPACITY_BUCKETS, kept_fraction=tsa_kept),
+        from jsparse.methods.tsa_kascade import around_kascade
+        return (around_kascade(kascade, kept_fraction=tsa_kept),
                 f"{how}; TSA keeps a fixed {tsa_kept} of every row (coverage on random weights keeps nearly all)")
     if name == "tsa":
         from jsparse.methods.tsa import TSA

@@ -171,9 +171,14 @@ class Kascade(TokenBudget):
     def layer_info(self, cfg):
         return LayerRole(role=self.roles, head_map=self.head_map)
 
+    def prefill_rows(self, q_len: int, kv_len: int) -> tuple[int, int]:
+        """(rows, width) of the prefill state's indices: one row per query tile, k_reuse(kv_len) keys in blocks of
+        prefill_block_size."""
+        return -(-q_len // self.tile), block_width(self.k_reuse(kv_len), self.prefill_block_size)
+
     def start(self, cfg, state, phase, batch, q_len, kv_len):
-        if phase == "prefill":  # one row per query tile, in blocks of prefill_block_size
-            rows, width = -(-q_len // self.tile), block_width(self.k_reuse(kv_len), self.prefill_block_size)
+        if phase == "prefill":
+            rows, width = self.prefill_rows(q_len, kv_len)
         else:
             rows, width = q_len, self.k_reuse(kv_len)
         return KascadeState(indices=jnp.full((batch, cfg.num_kv_heads, rows, width), -1, jnp.int32))
@@ -328,14 +333,14 @@ def prefill_in_coordinates(inner: Kascade, ctx, q: Array, k: Array, v: Array, st
     info = ctx.info
     reuse = info.role == ROLE_REUSE
     full = state.indices  # shaped for the T-query prefill (`start`); C <= T compressed slots run here
-    rows = -(-q.shape[1] // inner.tile)
+    rows, width = inner.prefill_rows(q.shape[1], q.shape[1])
 
     def reuse_layer():  # the anchor's keys, translated (`translate_anchor_indices`); the anchor state stays
         idx = translate_anchor_indices(full, anchor_map, info.head_map, cur_map, cur_slot, inner.tile)
         return sparse_prefill(q, k, v, idx[:, :, :rows], ctx.lengths, tile=inner.tile), full
 
     def anchor_layer():  # Kascade's own prefill at C slots; its indices padded back to the T-shaped state
-        at_c = full[:, :, :rows, :block_width(inner.k_reuse(q.shape[1]), 1)]
+        at_c = full[:, :, :rows, :width]
         out, new = inner.prefill(ctx, q, k, v, KascadeState(indices=at_c))
         pad = [(0, 0), (0, 0), (0, full.shape[2] - new.indices.shape[2]), (0, full.shape[3] - new.indices.shape[3])]
         return out, jnp.pad(new.indices, pad, constant_values=-1)

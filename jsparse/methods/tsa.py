@@ -121,10 +121,10 @@ def check_fill(fill, local_window, local_sinks) -> tuple[str, int, int]:
 # ----------------------------------------------------------------------------------------------- selection
 
 
-def _prefix(lengths: Array, window: int):
+def _prefix(lengths: Array, window: int, xp=jnp):
     """(P: i32[B] prefix lengths, W_eff: i32[B] window tokens) of rows with `lengths` valid tokens."""
-    n = lengths.astype(I32)
-    return jnp.maximum(n - window, 0), jnp.minimum(n, window)
+    n = lengths.astype(np.int32)
+    return xp.maximum(n - window, 0), xp.minimum(n, window)
 
 
 def coverage_counts(scores: Array, lengths: Array, *, tau: float, window: int, min_tokens: int) -> Array:
@@ -152,7 +152,7 @@ def fixed_counts(lengths: Array, *, fraction: float, window: int, min_tokens: in
     round(fraction * n) with at least `min_tokens` prefix tokens and at most n; n on dense rows (n <= min_tokens + W),
     as `coverage_counts`. xp: jnp, or np for static lengths (`TSA.capacities`; the same f32 arithmetic)."""
     n = lengths.astype(np.int32)
-    P, w_eff = xp.maximum(n - window, 0), xp.minimum(n, window)
+    P, w_eff = _prefix(n, window, xp)
     total = xp.round(xp.float32(fraction) * n.astype(np.float32)).astype(np.int32)
     k_prefix = xp.minimum(xp.maximum(total - w_eff, min_tokens), P)
     return xp.where(n <= min_tokens + window, n, k_prefix + w_eff).astype(np.int32)

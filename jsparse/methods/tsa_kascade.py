@@ -45,8 +45,15 @@ class TSAKascade:
         tsa_options = {k: options[k] for k in ("tau", "window", "pool_kernel", "sparse_layers", "fill",
                                                "local_window", "local_sinks", "kept_fraction", "capacity_buckets")
                        if k in options}
-        tsa_options.setdefault("capacity_buckets", CAPACITY_BUCKETS)
         if "tsa_min_tokens" in options:
             tsa_options["min_tokens"] = options["tsa_min_tokens"]
-        return TSA.build(cfg=cfg, artifact=tsa_artifact, fingerprint=fingerprint, inner=inner,
-                         selection="kv_head", **tsa_options)
+        return around_kascade(inner, cfg=cfg, tsa_artifact=tsa_artifact, fingerprint=fingerprint, **tsa_options)
+
+
+def around_kascade(kascade, cfg=None, tsa_artifact: str | None = None, fingerprint: str | None = None,
+                   **tsa_options) -> TSA:
+    """TSA around a built Kascade, as `tsa+kascade` builds it: selection "kv_head", CAPACITY_BUCKETS buckets unless
+    `capacity_buckets` is given, the sparse layers from `tsa_artifact` (None: every layer but 0)."""
+    tsa_options.setdefault("capacity_buckets", CAPACITY_BUCKETS)
+    return TSA.build(cfg=cfg, artifact=tsa_artifact, fingerprint=fingerprint, inner=kascade, selection="kv_head",
+                     **tsa_options)
