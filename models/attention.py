@@ -20,9 +20,9 @@ and once per forward (outside the scan)
   method.layer_info(cfg) -> pytree whose leaves have a leading axis of length L (the scan's `xs`), or None.
   method.start(cfg, state, phase, batch, q_len, kv_len) -> state   (optional; phase "prefill" or "decode";
       kv_len: keys a query may see at most, T in prefill and the cache capacity N in decode)
-  method.start_rows(cfg, state, phase, lengths, q_len) -> state   (optional; after `start`, with the rows'
-      valid tokens after this forward's writes: work that depends on the query positions but not on the layer,
-      done once per forward instead of in every layer)
+  method.start_rows(cfg, state, phase, lengths, q_len, kv_len) -> state   (optional; after `start`, with the
+      rows' valid tokens after this forward's writes: work that depends on the query positions but not on the
+      layer, done once per forward instead of in every layer)
   method.finish(state, phase) -> state                     (optional)
 
 `start` and `finish` bracket one forward: a method whose layers hand data to later layers (Kascade's anchor
@@ -106,7 +106,7 @@ def start(method, cfg, state, phase: str, batch: int, q_len: int, kv_len: int, l
     fn = getattr(method, "start", None)
     state = state if fn is None else fn(cfg, state, phase, batch, q_len, kv_len)
     rows = getattr(method, "start_rows", None)
-    return state if rows is None or lengths is None else rows(cfg, state, phase, lengths, q_len)
+    return state if rows is None or lengths is None else rows(cfg, state, phase, lengths, q_len, kv_len)
 
 
 def finish(method, state, phase: str):

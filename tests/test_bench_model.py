@@ -201,8 +201,27 @@ def test_attention_only_config_keeps_the_attention_and_cuts_the_rest():
     (["--methods", "dense,tsa", "--prefill-context", "4096", "--tsa-kept", "1.5"], "kept_fraction=1.5"),
     (["--methods", "dense,tsa", "--context", ""], "--context is empty"),
     (["--methods", "dense,tsa+kascade,nope"], "unknown ['nope']"),
+    (["--methods", "dense,kascade", "--method-option", "quest.page_size=16"], "names method 'quest'"),
+    (["--method-option", "dense.tile=16", "--context", "1024"], "dense alone takes no options"),
 ])
 def test_cli_errors_name_the_value(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench_model.main(argv, prog="jsparse bench model")
     assert message in capsys.readouterr().err
+
+
+def test_method_options_reach_the_method_and_misspellings_are_errors(tiny):
+    """`--method-option`: kascade's options go to Kascade; tsa+kascade's are split as its builder splits them
+    (Kascade's tile, TSA's capacity buckets); an option no method takes is an error naming it."""
+    cfg, _ = tiny
+    kascade, how = bench_model.bench_method("kascade", cfg, 0.25, options={"tile": 64, "prefill_block_size": 16})
+    assert (kascade.tile, kascade.prefill_block_size, kascade.budget) == (64, 16, 0.25) and "tile" in how
+    both, _ = bench_model.bench_method("tsa+kascade", cfg, 0.25, tsa_kept=0.5,
+                                       options={"tile": 64, "capacity_buckets": 2})
+    assert (both.inner.tile, both.capacity_buckets, both.kept_fraction) == (64, 2, 0.5)
+    with pytest.raises(ValueError, match="'tilee'"):
+        bench_model.bench_method("kascade", cfg, 0.25, options={"tilee": 64})
+    with pytest.raises(ValueError, match="prefill_block_size=16"):
+        bench_model.bench_method("tsa+kascade", cfg, 0.25, options={"prefill_block_size": 16})
+    with pytest.raises(ValueError, match="dense takes no options"):
+        bench_model.bench_method("dense", cfg, 0.25, options={"tile": 64})

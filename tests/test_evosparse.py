@@ -234,8 +234,8 @@ class _Recording:
     def start(self, cfg, state, phase, batch, q_len, kv_len):
         return (self.inner.start(cfg, state[0], phase, batch, q_len, kv_len),) + state[1:]
 
-    def start_rows(self, cfg, state, phase, lengths, q_len):  # the heat candidates: the model's own path
-        return (self.inner.start_rows(cfg, state[0], phase, lengths, q_len),) + state[1:]
+    def start_rows(self, cfg, state, phase, lengths, q_len, kv_len):  # the heat candidates: the model's own path
+        return (self.inner.start_rows(cfg, state[0], phase, lengths, q_len, kv_len),) + state[1:]
 
     def finish(self, state, phase):
         return (self.inner.finish(state[0], phase),) + state[1:]

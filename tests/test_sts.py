@@ -188,6 +188,41 @@ def test_sts_decode_selects_the_mapped_draft_heads_top_k(selection):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)
 
 
+@pytest.mark.parametrize("row_merge", ["index", "scatter"])
+def test_start_rows_takes_every_layers_keys_as_each_layer_alone(row_merge):
+    """`STS.start_rows` selects every sparse layer's keys in one batch before the layer scan; each layer's keys
+    and its attention output equal those of the layer selecting alone (`decode_keys` with its own head-map row),
+    and `finish` drops them (the state keeps its structure across steps)."""
+    import types
+    from jsparse.methods.sts import DraftRecord
+    from models.attention import LayerContext, LayerKV
+
+    B, Hq, Hkv, D, N, T, K, Ld, Lt, W = 2, 4, 2, 8, 64, 3, 6, 2, 4, 9
+    rng = np.random.default_rng(0)
+    idx = np.full((Ld, B, Hq, 1, W), -1, np.int32)
+    for l, b, h in np.ndindex(Ld, B, Hq):
+        idx[l, b, h, 0, : W - 1] = np.sort(rng.choice(50, W - 1, replace=False))  # one padding slot
+    record = DraftRecord(idx=jnp.asarray(idx), val=jnp.asarray(rng.random(idx.shape), jnp.float32))
+    hm = np.stack([rng.integers(0, Ld, (Lt, Hq)), rng.integers(0, Hq, (Lt, Hq))], -1).astype(np.int32)
+    sts = STS(head_map=jnp.asarray(hm), budget=K, min_tokens=0, tile=16, slack=T, draft_layers=Ld, draft_heads=Hq,
+              dense_layers=1, row_merge=row_merge)
+    cfg = types.SimpleNamespace(num_layers=Lt, num_kv_heads=Hkv)
+    lengths = jnp.array([57, 40])
+    state = sts.start_rows(cfg, record, "decode", lengths, T, N)
+    assert state.chosen.shape == (Lt - 1, B, Hkv, K + T)
+    q = jax.random.normal(jax.random.key(0), (B, T, Hq, D))
+    k, v = (jax.random.normal(jax.random.key(i), (B, Hkv, N, D)) for i in (1, 2))
+    for layer in range(1, Lt):
+        alone = sts.decode_keys(record, jnp.asarray(hm[layer]), lengths, T, Hkv, N)
+        np.testing.assert_array_equal(np.asarray(state.chosen[layer - 1]), np.asarray(alone))
+        ctx = LayerContext(layer=jnp.int32(layer), lengths=lengths, info=jnp.asarray(hm[layer]))
+        got, _ = sts.decode(ctx, q, LayerKV(k=k, v=v), state)
+        want, _ = sts.decode(ctx, q, LayerKV(k=k, v=v), record)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert sts.finish(state, "decode").chosen is None
+    assert sts.start_rows(cfg, record, "prefill", lengths, T, N).chosen is None
+
+
 @pytest.mark.parametrize("implementation", ["xla", "top_k"])
 def test_topk_set_records_the_keys_of_lax_top_k(implementation):
     """The draft's decode record by topk_select: the same (key, weight) pairs as lax.top_k's rank-ordered rows

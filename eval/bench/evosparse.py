@@ -150,7 +150,7 @@ def part_loop(method, q, k, v, lengths, state, *, iters, part):
     pos = lengths - 1
     cache = LayerKV(k=k, v=v)
     idx0 = method.select_blocks(state.heat, state.retrieval[:, 0], pos, Hkv, N, layer=2)
-    cand0 = method.start_rows(None, state, "decode", lengths, 1).heat_cand
+    cand0 = method.start_rows(None, state, "decode", lengths, 1, N).heat_cand
     emass0 = jnp.full(idx0.shape, 1.0 / idx0.shape[-1], jnp.float32)
 
     def body(_, c):
@@ -174,7 +174,7 @@ def part_loop(method, q, k, v, lengths, state, *, iters, part):
             return acc + idx.sum() * 1e-9, heat
         if part == "heat_candidates":  # the step's candidates of every layer (here the 3 layers' heat)
             heat = heat.at[2, 0, 0, 0].add(acc * 1e-9)
-            c = method.start_rows(None, state.replace(heat=heat), "decode", lengths, 1).heat_cand
+            c = method.start_rows(None, state.replace(heat=heat), "decode", lengths, 1, N).heat_cand
             return acc + c[2, 0, 0, 0] * 1e-9, heat
         if part == "attend":  # gathered decode, no mass
             out = sparse_decode(qi, k[None], v[None], idx0[:, :, None], lengths, layer=jnp.int32(0), block_size=BLOCK)
@@ -288,7 +288,7 @@ def kernel_checks(key) -> list[dict]:
                         ok=bool(jnp.all(got == want))))
         # The same selection from the step's heat candidates (top-k launch + the rank kernel), compiled.
         mg = m.replace(kernels="pallas_gpu")
-        cand = mg.start_rows(None, EvoState(heat=heat[None]), "decode", pos_s + 1, 1).heat_cand
+        cand = mg.start_rows(None, EvoState(heat=heat[None]), "decode", pos_s + 1, 1, Nc).heat_cand
         got = mg.select_blocks(heat[None], r, pos_s, 8, Nc, layer=jnp.int32(0), cand=cand)
         out.append(dict(check=f"select_from_candidates_kernel_vs_xla[{trial}]", equal=bool(jnp.all(got == want)),
                         ok=bool(jnp.all(got == want))))

@@ -149,44 +149,60 @@ def kascade_anchors(cfg, count: int = KASCADE_ANCHORS) -> list[int]:
     return sorted({round(i * cfg.num_layers / count) for i in range(count)})
 
 
-def bench_method(name: str, cfg, budget: float, evo_budget_tokens: int | None = None, tsa_kept: float = TSA_KEPT):
+def bench_method(name: str, cfg, budget: float, evo_budget_tokens: int | None = None, tsa_kept: float = TSA_KEPT,
+                 options: dict | None = None):
     """(method, how its state was made) for the benchmark at model shape `cfg`; evo_budget_tokens: EvoSparse's
     token budget (None: the benchmark's 2048; the correctness check's small context takes a smaller one);
-    tsa_kept: the fixed kept share of `tsa` and `tsa+kascade` (see the module docstring)."""
+    tsa_kept: the fixed kept share of `tsa` and `tsa+kascade` (see the module docstring); options: more keyword
+    options of the method (`--method-option`, e.g. {"tile": 128} for kascade; tsa+kascade's are split between
+    Kascade and TSA as its builder splits them)."""
+    from jsparse.methods.base import check_options
+    options = dict(options or {})
+    method, how = _bench_method(name, cfg, budget, evo_budget_tokens, tsa_kept, options)
+    check_options(name, options, method)  # a misspelled option is an error, not ignored
+    return method, how
+
+
+def _bench_method(name, cfg, budget, evo_budget_tokens, tsa_kept, options):
+    said = f"; options {options}" if options else ""
     if name == "dense":
+        if options:
+            raise ValueError(f"dense takes no options, got {options}")
         return make_method("dense"), "none"
     if name in ("kascade", "tsa+kascade"):
         from jsparse.methods.kascade import Kascade
+        from jsparse.methods.tsa_kascade import around_kascade, split_options
+        kascade_options, tsa_options = split_options(options) if name == "tsa+kascade" else (options, {})
         anchors = kascade_anchors(cfg)
-        kascade = Kascade.from_anchors(cfg, anchors, budget=budget)
+        kascade = Kascade.from_anchors(cfg, anchors, **{"budget": budget, **kascade_options})
         how = f"synthetic: anchors {anchors}, identity head map (calibration on random weights means nothing)"
         if name == "kascade":
-            return kascade, how
-        from jsparse.methods.tsa_kascade import around_kascade
-        return (around_kascade(kascade, kept_fraction=tsa_kept),
-                f"{how}; TSA keeps a fixed {tsa_kept} of every row (coverage on random weights keeps nearly all)")
+            return kascade, how + said
+        return (around_kascade(kascade, **{"kept_fraction": tsa_kept, **tsa_options}),
+                f"{how}; TSA keeps a fixed {tsa_kept} of every row (coverage on random weights keeps nearly all)"
+                f"{said}")
     if name == "tsa":
         from jsparse.methods.tsa import TSA
-        return (TSA(kept_fraction=tsa_kept),
-                f"synthetic: a fixed {tsa_kept} of every row kept (coverage on random weights keeps nearly all)")
+        return (TSA(**{"kept_fraction": tsa_kept, **options}),
+                f"synthetic: a fixed {tsa_kept} of every row kept (coverage on random weights keeps nearly all){said}")
     if name == "evosparse":
         from eval.bench import evo_layout as be
         from jsparse.methods.evosparse import EvoSparse
         heads = be.model_heads(cfg)
         tokens = be.BUDGET_TOKENS if evo_budget_tokens is None else evo_budget_tokens
-        return (EvoSparse.from_heads(cfg, heads, budget_tokens=tokens, block_size=be.BLOCK),
+        return (EvoSparse.from_heads(cfg, heads, **{"budget_tokens": tokens, "block_size": be.BLOCK, **options}),
                 f"synthetic: {len(heads)} retrieval heads drawn at random (seed 0), budget {tokens} tokens "
-                f"in blocks of {be.BLOCK}")
+                f"in blocks of {be.BLOCK}{said}")
     if name == "butler":
         from jsparse.methods.butler import Butler
         from jsparse.methods.butler_predictor import init_params
         from train.predictor import preset_config
         pcfg = preset_config(cfg)
-        return (Butler.from_params(cfg, pcfg, init_params(pcfg, jax.random.key(7)), budget=budget),
+        return (Butler.from_params(cfg, pcfg, init_params(pcfg, jax.random.key(7)), **{"budget": budget, **options}),
                 "synthetic: a randomly initialised predictor of the preset size (training on random weights means "
-                "nothing)")
+                f"nothing){said}")
     if name in ("quest", "streaming", "oracle", "h2o"):
-        return make_method(name, budget=budget), "none (no calibration)"
+        return make_method(name, **{"budget": budget, **options}), "none (no calibration)" + said
     raise ValueError(f"unknown method {name!r} for the model benchmark: expected some of "
                      f"{list(METHODS + PREFILL_METHODS)}")
 
@@ -241,7 +257,8 @@ def method_decode_steps(params, method, tok, cache, state, *, cfg, steps):
 
 
 def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, prefill_contexts=(),
-                mm: float = 0.0, built: dict | None = None, tsa_kept: float = TSA_KEPT) -> list[dict]:
+                mm: float = 0.0, built: dict | None = None, tsa_kept: float = TSA_KEPT,
+                method_options: dict | None = None) -> list[dict]:
     """Decode rows (and prefill rows at `prefill_contexts`, batch 1) of every method; dense first. The prefill
     methods (PREFILL_METHODS) get prefill rows only.
 
@@ -251,7 +268,9 @@ def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, pre
 
     rows = []
     weights = decode_bytes(cfg, params, 1, 0)
-    built = {m: (built or {}).get(m) or bench_method(m, cfg, budget, tsa_kept=tsa_kept) for m in methods}
+    opts = method_options or {}
+    built = {m: (built or {}).get(m) or bench_method(m, cfg, budget, tsa_kept=tsa_kept, options=opts.get(m))
+             for m in methods}
     for context in contexts:
         for batch in batches:
             dense_ms = None
@@ -314,25 +333,27 @@ def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, pre
     return rows
 
 
-def method_checks(cfg, methods, budget: float, check: bool) -> dict:
+def method_checks(cfg, methods, budget: float, check: bool, method_options: dict | None = None) -> dict:
     """{method: {"check": ...}} for the JSON: each method's correctness check (`model_check.run_checks`, in bf16 as
     the timed run; raises model_check.CheckFailed naming the failed methods), or a note that it was skipped."""
     if not check:
         return {m: {"check": "skipped (--no-check)"} for m in methods}
     from eval.bench import model_check
     def build(name, small_cfg):
-        return bench_method(name, small_cfg, budget, evo_budget_tokens=model_check.CHECK_EVO_TOKENS)[0]
+        return bench_method(name, small_cfg, budget, evo_budget_tokens=model_check.CHECK_EVO_TOKENS,
+                            options=(method_options or {}).get(name))[0]
     return {m: {"check": c} for m, c in model_check.run_checks(cfg, methods, build, jnp.bfloat16).items()}
 
 
 def run_methods(shape: str, methods, contexts, batches, steps: int, out: str | None, budget: float,
-                prefill_contexts=(), check: bool = True, tsa_kept: float = TSA_KEPT, attention_only: bool = False):
+                prefill_contexts=(), check: bool = True, tsa_kept: float = TSA_KEPT, attention_only: bool = False,
+                method_options: dict | None = None):
     cfg = attention_only_config(preset(shape)) if attention_only else preset(shape)
     if methods[0] != "dense":
         methods = ("dense",) + tuple(m for m in methods if m != "dense")  # the baseline of the same run, first
     if not prefill_contexts:  # the prefill methods have no decode rows of their own
         methods = tuple(m for m in methods if m not in PREFILL_METHODS)
-    checks = method_checks(cfg, tuple(m for m in methods if m not in PREFILL_METHODS), budget, check)
+    checks = method_checks(cfg, tuple(m for m in methods if m not in PREFILL_METHODS), budget, check, method_options)
     checks.update({m: {"check": f"prefill only: decodes as {'dense' if m == 'tsa' else 'kascade'} (checked there); "
                                 "its prefill kernels are checked by `jsparse bench tsa`"}
                    for m in methods if m in PREFILL_METHODS})
@@ -341,10 +362,10 @@ def run_methods(shape: str, methods, contexts, batches, steps: int, out: str | N
     params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
     mm = bm.measure_matmul_tflops() if prefill_contexts else 0.0
     rows = method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, prefill_contexts, mm,
-                       tsa_kept=tsa_kept)
+                       tsa_kept=tsa_kept, method_options=method_options)
     payload = {**facts, "benchmark": "model_methods", "xla_flags": os.environ.get("XLA_FLAGS", ""), "shape": shape,
                "dtype": "bfloat16", "weights": "random", "budget": budget, "tsa_kept_fraction": tsa_kept,
-               "attention_only": attention_only,
+               "attention_only": attention_only, "method_options": method_options or {},
                "config": {k: getattr(cfg, k) for k in ("num_layers", "hidden_size", "intermediate_size", "num_heads",
                                                        "num_kv_heads", "head_dim", "vocab_size")},
                "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), "measured_hbm_gbs": hbm,
@@ -439,6 +460,10 @@ def main(argv=None, prog=None):
                    help=f"with --methods: the preset's hidden and MLP widths cut to {ATTENTION_ONLY_WIDTH} (its "
                         "attention unchanged), so each method's prefill and decode time is its whole-model attention "
                         "through the model's own path (projections and MLP about 1%% of a 128K prefill)")
+    p.add_argument("--method-option", action="append", default=None, metavar="METHOD.OPTION=VALUE",
+                   help="an option of one method's builder (repeatable, comma-separated), e.g. kascade.tile=128 or "
+                        "tsa+kascade.tile=128 (tsa+kascade splits its options between Kascade and TSA as its builder "
+                        "does); VALUE is read as JSON where it parses")
     p.add_argument("--no-check", action="store_true",
                    help="skip the correctness check that runs before timing (each method's decode step against its "
                         "masked reference on a small model; see above)")
@@ -457,18 +482,25 @@ def main(argv=None, prog=None):
         check_kept_fraction(a.tsa_kept)
     except ValueError as e:
         p.error(f"--tsa-kept: {e}")
+    from eval.harness import parse_method_options
+    try:
+        method_options = parse_method_options(a.method_option, methods)
+    except ValueError as e:
+        p.error(str(e))
     if not contexts and (methods == ("dense",) or not a.prefill_context.strip()):
         p.error("--context is empty: expected decode contexts, or --methods with --prefill-context")
     from eval.bench.model_check import CheckFailed
     try:
         if methods == ("dense",):
+            if method_options:
+                p.error("--method-option: dense alone takes no options")
             if a.attention_only:
                 p.error("--attention-only compares methods: give --methods (dense and others)")
             run(a.shape, contexts, batches, a.steps, a.out, check=not a.no_check)
         else:
             pre = [int(x) for x in a.prefill_context.split(",") if x.strip()]
             run_methods(a.shape, methods, contexts, batches, a.steps, a.out, a.budget, pre, check=not a.no_check,
-                        tsa_kept=a.tsa_kept, attention_only=a.attention_only)
+                        tsa_kept=a.tsa_kept, attention_only=a.attention_only, method_options=method_options)
     except CheckFailed as e:
         sys.exit(f"{p.prog}: error: {e}")
 

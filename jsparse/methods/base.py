@@ -83,6 +83,12 @@ def make_method(name: str, **kwargs):
     return method
 
 
+def check_options(name: str, kwargs: dict, method: Any = None) -> None:
+    """Raises ValueError naming any of `kwargs` that method `name` does not take (`method_options`; pass the
+    built `method` for wrappers, whose options include those of what they built)."""
+    _check_options(name, kwargs, method_options(name, method))
+
+
 def _check_options(name: str, kwargs: dict, valid: list[str]) -> None:
     unknown = sorted(set(kwargs) - set(valid))
     if unknown:

@@ -240,7 +240,7 @@ class EvoSparse:
         wr = self.widths(kv_len)["retrieval"]
         return state.replace(retrieval=jnp.full((batch, q_len, wr), -1, jnp.int32))
 
-    def start_rows(self, cfg, state, phase, lengths, q_len):
+    def start_rows(self, cfg, state, phase, lengths, q_len, kv_len):
         """One-token decode: every layer's heat candidates at once (`block_scores.heat_candidates`: the n_h + n_r
         hottest middle blocks of each row, one top-k launch), so a layer only ranks those outside its retrieval
         set (`select_from_candidates`); a layer's heat does not change before it runs, so the blocks are the same."""

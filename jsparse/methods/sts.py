@@ -203,6 +203,9 @@ class DraftRecord:
     val: Array
     pool_idx: Array | None = None
     pool_val: Array | None = None
+    # The target's keys of every sparse target layer inside one decode forward (`STS.start_rows`, dropped by
+    # `STS.finish`): i32[L_t - dense_layers, B, Hkv_t, K + T], ascending, -1 padded.
+    chosen: Array | None = None
 
 
 def empty_record(layers: int, batch: int, heads: int, rows: int, width: int, pool: int = 0) -> DraftRecord:
@@ -529,14 +532,51 @@ class STS(_Budget):
         return self.head_map
 
     def _rows(self, state, info, Hkv):
-        """This layer's draft rows: (idx, val) [B, Hkv, R, G * W] (the GQA group's query heads side by side)."""
-        def pick(x):  # [L_d, B, Hq_d, R, W] -> [B, Hq_t, R, W]
-            return jnp.moveaxis(x[info[:, 0], :, info[:, 1]], 0, 1)
+        """The draft rows of the target layer(s) whose head-map rows are `info` [..., Hq_t, 2] (one layer's, or
+        several layers' stacked): (idx, val) [..., B, Hkv, R, G * W] (a GQA group's query heads side by side)."""
+        def pick(x):  # [L_d, B, Hq_d, R, W] -> [..., B, Hq_t, R, W]
+            return jnp.moveaxis(x[info[..., 0], :, info[..., 1]], -4, -3)
         idx, val = pick(state.idx), pick(state.val)
-        B, Hq, R, W = idx.shape
+        *lead, Hq, R, W = idx.shape
         G = Hq // Hkv
-        group = lambda x: jnp.moveaxis(x.reshape(B, Hkv, G, R, W), 2, 3).reshape(B, Hkv, R, G * W)  # noqa: E731
+
+        def group(x):
+            return jnp.moveaxis(x.reshape(*lead, Hkv, G, R, W), -3, -2).reshape(*lead, Hkv, R, G * W)
         return group(idx), group(val)
+
+    def decode_keys(self, state, info, lengths, T: int, Hkv: int, N: int) -> Array:
+        """The keys the verification queries of target layer(s) `info` [..., Hq_t, 2] attend to: per KV head the
+        top k of its group's draft rows below the round (`_merge`) plus the T new tokens; lengths: i32[B] after
+        this forward's writes; N: the cache capacity -> i32[..., B, Hkv, K + T], ascending, -1 padded.
+
+        Several layers are one batch of rows: `start_rows` takes every sparse layer's keys at once, before the
+        layer scan (the record and the head map are known before the target runs)."""
+        B = lengths.shape[0]
+        n = lengths - T  # keys before this forward's new tokens
+        idx, val = self._rows(state, info, Hkv)  # [..., B, Hkv, 1, C]
+        lead = idx.shape[:-4]
+        reps = int(np.prod(lead, dtype=np.int64))
+        C = idx.shape[-1]
+        K = static_k(self.budget, N, self.min_tokens)
+        flat = lambda x: x.reshape(reps * B, Hkv, C)  # noqa: E731  (layer-major rows: row r is batch row r % B)
+        n_rows = jnp.tile(n, reps)
+        chosen = self._merge(flat(idx), flat(val), N, n_rows,
+                             budget_k(self.budget, n_rows, self.min_tokens)[:, None], K)  # [reps * B, Hkv, K]
+        new = jnp.broadcast_to((n_rows[:, None] + jnp.arange(T, dtype=jnp.int32))[:, None], (reps * B, Hkv, T))
+        both = jnp.concatenate([chosen, new], axis=-1)
+        big = jnp.iinfo(jnp.int32).max
+        both = jnp.sort(jnp.where(both < 0, big, both), axis=-1)
+        return jnp.where(both == big, -1, both).reshape(*lead, B, Hkv, K + T)
+
+    def start_rows(self, cfg, state, phase, lengths, q_len, kv_len):
+        """Decode: every sparse target layer's keys at once (`decode_keys`), read by each layer's attention."""
+        if phase != "decode" or self.dense_layers >= cfg.num_layers:
+            return state
+        info = self.head_map[self.dense_layers:]
+        return state.replace(chosen=self.decode_keys(state, info, lengths, q_len, cfg.num_kv_heads, kv_len))
+
+    def finish(self, state, phase):
+        return state.replace(chosen=None)
 
     def prefill(self, ctx, q, k, v, state):
         if not self.dense_layers:
@@ -572,17 +612,11 @@ class STS(_Budget):
     def _sparse_decode(self, ctx, q, cache, state):
         B, T = q.shape[0], q.shape[1]
         Hkv, N = cache.k.shape[1], cache.k.shape[2]
-        n = ctx.lengths - T  # keys before this forward's new tokens
-        idx, val = self._rows(state, ctx.info, Hkv)  # [B, Hkv, 1, C]
-        K = static_k(self.budget, N, self.min_tokens)
-        chosen = self._merge(idx[:, :, 0], val[:, :, 0], N, n, budget_k(self.budget, n, self.min_tokens)[:, None],
-                             K)  # [B, Hkv, K]
-        new = jnp.broadcast_to((n[:, None] + jnp.arange(T, dtype=jnp.int32))[:, None], (B, Hkv, T))
-        both = jnp.concatenate([chosen, new], axis=-1)
-        big = jnp.iinfo(jnp.int32).max
-        both = jnp.sort(jnp.where(both < 0, big, both), axis=-1)
-        both = jnp.where(both == big, -1, both)
-        indices = jnp.broadcast_to(both[:, :, None], (B, Hkv, T, K + T))
+        if state.chosen is not None:  # taken for every layer by `start_rows`
+            both = state.chosen[ctx.layer - self.dense_layers]
+        else:  # a layer called on its own (no start_rows): the same keys, this layer alone
+            both = self.decode_keys(state, ctx.info, ctx.lengths, T, Hkv, N)
+        indices = jnp.broadcast_to(both[:, :, None], (B, Hkv, T, both.shape[-1]))
         if T <= GATHER_MAX_QUERIES:
             if getattr(cache, "layer", None) is not None:
                 out = sparse_decode(q, cache.k_all, cache.v_all, indices, ctx.lengths, layer=cache.layer)

@@ -33,21 +33,33 @@ class TSAKascade:
     @classmethod
     def build(cls, cfg=None, artifact: str | None = None, fingerprint: str | None = None,
               kascade_artifact: str | None = None, tsa_artifact: str | None = None, **options):
-        bs = options.get("prefill_block_size")
-        if bs is not None and bs != 1:
-            raise ValueError(f"tsa+kascade does not take prefill_block_size={bs}: TSA's compressed coordinates move "
-                             f"single tokens, so Kascade inside TSA selects tokens (use kascade alone for block "
-                             f"selections, or prefill_block_size=1)")
         paths = split_artifacts(artifact, (kascade_mod.ARTIFACT_KIND, ARTIFACT_KIND))
         kascade_artifact = kascade_artifact or paths.get(kascade_mod.ARTIFACT_KIND)
         tsa_artifact = tsa_artifact or paths.get(ARTIFACT_KIND)
-        inner = kascade_mod.Kascade.build(cfg=cfg, artifact=kascade_artifact, fingerprint=fingerprint, **options)
-        tsa_options = {k: options[k] for k in ("tau", "window", "pool_kernel", "sparse_layers", "fill",
-                                               "local_window", "local_sinks", "kept_fraction", "capacity_buckets")
-                       if k in options}
-        if "tsa_min_tokens" in options:
-            tsa_options["min_tokens"] = options["tsa_min_tokens"]
+        kascade_options, tsa_options = split_options(options)
+        inner = kascade_mod.Kascade.build(cfg=cfg, artifact=kascade_artifact, fingerprint=fingerprint,
+                                          **kascade_options)
         return around_kascade(inner, cfg=cfg, tsa_artifact=tsa_artifact, fingerprint=fingerprint, **tsa_options)
+
+
+TSA_OPTIONS = ("tau", "window", "pool_kernel", "sparse_layers", "fill", "local_window", "local_sinks",
+               "kept_fraction", "capacity_buckets")
+
+
+def split_options(options: dict) -> tuple[dict, dict]:
+    """`tsa+kascade`'s options -> (Kascade's, TSA's): TSA_OPTIONS and `tsa_min_tokens` (TSA's `min_tokens`) go
+    to TSA, the rest to Kascade (whose `prefill_block_size` must be 1: the compressed coordinates move single
+    tokens)."""
+    bs = options.get("prefill_block_size")
+    if bs is not None and bs != 1:
+        raise ValueError(f"tsa+kascade does not take prefill_block_size={bs}: TSA's compressed coordinates move "
+                         f"single tokens, so Kascade inside TSA selects tokens (use kascade alone for block "
+                         f"selections, or prefill_block_size=1)")
+    tsa = {k: options[k] for k in TSA_OPTIONS if k in options}
+    if "tsa_min_tokens" in options:
+        tsa["min_tokens"] = options["tsa_min_tokens"]
+    kascade = {k: v for k, v in options.items() if k not in TSA_OPTIONS and k != "tsa_min_tokens"}
+    return kascade, tsa
 
 
 def around_kascade(kascade, cfg=None, tsa_artifact: str | None = None, fingerprint: str | None = None,
