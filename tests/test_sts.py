@@ -188,6 +188,32 @@ def test_sts_decode_selects_the_mapped_draft_heads_top_k(selection):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)
 
 
+@pytest.mark.parametrize("implementation", ["xla", "top_k"])
+def test_draft_record_without_n_wide_masks_equals_the_masked_rule(implementation):
+    """The draft's record (`add_recorded` + `_topk_visible`: carry added by a scatter, no -inf mask) keeps the
+    keys and weights of the N-wide rule (`_scores` read as 0 where unrecorded, -inf past lengths, `_topk_set`),
+    with rows shorter than W, zero weights below lengths and recorded keys past lengths."""
+    from jsparse.methods.sts import _scores, _topk_set, _topk_visible, add_recorded
+    B, H, N, W = 3, 4, 40, 8
+    rng = np.random.default_rng(1)
+    lengths = jnp.array([40, 23, 5])
+    probs = rng.random((B, H, N)).astype(np.float32)
+    probs[rng.random((B, H, N)) < 0.3] = 0.0  # zero weights below lengths tie with the keys past them
+    probs = jnp.where(jnp.arange(N)[None, None] < lengths[:, None, None], probs, 0.0)
+    idx = np.full((B, H, W), -1, np.int32)
+    for b, h in np.ndindex(B, H):
+        idx[b, h, :6] = np.sort(rng.choice(N, 6, replace=False))  # some past lengths: not added
+    val = jnp.asarray(rng.random((B, H, W)), jnp.float32)
+    idx = jnp.asarray(idx)
+    old = _scores(idx, val, N, lengths)
+    want = _topk_set(jnp.where(jnp.arange(N)[None, None] < lengths[:, None, None],
+                               probs + 0.5 * jnp.where(jnp.isfinite(old), old, 0.0), -jnp.inf), W, implementation)
+    got = _topk_visible(add_recorded(probs, idx, val, lengths, 0.5), lengths, W, implementation)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    assert int((got[1][2] >= 0).sum(-1).max()) == 5  # the 5-key row keeps its 5 keys, no key past its length
+
+
 @pytest.mark.parametrize("row_merge", ["index", "scatter"])
 def test_start_rows_takes_every_layers_keys_as_each_layer_alone(row_merge):
     """`STS.start_rows` selects every sparse layer's keys in one batch before the layer scan; each layer's keys

@@ -154,6 +154,28 @@ def _topk_set(scores: Array, W: int, implementation: str | None = None) -> tuple
     return jnp.where(idx >= 0, val, NEG_INF), idx
 
 
+def add_recorded(probs: Array, idx: Array, val: Array, lengths: Array, scale: float) -> Array:
+    """probs + scale * (the recorded weights) at the recorded keys below lengths: idx, val [B, H, W] (-1 padded)
+    added into probs f32[B, H, N] in place (a scatter-add of W entries per row, not an N-wide pass); the same
+    values as adding `scale` times `_scores`' row with -inf read as 0."""
+    B, H, _ = idx.shape
+    ok = (idx >= 0) & (idx < lengths[:, None, None])
+    b = jnp.arange(B)[:, None, None]
+    h = jnp.arange(H)[None, :, None]
+    return probs.at[b, h, jnp.where(ok, idx, probs.shape[-1])].add(jnp.where(ok, scale * val, 0.0), mode="drop")
+
+
+def _topk_visible(probs: Array, lengths: Array, W: int, implementation: str | None = None) -> tuple[Array, Array]:
+    """`_topk_set` of probs with the keys at or past lengths not choosable, for weights that are >= 0 below
+    lengths and 0 past it (`attend_and_probs`): at most min(W, lengths) keys are kept, and a zero-weight key
+    below lengths ties with the keys past it and wins (ties go to the lower position), so no N-wide -inf mask
+    is written. probs f32[B, H, N], lengths i32[B] -> (val, idx) [B, H, W] as `_topk_set`'s."""
+    k = jnp.minimum(lengths, W)[:, None]
+    idx = topk_select(probs, k, W, implementation=implementation)
+    val = jnp.take_along_axis(probs, jnp.maximum(idx, 0), axis=-1)
+    return jnp.where(idx >= 0, val, NEG_INF), idx
+
+
 def tile_head_topk(q: Array, k: Array, tile: int, W: int) -> tuple[Array, Array]:
     """Per query head and query tile, the top-W keys before the tile by causal weight pooled over the tile.
 
@@ -305,13 +327,11 @@ class StsDraft(_Budget):
                              "`init_state` (empty_record(..., pool=pool_width(capacity)))")
         if masked and T == 1:
             return self._later_step(ctx, q, cache, state)
-        out, probs = attend_and_probs(q, cache, ctx.lengths)  # probs f32[B, Hq, N]
+        out, probs = attend_and_probs(q, cache, ctx.lengths)  # probs f32[B, Hq, N], 0 at keys >= lengths
         rec_idx, rec_val = (state.pool_idx, state.pool_val) if masked else (state.idx[:, :, :, 0], state.val[:, :, :, 0])
         if self.carry:  # the earlier steps' recorded weights, decayed: h = carry * h + s over the steps
-            old = _scores(rec_idx[ctx.layer], rec_val[ctx.layer], cache.k.shape[2], ctx.lengths)
-            probs = probs + self.carry * jnp.where(jnp.isfinite(old), old, 0.0)
-        visible = jnp.arange(cache.k.shape[2])[None, None, :] < ctx.lengths[:, None, None]
-        val, idx = _topk_set(jnp.where(visible, probs, NEG_INF), rec_idx.shape[-1], self.selection)
+            probs = add_recorded(probs, rec_idx[ctx.layer], rec_val[ctx.layer], ctx.lengths, self.carry)
+        val, idx = _topk_visible(probs, ctx.lengths, rec_idx.shape[-1], self.selection)
         if masked:  # the first step of a round: the pool
             return out, state.replace(pool_idx=state.pool_idx.at[ctx.layer].set(idx),
                                       pool_val=state.pool_val.at[ctx.layer].set(val))

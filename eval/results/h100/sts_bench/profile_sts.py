@@ -3,7 +3,9 @@ trace), on the shapes of `bench_sts.py` (Llama-3.1-8B target, Llama-3.2-1B draft
 
 Steps profiled at CTX (default 100000), batch B (default 2), budget K (default 512): the target's dense verification
 (T = gamma + 1), the STS verification (index merge), the draft's dense step, its STS first step (T = 2) and later
-step (dense + top-W; and with `first_step_mask`). Writes $OUT/profile_sts.json and prints the top kernels per step.
+step (dense + top-W; and with `first_step_mask`). STEPS (comma-separated, default all) picks steps by name:
+verify_dense, verify_sts, target_step_1k, draft_dense, draft_first, draft_later_dense, draft_later_mask.
+Writes $OUT/$JSON (default profile_sts.json) and prints the top kernels per step.
 """
 import dataclasses, glob, gzip, json, os, sys, time
 from collections import defaultdict
@@ -19,6 +21,11 @@ from models.compile_options import model_jit  # noqa: E402
 
 CTX, B, K = int(os.environ.get("CTX", 100000)), int(os.environ.get("B", 2)), int(os.environ.get("K", 512))
 T_CFG, D_CFG, GAMMA = bs.T_CFG, bs.D_CFG, bs.GAMMA
+STEPS = {x for x in os.environ.get("STEPS", "").split(",") if x}
+
+
+def wanted(step):
+    return not STEPS or step in STEPS
 
 
 def kernel_totals(trace_dir):
@@ -72,23 +79,30 @@ def main():
     _, dmm = base.replace(first_step_mask=True).for_round(D_CFG, GAMMA)
     W = tm.decode_width(cap)
     rec = bs.random_record(rng, D_CFG, B, W, n)
-    res = dict(command=f"CTX={CTX} B={B} K={K} python eval/results/h100/sts_bench/profile_sts.py",
+    res = dict(command=f"CTX={CTX} B={B} K={K} STEPS={','.join(sorted(STEPS))} "
+                       "python eval/results/h100/sts_bench/profile_sts.py",
                commit=os.environ.get("GIT_COMMIT", ""), context=CTX, batch=B, budget=K,
                device=str(jax.devices()[0].device_kind))
-    res["verify_dense"], tc = profile("verify_dense", lambda c: dec(tp, dense, toks, c, None), tc)
-    res["verify_sts"], tc = profile("verify_sts", lambda c: dec(tp, tm, toks, c, rec), tc)
-    res["target_step_1k"], _ = profile("verify_dense_ctx1k", lambda c: dec(tp, dense, toks, c, None),
-                                      bs.cache(T_CFG, B, 1664, 1024))
+    if wanted("verify_dense"):
+        res["verify_dense"], tc = profile("verify_dense", lambda c: dec(tp, dense, toks, c, None), tc)
+    if wanted("verify_sts"):
+        res["verify_sts"], tc = profile("verify_sts", lambda c: dec(tp, tm, toks, c, rec), tc)
+    if wanted("target_step_1k"):
+        res["target_step_1k"], _ = profile("verify_dense_ctx1k", lambda c: dec(tp, dense, toks, c, None),
+                                          bs.cache(T_CFG, B, 1664, 1024))
     st = (dc, None)
-    res["draft_dense"], st = profile("draft_dense", lambda c: ddec(dp, dense, tok, *c), st)
+    if wanted("draft_dense"):
+        res["draft_dense"], st = profile("draft_dense", lambda c: ddec(dp, dense, tok, *c), st)
     copy = lambda r: jax.tree_util.tree_map(jnp.copy, r)  # noqa: E731
     dc = st[0].replace(lengths=jnp.full((B,), n, jnp.int32))
     for label, m, t in (("draft_first", dm, jnp.ones((B, 2), jnp.int32)), ("draft_later_dense", dm, tok),
                         ("draft_later_mask", dmm, tok)):
+        if not wanted(label):
+            continue
         st = (dc, copy(rec))
         res[label], st = profile(label, lambda c, m=m, t=t: ddec(dp, m, t, *c), st)
         dc = st[0].replace(lengths=jnp.full((B,), n, jnp.int32))
-    json.dump(res, open(os.path.join(out, "profile_sts.json"), "w"), indent=1)
+    json.dump(res, open(os.path.join(out, os.environ.get("JSON", "profile_sts.json")), "w"), indent=1)
 
 
 if __name__ == "__main__":
