@@ -94,18 +94,25 @@ def forward(t_method, d_method, t_params, d_params, tokens, lengths, mesh):
 
 def record_rows_collectives(hlo_text: str) -> dict:
     """STS's cross-head step in a compiled forward on the 1x8 mesh: {(op, shape): count} of the collectives whose
-    result has the shape of the draft-record rows one target layer reads, [Hq_t, B, R, W] (prefill R = 3 tiles of
-    W = 15 keys, decode R = 1 of W = 22), or the shape of the whole record [L_d, B, Hq_d, R, W]."""
+    result has the shape of the draft-record rows the target reads: one layer's [Hq_t, B, R, W] in prefill (R = 3
+    tiles of W = 15 keys), every layer's [L_t, Hq_t, B, 1, W] in decode (W = 22; `STS.start_rows` takes them all
+    before the layer scan), or grouped by KV head [L_t * B, Hkv_t, G * W], or the shape of the whole record
+    [L_d, B, Hq_d, R, W]."""
     rows = {f"{t}[{CFG.num_heads},{B},{r},{w}]" for t in ("s32", "f32") for r, w in ((3, 15), (1, 22))}
+    G = CFG.num_heads // CFG.num_kv_heads
+    rows |= {f"{t}[{CFG.num_layers},{CFG.num_heads},{B},1,22]" for t in ("s32", "f32")}
+    rows |= {f"{t}[{CFG.num_layers * B},{CFG.num_kv_heads},{G * 22}]" for t in ("s32", "f32")}  # grouped by KV head
     whole = {f"{t}[{DRAFT_CFG.num_layers},{B},{DRAFT_CFG.num_heads},{r},{w}]" for t in ("s32", "f32")
              for r, w in ((3, 15), (1, 22))}
     return {k: n for k, n in base.collectives(hlo_text).items() if k[1] in rows | whole}
 
 
-# The rows of each target layer are gathered across `model` as an all-reduce of a masked local gather (each device
-# fills the rows of the draft heads it holds), once per phase; the whole record never moves.
-RECORD_ROWS_COLLECTIVES = {("all-reduce", f"{t}[16,2,{r},{w}]"): 1
-                           for t in ("s32", "f32") for r, w in ((3, 15), (1, 22))}
+# The rows the target reads are gathered across `model` as an all-reduce of a masked local gather (each device
+# fills the rows of the draft heads it holds): in prefill one layer's inside the layer scan; in decode every layer's
+# at once before it (the weights after XLA groups them by KV head: an all-gather); the whole record never moves.
+RECORD_ROWS_COLLECTIVES = {("all-reduce", "s32[16,2,3,15]"): 1, ("all-reduce", "f32[16,2,3,15]"): 1,
+                           ("all-reduce", f"s32[{CFG.num_layers},16,2,1,22]"): 1,
+                           ("all-gather", f"f32[{CFG.num_layers * B},8,44]"): 1}
 
 
 def generated(target, draft, sts, tokens, mesh):

@@ -133,6 +133,38 @@ def test_dense_decode_lse_of_a_row_with_no_visible_key_is_minus_inf():
     np.testing.assert_allclose(lse[:, 1], want[:, 1], rtol=1e-5)
 
 
+@pytest.mark.parametrize("case,dtype,config", [
+    ((3, 2, 1, 8, 2, 16, 70, [37, 2]), jnp.float32, dgpu.DenseDecodeConfig(block_k=16, num_splits=3)),
+    ((2, 2, 2, 6, 2, 32, 50, [50, 3]), jnp.bfloat16, dgpu.DenseDecodeConfig(block_k=16)),  # G = 3
+    ((2, 1, 5, 8, 2, 16, 45, [7]), jnp.float32, dgpu.DenseDecodeConfig(block_k=16, block_q=16, num_splits=2)),
+])
+def test_dense_decode_probs_are_head_probs(case, dtype, config):
+    """`return_probs`: the weights from the logits the dense decode kernel writes equal head_probs' reference
+    (out and lse unchanged), exactly 0 past each query's last key even where the cache holds NaN there (the
+    logits past a program's last key are never written); every implementation of the entry point agrees."""
+    L, B, T, Hq, Hkv, D, N, lengths = case
+    q, k_all, v_all, lens = inputs(8, L, B, T, Hq, Hkv, D, N, lengths, dtype)
+    past = jnp.arange(N)[None, :] >= lens[:, None]
+    nan_k = jnp.where(past[None, :, None, :, None], jnp.nan, k_all)
+    layer = jnp.int32(1)
+    out, lse, probs = dgpu.dense_decode_stacked_gpu(q, nan_k, v_all, layer, lens, return_lse=True,
+                                                    return_probs=True, interpret=True, config=config)
+    want_out, want_lse = dense_decode_stacked_reference(q, k_all, v_all, layer, lens, return_lse=True)
+    want = head_probs_stacked_reference(q, k_all, layer, lens, want_lse)
+    assert probs.shape == (B, Hq, N) and probs.dtype == jnp.float32
+    assert_close(out, want_out, dtype, "out")
+    assert_close(lse, want_lse, jnp.float32, "lse")
+    assert_close(probs, want, jnp.float32, "probs vs head_probs reference")
+    got = np.asarray(probs)
+    np.testing.assert_allclose(got.sum(-1), T, rtol=TOL[dtype])
+    for b, n in enumerate(lengths):
+        assert np.all(got[b, :, n:] == 0) and np.all(got[b, :, :n] > 0)
+    for impl in ("sliced", "reference"):
+        o2, p2 = dense_decode_stacked(q, k_all, v_all, layer, lens, return_probs=True, implementation=impl)
+        assert_close(o2, want_out, dtype, f"api out {impl}")
+        assert_close(p2, want, jnp.float32, f"api probs {impl}")
+
+
 def test_head_probs_api():
     L, B, T, Hq, Hkv, D, N, lengths = 2, 2, 2, 4, 2, 16, 40, [40, 9]
     q, k_all, v_all, lens = inputs(5, L, B, T, Hq, Hkv, D, N, lengths, jnp.float32)
@@ -167,6 +199,9 @@ def test_head_probs_and_lse_lower_for_cuda_at_the_draft_shapes():
         exp = export_for("cuda", functools.partial(dgpu.dense_decode_stacked_gpu, return_lse=True), q, k_all, k_all,
                          layer, lens)
         assert [a.shape for a in exp.out_avals] == [(B, T, Hq, D), (B, T, Hq)]
+        exp = export_for("cuda", functools.partial(dgpu.dense_decode_stacked_gpu, return_probs=True), q, k_all,
+                         k_all, layer, lens)
+        assert [a.shape for a in exp.out_avals] == [(B, T, Hq, D), (B, Hq, N)]
     assert gpu.plan(1, 30, 9, 3, 2000, gpu.HeadProbsConfig())["R"] == 2
 
 
@@ -175,19 +210,13 @@ def test_head_probs_and_lse_lower_for_cuda_at_the_draft_shapes():
 
 
 def interpreted_kernels(monkeypatch, calls):
-    """Routes sts's two kernel entry points to the Triton kernels in the interpreter (recording each call)."""
-    def decode(q, k_all, v_all, layer, lengths, return_lse, implementation):
+    """Routes sts's kernel entry point to the Triton kernel in the interpreter (recording each call)."""
+    def decode(q, k_all, v_all, layer, lengths, return_probs, implementation):
         calls.append(("dense_decode_stacked", k_all.shape, implementation))
-        return dgpu.dense_decode_stacked_gpu(q, k_all, v_all, layer, lengths, return_lse=return_lse, interpret=True,
-                                             config=dgpu.DenseDecodeConfig(block_k=16))
-
-    def probs(q, k_all, layer, lengths, lse, implementation):
-        calls.append(("head_probs_stacked", k_all.shape, implementation))
-        return gpu.head_probs_stacked_gpu(q, k_all, layer, lengths, lse, interpret=True,
-                                          config=gpu.HeadProbsConfig(block_k=16))
+        return dgpu.dense_decode_stacked_gpu(q, k_all, v_all, layer, lengths, return_probs=return_probs,
+                                             interpret=True, config=dgpu.DenseDecodeConfig(block_k=16))
 
     monkeypatch.setattr(sts, "dense_decode_stacked", decode)
-    monkeypatch.setattr(sts, "head_probs_stacked", probs)
 
 
 @pytest.mark.parametrize("T,carry", [(2, 0.5), (1, 0.0)])
@@ -211,11 +240,11 @@ def test_sts_draft_decode_in_place_records_what_xla_records(monkeypatch, T, carr
 
     monkeypatch.setattr(sts, "in_place_probs", lambda q, cache: True)
     out_p, rec_p = draft.decode(ctx, q, view, rec)
-    assert [c[0] for c in calls] == ["dense_decode_stacked", "head_probs_stacked"]
+    assert [c[0] for c in calls] == ["dense_decode_stacked"]
     assert all(c[1] == k_all.shape and c[2] == "pallas_gpu" for c in calls)  # the stacked cache, in place
     monkeypatch.setattr(sts, "in_place_probs", lambda q, cache: False)
     out_x, rec_x = draft.decode(ctx, q, view, rec)
-    assert len(calls) == 2  # the XLA path calls no kernel
+    assert len(calls) == 1  # the XLA path calls no kernel
 
     np.testing.assert_allclose(np.asarray(out_p), np.asarray(out_x), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(rec_p.idx), np.asarray(rec_x.idx))
@@ -252,7 +281,7 @@ def test_sts_draft_in_the_model_scan_uses_the_kernels_on_gpu(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert sts.in_place_probs(jnp.zeros((1, 1, 4, 16), jnp.bfloat16), cache=type("V", (), {"layer": 0})())
     got_logits, _, got = llama.decode(params, cfg, draft, tok, cache, state)
-    assert [c[:2] for c in calls] == [("dense_decode_stacked", empty.k.shape), ("head_probs_stacked", empty.k.shape)]
+    assert [c[:2] for c in calls] == [("dense_decode_stacked", empty.k.shape)]
     np.testing.assert_allclose(np.asarray(got_logits, np.float32), np.asarray(want_logits, np.float32), atol=0.05)
     # Same keys per layer and head up to near-ties of bf16 weights: compare the sets' overlap and the weights.
     gi, wi = np.asarray(got.idx), np.asarray(want.idx)

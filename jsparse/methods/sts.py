@@ -37,9 +37,9 @@ Selection: the draft's decode record and the target's top-k use the exact thresh
 `pallas_kernels.topk_select` (a Pallas Triton kernel on GPU, `lax.top_k` on CPU; `selection` picks another
 implementation), which chooses exactly the keys `lax.top_k` would (ties to the lower position) without sorting
 the cache-wide row. The prefill record (`tile_head_topk`) stays in rank order (`lax.top_k`): the head-map
-calibration reads its first k entries. On a GPU the draft's decode weights come from two Pallas kernels that read
-the layer's K in place from the stacked cache (`attend_and_probs`: the dense decode's log-sum-exp, then
-`pallas_kernels.head_probs`); elsewhere from XLA (`head_probs`), with the same record up to float rounding.
+calibration reads its first k entries. On a GPU the draft's decode weights come from the dense decode kernel,
+which reads the layer in place from the stacked cache and writes its logits (`attend_and_probs`); elsewhere from
+XLA (`head_probs`), with the same record up to float rounding.
 """
 
 from __future__ import annotations
@@ -58,8 +58,6 @@ from jsparse.methods.common import attend_dense, attend_selected, check_tile, st
 from pallas_kernels.dense import dense_prefill
 from pallas_kernels.dense_decode import dense_decode_stacked
 from pallas_kernels.dense_decode import supported as dense_decode_supported
-from pallas_kernels.head_probs import head_probs_stacked
-from pallas_kernels.head_probs import supported as head_probs_supported
 from pallas_kernels.sparse_attention import sparse_decode, sparse_prefill
 from pallas_kernels.topk_select import topk_select
 from pallas_kernels.topk_select.api import IMPLEMENTATIONS
@@ -109,18 +107,18 @@ def in_place_probs(q: Array, cache) -> bool:
     """Whether `attend_and_probs` takes the in-place Pallas path: on a GPU, with 16-bit queries, inside the
     model's layer scan (the cache view carries the stacked cache and the layer index), kernels permitting."""
     return (getattr(cache, "layer", None) is not None and jax.default_backend() == "gpu"
-            and q.dtype in (jnp.bfloat16, jnp.float16) and dense_decode_supported("pallas_gpu", q)
-            and head_probs_supported("pallas_gpu", q))
+            and q.dtype in (jnp.bfloat16, jnp.float16) and dense_decode_supported("pallas_gpu", q))
 
 
 def attend_and_probs(q: Array, cache, lengths: Array, in_place: bool | None = None) -> tuple[Array, Array]:
     """Dense decode attention and the draft's record row: each query head's post-softmax weights over the cache,
     summed over the T new queries.
 
-    In place (`in_place_probs`; None: by that rule): the split-K dense decode kernel returns each query row's
-    log-sum-exp next to its output, and `pallas_kernels.head_probs` rebuilds the weights from it, both reading
-    the layer's K from the stacked cache (no copy of the layer, no [B, Hq, T, N] array). Otherwise
-    `attend_dense` and `head_probs` (XLA) on the layer view; the two agree up to float rounding.
+    In place (`in_place_probs`; None: by that rule): the split-K dense decode kernel reads the layer's K and V
+    from the stacked cache (no copy of the layer) and writes the logits it computes, from which one XLA pass
+    takes the weights with the row's log-sum-exp (`dense_decode_stacked(..., return_probs=True)`: K is read
+    once, where `pallas_kernels.head_probs` would read it again). Otherwise `attend_dense` and `head_probs`
+    (XLA) on the layer view; the two agree up to float rounding.
 
     Args:
       q: [B, T, Hq, D]; cache: a layer view (`models.attention.LayerKV`); lengths: i32[B] (after the write).
@@ -131,8 +129,7 @@ def attend_and_probs(q: Array, cache, lengths: Array, in_place: bool | None = No
         in_place = in_place_probs(q, cache)
     if in_place:
         k_all, v_all, layer = stacked_cache(cache)
-        out, lse = dense_decode_stacked(q, k_all, v_all, layer, lengths, return_lse=True, implementation="pallas_gpu")
-        return out, head_probs_stacked(q, k_all, layer, lengths, lse, implementation="pallas_gpu")
+        return dense_decode_stacked(q, k_all, v_all, layer, lengths, return_probs=True, implementation="pallas_gpu")
     probs = head_probs(q, cache.k, sel.decode_positions(lengths, q.shape[1])).sum(axis=2)  # [B, Hq, N]
     return attend_dense(q, cache, lengths), probs
 

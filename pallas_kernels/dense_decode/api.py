@@ -38,7 +38,7 @@ def supported(implementation: str, q: Array) -> bool:
 
 
 def dense_decode_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, lengths: Array, *,
-                         return_lse: bool = False, implementation: str | None = None):
+                         return_lse: bool = False, return_probs: bool = False, implementation: str | None = None):
     """Dense decode attention of the T newest tokens over layer `layer` of a stacked head-major cache.
 
     Args:
@@ -48,19 +48,24 @@ def dense_decode_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, len
       layer: i32[] (traced) layer to read, as `k_all[layer]`.
       lengths: i32[B] valid tokens per row.
       return_lse: also return each query row's log-sum-exp of its scaled visible logits.
+      return_probs: also return each query head's post-softmax weights over the keys, summed over the T queries
+        (`pallas_kernels.head_probs.head_probs_stacked`'s; "pallas_gpu" takes them from the logits its kernel
+        computes, without reading K again; the others compute the log-sum-exp and call head_probs' reference).
       implementation: see the module docstring.
 
     Returns:
       [B, T, Hq, D] in q.dtype, equal to `pallas_kernels.dense.dense_decode(q, k_all[layer], v_all[layer],
-      lengths)`; with return_lse, (that, lse f32[B, T, Hq]) (-inf for a row with no visible key).
+      lengths)`; with return_lse and / or return_probs a tuple: that, then lse f32[B, T, Hq] (-inf for a row with
+      no visible key), then probs f32[B, Hq, N] (0 at the keys a query does not see).
     """
     reference.check_args(q, k_all, v_all, layer, lengths)
     if active_mesh() is not None:  # per shard (pallas_kernels.sharding): rows over data, heads over model
         qs, kv = dims(4, 0, 2), dims(5, 1, 2)
+        outs = (qs,) + ((dims(3, 0, 2),) if return_lse else ()) + ((dims(3, 0, 1),) if return_probs else ())
         return per_shard(lambda q, k, v, layer, lengths: dense_decode_stacked(
-            q, k, v, layer, lengths, return_lse=return_lse, implementation=implementation),
-            [q, k_all, v_all, layer, lengths], [qs, kv, kv, (), dims(1, 0)],
-            (qs, dims(3, 0, 2)) if return_lse else qs)
+            q, k, v, layer, lengths, return_lse=return_lse, return_probs=return_probs,
+            implementation=implementation),
+            [q, k_all, v_all, layer, lengths], [qs, kv, kv, (), dims(1, 0)], outs if len(outs) > 1 else qs)
     if implementation is None:
         on_gpu = jax.default_backend() == "gpu"
         implementation = "pallas_gpu" if on_gpu and supported("pallas_gpu", q) else "sliced"
@@ -71,9 +76,16 @@ def dense_decode_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, len
         raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
     if implementation == "pallas_gpu":
         from pallas_kernels.dense_decode import gpu
-        return gpu.dense_decode_stacked_gpu(q, k_all, v_all, layer, lengths, return_lse=return_lse)
+        return gpu.dense_decode_stacked_gpu(q, k_all, v_all, layer, lengths, return_lse=return_lse,
+                                            return_probs=return_probs)
     if implementation == "reference":
-        return reference.dense_decode_stacked_reference(q, k_all, v_all, layer, lengths, return_lse=return_lse)
-    k = reference.select_layer(k_all, layer)
-    out = dense.dense_decode(q, k, reference.select_layer(v_all, layer), lengths)
-    return (out, reference.decode_lse(q, k, lengths)) if return_lse else out
+        out, lse = reference.dense_decode_stacked_reference(q, k_all, v_all, layer, lengths, return_lse=True)
+    else:
+        k = reference.select_layer(k_all, layer)
+        out = dense.dense_decode(q, k, reference.select_layer(v_all, layer), lengths)
+        lse = reference.decode_lse(q, k, lengths) if (return_lse or return_probs) else None
+    res = (out,) + ((lse,) if return_lse else ())
+    if return_probs:
+        from pallas_kernels.head_probs.reference import head_probs_stacked_reference
+        res += (head_probs_stacked_reference(q, k_all, layer, lengths, lse),)
+    return res if len(res) > 1 else out

@@ -13,6 +13,10 @@ grid (B, Hkv, R, S): one program per batch row, KV head, block of query rows and
     out of bounds, whatever the cache holds there).
   * Each program writes its partial (o, m, l) for its real rows only; a jnp combine merges the S splits (and,
     with `return_lse`, gives each query row's log-sum-exp m + log l, which `pallas_kernels.head_probs` needs).
+  * With `return_probs` each program also writes its rows' scaled logits of the keys it reads (f32, one more
+    store per block, no second read of K), and one XLA pass turns them into each query head's post-softmax
+    weights summed over the T new tokens, exp(logit - lse) where the row sees the key: the same weights as
+    `pallas_kernels.head_probs` (which reads K again), for STS's draft record.
 
 Runs in interpret mode on CPU (`interpret=True`). Semantics: exactly `reference.dense_decode_stacked_reference`.
 """
@@ -80,15 +84,17 @@ def _check_config(config: DenseDecodeConfig) -> None:
         raise ValueError(f"DenseDecodeConfig.target_programs={config.target_programs}: expected >= 1")
 
 
-def _decode_kernel(layer_ref, lim_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale: float, block_k: int,
-                   chunk: int, rows: int):
+def _decode_kernel(layer_ref, lim_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *s_ref, scale: float,
+                   block_k: int, chunk: int, rows: int):
     """One (b, h, query block, split) program; `rows` = T * G real query rows per KV head.
 
     Refs: layer_ref: i32[1]; lim_ref: i32[Mb] last key each query row may see (-1: none, padding rows too);
     q_ref: [Mb, D]; k_ref, v_ref: [L, N, D] (every layer of the program's KV head); outputs o_ref: f32[Mb, D],
-    m_ref, l_ref: f32[Mb] (only real rows are written).
+    m_ref, l_ref: f32[Mb] (only real rows are written); with logits, s_ref: f32[Mb, N], the scaled logits
+    (masked -1e30 past a row's last key) of the real rows at the keys this program reads (the rest unwritten).
     """
     layer = layer_ref[0]
+    real = pl.program_id(2) * q_ref.shape[0] + jnp.arange(q_ref.shape[0], dtype=jnp.int32) < rows
     split = pl.program_id(3)
     lim = lim_ref[...]
     hi = jnp.max(lim)  # last key any row of this program sees
@@ -108,6 +114,8 @@ def _decode_kernel(layer_ref, lim_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
         ok = kpos[None, :] <= lim[:, None]  # [Mb, block_k]
         s = plgpu.dot(q, k, trans_b=True) * scale
         s = jnp.where(ok, s, _MASK)
+        if s_ref:
+            plgpu.store(s_ref[0].at[:, rows], s, mask=real[:, None] & (kpos <= hi)[None, :])
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         corr = jnp.exp(m - m_new)
         p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
@@ -117,7 +125,6 @@ def _decode_kernel(layer_ref, lim_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
 
     init = (jnp.zeros((mb, d), jnp.float32), jnp.full((mb,), _MASK, jnp.float32), jnp.zeros((mb,), jnp.float32))
     o, m, l = lax.fori_loop(0, n_iter, body, init)
-    real = pl.program_id(2) * mb + jnp.arange(mb, dtype=jnp.int32) < rows
     plgpu.store(o_ref, o, mask=real[:, None])
     plgpu.store(m_ref, m, mask=real)
     plgpu.store(l_ref, l, mask=real)
@@ -164,9 +171,9 @@ def plan(B: int, T: int, Hq: int, Hkv: int, N: int, config: DenseDecodeConfig) -
     return dict(rows=rows, Mb=Mb, R=R, splits=pl.cdiv(N, chunk), chunk=chunk)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "return_lse", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "return_lse", "return_probs", "config", "interpret"))
 def dense_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, lengths: Array, *,
-                             scale: float | None = None, return_lse: bool = False,
+                             scale: float | None = None, return_lse: bool = False, return_probs: bool = False,
                              config: DenseDecodeConfig = DenseDecodeConfig(), interpret: bool = False):
     """Dense decode attention over layer `layer` of a stacked cache, read in place (Pallas Triton kernel).
 
@@ -178,12 +185,16 @@ def dense_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array,
       lengths: i32[B] valid tokens per row.
       scale: softmax scale (None: 1/sqrt(D)).
       return_lse: also return each query row's log-sum-exp (from the partials the kernel writes anyway).
+      return_probs: also return each query head's post-softmax weights summed over the T queries (the kernel
+        writes the logits it computes; see the module docstring).
       config: `DenseDecodeConfig`.
       interpret: run the kernel in the Pallas interpreter (CPU tests).
 
     Returns:
-      [B, T, Hq, D] in q.dtype, as `reference.dense_decode_stacked_reference`; with return_lse, (that,
-      lse f32[B, T, Hq]: log-sum-exp of the row's scaled visible logits, -inf for a row with no visible key).
+      [B, T, Hq, D] in q.dtype, as `reference.dense_decode_stacked_reference`; with return_lse and / or
+      return_probs a tuple: that, then lse f32[B, T, Hq] (log-sum-exp of the row's scaled visible logits, -inf
+      for a row with no visible key), then probs f32[B, Hq, N] (`pallas_kernels.head_probs.head_probs_stacked`'s
+      weights: sum over t of exp(logit - lse) at the keys query t sees, 0 elsewhere).
     """
     check_args(q, k_all, v_all, layer, lengths)
     reason = unsupported_reason(q.dtype, q.shape[-1])
@@ -203,7 +214,9 @@ def dense_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array,
     lay = layer_index(layer, L).reshape(1)
 
     kernel = functools.partial(_decode_kernel, scale=scale, block_k=config.block_k, chunk=chunk, rows=rows)
-    o, m, l = pl.pallas_call(
+    logit_spec = [pl.BlockSpec((None, None, Mb, N), lambda b, h, r, s: (b, h, r, 0))] if return_probs else []
+    logit_shape = [jax.ShapeDtypeStruct((B, Hkv, Rp, N), jnp.float32)] if return_probs else []
+    o, m, l, *logits = pl.pallas_call(
         kernel,
         grid=(B, Hkv, R, splits),
         in_specs=[
@@ -217,12 +230,12 @@ def dense_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array,
             pl.BlockSpec((None, None, None, Mb, D), lambda b, h, r, s: (s, b, h, r, 0)),
             pl.BlockSpec((None, None, None, Mb), lambda b, h, r, s: (s, b, h, r)),
             pl.BlockSpec((None, None, None, Mb), lambda b, h, r, s: (s, b, h, r)),
-        ],
+        ] + logit_spec,
         out_shape=[
             jax.ShapeDtypeStruct((splits, B, Hkv, Rp, D), jnp.float32),
             jax.ShapeDtypeStruct((splits, B, Hkv, Rp), jnp.float32),
             jax.ShapeDtypeStruct((splits, B, Hkv, Rp), jnp.float32),
-        ],
+        ] + logit_shape,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="dense_decode_stacked",
@@ -231,6 +244,12 @@ def dense_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array,
     # Padding rows were never written: slice them off before combining.
     out, lse = _combine_splits(o[:, :, :, :rows], m[:, :, :, :rows], l[:, :, :, :rows])  # [B, Hkv, rows(, D)]
     out = out.reshape(B, Hkv, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D).astype(q.dtype)
-    if not return_lse:
-        return out
-    return out, lse.reshape(B, Hkv, T, G).transpose(0, 2, 1, 3).reshape(B, T, Hq)
+    res = [out]
+    if return_lse:
+        res.append(lse.reshape(B, Hkv, T, G).transpose(0, 2, 1, 3).reshape(B, T, Hq))
+    if return_probs:  # one pass over the logits: rows (t, g) of KV head h -> query head h * G + g, summed over t
+        s = logits[0][:, :, :rows].reshape(B, Hkv, T, G, N)
+        sees = jnp.arange(N)[None, None, None, None, :] <= lim[:, None, :rows, None].reshape(B, 1, T, G, 1)
+        p = jnp.where(sees, jnp.exp(s - lse.reshape(B, Hkv, T, G)[..., None]), 0.0).sum(axis=2)
+        res.append(p.reshape(B, Hq, N))
+    return res[0] if len(res) == 1 else tuple(res)

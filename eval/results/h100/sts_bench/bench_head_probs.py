@@ -11,7 +11,9 @@ jax.block_until_ready, all jitted with `models.compile_options.model_jit`, as th
   old_probs     `jsparse.methods.sts.head_probs(q, k_all[layer], positions).sum(2)` (XLA: slice, GEMM, softmax)
   old_step      `sts.attend_and_probs(..., in_place=False)`: old_probs + the in-place dense decode (the draft's
                 record step before this change)
-  new_step      `sts.attend_and_probs(..., in_place=True)`: dense decode with lse + head_probs_stacked
+  two_kernels   the in-place path before the fused one: dense decode with lse + head_probs_stacked (reads K twice)
+  new_step      `sts.attend_and_probs(..., in_place=True)`: the dense decode kernel writing its logits and one
+                XLA pass taking the weights from them (`dense_decode_stacked(..., return_probs=True)`; K read once)
   dense         the in-place dense decode alone (what a plain dense draft step does per layer)
   dense_lse     the same kernel returning lse too
   probs_kernel  `head_probs_stacked_gpu` alone (lse given), per `HeadProbsConfig` variant (CONFIGS)
@@ -82,11 +84,9 @@ def rel_err(got, want):
 
 
 def patch_interpret():
-    """SMOKE on a CPU: sts's kernel entry points run the Triton kernels in the interpreter."""
-    sts.dense_decode_stacked = lambda q, ka, va, layer, lens, return_lse, implementation: \
-        dgpu.dense_decode_stacked_gpu(q, ka, va, layer, lens, return_lse=return_lse, config=DCFG, interpret=True)
-    sts.head_probs_stacked = lambda q, ka, layer, lens, lse, implementation: \
-        hgpu.head_probs_stacked_gpu(q, ka, layer, lens, lse, config=CONFIGS["default"], interpret=True)
+    """SMOKE on a CPU: sts's kernel entry point runs the Triton kernel in the interpreter."""
+    sts.dense_decode_stacked = lambda q, ka, va, layer, lens, return_probs, implementation: \
+        dgpu.dense_decode_stacked_gpu(q, ka, va, layer, lens, return_probs=return_probs, config=DCFG, interpret=True)
 
 
 def small_checks():
@@ -104,12 +104,18 @@ def small_checks():
         p = hgpu.head_probs_stacked_gpu(q, ka, jnp.int32(1), lens, lse, config=cfg, interpret=SMOKE)
         rp = head_probs_stacked_reference(q, ka, jnp.int32(1), lens, rlse)
         xla = sts.head_probs(q, ka[1], sel.decode_positions(lens, t)).sum(axis=2)
+        _, fused = dgpu.dense_decode_stacked_gpu(q, ka, va, jnp.int32(1), lens, return_probs=True, config=DCFG,
+                                                 interpret=SMOKE)
         past = max(float(jnp.max(jnp.abs(p[i, :, int(lens[i]):]))) if int(lens[i]) < n else 0.0 for i in range(b))
         row = dict(shape=dict(L=l, B=b, T=t, Hq=hq, Hkv=hkv, D=d, N=n, lengths=np.asarray(lens).tolist()),
                    plan=hgpu.plan(b, t, hq, hkv, n, cfg), out_err=rel_err(o, ro), lse_err=rel_err(lse, rlse),
-                   probs_err=rel_err(p, rp), probs_vs_xla_err=rel_err(p, xla), max_past_lengths=past)
+                   probs_err=rel_err(p, rp), probs_vs_xla_err=rel_err(p, xla), max_past_lengths=past,
+                   fused_probs_err=rel_err(fused, rp),
+                   fused_max_past_lengths=max(float(jnp.max(jnp.abs(fused[i, :, int(lens[i]):])))
+                                              if int(lens[i]) < n else 0.0 for i in range(b)))
         row["ok"] = bool(row["out_err"] < 2e-2 and row["lse_err"] < 1e-3 and row["probs_err"] < 1e-3
-                         and row["probs_vs_xla_err"] < 1e-2 and past == 0.0)
+                         and row["probs_vs_xla_err"] < 1e-2 and past == 0.0 and row["fused_probs_err"] < 1e-3
+                         and row["fused_max_past_lengths"] == 0.0)
         out.append(row)
         print("check", json.dumps(row), flush=True)
     return out
@@ -143,6 +149,10 @@ def main():
                                                                              in_place=False))
     new_step = model_jit(lambda q, ka, va, layer, lens: sts.attend_and_probs(q, view(ka, va, layer), lens,
                                                                              in_place=True))
+    def two(q, ka, va, layer, lens):
+        out, lse = dgpu.dense_decode_stacked_gpu(q, ka, va, layer, lens, return_lse=True, config=DCFG, interpret=SMOKE)
+        return out, hgpu.head_probs_stacked_gpu(q, ka, layer, lens, lse, config=CONFIGS["default"], interpret=SMOKE)
+    two_kernels = model_jit(two)
     dense = model_jit(lambda q, ka, va, layer, lens: dgpu.dense_decode_stacked_gpu(q, ka, va, layer, lens,
                                                                                    config=DCFG, interpret=SMOKE))
     dense_lse = model_jit(lambda q, ka, va, layer, lens: dgpu.dense_decode_stacked_gpu(
@@ -168,6 +178,7 @@ def main():
             row["old_probs_ms"] = timeit(old_probs, q, k_all, layer, lens)
             row["old_step_ms"] = timeit(old_step, q, k_all, v_all, layer, lens)
             row["new_step_ms"] = timeit(new_step, q, k_all, v_all, layer, lens)
+            row["two_kernels_ms"] = timeit(two_kernels, q, k_all, v_all, layer, lens)
             row["dense_ms"] = timeit(dense, q, k_all, v_all, layer, lens)
             row["dense_lse_ms"] = timeit(dense_lse, q, k_all, v_all, layer, lens)
             lse = dense_lse(q, k_all, v_all, layer, lens)[1]
@@ -187,22 +198,23 @@ def main():
         rows.append(row)
         print("T", T, json.dumps(row)[:600], flush=True)
     res["rows"] = rows
-    path = os.path.join(out_dir, "bench_head_probs.json")
+    path = os.path.join(out_dir, os.environ.get("JSON", "bench_head_probs.json"))
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
 
     print(f"\n{res['device']}, jax {res['jax']}, commit {res['commit']}; one draft layer, B={B}, N={N}, "
           f"Hq/Hkv/D={HQ}/{HKV}/{D}, bf16; ms per layer (median of {REPS}); small checks ok: "
           f"{all(r['ok'] for r in res['small_checks'])}")
-    print("T | old_probs | old_step | new_step | speedup | dense | dense+lse | probs kernel (best cfg, GB/s) | "
-          "probs err | top-W sets equal")
+    print("T | old_probs | old_step | two kernels | new_step | speedup | dense | dense+lse | probs kernel (best cfg, "
+          "GB/s) | probs err | top-W sets equal")
     for r in rows:
         if "error" in r:
             print(f"{r['T']} | error")
             continue
         best = min(r["probs_kernel"], key=lambda k: r["probs_kernel"][k]["ms"])
         pk = r["probs_kernel"][best]
-        print(f"{r['T']} | {r['old_probs_ms']:.3f} | {r['old_step_ms']:.3f} | {r['new_step_ms']:.3f} | "
+        print(f"{r['T']} | {r['old_probs_ms']:.3f} | {r['old_step_ms']:.3f} | {r['two_kernels_ms']:.3f} | "
+              f"{r['new_step_ms']:.3f} | "
               f"{r['speedup_step']:.2f}x | {r['dense_ms']:.3f} | {r['dense_lse_ms']:.3f} | {pk['ms']:.3f} ({best}, "
               f"{pk['GBps']:.0f}) | {r['probs_err']:.1e} | {r['topw_sets_equal']:.3f}")
     print(f"wrote {path}")
