@@ -571,7 +571,8 @@ class STS(_Budget):
         B = lengths.shape[0]
         n = lengths - T  # keys before this forward's new tokens
         idx, val = self._rows(state, info, Hkv)  # [..., B, Hkv, 1, C]
-        lead = idx.shape[:-4]
+        idx, val = idx[..., 0, :], val[..., 0, :]  # a decode record has one row per head
+        lead = idx.shape[:-3]
         reps = int(np.prod(lead, dtype=np.int64))
         C = idx.shape[-1]
         K = static_k(self.budget, N, self.min_tokens)
