@@ -245,9 +245,9 @@ class Probe:
         fn = getattr(self.inner, "start", None)
         return state if fn is None else state.replace(inner=fn(cfg, state.inner, phase, batch, q_len, kv_len))
 
-    def start_rows(self, cfg, state, phase, lengths, q_len):
+    def start_rows(self, cfg, state, phase, lengths, q_len, kv_len):
         fn = getattr(self.inner, "start_rows", None)
-        return state if fn is None else state.replace(inner=fn(cfg, state.inner, phase, lengths, q_len))
+        return state if fn is None else state.replace(inner=fn(cfg, state.inner, phase, lengths, q_len, kv_len))
 
     def finish(self, state, phase):
         fn = getattr(self.inner, "finish", None)
