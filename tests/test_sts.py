@@ -333,6 +333,8 @@ def test_sts_option_errors():
 
     with pytest.raises(ValueError, match="local=-1"):
         STS(local=-1)
+    with pytest.raises(ValueError, match="mask_attention='no'"):
+        STS(mask_attention="no")
     with pytest.raises(ValueError, match="dense_layers=3"):
         cfg = type("C", (), {"num_layers": 2, "num_heads": 2, "num_kv_heads": 1})()
         draft = type("D", (), {"cfg": cfg})()
@@ -437,19 +439,20 @@ def test_row_merge_option_same_generation(pair):
         make_method("sts", cfg=CFG, draft=draft, head_map=hm, first_step_mask=True, mask_pool=0)
 
 
-@pytest.mark.parametrize("gamma,mask_pool", [(3, 1), (3, 2)])
-def test_first_step_mask_full_budget_equals_target_only_dense_greedy(pair, gamma, mask_pool):
+@pytest.mark.parametrize("gamma,mask_pool,mask_attention", [(3, 1, True), (3, 2, True), (3, 2, False)])
+def test_first_step_mask_full_budget_equals_target_only_dense_greedy(pair, gamma, mask_pool, mask_attention):
     target, draft = pair
     sts = make_method("sts", cfg=CFG, draft=draft, head_map=_head_map(CFG, DRAFT_CFG), budget=1.0, tile=16,
-                      first_step_mask=True, mask_pool=mask_pool)
+                      first_step_mask=True, mask_pool=mask_pool, mask_attention=mask_attention)
     d_method = sts.for_round(DRAFT_CFG, gamma)[1]
     assert sts.first_step_mask and d_method.first_step_mask and d_method.mask_pool == mask_pool
+    assert d_method.mask_attention == mask_attention
     ids = [list(range(5, 45)), list(range(60, 83))]
     ref = generate_ids(target, ids, max_new_tokens=12)
     assert generate_ids(target, ids, method=sts, max_new_tokens=12, draft=draft, gamma=gamma) == ref
 
 
-def _draft_round(first_step_mask, budget, carry, seed=0, mask_pool=1):
+def _draft_round(first_step_mask, budget, carry, seed=0, mask_pool=1, mask_attention=True):
     """One draft layer through a round's first step (T = 2) and two later steps (T = 1) on a random cache.
     Returns (states after each step, outputs of the later steps, q of the later steps, k, v, lengths, W, gamma);
     with `first_step_mask` the states' records are read through `pool_record` (what the target adopts)."""
@@ -461,7 +464,7 @@ def _draft_round(first_step_mask, budget, carry, seed=0, mask_pool=1):
     keys = jax.random.split(jax.random.key(seed), 6)
     k, v = (jax.random.normal(keys[i], (B, Hkv, N, D)) for i in (0, 1))
     draft = StsDraft(budget=budget, min_tokens=0, tile=16, slack=gamma, carry=carry, first_step_mask=first_step_mask,
-                     mask_pool=mask_pool)
+                     mask_pool=mask_pool, mask_attention=mask_attention)
     W = draft.decode_width(N)
     rec = empty_record(1, B, Hq, 1, W, draft.pool_width(N))
     records, outs, qs = [], [], []
@@ -555,3 +558,45 @@ def test_first_step_mask_full_budget_record_and_output_equal_dense_steps():
                 np.testing.assert_array_equal(m_idx[h][m_idx[h] >= 0], np.arange(first_len))
                 d = dict(zip(d_idx[h].tolist(), d_val[h].tolist()))
                 np.testing.assert_allclose(m_val[h][:first_len], [d[i] for i in range(first_len)], rtol=1e-5)
+
+
+def test_pool_record_with_dense_later_attention():
+    """`mask_attention=False`: the later draft steps attend over the whole cache (outputs equal the dense steps'),
+    and the pool is re-weighted with each pool key's weight in that full softmax (numpy reference), h = carry * h
+    + p; at full budget the adopted record holds the dense steps' record of the keys before the round.""" 
+    from jsparse.methods.sts import pool_record
+
+    carry = 0.5
+    pooled = _draft_round(True, 6, carry, mask_pool=2, mask_attention=False)
+    dense = _draft_round(False, 6, carry)
+    records, outs, qs, k, v, lengths, W, gamma = pooled
+    kk, D = np.asarray(k, np.float64), k.shape[-1]
+    for step in (1, 2):
+        np.testing.assert_allclose(np.asarray(outs[step]), np.asarray(dense[1][step]), atol=1e-5)
+        before, after = records[step - 1], records[step]
+        np.testing.assert_array_equal(np.asarray(after.pool_idx), np.asarray(before.pool_idx))  # keys kept
+        q = np.asarray(qs[step], np.float64)
+        for b in range(2):
+            n = int(lengths[b]) + step  # keys visible to this step's query
+            for h in range(4):
+                logits = kk[b, h // 2, :n] @ q[b, 0, h] / np.sqrt(D)
+                p = np.exp(logits - logits.max())
+                p /= p.sum()
+                idx = np.asarray(before.pool_idx[0, b, h])
+                old = np.asarray(before.pool_val[0, b, h])
+                ok = idx >= 0
+                want = p[idx[ok]] + carry * old[ok]
+                np.testing.assert_allclose(np.asarray(after.pool_val[0, b, h])[ok], want, rtol=1e-5, atol=1e-7)
+    full = _draft_round(True, 1.0, carry, mask_attention=False)
+    full_dense = _draft_round(False, 1.0, carry)
+    for step in (1, 2):
+        np.testing.assert_allclose(np.asarray(full[1][step]), np.asarray(full_dense[1][step]), atol=1e-5)
+        got, want = pool_record(full[0][step]), full_dense[0][step]
+        for b in range(2):  # the keys before the round (the target takes the round's new tokens itself)
+            first = int(lengths[b])
+            g_idx, w_idx = np.asarray(got.idx[0, b, :, 0]), np.asarray(want.idx[0, b, :, 0])
+            g_val, w_val = np.asarray(got.val[0, b, :, 0]), np.asarray(want.val[0, b, :, 0])
+            for h in range(4):
+                g, w = (g_idx[h] >= 0) & (g_idx[h] < first), (w_idx[h] >= 0) & (w_idx[h] < first)
+                np.testing.assert_array_equal(g_idx[h][g], w_idx[h][w])
+                np.testing.assert_allclose(g_val[h][g], w_val[h][w], rtol=1e-5, atol=1e-7)

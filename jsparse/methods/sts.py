@@ -16,7 +16,10 @@ gamma keys (the round's new tokens) and update the pool's weights (same `carry` 
 that set) instead of a top-W over the cache. The target takes each row's top W of the pooled weights
 (`pool_record`), so keys the later queries weigh most can enter the record as long as the first step ranked
 them among its top P; with `mask_pool` 1 the record holds exactly the first step's keys, of which at least
-W - 1 = K + gamma - 1 lie before the round, so the target still has K keys to choose from.
+W - 1 = K + gamma - 1 lie before the round, so the target still has K keys to choose from. With
+`mask_attention=False` the later steps attend over the whole cache (the draft's own attention stays exact) and
+only the record is limited to the pool, each pool key re-weighted with its weight in that full softmax: no top-W
+over the cache in the later steps, the dense decode's cost otherwise.
 
 The target's method (`STS`) adopts that record and, at target layer l, takes for each query head h the row of
 draft (layer, head) = head_map[l, h] (the calibrated STS head map, `sts_calibration`), sums the rows of the
@@ -58,6 +61,7 @@ from jsparse.methods.common import attend_dense, attend_selected, check_tile, st
 from pallas_kernels.dense import dense_prefill
 from pallas_kernels.dense_decode import dense_decode_stacked
 from pallas_kernels.dense_decode import supported as dense_decode_supported
+from pallas_kernels.dense_decode.reference import decode_lse
 from pallas_kernels.sparse_attention import sparse_decode, sparse_prefill
 from pallas_kernels.topk_select import topk_select
 from pallas_kernels.topk_select.api import IMPLEMENTATIONS
@@ -275,6 +279,11 @@ class _Budget:
     # the later steps attend through and re-weight; the target takes the top W of the pooled weights. 1: the
     # record is the first step's top W (later steps cannot change which keys it holds).
     mask_pool: int = struct.field(pytree_node=False, default=1)
+    # With `first_step_mask`: whether the later steps' own attention goes through the pool (True: the fast path,
+    # the draft's later queries see the pool and the round's new keys only) or over the whole cache (False: the
+    # draft's attention stays exact, only the record is limited to the pool, re-weighted with each pool key's
+    # weight in the full softmax; no top-W over the cache).
+    mask_attention: bool = struct.field(pytree_node=False, default=True)
     # How the target unites a GQA group's draft rows: "index" (`merge_rows`: sort and sum the <= G * W + sink +
     # local entries) or "scatter" (`merge_rows_reference`: an N-wide score array, the specification). Same keys.
     row_merge: str = struct.field(pytree_node=False, default="index")
@@ -343,9 +352,45 @@ class StsDraft(_Budget):
         keys S_h and updates their weights, h = carry * h + p. q: [B, 1, Hq, D] -> ([B, 1, Hq, D], state)."""
         idx = state.pool_idx[ctx.layer]  # [B, Hq, P]: S_h ascending, -1 padded
         old = state.pool_val[ctx.layer]
-        out, p_rec = later_step_attention(q, cache, ctx.lengths, idx, self.slack)
+        if self.mask_attention:
+            out, p_rec = later_step_attention(q, cache, ctx.lengths, idx, self.slack)
+        else:
+            out, p_rec = dense_step_pool_weights(q, cache, ctx.lengths, idx)
         val = jnp.where(idx >= 0, p_rec + self.carry * jnp.where(jnp.isfinite(old), old, 0.0), old)
         return out, state.replace(pool_val=state.pool_val.at[ctx.layer].set(val))
+
+
+def _gather_rows(x_all: Array, layer, idx: Array, G: int) -> Array:
+    """Rows idx i32[B, Hq, M] (-1 read as row 0) of layer `layer` of a stacked cache [L, B, Hkv, N, D], query head
+    h reading KV head h // G -> [B, Hq, M, D]."""
+    B, Hq, _ = idx.shape
+    b = jnp.arange(B)[:, None, None]
+    kv = (jnp.arange(Hq) // G)[None, :, None]
+    return x_all[layer, b, kv, jnp.maximum(idx, 0)]
+
+
+def dense_step_pool_weights(q: Array, cache, lengths: Array, idx: Array) -> tuple[Array, Array]:
+    """One query per row attending densely over the cache, and the weight each key of `idx` has in that softmax,
+    exp(q . k * scale - lse): the later draft step of `first_step_mask` with `mask_attention=False`.
+
+    On a GPU inside the layer scan the dense decode kernel gives the output and the log-sum-exp in place
+    (`dense_decode_stacked(..., return_lse=True)`); elsewhere `attend_dense` and `decode_lse`.
+
+    Args:
+      q: [B, 1, Hq, D]; cache: a layer view; lengths: i32[B]; idx: i32[B, Hq, P] (-1 padded).
+    Returns:
+      (out [B, 1, Hq, D] in q's dtype, p f32[B, Hq, P]: each key's weight, 0 at padding and at keys >= lengths).
+    """
+    B, _, Hq, D = q.shape
+    k_all, v_all, layer = stacked_cache(cache)
+    if in_place_probs(q, cache):
+        out, lse = dense_decode_stacked(q, k_all, v_all, layer, lengths, return_lse=True, implementation="pallas_gpu")
+    else:
+        out, lse = attend_dense(q, cache, lengths), decode_lse(q, cache.k, lengths)
+    k_sel = _gather_rows(k_all, layer, idx, Hq // k_all.shape[2])  # [B, Hq, P, D]
+    logits = jnp.einsum("bhd,bhmd->bhm", q[:, 0], k_sel, preferred_element_type=jnp.float32) / math.sqrt(D)
+    ok = (idx >= 0) & (idx < lengths[:, None, None])
+    return out, jnp.where(ok, jnp.exp(logits - lse[:, 0, :, None]), 0.0)
 
 
 def later_step_attention(q: Array, cache, lengths: Array, idx: Array, window: int) -> tuple[Array, Array]:
@@ -368,10 +413,7 @@ def later_step_attention(q: Array, cache, lengths: Array, idx: Array, window: in
     lim = lengths[:, None, None]
     keys = jnp.concatenate([jnp.where((idx >= 0) & (idx < start) & (idx < lim), idx, -1),
                             jnp.where(win >= 0, win, -1)], axis=-1)  # [B, Hq, W + window], distinct
-    b = jnp.arange(B)[:, None, None]
-    kv = (jnp.arange(Hq) // G)[None, :, None]
-    safe = jnp.maximum(keys, 0)
-    k_sel, v_sel = k_all[layer, b, kv, safe], v_all[layer, b, kv, safe]  # [B, Hq, W + window, D]
+    k_sel, v_sel = (_gather_rows(x, layer, keys, G) for x in (k_all, v_all))  # [B, Hq, W + window, D]
     logits = jnp.einsum("bhd,bhmd->bhm", q[:, 0], k_sel, preferred_element_type=jnp.float32) / math.sqrt(D)
     p = jax.nn.softmax(jnp.where(keys >= 0, logits, NEG_INF), axis=-1)
     out = jnp.einsum("bhm,bhmd->bhd", p, v_sel.astype(jnp.float32))[:, None].astype(q.dtype)
@@ -490,8 +532,9 @@ class STS(_Budget):
             sel.check_positive_int(name, getattr(self, name), 0)
         if isinstance(self.carry, bool) or not isinstance(self.carry, (int, float)) or not 0.0 <= self.carry <= 1.0:
             raise ValueError(f"carry={self.carry!r}: expected a decay in [0, 1] (0: the draft's last step alone)")
-        if not isinstance(self.first_step_mask, (bool, np.bool_)):
-            raise ValueError(f"first_step_mask={self.first_step_mask!r}: expected true or false")
+        for name in ("first_step_mask", "mask_attention"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected true or false")
         sel.check_positive_int("mask_pool", self.mask_pool, 1)
         if self.row_merge not in ROW_MERGES:
             raise ValueError(f"row_merge={self.row_merge!r}: expected one of {ROW_MERGES}")
@@ -502,7 +545,7 @@ class STS(_Budget):
     @classmethod
     def build(cls, cfg=None, draft=None, artifact=None, fingerprint=None, head_map=None, budget=0.1,
               min_tokens=128, tile=32, selection=None, dense_layers=0, sink=0, local=0, carry=0.5,
-              first_step_mask=False, mask_pool=1, row_merge="index", **unused):
+              first_step_mask=False, mask_pool=1, mask_attention=True, row_merge="index", **unused):
         """Builds STS for target `cfg` and `draft` (a LoadedModel) from an `artifact` folder (`jsparse calibrate
         sts`, checked against both models' fingerprints) or an explicit `head_map` i32[L_t, Hq_t, 2]."""
         if cfg is None or draft is None:
@@ -522,7 +565,8 @@ class STS(_Budget):
         return cls(head_map=jnp.asarray(head_map), budget=float(budget), min_tokens=min_tokens, tile=tile,
                    selection=selection, draft_layers=draft.cfg.num_layers, draft_heads=draft.cfg.num_heads,
                    dense_layers=dense_layers, sink=sink, local=local, carry=float(carry),
-                   first_step_mask=first_step_mask, mask_pool=mask_pool, row_merge=row_merge)
+                   first_step_mask=first_step_mask, mask_pool=mask_pool, mask_attention=mask_attention,
+                   row_merge=row_merge)
 
     # -- speculative decoding hooks (models.speculative)
 
@@ -534,7 +578,7 @@ class STS(_Budget):
         m = self.replace(slack=max(gamma, 1))
         return m, StsDraft(budget=m.budget, min_tokens=m.min_tokens, tile=m.tile, slack=m.slack,
                            selection=m.selection, carry=m.carry, first_step_mask=m.first_step_mask,
-                           mask_pool=m.mask_pool)
+                           mask_pool=m.mask_pool, mask_attention=m.mask_attention)
 
     def adopt_draft(self, state, draft_state):
         return pool_record(draft_state, self.selection)

@@ -12,9 +12,10 @@ Per (context, batch) cell, in one process (dense measured in the same run):
   * whole rounds (gamma draft steps + verification, `models.speculative.round_step`, caches donated) for dense
     speculative decoding and for STS (ROUND_VARIANTS): "old" (scatter merge, dense draft steps), "index"
     (index-level merge, dense draft steps), "index+mask" (index-level merge, `first_step_mask`),
-    "index+mask_poolP" (the same with `mask_pool` P). A round does the same work whatever the
-    accepted length a (the forward shapes are fixed), so each round is timed once (a forced to ACCEPT, default 3)
-    and tokens/s = B * (a + 1) / round time is reported for a = 0 .. gamma.
+    "index+mask_poolP" (the same with `mask_pool` P), "index+densemask_poolP" (the pool with
+    `mask_attention=False`: dense later draft steps, the record limited to the pool). A round does the same work
+    whatever the accepted length a (the forward shapes are fixed), so each round is timed once (a forced to
+    ACCEPT, default 3) and tokens/s = B * (a + 1) / round time is reported for a = 0 .. gamma.
 Bytes floors: weights + KV bytes read per step. Writes JSON to $OUT/$JSON (default sts_bench.json) and prints a table.
 
 Caches hold random normal values (`cache`). Run it with XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (batch 3 at 100K needs
@@ -161,6 +162,8 @@ def main():
                             "index+mask": base.replace(first_step_mask=True)}
                 variants.update({f"index+mask_pool{p}": base.replace(first_step_mask=True, mask_pool=p)
                                  for p in POOLS})
+                variants.update({f"index+densemask_pool{p}": base.replace(first_step_mask=True, mask_pool=p,
+                                                                          mask_attention=False) for p in POOLS})
                 pairs = {name: m.for_round(D_CFG, GAMMA) for name, m in variants.items()}
                 W = pairs["index"][0].decode_width(cap)
                 rec = random_record(rng, D_CFG, B, W, n)
@@ -177,7 +180,7 @@ def main():
                 two = jnp.ones((B, 2), jnp.int32)
                 steps = [("draft_sts_first_step_ms", pairs["index"][1], two),
                          ("draft_sts_later_step_dense_ms", pairs["index"][1], tok[:, None])]
-                for name in ["index+mask"] + [f"index+mask_pool{p}" for p in POOLS]:
+                for name in ["index+mask"] + [f"index+{m}_pool{p}" for m in ("mask", "densemask") for p in POOLS]:
                     suffix = name.split("+")[1]
                     steps += [(f"draft_sts_first_step_{suffix}_ms", pairs[name][1], two),
                               (f"draft_sts_later_step_{suffix}_ms", pairs[name][1], tok[:, None])]
