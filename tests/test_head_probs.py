@@ -211,10 +211,10 @@ def test_head_probs_and_lse_lower_for_cuda_at_the_draft_shapes():
 
 def interpreted_kernels(monkeypatch, calls):
     """Routes sts's kernel entry point to the Triton kernel in the interpreter (recording each call)."""
-    def decode(q, k_all, v_all, layer, lengths, return_probs, implementation):
+    def decode(q, k_all, v_all, layer, lengths, implementation, **returns):
         calls.append(("dense_decode_stacked", k_all.shape, implementation))
-        return dgpu.dense_decode_stacked_gpu(q, k_all, v_all, layer, lengths, return_probs=return_probs,
-                                             interpret=True, config=dgpu.DenseDecodeConfig(block_k=16))
+        return dgpu.dense_decode_stacked_gpu(q, k_all, v_all, layer, lengths, interpret=True,
+                                             config=dgpu.DenseDecodeConfig(block_k=16), **returns)
 
     monkeypatch.setattr(sts, "dense_decode_stacked", decode)
 
@@ -290,3 +290,31 @@ def test_sts_draft_in_the_model_scan_uses_the_kernels_on_gpu(monkeypatch):
     assert overlap >= 0.95, overlap
     same = gi == wi
     np.testing.assert_allclose(np.asarray(got.val)[same], np.asarray(want.val)[same], atol=2e-2)
+
+
+def test_sts_later_step_with_dense_attention_in_place_equals_xla(monkeypatch):
+    """`mask_attention=False`: the later draft step's dense attention and its pool weights through the in-place
+    kernel (its log-sum-exp; interpreted, forced) equal the XLA path's (attend_dense + decode_lse)."""
+    from models.attention import LayerContext, LayerKV
+
+    calls = []
+    interpreted_kernels(monkeypatch, calls)
+    L, B, Hq, Hkv, D, N = 2, 2, 8, 2, 16, 48
+    q, k_all, v_all, lens = inputs(9, L, B, 1, Hq, Hkv, D, N, [40, 9], jnp.float32)
+    view = LayerKV(k=k_all[1], v=v_all[1], k_all=k_all, v_all=v_all, layer=jnp.int32(1))
+    rng = np.random.default_rng(3)
+    P = 12
+    idx = np.full((B, Hq, P), -1, np.int32)
+    for b, h in np.ndindex(B, Hq):
+        n = min(P - 2, int(lens[b]) - 1)
+        idx[b, h, :n] = np.sort(rng.choice(int(lens[b]) - 1, n, replace=False))
+    idx = jnp.asarray(idx)
+    monkeypatch.setattr(sts, "in_place_probs", lambda q, cache: True)
+    out_p, p_p = sts.dense_step_pool_weights(q, view, lens, idx)
+    assert [c[0] for c in calls] == ["dense_decode_stacked"]
+    monkeypatch.setattr(sts, "in_place_probs", lambda q, cache: False)
+    out_x, p_x = sts.dense_step_pool_weights(q, view, lens, idx)
+    assert len(calls) == 1
+    np.testing.assert_allclose(np.asarray(out_p), np.asarray(out_x), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(p_p), np.asarray(p_x), rtol=1e-5, atol=1e-7)
+    assert np.all(np.asarray(p_p)[np.asarray(idx) < 0] == 0) and float(p_p.max()) > 0
