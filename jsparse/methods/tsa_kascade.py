@@ -33,10 +33,10 @@ class TSAKascade:
     @classmethod
     def build(cls, cfg=None, artifact: str | None = None, fingerprint: str | None = None,
               kascade_artifact: str | None = None, tsa_artifact: str | None = None, **options):
+        kascade_options, tsa_options = split_options(options)  # its errors first, before any artifact is read
         paths = split_artifacts(artifact, (kascade_mod.ARTIFACT_KIND, ARTIFACT_KIND))
         kascade_artifact = kascade_artifact or paths.get(kascade_mod.ARTIFACT_KIND)
         tsa_artifact = tsa_artifact or paths.get(ARTIFACT_KIND)
-        kascade_options, tsa_options = split_options(options)
         inner = kascade_mod.Kascade.build(cfg=cfg, artifact=kascade_artifact, fingerprint=fingerprint,
                                           **kascade_options)
         return around_kascade(inner, cfg=cfg, tsa_artifact=tsa_artifact, fingerprint=fingerprint, **tsa_options)

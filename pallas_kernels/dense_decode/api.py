@@ -49,8 +49,8 @@ def dense_decode_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, len
       lengths: i32[B] valid tokens per row.
       return_lse: also return each query row's log-sum-exp of its scaled visible logits.
       return_probs: also return each query head's post-softmax weights over the keys, summed over the T queries
-        (`pallas_kernels.head_probs.head_probs_stacked`'s; "pallas_gpu" takes them from the logits its kernel
-        computes, without reading K again; the others compute the log-sum-exp and call head_probs' reference).
+        (`reference.decode_probs_reference`, `pallas_kernels.head_probs`'s weights; "pallas_gpu" takes them from
+        the logits its kernel computes, without reading K again; the others compute the log-sum-exp first).
       implementation: see the module docstring.
 
     Returns:
@@ -86,6 +86,5 @@ def dense_decode_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, len
         lse = reference.decode_lse(q, k, lengths) if (return_lse or return_probs) else None
     res = (out,) + ((lse,) if return_lse else ())
     if return_probs:
-        from pallas_kernels.head_probs.reference import head_probs_stacked_reference
-        res += (head_probs_stacked_reference(q, k_all, layer, lengths, lse),)
+        res += (reference.decode_probs_reference(q, k_all, layer, lengths, lse),)
     return res if len(res) > 1 else out

@@ -9,7 +9,8 @@ at or past N never; query head h reads KV head h // G (G = Hq // Hkv). Softmax i
 visible key (position < 0) outputs zeros. `layer` follows jnp indexing of a traced index (negatives count from
 the end, then clamp to [0, L - 1], as XLA's dynamic slice), so no value of it reads out of bounds.
 With `return_lse` it also returns each query row's log-sum-exp of its scaled visible logits (-inf for a row with
-no visible key), from which `pallas_kernels.head_probs` rebuilds the post-softmax weights.
+no visible key), from which `decode_probs_reference` (and `pallas_kernels.head_probs`, whose specification it
+is) rebuilds the post-softmax weights.
 """
 
 from __future__ import annotations
@@ -113,3 +114,25 @@ def dense_decode_stacked_reference(q: Array, k_all: Array, v_all: Array, layer: 
         return out
     lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)[..., 0]  # [B, Hkv, G, T]
     return out, lse.transpose(0, 3, 1, 2).reshape(B, T, Hq)
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def decode_probs_reference(q: Array, k_all: Array, layer: Array, lengths: Array, lse: Array, *,
+                           scale: float | None = None) -> Array:
+    """Post-softmax weights of the T newest queries over layer `layer` of a stacked cache, summed over T:
+    p[b, h, n] = sum over t of exp(q[b, t, h] . k[b, h // G, n] * scale - lse[b, t, h]) at the keys query t sees
+    (n <= lengths[b] - T + t), 0 elsewhere; lse as `dense_decode_stacked_reference(..., return_lse=True)` gives
+    it. q: [B, T, Hq, D], k_all: [L, B, Hkv, N, D], lengths: i32[B], lse: f32[B, T, Hq] -> f32[B, Hq, N].
+    (The specification of `dense_decode_stacked(..., return_probs=True)` and of `pallas_kernels.head_probs`.)"""
+    B, T, Hq, D = q.shape
+    Hkv, N = k_all.shape[2], k_all.shape[3]
+    G = Hq // Hkv
+    scale = default_scale(D, scale)
+    k = select_layer(k_all, layer).astype(jnp.float32)  # [B, Hkv, N, D]
+    qf = q.astype(jnp.float32).reshape(B, T, Hkv, G, D)
+    logits = jnp.einsum("bthgd,bhnd->bhgtn", qf, k, precision=_HIGHEST) * scale
+    pos = lengths.astype(jnp.int32)[:, None] - T + jnp.arange(T, dtype=jnp.int32)  # [B, T]
+    valid = jnp.arange(N)[None, None, :] <= pos[:, :, None]  # [B, T, N]
+    row_lse = lse.astype(jnp.float32).reshape(B, T, Hkv, G).transpose(0, 2, 3, 1)[..., None]  # [B, Hkv, G, T, 1]
+    p = jnp.where(valid[:, None, None], jnp.exp(logits - row_lse), 0.0)
+    return p.sum(axis=3).reshape(B, Hq, N)

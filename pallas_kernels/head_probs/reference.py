@@ -20,11 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.dense_decode.reference import check_args as check_decode_args
-from pallas_kernels.dense_decode.reference import select_layer
-from pallas_kernels.sparse_attention.common import default_scale
+from pallas_kernels.dense_decode.reference import decode_probs_reference
 
 Array = jax.Array
-_HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def check_args(q: Array, k_all: Array, layer: Array, lengths: Array, lse: Array) -> None:
@@ -53,15 +51,4 @@ def head_probs_stacked_reference(q: Array, k_all: Array, layer: Array, lengths: 
       f32[B, Hq, N] (query head h reads KV head h // G).
     """
     check_args(q, k_all, layer, lengths, lse)
-    B, T, Hq, D = q.shape
-    Hkv, N = k_all.shape[2], k_all.shape[3]
-    G = Hq // Hkv
-    scale = default_scale(D, scale)
-    k = select_layer(k_all, layer).astype(jnp.float32)  # [B, Hkv, N, D]
-    qf = q.astype(jnp.float32).reshape(B, T, Hkv, G, D)
-    logits = jnp.einsum("bthgd,bhnd->bhgtn", qf, k, precision=_HIGHEST) * scale
-    pos = lengths.astype(jnp.int32)[:, None] - T + jnp.arange(T, dtype=jnp.int32)  # [B, T]
-    valid = jnp.arange(N)[None, None, :] <= pos[:, :, None]  # [B, T, N]
-    row_lse = lse.astype(jnp.float32).reshape(B, T, Hkv, G).transpose(0, 2, 3, 1)[..., None]  # [B, Hkv, G, T, 1]
-    p = jnp.where(valid[:, None, None], jnp.exp(logits - row_lse), 0.0)
-    return p.sum(axis=3).reshape(B, Hq, N)
+    return decode_probs_reference(q, k_all, layer, lengths, lse, scale=scale)
