@@ -9,7 +9,9 @@ other key (n >= lengths[b] included). With lse the log-sum-exp of each query row
 (`pallas_kernels.dense_decode.dense_decode_stacked(..., return_lse=True)` returns it next to the attention
 output), each query's weights are its softmax row, and p is the softmax rows summed over the T queries: STS's
 draft record (`jsparse.methods.sts.StsDraft.decode`). `layer` follows jnp indexing of a traced index (negatives
-count from the end, then clamp), as `pallas_kernels.dense_decode`.
+count from the end, then clamp), as `pallas_kernels.dense_decode`. The formula is
+`pallas_kernels.dense_decode.reference.decode_probs_reference` (shared with the dense decode's `return_probs`);
+this module adds the argument checks.
 """
 
 from __future__ import annotations
