@@ -144,13 +144,14 @@ def _topk_rows(scores: Array, W: int) -> tuple[Array, Array]:
     return val, jnp.where(val > NEG_INF, idx, -1).astype(jnp.int32)
 
 
-def _topk_set(scores: Array, W: int, implementation: str | None = None) -> tuple[Array, Array]:
+def _topk_set(scores: Array, W: int, implementation: str | None = None, k=None) -> tuple[Array, Array]:
     """The keys of `_topk_rows`, positions ascending, by `topk_select` (no sort of the N-wide row).
 
     scores f32[..., N] (-inf: not choosable), W <= N -> (val f32[..., W], idx i32[..., W]): the kept positions
-    ascending with their scores, then idx -1 / val -inf padding (where fewer than W keys are choosable).
+    ascending with their scores, then idx -1 / val -inf padding (where fewer than W keys are choosable). k: keys
+    to keep per row (int or i32 broadcastable to scores.shape[:-1]; None: W).
     """
-    idx = topk_select(scores, W, W, implementation=implementation)
+    idx = topk_select(scores, W if k is None else k, W, implementation=implementation)
     val = jnp.take_along_axis(scores, jnp.maximum(idx, 0), axis=-1)
     return jnp.where(idx >= 0, val, NEG_INF), idx
 
@@ -171,10 +172,7 @@ def _topk_visible(probs: Array, lengths: Array, W: int, implementation: str | No
     lengths and 0 past it (`attend_and_probs`): at most min(W, lengths) keys are kept, and a zero-weight key
     below lengths ties with the keys past it and wins (ties go to the lower position), so no N-wide -inf mask
     is written. probs f32[B, H, N], lengths i32[B] -> (val, idx) [B, H, W] as `_topk_set`'s."""
-    k = jnp.minimum(lengths, W)[:, None]
-    idx = topk_select(probs, k, W, implementation=implementation)
-    val = jnp.take_along_axis(probs, jnp.maximum(idx, 0), axis=-1)
-    return jnp.where(idx >= 0, val, NEG_INF), idx
+    return _topk_set(probs, W, implementation, k=jnp.minimum(lengths, W)[:, None])
 
 
 def tile_head_topk(q: Array, k: Array, tile: int, W: int) -> tuple[Array, Array]:
@@ -381,7 +379,7 @@ def dense_step_pool_weights(q: Array, cache, lengths: Array, idx: Array) -> tupl
     Returns:
       (out [B, 1, Hq, D] in q's dtype, p f32[B, Hq, P]: each key's weight, 0 at padding and at keys >= lengths).
     """
-    B, _, Hq, D = q.shape
+    _, _, Hq, D = q.shape
     k_all, v_all, layer = stacked_cache(cache)
     if in_place_probs(q, cache):
         out, lse = dense_decode_stacked(q, k_all, v_all, layer, lengths, return_lse=True, implementation="pallas_gpu")

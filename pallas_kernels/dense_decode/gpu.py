@@ -108,14 +108,14 @@ def _decode_kernel(layer_ref, lim_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
         k0 = start + i * block_k
         kpos = k0 + jnp.arange(block_k, dtype=jnp.int32)
         live = (kpos <= hi)[:, None]  # rows past hi (the cache end included) are never read
-        rows = pl.ds(k0, block_k)
-        k = plgpu.load(k_ref.at[layer, rows, :], mask=live, other=0.0)
-        v = plgpu.load(v_ref.at[layer, rows, :], mask=live, other=0.0)
+        span = pl.ds(k0, block_k)
+        k = plgpu.load(k_ref.at[layer, span, :], mask=live, other=0.0)
+        v = plgpu.load(v_ref.at[layer, span, :], mask=live, other=0.0)
         ok = kpos[None, :] <= lim[:, None]  # [Mb, block_k]
         s = plgpu.dot(q, k, trans_b=True) * scale
         s = jnp.where(ok, s, _MASK)
         if s_ref:
-            plgpu.store(s_ref[0].at[:, rows], s, mask=real[:, None] & (kpos <= hi)[None, :])
+            plgpu.store(s_ref[0].at[:, span], s, mask=real[:, None] & (kpos <= hi)[None, :])
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         corr = jnp.exp(m - m_new)
         p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)

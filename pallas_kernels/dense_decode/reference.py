@@ -62,18 +62,25 @@ def select_layer(x_all: Array, layer: Array) -> Array:
     return jax.lax.dynamic_index_in_dim(x_all, layer_index(layer, x_all.shape[0]), 0, keepdims=False)
 
 
+def _scaled_logits(q: Array, k: Array, lengths: Array, scale: float | None) -> tuple[Array, Array]:
+    """(logits f32[B, Hkv, G, T, N] of q: [B, T, Hq, D] . k: [B, Hkv, N, D] * scale (query head h = kv * G + g),
+    visible bool[B, 1, 1, T, N]: query t sees keys <= lengths - T + t, as the decode)."""
+    B, T, Hq, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    qf = q.astype(jnp.float32).reshape(B, T, Hkv, Hq // Hkv, D)
+    logits = jnp.einsum("bthgd,bhnd->bhgtn", qf, k.astype(jnp.float32), precision=_HIGHEST) * default_scale(D, scale)
+    pos = lengths.astype(jnp.int32)[:, None] - T + jnp.arange(T, dtype=jnp.int32)  # [B, T]
+    valid = jnp.arange(N)[None, None, :] <= pos[:, :, None]  # [B, T, N]
+    return logits, valid[:, None, None]
+
+
 def decode_lse(q: Array, k: Array, lengths: Array, scale: float | None = None) -> Array:
     """f32[B, T, Hq]: log-sum-exp over the visible keys of q: [B, T, Hq, D] . k: [B, Hkv, N, D] * scale (query t
     sees keys <= lengths - T + t, as the decode); -inf for a row with no visible key."""
-    B, T, Hq, D = q.shape
-    Hkv, N = k.shape[1], k.shape[2]
-    scale = default_scale(D, scale)
-    qf = q.astype(jnp.float32).reshape(B, T, Hkv, Hq // Hkv, D)
-    logits = jnp.einsum("bthgd,bhnd->bthgn", qf, k.astype(jnp.float32), precision=_HIGHEST) * scale
-    pos = lengths.astype(jnp.int32)[:, None] - T + jnp.arange(T, dtype=jnp.int32)  # [B, T]
-    valid = jnp.arange(N)[None, None, :] <= pos[:, :, None]  # [B, T, N]
-    logits = jnp.where(valid[:, :, None, None], logits, -jnp.inf)
-    return jax.nn.logsumexp(logits, axis=-1).reshape(B, T, Hq)
+    B, T, Hq, _ = q.shape
+    logits, valid = _scaled_logits(q, k, lengths, scale)
+    lse = jax.nn.logsumexp(jnp.where(valid, logits, -jnp.inf), axis=-1)  # [B, Hkv, G, T]
+    return lse.transpose(0, 3, 1, 2).reshape(B, T, Hq)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "return_lse"))
@@ -95,16 +102,9 @@ def dense_decode_stacked_reference(q: Array, k_all: Array, v_all: Array, layer: 
     """
     check_args(q, k_all, v_all, layer, lengths)
     B, T, Hq, D = q.shape
-    Hkv, N = k_all.shape[2], k_all.shape[3]
-    G = Hq // Hkv
-    scale = default_scale(D, scale)
-    k = select_layer(k_all, layer).astype(jnp.float32)  # [B, Hkv, N, D]
     v = select_layer(v_all, layer).astype(jnp.float32)
-    qf = q.astype(jnp.float32).reshape(B, T, Hkv, G, D)
-    logits = jnp.einsum("bthgd,bhnd->bhgtn", qf, k, precision=_HIGHEST) * scale
-    pos = lengths.astype(jnp.int32)[:, None] - T + jnp.arange(T, dtype=jnp.int32)  # [B, T]
-    valid = jnp.arange(N)[None, None, :] <= pos[:, :, None]  # [B, T, N]
-    logits = jnp.where(valid[:, None, None], logits, -jnp.inf)
+    logits, valid = _scaled_logits(q, select_layer(k_all, layer), lengths, scale)  # [B, Hkv, G, T, N]
+    logits = jnp.where(valid, logits, -jnp.inf)
     m = jnp.max(logits, axis=-1, keepdims=True)
     e = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
     l = jnp.sum(e, axis=-1, keepdims=True)
@@ -124,15 +124,9 @@ def decode_probs_reference(q: Array, k_all: Array, layer: Array, lengths: Array,
     (n <= lengths[b] - T + t), 0 elsewhere; lse as `dense_decode_stacked_reference(..., return_lse=True)` gives
     it. q: [B, T, Hq, D], k_all: [L, B, Hkv, N, D], lengths: i32[B], lse: f32[B, T, Hq] -> f32[B, Hq, N].
     (The specification of `dense_decode_stacked(..., return_probs=True)` and of `pallas_kernels.head_probs`.)"""
-    B, T, Hq, D = q.shape
+    B, T, Hq, _ = q.shape
     Hkv, N = k_all.shape[2], k_all.shape[3]
-    G = Hq // Hkv
-    scale = default_scale(D, scale)
-    k = select_layer(k_all, layer).astype(jnp.float32)  # [B, Hkv, N, D]
-    qf = q.astype(jnp.float32).reshape(B, T, Hkv, G, D)
-    logits = jnp.einsum("bthgd,bhnd->bhgtn", qf, k, precision=_HIGHEST) * scale
-    pos = lengths.astype(jnp.int32)[:, None] - T + jnp.arange(T, dtype=jnp.int32)  # [B, T]
-    valid = jnp.arange(N)[None, None, :] <= pos[:, :, None]  # [B, T, N]
-    row_lse = lse.astype(jnp.float32).reshape(B, T, Hkv, G).transpose(0, 2, 3, 1)[..., None]  # [B, Hkv, G, T, 1]
-    p = jnp.where(valid[:, None, None], jnp.exp(logits - row_lse), 0.0)
+    logits, valid = _scaled_logits(q, select_layer(k_all, layer), lengths, scale)  # [B, Hkv, G, T, N]
+    row_lse = lse.astype(jnp.float32).reshape(B, T, Hkv, Hq // Hkv).transpose(0, 2, 3, 1)[..., None]
+    p = jnp.where(valid, jnp.exp(logits - row_lse), 0.0)
     return p.sum(axis=3).reshape(B, Hq, N)
