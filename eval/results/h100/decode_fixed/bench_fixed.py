@@ -1,0 +1,175 @@
+"""The fixed cost of a decode step: what a Llama-3.1-8B-shaped forward costs when attention is nearly free.
+
+Issue 23's verification bar (3.0x dense at 100K) and issue 24's 0.85 share of the bytes floor both run into the
+part of a step that does not depend on the context: the GEMMs over 16 GB of weights and ~20 small kernels per
+layer. This script measures that part on the GPU, random bf16 weights, dense attention over a 512-token cache:
+
+  A. whole decode steps (`models.llama.decode` under `model_jit`, the cache donated) at (B, T) = (3, 5) (the STS
+     verification's rows), (4, 1) and (1, 1), for each VARIANT, each in its own process (XLA reads XLA_FLAGS at
+     start-up): "base"; "cmdbuf" (CUDA graphs also for while loops and dynamic-slice fusions:
+     --xla_gpu_enable_command_buffer=...,WHILE,CONDITIONAL,DYNAMIC_SLICE_FUSION); "unroll2" / "unroll4" (the
+     layer scan unrolled); "lt" (cuBLASLt GEMMs);
+  B. the layer GEMMs alone, each in a scan over the 32 stacked layers, at M = B * T rows, in the current layout and
+     in the alternatives (gate and up in one [E, 2F] weight; q, k, v in one; the weights stored transposed), as
+     ms per forward and TB/s of weight bytes;
+  C. the achievable read bandwidth (a reduction over the same 16 GB).
+
+Writes $OUT/bench_fixed.json (every row; a run cut short keeps what it measured) and prints a table last.
+Environment: VARIANTS (default "base,cmdbuf,unroll2,lt"), PARTS (default "A,B,C"), GIT_COMMIT.
+Run: `OUT=... PYTHONPATH=. python eval/results/h100/decode_fixed/bench_fixed.py`.
+"""
+import datetime, json, os, subprocess, sys, time
+
+import numpy as np
+
+CMDBUF = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL,"
+          "DYNAMIC_SLICE_FUSION --xla_gpu_graph_min_graph_size=1")
+VARIANT_FLAGS = {"base": "", "cmdbuf": CMDBUF, "unroll2": "", "unroll4": "", "lt": "--xla_gpu_enable_cublaslt=true"}
+SHAPES = [(3, 5), (4, 1), (1, 1)]
+SMOKE = bool(os.environ.get("SMOKE"))  # tiny shapes: a CPU check of the script
+
+
+def config():
+    import dataclasses
+    from models.presets import preset
+    cfg = preset("llama3-8b")
+    if SMOKE:
+        cfg = dataclasses.replace(cfg, vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                                  num_heads=4, num_kv_heads=2, head_dim=16)
+    return cfg
+
+
+def timeit(fn, carry, n=10, warm=3):
+    import jax
+    for _ in range(warm):
+        carry = jax.block_until_ready(fn(carry))
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter(); carry = jax.block_until_ready(fn(carry)); ts.append(time.perf_counter() - t)
+    return float(np.median(ts)) * 1e3, carry
+
+
+def part_a(variant):
+    """One process: whole decode steps of this variant. Prints one JSON line per shape."""
+    import jax, jax.numpy as jnp
+    from eval.bench.model import filled_cache
+    from jsparse.methods.base import make_method
+    from models import llama
+    from models.compile_options import model_jit
+    from models.params import random_params
+    cfg = config()
+    params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
+    dense = make_method("dense")
+    unroll = int(variant[6:]) if variant.startswith("unroll") else 1
+    for B, T in SHAPES:
+        t0 = time.perf_counter()
+        dec = model_jit(lambda p, t, c: llama.decode(p, cfg, dense, t, c, None, unroll=unroll)[1],
+                        donate_argnums=(2,))
+        cache = filled_cache(cfg, B, 512, 1024, jnp.bfloat16)
+        toks = jnp.ones((B, T), jnp.int32)
+        cache = jax.block_until_ready(dec(params, toks, cache.replace(lengths=cache.lengths * 0 + 512)))
+        compile_s = time.perf_counter() - t0
+
+        def step(c):  # the cache rewinds to 512 so the step's work stays the same
+            return dec(params, toks, c.replace(lengths=c.lengths * 0 + 512))
+        ms, cache = timeit(step, cache)
+        print("ROW " + json.dumps(dict(part="A", variant=variant, batch=B, queries=T, step_ms=ms,
+                                       compile_s=compile_s)), flush=True)
+
+
+def part_b(out_rows):
+    import jax, jax.numpy as jnp
+    from models.compile_options import model_jit
+    cfg = config()
+    L, E, F, H, K, D = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, \
+        cfg.head_dim
+    key = jax.random.key(1)
+
+    def w(*shape):
+        return (0.02 * jax.random.normal(key, (L,) + shape, jnp.float32)).astype(jnp.bfloat16)
+
+    cases = {  # name: (weights, spec per weight, input width)
+        "gate+up [E,F] x2 (current)": ([w(E, F), w(E, F)], "te,ef->tf", E),
+        "gate_up [E,2F] one": ([w(E, 2 * F)], "te,ef->tf", E),
+        "gate+up [F,E] x2 (transposed)": ([w(F, E), w(F, E)], "te,fe->tf", E),
+        "down [F,E] (current)": ([w(F, E)], "tf,fe->te", F),
+        "down [E,F] (transposed)": ([w(E, F)], "tf,ef->te", F),
+        "q,k,v [E,*] x3 (current)": ([w(E, H * D), w(E, K * D), w(E, K * D)], "te,ef->tf", E),
+        "qkv [E,(H+2K)D] one": ([w(E, (H + 2 * K) * D)], "te,ef->tf", E),
+        "q,k,v [*,E] x3 (transposed)": ([w(H * D, E), w(K * D, E), w(K * D, E)], "te,fe->tf", E),
+        "o [HD,E] (current)": ([w(H * D, E)], "tf,fe->te", H * D),
+        "o [E,HD] (transposed)": ([w(E, H * D)], "tf,ef->te", H * D),
+    }
+    for M in (15, 4, 1):
+        for name, (ws, spec, width) in cases.items():
+            x = jnp.ones((M, width), jnp.bfloat16)
+
+            @model_jit
+            def run(ws, x):
+                def body(c, lw):
+                    ys = [jnp.einsum(spec, x + c, wi, preferred_element_type=jnp.bfloat16) for wi in lw]
+                    return c + sum(y.astype(jnp.float32).sum() for y in ys).astype(x.dtype) * 0, None
+                return jax.lax.scan(body, jnp.zeros((), x.dtype), ws)[0]
+            ms, _ = timeit(lambda _: run(ws, x), None)
+            nbytes = sum(wi.size * 2 for wi in ws)
+            row = dict(part="B", gemm=name, rows=M, ms_per_forward=ms, weight_gb=nbytes / 1e9,
+                       tb_per_s=nbytes / ms / 1e9)
+            print("ROW " + json.dumps(row), flush=True)
+            out_rows.append(row)
+        del x
+
+
+def part_c(out_rows):
+    import jax, jax.numpy as jnp
+    a = jnp.ones((8, 1024, 8 if SMOKE else 1024 * 1024), jnp.bfloat16)  # 17.2 GB
+    f = jax.jit(lambda a: jnp.sum(a, axis=(1, 2), dtype=jnp.float32))
+    ms, _ = timeit(lambda _: f(a), None)
+    row = dict(part="C", what="sum over %.1f GB bf16" % (a.size * 2 / 1e9), ms=ms, tb_per_s=a.size * 2 / ms / 1e9)
+    print("ROW " + json.dumps(row), flush=True)
+    out_rows.append(row)
+
+
+def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "--variant":
+        return part_a(sys.argv[2])
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the variants' processes share the GPU
+    out = os.environ.get("OUT", "/tmp")
+    parts = os.environ.get("PARTS", "A,B,C").split(",")
+    rows = []
+    meta = dict(commit=os.environ.get("GIT_COMMIT", ""),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command="PARTS=%s VARIANTS=%s python eval/results/h100/decode_fixed/bench_fixed.py" % (
+                    os.environ.get("PARTS", ""), os.environ.get("VARIANTS", "")),
+                model="llama3-8b shapes, random bf16 weights", cache="512 tokens, capacity 1024, dense attention")
+
+    def dump():
+        import jax
+        json.dump(dict(meta, device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows),
+                  open(os.path.join(out, "bench_fixed.json"), "w"), indent=1)
+    if "A" in parts:
+        for v in os.environ.get("VARIANTS", "base,cmdbuf,unroll2,lt").split(","):
+            env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + VARIANT_FLAGS[v]).strip())
+            p = subprocess.run([sys.executable, __file__, "--variant", v], env=env, capture_output=True, text=True)
+            got = [json.loads(l[4:]) for l in p.stdout.splitlines() if l.startswith("ROW ")]
+            if p.returncode:
+                got.append(dict(part="A", variant=v, error=p.stderr[-2000:]))
+            rows.extend(got)
+            print(v, got, flush=True)
+            dump()
+    if "B" in parts:
+        part_b(rows); dump()
+    if "C" in parts:
+        part_c(rows); dump()
+    print("\n%-34s %5s %10s %8s" % ("row", "M", "ms", "TB/s"))
+    for r in rows:
+        if r["part"] == "A":
+            print("%-34s %5s %10s" % ("step " + r["variant"] + (" ERROR" if "error" in r else ""),
+                                      "%sx%s" % (r.get("batch"), r.get("queries")), "%.3f" % r.get("step_ms", -1)))
+        elif r["part"] == "B":
+            print("%-34s %5d %10.3f %8.2f" % (r["gemm"][:34], r["rows"], r["ms_per_forward"], r["tb_per_s"]))
+        else:
+            print("%-34s %5s %10.3f %8.2f" % (r["what"], "", r["ms"], r["tb_per_s"]))
+
+
+if __name__ == "__main__":
+    main()
