@@ -8,14 +8,19 @@ layer. This script measures that part on the GPU, random bf16 weights, dense att
      verification's rows), (4, 1) and (1, 1), for each VARIANT, each in its own process (XLA reads XLA_FLAGS at
      start-up): "base"; "cmdbuf" (CUDA graphs also for while loops and dynamic-slice fusions:
      --xla_gpu_enable_command_buffer=...,WHILE,CONDITIONAL,DYNAMIC_SLICE_FUSION); "unroll2" / "unroll4" (the
-     layer scan unrolled); "lt" (cuBLASLt GEMMs);
+     layer scan unrolled); "lt" (cuBLASLt GEMMs); "splitkS" (the down and output projections as S batched GEMMs
+     over slices of their contraction, `split_k_dense`, the partial sums added in f32);
   B. the layer GEMMs alone, each in a scan over the 32 stacked layers, at M = B * T rows, in the current layout and
-     in the alternatives (gate and up in one [E, 2F] weight; q, k, v in one; the weights stored transposed), as
+     in the alternatives (gate and up in one [E, 2F] weight; q, k, v in one; the weights stored transposed; the
+     contraction split into S batched GEMMs), as
      ms per forward and TB/s of weight bytes;
-  C. the achievable read bandwidth (a reduction over the same 16 GB).
+  C. the achievable read bandwidth (a reduction over the same 16 GB);
+  E. each layer GEMM as `pallas_kernels.stacked_matmul` (split-K Triton kernel reading the stacked weights in
+     place) against cuBLAS, for a few kernel configs, each checked against the jnp reference once.
 
 Writes $OUT/bench_fixed.json (every row; a run cut short keeps what it measured) and prints a table last.
-Environment: VARIANTS (default "base,cmdbuf,unroll2,lt"), PARTS (default "A,B,C"), GIT_COMMIT.
+Environment: VARIANTS (default "base,cmdbuf,unroll2,lt"; also "unroll4", "splitk2/4/8"), PARTS (default "A,B,C"),
+GEMMS (part B's rows, ";"-separated names; default all), GIT_COMMIT.
 Run: `OUT=... PYTHONPATH=. python eval/results/h100/decode_fixed/bench_fixed.py`.
 """
 import datetime, json, os, subprocess, sys, time
@@ -24,8 +29,31 @@ import numpy as np
 
 CMDBUF = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL,"
           "DYNAMIC_SLICE_FUSION --xla_gpu_graph_min_graph_size=1")
-VARIANT_FLAGS = {"base": "", "cmdbuf": CMDBUF, "unroll2": "", "unroll4": "", "lt": "--xla_gpu_enable_cublaslt=true"}
+VARIANT_FLAGS = {"base": "", "cmdbuf": CMDBUF, "unroll2": "", "unroll4": "", "lt": "--xla_gpu_enable_cublaslt=true",
+                 "splitk2": "", "splitk4": "", "splitk8": ""}
+
+
+def split_k_dense(S):
+    """`models.llama._dense` with the down and output projections' contraction split into S batched GEMMs (one
+    cuBLAS batched call of S times as many tiles; the S partial sums added in f32): those GEMMs have N = E = 4096
+    outputs, too few tiles to keep every SM reading weights at M <= 16 rows."""
+    import jax.numpy as jnp
+    from models import llama
+    plain = llama._dense
+
+    def dense(x, w, spec, bias=None):
+        if bias is not None or spec not in ("btf,fe->bte", "bthd,hde->bte"):
+            return plain(x, w, spec, bias)
+        B, T = x.shape[:2]
+        if spec == "btf,fe->bte":
+            xs, ws, sp = x.reshape(B, T, S, -1), w.reshape(S, -1, w.shape[-1]), "btsf,sfe->sbte"
+        else:
+            H, D, E = w.shape
+            xs, ws, sp = x.reshape(B, T, S, H // S, D), w.reshape(S, H // S, D, E), "btshd,shde->sbte"
+        return jnp.einsum(sp, xs, ws, preferred_element_type=jnp.float32).sum(0).astype(x.dtype)
+    return dense
 SHAPES = [(3, 5), (4, 1), (1, 1)]
+ONLY_GEMMS = [x for x in os.environ.get("GEMMS", "").split(";") if x]  # part B: these rows only (default all)
 SMOKE = bool(os.environ.get("SMOKE"))  # tiny shapes: a CPU check of the script
 
 
@@ -61,6 +89,8 @@ def part_a(variant):
     params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
     dense = make_method("dense")
     unroll = int(variant[6:]) if variant.startswith("unroll") else 1
+    if variant.startswith("splitk"):
+        llama._dense = split_k_dense(int(variant[6:]))
     for B, T in SHAPES:
         t0 = time.perf_counter()
         dec = model_jit(lambda p, t, c: llama.decode(p, cfg, dense, t, c, None, unroll=unroll)[1],
@@ -98,16 +128,26 @@ def part_b(out_rows):
         "qkv [E,(H+2K)D] one": ([w(E, (H + 2 * K) * D)], "te,ef->tf", E),
         "q,k,v [*,E] x3 (transposed)": ([w(H * D, E), w(K * D, E), w(K * D, E)], "te,fe->tf", E),
         "o [HD,E] (current)": ([w(H * D, E)], "tf,fe->te", H * D),
+        "down split 2": ([w(2, F // 2, E)], "tsf,sfe->ste", F),
+        "down split 4": ([w(4, F // 4, E)], "tsf,sfe->ste", F),
+        "down split 8": ([w(8, F // 8, E)], "tsf,sfe->ste", F),
+        "o split 2": ([w(2, H * D // 2, E)], "tsf,sfe->ste", H * D),
+        "o split 4": ([w(4, H * D // 4, E)], "tsf,sfe->ste", H * D),
         "o [E,HD] (transposed)": ([w(E, H * D)], "tf,ef->te", H * D),
     }
     for M in (15, 4, 1):
         for name, (ws, spec, width) in cases.items():
+            if name not in ONLY_GEMMS and ONLY_GEMMS:
+                continue
             x = jnp.ones((M, width), jnp.bfloat16)
+            if "split" in name:
+                x = x.reshape(M, ws[0].shape[1], -1)
 
             @model_jit
             def run(ws, x):
                 def body(c, lw):
-                    ys = [jnp.einsum(spec, x + c, wi, preferred_element_type=jnp.bfloat16) for wi in lw]
+                    pe = jnp.float32 if "split" in name else jnp.bfloat16
+                    ys = [jnp.einsum(spec, x + c, wi, preferred_element_type=pe) for wi in lw]
                     return c + sum(y.astype(jnp.float32).sum() for y in ys).astype(x.dtype) * 0, None
                 return jax.lax.scan(body, jnp.zeros((), x.dtype), ws)[0]
             ms, _ = timeit(lambda _: run(ws, x), None)
@@ -117,6 +157,59 @@ def part_b(out_rows):
             print("ROW " + json.dumps(row), flush=True)
             out_rows.append(row)
         del x
+
+
+KERNEL_CONFIGS = [(128, 128, 4, 4, 264), (64, 128, 4, 4, 264), (128, 64, 4, 4, 528), (256, 64, 8, 3, 264),
+                  (64, 256, 4, 3, 528), (128, 128, 4, 3, 528)]  # block_n, block_k, warps, stages, target_programs
+
+
+def part_e(out_rows):
+    """The layer GEMMs as `pallas_kernels.stacked_matmul` (the weights read in place from the stacked array) against
+    cuBLAS (the einsum on the scan's weight slice), per shape, rows and kernel config; checked once per shape."""
+    import jax, jax.numpy as jnp
+    from models.compile_options import model_jit
+    from pallas_kernels.stacked_matmul.gpu import StackedMatmulConfig, stacked_matmul_gpu
+    from pallas_kernels.stacked_matmul.reference import stacked_matmul_reference
+    cfg = config()
+    L, E, F, H, K, D = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, \
+        cfg.head_dim
+    shapes = {"gate/up": (E, F), "down": (F, E), "q/o": (E, H * D), "k/v": (E, K * D)}
+    for name, (kk, nn) in shapes.items():
+        w = (0.02 * jax.random.normal(jax.random.key(2), (L, kk, nn), jnp.float32)).astype(jnp.bfloat16)
+        for M in (15, 4, 1):
+            x = jax.random.normal(jax.random.key(3), (M, kk), jnp.float32).astype(jnp.bfloat16)
+
+            def scan_of(mm):
+                @model_jit
+                def run(w, x):
+                    def body(c, layer):
+                        y = mm(x + c, w, layer)
+                        return c + y.astype(jnp.float32).sum().astype(x.dtype) * 0, None
+                    return jax.lax.scan(body, jnp.zeros((), x.dtype), jnp.arange(L))[0]
+                return run
+
+            def cublas(x, w, layer):
+                return jnp.dot(x, jax.lax.dynamic_index_in_dim(w, layer, keepdims=False),
+                               preferred_element_type=jnp.bfloat16)
+            ms, _ = timeit(lambda _: scan_of(cublas)(w, x), None)
+            row = dict(part="E", gemm=name, rows=M, impl="cublas", ms_per_forward=ms, tb_per_s=w.size * 2 / ms / 1e9)
+            print("ROW " + json.dumps(row), flush=True); out_rows.append(row)
+            for bn, bk, nw, ns, tp in KERNEL_CONFIGS:
+                c = StackedMatmulConfig(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, target_programs=tp)
+                mm = lambda x, w, layer, c=c: stacked_matmul_gpu(x, w, layer, config=c)
+                try:
+                    got = jax.jit(mm)(x, w, jnp.int32(L - 1))
+                    want = stacked_matmul_reference(x, w, jnp.int32(L - 1))
+                    err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+                    ms, _ = timeit(lambda _: scan_of(mm)(w, x), None)
+                    row = dict(part="E", gemm=name, rows=M, impl="stacked_matmul", config=[bn, bk, nw, ns, tp],
+                               ms_per_forward=ms, tb_per_s=w.size * 2 / ms / 1e9, max_abs_err=err,
+                               ok=err <= 0.02 * float(jnp.max(jnp.abs(want.astype(jnp.float32)))) + 1e-3)
+                except Exception as e:  # a config the compiler refuses: recorded, not fatal
+                    row = dict(part="E", gemm=name, rows=M, impl="stacked_matmul", config=[bn, bk, nw, ns, tp],
+                               error=repr(e)[:300])
+                print("ROW " + json.dumps(row), flush=True); out_rows.append(row)
+        del w
 
 
 def part_c(out_rows):
@@ -160,11 +253,18 @@ def main():
         part_b(rows); dump()
     if "C" in parts:
         part_c(rows); dump()
+    if "E" in parts:
+        part_e(rows); dump()
     print("\n%-34s %5s %10s %8s" % ("row", "M", "ms", "TB/s"))
     for r in rows:
         if r["part"] == "A":
             print("%-34s %5s %10s" % ("step " + r["variant"] + (" ERROR" if "error" in r else ""),
                                       "%sx%s" % (r.get("batch"), r.get("queries")), "%.3f" % r.get("step_ms", -1)))
+        elif r["part"] == "E":
+            print("%-34s %5d %10s %8s %s" % ("E " + r["gemm"] + " " + r["impl"], r["rows"],
+                                           "%.3f" % r["ms_per_forward"] if "ms_per_forward" in r else "ERR",
+                                           "%.2f" % r["tb_per_s"] if "tb_per_s" in r else "",
+                                           r.get("config", "") if r.get("ok", True) else "WRONG"))
         elif r["part"] == "B":
             print("%-34s %5d %10.3f %8.2f" % (r["gemm"][:34], r["rows"], r["ms_per_forward"], r["tb_per_s"]))
         else:
