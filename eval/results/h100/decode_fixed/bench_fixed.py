@@ -159,8 +159,7 @@ def part_b(out_rows):
         del x
 
 
-KERNEL_CONFIGS = [(128, 128, 4, 4, 264), (64, 128, 4, 4, 264), (128, 64, 4, 4, 528), (256, 64, 8, 3, 264),
-                  (64, 256, 4, 3, 528), (128, 128, 4, 3, 528)]  # block_n, block_k, warps, stages, target_programs
+KERNEL_CONFIGS = [(64, 128, 4, 4, 264), (256, 64, 8, 3, 264), (64, 256, 4, 3, 528), (128, 128, 4, 3, 528)]  # block_n, block_k, warps, stages, target_programs
 
 
 def part_e(out_rows):
@@ -191,7 +190,8 @@ def part_e(out_rows):
             def cublas(x, w, layer):
                 return jnp.dot(x, jax.lax.dynamic_index_in_dim(w, layer, keepdims=False),
                                preferred_element_type=jnp.bfloat16)
-            ms, _ = timeit(lambda _: scan_of(cublas)(w, x), None)
+            run = scan_of(cublas)  # one compiled function per row, built once (not inside the timed call)
+            ms, _ = timeit(lambda _: run(w, x), None)
             row = dict(part="E", gemm=name, rows=M, impl="cublas", ms_per_forward=ms, tb_per_s=w.size * 2 / ms / 1e9)
             print("ROW " + json.dumps(row), flush=True); out_rows.append(row)
             for bn, bk, nw, ns, tp in KERNEL_CONFIGS:
@@ -201,7 +201,8 @@ def part_e(out_rows):
                     got = jax.jit(mm)(x, w, jnp.int32(L - 1))
                     want = stacked_matmul_reference(x, w, jnp.int32(L - 1))
                     err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
-                    ms, _ = timeit(lambda _: scan_of(mm)(w, x), None)
+                    run = scan_of(mm)
+                    ms, _ = timeit(lambda _: run(w, x), None)
                     row = dict(part="E", gemm=name, rows=M, impl="stacked_matmul", config=[bn, bk, nw, ns, tp],
                                ms_per_forward=ms, tb_per_s=w.size * 2 / ms / 1e9, max_abs_err=err,
                                ok=err <= 0.02 * float(jnp.max(jnp.abs(want.astype(jnp.float32)))) + 1e-3)
