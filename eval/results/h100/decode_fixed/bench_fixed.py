@@ -15,7 +15,7 @@ layer. This script measures that part on the GPU, random bf16 weights, dense att
      contraction split into S batched GEMMs), as
      ms per forward and TB/s of weight bytes;
   C. the achievable read bandwidth (a reduction over the same 16 GB);
-  E. each layer GEMM as `pallas_kernels.stacked_matmul` (split-K Triton kernel reading the stacked weights in
+  E. each layer GEMM as `stacked_matmul.py` here (split-K Triton kernel reading the stacked weights in
      place) against cuBLAS, for a few kernel configs, each checked against the jnp reference once.
 
 Writes $OUT/bench_fixed.json (every row; a run cut short keeps what it measured) and prints a table last.
@@ -26,6 +26,8 @@ Run: `OUT=... PYTHONPATH=. python eval/results/h100/decode_fixed/bench_fixed.py`
 import datetime, json, os, subprocess, sys, time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # stacked_matmul.py (part E)
 
 CMDBUF = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL,"
           "DYNAMIC_SLICE_FUSION --xla_gpu_graph_min_graph_size=1")
@@ -163,12 +165,11 @@ KERNEL_CONFIGS = [(64, 128, 4, 4, 264), (256, 64, 8, 3, 264), (64, 256, 4, 3, 52
 
 
 def part_e(out_rows):
-    """The layer GEMMs as `pallas_kernels.stacked_matmul` (the weights read in place from the stacked array) against
+    """The layer GEMMs as `stacked_matmul.stacked_matmul_gpu` (the weights read in place from the stacked array) against
     cuBLAS (the einsum on the scan's weight slice), per shape, rows and kernel config; checked once per shape."""
     import jax, jax.numpy as jnp
     from models.compile_options import model_jit
-    from pallas_kernels.stacked_matmul.gpu import StackedMatmulConfig, stacked_matmul_gpu
-    from pallas_kernels.stacked_matmul.reference import stacked_matmul_reference
+    from stacked_matmul import StackedMatmulConfig, stacked_matmul_gpu, stacked_matmul_reference
     cfg = config()
     L, E, F, H, K, D = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, \
         cfg.head_dim

@@ -8,7 +8,9 @@ writes an f32 partial [16, block_n]; one XLA reduction adds the S partials and r
 rows the matmul reads every weight byte once and does little else: S is chosen so that the grid has a few
 programs per SM (`target_programs`), which cuBLAS's tiles do not give for N = 4096 outputs.
 
-Runs in interpret mode on CPU (`interpret=True`). Semantics: `reference.stacked_matmul_reference`.
+Runs in interpret mode on CPU (`interpret=True`). Semantics: `stacked_matmul_reference`. An experiment of
+`bench_fixed.py` (part E), not part of the library: on the H100 it reads the weights no faster than cuBLAS
+(NOTES.md).
 """
 
 from __future__ import annotations
@@ -22,9 +24,26 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.stacked_matmul.reference import check_args
 
 Array = jax.Array
+
+def check_args(x: Array, w_all: Array, layer: Array) -> None:
+    """Raises ValueError naming the argument when the shapes do not describe x @ w_all[layer]."""
+    if x.ndim != 2:
+        raise ValueError(f"x: expected [M, K], got shape {x.shape}")
+    if w_all.ndim != 3:
+        raise ValueError(f"w_all: expected stacked weights [L, K, N], got shape {w_all.shape}")
+    if x.shape[1] != w_all.shape[1]:
+        raise ValueError(f"x has K = {x.shape[1]} columns but w_all's layers have K = {w_all.shape[1]} rows")
+    if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.asarray(layer).dtype, jnp.integer):
+        raise ValueError(f"layer: expected an integer scalar, got {jnp.asarray(layer).dtype}{jnp.shape(layer)}")
+
+
+def stacked_matmul_reference(x: Array, w_all: Array, layer: Array) -> Array:
+    check_args(x, w_all, layer)
+    w = jax.lax.dynamic_index_in_dim(w_all, layer, keepdims=False)
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
 
 ROWS = 16  # rows of the program's tile: Triton's tensor-core dot needs M >= 16
 
