@@ -9,7 +9,8 @@ layer. This script measures that part on the GPU, random bf16 weights, dense att
      start-up): "base"; "cmdbuf" (CUDA graphs also for while loops and dynamic-slice fusions:
      --xla_gpu_enable_command_buffer=...,WHILE,CONDITIONAL,DYNAMIC_SLICE_FUSION); "unroll2" / "unroll4" (the
      layer scan unrolled); "lt" (cuBLASLt GEMMs); "splitkS" (the down and output projections as S batched GEMMs
-     over slices of their contraction, `split_k_dense`, the partial sums added in f32);
+     over slices of their contraction, `split_k_dense`, the partial sums added in f32); "fused" (q/k/v and
+     gate/up as one weight each, `fused_layers`);
   B. the layer GEMMs alone, each in a scan over the 32 stacked layers, at M = B * T rows, in the current layout and
      in the alternatives (gate and up in one [E, 2F] weight; q, k, v in one; the weights stored transposed; the
      contraction split into S batched GEMMs), as
@@ -32,7 +33,40 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # stacked_matmul
 CMDBUF = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL,"
           "DYNAMIC_SLICE_FUSION --xla_gpu_graph_min_graph_size=1")
 VARIANT_FLAGS = {"base": "", "cmdbuf": CMDBUF, "unroll2": "", "unroll4": "", "lt": "--xla_gpu_enable_cublaslt=true",
-                 "splitk2": "", "splitk4": "", "splitk8": ""}
+                 "splitk2": "", "splitk4": "", "splitk8": "", "fused": ""}
+
+
+def fused_layers(llama, params):
+    """The "fused" variant: q, k, v in one [E, (Hq + 2 Hkv) D] weight and gate, up in one [E, 2F] weight per layer
+    (held in the wq and w_gate fields, wk, wv and w_up emptied), with `models.llama`'s q/k/v projection and MLP
+    patched to read them: one GEMM where the library runs three and two."""
+    import jax.numpy as jnp
+    lp = params.layers
+    L, E = lp.wq.shape[:2]
+    hq, hk = lp.wq.shape[2], lp.wk.shape[2]
+    qkv = jnp.concatenate([lp.wq.reshape(L, E, -1), lp.wk.reshape(L, E, -1), lp.wv.reshape(L, E, -1)], axis=-1)
+    gate_up = jnp.concatenate([lp.w_gate, lp.w_up], axis=-1)
+    empty = jnp.zeros((L, 1, 1), lp.wq.dtype)
+    params = params.replace(layers=lp.replace(wq=qkv, wk=empty, wv=empty, w_gate=gate_up, w_up=empty))
+
+    def qkv_projection(cfg, lp, h, positions, inv_freq):
+        B, T, _ = h.shape
+        D = cfg.head_dim
+        y = llama._dense(h, lp.wq, "bte,ef->btf")
+        q = y[..., :hq * D].reshape(B, T, hq, D)
+        k = y[..., hq * D:(hq + hk) * D].reshape(B, T, hk, D)
+        v = y[..., (hq + hk) * D:].reshape(B, T, hk, D)
+        return llama.apply_rope(q, positions, inv_freq), llama.apply_rope(k, positions, inv_freq), v
+
+    def mlp(cfg, lp, x):
+        h = llama.rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+        gu = llama._dense(h, lp.w_gate, "bte,ef->btf")
+        F = gu.shape[-1] // 2
+        act = (jax.nn.silu(gu[..., :F].astype(jnp.float32)) * gu[..., F:].astype(jnp.float32)).astype(x.dtype)
+        return llama._dense(act, lp.w_down, "btf,fe->bte")
+    import jax
+    llama.qkv_projection, llama.mlp = qkv_projection, mlp
+    return params
 
 
 def split_k_dense(S):
@@ -93,6 +127,8 @@ def part_a(variant):
     unroll = int(variant[6:]) if variant.startswith("unroll") else 1
     if variant.startswith("splitk"):
         llama._dense = split_k_dense(int(variant[6:]))
+    if variant == "fused":
+        params = fused_layers(llama, params)
     for B, T in SHAPES:
         t0 = time.perf_counter()
         dec = model_jit(lambda p, t, c: llama.decode(p, cfg, dense, t, c, None, unroll=unroll)[1],
