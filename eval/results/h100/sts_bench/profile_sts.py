@@ -5,7 +5,9 @@ Steps profiled at CTX (default 100000), batch B (default 2), budget K (default 5
 (T = gamma + 1), the STS verification (index merge), the draft's dense step, its STS first step (T = 2) and later
 step (dense + top-W; and with `first_step_mask`). STEPS (comma-separated, default all) picks steps by name:
 verify_dense, verify_sts, target_step_1k, draft_dense, draft_first, draft_later_dense, draft_later_mask.
-Writes $OUT/$JSON (default profile_sts.json) and prints the top kernels per step.
+Writes $OUT/$JSON (default profile_sts.json: per step the wall time, the kernels' total time, the launches, and
+per kernel name its time and launches per call) and prints the top kernels per step; HLO=1 also writes the STS
+verification's optimized HLO to $OUT/hlo_verify_sts.txt.
 """
 import dataclasses, glob, gzip, json, os, sys, time
 from collections import defaultdict
@@ -33,11 +35,12 @@ def kernel_totals(trace_dir):
     ev = json.load(gzip.open(path))
     ev = ev["traceEvents"] if isinstance(ev, dict) else ev
     pname = {e["pid"]: e["args"]["name"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"}
-    tot = defaultdict(float)
+    tot, cnt = defaultdict(float), defaultdict(int)
     for e in ev:
         if e.get("ph") == "X" and "GPU" in pname.get(e.get("pid"), "") and "dur" in e:
             tot[e["name"]] += e["dur"]
-    return dict(sorted(tot.items(), key=lambda kv: -kv[1]))
+            cnt[e["name"]] += 1
+    return dict(sorted(tot.items(), key=lambda kv: -kv[1])), cnt
 
 
 def profile(name, fn, carry, reps=3):
@@ -51,12 +54,14 @@ def profile(name, fn, carry, reps=3):
     with jax.profiler.trace(d, create_perfetto_trace=True):
         for _ in range(reps):
             carry = jax.block_until_ready(fn(carry))
-    tot = {k: v / reps for k, v in kernel_totals(d).items()}
+    tot, cnt = kernel_totals(d)
+    tot = {k: v / reps for k, v in tot.items()}
     gpu = sum(tot.values()) / 1e3
     print(f"\n== {name}: wall {wall:.2f} ms, GPU kernels {gpu:.2f} ms, {len(tot)} kernel names", flush=True)
     for k, v in list(tot.items())[:18]:
         print(f"  {v:9.1f} us  {k[:110]}")
-    return dict(wall_ms=wall, gpu_ms=gpu, kernels_us=dict(list(tot.items())[:60])), carry
+    return dict(wall_ms=wall, gpu_ms=gpu, launches=sum(cnt.values()) / reps, kernels_us=dict(list(tot.items())[:60]),
+                kernels_n={k: cnt[k] / reps for k in list(tot)[:60]}), carry
 
 
 def main():
@@ -87,6 +92,9 @@ def main():
         res["verify_dense"], tc = profile("verify_dense", lambda c: dec(tp, dense, toks, c, None), tc)
     if wanted("verify_sts"):
         res["verify_sts"], tc = profile("verify_sts", lambda c: dec(tp, tm, toks, c, rec), tc)
+        if os.environ.get("HLO"):  # the optimized HLO of the step: which source ops each fusion holds
+            with open(os.path.join(out, "hlo_verify_sts.txt"), "w") as f:
+                f.write(dec.lower(tp, tm, toks, tc, rec).compile().as_text())
     if wanted("target_step_1k"):
         res["target_step_1k"], _ = profile("verify_dense_ctx1k", lambda c: dec(tp, dense, toks, c, None),
                                           bs.cache(T_CFG, B, 1664, 1024))
