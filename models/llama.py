@@ -32,7 +32,7 @@ from models.attention import LayerContext, LayerKV, finish, segments, start
 from models.cache import KVCache
 from models.config import ModelConfig
 from models.params import LayerParams, Params
-from models.sharding import constrain
+from models.sharding import active_mesh, constrain
 
 Array = jax.Array
 F32 = jnp.float32
@@ -226,6 +226,22 @@ def _write_decode(cache_k: Array, layer: Array, positions: Array, k: Array) -> A
 # ----------------------------------------------------------------------------------------------- forward
 
 
+def gemm_row_padding(rows: int, dtype) -> int:
+    """Rows to add so that a forward's B x T token rows reach a multiple of 8 for its GEMMs, or 0.
+
+    On a GPU, XLA pads a bf16 / f16 GEMM's M dimension to a multiple of 8 for cuBLAS, one pad kernel for every
+    GEMM input and a slice after (about 6 pads and 4 copies per layer for the 15 rows of a verification with
+    gamma 4 at batch 3, or 4 rows of a batch-4 decode). `_scan_layers` instead pads the rows once per forward and
+    runs every GEMM, norm and the MLP on them, slicing only q / k / v for the attention. One row (M = 1, a GEMV) is
+    left alone, and so are other backends, other dtypes and forwards under a mesh (where the batch rows are split).
+    """
+    if rows <= 1 or rows % 8 == 0 or jax.default_backend() != "gpu" or active_mesh() is not None:
+        return 0
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return 0
+    return -rows % 8
+
+
 def _scan_layers(params: Params, cfg: ModelConfig, method, x: Array, positions: Array, lengths: Array,
                  cache: KVCache, state: Any, *, phase: str, kv_len: int, write, attend, collect: bool = False,
                  unroll: int | bool = 1):
@@ -241,12 +257,20 @@ def _scan_layers(params: Params, cfg: ModelConfig, method, x: Array, positions: 
     B, T = positions.shape
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     window_size = binding_window(cfg, method, kv_len)
+    pad = gemm_row_padding(B * T, x.dtype)
+    if pad:  # the B x T rows as one row of B * T + pad tokens (`gemm_row_padding`); zeros in the padding
+        rows = lambda a: jnp.pad(a.reshape((1, B * T) + a.shape[2:]), [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        unrows = lambda a: a[:, :B * T].reshape((B, T) + a.shape[2:])
+    else:
+        rows = unrows = lambda a: a
+    rope_positions = rows(positions)
 
     def layer_fn(carry, xs, segment=None):
         x, ck, cv, state = carry
         lp, layer, info, window = xs
         h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-        q, k, v = qkv_projection(cfg, lp, h, positions, inv_freq)
+        q, k, v = (unrows(a) for a in qkv_projection(cfg, lp, h, rope_positions, inv_freq))
+        h = unrows(h)
         # Under a mesh (models.sharding): the method sees q, k, v and the cache split by heads and rows.
         q = constrain(q, ("batch", None, "heads", "head_dim"))
         k, v = (constrain(a, ("batch", None, "kv_heads", "head_dim")) for a in (k, v))
@@ -254,12 +278,12 @@ def _scan_layers(params: Params, cfg: ModelConfig, method, x: Array, positions: 
         ctx = LayerContext(layer=layer, lengths=lengths, info=info, hidden=h, segment=segment, window=window,
                            window_size=window_size, every_layer_windowed=cfg.every_layer_windowed)
         attn, state = attend(ctx, q, k, v, ck, cv, state)
-        x_attn = x + _dense(attn.astype(x.dtype), lp.wo, "bthd,hde->bte", lp.bo)
-        return (x_attn + mlp(cfg, lp, x_attn), ck, cv, state), ((x, x_attn) if collect else None)
+        x_attn = x + _dense(rows(attn.astype(x.dtype)), lp.wo, "bthd,hde->bte", lp.bo)
+        return (x_attn + mlp(cfg, lp, x_attn), ck, cv, state), ((unrows(x), unrows(x_attn)) if collect else None)
 
     state = start(method, cfg, state, phase, B, T, kv_len, lengths=lengths)
     xs = _layer_xs(cfg, params, method)
-    carry = (x, constrain(cache.k, _CACHE_AXES), constrain(cache.v, _CACHE_AXES), state)
+    carry = (rows(x), constrain(cache.k, _CACHE_AXES), constrain(cache.v, _CACHE_AXES), state)
     segs = segments(method, cfg, phase)
     if len(segs) == 1:
         carry, hidden = jax.lax.scan(functools.partial(layer_fn, segment=segs[0][2]), carry, xs, unroll=unroll)
@@ -279,7 +303,7 @@ def _scan_layers(params: Params, cfg: ModelConfig, method, x: Array, positions: 
             parts.append(h)
         hidden = jax.tree_util.tree_map(lambda *hs: jnp.concatenate(hs), *parts) if collect else None
     x, ck, cv, state = carry
-    return x, ck, cv, finish(method, state, phase), hidden
+    return unrows(x), ck, cv, finish(method, state, phase), hidden
 
 
 def prefill(params: Params, cfg: ModelConfig, method, tokens: Array, lengths: Array, cache: KVCache,

@@ -123,3 +123,33 @@ def test_generate_returns_the_state_of_its_own_prefill(params):
                                tsa.init_state(CFG, 2, 64))
     np.testing.assert_array_equal(state.kept, want.kept)
     assert (np.asarray(state.kept)[1:] < np.asarray(lengths)[None]).all()  # really dropped, not dense by accident
+
+
+@pytest.mark.parametrize("method", ["dense", "h2o"])
+def test_gemm_row_padding_leaves_every_output_unchanged(params, monkeypatch, method):
+    """The forward's rows padded to a multiple of 8 once (`llama.gemm_row_padding`, on by default only for bf16 /
+    f16 on GPUs; forced here on the CPU) give the same logits, cache, method state and hidden states as unpadded."""
+    m = make_method(method, **({"budget": 0.3, "min_tokens": 6} if method == "h2o" else {}))
+    tokens = jax.random.randint(jax.random.key(3), (3, 13), 0, CFG.vocab_size)
+    lengths = jnp.array([13, 11, 7])
+
+    def run():
+        st = m.init_state(CFG, 3, 32)
+        logits, cache, st, hidden = llama.prefill(params, CFG, m, tokens, lengths, init_cache(CFG, 3, 32, jnp.float32),
+                                                  st, all_logits=True, return_hidden=True)
+        dec = [llama.decode(params, CFG, m, tokens[:, :5], cache, st)]  # 3 x 5 = 15 rows
+        dec.append(llama.decode(params, CFG, m, tokens[:, 5:6], dec[0][1], dec[0][2]))  # 3 rows
+        return logits, cache, hidden, dec
+
+    plain = run()
+    assert llama.gemm_row_padding(15, jnp.bfloat16) == 0  # off on the CPU
+    seen = []
+
+    def forced(rows, dtype):
+        seen.append(rows)
+        return -rows % 8 if rows > 1 else 0
+    monkeypatch.setattr(llama, "gemm_row_padding", forced)
+    padded = run()
+    assert 39 in seen and 15 in seen and 3 in seen  # prefill 3 x 13, verification-like 3 x 5, decode 3 x 1
+    for a, b in zip(jax.tree_util.tree_leaves(plain), jax.tree_util.tree_leaves(padded)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
