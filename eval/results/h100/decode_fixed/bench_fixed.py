@@ -28,7 +28,8 @@ import datetime, json, os, subprocess, sys, time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # stacked_matmul.py (part E)
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "sts_bench")]  # stacked_matmul.py (part E); bench_sts.timeit
 
 CMDBUF = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL,"
           "DYNAMIC_SLICE_FUSION --xla_gpu_graph_min_graph_size=1")
@@ -103,14 +104,10 @@ def config():
     return cfg
 
 
-def timeit(fn, carry, n=10, warm=3):
-    import jax
-    for _ in range(warm):
-        carry = jax.block_until_ready(fn(carry))
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter(); carry = jax.block_until_ready(fn(carry)); ts.append(time.perf_counter() - t)
-    return float(np.median(ts)) * 1e3, carry
+def timeit(fn, carry):
+    """fn(carry) -> carry; median ms of 10 calls after 3 warm-up calls (`bench_sts.timeit`)."""
+    from bench_sts import timeit as median_ms
+    return median_ms(fn, carry, n=10, warm=3)
 
 
 def part_a(variant):
