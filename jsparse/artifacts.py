@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
+from models.params import Slice, projection_views
 
 ARTIFACT_JSON = "artifact.json"
 ARRAYS_NPZ = "arrays.npz"
@@ -35,13 +36,19 @@ class ArtifactError(ValueError):
 def model_fingerprint(cfg: ModelConfig, params: Any) -> str:
     """A short hex digest of the config and a strided sample of every weight."""
     h = hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode())
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        flat = jnp.ravel(leaf)
-        stride = max(1, flat.shape[0] // _SAMPLES_PER_LEAF)
+    # The separate q/k/v and gate/up layout's leaves, read in place from fused params: one fingerprint for both.
+    for path, leaf in jax.tree_util.tree_leaves_with_path(projection_views(params)):
+        shape = tuple(leaf.shape)
+        n = int(np.prod(shape))
+        stride = max(1, n // _SAMPLES_PER_LEAF)
+        index = list(np.unravel_index(np.arange(0, n, stride)[:_SAMPLES_PER_LEAF], shape))
+        if isinstance(leaf, Slice):
+            index[leaf.axis] = index[leaf.axis] + leaf.start
+            leaf = leaf.array
         # Sampled values rounded to bf16, so the f32 and bf16 loads of one checkpoint share a fingerprint.
-        sample = np.asarray(jax.device_get(flat[::stride][:_SAMPLES_PER_LEAF].astype(jnp.bfloat16)))
+        sample = np.asarray(jax.device_get(jnp.asarray(leaf)[tuple(index)].astype(jnp.bfloat16)))
         h.update(jax.tree_util.keystr(path).encode())
-        h.update(str(tuple(leaf.shape)).encode())
+        h.update(str(shape).encode())
         h.update(sample.view(np.uint16).tobytes())
     return h.hexdigest()[:16]
 

@@ -34,7 +34,7 @@ from models import sharding
 from models.config import ModelConfig
 from models.convert import load_hf_folder, params_from_numpy, params_to_numpy
 from models.gguf_loader import load_gguf, open_gguf
-from models.params import Params
+from models.params import Params, fuse_by_default, fuse_projections
 
 BUNDLED = ("smollm2",)
 CACHE_ENV = "JSPARSE_CACHE"
@@ -239,7 +239,7 @@ def _gguf_tokenizer(path: Path):
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def load_model(spec: str | os.PathLike, dtype=jnp.float32, mesh=None) -> LoadedModel:
+def load_model(spec: str | os.PathLike, dtype=jnp.float32, mesh=None, fuse: bool | None = None) -> LoadedModel:
     """Loads "smollm2", a Hugging Face folder or a .gguf file (see `resolve_model`).
 
     `SPEC:layers=0-9` (ranges and single layers, comma-separated, e.g. `layers=0-5,29`) keeps only those layers
@@ -250,11 +250,18 @@ def load_model(spec: str | os.PathLike, dtype=jnp.float32, mesh=None) -> LoadedM
       dtype: dtype of the params (jnp.float32 or jnp.bfloat16).
       mesh: None (one device) or a `jax.sharding.Mesh`: each tensor goes from the host to its shards
         (`models.sharding`), no device holding a full copy of a sharded tensor; the model records the mesh.
+      fuse: hold q/k/v and gate/up as one weight each (`models.params.fuse_projections`); None: on a GPU without a
+        mesh (`models.params.fuse_by_default`). The outputs are the same either way; artifacts' fingerprints too.
     """
+    if fuse is None:
+        fuse = fuse_by_default(mesh)
+    if fuse and mesh is not None:
+        raise ValueError("fuse=True with a mesh: fused q/k/v and gate/up weights cannot be sharded by heads; "
+                         "expected fuse=None or False on a mesh")
     m = re.fullmatch(r"(.+):layers=([0-9,\- ]+)", os.fspath(spec))
     if m is not None:
-        model = load_model(m.group(1), dtype, mesh)
-        return keep_layers(model, parse_layers(m.group(2), model.cfg.num_layers))
+        model = load_model(m.group(1), dtype, mesh, fuse=False)
+        return _fused(keep_layers(model, parse_layers(m.group(2), model.cfg.num_layers)), fuse)
     resolved = resolve_model(spec)
     if resolved.kind == "gguf":
         cfg, params, _ = load_gguf_cached(resolved.path, dtype, mesh)
@@ -266,7 +273,11 @@ def load_model(spec: str | os.PathLike, dtype=jnp.float32, mesh=None) -> LoadedM
             from models.tokenizer import transformers_module
 
             tokenizer = transformers_module().AutoTokenizer.from_pretrained(str(resolved.path))
-    return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, name=resolved.name, mesh=mesh)
+    return _fused(LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, name=resolved.name, mesh=mesh), fuse)
+
+
+def _fused(model: LoadedModel, fuse: bool) -> LoadedModel:
+    return dataclasses.replace(model, params=fuse_projections(model.params, donate=True)) if fuse else model
 
 
 def parse_layers(text: str, num_layers: int) -> list[int]:

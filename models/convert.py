@@ -32,7 +32,7 @@ import ml_dtypes
 import numpy as np
 
 from models.config import ConfigError, ModelConfig
-from models.params import LayerParams, Params, check_shapes
+from models.params import LayerParams, Params, Slice, check_shapes, projection_views
 
 ShapeFn = Callable[[ModelConfig], tuple[int, ...]]
 Reshape = Callable[[np.ndarray, ModelConfig], np.ndarray]
@@ -409,11 +409,12 @@ def from_transformers(model, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
 
 
 def params_to_numpy(params: Params) -> dict[str, np.ndarray]:
-    """Flattens params to {"embed": ..., "layers.wq": ...} numpy arrays (absent leaves omitted)."""
+    """Flattens params to {"embed": ..., "layers.wq": ...} numpy arrays (absent leaves omitted), always in the
+    separate q/k/v and gate/up layout (fused params are split, `models.params.projection_views`)."""
     out = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(projection_views(params)):
         name = ".".join(str(getattr(k, "name", k)) for k in path)
-        out[name] = np.asarray(leaf)
+        out[name] = np.asarray(leaf.get() if isinstance(leaf, Slice) else leaf)
     return out
 
 

@@ -88,10 +88,17 @@ def _dense(x: Array, w: Array, spec: str, bias: Array | None = None) -> Array:
 
 
 def qkv_projection(cfg: ModelConfig, lp: LayerParams, h: Array, positions: Array, inv_freq: Array):
-    """h: [B, T, E] (normed) -> q: [B, T, Hq, D], k, v: [B, T, Hkv, D], RoPE applied to q and k."""
-    q = _dense(h, lp.wq, "bte,ehd->bthd", lp.bq)
-    k = _dense(h, lp.wk, "bte,ehd->bthd", lp.bk)
-    v = _dense(h, lp.wv, "bte,ehd->bthd", lp.bv)
+    """h: [B, T, E] (normed) -> q: [B, T, Hq, D], k, v: [B, T, Hkv, D], RoPE applied to q and k.
+
+    Fused params (`models.params.fuse_projections`) run one GEMM for the three and slice its heads."""
+    if lp.wqkv is not None:
+        hq, hkv = lp.fused_heads
+        qkv = _dense(h, lp.wqkv, "bte,ehd->bthd", lp.bqkv)
+        q, k, v = qkv[:, :, :hq], qkv[:, :, hq:hq + hkv], qkv[:, :, hq + hkv:]
+    else:
+        q = _dense(h, lp.wq, "bte,ehd->bthd", lp.bq)
+        k = _dense(h, lp.wk, "bte,ehd->bthd", lp.bk)
+        v = _dense(h, lp.wv, "bte,ehd->bthd", lp.bv)
     if cfg.qk_norm:
         q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
         k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
@@ -100,8 +107,12 @@ def qkv_projection(cfg: ModelConfig, lp: LayerParams, h: Array, positions: Array
 
 def mlp(cfg: ModelConfig, lp: LayerParams, x: Array) -> Array:
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-    gate = _dense(h, lp.w_gate, "bte,ef->btf", lp.b_gate)
-    up = _dense(h, lp.w_up, "bte,ef->btf", lp.b_up)
+    if lp.w_gate_up is not None:  # fused: one GEMM, gate then up
+        gate_up = _dense(h, lp.w_gate_up, "bte,ef->btf", lp.b_gate_up)
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+    else:
+        gate = _dense(h, lp.w_gate, "bte,ef->btf", lp.b_gate)
+        up = _dense(h, lp.w_up, "bte,ef->btf", lp.b_up)
     act = (jax.nn.silu(gate.astype(F32)) * up.astype(F32)).astype(x.dtype)
     return _dense(act, lp.w_down, "btf,fe->bte", lp.b_down)
 

@@ -13,12 +13,24 @@ Layout (E = hidden, F = intermediate, L = layers, Hq / Hkv = query / KV heads, D
   final_norm   [E]
   lm_head      [E, V]   (None when the embedding is tied)
 
+Fused layout (`fuse_projections`, what `jsparse.load` gives on a GPU without a mesh): q/k/v as one weight and gate/up
+as one, so each layer runs one GEMM for each pair instead of three and two (fewer, larger GEMMs read the weights
+faster at decode's few rows; eval/results/h100/decode_fixed/):
+
+  layers.wqkv  [L, E, Hq + 2 Hkv, D]  (q heads, then k, then v)   layers.bqkv [L, Hq + 2 Hkv, D]
+  layers.w_gate_up [L, E, 2 F]  (gate, then up)                   layers.b_gate_up [L, 2 F]
+
+with wq, wk, wv, w_gate, w_up (and their biases) None. Converters, `expected_shapes`, `param_axes`, sharding and
+saved files use the separate layout above; `unfuse_projections` goes back, `projection_views` reads the separate
+tensors out of a fused tree without copying them.
+
 `param_axes` gives the same tree with logical axis names (heads, kv_heads, embed, mlp, vocab, layers,
 head_dim, norm) so params can be laid on a mesh with `flax.linen.logical_to_mesh_sharding`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import jax
@@ -51,6 +63,12 @@ class LayerParams:
     b_gate: Optional[Array] = None
     b_up: Optional[Array] = None
     b_down: Optional[Array] = None
+    wqkv: Optional[Array] = None
+    bqkv: Optional[Array] = None
+    w_gate_up: Optional[Array] = None
+    b_gate_up: Optional[Array] = None
+    # (Hq, Hkv) of a fused wqkv (static: part of the tree's structure); None in the separate layout.
+    fused_heads: Optional[tuple] = struct.field(pytree_node=False, default=None)
 
 
 @struct.dataclass
@@ -136,3 +154,97 @@ def cast(params: Params, dtype) -> Params:
 
 def to_numpy(params: Params) -> Params:
     return jax.tree_util.tree_map(np.asarray, params)
+
+
+# ----------------------------------------------------------------------------------------------- fused layout
+
+_FUSED = (("wqkv", ("wq", "wk", "wv"), -2), ("bqkv", ("bq", "bk", "bv"), -2),
+          ("w_gate_up", ("w_gate", "w_up"), -1), ("b_gate_up", ("b_gate", "b_up"), -1))
+
+
+def is_fused(params: Params) -> bool:
+    """True when `params` hold the fused q/k/v and gate/up weights (`fuse_projections`)."""
+    return params.layers.wqkv is not None
+
+
+def fuse_by_default(mesh=None) -> bool:
+    """Whether `jsparse.load` fuses the projections: on a GPU (where it is measured to save time per decode step)
+    and without a mesh (sharding splits the separate weights by heads; a fused q/k/v would cross head groups)."""
+    return mesh is None and jax.default_backend() == "gpu"
+
+
+def default_layout(params: Params, mesh=None, donate: bool = False) -> Params:
+    """`params` in the layout `jsparse.load` gives them (fused when `fuse_by_default(mesh)`): for benchmarks and
+    checks that make their own weights (`random_params`) and should time what users run."""
+    return fuse_projections(params, donate=donate) if fuse_by_default(mesh) else params
+
+
+def fuse_projections(params: Params, donate: bool = False) -> Params:
+    """`params` in the fused layout (module docstring): wq/wk/wv concatenated on the head axis into wqkv,
+    w_gate/w_up on the last axis into w_gate_up (biases likewise). Already fused params come back unchanged.
+
+    donate: delete each separate weight once its fused copy exists, so that loading an 8B model needs about one
+      fused pair's worth of extra memory rather than a second copy of all five (only for params nobody else holds).
+    """
+    lp = params.layers
+    if lp.wqkv is not None:
+        return params
+    updates = {}
+    for fused, parts, axis in _FUSED:
+        arrays = [getattr(lp, p) for p in parts]
+        if arrays[0] is None:
+            continue
+        updates[fused] = jnp.concatenate(arrays, axis=axis)
+        for p, a in zip(parts, arrays):
+            updates[p] = None
+            if donate and isinstance(a, jax.Array):
+                updates[fused].block_until_ready()
+                a.delete()
+    updates["fused_heads"] = (lp.wq.shape[-2], lp.wk.shape[-2])
+    return params.replace(layers=lp.replace(**updates))
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """A view of `array[..., start:start + size, ...]` on `axis` (a separate weight inside a fused one)."""
+    array: Array
+    axis: int
+    start: int
+    size: int
+
+    @property
+    def shape(self) -> tuple:
+        shape = list(self.array.shape)
+        shape[self.axis] = self.size
+        return tuple(shape)
+
+    def get(self) -> Array:
+        return jax.lax.slice_in_dim(self.array, self.start, self.start + self.size, axis=self.axis) \
+            if isinstance(self.array, jax.Array) else np.asarray(self.array)[
+                (slice(None),) * (self.axis % self.array.ndim) + (slice(self.start, self.start + self.size),)]
+
+
+def projection_views(params: Params) -> Params:
+    """`params` in the separate layout, without copies: in fused params each separate tensor is a `Slice` of its
+    fused one (leaves in the order and with the paths of the separate layout); separate params come back as they
+    are."""
+    lp = params.layers
+    if lp.wqkv is None:
+        return params
+    hq, hkv = lp.fused_heads
+    updates = {name: None for name, _, _ in _FUSED}
+    for fused, parts, axis in _FUSED:
+        a = getattr(lp, fused)
+        if a is None:
+            continue
+        sizes = (hq, hkv, hkv) if len(parts) == 3 else (a.shape[-1] // 2,) * 2
+        start = 0
+        for p, size in zip(parts, sizes):
+            updates[p] = Slice(a, axis % a.ndim, start, size)
+            start += size
+    return params.replace(layers=lp.replace(fused_heads=None, **updates))
+
+
+def unfuse_projections(params: Params) -> Params:
+    """The separate layout of fused params (copies of the slices); separate params come back unchanged."""
+    return jax.tree_util.tree_map(lambda x: x.get() if isinstance(x, Slice) else x, projection_views(params))

@@ -77,7 +77,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from models.cache import KVCache, cache_axes
 from models.config import ModelConfig
-from models.params import Params, expected_shapes, param_axes
+from models.params import Params, expected_shapes, is_fused, param_axes
 
 Array = jax.Array
 
@@ -232,6 +232,10 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh, params: Params | None = None) 
     """NamedSharding per parameter (q/k/v/o by heads, MLP by hidden, vocab by model, norms replicated), for
     `params` or, when None, for the shapes `cfg` implies."""
     check_heads(cfg, mesh)
+    if params is not None and is_fused(params):
+        raise ShardingError("params in the fused q/k/v and gate/up layout cannot be placed on a mesh (a fused q/k/v "
+                            "would be split across head groups): expected the separate layout, "
+                            "models.params.unfuse_projections(params) (jsparse.on_mesh does this)")
     return tree_shardings(expected_shapes(cfg) if params is None else params, param_axes(cfg), mesh)
 
 

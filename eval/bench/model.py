@@ -57,7 +57,7 @@ from jsparse.methods import make_method
 from models import llama
 from models.cache import KVCache, init_cache
 from models.generate import round_up
-from models.params import random_params
+from models.params import default_layout, is_fused, random_params
 from models.presets import preset
 from models.compile_options import model_jit
 
@@ -359,7 +359,7 @@ def run_methods(shape: str, methods, contexts, batches, steps: int, out: str | N
                    for m in methods if m in PREFILL_METHODS})
     facts = bm.device_facts()
     hbm = bm.measure_hbm_gbs()
-    params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
+    params = default_layout(random_params(cfg, jax.random.key(0), jnp.bfloat16), donate=True)
     mm = bm.measure_matmul_tflops() if prefill_contexts else 0.0
     rows = method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, prefill_contexts, mm,
                        tsa_kept=tsa_kept, method_options=method_options)
@@ -369,7 +369,7 @@ def run_methods(shape: str, methods, contexts, batches, steps: int, out: str | N
                "config": {k: getattr(cfg, k) for k in ("num_layers", "hidden_size", "intermediate_size", "num_heads",
                                                        "num_kv_heads", "head_dim", "vocab_size")},
                "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), "measured_hbm_gbs": hbm,
-               "param_bytes": param_bytes(params), "decode_steps_timed": steps, "measured_matmul_tflops": mm or None,
+               "param_bytes": param_bytes(params), "fused_projections": is_fused(params), "decode_steps_timed": steps, "measured_matmul_tflops": mm or None,
                "methods": checks, "rows": rows}
     if out:
         bm.write_json(out, payload)
@@ -388,7 +388,7 @@ def run(shape: str, contexts, batches, steps: int = 16, out: str | None = None, 
     facts = bm.device_facts()
     hbm = bm.measure_hbm_gbs()
     mm = bm.measure_matmul_tflops()
-    params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
+    params = default_layout(random_params(cfg, jax.random.key(0), jnp.bfloat16), donate=True)
     method = make_method("dense")
     rows = []
     for context in contexts:

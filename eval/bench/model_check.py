@@ -54,7 +54,7 @@ from flax import struct
 from jsparse import selection as sel
 from models import llama
 from models.cache import init_cache
-from models.params import random_params
+from models.params import default_layout, random_params
 from pallas_kernels.sparse_attention.reference import decode_indices_to_mask, masked_attention_reference
 
 CHECK_LAYERS, CHECK_KV_HEADS, CHECK_HIDDEN, CHECK_VOCAB = 8, 2, 256, 512
@@ -344,7 +344,7 @@ def run_checks(shape_cfg, methods, build: Callable, dtype=jnp.bfloat16, *, raise
     (`eval.bench.model.bench_method`). Raises CheckFailed naming each failed method, its error and tolerance
     (after checking them all)."""
     cfg = check_config(shape_cfg)
-    params = random_params(cfg, jax.random.key(seed), dtype)
+    params = default_layout(random_params(cfg, jax.random.key(seed), dtype), donate=True)
     out = {}
     for name in methods:
         t0 = time.perf_counter()
