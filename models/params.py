@@ -173,10 +173,17 @@ def fuse_by_default(mesh=None) -> bool:
     return mesh is None and jax.default_backend() == "gpu"
 
 
-def default_layout(params: Params, mesh=None, donate: bool = False) -> Params:
-    """`params` in the layout `jsparse.load` gives them (fused when `fuse_by_default(mesh)`): for benchmarks and
-    checks that make their own weights (`random_params`) and should time what users run."""
-    return fuse_projections(params, donate=donate) if fuse_by_default(mesh) else params
+LAYOUTS = ("default", "fused", "separate")
+
+
+def with_layout(params: Params, layout: str = "default", mesh=None, donate: bool = False) -> Params:
+    """`params` in `layout`: "default" is what `jsparse.load` gives (fused when `fuse_by_default(mesh)`), "fused"
+    or "separate" force one. For benchmarks and checks that make their own weights (`random_params`): they time
+    what users run unless told otherwise."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: expected one of {LAYOUTS}")
+    fuse = fuse_by_default(mesh) if layout == "default" else layout == "fused"
+    return fuse_projections(params, donate=donate) if fuse else unfuse_projections(params)
 
 
 def fuse_projections(params: Params, donate: bool = False) -> Params:

@@ -94,11 +94,14 @@ def test_donate_deletes_the_separate_weights():
     assert not fused.layers.wqkv.is_deleted()
 
 
-def test_default_layout_is_fused_on_a_gpu_only():
+def test_the_default_layout_is_fused_on_a_gpu_only():
     sep = _random(CONFIGS["llama"])
     assert P.fuse_by_default() == (jax.default_backend() == "gpu")
     assert not P.fuse_by_default(mesh=object())  # never on a mesh
-    assert P.is_fused(P.default_layout(sep)) == P.fuse_by_default()
+    assert P.is_fused(P.with_layout(sep)) == P.fuse_by_default()
+    assert P.is_fused(P.with_layout(sep, "fused")) and not P.is_fused(P.with_layout(P.fuse_projections(sep), "separate"))
+    with pytest.raises(ValueError, match="layout='packed'"):
+        P.with_layout(sep, "packed")
 
 
 def _hf_folder(tmp_path):

@@ -57,7 +57,7 @@ from jsparse.methods import make_method
 from models import llama
 from models.cache import KVCache, init_cache
 from models.generate import round_up
-from models.params import default_layout, is_fused, random_params
+from models.params import LAYOUTS, is_fused, random_params, with_layout
 from models.presets import preset
 from models.compile_options import model_jit
 
@@ -333,7 +333,8 @@ def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, pre
     return rows
 
 
-def method_checks(cfg, methods, budget: float, check: bool, method_options: dict | None = None) -> dict:
+def method_checks(cfg, methods, budget: float, check: bool, method_options: dict | None = None,
+                  layout: str = "default") -> dict:
     """{method: {"check": ...}} for the JSON: each method's correctness check (`model_check.run_checks`, in bf16 as
     the timed run; raises model_check.CheckFailed naming the failed methods), or a note that it was skipped."""
     if not check:
@@ -342,24 +343,26 @@ def method_checks(cfg, methods, budget: float, check: bool, method_options: dict
     def build(name, small_cfg):
         return bench_method(name, small_cfg, budget, evo_budget_tokens=model_check.CHECK_EVO_TOKENS,
                             options=(method_options or {}).get(name))[0]
-    return {m: {"check": c} for m, c in model_check.run_checks(cfg, methods, build, jnp.bfloat16).items()}
+    return {m: {"check": c}
+            for m, c in model_check.run_checks(cfg, methods, build, jnp.bfloat16, layout=layout).items()}
 
 
 def run_methods(shape: str, methods, contexts, batches, steps: int, out: str | None, budget: float,
                 prefill_contexts=(), check: bool = True, tsa_kept: float = TSA_KEPT, attention_only: bool = False,
-                method_options: dict | None = None):
+                method_options: dict | None = None, layout: str = "default"):
     cfg = attention_only_config(preset(shape)) if attention_only else preset(shape)
     if methods[0] != "dense":
         methods = ("dense",) + tuple(m for m in methods if m != "dense")  # the baseline of the same run, first
     if not prefill_contexts:  # the prefill methods have no decode rows of their own
         methods = tuple(m for m in methods if m not in PREFILL_METHODS)
-    checks = method_checks(cfg, tuple(m for m in methods if m not in PREFILL_METHODS), budget, check, method_options)
+    checks = method_checks(cfg, tuple(m for m in methods if m not in PREFILL_METHODS), budget, check, method_options,
+                           layout)
     checks.update({m: {"check": f"prefill only: decodes as {'dense' if m == 'tsa' else 'kascade'} (checked there); "
                                 "its prefill kernels are checked by `jsparse bench tsa`"}
                    for m in methods if m in PREFILL_METHODS})
     facts = bm.device_facts()
     hbm = bm.measure_hbm_gbs()
-    params = default_layout(random_params(cfg, jax.random.key(0), jnp.bfloat16), donate=True)
+    params = with_layout(random_params(cfg, jax.random.key(0), jnp.bfloat16), layout, donate=True)
     mm = bm.measure_matmul_tflops() if prefill_contexts else 0.0
     rows = method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, prefill_contexts, mm,
                        tsa_kept=tsa_kept, method_options=method_options)
@@ -382,13 +385,14 @@ def run_methods(shape: str, methods, contexts, batches, steps: int, out: str | N
     return payload
 
 
-def run(shape: str, contexts, batches, steps: int = 16, out: str | None = None, check: bool = True):
+def run(shape: str, contexts, batches, steps: int = 16, out: str | None = None, check: bool = True,
+        layout: str = "default"):
     cfg = preset(shape)
-    checks = method_checks(cfg, ("dense",), 0.1, check)
+    checks = method_checks(cfg, ("dense",), 0.1, check, layout=layout)
     facts = bm.device_facts()
     hbm = bm.measure_hbm_gbs()
     mm = bm.measure_matmul_tflops()
-    params = default_layout(random_params(cfg, jax.random.key(0), jnp.bfloat16), donate=True)
+    params = with_layout(random_params(cfg, jax.random.key(0), jnp.bfloat16), layout, donate=True)
     method = make_method("dense")
     rows = []
     for context in contexts:
@@ -426,6 +430,7 @@ def run(shape: str, contexts, batches, steps: int = 16, out: str | None = None, 
             print(row, flush=True)
     payload = {**facts, "benchmark": "model_dense", "xla_flags": os.environ.get("XLA_FLAGS", ""), "shape": shape, "dtype": "bfloat16", "weights": "random",
                "measured_hbm_gbs": hbm, "measured_matmul_tflops": mm, "param_bytes": param_bytes(params),
+               "fused_projections": is_fused(params),
                "decode_steps_timed": steps, "methods": checks, "rows": rows}
     if out:
         bm.write_json(out, payload)
@@ -464,6 +469,9 @@ def main(argv=None, prog=None):
                    help="an option of one method's builder (repeatable, comma-separated), e.g. kascade.tile=128 or "
                         "tsa+kascade.tile=128 (tsa+kascade splits its options between Kascade and TSA as its builder "
                         "does); VALUE is read as JSON where it parses")
+    p.add_argument("--layout", default="default", choices=LAYOUTS,
+                   help="the weights' layout: default (what jsparse.load gives: q/k/v and gate/up fused into one "
+                        "weight each on a GPU, models.params), fused, or separate (one GEMM per projection)")
     p.add_argument("--no-check", action="store_true",
                    help="skip the correctness check that runs before timing (each method's decode step against its "
                         "masked reference on a small model; see above)")
@@ -496,11 +504,12 @@ def main(argv=None, prog=None):
                 p.error("--method-option: dense alone takes no options")
             if a.attention_only:
                 p.error("--attention-only compares methods: give --methods (dense and others)")
-            run(a.shape, contexts, batches, a.steps, a.out, check=not a.no_check)
+            run(a.shape, contexts, batches, a.steps, a.out, check=not a.no_check, layout=a.layout)
         else:
             pre = [int(x) for x in a.prefill_context.split(",") if x.strip()]
             run_methods(a.shape, methods, contexts, batches, a.steps, a.out, a.budget, pre, check=not a.no_check,
-                        tsa_kept=a.tsa_kept, attention_only=a.attention_only, method_options=method_options)
+                        tsa_kept=a.tsa_kept, attention_only=a.attention_only, method_options=method_options,
+                        layout=a.layout)
     except CheckFailed as e:
         sys.exit(f"{p.prog}: error: {e}")
 

@@ -54,7 +54,7 @@ from flax import struct
 from jsparse import selection as sel
 from models import llama
 from models.cache import init_cache
-from models.params import default_layout, random_params
+from models.params import random_params, with_layout
 from pallas_kernels.sparse_attention.reference import decode_indices_to_mask, masked_attention_reference
 
 CHECK_LAYERS, CHECK_KV_HEADS, CHECK_HIDDEN, CHECK_VOCAB = 8, 2, 256, 512
@@ -338,13 +338,13 @@ def check_method(name: str, method, cfg, params, *, lengths=CHECK_LENGTHS, steps
 
 
 def run_checks(shape_cfg, methods, build: Callable, dtype=jnp.bfloat16, *, raise_on_failure: bool = True,
-               seed: int = 0) -> dict[str, dict]:
+               seed: int = 0, layout: str = "default") -> dict[str, dict]:
     """The check of every method of a run at model shape `shape_cfg` (the preset of the timed run): {name: check
     dict}. build(name, cfg) -> the method as the timed run builds it, for the check's model config `cfg`
     (`eval.bench.model.bench_method`). Raises CheckFailed naming each failed method, its error and tolerance
-    (after checking them all)."""
+    (after checking them all). layout: the weights' layout (`models.params.with_layout`), as the timed run's."""
     cfg = check_config(shape_cfg)
-    params = default_layout(random_params(cfg, jax.random.key(seed), dtype), donate=True)
+    params = with_layout(random_params(cfg, jax.random.key(seed), dtype), layout, donate=True)
     out = {}
     for name in methods:
         t0 = time.perf_counter()

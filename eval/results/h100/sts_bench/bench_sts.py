@@ -23,7 +23,8 @@ about 68 GB: weights 18.5 GB, target cache 39.6 GB, draft cache 9.9 GB).
 Environment: CELLS="32768:1,100000:2" (context:batch list; the default), BUDGETS="512,4096", ROUND_BUDGETS="512"
 (budgets whose rounds are timed), ACCEPT=3, POOLS="2,4" (the `mask_pool` values), ROUND_VARIANTS (default
 "index,index+mask" and "index+mask_poolP" for each pool; "old" only when named), SMOKE=1 (tiny shapes: a CPU
-check of the script), GIT_COMMIT (recorded).
+check of the script), LAYOUT (the weights' layout, `models.params.with_layout`: default = fused q/k/v and gate/up
+on a GPU since 2026-11-28, fused or separate), GIT_COMMIT (recorded).
 GPU: `OUT=... GIT_COMMIT=$(git rev-parse --short HEAD) python eval/results/h100/sts_bench/bench_sts.py`.
 """
 import dataclasses, json, os, time, datetime, traceback
@@ -34,7 +35,7 @@ from eval.bench.model import filled_cache
 from jsparse.methods.base import make_method
 from jsparse.methods.sts import STS, DraftRecord
 from models import llama
-from models.params import random_params
+from models.params import fuse_by_default, random_params, with_layout
 from models.presets import preset
 from models.speculative import SpecState, round_step
 from models.compile_options import model_jit
@@ -53,6 +54,12 @@ ACCEPT = int(os.environ.get("ACCEPT", 3))
 POOLS = [int(x) for x in os.environ.get("POOLS", "2,4").split(",") if x]  # `mask_pool` values measured
 ROUND_VARIANTS = os.environ.get("ROUND_VARIANTS", "index,index+mask," + ",".join(f"index+mask_pool{p}" for p in POOLS))
 ROUND_SET = set(ROUND_VARIANTS.split(","))  # the round variants timed (whole names)
+LAYOUT = os.environ.get("LAYOUT", "default")
+
+
+def make_params(cfg, key):
+    """Random bf16 weights of `cfg` in LAYOUT."""
+    return with_layout(random_params(cfg, key, BF), LAYOUT, donate=True)
 
 
 def timeit(fn, carry, n=5, warm=2):
@@ -105,14 +112,16 @@ def dump(out, recs, wb_t, wb_d):
                                os.environ.get("ROUND_BUDGETS", ""), ACCEPT, os.environ.get("POOLS", ""),
                                ROUND_VARIANTS),
                    target="llama3-8b shapes", draft="llama3.2-1b shapes", dtype="bfloat16", gamma=GAMMA,
-                   accepted_timed=ACCEPT, smoke=SMOKE, weights_bytes=dict(target=wb_t, draft=wb_d), records=recs),
+                   accepted_timed=ACCEPT, smoke=SMOKE, layout=LAYOUT,
+                   fused_projections=LAYOUT == "fused" or (LAYOUT == "default" and fuse_by_default()),
+                   weights_bytes=dict(target=wb_t, draft=wb_d), records=recs),
               open(os.path.join(out, os.environ.get("JSON", "sts_bench.json")), "w"), indent=1)
 
 
 def main():
     out = os.environ.get("OUT", "/tmp")
-    tp = random_params(T_CFG, jax.random.key(0), BF)
-    dp = random_params(D_CFG, jax.random.key(1), BF)
+    tp = make_params(T_CFG, jax.random.key(0))
+    dp = make_params(D_CFG, jax.random.key(1))
     wb_t, wb_d = param_bytes(tp), param_bytes(dp)
     kv_tok_t = 2 * T_CFG.num_layers * T_CFG.num_kv_heads * T_CFG.head_dim * 2
     kv_tok_d = 2 * D_CFG.num_layers * D_CFG.num_kv_heads * D_CFG.head_dim * 2

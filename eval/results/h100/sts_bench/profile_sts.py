@@ -7,7 +7,7 @@ step (dense + top-W; and with `first_step_mask`). STEPS (comma-separated, defaul
 verify_dense, verify_sts, target_step_1k, draft_dense, draft_first, draft_later_dense, draft_later_mask.
 Writes $OUT/$JSON (default profile_sts.json: per step the wall time, the kernels' total time, the launches, and
 per kernel name its time and launches per call) and prints the top kernels per step; HLO=1 also writes the STS
-verification's optimized HLO to $OUT/hlo_verify_sts.txt.
+verification's optimized HLO to $OUT/hlo_verify_sts.txt. LAYOUT: the weights' layout, as in `bench_sts.py`.
 """
 import dataclasses, glob, gzip, json, os, sys, time
 from collections import defaultdict
@@ -20,6 +20,7 @@ from jsparse.methods.base import make_method  # noqa: E402
 from jsparse.methods.sts import STS  # noqa: E402
 from models import llama  # noqa: E402
 from models.compile_options import model_jit  # noqa: E402
+from models.params import is_fused  # noqa: E402
 
 CTX, B, K = int(os.environ.get("CTX", 100000)), int(os.environ.get("B", 2)), int(os.environ.get("K", 512))
 T_CFG, D_CFG, GAMMA = bs.T_CFG, bs.D_CFG, bs.GAMMA
@@ -66,8 +67,8 @@ def profile(name, fn, carry, reps=3):
 
 def main():
     out = os.environ.get("OUT", "/tmp")
-    tp = bs.random_params(T_CFG, jax.random.key(0), bs.BF)
-    dp = bs.random_params(D_CFG, jax.random.key(1), bs.BF)
+    tp = bs.make_params(T_CFG, jax.random.key(0))
+    dp = bs.make_params(D_CFG, jax.random.key(1))
     rng = np.random.default_rng(0)
     head_map = np.stack([rng.integers(0, D_CFG.num_layers, (T_CFG.num_layers, T_CFG.num_heads)),
                          rng.integers(0, D_CFG.num_heads, (T_CFG.num_layers, T_CFG.num_heads))], -1).astype(np.int32)
@@ -86,7 +87,8 @@ def main():
     rec = bs.random_record(rng, D_CFG, B, W, n)
     res = dict(command=f"CTX={CTX} B={B} K={K} STEPS={','.join(sorted(STEPS))} "
                        "python eval/results/h100/sts_bench/profile_sts.py",
-               commit=os.environ.get("GIT_COMMIT", ""), context=CTX, batch=B, budget=K,
+               commit=os.environ.get("GIT_COMMIT", ""), context=CTX, batch=B, budget=K, layout=bs.LAYOUT,
+               fused_projections=is_fused(tp),
                device=str(jax.devices()[0].device_kind))
     if wanted("verify_dense"):
         res["verify_dense"], tc = profile("verify_dense", lambda c: dec(tp, dense, toks, c, None), tc)
