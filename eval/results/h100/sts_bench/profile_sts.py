@@ -4,7 +4,7 @@ trace), on the shapes of `bench_sts.py` (Llama-3.1-8B target, Llama-3.2-1B draft
 Steps profiled at CTX (default 100000), batch B (default 2), budget K (default 512): the target's dense verification
 (T = gamma + 1), the STS verification (index merge), the draft's dense step, its STS first step (T = 2) and later
 step (dense + top-W; and with `first_step_mask`). STEPS (comma-separated, default all) picks steps by name:
-verify_dense, verify_sts, target_step_1k, draft_dense, draft_first, draft_later_dense, draft_later_mask.
+verify_dense, dense_step (T = 1), verify_sts, target_step_1k, draft_dense, draft_first, draft_later_dense, draft_later_mask.
 Writes $OUT/$JSON (default profile_sts.json: per step the wall time, the kernels' total time, the launches, and
 per kernel name its time and launches per call) and prints the top kernels per step; HLO=1 also writes the STS
 verification's optimized HLO to $OUT/hlo_verify_sts.txt. LAYOUT: the weights' layout, as in `bench_sts.py`.
@@ -92,6 +92,8 @@ def main():
                device=str(jax.devices()[0].device_kind))
     if wanted("verify_dense"):
         res["verify_dense"], tc = profile("verify_dense", lambda c: dec(tp, dense, toks, c, None), tc)
+    if wanted("dense_step"):  # target-only dense decoding's step (T = 1)
+        res["dense_step"], tc = profile("dense_step", lambda c: dec(tp, dense, tok, c, None), tc)
     if wanted("verify_sts"):
         res["verify_sts"], tc = profile("verify_sts", lambda c: dec(tp, tm, toks, c, rec), tc)
         if os.environ.get("HLO"):  # the optimized HLO of the step: which source ops each fusion holds
