@@ -53,7 +53,9 @@ class DenseDecodeConfig:
         `target_programs` programs in total.
       target_programs: grid size the split heuristic aims for (a few waves of 132 SMs on an H100).
       num_warps: warps per program.
-      num_stages: software pipelining depth of the inner loop.
+      num_stages: software pipelining depth of the inner loop; None: `_STAGES_SMALL_TILE` when a program holds the
+        smallest tile (16 rows: plain decoding's T * G <= 16 rows, whose programs do little math per key and need
+        more loads in flight), else `_STAGES` (eval/results/h200/dense_decode_t1/).
     """
 
     block_k: int = 64
@@ -61,7 +63,10 @@ class DenseDecodeConfig:
     num_splits: int | None = None
     target_programs: int = 512
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int | None = None
+
+
+_STAGES, _STAGES_SMALL_TILE = 3, 4
 
 
 _pow2 = sparse_gpu._pow2
@@ -82,6 +87,8 @@ def _check_config(config: DenseDecodeConfig) -> None:
         raise ValueError(f"DenseDecodeConfig.num_splits={config.num_splits}: expected >= 1 or None")
     if config.target_programs < 1:
         raise ValueError(f"DenseDecodeConfig.target_programs={config.target_programs}: expected >= 1")
+    if config.num_stages is not None and config.num_stages < 1:
+        raise ValueError(f"DenseDecodeConfig.num_stages={config.num_stages}: expected >= 1 or None")
 
 
 def _decode_kernel(layer_ref, lim_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *s_ref, scale: float,
@@ -236,7 +243,8 @@ def dense_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array,
             jax.ShapeDtypeStruct((splits, B, Hkv, Rp), jnp.float32),
             jax.ShapeDtypeStruct((splits, B, Hkv, Rp), jnp.float32),
         ] + logit_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages or (
+            _STAGES_SMALL_TILE if Mb <= _MIN_ROWS else _STAGES)),
         interpret=interpret,
         name="dense_decode_stacked",
     )(lay, lim, qg, k_all, v_all)
