@@ -59,7 +59,7 @@ def test_fused_forward_equals_separate(name):
     for method in ("dense", "h2o"):
         for a, b in zip(jax.tree_util.tree_leaves(_run(cfg, sep, method)),
                         jax.tree_util.tree_leaves(_run(cfg, fused, method))):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)  # GPU f32 GEMMs too
 
 
 def test_unfuse_views_fingerprint_and_saved_tensors_match_the_separate_layout():

@@ -196,6 +196,21 @@ def test_dense_decode_stacked_api():
     with pytest.raises(ValueError, match="block_k=24"):
         dgpu.dense_decode_stacked_gpu(q, k_all, v_all, 0, lens, config=dgpu.DenseDecodeConfig(block_k=24),
                                       interpret=True)
+    with pytest.raises(ValueError, match="num_stages=0"):
+        dgpu.dense_decode_stacked_gpu(q, k_all, v_all, 0, lens, config=dgpu.DenseDecodeConfig(num_stages=0),
+                                      interpret=True)
+
+
+@pytest.mark.parametrize("T, config, stages", [(1, dgpu.DenseDecodeConfig(), 4), (5, dgpu.DenseDecodeConfig(), 3),
+                                               (1, dgpu.DenseDecodeConfig(num_stages=2), 2)])
+def test_dense_stacked_pipeline_stages_follow_the_tile(T, config, stages):
+    """Plain decoding's 16-row tiles (the group's G = 4 rows padded) pipeline 4 stages by default, larger tiles 3
+    (eval/results/h200/dense_decode_t1/); an explicit num_stages wins. Read off the Triton call lowered for an H100."""
+    q, k = jnp.zeros((2, T, 8, 64), jnp.bfloat16), jnp.zeros((2, 2, 2, 256, 64), jnp.bfloat16)
+    fn = lambda q, k: dgpu.dense_decode_stacked_gpu(q, k, k, jnp.int32(1), jnp.array([100, 200], jnp.int32),  # noqa: E731
+                                                    config=config)
+    text = export_for("cuda", fn, q, k).mlir_module()
+    assert text.count(f"num_stages = {stages} : i32") == 1, text[text.find("num_stages") - 20:][:60]
 
 
 # --------------------------------------------------------------------------------------------------

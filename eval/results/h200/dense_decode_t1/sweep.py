@@ -31,7 +31,7 @@ def data(B, T, n, key):
 
 
 def main():
-    res = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, commit=os.environ.get("GIT_COMMIT", ""),
+    res = dict(command="python eval/results/h200/dense_decode_t1/sweep.py", device=str(jax.devices()[0].device_kind), jax=jax.__version__, commit=os.environ.get("GIT_COMMIT", ""),
                context=N, rows=[])
     configs = [DenseDecodeConfig(**dict(zip(GRID, vals))) for vals in itertools.product(*GRID.values())]
     default = DenseDecodeConfig()

@@ -59,7 +59,7 @@ def time_ms(fn, *args, n=20, **kw):
 
 
 def main():
-    res = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, commit=os.environ.get("GIT_COMMIT", ""),
+    res = dict(command="python eval/results/h200/fused/gemm_layouts.py", device=str(jax.devices()[0].device_kind), jax=jax.__version__, commit=os.environ.get("GIT_COMMIT", ""),
                layers=L, rows={})
     f = model_jit(run_scan, static_argnames=("kind", "K"))
     for name, (K, N) in SHAPES.items():
