@@ -152,6 +152,7 @@ def test_bench_exits_before_timing_on_a_failed_check_and_records_passed_ones(mon
     cfg, _ = tiny
     monkeypatch.setattr(model_check, "check_method", fake)
     monkeypatch.setattr(model_check, "random_params", lambda *a: None)  # the fake check takes no weights
+    monkeypatch.setattr(model_check, "with_layout", lambda params, *a, **k: params)
     monkeypatch.setattr(bench_model, "preset", lambda name: cfg)  # time the tiny model, not Llama-3.1-8B
     monkeypatch.setattr(bench_model.bm, "measure_hbm_gbs", lambda: pytest.fail("timed before the check"))
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")

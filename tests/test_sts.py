@@ -214,6 +214,28 @@ def test_draft_record_without_n_wide_masks_equals_the_masked_rule(implementation
     assert int((got[1][2] >= 0).sum(-1).max()) == 5  # the 5-key row keeps its 5 keys, no key past its length
 
 
+def test_row_merge_auto_takes_the_index_merge_for_few_candidates_only(monkeypatch):
+    """row_merge="auto" (the default): the index merge while a group's candidates are at most 1/8 of the keys (budget
+    512 at 32K-100K), the N-wide scatter above (budget 4096), as measured; "index" / "scatter" force one."""
+    from jsparse.methods import sts as sts_module
+
+    hm = jnp.zeros((2, 4, 2), jnp.int32)
+    auto = STS(head_map=hm, budget=512.0, draft_layers=1, draft_heads=4, sink=4, local=60)
+    assert auto.row_merge == "auto"
+    assert auto.merge_kind(4 * 520, 100_000) == "index" and auto.merge_kind(4 * 520, 32_768) == "index"
+    assert auto.merge_kind(4 * 4104, 100_000) == "scatter" and auto.merge_kind(4 * 4104, 32_768) == "scatter"
+    assert auto.merge_kind(1000, 8 * 1064) == "index" and auto.merge_kind(1000, 8 * 1064 - 1) == "scatter"
+    assert auto.replace(row_merge="index").merge_kind(4 * 4104, 32_768) == "index"
+    assert auto.replace(row_merge="scatter").merge_kind(8, 100_000) == "scatter"
+    called = []
+    monkeypatch.setattr(sts_module, "merge_rows", lambda *a: called.append("index"))
+    monkeypatch.setattr(sts_module, "merge_rows_reference", lambda *a: called.append("scatter"))
+    idx = jnp.zeros((1, 2, 8), jnp.int32)
+    auto._merge(idx, idx.astype(jnp.float32), 1000, None, 4, 4)
+    auto._merge(idx, idx.astype(jnp.float32), 500, None, 4, 4)
+    assert called == ["index", "scatter"]
+
+
 @pytest.mark.parametrize("row_merge", ["index", "scatter"])
 def test_start_rows_takes_every_layers_keys_as_each_layer_alone(row_merge):
     """`STS.start_rows` selects every sparse layer's keys in one batch before the layer scan; each layer's keys

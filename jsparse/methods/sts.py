@@ -26,8 +26,9 @@ draft (layer, head) = head_map[l, h] (the calibrated STS head map, `sts_calibrat
 query heads of each KV group (GQA) and keeps the top k keys per KV head: the index contract
 int32[B, Hkv, T, K], ascending, -1 padded, attended by the existing gathered-attention kernels. The union is
 done at index level (`merge_rows`: the group's G * W entries sorted by key and summed, at most G * W + sink +
-local candidates, never an array as wide as the cache); `row_merge="scatter"` keeps the N-wide path
-(`merge_rows_reference`), which selects the same keys. In decode the T = gamma + 1 verification queries share
+local candidates, never an array as wide as the cache) while those candidates are a small share of the keys, and on
+the N-wide path (`merge_rows_reference`, which selects the same keys) otherwise (`row_merge="auto"`, the default;
+"index" or "scatter" force one). In decode the T = gamma + 1 verification queries share
 one row of selected keys before the round plus the round's own new tokens (causal among themselves); in prefill
 the kernel adds each tile's diagonal block. The record belongs to
 one round: the next round's draft steps overwrite it.
@@ -70,7 +71,13 @@ Array = jax.Array
 NEG_INF = -jnp.inf
 # Verification blocks up to this many queries use the gathered decode op; longer appended messages a mask.
 GATHER_MAX_QUERIES = 32
-ROW_MERGES = ("index", "scatter")
+ROW_MERGES = ("auto", "index", "scatter")
+# row_merge="auto": the index merge while a group's candidates (G * W + sink + local) are at most 1 / AUTO_INDEX_SHARE
+# of the keys, else the N-wide scatter. Measured (H200 and H100, Llama-3.1-8B shapes): at budget 512 (candidates 2-6%
+# of 32K-100K keys) the index merge is faster (100K B1 5.26 vs 5.74 ms, 32K B8 6.40 vs 7.07 ms); at budget 4096
+# (16-50%) the scatter is (100K B1 6.14 vs 6.75 ms, 32K B8 12.96 vs 18.89 ms; eval/results/h200/fused/
+# sts_bench_cells_stages4.json, eval/results/h100/sts_bench/).
+AUTO_INDEX_SHARE = 8
 
 
 def check_budget(budget) -> float:
@@ -283,8 +290,9 @@ class _Budget:
     # weight in the full softmax; no top-W over the cache).
     mask_attention: bool = struct.field(pytree_node=False, default=True)
     # How the target unites a GQA group's draft rows: "index" (`merge_rows`: sort and sum the <= G * W + sink +
-    # local entries) or "scatter" (`merge_rows_reference`: an N-wide score array, the specification). Same keys.
-    row_merge: str = struct.field(pytree_node=False, default="index")
+    # local entries), "scatter" (`merge_rows_reference`: an N-wide score array, the specification) or "auto" (index
+    # while those entries are at most 1 / AUTO_INDEX_SHARE of the N keys, else scatter). Same keys either way.
+    row_merge: str = struct.field(pytree_node=False, default="auto")
 
     def decode_width(self, capacity: int) -> int:
         """Draft keys recorded per decode row: the budget plus `slack` (the round's own new keys, which the
@@ -543,7 +551,7 @@ class STS(_Budget):
     @classmethod
     def build(cls, cfg=None, draft=None, artifact=None, fingerprint=None, head_map=None, budget=0.1,
               min_tokens=128, tile=32, selection=None, dense_layers=0, sink=0, local=0, carry=0.5,
-              first_step_mask=False, mask_pool=1, mask_attention=True, row_merge="index", **unused):
+              first_step_mask=False, mask_pool=1, mask_attention=True, row_merge="auto", **unused):
         """Builds STS for target `cfg` and `draft` (a LoadedModel) from an `artifact` folder (`jsparse calibrate
         sts`, checked against both models' fingerprints) or an explicit `head_map` i32[L_t, Hq_t, 2]."""
         if cfg is None or draft is None:
@@ -650,9 +658,15 @@ class STS(_Budget):
         return jax.lax.cond(ctx.layer < self.dense_layers, lambda: (attend_dense(q, cache, ctx.lengths), state),
                             lambda: self._sparse_decode(ctx, q, cache, state))
 
+    def merge_kind(self, candidates: int, N: int) -> str:
+        """The merge `row_merge` uses for a group's `candidates` draft entries over N keys: "index" or "scatter"."""
+        if self.row_merge != "auto":
+            return self.row_merge
+        return "index" if (candidates + self.sink + self.local) * AUTO_INDEX_SHARE <= N else "scatter"
+
     def _merge(self, idx, val, N, limit, k, K):
         """Top-k keys of a group's draft rows idx, val [B, Hkv, C] below limit -> i32[B, Hkv, K] (`row_merge`)."""
-        if self.row_merge == "index":
+        if self.merge_kind(idx.shape[-1], N) == "index":
             return merge_rows(idx, val, limit, k, K, self.sink, self.local, self.selection)
         return merge_rows_reference(idx, val, N, limit, k, K, self.sink, self.local, self.selection)
 

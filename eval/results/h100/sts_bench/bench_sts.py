@@ -166,7 +166,7 @@ def main():
             for budget in budgets:
                 row = dict(row0, budget_tokens=budget)
                 base = STS(head_map=jnp.asarray(head_map), budget=float(budget), draft_layers=D_CFG.num_layers,
-                           draft_heads=D_CFG.num_heads)
+                           draft_heads=D_CFG.num_heads, row_merge="index")  # labelled "index" below ("auto": either)
                 variants = {"old": base.replace(row_merge="scatter"), "index": base,
                             "index+mask": base.replace(first_step_mask=True)}
                 variants.update({f"index+mask_pool{p}": base.replace(first_step_mask=True, mask_pool=p)
