@@ -153,8 +153,11 @@ def main() -> int:
         embed=t_params.embed, lm_head=t_params.lm_head, final_norm=t_params.final_norm)
     target = LoadedModel(cfg=CFG, params=t_params, tokenizer=None, name="target")
     draft = LoadedModel(cfg=DRAFT_CFG, params=d_params, tokenizer=None, name="draft")
+    # The default `row_merge="auto"` takes the N-wide scatter at these tiny shapes (generation and session below);
+    # the forward check forces the index merge, whose grouped all-gather RECORD_ROWS_COLLECTIVES describes.
     sts = make_method("sts", cfg=CFG, draft=draft, head_map=head_map(), budget=0.3, min_tokens=8, tile=16)
-    t_method, d_method = sts.for_round(DRAFT_CFG, GAMMA)
+    assert sts.merge_kind(16, T) == "scatter", "the generation rows should cover the scatter path"
+    t_method, d_method = sts.replace(row_merge="index").for_round(DRAFT_CFG, GAMMA)
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, T)), jnp.int32)
     lengths = jnp.asarray(base.LENGTHS, jnp.int32)
