@@ -622,3 +622,44 @@ def test_pool_record_with_dense_later_attention():
                 g, w = (g_idx[h] >= 0) & (g_idx[h] < first), (w_idx[h] >= 0) & (w_idx[h] < first)
                 np.testing.assert_array_equal(g_idx[h][g], w_idx[h][w])
                 np.testing.assert_allclose(g_val[h][g], w_val[h][w], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("first_step_mask,mask_pool,mask_attention,carry", [
+    (False, 1, True, 0.5), (False, 1, True, 0.0), (True, 2, False, 0.5), (True, 1, True, 0.5)])
+def test_record_after_scan_equals_the_per_layer_record(first_step_mask, mask_pool, mask_attention, carry):
+    """The model's decode with `record_after_scan` (every layer's weight rows selected at once after the layer
+    scan) leaves the same record / pool, the same logits and no buffer in the state, step after step, as the
+    per-layer selection inside the scan; rows of different lengths, 3 draft layers."""
+    from jsparse.methods.sts import StsDraft
+    from models import llama
+    from models.cache import init_cache
+
+    cfg = dataclasses.replace(CFG, num_layers=3)
+    params = random_params(cfg, jax.random.key(3), jnp.float32, scale=0.3)
+    B, N, T0 = 2, 96, 40
+    tokens = jax.random.randint(jax.random.key(4), (B, T0), 0, cfg.vocab_size)
+    lengths = jnp.array([40, 27])
+    runs = []
+    for after in (True, False):
+        draft = StsDraft(budget=6, min_tokens=0, slack=3, carry=carry, first_step_mask=first_step_mask,
+                         mask_pool=mask_pool, mask_attention=mask_attention, record_after_scan=after)
+        state = draft.init_state(cfg, B, N)
+        _, cache, _ = llama.prefill(params, cfg, make_method("dense"), tokens, lengths, init_cache(cfg, B, N, jnp.float32),
+                                    None)
+        seen = []
+        for step, T in enumerate((2, 1, 1, 2, 1)):
+            new = jax.random.randint(jax.random.key(10 + step), (B, T), 0, cfg.vocab_size)
+            logits, cache, state = jax.jit(lambda c, s, t: llama.decode(params, cfg, draft, t, c, s))(cache, state, new)
+            assert state.weights is None and state.lengths is None
+            seen.append((logits, state))
+        runs.append(seen)
+    for (l1, s1), (l2, s2) in zip(*runs):
+        np.testing.assert_allclose(np.asarray(l1), np.asarray(l2), rtol=1e-6, atol=1e-6)
+        for name in ("idx", "pool_idx"):
+            if getattr(s1, name) is not None:
+                np.testing.assert_array_equal(np.asarray(getattr(s1, name)), np.asarray(getattr(s2, name)))
+        for name in ("val", "pool_val"):
+            if getattr(s1, name) is not None:
+                np.testing.assert_allclose(np.asarray(getattr(s1, name)), np.asarray(getattr(s2, name)), rtol=1e-6)
+    held = runs[0][-1][1]
+    assert int(np.sum(np.asarray(held.pool_idx if first_step_mask else held.idx) >= 0)) > 0

@@ -231,6 +231,11 @@ class DraftRecord:
     val: Array
     pool_idx: Array | None = None
     pool_val: Array | None = None
+    # Inside one recording decode forward of the draft with `record_after_scan` (`StsDraft.start_rows` adds them,
+    # `StsDraft.finish` selects and drops them): every layer's weight rows f32[B, Hq_d, L_d, N] and the rows'
+    # lengths i32[B].
+    weights: Array | None = None
+    lengths: Array | None = None
     # The target's keys of every sparse target layer inside one decode forward (`STS.start_rows`, dropped by
     # `STS.finish`): i32[L_t - dense_layers, B, Hkv_t, K + T], ascending, -1 padded.
     chosen: Array | None = None
@@ -293,6 +298,12 @@ class _Budget:
     # local entries), "scatter" (`merge_rows_reference`: an N-wide score array, the specification) or "auto" (index
     # while those entries are at most 1 / AUTO_INDEX_SHARE of the N keys, else scatter). Same keys either way.
     row_merge: str = struct.field(pytree_node=False, default="auto")
+    # A recording draft step (every decode step; with `first_step_mask` the round's first) takes its top-W once
+    # after the layer scan, over every layer's weight rows together (`StsDraft.start_rows` adds a buffer
+    # f32[B, Hq_d, L_d, N], `StsDraft.finish` selects), instead of one selection per layer inside the scan: the
+    # same keys, with the selection's few launches per step instead of per layer and all layers' rows filling the
+    # GPU at once. False: per layer (no buffer; also what a layer called on its own does).
+    record_after_scan: bool = struct.field(pytree_node=False, default=True)
 
     def decode_width(self, capacity: int) -> int:
         """Draft keys recorded per decode row: the budget plus `slack` (the round's own new keys, which the
@@ -321,6 +332,54 @@ class StsDraft(_Budget):
     def layer_info(self, cfg):
         return None
 
+    def records(self, q_len: int) -> bool:
+        """Whether a decode forward of q_len queries takes a top-W over the cache (every step, or with
+        `first_step_mask` the round's first: T >= 2)."""
+        return not (self.first_step_mask and q_len == 1)
+
+    def start_rows(self, cfg, state, phase, lengths, q_len, kv_len):
+        """A recording decode forward with `record_after_scan`: the buffer of every layer's weight rows."""
+        if phase != "decode" or not self.record_after_scan or not self.records(q_len):
+            return state
+        B = lengths.shape[0]
+        return state.replace(weights=jnp.zeros((B, cfg.num_heads, cfg.num_layers, kv_len), jnp.float32),
+                             lengths=lengths)
+
+    def finish(self, state, phase):
+        """After a recording forward's layer scan: every layer's top-W at once (`_select`)."""
+        if state.weights is None:
+            return state
+        probs, lengths = state.weights, state.lengths  # [B, Hq, L, N], [B]
+        B, Hq, L, N = probs.shape
+        state = state.replace(weights=None, lengths=None)
+        rec_idx, rec_val = self._recorded(state)  # [L, B, Hq, W]
+        flat = lambda x: jnp.moveaxis(x, 0, 2).reshape(B, Hq * L, x.shape[-1])  # noqa: E731  [B, Hq * L, W]
+        val, idx = self._select(probs.reshape(B, Hq * L, N), flat(rec_idx), flat(rec_val), lengths)
+        unflat = lambda x: jnp.moveaxis(x.reshape(B, Hq, L, x.shape[-1]), 2, 0)  # noqa: E731  [L, B, Hq, W]
+        return self._store(state, unflat(val), unflat(idx))
+
+    def _recorded(self, state):
+        """The record a step adds to (and replaces): the pool with `first_step_mask`, else the decode record, as
+        (idx, val) [L, B, Hq, W]."""
+        if self.first_step_mask:
+            return state.pool_idx, state.pool_val
+        return state.idx[:, :, :, 0], state.val[:, :, :, 0]
+
+    def _select(self, probs, rec_idx, rec_val, lengths):
+        """The new record of weight rows probs f32[B, R, N] (0 at keys >= lengths) whose earlier record is
+        rec_idx, rec_val [B, R, W]: the top W of probs + carry * (earlier record) -> (val, idx) [B, R, W]."""
+        if self.carry:  # the earlier steps' recorded weights, decayed: h = carry * h + s over the steps
+            probs = add_recorded(probs, rec_idx, rec_val, lengths, self.carry)
+        return _topk_visible(probs, lengths, rec_idx.shape[-1], self.selection)
+
+    def _store(self, state, val, idx, layer=None):
+        """Writes the new record (val, idx [B, Hq, W] of layer `layer`, or [L, B, Hq, W] of every layer)."""
+        def put(x, new):
+            return x.at[layer].set(new) if layer is not None else new
+        if self.first_step_mask:
+            return state.replace(pool_idx=put(state.pool_idx, idx), pool_val=put(state.pool_val, val))
+        return state.replace(idx=put(state.idx, idx[..., None, :]), val=put(state.val, val[..., None, :]))
+
     def start(self, cfg, state, phase, batch, q_len, kv_len):
         if phase == "prefill":
             return empty_record(cfg.num_layers, batch, cfg.num_heads, -(-q_len // self.tile), self.prefill_width(q_len))
@@ -340,16 +399,12 @@ class StsDraft(_Budget):
         if masked and T == 1:
             return self._later_step(ctx, q, cache, state)
         out, probs = attend_and_probs(q, cache, ctx.lengths)  # probs f32[B, Hq, N], 0 at keys >= lengths
-        rec_idx, rec_val = (state.pool_idx, state.pool_val) if masked else (state.idx[:, :, :, 0], state.val[:, :, :, 0])
-        if self.carry:  # the earlier steps' recorded weights, decayed: h = carry * h + s over the steps
-            probs = add_recorded(probs, rec_idx[ctx.layer], rec_val[ctx.layer], ctx.lengths, self.carry)
-        val, idx = _topk_visible(probs, ctx.lengths, rec_idx.shape[-1], self.selection)
-        if masked:  # the first step of a round: the pool
-            return out, state.replace(pool_idx=state.pool_idx.at[ctx.layer].set(idx),
-                                      pool_val=state.pool_val.at[ctx.layer].set(val))
-        state = DraftRecord(idx=state.idx.at[ctx.layer].set(idx[:, :, None]),
-                            val=state.val.at[ctx.layer].set(val[:, :, None]))
-        return out, state
+        if state.weights is not None:  # selected after the layer scan, every layer at once (`finish`)
+            return out, state.replace(weights=jax.lax.dynamic_update_slice_in_dim(
+                state.weights, probs[:, :, None], ctx.layer, axis=2))
+        rec_idx, rec_val = self._recorded(state)
+        val, idx = self._select(probs, rec_idx[ctx.layer], rec_val[ctx.layer], ctx.lengths)
+        return out, self._store(state, val, idx, ctx.layer)  # with first_step_mask: the round's pool
 
     def _later_step(self, ctx, q, cache, state):
         """A round's later draft step with `first_step_mask`: per query head h, attention over the keys S_h of
@@ -538,7 +593,7 @@ class STS(_Budget):
             sel.check_positive_int(name, getattr(self, name), 0)
         if isinstance(self.carry, bool) or not isinstance(self.carry, (int, float)) or not 0.0 <= self.carry <= 1.0:
             raise ValueError(f"carry={self.carry!r}: expected a decay in [0, 1] (0: the draft's last step alone)")
-        for name in ("first_step_mask", "mask_attention"):
+        for name in ("first_step_mask", "mask_attention", "record_after_scan"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected true or false")
         sel.check_positive_int("mask_pool", self.mask_pool, 1)
@@ -551,7 +606,8 @@ class STS(_Budget):
     @classmethod
     def build(cls, cfg=None, draft=None, artifact=None, fingerprint=None, head_map=None, budget=0.1,
               min_tokens=128, tile=32, selection=None, dense_layers=0, sink=0, local=0, carry=0.5,
-              first_step_mask=False, mask_pool=1, mask_attention=True, row_merge="auto", **unused):
+              first_step_mask=False, mask_pool=1, mask_attention=True, row_merge="auto", record_after_scan=True,
+              **unused):
         """Builds STS for target `cfg` and `draft` (a LoadedModel) from an `artifact` folder (`jsparse calibrate
         sts`, checked against both models' fingerprints) or an explicit `head_map` i32[L_t, Hq_t, 2]."""
         if cfg is None or draft is None:
@@ -572,7 +628,7 @@ class STS(_Budget):
                    selection=selection, draft_layers=draft.cfg.num_layers, draft_heads=draft.cfg.num_heads,
                    dense_layers=dense_layers, sink=sink, local=local, carry=float(carry),
                    first_step_mask=first_step_mask, mask_pool=mask_pool, mask_attention=mask_attention,
-                   row_merge=row_merge)
+                   row_merge=row_merge, record_after_scan=record_after_scan)
 
     # -- speculative decoding hooks (models.speculative)
 
@@ -584,7 +640,8 @@ class STS(_Budget):
         m = self.replace(slack=max(gamma, 1))
         return m, StsDraft(budget=m.budget, min_tokens=m.min_tokens, tile=m.tile, slack=m.slack,
                            selection=m.selection, carry=m.carry, first_step_mask=m.first_step_mask,
-                           mask_pool=m.mask_pool, mask_attention=m.mask_attention)
+                           mask_pool=m.mask_pool, mask_attention=m.mask_attention,
+                           record_after_scan=m.record_after_scan)
 
     def adopt_draft(self, state, draft_state):
         return pool_record(draft_state, self.selection)

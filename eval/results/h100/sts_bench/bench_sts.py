@@ -23,7 +23,9 @@ about 68 GB: weights 18.5 GB, target cache 39.6 GB, draft cache 9.9 GB).
 Environment: CELLS="32768:1,100000:2" (context:batch list; the default), BUDGETS="512,4096", ROUND_BUDGETS="512"
 (budgets whose rounds are timed), ACCEPT=3, POOLS="2,4" (the `mask_pool` values), ROUND_VARIANTS (default
 "index,index+mask" and "index+mask_poolP" for each pool; "old" only when named), SMOKE=1 (tiny shapes: a CPU
-check of the script), LAYOUT (the weights' layout, `models.params.with_layout`: default = fused q/k/v and gate/up
+check of the script), AT_LAYER (variant names, e.g. "index,index+densemask_pool4", also timed as "NAME@layer" with
+the draft's top-W per layer inside the layer scan, `record_after_scan=False`: the first step, the later dense step and
+the round when named in ROUND_VARIANTS), LAYOUT (the weights' layout, `models.params.with_layout`: default = fused q/k/v and gate/up
 on a GPU since 2026-11-28, fused or separate), GIT_COMMIT (recorded).
 GPU: `OUT=... GIT_COMMIT=$(git rev-parse --short HEAD) python eval/results/h100/sts_bench/bench_sts.py`.
 """
@@ -55,6 +57,7 @@ POOLS = [int(x) for x in os.environ.get("POOLS", "2,4").split(",") if x]  # `mas
 ROUND_VARIANTS = os.environ.get("ROUND_VARIANTS", "index,index+mask," + ",".join(f"index+mask_pool{p}" for p in POOLS))
 ROUND_SET = set(ROUND_VARIANTS.split(","))  # the round variants timed (whole names)
 LAYOUT = os.environ.get("LAYOUT", "default")
+AT_LAYER = [x for x in os.environ.get("AT_LAYER", "").split(",") if x]  # variants also timed with record_after_scan=False
 
 
 def make_params(cfg, key):
@@ -173,6 +176,10 @@ def main():
                                  for p in POOLS})
                 variants.update({f"index+densemask_pool{p}": base.replace(first_step_mask=True, mask_pool=p,
                                                                           mask_attention=False) for p in POOLS})
+                # "NAME@layer": the same with the draft's top-W per layer inside the scan (record_after_scan=False,
+                # the path before 2026-11-28's third session) for the names in AT_LAYER
+                variants.update({f"{name}@layer": variants[name].replace(record_after_scan=False)
+                                 for name in AT_LAYER if name in variants})
                 pairs = {name: m.for_round(D_CFG, GAMMA) for name, m in variants.items()}
                 W = pairs["index"][0].decode_width(cap)
                 rec = random_record(rng, D_CFG, B, W, n)
@@ -193,6 +200,13 @@ def main():
                     suffix = name.split("+")[1]
                     steps += [(f"draft_sts_first_step_{suffix}_ms", pairs[name][1], two),
                               (f"draft_sts_later_step_{suffix}_ms", pairs[name][1], tok[:, None])]
+                for name in AT_LAYER:
+                    if name in variants:
+                        suffix = name.split("+")[1] + "_" if "+" in name else ""
+                        steps.append((f"draft_sts_first_step_{suffix}layer_ms", pairs[f"{name}@layer"][1], two))
+                        if "mask" not in name:
+                            steps.append((f"draft_sts_later_step_dense_layer_ms", pairs[f"{name}@layer"][1],
+                                          tok[:, None]))
                 for label, dm, t in steps:
                     P = dm.pool_width(cap)
                     st = (s.draft, with_pool(rng, copy(rec), P, n) if P else copy(rec))
