@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.topk_select import gpu, gpu_row, topk_select_reference
+from pallas_kernels.topk_select.common import float_keys
 from pallas_kernels.topk_select.testing import adversarial, kascade_like_rows
 from lowering import H100, abstract_device
 
@@ -82,6 +83,50 @@ def test_sample_matches_reference(cap):
     k = np.linspace(0, K, R).astype(np.int32)
     want = np.asarray(topk_select_reference(jnp.asarray(x), jnp.asarray(k), K))
     np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(x), jnp.asarray(k))), want)
+
+
+ORDERED = dict(path="ordered", sample_size=256, compact_block_n=128)
+
+
+@pytest.mark.parametrize("cap", [None, 32])  # 32: every band with more than 32 keys overflows (the stream)
+def test_ordered_matches_reference(cap):
+    """The ordered-band path: adversarial rows (ties, specials, all equal: t at the bound, so the row streams),
+    k from below 0 to above K, and continuous rows at every k from 0 to K (the band decides)."""
+    rng = np.random.default_rng(7 if cap is None else cap)
+    config = gpu.SelectConfig(**ORDERED, ordered_cap=cap)
+    R, N, K = 12, 2048, 300
+    fn = jax.jit(lambda x, k: gpu.topk_select_gpu(x, k, K, config=config, interpret=True))
+    _check(fn, rng, R, N, K)
+    x = rng.standard_normal((R, N)).astype(np.float32)
+    k = np.linspace(0, K, R).astype(np.int32)
+    want = np.asarray(topk_select_reference(jnp.asarray(x), jnp.asarray(k), K))
+    np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(x), jnp.asarray(k))), want)
+
+
+def test_ordered_band_holds_the_threshold_on_continuous_rows():
+    """White box: on continuous scores the band above the sampled bound holds every key >= the threshold and
+    fits its capacity (so the in-register selection decides, not the stream), in ascending position order; on
+    Kascade-like rows (~N / 256 ties per value) every row is exact."""
+    from pallas_kernels.topk_select import gpu_ordered
+    from pallas_kernels.topk_select.gpu_sample import sample_bracket
+
+    rng = np.random.default_rng(4)
+    R, N, K = 8, 8192, 600
+    x = jnp.asarray(rng.standard_normal((R, N)).astype(np.float32))
+    k = jnp.asarray([1, 10, 100, 300, 409, 500, 600, 2], jnp.int32)
+    cap = gpu_ordered.band_capacity(K, N, 1024, 4.0)
+    bound = sample_bracket(x, k[:, None], K, sample=1024, sigmas=4.0, bits=2, upper=False, interpret=True)
+    b = np.asarray(bound)[:, 1]
+    keys = np.asarray(float_keys(x))
+    n_above = (keys > b[:, None]).sum(axis=1)
+    assert (np.asarray(k) <= n_above).all() and (n_above <= cap).all(), (n_above, cap)
+    got = gpu.topk_select_gpu(x, k, K, interpret=True, config=gpu.SelectConfig(path="ordered", sample_size=1024))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(topk_select_reference(x, k, K)))
+    xk, kk = kascade_like_rows(rng, 6, context=12500, capacity=12544)
+    Kk = int(kk.max())
+    got = gpu.topk_select_gpu(jnp.asarray(xk), jnp.asarray(kk), Kk, interpret=True,
+                              config=gpu.SelectConfig(path="ordered", sample_size=1024))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(topk_select_reference(jnp.asarray(xk), jnp.asarray(kk), Kk)))
 
 
 def _sample_resolution(x, k, K, *, sample, cap):
@@ -180,7 +225,8 @@ def test_dispatch_and_config_errors():
 
 
 @pytest.mark.parametrize("path,shape,K,launches", [
-    ("row", (32, 6256), 64, 1), ("fused", (64, 131072), 13108, 10), ("sample", (64, 131072), 13108, 5)])
+    ("row", (32, 6256), 64, 1), ("fused", (64, 131072), 13108, 10), ("sample", (64, 131072), 13108, 5),
+    ("ordered", (64, 131072), 2080, 3)])
 def test_lowers_for_cuda_with_few_launches(path, shape, K, launches):
     sds = jax.ShapeDtypeStruct
     check = jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)

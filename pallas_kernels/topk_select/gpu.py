@@ -42,14 +42,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.topk_select import gpu_fused, gpu_row, gpu_sample
+from pallas_kernels.topk_select import gpu_fused, gpu_ordered, gpu_row, gpu_sample
 from pallas_kernels.topk_select.gpu_fused import _chunk, _split_chunks
 from pallas_kernels.topk_select.common import (check_args, check_bits, float_keys, pad_output, radix_threshold,
                                                row_counts, selection_rule, split_plan, splits_for)
 
 Array = jax.Array
 
-PATHS = ("auto", "row", "fused", "sample", "passes")
+PATHS = ("auto", "row", "fused", "sample", "ordered", "passes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,13 +87,14 @@ class SelectConfig:
     sample_size: int = 8192
     sample_sigmas: float = 4.0
     band_cap: int = 16384
+    ordered_cap: int | None = None
 
     def pick_path(self, N: int) -> str:
         if self.path == "auto":
             path = "row" if N <= self.row_max else "sample"
         else:
             path = self.path
-        return "fused" if path == "sample" and N < self.sample_size else path
+        return "fused" if path in ("sample", "ordered") and N < self.sample_size else path
 
     def count_block(self) -> int:
         if self.block_n is not None:
@@ -207,11 +208,16 @@ def topk_select_gpu(scores: Array, k, K: int, *, config: SelectConfig = SelectCo
     x = scores.reshape(-1, N)
     R = x.shape[0]
     path = config.pick_path(N)
-    if path in ("row", "fused", "sample"):
+    if path in ("row", "fused", "sample", "ordered"):
         k_rows = jnp.broadcast_to(jnp.asarray(k, jnp.int32), lead).reshape(R)  # clipped in-kernel
         if path == "row":
             out = gpu_row.topk_select_rows(x, k_rows, Kp, bits=config.row_bits, num_warps=config.row_warps,
                                            interpret=interpret)
+        elif path == "ordered":
+            out = gpu_ordered.topk_select_ordered(
+                x, k_rows, Kp, sample=config.sample_size, sigmas=config.sample_sigmas, cap=config.ordered_cap,
+                bits=config.row_bits, block_n=config.compact_block_n, num_warps=config.num_warps,
+                interpret=interpret)
         elif path == "sample":
             out = gpu_sample.topk_select_sample(
                 x, k_rows, Kp, sample=config.sample_size, sigmas=config.sample_sigmas, cap=config.band_cap,

@@ -103,6 +103,23 @@ def count_digits(x_ref, first, count, lo, shift, *, n: int, block_n: int, bits: 
     return jnp.sum(acc, axis=1).astype(jnp.int32)
 
 
+def stream_threshold(x_ref, kk, active, *, n: int, block_n: int, bits: int = 4):
+    """The radix search of a row's threshold streaming over the whole row x f32[n] in one program (32 / bits
+    passes of `count_digits`; slow, for the rows a faster path could not resolve): (lo, count(key >= lo)) as
+    `common.radix_threshold`'s; an inactive row reads nothing and returns (INT_MIN, n)."""
+    n_chunks = pl.cdiv(n, block_n)
+
+    def pass_body(p, st):
+        lo, cnt = st
+        shift = jnp.int32(32 - bits) - jnp.int32(bits) * p
+        cnts = count_digits(x_ref, jnp.int32(0), jnp.where(cnt == kk, jnp.int32(0), jnp.int32(n_chunks)), lo, shift,
+                            n=n, block_n=block_n, bits=bits)
+        return pick_bin(cnts, kk, lo, cnt, shift, cnt == kk)
+
+    passes = jnp.where(active, jnp.int32(32 // bits), jnp.int32(0))
+    return lax.fori_loop(jnp.int32(0), passes, pass_body, (jnp.int32(INT_MIN), jnp.int32(n)))
+
+
 def _store_row_state(ref, vals: list):
     """Split 0 writes the row's state vals (scalars) to ref i32[len(vals)] (a power of two)."""
     L = len(vals)

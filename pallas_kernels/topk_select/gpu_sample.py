@@ -56,15 +56,20 @@ def sample_positions(n: int, ns: int) -> Array:
     return start + lax.rem(lax.shift_right_logical(h, jnp.int32(1)), width)
 
 
-def _sample_kernel(k_ref, x_ref, o_ref, *, n: int, width: int, ns: int, bits: int, sigmas: float):
-    """Row r. Refs: k i32[1]; x f32[N]; o i32[4] = (A, B, above_on, 0)."""
+def _sample_kernel(k_ref, x_ref, o_ref, *, n: int, width: int, ns: int, bits: int, sigmas: float,
+                   upper: bool = True):
+    """Row r. Refs: k i32[1]; x f32[N]; o i32[4] = (A, B, above_on, 0). upper=False: no A (above_on 0; the
+    bracket is every key above B, `gpu_ordered`)."""
     kk = jnp.clip(k_ref[0], 0, width)
     key = float_keys(plgpu.load(x_ref.at[sample_positions(n, ns)]))
     r = kk.astype(jnp.float32) * (ns / n)
     m = sigmas * jnp.sqrt(jnp.maximum(r * (1.0 - r / ns), 0.0)) + 8.0
-    r_hi = jnp.clip(jnp.floor(r - m), 0, ns).astype(jnp.int32)
+    r_hi = jnp.clip(jnp.floor(r - m), 0, ns).astype(jnp.int32) if upper else jnp.int32(0)
     r_lo = jnp.clip(jnp.ceil(r + m), 0, ns).astype(jnp.int32)
-    a_key, _, _ = row_threshold(key, r_hi, ns, bits)  # count(sample key >= A) ~ r_hi
+    if upper:
+        a_key, _, _ = row_threshold(key, r_hi, ns, bits)  # count(sample key >= A) ~ r_hi
+    else:
+        a_key = jnp.int32(0)
     b_key, _, _ = row_threshold(key, r_lo, ns, bits)  # r_lo = ns: B = INT_MIN (every key)
     lane = jnp.arange(4, dtype=jnp.int32)
     o_ref[...] = jnp.where(lane == 0, a_key, jnp.where(lane == 1, b_key, jnp.where(lane == 2, r_hi > 0, 0)))
@@ -128,19 +133,8 @@ def _resolve_kernel(k_ref, c_ref, cnt_ref, band_ref, br_ref, x_ref, r_out, *, n:
     lo = jnp.where(at_a, a_key, jnp.where(at_b, b_key, lo))
     done = jnp.where(at_a, kk == ge_a, jnp.where(at_b, kk == ge_b, done))
 
-    # Fallback: the streaming radix search over the whole row (4 bits a pass), in this one program.
-    fb_bits = 4
-    n_chunks = pl.cdiv(n, block_n)
-
-    def pass_body(p, st):
-        lo_f, cnt_f = st
-        shift = jnp.int32(32 - fb_bits) - jnp.int32(fb_bits) * p
-        cnts = gpu_fused.count_digits(x_ref, jnp.int32(0), jnp.where(cnt_f == kk, jnp.int32(0), jnp.int32(n_chunks)), lo_f, shift,
-                                      n=n, block_n=block_n, bits=fb_bits)
-        return gpu_fused.pick_bin(cnts, kk, lo_f, cnt_f, shift, cnt_f == kk)
-
-    passes = jnp.where(ok, jnp.int32(0), jnp.int32(32 // fb_bits))
-    lo_f, cnt_f = lax.fori_loop(jnp.int32(0), passes, pass_body, (jnp.int32(INT_MIN), jnp.int32(n)))
+    # Fallback: the streaming radix search over the whole row, in this one program.
+    lo_f, cnt_f = gpu_fused.stream_threshold(x_ref, kk, jnp.logical_not(ok), n=n, block_n=block_n)
     lo = jnp.where(ok, lo, lo_f)
     done = jnp.where(ok, done | (kk <= 0), (kk <= 0) | (cnt_f == kk))
     a, t, on = selection_rule(lo, done, kk)
@@ -189,6 +183,19 @@ def topk_select_sample(x: Array, k_rows: Array, K: int, *, sample: int = 4096, s
                                        params=params, interpret=interpret)
 
 
+def sample_bracket(x: Array, k2: Array, K: int, *, sample: int, sigmas: float, bits: int, upper: bool = True,
+                   interpret: bool = False) -> Array:
+    """Launch 1 (`_sample_kernel`): i32[R, 4] = (A, B, above_on, 0) per row of x f32[R, N]; k2 i32[R, 1]."""
+    R, N = x.shape
+    row1 = lambda w: pl.BlockSpec((None, w), lambda r: (r, 0))  # noqa: E731
+    return pl.pallas_call(
+        functools.partial(_sample_kernel, n=N, width=K, ns=sample, bits=bits, sigmas=sigmas, upper=upper),
+        grid=(R,), in_specs=[row1(1), row1(N)], out_specs=row1(4),
+        out_shape=jax.ShapeDtypeStruct((R, 4), jnp.int32),
+        compiler_params=plgpu.CompilerParams(num_warps=max(4, min(16, sample // 1024)), num_stages=1),
+        interpret=interpret, name="topk_select_sample")(k2, x)
+
+
 def sample_band(x: Array, k2: Array, K: int, *, sample: int, sigmas: float, cap: int, bits: int, block_n: int,
                 target_programs: int, params, interpret: bool = False):
     """Launches 1 and 2: (bracket i32[R, 4] = (A, B, above_on, 0), counts i32[R, S, 4] the splits' (#key > A,
@@ -196,14 +203,8 @@ def sample_band(x: Array, k2: Array, K: int, *, sample: int, sigmas: float, cap:
     keys). With G, E_A, E_B the counts summed over the splits and Bn = n_band[r], row r resolves without the
     fallback when G < kk <= G + E_A + Bn + E_B and, if G + E_A < kk <= G + E_A + Bn, Bn <= cap."""
     R, N = x.shape
-    row1 = lambda w: pl.BlockSpec((None, w), lambda r: (r, 0))  # noqa: E731
     row2 = lambda w: pl.BlockSpec((None, w), lambda r, s: (r, 0))  # noqa: E731
-    bracket = pl.pallas_call(
-        functools.partial(_sample_kernel, n=N, width=K, ns=sample, bits=bits, sigmas=sigmas),
-        grid=(R,), in_specs=[row1(1), row1(N)], out_specs=row1(4),
-        out_shape=jax.ShapeDtypeStruct((R, 4), jnp.int32),
-        compiler_params=plgpu.CompilerParams(num_warps=max(4, min(16, sample // 1024)), num_stages=1),
-        interpret=interpret, name="topk_select_sample")(k2, x)
+    bracket = sample_bracket(x, k2, K, sample=sample, sigmas=sigmas, bits=bits, interpret=interpret)
     S, per = gpu_fused.pow2_splits(R, pl.cdiv(N, block_n), target_programs)
     n_band, band, counts = pl.pallas_call(
         functools.partial(_band_kernel, n=N, block_n=block_n, per_split=per, cap=cap),

@@ -1,0 +1,183 @@
+"""Pallas GPU (Triton) top-k selection for long rows and small k: a sampled lower bound, ONE pass over the row that
+keeps every score above it in position order, and the selection made from those alone.
+
+Three launches, one of which reads the row:
+  1. `gpu_sample._sample_kernel` with no upper end (one program per row): B, a sample key below the threshold
+     (the sample rank kk * sample / N + `sigmas` binomial standard deviations + 8).
+  2. `_band_kernel` (one program per row, its chunks in order): appends the key and the position of every score
+     with key > B to the row's band (capacity `cap`) at a running offset, so the band is in ascending position
+     order without atomics, and counts the keys == B.
+  3. `_select_kernel` (one program per row): with Bn keys in the band, when kk <= Bn <= cap the band holds every
+     key >= the kk-th largest, so the in-register radix search over the band (`gpu_row.row_threshold`) gives the
+     threshold t and one packed cumulative sum over the band ranks the picks (keys > t, then the first ties == t
+     by position, as `gpu_row`'s kernel does over a whole row) and writes them, ascending. Otherwise (t == B, a
+     bound the sample put too high, a band over `cap`: rare on continuous scores) the program streams over its
+     row: t from the streaming radix search (`gpu_fused.stream_threshold`; B itself when it holds rank kk), one
+     counting pass and the compaction (`gpu_fused.compact_chunks`): slow but exact, so no input is wrong.
+
+Against "sample" (5 launches: the bracket, the band, its resolution, a counting pass and the compaction, the last
+two reading the row again on a grid of row splits) this reads each row once after the sample; it needs one program
+per row to keep the band ordered, so it is meant for many rows (every layer's rows of a step at once, as the STS
+draft's record after its layer scan) or for rows whose programs stream fast enough alone. The band must hold
+about kk + 2 (sigmas sd + 8) N / sample keys: `band_capacity` sizes it from K.
+
+Semantics: exactly `reference.topk_select_reference` (ties by position, -0.0 < +0.0, -inf and NaN ranked by the
+IEEE total order and never output).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.topk_select import gpu_fused
+from pallas_kernels.topk_select.common import INT_MIN, KEY_NEG_INF, KEY_POS_INF, float_keys, selection_rule
+from pallas_kernels.topk_select.gpu_row import ROW_LIMIT, next_pow2, row_threshold
+from pallas_kernels.topk_select.gpu_sample import sample_bracket
+
+Array = jax.Array
+
+
+def band_capacity(K: int, N: int, sample: int, sigmas: float) -> int:
+    """The band capacity for rows of N scores and k <= K: a power of two >= K + 2 (sigmas sd + 8) N / sample (the
+    keys above a lower bound drawn `sigmas` standard deviations of the sample rank below k, plus the same again
+    for the spread of the count), at least 1024."""
+    r = K * sample / N
+    m = sigmas * math.sqrt(max(r * (1.0 - r / sample), 0.0)) + 8.0
+    return max(1024, next_pow2(int(math.ceil(K + 2.0 * m * N / sample))))
+
+
+def _band_kernel(br_ref, x_ref, nb_ref, eq_ref, keys_ref, pos_ref, *, n: int, block_n: int, cap: int):
+    """Row r. Refs: br i32[4] = (A, B, above_on, 0) (only B read); x f32[N]; outputs nb i32[1] the keys > B (all
+    counted, at most cap stored), eq i32[1] the keys == B, keys / pos i32[cap] the band's keys and positions in
+    ascending position order."""
+    b_key = br_ref[1]
+
+    def body(c, carry):
+        run, eq = carry
+        pos, ok, x = gpu_fused._chunk(x_ref, c, block_n, n)
+        key = float_keys(x)
+        band = ok & (key > b_key)
+        b32 = band.astype(jnp.int32)
+        dst = run + jnp.cumsum(b32) - b32
+        keep = band & (dst < cap)
+        slot = jnp.where(keep, dst, cap)  # masked lanes point past the band (never written)
+        plgpu.store(keys_ref.at[slot], key, mask=keep)
+        plgpu.store(pos_ref.at[slot], pos, mask=keep)
+        return run + jnp.sum(b32), eq + jnp.sum((ok & (key == b_key)).astype(jnp.int32))
+
+    run, eq = lax.fori_loop(jnp.int32(0), jnp.int32(pl.cdiv(n, block_n)), body, (jnp.int32(0), jnp.int32(0)))
+    nb_ref[...] = jnp.reshape(run, (1,))
+    eq_ref[...] = jnp.reshape(eq, (1,))
+
+
+def _select_kernel(k_ref, br_ref, nb_ref, eq_ref, keys_ref, pos_ref, x_ref, o_ref, *, n: int, width: int,
+                   cap: int, bits: int, block_n: int, wpad: int):
+    """Row r. Refs: k i32[1]; br i32[4] the bound (B at 1); nb, eq i32[1]; keys, pos i32[cap] the band; x f32[N]
+    (read only when the band cannot decide); out o i32[width]."""
+    kk = jnp.clip(k_ref[0], 0, width)
+    b_key, n_band, eq_b = br_ref[1], nb_ref[0], eq_ref[0]
+    in_band = (kk <= n_band) & (n_band <= cap)  # the band holds every key >= the kk-th largest
+
+    slot = jnp.arange(cap, dtype=jnp.int32)
+    valid = slot < jnp.where(in_band, n_band, 0)
+    key = jnp.where(valid, plgpu.load(keys_ref.at[pl.ds(0, cap)], mask=valid, other=INT_MIN), INT_MIN)
+    lo, _, done = row_threshold(key, jnp.where(in_band, kk, 0), jnp.where(in_band, n_band, 0), bits)
+    a, t, on = selection_rule(lo, done, kk)
+    bulk = (key >= a) & (on > 0) & valid
+    tie = (key == t) & valid & jnp.logical_not(done)
+    quota = jnp.where(done, 0, kk - jnp.sum(bulk.astype(jnp.int32)))  # ties taken, by position
+    fin = valid & (key > KEY_NEG_INF) & (key <= KEY_POS_INF)  # scores > -inf, no NaN
+    tie_out = (t > KEY_NEG_INF) & (t <= KEY_POS_INF)  # ties at -inf / NaN are ranked, not output
+    bulk_out = bulk & fin
+    packed = bulk_out.astype(jnp.int32) + lax.shift_left(tie.astype(jnp.int32), jnp.int32(16))
+    before = jnp.cumsum(packed) - packed  # exclusive: (#bulk_out before) + (#tie before) << 16
+    tie_before = lax.shift_right_logical(before, jnp.int32(16))
+    sel = (bulk_out | (tie & tie_out & (tie_before < quota))) & (kk > 0)
+    dst = (before & 0xFFFF) + jnp.where(tie_out, jnp.minimum(tie_before, quota), 0)
+    sel = sel & (dst < width)
+    pos = plgpu.load(pos_ref.at[pl.ds(0, cap)], mask=sel, other=0)
+    plgpu.store(o_ref.at[jnp.where(sel, dst, width)], pos, mask=sel)
+    n_tie = jnp.sum(tie.astype(jnp.int32))
+    total = jnp.sum(bulk_out.astype(jnp.int32)) + jnp.where(tie_out, jnp.minimum(n_tie, quota), 0)
+
+    # The band cannot decide (kk > 0 only): stream over the row.
+    stream = (kk > 0) & jnp.logical_not(in_band)
+    at_b = (n_band < kk) & (kk <= n_band + eq_b)  # t = B: known without a search
+    lo_s, cnt_s = gpu_fused.stream_threshold(x_ref, kk, stream & jnp.logical_not(at_b), n=n, block_n=block_n)
+    lo_s = jnp.where(at_b, b_key, lo_s)
+    done_s = jnp.where(at_b, kk == n_band + eq_b, cnt_s == kk)
+    a_s, t_s, on_s = selection_rule(lo_s, done_s, kk)
+    count = jnp.where(stream, jnp.int32(pl.cdiv(n, block_n)), jnp.int32(0))
+
+    def count_body(c, acc):
+        _, ok, x = gpu_fused._chunk(x_ref, c, block_n, n)
+        k_c = float_keys(x)
+        bulk_c = (k_c >= a_s) & ok & (on_s > 0)
+        ge, out, ties = acc
+        return (ge + jnp.sum(bulk_c.astype(jnp.int32)), out + jnp.sum((bulk_c & (x > -jnp.inf)).astype(jnp.int32)),
+                ties + jnp.sum(((k_c == t_s) & ok).astype(jnp.int32)))
+
+    ge_s, out_s, tie_s = lax.fori_loop(jnp.int32(0), count, count_body, (jnp.int32(0),) * 3)
+    quota_s = jnp.where(done_s, 0, kk - ge_s)
+    gpu_fused.compact_chunks(x_ref, o_ref, jnp.int32(0), count, a_s, t_s, on_s > 0, jnp.logical_not(done_s),
+                             quota_s, jnp.int32(0), n=n, block_n=block_n, width=width)
+    tie_out_s = (t_s > KEY_NEG_INF) & (t_s <= KEY_POS_INF)
+    total_s = out_s + jnp.where(tie_out_s & jnp.logical_not(done_s), jnp.minimum(tie_s, quota_s), 0)
+    total = jnp.where(stream, total_s, total)
+
+    def pad(i, c):
+        s = i * wpad + jnp.arange(wpad, dtype=jnp.int32)
+        plgpu.store(o_ref.at[pl.ds(i * wpad, wpad)], jnp.full((wpad,), -1, jnp.int32),
+                    mask=(s >= total) & (s < width))
+        return c
+
+    lax.fori_loop(jnp.int32(0), jnp.int32(pl.cdiv(width, wpad)), pad, jnp.int32(0))
+
+
+def topk_select_ordered(x: Array, k_rows: Array, K: int, *, sample: int = 8192, sigmas: float = 4.0,
+                        cap: int | None = None, bits: int = 2, block_n: int = 1024, num_warps: int = 4,
+                        num_stages: int = 2, interpret: bool = False) -> Array:
+    """Selection of every row from an ordered band above a sampled bound (module docstring).
+
+    Args:
+      x: f32[R, N] scores (N >= sample); k_rows: i32[R] keys to keep (clipped to [0, K] in-kernel); K: width <= N.
+      sample: sampled scores per row (a power of two, <= 32768); sigmas: the bound's distance below the sample
+        rank in standard deviations; cap: band capacity per row (a power of two <= 32768; None: `band_capacity`);
+        bits: radix bits of the in-register searches; block_n: scores per iteration of the streaming loops (a
+        power of two); num_warps / num_stages: of the band kernel.
+      interpret: Pallas interpreter (CPU tests).
+
+    Returns:
+      int32[R, K]: the chosen positions ascending, then -1.
+    """
+    R, N = x.shape
+    cap = band_capacity(K, N, sample, sigmas) if cap is None else cap
+    for name, v in (("sample", sample), ("cap", cap), ("block_n", block_n)):
+        if v < 32 or v & (v - 1) or (name != "block_n" and v > ROW_LIMIT):
+            raise ValueError(f"{name}={v}: expected a power of two in [32, {ROW_LIMIT}]")
+    if N < sample:
+        raise ValueError(f"N={N} scores per row: the ordered path needs N >= sample={sample}")
+    k2 = k_rows.reshape(R, 1).astype(jnp.int32)
+    bound = sample_bracket(x, k2, K, sample=sample, sigmas=sigmas, bits=bits, upper=False, interpret=interpret)
+    row = lambda w: pl.BlockSpec((None, w), lambda r: (r, 0))  # noqa: E731
+    n_band, eq_b, keys, pos = pl.pallas_call(
+        functools.partial(_band_kernel, n=N, block_n=block_n, cap=cap),
+        grid=(R,), in_specs=[row(4), row(N)], out_specs=(row(1), row(1), row(cap), row(cap)),
+        out_shape=(jax.ShapeDtypeStruct((R, 1), jnp.int32), jax.ShapeDtypeStruct((R, 1), jnp.int32),
+                   jax.ShapeDtypeStruct((R, cap), jnp.int32), jax.ShapeDtypeStruct((R, cap), jnp.int32)),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret, name="topk_select_ordered_band")(bound, x)
+    return pl.pallas_call(
+        functools.partial(_select_kernel, n=N, width=K, cap=cap, bits=bits, block_n=block_n,
+                          wpad=min(1024, max(32, next_pow2(K)))),
+        grid=(R,), in_specs=[row(1), row(4), row(1), row(1), row(cap), row(cap), row(N)], out_specs=row(K),
+        out_shape=jax.ShapeDtypeStruct((R, K), jnp.int32),
+        compiler_params=plgpu.CompilerParams(num_warps=max(4, min(16, cap // 1024)), num_stages=1),
+        interpret=interpret, name="topk_select_ordered_select")(k2, bound, n_band, eq_b, keys, pos, x)
