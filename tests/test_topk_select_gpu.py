@@ -213,6 +213,11 @@ def test_dispatch_and_config_errors():
     assert gpu.SelectConfig(path="passes").pick_path(10) == "passes"
     assert gpu.SelectConfig(path="sample").pick_path(8191) == "fused"  # shorter than the sample
     assert gpu.SelectConfig(path="sample").pick_path(8192) == "sample"
+    # "ordered" for many rows of a small K only (its band must fit ordered_max_cap)
+    assert gpu.SelectConfig().pick_path(100000, 1536, 2080) == "ordered"
+    assert gpu.SelectConfig().pick_path(100000, 96, 520) == "sample"
+    assert gpu.SelectConfig().pick_path(100000, 1536, 10010) == "sample"
+    assert gpu.SelectConfig().pick_path(8192, 1536, 520) == "row"
     x = jnp.zeros((2, 40), jnp.float32)
     for bad, match in [(dict(path="tree"), "path='tree'"), (dict(row_max=1 << 16), "row_max=65536"),
                        (dict(row_bits=3), "row_bits=3"), (dict(row_warps=6), "row_warps=6"),

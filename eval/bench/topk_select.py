@@ -75,10 +75,11 @@ def variants(N: int) -> dict:
     return v
 
 
-def auto_variant(N: int) -> str:
-    """The variant above that `topk_select`'s default config runs at N (timed once, reported twice)."""
+def auto_variant(N: int, R: int, K: int) -> str:
+    """The variant above that `topk_select`'s default config runs for R rows of N, width K (timed once, reported
+    twice)."""
     c = gpu.SelectConfig()
-    p = c.pick_path(N)
+    p = c.pick_path(N, R, K)
     return f"row_b{c.row_bits}" if p == "row" else p
 
 
@@ -135,7 +136,7 @@ def case(R: int, N: int, k: int, t_start: float) -> list[dict]:
             continue
         try:
             fn = select_fn(config, k)
-            rec["path"] = config.pick_path(N)
+            rec["path"] = config.pick_path(N, R, k)
             rec["kernels"] = kernels_of(fn, x, kv)
             rec["exact"] = (check(fn, np.asarray(x), row_ks(rng, R, k, k), k)
                             and check(fn, x_adv, row_ks(rng, R, k, k), k))
@@ -143,8 +144,8 @@ def case(R: int, N: int, k: int, t_start: float) -> list[dict]:
         except Exception as e:  # a variant that does not compile is a result, not the end of the run
             rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(rec)
-    auto = next(r for r in rows if r["variant"] == auto_variant(N))
-    rows.append({**auto, "variant": "auto", "same_as": auto_variant(N)})
+    auto = next(r for r in rows if r["variant"] == auto_variant(N, R, k))
+    rows.append({**auto, "variant": "auto", "same_as": auto_variant(N, R, k)})
     top_k = jax.jit(lambda a: jax.lax.top_k(a, k))
     ref = jax.jit(lambda a, kk: topk_select_reference(a, kk, k))
     rows.append({"rows": R, "N": N, "k": k, "variant": "lax_top_k", "ms": time_ms(top_k, x)})

@@ -5,7 +5,9 @@
   "pallas_gpu"          `gpu.py`: Pallas Triton radix threshold search + ascending compaction; rows of up to
                         16384 scores in ONE launch (`gpu_row.py`), longer rows by a sampled threshold bracket
                         in 5 launches (`gpu_sample.py`; rows shorter than its sample: 32 / bits + 2 launches,
-                        `gpu_fused.py`), no XLA between them; `gpu.SelectConfig(path=...)` picks another.
+                        `gpu_fused.py`) or, for 512 rows or more of a small k, an ordered band above a sampled
+                        bound in 3 launches (`gpu_ordered.py`), no XLA between them; `gpu.SelectConfig(path=...)`
+                        picks another.
   "pallas_tpu"          `tpu.py`: Pallas TPU counting passes + XLA compaction (N < 2**24).
   "xla"                 `xla.py`: the same radix search in plain XLA (any backend).
   "top_k"               `reference.py`: `lax.top_k` and a sort; the specification.

@@ -1,7 +1,7 @@
 """Pallas GPU (Triton) kernels of exact top-k selection: radix threshold search, then an ascending compaction.
 
-`topk_select_gpu` picks one of four paths (`SelectConfig.path`; "auto": "row" when N <= row_max, else
-"sample" (rows shorter than the sample: "fused")):
+`topk_select_gpu` picks one of five paths (`SelectConfig.path`; "auto": "row" when N <= row_max, else "ordered"
+for many rows of a small K, else "sample" (rows shorter than the sample: "fused")):
   * "row" (`gpu_row.py`): ONE launch, one program per row holding the row in registers; the whole radix search
     and the compaction run in-kernel. For the launch-bound regime (rows of up to ~16K scores).
   * "fused" (`gpu_fused.py`): the counting passes below with their XLA glue moved into the kernels:
@@ -10,6 +10,8 @@
     hashed offset), one pass keeping the scores inside it, the exact threshold among those (or at a bracket
     end; a streaming fallback when the bracket misses), then the fused compaction: 5 launches, three reading
     the row.
+  * "ordered" (`gpu_ordered.py`): a sampled lower bound, one pass keeping every score above it in position
+    order, the selection from those alone: 3 launches, one reading the row; one program per row.
   * "passes" (this file, the original path): the kernels below with `common.radix_threshold` /
     `common.split_plan` in XLA between them (~20 launches at 4 bits).
 
@@ -72,7 +74,12 @@ class SelectConfig:
       row_warps: warps per "row" program (None: `gpu_row.row_warps`, about 32 scores per thread).
       sample_size, sample_sigmas, band_cap: the "sample" path's sampled scores per row, bracket half-width in
         standard deviations, and band capacity per row (`gpu_sample.topk_select_sample`); rows shorter than
-        sample_size take the "fused" path.
+        sample_size take the "fused" path. The "ordered" path uses the same sample and sigmas.
+      ordered_cap: the "ordered" path's band capacity (None: `gpu_ordered.band_capacity` of K).
+      ordered_min_rows, ordered_max_cap: "auto" takes "ordered" instead of "sample" for at least this many rows
+        whose band fits this capacity (measured on an H200, eval/results/h200/topk_ordered/: 1536 rows of 100K
+        scores, K = 520 / 2080: 0.89 / 0.97 ms against 1.89 / 1.90 ms; at 96 rows the two are within the
+        dispatch's noise, and at K = 10K on 32 rows of heavy ties "sample" is faster, 0.15 against 0.19+ ms).
     """
 
     bits_per_pass: int = 4
@@ -88,10 +95,16 @@ class SelectConfig:
     sample_sigmas: float = 4.0
     band_cap: int = 16384
     ordered_cap: int | None = None
+    ordered_min_rows: int = 512
+    ordered_max_cap: int = 8192
 
-    def pick_path(self, N: int) -> str:
+    def pick_path(self, N: int, rows: int = 0, K: int | None = None) -> str:
+        """The path for `rows` rows of N scores and width K (rows / K unknown: "sample" above row_max)."""
         if self.path == "auto":
             path = "row" if N <= self.row_max else "sample"
+            if (path == "sample" and K is not None and rows >= self.ordered_min_rows
+                    and gpu_ordered.band_capacity(K, N, self.sample_size, self.sample_sigmas) <= self.ordered_max_cap):
+                path = "ordered"
         else:
             path = self.path
         return "fused" if path in ("sample", "ordered") and N < self.sample_size else path
@@ -207,7 +220,7 @@ def topk_select_gpu(scores: Array, k, K: int, *, config: SelectConfig = SelectCo
     _check_config(config)
     x = scores.reshape(-1, N)
     R = x.shape[0]
-    path = config.pick_path(N)
+    path = config.pick_path(N, R, Kp)
     if path in ("row", "fused", "sample", "ordered"):
         k_rows = jnp.broadcast_to(jnp.asarray(k, jnp.int32), lead).reshape(R)  # clipped in-kernel
         if path == "row":
