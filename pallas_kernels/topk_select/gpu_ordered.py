@@ -53,24 +53,32 @@ def band_capacity(K: int, N: int, sample: int, sigmas: float) -> int:
     return max(1024, next_pow2(int(math.ceil(K + 2.0 * m * N / sample))))
 
 
-def _band_kernel(br_ref, x_ref, nb_ref, eq_ref, keys_ref, pos_ref, *, n: int, block_n: int, cap: int):
+def _band_kernel(br_ref, x_ref, nb_ref, eq_ref, keys_ref, pos_ref, *, n: int, block_n: int, cap: int,
+                 skip_empty: bool):
     """Row r. Refs: br i32[4] = (A, B, above_on, 0) (only B read); x f32[N]; outputs nb i32[1] the keys > B (all
     counted, at most cap stored), eq i32[1] the keys == B, keys / pos i32[cap] the band's keys and positions in
-    ascending position order."""
+    ascending position order. skip_empty: rank and store only in chunks that hold a band key."""
     b_key = br_ref[1]
 
-    def body(c, carry):
-        run, eq = carry
-        pos, ok, x = gpu_fused._chunk(x_ref, c, block_n, n)
-        key = float_keys(x)
-        band = ok & (key > b_key)
+    def append(run, pos, key, band):
         b32 = band.astype(jnp.int32)
         dst = run + jnp.cumsum(b32) - b32
         keep = band & (dst < cap)
         slot = jnp.where(keep, dst, cap)  # masked lanes point past the band (never written)
         plgpu.store(keys_ref.at[slot], key, mask=keep)
         plgpu.store(pos_ref.at[slot], pos, mask=keep)
-        return run + jnp.sum(b32), eq + jnp.sum((ok & (key == b_key)).astype(jnp.int32))
+
+    def body(c, carry):
+        run, eq = carry
+        pos, ok, x = gpu_fused._chunk(x_ref, c, block_n, n)
+        key = float_keys(x)
+        band = ok & (key > b_key)
+        nb = jnp.sum(band.astype(jnp.int32))
+        if skip_empty:
+            lax.cond(nb > 0, lambda: append(run, pos, key, band), lambda: None)
+        else:
+            append(run, pos, key, band)
+        return run + nb, eq + jnp.sum((ok & (key == b_key)).astype(jnp.int32))
 
     run, eq = lax.fori_loop(jnp.int32(0), jnp.int32(pl.cdiv(n, block_n)), body, (jnp.int32(0), jnp.int32(0)))
     nb_ref[...] = jnp.reshape(run, (1,))
@@ -143,7 +151,7 @@ def _select_kernel(k_ref, br_ref, nb_ref, eq_ref, keys_ref, pos_ref, x_ref, o_re
 
 def topk_select_ordered(x: Array, k_rows: Array, K: int, *, sample: int = 8192, sigmas: float = 4.0,
                         cap: int | None = None, bits: int = 2, block_n: int = 1024, num_warps: int = 4,
-                        num_stages: int = 2, interpret: bool = False) -> Array:
+                        num_stages: int = 2, skip_empty: bool = False, interpret: bool = False) -> Array:
     """Selection of every row from an ordered band above a sampled bound (module docstring).
 
     Args:
@@ -151,7 +159,8 @@ def topk_select_ordered(x: Array, k_rows: Array, K: int, *, sample: int = 8192, 
       sample: sampled scores per row (a power of two, <= 32768); sigmas: the bound's distance below the sample
         rank in standard deviations; cap: band capacity per row (a power of two <= 32768; None: `band_capacity`);
         bits: radix bits of the in-register searches; block_n: scores per iteration of the streaming loops (a
-        power of two); num_warps / num_stages: of the band kernel.
+        power of two); num_warps / num_stages: of the band kernel; skip_empty: the band kernel ranks and stores
+        only in chunks holding a band key.
       interpret: Pallas interpreter (CPU tests).
 
     Returns:
@@ -168,7 +177,7 @@ def topk_select_ordered(x: Array, k_rows: Array, K: int, *, sample: int = 8192, 
     bound = sample_bracket(x, k2, K, sample=sample, sigmas=sigmas, bits=bits, upper=False, interpret=interpret)
     row = lambda w: pl.BlockSpec((None, w), lambda r: (r, 0))  # noqa: E731
     n_band, eq_b, keys, pos = pl.pallas_call(
-        functools.partial(_band_kernel, n=N, block_n=block_n, cap=cap),
+        functools.partial(_band_kernel, n=N, block_n=block_n, cap=cap, skip_empty=skip_empty),
         grid=(R,), in_specs=[row(4), row(N)], out_specs=(row(1), row(1), row(cap), row(cap)),
         out_shape=(jax.ShapeDtypeStruct((R, 1), jnp.int32), jax.ShapeDtypeStruct((R, 1), jnp.int32),
                    jax.ShapeDtypeStruct((R, cap), jnp.int32), jax.ShapeDtypeStruct((R, cap), jnp.int32)),
