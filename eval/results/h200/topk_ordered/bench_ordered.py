@@ -54,7 +54,7 @@ def probs_rows(key, R, n):
 
 def main():
     out = os.environ.get("OUT", "/tmp")
-    res = dict(command="python eval/results/h200/topk_ordered/bench_ordered.py", device=jax.devices()[0].device_kind,
+    res = dict(command=("VARIANTS=round2 " if ROUND2 else "") + "python eval/results/h200/topk_ordered/bench_ordered.py", device=jax.devices()[0].device_kind,
                jax=jax.__version__, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                commit=os.environ.get("GIT_COMMIT", "unknown"), cases=[])
     rng = np.random.default_rng(0)
