@@ -122,6 +122,8 @@ def test_ordered_band_holds_the_threshold_on_continuous_rows():
     assert (np.asarray(k) <= n_above).all() and (n_above <= cap).all(), (n_above, cap)
     got = gpu.topk_select_gpu(x, k, K, interpret=True, config=gpu.SelectConfig(path="ordered", sample_size=1024))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(topk_select_reference(x, k, K)))
+    skip = gpu_ordered.topk_select_ordered(x, k, K, sample=1024, block_n=256, skip_empty=True, interpret=True)
+    np.testing.assert_array_equal(np.asarray(skip), np.asarray(got))  # chunks without band keys skipped
     xk, kk = kascade_like_rows(rng, 6, context=12500, capacity=12544)
     Kk = int(kk.max())
     got = gpu.topk_select_gpu(jnp.asarray(xk), jnp.asarray(kk), Kk, interpret=True,
