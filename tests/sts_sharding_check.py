@@ -109,9 +109,13 @@ def record_rows_collectives(hlo_text: str) -> dict:
 
 # The rows the target reads are gathered across `model` as an all-reduce of a masked local gather (each device
 # fills the rows of the draft heads it holds): in prefill one layer's inside the layer scan; in decode every layer's
-# at once before it (the weights after XLA groups them by KV head: an all-gather); the whole record never moves.
+# at once before it (the weights also after XLA groups them by KV head: an all-gather); the whole record never
+# moves. Since the draft selects its decode record after its layer scan (`record_after_scan`), XLA all-reduces the
+# decode rows' weights as well as their keys (with the per-layer selection only the keys: the f32 all-reduce below
+# was absent); one more collective of the rows' size, measured here so that a change is seen.
 RECORD_ROWS_COLLECTIVES = {("all-reduce", "s32[16,2,3,15]"): 1, ("all-reduce", "f32[16,2,3,15]"): 1,
                            ("all-reduce", f"s32[{CFG.num_layers},16,2,1,22]"): 1,
+                           ("all-reduce", f"f32[{CFG.num_layers},16,2,1,22]"): 1,
                            ("all-gather", f"f32[{CFG.num_layers * B},8,44]"): 1}
 
 

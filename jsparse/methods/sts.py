@@ -43,7 +43,11 @@ implementation), which chooses exactly the keys `lax.top_k` would (ties to the l
 the cache-wide row. The prefill record (`tile_head_topk`) stays in rank order (`lax.top_k`): the head-map
 calibration reads its first k entries. On a GPU the draft's decode weights come from the dense decode kernel,
 which reads the layer in place from the stacked cache and writes its logits (`attend_and_probs`); elsewhere from
-XLA (`head_probs`), with the same record up to float rounding.
+XLA (`head_probs`), with the same record up to float rounding. A recording step (`record_after_scan`, the default)
+writes every layer's weight rows into one buffer f32[B, Hq_d, L_d, N] and selects them all at once after the layer
+scan (16 x B x 32 rows for a 1B draft: the `topk_select` path for many rows, one pass over the rows after a sample),
+instead of a selection per layer; the buffer costs 4 bytes per (row, draft query head, draft layer, cache slot)
+while the step runs (`record_after_scan=False`: per layer, no buffer).
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ from jsparse import selection as sel
 from jsparse.artifacts import ArtifactError, load_artifact
 from jsparse.methods.base import register
 from jsparse.methods.common import attend_dense, attend_selected, check_tile, stacked_cache
+from models.sharding import constrain
 from pallas_kernels.dense import dense_prefill
 from pallas_kernels.dense_decode import dense_decode_stacked
 from pallas_kernels.dense_decode import supported as dense_decode_supported
@@ -342,8 +347,8 @@ class StsDraft(_Budget):
         if phase != "decode" or not self.record_after_scan or not self.records(q_len):
             return state
         B = lengths.shape[0]
-        return state.replace(weights=jnp.zeros((B, cfg.num_heads, cfg.num_layers, kv_len), jnp.float32),
-                             lengths=lengths)
+        weights = jnp.zeros((B, cfg.num_heads, cfg.num_layers, kv_len), jnp.float32)
+        return state.replace(weights=constrain(weights, ("batch", "heads", None, None)), lengths=lengths)
 
     def finish(self, state, phase):
         """After a recording forward's layer scan: every layer's top-W at once (`_select`)."""
@@ -355,7 +360,8 @@ class StsDraft(_Budget):
         rec_idx, rec_val = self._recorded(state)  # [L, B, Hq, W]
         flat = lambda x: jnp.moveaxis(x, 0, 2).reshape(B, Hq * L, x.shape[-1])  # noqa: E731  [B, Hq * L, W]
         val, idx = self._select(probs.reshape(B, Hq * L, N), flat(rec_idx), flat(rec_val), lengths)
-        unflat = lambda x: jnp.moveaxis(x.reshape(B, Hq, L, x.shape[-1]), 2, 0)  # noqa: E731  [L, B, Hq, W]
+        def unflat(x):  # [B, Hq * L, W] -> [L, B, Hq, W], split as the record (rows by batch, heads by model)
+            return constrain(jnp.moveaxis(x.reshape(B, Hq, L, x.shape[-1]), 2, 0), (None, "batch", "heads", None))
         return self._store(state, unflat(val), unflat(idx))
 
     def _recorded(self, state):
