@@ -73,6 +73,10 @@ def test_attention_bytes_follow_what_each_method_reads(tiny):
     kascade, _ = bench_model.bench_method("kascade", cfg, 0.1)
     k_bytes = bench_model.attention_bytes("kascade", kascade, cfg, B, n)
     assert cfg.num_layers * 2 * 1000 * U < k_bytes < dense  # anchors read all of K, reuse layers the picked rows
+    quest, _ = bench_model.bench_method("quest", cfg, 0.1)  # per query head: G sets of pages per KV head
+    G, d, pages = cfg.num_heads // cfg.num_kv_heads, quest.dense_layers, -(-n // quest.page_size)
+    assert bench_model.attention_bytes("quest", quest, cfg, B, n) == (
+        d * 2 * n * U + (cfg.num_layers - d) * (2 * pages * U + G * 2 * 1000 * U))
     with pytest.raises(ValueError, match="unknown method 'nope'"):
         bench_model.bench_method("nope", cfg, 0.1)
 

@@ -232,10 +232,13 @@ def attention_bytes(name: str, method, cfg, batch: int, n: int) -> int:
         return d * dense_layer + (L - d) * (n * U + picked)
     if name == "streaming":
         return L * picked
-    if name == "quest":  # per-page min and max of K (bf16, as a Quest cache keeps them) + the picked pages
+    if name == "quest":  # per-page min and max of K (bf16, as a Quest cache keeps them) + each query head's pages
+        # Quest picks pages per query head: a KV head's G query heads read up to G sets (their union; on random
+        # weights they rarely overlap). Counted as G sets since 2026-11-28 (one set before, which overstated the floor).
         d = method.dense_layers
         pages = -(-n // method.page_size)
-        return d * dense_layer + (L - d) * (2 * pages * U + picked)
+        G = cfg.num_heads // cfg.num_kv_heads
+        return d * dense_layer + (L - d) * (2 * pages * U + G * picked)
     if name == "h2o":  # the accumulated score row (f32, read and written) + the picked rows
         return L * (picked + 2 * batch * cfg.num_kv_heads * n * 4)
     if name == "butler":  # the predicted keys of every predicted layer (f32) + the picked rows
