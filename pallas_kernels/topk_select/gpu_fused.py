@@ -163,7 +163,14 @@ def rule_counts(o_ref, x_ref, a, t, on, done, *, n: int, block_n: int, per_split
     counts 0 when bulk is off, ties 0 for a done row): the per-split counts `_compact_kernel` plans with."""
     first, count = _split_chunks(n, block_n, per_split)
     count = jnp.where(done & jnp.logical_not(on), 0, count)
+    ge, out, tie = rule_totals(x_ref, first, count, a, t, on, done, n=n, block_n=block_n)
+    lane = jnp.arange(4, dtype=jnp.int32)
+    o_ref[...] = jnp.where(lane == 0, ge, jnp.where(lane == 1, out, jnp.where(lane == 2, tie, 0)))
 
+
+def rule_totals(x_ref, first, count, a, t, on, done, *, n: int, block_n: int):
+    """(#key >= a, #(key >= a and x > -inf), #key == t) over `count` chunks of block_n scores from chunk `first`
+    (bulk counts 0 when `on` is false, ties 0 for a done row)."""
     def body(i, acc):
         _, ok, x = _chunk(x_ref, first + i, block_n, n)
         key = float_keys(x)
@@ -174,9 +181,7 @@ def rule_counts(o_ref, x_ref, a, t, on, done, *, n: int, block_n: int, per_split
 
     zero = jnp.zeros((block_n,), jnp.int32)
     ge, out, tie = lax.fori_loop(0, count, body, (zero, zero, zero))
-    lane = jnp.arange(4, dtype=jnp.int32)
-    o_ref[...] = jnp.where(lane == 0, jnp.sum(ge), jnp.where(lane == 1, jnp.sum(out),
-                                                             jnp.where(lane == 2, jnp.sum(tie), 0)))
+    return jnp.sum(ge), jnp.sum(out), jnp.sum(tie)
 
 
 def compact_chunks(x_ref, o_ref, first, count, a, t, on, ties, quota, base, *, n: int, block_n: int, width: int):

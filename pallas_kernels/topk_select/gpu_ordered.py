@@ -8,9 +8,9 @@ Three launches, one of which reads the row:
      with key > B to the row's band (capacity `cap`) at a running offset, so the band is in ascending position
      order without atomics, and counts the keys == B.
   3. `_select_kernel` (one program per row): with Bn keys in the band, when kk <= Bn <= cap the band holds every
-     key >= the kk-th largest, so the in-register radix search over the band (`gpu_row.row_threshold`) gives the
-     threshold t and one packed cumulative sum over the band ranks the picks (keys > t, then the first ties == t
-     by position, as `gpu_row`'s kernel does over a whole row) and writes them, ascending. Otherwise (t == B, a
+     key >= the kk-th largest, so `gpu_row.row_picks` over the band (what `gpu_row`'s kernel does over a whole row:
+     the in-register radix search gives the threshold t, one packed cumulative sum ranks the picks, keys > t then
+     the first ties == t by position) selects them, written ascending. Otherwise (t == B, a
      bound the sample put too high, a band over `cap`: rare on continuous scores) the program streams over its
      row: t from the streaming radix search (`gpu_fused.stream_threshold`; B itself when it holds rank kk), one
      counting pass and the compaction (`gpu_fused.compact_chunks`): slow but exact, so no input is wrong.
@@ -38,7 +38,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.topk_select import gpu_fused
 from pallas_kernels.topk_select.common import INT_MIN, KEY_NEG_INF, KEY_POS_INF, float_keys, selection_rule
-from pallas_kernels.topk_select.gpu_row import ROW_LIMIT, next_pow2, row_threshold
+from pallas_kernels.topk_select.gpu_row import ROW_LIMIT, next_pow2, row_picks
 from pallas_kernels.topk_select.gpu_sample import sample_bracket
 
 Array = jax.Array
@@ -94,26 +94,12 @@ def _select_kernel(k_ref, br_ref, nb_ref, eq_ref, keys_ref, pos_ref, x_ref, o_re
     in_band = (kk <= n_band) & (n_band <= cap)  # the band holds every key >= the kk-th largest
 
     slot = jnp.arange(cap, dtype=jnp.int32)
-    valid = slot < jnp.where(in_band, n_band, 0)
+    n_in = jnp.where(in_band, n_band, 0)
+    valid = slot < n_in
     key = jnp.where(valid, plgpu.load(keys_ref.at[pl.ds(0, cap)], mask=valid, other=INT_MIN), INT_MIN)
-    lo, _, done = row_threshold(key, jnp.where(in_band, kk, 0), jnp.where(in_band, n_band, 0), bits)
-    a, t, on = selection_rule(lo, done, kk)
-    bulk = (key >= a) & (on > 0) & valid
-    tie = (key == t) & valid & jnp.logical_not(done)
-    quota = jnp.where(done, 0, kk - jnp.sum(bulk.astype(jnp.int32)))  # ties taken, by position
-    fin = valid & (key > KEY_NEG_INF) & (key <= KEY_POS_INF)  # scores > -inf, no NaN
-    tie_out = (t > KEY_NEG_INF) & (t <= KEY_POS_INF)  # ties at -inf / NaN are ranked, not output
-    bulk_out = bulk & fin
-    packed = bulk_out.astype(jnp.int32) + lax.shift_left(tie.astype(jnp.int32), jnp.int32(16))
-    before = jnp.cumsum(packed) - packed  # exclusive: (#bulk_out before) + (#tie before) << 16
-    tie_before = lax.shift_right_logical(before, jnp.int32(16))
-    sel = (bulk_out | (tie & tie_out & (tie_before < quota))) & (kk > 0)
-    dst = (before & 0xFFFF) + jnp.where(tie_out, jnp.minimum(tie_before, quota), 0)
-    sel = sel & (dst < width)
+    sel, dst, total = row_picks(key, valid, jnp.where(in_band, kk, 0), n_in, bits, width)
     pos = plgpu.load(pos_ref.at[pl.ds(0, cap)], mask=sel, other=0)
     plgpu.store(o_ref.at[jnp.where(sel, dst, width)], pos, mask=sel)
-    n_tie = jnp.sum(tie.astype(jnp.int32))
-    total = jnp.sum(bulk_out.astype(jnp.int32)) + jnp.where(tie_out, jnp.minimum(n_tie, quota), 0)
 
     # The band cannot decide (kk > 0 only): stream over the row.
     stream = (kk > 0) & jnp.logical_not(in_band)
@@ -123,21 +109,13 @@ def _select_kernel(k_ref, br_ref, nb_ref, eq_ref, keys_ref, pos_ref, x_ref, o_re
     done_s = jnp.where(at_b, kk == n_band + eq_b, cnt_s == kk)
     a_s, t_s, on_s = selection_rule(lo_s, done_s, kk)
     count = jnp.where(stream, jnp.int32(pl.cdiv(n, block_n)), jnp.int32(0))
-
-    def count_body(c, acc):
-        _, ok, x = gpu_fused._chunk(x_ref, c, block_n, n)
-        k_c = float_keys(x)
-        bulk_c = (k_c >= a_s) & ok & (on_s > 0)
-        ge, out, ties = acc
-        return (ge + jnp.sum(bulk_c.astype(jnp.int32)), out + jnp.sum((bulk_c & (x > -jnp.inf)).astype(jnp.int32)),
-                ties + jnp.sum(((k_c == t_s) & ok).astype(jnp.int32)))
-
-    ge_s, out_s, tie_s = lax.fori_loop(jnp.int32(0), count, count_body, (jnp.int32(0),) * 3)
+    ge_s, out_s, tie_s = gpu_fused.rule_totals(x_ref, jnp.int32(0), count, a_s, t_s, on_s > 0, done_s, n=n,
+                                               block_n=block_n)  # ties 0 for a done row
     quota_s = jnp.where(done_s, 0, kk - ge_s)
     gpu_fused.compact_chunks(x_ref, o_ref, jnp.int32(0), count, a_s, t_s, on_s > 0, jnp.logical_not(done_s),
                              quota_s, jnp.int32(0), n=n, block_n=block_n, width=width)
     tie_out_s = (t_s > KEY_NEG_INF) & (t_s <= KEY_POS_INF)
-    total_s = out_s + jnp.where(tie_out_s & jnp.logical_not(done_s), jnp.minimum(tie_s, quota_s), 0)
+    total_s = out_s + jnp.where(tie_out_s, jnp.minimum(tie_s, quota_s), 0)
     total = jnp.where(stream, total_s, total)
 
     def pad(i, c):

@@ -98,22 +98,20 @@ def row_pick_mask(key: Array, cand: Array, kk: Array, n, bits: int) -> Array:
     return bulk | ((tie > 0) & (tie_before < quota))
 
 
-def _row_kernel(k_ref, x_ref, o_ref, *, n: int, P: int, bits: int, width: int, wpad: int):
-    """One row. Refs: k i32[1] (the row's k, unclipped); x f32[N] the row; o i32[width] the row's output."""
-    kk = jnp.clip(k_ref[0], 0, width)
-    pos = jnp.arange(P, dtype=jnp.int32)
-    ok = pos < n
-    x = plgpu.load(x_ref.at[pl.ds(0, P)], mask=ok, other=0.0)
-    key = jnp.where(ok, float_keys(x), INT_MIN)  # padding: below every candidate above INT_MIN
-    lo, _, done = row_threshold(key, kk, n, bits)
+def row_picks(key: Array, valid: Array, kk: Array, n, bits: int, width: int):
+    """In-kernel exact top-kk of keys held in registers, ranked for an ascending output.
 
-    # The selection rule (common.selection_rule), then the ranks of the picks by one packed scan.
+    key: i32[P] keys (`float_keys`), INT_MIN where not valid; valid: bool[P] the candidates, in output order;
+    kk: i32 scalar, 0 <= kk <= n; n: the number of candidates; width: the output width.
+    Returns (sel bool[P]: the picks that are written (-inf / NaN picks ranked, not written), dst i32[P]: each
+    pick's output slot, total: i32 picks written). The selection rule is `common.selection_rule`; the picks are
+    ranked by one packed exclusive scan (bulk picks in the low 16 bits, threshold ties in the high 16)."""
+    lo, _, done = row_threshold(key, kk, n, bits)
     a, t, on = selection_rule(lo, done, kk)
-    bulk = (key >= a) & (on > 0) & ok
-    tie = (key == t) & ok & jnp.logical_not(done)
-    n_bulk = jnp.sum(bulk.astype(jnp.int32))
-    quota = jnp.where(done, 0, kk - n_bulk)  # ties taken, by position
-    fin = ok & (key > KEY_NEG_INF) & (key <= KEY_POS_INF)  # scores > -inf (no NaN): x is not kept live
+    bulk = (key >= a) & (on > 0) & valid
+    tie = (key == t) & valid & jnp.logical_not(done)
+    quota = jnp.where(done, 0, kk - jnp.sum(bulk.astype(jnp.int32)))  # ties taken, by position
+    fin = valid & (key > KEY_NEG_INF) & (key <= KEY_POS_INF)  # scores > -inf (no NaN): x is not kept live
     tie_out = (t > KEY_NEG_INF) & (t <= KEY_POS_INF)  # ties at -inf / NaN are ranked, not output
     bulk_out = bulk & fin
     packed = bulk_out.astype(jnp.int32) + lax.shift_left(tie.astype(jnp.int32), jnp.int32(16))
@@ -124,10 +122,21 @@ def _row_kernel(k_ref, x_ref, o_ref, *, n: int, P: int, bits: int, width: int, w
     sel = bulk_out | take
     dst = bulk_before + jnp.where(tie_out, jnp.minimum(tie_before, quota), 0)
     sel = sel & (dst < width)  # always true (total <= kk <= width)
-    # Masked lanes point past the row (never written; the interpreter drops them as out of bounds).
-    plgpu.store(o_ref.at[jnp.where(sel, dst, width)], pos, mask=sel)
     n_tie = jnp.sum(tie.astype(jnp.int32))
     total = jnp.sum(bulk_out.astype(jnp.int32)) + jnp.where(tie_out, jnp.minimum(n_tie, quota), 0)
+    return sel, dst, total
+
+
+def _row_kernel(k_ref, x_ref, o_ref, *, n: int, P: int, bits: int, width: int, wpad: int):
+    """One row. Refs: k i32[1] (the row's k, unclipped); x f32[N] the row; o i32[width] the row's output."""
+    kk = jnp.clip(k_ref[0], 0, width)
+    pos = jnp.arange(P, dtype=jnp.int32)
+    ok = pos < n
+    x = plgpu.load(x_ref.at[pl.ds(0, P)], mask=ok, other=0.0)
+    key = jnp.where(ok, float_keys(x), INT_MIN)  # padding: below every candidate above INT_MIN
+    sel, dst, total = row_picks(key, ok, kk, n, bits, width)
+    # Masked lanes point past the row (never written; the interpreter drops them as out of bounds).
+    plgpu.store(o_ref.at[jnp.where(sel, dst, width)], pos, mask=sel)
     slot = jnp.arange(wpad, dtype=jnp.int32)
     plgpu.store(o_ref.at[pl.ds(0, wpad)], jnp.full((wpad,), -1, jnp.int32),
                 mask=(slot >= total) & (slot < width))

@@ -205,7 +205,7 @@ def main():
                         suffix = name.split("+")[1] + "_" if "+" in name else ""
                         steps.append((f"draft_sts_first_step_{suffix}layer_ms", pairs[f"{name}@layer"][1], two))
                         if "mask" not in name:
-                            steps.append((f"draft_sts_later_step_dense_layer_ms", pairs[f"{name}@layer"][1],
+                            steps.append(("draft_sts_later_step_dense_layer_ms", pairs[f"{name}@layer"][1],
                                           tok[:, None]))
                 for label, dm, t in steps:
                     P = dm.pool_width(cap)
