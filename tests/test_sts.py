@@ -459,6 +459,8 @@ def test_row_merge_option_same_generation(pair):
         make_method("sts", cfg=CFG, draft=draft, head_map=hm, first_step_mask="yes")
     with pytest.raises(ValueError, match="mask_pool=0"):
         make_method("sts", cfg=CFG, draft=draft, head_map=hm, first_step_mask=True, mask_pool=0)
+    with pytest.raises(ValueError, match="record_after_scan='no'"):
+        make_method("sts", cfg=CFG, draft=draft, head_map=hm, record_after_scan="no")
 
 
 @pytest.mark.parametrize("gamma,mask_pool,mask_attention", [(3, 1, True), (3, 2, True), (3, 2, False)])

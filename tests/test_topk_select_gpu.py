@@ -103,6 +103,16 @@ def test_ordered_matches_reference(cap):
     np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(x), jnp.asarray(k))), want)
 
 
+def test_ordered_errors_name_the_value():
+    from pallas_kernels.topk_select import gpu_ordered
+
+    x, k = jnp.zeros((2, 4096), jnp.float32), jnp.ones((2,), jnp.int32)
+    for bad, match in [(dict(cap=100), "cap=100: expected a power of two"), (dict(sample=8192), "N=4096 scores"),
+                       (dict(block_n=48), "block_n=48")]:
+        with pytest.raises(ValueError, match=match):
+            gpu_ordered.topk_select_ordered(x, k, 8, **{"sample": 1024, **bad}, interpret=True)
+
+
 def test_ordered_band_holds_the_threshold_on_continuous_rows():
     """White box: on continuous scores the band above the sampled bound holds every key >= the threshold and
     fits its capacity (so the in-register selection decides, not the stream), in ascending position order; on
