@@ -6,7 +6,7 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax starts, and whose 
 
   python tests/sts_sharding_check.py      # prints one JSON line per (check, mesh) and exits 1 on a mismatch
 
-Checks, on each mesh against one device:
+Checks, against one device:
   forward    STS-P, then one STS-D verification round, as one jitted computation: the draft's prefill records its
              tile-pooled attention rows, the target's prefill attends the keys they choose (target prefill logits
              f32[B, V]); the draft decodes [prev, tok] and gamma - 1 more tokens recording its rows, the target
@@ -14,7 +14,8 @@ Checks, on each mesh against one device:
              records (i32 indices) must be equal, the logits within ATOL.
   generated  `jsparse.api.generate_ids(target, prompts, method=sts, draft=draft)` with both models on the mesh:
              the whole speculative generation (prefills, greedy rounds, rollbacks by length): tokens, rounds and
-             accepted draft tokens exactly equal.
+             accepted draft tokens exactly equal. On the 2x4 mesh only (it splits both the data and the model
+             axis; the 1x8 run added ~10 s of suite time and no path the forward check does not cover).
   session    a three-turn `jsparse.Session` with STS (the first message prefilled, two more appended on top of
              both caches, greedy rounds after each): the replies, rounds and accepted tokens exactly equal. A
              session is batch 1, so on the 2x4 mesh (data axis 2) it must raise ShardingError naming the data axis.
@@ -182,6 +183,8 @@ def main() -> int:
         for spec in base.MESHES:
             mesh = sharding.make_mesh(spec)
             t0 = time.perf_counter()
+            if name == "generated" and spec != base.MESHES[0]:  # the 2x4 mesh splits both axes (suite time)
+                continue
             if name == "session" and sharding.mesh_size(mesh, "data") > 1:  # a session is one row
                 try:
                     fn(mesh)

@@ -626,8 +626,8 @@ def test_pool_record_with_dense_later_attention():
                 np.testing.assert_allclose(g_val[h][g], w_val[h][w], rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("first_step_mask,mask_pool,mask_attention,carry", [
-    (False, 1, True, 0.5), (False, 1, True, 0.0), (True, 2, False, 0.5), (True, 1, True, 0.5)])
+@pytest.mark.parametrize("first_step_mask,mask_pool,mask_attention,carry", [  # every value of each option once
+    (False, 1, True, 0.0), (True, 2, False, 0.5)])
 def test_record_after_scan_equals_the_per_layer_record(first_step_mask, mask_pool, mask_attention, carry):
     """The model's decode with `record_after_scan` (every layer's weight rows selected at once after the layer
     scan) leaves the same record / pool, the same logits and no buffer in the state, step after step, as the
