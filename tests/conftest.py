@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import types
+from pathlib import Path
 
 if os.environ.get("JSPARSE_TEST_XLA_OPT") != "1":
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
@@ -28,6 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+MAX_MAPPINGS = 30000
 XLA_OPTIMIZED_FILES = ("test_readme.py", "test_bundled.py", "test_cli.py", "test_api_edges.py")
 
 
@@ -45,6 +47,12 @@ def _xla_backend_optimization(request):
         jax.config.update("jax_disable_most_optimizations", request.path.name not in XLA_OPTIMIZED_FILES)
     yield
     jax.clear_caches()
+    maps = Path("/proc/self/maps")
+    if maps.exists():  # Linux: stop with a clear error well before the kernel's limit, not a segfault inside XLA
+        count = sum(1 for _ in maps.open())
+        assert count < MAX_MAPPINGS, (f"{count} memory mappings after {request.path.name} with jax's caches "
+                                      f"cleared (limit here {MAX_MAPPINGS}; the kernel's is 65,530): what holds "
+                                      f"compiled executables across files?")
 
 
 def _our_logits(cfg, params, tokens, method_name: str = "dense") -> np.ndarray:
