@@ -41,7 +41,7 @@ def _xla_backend_optimization(request):
     own memory mappings, and a worker that ran a few hundred tests reached ~36,000 of the kernel's 65,530
     (vm.max_map_count): the next compile segfaulted inside XLA (tests/test_sliding_window.py, 2026-11-29, locally
     and in CI), and pytest-xdist stopped handing out files after the crash, so the run hung until CI's limit.
-    Cleared per file, a worker stays near 1,100 mappings (and ran three kernel files in 90 s instead of 110 s).
+    Cleared per file, a worker stays near 1,100 mappings.
     """
     if os.environ.get("JSPARSE_TEST_XLA_OPT") != "1":
         jax.config.update("jax_disable_most_optimizations", request.path.name not in XLA_OPTIMIZED_FILES)
