@@ -1,7 +1,7 @@
 """Kascade's anchors through the fused anchor ops equal the selection they replaced (oracle.select_decode with
 the forced diagonal tile, oracle.select_prefill), layer by layer (one layer's cache and the stacked cache read
-in place, T = 1 and T = 3) and through the whole model; the anchor ops' diagonal_tile / with_output / xla
-prefill against their references."""
+in place, T = 1 and T = 3) and through the whole model; so does the oracle's decode, which runs the same op
+(`common.topk_decode`); the anchor ops' diagonal_tile / with_output / xla prefill against their references."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from flax import struct
 from jsparse import selection as sel
 from jsparse.methods.common import attend_dense, attend_selected, dense_prefill, sparse_prefill
 from jsparse.methods.kascade import Kascade, KascadeState
-from jsparse.methods.oracle import select_decode, select_prefill
+from jsparse.methods.oracle import Oracle, select_decode, select_prefill
 from models.attention import LayerContext, LayerKV
 from models.config import ModelConfig
 from pallas_kernels.anchor_attention import anchor_decode, anchor_decode_reference, anchor_prefill, gpu
@@ -164,6 +164,48 @@ def test_whole_model_prefill_then_decode_equals_before(reuse_scale):
     _close(p_new[0], p_old[0], "prefill row 0", tol=1e-4)
     _close(p_new[1, :37], p_old[1, :37], "prefill row 1", tol=1e-4)
     _close(d_new, d_old, "decode T=1 (stacked cache in place)", tol=1e-4)
+
+
+@struct.dataclass
+class OracleBefore(Oracle):
+    """The oracle's decode as it was: select_decode (f32 weights of every key), then attend_selected; one layer
+    scan with a `lax.cond` per layer."""
+
+    def segments(self, cfg, phase):
+        return None
+
+    def sparse_decode(self, ctx, q, cache, state):
+        T, N = q.shape[1], cache.k.shape[2]
+        pos = sel.decode_positions(ctx.lengths, T)
+        idx = select_decode(q, cache.k, pos, self.budget, self.min_tokens, self.k_static(N), self.tile)
+        return attend_selected(q, cache, idx, ctx.lengths), state
+
+
+def test_oracle_decode_through_the_anchor_op_equals_before():
+    """The oracle's decode (T = 1 gathered from the stacked cache in place, T = 3 through a mask) equals
+    select_decode + attend_selected, with its dense and sparse layers scanned apart: no conditional."""
+    from models import llama
+    from models.cache import init_cache
+    from models.params import random_params
+
+    params = random_params(CFG, jax.random.key(4), jnp.float32, scale=0.3)
+    T, N = 40, 64
+    toks = jax.random.randint(jax.random.key(5), (B, T), 0, CFG.vocab_size)
+    lengths = jnp.array([T, 29], jnp.int32)
+    kw = dict(budget=0.2, min_tokens=8, tile=16, dense_layers=2)
+    new, old = Oracle(**kw), OracleBefore(**kw)
+    assert new.segments(CFG, "decode") == ((0, 2, "dense"), (2, L, "sparse")) and new.segments(CFG, "prefill") is None
+    _, cache, _ = jax.jit(lambda p, t, l: llama.prefill(p, CFG, new, t, l, init_cache(CFG, B, N, jnp.float32),
+                                                        None))(params, toks, lengths)
+    for n_new in (1, 3):
+        step = jax.random.randint(jax.random.key(6 + n_new), (B, n_new), 0, CFG.vocab_size)
+        got, want = (jax.jit(lambda p, t, c, m=m: llama.decode(p, CFG, m, t, c, None)[0])(params, step, cache)
+                     for m in (new, old))
+        _close(got, want, f"decode T={n_new}", tol=1e-4)
+    text = {name: jax.jit(lambda p, t, c, m=m: llama.decode(p, CFG, m, t, c, None)[0]).lower(
+        params, step[:, :1], cache).as_text() for name, m in (("new", new), ("old", old))}
+    assert "stablehlo.case" in text["old"] and "stablehlo.case" not in text["new"]
+    assert text["new"].count("stablehlo.while") == text["old"].count("stablehlo.while") + 1
 
 
 # ---------------------------------------------------------------------------------------------------------

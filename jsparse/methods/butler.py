@@ -257,6 +257,11 @@ class Butler(TokenBudget):
                              lambda: state)
         return dense_prefill(q, k, v), state
 
+    def segments(self, cfg, phase: str):
+        """One layer scan (not TokenBudget's dense / sparse runs): layer 0 runs the predictor and the calibrated
+        `dense_set` lies among the sparse layers, so each layer keeps its `lax.switch`."""
+        return None
+
     def decode(self, ctx, q, cache, state):
         positions = sel.decode_positions(ctx.lengths, q.shape[1])
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jsparse import selection as sel
 from models import llama
 from models.cache import init_cache
+from pallas_kernels.anchor_attention import anchor_decode
 from pallas_kernels.dense import dense_decode, dense_prefill
 from pallas_kernels.dense_decode import dense_decode_stacked
 from pallas_kernels.dense_decode import supported as dense_decode_supported
@@ -46,6 +47,34 @@ def attend_selected(q, cache, indices, lengths, head_map=None):
         indices = jnp.take(indices, head_map, axis=1)
     mask = decode_indices_to_mask(indices, lengths, cache.k.shape[2])
     return masked_attention_reference(q, cache.k, cache.v, mask)
+
+
+def topk_decode(q, cache, lengths, *, budget: float, min_tokens: int, K: int, tile: int, dense: bool = False,
+                attend: bool = True):
+    """Exact top-k decode: each (row, KV head, token) keeps the K-wide budget's keys of largest post-softmax
+    weight pooled over the GQA group, its own diagonal tile of `tile` keys forced first (the keys of
+    `jsparse.methods.oracle.select_decode`), and attends to them; dense=True attends to every visible key and
+    still returns the selection (Kascade's layer 0); attend=False returns (None, indices).
+
+    One fused op, `pallas_kernels.anchor_attention.anchor_decode`: on a GPU it scores the stacked cache in place
+    (the view's `k_all`, `layer`) with no f32 [B, Hq, T, N] weights in memory, selects and gathers. T > 1 sparse
+    rows take only its indices and attend through a mask (`attend_selected`), cheaper than gathering T * K rows.
+    The oracle's sparse layers and Kascade's anchors.
+
+    q: [B, T, Hq, D]; cache: a head-major layer view; lengths: i32[B] -> (out [B, T, Hq, D],
+    indices int32[B, Hkv, T, K] ascending, -1 padded).
+    """
+    T = q.shape[1]
+    if getattr(cache, "layer", None) is not None:
+        k, v, layer = cache.k_all, cache.v_all, cache.layer
+    else:
+        k, v, layer = cache.k, cache.v, None
+    gathered = attend and (dense or T == 1)
+    out, idx = anchor_decode(q, k, v, lengths, budget=budget, min_tokens=min_tokens, K=K, layer=layer,
+                             dense_output=dense, diagonal_tile=tile, with_output=gathered)
+    if attend and not gathered:
+        out = attend_selected(q, cache, idx, lengths)
+    return (out if attend else None), idx
 
 
 def stacked_cache(cache):
@@ -125,7 +154,21 @@ class TokenBudget:
                             lambda: (prefill_dense(ctx, q, k, v), state),
                             lambda: self.sparse_prefill(ctx, q, k, v, state))
 
+    def segments(self, cfg, phase: str):
+        """Decode scans the dense first layers and the sparse ones as separate runs (tags "dense", "sparse";
+        `models.attention.segments`), so no layer waits on a `lax.cond`, whose predicate a GPU reads back to the
+        host in every layer; prefill is one run."""
+        if phase != "decode":
+            return None
+        L, d = cfg.num_layers, min(self.dense_layers, cfg.num_layers)
+        return tuple(run for run in ((0, d, "dense"), (d, L, "sparse")) if run[1] > run[0])
+
     def decode(self, ctx, q, cache, state):
+        segment = getattr(ctx, "segment", None)
+        if segment == "dense":
+            return decode_dense(ctx, q, cache), state
+        if segment == "sparse":
+            return self.sparse_decode(ctx, q, cache, state)
         return jax.lax.cond(ctx.layer < self.dense_layers,
                             lambda: (decode_dense(ctx, q, cache), state),
                             lambda: self.sparse_decode(ctx, q, cache, state))
@@ -168,4 +211,5 @@ def np_int(x) -> np.ndarray:
 
 
 __all__ = ["TokenBudget", "attend_dense", "attend_selected", "check_tile", "decode_dense", "dense_decode",
-           "dense_prefill", "masked_attention_reference", "prefill_dense", "sparse_prefill", "stacked_cache"]
+           "dense_prefill", "masked_attention_reference", "prefill_dense", "sparse_prefill", "stacked_cache",
+           "topk_decode"]

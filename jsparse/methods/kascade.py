@@ -55,8 +55,8 @@ from flax import struct
 from jsparse import selection as sel
 from jsparse.artifacts import load_artifact
 from jsparse.methods.base import register
-from jsparse.methods.common import TokenBudget, attend_selected, kwargs_for, sparse_prefill
-from pallas_kernels.anchor_attention import anchor_decode, anchor_prefill
+from jsparse.methods.common import TokenBudget, attend_selected, kwargs_for, sparse_prefill, topk_decode
+from pallas_kernels.anchor_attention import anchor_prefill
 from pallas_kernels.anchor_attention.common import block_width, check_block_size
 
 ARTIFACT_KIND = "kascade"
@@ -217,21 +217,14 @@ class Kascade(TokenBudget):
         T, N = q.shape[1], cache.k.shape[2]
         K, Kr = self.k_static(N), self.k_reuse(N)
         indices = state.indices
-        stacked = getattr(cache, "layer", None) is not None
-        k, v, layer = (cache.k_all, cache.v_all, cache.layer) if stacked else (cache.k, cache.v, None)
 
         def anchor(dense: bool):
             def fn():
-                gathered = T == 1 or dense  # T > 1 sparse rows: indices only, then the masked attention
-                out, idx = anchor_decode(q, k, v, ctx.lengths, budget=self.budget, min_tokens=self.min_tokens,
-                                         K=K, layer=layer, dense_output=dense, diagonal_tile=self.tile,
-                                         with_output=gathered)
-                if not gathered:
-                    out = attend_selected(q, cache, idx, ctx.lengths)
+                out, idx = topk_decode(q, cache, ctx.lengths, budget=self.budget, min_tokens=self.min_tokens, K=K,
+                                       tile=self.tile, dense=dense)
                 if self.reuse_scale != 1.0:  # the wider set for the reuse layers
-                    _, idx = anchor_decode(q, k, v, ctx.lengths, budget=self.reuse_budget,
-                                           min_tokens=self.min_tokens, K=Kr, layer=layer, dense_output=dense,
-                                           diagonal_tile=self.tile, with_output=False)
+                    _, idx = topk_decode(q, cache, ctx.lengths, budget=self.reuse_budget, min_tokens=self.min_tokens,
+                                         K=Kr, tile=self.tile, dense=dense, attend=False)
                 return out, idx
             return fn
 

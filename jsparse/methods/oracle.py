@@ -7,7 +7,7 @@ from flax import struct
 
 from jsparse import selection as sel
 from jsparse.methods.base import register
-from jsparse.methods.common import TokenBudget, attend_selected, kwargs_for, sparse_prefill
+from jsparse.methods.common import TokenBudget, kwargs_for, sparse_prefill, topk_decode
 
 
 @register("oracle")
@@ -16,17 +16,19 @@ class Oracle(TokenBudget):
     """Every sparse layer keeps, per KV head, the k keys with the largest exact attention mass (summed over the
     GQA group; in prefill also over the query tile). Layer 0 is dense, as in Kascade, so the two compare fairly.
     In both phases the query's causal diagonal tile is kept (prefill: added by the kernel; decode: forced into
-    the k chosen keys)."""
+    the k chosen keys). Decode scans the dense and the sparse layers apart (`TokenBudget.segments`)."""
 
     @classmethod
     def build(cls, **options):
         return cls(**kwargs_for(cls, options))
 
     def sparse_decode(self, ctx, q, cache, state):
-        T, N = q.shape[1], cache.k.shape[2]
-        pos = sel.decode_positions(ctx.lengths, T)
-        idx = select_decode(q, cache.k, pos, self.budget, self.min_tokens, self.k_static(N), self.tile)
-        return attend_selected(q, cache, idx, ctx.lengths), state
+        """The keys of `select_decode` and the attention over them in one fused op (`common.topk_decode`, as
+        Kascade's anchors): on a GPU the exact scores are computed from the stacked cache in place, never as an
+        f32 [B, Hq, T, N] array."""
+        out, _ = topk_decode(q, cache, ctx.lengths, budget=self.budget, min_tokens=self.min_tokens,
+                             K=self.k_static(cache.k.shape[2]), tile=self.tile)
+        return out, state
 
     def sparse_prefill(self, ctx, q, k, v, state):
         idx = select_prefill(q, k, self.tile, self.tile_budget(q.shape[1]), self.k_static(q.shape[1]))
