@@ -109,9 +109,13 @@ def test_streaming_decode_sink_and_window():
     np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
 
 
-def test_quest_decode_pages():
+@pytest.mark.parametrize("gathered", [False, True])
+def test_quest_decode_pages(gathered):
+    """Both decode paths against numpy: the mask (`page_mask`) and the gathered kernel in pages (one call per
+    query head of each group, over `page_indices`)."""
     q, cache, lengths = _inputs(4, N=96)
-    m = make_method("quest", budget=0.2, min_tokens=16, page_size=16)
+    m = make_method("quest", budget=0.2, min_tokens=16, page_size=16, gathered=gathered)
+    assert m.is_gathered(96) is gathered
     out, _ = m.decode(_ctx(3, lengths), q, cache, None)
     qn, kn = np.asarray(q, np.float64), np.asarray(cache.k, np.float64)
     mask = np.zeros((B, HQ, 1, 96), bool)
@@ -130,6 +134,32 @@ def test_quest_decode_pages():
                 mask[b, h, 0, p * 16: min(p * 16 + 16, n)] = True
     want = masked_attention_reference(q, cache.k, cache.v, jnp.asarray(mask))
     np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+
+
+def test_quest_gathered_model_decode_equals_the_mask():
+    """Through the model: the gathered decode reads each layer's pages from the stacked cache in place."""
+    from models import llama
+    from models.cache import init_cache
+    from models.params import random_params
+
+    params = random_params(CFG, jax.random.key(4), jnp.float32, scale=1.0)
+    T, N = 150, 192
+    toks = jax.random.randint(jax.random.key(5), (B, T), 0, CFG.vocab_size)
+    lengths = jnp.array([T, 97], jnp.int32)
+    new, old = (make_method("quest", budget=0.2, min_tokens=16, gathered=g) for g in (True, False))
+    _, cache, _ = jax.jit(lambda p, t, l: llama.prefill(p, CFG, new, t, l, init_cache(CFG, B, N, jnp.float32),
+                                                        None))(params, toks, lengths)
+    step = jax.random.randint(jax.random.key(9), (B, 1), 0, CFG.vocab_size)
+    got, want = (jax.jit(lambda p, t, c, m=m: llama.decode(p, CFG, m, t, c, None)[0])(params, step, cache)
+                 for m in (new, old))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_quest_gathered_needs_whole_pages():
+    m = make_method("quest", budget=0.2, min_tokens=16, page_size=16, gathered=True)
+    with pytest.raises(ValueError, match="capacity N=100 is not a multiple of page_size=16"):
+        m.is_gathered(100)
+    assert make_method("quest", gathered=None).is_gathered(100) is False  # on the CPU, and not whole pages
 
 
 def test_kascade_decode_anchor_and_reuse():

@@ -11,9 +11,17 @@ Sliding-window models: on a windowed layer (window W) only the pages that overla
 the window's first page), and the chosen pages are cut to the window, so the selection is a subset of the window
 and the whole budget is the whole window; prefill and the dense layers attend
 within the window too.
+One decode token without a window (`gathered`, the default on a GPU) takes each query head's pages as an index
+row (`page_indices`, top-k by `topk_select`) and attends through the gathered decode kernel in pages of
+`page_size`, one call per position in the GQA group (each call: one query head of every KV head), reading the
+chosen pages of each query head in place from the stacked cache; the same pages and the same softmax as the
+mask (`page_mask`), which T > 1 tokens, windowed layers and the CPU by default use. The page bounds are still
+computed from the whole cache at every step (the K read the paper's page-bound state avoids).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +29,11 @@ from flax import struct
 
 from jsparse import selection as sel
 from jsparse.methods.base import register
-from jsparse.methods.common import TokenBudget, kwargs_for, masked_attention_reference, prefill_dense
+from jsparse.methods.common import (TokenBudget, kwargs_for, masked_attention_reference, prefill_dense,
+                                    stacked_cache)
+from pallas_kernels.sharding import dims, per_shard
+from pallas_kernels.sparse_attention import sparse_decode
+from pallas_kernels.topk_select import topk_select
 
 
 @register("quest")
@@ -31,6 +43,8 @@ class Quest(TokenBudget):
 
     page_size: int = struct.field(pytree_node=False, default=16)
     dense_layers: int = struct.field(pytree_node=False, default=2)
+    # One decode token without a window through the gathered kernel (module docstring); None: on a GPU.
+    gathered: Optional[bool] = struct.field(pytree_node=False, default=None)
 
     def __post_init__(self):
         super().__post_init__()
@@ -43,12 +57,37 @@ class Quest(TokenBudget):
     def sparse_prefill(self, ctx, q, k, v, state):
         return prefill_dense(ctx, q, k, v), state
 
+    def is_gathered(self, N: int) -> bool:
+        """Whether a one-token decode over a cache of N keys runs gathered (`gathered`; None: on a GPU, when
+        page_size divides N)."""
+        if self.gathered is None:
+            return jax.default_backend() == "gpu" and N % self.page_size == 0
+        if self.gathered and N % self.page_size:
+            raise ValueError(f"quest gathered=True: the cache capacity N={N} is not a multiple of page_size="
+                             f"{self.page_size} (the gathered kernel reads whole pages)")
+        return bool(self.gathered)
+
     def sparse_decode(self, ctx, q, cache, state):
-        T = q.shape[1]
+        T, N = q.shape[1], cache.k.shape[2]
         pos = sel.decode_positions(ctx.lengths, T)
         window = None if getattr(ctx, "window_size", None) is None else ctx.window
+        if T == 1 and window is None and self.is_gathered(N):
+            return self._gathered_decode(q, cache, pos, ctx.lengths), state
         mask = page_mask(q, cache.k, pos, self.budget, self.min_tokens, self.page_size, window=window)
         return masked_attention_reference(q, cache.k, cache.v, mask), state
+
+    def _gathered_decode(self, q, cache, pos, lengths):
+        """q: [B, 1, Hq, D] -> [B, 1, Hq, D]: each query head over its pages (`page_indices`), G gathered calls."""
+        B, _, Hq, D = q.shape
+        Hkv, N = cache.k.shape[1], cache.k.shape[2]
+        G = Hq // Hkv
+        pages = page_indices(q, cache.k, pos, self.budget, self.min_tokens, self.page_size,
+                             self.k_static(N)).reshape(B, Hkv, G, 1, -1)
+        k_all, v_all, layer = stacked_cache(cache)
+        qg = q.reshape(B, 1, Hkv, G, D)
+        outs = [sparse_decode(qg[:, :, :, g], k_all, v_all, pages[:, :, g], lengths, layer=layer,
+                              block_size=self.page_size) for g in range(G)]
+        return jnp.stack(outs, axis=3).reshape(B, 1, Hq, D)
 
 
 def page_bounds(k_cache, lengths_max, page_size: int):
@@ -62,13 +101,11 @@ def page_bounds(k_cache, lengths_max, page_size: int):
     return kmin, kmax
 
 
-def page_mask(q, k_cache, positions, budget, min_tokens, page_size, window=None):
-    """bool[B, Hq, T, N]: the keys of each query head's chosen pages that are visible to it.
+def page_scores(q, k_cache, positions, budget, min_tokens, page_size, window=None):
+    """Each query head's page scores and page count: (score f32[B, Hkv, G, T, P] (the upper bound; +inf on the
+    query's own page, -inf on pages it may not see), n_pages i32[B, T], first i32[B, T] the first key it may see).
 
-    Args:
-      q: [B, T, Hq, D]; k_cache: [B, Hkv, N, D]; positions: i32[B, T] the queries' positions.
-      window: None or i32[] sliding window (0 = full attention): a query at p sees keys p - window < j <= p only;
-        pages wholly before its window do not compete and the budget counts min(p + 1, window) keys.
+    Args: as `page_mask`.
     """
     B, T, Hq, D = q.shape
     Hkv, N = k_cache.shape[1], k_cache.shape[2]
@@ -96,6 +133,20 @@ def page_mask(q, k_cache, positions, budget, min_tokens, page_size, window=None)
     # Pages for k_tok keys counted from the first visible page's start (a window's first page is partly before
     # it): the whole budget then covers the whole window.
     n_pages = -(-(k_tok + first % page_size) // page_size)  # [B, T]
+    return score, n_pages, first
+
+
+def page_mask(q, k_cache, positions, budget, min_tokens, page_size, window=None):
+    """bool[B, Hq, T, N]: the keys of each query head's chosen pages that are visible to it.
+
+    Args:
+      q: [B, T, Hq, D]; k_cache: [B, Hkv, N, D]; positions: i32[B, T] the queries' positions.
+      window: None or i32[] sliding window (0 = full attention): a query at p sees keys p - window < j <= p only;
+        pages wholly before its window do not compete and the budget counts min(p + 1, window) keys.
+    """
+    B, T, Hq, _ = q.shape
+    N = k_cache.shape[2]
+    score, n_pages, first = page_scores(q, k_cache, positions, budget, min_tokens, page_size, window)
     order = jnp.argsort(-score, axis=-1)
     rank = jnp.argsort(order, axis=-1)
     chosen = (rank < n_pages[:, None, None, :, None]) & jnp.isfinite(score) | (score == jnp.inf)
@@ -104,3 +155,19 @@ def page_mask(q, k_cache, positions, budget, min_tokens, page_size, window=None)
     visible = (keys <= positions[:, :, None]) & (keys >= first[:, :, None])
     tok_mask = tok_mask & visible[:, None, None]
     return tok_mask.reshape(B, Hq, T, N)
+
+
+def page_indices(q, k_cache, positions, budget, min_tokens, page_size, k_max: int):
+    """The pages of `page_mask` without a window, as index rows: i32[B, Hq, T, Kp] ascending, -1 padded, Kp =
+    ceil(k_max / page_size) (k_max: the budget's keys at the cache length), by `topk_select` (ties to the lower
+    page, as the mask's stable sort). A query's keys past its position in its own page are not attended: the
+    gathered kernel masks keys past each query's position, as the mask does."""
+    B, T, Hq, _ = q.shape
+    score, n_pages, _ = page_scores(q, k_cache, positions, budget, min_tokens, page_size)
+    P = score.shape[-1]
+    score = score.reshape(B, Hq, T, P)
+    k_rows = jnp.broadcast_to(n_pages[:, None, :], score.shape[:-1])
+    Kp = min(-(-k_max // page_size), P)
+    # Per shard under a mesh (rows over data, query heads over model: each device ranks its own heads' pages).
+    return per_shard(lambda s, k: topk_select(s, k, Kp), [score, k_rows], [dims(4, 0, 1), dims(3, 0, 1)],
+                     dims(4, 0, 1))
