@@ -137,7 +137,11 @@ def test_quest_decode_pages(gathered):
 
 
 def test_quest_gathered_model_decode_equals_the_mask():
-    """Through the model: the gathered decode reads each layer's pages from the stacked cache in place."""
+    """Through the model, step after step: the gathered decode (pages chosen from the state's page bounds, read
+    from the stacked cache in place) equals the mask (bounds from the cache, no state), also after a T = 3 step
+    (the mask path keeps the state), a rollback of 2 tokens (a rejected speculative round) and steps that enter
+    new pages; the state's bounds equal the cache's on every written page of every sparse layer."""
+    from jsparse.methods.quest import page_bounds
     from models import llama
     from models.cache import init_cache
     from models.params import random_params
@@ -147,12 +151,28 @@ def test_quest_gathered_model_decode_equals_the_mask():
     toks = jax.random.randint(jax.random.key(5), (B, T), 0, CFG.vocab_size)
     lengths = jnp.array([T, 97], jnp.int32)
     new, old = (make_method("quest", budget=0.2, min_tokens=16, gathered=g) for g in (True, False))
-    _, cache, _ = jax.jit(lambda p, t, l: llama.prefill(p, CFG, new, t, l, init_cache(CFG, B, N, jnp.float32),
-                                                        None))(params, toks, lengths)
-    step = jax.random.randint(jax.random.key(9), (B, 1), 0, CFG.vocab_size)
-    got, want = (jax.jit(lambda p, t, c, m=m: llama.decode(p, CFG, m, t, c, None)[0])(params, step, cache)
-                 for m in (new, old))
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    _, cache, state = jax.jit(lambda p, t, l: llama.prefill(p, CFG, new, t, l, init_cache(CFG, B, N, jnp.float32),
+                                                            new.init_state(CFG, B, N)))(params, toks, lengths)
+    step_new = jax.jit(lambda p, t, c, s: llama.decode(p, CFG, new, t, c, s))
+    step_old = jax.jit(lambda p, t, c: llama.decode(p, CFG, old, t, c, None)[0])
+
+    def bounds_match(cache, state):
+        for layer in range(new.dense_layers, CFG.num_layers):
+            want = page_bounds(cache.k[layer], cache.lengths, 16)
+            for b, n in enumerate(np.asarray(cache.lengths)):
+                P = -(-int(n) // 16)
+                for got_, want_ in zip((state.kmin, state.kmax), want):
+                    np.testing.assert_array_equal(got_[layer, b, :, :P], want_[b, :, :P], err_msg=f"layer {layer}")
+
+    bounds_match(cache, state)
+    for i, (n_new, rollback) in enumerate([(1, 0), (3, 0), (1, 2), (1, 0), (3, 0), (1, 0)]):
+        if rollback:  # a rejected round: the rows' lengths move back, the keys written past them stay
+            cache = cache.replace(lengths=cache.lengths - rollback)
+        tok = jax.random.randint(jax.random.key(20 + i), (B, n_new), 0, CFG.vocab_size)
+        want = step_old(params, tok, cache)
+        got, cache, state = step_new(params, tok, cache, state)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"step {i}")
+        bounds_match(cache, state)
 
 
 def test_quest_gathered_needs_whole_pages():

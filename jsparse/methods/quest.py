@@ -36,6 +36,18 @@ from pallas_kernels.sparse_attention import sparse_decode
 from pallas_kernels.topk_select import topk_select
 
 
+@struct.dataclass
+class QuestState:
+    """Page bounds of every layer's cache, f32[L, B, Hkv, P, D] each (P = max_len / page_size): the elementwise
+    min and max of each page's keys below the row's length (0 for a page holding none). Prefill writes a layer's
+    pages; each decode forward recomputes, from the cache, the pages its new tokens fall in (so a page a
+    rejected speculative round wrote is recomputed by the next forward that writes into it, before anything reads
+    it). Only the gathered decode reads them; the mask path computes the bounds from the cache."""
+
+    kmin: jax.Array
+    kmax: jax.Array
+
+
 @register("quest")
 @struct.dataclass
 class Quest(TokenBudget):
@@ -54,8 +66,23 @@ class Quest(TokenBudget):
     def build(cls, **options):
         return cls(**kwargs_for(cls, options))
 
-    def sparse_prefill(self, ctx, q, k, v, state):
-        return prefill_dense(ctx, q, k, v), state
+    def init_state(self, cfg, batch, max_len):
+        P = -(-max_len // self.page_size)
+        zeros = jnp.zeros((cfg.num_layers, batch, cfg.num_kv_heads, P, cfg.head_dim), jnp.float32)
+        return QuestState(kmin=zeros, kmax=zeros)
+
+    def prefill(self, ctx, q, k, v, state):
+        """Dense (Quest is a decode method), and the layer's page bounds written into the state."""
+        out = prefill_dense(ctx, q, k, v)
+        if isinstance(state, QuestState):
+            kmin, kmax = finite_bounds(*page_bounds(jnp.swapaxes(k, 1, 2), ctx.lengths, self.page_size))
+            P = state.kmin.shape[3]
+            if kmin.shape[2] > P:
+                raise ValueError(f"a prefill of {k.shape[1]} tokens fills {kmin.shape[2]} pages of {self.page_size}; "
+                                 f"the Quest state holds {P}: init_state(max_len) must be the cache capacity")
+            state = QuestState(*(jax.lax.dynamic_update_slice(a, b[None].astype(a.dtype), (ctx.layer, 0, 0, 0, 0))
+                                 for a, b in ((state.kmin, kmin), (state.kmax, kmax))))
+        return out, state
 
     def is_gathered(self, N: int) -> bool:
         """Whether a one-token decode over a cache of N keys runs gathered (`gathered`; None: on a GPU, when
@@ -71,18 +98,27 @@ class Quest(TokenBudget):
         T, N = q.shape[1], cache.k.shape[2]
         pos = sel.decode_positions(ctx.lengths, T)
         window = None if getattr(ctx, "window_size", None) is None else ctx.window
+        bounds = None
+        if isinstance(state, QuestState):
+            if state.kmin.shape[3] != -(-N // self.page_size):
+                raise ValueError(f"Quest state of {state.kmin.shape[3]} pages for a cache of {N} keys in pages of "
+                                 f"{self.page_size}: init_state(max_len) must be the cache capacity")
+            state = update_bounds(state, ctx.layer, cache.k, ctx.lengths, T, self.page_size)
+            bounds = tuple(jax.lax.dynamic_index_in_dim(a, ctx.layer, keepdims=False) for a in (state.kmin,
+                                                                                                 state.kmax))
         if T == 1 and window is None and self.is_gathered(N):
-            return self._gathered_decode(q, cache, pos, ctx.lengths), state
+            return self._gathered_decode(q, cache, pos, ctx.lengths, bounds), state
         mask = page_mask(q, cache.k, pos, self.budget, self.min_tokens, self.page_size, window=window)
         return masked_attention_reference(q, cache.k, cache.v, mask), state
 
-    def _gathered_decode(self, q, cache, pos, lengths):
-        """q: [B, 1, Hq, D] -> [B, 1, Hq, D]: each query head over its pages (`page_indices`), G gathered calls."""
+    def _gathered_decode(self, q, cache, pos, lengths, bounds=None):
+        """q: [B, 1, Hq, D] -> [B, 1, Hq, D]: each query head over its pages (`page_indices`), G gathered calls;
+        bounds: the layer's (kmin, kmax) from the state, or None (from the cache)."""
         B, _, Hq, D = q.shape
         Hkv, N = cache.k.shape[1], cache.k.shape[2]
         G = Hq // Hkv
         pages = page_indices(q, cache.k, pos, self.budget, self.min_tokens, self.page_size,
-                             self.k_static(N)).reshape(B, Hkv, G, 1, -1)
+                             self.k_static(N), bounds=bounds).reshape(B, Hkv, G, 1, -1)
         k_all, v_all, layer = stacked_cache(cache)
         qg = q.reshape(B, 1, Hkv, G, D)
         outs = [sparse_decode(qg[:, :, :, g], k_all, v_all, pages[:, :, g], lengths, layer=layer,
@@ -101,21 +137,46 @@ def page_bounds(k_cache, lengths_max, page_size: int):
     return kmin, kmax
 
 
-def page_scores(q, k_cache, positions, budget, min_tokens, page_size, window=None):
+def finite_bounds(kmin, kmax):
+    """Bounds of pages holding no key (+-inf) as 0, as the scores take them."""
+    return (jnp.where(jnp.isfinite(kmin), kmin, 0.0), jnp.where(jnp.isfinite(kmax), kmax, 0.0))
+
+
+def update_bounds(state: QuestState, layer, k_cache, lengths, T: int, page_size: int) -> QuestState:
+    """The bounds of the pages holding positions lengths - T .. lengths - 1 (this forward's new tokens, already in
+    the cache), recomputed from the cache's keys below `lengths`: k_cache [B, Hkv, N, D] the layer's; layer: i32[]."""
+    B, Hkv, N, D = k_cache.shape
+    P = state.kmin.shape[3]
+    n = (T + page_size - 2) // page_size + 1  # pages T consecutive positions can touch
+    pages = jnp.minimum((lengths - T)[:, None] // page_size + jnp.arange(n, dtype=jnp.int32), P - 1)  # [B, n]
+    keys = pages[:, :, None] * page_size + jnp.arange(page_size, dtype=jnp.int32)  # [B, n, ps]
+    valid = keys < jnp.minimum(lengths, N)[:, None, None]
+    rows = jnp.take_along_axis(k_cache, jnp.minimum(keys, N - 1).reshape(B, 1, -1, 1), axis=2)
+    rows = rows.astype(jnp.float32).reshape(B, Hkv, n, page_size, D)
+    ok = valid[:, None, :, :, None]
+    kmin, kmax = finite_bounds(jnp.where(ok, rows, jnp.inf).min(axis=3), jnp.where(ok, rows, -jnp.inf).max(axis=3))
+    b = jnp.arange(B)[:, None]
+    # x[layer, b, :, page] is [B, n, Hkv, D] (the advanced indices first); a clipped page repeats the same value.
+    return QuestState(kmin=state.kmin.at[layer, b, :, pages].set(jnp.swapaxes(kmin, 1, 2)),
+                      kmax=state.kmax.at[layer, b, :, pages].set(jnp.swapaxes(kmax, 1, 2)))
+
+
+def page_scores(q, k_cache, positions, budget, min_tokens, page_size, window=None, bounds=None):
     """Each query head's page scores and page count: (score f32[B, Hkv, G, T, P] (the upper bound; +inf on the
     query's own page, -inf on pages it may not see), n_pages i32[B, T], first i32[B, T] the first key it may see).
 
-    Args: as `page_mask`.
+    Args: as `page_mask`; bounds: (kmin, kmax) f32[B, Hkv, P, D] of the cache's pages (`QuestState`), or None
+    (computed from k_cache).
     """
     B, T, Hq, D = q.shape
     Hkv, N = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
     P = -(-N // page_size)
-    kmin, kmax = page_bounds(k_cache, positions.max(axis=1) + 1, page_size)
+    if bounds is None:
+        bounds = page_bounds(k_cache, positions.max(axis=1) + 1, page_size)
+    kmin, kmax = finite_bounds(*bounds)
     qf = q.astype(jnp.float32).reshape(B, T, Hkv, G, D)
     # sum_d max(q_d kmax_d, q_d kmin_d) = relu(q) . kmax + min(q, 0) . kmin (no [.., P, D] intermediate).
-    kmax = jnp.where(jnp.isfinite(kmax), kmax, 0.0)
-    kmin = jnp.where(jnp.isfinite(kmin), kmin, 0.0)
     score = (jnp.einsum("btkgd,bkpd->bkgtp", jnp.maximum(qf, 0.0), kmax)
              + jnp.einsum("btkgd,bkpd->bkgtp", jnp.minimum(qf, 0.0), kmin))  # [B, Hkv, G, T, P]
     page = jnp.arange(P)[None, None, :]
@@ -157,13 +218,13 @@ def page_mask(q, k_cache, positions, budget, min_tokens, page_size, window=None)
     return tok_mask.reshape(B, Hq, T, N)
 
 
-def page_indices(q, k_cache, positions, budget, min_tokens, page_size, k_max: int):
+def page_indices(q, k_cache, positions, budget, min_tokens, page_size, k_max: int, bounds=None):
     """The pages of `page_mask` without a window, as index rows: i32[B, Hq, T, Kp] ascending, -1 padded, Kp =
     ceil(k_max / page_size) (k_max: the budget's keys at the cache length), by `topk_select` (ties to the lower
     page, as the mask's stable sort). A query's keys past its position in its own page are not attended: the
-    gathered kernel masks keys past each query's position, as the mask does."""
+    gathered kernel masks keys past each query's position, as the mask does. bounds: as `page_scores`."""
     B, T, Hq, _ = q.shape
-    score, n_pages, _ = page_scores(q, k_cache, positions, budget, min_tokens, page_size)
+    score, n_pages, _ = page_scores(q, k_cache, positions, budget, min_tokens, page_size, bounds=bounds)
     P = score.shape[-1]
     score = score.reshape(B, Hq, T, P)
     k_rows = jnp.broadcast_to(n_pages[:, None, :], score.shape[:-1])
