@@ -79,6 +79,9 @@ class LayerContext:
         sees None attends as if no layer were windowed.
       every_layer_windowed: static; with window_size set, True when every layer is windowed (no per-layer
         choice needed).
+      kv_dtype: static dtype of the cache, which stores k and v rounded to it (None: not given). A method that
+        keeps something computed from the prefill's k beside the cache rounds k as the cache does (on a GPU XLA
+        may carry a bf16 value at higher precision into a fusion, `xla_allow_excess_precision`).
     """
 
     layer: Array
@@ -89,6 +92,7 @@ class LayerContext:
     window: Any = None
     window_size: int | None = struct.field(pytree_node=False, default=None)
     every_layer_windowed: bool = struct.field(pytree_node=False, default=False)
+    kv_dtype: Any = struct.field(pytree_node=False, default=None)
 
 
 class AttentionMethod(Protocol):

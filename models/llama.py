@@ -287,7 +287,8 @@ def _scan_layers(params: Params, cfg: ModelConfig, method, x: Array, positions: 
         k, v = (constrain(a, ("batch", None, "kv_heads", "head_dim")) for a in (k, v))
         ck, cv = (constrain(c, _CACHE_AXES) for c in (write(ck, layer, k), write(cv, layer, v)))
         ctx = LayerContext(layer=layer, lengths=lengths, info=info, hidden=h, segment=segment, window=window,
-                           window_size=window_size, every_layer_windowed=cfg.every_layer_windowed)
+                           window_size=window_size, every_layer_windowed=cfg.every_layer_windowed,
+                           kv_dtype=ck.dtype)
         attn, state = attend(ctx, q, k, v, ck, cv, state)
         x_attn = x + _dense(rows(attn.astype(x.dtype)), lp.wo, "bthd,hde->bte", lp.bo)
         return (x_attn + mlp(cfg, lp, x_attn), ck, cv, state), ((unrows(x), unrows(x_attn)) if collect else None)

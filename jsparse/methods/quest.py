@@ -75,7 +75,8 @@ class Quest(TokenBudget):
         """Dense (Quest is a decode method), and the layer's page bounds written into the state."""
         out = prefill_dense(ctx, q, k, v)
         if isinstance(state, QuestState):
-            kmin, kmax = finite_bounds(*page_bounds(jnp.swapaxes(k, 1, 2), ctx.lengths, self.page_size))
+            stored = k if ctx.kv_dtype is None else stored_as(k, ctx.kv_dtype)  # the keys as the cache holds them
+            kmin, kmax = finite_bounds(*page_bounds(jnp.swapaxes(stored, 1, 2), ctx.lengths, self.page_size))
             P = state.kmin.shape[3]
             if kmin.shape[2] > P:
                 raise ValueError(f"a prefill of {k.shape[1]} tokens fills {kmin.shape[2]} pages of {self.page_size}; "
@@ -135,6 +136,13 @@ def page_bounds(k_cache, lengths_max, page_size: int):
     kmax = jnp.where(valid, kf, -jnp.inf).reshape(B, Hkv, P, page_size, D).max(axis=3)
     kmin = jnp.where(valid, kf, jnp.inf).reshape(B, Hkv, P, page_size, D).min(axis=3)
     return kmin, kmax
+
+
+def stored_as(x, dtype):
+    """x rounded to `dtype`'s precision, as f32: what a cache of that dtype holds, also where XLA would keep a
+    bf16 value at f32 precision (`reduce_precision` is not elided)."""
+    f = jnp.finfo(dtype)
+    return jax.lax.reduce_precision(x.astype(jnp.float32), exponent_bits=f.nexp, mantissa_bits=f.nmant)
 
 
 def finite_bounds(kmin, kmax):
