@@ -151,9 +151,11 @@ def test_quest_gathered_model_decode_equals_the_mask():
     toks = jax.random.randint(jax.random.key(5), (B, T), 0, CFG.vocab_size)
     lengths = jnp.array([T, 97], jnp.int32)
     new, old = (make_method("quest", budget=0.2, min_tokens=16, gathered=g) for g in (True, False))
+    fresh = new.init_state(CFG, B, N)  # two buffers: a step that donates its state donates each once
+    assert fresh.kmin.unsafe_buffer_pointer() != fresh.kmax.unsafe_buffer_pointer()
     _, cache, state = jax.jit(lambda p, t, l: llama.prefill(p, CFG, new, t, l, init_cache(CFG, B, N, jnp.float32),
                                                             new.init_state(CFG, B, N)))(params, toks, lengths)
-    step_new = jax.jit(lambda p, t, c, s: llama.decode(p, CFG, new, t, c, s))
+    step_new = jax.jit(lambda p, t, c, s: llama.decode(p, CFG, new, t, c, s), donate_argnums=(2, 3))
     step_old = jax.jit(lambda p, t, c: llama.decode(p, CFG, old, t, c, None)[0])
 
     def bounds_match(cache, state):

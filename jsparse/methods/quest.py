@@ -67,9 +67,9 @@ class Quest(TokenBudget):
         return cls(**kwargs_for(cls, options))
 
     def init_state(self, cfg, batch, max_len):
-        P = -(-max_len // self.page_size)
-        zeros = jnp.zeros((cfg.num_layers, batch, cfg.num_kv_heads, P, cfg.head_dim), jnp.float32)
-        return QuestState(kmin=zeros, kmax=zeros)
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, -(-max_len // self.page_size), cfg.head_dim)
+        # Two buffers, not one array twice: a jitted step donates its state (one buffer cannot be donated twice).
+        return QuestState(kmin=jnp.zeros(shape, jnp.float32), kmax=jnp.zeros(shape, jnp.float32))
 
     def prefill(self, ctx, q, k, v, state):
         """Dense (Quest is a decode method), and the layer's page bounds written into the state."""
