@@ -173,16 +173,16 @@ def page_scores(q, k_cache, positions, budget, min_tokens, page_size, window=Non
     """Each query head's page scores and page count: (score f32[B, Hkv, G, T, P] (the upper bound; +inf on the
     query's own page, -inf on pages it may not see), n_pages i32[B, T], first i32[B, T] the first key it may see).
 
-    Args: as `page_mask`; bounds: (kmin, kmax) f32[B, Hkv, P, D] of the cache's pages (`QuestState`), or None
-    (computed from k_cache).
+    Args: as `page_mask`; bounds: (kmin, kmax) f32[B, Hkv, P, D] of the cache's pages, finite (`QuestState`'s),
+    or None (computed from k_cache).
     """
     B, T, Hq, D = q.shape
     Hkv, N = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
     P = -(-N // page_size)
     if bounds is None:
-        bounds = page_bounds(k_cache, positions.max(axis=1) + 1, page_size)
-    kmin, kmax = finite_bounds(*bounds)
+        bounds = finite_bounds(*page_bounds(k_cache, positions.max(axis=1) + 1, page_size))
+    kmin, kmax = bounds
     qf = q.astype(jnp.float32).reshape(B, T, Hkv, G, D)
     # sum_d max(q_d kmax_d, q_d kmin_d) = relu(q) . kmax + min(q, 0) . kmin (no [.., P, D] intermediate).
     score = (jnp.einsum("btkgd,bkpd->bkgtp", jnp.maximum(qf, 0.0), kmax)
