@@ -15,8 +15,10 @@ One decode token without a window (`gathered`, the default on a GPU) takes each 
 row (`page_indices`, top-k by `topk_select`) and attends through the gathered decode kernel in pages of
 `page_size`, one call per position in the GQA group (each call: one query head of every KV head), reading the
 chosen pages of each query head in place from the stacked cache; the same pages and the same softmax as the
-mask (`page_mask`), which T > 1 tokens, windowed layers and the CPU by default use. The page bounds are still
-computed from the whole cache at every step (the K read the paper's page-bound state avoids).
+mask (`page_mask`), which T > 1 tokens, windowed layers and the CPU by default use. With the method's state
+(`init_state`: `QuestState`, as the paper keeps them) it scores the pages from the state's bounds, which prefill
+writes and every decode forward recomputes from the cache for the pages its new tokens fall in; called with no
+state (None) it computes them from the whole cache. The mask path always computes them from the cache.
 """
 
 from __future__ import annotations
