@@ -518,3 +518,27 @@ def test_kv_union_capacity_holds_the_largest_union():
                                       masked_reference_mask(sel, HQ))
     for b, n in enumerate(np.asarray(lengths)):
         np.testing.assert_allclose(out[b, :n], want[b, :n], rtol=1e-5, atol=1e-5)
+
+
+def test_tsa_decode_is_the_dense_methods_decode():
+    """TSA is a prefill method: its decode is the dense method's (`common.decode_dense`, which on a GPU reads the
+    stacked cache in place, where `dense_decode` on the layer slice made XLA copy the layer; the same masking of
+    positions outside a window, which the model gives TSA only where no window binds)."""
+    from jsparse.methods.dense import Dense
+    from models.attention import LayerKV
+
+    B, N, Hq, Hkv, D = 2, 40, 4, 2, 16
+    ks = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(ks[0], (B, 1, Hq, D))
+    k_all, v_all = (jax.random.normal(x, (2, B, Hkv, N, D)) for x in ks[1:])
+    lengths = jnp.array([40, 23], jnp.int32)
+    view = LayerKV(k=k_all[1], v=v_all[1], k_all=k_all, v_all=v_all, layer=jnp.int32(1))
+    out = {}
+    for window in (None, 8):
+        extra = {} if window is None else dict(window=jnp.int32(window), window_size=window)
+        got, _ = TSA().decode(LayerContext(layer=jnp.int32(1), lengths=lengths, info=TSALayerInfo(
+            sparse=jnp.int32(1)), **extra), q, view, None)
+        want, _ = Dense().decode(LayerContext(layer=jnp.int32(1), lengths=lengths, **extra), q, view, None)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        out[window] = np.asarray(got)
+    assert not np.allclose(out[None], out[8], atol=1e-4)  # the window of 8 binds (rows at positions 39, 22)

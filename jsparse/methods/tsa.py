@@ -69,10 +69,10 @@ from jsparse.compression import (Selection, attend_at_capacity, attend_compresse
                                  masked_reference_mask, selection_from_keep, union_selection)
 from jsparse.methods import kascade as kascade_mod
 from jsparse.methods.base import register
-from jsparse.methods.common import kwargs_for, prefill_state
+from jsparse.methods.common import decode_dense, kwargs_for, prefill_state
 from jsparse.methods.kascade import translate_anchor_indices  # noqa: F401  (re-exported)
 from models import attention as attention_protocol
-from pallas_kernels.dense import dense_decode, dense_prefill
+from pallas_kernels.dense import dense_prefill
 from pallas_kernels.local_attention import local_attention
 from pallas_kernels.tsa_scoring import tsa_scores
 from pallas_kernels.tsa_scoring.common import check_pool_kernel, check_window
@@ -338,8 +338,8 @@ class TSA:
         return TSAState(kept=state.kept, inner=inner)
 
     def decode(self, ctx, q, cache, state):
-        if self.inner is None:
-            return dense_decode(q, cache.k, cache.v, ctx.lengths), state
+        if self.inner is None:  # dense, as the dense method decodes (on a GPU the stacked cache read in place)
+            return decode_dense(ctx, q, cache), state
         out, inner = self.inner.decode(ctx.replace(info=ctx.info.inner), q, cache, state.inner)
         return out, state.replace(inner=inner)
 
