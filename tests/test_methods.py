@@ -181,6 +181,9 @@ def test_quest_gathered_needs_whole_pages():
     m = make_method("quest", budget=0.2, min_tokens=16, page_size=16, gathered=True)
     with pytest.raises(ValueError, match="capacity N=100 is not a multiple of page_size=16"):
         m.is_gathered(100)
+    q, cache, lengths = _inputs(4, N=96)
+    with pytest.raises(ValueError, match="Quest state of 4 pages for a cache of 96 keys.*must be the cache capacity"):
+        m.sparse_decode(_ctx(3, lengths), q, cache, m.init_state(CFG, B, 64))
     assert make_method("quest", gathered=None).is_gathered(100) is False  # on the CPU, and not whole pages
 
 
