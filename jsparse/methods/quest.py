@@ -101,15 +101,15 @@ class Quest(TokenBudget):
         T, N = q.shape[1], cache.k.shape[2]
         pos = sel.decode_positions(ctx.lengths, T)
         window = None if getattr(ctx, "window_size", None) is None else ctx.window
-        bounds = None
-        if isinstance(state, QuestState):
+        has_state = isinstance(state, QuestState)
+        if has_state:
             if state.kmin.shape[3] != -(-N // self.page_size):
                 raise ValueError(f"Quest state of {state.kmin.shape[3]} pages for a cache of {N} keys in pages of "
                                  f"{self.page_size}: init_state(max_len) must be the cache capacity")
             state = update_bounds(state, ctx.layer, cache.k, ctx.lengths, T, self.page_size)
-            bounds = tuple(jax.lax.dynamic_index_in_dim(a, ctx.layer, keepdims=False) for a in (state.kmin,
-                                                                                                 state.kmax))
         if T == 1 and window is None and self.is_gathered(N):
+            bounds = tuple(jax.lax.dynamic_index_in_dim(a, ctx.layer, keepdims=False)
+                           for a in (state.kmin, state.kmax)) if has_state else None
             return self._gathered_decode(q, cache, pos, ctx.lengths, bounds), state
         mask = page_mask(q, cache.k, pos, self.budget, self.min_tokens, self.page_size, window=window)
         return masked_attention_reference(q, cache.k, cache.v, mask), state
@@ -134,10 +134,14 @@ def page_bounds(k_cache, lengths_max, page_size: int):
     B, Hkv, N, D = k_cache.shape
     P = -(-N // page_size)
     kf = jnp.pad(k_cache.astype(jnp.float32), ((0, 0), (0, 0), (0, P * page_size - N), (0, 0)))
-    valid = (jnp.arange(P * page_size) < lengths_max[:, None])[:, None, :, None]
-    kmax = jnp.where(valid, kf, -jnp.inf).reshape(B, Hkv, P, page_size, D).max(axis=3)
-    kmin = jnp.where(valid, kf, jnp.inf).reshape(B, Hkv, P, page_size, D).min(axis=3)
-    return kmin, kmax
+    valid = (jnp.arange(P * page_size) < lengths_max[:, None]).reshape(B, 1, P, page_size, 1)
+    return masked_minmax(kf.reshape(B, Hkv, P, page_size, D), valid)
+
+
+def masked_minmax(keys, valid):
+    """keys f32[..., pages, page_size, D], valid bool (broadcastable) -> (min, max) over each page's valid keys,
+    f32[..., pages, D] (+inf / -inf for a page with none)."""
+    return jnp.where(valid, keys, jnp.inf).min(axis=-2), jnp.where(valid, keys, -jnp.inf).max(axis=-2)
 
 
 def stored_as(x, dtype):
@@ -163,8 +167,7 @@ def update_bounds(state: QuestState, layer, k_cache, lengths, T: int, page_size:
     valid = keys < jnp.minimum(lengths, N)[:, None, None]
     rows = jnp.take_along_axis(k_cache, jnp.minimum(keys, N - 1).reshape(B, 1, -1, 1), axis=2)
     rows = rows.astype(jnp.float32).reshape(B, Hkv, n, page_size, D)
-    ok = valid[:, None, :, :, None]
-    kmin, kmax = finite_bounds(jnp.where(ok, rows, jnp.inf).min(axis=3), jnp.where(ok, rows, -jnp.inf).max(axis=3))
+    kmin, kmax = finite_bounds(*masked_minmax(rows, valid[:, None, :, :, None]))
     b = jnp.arange(B)[:, None]
     # x[layer, b, :, page] is [B, n, Hkv, D] (the advanced indices first); a clipped page repeats the same value.
     return QuestState(kmin=state.kmin.at[layer, b, :, pages].set(jnp.swapaxes(kmin, 1, 2)),
