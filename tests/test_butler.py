@@ -204,7 +204,7 @@ def _h2o_np(q, k, v, score, lengths, budget, min_tokens, recent):
                     w = np.exp(s - s.max())
                     w /= w.sum()
                     out[b, t, hq] = w @ v[b, h]
-                    score[b, h] += w
+                    score[b, h] += w / G  # the mean over the GQA group
     return out, score
 
 
@@ -233,7 +233,7 @@ def test_h2o_prefill_accumulates_column_sums():
             for hq in range(HQ):
                 s = kn[b, : i + 1, hq // G] @ qn[b, i, hq] / math.sqrt(D)
                 w = np.exp(s - s.max())
-                want[b, hq // G, : i + 1] += w / w.sum()
+                want[b, hq // G, : i + 1] += w / w.sum() / G  # the mean over the GQA group
     np.testing.assert_allclose(st.score[2], want, rtol=1e-5, atol=1e-5)
     assert float(jnp.abs(st.score[1]).max()) == 0.0
     # H2O at budget 1 decodes densely.
@@ -241,6 +241,54 @@ def test_h2o_prefill_accumulates_column_sums():
     full = make_method("h2o", budget=1.0, min_tokens=1)
     out, _ = jax.jit(full.sparse_decode)(_ctx(1, LENGTHS), qd, cache, full.init_state(CFG, B, N))
     np.testing.assert_allclose(out, dense_decode(qd, cache.k, cache.v, jnp.asarray(LENGTHS)), rtol=2e-5, atol=2e-5)
+
+
+def test_h2o_kept_indices_equal_kept_keys():
+    """`kept_indices` (every layer's rows at once, the gathered decode's) hold exactly `kept_keys`' keys, ascending,
+    for rows early in the cache (k = p + 1: every key) and late, with ties in the score (they go to the lower
+    position in both)."""
+    m = make_method("h2o", budget=0.3, min_tokens=6, recent=0.5)
+    L = CFG.num_layers
+    rng = np.random.default_rng(3)
+    score = rng.integers(0, 5, size=(L, B, HKV, N)).astype(np.float32) / 4  # many ties
+    score = jnp.asarray(score)
+    K = m.k_static(N)
+    for pos in ([0, 47], [5, 20], [36, 11]):
+        p = jnp.asarray(pos, jnp.int32)
+        idx = np.asarray(m.kept_indices(score, p, K))
+        for layer in range(L):
+            want = np.asarray(m.kept_keys(score[layer], p, K))
+            for b in range(B):
+                for h in range(HKV):
+                    row = idx[layer, b, h]
+                    valid = row[row >= 0]
+                    assert (row[len(valid):] == -1).all() and (np.diff(valid) > 0).all(), row
+                    np.testing.assert_array_equal(np.flatnonzero(want[b, h]), valid, err_msg=f"{pos} {layer}")
+
+
+def test_h2o_gathered_model_decode_equals_the_mask():
+    """Through the model, step after step: the gathered decode (every layer's keys chosen at the start of the
+    forward, the mass scattered into the score) equals the mask path in logits and in the accumulated score, also
+    around T = 3 steps (both take the mask path there) and a rollback of 2 tokens (a rejected speculative round)."""
+    params = random_params(CFG, jax.random.key(4), jnp.float32, scale=1.0)
+    T, cap = 40, 64
+    toks = jax.random.randint(jax.random.key(5), (B, T), 0, CFG.vocab_size)
+    lengths = jnp.array([T, 29], jnp.int32)
+    new, old = (make_method("h2o", budget=0.3, min_tokens=6, gathered=g) for g in (True, False))
+    _, cache, state = jax.jit(lambda p, t, l: llama.prefill(p, CFG, new, t, l, init_cache(CFG, B, cap, jnp.float32),
+                                                            new.init_state(CFG, B, cap)))(params, toks, lengths)
+    state_old = state
+    step_new = jax.jit(lambda p, t, c, s: llama.decode(p, CFG, new, t, c, s))
+    step_old = jax.jit(lambda p, t, c, s: llama.decode(p, CFG, old, t, c, s))
+    for i, (n_new, rollback) in enumerate([(1, 0), (1, 0), (3, 0), (1, 2), (1, 0), (1, 0)]):
+        if rollback:  # a rejected round: the rows' lengths move back, the keys written past them stay
+            cache = cache.replace(lengths=cache.lengths - rollback)
+        tok = jax.random.randint(jax.random.key(20 + i), (B, n_new), 0, CFG.vocab_size)
+        want, _, state_old = step_old(params, tok, cache, state_old)
+        got, cache, state = step_new(params, tok, cache, state)
+        assert state.kept is None  # dropped at the end of the forward
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"step {i}")
+        np.testing.assert_allclose(state.score, state_old.score, rtol=1e-5, atol=2e-5, err_msg=f"step {i}")
 
 
 def test_butler_state_type():

@@ -307,7 +307,7 @@ def test_prefill_exact_scores_in_chunks_equal_the_full_map():
     ctx = LayerContext(layer=jnp.int32(2), lengths=lengths)
     out, state = h2o.prefill(ctx, q, k, v, h2o.init_state(CFG, B, 384))
     rows = (jnp.arange(T)[None, :] < lengths[:, None])[:, None, :, None]
-    want = jnp.sum(jnp.where(rows, full, 0.0), axis=2)  # [B, Hkv, T]
+    want = jnp.sum(jnp.where(rows, full, 0.0), axis=2) / G  # [B, Hkv, T], the mean over the GQA group
     np.testing.assert_allclose(state.score[2, :, :, :T], want, rtol=1e-5, atol=1e-5)
     assert float(jnp.abs(state.score[2, :, :, T:]).max()) == 0.0 and float(jnp.abs(state.score[1]).max()) == 0.0
     np.testing.assert_allclose(out, dense_prefill(q, k, v), rtol=1e-5, atol=1e-5)
@@ -376,7 +376,7 @@ def _h2o_prefill_score_unrolled(q, k, lengths):
         valid_rows = jnp.arange(s, e)[None, :] < lengths[:, None]
         part = jnp.sum(jnp.where(valid_rows[:, None, :, None], probs, 0.0), axis=2)
         colsum = colsum + jnp.pad(part, ((0, 0), (0, 0), (0, T - e)))
-    return colsum
+    return colsum / G  # the mean over the GQA group
 
 
 def test_h2o_long_prefill_equals_the_unrolled_chunks():

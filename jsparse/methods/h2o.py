@@ -4,14 +4,23 @@ Heavy-Hitter Oracle (Zhang et al., 2023) scores every cached key by the attentio
 over past queries, and keeps the top scorers plus the most recent tokens. Here:
 
   * state `score`: f32[L, B, Hkv, N], per layer and KV head the accumulated post-softmax attention each key has
-    received (summed over the GQA group), carried across decode steps;
+    received (the mean over the GQA group, as EvoSparse's heat; a uniform scale, so the ranking is the group sum's),
+    carried across decode steps;
   * prefill is dense and initialises `score` with the column sums of the prompt's causal attention (valid query
-    rows only), computed a chunk of query rows at a time in a loop (`selection.causal_prob_fold`: one chunk's
-    weights are live at a time, never the [T, T] map);
+    rows only, mean over the group), computed a chunk of query rows at a time in a loop
+    (`selection.causal_prob_fold`: one chunk's weights are live at a time, never the [T, T] map);
   * a decode row at position p keeps k = min(max(ceil(budget * (p + 1)), min_tokens), p + 1) keys: the
     r = ceil(recent * k) most recent ones (itself included) and the k - r older keys with the largest `score`;
     it attends over exactly those, and adds its attention weights to their `score`. Rows of a multi-token decode
     (T > 1, e.g. perplexity) run one after the other, each seeing the scores its predecessors accumulated.
+
+One decode token (`gathered`, the default on a GPU) runs as EvoSparse's heat step at the granularity of one token:
+at the start of the forward every layer's heavy keys are chosen at once (`block_scores.heat_candidates`: one
+`topk_select` over the stacked score, a layer's score does not change before the layer runs), each layer appends
+its recent window to its row (`kept_indices`, ascending) and attends through the gathered decode with each key's
+mass (`block_scores.sparse_decode_mass`, reading the stacked cache in place), which one scatter-add puts into its
+score (`block_scores.heat_add`). The same keys and the same softmax as the mask path, which T > 1 tokens and the CPU
+by default take.
 
 Unlike H2O's fixed-size cache, a key is never deleted: it is re-ranked at every step, but since an unselected
 key's score stops growing while the kept ones' keep growing, it rarely comes back. Selection is per KV head
@@ -21,6 +30,7 @@ key's score stops growing while the kept ones' keep growing, it rarely comes bac
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +39,8 @@ from flax import struct
 from jsparse import selection as sel
 from jsparse.heat import scan_rows
 from jsparse.methods.base import register
-from jsparse.methods.common import TokenBudget, dense_prefill, kwargs_for
+from jsparse.methods.common import TokenBudget, dense_prefill, kwargs_for, stacked_cache
+from pallas_kernels.block_scores import heat_add, heat_candidates, sparse_decode_mass
 from pallas_kernels.sharding import dims, per_shard
 from pallas_kernels.sparse_attention.reference import decode_indices_to_mask
 
@@ -38,7 +49,8 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 @struct.dataclass
 class H2OState:
-    score: jax.Array  # f32[L, B, Hkv, N] accumulated attention per key
+    score: jax.Array  # f32[L, B, Hkv, N] accumulated attention per key (mean over the GQA group)
+    kept: Optional[jax.Array] = None  # i32[L, B, Hkv, K] every layer's keys inside one gathered decode forward
 
 
 @register("h2o")
@@ -48,6 +60,8 @@ class H2O(TokenBudget):
 
     recent: float = struct.field(pytree_node=False, default=0.5)
     dense_layers: int = struct.field(pytree_node=False, default=0)
+    # One decode token through the gathered kernel (module docstring); None: on a GPU.
+    gathered: Optional[bool] = struct.field(pytree_node=False, default=None)
 
     def __post_init__(self):
         super().__post_init__()
@@ -61,21 +75,42 @@ class H2O(TokenBudget):
     def init_state(self, cfg, batch, max_len):
         return H2OState(score=jnp.zeros((cfg.num_layers, batch, cfg.num_kv_heads, max_len), jnp.float32))
 
+    def is_gathered(self) -> bool:
+        """Whether a one-token decode runs gathered (`gathered`; None: on a GPU)."""
+        return jax.default_backend() == "gpu" if self.gathered is None else bool(self.gathered)
+
+    def start_rows(self, cfg, state, phase, lengths, q_len, kv_len):
+        """A gathered one-token decode: every layer's kept keys at once (`kept_indices`), before any layer runs."""
+        if phase != "decode" or q_len != 1 or not isinstance(state, H2OState) or not self.is_gathered():
+            return state
+        pos = lengths.astype(jnp.int32) - 1
+        return state.replace(kept=self.kept_indices(state.score, pos, self.k_static(kv_len)))
+
+    def finish(self, state, phase):
+        return state.replace(kept=None) if isinstance(state, H2OState) else state
+
     def prefill(self, ctx, q, k, v, state):
         B, T = q.shape[:2]
+        G = q.shape[2] // k.shape[2]
 
-        def add(colsum, s, probs):  # probs: [B, Hkv, R, W], rows s..s+R-1 over keys 0..W-1
+        def add(colsum, s, probs):  # probs: [B, Hkv, R, W] summed over the group, rows s..s+R-1 over keys 0..W-1
             R, W = probs.shape[2:]
             valid_rows = s + jnp.arange(R)[None, :] < ctx.lengths[:, None]  # [B, R] (padding rows past T too)
             part = jnp.sum(jnp.where(valid_rows[:, None, :, None], probs, 0.0), axis=2)  # [B, Hkv, W]
             return colsum + jnp.pad(part, ((0, 0), (0, 0), (0, T - W)))
 
         # [B, Hkv, T]: the weight each key got from the prompt, a chunk of query rows at a time (sel.causal_prob_fold)
-        colsum = sel.causal_prob_fold(q, k, add, jnp.zeros((B, k.shape[2], T), jnp.float32))
+        colsum = sel.causal_prob_fold(q, k, add, jnp.zeros((B, k.shape[2], T), jnp.float32)) / G
         N = state.score.shape[-1]
         row = jnp.pad(colsum, ((0, 0), (0, 0), (0, N - T)))
         score = jax.lax.dynamic_update_index_in_dim(state.score, row, ctx.layer, 0)
-        return dense_prefill(q, k, v), H2OState(score=score)
+        return dense_prefill(q, k, v), state.replace(score=score)
+
+    def row_budget(self, p):
+        """(k, r) i32[...] of decode rows at positions p: the k keys they keep, of which the r most recent."""
+        k_t = sel.budget_tokens(self.budget, p + 1, self.min_tokens)
+        r = jnp.maximum(jnp.ceil(self.recent * k_t.astype(jnp.float32)).astype(jnp.int32), 1)
+        return k_t, r
 
     def kept_keys(self, score, p, K: int):
         """bool[B, Hkv, N]: the keys a decode row at positions p: i32[B] attends, given its layer's accumulated
@@ -83,8 +118,7 @@ class H2O(TokenBudget):
         largest score (K: the static top-k width, >= k)."""
         B, Hkv, N = score.shape
         n = jnp.arange(N)
-        k_t = sel.budget_tokens(self.budget, p + 1, self.min_tokens)  # [B]
-        r = jnp.maximum(jnp.ceil(self.recent * k_t.astype(jnp.float32)).astype(jnp.int32), 1)
+        k_t, r = self.row_budget(p)  # [B]
         visible = n[None, :] <= p[:, None]  # [B, N]
         window = visible & (n[None, :] > (p - r)[:, None])
         heavy = jnp.where((visible & ~window)[:, None], score, sel.NEG_INF)  # [B, Hkv, N]
@@ -94,12 +128,29 @@ class H2O(TokenBudget):
                          [dims(3, 0, 1), dims(1, 0)], dims(3, 0, 1))  # [B, Hkv, N]
         return keep | window[:, None]
 
+    def kept_indices(self, score, p, K: int):
+        """The keys of `kept_keys` as index rows, for every layer at once: score f32[L, B, Hkv, N], p: i32[B] ->
+        i32[L, B, Hkv, K] ascending, -1 padded: the heavy keys older than the window (`heat_candidates`: one
+        top-k over all the rows, ties to the lower position as the mask's), then the window p - r + 1 .. p."""
+        k_t, r = self.row_budget(p)
+        start = p + 1 - r  # [B] the window's first key (>= 0: r <= k <= p + 1)
+        heavy = heat_candidates(score, jnp.zeros_like(p), start, k_t - r, K)  # [L, B, Hkv, K]
+        n_heavy = jnp.sum(heavy >= 0, axis=-1, keepdims=True)
+        j = jnp.arange(K, dtype=jnp.int32) - n_heavy  # slot in the window
+        window = jnp.where(j < r[:, None, None], start[:, None, None] + j, -1)
+        return jnp.where(j < 0, heavy, window)
+
     def sparse_decode(self, ctx, q, cache, state):
         B, T, Hq, D = q.shape
         Hkv, N = cache.k.shape[1], cache.k.shape[2]
+        positions = sel.decode_positions(ctx.lengths, T)  # [B, T]
+        if T == 1 and state.kept is not None:  # gathered (`start_rows` chose every layer's keys)
+            idx = jax.lax.dynamic_index_in_dim(state.kept, ctx.layer, keepdims=False)  # [B, Hkv, K]
+            k_all, v_all, layer = stacked_cache(cache)
+            out, mass = sparse_decode_mass(q, k_all, v_all, layer, idx[:, :, None], positions[:, 0] + 1)
+            return out, state.replace(score=heat_add(state.score, ctx.layer, idx, mass[:, :, 0]))
         G = Hq // Hkv
         K = self.k_static(N)
-        positions = sel.decode_positions(ctx.lengths, T)  # [B, T]
         qg = q.astype(jnp.float32).reshape(B, T, Hkv, G, D)
         kf, vf = cache.k.astype(jnp.float32), cache.v.astype(jnp.float32)
 
@@ -110,7 +161,7 @@ class H2O(TokenBudget):
             logits = jnp.where(keep[:, :, None], logits, -jnp.inf)
             probs = jax.nn.softmax(logits, axis=-1)  # the row always keeps itself
             out = jnp.einsum("bhgn,bhnd->bhgd", probs, vf, precision=_HIGHEST)
-            return score + probs.sum(axis=2), out
+            return score + probs.mean(axis=2), out
 
         out, score = scan_rows(state.score, ctx.layer, row, (qg, positions))  # rows in order, as T = 1 decoding
-        return out.reshape(B, T, Hq, D).astype(q.dtype), H2OState(score=score)
+        return out.reshape(B, T, Hq, D).astype(q.dtype), state.replace(score=score)
