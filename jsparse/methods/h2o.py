@@ -34,6 +34,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jsparse import selection as sel
@@ -134,7 +135,12 @@ class H2O(TokenBudget):
         top-k over all the rows, ties to the lower position as the mask's), then the window p - r + 1 .. p."""
         k_t, r = self.row_budget(p)
         start = p + 1 - r  # [B] the window's first key (>= 0: r <= k <= p + 1)
-        heavy = heat_candidates(score, jnp.zeros_like(p), start, k_t - r, K)  # [L, B, Hkv, K]
+        # k - r never decreases with k, so rows keep at most K - r(K) heavy keys: the top-k's width (a narrower
+        # band lets `topk_select` take its one-pass "ordered" path).
+        r_max = max(int(np.ceil(np.float32(self.recent) * np.float32(K))), 1)  # row_budget's f32 rounding
+        width = max(K - r_max, 1)
+        heavy = heat_candidates(score, jnp.zeros_like(p), start, k_t - r, width)  # [L, B, Hkv, width]
+        heavy = jnp.pad(heavy, [(0, 0)] * 3 + [(0, K - width)], constant_values=-1)
         n_heavy = jnp.sum(heavy >= 0, axis=-1, keepdims=True)
         j = jnp.arange(K, dtype=jnp.int32) - n_heavy  # slot in the window
         window = jnp.where(j < r[:, None, None], start[:, None, None] + j, -1)
