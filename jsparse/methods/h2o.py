@@ -48,6 +48,9 @@ from pallas_kernels.sparse_attention.reference import decode_indices_to_mask
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
+DECODE_CONFIG = None  # the gathered decode's DecodeConfig on the GPU (None: the kernel's default); read when traced
+
+
 @struct.dataclass
 class H2OState:
     score: jax.Array  # f32[L, B, Hkv, N] accumulated attention per key (mean over the GQA group)
@@ -153,7 +156,8 @@ class H2O(TokenBudget):
         if T == 1 and state.kept is not None:  # gathered (`start_rows` chose every layer's keys)
             idx = jax.lax.dynamic_index_in_dim(state.kept, ctx.layer, keepdims=False)  # [B, Hkv, K]
             k_all, v_all, layer = stacked_cache(cache)
-            out, mass = sparse_decode_mass(q, k_all, v_all, layer, idx[:, :, None], positions[:, 0] + 1)
+            out, mass = sparse_decode_mass(q, k_all, v_all, layer, idx[:, :, None], positions[:, 0] + 1,
+                                           config=DECODE_CONFIG)
             return out, state.replace(score=heat_add(state.score, ctx.layer, idx, mass[:, :, 0]))
         G = Hq // Hkv
         K = self.k_static(N)

@@ -389,6 +389,7 @@ def select_blocks_gpu(heat: Array | None, ret: Array | None, n_s: Array, hi: Arr
 
 
 CAND_LIMIT = 256  # widest candidate / retrieval row the rank kernel takes (pairwise [W, W] in registers)
+CAND_WARPS = 4  # warps of the rank kernel's programs (read when traced)
 
 
 def _select_cand_kernel(ns_ref, hi_ref, nbv_ref, count_ref, full_ref, lay_ref, ret_ref, cand_ref, heat_ref, o_ref,
@@ -465,7 +466,7 @@ def select_from_candidates_gpu(heat: Array, cand: Array, ret: Array | None, n_s:
                   pl.BlockSpec((L, None, None, nb), lambda b, h: (0, b, h, 0))],
         out_specs=pl.BlockSpec((None, None, width), lambda b, h: (b, h, 0)),
         out_shape=jax.ShapeDtypeStruct((B, Hkv, width), jnp.int32),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=CAND_WARPS, num_stages=1),
         interpret=interpret, name="evosparse_select_candidates",
     )(*(x.astype(jnp.int32) for x in (n_s, hi, nbv, count, full)), lay, ret, cand.astype(jnp.int32),
       heat.astype(jnp.float32))

@@ -1,0 +1,78 @@
+"""Tuning knobs of two decode steps in the model's own decode loop (Llama-3.1-8B shapes, random bf16 weights and
+cache, `eval.bench.model.method_rows`, dense first): EvoSparse's candidate-rank kernel's warps
+(`pallas_kernels.block_scores.gpu.CAND_WARPS`) and the gathered decode-with-mass config of H2O
+(`jsparse.methods.h2o.DECODE_CONFIG`) and EvoSparse (`jsparse.methods.evosparse.DECODE_CONFIG`). Each variant is
+traced afresh (`jax.clear_caches()`); dense is timed again at the end. Writes $OUT/decode_knobs.json.
+
+    PYTHONPATH=. python eval/results/h200/tuning/decode_knobs.py   (env: CONTEXT=100000 BATCH=4)
+"""
+
+import json
+import os
+from datetime import datetime, timezone
+
+import jax
+import jax.numpy as jnp
+
+import jsparse.methods.evosparse as evo
+import jsparse.methods.h2o as h2o
+from eval.bench import common as bm
+from eval.bench.model import method_rows
+from models.params import random_params, with_layout
+from models.presets import preset
+from pallas_kernels.block_scores import gpu as bgpu
+from pallas_kernels.sparse_attention.gpu import DecodeConfig
+
+CONTEXT, BATCH = int(os.environ.get("CONTEXT", 100000)), int(os.environ.get("BATCH", 4))
+
+VARIANTS = [  # (name, method, CAND_WARPS, DecodeConfig or None)
+    ("evosparse", "evosparse", 4, None),
+    ("evosparse cand_warps=8", "evosparse", 8, None),
+    ("evosparse cand_warps=2", "evosparse", 2, None),
+    ("evosparse stages=4", "evosparse", 4, DecodeConfig(num_stages=4)),
+    ("h2o", "h2o", 4, None),
+    ("h2o stages=4", "h2o", 4, DecodeConfig(num_stages=4)),
+    ("h2o block_k=128", "h2o", 4, DecodeConfig(block_k=128)),
+    ("h2o block_k=32", "h2o", 4, DecodeConfig(block_k=32)),
+    ("h2o warps=8", "h2o", 4, DecodeConfig(num_warps=8)),
+]
+
+
+def main(out_dir):
+    cfg = preset("llama3-8b")
+    hbm = bm.measure_hbm_gbs()
+    params = with_layout(random_params(cfg, jax.random.key(0), jnp.bfloat16), "default", donate=True)
+    rows = []
+
+    def run(name, method, warps, config):
+        bgpu.CAND_WARPS = warps
+        evo.DECODE_CONFIG = config if method == "evosparse" else None
+        h2o.DECODE_CONFIG = config if method == "h2o" else None
+        jax.clear_caches()
+        row = method_rows(cfg, params, (method,), (CONTEXT,), (BATCH,), 16, hbm, 0.1)[0]
+        row.update(variant=name, cand_warps=warps, decode_config=None if config is None else str(config))
+        rows.append(row)
+        print(name, round(row.get("step_ms", float("nan")), 3), "ms", flush=True)
+
+    run("dense", "dense", 4, None)
+    for v in VARIANTS:
+        try:
+            run(*v)
+        except Exception as e:  # a config a kernel cannot compile: recorded, the others still run
+            rows.append(dict(variant=v[0], error=f"{type(e).__name__}: {e}"[:500]))
+            print(v[0], "failed", rows[-1]["error"][:200], flush=True)
+    run("dense (again)", "dense", 4, None)
+    out = {**bm.device_facts(), "date": datetime.now(timezone.utc).isoformat(), "commit": os.environ.get("GIT_COMMIT", ""),
+           "command": "PYTHONPATH=. python eval/results/h200/tuning/decode_knobs.py", "shape": "llama3-8b",
+           "context": CONTEXT, "batch": BATCH, "measured_hbm_gbs": hbm, "rows": rows}
+    with open(os.path.join(out_dir, "decode_knobs.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    dense = [r["step_ms"] for r in rows if r.get("method") == "dense"]
+    print("| variant | step ms | speedup vs dense (first / again) |\n|---|---|---|")
+    for r in rows:
+        if "step_ms" in r:
+            print(f"| {r['variant']} | {r['step_ms']:.3f} | {dense[0] / r['step_ms']:.3f} / {dense[-1] / r['step_ms']:.3f} |")
+
+
+if __name__ == "__main__":
+    main(os.environ.get("OUT", "."))
