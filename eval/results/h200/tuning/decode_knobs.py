@@ -2,7 +2,7 @@
 cache, `eval.bench.model.method_rows`, dense first): EvoSparse's candidate-rank kernel's warps
 (`pallas_kernels.block_scores.gpu.CAND_WARPS`) and the gathered decode-with-mass config of H2O
 (`jsparse.methods.h2o.DECODE_CONFIG`) and EvoSparse (`jsparse.methods.evosparse.DECODE_CONFIG`). Each variant is
-traced afresh (`jax.clear_caches()`); dense is timed again at the end. Writes $OUT/decode_knobs.json.
+traced afresh (`jax.clear_caches()`); dense is timed again at the end. Writes $OUT/decode_knobs_roundN.json (env ROUND=N picks the variants, default 2).
 
     PYTHONPATH=. python eval/results/h200/tuning/decode_knobs.py   (env: CONTEXT=100000 BATCH=4)
 """
@@ -25,17 +25,28 @@ from pallas_kernels.sparse_attention.gpu import DecodeConfig
 
 CONTEXT, BATCH = int(os.environ.get("CONTEXT", 100000)), int(os.environ.get("BATCH", 4))
 
-VARIANTS = [  # (name, method, CAND_WARPS, DecodeConfig or None)
-    ("evosparse", "evosparse", 4, None),
-    ("evosparse cand_warps=8", "evosparse", 8, None),
-    ("evosparse cand_warps=2", "evosparse", 2, None),
-    ("evosparse stages=4", "evosparse", 4, DecodeConfig(num_stages=4)),
-    ("h2o", "h2o", 4, None),
-    ("h2o stages=4", "h2o", 4, DecodeConfig(num_stages=4)),
-    ("h2o block_k=128", "h2o", 4, DecodeConfig(block_k=128)),
-    ("h2o block_k=32", "h2o", 4, DecodeConfig(block_k=32)),
-    ("h2o warps=8", "h2o", 4, DecodeConfig(num_warps=8)),
-]
+ROUNDS = {  # (name, method, CAND_WARPS, DecodeConfig or None); env ROUND picks one (decode_knobs_roundN.json)
+    "1": [("evosparse", "evosparse", 4, None),
+          ("evosparse cand_warps=8", "evosparse", 8, None),
+          ("evosparse cand_warps=2", "evosparse", 2, None),
+          ("evosparse stages=4", "evosparse", 4, DecodeConfig(num_stages=4)),
+          ("h2o", "h2o", 4, None),
+          ("h2o stages=4", "h2o", 4, DecodeConfig(num_stages=4)),
+          ("h2o block_k=128", "h2o", 4, DecodeConfig(block_k=128)),
+          ("h2o block_k=32", "h2o", 4, DecodeConfig(block_k=32)),
+          ("h2o warps=8", "h2o", 4, DecodeConfig(num_warps=8))],
+    "2": [("evosparse cand_warps=4", "evosparse", 4, None),
+          ("evosparse cand_warps=8", "evosparse", 8, None),
+          ("evosparse cand_warps=16", "evosparse", 16, None),
+          ("evosparse cand_warps=8 block_k=32", "evosparse", 8, DecodeConfig(block_k=32)),
+          ("evosparse cand_warps=8 block_k=128", "evosparse", 8, DecodeConfig(block_k=128)),
+          ("h2o block_k=64", "h2o", 4, None),
+          ("h2o block_k=32", "h2o", 4, DecodeConfig(block_k=32)),
+          ("h2o block_k=16", "h2o", 4, DecodeConfig(block_k=16)),
+          ("h2o block_k=32 stages=4", "h2o", 4, DecodeConfig(block_k=32, num_stages=4)),
+          ("h2o block_k=32 warps=2", "h2o", 4, DecodeConfig(block_k=32, num_warps=2))],
+}
+VARIANTS = ROUNDS[os.environ.get("ROUND", "2")]
 
 
 def main(out_dir):
@@ -63,9 +74,9 @@ def main(out_dir):
             print(v[0], "failed", rows[-1]["error"][:200], flush=True)
     run("dense (again)", "dense", 4, None)
     out = {**bm.device_facts(), "date": datetime.now(timezone.utc).isoformat(), "commit": os.environ.get("GIT_COMMIT", ""),
-           "command": "PYTHONPATH=. python eval/results/h200/tuning/decode_knobs.py", "shape": "llama3-8b",
+           "command": f"ROUND={os.environ.get('ROUND', '2')} PYTHONPATH=. python eval/results/h200/tuning/decode_knobs.py", "shape": "llama3-8b",
            "context": CONTEXT, "batch": BATCH, "measured_hbm_gbs": hbm, "rows": rows}
-    with open(os.path.join(out_dir, "decode_knobs.json"), "w") as f:
+    with open(os.path.join(out_dir, f"decode_knobs_round{os.environ.get('ROUND', '2')}.json"), "w") as f:
         json.dump(out, f, indent=1)
     dense = [r["step_ms"] for r in rows if r.get("method") == "dense"]
     print("| variant | step ms | speedup vs dense (first / again) |\n|---|---|---|")
