@@ -389,7 +389,9 @@ def select_blocks_gpu(heat: Array | None, ret: Array | None, n_s: Array, hi: Arr
 
 
 CAND_LIMIT = 256  # widest candidate / retrieval row the rank kernel takes (pairwise [W, W] in registers)
-CAND_WARPS = 4  # warps of the rank kernel's programs (read when traced)
+# Warps of the rank kernel's programs (read when traced): 8 since 2026-11-29, EvoSparse's step at 100K, batch 4 on an
+# H200 7.28 -> 7.01 ms (eval/results/h200/tuning/decode_knobs_round2.json; 16: 7.01, 2: 7.63).
+CAND_WARPS = 8
 
 
 def _select_cand_kernel(ns_ref, hi_ref, nbv_ref, count_ref, full_ref, lay_ref, ret_ref, cand_ref, heat_ref, o_ref,
