@@ -28,6 +28,9 @@ from pallas_kernels.sparse_attention import reference, xla
 Array = jax.Array
 
 IMPLEMENTATIONS = ("xla", "pallas_gpu", "mosaic_gpu", "pallas_tpu", "reference")
+# The stacked Pallas GPU decode kernel's `gpu.DecodeConfig` in `sparse_decode(layer=...)` (None: its default); read
+# when traced.
+STACKED_DECODE_CONFIG = None
 
 
 def _unsupported_reason(implementation: str, q: Array, block_size: int, tile: int | None,
@@ -130,6 +133,8 @@ def sparse_decode(q: Array, k: Array, v: Array, indices: Array, lengths: Array, 
         from pallas_kernels.sparse_attention import stacked
         stacked.check_stacked_args(q, k, v, layer, indices, lengths, block_size)
         if impl == "pallas_gpu":
+            if STACKED_DECODE_CONFIG is not None:
+                kw["config"] = STACKED_DECODE_CONFIG
             return stacked.sparse_decode_stacked_gpu(q, k, v, layer, indices, lengths, head_map=head_map, **kw)
         if impl == "pallas_tpu":
             return stacked.sparse_decode_stacked_tpu(q, k, v, layer, indices, lengths, **kw)

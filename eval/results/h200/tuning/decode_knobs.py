@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 import jsparse.methods.evosparse as evo
 import jsparse.methods.h2o as h2o
+import pallas_kernels.sparse_attention.api as sapi
 from eval.bench import common as bm
 from eval.bench.model import method_rows
 from models.params import random_params, with_layout
@@ -45,6 +46,12 @@ ROUNDS = {  # (name, method, CAND_WARPS, DecodeConfig or None); env ROUND picks 
           ("h2o block_k=16", "h2o", 4, DecodeConfig(block_k=16)),
           ("h2o block_k=32 stages=4", "h2o", 4, DecodeConfig(block_k=32, num_stages=4)),
           ("h2o block_k=32 warps=2", "h2o", 4, DecodeConfig(block_k=32, num_warps=2))],
+    # Round 3: the plain stacked gathered decode (`sparse_attention.api.STACKED_DECODE_CONFIG`) under Kascade,
+    # StreamingLLM and Quest (the library's defaults of round 2 for the others).
+    "3": [(f"{m}{tag}", m, 8, cfg) for m in ("kascade", "streaming", "quest")
+          for tag, cfg in (("", None), (" block_k=32", DecodeConfig(block_k=32)),
+                           (" block_k=32 stages=4", DecodeConfig(block_k=32, num_stages=4)),
+                           (" stages=4", DecodeConfig(num_stages=4)))],
 }
 VARIANTS = ROUNDS[os.environ.get("ROUND", "2")]
 
@@ -54,11 +61,13 @@ def main(out_dir):
     hbm = bm.measure_hbm_gbs()
     params = with_layout(random_params(cfg, jax.random.key(0), jnp.bfloat16), "default", donate=True)
     rows = []
+    evo_default, h2o_default = evo.DECODE_CONFIG, h2o.DECODE_CONFIG
 
     def run(name, method, warps, config):
         bgpu.CAND_WARPS = warps
-        evo.DECODE_CONFIG = config if method == "evosparse" else None
-        h2o.DECODE_CONFIG = config if method == "h2o" else None
+        evo.DECODE_CONFIG = config if method == "evosparse" else evo_default
+        h2o.DECODE_CONFIG = config if method == "h2o" else h2o_default
+        sapi.STACKED_DECODE_CONFIG = config if method not in ("evosparse", "h2o") else None
         jax.clear_caches()
         row = method_rows(cfg, params, (method,), (CONTEXT,), (BATCH,), 16, hbm, 0.1)[0]
         row.update(variant=name, cand_warps=warps, decode_config=None if config is None else str(config))
