@@ -166,6 +166,76 @@ def test_butler_in_the_model(model, pcfg):
     assert small.achieved_sparsity(CFG, np.arange(64)) > 0.2
 
 
+class _OneScan(Butler):
+    """Butler decoding in one layer scan with its `lax.switch` per layer (as before `segments`)."""
+
+    def segments(self, cfg, phase):
+        return None
+
+
+@pytest.mark.parametrize("dense_set", [(), (2,)])
+def test_butler_gathered_and_segmented_decode_equal_the_mask(model, pcfg, dense_set):
+    """Through the model, step after step: the gathered one-token decode (every layer's keys chosen in layer 0,
+    each query head's keys attended through the gathered kernel) and the mask path, both scanning runs of layers
+    apart (`segments`), equal the one-scan `lax.switch` decode in logits and in the predictor's state, around a
+    T = 3 step (mask path for all); the runs split where the calibrated dense layer lies."""
+    pp = init_params(pcfg, jax.random.key(3))
+    opts = dict(budget=0.3, min_tokens=4, local=2, dense_layers=1, dense_set=dense_set, rebalance=False)
+    new, seg, old = (Butler.from_params(CFG, pcfg, pp, gathered=True, **opts),
+                     Butler.from_params(CFG, pcfg, pp, gathered=False, **opts),
+                     _OneScan.from_params(CFG, pcfg, pp, gathered=False, **opts))
+    want_runs = ((0, 1, "first"), (1, 3, "sparse")) if not dense_set else \
+        ((0, 1, "first"), (1, 2, "sparse"), (2, 3, "dense"))
+    assert new.segments(CFG, "decode") == want_runs and new.segments(CFG, "prefill") is None
+    rng = np.random.default_rng(1)
+    tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, 24)), jnp.int32)
+    lengths = jnp.asarray((24, 19), jnp.int32)
+    cap = 40
+    prefill = jax.jit(lambda p, m, t, l: llama.prefill(p, CFG, m, t, l, init_cache(CFG, B, cap, jnp.float32),
+                                                       m.init_state(CFG, B, cap)))
+    _, cache, state = prefill(model, seg, tokens, lengths)  # prefill is one run for all three
+    runs = {m: (cache, state) for m in ("new", "seg", "old")}
+    for i, n_new in enumerate([1, 1, 3, 1]):
+        tok = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, n_new)), jnp.int32)
+        out = {}
+        for name, m in (("new", new), ("seg", seg), ("old", old)):
+            c, st = runs[name]
+            out[name], c, st = jax.jit(lambda p, t, c, s, m=m: llama.decode(p, CFG, m, t, c, s))(model, tok, c, st)
+            runs[name] = (c, st)
+            assert st.kept is None and st.queries is None  # dropped at the end of the forward
+        for name in ("new", "seg"):
+            np.testing.assert_allclose(out[name], out["old"], rtol=1e-4, atol=1e-4, err_msg=f"{name} step {i}")
+            np.testing.assert_allclose(runs[name][1].keys, runs["old"][1].keys, rtol=1e-5, atol=1e-5)
+    # The selection is real: budget 1 (every key) decodes differently.
+    full = Butler.from_params(CFG, pcfg, pp, gathered=True, **{**opts, "budget": 1.0})
+    tok = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, 1)), jnp.int32)
+    a = llama.decode(model, CFG, full, tok, *runs["new"])[0]
+    b = llama.decode(model, CFG, new, tok, *runs["new"])[0]
+    assert float(jnp.abs(a - b).max()) > 1e-3
+
+
+def test_butler_kept_indices_are_the_head_mask(pcfg):
+    """`kept_indices` (all predicted layers at once) holds exactly `head_mask`'s keys of each layer."""
+    from jsparse.methods.butler import head_mask, predicted_logits
+
+    m = Butler.from_params(CFG, pcfg, None, budget=0.3, min_tokens=6, local=3, dense_layers=1)
+    Lp, Hk, d = pcfg.predicted_layers, pcfg.key_heads, pcfg.head_dim
+    keys = _normal(11, (Lp, B, Hk, N, d))
+    queries = _normal(12, (Lp, B, HQ, 1, d))
+    state = ButlerState(attn_k=None, attn_v=None, keys=keys, queries=queries)
+    pos = jnp.asarray([[36], [47]], jnp.int32)
+    idx = np.asarray(m.kept_indices(state, pos, N))
+    K = m.key_width(N)
+    assert idx.shape == (Lp, B, HQ, 1, K)
+    for layer in range(Lp):
+        mask = np.asarray(head_mask(predicted_logits(queries[layer], keys[layer], pos), pos, pos[:, 0] + 1, 0.3, 6,
+                                    K, m.sink, m.local))  # [B, Hq, 1, N]
+        for b in range(B):
+            for h in range(HQ):
+                row = idx[layer, b, h, 0]
+                np.testing.assert_array_equal(row[row >= 0], np.flatnonzero(mask[b, h, 0]), err_msg=f"{layer} {b} {h}")
+
+
 def test_butler_options_errors(pcfg):
     with pytest.raises(ValueError, match="selection='tile'"):
         Butler.from_params(CFG, pcfg, None, selection="tile")

@@ -44,6 +44,14 @@ so two modes (`selection`):
            (`attend_selected`), the fast path on accelerators. On the dev corpus it costs quality (28.84 ->
            29.30 with the paper's rule): the group's heads want different keys.
 
+One decode token with selection "head" (`gathered`, the default on a GPU without a mesh): right after the predictor
+runs in layer 0, every sparse layer's keys are chosen at once (`kept_indices`: the predicted logits of all layers in
+one contraction, one `topk_select` over all their rows) and each sparse layer attends to its query heads' keys
+through the gathered decode kernel, one call per position in the GQA group (`common.attend_per_query_head`, reading
+the stacked cache in place): the keys of `head_mask` and the same softmax as the mask path, which T > 1 tokens, the
+"group" selection and the CPU by default take. Decode scans layer 0, the dense layers and the sparse layers as
+separate runs (`segments`), so no layer waits on a `lax.switch`.
+
 Prefill is dense (TokenButler is a decode method); it fills the predictor's caches for the prompt.
 
 State (`ButlerState`, sized by `init_state(cfg, batch, max_len)`):
@@ -51,6 +59,9 @@ State (`ButlerState`, sized by `init_state(cfg, batch, max_len)`):
   keys            f32[L', B, Hk', N, d']                  predicted keys k' of every position (L' = L - 1)
   queries         f32[L', B, Hq, T, d']                   predicted queries of this forward's T tokens (added by
                                                           `start`, dropped by `finish`)
+  kept            i32[L', B, Hq, 1, K]                    a gathered one-token decode's keys of every predicted
+                                                          layer (added by `start`, filled in layer 0, dropped by
+                                                          `finish`)
 
 The predictor comes from `jsparse train-predictor --model M --data FILE... --out DIR`, which writes DIR as an
 artifact of kind "butler" (flattened params in arrays.npz, the PredictorConfig in the metadata) keyed to the
@@ -70,8 +81,11 @@ from jsparse import selection as sel
 from jsparse.artifacts import load_artifact
 from jsparse.methods.base import register
 from jsparse.methods.butler_predictor import Predictor, PredictorConfig, unflatten_params
-from jsparse.methods.common import TokenBudget, attend_dense, attend_selected, dense_prefill, kwargs_for
+from jsparse.methods.common import (TokenBudget, attend_dense, attend_per_query_head, attend_selected, dense_prefill,
+                                    kwargs_for)
+from pallas_kernels.sharding import active_mesh
 from pallas_kernels.sparse_attention.reference import decode_indices_to_mask, masked_attention_reference
+from pallas_kernels.topk_select import topk_select
 
 ARTIFACT_KIND = "butler"
 DEFAULT_LOCAL = 32
@@ -86,6 +100,7 @@ class ButlerState:
     attn_v: jax.Array
     keys: jax.Array  # f32[L', B, Hk', N, d']
     queries: Optional[jax.Array] = None  # f32[L', B, Hq, T, d'] inside a forward
+    kept: Optional[jax.Array] = None  # i32[L', B, Hq, 1, K] inside a gathered one-token decode forward
 
 
 def predicted_logits(qp: jax.Array, kp: jax.Array, positions: jax.Array) -> jax.Array:
@@ -153,6 +168,8 @@ class Butler(TokenBudget):
     dense_layers: int = struct.field(pytree_node=False, default=DEFAULT_DENSE_LAYERS)
     dense_set: tuple = struct.field(pytree_node=False, default=())
     rebalance: bool = struct.field(pytree_node=False, default=True)
+    # One decode token with selection "head" through the gathered kernel (module docstring); None: on a GPU.
+    gathered: Optional[bool] = struct.field(pytree_node=False, default=None)
 
     def __post_init__(self):
         super().__post_init__()
@@ -234,13 +251,29 @@ class Butler(TokenBudget):
             attn_v=jnp.zeros((batch, max_len, c.attn_heads, c.attn_head_dim), F32),
             keys=jnp.zeros((c.predicted_layers, batch, c.key_heads, max_len, c.head_dim), F32))
 
+    def is_gathered(self) -> bool:
+        """Whether a one-token decode with selection "head" runs gathered (`gathered`; None: on a GPU without a
+        mesh)."""
+        if self.selection != "head":
+            return False
+        if self.gathered is None:
+            return jax.default_backend() == "gpu" and active_mesh() is None
+        return bool(self.gathered)
+
+    def key_width(self, n: int) -> int:
+        """The static top-k width over a cache of n keys (the sparse layers' budget)."""
+        return sel.budget_tokens(self.sparse_budget(self.pcfg.num_layers), n, self.min_tokens)
+
     def start(self, cfg, state, phase, batch, q_len, kv_len):
         c = self.pcfg
         queries = jnp.zeros((c.predicted_layers, batch, c.num_heads, q_len, c.head_dim), F32)
-        return state.replace(queries=queries)
+        kept = None
+        if phase == "decode" and q_len == 1 and self.is_gathered():  # filled by layer 0 (`kept_indices`)
+            kept = jnp.full((c.predicted_layers, batch, c.num_heads, 1, self.key_width(kv_len)), -1, jnp.int32)
+        return state.replace(queries=queries, kept=kept)
 
     def finish(self, state, phase):
-        return state.replace(queries=None)
+        return state.replace(queries=None, kept=None)
 
     def run_predictor(self, hidden, positions, state: ButlerState) -> ButlerState:
         """Runs the predictor on hidden: [B, T, E] at positions: i32[B, T]; appends k', sets this forward's q'."""
@@ -248,7 +281,7 @@ class Butler(TokenBudget):
                                                     state.attn_v, method=Predictor.extend)
         b = jnp.arange(hidden.shape[0])[:, None]
         keys = state.keys.at[:, b, :, positions].set(kp.astype(state.keys.dtype), mode="drop")
-        return ButlerState(attn_k=ak, attn_v=av, keys=keys, queries=qp.transpose(2, 0, 3, 1, 4).astype(F32))
+        return state.replace(attn_k=ak, attn_v=av, keys=keys, queries=qp.transpose(2, 0, 3, 1, 4).astype(F32))
 
     def prefill(self, ctx, q, k, v, state):
         B, T = q.shape[:2]
@@ -258,12 +291,35 @@ class Butler(TokenBudget):
         return dense_prefill(q, k, v), state
 
     def segments(self, cfg, phase: str):
-        """One layer scan (not TokenBudget's dense / sparse runs): layer 0 runs the predictor and the calibrated
-        `dense_set` lies among the sparse layers, so each layer keeps its `lax.switch`."""
-        return None
+        """Decode scans runs of layers of one kind apart (`models.attention.segments`): layer 0 ("first": dense, and
+        the predictor runs), the dense layers (the first `dense_layers` and the calibrated `dense_set`) and the
+        sparse ones, so no layer waits on a `lax.switch` (a GPU reads its predicate back to the host in every layer).
+        Prefill is one run."""
+        if phase != "decode":
+            return None
+        L = cfg.num_layers
+        dense = set(range(min(self.dense_layers, L))) | set(self.extra_dense(L))
+        kinds = ["first"] + ["dense" if layer in dense else "sparse" for layer in range(1, L)]
+        runs = []
+        for layer, kind in enumerate(kinds):
+            if runs and runs[-1][2] == kind:
+                runs[-1][1] = layer + 1
+            else:
+                runs.append([layer, layer + 1, kind])
+        return tuple(tuple(r) for r in runs)
 
     def decode(self, ctx, q, cache, state):
         positions = sel.decode_positions(ctx.lengths, q.shape[1])
+        segment = getattr(ctx, "segment", None)
+        if segment == "first":
+            state = self.run_predictor(ctx.hidden, positions, state)
+            if state.kept is not None:  # a gathered one-token decode: every sparse layer's keys at once
+                state = state.replace(kept=self.kept_indices(state, positions, cache.k.shape[2]))
+            return attend_dense(q, cache, ctx.lengths), state
+        if segment == "dense":
+            return attend_dense(q, cache, ctx.lengths), state
+        if segment == "sparse":
+            return self.sparse_decode(ctx, q, cache, state)
 
         def first():
             return attend_dense(q, cache, ctx.lengths), self.run_predictor(ctx.hidden, positions, state)
@@ -288,8 +344,28 @@ class Butler(TokenBudget):
         kp = jax.lax.dynamic_index_in_dim(state.keys, layer - 1, 0, keepdims=False)  # [B, Hk', N, d']
         return predicted_logits(qp, kp, positions)
 
+    def kept_indices(self, state: ButlerState, positions, N: int):
+        """Every predicted layer's keys of selection "head" for one decode token, at once (after the predictor ran
+        in layer 0; a layer's predicted logits do not depend on the layers before it): i32[L', B, Hq, 1, K]
+        ascending, -1 padded, the keys of `head_mask` (the same logits, sinks and local window first, top-k by
+        `topk_select`, ties to the lower position as `lax.top_k`'s)."""
+        Lp, B, Hk, _, d = state.keys.shape
+        Hq = state.queries.shape[2]
+        qp = state.queries.reshape(Lp, B, Hk, Hq // Hk, 1, d)  # query head h uses key head h // (Hq / Hk')
+        logits = jnp.einsum("lbkgtd,lbknd->lbkgtn", qp, state.keys.astype(F32),
+                            precision=jax.lax.Precision.HIGHEST) / math.sqrt(d)
+        logits = logits.reshape(Lp, B, Hq, 1, N)
+        logits = jnp.where((jnp.arange(N)[None, None, :] <= positions[:, :, None])[:, None], logits, sel.NEG_INF)
+        budget = self.sparse_budget(self.pcfg.num_layers)
+        k_dyn = sel.budget_tokens(budget, positions + 1, self.min_tokens)  # [B, 1]
+        scores = _with_forced(logits, positions, k_dyn, self.sink, self.local)
+        return topk_select(scores, jnp.broadcast_to(k_dyn[:, None, :], scores.shape[:-1]), self.key_width(N))
+
     def sparse_decode(self, ctx, q, cache, state):
         T, N = q.shape[1], cache.k.shape[2]
+        if T == 1 and state.kept is not None:  # gathered: layer 0 chose every layer's keys (`kept_indices`)
+            idx = jax.lax.dynamic_index_in_dim(state.kept, ctx.layer - 1, 0, keepdims=False)  # [B, Hq, 1, K]
+            return attend_per_query_head(q, cache, idx, ctx.lengths), state
         positions = sel.decode_positions(ctx.lengths, T)
         logits = self.layer_logits(ctx.layer, positions, state)
         budget = self.sparse_budget(self.pcfg.num_layers)

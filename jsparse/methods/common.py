@@ -49,6 +49,22 @@ def attend_selected(q, cache, indices, lengths, head_map=None):
     return masked_attention_reference(q, cache.k, cache.v, mask)
 
 
+def attend_per_query_head(q, cache, indices, lengths, block_size: int = 1):
+    """One decode token's gathered attention where every query head has its own index row (Quest's pages,
+    TokenButler's keys): q [B, 1, Hq, D], indices int32[B, Hq, 1, K] (units of block_size tokens, ascending, -1
+    padded) -> [B, 1, Hq, D]. The gathered kernel's index contract is per KV head, so it runs once per position g
+    in the GQA group (each call: query head g of every KV head), reading the stacked cache in place."""
+    B, _, Hq, D = q.shape
+    Hkv = cache.k.shape[1]
+    G = Hq // Hkv
+    idx = indices.reshape(B, Hkv, G, 1, indices.shape[-1])
+    k_all, v_all, layer = stacked_cache(cache)
+    qg = q.reshape(B, 1, Hkv, G, D)
+    outs = [sparse_decode(qg[:, :, :, g], k_all, v_all, idx[:, :, g], lengths, layer=layer, block_size=block_size)
+            for g in range(G)]
+    return jnp.stack(outs, axis=3).reshape(B, 1, Hq, D)
+
+
 def topk_decode(q, cache, lengths, *, budget: float, min_tokens: int, K: int, tile: int, dense: bool = False,
                 attend: bool = True):
     """Exact top-k decode: each (row, KV head, token) keeps the K-wide budget's keys of largest post-softmax
@@ -210,6 +226,6 @@ def np_int(x) -> np.ndarray:
     return np.asarray(x, np.int32)
 
 
-__all__ = ["TokenBudget", "attend_dense", "attend_selected", "check_tile", "decode_dense", "dense_decode",
+__all__ = ["TokenBudget", "attend_dense", "attend_per_query_head", "attend_selected", "check_tile", "decode_dense", "dense_decode",
            "dense_prefill", "masked_attention_reference", "prefill_dense", "sparse_prefill", "stacked_cache",
            "topk_decode"]

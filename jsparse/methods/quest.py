@@ -31,10 +31,9 @@ from flax import struct
 
 from jsparse import selection as sel
 from jsparse.methods.base import register
-from jsparse.methods.common import (TokenBudget, kwargs_for, masked_attention_reference, prefill_dense,
-                                    stacked_cache)
+from jsparse.methods.common import (TokenBudget, attend_per_query_head, kwargs_for, masked_attention_reference,
+                                    prefill_dense)
 from pallas_kernels.sharding import dims, per_shard
-from pallas_kernels.sparse_attention import sparse_decode
 from pallas_kernels.topk_select import topk_select
 
 
@@ -117,16 +116,10 @@ class Quest(TokenBudget):
     def _gathered_decode(self, q, cache, pos, lengths, bounds=None):
         """q: [B, 1, Hq, D] -> [B, 1, Hq, D]: each query head over its pages (`page_indices`), G gathered calls;
         bounds: the layer's (kmin, kmax) from the state, or None (from the cache)."""
-        B, _, Hq, D = q.shape
-        Hkv, N = cache.k.shape[1], cache.k.shape[2]
-        G = Hq // Hkv
-        pages = page_indices(q, cache.k, pos, self.budget, self.min_tokens, self.page_size,
-                             self.k_static(N), bounds=bounds).reshape(B, Hkv, G, 1, -1)
-        k_all, v_all, layer = stacked_cache(cache)
-        qg = q.reshape(B, 1, Hkv, G, D)
-        outs = [sparse_decode(qg[:, :, :, g], k_all, v_all, pages[:, :, g], lengths, layer=layer,
-                              block_size=self.page_size) for g in range(G)]
-        return jnp.stack(outs, axis=3).reshape(B, 1, Hq, D)
+        N = cache.k.shape[2]
+        pages = page_indices(q, cache.k, pos, self.budget, self.min_tokens, self.page_size, self.k_static(N),
+                             bounds=bounds)  # [B, Hq, 1, Kp]
+        return attend_per_query_head(q, cache, pages, lengths, block_size=self.page_size)
 
 
 def page_bounds(k_cache, lengths_max, page_size: int):
