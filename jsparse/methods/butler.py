@@ -104,19 +104,22 @@ class ButlerState:
 
 
 def predicted_logits(qp: jax.Array, kp: jax.Array, positions: jax.Array) -> jax.Array:
-    """Predicted logits of one layer over the visible keys.
+    """Predicted logits of one layer (or of a stack of layers) over the visible keys.
 
     Args:
-      qp: f32[B, Hq, T, d'] predicted queries; kp: f32[B, Hk', N, d'] predicted keys (query head h uses key head
-        h // (Hq / Hk')); positions: i32[B, T] query positions (query t sees keys <= positions[b, t]).
+      qp: f32[..., B, Hq, T, d'] predicted queries; kp: f32[..., B, Hk', N, d'] predicted keys (query head h uses
+        key head h // (Hq / Hk')); positions: i32[B, T] query positions (query t sees keys <= positions[b, t]).
     Returns:
-      f32[B, Hq, T, N]: q'k'^T / sqrt(d'), -inf on keys a query cannot see.
+      f32[..., B, Hq, T, N]: q'k'^T / sqrt(d'), -inf on keys a query cannot see. An elementwise product summed over
+      d' in f32 (one fused reduction reading the keys once: a stack of layers' keys as one GEMM made XLA's
+      autotuner allocate copies of all of them), the same arithmetic for one layer or many.
     """
-    Hq, Hk = qp.shape[1], kp.shape[1]
-    kp = jnp.repeat(kp, Hq // Hk, axis=1)
-    logits = jnp.einsum("bhtd,bhnd->bhtn", qp.astype(F32), kp.astype(F32),
-                        precision=jax.lax.Precision.HIGHEST) / math.sqrt(qp.shape[-1])
-    visible = jnp.arange(kp.shape[2])[None, None, :] <= positions[:, :, None]  # [B, T, N]
+    *lead, Hq, T, d = qp.shape
+    Hk, N = kp.shape[-3], kp.shape[-2]
+    q = qp.astype(F32).reshape(*lead, Hk, Hq // Hk, T, 1, d)
+    k = kp.astype(F32)[..., :, None, None, :, :]  # [..., Hk, 1, 1, N, d]
+    logits = jnp.sum(q * k, axis=-1).reshape(*lead, Hq, T, N) / math.sqrt(d)
+    visible = jnp.arange(N)[None, None, :] <= positions[:, :, None]  # [B, T, N]
     return jnp.where(visible[:, None], logits, sel.NEG_INF)
 
 
@@ -349,13 +352,7 @@ class Butler(TokenBudget):
         in layer 0; a layer's predicted logits do not depend on the layers before it): i32[L', B, Hq, 1, K]
         ascending, -1 padded, the keys of `head_mask` (the same logits, sinks and local window first, top-k by
         `topk_select`, ties to the lower position as `lax.top_k`'s)."""
-        Lp, B, Hk, _, d = state.keys.shape
-        Hq = state.queries.shape[2]
-        qp = state.queries.reshape(Lp, B, Hk, Hq // Hk, 1, d)  # query head h uses key head h // (Hq / Hk')
-        logits = jnp.einsum("lbkgtd,lbknd->lbkgtn", qp, state.keys.astype(F32),
-                            precision=jax.lax.Precision.HIGHEST) / math.sqrt(d)
-        logits = logits.reshape(Lp, B, Hq, 1, N)
-        logits = jnp.where((jnp.arange(N)[None, None, :] <= positions[:, :, None])[:, None], logits, sel.NEG_INF)
+        logits = predicted_logits(state.queries, state.keys, positions)  # [L', B, Hq, 1, N]
         budget = self.sparse_budget(self.pcfg.num_layers)
         k_dyn = sel.budget_tokens(budget, positions + 1, self.min_tokens)  # [B, 1]
         scores = _with_forced(logits, positions, k_dyn, self.sink, self.local)
