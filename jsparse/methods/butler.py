@@ -83,6 +83,7 @@ from jsparse.methods.base import register
 from jsparse.methods.butler_predictor import Predictor, PredictorConfig, unflatten_params
 from jsparse.methods.common import (TokenBudget, attend_dense, attend_per_query_head, attend_selected, dense_prefill,
                                     kwargs_for)
+from pallas_kernels.predicted_logits import predicted_logits as logits_op
 from pallas_kernels.sharding import active_mesh
 from pallas_kernels.sparse_attention.reference import decode_indices_to_mask, masked_attention_reference
 from pallas_kernels.topk_select import topk_select
@@ -110,15 +111,13 @@ def predicted_logits(qp: jax.Array, kp: jax.Array, positions: jax.Array) -> jax.
       qp: f32[..., B, Hq, T, d'] predicted queries; kp: f32[..., B, Hk', N, d'] predicted keys (query head h uses
         key head h // (Hq / Hk')); positions: i32[B, T] query positions (query t sees keys <= positions[b, t]).
     Returns:
-      f32[..., B, Hq, T, N]: q'k'^T / sqrt(d'), -inf on keys a query cannot see. An elementwise product summed over
-      d' in f32 (one fused reduction reading the keys once: a stack of layers' keys as one GEMM made XLA's
-      autotuner allocate copies of all of them), the same arithmetic for one layer or many.
+      f32[..., B, Hq, T, N]: q'k'^T / sqrt(d'), -inf on keys a query cannot see (`pallas_kernels.predicted_logits`:
+      on a GPU a kernel reading the keys once, where XLA's dot autotuner copied a stack of layers' keys; the same
+      arithmetic for one layer or many).
     """
     *lead, Hq, T, d = qp.shape
     Hk, N = kp.shape[-3], kp.shape[-2]
-    q = qp.astype(F32).reshape(*lead, Hk, Hq // Hk, T, 1, d)
-    k = kp.astype(F32)[..., :, None, None, :, :]  # [..., Hk, 1, 1, N, d]
-    logits = jnp.sum(q * k, axis=-1).reshape(*lead, Hq, T, N) / math.sqrt(d)
+    logits = logits_op(qp.astype(F32).reshape(*lead, Hk, Hq // Hk, T, d), kp.astype(F32)).reshape(*lead, Hq, T, N)
     visible = jnp.arange(N)[None, None, :] <= positions[:, :, None]  # [B, T, N]
     return jnp.where(visible[:, None], logits, sel.NEG_INF)
 

@@ -1,0 +1,40 @@
+"""pallas_kernels.predicted_logits: the Triton kernel (interpret mode) equals the jnp reference, which equals the
+plain q . k^T / sqrt(d); one layer's logits equal its row of a stack's."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.predicted_logits import predicted_logits
+from pallas_kernels.predicted_logits.gpu import predicted_logits_gpu
+from pallas_kernels.predicted_logits.reference import predicted_logits_reference
+
+
+def _rand(seed, shape):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+@pytest.mark.parametrize("lead,Hk,G,T,N,d", [((3, 2), 4, 1, 1, 300, 32), ((2,), 2, 2, 3, 257, 16), ((), 1, 4, 1, 64, 64)])
+def test_kernel_equals_the_reference(lead, Hk, G, T, N, d):
+    q = _rand(0, lead + (Hk, G, T, d))
+    k = _rand(1, lead + (Hk, N, d))
+    want = predicted_logits_reference(q, k)
+    np.testing.assert_allclose(want, np.einsum("...kgtd,...knd->...kgtn", np.asarray(q, np.float64),
+                                               np.asarray(k, np.float64)) / math.sqrt(d), rtol=1e-5, atol=1e-5)
+    got = predicted_logits_gpu(q, k, block_n=128, interpret=True)  # N = 300, 257: a partial last block
+    assert got.shape == lead + (Hk, G, T, N)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    if lead:  # a layer alone equals its row of the stack, bit for bit
+        np.testing.assert_array_equal(predicted_logits_gpu(q[0], k[0], block_n=128, interpret=True), got[0])
+        np.testing.assert_array_equal(predicted_logits(q[0], k[0]), want[0])
+
+
+def test_errors():
+    with pytest.raises(ValueError, match=r"expected q \[..., Hk, G, T, d\] and k \[..., Hk, N, d\]"):
+        predicted_logits(jnp.zeros((2, 1, 1, 32)), jnp.zeros((3, 10, 32)))
+    with pytest.raises(ValueError, match="head_dim=24: the kernel takes a power of two"):
+        predicted_logits(jnp.zeros((2, 1, 1, 24)), jnp.zeros((2, 10, 24)), implementation="pallas_gpu")
+    with pytest.raises(ValueError, match="implementation='triton'"):
+        predicted_logits(jnp.zeros((2, 1, 1, 32)), jnp.zeros((2, 10, 32)), implementation="triton")
