@@ -33,6 +33,7 @@ from jsparse import selection as sel
 from jsparse.methods.base import register
 from jsparse.methods.common import (TokenBudget, attend_per_query_head, kwargs_for, masked_attention_reference,
                                     prefill_dense)
+from pallas_kernels.page_scores import page_scores as page_scores_op
 from pallas_kernels.sharding import dims, per_shard
 from pallas_kernels.topk_select import topk_select
 
@@ -107,15 +108,14 @@ class Quest(TokenBudget):
                                  f"{self.page_size}: init_state(max_len) must be the cache capacity")
             state = update_bounds(state, ctx.layer, cache.k, ctx.lengths, T, self.page_size)
         if T == 1 and window is None and self.is_gathered(N):
-            bounds = tuple(jax.lax.dynamic_index_in_dim(a, ctx.layer, keepdims=False)
-                           for a in (state.kmin, state.kmax)) if has_state else None
+            bounds = (state.kmin, state.kmax, ctx.layer) if has_state else None  # read in place
             return self._gathered_decode(q, cache, pos, ctx.lengths, bounds), state
         mask = page_mask(q, cache.k, pos, self.budget, self.min_tokens, self.page_size, window=window)
         return masked_attention_reference(q, cache.k, cache.v, mask), state
 
     def _gathered_decode(self, q, cache, pos, lengths, bounds=None):
         """q: [B, 1, Hq, D] -> [B, 1, Hq, D]: each query head over its pages (`page_indices`), G gathered calls;
-        bounds: the layer's (kmin, kmax) from the state, or None (from the cache)."""
+        bounds: (kmin, kmax, layer), the state's stacked bounds and this layer, or None (from the cache)."""
         N = cache.k.shape[2]
         pages = page_indices(q, cache.k, pos, self.budget, self.min_tokens, self.page_size, self.k_static(N),
                              bounds=bounds)  # [B, Hq, 1, Kp]
@@ -171,21 +171,21 @@ def page_scores(q, k_cache, positions, budget, min_tokens, page_size, window=Non
     """Each query head's page scores and page count: (score f32[B, Hkv, G, T, P] (the upper bound; +inf on the
     query's own page, -inf on pages it may not see), n_pages i32[B, T], first i32[B, T] the first key it may see).
 
-    Args: as `page_mask`; bounds: (kmin, kmax) f32[B, Hkv, P, D] of the cache's pages, finite (`QuestState`'s),
-    or None (computed from k_cache).
+    Args: as `page_mask`; bounds: (kmin, kmax, layer): the stacked bounds f32[L, B, Hkv, P, D] of every layer's
+    pages, finite (`QuestState`'s), and the layer to read (i32[]), or None (computed from k_cache).
     """
     B, T, Hq, D = q.shape
     Hkv, N = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
     P = -(-N // page_size)
     if bounds is None:
-        bounds = finite_bounds(*page_bounds(k_cache, positions.max(axis=1) + 1, page_size))
-    kmin, kmax = bounds
-    qf = jnp.transpose(q.astype(jnp.float32).reshape(B, T, Hkv, G, D), (0, 2, 3, 1, 4))[:, :, :, :, None, :]
-    # sum_d max(q_d kmax_d, q_d kmin_d) in f32, one fused reduction: XLA reads each page's bounds once, in place
-    # from the stacked state (as two dots, relu(q) . kmax + min(q, 0) . kmin, it copied the layer's bounds out of
-    # the state for cuBLAS and multiplied in TF32 on a GPU).
-    score = jnp.sum(jnp.maximum(qf * kmax[:, :, None, None], qf * kmin[:, :, None, None]), axis=-1)  # [B, Hkv, G, T, P]
+        kmin, kmax = finite_bounds(*page_bounds(k_cache, positions.max(axis=1) + 1, page_size))
+        bounds = (kmin[None], kmax[None], 0)  # a stack of one layer
+    kmin, kmax, layer = bounds
+    qr = jnp.transpose(q.astype(jnp.float32).reshape(B, T, Hkv, G, D), (0, 2, 3, 1, 4)).reshape(B, Hkv, G * T, D)
+    # sum_d max(q_d kmax_d, q_d kmin_d) in f32 (`pallas_kernels.page_scores`: on a GPU a kernel reading each page's
+    # bounds once, in place; the same arithmetic for a stack of layers or one).
+    score = page_scores_op(qr, kmin, kmax, layer).reshape(B, Hkv, G, T, P)  # [B, Hkv, G, T, P]
     page = jnp.arange(P)[None, None, :]
     own = positions[:, :, None] // page_size  # [B, T, 1]
     n_visible = positions + 1  # [B, T] keys the query may see

@@ -1,0 +1,40 @@
+"""pallas_kernels.page_scores: the Triton kernel (interpret mode) equals the jnp reference, which equals the plain
+sum over d of max(q kmax, q kmin); one layer's scores equal its row of a stack's."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.page_scores import page_scores
+from pallas_kernels.page_scores.gpu import page_scores_gpu
+from pallas_kernels.page_scores.reference import page_scores_reference
+
+
+def _rand(seed, shape):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+@pytest.mark.parametrize("L,B,Hkv,R,P,D,layer", [(3, 2, 2, 4, 100, 16, 1), (1, 1, 3, 6, 64, 32, 0), (2, 2, 1, 1, 33, 64, 5)])
+def test_kernel_equals_the_reference(L, B, Hkv, R, P, D, layer):
+    q = _rand(0, (B, Hkv, R, D))
+    a, b = _rand(1, (L, B, Hkv, P, D)), _rand(2, (L, B, Hkv, P, D))
+    kmin, kmax = jnp.minimum(a, b), jnp.maximum(a, b)
+    want = page_scores_reference(q, kmin, kmax, layer)
+    i = min(layer, L - 1)  # the layer index is clamped
+    qn, lo, hi = (np.asarray(x, np.float64) for x in (q, kmin[i], kmax[i]))
+    plain = np.maximum(qn[:, :, :, None] * hi[:, :, None], qn[:, :, :, None] * lo[:, :, None]).sum(-1)
+    np.testing.assert_allclose(want, plain, rtol=1e-5, atol=1e-5)
+    got = page_scores_gpu(q, kmin, kmax, layer, block_p=32, interpret=True)  # P = 100, 33: a partial last block
+    assert got.shape == (B, Hkv, R, P)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+    # One layer's bounds alone give its row of the stack's, bit for bit.
+    np.testing.assert_array_equal(page_scores_gpu(q, kmin[i][None], kmax[i][None], 0, block_p=32, interpret=True), got)
+    np.testing.assert_array_equal(page_scores(q, kmin[i][None], kmax[i][None], 0), want)
+
+
+def test_errors():
+    with pytest.raises(ValueError, match=r"expected q \[B, Hkv, R, D\] and bounds \[L, B, Hkv, P, D\]"):
+        page_scores(jnp.zeros((2, 2, 1, 16)), jnp.zeros((1, 2, 3, 8, 16)), jnp.zeros((1, 2, 3, 8, 16)), 0)
+    with pytest.raises(ValueError, match="head_dim=24: the kernel takes a power of two"):
+        page_scores(jnp.zeros((2, 2, 1, 24)), jnp.zeros((1, 2, 2, 8, 24)), jnp.zeros((1, 2, 2, 8, 24)), 0,
+                    implementation="pallas_gpu")
