@@ -20,7 +20,8 @@ from pallas_kernels.page_scores.reference import check_args
 
 Array = jax.Array
 
-BLOCK_P = 64  # pages per program
+BLOCK_P = 64  # pages per program (read at each call)
+NUM_WARPS = 4  # warps per program (read at each call)
 MAX_ROWS = 64  # query rows per KV head the static loop takes
 
 
@@ -48,9 +49,10 @@ def _kernel(lay_ref, q_ref, lo_ref, hi_ref, o_ref, *, n: int, rows: int, block_p
         plgpu.store(o_ref.at[jnp.int32(r), pl.ds(j * block_p, block_p)], s, mask=ok)
 
 
-def page_scores_gpu(q: Array, kmin: Array, kmax: Array, layer, *, block_p: int = BLOCK_P,
+def page_scores_gpu(q: Array, kmin: Array, kmax: Array, layer, *, block_p: int | None = None,
                     interpret: bool = False) -> Array:
-    """`reference.page_scores_reference` by the kernel (module docstring)."""
+    """`reference.page_scores_reference` by the kernel (module docstring); block_p None: BLOCK_P."""
+    block_p = BLOCK_P if block_p is None else block_p
     check_args(q, kmin, kmax)
     reason = unsupported_reason(q)
     if reason is not None:
@@ -65,6 +67,6 @@ def page_scores_gpu(q: Array, kmin: Array, kmax: Array, layer, *, block_p: int =
                   bounds, bounds],
         out_specs=pl.BlockSpec((None, None, R, P), lambda b, h, j: (b, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((B, Hkv, R, P), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         interpret=interpret, name="quest_page_scores",
     )(jnp.asarray(layer, jnp.int32).reshape(1), q.astype(jnp.float32), kmin, kmax)

@@ -22,6 +22,7 @@ from eval.bench.model import method_rows
 from models.params import random_params, with_layout
 from models.presets import preset
 from pallas_kernels.block_scores import gpu as bgpu
+from pallas_kernels.page_scores import gpu as pgpu
 from pallas_kernels.sparse_attention.gpu import DecodeConfig
 
 CONTEXT, BATCH = int(os.environ.get("CONTEXT", 100000)), int(os.environ.get("BATCH", 4))
@@ -52,6 +53,9 @@ ROUNDS = {  # (name, method, CAND_WARPS, DecodeConfig or None); env ROUND picks 
           for tag, cfg in (("", None), (" block_k=32", DecodeConfig(block_k=32)),
                            (" block_k=32 stages=4", DecodeConfig(block_k=32, num_stages=4)),
                            (" stages=4", DecodeConfig(num_stages=4)))],
+    # Round 4: Quest's page-score kernel (`pallas_kernels.page_scores.gpu`: pages per program, warps).
+    "4": [(f"quest block_p={bp} warps={w}", "quest", 8, None, {"BLOCK_P": bp, "NUM_WARPS": w})
+          for bp, w in ((64, 4), (32, 4), (128, 4), (64, 8), (128, 8), (256, 8))],
 }
 VARIANTS = ROUNDS[os.environ.get("ROUND", "2")]
 
@@ -63,14 +67,17 @@ def main(out_dir):
     rows = []
     evo_default, h2o_default = evo.DECODE_CONFIG, h2o.DECODE_CONFIG
 
-    def run(name, method, warps, config):
+    def run(name, method, warps, config, page_scores=None):
+        for attr, value in {"BLOCK_P": 64, "NUM_WARPS": 4, **(page_scores or {})}.items():
+            setattr(pgpu, attr, value)
         bgpu.CAND_WARPS = warps
         evo.DECODE_CONFIG = config if method == "evosparse" else evo_default
         h2o.DECODE_CONFIG = config if method == "h2o" else h2o_default
         sapi.STACKED_DECODE_CONFIG = config if method not in ("evosparse", "h2o") else None
         jax.clear_caches()
         row = method_rows(cfg, params, (method,), (CONTEXT,), (BATCH,), 16, hbm, 0.1)[0]
-        row.update(variant=name, cand_warps=warps, decode_config=None if config is None else str(config))
+        row.update(variant=name, cand_warps=warps, decode_config=None if config is None else str(config),
+                   page_scores=page_scores)
         rows.append(row)
         print(name, round(row.get("step_ms", float("nan")), 3), "ms", flush=True)
 
