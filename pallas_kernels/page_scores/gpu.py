@@ -20,7 +20,9 @@ from pallas_kernels.page_scores.reference import check_args
 
 Array = jax.Array
 
-BLOCK_P = 64  # pages per program (read at each call)
+# Pages per program (read at each call): 32 since 2026-11-29, Quest at 100K, batch 4 on an H200 13.88 -> 13.65 ms
+# (64; 128: 15.48; eval/results/h200/tuning/decode_knobs_round4.json).
+BLOCK_P = 32
 NUM_WARPS = 4  # warps per program (read at each call)
 MAX_ROWS = 64  # query rows per KV head the static loop takes
 

@@ -68,7 +68,7 @@ def main(out_dir):
     evo_default, h2o_default = evo.DECODE_CONFIG, h2o.DECODE_CONFIG
 
     def run(name, method, warps, config, page_scores=None):
-        for attr, value in {"BLOCK_P": 64, "NUM_WARPS": 4, **(page_scores or {})}.items():
+        for attr, value in {"BLOCK_P": 32, "NUM_WARPS": 4, **(page_scores or {})}.items():
             setattr(pgpu, attr, value)
         bgpu.CAND_WARPS = warps
         evo.DECODE_CONFIG = config if method == "evosparse" else evo_default
