@@ -16,12 +16,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.dispatch import GPU_OR_REFERENCE as IMPLEMENTATIONS, gpu_or_reference
 from pallas_kernels.page_scores import reference
 from pallas_kernels.sharding import active_mesh, dims, per_shard
 
 Array = jax.Array
-
-IMPLEMENTATIONS = ("pallas_gpu", "reference")
 
 
 def page_scores(q: Array, kmin: Array, kmax: Array, layer, *, implementation: str | None = None) -> Array:
@@ -33,17 +32,8 @@ def page_scores(q: Array, kmin: Array, kmax: Array, layer, *, implementation: st
         return per_shard(lambda q, lo, hi, layer: page_scores(q, lo, hi, layer, implementation=implementation),
                          [q, kmin, kmax, jnp.asarray(layer, jnp.int32)], [dims(4, 0, 1), dims(5, 1, 2), dims(5, 1, 2), ()],
                          dims(4, 0, 1))
-    if implementation is None:
-        from pallas_kernels.page_scores import gpu
-        on_gpu = jax.default_backend() == "gpu"
-        implementation = "pallas_gpu" if on_gpu and gpu.unsupported_reason(q) is None else "reference"
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation={implementation!r}: expected one of {IMPLEMENTATIONS} or None")
-    if implementation == "pallas_gpu":
-        from pallas_kernels.page_scores import gpu
-        reason = gpu.unsupported_reason(q)
-        if reason is not None:
-            raise ValueError(f"implementation='pallas_gpu' cannot run this call: {reason}")
+    from pallas_kernels.page_scores import gpu
+    if gpu_or_reference(implementation, lambda: gpu.unsupported_reason(q)) == "pallas_gpu":
         return gpu.page_scores_gpu(q, kmin, kmax, layer)
     return reference.page_scores_reference(q, kmin, kmax, layer)
 

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import jax
 
+from pallas_kernels.dispatch import GPU_OR_REFERENCE as IMPLEMENTATIONS, gpu_or_reference
 from pallas_kernels.predicted_logits import reference
 
 Array = jax.Array
-
-IMPLEMENTATIONS = ("pallas_gpu", "reference")
 
 
 def predicted_logits(q: Array, k: Array, *, implementation: str | None = None) -> Array:
@@ -33,17 +32,8 @@ def predicted_logits(q: Array, k: Array, *, implementation: str | None = None) -
       f32[..., Hk, G, T, N].
     """
     reference.check_args(q, k)
-    if implementation is None:
-        from pallas_kernels.predicted_logits import gpu
-        on_gpu = jax.default_backend() == "gpu"
-        implementation = "pallas_gpu" if on_gpu and gpu.unsupported_reason(q) is None else "reference"
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation={implementation!r}: expected one of {IMPLEMENTATIONS} or None")
-    if implementation == "pallas_gpu":
-        from pallas_kernels.predicted_logits import gpu
-        reason = gpu.unsupported_reason(q)
-        if reason is not None:
-            raise ValueError(f"implementation='pallas_gpu' cannot run this call: {reason}")
+    from pallas_kernels.predicted_logits import gpu
+    if gpu_or_reference(implementation, lambda: gpu.unsupported_reason(q)) == "pallas_gpu":
         return gpu.predicted_logits_gpu(q, k)
     return reference.predicted_logits_reference(q, k)
 
