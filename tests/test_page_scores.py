@@ -14,7 +14,8 @@ def _rand(seed, shape):
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
 
 
-@pytest.mark.parametrize("L,B,Hkv,R,P,D,layer", [(3, 2, 2, 4, 100, 16, 1), (1, 1, 3, 6, 64, 32, 0), (2, 2, 1, 1, 33, 64, 5)])
+@pytest.mark.parametrize("L,B,Hkv,R,P,D,layer",
+                         [(3, 2, 2, 4, 100, 16, 1), (1, 1, 3, 6, 64, 32, 0), (2, 2, 1, 1, 33, 64, 5)])
 def test_kernel_equals_the_reference(L, B, Hkv, R, P, D, layer):
     q = _rand(0, (B, Hkv, R, D))
     a, b = _rand(1, (L, B, Hkv, P, D)), _rand(2, (L, B, Hkv, P, D))

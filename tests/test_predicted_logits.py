@@ -16,7 +16,8 @@ def _rand(seed, shape):
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
 
 
-@pytest.mark.parametrize("lead,Hk,G,T,N,d", [((3, 2), 4, 1, 1, 300, 32), ((2,), 2, 2, 3, 257, 16), ((), 1, 4, 1, 64, 64)])
+@pytest.mark.parametrize("lead,Hk,G,T,N,d",
+                         [((3, 2), 4, 1, 1, 300, 32), ((2,), 2, 2, 3, 257, 16), ((), 1, 4, 1, 64, 64)])
 def test_kernel_equals_the_reference(lead, Hk, G, T, N, d):
     q = _rand(0, lead + (Hk, G, T, d))
     k = _rand(1, lead + (Hk, N, d))

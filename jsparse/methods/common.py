@@ -226,6 +226,7 @@ def np_int(x) -> np.ndarray:
     return np.asarray(x, np.int32)
 
 
-__all__ = ["TokenBudget", "attend_dense", "attend_per_query_head", "attend_selected", "check_tile", "decode_dense", "dense_decode",
+__all__ = ["TokenBudget", "attend_dense", "attend_per_query_head", "attend_selected", "check_tile", "decode_dense",
+           "dense_decode",
            "dense_prefill", "masked_attention_reference", "prefill_dense", "sparse_prefill", "stacked_cache",
            "topk_decode"]

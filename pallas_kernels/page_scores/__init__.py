@@ -30,8 +30,8 @@ def page_scores(q: Array, kmin: Array, kmax: Array, layer, *, implementation: st
     reference.check_args(q, kmin, kmax)
     if active_mesh() is not None:  # per shard (pallas_kernels.sharding): rows over data, heads over model
         return per_shard(lambda q, lo, hi, layer: page_scores(q, lo, hi, layer, implementation=implementation),
-                         [q, kmin, kmax, jnp.asarray(layer, jnp.int32)], [dims(4, 0, 1), dims(5, 1, 2), dims(5, 1, 2), ()],
-                         dims(4, 0, 1))
+                         [q, kmin, kmax, jnp.asarray(layer, jnp.int32)],
+                         [dims(4, 0, 1), dims(5, 1, 2), dims(5, 1, 2), ()], dims(4, 0, 1))
     from pallas_kernels.page_scores import gpu
     if gpu_or_reference(implementation, lambda: gpu.unsupported_reason(q)) == "pallas_gpu":
         return gpu.page_scores_gpu(q, kmin, kmax, layer)

@@ -65,8 +65,8 @@ def page_scores_gpu(q: Array, kmin: Array, kmax: Array, layer, *, block_p: int |
     return pl.pallas_call(
         functools.partial(_kernel, n=P, rows=R, block_p=block_p, L=L),
         grid=(B, Hkv, pl.cdiv(P, block_p)),
-        in_specs=[pl.BlockSpec((1,), lambda b, h, j: (0,)), pl.BlockSpec((None, None, R, D), lambda b, h, j: (b, h, 0, 0)),
-                  bounds, bounds],
+        in_specs=[pl.BlockSpec((1,), lambda b, h, j: (0,)),
+                  pl.BlockSpec((None, None, R, D), lambda b, h, j: (b, h, 0, 0)), bounds, bounds],
         out_specs=pl.BlockSpec((None, None, R, P), lambda b, h, j: (b, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((B, Hkv, R, P), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),

@@ -2,7 +2,8 @@
 cache, `eval.bench.model.method_rows`, dense first): EvoSparse's candidate-rank kernel's warps
 (`pallas_kernels.block_scores.gpu.CAND_WARPS`) and the gathered decode-with-mass config of H2O
 (`jsparse.methods.h2o.DECODE_CONFIG`) and EvoSparse (`jsparse.methods.evosparse.DECODE_CONFIG`). Each variant is
-traced afresh (`jax.clear_caches()`); dense is timed again at the end. Writes $OUT/decode_knobs_roundN.json (env ROUND=N picks the variants, default 2).
+traced afresh (`jax.clear_caches()`); dense is timed again at the end. Writes $OUT/decode_knobs_roundN.json (env
+ROUND=N picks the variants, default 2).
 
     PYTHONPATH=. python eval/results/h200/tuning/decode_knobs.py   (env: CONTEXT=100000 BATCH=4)
 """
@@ -89,8 +90,10 @@ def main(out_dir):
             rows.append(dict(variant=v[0], error=f"{type(e).__name__}: {e}"[:500]))
             print(v[0], "failed", rows[-1]["error"][:200], flush=True)
     run("dense (again)", "dense", 4, None)
-    out = {**bm.device_facts(), "date": datetime.now(timezone.utc).isoformat(), "commit": os.environ.get("GIT_COMMIT", ""),
-           "command": f"ROUND={os.environ.get('ROUND', '2')} PYTHONPATH=. python eval/results/h200/tuning/decode_knobs.py", "shape": "llama3-8b",
+    rnd = os.environ.get("ROUND", "2")
+    out = {**bm.device_facts(), "date": datetime.now(timezone.utc).isoformat(),
+           "commit": os.environ.get("GIT_COMMIT", ""),
+           "command": f"ROUND={rnd} PYTHONPATH=. python eval/results/h200/tuning/decode_knobs.py", "shape": "llama3-8b",
            "context": CONTEXT, "batch": BATCH, "measured_hbm_gbs": hbm, "rows": rows}
     with open(os.path.join(out_dir, f"decode_knobs_round{os.environ.get('ROUND', '2')}.json"), "w") as f:
         json.dump(out, f, indent=1)
@@ -98,7 +101,8 @@ def main(out_dir):
     print("| variant | step ms | speedup vs dense (first / again) |\n|---|---|---|")
     for r in rows:
         if "step_ms" in r:
-            print(f"| {r['variant']} | {r['step_ms']:.3f} | {dense[0] / r['step_ms']:.3f} / {dense[-1] / r['step_ms']:.3f} |")
+            ms = r["step_ms"]
+            print(f"| {r['variant']} | {ms:.3f} | {dense[0] / ms:.3f} / {dense[-1] / ms:.3f} |")
 
 
 if __name__ == "__main__":
