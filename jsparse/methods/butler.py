@@ -45,8 +45,8 @@ so two modes (`selection`):
            29.30 with the paper's rule): the group's heads want different keys.
 
 One decode token with selection "head" (`gathered`, the default on a GPU without a mesh): right after the predictor
-runs in layer 0, every sparse layer's keys are chosen at once (`kept_indices`: the predicted logits of all layers in
-one contraction, one `topk_select` over all their rows) and each sparse layer attends to its query heads' keys
+runs in layer 0, every sparse layer's keys are chosen at once (`kept_indices`: the predicted logits of all layers by
+one kernel, `pallas_kernels.predicted_logits`, and one `topk_select` over all their rows) and each sparse layer attends to its query heads' keys
 through the gathered decode kernel, one call per position in the GQA group (`common.attend_per_query_head`, reading
 the stacked cache in place): the keys of `head_mask` and the same softmax as the mask path, which T > 1 tokens, the
 "group" selection and the CPU by default take. Decode scans layer 0, the dense layers and the sparse layers as
@@ -70,7 +70,6 @@ model's fingerprint; `--method butler --artifact DIR` loads it.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import jax
