@@ -131,10 +131,13 @@ DENSE_COLLECTIVES = {
     ("all-gather", "s32[2,8]"): 1,
 }
 EXTRA_COLLECTIVES = {
-    "streaming": {}, "h2o": {}, "butler": {},
+    "streaming": {}, "h2o": {},
     # the model's own wo / w_down psums once more: the decode runs the dense first layers and the sparse ones as
     # two loops (`TokenBudget.segments`; streaming and h2o have no dense layer, one loop)
     "oracle": {("all-reduce", "f32[2,1,64]"): 2}, "quest": {("all-reduce", "f32[2,1,64]"): 2},
+    # twice more: the decode runs layer 0 (the predictor), its dense layers and its sparse ones as three loops
+    # (`Butler.segments`)
+    "butler": {("all-reduce", "f32[2,1,64]"): 4},
     # the head map: a reuse layer's heads read the anchor's indices i32[B, Hkv, T, K] of any head; and the
     # model's own wo / w_down psums twice more (the decode runs its layers 0 | 1 | 2, one role each, as 3 loops)
     "kascade": {("all-gather", "s32[2,8,1,20]"): 1, ("all-gather", "s32[2,8,3,15]"): 1,
