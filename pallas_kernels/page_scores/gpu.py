@@ -3,7 +3,8 @@
 grid (B, Hkv, ceil(P / block_p)): program (b, h, j) loads pages j * block_p .. of layer `layer` of the stacked
 bounds once (in place: the BlockSpec spans the L axis and the loads index it with the traced layer), as f32
 [block_p, D] tiles of kmin and kmax, and for each of the KV head's R query rows (a static loop) writes the sum over
-d of max(q * kmax, q * kmin) (a masked store past P). Bytes: the layer's bounds once, the scores once. Runs in
+d of max(q * kmax, q * kmin) (a masked store past P; the rows are padded to a power of two, the padding's scores
+dropped). Bytes: the layer's bounds once, the scores once. Runs in
 interpret mode on CPU (`interpret=True`).
 """
 
@@ -61,14 +62,16 @@ def page_scores_gpu(q: Array, kmin: Array, kmax: Array, layer, *, block_p: int |
         raise ValueError(reason)
     B, Hkv, R, D = q.shape
     L, P = kmin.shape[0], kmin.shape[3]
+    Rp = pl.next_power_of_2(R)  # block shapes of powers of two; the padding rows' scores are dropped
+    q = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, 0), (0, Rp - R), (0, 0)))
     bounds = pl.BlockSpec((L, None, None, P, D), lambda b, h, j: (0, b, h, 0, 0))
     return pl.pallas_call(
-        functools.partial(_kernel, n=P, rows=R, block_p=block_p, L=L),
+        functools.partial(_kernel, n=P, rows=Rp, block_p=block_p, L=L),
         grid=(B, Hkv, pl.cdiv(P, block_p)),
         in_specs=[pl.BlockSpec((1,), lambda b, h, j: (0,)),
-                  pl.BlockSpec((None, None, R, D), lambda b, h, j: (b, h, 0, 0)), bounds, bounds],
-        out_specs=pl.BlockSpec((None, None, R, P), lambda b, h, j: (b, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((B, Hkv, R, P), jnp.float32),
+                  pl.BlockSpec((None, None, Rp, D), lambda b, h, j: (b, h, 0, 0)), bounds, bounds],
+        out_specs=pl.BlockSpec((None, None, Rp, P), lambda b, h, j: (b, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, Hkv, Rp, P), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         interpret=interpret, name="quest_page_scores",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), q.astype(jnp.float32), kmin, kmax)
+    )(jnp.asarray(layer, jnp.int32).reshape(1), q, kmin, kmax)[:, :, :R]

@@ -3,7 +3,8 @@
 The leading axes and the key heads flatten to R rows of keys [N, d] with their G * T query rows [GT, d]. grid (R,
 ceil(N / block_n)): program (r, j) loads keys j * block_n .. of row r once as an f32 [block_n, d] tile and, for
 each of its GT query rows (a static loop: T = 1 decoding has GT = G, 1 for TokenButler's per-query-head keys),
-writes sum over d of q * k (a masked store past N), scaled by 1 / sqrt(d) after the sum as the reference does.
+writes sum over d of q * k (a masked store past N), scaled by 1 / sqrt(d) after the sum as the reference does (the
+rows are padded to a power of two, the padding's logits dropped).
 Bytes: the keys once, the output once. Runs in interpret mode on CPU (`interpret=True`).
 """
 
@@ -54,16 +55,17 @@ def predicted_logits_gpu(q: Array, k: Array, *, block_n: int = BLOCK_N, interpre
     *lead, Hk, G, T, d = q.shape
     N = k.shape[-2]
     R, GT = math.prod(lead) * Hk, G * T
-    qr = q.reshape(R, GT, d)
+    GTp = pl.next_power_of_2(GT)  # block shapes of powers of two; the padding rows' logits are dropped
+    qr = jnp.pad(q.reshape(R, GT, d), ((0, 0), (0, GTp - GT), (0, 0)))
     kr = k.reshape(R, N, d)
     out = pl.pallas_call(
-        functools.partial(_kernel, n=N, rows=GT, block_n=block_n, scale=math.sqrt(d)),
+        functools.partial(_kernel, n=N, rows=GTp, block_n=block_n, scale=math.sqrt(d)),
         grid=(R, pl.cdiv(N, block_n)),
-        in_specs=[pl.BlockSpec((None, GT, d), lambda r, j: (r, 0, 0)),
+        in_specs=[pl.BlockSpec((None, GTp, d), lambda r, j: (r, 0, 0)),
                   pl.BlockSpec((None, N, d), lambda r, j: (r, 0, 0))],
-        out_specs=pl.BlockSpec((None, GT, N), lambda r, j: (r, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((R, GT, N), jnp.float32),
+        out_specs=pl.BlockSpec((None, GTp, N), lambda r, j: (r, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((R, GTp, N), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret, name="butler_predicted_logits",
     )(qr, kr)
-    return out.reshape(*lead, Hk, G, T, N)
+    return out[:, :GT].reshape(*lead, Hk, G, T, N)
