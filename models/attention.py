@@ -118,6 +118,13 @@ def finish(method, state, phase: str):
     return state if fn is None else fn(state, phase)
 
 
+def runs_of(tags) -> tuple[tuple[int, int, Any], ...]:
+    """The runs of consecutive equal tags of layers 0..L-1, as `segments` takes them: ((start, stop, tag), ...)."""
+    tags = list(tags)
+    starts = [0] + [i for i in range(1, len(tags)) if tags[i] != tags[i - 1]]
+    return tuple((a, b, tags[a]) for a, b in zip(starts, starts[1:] + [len(tags)]))
+
+
 def segments(method, cfg, phase: str) -> tuple[tuple[int, int, Any], ...]:
     """The runs of layers the model scans separately: ((start, stop, tag), ...) covering 0..L in order.
 

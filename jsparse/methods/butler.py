@@ -82,6 +82,7 @@ from jsparse.methods.base import register
 from jsparse.methods.butler_predictor import Predictor, PredictorConfig, unflatten_params
 from jsparse.methods.common import (TokenBudget, attend_dense, attend_per_query_head, attend_selected, dense_prefill,
                                     kwargs_for)
+from models.attention import runs_of
 from pallas_kernels.predicted_logits import predicted_logits as logits_op
 from pallas_kernels.sharding import active_mesh
 from pallas_kernels.sparse_attention.reference import decode_indices_to_mask, masked_attention_reference
@@ -300,14 +301,7 @@ class Butler(TokenBudget):
             return None
         L = cfg.num_layers
         dense = set(range(min(self.dense_layers, L))) | set(self.extra_dense(L))
-        kinds = ["first"] + ["dense" if layer in dense else "sparse" for layer in range(1, L)]
-        runs = []
-        for layer, kind in enumerate(kinds):
-            if runs and runs[-1][2] == kind:
-                runs[-1][1] = layer + 1
-            else:
-                runs.append([layer, layer + 1, kind])
-        return tuple(tuple(r) for r in runs)
+        return runs_of(["first"] + ["dense" if layer in dense else "sparse" for layer in range(1, L)])
 
     def decode(self, ctx, q, cache, state):
         positions = sel.decode_positions(ctx.lengths, q.shape[1])

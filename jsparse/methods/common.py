@@ -227,6 +227,5 @@ def np_int(x) -> np.ndarray:
 
 
 __all__ = ["TokenBudget", "attend_dense", "attend_per_query_head", "attend_selected", "check_tile", "decode_dense",
-           "dense_decode",
-           "dense_prefill", "masked_attention_reference", "prefill_dense", "sparse_prefill", "stacked_cache",
-           "topk_decode"]
+           "dense_decode", "dense_prefill", "masked_attention_reference", "prefill_dense", "sparse_prefill",
+           "stacked_cache", "topk_decode"]

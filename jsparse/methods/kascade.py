@@ -56,6 +56,7 @@ from jsparse import selection as sel
 from jsparse.artifacts import load_artifact
 from jsparse.methods.base import register
 from jsparse.methods.common import TokenBudget, attend_selected, kwargs_for, sparse_prefill, topk_decode
+from models.attention import runs_of
 from pallas_kernels.anchor_attention import anchor_prefill
 from pallas_kernels.anchor_attention.common import block_width, check_block_size
 
@@ -164,9 +165,7 @@ class Kascade(TokenBudget):
         layer is nothing beside a prefill's layer); so is a Kascade without static `anchor_layers`."""
         if phase != "decode" or self.anchor_layers is None:
             return None
-        roles = roles_from_anchors(cfg.num_layers, self.anchor_layers)
-        starts = [0] + [i for i in range(1, cfg.num_layers) if roles[i] != roles[i - 1]]
-        return tuple((a, b, ROLE_TAGS[roles[a]]) for a, b in zip(starts, starts[1:] + [cfg.num_layers]))
+        return runs_of(ROLE_TAGS[role] for role in roles_from_anchors(cfg.num_layers, self.anchor_layers))
 
     def layer_info(self, cfg):
         return LayerRole(role=self.roles, head_map=self.head_map)
