@@ -9,7 +9,8 @@ Unlike `../dense_decode_t1/sweep.py` (one standalone call per layer, noisy), eac
 every layer of a stacked cache in one jitted fori_loop with a traced layer index (as the model's scan does) and sums
 the outputs. Every config is first checked against the jnp reference on a small cache. ms is the median of 10 calls
 (per whole loop); TB/s counts K and V bytes below each row's length, all layers.
-Env: SMOKE=1 (tiny CPU check in interpret mode), OUT, GIT_COMMIT. Writes $OUT/sweep.json, prints the best per case.
+Env: SPLITS (comma-separated split counts: sweep num_splits at block_k 64 / 128 x 3 / 4 stages instead), SMOKE=1
+(tiny CPU check in interpret mode), OUT, JSON (default sweep.json), GIT_COMMIT. Writes $OUT/$JSON, prints the best per case.
 """
 import itertools, json, os, time
 import numpy as np
@@ -24,6 +25,9 @@ N = 100000
 CASES = [("draft_b7_t1", 16, 32, 8, 64, 7, 1, False), ("draft_b7_t2_probs", 16, 32, 8, 64, 7, 2, True),
          ("draft_b3_t1", 16, 32, 8, 64, 3, 1, False), ("target_b4_t1", 32, 32, 8, 128, 4, 1, False)]
 GRID = dict(block_k=(64, 128, 256), num_warps=(4, 8), num_stages=(3, 4, 5), target_programs=(512, 1024))
+if os.environ.get("SPLITS"):  # the split count swept explicitly (SPLITS="8,12,16"), at three tile configs
+    GRID = dict(block_k=(64, 128), num_warps=(4,), num_stages=(3, 4),
+                num_splits=tuple(int(x) for x in os.environ["SPLITS"].split(",")))
 SMOKE = bool(os.environ.get("SMOKE"))
 if SMOKE:
     N = 300
@@ -104,11 +108,14 @@ def main():
                                     config=dict(vars(c)), ms=ms, tbs=tb / ms * 1e3, splits=p["splits"], Mb=p["Mb"],
                                     default=c == default))
         del q, k, v
-        json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), "sweep.json"), "w"), indent=1)
+        json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), os.environ.get("JSON", "sweep.json")), "w"), indent=1)
     for label, *_ in CASES:
         rows = sorted([r for r in res["rows"] if r["case"] == label and "ms" in r], key=lambda r: r["ms"])
         d = [r for r in rows if r["default"]][0]
         print(f"{label}: default {d['ms']:.3f} ms ({d['tbs']:.2f} TB/s, splits {d['splits']})")
+        for r in sorted(rows, key=lambda r: (r["config"]["block_k"], str(r["config"]["num_stages"]), r["splits"])):
+            print(f"      bk {r['config']['block_k']} stages {r['config']['num_stages']} splits {r['splits']}: "
+                  f"{r['ms']:.3f} ms")
         for r in rows[:6]:
             print(f"   {r['ms']:.3f} ms {r['tbs']:.2f} TB/s splits {r['splits']} {r['config']}")
 
