@@ -270,8 +270,9 @@ class Butler(TokenBudget):
         c = self.pcfg
         queries = jnp.zeros((c.predicted_layers, batch, c.num_heads, q_len, c.head_dim), F32)
         kept = None
-        if phase == "decode" and q_len == 1 and self.is_gathered():  # filled by layer 0 (`kept_indices`)
-            kept = jnp.full((c.predicted_layers, batch, c.num_heads, 1, self.key_width(kv_len)), -1, jnp.int32)
+        if phase == "decode" and q_len == 1 and self.is_gathered():
+            # Replaced whole by layer 0 (`kept_indices`) before any layer reads it: no fill (`lax.empty`).
+            kept = jax.lax.empty((c.predicted_layers, batch, c.num_heads, 1, self.key_width(kv_len)), jnp.int32)
         return state.replace(queries=queries, kept=kept)
 
     def finish(self, state, phase):
