@@ -214,6 +214,36 @@ def test_butler_gathered_and_segmented_decode_equal_the_mask(model, pcfg, dense_
     assert float(jnp.abs(a - b).max()) > 1e-3
 
 
+def test_butler_bf16_keys(model, pcfg):
+    """key_dtype="bfloat16": the state holds the predicted keys rounded to bf16 (those of the f32 state, rounded),
+    and the gathered one-token decode still equals the mask path over those keys, step after step."""
+    pp = init_params(pcfg, jax.random.key(3))
+    opts = dict(budget=0.3, min_tokens=4, local=2, dense_layers=1)
+    f32, new, seg = (Butler.from_params(CFG, pcfg, pp, gathered=False, **opts),
+                     Butler.from_params(CFG, pcfg, pp, gathered=True, key_dtype="bfloat16", **opts),
+                     Butler.from_params(CFG, pcfg, pp, gathered=False, key_dtype="bfloat16", **opts))
+    rng = np.random.default_rng(2)
+    tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, 24)), jnp.int32)
+    lengths = jnp.asarray((24, 19), jnp.int32)
+    cap = 40
+    prefill = jax.jit(lambda p, m, t, l: llama.prefill(p, CFG, m, t, l, init_cache(CFG, B, cap, jnp.float32),
+                                                       m.init_state(CFG, B, cap)))
+    _, cache, state32 = prefill(model, f32, tokens, lengths)
+    _, cache, state = prefill(model, seg, tokens, lengths)
+    assert state32.keys.dtype == jnp.float32 and state.keys.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(state.keys, state32.keys.astype(jnp.bfloat16))
+    runs = {"new": (cache, state), "seg": (cache, state)}
+    for i in range(3):
+        tok = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, 1)), jnp.int32)
+        out = {}
+        for name, m in (("new", new), ("seg", seg)):
+            out[name], c, st = jax.jit(lambda p, t, c, s, m=m: llama.decode(p, CFG, m, t, c, s))(model, tok,
+                                                                                               *runs[name])
+            runs[name] = (c, st)
+        np.testing.assert_allclose(out["new"], out["seg"], rtol=1e-4, atol=1e-4, err_msg=f"step {i}")
+        assert runs["new"][1].keys.dtype == jnp.bfloat16
+
+
 def test_butler_kept_indices_are_the_head_mask(pcfg):
     """`kept_indices` (all predicted layers at once) holds exactly `head_mask`'s keys of each layer."""
     from jsparse.methods.butler import head_mask, predicted_logits
@@ -239,6 +269,8 @@ def test_butler_kept_indices_are_the_head_mask(pcfg):
 def test_butler_options_errors(pcfg):
     with pytest.raises(ValueError, match="selection='tile'"):
         Butler.from_params(CFG, pcfg, None, selection="tile")
+    with pytest.raises(ValueError, match=r"key_dtype='float16': expected one of \('float32', 'bfloat16'\)"):
+        Butler.from_params(CFG, pcfg, None, key_dtype="float16")
     with pytest.raises(ValueError, match="dense_layers=0"):
         Butler.from_params(CFG, pcfg, None, dense_layers=0)
     other = ModelConfig(architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=4,

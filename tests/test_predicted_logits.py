@@ -32,6 +32,16 @@ def test_kernel_equals_the_reference(lead, Hk, G, T, N, d):
         np.testing.assert_array_equal(predicted_logits(q[0], k[0]), want[0])
 
 
+def test_bf16_keys_are_upcast():
+    """Keys held in bf16 (TokenButler's key_dtype="bfloat16"): the kernel and the reference give the logits of the
+    keys upcast to f32, summed in f32."""
+    q = _rand(2, (2, 2, 2, 1, 32))
+    k = _rand(3, (2, 2, 300, 32)).astype(jnp.bfloat16)
+    want = predicted_logits_reference(q, k.astype(jnp.float32))
+    np.testing.assert_array_equal(predicted_logits_reference(q, k), want)
+    np.testing.assert_allclose(predicted_logits_gpu(q, k, block_n=128, interpret=True), want, rtol=1e-6, atol=1e-6)
+
+
 def test_errors():
     with pytest.raises(ValueError, match=r"expected q \[..., Hk, G, T, d\] and k \[..., Hk, N, d\]"):
         predicted_logits(jnp.zeros((2, 1, 1, 32)), jnp.zeros((3, 10, 32)))

@@ -241,13 +241,13 @@ def attention_bytes(name: str, method, cfg, batch: int, n: int) -> int:
         return d * dense_layer + (L - d) * (2 * pages * U + G * picked)
     if name == "h2o":  # the accumulated score row (f32, read and written) + the picked rows
         return L * (picked + 2 * batch * cfg.num_kv_heads * n * 4)
-    if name == "butler":  # the predicted keys of every predicted layer (f32) + the picked rows
+    if name == "butler":  # the predicted keys of every predicted layer (f32, or bf16 with key_dtype) + the picked rows
         # Selection "head" picks per query head: a KV head's G query heads read up to G sets (counted as G since
         # 2026-11-29, when the gathered decode came; one set before, which overstated the floor).
         c = method.pcfg
         d = method.dense_layers
         G = cfg.num_heads // cfg.num_kv_heads if method.selection == "head" else 1
-        keys = (L - 1) * batch * c.key_heads * n * c.head_dim * 4
+        keys = (L - 1) * batch * c.key_heads * n * c.head_dim * jnp.dtype(method.key_dtype).itemsize
         return d * dense_layer + (L - d) * G * picked + keys
     raise ValueError(f"no byte model for method {name!r}")
 

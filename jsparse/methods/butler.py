@@ -56,7 +56,8 @@ Prefill is dense (TokenButler is a decode method); it fills the predictor's cach
 
 State (`ButlerState`, sized by `init_state(cfg, batch, max_len)`):
   attn_k, attn_v  f32[B, N, attn_heads, attn_head_dim]  the predictor's own attention cache (keys after RoPE)
-  keys            f32[L', B, Hk', N, d']                  predicted keys k' of every position (L' = L - 1)
+  keys            f32[L', B, Hk', N, d']                  predicted keys k' of every position (L' = L - 1; bf16
+                                                          with key_dtype="bfloat16")
   queries         f32[L', B, Hq, T, d']                   predicted queries of this forward's T tokens (added by
                                                           `start`, dropped by `finish`)
   kept            i32[L', B, Hq, 1, K]                    a gathered one-token decode's keys of every predicted
@@ -93,6 +94,7 @@ DEFAULT_LOCAL = 32
 DEFAULT_DENSE_LAYERS = 2
 SELECTIONS = ("head", "group")
 F32 = jnp.float32
+KEY_DTYPES = ("float32", "bfloat16")  # `Butler.key_dtype`
 
 
 @struct.dataclass
@@ -117,7 +119,8 @@ def predicted_logits(qp: jax.Array, kp: jax.Array, positions: jax.Array) -> jax.
     """
     *lead, Hq, T, d = qp.shape
     Hk, N = kp.shape[-3], kp.shape[-2]
-    logits = logits_op(qp.astype(F32).reshape(*lead, Hk, Hq // Hk, T, d), kp.astype(F32)).reshape(*lead, Hq, T, N)
+    # kp in the state's dtype (`Butler.key_dtype`): the op upcasts each tile it reads, so bf16 keys are read as bf16.
+    logits = logits_op(qp.astype(F32).reshape(*lead, Hk, Hq // Hk, T, d), kp).reshape(*lead, Hq, T, N)
     visible = jnp.arange(N)[None, None, :] <= positions[:, :, None]  # [B, T, N]
     return jnp.where(visible[:, None], logits, sel.NEG_INF)
 
@@ -172,6 +175,9 @@ class Butler(TokenBudget):
     rebalance: bool = struct.field(pytree_node=False, default=True)
     # One decode token with selection "head" through the gathered kernel (module docstring); None: on a GPU.
     gathered: Optional[bool] = struct.field(pytree_node=False, default=None)
+    # dtype of the predicted keys kept in the state (KEY_DTYPES): "float32" (the predictor's own precision) or
+    # "bfloat16" (half the bytes a decode step reads for them; the logits still summed in f32).
+    key_dtype: str = struct.field(pytree_node=False, default="float32")
 
     def __post_init__(self):
         super().__post_init__()
@@ -182,6 +188,8 @@ class Butler(TokenBudget):
                              "layer 0's input), expected >= 1")
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection={self.selection!r}: expected one of {SELECTIONS}")
+        if self.key_dtype not in KEY_DTYPES:
+            raise ValueError(f"key_dtype={self.key_dtype!r}: expected one of {KEY_DTYPES}")
         dense_set = tuple(sorted({int(x) for x in self.dense_set}))
         if any(x < 0 for x in dense_set) or (self.pcfg is not None and any(x >= self.pcfg.num_layers
                                                                             for x in dense_set)):
@@ -251,7 +259,7 @@ class Butler(TokenBudget):
         return ButlerState(
             attn_k=jnp.zeros((batch, max_len, c.attn_heads, c.attn_head_dim), F32),
             attn_v=jnp.zeros((batch, max_len, c.attn_heads, c.attn_head_dim), F32),
-            keys=jnp.zeros((c.predicted_layers, batch, c.key_heads, max_len, c.head_dim), F32))
+            keys=jnp.zeros((c.predicted_layers, batch, c.key_heads, max_len, c.head_dim), self.key_dtype))
 
     def is_gathered(self) -> bool:
         """Whether a one-token decode with selection "head" runs gathered (`gathered`; None: on a GPU without a
