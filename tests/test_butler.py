@@ -173,6 +173,16 @@ class _OneScan(Butler):
         return None
 
 
+def _prefilled(model, method, rng, cap: int = 40):
+    """(cache, state) after prefilling B rows of 24 and 19 random tokens (drawn from rng) into a cache of cap."""
+    tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, 24)), jnp.int32)
+    lengths = jnp.asarray((24, 19), jnp.int32)
+    _, cache, state = jax.jit(lambda p, m, t, l: llama.prefill(p, CFG, m, t, l, init_cache(CFG, B, cap, jnp.float32),
+                                                               m.init_state(CFG, B, cap)))(model, method, tokens,
+                                                                                           lengths)
+    return cache, state
+
+
 @pytest.mark.parametrize("dense_set", [(), (2,)])
 def test_butler_gathered_and_segmented_decode_equal_the_mask(model, pcfg, dense_set):
     """Through the model, step after step: the gathered one-token decode (every layer's keys chosen in layer 0,
@@ -188,12 +198,7 @@ def test_butler_gathered_and_segmented_decode_equal_the_mask(model, pcfg, dense_
         ((0, 1, "first"), (1, 2, "sparse"), (2, 3, "dense"))
     assert new.segments(CFG, "decode") == want_runs and new.segments(CFG, "prefill") is None
     rng = np.random.default_rng(1)
-    tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, 24)), jnp.int32)
-    lengths = jnp.asarray((24, 19), jnp.int32)
-    cap = 40
-    prefill = jax.jit(lambda p, m, t, l: llama.prefill(p, CFG, m, t, l, init_cache(CFG, B, cap, jnp.float32),
-                                                       m.init_state(CFG, B, cap)))
-    _, cache, state = prefill(model, seg, tokens, lengths)  # prefill is one run for all three
+    cache, state = _prefilled(model, seg, rng)  # prefill is one run for all three
     runs = {m: (cache, state) for m in ("new", "seg", "old")}
     for i, n_new in enumerate([1, 1, 3, 1]):
         tok = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, n_new)), jnp.int32)
@@ -222,14 +227,9 @@ def test_butler_bf16_keys(model, pcfg):
     f32, new, seg = (Butler.from_params(CFG, pcfg, pp, gathered=False, **opts),
                      Butler.from_params(CFG, pcfg, pp, gathered=True, key_dtype="bfloat16", **opts),
                      Butler.from_params(CFG, pcfg, pp, gathered=False, key_dtype="bfloat16", **opts))
+    _, state32 = _prefilled(model, f32, np.random.default_rng(2))
     rng = np.random.default_rng(2)
-    tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, 24)), jnp.int32)
-    lengths = jnp.asarray((24, 19), jnp.int32)
-    cap = 40
-    prefill = jax.jit(lambda p, m, t, l: llama.prefill(p, CFG, m, t, l, init_cache(CFG, B, cap, jnp.float32),
-                                                       m.init_state(CFG, B, cap)))
-    _, cache, state32 = prefill(model, f32, tokens, lengths)
-    _, cache, state = prefill(model, seg, tokens, lengths)
+    cache, state = _prefilled(model, seg, rng)
     assert state32.keys.dtype == jnp.float32 and state.keys.dtype == jnp.bfloat16
     np.testing.assert_array_equal(state.keys, state32.keys.astype(jnp.bfloat16))
     runs = {"new": (cache, state), "seg": (cache, state)}

@@ -12,10 +12,10 @@ the outputs. Every config is first checked against the jnp reference on a small 
 Env: SPLITS (comma-separated split counts: sweep num_splits at block_k 64 / 128 x 3 / 4 stages instead), SMOKE=1
 (tiny CPU check in interpret mode), OUT, JSON (default sweep.json), GIT_COMMIT. Writes $OUT/$JSON, prints the best per case.
 """
-import itertools, json, os, time
-import numpy as np
+import itertools, json, os
 import jax, jax.numpy as jnp
 
+from eval.bench.common import time_ms
 from pallas_kernels.dense_decode.gpu import DenseDecodeConfig, dense_decode_stacked_gpu, plan
 from pallas_kernels.dense_decode.reference import dense_decode_stacked_reference
 from pallas_kernels.head_probs.reference import head_probs_stacked_reference
@@ -93,16 +93,10 @@ def main():
                 return jax.lax.fori_loop(0, L, body, jnp.float32(0))
 
             try:
-                loop(q, k, v, lens).block_until_ready()
-                ts = []
-                for _ in range(3 if INTERPRET else 10):
-                    t0 = time.perf_counter()
-                    loop(q, k, v, lens).block_until_ready()
-                    ts.append((time.perf_counter() - t0) * 1e3)
+                ms = time_ms(loop, q, k, v, lens, warmup=1, iters=3 if INTERPRET else 10)
             except Exception as e:  # noqa: BLE001 - a config the compiler rejects is reported, not hidden
                 res["rows"].append(dict(case=label, config=dict(vars(c)), error=str(e).splitlines()[0][:200]))
                 continue
-            ms = float(np.median(ts))
             p = plan(B, T, Hq, Hkv, N + 640, c)
             res["rows"].append(dict(case=label, layers=L, head_dim=D, batch=B, T=T, return_probs=probs,
                                     config=dict(vars(c)), ms=ms, tbs=tb / ms * 1e3, splits=p["splits"], Mb=p["Mb"],
