@@ -191,24 +191,26 @@ def test_butler_gathered_and_segmented_decode_equal_the_mask(model, pcfg, dense_
     T = 3 step (mask path for all); the runs split where the calibrated dense layer lies."""
     pp = init_params(pcfg, jax.random.key(3))
     opts = dict(budget=0.3, min_tokens=4, local=2, dense_layers=1, dense_set=dense_set, rebalance=False)
-    new, seg, old = (Butler.from_params(CFG, pcfg, pp, gathered=True, **opts),
-                     Butler.from_params(CFG, pcfg, pp, gathered=False, **opts),
-                     _OneScan.from_params(CFG, pcfg, pp, gathered=False, **opts))
+    new, seg, old, one = (Butler.from_params(CFG, pcfg, pp, gathered=True, **opts),
+                          Butler.from_params(CFG, pcfg, pp, gathered=False, **opts),
+                          _OneScan.from_params(CFG, pcfg, pp, gathered=False, **opts),
+                          # gathered in one scan: layer 0's switch branch fills `kept` too
+                          _OneScan.from_params(CFG, pcfg, pp, gathered=True, **opts))
     want_runs = ((0, 1, "first"), (1, 3, "sparse")) if not dense_set else \
         ((0, 1, "first"), (1, 2, "sparse"), (2, 3, "dense"))
     assert new.segments(CFG, "decode") == want_runs and new.segments(CFG, "prefill") is None
     rng = np.random.default_rng(1)
     cache, state = _prefilled(model, seg, rng)  # prefill is one run for all three
-    runs = {m: (cache, state) for m in ("new", "seg", "old")}
+    runs = {m: (cache, state) for m in ("new", "seg", "old", "one")}
     for i, n_new in enumerate([1, 1, 3, 1]):
         tok = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, n_new)), jnp.int32)
         out = {}
-        for name, m in (("new", new), ("seg", seg), ("old", old)):
+        for name, m in (("new", new), ("seg", seg), ("old", old), ("one", one)):
             c, st = runs[name]
             out[name], c, st = jax.jit(lambda p, t, c, s, m=m: llama.decode(p, CFG, m, t, c, s))(model, tok, c, st)
             runs[name] = (c, st)
             assert st.kept is None and st.queries is None  # dropped at the end of the forward
-        for name in ("new", "seg"):
+        for name in ("new", "seg", "one"):
             np.testing.assert_allclose(out[name], out["old"], rtol=1e-4, atol=1e-4, err_msg=f"{name} step {i}")
             np.testing.assert_allclose(runs[name][1].keys, runs["old"][1].keys, rtol=1e-5, atol=1e-5)
     # The selection is real: budget 1 (every key) decodes differently.

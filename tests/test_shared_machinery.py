@@ -231,3 +231,19 @@ def test_prefill_heat_of_a_prompt_shorter_than_the_window():
                 for t in range(r + 1):
                     want[hq // 2, t // 4] += 0.5 ** (n - 1 - r) * p[t] / 2
         np.testing.assert_allclose(h[b], want, rtol=1e-5, atol=1e-6)
+
+
+def test_scratch_is_uninitialised_without_a_mesh_and_zeros_under_one():
+    """`scratch` (a per-forward buffer written whole before any read): `lax.empty` (no fill kernel on an
+    accelerator) with no mesh; a zero fill under a mesh, which sharding propagation sees through."""
+    from jax.sharding import AbstractMesh
+
+    from jsparse.methods.common import scratch
+
+    def prims(fn):
+        return [e.primitive.name for e in jax.make_jaxpr(fn)().jaxpr.eqns]
+
+    assert prims(lambda: scratch((2, 3), jnp.float32)) == ["empty"]
+    with jax.sharding.use_abstract_mesh(AbstractMesh((2,), ("data",))):
+        assert prims(lambda: scratch((2, 3), jnp.float32)) == ["broadcast_in_dim"]
+        assert jax.eval_shape(lambda: scratch((2, 3), jnp.int32)).dtype == jnp.int32

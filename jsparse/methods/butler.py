@@ -82,7 +82,7 @@ from jsparse.artifacts import load_artifact
 from jsparse.methods.base import register
 from jsparse.methods.butler_predictor import Predictor, PredictorConfig, unflatten_params
 from jsparse.methods.common import (TokenBudget, attend_dense, attend_per_query_head, attend_selected, dense_prefill,
-                                    kwargs_for)
+                                    kwargs_for, scratch)
 from models.attention import runs_of
 from pallas_kernels.predicted_logits import predicted_logits as logits_op
 from pallas_kernels.sharding import active_mesh
@@ -101,7 +101,7 @@ KEY_DTYPES = ("float32", "bfloat16")  # `Butler.key_dtype`
 class ButlerState:
     attn_k: jax.Array  # f32[B, N, attn_heads, attn_head_dim]
     attn_v: jax.Array
-    keys: jax.Array  # f32[L', B, Hk', N, d']
+    keys: jax.Array  # f32[L', B, Hk', N, d'] (bf16 with key_dtype="bfloat16")
     queries: Optional[jax.Array] = None  # f32[L', B, Hq, T, d'] inside a forward
     kept: Optional[jax.Array] = None  # i32[L', B, Hq, 1, K] inside a gathered one-token decode forward
 
@@ -110,8 +110,9 @@ def predicted_logits(qp: jax.Array, kp: jax.Array, positions: jax.Array) -> jax.
     """Predicted logits of one layer (or of a stack of layers) over the visible keys.
 
     Args:
-      qp: f32[..., B, Hq, T, d'] predicted queries; kp: f32[..., B, Hk', N, d'] predicted keys (query head h uses
-        key head h // (Hq / Hk')); positions: i32[B, T] query positions (query t sees keys <= positions[b, t]).
+      qp: f32[..., B, Hq, T, d'] predicted queries; kp: f32 or bf16 [..., B, Hk', N, d'] predicted keys (query
+        head h uses key head h // (Hq / Hk')); positions: i32[B, T] query positions (query t sees keys <=
+        positions[b, t]).
     Returns:
       f32[..., B, Hq, T, N]: q'k'^T / sqrt(d'), -inf on keys a query cannot see (`pallas_kernels.predicted_logits`:
       on a GPU a kernel reading the keys once, where XLA's dot autotuner copied a stack of layers' keys; the same
@@ -177,8 +178,8 @@ class Butler(TokenBudget):
     gathered: Optional[bool] = struct.field(pytree_node=False, default=None)
     # dtype of the predicted keys kept in the state (KEY_DTYPES): "float32" (the predictor's own precision, the
     # default) or "bfloat16" (half the bytes a decode step reads for them, the logits still summed in f32: 0.57x ->
-    # 0.73x dense at 100K, batch 4 on an H200, the same passkey completions and perplexity on the bundled model,
-    # eval/results/cpu/butler_key_dtype/).
+    # 0.73x dense at 100K, batch 4 on an H200; on the bundled model the same passkey completions and a perplexity
+    # 0.06% apart, eval/results/cpu/butler_key_dtype/).
     key_dtype: str = struct.field(pytree_node=False, default="float32")
 
     def __post_init__(self):
@@ -281,8 +282,9 @@ class Butler(TokenBudget):
         queries = jnp.zeros((c.predicted_layers, batch, c.num_heads, q_len, c.head_dim), F32)
         kept = None
         if phase == "decode" and q_len == 1 and self.is_gathered():
-            # Replaced whole by layer 0 (`kept_indices`) before any layer reads it: no fill (`lax.empty`).
-            kept = jax.lax.empty((c.predicted_layers, batch, c.num_heads, 1, self.key_width(kv_len)), jnp.int32)
+            # Replaced whole by layer 0 (`decode`'s `first`: `kept_indices`), segmented or not, before any layer
+            # reads it: no fill (`scratch`).
+            kept = scratch((c.predicted_layers, batch, c.num_heads, 1, self.key_width(kv_len)), jnp.int32)
         return state.replace(queries=queries, kept=kept)
 
     def finish(self, state, phase):
@@ -317,18 +319,19 @@ class Butler(TokenBudget):
     def decode(self, ctx, q, cache, state):
         positions = sel.decode_positions(ctx.lengths, q.shape[1])
         segment = getattr(ctx, "segment", None)
+
+        def first():  # layer 0: dense; the predictor runs, and a gathered decode chooses every layer's keys
+            st = self.run_predictor(ctx.hidden, positions, state)
+            if st.kept is not None:  # a gathered one-token decode: every sparse layer's keys at once
+                st = st.replace(kept=self.kept_indices(st, positions, cache.k.shape[2]))
+            return attend_dense(q, cache, ctx.lengths), st
+
         if segment == "first":
-            state = self.run_predictor(ctx.hidden, positions, state)
-            if state.kept is not None:  # a gathered one-token decode: every sparse layer's keys at once
-                state = state.replace(kept=self.kept_indices(state, positions, cache.k.shape[2]))
-            return attend_dense(q, cache, ctx.lengths), state
+            return first()
         if segment == "dense":
             return attend_dense(q, cache, ctx.lengths), state
         if segment == "sparse":
             return self.sparse_decode(ctx, q, cache, state)
-
-        def first():
-            return attend_dense(q, cache, ctx.lengths), self.run_predictor(ctx.hidden, positions, state)
 
         def dense():
             return attend_dense(q, cache, ctx.lengths), state

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jsparse import selection as sel
 from models import llama
 from models.cache import init_cache
+from models.sharding import active_mesh
 from pallas_kernels.anchor_attention import anchor_decode
 from pallas_kernels.dense import dense_decode, dense_prefill
 from pallas_kernels.dense_decode import dense_decode_stacked
@@ -216,6 +217,13 @@ def prefill_state(params, cfg, method, tokens, lengths):
     return run(params, tokens, lengths)
 
 
+def scratch(shape, dtype) -> jax.Array:
+    """An array the caller writes whole before any read (a per-forward buffer of a method's state): uninitialised
+    (`lax.empty`: no fill kernel on a GPU / TPU) without a mesh, zeros under one (sharding propagation does not see
+    through the allocation, a fill does)."""
+    return jax.lax.empty(shape, dtype) if active_mesh() is None else jnp.zeros(shape, dtype)
+
+
 def kwargs_for(cls, options: dict) -> dict:
     """The options a method's constructor takes (builders ignore the rest: cfg, artifact, ...)."""
     names = set(cls.__dataclass_fields__)
@@ -228,4 +236,4 @@ def np_int(x) -> np.ndarray:
 
 __all__ = ["TokenBudget", "attend_dense", "attend_per_query_head", "attend_selected", "check_tile", "decode_dense",
            "dense_decode", "dense_prefill", "masked_attention_reference", "prefill_dense", "sparse_prefill",
-           "stacked_cache", "topk_decode"]
+           "scratch", "stacked_cache", "topk_decode"]

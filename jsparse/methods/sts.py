@@ -62,7 +62,7 @@ from flax import struct
 from jsparse import selection as sel
 from jsparse.artifacts import ArtifactError, load_artifact
 from jsparse.methods.base import register
-from jsparse.methods.common import attend_dense, attend_selected, check_tile, stacked_cache
+from jsparse.methods.common import attend_dense, attend_selected, check_tile, scratch, stacked_cache
 from models.sharding import constrain
 from pallas_kernels.dense import dense_prefill
 from pallas_kernels.dense_decode import dense_decode_stacked
@@ -348,9 +348,9 @@ class StsDraft(_Budget):
             return state
         B = lengths.shape[0]
         # Every layer writes its whole row (probs [B, Hq, N], N = kv_len = the cache's capacity) before `finish`
-        # reads any: no fill (on a GPU `lax.empty` allocates; a zero fill cost 0.42 ms per recording step at 100K,
-        # batch 7, eval/results/h200/largest_batch/).
-        weights = jax.lax.empty((B, cfg.num_heads, cfg.num_layers, kv_len), jnp.float32)
+        # reads any: no fill (`scratch`; a zero fill cost 0.42 ms per recording step at 100K, batch 7 on an H200,
+        # eval/results/h200/largest_batch/).
+        weights = scratch((B, cfg.num_heads, cfg.num_layers, kv_len), jnp.float32)
         return state.replace(weights=constrain(weights, ("batch", "heads", None, None)), lengths=lengths)
 
     def finish(self, state, phase):

@@ -1,6 +1,6 @@
 """TokenButler's predicted logits: every predicted query against every predicted key of its head, in f32.
 
-  predicted_logits(q: f32[..., Hk, G, T, d], k: f32[..., Hk, N, d]) -> f32[..., Hk, G, T, N]
+  predicted_logits(q: f32[..., Hk, G, T, d], k: f32 or bf16 [..., Hk, N, d]) -> f32[..., Hk, G, T, N]
       q . k^T / sqrt(d) per element: the product of each query row with each key row summed over d, then scaled
       (no masking: the caller masks what a query may not see).
 
@@ -25,7 +25,8 @@ def predicted_logits(q: Array, k: Array, *, implementation: str | None = None) -
     """q . k^T / sqrt(d) of every query row with every key row of its key head (module docstring).
 
     Args:
-      q: f32[..., Hk, G, T, d] queries (G per key head, T tokens); k: f32[..., Hk, N, d] keys (leading axes as q's).
+      q: f32[..., Hk, G, T, d] queries (G per key head, T tokens); k: f32 or bf16 [..., Hk, N, d] keys (leading
+        axes as q's; upcast to f32 as they are read).
       implementation: None (on a GPU with d a power of two: "pallas_gpu"; else "reference"), or one of
         IMPLEMENTATIONS (never falls back).
     Returns:
