@@ -213,6 +213,23 @@ def test_dense_stacked_pipeline_stages_follow_the_tile(T, config, stages):
     assert text.count(f"num_stages = {stages} : i32") == 1, text[text.find("num_stages") - 20:][:60]
 
 
+def test_dense_decode_api_config_per_head_dim(monkeypatch):
+    """`dense_decode.api.CONFIGS` sets the Pallas kernel's config for one head_dim (the STS draft's) and leaves the
+    others at the default: read off the Triton calls lowered for an H100."""
+    from pallas_kernels.dense_decode import api as dapi
+
+    monkeypatch.setitem(dapi.CONFIGS, 64, dgpu.DenseDecodeConfig(num_stages=2))
+
+    def stages(D):
+        q, k = jnp.zeros((2, 1, 8, D), jnp.bfloat16), jnp.zeros((2, 2, 2, 256, D), jnp.bfloat16)
+        fn = lambda q, k: dense_decode_stacked(q, k, k, jnp.int32(1), jnp.array([100, 200], jnp.int32),  # noqa: E731
+                                               implementation="pallas_gpu")
+        text = export_for("cuda", fn, q, k).mlir_module()
+        return [n for n in (2, 3, 4) if f"num_stages = {n} : i32" in text]
+
+    assert stages(64) == [2] and stages(128) == [4]
+
+
 # --------------------------------------------------------------------------------------------------
 # Lowering for CUDA and TPU on this CPU-only machine.
 

@@ -26,7 +26,8 @@ Environment: CELLS="32768:1,100000:2" (context:batch list; the default), BUDGETS
 check of the script), AT_LAYER (variant names, e.g. "index,index+densemask_pool4", also timed as "NAME@layer" with
 the draft's top-W per layer inside the layer scan, `record_after_scan=False`: the first step, the later dense step and
 the round when named in ROUND_VARIANTS), LAYOUT (the weights' layout, `models.params.with_layout`: default = fused q/k/v and gate/up
-on a GPU since 2026-11-28, fused or separate), GIT_COMMIT (recorded).
+on a GPU since 2026-11-28, fused or separate), DRAFT_DENSE_CONFIG (the dense decode kernel's config at the draft's
+head_dim, e.g. "block_k=64,num_stages=4,target_programs=1024"; default: the kernel's), GIT_COMMIT (recorded).
 GPU: `OUT=... GIT_COMMIT=$(git rev-parse --short HEAD) python eval/results/h100/sts_bench/bench_sts.py`.
 """
 import dataclasses, json, os, time, datetime, traceback
@@ -58,6 +59,12 @@ ROUND_VARIANTS = os.environ.get("ROUND_VARIANTS", "index,index+mask," + ",".join
 ROUND_SET = set(ROUND_VARIANTS.split(","))  # the round variants timed (whole names)
 LAYOUT = os.environ.get("LAYOUT", "default")
 AT_LAYER = [x for x in os.environ.get("AT_LAYER", "").split(",") if x]  # variants also timed with record_after_scan=False
+if os.environ.get("DRAFT_DENSE_CONFIG"):  # e.g. "block_k=64,num_stages=4,target_programs=1024": the dense decode
+    # kernel's config at the draft's head_dim (`pallas_kernels.dense_decode.api.CONFIGS`; the target's is unchanged)
+    from pallas_kernels.dense_decode import api as _dd_api
+    from pallas_kernels.dense_decode.gpu import DenseDecodeConfig
+    _dd_api.CONFIGS[D_CFG.head_dim] = DenseDecodeConfig(**{k: int(v) for k, v in (
+        kv.split("=") for kv in os.environ["DRAFT_DENSE_CONFIG"].split(","))})
 
 
 def make_params(cfg, key):
@@ -113,7 +120,8 @@ def dump(out, recs, wb_t, wb_d):
                            "ROUND_BUDGETS=%s ACCEPT=%d POOLS=%s ROUND_VARIANTS=%s)" % (
                                os.environ.get("CELLS", ""), os.environ.get("BUDGETS", ""),
                                os.environ.get("ROUND_BUDGETS", ""), ACCEPT, os.environ.get("POOLS", ""),
-                               ROUND_VARIANTS),
+                               ROUND_VARIANTS) + (" DRAFT_DENSE_CONFIG=" + os.environ["DRAFT_DENSE_CONFIG"]
+                                                  if os.environ.get("DRAFT_DENSE_CONFIG") else ""),
                    target="llama3-8b shapes", draft="llama3.2-1b shapes", dtype="bfloat16", gamma=GAMMA,
                    accepted_timed=ACCEPT, smoke=SMOKE, layout=LAYOUT,
                    fused_projections=LAYOUT == "fused" or (LAYOUT == "default" and fuse_by_default()),
