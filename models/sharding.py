@@ -68,7 +68,6 @@ tests/sharding_check.py checks on 2x4 and 1x8 meshes for every method, tests/sts
 
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping
 
 import jax
@@ -78,6 +77,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from models.cache import KVCache, cache_axes
 from models.config import ModelConfig
 from models.params import Params, expected_shapes, is_fused, param_axes
+from pallas_kernels.sharding import active_mesh  # the kernels' own test (set mesh, > 1 device, not manual)
 
 Array = jax.Array
 
@@ -331,15 +331,6 @@ def shard_batch(x, mesh: Mesh):
 
 
 # ----------------------------------------------------------------------------------------------- inside a trace
-
-
-def active_mesh():
-    """The mesh set by `jax.set_mesh` / `use_mesh` (an AbstractMesh inside a trace), or None when none is set or
-    every axis has size 1 (a mesh of one: the unsharded path, unchanged)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.manual_axes or math.prod(dict(mesh.shape).values()) == 1:
-        return None  # no mesh, inside a shard_map already (manual axes), or a mesh of one
-    return mesh
 
 
 def constrain(x, axes):

@@ -326,19 +326,14 @@ class Butler(TokenBudget):
                 st = st.replace(kept=self.kept_indices(st, positions, cache.k.shape[2]))
             return attend_dense(q, cache, ctx.lengths), st
 
-        if segment == "first":
-            return first()
-        if segment == "dense":
-            return attend_dense(q, cache, ctx.lengths), state
-        if segment == "sparse":
-            return self.sparse_decode(ctx, q, cache, state)
-
         def dense():
             return attend_dense(q, cache, ctx.lengths), state
 
         def sparse():
             return self.sparse_decode(ctx, q, cache, state)
 
+        if segment is not None:  # a run of one kind (`segments`)
+            return {"first": first, "dense": dense, "sparse": sparse}[segment]()
         dense_layer = ctx.layer < self.dense_layers
         for x in self.dense_set:
             dense_layer = dense_layer | (ctx.layer == x)

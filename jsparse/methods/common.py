@@ -10,12 +10,12 @@ import jax.numpy as jnp
 from jsparse import selection as sel
 from models import llama
 from models.cache import init_cache
-from models.sharding import active_mesh
 from pallas_kernels.anchor_attention import anchor_decode
 from pallas_kernels.dense import dense_decode, dense_prefill
 from pallas_kernels.dense_decode import dense_decode_stacked
 from pallas_kernels.dense_decode import supported as dense_decode_supported
 from pallas_kernels.sparse_attention import sparse_decode, sparse_prefill
+from pallas_kernels.sharding import active_mesh
 from pallas_kernels.sparse_attention.reference import decode_indices_to_mask, masked_attention_reference
 
 # Query rows per index row in prefill must divide the prefill kernel's query block.
