@@ -9,7 +9,7 @@ Writes $OUT/$JSON (default profile_sts.json: per step the wall time, the kernels
 per kernel name its time and launches per call) and prints the top kernels per step; HLO=1 also writes the STS
 verification's optimized HLO to $OUT/hlo_verify_sts.txt. LAYOUT: the weights' layout, as in `bench_sts.py`.
 """
-import dataclasses, glob, gzip, json, os, sys, time
+import dataclasses, datetime, glob, gzip, json, os, sys, time
 from collections import defaultdict
 import numpy as np
 import jax, jax.numpy as jnp
@@ -89,7 +89,8 @@ def main():
                        "python eval/results/h100/sts_bench/profile_sts.py",
                commit=os.environ.get("GIT_COMMIT", ""), context=CTX, batch=B, budget=K, layout=bs.LAYOUT,
                fused_projections=is_fused(tp),
-               device=str(jax.devices()[0].device_kind))
+               device=str(jax.devices()[0].device_kind),
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     if wanted("verify_dense"):
         res["verify_dense"], tc = profile("verify_dense", lambda c: dec(tp, dense, toks, c, None), tc)
     if wanted("dense_step"):  # target-only dense decoding's step (T = 1)

@@ -12,7 +12,7 @@ the outputs. Every config is first checked against the jnp reference on a small 
 Env: SPLITS (comma-separated split counts: sweep num_splits at block_k 64 / 128 x 3 / 4 stages instead), SMOKE=1
 (tiny CPU check in interpret mode), OUT, JSON (default sweep.json), GIT_COMMIT. Writes $OUT/$JSON, prints the best per case.
 """
-import itertools, json, os
+import datetime, itertools, json, os
 import jax, jax.numpy as jnp
 
 from eval.bench.common import time_ms
@@ -57,6 +57,7 @@ def call(q, k, v, layer, lens, c, probs):
 
 def main():
     res = dict(command="python eval/results/h200/dense_decode_d64/sweep.py", device=str(jax.devices()[0].device_kind),
+           date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                jax=jax.__version__, commit=os.environ.get("GIT_COMMIT", ""), context=N, grid=GRID, rows=[])
     configs = [DenseDecodeConfig(**dict(zip(GRID, vals))) for vals in itertools.product(*GRID.values())]
     default = DenseDecodeConfig()

@@ -3,7 +3,7 @@ of the K cache, 56 GiB): compiles `eval.bench.model.method_decode_steps` for Lla
 (nothing allocated) and reports XLA's memory analysis and its largest temporary buffers with the ops that use them.
 Env: METHODS (default dense), CTX (131072), B (7), STEPS (16), OUT. Writes $OUT/decode_memory.json.
 """
-import glob, json, os, re
+import datetime, glob, json, os, re
 os.environ.setdefault("XLA_FLAGS", "")
 DUMP = "/tmp/jsparse_decode_memory_dump"
 os.environ["XLA_FLAGS"] += f" --xla_dump_to={DUMP} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*method_decode_steps.*"
@@ -16,7 +16,9 @@ from models.generate import round_up  # noqa: E402
 
 cfg = preset("llama3-8b")
 CTX, B, STEPS = int(os.environ.get("CTX", 131072)), int(os.environ.get("B", 7)), int(os.environ.get("STEPS", 16))
-res = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, commit=os.environ.get("GIT_COMMIT", ""),
+res = dict(device=str(jax.devices()[0].device_kind),
+           date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), jax=jax.__version__,
+           commit=os.environ.get("GIT_COMMIT", ""),
            command="python eval/results/h200/largest_batch/decode_memory.py", context=CTX, batch=B, rows=[])
 params = jax.eval_shape(lambda: with_layout(random_params(cfg, jax.random.key(0), jnp.bfloat16), "default"))
 cap = round_up(CTX + 2 * STEPS + 1, 256)
