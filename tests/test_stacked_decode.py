@@ -9,6 +9,7 @@ methods' use of the in-place paths inside the model's layer scan.
 from __future__ import annotations
 
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -145,6 +146,7 @@ DENSE_CASES = [
     ((3, 2, 1, 8, 2, 16, 70, [37, 70]), jnp.float32, dgpu.DenseDecodeConfig(block_k=16, num_splits=3)),
     ((2, 2, 3, 6, 2, 32, 64, [5, 64]), jnp.bfloat16, dgpu.DenseDecodeConfig(block_k=16)),
     ((2, 1, 24, 4, 1, 16, 48, [40]), jnp.float32, dgpu.DenseDecodeConfig(block_k=16, block_q=32, num_splits=2)),
+    ((2, 2, 1, 8, 2, 64, 300, [300, 129]), jnp.bfloat16, None),  # head_dim 64's default: 128-key blocks
 ]
 
 
@@ -159,7 +161,7 @@ def test_dense_stacked_gpu_interpret_matches_dense_decode(case, dtype, config):
     assert_close(got, want, dtype, "dense stacked vs dense_decode")
     spec = dense_decode_stacked_reference(q, k_all, v_all, jnp.int32(layer), lens)
     assert_close(got, spec, dtype, "dense stacked vs reference")
-    plan = dgpu.plan(B, T, Hq, Hkv, N, config)
+    plan = dgpu.plan(B, T, Hq, Hkv, N, config or dgpu.default_config(D))
     assert plan["splits"] > 1 and plan["splits"] * plan["chunk"] >= N
 
 
@@ -211,6 +213,22 @@ def test_dense_stacked_pipeline_stages_follow_the_tile(T, config, stages):
                                                     config=config)
     text = export_for("cuda", fn, q, k).mlir_module()
     assert text.count(f"num_stages = {stages} : i32") == 1, text[text.find("num_stages") - 20:][:60]
+
+
+def test_dense_decode_default_config_per_head_dim():
+    """Without a config the kernel takes `default_config(head_dim)`: head_dim 64's own (128-key blocks, 1024 target
+    programs; eval/results/h200/dense_decode_d64/), `DenseDecodeConfig()` at 128. Compared as lowered Triton calls."""
+    def lowered(D, config):
+        q, k = jnp.zeros((2, 1, 8, D), jnp.bfloat16), jnp.zeros((2, 2, 2, 4096, D), jnp.bfloat16)
+        fn = lambda q, k: dgpu.dense_decode_stacked_gpu(q, k, k, jnp.int32(1), jnp.array([100, 4000], jnp.int32),  # noqa: E731
+                                                        config=config)
+        text = export_for("cuda", fn, q, k).mlir_module()
+        return re.sub(r"#loc\d*", "", "\n".join(line for line in text.splitlines() if not line.startswith("#loc")))
+
+    d64 = dgpu.default_config(64)
+    assert (d64.block_k, d64.target_programs) == (128, 1024) and dgpu.default_config(128) == dgpu.DenseDecodeConfig()
+    assert lowered(64, None) == lowered(64, d64) != lowered(64, dgpu.DenseDecodeConfig())
+    assert lowered(128, None) == lowered(128, dgpu.DenseDecodeConfig()) != lowered(128, d64)
 
 
 def test_dense_decode_api_config_per_head_dim(monkeypatch):

@@ -21,9 +21,8 @@ from pallas_kernels.sharding import active_mesh, dims, per_shard
 Array = jax.Array
 
 IMPLEMENTATIONS = ("pallas_gpu", "sliced", "reference")
-# The Pallas GPU kernel's `gpu.DenseDecodeConfig` per head_dim (absent: its default); read when traced. A knob for
-# tuning in the model (eval/results/h200/dense_decode_d64/: at head_dim 64 and batch 7 the default was 16% off the
-# best config, which was 13% slower than the default at batch 3, so no default changed).
+# The Pallas GPU kernel's `gpu.DenseDecodeConfig` per head_dim, overriding its default there (absent:
+# `gpu.default_config(head_dim)`); read when traced. A knob for tuning in the model (eval/results/h200/dense_decode_d64/).
 CONFIGS: dict = {}
 
 
@@ -82,8 +81,7 @@ def dense_decode_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, len
         from pallas_kernels.dense_decode import gpu
         config = CONFIGS.get(q.shape[-1])
         return gpu.dense_decode_stacked_gpu(q, k_all, v_all, layer, lengths, return_lse=return_lse,
-                                            return_probs=return_probs,
-                                            **({"config": config} if config is not None else {}))
+                                            return_probs=return_probs, config=config)
     if implementation == "reference":
         out, lse = reference.dense_decode_stacked_reference(q, k_all, v_all, layer, lengths, return_lse=True)
     else:

@@ -68,6 +68,19 @@ class DenseDecodeConfig:
 
 _STAGES, _STAGES_SMALL_TILE = 3, 4
 
+# The default config per head_dim where it is not `DenseDecodeConfig()`. At head_dim 64 (the STS draft's
+# Llama-3.2-1B shape, SmolLM2) 128-key blocks (the same bytes per tile as 64 keys at head_dim 128) and 1024 target
+# programs: the config with the smallest worst-case loss over the draft's measured shapes
+# (eval/results/h200/dense_decode_d64/: 100K batch 7 6.73 -> 5.75 ms per 16-layer loop, with return_probs 8.18 ->
+# 6.97 ms, batch 3 2.64 -> 2.86 ms), and in the STS round at 100K batch 7 and 32K batch 20 a faster round, at 100K
+# batch 3 the same (NOTES.md there).
+HEAD_DIM_DEFAULTS = {64: DenseDecodeConfig(block_k=128, target_programs=1024)}
+
+
+def default_config(head_dim: int) -> DenseDecodeConfig:
+    """The kernel's default config at `head_dim` (`HEAD_DIM_DEFAULTS`, else `DenseDecodeConfig()`)."""
+    return HEAD_DIM_DEFAULTS.get(head_dim, DenseDecodeConfig())
+
 
 _pow2 = sparse_gpu._pow2
 
@@ -181,7 +194,7 @@ def plan(B: int, T: int, Hq: int, Hkv: int, N: int, config: DenseDecodeConfig) -
 @functools.partial(jax.jit, static_argnames=("scale", "return_lse", "return_probs", "config", "interpret"))
 def dense_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, lengths: Array, *,
                              scale: float | None = None, return_lse: bool = False, return_probs: bool = False,
-                             config: DenseDecodeConfig = DenseDecodeConfig(), interpret: bool = False):
+                             config: DenseDecodeConfig | None = None, interpret: bool = False):
     """Dense decode attention over layer `layer` of a stacked cache, read in place (Pallas Triton kernel).
 
     Args:
@@ -194,7 +207,7 @@ def dense_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array,
       return_lse: also return each query row's log-sum-exp (from the partials the kernel writes anyway).
       return_probs: also return each query head's post-softmax weights summed over the T queries (the kernel
         writes the logits it computes; see the module docstring).
-      config: `DenseDecodeConfig`.
+      config: `DenseDecodeConfig` (None: `default_config(D)`).
       interpret: run the kernel in the Pallas interpreter (CPU tests).
 
     Returns:
@@ -207,6 +220,7 @@ def dense_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array,
     reason = unsupported_reason(q.dtype, q.shape[-1])
     if reason is not None:
         raise ValueError(f"the Pallas GPU dense decode kernel cannot take {reason}")
+    config = default_config(q.shape[-1]) if config is None else config
     _check_config(config)
     B, T, Hq, D = q.shape
     L, _, Hkv, N, _ = k_all.shape
