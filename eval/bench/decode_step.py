@@ -383,10 +383,9 @@ def step_section(args, hbm: float, deadline: float, out: dict) -> None:
     import jax
     import jax.numpy as jnp
 
-    from eval.bench.model import decode_bytes, decode_steps, filled_cache, param_bytes
+    from eval.bench.model import bench_params, decode_bytes, decode_steps, filled_cache, param_bytes
     from models.config import ModelConfig
     from models.generate import round_up
-    from models.params import random_params, with_layout
     from models.presets import preset
 
     if args.smoke:
@@ -396,7 +395,7 @@ def step_section(args, hbm: float, deadline: float, out: dict) -> None:
     else:
         cfg = preset(args.shape)
         k_tokens, sinks = K_TOKENS, SINKS
-    params = with_layout(random_params(cfg, jax.random.key(0), jnp.bfloat16), donate=True)
+    params = bench_params(cfg)
     out["param_bytes"] = param_bytes(params)
     out["shape"] = dataclasses.asdict(cfg) if args.smoke else args.shape
     methods = make_methods(k_tokens, sinks)

@@ -159,11 +159,9 @@ def main(argv=None, prog=None):
     from eval.bench import common as bm
     from models.cache import KVCache
     from models.generate import round_up
-    from models.params import random_params, with_layout
-
     cfg = bench_model.preset(a.shape)
     dtype = jnp.dtype(a.dtype)
-    params = with_layout(random_params(cfg, jax.random.key(0), dtype), donate=True)
+    params = bench_model.bench_params(cfg, dtype=dtype)
     B, ctx, steps = a.batch, a.context, a.steps
     timed = []
     if timed_methods:  # before the profile's cache exists: each case builds (and frees) its own

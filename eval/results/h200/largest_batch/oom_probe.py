@@ -1,0 +1,59 @@
+"""Probe of the 128K batch-7 out-of-memory of `jsparse bench model` on the H200 (NOTES.md): builds the benchmark's
+weights (COMPACT=1: then `compacted`, as `bench_params` does) and filled cache as `method_rows` does, prints the
+allocator's bytes in use, its largest free block and the live arrays at each step, compiles the decode loop's call
+ahead of time (XLA's memory analysis: whether its inputs alias its outputs), then calls it and reports the allocator
+after it or its error.
+Env: CTX (131072), B (7), STEPS (2), COMPACT (1), OUT. Writes $OUT/oom_probe_b$B_compact$COMPACT.json."""
+import datetime, json, os
+import jax, jax.numpy as jnp
+from eval.bench.model import bench_method, compacted, filled_cache, method_decode_steps
+from models.params import random_params, with_layout
+from models.presets import preset
+from models.generate import round_up
+
+cfg = preset("llama3-8b")
+CTX, B, STEPS = int(os.environ.get("CTX", 131072)), int(os.environ.get("B", 7)), int(os.environ.get("STEPS", 2))
+GiB = 2**30
+dev = jax.devices()[0]
+res = dict(device=dev.device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           jax=jax.__version__, commit=os.environ.get("GIT_COMMIT", ""), context=CTX, batch=B, steps=STEPS,
+           command=f"CTX={CTX} B={B} STEPS={STEPS} COMPACT={os.environ.get('COMPACT', '1')} python eval/results/h200/largest_batch/oom_probe.py", events=[])
+
+
+def note(what, **extra):
+    s = dev.memory_stats() or {}
+    live = sorted(((a.nbytes, str(a.shape), str(a.dtype)) for a in jax.live_arrays()), reverse=True)
+    ev = dict(what=what, in_use_gib=s.get("bytes_in_use", 0) / GiB, peak_gib=s.get("peak_bytes_in_use", 0) / GiB,
+              limit_gib=s.get("bytes_limit", 0) / GiB, largest_free_gib=s.get("largest_free_block_bytes", 0) / GiB,
+              live_gib=sum(n for n, _, _ in live) / GiB, live_arrays=len(live),
+              largest_live=[(round(n / GiB, 2), sh, dt) for n, sh, dt in live[:6]], **extra)
+    res["events"].append(ev)
+    print(json.dumps(ev), flush=True)
+
+
+note("start")
+COMPACT = os.environ.get("COMPACT", "1") == "1"  # 0: the weights as built (the out-of-memory), 1: `bench_params`
+params = with_layout(random_params(cfg, jax.random.key(0), jnp.bfloat16), "default", donate=True)
+jax.block_until_ready(params)
+note("weights")
+if COMPACT:
+    params = compacted(params)
+    note("weights compacted")
+cap = round_up(CTX + 2 * STEPS + 1, 256)
+cache = filled_cache(cfg, B, CTX, cap, jnp.bfloat16)
+jax.block_until_ready(cache)
+note("cache filled")
+method, _ = bench_method("dense", cfg, 0.1)
+state = method.init_state(cfg, B, cap)
+tok = jnp.zeros((B, 1), jnp.int32)
+compiled = method_decode_steps.lower(params, method, tok, cache, state, cfg=cfg, steps=STEPS).compile()
+ma = compiled.memory_analysis()
+note("compiled", temp_gib=ma.temp_size_in_bytes / GiB, argument_gib=ma.argument_size_in_bytes / GiB,
+     output_gib=ma.output_size_in_bytes / GiB, alias_gib=ma.alias_size_in_bytes / GiB)
+try:
+    out = compiled(params, method, tok, cache, state)
+    jax.block_until_ready(out)
+    note("called", ok=True, cache_deleted=bool(cache.k.is_deleted()))
+except Exception as e:  # noqa: BLE001
+    note("called", ok=False, error=str(e).splitlines()[0][:400], cache_deleted=bool(cache.k.is_deleted()))
+json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), f"oom_probe_b{B}_compact{int(COMPACT)}.json"), "w"), indent=1)
