@@ -3,7 +3,8 @@ weights (COMPACT=1: then `compacted`, as `bench_params` does) and filled cache a
 allocator's bytes in use, its largest free block and the live arrays at each step, compiles the decode loop's call
 ahead of time (XLA's memory analysis: whether its inputs alias its outputs), then calls it and reports the allocator
 after it or its error.
-Env: CTX (131072), B (7), STEPS (2), COMPACT (1), OUT. Writes $OUT/oom_probe_b$B_compact$COMPACT.json."""
+Env: CTX (131072), B (7), STEPS (2), COMPACT (1), BLOCK (1), AOT (1), OUT. Writes
+$OUT/oom_probe_b${B}_compact${COMPACT}_block${BLOCK}_aot${AOT}.json."""
 import datetime, json, os
 import jax, jax.numpy as jnp
 from eval.bench.model import bench_method, compacted, filled_cache, method_decode_steps
@@ -33,6 +34,8 @@ def note(what, **extra):
 
 note("start")
 COMPACT = os.environ.get("COMPACT", "1") == "1"  # 0: the weights as built (the out-of-memory), 1: `bench_params`
+BLOCK = os.environ.get("BLOCK", "1") == "1"  # wait for the cache fill before the call (method_rows does not)
+AOT = os.environ.get("AOT", "1") == "1"  # compile ahead of time (memory analysis); 0: the jitted call, as method_rows
 params = with_layout(random_params(cfg, jax.random.key(0), jnp.bfloat16), "default", donate=True)
 jax.block_until_ready(params)
 note("weights")
@@ -41,19 +44,23 @@ if COMPACT:
     note("weights compacted")
 cap = round_up(CTX + 2 * STEPS + 1, 256)
 cache = filled_cache(cfg, B, CTX, cap, jnp.bfloat16)
-jax.block_until_ready(cache)
-note("cache filled")
+if BLOCK:
+    jax.block_until_ready(cache)
+note("cache filled" if BLOCK else "cache fill dispatched")
 method, _ = bench_method("dense", cfg, 0.1)
 state = method.init_state(cfg, B, cap)
 tok = jnp.zeros((B, 1), jnp.int32)
-compiled = method_decode_steps.lower(params, method, tok, cache, state, cfg=cfg, steps=STEPS).compile()
-ma = compiled.memory_analysis()
-note("compiled", temp_gib=ma.temp_size_in_bytes / GiB, argument_gib=ma.argument_size_in_bytes / GiB,
-     output_gib=ma.output_size_in_bytes / GiB, alias_gib=ma.alias_size_in_bytes / GiB)
+if AOT:
+    compiled = method_decode_steps.lower(params, method, tok, cache, state, cfg=cfg, steps=STEPS).compile()
+    ma = compiled.memory_analysis()
+    note("compiled", temp_gib=ma.temp_size_in_bytes / GiB, argument_gib=ma.argument_size_in_bytes / GiB,
+         output_gib=ma.output_size_in_bytes / GiB, alias_gib=ma.alias_size_in_bytes / GiB)
+else:  # as method_rows calls it
+    compiled = lambda *a: method_decode_steps(*a, cfg=cfg, steps=STEPS)  # noqa: E731
 try:
     out = compiled(params, method, tok, cache, state)
     jax.block_until_ready(out)
     note("called", ok=True, cache_deleted=bool(cache.k.is_deleted()))
 except Exception as e:  # noqa: BLE001
     note("called", ok=False, error=str(e).splitlines()[0][:400], cache_deleted=bool(cache.k.is_deleted()))
-json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), f"oom_probe_b{B}_compact{int(COMPACT)}.json"), "w"), indent=1)
+json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), f"oom_probe_b{B}_compact{int(COMPACT)}_block{int(BLOCK)}_aot{int(AOT)}.json"), "w"), indent=1)
