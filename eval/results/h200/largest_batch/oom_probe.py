@@ -18,7 +18,7 @@ GiB = 2**30
 dev = jax.devices()[0]
 res = dict(device=dev.device_kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            jax=jax.__version__, commit=os.environ.get("GIT_COMMIT", ""), context=CTX, batch=B, steps=STEPS,
-           command=f"CTX={CTX} B={B} STEPS={STEPS} COMPACT={os.environ.get('COMPACT', '1')} python eval/results/h200/largest_batch/oom_probe.py", events=[])
+           events=[])
 
 
 def note(what, **extra):
@@ -36,6 +36,8 @@ note("start")
 COMPACT = os.environ.get("COMPACT", "1") == "1"  # 0: the weights as built (the out-of-memory), 1: `bench_params`
 BLOCK = os.environ.get("BLOCK", "1") == "1"  # wait for the cache fill before the call (method_rows does not)
 AOT = os.environ.get("AOT", "1") == "1"  # compile ahead of time (memory analysis); 0: the jitted call, as method_rows
+res["command"] = (f"CTX={CTX} B={B} STEPS={STEPS} COMPACT={int(COMPACT)} BLOCK={int(BLOCK)} AOT={int(AOT)} "
+                  "python eval/results/h200/largest_batch/oom_probe.py")
 params = with_layout(random_params(cfg, jax.random.key(0), jnp.bfloat16), "default", donate=True)
 jax.block_until_ready(params)
 note("weights")
