@@ -106,25 +106,16 @@ def prefill_only(params, method, tokens, *, cfg):
     return logits, getattr(state, "kept", None)
 
 
-def compacted(tree):
-    """`tree`'s arrays moved to the host and back (the device buffers freed in between), so that they sit in one
-    contiguous run at the bottom of the device allocator's pool.
-
-    Building random weights leaves holes between them: the f32 draws and the projection fusion. On an H200 at
-    Llama-3.1-8B shapes, 15 GiB of weights left 118 GiB free, yet the largest free block was 109 GiB. So the two
-    56 GiB caches of 128K, batch 7 did not fit, though they fit in 118 GiB (eval/results/h200/largest_batch/,
-    `oom_probe.py`)."""
-    host = jax.tree.map(lambda a: (np.array(a, copy=True), a.sharding), tree)
-    for a in jax.tree.leaves(tree):
-        a.delete()
-    # jnp.asarray, not jax.device_put(host, shardings): the weights that device_put gave back made every decode
-    # step of an 8B model 9x slower on the H200 (53 against 6 ms at 4K, batch 1; compact_speed.py there).
-    return jax.tree.map(lambda h: jax.device_put(jnp.asarray(h[0]), h[1]), host, is_leaf=lambda x: isinstance(x, tuple))
-
-
 def bench_params(cfg, layout: str = "default", dtype=jnp.bfloat16, seed: int = 0):
-    """Random weights of `cfg` in `layout` for the benchmarks, `compacted` on the device."""
-    return compacted(with_layout(random_params(cfg, jax.random.key(seed), dtype), layout, donate=True))
+    """Random weights of `cfg` in `layout` for the benchmarks, drawn and fused in one jitted program.
+
+    One program, so that the weights are its outputs, allocated side by side, and its f32 draws are its temporaries,
+    freed above them. Drawn leaf by leaf and fused afterwards (`with_layout(random_params(...))` eagerly), they
+    left holes between the weights: on an H200 at Llama-3.1-8B shapes, 15 GiB of weights left 118 GiB free, yet the
+    largest free block was 109 GiB. Then the two 56 GiB caches of 128K, batch 7 did not fit, though 112 GiB did
+    (eval/results/h200/largest_batch/, `oom_probe.py`)."""
+    build = jax.jit(lambda key: with_layout(random_params(cfg, key, dtype), layout))
+    return build(jax.random.key(seed))
 
 
 def filled_cache(cfg, batch, context, capacity, dtype, seed: int = 3):

@@ -1,13 +1,13 @@
 """Probe of the 128K batch-7 out-of-memory of `jsparse bench model` on the H200 (NOTES.md): builds the benchmark's
-weights (COMPACT=1: then `compacted`, as `bench_params` does) and filled cache as `method_rows` does, prints the
-allocator's bytes in use, its largest free block and the live arrays at each step, compiles the decode loop's call
-ahead of time (XLA's memory analysis: whether its inputs alias its outputs), then calls it and reports the allocator
-after it or its error.
-Env: CTX (131072), B (7), STEPS (2), COMPACT (1), BLOCK (1), AOT (1), OUT. Writes
-$OUT/oom_probe_b${B}_compact${COMPACT}_block${BLOCK}_aot${AOT}.json."""
+weights (BUILD=jit: `bench_params`, one jitted program; BUILD=eager: drawn leaf by leaf, then fused, as before)
+and filled cache as `method_rows` does, prints the allocator's bytes in use, its largest free block and the live
+arrays at each step, compiles the decode loop's call ahead of time (XLA's memory analysis: whether its inputs alias
+its outputs), then calls it and reports the allocator after it or its error.
+Env: CTX (131072), B (7), STEPS (2), BUILD (jit), BLOCK (1), AOT (1), OUT. Writes
+$OUT/oom_probe_b${B}_${BUILD}_block${BLOCK}_aot${AOT}.json."""
 import datetime, json, os
 import jax, jax.numpy as jnp
-from eval.bench.model import bench_method, compacted, filled_cache, method_decode_steps
+from eval.bench.model import bench_method, bench_params, filled_cache, method_decode_steps
 from models.params import random_params, with_layout
 from models.presets import preset
 from models.generate import round_up
@@ -33,17 +33,19 @@ def note(what, **extra):
 
 
 note("start")
-COMPACT = os.environ.get("COMPACT", "1") == "1"  # 0: the weights as built (the out-of-memory), 1: `bench_params`
+BUILD = os.environ.get("BUILD", "jit")  # "jit": `bench_params`; "eager": with_layout(random_params(...)) (before)
 BLOCK = os.environ.get("BLOCK", "1") == "1"  # wait for the cache fill before the call (method_rows does not)
 AOT = os.environ.get("AOT", "1") == "1"  # compile ahead of time (memory analysis); 0: the jitted call, as method_rows
-res["command"] = (f"CTX={CTX} B={B} STEPS={STEPS} COMPACT={int(COMPACT)} BLOCK={int(BLOCK)} AOT={int(AOT)} "
+res["command"] = (f"CTX={CTX} B={B} STEPS={STEPS} BUILD={BUILD} BLOCK={int(BLOCK)} AOT={int(AOT)} "
                   "python eval/results/h200/largest_batch/oom_probe.py")
-params = with_layout(random_params(cfg, jax.random.key(0), jnp.bfloat16), "default", donate=True)
+if BUILD == "jit":
+    params = bench_params(cfg)
+elif BUILD == "eager":
+    params = with_layout(random_params(cfg, jax.random.key(0), jnp.bfloat16), "default", donate=True)
+else:
+    raise ValueError(f"BUILD={BUILD!r}: expected 'jit' or 'eager'")
 jax.block_until_ready(params)
-note("weights")
-if COMPACT:
-    params = compacted(params)
-    note("weights compacted")
+note(f"weights ({BUILD})")
 cap = round_up(CTX + 2 * STEPS + 1, 256)
 cache = filled_cache(cfg, B, CTX, cap, jnp.bfloat16)
 if BLOCK:
@@ -65,4 +67,4 @@ try:
     note("called", ok=True, cache_deleted=bool(cache.k.is_deleted()))
 except Exception as e:  # noqa: BLE001
     note("called", ok=False, error=str(e).splitlines()[0][:400], cache_deleted=bool(cache.k.is_deleted()))
-json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), f"oom_probe_b{B}_compact{int(COMPACT)}_block{int(BLOCK)}_aot{int(AOT)}.json"), "w"), indent=1)
+json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), f"oom_probe_b{B}_{BUILD}_block{int(BLOCK)}_aot{int(AOT)}.json"), "w"), indent=1)
