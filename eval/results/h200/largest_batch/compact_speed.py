@@ -1,7 +1,8 @@
 """Whether the way weights are moved back to the device changes the decode step (H200, 2026-11-29): Llama-3.1-8B
 random weights, dense decode at 4K, batch 1, 16 steps of `method_decode_steps`, timed for the weights as built, after
 `jax.device_put(host numpy tree, shardings)` (`eval.bench.model.compacted` at 7b3d6cb), after `jnp.asarray` of the
-host copies (`compacted` at 118845a) and after a jitted copy (both since replaced by `bench_params`). Prints ms per step; the figures are in NOTES.md.
+host copies (`compacted` at 118845a) and after a jitted copy (both since replaced by `bench_params`). Prints ms per
+step; the figures are in NOTES.md.
 Run: PYTHONPATH=. python eval/results/h200/largest_batch/compact_speed.py"""
 import time, jax, jax.numpy as jnp, numpy as np
 from eval.bench.model import filled_cache, method_decode_steps, bench_method
