@@ -22,7 +22,8 @@ Array = jax.Array
 
 IMPLEMENTATIONS = ("pallas_gpu", "sliced", "reference")
 # The Pallas GPU kernel's `gpu.DenseDecodeConfig` per head_dim, overriding its default there (absent:
-# `gpu.default_config(head_dim)`); read when traced. A knob for tuning in the model (eval/results/h200/dense_decode_d64/).
+# `gpu.default_config(head_dim)`); read when traced. A knob for tuning in the model
+# (eval/results/h200/dense_decode_d64/).
 CONFIGS: dict = {}
 
 

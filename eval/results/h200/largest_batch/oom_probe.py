@@ -67,4 +67,5 @@ try:
     note("called", ok=True, cache_deleted=bool(cache.k.is_deleted()))
 except Exception as e:  # noqa: BLE001
     note("called", ok=False, error=str(e).splitlines()[0][:400], cache_deleted=bool(cache.k.is_deleted()))
-json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), f"oom_probe_b{B}_{BUILD}_block{int(BLOCK)}_aot{int(AOT)}.json"), "w"), indent=1)
+name = f"oom_probe_b{B}_{BUILD}_block{int(BLOCK)}_aot{int(AOT)}.json"
+json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), name), "w"), indent=1)
