@@ -208,6 +208,10 @@ def test_attention_only_config_keeps_the_attention_and_cuts_the_rest():
     (["--methods", "dense,tsa+kascade,nope"], "unknown ['nope']"),
     (["--methods", "dense,kascade", "--method-option", "quest.page_size=16"], "names method 'quest'"),
     (["--method-option", "dense.tile=16", "--context", "1024"], "dense alone takes no options"),
+    (["--methods", "dense,kascade", "--batch", "1,0"], "'0' is not a batch size"),
+    (["--methods", "dense,kascade", "--batch", "4,most"], "'most' is not a batch size"),
+    (["--methods", "dense,kascade", "--batch", "max"], "needs a device that reports its memory"),  # the CPU
+    (["--batch", "max", "--context", "1024"], "the decode comparison's"),
 ])
 def test_cli_errors_name_the_value(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -248,3 +252,58 @@ def test_bench_params_are_random_weights_of_the_shapes_in_the_layout(tiny):
         else:
             assert abs(float(jnp.std(g)) / float(jnp.std(w)) - 1) < 0.1
     assert not is_fused(bench_model.bench_params(cfg, "separate"))
+
+
+class _Device:
+    """A device whose allocator reports `stats` (jax Device.memory_stats)."""
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+# The H200 after `bench_params` at Llama-3.1-8B shapes, bf16 (eval/results/h200/largest_batch/oom_probe_b7_jit_*.json).
+H200_AFTER_WEIGHTS = {"bytes_limit": int(132.8125 * 2**30), "bytes_in_use": int(14.957527 * 2**30),
+                      "largest_free_block_bytes": int(117.854973 * 2**30)}
+
+
+def test_largest_batch_is_what_the_h200_held_at_128k():
+    """From the H200's allocator after the 8B weights: batch 7 at 128K (measured to fit; 8 needs 128 GiB of caches),
+    a method's state lowers it only where it holds per-row memory, a fragmented pool counts its largest block, and a
+    device without memory statistics or a context that leaves no room is an error naming it."""
+    cfg = preset("llama3-8b")
+    capacity = 131328  # round_up(131072 + 2 * 16 + 1, 256), as method_rows
+    dense, _ = bench_model.bench_method("dense", cfg, 0.1)
+    evo, _ = bench_model.bench_method("evosparse", cfg, 0.1)
+    per_row, fixed = bench_model.decode_memory(cfg, dense, capacity, jnp.bfloat16)
+    assert per_row == 2 * 32 * 8 * capacity * 128 * 2 and fixed == 0
+    evo_row, _ = bench_model.decode_memory(cfg, evo, capacity, jnp.bfloat16)
+    assert evo_row > per_row  # EvoSparse's heat: f32 per layer, row, KV head and position
+    h200 = _Device(H200_AFTER_WEIGHTS)
+    assert bench_model.largest_batch(cfg, [dense], capacity, jnp.bfloat16, h200) == 7
+    assert bench_model.largest_batch(cfg, [dense, evo], capacity, jnp.bfloat16, h200) == 7
+    assert bench_model.largest_batch(cfg, [dense], 100096, jnp.bfloat16, h200) == 9
+    fragmented = _Device(dict(H200_AFTER_WEIGHTS, largest_free_block_bytes=int(109.35 * 2**30)))
+    assert bench_model.largest_batch(cfg, [dense], capacity, jnp.bfloat16, fragmented) == 6
+    with pytest.raises(ValueError, match="needs a device that reports its memory"):
+        bench_model.largest_batch(cfg, [dense], capacity, jnp.bfloat16, _Device(None))
+    with pytest.raises(ValueError, match="not even batch 1 fits at capacity 1048576"):
+        bench_model.largest_batch(cfg, [dense], 1048576, jnp.bfloat16, h200)
+
+
+def test_method_rows_at_batch_max_time_the_batch_largest_batch_gives(tiny, monkeypatch):
+    """`--batch max` resolves per context to `largest_batch` of the run's decode methods (here stubbed: the CPU
+    reports no memory) and every method's row runs at it, marked batch_asked="max"."""
+    cfg, params = tiny
+    seen = []
+
+    def fake(cfg_, methods, capacity, dtype):
+        seen.append((len(methods), capacity))
+        return 3
+    monkeypatch.setattr(bench_model, "largest_batch", fake)
+    rows = bench_model.method_rows(cfg, params, ("dense", "streaming"), [64], ["max"], 2, 1000.0, 0.25)
+    assert seen == [(2, 256)]
+    assert [(r["method"], r["batch"], r["batch_asked"]) for r in rows] == [("dense", 3, "max"), ("streaming", 3, "max")]
+    assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows)

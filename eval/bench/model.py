@@ -9,6 +9,11 @@ selection state the method must read) over the measured HBM bandwidth.
     python -m eval.bench.model --methods dense,kascade,evosparse,quest,streaming,oracle,h2o,butler \
         --context 32768,100000 --batch 1,4 --out bench_methods.json
 
+`--batch max` (with `--methods`) times each context at the largest batch at which every listed method's cache and
+state fit beside the weights (`largest_batch`, from the device's free memory; the issue's "largest that fits"):
+
+    python -m eval.bench.model --methods dense,kascade,evosparse --context 131072 --batch 1,4,max --out b.json
+
 The decode loop is the library's own decode (`models.llama.decode` in a jitted `fori_loop`, the cache and the
 method's state carried and donated), as `jsparse generate` runs it. Methods whose calibration means nothing on
 random weights get synthetic state of the right shape (the JSON's `state` field says which): Kascade 5 anchors
@@ -116,6 +121,62 @@ def bench_params(cfg, layout: str = "default", dtype=jnp.bfloat16, seed: int = 0
     (eval/results/h200/largest_batch/, `oom_probe.py`)."""
     build = jax.jit(lambda key: with_layout(random_params(cfg, key, dtype), layout))
     return build(jax.random.key(seed))
+
+
+MAX_BATCH = "max"  # `--batch max`: the largest batch at which every method's decode case fits (`largest_batch`)
+BATCH_HEADROOM = 2**30  # beside the caches and states: decode temporaries (35-154 MB at 128K, batch 7 on the H200)
+
+
+def decode_memory(cfg, method, capacity: int, dtype) -> tuple[int, int]:
+    """(bytes per batch row, bytes whatever the batch) of a decode case: the K and V caches and the method's state,
+    its shapes from `method.init_state` (nothing allocated)."""
+    cache_row = 2 * cfg.num_layers * cfg.num_kv_heads * capacity * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+    def state_bytes(batch):
+        state = jax.eval_shape(lambda: method.init_state(cfg, batch, capacity))
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+
+    one, two = state_bytes(1), state_bytes(2)
+    return cache_row + two - one, 2 * one - two
+
+
+def largest_batch(cfg, methods, capacity: int, dtype, device=None) -> int:
+    """The largest batch at which the decode case of every method in `methods` (method objects) fits beside what
+    `device` (default: the first) holds now: caches and state (`decode_memory`) plus BATCH_HEADROOM within the
+    allocator's free bytes, or its largest free block if smaller (each cache is one buffer; the weights of
+    `bench_params` leave one block, eval/results/h200/largest_batch/). On the H200 with Llama-3.1-8B weights that
+    is batch 7 at 128K, the largest measured there."""
+    device = device or jax.devices()[0]
+    stats = device.memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        raise ValueError(f"--batch {MAX_BATCH} needs a device that reports its memory (memory_stats); {device} does "
+                         "not: expected explicit batch sizes")
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    free = min(free, stats.get("largest_free_block_bytes", free)) - BATCH_HEADROOM
+    fits = []
+    for method in methods:
+        per_row, fixed = decode_memory(cfg, method, capacity, dtype)
+        fits.append((free - fixed) // per_row)
+    batch = int(min(fits))
+    if batch < 1:
+        raise ValueError(f"--batch {MAX_BATCH}: not even batch 1 fits at capacity {capacity} ({free / 2**30:.1f} "
+                         f"GiB free beside the weights); expected a shorter context")
+    return batch
+
+
+def parse_batches(text: str) -> list:
+    """'1,4,max' -> [1, 4, "max"]: positive batch sizes and MAX_BATCH, else ValueError naming the value."""
+    out = []
+    for x in (x.strip() for x in text.split(",")):
+        if not x:
+            continue
+        if x == MAX_BATCH:
+            out.append(x)
+        elif x.isdigit() and int(x) >= 1:
+            out.append(int(x))
+        else:
+            raise ValueError(f"--batch: {x!r} is not a batch size: expected positive integers or {MAX_BATCH!r}")
+    return out
 
 
 def filled_cache(cfg, batch, context, capacity, dtype, seed: int = 3):
@@ -289,15 +350,22 @@ def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, pre
     opts = method_options or {}
     built = {m: (built or {}).get(m) or bench_method(m, cfg, budget, tsa_kept=tsa_kept, options=opts.get(m))
              for m in methods}
+    decoders = [m for m in methods if m not in PREFILL_METHODS]
     for context in contexts:
-        for batch in batches:
+        capacity = round_up(context + 2 * steps + 1, 256)
+        for asked in batches:
+            batch = asked
+            if asked == MAX_BATCH:  # with nothing but the weights on the device
+                batch = largest_batch(cfg, [built[m][0] for m in decoders], capacity, params.embed.dtype)
+                print(f"--batch {MAX_BATCH} at context {context}: batch {batch}", flush=True)
             dense_ms = None
-            for name in (m for m in methods if m not in PREFILL_METHODS):
+            for name in decoders:
                 method, how = built[name]
                 row = dict(phase="decode", method=name, context=context, batch=batch, state=how)
+                if asked == MAX_BATCH:
+                    row["batch_asked"] = MAX_BATCH
                 cache = state = None
                 try:
-                    capacity = round_up(context + 2 * steps + 1, 256)
                     cache = filled_cache(cfg, batch, context, capacity, params.embed.dtype)
                     state = method.init_state(cfg, batch, capacity)
                     tok = jnp.zeros((batch, 1), jnp.int32)
@@ -462,7 +530,9 @@ def main(argv=None, prog=None):
     p.add_argument("--shape", default="llama3-8b", help="model shape preset (llama3-8b, qwen3-8b)")
     p.add_argument("--context", default="8192,32768",
                    help="comma-separated context lengths of the decode rows (with --methods, '' times prefill only)")
-    p.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
+    p.add_argument("--batch", default="1,8",
+                   help=f"comma-separated batch sizes; with --methods also '{MAX_BATCH}': the largest at which every "
+                        "method's cache and state fit beside the weights (largest_batch)")
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per case")
     p.add_argument("--out", default=None, help="JSON file to write")
     p.add_argument("--methods", default="dense",
@@ -498,7 +568,10 @@ def main(argv=None, prog=None):
     if a.xla_flags:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + a.xla_flags).strip()
     contexts = [int(x) for x in a.context.split(",") if x.strip()]
-    batches = [int(x) for x in a.batch.split(",") if x.strip()]
+    try:
+        batches = parse_batches(a.batch)
+    except ValueError as e:
+        p.error(str(e))
     methods = tuple(m.strip() for m in a.methods.split(",") if m.strip())
     unknown = sorted(set(methods) - set(METHODS) - set(PREFILL_METHODS))
     if unknown:
@@ -513,6 +586,12 @@ def main(argv=None, prog=None):
         method_options = parse_method_options(a.method_option, methods)
     except ValueError as e:
         p.error(str(e))
+    if MAX_BATCH in batches and methods == ("dense",):
+        p.error(f"--batch {MAX_BATCH}: the decode comparison's (--methods dense,...); dense alone also times "
+                "prefill at each batch: expected explicit batch sizes")
+    if MAX_BATCH in batches and not (jax.devices()[0].memory_stats() or {}).get("bytes_limit"):
+        p.error(f"--batch {MAX_BATCH} needs a device that reports its memory (memory_stats); {jax.devices()[0]} does "
+                "not: expected explicit batch sizes")
     if not contexts and (methods == ("dense",) or not a.prefill_context.strip()):
         p.error("--context is empty: expected decode contexts, or --methods with --prefill-context")
     from eval.bench.model_check import CheckFailed
