@@ -140,17 +140,24 @@ def decode_memory(cfg, method, capacity: int, dtype) -> tuple[int, int]:
     return cache_row + two - one, 2 * one - two
 
 
+def memory_stats(device=None) -> dict:
+    """The allocator's statistics of `device` (default: the first), which `--batch max` reads; ValueError naming
+    the device when it reports none (the CPU)."""
+    device = device or jax.devices()[0]
+    stats = device.memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        raise ValueError(f"--batch {MAX_BATCH} needs a device that reports its memory (memory_stats); {device} does "
+                         "not: expected explicit batch sizes")
+    return stats
+
+
 def largest_batch(cfg, methods, capacity: int, dtype, device=None) -> int:
     """The largest batch at which the decode case of every method in `methods` (method objects) fits beside what
     `device` (default: the first) holds now: caches and state (`decode_memory`) plus BATCH_HEADROOM within the
     allocator's free bytes, or its largest free block if smaller (each cache is one buffer; the weights of
     `bench_params` leave one block, eval/results/h200/largest_batch/). On the H200 with Llama-3.1-8B weights that
     is batch 7 at 128K, the largest measured there."""
-    device = device or jax.devices()[0]
-    stats = device.memory_stats()
-    if not stats or "bytes_limit" not in stats:
-        raise ValueError(f"--batch {MAX_BATCH} needs a device that reports its memory (memory_stats); {device} does "
-                         "not: expected explicit batch sizes")
+    stats = memory_stats(device)
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     free = min(free, stats.get("largest_free_block_bytes", free)) - BATCH_HEADROOM
     fits = []
@@ -589,9 +596,11 @@ def main(argv=None, prog=None):
     if MAX_BATCH in batches and methods == ("dense",):
         p.error(f"--batch {MAX_BATCH}: the decode comparison's (--methods dense,...); dense alone also times "
                 "prefill at each batch: expected explicit batch sizes")
-    if MAX_BATCH in batches and not (jax.devices()[0].memory_stats() or {}).get("bytes_limit"):
-        p.error(f"--batch {MAX_BATCH} needs a device that reports its memory (memory_stats); {jax.devices()[0]} does "
-                "not: expected explicit batch sizes")
+    if MAX_BATCH in batches:
+        try:
+            memory_stats()
+        except ValueError as e:
+            p.error(str(e))
     if not contexts and (methods == ("dense",) or not a.prefill_context.strip()):
         p.error("--context is empty: expected decode contexts, or --methods with --prefill-context")
     from eval.bench.model_check import CheckFailed
