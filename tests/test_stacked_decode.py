@@ -203,6 +203,72 @@ def test_dense_decode_stacked_api():
                                       interpret=True)
 
 
+# (L, B, Hq, Hkv, D, N, lengths, Lw, block), config: G = 4 and G = 3 (not a power of two), N not a multiple of
+# block_k, rows of one key and of a partial last block, the record buffer with more layers than the cache.
+RECORD_CASES = [
+    ((3, 2, 8, 2, 16, 300, [300, 5], 2, 16), dgpu.DenseDecodeConfig(block_k=64, target_programs=8)),
+    ((2, 3, 9, 3, 32, 129, [1, 129, 70], 3, 8), dgpu.DenseDecodeConfig(block_k=32, num_splits=3)),
+    ((1, 1, 16, 2, 64, 1000, [1000], 2, 16), None),  # head_dim 64's default: 128-key blocks
+]
+
+
+@pytest.mark.parametrize("case,config", RECORD_CASES)
+def test_dense_record_gpu_interpret_matches_reference(case, config):
+    """`dense_decode_record`: the kernel's output, log-sum-exps, the logits it writes into the record buffer in
+    place (the keys each row sees; the rest of the buffer untouched) and their block maxima equal the reference."""
+    from pallas_kernels.dense_decode.reference import dense_decode_record_reference
+
+    L, B, Hq, Hkv, D, N, lengths, Lw, block = case
+    rng, q, k_all, v_all, lens = stacked_inputs(16, L, B, 1, Hq, Hkv, D, N, lengths, jnp.bfloat16)
+    record = randn(rng, (B, Hq, Lw, N), jnp.float32)
+    layer, row = jnp.int32(L - 1), jnp.int32(Lw - 1)
+    want = dense_decode_record_reference(q, k_all, v_all, layer, lens, record, row, block=block)
+    got = dgpu.dense_decode_record_gpu(q, k_all, v_all, layer, lens, jnp.array(record), row, block=block,
+                                       config=config, interpret=True)
+    assert_close(got[0], want[0], jnp.bfloat16, "record out")
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-5, atol=1e-5)
+    assert np.array_equal(np.asarray(got[2])[:, :, :-1], np.asarray(record)[:, :, :-1])  # other layers untouched
+    gb, wb = np.asarray(got[3]), np.asarray(want[3])
+    assert gb.shape == (B, Hq, -(-N // block)) and np.array_equal(np.isneginf(gb), np.isneginf(wb))
+    np.testing.assert_allclose(np.where(np.isinf(gb), 0, gb), np.where(np.isinf(wb), 0, wb), rtol=1e-5, atol=1e-5)
+    p = np.exp(np.asarray(got[2])[:, :, -1] - np.asarray(got[1])[..., None])  # the weights the logits give
+    p = np.where(np.arange(N)[None, None] < np.asarray(lens)[:, None, None], p, 0.0)
+    np.testing.assert_allclose(p.sum(-1), 1.0, rtol=1e-4)
+
+
+def test_dense_record_api_and_errors():
+    """`dense_decode_record` off a GPU ("sliced": `dense_decode` on the slice, the record in XLA) equals the reference,
+    names bad arguments, and lowers for CUDA with the record buffer aliased to the kernel's output (in place)."""
+    from pallas_kernels.dense_decode import dense_decode_record, dense_decode_record_reference
+
+    L, B, Hq, Hkv, D, N = 2, 2, 4, 2, 16, 40
+    rng, q, k_all, v_all, lens = stacked_inputs(17, L, B, 1, Hq, Hkv, D, N, [40, 9], jnp.float32)
+    record = randn(rng, (B, Hq, 3, N), jnp.float32)
+    want = dense_decode_record_reference(q, k_all, v_all, 1, lens, record, 2, block=8)
+    for impl in (None, "sliced", "reference"):
+        got = dense_decode_record(q, k_all, v_all, 1, lens, record, 2, block=8, implementation=impl)
+        assert_close(got[0], want[0], jnp.float32, f"record api {impl}")
+        for g, w in zip(got[1:], want[1:]):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="T=2 new tokens"):
+        dense_decode_record(jnp.zeros((B, 2, Hq, D)), k_all, v_all, 0, lens, record, 0)
+    with pytest.raises(ValueError, match=r"record has shape \(2, 4, 3, 39\)"):
+        dense_decode_record(q, k_all, v_all, 0, lens, record[..., :-1], 0)
+    with pytest.raises(ValueError, match="block=12"):
+        dense_decode_record(q, k_all, v_all, 0, lens, record, 0, block=12)
+    with pytest.raises(ValueError, match="block=256: expected a power of two <= the kernel's block_k=64"):
+        dgpu.dense_decode_record_gpu(q.astype(jnp.bfloat16), k_all.astype(jnp.bfloat16), v_all.astype(jnp.bfloat16),
+                                     0, lens, record, 0, block=256, interpret=True)
+    sds = jax.ShapeDtypeStruct
+    big = sds((16, 7, 8, 100000, 64), jnp.bfloat16)  # the STS draft at 100K, batch 7
+    exp = export_for("cuda", functools.partial(dgpu.dense_decode_record_gpu, block=16), sds((7, 1, 32, 64), jnp.bfloat16),
+                     big, big, sds((), jnp.int32), sds((7,), jnp.int32), sds((7, 32, 16, 100000), jnp.float32),
+                     sds((), jnp.int32))
+    text = exp.mlir_module()
+    assert "dense_decode_stacked_record" in text and "output_operand_alias<output_tuple_indices = [3]" in text
+
+
 @pytest.mark.parametrize("T, config, stages", [(1, dgpu.DenseDecodeConfig(), 4), (5, dgpu.DenseDecodeConfig(), 3),
                                                (1, dgpu.DenseDecodeConfig(num_stages=2), 2)])
 def test_dense_stacked_pipeline_stages_follow_the_tile(T, config, stages):

@@ -626,12 +626,15 @@ def test_pool_record_with_dense_later_attention():
                 np.testing.assert_allclose(g_val[h][g], w_val[h][w], rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("first_step_mask,mask_pool,mask_attention,carry", [  # every value of each option once
-    (False, 1, True, 0.0), (True, 2, False, 0.5)])
-def test_record_after_scan_equals_the_per_layer_record(first_step_mask, mask_pool, mask_attention, carry):
+@pytest.mark.parametrize("first_step_mask,mask_pool,mask_attention,carry,record_selection", [
+    (False, 1, True, 0.0, "rows"), (True, 2, False, 0.5, "rows"),  # every value of each option once
+    (False, 1, True, 0.5, "blocks"), (False, 1, True, 0.0, "blocks"), (True, 2, False, 0.5, "blocks")])
+def test_record_after_scan_equals_the_per_layer_record(first_step_mask, mask_pool, mask_attention, carry,
+                                                       record_selection):
     """The model's decode with `record_after_scan` (every layer's weight rows selected at once after the layer
-    scan) leaves the same record / pool, the same logits and no buffer in the state, step after step, as the
-    per-layer selection inside the scan; rows of different lengths, 3 draft layers."""
+    scan, over whole rows or by blocks: `record_selection`) leaves the same record / pool, the same logits and no
+    buffer in the state, step after step, as the per-layer selection inside the scan; rows of different lengths,
+    3 draft layers, one- and two-query steps."""
     from jsparse.methods.sts import StsDraft
     from models import llama
     from models.cache import init_cache
@@ -644,7 +647,8 @@ def test_record_after_scan_equals_the_per_layer_record(first_step_mask, mask_poo
     runs = []
     for after in (True, False):
         draft = StsDraft(budget=6, min_tokens=0, slack=3, carry=carry, first_step_mask=first_step_mask,
-                         mask_pool=mask_pool, mask_attention=mask_attention, record_after_scan=after)
+                         mask_pool=mask_pool, mask_attention=mask_attention, record_after_scan=after,
+                         record_selection=record_selection)
         state = draft.init_state(cfg, B, N)
         _, cache, _ = llama.prefill(params, cfg, make_method("dense"), tokens, lengths, init_cache(cfg, B, N, jnp.float32),
                                     None)
@@ -652,7 +656,7 @@ def test_record_after_scan_equals_the_per_layer_record(first_step_mask, mask_poo
         for step, T in enumerate((2, 1, 1, 2, 1)):
             new = jax.random.randint(jax.random.key(10 + step), (B, T), 0, cfg.vocab_size)
             logits, cache, state = jax.jit(lambda c, s, t: llama.decode(params, cfg, draft, t, c, s))(cache, state, new)
-            assert state.weights is None and state.lengths is None
+            assert state.weights is None and state.lengths is None and state.bmax is None and state.lse is None
             seen.append((logits, state))
         runs.append(seen)
     for (l1, s1), (l2, s2) in zip(*runs):
@@ -660,8 +664,64 @@ def test_record_after_scan_equals_the_per_layer_record(first_step_mask, mask_poo
         for name in ("idx", "pool_idx"):
             if getattr(s1, name) is not None:
                 np.testing.assert_array_equal(np.asarray(getattr(s1, name)), np.asarray(getattr(s2, name)))
+        # By blocks a one-query step's weights are exp(logit - lse) of the logits it records, the per-layer path's a
+        # softmax: the same up to float rounding.
+        rtol = 1e-5 if record_selection == "blocks" else 1e-6
         for name in ("val", "pool_val"):
             if getattr(s1, name) is not None:
-                np.testing.assert_allclose(np.asarray(getattr(s1, name)), np.asarray(getattr(s2, name)), rtol=1e-6)
+                np.testing.assert_allclose(np.asarray(getattr(s1, name)), np.asarray(getattr(s2, name)), rtol=rtol)
     held = runs[0][-1][1]
     assert int(np.sum(np.asarray(held.pool_idx if first_step_mask else held.idx) >= 0)) > 0
+
+
+@pytest.mark.parametrize("carry", [0.0, 0.5])
+def test_select_by_blocks_keeps_the_keys_of_the_row_selection(carry):
+    """`select_by_blocks` (the draft record's top W from block maxima and the W best blocks' keys) keeps exactly the
+    keys and weights of `StsDraft._select` over whole rows: from weights, and from scaled logits with their
+    log-sum-exp (garbage past lengths, as the kernel leaves it); ties, zero weights, short rows, recorded keys."""
+    from jsparse.methods.sts import StsDraft, select_by_blocks
+    from pallas_kernels.dense_decode.reference import block_max
+
+    rng = np.random.default_rng(0)
+    for trial in range(12):
+        B, R, N, W, block = 3, 5, int(rng.integers(40, 400)), int(rng.integers(3, 30)), int(rng.choice([4, 8, 16]))
+        lengths = jnp.array([N, rng.integers(1, N), rng.integers(1, 12)], jnp.int32)
+        x = rng.standard_normal((B, R, N)).astype(np.float32) * 3
+        x = jnp.asarray(np.round(x) if trial % 3 == 0 else x)  # many ties in every third trial
+        visible = jnp.arange(N)[None, None] < lengths[:, None, None]
+        lse = jax.nn.logsumexp(jnp.where(visible, x, -jnp.inf), axis=-1)
+        p = jnp.where(visible, jnp.exp(x - lse[..., None]), 0.0)
+        zeros = trial % 4 == 1
+        if zeros:  # zero weights below lengths tie with the keys past them
+            p = jnp.where(jnp.asarray(rng.random((B, R, N)) < 0.5), 0.0, p)
+        rec_idx = np.full((B, R, W), -1, np.int32)
+        for b, r in np.ndindex(B, R):
+            n = int(rng.integers(0, W + 1))
+            rec_idx[b, r, :n] = np.sort(rng.choice(N, n, replace=False))  # some past lengths: not added
+        rec_idx, rec_val = jnp.asarray(rec_idx), jnp.asarray(rng.random((B, R, W)), jnp.float32)
+        want = StsDraft(carry=carry, selection="top_k")._select(p, rec_idx, rec_val, lengths)
+        got = select_by_blocks(p, block_max(p, lengths, block), rec_idx, rec_val, lengths, carry, None, "xla", block)
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        if not zeros:
+            garbage = jnp.where(visible, x, jnp.nan)
+            got = select_by_blocks(garbage, block_max(x, lengths, block), rec_idx, rec_val, lengths, carry, lse,
+                                   "top_k", block)
+            np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+            np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-6)
+
+
+def test_record_selection_option():
+    """record_selection="auto" selects by blocks while W blocks of keys are at most 16384 and half the cache (budget
+    512 at 32K-100K; not budget 4096, nor a `mask_pool` of 4 at 100K); a bad value is an error naming it."""
+    from jsparse.methods.sts import StsDraft
+
+    auto = StsDraft()
+    assert auto.record_by_blocks(520, 100_000) and auto.record_by_blocks(520, 32_768)
+    assert not auto.record_by_blocks(4104, 100_000) and not auto.record_by_blocks(4 * 520, 100_000)
+    assert not auto.record_by_blocks(520, 16_000)
+    assert StsDraft(record_selection="blocks").record_by_blocks(4104, 100)
+    assert not StsDraft(record_selection="rows").record_by_blocks(520, 100_000)
+    hm = jnp.zeros((2, 4, 2), jnp.int32)
+    with pytest.raises(ValueError, match="record_selection='fast'"):
+        STS(head_map=hm, draft_layers=1, draft_heads=4, record_selection="fast")

@@ -65,9 +65,9 @@ from jsparse.methods.base import register
 from jsparse.methods.common import attend_dense, attend_selected, check_tile, scratch, stacked_cache
 from models.sharding import constrain
 from pallas_kernels.dense import dense_prefill
-from pallas_kernels.dense_decode import dense_decode_stacked
+from pallas_kernels.dense_decode import dense_decode_record, dense_decode_stacked
 from pallas_kernels.dense_decode import supported as dense_decode_supported
-from pallas_kernels.dense_decode.reference import decode_lse
+from pallas_kernels.dense_decode.reference import block_max, decode_lse
 from pallas_kernels.sparse_attention import sparse_decode, sparse_prefill
 from pallas_kernels.topk_select import topk_select
 from pallas_kernels.topk_select.api import IMPLEMENTATIONS
@@ -83,6 +83,12 @@ ROW_MERGES = ("auto", "index", "scatter")
 # (16-50%) the scatter is (100K B1 6.14 vs 6.75 ms, 32K B8 12.96 vs 18.89 ms; eval/results/h200/fused/
 # sts_bench_cells_stages4.json, eval/results/h100/sts_bench/).
 AUTO_INDEX_SHARE = 8
+RECORD_SELECTIONS = ("auto", "blocks", "rows")
+# The draft's recording step by blocks (`select_by_blocks`): keys per block of the recorded block maxima, and the
+# most candidates (W blocks x RECORD_BLOCK keys) per row "auto" takes that path for (the one-launch row path of
+# `topk_select`), at most half of the cache.
+RECORD_BLOCK = 16
+RECORD_MAX_CANDIDATES = 16384
 
 
 def check_budget(budget) -> float:
@@ -187,6 +193,68 @@ def _topk_visible(probs: Array, lengths: Array, W: int, implementation: str | No
     return _topk_set(probs, W, implementation, k=jnp.minimum(lengths, W)[:, None])
 
 
+def select_by_blocks(rows: Array, bmax: Array, rec_idx: Array, rec_val: Array, lengths: Array, carry: float,
+                     lse: Array | None = None, implementation: str | None = None,
+                     block: int = RECORD_BLOCK) -> tuple[Array, Array]:
+    """`StsDraft._select` (the top W of each row's weights plus `carry` times its earlier record) read through
+    the rows' block maxima: the same keys and weights, from the keys of the W best blocks alone.
+
+    Each row's score is s = p + carry * (the earlier record's weight at the key), p the key's weight. A key of the
+    row's top W lies in a block whose largest score is among the W largest block scores (ties to the lower
+    block; of those blocks at most W hold a key above the W-th score, and the ties of that score in the lowest
+    blocks), so one top-W over the block scores (the blocks' maxima of p, raised to the recorded keys' scores)
+    and one over the W * block keys of those blocks, position ascending, choose exactly `_topk_visible`'s keys.
+    Neither reads more than W * block of a row's N entries.
+
+    Args:
+      rows: f32[B, R, N] the weights p (lse None), or the scaled logits x with p = exp(x - lse) (the dense decode
+        kernel's record, `dense_decode_record`); read only below lengths.
+      bmax: f32[B, R, ceil(N / block)] the rows' maxima over blocks of `block` keys below lengths, -inf for a
+        block without such a key (`block_max`).
+      rec_idx, rec_val: [B, R, W] the earlier record (-1 padded), added `carry` times.
+      lengths: i32[B]; lse: f32[B, R] or None (see rows).
+
+    Returns:
+      (val, idx) [B, R, W] as `_topk_visible`'s (positions ascending, then -inf / -1).
+    """
+    B, R, N = rows.shape
+    W, nb = rec_idx.shape[-1], bmax.shape[-1]
+    b, r = jnp.arange(B)[:, None, None], jnp.arange(R)[None, :, None]
+    lim = lengths[:, None, None]
+
+    def weight(x):  # entries of rows -> weights p
+        return x if lse is None else jnp.exp(x - lse[..., None])
+
+    scores = bmax if lse is None else jnp.where(bmax > NEG_INF, jnp.exp(bmax - lse[..., None]), NEG_INF)
+    recorded = (rec_idx >= 0) & (rec_idx < lim)
+    rec_pos = jnp.where(recorded, rec_idx, 0)
+    if carry:  # a recorded key's score raises its block's
+        rec_s = weight(jnp.take_along_axis(rows, rec_pos, axis=-1)) + carry * rec_val
+        scores = scores.at[b, r, jnp.where(recorded, rec_pos // block, nb)].max(rec_s, mode="drop")
+    blocks = topk_select(scores, W, W, implementation=implementation)  # [B, R, Wb] ascending, -1 padded
+    Wb = blocks.shape[-1]
+    pos = (blocks[..., None] * block + jnp.arange(block, dtype=jnp.int32)).reshape(B, R, Wb * block)
+    valid = (jnp.repeat(blocks, block, axis=-1) >= 0) & (pos < lim)
+    cand = weight(jnp.take_along_axis(rows, jnp.where(valid, pos, 0), axis=-1))
+    if carry:  # the recorded keys among the candidates: slot j * block + key % block of their block's slot j
+        key_blk = rec_pos // block
+        j = jax.vmap(jnp.searchsorted)(jnp.where(blocks >= 0, blocks, nb).reshape(B * R, Wb),
+                                       key_blk.reshape(B * R, W)).reshape(B, R, W)
+        hit = recorded & (jnp.take_along_axis(blocks, jnp.minimum(j, Wb - 1), axis=-1) == key_blk)
+        slot = jnp.where(hit, j * block + rec_pos % block, Wb * block)
+        cand = cand.at[b, r, slot].add(jnp.where(hit, carry * rec_val, 0.0), mode="drop")
+    cand = jnp.where(valid, cand, NEG_INF)
+    pick = topk_select(cand, jnp.minimum(lengths, W)[:, None], W, implementation=implementation)
+    ok = pick >= 0
+    safe = jnp.maximum(pick, 0)
+    idx = jnp.where(ok, jnp.take_along_axis(pos, safe, axis=-1), -1)
+    val = jnp.where(ok, jnp.take_along_axis(cand, safe, axis=-1), NEG_INF)
+    if idx.shape[-1] < W:  # fewer candidates than W (a cache of fewer than W blocks' keys)
+        pad = ((0, 0), (0, 0), (0, W - idx.shape[-1]))
+        idx, val = jnp.pad(idx, pad, constant_values=-1), jnp.pad(val, pad, constant_values=NEG_INF)
+    return val, idx.astype(jnp.int32)
+
+
 def tile_head_topk(q: Array, k: Array, tile: int, W: int) -> tuple[Array, Array]:
     """Per query head and query tile, the top-W keys before the tile by causal weight pooled over the tile.
 
@@ -241,6 +309,12 @@ class DraftRecord:
     # lengths i32[B].
     weights: Array | None = None
     lengths: Array | None = None
+    # With the record by blocks (`StsDraft.record_by_blocks`): every layer's maxima of its rows over blocks of
+    # RECORD_BLOCK keys f32[B, Hq_d, L_d, ceil(N / RECORD_BLOCK)], and in a one-query forward (where `weights`
+    # holds the scaled logits the dense decode kernel writes in place, not weights) their log-sum-exps
+    # f32[B, Hq_d, L_d].
+    bmax: Array | None = None
+    lse: Array | None = None
     # The target's keys of every sparse target layer inside one decode forward (`STS.start_rows`, dropped by
     # `STS.finish`): i32[L_t - dense_layers, B, Hkv_t, K + T], ascending, -1 padded.
     chosen: Array | None = None
@@ -309,6 +383,19 @@ class _Budget:
     # same keys, with the selection's few launches per step instead of per layer and all layers' rows filling the
     # GPU at once. False: per layer (no buffer; also what a layer called on its own does).
     record_after_scan: bool = struct.field(pytree_node=False, default=True)
+    # How a recording step after the layer scan takes each row's top W: "blocks" (`select_by_blocks`: from the
+    # maxima of its rows over blocks of RECORD_BLOCK keys, the W best blocks' keys alone; in a one-query step the
+    # dense decode kernel writes the logits and block maxima in place, so no pass turns the logits into weights),
+    # "rows" (`topk_select` over every key of the rows), or "auto" (blocks while W * RECORD_BLOCK is at most
+    # RECORD_MAX_CANDIDATES and half the cache: budget 512 at 32K-100K; rows for larger budgets and with a
+    # `mask_pool` of 4). The same keys and weights either way (tested).
+    record_selection: str = struct.field(pytree_node=False, default="auto")
+
+    def record_by_blocks(self, width: int, N: int) -> bool:
+        """Whether a recording step of `width` keys per row over N cache slots selects by blocks."""
+        if self.record_selection != "auto":
+            return self.record_selection == "blocks"
+        return width * RECORD_BLOCK <= min(RECORD_MAX_CANDIDATES, N // 2)
 
     def decode_width(self, capacity: int) -> int:
         """Draft keys recorded per decode row: the budget plus `slack` (the round's own new keys, which the
@@ -350,19 +437,32 @@ class StsDraft(_Budget):
         # Every layer writes its whole row (probs [B, Hq, N], N = kv_len = the cache's capacity) before `finish`
         # reads any: no fill (`scratch`; a zero fill cost 0.42 ms per recording step at 100K, batch 7 on an H200,
         # eval/results/h200/largest_batch/).
+        rows = ("batch", "heads", None, None)
         weights = scratch((B, cfg.num_heads, cfg.num_layers, kv_len), jnp.float32)
-        return state.replace(weights=constrain(weights, ("batch", "heads", None, None)), lengths=lengths)
+        state = state.replace(weights=constrain(weights, rows), lengths=lengths)
+        if self.record_by_blocks(self._recorded(state)[0].shape[-1], kv_len):  # every layer writes its whole row
+            nb = -(-kv_len // RECORD_BLOCK)
+            state = state.replace(bmax=constrain(scratch((B, cfg.num_heads, cfg.num_layers, nb), jnp.float32), rows))
+            if q_len == 1:
+                lse = scratch((B, cfg.num_heads, cfg.num_layers), jnp.float32)
+                state = state.replace(lse=constrain(lse, ("batch", "heads", None)))
+        return state
 
     def finish(self, state, phase):
         """After a recording forward's layer scan: every layer's top-W at once (`_select`)."""
         if state.weights is None:
             return state
-        probs, lengths = state.weights, state.lengths  # [B, Hq, L, N], [B]
+        probs, lengths, bmax, lse = state.weights, state.lengths, state.bmax, state.lse  # [B, Hq, L, N], [B]
         B, Hq, L, N = probs.shape
-        state = state.replace(weights=None, lengths=None)
+        state = state.replace(weights=None, lengths=None, bmax=None, lse=None)
         rec_idx, rec_val = self._recorded(state)  # [L, B, Hq, W]
-        flat = lambda x: jnp.moveaxis(x, 0, 2).reshape(B, Hq * L, x.shape[-1])  # noqa: E731  [B, Hq * L, W]
-        val, idx = self._select(probs.reshape(B, Hq * L, N), flat(rec_idx), flat(rec_val), lengths)
+        flat = lambda x: x.reshape(B, Hq * L, x.shape[-1])  # noqa: E731  [B, Hq, L, ...] -> [B, Hq * L, ...]
+        rec_idx, rec_val = (flat(jnp.moveaxis(x, 0, 2)) for x in (rec_idx, rec_val))
+        if bmax is not None:
+            val, idx = select_by_blocks(flat(probs), flat(bmax), rec_idx, rec_val, lengths, self.carry,
+                                        None if lse is None else lse.reshape(B, Hq * L), self.selection)
+        else:
+            val, idx = self._select(flat(probs), rec_idx, rec_val, lengths)
         def unflat(x):  # [B, Hq * L, W] -> [L, B, Hq, W], split as the record (rows by batch, heads by model)
             return constrain(jnp.moveaxis(x.reshape(B, Hq, L, x.shape[-1]), 2, 0), (None, "batch", "heads", None))
         return self._store(state, unflat(val), unflat(idx))
@@ -407,10 +507,19 @@ class StsDraft(_Budget):
                              "`init_state` (empty_record(..., pool=pool_width(capacity)))")
         if masked and T == 1:
             return self._later_step(ctx, q, cache, state)
+        def at_layer(buf, x):  # x [B, Hq, ...] into the buffer [B, Hq, L, ...] at this layer
+            return jax.lax.dynamic_update_slice_in_dim(buf, x[:, :, None], ctx.layer, axis=2)
+        if state.lse is not None:  # by blocks, one query: the kernel writes the logits into the buffer in place
+            k_all, v_all, layer = stacked_cache(cache)
+            out, lse, weights, bmax = dense_decode_record(q, k_all, v_all, layer, ctx.lengths, state.weights,
+                                                          ctx.layer, block=RECORD_BLOCK)
+            return out, state.replace(weights=weights, lse=at_layer(state.lse, lse), bmax=at_layer(state.bmax, bmax))
         out, probs = attend_and_probs(q, cache, ctx.lengths)  # probs f32[B, Hq, N], 0 at keys >= lengths
         if state.weights is not None:  # selected after the layer scan, every layer at once (`finish`)
-            return out, state.replace(weights=jax.lax.dynamic_update_slice_in_dim(
-                state.weights, probs[:, :, None], ctx.layer, axis=2))
+            state = state.replace(weights=at_layer(state.weights, probs))
+            if state.bmax is not None:
+                state = state.replace(bmax=at_layer(state.bmax, block_max(probs, ctx.lengths, RECORD_BLOCK)))
+            return out, state
         rec_idx, rec_val = self._recorded(state)
         val, idx = self._select(probs, rec_idx[ctx.layer], rec_val[ctx.layer], ctx.lengths)
         return out, self._store(state, val, idx, ctx.layer)  # with first_step_mask: the round's pool
@@ -608,6 +717,8 @@ class STS(_Budget):
         sel.check_positive_int("mask_pool", self.mask_pool, 1)
         if self.row_merge not in ROW_MERGES:
             raise ValueError(f"row_merge={self.row_merge!r}: expected one of {ROW_MERGES}")
+        if self.record_selection not in RECORD_SELECTIONS:
+            raise ValueError(f"record_selection={self.record_selection!r}: expected one of {RECORD_SELECTIONS}")
         if self.selection is not None and self.selection not in IMPLEMENTATIONS:
             raise ValueError(f"selection={self.selection!r}: expected one of {IMPLEMENTATIONS} (the topk_select "
                              f"implementation) or None (by backend)")
@@ -616,7 +727,7 @@ class STS(_Budget):
     def build(cls, cfg=None, draft=None, artifact=None, fingerprint=None, head_map=None, budget=0.1,
               min_tokens=128, tile=32, selection=None, dense_layers=0, sink=0, local=0, carry=0.5,
               first_step_mask=False, mask_pool=1, mask_attention=True, row_merge="auto", record_after_scan=True,
-              **unused):
+              record_selection="auto", **unused):
         """Builds STS for target `cfg` and `draft` (a LoadedModel) from an `artifact` folder (`jsparse calibrate
         sts`, checked against both models' fingerprints) or an explicit `head_map` i32[L_t, Hq_t, 2]."""
         if cfg is None or draft is None:
@@ -637,7 +748,7 @@ class STS(_Budget):
                    selection=selection, draft_layers=draft.cfg.num_layers, draft_heads=draft.cfg.num_heads,
                    dense_layers=dense_layers, sink=sink, local=local, carry=float(carry),
                    first_step_mask=first_step_mask, mask_pool=mask_pool, mask_attention=mask_attention,
-                   row_merge=row_merge, record_after_scan=record_after_scan)
+                   row_merge=row_merge, record_after_scan=record_after_scan, record_selection=record_selection)
 
     # -- speculative decoding hooks (models.speculative)
 
@@ -650,7 +761,7 @@ class STS(_Budget):
         return m, StsDraft(budget=m.budget, min_tokens=m.min_tokens, tile=m.tile, slack=m.slack,
                            selection=m.selection, carry=m.carry, first_step_mask=m.first_step_mask,
                            mask_pool=m.mask_pool, mask_attention=m.mask_attention,
-                           record_after_scan=m.record_after_scan)
+                           record_after_scan=m.record_after_scan, record_selection=m.record_selection)
 
     def adopt_draft(self, state, draft_state):
         return pool_record(draft_state, self.selection)

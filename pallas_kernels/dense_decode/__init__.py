@@ -7,9 +7,15 @@ equals `pallas_kernels.dense.dense_decode(q, k_all[layer], v_all[layer], lengths
 layer's cache that XLA makes when a custom call (cuDNN, a Pallas kernel) consumes the slice inside the
 model's layer scan. gpu.py is the Pallas Triton split-K kernel; reference.py the plain-jnp specification;
 api.py dispatches (elsewhere than on a GPU it slices and calls `pallas_kernels.dense.dense_decode`).
+
+  dense_decode_record(q: [B, 1, Hq, D], k_all, v_all, layer, lengths, record: f32[B, Hq, Lw, N], record_layer)
+      -> (out, lse f32[B, Hq], record, bmax f32[B, Hq, ceil(N / block)])
+
+also writes the query heads' logits into a stacked record buffer in place and returns their block maxima.
 """
 
-from pallas_kernels.dense_decode.api import IMPLEMENTATIONS, dense_decode_stacked, supported
-from pallas_kernels.dense_decode.reference import dense_decode_stacked_reference
+from pallas_kernels.dense_decode.api import IMPLEMENTATIONS, dense_decode_record, dense_decode_stacked, supported
+from pallas_kernels.dense_decode.reference import dense_decode_record_reference, dense_decode_stacked_reference
 
-__all__ = ["IMPLEMENTATIONS", "dense_decode_stacked", "dense_decode_stacked_reference", "supported"]
+__all__ = ["IMPLEMENTATIONS", "dense_decode_record", "dense_decode_record_reference", "dense_decode_stacked",
+           "dense_decode_stacked_reference", "supported"]

@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.sparse_attention import gpu as sparse_gpu
-from pallas_kernels.dense_decode.reference import check_args, default_scale, layer_index
+from pallas_kernels.dense_decode.reference import check_args, check_record_args, default_scale, layer_index
 
 Array = jax.Array
 
@@ -104,15 +104,23 @@ def _check_config(config: DenseDecodeConfig) -> None:
         raise ValueError(f"DenseDecodeConfig.num_stages={config.num_stages}: expected >= 1 or None")
 
 
-def _decode_kernel(layer_ref, lim_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *s_ref, scale: float,
-                   block_k: int, chunk: int, rows: int):
+def _decode_kernel(layer_ref, lim_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_k: int, chunk: int,
+                   rows: int, outputs: str, block: int):
     """One (b, h, query block, split) program; `rows` = T * G real query rows per KV head.
 
-    Refs: layer_ref: i32[1]; lim_ref: i32[Mb] last key each query row may see (-1: none, padding rows too);
-    q_ref: [Mb, D]; k_ref, v_ref: [L, N, D] (every layer of the program's KV head); outputs o_ref: f32[Mb, D],
-    m_ref, l_ref: f32[Mb] (only real rows are written); with logits, s_ref: f32[Mb, N], the scaled logits
-    (masked -1e30 past a row's last key) of the real rows at the keys this program reads (the rest unwritten).
+    Refs: layer_ref: i32[2] (the cache's layer, the record buffer's layer); lim_ref: i32[Mb] last key each query
+    row may see (-1: none, padding rows too); q_ref: [Mb, D]; k_ref, v_ref: [L, N, D] (every layer of the
+    program's KV head); outputs o_ref: f32[Mb, D], m_ref, l_ref: f32[Mb] (only real rows are written); then by
+    `outputs`:
+      "logits": s_ref f32[Mb, N], the scaled logits (masked -1e30 past a row's last key) of the real rows at the
+        keys this program reads (the rest unwritten);
+      "record" (T = 1: the rows are the KV head's G query heads, all seeing keys <= hi): the record buffer's
+        input (aliased, unused), w_ref f32[G, Lw, N]: the scaled logits of the keys <= hi written in place at
+        w_ref[g, layer_ref[1], key], and bm_ref f32[Mb, NB]: their maxima over blocks of `block` keys (block
+        j: keys j * block ..; written for the blocks that hold a key <= hi).
     """
+    o_ref, m_ref, l_ref = refs[:3] if outputs != "record" else refs[1:4]
+    extra = refs[3:] if outputs != "record" else refs[4:]
     layer = layer_ref[0]
     real = pl.program_id(2) * q_ref.shape[0] + jnp.arange(q_ref.shape[0], dtype=jnp.int32) < rows
     split = pl.program_id(3)
@@ -134,8 +142,19 @@ def _decode_kernel(layer_ref, lim_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
         ok = kpos[None, :] <= lim[:, None]  # [Mb, block_k]
         s = plgpu.dot(q, k, trans_b=True) * scale
         s = jnp.where(ok, s, _MASK)
-        if s_ref:
-            plgpu.store(s_ref[0].at[:, span], s, mask=real[:, None] & (kpos <= hi)[None, :])
+        if outputs == "logits":
+            plgpu.store(extra[0].at[:, span], s, mask=real[:, None] & (kpos <= hi)[None, :])
+        elif outputs == "record":
+            w_ref, bm_ref = extra
+            # Row r of the tile is query head r of the KV group; padding rows (r >= rows) and keys past hi are
+            # masked (no write; distinct addresses, so the interpreter's scatter drops them too).
+            head = jnp.arange(mb, dtype=jnp.int32)
+            plgpu.store(w_ref.at[head[:, None], layer_ref[1], kpos[None, :]], s,
+                        mask=real[:, None] & (kpos <= hi)[None, :])
+            nb = block_k // block
+            blk = k0 // block + jnp.arange(nb, dtype=jnp.int32)
+            plgpu.store(bm_ref.at[jnp.arange(mb, dtype=jnp.int32)[:, None], blk[None, :]],
+                        jnp.max(s.reshape(mb, nb, block), axis=2), mask=real[:, None] & (blk * block <= hi)[None, :])
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         corr = jnp.exp(m - m_new)
         p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
@@ -191,6 +210,77 @@ def plan(B: int, T: int, Hq: int, Hkv: int, N: int, config: DenseDecodeConfig) -
     return dict(rows=rows, Mb=Mb, R=R, splits=pl.cdiv(N, chunk), chunk=chunk)
 
 
+def _launch(q: Array, k_all: Array, v_all: Array, layers: Array, lengths: Array, scale: float | None,
+            config: DenseDecodeConfig | None, interpret: bool, outputs: str = "", record: Array | None = None,
+            block: int = 0):
+    """Checks the arguments and runs the kernel: (out [B, T, Hq, D], lse f32[B, Hkv, rows], lim i32[B, Rp], the
+    extra outputs of `outputs` (`_decode_kernel`)). layers: i32[2] (the cache's layer, the record's layer)."""
+    check_args(q, k_all, v_all, layers[0], lengths)
+    reason = unsupported_reason(q.dtype, q.shape[-1])
+    if reason is not None:
+        raise ValueError(f"the Pallas GPU dense decode kernel cannot take {reason}")
+    config = default_config(q.shape[-1]) if config is None else config
+    _check_config(config)
+    B, T, Hq, D = q.shape
+    L, _, Hkv, N, _ = k_all.shape
+    G = Hq // Hkv
+    scale = default_scale(D, scale)
+    p = plan(B, T, Hq, Hkv, N, config)
+    rows, Mb, R, splits, chunk = p["rows"], p["Mb"], p["R"], p["splits"], p["chunk"]
+    Rp = R * Mb
+
+    qg = rows_by_kv_head(q, Hkv, Rp)
+    lim = row_limits(lengths, T, G, N, Rp)
+    lay = jnp.stack([layer_index(layers[0], L), layer_index(layers[1], record.shape[2] if record is not None else L)])
+
+    kernel = functools.partial(_decode_kernel, scale=scale, block_k=config.block_k, chunk=chunk, rows=rows,
+                               outputs=outputs, block=block)
+    in_specs = [
+        pl.BlockSpec((2,), lambda b, h, r, s: (0,)),  # the layer indices
+        pl.BlockSpec((None, Mb), lambda b, h, r, s: (b, r)),  # last visible key per query row
+        pl.BlockSpec((None, None, Mb, D), lambda b, h, r, s: (b, h, r, 0)),  # query rows of KV head h
+        pl.BlockSpec((L, None, None, N, D), lambda b, h, r, s: (0, b, h, 0, 0)),  # every layer of the KV head
+        pl.BlockSpec((L, None, None, N, D), lambda b, h, r, s: (0, b, h, 0, 0)),
+    ]
+    out_specs = [
+        pl.BlockSpec((None, None, None, Mb, D), lambda b, h, r, s: (s, b, h, r, 0)),
+        pl.BlockSpec((None, None, None, Mb), lambda b, h, r, s: (s, b, h, r)),
+        pl.BlockSpec((None, None, None, Mb), lambda b, h, r, s: (s, b, h, r)),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((splits, B, Hkv, Rp, D), jnp.float32),
+        jax.ShapeDtypeStruct((splits, B, Hkv, Rp), jnp.float32),
+        jax.ShapeDtypeStruct((splits, B, Hkv, Rp), jnp.float32),
+    ]
+    args, aliases = [lay, lim, qg, k_all, v_all], {}
+    if outputs == "logits":
+        out_specs.append(pl.BlockSpec((None, None, Mb, N), lambda b, h, r, s: (b, h, r, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((B, Hkv, Rp, N), jnp.float32))
+    elif outputs == "record":
+        # record f32[B, Hq, Lw, N]: the program of KV head h writes the rows of query heads h * G .. h * G + G - 1.
+        w_spec = pl.BlockSpec((None, G, record.shape[2], N), lambda b, h, r, s: (b, h, 0, 0))
+        nb = pl.cdiv(N, block)
+        in_specs.append(w_spec)
+        args.append(record)
+        aliases = {len(args) - 1: 3}
+        out_specs += [w_spec, pl.BlockSpec((None, None, Mb, nb), lambda b, h, r, s: (b, h, r, 0))]
+        out_shape += [jax.ShapeDtypeStruct(record.shape, jnp.float32), jax.ShapeDtypeStruct((B, Hkv, Rp, nb),
+                                                                                              jnp.float32)]
+    o, m, l, *extra = pl.pallas_call(
+        kernel, grid=(B, Hkv, R, splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages or (
+            _STAGES_SMALL_TILE if Mb <= _MIN_ROWS else _STAGES)),
+        interpret=interpret,
+        name="dense_decode_stacked" + ("_record" if outputs == "record" else ""),
+    )(*args)
+
+    # Padding rows were never written: slice them off before combining.
+    out, lse = _combine_splits(o[:, :, :, :rows], m[:, :, :, :rows], l[:, :, :, :rows])  # [B, Hkv, rows(, D)]
+    out = out.reshape(B, Hkv, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D).astype(q.dtype)
+    return out, lse, lim, extra
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "return_lse", "return_probs", "config", "interpret"))
 def dense_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, lengths: Array, *,
                              scale: float | None = None, return_lse: bool = False, return_probs: bool = False,
@@ -217,55 +307,12 @@ def dense_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array,
       weights: sum over t of exp(logit - lse) at the keys query t sees, 0 elsewhere).
     """
     check_args(q, k_all, v_all, layer, lengths)
-    reason = unsupported_reason(q.dtype, q.shape[-1])
-    if reason is not None:
-        raise ValueError(f"the Pallas GPU dense decode kernel cannot take {reason}")
-    config = default_config(q.shape[-1]) if config is None else config
-    _check_config(config)
     B, T, Hq, D = q.shape
-    L, _, Hkv, N, _ = k_all.shape
-    G = Hq // Hkv
-    scale = default_scale(D, scale)
-    p = plan(B, T, Hq, Hkv, N, config)
-    rows, Mb, R, splits, chunk = p["rows"], p["Mb"], p["R"], p["splits"], p["chunk"]
-    Rp = R * Mb
-
-    qg = rows_by_kv_head(q, Hkv, Rp)
-    lim = row_limits(lengths, T, G, N, Rp)
-    lay = layer_index(layer, L).reshape(1)
-
-    kernel = functools.partial(_decode_kernel, scale=scale, block_k=config.block_k, chunk=chunk, rows=rows)
-    logit_spec = [pl.BlockSpec((None, None, Mb, N), lambda b, h, r, s: (b, h, r, 0))] if return_probs else []
-    logit_shape = [jax.ShapeDtypeStruct((B, Hkv, Rp, N), jnp.float32)] if return_probs else []
-    o, m, l, *logits = pl.pallas_call(
-        kernel,
-        grid=(B, Hkv, R, splits),
-        in_specs=[
-            pl.BlockSpec((1,), lambda b, h, r, s: (0,)),  # the layer index
-            pl.BlockSpec((None, Mb), lambda b, h, r, s: (b, r)),  # last visible key per query row
-            pl.BlockSpec((None, None, Mb, D), lambda b, h, r, s: (b, h, r, 0)),  # query rows of KV head h
-            pl.BlockSpec((L, None, None, N, D), lambda b, h, r, s: (0, b, h, 0, 0)),  # every layer of the KV head
-            pl.BlockSpec((L, None, None, N, D), lambda b, h, r, s: (0, b, h, 0, 0)),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, Mb, D), lambda b, h, r, s: (s, b, h, r, 0)),
-            pl.BlockSpec((None, None, None, Mb), lambda b, h, r, s: (s, b, h, r)),
-            pl.BlockSpec((None, None, None, Mb), lambda b, h, r, s: (s, b, h, r)),
-        ] + logit_spec,
-        out_shape=[
-            jax.ShapeDtypeStruct((splits, B, Hkv, Rp, D), jnp.float32),
-            jax.ShapeDtypeStruct((splits, B, Hkv, Rp), jnp.float32),
-            jax.ShapeDtypeStruct((splits, B, Hkv, Rp), jnp.float32),
-        ] + logit_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages or (
-            _STAGES_SMALL_TILE if Mb <= _MIN_ROWS else _STAGES)),
-        interpret=interpret,
-        name="dense_decode_stacked",
-    )(lay, lim, qg, k_all, v_all)
-
-    # Padding rows were never written: slice them off before combining.
-    out, lse = _combine_splits(o[:, :, :, :rows], m[:, :, :, :rows], l[:, :, :, :rows])  # [B, Hkv, rows(, D)]
-    out = out.reshape(B, Hkv, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D).astype(q.dtype)
+    Hkv, N = k_all.shape[2], k_all.shape[3]
+    G, rows = Hq // Hkv, T * (Hq // Hkv)
+    layers = jnp.stack([jnp.asarray(layer, jnp.int32)] * 2)
+    out, lse, lim, logits = _launch(q, k_all, v_all, layers, lengths, scale, config, interpret,
+                                    outputs="logits" if return_probs else "")
     res = [out]
     if return_lse:
         res.append(lse.reshape(B, Hkv, T, G).transpose(0, 2, 1, 3).reshape(B, T, Hq))
@@ -275,3 +322,39 @@ def dense_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array,
         p = jnp.where(sees, jnp.exp(s - lse.reshape(B, Hkv, T, G)[..., None]), 0.0).sum(axis=2)
         res.append(p.reshape(B, Hq, N))
     return res[0] if len(res) == 1 else tuple(res)
+
+
+@functools.partial(jax.jit, static_argnames=("block", "scale", "config", "interpret"), donate_argnames=("record",))
+def dense_decode_record_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, lengths: Array, record: Array,
+                            record_layer: Array, *, block: int = 16, scale: float | None = None,
+                            config: DenseDecodeConfig | None = None, interpret: bool = False):
+    """Dense decode of one new token per row that also writes its query heads' scaled logits into a stacked
+    record buffer in place and returns their maxima per block of keys (`reference.dense_decode_record_reference`
+    is the specification).
+
+    The kernel stores the logits it computes anyway (no second read of K, no XLA pass over them): row
+    record[b, h, record_layer] gets query head h's logits at the keys it sees (keys < lengths[b]; the rest of the
+    row is left as it was), and each program reduces its logits over blocks of `block` keys.
+
+    Args:
+      q: [B, 1, Hq, D] (bf16/f16); k_all, v_all: [L, B, Hkv, N, D]; layer: i32[] the cache's layer; lengths: i32[B]
+        (after the write); record: f32[B, Hq, Lw, N] (donated, updated in place); record_layer: i32[] its layer
+        to write; block: keys per block of the maxima (a power of two <= config.block_k).
+
+    Returns:
+      (out [B, 1, Hq, D] in q.dtype, lse f32[B, Hq] (-inf for a row with no visible key), record, block maxima
+      f32[B, Hq, ceil(N / block)]: the largest logit of the block's visible keys, -inf where it has none).
+    """
+    check_args(q, k_all, v_all, layer, lengths)
+    B, T, Hq, D = q.shape
+    Hkv, N = k_all.shape[2], k_all.shape[3]
+    config = default_config(D) if config is None else config
+    check_record_args(q, k_all, record, block, config.block_k)
+    G = Hq // Hkv
+    layers = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(record_layer, jnp.int32)])
+    out, lse, _, (record, bm) = _launch(q, k_all, v_all, layers, lengths, scale, config, interpret,
+                                        outputs="record", record=record, block=block)
+    nb = bm.shape[-1]
+    bm = bm[:, :, :G].reshape(B, Hq, nb)  # rows g of KV head h -> query head h * G + g
+    seen = jnp.arange(nb, dtype=jnp.int32)[None, None, :] * block < lengths.astype(jnp.int32)[:, None, None]
+    return out, lse.reshape(B, Hq), record, jnp.where(seen, bm, -jnp.inf)

@@ -11,6 +11,13 @@ the end, then clamp to [0, L - 1], as XLA's dynamic slice), so no value of it re
 With `return_lse` it also returns each query row's log-sum-exp of its scaled visible logits (-inf for a row with
 no visible key), from which `decode_probs_reference` (and `pallas_kernels.head_probs`, whose specification it
 is) rebuilds the post-softmax weights.
+
+  dense_decode_record_reference(q: [B, 1, Hq, D], k_all, v_all, layer, lengths, record: f32[B, Hq, Lw, N],
+                                record_layer: i32[], block) -> (out, lse f32[B, Hq], record, bmax)
+
+is one new token per row that also writes each query head's scaled logits into row `record_layer` of a stacked
+record buffer (the keys it sees; the rest of the row kept) and returns their maxima over blocks of `block` keys
+(`block_max`): what the STS draft's recording step needs to choose its top keys without an N-wide pass.
 """
 
 from __future__ import annotations
@@ -48,6 +55,20 @@ def check_args(q: Array, k_all: Array, v_all: Array, layer: Array, lengths: Arra
     if tuple(lengths.shape) != (B,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise ValueError(f"lengths has shape {tuple(lengths.shape)} and dtype {lengths.dtype}: expected "
                          f"int32[B={B}]")
+
+
+def check_record_args(q: Array, k_all: Array, record: Array, block: int, block_k: int | None = None) -> None:
+    """Validates `dense_decode_record`'s extra arguments (at trace time); raises ValueError naming the bad value."""
+    B, T, Hq, _ = q.shape
+    N = k_all.shape[3]
+    if T != 1:
+        raise ValueError(f"q has T={T} new tokens: the record writes one query's logits per row (T = 1)")
+    if record.ndim != 4 or record.shape[:2] != (B, Hq) or record.shape[3] != N or record.dtype != jnp.float32:
+        raise ValueError(f"record has shape {tuple(record.shape)} and dtype {record.dtype}: expected "
+                         f"f32[B={B}, Hq={Hq}, Lw, N={N}]")
+    if block < 1 or block & (block - 1) or (block_k is not None and block > block_k):
+        raise ValueError(f"block={block}: expected a power of two"
+                         + (f" <= the kernel's block_k={block_k}" if block_k is not None else ""))
 
 
 def layer_index(layer: Array, num_layers: int) -> Array:
@@ -130,3 +151,51 @@ def decode_probs_reference(q: Array, k_all: Array, layer: Array, lengths: Array,
     row_lse = lse.astype(jnp.float32).reshape(B, T, Hkv, Hq // Hkv).transpose(0, 2, 3, 1)[..., None]
     p = jnp.where(valid, jnp.exp(logits - row_lse), 0.0)
     return p.sum(axis=3).reshape(B, Hq, N)
+
+
+def block_max(x: Array, lengths: Array, block: int) -> Array:
+    """Maxima of x f32[B, H, N] over blocks of `block` keys, keys >= lengths[b] left out: f32[B, H, ceil(N / block)]
+    (block j: keys j * block ..), -inf for a block without a key below lengths."""
+    B, H, N = x.shape
+    nb = -(-N // block)
+    x = jnp.where(jnp.arange(N)[None, None, :] < lengths[:, None, None], x, -jnp.inf)
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, nb * block - N)), constant_values=-jnp.inf)
+    return x.reshape(B, H, nb, block).max(axis=-1)
+
+
+def write_record(q: Array, k: Array, lengths: Array, record: Array, record_layer: Array, block: int,
+                 scale: float | None = None) -> tuple[Array, Array]:
+    """The record part of `dense_decode_record_reference` for one layer's keys k: [B, Hkv, N, D]: (record with
+    row `record_layer` holding the scaled logits of the keys each query sees, block maxima of those logits)."""
+    B, _, Hq, _ = q.shape
+    N = k.shape[2]
+    logits, valid = _scaled_logits(q, k, lengths, scale)  # [B, Hkv, G, 1, N]
+    logits, valid = logits.reshape(B, Hq, N), valid.reshape(B, 1, N)
+    row = layer_index(record_layer, record.shape[2])
+    old = jax.lax.dynamic_index_in_dim(record, row, axis=2, keepdims=False)
+    record = jax.lax.dynamic_update_index_in_dim(record, jnp.where(valid, logits, old), row, axis=2)
+    return record, block_max(logits, lengths, block)
+
+
+@functools.partial(jax.jit, static_argnames=("block", "scale"))
+def dense_decode_record_reference(q: Array, k_all: Array, v_all: Array, layer: Array, lengths: Array,
+                                  record: Array, record_layer: Array, *, block: int = 16,
+                                  scale: float | None = None):
+    """Dense decode of one new token per row, its query heads' scaled logits written into a record buffer, and
+    their block maxima.
+
+    Args:
+      q: [B, 1, Hq, D]; k_all, v_all: [L, B, Hkv, N, D]; layer: i32[]; lengths: i32[B] (after the write);
+      record: f32[B, Hq, Lw, N]; record_layer: i32[] the record's layer to write; block: keys per block.
+
+    Returns:
+      (out [B, 1, Hq, D] in q.dtype, as `dense_decode_stacked_reference`; lse f32[B, Hq]; record with
+      record[b, h, record_layer, n] = q[b, 0, h] . k_all[layer, b, h // G, n] * scale for n < lengths[b] (the
+      other entries as they were); bmax f32[B, Hq, ceil(N / block)] = `block_max` of those logits).
+      exp(logit - lse) at the visible keys is `decode_probs_reference`'s weight.
+    """
+    check_args(q, k_all, v_all, layer, lengths)
+    check_record_args(q, k_all, record, block)
+    out, lse = dense_decode_stacked_reference(q, k_all, v_all, layer, lengths, scale=scale, return_lse=True)
+    record, bmax = write_record(q, select_layer(k_all, layer), lengths, record, record_layer, block, scale)
+    return out, lse[:, 0], record, bmax
