@@ -6,12 +6,14 @@ Per (context, batch) cell, in one process (dense measured in the same run):
     (`STS(row_merge="scatter")`, the path before issue 23's index-level merge) and at index level
     (`row_merge="index"`, `jsparse.methods.sts.merge_rows`);
   * the draft's own steps: dense (no record), STS's round-opening step (T = 2: dense + a top-W per layer and head
-    over the cache), STS's later step with dense attention + top-W (the paper's) and with `first_step_mask`
+    over the cache; its default `record_selection`, and "rows": the whole-row selection before 2026-12-01), STS's
+    later step with dense attention + top-W (the paper's; both selections) and with `first_step_mask`
     (attention through the first step's record plus the round's new keys, no top-W);
     and with `first_step_mask` and a pool of `mask_pool` p * W keys (POOLS; the first step takes the top p * W);
   * whole rounds (gamma draft steps + verification, `models.speculative.round_step`, caches donated) for dense
     speculative decoding and for STS (ROUND_VARIANTS): "old" (scatter merge, dense draft steps), "index"
-    (index-level merge, dense draft steps), "index+mask" (index-level merge, `first_step_mask`),
+    (index-level merge, dense draft steps), "index+rows" (the same with `record_selection="rows"`), "index+mask"
+    (index-level merge, `first_step_mask`),
     "index+mask_poolP" (the same with `mask_pool` P), "index+densemask_poolP" (the pool with
     `mask_attention=False`: dense later draft steps, the record limited to the pool). A round does the same work
     whatever the accepted length a (the forward shapes are fixed), so each round is timed once (a forced to
@@ -179,6 +181,7 @@ def main():
                 base = STS(head_map=jnp.asarray(head_map), budget=float(budget), draft_layers=D_CFG.num_layers,
                            draft_heads=D_CFG.num_heads, row_merge="index")  # labelled "index" below ("auto": either)
                 variants = {"old": base.replace(row_merge="scatter"), "index": base,
+                            "index+rows": base.replace(record_selection="rows"),
                             "index+mask": base.replace(first_step_mask=True)}
                 variants.update({f"index+mask_pool{p}": base.replace(first_step_mask=True, mask_pool=p)
                                  for p in POOLS})
@@ -203,7 +206,9 @@ def main():
                 copy = lambda r: jax.tree_util.tree_map(jnp.copy, r)  # noqa: E731
                 two = jnp.ones((B, 2), jnp.int32)
                 steps = [("draft_sts_first_step_ms", pairs["index"][1], two),
-                         ("draft_sts_later_step_dense_ms", pairs["index"][1], tok[:, None])]
+                         ("draft_sts_later_step_dense_ms", pairs["index"][1], tok[:, None]),
+                         ("draft_sts_first_step_rows_ms", pairs["index+rows"][1], two),
+                         ("draft_sts_later_step_dense_rows_ms", pairs["index+rows"][1], tok[:, None])]
                 for name in ["index+mask"] + [f"index+{m}_pool{p}" for m in ("mask", "densemask") for p in POOLS]:
                     suffix = name.split("+")[1]
                     steps += [(f"draft_sts_first_step_{suffix}_ms", pairs[name][1], two),
@@ -250,8 +255,9 @@ def main():
                 line = (f"ctx {ctx} B {B} k {budget}: dense step {t_dense_step:.2f} ms | verify dense {t_ver_dense:.2f} "
                         f"old {row['verify_sts_old_ms']:.2f} ({row['verify_speedup_old']:.2f}x) index "
                         f"{row['verify_sts_index_ms']:.2f} ({row['verify_speedup_index']:.2f}x) | draft dense "
-                        f"{t_draft_dense:.2f} first {row['draft_sts_first_step_ms']:.2f} later dense "
-                        f"{row['draft_sts_later_step_dense_ms']:.2f} mask "
+                        f"{t_draft_dense:.2f} first {row['draft_sts_first_step_ms']:.2f} (rows "
+                        f"{row['draft_sts_first_step_rows_ms']:.2f}) later dense {row['draft_sts_later_step_dense_ms']:.2f}"
+                        f" (rows {row['draft_sts_later_step_dense_rows_ms']:.2f}) mask "
                         + " / ".join(f"{row[k]:.2f}" for k in row if k.startswith("draft_sts_later_step_mask")))
                 if "sts_round_ms" in row:
                     line += " | a=%d vs dense decode: " % ACCEPT + ", ".join(
