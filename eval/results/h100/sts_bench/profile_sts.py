@@ -4,7 +4,8 @@ trace), on the shapes of `bench_sts.py` (Llama-3.1-8B target, Llama-3.2-1B draft
 Steps profiled at CTX (default 100000), batch B (default 2), budget K (default 512): the target's dense verification
 (T = gamma + 1), the STS verification (index merge), the draft's dense step, its STS first step (T = 2) and later
 step (dense + top-W; and with `first_step_mask`). STEPS (comma-separated, default all) picks steps by name:
-verify_dense, dense_step (T = 1), verify_sts, target_step_1k, draft_dense, draft_first, draft_later_dense, draft_later_mask.
+verify_dense, dense_step (T = 1), verify_sts, target_step_1k, draft_dense, draft_first, draft_later_dense, draft_later_mask,
+and draft_first_rows, draft_later_dense_rows (the two recording steps with `record_selection="rows"`).
 Writes $OUT/$JSON (default profile_sts.json: per step the wall time, the kernels' total time, the launches, and
 per kernel name its time and launches per call) and prints the top kernels per step; HLO=1 also writes the STS
 verification's optimized HLO to $OUT/hlo_verify_sts.txt. LAYOUT: the weights' layout, as in `bench_sts.py`.
@@ -83,6 +84,7 @@ def main():
                draft_heads=D_CFG.num_heads)
     tm, dm = base.for_round(D_CFG, GAMMA)
     _, dmm = base.replace(first_step_mask=True).for_round(D_CFG, GAMMA)
+    _, dmr = base.replace(record_selection="rows").for_round(D_CFG, GAMMA)
     W = tm.decode_width(cap)
     rec = bs.random_record(rng, D_CFG, B, W, n)
     res = dict(command=f"CTX={CTX} B={B} K={K} STEPS={','.join(sorted(STEPS))} "
@@ -109,7 +111,8 @@ def main():
     copy = lambda r: jax.tree_util.tree_map(jnp.copy, r)  # noqa: E731
     dc = st[0].replace(lengths=jnp.full((B,), n, jnp.int32))
     for label, m, t in (("draft_first", dm, jnp.ones((B, 2), jnp.int32)), ("draft_later_dense", dm, tok),
-                        ("draft_later_mask", dmm, tok)):
+                        ("draft_later_mask", dmm, tok), ("draft_first_rows", dmr, jnp.ones((B, 2), jnp.int32)),
+                        ("draft_later_dense_rows", dmr, tok)):
         if not wanted(label):
             continue
         st = (dc, copy(rec))
