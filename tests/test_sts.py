@@ -712,12 +712,15 @@ def test_select_by_blocks_keeps_the_keys_of_the_row_selection(carry):
 
 
 def test_record_selection_option():
-    """record_selection="auto" selects by blocks while W blocks of keys are at most 16384 and half the cache (budget
-    512 at 32K-100K; not budget 4096, nor a `mask_pool` of 4 at 100K); a bad value is an error naming it."""
+    """record_selection="auto" selects by blocks in one-query steps while W blocks of keys are at most 16384 and half
+    the cache (budget 512 at 32K-100K; not budget 4096, nor a `mask_pool` of 4 at 100K, nor the round's two-query
+    first step); a bad value is an error naming it."""
     from jsparse.methods.sts import StsDraft
 
     auto = StsDraft()
     assert auto.record_by_blocks(520, 100_000) and auto.record_by_blocks(520, 32_768)
+    assert not auto.record_by_blocks(520, 100_000, q_len=2) and StsDraft(record_selection="blocks").record_by_blocks(
+        520, 100_000, q_len=2)
     assert not auto.record_by_blocks(4104, 100_000) and not auto.record_by_blocks(4 * 520, 100_000)
     assert not auto.record_by_blocks(520, 16_000)
     assert StsDraft(record_selection="blocks").record_by_blocks(4104, 100)

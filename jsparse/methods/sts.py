@@ -386,16 +386,18 @@ class _Budget:
     # How a recording step after the layer scan takes each row's top W: "blocks" (`select_by_blocks`: from the
     # maxima of its rows over blocks of RECORD_BLOCK keys, the W best blocks' keys alone; in a one-query step the
     # dense decode kernel writes the logits and block maxima in place, so no pass turns the logits into weights),
-    # "rows" (`topk_select` over every key of the rows), or "auto" (blocks while W * RECORD_BLOCK is at most
-    # RECORD_MAX_CANDIDATES and half the cache: budget 512 at 32K-100K; rows for larger budgets and with a
-    # `mask_pool` of 4). The same keys and weights either way (tested).
+    # "rows" (`topk_select` over every key of the rows), or "auto" (blocks in one-query steps while W *
+    # RECORD_BLOCK is at most RECORD_MAX_CANDIDATES and half the cache: budget 512 at 32K-100K; rows for larger
+    # budgets and in the round's first step, T = 2, whose weights sum two queries' and need an XLA pass anyway:
+    # there blocks took 11.24 ms against 10.67 ms by rows at 100K, batch 7 on an H200, and the one-query step 8.81
+    # against 10.03 ms, eval/results/h200/record_blocks/). The same keys and weights either way (tested).
     record_selection: str = struct.field(pytree_node=False, default="auto")
 
-    def record_by_blocks(self, width: int, N: int) -> bool:
-        """Whether a recording step of `width` keys per row over N cache slots selects by blocks."""
+    def record_by_blocks(self, width: int, N: int, q_len: int = 1) -> bool:
+        """Whether a recording step of q_len queries and `width` keys per row over N cache slots selects by blocks."""
         if self.record_selection != "auto":
             return self.record_selection == "blocks"
-        return width * RECORD_BLOCK <= min(RECORD_MAX_CANDIDATES, N // 2)
+        return q_len == 1 and width * RECORD_BLOCK <= min(RECORD_MAX_CANDIDATES, N // 2)
 
     def decode_width(self, capacity: int) -> int:
         """Draft keys recorded per decode row: the budget plus `slack` (the round's own new keys, which the
@@ -440,7 +442,7 @@ class StsDraft(_Budget):
         rows = ("batch", "heads", None, None)
         weights = scratch((B, cfg.num_heads, cfg.num_layers, kv_len), jnp.float32)
         state = state.replace(weights=constrain(weights, rows), lengths=lengths)
-        if self.record_by_blocks(self._recorded(state)[0].shape[-1], kv_len):  # every layer writes its whole row
+        if self.record_by_blocks(self._recorded(state)[0].shape[-1], kv_len, q_len):  # each layer writes its row
             nb = -(-kv_len // RECORD_BLOCK)
             state = state.replace(bmax=constrain(scratch((B, cfg.num_heads, cfg.num_layers, nb), jnp.float32), rows))
             if q_len == 1:
