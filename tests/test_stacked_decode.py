@@ -215,22 +215,26 @@ RECORD_CASES = [
 @pytest.mark.parametrize("case,config", RECORD_CASES)
 def test_dense_record_gpu_interpret_matches_reference(case, config):
     """`dense_decode_record`: the kernel's output, log-sum-exps, the logits it writes into the record buffer in
-    place (the keys each row sees; the rest of the buffer untouched) and their block maxima equal the reference."""
+    place (the keys each row sees; the rest of the buffer untouched) and their block maxima (-inf past each row's
+    length, written into the block buffer's row in place) equal the reference."""
     from pallas_kernels.dense_decode.reference import dense_decode_record_reference
 
     L, B, Hq, Hkv, D, N, lengths, Lw, block = case
     rng, q, k_all, v_all, lens = stacked_inputs(16, L, B, 1, Hq, Hkv, D, N, lengths, jnp.bfloat16)
     record = randn(rng, (B, Hq, Lw, N), jnp.float32)
+    bmax = randn(rng, (B, Hq, Lw, -(-N // block)), jnp.float32)
     layer, row = jnp.int32(L - 1), jnp.int32(Lw - 1)
-    want = dense_decode_record_reference(q, k_all, v_all, layer, lens, record, row, block=block)
-    got = dgpu.dense_decode_record_gpu(q, k_all, v_all, layer, lens, jnp.array(record), row, block=block,
-                                       config=config, interpret=True)
+    want = dense_decode_record_reference(q, k_all, v_all, layer, lens, record, bmax, row, block=block)
+    got = dgpu.dense_decode_record_gpu(q, k_all, v_all, layer, lens, jnp.array(record), jnp.array(bmax), row,
+                                       block=block, config=config, interpret=True)
     assert_close(got[0], want[0], jnp.bfloat16, "record out")
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-5, atol=1e-5)
-    assert np.array_equal(np.asarray(got[2])[:, :, :-1], np.asarray(record)[:, :, :-1])  # other layers untouched
-    gb, wb = np.asarray(got[3]), np.asarray(want[3])
-    assert gb.shape == (B, Hq, -(-N // block)) and np.array_equal(np.isneginf(gb), np.isneginf(wb))
+    for g, old in ((got[2], record), (got[3], bmax)):  # the other layers untouched
+        assert np.array_equal(np.asarray(g)[:, :, :-1], np.asarray(old)[:, :, :-1])
+    gb, wb = np.asarray(got[3])[:, :, -1], np.asarray(want[3])[:, :, -1]
+    assert np.array_equal(np.isneginf(gb), np.isneginf(wb))
+    assert np.isneginf(gb).any() == (min(lengths) + block <= N)  # blocks past a row's length: -inf
     np.testing.assert_allclose(np.where(np.isinf(gb), 0, gb), np.where(np.isinf(wb), 0, wb), rtol=1e-5, atol=1e-5)
     p = np.exp(np.asarray(got[2])[:, :, -1] - np.asarray(got[1])[..., None])  # the weights the logits give
     p = np.where(np.arange(N)[None, None] < np.asarray(lens)[:, None, None], p, 0.0)
@@ -239,34 +243,38 @@ def test_dense_record_gpu_interpret_matches_reference(case, config):
 
 def test_dense_record_api_and_errors():
     """`dense_decode_record` off a GPU ("sliced": `dense_decode` on the slice, the record in XLA) equals the reference,
-    names bad arguments, and lowers for CUDA with the record buffer aliased to the kernel's output (in place)."""
+    names bad arguments, and lowers for CUDA with both record buffers aliased to the kernel's outputs (in place)."""
     from pallas_kernels.dense_decode import dense_decode_record, dense_decode_record_reference
 
     L, B, Hq, Hkv, D, N = 2, 2, 4, 2, 16, 40
     rng, q, k_all, v_all, lens = stacked_inputs(17, L, B, 1, Hq, Hkv, D, N, [40, 9], jnp.float32)
-    record = randn(rng, (B, Hq, 3, N), jnp.float32)
-    want = dense_decode_record_reference(q, k_all, v_all, 1, lens, record, 2, block=8)
+    record, bmax = randn(rng, (B, Hq, 3, N), jnp.float32), randn(rng, (B, Hq, 3, 5), jnp.float32)
+    want = dense_decode_record_reference(q, k_all, v_all, 1, lens, record, bmax, 2, block=8)
     for impl in (None, "sliced", "reference"):
-        got = dense_decode_record(q, k_all, v_all, 1, lens, record, 2, block=8, implementation=impl)
+        got = dense_decode_record(q, k_all, v_all, 1, lens, record, bmax, 2, block=8, implementation=impl)
         assert_close(got[0], want[0], jnp.float32, f"record api {impl}")
         for g, w in zip(got[1:], want[1:]):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="T=2 new tokens"):
-        dense_decode_record(jnp.zeros((B, 2, Hq, D)), k_all, v_all, 0, lens, record, 0)
+        dense_decode_record(jnp.zeros((B, 2, Hq, D)), k_all, v_all, 0, lens, record, bmax, 0)
     with pytest.raises(ValueError, match=r"record has shape \(2, 4, 3, 39\)"):
-        dense_decode_record(q, k_all, v_all, 0, lens, record[..., :-1], 0)
+        dense_decode_record(q, k_all, v_all, 0, lens, record[..., :-1], bmax, 0)
+    with pytest.raises(ValueError, match=r"bmax has shape \(2, 4, 3, 4\) .* expected f32\[2, 4, 3, 5\]"):
+        dense_decode_record(q, k_all, v_all, 0, lens, record, bmax[..., :-1], 0, block=8)
     with pytest.raises(ValueError, match="block=12"):
-        dense_decode_record(q, k_all, v_all, 0, lens, record, 0, block=12)
+        dense_decode_record(q, k_all, v_all, 0, lens, record, bmax, 0, block=12)
     with pytest.raises(ValueError, match="block=256: expected a power of two <= the kernel's block_k=64"):
         dgpu.dense_decode_record_gpu(q.astype(jnp.bfloat16), k_all.astype(jnp.bfloat16), v_all.astype(jnp.bfloat16),
-                                     0, lens, record, 0, block=256, interpret=True)
+                                     0, lens, record, bmax, 0, block=256, interpret=True)
     sds = jax.ShapeDtypeStruct
     big = sds((16, 7, 8, 100000, 64), jnp.bfloat16)  # the STS draft at 100K, batch 7
     exp = export_for("cuda", functools.partial(dgpu.dense_decode_record_gpu, block=16), sds((7, 1, 32, 64), jnp.bfloat16),
                      big, big, sds((), jnp.int32), sds((7,), jnp.int32), sds((7, 32, 16, 100000), jnp.float32),
-                     sds((), jnp.int32))
+                     sds((7, 32, 16, 6250), jnp.float32), sds((), jnp.int32))
     text = exp.mlir_module()
-    assert "dense_decode_stacked_record" in text and "output_operand_alias<output_tuple_indices = [3]" in text
+    assert "dense_decode_stacked_record" in text
+    for out, operand in ((3, 5), (4, 6)):
+        assert f"output_operand_alias<output_tuple_indices = [{out}], operand_index = {operand}" in text
 
 
 @pytest.mark.parametrize("T, config, stages", [(1, dgpu.DenseDecodeConfig(), 4), (5, dgpu.DenseDecodeConfig(), 3),

@@ -194,8 +194,8 @@ def _topk_visible(probs: Array, lengths: Array, W: int, implementation: str | No
 
 
 def select_by_blocks(rows: Array, bmax: Array, rec_idx: Array, rec_val: Array, lengths: Array, carry: float,
-                     lse: Array | None = None, implementation: str | None = None,
-                     block: int = RECORD_BLOCK) -> tuple[Array, Array]:
+                     lse: Array | None = None, implementation: str | None = None, block: int = RECORD_BLOCK,
+                     config=None) -> tuple[Array, Array]:
     """`StsDraft._select` (the top W of each row's weights plus `carry` times its earlier record) read through
     the rows' block maxima: the same keys and weights, from the keys of the W best blocks alone.
 
@@ -212,7 +212,7 @@ def select_by_blocks(rows: Array, bmax: Array, rec_idx: Array, rec_val: Array, l
       bmax: f32[B, R, ceil(N / block)] the rows' maxima over blocks of `block` keys below lengths, -inf for a
         block without such a key (`block_max`).
       rec_idx, rec_val: [B, R, W] the earlier record (-1 padded), added `carry` times.
-      lengths: i32[B]; lse: f32[B, R] or None (see rows).
+      lengths: i32[B]; lse: f32[B, R] or None (see rows); implementation, config: `topk_select`'s.
 
     Returns:
       (val, idx) [B, R, W] as `_topk_visible`'s (positions ascending, then -inf / -1).
@@ -231,7 +231,7 @@ def select_by_blocks(rows: Array, bmax: Array, rec_idx: Array, rec_val: Array, l
     if carry:  # a recorded key's score raises its block's
         rec_s = weight(jnp.take_along_axis(rows, rec_pos, axis=-1)) + carry * rec_val
         scores = scores.at[b, r, jnp.where(recorded, rec_pos // block, nb)].max(rec_s, mode="drop")
-    blocks = topk_select(scores, W, W, implementation=implementation)  # [B, R, Wb] ascending, -1 padded
+    blocks = topk_select(scores, W, W, implementation=implementation, config=config)  # [B, R, Wb] ascending
     Wb = blocks.shape[-1]
     pos = (blocks[..., None] * block + jnp.arange(block, dtype=jnp.int32)).reshape(B, R, Wb * block)
     valid = (jnp.repeat(blocks, block, axis=-1) >= 0) & (pos < lim)
@@ -244,7 +244,7 @@ def select_by_blocks(rows: Array, bmax: Array, rec_idx: Array, rec_val: Array, l
         slot = jnp.where(hit, j * block + rec_pos % block, Wb * block)
         cand = cand.at[b, r, slot].add(jnp.where(hit, carry * rec_val, 0.0), mode="drop")
     cand = jnp.where(valid, cand, NEG_INF)
-    pick = topk_select(cand, jnp.minimum(lengths, W)[:, None], W, implementation=implementation)
+    pick = topk_select(cand, jnp.minimum(lengths, W)[:, None], W, implementation=implementation, config=config)
     ok = pick >= 0
     safe = jnp.maximum(pick, 0)
     idx = jnp.where(ok, jnp.take_along_axis(pos, safe, axis=-1), -1)
@@ -514,8 +514,8 @@ class StsDraft(_Budget):
         if state.lse is not None:  # by blocks, one query: the kernel writes the logits into the buffer in place
             k_all, v_all, layer = stacked_cache(cache)
             out, lse, weights, bmax = dense_decode_record(q, k_all, v_all, layer, ctx.lengths, state.weights,
-                                                          ctx.layer, block=RECORD_BLOCK)
-            return out, state.replace(weights=weights, lse=at_layer(state.lse, lse), bmax=at_layer(state.bmax, bmax))
+                                                          state.bmax, ctx.layer, block=RECORD_BLOCK)
+            return out, state.replace(weights=weights, lse=at_layer(state.lse, lse), bmax=bmax)
         out, probs = attend_and_probs(q, cache, ctx.lengths)  # probs f32[B, Hq, N], 0 at keys >= lengths
         if state.weights is not None:  # selected after the layer scan, every layer at once (`finish`)
             state = state.replace(weights=at_layer(state.weights, probs))

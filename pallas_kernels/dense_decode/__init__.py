@@ -8,10 +8,10 @@ layer's cache that XLA makes when a custom call (cuDNN, a Pallas kernel) consume
 model's layer scan. gpu.py is the Pallas Triton split-K kernel; reference.py the plain-jnp specification;
 api.py dispatches (elsewhere than on a GPU it slices and calls `pallas_kernels.dense.dense_decode`).
 
-  dense_decode_record(q: [B, 1, Hq, D], k_all, v_all, layer, lengths, record: f32[B, Hq, Lw, N], record_layer)
-      -> (out, lse f32[B, Hq], record, bmax f32[B, Hq, ceil(N / block)])
+  dense_decode_record(q: [B, 1, Hq, D], k_all, v_all, layer, lengths, record: f32[B, Hq, Lw, N],
+                      bmax: f32[B, Hq, Lw, ceil(N / block)], record_layer) -> (out, lse f32[B, Hq], record, bmax)
 
-also writes the query heads' logits into a stacked record buffer in place and returns their block maxima.
+also writes the query heads' logits and their block maxima into stacked record buffers in place.
 """
 
 from pallas_kernels.dense_decode.api import IMPLEMENTATIONS, dense_decode_record, dense_decode_stacked, supported

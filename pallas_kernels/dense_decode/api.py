@@ -100,30 +100,30 @@ def dense_decode_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, len
 
 
 def dense_decode_record(q: Array, k_all: Array, v_all: Array, layer: Array, lengths: Array, record: Array,
-                        record_layer: Array, *, block: int = 16, implementation: str | None = None):
+                        bmax: Array, record_layer: Array, *, block: int = 16, implementation: str | None = None):
     """Dense decode of one new token per row that also writes each query head's scaled logits into row
-    `record_layer` of a stacked record buffer and returns their maxima per block of `block` keys.
+    `record_layer` of a stacked record buffer and their maxima per block of `block` keys into bmax.
 
     Args:
       q: [B, 1, Hq, D]; k_all, v_all: [L, B, Hkv, N, D] (the new tokens written); layer: i32[] the cache's layer;
-      lengths: i32[B]; record: f32[B, Hq, Lw, N] (updated in place on a GPU: do not reuse the argument);
-      record_layer: i32[] the record's layer; block: a power of two (<= the kernel's block_k on a GPU);
-      implementation: as `dense_decode_stacked`'s.
+      lengths: i32[B]; record: f32[B, Hq, Lw, N] and bmax: f32[B, Hq, Lw, ceil(N / block)] (updated in place on a
+      GPU: do not reuse the arguments); record_layer: i32[] their layer; block: a power of two (<= the kernel's
+      block_k on a GPU); implementation: as `dense_decode_stacked`'s.
 
     Returns:
-      (out [B, 1, Hq, D], lse f32[B, Hq], record, bmax f32[B, Hq, ceil(N / block)]) as
-      `reference.dense_decode_record_reference`: record[b, h, record_layer, n] = the scaled logit of key n for
-      n < lengths[b] (the rest of the row kept), bmax the largest of them per block (-inf for a block without
-      one), exp(logit - lse) their post-softmax weights.
+      (out [B, 1, Hq, D], lse f32[B, Hq], record, bmax) as `reference.dense_decode_record_reference`:
+      record[b, h, record_layer, n] = the scaled logit of key n for n < lengths[b] (the rest of the row kept),
+      bmax[b, h, record_layer] the largest of them per block (-inf for a block without one), exp(logit - lse)
+      their post-softmax weights.
     """
     reference.check_args(q, k_all, v_all, layer, lengths)
-    reference.check_record_args(q, k_all, record, block)
+    reference.check_record_args(q, k_all, record, block, None, bmax)
     if active_mesh() is not None:  # per shard: rows over data, heads over model
         kv, rec = dims(5, 1, 2), dims(4, 0, 1)
-        return per_shard(lambda q, k, v, layer, lengths, record, record_layer: dense_decode_record(
-            q, k, v, layer, lengths, record, record_layer, block=block, implementation=implementation),
-            [q, k_all, v_all, layer, lengths, record, record_layer], [dims(4, 0, 2), kv, kv, (), dims(1, 0), rec, ()],
-            (dims(4, 0, 2), dims(2, 0, 1), rec, dims(3, 0, 1)))
+        return per_shard(lambda q, k, v, layer, lengths, record, bmax, record_layer: dense_decode_record(
+            q, k, v, layer, lengths, record, bmax, record_layer, block=block, implementation=implementation),
+            [q, k_all, v_all, layer, lengths, record, bmax, record_layer],
+            [dims(4, 0, 2), kv, kv, (), dims(1, 0), rec, rec, ()], (dims(4, 0, 2), dims(2, 0, 1), rec, rec))
     if implementation is None:
         on_gpu = jax.default_backend() == "gpu"
         implementation = "pallas_gpu" if on_gpu and supported("pallas_gpu", q) else "sliced"
@@ -134,12 +134,12 @@ def dense_decode_record(q: Array, k_all: Array, v_all: Array, layer: Array, leng
         raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
     if implementation == "pallas_gpu":
         from pallas_kernels.dense_decode import gpu
-        return gpu.dense_decode_record_gpu(q, k_all, v_all, layer, lengths, record, record_layer, block=block,
+        return gpu.dense_decode_record_gpu(q, k_all, v_all, layer, lengths, record, bmax, record_layer, block=block,
                                            config=CONFIGS.get(q.shape[-1]))
     if implementation == "reference":
-        return reference.dense_decode_record_reference(q, k_all, v_all, layer, lengths, record, record_layer,
+        return reference.dense_decode_record_reference(q, k_all, v_all, layer, lengths, record, bmax, record_layer,
                                                        block=block)
     k = reference.select_layer(k_all, layer)
     out = dense.dense_decode(q, k, reference.select_layer(v_all, layer), lengths)
-    record, bmax = reference.write_record(q, k, lengths, record, record_layer, block)
+    record, bmax = reference.write_record(q, k, lengths, record, bmax, record_layer, block)
     return out, reference.decode_lse(q, k, lengths)[:, 0], record, bmax

@@ -114,13 +114,14 @@ def _decode_kernel(layer_ref, lim_ref, q_ref, k_ref, v_ref, *refs, scale: float,
     `outputs`:
       "logits": s_ref f32[Mb, N], the scaled logits (masked -1e30 past a row's last key) of the real rows at the
         keys this program reads (the rest unwritten);
-      "record" (T = 1: the rows are the KV head's G query heads, all seeing keys <= hi): the record buffer's
-        input (aliased, unused), w_ref f32[G, Lw, N]: the scaled logits of the keys <= hi written in place at
-        w_ref[g, layer_ref[1], key], and bm_ref f32[Mb, NB]: their maxima over blocks of `block` keys (block
-        j: keys j * block ..; written for the blocks that hold a key <= hi).
+      "record" (T = 1: the rows are the KV head's G query heads, all seeing keys <= hi): the record buffers'
+        inputs (aliased, unused), then w_ref f32[G, Lw, N]: the scaled logits of the keys <= hi written in place
+        at w_ref[g, layer_ref[1], key], and bm_ref f32[G, Lw, NB]: their maxima over blocks of `block` keys
+        (block j: keys j * block ..), -inf for the blocks past hi, the program's blocks of its split, in place.
     """
-    o_ref, m_ref, l_ref = refs[:3] if outputs != "record" else refs[1:4]
-    extra = refs[3:] if outputs != "record" else refs[4:]
+    o_ref, m_ref, l_ref = refs[:3] if outputs != "record" else refs[2:5]
+    extra = refs[3:] if outputs != "record" else refs[5:]
+    head = jnp.arange(q_ref.shape[0], dtype=jnp.int32)  # row r of the tile: query head r of the KV group
     layer = layer_ref[0]
     real = pl.program_id(2) * q_ref.shape[0] + jnp.arange(q_ref.shape[0], dtype=jnp.int32) < rows
     split = pl.program_id(3)
@@ -145,16 +146,12 @@ def _decode_kernel(layer_ref, lim_ref, q_ref, k_ref, v_ref, *refs, scale: float,
         if outputs == "logits":
             plgpu.store(extra[0].at[:, span], s, mask=real[:, None] & (kpos <= hi)[None, :])
         elif outputs == "record":
+            # Padding rows (r >= rows) and keys past hi are masked (no write; distinct addresses, so the
+            # interpreter's scatter drops them too).
             w_ref, bm_ref = extra
-            # Row r of the tile is query head r of the KV group; padding rows (r >= rows) and keys past hi are
-            # masked (no write; distinct addresses, so the interpreter's scatter drops them too).
-            head = jnp.arange(mb, dtype=jnp.int32)
             plgpu.store(w_ref.at[head[:, None], layer_ref[1], kpos[None, :]], s,
                         mask=real[:, None] & (kpos <= hi)[None, :])
-            nb = block_k // block
-            blk = k0 // block + jnp.arange(nb, dtype=jnp.int32)
-            plgpu.store(bm_ref.at[jnp.arange(mb, dtype=jnp.int32)[:, None], blk[None, :]],
-                        jnp.max(s.reshape(mb, nb, block), axis=2), mask=real[:, None] & (blk * block <= hi)[None, :])
+            store_block_max(bm_ref, k0, jnp.max(s.reshape(mb, block_k // block, block), axis=2))
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         corr = jnp.exp(m - m_new)
         p = jnp.where(ok, jnp.exp(s - m_new[:, None]), 0.0)
@@ -162,8 +159,20 @@ def _decode_kernel(layer_ref, lim_ref, q_ref, k_ref, v_ref, *refs, scale: float,
         o = corr[:, None] * o + plgpu.dot(p.astype(v.dtype), v)
         return o, m_new, l
 
+    def store_block_max(bm_ref, k0, bmax):  # bmax [Mb, block_k // block] of the blocks from key k0 on
+        blk = k0 // block + jnp.arange(block_k // block, dtype=jnp.int32)
+        plgpu.store(bm_ref.at[head[:, None], layer_ref[1], blk[None, :]],
+                    jnp.where((blk * block <= hi)[None, :], bmax, -jnp.inf),
+                    mask=real[:, None] & (blk < bm_ref.shape[-1])[None, :])
+
     init = (jnp.zeros((mb, d), jnp.float32), jnp.full((mb,), _MASK, jnp.float32), jnp.zeros((mb,), jnp.float32))
     o, m, l = lax.fori_loop(0, n_iter, body, init)
+    if outputs == "record":  # the split's blocks past hi: -inf (no key read)
+        def past(i, c):
+            store_block_max(extra[1], start + i * block_k, jnp.full((mb, block_k // block), -jnp.inf, jnp.float32))
+            return c
+
+        lax.fori_loop(n_iter, chunk // block_k, past, 0)
     plgpu.store(o_ref, o, mask=real[:, None])
     plgpu.store(m_ref, m, mask=real)
     plgpu.store(l_ref, l, mask=real)
@@ -212,7 +221,7 @@ def plan(B: int, T: int, Hq: int, Hkv: int, N: int, config: DenseDecodeConfig) -
 
 def _launch(q: Array, k_all: Array, v_all: Array, layers: Array, lengths: Array, scale: float | None,
             config: DenseDecodeConfig | None, interpret: bool, outputs: str = "", record: Array | None = None,
-            block: int = 0):
+            bmax: Array | None = None, block: int = 0):
     """Checks the arguments and runs the kernel: (out [B, T, Hq, D], lse f32[B, Hkv, rows], lim i32[B, Rp], the
     extra outputs of `outputs` (`_decode_kernel`)). layers: i32[2] (the cache's layer, the record's layer)."""
     check_args(q, k_all, v_all, layers[0], lengths)
@@ -257,15 +266,14 @@ def _launch(q: Array, k_all: Array, v_all: Array, layers: Array, lengths: Array,
         out_specs.append(pl.BlockSpec((None, None, Mb, N), lambda b, h, r, s: (b, h, r, 0)))
         out_shape.append(jax.ShapeDtypeStruct((B, Hkv, Rp, N), jnp.float32))
     elif outputs == "record":
-        # record f32[B, Hq, Lw, N]: the program of KV head h writes the rows of query heads h * G .. h * G + G - 1.
-        w_spec = pl.BlockSpec((None, G, record.shape[2], N), lambda b, h, r, s: (b, h, 0, 0))
-        nb = pl.cdiv(N, block)
-        in_specs.append(w_spec)
-        args.append(record)
-        aliases = {len(args) - 1: 3}
-        out_specs += [w_spec, pl.BlockSpec((None, None, Mb, nb), lambda b, h, r, s: (b, h, r, 0))]
-        out_shape += [jax.ShapeDtypeStruct(record.shape, jnp.float32), jax.ShapeDtypeStruct((B, Hkv, Rp, nb),
-                                                                                              jnp.float32)]
+        # record f32[B, Hq, Lw, N], bmax f32[B, Hq, Lw, NB]: the program of KV head h writes the rows of query heads
+        # h * G .. h * G + G - 1, in place.
+        specs = [pl.BlockSpec((None, G) + x.shape[2:], lambda b, h, r, s: (b, h, 0, 0)) for x in (record, bmax)]
+        in_specs += specs
+        args += [record, bmax]
+        aliases = {len(args) - 2: 3, len(args) - 1: 4}
+        out_specs += specs
+        out_shape += [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (record, bmax)]
     o, m, l, *extra = pl.pallas_call(
         kernel, grid=(B, Hkv, R, splits), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         input_output_aliases=aliases,
@@ -324,37 +332,34 @@ def dense_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array,
     return res[0] if len(res) == 1 else tuple(res)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "scale", "config", "interpret"), donate_argnames=("record",))
+@functools.partial(jax.jit, static_argnames=("block", "scale", "config", "interpret"),
+                   donate_argnames=("record", "bmax"))
 def dense_decode_record_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, lengths: Array, record: Array,
-                            record_layer: Array, *, block: int = 16, scale: float | None = None,
+                            bmax: Array, record_layer: Array, *, block: int = 16, scale: float | None = None,
                             config: DenseDecodeConfig | None = None, interpret: bool = False):
-    """Dense decode of one new token per row that also writes its query heads' scaled logits into a stacked
-    record buffer in place and returns their maxima per block of keys (`reference.dense_decode_record_reference`
-    is the specification).
+    """Dense decode of one new token per row that also writes its query heads' scaled logits and their maxima per
+    block of keys into stacked record buffers in place (`reference.dense_decode_record_reference` is the
+    specification).
 
     The kernel stores the logits it computes anyway (no second read of K, no XLA pass over them): row
     record[b, h, record_layer] gets query head h's logits at the keys it sees (keys < lengths[b]; the rest of the
-    row is left as it was), and each program reduces its logits over blocks of `block` keys.
+    row is left as it was), and bmax[b, h, record_layer] their maxima over blocks of `block` keys (-inf for a block
+    without a visible key; each program writes its split's blocks).
 
     Args:
       q: [B, 1, Hq, D] (bf16/f16); k_all, v_all: [L, B, Hkv, N, D]; layer: i32[] the cache's layer; lengths: i32[B]
-        (after the write); record: f32[B, Hq, Lw, N] (donated, updated in place); record_layer: i32[] its layer
-        to write; block: keys per block of the maxima (a power of two <= config.block_k).
+        (after the write); record: f32[B, Hq, Lw, N] and bmax: f32[B, Hq, Lw, ceil(N / block)] (donated, updated
+        in place); record_layer: i32[] their layer to write; block: keys per block of the maxima (a power of two
+        <= config.block_k).
 
     Returns:
-      (out [B, 1, Hq, D] in q.dtype, lse f32[B, Hq] (-inf for a row with no visible key), record, block maxima
-      f32[B, Hq, ceil(N / block)]: the largest logit of the block's visible keys, -inf where it has none).
+      (out [B, 1, Hq, D] in q.dtype, lse f32[B, Hq] (-inf for a row with no visible key), record, bmax).
     """
     check_args(q, k_all, v_all, layer, lengths)
     B, T, Hq, D = q.shape
-    Hkv, N = k_all.shape[2], k_all.shape[3]
     config = default_config(D) if config is None else config
-    check_record_args(q, k_all, record, block, config.block_k)
-    G = Hq // Hkv
+    check_record_args(q, k_all, record, block, config.block_k, bmax)
     layers = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(record_layer, jnp.int32)])
-    out, lse, _, (record, bm) = _launch(q, k_all, v_all, layers, lengths, scale, config, interpret,
-                                        outputs="record", record=record, block=block)
-    nb = bm.shape[-1]
-    bm = bm[:, :, :G].reshape(B, Hq, nb)  # rows g of KV head h -> query head h * G + g
-    seen = jnp.arange(nb, dtype=jnp.int32)[None, None, :] * block < lengths.astype(jnp.int32)[:, None, None]
-    return out, lse.reshape(B, Hq), record, jnp.where(seen, bm, -jnp.inf)
+    out, lse, _, (record, bmax) = _launch(q, k_all, v_all, layers, lengths, scale, config, interpret,
+                                          outputs="record", record=record, bmax=bmax, block=block)
+    return out, lse.reshape(B, Hq), record, bmax

@@ -13,11 +13,11 @@ no visible key), from which `decode_probs_reference` (and `pallas_kernels.head_p
 is) rebuilds the post-softmax weights.
 
   dense_decode_record_reference(q: [B, 1, Hq, D], k_all, v_all, layer, lengths, record: f32[B, Hq, Lw, N],
-                                record_layer: i32[], block) -> (out, lse f32[B, Hq], record, bmax)
+                                bmax: f32[B, Hq, Lw, NB], record_layer: i32[], block) -> (out, lse, record, bmax)
 
 is one new token per row that also writes each query head's scaled logits into row `record_layer` of a stacked
-record buffer (the keys it sees; the rest of the row kept) and returns their maxima over blocks of `block` keys
-(`block_max`): what the STS draft's recording step needs to choose its top keys without an N-wide pass.
+record buffer (the keys it sees; the rest of the row kept) and their maxima over blocks of `block` keys
+(`block_max`) into bmax: what the STS draft's recording step needs to choose its top keys without an N-wide pass.
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ def check_args(q: Array, k_all: Array, v_all: Array, layer: Array, lengths: Arra
                          f"int32[B={B}]")
 
 
-def check_record_args(q: Array, k_all: Array, record: Array, block: int, block_k: int | None = None) -> None:
+def check_record_args(q: Array, k_all: Array, record: Array, block: int, block_k: int | None = None,
+                      bmax: Array | None = None) -> None:
     """Validates `dense_decode_record`'s extra arguments (at trace time); raises ValueError naming the bad value."""
     B, T, Hq, _ = q.shape
     N = k_all.shape[3]
@@ -69,6 +70,10 @@ def check_record_args(q: Array, k_all: Array, record: Array, block: int, block_k
     if block < 1 or block & (block - 1) or (block_k is not None and block > block_k):
         raise ValueError(f"block={block}: expected a power of two"
                          + (f" <= the kernel's block_k={block_k}" if block_k is not None else ""))
+    want = record.shape[:3] + (-(-N // block),)
+    if bmax is not None and (tuple(bmax.shape) != want or bmax.dtype != jnp.float32):
+        raise ValueError(f"bmax has shape {tuple(bmax.shape)} and dtype {bmax.dtype}: expected f32{list(want)} "
+                         f"(the record's [B, Hq, Lw] and ceil(N / block={block}) blocks)")
 
 
 def layer_index(layer: Array, num_layers: int) -> Array:
@@ -163,10 +168,10 @@ def block_max(x: Array, lengths: Array, block: int) -> Array:
     return x.reshape(B, H, nb, block).max(axis=-1)
 
 
-def write_record(q: Array, k: Array, lengths: Array, record: Array, record_layer: Array, block: int,
+def write_record(q: Array, k: Array, lengths: Array, record: Array, bmax: Array, record_layer: Array, block: int,
                  scale: float | None = None) -> tuple[Array, Array]:
-    """The record part of `dense_decode_record_reference` for one layer's keys k: [B, Hkv, N, D]: (record with
-    row `record_layer` holding the scaled logits of the keys each query sees, block maxima of those logits)."""
+    """The record part of `dense_decode_record_reference` for one layer's keys k: [B, Hkv, N, D]: (record with row
+    `record_layer` holding the scaled logits of the keys each query sees, bmax with that row's block maxima)."""
     B, _, Hq, _ = q.shape
     N = k.shape[2]
     logits, valid = _scaled_logits(q, k, lengths, scale)  # [B, Hkv, G, 1, N]
@@ -174,28 +179,29 @@ def write_record(q: Array, k: Array, lengths: Array, record: Array, record_layer
     row = layer_index(record_layer, record.shape[2])
     old = jax.lax.dynamic_index_in_dim(record, row, axis=2, keepdims=False)
     record = jax.lax.dynamic_update_index_in_dim(record, jnp.where(valid, logits, old), row, axis=2)
-    return record, block_max(logits, lengths, block)
+    return record, jax.lax.dynamic_update_index_in_dim(bmax, block_max(logits, lengths, block), row, axis=2)
 
 
 @functools.partial(jax.jit, static_argnames=("block", "scale"))
 def dense_decode_record_reference(q: Array, k_all: Array, v_all: Array, layer: Array, lengths: Array,
-                                  record: Array, record_layer: Array, *, block: int = 16,
+                                  record: Array, bmax: Array, record_layer: Array, *, block: int = 16,
                                   scale: float | None = None):
-    """Dense decode of one new token per row, its query heads' scaled logits written into a record buffer, and
-    their block maxima.
+    """Dense decode of one new token per row, its query heads' scaled logits and their block maxima written into
+    stacked record buffers.
 
     Args:
       q: [B, 1, Hq, D]; k_all, v_all: [L, B, Hkv, N, D]; layer: i32[]; lengths: i32[B] (after the write);
-      record: f32[B, Hq, Lw, N]; record_layer: i32[] the record's layer to write; block: keys per block.
+      record: f32[B, Hq, Lw, N]; bmax: f32[B, Hq, Lw, ceil(N / block)]; record_layer: i32[] their layer to write;
+      block: keys per block.
 
     Returns:
       (out [B, 1, Hq, D] in q.dtype, as `dense_decode_stacked_reference`; lse f32[B, Hq]; record with
       record[b, h, record_layer, n] = q[b, 0, h] . k_all[layer, b, h // G, n] * scale for n < lengths[b] (the
-      other entries as they were); bmax f32[B, Hq, ceil(N / block)] = `block_max` of those logits).
+      other entries as they were); bmax with bmax[b, h, record_layer] = `block_max` of those logits).
       exp(logit - lse) at the visible keys is `decode_probs_reference`'s weight.
     """
     check_args(q, k_all, v_all, layer, lengths)
-    check_record_args(q, k_all, record, block)
+    check_record_args(q, k_all, record, block, None, bmax)
     out, lse = dense_decode_stacked_reference(q, k_all, v_all, layer, lengths, scale=scale, return_lse=True)
-    record, bmax = write_record(q, select_layer(k_all, layer), lengths, record, record_layer, block, scale)
+    record, bmax = write_record(q, select_layer(k_all, layer), lengths, record, bmax, record_layer, block, scale)
     return out, lse[:, 0], record, bmax
