@@ -301,6 +301,9 @@ def test_dense_decode_default_config_per_head_dim():
 
     d64 = dgpu.default_config(64)
     assert (d64.block_k, d64.target_programs) == (128, 1024) and dgpu.default_config(128) == dgpu.DenseDecodeConfig()
+    # the record kernel's own default at head_dim 64 (eval/results/h200/record_blocks/sweep.json), else the same
+    assert dgpu.default_config(64, record=True) == dgpu.DenseDecodeConfig(block_k=128, target_programs=2048)
+    assert dgpu.default_config(128, record=True) == dgpu.DenseDecodeConfig()
     assert lowered(64, None) == lowered(64, d64) != lowered(64, dgpu.DenseDecodeConfig())
     assert lowered(128, None) == lowered(128, dgpu.DenseDecodeConfig()) != lowered(128, d64)
 

@@ -77,8 +77,17 @@ _STAGES, _STAGES_SMALL_TILE = 3, 4
 HEAD_DIM_DEFAULTS = {64: DenseDecodeConfig(block_k=128, target_programs=1024)}
 
 
-def default_config(head_dim: int) -> DenseDecodeConfig:
-    """The kernel's default config at `head_dim` (`HEAD_DIM_DEFAULTS`, else `DenseDecodeConfig()`)."""
+# The record kernel's (`dense_decode_record_gpu`) default per head_dim where it is not `default_config`'s: at head_dim
+# 64, 2048 target programs (its stores of the logits take more in flight: the STS draft's 16-layer loop at 100K, batch
+# 7 on an H200 6.57 ms against 6.80 ms with 1024, the plain dense decode 5.76 ms; eval/results/h200/record_blocks/).
+RECORD_HEAD_DIM_DEFAULTS = {64: DenseDecodeConfig(block_k=128, target_programs=2048)}
+
+
+def default_config(head_dim: int, record: bool = False) -> DenseDecodeConfig:
+    """The kernel's default config at `head_dim` (`HEAD_DIM_DEFAULTS`, else `DenseDecodeConfig()`; with `record`,
+    the record kernel's: `RECORD_HEAD_DIM_DEFAULTS` first)."""
+    if record and head_dim in RECORD_HEAD_DIM_DEFAULTS:
+        return RECORD_HEAD_DIM_DEFAULTS[head_dim]
     return HEAD_DIM_DEFAULTS.get(head_dim, DenseDecodeConfig())
 
 
@@ -350,14 +359,14 @@ def dense_decode_record_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, 
       q: [B, 1, Hq, D] (bf16/f16); k_all, v_all: [L, B, Hkv, N, D]; layer: i32[] the cache's layer; lengths: i32[B]
         (after the write); record: f32[B, Hq, Lw, N] and bmax: f32[B, Hq, Lw, ceil(N / block)] (donated, updated
         in place); record_layer: i32[] their layer to write; block: keys per block of the maxima (a power of two
-        <= config.block_k).
+        <= config.block_k); config: None: `default_config(D, record=True)`.
 
     Returns:
       (out [B, 1, Hq, D] in q.dtype, lse f32[B, Hq] (-inf for a row with no visible key), record, bmax).
     """
     check_args(q, k_all, v_all, layer, lengths)
     B, T, Hq, D = q.shape
-    config = default_config(D) if config is None else config
+    config = default_config(D, record=True) if config is None else config
     check_record_args(q, k_all, record, block, config.block_k, bmax)
     layers = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(record_layer, jnp.int32)])
     out, lse, _, (record, bmax) = _launch(q, k_all, v_all, layers, lengths, scale, config, interpret,
