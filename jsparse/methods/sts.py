@@ -47,7 +47,11 @@ XLA (`head_probs`), with the same record up to float rounding. A recording step 
 writes every layer's weight rows into one buffer f32[B, Hq_d, L_d, N] and selects them all at once after the layer
 scan (16 x B x 32 rows for a 1B draft: the `topk_select` path for many rows, one pass over the rows after a sample),
 instead of a selection per layer; the buffer costs 4 bytes per (row, draft query head, draft layer, cache slot)
-while the step runs (`record_after_scan=False`: per layer, no buffer).
+while the step runs (`record_after_scan=False`: per layer, no buffer). In a one-query recording step
+(`record_selection="auto"`, budget 512 at 32K-100K) the buffer holds the scaled logits, which the dense decode kernel
+writes into it in place with their maxima per block of RECORD_BLOCK keys (`dense_decode_record`), and the top W is
+taken from those maxima and the W best blocks' keys alone (`select_by_blocks`: the same keys and weights as the
+whole-row selection), so no pass over the whole rows follows the kernel.
 """
 
 from __future__ import annotations
