@@ -440,9 +440,10 @@ class StsDraft(_Budget):
         if phase != "decode" or not self.record_after_scan or not self.records(q_len):
             return state
         B = lengths.shape[0]
-        # Every layer writes its whole row (probs [B, Hq, N], N = kv_len = the cache's capacity) before `finish`
-        # reads any: no fill (`scratch`; a zero fill cost 0.42 ms per recording step at 100K, batch 7 on an H200,
-        # eval/results/h200/largest_batch/).
+        # Every layer writes its row (probs [B, Hq, N], N = kv_len = the cache's capacity; by blocks in a one-query
+        # step the logits of the keys below lengths, all that `select_by_blocks` reads, and the whole row of block
+        # maxima) before `finish` reads any: no fill (`scratch`; a zero fill cost 0.42 ms per recording step at
+        # 100K, batch 7 on an H200, eval/results/h200/largest_batch/).
         rows = ("batch", "heads", None, None)
         weights = scratch((B, cfg.num_heads, cfg.num_layers, kv_len), jnp.float32)
         state = state.replace(weights=constrain(weights, rows), lengths=lengths)
@@ -455,7 +456,8 @@ class StsDraft(_Budget):
         return state
 
     def finish(self, state, phase):
-        """After a recording forward's layer scan: every layer's top-W at once (`_select`)."""
+        """After a recording forward's layer scan: every layer's top-W at once (`select_by_blocks` when the forward
+        recorded block maxima, else `_select` over the whole rows)."""
         if state.weights is None:
             return state
         probs, lengths, bmax, lse = state.weights, state.lengths, state.bmax, state.lse  # [B, Hq, L, N], [B]
@@ -513,8 +515,10 @@ class StsDraft(_Budget):
                              "`init_state` (empty_record(..., pool=pool_width(capacity)))")
         if masked and T == 1:
             return self._later_step(ctx, q, cache, state)
+
         def at_layer(buf, x):  # x [B, Hq, ...] into the buffer [B, Hq, L, ...] at this layer
             return jax.lax.dynamic_update_slice_in_dim(buf, x[:, :, None], ctx.layer, axis=2)
+
         if state.lse is not None:  # by blocks, one query: the kernel writes the logits into the buffer in place
             k_all, v_all, layer = stacked_cache(cache)
             out, lse, weights, bmax = dense_decode_record(q, k_all, v_all, layer, ctx.lengths, state.weights,

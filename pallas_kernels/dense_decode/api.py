@@ -38,6 +38,20 @@ def _unsupported_reason(implementation: str, q: Array) -> str | None:
     return None
 
 
+def _pick(implementation: str | None, q: Array) -> str:
+    """The implementation that runs (None: "pallas_gpu" on a GPU where the kernel takes q, else "sliced"); one named
+    that is unknown or cannot take q is a ValueError."""
+    if implementation is None:
+        on_gpu = jax.default_backend() == "gpu"
+        return "pallas_gpu" if on_gpu and supported("pallas_gpu", q) else "sliced"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r}: expected one of {IMPLEMENTATIONS} or None")
+    reason = _unsupported_reason(implementation, q)
+    if reason is not None:
+        raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
+    return implementation
+
+
 def supported(implementation: str, q: Array) -> bool:
     """Whether `implementation` can run on queries like q: [B, T, Hq, D]."""
     if implementation not in IMPLEMENTATIONS:
@@ -74,14 +88,7 @@ def dense_decode_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, len
             q, k, v, layer, lengths, return_lse=return_lse, return_probs=return_probs,
             implementation=implementation),
             [q, k_all, v_all, layer, lengths], [qs, kv, kv, (), dims(1, 0)], outs if len(outs) > 1 else qs)
-    if implementation is None:
-        on_gpu = jax.default_backend() == "gpu"
-        implementation = "pallas_gpu" if on_gpu and supported("pallas_gpu", q) else "sliced"
-    elif implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation={implementation!r}: expected one of {IMPLEMENTATIONS} or None")
-    reason = _unsupported_reason(implementation, q)
-    if reason is not None:
-        raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
+    implementation = _pick(implementation, q)
     if implementation == "pallas_gpu":
         from pallas_kernels.dense_decode import gpu
         config = CONFIGS.get(q.shape[-1])
@@ -124,14 +131,7 @@ def dense_decode_record(q: Array, k_all: Array, v_all: Array, layer: Array, leng
             q, k, v, layer, lengths, record, bmax, record_layer, block=block, implementation=implementation),
             [q, k_all, v_all, layer, lengths, record, bmax, record_layer],
             [dims(4, 0, 2), kv, kv, (), dims(1, 0), rec, rec, ()], (dims(4, 0, 2), dims(2, 0, 1), rec, rec))
-    if implementation is None:
-        on_gpu = jax.default_backend() == "gpu"
-        implementation = "pallas_gpu" if on_gpu and supported("pallas_gpu", q) else "sliced"
-    elif implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation={implementation!r}: expected one of {IMPLEMENTATIONS} or None")
-    reason = _unsupported_reason(implementation, q)
-    if reason is not None:
-        raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
+    implementation = _pick(implementation, q)
     if implementation == "pallas_gpu":
         from pallas_kernels.dense_decode import gpu
         return gpu.dense_decode_record_gpu(q, k_all, v_all, layer, lengths, record, bmax, record_layer, block=block,
