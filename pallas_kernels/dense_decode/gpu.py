@@ -368,6 +368,9 @@ def dense_decode_record_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, 
     B, T, Hq, D = q.shape
     config = default_config(D, record=True) if config is None else config
     check_record_args(q, k_all, record, block, config.block_k, bmax)
+    if Hq // k_all.shape[2] > config.block_q:
+        raise ValueError(f"G={Hq // k_all.shape[2]} query heads per KV head: the record kernel holds a group in one "
+                         f"tile, expected G <= DenseDecodeConfig.block_q={config.block_q}")
     layers = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(record_layer, jnp.int32)])
     out, lse, _, (record, bmax) = _launch(q, k_all, v_all, layers, lengths, scale, config, interpret,
                                           outputs="record", record=record, bmax=bmax, block=block)
