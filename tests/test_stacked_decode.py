@@ -266,6 +266,11 @@ def test_dense_record_api_and_errors():
     with pytest.raises(ValueError, match="block=256: expected a power of two <= the kernel's block_k=64"):
         dgpu.dense_decode_record_gpu(q.astype(jnp.bfloat16), k_all.astype(jnp.bfloat16), v_all.astype(jnp.bfloat16),
                                      0, lens, record, bmax, 0, block=256, interpret=True)
+    with pytest.raises(ValueError, match="G=32 query heads per KV head.*block_q=16"):
+        dgpu.dense_decode_record_gpu(jnp.zeros((1, 1, 32, 16), jnp.bfloat16), jnp.zeros((1, 1, 1, 32, 16), jnp.bfloat16),
+                                     jnp.zeros((1, 1, 1, 32, 16), jnp.bfloat16), 0, jnp.array([32]),
+                                     jnp.zeros((1, 32, 1, 32)), jnp.zeros((1, 32, 1, 2)), 0,
+                                     config=dgpu.DenseDecodeConfig(block_q=16), interpret=True)
     sds = jax.ShapeDtypeStruct
     big = sds((16, 7, 8, 100000, 64), jnp.bfloat16)  # the STS draft at 100K, batch 7
     exp = export_for("cuda", functools.partial(dgpu.dense_decode_record_gpu, block=16), sds((7, 1, 32, 64), jnp.bfloat16),
