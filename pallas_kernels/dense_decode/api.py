@@ -124,7 +124,7 @@ def dense_decode_record(q: Array, k_all: Array, v_all: Array, layer: Array, leng
       their post-softmax weights.
     """
     reference.check_args(q, k_all, v_all, layer, lengths)
-    reference.check_record_args(q, k_all, record, block, None, bmax)
+    reference.check_record_args(q, k_all, record, bmax, block)
     if active_mesh() is not None:  # per shard: rows over data, heads over model
         kv, rec = dims(5, 1, 2), dims(4, 0, 1)
         return per_shard(lambda q, k, v, layer, lengths, record, bmax, record_layer: dense_decode_record(

@@ -228,20 +228,25 @@ def plan(B: int, T: int, Hq: int, Hkv: int, N: int, config: DenseDecodeConfig) -
     return dict(rows=rows, Mb=Mb, R=R, splits=pl.cdiv(N, chunk), chunk=chunk)
 
 
-def _launch(q: Array, k_all: Array, v_all: Array, layers: Array, lengths: Array, scale: float | None,
+def _launch(q: Array, k_all: Array, v_all: Array, layer: Array, lengths: Array, scale: float | None,
             config: DenseDecodeConfig | None, interpret: bool, outputs: str = "", record: Array | None = None,
-            bmax: Array | None = None, block: int = 0):
+            bmax: Array | None = None, record_layer: Array | None = None, block: int = 0):
     """Checks the arguments and runs the kernel: (out [B, T, Hq, D], lse f32[B, Hkv, rows], lim i32[B, Rp], the
-    extra outputs of `outputs` (`_decode_kernel`)). layers: i32[2] (the cache's layer, the record's layer)."""
-    check_args(q, k_all, v_all, layers[0], lengths)
+    extra outputs of `outputs` (`_decode_kernel`)). config None: `default_config(D, record=outputs == "record")`."""
+    check_args(q, k_all, v_all, layer, lengths)
     reason = unsupported_reason(q.dtype, q.shape[-1])
     if reason is not None:
         raise ValueError(f"the Pallas GPU dense decode kernel cannot take {reason}")
-    config = default_config(q.shape[-1]) if config is None else config
+    config = default_config(q.shape[-1], record=outputs == "record") if config is None else config
     _check_config(config)
     B, T, Hq, D = q.shape
     L, _, Hkv, N, _ = k_all.shape
     G = Hq // Hkv
+    if outputs == "record":
+        check_record_args(q, k_all, record, bmax, block, config.block_k)
+        if G > config.block_q:
+            raise ValueError(f"G={G} query heads per KV head: the record kernel holds a group in one tile, expected "
+                             f"G <= DenseDecodeConfig.block_q={config.block_q}")
     scale = default_scale(D, scale)
     p = plan(B, T, Hq, Hkv, N, config)
     rows, Mb, R, splits, chunk = p["rows"], p["Mb"], p["R"], p["splits"], p["chunk"]
@@ -249,7 +254,8 @@ def _launch(q: Array, k_all: Array, v_all: Array, layers: Array, lengths: Array,
 
     qg = rows_by_kv_head(q, Hkv, Rp)
     lim = row_limits(lengths, T, G, N, Rp)
-    lay = jnp.stack([layer_index(layers[0], L), layer_index(layers[1], record.shape[2] if record is not None else L)])
+    lay = layer_index(layer, L)
+    lay = jnp.stack([lay, layer_index(record_layer, record.shape[2]) if record is not None else lay])
 
     kernel = functools.partial(_decode_kernel, scale=scale, block_k=config.block_k, chunk=chunk, rows=rows,
                                outputs=outputs, block=block)
@@ -323,13 +329,11 @@ def dense_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array,
       for a row with no visible key), then probs f32[B, Hq, N] (`pallas_kernels.head_probs.head_probs_stacked`'s
       weights: sum over t of exp(logit - lse) at the keys query t sees, 0 elsewhere).
     """
-    check_args(q, k_all, v_all, layer, lengths)
+    out, lse, lim, logits = _launch(q, k_all, v_all, layer, lengths, scale, config, interpret,
+                                    outputs="logits" if return_probs else "")
     B, T, Hq, D = q.shape
     Hkv, N = k_all.shape[2], k_all.shape[3]
     G, rows = Hq // Hkv, T * (Hq // Hkv)
-    layers = jnp.stack([jnp.asarray(layer, jnp.int32)] * 2)
-    out, lse, lim, logits = _launch(q, k_all, v_all, layers, lengths, scale, config, interpret,
-                                    outputs="logits" if return_probs else "")
     res = [out]
     if return_lse:
         res.append(lse.reshape(B, Hkv, T, G).transpose(0, 2, 1, 3).reshape(B, T, Hq))
@@ -364,14 +368,7 @@ def dense_decode_record_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, 
     Returns:
       (out [B, 1, Hq, D] in q.dtype, lse f32[B, Hq] (-inf for a row with no visible key), record, bmax).
     """
-    check_args(q, k_all, v_all, layer, lengths)
-    B, T, Hq, D = q.shape
-    config = default_config(D, record=True) if config is None else config
-    check_record_args(q, k_all, record, block, config.block_k, bmax)
-    if Hq // k_all.shape[2] > config.block_q:
-        raise ValueError(f"G={Hq // k_all.shape[2]} query heads per KV head: the record kernel holds a group in one "
-                         f"tile, expected G <= DenseDecodeConfig.block_q={config.block_q}")
-    layers = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(record_layer, jnp.int32)])
-    out, lse, _, (record, bmax) = _launch(q, k_all, v_all, layers, lengths, scale, config, interpret,
-                                          outputs="record", record=record, bmax=bmax, block=block)
-    return out, lse.reshape(B, Hq), record, bmax
+    out, lse, _, (record, bmax) = _launch(q, k_all, v_all, layer, lengths, scale, config, interpret,
+                                          outputs="record", record=record, bmax=bmax, record_layer=record_layer,
+                                          block=block)
+    return out, lse.reshape(q.shape[0], q.shape[2]), record, bmax

@@ -57,8 +57,8 @@ def check_args(q: Array, k_all: Array, v_all: Array, layer: Array, lengths: Arra
                          f"int32[B={B}]")
 
 
-def check_record_args(q: Array, k_all: Array, record: Array, block: int, block_k: int | None = None,
-                      bmax: Array | None = None) -> None:
+def check_record_args(q: Array, k_all: Array, record: Array, bmax: Array, block: int,
+                      block_k: int | None = None) -> None:
     """Validates `dense_decode_record`'s extra arguments (at trace time); raises ValueError naming the bad value."""
     B, T, Hq, _ = q.shape
     N = k_all.shape[3]
@@ -71,7 +71,7 @@ def check_record_args(q: Array, k_all: Array, record: Array, block: int, block_k
         raise ValueError(f"block={block}: expected a power of two"
                          + (f" <= the kernel's block_k={block_k}" if block_k is not None else ""))
     want = record.shape[:3] + (-(-N // block),)
-    if bmax is not None and (tuple(bmax.shape) != want or bmax.dtype != jnp.float32):
+    if tuple(bmax.shape) != want or bmax.dtype != jnp.float32:
         raise ValueError(f"bmax has shape {tuple(bmax.shape)} and dtype {bmax.dtype}: expected f32{list(want)} "
                          f"(the record's [B, Hq, Lw] and ceil(N / block={block}) blocks)")
 
@@ -201,7 +201,7 @@ def dense_decode_record_reference(q: Array, k_all: Array, v_all: Array, layer: A
       exp(logit - lse) at the visible keys is `decode_probs_reference`'s weight.
     """
     check_args(q, k_all, v_all, layer, lengths)
-    check_record_args(q, k_all, record, block, None, bmax)
+    check_record_args(q, k_all, record, bmax, block)
     out, lse = dense_decode_stacked_reference(q, k_all, v_all, layer, lengths, scale=scale, return_lse=True)
     record, bmax = write_record(q, select_layer(k_all, layer), lengths, record, bmax, record_layer, block, scale)
     return out, lse[:, 0], record, bmax
