@@ -1,15 +1,15 @@
 """The Llama-family decoder as pure functions over a stacked-layer params pytree.
 
-Both entry points run one `jax.lax.scan` over layers. The scan carry holds the hidden state, the KV cache and
-the attention method's selection state; its `xs` are the layer's params, the layer index and the method's
-per-layer info. Dtype policy: weights and activations in the params' dtype (bf16 or f32), matmuls accumulate
+Both entry points run `jax.lax.scan` over layers (one scan per run of `method.segments`, one run by default). The
+scan carry holds the layer counter, the hidden state, the KV cache and the attention method's selection state; each
+layer reads its params, the method's per-layer info and its window at the counter (`_layer_reader`). Dtype policy: weights and activations in the params' dtype (bf16 or f32), matmuls accumulate
 in f32, RMSNorm, RoPE, softmax and logits in f32.
 
   prefill(params, cfg, method, tokens, lengths, cache, state) -> (logits, cache, state)
   decode(params, cfg, method, tokens, cache, state) -> (logits, cache, state)
 
 Sliding-window layers (`cfg.layer_windows`) enter the scan as data: each layer's window (0 = full attention) is
-an `xs` entry handed to the method as `ctx.window`. The cache stays full length.
+read at the counter and handed to the method as `ctx.window`. The cache stays full length.
 
 Both entry points check the request limits `models.generate.check_request` checks (batch sizes agree, the prompt
 fits the cache, positions stay within the cache and the model's context): shapes always, values when they are
@@ -20,7 +20,6 @@ logits instead of wrong numbers.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -129,9 +128,43 @@ def lm_logits(cfg: ModelConfig, params: Params, x: Array) -> Array:
     return jnp.einsum("bte,ev->btv", h, params.lm_head, preferred_element_type=F32)
 
 
-def _layer_xs(cfg: ModelConfig, params: Params, method) -> tuple:
-    info = method.layer_info(cfg)
-    return params.layers, jnp.arange(cfg.num_layers, dtype=jnp.int32), info, jnp.asarray(cfg.windows)
+SMALL_LAYER_LEAF = 1 << 16  # elements per layer at most for a params leaf packed by `_layer_reader`
+
+
+def _layer_reader(cfg: ModelConfig, params: Params, method):
+    """(read(i) -> (layer params, info, window) of layer i) for the layer scans, i the loop counter (i32[]).
+
+    Each leaf indexed by a loop counter is one slice per layer. A weight's slice is fused into its GEMM (XLA's
+    dynamic-slice fusion); a small leaf's (a norm's weight, a bias) is a copy of its own on a GPU, one launch per
+    leaf and layer. So the small float leaves (at most `SMALL_LAYER_LEAF` elements per layer; bf16, f16 or f32)
+    are packed once per forward into one f32[L, n] array, read with one slice per layer and unpacked to their
+    dtypes (exact: f32 holds each of those values); not under a mesh, where some are split by heads and packing
+    them would gather and re-split them. The layer index is the counter itself, and the window a
+    constant 0 when no layer is windowed."""
+    layers = params.layers
+    leaves, treedef = jax.tree_util.tree_flatten(layers)
+    small = [j for j, a in enumerate(leaves) if a.size // a.shape[0] <= SMALL_LAYER_LEAF
+             and jnp.dtype(a.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(F32))]
+    if len(small) < 2 or active_mesh() is not None:  # under a mesh the leaves are split in different ways
+        small = []
+    L = cfg.num_layers
+    packed = jnp.concatenate([leaves[j].reshape(L, -1).astype(F32) for j in small], axis=1) if small else None
+    info, windows = method.layer_info(cfg), cfg.windows
+
+    def read(i):
+        at = lambda t: jax.lax.dynamic_index_in_dim(t, i, keepdims=False, allow_negative_indices=False)  # noqa: E731
+        out = [None if j in small else at(a) for j, a in enumerate(leaves)]
+        if small:
+            row, start = at(packed), 0
+            for j in small:
+                a = leaves[j]
+                n = a.size // L
+                out[j] = row[start:start + n].reshape(a.shape[1:]).astype(a.dtype)
+                start += n
+        window = at(jnp.asarray(windows)) if windows.any() else jnp.int32(0)  # 0: no layer is windowed
+        return jax.tree_util.tree_unflatten(treedef, out), jax.tree_util.tree_map(at, info), window
+
+    return read
 
 
 def binding_window(cfg: ModelConfig, method, kv_len: int) -> int | None:
@@ -294,26 +327,21 @@ def _scan_layers(params: Params, cfg: ModelConfig, method, x: Array, positions: 
         return (x_attn + mlp(cfg, lp, x_attn), ck, cv, state), ((unrows(x), unrows(x_attn)) if collect else None)
 
     state = start(method, cfg, state, phase, B, T, kv_len, lengths=lengths)
-    xs = _layer_xs(cfg, params, method)
+    read = _layer_reader(cfg, params, method)
     carry = (rows(x), constrain(cache.k, _CACHE_AXES), constrain(cache.v, _CACHE_AXES), state)
-    segs = segments(method, cfg, phase)
-    if len(segs) == 1:
-        carry, hidden = jax.lax.scan(functools.partial(layer_fn, segment=segs[0][2]), carry, xs, unroll=unroll)
-    else:
-        # One scan per run of layers. Each indexes the stacked params with its loop counter, as scan does with
-        # its xs (a slice of the params outside the loop would copy them; an index read from an array would
-        # keep XLA from fusing the weight slice into the GEMMs, which then copies it every layer).
-        parts = []
-        for a, b, tag in segs:
-            def seg_fn(c, _, tag=tag):
-                i, inner = c
-                xs_i = jax.tree_util.tree_map(
-                    lambda t: jax.lax.dynamic_index_in_dim(t, i, keepdims=False, allow_negative_indices=False), xs)
-                inner, h = layer_fn(inner, xs_i, segment=tag)
-                return (i + 1, inner), h
-            (_, carry), h = jax.lax.scan(seg_fn, (jnp.int32(a), carry), None, length=b - a, unroll=unroll)
-            parts.append(h)
-        hidden = jax.tree_util.tree_map(lambda *hs: jnp.concatenate(hs), *parts) if collect else None
+    # One scan per run of layers (`segments`; one run unless the method splits them). Each indexes the stacked
+    # params with its loop counter (a slice of the params outside the loop would copy them; an index read from
+    # an array would keep XLA from fusing the weight slice into the GEMMs, which then copies it every layer).
+    parts = []
+    for a, b, tag in segments(method, cfg, phase):
+        def seg_fn(c, _, tag=tag):
+            i, inner = c
+            lp, info, window = read(i)
+            inner, h = layer_fn(inner, (lp, i, info, window), segment=tag)
+            return (i + 1, inner), h
+        (_, carry), h = jax.lax.scan(seg_fn, (jnp.int32(a), carry), None, length=b - a, unroll=unroll)
+        parts.append(h)
+    hidden = jax.tree_util.tree_map(lambda *hs: jnp.concatenate(hs), *parts) if collect else None
     x, ck, cv, state = carry
     return unrows(x), ck, cv, finish(method, state, phase), hidden
 

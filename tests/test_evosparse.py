@@ -337,10 +337,14 @@ def test_generate_full_budget_equals_dense_and_compiles_once(params):
     before = generate_tokens._cache_size()
     got, _ = generate_tokens(params, full, tokens, lengths, jax.random.key(0), **kw)
     np.testing.assert_array_equal(got, dense)
-    other = EvoSparse.from_heads(CFG, [(3, 1), (4, 0), (2, 3)], budget=1.0, min_tokens=1, block_size=8)
+    other = EvoSparse.from_heads(CFG, [(1, 1), (3, 0), (3, 1)], budget=1.0, min_tokens=1, block_size=8)
     got, _ = generate_tokens(params, other, tokens, lengths, jax.random.key(0), **kw)
     np.testing.assert_array_equal(got, dense)
-    assert generate_tokens._cache_size() == before + 1  # other retrieval heads are data: no retrace
+    assert generate_tokens._cache_size() == before + 1  # other heads in the same layers are data: no retrace
+    moved = EvoSparse.from_heads(CFG, [(3, 1), (4, 0), (2, 3)], budget=1.0, min_tokens=1, block_size=8)
+    got, _ = generate_tokens(params, moved, tokens, lengths, jax.random.key(0), **kw)
+    np.testing.assert_array_equal(got, dense)
+    assert generate_tokens._cache_size() == before + 2  # the layers holding them are static (`segments`)
 
 
 # --------------------------------------------------------------------------------------------- calibration

@@ -94,22 +94,39 @@ KW = dict(budget_tokens=40, block_size=8)
 
 
 def test_branchless_model_decode_has_no_conditional():
-    text_c, (lc, _, sc) = _program(EvoSparse.from_heads(CFG, HEADS, branchless=False, **KW))
-    text_f, (lf, _, sf) = _program(EvoSparse.from_heads(CFG, HEADS, branchless=True, **KW))
-    assert "stablehlo.case" in text_c and "stablehlo.case" not in text_f
-    np.testing.assert_allclose(lf, lc, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(sf.heat, sc.heat, rtol=1e-5, atol=1e-7)
+    """Without static retrieval layers a layer selects its retrieval set by has_retrieval, branchless or by
+    lax.cond; with them (the default of `from_heads`) each run of layers scores or inherits: no conditional."""
+    text_c, (lc, _, sc) = _program(EvoSparse.from_heads(CFG, HEADS, branchless=False, **KW).replace(
+        retrieval_layers=None))
+    text_f, (lf, _, sf) = _program(EvoSparse.from_heads(CFG, HEADS, branchless=True, **KW).replace(
+        retrieval_layers=None))
+    text_r, (lr, _, sr) = _program(EvoSparse.from_heads(CFG, HEADS, branchless=False, **KW))
+    assert "stablehlo.case" in text_c and "stablehlo.case" not in text_f and "stablehlo.case" not in text_r
+    for logits, st in ((lf, sf), (lr, sr)):
+        np.testing.assert_allclose(logits, lc, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(st.heat, sc.heat, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("static_layers", [False, True])
 @pytest.mark.parametrize("branchless", [True, False])
-def test_two_segment_decode_equals_one_scan(monkeypatch, branchless):
-    """The dense first layers and the sparse ones scanned apart (`EvoSparse.segments`) = one scan over all."""
+def test_segmented_decode_equals_one_scan(monkeypatch, branchless, static_layers):
+    """The dense first layers and the sparse ones scanned apart (`EvoSparse.segments`), and with static
+    `retrieval_layers` also the scoring and the inheriting layers, = one scan over all."""
     m = EvoSparse.from_heads(CFG, HEADS, branchless=branchless, **KW)
-    assert m.segments(CFG, "decode") == ((0, m.dense_layers, "dense"), (m.dense_layers, CFG.num_layers, "sparse"))
+    assert m.retrieval_layers == (1, 3)
+    if static_layers:  # HEADS: layer 1 (dense) and layer 3 score
+        assert m.segments(CFG, "decode") == ((0, 1, "dense:inherit"), (1, 2, "dense:score"),
+                                             (2, 3, "sparse:inherit"), (3, 4, "sparse:score"),
+                                             (4, 5, "sparse:inherit"))
+    else:
+        m = m.replace(retrieval_layers=None)
+        assert m.segments(CFG, "decode") == ((0, m.dense_layers, "dense"), (m.dense_layers, CFG.num_layers,
+                                                                            "sparse"))
+    runs = len(m.segments(CFG, "decode"))
     text_s, (ls, cs, ss) = _program(m)
     monkeypatch.setattr(EvoSparse, "segments", lambda self, cfg, phase: None)
     text_o, (lo, co, so) = _program(m)
-    assert text_s.count("stablehlo.while") == text_o.count("stablehlo.while") + 1
+    assert text_s.count("stablehlo.while") == text_o.count("stablehlo.while") + runs - 1
     np.testing.assert_allclose(ls, lo, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ss.heat, so.heat, rtol=1e-5, atol=1e-7)
     np.testing.assert_array_equal(np.asarray(ss.retrieval), np.asarray(so.retrieval))
@@ -130,3 +147,14 @@ def test_segments_must_cover_the_layers():
     for bad in (((0, 2, "a"), (3, 5, "b")), ((0, 2, "a"), (2, 4, "b")), ((1, 5, "a"),), ((0, 0, "a"), (0, 5, "b"))):
         with pytest.raises(ValueError, match="expected consecutive non-empty runs covering layers 0..5"):
             segments(M(bad), CFG, "decode")
+
+
+def test_retrieval_layers_must_match_the_layout():
+    m = EvoSparse.from_heads(CFG, HEADS, **KW)
+    with pytest.raises(ValueError, match=r"retrieval_layers=\(1, 2\): the layout's retrieval heads are in layers"
+                                         r" \(1, 3\)"):
+        m.replace(retrieval_layers=(1, 2))
+    with pytest.raises(ValueError, match="expected ascending distinct layer indices"):
+        m.replace(retrieval_layers=(3, 1))
+    with pytest.raises(ValueError, match="the model has 5 layers"):
+        EvoSparse(retrieval_layers=(7,)).segments(CFG, "decode")

@@ -148,3 +148,40 @@ def test_fused_params_on_a_mesh_are_refused_or_unfused(hf_folder):
     placed = jsparse.on_mesh(fused, mesh)
     assert not P.is_fused(placed.params) and placed.mesh is mesh
     assert jsparse.fingerprint(dataclasses.replace(placed)) == jsparse.fingerprint(fused)
+
+
+@pytest.mark.parametrize("name", ["llama_all_biases", "qwen3_qk_norm"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_layer_reader_reads_each_layer_exactly(name, dtype, monkeypatch):
+    """The layer scans read each layer's params at the loop counter, the norms and biases packed in one f32 row
+    per layer (`llama._layer_reader`): every leaf of every layer comes back bit for bit, in its dtype."""
+    monkeypatch.setattr(llama, "SMALL_LAYER_LEAF", 256)  # this model's weights are small: only norms and biases
+    cfg = CONFIGS[name]
+    params = jax.tree_util.tree_map(lambda a: a.astype(dtype), _random(cfg))
+    for layout in ("default", "fused"):
+        p = P.with_layout(params, layout) if layout == "fused" else params
+        read = llama._layer_reader(cfg, p, make_method("dense"))
+        for i in range(cfg.num_layers):
+            lp, info, window = jax.jit(read)(jnp.int32(i))
+            want = jax.tree_util.tree_map(lambda a: a[i], p.layers)
+            assert jax.tree_util.tree_structure(lp) == jax.tree_util.tree_structure(want)
+            for got, ref in zip(jax.tree_util.tree_leaves(lp), jax.tree_util.tree_leaves(want)):
+                assert got.dtype == ref.dtype and got.shape == ref.shape
+                np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32)))
+            assert info is None and int(window) == 0
+        # One slice per weight and one for all the small leaves.
+        big = [a for a in jax.tree_util.tree_leaves(p.layers) if a[0].size > llama.SMALL_LAYER_LEAF]
+        small = [a for a in jax.tree_util.tree_leaves(p.layers) if a[0].size <= llama.SMALL_LAYER_LEAF]
+        assert len(small) >= 3 and _count(jax.make_jaxpr(read)(jnp.int32(0)).jaxpr, "dynamic_slice") == len(big) + 1
+
+
+def _count(jaxpr, primitive: str) -> int:
+    """Equations of `primitive` in a jaxpr, nested jaxprs included."""
+    n = 0
+    for e in jaxpr.eqns:
+        n += e.primitive.name == primitive
+        for v in e.params.values():
+            inner = getattr(v, "jaxpr", None)
+            if inner is not None:
+                n += _count(getattr(inner, "jaxpr", inner), primitive)
+    return n

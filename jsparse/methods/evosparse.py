@@ -8,7 +8,8 @@ In every other layer, for each KV head, a decode query at position p attends to 
   * retrieval blocks  the n_r blocks outside sink and local with the largest block-max of q . K^T / sqrt(d) over
                       the layer's retrieval heads (found by `jsparse calibrate evosparse`, see
                       evosparse_calibration.py). A layer holding no retrieval head inherits the set the last
-                      retrieval layer computed (cross-layer propagation);
+                      retrieval layer computed (cross-layer propagation; in decode it runs no scoring at all:
+                      such layers are scanned apart from the scoring ones, `EvoSparse.segments`);
   * heat blocks       the n_h blocks outside the three sets above with the largest heat, where per layer, KV
                       head and block, after every decode step,  h <- lambda * h + s,  s = the post-softmax mass
                       the block received in that step's sparse attention (mean over the GQA group, so s sums to
@@ -61,6 +62,7 @@ from jsparse.heat import (attend_with_mass, decay_heat, heat_step, heat_update, 
                           scan_rows)
 from jsparse.methods.base import register
 from jsparse.methods.common import attend_dense, dense_prefill, kwargs_for, stacked_cache
+from models.attention import runs_of
 from jsparse.retrieval_heads import (DEFAULT_HEAD_FRACTION, RetrievalLayout, default_num_heads,  # noqa: F401
                                      load_retrieval_heads, retrieval_blocks, retrieval_layout, top_heads)
 from pallas_kernels.block_scores import heat_candidates, select_blocks, select_from_candidates, sparse_decode_heat
@@ -111,10 +113,13 @@ class EvoSparse:
     dense_layers: the first layers attend densely. heat_window: prompt rows that initialise the heat in prefill.
     branchless: decode without lax.cond (None: on a GPU; see `is_branchless`). Same results either way.
     kernels: implementation of the block_scores ops (None: by backend; "xla", "pallas_gpu", "reference").
+    retrieval_layers: the layers holding retrieval heads, ascending (static; `from_heads` sets it from the
+    layout), or None: then decode scores every layer and keeps the set of the layers that hold one.
     Leaves: layout (RetrievalLayout) or None without retrieval.
     """
 
     layout: Optional[RetrievalLayout] = None
+    retrieval_layers: Optional[tuple[int, ...]] = struct.field(pytree_node=False, default=None)
     budget: float = struct.field(pytree_node=False, default=0.1)
     budget_tokens: Optional[int] = struct.field(pytree_node=False, default=None)
     min_tokens: int = struct.field(pytree_node=False, default=128)
@@ -145,6 +150,18 @@ class EvoSparse:
         sel.check_positive_int("heat_window", self.heat_window, 0)
         if self.kernels not in (None, "xla", "pallas_gpu", "reference"):
             raise ValueError(f"kernels={self.kernels!r}: expected None, 'xla', 'pallas_gpu' or 'reference'")
+        if self.retrieval_layers is not None:
+            layers = self.retrieval_layers
+            if not all(isinstance(x, (int, np.integer)) and x >= 0 for x in layers) or \
+                    list(layers) != sorted(set(layers)):
+                raise ValueError(f"retrieval_layers={layers!r}: expected ascending distinct layer indices >= 0")
+            has = None if self.layout is None else self.layout.has_retrieval
+            # Only a concrete layout is checked (jax also rebuilds the method from tracers and placeholders).
+            has = np.asarray(has) if isinstance(has, (np.ndarray, jax.Array)) and \
+                not isinstance(has, jax.core.Tracer) and np.ndim(has) == 1 else None
+            if has is not None and tuple(int(x) for x in np.flatnonzero(has)) != tuple(int(x) for x in layers):
+                raise ValueError(f"retrieval_layers={layers!r}: the layout's retrieval heads are in layers "
+                                 f"{tuple(int(x) for x in np.flatnonzero(has))}")
 
     # ------------------------------------------------------------------------------------------- building
 
@@ -154,6 +171,7 @@ class EvoSparse:
         """From options and a `jsparse calibrate evosparse` artifact (needed when retrieval_fraction > 0)."""
         options = kwargs_for(cls, options)
         options.pop("layout", None)
+        options.pop("retrieval_layers", None)  # from the artifact's heads (`from_heads`)
         if float(options.get("retrieval_fraction", DEFAULT_FRACTIONS[2])) == 0.0:
             return cls(**options)
         if not artifact:
@@ -169,7 +187,8 @@ class EvoSparse:
         """EvoSparse with explicit retrieval heads [(layer, query head), ...]."""
         if not heads:
             raise ValueError("no retrieval heads given: expected at least one (layer, head) pair")
-        return cls(layout=retrieval_layout(cfg, heads), **options)
+        return cls(layout=retrieval_layout(cfg, heads), retrieval_layers=tuple(sorted({int(l) for l, _ in heads})),
+                   **options)
 
     @property
     def fractions(self) -> tuple[float, float, float, float]:
@@ -267,17 +286,29 @@ class EvoSparse:
         return out, state
 
     def segments(self, cfg, phase: str):
-        """Decode scans the dense first layers and the sparse ones as two runs (`models.attention.segments`), so
-        neither kind runs the other's kernels, with no `lax.cond`; prefill is one run."""
-        if phase != "decode" or not 0 < self.dense_layers < cfg.num_layers:
+        """Decode scans each run of layers of one kind apart (`models.attention.segments`), so no layer runs
+        another kind's kernels, with no `lax.cond`: the dense first layers ("dense") and the sparse ones
+        ("sparse"); with static `retrieval_layers`, also the layers that score their retrieval heads (tag
+        suffix ":score") apart from those that inherit the set (":inherit"), which then run no scoring at all.
+        Prefill is one run."""
+        if phase != "decode":
             return None
-        return ((0, self.dense_layers, "dense"), (self.dense_layers, cfg.num_layers, "sparse"))
+        kind = lambda l: "dense" if l < self.dense_layers else "sparse"  # noqa: E731
+        if self.uses_retrieval and self.retrieval_layers is not None:
+            if self.retrieval_layers and self.retrieval_layers[-1] >= cfg.num_layers:
+                raise ValueError(f"retrieval_layers={self.retrieval_layers}: the model has {cfg.num_layers} layers")
+            held = set(self.retrieval_layers)
+            return runs_of(kind(l) + (":score" if l in held else ":inherit") for l in range(cfg.num_layers))
+        if not 0 < self.dense_layers < cfg.num_layers:
+            return None
+        return runs_of(kind(l) for l in range(cfg.num_layers))
 
     @property
     def is_branchless(self) -> bool:
         """Whether decode runs without `lax.cond` (branchless=None: on a GPU, where a conditional waits for its
         predicate on the host). Branchless, the retrieval scoring runs in every layer (reading no key where the
-        layer holds no retrieval head) and is selected by has_retrieval; called layer by layer (no ctx.segment),
+        layer holds no retrieval head) and is selected by has_retrieval (unless the layers holding one are static,
+        `retrieval_layers`, and scanned apart: `segments`); called layer by layer (no ctx.segment),
         a layer runs both attentions, the other one's lengths 0 (reading nothing), and selects."""
         if self.branchless is None:
             return jax.default_backend() == "gpu"
@@ -293,7 +324,10 @@ class EvoSparse:
         pos = sel.decode_positions(ctx.lengths, T)  # [B, T]
         branchless = self.is_branchless
         retrieval = state.retrieval
-        if self.uses_retrieval:
+        kind, _, scoring = (ctx.segment or "").partition(":")
+        if self.uses_retrieval and scoring == "score":  # a run of layers holding retrieval heads (`segments`)
+            retrieval = self.retrieval_blocks(ctx.info, q, cache, pos)
+        elif self.uses_retrieval and scoring != "inherit":
             if branchless:  # no retrieval heads here: the block max reads nothing and the top-k picks none
                 retrieval = jnp.where(ctx.info.has_retrieval,
                                       self.retrieval_blocks(ctx.info, q, cache, pos, ctx.info.has_retrieval),
@@ -303,9 +337,9 @@ class EvoSparse:
                                          lambda: self.retrieval_blocks(ctx.info, q, cache, pos),
                                          lambda: state.retrieval)
         state = state.replace(retrieval=retrieval)
-        if ctx.segment == "dense":  # the model scans the dense first layers apart (`segments`)
+        if kind == "dense":  # the model scans the dense first layers apart (`segments`)
             return attend_dense(q, cache, ctx.lengths), state
-        if ctx.segment == "sparse":
+        if kind == "sparse":
             return self._sparse_decode(ctx, q, cache, state, pos)
         if not branchless:
             return jax.lax.cond(ctx.layer < self.dense_layers,
