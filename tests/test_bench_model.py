@@ -144,12 +144,15 @@ def test_check_fails_when_the_step_attends_other_keys(name, monkeypatch, fresh_j
     assert f"{name}: max_abs_err" in msg and "x the tolerance" in msg
 
 
-def test_bench_exits_before_timing_on_a_failed_check_and_records_passed_ones(monkeypatch, tiny, tmp_path):
-    """`jsparse bench model` stops with a non-zero exit naming the failed method before it measures anything; when
-    every check passes, the JSON holds each method's check beside the timed rows; --no-check records the skip."""
+def test_bench_checks_after_timing_and_exits_naming_a_failed_check(monkeypatch, tiny, tmp_path):
+    """`jsparse bench model` times first, then checks each method in the same process (a check run before the
+    timing slowed the timed steps): a failed check ends it with a non-zero exit naming the failed method, after
+    the JSON is written with every check beside the rows; --no-check records the skip."""
     verdict = {"streaming": False}
+    order = []
 
     def fake(name, method, cfg, params, **kw):
+        order.append(("check", name))
         return {"passed": verdict.get(name, True), "max_abs_err": 0.5, "err_over_tol": 7.0,
                 "tol": {"rtol": 1e-3, "atol": 1e-3}, "wrong_selection_err_over_tol": 9.0,
                 "probe_logits_max_diff": 0.0, "probe_logits_tol": 1e-3}
@@ -158,18 +161,20 @@ def test_bench_exits_before_timing_on_a_failed_check_and_records_passed_ones(mon
     monkeypatch.setattr(model_check, "random_params", lambda *a: None)  # the fake check takes no weights
     monkeypatch.setattr(model_check, "with_layout", lambda params, *a, **k: params)
     monkeypatch.setattr(bench_model, "preset", lambda name: cfg)  # time the tiny model, not Llama-3.1-8B
-    monkeypatch.setattr(bench_model.bm, "measure_hbm_gbs", lambda: pytest.fail("timed before the check"))
+    monkeypatch.setattr(bench_model.bm, "measure_hbm_gbs", lambda: order.append(("timing",)) or 1000.0)
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     argv = ["--methods", "dense,streaming", "--context", "384", "--batch", "1", "--steps", "1", "--xla-flags", "",
             "--out", str(tmp_path / "bench.json")]
     with pytest.raises(SystemExit) as e:
         bench_model.main(argv, prog="jsparse bench model")
+    assert order == [("timing",), ("check", "dense"), ("check", "streaming")]
     assert str(e.value.code).startswith("jsparse bench model: error: decode step differs from its masked reference")
     assert "streaming: max_abs_err 0.5, 7x the tolerance" in str(e.value.code) and "dense:" not in str(e.value.code)
-    assert not (tmp_path / "bench.json").exists()
+    assert "do not use those methods' figures" in str(e.value.code)
+    record = json.loads((tmp_path / "bench.json").read_text())
+    assert {m: c["check"]["passed"] for m, c in record["methods"].items()} == {"dense": True, "streaming": False}
 
     verdict["streaming"] = True
-    monkeypatch.setattr(bench_model.bm, "measure_hbm_gbs", lambda: 1000.0)
     bench_model.main(argv, prog="jsparse bench model")
     record = json.loads((tmp_path / "bench.json").read_text())
     assert {m: c["check"]["passed"] for m, c in record["methods"].items()} == {"dense": True, "streaming": True}

@@ -32,12 +32,15 @@ included, through the model's own path (issue 19's whole-model attention figures
     python -m eval.bench.model --methods dense,kascade,tsa,tsa+kascade --context '' --prefill-context 131072 \
         --attention-only --out bench_attention_only.json
 
-Before anything is timed, each method's decode step is checked against its own masked reference on a small model
-of the same shape family (eval/bench/model_check.py: 8 layers, batch 2, prompts of 384 and 301 tokens, the run's
-dtype; the method and its state built as here): at every layer the method's attention output must equal a dense
-softmax over exactly the keys it selected (read from its own state and selection functions) within
-|out - ref| <= rtol * |ref| + atol. The JSON's `methods` holds each method's `check`; a failed check stops the run
-with a non-zero exit naming the method and its error, before any timing. `--no-check` skips it.
+In the same process, after the timing, each method's decode step is checked against its own masked reference on a
+small model of the same shape family (eval/bench/model_check.py: 8 layers, batch 2, prompts of 384 and 301 tokens,
+the run's dtype; the method and its state built as here): at every layer the method's attention output must equal
+a dense softmax over exactly the keys it selected (read from its own state and selection functions) within
+|out - ref| <= rtol * |ref| + atol. The JSON's `methods` holds each method's `check`; a failed check ends the run
+with a non-zero exit naming the method and its error (the JSON is written first, its rows beside the failure).
+`--no-check` skips it. The check runs after the timing because run before it, it slowed every timed step by
+1-4% (H200, 100K, batch 4, alternating runs: dense 16.38-16.41 -> 16.60-16.61 ms, EvoSparse 6.70 -> 6.94 ms;
+eval/results/h200/fixed_cost/order_*.json).
 
 Each row carries `speedup` (dense step time / the method's, dense measured in the same run),
 `floor_speedup` (dense bytes per step / the method's bytes per step, weights included) and their ratio
@@ -429,15 +432,23 @@ def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, pre
 def method_checks(cfg, methods, budget: float, check: bool, method_options: dict | None = None,
                   layout: str = "default") -> dict:
     """{method: {"check": ...}} for the JSON: each method's correctness check (`model_check.run_checks`, in bf16 as
-    the timed run; raises model_check.CheckFailed naming the failed methods), or a note that it was skipped."""
+    the timed run; a failed one is recorded, and `_raise_failed` raises for it), or a note that it was skipped."""
     if not check:
         return {m: {"check": "skipped (--no-check)"} for m in methods}
     from eval.bench import model_check
     def build(name, small_cfg):
         return bench_method(name, small_cfg, budget, evo_budget_tokens=model_check.CHECK_EVO_TOKENS,
                             options=(method_options or {}).get(name))[0]
-    return {m: {"check": c}
-            for m, c in model_check.run_checks(cfg, methods, build, jnp.bfloat16, layout=layout).items()}
+    return {m: {"check": c} for m, c in model_check.run_checks(cfg, methods, build, jnp.bfloat16, layout=layout,
+                                                               raise_on_failure=False).items()}
+
+
+def _raise_failed(checks: dict) -> None:
+    """CheckFailed naming every method of `checks` (method_checks' dict) whose check failed, if any."""
+    from eval.bench import model_check
+    failed = {m: c["check"] for m, c in checks.items() if isinstance(c["check"], dict) and not c["check"]["passed"]}
+    if failed:
+        raise model_check.CheckFailed(model_check.failure_message(failed, timed=True))
 
 
 def run_methods(shape: str, methods, contexts, batches, steps: int, out: str | None, budget: float,
@@ -448,25 +459,27 @@ def run_methods(shape: str, methods, contexts, batches, steps: int, out: str | N
         methods = ("dense",) + tuple(m for m in methods if m != "dense")  # the baseline of the same run, first
     if not prefill_contexts:  # the prefill methods have no decode rows of their own
         methods = tuple(m for m in methods if m not in PREFILL_METHODS)
-    checks = method_checks(cfg, tuple(m for m in methods if m not in PREFILL_METHODS), budget, check, method_options,
-                           layout)
-    checks.update({m: {"check": f"prefill only: decodes as {'dense' if m == 'tsa' else 'kascade'} (checked there); "
-                                "its prefill kernels are checked by `jsparse bench tsa`"}
-                   for m in methods if m in PREFILL_METHODS})
     facts = bm.device_facts()
     hbm = bm.measure_hbm_gbs()
     params = bench_params(cfg, layout)
     mm = bm.measure_matmul_tflops() if prefill_contexts else 0.0
     rows = method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, prefill_contexts, mm,
                        tsa_kept=tsa_kept, method_options=method_options)
+    nparams, fused = param_bytes(params), is_fused(params)
+    del params  # the check's small model next (after the timing: the module docstring says why)
+    checks = method_checks(cfg, tuple(m for m in methods if m not in PREFILL_METHODS), budget, check, method_options,
+                           layout)
+    checks.update({m: {"check": f"prefill only: decodes as {'dense' if m == 'tsa' else 'kascade'} (checked there); "
+                                "its prefill kernels are checked by `jsparse bench tsa`"}
+                   for m in methods if m in PREFILL_METHODS})
     payload = {**facts, "benchmark": "model_methods", "xla_flags": os.environ.get("XLA_FLAGS", ""), "shape": shape,
                "dtype": "bfloat16", "weights": "random", "budget": budget, "tsa_kept_fraction": tsa_kept,
                "attention_only": attention_only, "method_options": method_options or {},
                "config": {k: getattr(cfg, k) for k in ("num_layers", "hidden_size", "intermediate_size", "num_heads",
                                                        "num_kv_heads", "head_dim", "vocab_size")},
                "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), "measured_hbm_gbs": hbm,
-               "param_bytes": param_bytes(params), "fused_projections": is_fused(params), "decode_steps_timed": steps, "measured_matmul_tflops": mm or None,
-               "methods": checks, "rows": rows}
+               "param_bytes": nparams, "fused_projections": fused, "decode_steps_timed": steps,
+               "measured_matmul_tflops": mm or None, "methods": checks, "rows": rows}
     if out:
         bm.write_json(out, payload)
     if contexts:
@@ -475,13 +488,13 @@ def run_methods(shape: str, methods, contexts, batches, steps: int, out: str | N
                         "floor_fraction"]))
     if prefill_contexts:
         print(bm.table([r for r in rows if r["phase"] == "prefill"], ["method", "context", "prefill_ms", "speedup"]))
+    _raise_failed(checks)
     return payload
 
 
 def run(shape: str, contexts, batches, steps: int = 16, out: str | None = None, check: bool = True,
         layout: str = "default"):
     cfg = preset(shape)
-    checks = method_checks(cfg, ("dense",), 0.1, check, layout=layout)
     facts = bm.device_facts()
     hbm = bm.measure_hbm_gbs()
     mm = bm.measure_matmul_tflops()
@@ -521,14 +534,18 @@ def run(shape: str, contexts, batches, steps: int = 16, out: str | None = None, 
                 row["decode_error"] = str(e).splitlines()[0][:200]
             rows.append(row)
             print(row, flush=True)
-    payload = {**facts, "benchmark": "model_dense", "xla_flags": os.environ.get("XLA_FLAGS", ""), "shape": shape, "dtype": "bfloat16", "weights": "random",
-               "measured_hbm_gbs": hbm, "measured_matmul_tflops": mm, "param_bytes": param_bytes(params),
-               "fused_projections": is_fused(params),
-               "decode_steps_timed": steps, "methods": checks, "rows": rows}
+    nparams, fused = param_bytes(params), is_fused(params)
+    del params
+    checks = method_checks(cfg, ("dense",), 0.1, check, layout=layout)  # after the timing (module docstring)
+    payload = {**facts, "benchmark": "model_dense", "xla_flags": os.environ.get("XLA_FLAGS", ""), "shape": shape,
+               "dtype": "bfloat16", "weights": "random", "measured_hbm_gbs": hbm, "measured_matmul_tflops": mm,
+               "param_bytes": nparams, "fused_projections": fused, "decode_steps_timed": steps, "methods": checks,
+               "rows": rows}
     if out:
         bm.write_json(out, payload)
     print(bm.table(rows, ["context", "batch", "prefill_ms", "prefill_tflops", "prefill_roofline_ms",
                           "decode_step_ms", "decode_tokens_per_s", "decode_roofline_tokens_per_s", "decode_gbs"]))
+    _raise_failed(checks)
     return payload
 
 
@@ -568,7 +585,7 @@ def main(argv=None, prog=None):
                    help="the weights' layout: default (what jsparse.load gives: q/k/v and gate/up fused into one "
                         "weight each on a GPU, models.params), fused, or separate (one GEMM per projection)")
     p.add_argument("--no-check", action="store_true",
-                   help="skip the correctness check that runs before timing (each method's decode step against its "
+                   help="skip the correctness check that runs after the timing (each method's decode step against its "
                         "masked reference on a small model; see above)")
     a = p.parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # 100K x batch 4: 53 GB of cache + 16 GB weights

@@ -364,7 +364,8 @@ def run_checks(shape_cfg, methods, build: Callable, dtype=jnp.bfloat16, *, raise
     return out
 
 
-def failure_message(failed: dict[str, dict]) -> str:
+def failure_message(failed: dict[str, dict], timed: bool = False) -> str:
+    """What a failed check says; timed: the run timed the methods before checking them (`eval.bench.model`)."""
     parts = []
     for n, c in failed.items():
         if "error" in c:
@@ -376,4 +377,5 @@ def failure_message(failed: dict[str, dict]) -> str:
                          else f"{n}: probed logits differ from the plain step's by {c['probe_logits_max_diff']:.4g} "
                               f"> {c['probe_logits_tol']:.3g}")
     return ("decode step differs from its masked reference on the check shape: " + "; ".join(parts) +
-            " (nothing timed; `--no-check` skips the check)")
+            (" (the run's JSON holds the timings beside the failed checks: do not use those methods' figures; "
+             "`--no-check` skips the check)" if timed else " (nothing timed; `--no-check` skips the check)"))
