@@ -149,10 +149,11 @@ EXTRA_COLLECTIVES = {
     "tsa+kascade": {("all-reduce", "f32[2,48]"): 1, ("all-gather", "s32[2,8,48]"): 3,
                     ("all-gather", "s32[2,8,1,20]"): 1, ("all-gather", "s32[2,8,3,15]"): 6,
                     ("all-reduce", "f32[2,1,64]"): 4},
-    # the retrieval set: the pmax of the block max f32[B, T, nb] (two places in the layer loops); and the model's
-    # own wo / w_down psums once more (the decode runs its dense and its sparse layers as two loops). The heat
-    # f32[L, B, Hkv, nb] stays per shard (its candidates' top-k too).
-    "evosparse": {("all-reduce", "f32[2,1,16]"): 2, ("all-reduce", "f32[2,1,64]"): 2},
+    # the retrieval set: the pmax of the block max f32[B, T, nb], once: layers 1 and 2 both score
+    # (`EvoSparse.segments` runs them as their own loops), so layer 1's set, which no layer reads, is dropped;
+    # and the model's own wo / w_down psums once more. The heat f32[L, B, Hkv, nb] stays per shard (its
+    # candidates' top-k too).
+    "evosparse": {("all-reduce", "f32[2,1,16]"): 1, ("all-reduce", "f32[2,1,64]"): 2},
 }
 COLLECTIVES_MESH = "model=8"
 
