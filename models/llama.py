@@ -2,8 +2,9 @@
 
 Both entry points run `jax.lax.scan` over layers (one scan per run of `method.segments`, one run by default). The
 scan carry holds the layer counter, the hidden state, the KV cache and the attention method's selection state; each
-layer reads its params, the method's per-layer info and its window at the counter (`_layer_reader`). Dtype policy: weights and activations in the params' dtype (bf16 or f32), matmuls accumulate
-in f32, RMSNorm, RoPE, softmax and logits in f32.
+layer reads its params, the method's per-layer info and its window at the counter (`_layer_reader`). Dtype policy:
+weights and activations in the params' dtype (bf16 or f32), matmuls accumulate in f32, RMSNorm, RoPE, softmax and
+logits in f32.
 
   prefill(params, cfg, method, tokens, lengths, cache, state) -> (logits, cache, state)
   decode(params, cfg, method, tokens, cache, state) -> (logits, cache, state)

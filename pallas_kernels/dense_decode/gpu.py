@@ -187,19 +187,6 @@ def _decode_kernel(layer_ref, lim_ref, q_ref, k_ref, v_ref, *refs, scale: float,
     plgpu.store(l_ref, l, mask=real)
 
 
-def _combine_splits(o: Array, m: Array, l: Array) -> tuple[Array, Array]:
-    """Merges split partials: o f32[S, ..., D], m, l f32[S, ...] -> (normalised f32[..., D] (zeros if empty),
-    log-sum-exp f32[...] (-inf if empty))."""
-    m_all = jnp.max(m, axis=0)
-    w = jnp.exp(m - m_all[None])
-    l_all = jnp.sum(w * l, axis=0)
-    o_all = jnp.sum(w[..., None] * o, axis=0)
-    nonempty = l_all > 0
-    safe = jnp.where(nonempty, l_all, 1.0)
-    out = jnp.where(nonempty[..., None], o_all / safe[..., None], 0.0)
-    return out, jnp.where(nonempty, m_all + jnp.log(safe), -jnp.inf)
-
-
 def rows_by_kv_head(x: Array, Hkv: int, Rp: int) -> Array:
     """[B, T, Hq, ...] -> [B, Hkv, Rp, ...]: each KV head's T * G query rows (row = t * G + g, the kernels' order),
     zero-padded to Rp rows."""
@@ -299,7 +286,8 @@ def _launch(q: Array, k_all: Array, v_all: Array, layer: Array, lengths: Array, 
     )(*args)
 
     # Padding rows were never written: slice them off before combining.
-    out, lse = _combine_splits(o[:, :, :, :rows], m[:, :, :, :rows], l[:, :, :, :rows])  # [B, Hkv, rows(, D)]
+    # [B, Hkv, rows(, D)]
+    out, lse = sparse_gpu.combine_splits(o[:, :, :, :rows], m[:, :, :, :rows], l[:, :, :, :rows])
     out = out.reshape(B, Hkv, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D).astype(q.dtype)
     return out, lse, lim, extra
 

@@ -138,8 +138,9 @@ def store_partials(o_ref, m_ref, l_ref, o: Array, m: Array, l: Array, G: int) ->
 
 
 
-def _combine_splits(o: Array, m: Array, l: Array) -> tuple[Array, Array]:
-    """Merges split partials: o f32[S, ..., D], m, l f32[S, ...] -> (normalised o f32[..., D], lse f32[...])."""
+def combine_splits(o: Array, m: Array, l: Array) -> tuple[Array, Array]:
+    """Merges split partials: o f32[S, ..., D], m, l f32[S, ...] -> (normalised o f32[..., D] (zeros if empty),
+    log-sum-exp f32[...] (-inf if empty)); also the dense decode kernel's (`pallas_kernels.dense_decode.gpu`)."""
     m_all = jnp.max(m, axis=0)
     w = jnp.exp(m - m_all[None])
     l_all = jnp.sum(w * l, axis=0)
@@ -181,7 +182,7 @@ def split_outputs(splits: int, B: int, Hkv: int, T: int, Gp: int, D: int):
 def finish_splits(o: Array, m: Array, l: Array, G: int, dtype):
     """The split partials (`split_outputs`) merged: (out [B, T, Hq, D] in dtype, lse f32[B, Hkv, T, G])."""
     _, B, Hkv, T, _, D = o.shape
-    out, lse = _combine_splits(o[..., :G, :], m[..., :G], l[..., :G])  # [B, Hkv, T, G, D], [B, Hkv, T, G]
+    out, lse = combine_splits(o[..., :G, :], m[..., :G], l[..., :G])  # [B, Hkv, T, G, D], [B, Hkv, T, G]
     return out.transpose(0, 2, 1, 3, 4).reshape(B, T, Hkv * G, D).astype(dtype), lse
 
 
