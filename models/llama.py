@@ -33,6 +33,8 @@ from models.cache import KVCache
 from models.config import ModelConfig
 from models.params import LayerParams, Params
 from models.sharding import active_mesh, constrain
+from pallas_kernels.kv_write import rope_write
+from pallas_kernels.kv_write.reference import apply_rope, rms_norm  # noqa: F401  (the model's; also imported from here)
 
 Array = jax.Array
 F32 = jnp.float32
@@ -40,13 +42,6 @@ _CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
 
 
 # ----------------------------------------------------------------------------------------------- pieces
-
-
-def rms_norm(x: Array, weight: Array, eps: float) -> Array:
-    """RMSNorm computed in f32, returned in x's dtype."""
-    xf = x.astype(F32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * weight.astype(F32)).astype(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -65,17 +60,6 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = np.where(medium, smoothed, scaled)
     return inv_freq.astype(np.float32)
-
-
-def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
-    """Rotary embedding, rotate-half convention (as transformers). x: [B, T, H, D]; positions: i32[B, T]."""
-    freqs = positions.astype(F32)[..., None] * inv_freq  # [B, T, D/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, D]
-    cos, sin = jnp.cos(emb), jnp.sin(emb)
-    xf = x.astype(F32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * cos + rotated * sin).astype(x.dtype)
 
 
 def _dense(x: Array, w: Array, spec: str, bias: Array | None = None) -> Array:
@@ -314,12 +298,21 @@ def _scan_layers(params: Params, cfg: ModelConfig, method, x: Array, positions: 
         x, ck, cv, state = carry
         lp, layer, info, window = xs
         h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-        q, k, v = (unrows(a) for a in qkv_projection(cfg, lp, h, rope_positions, inv_freq))
-        h = unrows(h)
-        # Under a mesh (models.sharding): the method sees q, k, v and the cache split by heads and rows.
-        q = constrain(q, ("batch", None, "heads", "head_dim"))
-        k, v = (constrain(a, ("batch", None, "kv_heads", "head_dim")) for a in (k, v))
-        ck, cv = (constrain(c, _CACHE_AXES) for c in (write(ck, layer, k), write(cv, layer, v)))
+        if phase == "decode" and lp.wqkv is not None and active_mesh() is None:
+            # The rotation and the cache write in one launch on a GPU (`pallas_kernels.kv_write`); the method's
+            # decode reads the cache, not k and v.
+            qkv = _dense(h, lp.wqkv, "bte,ehd->bthd", lp.bqkv)
+            q, ck, cv = rope_write(qkv.reshape((-1,) + qkv.shape[2:]), positions, inv_freq, ck, cv, layer,
+                                   *lp.fused_heads, lp.q_norm, lp.k_norm, cfg.rms_norm_eps)
+            k = v = None
+            h = unrows(h)
+        else:
+            q, k, v = (unrows(a) for a in qkv_projection(cfg, lp, h, rope_positions, inv_freq))
+            h = unrows(h)
+            # Under a mesh (models.sharding): the method sees q, k, v and the cache split by heads and rows.
+            q = constrain(q, ("batch", None, "heads", "head_dim"))
+            k, v = (constrain(a, ("batch", None, "kv_heads", "head_dim")) for a in (k, v))
+            ck, cv = (constrain(c, _CACHE_AXES) for c in (write(ck, layer, k), write(cv, layer, v)))
         ctx = LayerContext(layer=layer, lengths=lengths, info=info, hidden=h, segment=segment, window=window,
                            window_size=window_size, every_layer_windowed=cfg.every_layer_windowed,
                            kv_dtype=ck.dtype)
