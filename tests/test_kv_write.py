@@ -1,7 +1,7 @@
 """`pallas_kernels.kv_write.rope_write` (a decode step's rotation and cache write in one launch): the Triton kernel in
-interpret mode against its jnp reference on random inputs (bf16 and f32, with and without Qwen3's per-head q/k
-norm, T = 1 and 3, padding rows, a position past the cache dropped, the other layers and positions untouched), the
-entry point's dispatch and errors, CUDA lowering with both caches aliased, and the model's decode through it."""
+interpret mode against its jnp reference on random inputs (bf16 and f32, T = 1 and 3, padding rows, a position past
+the cache dropped, the other layers and positions untouched), the entry point's dispatch and errors (a q/k norm runs
+the reference), CUDA lowering with both caches aliased, and the model's decode through it."""
 
 import functools
 
@@ -30,23 +30,22 @@ def _inputs(seed, B, T, Hq, Hkv, D, L, N, dtype, pad=0, positions=None):
     return qkv, jnp.asarray(positions, jnp.int32), jnp.asarray(inv_freq), ck, cv, norms
 
 
-CASES = [  # (B, T, Hq, Hkv, D, dtype, qk_norm, pad)
-    (4, 1, 8, 2, 32, jnp.bfloat16, False, 4),
-    (3, 1, 8, 4, 64, jnp.float32, False, 0),
-    (2, 3, 4, 2, 32, jnp.bfloat16, True, 2),
-    (1, 1, 16, 8, 32, jnp.float32, True, 0),
+CASES = [  # (B, T, Hq, Hkv, D, dtype, pad)
+    (4, 1, 8, 2, 32, jnp.bfloat16, 4),
+    (3, 1, 8, 4, 64, jnp.float32, 0),
+    (2, 3, 4, 2, 32, jnp.bfloat16, 2),
+    (1, 1, 16, 8, 32, jnp.float32, 0),
 ]
 
 
-@pytest.mark.parametrize("B, T, Hq, Hkv, D, dtype, qk_norm, pad", CASES)
-def test_kernel_matches_reference(B, T, Hq, Hkv, D, dtype, qk_norm, pad):
+@pytest.mark.parametrize("B, T, Hq, Hkv, D, dtype, pad", CASES)
+def test_kernel_matches_reference(B, T, Hq, Hkv, D, dtype, pad):
     L, N, layer = 3, 48, 1
-    qkv, pos, inv_freq, ck, cv, norms = _inputs(B * 7 + T, B, T, Hq, Hkv, D, L, N, dtype, pad)
+    qkv, pos, inv_freq, ck, cv, _ = _inputs(B * 7 + T, B, T, Hq, Hkv, D, L, N, dtype, pad)
     pos = pos.at[0, -1].set(N + 5)  # past the cache: dropped
-    norm = dict(q_norm=norms[0], k_norm=norms[1]) if qk_norm else {}
-    want = rope_write_reference(qkv, pos, inv_freq, ck, cv, layer, Hq, Hkv, **norm, eps=1e-6)
-    got = jax.jit(functools.partial(kgpu.rope_write_gpu, num_q_heads=Hq, num_kv_heads=Hkv, eps=1e-6,
-                                    interpret=True, **norm))(qkv, pos, inv_freq, ck, cv, jnp.int32(layer))
+    want = rope_write_reference(qkv, pos, inv_freq, ck, cv, layer, Hq, Hkv)
+    got = jax.jit(functools.partial(kgpu.rope_write_gpu, num_q_heads=Hq, num_kv_heads=Hkv,
+                                    interpret=True))(qkv, pos, inv_freq, ck, cv, jnp.int32(layer))
     tol = dict(rtol=1e-2, atol=1e-2) if dtype == jnp.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     for g, w, name in zip(got, want, ("q", "cache_k", "cache_v")):
         assert g.shape == w.shape and g.dtype == w.dtype, name
@@ -79,6 +78,12 @@ def test_entry_point_dispatch_and_errors():
         rope_write(qkv, pos, inv_freq[:15], ck, cv, 0, Hq, Hkv)
     with pytest.raises(ValueError, match="q_norm and k_norm: expected both or neither"):
         rope_write(qkv, pos, inv_freq, ck, cv, 0, Hq, Hkv, q_norm=norms[0])
+    with pytest.raises(ValueError, match="cannot run this call: a q/k norm: the kernel takes none"):
+        rope_write(qkv, pos, inv_freq, ck, cv, 0, Hq, Hkv, q_norm=norms[0], k_norm=norms[1],
+                   implementation="pallas_gpu")
+    want = rope_write_reference(qkv, pos, inv_freq, ck, cv, 0, Hq, Hkv, norms[0], norms[1])
+    for g, w in zip(rope_write(qkv, pos, inv_freq, ck, cv, 0, Hq, Hkv, norms[0], norms[1]), want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     with pytest.raises(ValueError, match="cannot run this call: num_q_heads=6: the kernel takes a power of two"):
         rope_write(jnp.zeros((2, 10, 32)), pos, inv_freq, ck, cv, 0, 6, Hkv, implementation="pallas_gpu")
     with pytest.raises(ValueError, match="head_dim=16: the kernel takes a power of two >= 32"):
@@ -100,8 +105,9 @@ def test_lowers_for_cuda_with_both_caches_aliased():
 
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_model_decode_through_the_kernel_equals_the_separate_layout(monkeypatch, qk_norm):
-    """The model's decode with fused q/k/v weights goes through `rope_write` (here the kernel in interpret mode):
-    the same logits and cache as the separate layout's XLA rotation and scatters (batch 3: rows padded to 8)."""
+    """The model's decode with fused q/k/v weights goes through `rope_write` (here the kernel in interpret mode;
+    with a q/k norm the XLA path): the same logits and cache as the reference, and as the separate layout's XLA
+    rotation and scatters (batch 3: rows padded to 8)."""
     from jsparse.methods import make_method
     from models import llama, params as P
     from models.cache import init_cache
@@ -121,14 +127,14 @@ def test_model_decode_through_the_kernel_equals_the_separate_layout(monkeypatch,
 
     def kernel(*args, **kw):
         calls.append(1)
-        return kgpu.rope_write_gpu(*args, interpret=True)
+        return kgpu.rope_write_gpu(*args, interpret=True, **kw)
     monkeypatch.setattr(llama, "gemm_row_padding", lambda rows, dtype: -rows % 8)  # as on a GPU
     step = lambda p: jax.jit(lambda p, t, c: llama.decode(p, cfg, m, t, c, None))(p, tok, cache)  # noqa: E731
     separate = step(P.with_layout(params, "separate"))
     want = step(P.with_layout(params, "fused"))  # through the reference
     monkeypatch.setattr(llama, "rope_write", kernel)
     got = step(P.with_layout(params, "fused"))
-    assert calls
+    assert bool(calls) != qk_norm  # a q/k norm keeps the XLA path
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-5)  # the q/k norm's sum
     np.testing.assert_allclose(np.asarray(got[1].k), np.asarray(want[1].k), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(got[1].v[0]), np.asarray(want[1].v[0]))  # layer 0: v copied as is

@@ -1,11 +1,12 @@
 """Pallas GPU (Triton) kernel of `rope_write`.
 
 grid (B * T,): program r takes token row r of the fused q/k/v projection ([Hq + 2 Hkv, D], read as its two halves
-along D), applies the optional per-head RMSNorm (rounded to the activation dtype, as the model does) and the rotary
-embedding at positions[r] in f32, stores the rotated q heads, and stores the rotated k and the v heads straight into
+along D), applies the rotary embedding at positions[r] in f32, stores the rotated q heads, and stores the rotated k and the v heads straight into
 the stacked caches at [layer, r // T, :, positions[r]] (both caches aliased: in place; nothing stored for a
 position >= N). One launch replaces the model's four per layer (the q rotation, an index clamp and the two cache
-scatters). Runs in interpret mode on CPU (`interpret=True`).
+scatters). No q/k norm (Qwen3's): there the model runs the reference (on an H200 a per-head norm in the kernel,
+rounded to bf16 before the rotation, did not match XLA's, which keeps the f32 value: eval/results/h200/fixed_cost/).
+Runs in interpret mode on CPU (`interpret=True`).
 """
 
 from __future__ import annotations
@@ -38,12 +39,8 @@ def _rows(ref, start: int, n: int, half: int):
     return (ref[pl.ds(start, n), pl.ds(0, half)].astype(F32), ref[pl.ds(start, n), pl.ds(half, half)].astype(F32))
 
 
-def _kernel(lay_ref, pos_ref, qkv_ref, freq_ref, *refs, hq: int, hkv: int, T: int, L: int, N: int, eps: float,
-            qk_norm: bool, dtype):
-    if qk_norm:
-        qn_ref, kn_ref, _, _, q_out, k_out, v_out = refs
-    else:
-        _, _, q_out, k_out, v_out = refs
+def _kernel(lay_ref, pos_ref, qkv_ref, freq_ref, _ck, _cv, q_out, k_out, v_out, *, hq: int, hkv: int, L: int,
+            N: int):
     r = pl.program_id(0)
     layer = jnp.clip(lay_ref[0], 0, L - 1)
     p = pos_ref[r]
@@ -52,18 +49,13 @@ def _kernel(lay_ref, pos_ref, qkv_ref, freq_ref, *refs, hq: int, hkv: int, T: in
     freqs = p.astype(F32) * freq_ref[...]  # [D/2]
     cos, sin = jnp.cos(freqs)[None, :], jnp.sin(freqs)[None, :]
 
-    def rotate(a, b, norm_ref):
-        if norm_ref is not None:  # RMSNorm over D in f32, rounded to the activation dtype before the rotation
-            scale = jax.lax.rsqrt((jnp.sum(a * a, axis=1, keepdims=True) + jnp.sum(b * b, axis=1, keepdims=True))
-                                  / D + eps)
-            a = (a * scale * norm_ref[pl.ds(0, half)].astype(F32)[None, :]).astype(dtype).astype(F32)
-            b = (b * scale * norm_ref[pl.ds(half, half)].astype(F32)[None, :]).astype(dtype).astype(F32)
+    def rotate(a, b):  # rotate-half: (a, b) -> (a cos - b sin, b cos + a sin)
         return a * cos + (-b) * sin, b * cos + a * sin
 
-    q1, q2 = rotate(*_rows(qkv_ref, 0, hq, half), qn_ref if qk_norm else None)
+    q1, q2 = rotate(*_rows(qkv_ref, 0, hq, half))
     q_out[:, pl.ds(0, half)] = q1.astype(q_out.dtype)
     q_out[:, pl.ds(half, half)] = q2.astype(q_out.dtype)
-    k1, k2 = rotate(*_rows(qkv_ref, hq, hkv, half), kn_ref if qk_norm else None)
+    k1, k2 = rotate(*_rows(qkv_ref, hq, hkv, half))
     v1, v2 = _rows(qkv_ref, hq + hkv, hkv, half)
     keep = jnp.full((hkv, half), p < N)  # a position past the cache is dropped
     at = jnp.clip(p, 0, N - 1)
@@ -75,9 +67,8 @@ def _kernel(lay_ref, pos_ref, qkv_ref, freq_ref, *refs, hq: int, hkv: int, T: in
 
 
 def rope_write_gpu(qkv: Array, positions: Array, inv_freq: Array, cache_k: Array, cache_v: Array, layer,
-                   num_q_heads: int, num_kv_heads: int, q_norm: Array | None = None, k_norm: Array | None = None,
-                   eps: float = 1e-6, *, interpret: bool = False):
-    """`reference.rope_write_reference` by the kernel (module docstring)."""
+                   num_q_heads: int, num_kv_heads: int, *, interpret: bool = False):
+    """`reference.rope_write_reference` without a q/k norm, by the kernel (module docstring)."""
     check_args(qkv, positions, inv_freq, cache_k, cache_v, num_q_heads, num_kv_heads)
     reason = unsupported_reason(qkv, num_q_heads, num_kv_heads)
     if reason is not None:
@@ -86,22 +77,19 @@ def rope_write_gpu(qkv: Array, positions: Array, inv_freq: Array, cache_k: Array
     H, D = qkv.shape[1:]
     L, N = cache_k.shape[0], cache_k.shape[3]
     hq, hkv = num_q_heads, num_kv_heads
-    qk_norm = q_norm is not None
     cache = pl.BlockSpec((L, None, hkv, N, D), lambda r: (0, r // T, 0, 0, 0))
-    vec = pl.BlockSpec((D,), lambda r: (0,))
-    norms = [q_norm, k_norm] if qk_norm else []
     q, ck, cv = pl.pallas_call(
-        functools.partial(_kernel, hq=hq, hkv=hkv, T=T, L=L, N=N, eps=float(eps), qk_norm=qk_norm, dtype=qkv.dtype),
+        functools.partial(_kernel, hq=hq, hkv=hkv, L=L, N=N),
         grid=(B * T,),
         in_specs=[pl.BlockSpec((1,), lambda r: (0,)), pl.BlockSpec((B * T,), lambda r: (0,)),
-                  pl.BlockSpec((None, H, D), lambda r: (r, 0, 0)), pl.BlockSpec((D // 2,), lambda r: (0,))]
-                 + [vec] * len(norms) + [cache, cache],
+                  pl.BlockSpec((None, H, D), lambda r: (r, 0, 0)), pl.BlockSpec((D // 2,), lambda r: (0,)),
+                  cache, cache],
         out_specs=[pl.BlockSpec((None, hq, D), lambda r: (r, 0, 0)), cache, cache],
         out_shape=[jax.ShapeDtypeStruct((B * T, hq, D), qkv.dtype), jax.ShapeDtypeStruct(cache_k.shape, cache_k.dtype),
                    jax.ShapeDtypeStruct(cache_v.shape, cache_v.dtype)],
-        input_output_aliases={4 + len(norms): 1, 5 + len(norms): 2},
+        input_output_aliases={4: 1, 5: 2},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret, name="rope_write",
     )(jnp.asarray(layer, jnp.int32).reshape(1), positions.reshape(B * T).astype(jnp.int32), qkv,
-      inv_freq.astype(F32), *norms, cache_k, cache_v)
+      inv_freq.astype(F32), cache_k, cache_v)
     return q.reshape(B, T, hq, D), ck, cv

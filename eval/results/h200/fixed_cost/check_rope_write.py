@@ -1,6 +1,6 @@
 """GPU check of `pallas_kernels.kv_write.rope_write_gpu` (compiled) against its jnp reference at the model's decode
 shapes: Llama-3.1-8B (Hq 32, Hkv 8, D 128) at batch 4 (rows padded to 8) and an STS verification's 3 x 5 rows
-(padded to 16), Qwen3-8B's q/k norm at batch 3, bf16, a 4096-position cache of 4 layers. q and the written k rows
+(padded to 16), bf16, a 4096-position cache of 4 layers. q and the written k rows
 within 2 bf16 ulps (the kernel's and XLA's cos / sin and sums may round differently), v rows bit for bit, nothing
 else in either cache changed. Writes $OUT/check_rope_write.json; exits 1 on a failure.
 
@@ -18,14 +18,16 @@ import numpy as np
 from pallas_kernels.kv_write import gpu as kgpu
 from pallas_kernels.kv_write.reference import rope_write_reference
 
-CASES = [("llama3-8b decode, batch 4", 4, 1, 32, 8, False, 4), ("sts verification 3 x 5", 3, 5, 32, 8, False, 1),
-         ("qwen3-8b decode, batch 3 (q/k norm)", 3, 1, 32, 8, True, 5)]
+CASES = [("llama3-8b decode, batch 4", 4, 1, 32, 8, False, 4), ("sts verification 3 x 5", 3, 5, 32, 8, False, 1)]
+# A q/k-norm case (Qwen3-8B, batch 3) failed at c167a20: the kernel rounded the normed heads to bf16 before the
+# rotation, XLA's compiled reference kept them in f32 (q up to 1276 and k 129 "ulps" by this measure,
+# check_rope_write_c167a20.json); the kernel takes no q/k norm since.
 
 
 def main():
     rows, ok_all = [], True
     L, N, D, layer = 4, 4096, 128, 2
-    for name, B, T, Hq, Hkv, qk_norm, pad in CASES:
+    for name, B, T, Hq, Hkv, _, pad in CASES:
         ks = jax.random.split(jax.random.key(B * 10 + T), 5)
         qkv = jax.random.normal(ks[0], (B * T + pad, Hq + 2 * Hkv, D), jnp.float32).astype(jnp.bfloat16)
         ck = jax.random.normal(ks[1], (L, B, Hkv, N, D), jnp.float32).astype(jnp.bfloat16)
@@ -33,11 +35,9 @@ def main():
         pos = (jax.random.randint(ks[3], (B, 1), 1000, N - T) + jnp.arange(T)[None]).astype(jnp.int32)
         pos = pos.at[0, 0].set(N + 3)  # dropped
         inv_freq = jnp.asarray(1.0 / (500000.0 ** (np.arange(0, D, 2, dtype=np.float32) / D)))
-        norms = (1.0 + 0.2 * jax.random.normal(ks[4], (2, D))).astype(jnp.bfloat16)
-        kw = dict(q_norm=norms[0], k_norm=norms[1]) if qk_norm else {}
-        want = jax.jit(lambda *a: rope_write_reference(*a, Hq, Hkv, **kw, eps=1e-6))(qkv, pos, inv_freq, ck, cv,
+        want = jax.jit(lambda *a: rope_write_reference(*a, Hq, Hkv))(qkv, pos, inv_freq, ck, cv,
                                                                                       jnp.int32(layer))
-        got = jax.jit(lambda *a: kgpu.rope_write_gpu(*a, Hq, Hkv, **kw, eps=1e-6))(qkv, pos, inv_freq, ck, cv,
+        got = jax.jit(lambda *a: kgpu.rope_write_gpu(*a, Hq, Hkv))(qkv, pos, inv_freq, ck, cv,
                                                                                    jnp.int32(layer))
         f = lambda a: np.asarray(a, np.float32)  # noqa: E731
         ulp = lambda a, b: float(np.max(np.abs(f(a) - f(b)) / np.maximum(np.abs(f(b)) * 2 ** -8, 2 ** -133)))  # noqa: E731
