@@ -53,7 +53,7 @@ def main():
         rows.append(row)
         print(row, flush=True)
     out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "commit": os.environ.get("GIT_COMMIT", ""),
-           "rows": rows, "ok": ok_all}
+           "command": "PYTHONPATH=. python eval/results/h200/fixed_cost/check_rope_write.py", "rows": rows, "ok": ok_all}
     with open(os.path.join(os.environ.get("OUT", "."), "check_rope_write.json"), "w") as fh:
         json.dump(out, fh, indent=1)
     sys.exit(0 if ok_all else 1)
