@@ -109,6 +109,40 @@ def test_streaming_decode_sink_and_window():
     np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("T", [1, 3])
+def test_streaming_model_decode_builds_its_keys_once(monkeypatch, T):
+    """Through the model, StreamingLLM's keys come from `start_rows` (built once per forward, the same in every
+    layer) and equal those each layer would build; the state is None again after the forward."""
+    from jsparse.methods.streaming import Streaming
+    from models import llama
+    from models.cache import init_cache
+    from models.params import random_params
+
+    params = random_params(CFG, jax.random.key(4), jnp.float32, scale=1.0)
+    cache = init_cache(CFG, B, 96, jnp.float32)
+    ks = jax.random.split(jax.random.key(6))
+    cache = cache.replace(k=jax.random.normal(ks[0], cache.k.shape), v=jax.random.normal(ks[1], cache.v.shape),
+                          lengths=jnp.array([50, 81], jnp.int32))
+    m = make_method("streaming", budget=0.25, min_tokens=16, sink=4)
+    tok = jnp.ones((B, T), jnp.int32)
+    step = lambda: jax.jit(lambda p, t, c: llama.decode(p, CFG, m, t, c, None))(params, tok, cache)  # noqa: E731
+    hoisted = step()
+    assert hoisted[2] is None
+    seen = []
+    real = Streaming.sparse_decode
+
+    def recorded(self, ctx, q, cache, state):
+        seen.append(type(state).__name__)
+        return real(self, ctx, q, cache, state)
+    monkeypatch.setattr(Streaming, "sparse_decode", recorded)
+    step()
+    assert seen == ["StreamingState"]  # the layers read the forward's keys from the state
+    monkeypatch.setattr(Streaming, "start_rows", lambda self, cfg, state, *a: state)  # each layer builds them
+    per_layer = step()
+    assert seen[-1] == "NoneType"
+    np.testing.assert_array_equal(np.asarray(hoisted[0]), np.asarray(per_layer[0]))
+
+
 @pytest.mark.parametrize("gathered", [False, True])
 def test_quest_decode_pages(gathered):
     """Both decode paths against numpy: the mask (`page_mask`) and the gathered kernel in pages (one call per

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
+import jax
 import jax.numpy as jnp
 from flax import struct
 
@@ -10,13 +13,22 @@ from jsparse.methods.base import register
 from jsparse.methods.common import TokenBudget, attend_selected, kwargs_for, sparse_prefill
 
 
+@struct.dataclass
+class StreamingState:
+    """One decode forward's selection, the same in every layer: i32[B, Hkv, T, K] (`Streaming.start_rows`)."""
+
+    indices: Optional[jax.Array] = None
+
+
 @register("streaming")
 @struct.dataclass
 class Streaming(TokenBudget):
     """Keeps the first `sink` tokens and the most recent k - sink tokens (k from the budget rule).
 
     All layers are sparse (dense_layers=0). In prefill the window is the k - sink keys before each query tile
-    (the kernel adds the diagonal tile)."""
+    (the kernel adds the diagonal tile). In decode the keys depend only on the positions, so `start_rows` builds
+    them once per forward (XLA built them again in every layer of the scan: one launch each) and `finish` drops
+    them; the state between forwards stays None."""
 
     sink: int = struct.field(pytree_node=False, default=4)
     dense_layers: int = struct.field(pytree_node=False, default=0)
@@ -31,12 +43,27 @@ class Streaming(TokenBudget):
     def build(cls, **options):
         return cls(**kwargs_for(cls, options))
 
-    def sparse_decode(self, ctx, q, cache, state):
-        T, N = q.shape[1], cache.k.shape[2]
-        pos = sel.decode_positions(ctx.lengths, T)  # [B, T]
+    def decode_indices(self, lengths, T: int, Hkv: int, N: int):
+        """i32[B, Hkv, T, K]: every KV head's keys for the T new tokens (lengths: i32[B] after the write)."""
+        pos = sel.decode_positions(lengths, T)  # [B, T]
         k_dyn = sel.budget_tokens(self.budget, pos + 1, self.min_tokens)
         idx = sink_window(pos + 1, k_dyn, self.sink, self.k_static(N))  # [B, T, K]
-        idx = jnp.broadcast_to(idx[:, None], (q.shape[0], cache.k.shape[1]) + idx.shape[1:])
+        return jnp.broadcast_to(idx[:, None], (idx.shape[0], Hkv) + idx.shape[1:])
+
+    def start_rows(self, cfg, state, phase, lengths, q_len, kv_len):
+        if phase != "decode" or self.dense_layers >= cfg.num_layers:
+            return state
+        return StreamingState(indices=self.decode_indices(lengths, q_len, cfg.num_kv_heads, kv_len))
+
+    def finish(self, state, phase):
+        return None if isinstance(state, StreamingState) else state
+
+    def sparse_decode(self, ctx, q, cache, state):
+        T, N = q.shape[1], cache.k.shape[2]
+        if isinstance(state, StreamingState):
+            idx = state.indices
+        else:  # called outside the model's scan (no start_rows)
+            idx = self.decode_indices(ctx.lengths, T, cache.k.shape[1], N)
         return attend_selected(q, cache, idx, ctx.lengths), state
 
     def sparse_prefill(self, ctx, q, k, v, state):
