@@ -238,29 +238,6 @@ def test_decode_gpu_interpret_empty_rows_and_empty_splits():
     np.testing.assert_allclose(np.asarray(out[1, 0]), np.asarray(v[1, :, 63].repeat(2, 0)), rtol=1e-6)
 
 
-@pytest.mark.parametrize("S, B, Hkv, T, G, D", [(5, 2, 2, 1, 4, 32), (3, 1, 4, 3, 2, 16), (7, 2, 3, 1, 3, 16)])
-def test_finish_splits_merge_kernel_equals_combine_splits(S, B, Hkv, T, G, D):
-    """The split partials' merge (`gpu.finish_splits`: one Triton launch where Hq and D are powers of two, in
-    interpret mode here; XLA's `combine_splits` otherwise, Hq = 9 in the last case) against `combine_splits`, with
-    an empty row (every split's l = 0) and empty splits; with and without the lse."""
-    rng = np.random.default_rng(S)
-    Gp = max(16, 1 << (G - 1).bit_length())
-    o = jnp.asarray(rng.normal(size=(S, B, Hkv, T, Gp, D)), jnp.float32)
-    m = jnp.asarray(rng.normal(size=(S, B, Hkv, T, Gp)) * 3, jnp.float32)
-    l = jnp.asarray(rng.uniform(0.5, 2.0, size=(S, B, Hkv, T, Gp)), jnp.float32)
-    l = l.at[:, 0, 0, 0].set(0.0).at[1:3, -1].set(0.0)  # an empty row; two empty splits of the last batch row
-    m = m.at[:, 0, 0, 0].set(-1e30).at[1:3, -1].set(-1e30)
-    want, want_lse = gpu.combine_splits(o[..., :G, :], m[..., :G], l[..., :G])
-    want = want.transpose(0, 2, 1, 3, 4).reshape(B, T, Hkv * G, D)
-    for lse_too in (True, False):
-        out, lse = gpu.finish_splits(o, m, l, G, jnp.float32, return_lse=lse_too, interpret=True)
-        np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6, atol=1e-6)
-        assert (lse is None) != lse_too
-        if lse_too:
-            np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-6, atol=1e-6)
-    assert np.all(np.asarray(out[0, 0, :G]) == 0)
-
-
 @pytest.mark.parametrize("case,dtype", [
     (PREFILL_CASES[0], jnp.float32),
     (PREFILL_CASES[1], jnp.bfloat16),

@@ -194,16 +194,33 @@ def _finish_heat_kernel(lay_ref, idx_ref, o_ref, m_ref, l_ref, el_ref, em_ref, n
     rows written), and adds each index entry's mass into heat row `layer` in place.
 
     Refs: lay i32[1]; idx i32[K] the entries; o f32[S, Gp, D], m, l f32[S, Gp]; el, em f32[S, Gp, E]; nw
-    i32[S, 1]; heat (in and out, aliased) f32[L, nb]; out [Gp, D]. The merge is `sparse_attention.gpu.
-    merge_split_rows` (every split loaded at once); rows past G are masked."""
+    i32[S, 1]; heat (in and out, aliased) f32[L, nb]; out [Gp, D]. Every split is loaded at once as one
+    [S, rows, ...] tensor (gathers by index arrays), so the program waits on a few memory round trips, not on
+    a chain of them per split; only the first next_pow2(G) rows are loaded (the partials' padding rows were
+    never written) and rows past G are masked."""
     layer = layer_index(lay_ref[0], L)
-    out, lse, nonempty, (split, s2, r2, ok2) = sgpu.merge_split_rows(o_ref, m_ref, l_ref, S, G)
-    gq, d = out.shape
-    sp = split.shape[0]
+    gq, sp = max(2, pl.next_power_of_2(G)), max(2, pl.next_power_of_2(S))
+    d = o_ref.shape[-1]
     Ep = max(16, pl.next_power_of_2(E))
     i32 = jnp.int32
+    split = jnp.arange(sp, dtype=i32)[:, None]  # [sp, 1]
+    row = jnp.arange(gq, dtype=i32)[None, :]  # [1, gq]
+    ok2 = (split < S) & (row < G)  # [sp, gq]
+    s2, r2 = jnp.minimum(split, S - 1), jnp.broadcast_to(row, (sp, gq))
+    m = plgpu.load(m_ref.at[s2, r2], mask=ok2, other=_MASK)
+    m_all = jnp.max(m, axis=0)  # [gq]
+    w = jnp.where(ok2, jnp.exp(m - m_all[None, :]), 0.0)
+    l_all = jnp.sum(w * plgpu.load(l_ref.at[s2, r2], mask=ok2, other=0.0), axis=0)
+    col = jnp.arange(d, dtype=i32)[None, None, :]
+    ok3 = jnp.broadcast_to(ok2[:, :, None], (sp, gq, d))
+    o = plgpu.load(o_ref.at[s2[:, :, None], r2[:, :, None], col], mask=ok3, other=0.0)  # [sp, gq, D]
+    o_all = jnp.sum(w[:, :, None] * o, axis=0)  # [gq, D]
+    nonempty = l_all > 0
+    l_safe = jnp.where(nonempty, l_all, 1.0)
+    out = jnp.where(nonempty[:, None], o_all / l_safe[:, None], 0.0)
     real2 = jnp.broadcast_to((jnp.arange(gq, dtype=i32) < G)[:, None], (gq, d))
     plgpu.store(out_ref.at[pl.ds(0, gq), :], out.astype(out_ref.dtype), mask=real2)
+    lse = m_all + jnp.log(l_safe)  # [gq]
     # Entry j = s * E + e of every split at once: [sp, gq, Ep] sums and maxima, [sp, Ep] entries.
     e = jnp.arange(Ep, dtype=i32)[None, :]  # [1, Ep]
     nw = plgpu.load(nw_ref.at[jnp.minimum(jnp.arange(sp, dtype=i32), S - 1), jnp.zeros((sp,), i32)],

@@ -285,11 +285,8 @@ def _launch(q: Array, k_all: Array, v_all: Array, layer: Array, lengths: Array, 
         name="dense_decode_stacked" + ("_record" if outputs == "record" else ""),
     )(*args)
 
-    if T == 1:  # the merge in one launch, out in its final layout (`sparse_attention.gpu.finish_splits`)
-        out, lse = sparse_gpu.finish_splits(o[:, :, :, None], m[:, :, :, None], l[:, :, :, None], G, q.dtype,
-                                            interpret=interpret)
-        return out, lse.reshape(B, Hkv, G), lim, extra
-    # Padding rows were never written: slice them off before combining. [B, Hkv, rows(, D)]
+    # Padding rows were never written: slice them off before combining.
+    # [B, Hkv, rows(, D)]
     out, lse = sparse_gpu.combine_splits(o[:, :, :, :rows], m[:, :, :, :rows], l[:, :, :, :rows])
     out = out.reshape(B, Hkv, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D).astype(q.dtype)
     return out, lse, lim, extra

@@ -179,74 +179,11 @@ def split_outputs(splits: int, B: int, Hkv: int, T: int, Gp: int, D: int):
     return specs, shapes
 
 
-def merge_split_rows(o_ref, m_ref, l_ref, S: int, G: int):
-    """Inside a Triton program of one (row, KV head): `combine_splits` of its S split partials (refs o f32[S, Gp,
-    D], m, l f32[S, Gp]; only the first next_pow2(G) rows are loaded: the padding rows were never written).
-
-    Every split is loaded at once as one [S, rows, ...] tensor (gathers by index arrays), so the program waits on
-    a few memory round trips, not on a chain of them per split. Returns (out f32[gq, D] normalised, 0 where
-    empty; lse f32[gq], log(1) past an empty row; nonempty bool[gq]; the split grid (split i32[sp, 1], s2, r2
-    i32[sp, gq] clamped indices, ok2 bool[sp, gq] the real (split, row) pairs)), gq = max(2, next_pow2(G))."""
-    gq, sp = max(2, pl.next_power_of_2(G)), max(2, pl.next_power_of_2(S))
-    d = o_ref.shape[-1]
-    i32 = jnp.int32
-    split = jnp.arange(sp, dtype=i32)[:, None]  # [sp, 1]
-    row = jnp.arange(gq, dtype=i32)[None, :]  # [1, gq]
-    ok2 = (split < S) & (row < G)  # [sp, gq]
-    s2, r2 = jnp.minimum(split, S - 1), jnp.broadcast_to(row, (sp, gq))
-    m = plgpu.load(m_ref.at[s2, r2], mask=ok2, other=_MASK)
-    m_all = jnp.max(m, axis=0)  # [gq]
-    w = jnp.where(ok2, jnp.exp(m - m_all[None, :]), 0.0)
-    l_all = jnp.sum(w * plgpu.load(l_ref.at[s2, r2], mask=ok2, other=0.0), axis=0)
-    col = jnp.arange(d, dtype=i32)[None, None, :]
-    ok3 = jnp.broadcast_to(ok2[:, :, None], (sp, gq, d))
-    o = plgpu.load(o_ref.at[s2[:, :, None], r2[:, :, None], col], mask=ok3, other=0.0)  # [sp, gq, D]
-    o_all = jnp.sum(w[:, :, None] * o, axis=0)  # [gq, D]
-    nonempty = l_all > 0
-    l_safe = jnp.where(nonempty, l_all, 1.0)
-    out = jnp.where(nonempty[:, None], o_all / l_safe[:, None], 0.0)
-    return out, m_all + jnp.log(l_safe), nonempty, (split, s2, r2, ok2)
-
-
-def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *lse_ref, S: int, G: int):
-    """Program (b, kv head, t): the merged rows of the KV head's G query heads, stored at heads h G .. h G + G - 1
-    of out [Hq, D] (and their lse at lse [gq] when asked, -inf where empty)."""
-    out, lse, nonempty, _ = merge_split_rows(o_ref, m_ref, l_ref, S, G)
-    gq, d = out.shape
-    rows = jnp.arange(gq, dtype=jnp.int32)
-    heads = pl.program_id(1) * G + jnp.minimum(rows, G - 1)
-    real = jnp.broadcast_to((rows < G)[:, None], (gq, d))
-    plgpu.store(out_ref.at[heads[:, None], jnp.arange(d, dtype=jnp.int32)[None, :]], out.astype(out_ref.dtype),
-                mask=real)
-    if lse_ref:
-        plgpu.store(lse_ref[0].at[pl.ds(0, gq)], jnp.where(nonempty, lse, -jnp.inf))
-
-
-def finish_splits(o: Array, m: Array, l: Array, G: int, dtype, *, return_lse: bool = True,
-                  interpret: bool = False):
-    """The split partials (`split_outputs`) merged: (out [B, T, Hq, D] in dtype, lse f32[B, Hkv, T, G], or None
-    without return_lse). One Triton launch (`_merge_kernel`, one program per row, KV head and token; it writes
-    out in its final layout) where Hq and D are powers of two; else XLA's `combine_splits` (three fusions)."""
-    S, B, Hkv, T, Gp, D = o.shape
-    Hq = Hkv * G
-    if not (_pow2(Hq) and _pow2(D)):
-        out, lse = combine_splits(o[..., :G, :], m[..., :G], l[..., :G])  # [B, Hkv, T, G, D], [B, Hkv, T, G]
-        return out.transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D).astype(dtype), lse if return_lse else None
-    gq = max(2, pl.next_power_of_2(G))
-    part = lambda *tail: pl.BlockSpec((S, None, None, None) + tail,  # noqa: E731
-                                      lambda b, h, t: (0, b, h, t) + (0,) * len(tail))
-    out_specs = [pl.BlockSpec((None, None, Hq, D), lambda b, h, t: (b, t, 0, 0))]
-    out_shape = [jax.ShapeDtypeStruct((B, T, Hq, D), dtype)]
-    if return_lse:
-        out_specs.append(pl.BlockSpec((None, None, None, gq), lambda b, h, t: (b, h, t, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((B, Hkv, T, gq), jnp.float32))
-    res = pl.pallas_call(
-        functools.partial(_merge_kernel, S=S, G=G), grid=(B, Hkv, T),
-        in_specs=[part(Gp, D), part(Gp), part(Gp)], out_specs=out_specs, out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret, name="merge_decode_splits",
-    )(o, m, l)
-    return res[0], (res[1][..., :G] if return_lse else None)
+def finish_splits(o: Array, m: Array, l: Array, G: int, dtype):
+    """The split partials (`split_outputs`) merged: (out [B, T, Hq, D] in dtype, lse f32[B, Hkv, T, G])."""
+    _, B, Hkv, T, _, D = o.shape
+    out, lse = combine_splits(o[..., :G, :], m[..., :G], l[..., :G])  # [B, Hkv, T, G, D], [B, Hkv, T, G]
+    return out.transpose(0, 2, 1, 3, 4).reshape(B, T, Hkv * G, D).astype(dtype), lse
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "scale", "return_lse", "config", "interpret"))
@@ -301,7 +238,7 @@ def sparse_decode_gpu(q: Array, k: Array, v: Array, indices: Array, lengths: Arr
         name="sparse_decode_gathered",
     )(limit, end, ent, qg, k, v)
 
-    out, lse = finish_splits(o, m, l, G, q.dtype, return_lse=return_lse, interpret=interpret)
+    out, lse = finish_splits(o, m, l, G, q.dtype)
     if return_lse:
         return out, lse.transpose(0, 2, 1, 3).reshape(B, T, Hq)
     return out

@@ -225,7 +225,7 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
     Hkv, K = k_all.shape[2], indices.shape[3]
     G = Hq // Hkv
     o, m, l = res[:3]
-    out, lse = gpu.finish_splits(o, m, l, G, q.dtype, return_lse=return_lse or return_mass, interpret=interpret)
+    out, lse = gpu.finish_splits(o, m, l, G, q.dtype)
     extra = []
     if return_lse:
         extra.append(lse.transpose(0, 2, 1, 3).reshape(B, T, Hq))
