@@ -1,11 +1,12 @@
 """Pallas GPU (Triton) kernel of `rope_write`.
 
 grid (B * T,): program r takes token row r of the fused q/k/v projection ([Hq + 2 Hkv, D], read as its two halves
-along D), applies the rotary embedding at positions[r] in f32, stores the rotated q heads, and stores the rotated k and the v heads straight into
-the stacked caches at [layer, r // T, :, positions[r]] (both caches aliased: in place; nothing stored for a
-position >= N). One launch replaces the model's four per layer (the q rotation, an index clamp and the two cache
-scatters). No q/k norm (Qwen3's): there the model runs the reference (on an H200 a per-head norm in the kernel,
-rounded to bf16 before the rotation, did not match XLA's, which keeps the f32 value: eval/results/h200/fixed_cost/).
+along D), applies the rotary embedding at positions[r] in f32, stores the rotated q heads, and stores the rotated k
+and the v heads straight into the stacked caches at [layer, r // T, :, positions[r]] (both caches aliased: in
+place; nothing stored for a position >= N). One launch replaces the model's four per layer (the q rotation, an
+index clamp and the two cache scatters). No q/k norm (Qwen3's): there the model runs the reference (on an H200 a
+per-head norm in the kernel, rounded to bf16 before the rotation, did not match XLA's, which keeps the f32 value:
+eval/results/h200/fixed_cost/).
 Runs in interpret mode on CPU (`interpret=True`).
 """
 
