@@ -124,8 +124,8 @@ def _layer_reader(cfg: ModelConfig, params: Params, method):
     leaf and layer. So the small float leaves (at most `SMALL_LAYER_LEAF` elements per layer; bf16, f16 or f32)
     are packed once per forward into one f32[L, n] array, read with one slice per layer and unpacked to their
     dtypes (exact: f32 holds each of those values); not under a mesh, where some are split by heads and packing
-    them would gather and re-split them. The layer index is the counter itself, and the window a
-    constant 0 when no layer is windowed."""
+    them would gather and re-split them. The layer index is the counter itself, and the window a constant 0 when
+    no layer is windowed."""
     layers = params.layers
     leaves, treedef = jax.tree_util.tree_flatten(layers)
     small = [j for j, a in enumerate(leaves) if a.size // a.shape[0] <= SMALL_LAYER_LEAF
@@ -305,14 +305,13 @@ def _scan_layers(params: Params, cfg: ModelConfig, method, x: Array, positions: 
             q, ck, cv = rope_write(qkv.reshape((-1,) + qkv.shape[2:]), positions, inv_freq, ck, cv, layer,
                                    *lp.fused_heads)
             k = v = None
-            h = unrows(h)
         else:
             q, k, v = (unrows(a) for a in qkv_projection(cfg, lp, h, rope_positions, inv_freq))
-            h = unrows(h)
             # Under a mesh (models.sharding): the method sees q, k, v and the cache split by heads and rows.
             q = constrain(q, ("batch", None, "heads", "head_dim"))
             k, v = (constrain(a, ("batch", None, "kv_heads", "head_dim")) for a in (k, v))
             ck, cv = (constrain(c, _CACHE_AXES) for c in (write(ck, layer, k), write(cv, layer, v)))
+        h = unrows(h)
         ctx = LayerContext(layer=layer, lengths=lengths, info=info, hidden=h, segment=segment, window=window,
                            window_size=window_size, every_layer_windowed=cfg.every_layer_windowed,
                            kv_dtype=ck.dtype)
