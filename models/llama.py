@@ -34,7 +34,7 @@ from models.config import ModelConfig
 from models.params import LayerParams, Params
 from models.sharding import active_mesh, constrain
 from pallas_kernels.kv_write import rope_write
-from pallas_kernels.kv_write.reference import apply_rope, rms_norm  # noqa: F401  (the model's; also imported from here)
+from pallas_kernels.kv_write.reference import apply_rope, rms_norm, write_decode  # noqa: F401  (the model's pieces)
 
 Array = jax.Array
 F32 = jnp.float32
@@ -246,12 +246,6 @@ def _write_prefill(cache_k: Array, layer: Array, k: Array) -> Array:
     return jax.lax.dynamic_update_slice(cache_k, upd, (layer, 0, 0, 0, 0))
 
 
-def _write_decode(cache_k: Array, layer: Array, positions: Array, k: Array) -> Array:
-    """Scatters k: [B, T, Hkv, D] into cache_k[layer, b, :, positions[b, t]]."""
-    b = jnp.arange(k.shape[0])[:, None]
-    return cache_k.at[layer, b, :, positions].set(k.astype(cache_k.dtype), mode="drop")
-
-
 # ----------------------------------------------------------------------------------------------- forward
 
 
@@ -402,7 +396,7 @@ def decode(params: Params, cfg: ModelConfig, method, tokens: Array, cache: KVCac
 
     x, ck, cv, state, _ = _scan_layers(
         params, cfg, method, embed(params, tokens), positions, lengths, cache, state, phase="decode",
-        kv_len=cache.capacity, write=lambda c, layer, k: _write_decode(c, layer, positions, k), attend=attend,
+        kv_len=cache.capacity, write=lambda c, layer, k: write_decode(c, layer, positions, k), attend=attend,
         unroll=unroll)
     return _poison(lm_logits(cfg, params, x), bad), KVCache(k=ck, v=cv, lengths=lengths), state
 

@@ -35,6 +35,13 @@ def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
     return (xf * cos + rotated * sin).astype(x.dtype)
 
 
+def write_decode(cache: Array, layer, positions: Array, x: Array) -> Array:
+    """Scatters x: [B, T, Hkv, D] into cache[layer, b, :, positions[b, t]] (cache: [L, B, Hkv, N, D]; a position
+    >= N is dropped)."""
+    b = jnp.arange(x.shape[0])[:, None]
+    return cache.at[layer, b, :, positions].set(x.astype(cache.dtype), mode="drop")
+
+
 def check_args(qkv: Array, positions: Array, inv_freq: Array, cache_k: Array, cache_v: Array, num_q_heads: int,
                num_kv_heads: int) -> None:
     B, T = positions.shape
@@ -62,6 +69,4 @@ def rope_write_reference(qkv: Array, positions: Array, inv_freq: Array, cache_k:
     if q_norm is not None:
         q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-    b = jnp.arange(B)[:, None]
-    write = lambda c, a: c.at[layer, b, :, positions].set(a.astype(c.dtype), mode="drop")  # noqa: E731
-    return q, write(cache_k, k), write(cache_v, v)
+    return q, write_decode(cache_k, layer, positions, k), write_decode(cache_v, layer, positions, v)
