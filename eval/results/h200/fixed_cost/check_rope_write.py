@@ -10,6 +10,7 @@ else in either cache changed. Writes $OUT/check_rope_write.json; exits 1 on a fa
 import json
 import os
 import sys
+from datetime import datetime, timezone
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +53,8 @@ def main():
         ok_all &= row["ok"]
         rows.append(row)
         print(row, flush=True)
-    out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "commit": os.environ.get("GIT_COMMIT", ""),
+    out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+           "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": os.environ.get("GIT_COMMIT", ""),
            "command": "PYTHONPATH=. python eval/results/h200/fixed_cost/check_rope_write.py", "rows": rows, "ok": ok_all}
     with open(os.path.join(os.environ.get("OUT", "."), "check_rope_write.json"), "w") as fh:
         json.dump(out, fh, indent=1)
