@@ -41,7 +41,8 @@ def main():
         got = jax.jit(lambda *a: kgpu.rope_write_gpu(*a, Hq, Hkv))(qkv, pos, inv_freq, ck, cv,
                                                                                    jnp.int32(layer))
         f = lambda a: np.asarray(a, np.float32)  # noqa: E731
-        ulp = lambda a, b: float(np.max(np.abs(f(a) - f(b)) / np.maximum(np.abs(f(b)) * 2 ** -8, 2 ** -133)))  # noqa: E731
+        def ulp(a, b):  # the largest difference in units of 2^-8 |b| (about a bf16 ulp)
+            return float(np.max(np.abs(f(a) - f(b)) / np.maximum(np.abs(f(b)) * 2 ** -8, 2 ** -133)))
         row = {"case": name, "B": B, "T": T, "pad": pad, "q_max_ulps": ulp(got[0], want[0]),
                "k_max_ulps": ulp(got[1], want[1]), "v_equal": bool(np.array_equal(f(got[2]), f(want[2]))),
                "k_changed_rows": int(np.sum(np.any(f(got[1]) != f(ck), axis=-1))),
@@ -55,7 +56,8 @@ def main():
         print(row, flush=True)
     out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": os.environ.get("GIT_COMMIT", ""),
-           "command": "PYTHONPATH=. python eval/results/h200/fixed_cost/check_rope_write.py", "rows": rows, "ok": ok_all}
+           "command": "PYTHONPATH=. python eval/results/h200/fixed_cost/check_rope_write.py", "rows": rows,
+           "ok": ok_all}
     with open(os.path.join(os.environ.get("OUT", "."), "check_rope_write.json"), "w") as fh:
         json.dump(out, fh, indent=1)
     sys.exit(0 if ok_all else 1)
