@@ -43,11 +43,16 @@ if SMOKE:  # CPU check of the script: tiny shapes, interpret mode
     OPS = {"qkv": (E, QKV, "none", True), "o": (E, E, "residual", False), "gate_up": (E, 2 * F, "swiglu", True),
            "down": (F, E, "residual", False)}
 C = gpu.GemmConfig
-CONFIGS = [C(32, 128, 1, 4, 4), C(64, 128, 1, 4, 4), C(128, 128, 1, 4, 3), C(64, 256, 1, 4, 3), C(64, 64, 1, 4, 6),
-           C(128, 64, 1, 4, 4), C(64, 128, 1, 8, 4), C(32, 256, 1, 4, 4), C(64, 128, 2, 4, 4), C(128, 128, 2, 4, 3),
-           C(32, 128, 2, 4, 4), C(128, 256, 1, 8, 3), C(32, 64, 1, 4, 8), C(64, 256, 2, 4, 3)]
+# Round 2 (round 1 was a shared list, `gemm_variants_round1.json`: block_k 256 beat 128 everywhere, split_k 2 helped
+# o, q/k/v and down): longer loads, narrower strips, per op.
+WIDE = [C(bn, bk, s, w, st) for bn in (32, 64) for bk in (256, 512) for s in (1, 2, 4) for w in (4, 8)
+        for st in (2, 3) if bn * bk * st * 2 <= 160 * 1024]
+SWIGLU = [C(bn, bk, 1, w, st) for bn in (16, 32, 64) for bk in (128, 256, 512) for w in (4, 8) for st in (2, 3, 4)
+          if 2 * bn * bk * st * 2 <= 160 * 1024 and bn * bk >= 8192]
+CONFIGS = {"qkv": WIDE, "qkv_plain": WIDE, "o": WIDE, "gate_up": SWIGLU, "gate_up_plain": WIDE, "down": WIDE}
+OPS.update(qkv_plain=(E, QKV, "none", False), gate_up_plain=(E, 2 * F, "none", False))
 if SMOKE:
-    CONFIGS = [C(32, 64, 1, 4, 2), C(64, 64, 2, 4, 2)]
+    CONFIGS = {k: [C(32, 64, 1, 4, 2), C(64, 64, 2, 4, 2)] for k in OPS}
 
 
 def cname(c):
@@ -102,11 +107,11 @@ def inputs(K, N, M, key):
     w = (0.02 * jax.random.normal(ks[0], (L, K, N), F32)).astype(BF)
     x = jax.random.normal(ks[1], (M, K), F32).astype(BF)
     g = (1 + 0.1 * jax.random.normal(ks[2], (K,), F32)).astype(BF)
-    r = jax.random.normal(ks[3], (M, N // 2 if OPS_EP.get((K, N)) == "swiglu" else N), F32).astype(BF)
+    r = jax.random.normal(ks[3], (M, N), F32).astype(BF)
     return x, w, g, r
 
 
-OPS_EP = {(K, N): ep for K, N, ep, _ in OPS.values()}
+CHAIN = ("qkv", "o", "gate_up", "down")
 
 
 def main():
@@ -120,7 +125,7 @@ def main():
         r = r[:, :Nout]
         want = jax.jit(op_fn(name, "xla"))(x, w, jnp.int32(3), g, r).astype(F32)
         rows = {}
-        for c in CONFIGS:
+        for c in CONFIGS[name]:
             tag = cname(c)
             if gpu.unsupported_reason(x, w, ep, c) is not None:
                 continue
@@ -171,14 +176,14 @@ def main():
 
     # 3. The chain.
     ks = jax.random.split(jax.random.key(7), 8)
-    ws = {n: (0.02 * jax.random.normal(ks[j], (L, K, N), F32)).astype(BF) for j, (n, (K, N, _, _)) in
-          enumerate(OPS.items())}
+    ws = {n: (0.02 * jax.random.normal(ks[j], (L, *OPS[n][:2]), F32)).astype(BF) for j, n in enumerate(CHAIN)}
     gs = [(1 + 0.1 * jax.random.normal(ks[5 + j], (E,), F32)).astype(BF) for j in range(2)]
-    by_name = {cname(c): c for c in CONFIGS}
+    by_name = {cname(c): c for cs in CONFIGS.values() for c in cs}
 
     def chain(impl):
-        cf = {n: by_name.get(best[n]) for n in OPS}
-        gemm = {n: op_fn(n, "xla" if impl == "xla" or cf[n] is None else "pallas", cf[n]) for n in OPS}
+        cf = {n: by_name.get(best[n]) for n in CHAIN}
+        gemm = {n: op_fn(n, "xla" if impl == "xla" or cf[n] is None or n not in impl.split(":")[-1].split(",") else "pallas", cf[n])
+                for n in CHAIN}
 
         def run(x, ws, gs):
             def body(c, _):
@@ -190,8 +195,11 @@ def main():
             return jax.lax.scan(body, (jnp.int32(0), x), None, length=L)[0][1]
         return model_jit(run)
 
-    weight_bytes = sum(K * N * 2 for K, N, _, _ in OPS.values()) * L
-    for impl, M in (("xla", 8), ("xla", 16), ("pallas", 16), ("xla", 8), ("pallas", 16)):
+    weight_bytes = sum(OPS[n][0] * OPS[n][1] * 2 for n in CHAIN) * L
+    every = "pallas:" + ",".join(CHAIN)
+    wins = "pallas:" + ",".join(n for n in CHAIN if best[n] and res["alone"][n][best[n]]["wall_ms"]
+                                < res["alone"][n]["xla_M8"]["wall_ms"])
+    for impl, M in (("xla", 8), (every, 16), (wins, 16), ("xla", 8), (every, 16), (wins, 16)):
         x = (0.3 * jax.random.normal(ks[4], (M, E), F32)).astype(BF)
         f = chain(impl)
         ms = wall_ms(f, (x, ws, gs))
@@ -203,7 +211,7 @@ def main():
         print(f"chain {key}: {ms:.3f} ms per 32 layers ({weight_bytes / (ms * 1e-3) / 1e12:.2f} TB/s of weights), "
               f"{prof['kernels_per_step'] / L:.1f} kernels/layer", flush=True)
     xs = (0.3 * jax.random.normal(ks[4], (16, E), F32)).astype(BF)
-    a, b = chain("xla")(xs, ws, gs).astype(F32), chain("pallas")(xs, ws, gs).astype(F32)
+    a, b = chain("xla")(xs, ws, gs).astype(F32), chain(every)(xs, ws, gs).astype(F32)
     res["chain_check"] = dict(rel_err=float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(a))))
     json.dump(res, open(os.path.join(out_dir, "gemm_variants.json"), "w"), indent=1)
     print("\nbest per op:", best, "chain check", res["chain_check"])
