@@ -80,24 +80,21 @@ def _kernel(lay_ref, x_ref, *refs, M: int, K: int, BK: int, steps: int, L: int, 
     layer = jnp.clip(lay_ref[0], 0, L - 1)
     BN = w_refs[0].shape[-1]
 
-    def x_tile(k0):  # f32 [M, BK]
-        return x_ref[:, pl.ds(k0, BK)].astype(F32)
-
     def body(t, carry):
-        accs, ss = carry
+        accs, sq = carry
         k0 = pl.multiple_of((s * steps + t) * BK, BK)
-        xt = x_tile(k0)
-        if has_norm:  # rms_norm(x) @ w = rstd * ((x * g) @ w): the squares summed on the way, the scale after
-            ss = ss + jnp.sum(xt * xt, axis=1)
-            xt = xt * norm_ref[pl.ds(k0, BK)].astype(F32)[None, :]
-        h = xt.astype(x_ref.dtype)
+        h = x_ref[:, pl.ds(k0, BK)]
+        if has_norm:  # rms_norm(x) @ w = rstd * ((x * g) @ w): the squares kept per lane, summed after the loop
+            xf = h.astype(F32)
+            sq = sq + xf * xf
+            h = (xf * norm_ref[pl.ds(k0, BK)].astype(F32)[None, :]).astype(x_ref.dtype)
         return tuple(a + jnp.dot(h, w[layer, pl.ds(k0, BK), :], preferred_element_type=F32)
-                     for a, w in zip(accs, w_refs)), ss
+                     for a, w in zip(accs, w_refs)), sq
 
-    init = (tuple(jnp.zeros((M, BN), F32) for _ in w_refs), jnp.zeros((M,), F32))
-    accs, ss = jax.lax.fori_loop(0, steps, body, init)
+    init = (tuple(jnp.zeros((M, BN), F32) for _ in w_refs), jnp.zeros((M, BK) if has_norm else (M, 1), F32))
+    accs, sq = jax.lax.fori_loop(0, steps, body, init)
     if has_norm:
-        rstd = jax.lax.rsqrt(ss / K + eps)[:, None]
+        rstd = jax.lax.rsqrt(jnp.sum(sq, axis=1) / K + eps)[:, None]
         accs = tuple(a * rstd for a in accs)
     if partial:
         out = accs[0]

@@ -46,7 +46,8 @@ C = gpu.GemmConfig
 # Round 1 (`gemm_variants_round1.json`): one shared list; block_k 256 beat 128 everywhere, split_k 2 helped o, q/k/v
 # and down. Round 2 (`gemm_variants_round2.json`): per-op lists; without a prologue the kernel matched cuBLAS, and the
 # norm's pre-pass cost 6.5 us a layer. Round 3 (this list): the norm scales the result (no pre-pass); o and down
-# with round 2's three fastest.
+# with round 2's three fastest (`gemm_variants_round3.json`: the per-iteration row sums made q/k/v 30.5 us).
+# Round 4: the squares kept per lane, summed once after the loop.
 WIDE = [C(bn, bk, s, w, st) for bn in (32, 64) for bk in (256, 512) for s in (1, 2, 4) for w in (4, 8)
         for st in (2, 3) if bn * bk * st * 2 <= 160 * 1024]
 SWIGLU = [C(bn, bk, 1, w, st) for bn in (16, 32, 64) for bk in (128, 256, 512) for w in (4, 8) for st in (2, 3, 4)
