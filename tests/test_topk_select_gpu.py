@@ -190,6 +190,29 @@ def test_sample_resolves_kascade_like_rows_without_fallback():
     _sample_exact(x, k, K, sample_size=1024, band_cap=2048)
 
 
+def test_sample_band_capacity_fits_the_band_it_sizes():
+    """The "sample" path's default capacity (`gpu_sample.band_capacity`, band_cap=None) holds the band of
+    continuous and pooled-like rows at every k <= K (no row takes the fallback), is not loose by more than 4x at
+    k = K, and is 4096 for Kascade's anchors at 100K, budget 0.1 (the capacity the resolve kernel searches)."""
+    from pallas_kernels.topk_select.gpu_sample import band_capacity
+
+    assert band_capacity(9991, 100096, 8192, 4.0) == 4096
+    assert band_capacity(100096, 100096, 8192, 4.0) == band_capacity(50048, 100096, 8192, 4.0)  # widest at k = N/2
+    assert band_capacity(100, 10**6, 8192, 4.0) >= 1024 and band_capacity(10**6, 10**7, 8192, 4.0) == 32768
+    rng = np.random.default_rng(9)
+    R, N, K, S = 6, 16384, 1638, 512
+    cap = band_capacity(K, N, S, 4.0)
+    x = rng.standard_normal((R, N)).astype(np.float32)
+    x[R // 2:] = np.exp(2.0 * x[R // 2:]) / N  # pooled-like: heavy right tail
+    k = np.array([K, K, 700, K, 1200, 130], np.int32)
+    how, nb = _sample_resolution(x, k, K, sample=S, cap=cap)
+    assert (how != "fallback").all() and (nb <= cap).all(), (how, nb, cap)
+    assert nb[k == K].min() > cap // 4, (nb, cap)
+    got = gpu.topk_select_gpu(jnp.asarray(x), jnp.asarray(k), K, interpret=True,
+                              config=gpu.SelectConfig(**{**SAMPLE, "sample_size": S, "band_cap": None}))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(topk_select_reference(jnp.asarray(x), jnp.asarray(k), K)))
+
+
 def test_sample_ties_at_the_bracket_ends_do_not_fill_the_band():
     """The threshold inside a tie group far larger than the band's capacity, at either end of the bracket: the
     group is counted, not stored, so the row resolves without the fallback (cap 64 here)."""

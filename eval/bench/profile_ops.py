@@ -1,10 +1,12 @@
 """Per-kernel device time of single ops on the GPU (a `jax.profiler` trace of a few calls of each variant), at
-the Kascade anchor's decode shape: B 8, Hq 32, Hkv 8, D 128, bf16, N 131072, budget 10%.
+the Kascade anchor's decode shape: Hq 32, Hkv 8, D 128, bf16; by default B 8, N 131072, budget 10%
+(--batch, --context, --budget).
 
     jsparse bench profile_ops --what select,anchor --out /some/dir/profile_ops.json
 
-  select: the long-row top-k paths on 64 rows (B x Hkv) of pooled-like scores, k = 10%: "fused" and "sample"
-          at a few sample sizes / band capacities / bracket widths (each checked exact against the reference).
+  select: the long-row top-k paths on B x Hkv rows of pooled-like scores, k = budget: "fused" and "sample"
+          at a few sample sizes / band capacities / radix bits (each checked exact against the reference;
+          "sample" is the default, its band capacity sized from K, `gpu_sample.band_capacity`).
   anchor: the anchor layer (`anchor_decode_gpu`, stacked cache), the dense-output anchor (layer 0) and a
           reuse layer (stacked gathered decode with a head map).
 """
@@ -28,6 +30,8 @@ SELECT = {
     "sample": gpu.SelectConfig(path="sample"),
     "sample_s4096": gpu.SelectConfig(path="sample", sample_size=4096),
     "sample_c8192": gpu.SelectConfig(path="sample", band_cap=8192),
+    "sample_c16384": gpu.SelectConfig(path="sample", band_cap=16384),
+    "sample_rb4": gpu.SelectConfig(path="sample", row_bits=4),
     "sample_cb512": gpu.SelectConfig(path="sample", compact_block_n=512),
     "sample_cb2048_tp2048": gpu.SelectConfig(path="sample", compact_block_n=2048, target_programs=2048),
     "sample_w8": gpu.SelectConfig(path="sample", num_warps=8),
@@ -54,11 +58,14 @@ def main(argv=None, prog=None):
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--what", default="select,anchor")
     p.add_argument("--calls", type=int, default=5)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--context", type=int, default=131072, help="N, the cache length")
+    p.add_argument("--budget", type=float, default=0.1, help="k = ceil(budget * N)")
     add_out_argument(p, "profile_ops.json")
     a = p.parse_args(argv)
     a.out = out_path(a.out, "profile_ops.json")
-    B, Hq, Hkv, D, N = 8, 32, 8, 128, 131072
-    K = int(np.ceil(0.1 * N))
+    B, Hq, Hkv, D, N = a.batch, 32, 8, 128, a.context
+    K = int(np.ceil(a.budget * N))
     res = {**device_facts(), "shape": dict(B=B, Hq=Hq, Hkv=Hkv, D=D, N=N, K=K)}
     if "select" in a.what:
         R = B * Hkv
@@ -81,9 +88,9 @@ def main(argv=None, prog=None):
         lay = jnp.int32(0)
         for dense in (False, True):
             f = jax.jit(lambda q, k, v, l, dense=dense: anchor_gpu.anchor_decode_gpu(
-                q, k, v, l, budget=0.1, K=K, layer=lay, dense_output=dense))
+                q, k, v, l, budget=a.budget, K=K, layer=lay, dense_output=dense))
             res[f"anchor_dense{int(dense)}"] = profile(f"anchor_dense{int(dense)}", f, (q, kc, vc, lengths), a.calls)
-        _, idx = jax.jit(lambda q, k, v, l: anchor_gpu.anchor_decode_gpu(q, k, v, l, budget=0.1, K=K, layer=lay))(
+        _, idx = jax.jit(lambda q, k, v, l: anchor_gpu.anchor_decode_gpu(q, k, v, l, budget=a.budget, K=K, layer=lay))(
             q, kc, vc, lengths)
         hm = jnp.asarray(np.roll(np.arange(Hkv), 1), jnp.int32)
         f = jax.jit(lambda q, k, v, i, l: sparse_decode_stacked_gpu(q, k, v, lay, i, l, head_map=hm))

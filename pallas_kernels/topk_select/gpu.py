@@ -73,7 +73,8 @@ class SelectConfig:
       row_bits: radix bits per in-kernel pass of the "row" kernel (1, 2, 4 or 8).
       row_warps: warps per "row" program (None: `gpu_row.row_warps`, about 32 scores per thread).
       sample_size, sample_sigmas, band_cap: the "sample" path's sampled scores per row, bracket half-width in
-        standard deviations, and band capacity per row (`gpu_sample.topk_select_sample`); rows shorter than
+        standard deviations, and band capacity per row (`gpu_sample.topk_select_sample`; band_cap None:
+        `gpu_sample.band_capacity` of K, 4096 for 10% of 100K); rows shorter than
         sample_size take the "fused" path. The "ordered" path uses the same sample and sigmas.
       ordered_cap: the "ordered" path's band capacity (None: `gpu_ordered.band_capacity` of K).
       ordered_min_rows, ordered_max_cap: "auto" takes "ordered" instead of "sample" for at least this many rows
@@ -93,7 +94,7 @@ class SelectConfig:
     row_warps: int | None = None
     sample_size: int = 8192
     sample_sigmas: float = 4.0
-    band_cap: int = 16384
+    band_cap: int | None = None
     ordered_cap: int | None = None
     ordered_min_rows: int = 512
     ordered_max_cap: int = 8192
@@ -137,6 +138,8 @@ def _check_config(config: SelectConfig) -> None:
         raise ValueError(f"SelectConfig.row_warps={config.row_warps}: expected a power of two <= 32 or None")
     for name in ("sample_size", "band_cap"):
         v = getattr(config, name)
+        if v is None and name == "band_cap":
+            continue
         if not (_pow2(v) and 32 <= v <= gpu_row.ROW_LIMIT):
             raise ValueError(f"SelectConfig.{name}={v}: expected a power of two in [32, {gpu_row.ROW_LIMIT}]")
     if not config.sample_sigmas > 0:

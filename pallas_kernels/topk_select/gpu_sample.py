@@ -27,6 +27,7 @@ Semantics: exactly `reference.topk_select_reference` (every path ends in the sam
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,26 @@ from pallas_kernels.topk_select.common import INT_MIN, float_keys, selection_rul
 from pallas_kernels.topk_select.gpu_row import row_threshold
 
 Array = jax.Array
+
+
+BAND_MARGIN = 1.25  # band capacity over the expected band (`band_capacity`)
+
+
+def band_capacity(K: int, N: int, sample: int, sigmas: float) -> int:
+    """The band capacity for rows of N scores and k <= K: a power of two >= BAND_MARGIN times the keys expected
+    strictly inside the bracket, at least 1024 and at most 32768.
+
+    The bracket's two sample keys lie about 2 m sample ranks apart (m = sigmas sd of the sample rank, plus 8, as
+    `_sample_kernel` draws them; here the largest m of any k <= K), and each sample rank stands for N / sample keys of the
+    row (one sample per stratum), so about 2 m N / sample keys fall strictly between them, whatever the scores'
+    distribution (ties at either end are counted apart, never stored). A band over the capacity is still exact:
+    that row takes the streaming fallback. The resolve kernel searches all `cap` slots, so a tight capacity is
+    what makes it fast (Kascade's anchors at 100K, k 10%: 4096 slots for about 2,850 keys, against the 16384
+    that were the fixed default)."""
+    r = min(min(K, N) * sample / N, sample / 2)  # the widest bracket of any k <= K
+    m = sigmas * math.sqrt(max(r * (1.0 - r / sample), 0.0)) + 8.0
+    want = BAND_MARGIN * 2.0 * m * N / sample
+    return min(32768, max(1024, 1 << max(0, math.ceil(math.log2(max(want, 1.0))))))
 
 
 def sample_positions(n: int, ns: int) -> Array:
@@ -142,7 +163,7 @@ def _resolve_kernel(k_ref, c_ref, cnt_ref, band_ref, br_ref, x_ref, r_out, *, n:
 
 
 def topk_select_sample(x: Array, k_rows: Array, K: int, *, sample: int = 4096, sigmas: float = 4.0,
-                       cap: int = 16384, bits: int = 2, block_n: int = 1024, target_programs: int = 1024,
+                       cap: int | None = None, bits: int = 2, block_n: int = 1024, target_programs: int = 1024,
                        num_warps: int = 4, interpret: bool = False) -> Array:
     """Selection of every row by sampling (module docstring).
 
@@ -159,6 +180,7 @@ def topk_select_sample(x: Array, k_rows: Array, K: int, *, sample: int = 4096, s
       int32[R, K]: the chosen positions ascending, then -1.
     """
     R, N = x.shape
+    cap = band_capacity(K, N, sample, sigmas) if cap is None else cap
     for name, v in (("sample", sample), ("cap", cap), ("block_n", block_n)):
         if v < 32 or v & (v - 1) or (name != "block_n" and v > 32768):
             raise ValueError(f"{name}={v}: expected a power of two in [32, 32768]")
