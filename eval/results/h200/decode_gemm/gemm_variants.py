@@ -7,6 +7,8 @@ Llama-3.1-8B shapes, 32 stacked random bf16 layers, per layer:
   o        x + a @ w_o [4096, 4096]                          (the residual add after it)
   gate_up  silu(g) * u, [g u] = rms_norm(x) @ w [4096, 28672] (norm before, SwiGLU after)
   down     x + a @ w_down [14336, 4096]                      (residual after)
+The kernel (`layer_gemm.py`, its jnp reference `layer_gemm_reference.py`) lives here, not in the library: it did
+not beat cuBLAS with XLA's fusions (NOTES.md).
 1. Check: `layer_gemm_gpu` against `layer_gemm_reference` compiled by XLA, M = 16 rows (relative max error and
    the share of output elements that differ).
 2. Each op alone: `lax.scan` over the 32 layers (the model's situation: the stack read at the loop counter), the
@@ -27,11 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the kernel under test lives beside this script
 from eval.bench.common import device_facts  # noqa: E402
 from eval.bench.profile_decode_step import kernel_table  # noqa: E402
 from models.compile_options import model_jit  # noqa: E402
-from pallas_kernels.decode_gemm import gpu  # noqa: E402
-from pallas_kernels.decode_gemm.reference import layer_gemm_reference  # noqa: E402
+import layer_gemm as gpu  # noqa: E402
+from layer_gemm_reference import layer_gemm_reference  # noqa: E402
 
 BF, F32 = jnp.bfloat16, jnp.float32
 L, E, F, QKV = 32, 4096, 14336, 6144

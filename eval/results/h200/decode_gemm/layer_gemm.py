@@ -1,4 +1,6 @@
-"""Pallas GPU (Triton) kernel of `layer_gemm`: a decode forward's few rows times one layer of stacked weights, read
+"""An experiment, not a library kernel (NOTES.md here: it did not beat cuBLAS with XLA's fusions).
+
+Pallas GPU (Triton) kernel of `layer_gemm`: a decode forward's few rows times one layer of stacked weights, read
 in place, with the RMSNorm before and the residual add or SwiGLU after in the same launch.
 
 grid (N_out / block_n, split_k): program (j, s) streams the [K / split_k, block_n] column strip j of w[layer] (for
@@ -8,8 +10,9 @@ the tensor cores by the caller (M a multiple of 16: `models.llama` pads a decode
 the program multiplies each [M, block_k] tile by the norm's weight (f32, rounded to x's dtype) before the dot, sums
 the rows' squares on the way and scales the f32 result by each row's 1 / rms at the end: rms_norm(x) @ w =
 rstd * ((x * g) @ w), the same up to where the bf16 rounding falls (a pre-pass for the rstd, to round x * rstd * g
-as `rms_norm` does, cost 6.5 us a layer on the H200: eval/results/h200/decode_gemm/). A norm needs split_k = 1. With split_k > 1 the programs write f32 partials
-[split_k, M, N] that the wrapper sums (epilogue "none" or "residual" only).
+as `rms_norm` does, cost 6.5 us a layer on the H200; the in-loop scaling cost more). A norm needs split_k = 1.
+With split_k > 1 the programs write f32 partials [split_k, M, N] that the wrapper sums (epilogue "none" or
+"residual" only).
 
 The layer is a runtime index (i32[1]): inside the model's layer scan the kernel reads the whole stack at the
 loop counter, where an XLA slice of the stack would be a copy of the layer's weights.
@@ -26,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.decode_gemm.reference import check_args
+from layer_gemm_reference import check_args
 
 Array = jax.Array
 F32 = jnp.float32

@@ -1,4 +1,4 @@
-"""The jnp reference of `layer_gemm`: one layer's weight GEMM of a decode forward, with the RMSNorm before it and
+"""The jnp reference of the experiment's `layer_gemm` (layer_gemm.py beside it): one layer's weight GEMM of a decode forward, with the RMSNorm before it and
 the residual add or the SwiGLU after it that `models.llama` computes as XLA ops around a cuBLAS GEMM.
 
 layer_gemm(x, w, layer, *, norm=None, eps=1e-6, epilogue="none", residual=None):
