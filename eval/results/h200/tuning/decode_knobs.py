@@ -57,6 +57,14 @@ ROUNDS = {  # (name, method, CAND_WARPS, DecodeConfig or None); env ROUND picks 
     # Round 4: Quest's page-score kernel (`pallas_kernels.page_scores.gpu`: pages per program, warps).
     "4": [(f"quest block_p={bp} warps={w}", "quest", 8, None, {"BLOCK_P": bp, "NUM_WARPS": w})
           for bp, w in ((64, 4), (32, 4), (128, 4), (64, 8), (128, 8), (256, 8))],
+    # Round 5 (2026-12-01, `decode_knobs_round5.json`): the gathered decodes' split count (target_programs; 512 by
+    # default: 16 splits of 32 rows at batch 4, 2 iterations each for EvoSparse's 128 blocks).
+    "5": [(f"{m}{tag}", m, 8, cfg) for m, base in (("kascade", {}), ("streaming", {}), ("h2o", {"block_k": 32}),
+                                                   ("evosparse", {}))
+          for tag, cfg in (("", DecodeConfig(**base) if base else None),
+                           *((f" target_programs={tp}", DecodeConfig(**base, target_programs=tp))
+                             for tp in ((128, 256) if m == "evosparse" else (256, 1024) if m == "kascade"
+                                        else (256,))))],
 }
 VARIANTS = ROUNDS[os.environ.get("ROUND", "2")]
 
