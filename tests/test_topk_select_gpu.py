@@ -103,6 +103,54 @@ def test_ordered_matches_reference(cap):
     np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(x), jnp.asarray(k))), want)
 
 
+@pytest.mark.parametrize("config", [dict(path="row"), dict(ORDERED), dict(ORDERED, ordered_cap=32),
+                                    dict(SAMPLE), dict(path="fused", target_programs=24)],
+                         ids=["row", "ordered", "ordered_stream", "sample", "fused"])
+def test_span_chooses_as_the_masked_scores(config):
+    """`span=(lo, hi)`: exactly the selection of the scores with every position outside [lo, hi) set to -inf, on
+    adversarial and continuous rows, spans empty, whole, inside and past the row. The "row" and "ordered" kernels
+    (and the ordered path's streaming fallback, cap 32) read the scores in place; "sample" and "fused" mask a copy."""
+    from pallas_kernels.topk_select.common import mask_span
+
+    rng = np.random.default_rng(11)
+    R, N, K = 12, 2048, 300
+    x = adversarial(rng, R, N)
+    x[R // 2:] = rng.standard_normal((R - R // 2, N)).astype(np.float32)
+    k = row_k(rng, R, K)
+    lo = rng.integers(0, N // 2, R).astype(np.int32)
+    hi = (lo + rng.integers(0, N, R)).astype(np.int32)  # past N in some rows
+    lo[:3], hi[:3] = [0, 5, 0], [N, 5, 40]  # whole, empty, short
+    span = (jnp.asarray(lo), jnp.asarray(hi))
+    want = np.asarray(topk_select_reference(mask_span(jnp.asarray(x), span), jnp.asarray(k), K))
+    cfg = gpu.SelectConfig(**config)
+    got = gpu.topk_select_gpu(jnp.asarray(x), jnp.asarray(k), K, span=span, config=cfg, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    # Leading dims and a span broadcast over them: rows [2, 6], lo / hi per leading row.
+    x3, k3 = jnp.asarray(x).reshape(2, 6, N), jnp.asarray(k).reshape(2, 6)
+    span3 = (jnp.asarray(lo[:2])[:, None], jnp.asarray(hi[:2])[:, None])
+    want3 = topk_select_reference(mask_span(x3, span3), k3, K)
+    got3 = gpu.topk_select_gpu(x3, k3, K, span=span3, config=cfg, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got3), np.asarray(want3))
+
+
+def test_span_on_every_implementation_and_its_errors():
+    """The entry point takes a span on every implementation (the reference, "xla"): the masked scores' selection;
+    a span that is not a pair names what it got."""
+    from pallas_kernels.topk_select import topk_select
+    from pallas_kernels.topk_select.common import mask_span
+
+    rng = np.random.default_rng(12)
+    x = jnp.asarray(rng.standard_normal((3, 4, 500)).astype(np.float32))
+    k = jnp.asarray(rng.integers(0, 60, (3, 4)).astype(np.int32))
+    span = (jnp.asarray([0, 100, 250])[:, None], jnp.asarray([500, 300, 260])[:, None])
+    want = np.asarray(topk_select_reference(mask_span(x, span), k, 50))
+    for impl in ("top_k", "xla"):
+        np.testing.assert_array_equal(np.asarray(topk_select(x, k, 50, span=span, implementation=impl)), want)
+    assert (np.asarray(want)[2] < 260).all() and ((np.asarray(want)[1] >= 100) | (np.asarray(want)[1] < 0)).all()
+    with pytest.raises(ValueError, match=r"span: got an array of shape \(3, 4\); expected a pair \(lo, hi\)"):
+        topk_select(x, k, 50, span=jnp.zeros((3, 4)), implementation="top_k")
+
+
 def test_ordered_errors_name_the_value():
     from pallas_kernels.topk_select import gpu_ordered
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.sharding import active_mesh, dims, per_shard
 from pallas_kernels.topk_select import reference, xla
-from pallas_kernels.topk_select.common import check_args
+from pallas_kernels.topk_select.common import check_args, mask_span
 
 Array = jax.Array
 
@@ -42,7 +42,7 @@ def _pick(implementation: str | None) -> str:
     return implementation
 
 
-def topk_select(scores: Array, k, K: int, *, implementation: str | None = None, config=None) -> Array:
+def topk_select(scores: Array, k, K: int, *, span=None, implementation: str | None = None, config=None) -> Array:
     """Exact top-k positions per row, in the index contract.
 
     Args:
@@ -50,6 +50,9 @@ def topk_select(scores: Array, k, K: int, *, implementation: str | None = None, 
       k: int or int array broadcastable to scores.shape[:-1]: positions to keep per row (clipped to
         [0, min(K, N)]).
       K: static output width.
+      span: None or (lo, hi), int arrays broadcastable to scores.shape[:-1]: only positions lo <= p < hi of a row
+        may be chosen, exactly as if the others held -inf (`common.mask_span`). The GPU's "row" and "ordered"
+        paths read the scores in place (no masked copy of them); the other implementations mask a copy.
       implementation: see the module docstring.
       config: tuning of the picked implementation (`gpu.SelectConfig`, `tpu.TpuSelectConfig`, or for "xla"
         the int bits_per_pass); None: the default.
@@ -62,16 +65,18 @@ def topk_select(scores: Array, k, K: int, *, implementation: str | None = None, 
     """
     impl = _pick(implementation)
     if impl in ("pallas_gpu", "pallas_tpu") and scores.ndim >= 3 and active_mesh() is not None:
-        check_args(scores, k, K)  # the errors of the unsharded call, before k is broadcast to the rows
-        k_rows = jnp.broadcast_to(jnp.asarray(k), scores.shape[:-1])
-        return per_shard(lambda s, k: topk_select(s, k, K, implementation=impl, config=config), [scores, k_rows],
-                         [dims(scores.ndim, 0, 1), dims(scores.ndim - 1, 0, 1)], dims(scores.ndim, 0, 1))
+        lead = check_args(scores, k, K)[0]  # the errors of the unsharded call, before k is broadcast to the rows
+        rows = [jnp.broadcast_to(jnp.asarray(a, jnp.int32), lead) for a in ([k] if span is None else [k, *span])]
+        return per_shard(lambda s, k, *sp: topk_select(s, k, K, span=sp or None, implementation=impl, config=config),
+                         [scores, *rows], [dims(scores.ndim, 0, 1)] + [dims(scores.ndim - 1, 0, 1)] * len(rows),
+                         dims(scores.ndim, 0, 1))
+    if impl == "pallas_gpu":
+        from pallas_kernels.topk_select import gpu
+        return gpu.topk_select_gpu(scores, k, K, span=span, **({} if config is None else {"config": config}))
+    scores = mask_span(scores, span)
     if impl == "top_k":
         return reference.topk_select_reference(scores, k, K)
     if impl == "xla":
         return xla.topk_select_xla(scores, k, K, **({} if config is None else {"bits_per_pass": config}))
-    if impl == "pallas_gpu":
-        from pallas_kernels.topk_select import gpu
-        return gpu.topk_select_gpu(scores, k, K, **({} if config is None else {"config": config}))
     from pallas_kernels.topk_select import tpu
     return tpu.topk_select_tpu(scores, k, K, **({} if config is None else {"config": config}))

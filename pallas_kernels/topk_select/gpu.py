@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -46,8 +47,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.topk_select import gpu_fused, gpu_ordered, gpu_row, gpu_sample
 from pallas_kernels.topk_select.gpu_fused import _chunk, _split_chunks
-from pallas_kernels.topk_select.common import (check_args, check_bits, float_keys, pad_output, radix_threshold,
-                                               row_counts, selection_rule, split_plan, splits_for)
+from pallas_kernels.topk_select.common import (check_args, check_bits, float_keys, mask_span, pad_output,
+                                               radix_threshold, row_counts, selection_rule, span_rows, split_plan,
+                                               splits_for)
 
 Array = jax.Array
 
@@ -207,12 +209,15 @@ def _compact_kernel(p_ref, x_ref, o_ref, *, n: int, block_n: int, per_split: int
 
 
 @functools.partial(jax.jit, static_argnames=("K", "config", "interpret"))
-def topk_select_gpu(scores: Array, k, K: int, *, config: SelectConfig = SelectConfig(),
+def topk_select_gpu(scores: Array, k, K: int, *, span=None, config: SelectConfig = SelectConfig(),
                     interpret: bool = False) -> Array:
     """Exact top-k positions per row, Pallas Triton kernels (semantics of `reference.topk_select_reference`).
 
     Args:
       scores: f32[..., N]; k: int or int array broadcastable to scores.shape[:-1]; K: static width.
+      span: None or (lo, hi), int arrays broadcastable to scores.shape[:-1]: the scores outside a row's [lo, hi)
+        count as -inf (`common.mask_span`). The "row" and "ordered" paths read them in place; the others mask a
+        copy first.
       config: `SelectConfig`.
       interpret: run the kernels in the Pallas interpreter (CPU tests).
 
@@ -221,18 +226,24 @@ def topk_select_gpu(scores: Array, k, K: int, *, config: SelectConfig = SelectCo
     """
     lead, N, Kp = check_args(scores, k, K)
     _check_config(config)
-    x = scores.reshape(-1, N)
-    R = x.shape[0]
+    R = math.prod(lead)
     path = config.pick_path(N, R, Kp)
+    sp = None
+    if span is not None:
+        if path in ("row", "ordered"):
+            sp = span_rows(span, lead)
+        else:
+            scores = mask_span(scores, span)
+    x = scores.reshape(-1, N)
     if path in ("row", "fused", "sample", "ordered"):
         k_rows = jnp.broadcast_to(jnp.asarray(k, jnp.int32), lead).reshape(R)  # clipped in-kernel
         if path == "row":
             out = gpu_row.topk_select_rows(x, k_rows, Kp, bits=config.row_bits, num_warps=config.row_warps,
-                                           interpret=interpret)
+                                           span=sp, interpret=interpret)
         elif path == "ordered":
             out = gpu_ordered.topk_select_ordered(
                 x, k_rows, Kp, sample=config.sample_size, sigmas=config.sample_sigmas, cap=config.ordered_cap,
-                bits=config.row_bits, block_n=config.compact_block_n, num_warps=config.num_warps,
+                bits=config.row_bits, block_n=config.compact_block_n, num_warps=config.num_warps, span=sp,
                 interpret=interpret)
         elif path == "sample":
             out = gpu_sample.topk_select_sample(

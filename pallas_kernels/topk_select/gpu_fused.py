@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.topk_select.common import INT_MIN, KEY_NEG_INF, KEY_POS_INF, float_keys, selection_rule
+from pallas_kernels.topk_select.common import INT_MIN, KEY_NEG_INF, KEY_POS_INF, float_keys, in_span, selection_rule
 
 Array = jax.Array
 
@@ -39,13 +39,14 @@ def pow2_splits(rows: int, n_chunks: int, target_programs: int) -> tuple[int, in
     return S, -(-n_chunks // S)
 
 
-def _chunk(x_ref, c, block_n: int, n: int):
-    """Scores of chunk c: (pos i32[block_n], ok bool[block_n] pos < n, x f32[block_n] (0 where not ok))."""
+def _chunk(x_ref, c, block_n: int, n: int, span=None):
+    """Scores of chunk c: (pos i32[block_n], ok bool[block_n] pos < n, x f32[block_n] (0 where not ok; -inf
+    outside span = (lo, hi), `common.in_span`))."""
     start = c * block_n
     pos = start + jnp.arange(block_n, dtype=jnp.int32)
     ok = pos < n
     x = plgpu.load(x_ref.at[pl.ds(start, block_n)], mask=ok, other=0.0)
-    return pos, ok, x
+    return pos, ok, in_span(x, pos, span)
 
 
 def _split_chunks(n: int, block_n: int, per_split: int):
@@ -84,14 +85,14 @@ def pick_bin(cnts, kk, lo0, cnt0, shift0, done0):
     return lo, jnp.where(done0, cnt0, new_cnt)
 
 
-def count_digits(x_ref, first, count, lo, shift, *, n: int, block_n: int, bits: int):
+def count_digits(x_ref, first, count, lo, shift, *, n: int, block_n: int, bits: int, span=None):
     """i32[M]: over `count` chunks of block_n scores from chunk `first`, how many keys are >= lo + j * 2**shift
     (column 0: the keys >= lo), by digit comparisons (2**bits per score)."""
     M = 1 << bits
     levels = jnp.arange(M, dtype=jnp.int32).astype(jnp.float32)
 
     def body(i, acc):
-        _, ok, x = _chunk(x_ref, first + i, block_n, n)
+        _, ok, x = _chunk(x_ref, first + i, block_n, n, span)
         key = float_keys(x)
         d = lax.shift_right_logical(key - lo, shift)  # offset in the bin (wrapping subtraction)
         above = lax.shift_right_logical(d, jnp.int32(bits)) != 0
@@ -103,7 +104,7 @@ def count_digits(x_ref, first, count, lo, shift, *, n: int, block_n: int, bits: 
     return jnp.sum(acc, axis=1).astype(jnp.int32)
 
 
-def stream_threshold(x_ref, kk, active, *, n: int, block_n: int, bits: int = 4):
+def stream_threshold(x_ref, kk, active, *, n: int, block_n: int, bits: int = 4, span=None):
     """The radix search of a row's threshold streaming over the whole row x f32[n] in one program (32 / bits
     passes of `count_digits`; slow, for the rows a faster path could not resolve): (lo, count(key >= lo)) as
     `common.radix_threshold`'s; an inactive row reads nothing and returns (INT_MIN, n)."""
@@ -113,7 +114,7 @@ def stream_threshold(x_ref, kk, active, *, n: int, block_n: int, bits: int = 4):
         lo, cnt = st
         shift = jnp.int32(32 - bits) - jnp.int32(bits) * p
         cnts = count_digits(x_ref, jnp.int32(0), jnp.where(cnt == kk, jnp.int32(0), jnp.int32(n_chunks)), lo, shift,
-                            n=n, block_n=block_n, bits=bits)
+                            n=n, block_n=block_n, bits=bits, span=span)
         return pick_bin(cnts, kk, lo, cnt, shift, cnt == kk)
 
     passes = jnp.where(active, jnp.int32(32 // bits), jnp.int32(0))
@@ -168,11 +169,11 @@ def rule_counts(o_ref, x_ref, a, t, on, done, *, n: int, block_n: int, per_split
     o_ref[...] = jnp.where(lane == 0, ge, jnp.where(lane == 1, out, jnp.where(lane == 2, tie, 0)))
 
 
-def rule_totals(x_ref, first, count, a, t, on, done, *, n: int, block_n: int):
+def rule_totals(x_ref, first, count, a, t, on, done, *, n: int, block_n: int, span=None):
     """(#key >= a, #(key >= a and x > -inf), #key == t) over `count` chunks of block_n scores from chunk `first`
     (bulk counts 0 when `on` is false, ties 0 for a done row)."""
     def body(i, acc):
-        _, ok, x = _chunk(x_ref, first + i, block_n, n)
+        _, ok, x = _chunk(x_ref, first + i, block_n, n, span)
         key = float_keys(x)
         bulk = (key >= a) & ok & on
         ge, out, tie = acc
@@ -184,14 +185,15 @@ def rule_totals(x_ref, first, count, a, t, on, done, *, n: int, block_n: int):
     return jnp.sum(ge), jnp.sum(out), jnp.sum(tie)
 
 
-def compact_chunks(x_ref, o_ref, first, count, a, t, on, ties, quota, base, *, n: int, block_n: int, width: int):
+def compact_chunks(x_ref, o_ref, first, count, a, t, on, ties, quota, base, *, n: int, block_n: int, width: int,
+                   span=None):
     """Writes a split's picks to their output slots, ascending from slot `base`: over `count` chunks from chunk
     `first`, the keys >= a (when on) and, when ties, the first `quota` keys == t (by position); picks whose
     score is -inf or NaN are ranked, never written. A running count + in-chunk cumulative sum ranks the picks."""
 
     def body(i, carry):
         run, tie_run = carry
-        pos, ok, x = _chunk(x_ref, first + i, block_n, n)
+        pos, ok, x = _chunk(x_ref, first + i, block_n, n, span)
         key = float_keys(x)
         fin = x > -jnp.inf
         tie = (key == t) & ok & ties

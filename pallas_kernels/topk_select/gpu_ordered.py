@@ -53,11 +53,17 @@ def band_capacity(K: int, N: int, sample: int, sigmas: float) -> int:
     return max(1024, next_pow2(int(math.ceil(K + 2.0 * m * N / sample))))
 
 
-def _band_kernel(br_ref, x_ref, nb_ref, eq_ref, keys_ref, pos_ref, *, n: int, block_n: int, cap: int,
-                 skip_empty: bool):
-    """Row r. Refs: br i32[4] = (A, B, above_on, 0) (only B read); x f32[N]; outputs nb i32[1] the keys > B (all
-    counted, at most cap stored), eq i32[1] the keys == B, keys / pos i32[cap] the band's keys and positions in
-    ascending position order. skip_empty: rank and store only in chunks that hold a band key."""
+def _span(sp_ref):
+    return None if sp_ref is None else (sp_ref[0], sp_ref[1])
+
+
+def _band_kernel(br_ref, x_ref, *refs, n: int, block_n: int, cap: int, skip_empty: bool, spanned: bool = False):
+    """Row r. Refs: br i32[4] = (A, B, above_on, 0) (only B read); x f32[N]; (spanned: sp i32[2] the row's span,
+    -inf outside); outputs nb i32[1] the keys > B (all counted, at most cap stored), eq i32[1] the keys == B,
+    keys / pos i32[cap] the band's keys and positions in ascending position order. skip_empty: rank and store
+    only in chunks that hold a band key."""
+    sp_ref, nb_ref, eq_ref, keys_ref, pos_ref = refs if spanned else (None, *refs)
+    span = _span(sp_ref)
     b_key = br_ref[1]
 
     def append(run, pos, key, band):
@@ -70,7 +76,7 @@ def _band_kernel(br_ref, x_ref, nb_ref, eq_ref, keys_ref, pos_ref, *, n: int, bl
 
     def body(c, carry):
         run, eq = carry
-        pos, ok, x = gpu_fused._chunk(x_ref, c, block_n, n)
+        pos, ok, x = gpu_fused._chunk(x_ref, c, block_n, n, span)
         key = float_keys(x)
         band = ok & (key > b_key)
         nb = jnp.sum(band.astype(jnp.int32))
@@ -85,10 +91,12 @@ def _band_kernel(br_ref, x_ref, nb_ref, eq_ref, keys_ref, pos_ref, *, n: int, bl
     eq_ref[...] = jnp.reshape(eq, (1,))
 
 
-def _select_kernel(k_ref, br_ref, nb_ref, eq_ref, keys_ref, pos_ref, x_ref, o_ref, *, n: int, width: int,
-                   cap: int, bits: int, block_n: int, wpad: int):
+def _select_kernel(k_ref, br_ref, nb_ref, eq_ref, keys_ref, pos_ref, x_ref, *refs, n: int, width: int,
+                   cap: int, bits: int, block_n: int, wpad: int, spanned: bool = False):
     """Row r. Refs: k i32[1]; br i32[4] the bound (B at 1); nb, eq i32[1]; keys, pos i32[cap] the band; x f32[N]
-    (read only when the band cannot decide); out o i32[width]."""
+    (read only when the band cannot decide); (spanned: sp i32[2] the row's span); out o i32[width]."""
+    sp_ref, o_ref = refs if spanned else (None, *refs)
+    span = _span(sp_ref)
     kk = jnp.clip(k_ref[0], 0, width)
     b_key, n_band, eq_b = br_ref[1], nb_ref[0], eq_ref[0]
     in_band = (kk <= n_band) & (n_band <= cap)  # the band holds every key >= the kk-th largest
@@ -104,16 +112,17 @@ def _select_kernel(k_ref, br_ref, nb_ref, eq_ref, keys_ref, pos_ref, x_ref, o_re
     # The band cannot decide (kk > 0 only): stream over the row.
     stream = (kk > 0) & jnp.logical_not(in_band)
     at_b = (n_band < kk) & (kk <= n_band + eq_b)  # t = B: known without a search
-    lo_s, cnt_s = gpu_fused.stream_threshold(x_ref, kk, stream & jnp.logical_not(at_b), n=n, block_n=block_n)
+    lo_s, cnt_s = gpu_fused.stream_threshold(x_ref, kk, stream & jnp.logical_not(at_b), n=n, block_n=block_n,
+                                             span=span)
     lo_s = jnp.where(at_b, b_key, lo_s)
     done_s = jnp.where(at_b, kk == n_band + eq_b, cnt_s == kk)
     a_s, t_s, on_s = selection_rule(lo_s, done_s, kk)
     count = jnp.where(stream, jnp.int32(pl.cdiv(n, block_n)), jnp.int32(0))
     ge_s, out_s, tie_s = gpu_fused.rule_totals(x_ref, jnp.int32(0), count, a_s, t_s, on_s > 0, done_s, n=n,
-                                               block_n=block_n)  # ties 0 for a done row
+                                               block_n=block_n, span=span)  # ties 0 for a done row
     quota_s = jnp.where(done_s, 0, kk - ge_s)
     gpu_fused.compact_chunks(x_ref, o_ref, jnp.int32(0), count, a_s, t_s, on_s > 0, jnp.logical_not(done_s),
-                             quota_s, jnp.int32(0), n=n, block_n=block_n, width=width)
+                             quota_s, jnp.int32(0), n=n, block_n=block_n, width=width, span=span)
     tie_out_s = (t_s > KEY_NEG_INF) & (t_s <= KEY_POS_INF)
     total_s = out_s + jnp.where(tie_out_s, jnp.minimum(tie_s, quota_s), 0)
     total = jnp.where(stream, total_s, total)
@@ -129,7 +138,8 @@ def _select_kernel(k_ref, br_ref, nb_ref, eq_ref, keys_ref, pos_ref, x_ref, o_re
 
 def topk_select_ordered(x: Array, k_rows: Array, K: int, *, sample: int = 8192, sigmas: float = 4.0,
                         cap: int | None = None, bits: int = 2, block_n: int = 1024, num_warps: int = 4,
-                        num_stages: int = 2, skip_empty: bool = False, interpret: bool = False) -> Array:
+                        num_stages: int = 2, skip_empty: bool = False, span: Array | None = None,
+                        interpret: bool = False) -> Array:
     """Selection of every row from an ordered band above a sampled bound (module docstring).
 
     Args:
@@ -138,7 +148,8 @@ def topk_select_ordered(x: Array, k_rows: Array, K: int, *, sample: int = 8192, 
         rank in standard deviations; cap: band capacity per row (a power of two <= 32768; None: `band_capacity`);
         bits: radix bits of the in-register searches; block_n: scores per iteration of the streaming loops (a
         power of two); num_warps / num_stages: of the band kernel; skip_empty: the band kernel ranks and stores
-        only in chunks holding a band key.
+        only in chunks holding a band key; span: i32[R, 2] (lo, hi) or None: the scores outside a row's [lo, hi)
+        count as -inf (`common.mask_span`), read in place.
       interpret: Pallas interpreter (CPU tests).
 
     Returns:
@@ -152,19 +163,23 @@ def topk_select_ordered(x: Array, k_rows: Array, K: int, *, sample: int = 8192, 
     if N < sample:
         raise ValueError(f"N={N} scores per row: the ordered path needs N >= sample={sample}")
     k2 = k_rows.reshape(R, 1).astype(jnp.int32)
-    bound = sample_bracket(x, k2, K, sample=sample, sigmas=sigmas, bits=bits, upper=False, interpret=interpret)
+    bound = sample_bracket(x, k2, K, sample=sample, sigmas=sigmas, bits=bits, upper=False, span=span,
+                           interpret=interpret)
     row = lambda w: pl.BlockSpec((None, w), lambda r: (r, 0))  # noqa: E731
+    spanned = span is not None
+    sp_spec, sp_arg = ([row(2)], [span]) if spanned else ([], [])
     n_band, eq_b, keys, pos = pl.pallas_call(
-        functools.partial(_band_kernel, n=N, block_n=block_n, cap=cap, skip_empty=skip_empty),
-        grid=(R,), in_specs=[row(4), row(N)], out_specs=(row(1), row(1), row(cap), row(cap)),
+        functools.partial(_band_kernel, n=N, block_n=block_n, cap=cap, skip_empty=skip_empty, spanned=spanned),
+        grid=(R,), in_specs=[row(4), row(N)] + sp_spec, out_specs=(row(1), row(1), row(cap), row(cap)),
         out_shape=(jax.ShapeDtypeStruct((R, 1), jnp.int32), jax.ShapeDtypeStruct((R, 1), jnp.int32),
                    jax.ShapeDtypeStruct((R, cap), jnp.int32), jax.ShapeDtypeStruct((R, cap), jnp.int32)),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret, name="topk_select_ordered_band")(bound, x)
+        interpret=interpret, name="topk_select_ordered_band")(bound, x, *sp_arg)
     return pl.pallas_call(
         functools.partial(_select_kernel, n=N, width=K, cap=cap, bits=bits, block_n=block_n,
-                          wpad=min(1024, max(32, next_pow2(K)))),
-        grid=(R,), in_specs=[row(1), row(4), row(1), row(1), row(cap), row(cap), row(N)], out_specs=row(K),
+                          wpad=min(1024, max(32, next_pow2(K))), spanned=spanned),
+        grid=(R,), in_specs=[row(1), row(4), row(1), row(1), row(cap), row(cap), row(N)] + sp_spec,
+        out_specs=row(K),
         out_shape=jax.ShapeDtypeStruct((R, K), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=max(4, min(16, cap // 1024)), num_stages=1),
-        interpret=interpret, name="topk_select_ordered_select")(k2, bound, n_band, eq_b, keys, pos, x)
+        interpret=interpret, name="topk_select_ordered_select")(k2, bound, n_band, eq_b, keys, pos, x, *sp_arg)

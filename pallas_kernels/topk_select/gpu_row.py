@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.topk_select.common import (INT_MIN, KEY_NEG_INF, KEY_POS_INF, float_keys,
+from pallas_kernels.topk_select.common import (INT_MIN, KEY_NEG_INF, KEY_POS_INF, float_keys, in_span,
                                                selection_rule)
 
 Array = jax.Array
@@ -127,12 +127,16 @@ def row_picks(key: Array, valid: Array, kk: Array, n, bits: int, width: int):
     return sel, dst, total
 
 
-def _row_kernel(k_ref, x_ref, o_ref, *, n: int, P: int, bits: int, width: int, wpad: int):
-    """One row. Refs: k i32[1] (the row's k, unclipped); x f32[N] the row; o i32[width] the row's output."""
+def _row_kernel(k_ref, x_ref, *refs, n: int, P: int, bits: int, width: int, wpad: int, spanned: bool = False):
+    """One row. Refs: k i32[1] (the row's k, unclipped); x f32[N] the row; (spanned: sp i32[2] the row's span
+    (lo, hi), -inf outside); o i32[width] the row's output."""
+    sp_ref, o_ref = refs if spanned else (None, *refs)
     kk = jnp.clip(k_ref[0], 0, width)
     pos = jnp.arange(P, dtype=jnp.int32)
     ok = pos < n
     x = plgpu.load(x_ref.at[pl.ds(0, P)], mask=ok, other=0.0)
+    if spanned:
+        x = in_span(x, pos, (sp_ref[0], sp_ref[1]))
     key = jnp.where(ok, float_keys(x), INT_MIN)  # padding: below every candidate above INT_MIN
     sel, dst, total = row_picks(key, ok, kk, n, bits, width)
     # Masked lanes point past the row (never written; the interpreter drops them as out of bounds).
@@ -148,7 +152,7 @@ def row_warps(P: int) -> int:
 
 
 def topk_select_rows(x: Array, k_rows: Array, K: int, *, bits: int = 2, num_warps: int | None = None,
-                     interpret: bool = False) -> Array:
+                     span: Array | None = None, interpret: bool = False) -> Array:
     """Single-launch selection of every row.
 
     Args:
@@ -157,6 +161,7 @@ def topk_select_rows(x: Array, k_rows: Array, K: int, *, bits: int = 2, num_warp
       K: output width (<= N).
       bits: radix bits per in-kernel pass (1, 2, 4 or 8).
       num_warps: warps per program (None: `row_warps`).
+      span: i32[R, 2] (lo, hi) or None: the scores outside a row's [lo, hi) count as -inf (`common.mask_span`).
       interpret: Pallas interpreter (CPU tests).
 
     Returns:
@@ -169,12 +174,14 @@ def topk_select_rows(x: Array, k_rows: Array, K: int, *, bits: int = 2, num_warp
         raise ValueError(f"K={K}: expected 1 <= K <= N={N}")
     P = max(32, next_pow2(N))
     warps = row_warps(P) if num_warps is None else num_warps
+    spanned = span is not None
     return pl.pallas_call(
-        functools.partial(_row_kernel, n=N, P=P, bits=bits, width=K, wpad=max(32, next_pow2(K))),
+        functools.partial(_row_kernel, n=N, P=P, bits=bits, width=K, wpad=max(32, next_pow2(K)), spanned=spanned),
         grid=(R,),
-        in_specs=[pl.BlockSpec((None, 1), lambda r: (r, 0)), pl.BlockSpec((None, N), lambda r: (r, 0))],
+        in_specs=[pl.BlockSpec((None, 1), lambda r: (r, 0)), pl.BlockSpec((None, N), lambda r: (r, 0))]
+        + ([pl.BlockSpec((None, 2), lambda r: (r, 0))] if spanned else []),
         out_specs=pl.BlockSpec((None, K), lambda r: (r, 0)),
         out_shape=jax.ShapeDtypeStruct((R, K), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1),
         interpret=interpret, name="topk_select_row",
-    )(k_rows.reshape(R, 1), x)
+    )(k_rows.reshape(R, 1), x, *([span] if spanned else []))

@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.topk_select import gpu_fused
-from pallas_kernels.topk_select.common import INT_MIN, float_keys, selection_rule
+from pallas_kernels.topk_select.common import INT_MIN, float_keys, in_span, selection_rule
 from pallas_kernels.topk_select.gpu_row import row_threshold
 
 Array = jax.Array
@@ -77,12 +77,14 @@ def sample_positions(n: int, ns: int) -> Array:
     return start + lax.rem(lax.shift_right_logical(h, jnp.int32(1)), width)
 
 
-def _sample_kernel(k_ref, x_ref, o_ref, *, n: int, width: int, ns: int, bits: int, sigmas: float,
-                   upper: bool = True):
-    """Row r. Refs: k i32[1]; x f32[N]; o i32[4] = (A, B, above_on, 0). upper=False: no A (above_on 0; the
-    bracket is every key above B, `gpu_ordered`)."""
+def _sample_kernel(k_ref, x_ref, *refs, n: int, width: int, ns: int, bits: int, sigmas: float,
+                   upper: bool = True, spanned: bool = False):
+    """Row r. Refs: k i32[1]; x f32[N]; (spanned: sp i32[2] the row's span (lo, hi), -inf outside); o i32[4] =
+    (A, B, above_on, 0). upper=False: no A (above_on 0; the bracket is every key above B, `gpu_ordered`)."""
+    sp_ref, o_ref = refs if spanned else (None, *refs)
     kk = jnp.clip(k_ref[0], 0, width)
-    key = float_keys(plgpu.load(x_ref.at[sample_positions(n, ns)]))
+    at = sample_positions(n, ns)
+    key = float_keys(in_span(plgpu.load(x_ref.at[at]), at, None if sp_ref is None else (sp_ref[0], sp_ref[1])))
     r = kk.astype(jnp.float32) * (ns / n)
     m = sigmas * jnp.sqrt(jnp.maximum(r * (1.0 - r / ns), 0.0)) + 8.0
     r_hi = jnp.clip(jnp.floor(r - m), 0, ns).astype(jnp.int32) if upper else jnp.int32(0)
@@ -206,16 +208,19 @@ def topk_select_sample(x: Array, k_rows: Array, K: int, *, sample: int = 4096, s
 
 
 def sample_bracket(x: Array, k2: Array, K: int, *, sample: int, sigmas: float, bits: int, upper: bool = True,
-                   interpret: bool = False) -> Array:
-    """Launch 1 (`_sample_kernel`): i32[R, 4] = (A, B, above_on, 0) per row of x f32[R, N]; k2 i32[R, 1]."""
+                   span: Array | None = None, interpret: bool = False) -> Array:
+    """Launch 1 (`_sample_kernel`): i32[R, 4] = (A, B, above_on, 0) per row of x f32[R, N]; k2 i32[R, 1]; span
+    i32[R, 2] (lo, hi) or None (the scores outside a row's [lo, hi) count as -inf)."""
     R, N = x.shape
     row1 = lambda w: pl.BlockSpec((None, w), lambda r: (r, 0))  # noqa: E731
+    spanned = span is not None
     return pl.pallas_call(
-        functools.partial(_sample_kernel, n=N, width=K, ns=sample, bits=bits, sigmas=sigmas, upper=upper),
-        grid=(R,), in_specs=[row1(1), row1(N)], out_specs=row1(4),
+        functools.partial(_sample_kernel, n=N, width=K, ns=sample, bits=bits, sigmas=sigmas, upper=upper,
+                          spanned=spanned),
+        grid=(R,), in_specs=[row1(1), row1(N)] + ([row1(2)] if spanned else []), out_specs=row1(4),
         out_shape=jax.ShapeDtypeStruct((R, 4), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=max(4, min(16, sample // 1024)), num_stages=1),
-        interpret=interpret, name="topk_select_sample")(k2, x)
+        interpret=interpret, name="topk_select_sample")(k2, x, *([span] if spanned else []))
 
 
 def sample_band(x: Array, k2: Array, K: int, *, sample: int, sigmas: float, cap: int, bits: int, block_n: int,
