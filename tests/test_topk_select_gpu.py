@@ -327,3 +327,21 @@ def test_lowers_for_cuda_with_few_launches(path, shape, K, launches):
     # Nothing but the kernels and free reshapes between them (no XLA fusions: no compares, adds, reduces).
     ops = set(re.findall(r"= stablehlo\.(\w+)", text)) - {"custom_call", "reshape", "broadcast_in_dim", "constant"}
     assert not ops, ops
+
+
+@pytest.mark.parametrize("path,shape,K", [("row", (32, 6256), 64), ("ordered", (64, 131072), 2080)])
+def test_spanned_kernels_lower_for_cuda_reading_the_scores_in_place(path, shape, K):
+    """With a span the "row" and "ordered" kernels lower for CUDA with the same launches and no XLA op over the
+    scores: the only ops outside the kernels build the [R, 2] span rows (no select, no compare over the scores)."""
+    sds = jax.ShapeDtypeStruct
+    check = jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)
+    f = lambda x, k, lo, hi: gpu.topk_select_gpu(x, k, K, span=(lo, hi), config=gpu.SelectConfig(path=path))  # noqa: E731
+    with abstract_device(*H100):
+        exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(
+            sds(shape, jnp.float32), sds(shape[:1], jnp.int32), sds(shape[:1], jnp.int32), sds(shape[:1], jnp.int32))
+    text = exp.mlir_module()
+    assert text.count("stablehlo.custom_call") == {"row": 1, "ordered": 3}[path]
+    ops = set(re.findall(r"= stablehlo\.(\w+)", text)) - {"custom_call", "reshape", "broadcast_in_dim", "constant",
+                                                            "concatenate"}
+    assert not ops, ops
+

@@ -12,7 +12,9 @@
   "xla"                 `xla.py`: the same radix search in plain XLA (any backend).
   "top_k"               `reference.py`: `lax.top_k` and a sort; the specification.
 
-Every implementation returns exactly the same indices (`reference.py` states the semantics).
+Every implementation returns exactly the same indices (`reference.py` states the semantics). `span=(lo, hi)`
+restricts each row to positions lo <= p < hi, as if the others held -inf: the GPU's "row" and "ordered" kernels
+read the scores in place, the other implementations mask a copy first.
 
 Under a mesh (`pallas_kernels.sharding`: more than one device, axes `data` and `model`) the Pallas
 implementations run per shard: the rows are independent, so a score array in the index contract's layout
