@@ -74,6 +74,16 @@ def _busy_us(intervals) -> tuple[float, float]:
     return busy, (last - first) if first is not None else 0.0
 
 
+def trace_calls(trace_dir: str, fn, args, calls: int, top: int) -> dict:
+    """`kernel_table` of `calls` calls of fn(*args), traced under trace_dir after one untraced call."""
+    jax.block_until_ready(fn(*args))
+    with jax.profiler.trace(trace_dir):
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+    return kernel_table(trace_dir, calls, top)
+
+
 def kernel_table(trace_dir: str, steps: int, top: int) -> dict:
     """Aggregates the device ops (events on GPU streams) of the newest Perfetto trace under trace_dir, per step."""
     path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))[-1]

@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the kernel under test lives beside this script
 from eval.bench.common import device_facts  # noqa: E402
-from eval.bench.profile_decode_step import kernel_table  # noqa: E402
+from eval.bench.profile_decode_step import trace_calls  # noqa: E402
 from models.compile_options import model_jit  # noqa: E402
 import layer_gemm as gpu  # noqa: E402
 from layer_gemm_reference import layer_gemm_reference  # noqa: E402
@@ -99,13 +99,7 @@ def wall_ms(fn, args, n=20):
 def profiled(tag, fn, args, calls=5):
     if SMOKE:
         return {"device_us_per_step": 0.0, "kernels_per_step": 0.0, "top": []}
-    d = f"/tmp/gemm_variants_{tag}"
-    jax.block_until_ready(fn(*args))
-    with jax.profiler.trace(d):
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-    return kernel_table(d, calls, 6)
+    return trace_calls(f"/tmp/gemm_variants_{tag}", fn, args, calls, 6)
 
 
 def inputs(K, N, M, key):

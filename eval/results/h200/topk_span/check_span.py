@@ -7,7 +7,6 @@ Writes $OUT/check_span.json; prints a table last.
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -15,21 +14,11 @@ import numpy as np
 
 sys.path.insert(0, os.getcwd())
 from eval.bench.common import device_facts  # noqa: E402
-from eval.bench.profile_decode_step import kernel_table  # noqa: E402
+from eval.bench.profile_decode_step import trace_calls  # noqa: E402
 from pallas_kernels.topk_select import topk_select, topk_select_reference  # noqa: E402
 from pallas_kernels.topk_select.common import mask_span  # noqa: E402
 
 CASES = {"h2o_tokens": (100096, 5005, 0), "evosparse_blocks": (6256, 384, 4)}  # N, width, sink (lo)
-
-
-def profiled(tag, fn, args, calls=5):
-    d = f"/tmp/check_span_{tag}"
-    jax.block_until_ready(fn(*args))
-    with jax.profiler.trace(d):
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-    return kernel_table(d, calls, 8)
 
 
 def main():
@@ -51,7 +40,7 @@ def main():
         row = dict(N=N, width=W, rows=L * B * H, exact=bool(np.array_equal(got, want)),
                    exact_masked=bool(np.array_equal(got_m, want)))
         for tag, f in (("spanned", spanned), ("masked", masked)):
-            t = profiled(f"{name}_{tag}", f, (x, k, *span))
+            t = trace_calls(f"/tmp/check_span_{name}_{tag}", f, (x, k, *span), 5, 8)
             row[tag] = dict(device_us=t["device_us_per_step"], top=t["top"][:5])
         res["cases"][name] = row
         print(name, "exact", row["exact"], row["exact_masked"], "device us: spanned %.1f masked %.1f" % (
