@@ -335,7 +335,10 @@ def test_spanned_kernels_lower_for_cuda_reading_the_scores_in_place(path, shape,
     scores: the only ops outside the kernels build the [R, 2] span rows (no select, no compare over the scores)."""
     sds = jax.ShapeDtypeStruct
     check = jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)
-    f = lambda x, k, lo, hi: gpu.topk_select_gpu(x, k, K, span=(lo, hi), config=gpu.SelectConfig(path=path))  # noqa: E731
+    config = gpu.SelectConfig(path=path)
+
+    def f(x, k, lo, hi):
+        return gpu.topk_select_gpu(x, k, K, span=(lo, hi), config=config)
     with abstract_device(*H100):
         exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(
             sds(shape, jnp.float32), sds(shape[:1], jnp.int32), sds(shape[:1], jnp.int32), sds(shape[:1], jnp.int32))

@@ -66,6 +66,11 @@ def mask_span(scores: Array, span) -> Array:
     return jnp.where((pos >= sp[..., :1]) & (pos < sp[..., 1:]), scores, -jnp.inf)
 
 
+def ref_span(sp_ref):
+    """In a kernel: the (lo, hi) scalars of a row's span ref i32[2], or None without one."""
+    return None if sp_ref is None else (sp_ref[0], sp_ref[1])
+
+
 def in_span(x: Array, pos: Array, span) -> Array:
     """In a kernel: scores x at positions pos, -inf outside span = (lo, hi) (scalars), unchanged for None."""
     if span is None:

@@ -37,7 +37,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.topk_select import gpu_fused
-from pallas_kernels.topk_select.common import INT_MIN, KEY_NEG_INF, KEY_POS_INF, float_keys, selection_rule
+from pallas_kernels.topk_select.common import (INT_MIN, KEY_NEG_INF, KEY_POS_INF, float_keys, ref_span,
+                                               selection_rule)
 from pallas_kernels.topk_select.gpu_row import ROW_LIMIT, next_pow2, row_picks
 from pallas_kernels.topk_select.gpu_sample import sample_bracket
 
@@ -53,17 +54,13 @@ def band_capacity(K: int, N: int, sample: int, sigmas: float) -> int:
     return max(1024, next_pow2(int(math.ceil(K + 2.0 * m * N / sample))))
 
 
-def _span(sp_ref):
-    return None if sp_ref is None else (sp_ref[0], sp_ref[1])
-
-
 def _band_kernel(br_ref, x_ref, *refs, n: int, block_n: int, cap: int, skip_empty: bool, spanned: bool = False):
     """Row r. Refs: br i32[4] = (A, B, above_on, 0) (only B read); x f32[N]; (spanned: sp i32[2] the row's span,
     -inf outside); outputs nb i32[1] the keys > B (all counted, at most cap stored), eq i32[1] the keys == B,
     keys / pos i32[cap] the band's keys and positions in ascending position order. skip_empty: rank and store
     only in chunks that hold a band key."""
     sp_ref, nb_ref, eq_ref, keys_ref, pos_ref = refs if spanned else (None, *refs)
-    span = _span(sp_ref)
+    span = ref_span(sp_ref)
     b_key = br_ref[1]
 
     def append(run, pos, key, band):
@@ -96,7 +93,7 @@ def _select_kernel(k_ref, br_ref, nb_ref, eq_ref, keys_ref, pos_ref, x_ref, *ref
     """Row r. Refs: k i32[1]; br i32[4] the bound (B at 1); nb, eq i32[1]; keys, pos i32[cap] the band; x f32[N]
     (read only when the band cannot decide); (spanned: sp i32[2] the row's span); out o i32[width]."""
     sp_ref, o_ref = refs if spanned else (None, *refs)
-    span = _span(sp_ref)
+    span = ref_span(sp_ref)
     kk = jnp.clip(k_ref[0], 0, width)
     b_key, n_band, eq_b = br_ref[1], nb_ref[0], eq_ref[0]
     in_band = (kk <= n_band) & (n_band <= cap)  # the band holds every key >= the kk-th largest

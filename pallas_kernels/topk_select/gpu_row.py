@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.topk_select.common import (INT_MIN, KEY_NEG_INF, KEY_POS_INF, float_keys, in_span,
+from pallas_kernels.topk_select.common import (INT_MIN, KEY_NEG_INF, KEY_POS_INF, float_keys, in_span, ref_span,
                                                selection_rule)
 
 Array = jax.Array
@@ -134,9 +134,7 @@ def _row_kernel(k_ref, x_ref, *refs, n: int, P: int, bits: int, width: int, wpad
     kk = jnp.clip(k_ref[0], 0, width)
     pos = jnp.arange(P, dtype=jnp.int32)
     ok = pos < n
-    x = plgpu.load(x_ref.at[pl.ds(0, P)], mask=ok, other=0.0)
-    if spanned:
-        x = in_span(x, pos, (sp_ref[0], sp_ref[1]))
+    x = in_span(plgpu.load(x_ref.at[pl.ds(0, P)], mask=ok, other=0.0), pos, ref_span(sp_ref))
     key = jnp.where(ok, float_keys(x), INT_MIN)  # padding: below every candidate above INT_MIN
     sel, dst, total = row_picks(key, ok, kk, n, bits, width)
     # Masked lanes point past the row (never written; the interpreter drops them as out of bounds).

@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.topk_select import gpu_fused
-from pallas_kernels.topk_select.common import INT_MIN, float_keys, in_span, selection_rule
+from pallas_kernels.topk_select.common import INT_MIN, float_keys, in_span, ref_span, selection_rule
 from pallas_kernels.topk_select.gpu_row import row_threshold
 
 Array = jax.Array
@@ -50,12 +50,12 @@ def band_capacity(K: int, N: int, sample: int, sigmas: float) -> int:
     strictly inside the bracket, at least 1024 and at most 32768.
 
     The bracket's two sample keys lie about 2 m sample ranks apart (m = sigmas sd of the sample rank, plus 8, as
-    `_sample_kernel` draws them; here the largest m of any k <= K), and each sample rank stands for N / sample keys of the
-    row (one sample per stratum), so about 2 m N / sample keys fall strictly between them, whatever the scores'
-    distribution (ties at either end are counted apart, never stored). A band over the capacity is still exact:
-    that row takes the streaming fallback. The resolve kernel searches all `cap` slots, so a tight capacity is
-    what makes it fast (Kascade's anchors at 100K, k 10%: 4096 slots for about 2,850 keys, against the 16384
-    that were the fixed default)."""
+    `_sample_kernel` draws them; here the largest m of any k <= K), and each sample rank stands for N / sample
+    keys of the row (one sample per stratum), so about 2 m N / sample keys fall strictly between them, whatever
+    the scores' distribution (ties at either end are counted apart, never stored). A band over the capacity is
+    still exact: that row takes the streaming fallback. The resolve kernel searches all `cap` slots, so a tight
+    capacity is what makes it fast (Kascade's anchors at 100K, k 10%: 4096 slots for about 2,850 keys, against
+    the 16384 that were the fixed default)."""
     r = min(min(K, N) * sample / N, sample / 2)  # the widest bracket of any k <= K
     m = sigmas * math.sqrt(max(r * (1.0 - r / sample), 0.0)) + 8.0
     want = BAND_MARGIN * 2.0 * m * N / sample
@@ -84,7 +84,7 @@ def _sample_kernel(k_ref, x_ref, *refs, n: int, width: int, ns: int, bits: int, 
     sp_ref, o_ref = refs if spanned else (None, *refs)
     kk = jnp.clip(k_ref[0], 0, width)
     at = sample_positions(n, ns)
-    key = float_keys(in_span(plgpu.load(x_ref.at[at]), at, None if sp_ref is None else (sp_ref[0], sp_ref[1])))
+    key = float_keys(in_span(plgpu.load(x_ref.at[at]), at, ref_span(sp_ref)))
     r = kk.astype(jnp.float32) * (ns / n)
     m = sigmas * jnp.sqrt(jnp.maximum(r * (1.0 - r / ns), 0.0)) + 8.0
     r_hi = jnp.clip(jnp.floor(r - m), 0, ns).astype(jnp.int32) if upper else jnp.int32(0)
