@@ -19,6 +19,8 @@ from pallas_kernels.topk_select import topk_select, topk_select_reference  # noq
 from pallas_kernels.topk_select.common import mask_span  # noqa: E402
 
 CASES = {"h2o_tokens": (100096, 5005, 0), "evosparse_blocks": (6256, 384, 4)}  # N, width, sink (lo)
+if os.environ.get("SMOKE"):  # a CPU check of the script (the reference paths; no kernels, an empty profile)
+    CASES = {"h2o_tokens": (2048, 100, 0), "evosparse_blocks": (1024, 64, 4)}
 
 
 def main():
