@@ -48,22 +48,27 @@ KEY_NEG_INF = _key_of(-np.inf)  # keys <= this are -inf or -NaN (never output)
 KEY_POS_INF = _key_of(np.inf)  # keys > this are +NaN (never output)
 
 
-def span_rows(span, lead: tuple[int, ...]) -> Array:
-    """i32[prod(lead), 2]: the (lo, hi) of each row of a `span` (a pair of int arrays broadcastable to lead)."""
+def _span_bounds(span, lead: tuple[int, ...]) -> tuple[Array, Array]:
+    """(lo, hi) i32[lead] of a `span` (a pair of int arrays broadcastable to lead)."""
     if not (isinstance(span, (tuple, list)) and len(span) == 2):
         got = f"an array of shape {tuple(span.shape)}" if hasattr(span, "shape") else repr(span)
         raise ValueError(f"span: got {got}; expected a pair (lo, hi) of int arrays broadcastable to {lead}")
     lo, hi = (jnp.broadcast_to(jnp.asarray(a, jnp.int32), lead) for a in span)
-    return jnp.stack([lo, hi], axis=-1).reshape(-1, 2)
+    return lo, hi
+
+
+def span_rows(span, lead: tuple[int, ...]) -> Array:
+    """i32[prod(lead), 2]: the (lo, hi) of each row of a `span` (a pair of int arrays broadcastable to lead)."""
+    return jnp.stack(_span_bounds(span, lead), axis=-1).reshape(-1, 2)
 
 
 def mask_span(scores: Array, span) -> Array:
     """scores with every position outside its row's [lo, hi) set to -inf (what `span` means everywhere)."""
     if span is None:
         return scores
-    sp = span_rows(span, tuple(scores.shape[:-1])).reshape(tuple(scores.shape[:-1]) + (2,))
+    lo, hi = _span_bounds(span, tuple(scores.shape[:-1]))
     pos = jnp.arange(scores.shape[-1], dtype=jnp.int32)
-    return jnp.where((pos >= sp[..., :1]) & (pos < sp[..., 1:]), scores, -jnp.inf)
+    return jnp.where((pos >= lo[..., None]) & (pos < hi[..., None]), scores, -jnp.inf)
 
 
 def ref_span(sp_ref):

@@ -40,7 +40,7 @@ from pallas_kernels.topk_select import gpu_fused
 from pallas_kernels.topk_select.common import (INT_MIN, KEY_NEG_INF, KEY_POS_INF, float_keys, ref_span,
                                                selection_rule)
 from pallas_kernels.topk_select.gpu_row import ROW_LIMIT, next_pow2, row_picks
-from pallas_kernels.topk_select.gpu_sample import sample_bracket
+from pallas_kernels.topk_select.gpu_sample import rank_halfwidth, sample_bracket
 
 Array = jax.Array
 
@@ -49,8 +49,7 @@ def band_capacity(K: int, N: int, sample: int, sigmas: float) -> int:
     """The band capacity for rows of N scores and k <= K: a power of two >= K + 2 (sigmas sd + 8) N / sample (the
     keys above a lower bound drawn `sigmas` standard deviations of the sample rank below k, plus the same again
     for the spread of the count), at least 1024."""
-    r = K * sample / N
-    m = sigmas * math.sqrt(max(r * (1.0 - r / sample), 0.0)) + 8.0
+    m = rank_halfwidth(K * sample / N, sample, sigmas)
     return max(1024, next_pow2(int(math.ceil(K + 2.0 * m * N / sample))))
 
 

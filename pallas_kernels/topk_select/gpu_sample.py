@@ -45,6 +45,12 @@ Array = jax.Array
 BAND_MARGIN = 1.25  # band capacity over the expected band (`band_capacity`)
 
 
+def rank_halfwidth(r: float, sample: int, sigmas: float) -> float:
+    """The bracket's half-width in sample ranks around sample rank r: `sigmas` binomial standard deviations plus
+    8, as `_sample_kernel` computes it in-kernel (here in Python, to size buffers)."""
+    return sigmas * math.sqrt(max(r * (1.0 - r / sample), 0.0)) + 8.0
+
+
 def band_capacity(K: int, N: int, sample: int, sigmas: float) -> int:
     """The band capacity for rows of N scores and k <= K: a power of two >= BAND_MARGIN times the keys expected
     strictly inside the bracket, at least 1024 and at most 32768.
@@ -56,8 +62,7 @@ def band_capacity(K: int, N: int, sample: int, sigmas: float) -> int:
     still exact: that row takes the streaming fallback. The resolve kernel searches all `cap` slots, so a tight
     capacity is what makes it fast (Kascade's anchors at 100K, k 10%: 4096 slots for about 2,850 keys, against
     the 16384 that were the fixed default)."""
-    r = min(min(K, N) * sample / N, sample / 2)  # the widest bracket of any k <= K
-    m = sigmas * math.sqrt(max(r * (1.0 - r / sample), 0.0)) + 8.0
+    m = rank_halfwidth(min(min(K, N) * sample / N, sample / 2), sample, sigmas)  # the widest of any k <= K
     want = BAND_MARGIN * 2.0 * m * N / sample
     return min(32768, max(1024, 1 << max(0, math.ceil(math.log2(max(want, 1.0))))))
 
