@@ -8,7 +8,10 @@ A. Would a contiguous-window decode beat the gathered decode for StreamingLLM? O
    - `dense_100k`: the dense decode over the whole 100K cache (its bandwidth).
 B. Where the ordered top-k's band pass goes (H2O's shape: 1024 rows x 100096 f32, 5% of keys above the bound):
    `band`: the library's `_band_kernel`; `count`: the same loop with only the comparison and a sum (no cumulative
-   sum, no stores); `count_split8`: that on a (row, 8 splits) grid; `scan`: the cumulative sum but no stores.
+   sum, no stores); `count_split8`: that on a (row, 8 splits) grid; `scan`: the cumulative sum but no stores;
+   `carry`: the cumulative sum and the running offset (a sum per chunk carried to the next), no stores; `store`:
+   the cumulative sum and the band's stores at offsets that do not depend on the earlier chunks; `store_split8`: that
+   on 8 splits. (Round 1 ran the attention probe with one buffer as both K and V: its V reads partly hit L2.)
 SMOKE=1: small shapes in interpret mode on the CPU (checks the script, times nothing meaningful).
 """
 import functools
@@ -43,7 +46,8 @@ def attention_probe(res):
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((B, 1, Hq, D)), jnp.bfloat16)
     big = jnp.asarray(rng.standard_normal((2, B, Hkv, N, D)), jnp.bfloat16)
-    small = big[:, :, :, :K + 6]
+    bigv = jnp.asarray(rng.standard_normal((2, B, Hkv, N, D)), jnp.bfloat16)
+    small, smallv = big[:, :, :, :K + 6], bigv[:, :, :, :K + 6]
     lengths = jnp.full((B,), n, jnp.int32)
     layer = jnp.int32(1)
     win = sink_window(lengths[:, None], jnp.full((B, 1), K, jnp.int32), 4, K)  # [B, 1, K]
@@ -52,10 +56,10 @@ def attention_probe(res):
     rnd = jnp.asarray(rnd.reshape(B, Hkv, 1, K).astype(np.int32))
     gathered = jax.jit(lambda q, k, v, i: sparse_decode_stacked_gpu(q, k, v, layer, i, lengths, interpret=INTERP))
     dense = jax.jit(lambda q, k, v, ln: dense_decode_stacked_gpu(q, k, v, layer, ln, interpret=INTERP))
-    cases = {"gathered_window": (gathered, (q, big, big, win), 2 * K),
-             "gathered_random": (gathered, (q, big, big, rnd), 2 * K),
-             "dense_10k": (dense, (q, small, small, jnp.full((B,), K, jnp.int32)), 2 * K),
-             "dense_100k": (dense, (q, big, big, lengths), 2 * n)}
+    cases = {"gathered_window": (gathered, (q, big, bigv, win), 2 * K),
+             "gathered_random": (gathered, (q, big, bigv, rnd), 2 * K),
+             "dense_10k": (dense, (q, small, smallv, jnp.full((B,), K, jnp.int32)), 2 * K),
+             "dense_100k": (dense, (q, big, bigv, lengths), 2 * n)}
     for name, (f, args, rows) in cases.items():
         t = trace_calls(f"/tmp/probe_{name}", f, args, 10, 6)
         nbytes = rows * B * Hkv * D * 2
@@ -64,22 +68,33 @@ def attention_probe(res):
         print(name, "%.1f us, %.2f TB/s" % (res[name]["device_us"], res[name]["tb_s"]), flush=True)
 
 
-def _probe_kernel(br_ref, x_ref, o_ref, *, n: int, block_n: int, mode: str, per_split: int):
+def _probe_kernel(br_ref, x_ref, o_ref, *st, n: int, block_n: int, mode: str, per_split: int, cap: int = 0):
     b_key = br_ref[1]
-    if mode == "count_split8":
+    if mode.endswith("split8"):
         first, count = gpu_fused._split_chunks(n, block_n, per_split)
     else:
         first, count = jnp.int32(0), jnp.int32(pl.cdiv(n, block_n))
 
     def body(c, acc):
         _, ok, x = gpu_fused._chunk(x_ref, first + c, block_n, n)
-        band = (ok & (float_keys(x) > b_key)).astype(jnp.int32)
+        key = float_keys(x)
+        b = ok & (key > b_key)
+        band = b.astype(jnp.int32)
         if mode == "scan":
             return acc + jnp.cumsum(band)  # kept live: the sum of every chunk's running offsets
+        if mode == "carry":  # the running offset through a sum, no stores
+            acc, run = acc
+            return acc + run + jnp.cumsum(band) - band, run + jnp.sum(band)
+        if mode.startswith("store"):  # stores at offsets that do not depend on the earlier chunks
+            dst = ((first + c) * 61 + jnp.cumsum(band) - band) & (cap - 1)
+            plgpu.store(st[0].at[jnp.where(b, dst, cap)], key, mask=b)
+            plgpu.store(st[1].at[jnp.where(b, dst, cap)], jnp.arange(block_n, dtype=jnp.int32), mask=b)
+            return acc + band
         return acc + band
 
-    acc = lax.fori_loop(jnp.int32(0), count, body, jnp.zeros((block_n,), jnp.int32))
-    o_ref[...] = jnp.reshape(jnp.sum(acc), (1,))
+    init = jnp.zeros((block_n,), jnp.int32)
+    acc = lax.fori_loop(jnp.int32(0), count, body, (init, jnp.int32(0)) if mode == "carry" else init)
+    o_ref[...] = jnp.reshape(jnp.sum(acc[0] if mode == "carry" else acc), (1,))
 
 
 def band_probe(res):
@@ -102,14 +117,17 @@ def band_probe(res):
             name="probe_band")(bound, x)
 
     def probe(mode):
-        S = 8 if mode == "count_split8" else 1
+        S = 8 if mode.endswith("split8") else 1
         per = pl.cdiv(pl.cdiv(N, block_n), S)
         spec = lambda w: pl.BlockSpec((None, w), lambda r, s: (r, 0))  # noqa: E731
+        stores = mode.startswith("store")
+        sc = pl.BlockSpec((None, None, cap), lambda r, s: (r, s, 0))
         return lambda x, bound: pl.pallas_call(
-            functools.partial(_probe_kernel, n=N, block_n=block_n, mode=mode, per_split=per),
+            functools.partial(_probe_kernel, n=N, block_n=block_n, mode=mode, per_split=per, cap=cap),
             grid=(R, S), in_specs=[spec(4), spec(N)],
-            out_specs=pl.BlockSpec((None, None, 1), lambda r, s: (r, s, 0)),
-            out_shape=jax.ShapeDtypeStruct((R, S, 1), jnp.int32),
+            out_specs=[pl.BlockSpec((None, None, 1), lambda r, s: (r, s, 0))] + [sc, sc] * stores,
+            out_shape=[jax.ShapeDtypeStruct((R, S, 1), jnp.int32)]
+            + [jax.ShapeDtypeStruct((R, S, cap), jnp.int32)] * (2 * stores),
             compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2), interpret=INTERP,
             name=f"probe_{mode}")(bound, x)
 
@@ -117,7 +135,8 @@ def band_probe(res):
     got = int(np.asarray(jax.jit(band)(x, bound)[0]).sum())
     res["band_check"] = dict(keys_above=want, band_count=got, equal=want == got)
     for name, f in (("band", band), ("count", probe("count")), ("count_split8", probe("count_split8")),
-                    ("scan", probe("scan"))):
+                    ("scan", probe("scan")), ("carry", probe("carry")), ("store", probe("store")),
+                    ("store_split8", probe("store_split8"))):
         f = jax.jit(f)
         t = trace_calls(f"/tmp/probe_{name}", f, (x, bound), 5, 4)
         res[name] = dict(device_us=t["device_us_per_step"], tb_s=R * N * 4 / max(t["device_us_per_step"], 1e-9) / 1e6)
