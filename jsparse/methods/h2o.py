@@ -18,11 +18,9 @@ One decode token (`gathered`, the default on a GPU) runs as EvoSparse's heat ste
 at the start of the forward every layer's heavy keys are chosen at once (`block_scores.heat_candidates`: one
 `topk_select` over the stacked score, a layer's score does not change before the layer runs), each layer appends
 its recent window to its row (`kept_indices`, ascending) and attends through the gathered decode with each key's
-mass (`block_scores.sparse_decode_mass`, reading the stacked cache in place) into the forward's mass buffer; the
-forward's end (`finish`) puts every layer's mass into the score with one scatter-add (`block_scores.heat_add`): no
-layer reads its score inside the forward, so this is the same sum as a scatter in every layer, without 32 small
-scatters and their copies. The same keys and the same softmax as the mask path, which T > 1 tokens and the CPU by
-default take.
+mass (`block_scores.sparse_decode_mass`, reading the stacked cache in place), which one scatter-add puts into its
+score (`block_scores.heat_add`). The same keys and the same softmax as the mask path, which T > 1 tokens and the CPU
+by default take.
 
 Unlike H2O's fixed-size cache, a key is never deleted: it is re-ranked at every step, but since an unselected
 key's score stops growing while the kept ones' keep growing, it rarely comes back. Selection is per KV head
@@ -60,7 +58,6 @@ DECODE_CONFIG = DecodeConfig(block_k=32)
 class H2OState:
     score: jax.Array  # f32[L, B, Hkv, N] accumulated attention per key (mean over the GQA group)
     kept: Optional[jax.Array] = None  # i32[L, B, Hkv, K] every layer's keys inside one gathered decode forward
-    mass: Optional[jax.Array] = None  # f32[L, B, Hkv, K] their mass, written by each layer, added by `finish`
 
 
 @register("h2o")
@@ -94,14 +91,10 @@ class H2O(TokenBudget):
         if phase != "decode" or q_len != 1 or not isinstance(state, H2OState) or not self.is_gathered():
             return state
         pos = lengths.astype(jnp.int32) - 1
-        kept = self.kept_indices(state.score, pos, self.k_static(kv_len))
-        return state.replace(kept=kept, mass=jnp.zeros(kept.shape, jnp.float32))
+        return state.replace(kept=self.kept_indices(state.score, pos, self.k_static(kv_len)))
 
     def finish(self, state, phase):
-        """Drops the forward's keys; after a gathered forward, adds every layer's mass into the score first."""
-        if not isinstance(state, H2OState) or state.kept is None:
-            return state
-        return state.replace(score=heat_add(state.score, None, state.kept, state.mass), kept=None, mass=None)
+        return state.replace(kept=None) if isinstance(state, H2OState) else state
 
     def prefill(self, ctx, q, k, v, state):
         B, T = q.shape[:2]
@@ -168,7 +161,7 @@ class H2O(TokenBudget):
             k_all, v_all, layer = stacked_cache(cache)
             out, mass = sparse_decode_mass(q, k_all, v_all, layer, idx[:, :, None], positions[:, 0] + 1,
                                            config=DECODE_CONFIG)
-            return out, state.replace(mass=jax.lax.dynamic_update_index_in_dim(state.mass, mass[:, :, 0], ctx.layer, 0))
+            return out, state.replace(score=heat_add(state.score, ctx.layer, idx, mass[:, :, 0]))
         G = Hq // Hkv
         K = self.k_static(N)
         qg = q.astype(jnp.float32).reshape(B, T, Hkv, G, D)

@@ -63,23 +63,17 @@ def sparse_decode_mass_xla(q: Array, k_all: Array, v_all: Array, layer: Array, i
     return out, p.sum(-1).mean(axis=3)
 
 
-def heat_add(heat: Array, layer: Array | None, idx: Array, values: Array) -> Array:
+def heat_add(heat: Array, layer: Array, idx: Array, values: Array) -> Array:
     """heat[layer] + values summed into their blocks, in place in the stacked heat f32[L, B, Hkv, nb]: idx
-    i32[B, Hkv, K] (valid entries unique and ascending, then -1), values f32[B, Hkv, K]. With layer None, idx and
-    values hold every layer's rows, [L, B, Hkv, K], added in the same one scatter. One scatter-add of
-    (L *) B * Hkv * K entries (the -1 padding is mapped to distinct out-of-range blocks and dropped, so the indices
-    are sorted and unique, as XLA is told)."""
-    L = heat.shape[0]
-    if layer is not None:
-        idx, values, layers = idx[None], values[None], layer_index(layer, L)[None]
-    else:
-        layers = jnp.arange(L, dtype=jnp.int32)
-    Lr, B, Hkv, K = idx.shape
+    i32[B, Hkv, K] (valid entries unique and ascending, then -1), values f32[B, Hkv, K]. One scatter-add of
+    B * Hkv * K entries (the -1 padding is mapped to distinct out-of-range blocks and dropped, so the indices are
+    sorted and unique, as XLA is told)."""
+    B, Hkv, K = idx.shape
     nb = heat.shape[-1]
     safe = jnp.where(idx >= 0, idx, nb + jnp.arange(K, dtype=idx.dtype))
-    at = (jnp.broadcast_to(layers[:, None, None, None], idx.shape),
-          jnp.broadcast_to(jnp.arange(B)[None, :, None, None], idx.shape),
-          jnp.broadcast_to(jnp.arange(Hkv)[None, None, :, None], idx.shape), safe)
+    at = (jnp.broadcast_to(layer_index(layer, heat.shape[0]), idx.shape),
+          jnp.broadcast_to(jnp.arange(B)[:, None, None], idx.shape),
+          jnp.broadcast_to(jnp.arange(Hkv)[None, :, None], idx.shape), safe)
     return heat.at[at].add(values.astype(heat.dtype), mode="drop", indices_are_sorted=True, unique_indices=True)
 
 
