@@ -5,8 +5,8 @@
 set -u
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONUNBUFFERED=1
 M=${METHODS:-dense,kascade,streaming}
-DIR=$(python3 -c "import jax_plugins, os; print(os.path.dirname(jax_plugins.__file__))")
-strings $(find "$DIR" -name "*.so") | grep -E "^xla_gpu_[a-z0-9_]+$" | sort -u > "$OUT/xla_gpu_flags.txt"
+SP=$(python3 -c "import jaxlib, os; print(os.path.dirname(os.path.dirname(jaxlib.__file__)))")
+strings $(find "$SP/jax_plugins" "$SP/jaxlib" -name "*.so") | grep -E "^xla_gpu_[a-z0-9_]+$" | sort -u > "$OUT/xla_gpu_flags.txt"
 echo "flags: $(wc -l < "$OUT/xla_gpu_flags.txt")"; grep -iE "pdl|programmatic|command_buffer|graph" "$OUT/xla_gpu_flags.txt"
 for flag in $(grep -i pdl "$OUT/xla_gpu_flags.txt" | head -2); do
   for v in true false true false; do
