@@ -14,6 +14,8 @@ blocks, so query heads [i*Hq/m, (i+1)*Hq/m) and KV heads [i*Hkv/m, (i+1)*Hkv/m) 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from typing import Callable, Sequence
 
@@ -22,13 +24,26 @@ from jax.sharding import PartitionSpec as P
 
 DATA, MODEL = "data", "model"
 
+# Set while `per_shard` runs an op unsplit (a split dim that does not divide its mesh axis): the op's own entry
+# point, called again from there, must not try to split it again (that recursed without end).
+_UNSPLIT = contextvars.ContextVar("jsparse_unsplit", default=False)
+
 
 def active_mesh():
     """The ambient mesh when it has more than one device, else None."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.manual_axes or math.prod(dict(mesh.shape).values()) == 1:
-        return None  # no mesh, inside a shard_map already (manual axes), or a mesh of one
+    if mesh.empty or mesh.manual_axes or math.prod(dict(mesh.shape).values()) == 1 or _UNSPLIT.get():
+        return None  # no mesh, inside a shard_map already (manual axes), a mesh of one, or `per_shard`'s fallback
     return mesh
+
+
+@contextlib.contextmanager
+def _unsplit():
+    token = _UNSPLIT.set(True)
+    try:
+        yield
+    finally:
+        _UNSPLIT.reset(token)
 
 
 def dims(ndim: int, batch: int | None = None, heads: int | None = None) -> tuple:
@@ -74,7 +89,8 @@ def per_shard(fn: Callable, args: Sequence[jax.Array], templates: Sequence[tuple
         return fn(*args)
     in_specs = tuple(_spec(mesh, t, a.shape) for t, a in zip(templates, args))
     if any(s is None for s in in_specs):
-        return fn(*args)
+        with _unsplit():  # fn's entry point sees no mesh, so it runs the op whole instead of coming back here
+            return fn(*args)
     multi = isinstance(out_templates[0], tuple) if out_templates else False
 
     def out_spec(t):

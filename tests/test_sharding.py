@@ -229,3 +229,24 @@ def test_topk_select_runs_per_shard_on_a_2x4_mesh(platform):
     manual = text[text.index("sdy.manual_computation"):]
     assert ("triton" if platform == "cuda" else "tpu_custom_call") in manual
     assert "all_gather" not in text and "all_reduce" not in text
+
+
+def test_an_op_whose_rows_do_not_divide_the_mesh_runs_whole():
+    """`per_shard` runs an op whole when a split dim does not divide its mesh axis (one batch row on data=2).
+    The op's entry point, called again from there, must not split it again: that recursed without end."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AbstractMesh, AxisType, use_abstract_mesh
+
+    from pallas_kernels import sharding as kshard
+    from pallas_kernels.block_scores import sparse_decode_mass
+
+    sds = jax.ShapeDtypeStruct
+    L, B, Hq, Hkv, D, N, K = 2, 1, 8, 4, 16, 64, 8
+    args = (sds((B, 1, Hq, D), jnp.float32), sds((L, B, Hkv, N, D), jnp.float32), sds((L, B, Hkv, N, D), jnp.float32),
+            sds((), jnp.int32), sds((L, B, Hkv, 1, K), jnp.int32), sds((B,), jnp.int32))
+    with use_abstract_mesh(AbstractMesh((2, 4), ("data", "model"), (AxisType.Explicit,) * 2)):
+        assert kshard.active_mesh() is not None
+        out, mass = jax.eval_shape(sparse_decode_mass, *args)
+        assert kshard.active_mesh() is not None  # the fallback's no-mesh context ended with it
+    assert out.shape == (B, 1, Hq, D) and mass.shape == (B, Hkv, 1, K)
