@@ -11,7 +11,7 @@ import pytest
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.block_scores import block_max_scores, gpu, reference, sparse_decode_mass, xla
-from pallas_kernels.sparse_attention import sparse_decode
+from pallas_kernels.sparse_attention import sparse_decode, stacked
 from lowering import H100, abstract_device
 
 L, B, HQ, HKV, D, N, BS = 3, 2, 8, 2, 16, 256, 8
@@ -91,6 +91,39 @@ def test_decode_mass_matches_reference(T, block_k):
     assert float(jnp.abs(want_m[..., 5:]).max()) == 0.0
 
 
+def test_decode_mass_reads_every_layers_rows_at_the_layer():
+    """indices [L, B, Hkv, T, K], every layer's rows (H2O's kept keys): the kernel (interpret mode) reads layer
+    `layer`'s in place and equals the call on that layer's rows, with and without the mass, at a negative layer
+    too; so do the dispatcher's XLA and reference paths. A head map with them, or a wrong leading axis, raises."""
+    q, k, v = _cache(5)
+    rows = jnp.stack([_indices(1, K=7, used=u) for u in (5, 3, 6)])  # [L, B, Hkv, 1, K], a different row per layer
+    rows = rows.at[1].set(jnp.flip(rows[1], 1))  # layer 1's rows differ from layer 0's by head too
+    lengths = jnp.array([200, 77], jnp.int32)
+    cfg = gpu.sgpu.DecodeConfig(block_k=16, num_splits=2)
+    for layer in (1, 2, -2):
+        one = rows[layer]
+        want = gpu.sparse_decode_mass_gpu(q, k, v, jnp.int32(layer), one, lengths, block_size=BS, interpret=True,
+                                          config=cfg)
+        got = gpu.sparse_decode_mass_gpu(q, k, v, jnp.int32(layer), rows, lengths, block_size=BS, interpret=True,
+                                         config=cfg)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+        ref = reference.sparse_decode_mass_reference(q, k, v, jnp.int32(layer), one, lengths, block_size=BS)
+        for impl in ("xla", "reference"):
+            for g, w in zip(sparse_decode_mass(q, k, v, jnp.int32(layer), rows, lengths, block_size=BS,
+                                               implementation=impl), ref):
+                np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+        plain = stacked.sparse_decode_stacked_gpu(q, k, v, jnp.int32(layer), rows, lengths, block_size=BS,
+                                                  config=cfg, interpret=True)
+        np.testing.assert_array_equal(plain, stacked.sparse_decode_stacked_gpu(
+            q, k, v, jnp.int32(layer), one, lengths, block_size=BS, config=cfg, interpret=True))
+    with pytest.raises(ValueError, match=r"head_map with every layer's index rows"):
+        stacked.sparse_decode_stacked_gpu(q, k, v, jnp.int32(0), rows, lengths, block_size=BS,
+                                          head_map=jnp.arange(HKV, dtype=jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match=r"expected every layer's index rows \[L=3"):
+        sparse_decode_mass(q, k, v, jnp.int32(0), rows[:2], lengths, block_size=BS)
+
+
 def test_decode_mass_with_no_visible_key_is_zero():
     q, k, v = _cache(4)
     idx = _indices(1)
@@ -155,6 +188,9 @@ def test_kernels_lower_for_cuda():
         text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(
             q, cache, cache, i32(), i32(Bn, Hkv, 1, 128), i32(Bn)).mlir_module()
         assert "sparse_decode_gathered_stacked_mass" in text
+        text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(  # every layer's rows
+            q, cache, cache, i32(), i32(4, Bn, Hkv, 1, 128), i32(Bn)).mlir_module()
+        assert "sparse_decode_gathered_stacked_mass" in text and "dynamic_slice" not in text
         f = functools.partial(gpu.sparse_decode_heat_gpu, block_size=16)
         text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(
             q, cache, cache, i32(), i32(Bn, Hkv, 1, 128), i32(Bn), sds((4, Bn, Hkv, Nn // 16), jnp.float32)

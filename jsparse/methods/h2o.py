@@ -157,10 +157,11 @@ class H2O(TokenBudget):
         Hkv, N = cache.k.shape[1], cache.k.shape[2]
         positions = sel.decode_positions(ctx.lengths, T)  # [B, T]
         if T == 1 and state.kept is not None:  # gathered (`start_rows` chose every layer's keys)
-            idx = jax.lax.dynamic_index_in_dim(state.kept, ctx.layer, keepdims=False)  # [B, Hkv, K]
             k_all, v_all, layer = stacked_cache(cache)
-            out, mass = sparse_decode_mass(q, k_all, v_all, layer, idx[:, :, None], positions[:, 0] + 1,
+            # Every layer's rows, the layer's read in place by the GPU kernel (a slice of them was a copy per layer)
+            out, mass = sparse_decode_mass(q, k_all, v_all, layer, state.kept[:, :, :, None], positions[:, 0] + 1,
                                            config=DECODE_CONFIG)
+            idx = jax.lax.dynamic_index_in_dim(state.kept, ctx.layer, keepdims=False)  # [B, Hkv, K], for the scatter
             return out, state.replace(score=heat_add(state.score, ctx.layer, idx, mass[:, :, 0]))
         G = Hq // Hkv
         K = self.k_static(N)

@@ -7,6 +7,7 @@ import jax
 
 from pallas_kernels.block_scores import reference, xla
 from pallas_kernels.sharding import MODEL, active_mesh, dims, per_shard
+from pallas_kernels.sparse_attention.stacked import check_stacked_args, select_layer
 
 Array = jax.Array
 
@@ -70,14 +71,17 @@ def sparse_decode_mass(q: Array, k_all: Array, v_all: Array, layer: Array, indic
                        config=None):
     """Gathered decode over layer `layer` of a stacked cache and each index entry's softmax mass:
     (out [B, T, Hq, D], mass f32[B, Hkv, T, K]) (semantics: `reference.sparse_decode_mass_reference`).
+    indices: the layer's rows int32[B, Hkv, T, K], or every layer's rows [L, B, Hkv, T, K] of which layer
+    `layer`'s are used (the GPU kernel reads them in place: no slice of them in XLA).
     config: the Pallas GPU kernel's `sparse_attention.gpu.DecodeConfig` (None: its default). Under a mesh, per
     shard (rows over data, heads over model)."""
     if active_mesh() is not None:
         kv = dims(5, 1, 2)
+        rows = dims(5, 1, 2) if indices.ndim == 5 else dims(4, 0, 1)
         return per_shard(lambda q, k, v, layer, indices, lengths: sparse_decode_mass(
             q, k, v, layer, indices, lengths, block_size=block_size, scale=scale, implementation=implementation,
             config=config), [q, k_all, v_all, layer, indices, lengths],
-            [dims(4, 0, 2), kv, kv, (), dims(4, 0, 1), dims(1, 0)], (dims(4, 0, 2), dims(4, 0, 1)))
+            [dims(4, 0, 2), kv, kv, (), rows, dims(1, 0)], (dims(4, 0, 2), dims(4, 0, 1)))
     impl = _pick(implementation, q, block_size)
     args = (q, k_all, v_all, layer, indices, lengths)
     if impl == "pallas_gpu":
@@ -85,6 +89,9 @@ def sparse_decode_mass(q: Array, k_all: Array, v_all: Array, layer: Array, indic
         from pallas_kernels.sparse_attention.gpu import DecodeConfig
         return gpu.sparse_decode_mass_gpu(*args, block_size=block_size, scale=scale,
                                           config=DecodeConfig() if config is None else config)
+    if indices.ndim == 5:  # every layer's rows: the others take the layer's
+        check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size, stacked_indices=True)
+        args = (q, k_all, v_all, layer, select_layer(indices, layer), lengths)
     if impl == "reference":
         return reference.sparse_decode_mass_reference(*args, block_size=block_size, scale=scale)
     return xla.sparse_decode_mass_xla(*args, block_size=block_size, scale=scale)

@@ -177,8 +177,9 @@ def sparse_decode_mass_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
     (`sparse_attention.stacked.sparse_decode_stacked_gpu(..., return_mass=True)`).
 
     Args:
-      q: [B, T, Hq, D]; k_all, v_all: [L, B, Hkv, N, D]; layer: i32[]; indices: int32[B, Hkv, T, K];
-      lengths: int32[B]; block_size: a power of two; config: `sparse_attention.gpu.DecodeConfig`.
+      q: [B, T, Hq, D]; k_all, v_all: [L, B, Hkv, N, D]; layer: i32[]; indices: int32[B, Hkv, T, K], or every
+      layer's rows [L, B, Hkv, T, K] (layer `layer`'s read in place); lengths: int32[B]; block_size: a power of
+      two; config: `sparse_attention.gpu.DecodeConfig`.
 
     Returns:
       (out [B, T, Hq, D] in q.dtype, mass f32[B, Hkv, T, K]).

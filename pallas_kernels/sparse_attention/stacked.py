@@ -44,9 +44,10 @@ Array = jax.Array
 
 
 def check_stacked_args(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array,
-                       block_size: int) -> None:
+                       block_size: int, stacked_indices: bool = False) -> None:
     """Validates a stacked-cache decode call: k_all, v_all [L, B, Hkv, N, D], layer an integer scalar, and the
-    per-layer arguments as `check_decode_args`."""
+    per-layer arguments as `check_decode_args` (with stacked_indices, indices [L, B, Hkv, T, K]: every layer's
+    rows, of which the call reads layer `layer`'s)."""
     if k_all.ndim != 5:
         raise ValueError(f"k_all has shape {tuple(k_all.shape)}: expected a stacked head-major cache "
                          f"[L, B, Hkv, N, D]")
@@ -57,6 +58,11 @@ def check_stacked_args(q: Array, k_all: Array, v_all: Array, layer: Array, indic
         raise ValueError(f"layer has shape {tuple(layer.shape)} and dtype {layer.dtype}: expected an integer "
                          f"scalar in [0, L={k_all.shape[0]})")
     one = jax.ShapeDtypeStruct(k_all.shape[1:], k_all.dtype)
+    if stacked_indices:
+        if indices.ndim != 5 or indices.shape[0] != k_all.shape[0]:
+            raise ValueError(f"indices has shape {tuple(indices.shape)}: expected every layer's index rows "
+                             f"[L={k_all.shape[0]}, B, Hkv, T, K]")
+        indices = jax.ShapeDtypeStruct(indices.shape[1:], indices.dtype)
     check_decode_args(q, one, one, indices, lengths, block_size)
 
 
@@ -123,13 +129,15 @@ def _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, first_entry, n_valid, lim
 
 
 def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, entries_per_split: int, K: int,
-                           T: int, N: int, L: int, G: int, mapped: bool = False, mass: bool = False):
+                           T: int, N: int, L: int, G: int, mapped: bool = False, mass: bool = False,
+                           stacked_indices: bool = False):
     """One (b, h, t, split) program; as `gpu._decode_kernel` with k_ref, v_ref: [L, N, D] and layer_ref: i32[1].
 
     Refs: ([hm_ref,] layer_ref, len_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref[, el_ref, em_ref,
     nw_ref]). Everything XLA used to prepare is done here: the layer index is wrapped and clamped (jnp
     semantics), the query's last visible token comes from the row's length, the split's entries are read from
-    the unpadded row [K] (or, mapped, the row of head hm_ref[h] of [Hkv, K]) and the split's useful length is
+    the unpadded row [K] (or, mapped, the row of head hm_ref[h] of [Hkv, K]; with stacked_indices, the row of
+    the layer of [L, K], every layer's rows read in place) and the split's useful length is
     found from them (no padded copy of the indices, no reduction over them in XLA), and the GQA group's queries
     are gathered from q [Hq, D] (rows past G repeat row G - 1; their outputs are dropped).
     With mass, el_ref, em_ref f32[Gp, E]: per index entry of the split, the sum of exp(s - m) over the entry's
@@ -142,6 +150,8 @@ def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, e
         head = hm_ref[pl.program_id(1)]  # clipped to [0, Hkv) by the wrapper
     layer_ref, len_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *mass_refs = refs
     layer = layer_index(layer_ref[0], L)
+    if stacked_indices:
+        head = layer  # the row of ent_ref [L, K] (`_entries`)
     split = pl.program_id(3)
     pos = len_ref[0] - T + pl.program_id(2)
     limit = jnp.minimum(pos, N - 1)
@@ -202,7 +212,8 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
       k_all: [L, B, Hkv, N, D] stacked head-major key cache (new tokens written).
       v_all: [L, B, Hkv, N, D] stacked value cache.
       layer: i32[] (traced) layer to read, as `k_all[layer]`.
-      indices: int32[B, Hkv, T, K] selected blocks, -1 padded (contract of `reference.py`).
+      indices: int32[B, Hkv, T, K] selected blocks, -1 padded (contract of `reference.py`); or every layer's
+        rows int32[L, B, Hkv, T, K], of which layer `layer`'s are read in place (no slice of them in XLA).
       lengths: int32[B] valid tokens per row.
       block_size: tokens per index entry (a power of two).
       scale: softmax scale (None: 1/sqrt(D)).
@@ -213,7 +224,7 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
       config: `gpu.DecodeConfig` (the kernel's tuning, shared with `gpu.sparse_decode_gpu`).
       head_map: i32[Hkv] or None: KV head h attends over the index row of KV head head_map[h] (Kascade's reuse
         layers), read in place: the same as `jnp.take(indices, head_map, axis=1)` without that copy. Not with
-        return_mass.
+        return_mass, nor with every layer's rows.
       interpret: run in the Pallas interpreter (CPU tests).
 
     Returns:
@@ -222,7 +233,7 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
     res = decode_partials_stacked(q, k_all, v_all, layer, indices, lengths, block_size=block_size, scale=scale,
                                   return_mass=return_mass, config=config, head_map=head_map, interpret=interpret)
     B, T, Hq, _ = q.shape
-    Hkv, K = k_all.shape[2], indices.shape[3]
+    Hkv, K = k_all.shape[2], indices.shape[-1]
     G = Hq // Hkv
     o, m, l = res[:3]
     out, lse = gpu.finish_splits(o, m, l, G, q.dtype)
@@ -249,33 +260,43 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
     """The launch of `sparse_decode_stacked_gpu` (arguments as there), without its epilogue: the split partials
     (o f32[S, B, Hkv, T, Gp, D], m, l f32[S, B, Hkv, T, Gp]; rows past G are never written) and with
     return_mass the entry sums el, em f32[S, B, Hkv, T, Gp, E] and the written counts nw i32[S, B, Hkv, T, 1]."""
-    check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size)
+    stacked = indices.ndim == 5  # every layer's index rows, the layer's read in place
+    check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size, stacked_indices=stacked)
     if head_map is not None:
         check_head_map(head_map, k_all.shape[2])
         if return_mass:
             raise ValueError("head_map with return_mass: the entry mass is defined for unmapped heads only")
+        if stacked:
+            raise ValueError("head_map with every layer's index rows [L, B, Hkv, T, K]: expected one layer's rows "
+                             "[B, Hkv, T, K]")
     gpu._check_supported(q, block_size, None, interpret)
     B, T, Hq, D = q.shape
     L, _, Hkv, N, _ = k_all.shape
-    G, K = Hq // Hkv, indices.shape[3]
+    G, K = Hq // Hkv, indices.shape[-1]
     scale = default_scale(D, scale)
     block_k, splits, E, Gp = gpu.decode_split_plan(config, K, block_size, B * Hkv * T, G)
 
     mapped = head_map is not None
     kernel = functools.partial(_decode_kernel_stacked, scale=scale, block_size=block_size, block_k=block_k,
-                               entries_per_split=E, K=K, T=T, N=N, L=L, G=G, mapped=mapped, mass=return_mass)
+                               entries_per_split=E, K=K, T=T, N=N, L=L, G=G, mapped=mapped, mass=return_mass,
+                               stacked_indices=stacked)
     out_specs, out_shape = gpu.split_outputs(splits, B, Hkv, T, Gp, D)
     if return_mass:  # per entry: sum of exp(s - m) and that m; and how many entries the program wrote
         out_specs += [pl.BlockSpec((None, None, None, None, Gp, E), lambda b, h, t, s: (s, b, h, t, 0, 0))] * 2
         out_shape += [jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp, E), jnp.float32)] * 2
         out_specs.append(pl.BlockSpec((None, None, None, None, 1), lambda b, h, t, s: (s, b, h, t, 0)))
         out_shape.append(jax.ShapeDtypeStruct((splits, B, Hkv, T, 1), jnp.int32))
-    # Mapped: every KV head's index row of (b, t), the head chosen in-kernel by the head map.
+    # Mapped: every KV head's index row of (b, t), the head chosen in-kernel by the head map. Stacked: every
+    # layer's row of (b, h, t), the layer chosen in-kernel.
+    if stacked:
+        rows = pl.BlockSpec((L, None, None, None, K), lambda b, h, t, s: (0, b, h, t, 0))
+    else:
+        rows = pl.BlockSpec((None, Hkv if mapped else None, None, K),
+                            (lambda b, h, t, s: (b, 0, t, 0)) if mapped else (lambda b, h, t, s: (b, h, t, 0)))
     in_specs = [
         pl.BlockSpec((1,), lambda b, h, t, s: (0,)),  # the layer index (wrapped and clamped in-kernel)
         pl.BlockSpec((1,), lambda b, h, t, s: (b,)),  # the row's length
-        pl.BlockSpec((None, Hkv if mapped else None, None, K),
-                     (lambda b, h, t, s: (b, 0, t, 0)) if mapped else (lambda b, h, t, s: (b, h, t, 0))),
+        rows,
         pl.BlockSpec((None, None, Hq, D), lambda b, h, t, s: (b, t, 0, 0)),  # the token's queries
         pl.BlockSpec((L, None, None, N, D), lambda b, h, t, s: (0, b, h, 0, 0)),  # every layer of the KV head
         pl.BlockSpec((L, None, None, N, D), lambda b, h, t, s: (0, b, h, 0, 0)),
@@ -327,7 +348,7 @@ def sparse_decode_stacked_tpu(q: Array, k_all: Array, v_all: Array, layer: Array
     tpu._check_supported(q, block_size, None, config)
     B, T, Hq, D = q.shape
     L, _, Hkv, N, _ = k_all.shape
-    G, K = Hq // Hkv, indices.shape[3]
+    G, K = Hq // Hkv, indices.shape[-1]
     n = min(config.blocks_per_step, K)
     steps = pl.cdiv(K, n)
     M = steps * n
