@@ -53,12 +53,14 @@ def band_capacity(K: int, N: int, sample: int, sigmas: float) -> int:
     return max(1024, next_pow2(int(math.ceil(K + 2.0 * m * N / sample))))
 
 
-def _band_kernel(br_ref, x_ref, *refs, n: int, block_n: int, cap: int, skip_empty: bool, spanned: bool = False):
+def _band_kernel(br_ref, x_ref, *refs, n: int, block_n: int, cap: int, skip_empty: bool, spanned: bool = False,
+                 store_keys: bool = True):
     """Row r. Refs: br i32[4] = (A, B, above_on, 0) (only B read); x f32[N]; (spanned: sp i32[2] the row's span,
     -inf outside); outputs nb i32[1] the keys > B (all counted, at most cap stored), eq i32[1] the keys == B,
-    keys / pos i32[cap] the band's keys and positions in ascending position order. skip_empty: rank and store
-    only in chunks that hold a band key."""
-    sp_ref, nb_ref, eq_ref, keys_ref, pos_ref = refs if spanned else (None, *refs)
+    (store_keys: keys i32[cap] the band's keys,) pos i32[cap] their positions, in ascending position order.
+    skip_empty: rank and store only in chunks that hold a band key."""
+    sp_ref, *refs = refs if spanned else (None, *refs)
+    nb_ref, eq_ref, keys_ref, pos_ref = refs if store_keys else (refs[0], refs[1], None, refs[2])
     span = ref_span(sp_ref)
     b_key = br_ref[1]
 
@@ -67,7 +69,8 @@ def _band_kernel(br_ref, x_ref, *refs, n: int, block_n: int, cap: int, skip_empt
         dst = run + jnp.cumsum(b32) - b32
         keep = band & (dst < cap)
         slot = jnp.where(keep, dst, cap)  # masked lanes point past the band (never written)
-        plgpu.store(keys_ref.at[slot], key, mask=keep)
+        if store_keys:
+            plgpu.store(keys_ref.at[slot], key, mask=keep)
         plgpu.store(pos_ref.at[slot], pos, mask=keep)
 
     def body(c, carry):
@@ -87,10 +90,13 @@ def _band_kernel(br_ref, x_ref, *refs, n: int, block_n: int, cap: int, skip_empt
     eq_ref[...] = jnp.reshape(eq, (1,))
 
 
-def _select_kernel(k_ref, br_ref, nb_ref, eq_ref, keys_ref, pos_ref, x_ref, *refs, n: int, width: int,
-                   cap: int, bits: int, block_n: int, wpad: int, spanned: bool = False):
-    """Row r. Refs: k i32[1]; br i32[4] the bound (B at 1); nb, eq i32[1]; keys, pos i32[cap] the band; x f32[N]
-    (read only when the band cannot decide); (spanned: sp i32[2] the row's span); out o i32[width]."""
+def _select_kernel(k_ref, br_ref, nb_ref, eq_ref, *refs, n: int, width: int, cap: int, bits: int, block_n: int,
+                   wpad: int, spanned: bool = False, store_keys: bool = True):
+    """Row r. Refs: k i32[1]; br i32[4] the bound (B at 1); nb, eq i32[1]; (store_keys: keys i32[cap],) pos
+    i32[cap] the band; x f32[N] (without the band's keys, their scores are gathered from it by position; else
+    read only when the band cannot decide); (spanned: sp i32[2] the row's span); out o i32[width]."""
+    keys_ref, refs = (refs[0], refs[1:]) if store_keys else (None, refs)
+    pos_ref, x_ref, *refs = refs
     sp_ref, o_ref = refs if spanned else (None, *refs)
     span = ref_span(sp_ref)
     kk = jnp.clip(k_ref[0], 0, width)
@@ -100,9 +106,13 @@ def _select_kernel(k_ref, br_ref, nb_ref, eq_ref, keys_ref, pos_ref, x_ref, *ref
     slot = jnp.arange(cap, dtype=jnp.int32)
     n_in = jnp.where(in_band, n_band, 0)
     valid = slot < n_in
-    key = jnp.where(valid, plgpu.load(keys_ref.at[pl.ds(0, cap)], mask=valid, other=INT_MIN), INT_MIN)
+    if store_keys:
+        key = jnp.where(valid, plgpu.load(keys_ref.at[pl.ds(0, cap)], mask=valid, other=INT_MIN), INT_MIN)
+    else:  # the band's scores gathered by position (all inside the span: only those entered the band)
+        band_pos = plgpu.load(pos_ref.at[pl.ds(0, cap)], mask=valid, other=0)
+        key = jnp.where(valid, float_keys(plgpu.load(x_ref.at[band_pos], mask=valid, other=0.0)), INT_MIN)
     sel, dst, total = row_picks(key, valid, jnp.where(in_band, kk, 0), n_in, bits, width)
-    pos = plgpu.load(pos_ref.at[pl.ds(0, cap)], mask=sel, other=0)
+    pos = plgpu.load(pos_ref.at[pl.ds(0, cap)], mask=sel, other=0) if store_keys else band_pos
     plgpu.store(o_ref.at[jnp.where(sel, dst, width)], pos, mask=sel)
 
     # The band cannot decide (kk > 0 only): stream over the row.
@@ -135,7 +145,7 @@ def _select_kernel(k_ref, br_ref, nb_ref, eq_ref, keys_ref, pos_ref, x_ref, *ref
 def topk_select_ordered(x: Array, k_rows: Array, K: int, *, sample: int = 8192, sigmas: float = 4.0,
                         cap: int | None = None, bits: int = 2, block_n: int = 1024, num_warps: int = 4,
                         num_stages: int = 2, skip_empty: bool = False, span: Array | None = None,
-                        interpret: bool = False) -> Array:
+                        store_keys: bool = True, interpret: bool = False) -> Array:
     """Selection of every row from an ordered band above a sampled bound (module docstring).
 
     Args:
@@ -145,7 +155,8 @@ def topk_select_ordered(x: Array, k_rows: Array, K: int, *, sample: int = 8192, 
         bits: radix bits of the in-register searches; block_n: scores per iteration of the streaming loops (a
         power of two); num_warps / num_stages: of the band kernel; skip_empty: the band kernel ranks and stores
         only in chunks holding a band key; span: i32[R, 2] (lo, hi) or None: the scores outside a row's [lo, hi)
-        count as -inf (`common.mask_span`), read in place.
+        count as -inf (`common.mask_span`), read in place; store_keys: the band pass stores each band score's key
+        beside its position (else only the position, and the select kernel gathers the scores by it).
       interpret: Pallas interpreter (CPU tests).
 
     Returns:
@@ -164,18 +175,20 @@ def topk_select_ordered(x: Array, k_rows: Array, K: int, *, sample: int = 8192, 
     row = lambda w: pl.BlockSpec((None, w), lambda r: (r, 0))  # noqa: E731
     spanned = span is not None
     sp_spec, sp_arg = ([row(2)], [span]) if spanned else ([], [])
-    n_band, eq_b, keys, pos = pl.pallas_call(
-        functools.partial(_band_kernel, n=N, block_n=block_n, cap=cap, skip_empty=skip_empty, spanned=spanned),
-        grid=(R,), in_specs=[row(4), row(N)] + sp_spec, out_specs=(row(1), row(1), row(cap), row(cap)),
-        out_shape=(jax.ShapeDtypeStruct((R, 1), jnp.int32), jax.ShapeDtypeStruct((R, 1), jnp.int32),
-                   jax.ShapeDtypeStruct((R, cap), jnp.int32), jax.ShapeDtypeStruct((R, cap), jnp.int32)),
+    band_arrays = 2 if store_keys else 1  # (keys,) positions
+    count = jax.ShapeDtypeStruct((R, 1), jnp.int32)
+    n_band, eq_b, *band = pl.pallas_call(
+        functools.partial(_band_kernel, n=N, block_n=block_n, cap=cap, skip_empty=skip_empty, spanned=spanned,
+                          store_keys=store_keys),
+        grid=(R,), in_specs=[row(4), row(N)] + sp_spec, out_specs=(row(1), row(1)) + (row(cap),) * band_arrays,
+        out_shape=(count, count) + (jax.ShapeDtypeStruct((R, cap), jnp.int32),) * band_arrays,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="topk_select_ordered_band")(bound, x, *sp_arg)
     return pl.pallas_call(
         functools.partial(_select_kernel, n=N, width=K, cap=cap, bits=bits, block_n=block_n,
-                          wpad=min(1024, max(32, next_pow2(K))), spanned=spanned),
-        grid=(R,), in_specs=[row(1), row(4), row(1), row(1), row(cap), row(cap), row(N)] + sp_spec,
+                          wpad=min(1024, max(32, next_pow2(K))), spanned=spanned, store_keys=store_keys),
+        grid=(R,), in_specs=[row(1), row(4), row(1), row(1)] + [row(cap)] * band_arrays + [row(N)] + sp_spec,
         out_specs=row(K),
         out_shape=jax.ShapeDtypeStruct((R, K), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=max(4, min(16, cap // 1024)), num_stages=1),
-        interpret=interpret, name="topk_select_ordered_select")(k2, bound, n_band, eq_b, keys, pos, x, *sp_arg)
+        interpret=interpret, name="topk_select_ordered_select")(k2, bound, n_band, eq_b, *band, x, *sp_arg)
