@@ -145,7 +145,7 @@ def _select_kernel(k_ref, br_ref, nb_ref, eq_ref, *refs, n: int, width: int, cap
 def topk_select_ordered(x: Array, k_rows: Array, K: int, *, sample: int = 8192, sigmas: float = 4.0,
                         cap: int | None = None, bits: int = 2, block_n: int = 1024, num_warps: int = 4,
                         num_stages: int = 2, skip_empty: bool = False, span: Array | None = None,
-                        store_keys: bool = True, interpret: bool = False) -> Array:
+                        store_keys: bool = False, interpret: bool = False) -> Array:
     """Selection of every row from an ordered band above a sampled bound (module docstring).
 
     Args:
