@@ -202,12 +202,13 @@ def test_butler_gathered_and_segmented_decode_equal_the_mask(model, pcfg, dense_
     rng = np.random.default_rng(1)
     cache, state = _prefilled(model, seg, rng)  # prefill is one run for all three
     runs = {m: (cache, state) for m in ("new", "seg", "old", "one")}
+    step = {name: jax.jit(lambda p, t, c, s, m=m: llama.decode(p, CFG, m, t, c, s))  # compiled once per method
+            for name, m in (("new", new), ("seg", seg), ("old", old), ("one", one))}
     for i, n_new in enumerate([1, 1, 3, 1]):
         tok = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, n_new)), jnp.int32)
         out = {}
-        for name, m in (("new", new), ("seg", seg), ("old", old), ("one", one)):
-            c, st = runs[name]
-            out[name], c, st = jax.jit(lambda p, t, c, s, m=m: llama.decode(p, CFG, m, t, c, s))(model, tok, c, st)
+        for name in step:
+            out[name], c, st = step[name](model, tok, *runs[name])
             runs[name] = (c, st)
             assert st.kept is None and st.queries is None  # dropped at the end of the forward
         for name in ("new", "seg", "one"):
@@ -216,8 +217,8 @@ def test_butler_gathered_and_segmented_decode_equal_the_mask(model, pcfg, dense_
     # The selection is real: budget 1 (every key) decodes differently.
     full = Butler.from_params(CFG, pcfg, pp, gathered=True, **{**opts, "budget": 1.0})
     tok = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, 1)), jnp.int32)
-    a = llama.decode(model, CFG, full, tok, *runs["new"])[0]
-    b = llama.decode(model, CFG, new, tok, *runs["new"])[0]
+    a = jax.jit(lambda p, t, c, s: llama.decode(p, CFG, full, t, c, s)[0])(model, tok, *runs["new"])
+    b = step["new"](model, tok, *runs["new"])[0]
     assert float(jnp.abs(a - b).max()) > 1e-3
 
 
@@ -235,12 +236,13 @@ def test_butler_bf16_keys(model, pcfg):
     assert state32.keys.dtype == jnp.float32 and state.keys.dtype == jnp.bfloat16
     np.testing.assert_array_equal(state.keys, state32.keys.astype(jnp.bfloat16))
     runs = {"new": (cache, state), "seg": (cache, state)}
+    step = {name: jax.jit(lambda p, t, c, s, m=m: llama.decode(p, CFG, m, t, c, s)) for name, m in (("new", new),
+                                                                                                   ("seg", seg))}
     for i in range(3):
         tok = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, 1)), jnp.int32)
         out = {}
-        for name, m in (("new", new), ("seg", seg)):
-            out[name], c, st = jax.jit(lambda p, t, c, s, m=m: llama.decode(p, CFG, m, t, c, s))(model, tok,
-                                                                                               *runs[name])
+        for name in step:
+            out[name], c, st = step[name](model, tok, *runs[name])
             runs[name] = (c, st)
         np.testing.assert_allclose(out["new"], out["seg"], rtol=1e-4, atol=1e-4, err_msg=f"step {i}")
         assert runs["new"][1].keys.dtype == jnp.bfloat16

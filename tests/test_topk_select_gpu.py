@@ -152,10 +152,10 @@ def test_span_on_every_implementation_and_its_errors():
 
 
 @pytest.mark.parametrize("cap", [None, 32])
-def test_ordered_band_of_positions_only_chooses_the_same(cap):
-    """store_keys=False: the band pass stores only positions and the select kernel gathers the scores by them. The
-    same selection as the reference on adversarial rows (ties, specials, -0.0 / +0.0) and continuous ones, with
-    and without a span, and through the streaming fallback (cap 32)."""
+def test_ordered_band_of_positions_chooses_as_the_reference(cap):
+    """The band pass stores only positions and the select kernel gathers the scores by them: the same selection as
+    the reference on adversarial rows (ties, specials, -0.0 / +0.0) and continuous ones, with and without a span,
+    and through the streaming fallback (cap 32), called directly with a block size of 128."""
     from pallas_kernels.topk_select import gpu_ordered
     from pallas_kernels.topk_select.common import mask_span
 
@@ -171,7 +171,7 @@ def test_ordered_band_of_positions_only_chooses_the_same(cap):
         masked = xj if sp is None else mask_span(xj, (sp[:, 0], sp[:, 1]))
         want = np.asarray(topk_select_reference(masked, kj, K))
         got = gpu_ordered.topk_select_ordered(xj, kj, K, sample=256, cap=cap, block_n=128, span=sp,
-                                              store_keys=False, interpret=True)
+                                              interpret=True)
         np.testing.assert_array_equal(np.asarray(got), want)
 
 

@@ -4,10 +4,13 @@ keeps every score above it in position order, and the selection made from those 
 Three launches, one of which reads the row:
   1. `gpu_sample._sample_kernel` with no upper end (one program per row): B, a sample key below the threshold
      (the sample rank kk * sample / N + `sigmas` binomial standard deviations + 8).
-  2. `_band_kernel` (one program per row, its chunks in order): appends the key and the position of every score
-     with key > B to the row's band (capacity `cap`) at a running offset, so the band is in ascending position
-     order without atomics, and counts the keys == B.
-  3. `_select_kernel` (one program per row): with Bn keys in the band, when kk <= Bn <= cap the band holds every
+  2. `_band_kernel` (one program per row, its chunks in order): appends the position of every score with key > B
+     to the row's band (capacity `cap`) at a running offset, so the band is in ascending position order without
+     atomics, and counts the keys == B. Positions only: storing each key beside its position doubled the
+     scattered stores, which were most of this pass (H200: H2O's 1024 rows x 100K 718 -> 639 us for the whole
+     selection, eval/results/h200/h2o_1202/).
+  3. `_select_kernel` (one program per row): gathers the band's scores by position. With Bn keys in the band,
+     when kk <= Bn <= cap the band holds every
      key >= the kk-th largest, so `gpu_row.row_picks` over the band (what `gpu_row`'s kernel does over a whole row:
      the in-register radix search gives the threshold t, one packed cumulative sum ranks the picks, keys > t then
      the first ties == t by position) selects them, written ascending. Otherwise (t == B, a
@@ -53,14 +56,13 @@ def band_capacity(K: int, N: int, sample: int, sigmas: float) -> int:
     return max(1024, next_pow2(int(math.ceil(K + 2.0 * m * N / sample))))
 
 
-def _band_kernel(br_ref, x_ref, *refs, n: int, block_n: int, cap: int, skip_empty: bool, spanned: bool = False,
-                 store_keys: bool = True):
+def _band_kernel(br_ref, x_ref, *refs, n: int, block_n: int, cap: int, skip_empty: bool, spanned: bool = False):
     """Row r. Refs: br i32[4] = (A, B, above_on, 0) (only B read); x f32[N]; (spanned: sp i32[2] the row's span,
     -inf outside); outputs nb i32[1] the keys > B (all counted, at most cap stored), eq i32[1] the keys == B,
-    (store_keys: keys i32[cap] the band's keys,) pos i32[cap] their positions, in ascending position order.
-    skip_empty: rank and store only in chunks that hold a band key."""
-    sp_ref, *refs = refs if spanned else (None, *refs)
-    nb_ref, eq_ref, keys_ref, pos_ref = refs if store_keys else (refs[0], refs[1], None, refs[2])
+    pos i32[cap] the band's positions in ascending order (not their keys: the scattered stores were most of this
+    pass, and the select kernel gathers the band's scores by position, eval/results/h200/h2o_1202/). skip_empty:
+    rank and store only in chunks that hold a band key."""
+    sp_ref, nb_ref, eq_ref, pos_ref = refs if spanned else (None, *refs)
     span = ref_span(sp_ref)
     b_key = br_ref[1]
 
@@ -69,8 +71,6 @@ def _band_kernel(br_ref, x_ref, *refs, n: int, block_n: int, cap: int, skip_empt
         dst = run + jnp.cumsum(b32) - b32
         keep = band & (dst < cap)
         slot = jnp.where(keep, dst, cap)  # masked lanes point past the band (never written)
-        if store_keys:
-            plgpu.store(keys_ref.at[slot], key, mask=keep)
         plgpu.store(pos_ref.at[slot], pos, mask=keep)
 
     def body(c, carry):
@@ -90,13 +90,11 @@ def _band_kernel(br_ref, x_ref, *refs, n: int, block_n: int, cap: int, skip_empt
     eq_ref[...] = jnp.reshape(eq, (1,))
 
 
-def _select_kernel(k_ref, br_ref, nb_ref, eq_ref, *refs, n: int, width: int, cap: int, bits: int, block_n: int,
-                   wpad: int, spanned: bool = False, store_keys: bool = True):
-    """Row r. Refs: k i32[1]; br i32[4] the bound (B at 1); nb, eq i32[1]; (store_keys: keys i32[cap],) pos
-    i32[cap] the band; x f32[N] (without the band's keys, their scores are gathered from it by position; else
-    read only when the band cannot decide); (spanned: sp i32[2] the row's span); out o i32[width]."""
-    keys_ref, refs = (refs[0], refs[1:]) if store_keys else (None, refs)
-    pos_ref, x_ref, *refs = refs
+def _select_kernel(k_ref, br_ref, nb_ref, eq_ref, pos_ref, x_ref, *refs, n: int, width: int, cap: int, bits: int,
+                   block_n: int, wpad: int, spanned: bool = False):
+    """Row r. Refs: k i32[1]; br i32[4] the bound (B at 1); nb, eq i32[1]; pos i32[cap] the band's positions; x
+    f32[N] (the band's scores gathered from it by position; the whole row read only when the band cannot decide);
+    (spanned: sp i32[2] the row's span); out o i32[width]."""
     sp_ref, o_ref = refs if spanned else (None, *refs)
     span = ref_span(sp_ref)
     kk = jnp.clip(k_ref[0], 0, width)
@@ -106,13 +104,10 @@ def _select_kernel(k_ref, br_ref, nb_ref, eq_ref, *refs, n: int, width: int, cap
     slot = jnp.arange(cap, dtype=jnp.int32)
     n_in = jnp.where(in_band, n_band, 0)
     valid = slot < n_in
-    if store_keys:
-        key = jnp.where(valid, plgpu.load(keys_ref.at[pl.ds(0, cap)], mask=valid, other=INT_MIN), INT_MIN)
-    else:  # the band's scores gathered by position (all inside the span: only those entered the band)
-        band_pos = plgpu.load(pos_ref.at[pl.ds(0, cap)], mask=valid, other=0)
-        key = jnp.where(valid, float_keys(plgpu.load(x_ref.at[band_pos], mask=valid, other=0.0)), INT_MIN)
+    pos = plgpu.load(pos_ref.at[pl.ds(0, cap)], mask=valid, other=0)
+    # The band's scores gathered by position (all inside the span: only those entered the band).
+    key = jnp.where(valid, float_keys(plgpu.load(x_ref.at[pos], mask=valid, other=0.0)), INT_MIN)
     sel, dst, total = row_picks(key, valid, jnp.where(in_band, kk, 0), n_in, bits, width)
-    pos = plgpu.load(pos_ref.at[pl.ds(0, cap)], mask=sel, other=0) if store_keys else band_pos
     plgpu.store(o_ref.at[jnp.where(sel, dst, width)], pos, mask=sel)
 
     # The band cannot decide (kk > 0 only): stream over the row.
@@ -145,7 +140,7 @@ def _select_kernel(k_ref, br_ref, nb_ref, eq_ref, *refs, n: int, width: int, cap
 def topk_select_ordered(x: Array, k_rows: Array, K: int, *, sample: int = 8192, sigmas: float = 4.0,
                         cap: int | None = None, bits: int = 2, block_n: int = 1024, num_warps: int = 4,
                         num_stages: int = 2, skip_empty: bool = False, span: Array | None = None,
-                        store_keys: bool = False, interpret: bool = False) -> Array:
+                        interpret: bool = False) -> Array:
     """Selection of every row from an ordered band above a sampled bound (module docstring).
 
     Args:
@@ -155,8 +150,7 @@ def topk_select_ordered(x: Array, k_rows: Array, K: int, *, sample: int = 8192, 
         bits: radix bits of the in-register searches; block_n: scores per iteration of the streaming loops (a
         power of two); num_warps / num_stages: of the band kernel; skip_empty: the band kernel ranks and stores
         only in chunks holding a band key; span: i32[R, 2] (lo, hi) or None: the scores outside a row's [lo, hi)
-        count as -inf (`common.mask_span`), read in place; store_keys: the band pass stores each band score's key
-        beside its position (else only the position, and the select kernel gathers the scores by it).
+        count as -inf (`common.mask_span`), read in place.
       interpret: Pallas interpreter (CPU tests).
 
     Returns:
@@ -175,20 +169,18 @@ def topk_select_ordered(x: Array, k_rows: Array, K: int, *, sample: int = 8192, 
     row = lambda w: pl.BlockSpec((None, w), lambda r: (r, 0))  # noqa: E731
     spanned = span is not None
     sp_spec, sp_arg = ([row(2)], [span]) if spanned else ([], [])
-    band_arrays = 2 if store_keys else 1  # (keys,) positions
     count = jax.ShapeDtypeStruct((R, 1), jnp.int32)
-    n_band, eq_b, *band = pl.pallas_call(
-        functools.partial(_band_kernel, n=N, block_n=block_n, cap=cap, skip_empty=skip_empty, spanned=spanned,
-                          store_keys=store_keys),
-        grid=(R,), in_specs=[row(4), row(N)] + sp_spec, out_specs=(row(1), row(1)) + (row(cap),) * band_arrays,
-        out_shape=(count, count) + (jax.ShapeDtypeStruct((R, cap), jnp.int32),) * band_arrays,
+    n_band, eq_b, pos = pl.pallas_call(
+        functools.partial(_band_kernel, n=N, block_n=block_n, cap=cap, skip_empty=skip_empty, spanned=spanned),
+        grid=(R,), in_specs=[row(4), row(N)] + sp_spec, out_specs=(row(1), row(1), row(cap)),
+        out_shape=(count, count, jax.ShapeDtypeStruct((R, cap), jnp.int32)),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="topk_select_ordered_band")(bound, x, *sp_arg)
     return pl.pallas_call(
         functools.partial(_select_kernel, n=N, width=K, cap=cap, bits=bits, block_n=block_n,
-                          wpad=min(1024, max(32, next_pow2(K))), spanned=spanned, store_keys=store_keys),
-        grid=(R,), in_specs=[row(1), row(4), row(1), row(1)] + [row(cap)] * band_arrays + [row(N)] + sp_spec,
+                          wpad=min(1024, max(32, next_pow2(K))), spanned=spanned),
+        grid=(R,), in_specs=[row(1), row(4), row(1), row(1), row(cap), row(N)] + sp_spec,
         out_specs=row(K),
         out_shape=jax.ShapeDtypeStruct((R, K), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=max(4, min(16, cap // 1024)), num_stages=1),
-        interpret=interpret, name="topk_select_ordered_select")(k2, bound, n_band, eq_b, *band, x, *sp_arg)
+        interpret=interpret, name="topk_select_ordered_select")(k2, bound, n_band, eq_b, pos, x, *sp_arg)
