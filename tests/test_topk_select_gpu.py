@@ -151,30 +151,6 @@ def test_span_on_every_implementation_and_its_errors():
         topk_select(x, k, 50, span=jnp.zeros((3, 4)), implementation="top_k")
 
 
-@pytest.mark.parametrize("cap", [None, 32])
-def test_ordered_band_of_positions_chooses_as_the_reference(cap):
-    """The band pass stores only positions and the select kernel gathers the scores by them: the same selection as
-    the reference on adversarial rows (ties, specials, -0.0 / +0.0) and continuous ones, with and without a span,
-    and through the streaming fallback (cap 32), called directly with a block size of 128."""
-    from pallas_kernels.topk_select import gpu_ordered
-    from pallas_kernels.topk_select.common import mask_span
-
-    rng = np.random.default_rng(13)
-    R, N, K = 12, 2048, 300
-    x = adversarial(rng, R, N)
-    x[R // 2:] = rng.standard_normal((R - R // 2, N)).astype(np.float32)
-    k = row_k(rng, R, K)
-    lo = rng.integers(0, N // 2, R).astype(np.int32)
-    span = jnp.stack([jnp.asarray(lo), jnp.asarray(lo + rng.integers(0, N, R).astype(np.int32))], -1)
-    xj, kj = jnp.asarray(x), jnp.clip(jnp.asarray(k), 0, K)
-    for sp in (None, span):
-        masked = xj if sp is None else mask_span(xj, (sp[:, 0], sp[:, 1]))
-        want = np.asarray(topk_select_reference(masked, kj, K))
-        got = gpu_ordered.topk_select_ordered(xj, kj, K, sample=256, cap=cap, block_n=128, span=sp,
-                                              interpret=True)
-        np.testing.assert_array_equal(np.asarray(got), want)
-
-
 def test_ordered_errors_name_the_value():
     from pallas_kernels.topk_select import gpu_ordered
 
