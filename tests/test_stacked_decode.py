@@ -105,6 +105,43 @@ def test_sparse_stacked_gpu_head_map_equals_taken_indices(case, dtype, layers, c
                                           head_map=jnp.zeros((Hkv,), jnp.int32), return_mass=True, interpret=True)
 
 
+@pytest.mark.parametrize("case,dtype,layers,config", SPARSE_GPU_CASES)
+def test_sparse_stacked_gpu_query_heads_equals_each_head_alone(case, dtype, layers, config):
+    """query_heads (one index row per query head, Quest's pages and TokenButler's keys): one launch over the query
+    heads equals the reference of each query head alone over its KV head's cache, with its lse; the API's
+    `sparse_decode_query_heads` gives the same on XLA and the reference (one call per position in the group)."""
+    from pallas_kernels.sparse_attention import sparse_decode_query_heads
+
+    L, B, T, Hq, Hkv, D, N, K, lengths, bs = case
+    rng, q, k_all, v_all, lens = stacked_inputs(14, L, B, T, Hq, Hkv, D, N, lengths, dtype)
+    idx = jnp.asarray(random_decode_indices(rng, lengths, Hq, T, K, block_size=bs))  # [B, Hq, T, K]
+    G = Hq // Hkv
+    for layer in layers:
+        out, lse = stacked.sparse_decode_stacked_gpu(q, k_all, v_all, jnp.int32(layer), idx, lens, block_size=bs,
+                                                     return_lse=True, config=config, query_heads=True,
+                                                     interpret=True)
+        for h in range(Hq):  # query head h alone: one KV head (h // G) and its own row
+            kv = slice(h // G, h // G + 1)
+            want, want_lse = ref.sparse_decode_reference(q[:, :, h:h + 1], k_all[layer][:, kv], v_all[layer][:, kv],
+                                                         idx[:, h:h + 1], lens, block_size=bs, return_lse=True)
+            assert_close(out[:, :, h:h + 1], want, dtype, f"query head {h} layer {layer}")
+            assert_close(lse[:, :, h:h + 1], want_lse, dtype, f"query head {h} lse layer {layer}")
+        for impl in ("xla", "reference"):
+            api = sparse_decode_query_heads(q, k_all, v_all, idx, lens, layer=jnp.int32(layer), block_size=bs,
+                                            implementation=impl)
+            assert_close(api, out, dtype, f"api {impl} layer {layer}")
+    for bad, match in [(dict(return_mass=True), "query_heads with return_mass"),
+                       (dict(head_map=jnp.zeros((Hkv,), jnp.int32)), "query_heads with head_map")]:
+        with pytest.raises(ValueError, match=match):
+            stacked.sparse_decode_stacked_gpu(q, k_all, v_all, jnp.int32(0), idx, lens, block_size=bs,
+                                              query_heads=True, interpret=True, **bad)
+    with pytest.raises(ValueError, match=r"with query_heads expected one row per query head \[B, Hq="):
+        stacked.sparse_decode_stacked_gpu(q, k_all, v_all, jnp.int32(0), idx[:, :Hkv], lens, block_size=bs,
+                                          query_heads=True, interpret=True)
+    with pytest.raises(ValueError, match="expected one row per query head"):
+        sparse_decode_query_heads(q, k_all, v_all, idx[:, :Hkv], lens, layer=jnp.int32(0), block_size=bs)
+
+
 def test_sparse_stacked_tpu_interpret_matches_sliced_reference():
     L, B, T, Hq, Hkv, D, N, K, lengths, bs = 3, 2, 1, 4, 2, 16, 128, 5, [77, 128], 8
     rng, q, k_all, v_all, lens = stacked_inputs(11, L, B, T, Hq, Hkv, D, N, lengths, jnp.float32)
@@ -343,6 +380,10 @@ def test_stacked_kernels_lower_for_cuda_and_tpu():
     exp = export_for("cuda", functools.partial(stacked.sparse_decode_stacked_gpu, block_size=16, return_lse=True),
                   q, big, big, layer, sds((8, 8, 1, 819), jnp.int32), lens)
     assert "sparse_decode_gathered_stacked" in exp.mlir_module()
+    exp = export_for("cuda", functools.partial(stacked.sparse_decode_stacked_gpu, block_size=16, query_heads=True),
+                     q, big, big, layer, sds((8, 32, 1, 819), jnp.int32), lens)  # one launch over the query heads
+    text = exp.mlir_module()
+    assert "sparse_decode_gathered_stacked_query_heads" in text and text.count("stablehlo.custom_call") == 1
     exp = export_for("cuda", dgpu.dense_decode_stacked_gpu, q, big, big, layer, lens)
     assert "dense_decode_stacked" in exp.mlir_module()
     small = sds((4, 2, 8, 2000, 128), jnp.bfloat16)  # N not a multiple of block_k, T = 3

@@ -14,7 +14,7 @@ from pallas_kernels.anchor_attention import anchor_decode
 from pallas_kernels.dense import dense_decode, dense_prefill
 from pallas_kernels.dense_decode import dense_decode_stacked
 from pallas_kernels.dense_decode import supported as dense_decode_supported
-from pallas_kernels.sparse_attention import sparse_decode, sparse_prefill
+from pallas_kernels.sparse_attention import sparse_decode, sparse_decode_query_heads, sparse_prefill
 from pallas_kernels.sharding import active_mesh
 from pallas_kernels.sparse_attention.reference import decode_indices_to_mask, masked_attention_reference
 
@@ -53,17 +53,10 @@ def attend_selected(q, cache, indices, lengths, head_map=None):
 def attend_per_query_head(q, cache, indices, lengths, block_size: int = 1):
     """One decode token's gathered attention where every query head has its own index row (Quest's pages,
     TokenButler's keys): q [B, 1, Hq, D], indices int32[B, Hq, 1, K] (units of block_size tokens, ascending, -1
-    padded) -> [B, 1, Hq, D]. The gathered kernel's index contract is per KV head, so it runs once per position g
-    in the GQA group (each call: query head g of every KV head), reading the stacked cache in place."""
-    B, _, Hq, D = q.shape
-    Hkv = cache.k.shape[1]
-    G = Hq // Hkv
-    idx = indices.reshape(B, Hkv, G, 1, indices.shape[-1])
+    padded) -> [B, 1, Hq, D]. `sparse_decode_query_heads` over the stacked cache, read in place: on a GPU one
+    launch over the query heads (it was one gathered call per position in the GQA group)."""
     k_all, v_all, layer = stacked_cache(cache)
-    qg = q.reshape(B, 1, Hkv, G, D)
-    outs = [sparse_decode(qg[:, :, :, g], k_all, v_all, idx[:, :, g], lengths, layer=layer, block_size=block_size)
-            for g in range(G)]
-    return jnp.stack(outs, axis=3).reshape(B, 1, Hq, D)
+    return sparse_decode_query_heads(q, k_all, v_all, indices, lengths, layer=layer, block_size=block_size)
 
 
 def topk_decode(q, cache, lengths, *, budget: float, min_tokens: int, K: int, tile: int, dense: bool = False,

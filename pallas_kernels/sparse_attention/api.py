@@ -150,6 +150,49 @@ def sparse_decode(q: Array, k: Array, v: Array, indices: Array, lengths: Array, 
     return tpu.sparse_decode_tpu(q, k, v, indices, lengths, **kw)
 
 
+def sparse_decode_query_heads(q: Array, k: Array, v: Array, indices: Array, lengths: Array, *,
+                              layer: Array | None = None, block_size: int = 1, scale: float | None = None,
+                              implementation: str | None = None) -> Array:
+    """`sparse_decode` where every query head has its own index row (Quest's pages, TokenButler's keys).
+
+    Args as `sparse_decode`, except indices: int32[B, Hq, T, K], row h for query head h (which reads KV head
+    h // G, G = Hq / Hkv).
+
+    On the stacked Pallas GPU kernel (`layer` given) this is one launch over the query heads
+    (`stacked.sparse_decode_stacked_gpu(..., query_heads=True)`). Elsewhere it is one `sparse_decode` per position
+    g of the GQA group: query head g of every KV head, with that head's rows. Under a mesh it runs per shard, rows
+    over data and heads over model; query heads split in the same blocks as their KV heads.
+    """
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[-3]
+    if indices.ndim != 4 or indices.shape[:3] != (B, Hq, T):
+        raise ValueError(f"indices has shape {tuple(indices.shape)}: expected one row per query head "
+                         f"[B={B}, Hq={Hq}, T={T}, K]")
+    if Hq % Hkv:
+        raise ValueError(f"q has {Hq} heads and the cache {Hkv}: expected Hq a multiple of Hkv")
+    if active_mesh() is not None:
+        kv = dims(5, 1, 2) if layer is not None else dims(4, 0, 1)
+        args = [q, k, v, indices, lengths] + ([layer] if layer is not None else [])
+        templates = [dims(4, 0, 2), kv, kv, dims(4, 0, 1), dims(1, 0)] + ([()] if layer is not None else [])
+
+        def local(q, k, v, indices, lengths, *rest):
+            return sparse_decode_query_heads(q, k, v, indices, lengths, layer=rest[0] if rest else None,
+                                             block_size=block_size, scale=scale, implementation=implementation)
+        return per_shard(local, args, templates, dims(4, 0, 2))
+    impl = _pick(implementation, q, block_size, None)
+    if layer is not None and impl == "pallas_gpu":
+        from pallas_kernels.sparse_attention import stacked
+        kw = {} if STACKED_DECODE_CONFIG is None else {"config": STACKED_DECODE_CONFIG}
+        return stacked.sparse_decode_stacked_gpu(q, k, v, layer, indices, lengths, block_size=block_size,
+                                                 scale=scale, query_heads=True, **kw)
+    G = Hq // Hkv
+    idx = indices.reshape(B, Hkv, G, T, indices.shape[-1])
+    qg = q.reshape(B, T, Hkv, G, D)
+    outs = [sparse_decode(qg[:, :, :, g], k, v, idx[:, :, g], lengths, layer=layer, block_size=block_size,
+                          scale=scale, implementation=impl) for g in range(G)]
+    return jnp.stack(outs, axis=3).reshape(B, T, Hq, D)
+
+
 def sparse_prefill(q: Array, k: Array, v: Array, indices: Array, lengths: Array, *, tile: int = 32,
                    block_size: int = 1, scale: float | None = None,
                    implementation: str | None = None) -> Array:

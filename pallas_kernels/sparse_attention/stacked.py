@@ -200,11 +200,12 @@ def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, e
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "scale", "return_lse", "return_mass", "config",
-                                             "interpret"))
+                                             "query_heads", "interpret"))
 def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array,
                               *, block_size: int = 1, scale: float | None = None, return_lse: bool = False,
                               return_mass: bool = False, config: gpu.DecodeConfig = gpu.DecodeConfig(),
-                              head_map: Array | None = None, interpret: bool = False) -> Array | tuple[Array, Array]:
+                              head_map: Array | None = None, query_heads: bool = False,
+                              interpret: bool = False) -> Array | tuple[Array, Array]:
     """Gathered decode attention over layer `layer` of a stacked cache, Pallas Triton kernel.
 
     Args:
@@ -225,16 +226,20 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
       head_map: i32[Hkv] or None: KV head h attends over the index row of KV head head_map[h] (Kascade's reuse
         layers), read in place: the same as `jnp.take(indices, head_map, axis=1)` without that copy. Not with
         return_mass, nor with every layer's rows.
+      query_heads: indices int32[B, Hq, T, K] hold one row per query head (Quest's pages, TokenButler's keys):
+        one program per query head (grid (B, Hq, T, S)), each reading its KV head's cache in place, in one launch.
+        Not with return_mass, head_map or every layer's rows.
       interpret: run in the Pallas interpreter (CPU tests).
 
     Returns:
       [B, T, Hq, D] in q.dtype, followed by lse: f32[B, T, Hq] with return_lse and by the mass with return_mass.
     """
     res = decode_partials_stacked(q, k_all, v_all, layer, indices, lengths, block_size=block_size, scale=scale,
-                                  return_mass=return_mass, config=config, head_map=head_map, interpret=interpret)
+                                  return_mass=return_mass, config=config, head_map=head_map, query_heads=query_heads,
+                                  interpret=interpret)
     B, T, Hq, _ = q.shape
     Hkv, K = k_all.shape[2], indices.shape[-1]
-    G = Hq // Hkv
+    G = 1 if query_heads else Hq // Hkv  # query heads: a "group" of one query per program
     o, m, l = res[:3]
     out, lse = gpu.finish_splits(o, m, l, G, q.dtype)
     extra = []
@@ -256,12 +261,25 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
 
 def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array,
                             *, block_size: int, scale: float | None, return_mass: bool, config: gpu.DecodeConfig,
-                            head_map: Array | None, interpret: bool) -> tuple:
+                            head_map: Array | None, query_heads: bool = False, interpret: bool) -> tuple:
     """The launch of `sparse_decode_stacked_gpu` (arguments as there), without its epilogue: the split partials
-    (o f32[S, B, Hkv, T, Gp, D], m, l f32[S, B, Hkv, T, Gp]; rows past G are never written) and with
-    return_mass the entry sums el, em f32[S, B, Hkv, T, Gp, E] and the written counts nw i32[S, B, Hkv, T, 1]."""
+    (o f32[S, B, H, T, Gp, D], m, l f32[S, B, H, T, Gp], H = Hkv, or Hq with query_heads; rows past G (1 with
+    query_heads) are never written) and with return_mass the entry sums el, em f32[S, B, Hkv, T, Gp, E] and the
+    written counts nw i32[S, B, Hkv, T, 1]."""
     stacked = indices.ndim == 5  # every layer's index rows, the layer's read in place
-    check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size, stacked_indices=stacked)
+    if query_heads:
+        Hq, Hkv = q.shape[2], k_all.shape[2]
+        for bad, what in ((return_mass, "return_mass"), (head_map is not None, "head_map"),
+                          (stacked, "every layer's index rows")):
+            if bad:
+                raise ValueError(f"query_heads with {what}: expected one layer's rows [B, Hq, T, K] alone")
+        if indices.ndim != 4 or indices.shape[1] != Hq:
+            raise ValueError(f"indices has shape {tuple(indices.shape)}: with query_heads expected one row per "
+                             f"query head [B, Hq={Hq}, T, K]")
+        per_kv_head = jax.ShapeDtypeStruct((indices.shape[0], Hkv) + indices.shape[2:], indices.dtype)
+        check_stacked_args(q, k_all, v_all, layer, per_kv_head, lengths, block_size)
+    else:
+        check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size, stacked_indices=stacked)
     if head_map is not None:
         check_head_map(head_map, k_all.shape[2])
         if return_mass:
@@ -273,14 +291,17 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
     B, T, Hq, D = q.shape
     L, _, Hkv, N, _ = k_all.shape
     G, K = Hq // Hkv, indices.shape[-1]
+    # Query heads: programs over the Hq rows, one query each, program h reading KV head h // G's cache.
+    H, group = (Hq, G) if query_heads else (Hkv, 1)
+    G = 1 if query_heads else G
     scale = default_scale(D, scale)
-    block_k, splits, E, Gp = gpu.decode_split_plan(config, K, block_size, B * Hkv * T, G)
+    block_k, splits, E, Gp = gpu.decode_split_plan(config, K, block_size, B * H * T, G)
 
     mapped = head_map is not None
     kernel = functools.partial(_decode_kernel_stacked, scale=scale, block_size=block_size, block_k=block_k,
                                entries_per_split=E, K=K, T=T, N=N, L=L, G=G, mapped=mapped, mass=return_mass,
                                stacked_indices=stacked)
-    out_specs, out_shape = gpu.split_outputs(splits, B, Hkv, T, Gp, D)
+    out_specs, out_shape = gpu.split_outputs(splits, B, H, T, Gp, D)
     if return_mass:  # per entry: sum of exp(s - m) and that m; and how many entries the program wrote
         out_specs += [pl.BlockSpec((None, None, None, None, Gp, E), lambda b, h, t, s: (s, b, h, t, 0, 0))] * 2
         out_shape += [jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp, E), jnp.float32)] * 2
@@ -298,8 +319,8 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
         pl.BlockSpec((1,), lambda b, h, t, s: (b,)),  # the row's length
         rows,
         pl.BlockSpec((None, None, Hq, D), lambda b, h, t, s: (b, t, 0, 0)),  # the token's queries
-        pl.BlockSpec((L, None, None, N, D), lambda b, h, t, s: (0, b, h, 0, 0)),  # every layer of the KV head
-        pl.BlockSpec((L, None, None, N, D), lambda b, h, t, s: (0, b, h, 0, 0)),
+        pl.BlockSpec((L, None, None, N, D), lambda b, h, t, s: (0, b, h // group, 0, 0)),  # every layer of the KV head
+        pl.BlockSpec((L, None, None, N, D), lambda b, h, t, s: (0, b, h // group, 0, 0)),
     ]
     args = (jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32), indices.astype(jnp.int32), q,
             k_all, v_all)
@@ -308,13 +329,14 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
         args = (jnp.clip(head_map.astype(jnp.int32), 0, Hkv - 1),) + args
     return tuple(pl.pallas_call(
         kernel,
-        grid=(B, Hkv, T, splits),
+        grid=(B, H, T, splits),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
-        name="sparse_decode_gathered_stacked" + ("_mass" if return_mass else "") + ("_mapped" if mapped else ""),
+        name="sparse_decode_gathered_stacked" + ("_mass" if return_mass else "") + ("_mapped" if mapped else "")
+        + ("_query_heads" if query_heads else ""),
     )(*args))
 
 
