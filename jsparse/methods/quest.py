@@ -13,8 +13,8 @@ and the whole budget is the whole window; prefill and the dense layers attend
 within the window too.
 One decode token without a window (`gathered`, the default on a GPU) takes each query head's pages as an index
 row (`page_indices`, top-k by `topk_select`) and attends through the gathered decode kernel in pages of
-`page_size`, one call per position in the GQA group (each call: one query head of every KV head), reading the
-chosen pages of each query head in place from the stacked cache; the same pages and the same softmax as the
+`page_size`, one launch over the query heads (`sparse_decode_query_heads`: each query head's program reads its
+pages in place from its KV head's stacked cache); the same pages and the same softmax as the
 mask (`page_mask`), which T > 1 tokens, windowed layers and the CPU by default use. With the method's state
 (`init_state`: `QuestState`, as the paper keeps them) it scores the pages from the state's bounds, which prefill
 writes and every decode forward recomputes from the cache for the pages its new tokens fall in; called with no
@@ -114,7 +114,7 @@ class Quest(TokenBudget):
         return masked_attention_reference(q, cache.k, cache.v, mask), state
 
     def _gathered_decode(self, q, cache, pos, lengths, bounds=None):
-        """q: [B, 1, Hq, D] -> [B, 1, Hq, D]: each query head over its pages (`page_indices`), G gathered calls;
+        """q: [B, 1, Hq, D] -> [B, 1, Hq, D]: each query head over its pages (`page_indices`), one gathered launch;
         bounds: (kmin, kmax, layer), the state's stacked bounds and this layer, or None (from the cache)."""
         N = cache.k.shape[2]
         pages = page_indices(q, cache.k, pos, self.budget, self.min_tokens, self.page_size, self.k_static(N),
