@@ -81,6 +81,14 @@ def _pick(implementation: str | None, q: Array, block_size: int, tile: int | Non
     return implementation
 
 
+def _decode_shards(q, k, v, indices, lengths, layer):
+    """(operands, `per_shard` templates) of a decode call: rows over data, heads (of q, the cache and the index
+    rows) over model; the layer index, when given, last and replicated."""
+    kv = dims(5, 1, 2) if layer is not None else dims(4, 0, 1)
+    args = [q, k, v, indices, lengths] + ([layer] if layer is not None else [])
+    return args, [dims(4, 0, 2), kv, kv, dims(4, 0, 1), dims(1, 0)] + ([()] if layer is not None else [])
+
+
 def sparse_decode(q: Array, k: Array, v: Array, indices: Array, lengths: Array, *, layer: Array | None = None,
                   block_size: int = 1, scale: float | None = None, return_lse: bool = False,
                   head_map: Array | None = None, implementation: str | None = None) -> Array | tuple[Array, Array]:
@@ -114,9 +122,7 @@ def sparse_decode(q: Array, k: Array, v: Array, indices: Array, lengths: Array, 
             from pallas_kernels.sparse_attention.stacked import check_head_map
             check_head_map(head_map, indices.shape[1])
             indices = jnp.take(indices, head_map, axis=1)
-        kv = dims(5, 1, 2) if layer is not None else dims(4, 0, 1)
-        args = [q, k, v, indices, lengths] + ([layer] if layer is not None else [])
-        templates = [dims(4, 0, 2), kv, kv, dims(4, 0, 1), dims(1, 0)] + ([()] if layer is not None else [])
+        args, templates = _decode_shards(q, k, v, indices, lengths, layer)
         outs = (dims(4, 0, 2), dims(3, 0, 2)) if return_lse else dims(4, 0, 2)
 
         def local(q, k, v, indices, lengths, *rest):
@@ -171,9 +177,7 @@ def sparse_decode_query_heads(q: Array, k: Array, v: Array, indices: Array, leng
     if Hq % Hkv:
         raise ValueError(f"q has {Hq} heads and the cache {Hkv}: expected Hq a multiple of Hkv")
     if active_mesh() is not None:
-        kv = dims(5, 1, 2) if layer is not None else dims(4, 0, 1)
-        args = [q, k, v, indices, lengths] + ([layer] if layer is not None else [])
-        templates = [dims(4, 0, 2), kv, kv, dims(4, 0, 1), dims(1, 0)] + ([()] if layer is not None else [])
+        args, templates = _decode_shards(q, k, v, indices, lengths, layer)
 
         def local(q, k, v, indices, lengths, *rest):
             return sparse_decode_query_heads(q, k, v, indices, lengths, layer=rest[0] if rest else None,
