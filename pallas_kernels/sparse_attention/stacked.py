@@ -292,8 +292,7 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
     L, _, Hkv, N, _ = k_all.shape
     G, K = Hq // Hkv, indices.shape[-1]
     # Query heads: programs over the Hq rows, one query each, program h reading KV head h // G's cache.
-    H, group = (Hq, G) if query_heads else (Hkv, 1)
-    G = 1 if query_heads else G
+    H, group, G = (Hq, G, 1) if query_heads else (Hkv, 1, G)
     scale = default_scale(D, scale)
     block_k, splits, E, Gp = gpu.decode_split_plan(config, K, block_size, B * H * T, G)
 

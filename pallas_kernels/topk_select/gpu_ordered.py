@@ -66,7 +66,7 @@ def _band_kernel(br_ref, x_ref, *refs, n: int, block_n: int, cap: int, skip_empt
     span = ref_span(sp_ref)
     b_key = br_ref[1]
 
-    def append(run, pos, key, band):
+    def append(run, pos, band):
         b32 = band.astype(jnp.int32)
         dst = run + jnp.cumsum(b32) - b32
         keep = band & (dst < cap)
@@ -80,9 +80,9 @@ def _band_kernel(br_ref, x_ref, *refs, n: int, block_n: int, cap: int, skip_empt
         band = ok & (key > b_key)
         nb = jnp.sum(band.astype(jnp.int32))
         if skip_empty:
-            lax.cond(nb > 0, lambda: append(run, pos, key, band), lambda: None)
+            lax.cond(nb > 0, lambda: append(run, pos, band), lambda: None)
         else:
-            append(run, pos, key, band)
+            append(run, pos, band)
         return run + nb, eq + jnp.sum((ok & (key == b_key)).astype(jnp.int32))
 
     run, eq = lax.fori_loop(jnp.int32(0), jnp.int32(pl.cdiv(n, block_n)), body, (jnp.int32(0), jnp.int32(0)))
