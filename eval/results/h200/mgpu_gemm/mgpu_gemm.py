@@ -22,6 +22,7 @@ class Config:
     tile_k: int = 128
     split_k: int = 1
     stages: int = 4
+    out_layout: str = "nm"  # "nm": [N, M] tiles, transposed by XLA; "mn_value": acc.T stored; "mn_ref": stored through a transposed SMEM ref
     pdl: bool = False  # stream the weights' first tiles before griddepcontrol.wait; x loaded whole after it
 
 
@@ -86,20 +87,32 @@ def mgpu_gemm(x, w, layer, config: Config = Config(), interpret=False):
 
         acc = pl.run_scoped(acc_scope, plgpu.ACC((c.tile_n, M)))
 
-        @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((c.tile_n, M), dtype=out_dtype))
+        nm = c.out_layout == "nm"
+
+        @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((c.tile_n, M) if nm else (M, c.tile_n), dtype=out_dtype))
         def store(o_smem):
-            o_smem[...] = acc.astype(out_dtype)
+            if nm:
+                o_smem[...] = acc.astype(out_dtype)
+                dst = o_gmem.at[si, pl.ds(ni * c.tile_n, c.tile_n)]
+            else:
+                if c.out_layout == "mn_value":
+                    o_smem[...] = acc.astype(out_dtype).T
+                else:
+                    o_smem.transpose((1, 0))[...] = acc.astype(out_dtype)
+                dst = o_gmem.at[si, :, pl.ds(ni * c.tile_n, c.tile_n)]
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[si, pl.ds(ni * c.tile_n, c.tile_n)])
+            plgpu.copy_smem_to_gmem(o_smem, dst)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((c.split_k, N, M), out_dtype),
+        out_type=jax.ShapeDtypeStruct((c.split_k, N, M) if c.out_layout == "nm" else (c.split_k, M, N), out_dtype),
         grid=(n_tiles, c.split_k),
         grid_names=("n", "s"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}),
     )
     part = kernel(layer, x, w)
+    if c.out_layout != "nm":
+        return jnp.sum(part, axis=0).astype(x.dtype) if c.split_k > 1 else part[0]
     return jnp.sum(part.astype(jnp.float32), axis=0).T.astype(x.dtype) if c.split_k > 1 else part[0].T
