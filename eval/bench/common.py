@@ -33,6 +33,18 @@ def time_ms(fn: Callable, *args, warmup: int = 3, iters: int = 20) -> float:
     return float(np.median(times))
 
 
+def pipelined_ms(fn: Callable, args: tuple, n: int = 20, warmup: int = 2) -> float:
+    """Mean wall time in ms of `n` calls of `fn(*args)` issued back to back and blocked on once at the end (the
+    device's throughput, launch gaps included, host sync excluded), after `warmup` blocked calls."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    t = time.perf_counter()
+    for _ in range(n):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t) * 1e3 / n
+
+
 # The command line of this run, set by `jsparse bench NAME` before it calls the benchmark (None: run as a script).
 COMMAND: str | None = None
 

@@ -22,7 +22,6 @@ Writes $OUT/gemm_variants.json; prints a table last.
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the kernel under test lives beside this script
-from eval.bench.common import device_facts  # noqa: E402
+from eval.bench.common import device_facts, pipelined_ms as wall_ms  # noqa: E402
 from eval.bench.profile_decode_step import trace_calls  # noqa: E402
 from models.compile_options import model_jit  # noqa: E402
 import layer_gemm as gpu  # noqa: E402
@@ -84,16 +83,6 @@ def scan_op(f, K):
             return (i + 1, x + y[:, :1].astype(x.dtype)), None
         return jax.lax.scan(body, (jnp.int32(0), x), None, length=L)[0][1]
     return model_jit(run)
-
-
-def wall_ms(fn, args, n=20):
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    t = time.perf_counter()
-    for _ in range(n):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t) * 1e3 / n
 
 
 def profiled(tag, fn, args, calls=5):

@@ -14,14 +14,13 @@ Writes $OUT/mgpu_gemm.json; prints a table last. SMOKE=1: tiny shapes in the Mos
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from eval.bench.common import device_facts  # noqa: E402
+from eval.bench.common import device_facts, pipelined_ms as wall_ms  # noqa: E402
 from eval.bench.profile_decode_step import trace_calls  # noqa: E402
 from models.compile_options import model_jit  # noqa: E402
 import mgpu_gemm as mg  # noqa: E402
@@ -66,15 +65,6 @@ def scan_op(f):
             return (i + 1, x + y[:, :1].astype(x.dtype)), None
         return jax.lax.scan(body, (jnp.int32(0), x), None, length=L)[0][1]
     return model_jit(run)
-
-
-def wall_ms(fn, args, n=20):
-    jax.block_until_ready(fn(*args))
-    t = time.perf_counter()
-    for _ in range(n):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t) * 1e3 / n
 
 
 def op_us(tag, fn, args):
