@@ -11,6 +11,7 @@ Llama-3.1-8B shapes, 32 stacked random bf16 layers, M = 8 rows (the model's batc
 3. (ROUND=2, CHAIN_ONLY=1 for this part alone) the four in a chain, `chain` below.
 Writes $OUT/mgpu_gemm.json; prints a table last. SMOKE=1: tiny shapes in the Mosaic GPU interpreter (CPU).
 """
+import dataclasses
 import json
 import os
 import sys
@@ -143,8 +144,7 @@ def chain(table):
         def mm(ws, name, h, i):
             if impl == "xla":
                 return h @ ws[name][i]
-            import dataclasses as dc
-            return mg.mgpu_gemm(h, ws[name], i, dc.replace(cfgs[name], out_layout=layout), interpret=SMOKE)
+            return mg.mgpu_gemm(h, ws[name], i, dataclasses.replace(cfgs[name], out_layout=layout), interpret=SMOKE)
 
         def run(x, ws):  # the weights as arguments: closed over, they are 14 GB of constants (round 2 died so)
             def body(c, _):
