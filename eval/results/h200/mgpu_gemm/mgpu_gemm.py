@@ -46,6 +46,7 @@ def mgpu_gemm(x, w, layer, config: Config = Config(), interpret=False):
         ni = jax.lax.axis_index("n")
         si = jax.lax.axis_index("s")
         wl = w_gmem.at[layer_gmem[0]]
+        w_spec = plgpu.BlockSpec((c.tile_k, c.tile_n), lambda k: (si * k_iters + k, ni), delay_release=1)  # the ring of weight tiles
 
         def acc_scope_pdl(acc_ref, x_smem, x_bar):
             kc = k_iters * c.tile_k
@@ -64,7 +65,7 @@ def mgpu_gemm(x, w, layer, config: Config = Config(), interpret=False):
 
             plgpu.emit_pipeline(
                 step, grid=(k_iters,),
-                in_specs=[plgpu.BlockSpec((c.tile_k, c.tile_n), lambda k: (si * k_iters + k, ni), delay_release=1)],
+                in_specs=[w_spec],
                 max_concurrent_steps=c.stages,
             )(wl)
             return acc_ref[...]
@@ -79,7 +80,7 @@ def mgpu_gemm(x, w, layer, config: Config = Config(), interpret=False):
                 grid=(k_iters,),
                 in_specs=[
                     plgpu.BlockSpec((M, c.tile_k), lambda k: (0, si * k_iters + k), delay_release=1),
-                    plgpu.BlockSpec((c.tile_k, c.tile_n), lambda k: (si * k_iters + k, ni), delay_release=1),
+                    w_spec,
                 ],
                 max_concurrent_steps=c.stages,
             )(x_gmem, wl)
