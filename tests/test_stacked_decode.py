@@ -57,10 +57,6 @@ def stacked_inputs(seed, L, B, T, Hq, Hkv, D, N, lengths, dtype):
 SPARSE_GPU_CASES = [
     ((3, 2, 1, 4, 2, 16, 64, 12, [37, 64], 1), jnp.float32, (0, 2, -1), gpu.DecodeConfig(block_k=16, num_splits=2)),
     ((2, 2, 2, 8, 2, 16, 96, 5, [97 - 20, 20], 16), jnp.bfloat16, (1,), gpu.DecodeConfig(block_k=32)),
-    # The splits merged in the launch by each row's last split.
-    ((3, 2, 1, 4, 2, 16, 64, 12, [37, 64], 1), jnp.float32, (0, 2),
-     gpu.DecodeConfig(block_k=16, num_splits=3, merge="kernel")),
-    ((2, 2, 2, 8, 2, 16, 96, 5, [97 - 20, 20], 16), jnp.bfloat16, (1,), gpu.DecodeConfig(block_k=32, merge="kernel")),
 ]
 
 
@@ -81,26 +77,6 @@ def test_sparse_stacked_gpu_interpret_matches_sliced_reference(case, dtype, laye
     other_layer = (layers[-1] % L + 1) % L
     other = ref.sparse_decode_reference(q, k_all[other_layer], v_all[other_layer], idx, lens, block_size=bs)
     assert float(jnp.max(jnp.abs(other.astype(jnp.float32) - want.astype(jnp.float32)))) > 0.1
-
-
-def test_sparse_stacked_gpu_merge_in_kernel_equals_xla_merge_with_empty_rows():
-    """merge="kernel" against the jnp combine of the same partials, a row with no visible key (length 0: zeros and
-    lse -inf) and splits with no entries (4 splits of 6 entries, most rows' entries padding) included."""
-    L, B, T, Hq, Hkv, D, N, K = 2, 3, 1, 6, 2, 16, 64, 6
-    rng, q, k_all, v_all, lens = stacked_inputs(15, L, B, T, Hq, Hkv, D, N, [0, 40, 9], jnp.float32)
-    idx = np.asarray(random_decode_indices(rng, [1, 40, 9], Hkv, T, K))
-    idx[2, :, :, 2:] = -1  # row 2 keeps two entries: splits 1..3 are empty
-    idx = jnp.asarray(idx)
-    got = stacked.sparse_decode_stacked_gpu(q, k_all, v_all, jnp.int32(1), idx, lens, return_lse=True,
-                                            config=gpu.DecodeConfig(block_k=16, num_splits=4, merge="kernel"),
-                                            interpret=True)
-    want = stacked.sparse_decode_stacked_gpu(q, k_all, v_all, jnp.int32(1), idx, lens, return_lse=True,
-                                             config=gpu.DecodeConfig(block_k=16, num_splits=4), interpret=True)
-    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-6, atol=1e-6)  # -inf in row 0
-    assert not np.any(np.asarray(got[0])[0]) and np.all(np.isneginf(np.asarray(got[1])[0]))
-    with pytest.raises(ValueError, match="DecodeConfig.merge='atomic': expected one of"):
-        gpu.DecodeConfig(merge="atomic")
 
 
 @pytest.mark.parametrize("case,dtype,layers,config", SPARSE_GPU_CASES)
@@ -408,13 +384,6 @@ def test_stacked_kernels_lower_for_cuda_and_tpu():
                      q, big, big, layer, sds((8, 32, 1, 819), jnp.int32), lens)  # one launch over the query heads
     text = exp.mlir_module()
     assert "sparse_decode_gathered_stacked_query_heads" in text and text.count("stablehlo.custom_call") == 1
-    for kw in (dict(), dict(query_heads=True), dict(head_map=jnp.arange(8, dtype=jnp.int32))):  # merged in-kernel
-        rows = 32 if kw.get("query_heads") else 8
-        exp = export_for("cuda", functools.partial(stacked.sparse_decode_stacked_gpu, block_size=16, return_lse=True,
-                                                   config=gpu.DecodeConfig(merge="kernel"), **kw),
-                         q, big, big, layer, sds((8, rows, 1, 819), jnp.int32), lens)
-        text = exp.mlir_module()
-        assert "_merged" in text and text.count("stablehlo.custom_call") == 1, kw
     exp = export_for("cuda", dgpu.dense_decode_stacked_gpu, q, big, big, layer, lens)
     assert "dense_decode_stacked" in exp.mlir_module()
     small = sds((4, 2, 8, 2000, 128), jnp.bfloat16)  # N not a multiple of block_k, T = 3

@@ -60,17 +60,6 @@ class DecodeConfig:
     target_programs: int = 512
     num_warps: int = 4
     num_stages: int = 3  # H100, 128K B8 10%: 0.174 ms vs 0.188 at 2 (bench_attention_llama3-8b_128k_decode_tunings)
-    merge: str = "xla"  # the splits' merge: "xla" (a jnp combine after the launch) or "kernel" (the row's last split)
-
-    def __post_init__(self):
-        if self.merge not in MERGES:
-            raise ValueError(f"DecodeConfig.merge={self.merge!r}: expected one of {MERGES}")
-
-
-# Where a split decode's partials are merged (`DecodeConfig.merge`): "xla" in `combine_splits` after the launch;
-# "kernel" by the last program of each (row, head, token) to finish its split, found by an atomic ticket, in the
-# same launch (stacked.py).
-MERGES = ("xla", "kernel")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -128,78 +128,13 @@ def _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, first_entry, n_valid, lim
     return ok, k_ref[layer, safe, :], v_ref[layer, safe, :]
 
 
-def _merge_last_split(o_ref, m_ref, l_ref, ticket_ref, out_ref, lse_ref, o, m, l, *, G: int, splits: int,
-                      interpret: bool):
-    """The in-kernel merge (`DecodeConfig.merge="kernel"`) of one (b, h, t) row's splits.
-
-    Refs: o_ref f32[S, Gp, D], m_ref, l_ref f32[S, Gp] the row's partials (every split's, in global memory);
-    ticket_ref i32[1] the row's ticket counter (0 at the launch); out_ref [Hq, D] and lse_ref f32[Hq] the token's
-    outputs, of which rows h * G .. h * G + G - 1 are this row's. o, m, l: this program's partial.
-
-    Every program stores its partial, then (after a barrier: all its threads' stores first) takes a ticket with an
-    acquire-release atomic add at GPU scope (the interpreter runs the programs in order and has no barrier); the program that draws ticket S - 1 is the last of its row, so every
-    other split's partial is visible to it: it merges the S partials as `gpu.combine_splits` does (in split order)
-    and writes the row's output and log-sum-exp (zeros and -inf for a row with no visible key).
-    """
-    split, head = pl.program_id(3), pl.program_id(1) * G  # head: this row's first query head
-    gp, d = o.shape
-    rows = jnp.arange(gp, dtype=jnp.int32) < G
-    # This split's partial (only the G real rows), one indexer per store (Triton's lowering).
-    plgpu.store(o_ref.at[split, pl.ds(0, gp), :], o, mask=jnp.broadcast_to(rows[:, None], o.shape))
-    plgpu.store(m_ref.at[split, pl.ds(0, gp)], m, mask=rows)
-    plgpu.store(l_ref.at[split, pl.ds(0, gp)], l, mask=rows)
-    if not interpret:
-        plgpu.debug_barrier()
-    ticket = plgpu.atomic_add(ticket_ref, (jnp.int32(0),), jnp.int32(1))
-
-    @pl.when(ticket == splits - 1)
-    def _():
-        # The real rows (padded to a power of two for Triton's tensors), C splits per load: one or a few wide loads
-        # instead of a chain of dependent ones per split (at most 8192 f32 of o per load, 64 registers a thread).
-        gr = pl.next_power_of_2(G)
-        C = min(pl.next_power_of_2(splits), max(1, 8192 // (gr * d)))
-        real = (jnp.arange(gr, dtype=jnp.int32) < G)[None, :]  # [1, gr]
-        lane = jnp.arange(C, dtype=jnp.int32)[:, None]  # [C, 1]
-
-        def chunk(c):  # m, l [C, gr] of splits c * C .. c * C + C - 1, and their mask
-            ok = (c * C + lane < splits) & real
-            rows = (pl.ds(c * C, C), pl.ds(0, gr))
-            return (plgpu.load(m_ref.at[rows], mask=ok, other=gpu._MASK),
-                    plgpu.load(l_ref.at[rows], mask=ok, other=0.0), ok)
-
-        n = pl.cdiv(splits, C)
-        m_all = jax.lax.fori_loop(0, n, lambda c, mx: jnp.maximum(mx, jnp.max(chunk(c)[0], axis=0)),
-                                  jnp.full((gr,), gpu._MASK, jnp.float32))
-
-        def add(c, carry):
-            acc, l_all = carry
-            m_c, l_c, ok = chunk(c)
-            w = jnp.exp(m_c - m_all[None, :])  # [C, gr]
-            o_c = plgpu.load(o_ref.at[pl.ds(c * C, C), pl.ds(0, gr), :],
-                             mask=jnp.broadcast_to(ok[:, :, None], (C, gr, d)), other=0.0)
-            return acc + jnp.sum(w[:, :, None] * o_c, axis=0), l_all + jnp.sum(w * l_c, axis=0)
-
-        acc, l_all = jax.lax.fori_loop(0, n, add, (jnp.zeros((gr, d), jnp.float32), jnp.zeros((gr,), jnp.float32)))
-        real = real[0]
-        nonempty = l_all > 0
-        l_safe = jnp.where(nonempty, l_all, 1.0)
-        out = jnp.where(nonempty[:, None], acc / l_safe[:, None], 0.0)
-        lse = jnp.where(nonempty, m_all + jnp.log(l_safe), -jnp.inf)
-        plgpu.store(out_ref.at[pl.ds(head, gr), :], out.astype(out_ref.dtype),
-                    mask=jnp.broadcast_to(real[:, None], (gr, d)))
-        plgpu.store(lse_ref.at[pl.ds(head, gr)], lse, mask=real)
-
-
 def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, entries_per_split: int, K: int,
                            T: int, N: int, L: int, G: int, mapped: bool = False, mass: bool = False,
-                           stacked_indices: bool = False, merge_splits: int = 0, interpret: bool = False):
+                           stacked_indices: bool = False):
     """One (b, h, t, split) program; as `gpu._decode_kernel` with k_ref, v_ref: [L, N, D] and layer_ref: i32[1].
 
     Refs: ([hm_ref,] layer_ref, len_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref[, el_ref, em_ref,
-    nw_ref]); with merge_splits = S > 0 (`DecodeConfig.merge="kernel"`) instead ([hm_ref,] layer_ref, len_ref,
-    ent_ref, q_ref, k_ref, v_ref, ticket_in_ref, o_ref, m_ref, l_ref, ticket_ref, out_ref, lse_ref), the partials
-    blocks holding every split of the row and the last split merging them (`_merge_last_split`). Everything XLA used
-    to prepare is done here: the layer index is wrapped and clamped (jnp
+    nw_ref]). Everything XLA used to prepare is done here: the layer index is wrapped and clamped (jnp
     semantics), the query's last visible token comes from the row's length, the split's entries are read from
     the unpadded row [K] (or, mapped, the row of head hm_ref[h] of [Hkv, K]; with stacked_indices, the row of
     the layer of [L, K], every layer's rows read in place) and the split's useful length is
@@ -213,11 +148,7 @@ def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, e
     if mapped:
         hm_ref, *refs = refs
         head = hm_ref[pl.program_id(1)]  # clipped to [0, Hkv) by the wrapper
-    if merge_splits:
-        layer_ref, len_ref, ent_ref, q_ref, k_ref, v_ref, _, o_ref, m_ref, l_ref, *merge_refs = refs
-        mass_refs = []
-    else:
-        layer_ref, len_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *mass_refs = refs
+    layer_ref, len_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *mass_refs = refs
     layer = layer_index(layer_ref[0], L)
     if stacked_indices:
         head = layer  # the row of ent_ref [L, K] (`_entries`)
@@ -263,9 +194,6 @@ def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, e
             jnp.zeros((gp,), jnp.float32))
     iters = pl.cdiv(n_entries, per_iter)
     o, m, l = jax.lax.fori_loop(jnp.int32(0), iters, body, init)
-    if merge_splits:
-        _merge_last_split(o_ref, m_ref, l_ref, *merge_refs, o, m, l, G=G, splits=merge_splits, interpret=interpret)
-        return
     gpu.store_partials(o_ref, m_ref, l_ref, o, m, l, G)
     if mass:
         mass_refs[2][...] = jnp.full((1,), iters * per_iter, jnp.int32)
@@ -306,16 +234,12 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
     Returns:
       [B, T, Hq, D] in q.dtype, followed by lse: f32[B, T, Hq] with return_lse and by the mass with return_mass.
     """
-    merged = config.merge == "kernel" and not return_mass
     res = decode_partials_stacked(q, k_all, v_all, layer, indices, lengths, block_size=block_size, scale=scale,
                                   return_mass=return_mass, config=config, head_map=head_map, query_heads=query_heads,
-                                  merge=merged, interpret=interpret)
+                                  interpret=interpret)
     B, T, Hq, _ = q.shape
     Hkv, K = k_all.shape[2], indices.shape[-1]
     G = 1 if query_heads else Hq // Hkv  # query heads: a "group" of one query per program
-    if merged:
-        out, lse = res
-        return (out, lse) if return_lse else out
     o, m, l = res[:3]
     out, lse = gpu.finish_splits(o, m, l, G, q.dtype)
     extra = []
@@ -337,13 +261,11 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
 
 def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array,
                             *, block_size: int, scale: float | None, return_mass: bool, config: gpu.DecodeConfig,
-                            head_map: Array | None, query_heads: bool = False, merge: bool = False,
-                            interpret: bool) -> tuple:
+                            head_map: Array | None, query_heads: bool = False, interpret: bool) -> tuple:
     """The launch of `sparse_decode_stacked_gpu` (arguments as there), without its epilogue: the split partials
     (o f32[S, B, H, T, Gp, D], m, l f32[S, B, H, T, Gp], H = Hkv, or Hq with query_heads; rows past G (1 with
     query_heads) are never written) and with return_mass the entry sums el, em f32[S, B, Hkv, T, Gp, E] and the
-    written counts nw i32[S, B, Hkv, T, 1]. With merge (not with return_mass) the splits are merged in the launch
-    (`_merge_last_split`) and the result is (out [B, T, Hq, D] in q.dtype, lse f32[B, T, Hq])."""
+    written counts nw i32[S, B, Hkv, T, 1]."""
     stacked = indices.ndim == 5  # every layer's index rows, the layer's read in place
     if query_heads:
         Hq, Hkv = q.shape[2], k_all.shape[2]
@@ -375,20 +297,10 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
     block_k, splits, E, Gp = gpu.decode_split_plan(config, K, block_size, B * H * T, G)
 
     mapped = head_map is not None
-    if merge and return_mass:
-        raise ValueError("merge with return_mass: the entry mass needs the split partials")
     kernel = functools.partial(_decode_kernel_stacked, scale=scale, block_size=block_size, block_k=block_k,
                                entries_per_split=E, K=K, T=T, N=N, L=L, G=G, mapped=mapped, mass=return_mass,
-                               stacked_indices=stacked, merge_splits=splits if merge else 0, interpret=interpret)
+                               stacked_indices=stacked)
     out_specs, out_shape = gpu.split_outputs(splits, B, H, T, Gp, D)
-    if merge:  # every split's partials of the row in one block, the row's ticket, and the token's outputs
-        out_specs = [pl.BlockSpec((splits,) + spec.block_shape[1:], lambda b, h, t, s, im=spec.index_map:
-                                  (0,) + im(b, h, t, s)[1:]) for spec in out_specs]
-        ticket = pl.BlockSpec((None, None, None, 1), lambda b, h, t, s: (b, h, t, 0))
-        out_specs += [ticket, pl.BlockSpec((None, None, Hq, D), lambda b, h, t, s: (b, t, 0, 0)),
-                      pl.BlockSpec((None, None, Hq), lambda b, h, t, s: (b, t, 0))]
-        out_shape += [jax.ShapeDtypeStruct((B, H, T, 1), jnp.int32), jax.ShapeDtypeStruct((B, T, Hq, D), q.dtype),
-                      jax.ShapeDtypeStruct((B, T, Hq), jnp.float32)]
     if return_mass:  # per entry: sum of exp(s - m) and that m; and how many entries the program wrote
         out_specs += [pl.BlockSpec((None, None, None, None, Gp, E), lambda b, h, t, s: (s, b, h, t, 0, 0))] * 2
         out_shape += [jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp, E), jnp.float32)] * 2
@@ -411,27 +323,20 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
     ]
     args = (jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32), indices.astype(jnp.int32), q,
             k_all, v_all)
-    aliases = {}
-    if merge:  # the tickets start at 0 in every launch
-        in_specs.append(pl.BlockSpec((None, None, None, 1), lambda b, h, t, s: (b, h, t, 0)))
-        args += (jnp.zeros((B, H, T, 1), jnp.int32),)
-        aliases = {len(args) - 1 + mapped: 3}
     if mapped:
         in_specs = [pl.BlockSpec((Hkv,), lambda b, h, t, s: (0,))] + in_specs
         args = (jnp.clip(head_map.astype(jnp.int32), 0, Hkv - 1),) + args
-    res = tuple(pl.pallas_call(
+    return tuple(pl.pallas_call(
         kernel,
         grid=(B, H, T, splits),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="sparse_decode_gathered_stacked" + ("_mass" if return_mass else "") + ("_mapped" if mapped else "")
-        + ("_query_heads" if query_heads else "") + ("_merged" if merge else ""),
+        + ("_query_heads" if query_heads else ""),
     )(*args))
-    return res[4:] if merge else res
 
 
 # ---------------------------------------------------------------------------------------------------------
