@@ -11,6 +11,8 @@ found by an atomic ticket, merges the row's partials) against the jnp combine af
    twice in one process.
 
     PYTHONPATH=. OUT=... python eval/results/h200/merge_kernel/run_merge.py   (env: METHODS, PARTS=123)
+
+It needs the tree of e027fdc, which held `DecodeConfig.merge`; the option was removed after these runs (NOTES.md).
 """
 
 import json
