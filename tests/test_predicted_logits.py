@@ -42,10 +42,40 @@ def test_bf16_keys_are_upcast():
     np.testing.assert_allclose(predicted_logits_gpu(q, k, block_n=128, interpret=True), want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("lead,Hk,G,T,N", [((3, 2), 4, 1, 1, 300), ((2,), 2, 2, 3, 257)])
+def test_bounds_in_the_kernel_equal_masking_after(lead, Hk, G, T, N):
+    """last / keep_first / keep_from (TokenButler's visibility and forced keys, applied as the kernel writes its
+    tiles) equal the plain logits masked afterwards: -inf past each row's last key, +inf on the visible kept keys
+    (a sink wider than a short row stays -inf past its end); random rows, a window starting past `last` too."""
+    d = 32
+    rng = np.random.default_rng(4)
+    q, k = _rand(5, lead + (Hk, G, T, d)), _rand(6, lead + (Hk, N, d))
+    rows = lead[-1:] + (1, 1, T)  # per (b, t), broadcast over the heads and the query group, as TokenButler's
+    last = jnp.asarray(rng.integers(40, N, rows), jnp.int32).at[0].set(2)  # row 0 sees 3 keys: sink 5 > 3
+    start = jnp.asarray(last - rng.integers(-1, 40, rows), jnp.int32)
+    plain = np.asarray(predicted_logits_reference(q, k))
+    n = np.arange(N)
+    lst, st = np.asarray(last)[..., None], np.asarray(start)[..., None]
+    want = np.where(n > lst, -np.inf, np.where((n < 5) | (n >= st), np.inf, plain))
+    for got in (predicted_logits_reference(q, k, last=last, keep_first=5, keep_from=start),
+                predicted_logits_gpu(q, k, last=last, keep_first=5, keep_from=start, block_n=128, interpret=True)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    only_last = predicted_logits_gpu(q, k, last=last, block_n=128, interpret=True)
+    np.testing.assert_allclose(only_last, np.where(n > lst, -np.inf, plain), rtol=1e-6, atol=1e-6)
+    assert np.isposinf(want).any() and np.isneginf(want).any() and np.isfinite(want).any()
+
+
 def test_errors():
     with pytest.raises(ValueError, match=r"expected q \[..., Hk, G, T, d\] and k \[..., Hk, N, d\]"):
         predicted_logits(jnp.zeros((2, 1, 1, 32)), jnp.zeros((3, 10, 32)))
     with pytest.raises(ValueError, match="head_dim=24: the kernel takes a power of two"):
         predicted_logits(jnp.zeros((2, 1, 1, 24)), jnp.zeros((2, 10, 24)), implementation="pallas_gpu")
+    q, k = jnp.zeros((2, 1, 1, 32)), jnp.zeros((2, 10, 32))
+    with pytest.raises(ValueError, match=r"last of shape \(3,\): expected an i32 array broadcastable"):
+        predicted_logits(q, k, last=jnp.zeros((3,), jnp.int32))
+    with pytest.raises(ValueError, match="keep_first=-1: expected an int >= 0"):
+        predicted_logits(q, k, last=jnp.zeros((1,), jnp.int32), keep_first=-1)
+    with pytest.raises(ValueError, match="keep_first / keep_from without last"):
+        predicted_logits(q, k, keep_first=4)
     with pytest.raises(ValueError, match="implementation='triton'"):
         predicted_logits(jnp.zeros((2, 1, 1, 32)), jnp.zeros((2, 10, 32)), implementation="triton")

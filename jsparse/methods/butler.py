@@ -106,37 +106,42 @@ class ButlerState:
     kept: Optional[jax.Array] = None  # i32[L', B, Hq, 1, K] inside a gathered one-token decode forward
 
 
-def predicted_logits(qp: jax.Array, kp: jax.Array, positions: jax.Array) -> jax.Array:
+def predicted_logits(qp: jax.Array, kp: jax.Array, positions: jax.Array, forced=None) -> jax.Array:
     """Predicted logits of one layer (or of a stack of layers) over the visible keys.
 
     Args:
       qp: f32[..., B, Hq, T, d'] predicted queries; kp: f32 or bf16 [..., B, Hk', N, d'] predicted keys (query
         head h uses key head h // (Hq / Hk')); positions: i32[B, T] query positions (query t sees keys <=
         positions[b, t]).
+      forced: None, or (sink, window_start i32[B, T]) of `forced_keys`: those keys score +inf.
     Returns:
-      f32[..., B, Hq, T, N]: q'k'^T / sqrt(d'), -inf on keys a query cannot see (`pallas_kernels.predicted_logits`:
-      on a GPU a kernel reading the keys once, where XLA's dot autotuner copied a stack of layers' keys; the same
-      arithmetic for one layer or many).
+      f32[..., B, Hq, T, N]: q'k'^T / sqrt(d'), -inf on keys a query cannot see, +inf on the forced ones
+      (`pallas_kernels.predicted_logits`: on a GPU a kernel reading the keys once, where XLA's dot autotuner copied
+      a stack of layers' keys, and writing the bounded logits in that one pass; the same arithmetic for one layer or
+      many).
     """
     *lead, Hq, T, d = qp.shape
     Hk, N = kp.shape[-3], kp.shape[-2]
+    row = lambda a: a[:, None, None, :]  # noqa: E731  [B, T] -> [B, Hk', 1, T], the op's query rows [..., B, Hk', G, T]
+    sink, start = forced if forced is not None else (0, None)
     # kp in the state's dtype (`Butler.key_dtype`): the op upcasts each tile it reads, so bf16 keys are read as bf16.
-    logits = logits_op(qp.astype(F32).reshape(*lead, Hk, Hq // Hk, T, d), kp).reshape(*lead, Hq, T, N)
-    visible = jnp.arange(N)[None, None, :] <= positions[:, :, None]  # [B, T, N]
-    return jnp.where(visible[:, None], logits, sel.NEG_INF)
+    return logits_op(qp.astype(F32).reshape(*lead, Hk, Hq // Hk, T, d), kp, last=row(positions), keep_first=sink,
+                     keep_from=None if start is None else row(start)).reshape(*lead, Hq, T, N)
+
+
+def forced_keys(positions: jax.Array, k_dyn: jax.Array, sink: int, local: int):
+    """The keys every row keeps, as (sink, window_start i32[B, T]): the first `sink` positions and the `local` most
+    recent ones (window_start .. the query's own position), so they are kept and counted in k; the window shrinks to
+    k - sink where k is smaller than sink + local. positions, k_dyn: i32[B, T] (keys kept per row)."""
+    window = jnp.clip(jnp.minimum(local, k_dyn - sink), 0)  # [B, T]
+    return sink, positions - window + 1
 
 
 def _with_forced(scores: jax.Array, positions: jax.Array, k_dyn: jax.Array, sink: int, local: int) -> jax.Array:
-    """Marks the keys every row keeps: the first `sink` positions and the `local` most recent ones (the query's own
-    position included) score +inf, so they are kept and counted in k; the window shrinks to k - sink where k is
-    smaller than sink + local.
-
-    Args:
-      scores: f32[B, H, T, N] (-inf: not visible); positions: i32[B, T]; k_dyn: i32[B, T] keys kept per row.
-    """
+    """scores: f32[B, H, T, N] (-inf: not visible) with the visible keys of `forced_keys` at +inf."""
+    sink, start = forced_keys(positions, k_dyn, sink, local)
     n = jnp.arange(scores.shape[-1])[None, None, :]
-    window = jnp.clip(jnp.minimum(local, k_dyn - sink), 0)  # [B, T]
-    forced = (n < sink) | (n > (positions - window)[:, :, None])  # [B, T, N]
+    forced = (n < sink) | (n >= start[:, :, None])  # [B, T, N]
     return jnp.where(forced[:, None] & (scores > sel.NEG_INF), jnp.inf, scores)
 
 
@@ -353,10 +358,11 @@ class Butler(TokenBudget):
         in layer 0; a layer's predicted logits do not depend on the layers before it): i32[L', B, Hq, 1, K]
         ascending, -1 padded, the keys of `head_mask` (the same logits, sinks and local window first, top-k by
         `topk_select`, ties to the lower position as `lax.top_k`'s)."""
-        logits = predicted_logits(state.queries, state.keys, positions)  # [L', B, Hq, 1, N]
         budget = self.sparse_budget(self.pcfg.num_layers)
         k_dyn = sel.budget_tokens(budget, positions + 1, self.min_tokens)  # [B, 1]
-        scores = _with_forced(logits, positions, k_dyn, self.sink, self.local)
+        # [L', B, Hq, 1, N], bounded as the logits are written (no masked copy of every layer's logits)
+        scores = predicted_logits(state.queries, state.keys, positions,
+                                  forced_keys(positions, k_dyn, self.sink, self.local))
         return topk_select(scores, jnp.broadcast_to(k_dyn[:, None, :], scores.shape[:-1]), self.key_width(N))
 
     def sparse_decode(self, ctx, q, cache, state):
