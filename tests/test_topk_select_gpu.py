@@ -72,10 +72,12 @@ def test_fused_matches_reference(config):
 SAMPLE = dict(path="sample", sample_size=256, band_cap=512, compact_block_n=128, target_programs=24)
 
 
-@pytest.mark.parametrize("cap", [512, 32])  # 32: every band overflows, so every row takes the fallback
-def test_sample_matches_reference(cap):
-    rng = np.random.default_rng(cap)
-    config = gpu.SelectConfig(**{**SAMPLE, "band_cap": cap})
+# cap 32: every band overflows, so every row takes the fallback; target_programs 1: one split per row (the band
+# counted in a register, `gpu_sample._band_kernel(whole_row=True)`), 24: two splits sharing each row's band.
+@pytest.mark.parametrize("cap,programs", [(512, 24), (32, 24), (512, 1), (32, 1)])
+def test_sample_matches_reference(cap, programs):
+    rng = np.random.default_rng(cap + programs)
+    config = gpu.SelectConfig(**{**SAMPLE, "band_cap": cap, "target_programs": programs})
     R, N, K = 12, 2048, 300
     fn = jax.jit(lambda x, k: gpu.topk_select_gpu(x, k, K, config=config, interpret=True))
     _check(fn, rng, R, N, K)
@@ -314,6 +316,7 @@ def test_dispatch_and_config_errors():
 
 @pytest.mark.parametrize("path,shape,K,launches", [
     ("row", (32, 6256), 64, 1), ("fused", (64, 131072), 13108, 10), ("sample", (64, 131072), 13108, 5),
+    ("sample", (3840, 100096), 10010, 5),  # TokenButler's rows: one split per row, the band counted in a register
     ("ordered", (64, 131072), 2080, 3)])
 def test_lowers_for_cuda_with_few_launches(path, shape, K, launches):
     sds = jax.ShapeDtypeStruct

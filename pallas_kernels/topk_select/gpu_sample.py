@@ -104,10 +104,14 @@ def _sample_kernel(k_ref, x_ref, *refs, n: int, width: int, ns: int, bits: int, 
 
 
 def _band_kernel(br_ref, x_ref, cnt_in, cnt_ref, band_ref, o_ref, *, n: int, block_n: int, per_split: int,
-                 cap: int):
+                 cap: int, whole_row: bool = False):
     """(row, split). Refs: br i32[4] the bracket; x f32[N]; cnt i32[1] the row's band count (zero in, aliased
     out, atomically added); band i32[cap] the row's band keys (B < key < A; key > B when A is off); o i32[4] this
-    split's counts (#key > A, #key == A, #key == B below A, 0) (the A counts 0 when A is off)."""
+    split's counts (#key > A, #key == A, #key == B below A, 0) (the A counts 0 when A is off).
+
+    whole_row (one split per row: many rows, as TokenButler's every layer and head at once): the program owns its
+    row's band, so it counts the slots in a register and stores the count once, where the splits of a row reserve
+    theirs with an atomic add per chunk (a round trip to memory before each chunk's stores); the same slots."""
     del cnt_in
     a_key, b_key, on = br_ref[0], br_ref[1], br_ref[2] > 0
     first, count = gpu_fused._split_chunks(n, block_n, per_split)
@@ -120,16 +124,18 @@ def _band_kernel(br_ref, x_ref, cnt_in, cnt_ref, band_ref, o_ref, *, n: int, blo
         band = below & (key > b_key)
         b32 = band.astype(jnp.int32)
         nb = jnp.sum(b32)
-        base = plgpu.atomic_add(cnt_ref, (jnp.int32(0),), nb)
+        gt, eq_a, eq_b, used = acc
+        base = used if whole_row else plgpu.atomic_add(cnt_ref, (jnp.int32(0),), nb)
         dst = base + jnp.cumsum(b32) - b32
         keep = band & (dst < cap)
         plgpu.store(band_ref.at[jnp.where(keep, dst, cap)], key, mask=keep)
-        gt, eq_a, eq_b = acc
         return (gt + (at_a & (key > a_key)).astype(jnp.int32), eq_a + (at_a & (key == a_key)).astype(jnp.int32),
-                eq_b + (below & (key == b_key)).astype(jnp.int32))
+                eq_b + (below & (key == b_key)).astype(jnp.int32), used + nb)
 
     zero = jnp.zeros((block_n,), jnp.int32)
-    gt, eq_a, eq_b = lax.fori_loop(jnp.int32(0), count, body, (zero, zero, zero))
+    gt, eq_a, eq_b, used = lax.fori_loop(jnp.int32(0), count, body, (zero, zero, zero, jnp.int32(0)))
+    if whole_row:
+        cnt_ref[...] = jnp.full((1,), used, jnp.int32)
     lane = jnp.arange(4, dtype=jnp.int32)
     o_ref[...] = jnp.where(lane == 0, jnp.sum(gt), jnp.where(lane == 1, jnp.sum(eq_a),
                                                              jnp.where(lane == 2, jnp.sum(eq_b), 0)))
@@ -239,7 +245,7 @@ def sample_band(x: Array, k2: Array, K: int, *, sample: int, sigmas: float, cap:
     bracket = sample_bracket(x, k2, K, sample=sample, sigmas=sigmas, bits=bits, interpret=interpret)
     S, per = gpu_fused.pow2_splits(R, pl.cdiv(N, block_n), target_programs)
     n_band, band, counts = pl.pallas_call(
-        functools.partial(_band_kernel, n=N, block_n=block_n, per_split=per, cap=cap),
+        functools.partial(_band_kernel, n=N, block_n=block_n, per_split=per, cap=cap, whole_row=S == 1),
         grid=(R, S), in_specs=[row2(4), row2(N), row2(1)],
         out_specs=(row2(1), row2(cap), pl.BlockSpec((None, None, 4), lambda r, s: (r, s, 0))),
         out_shape=(jax.ShapeDtypeStruct((R, 1), jnp.int32), jax.ShapeDtypeStruct((R, cap), jnp.int32),
