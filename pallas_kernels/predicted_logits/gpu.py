@@ -43,14 +43,12 @@ def _kernel(q_ref, k_ref, *refs, n: int, rows: int, block_n: int, scale: float, 
     j = pl.program_id(1)
     cols = j * block_n + jnp.arange(block_n, dtype=jnp.int32)
     ok = cols < n
-    # The rows' bounds are loaded first, so that their latency overlaps the key tile's instead of following it.
-    lims = [(bounds[0][jnp.int32(r)], bounds[1][jnp.int32(r)]) for r in range(rows)] if bounded else None
     k = plgpu.load(k_ref.at[pl.ds(j * block_n, block_n), :], mask=ok[:, None], other=0.0).astype(jnp.float32)
     for r in range(rows):
         q = q_ref[jnp.int32(r), :].astype(jnp.float32)  # [d]
         s = jnp.sum(k * q[None, :], axis=1) / scale  # [block_n]
         if bounded:
-            s = bound_logits(s, cols, lims[r][0], keep_first, lims[r][1])
+            s = bound_logits(s, cols, bounds[0][jnp.int32(r)], keep_first, bounds[1][jnp.int32(r)])
         plgpu.store(o_ref.at[jnp.int32(r), pl.ds(j * block_n, block_n)], s, mask=ok)
 
 
