@@ -46,8 +46,9 @@ so two modes (`selection`):
 
 One decode token with selection "head" (`gathered`, the default on a GPU without a mesh): right after the predictor
 runs in layer 0, every sparse layer's keys are chosen at once (`kept_indices`: the predicted logits of all layers by
-one kernel, `pallas_kernels.predicted_logits`, and one `topk_select` over all their rows) and each sparse layer attends to its query heads' keys
-through one launch of the gathered decode kernel over the query heads (`common.attend_per_query_head`, reading
+one kernel, `pallas_kernels.predicted_logits`, which writes them as the top-k's scores, -inf past the query and +inf
+on its sinks and window (`forced_keys`), and one `topk_select` over all their rows) and each sparse layer attends to
+its query heads' keys through one launch of the gathered decode kernel over the query heads (`common.attend_per_query_head`, reading
 the stacked cache in place): the keys of `head_mask` and the same softmax as the mask path, which T > 1 tokens, the
 "group" selection and the CPU by default take. Decode scans layer 0, the dense layers and the sparse layers as
 separate runs (`segments`), so no layer waits on a `lax.switch`.

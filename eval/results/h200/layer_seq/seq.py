@@ -26,7 +26,7 @@ def main(trace_dir: str, out: str) -> None:
         rows.append([name[:80], round(ts - t0, 2), round(dur, 2), round(max(ts - end, 0.0), 2)])
         end = max(end, ts + dur)
     with open(out, "w") as f:
-        json.dump({"trace": path, "ops": rows}, f)
+        json.dump({"command": "python " + " ".join(sys.argv), "trace": path, "ops": rows}, f)
     print(f"{out}: {len(rows)} ops over {end - t0:.0f} us")
 
 
