@@ -84,8 +84,9 @@ def trace_calls(trace_dir: str, fn, args, calls: int, top: int) -> dict:
     return kernel_table(trace_dir, calls, top)
 
 
-def kernel_table(trace_dir: str, steps: int, top: int) -> dict:
-    """Aggregates the device ops (events on GPU streams) of the newest Perfetto trace under trace_dir, per step."""
+def device_ops(trace_dir: str) -> tuple[str, list[str], list[tuple[float, float, str]]]:
+    """(path, GPU process names, [(start us, duration us, name)] of every device op, by start) of the newest
+    Perfetto trace under trace_dir: the events on GPU streams."""
     path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))[-1]
     with gzip.open(path, "rt") as f:
         trace = json.load(f)
@@ -93,17 +94,22 @@ def kernel_table(trace_dir: str, steps: int, top: int) -> dict:
     pid_names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
                  if e.get("ph") == "M" and e.get("name") == "process_name"}
     gpu_pids = {p for p, n in pid_names.items() if "/device:GPU" in n or "GPU" in n and "host" not in n.lower()}
+    ops = sorted((float(e.get("ts", 0.0)), float(e.get("dur", 0.0)), e.get("name", "?")) for e in events
+                 if e.get("ph") == "X" and e.get("pid") in gpu_pids)
+    return path, [pid_names[p] for p in gpu_pids], ops
+
+
+def kernel_table(trace_dir: str, steps: int, top: int) -> dict:
+    """Aggregates the device ops (events on GPU streams) of the newest Perfetto trace under trace_dir, per step."""
+    path, gpu_processes, ops = device_ops(trace_dir)
     agg = collections.defaultdict(lambda: [0, 0.0])
     total, count, intervals = 0.0, 0, []
-    for e in events:
-        if e.get("ph") != "X" or e.get("pid") not in gpu_pids:
-            continue
-        name, dur = e.get("name", "?"), float(e.get("dur", 0.0))
+    for ts, dur, name in ops:
         agg[name][0] += 1
         agg[name][1] += dur
         total += dur
         count += 1
-        intervals.append((float(e.get("ts", 0.0)), float(e.get("ts", 0.0)) + dur))
+        intervals.append((ts, ts + dur))
     rows = sorted(({"kernel": k[:90], "kind": kernel_kind(k), "launches_per_step": v[0] / steps,
                     "us_per_step": v[1] / steps} for k, v in agg.items()), key=lambda r: -r["us_per_step"])
     kinds = collections.defaultdict(lambda: [0.0, 0.0])
@@ -112,7 +118,7 @@ def kernel_table(trace_dir: str, steps: int, top: int) -> dict:
         kinds[r["kind"]][1] += r["us_per_step"]
     small = [r for r in rows if r["kind"] == "xla" and r["us_per_step"] < SMALL_US * r["launches_per_step"]]
     busy, span = _busy_us(intervals)
-    return {"trace": path, "gpu_processes": [pid_names[p] for p in gpu_pids], "kernels_per_step": count / steps,
+    return {"trace": path, "gpu_processes": gpu_processes, "kernels_per_step": count / steps,
             "device_us_per_step": total / steps, "gpu_busy_us_per_step": busy / steps,
             "gpu_span_us_per_step": span / steps, "gpu_idle_us_per_step": (span - busy) / steps,
             "by_kind": {k: {"launches_per_step": v[0], "us_per_step": v[1]} for k, v in sorted(kinds.items())},

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# TokenButler's step before and after its top-k scores were bounded inside the predicted-logits kernel (5e95dfb):
-# `jsparse bench model --methods dense,butler` at 100K, batch 4 with this tree ("new", checked after its timing) and
-# with the packages of 253a8c0 ("old", a copy under $OLD, not committed), alternating processes on one machine; then
-# the per-kernel profile of the new step.
-# Usage (GPU): OUT=... GIT_COMMIT=... OLD=<dir holding the old packages> bash eval/results/h200/butler_bounds/run.sh
+# TokenButler's step with this tree ("new", checked after its timing) and with the packages of the commit before a
+# change ("old", a copy under $OLD, not committed): `jsparse bench model --methods dense,butler` at 100K, batch 4,
+# alternating processes on one machine; then the per-kernel profile of the new step. NOTES.md names the three runs:
+# the bounded logits (old 253a8c0, new b93ae31: this folder), the band pass (old b93ae31, new 70d4e9f: ../butler_band/)
+# and the bounds preload (old 70d4e9f, new f1f6e69: ../butler_preload/).
+# Usage (GPU): OUT=... OLD=<dir holding the old packages> bash eval/results/h200/butler_bounds/run.sh
 set -u
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONUNBUFFERED=1
 ROOT=$(pwd)

@@ -6,6 +6,6 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONUNBUFFERED=1
 for m in ${METHODS:-streaming kascade evosparse h2o}; do
   PYTHONPATH=. python3 -m jsparse.cli bench profile_decode_step --method "$m" --context 100000 --batch 4 --steps 2 \
     --top 60 --trace-dir "/tmp/tr_$m" --out "/tmp/prof_$m.json" 2>&1 | grep -vE "^W[0-9]{4}|^I[0-9]{4}" | tail -4
-  python3 eval/results/h200/layer_seq/seq.py "/tmp/tr_$m" "$OUT/seq_$m.json"
+  PYTHONPATH=. python3 eval/results/h200/layer_seq/seq.py "/tmp/tr_$m" "$OUT/seq_$m.json"
   cp "/tmp/prof_$m.json" "$OUT/"
 done

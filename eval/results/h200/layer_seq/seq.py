@@ -2,25 +2,16 @@
 (written by `jsparse bench profile_decode_step --trace-dir DIR`), sorted by start time, as
 [name, start us, duration us, idle us before it], so that one layer's kernels and the gaps between them can be read.
 
-    python eval/results/h200/layer_seq/seq.py TRACE_DIR OUT.json
+    PYTHONPATH=. python eval/results/h200/layer_seq/seq.py TRACE_DIR OUT.json
 """
-import glob
-import gzip
 import json
-import os
 import sys
+
+from eval.bench.profile_decode_step import device_ops
 
 
 def main(trace_dir: str, out: str) -> None:
-    path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))[-1]
-    with gzip.open(path, "rt") as f:
-        trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    gpu = {p for p, n in names.items() if "/device:GPU" in n or "GPU" in n and "host" not in n.lower()}
-    ops = sorted((float(e["ts"]), float(e.get("dur", 0.0)), e.get("name", "?")) for e in events
-                 if e.get("ph") == "X" and e.get("pid") in gpu)
+    path, _, ops = device_ops(trace_dir)
     t0, end, rows = ops[0][0], ops[0][0], []
     for ts, dur, name in ops:
         rows.append([name[:80], round(ts - t0, 2), round(dur, 2), round(max(ts - end, 0.0), 2)])
