@@ -9,7 +9,7 @@ for many rows of a small K, else "sample" (rows shorter than the sample: "fused"
   * "sample" (`gpu_sample.py`): a threshold bracket from a sample (one score per stratum of the row, at a
     hashed offset), one pass keeping the scores inside it, the exact threshold among those (or at a bracket
     end; a streaming fallback when the bracket misses), then the fused compaction: 5 launches, three reading
-    the row.
+    the row (4 and two when each row is one program's).
   * "ordered" (`gpu_ordered.py`): a sampled lower bound, one pass keeping every score above it in position
     order, the selection from those alone: 3 launches, one reading the row; one program per row.
   * "passes" (this file, the original path): the kernels below with `common.radix_threshold` /

@@ -189,7 +189,8 @@ def compact_chunks(x_ref, o_ref, first, count, a, t, on, ties, quota, base, *, n
                    span=None):
     """Writes a split's picks to their output slots, ascending from slot `base`: over `count` chunks from chunk
     `first`, the keys >= a (when on) and, when ties, the first `quota` keys == t (by position); picks whose
-    score is -inf or NaN are ranked, never written. A running count + in-chunk cumulative sum ranks the picks."""
+    score is -inf or NaN are ranked, never written. A running count + in-chunk cumulative sum ranks the picks.
+    Returns the picks written (i32)."""
 
     def body(i, carry):
         run, tie_run = carry
@@ -206,7 +207,20 @@ def compact_chunks(x_ref, o_ref, first, count, a, t, on, ties, quota, base, *, n
         plgpu.store(o_ref.at[jnp.where(sel, dst, width)], pos, mask=sel)
         return run + jnp.sum(sel_i), tie_run + jnp.sum(tie_i)
 
-    lax.fori_loop(0, count, body, (jnp.int32(0), jnp.int32(0)))
+    return lax.fori_loop(0, count, body, (jnp.int32(0), jnp.int32(0)))[0]
+
+
+def pad_output(o_ref, total, rows, *, width: int, wblock: int):
+    """Writes -1 into the output slots total .. width - 1 of o i32[width], when `rows` (a bool: this program
+    pads its row)."""
+    def pad(i, c):
+        slot = i * wblock + jnp.arange(wblock, dtype=jnp.int32)
+        plgpu.store(o_ref.at[pl.ds(i * wblock, wblock)], jnp.full((wblock,), -1, jnp.int32),
+                    mask=(slot >= total) & (slot < width))
+        return c
+
+    lax.fori_loop(jnp.int32(0), jnp.where(rows, jnp.int32(pl.cdiv(width, wblock)), jnp.int32(0)), pad,
+                  jnp.int32(0))  # bounds of one dtype (Triton's scf.for needs it)
 
 
 def _compact_kernel(k_ref, r_ref, f_ref, x_ref, o_ref, *, n: int, width: int, wblock: int, block_n: int,
@@ -233,15 +247,28 @@ def _compact_kernel(k_ref, r_ref, f_ref, x_ref, o_ref, *, n: int, width: int, wb
     first, count = _split_chunks(n, block_n, per_split)
     compact_chunks(x_ref, o_ref, first, count, a, t, on, jnp.logical_not(done), my_quota, base, n=n,
                    block_n=block_n, width=width)
+    pad_output(o_ref, total, me == 0, width=width, wblock=wblock)
 
-    def pad(i, c):
-        slot = i * wblock + jnp.arange(wblock, dtype=jnp.int32)
-        plgpu.store(o_ref.at[pl.ds(i * wblock, wblock)], jnp.full((wblock,), -1, jnp.int32),
-                    mask=(slot >= total) & (slot < width))
-        return c
 
-    lax.fori_loop(jnp.int32(0), jnp.where(me == 0, jnp.int32(pl.cdiv(width, wblock)), jnp.int32(0)), pad,
-                  jnp.int32(0))  # bounds of one dtype (Triton's scf.for needs it)
+def _compact_row_kernel(r_ref, x_ref, o_ref, *, n: int, width: int, block_n: int):
+    """One whole row: its picks to their output slots, then -1 after them. Refs: r i32[8] = (a, t, bulk_on, done,
+    quota, 0, 0, 0), quota the ties == t the row takes (kk - #key > t for a row that is not done, else 0); x f32[N];
+    o i32[width]. The row's rule counts (`rule_counts`) are not needed: one program ranks the whole row."""
+    a, t, on, done, quota = r_ref[0], r_ref[1], r_ref[2] > 0, r_ref[3] > 0, r_ref[4]
+    total = compact_chunks(x_ref, o_ref, jnp.int32(0), jnp.int32(pl.cdiv(n, block_n)), a, t, on,
+                           jnp.logical_not(done), quota, jnp.int32(0), n=n, block_n=block_n, width=width)
+    pad_output(o_ref, total, jnp.bool_(True), width=width, wblock=block_n)
+
+
+def compact_rows(x: Array, rule: Array, K: int, *, block_n: int, params, interpret: bool = False) -> Array:
+    """The chosen positions of each row from its rule i32[R, 8] = (a, t, bulk_on, done, quota, 0, 0, 0): one
+    program per row (`_compact_row_kernel`), for launches of so many rows that each takes one split anyway."""
+    R, N = x.shape
+    return pl.pallas_call(
+        functools.partial(_compact_row_kernel, n=N, width=K, block_n=block_n),
+        grid=(R,), in_specs=[pl.BlockSpec((None, 8), lambda r: (r, 0)), pl.BlockSpec((None, N), lambda r: (r, 0))],
+        out_specs=pl.BlockSpec((None, K), lambda r: (r, 0)), out_shape=jax.ShapeDtypeStruct((R, K), jnp.int32),
+        compiler_params=params, interpret=interpret, name="topk_select_fused_compact")(rule, x)
 
 
 def topk_select_fused(x: Array, k_rows: Array, K: int, *, bits: int, block_n: int, compact_block_n: int,

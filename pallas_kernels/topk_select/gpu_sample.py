@@ -19,7 +19,10 @@ path's 32 / bits counting passes of 2**bits comparisons each:
      of a few distinct values) the program runs the streaming radix search over its whole row
      (`gpu_fused.count_digits`, 4 bits a pass): slow (one program reads its row 8 times) but exact, so no input
      is wrong. It writes the row's rule (a, t, bulk_on, done).
-  4. `gpu_fused.rule_counts` per split and 5. `gpu_fused._compact_kernel`: the fused path's compaction.
+  4. `gpu_fused.rule_counts` per split and 5. `gpu_fused._compact_kernel`: the fused path's compaction. With one
+     split per row (rows x chunks past `target_programs`, as TokenButler's 3840 rows of 100K) the band kernel counts
+     its row's band in a register, the resolve kernel also gives each row its tie quota (kk - #key > t, from the
+     counts it has), and one program compacts each whole row (`gpu_fused.compact_rows`): 4 launches.
 
 Semantics: exactly `reference.topk_select_reference` (every path ends in the same threshold rule).
 """
@@ -142,10 +145,12 @@ def _band_kernel(br_ref, x_ref, cnt_in, cnt_ref, band_ref, o_ref, *, n: int, blo
 
 
 def _resolve_kernel(k_ref, c_ref, cnt_ref, band_ref, br_ref, x_ref, r_out, *, n: int, width: int, cap: int,
-                    bits: int, block_n: int):
+                    bits: int, block_n: int, with_quota: bool = False):
     """Row r. Refs: k i32[1]; c i32[S, 4] the splits' counts (#key > A, #key == A, #key == B below A, 0); cnt
-    i32[1] the band count; band i32[cap]; br i32[4] the bracket (A, B, above_on, 0); x f32[N] (read only by the
-    fallback); out r i32[4] = (a, t, bulk_on, done)."""
+    i32[1] the band count; band i32[cap]; br i32[4] the bracket (A, B, above_on, 0); x f32[N] (read by the
+    fallback); out r i32[4] = (a, t, bulk_on, done), or with_quota i32[8] = (a, t, bulk_on, done, quota, 0, 0, 0):
+    the ties == t the row takes, kk - #(key > t), from the counts this kernel has (#key > A, #key > B, the band
+    above t; a row of the fallback counts its keys > t in one more pass), for `gpu_fused.compact_rows`."""
     kk = jnp.clip(k_ref[0], 0, width)
     c = jnp.sum(c_ref[...], axis=0)
     lane = jnp.arange(4, dtype=jnp.int32)
@@ -172,7 +177,20 @@ def _resolve_kernel(k_ref, c_ref, cnt_ref, band_ref, br_ref, x_ref, r_out, *, n:
     lo = jnp.where(ok, lo, lo_f)
     done = jnp.where(ok, done | (kk <= 0), (kk <= 0) | (cnt_f == kk))
     a, t, on = selection_rule(lo, done, kk)
-    r_out[...] = jnp.where(lane == 0, a, jnp.where(lane == 1, t, jnp.where(lane == 2, on, done)))
+    if not with_quota:
+        r_out[...] = jnp.where(lane == 0, a, jnp.where(lane == 1, t, jnp.where(lane == 2, on, done)))
+        return
+    # #(key > t) of a row that is not done (t = lo; a = t + 1 with the bulk on, none above t otherwise).
+    band_gt = jnp.sum(((band > lo) & (slot < n_band)).astype(jnp.int32))
+    recount = jnp.logical_not(ok) & jnp.logical_not(done)
+    gt_f, _, _ = gpu_fused.rule_totals(x_ref, jnp.int32(0), jnp.where(recount, jnp.int32(pl.cdiv(n, block_n)),
+                                                                      jnp.int32(0)), a, t, on, done, n=n,
+                                       block_n=block_n)
+    n_gt = jnp.where(at_a, gt_a, jnp.where(in_band, ge_a + band_gt, jnp.where(at_b, gt_b, gt_f)))
+    quota = jnp.where(done, 0, kk - n_gt)
+    lane8 = jnp.arange(8, dtype=jnp.int32)
+    r_out[...] = jnp.where(lane8 == 0, a, jnp.where(lane8 == 1, t, jnp.where(lane8 == 2, on, jnp.where(
+        lane8 == 3, done, jnp.where(lane8 == 4, quota, 0)))))
 
 
 def topk_select_sample(x: Array, k_rows: Array, K: int, *, sample: int = 4096, sigmas: float = 4.0,
@@ -205,15 +223,18 @@ def topk_select_sample(x: Array, k_rows: Array, K: int, *, sample: int = 4096, s
                                                 block_n=block_n, target_programs=target_programs, params=params,
                                                 interpret=interpret)
     S = counts.shape[1]
+    whole_rows = S == 1  # one program per row (many rows): the compaction ranks whole rows from the rule alone
+    w = 8 if whole_rows else 4
     row1 = lambda w: pl.BlockSpec((None, w), lambda r: (r, 0))  # noqa: E731
     rule = pl.pallas_call(
-        functools.partial(_resolve_kernel, n=N, width=K, cap=cap, bits=bits, block_n=block_n),
+        functools.partial(_resolve_kernel, n=N, width=K, cap=cap, bits=bits, block_n=block_n, with_quota=whole_rows),
         grid=(R,), in_specs=[row1(1), pl.BlockSpec((None, S, 4), lambda r: (r, 0, 0)), row1(1), row1(cap), row1(4),
                              row1(N)],
-        out_specs=row1(4), out_shape=jax.ShapeDtypeStruct((R, 4), jnp.int32),
+        out_specs=row1(w), out_shape=jax.ShapeDtypeStruct((R, w), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=max(4, min(16, cap // 1024)), num_stages=1),
         interpret=interpret, name="topk_select_resolve")(k2, counts, n_band, band, bracket, x)
-
+    if whole_rows:
+        return gpu_fused.compact_rows(x, rule, K, block_n=block_n, params=params, interpret=interpret)
     return gpu_fused.compact_with_rule(x, k2, rule, K, block_n=block_n, target_programs=target_programs,
                                        params=params, interpret=interpret)
 
