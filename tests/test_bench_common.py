@@ -1,10 +1,11 @@
-"""eval.bench.common's timing helpers."""
+"""eval.bench.common's timing helpers and the commit a benchmark JSON names."""
 
+import subprocess
 import time
 
 import jax.numpy as jnp
 
-from eval.bench.common import pipelined_ms, time_ms
+from eval.bench.common import git_commit, pipelined_ms, time_ms
 
 
 def _sleeper(calls, ms):
@@ -27,3 +28,23 @@ def test_time_ms_is_the_median_of_blocked_calls():
     got = time_ms(_sleeper(calls, 2.0), jnp.ones(3), warmup=1, iters=4)
     assert len(calls) == 5
     assert 2.0 <= got < 50.0
+
+
+def test_git_commit_marks_a_tree_that_differs_from_head(tmp_path, monkeypatch):
+    """HEAD's hash, "-dirty" once a tracked file differs from it, $GIT_COMMIT over both, "unknown" outside a repo."""
+    monkeypatch.delenv("GIT_COMMIT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert git_commit() == "unknown"
+    git = lambda *a: subprocess.run(["git", *a], check=True, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    git("init", "-q")
+    (tmp_path / "f.py").write_text("a = 1\n")
+    git("add", "f.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    head = git("rev-parse", "HEAD")
+    assert git_commit() == head
+    (tmp_path / "new.py").write_text("untracked\n")  # untracked files do not make the run another commit's code
+    assert git_commit() == head
+    (tmp_path / "f.py").write_text("a = 2\n")
+    assert git_commit() == head + "-dirty"
+    monkeypatch.setenv("GIT_COMMIT", "abc1234")
+    assert git_commit() == "abc1234"

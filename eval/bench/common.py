@@ -71,10 +71,14 @@ def out_path(out: str, name: str) -> str:
 
 
 def git_commit() -> str:
+    """$GIT_COMMIT, else HEAD's hash with "-dirty" when tracked files differ from it (the code that ran was not
+    that commit's: an uncommitted edit, or a copied tree whose .git is older than its files), else "unknown"."""
     if os.environ.get("GIT_COMMIT"):
         return os.environ["GIT_COMMIT"]
     try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+        run = lambda *a: subprocess.check_output(["git", *a], text=True, stderr=subprocess.DEVNULL).strip()  # noqa: E731
+        head = run("rev-parse", "HEAD")
+        return head + ("-dirty" if run("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
