@@ -210,16 +210,16 @@ def compact_chunks(x_ref, o_ref, first, count, a, t, on, ties, quota, base, *, n
     return lax.fori_loop(0, count, body, (jnp.int32(0), jnp.int32(0)))[0]
 
 
-def pad_output(o_ref, total, rows, *, width: int, wblock: int):
-    """Writes -1 into the output slots total .. width - 1 of o i32[width], when `rows` (a bool: this program
-    pads its row)."""
+def pad_output(o_ref, total, active, *, width: int, wblock: int):
+    """Writes -1 into the output slots total .. width - 1 of o i32[width] when `active` (a bool: whether this
+    program pads its row)."""
     def pad(i, c):
         slot = i * wblock + jnp.arange(wblock, dtype=jnp.int32)
         plgpu.store(o_ref.at[pl.ds(i * wblock, wblock)], jnp.full((wblock,), -1, jnp.int32),
                     mask=(slot >= total) & (slot < width))
         return c
 
-    lax.fori_loop(jnp.int32(0), jnp.where(rows, jnp.int32(pl.cdiv(width, wblock)), jnp.int32(0)), pad,
+    lax.fori_loop(jnp.int32(0), jnp.where(active, jnp.int32(pl.cdiv(width, wblock)), jnp.int32(0)), pad,
                   jnp.int32(0))  # bounds of one dtype (Triton's scf.for needs it)
 
 
