@@ -127,14 +127,7 @@ def _select_kernel(k_ref, br_ref, nb_ref, eq_ref, pos_ref, x_ref, *refs, n: int,
     tie_out_s = (t_s > KEY_NEG_INF) & (t_s <= KEY_POS_INF)
     total_s = out_s + jnp.where(tie_out_s, jnp.minimum(tie_s, quota_s), 0)
     total = jnp.where(stream, total_s, total)
-
-    def pad(i, c):
-        s = i * wpad + jnp.arange(wpad, dtype=jnp.int32)
-        plgpu.store(o_ref.at[pl.ds(i * wpad, wpad)], jnp.full((wpad,), -1, jnp.int32),
-                    mask=(s >= total) & (s < width))
-        return c
-
-    lax.fori_loop(jnp.int32(0), jnp.int32(pl.cdiv(width, wpad)), pad, jnp.int32(0))
+    gpu_fused.pad_output(o_ref, total, jnp.bool_(True), width=width, wblock=wpad)
 
 
 def topk_select_ordered(x: Array, k_rows: Array, K: int, *, sample: int = 8192, sigmas: float = 4.0,
