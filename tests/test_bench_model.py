@@ -312,3 +312,14 @@ def test_method_rows_at_batch_max_time_the_batch_largest_batch_gives(tiny, monke
     assert seen == [(2, 256)]
     assert [(r["method"], r["batch"], r["batch_asked"]) for r in rows] == [("dense", 3, "max"), ("streaming", 3, "max")]
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_xla_flags_are_appended_once():
+    """`--xla-flags` repeats the defaults the `jsparse` command already set: each flag is appended once, a new value
+    after the old one (the later flag wins in XLA), and nothing is lost."""
+    from jsparse.xla_flags import GPU_XLA_FLAGS
+    current = " ".join(GPU_XLA_FLAGS)
+    assert bench_model.merged_xla_flags(current, current) == current
+    merged = bench_model.merged_xla_flags(current + " --xla_a=1", "--xla_gpu_enable_triton_gemm=true --xla_a=1")
+    assert merged == current + " --xla_a=1 --xla_gpu_enable_triton_gemm=true"
+    assert bench_model.merged_xla_flags("", " --x=1  --y=2 ") == "--x=1 --y=2"

@@ -70,6 +70,13 @@ from models.presets import preset
 from models.compile_options import model_jit
 
 
+def merged_xla_flags(current: str, extra: str) -> str:
+    """XLA_FLAGS `current` with the flags of `extra` appended (a later flag wins), each one not already there
+    verbatim: the `jsparse` command has set the defaults that `--xla-flags` repeats, and the JSON records the result."""
+    present = current.split()
+    return " ".join(present + [f for f in extra.split() if f not in present])
+
+
 def param_bytes(params) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
 
@@ -590,7 +597,7 @@ def main(argv=None, prog=None):
     a = p.parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # 100K x batch 4: 53 GB of cache + 16 GB weights
     if a.xla_flags:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + a.xla_flags).strip()
+        os.environ["XLA_FLAGS"] = merged_xla_flags(os.environ.get("XLA_FLAGS", ""), a.xla_flags)
     contexts = [int(x) for x in a.context.split(",") if x.strip()]
     try:
         batches = parse_batches(a.batch)
