@@ -9,10 +9,8 @@ denominator and the weighted sum, three XLA fusions): H200 experiment for issue 
    (default "variadic,xla3,variadic,xla3"), each after `jax.clear_caches()`.
 Writes $OUT/merge_variadic.json and prints a table.  Usage (GPU): OUT=... python eval/results/h200/merge_variadic/run_merge.py
 """
-import json
 import os
 import re
-import time
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +18,7 @@ import numpy as np
 
 from eval.bench import common as bm
 from eval.bench import model as bmod
+from eval.results.h200.unroll.unroll import timed_rounds
 from models.cache import KVCache
 from pallas_kernels.dense_decode.gpu import dense_decode_stacked_gpu
 from pallas_kernels.sparse_attention import gpu as sparse_gpu
@@ -109,19 +108,7 @@ def main():
         use(merge)
         res["launches"][merge] = launches(cfg, params, "streaming")
     print("launches (streaming step HLO)", res["launches"], flush=True)
-    res["rounds"] = []
-    for merge in rounds:
-        use(merge)
-        t0 = time.perf_counter()
-        rows = bmod.method_rows(cfg, params, methods, [100000], [4], 16, hbm, 0.1)
-        res["rounds"].append(dict(merge=merge, seconds=round(time.perf_counter() - t0, 1), rows=rows))
-        with open(os.path.join(out, "merge_variadic.json"), "w") as f:
-            json.dump(res, f, indent=1, default=str)
-    print(f"{'merge':>9s} " + " ".join(f"{m:>22s}" for m in methods))
-    for rd in res["rounds"]:
-        cells = [f"{r['step_ms']:8.3f} ms ({r.get('floor_fraction', float('nan')):.3f})" if "error" not in r
-                 else r["error"][:22] for r in rd["rows"]]
-        print(f"{rd['merge']:>9s} " + " ".join(f"{c:>22s}" for c in cells), f"[{rd['seconds']} s]")
+    timed_rounds(res, "merge", rounds, use, cfg, params, hbm, methods, os.path.join(out, "merge_variadic.json"))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,30 @@ from eval.bench import model as bmod
 from models import llama
 
 
+def timed_rounds(res: dict, key: str, rounds, setup, cfg, params, hbm, methods, path: str) -> None:
+    """For each round r: setup(r) (which clears jax's caches), then `method_rows` of methods at 100K, batch 4,
+    budget 0.1, appended to res["rounds"] as {key: r, seconds, rows}; res is rewritten to path after every round.
+    Then prints the table (step ms, share of the bytes floor). Also ../merge_variadic/run_merge.py's rounds."""
+    res["rounds"] = []
+    for r in rounds:
+        setup(r)
+        t0 = time.perf_counter()
+        rows = bmod.method_rows(cfg, params, methods, [100000], [4], 16, hbm, 0.1)
+        res["rounds"].append({key: r, "seconds": round(time.perf_counter() - t0, 1), "rows": rows})
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    print(f"{key:>9s} " + " ".join(f"{m:>22s}" for m in methods))
+    for rd in res["rounds"]:
+        cells = [f"{r['step_ms']:8.3f} ms ({r.get('floor_fraction', float('nan')):.3f})" if "error" not in r
+                 else r["error"][:22] for r in rd["rows"]]
+        print(f"{rd[key]:>9s} " + " ".join(f"{c:>22s}" for c in cells), f"[{rd['seconds']} s]")
+
+
+def set_unroll(r: str) -> None:
+    llama.decode.__kwdefaults__["unroll"] = True if r == "T" else int(r)
+    jax.clear_caches()
+
+
 def main():
     out = os.environ.get("OUT", "/tmp")
     methods = tuple(os.environ.get("METHODS", "dense,streaming").split(","))
@@ -25,23 +49,8 @@ def main():
     hbm = bm.measure_hbm_gbs()
     params = bmod.bench_params(cfg, "default")
     res = dict(bm.device_facts(), command="OUT=... python eval/results/h200/unroll/unroll.py", methods=methods,
-               context=100000, batch=4, budget=0.1, rounds=[])
-    for r in rounds:
-        unroll = True if r == "T" else int(r)
-        llama.decode.__kwdefaults__["unroll"] = unroll
-        jax.clear_caches()
-        t0 = time.perf_counter()
-        rows = bmod.method_rows(cfg, params, methods, [100000], [4], 16, hbm, 0.1)
-        res["rounds"].append(dict(unroll=r, seconds=round(time.perf_counter() - t0, 1), rows=rows))
-        with open(os.path.join(out, "unroll.json"), "w") as f:
-            json.dump(res, f, indent=1, default=str)
-    print(f"{'round':>6s} " + " ".join(f"{m:>22s}" for m in methods))
-    for rd in res["rounds"]:
-        cells = []
-        for row in rd["rows"]:
-            cells.append(f"{row.get('step_ms', float('nan')):8.3f} ms ({row.get('floor_fraction', float('nan')):.3f})"
-                         if "error" not in row else row["error"][:22])
-        print(f"{rd['unroll']:>6s} " + " ".join(f"{c:>22s}" for c in cells), f"[{rd['seconds']} s]")
+               context=100000, batch=4, budget=0.1)
+    timed_rounds(res, "unroll", rounds, set_unroll, cfg, params, hbm, methods, os.path.join(out, "unroll.json"))
 
 
 if __name__ == "__main__":
