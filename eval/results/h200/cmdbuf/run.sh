@@ -7,7 +7,9 @@
 #   off:     --xla_gpu_enable_command_buffer= (no CUDA graphs);
 #   while:   command buffers that also capture the layer scan's while loop (a list replacing XLA's default);
 #   while2:  XLA's default command types plus WHILE and CONDITIONAL ("+" adds to the default list);
-#   whiledsf: as while2, plus DYNAMIC_SLICE_FUSION.
+#   whiledsf: as while2, plus DYNAMIC_SLICE_FUSION;
+#   unrollcb: as while2, with the loop of known trip count unrolled into the graph
+#            (--xla_gpu_command_buffer_unroll_loops=true).
 # Then (PROFILE=1, the default) the kernel sequence of StreamingLLM's step under the variants of $PROFILE_VARIANTS,
 # with $PROFILE_FLAGS added (e.g. --xla_enable_command_buffers_during_profiling=true: keep the CUDA graphs while
 # tracing; XLA otherwise runs them op by op under a profiler).
@@ -22,6 +24,7 @@ declare -A FLAGS=(
   [while]="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"
   [while2]="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
   [whiledsf]="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL,+DYNAMIC_SLICE_FUSION"
+  [unrollcb]="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_command_buffer_unroll_loops=true"
 )
 for tag in ${ORDER:-default nobl off default nobl off}; do
   n=$(ls "$OUT" | grep -c "^bench_${tag}_" || true)
