@@ -31,6 +31,8 @@ def test_kernel_table_counts_gpu_ops_per_step_and_the_gaps_between_them(tmp_path
     # busy: [0, 40) + [50, 52) + [60, 180) = 162 of the span [0, 180): 18 us idle (over 2 steps)
     assert t["gpu_busy_us_per_step"] == pytest.approx(81) and t["gpu_span_us_per_step"] == pytest.approx(90)
     assert t["gpu_idle_us_per_step"] == pytest.approx(9)
+    assert t["largest_gaps"] == [{"idle_us": 10, "before": "loop_add_fusion", "at_us": 50},
+                                 {"idle_us": 8, "before": "anchor_decode_logits", "at_us": 60}]
     assert [r["kernel"] for r in t["top"]] == ["anchor_decode_logits", "sm90_xmma_gemm_bf16", "topk_select_row",
                                                "loop_add_fusion"]
     assert [r["kind"] for r in t["top"]] == ["custom", "gemm", "custom", "xla"]
