@@ -5,7 +5,8 @@ profile_unrolled.py found the unrolled step without idle time at the layer bound
 call of 16 steps, so that lead-in weighs 0.13 ms a step there, and less in `generate`'s one loop over all tokens.
 Here: `method_rows` of METHODS (env, default dense,streaming,kascade) at 100K, batch 4, budget 0.1 for each round
 of ROUNDS (env, default "1:16,T:16,1:64,T:64,1:16,T:16,1:64,T:64": unroll:steps), `jax.clear_caches()` between
-rounds. Writes $OUT/steps.json and prints a table.
+rounds. The library's XLA flags are set first, as `jsparse bench model` does (`jsparse.xla_flags`); NOFLAGS=1
+leaves them out (steps_noflags.json was such a run). Writes $OUT/steps.json and prints a table.
 Usage (GPU): OUT=... PYTHONPATH=. python eval/results/h200/unroll/steps.py
 """
 import json
@@ -20,13 +21,16 @@ from models import llama
 
 
 def main():
+    if os.environ.get("NOFLAGS") != "1":
+        from jsparse.xla_flags import set_xla_flags
+        set_xla_flags()
     out = os.environ.get("OUT", "/tmp")
     methods = tuple(os.environ.get("METHODS", "dense,streaming,kascade").split(","))
     rounds = os.environ.get("ROUNDS", "1:16,T:16,1:64,T:64,1:16,T:16,1:64,T:64").split(",")
     cfg = bmod.preset("llama3-8b")
     hbm = bm.measure_hbm_gbs()
     params = bmod.bench_params(cfg, "default")
-    res = dict(bm.device_facts(), command="OUT=... python eval/results/h200/unroll/steps.py", methods=methods,
+    res = dict(bm.device_facts(), xla_flags=os.environ.get("XLA_FLAGS", ""), command="OUT=... python eval/results/h200/unroll/steps.py", methods=methods,
                context=100000, batch=4, budget=0.1, rounds=[])
     for r in rounds:
         unroll, steps = r.split(":")
