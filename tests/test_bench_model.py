@@ -323,3 +323,25 @@ def test_xla_flags_are_appended_once():
     merged = bench_model.merged_xla_flags(current + " --xla_a=1", "--xla_gpu_enable_triton_gemm=true --xla_a=1")
     assert merged == current + " --xla_a=1 --xla_gpu_enable_triton_gemm=true"
     assert bench_model.merged_xla_flags("", " --x=1  --y=2 ") == "--x=1 --y=2"
+
+
+@pytest.mark.parametrize("name", ["dense", "kascade", "evosparse"])
+def test_unrolled_decode_steps_equal_the_rolled_scan(tiny, name):
+    """`--unroll-layers` times the same steps: the layer scan unrolled in full (one scan, or Kascade's runs of
+    layers of one role) gives the rolled scan's tokens, cache and state."""
+    cfg, params = tiny
+    method, _ = bench_model.bench_method(name, cfg, 0.25)
+    out, loops = [], []
+    for unroll in (1, True):
+        cache = bench_model.filled_cache(cfg, 2, 96, 128, jnp.float32)
+        state = method.init_state(cfg, 2, 128)
+        args = (params, method, jnp.zeros((2, 1), jnp.int32), cache, state)
+        loops.append(bench_model.method_decode_steps.lower(*args, cfg=cfg, steps=3, unroll=unroll).as_text()
+                     .count("stablehlo.while"))
+        out.append(bench_model.method_decode_steps(*args, cfg=cfg, steps=3, unroll=unroll))
+    assert loops[1] < loops[0]  # the layer scans are gone; the steps' loop stays
+    (tok1, cache1, state1), (tok2, cache2, state2) = out
+    assert (tok1 == tok2).all() and (cache1.lengths == cache2.lengths).all()
+    assert jnp.allclose(cache1.k, cache2.k, atol=1e-5) and jnp.allclose(cache1.v, cache2.v, atol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(state1), jax.tree_util.tree_leaves(state2)):
+        assert jnp.allclose(a, b, atol=1e-5)

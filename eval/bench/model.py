@@ -342,21 +342,22 @@ def attention_bytes(name: str, method, cfg, batch: int, n: int) -> int:
     raise ValueError(f"no byte model for method {name!r}")
 
 
-@functools.partial(model_jit, static_argnames=("cfg", "steps"), donate_argnames=("cache", "state"))
-def method_decode_steps(params, method, tok, cache, state, *, cfg, steps):
-    """`steps` greedy decode steps of `models.llama.decode` (the library's step), carrying the method's state."""
+@functools.partial(model_jit, static_argnames=("cfg", "steps", "unroll"), donate_argnames=("cache", "state"))
+def method_decode_steps(params, method, tok, cache, state, *, cfg, steps, unroll: int | bool = 1):
+    """`steps` greedy decode steps of `models.llama.decode` (the library's step), carrying the method's state;
+    unroll: the layer scan's (`models.llama.decode`'s `unroll`; True unrolls it in full)."""
     def body(_, carry):
         tok, cache, state = carry
-        logits, cache, state = llama.decode(params, cfg, method, tok, cache, state)
+        logits, cache, state = llama.decode(params, cfg, method, tok, cache, state, unroll=unroll)
         return jnp.argmax(logits, -1).astype(jnp.int32), cache, state
     return jax.lax.fori_loop(0, steps, body, (tok, cache, state))
 
 
 def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, prefill_contexts=(),
                 mm: float = 0.0, built: dict | None = None, tsa_kept: float = TSA_KEPT,
-                method_options: dict | None = None) -> list[dict]:
+                method_options: dict | None = None, unroll: int | bool = 1) -> list[dict]:
     """Decode rows (and prefill rows at `prefill_contexts`, batch 1) of every method; dense first. The prefill
-    methods (PREFILL_METHODS) get prefill rows only.
+    methods (PREFILL_METHODS) get prefill rows only. unroll: the decode layer scan's (`method_decode_steps`).
 
     built: {row name: (method, how its state was made)} for names whose method is not `bench_method(name)`'s
     (a variant named "method:variant" takes the byte model of "method"; eval/bench/profile_decode_step.py)."""
@@ -386,11 +387,13 @@ def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, pre
                     cache = filled_cache(cfg, batch, context, capacity, params.embed.dtype)
                     state = method.init_state(cfg, batch, capacity)
                     tok = jnp.zeros((batch, 1), jnp.int32)
-                    tok, cache, state = method_decode_steps(params, method, tok, cache, state, cfg=cfg, steps=steps)
+                    tok, cache, state = method_decode_steps(params, method, tok, cache, state, cfg=cfg, steps=steps,
+                                                                   unroll=unroll)
                     jax.block_until_ready(tok)  # compiled and warm
                     cache = KVCache(k=cache.k, v=cache.v, lengths=jnp.full((batch,), context, jnp.int32))
                     t0 = time.perf_counter()
-                    tok, cache, state = method_decode_steps(params, method, tok, cache, state, cfg=cfg, steps=steps)
+                    tok, cache, state = method_decode_steps(params, method, tok, cache, state, cfg=cfg, steps=steps,
+                                                                   unroll=unroll)
                     jax.block_until_ready(tok)
                     ms = (time.perf_counter() - t0) * 1e3 / steps
                     n = context + steps // 2
@@ -460,7 +463,7 @@ def _raise_failed(checks: dict) -> None:
 
 def run_methods(shape: str, methods, contexts, batches, steps: int, out: str | None, budget: float,
                 prefill_contexts=(), check: bool = True, tsa_kept: float = TSA_KEPT, attention_only: bool = False,
-                method_options: dict | None = None, layout: str = "default"):
+                method_options: dict | None = None, layout: str = "default", unroll: int | bool = 1):
     cfg = attention_only_config(preset(shape)) if attention_only else preset(shape)
     if methods[0] != "dense":
         methods = ("dense",) + tuple(m for m in methods if m != "dense")  # the baseline of the same run, first
@@ -471,7 +474,7 @@ def run_methods(shape: str, methods, contexts, batches, steps: int, out: str | N
     params = bench_params(cfg, layout)
     mm = bm.measure_matmul_tflops() if prefill_contexts else 0.0
     rows = method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, prefill_contexts, mm,
-                       tsa_kept=tsa_kept, method_options=method_options)
+                       tsa_kept=tsa_kept, method_options=method_options, unroll=unroll)
     nparams, fused = param_bytes(params), is_fused(params)
     del params  # the check's small model next (after the timing: the module docstring says why)
     checks = method_checks(cfg, tuple(m for m in methods if m not in PREFILL_METHODS), budget, check, method_options,
@@ -486,7 +489,7 @@ def run_methods(shape: str, methods, contexts, batches, steps: int, out: str | N
                                                        "num_kv_heads", "head_dim", "vocab_size")},
                "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), "measured_hbm_gbs": hbm,
                "param_bytes": nparams, "fused_projections": fused, "decode_steps_timed": steps,
-               "measured_matmul_tflops": mm or None, "methods": checks, "rows": rows}
+               "decode_layer_unroll": unroll, "measured_matmul_tflops": mm or None, "methods": checks, "rows": rows}
     if out:
         bm.write_json(out, payload)
     if contexts:
@@ -591,6 +594,10 @@ def main(argv=None, prog=None):
     p.add_argument("--layout", default="default", choices=LAYOUTS,
                    help="the weights' layout: default (what jsparse.load gives: q/k/v and gate/up fused into one "
                         "weight each on a GPU, models.params), fused, or separate (one GEMM per projection)")
+    p.add_argument("--unroll-layers", action="store_true",
+                   help="with --methods: time decode steps whose layer scan is unrolled in full "
+                        "(models.llama.decode(unroll=True)): no loop bookkeeping per layer, but each call of the "
+                        "decode loop starts later (eval/results/h200/unroll/NOTES.md); default: the rolled scan")
     p.add_argument("--no-check", action="store_true",
                    help="skip the correctness check that runs after the timing (each method's decode step against its "
                         "masked reference on a small model; see above)")
@@ -634,12 +641,14 @@ def main(argv=None, prog=None):
                 p.error("--method-option: dense alone takes no options")
             if a.attention_only:
                 p.error("--attention-only compares methods: give --methods (dense and others)")
+            if a.unroll_layers:
+                p.error("--unroll-layers times the methods' decode loop: give --methods (dense and others)")
             run(a.shape, contexts, batches, a.steps, a.out, check=not a.no_check, layout=a.layout)
         else:
             pre = [int(x) for x in a.prefill_context.split(",") if x.strip()]
             run_methods(a.shape, methods, contexts, batches, a.steps, a.out, a.budget, pre, check=not a.no_check,
                         tsa_kept=a.tsa_kept, attention_only=a.attention_only, method_options=method_options,
-                        layout=a.layout)
+                        layout=a.layout, unroll=True if a.unroll_layers else 1)
     except CheckFailed as e:
         sys.exit(f"{p.prog}: error: {e}")
 
