@@ -9,15 +9,22 @@ rounds. The library's XLA flags are set first, as `jsparse bench model` does (`j
 leaves them out (steps_noflags.json was such a run). Writes $OUT/steps.json and prints a table.
 Usage (GPU): OUT=... PYTHONPATH=. python eval/results/h200/unroll/steps.py
 """
-import json
 import os
-import time
 
 import jax
 
 from eval.bench import common as bm
 from eval.bench import model as bmod
+from eval.results.h200.unroll.unroll import timed_rounds
 from models import llama
+
+
+def setup(r: str) -> int:
+    """Round "unroll:steps": sets `models.llama.decode`'s `unroll` default, clears jax's caches, returns the steps."""
+    unroll, steps = r.split(":")
+    llama.decode.__kwdefaults__["unroll"] = True if unroll == "T" else int(unroll)
+    jax.clear_caches()
+    return int(steps)
 
 
 def main():
@@ -30,22 +37,10 @@ def main():
     cfg = bmod.preset("llama3-8b")
     hbm = bm.measure_hbm_gbs()
     params = bmod.bench_params(cfg, "default")
-    res = dict(bm.device_facts(), xla_flags=os.environ.get("XLA_FLAGS", ""), command="OUT=... python eval/results/h200/unroll/steps.py", methods=methods,
-               context=100000, batch=4, budget=0.1, rounds=[])
-    for r in rounds:
-        unroll, steps = r.split(":")
-        llama.decode.__kwdefaults__["unroll"] = True if unroll == "T" else int(unroll)
-        jax.clear_caches()
-        t0 = time.perf_counter()
-        rows = bmod.method_rows(cfg, params, methods, [100000], [4], int(steps), hbm, 0.1)
-        res["rounds"].append({"round": r, "seconds": round(time.perf_counter() - t0, 1), "rows": rows})
-        with open(os.path.join(out, "steps.json"), "w") as f:
-            json.dump(res, f, indent=1, default=str)
-    print(f"{'unroll:steps':>12s} " + " ".join(f"{m:>22s}" for m in methods))
-    for rd in res["rounds"]:
-        cells = [f"{x['step_ms']:8.3f} ms ({x.get('floor_fraction', float('nan')):.3f})" if "error" not in x
-                 else x["error"][:22] for x in rd["rows"]]
-        print(f"{rd['round']:>12s} " + " ".join(f"{c:>22s}" for c in cells), f"[{rd['seconds']} s]")
+    res = dict(bm.device_facts(), xla_flags=os.environ.get("XLA_FLAGS", ""),
+               command="OUT=... python eval/results/h200/unroll/steps.py", methods=methods, context=100000, batch=4,
+               budget=0.1)
+    timed_rounds(res, "round", rounds, setup, cfg, params, hbm, methods, os.path.join(out, "steps.json"))
 
 
 if __name__ == "__main__":

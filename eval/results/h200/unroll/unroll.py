@@ -18,14 +18,15 @@ from models import llama
 
 
 def timed_rounds(res: dict, key: str, rounds, setup, cfg, params, hbm, methods, path: str) -> None:
-    """For each round r: setup(r) (which clears jax's caches), then `method_rows` of methods at 100K, batch 4,
-    budget 0.1, appended to res["rounds"] as {key: r, seconds, rows}; res is rewritten to path after every round.
-    Then prints the table (step ms, share of the bytes floor). Also ../merge_variadic/run_merge.py's rounds."""
+    """For each round r: setup(r) (which clears jax's caches; it may return the decode steps a call, default 16),
+    then `method_rows` of methods at 100K, batch 4, budget 0.1, appended to res["rounds"] as {key: r, seconds,
+    rows}; res is rewritten to path after every round. Then prints the table (step ms, share of the bytes floor).
+    Also ../merge_variadic/run_merge.py's and steps.py's rounds."""
     res["rounds"] = []
     for r in rounds:
-        setup(r)
+        steps = setup(r) or 16
         t0 = time.perf_counter()
-        rows = bmod.method_rows(cfg, params, methods, [100000], [4], 16, hbm, 0.1)
+        rows = bmod.method_rows(cfg, params, methods, [100000], [4], steps, hbm, 0.1)
         res["rounds"].append({key: r, "seconds": round(time.perf_counter() - t0, 1), "rows": rows})
         with open(path, "w") as f:
             json.dump(res, f, indent=1, default=str)
