@@ -13,9 +13,7 @@ import os
 
 import jax
 
-from eval.bench import common as bm
-from eval.bench import model as bmod
-from eval.results.h200.unroll.unroll import timed_rounds
+from eval.results.h200.unroll.unroll import run_rounds
 from models import llama
 
 
@@ -31,16 +29,8 @@ def main():
     if os.environ.get("NOFLAGS") != "1":
         from jsparse.xla_flags import set_xla_flags
         set_xla_flags()
-    out = os.environ.get("OUT", "/tmp")
-    methods = tuple(os.environ.get("METHODS", "dense,streaming,kascade").split(","))
-    rounds = os.environ.get("ROUNDS", "1:16,T:16,1:64,T:64,1:16,T:16,1:64,T:64").split(",")
-    cfg = bmod.preset("llama3-8b")
-    hbm = bm.measure_hbm_gbs()
-    params = bmod.bench_params(cfg, "default")
-    res = dict(bm.device_facts(), xla_flags=os.environ.get("XLA_FLAGS", ""),
-               command="OUT=... python eval/results/h200/unroll/steps.py", methods=methods, context=100000, batch=4,
-               budget=0.1)
-    timed_rounds(res, "round", rounds, setup, cfg, params, hbm, methods, os.path.join(out, "steps.json"))
+    run_rounds("round", setup, "eval/results/h200/unroll/steps.py", "steps.json", "dense,streaming,kascade",
+               "1:16,T:16,1:64,T:64,1:16,T:16,1:64,T:64", xla_flags=os.environ.get("XLA_FLAGS", ""))
 
 
 if __name__ == "__main__":

@@ -42,16 +42,23 @@ def set_unroll(r: str) -> None:
     jax.clear_caches()
 
 
-def main():
+def run_rounds(key: str, setup, script: str, name: str, methods: str, rounds: str, **facts) -> None:
+    """`timed_rounds` of $METHODS (default `methods`) over $ROUNDS (default `rounds`) on Llama-3.1-8B shapes, random
+    bf16 weights, into $OUT/name, the JSON also holding the device facts, `script`'s command and `facts`."""
     out = os.environ.get("OUT", "/tmp")
-    methods = tuple(os.environ.get("METHODS", "dense,streaming").split(","))
-    rounds = os.environ.get("ROUNDS", "1,T,1,T").split(",")
+    methods = tuple(os.environ.get("METHODS", methods).split(","))
     cfg = bmod.preset("llama3-8b")
     hbm = bm.measure_hbm_gbs()
     params = bmod.bench_params(cfg, "default")
-    res = dict(bm.device_facts(), command="OUT=... python eval/results/h200/unroll/unroll.py", methods=methods,
-               context=100000, batch=4, budget=0.1)
-    timed_rounds(res, "unroll", rounds, set_unroll, cfg, params, hbm, methods, os.path.join(out, "unroll.json"))
+    res = dict(bm.device_facts(), **facts, command=f"OUT=... python {script}", methods=methods, context=100000,
+               batch=4, budget=0.1)
+    timed_rounds(res, key, os.environ.get("ROUNDS", rounds).split(","), setup, cfg, params, hbm, methods,
+                 os.path.join(out, name))
+
+
+def main():
+    run_rounds("unroll", set_unroll, "eval/results/h200/unroll/unroll.py", "unroll.json", "dense,streaming",
+               "1,T,1,T")
 
 
 if __name__ == "__main__":
