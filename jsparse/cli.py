@@ -89,6 +89,8 @@ def cmd_calibrate(args) -> int:
 BENCHMARKS = {
     "model": ("eval.bench.model", "prefill time and decode tokens/s of a model shape beside the roofline: dense, "
               "or every method of --methods (each checked against its masked reference first)"),
+    "model_table": ("eval.bench.model_table", "the README's end-to-end table (method x context x batch: tokens/s, "
+                    "speedup over dense, bytes floor, share) from `bench model --methods` JSONs, cells linked; no device"),
     "decode_step": ("eval.bench.decode_step", "whole decode step: KV cache read in place vs sliced, XLA-flag variants"),
     "evosparse": ("eval.bench.evosparse", "EvoSparse decode (layer, parts, decode step) vs dense cuDNN/XLA"),
     "tsa": ("eval.bench.tsa", "TSA prefill (scoring, compression, compressed attention) vs dense cuDNN"),
