@@ -325,7 +325,7 @@ def test_xla_flags_are_appended_once():
     assert bench_model.merged_xla_flags("", " --x=1  --y=2 ") == "--x=1 --y=2"
 
 
-@pytest.mark.parametrize("name", ["dense", "kascade", "evosparse"])
+@pytest.mark.parametrize("name", ["dense", "kascade"])
 def test_unrolled_decode_steps_equal_the_rolled_scan(tiny, name):
     """`--unroll-layers` times the same steps: the layer scan unrolled in full (one scan, or Kascade's runs of
     layers of one role) gives the rolled scan's tokens, cache and state."""
@@ -345,3 +345,11 @@ def test_unrolled_decode_steps_equal_the_rolled_scan(tiny, name):
     assert jnp.allclose(cache1.k, cache2.k, atol=1e-5) and jnp.allclose(cache1.v, cache2.v, atol=1e-5)
     for a, b in zip(jax.tree_util.tree_leaves(state1), jax.tree_util.tree_leaves(state2)):
         assert jnp.allclose(a, b, atol=1e-5)
+
+
+def test_unroll_layers_needs_the_methods_comparison(monkeypatch, capsys):
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    with pytest.raises(SystemExit):
+        bench_model.main(["--unroll-layers", "--context", "64", "--batch", "1"])
+    assert "--unroll-layers times the methods' decode loop: give --methods" in capsys.readouterr().err
