@@ -108,6 +108,16 @@ def device_ops(trace_dir: str) -> tuple[str, list[str], list[tuple[float, float,
     return path, [pid_names[p] for p in gpu_pids], ops
 
 
+def idle_before(ops) -> list[float]:
+    """For each op of `device_ops` (by start), the us the GPU ran nothing just before it: from the end of every op
+    before it to its start (0 for the first, or when an earlier op still runs)."""
+    idle, end = [], None
+    for ts, dur, _ in ops:
+        idle.append(0.0 if end is None else max(ts - end, 0.0))
+        end = ts + dur if end is None else max(end, ts + dur)
+    return idle
+
+
 def kernel_table(trace_dir: str, steps: int, top: int) -> dict:
     """Aggregates the device ops (events on GPU streams) of the newest Perfetto trace under trace_dir, per step."""
     path, gpu_processes, ops = device_ops(trace_dir)
@@ -127,11 +137,8 @@ def kernel_table(trace_dir: str, steps: int, top: int) -> dict:
         kinds[r["kind"]][1] += r["us_per_step"]
     small = [r for r in rows if r["kind"] == "xla" and r["us_per_step"] < SMALL_US * r["launches_per_step"]]
     busy, span = _busy_us(intervals)
-    gaps, end = [], None
-    for ts, dur, name in ops:  # idle time before each op: the GPU ran nothing between the ops before it and it
-        if end is not None and ts > end:
-            gaps.append({"idle_us": ts - end, "before": name[:90], "at_us": ts - ops[0][0]})
-        end = ts + dur if end is None else max(end, ts + dur)
+    gaps = [{"idle_us": idle, "before": name[:90], "at_us": ts - ops[0][0]}
+            for (ts, _, name), idle in zip(ops, idle_before(ops)) if idle > 0]
     return {"trace": path, "gpu_processes": gpu_processes, "kernels_per_step": count / steps,
             "device_us_per_step": total / steps, "gpu_busy_us_per_step": busy / steps,
             "gpu_span_us_per_step": span / steps, "gpu_idle_us_per_step": (span - busy) / steps,

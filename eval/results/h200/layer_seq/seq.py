@@ -7,15 +7,15 @@
 import json
 import sys
 
-from eval.bench.profile_decode_step import device_ops
+from eval.bench.profile_decode_step import device_ops, idle_before
 
 
 def main(trace_dir: str, out: str) -> None:
     path, _, ops = device_ops(trace_dir)
-    t0, end, rows = ops[0][0], ops[0][0], []
-    for ts, dur, name in ops:
-        rows.append([name[:80], round(ts - t0, 2), round(dur, 2), round(max(ts - end, 0.0), 2)])
-        end = max(end, ts + dur)
+    t0 = ops[0][0]
+    rows = [[name[:80], round(ts - t0, 2), round(dur, 2), round(idle, 2)]
+            for (ts, dur, name), idle in zip(ops, idle_before(ops))]
+    end = max(ts + dur for ts, dur, _ in ops)
     with open(out, "w") as f:
         json.dump({"command": "python " + " ".join(sys.argv), "trace": path, "ops": rows}, f)
     print(f"{out}: {len(rows)} ops over {end - t0:.0f} us")

@@ -11,17 +11,14 @@ Usage (GPU): OUT=... PYTHONPATH=. python eval/results/h200/unroll/steps.py
 """
 import os
 
-import jax
-
-from eval.results.h200.unroll.unroll import run_rounds
-from models import llama
+from eval.results.h200.unroll.unroll import run_rounds, set_unroll
 
 
 def setup(r: str) -> int:
-    """Round "unroll:steps": sets `models.llama.decode`'s `unroll` default, clears jax's caches, returns the steps."""
+    """Round "unroll:steps": `set_unroll(unroll)` (the decode's `unroll` default, jax's caches cleared), returns the
+    steps."""
     unroll, steps = r.split(":")
-    llama.decode.__kwdefaults__["unroll"] = True if unroll == "T" else int(unroll)
-    jax.clear_caches()
+    set_unroll(unroll)
     return int(steps)
 
 

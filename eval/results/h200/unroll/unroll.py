@@ -38,6 +38,8 @@ def timed_rounds(res: dict, key: str, rounds, setup, cfg, params, hbm, methods, 
 
 
 def set_unroll(r: str) -> None:
+    """"T": `models.llama.decode` unrolls its layer scan in full by default, else the unroll factor int(r); clears
+    jax's caches so that the next calls compile again."""
     llama.decode.__kwdefaults__["unroll"] = True if r == "T" else int(r)
     jax.clear_caches()
 
