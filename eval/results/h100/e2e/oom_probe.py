@@ -31,6 +31,7 @@ def row(name, context, batch, compile_first):
     method, _ = M.bench_method(name, cfg, 0.1)
     cap = M.round_up(context + 2 * steps + 1, 256)
     tok = jnp.zeros((batch, 1), jnp.int32)
+    cache = state = None
     out = {"method": name, "context": context, "batch": batch, "compile_first": compile_first}
     try:
         fn = lambda *a: M.method_decode_steps(*a, cfg=cfg, steps=steps)  # noqa: E731
