@@ -161,6 +161,15 @@ def memory_stats(device=None) -> dict:
     return stats
 
 
+def _memory_gib(device=None) -> dict | None:
+    """The allocator's bytes in use and largest free block of `device` (default: the first), in GiB, for a row of
+    the JSON (what an out-of-memory row had beside it); None on a device that reports no memory (the CPU)."""
+    stats = (device or jax.devices()[0]).memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return {k: round(stats.get(k, 0) / 2**30, 3) for k in ("bytes_limit", "bytes_in_use", "largest_free_block_bytes")}
+
+
 def largest_batch(cfg, methods, capacity: int, dtype, device=None) -> int:
     """The largest batch at which the decode case of every method in `methods` (method objects) fits beside what
     `device` (default: the first) holds now: caches and state (`decode_memory`) plus BATCH_HEADROOM within the
@@ -386,6 +395,7 @@ def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, pre
                 try:
                     cache = filled_cache(cfg, batch, context, capacity, params.embed.dtype)
                     state = method.init_state(cfg, batch, capacity)
+                    row["memory_gib"] = _memory_gib()  # beside the cache and state, before the first call
                     tok = jnp.zeros((batch, 1), jnp.int32)
                     tok, cache, state = method_decode_steps(params, method, tok, cache, state, cfg=cfg, steps=steps,
                                                                    unroll=unroll)
@@ -408,6 +418,7 @@ def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, pre
                         row["floor_fraction"] = row["speedup"] / row["floor_speedup"]
                 except Exception as e:  # noqa: BLE001 - out of memory and the like: record and go on
                     row["error"] = str(e).splitlines()[0][:300]
+                    row["memory_gib_at_error"] = _memory_gib()
                 del cache, state
                 rows.append(row)
                 print(row, flush=True)
