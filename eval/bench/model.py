@@ -391,19 +391,25 @@ def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, pre
                 row = dict(phase="decode", method=name, context=context, batch=batch, state=how)
                 if asked == MAX_BATCH:
                     row["batch_asked"] = MAX_BATCH
-                cache = state = None
+                cache = state = tok = None
                 try:
+                    # Compiled on abstract shapes before the cache is filled: an executable loaded beside a large
+                    # cache keeps its constants above it once the cache is freed, and the pieces left can be too
+                    # small for the next row's cache (H100, 100K, batch 4: a 23.6 GiB largest block for a 24.4 GiB
+                    # half; eval/results/h100/e2e/NOTES.md).
+                    tok = jnp.zeros((batch, 1), jnp.int32)
+                    shapes = jax.eval_shape(lambda: (filled_cache(cfg, batch, context, capacity, params.embed.dtype),
+                                                     method.init_state(cfg, batch, capacity)))  # noqa: B023
+                    step = method_decode_steps.lower(params, method, tok, *shapes, cfg=cfg, steps=steps,
+                                                     unroll=unroll).compile()
                     cache = filled_cache(cfg, batch, context, capacity, params.embed.dtype)
                     state = method.init_state(cfg, batch, capacity)
                     row["memory_gib"] = _memory_gib()  # beside the cache and state, before the first call
-                    tok = jnp.zeros((batch, 1), jnp.int32)
-                    tok, cache, state = method_decode_steps(params, method, tok, cache, state, cfg=cfg, steps=steps,
-                                                                   unroll=unroll)
-                    jax.block_until_ready(tok)  # compiled and warm
+                    tok, cache, state = step(params, method, tok, cache, state)
+                    jax.block_until_ready(tok)  # warm
                     cache = KVCache(k=cache.k, v=cache.v, lengths=jnp.full((batch,), context, jnp.int32))
                     t0 = time.perf_counter()
-                    tok, cache, state = method_decode_steps(params, method, tok, cache, state, cfg=cfg, steps=steps,
-                                                                   unroll=unroll)
+                    tok, cache, state = step(params, method, tok, cache, state)
                     jax.block_until_ready(tok)
                     ms = (time.perf_counter() - t0) * 1e3 / steps
                     n = context + steps // 2
@@ -419,7 +425,7 @@ def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, pre
                 except Exception as e:  # noqa: BLE001 - out of memory and the like: record and go on
                     row["error"] = str(e).splitlines()[0][:300]
                     row["memory_gib_at_error"] = _memory_gib()
-                del cache, state
+                del cache, state, tok  # none of this row's buffers stays under the next row's cache
                 rows.append(row)
                 print(row, flush=True)
     for context in prefill_contexts:

@@ -1,7 +1,7 @@
 """Why dense's decode program needs a 24 GiB temporary at 100K, batch 4 (H100 out of memory) and the sparse
 methods' do not: each method's compiled `method_decode_steps` memory analysis at Llama-3.1-8B shapes, and the
 copies in its optimised HLO whose result is as large as a whole stacked cache (K or V of every layer).
-Usage (GPU): PYTHONPATH=. python3 eval/results/h100/e2e/mem_probe.py CONTEXT BATCH OUT.json"""
+Usage (GPU): PYTHONPATH=. python3 eval/results/h100/e2e/mem_probe.py CONTEXT BATCH OUT.json [METHODS]"""
 import json
 import re
 import sys
@@ -18,7 +18,7 @@ params = M.bench_params(cfg)
 steps = 16
 cap = M.round_up(context + 2 * steps + 1, 256)
 res = {"device": jax.devices()[0].device_kind, "context": context, "batch": batch, "capacity": cap, "methods": {}}
-for name in ["dense", "streaming", "kascade", "evosparse"]:
+for name in (sys.argv[4] if len(sys.argv) > 4 else "dense,streaming,kascade,evosparse").split(","):
     method, _ = M.bench_method(name, cfg, 0.1)
     cache = jax.eval_shape(lambda: M.filled_cache(cfg, batch, context, cap, jnp.bfloat16))
     state = jax.eval_shape(lambda: method.init_state(cfg, batch, cap))
