@@ -2,10 +2,10 @@
 decode tokens/s, each cell linked to the JSON it comes from, with the speedup over the dense step of the same run,
 the speedup the method's bytes floor allows, and the share of it.
 
-    jsparse bench model_table eval/results/h100/e2e/*.json --link-root . --bar 0.85 --out table.md
+    jsparse bench model_table eval/results/h100/e2e/e2e_[abc].json --link-root . --bar 0.85 --out table.md
 
 A cell reads `670 (2.77x / 3.33x, 0.830)`: tokens/s, then the speedup over dense / the bytes floor's speedup,
-share of it (bold at or past `--bar`). A case that failed (out of memory and the like) reads its error; a method
+share of it (bold at or past `--bar`). A case that failed reads its error (out of memory: the bytes it could not get); a method
 whose correctness check failed in that run reads "check failed" beside its figure (the JSON's `methods`).
 The header names the device, commits and dates of the runs, so a table never mixes cards silently: JSONs of
 different devices or model shapes are an error, and so is one (method, context, batch) in two JSONs, except dense:
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import os
 
 BENCHMARK = "model_methods"
@@ -75,7 +76,9 @@ def decode_cells(runs) -> tuple[list[str], list[tuple[int, int]], dict]:
 def _cell(path: str, row: dict, check, link_root: str | None, bar: float | None) -> str:
     link = os.path.relpath(path, link_root) if link_root else path
     if "error" in row:
-        return f"[{row['error'][:60]}]({link})"
+        oom = re.search(r"Out of memory while trying to allocate ([\d.]+\s*\w+)", row["error"])
+        text = f"out of memory ({oom.group(1)} more)" if oom else row["error"][:60]
+        return f"[{text}]({link})"
     text = f"[{row['tokens_per_s']:.0f}]({link})"
     if row["method"] != "dense" and "speedup" in row:
         share = f"{row['floor_fraction']:.3f}"

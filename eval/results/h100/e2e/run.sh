@@ -6,7 +6,8 @@
 #   PART=b: dense, oracle, quest, h2o, butler at 32K and 100K, batch 1 and 4
 #   PART=c: the same eight methods at the largest batch that fits each context (--batch max), 32K and 100K
 #   PART=d: Qwen3-8B shapes, the eight methods at 100K, batch 1 and 3 (4 does not fit beside dense's cache)
-#   PART=table: `jsparse bench model_table` of the Llama-3.1-8B runs found under $OUT (bars: 0.85 share)
+#   PART=table: `jsparse bench model_table` of the Llama-3.1-8B runs found under $OUT (bars: 0.85 share); run here
+#     with OUT=eval/results/h100/e2e, where the 2026-12-02 runs are (NOTES.md)
 # Usage (GPU): OUT=... PART=a bash eval/results/h100/e2e/run.sh   (pass GIT_COMMIT=<sha> so each JSON names it)
 set -eu
 export PYTHONUNBUFFERED=1
