@@ -17,7 +17,8 @@ cfg = preset("llama3-8b")
 params = M.bench_params(cfg)
 steps = 16
 cap = M.round_up(context + 2 * steps + 1, 256)
-res = {"device": jax.devices()[0].device_kind, "context": context, "batch": batch, "capacity": cap, "methods": {}}
+res = {"device": jax.devices()[0].device_kind,
+       "command": "python3 eval/results/h100/e2e/mem_probe.py " + " ".join(sys.argv[1:]), "context": context, "batch": batch, "capacity": cap, "methods": {}}
 for name in (sys.argv[4] if len(sys.argv) > 4 else "dense,streaming,kascade,evosparse").split(","):
     method, _ = M.bench_method(name, cfg, 0.1)
     cache = jax.eval_shape(lambda: M.filled_cache(cfg, batch, context, cap, jnp.bfloat16))
