@@ -393,10 +393,10 @@ def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, pre
                     row["batch_asked"] = MAX_BATCH
                 cache = state = tok = None
                 try:
-                    # Compiled on abstract shapes before the cache is filled: an executable loaded beside a large
-                    # cache keeps its constants above it once the cache is freed, and the pieces left can be too
-                    # small for the next row's cache (H100, 100K, batch 4: a 23.6 GiB largest block for a 24.4 GiB
-                    # half; eval/results/h100/e2e/NOTES.md).
+                    # Compiled on abstract shapes before the cache is filled, and nothing of this row kept after it:
+                    # compiled beside its cache after the batch-1 rows, dense's 100K, batch 4 row ran out of memory
+                    # on an H100 (a 23.6 GiB largest free block read beside a 24.4 GiB cache half), and fit this
+                    # way (eval/results/h100/e2e/NOTES.md; the mechanism is not settled).
                     tok = jnp.zeros((batch, 1), jnp.int32)
                     shapes = jax.eval_shape(lambda: (filled_cache(cfg, batch, context, capacity, params.embed.dtype),
                                                      method.init_state(cfg, batch, capacity)))  # noqa: B023

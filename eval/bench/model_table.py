@@ -5,8 +5,8 @@ the speedup the method's bytes floor allows, and the share of it.
     jsparse bench model_table eval/results/h100/e2e/e2e_[abc].json --link-root . --bar 0.85 --out table.md
 
 A cell reads `670 (2.77x / 3.33x, 0.830)`: tokens/s, then the speedup over dense / the bytes floor's speedup,
-share of it (bold at or past `--bar`). A case that failed reads its error (out of memory: the bytes it could not get); a method
-whose correctness check failed in that run reads "check failed" beside its figure (the JSON's `methods`).
+share of it (bold at or past `--bar`). A case that failed reads its error (out of memory: the bytes it could not
+get); a method whose correctness check failed in that run reads "check failed" beside its figure (the JSON's `methods`).
 The header names the device, commits and dates of the runs, so a table never mixes cards silently: JSONs of
 different devices or model shapes are an error, and so is one (method, context, batch) in two JSONs, except dense:
 each run measures its own, and a column's second dense is a row of its own ("dense (run 2)").
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import os
+import re
 
 BENCHMARK = "model_methods"
 
