@@ -18,7 +18,8 @@ params = M.bench_params(cfg)
 steps = 16
 cap = M.round_up(context + 2 * steps + 1, 256)
 res = {"device": jax.devices()[0].device_kind,
-       "command": "python3 eval/results/h100/e2e/mem_probe.py " + " ".join(sys.argv[1:]), "context": context, "batch": batch, "capacity": cap, "methods": {}}
+       "command": "python3 eval/results/h100/e2e/mem_probe.py " + " ".join(sys.argv[1:]),
+       "context": context, "batch": batch, "capacity": cap, "methods": {}}
 for name in (sys.argv[4] if len(sys.argv) > 4 else "dense,streaming,kascade,evosparse").split(","):
     method, _ = M.bench_method(name, cfg, 0.1)
     cache = jax.eval_shape(lambda: M.filled_cache(cfg, batch, context, cap, jnp.bfloat16))
@@ -28,8 +29,8 @@ for name in (sys.argv[4] if len(sys.argv) > 4 else "dense,streaming,kascade,evos
     ma = c.memory_analysis()
     hlo = c.as_text()
     kshape = ",".join(map(str, cache.k.shape))
-    big = [l.strip()[:300] for l in hlo.splitlines() if f"[{kshape}]" in l and re.search(r"\b(copy|transpose|fusion)\(", l)
-           and "dynamic-update-slice" not in l]
+    big = [l.strip()[:300] for l in hlo.splitlines()
+           if f"[{kshape}]" in l and re.search(r"\b(copy|transpose|fusion)\(", l) and "dynamic-update-slice" not in l]
     row = dict(cache_gib=2 * cache.k.size * 2 / 2**30, temp_gib=ma.temp_size_in_bytes / 2**30,
                alias_gib=ma.alias_size_in_bytes / 2**30, arg_gib=ma.argument_size_in_bytes / 2**30,
                out_gib=ma.output_size_in_bytes / 2**30, cache_sized_ops=big[:12])
