@@ -164,8 +164,9 @@ def memory_stats(device=None) -> dict:
 def _memory_gib(device=None) -> dict | None:
     """The allocator's bytes in use and largest free block of `device` (default: the first), in GiB, for a row of
     the JSON (what an out-of-memory row had beside it); None on a device that reports no memory (the CPU)."""
-    stats = (device or jax.devices()[0]).memory_stats() or {}
-    if "bytes_limit" not in stats:
+    try:
+        stats = memory_stats(device)
+    except ValueError:
         return None
     return {k: round(stats.get(k, 0) / 2**30, 3) for k in ("bytes_limit", "bytes_in_use", "largest_free_block_bytes")}
 

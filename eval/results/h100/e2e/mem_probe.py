@@ -1,6 +1,7 @@
-"""Why dense's decode program needs a 24 GiB temporary at 100K, batch 4 (H100 out of memory) and the sparse
-methods' do not: each method's compiled `method_decode_steps` memory analysis at Llama-3.1-8B shapes, and the
-copies in its optimised HLO whose result is as large as a whole stacked cache (K or V of every layer).
+"""Whether dense's decode program itself needs the 24 GiB it failed to allocate at 100K, batch 4 on an H100 (it does
+not: 35 MB of temporaries, `probe/mem_probe.json`): each method's compiled `method_decode_steps` memory analysis at
+Llama-3.1-8B shapes, and the copies in its optimised HLO whose result is as large as a whole stacked cache (K or V of
+every layer).
 Usage (GPU): PYTHONPATH=. python3 eval/results/h100/e2e/mem_probe.py CONTEXT BATCH OUT.json [METHODS]"""
 import json
 import re
