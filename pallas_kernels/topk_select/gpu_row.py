@@ -41,7 +41,7 @@ def row_threshold(key: Array, kk: Array, n, bits: int, max_passes: int | None = 
     """In-kernel radix search of a row's threshold key (keys held as one vector).
 
     Args:
-      key: i32[P] keys (P <= ROW_LIMIT); positions that are not scores hold INT_MIN (every candidate counted is
+      key: i32[P] keys (P < 2**16); positions that are not scores hold INT_MIN (every candidate counted is
         above INT_MIN, so they are never counted).
       kk: i32 scalar, keys to choose (0 <= kk <= n).
       n: i32 scalar or int, the row's real length (count(key >= INT_MIN) over the real keys).
@@ -51,16 +51,9 @@ def row_threshold(key: Array, kk: Array, n, bits: int, max_passes: int | None = 
     Returns:
       (lo: i32, cnt: i32 = count(key >= lo), done: bool). Done (kk == 0 or cnt == kk): the choice is the keys
       >= lo. Otherwise lo = t, the kk-th largest key, with count(key > t) < kk < count(key >= t).
-
-    A pass counts the keys >= each of its 2**bits candidates lo + j * 2**shift in ONE reduction over a
-    [2**bits, P] comparison (j = 0, lo itself, is in it for a power-of-two extent; its count is the carried
-    cnt >= kk, since the padding at INT_MIN is not a score), then takes the last candidate whose count is still >= kk with one small max
-    over (j << 20) | count (counts <= ROW_LIMIT < 2**20). Two reductions a pass, whatever `bits`: the row
-    kernels are bound by their reductions' latency, not by the comparisons.
     """
     M = 1 << bits
     passes = 32 // bits if max_passes is None else max_passes
-    j = jnp.arange(M, dtype=jnp.int32)
 
     def cond(c):
         p, _, cnt = c
@@ -69,13 +62,22 @@ def row_threshold(key: Array, kk: Array, n, bits: int, max_passes: int | None = 
     def body(c):
         p, lo, cnt = c
         shift = jnp.int32(32 - bits) - jnp.int32(bits) * p
-        # Candidate j is lo + j * 2**shift: within [lo, the previous pass's next candidate), no int32 wrap.
-        cand = lo + lax.shift_left(j, shift)
-        counts = jnp.sum((key[None, :] >= cand[:, None]).astype(jnp.int32), axis=1)  # [M], falling with j
-        counts = jnp.where(j == 0, cnt, counts)  # lo's own count is cnt (padding at INT_MIN is not a score)
-        best = jnp.max(jnp.where(counts >= kk, lax.shift_left(j, jnp.int32(20)) | counts, 0))
-        jstar = lax.shift_right_logical(best, jnp.int32(20))
-        return p + 1, lo + lax.shift_left(jstar, shift), best & 0xFFFFF
+        # Candidate j is lo + j * 2**shift (wrapping: the keys' unsigned order is their signed order + 2**31).
+        ge_c = lambda j: (key >= lo + lax.shift_left(jnp.int32(j), shift)).astype(jnp.int32)
+        counts = []
+        for j in range(1, M, 2):  # two counts (< 2**16 each) per reduction: low and high 16 bits
+            if j + 1 < M:
+                both = jnp.sum(ge_c(j) + lax.shift_left(ge_c(j + 1), jnp.int32(16)))
+                counts += [both & 0xFFFF, lax.shift_right_logical(both, jnp.int32(16))]
+            else:
+                counts.append(jnp.sum(ge_c(j)))
+        jstar = jnp.int32(0)
+        new_cnt = cnt
+        for cj in counts:
+            ge = cj >= kk  # counts fall with j: the last candidate still >= kk wins
+            jstar = jstar + ge.astype(jnp.int32)
+            new_cnt = jnp.where(ge, cj, new_cnt)
+        return p + 1, lo + lax.shift_left(jstar, shift), new_cnt
 
     _, lo, cnt = lax.while_loop(cond, body, (jnp.int32(0), jnp.int32(INT_MIN), jnp.asarray(n, jnp.int32)))
     return lo, cnt, (kk <= 0) | (cnt == kk)
