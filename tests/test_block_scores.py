@@ -173,6 +173,38 @@ def test_decode_heat_matches_reference(splits, block_k, K, layer):
         sparse_decode_heat(q, k, v, jnp.int32(0), idx, lengths, xla_h, block_size=BS)
 
 
+def test_decode_heat_reads_every_layers_rows_at_the_layer():
+    """indices [L, B, Hkv, 1, K] (H2O's kept keys of every layer): the Triton pair (interpret mode) reads layer
+    `layer`'s rows in place, in both launches, and equals the call on that layer's rows, the heat row named apart
+    (`heat_layer`); so do the dispatcher's XLA and reference paths. Splits of several entries each (the finish
+    kernel's one program per split) and one split of every entry give the same heat."""
+    from pallas_kernels.block_scores import sparse_decode_heat
+    q, k, v = _cache(8)
+    rows = jnp.stack([_indices(1, K=11, used=u) for u in (9, 4, 10)])  # [L, B, Hkv, 1, K], a different row per layer
+    rows = rows.at[2].set(jnp.flip(rows[2], 1))  # layer 2's rows differ from layer 1's by head too
+    lengths = jnp.array([231, 0], jnp.int32)
+    heat = jax.random.uniform(jax.random.key(4), (L, B, HKV, N // BS))
+    for layer, heat_layer, splits in ((1, 0, 3), (-1, 2, 1), (2, -3, 4)):
+        one = rows[layer]
+        want_o, want_h = reference.sparse_decode_heat_reference(q, k, v, jnp.int32(layer), one, lengths, heat,
+                                                               jnp.int32(heat_layer), block_size=BS)
+        cfg = gpu.sgpu.DecodeConfig(block_k=16, num_splits=splits)
+        for idx in (one, rows):
+            o, h = gpu.sparse_decode_heat_gpu(q, k, v, jnp.int32(layer), idx, lengths, heat, jnp.int32(heat_layer),
+                                              block_size=BS, config=cfg, interpret=True)
+            np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(h, want_h, rtol=1e-5, atol=1e-6)
+        for impl in ("xla", "reference"):
+            o, h = sparse_decode_heat(q, k, v, jnp.int32(layer), rows, lengths, heat, jnp.int32(heat_layer),
+                                      block_size=BS, implementation=impl)
+            np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(h, want_h, rtol=1e-5, atol=1e-6)
+        changed = np.flatnonzero(np.any(np.asarray(want_h) != np.asarray(heat), axis=(1, 2, 3)))
+        assert list(changed) == [heat_layer % L]
+    with pytest.raises(ValueError, match=r"expected every layer's index rows \[L=3"):
+        sparse_decode_heat(q, k, v, jnp.int32(0), rows[:2], lengths, heat, block_size=BS, implementation="xla")
+
+
 def test_kernels_lower_for_cuda():
     sds = jax.ShapeDtypeStruct
     check = jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)
@@ -196,6 +228,10 @@ def test_kernels_lower_for_cuda():
             q, cache, cache, i32(), i32(Bn, Hkv, 1, 128), i32(Bn), sds((4, Bn, Hkv, Nn // 16), jnp.float32)
         ).mlir_module()
         assert "evosparse_finish_heat" in text
+        text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(  # every layer's rows
+            q, cache, cache, i32(), i32(4, Bn, Hkv, 1, 128), i32(Bn), sds((4, Bn, Hkv, Nn // 16), jnp.float32)
+        ).mlir_module()
+        assert "evosparse_finish_heat" in text and "dynamic_slice" not in text
         # EvoSparse's rank kernel at the benchmark's shape (100K / 16 blocks, budget 2048: 40 retrieval and 80
         # candidate blocks, width 128), stacked with a layer index.
         f = functools.partial(gpu.select_from_candidates_gpu, num_kv_heads=Hkv, width=128, heat_width=80)

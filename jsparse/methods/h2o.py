@@ -17,10 +17,10 @@ over past queries, and keeps the top scorers plus the most recent tokens. Here:
 One decode token (`gathered`, the default on a GPU) runs as EvoSparse's heat step at the granularity of one token:
 at the start of the forward every layer's heavy keys are chosen at once (`block_scores.heat_candidates`: one
 `topk_select` over the stacked score, a layer's score does not change before the layer runs), each layer appends
-its recent window to its row (`kept_indices`, ascending) and attends through the gathered decode with each key's
-mass (`block_scores.sparse_decode_mass`, reading the stacked cache in place), which one scatter-add puts into its
-score (`block_scores.heat_add`). The same keys and the same softmax as the mask path, which T > 1 tokens and the CPU
-by default take.
+its recent window to its row (`kept_indices`, ascending) and attends through EvoSparse's gathered decode with
+the heat update (`block_scores.sparse_decode_heat`, blocks of one token: it reads the stacked cache and every
+layer's rows in place, and its second launch adds each key's mass into the layer's score in place). The same keys
+and the same softmax as the mask path, which T > 1 tokens and the CPU by default take.
 
 Unlike H2O's fixed-size cache, a key is never deleted: it is re-ranked at every step, but since an unselected
 key's score stops growing while the kept ones' keep growing, it rarely comes back. Selection is per KV head
@@ -41,7 +41,7 @@ from jsparse import selection as sel
 from jsparse.heat import scan_rows
 from jsparse.methods.base import register
 from jsparse.methods.common import TokenBudget, dense_prefill, kwargs_for, stacked_cache
-from pallas_kernels.block_scores import heat_add, heat_candidates, sparse_decode_mass
+from pallas_kernels.block_scores import heat_candidates, sparse_decode_heat
 from pallas_kernels.sharding import dims, per_shard
 from pallas_kernels.sparse_attention.gpu import DecodeConfig
 from pallas_kernels.sparse_attention.reference import decode_indices_to_mask
@@ -159,10 +159,10 @@ class H2O(TokenBudget):
         if T == 1 and state.kept is not None:  # gathered (`start_rows` chose every layer's keys)
             k_all, v_all, layer = stacked_cache(cache)
             # Every layer's rows, the layer's read in place by the GPU kernel (a slice of them was a copy per layer)
-            out, mass = sparse_decode_mass(q, k_all, v_all, layer, state.kept[:, :, :, None], positions[:, 0] + 1,
-                                           config=DECODE_CONFIG)
-            idx = jax.lax.dynamic_index_in_dim(state.kept, ctx.layer, keepdims=False)  # [B, Hkv, K], for the scatter
-            return out, state.replace(score=heat_add(state.score, ctx.layer, idx, mass[:, :, 0]))
+            # and each key's mass added into the layer's score row in place (EvoSparse's heat step, one key a block)
+            out, score = sparse_decode_heat(q, k_all, v_all, layer, state.kept[:, :, :, None], positions[:, 0] + 1,
+                                            state.score, ctx.layer, config=DECODE_CONFIG)
+            return out, state.replace(score=score)
         G = Hq // Hkv
         K = self.k_static(N)
         qg = q.astype(jnp.float32).reshape(B, T, Hkv, G, D)

@@ -10,10 +10,12 @@
       gathered sparse decode (as `pallas_kernels.sparse_attention.sparse_decode(layer=...)`) that also returns
       the post-softmax mass each index entry received (mean over the GQA group), from per-entry partial sums
       the kernel writes while it attends (no second gather of K).
-  sparse_decode_heat(q: [B, 1, Hq, D], k_all, v_all, layer, indices: i32[B, Hkv, 1, K], lengths,
-                     heat: f32[L, B, Hkv, N / block_size], *, block_size) -> (out [B, 1, Hq, D], heat)
+  sparse_decode_heat(q: [B, 1, Hq, D], k_all, v_all, layer, indices: i32[B, Hkv, 1, K] (or every layer's
+                     [L, B, Hkv, 1, K]), lengths, heat: f32[L, B, Hkv, N / block_size], *, block_size)
+                     -> (out [B, 1, Hq, D], heat)
       one decode token's sparse_decode_mass with each entry's mass added into heat[layer] (EvoSparse's heat
-      step); on the GPU the split merge, the mass and the in-place heat update are one launch after the decode.
+      step, and H2O's with blocks of one token); on the GPU the split merge, the mass and the in-place heat
+      update are one launch after the decode.
   select_blocks(heat: f32[B, Hkv, nb] | None, ret: i32[B, Wr] | None, n_s, hi, nbv, count: i32[B], full: bool[B],
                 *, num_kv_heads, nb, width, heat_width) -> i32[B, Hkv, width]
       EvoSparse's attended blocks of a decode row: sink [0, n_s), local [hi, nbv), the retrieval set and the

@@ -103,7 +103,9 @@ def sparse_decode_heat(q: Array, k_all: Array, v_all: Array, layer: Array, indic
     """One decode token's gathered decode over layer `layer` of a stacked cache, with each index entry's softmax
     mass added into the stacked heat's row `heat_layer` (None: `layer`): (out [B, 1, Hq, D], heat f32[Lh, B,
     Hkv, nb]) (semantics: `reference.sparse_decode_heat_reference`; on the GPU the heat is updated in place).
-    The valid entries of each index row must be unique and ascending (then -1), as `select_blocks` writes them.
+    indices: the layer's rows int32[B, Hkv, 1, K], or every layer's rows [L, B, Hkv, 1, K] of which layer
+    `layer`'s are used (the GPU kernels read them in place: no slice of them in XLA). The valid entries of each
+    index row must be unique and ascending (then -1), as `select_blocks` writes them.
     config: the Pallas GPU kernel's `sparse_attention.gpu.DecodeConfig` (None: its default). Under a mesh, per
     shard (rows over data, heads over model; the heat [Lh, B, Hkv, nb] with them)."""
     if active_mesh() is not None:
@@ -114,8 +116,9 @@ def sparse_decode_heat(q: Array, k_all: Array, v_all: Array, layer: Array, indic
             return sparse_decode_heat(q, k, v, layer, indices, lengths, heat, rest[0] if rest else None,
                                       block_size=block_size, scale=scale, implementation=implementation,
                                       config=config)
+        rows = dims(5, 1, 2) if indices.ndim == 5 else dims(4, 0, 1)
         return per_shard(local, [q, k_all, v_all, layer, indices, lengths, heat] + extra,
-                         [dims(4, 0, 2), kv, kv, (), dims(4, 0, 1), dims(1, 0), dims(4, 1, 2)] + [()] * len(extra),
+                         [dims(4, 0, 2), kv, kv, (), rows, dims(1, 0), dims(4, 1, 2)] + [()] * len(extra),
                          (dims(4, 0, 2), dims(4, 1, 2)))
     impl = _pick(implementation, q, block_size)
     args = (q, k_all, v_all, layer, indices, lengths, heat, heat_layer)
@@ -125,6 +128,9 @@ def sparse_decode_heat(q: Array, k_all: Array, v_all: Array, layer: Array, indic
         return gpu.sparse_decode_heat_gpu(*args, block_size=block_size, scale=scale,
                                           config=DecodeConfig() if config is None else config)
     reference.check_heat_args(q, indices, heat, k_all, block_size)
+    if indices.ndim == 5:  # every layer's rows: the others take the layer's
+        check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size, stacked_indices=True)
+        args = (q, k_all, v_all, layer, select_layer(indices, layer), lengths, heat, heat_layer)
     if impl == "reference":
         return reference.sparse_decode_heat_reference(*args, block_size=block_size, scale=scale)
     return xla.sparse_decode_heat_xla(*args, block_size=block_size, scale=scale)

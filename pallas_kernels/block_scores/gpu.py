@@ -189,17 +189,21 @@ def sparse_decode_mass_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
                                      return_mass=True, config=config, interpret=interpret)
 
 
-def _finish_heat_kernel(lay_ref, idx_ref, o_ref, m_ref, l_ref, el_ref, em_ref, nw_ref, _heat_in, out_ref, heat_ref,
-                        *, S: int, E: int, K: int, G: int, L: int):
-    """Program (b, kv head) of one decode token: merges the S split partials of the GQA group (out, the G real
-    rows written), and adds each index entry's mass into heat row `layer` in place.
+def _finish_heat_kernel(lay_ref, hl_ref, idx_ref, o_ref, m_ref, l_ref, el_ref, em_ref, nw_ref, _heat_in, out_ref,
+                        heat_ref, *, S: int, E: int, K: int, G: int, L: int, Lh: int, stacked: bool):
+    """Program (b, kv head, split s) of one decode token: the GQA group's log-sum-exp from every split's (m, l),
+    then split s's index entries' mass added into heat row `heat_layer` in place; split 0 also merges the S
+    partials' outputs (the G real rows written).
 
-    Refs: lay i32[1]; idx i32[K] the entries; o f32[S, Gp, D], m, l f32[S, Gp]; el, em f32[S, Gp, E]; nw
-    i32[S, 1]; heat (in and out, aliased) f32[L, nb]; out [Gp, D]. Every split is loaded at once as one
-    [S, rows, ...] tensor (gathers by index arrays), so the program waits on a few memory round trips, not on
-    a chain of them per split; only the first next_pow2(G) rows are loaded (the partials' padding rows were
-    never written) and rows past G are masked."""
-    layer = layer_index(lay_ref[0], L)
+    Refs: lay, hl i32[1] the cache layer and the heat row; idx i32[K] the entries (stacked: i32[L, K], every
+    layer's, row `lay` read); o f32[S, Gp, D], m, l f32[S, Gp]; el, em f32[S, Gp, E]; nw i32[S, 1]; heat (in and
+    out, aliased) f32[Lh, nb]; out [Gp, D]. The splits' (m, l) and outputs are loaded at once as [S, rows, ...]
+    tensors (gathers by index arrays); only the first next_pow2(G) rows are loaded (the partials' padding rows
+    were never written) and rows past G are masked. One program per split keeps the entries a program holds to
+    E (H2O's 10K keys a row are 16 splits of 640), and every split's entries are distinct blocks of the row, so
+    the programs' read-modify-writes of the heat never meet."""
+    s = pl.program_id(2)
+    hrow = layer_index(hl_ref[0], Lh)
     gq, sp = max(2, pl.next_power_of_2(G)), max(2, pl.next_power_of_2(S))
     d = o_ref.shape[-1]
     Ep = max(16, pl.next_power_of_2(E))
@@ -212,31 +216,36 @@ def _finish_heat_kernel(lay_ref, idx_ref, o_ref, m_ref, l_ref, el_ref, em_ref, n
     m_all = jnp.max(m, axis=0)  # [gq]
     w = jnp.where(ok2, jnp.exp(m - m_all[None, :]), 0.0)
     l_all = jnp.sum(w * plgpu.load(l_ref.at[s2, r2], mask=ok2, other=0.0), axis=0)
-    col = jnp.arange(d, dtype=i32)[None, None, :]
-    ok3 = jnp.broadcast_to(ok2[:, :, None], (sp, gq, d))
-    o = plgpu.load(o_ref.at[s2[:, :, None], r2[:, :, None], col], mask=ok3, other=0.0)  # [sp, gq, D]
-    o_all = jnp.sum(w[:, :, None] * o, axis=0)  # [gq, D]
     nonempty = l_all > 0
     l_safe = jnp.where(nonempty, l_all, 1.0)
-    out = jnp.where(nonempty[:, None], o_all / l_safe[:, None], 0.0)
-    real2 = jnp.broadcast_to((jnp.arange(gq, dtype=i32) < G)[:, None], (gq, d))
-    plgpu.store(out_ref.at[pl.ds(0, gq), :], out.astype(out_ref.dtype), mask=real2)
     lse = m_all + jnp.log(l_safe)  # [gq]
-    # Entry j = s * E + e of every split at once: [sp, gq, Ep] sums and maxima, [sp, Ep] entries.
-    e = jnp.arange(Ep, dtype=i32)[None, :]  # [1, Ep]
-    nw = plgpu.load(nw_ref.at[jnp.minimum(jnp.arange(sp, dtype=i32), S - 1), jnp.zeros((sp,), i32)],
-                    mask=jnp.arange(sp) < S, other=0)  # [sp]
-    ent = split * E + e  # [sp, Ep]
-    written = (split < S) & (e < E) & (e < nw[:, None]) & (ent < K)
-    ok = (written[:, None, :] & ok2[:, :, None] & (nonempty & (jnp.arange(gq) < G))[None, :, None])
-    at = (s2[:, :, None], r2[:, :, None], jnp.minimum(e, E - 1)[:, None, :])
+
+    @pl.when(s == 0)
+    def _merge():
+        col = jnp.arange(d, dtype=i32)[None, None, :]
+        ok3 = jnp.broadcast_to(ok2[:, :, None], (sp, gq, d))
+        o = plgpu.load(o_ref.at[s2[:, :, None], r2[:, :, None], col], mask=ok3, other=0.0)  # [sp, gq, D]
+        o_all = jnp.sum(w[:, :, None] * o, axis=0)  # [gq, D]
+        out = jnp.where(nonempty[:, None], o_all / l_safe[:, None], 0.0)
+        real2 = jnp.broadcast_to((jnp.arange(gq, dtype=i32) < G)[:, None], (gq, d))
+        plgpu.store(out_ref.at[pl.ds(0, gq), :], out.astype(out_ref.dtype), mask=real2)
+
+    # This split's entries j = s * E + e: [gq, Ep] sums and maxima.
+    e = jnp.arange(Ep, dtype=i32)
+    ent = s * E + e
+    written = (e < E) & (e < nw_ref[s, 0]) & (ent < K)  # [Ep]
+    rows = jnp.arange(gq, dtype=i32)[:, None]  # [gq, 1]
+    ok = written[None, :] & ((rows < G) & nonempty[:, None])
+    at = (s, jnp.broadcast_to(rows, (gq, Ep)), jnp.broadcast_to(jnp.minimum(e, E - 1)[None, :], (gq, Ep)))
     el = plgpu.load(el_ref.at[at], mask=ok, other=0.0)
     em = plgpu.load(em_ref.at[at], mask=ok, other=0.0)
-    p = jnp.where(ok, el * jnp.exp(jnp.where(ok, em - lse[None, :, None], 0.0)), 0.0)
-    mass = jnp.sum(p, axis=1) / G  # [sp, Ep]
-    blk = plgpu.load(idx_ref.at[jnp.minimum(ent, K - 1)], mask=written, other=-1)
+    p = jnp.where(ok, el * jnp.exp(jnp.where(ok, em - lse[:, None], 0.0)), 0.0)
+    mass = jnp.sum(p, axis=0) / G  # [Ep]
+    slot = jnp.minimum(ent, K - 1)
+    entries = idx_ref.at[layer_index(lay_ref[0], L), slot] if stacked else idx_ref.at[slot]
+    blk = plgpu.load(entries, mask=written, other=-1)
     hit = written & (blk >= 0)
-    ref = heat_ref.at[layer, jnp.where(hit, blk, heat_ref.shape[1])]  # masked lanes point past the row
+    ref = heat_ref.at[hrow, jnp.where(hit, blk, heat_ref.shape[1])]  # masked lanes point past the row
     plgpu.store(ref, plgpu.load(ref, mask=hit, other=0.0) + mass, mask=hit)
 
 
@@ -245,15 +254,17 @@ def sparse_decode_heat_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
                            scale: float | None = None,
                            config: sgpu.DecodeConfig = sgpu.DecodeConfig(), interpret: bool = False):
     """`reference.sparse_decode_heat_reference` in two launches: the stacked gathered decode with its entry
-    sums (`sparse_attention.stacked.decode_partials_stacked`), then one program per (row, KV head) that merges
-    the splits, computes every entry's mass and adds it into heat[layer] in place (the heat buffer is aliased:
-    only the B * Hkv * K touched blocks are read and written). This replaces the XLA epilogue of
-    `sparse_decode_mass_gpu` (split max, split sum, written mask) and the heat scatter: four launches.
+    sums (`sparse_attention.stacked.decode_partials_stacked`), then one program per (row, KV head, split)
+    (`_finish_heat_kernel`) that takes the group's log-sum-exp from the splits, adds its split's entries' mass
+    into heat[heat_layer] in place (the heat buffer is aliased: only the B * Hkv * K touched blocks are read and
+    written) and, in split 0, merges the outputs. This replaces the XLA epilogue of `sparse_decode_mass_gpu`
+    (split max, split sum, written mask) and the heat scatter.
 
     Args:
       q: [B, 1, Hq, D]; k_all, v_all: [L, B, Hkv, N, D]; layer: i32[]; indices: int32[B, Hkv, 1, K] (valid
-      entries unique and ascending per row, then -1); lengths: int32[B]; heat: f32[Lh, B, Hkv, N // block_size]; heat_layer: i32[] the
-      heat row to update (None: `layer`).
+      entries unique and ascending per row, then -1), or every layer's rows [L, B, Hkv, 1, K] of which layer
+      `layer`'s are used (read in place by both kernels); lengths: int32[B]; heat: f32[Lh, B, Hkv,
+      N // block_size]; heat_layer: i32[] the heat row to update (None: `layer`).
 
     Returns:
       (out [B, 1, Hq, D] in q.dtype, heat).
@@ -264,23 +275,28 @@ def sparse_decode_heat_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
                                                   scale=scale, return_mass=True, config=config, head_map=None,
                                                   interpret=interpret)
     S, B, Hkv, _, Gp, D = o.shape
-    L, nb, K, E = heat.shape[0], heat.shape[-1], indices.shape[-1], el.shape[-1]
+    L, (Lh, nb), K, E = k_all.shape[0], (heat.shape[0], heat.shape[-1]), indices.shape[-1], el.shape[-1]
     G = q.shape[2] // Hkv
+    stacked = indices.ndim == 5
     part = lambda *tail: pl.BlockSpec((S, None, None, None) + tail,  # noqa: E731
-                                      lambda b, h: (0, b, h, 0) + (0,) * len(tail))
-    heat_spec = pl.BlockSpec((L, None, None, nb), lambda b, h: (0, b, h, 0))
+                                      lambda b, h, s: (0, b, h, 0) + (0,) * len(tail))
+    heat_spec = pl.BlockSpec((Lh, None, None, nb), lambda b, h, s: (0, b, h, 0))
+    rows = (pl.BlockSpec((L, None, None, None, K), lambda b, h, s: (0, b, h, 0, 0)) if stacked
+            else pl.BlockSpec((None, None, None, K), lambda b, h, s: (b, h, 0, 0)))
+    scalar = pl.BlockSpec((1,), lambda b, h, s: (0,))
     out, heat = pl.pallas_call(
-        functools.partial(_finish_heat_kernel, S=S, E=E, K=K, G=G, L=L),
-        grid=(B, Hkv),
-        in_specs=[pl.BlockSpec((1,), lambda b, h: (0,)), pl.BlockSpec((None, None, None, K), lambda b, h: (b, h, 0, 0)),
-                  part(Gp, D), part(Gp), part(Gp), part(Gp, E), part(Gp, E), part(1), heat_spec],
-        out_specs=[pl.BlockSpec((None, None, Gp, D), lambda b, h: (b, h, 0, 0)), heat_spec],
+        functools.partial(_finish_heat_kernel, S=S, E=E, K=K, G=G, L=L, Lh=Lh, stacked=stacked),
+        grid=(B, Hkv, S),
+        in_specs=[scalar, scalar, rows, part(Gp, D), part(Gp), part(Gp), part(Gp, E), part(Gp, E), part(1),
+                  heat_spec],
+        out_specs=[pl.BlockSpec((None, None, Gp, D), lambda b, h, s: (b, h, 0, 0)), heat_spec],
         out_shape=[jax.ShapeDtypeStruct((B, Hkv, Gp, D), q.dtype), jax.ShapeDtypeStruct(heat.shape, heat.dtype)],
-        input_output_aliases={8: 1},
+        input_output_aliases={9: 1},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret, name="evosparse_finish_heat",
-    )(jnp.asarray(layer if heat_layer is None else heat_layer, jnp.int32).reshape(1), indices.astype(jnp.int32), o,
-      m, l, el, em, nw, heat)
+    )(jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(layer if heat_layer is None else heat_layer,
+                                                            jnp.int32).reshape(1),
+      indices.astype(jnp.int32), o, m, l, el, em, nw, heat)
     return out[:, :, :G].reshape(B, 1, Hkv * G, D), heat
 
 
