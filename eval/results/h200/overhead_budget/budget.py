@@ -34,7 +34,9 @@ def main():
                 d["by_kind"]["gemm"]["us_per_step"] - WEIGHT_BYTES / 4.4e6)
 
     ds, dfix, dgemm = parts(prof["dense"])
-    out = {"dense": {"span_us": ds, "idle_and_small_xla_us": dfix, "gemm_over_4p4_tbs_us": dgemm}}
+    out = {"command": "python3 eval/results/h200/overhead_budget/budget.py",
+           "profiles_commit": prof["dense"]["commit"], "device": prof["dense"]["device"],
+           "dense": {"span_us": ds, "idle_and_small_xla_us": dfix, "gemm_over_4p4_tbs_us": dgemm}}
     print("| method | floor | share | no idle, no small XLA | and GEMMs at 4.4 TB/s | selection free (us) |")
     print("|---|---|---|---|---|---|")
     for m in ("kascade", "evosparse", "h2o", "oracle"):
