@@ -59,8 +59,12 @@ def main():
                                                                         config=cfg))
         dense = jax.jit(lambda q, k, v, l, cfg=cfg: agpu.anchor_decode_gpu(q, k, v, l, budget=0.1, K=K, layer=lay,
                                                                            dense_output=True, config=cfg))
-        s = scores(q, k, v, lengths)
-        idx = op(q, k, v, lengths)[1]
+        try:
+            s = scores(q, k, v, lengths)
+            idx = op(q, k, v, lengths)[1]
+        except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
+            res["variants"][name] = {"config": str(cfg), "error": f"{type(e).__name__}: {str(e)[:200]}"}
+            continue
         if ref_scores is None:
             ref_scores, ref_idx = s, idx
         fin = jnp.isfinite(ref_scores)
@@ -76,6 +80,9 @@ def main():
         json.dump(res, fh, indent=1)
     print("\nvariant               scores  anchor  dense-anchor   (device us per call)  scores diff  rows equal")
     for name, r in res["variants"].items():
+        if "error" in r:
+            print(f"{name:20} {r['error'][:90]}")
+            continue
         print(f"{name:20} {r['scores']['device_us']:7.1f} {r['anchor']['device_us']:7.1f} "
               f"{r['anchor_dense']['device_us']:9.1f}   {r['scores_max_abs_vs_default']:.1e} {r['same_infinities']} "
               f"{r['rows_equal_selection']:.3f}")
