@@ -6,9 +6,11 @@ call from a profiler trace, each variant checked equal to `topk_select_reference
             32 rows of 100096, -inf past each row's length), k 10010;
   pooled    32 synthetic pooled-like rows (exp(2 N(0,1)) / N), k 10010;
   ties      32 Kascade-like rows of heavy ties (`testing.kascade_like_rows`);
-  h2o       1024 pooled-like rows of 100096, k 5005 ("ordered").
+  h2o       1024 pooled-like rows of 100096, k 5005 ("ordered");
+with ROUND=2 instead, pooled-like rows at other shapes: 32 rows of 32768 (k 3277) and of 131072 (k 13108), 8 rows
+of 100096 (batch 1, k 10010), 24 rows of 100096 (Qwen3-8B's 8 KV heads at batch 3).
 
-Writes $OUT/topk_sample.json and prints a table.
+Writes $OUT/topk_sample.json (round 1) or $OUT/topk_sample_round2.json and prints a table.
 
     OUT=... PYTHONPATH=. python3 eval/results/h200/topk_sample/sweep.py
 """
@@ -32,6 +34,17 @@ N, K = 100096, 10010
 SIZES = (2048, 4096, 8192, 16384)
 
 
+def pooled(key, R, n):
+    return jnp.exp(2.0 * jax.random.normal(key, (R, n))) / n
+
+
+def rows2():
+    ks = jax.random.split(jax.random.key(1), 4)
+    for name, key, R, n, kw in (("32k", ks[0], 32, 32768, 3277), ("128k", ks[1], 32, 131072, 13108),
+                                ("b1", ks[2], 8, N, K), ("b3", ks[3], 24, N, K)):
+        yield name, pooled(key, R, n), jnp.full((R,), kw, jnp.int32), kw
+
+
 def rows():
     ks = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(ks[0], (4, 1, 32, 128), jnp.bfloat16)
@@ -40,19 +53,20 @@ def rows():
     scores = agpu.decode_scores_gpu(q, kc, kc, lengths)[0].reshape(32, N)
     del kc
     yield "anchor", scores, jnp.full((32,), K, jnp.int32), K
-    yield "pooled", jnp.exp(2.0 * jax.random.normal(ks[2], (32, N))) / N, jnp.full((32,), K, jnp.int32), K
+    yield "pooled", pooled(ks[2], 32, N), jnp.full((32,), K, jnp.int32), K
     x, k = kascade_like_rows(np.random.default_rng(0), 32, 100000, N)
     yield "ties", jnp.asarray(x), jnp.asarray(k), K
-    yield "h2o", jnp.exp(2.0 * jax.random.normal(ks[2], (1024, N))) / N, jnp.full((1024,), 5005, jnp.int32), 5005
+    yield "h2o", pooled(ks[2], 1024, N), jnp.full((1024,), 5005, jnp.int32), 5005
 
 
 def main():
+    round2 = os.environ.get("ROUND") == "2"
     res = {**device_facts(), "cases": {}}
     select = gpu.topk_select_gpu.__wrapped__
-    for name, x, k, kw in rows():
+    for name, x, k, kw in (rows2() if round2 else rows()):
         want = np.asarray(topk_select_reference(x, k, kw))
-        row = res["cases"][name] = {"rows": int(x.shape[0]), "K": kw,
-                                    "path": gpu.SelectConfig().pick_path(N, x.shape[0], kw)}
+        row = res["cases"][name] = {"rows": int(x.shape[0]), "N": int(x.shape[1]), "K": kw,
+                                    "path": gpu.SelectConfig().pick_path(x.shape[1], x.shape[0], kw)}
         for size in SIZES:
             cfg = gpu.SelectConfig(sample_size=size)
             f = jax.jit(lambda x, k, cfg=cfg: select(x, k, kw, config=cfg))
@@ -62,7 +76,8 @@ def main():
             except Exception as e:  # noqa: BLE001 - recorded
                 r = {"error": f"{type(e).__name__}: {str(e)[:200]}", "device_us": float("nan"), "exact": False}
             row[str(size)] = r
-    with open(os.path.join(os.environ.get("OUT", "."), "topk_sample.json"), "w") as fh:
+    with open(os.path.join(os.environ.get("OUT", "."), "topk_sample_round2.json" if round2 else "topk_sample.json"),
+              "w") as fh:
         json.dump(res, fh, indent=1)
     print("\ncase     path     " + "".join(f"{s:>10}" for s in SIZES) + "   (device us per call; * not exact)")
     for name, row in res["cases"].items():
