@@ -8,9 +8,10 @@ call from a profiler trace, each variant checked equal to `topk_select_reference
   ties      32 Kascade-like rows of heavy ties (`testing.kascade_like_rows`);
   h2o       1024 pooled-like rows of 100096, k 5005 ("ordered");
 with ROUND=2 instead, pooled-like rows at other shapes: 32 rows of 32768 (k 3277) and of 131072 (k 13108), 8 rows
-of 100096 (batch 1, k 10010), 24 rows of 100096 (Qwen3-8B's 8 KV heads at batch 3).
+of 100096 (batch 1, k 10010), 24 rows of 100096 (Qwen3-8B's 8 KV heads at batch 3); with ROUND=3, many rows
+of 100096 at k 10010 on the "sample" path: 256, and 3840 (TokenButler's every layer and head at once).
 
-Writes $OUT/topk_sample.json (round 1) or $OUT/topk_sample_round2.json and prints a table.
+Writes $OUT/topk_sample.json (round 1) or $OUT/topk_sample_roundN.json and prints a table.
 
     OUT=... PYTHONPATH=. python3 eval/results/h200/topk_sample/sweep.py
 """
@@ -45,6 +46,12 @@ def rows2():
         yield name, pooled(key, R, n), jnp.full((R,), kw, jnp.int32), kw
 
 
+def rows3():
+    ks = jax.random.split(jax.random.key(2), 2)
+    for name, key, R in (("r256", ks[0], 256), ("butler", ks[1], 3840)):
+        yield name, pooled(key, R, N), jnp.full((R,), K, jnp.int32), K
+
+
 def rows():
     ks = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(ks[0], (4, 1, 32, 128), jnp.bfloat16)
@@ -60,10 +67,10 @@ def rows():
 
 
 def main():
-    round2 = os.environ.get("ROUND") == "2"
+    rnd = os.environ.get("ROUND", "1")
     res = {**device_facts(), "cases": {}}
     select = gpu.topk_select_gpu.__wrapped__
-    for name, x, k, kw in (rows2() if round2 else rows()):
+    for name, x, k, kw in {"1": rows, "2": rows2, "3": rows3}[rnd]():
         want = np.asarray(topk_select_reference(x, k, kw))
         row = res["cases"][name] = {"rows": int(x.shape[0]), "N": int(x.shape[1]), "K": kw,
                                     "path": gpu.SelectConfig().pick_path(x.shape[1], x.shape[0], kw)}
@@ -76,8 +83,8 @@ def main():
             except Exception as e:  # noqa: BLE001 - recorded
                 r = {"error": f"{type(e).__name__}: {str(e)[:200]}", "device_us": float("nan"), "exact": False}
             row[str(size)] = r
-    with open(os.path.join(os.environ.get("OUT", "."), "topk_sample_round2.json" if round2 else "topk_sample.json"),
-              "w") as fh:
+    with open(os.path.join(os.environ.get("OUT", "."), "topk_sample.json" if rnd == "1" else
+                           f"topk_sample_round{rnd}.json"), "w") as fh:
         json.dump(res, fh, indent=1)
     print("\ncase     path     " + "".join(f"{s:>10}" for s in SIZES) + "   (device us per call; * not exact)")
     for name, row in res["cases"].items():
