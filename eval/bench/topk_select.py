@@ -165,14 +165,16 @@ def resolution(x, k, K: int) -> dict:
     """How the sampled path resolves each row, counted from its launches 1 and 2 at the default config:
     {'a', 'band', 'b', 'fallback'} -> rows ('a' / 'b': t at a bracket end)."""
     c = gpu.SelectConfig()
-    kw = dict(sample=c.sample_size, sigmas=c.sample_sigmas, cap=c.band_cap, bits=c.row_bits,
+    sample = c.sample_for("sample")
+    cap = c.band_cap or gpu_sample.band_capacity(K, x.shape[-1], sample, c.sample_sigmas)
+    kw = dict(sample=sample, sigmas=c.sample_sigmas, cap=cap, bits=c.row_bits,
               block_n=c.compact_block_n, target_programs=c.target_programs, params=None, interpret=SMOKE)
     kk = np.clip(np.asarray(k), 0, K)
     _, counts, nb, _ = jax.jit(lambda a, b: gpu_sample.sample_band(a, b[:, None], K, **kw))(x, k)
     cnt, nb = np.asarray(counts).sum(1), np.asarray(nb)[:, 0]
     gt_a, ge_a = cnt[:, 0], cnt[:, 0] + cnt[:, 1]
     at_a = (gt_a < kk) & (kk <= ge_a)
-    band = (ge_a < kk) & (kk <= ge_a + nb) & (nb <= c.band_cap)
+    band = (ge_a < kk) & (kk <= ge_a + nb) & (nb <= cap)
     at_b = (ge_a + nb < kk) & (kk <= ge_a + nb + cnt[:, 2])
     return {"a": int(at_a.sum()), "band": int(band.sum()), "b": int(at_b.sum()),
             "fallback": int((~(at_a | band | at_b) & (kk > 0)).sum())}

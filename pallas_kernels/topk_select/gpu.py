@@ -56,6 +56,9 @@ Array = jax.Array
 PATHS = ("auto", "row", "fused", "sample", "ordered", "passes")
 
 
+DEFAULT_SAMPLE = {"sample": 2048, "ordered": 4096}  # SelectConfig.sample_size None: per path (its docstring)
+
+
 @dataclasses.dataclass(frozen=True)
 class SelectConfig:
     """Tuning of the GPU selection kernels.
@@ -76,8 +79,12 @@ class SelectConfig:
       row_warps: warps per "row" program (None: `gpu_row.row_warps`, about 32 scores per thread).
       sample_size, sample_sigmas, band_cap: the "sample" path's sampled scores per row, bracket half-width in
         standard deviations, and band capacity per row (`gpu_sample.topk_select_sample`; band_cap None:
-        `gpu_sample.band_capacity` of K, 4096 for 10% of 100K); rows shorter than
-        sample_size take the "fused" path. The "ordered" path uses the same sample and sigmas.
+        `gpu_sample.band_capacity` of K, 8192 for 10% of 100K); rows shorter than the sample take the "fused"
+        path. The "ordered" path uses the same sigmas and, with sample_size set, the same sample. sample_size
+        None: `DEFAULT_SAMPLE` of the path, 2048 scores for "sample" and 4096 for "ordered" (`sample_for`;
+        measured on an H200, eval/results/h200/topk_sample/: of 2048, 4096, 8192 and 16384, 2048 was the fastest
+        "sample" at every shape tried, 8 to 3840 rows of 32K to 128K, e.g. Kascade's anchor rows at 100K, batch
+        4 66.3 -> 58.3 us; H2O's 1024 "ordered" rows were fastest at 4096, 662 -> 638 us).
       ordered_cap: the "ordered" path's band capacity (None: `gpu_ordered.band_capacity` of K).
       ordered_min_rows, ordered_max_cap: "auto" takes "ordered" instead of "sample" for at least this many rows
         whose band fits this capacity (measured on an H200, eval/results/h200/topk_ordered/: 1536 rows of 100K
@@ -94,23 +101,28 @@ class SelectConfig:
     row_max: int = 16384
     row_bits: int = 2
     row_warps: int | None = None
-    sample_size: int = 8192
+    sample_size: int | None = None
     sample_sigmas: float = 4.0
     band_cap: int | None = None
     ordered_cap: int | None = None
     ordered_min_rows: int = 512
     ordered_max_cap: int = 8192
 
+    def sample_for(self, path: str) -> int:
+        """The sampled scores per row of the "sample" or "ordered" path: sample_size, or the path's default."""
+        return DEFAULT_SAMPLE[path] if self.sample_size is None else self.sample_size
+
     def pick_path(self, N: int, rows: int = 0, K: int | None = None) -> str:
         """The path for `rows` rows of N scores and width K (rows / K unknown: "sample" above row_max)."""
         if self.path == "auto":
             path = "row" if N <= self.row_max else "sample"
             if (path == "sample" and K is not None and rows >= self.ordered_min_rows
-                    and gpu_ordered.band_capacity(K, N, self.sample_size, self.sample_sigmas) <= self.ordered_max_cap):
+                    and gpu_ordered.band_capacity(K, N, self.sample_for("ordered"), self.sample_sigmas)
+                    <= self.ordered_max_cap):
                 path = "ordered"
         else:
             path = self.path
-        return "fused" if path in ("sample", "ordered") and N < self.sample_size else path
+        return "fused" if path in ("sample", "ordered") and N < self.sample_for(path) else path
 
     def count_block(self) -> int:
         if self.block_n is not None:
@@ -140,7 +152,7 @@ def _check_config(config: SelectConfig) -> None:
         raise ValueError(f"SelectConfig.row_warps={config.row_warps}: expected a power of two <= 32 or None")
     for name in ("sample_size", "band_cap"):
         v = getattr(config, name)
-        if v is None and name == "band_cap":
+        if v is None:
             continue
         if not (_pow2(v) and 32 <= v <= gpu_row.ROW_LIMIT):
             raise ValueError(f"SelectConfig.{name}={v}: expected a power of two in [32, {gpu_row.ROW_LIMIT}]")
@@ -242,12 +254,12 @@ def topk_select_gpu(scores: Array, k, K: int, *, span=None, config: SelectConfig
                                            span=sp, interpret=interpret)
         elif path == "ordered":
             out = gpu_ordered.topk_select_ordered(
-                x, k_rows, Kp, sample=config.sample_size, sigmas=config.sample_sigmas, cap=config.ordered_cap,
+                x, k_rows, Kp, sample=config.sample_for("ordered"), sigmas=config.sample_sigmas, cap=config.ordered_cap,
                 bits=config.row_bits, block_n=config.compact_block_n, num_warps=config.num_warps, span=sp,
                 interpret=interpret)
         elif path == "sample":
             out = gpu_sample.topk_select_sample(
-                x, k_rows, Kp, sample=config.sample_size, sigmas=config.sample_sigmas, cap=config.band_cap,
+                x, k_rows, Kp, sample=config.sample_for("sample"), sigmas=config.sample_sigmas, cap=config.band_cap,
                 bits=config.row_bits, block_n=config.compact_block_n, target_programs=config.target_programs,
                 num_warps=config.num_warps, interpret=interpret)
         else:
