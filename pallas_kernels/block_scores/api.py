@@ -66,6 +66,21 @@ def block_max_scores(q: Array, k_all: Array, layer: Array, kv_heads: Array, head
     return xla.block_max_scores_xla(*args, block_size=block_size, scale=scale)
 
 
+def _row_dims(indices: Array):
+    """The mesh dims of index rows: one layer's [B, Hkv, T, K], or every layer's [L, B, Hkv, T, K]."""
+    return dims(5, 1, 2) if indices.ndim == 5 else dims(4, 0, 1)
+
+
+def _layer_rows(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array,
+                block_size: int) -> Array:
+    """Layer `layer`'s index rows of every layer's [L, B, Hkv, T, K] (checked), or one layer's rows as given: what
+    the XLA and reference paths take (the GPU kernels read every layer's rows in place)."""
+    if indices.ndim != 5:
+        return indices
+    check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size, stacked_indices=True)
+    return select_layer(indices, layer)
+
+
 def sparse_decode_mass(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array, *,
                        block_size: int = 1, scale: float | None = None, implementation: str | None = None,
                        config=None):
@@ -77,11 +92,10 @@ def sparse_decode_mass(q: Array, k_all: Array, v_all: Array, layer: Array, indic
     shard (rows over data, heads over model)."""
     if active_mesh() is not None:
         kv = dims(5, 1, 2)
-        rows = dims(5, 1, 2) if indices.ndim == 5 else dims(4, 0, 1)
         return per_shard(lambda q, k, v, layer, indices, lengths: sparse_decode_mass(
             q, k, v, layer, indices, lengths, block_size=block_size, scale=scale, implementation=implementation,
             config=config), [q, k_all, v_all, layer, indices, lengths],
-            [dims(4, 0, 2), kv, kv, (), rows, dims(1, 0)], (dims(4, 0, 2), dims(4, 0, 1)))
+            [dims(4, 0, 2), kv, kv, (), _row_dims(indices), dims(1, 0)], (dims(4, 0, 2), dims(4, 0, 1)))
     impl = _pick(implementation, q, block_size)
     args = (q, k_all, v_all, layer, indices, lengths)
     if impl == "pallas_gpu":
@@ -89,9 +103,8 @@ def sparse_decode_mass(q: Array, k_all: Array, v_all: Array, layer: Array, indic
         from pallas_kernels.sparse_attention.gpu import DecodeConfig
         return gpu.sparse_decode_mass_gpu(*args, block_size=block_size, scale=scale,
                                           config=DecodeConfig() if config is None else config)
-    if indices.ndim == 5:  # every layer's rows: the others take the layer's
-        check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size, stacked_indices=True)
-        args = (q, k_all, v_all, layer, select_layer(indices, layer), lengths)
+    rows = _layer_rows(q, k_all, v_all, layer, indices, lengths, block_size)
+    args = (q, k_all, v_all, layer, rows, lengths)
     if impl == "reference":
         return reference.sparse_decode_mass_reference(*args, block_size=block_size, scale=scale)
     return xla.sparse_decode_mass_xla(*args, block_size=block_size, scale=scale)
@@ -116,9 +129,9 @@ def sparse_decode_heat(q: Array, k_all: Array, v_all: Array, layer: Array, indic
             return sparse_decode_heat(q, k, v, layer, indices, lengths, heat, rest[0] if rest else None,
                                       block_size=block_size, scale=scale, implementation=implementation,
                                       config=config)
-        rows = dims(5, 1, 2) if indices.ndim == 5 else dims(4, 0, 1)
         return per_shard(local, [q, k_all, v_all, layer, indices, lengths, heat] + extra,
-                         [dims(4, 0, 2), kv, kv, (), rows, dims(1, 0), dims(4, 1, 2)] + [()] * len(extra),
+                         [dims(4, 0, 2), kv, kv, (), _row_dims(indices), dims(1, 0), dims(4, 1, 2)]
+                         + [()] * len(extra),
                          (dims(4, 0, 2), dims(4, 1, 2)))
     impl = _pick(implementation, q, block_size)
     args = (q, k_all, v_all, layer, indices, lengths, heat, heat_layer)
@@ -128,9 +141,8 @@ def sparse_decode_heat(q: Array, k_all: Array, v_all: Array, layer: Array, indic
         return gpu.sparse_decode_heat_gpu(*args, block_size=block_size, scale=scale,
                                           config=DecodeConfig() if config is None else config)
     reference.check_heat_args(q, indices, heat, k_all, block_size)
-    if indices.ndim == 5:  # every layer's rows: the others take the layer's
-        check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size, stacked_indices=True)
-        args = (q, k_all, v_all, layer, select_layer(indices, layer), lengths, heat, heat_layer)
+    rows = _layer_rows(q, k_all, v_all, layer, indices, lengths, block_size)
+    args = (q, k_all, v_all, layer, rows, lengths, heat, heat_layer)
     if impl == "reference":
         return reference.sparse_decode_heat_reference(*args, block_size=block_size, scale=scale)
     return xla.sparse_decode_heat_xla(*args, block_size=block_size, scale=scale)
