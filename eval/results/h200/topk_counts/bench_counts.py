@@ -1,5 +1,6 @@
-"""The in-register radix search with one count reduction a pass (`gpu_row.row_threshold`, this tree) against the
-code before it (two packed 16-bit counts a reduction, `OLD`'s `pallas_kernels/topk_select/gpu_row.py`), on the GPU.
+"""The in-register radix search with one count reduction a pass (`gpu_row.row_threshold` of the tree it runs in:
+71ae716, the variant since reverted) against the code before it (two packed 16-bit counts a reduction, `OLD`'s
+`pallas_kernels/topk_select/gpu_row.py`), on the GPU. Run from a later tree, "new" and "old" are the same search.
 
 For each case, rows shaped as a method's selection at 100K, batch 4 (Llama-3.1-8B's 8 KV heads):
   kascade   32 rows of 100096 pooled-like scores, k 10010: the "sample" path (Kascade's anchors, the oracle);
@@ -76,7 +77,8 @@ def main():
         use(new)
     with open(os.path.join(out, "topk_counts.json"), "w") as fh:
         json.dump(res, fh, indent=1)
-    print("\ncase      path     " + "".join(f"{t:>11}" for t, _, _ in variants) + "   (device us per call; * not exact)")
+    print("\ncase      path     " + "".join(f"{t:>11}" for t, _, _ in variants)
+          + "   (device us per call; * not exact)")
     for name, row in res["cases"].items():
         cells = "".join(f"{row[t]['device_us']:10.1f}{'' if row[t]['exact'] else '*'} " for t, _, _ in variants)
         print(f"{name:9} {row['path']:8} {cells}")
