@@ -15,6 +15,7 @@ entry that cannot be read back is rebuilt. The GGUF's tokenizer is built from it
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import json
@@ -187,9 +188,11 @@ def _load_params(target: Path, dtype, mesh=None) -> tuple[ModelConfig, Params]:
     return cfg, params_from_numpy(cfg, arrays, dtype, where=str(target), mesh=mesh)
 
 
-def load_gguf_cached(path: str | os.PathLike, dtype=jnp.float32, mesh=None) -> tuple[ModelConfig, Params, bool]:
+def load_gguf_cached(path: str | os.PathLike, dtype=jnp.float32, mesh=None,
+                     reader=None) -> tuple[ModelConfig, Params, bool]:
     """`load_gguf` through the disk cache. Returns (cfg, params, hit) where hit says the cache was used. With `mesh`
-    the params are placed on it from the host (`models.sharding.placer`)."""
+    the params are placed on it from the host (`models.sharding.placer`). `reader`: None, or a function returning
+    the file's `open_gguf` reader, called only on a cache miss (`load_model` shares one with the tokenizer)."""
     path = Path(path)
     target = params_cache_path(path, dtype)
     if target.is_file():
@@ -199,7 +202,7 @@ def load_gguf_cached(path: str | os.PathLike, dtype=jnp.float32, mesh=None) -> t
         except Exception as e:  # a truncated or foreign file: rebuild it
             warnings.warn(f"rebuilding unreadable cache entry {target}: {type(e).__name__}: {e}")
             target.unlink(missing_ok=True)
-    cfg, params = load_gguf(path, dtype, mesh)
+    cfg, params = load_gguf(path, dtype, mesh, reader=None if reader is None else reader())
     try:
         _save_params(target, cfg, params, dtype)
     except OSError as e:
@@ -207,9 +210,9 @@ def load_gguf_cached(path: str | os.PathLike, dtype=jnp.float32, mesh=None) -> t
     return cfg, params, False
 
 
-def _gguf_tokenizer(path: Path):
+def _gguf_tokenizer(path: Path, reader=None):
     """The GGUF's tokenizer (`models.tokenizer.gguf_tokenizer`), cached as a save_pretrained folder next to the
-    params."""
+    params. `reader`: as `load_gguf_cached`'s."""
     from models.tokenizer import gguf_tokenizer, transformers_module
 
     AutoTokenizer = transformers_module().AutoTokenizer
@@ -220,7 +223,7 @@ def _gguf_tokenizer(path: Path):
         except Exception as e:
             warnings.warn(f"rebuilding unreadable tokenizer cache {target}: {type(e).__name__}: {e}")
             shutil.rmtree(target, ignore_errors=True)
-    tok = gguf_tokenizer(open_gguf(path), path)
+    tok = gguf_tokenizer(open_gguf(path) if reader is None else reader(), path)
     tmp = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -264,8 +267,11 @@ def load_model(spec: str | os.PathLike, dtype=jnp.float32, mesh=None, fuse: bool
         return _fused(keep_layers(model, parse_layers(m.group(2), model.cfg.num_layers)), fuse)
     resolved = resolve_model(spec)
     if resolved.kind == "gguf":
-        cfg, params, _ = load_gguf_cached(resolved.path, dtype, mesh)
-        tokenizer = _gguf_tokenizer(resolved.path)
+        # The file's metadata is parsed at most once (seconds for SmolLM2's vocabulary), and only on a cache miss.
+        reader = functools.cache(lambda: open_gguf(resolved.path))
+        cfg, params, _ = load_gguf_cached(resolved.path, dtype, mesh, reader=reader)
+        tokenizer = _gguf_tokenizer(resolved.path, reader=reader)
+        reader.cache_clear()
     else:
         cfg, params = load_hf_folder(resolved.path, dtype, mesh)
         tokenizer = None

@@ -221,13 +221,15 @@ def _with_llama3_rope(cfg: ModelConfig, reader, tensor, path) -> ModelConfig:
     return candidate
 
 
-def load_gguf(path: str | os.PathLike, dtype=jnp.float32, mesh=None) -> tuple[ModelConfig, Params]:
+def load_gguf(path: str | os.PathLike, dtype=jnp.float32, mesh=None, reader=None) -> tuple[ModelConfig, Params]:
     """Loads and dequantizes a GGUF file.
 
     Args:
       path: a .gguf file (llama / qwen2 / qwen3 architectures; any quantization `gguf` can dequantize).
       dtype: dtype of the returned params.
       mesh: None, or a `jax.sharding.Mesh` to place each tensor on from the host (`models.sharding.placer`).
+      reader: `open_gguf(path)` already made (parsing the file's metadata takes seconds: SmolLM2's 49K-token
+        vocabulary), or None to open it here.
 
     Returns:
       (cfg, params) with params in the layout of `models.params` (Q/K rows restored to Hugging Face order).
@@ -238,7 +240,7 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32, mesh=None) -> tuple[Mo
       ConfigError: the architecture or rope scaling is not supported.
     """
     path = Path(path)
-    reader = open_gguf(path)
+    reader = open_gguf(path) if reader is None else reader
     try:
         cfg = config_from_gguf(reader, path)
     except (ConfigError, ValueError):

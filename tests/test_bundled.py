@@ -3,11 +3,14 @@ English text; the converted params and tokenizer are cached on disk; specs resol
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import os
 import time
 from pathlib import Path
 
 import jax
+import gguf
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -53,9 +56,28 @@ def test_missing_package_names_pip_command(monkeypatch):
 
 def test_bundled_logits_match_transformers_gguf(cache, parity, monkeypatch):
     assert not list(cache.iterdir())
+    # Parsing the GGUF's metadata (49K-token vocabulary) takes seconds with the `gguf` package: our first load must
+    # do it once for the params and the tokenizer together, and transformers' load below parses the same file
+    # again twice (its config, then its weights) and builds gguf's tensor-name table once per module. Both
+    # libraries call the same `gguf` functions, so this test hands them one parse of the file and one table per
+    # (architecture, layers): what each library then does with them is unchanged.
+    real_reader = gguf.GGUFReader
+    parsed: dict = {}
+    opened = []
+
+    def shared_reader(path, *args, **kwargs):
+        opened.append(path)
+        key = (os.path.realpath(path), args, tuple(sorted(kwargs.items())))
+        if key not in parsed:
+            parsed[key] = real_reader(path, *args, **kwargs)
+        return parsed[key]
+
+    monkeypatch.setattr(gguf, "GGUFReader", shared_reader)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
     t0 = time.perf_counter()
     model = load_model("smollm2", jnp.float32)
     first_s = time.perf_counter() - t0
+    assert len(opened) == 1, f"the first load parsed the GGUF {len(opened)} times, expected once: {opened}"
     cfg = model.cfg
     assert (cfg.architecture, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == ("llama", 30, 9, 3, 64)
     assert cfg.tie_word_embeddings and model.params.lm_head is None
