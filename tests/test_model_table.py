@@ -79,12 +79,14 @@ README_TABLES = [  # the README's tables made by the tool: (folder, JSONs)
                               "bench_model_100k_b4_1202_b.json")),
     (("h100", "e2e"), ("e2e_a.json", "e2e_b.json", "e2e_c.json")),
     (("h100", "e2e"), ("e2e_qwen3.json",)),
+    (("h200", "e2e_1203"), ("e2e_a.json", "e2e_b.json")),
+    (("h200", "e2e_1203"), ("e2e_qwen3.json",)),
 ]
 
 
 @pytest.mark.parametrize("folder,files", README_TABLES)
 def test_the_readme_tables_are_the_tool_output_of_their_jsons(capsys, folder, files):
-    """The README's end-to-end tables of 2026-12-02 (H200; H100 at Llama-3.1-8B and Qwen3-8B shapes) are
+    """The README's end-to-end tables (H200 of 2026-12-02 and 2026-12-03; H100 at Llama-3.1-8B and Qwen3-8B shapes) are
     `jsparse bench model_table` of their JSONs, line for line."""
     runs = [os.path.join("eval", "results", *folder, f) for f in files]
     cwd = os.getcwd()
