@@ -89,19 +89,22 @@ def parity():
     return types.SimpleNamespace(logits=_our_logits, compare=_compare)
 
 
-# The slowest files, slowest first (from `--durations` of a whole run on a 2-core machine; the rest follow in
-# collection order). With `--dist loadfile --no-loadscope-reorder` (scripts/test.sh) the workers take files in this
-# order, so the long files start first and the two workers finish together; xdist's own order (most tests first)
-# started the slowest files (test_readme, test_bundled, test_sharding: a few long tests each) last.
+# The files of 15 s or more, slowest first (from `--durations=0` of a whole run on a 2-core machine, 2026-12-03; the
+# rest follow in collection order). With `--dist loadfile --no-loadscope-reorder` (scripts/test.sh) the workers take
+# files in this order, longest first, so the two workers finish together (their totals within seconds of each other
+# in a simulation over that run's durations; the order before left them a minute apart); xdist's own order (most
+# tests first) started the slowest files (test_readme, test_bundled, test_sharding: a few long tests each) last.
 SLOW_FILES_FIRST = (
-    "test_readme.py", "test_sts.py", "test_bundled.py", "test_sharding.py", "test_sharding_sts.py", "test_tsa.py",
-    "test_evosparse_select_kernel.py", "test_eval_continuation.py", "test_tasks.py", "test_train.py",
-    "test_sparse_prefill_mgpu.py", "test_anchor_mgpu.py", "test_generate.py", "test_bench_model.py",
-    "test_local_attention.py", "test_evosparse.py", "test_eval.py", "test_speculative.py", "test_block_scores.py",
-    "test_kascade_anchor.py", "test_cli.py", "test_eval_sts.py", "test_tokenizer.py", "test_logit_mse.py",
-    "test_anchor_attention.py", "test_butler.py",
-    "test_parity_hf.py", "test_api_edges.py", "test_tsa_scoring.py", "test_sparse_attention.py",
-    "test_evosparse_branchless.py", "test_stacked_decode.py",
+    "test_sts.py", "test_readme.py", "test_sharding.py", "test_bench_model.py", "test_tsa.py", "test_butler.py",
+    "test_methods.py", "test_sharding_sts.py", "test_evosparse_select_kernel.py", "test_topk_select_gpu.py",
+    "test_kascade_blocks.py", "test_stacked_decode.py", "test_block_scores.py", "test_head_probs.py",
+    "test_evosparse.py", "test_kascade_anchor.py", "test_anchor_attention.py", "test_bundled.py", "test_cli.py",
+    "test_train.py", "test_speculative.py", "test_kascade_segments.py", "test_evosparse_branchless.py",
+    "test_eval_continuation.py", "test_sparse_attention.py", "test_generate.py", "test_eval_sts.py",
+    "test_fused_params.py", "test_parity_hf.py", "test_anchor_mgpu.py", "test_eval_sweep.py",
+    "test_local_attention.py", "test_logit_mse.py", "test_sliding_window.py", "test_kv_write.py",
+    "test_recipe_time.py", "test_topk_select.py", "test_tasks.py", "test_sparse_prefill_mgpu.py", "test_eval.py",
+    "test_tsa_scoring.py", "test_api_edges.py",
 )
 
 
