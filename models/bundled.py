@@ -189,9 +189,9 @@ def _load_params(target: Path, dtype, mesh=None) -> tuple[ModelConfig, Params]:
 
 
 def load_gguf_cached(path: str | os.PathLike, dtype=jnp.float32, mesh=None,
-                     reader=None) -> tuple[ModelConfig, Params, bool]:
+                     open_reader=None) -> tuple[ModelConfig, Params, bool]:
     """`load_gguf` through the disk cache. Returns (cfg, params, hit) where hit says the cache was used. With `mesh`
-    the params are placed on it from the host (`models.sharding.placer`). `reader`: None, or a function returning
+    the params are placed on it from the host (`models.sharding.placer`). `open_reader`: None, or a function returning
     the file's `open_gguf` reader, called only on a cache miss (`load_model` shares one with the tokenizer)."""
     path = Path(path)
     target = params_cache_path(path, dtype)
@@ -202,7 +202,7 @@ def load_gguf_cached(path: str | os.PathLike, dtype=jnp.float32, mesh=None,
         except Exception as e:  # a truncated or foreign file: rebuild it
             warnings.warn(f"rebuilding unreadable cache entry {target}: {type(e).__name__}: {e}")
             target.unlink(missing_ok=True)
-    cfg, params = load_gguf(path, dtype, mesh, reader=None if reader is None else reader())
+    cfg, params = load_gguf(path, dtype, mesh, reader=None if open_reader is None else open_reader())
     try:
         _save_params(target, cfg, params, dtype)
     except OSError as e:
@@ -210,9 +210,9 @@ def load_gguf_cached(path: str | os.PathLike, dtype=jnp.float32, mesh=None,
     return cfg, params, False
 
 
-def _gguf_tokenizer(path: Path, reader=None):
+def _gguf_tokenizer(path: Path, open_reader=None):
     """The GGUF's tokenizer (`models.tokenizer.gguf_tokenizer`), cached as a save_pretrained folder next to the
-    params. `reader`: as `load_gguf_cached`'s."""
+    params. `open_reader`: as `load_gguf_cached`'s."""
     from models.tokenizer import gguf_tokenizer, transformers_module
 
     AutoTokenizer = transformers_module().AutoTokenizer
@@ -223,7 +223,7 @@ def _gguf_tokenizer(path: Path, reader=None):
         except Exception as e:
             warnings.warn(f"rebuilding unreadable tokenizer cache {target}: {type(e).__name__}: {e}")
             shutil.rmtree(target, ignore_errors=True)
-    tok = gguf_tokenizer(open_gguf(path) if reader is None else reader(), path)
+    tok = gguf_tokenizer((open_reader or functools.partial(open_gguf, path))(), path)
     tmp = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -268,10 +268,10 @@ def load_model(spec: str | os.PathLike, dtype=jnp.float32, mesh=None, fuse: bool
     resolved = resolve_model(spec)
     if resolved.kind == "gguf":
         # The file's metadata is parsed at most once (seconds for SmolLM2's vocabulary), and only on a cache miss.
-        reader = functools.cache(lambda: open_gguf(resolved.path))
-        cfg, params, _ = load_gguf_cached(resolved.path, dtype, mesh, reader=reader)
-        tokenizer = _gguf_tokenizer(resolved.path, reader=reader)
-        reader.cache_clear()
+        open_reader = functools.cache(functools.partial(open_gguf, resolved.path))
+        cfg, params, _ = load_gguf_cached(resolved.path, dtype, mesh, open_reader=open_reader)
+        tokenizer = _gguf_tokenizer(resolved.path, open_reader=open_reader)
+        open_reader.cache_clear()
     else:
         cfg, params = load_hf_folder(resolved.path, dtype, mesh)
         tokenizer = None

@@ -8,8 +8,8 @@
     `.venv/bin/jsparse ARGS` / `jsparse ARGS`: run through `jsparse.cli.main` (the console script's function),
       with `--out` in a temporary folder (later commands reading it read that folder) and, to stay fast,
       `--lengths` cut to 256 and `calibrate` on one development prompt of 512 tokens (its --k 256 needs more than
-      256 + a tile; every other argument as written); the files `eval` says it writes are checked; `demo` (every method on five tasks: minutes, timed by
-      hand in the README) is checked for the `eval` run it makes, not run;
+      256 + a tile; every other argument as written); the files `eval` says it writes are checked; `demo` (every
+      method on five tasks: minutes, timed by hand in the README) is checked for the `eval` run it makes, not run;
     `bash scripts/test.sh`: this suite itself (not run again here; checked to parse);
   any other command fails the test, so a new block needs a check here.
 - ```text blocks are synopses (`jsparse generate --model {smollm2|...}`), not run; every command they name exists.
