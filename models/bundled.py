@@ -202,7 +202,7 @@ def load_gguf_cached(path: str | os.PathLike, dtype=jnp.float32, mesh=None,
         except Exception as e:  # a truncated or foreign file: rebuild it
             warnings.warn(f"rebuilding unreadable cache entry {target}: {type(e).__name__}: {e}")
             target.unlink(missing_ok=True)
-    cfg, params = load_gguf(path, dtype, mesh, reader=None if open_reader is None else open_reader())
+    cfg, params = load_gguf(path, dtype, mesh, reader=(open_reader or functools.partial(open_gguf, path))())
     try:
         _save_params(target, cfg, params, dtype)
     except OSError as e:
@@ -271,7 +271,6 @@ def load_model(spec: str | os.PathLike, dtype=jnp.float32, mesh=None, fuse: bool
         open_reader = functools.cache(functools.partial(open_gguf, resolved.path))
         cfg, params, _ = load_gguf_cached(resolved.path, dtype, mesh, open_reader=open_reader)
         tokenizer = _gguf_tokenizer(resolved.path, open_reader=open_reader)
-        open_reader.cache_clear()
     else:
         cfg, params = load_hf_folder(resolved.path, dtype, mesh)
         tokenizer = None
