@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     g.add_argument("--method", default="dense", choices=method_names(), help="attention method (default dense)")
     g.add_argument("--budget", type=float, default=None, help="token budget of a sparse method, as a fraction of "
-                   "the context in (0, 1] (method default when omitted)")
+                   "the context in (0, 1]; for sts also > 1, a number of tokens (method default when omitted)")
     g.add_argument("--artifact", default=None, help="calibration artifact folder of a method that needs one")
     g.add_argument("--draft", default=None,
                    help="speculative decoding with this draft model (any --model spec with the target's "

@@ -92,7 +92,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds after which remaining sections are recorded as skipped (default 270)")
     p.add_argument("--interpret", action="store_true",
                    help="run the Pallas GPU kernels in the interpreter (a CPU smoke test at tiny sizes)")
-    p.add_argument("--out", default=None, help="JSON file to write")
+    bm.add_out_argument(p, "bench_attention.json", optional=True)
 
 
 def add_bench_attention_parser(bench_subparsers) -> argparse.ArgumentParser:
@@ -717,13 +717,14 @@ def run_bench_attention(args) -> int:
                    xla_flags=os.environ.get("XLA_FLAGS", ""), hbm_gbs_measured=run.hbm,
                    matmul_tflops_measured=mm, summary=summary, checks=run.checks, records=run.records,
                    wall_s=run.elapsed())
-    if args.out:
-        bm.write_json(args.out, payload)
+    out = bm.out_path(args.out, "bench_attention.json")
+    if out:
+        bm.write_json(out, payload)
     cols = ["phase", "N", "T", "impl", "ms", "gbs", "tflops", "speedup_vs_best_dense", "ratio_to_best_dense",
             "speedup_vs_dense", "ratio_to_dense", "skipped", "error"]
     print(bm.table(run.records, cols))
     print(f"measured HBM {run.hbm:.0f} GB/s, matmul {mm:.0f} TFLOP/s; {run.elapsed():.0f} s"
-          + (f"; wrote {args.out}" if args.out else ""))
+          + (f"; wrote {out}" if out else ""))
     ok = all(c.get("ok") for c in run.checks if not c.get("optional"))
     if not ok:
         print("SOME CHECKS FAILED", file=sys.stderr)

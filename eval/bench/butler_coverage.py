@@ -29,6 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from eval import ppl as ppl_task  # noqa: E402
+from eval.bench.common import add_out_argument, device_facts, out_path, write_json  # noqa: E402
 from jsparse import selection as sel  # noqa: E402
 from jsparse.methods import butler as bt  # noqa: E402
 from jsparse.methods.oracle import select_decode  # noqa: E402
@@ -97,7 +98,7 @@ def main(argv=None, prog=None) -> int:
     p.add_argument("--min-tokens", type=int, default=128)
     p.add_argument("--row-start", type=int, default=256)
     p.add_argument("--row-stride", type=int, default=16)
-    p.add_argument("--out", default=None)
+    add_out_argument(p, "butler_coverage.json", optional=True)
     p.add_argument("--dense-count", type=int, default=0,
                    help="calibrate: write into the artifact's metadata dense_set = the layers (>= the default "
                         "dense_layers) where butler's default selection has the largest attention-output error")
@@ -211,9 +212,7 @@ def main(argv=None, prog=None) -> int:
             json.dump(info, f, indent=2)
         print(f"wrote dense_set={dense_set} into {args.artifact}")
     if args.out:
-        from eval.bench.common import device_facts, write_json
-
-        write_json(args.out, {**device_facts(), "args": {k: v for k, v in vars(args).items() if not callable(v)},
+        write_json(out_path(args.out, "butler_coverage.json"), {**device_facts(), "args": {k: v for k, v in vars(args).items() if not callable(v)},
                               "per_layer": per_layer, "mean": mean, "mean_from_layer2": mean2})
     return 0
 

@@ -56,15 +56,19 @@ def command_line() -> str:
     return shlex.join(["python", *sys.argv])
 
 
-def add_out_argument(parser, name: str) -> None:
+def add_out_argument(parser, name: str, optional: bool = False) -> None:
     """`--out PATH`, the one way every benchmark takes its output: the JSON file to write, or a folder (an existing
-    one, or a path ending in '/') to write `name` in; default `name` in the current folder (`out_path` resolves it)."""
-    parser.add_argument("--out", default=name, metavar="PATH",
-                        help=f"JSON file to write, or a folder to write {name} in (default ./{name})")
+    one, or a path ending in '/') to write `name` in; default `name` in the current folder, or with optional=True
+    nothing written (`out_path` resolves it)."""
+    parser.add_argument("--out", default=None if optional else name, metavar="PATH",
+                        help=f"JSON file to write, or a folder to write {name} in "
+                             + ("(default: none written)" if optional else f"(default ./{name})"))
 
 
-def out_path(out: str, name: str) -> str:
-    """The file `--out` names (see `add_out_argument`); its folder is created."""
+def out_path(out: str | None, name: str) -> str | None:
+    """The file `--out` names (see `add_out_argument`; None for none); its folder is created."""
+    if out is None:
+        return None
     path = os.path.join(out, name) if out.endswith(("/", os.sep)) or os.path.isdir(out) else out
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     return path

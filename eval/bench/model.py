@@ -586,7 +586,7 @@ def main(argv=None, prog=None):
                    help=f"comma-separated batch sizes; with --methods also '{MAX_BATCH}': the largest at which every "
                         "method's cache and state fit beside the weights (largest_batch)")
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per case")
-    p.add_argument("--out", default=None, help="JSON file to write")
+    bm.add_out_argument(p, "bench_model.json", optional=True)
     p.add_argument("--methods", default="dense",
                    help=f"comma-separated methods (some of {','.join(METHODS + PREFILL_METHODS)}); anything beside "
                         "dense runs the per-method comparison (dense first, in the same run); tsa and tsa+kascade "
@@ -653,6 +653,7 @@ def main(argv=None, prog=None):
     if not contexts and (methods == ("dense",) or not a.prefill_context.strip()):
         p.error("--context is empty: expected decode contexts, or --methods with --prefill-context")
     from eval.bench.model_check import CheckFailed
+    out = bm.out_path(a.out, "bench_model.json")
     try:
         if methods == ("dense",):
             if method_options:
@@ -661,10 +662,10 @@ def main(argv=None, prog=None):
                 p.error("--attention-only compares methods: give --methods (dense and others)")
             if a.unroll_layers:
                 p.error("--unroll-layers times the methods' decode loop: give --methods (dense and others)")
-            run(a.shape, contexts, batches, a.steps, a.out, check=not a.no_check, layout=a.layout)
+            run(a.shape, contexts, batches, a.steps, out, check=not a.no_check, layout=a.layout)
         else:
             pre = [int(x) for x in a.prefill_context.split(",") if x.strip()]
-            run_methods(a.shape, methods, contexts, batches, a.steps, a.out, a.budget, pre, check=not a.no_check,
+            run_methods(a.shape, methods, contexts, batches, a.steps, out, a.budget, pre, check=not a.no_check,
                         tsa_kept=a.tsa_kept, attention_only=a.attention_only, method_options=method_options,
                         layout=a.layout, unroll=True if a.unroll_layers else 1)
     except CheckFailed as e:
