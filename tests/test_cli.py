@@ -107,13 +107,13 @@ def test_every_benchmark_takes_its_output_as_out(capsys, tmp_path):
 
 
 def test_bench_attention_writes_its_json_through_the_cli(tmp_path, capsys):
-    """`jsparse bench attention --out` writes a JSON whose args are the command's options (the CLI's own handler,
-    a function, once made the write fail after the whole run)."""
+    """`jsparse bench attention --out DIR/` writes its JSON (bench_attention.json) in that new folder, with args
+    that are the command's options (the CLI's own handler, a function, once made the write fail after the whole
+    run)."""
     import json
 
-    out = tmp_path / "attention.json"
     main(["bench", "attention", "--phase", "decode", "--context", "256", "--batch", "1", "--interpret", "--no-check",
-          "--no-variants", "--time-budget", "1", "--out", str(out)])
-    data = json.loads(out.read_text())
+          "--no-variants", "--time-budget", "1", "--out", str(tmp_path / "new") + "/"])
+    data = json.loads((tmp_path / "new" / "bench_attention.json").read_text())
     assert data["args"]["context"] == "256" and data["args"]["phase"] == "decode"
     assert data["records"] and data["command"].startswith("jsparse bench attention")
