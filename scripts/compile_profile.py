@@ -6,9 +6,9 @@ function or a private jax function called outside any jit: `jit(broadcast_in_dim
     COMPILE_PROFILE_OUT=/tmp/prof.json ... -n 2 --dist loadfile tests    # one file per xdist worker: prof.gw0.json
 
 Each process writes COMPILE_PROFILE_OUT (default compile_profile.json) with its worker id before the suffix:
-{"command", "commit", "device", "date", "files": {file: {"wall", "compile", "compile_n", "eager", "eager_n", "fn:jit(NAME)": seconds}}, "tests": {nodeid:
-{"wall", "compile", "eager", "eager_n"}}}. Compile seconds are XLA's (`/jax/core/compile/backend_compile_duration`),
-lowering and tracing not included. Subprocesses a test starts are not seen.
+`eval.bench.common.device_facts()` with "cpu_count", then {"files": {file: {"wall", "compile", "compile_n", "eager",
+"eager_n", "fn:jit(NAME)": seconds}}, "tests": {nodeid: {"wall", "compile", "compile_n", "eager", "eager_n"}}}.
+Compile seconds are XLA's (`/jax/core/compile/backend_compile_duration`), lowering and tracing not included. Subprocesses a test starts are not seen.
 """
 
 from __future__ import annotations
@@ -80,16 +80,8 @@ def pytest_sessionfinish(session):
 
 
 def _meta() -> dict:
-    """What every committed result names: the command, commit, machine and date."""
-    import platform
-    import subprocess
-    import sys
+    """What every committed result names (`eval.bench.common.device_facts`: device, jax, date, commit, command),
+    and the CPU count."""
+    from eval.bench.common import device_facts
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                timeout=10).stdout.strip()
-    except OSError:
-        commit = ""
-    return {"command": " ".join(["python"] + sys.argv), "commit": commit or "not recorded",
-            "device": f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores",
-            "date": time.strftime("%Y-%m-%d")}
+    return {**device_facts(), "cpu_count": os.cpu_count()}

@@ -211,9 +211,10 @@ def main(argv=None, prog=None) -> int:
         with open(path, "w") as f:
             json.dump(info, f, indent=2)
         print(f"wrote dense_set={dense_set} into {args.artifact}")
-    if args.out:
-        write_json(out_path(args.out, "butler_coverage.json"), {**device_facts(), "args": {k: v for k, v in vars(args).items() if not callable(v)},
-                              "per_layer": per_layer, "mean": mean, "mean_from_layer2": mean2})
+    out = out_path(args.out, "butler_coverage.json")
+    if out:
+        write_json(out, {**device_facts(), "args": {k: v for k, v in vars(args).items() if not callable(v)},
+                         "per_layer": per_layer, "mean": mean, "mean_from_layer2": mean2})
     return 0
 
 
