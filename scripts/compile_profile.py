@@ -8,7 +8,9 @@ function or a private jax function called outside any jit: `jit(broadcast_in_dim
 Each process writes COMPILE_PROFILE_OUT (default compile_profile.json) with its worker id before the suffix:
 `eval.bench.common.device_facts()` with "cpu_count", then {"files": {file: {"wall", "compile", "compile_n", "eager",
 "eager_n", "fn:jit(NAME)": seconds}}, "tests": {nodeid: {"wall", "compile", "compile_n", "eager", "eager_n"}}}.
-Compile seconds are XLA's (`/jax/core/compile/backend_compile_duration`), lowering and tracing not included. Subprocesses a test starts are not seen.
+Compile seconds are XLA's (`/jax/core/compile/backend_compile_duration`), lowering and tracing not included. A hit
+of the suite's persistent compilation cache (`tests/conftest.py`) compiles nothing: profile with
+JSPARSE_TEST_XLA_CACHE=off (or an empty folder) to see every compile. Subprocesses a test starts are not seen.
 """
 
 from __future__ import annotations

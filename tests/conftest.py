@@ -23,6 +23,22 @@ if os.environ.get("JSPARSE_TEST_XLA_OPT") != "1":
 # reads it): on a machine that gives a worker one CPU, the interpreter waited forever (reproduced here with
 # `taskset -c 0`; the CI run of 2026-11-25 hung). Eight threads keep it moving on any machine.
 os.environ.setdefault("NPROC", str(max(8, os.cpu_count() or 1)))
+# JAX's persistent compilation cache, for every compile of the suite (subprocesses included): about 60% of the suite's
+# time is XLA compiling programs that do not change between runs, and a warm cache serves them from disk
+# (tests/test_generate.py and five other files: 232 s cold, 65 s warm, 2026-12-03). A cold run (a fresh machine) is
+# no slower: the cache only adds writes. Keys are the program and its compile options, so a hit is the same
+# executable; programs with host callbacks are never cached. JSPARSE_TEST_XLA_CACHE names the folder (default
+# `$JSPARSE_CACHE/xla-tests`, i.e. ~/.cache/jsparse/xla-tests), or `off`. JAX's own size limit is not used: with one
+# set, every write lists the whole folder under a file lock (thousands of entries, two workers: the suite ran at
+# half speed); `pytest_configure` trims the folder once per run instead (`XLA_CACHE_MAX_BYTES`).
+XLA_CACHE_MAX_BYTES = 2 << 30
+_xla_cache = os.environ.get("JSPARSE_TEST_XLA_CACHE") or os.path.join(
+    os.environ.get("JSPARSE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "jsparse"), "xla-tests")
+if _xla_cache != "off":
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _xla_cache)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
 
 import jax  # noqa: E402  (after the environment above)
 import jax.numpy as jnp  # noqa: E402
@@ -53,6 +69,32 @@ def _xla_backend_optimization(request):
         assert count < MAX_MAPPINGS, (f"{count} memory mappings after {request.path.name} with jax's caches "
                                       f"cleared (limit here {MAX_MAPPINGS}; the kernel's is 65,530): what holds "
                                       f"compiled executables across files?")
+
+
+def trim_cache(folder: Path, max_bytes: int) -> int:
+    """Deletes the oldest files (by modification time) of `folder` until it holds at most max_bytes / 2, when it
+    holds more than max_bytes; returns how many it deleted."""
+    if not folder.is_dir():
+        return 0
+    files = sorted((p for p in folder.iterdir() if p.is_file()), key=lambda p: p.stat().st_mtime)
+    total = sum(p.stat().st_size for p in files)
+    deleted = 0
+    if total <= max_bytes:
+        return 0
+    for p in files:
+        if total <= max_bytes // 2:
+            break
+        total -= p.stat().st_size
+        p.unlink(missing_ok=True)
+        deleted += 1
+    return deleted
+
+
+def pytest_configure(config):
+    """Once per run (the xdist controller, or a plain pytest process): the compilation cache kept under its bound."""
+    folder = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if folder and not hasattr(config, "workerinput"):
+        trim_cache(Path(folder), XLA_CACHE_MAX_BYTES)
 
 
 def _our_logits(cfg, params, tokens, method_name: str = "dense") -> np.ndarray:
