@@ -76,16 +76,16 @@ def trim_cache(folder: Path, max_bytes: int) -> int:
     holds more than max_bytes; returns how many it deleted."""
     if not folder.is_dir():
         return 0
-    files = sorted((p for p in folder.iterdir() if p.is_file()), key=lambda p: p.stat().st_mtime)
-    total = sum(p.stat().st_size for p in files)
-    deleted = 0
+    entries = sorted((st.st_mtime, st.st_size, p) for p in folder.iterdir() if p.is_file() for st in [p.stat()])
+    total = sum(size for _, size, _ in entries)
     if total <= max_bytes:
         return 0
-    for p in files:
+    deleted = 0
+    for _, size, p in entries:
         if total <= max_bytes // 2:
             break
-        total -= p.stat().st_size
         p.unlink(missing_ok=True)
+        total -= size
         deleted += 1
     return deleted
 
