@@ -3,9 +3,13 @@
 An artifact is a folder holding `artifact.json` (kind, model fingerprint, model name, metadata) and
 `arrays.npz` (the calibrated arrays). Loading an artifact for a model whose fingerprint differs is an error.
 
-The fingerprint hashes the model config and a strided sample of every weight tensor (4096 values per leaf,
-taken on the device and rounded to bf16, so the f32 and bf16 loads of one checkpoint agree), so it is cheap for
-an 8B checkpoint yet changes when any tensor is replaced.
+The fingerprint hashes the model config and a sample of every weight tensor (4096 values per leaf, taken on the
+device and rounded to bf16, so the f32 and bf16 loads of one checkpoint agree), so it is cheap for an 8B checkpoint
+yet changes when any tensor is replaced. The sampled positions follow a golden-ratio (Weyl) sequence over the
+flattened leaf, so they spread over every axis: a plain stride of n // 4096 is a multiple of the row length for
+power-of-two shapes and would read one column only (one query head of `wq`, one vocabulary column of `lm_head`).
+Artifacts record the scheme (`FINGERPRINT_SCHEME`); one made under an earlier scheme is refused with a message
+that says to calibrate again.
 """
 
 from __future__ import annotations
@@ -27,21 +31,31 @@ from models.params import Slice, projection_views
 ARTIFACT_JSON = "artifact.json"
 ARRAYS_NPZ = "arrays.npz"
 _SAMPLES_PER_LEAF = 4096
+# 1: a stride of n // 4096 (before 2026-12-03); 2: golden-ratio positions (`sample_positions`).
+FINGERPRINT_SCHEME = 2
+_GOLDEN = (5 ** 0.5 - 1) / 2
 
 
 class ArtifactError(ValueError):
     """An artifact that is missing, corrupt, of the wrong kind, or made for another model."""
 
 
+def sample_positions(n: int, samples: int = _SAMPLES_PER_LEAF) -> np.ndarray:
+    """int64[<= samples] ascending flat positions in [0, n): every position when n <= samples, else the distinct
+    floor(n * frac(i * phi)) for i < samples (phi the golden ratio), which spread over every axis of the leaf."""
+    if n <= samples:
+        return np.arange(n, dtype=np.int64)
+    frac = np.modf(np.arange(samples, dtype=np.float64) * _GOLDEN)[0]
+    return np.unique(np.minimum((frac * n).astype(np.int64), n - 1))
+
+
 def model_fingerprint(cfg: ModelConfig, params: Any) -> str:
-    """A short hex digest of the config and a strided sample of every weight."""
+    """A short hex digest of the config and a sample of every weight (`sample_positions`)."""
     h = hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode())
     # The separate q/k/v and gate/up layout's leaves, read in place from fused params: one fingerprint for both.
     for path, leaf in jax.tree_util.tree_leaves_with_path(projection_views(params)):
         shape = tuple(leaf.shape)
-        n = int(np.prod(shape))
-        stride = max(1, n // _SAMPLES_PER_LEAF)
-        index = list(np.unravel_index(np.arange(0, n, stride)[:_SAMPLES_PER_LEAF], shape))
+        index = list(np.unravel_index(sample_positions(int(np.prod(shape))), shape))
         if isinstance(leaf, Slice):
             index[leaf.axis] = index[leaf.axis] + leaf.start
             leaf = leaf.array
@@ -73,7 +87,7 @@ class Artifact:
 
 def save_artifact(path: str, artifact: Artifact) -> None:
     os.makedirs(path, exist_ok=True)
-    info = {"kind": artifact.kind, "model_fingerprint": artifact.fingerprint,
+    info = {"kind": artifact.kind, "model_fingerprint": artifact.fingerprint, "fingerprint_scheme": FINGERPRINT_SCHEME,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "arrays": sorted(artifact.arrays), "meta": artifact.meta}
     np.savez(os.path.join(path, ARRAYS_NPZ), **artifact.arrays)
@@ -86,7 +100,7 @@ def load_artifact(path: str, kind: str, fingerprint: str | None = None) -> Artif
     meta_path = os.path.join(path, ARTIFACT_JSON)
     if not os.path.exists(meta_path):
         raise ArtifactError(f"no artifact at {path!r}: {ARTIFACT_JSON} is missing (make one with "
-                            f"`jsparse calibrate {kind} --model M --out {path}`)")
+                            f"{_make_command(kind, path)})")
     try:
         with open(meta_path) as f:
             info = json.load(f)
@@ -97,11 +111,24 @@ def load_artifact(path: str, kind: str, fingerprint: str | None = None) -> Artif
     if info.get("kind") != kind:
         raise ArtifactError(f"artifact at {path!r} is a {info.get('kind')!r} artifact, expected {kind!r}")
     if fingerprint is not None and info.get("model_fingerprint") != fingerprint:
+        scheme = info.get("fingerprint_scheme", 1)
+        if scheme != FINGERPRINT_SCHEME:
+            raise ArtifactError(
+                f"artifact at {path!r} was made under model fingerprint scheme {scheme} (an earlier jsparse sampled "
+                f"the weights differently); this jsparse uses scheme {FINGERPRINT_SCHEME}: make it again with "
+                f"{_make_command(kind, path)}")
         raise ArtifactError(
             f"artifact at {path!r} was calibrated for model fingerprint {info.get('model_fingerprint')!r} "
             f"({info.get('meta', {}).get('model', '?')}), but the loaded model's fingerprint is {fingerprint!r}")
     return Artifact(kind=info["kind"], fingerprint=info["model_fingerprint"], arrays=arrays,
                     meta=info.get("meta", {}))
+
+
+def _make_command(kind: str, path: str) -> str:
+    """The command that makes an artifact of `kind` at `path` (TokenButler's is trained, the others calibrated)."""
+    if kind == "butler":
+        return f"`jsparse train-predictor --model M --data FILE --steps N --out {path}`"
+    return f"`jsparse calibrate {kind} --model M --out {path}`"
 
 
 def _json_default(x):

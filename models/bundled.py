@@ -309,7 +309,9 @@ def keep_layers(model: LoadedModel, layers: Sequence[int]) -> LoadedModel:
     on a mesh stays on it (its params placed as `models.sharding` places the new shapes)."""
     idx = np.asarray(layers, np.int32)
     params = model.params.replace(layers=jax.tree_util.tree_map(lambda x: x[idx], model.params.layers))
-    cfg = dataclasses.replace(model.cfg, num_layers=len(layers))
+    # A windowed model keeps each kept layer's own window (Qwen2/Qwen3 window only some layers).
+    windows = tuple(model.cfg.layer_windows[i] for i in layers) if model.cfg.layer_windows else ()
+    cfg = dataclasses.replace(model.cfg, num_layers=len(layers), layer_windows=windows)
     if model.mesh is not None:
         params = sharding.shard_params(cfg, params, model.mesh)
     text = ",".join(str(x) for x in layers) if len(layers) < 4 or layers != list(range(layers[0], layers[-1] + 1)) \

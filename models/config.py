@@ -16,6 +16,7 @@ import numpy as np
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+SUPPORTED_ACTIVATIONS = ("silu", "swish")  # the same function in transformers' ACT2FN
 
 
 class ConfigError(ValueError):
@@ -180,6 +181,10 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
         sliding, layer_windows = _windows_from_hf(hf, model_type)
+        act = hf.get("hidden_act", "silu")
+        if act not in SUPPORTED_ACTIVATIONS:
+            raise ConfigError(f"hidden_act={act!r}: this decoder implements the SwiGLU MLP only; expected one of "
+                              f"{SUPPORTED_ACTIVATIONS}")
         return cls(
             architecture=model_type,
             vocab_size=hf["vocab_size"],
@@ -192,7 +197,7 @@ class ModelConfig:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope=_rope_from_hf(hf),
             qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
-            o_bias=model_type in ("llama",) and bool(hf.get("attention_bias", False)),
+            o_bias=model_type in ("llama", "qwen3") and bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),

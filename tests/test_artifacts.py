@@ -5,7 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jsparse.artifacts import Artifact, ArtifactError, load_artifact, model_fingerprint, save_artifact
+import json
+
+from jsparse.artifacts import (Artifact, ArtifactError, load_artifact, model_fingerprint, sample_positions,
+                               save_artifact)
 from models.config import ModelConfig
 from models.params import cast, random_params
 
@@ -21,6 +24,39 @@ def test_fingerprint_is_stable_and_sensitive():
     other = p.replace(final_norm=p.final_norm * 2)
     assert model_fingerprint(CFG, other) != fp
     assert model_fingerprint(CFG, random_params(CFG, jax.random.key(1), jnp.float32)) != fp
+
+
+def test_fingerprint_samples_every_head_and_unit():
+    """The sampled positions spread over every axis: a plain stride of n // 4096 is a multiple of the row length for
+    power-of-two shapes and read one query head of wq and one column of lm_head only. Llama-3.1-8B's shapes (index
+    arithmetic only), then a tiny model whose weights change in one query head or one MLP unit at a time."""
+    for shape in [(32, 4096, 32, 128), (32, 4096, 8, 128), (32, 4096, 14336), (4096, 128256)]:
+        idx = np.unravel_index(sample_positions(int(np.prod(shape))), shape)
+        assert len(np.unique(idx[-1])) >= min(shape[-1], 4096) * 0.6, shape
+        assert len(np.unique(idx[0])) >= min(shape[0], 1024), shape
+        if len(shape) == 4:
+            assert len(np.unique(idx[2])) == shape[2]  # every head
+    np.testing.assert_array_equal(sample_positions(100), np.arange(100))  # a small leaf: every value
+    cfg = ModelConfig(architecture="llama", vocab_size=256, hidden_size=2048, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=4, head_dim=16)
+    p = random_params(cfg, jax.random.key(0), jnp.float32)
+    fp = model_fingerprint(cfg, p)
+    for h in range(cfg.num_heads):
+        edited = p.replace(layers=p.layers.replace(wq=p.layers.wq.at[:, :, h, :].multiply(-3.0)))
+        assert model_fingerprint(cfg, edited) != fp, h
+    edited = p.replace(layers=p.layers.replace(w_down=p.layers.w_down.at[:, 37, :].multiply(-3.0)))
+    assert model_fingerprint(cfg, edited) != fp
+
+
+def test_artifact_of_an_earlier_fingerprint_scheme_says_to_make_it_again(tmp_path):
+    save_artifact(str(tmp_path / "a"), Artifact(kind="butler", fingerprint="old", arrays={"x": np.zeros(2)}))
+    meta = tmp_path / "a" / "artifact.json"
+    info = json.loads(meta.read_text())
+    assert info["fingerprint_scheme"] == 2
+    del info["fingerprint_scheme"]  # as an artifact written before the scheme was recorded
+    meta.write_text(json.dumps(info))
+    with pytest.raises(ArtifactError, match="fingerprint scheme 1.*jsparse train-predictor"):
+        load_artifact(str(tmp_path / "a"), "butler", "new")
 
 
 def test_round_trip_and_mismatch(tmp_path):

@@ -68,6 +68,13 @@ def test_unknown_architecture_is_named(folder):
         load_hf_folder(folder)
 
 
+def test_activation_other_than_silu_is_named(folder):
+    """The decoder implements the SwiGLU MLP only: another `hidden_act` would give wrong logits, so it is refused."""
+    _edit_config(folder, hidden_act="gelu")
+    with pytest.raises(ConfigError, match="hidden_act='gelu'.*'silu'"):
+        load_hf_folder(folder)
+
+
 def test_missing_weight_file_is_named(folder):
     (folder / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="model.safetensors"):

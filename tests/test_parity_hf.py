@@ -56,7 +56,7 @@ FAMILIES = {
     "qwen3_qknorm": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(
         head_dim=48, use_sliding_window=False)),
     "qwen3_layer_types": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(
-        head_dim=48, use_sliding_window=True, sliding_window=56,
+        head_dim=48, use_sliding_window=True, sliding_window=56, attention_bias=True,  # bias on q, k, v and o
         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
     "llama_tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
         tie_word_embeddings=True, num_hidden_layers=2, attention_bias=True, mlp_bias=True)),
@@ -121,6 +121,8 @@ def test_config_features(saved):
         assert params.lm_head is None and params.layers.bo is not None and params.layers.b_down is not None
     if family.startswith("qwen3"):
         assert cfg.head_dim == 48 != cfg.hidden_size // cfg.num_heads
+    if family == "qwen3_layer_types":
+        assert cfg.qkv_bias and cfg.o_bias and params.layers.bo is not None  # attention_bias: q, k, v and o
     assert cfg.layer_windows == WINDOWS.get(family, ())
     assert params.embed.dtype == jnp.float32
 

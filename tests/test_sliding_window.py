@@ -138,6 +138,18 @@ def test_config_dict_round_trip_and_unchanged_fingerprints(params):
     assert model_fingerprint(FULL, params) != model_fingerprint(ALL, params)
 
 
+def test_layer_skipped_copy_keeps_each_layers_window(params):
+    """`keep_layers` (the `SPEC:layers=` draft) keeps the windows of the layers it keeps."""
+    from models.bundled import keep_layers
+
+    model = LoadedModel(cfg=MIXED, params=params, tokenizer=None, name="mixed")
+    assert keep_layers(model, [1, 2]).cfg.layer_windows == (0, W)
+    assert keep_layers(model, [0, 2]).cfg.layer_windows == (W, W)
+    one = keep_layers(model, [1]).cfg  # no kept layer is windowed: a model without a window
+    assert one.sliding_window is None and one.layer_windows == ()
+    assert keep_layers(LoadedModel(cfg=FULL, params=params, tokenizer=None, name="full"), [0]).cfg.layer_windows == ()
+
+
 # ----------------------------------------------------------------------------------------------- attention
 
 
