@@ -68,7 +68,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                         "takes a budget runs once per fraction (and once per --budget-tokens N); dense and tsa take "
                         "none and run once, their records' budget null. Replaces --budget")
     p.add_argument("--budget-tokens", default=None, metavar="N[,N...]",
-                   help="fixed token budgets (instead of --budget; beside --budgets): each N runs every budgeted method with "
+                   help="fixed token budgets (instead of the default --budget; beside an explicit --budget F or "
+                        "--budgets): each N runs every budgeted method with "
                         "k = min(N, p + 1) keys per query at position p (TokenBudget methods: budget ~ N / length "
                         "and min_tokens = N; evosparse: budget_tokens = N); methods without a budget (dense, tsa) "
                         "run once per length")
@@ -144,6 +145,9 @@ def spec_from_args(args) -> harness.EvalSpec:
     if budgets is not None and args.budget is not None:
         raise ValueError(f"--budget {args.budget:g} and --budgets {args.budgets} both given: pass the fractions to "
                          "--budgets alone")
+    budget_tokens = harness.parse_budget_tokens(args.budget_tokens)
+    if budget_tokens is not None and args.budget is not None:
+        budgets = harness.parse_budgets((args.budget,))  # runs beside the token budgets, as --budgets F would
     spec = harness.EvalSpec(
         methods=methods, tasks=tasks, lengths=harness.parse_lengths(args.lengths),
         budget=0.1 if args.budget is None else args.budget, budgets=budgets, chat=getattr(args, "chat", False),
@@ -152,7 +156,7 @@ def spec_from_args(args) -> harness.EvalSpec:
         artifacts=harness.parse_artifacts(args.artifact, methods), depths=depths,
         ppl_variants=harness.parse_list(args.ppl_variants, "--ppl-variants"), new_tokens=args.new_tokens,
         chunk=args.chunk, max_batch_tokens=args.max_batch_tokens, continuation=args.continuation_tokens,
-        budget_tokens=harness.parse_budget_tokens(args.budget_tokens),
+        budget_tokens=budget_tokens,
         method_options=harness.parse_method_options(args.method_option, methods), gamma=args.gamma,
         draft="(loaded after validation)" if getattr(args, "draft", None) else None)
     spec.validate()
@@ -209,10 +213,15 @@ def _same(key: str, a, b) -> bool:
     return a == b
 
 
-def resume_config(out: str, config: dict, overwrite: bool) -> tuple[list[dict], list[dict], dict]:
+def resume_config(out: str, config: dict, overwrite: bool,
+                  methods: tuple[str, ...] = ()) -> tuple[list[dict], list[dict], dict]:
     """(records, runs, config) to continue from in `out`: ([], [], config) for a new folder or with `overwrite`;
     the folder's records and runs, and `config` merged with its per-method artifacts and options, when its
-    results.json has the same configuration. Raises ValueError naming the first difference otherwise."""
+    results.json has the same configuration. Raises ValueError naming the first difference otherwise.
+
+    A method of this run (`methods`) that the folder ran before must come with the same artifact and options (none
+    when it had none): a method the folder ran with `--method-option streaming.sink=64` does not resume without
+    it. Methods this run does not name keep theirs from the folder."""
     if overwrite or not os.path.exists(os.path.join(out, report.RESULTS_JSON)):
         return [], [], config
     data = report.read_results(out)
@@ -224,15 +233,17 @@ def resume_config(out: str, config: dict, overwrite: bool) -> tuple[list[dict], 
     if old is None:
         raise ValueError(f"{where} names no run configuration: cannot resume it; pass --overwrite or another --out")
     merged = dict(config)
-    for key, value in config.items():
+    # Keys the folder has and this run does not (an option given then, left at its default now) differ too.
+    for key in list(config) + [k for k in old if k not in config]:
+        value = config.get(key)
         if key in ("artifacts", "method_options"):
             prev = old.get(key) or {}
             if key == "artifacts":
                 prev = {k: portable_path(v) for k, v in prev.items()}
-            for name in set(prev) & set(value):
-                if prev[name] != value[name]:
-                    raise ValueError(f"{where} was run with {key} {name}={prev[name]!r}, this run has "
-                                     f"{value[name]!r}: pass --overwrite or another --out")
+            for name in sorted((set(prev) & set(value)) | ((set(prev) | set(value)) & set(methods))):
+                if prev.get(name) != value.get(name):
+                    raise ValueError(f"{where} was run with {key} {name}={prev.get(name)!r}, this run has "
+                                     f"{value.get(name)!r}: pass the same, --overwrite or another --out")
             merged[key] = {**prev, **value}
         elif not _same(key, old.get(key), value):
             raise ValueError(f"{where} was run with {key}={old.get(key)!r}, this run has {key}={value!r}: a run "
@@ -249,7 +260,7 @@ def run_eval(args) -> int:
     spec = spec_from_args(args)
     check_out(args.out)
     config = run_config(spec, args.model, args.dtype or default_dtype())
-    previous, runs, config = resume_config(args.out, config, getattr(args, "overwrite", False))
+    previous, runs, config = resume_config(args.out, config, getattr(args, "overwrite", False), spec.methods)
     model = jsparse.load(args.model, args.dtype, mesh=getattr(args, "mesh", None))
     if spec.draft is not None:
         # On the target's mesh: speculative decoding runs both models on one mesh.

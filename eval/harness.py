@@ -144,6 +144,8 @@ def parse_lengths(text: str | Sequence[int]) -> tuple[int, ...]:
         if n < 16:
             raise ValueError(f"length {n}: expected an integer >= 16 tokens")
         out.append(n)
+    if len(set(out)) != len(out):
+        raise ValueError(f"lengths {out} name a length twice")
     return tuple(out)
 
 
@@ -874,10 +876,11 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
     generation = {t: task for t, task in generation_tasks().items() if t in spec.tasks}
     gen_new = max([spec.new_tokens] * ("passkey" in spec.tasks) + [t.max_new_tokens for t in generation.values()],
                   default=spec.new_tokens)
+    # The most prompt tokens of a length: the generation tasks' prompts may pass it by 1% unless exact.
+    prompt_max = {L: max([L] + [t.max_prompt(L) for t in generation.values()]) for L in spec.lengths}
     for length in spec.lengths:  # fail before any work on a length the model cannot run
         if "passkey" in spec.tasks or generation:
-            check_request(cfg, [int(length * 1.01) + 1 if generation else length],
-                          gen_new + (0 if spec.draft is None else spec.gamma + 1))
+            check_request(cfg, [prompt_max[length]], gen_new + (0 if spec.draft is None else spec.gamma + 1))
         if "ppl" in spec.tasks:
             check_request(cfg, [length - 1], 1)
     corpus_ids = None
@@ -889,9 +892,8 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
     methods = build_methods(model, spec)
     done = {record_key(r) for r in previous}
     units = _units(spec)
-    # Max visible keys of a length (token budgets): the generation tasks' prompts may pass the length by 1%.
-    visible = {L: int(L * 1.01) + 1 + gen_new if generation else L + (gen_new if "passkey" in spec.tasks else 0)
-               for L in spec.lengths}
+    # Max visible keys of a length (token budgets).
+    visible = {L: prompt_max[L] + (gen_new if generation or "passkey" in spec.tasks else 0) for L in spec.lengths}
     plan = [(L, run, [(t, v) for t, v in units
                       if (run.name, None if run.budget_tokens is not None else run.budget, run.budget_tokens, t, L,
                           v) not in done])

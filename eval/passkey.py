@@ -16,9 +16,11 @@ Two haystacks (`haystack`):
             with the sample's seed: real text, harder for small models, and independent of the calibration
             corpus when the two differ (the bundled artifacts were calibrated on Alice, eval's default corpus is
             The Call of the Wild).
-The text before the needle is whole sentences, as many as fit in `depth * F` filler tokens (F = the filler
-tokens the length leaves), so the needle starts on a sentence boundary less than one sentence before the
-requested depth; the text after it is cut to fill the length exactly (only its last sentence may be cut).
+With "repeat", the text before the needle is whole sentences, as many as fit in `depth * F` filler tokens (F =
+the filler tokens the length leaves), so the needle starts on a sentence boundary less than one sentence before
+the requested depth; the text after it is cut to fill the length exactly (only its last sentence may be cut).
+With "corpus", the needle goes in at exactly round(depth * F) tokens into the stretch, which may be mid-sentence
+(the corpus stretch is not cut at sentence boundaries; the eval/tasks haystacks are).
 The model generates a few tokens greedily; a sample is correct when the first run of digits in the
 completion is exactly the key.
 """

@@ -97,6 +97,12 @@ def below_dense(records: Sequence[Mapping]) -> list[tuple[str, int, Mapping, Map
     return out
 
 
+def _score(r: Mapping) -> str:
+    """An accuracy-like record's score for the fidelity gate: hits/n for passkey's exact-match accuracy, else the
+    task's mean metric (a mean of fractions for string_match_all, not a count of hits)."""
+    return f"{round(r['value'] * r['n'])}/{r['n']}" if r["metric"] == "accuracy" else f"{r['value']:.2f}"
+
+
 def _cell(r: Mapping, dense: Mapping | None) -> str:
     if r["metric"] == "accuracy":
         hits = round(r["value"] * r["n"])
@@ -193,8 +199,7 @@ def summary_markdown(records: Sequence[Mapping], meta: Mapping | None = None) ->
               "Passkey and generation-task results below dense's at the same task and length (marked " + BELOW_DENSE
               + " above):", ""]
     if gate:
-        lines += [f"- {m} @{L}: {round(r['value'] * r['n'])}/{r['n']} against dense's "
-                  f"{round(d['value'] * d['n'])}/{d['n']}" for m, L, r, d in gate]
+        lines += [f"- {m} @{L}: {_score(r)} against dense's {_score(d)}" for m, L, r, d in gate]
     elif any(r["method"] == "dense" and is_accuracy(r) for r in main):
         lines += ["- none: every method scores at least dense's passkey." if all(
             r["task"] == "passkey" for r in main if is_accuracy(r)) else "- none: every method scores at least dense's."]

@@ -181,6 +181,11 @@ def test_fidelity_gate_marks_methods_below_dense():
     assert "0.90 (9/10) |" in md and md.count(report.BELOW_DENSE) == 2  # the cell and the gate's heading
     clean = report.summary_markdown([r for r in recs if r["method"] != "kascade"], {})
     assert "- none: every method scores at least dense's passkey." in clean
+    # A generation task's metric is a mean of fractions: the gate shows it as such, not as made-up hit counts.
+    multi = [harness.make_record(task="niah_multivalue", method=m, length=64, budget=0.1, metric="string_match_all",
+                                 value=v, sparsity=0.0, n=10, variant="generate", depth=None, seconds=1.0)
+             for m, v in (("dense", 0.78), ("quest", 0.76))]
+    assert "- quest niah_multivalue @64: 0.76 against dense's 0.78" in report.summary_markdown(multi, {})
 
 
 def test_passkey_scoring():

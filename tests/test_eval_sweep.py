@@ -167,6 +167,8 @@ def test_sweep_resumes_where_it_stopped(model, corpus, test_task, tmp_path, monk
     (["--budgets", "0.1", "--budget", "0.2"], r"--budget 0.2 and --budgets 0.1 both given"),
     (["--budget-tokens", "0"], r"budget tokens '0'"),
     (["--tasks", "nosuch_task"], r"unknown task 'nosuch_task'; valid tasks: passkey, ppl"),
+    (["--lengths", "160,160"], r"lengths \[160, 160\] name a length twice"),
+    (["--budget", "1.5", "--budget-tokens", "64"], r"budget 1.5: expected a fraction"),
 ])
 def test_bad_budgets_fail_before_loading(extra, match, tmp_path, monkeypatch):
     monkeypatch.setattr(jsparse, "load", lambda *a, **k: pytest.fail("the model must not be loaded"))
@@ -174,6 +176,60 @@ def test_bad_budgets_fail_before_loading(extra, match, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=match):
         args.func(args)
     assert not os.path.exists(tmp_path / "x")
+
+
+def test_resume_refuses_a_dropped_method_option_or_ppl_samples(tmp_path):
+    """A method this run names must come with the options the folder ran it with (none when none), and an option
+    given then and left at its default now (--ppl-samples) is a difference too. Methods this run does not name
+    keep the folder's options."""
+    def config(*extra):
+        args = _parser().parse_args(["eval", "--methods", "dense,streaming", "--tasks", "passkey,ppl", "--samples",
+                                     "4", "--out", "x", *extra])
+        spec = cli_eval.spec_from_args(args)
+        return cli_eval.run_config(spec, "smollm2", "float32"), spec.methods
+
+    first, _ = config("--method-option", "streaming.sink=64", "--ppl-samples", "8")
+    report.write_results(str(tmp_path), [], dict(config=first))
+    same, methods = config("--method-option", "streaming.sink=64", "--ppl-samples", "8")
+    assert cli_eval.resume_config(str(tmp_path), same, False, methods)[2] == first
+    dropped, methods = config("--ppl-samples", "8")
+    with pytest.raises(ValueError, match=r"method_options streaming=\{'sink': 64\}, this run has None"):
+        cli_eval.resume_config(str(tmp_path), dropped, False, methods)
+    # A run of dense alone keeps streaming's options from the folder.
+    alone = dict(dropped)
+    assert cli_eval.resume_config(str(tmp_path), alone, False, ("dense",))[2]["method_options"] == {
+        "streaming": {"sink": 64}}
+    no_ppl_samples, methods = config("--method-option", "streaming.sink=64")
+    with pytest.raises(ValueError, match=r"was run with ppl_samples=8, this run has ppl_samples=None"):
+        cli_eval.resume_config(str(tmp_path), no_ppl_samples, False, methods)
+
+
+def test_budget_beside_budget_tokens_runs_both():
+    args = _parser().parse_args(["eval", "--methods", "dense,oracle", "--budget", "0.2", "--budget-tokens", "64",
+                                 "--out", "x"])
+    spec = cli_eval.spec_from_args(args)
+    assert spec.fractions() == (0.2,) and spec.budget_tokens == (64,)
+    args = _parser().parse_args(["eval", "--methods", "dense,oracle", "--budget-tokens", "64", "--out", "x"])
+    assert cli_eval.spec_from_args(args).fractions() == ()  # the default --budget is not run beside them
+
+
+def test_context_check_takes_the_prompt_length_a_task_makes(model, test_task, monkeypatch):
+    """A length whose prompt plus answer fits the model's context (1024 here) passes the check before any work;
+    only a task that may pass its length by 1% (exact_length=False) is checked for that much more."""
+    class Checked(Exception):
+        pass
+
+    def after_the_checks(*a, **k):
+        raise Checked
+
+    monkeypatch.setattr(harness, "build_methods", after_the_checks)
+    L = 1024 - test_task.max_new_tokens
+    spec = harness.EvalSpec(methods=("dense",), tasks=(TASK,), lengths=(L,), samples=1)
+    with pytest.raises(Checked):
+        harness.evaluate(model, spec, progress=False)
+    monkeypatch.setitem(task_registry.TASKS, TASK, dataclasses.replace(test_task, exact_length=False))
+    with pytest.raises(ValueError, match=f"prompt .{int(L * 1.01) + 1} tokens"):
+        harness.evaluate(model, spec, progress=False)
 
 
 def test_resume_refuses_a_version_1_results_file(tmp_path):

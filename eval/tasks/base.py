@@ -50,6 +50,9 @@ class Task:
         corpus, eval/data/call_of_the_wild.txt) or a path to a UTF-8 text file; chat: wrap the prompt with the
         tokenizer's chat template (the answer prefix then opens the assistant's turn).
       doc: one line: what the task measures.
+      exact_length: the prompts have exactly `length` tokens (every task registered here; tests/test_tasks.py
+        checks it). False for a task that only meets the interface's 1%: the harness then sizes the cache and
+        the length checks for int(length * 1.01) + 1 prompt tokens.
     """
 
     name: str
@@ -57,6 +60,11 @@ class Task:
     max_new_tokens: int
     make_samples: Callable
     doc: str
+    exact_length: bool = True
+
+    def max_prompt(self, length: int) -> int:
+        """The most prompt tokens a sample of `length` may have."""
+        return length if self.exact_length else int(length * 1.01) + 1
 
     def __post_init__(self):
         if self.metric not in METRICS:
