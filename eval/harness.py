@@ -503,14 +503,13 @@ def run_generation(model, method, prompts: Sequence[Sequence[int]], new_tokens: 
     if draft is None:
         capacity = check_request(model.cfg, [width], steps)
     else:
-        from jsparse.api import check_draft, speculative_methods
-        from models.generate import round_up
+        from jsparse.api import check_draft, check_draft_context, speculative_methods
         from models.speculative import speculative_generate
 
         check_draft(model, draft, gamma)
-        extra = gamma + 1  # the verification writes up to gamma + 1 rows past the accepted tokens
-        check_request(model.cfg, [width], steps + extra)
-        capacity = round_up(width + steps + extra, 128)
+        check_draft_context(draft, [width], steps)
+        # The verification writes up to gamma + 1 rows past the accepted tokens.
+        capacity = check_request(model.cfg, [width], steps, verify_rows=gamma + 1)
         t_method, d_method = speculative_methods(method, model, draft, gamma)
     eos = _eos_ids(model)
     tokens = np.zeros((len(prompts), width), np.int32)
@@ -880,7 +879,7 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
     prompt_max = {L: max([L] + [t.max_prompt(L) for t in generation.values()]) for L in spec.lengths}
     for length in spec.lengths:  # fail before any work on a length the model cannot run
         if "passkey" in spec.tasks or generation:
-            check_request(cfg, [prompt_max[length]], gen_new + (0 if spec.draft is None else spec.gamma + 1))
+            check_request(cfg, [prompt_max[length]], gen_new, verify_rows=0 if spec.draft is None else spec.gamma + 1)
         if "ppl" in spec.tasks:
             check_request(cfg, [length - 1], 1)
     corpus_ids = None

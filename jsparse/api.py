@@ -25,7 +25,8 @@ from jsparse.methods import make_method, window_methods
 from models import sharding
 from models.bundled import LoadedModel, keep_layers, load_model, parse_layers  # noqa: F401  (re-exported)
 from models.params import unfuse_projections
-from models.generate import Sampling, check_request, generate_tokens, round_up, sharded_generate_tokens
+from models.generate import (Sampling, check_request, check_token_ids, generate_tokens, round_up,
+                             sharded_generate_tokens)
 from models.speculative import check_gamma, check_pair, sharded_speculative_generate, speculative_generate
 
 _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
@@ -135,6 +136,14 @@ def check_draft(model: LoadedModel, draft: LoadedModel, gamma: int) -> None:
                          "(--mesh loads both)")
 
 
+def check_draft_context(draft: LoadedModel, prompt_lengths: Sequence[int], max_new_tokens: int) -> None:
+    """The draft reads the whole conversation too: the prompt plus the new tokens must fit its context as well."""
+    need = max(prompt_lengths) + max_new_tokens
+    if need > draft.cfg.max_position_embeddings:
+        raise ValueError(f"prompt ({max(prompt_lengths)} tokens) plus max_new_tokens={max_new_tokens} is {need} "
+                         f"tokens, longer than the draft's context of {draft.cfg.max_position_embeddings}")
+
+
 def _same_mesh(a, b) -> bool:
     if a is None or b is None:
         return a is None and b is None
@@ -201,14 +210,12 @@ def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: An
         t_method, d_method = speculative_methods(method, model, draft, gamma)
         pairs = [(model, t_method), (draft, d_method)]
     lengths_list = [len(t) for t in ids]
-    extra = 0 if draft is None else gamma + 1
+    check_token_ids(model.cfg, ids)
+    extra = 0 if draft is None else gamma + 1  # the verification writes up to gamma + 1 rows past the accepted
     chosen = capacity
-    if capacity is None:
-        capacity = check_request(model.cfg, lengths_list, max_new_tokens)
-        if extra:  # the verification writes up to gamma + 1 rows past the accepted tokens
-            capacity = round_up(max(lengths_list) + max_new_tokens + extra, 128)
-    else:
-        check_request(model.cfg, lengths_list, max_new_tokens + extra, capacity)
+    capacity = check_request(model.cfg, lengths_list, max_new_tokens, capacity, verify_rows=extra)
+    if draft is not None:
+        check_draft_context(draft, lengths_list, max_new_tokens)
     capacity = fit_windows(pairs, max(lengths_list) + max_new_tokens + extra, capacity, capped=chosen is None)
     tokens, lengths = pad_batch(ids, limit=capacity - max_new_tokens - extra)
     eos = eos_ids(model)

@@ -24,7 +24,7 @@ import numpy as np
 
 from models import sharding
 from models.bundled import LoadedModel
-from models.generate import Sampling
+from models.generate import Sampling, check_token_ids
 from models.speculative import append_step, check_heads_on_mesh, loop_step, prefill_step
 
 
@@ -52,6 +52,9 @@ class Session:
                     "data=1 (shard a session over model= only; batches of prompts go through generate)")
             check_heads_on_mesh(model.cfg, draft.cfg, self.mesh, "a Session on a mesh")
         self.model, self.draft, self.gamma = model, draft, gamma
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"capacity={capacity}: expected a positive number of cache rows (None: the model's "
+                             "context, at most 4096)")
         self.capacity = int(capacity or min(model.cfg.max_position_embeddings, 4096))
         self.t_method, self.d_method = speculative_methods(method, model, draft, gamma)
         self.sampling = Sampling(temperature, top_p)
@@ -74,6 +77,13 @@ class Session:
             raise ValueError("empty message: expected at least one token")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 1")
+        check_token_ids(self.model.cfg, [ids], "the message")
+        for who, m in (("model", self.model), ("draft", self.draft)):
+            total = len(self.tokens) + len(ids) + max_new_tokens
+            if total > m.cfg.max_position_embeddings:
+                raise ValueError(f"the conversation ({len(self.tokens)} tokens) plus this message ({len(ids)}) and "
+                                 f"max_new_tokens={max_new_tokens} is {total} tokens, longer than the {who}'s "
+                                 f"context of {m.cfg.max_position_embeddings}")
         need = len(self.tokens) + len(ids) + max_new_tokens + self.gamma + 1
         if need > self.capacity:
             raise ValueError(f"the conversation ({len(self.tokens)} tokens) plus this message ({len(ids)}) and "

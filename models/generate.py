@@ -32,8 +32,8 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature}: expected >= 0 (0 is greedy)")
+        if not 0 <= self.temperature < float("inf"):  # NaN fails too
+            raise ValueError(f"temperature={self.temperature}: expected a finite value >= 0 (0 is greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p}: expected a value in (0, 1]")
 
@@ -59,8 +59,13 @@ def round_up(n: int, multiple: int) -> int:
 
 
 def check_request(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_tokens: int,
-                  capacity: int | None = None) -> int:
-    """Validates a generation request and returns the cache capacity to use."""
+                  capacity: int | None = None, verify_rows: int = 0) -> int:
+    """Validates a generation request and returns the cache capacity to use.
+
+    The prompt plus `max_new_tokens` must fit the model's context; with speculative decoding the cache also
+    holds `verify_rows` (gamma + 1) rows the verification writes past the accepted tokens (never kept, so not
+    counted against the context). capacity None: the prompt, new tokens and verification rows rounded up to 128
+    (without verification rows, capped at the context)."""
     if len(prompt_lengths) == 0:
         raise ValueError("no prompts given: expected at least one")
     if min(prompt_lengths) <= 0:
@@ -72,11 +77,24 @@ def check_request(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_token
         raise ValueError(f"prompt ({max(prompt_lengths)} tokens) plus max_new_tokens={max_new_tokens} is {need} "
                          f"tokens, longer than the model's context of {cfg.max_position_embeddings}")
     if capacity is None:
-        capacity = min(round_up(need, 128), max(cfg.max_position_embeddings, need))
-    elif need > capacity:
-        raise ValueError(f"prompt ({max(prompt_lengths)} tokens) plus max_new_tokens={max_new_tokens} is {need} "
-                         f"tokens, longer than the KV cache capacity of {capacity}")
+        if verify_rows:
+            return round_up(need + verify_rows, 128)
+        return min(round_up(need, 128), max(cfg.max_position_embeddings, need))
+    if need + verify_rows > capacity:
+        rows = f" and gamma + 1 = {verify_rows} verification rows" if verify_rows else ""
+        raise ValueError(f"prompt ({max(prompt_lengths)} tokens) plus max_new_tokens={max_new_tokens}{rows} is "
+                         f"{need + verify_rows} tokens, longer than the KV cache capacity of {capacity}")
     return capacity
+
+
+def check_token_ids(cfg: ModelConfig, rows: Sequence[Sequence[int]], what: str = "prompt") -> None:
+    """Every token id in [0, vocab_size): an id outside would read no embedding row (NaN logits) or wrap."""
+    for i, row in enumerate(rows):
+        bad = [int(t) for t in row if not 0 <= int(t) < cfg.vocab_size]
+        if bad:
+            where = f"{what} {i}" if len(rows) > 1 or what == "prompt" else what
+            raise ValueError(f"{where} has token id {bad[0]}: expected ids in [0, {cfg.vocab_size}) (the model's "
+                             "vocabulary)")
 
 
 @functools.partial(model_jit, static_argnames=("cfg", "max_new_tokens", "capacity", "sampling", "eos_ids",

@@ -9,7 +9,7 @@ from jsparse.methods import make_method
 from models import llama
 from models.cache import init_cache
 from models.config import ModelConfig
-from models.generate import Sampling, check_request, generate_tokens, sample
+from models.generate import Sampling, check_request, check_token_ids, generate_tokens, sample
 from models.params import random_params
 
 CFG = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3,
@@ -91,6 +91,8 @@ def test_top_p_sampling_stays_in_nucleus():
         Sampling(temperature=1.0, top_p=0.0)
     with pytest.raises(ValueError, match="temperature=-1"):
         Sampling(temperature=-1)
+    with pytest.raises(ValueError, match="temperature=nan: expected a finite value"):
+        Sampling(temperature=float("nan"))
 
 
 def test_request_errors():
@@ -103,6 +105,16 @@ def test_request_errors():
     with pytest.raises(ValueError, match="max_new_tokens=0"):
         check_request(CFG, [5], 0)
     assert check_request(CFG, [100], 20) == 128
+    # Speculative decoding's gamma + 1 verification rows need cache rows, not context: named apart.
+    with pytest.raises(ValueError, match=r"max_new_tokens=8 and gamma \+ 1 = 5 verification rows is 73 tokens, "
+                                         "longer than the KV cache capacity of 72"):
+        check_request(CFG, [60], 8, capacity=72, verify_rows=5)
+    assert check_request(CFG, [240], 16, capacity=261, verify_rows=5) == 261  # fits the context of 256
+    assert check_request(CFG, [240], 16, verify_rows=5) == 384
+    with pytest.raises(ValueError, match=r"prompt 1 has token id 128: expected ids in \[0, 128\)"):
+        check_token_ids(CFG, [[1, 2], [3, 128]])
+    with pytest.raises(ValueError, match="prompt 0 has token id -1"):
+        check_token_ids(CFG, [[1, -1]])
 
 
 def test_generate_returns_the_state_of_its_own_prefill(params):

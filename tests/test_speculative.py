@@ -10,6 +10,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from jsparse.api import generate_ids, keep_layers, parse_layers
+from jsparse.session import Session
 from jsparse.methods import make_method
 from models import llama
 from models.bundled import LoadedModel
@@ -163,6 +164,19 @@ def test_layer_skipped_draft_and_errors(models):
         generate_ids(tgt, ids, max_new_tokens=4, draft=other)
     with pytest.raises(ValueError, match="gamma=0: expected an integer >= 1"):
         generate_ids(tgt, ids, max_new_tokens=4, draft=skipped, gamma=0)
+    short = dataclasses.replace(skipped, cfg=dataclasses.replace(skipped.cfg, max_position_embeddings=16))
+    with pytest.raises(ValueError, match="is 17 tokens, longer than the draft's context of 16"):
+        generate_ids(tgt, ids, max_new_tokens=12, draft=short)
+    with pytest.raises(ValueError, match=r"prompt 1 has token id -1: expected ids in \[0, 128\)"):
+        generate_ids(tgt, [[5, 6], [7, -1]], max_new_tokens=4, draft=skipped)
+    # A session checks each message against both contexts (its capacity may be larger) and the vocabulary.
+    session = Session(tgt, short, gamma=2, capacity=64)
+    with pytest.raises(ValueError, match="is 20 tokens, longer than the draft's context of 16"):
+        session.send_ids(list(range(4, 14)), max_new_tokens=10)
+    with pytest.raises(ValueError, match=r"the message has token id 128: expected ids in \[0, 128\)"):
+        session.send_ids([5, 128], max_new_tokens=2)
+    with pytest.raises(ValueError, match="capacity=-8: expected a positive number of cache rows"):
+        Session(tgt, skipped, gamma=2, capacity=-8)
 
 
 def test_speculative_generate_is_one_computation(models):
