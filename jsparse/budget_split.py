@@ -3,7 +3,8 @@
 A query at position p sees n = p + 1 keys and keeps k of them: k = min(tokens, n) with a token count, else the
 fraction rule k = min(max(ceil(budget * n), min_tokens), n); that is kb = ceil(k / block_size) blocks. With cumulative fractions c_i resolved to 1/4096 in integer arithmetic, component i gets
 ceil(c_i * kb) - ceil(c_{i-1} * kb) blocks: the counts always sum to kb, and small budgets favour the first
-components.
+components, except one component that may be given at least one block (EvoSparse's local window, which holds the
+query's own position).
 """
 
 from __future__ import annotations
@@ -39,17 +40,31 @@ def cumulative_fixed(fractions: Sequence[float]) -> tuple[int, ...]:
     return tuple(fixed)
 
 
-def split_counts(kb, cum_fixed: Sequence[int]):
-    """Blocks per component for kb budget blocks (int or int array): a tuple of counts summing to kb."""
+def split_counts(kb, cum_fixed: Sequence[int], ensure: Optional[int] = None):
+    """Blocks per component for kb budget blocks (int or int array): a tuple of counts summing to kb.
+
+    ensure: a component (index) with a fraction > 0 that gets at least one block whenever kb >= 1 (EvoSparse's
+    local window, which holds the query's own position): when the rounding left it none, it takes one from the
+    first component that has one."""
     ends = [(c * kb + FIX - 1) // FIX for c in cum_fixed]
     starts = [0 * kb] + ends[:-1]
-    return tuple(e - s for s, e in zip(starts, ends))
+    counts = [e - s for s, e in zip(starts, ends)]
+    if ensure is not None and cum_fixed[ensure] > (cum_fixed[ensure - 1] if ensure else 0):
+        add = ((counts[ensure] == 0) & (kb >= 1)) * 1  # 0 or 1, an int (array) for numpy and jax alike
+        need = add
+        for j in range(len(counts)):
+            if j != ensure:
+                give = (counts[j] > 0) * need
+                counts[j] = counts[j] - give
+                need = need - give
+        counts[ensure] = counts[ensure] + add
+    return tuple(counts)
 
 
-def max_counts(Kb: int, cum_fixed: Sequence[int]) -> tuple[int, ...]:
+def max_counts(Kb: int, cum_fixed: Sequence[int], ensure: Optional[int] = None) -> tuple[int, ...]:
     """Static width of each component: the largest count over budgets of 1..Kb blocks."""
     kb = np.arange(1, Kb + 1, dtype=np.int64)
-    return tuple(int(np.max(c)) for c in split_counts(kb, cum_fixed))
+    return tuple(int(np.max(c)) for c in split_counts(kb, cum_fixed, ensure))
 
 
 def drop_components(fractions: Sequence[float], names: Sequence[str], drop: Sequence[str]) -> tuple[float, ...]:
@@ -70,6 +85,7 @@ class BlockBudget:
     block_size: int
     fractions: tuple
     tokens: Optional[int] = None
+    ensure: Optional[int] = None  # a component given at least one block (`split_counts`)
 
     def keys(self, n):
         """Keys kept among n visible ones (int or int array)."""
@@ -80,14 +96,14 @@ class BlockBudget:
         width: its largest count over budgets of 1..Kb blocks)."""
         nb = N // self.block_size
         Kb = min(-(-self.keys(N) // self.block_size), nb)
-        return nb, Kb, max_counts(max(Kb, 1), cumulative_fixed(self.fractions))
+        return nb, Kb, max_counts(max(Kb, 1), cumulative_fixed(self.fractions), self.ensure)
 
     def row(self, pos):
         """pos: i32[...] query positions -> (kb blocks, visible blocks pos // block_size + 1, the component
         counts, a tuple of i32[...] summing to kb)."""
         bs = self.block_size
         kb = (self.keys(pos + 1) + bs - 1) // bs
-        return kb, pos // bs + 1, split_counts(kb, cumulative_fixed(self.fractions))
+        return kb, pos // bs + 1, split_counts(kb, cumulative_fixed(self.fractions), self.ensure)
 
     def attended_fraction(self, positions) -> np.ndarray:
         """f64[...]: the fraction of its visible keys a query at each position attends to (whole blocks, its own

@@ -65,7 +65,12 @@ def _decode(m, layer, lengths, q, cache, state):
 def _counts_np(kb):
     cum = np.cumsum(FRACTIONS)
     ends = [math.ceil(round(c * 4096) * kb / 4096) for c in cum[:-1]] + [kb]
-    return [e - s for s, e in zip([0] + ends[:-1], ends)]
+    counts = [e - s for s, e in zip([0] + ends[:-1], ends)]
+    if kb >= 1 and counts[1] == 0:  # the local window (the query's own block) takes a block from the first
+        j = next(i for i, c in enumerate(counts) if c > 0)
+        counts[j] -= 1
+        counts[1] = 1
+    return counts
 
 
 def _select_np(p, bs, budget_tokens, heat, ret, ret_heads, q, k):
@@ -139,27 +144,33 @@ def test_full_budget_equals_dense(name, T):
         np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
 
 
-def test_fixed_sets_equal_masked_reference():
-    """Given heat and an inherited retrieval set, the layer attends exactly sink + local + retrieval + heat."""
+@pytest.mark.parametrize("budget", [64, 16, 8])
+def test_fixed_sets_equal_masked_reference(budget):
+    """Given heat and an inherited retrieval set, the layer attends exactly sink + local + retrieval + heat; at
+    budgets of two blocks and one the local window (the query's own block) still has one."""
     q, cache, lengths = _inputs(1)
     bs = 8
-    m = EvoSparse.from_heads(CFG, HEADS, budget_tokens=64, block_size=bs)  # kb = 8: 1 sink, 3 local, 2 ret, 2 heat
-    assert split_counts(8, _cumulative_fixed(m.fractions)) == (1, 3, 2, 2)
+    kb = budget // bs
+    m = EvoSparse.from_heads(CFG, HEADS, budget_tokens=budget, block_size=bs)
+    counts = {8: (1, 3, 2, 2), 2: (0, 1, 1, 0), 1: (0, 1, 0, 0)}[kb]  # 8: 1 sink, 3 local, 2 ret, 2 heat
+    assert split_counts(kb, _cumulative_fixed(m.fractions), ensure=1) == counts == tuple(_counts_np(kb))
     heat = jax.random.uniform(jax.random.key(2), (CFG.num_layers, B, HKV, 16))
     state = m.start(CFG, EvoState(heat=heat), "decode", B, 1, 128)
     ret = np.array([[[3, 6, -1]], [[9, 2, -1]]], np.int32)[:, :, : state.retrieval.shape[-1]]
+    ret = np.where(np.arange(ret.shape[-1]) < counts[2], ret, -1)  # a retrieval layer's set holds n_r blocks
     state = state.replace(retrieval=jnp.asarray(ret))
     out, new_state = _decode(m, 2, lengths, q, cache, state)  # layer 2: inherits
     qn, kn, vn = (np.asarray(x, np.float64) for x in (q, cache.k, cache.v))
     mask = np.zeros((B, HKV, 1, 128), bool)
     for b in range(B):
         p = int(lengths[b]) - 1
-        sets, _ = _select_np(p, bs, 64, np.asarray(heat[2, b], np.float64), list(ret[b, 0][ret[b, 0] >= 0]), [],
-                             qn[b, 0], kn[b])
+        sets, _ = _select_np(p, bs, budget, np.asarray(heat[2, b], np.float64), list(ret[b, 0][ret[b, 0] >= 0]),
+                             [], qn[b, 0], kn[b])
         for h in range(HKV):
             for blk in sets[h]:
                 mask[b, h, 0, blk * bs:(blk + 1) * bs] = True
-        assert len(sets[0]) == 8
+            assert p // bs in sets[h]  # its own block
+        assert len(sets[0]) == kb
     mask &= np.arange(128)[None, None, None] < np.asarray(lengths)[:, None, None, None]
     want = masked_attention_reference(q, cache.k, cache.v, jnp.asarray(mask))
     np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)

@@ -101,6 +101,17 @@ def test_budget_split_counts_sum_to_the_budget_and_favour_the_first_components()
         counts = budget_split.split_counts(kb, cum)
         assert sum(counts) == kb and min(counts) >= 0
     assert budget_split.split_counts(1, cum)[0] == 1  # one block: the sink
+    # With a component ensured (EvoSparse's local window): it has a block at every budget, the sum unchanged.
+    for kb in range(0, 200):
+        counts = budget_split.split_counts(kb, cum, ensure=1)
+        assert sum(counts) == kb and min(counts) >= 0 and (counts[1] >= 1) == (kb >= 1)
+        if budget_split.split_counts(kb, cum)[1] > 0:
+            assert counts == budget_split.split_counts(kb, cum)  # only budgets that left it none change
+    assert budget_split.split_counts(1, cum, ensure=1) == (0, 1, 0, 0)
+    assert budget_split.split_counts(2, cum, ensure=1) == (0, 1, 1, 0)
+    kb = np.arange(0, 9)
+    assert [tuple(c) for c in zip(*budget_split.split_counts(kb, cum, ensure=1))] == [
+        budget_split.split_counts(int(i), cum, ensure=1) for i in kb]  # arrays as ints
     widths = budget_split.max_counts(40, cum)
     kb = np.arange(1, 41)
     assert widths == tuple(int(c.max()) for c in budget_split.split_counts(kb, cum))

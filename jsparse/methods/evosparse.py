@@ -206,18 +206,22 @@ class EvoSparse:
 
     @property
     def block_budget(self) -> budget_split.BlockBudget:
+        # The local window (component 1) always has a block: a query attends its own position.
         return budget_split.BlockBudget(self.budget, self.min_tokens, self.block_size, self.fractions,
-                                        self.budget_tokens)
+                                        self.budget_tokens, ensure=1)
 
     def widths(self, N: int) -> dict:
         """Static widths for a cache of N tokens: Kb (selected blocks), and each component's width."""
         nb, Kb, (ws, wl, wr, wh) = self.block_budget.widths(N)
-        if not self.uses_retrieval:
-            wr = 0
+        # A component in use keeps a width of at least 1 (its count may be 0: at a budget of one or two blocks
+        # the local window takes them), so its top-k has an output to write.
+        wr = max(wr, 1) if self.uses_retrieval else 0
         if not self.uses_heat:
             wh = 0
         elif self.uses_retrieval:
-            wh = min(wh + wr, Kb)  # heat fills retrieval slots left empty
+            wh = max(min(wh + wr, Kb), 1)  # heat fills retrieval slots left empty
+        else:
+            wh = max(wh, 1)
         return dict(nb=nb, Kb=Kb, sink=ws, local=wl, retrieval=wr, heat=wh)
 
     def _row_budget(self, pos: Array):
