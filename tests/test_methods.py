@@ -44,7 +44,8 @@ def _pooled_np(q, k, pos):
 
 
 def _topk_mask_np(scores, pos, budget, min_tokens, tile=32):
-    """Top-k with the query's diagonal tile (keys tile_start(pos)..pos) always among the k."""
+    """Top-k with the query's diagonal tile (keys tile_start(pos)..pos) first among the k, its most recent keys
+    first when k is smaller (the query always attends itself)."""
     Bq, H, T, N = scores.shape
     mask = np.zeros(scores.shape, bool)
     for b in range(Bq):
@@ -53,7 +54,8 @@ def _topk_mask_np(scores, pos, budget, min_tokens, tile=32):
             kk = min(max(math.ceil(budget * n), min_tokens), n)
             for h in range(H):
                 s = scores[b, h, t, :n].copy()
-                s[(pos[b, t] // tile) * tile:] = np.inf
+                start = (pos[b, t] // tile) * tile
+                s[start:] = 1e9 + np.arange(start, n)
                 order = np.argsort(-s, kind="stable")
                 mask[b, h, t, order[:kk]] = True
     return mask
@@ -70,6 +72,8 @@ def test_oracle_decode_equals_masked_reference(T):
     out, _ = m.decode(_ctx(1, lengths), q, cache, None)
     pos = np.asarray(lengths)[:, None] - T + np.arange(T)
     mask = _topk_mask_np(_pooled_np(q, cache.k, pos), pos, 0.2, 8)
+    assert mask.sum(-1).min() < (pos % 32 + 1).max()  # some row's budget is smaller than its diagonal tile
+    assert all(mask[b, :, t, pos[b, t]].all() for b in range(B) for t in range(T))  # ... and it attends itself
     want = masked_attention_reference(q, cache.k, cache.v, jnp.asarray(mask))
     np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
 

@@ -8,6 +8,7 @@ from flax import struct
 from jsparse import selection as sel
 from jsparse.methods.base import register
 from jsparse.methods.common import TokenBudget, kwargs_for, sparse_prefill, topk_decode
+from pallas_kernels.anchor_attention.common import force_diagonal
 
 
 @register("oracle")
@@ -16,7 +17,7 @@ class Oracle(TokenBudget):
     """Every sparse layer keeps, per KV head, the k keys with the largest exact attention mass (summed over the
     GQA group; in prefill also over the query tile). Layer 0 is dense, as in Kascade, so the two compare fairly.
     In both phases the query's causal diagonal tile is kept (prefill: added by the kernel; decode: forced into
-    the k chosen keys). Decode scans the dense and the sparse layers apart (`TokenBudget.segments`)."""
+    the k chosen keys, its most recent keys first when k is smaller than the tile). Decode scans the dense and the sparse layers apart (`TokenBudget.segments`)."""
 
     @classmethod
     def build(cls, **options):
@@ -38,16 +39,16 @@ class Oracle(TokenBudget):
 def select_decode(q, k_cache, positions, budget, min_tokens, K, tile: int = 0):
     """Top-k per row by exact pooled scores: int32[B, Hkv, T, K] (rows at positions: i32[B, T]).
 
-    With `tile` > 0 the query's own (causal) diagonal tile, keys floor(pos / tile) * tile .. pos, is always kept,
-    inside the budget: decode keeps what the prefill kernel adds to every query tile.
+    With `tile` > 0 the query's own (causal) diagonal tile, keys floor(pos / tile) * tile .. pos, is kept first,
+    inside the budget: decode keeps what the prefill kernel adds to every query tile (a budget smaller than the
+    tile keeps its most recent keys, the query's own first: `force_diagonal`).
     """
     probs = sel.pooled_probs(q, k_cache, positions)
     key = jnp.arange(k_cache.shape[2])[None, None, :]
     visible = key <= positions[:, :, None]
     scores = jnp.where(visible[:, None], probs, sel.NEG_INF)
     if tile:
-        diagonal = visible & (key >= (positions[:, :, None] // tile) * tile)
-        scores = jnp.where(diagonal[:, None], jnp.inf, scores)
+        scores = force_diagonal(scores, positions, tile)
     k_dyn = sel.budget_tokens(budget, positions + 1, min_tokens)[:, None]  # [B, 1, T]
     return sel.topk_indices(scores, k_dyn, K, per_shard=True)
 

@@ -108,12 +108,24 @@ def check_diagonal_tile(diagonal_tile) -> int:
     return diagonal_tile
 
 
+# The score of a key of the query's own diagonal tile: above any pooled softmax weight (at most G), rising with the
+# key's position, so that a budget smaller than the tile keeps the most recent keys, the query's own first (f32
+# holds DIAGONAL_SCORE + position exactly for positions below 2**24 - 2**20).
+DIAGONAL_SCORE = 2.0 ** 20
+
+
+def diagonal_scores(key: Array) -> Array:
+    """f32 scores of diagonal-tile keys at positions `key` (`DIAGONAL_SCORE` + position)."""
+    return DIAGONAL_SCORE + key.astype(jnp.float32)
+
+
 def force_diagonal(scores: Array, pos: Array, diagonal_tile: int) -> Array:
-    """Marks each query's own causal diagonal tile as chosen first: +inf on keys floor(pos / tile) * tile .. pos.
+    """Marks each query's own causal diagonal tile as chosen first: keys floor(pos / tile) * tile .. pos score
+    `diagonal_scores` (above every other key, the most recent highest).
 
     Kascade's decode keeps, inside its budget, the keys the prefill kernel adds to every query tile
-    (jsparse.methods.oracle.select_decode). Among the +inf keys, as among any ties, the lower positions win
-    when the budget is smaller than the tile.
+    (jsparse.methods.oracle.select_decode). When the budget is smaller than the tile, the most recent keys of the
+    tile are kept, the query's own position first.
 
     Args:
       scores: f32[B, Hkv, T, N] pooled scores (-inf where not visible); pos: i32[B, T]; diagonal_tile: 0 (off)
@@ -127,7 +139,7 @@ def force_diagonal(scores: Array, pos: Array, diagonal_tile: int) -> Array:
     key = jnp.arange(scores.shape[-1], dtype=jnp.int32)[None, None, :]
     p = pos[:, :, None]
     diagonal = (key <= p) & (key >= (p // diagonal_tile) * diagonal_tile)  # [B, T, N]
-    return jnp.where(diagonal[:, None], jnp.inf, scores)
+    return jnp.where(diagonal[:, None], diagonal_scores(key)[:, None], scores)
 
 
 def select(scores: Array, pos: Array, budget: float, min_tokens: int, K: int, implementation: str | None) -> Array:

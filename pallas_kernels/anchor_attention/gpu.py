@@ -38,8 +38,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.sparse_attention import gpu as sparse_gpu
 from pallas_kernels.anchor_attention.common import (check_args, check_diagonal_tile, combine_lse, default_scale,
-                                                    force_diagonal, layer_of, pool_scores, positions, select,
-                                                    unstack)
+                                                    diagonal_scores, force_diagonal, layer_of, pool_scores,
+                                                    positions, select, unstack)
 
 Array = jax.Array
 
@@ -159,7 +159,7 @@ def _pool_kernel(pos_ref, lse_ref, lg_ref, o_ref, *, G: int, bp: int, n: int, di
     pooled = jnp.sum(jnp.exp(s - lse[:, None]), axis=0)  # padding rows: exp(-inf) = 0
     out = jnp.where(visible, pooled, -jnp.inf)
     if diagonal_tile:
-        out = jnp.where(visible & (kpos >= (pos // diagonal_tile) * diagonal_tile), jnp.inf, out)
+        out = jnp.where(visible & (kpos >= (pos // diagonal_tile) * diagonal_tile), diagonal_scores(kpos), out)
     plgpu.store(o_ref.at[kpos], out, mask=kpos < n)
 
 

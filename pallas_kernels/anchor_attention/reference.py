@@ -8,8 +8,8 @@
 Exactly Kascade's anchor (jsparse.methods.kascade / oracle.select_decode): dense post-softmax scores over the
 visible keys (n <= position), pooled over the GQA group; the top kk = min(max(ceil(budget * (pos + 1)),
 min_tokens), pos + 1) per (row, KV head, token) by `topk_select_reference` (lax.top_k order, ties to the lower
-position), with `diagonal_tile` the query's own diagonal tile forced first (+inf scores, as select_decode's
-`tile`); attention over exactly the selected keys (`sparse_decode_reference`), or with `dense_output` over
+position), with `diagonal_tile` the query's own diagonal tile forced first (`common.diagonal_scores`: the most
+recent first, as select_decode's `tile`); attention over exactly the selected keys (`sparse_decode_reference`), or with `dense_output` over
 every visible key.
 
 Prefill (oracle.select_prefill): causal post-softmax weights pooled over the GQA group and over each query tile
@@ -57,8 +57,8 @@ def decode_scores_reference(q: Array, k: Array, lengths: Array, *, scale: float 
     """Exact pooled post-softmax scores of every key (jsparse.selection.pooled_probs, -inf where not visible).
 
     Args:
-      q: [B, T, Hq, D]; k: [B, Hkv, N, D]; lengths: int32[B]; diagonal_tile: 0 or a tile size (+inf on each
-        query's diagonal tile, `common.force_diagonal`).
+      q: [B, T, Hq, D]; k: [B, Hkv, N, D]; lengths: int32[B]; diagonal_tile: 0 or a tile size (each query's
+        diagonal tile first, `common.force_diagonal`).
 
     Returns:
       f32[B, Hkv, T, N].
