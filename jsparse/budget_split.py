@@ -1,8 +1,9 @@
 """A budget of kb blocks split among components by fractions (EvoSparse's sink / local / retrieval / heat).
 
 A query at position p sees n = p + 1 keys and keeps k of them: k = min(tokens, n) with a token count, else the
-fraction rule k = min(max(ceil(budget * n), min_tokens), n); that is kb = ceil(k / block_size) blocks. With cumulative fractions c_i resolved to 1/4096 in integer arithmetic, component i gets
-ceil(c_i * kb) - ceil(c_{i-1} * kb) blocks: the counts always sum to kb, and small budgets favour the first
+fraction rule k = min(max(ceil(budget * n), min_tokens), n) (`selection.budget_tokens`: an f32 product); that is
+kb = ceil(k / block_size) blocks. With cumulative fractions c_i resolved to 1/4096 in integer arithmetic, component
+i gets ceil(c_i * kb) - ceil(c_{i-1} * kb) blocks: the counts always sum to kb, and small budgets favour the first
 components, except one component that may be given at least one block (EvoSparse's local window, which holds the
 query's own position).
 """
@@ -113,7 +114,7 @@ class BlockBudget:
         if self.tokens is not None:
             k = np.minimum(self.tokens, n)
         else:
-            k = np.minimum(np.maximum(np.ceil(self.budget * n), self.min_tokens), n)
+            k = np.minimum(np.maximum(np.ceil(np.float32(self.budget) * n.astype(np.float32)), self.min_tokens), n)
         bs = self.block_size
         kb = -(-k // bs)
         return np.minimum(kb * bs - (bs - 1 - p % bs), n) / n

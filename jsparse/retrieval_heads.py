@@ -77,7 +77,7 @@ def load_retrieval_heads(path: str, kind: str, fingerprint: str | None, cfg, num
     if scores.shape != (cfg.num_layers, cfg.num_heads):
         raise ValueError(f"artifact at {path!r} scores {scores.shape} heads: expected (L, Hq) = "
                          f"{(cfg.num_layers, cfg.num_heads)}")
-    return top_heads(scores, num or default_num_heads(cfg))
+    return top_heads(scores, default_num_heads(cfg) if num is None else num)  # 0 is refused there, not defaulted
 
 
 def retrieval_blocks(info: RetrievalLayout, q: Array, k_all: Array, layer: Array, pos: Array, first, last, count,

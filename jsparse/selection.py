@@ -20,7 +20,7 @@ NEG_INF = -jnp.inf
 
 def check_budget(budget: float) -> float:
     """Budget as a fraction of the context: must lie in (0, 1]."""
-    if not isinstance(budget, (int, float)) or not 0.0 < float(budget) <= 1.0:
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0.0 < float(budget) <= 1.0:
         raise ValueError(f"budget={budget!r}: expected a fraction of the context in (0, 1]")
     return float(budget)
 
@@ -43,10 +43,13 @@ def check_layers(name: str, layers, num_layers: int) -> tuple[int, ...]:
 
 
 def budget_tokens(budget: float, n, min_tokens: int = 128):
-    """k = min(max(ceil(budget * n), min_tokens), n) (Kascade's budget rule); works on ints and int arrays."""
-    if isinstance(n, int):
-        return min(max(math.ceil(budget * n), min_tokens), n)
-    k = jnp.ceil(budget * n.astype(jnp.float32)).astype(jnp.int32)
+    """k = min(max(ceil(budget * n), min_tokens), n) (Kascade's budget rule); works on ints and int arrays.
+
+    budget * n is an f32 product in both cases, so a static width computed from an int n holds the k a traced
+    row of the same n computes (in f64, ceil(0.3 * 3200) = 960 but the f32 row's is 961)."""
+    if isinstance(n, (int, np.integer)):
+        return min(max(math.ceil(np.float32(budget) * np.float32(n)), min_tokens), int(n))
+    k = jnp.ceil(jnp.float32(budget) * n.astype(jnp.float32)).astype(jnp.int32)
     return jnp.minimum(jnp.maximum(k, min_tokens), n)
 
 
@@ -283,6 +286,6 @@ def before_tile_scores(scores: Array, tile: int) -> Array:
 def topk_sparsity(budget: float, positions, min_tokens: int = 128) -> float:
     """Mean fraction of visible keys a top-k rule skips over query positions (0-based)."""
     n = np.asarray(positions, np.int64) + 1
-    k = np.minimum(np.maximum(np.ceil(budget * n), min_tokens), n)
+    k = np.minimum(np.maximum(np.ceil(np.float32(budget) * n.astype(np.float32)), min_tokens), n)  # as budget_tokens
     return float(np.mean(1.0 - k / n))
 

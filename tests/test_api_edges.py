@@ -22,6 +22,7 @@ import jsparse
 from jsparse.methods import make_method, method_names
 from jsparse.methods.base import method_options
 from models import bundled
+from models.config import ModelConfig
 
 KASCADE_ARTIFACT = os.path.join(os.path.dirname(__file__), "..", "artifacts", "smollm2", "kascade")
 
@@ -48,6 +49,34 @@ def test_valid_options_still_build():
     assert "sink" in method_options("streaming") and "tau" in method_options("tsa")
     for name in method_names():  # every registered builder has introspectable options
         assert {"budget", "artifact"} <= set(method_options(name))
+
+
+@pytest.mark.parametrize("name, key, extra", [("h2o", "gathered", {}), ("quest", "gathered", {}),
+                                             ("evosparse", "branchless", dict(retrieval_fraction=0.0,
+                                                                              heat_fraction=0.5625)),
+                                             ("sts", "first_step_mask", {})])
+def test_bool_option_given_a_string_is_refused(name, key, extra):
+    """`--method-option h2o.gathered=False` gives the string 'False' (not JSON), which is truthy: refused."""
+    with pytest.raises(ValueError, match=rf"method '{name}' option {key}='False': expected true or false"):
+        make_method(name, **{key: "False"}, **extra)
+    if name != "sts":  # (sts needs a draft to build)
+        assert getattr(make_method(name, **{key: False}, **extra), key) is False
+        make_method(name, **{key: None}, **extra)  # Optional[bool]: None is the default
+
+
+def test_options_a_builder_sets_itself_are_refused_not_dropped():
+    from jsparse.methods.evosparse import EvoSparse
+    from jsparse.methods.kascade import Kascade
+
+    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
+                      num_heads=4, num_kv_heads=2, head_dim=8)
+    with pytest.raises(ValueError, match=r"kascade option dense_layers=3: dense_layers is set by Kascade itself"):
+        Kascade.from_anchors(cfg, [0, 2], dense_layers=3)
+    with pytest.raises(ValueError, match=r"kascade option anchor_layers=\(0, 1\): .* the anchors of its artifact"):
+        Kascade.from_anchors(cfg, [0, 2], anchor_layers=(0, 1))
+    assert Kascade.from_anchors(cfg, [0, 2], dense_layers=1).anchor_layers == (0, 2)  # its own value: accepted
+    with pytest.raises(ValueError, match=r"evosparse option retrieval_layers=\(1,\): .* retrieval heads"):
+        EvoSparse.build(cfg=cfg, retrieval_fraction=0.0, heat_fraction=0.5625, retrieval_layers=(1,))
 
 
 def test_misspelled_option_through_build_method(smollm2):

@@ -93,6 +93,16 @@ def test_check_layers_and_positive_int():
             sel.check_positive_int("n", bad)
 
 
+def test_budget_tokens_of_an_int_equal_a_traced_rows():
+    """The static width from an int n holds the k a traced row of n computes (both f32 products): in f64,
+    ceil(0.3 * 3200) = 960 while the f32 row's is 961, and the window lost its newest key, the query's own."""
+    n = np.arange(1, 6001)
+    for budget in (0.1, 0.15, 0.3, 0.33, 0.6, 0.66):
+        rows = np.asarray(sel.budget_tokens(budget, jnp.asarray(n, jnp.int32), 16))
+        assert [sel.budget_tokens(budget, int(i), 16) for i in n] == rows.tolist(), budget
+    assert sel.budget_tokens(0.3, 3200, 16) == 961
+
+
 def test_budget_split_counts_sum_to_the_budget_and_favour_the_first_components():
     fr = (1 / 16, 3 / 8, 5 / 16, 1 / 4)
     cum = budget_split.cumulative_fixed(fr)
@@ -212,6 +222,17 @@ def test_retrieval_layout_and_top_heads():
     scores = np.array([[0, 5, 1, 1], [2, 0, 0, 5], [0, 0, 0, 0]], float)
     assert retrieval_heads.top_heads(scores, 3) == [(0, 1), (1, 3), (1, 0)]
     assert retrieval_heads.default_num_heads(cfg) == 1
+
+
+def test_load_retrieval_heads_refuses_zero_heads(tmp_path):
+    from jsparse.artifacts import Artifact, save_artifact
+
+    cfg = types.SimpleNamespace(num_layers=3, num_heads=4, num_kv_heads=2)
+    scores = np.array([[0, 5, 1, 1], [2, 0, 0, 5], [0, 0, 0, 0]], np.float32)
+    save_artifact(str(tmp_path), Artifact(kind="evosparse", fingerprint="fp", arrays={"scores": scores}))
+    assert retrieval_heads.load_retrieval_heads(str(tmp_path), "evosparse", "fp", cfg) == [(0, 1)]  # the default
+    with pytest.raises(ValueError, match="num_retrieval_heads=0: expected between 1 and"):
+        retrieval_heads.load_retrieval_heads(str(tmp_path), "evosparse", "fp", cfg, 0)
 
 
 def test_stacked_cache_of_a_bare_view_is_a_stack_of_one():

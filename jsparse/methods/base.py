@@ -11,6 +11,8 @@ import dataclasses
 import inspect
 from typing import Any, Callable
 
+import numpy as np
+
 _REGISTRY: dict[str, Callable] = {}
 
 
@@ -78,9 +80,35 @@ def make_method(name: str, **kwargs):
     build = getattr(factory, "build", factory)
     if dataclasses.is_dataclass(factory):  # the options are known before building: check them first
         _check_options(name, kwargs, method_options(name))
+    _check_bools(name, kwargs, factory)
     method = build(**kwargs)
     _check_options(name, kwargs, method_options(name, method))  # wrappers: the options of what they built
+    _check_bools(name, kwargs, method)
     return method
+
+
+_BOOL_TYPES = {"bool": False, bool: False, "Optional[bool]": True, "bool | None": True}  # -> None allowed
+
+
+def _bool_fields(obj) -> dict[str, bool]:
+    """The dataclass fields of obj (and of its `inner` method) declared `bool` (-> False) or `Optional[bool]`
+    (-> True: None allowed)."""
+    out = {}
+    for o in (obj, getattr(obj, "inner", None)):
+        if dataclasses.is_dataclass(o):
+            out.update({f.name: _BOOL_TYPES[f.type] for f in dataclasses.fields(o) if f.type in _BOOL_TYPES})
+    return out
+
+
+def _check_bools(name: str, kwargs: dict, target) -> None:
+    """An option declared `bool` must be one: the string 'False' (what `--method-option m.x=False` gives, not
+    being JSON) is truthy and would silently invert the user's choice."""
+    fields = _bool_fields(target)
+    for key in sorted(set(fields) & set(kwargs)):
+        value = kwargs[key]
+        if not (isinstance(value, (bool, np.bool_)) or (value is None and fields[key])):
+            raise ValueError(f"method {name!r} option {key}={value!r}: expected true or false (a bool; on the "
+                             "command line --method-option NAME.KEY=true)")
 
 
 def check_options(name: str, kwargs: dict, method: Any = None) -> None:

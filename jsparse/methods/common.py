@@ -223,6 +223,17 @@ def kwargs_for(cls, options: dict) -> dict:
     return {k: v for k, v in options.items() if k in names and v is not None}
 
 
+def refuse_derived(method: str, options: dict, derived: dict) -> dict:
+    """Removes from `options` the fields a builder sets itself, raising ValueError for one the user gave with
+    another value: derived maps field -> (the value the builder sets, or None for any value, and where it comes
+    from). A field accepted and then dropped would leave the user believing it applied."""
+    for key, (allowed, source) in derived.items():
+        value = options.pop(key, None)
+        if value is not None and (allowed is None or value != allowed):
+            raise ValueError(f"{method} option {key}={value!r}: {key} is set by {source}, not by an option")
+    return options
+
+
 def np_int(x) -> np.ndarray:
     return np.asarray(x, np.int32)
 

@@ -61,7 +61,7 @@ from jsparse.budget_split import split_counts  # noqa: F401  (re-exported)
 from jsparse.heat import (attend_with_mass, decay_heat, heat_step, heat_update, prefill_heat,  # noqa: F401
                           scan_rows)
 from jsparse.methods.base import register
-from jsparse.methods.common import attend_dense, dense_prefill, kwargs_for, stacked_cache
+from jsparse.methods.common import attend_dense, dense_prefill, kwargs_for, refuse_derived, stacked_cache
 from models.attention import runs_of
 from jsparse.retrieval_heads import (DEFAULT_HEAD_FRACTION, RetrievalLayout, default_num_heads,  # noqa: F401
                                      load_retrieval_heads, retrieval_blocks, retrieval_layout, top_heads)
@@ -169,9 +169,9 @@ class EvoSparse:
     def build(cls, cfg=None, artifact: str | None = None, fingerprint: str | None = None,
               num_retrieval_heads: int | None = None, **options):
         """From options and a `jsparse calibrate evosparse` artifact (needed when retrieval_fraction > 0)."""
-        options = kwargs_for(cls, options)
-        options.pop("layout", None)
-        options.pop("retrieval_layers", None)  # from the artifact's heads (`from_heads`)
+        source = "the retrieval heads of its artifact (`from_heads`)"
+        options = refuse_derived("evosparse", kwargs_for(cls, options),
+                                 {key: (None, source) for key in ("layout", "retrieval_layers")})
         if float(options.get("retrieval_fraction", DEFAULT_FRACTIONS[2])) == 0.0:
             return cls(**options)
         if not artifact:

@@ -55,7 +55,8 @@ from flax import struct
 from jsparse import selection as sel
 from jsparse.artifacts import load_artifact
 from jsparse.methods.base import register
-from jsparse.methods.common import TokenBudget, attend_selected, kwargs_for, sparse_prefill, topk_decode
+from jsparse.methods.common import (TokenBudget, attend_selected, kwargs_for, refuse_derived, sparse_prefill,
+                                    topk_decode)
 from models.attention import runs_of
 from pallas_kernels.anchor_attention import anchor_prefill
 from pallas_kernels.anchor_attention.common import block_width, check_block_size
@@ -129,9 +130,9 @@ class Kascade(TokenBudget):
         if head_map.min() < 0 or head_map.max() >= cfg.num_kv_heads:
             raise ValueError(f"head_map values span [{head_map.min()}, {head_map.max()}]: expected [0, "
                              f"{cfg.num_kv_heads})")
-        options = kwargs_for(cls, options)
-        options.pop("dense_layers", None)
-        options.pop("anchor_layers", None)  # from `anchors`
+        options = refuse_derived("kascade", kwargs_for(cls, options), {
+            "dense_layers": (1, "Kascade itself (layer 0 is its one dense layer)"),
+            "anchor_layers": (None, "the anchors of its artifact (from_anchors' `anchors`)")})
         scale = float(options.get("reuse_scale", 1.0))
         if not scale >= 1.0:
             raise ValueError(f"reuse_scale={scale}: expected >= 1 (1: reuse layers keep the anchor's k keys)")

@@ -17,7 +17,8 @@ class Oracle(TokenBudget):
     """Every sparse layer keeps, per KV head, the k keys with the largest exact attention mass (summed over the
     GQA group; in prefill also over the query tile). Layer 0 is dense, as in Kascade, so the two compare fairly.
     In both phases the query's causal diagonal tile is kept (prefill: added by the kernel; decode: forced into
-    the k chosen keys, its most recent keys first when k is smaller than the tile). Decode scans the dense and the sparse layers apart (`TokenBudget.segments`)."""
+    the k chosen keys, its most recent keys first when k is smaller than the tile). Decode scans the dense and
+    the sparse layers apart (`TokenBudget.segments`)."""
 
     @classmethod
     def build(cls, **options):

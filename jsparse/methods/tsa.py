@@ -345,7 +345,8 @@ class TSA:
 
     def prefill(self, ctx, q, k, v, state):
         B, T = q.shape[:2]
-        if self.tau == 0.0 or T <= self.min_tokens + self.window:  # nothing can be dropped: dense, exactly
+        # Nothing can be dropped (tau 0 drops nothing; with kept_fraction tau is unused): dense, exactly.
+        if (self.tau == 0.0 and self.kept_fraction is None) or T <= self.min_tokens + self.window:
             return self._dense_prefill(ctx, q, k, v, state)
         return jax.lax.cond(ctx.info.sparse > 0,
                             lambda: self._sparse_prefill(ctx, q, k, v, state),

@@ -9,8 +9,8 @@ Exactly Kascade's anchor (jsparse.methods.kascade / oracle.select_decode): dense
 visible keys (n <= position), pooled over the GQA group; the top kk = min(max(ceil(budget * (pos + 1)),
 min_tokens), pos + 1) per (row, KV head, token) by `topk_select_reference` (lax.top_k order, ties to the lower
 position), with `diagonal_tile` the query's own diagonal tile forced first (`common.diagonal_scores`: the most
-recent first, as select_decode's `tile`); attention over exactly the selected keys (`sparse_decode_reference`), or with `dense_output` over
-every visible key.
+recent first, as select_decode's `tile`); attention over exactly the selected keys (`sparse_decode_reference`),
+or with `dense_output` over every visible key.
 
 Prefill (oracle.select_prefill): causal post-softmax weights pooled over the GQA group and over each query tile
 of `tile` rows (jsparse.selection.prefill_tile_probs: every row t < T counts, row lengths play no part),
