@@ -167,12 +167,11 @@ def spec_from_args(args) -> harness.EvalSpec:
     return spec
 
 
-def check_out(out: str) -> None:
+def check_out(out: str, contents: str = "results.json and summary.md") -> None:
     """Makes the --out folder, before any work; raises ValueError when `out` is an existing file or cannot be made
-    (a parent that is a file, no permission)."""
+    (a parent that is a file, no permission). contents: what the folder is for, for the message."""
     if os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"--out {out!r} is an existing file: expected a folder (new or existing) for results.json "
-                         "and summary.md")
+        raise ValueError(f"--out {out!r} is an existing file: expected a folder (new or existing) for {contents}")
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:

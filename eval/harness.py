@@ -156,7 +156,8 @@ def components(method: str) -> tuple[str, ...]:
 
 
 def parse_artifacts(values: Sequence[str] | None, methods: Sequence[str]) -> dict[str, str]:
-    """Artifact folders per method from `--artifact` values: 'DIR' (every method) or 'NAME=DIR' (one).
+    """Artifact folders per method from `--artifact` values: 'DIR' (every method that reads an artifact,
+    `takes_artifact`) or 'NAME=DIR' (one).
 
     Values may be repeated or comma-separated; a NAME=DIR entry wins over a plain DIR for its method. NAME may
     also be a component of a composed method: `--artifact kascade=K --artifact tsa=T` gives `--methods
@@ -164,6 +165,8 @@ def parse_artifacts(values: Sequence[str] | None, methods: Sequence[str]) -> dic
     'tsa+kascade=...' entry names the composed method itself.
     """
     import os
+
+    from jsparse.methods.base import takes_artifact
 
     common, per, parts = None, {}, {}
     used = {c for m in methods for c in components(m)}
@@ -186,7 +189,7 @@ def parse_artifacts(values: Sequence[str] | None, methods: Sequence[str]) -> dic
                     raise ValueError(f"--artifact gives two folders for every method ({common!r} and {item!r}); "
                                      "use NAME=DIR for per-method artifacts")
                 common = item
-    out = {m: common for m in methods if common is not None}
+    out = {m: common for m in methods if common is not None and takes_artifact(m)}  # a plain DIR: those reading one
     for m in methods:
         given = [parts[c] for c in components(m) if c in parts]
         if given:

@@ -79,6 +79,17 @@ def test_options_a_builder_sets_itself_are_refused_not_dropped():
         EvoSparse.build(cfg=cfg, retrieval_fraction=0.0, heat_fraction=0.5625, retrieval_layers=(1,))
 
 
+def test_an_artifact_for_a_method_that_reads_none_is_refused():
+    from jsparse.methods.base import takes_artifact
+
+    with pytest.raises(ValueError, match=r"method 'quest' takes no artifact \(artifact='run1'\); the methods that "
+                                         r"read one: butler, .*kascade"):
+        make_method("quest", artifact="run1")
+    assert not takes_artifact("sink-local") and not takes_artifact("evosparse-noretrieval")  # no retrieval heads
+    assert takes_artifact("evosparse-noheat") and takes_artifact("tsa+kascade")
+    make_method("quest", artifact=None)  # none given: nothing to refuse
+
+
 def test_misspelled_option_through_build_method(smollm2):
     with pytest.raises(ValueError, match=r"'budgett'.*its options are artifact, budget, dense_layers"):
         jsparse.build_method("oracle", smollm2, budgett=0.1)

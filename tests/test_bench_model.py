@@ -5,6 +5,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from eval.bench import model as bench_model
@@ -75,8 +76,12 @@ def test_attention_bytes_follow_what_each_method_reads(tiny):
     assert cfg.num_layers * 2 * 1000 * U < k_bytes < dense  # anchors read all of K, reuse layers the picked rows
     quest, _ = bench_model.bench_method("quest", cfg, 0.1)  # per query head: G sets of pages per KV head
     G, d, pages = cfg.num_heads // cfg.num_kv_heads, quest.dense_layers, -(-n // quest.page_size)
-    assert bench_model.attention_bytes("quest", quest, cfg, B, n) == (
-        d * 2 * n * U + (cfg.num_layers - d) * (2 * pages * U + G * 2 * 1000 * U))
+    assert bench_model.attention_bytes("quest", quest, cfg, B, n) == (  # f32 bounds: 2x a bf16 row of K
+        d * 2 * n * U + (cfg.num_layers - d) * (2 * 2 * pages * U + G * 2 * 1000 * U))
+    h2o, _ = bench_model.bench_method("h2o", cfg, 0.1)  # the f32 score row read, its 1000 kept entries updated
+    rows = B * cfg.num_kv_heads
+    assert bench_model.attention_bytes("h2o", h2o, cfg, B, n) == cfg.num_layers * (
+        2 * 1000 * U + rows * n * 4 + 2 * rows * 1000 * 4)
     with pytest.raises(ValueError, match="unknown method 'nope'"):
         bench_model.bench_method("nope", cfg, 0.1)
 
@@ -323,6 +328,34 @@ def test_xla_flags_are_appended_once():
     merged = bench_model.merged_xla_flags(current + " --xla_a=1", "--xla_gpu_enable_triton_gemm=true --xla_a=1")
     assert merged == current + " --xla_a=1 --xla_gpu_enable_triton_gemm=true"
     assert bench_model.merged_xla_flags("", " --x=1  --y=2 ") == "--x=1 --y=2"
+
+
+def test_filled_state_makes_each_head_choose_its_own_keys(tiny):
+    """The timed step starts from a state as a run would leave it, not zeros: Quest's page bounds are the cache's
+    (its prefill rule), other states random; with it, Quest's query heads choose different pages (with zeros all
+    of them chose the same lowest pages, and the step read less than its byte model counts)."""
+    from jsparse.methods.quest import finite_bounds, page_bounds, page_indices
+
+    cfg, _ = tiny
+    cache = bench_model.filled_cache(cfg, 2, 96, 128, jnp.float32)
+    quest, _ = bench_model.bench_method("quest", cfg, 0.25)
+    state, how = bench_model.filled_state(quest, cfg, cache, 128)
+    assert "page bounds" in how
+    kmin, kmax = finite_bounds(*page_bounds(cache.k[3], cache.lengths, quest.page_size))
+    np.testing.assert_array_equal(state.kmin[3], kmin)
+    np.testing.assert_array_equal(state.kmax[3], kmax)
+    q = jax.random.normal(jax.random.key(1), (2, 1, cfg.num_heads, cfg.head_dim))
+    pos = jnp.full((2, 1), 95, jnp.int32)
+    pages = lambda st: np.asarray(page_indices(q, cache.k[3], pos, 0.25, 8, quest.page_size, 32,  # noqa: E731
+                                               bounds=(st.kmin, st.kmax, 3)))
+    assert len({tuple(r) for r in pages(state).reshape(-1, pages(state).shape[-1])}) > 1
+    zero = quest.init_state(cfg, 2, 128)
+    assert len({tuple(r) for r in pages(zero).reshape(-1, pages(zero).shape[-1])}) == 1  # what it timed before
+    h2o, _ = bench_model.bench_method("h2o", cfg, 0.25)
+    state, how = bench_model.filled_state(h2o, cfg, cache, 128)
+    assert "random" in how and float(jnp.std(state.score)) > 0.5
+    dense, _ = bench_model.bench_method("dense", cfg, 0.25)
+    assert bench_model.filled_state(dense, cfg, cache, 128)[1] == "none"
 
 
 @pytest.mark.parametrize("name", ["dense", "kascade"])

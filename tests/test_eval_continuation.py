@@ -205,6 +205,8 @@ def test_component_artifacts_of_a_composed_method(model, tmp_path):
         "tsa": "T", "tsa+kascade": f"T{os.pathsep}K"}
     with pytest.raises(ValueError, match="names method 'quest', which is not in --methods"):
         harness.parse_artifacts(["quest=Q"], both)
+    # A plain DIR goes to every method that reads an artifact, not to dense or quest.
+    assert harness.parse_artifacts(["D"], ("dense", "quest", "kascade")) == {"kascade": "D"}
     # Built through the harness from two real folders, each routed by its kind.
     fp = jsparse.fingerprint(model)
     kdir, tdir = str(tmp_path / "k"), str(tmp_path / "t")

@@ -26,7 +26,8 @@ def test_segments_are_the_runs_of_one_role():
                                          (5, 6, "anchor"), (6, 8, "reuse"))
     assert m.segments(CFG, "prefill") is None
     assert m.replace(anchor_layers=None).segments(CFG, "decode") is None
-    assert Kascade.from_anchors(CFG, [0], anchor_layers=(0, 3)).anchor_layers == (0,)  # from the anchors given
+    with pytest.raises(ValueError, match=r"anchor_layers=\(0, 3\): .*set by the anchors"):  # not dropped silently
+        Kascade.from_anchors(CFG, [0], anchor_layers=(0, 3))
 
 
 def _decode(method, T):

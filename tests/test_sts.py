@@ -344,10 +344,17 @@ def test_sts_forced_sink_and_local_keys():
     idx = jnp.asarray([[[5, 1, -1]]], jnp.int32)  # [B=1, H=1, C=3]: draft keys 5 and 1
     val = jnp.asarray([[[0.5, 0.25, 0.0]]], jnp.float32)
     s = np.asarray(_scores(idx, val, 16, jnp.asarray([12]), sink=2, local=3))[0, 0]
-    assert np.isinf(s[[0, 1, 9, 10, 11]]).all() and (s[[0, 1, 9, 10, 11]] > 0).all()
+    assert np.isposinf(s[[0, 1]]).all()  # the sinks first, then the window, its newest key first
+    assert np.isfinite(s[[9, 10, 11]]).all() and 1e6 < s[9] < s[10] < s[11]
     assert s[5] == 0.5 and np.isneginf(s[[2, 3, 4, 6, 7, 8, 12, 13, 14, 15]]).all()
     plain = np.asarray(_scores(idx, val, 16, jnp.asarray([12])))[0, 0]
     assert plain[1] == 0.25 and plain[5] == 0.5 and np.isneginf(np.delete(plain, [1, 5])).all()
+    # A budget below sink + local keeps the sinks and the newest keys of the window (it kept the window's oldest).
+    from jsparse.methods.sts import merge_rows, merge_rows_reference
+
+    for merge in (lambda *a: merge_rows(*a[:1], a[1], *a[3:]), merge_rows_reference):
+        got = merge(idx, val, 16, jnp.asarray([12]), 4, 4, 2, 3)
+        assert np.asarray(got).tolist() == [[[0, 1, 10, 11]]]
 
 
 def test_sts_option_errors():

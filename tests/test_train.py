@@ -197,6 +197,53 @@ def test_checkpoint_from_another_model_or_data_is_refused(uninterrupted, model_p
     with pytest.raises(TrainError, match="another training config.*learning_rate"):
         train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, pcfg=pcfg, progress=False,
               tc=TrainConfig(**{**TC.__dict__, "learning_rate": 5e-3}))
+    # A changed seq_len changes the chunks too: the config is what is named, not the data.
+    with pytest.raises(TrainError, match=r"another training config.*'seq_len': \(32, 16\)"):
+        train(CFG, model_params, fingerprint="fp-a", chunks=chunks[:, :16], out_dir=out, pcfg=pcfg, progress=False,
+              tc=TrainConfig(**{**TC.__dict__, "seq_len": 16}))
+    # The fingerprint is one for the f32 and bf16 loads of a model: the dtype is checked apart.
+    with pytest.raises(TrainError, match="another model dtype: 'float32', now 'bfloat16'"):
+        train(CFG, jax.tree.map(lambda x: x.astype(jnp.bfloat16), model_params), fingerprint="fp-a", chunks=chunks,
+              out_dir=out, tc=TC, pcfg=pcfg, progress=False)
+    with pytest.raises(TrainError, match="max_seconds=-5: expected a positive number"):
+        train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg, progress=False,
+              max_seconds=-5)
+
+
+def test_damaged_latest_checkpoint_and_cut_log_line_resume_from_the_one_before(tmp_path, uninterrupted, model_params,
+                                                                                pcfg, chunks):
+    """A run killed while writing its newest checkpoint (here: its metadata garbage) and its loss log's last line
+    resumes from the checkpoint before it, warning and moving the damaged one aside; the result equals an
+    uninterrupted run's. With no readable checkpoint left the error names them."""
+    import shutil
+
+    src, full = uninterrupted
+    out = str(tmp_path / "damaged")
+    shutil.copytree(src, out)
+    steps = sorted(int(d) for d in os.listdir(os.path.join(out, "checkpoints")) if d.isdigit())
+    assert steps == [4, 6]
+    meta_dir = os.path.join(out, "checkpoints", "6", "meta")
+    for name in os.listdir(meta_dir):
+        with open(os.path.join(meta_dir, name), "w") as f:
+            f.write("{not json")
+    with open(os.path.join(out, "loss.jsonl"), "a") as f:
+        f.write('{"step": 7, "loss": 1')  # cut mid-write
+    with pytest.warns(UserWarning, match="moved to .*checkpoints-damaged .*resuming from step 4"):
+        res = train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg,
+                    progress=False)
+    assert res.start_step == 4 and [s for s, _ in res.losses] == [5, 6]
+    for a, b in zip(jax.tree.leaves(res.params), jax.tree.leaves(full.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    with open(os.path.join(out, "loss.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4, 5, 6]
+    assert len(os.listdir(os.path.join(out, "checkpoints-damaged"))) == 1
+    for step in (4, 6):  # now every checkpoint damaged
+        meta_dir = os.path.join(out, "checkpoints", str(step), "meta")
+        for name in os.listdir(meta_dir):
+            with open(os.path.join(meta_dir, name), "w") as f:
+                f.write("{not json")
+    with pytest.raises(TrainError, match="no checkpoint in .* reads back .*step 6.*step 4"):
+        train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg, progress=False)
 
 
 def test_butler_artifact_from_another_model_is_refused(uninterrupted):
@@ -324,6 +371,14 @@ def test_cli_rejects_missing_and_empty_data_before_loading(tmp_path, capsys):
                  "--out", out]) == 2
     captured = capsys.readouterr()
     assert "is empty" in captured.out + captured.err
+    text = tmp_path / "text.txt"
+    text.write_text("some text", encoding="utf-8")
+    for extra, msg in ((["--out", str(text)], "is an existing file: expected a folder"),
+                       (["--out", out, "--max-seconds", "-5"], "--max-seconds -5.0: expected a positive number")):
+        assert main(["train-predictor", "--model", "/nonexistent.gguf", "--data", str(text), "--steps", "2",
+                     *extra]) == 2
+        captured = capsys.readouterr()
+        assert msg in captured.out + captured.err
 
 
 _DP_SCRIPT = """

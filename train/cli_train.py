@@ -84,6 +84,11 @@ def run_train(args) -> int:
         data_lib.read_text(path)
     if args.steps is None or args.steps < 1:
         raise ValueError(f"--steps {args.steps}: expected a positive number of steps")
+    if args.max_seconds is not None and not args.max_seconds > 0:
+        raise ValueError(f"--max-seconds {args.max_seconds}: expected a positive number of seconds")
+    from eval.cli_eval import check_out
+
+    check_out(args.out, "checkpoints, loss.jsonl and the butler artifact")
     warmup = args.warmup if args.warmup is not None else min(100, args.steps // 10)
     devices = train_devices(getattr(args, "mesh", None))
     model = jsparse.load(args.model, args.dtype)

@@ -37,6 +37,7 @@ import json
 import math
 import os
 import time
+import warnings
 from typing import Any, Callable, Optional
 
 import jax
@@ -187,7 +188,7 @@ class TrainConfig:
                              ("weight_decay", -1e-12, 1.0)):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not lo < v <= hi:
-                raise TrainError(f"{name}={v!r}: expected a number in ({max(lo, 0)}, {hi}]")
+                raise TrainError(f"{name}={v!r}: expected a number in {'(0' if lo >= 0 else '[0'}, {hi}]")
         if not isinstance(self.clip_norm, (int, float)) or self.clip_norm <= 0:
             raise TrainError(f"clip_norm={self.clip_norm!r}: expected a positive number")
         if self.loss_impl not in (None, "gpu", "tpu", "xla"):
@@ -291,9 +292,12 @@ def _save(mngr, step: int, pparams, opt_state, meta: dict) -> None:
 
 def _check_resume(meta: dict, expected: dict, where: str) -> None:
     """Raises TrainError naming the first field where a checkpoint differs from this run."""
-    what = {"model_fingerprint": "model", "predictor_config": "predictor config", "data_fingerprint": "data",
-            "train_config": "training config"}
+    # The training config before the data: a changed seq_len changes the data's chunks too, and is what to name.
+    what = {"model_fingerprint": "model", "model_dtype": "model dtype", "predictor_config": "predictor config",
+            "train_config": "training config", "data_fingerprint": "data"}
     for key, label in what.items():
+        if key == "model_dtype" and key not in meta:
+            continue  # a checkpoint written before the dtype was recorded
         if meta.get(key) != expected[key]:
             if key == "model_fingerprint":
                 raise TrainError(
@@ -321,6 +325,43 @@ def _read_meta(mngr, step: int) -> dict:
     import orbax.checkpoint as ocp
 
     return dict(mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+
+
+def _resume(mngr, out_dir: str, tc: TrainConfig, expected: dict, pparams, opt_state):
+    """(step, manager, (params, opt_state)) of the newest checkpoint that reads back, or (None, manager, None)
+    without one. A checkpoint that does not read back (a run killed while writing it, a damaged disk) is moved to
+    OUT/checkpoints-damaged/ with a warning and the next older one is tried; none readable is a TrainError. A
+    readable checkpoint of another configuration is a TrainError (`_check_resume`), never skipped."""
+    where = os.path.join(out_dir, CHECKPOINTS)
+    damaged = []
+    found = None
+    for step in sorted(mngr.all_steps(), reverse=True):
+        try:
+            meta = _read_meta(mngr, step)
+        except Exception as e:  # noqa: BLE001  (orbax raises many kinds for a damaged folder)
+            damaged.append((step, e))
+            continue
+        _check_resume(meta, expected, where)
+        try:
+            found = (step, _restore(mngr, step, pparams, opt_state))
+            break
+        except Exception as e:  # noqa: BLE001
+            damaged.append((step, e))
+    if not damaged:
+        return (None, mngr, None) if found is None else (found[0], mngr, found[1])
+    listed = "; ".join(f"step {s}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                       for s, e in damaged)
+    if found is None:
+        raise TrainError(f"no checkpoint in {where} reads back ({listed}); delete the damaged step folders to start "
+                         "over, or use another --out")
+    mngr.close()
+    aside = os.path.join(out_dir, CHECKPOINTS + "-damaged")
+    os.makedirs(aside, exist_ok=True)
+    for s, _ in damaged:
+        os.replace(os.path.join(where, str(s)), os.path.join(aside, f"{s}-{int(time.time())}"))
+    warnings.warn(f"checkpoints that do not read back were moved to {aside} ({listed}); resuming from step "
+                  f"{found[0]}", stacklevel=2)
+    return found[0], _manager(out_dir, tc), found[1]
 
 
 def read_checkpoint_meta(out_dir: str) -> dict | None:
@@ -356,13 +397,24 @@ class TrainResult:
 
 
 def _rewrite_log(path: str, upto: int) -> None:
-    """Keeps the loss log's lines of steps <= upto (a resumed run re-logs the steps after its checkpoint)."""
+    """Keeps the loss log's lines of steps <= upto (a resumed run re-logs the steps after its checkpoint). A last
+    line cut short (a run killed mid-write, a full disk) is dropped; an unreadable line before it is an error."""
     if not os.path.exists(path):
         return
     with open(path) as f:
-        lines = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= upto]
+        lines = [ln for ln in f if ln.strip()]
+    kept = []
+    for i, ln in enumerate(lines):
+        try:
+            step = json.loads(ln)["step"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            if i == len(lines) - 1:
+                break  # the line the interrupted run was writing: its step is logged again
+            raise TrainError(f"{path} line {i + 1} is not a loss record ({e}): fix or delete that line to resume")
+        if step <= upto:
+            kept.append(ln if ln.endswith("\n") else ln + "\n")
     with open(path, "w") as f:
-        f.writelines(lines)
+        f.writelines(kept)
 
 
 def train(cfg: ModelConfig, model_params, *, fingerprint: str, chunks: np.ndarray, out_dir: str, tc: TrainConfig,
@@ -391,8 +443,12 @@ def train(cfg: ModelConfig, model_params, *, fingerprint: str, chunks: np.ndarra
         raise TrainError(f"chunks have shape {chunks.shape}: expected [S, seq_len={tc.seq_len}]")
     stream = ChunkStream(chunks, tc.batch_size, tc.seed)
     os.makedirs(out_dir, exist_ok=True)
-    expected = {"model_fingerprint": fingerprint, "predictor_config": pcfg.to_dict(),
-                "data_fingerprint": stream.fingerprint(), "train_config": tc.identity()}
+    if max_seconds is not None and not max_seconds > 0:
+        raise TrainError(f"max_seconds={max_seconds!r}: expected a positive number of seconds (None: no limit)")
+    # The fingerprint is the same for the f32 and bf16 loads of a checkpoint; a resumed run keeps the dtype too.
+    expected = {"model_fingerprint": fingerprint, "model_dtype": str(jax.tree_util.tree_leaves(model_params)[0].dtype),
+                "predictor_config": pcfg.to_dict(), "data_fingerprint": stream.fingerprint(),
+                "train_config": tc.identity()}
 
     replicated = NamedSharding(mesh, P())
     batch_sharding = NamedSharding(mesh, P("data"))
@@ -405,10 +461,9 @@ def train(cfg: ModelConfig, model_params, *, fingerprint: str, chunks: np.ndarra
     mngr = _manager(out_dir, tc)
     log_path = os.path.join(out_dir, LOSS_LOG)
     start = 0
-    latest = mngr.latest_step()
+    latest, mngr, restored = _resume(mngr, out_dir, tc, expected, pparams, opt_state)
     if latest is not None:
-        _check_resume(_read_meta(mngr, latest), expected, os.path.join(out_dir, CHECKPOINTS))
-        pparams, opt_state = _restore(mngr, latest, pparams, opt_state)
+        pparams, opt_state = restored
         start = int(latest)
     _rewrite_log(log_path, start)
 

@@ -224,6 +224,51 @@ def filled_cache(cfg, batch, context, capacity, dtype, seed: int = 3):
                    lengths=jnp.full((batch,), context, jnp.int32))
 
 
+def filled_state(method, cfg, cache: KVCache, capacity: int, seed: int = 5):
+    """(the method's decode state as a run would have it after a prefill of `cache`, how it was made).
+
+    A zero state (`init_state`) makes every head, row and layer choose the same keys: Quest's page bounds all 0
+    score every page alike, and the ties go to the lowest pages; zero H2O scores, EvoSparse heat and TokenButler
+    keys likewise. The step then reads fewer distinct bytes than its byte model counts (Quest's G query heads'
+    page sets are one), which flattered the share of the runs before 2026-12-03. So:
+      Quest: the page bounds of the cache's keys, layer by layer (`quest.page_bounds`, its own prefill rule);
+      any other state (H2O's scores, EvoSparse's heat, TokenButler's predictor cache and keys): random normal
+        values of the state's shapes and dtypes, drawn leaf by leaf along the leading axis (synthetic: what a
+        prefill would leave depends on weights that are random here; each head's choice differs, as in a run).
+    """
+    from jsparse.methods.quest import Quest, QuestState, finite_bounds, page_bounds
+
+    batch = cache.k.shape[1]
+    shapes = jax.eval_shape(lambda: method.init_state(cfg, batch, capacity))
+    if isinstance(method, Quest):
+        @jax.jit
+        def bounds(k, lengths):
+            return jax.lax.map(lambda kl: finite_bounds(*page_bounds(kl, lengths, method.page_size)), k)
+
+        kmin, kmax = bounds(cache.k, cache.lengths)
+        return QuestState(kmin=kmin, kmax=kmax), "the cache's page bounds (Quest's prefill rule)"
+    if not jax.tree_util.tree_leaves(shapes):
+        return method.init_state(cfg, batch, capacity), "none"
+
+    def fill(shape, key):
+        if not jnp.issubdtype(shape.dtype, jnp.floating):
+            return jnp.zeros(shape.shape, shape.dtype)
+        if len(shape.shape) < 2:
+            return jax.random.normal(key, shape.shape, shape.dtype)
+
+        @jax.jit
+        def draw(key):  # one leading slice at a time: no temporary as large as the leaf
+            put = lambda i, buf: buf.at[i].set(  # noqa: E731
+                jax.random.normal(jax.random.fold_in(key, i), shape.shape[1:], shape.dtype))
+            return jax.lax.fori_loop(0, shape.shape[0], put, jnp.zeros(shape.shape, shape.dtype))
+        return draw(key)
+
+    leaves, tree = jax.tree_util.tree_flatten(shapes)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    state = jax.tree_util.tree_unflatten(tree, [fill(sh, k) for sh, k in zip(leaves, keys)])
+    return state, "random normal values of its shapes (synthetic: each head's choice differs, as in a run)"
+
+
 ATTENTION_ONLY_WIDTH = 512  # the hidden and MLP width of `--attention-only`
 
 
@@ -332,15 +377,17 @@ def attention_bytes(name: str, method, cfg, batch: int, n: int) -> int:
         return d * dense_layer + (L - d) * (n * U + picked)
     if name == "streaming":
         return L * picked
-    if name == "quest":  # per-page min and max of K (bf16, as a Quest cache keeps them) + each query head's pages
-        # Quest picks pages per query head: a KV head's G query heads read up to G sets (their union; on random
-        # weights they rarely overlap). Counted as G sets since 2026-11-28 (one set before, which overstated the floor).
+    if name == "quest":  # per-page min and max of K (f32, `QuestState`) + each query head's pages
+        # Quest picks pages per query head: a KV head's G query heads read up to G sets (their union; with the cache's
+        # own page bounds they rarely overlap). Counted as G sets since 2026-11-28 (one set before, which overstated
+        # the floor); the bounds as f32 since 2026-12-03 (counted as bf16 before, which overstated it too).
         d = method.dense_layers
         pages = -(-n // method.page_size)
         G = cfg.num_heads // cfg.num_kv_heads
-        return d * dense_layer + (L - d) * (2 * pages * U + G * picked)
-    if name == "h2o":  # the accumulated score row (f32, read and written) + the picked rows
-        return L * (picked + 2 * batch * cfg.num_kv_heads * n * 4)
+        return d * dense_layer + (L - d) * (2 * 2 * pages * U + G * picked)
+    if name == "h2o":  # the accumulated score row (f32) read by the selection, its k kept entries updated
+        rows = batch * cfg.num_kv_heads
+        return L * (picked + rows * n * 4 + 2 * rows * k * 4)
     if name == "butler":  # the predicted keys of every predicted layer (f32, or bf16 with key_dtype) + the picked rows
         # Selection "head" picks per query head: a KV head's G query heads read up to G sets (counted as G since
         # 2026-11-29, when the gathered decode came; one set before, which overstated the floor).
@@ -348,7 +395,9 @@ def attention_bytes(name: str, method, cfg, batch: int, n: int) -> int:
         d = method.dense_layers
         G = cfg.num_heads // cfg.num_kv_heads if method.selection == "head" else 1
         keys = (L - 1) * batch * c.key_heads * n * c.head_dim * jnp.dtype(method.key_dtype).itemsize
-        return d * dense_layer + (L - d) * G * picked + keys
+        # The predictor's own attention block reads its f32 K/V cache in full, and its f32 weights, every step.
+        predictor = 2 * batch * n * c.attn_heads * c.attn_head_dim * 4 + 4 * c.num_params()
+        return d * dense_layer + (L - d) * G * picked + keys + predictor
     raise ValueError(f"no byte model for method {name!r}")
 
 
@@ -404,7 +453,7 @@ def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, pre
                     step = method_decode_steps.lower(params, method, tok, *shapes, cfg=cfg, steps=steps,
                                                      unroll=unroll).compile()
                     cache = filled_cache(cfg, batch, context, capacity, params.embed.dtype)
-                    state = method.init_state(cfg, batch, capacity)
+                    state, row["state_values"] = filled_state(method, cfg, cache, capacity)
                     row["memory_gib"] = _memory_gib()  # beside the cache and state, before the first call
                     tok, cache, state = step(params, method, tok, cache, state)
                     jax.block_until_ready(tok)  # warm

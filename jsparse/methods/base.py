@@ -67,6 +67,15 @@ def method_options(name: str, method: Any = None) -> list[str]:
     return sorted(names)
 
 
+def takes_artifact(name: str) -> bool:
+    """Whether method `name` reads a calibration artifact: its builder names an `artifact` parameter, or the factory
+    (or its builder) says so with `TAKES_ARTIFACT` (wrappers that pass their options on)."""
+    factory = method_factory(name)
+    build = getattr(factory, "build", factory)
+    flag = getattr(factory, "TAKES_ARTIFACT", getattr(build, "TAKES_ARTIFACT", None))
+    return bool(flag) if flag is not None else "artifact" in inspect.signature(build).parameters
+
+
 def make_method(name: str, **kwargs):
     """Builds the method registered as `name` (keyword arguments go to its `build` classmethod).
 
@@ -78,6 +87,9 @@ def make_method(name: str, **kwargs):
         raise ValueError(f"unknown attention method {name!r}; expected one of {method_names()}")
     factory = _REGISTRY[name]
     build = getattr(factory, "build", factory)
+    if kwargs.get("artifact") and not takes_artifact(name):
+        raise ValueError(f"method {name!r} takes no artifact (artifact={kwargs['artifact']!r}); the methods that "
+                         f"read one: {', '.join(n for n in method_names() if takes_artifact(n))}")
     if dataclasses.is_dataclass(factory):  # the options are known before building: check them first
         _check_options(name, kwargs, method_options(name))
     _check_bools(name, kwargs, factory)

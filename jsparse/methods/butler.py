@@ -387,6 +387,8 @@ class Butler(TokenBudget):
 class ButlerLocal:
     """`butler` with a 32-token local window and no calibrated dense layers (the earlier `butler-local`)."""
 
+    TAKES_ARTIFACT = True  # its predictor, passed on to `Butler.build`
+
     @classmethod
     def build(cls, **options):
         options.setdefault("local", 32)
@@ -397,6 +399,8 @@ class ButlerLocal:
 @register("butler-paper")
 class ButlerPaper:
     """The paper's rule: sinks only (no local window), layer 0 dense, no calibrated dense layers."""
+
+    TAKES_ARTIFACT = True  # its predictor, passed on to `Butler.build`
 
     @classmethod
     def build(cls, **options):

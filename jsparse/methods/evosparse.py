@@ -456,6 +456,7 @@ def _ablation(drop: tuple[str, ...]):
         options.update({f"{c}_fraction": f for c, f in zip(COMPONENTS, fr)})
         return EvoSparse.build(cfg=cfg, artifact=artifact if "retrieval" not in drop else None,
                                fingerprint=fingerprint, **options)
+    build.TAKES_ARTIFACT = "retrieval" not in drop  # without retrieval heads there is nothing to read
     return build
 
 

@@ -68,6 +68,7 @@ from jsparse.artifacts import ArtifactError, load_artifact
 from jsparse.methods.base import register
 from jsparse.methods.common import attend_dense, attend_selected, check_tile, scratch, stacked_cache
 from models.sharding import constrain
+from pallas_kernels.anchor_attention.common import diagonal_scores
 from pallas_kernels.dense import dense_prefill
 from pallas_kernels.dense_decode import dense_decode_record, dense_decode_stacked
 from pallas_kernels.dense_decode import supported as dense_decode_supported
@@ -614,8 +615,9 @@ def later_step_attention(q: Array, cache, lengths: Array, idx: Array, window: in
 
 def _scores(idx: Array, val: Array, N: int, limit: Array, sink: int = 0, local: int = 0) -> Array:
     """Summed weights of the recorded keys: idx, val [B, H, C] -> f32[B, H, N], -inf where no key was recorded
-    or the key is not below limit: i32[B] (or []); +inf (always kept) for the first `sink` keys and the `local`
-    keys just below limit."""
+    or the key is not below limit: i32[B] (or []); +inf (always kept) for the first `sink` keys and
+    `diagonal_scores` (kept next, the most recent first) for the `local` keys just below limit, so a budget smaller
+    than sink + local keeps the sinks and the newest keys of the window."""
     B, H, _ = idx.shape
     ok = (idx >= 0) & (idx < jnp.reshape(limit, (-1, 1, 1)))
     safe = jnp.where(ok, idx, N)
@@ -627,8 +629,8 @@ def _scores(idx: Array, val: Array, N: int, limit: Array, sink: int = 0, local: 
     if sink or local:
         key = jnp.arange(N)[None, None, :]
         lim = jnp.reshape(limit, (-1, 1, 1))
-        forced = ((key < sink) | (key >= lim - local)) & (key < lim)
-        scores = jnp.where(forced, jnp.inf, scores)
+        scores = jnp.where((key >= lim - local) & (key < lim), diagonal_scores(key), scores)
+        scores = jnp.where((key < sink) & (key < lim), jnp.inf, scores)
     return scores
 
 
@@ -651,8 +653,8 @@ def merge_rows(idx: Array, val: Array, limit: Array, k, K: int, sink: int = 0, l
     keys (the first `sink` keys, the `local` keys just below the limit) are sorted by position (stably, so equal
     keys keep their row order); the weights of equal keys are summed (a scatter-add into C + sink + local slots,
     in the order `_scores` adds them: the same sums, bit for bit where XLA applies a scatter's updates in order,
-    as on the CPU), a forced key scores +inf, and `topk_select` keeps the top k of these at most C + sink + local
-    distinct keys. Same rule as the reference: largest sum first, ties to the lower position, keys whose score
+    as on the CPU), a sink key scores +inf and a local key `diagonal_scores` (as in `_scores`), and `topk_select`
+    keeps the top k of these at most C + sink + local distinct keys. Same rule as the reference: largest sum first, ties to the lower position, keys whose score
     is -inf dropped.
 
     Args:
@@ -667,13 +669,13 @@ def merge_rows(idx: Array, val: Array, limit: Array, k, K: int, sink: int = 0, l
     lim = jnp.broadcast_to(jnp.reshape(jnp.asarray(limit, jnp.int32), (-1, 1, 1)), (B, 1, 1))
     ok = (idx >= 0) & (idx < lim)
     pos, w = [jnp.where(ok, idx, big)], [jnp.where(ok, val.astype(jnp.float32), 0.0)]
-    forced = [jnp.zeros((B, H, C), jnp.int32)]
-    for extra in ((jnp.arange(sink, dtype=jnp.int32)[None, None, :],) if sink else ()) + \
-            ((lim - local + jnp.arange(local, dtype=jnp.int32)[None, None, :],) if local else ()):
+    forced = [jnp.zeros((B, H, C), jnp.int32)]  # 2: a sink key, 1: a local key, 0: a recorded one
+    for extra, kind in (((jnp.arange(sink, dtype=jnp.int32)[None, None, :], 2),) if sink else ()) + \
+            (((lim - local + jnp.arange(local, dtype=jnp.int32)[None, None, :], 1),) if local else ()):
         extra = jnp.broadcast_to(extra, (B, H, extra.shape[-1]))
         pos.append(jnp.where((extra >= 0) & (extra < lim), extra, big))
         w.append(jnp.zeros(extra.shape, jnp.float32))
-        forced.append(jnp.ones(extra.shape, jnp.int32))
+        forced.append(jnp.full(extra.shape, kind, jnp.int32))
     pos, w, forced = (jnp.concatenate(x, axis=-1) for x in (pos, w, forced))
     M = pos.shape[-1]
     pos, w, forced = jax.lax.sort((pos, w, forced), dimension=-1, is_stable=True, num_keys=1)
@@ -684,7 +686,8 @@ def merge_rows(idx: Array, val: Array, limit: Array, k, K: int, sink: int = 0, l
     total = jnp.zeros((B, H, M), jnp.float32).at[b, h, seg].add(w)
     is_forced = jnp.zeros((B, H, M), jnp.int32).at[b, h, seg].max(forced)
     key = jnp.full((B, H, M), big, jnp.int32).at[b, h, seg].min(pos)  # ascending; `big` past the last key
-    scores = jnp.where(key < big, jnp.where(is_forced > 0, jnp.inf, total), NEG_INF)
+    forced_score = jnp.where(is_forced == 2, jnp.inf, diagonal_scores(key))
+    scores = jnp.where(key < big, jnp.where(is_forced > 0, forced_score, total), NEG_INF)
     slot = topk_select(scores, k, K, implementation=implementation)  # [B, H, min(K, M)], ascending
     chosen = jnp.where(slot >= 0, jnp.take_along_axis(key, jnp.maximum(slot, 0), axis=-1), -1)
     if chosen.shape[-1] < K:
