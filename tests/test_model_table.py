@@ -79,8 +79,8 @@ README_TABLES = [  # the README's tables made by the tool: (folder, JSONs)
                               "bench_model_100k_b4_1202_b.json")),
     (("h100", "e2e"), ("e2e_a.json", "e2e_b.json", "e2e_c.json")),
     (("h100", "e2e"), ("e2e_qwen3.json",)),
-    (("h200", "e2e_1203"), ("e2e_a.json", "e2e_b.json")),
-    (("h200", "e2e_1203"), ("e2e_qwen3.json",)),
+    (("h200", "e2e_state"), ("e2e_a.json", "e2e_b.json")),
+    (("h200", "e2e_state"), ("e2e_qwen3.json",)),
 ]
 
 
