@@ -110,6 +110,10 @@ def test_sparse_budget_runs_and_errors(pair):
         make_method("sts", cfg=CFG, draft=draft, head_map=hm + 1)
     with pytest.raises(ValueError, match="needs a head map"):
         make_method("sts", cfg=CFG, draft=draft)
+    with pytest.raises(ValueError, match="sts option slack=100: slack is set by the round's gamma"):
+        make_method("sts", cfg=CFG, draft=draft, head_map=hm, slack=100)
+    with pytest.raises(ValueError, match="carry=True: expected a decay in"):
+        make_method("sts", cfg=CFG, draft=draft, head_map=hm, carry=True)
     with pytest.raises(ValueError, match="budget=1.5"):
         make_method("sts", cfg=CFG, draft=draft, head_map=hm, budget=1.5)
     assert isinstance(sts, STS)

@@ -5,7 +5,9 @@ attends densely and records, per draft layer and query head, the top-W keys of i
 
   * decode (STS-D): the post-softmax weights of the draft's newest queries, pooled over that step's queries
     and, with `carry` c (default 0.5; the paper's is 0, the last step alone), plus c times the record of the
-    steps before it, so that all of a round's draft queries choose the keys;
+    steps before it, so that all of a round's draft queries choose the keys (the record is not cleared between
+    rounds: a round's first step adds c times the last round's, whose later steps may be of tokens that round
+    rejected; the decay makes their share small after a few steps);
   * prefill (STS-P): weights pooled over each query tile and restricted to the keys before the tile (as
     Kascade's prefill does), computed tile by tile (never a [T, T] array).
 
@@ -66,7 +68,8 @@ from flax import struct
 from jsparse import selection as sel
 from jsparse.artifacts import ArtifactError, load_artifact
 from jsparse.methods.base import register
-from jsparse.methods.common import attend_dense, attend_selected, check_tile, scratch, stacked_cache
+from jsparse.methods.common import (attend_dense, attend_selected, check_tile, refuse_derived, scratch,
+                                    stacked_cache)
 from models.sharding import constrain
 from pallas_kernels.anchor_attention.common import diagonal_scores
 from pallas_kernels.dense import dense_prefill
@@ -654,8 +657,8 @@ def merge_rows(idx: Array, val: Array, limit: Array, k, K: int, sink: int = 0, l
     keys keep their row order); the weights of equal keys are summed (a scatter-add into C + sink + local slots,
     in the order `_scores` adds them: the same sums, bit for bit where XLA applies a scatter's updates in order,
     as on the CPU), a sink key scores +inf and a local key `diagonal_scores` (as in `_scores`), and `topk_select`
-    keeps the top k of these at most C + sink + local distinct keys. Same rule as the reference: largest sum first, ties to the lower position, keys whose score
-    is -inf dropped.
+    keeps the top k of these at most C + sink + local distinct keys. Same rule as the reference: largest sum
+    first, ties to the lower position, keys whose score is -inf dropped.
 
     Args:
       idx: i32[B, H, C] recorded keys (-1 padded); val: f32[B, H, C] their weights.
@@ -757,9 +760,12 @@ class STS(_Budget):
         check_head_map(head_map, cfg, draft.cfg)
         if not 0 <= dense_layers <= cfg.num_layers:
             raise ValueError(f"dense_layers={dense_layers!r}: expected 0..{cfg.num_layers} (the target's layers)")
+        refuse_derived("sts", unused, {"slack": (None, "the round's gamma (`for_round`)"),
+                                       "draft_layers": (None, "the draft model"),
+                                       "draft_heads": (None, "the draft model")})
         return cls(head_map=jnp.asarray(head_map), budget=float(budget), min_tokens=min_tokens, tile=tile,
                    selection=selection, draft_layers=draft.cfg.num_layers, draft_heads=draft.cfg.num_heads,
-                   dense_layers=dense_layers, sink=sink, local=local, carry=float(carry),
+                   dense_layers=dense_layers, sink=sink, local=local, carry=carry,
                    first_step_mask=first_step_mask, mask_pool=mask_pool, mask_attention=mask_attention,
                    row_merge=row_merge, record_after_scan=record_after_scan, record_selection=record_selection)
 
