@@ -82,7 +82,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help="UTF-8 text file for the ppl task (default: eval/data/call_of_the_wild.txt, shipped)")
     p.add_argument("--artifact", action="append", default=None, metavar="[METHOD=]DIR",
                    help="calibration artifact folder: METHOD=DIR for one method (e.g. kascade=artifacts/k), or "
-                        "DIR for every method; repeat or comma-separate for several")
+                        "DIR for every method that reads an artifact; repeat or comma-separate for several")
     p.add_argument("--seed", type=int, default=0, help="seed of the passkey keys/filler and ppl windows (default 0)")
     p.add_argument("--depths", default=",".join(f"{d:g}" for d in DEFAULT_DEPTHS),
                    help="passkey needle depths, fractions in [0, 1] (default 0.1,0.3,0.5,0.7,0.9)")
@@ -212,6 +212,12 @@ def _same(key: str, a, b) -> bool:
     return a == b
 
 
+def _reads_artifact(name: str) -> bool:
+    from jsparse.methods.base import method_names, takes_artifact
+
+    return name not in method_names() or takes_artifact(name)
+
+
 def resume_config(out: str, config: dict, overwrite: bool,
                   methods: tuple[str, ...] = ()) -> tuple[list[dict], list[dict], dict]:
     """(records, runs, config) to continue from in `out`: ([], [], config) for a new folder or with `overwrite`;
@@ -237,8 +243,8 @@ def resume_config(out: str, config: dict, overwrite: bool,
         value = config.get(key)
         if key in ("artifacts", "method_options"):
             prev = old.get(key) or {}
-            if key == "artifacts":
-                prev = {k: portable_path(v) for k, v in prev.items()}
+            if key == "artifacts":  # (a folder written before 2026-12-03 may name one for a method reading none)
+                prev = {k: portable_path(v) for k, v in prev.items() if _reads_artifact(k)}
             for name in sorted((set(prev) & set(value)) | ((set(prev) | set(value)) & set(methods))):
                 if prev.get(name) != value.get(name):
                     raise ValueError(f"{where} was run with {key} {name}={prev.get(name)!r}, this run has "

@@ -883,6 +883,10 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
     for length in spec.lengths:  # fail before any work on a length the model cannot run
         if "passkey" in spec.tasks or generation:
             check_request(cfg, [prompt_max[length]], gen_new, verify_rows=0 if spec.draft is None else spec.gamma + 1)
+            if spec.draft is not None and hasattr(spec.draft, "cfg"):
+                from jsparse.api import check_draft_context
+
+                check_draft_context(spec.draft, [prompt_max[length]], gen_new)
         if "ppl" in spec.tasks:
             check_request(cfg, [length - 1], 1)
     corpus_ids = None

@@ -51,7 +51,7 @@ class ModelConfig:
       vocab_size, hidden_size (E), intermediate_size (F), num_layers (L).
       num_heads (Hq), num_kv_heads (Hkv), head_dim (D).
       qkv_bias: q/k/v projections carry a bias (Qwen2).
-      o_bias / mlp_bias: output projection / MLP carry biases (Llama `attention_bias`, `mlp_bias`).
+      o_bias / mlp_bias: output projection / MLP carry biases (Llama's and Qwen3's `attention_bias`, `mlp_bias`).
       qk_norm: RMSNorm over head_dim on q and k before RoPE (Qwen3).
       tie_word_embeddings: the LM head is the transposed embedding (SmolLM2, Llama 3.2).
       max_position_embeddings: the longest context the checkpoint was trained for.

@@ -7,7 +7,7 @@ Layout (E = hidden, F = intermediate, L = layers, Hq / Hkv = query / KV heads, D
   layers.wq    [L, E, Hq, D]   layers.bq [L, Hq, D]   (Qwen2; None otherwise)
   layers.wk    [L, E, Hkv, D]  layers.bk [L, Hkv, D]
   layers.wv    [L, E, Hkv, D]  layers.bv [L, Hkv, D]
-  layers.wo    [L, Hq, D, E]   layers.bo [L, E]       (Llama attention_bias; None otherwise)
+  layers.wo    [L, Hq, D, E]   layers.bo [L, E]       (Llama/Qwen3 attention_bias; else None)
   layers.q_norm / k_norm [L, D]                        (Qwen3; None otherwise)
   layers.w_gate, w_up [L, E, F]   layers.w_down [L, F, E]   (+ b_gate/b_up [L, F], b_down [L, E] with mlp_bias)
   final_norm   [E]

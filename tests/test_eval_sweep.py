@@ -202,6 +202,9 @@ def test_resume_refuses_a_dropped_method_option_or_ppl_samples(tmp_path):
     no_ppl_samples, methods = config("--method-option", "streaming.sink=64")
     with pytest.raises(ValueError, match=r"was run with ppl_samples=8, this run has ppl_samples=None"):
         cli_eval.resume_config(str(tmp_path), no_ppl_samples, False, methods)
+    # A folder written when a plain --artifact DIR went to every method (dense too) resumes the same command.
+    report.write_results(str(tmp_path), [], dict(config={**same, "artifacts": {"dense": "D", "streaming": "D"}}))
+    assert cli_eval.resume_config(str(tmp_path), same, False, methods)[2]["artifacts"] == {}
 
 
 def test_budget_beside_budget_tokens_runs_both():
@@ -227,6 +230,10 @@ def test_context_check_takes_the_prompt_length_a_task_makes(model, test_task, mo
     spec = harness.EvalSpec(methods=("dense",), tasks=(TASK,), lengths=(L,), samples=1)
     with pytest.raises(Checked):
         harness.evaluate(model, spec, progress=False)
+    # A draft reads the whole prompt too: its context is checked before any work as well.
+    short = dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, max_position_embeddings=L))
+    with pytest.raises(ValueError, match="longer than the draft's context of"):
+        harness.evaluate(model, dataclasses.replace(spec, draft=short), progress=False)
     monkeypatch.setitem(task_registry.TASKS, TASK, dataclasses.replace(test_task, exact_length=False))
     with pytest.raises(ValueError, match=f"prompt .{int(L * 1.01) + 1} tokens"):
         harness.evaluate(model, spec, progress=False)

@@ -101,6 +101,10 @@ def test_budget_tokens_of_an_int_equal_a_traced_rows():
         rows = np.asarray(sel.budget_tokens(budget, jnp.asarray(n, jnp.int32), 16))
         assert [sel.budget_tokens(budget, int(i), 16) for i in n] == rows.tolist(), budget
     assert sel.budget_tokens(0.3, 3200, 16) == 961
+    from pallas_kernels.anchor_attention.common import budget_count  # the kernels' copy of the rule
+    assert budget_count(0.3, 3200, 16) == 961 == int(budget_count(0.3, jnp.asarray([3200]), 16)[0])
+    with pytest.raises(ValueError, match="budget=True"):
+        sel.check_budget(True)
 
 
 def test_budget_split_counts_sum_to_the_budget_and_favour_the_first_components():

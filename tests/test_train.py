@@ -210,6 +210,24 @@ def test_checkpoint_from_another_model_or_data_is_refused(uninterrupted, model_p
               max_seconds=-5)
 
 
+def test_checkpoint_of_an_earlier_fingerprint_scheme_says_so(tmp_path, uninterrupted, model_params, pcfg, chunks):
+    import shutil
+
+    src, _ = uninterrupted
+    out = str(tmp_path / "old")
+    shutil.copytree(src, out)
+    for step in os.listdir(os.path.join(out, "checkpoints")):
+        path = os.path.join(out, "checkpoints", step, "meta", "metadata")  # orbax's JsonSave file
+        with open(path) as f:
+            meta = json.load(f)
+        meta.pop("fingerprint_scheme")
+        meta["model_fingerprint"] = "fp-old-scheme"  # what an earlier jsparse wrote for the same model
+        with open(path, "w") as f:
+            json.dump(meta, f)
+    with pytest.raises(TrainError, match="written by an earlier jsparse, whose model fingerprint \\(scheme 1\\)"):
+        train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg, progress=False)
+
+
 def test_damaged_latest_checkpoint_and_cut_log_line_resume_from_the_one_before(tmp_path, uninterrupted, model_params,
                                                                                 pcfg, chunks):
     """A run killed while writing its newest checkpoint (here: its metadata garbage) and its loss log's last line

@@ -47,7 +47,7 @@ import optax
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jsparse.artifacts import Artifact, save_artifact
+from jsparse.artifacts import FINGERPRINT_SCHEME, Artifact, save_artifact
 from jsparse.methods.butler import ARTIFACT_KIND
 from jsparse.methods.butler_predictor import Predictor, PredictorConfig, flatten_params, init_params
 from models import llama
@@ -299,6 +299,12 @@ def _check_resume(meta: dict, expected: dict, where: str) -> None:
         if key == "model_dtype" and key not in meta:
             continue  # a checkpoint written before the dtype was recorded
         if meta.get(key) != expected[key]:
+            if key == "model_fingerprint" and meta.get("fingerprint_scheme", 1) != FINGERPRINT_SCHEME:
+                raise TrainError(
+                    f"the checkpoint in {where} was written by an earlier jsparse, whose model fingerprint (scheme "
+                    f"{meta.get('fingerprint_scheme', 1)}) cannot be compared with this one's (scheme "
+                    f"{FINGERPRINT_SCHEME}), so it cannot be told to be of this model: training cannot resume from it; "
+                    "use another --out, or delete its checkpoints to start over")
             if key == "model_fingerprint":
                 raise TrainError(
                     f"the checkpoint in {where} was made for another model: fingerprint {meta.get(key)!r} "
@@ -468,7 +474,8 @@ def train(cfg: ModelConfig, model_params, *, fingerprint: str, chunks: np.ndarra
     _rewrite_log(log_path, start)
 
     def meta(step: int) -> dict:
-        return {**expected, "step": step, "data_position": stream.position(step), "seed": tc.seed,
+        return {**expected, "fingerprint_scheme": FINGERPRINT_SCHEME, "step": step,
+                "data_position": stream.position(step), "seed": tc.seed,
                 "num_chunks": stream.num_chunks, "model_name": model_name}
 
     step_fn = make_train_step(mesh, cfg, pcfg, tc, mdims)

@@ -127,6 +127,7 @@ def check_options(name: str, kwargs: dict, method: Any = None) -> None:
     """Raises ValueError naming any of `kwargs` that method `name` does not take (`method_options`; pass the
     built `method` for wrappers, whose options include those of what they built)."""
     _check_options(name, kwargs, method_options(name, method))
+    _check_bools(name, kwargs, method if method is not None else method_factory(name))
 
 
 def _check_options(name: str, kwargs: dict, valid: list[str]) -> None:

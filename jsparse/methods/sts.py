@@ -640,7 +640,8 @@ def _scores(idx: Array, val: Array, N: int, limit: Array, sink: int = 0, local: 
 def merge_rows_reference(idx: Array, val: Array, N: int, limit: Array, k, K: int, sink: int = 0, local: int = 0,
                          implementation: str | None = None) -> Array:
     """The target's selection through an N-wide score array (the specification of `merge_rows`): the draft
-    entries summed per key by `_scores` (forced keys +inf), then `topk_select` over the N keys.
+    entries summed per key by `_scores` (sink keys +inf, local keys `diagonal_scores`), then `topk_select` over the N
+    keys.
 
     idx, val: [B, H, C]; limit: i32[B] or []; k: int or i32 broadcastable to [B, H]; K: static width
     -> i32[B, H, min(K, N)], ascending, -1 padded."""

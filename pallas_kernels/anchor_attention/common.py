@@ -17,6 +17,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.sparse_attention.common import check_decode_cache, default_scale  # noqa: F401  (re-exported)
 from pallas_kernels.sparse_attention.stacked import layer_index
@@ -25,10 +26,11 @@ Array = jax.Array
 
 
 def budget_count(budget: float, n, min_tokens: int):
-    """Kascade's rule k = min(max(ceil(budget * n), min_tokens), n), on a Python int or an int array."""
-    if isinstance(n, int):
-        return min(max(math.ceil(budget * n), min_tokens), n)
-    k = jnp.ceil(budget * n.astype(jnp.float32)).astype(jnp.int32)
+    """Kascade's rule k = min(max(ceil(budget * n), min_tokens), n), on a Python int or an int array: budget * n
+    an f32 product in both, so a width from an int n holds a traced row's k (jsparse.selection.budget_tokens)."""
+    if isinstance(n, (int, np.integer)):
+        return min(max(math.ceil(np.float32(budget) * np.float32(n)), min_tokens), int(n))
+    k = jnp.ceil(jnp.float32(budget) * n.astype(jnp.float32)).astype(jnp.int32)
     return jnp.minimum(jnp.maximum(k, min_tokens), n)
 
 

@@ -171,7 +171,8 @@ def pool_gpu(logits: Array, lse: Array, pos: Array, *, diagonal_tile: int = 0, c
       logits: f32[B, Hkv, T, G, N] (read only where visible); lse: f32[B, Hkv, T, G]; pos: i32[B, T].
 
     Returns:
-      f32[B, Hkv, T, N]: sum_g exp(logits - lse) over visible keys, -inf elsewhere, +inf on the diagonal tile.
+      f32[B, Hkv, T, N]: sum_g exp(logits - lse) over visible keys, -inf elsewhere, `common.diagonal_scores` on the
+      diagonal tile.
     """
     B, Hkv, T, G, N = logits.shape
     bp = config.pool_block
@@ -214,7 +215,7 @@ def decode_scores_gpu(q: Array, k: Array, v: Array, lengths: Array, *, layer: Ar
       layer: i32[] (traced) layer of a stacked cache, or None.
       scale: softmax scale (None: 1/sqrt(D)).
       dense_output: also attend densely (reads V in full).
-      diagonal_tile: 0 or a tile size: +inf on each query's diagonal tile (`common.force_diagonal`).
+      diagonal_tile: 0 or a tile size: each query's diagonal tile chosen first (`common.force_diagonal`).
       config: `AnchorConfig`.
       interpret: run the kernel in the Pallas interpreter (CPU tests).
 
