@@ -13,6 +13,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models import llama
 from models import sharding
@@ -90,10 +91,11 @@ def check_request(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_token
 def check_token_ids(cfg: ModelConfig, rows: Sequence[Sequence[int]], what: str = "prompt") -> None:
     """Every token id in [0, vocab_size): an id outside would read no embedding row (NaN logits) or wrap."""
     for i, row in enumerate(rows):
-        bad = [int(t) for t in row if not 0 <= int(t) < cfg.vocab_size]
-        if bad:
+        ids = np.asarray(row, np.int64).reshape(-1)  # one pass in numpy: prompts may hold 100K tokens
+        bad = ids[(ids < 0) | (ids >= cfg.vocab_size)]
+        if bad.size:
             where = f"{what} {i}" if len(rows) > 1 or what == "prompt" else what
-            raise ValueError(f"{where} has token id {bad[0]}: expected ids in [0, {cfg.vocab_size}) (the model's "
+            raise ValueError(f"{where} has token id {int(bad[0])}: expected ids in [0, {cfg.vocab_size}) (the model's "
                              "vocabulary)")
 
 
