@@ -148,6 +148,7 @@ def dense_decode(q: Array, k: Array, v: Array, lengths: Array, *, window: Array 
     if T == 1 and window is None:
         impl = implementation or _implementation(q)
         out = jax.nn.dot_product_attention(qg, kg, vg, key_value_seq_lengths=kv_len, implementation=impl)
+        seen = jnp.broadcast_to((kv_len > 0)[:, None], (B * Hkv, G))
     else:
         # Query t sits at position p = lengths - T + t and sees keys lo <= j <= p (causal among the new tokens).
         t = jnp.arange(T * G) // G
@@ -163,4 +164,8 @@ def dense_decode(q: Array, k: Array, v: Array, lengths: Array, *, window: Array 
             lo = jnp.where(window > 0, pos - window + 1, 0)
             mask = mask & (keys >= lo[:, :, None])
         out = jax.nn.dot_product_attention(qg, kg, vg, mask=mask[:, None], implementation="xla")
+        seen = mask.any(axis=-1)  # [B*Hkv, T*G]
+    # A query that sees no key (a row of length 0; with T > 1, a row shorter than T) attends to nothing: zeros, as
+    # the reference and the kernels give (dot_product_attention would average every value).
+    out = jnp.where(seen[:, :, None, None], out, jnp.zeros((), out.dtype))
     return out.reshape(B, Hkv, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D)

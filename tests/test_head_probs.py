@@ -134,6 +134,16 @@ def test_dense_decode_lse_of_a_row_with_no_visible_key_is_minus_inf():
     lse, want = np.asarray(lse), np.asarray(want)
     assert np.all(np.isneginf(lse[0, 0])) and np.all(np.isneginf(want[0, 0]))
     np.testing.assert_allclose(lse[:, 1], want[:, 1], rtol=1e-5)
+    # Its output is zeros on every implementation (XLA's dot_product_attention alone would average every value),
+    # and so is a T = 1 row of length 0.
+    want_out = np.asarray(dense_decode_stacked_reference(q, k_all, v_all, jnp.int32(0), lens))
+    assert not np.asarray(want_out[0, 0]).any()
+    for impl in ("sliced", "reference"):
+        out = np.asarray(dense_decode_stacked(q, k_all, v_all, jnp.int32(0), lens, implementation=impl))
+        np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-6, err_msg=impl)
+    zero = jnp.array([0, 20], jnp.int32)
+    out = np.asarray(dense_decode_stacked(q[:, :1], k_all, v_all, jnp.int32(0), zero, implementation="sliced"))
+    assert not out[0].any() and out[1].any()
 
 
 @pytest.mark.parametrize("case,dtype,config", [

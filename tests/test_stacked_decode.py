@@ -103,6 +103,17 @@ def test_sparse_stacked_gpu_head_map_equals_taken_indices(case, dtype, layers, c
     with pytest.raises(ValueError, match="head_map with return_mass"):
         stacked.sparse_decode_stacked_gpu(q, k_all, v_all, jnp.int32(0), idx, lens, block_size=bs,
                                           head_map=jnp.zeros((Hkv,), jnp.int32), return_mass=True, interpret=True)
+    # Values outside [0, Hkv): refused when known; a traced map is clipped by the kernel and the XLA path alike
+    # (jnp.take wrapped -1 to the last head and filled Hkv with zeros before).
+    with pytest.raises(ValueError, match=r"head_map=\[-1, 0, 3, 4\]: expected values in \[0, Hkv=4\)"):
+        sparse_decode(q, k_all, v_all, idx, lens, layer=jnp.int32(layers[0]), block_size=bs,
+                      head_map=jnp.asarray([-1, 0, 3, 4], jnp.int32), implementation="xla")
+    bad = jnp.asarray([-1, 0, 3, 4], jnp.int32)
+    api = jax.jit(lambda hm: sparse_decode(q, k_all, v_all, idx, lens, layer=jnp.int32(layers[0]), block_size=bs,
+                                           head_map=hm, implementation="xla"))(bad)
+    clipped = jnp.take(idx, jnp.clip(bad, 0, Hkv - 1), axis=1)
+    want = ref.sparse_decode_reference(q, k_all[layers[0]], v_all[layers[0]], clipped, lens, block_size=bs)
+    assert_close(api, want, dtype, "traced map, clipped")
 
 
 @pytest.mark.parametrize("case,dtype,layers,config", SPARSE_GPU_CASES)

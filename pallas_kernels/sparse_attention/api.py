@@ -121,7 +121,7 @@ def sparse_decode(q: Array, k: Array, v: Array, indices: Array, lengths: Array, 
         if head_map is not None:
             from pallas_kernels.sparse_attention.stacked import check_head_map
             check_head_map(head_map, indices.shape[1])
-            indices = jnp.take(indices, head_map, axis=1)
+            indices = jnp.take(indices, head_map, axis=1, mode="clip")  # clipped, as the kernel does
         args, templates = _decode_shards(q, k, v, indices, lengths, layer)
         outs = (dims(4, 0, 2), dims(3, 0, 2)) if return_lse else dims(4, 0, 2)
 
@@ -134,7 +134,7 @@ def sparse_decode(q: Array, k: Array, v: Array, indices: Array, lengths: Array, 
     if head_map is not None and not (layer is not None and impl == "pallas_gpu"):
         from pallas_kernels.sparse_attention.stacked import check_head_map
         check_head_map(head_map, indices.shape[1])
-        indices, head_map = jnp.take(indices, head_map, axis=1), None
+        indices, head_map = jnp.take(indices, head_map, axis=1, mode="clip"), None  # clipped, as the kernel does
     if layer is not None:
         from pallas_kernels.sparse_attention import stacked
         stacked.check_stacked_args(q, k, v, layer, indices, lengths, block_size)

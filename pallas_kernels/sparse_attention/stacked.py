@@ -29,6 +29,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
@@ -67,11 +68,16 @@ def check_stacked_args(q: Array, k_all: Array, v_all: Array, layer: Array, indic
 
 
 def check_head_map(head_map, num_kv_heads: int) -> None:
-    """head_map: i32[Hkv] with values in [0, Hkv) (the kernel clips values outside)."""
+    """head_map: i32[Hkv] with values in [0, Hkv): checked when its values are known (not traced); a traced map's
+    values outside are clipped, by the kernel and by the XLA paths alike."""
     hm = jnp.asarray(head_map)
     if hm.shape != (num_kv_heads,) or not jnp.issubdtype(hm.dtype, jnp.integer):
         raise ValueError(f"head_map has shape {tuple(hm.shape)} and dtype {hm.dtype}: expected an integer "
                          f"[Hkv={num_kv_heads}] array")
+    if not isinstance(head_map, jax.core.Tracer):
+        values = np.asarray(head_map)
+        if values.size and (values.min() < 0 or values.max() >= num_kv_heads):
+            raise ValueError(f"head_map={values.tolist()}: expected values in [0, Hkv={num_kv_heads})")
 
 
 def layer_index(layer: Array, num_layers: int) -> Array:
