@@ -89,6 +89,9 @@ def encode(model: LoadedModel, prompts: str | Sequence[str], chat: bool = False)
         return encode(model, [prompts], chat)[0]
     _check_prompts(prompts)
     tok = model.tokenizer
+    if tok is None:
+        raise ValueError(f"model {getattr(model, 'name', '?')!r} has no tokenizer (a Hugging Face folder without "
+                         "tokenizer files): pass token ids to `generate_ids`, or load a folder with its tokenizer")
     out = []
     for p in prompts:
         if chat:

@@ -70,7 +70,16 @@ def cmd_calibrate(args) -> int:
     from jsparse.artifacts import save_artifact
     from jsparse.methods import calibrators
 
+    from eval.cli_eval import check_out
+
+    check_out(args.out, "the artifact (artifact.json, arrays.npz)")  # before the work, not after it
     model = jsparse.load(args.model, args.dtype)
+    if model.tokenizer is None:
+        raise ValueError(f"model {args.model!r} has no tokenizer: calibration cuts its prompts from text (a Hugging "
+                         "Face folder with tokenizer files, a GGUF, or the bundled smollm2)")
+    if args.length > model.cfg.max_position_embeddings:
+        raise ValueError(f"--length {args.length}: expected at most the model's context of "
+                         f"{model.cfg.max_position_embeddings} tokens")
     corpus = args.corpus or [DEV_CORPUS]
     ids = np.concatenate([tokenize_corpus(model.tokenizer, read_corpus(path)) for path in corpus])
     windows = make_windows(model.tokenizer, ids, args.length, args.samples, args.seed)

@@ -288,8 +288,8 @@ def _fused(model: LoadedModel, fuse: bool) -> LoadedModel:
 def parse_layers(text: str, num_layers: int) -> list[int]:
     """'0-9,12' -> [0, ..., 9, 12]; every layer must lie in [0, num_layers) and appear once, ascending."""
     layers: list[int] = []
-    for part in text.replace(" ", "").split(","):
-        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+    for part in text.split(","):  # spaces around a number or a dash; "0 5" is not a list (it read as 5 before)
+        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
         if m is None:
             raise ValueError(f"layers={text!r}: expected comma-separated layers or ranges like 0-9,12")
         a, b = int(m.group(1)), int(m.group(2) or m.group(1))

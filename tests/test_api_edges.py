@@ -94,6 +94,14 @@ def test_an_artifact_for_a_method_that_reads_none_is_refused():
     make_method("quest", artifact=None)  # none given: nothing to refuse
 
 
+def test_generate_without_a_tokenizer_says_so():
+    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=8)
+    model = bundled.LoadedModel(cfg=cfg, params=None, tokenizer=None, name="no-tokenizer")
+    with pytest.raises(ValueError, match="'no-tokenizer' has no tokenizer .*generate_ids"):
+        jsparse.generate(model, "Hi")
+
+
 def test_misspelled_option_through_build_method(smollm2):
     with pytest.raises(ValueError, match=r"'budgett'.*its options are artifact, budget, dense_layers"):
         jsparse.build_method("oracle", smollm2, budgett=0.1)

@@ -21,6 +21,17 @@ def test_generate_rejects_bad_budget(capsys):
     assert "budget=1.5" in capsys.readouterr().err
 
 
+def test_calibrate_refuses_a_file_as_out_and_a_length_past_the_context(tmp_path, capsys):
+    """Before the work: an --out that is a file (it failed with a traceback after the whole calibration), and a
+    --length longer than the model's context (every calibrator ran on it)."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert main(["calibrate", "tsa", "--model", "smollm2", "--out", str(afile)]) == 2
+    assert "is an existing file: expected a folder" in capsys.readouterr().err
+    assert main(["calibrate", "tsa", "--model", "smollm2", "--length", "9000", "--out", str(tmp_path / "o")]) == 2
+    assert "--length 9000: expected at most the model's context of 8192 tokens" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["eval", "--help"], ["calibrate", "--help"],
                                   ["calibrate", "kascade", "--help"], ["calibrate", "sts", "--help"], ["train-predictor", "--help"],
                                   ["bench", "--help"], ["bench", "attention", "--help"], ["bench", "model", "--help"],

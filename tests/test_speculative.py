@@ -146,7 +146,9 @@ def test_sampling_probs_nucleus():
 def test_layer_skipped_draft_and_errors(models):
     target, draft = models
     tgt = LoadedModel(cfg=CFG, params=target, tokenizer=None, name="t")
-    assert parse_layers("0-1,2", 3) == [0, 1, 2]
+    assert parse_layers("0-1,2", 3) == [0, 1, 2] == parse_layers(" 0 - 1 , 2 ", 3)
+    with pytest.raises(ValueError, match="expected comma-separated layers"):
+        parse_layers("0 2", 3)  # read as layer 2 before: spaces were deleted
     with pytest.raises(ValueError, match="between 0 and 2"):
         parse_layers("0-5", 3)
     skipped = keep_layers(tgt, [0, 2])
