@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import sharding as shard
+from pallas_kernels.anchor_attention.common import budget_count
 
 Array = jax.Array
 NEG_INF = -jnp.inf
@@ -45,12 +46,10 @@ def check_layers(name: str, layers, num_layers: int) -> tuple[int, ...]:
 def budget_tokens(budget: float, n, min_tokens: int = 128):
     """k = min(max(ceil(budget * n), min_tokens), n) (Kascade's budget rule); works on ints and int arrays.
 
-    budget * n is an f32 product in both cases, so a static width computed from an int n holds the k a traced
-    row of the same n computes (in f64, ceil(0.3 * 3200) = 960 but the f32 row's is 961)."""
-    if isinstance(n, (int, np.integer)):
-        return min(max(math.ceil(np.float32(budget) * np.float32(n)), min_tokens), int(n))
-    k = jnp.ceil(jnp.float32(budget) * n.astype(jnp.float32)).astype(jnp.int32)
-    return jnp.minimum(jnp.maximum(k, min_tokens), n)
+    The kernels' rule (`pallas_kernels.anchor_attention.common.budget_count`), one definition for both: budget * n
+    is an f32 product for an int n too, so a static width holds the k a traced row of the same n computes (in f64,
+    ceil(0.3 * 3200) = 960 but the f32 row's is 961)."""
+    return budget_count(budget, n, min_tokens)
 
 
 def keys_to_keep(n, budget: float, min_tokens: int = 128, tokens: int | None = None):

@@ -78,8 +78,8 @@ class Session:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 1")
         check_token_ids(self.model.cfg, [ids], "the message")
+        total = len(self.tokens) + len(ids) + max_new_tokens
         for who, m in (("model", self.model), ("draft", self.draft)):
-            total = len(self.tokens) + len(ids) + max_new_tokens
             if total > m.cfg.max_position_embeddings:
                 raise ValueError(f"the conversation ({len(self.tokens)} tokens) plus this message ({len(ids)}) and "
                                  f"max_new_tokens={max_new_tokens} is {total} tokens, longer than the {who}'s "

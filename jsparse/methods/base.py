@@ -94,8 +94,7 @@ def make_method(name: str, **kwargs):
         _check_options(name, kwargs, method_options(name))
     _check_bools(name, kwargs, factory)
     method = build(**kwargs)
-    _check_options(name, kwargs, method_options(name, method))  # wrappers: the options of what they built
-    _check_bools(name, kwargs, method)
+    check_options(name, kwargs, method)  # wrappers: the options (and bool types) of what they built
     return method
 
 

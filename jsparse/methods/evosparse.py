@@ -19,8 +19,8 @@ In every other layer, for each KV head, a decode query at position p attends to 
 Budget (`jsparse.budget_split`). k tokens per query: `budget_tokens` (k = min(budget_tokens, p + 1)) when given,
 else the fraction rule of the other methods, k = min(max(ceil(budget * (p + 1)), min_tokens), p + 1): kb =
 ceil(k / block_size) blocks, split by the fractions (sink, local, retrieval, heat), which sum to 1 (small budgets
-favour sink and local; the local window, which holds the query's own position, has a block at every budget). Retrieval slots left empty (a layer before the first retrieval layer, too few candidates)
-go to heat. When kb covers every visible block the query attends to all of them (dense attention).
+favour sink and local; the local window, which holds the query's own position, has a block at every budget).
+Retrieval slots left empty (a layer before the first retrieval layer, too few candidates) go to heat. When kb covers every visible block the query attends to all of them (dense attention).
 
 Choices the paper leaves open (documented here, measured where noted):
   * retrieval set -> KV heads: ONE set per layer shared by all KV heads, ranked by the block-max over every
