@@ -176,7 +176,7 @@ def test_sts_decode_selects_the_mapped_draft_heads_top_k(selection):
                 logit = kk[b, h // 2, :n + t + 1] @ qd[b, t, h] / np.sqrt(D)
                 p = np.exp(logit - logit.max())
                 pooled[:n + t + 1] += p / p.sum()
-            top = np.argsort(-pooled[:L], kind="stable")[:W]
+            top = np.argsort(-pooled[:n + 1], kind="stable")[:W]  # the record: keys before the second new one
             rows[h] = {int(i): pooled[i] for i in top}
         for g in range(Hkv):
             score = {}
@@ -190,6 +190,53 @@ def test_sts_decode_selects_the_mapped_draft_heads_top_k(selection):
                 mask[b, g, t, n: n + t + 1] = True
     ref = masked_attention_reference(q_t, k, v, jnp.asarray(mask))
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["per_layer", "rows", "blocks", "pool"])
+def test_long_message_leaves_the_target_k_keys_before_it(path):
+    """An appended message longer than the round (the draft's forward of T = M + 2 queries, [prev, tok, message],
+    M > slack) whose own tokens draw most of the attention: the draft records only keys before the target's block
+    (`record_limit`), so on every recording path the target still keeps K keys before the message, plus the
+    message. Before, the record (K + slack wide) filled with the message's keys and left fewer than K."""
+    from types import SimpleNamespace
+
+    from jsparse.methods.sts import StsDraft, empty_record, record_limit
+    from models.attention import LayerContext, LayerKV
+
+    B, Hq, Hkv, D, N, K, slack, M = 2, 4, 2, 8, 64, 6, 3, 12
+    T = M + 2
+    lengths = jnp.array([50, 40])
+    n = np.asarray(lengths) - (T - 1)  # the target appends [tok, message] from n
+    base = jax.random.normal(jax.random.key(0), (D,))
+    q = base + 0.1 * jax.random.normal(jax.random.key(1), (B, T, Hq, D))
+    k, v = (jax.random.normal(jax.random.key(i), (B, Hkv, N, D)) for i in (2, 3))
+    pos = jnp.arange(N)[None, None, :, None]
+    new = (pos >= jnp.asarray(n)[:, None, None, None] - 1) & (pos < lengths[:, None, None, None])
+    k = jnp.where(new, 3.0 * base, k)  # the forward's own keys dominate every query's weights
+    draft = StsDraft(budget=K, min_tokens=0, slack=slack, first_step_mask=path == "pool", mask_pool=2,
+                     record_after_scan=path in ("rows", "blocks"), record_selection="blocks" if path == "blocks"
+                     else "rows", selection="xla")
+    cfg = SimpleNamespace(num_heads=Hq, num_layers=1)
+    state = draft.init_state(cfg, B, N)
+    state = draft.start_rows(cfg, state, "decode", lengths, T, N)
+    _, state = draft.decode(LayerContext(layer=jnp.int32(0), lengths=lengths), q, LayerKV(k=k, v=v), state)
+    state = draft.finish(state, "decode")
+    rec = np.asarray(state.pool_idx if path == "pool" else state.idx)
+    limit = np.asarray(record_limit(lengths, T))
+    np.testing.assert_array_equal(limit, n)
+    for b in range(B):
+        assert np.all(rec[:, b][rec[:, b] >= 0] < n[b])
+        assert np.all(np.sum(rec[:, b] >= 0, axis=-1) == rec.shape[-1])  # full: n[b] >= W keys before
+    hm = np.zeros((1, Hq, 2), np.int32)
+    hm[0, :, 1] = np.arange(Hq)
+    sts = STS(head_map=jnp.asarray(hm), budget=K, min_tokens=0, slack=slack, draft_layers=1, draft_heads=Hq,
+              selection="xla", first_step_mask=path == "pool", mask_pool=2)
+    keys = np.asarray(sts.decode_keys(sts.adopt_draft(None, state), jnp.asarray(hm[0]), lengths, T - 1, Hkv, N))
+    for b in range(B):
+        for g in range(Hkv):
+            row = keys[b, g][keys[b, g] >= 0]
+            assert np.sum(row < n[b]) == K, (b, g, row)
+            np.testing.assert_array_equal(row[row >= n[b]], np.arange(n[b], lengths[b]))
 
 
 @pytest.mark.parametrize("implementation", ["xla", "top_k"])
@@ -525,8 +572,9 @@ def test_first_step_mask_record_matches_reference(carry, mask_pool):
     S = np.asarray(first.pool_idx[0])  # [B, Hq, P]
     P = S.shape[-1]
     assert P == min(mask_pool * W, k.shape[2])
-    # a full pool: the first step's top P of the visible keys
-    np.testing.assert_array_equal((S >= 0).sum(axis=-1), np.broadcast_to(np.minimum(P, np.asarray(lengths))[:, None], S.shape[:2]))
+    # a full pool: the first step's top P of the keys before the round (`record_limit`: below lengths - 1)
+    np.testing.assert_array_equal((S >= 0).sum(axis=-1),
+                                  np.broadcast_to(np.minimum(P, np.asarray(lengths) - 1)[:, None], S.shape[:2]))
     kk, vv = np.asarray(k, np.float64), np.asarray(v, np.float64)
     B, Hq, D = S.shape[0], S.shape[1], kk.shape[-1]
     old = np.asarray(first.pool_val[0], np.float64)
@@ -575,8 +623,9 @@ def test_first_step_mask_pool_first_step_record_is_the_dense_steps():
 
 
 def test_first_step_mask_full_budget_record_and_output_equal_dense_steps():
-    """Full budget: the first step records every visible key, so the later steps' attention is dense attention
-    and their record holds today's weights on every key before the round's new tokens."""
+    """Full budget: the first step records every key before the round (its [prev, tok] from n - 1: keys below n),
+    so the later steps' attention (that pool plus the round's new keys) is dense attention and their record holds
+    today's weights on every key before the round."""
     from jsparse.methods.sts import pool_record
 
     masked = _draft_round(True, 1.0, 0.5)
@@ -585,7 +634,7 @@ def test_first_step_mask_full_budget_record_and_output_equal_dense_steps():
     for step in (1, 2):
         np.testing.assert_allclose(np.asarray(masked[1][step]), np.asarray(dense[1][step]), atol=1e-5)
         for b in range(2):
-            first_len = int(lengths[b])
+            first_len = int(lengths[b]) - 1  # n: the round's first new key
             m_rec = pool_record(masked[0][step])
             m_idx, m_val = np.asarray(m_rec.idx[0, b, :, 0]), np.asarray(m_rec.val[0, b, :, 0])
             d_idx, d_val = np.asarray(dense[0][step].idx[0, b, :, 0]), np.asarray(dense[0][step].val[0, b, :, 0])
@@ -628,7 +677,7 @@ def test_pool_record_with_dense_later_attention():
         np.testing.assert_allclose(np.asarray(full[1][step]), np.asarray(full_dense[1][step]), atol=1e-5)
         got, want = pool_record(full[0][step]), full_dense[0][step]
         for b in range(2):  # the keys before the round (the target takes the round's new tokens itself)
-            first = int(lengths[b])
+            first = int(lengths[b]) - 1  # n: the round's first new key
             g_idx, w_idx = np.asarray(got.idx[0, b, :, 0]), np.asarray(want.idx[0, b, :, 0])
             g_val, w_val = np.asarray(got.val[0, b, :, 0]), np.asarray(want.val[0, b, :, 0])
             for h in range(4):

@@ -7,7 +7,9 @@ attends densely and records, per draft layer and query head, the top-W keys of i
     and, with `carry` c (default 0.5; the paper's is 0, the last step alone), plus c times the record of the
     steps before it, so that all of a round's draft queries choose the keys (the record is not cleared between
     rounds: a round's first step adds c times the last round's, whose later steps may be of tokens that round
-    rejected; the decay makes their share small after a few steps);
+    rejected; the decay makes their share small after a few steps). A forward of T >= 2 queries (a round's
+    first step, [prev, tok], or an appended message after them) records only the keys before the target's
+    block (`record_limit`), so a message longer than the round cannot crowd the keys before it out of the record;
   * prefill (STS-P): weights pooled over each query tile and restricted to the keys before the tile (as
     Kascade's prefill does), computed tile by tile (never a [T, T] array).
 
@@ -17,8 +19,8 @@ T >= 2 queries: [prev, tok], or an appended message) attends densely and takes a
 gamma keys (the round's new tokens) and update the pool's weights (same `carry` rule, the softmax taken over
 that set) instead of a top-W over the cache. The target takes each row's top W of the pooled weights
 (`pool_record`), so keys the later queries weigh most can enter the record as long as the first step ranked
-them among its top P; with `mask_pool` 1 the record holds exactly the first step's keys, of which at least
-W - 1 = K + gamma - 1 lie before the round, so the target still has K keys to choose from. With
+them among its top P; with `mask_pool` 1 the record holds exactly the first step's keys, all before the round
+(`record_limit`), so the target has K + gamma keys to choose its K from. With
 `mask_attention=False` the later steps attend over the whole cache (the draft's own attention stays exact) and
 only the record is limited to the pool, each pool key re-weighted with its weight in that full softmax: no top-W
 over the cache in the later steps, the dense decode's cost otherwise.
@@ -162,6 +164,18 @@ def attend_and_probs(q: Array, cache, lengths: Array, in_place: bool | None = No
         return dense_decode_stacked(q, k_all, v_all, layer, lengths, return_probs=True, implementation="pallas_gpu")
     probs = head_probs(q, cache.k, sel.decode_positions(lengths, q.shape[1])).sum(axis=2)  # [B, Hq, N]
     return attend_dense(q, cache, lengths), probs
+
+
+def record_limit(lengths: Array, T: int) -> Array:
+    """The keys a recording draft forward of T queries may record: those below lengths - (T - 1), i32[B].
+
+    The draft's multi-query forwards decode [prev, tok, message...] from position n - 1 (a round's first step:
+    [prev, tok]; an appended message: the whole message after them), and the target verifies or appends from n =
+    lengths - (T - 1), taking the draft's keys below n and the forward's new tokens itself. So the record holds
+    keys below n alone: a message longer than the round (M > gamma new keys, more than the record's `slack`) would
+    otherwise fill it with its own tokens, which the target drops, and leave fewer than k keys before it. A
+    one-query step (T = 1) records every visible key, as the paper's draft does."""
+    return lengths - (T - 1)
 
 
 def _topk_rows(scores: Array, W: int) -> tuple[Array, Array]:
@@ -444,6 +458,7 @@ class StsDraft(_Budget):
         if phase != "decode" or not self.record_after_scan or not self.records(q_len):
             return state
         B = lengths.shape[0]
+        lengths = record_limit(lengths, q_len)  # `finish` selects among the keys below it
         # Every layer writes its row (probs [B, Hq, N], N = kv_len = the cache's capacity; by blocks in a one-query
         # step the logits of the keys below lengths, all that `select_by_blocks` reads, and the whole row of block
         # maxima) before `finish` reads any: no fill (`scratch`; a zero fill cost 0.42 ms per recording step at
@@ -529,13 +544,16 @@ class StsDraft(_Budget):
                                                           state.bmax, ctx.layer, block=RECORD_BLOCK)
             return out, state.replace(weights=weights, lse=at_layer(state.lse, lse), bmax=bmax)
         out, probs = attend_and_probs(q, cache, ctx.lengths)  # probs f32[B, Hq, N], 0 at keys >= lengths
+        limit = record_limit(ctx.lengths, T)
+        if T > 1:  # the forward's own new keys past `prev` are not recorded (`record_limit`)
+            probs = jnp.where(jnp.arange(probs.shape[-1], dtype=jnp.int32) < limit[:, None, None], probs, 0.0)
         if state.weights is not None:  # selected after the layer scan, every layer at once (`finish`)
             state = state.replace(weights=at_layer(state.weights, probs))
             if state.bmax is not None:
-                state = state.replace(bmax=at_layer(state.bmax, block_max(probs, ctx.lengths, RECORD_BLOCK)))
+                state = state.replace(bmax=at_layer(state.bmax, block_max(probs, limit, RECORD_BLOCK)))
             return out, state
         rec_idx, rec_val = self._recorded(state)
-        val, idx = self._select(probs, rec_idx[ctx.layer], rec_val[ctx.layer], ctx.lengths)
+        val, idx = self._select(probs, rec_idx[ctx.layer], rec_val[ctx.layer], limit)
         return out, self._store(state, val, idx, ctx.layer)  # with first_step_mask: the round's pool
 
     def _later_step(self, ctx, q, cache, state):
