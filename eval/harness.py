@@ -247,11 +247,13 @@ def _option_value(text: str):
         return text
 
 
-def parse_method_options(values: Sequence[str] | None, methods: Sequence[str]) -> dict[str, dict]:
+def parse_method_options(values: Sequence[str] | None, methods: Sequence[str],
+                         methods_flag: str = "--methods") -> dict[str, dict]:
     """`--method-option NAME.KEY=VALUE` values (repeatable, comma-separated) -> {NAME: {KEY: VALUE}}.
 
     VALUE is read as JSON when it parses (0.01, 3, true, [3, 4]) and as a string otherwise; NAME must be one of
-    `methods`. Each option is a keyword of the method's builder (e.g. tsa.tau=0.01).
+    `methods` (the command's `methods_flag`, named in the error). Each option is a keyword of the method's builder
+    (e.g. tsa.tau=0.01).
     """
     out: dict[str, dict] = {}
     for value in values or ():
@@ -261,7 +263,7 @@ def parse_method_options(values: Sequence[str] | None, methods: Sequence[str]) -
             if not sep or not dot or not name or not field:
                 raise ValueError(f"--method-option {item!r}: expected METHOD.OPTION=VALUE, e.g. tsa.tau=0.01")
             if name not in methods:
-                raise ValueError(f"--method-option {item!r} names method {name!r}, which is not in --methods "
+                raise ValueError(f"--method-option {item!r} names method {name!r}, which is not in {methods_flag} "
                                  f"{','.join(methods)}")
             out.setdefault(name, {})[field] = _option_value(raw)
     return out

@@ -27,8 +27,11 @@ def _add_mesh_arg(p: argparse.ArgumentParser) -> None:
 def cmd_generate(args) -> int:
     import jsparse
 
+    from eval.harness import parse_method_options, takes_budget
+
+    method_options = parse_method_options(args.method_option, [args.method], "--method").get(args.method, {})
     model = jsparse.load(args.model, args.dtype, mesh=args.mesh)
-    options = {}
+    options = dict(method_options)
     if args.budget is not None:
         options["budget"] = args.budget
     if args.artifact:
@@ -47,6 +50,10 @@ def cmd_generate(args) -> int:
     if args.method != "sts":
         options.pop("draft", None)
     method = jsparse.build_method(args.method, model, **options)
+    if args.budget is not None and not takes_budget(method):
+        how = ("it keeps the tokens that cover the attention mass: --method-option tsa.tau=T or tsa.kept_fraction=F"
+               if args.method.startswith("tsa") else "it attends to every key")
+        raise ValueError(f"--budget {args.budget:g}: method {args.method!r} takes no budget ({how})")
     stats = {}
     texts = jsparse.generate(model, [args.prompt], method=method, max_new_tokens=args.max_new_tokens,
                              chat=args.chat, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
@@ -157,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--budget", type=float, default=None, help="token budget of a sparse method, as a fraction of "
                    "the context in (0, 1]; for sts also > 1, a number of tokens (method default when omitted)")
     g.add_argument("--artifact", default=None, help="calibration artifact folder of a method that needs one")
+    g.add_argument("--method-option", action="append", default=None, metavar="METHOD.KEY=VALUE",
+                   help="an option of the method's builder, VALUE read as JSON when it parses (repeatable, "
+                        "comma-separated), e.g. tsa.tau=0.01 or butler.rebalance=false")
     g.add_argument("--draft", default=None,
                    help="speculative decoding with this draft model (any --model spec with the target's "
                         "vocabulary; SPEC:layers=0-9 keeps those layers of a model, e.g. smollm2:layers=0-14); "

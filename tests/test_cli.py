@@ -21,6 +21,26 @@ def test_generate_rejects_bad_budget(capsys):
     assert "budget=1.5" in capsys.readouterr().err
 
 
+def test_generate_budget_only_for_methods_with_one_and_method_options_apply(capsys):
+    """--budget for dense or tsa was silently ignored; --method-option reaches the builder: the shipped butler
+    predictor's calibrated dense layers need a budget above 0.107 with rebalance, and butler.rebalance=false lifts
+    that (the error names the command-line form)."""
+    base = ["generate", "--model", "smollm2", "--prompt", "Hello", "--max-new-tokens", "2"]
+    assert main(base + ["--method", "dense", "--budget", "0.5"]) == 2
+    assert "--budget 0.5: method 'dense' takes no budget" in capsys.readouterr().err
+    assert main(base + ["--method", "tsa", "--budget", "0.2"]) == 2
+    assert "tsa.tau=T or tsa.kept_fraction=F" in capsys.readouterr().err
+    butler = base + ["--method", "butler", "--artifact", "artifacts/smollm2/butler"]
+    assert main(butler) == 2
+    assert "--method-option butler.dense_set=[] or butler.rebalance=false" in capsys.readouterr().err
+    assert main(butler + ["--method-option", "butler.rebalance=false"]) == 0
+    capsys.readouterr()
+    assert main(base + ["--method-option", "dense.foo=1"]) == 2
+    assert "takes no option 'foo'" in capsys.readouterr().err
+    assert main(base + ["--method-option", "tsa.tau=0.01"]) == 2
+    assert "names method 'tsa', which is not in --method dense" in capsys.readouterr().err
+
+
 def test_calibrate_refuses_a_file_as_out_and_a_length_past_the_context(tmp_path, capsys):
     """Before the work: an --out that is a file (it failed with a traceback after the whole calibration), and a
     --length longer than the model's context (every calibrator ran on it)."""

@@ -225,7 +225,8 @@ class Butler(TokenBudget):
                 f"{list(self.extra_dense(num_layers))} keeps {e} of the {n} layers >= dense_layers="
                 f"{self.dense_layers} dense, so with rebalance the budget must exceed {e}/{n} = {e / n:.4f} "
                 f"(supported budgets: ({e / n:.4f}, 1]); for a smaller budget pass dense_set=() (every layer "
-                "sparse) or rebalance=False (the dense layers on top of the budget)")
+                "sparse) or rebalance=False (the dense layers on top of the budget); on the command line "
+                "--method-option butler.dense_set=[] or butler.rebalance=false")
         return b
 
     def min_budget(self, num_layers: int) -> float:
