@@ -1,6 +1,6 @@
 """`pallas_kernels.kv_write.rope_write` (a decode step's rotation and cache write in one launch): the Triton kernel in
 interpret mode against its jnp reference on random inputs (bf16 and f32, T = 1 and 3, padding rows, a position past
-the cache dropped, the other layers and positions untouched), the entry point's dispatch and errors (a q/k norm runs
+the cache and a negative one dropped, the other layers and positions untouched), the entry point's dispatch and errors (a q/k norm runs
 the reference), CUDA lowering with both caches aliased, and the model's decode through it."""
 
 import functools
@@ -43,6 +43,8 @@ def test_kernel_matches_reference(B, T, Hq, Hkv, D, dtype, pad):
     L, N, layer = 3, 48, 1
     qkv, pos, inv_freq, ck, cv, _ = _inputs(B * 7 + T, B, T, Hq, Hkv, D, L, N, dtype, pad)
     pos = pos.at[0, -1].set(N + 5)  # past the cache: dropped
+    if B > 1:
+        pos = pos.at[1, 0].set(-3)  # before it: dropped (the reference wrapped it to N - 3, the kernel clamped to 0)
     want = rope_write_reference(qkv, pos, inv_freq, ck, cv, layer, Hq, Hkv)
     got = jax.jit(functools.partial(kgpu.rope_write_gpu, num_q_heads=Hq, num_kv_heads=Hkv,
                                     interpret=True))(qkv, pos, inv_freq, ck, cv, jnp.int32(layer))
@@ -55,10 +57,10 @@ def test_kernel_matches_reference(B, T, Hq, Hkv, D, dtype, pad):
     for g, c in ((got[1], ck), (got[2], cv)):
         changed = np.argwhere(np.any(np.asarray(g != c), axis=-1))
         wrote = {(layer, b, h, int(pos[b, t])) for b in range(B) for t in range(T) for h in range(Hkv)
-                 if pos[b, t] < N}
+                 if 0 <= pos[b, t] < N}
         assert {tuple(int(i) for i in r) for r in changed} <= wrote
     b = B - 1  # its first token (position < N unless it is the dropped one)
-    if (b, 0) != (0, T - 1):
+    if (b, 0) != (0, T - 1) and int(pos[b, 0]) >= 0:
         np.testing.assert_array_equal(np.asarray(got[2][layer, b, :, int(pos[b, 0])]),
                                       np.asarray(qkv[b * T, Hq + Hkv:]))
 

@@ -118,6 +118,11 @@ def test_dispatch_and_errors():
                         jnp.concatenate([v, v], axis=2), window=8)
     with pytest.raises(ValueError, match="one dtype"):
         local_attention(q, k.astype(jnp.bfloat16), v, window=8)
+    for scale in (0.0, -1.0, float("nan")):  # a bad scale ran (0: uniform weights; < 0: the least similar keys)
+        with pytest.raises(ValueError, match="scale=.*expected a finite positive number"):
+            local_attention(q, k, v, window=8, scale=scale)
+    with pytest.raises(ValueError, match="q has dtype int32: expected a floating dtype"):
+        local_attention(*(x.astype(jnp.int32) for x in (q, k, v)), window=8)
     with pytest.raises(ValueError, match="BlockSizes.block_q"):
         BlockSizes(block_q=48)
     assert default_implementation(64, 4) == "xla"  # on this CPU backend

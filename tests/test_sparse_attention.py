@@ -153,6 +153,10 @@ def test_reference_errors_name_bad_values():
         ref.sparse_decode_reference(q, k, v, idx[:, :1], lens)
     with pytest.raises(ValueError, match="float32"):
         ref.sparse_decode_reference(q, k, v, idx.astype(jnp.float32), lens)
+    with pytest.raises(ValueError, match="block_size=True"):  # a bool is not a block size (it read as 1)
+        ref.sparse_decode_reference(q, k, v, idx, lens, block_size=True)
+    with pytest.raises(ValueError, match="k has dtype int32: expected a floating dtype"):  # integer products ran
+        ref.sparse_decode_reference(q, k.astype(jnp.int32), v, idx, lens)
     qp, kp, vp, idxp, lensp = prefill_inputs(0, 1, 32, 4, 2, 16, 4, [32], 16, 1, jnp.float32)
     with pytest.raises(ValueError, match="tile=12 is not a multiple of block_size=8"):
         ref.sparse_prefill_reference(qp, kp, vp, idxp, lensp, tile=12, block_size=8)

@@ -238,6 +238,8 @@ def test_dense_decode_stacked_api():
                      jnp.float32, f"dense api {impl}")
     with pytest.raises(ValueError, match="implementation='cudnn'"):
         dense_decode_stacked(q, k_all, v_all, 0, lens, implementation="cudnn")
+    with pytest.raises(ValueError, match="v_all has dtype int8: expected a floating dtype"):
+        dense_decode_stacked(q, k_all, v_all.astype(jnp.int8), 0, lens)
     with pytest.raises(ValueError, match=r"Hq=4 .* Hkv=3"):
         dense_decode_stacked(q, k_all[:, :, :1].repeat(3, 2), v_all[:, :, :1].repeat(3, 2), 0, lens)
     with pytest.raises(ValueError, match="head_dim D=24"):

@@ -27,6 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.sparse_attention.common import check_floating
 from pallas_kernels.sparse_attention.common import default_scale  # noqa: F401  (re-exported)
 
 Array = jax.Array
@@ -43,6 +44,7 @@ def check_args(q: Array, k_all: Array, v_all: Array, layer: Array, lengths: Arra
                          f"[L, B={B}, Hkv, N, D={D}]")
     if v_all.shape != k_all.shape:
         raise ValueError(f"v_all has shape {tuple(v_all.shape)}: expected the shape of k_all, {tuple(k_all.shape)}")
+    check_floating(q=q, k_all=k_all, v_all=v_all)
     Hkv, N = k_all.shape[2], k_all.shape[3]
     if Hkv <= 0 or Hq % Hkv:
         raise ValueError(f"Hq={Hq} query heads is not a multiple of Hkv={Hkv} KV heads (GQA needs Hq % Hkv == 0)")

@@ -3,7 +3,7 @@
 grid (B * T,): program r takes token row r of the fused q/k/v projection ([Hq + 2 Hkv, D], read as its two halves
 along D), applies the rotary embedding at positions[r] in f32, stores the rotated q heads, and stores the rotated k
 and the v heads straight into the stacked caches at [layer, r // T, :, positions[r]] (both caches aliased: in
-place; nothing stored for a position >= N). One launch replaces the model's four per layer (the q rotation, an
+place; nothing stored for a position outside [0, N)). One launch replaces the model's four per layer (the q rotation, an
 index clamp and the two cache scatters). No q/k norm (Qwen3's): there the model runs the reference (on an H200 a
 per-head norm in the kernel, rounded to bf16 before the rotation, did not match XLA's, which keeps the f32 value:
 eval/results/h200/fixed_cost/).
@@ -58,7 +58,7 @@ def _kernel(lay_ref, pos_ref, qkv_ref, freq_ref, _ck, _cv, q_out, k_out, v_out, 
     q_out[:, pl.ds(half, half)] = q2.astype(q_out.dtype)
     k1, k2 = rotate(*_rows(qkv_ref, hq, hkv, half))
     v1, v2 = _rows(qkv_ref, hq + hkv, hkv, half)
-    keep = jnp.full((hkv, half), p < N)  # a position past the cache is dropped
+    keep = jnp.full((hkv, half), (p >= 0) & (p < N))  # a position outside the cache is dropped
     at = jnp.clip(p, 0, N - 1)
     heads = jnp.arange(hkv, dtype=jnp.int32)[:, None]
     lo, hi = jnp.arange(half, dtype=jnp.int32)[None, :], jnp.arange(half, D, dtype=jnp.int32)[None, :]

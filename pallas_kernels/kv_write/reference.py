@@ -5,7 +5,7 @@ rope_write(qkv, positions, inv_freq, cache_k, cache_v, layer, num_q_heads, num_k
   B * T are its tokens (row b * T + t; the rest padding); positions: i32[B, T]; inv_freq: f32[D / 2];
   cache_k / cache_v: [L, B, Hkv, N, D]; layer: i32[]; q_norm / k_norm: [D] or None (Qwen3's per-head RMSNorm,
   before the rotation). Returns (q [B, T, Hq, D] rotated, in qkv's dtype; cache_k and cache_v with each token's
-  rotated k and its v written at [layer, b, :, positions[b, t]], a position >= N dropped).
+  rotated k and its v written at [layer, b, :, positions[b, t]], a position outside [0, N) dropped).
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
 
 def write_decode(cache: Array, layer, positions: Array, x: Array) -> Array:
     """Scatters x: [B, T, Hkv, D] into cache[layer, b, :, positions[b, t]] (cache: [L, B, Hkv, N, D]; a position
-    >= N is dropped)."""
+    outside [0, N) is dropped: a negative one would otherwise wrap to the end of the cache)."""
     b = jnp.arange(x.shape[0])[:, None]
+    positions = jnp.where(positions < 0, cache.shape[3], positions)
     return cache.at[layer, b, :, positions].set(x.astype(cache.dtype), mode="drop")
 
 

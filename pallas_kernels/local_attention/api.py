@@ -18,6 +18,7 @@ import jax
 
 from pallas_kernels.local_attention import gpu, reference, tpu
 from pallas_kernels.sharding import active_mesh, dims, per_shard
+from pallas_kernels.sparse_attention.common import check_floating, default_scale
 
 Array = jax.Array
 
@@ -43,6 +44,7 @@ def check_inputs(q: Array, k: Array, v: Array) -> None:
         raise ValueError(f"q {q.shape} and k {k.shape}: expected the same B, T, D and Hq a multiple of Hkv")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}: expected one dtype")
+    check_floating(q=q, k=k, v=v)
 
 
 def default_implementation(window: int, sinks: int) -> str:
@@ -68,12 +70,14 @@ def local_attention(q: Array, k: Array, v: Array, *, window: int, sinks: int = 0
     Returns:
       [B, T, Hq, D] in q's dtype (rows of right padding hold values nobody should read).
     Raises:
-      ValueError: window < 1, sinks < 0, mismatched shapes or dtypes, unknown implementation, "pallas_tpu" with
+      ValueError: window < 1, sinks < 0, a scale that is not finite and positive, mismatched shapes, dtypes
+        that are not one floating dtype, unknown implementation, "pallas_tpu" with
         sizes its kernel does not serve.
     """
     window = _check_count("window", window, 1)
     sinks = _check_count("sinks", sinks, 0)
     check_inputs(q, k, v)
+    scale = default_scale(q.shape[-1], scale)
     if active_mesh() is not None:  # per shard (pallas_kernels.sharding): rows over data, heads over model
         t = dims(4, 0, 2)
         return per_shard(lambda q, k, v: local_attention(q, k, v, window=window, sinks=sinks, scale=scale,

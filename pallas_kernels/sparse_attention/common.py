@@ -37,8 +37,16 @@ def _check_heads(hq: int, hkv: int) -> None:
         raise ValueError(f"Hq={hq} query heads is not a multiple of Hkv={hkv} KV heads (GQA needs Hq % Hkv == 0)")
 
 
+def check_floating(**arrays: Array) -> None:
+    """Attention inputs (queries, keys, values) must be floating point: integer arrays would be multiplied as
+    integers, or rounded by the kernels' float casts, without a word."""
+    for name, x in arrays.items():
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} has dtype {x.dtype}: expected a floating dtype (bfloat16, float16, float32)")
+
+
 def _check_block_size(block_size: int) -> None:
-    if not isinstance(block_size, int) or block_size < 1:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size={block_size!r}: expected an int >= 1 (tokens per index entry)")
 
 
@@ -54,6 +62,7 @@ def check_decode_cache(q: Array, k: Array, v: Array) -> tuple[int, int, int, int
         raise ValueError(f"v has shape {tuple(v.shape)}: expected the shape of k, {tuple(k.shape)}")
     Hkv, N = k.shape[1], k.shape[2]
     _check_heads(Hq, Hkv)
+    check_floating(q=q, k=k, v=v)
     return B, T, Hq, D, Hkv, N
 
 
@@ -83,8 +92,9 @@ def check_prefill_args(q: Array, k: Array, v: Array, indices: Array, lengths: Ar
         raise ValueError(f"v has shape {tuple(v.shape)}: expected the shape of k, {tuple(k.shape)}")
     Hkv = k.shape[2]
     _check_heads(Hq, Hkv)
+    check_floating(q=q, k=k, v=v)
     _check_block_size(block_size)
-    if not isinstance(tile, int) or tile < 1:
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
         raise ValueError(f"tile={tile!r}: expected an int >= 1 (query rows per index row)")
     if tile % block_size:
         raise ValueError(f"tile={tile} is not a multiple of block_size={block_size}: a query tile must hold "
