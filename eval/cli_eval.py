@@ -158,7 +158,7 @@ def spec_from_args(args) -> harness.EvalSpec:
         chunk=args.chunk, max_batch_tokens=args.max_batch_tokens, continuation=args.continuation_tokens,
         budget_tokens=budget_tokens,
         method_options=harness.parse_method_options(args.method_option, methods), gamma=args.gamma,
-        draft="(loaded after validation)" if getattr(args, "draft", None) else None)
+        draft=portable_path(getattr(args, "draft", None)) or None)  # the spec here; the model once loaded
     spec.validate()
     if "ppl" in tasks or spec.haystack == "corpus":  # fail on a missing or empty corpus before loading the model
         from eval.ppl import read_corpus
@@ -224,9 +224,10 @@ def resume_config(out: str, config: dict, overwrite: bool,
     the folder's records and runs, and `config` merged with its per-method artifacts and options, when its
     results.json has the same configuration. Raises ValueError naming the first difference otherwise.
 
-    A method of this run (`methods`) that the folder ran before must come with the same artifact and options (none
-    when it had none): a method the folder ran with `--method-option streaming.sink=64` does not resume without
-    it. Methods this run does not name keep theirs from the folder."""
+    A method of this run (`methods`) that the folder holds records of must come with the same artifact and options
+    (none when it had none): a method the folder ran with `--method-option streaming.sink=64` does not resume
+    without it. A method new to the folder brings its own (so runs of different method subsets add up in one
+    folder), and methods this run does not name keep theirs from the folder."""
     if overwrite or not os.path.exists(os.path.join(out, report.RESULTS_JSON)):
         return [], [], config
     data = report.read_results(out)
@@ -238,6 +239,7 @@ def resume_config(out: str, config: dict, overwrite: bool,
     if old is None:
         raise ValueError(f"{where} names no run configuration: cannot resume it; pass --overwrite or another --out")
     merged = dict(config)
+    ran = {r.get("method") for r in data["records"]}
     # Keys the folder has and this run does not (an option given then, left at its default now) differ too.
     for key in list(config) + [k for k in old if k not in config]:
         value = config.get(key)
@@ -245,14 +247,16 @@ def resume_config(out: str, config: dict, overwrite: bool,
             prev = old.get(key) or {}
             if key == "artifacts":  # (a folder written before 2026-12-03 may name one for a method reading none)
                 prev = {k: portable_path(v) for k, v in prev.items() if _reads_artifact(k)}
-            for name in sorted((set(prev) & set(value)) | ((set(prev) | set(value)) & set(methods))):
+            for name in sorted(((set(prev) & set(value)) | ((set(prev) | set(value)) & set(methods))) & ran):
                 if prev.get(name) != value.get(name):
                     raise ValueError(f"{where} was run with {key} {name}={prev.get(name)!r}, this run has "
                                      f"{value.get(name)!r}: pass the same, --overwrite or another --out")
             merged[key] = {**prev, **value}
         elif not _same(key, old.get(key), value):
-            raise ValueError(f"{where} was run with {key}={old.get(key)!r}, this run has {key}={value!r}: a run "
-                             "resumes only into the same configuration; pass --overwrite or another --out")
+            hint = (" (a folder written before 2026-12-03 recorded no draft, so its draft cannot be checked)"
+                    if key == "draft" and old.get(key) == "(loaded after validation)" else "")
+            raise ValueError(f"{where} was run with {key}={old.get(key)!r}, this run has {key}={value!r}{hint}: a "
+                             "run resumes only into the same configuration; pass --overwrite or another --out")
     return list(data["records"]), list(data["runs"]), merged
 
 

@@ -247,6 +247,10 @@ def _option_value(text: str):
         return text
 
 
+# Method options that are the run's budget, and the flags that set it.
+BUDGET_FLAGS = {"budget": "--budget (or --budgets)", "budget_tokens": "--budget-tokens"}
+
+
 def parse_method_options(values: Sequence[str] | None, methods: Sequence[str],
                          methods_flag: str = "--methods") -> dict[str, dict]:
     """`--method-option NAME.KEY=VALUE` values (repeatable, comma-separated) -> {NAME: {KEY: VALUE}}.
@@ -265,6 +269,9 @@ def parse_method_options(values: Sequence[str] | None, methods: Sequence[str],
             if name not in methods:
                 raise ValueError(f"--method-option {item!r} names method {name!r}, which is not in {methods_flag} "
                                  f"{','.join(methods)}")
+            if field in BUDGET_FLAGS:
+                raise ValueError(f"--method-option {item!r}: the budget is set by {BUDGET_FLAGS[field]}, not by a "
+                                 "method option (a run records the budget it gives every method)")
             out.setdefault(name, {})[field] = _option_value(raw)
     return out
 
@@ -339,6 +346,8 @@ class EvalSpec:
                             ("max_batch_tokens", self.max_batch_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected a positive integer")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed={self.seed!r}: expected an integer >= 0")
         if self.ppl_samples is not None and (not isinstance(self.ppl_samples, int) or self.ppl_samples < 1):
             raise ValueError(f"ppl_samples={self.ppl_samples!r}: expected a positive integer (ppl windows per length)")
         passkey_task.check_depths(self.depths)
@@ -359,6 +368,9 @@ class EvalSpec:
                 ppl_task.check_continuation(self.continuation, length)
         if self.budget_tokens is not None:
             parse_budget_tokens(self.budget_tokens)
+            if "sts" in self.methods and 1 in self.budget_tokens:
+                raise ValueError("--budget-tokens 1 with method 'sts': an STS budget of 1 is the fraction 1 (every "
+                                 "key), above 1 a token count; expected token budgets >= 2 for sts")
         if self.budgets is not None:
             parse_budgets(self.budgets)
         for name in self.method_options:

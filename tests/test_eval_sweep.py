@@ -189,7 +189,7 @@ def test_resume_refuses_a_dropped_method_option_or_ppl_samples(tmp_path):
         return cli_eval.run_config(spec, "smollm2", "float32"), spec.methods
 
     first, _ = config("--method-option", "streaming.sink=64", "--ppl-samples", "8")
-    report.write_results(str(tmp_path), [], dict(config=first))
+    report.write_results(str(tmp_path), [_unit("dense"), _unit("streaming")], dict(config=first))
     same, methods = config("--method-option", "streaming.sink=64", "--ppl-samples", "8")
     assert cli_eval.resume_config(str(tmp_path), same, False, methods)[2] == first
     dropped, methods = config("--ppl-samples", "8")
@@ -203,8 +203,61 @@ def test_resume_refuses_a_dropped_method_option_or_ppl_samples(tmp_path):
     with pytest.raises(ValueError, match=r"was run with ppl_samples=8, this run has ppl_samples=None"):
         cli_eval.resume_config(str(tmp_path), no_ppl_samples, False, methods)
     # A folder written when a plain --artifact DIR went to every method (dense too) resumes the same command.
-    report.write_results(str(tmp_path), [], dict(config={**same, "artifacts": {"dense": "D", "streaming": "D"}}))
+    report.write_results(str(tmp_path), [_unit("dense"), _unit("streaming")],
+                         dict(config={**same, "artifacts": {"dense": "D", "streaming": "D"}}))
     assert cli_eval.resume_config(str(tmp_path), same, False, methods)[2]["artifacts"] == {}
+
+
+def _unit(method, task="passkey"):
+    return dict(task=task, method=method, length=160, budget=0.1, budget_tokens=None, metric="accuracy", value=1.0,
+                sparsity=None, layer_sparsity=None, n=1, variant="generate", depth=None, seconds=0.1)
+
+
+def test_resume_adds_a_method_with_its_own_artifact_and_refuses_another_draft(tmp_path):
+    """Runs of different method subsets add up in one folder (the demo's help says so): a method the folder holds
+    no records of brings its own artifact and options; one it holds records of must bring the same. A different
+    --draft is a different configuration (every folder recorded the same placeholder, so a run with another draft
+    skipped every unit and relabelled the folder)."""
+    def config(*extra):
+        args = _parser().parse_args(["eval", "--tasks", "passkey", "--out", "x", *extra])
+        spec = cli_eval.spec_from_args(args)
+        return cli_eval.run_config(spec, "smollm2", "float32"), spec.methods
+
+    first, _ = config("--methods", "dense")
+    report.write_results(str(tmp_path), [_unit("dense")], dict(config=first))
+    more, methods = config("--methods", "kascade", "--artifact", "kascade=artifacts/smollm2/kascade",
+                           "--method-option", "kascade.min_tokens=8")
+    merged = cli_eval.resume_config(str(tmp_path), more, False, methods)[2]
+    assert merged["artifacts"] == {"kascade": "artifacts/smollm2/kascade"}
+    report.write_results(str(tmp_path), [_unit("dense"), _unit("kascade")], dict(config=merged))
+    other, methods = config("--methods", "kascade", "--artifact", "kascade=elsewhere")
+    with pytest.raises(ValueError, match="artifacts kascade='artifacts/smollm2/kascade', this run has 'elsewhere'"):
+        cli_eval.resume_config(str(tmp_path), other, False, methods)
+
+    with_a, _ = config("--methods", "sts", "--draft", "smollm2:layers=0-9")
+    assert with_a["draft"] == "smollm2:layers=0-9"
+    report.write_results(str(tmp_path / "s"), [_unit("sts")], dict(config=with_a))
+    with_b, methods = config("--methods", "sts", "--draft", "smollm2:layers=0-14")
+    with pytest.raises(ValueError, match="was run with draft='smollm2:layers=0-9', this run has draft='smollm2:la"):
+        cli_eval.resume_config(str(tmp_path / "s"), with_b, False, methods)
+    assert cli_eval.resume_config(str(tmp_path / "s"), with_a, False, methods)[2] == with_a
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--method-option", "streaming.budget=0.9"], r"the budget is set by --budget \(or --budgets\)"),
+    (["--method-option", "streaming.budget_tokens=9"], "the budget is set by --budget-tokens"),
+    (["--seed", "-1"], r"seed=-1: expected an integer >= 0"),
+    (["--methods", "sts", "--draft", "smollm2:layers=0-9", "--budget-tokens", "1,64", "--tasks", "passkey"],
+     "--budget-tokens 1 with method 'sts'"),
+])
+def test_options_that_would_be_recorded_wrongly_are_refused(extra, match):
+    """A budget given as a method option ran at that budget and was recorded at --budget's; --seed -1 failed
+    after loading with numpy's message; an STS token budget of 1 is the fraction 1 (every key)."""
+    argv = ["eval", "--methods", "dense,streaming", "--out", "x"]
+    if "--methods" in extra:
+        argv = ["eval", "--out", "x"]
+    with pytest.raises(ValueError, match=match):
+        cli_eval.spec_from_args(_parser().parse_args(argv + extra))
 
 
 def test_budget_beside_budget_tokens_runs_both():

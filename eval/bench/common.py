@@ -80,7 +80,9 @@ def git_commit() -> str:
     if os.environ.get("GIT_COMMIT"):
         return os.environ["GIT_COMMIT"]
     try:
-        run = lambda *a: subprocess.check_output(["git", *a], text=True, stderr=subprocess.DEVNULL).strip()  # noqa: E731
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this code's checkout
+        run = lambda *a: subprocess.check_output(["git", "-C", root, *a], text=True,  # noqa: E731
+                                                 stderr=subprocess.DEVNULL).strip()
         head = run("rev-parse", "HEAD")
         return head + ("-dirty" if run("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):

@@ -81,7 +81,7 @@ def _run_child(role: str, flags: str, deadline: float, args, result_path: str, e
     env["XLA_FLAGS"] = flags
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # 100K x batch 4: 53 GB of cache + 16 GB weights
     cmd = [sys.executable, "-m", "eval.bench.decode_step", "--role", role, "--deadline", str(deadline),
-           "--result", result_path, "--steps", str(args.steps), "--out", args.out, *extra]
+           "--result", result_path, "--steps", str(args.steps), "--out", args.out, "--shape", args.shape, *extra]
     if args.smoke:
         cmd.append("--smoke")
     timeout = max(10.0, deadline - time.time() + 30.0)
@@ -530,6 +530,9 @@ def main(argv=None, prog=None) -> int:
     if args.smoke and args.cases == DEFAULT_CASES:
         args.cases = "1024:1,2048:2"
     if args.role == "orchestrate":
+        from models.presets import preset
+
+        preset(args.shape)  # an unknown shape fails here, not in every child
         return orchestrate(args)
     return child(args)
 

@@ -25,6 +25,7 @@ from eval.bench.common import add_out_argument, device_facts, out_path, write_js
 from eval.bench.profile_decode_step import kernel_table
 from pallas_kernels.topk_select import gpu, topk_select_reference
 
+WHAT = ("select", "anchor")
 SELECT = {
     "fused": gpu.SelectConfig(path="fused"),
     "sample": gpu.SelectConfig(path="sample"),
@@ -56,18 +57,24 @@ def profile(name: str, fn, args, calls: int) -> dict:
 
 def main(argv=None, prog=None):
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--what", default="select,anchor")
+    p.add_argument("--what", default="select,anchor", help=f"comma-separated, some of {WHAT} (default: both)")
     p.add_argument("--calls", type=int, default=5)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--context", type=int, default=131072, help="N, the cache length")
     p.add_argument("--budget", type=float, default=0.1, help="k = ceil(budget * N)")
     add_out_argument(p, "profile_ops.json")
     a = p.parse_args(argv)
+    what = [w for w in a.what.split(",") if w]
+    bad = [w for w in what if w not in WHAT]
+    if bad or not what:
+        p.error(f"--what {a.what!r}: expected a comma-separated subset of {WHAT}")
+    if not 0.0 < a.budget <= 1.0:
+        p.error(f"--budget {a.budget}: expected a fraction of the context in (0, 1]")
     a.out = out_path(a.out, "profile_ops.json")
     B, Hq, Hkv, D, N = a.batch, 32, 8, 128, a.context
     K = int(np.ceil(a.budget * N))
     res = {**device_facts(), "shape": dict(B=B, Hq=Hq, Hkv=Hkv, D=D, N=N, K=K)}
-    if "select" in a.what:
+    if "select" in what:
         R = B * Hkv
         x = jnp.exp(2.0 * jax.random.normal(jax.random.key(0), (R, N), jnp.float32)) / N  # pooled-like
         k = jnp.full((R,), K, jnp.int32)
@@ -77,7 +84,7 @@ def main(argv=None, prog=None):
             r = profile(f"select_{name}", f, (x, k), a.calls)
             r["exact"] = bool(np.array_equal(np.asarray(f(x, k)), want))
             res[f"select_{name}"] = r
-    if "anchor" in a.what:
+    if "anchor" in what:
         from pallas_kernels.anchor_attention import gpu as anchor_gpu
         from pallas_kernels.sparse_attention.stacked import sparse_decode_stacked_gpu
         ks = jax.random.split(jax.random.key(1), 3)
