@@ -247,6 +247,24 @@ def _option_value(text: str):
         return text
 
 
+def _split_options(text: str) -> list[str]:
+    """'a.x=1,b.y=[3, 4]' -> ['a.x=1', 'b.y=[3, 4]']: commas inside brackets, braces or quotes belong to a value."""
+    items, depth, quote, start = [], 0, None, 0
+    for i, ch in enumerate(text):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    return items + [text[start:]]
+
+
 # Method options that are the run's budget, and the flags that set it.
 BUDGET_FLAGS = {"budget": "--budget (or --budgets)", "budget_tokens": "--budget-tokens"}
 
@@ -261,7 +279,7 @@ def parse_method_options(values: Sequence[str] | None, methods: Sequence[str],
     """
     out: dict[str, dict] = {}
     for value in values or ():
-        for item in parse_list(value, "--method-option"):
+        for item in parse_list(_split_options(value), "--method-option"):
             key, sep, raw = item.partition("=")
             name, dot, field = key.rpartition(".")
             if not sep or not dot or not name or not field:

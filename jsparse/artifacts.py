@@ -19,6 +19,7 @@ import datetime
 import hashlib
 import json
 import os
+import zipfile
 from typing import Any
 
 import jax
@@ -86,13 +87,22 @@ class Artifact:
 
 
 def save_artifact(path: str, artifact: Artifact) -> None:
+    """Writes `artifact` into folder `path` (made if needed): arrays.npz, then artifact.json, each under a temporary
+    name renamed into place, so an interrupted save leaves the folder's earlier artifact (or none) readable, never a
+    half-written file."""
     os.makedirs(path, exist_ok=True)
     info = {"kind": artifact.kind, "model_fingerprint": artifact.fingerprint, "fingerprint_scheme": FINGERPRINT_SCHEME,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "arrays": sorted(artifact.arrays), "meta": artifact.meta}
-    np.savez(os.path.join(path, ARRAYS_NPZ), **artifact.arrays)
-    with open(os.path.join(path, ARTIFACT_JSON), "w") as f:
-        json.dump(info, f, indent=2, default=_json_default)
+    text = json.dumps(info, indent=2, default=_json_default)  # before any write: a meta value json refuses fails here
+    tmp = os.path.join(path, ARRAYS_NPZ + ".tmp")
+    with open(tmp, "wb") as f:
+        np.savez(f, **artifact.arrays)
+    os.replace(tmp, os.path.join(path, ARRAYS_NPZ))
+    tmp = os.path.join(path, ARTIFACT_JSON + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, os.path.join(path, ARTIFACT_JSON))
 
 
 def load_artifact(path: str, kind: str, fingerprint: str | None = None) -> Artifact:
@@ -106,8 +116,14 @@ def load_artifact(path: str, kind: str, fingerprint: str | None = None) -> Artif
             info = json.load(f)
         with np.load(os.path.join(path, ARRAYS_NPZ), allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
-    except (OSError, ValueError, json.JSONDecodeError) as e:
-        raise ArtifactError(f"artifact at {path!r} is corrupt: {e}") from e
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as e:  # (JSONDecodeError is a ValueError)
+        raise ArtifactError(f"artifact at {path!r} is corrupt: {type(e).__name__}: {e}") from e
+    if not isinstance(info, dict):
+        raise ArtifactError(f"artifact at {path!r} is corrupt: {ARTIFACT_JSON} holds a {type(info).__name__}, "
+                            "expected an object")
+    if isinstance(info.get("arrays"), list) and sorted(arrays) != sorted(info["arrays"]):
+        raise ArtifactError(f"artifact at {path!r} is corrupt: {ARTIFACT_JSON} lists arrays {sorted(info['arrays'])}, "
+                            f"{ARRAYS_NPZ} holds {sorted(arrays)} (a save interrupted between its two files?)")
     if info.get("kind") != kind:
         raise ArtifactError(f"artifact at {path!r} is a {info.get('kind')!r} artifact, expected {kind!r}")
     if fingerprint is not None and info.get("model_fingerprint") != fingerprint:

@@ -37,6 +37,10 @@ def check_layers(name: str, layers, num_layers: int) -> tuple[int, ...]:
     """Distinct layer indices in [0, num_layers), as a sorted tuple of ints (a hashable static field)."""
     if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
         raise ValueError(f"{name}={layers!r}: expected a sequence of layer indices")
+    layers = list(layers)
+    if any(isinstance(l, (bool, np.bool_)) or not isinstance(l, (int, np.integer)) for l in layers):
+        raise ValueError(f"{name}={layers!r}: expected integer layer indices (17.6 or True would be read as another "
+                         "layer)")
     layers = tuple(sorted(int(l) for l in layers))
     if len(set(layers)) != len(layers) or (layers and (layers[0] < 0 or layers[-1] >= num_layers)):
         raise ValueError(f"{name}={list(layers)}: expected distinct layers in [0, {num_layers})")

@@ -71,6 +71,15 @@ def test_round_trip_and_mismatch(tmp_path):
         load_artifact(str(tmp_path / "a"), "tsa")
     with pytest.raises(ArtifactError, match="artifact.json is missing"):
         load_artifact(str(tmp_path / "nothing"), "kascade")
+    good = (tmp_path / "a" / "arrays.npz").read_bytes()
+    (tmp_path / "a" / "arrays.npz").write_bytes(good[:len(good) // 2])  # cut short: zipfile.BadZipFile escaped
+    with pytest.raises(ArtifactError, match="corrupt: BadZipFile"):
+        load_artifact(str(tmp_path / "a"), "kascade")
     (tmp_path / "a" / "arrays.npz").write_bytes(b"garbage")
     with pytest.raises(ArtifactError, match="corrupt"):
+        load_artifact(str(tmp_path / "a"), "kascade")
+    save_artifact(str(tmp_path / "a"), art)  # the save writes each file under a temporary name, then renames it
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["arrays.npz", "artifact.json"]
+    np.savez(tmp_path / "a" / "arrays.npz", other=np.zeros(2))  # a save cut between its two files
+    with pytest.raises(ArtifactError, match=r"lists arrays \['anchors'\], arrays.npz holds \['other'\]"):
         load_artifact(str(tmp_path / "a"), "kascade")

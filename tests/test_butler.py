@@ -440,6 +440,14 @@ def test_dense_set_rebalances_the_budget_and_attends_densely():
 def test_dense_set_errors(pcfg):
     with pytest.raises(ValueError, match=r"dense_set=\[5\]"):
         Butler.from_params(CFG, pcfg, None, dense_set=(5,))
+    # Read as other layers before: "17" as (1, 7), 17.6 as 17, True as 1; a bare 17 raised a TypeError.
+    for bad in ("12", [1.6], [True], 2):
+        with pytest.raises(ValueError, match="dense_set="):
+            Butler.from_params(CFG, pcfg, None, dense_set=bad)
+    from jsparse.methods.butler_predictor import PredictorConfig, PredictorConfigError
+    with pytest.raises(PredictorConfigError, match=r"head_dim=16.9: expected a whole number"):
+        PredictorConfig.from_dict({**pcfg.to_dict(), "head_dim": 16.9})  # an artifact's config was truncated
+    assert PredictorConfig.from_dict({**pcfg.to_dict(), "head_dim": float(pcfg.head_dim)}) == pcfg
     with pytest.raises(ValueError, match=r"budget=0.5 is below .*supported budgets: \(0.5000, 1\]"):
         Butler.from_params(CFG, pcfg, None, budget=0.5, dense_layers=1, dense_set=(2,))  # refused at build time
     m = Butler.from_params(CFG, pcfg, None, budget=0.5, dense_layers=1, dense_set=(2,), rebalance=False)
@@ -461,7 +469,10 @@ def test_artifact_dense_set_and_variants(tmp_path, pcfg):
     paper = make_method("butler-paper", cfg=CFG, artifact=str(tmp_path), budget=0.75)
     assert paper.dense_set == () and paper.local == 0 and paper.dense_layers == 1
     loc = make_method("butler-local", cfg=CFG, artifact=str(tmp_path), budget=0.75)
-    assert loc.dense_set == () and loc.local == 32
+    assert loc.dense_set == () and loc.local == 32 and loc.dense_layers == 1  # the earlier variant's (2 after bc62cbf)
+    # An option given as None (`local=null` on the command line) takes the variant's default, not butler's.
+    paper = make_method("butler-paper", cfg=CFG, artifact=str(tmp_path), budget=0.75, local=None, dense_layers=None)
+    assert paper.local == 0 and paper.dense_layers == 1
 
 
 def test_shipped_artifact_states_its_supported_budgets():

@@ -35,6 +35,8 @@ def test_generate_budget_only_for_methods_with_one_and_method_options_apply(caps
     assert "--method-option butler.dense_set=[] or butler.rebalance=false" in capsys.readouterr().err
     assert main(butler + ["--method-option", "butler.rebalance=false"]) == 0
     capsys.readouterr()
+    assert main(butler + ["--method-option", "butler.dense_set=[7,17],butler.budget_tokens=5"]) == 2  # a list value
+    assert "the budget is set by --budget-tokens" in capsys.readouterr().err
     assert main(base + ["--method-option", "dense.foo=1"]) == 2
     assert "takes no option 'foo'" in capsys.readouterr().err
     assert main(base + ["--method-option", "tsa.tau=0.01"]) == 2

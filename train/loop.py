@@ -138,7 +138,8 @@ def predictor_qk(pparams, pcfg: PredictorConfig, h0: Array):
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Hyper-parameters of a run (all part of the checkpoint's identity except max_seconds and progress).
+    """Hyper-parameters of a run (all part of the checkpoint's identity, `identity`, except checkpoint_every,
+    keep_checkpoints, loss_impl and interpret, which a resumed run may change).
 
     Attributes:
       seq_len: tokens per chunk (>= 16, <= the model's context). steps: optimizer steps of the whole run.

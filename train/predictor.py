@@ -13,7 +13,7 @@ presets fix d' and pick `qk_hidden` to land near 1%:
   llama3-8b       Llama-3.1-8B       4096  32  32/8    32  1024       512/8/1024       81.4 M      1.01 %
   qwen3-8b        Qwen3-8B           4096  36  32/8    32  1024       512/8/1024       89.7 M      1.10 %
 
-Other models get `auto_config`: the same rule (down = E / 8, d' = 16 below E = 2048 else 32, ffn = 2 * down,
+Other models get `auto_config`: the same rule (down = E / 8, d' = 16 up to E = 2048 else 32, ffn = 2 * down,
 qk_hidden the multiple of 64 closest to the 1% target, at least 64).
 """
 

@@ -65,7 +65,7 @@ State (`ButlerState`, sized by `init_state(cfg, batch, max_len)`):
                                                           layer (added by `start`, filled in layer 0, dropped by
                                                           `finish`)
 
-The predictor comes from `jsparse train-predictor --model M --data FILE... --out DIR`, which writes DIR as an
+The predictor comes from `jsparse train-predictor --model M --data FILE... --steps N --out DIR`, which writes DIR as an
 artifact of kind "butler" (flattened params in arrays.npz, the PredictorConfig in the metadata) keyed to the
 model's fingerprint; `--method butler --artifact DIR` loads it.
 """
@@ -76,6 +76,7 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jsparse import selection as sel
@@ -199,12 +200,8 @@ class Butler(TokenBudget):
             raise ValueError(f"selection={self.selection!r}: expected one of {SELECTIONS}")
         if self.key_dtype not in KEY_DTYPES:
             raise ValueError(f"key_dtype={self.key_dtype!r}: expected one of {KEY_DTYPES}")
-        dense_set = tuple(sorted({int(x) for x in self.dense_set}))
-        if any(x < 0 for x in dense_set) or (self.pcfg is not None and any(x >= self.pcfg.num_layers
-                                                                            for x in dense_set)):
-            raise ValueError(f"dense_set={list(self.dense_set)}: expected layer indices in [0, "
-                             f"{self.pcfg.num_layers if self.pcfg is not None else 'L'})")
-        object.__setattr__(self, "dense_set", dense_set)
+        num_layers = self.pcfg.num_layers if self.pcfg is not None else np.iinfo(np.int32).max
+        object.__setattr__(self, "dense_set", sel.check_layers("dense_set", self.dense_set, num_layers))
 
     def extra_dense(self, num_layers: int) -> tuple[int, ...]:
         """The calibrated dense layers beyond the first `dense_layers`."""
@@ -244,7 +241,7 @@ class Butler(TokenBudget):
     def build(cls, cfg=None, artifact: str | None = None, fingerprint: str | None = None, **options):
         if not artifact:
             raise ValueError("butler needs a trained predictor: run `jsparse train-predictor --model M --data "
-                             "FILE... --out DIR` and pass --artifact DIR")
+                             "FILE... --steps N --out DIR` and pass --artifact DIR")
         art = load_artifact(artifact, ARTIFACT_KIND, fingerprint)
         if "predictor_config" not in art.meta:
             raise ValueError(f"butler artifact at {artifact!r} has no predictor_config in its metadata")
@@ -386,15 +383,14 @@ class Butler(TokenBudget):
 
 @register("butler-local")
 class ButlerLocal:
-    """`butler` with a 32-token local window and no calibrated dense layers (the earlier `butler-local`)."""
+    """`butler` with a 32-token local window, layer 0 dense and no calibrated dense layers (the earlier
+    `butler-local`, whose dense_layers was 1; `butler`'s is 2 since bc62cbf)."""
 
     TAKES_ARTIFACT = True  # its predictor, passed on to `Butler.build`
 
     @classmethod
     def build(cls, **options):
-        options.setdefault("local", 32)
-        options.setdefault("dense_set", ())
-        return Butler.build(**options)
+        return Butler.build(**_variant_defaults(options, local=32, dense_layers=1, dense_set=()))
 
 
 @register("butler-paper")
@@ -405,6 +401,10 @@ class ButlerPaper:
 
     @classmethod
     def build(cls, **options):
-        for k, v in (("local", 0), ("dense_layers", 1), ("dense_set", ())):
-            options.setdefault(k, v)
-        return Butler.build(**options)
+        return Butler.build(**_variant_defaults(options, local=0, dense_layers=1, dense_set=()))
+
+
+def _variant_defaults(options: dict, **defaults) -> dict:
+    """A variant's defaults for the options not given, or given as None (`local=null` on the command line would
+    otherwise keep butler's own default)."""
+    return {**options, **{k: v for k, v in defaults.items() if options.get(k) is None}}

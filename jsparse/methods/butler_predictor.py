@@ -131,7 +131,15 @@ class PredictorConfig:
         unknown = sorted(set(d) - names)
         if unknown:
             raise PredictorConfigError(f"unknown predictor config fields {unknown}; expected {sorted(names)}")
-        return cls(**{k: (float(v) if k in ("rope_theta", "ln_eps") else int(v)) for k, v in d.items()})
+        out = {}
+        for k, v in d.items():
+            if k in ("rope_theta", "ln_eps"):
+                out[k] = float(v)
+            elif isinstance(v, bool) or not isinstance(v, (int, float)) or float(v) != int(v):
+                raise PredictorConfigError(f"predictor config {k}={v!r}: expected a whole number")
+            else:
+                out[k] = int(v)
+        return cls(**out)
 
     def check_model(self, cfg) -> None:
         """Raises PredictorConfigError if the predictor was not made for a model of `cfg`'s shape."""
