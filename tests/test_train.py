@@ -63,8 +63,16 @@ def test_smollm2_preset_is_about_one_percent():
         assert 0.009 < describe(pc, cfg)["fraction"] < 0.0115, name
 
 
-def test_predictor_shapes_and_incremental_equals_full(pcfg):
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_predictor_shapes_and_incremental_equals_full(pcfg, chunk, monkeypatch):
+    """The predictor's cache path (`extend`: a prompt, then one token at a time) equals the full-sequence run; with
+    `chunk`, the prompt's attention over the cache runs 3 queries at a time (a padded last chunk), as a long prefill
+    does under ATTEND_CHUNK_SCORES."""
+    from jsparse.methods import butler_predictor
+
     B, Tn, N = 2, 12, 16
+    if chunk:
+        monkeypatch.setattr(butler_predictor, "ATTEND_CHUNK_SCORES", chunk * B * pcfg.attn_heads * N)
     params = init_params(pcfg, jax.random.key(1))
     x = jnp.asarray(np.random.default_rng(2).standard_normal((B, Tn, CFG.hidden_size)), jnp.float32)
     pos = jnp.broadcast_to(jnp.arange(Tn), (B, Tn))

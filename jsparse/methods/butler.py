@@ -59,7 +59,7 @@ State (`ButlerState`, sized by `init_state(cfg, batch, max_len)`):
   attn_k, attn_v  f32[B, N, attn_heads, attn_head_dim]  the predictor's own attention cache (keys after RoPE)
   keys            f32[L', B, Hk', N, d']                  predicted keys k' of every position (L' = L - 1; bf16
                                                           with key_dtype="bfloat16")
-  queries         f32[L', B, Hq, T, d']                   predicted queries of this forward's T tokens (added by
+  queries         f32[L', B, Hq, T, d']                   predicted queries of a decode forward's T tokens (added by
                                                           `start`, dropped by `finish`)
   kept            i32[L', B, Hq, 1, K]                    a gathered one-token decode's keys of every predicted
                                                           layer (added by `start`, filled in layer 0, dropped by
@@ -283,7 +283,10 @@ class Butler(TokenBudget):
 
     def start(self, cfg, state, phase, batch, q_len, kv_len):
         c = self.pcfg
-        queries = jnp.zeros((c.predicted_layers, batch, c.num_heads, q_len, c.head_dim), F32)
+        # Prefill attends densely and reads no predicted query: none is kept (at 32K tokens of Llama-3.1-8B's
+        # predictor they would be 4 GB per row).
+        queries = None if phase == "prefill" else jnp.zeros((c.predicted_layers, batch, c.num_heads, q_len,
+                                                              c.head_dim), F32)
         kept = None
         if phase == "decode" and q_len == 1 and self.is_gathered():
             # Replaced whole by layer 0 (`decode`'s `first`: `kept_indices`), segmented or not, before any layer
@@ -300,7 +303,8 @@ class Butler(TokenBudget):
                                                     state.attn_v, method=Predictor.extend)
         b = jnp.arange(hidden.shape[0])[:, None]
         keys = state.keys.at[:, b, :, positions].set(kp.astype(state.keys.dtype), mode="drop")
-        return state.replace(attn_k=ak, attn_v=av, keys=keys, queries=qp.transpose(2, 0, 3, 1, 4).astype(F32))
+        queries = None if state.queries is None else qp.transpose(2, 0, 3, 1, 4).astype(F32)  # None: prefill
+        return state.replace(attn_k=ak, attn_v=av, keys=keys, queries=queries)
 
     def prefill(self, ctx, q, k, v, state):
         B, T = q.shape[:2]

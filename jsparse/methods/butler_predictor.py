@@ -154,6 +154,25 @@ def _rope_inv_freq(dim: int, theta: float) -> np.ndarray:
     return (1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))).astype(np.float32)
 
 
+# The most f32 scores `_attend_chunked` holds at once ([B, H, C, S] for a chunk of C queries): 256 MB.
+ATTEND_CHUNK_SCORES = 1 << 26
+
+
+def _attend_chunked(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array) -> Array:
+    """`_attend` over chunks of queries (`lax.map`), so a long prefill over the predictor's cache never holds the
+    [B, H, T, S] scores (32 GB at T = S = 32K for Llama-3.1-8B's predictor): at most ATTEND_CHUNK_SCORES of them."""
+    B, T, H, _ = q.shape
+    C = max(1, ATTEND_CHUNK_SCORES // (B * H * k.shape[1]))
+    if C >= T:
+        return _attend(q, k, v, q_pos, k_pos)
+    n = -(-T // C)
+    pad = n * C - T  # padded queries see every key (finite rows; sliced off below)
+    qc = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B, n, C, *q.shape[2:])
+    pc = jnp.pad(q_pos, ((0, 0), (0, pad)), constant_values=jnp.iinfo(jnp.int32).max).reshape(B, n, C)
+    out = jax.lax.map(lambda a: _attend(a[0], k, v, a[1], k_pos), (jnp.moveaxis(qc, 1, 0), jnp.moveaxis(pc, 1, 0)))
+    return jnp.moveaxis(out, 0, 1).reshape(B, n * C, *out.shape[3:])[:, :T]
+
+
 def _attend(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array, k_valid: Array | None = None) -> Array:
     """Causal softmax attention, f32.
 
@@ -252,7 +271,7 @@ class Predictor(nn.Module):
         attn_k = attn_k.at[b, positions].set(k.astype(attn_k.dtype), mode="drop")
         attn_v = attn_v.at[b, positions].set(v.astype(attn_v.dtype), mode="drop")
         k_pos = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32), (B, N))
-        h = h + self.wo(_attend(q, attn_k.astype(F32), attn_v.astype(F32), positions, k_pos))
+        h = h + self.wo(_attend_chunked(q, attn_k.astype(F32), attn_v.astype(F32), positions, k_pos))
         qp, kp = self._head(x, h, positions)
         return qp, kp, attn_k, attn_v
 
