@@ -156,12 +156,14 @@ def causal_prob_fold(q: Array, k: Array, fn, init, rows: int = PROB_CHUNK_ROWS, 
     return carry
 
 
-def prefill_tile_probs(q: Array, k: Array, tile: int) -> Array:
+def prefill_tile_probs(q: Array, k: Array, tile: int, lengths: Array | None = None) -> Array:
     """Causal post-softmax weights pooled over the GQA group and over each query tile.
 
     Args:
       q: [B, T, Hq, D]; k: [B, T, Hkv, D]; tile: query rows per tile (T is padded up to a multiple; the padding
-        rows add nothing).
+        rows add nothing); lengths: i32[B] valid rows per batch row, or None (all T): the rows at or past a row's
+        length (its right padding, whatever tokens fill it) add nothing, so the tile that holds a prompt's end
+        chooses its keys from the prompt's own queries alone.
     Returns:
       f32[B, Hkv, ceil(T / tile), T]. Computed by `causal_prob_fold` in chunks of max(1, PROB_CHUNK_ROWS // tile)
       whole tiles, each written into the result in place: the memory is the result and one chunk's weights, never
@@ -176,11 +178,12 @@ def prefill_tile_probs(q: Array, k: Array, tile: int) -> Array:
 
     def put(out, s, probs):  # probs: [B, Hkv, rows, W], rows s..s+rows-1 over keys 0..W-1
         W = probs.shape[3]
-        real = (s + jnp.arange(rows) < T)[None, None, :, None]  # padding rows past T add nothing
+        real = (s + jnp.arange(rows) < limit[:, None])[:, None, :, None]  # rows past T or lengths add nothing
         pooled = jnp.where(real, probs, 0.0).reshape(B, Hkv, per, tile, W).sum(axis=3)  # [B, Hkv, per, W]
         pooled = jnp.pad(pooled, ((0, 0), (0, 0), (0, 0), (0, T - W)))
         return jax.lax.dynamic_update_slice_in_dim(out, pooled, s // tile, axis=2)
 
+    limit = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.minimum(jnp.asarray(lengths, jnp.int32), T)
     init = jnp.zeros((B, Hkv, -(-T // rows) * per, T), jnp.float32)  # whole chunks' tiles, cut to n_tiles below
     out = causal_prob_fold(q, k, put, init, rows=rows)
     return out if out.shape[2] == n_tiles else out[:, :, :n_tiles]

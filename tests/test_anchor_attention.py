@@ -211,14 +211,44 @@ def test_prefill_reference_equals_kascade_anchor():
 
     T, tile, budget, mt = 45, 8, 0.3, 2
     q, k, v, lens = prefill_inputs(0, 2, T, 8, 2, 16, [45, 30])
-    np.testing.assert_allclose(np.asarray(tile_scores_reference(q, k, tile=tile)),
-                               np.asarray(sel.before_tile_scores(sel.prefill_tile_probs(q, k, tile), tile)),
-                               rtol=1e-5, atol=1e-6)
+    for lengths in (None, lens):
+        np.testing.assert_allclose(np.asarray(tile_scores_reference(q, k, tile=tile, lengths=lengths)),
+                                   np.asarray(sel.before_tile_scores(sel.prefill_tile_probs(q, k, tile, lengths),
+                                                                     tile)), rtol=1e-5, atol=1e-6)
     out, idx = anchor_prefill_reference(q, k, v, lens, tile=tile, budget=budget, min_tokens=mt)
     want = select_prefill(q, k, tile, sel.budget_tokens(budget, sel.tile_starts(T, tile), mt),
-                          sel.budget_tokens(budget, T, mt))
+                          sel.budget_tokens(budget, T, mt), lens)
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(want))
     assert_close(out, sparse_prefill_reference(q, k, v, want, lens, tile=tile), jnp.float32, "prefill out")
+
+
+def test_prefill_padding_rows_choose_no_keys():
+    """A row's right padding (queries at or past its length) adds nothing to the tile scores: whatever tokens fill
+    it, every implementation keeps the same keys for every tile and gives the same output on the valid rows, which
+    equal those of the unpadded row. Before, the tile that holds the prompt's end pooled its padding queries too, so
+    the prompt's last tokens (the first generated token's) depended on the padding (up to 2.08 apart here)."""
+    from jsparse import selection as sel
+    from jsparse.methods.oracle import select_prefill
+    from pallas_kernels.anchor_attention import gpu_prefill, tpu_prefill, xla
+
+    B, T, Hq, Hkv, D, n, tile = 1, 128, 8, 2, 32, 100, 16
+    q, k, v, lens = prefill_inputs(5, B, T, Hq, Hkv, D, [n])
+    q = 2 * q
+    other = q.at[:, n:].set(5 * jax.random.normal(jax.random.key(9), (B, T - n, Hq, D)))  # only the padding differs
+    kw = dict(tile=tile, budget=0.2, min_tokens=8)
+    impls = {"reference": anchor_prefill_reference, "xla": xla.anchor_prefill_xla,
+             "gpu": functools.partial(gpu_prefill.anchor_prefill_gpu, interpret=True),
+             "tpu": functools.partial(tpu_prefill.anchor_prefill_tpu, interpret=True)}
+    short, short_idx = anchor_prefill_reference(q[:, :n], k[:, :n], v[:, :n], lens, **kw)
+    for name, f in impls.items():
+        o1, i1 = f(q, k, v, lens, **kw)
+        o2, i2 = f(other, k, v, lens, **kw)
+        np.testing.assert_array_equal(np.asarray(i1), np.asarray(i2), err_msg=name)
+        assert_close(o1[:, :n], o2[:, :n], jnp.float32, f"{name} valid rows")
+        assert_close(o1[:, :n], short, jnp.float32, f"{name} against the unpadded row")
+    tb = sel.budget_tokens(0.2, sel.tile_starts(T, tile), 8)
+    np.testing.assert_array_equal(np.asarray(select_prefill(q, k, tile, tb, 40, lens)),
+                                  np.asarray(select_prefill(other, k, tile, tb, 40, lens)))
 
 
 @pytest.mark.parametrize("dense", [False, True])
@@ -241,8 +271,8 @@ def test_prefill_xla_in_chunks_of_tiles_matches_reference(dense):
 def check_prefill(fn, scores_fn, dtype, dense, T=45, tile=8, lengths=(45, 30)):
     budget, mt = 0.3, 2
     q, k, v, lens = prefill_inputs(5, 2, T, 8, 2, 16, list(lengths), dtype)
-    want_scores = tile_scores_reference(q, k, tile=tile)
-    scores = scores_fn(q, k, tile=tile)
+    want_scores = tile_scores_reference(q, k, tile=tile, lengths=lens)  # a row's padding adds nothing
+    scores = scores_fn(q, k, tile=tile, lengths=lens)
     fin = np.isfinite(np.asarray(want_scores))
     np.testing.assert_array_equal(np.isfinite(np.asarray(scores)), fin)
     np.testing.assert_allclose(np.asarray(scores)[fin], np.asarray(want_scores)[fin], rtol=TOL[dtype],

@@ -42,10 +42,10 @@ class KascadeBefore(Kascade):
 
         def anchor(dense):
             def fn():
-                idx = select_prefill(q, k, self.tile, self.tile_budget(T), K)
+                idx = select_prefill(q, k, self.tile, self.tile_budget(T), K, ctx.lengths)
                 out = dense_prefill(q, k, v) if dense else sparse_prefill(q, k, v, idx, ctx.lengths, tile=self.tile)
                 wide = select_prefill(q, k, self.tile, sel.budget_tokens(self.reuse_budget, sel.tile_starts(
-                    T, self.tile), self.min_tokens), self.k_reuse(T))
+                    T, self.tile), self.min_tokens), self.k_reuse(T), ctx.lengths)
                 return out, wide
             return fn
 

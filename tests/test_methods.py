@@ -257,8 +257,10 @@ def test_kascade_prefill_anchor_equals_masked_reference():
     info = jax.tree_util.tree_map(lambda x: x[1], m.layer_info(CFG))
     state = m.start(CFG, m.init_state(CFG, B, T), "prefill", B, T, T)
     out, state = m.prefill(_ctx(1, lengths, info), q, k, v, state)
-    # numpy: pooled over group and tile, keys before the tile, rolling budget, plus the diagonal tile.
+    # numpy: pooled over group and tile (the rows below the row's length), keys before the tile, rolling budget,
+    # plus the diagonal tile.
     probs = _pooled_np(q, jnp.swapaxes(k, 1, 2), np.tile(np.arange(T), (B, 1)))  # [B, Hkv, T, T]
+    probs = np.where((np.arange(T)[None, :] < np.asarray(lengths)[:, None])[:, None, :, None], probs, 0.0)
     mask = np.zeros((B, HKV, T, T), bool)
     for i in range(T // tile):
         s = i * tile

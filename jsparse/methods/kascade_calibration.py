@@ -71,14 +71,14 @@ class _Recorder:
 
     def prefill(self, ctx, q, k, v, state):
         T = q.shape[1]
-        probs = sel.before_tile_scores(sel.prefill_tile_probs(q, k, self.tile), self.tile)
+        probs = sel.before_tile_scores(sel.prefill_tile_probs(q, k, self.tile, ctx.lengths), self.tile)
         probs = jnp.where(jnp.isfinite(probs), probs, 0.0)
         probs = probs / jnp.maximum(probs.sum(-1, keepdims=True), 1e-30)
         tile_budget = sel.budget_tokens(self.budget, sel.tile_starts(T, self.tile), self.min_tokens)
-        idx = select_prefill(q, k, self.tile, tile_budget, state.indices.shape[-1])
+        idx = select_prefill(q, k, self.tile, tile_budget, state.indices.shape[-1], ctx.lengths)
         wide_budget = sel.budget_tokens(min(self.budget * self.reuse_scale, 1.0), sel.tile_starts(T, self.tile),
                                         self.min_tokens)
-        wide = select_prefill(q, k, self.tile, wide_budget, state.wide.shape[-1])
+        wide = select_prefill(q, k, self.tile, wide_budget, state.wide.shape[-1], ctx.lengths)
         state = RecorderState(probs=state.probs.at[ctx.layer].set(probs),
                               indices=state.indices.at[ctx.layer].set(idx), wide=state.wide.at[ctx.layer].set(wide))
         return dense_prefill(q, k, v), state

@@ -33,7 +33,7 @@ class Oracle(TokenBudget):
         return out, state
 
     def sparse_prefill(self, ctx, q, k, v, state):
-        idx = select_prefill(q, k, self.tile, self.tile_budget(q.shape[1]), self.k_static(q.shape[1]))
+        idx = select_prefill(q, k, self.tile, self.tile_budget(q.shape[1]), self.k_static(q.shape[1]), ctx.lengths)
         return sparse_prefill(q, k, v, idx, ctx.lengths, tile=self.tile), state
 
 
@@ -54,11 +54,11 @@ def select_decode(q, k_cache, positions, budget, min_tokens, K, tile: int = 0):
     return sel.topk_indices(scores, k_dyn, K, per_shard=True)
 
 
-def select_prefill(q, k, tile, tile_budget, K):
+def select_prefill(q, k, tile, tile_budget, K, lengths=None):
     """Exact top-k per query tile among the keys before it: int32[B, Hkv, nT, K].
 
-    The scores (`selection.prefill_tile_probs`) come a chunk of query rows at a time inside scans
-    (`selection.causal_prob_fold`): the memory is the f32[B, Hkv, nT, T] tile scores and one chunk's weights,
-    never the [T, T] map."""
-    scores = sel.before_tile_scores(sel.prefill_tile_probs(q, k, tile), tile)
+    The scores (`selection.prefill_tile_probs`; with lengths i32[B], the rows past a row's length add nothing) come
+    a chunk of query rows at a time inside scans (`selection.causal_prob_fold`): the memory is the f32[B, Hkv, nT,
+    T] tile scores and one chunk's weights, never the [T, T] map."""
+    scores = sel.before_tile_scores(sel.prefill_tile_probs(q, k, tile, lengths), tile)
     return sel.topk_indices(scores, tile_budget[None, None, :], K, per_shard=True)

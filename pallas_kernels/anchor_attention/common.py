@@ -186,6 +186,15 @@ def tile_counts(budget: float, T: int, tile: int, min_tokens: int) -> Array:
 # i * tile keys before tile i are i * tile / bs whole blocks).
 
 
+def mask_rows_lse(lse: Array, lengths: Array | None) -> Array:
+    """Every query row's logsumexp lse f32[B, H, T] with the rows t >= lengths[b] set to +inf (lengths None: as
+    given): the tile-pooling kernels add exp(s - lse) per row, so such a row (a batch row's right padding) adds 0."""
+    if lengths is None:
+        return lse
+    T = lse.shape[-1]
+    return jnp.where(jnp.arange(T)[None, None, :] < lengths[:, None, None], lse.astype(jnp.float32), jnp.inf)
+
+
 def check_block_size(block_size, tile: int, name: str = "block_size") -> int:
     """`block_size` of anchor_prefill (`name` in messages): a power of two >= 1 dividing `tile` (a query tile
     holds whole blocks)."""

@@ -34,7 +34,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.anchor_attention import mgpu_prefill
 from pallas_kernels.anchor_attention.common import (block_counts, pool_blocks, block_width, budget_count,
-                                                    check_block_size, check_prefill_args, default_scale)
+                                                    check_block_size, check_prefill_args, default_scale,
+                                                    mask_rows_lse)
 
 Array = jax.Array
 
@@ -198,7 +199,8 @@ def _pool_kernel(lse_ref, q_ref, k_ref, o_ref, *, scale: float, tile: int, bn: i
 
 @functools.partial(jax.jit, static_argnames=("tile", "scale", "config", "interpret"))
 def tile_scores_gpu(q: Array, k: Array, *, tile: int, scale: float | None = None, lse: Array | None = None,
-                    config: PrefillScoresConfig = PrefillScoresConfig(), interpret: bool = False) -> Array:
+                    config: PrefillScoresConfig = PrefillScoresConfig(), interpret: bool = False,
+                    lengths: Array | None = None) -> Array:
     """Tile-pooled causal scores (semantics of `reference.tile_scores_reference`), two Triton passes.
 
     Args:
@@ -207,6 +209,8 @@ def tile_scores_gpu(q: Array, k: Array, *, tile: int, scale: float | None = None
       lse: f32[B, Hq, T] causal logsumexp of every row if already known (e.g. from a dense attention); None:
         computed by `prefill_lse_gpu`.
       config: `PrefillScoresConfig`; interpret: the Pallas interpreter (CPU tests).
+      lengths: i32[B] or None (every row): the rows t >= lengths[b] add nothing (`common.mask_rows_lse`: their
+        logsumexp is read as +inf, so both pooling kernels add exp(s - inf) = 0 for them).
 
     Returns:
       f32[B, Hkv, ceil(T / tile), T].
@@ -214,7 +218,7 @@ def tile_scores_gpu(q: Array, k: Array, *, tile: int, scale: float | None = None
     if _use_mosaic(q, k, tile, config, interpret):
         if lse is None:
             lse = mgpu_prefill.prefill_lse_mgpu(q, k, scale=scale)
-        return mgpu_prefill.tile_scores_mgpu(q, k, lse, tile=tile, scale=scale)
+        return mgpu_prefill.tile_scores_mgpu(q, k, mask_rows_lse(lse, lengths), tile=tile, scale=scale)
     _check(q, tile, config, interpret)
     B, T, Hq, D = q.shape
     Hkv, G = k.shape[2], Hq // k.shape[2]
@@ -223,6 +227,7 @@ def tile_scores_gpu(q: Array, k: Array, *, tile: int, scale: float | None = None
         raise ValueError(f"tile={tile} is not a multiple of PrefillScoresConfig.pool_block_n={bn}")
     if lse is None:
         lse = prefill_lse_gpu(q, k, scale=scale, config=config, interpret=interpret)
+    lse = mask_rows_lse(lse, lengths)
     nt = pl.cdiv(T, tile)
     Tp = nt * tile
     width = pl.cdiv(T, bn) * bn
@@ -296,7 +301,7 @@ def anchor_prefill_gpu(q: Array, k: Array, v: Array, lengths: Array, *, tile: in
             raise ValueError(f"dense_lse=True takes the default scale only (got scale={scale})")
         out, lse = dense_prefill_with_lse(q, k, v)
     scores = pool_blocks(tile_scores_gpu(q, k, tile=tile, scale=scale, lse=lse, config=config,
-                                          interpret=interpret), block_size)
+                                          interpret=interpret, lengths=lengths), block_size)
     kk = block_counts(budget, T, tile, min_tokens, block_size)[None, None, :]
     indices = select_gpu.topk_select_gpu(scores, kk, block_width(K, block_size), interpret=interpret)
     if out is None:

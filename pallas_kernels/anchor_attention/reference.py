@@ -13,7 +13,8 @@ recent first, as select_decode's `tile`); attention over exactly the selected ke
 or with `dense_output` over every visible key.
 
 Prefill (oracle.select_prefill): causal post-softmax weights pooled over the GQA group and over each query tile
-of `tile` rows (jsparse.selection.prefill_tile_probs: every row t < T counts, row lengths play no part),
+of `tile` rows (jsparse.selection.prefill_tile_probs: the rows t < lengths[b] count; a row's right padding adds
+nothing, so its tokens cannot change the keys the prompt's last tile keeps),
 restricted to the keys strictly before the tile's start (before_tile_scores); tile i keeps
 kk_i = min(max(ceil(budget * i * tile), min_tokens), i * tile) keys; attention by `sparse_prefill_reference`
 (which adds the diagonal tile), or dense causal attention with `dense_output`. With `block_size` > 1 the scores
@@ -112,11 +113,13 @@ def anchor_decode_reference(q: Array, k: Array, v: Array, lengths: Array, *, bud
 
 
 @functools.partial(jax.jit, static_argnames=("tile", "scale"))
-def tile_scores_reference(q: Array, k: Array, *, tile: int, scale: float | None = None) -> Array:
+def tile_scores_reference(q: Array, k: Array, *, tile: int, scale: float | None = None,
+                          lengths: Array | None = None) -> Array:
     """Causal post-softmax weights pooled over the GQA group and each query tile, keys before the tile only.
 
     Args:
       q: [B, T, Hq, D]; k: [B, T, Hkv, D]; tile: query rows per tile; scale: None divides by sqrt(D).
+      lengths: i32[B] or None (every row): the rows t >= lengths[b] add nothing.
 
     Returns:
       f32[B, Hkv, ceil(T / tile), T]: -inf at and after each tile's first position.
@@ -126,6 +129,8 @@ def tile_scores_reference(q: Array, k: Array, *, tile: int, scale: float | None 
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     probs = _scores_and_probs(q, k.transpose(0, 2, 1, 3), pos, scale)[0]  # [B, Hkv, T, T], -inf above diag
     probs = jnp.where(jnp.isfinite(probs), probs, 0.0)
+    if lengths is not None:
+        probs = jnp.where((jnp.arange(T) < lengths[:, None])[:, None, :, None], probs, 0.0)
     nt = -(-T // tile)
     probs = jnp.pad(probs, ((0, 0), (0, 0), (0, nt * tile - T), (0, 0)))
     pooled = probs.reshape(B, Hkv, nt, tile, T).sum(axis=3)
@@ -156,7 +161,7 @@ def anchor_prefill_reference(q: Array, k: Array, v: Array, lengths: Array, *, ti
     K = check_prefill_args(q, k, v, lengths, tile, budget, min_tokens, K)
     check_block_size(block_size, tile)
     T = q.shape[1]
-    scores = pool_blocks(tile_scores_reference(q, k, tile=tile, scale=scale), block_size)
+    scores = pool_blocks(tile_scores_reference(q, k, tile=tile, scale=scale, lengths=lengths), block_size)
     indices = topk_select_reference(scores, block_counts(budget, T, tile, min_tokens, block_size)[None, None, :],
                                     block_width(K, block_size))
     if dense_output:

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.anchor_attention.common import (block_counts, pool_blocks, block_width, check_block_size,
-                                                    check_prefill_args, default_scale)
+                                                    check_prefill_args, default_scale, mask_rows_lse)
 
 Array = jax.Array
 
@@ -133,9 +133,11 @@ def _pool_kernel(lse_ref, q_ref, k_ref, o_ref, *, scale: float, tile: int, chunk
 
 @functools.partial(jax.jit, static_argnames=("tile", "scale", "config", "interpret"))
 def tile_scores_tpu(q: Array, k: Array, *, tile: int, scale: float | None = None, lse: Array | None = None,
-                    config: TpuPrefillScoresConfig = TpuPrefillScoresConfig(), interpret: bool = False) -> Array:
+                    config: TpuPrefillScoresConfig = TpuPrefillScoresConfig(), interpret: bool = False,
+                    lengths: Array | None = None) -> Array:
     """Tile-pooled causal scores f32[B, Hkv, ceil(T / tile), T] (semantics of
-    `reference.tile_scores_reference`); tile a multiple of 8; lse f32[B, Hq, T] if already known."""
+    `reference.tile_scores_reference`); tile a multiple of 8; lse f32[B, Hq, T] if already known; lengths i32[B]
+    or None: the rows past a row's length add nothing (`common.mask_rows_lse`)."""
     B, T, Hq, D = q.shape
     Hkv, G = k.shape[2], Hq // k.shape[2]
     if tile % 8:
@@ -144,6 +146,7 @@ def tile_scores_tpu(q: Array, k: Array, *, tile: int, scale: float | None = None
         raise ValueError(f"TpuPrefillScoresConfig.chunk={config.chunk}: expected a multiple of 128")
     if lse is None:
         lse = prefill_lse_tpu(q, k, scale=scale, config=config, interpret=interpret)
+    lse = mask_rows_lse(lse, lengths)
     nt = pl.cdiv(T, tile)
     Tp = nt * tile
     chunk = min(config.chunk, pl.cdiv(T, 128) * 128)
@@ -186,8 +189,8 @@ def anchor_prefill_tpu(q: Array, k: Array, v: Array, lengths: Array, *, tile: in
     K = check_prefill_args(q, k, v, lengths, tile, budget, min_tokens, K)
     check_block_size(block_size, tile)
     T = q.shape[1]
-    scores = pool_blocks(tile_scores_tpu(q, k, tile=tile, scale=scale, config=config, interpret=interpret),
-                          block_size)
+    scores = pool_blocks(tile_scores_tpu(q, k, tile=tile, scale=scale, config=config, interpret=interpret,
+                                          lengths=lengths), block_size)
     indices = select_tpu.topk_select_tpu(scores, block_counts(budget, T, tile, min_tokens, block_size)[None, None, :],
                                          block_width(K, block_size), interpret=interpret)
     if dense_output:

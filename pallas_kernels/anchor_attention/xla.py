@@ -73,12 +73,14 @@ SCORE_CHUNK_ROWS = 256  # query rows (rounded to whole tiles) per chunk of `tile
 
 
 @functools.partial(jax.jit, static_argnames=("tile", "scale"))
-def tile_scores_xla(q: Array, k: Array, *, tile: int, scale: float | None = None) -> Array:
+def tile_scores_xla(q: Array, k: Array, *, tile: int, scale: float | None = None,
+                    lengths: Array | None = None) -> Array:
     """`reference.tile_scores_reference` (the same values up to f32 rounding) in chunks of query tiles: rows s..e-1
     (whole tiles, about SCORE_CHUNK_ROWS) score only the keys 0..e-1, which are all they can see.
 
     Args:
       q: [B, T, Hq, D]; k: [B, T, Hkv, D]; tile: query rows per tile; scale: None divides by sqrt(D).
+      lengths: i32[B] or None (every row): the rows t >= lengths[b] add nothing.
     Returns:
       f32[B, Hkv, ceil(T / tile), T]: -inf at and after each tile's first position.
     """
@@ -95,6 +97,8 @@ def tile_scores_xla(q: Array, k: Array, *, tile: int, scale: float | None = None
         logits = logits / math.sqrt(D) if scale is None else logits * scale
         visible = jnp.arange(e)[None, :] <= jnp.arange(s, e)[:, None]  # [e - s, e]
         probs = jax.nn.softmax(jnp.where(visible, logits, -jnp.inf), axis=-1).sum(axis=2)  # [B, Hkv, e - s, e]
+        if lengths is not None:
+            probs = jnp.where((jnp.arange(s, e) < lengths[:, None])[:, None, :, None], probs, 0.0)
         n = -(-(e - s) // tile)
         probs = jnp.pad(probs, ((0, 0), (0, 0), (0, n * tile - (e - s)), (0, T - e)))
         pooled.append(probs.reshape(B, Hkv, n, tile, T).sum(axis=3))
@@ -118,7 +122,7 @@ def anchor_prefill_xla(q: Array, k: Array, v: Array, lengths: Array, *, tile: in
     K = check_prefill_args(q, k, v, lengths, tile, budget, min_tokens, K)
     check_block_size(block_size, tile)
     T = q.shape[1]
-    scores = pool_blocks(tile_scores_xla(q, k, tile=tile, scale=scale), block_size)
+    scores = pool_blocks(tile_scores_xla(q, k, tile=tile, scale=scale, lengths=lengths), block_size)
     indices = topk_select(scores, block_counts(budget, T, tile, min_tokens, block_size)[None, None, :],
                           block_width(K, block_size))
     if dense_output:
