@@ -288,6 +288,13 @@ def test_method_argument_errors():
         make_method("nope")
     with pytest.raises(ValueError, match="layer 0 must be an anchor"):
         Kascade.from_anchors(CFG, [1, 2])
+    for anchors in ([0.4, 2], [0, True]):  # read as anchors (0, 2) and (0, 1) before
+        with pytest.raises(ValueError, match="expected integer layer indices"):
+            Kascade.from_anchors(CFG, anchors)
+    for scale in (0.5, float("nan"), "2"):  # 0.5 ran with reuse layers keeping fewer keys; "2" failed later
+        with pytest.raises(ValueError, match="reuse_scale=.*expected a finite number >= 1"):
+            Kascade.from_anchors(CFG, [0, 1], reuse_scale=scale)
+    assert Kascade.from_anchors(CFG, np.array([0, 2]), reuse_scale=2).reuse_scale == 2.0
     with pytest.raises(ValueError, match="calibration artifact"):
         make_method("kascade", cfg=CFG)
 

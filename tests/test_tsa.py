@@ -497,6 +497,31 @@ def test_tsa_kascade(params, tmp_path):
     np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match="kascade needs a calibration artifact"):
         make_method("tsa+kascade", cfg=CFG, artifact=tdir, fingerprint="fp")
+    # Options the composition sets itself are refused, not dropped (selection='query_head' built kv_head).
+    both = f"{kdir}{os.pathsep}{tdir}"
+    with pytest.raises(ValueError, match="option selection='query_head': selection is set by tsa\\+kascade"):
+        make_method("tsa+kascade", cfg=CFG, artifact=both, fingerprint="fp", selection="query_head")
+    with pytest.raises(ValueError, match="(?s)option inner=.*inner is set by tsa\\+kascade"):
+        make_method("tsa+kascade", cfg=CFG, artifact=both, fingerprint="fp", inner=_kascade())
+    assert make_method("tsa+kascade", cfg=CFG, artifact=both, fingerprint="fp", selection="kv_head").selection == \
+        "kv_head"
+    # An explicit sparse_layers wins over the artifact's (it was replaced by them without a word).
+    assert make_method("tsa", cfg=CFG, artifact=tdir, fingerprint="fp", sparse_layers=[2]).sparse_layers == (2,)
+    assert make_method("tsa", cfg=CFG, artifact=tdir, fingerprint="fp").sparse_layers == (1, 2)
+
+
+def test_tsa_refuses_an_inner_method_without_coordinates_and_bad_calibration_lengths(params):
+    """Only Kascade maps its state back from compressed slots to positions: H2O inside TSA kept its scores in
+    slots [0, kept) and read them as positions (or failed with an XLA shape error). Calibration lengths outside
+    [1, T] ran inside jit unchecked (T + 500 acted as T, 0 dropped the row)."""
+    from jsparse.methods.h2o import H2O
+
+    with pytest.raises(ValueError, match="inner=H2O: TSA runs an inner method in compressed coordinates"):
+        TSA(inner=H2O())
+    tokens = np.zeros((2, 16), np.int32)
+    for bad in ([16 + 500, 16], [0, 16], [16]):
+        with pytest.raises(ValueError, match=r"lengths=\[.*expected one integer in \[1, T=16\]"):
+            tcal.calibrate(params, CFG, [(tokens, np.asarray(bad, np.int32))])
 
 
 def test_kv_union_with_an_inner_method_is_an_error():

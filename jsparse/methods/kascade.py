@@ -45,6 +45,7 @@ model.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import jax
@@ -78,10 +79,10 @@ class LayerRole:
 
 
 def roles_from_anchors(num_layers: int, anchors) -> np.ndarray:
-    anchors = sorted(int(a) for a in anchors)
+    anchors = list(sel.check_layers("anchors", list(np.asarray(anchors).tolist()) if isinstance(anchors, np.ndarray)
+                                    else anchors, num_layers))  # integers, before any int() truncates one
     if not anchors or anchors[0] != 0:
         raise ValueError(f"anchors={anchors}: layer 0 must be an anchor")
-    sel.check_layers("anchors", anchors, num_layers)
     roles = np.full((num_layers,), ROLE_REUSE, np.int32)
     roles[anchors] = ROLE_ANCHOR
     roles[0] = ROLE_DENSE_ANCHOR
@@ -103,6 +104,12 @@ class Kascade(TokenBudget):
     def __post_init__(self):
         super().__post_init__()
         check_block_size(self.prefill_block_size, self.tile, "prefill_block_size")
+        r = self.reuse_scale
+        if isinstance(r, bool) or not isinstance(r, (int, float, np.integer, np.floating)) or not math.isfinite(r) \
+                or r < 1.0:
+            raise ValueError(f"reuse_scale={r!r}: expected a finite number >= 1 (1: reuse layers keep the anchor's k "
+                             "keys)")
+        object.__setattr__(self, "reuse_scale", float(r))
 
     @classmethod
     def build(cls, cfg=None, artifact: str | None = None, fingerprint: str | None = None, **options):
@@ -133,9 +140,6 @@ class Kascade(TokenBudget):
         options = refuse_derived("kascade", kwargs_for(cls, options), {
             "dense_layers": (1, "Kascade itself (layer 0 is its one dense layer)"),
             "anchor_layers": (None, "the anchors of its artifact (from_anchors' `anchors`)")})
-        scale = float(options.get("reuse_scale", 1.0))
-        if not scale >= 1.0:
-            raise ValueError(f"reuse_scale={scale}: expected >= 1 (1: reuse layers keep the anchor's k keys)")
         return cls(roles=jnp.asarray(roles), head_map=jnp.asarray(head_map), dense_layers=1,
                    anchor_layers=tuple(int(a) for a in np.flatnonzero(roles != ROLE_REUSE)), **options)
 

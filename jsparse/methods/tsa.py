@@ -263,6 +263,11 @@ class TSA:
         object.__setattr__(self, "local_sinks", local_sinks)
         if self.sparse_layers is not None:  # a static field must be hashable: a sorted tuple of ints
             object.__setattr__(self, "sparse_layers", check_sparse_layers(self.sparse_layers, 1 << 30))
+        if self.inner is not None and not isinstance(self.inner, kascade_mod.Kascade):
+            raise ValueError(f"inner={type(self.inner).__name__}: TSA runs an inner method in compressed coordinates, "
+                             "and only Kascade translates its state back to positions (another method's state, H2O's "
+                             "scores say, would stay in compressed slots and be read as positions); expected a "
+                             "Kascade or None")
         if self.inner is not None and self.selection == "kv_union":
             raise ValueError("selection='kv_union' with an inner method: the inner method runs on per-row "
                              "compressed lengths, which a per-KV-head union does not have; use 'kv_head'")
@@ -276,10 +281,13 @@ class TSA:
     @classmethod
     def build(cls, cfg=None, artifact: str | None = None, fingerprint: str | None = None, **options):
         """`make_method("tsa", cfg=..., artifact=DIR, tau=...)`: sparse layers from a "tsa" artifact (or every
-        layer but 0 without one); the other options are the dataclass fields (budget etc. are ignored)."""
+        layer but 0 without one; an explicit `sparse_layers` wins over the artifact's, which is still checked
+        against the model); the other options are the dataclass fields (budget etc. are ignored)."""
         options = kwargs_for(cls, options)
         if artifact:
-            options["sparse_layers"] = load_sparse_layers(artifact, fingerprint, cfg)
+            layers = load_sparse_layers(artifact, fingerprint, cfg)
+            if options.get("sparse_layers") is None:
+                options["sparse_layers"] = layers
         return cls(**options)
 
     def layers(self, num_layers: int) -> tuple[int, ...]:

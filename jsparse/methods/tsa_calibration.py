@@ -94,6 +94,11 @@ def calibrate(params, cfg, prompts: Iterable, *, delta: float = 0.5, eps: float 
         tokens = jnp.asarray(tokens, jnp.int32)
         if lengths is None:
             lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
+        ln = np.asarray(lengths)
+        if ln.shape != (tokens.shape[0],) or not np.issubdtype(ln.dtype, np.integer) or \
+                np.any(ln < 1) or np.any(ln > tokens.shape[1]):
+            raise ValueError(f"lengths={ln.tolist()}: expected one integer in [1, T={tokens.shape[1]}] per prompt row "
+                             f"({tokens.shape[0]} rows; inside the jitted drift a bad length is not checked)")
         total = total + np.asarray(drift_fn(params, cfg, tokens, jnp.asarray(lengths, jnp.int32), eps=eps),
                                    np.float64)
         n += 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 from jsparse.artifacts import split_artifacts
 from jsparse.methods import kascade as kascade_mod
 from jsparse.methods.base import register
+from jsparse.methods.common import refuse_derived
 from jsparse.methods.tsa import ARTIFACT_KIND, TSA
 
 
@@ -55,6 +56,9 @@ def split_options(options: dict) -> tuple[dict, dict]:
         raise ValueError(f"tsa+kascade does not take prefill_block_size={bs}: TSA's compressed coordinates move "
                          f"single tokens, so Kascade inside TSA selects tokens (use kascade alone for block "
                          f"selections, or prefill_block_size=1)")
+    options = refuse_derived("tsa+kascade", dict(options), {
+        "selection": ("kv_head", "tsa+kascade (Kascade selects per KV head, so TSA compresses per KV head)"),
+        "inner": (None, "tsa+kascade (its inner method is the Kascade it builds)")})
     tsa = {k: options[k] for k in TSA_OPTIONS if k in options}
     if "tsa_min_tokens" in options:
         tsa["min_tokens"] = options["tsa_min_tokens"]
