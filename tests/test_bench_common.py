@@ -1,5 +1,6 @@
 """eval.bench.common's timing helpers and the commit a benchmark JSON names."""
 
+import os
 import subprocess
 import time
 
@@ -31,20 +32,26 @@ def test_time_ms_is_the_median_of_blocked_calls():
 
 
 def test_git_commit_marks_a_tree_that_differs_from_head(tmp_path, monkeypatch):
-    """HEAD's hash, "-dirty" once a tracked file differs from it, $GIT_COMMIT over both, "unknown" outside a repo."""
+    """HEAD's hash, "-dirty" once a tracked file differs from it, $GIT_COMMIT over both, "unknown" outside a repo;
+    by default the checkout this code runs from, not the working directory's (a JSON written from inside another
+    repository recorded that repository's commit)."""
     monkeypatch.delenv("GIT_COMMIT", raising=False)
     monkeypatch.chdir(tmp_path)
-    assert git_commit() == "unknown"
+    assert git_commit(str(tmp_path)) == "unknown"
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert git_commit().split("-")[0] == subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], check=True,
+                                                        capture_output=True, text=True).stdout.strip()
     git = lambda *a: subprocess.run(["git", *a], check=True, capture_output=True, text=True).stdout.strip()  # noqa: E731
     git("init", "-q")
     (tmp_path / "f.py").write_text("a = 1\n")
     git("add", "f.py")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
     head = git("rev-parse", "HEAD")
-    assert git_commit() == head
+    root = str(tmp_path)
+    assert git_commit(root) == head
     (tmp_path / "new.py").write_text("untracked\n")  # untracked files do not make the run another commit's code
-    assert git_commit() == head
+    assert git_commit(root) == head
     (tmp_path / "f.py").write_text("a = 2\n")
-    assert git_commit() == head + "-dirty"
+    assert git_commit(root) == head + "-dirty"
     monkeypatch.setenv("GIT_COMMIT", "abc1234")
-    assert git_commit() == "abc1234"
+    assert git_commit(root) == "abc1234"

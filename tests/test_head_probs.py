@@ -264,10 +264,12 @@ def test_sts_draft_decode_in_place_records_what_xla_records(monkeypatch, T, carr
     np.testing.assert_allclose(np.asarray(rec_p.val), np.asarray(rec_x.val), rtol=1e-5, atol=1e-6)
     assert not np.array_equal(np.asarray(rec_p.idx[2]), old_idx[2])  # the layer's record was rewritten
     np.testing.assert_array_equal(np.asarray(rec_p.idx[:2]), old_idx[:2])  # the other layers kept
-    # the short row records all its T + 2 keys, then -1
+    # the short row (T + 2 keys) records all its keys below the forward's second new one (`sts.record_limit`: 3 of
+    # them at T = 1 and T = 2), then -1
     short = np.asarray(rec_p.idx[2, 1, :, 0])
-    np.testing.assert_array_equal(short[:, :T + 2], np.broadcast_to(np.arange(T + 2), (Hq, T + 2)))
-    assert np.all(short[:, T + 2:] == -1)
+    n = T + 2 - (T - 1)
+    np.testing.assert_array_equal(short[:, :n], np.broadcast_to(np.arange(n), (Hq, n)))
+    assert np.all(short[:, n:] == -1)
 
 
 def test_sts_draft_in_the_model_scan_uses_the_kernels_on_gpu(monkeypatch):

@@ -74,13 +74,15 @@ def out_path(out: str | None, name: str) -> str | None:
     return path
 
 
-def git_commit() -> str:
-    """$GIT_COMMIT, else HEAD's hash with "-dirty" when tracked files differ from it (the code that ran was not
-    that commit's: an uncommitted edit, or a copied tree whose .git is older than its files), else "unknown"."""
+def git_commit(root: str | None = None) -> str:
+    """$GIT_COMMIT, else HEAD's hash of the checkout at `root` (None: the one this code runs from, whatever the
+    working directory) with "-dirty" when tracked files differ from it (the code that ran was not that commit's: an
+    uncommitted edit, or a copied tree whose .git is older than its files), else "unknown"."""
     if os.environ.get("GIT_COMMIT"):
         return os.environ["GIT_COMMIT"]
     try:
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this code's checkout
+        if root is None:
+            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         run = lambda *a: subprocess.check_output(["git", "-C", root, *a], text=True,  # noqa: E731
                                                  stderr=subprocess.DEVNULL).strip()
         head = run("rev-parse", "HEAD")
