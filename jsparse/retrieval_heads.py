@@ -39,6 +39,9 @@ def retrieval_layout(cfg, heads: Sequence[tuple[int, int]]) -> RetrievalLayout:
     G = Hq // Hkv
     per_layer: list[dict[int, list[int]]] = [dict() for _ in range(L)]
     for layer, head in heads:
+        if any(isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) for x in (layer, head)):
+            raise ValueError(f"retrieval head (layer={layer!r}, head={head!r}): expected integer indices (1.7 or "
+                             "True would be read as another layer or head)")
         layer, head = int(layer), int(head)
         if not (0 <= layer < L and 0 <= head < Hq):
             raise ValueError(f"retrieval head (layer={layer}, head={head}): expected layer in [0, {L}) and head in "

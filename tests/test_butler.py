@@ -281,6 +281,8 @@ def test_butler_options_errors(pcfg):
                         num_heads=HQ, num_kv_heads=HKV, head_dim=D)
     with pytest.raises(ValueError, match="made for a model with"):
         Butler.from_params(other, pcfg, None)
+    with pytest.raises(ValueError, match="recent=True: expected the recent window's share"):  # read as 1.0 before
+        make_method("h2o", recent=True)
 
 
 # ----------------------------------------------------------------------------------------------- H2O

@@ -433,3 +433,20 @@ def test_errors(tmp_path):
     assert make_method("sink-local", cfg=CFG).fractions == pytest.approx((1 / 7, 6 / 7, 0.0, 0.0))
     assert make_method("evosparse-noretrieval", cfg=CFG).fractions == pytest.approx(
         ablation_fractions(FRACTIONS, ("retrieval",)))
+    # A split the user gives is taken as given (it was rescaled, and a dropped component's share ignored).
+    assert make_method("sink-local", cfg=CFG, sink_fraction=0.25, local_fraction=0.75).fractions == (0.25, 0.75, 0, 0)
+    with pytest.raises(ValueError, match="budget fractions sum to 0.875"):
+        make_method("sink-local", cfg=CFG, sink_fraction=0.5)
+    with pytest.raises(ValueError, match="heat_fraction=0.9: this ablation drops the heat component"):
+        make_method("evosparse-noheat", cfg=CFG, heat_fraction=0.9)
+    # The local window holds the query's own block: a share that rounds to no block is refused (the own position
+    # went unattended).
+    for local in (0.0, 1e-5):
+        with pytest.raises(ValueError, match=f"local_fraction={local}: expected at least 1/4096"):
+            EvoSparse(sink_fraction=0.0625, local_fraction=local, retrieval_fraction=0.6875 - local,
+                      heat_fraction=0.25)
+    # Integer layers and heads only (True read as layer 1, 1.7 as 1).
+    with pytest.raises(ValueError, match=r"retrieval_layers=\(True,\)"):
+        EvoSparse(retrieval_layers=(True,))
+    with pytest.raises(ValueError, match=r"retrieval head \(layer=1.7, head=0.9\): expected integer indices"):
+        EvoSparse.from_heads(CFG, [(1.7, 0.9)])

@@ -144,6 +144,10 @@ class EvoSparse:
             raise ValueError(f"block_size={self.block_size}: expected a divisor of the kernel block of "
                              f"{KERNEL_BLOCK} tokens (1, 2, 4, 8, 16, 32, 64 or 128)")
         check_fractions(self.fractions)
+        cum = _cumulative_fixed(self.fractions)
+        if cum[1] == cum[0]:  # the local window's share rounds to 0: split_counts would give it no block
+            raise ValueError(f"local_fraction={self.local_fraction!r}: expected at least 1/{budget_split.FIX} (the "
+                             "local window holds the query's own position, whose block every budget attends)")
         if not isinstance(self.decay, (int, float)) or not 0.0 < float(self.decay) < 1.0:
             raise ValueError(f"decay={self.decay!r}: expected lambda in the open interval (0, 1)")
         sel.check_positive_int("dense_layers", self.dense_layers, 0)
@@ -152,8 +156,8 @@ class EvoSparse:
             raise ValueError(f"kernels={self.kernels!r}: expected None, 'xla', 'pallas_gpu' or 'reference'")
         if self.retrieval_layers is not None:
             layers = self.retrieval_layers
-            if not all(isinstance(x, (int, np.integer)) and x >= 0 for x in layers) or \
-                    list(layers) != sorted(set(layers)):
+            if not all(isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) and x >= 0
+                       for x in layers) or list(layers) != sorted(set(layers)):
                 raise ValueError(f"retrieval_layers={layers!r}: expected ascending distinct layer indices >= 0")
             has = None if self.layout is None else self.layout.has_retrieval
             # Only a concrete layout is checked (jax also rebuilds the method from tracers and placeholders).
@@ -451,8 +455,18 @@ def ablation_fractions(fractions: Sequence[float], drop: Sequence[str]) -> tuple
 def _ablation(drop: tuple[str, ...]):
     def build(cfg=None, artifact=None, fingerprint=None, **options):
         given = tuple(options.pop(f"{c}_fraction", None) for c in COMPONENTS)
-        base = tuple(d if g is None else g for g, d in zip(given, DEFAULT_FRACTIONS))
-        fr = ablation_fractions(base, drop)
+        for c, g in zip(COMPONENTS, given):
+            if c in drop and g:
+                raise ValueError(f"{c}_fraction={g!r}: this ablation drops the {c} component (0 or omit it)")
+        kept = [c for c in COMPONENTS if c not in drop]
+        if any(g is not None for c, g in zip(COMPONENTS, given) if c in kept):  # the user's split: as given
+            fr = tuple(0.0 if c in drop else (d if g is None else g)
+                       for c, g, d in zip(COMPONENTS, given, DEFAULT_FRACTIONS))
+            check_fractions(fr)  # the kept components' fractions must sum to 1 (not rescaled behind the user)
+            options.update({f"{c}_fraction": f for c, f in zip(COMPONENTS, fr)})
+            return EvoSparse.build(cfg=cfg, artifact=artifact if "retrieval" not in drop else None,
+                                   fingerprint=fingerprint, **options)
+        fr = ablation_fractions(DEFAULT_FRACTIONS, drop)  # the defaults of the kept components, scaled to sum 1
         options.update({f"{c}_fraction": f for c, f in zip(COMPONENTS, fr)})
         return EvoSparse.build(cfg=cfg, artifact=artifact if "retrieval" not in drop else None,
                                fingerprint=fingerprint, **options)

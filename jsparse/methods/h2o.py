@@ -72,7 +72,8 @@ class H2O(TokenBudget):
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.recent, (int, float)) or not 0.0 < float(self.recent) <= 1.0:
+        if isinstance(self.recent, bool) or not isinstance(self.recent, (int, float)) or \
+                not 0.0 < float(self.recent) <= 1.0:
             raise ValueError(f"recent={self.recent!r}: expected the recent window's share of the budget in (0, 1]")
 
     @classmethod
