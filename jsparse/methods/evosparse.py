@@ -36,7 +36,9 @@ Choices the paper leaves open (documented here, measured where noted):
     a development sweep on SmolLM2 (eval/results/cpu/evosparse_dev_sweep/README.md).
 
 Ablations (registered names): "evosparse-noheat", "evosparse-noretrieval", "sink-local" drop components; the
-dropped fractions are given to the remaining ones in proportion (the total budget stays the same).
+default fractions of the dropped ones are given to the remaining ones in proportion (the total budget stays the
+same). Fractions the user gives are taken as given: those of the kept components must sum to 1, and a dropped
+component's must be 0 or omitted.
 
 State (`EvoState`): heat f32[L, B, Hkv, N / block_size] crosses decode steps (`jsparse.heat`); the retrieval set
 i32[B, T, Wr] crosses layers inside one forward (`start` adds it, `finish` drops it). For one new token `start`
