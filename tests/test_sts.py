@@ -119,6 +119,29 @@ def test_sparse_budget_runs_and_errors(pair):
     assert isinstance(sts, STS)
 
 
+@pytest.mark.parametrize("options", [{}, {"first_step_mask": True, "mask_pool": 2}])
+def test_sparse_sts_rows_do_not_depend_on_their_batch(options):
+    """A row's tokens are the same alone and batched with a longer row (budget 0.3): the draft records each row's
+    own budget (prefill: the tile's k, decode: the row's k + slack, the pool's share too), not the static width the
+    batch's longest row or the cache capacity sets, and its prefill pools only the rows below its length. Before,
+    the wider records entered the target's per-group sums and changed the keys it kept (tokens differed from the
+    seventh on)."""
+    cfg = dataclasses.replace(CFG, num_heads=8, num_kv_heads=4, max_position_embeddings=1024, eos_token_ids=())
+    dcfg = dataclasses.replace(cfg, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+    t = LoadedModel(cfg=cfg, params=random_params(cfg, jax.random.key(0), jnp.float32, scale=0.3), tokenizer=None,
+                    name="t")
+    d = LoadedModel(cfg=dcfg, params=random_params(dcfg, jax.random.key(1), jnp.float32, scale=0.3), tokenizer=None,
+                    name="d")
+    rng = np.random.default_rng(0)
+    hm = np.stack([rng.integers(0, dcfg.num_layers, (cfg.num_layers, cfg.num_heads)),
+                   rng.integers(0, dcfg.num_heads, (cfg.num_layers, cfg.num_heads))], -1).astype(np.int32)
+    ids = [list(map(int, rng.integers(4, 128, n))) for n in (150, 61)]
+    sts = make_method("sts", cfg=cfg, draft=d, head_map=hm, budget=0.3, min_tokens=8, tile=16, **options)
+    both = generate_ids(t, ids, method=sts, draft=d, gamma=3, max_new_tokens=12)
+    alone = generate_ids(t, ids[1:], method=sts, draft=d, gamma=3, max_new_tokens=12)
+    assert both[1] == alone[0]
+
+
 def test_three_turn_session_equals_dense(pair):
     """Full budget: every reply equals target-only dense greedy decoding of the whole conversation so far; the
     second message is short (gathered verification path), the third long (more than 32 new tokens)."""

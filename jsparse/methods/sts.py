@@ -25,6 +25,11 @@ them among its top P; with `mask_pool` 1 the record holds exactly the first step
 only the record is limited to the pool, each pool key re-weighted with its weight in that full softmax: no top-W
 over the cache in the later steps, the dense decode's cost otherwise.
 
+A row's record holds its own budget's keys: a decode row its k plus slack (`record_keys`; `mask_pool` times that in
+the pool, and the target takes its k plus slack from it), a prefill tile the tile's k, and the prefill pools only the
+query rows below a row's length. The static width W (the capacity's k plus slack, the padded prompt's k) only bounds
+the arrays, so a row's tokens do not depend on the rows it is batched with or on the cache capacity (tested).
+
 The target's method (`STS`) adopts that record and, at target layer l, takes for each query head h the row of
 draft (layer, head) = head_map[l, h] (the calibrated STS head map, `sts_calibration`), sums the rows of the
 query heads of each KV group (GQA) and keeps the top k keys per KV head: the index contract
@@ -207,17 +212,19 @@ def add_recorded(probs: Array, idx: Array, val: Array, lengths: Array, scale: fl
     return probs.at[b, h, jnp.where(ok, idx, probs.shape[-1])].add(jnp.where(ok, scale * val, 0.0), mode="drop")
 
 
-def _topk_visible(probs: Array, lengths: Array, W: int, implementation: str | None = None) -> tuple[Array, Array]:
+def _topk_visible(probs: Array, lengths: Array, W: int, implementation: str | None = None,
+                  k: Array | None = None) -> tuple[Array, Array]:
     """`_topk_set` of probs with the keys at or past lengths not choosable, for weights that are >= 0 below
     lengths and 0 past it (`attend_and_probs`): at most min(W, lengths) keys are kept, and a zero-weight key
     below lengths ties with the keys past it and wins (ties go to the lower position), so no N-wide -inf mask
-    is written. probs f32[B, H, N], lengths i32[B] -> (val, idx) [B, H, W] as `_topk_set`'s."""
-    return _topk_set(probs, W, implementation, k=jnp.minimum(lengths, W)[:, None])
+    is written. probs f32[B, H, N], lengths i32[B] -> (val, idx) [B, H, W] as `_topk_set`'s. k: i32[B], keys per
+    row (<= min(lengths, W)); None: min(lengths, W)."""
+    return _topk_set(probs, W, implementation, k=(jnp.minimum(lengths, W) if k is None else k)[:, None])
 
 
 def select_by_blocks(rows: Array, bmax: Array, rec_idx: Array, rec_val: Array, lengths: Array, carry: float,
                      lse: Array | None = None, implementation: str | None = None, block: int = RECORD_BLOCK,
-                     config=None) -> tuple[Array, Array]:
+                     config=None, k: Array | None = None) -> tuple[Array, Array]:
     """`StsDraft._select` (the top W of each row's weights plus `carry` times its earlier record) read through
     the rows' block maxima: the same keys and weights, from the keys of the W best blocks alone.
 
@@ -235,6 +242,7 @@ def select_by_blocks(rows: Array, bmax: Array, rec_idx: Array, rec_val: Array, l
         block without such a key (`block_max`).
       rec_idx, rec_val: [B, R, W] the earlier record (-1 padded), added `carry` times.
       lengths: i32[B]; lse: f32[B, R] or None (see rows); implementation, config: `topk_select`'s.
+      k: i32[B], keys per row (<= min(lengths, W): the W best blocks hold a row's top k too); None: min(lengths, W).
 
     Returns:
       (val, idx) [B, R, W] as `_topk_visible`'s (positions ascending, then -inf / -1).
@@ -266,7 +274,8 @@ def select_by_blocks(rows: Array, bmax: Array, rec_idx: Array, rec_val: Array, l
         slot = jnp.where(hit, j * block + rec_pos % block, Wb * block)
         cand = cand.at[b, r, slot].add(jnp.where(hit, carry * rec_val, 0.0), mode="drop")
     cand = jnp.where(valid, cand, NEG_INF)
-    pick = topk_select(cand, jnp.minimum(lengths, W)[:, None], W, implementation=implementation, config=config)
+    keys = jnp.minimum(lengths, W) if k is None else k
+    pick = topk_select(cand, keys[:, None], W, implementation=implementation, config=config)
     ok = pick >= 0
     safe = jnp.maximum(pick, 0)
     idx = jnp.where(ok, jnp.take_along_axis(pos, safe, axis=-1), -1)
@@ -277,13 +286,17 @@ def select_by_blocks(rows: Array, bmax: Array, rec_idx: Array, rec_val: Array, l
     return val, idx.astype(jnp.int32)
 
 
-def tile_head_topk(q: Array, k: Array, tile: int, W: int) -> tuple[Array, Array]:
+def tile_head_topk(q: Array, k: Array, tile: int, W: int, lengths: Array | None = None,
+                   keep: Array | None = None) -> tuple[Array, Array]:
     """Per query head and query tile, the top-W keys before the tile by causal weight pooled over the tile.
 
     Computed one query tile at a time ([B, Hq, tile, T] at most, never [T, T]).
 
     Args:
       q: [B, T, Hq, D]; k: [B, T, Hkv, D] (after RoPE); tile: query rows per tile; W <= T.
+      lengths: i32[B] or None (every row): the query rows at or past a row's length (its right padding) add
+        nothing to the pooled weights.
+      keep: i32[nT] or None: tile i keeps its top keep[i] keys (<= W), the rest -1 / -inf.
     Returns:
       (val f32[B, Hq, nT, W], idx i32[B, Hq, nT, W]) in rank order (best first), -1 where fewer keys exist.
     """
@@ -302,9 +315,15 @@ def tile_head_topk(q: Array, k: Array, tile: int, W: int) -> tuple[Array, Array]
         pos = start + jnp.arange(tile)
         logits = jnp.where((key[None, :] <= pos[:, None]), logits, NEG_INF)
         probs = jax.nn.softmax(logits, axis=-1)
-        probs = jnp.where((pos < T)[:, None], probs, 0.0).sum(axis=3).reshape(B, Hq, T)  # pooled over the tile
-        return _topk_rows(jnp.where(key < start, probs, NEG_INF), W)
+        real = (pos[None, :] < limit[:, None])[:, None, None, :, None]  # [B, 1, 1, tile, 1]: rows below lengths
+        probs = jnp.where(real, probs, 0.0).sum(axis=3).reshape(B, Hq, T)  # pooled over the tile
+        val, idx = _topk_rows(jnp.where(key < start, probs, NEG_INF), W)
+        if keep is not None:
+            kept = jnp.arange(W) < keep[i]
+            val, idx = jnp.where(kept, val, NEG_INF), jnp.where(kept, idx, -1)
+        return val, idx
 
+    limit = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.minimum(jnp.asarray(lengths, jnp.int32), T)
     val, idx = jax.lax.map(one_tile, (qp, jnp.arange(nT)))  # [nT, B, Hq, W]
     return jnp.moveaxis(val, 0, 2), jnp.moveaxis(idx, 0, 2)
 
@@ -326,6 +345,9 @@ class DraftRecord:
     val: Array
     pool_idx: Array | None = None
     pool_val: Array | None = None
+    # With the pool: i32[B], the keys per row the target takes from it (`pool_record`): the row's own budget plus
+    # slack when the round's first step wrote the pool (`StsDraft.record_keys`).
+    pool_keys: Array | None = None
     # Inside one recording decode forward of the draft with `record_after_scan` (`StsDraft.start_rows` adds them,
     # `StsDraft.finish` selects and drops them): every layer's weight rows f32[B, Hq_d, L_d, N] and the rows'
     # lengths i32[B].
@@ -348,19 +370,21 @@ def empty_record(layers: int, batch: int, heads: int, rows: int, width: int, poo
     rec = DraftRecord(idx=jnp.full(shape, -1, jnp.int32), val=jnp.zeros(shape, jnp.float32))
     if pool:
         rec = rec.replace(pool_idx=jnp.full(shape[:3] + (pool,), -1, jnp.int32),
-                          pool_val=jnp.zeros(shape[:3] + (pool,), jnp.float32))
+                          pool_val=jnp.zeros(shape[:3] + (pool,), jnp.float32),
+                          pool_keys=jnp.full((batch,), width, jnp.int32))
     return rec
 
 
 def pool_record(rec: DraftRecord, implementation: str | None = None) -> DraftRecord:
-    """The record the target reads from a draft state with a pool: per draft layer and head the top W (the
-    record's width) of the pool's keys by pooled weight (ties to the lower position), ascending, -1 padded; a
-    state without a pool is returned as it is."""
+    """The record the target reads from a draft state with a pool: per draft layer and head the top pool_keys[b]
+    (the row's own budget plus slack, at most the record's width W) of the pool's keys by pooled weight (ties to the
+    lower position), ascending, -1 padded; a state without a pool is returned as it is."""
     if rec.pool_idx is None:
         return rec
     W = rec.idx.shape[-1]
     scores = jnp.where(rec.pool_idx >= 0, rec.pool_val, NEG_INF)  # positions ascending along the pool
-    slot = topk_select(scores, W, W, implementation=implementation)  # slots of the pool, ascending
+    keys = W if rec.pool_keys is None else rec.pool_keys[None, :, None]  # the row's own width (`record_keys`)
+    slot = topk_select(scores, keys, W, implementation=implementation)  # slots of the pool, ascending
     ok = slot >= 0
     safe = jnp.maximum(slot, 0)
     idx = jnp.where(ok, jnp.take_along_axis(rec.pool_idx, safe, axis=-1), -1)
@@ -429,6 +453,16 @@ class _Budget:
     def prefill_width(self, T: int) -> int:
         return budget_k(self.budget, T, self.min_tokens)
 
+    def record_keys(self, limit: Array, width: int, pool: bool = False) -> Array:
+        """i32[B]: the keys a recording decode step keeps per row: the row's own budget at the `limit` keys it may
+        record plus `slack` (`mask_pool` times that in the pool), at most `width` (the record's static width) and
+        `limit`. So what a row records depends on the row alone, not on the cache's capacity (which sets the static
+        width): a wider record would enter the target's per-group sum and change the keys it keeps."""
+        k = budget_k(self.budget, limit, self.min_tokens) + self.slack
+        if pool:
+            k = self.mask_pool * k
+        return jnp.minimum(jnp.minimum(k, width), limit).astype(jnp.int32)
+
     def pool_width(self, capacity: int) -> int:
         """Keys in the draft's pool (`first_step_mask`; 0 without it)."""
         return min(self.mask_pool * self.decode_width(capacity), capacity) if self.first_step_mask else 0
@@ -487,12 +521,13 @@ class StsDraft(_Budget):
         rec_idx, rec_val = (flat(jnp.moveaxis(x, 0, 2)) for x in (rec_idx, rec_val))
         if bmax is not None:
             val, idx = select_by_blocks(flat(probs), flat(bmax), rec_idx, rec_val, lengths, self.carry,
-                                        None if lse is None else lse.reshape(B, Hq * L), self.selection)
+                                        None if lse is None else lse.reshape(B, Hq * L), self.selection,
+                                        k=self.record_keys(lengths, rec_idx.shape[-1], self.first_step_mask))
         else:
             val, idx = self._select(flat(probs), rec_idx, rec_val, lengths)
         def unflat(x):  # [B, Hq * L, W] -> [L, B, Hq, W], split as the record (rows by batch, heads by model)
             return constrain(jnp.moveaxis(x.reshape(B, Hq, L, x.shape[-1]), 2, 0), (None, "batch", "heads", None))
-        return self._store(state, unflat(val), unflat(idx))
+        return self._store(state, unflat(val), unflat(idx), lengths=lengths)
 
     def _recorded(self, state):
         """The record a step adds to (and replaces): the pool with `first_step_mask`, else the decode record, as
@@ -506,14 +541,18 @@ class StsDraft(_Budget):
         rec_idx, rec_val [B, R, W]: the top W of probs + carry * (earlier record) -> (val, idx) [B, R, W]."""
         if self.carry:  # the earlier steps' recorded weights, decayed: h = carry * h + s over the steps
             probs = add_recorded(probs, rec_idx, rec_val, lengths, self.carry)
-        return _topk_visible(probs, lengths, rec_idx.shape[-1], self.selection)
+        W = rec_idx.shape[-1]
+        return _topk_visible(probs, lengths, W, self.selection, k=self.record_keys(lengths, W, self.first_step_mask))
 
-    def _store(self, state, val, idx, layer=None):
-        """Writes the new record (val, idx [B, Hq, W] of layer `layer`, or [L, B, Hq, W] of every layer)."""
+    def _store(self, state, val, idx, layer=None, lengths=None):
+        """Writes the new record (val, idx [B, Hq, W] of layer `layer`, or [L, B, Hq, W] of every layer); with the
+        pool also the keys per row the target will take from it (`record_keys` at `lengths`, the step's limit)."""
         def put(x, new):
             return x.at[layer].set(new) if layer is not None else new
         if self.first_step_mask:
-            return state.replace(pool_idx=put(state.pool_idx, idx), pool_val=put(state.pool_val, val))
+            keys = self.record_keys(lengths, state.idx.shape[-1])
+            return state.replace(pool_idx=put(state.pool_idx, idx), pool_val=put(state.pool_val, val),
+                                 pool_keys=keys)
         return state.replace(idx=put(state.idx, idx[..., None, :]), val=put(state.val, val[..., None, :]))
 
     def start(self, cfg, state, phase, batch, q_len, kv_len):
@@ -522,7 +561,10 @@ class StsDraft(_Budget):
         return state
 
     def prefill(self, ctx, q, k, v, state):
-        val, idx = tile_head_topk(q, k, self.tile, state.idx.shape[-1])
+        # Tile i records its own budget's keys (what the target keeps there), whatever the batch's longest row
+        # (which sets the static width), and pools only the rows below each row's length.
+        keep = budget_k(self.budget, sel.tile_starts(q.shape[1], self.tile), self.min_tokens)
+        val, idx = tile_head_topk(q, k, self.tile, state.idx.shape[-1], ctx.lengths, keep)
         state = DraftRecord(idx=state.idx.at[ctx.layer].set(idx), val=state.val.at[ctx.layer].set(val))
         return dense_prefill(q, k, v), state
 
@@ -554,7 +596,7 @@ class StsDraft(_Budget):
             return out, state
         rec_idx, rec_val = self._recorded(state)
         val, idx = self._select(probs, rec_idx[ctx.layer], rec_val[ctx.layer], limit)
-        return out, self._store(state, val, idx, ctx.layer)  # with first_step_mask: the round's pool
+        return out, self._store(state, val, idx, ctx.layer, limit)  # with first_step_mask: the round's pool
 
     def _later_step(self, ctx, q, cache, state):
         """A round's later draft step with `first_step_mask`: per query head h, attention over the keys S_h of
