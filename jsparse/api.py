@@ -202,6 +202,9 @@ def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: An
     target's mesh); `stats`, when given, receives `rounds`, `accepted` and `acceptance_rate` (accepted draft
     tokens / proposed ones).
     """
+    if isinstance(ids, (str, bytes)) or any(isinstance(t, (int, np.integer)) for t in ids):
+        raise ValueError("ids: expected a list of prompts, each a list of token ids ([[1, 2, 3]] for one prompt), "
+                         f"got {str(ids)[:60]!r}")
     if draft is None and getattr(method, "needs_draft", False):
         raise ValueError("method 'sts' takes its selection from a draft model: pass draft= (--draft) as well")
     if draft is not None:

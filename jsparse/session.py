@@ -75,8 +75,8 @@ class Session:
         ids = [int(t) for t in ids]
         if not ids:
             raise ValueError("empty message: expected at least one token")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 1")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected an integer >= 1")
         check_token_ids(self.model.cfg, [ids], "the message")
         total = len(self.tokens) + len(ids) + max_new_tokens
         for who, m in (("model", self.model), ("draft", self.draft)):

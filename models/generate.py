@@ -71,6 +71,9 @@ def check_request(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_token
         raise ValueError("no prompts given: expected at least one")
     if min(prompt_lengths) <= 0:
         raise ValueError(f"empty prompt (prompt lengths {list(prompt_lengths)}): expected at least one token")
+    for name, value in (("max_new_tokens", max_new_tokens), ("capacity", capacity)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
+            raise ValueError(f"{name}={value!r}: expected an integer")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 1")
     need = max(prompt_lengths) + max_new_tokens
@@ -113,8 +116,13 @@ def generate_tokens(params: Params, method, tokens: Array, lengths: Array, key: 
         `prefill_layer_sparsity` reads), so that measuring the prefill needs no second prefill.
     Returns:
       (out: i32[B, max_new_tokens] generated tokens, -1 after a row's EOS; num: i32[B] tokens generated per
-       row, the EOS included), then the prefill's state when `return_prefill_state`.
+       row, the EOS included), then the prefill's state when `return_prefill_state`. No request checks (the
+      shapes are traced: `check_request` is the caller's); a row whose logits come back NaN (a length past the
+      prompt, a write past the cache: the garbage `llama.prefill` / `decode` mark so) ends there, its tokens -1
+      from that step and not counted, instead of argmax's token 0.
     """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected an integer >= 1")
     B = tokens.shape[0]
     cache = sharding.constrain(init_cache(cfg, B, capacity, params.embed.dtype), cache_axes())
     state = method.init_state(cfg, B, capacity)
@@ -122,10 +130,11 @@ def generate_tokens(params: Params, method, tokens: Array, lengths: Array, key: 
     prefill_state = state
     key, sub = jax.random.split(key)
     tok = sample(logits, sub, sampling)
+    bad = jnp.any(jnp.isnan(logits), axis=-1)  # garbage: the row ends with no token
     eos = jnp.asarray(eos_ids if eos_ids else (-2,), jnp.int32)
-    out = jnp.full((B, max_new_tokens), -1, jnp.int32).at[:, 0].set(tok)
-    done = jnp.isin(tok, eos)
-    num = jnp.ones((B,), jnp.int32)
+    out = jnp.full((B, max_new_tokens), -1, jnp.int32).at[:, 0].set(jnp.where(bad, -1, tok))
+    done = jnp.isin(tok, eos) | bad
+    num = (~bad).astype(jnp.int32)
 
     def cond(c):
         step, _, _, _, done, _, _, _ = c
@@ -136,6 +145,7 @@ def generate_tokens(params: Params, method, tokens: Array, lengths: Array, key: 
         logits, cache, state = llama.decode(params, cfg, method, tok[:, None], cache, state)
         key, sub = jax.random.split(key)
         new = sample(logits[:, 0], sub, sampling)
+        done = done | jnp.any(jnp.isnan(logits[:, 0]), axis=-1)  # garbage (a write past the cache): the row ends
         new = jnp.where(done, -1, new)
         out = jax.lax.dynamic_update_slice(out, new[:, None], (0, step))
         num = num + (~done).astype(jnp.int32)
@@ -199,6 +209,8 @@ def sharded_fns(mesh, cfg: ModelConfig, batch: int, capacity: int, all_logits: b
 
 
 def _place(mesh, cfg, params, tokens, cache, all_logits, lengths=None):
+    if sharding.is_fused(params):  # (`param_shardings` names the layout; device_put gave a pytree-structure error)
+        sharding.param_shardings(cfg, mesh, params)
     fns = sharded_fns(mesh, cfg, tokens.shape[0], cache.capacity, all_logits)
     params, cache = jax.device_put(params, fns[2]), jax.device_put(cache, fns[3])
     tokens = sharding.shard_batch(tokens, mesh)

@@ -133,6 +133,20 @@ def test_generate_one_string_is_one_prompt(smollm2):
     assert jsparse.encode(smollm2, ["hi"]) == [ids]
 
 
+def test_generate_ids_refuses_a_flat_list_and_non_integer_counts(smollm2):
+    """A flat id list (one prompt without its outer list) failed with "object of type 'int' has no len()", a
+    float max_new_tokens deep in a shape error, a float in Session.send_ids likewise."""
+    from jsparse.api import generate_ids
+    from jsparse.session import Session
+
+    with pytest.raises(ValueError, match=r"ids: expected a list of prompts, each a list of token ids"):
+        generate_ids(smollm2, [5, 6, 7], max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_new_tokens=2.5: expected an integer"):
+        generate_ids(smollm2, [[5, 6, 7]], max_new_tokens=2.5)
+    with pytest.raises(ValueError, match="max_new_tokens=2.5: expected an integer >= 1"):
+        Session(smollm2, smollm2, gamma=2, capacity=64).send_ids([5, 6], max_new_tokens=2.5)
+
+
 @pytest.mark.parametrize("bad", [[], ["ok", 3], None])
 def test_generate_rejects_non_prompts(smollm2, bad):
     with pytest.raises(ValueError, match="expected a str or a non-empty list of str"):

@@ -185,3 +185,17 @@ def _count(jaxpr, primitive: str) -> int:
             if inner is not None:
                 n += _count(getattr(inner, "jaxpr", inner), primitive)
     return n
+
+
+def test_sharded_steps_name_the_fused_layout():
+    """`sharded_prefill_step` with fused params: the ShardingError that names the layout and the fix, as
+    `sharded_generate_tokens` gives (device_put failed with a pytree-structure error)."""
+    from models.generate import sharded_prefill_step
+
+    cfg = CONFIGS["llama"]
+    fused = P.fuse_projections(_random(cfg))
+    mesh = sharding.make_mesh("model=1")
+    tokens, lengths = jnp.zeros((1, 8), jnp.int32), jnp.array([8])
+    with pytest.raises(sharding.ShardingError, match="fused q/k/v and gate/up layout .*unfuse_projections"):
+        sharded_prefill_step(mesh, fused, make_method("dense"), tokens, lengths, init_cache(cfg, 1, 16, jnp.float32),
+                             None, cfg=cfg)

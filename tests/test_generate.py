@@ -117,6 +117,30 @@ def test_request_errors():
         check_token_ids(CFG, [[1, -1]])
 
 
+def test_generate_tokens_ends_a_row_at_garbage_and_checks_its_static_arguments(params):
+    """Called directly (no `check_request`), a cache too small for the request gave NaN logits that argmax read as
+    token 0, counted in `num`: the row now ends there (-1, not counted); the shorter row fills the cache it has.
+    Non-integer or < 1 max_new_tokens and capacity are refused by name, in `generate_tokens` and `check_request`."""
+    dense = make_method("dense")
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 4, CFG.vocab_size)
+    lengths = jnp.array([16, 10])
+    full, _ = generate_tokens(params, dense, tokens, lengths, jax.random.key(0), cfg=CFG, max_new_tokens=12,
+                              capacity=64)
+    out, num = generate_tokens(params, dense, tokens, lengths, jax.random.key(0), cfg=CFG, max_new_tokens=12,
+                               capacity=16)
+    out, num, full = np.asarray(out), np.asarray(num), np.asarray(full)
+    np.testing.assert_array_equal(num, [1, 7])  # row 0: its first token only; row 1: the 6 slots 10..15 as well
+    np.testing.assert_array_equal(out[0], [full[0, 0]] + [-1] * 11)
+    np.testing.assert_array_equal(out[1, :7], full[1, :7])
+    assert np.all(out[1, 7:] == -1)
+    with pytest.raises(ValueError, match="max_new_tokens=0: expected an integer >= 1"):
+        generate_tokens(params, dense, tokens, lengths, jax.random.key(0), cfg=CFG, max_new_tokens=0, capacity=64)
+    with pytest.raises(ValueError, match="max_new_tokens=2.5: expected an integer"):
+        check_request(CFG, [5], 2.5)
+    with pytest.raises(ValueError, match="capacity=100.0: expected an integer"):
+        check_request(CFG, [5], 4, capacity=100.0)
+
+
 def test_generate_returns_the_state_of_its_own_prefill(params):
     """return_prefill_state: the same tokens, and the method's state equal to a standalone prefill's (TSA's kept
     counts, what the eval harness measures its sparsity from, with tokens dropped in layers 1-2)."""
