@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import sharding
-from models.config import ModelConfig
+from models.config import ConfigError, ModelConfig
 from models.convert import load_hf_folder, params_from_numpy, params_to_numpy
 from models.gguf_loader import load_gguf, open_gguf
 from models.params import Params, fuse_by_default, fuse_projections
@@ -64,6 +64,9 @@ class LoadedModel:
     tokenizer: Any
     name: str
     mesh: Any = None
+    # Stop ids beside cfg.eos_token_ids: a Hugging Face folder's generation_config.json `eos_token_id` (e.g. an
+    # instruct model's end-of-turn token), which `transformers`' generate honours; not part of the fingerprint.
+    stop_ids: tuple[int, ...] = ()
 
 
 def _bundled_smollm2() -> Path:
@@ -113,10 +116,12 @@ def cache_dir() -> Path:
 
 
 def file_digest(path: Path) -> str:
-    """The sha256 of a file's bytes, remembered in `cache_dir()/digests.json` under (absolute path, size, mtime):
-    a file is hashed again only when it is new or changed."""
+    """The sha256 of a file's bytes, remembered in `cache_dir()/digests.json` under (absolute path, inode, size,
+    mtime, ctime): a file is hashed again only when it is new or changed. The ctime moves on every write and no tool
+    sets it back (`cp -p`, `rsync -a` and `os.utime` keep an mtime), so a file rewritten in place with the same size
+    and mtime is hashed again rather than served another file's cached weights."""
     st = path.stat()
-    where = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    where = f"{path.resolve()}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
     index_path = cache_dir() / DIGESTS
     try:
         index = json.loads(index_path.read_text())
@@ -273,12 +278,32 @@ def load_model(spec: str | os.PathLike, dtype=jnp.float32, mesh=None, fuse: bool
         tokenizer = _gguf_tokenizer(resolved.path, open_reader=open_reader)
     else:
         cfg, params = load_hf_folder(resolved.path, dtype, mesh)
+        stop_ids = generation_stop_ids(resolved.path)
         tokenizer = None
         if any((resolved.path / f).is_file() for f in _TOKENIZER_FILES):
             from models.tokenizer import transformers_module
 
             tokenizer = transformers_module().AutoTokenizer.from_pretrained(str(resolved.path))
+        return _fused(LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, name=resolved.name, mesh=mesh,
+                                  stop_ids=stop_ids), fuse)
     return _fused(LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, name=resolved.name, mesh=mesh), fuse)
+
+
+def generation_stop_ids(folder: Path) -> tuple[int, ...]:
+    """The `eos_token_id` (an int or a list) of a folder's generation_config.json, () when it has none; a file that
+    is not a JSON object with integer ids is named."""
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return ()
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from e
+    eos = data.get("eos_token_id") if isinstance(data, dict) else None
+    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in eos):
+        raise ConfigError(f"{path}: eos_token_id={data.get('eos_token_id')!r}: expected an integer or a list of them")
+    return tuple(eos)
 
 
 def _fused(model: LoadedModel, fuse: bool) -> LoadedModel:
@@ -317,4 +342,4 @@ def keep_layers(model: LoadedModel, layers: Sequence[int]) -> LoadedModel:
     text = ",".join(str(x) for x in layers) if len(layers) < 4 or layers != list(range(layers[0], layers[-1] + 1)) \
         else f"{layers[0]}-{layers[-1]}"
     return LoadedModel(cfg=cfg, params=params, tokenizer=model.tokenizer, name=f"{model.name}:layers={text}",
-                       mesh=model.mesh)
+                       mesh=model.mesh, stop_ids=model.stop_ids)

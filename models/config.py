@@ -196,9 +196,11 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope=_rope_from_hf(hf),
-            qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+            # transformers reads attention_bias for Llama and Qwen3 only (Qwen2 has q/k/v biases always, Mistral
+            # none) and mlp_bias for Llama only: a flag another architecture ignores is ignored here too.
+            qkv_bias=model_type == "qwen2" or (model_type in ("llama", "qwen3") and bool(hf.get("attention_bias"))),
             o_bias=model_type in ("llama", "qwen3") and bool(hf.get("attention_bias", False)),
-            mlp_bias=bool(hf.get("mlp_bias", False)),
+            mlp_bias=model_type == "llama" and bool(hf.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
@@ -250,11 +252,22 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> RopeConfig:
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(f"rope_type={rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}")
+    # The fields a scaled type reads are required, as transformers requires them (no made-up defaults); llama3's
+    # original context as transformers takes it: the top-level field first, then the scaling's, then the context.
+    needed = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}.get(rope_type, ())
+    missing = [k for k in needed if params.get(k) is None]
+    if missing:
+        raise ConfigError(f"rope_type={rope_type!r} needs {', '.join(missing)} in rope_scaling / rope_parameters; "
+                          "the config has none")
+    original = 8192  # unused by the default and linear types (kept as it was: the field enters the fingerprint)
+    if rope_type == "llama3":
+        original = hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings") or \
+            hf.get("max_position_embeddings") or 8192
     return RopeConfig(
         theta=float(theta),
         rope_type=rope_type,
         factor=float(params.get("factor", 1.0)),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+        original_max_position=int(original),
     )

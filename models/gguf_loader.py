@@ -133,7 +133,9 @@ def dequantize(tensor, path: Path) -> np.ndarray:
     shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
     try:
         w = _dequantize(tensor.data, tensor.tensor_type)
-        return np.asarray(w, np.float32).reshape(shape)
+        # A copy: an F32 tensor comes back as a view of the memory-mapped file, which a rewrite of the file would
+        # change under the loaded model (and a truncation turn into SIGBUS).
+        return np.array(w, np.float32, copy=True).reshape(shape)
     except Exception as e:
         raise ValueError(f"{path}: GGUF tensor {tensor.name!r} ({tensor.tensor_type.name}, shape {shape}) "
                          f"cannot be read (corrupt or truncated file?): {type(e).__name__}: {e}") from e

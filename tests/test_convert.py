@@ -336,3 +336,52 @@ def test_gguf_cache_hit_and_corrupt_entry_rebuilt(llama_model, tmp_path, monkeyp
     changed = write_gguf(llama_model, tmp_path / "elsewhere" / "changed.gguf", qtype=gguf.GGMLQuantizationType.Q4_0)
     assert params_cache_path(changed, dtype) != target
     assert sorted(p.name for p in (tmp_path / "cache").glob("*.safetensors")) == [target.name]
+
+
+def test_gguf_rewritten_in_place_with_its_mtime_kept_is_hashed_again(llama_model, tmp_path, monkeypatch):
+    """A file rewritten with other weights of the same size, its mtime set back (`cp -p`, `rsync -a`), got the old
+    file's cached digest and so its cached weights: the digest key now holds the inode and ctime too. And an F32
+    tensor no longer aliases the memory-mapped file (a rewrite changed the loaded model's embedding)."""
+    monkeypatch.setenv(bundled.CACHE_ENV, str(tmp_path / "cache"))
+    path = write_gguf(llama_model, tmp_path / "tiny.gguf")  # F32 tensors
+    _, first = load_gguf(path, jnp.float32)
+    embed = np.asarray(first.embed).copy()
+    old = bundled.file_digest(path)
+    st = path.stat()
+    other = tiny_llama(seed=5)
+    write_gguf(other, tmp_path / "other.gguf")
+    path.write_bytes((tmp_path / "other.gguf").read_bytes())
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+    assert bundled.file_digest(path) != old
+    np.testing.assert_array_equal(np.asarray(first.embed), embed)  # the loaded model kept its own weights
+
+
+def test_hf_config_fields_as_transformers_reads_them(folder):
+    """llama3 RoPE: a missing factor is refused (made up before), the original context taken in transformers'
+    order; an attention or MLP bias flag that transformers ignores for an architecture is ignored here too; a
+    folder's generation_config.json stop ids end generation (transformers' generate honours them)."""
+    from models.bundled import generation_stop_ids
+    from models.config import ModelConfig
+
+    base = json.loads((folder / "config.json").read_text())
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    cfg = ModelConfig.from_hf({**base, "rope_scaling": scaling, "rope_parameters": None})
+    assert cfg.rope.original_max_position == base["max_position_embeddings"]  # not 8192
+    cfg = ModelConfig.from_hf({**base, "rope_scaling": scaling, "rope_parameters": None,
+                               "original_max_position_embeddings": 32})
+    assert cfg.rope.original_max_position == 32
+    with pytest.raises(ConfigError, match="rope_type='llama3' needs low_freq_factor, high_freq_factor"):
+        ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0},
+                             "rope_parameters": None})
+    mistral = ModelConfig.from_hf({**base, "model_type": "mistral", "attention_bias": True, "mlp_bias": True})
+    assert not (mistral.qkv_bias or mistral.o_bias or mistral.mlp_bias)
+    assert generation_stop_ids(folder) == ()
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 9]}))
+    assert generation_stop_ids(folder) == (5, 9)
+    model = bundled.load_model(str(folder), jnp.float32)
+    from jsparse.api import eos_ids
+    assert set(eos_ids(model)) >= {5, 9}
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
+    with pytest.raises(ConfigError, match="eos_token_id='x': expected an integer or a list"):
+        generation_stop_ids(folder)
