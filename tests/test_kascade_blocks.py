@@ -36,8 +36,9 @@ def _inputs(seed, T, Hq=HQ, Hkv=HKV):
     return q, k, v
 
 
-def _numpy_block_selection(q, k, tile, bs, budget, min_tokens):
-    """The specification in numpy: causal softmax per query head, summed over the GQA group and the tile's rows,
+def _numpy_block_selection(q, k, tile, bs, budget, min_tokens, lengths=None):
+    """The specification in numpy: causal softmax per query head, summed over the GQA group and the tile's rows
+    (those below the row's length),
     summed per key block; tile i keeps the ceil(k_i / bs) best blocks wholly before its start (ties to the lower
     block), k_i = min(max(ceil(budget * i * tile), min_tokens), i * tile). Returns a list [b][h][i] of sets."""
     q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
@@ -49,6 +50,8 @@ def _numpy_block_selection(q, k, tile, bs, budget, min_tokens):
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p = p / p.sum(-1, keepdims=True)  # [B, Hq, T, T]
     pooled = p.reshape(Bn, Hkv, G, T, T).sum(2)  # [B, Hkv, T, T]
+    if lengths is not None:  # a row's padding queries add nothing
+        pooled = np.where((np.arange(T)[None, :] < np.asarray(lengths)[:, None])[:, None, :, None], pooled, 0.0)
     out = []
     for b in range(Bn):
         rows = []
@@ -72,7 +75,7 @@ def test_block_selection_equals_numpy_reference(bs, T):
     tile, budget, mt = 16, 0.3, 8
     q, k, v = _inputs(bs, T)
     lengths = jnp.array([T, T - 13], jnp.int32)
-    want = _numpy_block_selection(q, k, tile, bs, budget, mt)
+    want = _numpy_block_selection(q, k, tile, bs, budget, mt, lengths)
     for name, fn in (("xla", anchor_prefill), ("reference", anchor_prefill_reference)):
         out, idx = fn(q, k, v, lengths, tile=tile, budget=budget, min_tokens=mt, block_size=bs)
         idx = np.asarray(idx)
