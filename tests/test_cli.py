@@ -52,6 +52,10 @@ def test_calibrate_refuses_a_file_as_out_and_a_length_past_the_context(tmp_path,
     assert "is an existing file: expected a folder" in capsys.readouterr().err
     assert main(["calibrate", "tsa", "--model", "smollm2", "--length", "9000", "--out", str(tmp_path / "o")]) == 2
     assert "--length 9000: expected at most the model's context of 8192 tokens" in capsys.readouterr().err
+    # --anchors replaced an explicit --target-share without a word.
+    assert main(["calibrate", "kascade", "--model", "smollm2", "--anchors", "3", "--target-share", "0.9",
+                 "--length", "256", "--samples", "1", "--out", str(tmp_path / "k")]) == 2
+    assert "--anchors 3 and --target-share 0.9: the anchors come from one of the two rules" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["eval", "--help"], ["calibrate", "--help"],

@@ -383,6 +383,18 @@ def test_calibration_scores_and_artifact(params):
     art = calibrate(Model, windows, lengths=[128], depths=[0.3, 0.7], needle_words=4)
     assert art.kind == "evosparse" and art.arrays["scores"].shape == (CFG.num_layers, HQ)
     assert art.meta["prompts"] == 2 and 0.0 <= art.arrays["scores"].min() <= art.arrays["scores"].max() <= 1.0
+    # The CLI names an empty list and a --length too short for its default prompts (numpy's "max() iterable
+    # argument is empty" before, or an error blaming --prompt-lengths the user never gave).
+    from types import SimpleNamespace
+
+    from jsparse.methods.evosparse_calibration import run_cli
+    base = dict(prompt_lengths=None, depths="0.5", needle_words=4, min_recall=0.5, seed=0)
+    for extra, match in (({"depths": ","}, "--depths ',': expected at least one needle depth"),
+                         ({"prompt_lengths": ","}, "--prompt-lengths ',': expected at least one length")):
+        with pytest.raises(ValueError, match=match):
+            run_cli(Model, windows, SimpleNamespace(**{**base, **extra}))
+    with pytest.raises(ValueError, match="--length 100: the default needle prompts .* expected --length >= 128"):
+        run_cli(Model, windows[:, :100], SimpleNamespace(**base))
 
 
 def test_head_scores_counts_copy_events():

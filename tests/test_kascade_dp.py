@@ -93,3 +93,12 @@ def test_calibrate_by_share_on_a_tiny_model():
     assert len(fixed.meta["anchors"]) == 2 and fixed.meta["target_share"] is None
     with pytest.raises(ValueError, match="reuse_scale=0.5"):
         calibrate(params, cfg, prompts, reuse_scale=0.5, **kw)
+    # The prompts count alike however they are batched (each batch counted once before).
+    batched = calibrate(params, cfg, [np.concatenate(prompts)], target_share=0.97, reuse_scale=2.0, **kw)
+    for name in ("similarity", "similarity_wide", "importance"):
+        np.testing.assert_allclose(batched.arrays[name], art.arrays[name], rtol=1e-5, atol=1e-6)
+    # Prompts too short for any tile's top-k to leave a key out: every similarity was 1, anchors [0], a collapsed
+    # head map, written without a word.
+    with pytest.raises(ValueError, match=r"prompts of 16 tokens: no query tile's top-k leaves a key out .*at least "
+                                         r"17 tokens"):
+        calibrate(params, cfg, [p[:, :16] for p in prompts], **kw)

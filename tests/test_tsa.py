@@ -82,6 +82,17 @@ def test_delta_outside_range_is_an_error(delta, params):
         tcal.calibrate(params, CFG, [np.zeros((1, 16), np.int32)], delta=delta)
 
 
+def test_calibration_weights_prompts_alike_and_refuses_an_empty_selection(params):
+    """The drift is a token mean over every prompt however they are batched (each batch counted once before), and a
+    delta below 1/L, which selects no layer, is refused (an artifact with no sparse layer was written)."""
+    rows = [np.asarray(jax.random.randint(jax.random.key(i), (1, 32), 4, CFG.vocab_size)) for i in range(3)]
+    one = tcal.calibrate(params, CFG, rows, delta=1.0).arrays["drift"]
+    two = tcal.calibrate(params, CFG, [np.concatenate(rows[:2]), rows[2]], delta=1.0).arrays["drift"]
+    np.testing.assert_allclose(two, one, rtol=1e-5)
+    with pytest.raises(ValueError, match=rf"delta=0.1: selects none of the {CFG.num_layers} layers"):
+        tcal.calibrate(params, CFG, rows, delta=0.1)
+
+
 def test_other_argument_errors():
     with pytest.raises(ValueError, match="min_tokens"):
         TSA(min_tokens=-1)

@@ -244,12 +244,17 @@ def run_cli(model, windows, args, progress=None) -> Artifact:
     from jsparse.artifacts import fingerprint
 
     T = int(np.asarray(windows).shape[1])
-    if args.prompt_lengths:
+    if args.prompt_lengths is not None:
         try:
             lengths = [int(x) for x in args.prompt_lengths.split(",") if x.strip()]
         except ValueError:
             raise ValueError(f"--prompt-lengths {args.prompt_lengths!r}: expected comma-separated integers") from None
+        if not lengths:
+            raise ValueError(f"--prompt-lengths {args.prompt_lengths!r}: expected at least one length")
     else:
+        if T < 128:
+            raise ValueError(f"--length {T}: the default needle prompts are --length/2 and --length tokens, each at "
+                             "least 64: expected --length >= 128, or --prompt-lengths")
         lengths = sorted({T // 2, T})
     for n in lengths:
         if not 64 <= n <= T:
@@ -258,6 +263,8 @@ def run_cli(model, windows, args, progress=None) -> Artifact:
         depths = [float(x) for x in args.depths.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"--depths {args.depths!r}: expected comma-separated fractions in [0, 1]") from None
+    if not depths:
+        raise ValueError(f"--depths {args.depths!r}: expected at least one needle depth in [0, 1]")
     return calibrate(model, windows, lengths=lengths, depths=depths, needle_words=args.needle_words,
                      min_recall=args.min_recall, seed=args.seed, fingerprint=fingerprint(model), progress=progress)
 

@@ -228,21 +228,29 @@ def calibrate(params, cfg, prompts: Iterable[np.ndarray], *, num_anchors: int | 
     recorder = _Recorder(budget=budget, min_tokens=min_tokens, tile=tile, reuse_scale=reuse_scale)
     record = jax.jit(_record, static_argnames=("cfg",))
     sim_fn = jax.jit(_similarity, static_argnames=("tile", "wide"))
-    sims, wides, imps, n_batches = 0.0, 0.0, 0.0, 0
+    sims, wides, imps, n_rows = 0.0, 0.0, 0.0, 0
     for tokens in prompts:
         tokens = jnp.asarray(tokens, jnp.int32)
-        state, importance = record(params, cfg, tokens, recorder)
-        T = tokens.shape[1]
+        B, T = tokens.shape
+        starts = np.asarray(sel.tile_starts(T, tile))
         tile_budget = sel.budget_tokens(budget, sel.tile_starts(T, tile), min_tokens)
-        sims = sims + np.asarray(sim_fn(state, tile_budget, tile), np.float64)
-        wides = wides + np.asarray(sim_fn(state, tile_budget, tile, wide=True), np.float64)
-        imps = imps + np.asarray(importance, np.float64)
-        n_batches += 1
+        if not np.any(starts > np.asarray(tile_budget)):  # no tile whose top-k leaves a key out: every share 1
+            need = next(s for s in range(tile, 1 << 30, tile) if s > sel.budget_tokens(budget, s, min_tokens))
+            raise ValueError(f"calibration prompts of {T} tokens: no query tile's top-k leaves a key out (k = "
+                             f"max(ceil({budget} * n), min_tokens={min_tokens}), tile={tile}), so every similarity "
+                             f"would be 1 and the anchors [0]; expected prompts of at least {need + 1} tokens "
+                             "(--length)")
+        state, importance = record(params, cfg, tokens, recorder)
+        # Each batch's means weighted by its rows: the prompts count alike however they are batched.
+        sims = sims + B * np.asarray(sim_fn(state, tile_budget, tile), np.float64)
+        wides = wides + B * np.asarray(sim_fn(state, tile_budget, tile, wide=True), np.float64)
+        imps = imps + B * np.asarray(importance, np.float64)
+        n_rows += B
         if progress is not None:
             progress(1)
-    if n_batches == 0:
+    if n_rows == 0:
         raise ValueError("no calibration prompts given")
-    sim, sim_wide, importance = sims / n_batches, wides / n_batches, imps / n_batches
+    sim, sim_wide, importance = sims / n_rows, wides / n_rows, imps / n_rows
     S = layer_similarity(sim)
     share = share_matrix(S)
     if num_anchors is None:
@@ -265,7 +273,7 @@ def calibrate(params, cfg, prompts: Iterable[np.ndarray], *, num_anchors: int | 
                           "reuse_scale": reuse_scale,
                           "share": [round(float(x), 4) for x in reached],
                           "share_wide": [round(float(x), 4) for x in reached_wide],
-                          "prompts": n_batches})
+                          "prompts": n_rows})
 
 
 def report(art: Artifact) -> str:
@@ -283,9 +291,9 @@ def report(art: Artifact) -> str:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--target-share", type=float, default=DEFAULT_TARGET_SHARE,
+    p.add_argument("--target-share", type=float, default=None,
                    help="choose anchors so that every reuse layer keeps at least this share of its own exact "
-                        f"top-k mass on the development prompts (default {DEFAULT_TARGET_SHARE})")
+                        f"top-k mass on the development prompts (default {DEFAULT_TARGET_SHARE}; not with --anchors)")
     p.add_argument("--anchors", type=int, default=None,
                    help="a fixed number of anchor layers, layer 0 included, chosen by the paper's dynamic "
                         "program instead of --target-share (the paper uses 5; on SmolLM2 that loses the passkey)")
@@ -302,8 +310,12 @@ def run_cli(model, windows, args, progress=None) -> Artifact:
     if args.anchors is not None and not 1 <= args.anchors <= model.cfg.num_layers:
         raise ValueError(f"--anchors {args.anchors}: expected between 1 and the model's {model.cfg.num_layers} "
                          "layers")
+    if args.anchors is not None and args.target_share is not None:
+        raise ValueError(f"--anchors {args.anchors} and --target-share {args.target_share}: the anchors come from "
+                         "one of the two rules; pass one")
+    share = DEFAULT_TARGET_SHARE if args.target_share is None else args.target_share
     art = calibrate(model.params, model.cfg, (w[None] for w in windows), num_anchors=args.anchors,
-                    target_share=args.target_share, reuse_scale=args.reuse_scale, budget=args.budget,
+                    target_share=share, reuse_scale=args.reuse_scale, budget=args.budget,
                     tile=args.tile, fingerprint=fingerprint(model), model_name=model.name, progress=progress)
     print(report(art), file=sys.stderr)
     return art

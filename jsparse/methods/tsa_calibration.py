@@ -88,7 +88,7 @@ def calibrate(params, cfg, prompts: Iterable, *, delta: float = 0.5, eps: float 
     if not eps > 0:
         raise ValueError(f"eps={eps!r}: expected a positive number")
     drift_fn = jax.jit(layer_drift, static_argnames=("cfg", "eps"))
-    total, n = 0.0, 0
+    total, weight, n = 0.0, 0.0, 0
     for item in prompts:
         tokens, lengths = item if isinstance(item, tuple) else (item, None)
         tokens = jnp.asarray(tokens, jnp.int32)
@@ -99,15 +99,21 @@ def calibrate(params, cfg, prompts: Iterable, *, delta: float = 0.5, eps: float 
                 np.any(ln < 1) or np.any(ln > tokens.shape[1]):
             raise ValueError(f"lengths={ln.tolist()}: expected one integer in [1, T={tokens.shape[1]}] per prompt row "
                              f"({tokens.shape[0]} rows; inside the jitted drift a bad length is not checked)")
-        total = total + np.asarray(drift_fn(params, cfg, tokens, jnp.asarray(lengths, jnp.int32), eps=eps),
-                                   np.float64)
-        n += 1
+        # Weighted by the batch's valid tokens (the drift is a token mean): prompts count alike however batched.
+        tokens_in = float(np.sum(ln))
+        total = total + tokens_in * np.asarray(drift_fn(params, cfg, tokens, jnp.asarray(lengths, jnp.int32), eps=eps),
+                                               np.float64)
+        weight += tokens_in
+        n += int(tokens.shape[0])
         if progress is not None:
             progress(1)
     if n == 0:
         raise ValueError("no calibration prompts given")
-    drift = total / n
+    drift = total / weight
     layers = sparse_layers_from_drift(drift, delta)
+    if not layers:
+        raise ValueError(f"delta={delta}: selects none of the {len(drift)} layers (the layers whose normalised drift "
+                         f"rank is <= delta); expected delta >= 1/{len(drift)} = {1 / len(drift):.4f}")
     return Artifact(kind=ARTIFACT_KIND, fingerprint=fingerprint,
                     arrays={"sparse_layers": np.asarray(layers, np.int32), "drift": drift.astype(np.float32),
                             "normalized_rank": normalized_rank(drift).astype(np.float32)},
