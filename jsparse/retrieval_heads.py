@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jsparse import selection as sel
 from jsparse.artifacts import load_artifact
 from pallas_kernels.block_scores import block_max_scores
 from pallas_kernels.topk_select import topk_select
@@ -39,7 +40,7 @@ def retrieval_layout(cfg, heads: Sequence[tuple[int, int]]) -> RetrievalLayout:
     G = Hq // Hkv
     per_layer: list[dict[int, list[int]]] = [dict() for _ in range(L)]
     for layer, head in heads:
-        if any(isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) for x in (layer, head)):
+        if not (sel.is_int(layer) and sel.is_int(head)):
             raise ValueError(f"retrieval head (layer={layer!r}, head={head!r}): expected integer indices (1.7 or "
                              "True would be read as another layer or head)")
         layer, head = int(layer), int(head)

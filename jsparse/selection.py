@@ -26,9 +26,14 @@ def check_budget(budget: float) -> float:
     return float(budget)
 
 
+def is_int(value) -> bool:
+    """Whether `value` is an integer, Python or numpy, and not a bool (True would read as 1)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def check_positive_int(name: str, value, minimum: int = 1) -> int:
     """An integer (Python or numpy, not bool) >= minimum, returned as a Python int."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise ValueError(f"{name}={value!r}: expected an integer >= {minimum}")
     return int(value)
 
@@ -38,7 +43,7 @@ def check_layers(name: str, layers, num_layers: int) -> tuple[int, ...]:
     if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
         raise ValueError(f"{name}={layers!r}: expected a sequence of layer indices")
     layers = list(layers)
-    if any(isinstance(l, (bool, np.bool_)) or not isinstance(l, (int, np.integer)) for l in layers):
+    if not all(is_int(l) for l in layers):
         raise ValueError(f"{name}={layers!r}: expected integer layer indices (17.6 or True would be read as another "
                          "layer)")
     layers = tuple(sorted(int(l) for l in layers))
@@ -156,6 +161,13 @@ def causal_prob_fold(q: Array, k: Array, fn, init, rows: int = PROB_CHUNK_ROWS, 
     return carry
 
 
+def row_limits(lengths: Array | None, B: int, T: int) -> Array:
+    """i32[B]: the query rows of a prefill that count per batch row, min(lengths, T) (None: all T)."""
+    if lengths is None:
+        return jnp.full((B,), T, jnp.int32)
+    return jnp.minimum(jnp.asarray(lengths, jnp.int32), T)
+
+
 def prefill_tile_probs(q: Array, k: Array, tile: int, lengths: Array | None = None) -> Array:
     """Causal post-softmax weights pooled over the GQA group and over each query tile.
 
@@ -183,7 +195,7 @@ def prefill_tile_probs(q: Array, k: Array, tile: int, lengths: Array | None = No
         pooled = jnp.pad(pooled, ((0, 0), (0, 0), (0, 0), (0, T - W)))
         return jax.lax.dynamic_update_slice_in_dim(out, pooled, s // tile, axis=2)
 
-    limit = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.minimum(jnp.asarray(lengths, jnp.int32), T)
+    limit = row_limits(lengths, B, T)
     init = jnp.zeros((B, Hkv, -(-T // rows) * per, T), jnp.float32)  # whole chunks' tiles, cut to n_tiles below
     out = causal_prob_fold(q, k, put, init, rows=rows)
     return out if out.shape[2] == n_tiles else out[:, :, :n_tiles]

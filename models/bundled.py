@@ -271,6 +271,7 @@ def load_model(spec: str | os.PathLike, dtype=jnp.float32, mesh=None, fuse: bool
         model = load_model(m.group(1), dtype, mesh, fuse=False)
         return _fused(keep_layers(model, parse_layers(m.group(2), model.cfg.num_layers)), fuse)
     resolved = resolve_model(spec)
+    stop_ids: tuple[int, ...] = ()
     if resolved.kind == "gguf":
         # The file's metadata is parsed at most once (seconds for SmolLM2's vocabulary), and only on a cache miss.
         open_reader = functools.cache(functools.partial(open_gguf, resolved.path))
@@ -284,9 +285,8 @@ def load_model(spec: str | os.PathLike, dtype=jnp.float32, mesh=None, fuse: bool
             from models.tokenizer import transformers_module
 
             tokenizer = transformers_module().AutoTokenizer.from_pretrained(str(resolved.path))
-        return _fused(LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, name=resolved.name, mesh=mesh,
-                                  stop_ids=stop_ids), fuse)
-    return _fused(LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, name=resolved.name, mesh=mesh), fuse)
+    return _fused(LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, name=resolved.name, mesh=mesh,
+                              stop_ids=stop_ids), fuse)
 
 
 def generation_stop_ids(folder: Path) -> tuple[int, ...]:

@@ -209,8 +209,7 @@ def sharded_fns(mesh, cfg: ModelConfig, batch: int, capacity: int, all_logits: b
 
 
 def _place(mesh, cfg, params, tokens, cache, all_logits, lengths=None):
-    if sharding.is_fused(params):  # (`param_shardings` names the layout; device_put gave a pytree-structure error)
-        sharding.param_shardings(cfg, mesh, params)
+    sharding.check_unfused(params)  # (the cached shardings are of the separate layout: device_put would fail)
     fns = sharded_fns(mesh, cfg, tokens.shape[0], cache.capacity, all_logits)
     params, cache = jax.device_put(params, fns[2]), jax.device_put(cache, fns[3])
     tokens = sharding.shard_batch(tokens, mesh)

@@ -228,14 +228,20 @@ def tree_shardings(tree, axes_tree, mesh: Mesh):
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+def check_unfused(params: Params) -> None:
+    """Params on a mesh must be in the separate q/k/v and gate/up layout (ShardingError naming the fix)."""
+    if is_fused(params):
+        raise ShardingError("params in the fused q/k/v and gate/up layout cannot be placed on a mesh (a fused q/k/v "
+                            "would be split across head groups): expected the separate layout, "
+                            "models.params.unfuse_projections(params) (jsparse.on_mesh does this)")
+
+
 def param_shardings(cfg: ModelConfig, mesh: Mesh, params: Params | None = None) -> Params:
     """NamedSharding per parameter (q/k/v/o by heads, MLP by hidden, vocab by model, norms replicated), for
     `params` or, when None, for the shapes `cfg` implies."""
     check_heads(cfg, mesh)
-    if params is not None and is_fused(params):
-        raise ShardingError("params in the fused q/k/v and gate/up layout cannot be placed on a mesh (a fused q/k/v "
-                            "would be split across head groups): expected the separate layout, "
-                            "models.params.unfuse_projections(params) (jsparse.on_mesh does this)")
+    if params is not None:
+        check_unfused(params)
     return tree_shardings(expected_shapes(cfg) if params is None else params, param_axes(cfg), mesh)
 
 

@@ -158,8 +158,7 @@ class EvoSparse:
             raise ValueError(f"kernels={self.kernels!r}: expected None, 'xla', 'pallas_gpu' or 'reference'")
         if self.retrieval_layers is not None:
             layers = self.retrieval_layers
-            if not all(isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) and x >= 0
-                       for x in layers) or list(layers) != sorted(set(layers)):
+            if not all(sel.is_int(x) and x >= 0 for x in layers) or list(layers) != sorted(set(layers)):
                 raise ValueError(f"retrieval_layers={layers!r}: expected ascending distinct layer indices >= 0")
             has = None if self.layout is None else self.layout.has_retrieval
             # Only a concrete layout is checked (jax also rebuilds the method from tracers and placeholders).
@@ -465,10 +464,8 @@ def _ablation(drop: tuple[str, ...]):
             fr = tuple(0.0 if c in drop else (d if g is None else g)
                        for c, g, d in zip(COMPONENTS, given, DEFAULT_FRACTIONS))
             check_fractions(fr)  # the kept components' fractions must sum to 1 (not rescaled behind the user)
-            options.update({f"{c}_fraction": f for c, f in zip(COMPONENTS, fr)})
-            return EvoSparse.build(cfg=cfg, artifact=artifact if "retrieval" not in drop else None,
-                                   fingerprint=fingerprint, **options)
-        fr = ablation_fractions(DEFAULT_FRACTIONS, drop)  # the defaults of the kept components, scaled to sum 1
+        else:
+            fr = ablation_fractions(DEFAULT_FRACTIONS, drop)  # the defaults of the kept components, scaled to sum 1
         options.update({f"{c}_fraction": f for c, f in zip(COMPONENTS, fr)})
         return EvoSparse.build(cfg=cfg, artifact=artifact if "retrieval" not in drop else None,
                                fingerprint=fingerprint, **options)

@@ -79,8 +79,7 @@ class LayerRole:
 
 
 def roles_from_anchors(num_layers: int, anchors) -> np.ndarray:
-    anchors = list(sel.check_layers("anchors", list(np.asarray(anchors).tolist()) if isinstance(anchors, np.ndarray)
-                                    else anchors, num_layers))  # integers, before any int() truncates one
+    anchors = list(sel.check_layers("anchors", anchors, num_layers))  # integers, before any int() truncates one
     if not anchors or anchors[0] != 0:
         raise ValueError(f"anchors={anchors}: layer 0 must be an anchor")
     roles = np.full((num_layers,), ROLE_REUSE, np.int32)

@@ -323,7 +323,7 @@ def tile_head_topk(q: Array, k: Array, tile: int, W: int, lengths: Array | None 
             val, idx = jnp.where(kept, val, NEG_INF), jnp.where(kept, idx, -1)
         return val, idx
 
-    limit = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.minimum(jnp.asarray(lengths, jnp.int32), T)
+    limit = sel.row_limits(lengths, B, T)
     val, idx = jax.lax.map(one_tile, (qp, jnp.arange(nT)))  # [nT, B, Hq, W]
     return jnp.moveaxis(val, 0, 2), jnp.moveaxis(idx, 0, 2)
 
