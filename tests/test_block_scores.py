@@ -275,3 +275,18 @@ def test_decode_heat_with_a_gqa_group_of_three():
     np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(h, want_h, rtol=1e-5, atol=1e-6)
     assert float(jnp.abs(want_h - heat).max()) > 0  # the mass really moved the heat
+
+
+def test_decode_mass_xla_drops_entries_past_the_cache():
+    """An entry past the cache (index >= N / bs) with a length past N: the gathered decode drops it, and so does the
+    mass the XLA path recomputes from its lse (the reference's rule), instead of scoring the clipped last block."""
+    q, k, v = _cache(3, 1)
+    idx = np.asarray(_indices(1)).copy()
+    idx[:, :, :, 5] = N // BS + 1  # one more entry, past the cache
+    idx = jnp.asarray(idx)
+    lengths = jnp.array([N + 40, 77], jnp.int32)
+    want_o, want_m = reference.sparse_decode_mass_reference(q, k, v, jnp.int32(2), idx, lengths, block_size=BS)
+    o, m = xla.sparse_decode_mass_xla(q, k, v, jnp.int32(2), idx, lengths, block_size=BS)
+    np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(m, want_m, rtol=1e-4, atol=1e-6)
+    assert np.all(np.asarray(m)[..., 5] == 0.0)

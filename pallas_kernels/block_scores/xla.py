@@ -57,7 +57,7 @@ def sparse_decode_mass_xla(q: Array, k_all: Array, v_all: Array, layer: Array, i
     s = jnp.einsum("bthgd,bhtksd->bhtgks", qg, kg.astype(q.dtype), preferred_element_type=jnp.float32) * sc
     pos = lengths.astype(jnp.int32)[:, None] - T + jnp.arange(T)  # [B, T]
     tok = indices[..., None] * bs + jnp.arange(bs)  # [B, Hkv, T, K, bs]
-    valid = (indices[..., None] >= 0) & (tok <= pos[:, None, :, None, None])
+    valid = (indices[..., None] >= 0) & (tok <= pos[:, None, :, None, None]) & (tok < N)  # as sparse_decode
     lse_g = lse.reshape(B, T, Hkv, G).transpose(0, 2, 1, 3)[..., None, None]  # [B, Hkv, T, G, 1, 1]
     p = jnp.where(valid[:, :, :, None] & jnp.isfinite(lse_g), jnp.exp(s - lse_g), 0.0)
     return out, p.sum(-1).mean(axis=3)
