@@ -208,7 +208,7 @@ def topk_indices(scores: Array, k_dyn: Array, K: int, per_shard: bool = False) -
       scores: f32[..., N] (keys that may not be chosen must be -inf).
       k_dyn: i32[...] how many to keep per row (<= K); K: static width.
     Returns:
-      int32[..., K]: the chosen positions ascending, then -1 padding (also for -inf picks).
+      int32[..., min(K, N)]: the chosen positions ascending, then -1 padding (also for -inf picks).
 
     per_shard: under a mesh, select scores in the index contract's layout [B, Hkv, ..., N] per shard (rows over
     data, heads over model; the rows are independent), for scores computed per KV head: XLA's partitioner

@@ -135,6 +135,39 @@ def test_span_chooses_as_the_masked_scores(config):
     np.testing.assert_array_equal(np.asarray(got3), np.asarray(want3))
 
 
+@pytest.mark.parametrize("config", [dict(path="row"), dict(ORDERED), dict(SAMPLE)], ids=["row", "ordered", "sample"])
+def test_span_with_k_near_the_row(config):
+    """k at or near N with a short span: the sampled bound falls to the lowest key, so every position enters the
+    ordered band; the selection must still be the span's alone (the ordered path chose positions outside it before
+    the select kernel masked the band's scores to the span), also on rows of -NaN scores."""
+    from pallas_kernels.topk_select.common import mask_span
+
+    rng = np.random.default_rng(13)
+    R, N = 4, 2048
+    x = rng.standard_normal((R, N)).astype(np.float32)
+    x[3, ::3] = -np.nan
+    lo, hi = np.array([0, 1000, 7, 0], np.int32), np.array([100, 1010, 1900, 2048], np.int32)
+    span = (jnp.asarray(lo), jnp.asarray(hi))
+    for K, k in [(N, [N] * R), (N, [N, 1843, 1900, 2000]), (1843, [1843] * R)]:
+        k = jnp.asarray(k, jnp.int32)
+        want = np.asarray(topk_select_reference(mask_span(jnp.asarray(x), span), k, K))
+        got = np.asarray(gpu.topk_select_gpu(jnp.asarray(x), k, K, span=span, config=gpu.SelectConfig(**config),
+                                             interpret=True))
+        np.testing.assert_array_equal(got, want)
+        picked = got >= 0
+        assert not (picked & ((got < lo[:, None]) | (got >= hi[:, None]))).any()
+
+
+def test_ordered_band_capacity_is_capped():
+    """An explicit "ordered" path with K past 32K sizes its band at the kernels' limit (a row whose band overflows it
+    streams) instead of failing on a capacity the caller never chose."""
+    from pallas_kernels.topk_select import gpu_ordered
+    from pallas_kernels.topk_select.gpu_row import ROW_LIMIT
+
+    assert gpu_ordered.band_capacity(65536, 131072, 4096, 4.0) == ROW_LIMIT
+    assert gpu_ordered.band_capacity(2080, 131072, 4096, 4.0) < ROW_LIMIT
+
+
 def test_span_on_every_implementation_and_its_errors():
     """The entry point takes a span on every implementation (the reference, "xla"): the masked scores' selection;
     a span that is not a pair names what it got."""

@@ -71,8 +71,9 @@ class SelectConfig:
       compact_block_n: scores per inner iteration of the compaction (a power of two).
       target_programs: about how many programs each launch should have (rows x splits).
       num_warps: warps per program.
-      path: "auto" ("row" when N <= row_max, else "sample"), "row", "fused", "sample" or "passes" (module
-        docstring).
+      path: "auto" ("row" when N <= row_max; else "ordered" for at least ordered_min_rows rows whose band fits
+        ordered_max_cap, "sample" otherwise), "row", "fused", "sample", "ordered" or "passes" (module docstring);
+        "sample" and "ordered" take "fused" for rows shorter than their sample.
         bits_per_pass, block_n, compact_block_n, target_programs and num_warps tune "fused" and "passes".
       row_max: the longest row "auto" sends to the single-launch "row" kernel (<= gpu_row.ROW_LIMIT).
       row_bits: radix bits per in-kernel pass of the "row" kernel (1, 2, 4 or 8).

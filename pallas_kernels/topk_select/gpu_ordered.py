@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.topk_select import gpu_fused
-from pallas_kernels.topk_select.common import (INT_MIN, KEY_NEG_INF, KEY_POS_INF, float_keys, ref_span,
+from pallas_kernels.topk_select.common import (INT_MIN, KEY_NEG_INF, KEY_POS_INF, float_keys, in_span, ref_span,
                                                selection_rule)
 from pallas_kernels.topk_select.gpu_row import ROW_LIMIT, next_pow2, row_picks
 from pallas_kernels.topk_select.gpu_sample import rank_halfwidth, sample_bracket
@@ -51,9 +51,10 @@ Array = jax.Array
 def band_capacity(K: int, N: int, sample: int, sigmas: float) -> int:
     """The band capacity for rows of N scores and k <= K: a power of two >= K + 2 (sigmas sd + 8) N / sample (the
     keys above a lower bound drawn `sigmas` standard deviations of the sample rank below k, plus the same again
-    for the spread of the count), at least 1024."""
+    for the spread of the count), at least 1024 and at most ROW_LIMIT (a row whose band overflows it takes the
+    exact streaming fallback)."""
     m = rank_halfwidth(K * sample / N, sample, sigmas)
-    return max(1024, next_pow2(int(math.ceil(K + 2.0 * m * N / sample))))
+    return min(ROW_LIMIT, max(1024, next_pow2(int(math.ceil(K + 2.0 * m * N / sample)))))
 
 
 def _band_kernel(br_ref, x_ref, *refs, n: int, block_n: int, cap: int, skip_empty: bool, spanned: bool = False):
@@ -105,8 +106,10 @@ def _select_kernel(k_ref, br_ref, nb_ref, eq_ref, pos_ref, x_ref, *refs, n: int,
     n_in = jnp.where(in_band, n_band, 0)
     valid = slot < n_in
     pos = plgpu.load(pos_ref.at[pl.ds(0, cap)], mask=valid, other=0)
-    # The band's scores gathered by position (all inside the span: only those entered the band).
-    key = jnp.where(valid, float_keys(plgpu.load(x_ref.at[pos], mask=valid, other=0.0)), INT_MIN)
+    # The band's scores gathered by position, masked to the span again: a bound B at or below the key of -inf (k near
+    # N, where the sample rank reaches the sample's end, or -NaN scores) lets positions outside the span enter.
+    x = in_span(plgpu.load(x_ref.at[pos], mask=valid, other=0.0), pos, span)
+    key = jnp.where(valid, float_keys(x), INT_MIN)
     sel, dst, total = row_picks(key, valid, jnp.where(in_band, kk, 0), n_in, bits, width)
     plgpu.store(o_ref.at[jnp.where(sel, dst, width)], pos, mask=sel)
 
