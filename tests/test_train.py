@@ -176,17 +176,28 @@ def test_killed_run_resumes_to_the_same_parameters(tmp_path, uninterrupted, mode
         assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4, 5, 6]  # no step lost or logged twice
 
 
-def test_interrupt_saves_the_current_step(tmp_path, uninterrupted, model_params, pcfg, chunks):
+@pytest.mark.parametrize("how", ["ctrl_c", "sigterm"])
+def test_interrupt_saves_the_current_step(tmp_path, uninterrupted, model_params, pcfg, chunks, how):
+    """Ctrl-C, or a SIGTERM (what `timeout` and schedulers send), after step 3 saves step 3; the run resumes there
+    and ends where the uninterrupted one does. The SIGTERM handler is the previous one again afterwards."""
+    import signal
+
+    from train.loop import Terminated
+
     _, full = uninterrupted
-    out = str(tmp_path / "ctrl_c")
+    out = str(tmp_path / how)
 
     def interrupt(step, loss):
         if step == 3:
-            raise KeyboardInterrupt
+            if how == "ctrl_c":
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGTERM)
 
-    with pytest.raises(KeyboardInterrupt):
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt if how == "ctrl_c" else Terminated):
         train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg, progress=False,
               on_step=interrupt)
+    assert signal.getsignal(signal.SIGTERM) is before
     meta = read_checkpoint_meta(out)
     assert meta["step"] == 3 and meta["data_position"] == 3 * TC.batch_size
     res = train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg, progress=False)
@@ -289,10 +300,20 @@ def test_train_config_errors(model_params, pcfg, chunks, tmp_path):
     bad = [({"seq_len": 8}, r"seq_len=8: expected an integer in \[16, 512\]"),
            ({"seq_len": 1024}, r"seq_len=1024"),
            ({"warmup_steps": 6}, "warmup_steps=6"),
-           ({"batch_size": 0}, "batch_size=0")]
+           ({"batch_size": 0}, "batch_size=0"),
+           ({"seed": 2**32}, r"seed=4294967296: expected an integer in \[0, 4294967295\]"),
+           ({"clip_norm": float("nan")}, "clip_norm=nan: expected a positive finite number"),
+           ({"clip_norm": float("inf")}, "clip_norm=inf")]
     for change, msg in bad:
         with pytest.raises(TrainError, match=msg):
             TrainConfig(**{**TC.__dict__, **change}).validate(CFG, 1)
+    TrainConfig(**{**TC.__dict__, "seed": 2**32 - 1}).validate(CFG, 1)
+    # A sliding-window model: chunks up to its window only (the targets are full causal logits).
+    import dataclasses
+    windowed = dataclasses.replace(CFG, sliding_window=24, layer_windows=(24, 0, 24))
+    with pytest.raises(TrainError, match="seq_len=32: the model's sliding-window layers attend within 24 tokens"):
+        TC.validate(windowed, 1)
+    TrainConfig(**{**TC.__dict__, "seq_len": 24}).validate(windowed, 1)
     with pytest.raises(TrainError, match="not a multiple of the 2 devices"):
         TrainConfig(**{**TC.__dict__, "batch_size": 3}).validate(CFG, 2)
     with pytest.raises(TrainError, match=r"chunks have shape \(7, 32\): expected \[S, seq_len=48\]"):
@@ -338,6 +359,18 @@ def test_data_pipeline_and_errors(tmp_path):
     np.testing.assert_array_equal(s1.batch(5), s2.batch(5))  # a pure function of (seed, step)
     assert s1.fingerprint() == s2.fingerprint()
     assert data_lib.ChunkStream(chunks[::-1], 2).fingerprint() != s1.fingerprint()
+    # An existing file is itself even when its name holds glob characters; `**` reaches any depth; a file reached
+    # through a link is read once.
+    odd = tmp_path / "notes[a].txt"
+    odd.write_text("the file named with brackets", encoding="utf-8")
+    assert data_lib.expand_paths([str(odd)]) == [os.path.realpath(odd)]
+    (tmp_path / "sub" / "deep").mkdir(parents=True)
+    (tmp_path / "sub" / "top.txt").write_text("x", encoding="utf-8")
+    (tmp_path / "sub" / "deep" / "low.txt").write_text("y", encoding="utf-8")
+    found = data_lib.expand_paths([str(tmp_path / "sub" / "**" / "*.txt")])
+    assert [os.path.basename(p) for p in found] == ["low.txt", "top.txt"]
+    os.symlink(a, tmp_path / "link.txt")
+    assert data_lib.expand_paths([str(a), str(tmp_path / "link.txt")]) == [os.path.realpath(a)]
     with pytest.raises(FileNotFoundError, match="does not exist"):
         data_lib.expand_paths([str(tmp_path / "missing.txt")])
     with pytest.raises(FileNotFoundError, match="matches no file"):

@@ -25,7 +25,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     """Adds the `train-predictor` command to an argparse subparsers object; returns its parser."""
     p = subparsers.add_parser(
         "train-predictor", help="train TokenButler's importance predictor (writes a butler artifact)",
-        description="Train TokenButler's ~1%% predictor against the frozen model's attention logits (blockwise MSE), "
+        description="Train TokenButler's ~1% predictor against the frozen model's attention logits (blockwise MSE), "
                     "data-parallel over the devices present. Writes checkpoints, loss.jsonl and a 'butler' artifact "
                     "to --out; rerunning the same command resumes from the latest checkpoint.")
     p.add_argument("--model", default="smollm2",
@@ -34,7 +34,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="the frozen model's dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
     p.add_argument("--data", nargs="+", required=True, metavar="FILE",
-                   help="UTF-8 text files or glob patterns (quoted) to train on")
+                   help="UTF-8 text files or glob patterns (quoted; ** matches any depth of folders) to train on")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per training chunk (default 1024)")
     p.add_argument("--steps", type=int, required=True, help="optimizer steps of the whole run")
     p.add_argument("--out", required=True, help="output folder (checkpoints, loss log, artifact)")

@@ -28,7 +28,9 @@ class DataError(ValueError):
 
 
 def expand_paths(patterns: Sequence[str]) -> list[str]:
-    """Expands glob patterns and plain paths into a sorted, de-duplicated list of files.
+    """Expands glob patterns (`**` matches any depth of folders) and plain paths into a sorted list of files,
+    each file once (by its real path: a file reached through a link is read once). An existing file is taken as
+    it is, even when its name holds glob characters ('notes[1].txt').
 
     Raises:
       DataError: no pattern given.
@@ -38,19 +40,19 @@ def expand_paths(patterns: Sequence[str]) -> list[str]:
         raise DataError("no training data given: expected one or more text files (--data FILE...)")
     out: list[str] = []
     for pattern in patterns:
-        if glob.has_magic(pattern):
-            found = sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
+        if os.path.isfile(pattern):
+            out.append(pattern)
+        elif glob.has_magic(pattern):
+            found = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
             if not found:
                 raise FileNotFoundError(f"--data pattern {pattern!r} matches no file")
             out += found
         elif os.path.isdir(pattern):
             raise DataError(f"--data {pattern!r} is a folder: expected text files (a glob such as "
                             f"'{os.path.join(pattern, '*.txt')}' works)")
-        elif not os.path.isfile(pattern):
-            raise FileNotFoundError(f"training data file {pattern!r} does not exist")
         else:
-            out.append(pattern)
-    return sorted(dict.fromkeys(os.path.abspath(p) for p in out))
+            raise FileNotFoundError(f"training data file {pattern!r} does not exist")
+    return sorted(dict.fromkeys(os.path.realpath(p) for p in out))
 
 
 def read_text(path: str) -> str:

@@ -20,8 +20,9 @@ Checkpoints (orbax, `OUT/checkpoints/<step>`): predictor params and optimizer st
 drives the schedule) plus JSON metadata: step, data position, seed, the model's fingerprint, the predictor config,
 the data's fingerprint and the training config. A run whose OUT already holds checkpoints resumes from the latest
 one: the data stream is a pure function of (seed, step) (train/data.py), so the resumed run reads exactly the
-batches the uninterrupted run would have, and no step is lost or repeated. Ctrl-C (KeyboardInterrupt) saves a
-checkpoint of the last completed step before exiting; a killed process resumes from its last periodic checkpoint.
+batches the uninterrupted run would have, and no step is lost or repeated. Ctrl-C (KeyboardInterrupt) and SIGTERM
+(what `timeout`, schedulers and preemption send; raised as `Terminated`, a KeyboardInterrupt) save a checkpoint of the
+last completed step before exiting; a killed process (SIGKILL) resumes from its last periodic checkpoint.
 Resuming with another model, predictor shape, data or training config is an error naming both values.
 
 When training finishes, OUT holds a "butler" artifact (artifact.json + arrays.npz: the flattened params, the
@@ -31,11 +32,14 @@ step: step, loss, learning rate, gradient norm, tokens/s).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import math
 import os
+import signal
+import threading
 import time
 import warnings
 from typing import Any, Callable, Optional
@@ -61,6 +65,7 @@ Array = jax.Array
 CHECKPOINTS = "checkpoints"
 LOSS_LOG = "loss.jsonl"
 MIN_SEQ_LEN = 16
+SEED_MAX = 2**32 - 1  # the largest seed: jax PRNG keys keep 32 bits
 
 
 class TrainError(ValueError):
@@ -177,6 +182,13 @@ class TrainConfig:
             pos_int(name)
         pos_int("warmup_steps", 0)
         pos_int("seed", 0)
+        if self.seed > SEED_MAX:  # jax keys keep 32 bits; numpy's shuffle would take more, and overflow at 2**63
+            raise TrainError(f"seed={self.seed}: expected an integer in [0, {SEED_MAX}]")
+        W = cfg.window_size
+        if W is not None and self.seq_len > W:
+            raise TrainError(f"seq_len={self.seq_len}: the model's sliding-window layers attend within {W} tokens, "
+                             f"which the predictor's targets (full causal attention logits) do not model; expected "
+                             f"seq_len <= {W}")
         if not isinstance(self.seq_len, int) or not MIN_SEQ_LEN <= self.seq_len <= cfg.max_position_embeddings:
             raise TrainError(f"seq_len={self.seq_len!r}: expected an integer in [{MIN_SEQ_LEN}, "
                              f"{cfg.max_position_embeddings}] (the model's context)")
@@ -190,8 +202,9 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not lo < v <= hi:
                 raise TrainError(f"{name}={v!r}: expected a number in {'(0' if lo >= 0 else '[0'}, {hi}]")
-        if not isinstance(self.clip_norm, (int, float)) or self.clip_norm <= 0:
-            raise TrainError(f"clip_norm={self.clip_norm!r}: expected a positive number")
+        if (not isinstance(self.clip_norm, (int, float)) or isinstance(self.clip_norm, bool)
+                or not 0 < self.clip_norm < math.inf):
+            raise TrainError(f"clip_norm={self.clip_norm!r}: expected a positive finite number")
         if self.loss_impl not in (None, "gpu", "tpu", "xla"):
             raise TrainError(f"loss_impl={self.loss_impl!r}: expected 'gpu', 'tpu', 'xla' or None")
         return self
@@ -424,6 +437,27 @@ def _rewrite_log(path: str, upto: int) -> None:
         f.writelines(kept)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM during `train`'s steps: handled as Ctrl-C (a checkpoint of the last completed step), then raised."""
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """Within: SIGTERM raises `Terminated` in the main thread (elsewhere, where no handler can be set, unchanged)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated(f"signal {signal.Signals(signum).name} during training")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def train(cfg: ModelConfig, model_params, *, fingerprint: str, chunks: np.ndarray, out_dir: str, tc: TrainConfig,
           pcfg: PredictorConfig, model_name: str = "", on_step: Callable[[int, float], None] | None = None,
           progress: bool = True, max_seconds: float | None = None, devices=None, fsdp: bool = True) -> TrainResult:
@@ -434,7 +468,8 @@ def train(cfg: ModelConfig, model_params, *, fingerprint: str, chunks: np.ndarra
       chunks: i32[S, seq_len] training chunks (train/data.py). out_dir: checkpoints, loss log and artifact.
       tc: hyper-parameters. pcfg: the predictor's shape (train/predictor.py presets).
       on_step: called as on_step(step, loss) after every completed step (step counts from 1); an exception it
-        raises ends the run like a crash (a KeyboardInterrupt saves a checkpoint of that step first).
+        raises ends the run like a crash (a KeyboardInterrupt saves a checkpoint of that step first; so does a
+        SIGTERM, raised as `Terminated`).
       max_seconds: stop after this much wall time (saving a checkpoint and the artifact), None for no limit.
       devices: the devices of the data-parallel mesh (default: all).
       fsdp: on more than one device, keep the frozen model's params sharded over 'data' between steps (each
@@ -492,7 +527,7 @@ def train(cfg: ModelConfig, model_params, *, fingerprint: str, chunks: np.ndarra
     bar = tqdm(total=tc.steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True,
                desc="train-predictor")
     try:
-        with open(log_path, "a") as log:
+        with _sigterm_interrupts(), open(log_path, "a") as log:
             while step < tc.steps:
                 t0 = time.perf_counter()
                 tokens = jax.device_put(stream.batch(step), batch_sharding)
