@@ -97,6 +97,17 @@ def below_dense(records: Sequence[Mapping]) -> list[tuple[str, int, Mapping, Map
     return out
 
 
+def unchecked(records: Sequence[Mapping]) -> list[tuple[str, int, Mapping]]:
+    """(row label, length, record) of every passkey or generation-task result (all depths pooled) of a method other
+    than dense with no dense result at the same (task, variant, length) to check it against: the gate says nothing
+    of these (a folder can gather runs of other tasks, lengths or methods by resuming)."""
+    row = row_labeler(records)
+    main = [r for r in records if is_accuracy(r) and r["depth"] is None]
+    dense = {(r["task"], r["variant"], r["length"]) for r in main if r["method"] == "dense"}
+    return [(row(r) if r["task"] == "passkey" else f"{row(r)} {_column(r)[2]}", r["length"], r) for r in main
+            if r["method"] != "dense" and (r["task"], r["variant"], r["length"]) not in dense]
+
+
 def _score(r: Mapping) -> str:
     """An accuracy-like record's score for the fidelity gate: hits/n for passkey's exact-match accuracy, else the
     task's mean metric (a mean of fractions for string_match_all, not a count of hits)."""
@@ -198,13 +209,17 @@ def summary_markdown(records: Sequence[Mapping], meta: Mapping | None = None) ->
     lines += ["## Fidelity gate", "",
               "Passkey and generation-task results below dense's at the same task and length (marked " + BELOW_DENSE
               + " above):", ""]
-    if gate:
-        lines += [f"- {m} @{L}: {_score(r)} against dense's {_score(d)}" for m, L, r, d in gate]
-    elif any(r["method"] == "dense" and is_accuracy(r) for r in main):
+    missing = unchecked(records)
+    has_dense = any(r["method"] == "dense" and is_accuracy(r) for r in main)
+    lines += [f"- {m} @{L}: {_score(r)} against dense's {_score(d)}" for m, L, r, d in gate]
+    if not has_dense:
+        lines += ["- not checked: the run has no dense passkey or generation-task result."]
+    elif missing:  # a folder that gathered runs of other tasks, lengths or methods
+        lines += ["- not checked, no dense result at the same task and length: "
+                  + ", ".join(f"{m} @{L}" for m, L, _ in missing)]
+    elif not gate:
         lines += ["- none: every method scores at least dense's passkey." if all(
             r["task"] == "passkey" for r in main if is_accuracy(r)) else "- none: every method scores at least dense's."]
-    else:
-        lines += ["- not checked: the run has no dense passkey or generation-task result."]
     lines += [""]
 
     lengths = sorted({r["length"] for r in records})
@@ -325,24 +340,27 @@ def leaderboard(records: Sequence[Mapping]) -> list[dict]:
     accuracy: the mean over the row's (task, variant, length) results of passkey and the generation tasks (each
     counts once); sparsity: its mean achieved sparsity (None when unreported); ppl_change: the mean relative
     perplexity change against dense at the same (variant, length), in percent (None without dense or ppl);
-    below_dense: how many of its accuracy results fall below dense's. Sorted by accuracy (high first), then
-    perplexity change (low first).
+    below_dense: how many of its accuracy results fall below dense's; unchecked: how many have no dense result at
+    the same (task, variant, length) (`unchecked`: rows of a folder that gathered several runs may be means over
+    different results). Sorted by accuracy (high first), then perplexity change (low first).
     """
     row = row_labeler(records)
     main = [r for r in records if r["depth"] is None]
     dense_ppl = {(r["variant"], r["length"]): r["value"] for r in main if r["method"] == "dense" and not is_accuracy(r)}
     gate = {id(r) for _, _, r, _ in below_dense(records)}
+    missing = {id(r) for _, _, r in unchecked(records)}
     rows: dict[str, dict] = {}
     for r in main:
         e = rows.setdefault(row(r), dict(label=row(r), method=r["method"], budget=r["budget"],
                                          budget_tokens=r.get("budget_tokens"), _acc=[], _sp=[], _ppl=[], _tasks={},
-                                         below_dense=0))
+                                         below_dense=0, unchecked=0))
         if r["sparsity"] is not None:
             e["_sp"].append(r["sparsity"])
         if is_accuracy(r):
             e["_acc"].append(r["value"])
             e["_tasks"].setdefault(_column(r)[2], []).append(r["value"])
             e["below_dense"] += id(r) in gate
+            e["unchecked"] += id(r) in missing
         elif (r["variant"], r["length"]) in dense_ppl:
             e["_ppl"].append(100.0 * (r["value"] / dense_ppl[(r["variant"], r["length"])] - 1.0))
     out = []
@@ -350,7 +368,7 @@ def leaderboard(records: Sequence[Mapping]) -> list[dict]:
         out.append(dict(label=e["label"], method=e["method"], budget=e["budget"], budget_tokens=e["budget_tokens"],
                         sparsity=_mean(e["_sp"]), accuracy=_mean(e["_acc"]),
                         tasks={t: _mean(v) for t, v in e["_tasks"].items()}, ppl_change=_mean(e["_ppl"]),
-                        below_dense=e["below_dense"]))
+                        below_dense=e["below_dense"], unchecked=e["unchecked"]))
     big = float("inf")
     out.sort(key=lambda e: (-(e["accuracy"] if e["accuracy"] is not None else -1.0),
                             e["ppl_change"] if e["ppl_change"] is not None else big, e["label"]))
@@ -362,13 +380,17 @@ def leaderboard_markdown(records: Sequence[Mapping]) -> list[str]:
     tasks = sorted({t for e in rows for t in e["tasks"]}, key=lambda t: (t != "passkey", t))
     fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
     header = ["rank", "method", "budget", "sparsity", "mean accuracy"] + tasks + ["ppl change", "below dense"]
+    some_unchecked = any(e["unchecked"] for e in rows)
+    if some_unchecked:
+        header.append("not checked against dense")
     table = []
     for i, e in enumerate(rows, 1):
         budget = "none" if e["budget"] is None else (f"{e['budget_tokens']} tokens" if e["budget_tokens"] is not None
                                                       else f"{e['budget']:g}")
         table.append([str(i), e["label"], budget, fmt(e["sparsity"], ".3f"), fmt(e["accuracy"], ".3f")]
                      + [fmt(e["tasks"].get(t), ".2f") for t in tasks]
-                     + ["" if e["ppl_change"] is None else f"{e['ppl_change']:+.1f}%", str(e["below_dense"])])
+                     + ["" if e["ppl_change"] is None else f"{e['ppl_change']:+.1f}%", str(e["below_dense"])]
+                     + ([str(e["unchecked"])] if some_unchecked else []))
     return _table(header, table)
 
 

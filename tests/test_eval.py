@@ -186,6 +186,17 @@ def test_fidelity_gate_marks_methods_below_dense():
                                  value=v, sparsity=0.0, n=10, variant="generate", depth=None, seconds=1.0)
              for m, v in (("dense", 0.78), ("quest", 0.76))]
     assert "- quest niah_multivalue @64: 0.76 against dense's 0.78" in report.summary_markdown(multi, {})
+    # A folder that gathered runs: oracle at 256 has no dense result to check against. The gate names it instead of
+    # saying "none", and the leaderboard counts it.
+    gathered = [r for r in recs if r["method"] != "kascade"] + [rec("oracle", 256, 1)]
+    assert [(m, L) for m, L, _ in report.unchecked(gathered)] == [("oracle", 256)]
+    md = report.summary_markdown(gathered, {})
+    assert "- not checked, no dense result at the same task and length: oracle @256" in md
+    assert "- none:" not in md
+    board = {e["method"]: e for e in report.leaderboard(gathered)}
+    assert (board["oracle"]["unchecked"], board["tsa"]["unchecked"], board["dense"]["unchecked"]) == (1, 0, 0)
+    assert "not checked against dense |" in "\n".join(report.leaderboard_markdown(gathered))
+    assert "not checked against dense" not in "\n".join(report.leaderboard_markdown(recs))
 
 
 def test_passkey_scoring():
