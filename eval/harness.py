@@ -28,8 +28,11 @@ A record (every record has exactly the keys of `RECORD_KEYS`; results.json schem
             any is), or "perplexity"
   value     the metric's value (a mean over the samples)
   sparsity  achieved sparsity: fraction of visible keys not attended, averaged over layers and the query
-            positions 0..length-1, from `method.achieved_sparsity(cfg, positions)`; 0.0 for dense; None when
-            the method does not report it. For a method that measures its prefill (TSA, see layer_sparsity),
+            positions the record scores, from `method.achieved_sparsity(cfg, positions)` (`achieved_sparsity`):
+            ppl "decode" positions 0..length-1; ppl "continuation" the last C; ppl "prefill", passkey and the
+            generation tasks the prompt's positions in the method's prefill, 0.0 for the decode methods whose
+            prefill is dense (Quest, H2O, EvoSparse, TokenButler; before 2026-12-03 these records carried the
+            decode rule over 0..length-1); 0.0 for dense; None when the method does not report it. For a method that measures its prefill (TSA, see layer_sparsity),
             the measured attention-map sparsity of the record's prefills averaged over all layers (dense
             layers count 0)
   layer_sparsity
@@ -447,12 +450,29 @@ def make_record(**fields) -> dict:
     return {k: fields[k] for k in RECORD_KEYS}
 
 
-def achieved_sparsity(method, name: str, cfg, length: int) -> float | None:
-    """The method's achieved sparsity over query positions 0..length-1 (0.0 for dense, None if unreported)."""
+def achieved_sparsity(method, name: str, cfg, length: int, variant: str = "decode",
+                      continuation: int | None = None) -> float | None:
+    """The method's achieved sparsity over the query positions a record of `variant` scores, each by the rule of
+    the phase that computes it (0.0 for dense, None if unreported):
+      "decode" (ppl): positions 0..length-1, all decoded;
+      "continuation" (ppl): the last `continuation` positions, decoded after the prefill of the rest;
+      "prefill" (ppl), "generate" / "chat" (passkey and the generation tasks): the prompt's positions 0..length-1
+        in the method's prefill: 0.0 for a method whose prefill attends to every key (`dense_prefill`: Quest, H2O,
+        EvoSparse, TokenButler), else its rule over them."""
     fn = getattr(method, "achieved_sparsity", None)
     if fn is None:
         return 0.0 if name == "dense" else None
-    return float(fn(cfg, np.arange(length, dtype=np.int32)))
+    if variant == "continuation":
+        if continuation is None:
+            raise ValueError("variant 'continuation' needs its continuation tokens")
+        positions = np.arange(length - continuation, length, dtype=np.int32)
+    elif variant == "decode":
+        positions = np.arange(length, dtype=np.int32)
+    elif getattr(method, "dense_prefill", False):
+        return 0.0
+    else:
+        positions = np.arange(length, dtype=np.int32)
+    return float(fn(cfg, positions))
 
 
 def _batches(rows: np.ndarray, size: int):
@@ -974,7 +994,8 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
                     continue
                 method = run.build()
                 name, budget, budget_tokens = run.name, run.budget, run.budget_tokens
-                sparsity = achieved_sparsity(method, name, cfg, length)
+                sparsity = functools.partial(achieved_sparsity, method, name, cfg, length,
+                                             continuation=spec.continuation)  # of a record's variant
                 common = dict(method=name, length=length, budget=budget, budget_tokens=budget_tokens)
                 # Passkey and the generation tasks: their prompts in shared generate calls (speculative decoding
                 # ones with a draft).
@@ -1017,7 +1038,8 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
                                                 answers=[p.key], completion=c, score=float(ok)))
                         emit(_score_records("passkey", "accuracy", [float(ok) for ok in correct],
                                             [p.depth for p in prompts], seconds, "generate",
-                                            sparsity=sparsity if mean is None else mean, layer_sparsity=layers,
+                                            sparsity=sparsity("generate") if mean is None else mean,
+                                            layer_sparsity=layers,
                                             acceptance_rate=rate, **common))
                     elif task == "ppl":
                         nll = run_ppl(model, method, windows, variant, spec.ppl_rows(length), spec.chunk, tick,
@@ -1026,7 +1048,7 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
                         layers, mean = measured.result()
                         emit([make_record(task="ppl", metric="perplexity", value=ppl_task.perplexity(nll),
                                           n=len(nll), variant=variant, depth=None, seconds=seconds,
-                                          sparsity=sparsity if mean is None else mean,
+                                          sparsity=sparsity(variant) if mean is None else mean,
                                           layer_sparsity=layers, **common)])
                     else:
                         gen = generation[task]
@@ -1041,7 +1063,8 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
                                                 length=length, depth=s.depth, answers=list(s.answers),
                                                 completion=c, score=x))
                         emit(_score_records(task, gen.metric, scores, [s.depth for s in ss], seconds, variant,
-                                            sparsity=sparsity if mean is None else mean, layer_sparsity=layers,
+                                            sparsity=sparsity(variant) if mean is None else mean,
+                                            layer_sparsity=layers,
                                             acceptance_rate=rate, **common))
     finally:
         bar.close()

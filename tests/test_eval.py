@@ -384,3 +384,28 @@ def test_jsparse_main_reports_eval_errors(tmp_path, capsys, monkeypatch):
     rc = cli.main(["eval", "--methods", "dense,nosuch", "--out", str(tmp_path / "x"), "--no-progress"])
     assert rc == 2
     assert "unknown method 'nosuch'; valid methods:" in capsys.readouterr().err
+
+
+def test_record_sparsity_follows_the_phase_that_computes_it():
+    """A record's sparsity is of the positions it scores, by the rule of the phase that computes them: the decode
+    methods' dense prefill gives their prefill, passkey and task records 0 (not the decode rule), a continuation
+    record is the rule over its last C positions, and a sparse-prefill method keeps its rule over the prompt."""
+    from jsparse.methods import make_method
+
+    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
+                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=4096)
+    L, C = 2048, 256
+    for name in ("quest", "h2o", "evosparse-noretrieval"):  # (EvoSparse without its calibrated retrieval heads)
+        m = make_method(name, budget=0.1, cfg=cfg)
+        decode = harness.achieved_sparsity(m, name, cfg, L, "decode")
+        assert decode > 0.3
+        assert [harness.achieved_sparsity(m, name, cfg, L, v) for v in ("prefill", "generate", "chat")] == [0.0] * 3
+        tail = harness.achieved_sparsity(m, name, cfg, L, "continuation", continuation=C)
+        assert tail == pytest.approx(float(m.achieved_sparsity(cfg, np.arange(L - C, L))))
+        assert tail > decode  # late positions see more keys than the budget's floor
+    oracle = make_method("oracle", budget=0.1)
+    prefill = harness.achieved_sparsity(oracle, "oracle", cfg, L, "prefill")
+    assert prefill == pytest.approx(harness.achieved_sparsity(oracle, "oracle", cfg, L, "decode")) and prefill > 0.3
+    assert harness.achieved_sparsity(make_method("dense"), "dense", cfg, L, "prefill") == 0.0
+    with pytest.raises(ValueError, match="continuation"):
+        harness.achieved_sparsity(oracle, "oracle", cfg, L, "continuation")

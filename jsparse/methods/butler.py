@@ -173,6 +173,8 @@ def group_indices(logits: jax.Array, num_kv_heads: int, positions: jax.Array, bu
 class Butler(TokenBudget):
     """TokenButler decode (see the module docstring). `params`: the predictor's parameters (leaves)."""
 
+    dense_prefill = True  # a decode method: its prefill attends to every key (and runs the predictor)
+
     params: Any = None
     pcfg: PredictorConfig = struct.field(pytree_node=False, default=None)
     sink: int = struct.field(pytree_node=False, default=4)

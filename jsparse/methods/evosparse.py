@@ -120,6 +120,8 @@ class EvoSparse:
     Leaves: layout (RetrievalLayout) or None without retrieval.
     """
 
+    dense_prefill = True  # a decode method: its prefill attends to every key (and seeds the heat)
+
     layout: Optional[RetrievalLayout] = None
     retrieval_layers: Optional[tuple[int, ...]] = struct.field(pytree_node=False, default=None)
     budget: float = struct.field(pytree_node=False, default=0.1)

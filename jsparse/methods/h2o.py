@@ -65,6 +65,8 @@ class H2OState:
 class H2O(TokenBudget):
     """recent: fraction of the kept keys that form the recent window (H2O's even split: 0.5)."""
 
+    dense_prefill = True  # a decode method: its prefill attends to every key (and accumulates the scores)
+
     recent: float = struct.field(pytree_node=False, default=0.5)
     dense_layers: int = struct.field(pytree_node=False, default=0)
     # One decode token through the gathered kernel (module docstring); None: on a GPU.

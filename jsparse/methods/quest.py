@@ -54,6 +54,7 @@ class QuestState:
 @struct.dataclass
 class Quest(TokenBudget):
     supports_window = True  # honours ctx.window (models.attention)
+    dense_prefill = True  # a decode method: its prefill attends to every key (the eval's sparsity says so)
 
     page_size: int = struct.field(pytree_node=False, default=16)
     dense_layers: int = struct.field(pytree_node=False, default=2)
