@@ -260,6 +260,11 @@ def resume_config(out: str, config: dict, overwrite: bool,
     return list(data["records"]), list(data["runs"]), merged
 
 
+def _output_unit(r) -> tuple:
+    """The unit of a record or an outputs.json entry: (task, method, budget, budget_tokens, length)."""
+    return r["task"], r["method"], r["budget"], r.get("budget_tokens"), r["length"]
+
+
 def run_eval(args) -> int:
     """The `jsparse eval` command: validate, load the model, evaluate (resuming into --out), write the files and
     the report; returns 0."""
@@ -299,16 +304,23 @@ def run_eval(args) -> int:
 
         with open(outputs_path) as f:
             old_outputs = json.load(f)
+        # Only the completions of the units results.json holds: a folder written before 2026-12-03 wrote
+        # outputs.json at the end of a run alone, so an interrupted --overwrite run could leave another
+        # configuration's there.
+        units = {_output_unit(r) for r in previous}
+        old_outputs = [o for o in old_outputs if _output_unit(o) in units]
 
-    def write(records, outputs=None):
+    def write(records, outputs=()):
+        # outputs.json with results.json after every unit: the two always describe the same units.
         added = len(records) - len(previous)
-        report.write_results(args.out, records, meta, outputs, runs + [dict(this_run, records=added)])
+        report.write_results(args.out, records, meta, old_outputs + list(outputs),
+                             runs + [dict(this_run, records=added)])
 
     from models.sharding import use_mesh
 
     with use_mesh(model.mesh):  # the harness's jitted forwards run with the mesh set: kernels per shard
         run = harness.evaluate(model, spec, progress=not args.no_progress, on_record=write, previous=previous)
-    write(run.records, old_outputs + run.outputs)
+    write(run.records, run.outputs)
     if not getattr(args, "no_report", False):
         report.write_report(args.out)
     print(report.summary_markdown(run.records, meta))

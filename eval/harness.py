@@ -905,7 +905,7 @@ def _score_records(task: str, metric: str, scores: Sequence[float], depths: Sequ
 
 
 def evaluate(model, spec: EvalSpec, *, progress: bool = True,
-             on_record: Callable[[list[dict]], None] | None = None,
+             on_record: Callable[[list[dict], list[dict]], None] | None = None,
              previous: Sequence[Mapping] = ()) -> EvalRun:
     """Runs every (method, budget, task, variant, length) of `spec` on `model`.
 
@@ -913,7 +913,8 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
       model: a LoadedModel (anything with .cfg, .params, .tokenizer).
       spec: what to run (validated here).
       progress: show a tqdm progress bar on stderr.
-      on_record: called with all records so far (`previous` first) after each unit, e.g. to write results.json
+      on_record: called with all records so far (`previous` first) and this run's outputs so far (the per-sample
+        completions of the units recorded) after each unit, e.g. to write results.json and outputs.json
         as the run goes.
       previous: records of an earlier run of the same configuration: their units (`record_key`) are skipped
         (the resume of an interrupted run) and they lead the returned records.
@@ -966,7 +967,7 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
     def emit(new: list[dict]) -> None:
         records.extend(new)
         if on_record is not None:
-            on_record(list(records))
+            on_record(list(records), list(outputs))
 
     try:
         for length in spec.lengths:

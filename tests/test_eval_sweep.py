@@ -118,6 +118,8 @@ def test_sweep_resumes_where_it_stopped(model, corpus, test_task, tmp_path, monk
         args.func(args)
     first = json.loads((out / "results.json").read_text())
     done = {harness.record_key(r) for r in first["records"]}
+    first_outputs = json.loads((out / "outputs.json").read_text())  # written with each unit, as results.json is
+    assert len(first_outputs) == 2 * sum(1 for u in done if u[3] == TASK)
     assert report.SCHEMA_VERSION == harness.SCHEMA_VERSION
     assert len(done) == 4 and done < units and first["runs"][0]["records"] == len(first["records"])
 
@@ -140,8 +142,9 @@ def test_sweep_resumes_where_it_stopped(model, corpus, test_task, tmp_path, monk
     assert gen["metric"] == "string_match_all" and gen["n"] == 2 and 0.0 <= gen["value"] <= 1.0
     depth = [r for r in data["records"] if r["task"] == TASK and r["depth"] is not None]
     assert sorted({r["depth"] for r in depth}) == [0.25, 0.75] and all(r["n"] == 1 for r in depth)
-    outputs = json.loads((out / "outputs.json").read_text())  # the rerun's completions (2 samples per unit)
-    assert len(outputs) == 2 * sum(1 for u in units - done if u[3] == TASK)
+    outputs = json.loads((out / "outputs.json").read_text())  # both runs' completions (2 samples per unit)
+    assert outputs[:len(first_outputs)] == first_outputs
+    assert len(outputs) == 2 * sum(1 for u in units if u[3] == TASK)
     assert all(o["task"] == TASK and len(o["answers"]) == 2 and o["score"] in (0.0, 0.5, 1.0) for o in outputs)
 
     # A third run has nothing left to do; another configuration is refused before any work.
@@ -152,6 +155,24 @@ def test_sweep_resumes_where_it_stopped(model, corpus, test_task, tmp_path, monk
     args = _parser().parse_args(argv + ["--seed", "2"])
     with pytest.raises(ValueError, match=r"was run with seed=0, this run has seed=2: .*--overwrite"):
         args.func(args)
+    # An --overwrite run stopped in its first unit, then resumed: outputs.json never holds the earlier
+    # configuration's completions beside the new one's records.
+    over = argv + ["--overwrite", "--seed", "1"]
+    calls.clear()
+    monkeypatch.setattr(harness, "run_ppl", real_ppl)
+    monkeypatch.setattr(harness, "run_generation", counting(real_gen, "gen", stop_at=2))  # in its second gen unit
+    args = _parser().parse_args(over)
+    with pytest.raises(KeyboardInterrupt):
+        args.func(args)
+    monkeypatch.setattr(harness, "run_generation", real_gen)
+    args = _parser().parse_args(argv + ["--seed", "1"])
+    assert args.func(args) == 0
+    seeded = json.loads((out / "results.json").read_text())
+    assert seeded["meta"]["seed"] == 1
+    again = json.loads((out / "outputs.json").read_text())
+    assert len(again) == len(outputs) and again != outputs  # seed 1's completions (other prompts), each unit once
+    assert len({(o["method"], o["budget"], o["budget_tokens"], o["completion"], tuple(o["answers"])) for o in again}) \
+        == len(again)
     args = _parser().parse_args(argv + ["--overwrite", "--tasks", "ppl", "--budgets", "0.25"])
     assert args.func(args) == 0
     assert len(json.loads((out / "results.json").read_text())["records"]) == 3  # dense, oracle 0.25, oracle k=16
