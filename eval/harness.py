@@ -38,7 +38,8 @@ A record (every record has exactly the keys of `RECORD_KEYS`; results.json schem
   layer_sparsity
             {layer (str): attention-map sparsity} of each sparse layer, measured on the record's prefills and
             averaged over the samples, for methods with `prefill_layer_sparsity` (TSA: the fraction of the
-            causal attention map its compression skips, the paper's Table 3); None otherwise (and for the ppl
+            causal attention map its compression skips, the paper's Table 3; tsa+kascade: with Kascade's top-k among
+            the kept tokens, every layer either makes sparse); None otherwise (and for the ppl
             "decode" variant, which runs no prefill)
   n         samples behind the value (prompts or windows)
   variant   ppl: "decode", "prefill" or "continuation" (see eval/ppl.py); passkey: "generate" (the method's

@@ -301,9 +301,26 @@ def before_tile_scores(scores: Array, tile: int) -> Array:
     return jnp.where(before, scores, NEG_INF)
 
 
+def topk_kept(budget: float, n, min_tokens: int = 128) -> np.ndarray:
+    """f64 keys a top-k rule keeps of n visible ones (numpy, any shape): `budget_tokens`' rule, its f32 product."""
+    n = np.asarray(n, np.int64)
+    return np.minimum(np.maximum(np.ceil(np.float32(budget) * n.astype(np.float32)), min_tokens), n).astype(np.float64)
+
+
 def topk_sparsity(budget: float, positions, min_tokens: int = 128) -> float:
     """Mean fraction of visible keys a top-k rule skips over query positions (0-based)."""
     n = np.asarray(positions, np.int64) + 1
-    k = np.minimum(np.maximum(np.ceil(np.float32(budget) * n.astype(np.float32)), min_tokens), n)  # as budget_tokens
-    return float(np.mean(1.0 - k / n))
+    return float(np.mean(1.0 - topk_kept(budget, n, min_tokens) / n))
+
+
+def topk_map_entries(budget: float | None, n, min_tokens: int = 128) -> np.ndarray:
+    """f64[...] the causal-map entries (query, key) a top-k rule attends over sequences of n tokens (int array):
+    the sum over query positions i < n of its kept keys among i + 1 (decode rule); n (n + 1) / 2 for budget None
+    (a dense layer)."""
+    n = np.asarray(n, np.int64)
+    if budget is None:
+        return n * (n + 1) / 2.0
+    cum = np.concatenate([[0.0], np.cumsum(topk_kept(budget, np.arange(1, max(int(n.max(initial=0)), 0) + 1),
+                                                     min_tokens))])
+    return cum[np.maximum(n, 0)]
 

@@ -12,6 +12,7 @@ import pytest
 from jsparse.artifacts import Artifact, ArtifactError, save_artifact
 from jsparse.methods import make_method
 from jsparse.methods import tsa_calibration as tcal
+from jsparse.methods.common import prefill_state
 from jsparse.methods.kascade import Kascade
 from jsparse.methods.tsa import (TSA, TSALayerInfo, attend_compressed, capacities, coverage_counts, fixed_counts,
                                  masked_reference_mask, prefill_sparsity, select_tokens, translate_anchor_indices)
@@ -467,6 +468,36 @@ def test_tsa_kascade_keeps_anchors_of_dense_reuse_layers_dense():
     assert m.layers(8) == (1, 2, 4, 6, 7)  # 3 is read by dense reuse layer 5; 1 and 6 only by sparse 2 and 7
     np.testing.assert_array_equal(m.layer_info(cfg).sparse, [0, 1, 1, 0, 1, 0, 1, 1])
     assert TSA(sparse_layers=(1, 2, 3, 4, 6, 7), **SMALL).layers(8) == (1, 2, 3, 4, 6, 7)
+
+
+def test_tsa_kascade_reports_the_sparsity_of_both(params):
+    """tsa+kascade's measured prefill sparsity counts Kascade's top-k among the tokens TSA kept (anchors at the
+    budget, reuse layers at r x budget, the dense anchor only where TSA compresses it), checked entry by entry;
+    it skips more of the map than TSA alone, and its decode rule is Kascade's (TSA alone decodes densely: 0)."""
+    from eval.harness import LayerSparsity
+
+    tokens = jax.random.randint(jax.random.key(5), (2, 256), 4, CFG.vocab_size)
+    lengths = np.asarray([256, 200], np.int32)
+    kas = Kascade.from_anchors(CFG, [0, 1], tile=16, min_tokens=16, budget=0.1, reuse_scale=2)
+    opts = dict(tau=0.2, selection="kv_head", **SMALL)
+    both, alone = TSA(inner=kas, **opts), TSA(**opts)
+    state = prefill_state(params, CFG, both, tokens, jnp.asarray(lengths))
+    got = both.prefill_layer_sparsity(CFG, state, lengths)
+    kept = np.asarray(state.kept)
+    assert sorted(got) == [1, 2] and both.layers(3) == (1, 2) and (kept[1:] < lengths).all()
+    for layer, budget in ((1, 0.1), (2, 0.2)):  # layer 1 an anchor, layer 2 reuses it at 2 x 0.1
+        for row, n in enumerate(lengths):
+            K = int(kept[layer, row])
+            entries = sum(min(max(int(np.ceil(np.float32(budget) * np.float32(i + 1))), 16), i + 1) for i in range(K))
+            assert got[layer][row] == pytest.approx(1.0 - entries / (n * (n + 1) / 2))
+    tsa_only = alone.prefill_layer_sparsity(CFG, state, lengths)
+    assert all((got[layer] > tsa_only[layer]).all() for layer in (1, 2))
+    tracker = LayerSparsity(both, CFG)
+    tracker.add(state, lengths, 2)
+    assert tracker.result()[1] == pytest.approx(sum(float(np.mean(v)) for v in got.values()) / 3)
+    positions = np.arange(256)
+    assert both.achieved_sparsity(CFG, positions) == kas.achieved_sparsity(CFG, positions) > 0.3
+    assert alone.achieved_sparsity(CFG, positions) == 0.0
 
 
 def test_tsa_kascade(params, tmp_path):

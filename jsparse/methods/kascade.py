@@ -159,6 +159,12 @@ class Kascade(TokenBudget):
         return (anchors * sel.topk_sparsity(self.budget, positions, self.min_tokens)
                 + reuse * sel.topk_sparsity(self.reuse_budget, positions, self.min_tokens)) / cfg.num_layers
 
+    def layer_budgets(self) -> list:
+        """Each layer's kept fraction: None for the dense anchor (layer 0), `budget` for an anchor, `reuse_budget`
+        for a reuse layer."""
+        return [None if r == ROLE_DENSE_ANCHOR else self.budget if r == ROLE_ANCHOR else self.reuse_budget
+                for r in np.asarray(self.roles).tolist()]
+
     def init_state(self, cfg, batch, max_len):
         return KascadeState()
 

@@ -363,12 +363,32 @@ class TSA:
     def prefill_layer_sparsity(self, cfg, state: TSAState, lengths) -> dict[int, np.ndarray]:
         """{sparse layer: f64[B]} the fraction of the causal attention map the last prefill skipped per row
         (`compression.causal_map_sparsity`; the paper's Table 3), from the state it returned (its `kept`: i32[L, B])
-        and the rows' prompt lengths i32[B]. Used by the eval harness (`layer_sparsity` in results.json)."""
+        and the rows' prompt lengths i32[B]. Used by the eval harness (`layer_sparsity` in results.json).
+
+        Around Kascade (tsa+kascade) the map a layer computes is Kascade's top-k among the K tokens TSA kept (K = n
+        on TSA-dense layers): 1 - (its entries over K tokens, `selection.topk_map_entries` by the layer's role) /
+        (n (n + 1) / 2), for every layer TSA or Kascade makes sparse."""
         kept = np.asarray(state.kept)
-        if kept.shape[1] != np.shape(lengths)[0]:
-            raise ValueError(f"state.kept has {kept.shape[1]} rows but lengths has {np.shape(lengths)[0]}")
-        frac = causal_map_sparsity(kept, np.asarray(lengths)[None])
-        return {layer: frac[layer] for layer in self.layers(cfg.num_layers)}
+        n = np.asarray(lengths)
+        if kept.shape[1] != np.shape(n)[0]:
+            raise ValueError(f"state.kept has {kept.shape[1]} rows but lengths has {np.shape(n)[0]}")
+        if self.inner is None:
+            frac = causal_map_sparsity(kept, n[None])
+            return {layer: frac[layer] for layer in self.layers(cfg.num_layers)}
+        tsa_layers = set(self.layers(cfg.num_layers))
+        full = np.maximum(n, 1) * (np.maximum(n, 1) + 1) / 2.0
+        out = {}
+        for layer, budget in enumerate(self.inner.layer_budgets()):
+            if budget is None and layer not in tsa_layers:
+                continue
+            K = kept[layer] if layer in tsa_layers else n
+            out[layer] = 1.0 - sel.topk_map_entries(budget, K, self.inner.min_tokens) / full
+        return out
+
+    def achieved_sparsity(self, cfg, positions) -> float:
+        """The decode rule: TSA decodes densely (0.0); around Kascade, Kascade's decode (`Kascade.achieved_sparsity`).
+        Its prefill's sparsity is measured (`prefill_layer_sparsity`)."""
+        return 0.0 if self.inner is None else self.inner.achieved_sparsity(cfg, positions)
 
     # --------------------------------------------------------------------------------------- pieces
 

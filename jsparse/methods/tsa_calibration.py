@@ -2,11 +2,12 @@
 
 On development prompts, with dense attention, for every layer l with residual input h_l and output h_{l+1}:
 
-  R_l = mean over valid tokens t of ||h_{l+1,t} - h_{l,t}|| / (||h_{l,t}|| + eps)
+  R_l = mean over the valid tokens t of all prompts of ||h_{l+1,t} - h_{l,t}|| / (||h_{l,t}|| + eps)
 
-averaged over prompts. Layers are ranked by ascending drift (rank 1 = the layer that changes its input the
-least); the normalised rank is rank / L, and the layers with normalised rank <= delta (default 0.5, so half of
-the layers) are sparse: a layer that barely moves the representation tolerates a coarser attention. (The
+(one mean over every token, so a longer prompt weighs more: a token-weighted mean, not a mean of per-prompt
+means). Layers are ranked by ascending drift (rank 1 = the layer that changes its input the least); the
+normalised rank is rank / L, and the layers with normalised rank <= delta (default 0.5, so half of the layers) are
+sparse: a layer that barely moves the representation tolerates a coarser attention. (The
 official code's profiled Llama-3.1-8B set, layers 15-30, is the low-drift half; the last layer, whose drift is
 the largest, stays dense.)
 
