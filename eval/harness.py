@@ -857,7 +857,9 @@ def method_runs(model, spec: EvalSpec, methods: Mapping, max_visible: int) -> li
             options = token_budget_options(method, tokens, max_visible)
             if not options:
                 continue  # a fraction-only budget: no fixed token budget to give it
-            out.append(MethodRun(name, options.get("budget", min(1.0, tokens / max_visible)), int(tokens),
+            fraction = options.get("budget", 2.0)  # the record's budget: a fraction in (0, 1] (STS's option counts
+            fraction = fraction if fraction <= 1.0 else min(1.0, tokens / max_visible)  # tokens above 1)
+            out.append(MethodRun(name, fraction, int(tokens),
                                  lambda n=name, o=options: build_method(model, spec, n, **o)))
     return out
 

@@ -430,3 +430,25 @@ def test_demo_command_runs_eval_with_every_cpu_method(tmp_path, monkeypatch):
     spec = cli_eval.spec_from_args(seen["args"])
     assert spec.lengths == (2048, 4096) and spec.samples == 3 and not seen["args"].no_progress
     assert spec.ppl_windows() == 1
+
+
+def test_token_budget_record_budget_is_a_fraction_for_sts(monkeypatch):
+    """STS's builder takes a token budget as budget > 1 (it counts tokens); its records' budget is still the
+    fraction N / visible tokens the record docs promise, like every other method's, and its builder gets N."""
+    import dataclasses as dc
+
+    from flax import struct
+
+    @struct.dataclass
+    class DraftLike:  # what method_runs reads of STS: a budget field and needs_draft
+        budget: float = struct.field(pytree_node=False, default=0.1)
+        needs_draft = True
+
+    spec = dc.replace(harness.EvalSpec(methods=("sts",), tasks=("ppl",), lengths=(1024,)), budget_tokens=(64, 4096))
+    built = []
+    runs = harness.method_runs(None, spec, {"sts": DraftLike()}, 1024)
+    monkeypatch.setattr(harness, "build_method", lambda model, spec, name, **o: built.append(o))
+    for r in runs:
+        r.build()
+    assert [(r.budget, r.budget_tokens) for r in runs] == [(64 / 1024, 64), (1.0, 4096)]
+    assert built == [{"budget": 64.0}, {"budget": 1.0}]
