@@ -32,7 +32,8 @@ A record (every record has exactly the keys of `RECORD_KEYS`; results.json schem
             ppl "decode" positions 0..length-1; ppl "continuation" the last C; ppl "prefill", passkey and the
             generation tasks the prompt's positions in the method's prefill, 0.0 for the decode methods whose
             prefill is dense (Quest, H2O, EvoSparse, TokenButler; before 2026-12-03 these records carried the
-            decode rule over 0..length-1); 0.0 for dense; None when the method does not report it. For a method that measures its prefill (TSA, see layer_sparsity),
+            decode rule over 0..length-1); 0.0 for dense; None when the method does not report it. For a method
+            that measures its prefill (TSA, see layer_sparsity),
             the measured attention-map sparsity of the record's prefills averaged over all layers (dense
             layers count 0)
   layer_sparsity
@@ -466,14 +467,10 @@ def achieved_sparsity(method, name: str, cfg, length: int, variant: str = "decod
     if variant == "continuation":
         if continuation is None:
             raise ValueError("variant 'continuation' needs its continuation tokens")
-        positions = np.arange(length - continuation, length, dtype=np.int32)
-    elif variant == "decode":
-        positions = np.arange(length, dtype=np.int32)
-    elif getattr(method, "dense_prefill", False):
+        return float(fn(cfg, np.arange(length - continuation, length, dtype=np.int32)))
+    if variant != "decode" and getattr(method, "dense_prefill", False):
         return 0.0
-    else:
-        positions = np.arange(length, dtype=np.int32)
-    return float(fn(cfg, positions))
+    return float(fn(cfg, np.arange(length, dtype=np.int32)))
 
 
 def _batches(rows: np.ndarray, size: int):
@@ -857,8 +854,10 @@ def method_runs(model, spec: EvalSpec, methods: Mapping, max_visible: int) -> li
             options = token_budget_options(method, tokens, max_visible)
             if not options:
                 continue  # a fraction-only budget: no fixed token budget to give it
-            fraction = options.get("budget", 2.0)  # the record's budget: a fraction in (0, 1] (STS's option counts
-            fraction = fraction if fraction <= 1.0 else min(1.0, tokens / max_visible)  # tokens above 1)
+            # The record's budget is a fraction in (0, 1]; STS's builder option counts tokens above 1.
+            fraction = options.get("budget", 2.0)
+            if fraction > 1.0:
+                fraction = min(1.0, tokens / max_visible)
             out.append(MethodRun(name, fraction, int(tokens),
                                  lambda n=name, o=options: build_method(model, spec, n, **o)))
     return out

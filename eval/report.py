@@ -85,27 +85,31 @@ def below_dense(records: Sequence[Mapping]) -> list[tuple[str, int, Mapping, Map
     """The fidelity gate: (row label, length, record, dense record) for every passkey or generation-task result
     (all depths pooled) that scores below dense's at the same (task, variant, length). Nothing a summary shows can
     hide these. The row label names the task unless it is passkey."""
+    label, main, dense = _against_dense(records)
+    return [(label(r), r["length"], r, d) for r in main
+            if r["method"] != "dense" and (d := dense.get(_unit(r))) is not None and r["value"] < d["value"]]
+
+
+def _unit(r: Mapping) -> tuple:
+    return r["task"], r["variant"], r["length"]
+
+
+def _against_dense(records: Sequence[Mapping]):
+    """(the gate's row label of a record, the passkey and generation-task results over all depths, dense's of
+    them by (task, variant, length)): what `below_dense` and `unchecked` compare. The label names the task unless
+    it is passkey."""
     row = row_labeler(records)
     main = [r for r in records if is_accuracy(r) and r["depth"] is None]
-    dense = {(r["task"], r["variant"], r["length"]): r for r in main if r["method"] == "dense"}
-    out = []
-    for r in main:
-        d = dense.get((r["task"], r["variant"], r["length"]))
-        if r["method"] != "dense" and d is not None and r["value"] < d["value"]:
-            label = row(r) if r["task"] == "passkey" else f"{row(r)} {_column(r)[2]}"
-            out.append((label, r["length"], r, d))
-    return out
+    dense = {_unit(r): r for r in main if r["method"] == "dense"}
+    return (lambda r: row(r) if r["task"] == "passkey" else f"{row(r)} {_column(r)[2]}"), main, dense
 
 
 def unchecked(records: Sequence[Mapping]) -> list[tuple[str, int, Mapping]]:
     """(row label, length, record) of every passkey or generation-task result (all depths pooled) of a method other
     than dense with no dense result at the same (task, variant, length) to check it against: the gate says nothing
     of these (a folder can gather runs of other tasks, lengths or methods by resuming)."""
-    row = row_labeler(records)
-    main = [r for r in records if is_accuracy(r) and r["depth"] is None]
-    dense = {(r["task"], r["variant"], r["length"]) for r in main if r["method"] == "dense"}
-    return [(row(r) if r["task"] == "passkey" else f"{row(r)} {_column(r)[2]}", r["length"], r) for r in main
-            if r["method"] != "dense" and (r["task"], r["variant"], r["length"]) not in dense]
+    label, main, dense = _against_dense(records)
+    return [(label(r), r["length"], r) for r in main if r["method"] != "dense" and _unit(r) not in dense]
 
 
 def _score(r: Mapping) -> str:

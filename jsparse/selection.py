@@ -320,7 +320,6 @@ def topk_map_entries(budget: float | None, n, min_tokens: int = 128) -> np.ndarr
     n = np.asarray(n, np.int64)
     if budget is None:
         return n * (n + 1) / 2.0
-    cum = np.concatenate([[0.0], np.cumsum(topk_kept(budget, np.arange(1, max(int(n.max(initial=0)), 0) + 1),
-                                                     min_tokens))])
+    cum = np.concatenate([[0.0], np.cumsum(topk_kept(budget, np.arange(1, int(n.max(initial=0)) + 1), min_tokens))])
     return cum[np.maximum(n, 0)]
 
