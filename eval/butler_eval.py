@@ -349,6 +349,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for s in sparsities:
         if not 0.0 <= s < 1.0:
             raise SystemExit(f"sparsity {s}: expected a fraction in [0, 1)")
+    if "accuracy" in tasks or "ppl" in tasks:  # never scored on the predictor's own training text
+        from eval.harness import EvalSpec, check_calibration_corpus
+
+        check_calibration_corpus(EvalSpec(methods=("butler",), tasks=("ppl",), corpus=args.corpus,
+                                          artifacts={"butler": args.artifact}))
     model = jsparse.load(args.model, args.dtype)
     meta = run_metadata(command=shlex.join(["python", "-m", "eval.butler_eval", *(argv or sys.argv[1:])]),
                         model=model.name, artifact=os.path.abspath(args.artifact), tasks=tasks)

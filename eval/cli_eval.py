@@ -83,6 +83,10 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--artifact", action="append", default=None, metavar="[METHOD=]DIR",
                    help="calibration artifact folder: METHOD=DIR for one method (e.g. kascade=artifacts/k), or "
                         "DIR for every method that reads an artifact; repeat or comma-separate for several")
+    p.add_argument("--allow-calibration-corpus", action="store_true",
+                   help="run even when --corpus holds the text an --artifact was calibrated or trained on (by the "
+                        "digest the artifact records); without it that is an error, as the method would be scored on "
+                        "its own calibration data")
     p.add_argument("--seed", type=int, default=0, help="seed of the passkey keys/filler and ppl windows (default 0)")
     p.add_argument("--depths", default=",".join(f"{d:g}" for d in DEFAULT_DEPTHS),
                    help="passkey needle depths, fractions in [0, 1] (default 0.1,0.3,0.5,0.7,0.9)")
@@ -158,12 +162,14 @@ def spec_from_args(args) -> harness.EvalSpec:
         chunk=args.chunk, max_batch_tokens=args.max_batch_tokens, continuation=args.continuation_tokens,
         budget_tokens=budget_tokens,
         method_options=harness.parse_method_options(args.method_option, methods), gamma=args.gamma,
+        allow_calibration_corpus=getattr(args, "allow_calibration_corpus", False),
         draft=portable_path(getattr(args, "draft", None)) or None)  # the spec here; the model once loaded
     spec.validate()
     if "ppl" in tasks or spec.haystack == "corpus":  # fail on a missing or empty corpus before loading the model
         from eval.ppl import read_corpus
 
         read_corpus(spec.corpus)
+        harness.check_calibration_corpus(spec)
     return spec
 
 
@@ -201,6 +207,8 @@ def run_config(spec: harness.EvalSpec, model: str, dtype: str | None) -> dict:
                   gamma=None if spec.draft is None else spec.gamma,
                   artifacts={k: portable_path(v) for k, v in spec.artifacts.items()},
                   method_options={k: dict(v) for k, v in spec.method_options.items()})
+    if spec.allow_calibration_corpus:  # only when given: folders written before it still resume
+        config["allow_calibration_corpus"] = True
     if spec.ppl_samples is not None and spec.ppl_samples != spec.samples:
         config["ppl_samples"] = spec.ppl_samples  # only when given: folders written before it still resume
     return config

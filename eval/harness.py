@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 from typing import Callable, Mapping, Sequence
 
@@ -334,6 +335,8 @@ class EvalSpec:
         carry the acceptance rate), and STS (which needs it) takes its selection from the draft's attention;
         ppl runs STS as the "prefill" (STS-P) and "continuation" (STS-D) variants, the other methods as without.
       gamma: draft tokens proposed per round with `draft`.
+      allow_calibration_corpus: run even when `corpus` (ppl, or the "corpus" haystack) is the text an artifact of
+        the run was calibrated or trained on (`check_calibration_corpus`; an error otherwise).
     """
 
     methods: tuple[str, ...]
@@ -358,6 +361,7 @@ class EvalSpec:
     max_batch_tokens: int = 8192
     draft: object = None
     gamma: int = 4
+    allow_calibration_corpus: bool = False
 
     def validate(self) -> "EvalSpec":
         check_methods(self.methods)
@@ -786,6 +790,26 @@ def _check_options(method, name: str, options: Mapping) -> None:
                              f"options are {', '.join(v for v in valid if v not in ('cfg', 'fingerprint'))}")
 
 
+def check_calibration_corpus(spec: EvalSpec) -> None:
+    """Refuses to score a method on its own calibration text: raises ValueError when `spec.corpus` feeds the run
+    (ppl, or the "corpus" haystack) and holds the same text as a file some artifact of the run was calibrated or
+    trained on (its recorded `corpus_sha256`; `jsparse.artifacts.calibrated_on`), unless
+    `spec.allow_calibration_corpus`."""
+    from jsparse.artifacts import calibrated_on
+
+    reads = "ppl" in spec.tasks or (spec.haystack == "corpus" and any(t != "ppl" for t in spec.tasks))
+    if spec.allow_calibration_corpus or not reads or not spec.corpus or not os.path.isfile(spec.corpus):
+        return
+    for name, folder in spec.artifacts.items():
+        source = calibrated_on(folder, spec.corpus)
+        if source is not None:
+            raise ValueError(
+                f"--corpus {spec.corpus!r} holds the text that the {name!r} artifact at {folder!r} was calibrated "
+                f"or trained on ({source!r}): its scores would be measured on its own calibration data. Evaluate on "
+                "another text (the default corpus, eval/data/call_of_the_wild.txt, is not the default calibration "
+                "text), or pass --allow-calibration-corpus to measure anyway")
+
+
 def build_method(model, spec: EvalSpec, name: str, **overrides):
     """Builds one method of the run with its artifact, method options and `overrides` (budget ...)."""
     import jsparse
@@ -944,6 +968,7 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
                 check_draft_context(spec.draft, [prompt_max[length]], gen_new)
         if "ppl" in spec.tasks:
             check_request(cfg, [length - 1], 1)
+    check_calibration_corpus(spec)
     corpus_ids = None
     if "ppl" in spec.tasks or ("passkey" in spec.tasks and spec.haystack == "corpus"):
         corpus_ids = ppl_task.tokenize_corpus(model.tokenizer, ppl_task.read_corpus(spec.corpus))

@@ -140,6 +140,45 @@ def load_artifact(path: str, kind: str, fingerprint: str | None = None) -> Artif
                     meta=info.get("meta", {}))
 
 
+def text_digest(path: str) -> str:
+    """A short sha256 hex digest of a text file's bytes: artifacts record their calibration corpus by it, so an
+    evaluation can tell that it is about to score a method on the text it was calibrated on (the same bytes under
+    another path, too)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
+def corpus_meta(paths) -> dict[str, list[str]]:
+    """The calibration corpus as artifact metadata: `corpus` (absolute paths) and `corpus_sha256` (`text_digest`)."""
+    paths = list(paths)
+    return {"corpus": [os.path.abspath(p) for p in paths], "corpus_sha256": [text_digest(p) for p in paths]}
+
+
+def calibrated_on(path: str, text: str) -> str | None:
+    """The calibration corpus file, of the artifact(s) at `path` (one folder, or several joined by os.pathsep), that
+    holds the text of file `text`: the same bytes by its recorded `corpus_sha256`, or, for an artifact recorded
+    before digests, the same file. None when there is none, or when an artifact records no corpus."""
+    digest = text_digest(text)
+    real = os.path.realpath(text)
+    for folder in (path or "").split(os.pathsep):
+        if not folder:
+            continue
+        try:
+            with open(os.path.join(folder, ARTIFACT_JSON)) as f:
+                meta = json.load(f).get("meta", {})
+        except (OSError, ValueError, AttributeError):
+            continue  # no artifact or a corrupt one: loading it is what reports that
+        corpus, digests = meta.get("corpus") or [], meta.get("corpus_sha256") or []
+        for i, c in enumerate(corpus if isinstance(corpus, list) else []):
+            same = digests[i] == digest if i < len(digests) else os.path.realpath(str(c)) == real
+            if same:
+                return str(c)
+    return None
+
+
 def _make_command(kind: str, path: str) -> str:
     """The command that makes an artifact of `kind` at `path` (TokenButler's is trained, the others calibrated)."""
     if kind == "butler":

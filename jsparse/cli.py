@@ -74,7 +74,7 @@ def cmd_calibrate(args) -> int:
 
     import jsparse
     from eval.ppl import DEV_CORPUS, make_windows, read_corpus, tokenize_corpus
-    from jsparse.artifacts import save_artifact
+    from jsparse.artifacts import corpus_meta, save_artifact
     from jsparse.methods import calibrators
 
     from eval.cli_eval import check_out
@@ -93,8 +93,7 @@ def cmd_calibrate(args) -> int:
     _, run, _ = calibrators()[args.method]
     with tqdm(total=len(windows), desc=f"calibrating {args.method}") as bar:
         art = run(model, windows, args, progress=bar.update)
-    art.meta.update({"corpus": [os.path.abspath(c) for c in corpus], "length": args.length,
-                     "samples": args.samples, "seed": args.seed})
+    art.meta.update({**corpus_meta(corpus), "length": args.length, "samples": args.samples, "seed": args.seed})
     save_artifact(args.out, art)
     summary = {k: art.meta[k] for k in ("anchors", "share", "objective", "sparse_layers", "retrieval_heads") if k in art.meta}
     print(json.dumps({"out": args.out, **summary}))

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 import json
+import os
 
-from jsparse.artifacts import (Artifact, ArtifactError, load_artifact, model_fingerprint, sample_positions,
-                               save_artifact)
+from jsparse.artifacts import (Artifact, ArtifactError, calibrated_on, load_artifact, model_fingerprint,
+                               sample_positions, save_artifact, text_digest)
 from models.config import ModelConfig
 from models.params import cast, random_params
 
@@ -83,3 +84,21 @@ def test_round_trip_and_mismatch(tmp_path):
     np.savez(tmp_path / "a" / "arrays.npz", other=np.zeros(2))  # a save cut between its two files
     with pytest.raises(ArtifactError, match=r"lists arrays \['anchors'\], arrays.npz holds \['other'\]"):
         load_artifact(str(tmp_path / "a"), "kascade")
+
+
+def test_shipped_artifacts_record_their_calibration_text(tmp_path):
+    """The shipped artifacts record the digest of the text they were calibrated on (Alice), so an evaluation that
+    scores them on it, under any path, is refused (eval.harness.check_calibration_corpus); the default eval text
+    (The Call of the Wild) is another."""
+    alice = "eval/data/alice_in_wonderland.txt"
+    for name in ("kascade", "tsa", "evosparse", "sts"):
+        with open(f"artifacts/smollm2/{name}/artifact.json") as f:
+            meta = json.load(f)["meta"]
+        assert meta["corpus"] == [alice] and meta["corpus_sha256"] == [text_digest(alice)], name
+    copy = tmp_path / "renamed.txt"
+    with open(alice, "rb") as f:
+        copy.write_bytes(f.read())
+    both = os.pathsep.join(["artifacts/smollm2/kascade", "artifacts/smollm2/tsa"])  # a composed method's folders
+    assert calibrated_on(both, str(copy)) == alice
+    assert calibrated_on(both, "eval/data/call_of_the_wild.txt") is None
+    assert calibrated_on(str(tmp_path / "no_artifact_here"), str(copy)) is None  # loading it reports that

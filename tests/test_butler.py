@@ -490,3 +490,32 @@ def test_shipped_artifact_states_its_supported_budgets():
     assert jsparse.build_method("butler", m, artifact=art, budget=0.1, rebalance=False).sparse_budget(30) == 0.1
     ok = jsparse.build_method("butler", m, artifact=art, budget=0.2)
     assert ok.min_budget(30) == pytest.approx(3 / 28) and 0 < ok.sparse_budget(30) < 0.2
+
+
+def test_butler_eval_refuses_the_predictors_training_text(tmp_path, monkeypatch):
+    """eval.butler_eval scores the predictor's accuracy and perplexity on --corpus: a text the predictor was trained
+    on (by the digests its artifact records) is refused before the model loads; the shipped predictor records its 18
+    training books, which leave out the default eval text."""
+    import json
+
+    import jsparse
+    from eval import butler_eval
+    from jsparse.artifacts import Artifact, corpus_meta, save_artifact
+
+    def no_load(*a, **k):
+        raise AssertionError("the model must not be loaded")
+
+    monkeypatch.setattr(jsparse, "load", no_load)
+    with open("artifacts/smollm2/butler/artifact.json") as f:
+        meta = json.load(f)["meta"]
+    assert len(meta["corpus_sha256"]) == 18 and "london_the_call_of_the_wild.txt" not in meta["corpus"]
+    trained = tmp_path / "book.txt"
+    trained.write_text("A training book.\n" * 30)
+    art = tmp_path / "butler_art"
+    save_artifact(str(art), Artifact(kind="butler", fingerprint="f", arrays={"a": np.zeros(1)},
+                                     meta=corpus_meta([str(trained)])))
+    with pytest.raises(ValueError, match=r"holds the text that the 'butler' artifact .* was calibrated or trained on"):
+        butler_eval.main(["--artifact", str(art), "--corpus", str(trained), "--tasks", "accuracy",
+                          "--out", str(tmp_path / "out")])
+    with pytest.raises(AssertionError, match="must not be loaded"):  # the default corpus is not a training text
+        butler_eval.main(["--artifact", "artifacts/smollm2/butler", "--tasks", "ppl", "--out", str(tmp_path / "o")])

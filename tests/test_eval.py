@@ -354,6 +354,55 @@ def test_eval_command_errors(argv, error, match, tmp_path, monkeypatch):
     assert not os.path.exists(tmp_path / "x")
 
 
+def test_eval_refuses_an_artifacts_calibration_text(tmp_path, monkeypatch):
+    """An artifact records the digest of the text it was calibrated on; scoring its method on that text (under any
+    path) is refused before the model loads, unless --allow-calibration-corpus; other text, or tasks that do not
+    read --corpus, run."""
+    from jsparse.artifacts import Artifact, corpus_meta, save_artifact
+
+    dev, copy, other = tmp_path / "dev.txt", tmp_path / "copy_of_dev.txt", tmp_path / "other.txt"
+    dev.write_text("The calibration text, one line of it.\n" * 40)
+    copy.write_bytes(dev.read_bytes())
+    other.write_text("Some other text, for the evaluation.\n" * 40)
+    art = tmp_path / "kascade_art"
+    save_artifact(str(art), Artifact(kind="kascade", fingerprint="f", arrays={"a": np.zeros(1)},
+                                     meta=corpus_meta([str(dev)])))
+    assert json.loads((art / "artifact.json").read_text())["meta"]["corpus"] == [str(dev)]
+
+    def no_load(*a, **k):
+        raise AssertionError("the model must not be loaded")
+
+    monkeypatch.setattr(jsparse, "load", no_load)
+    base = ["eval", "--out", str(tmp_path / "x"), "--no-progress", "--methods", "dense,kascade", "--artifact",
+            f"kascade={art}"]
+
+    def spec(*argv):
+        return cli_eval.spec_from_args(_parser().parse_args(base + list(argv)))
+
+    refused = r"--corpus '.*copy_of_dev.txt' holds the text that the 'kascade' artifact at .* was calibrated or trained on"
+    for argv in (["--tasks", "ppl"], ["--tasks", "passkey", "--haystack", "corpus"]):
+        with pytest.raises(ValueError, match=refused):
+            spec("--corpus", str(copy), *argv)
+        args = _parser().parse_args(base + ["--corpus", str(copy), *argv])
+        with pytest.raises(ValueError, match=refused):  # the command itself, before any work
+            args.func(args)
+        assert not os.path.exists(tmp_path / "x")
+        assert spec("--corpus", str(copy), "--allow-calibration-corpus", *argv).allow_calibration_corpus
+        assert spec("--corpus", str(other), *argv).corpus == str(other)
+    assert spec("--corpus", str(copy), "--tasks", "passkey").haystack == "repeat"  # the corpus is not read
+    # An artifact recorded before digests: the same file (by path) is refused, a copy is not recognised.
+    legacy = json.loads((art / "artifact.json").read_text())
+    del legacy["meta"]["corpus_sha256"]
+    (art / "artifact.json").write_text(json.dumps(legacy))
+    with pytest.raises(ValueError, match=r"--corpus '.*dev.txt' holds the text"):
+        spec("--corpus", str(dev), "--tasks", "ppl")
+    assert spec("--corpus", str(copy), "--tasks", "ppl").corpus == str(copy)
+    # The run config records the override (only when given, so earlier folders still resume).
+    allowed = spec("--corpus", str(copy), "--tasks", "ppl", "--allow-calibration-corpus")
+    assert cli_eval.run_config(allowed, "m", None)["allow_calibration_corpus"] is True
+    assert "allow_calibration_corpus" not in cli_eval.run_config(spec("--tasks", "ppl"), "m", None)
+
+
 def test_empty_corpus_and_missing_tokenizer_errors(model, tmp_path):
     empty = tmp_path / "eval_empty.txt"
     empty.write_text("  \n\n ")

@@ -110,6 +110,11 @@ def _run_jsparse(args: list[str], tmp_path: Path, monkeypatch, outs: dict[str, s
         assert len(seen) == 1 and "dense" in seen[0].methods and len(seen[0].tasks) >= 5
         return
     assert main(args) == 0, f"jsparse {shlex.join(args)} failed"
+    if args[0] == "calibrate":  # the calibration text by digest (an eval on it is refused)
+        from jsparse.artifacts import text_digest
+
+        meta = json.loads((out / "artifact.json").read_text())["meta"]
+        assert meta["corpus"] and meta["corpus_sha256"] == [text_digest(p) for p in meta["corpus"]]
     if args[0] == "eval":
         records = json.loads((out / "results.json").read_text())["records"]
         methods = args[args.index("--methods") + 1].split(",")

@@ -45,7 +45,7 @@ def chunks():
 def uninterrupted(tmp_path_factory, model_params, pcfg, chunks):
     out = str(tmp_path_factory.mktemp("full"))
     return out, train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg,
-                      progress=False)
+                      progress=False, artifact_meta={"corpus": ["/data/train.txt"], "corpus_sha256": ["0123"]})
 
 
 # ----------------------------------------------------------------------------------------------- predictor
@@ -148,6 +148,8 @@ def test_training_lowers_the_loss(uninterrupted):
         info = json.load(f)
     assert info["kind"] == "butler" and info["model_fingerprint"] == "fp-a"
     assert info["meta"]["steps"] == TC.steps
+    # The training text (the CLI passes `corpus_meta(--data files)`), so that evaluating on it is refused.
+    assert info["meta"]["corpus"] == ["/data/train.txt"] and info["meta"]["corpus_sha256"] == ["0123"]
 
 
 class Crash(Exception):

@@ -75,6 +75,7 @@ def run_train(args) -> int:
     """The `train-predictor` command: check the data, load the model, tokenize, train; prints a JSON summary."""
 
     import jsparse
+    from jsparse.artifacts import corpus_meta
     from train import data as data_lib
     from train.loop import TrainConfig, train
     from train.predictor import describe, preset_config
@@ -114,7 +115,7 @@ def run_train(args) -> int:
                                                                               "fraction")}}))
     result = train(model.cfg, model.params, fingerprint=jsparse.fingerprint(model), chunks=chunks,
                    out_dir=args.out, tc=tc, pcfg=pcfg, model_name=model.name, progress=not args.no_progress,
-                   max_seconds=args.max_seconds, devices=devices)
+                   max_seconds=args.max_seconds, devices=devices, artifact_meta=corpus_meta(paths))
     print(json.dumps({"out": os.path.abspath(args.out), "resumed_from": result.start_step,
                       "steps": result.last_step, "final_loss": result.losses[-1][1] if result.losses else None,
                       "stopped_early": result.stopped_early, "seconds": round(result.seconds, 1),

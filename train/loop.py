@@ -460,7 +460,8 @@ def _sigterm_interrupts():
 
 def train(cfg: ModelConfig, model_params, *, fingerprint: str, chunks: np.ndarray, out_dir: str, tc: TrainConfig,
           pcfg: PredictorConfig, model_name: str = "", on_step: Callable[[int, float], None] | None = None,
-          progress: bool = True, max_seconds: float | None = None, devices=None, fsdp: bool = True) -> TrainResult:
+          progress: bool = True, max_seconds: float | None = None, devices=None, fsdp: bool = True,
+          artifact_meta: dict | None = None) -> TrainResult:
     """Trains (or resumes training) the predictor and writes checkpoints, the loss log and the final artifact.
 
     Args:
@@ -474,6 +475,8 @@ def train(cfg: ModelConfig, model_params, *, fingerprint: str, chunks: np.ndarra
       devices: the devices of the data-parallel mesh (default: all).
       fsdp: on more than one device, keep the frozen model's params sharded over 'data' between steps (each
         device holds 1/n; gathered for each step's forward), else replicated. Same results either way.
+      artifact_meta: more metadata for the exported artifact (the CLI's: the training text, `corpus_meta`, so that
+        an evaluation on that text is refused).
     Returns:
       TrainResult.
     """
@@ -577,7 +580,7 @@ def train(cfg: ModelConfig, model_params, *, fingerprint: str, chunks: np.ndarra
     export_artifact(out_dir, pparams, pcfg, fingerprint, {
         "model": model_name, "steps": step, "planned_steps": tc.steps, "train_config": dataclasses.asdict(tc),
         "data_fingerprint": stream.fingerprint(), "num_chunks": stream.num_chunks, "final_loss": final_loss,
-        "stopped_early": stopped_early, "predictor_params": pcfg.num_params()})
+        "stopped_early": stopped_early, "predictor_params": pcfg.num_params(), **(artifact_meta or {})})
     return TrainResult(params=pparams, pcfg=pcfg, losses=losses, start_step=start, last_step=step,
                        stopped_early=stopped_early, seconds=time.perf_counter() - t_start)
 
