@@ -67,7 +67,6 @@ def cmd_generate(args) -> int:
 
 def cmd_calibrate(args) -> int:
     import json
-    import os
 
     import numpy as np
     from tqdm import tqdm
