@@ -92,6 +92,21 @@ def test_entry_point_dispatch_and_errors():
         kgpu.rope_write_gpu(qkv[..., :16], pos, inv_freq[:8], ck[..., :16], cv[..., :16], 0, Hq, Hkv)
 
 
+def test_layer_is_checked_and_written_alike():
+    """A known layer outside [-L, L) is an error naming it; -1 writes the last layer, in the reference and the kernel
+    alike (the kernel clamped it to layer 0 while the reference wrapped it)."""
+    B, T, Hq, Hkv, D, L = 2, 1, 4, 2, 32, 3
+    qkv, pos, inv_freq, ck, cv, _ = _inputs(5, B, T, Hq, Hkv, D, L, 16, jnp.float32)
+    for layer in (3, -4):
+        with pytest.raises(ValueError, match=rf"layer={layer}: expected a layer in \[-L, L\) of the L=3"):
+            rope_write(qkv, pos, inv_freq, ck, cv, layer, Hq, Hkv)
+    want = rope_write_reference(qkv, pos, inv_freq, ck, cv, L - 1, Hq, Hkv)
+    for got in (rope_write(qkv, pos, inv_freq, ck, cv, -1, Hq, Hkv),
+                kgpu.rope_write_gpu(qkv, pos, inv_freq, ck, cv, jnp.int32(-1), Hq, Hkv, interpret=True)):
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
 def test_lowers_for_cuda_with_both_caches_aliased():
     """Llama-3.1-8B's decode at 128K, batch 8 (a 64 GiB stacked cache: 64-bit offsets), rows padded to 16."""
     sds = jax.ShapeDtypeStruct

@@ -39,3 +39,18 @@ def test_errors():
     with pytest.raises(ValueError, match="head_dim=24: the kernel takes a power of two"):
         page_scores(jnp.zeros((2, 2, 1, 24)), jnp.zeros((1, 2, 2, 8, 24)), jnp.zeros((1, 2, 2, 8, 24)), 0,
                     implementation="pallas_gpu")
+
+
+def test_layer_is_checked_and_read_alike():
+    """A known layer outside [-L, L) is an error naming it; -1 is the last layer, in the reference and the kernel
+    alike (as every stacked op reads a layer: pallas_kernels.layers)."""
+    q = _rand(0, (1, 2, 3, 16))
+    a, b = _rand(1, (3, 1, 2, 40, 16)), _rand(2, (3, 1, 2, 40, 16))
+    kmin, kmax = jnp.minimum(a, b), jnp.maximum(a, b)
+    for layer in (3, -4):
+        with pytest.raises(ValueError, match=rf"layer={layer}: expected a layer in \[-L, L\) of the L=3"):
+            page_scores(q, kmin, kmax, layer)
+    last = page_scores_reference(q, kmin, kmax, 2)
+    np.testing.assert_array_equal(page_scores(q, kmin, kmax, -1), last)
+    np.testing.assert_allclose(page_scores_gpu(q, kmin, kmax, -1, block_p=32, interpret=True), last, rtol=1e-6,
+                               atol=1e-5)

@@ -183,6 +183,9 @@ def test_sparse_decode_api_with_layer_equals_slice():
         sparse_decode(q, k_all, v_all, idx, lens, layer=jnp.zeros((2,), jnp.int32))
     with pytest.raises(ValueError, match="indices has shape"):
         sparse_decode(q, k_all, v_all, idx[:, :1], lens, layer=0)
+    with pytest.raises(ValueError, match=r"layer=3: expected a layer in \[-L, L\) of the L=3"):  # a known value
+        sparse_decode(q, k_all, v_all, idx, lens, layer=3)
+    assert_close(sparse_decode(q, k_all, v_all, idx, lens, layer=-2), want, jnp.float32, "layer -2 is layer 1")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -238,6 +241,8 @@ def test_dense_decode_stacked_api():
                      jnp.float32, f"dense api {impl}")
     with pytest.raises(ValueError, match="implementation='cudnn'"):
         dense_decode_stacked(q, k_all, v_all, 0, lens, implementation="cudnn")
+    with pytest.raises(ValueError, match=r"layer=-3: expected a layer in \[-L, L\) of the L=2"):
+        dense_decode_stacked(q, k_all, v_all, -3, lens)
     with pytest.raises(ValueError, match="v_all has dtype int8: expected a floating dtype"):
         dense_decode_stacked(q, k_all, v_all.astype(jnp.int8), 0, lens)
     with pytest.raises(ValueError, match=r"Hq=4 .* Hkv=3"):

@@ -27,6 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.layers import check_layer, layer_index, select_layer  # noqa: F401  (re-exported)
 from pallas_kernels.sparse_attention.common import check_floating
 from pallas_kernels.sparse_attention.common import default_scale  # noqa: F401  (re-exported)
 
@@ -50,10 +51,7 @@ def check_args(q: Array, k_all: Array, v_all: Array, layer: Array, lengths: Arra
         raise ValueError(f"Hq={Hq} query heads is not a multiple of Hkv={Hkv} KV heads (GQA needs Hq % Hkv == 0)")
     if T < 1 or T > N:
         raise ValueError(f"T={T} new tokens: expected 1 <= T <= N={N}")
-    layer = jnp.asarray(layer)
-    if layer.ndim != 0 or not jnp.issubdtype(layer.dtype, jnp.integer):
-        raise ValueError(f"layer has shape {tuple(layer.shape)} and dtype {layer.dtype}: expected an integer "
-                         f"scalar in [0, L={k_all.shape[0]})")
+    check_layer(layer, k_all.shape[0])
     if tuple(lengths.shape) != (B,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise ValueError(f"lengths has shape {tuple(lengths.shape)} and dtype {lengths.dtype}: expected "
                          f"int32[B={B}]")
@@ -76,13 +74,6 @@ def check_record_args(q: Array, k_all: Array, record: Array, bmax: Array, block:
     if tuple(bmax.shape) != want or bmax.dtype != jnp.float32:
         raise ValueError(f"bmax has shape {tuple(bmax.shape)} and dtype {bmax.dtype}: expected f32{list(want)} "
                          f"(the record's [B, Hq, Lw] and ceil(N / block={block}) blocks)")
-
-
-def layer_index(layer: Array, num_layers: int) -> Array:
-    """i32[]: the layer `k_all[layer]` reads (jnp semantics for a traced index: wrap negatives, then clamp)."""
-    layer = jnp.asarray(layer).astype(jnp.int32)
-    layer = jnp.where(layer < 0, layer + num_layers, layer)
-    return jnp.clip(layer, 0, num_layers - 1)
 
 
 def select_layer(x_all: Array, layer: Array) -> Array:

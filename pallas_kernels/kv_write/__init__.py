@@ -17,6 +17,7 @@ import jax
 
 from pallas_kernels.dispatch import GPU_OR_REFERENCE as IMPLEMENTATIONS, gpu_or_reference
 from pallas_kernels.kv_write import reference
+from pallas_kernels.layers import check_layer
 from pallas_kernels.sharding import active_mesh
 
 Array = jax.Array
@@ -29,6 +30,7 @@ def rope_write(qkv: Array, positions: Array, inv_freq: Array, cache_k: Array, ca
     the shapes: "pallas_gpu"; else "reference") or one of IMPLEMENTATIONS (never falls back)."""
     args = (qkv, positions, inv_freq, cache_k, cache_v, layer, num_q_heads, num_kv_heads)
     reference.check_args(*args[:5], num_q_heads, num_kv_heads)
+    check_layer(layer, cache_k.shape[0])
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm: expected both or neither")
     from pallas_kernels.kv_write import gpu

@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kv_write.reference import check_args
+from pallas_kernels.layers import layer_index
 
 Array = jax.Array
 F32 = jnp.float32
@@ -91,6 +92,6 @@ def rope_write_gpu(qkv: Array, positions: Array, inv_freq: Array, cache_k: Array
         input_output_aliases={4: 1, 5: 2},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret, name="rope_write",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), positions.reshape(B * T).astype(jnp.int32), qkv,
+    )(layer_index(layer, cache_k.shape[0]).reshape(1), positions.reshape(B * T).astype(jnp.int32), qkv,
       inv_freq.astype(F32), cache_k, cache_v)
     return q.reshape(B, T, hq, D), ck, cv

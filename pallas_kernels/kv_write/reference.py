@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.layers import layer_index
+
 Array = jax.Array
 F32 = jnp.float32
 
@@ -40,7 +42,7 @@ def write_decode(cache: Array, layer, positions: Array, x: Array) -> Array:
     outside [0, N) is dropped: a negative one would otherwise wrap to the end of the cache)."""
     b = jnp.arange(x.shape[0])[:, None]
     positions = jnp.where(positions < 0, cache.shape[3], positions)
-    return cache.at[layer, b, :, positions].set(x.astype(cache.dtype), mode="drop")
+    return cache.at[layer_index(layer, cache.shape[0]), b, :, positions].set(x.astype(cache.dtype), mode="drop")
 
 
 def check_args(qkv: Array, positions: Array, inv_freq: Array, cache_k: Array, cache_v: Array, num_q_heads: int,

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.dispatch import GPU_OR_REFERENCE as IMPLEMENTATIONS, gpu_or_reference
+from pallas_kernels.layers import check_layer
 from pallas_kernels.page_scores import reference
 from pallas_kernels.sharding import active_mesh, dims, per_shard
 
@@ -28,6 +29,7 @@ def page_scores(q: Array, kmin: Array, kmax: Array, layer, *, implementation: st
     layer i32[] -> f32[B, Hkv, R, P]. implementation: None (on a GPU with D a power of two: "pallas_gpu"; else
     "reference") or one of IMPLEMENTATIONS (never falls back)."""
     reference.check_args(q, kmin, kmax)
+    check_layer(layer, kmin.shape[0])
     if active_mesh() is not None:  # per shard (pallas_kernels.sharding): rows over data, heads over model
         return per_shard(lambda q, lo, hi, layer: page_scores(q, lo, hi, layer, implementation=implementation),
                          [q, kmin, kmax, jnp.asarray(layer, jnp.int32)],

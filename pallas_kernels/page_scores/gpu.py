@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.layers import layer_index
 from pallas_kernels.page_scores.reference import check_args
 
 Array = jax.Array
@@ -74,4 +75,4 @@ def page_scores_gpu(q: Array, kmin: Array, kmax: Array, layer, *, block_p: int |
         out_shape=jax.ShapeDtypeStruct((B, Hkv, Rp, P), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         interpret=interpret, name="quest_page_scores",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), q, kmin, kmax)[:, :, :R]
+    )(layer_index(layer, kmin.shape[0]).reshape(1), q, kmin, kmax)[:, :, :R]

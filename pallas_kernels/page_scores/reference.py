@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.layers import layer_index
+
 Array = jax.Array
 
 
@@ -20,7 +22,7 @@ def page_scores_reference(q: Array, kmin: Array, kmax: Array, layer) -> Array:
     """f32[B, Hkv, R, P]: sum over d of max(q * kmax, q * kmin) in f32 over layer `layer` of the bounds."""
     check_args(q, kmin, kmax)
     L = kmin.shape[0]
-    i = jnp.clip(jnp.asarray(layer, jnp.int32), 0, L - 1)
+    i = layer_index(layer, L)
     lo, hi = (jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False).astype(jnp.float32) for a in (kmin, kmax))
     qe = q.astype(jnp.float32)[:, :, :, None, :]  # [B, Hkv, R, 1, D]
     return jnp.sum(jnp.maximum(qe * hi[:, :, None], qe * lo[:, :, None]), axis=-1)

@@ -99,9 +99,11 @@ def sparse_decode(q: Array, k: Array, v: Array, indices: Array, lengths: Array, 
       k: [B, Hkv, N, D] key cache (new tokens written), N % block_size == 0; with `layer`, the stacked cache
         of every layer, [L, B, Hkv, N, D], of which layer `layer` is read.
       v: [B, Hkv, N, D] value cache (or [L, B, Hkv, N, D] with `layer`).
-      indices: int32[B, Hkv, T, K] selected blocks (units of block_size tokens), unique, -1 padded.
+      indices: int32[B, Hkv, T, K] selected blocks (units of block_size tokens), unique, -1 padded. Decode adds
+        no causal diagonal (unlike `sparse_prefill`): a query attends to exactly these blocks, so a method lists
+        the query's own block itself (as `jsparse.methods.common.topk_decode` does with its diagonal tile).
       lengths: int32[B] valid tokens per row.
-      layer: i32[] (traced) or None. Given, k and v are stacked and the op equals the call on k[layer],
+      layer: i32[] in [-L, L) (traced, or a known value, which is checked) or None. Given, k and v are stacked and the op equals the call on k[layer],
         v[layer]; the Pallas kernels read that layer in place (stacked.py), where a slice handed to a kernel
         would be copied by XLA; XLA and the reference slice.
       block_size: tokens per index entry.

@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.layers import check_layer, layer_index, select_layer  # noqa: F401  (re-exported)
 from pallas_kernels.sparse_attention import gpu, reference, tpu
 from pallas_kernels.sparse_attention.common import check_decode_args, default_scale
 
@@ -54,10 +55,7 @@ def check_stacked_args(q: Array, k_all: Array, v_all: Array, layer: Array, indic
                          f"[L, B, Hkv, N, D]")
     if v_all.shape != k_all.shape:
         raise ValueError(f"v_all has shape {tuple(v_all.shape)}: expected the shape of k_all, {tuple(k_all.shape)}")
-    layer = jnp.asarray(layer)
-    if layer.ndim != 0 or not jnp.issubdtype(layer.dtype, jnp.integer):
-        raise ValueError(f"layer has shape {tuple(layer.shape)} and dtype {layer.dtype}: expected an integer "
-                         f"scalar in [0, L={k_all.shape[0]})")
+    check_layer(layer, k_all.shape[0])
     one = jax.ShapeDtypeStruct(k_all.shape[1:], k_all.dtype)
     if stacked_indices:
         if indices.ndim != 5 or indices.shape[0] != k_all.shape[0]:
@@ -78,18 +76,6 @@ def check_head_map(head_map, num_kv_heads: int) -> None:
         values = np.asarray(head_map)
         if values.size and (values.min() < 0 or values.max() >= num_kv_heads):
             raise ValueError(f"head_map={values.tolist()}: expected values in [0, Hkv={num_kv_heads})")
-
-
-def layer_index(layer: Array, num_layers: int) -> Array:
-    """i32[]: the layer `k_all[layer]` reads (jnp semantics for a traced index: wrap negatives, then clamp)."""
-    layer = jnp.asarray(layer).astype(jnp.int32)
-    layer = jnp.where(layer < 0, layer + num_layers, layer)
-    return jnp.clip(layer, 0, num_layers - 1)
-
-
-def select_layer(x_all: Array, layer: Array) -> Array:
-    """x_all[layer] for x_all: [L, ...] (a dynamic slice; what the in-place kernels avoid)."""
-    return jax.lax.dynamic_index_in_dim(x_all, layer_index(layer, x_all.shape[0]), 0, keepdims=False)
 
 
 def sparse_decode_stacked_reference(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array,
