@@ -24,7 +24,7 @@ import numpy as np
 
 from models import sharding
 from models.bundled import LoadedModel
-from models.generate import Sampling, check_token_ids
+from models.generate import Sampling, check_count, check_token_ids
 from models.speculative import append_step, check_heads_on_mesh, loop_step, prefill_step
 
 
@@ -72,12 +72,11 @@ class Session:
 
     def send_ids(self, ids: Sequence[int], max_new_tokens: int = 64) -> list[int]:
         """Adds a message (token ids) and returns the reply's tokens (EOS included when one was generated)."""
-        ids = [int(t) for t in ids]
-        if not ids:
+        if len(ids) == 0:
             raise ValueError("empty message: expected at least one token")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected an integer >= 1")
-        check_token_ids(self.model.cfg, [ids], "the message")
+        max_new_tokens = check_count("max_new_tokens", max_new_tokens)
+        check_token_ids(self.model.cfg, [ids], "the message")  # integers (5.7 is refused, not read as 5), in range
+        ids = [int(t) for t in ids]
         total = len(self.tokens) + len(ids) + max_new_tokens
         for who, m in (("model", self.model), ("draft", self.draft)):
             if total > m.cfg.max_position_embeddings:
@@ -115,6 +114,10 @@ class Session:
         """Adds a message given as raw text (tokenized without special tokens or a chat template; format turns
         yourself, e.g. with the tokenizer's chat markers) and returns the reply's text."""
         tok = self.model.tokenizer
+        if tok is None:
+            raise ValueError(f"model {getattr(self.model, 'name', '?')!r} has no tokenizer (a Hugging Face folder "
+                             "without tokenizer files): pass token ids to `send_ids`, or load a folder with its "
+                             "tokenizer")
         ids = tok(text, add_special_tokens=not self.tokens)["input_ids"]
         reply = self.send_ids(ids, max_new_tokens)
         return tok.decode([t for t in reply if t not in self.eos], skip_special_tokens=True)

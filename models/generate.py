@@ -25,6 +25,9 @@ from models.compile_options import model_jit
 Array = jax.Array
 
 
+_TINY = float(np.finfo(np.float32).tiny)
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """temperature == 0 is greedy; otherwise softmax(logits / temperature) restricted to the top-p nucleus."""
@@ -35,15 +38,25 @@ class Sampling:
     def __post_init__(self):
         if not 0 <= self.temperature < float("inf"):  # NaN fails too
             raise ValueError(f"temperature={self.temperature}: expected a finite value >= 0 (0 is greedy)")
+        if 0 < self.temperature < _TINY:  # a subnormal is flushed to 0 on the device: logits / 0
+            raise ValueError(f"temperature={self.temperature}: expected 0 (greedy) or at least {_TINY:.3g}, the "
+                             "smallest normal float32")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p}: expected a value in (0, 1]")
+
+
+def scaled_logits(logits: Array, temperature: float) -> Array:
+    """(logits - their row max) / temperature in f32: the same softmax as logits / temperature, but a tiny
+    temperature sends the others to -inf instead of overflowing every logit to +-inf (NaN probabilities)."""
+    logits = logits.astype(jnp.float32)
+    return (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
 
 
 def sample(logits: Array, key: Array, sampling: Sampling) -> Array:
     """logits: f32[B, V] -> i32[B]."""
     if sampling.temperature == 0.0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / sampling.temperature
+    logits = scaled_logits(logits, sampling.temperature)
     if sampling.top_p < 1.0:
         order = jnp.argsort(-logits, axis=-1)
         sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
@@ -91,13 +104,26 @@ def check_request(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_token
     return capacity
 
 
+def check_count(name: str, value, what: str = "") -> int:
+    """`value` as an int when it is an integer >= 1 (a Python or numpy integer, not a bool), else ValueError naming
+    it (`what`: what it counts, for the message)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name}={value!r}: expected an integer >= 1{f' ({what})' if what else ''}")
+    return int(value)
+
+
 def check_token_ids(cfg: ModelConfig, rows: Sequence[Sequence[int]], what: str = "prompt") -> None:
-    """Every token id in [0, vocab_size): an id outside would read no embedding row (NaN logits) or wrap."""
+    """Every token id an integer (not a float or a bool, which would be truncated) in [0, vocab_size): an id
+    outside would read no embedding row (NaN logits) or wrap."""
     for i, row in enumerate(rows):
-        ids = np.asarray(row, np.int64).reshape(-1)  # one pass in numpy: prompts may hold 100K tokens
+        where = f"{what} {i}" if len(rows) > 1 or what == "prompt" else what
+        ids = np.asarray(row).reshape(-1)  # one pass in numpy: prompts may hold 100K tokens
+        if ids.size and (ids.dtype == np.bool_ or not np.issubdtype(ids.dtype, np.integer)):
+            raise ValueError(f"{where} has token ids of dtype {ids.dtype} (first {ids[0]!r}): expected integer "
+                             "token ids")
+        ids = ids.astype(np.int64)
         bad = ids[(ids < 0) | (ids >= cfg.vocab_size)]
         if bad.size:
-            where = f"{what} {i}" if len(rows) > 1 or what == "prompt" else what
             raise ValueError(f"{where} has token id {int(bad[0])}: expected ids in [0, {cfg.vocab_size}) (the model's "
                              "vocabulary)")
 
@@ -121,8 +147,7 @@ def generate_tokens(params: Params, method, tokens: Array, lengths: Array, key: 
       prompt, a write past the cache: the garbage `llama.prefill` / `decode` mark so) ends there, its tokens -1
       from that step and not counted, instead of argmax's token 0.
     """
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected an integer >= 1")
+    check_count("max_new_tokens", max_new_tokens)
     B = tokens.shape[0]
     cache = sharding.constrain(init_cache(cfg, B, capacity, params.embed.dtype), cache_axes())
     state = method.init_state(cfg, B, capacity)

@@ -41,7 +41,7 @@ from models import llama
 from models import sharding
 from models.cache import KVCache, cache_axes, init_cache
 from models.config import ModelConfig
-from models.generate import Sampling, sample
+from models.generate import Sampling, check_count, sample, scaled_logits
 from models.params import Params
 from models.compile_options import model_jit
 
@@ -67,7 +67,7 @@ class SpecState:
 
 def sampling_probs(logits: Array, sampling: Sampling) -> Array:
     """The distribution `models.generate.sample` draws from: f32[..., V] -> f32[..., V] (temperature > 0)."""
-    logits = logits.astype(jnp.float32) / sampling.temperature
+    logits = scaled_logits(logits, sampling.temperature)
     probs = jax.nn.softmax(logits, axis=-1)
     if sampling.top_p < 1.0:
         order = jnp.argsort(-logits, axis=-1)
@@ -96,9 +96,7 @@ def _end_prefill(method, cfg, state, batch, max_len):
 
 
 def check_gamma(gamma: int) -> int:
-    if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 1:
-        raise ValueError(f"gamma={gamma!r}: expected an integer >= 1 (draft tokens proposed per round)")
-    return gamma
+    return check_count("gamma", gamma, "draft tokens proposed per round")
 
 
 def check_pair(t_cfg: ModelConfig, d_cfg: ModelConfig) -> None:
@@ -306,11 +304,17 @@ def speculative_generate(t_params: Params, d_params: Params, t_method, d_method,
 
     Args:
       tokens: i32[B, T] right-padded prompts; lengths: i32[B]. capacity: cache rows per model; it must hold
-        the prompt, max_new_tokens and gamma + 1 more (the verification writes past the accepted tokens).
+        T + max_new_tokens + gamma + 1 (the verification writes past the accepted tokens), else ValueError.
       row_new_tokens: i32[B] or None, each row's own token count (see `spec_loop`).
     Returns:
       (out: i32[B, max_new_tokens], num: i32[B], rounds: i32[B], accepted: i32[B]) as `spec_loop`.
     """
+    check_gamma(gamma)
+    need = tokens.shape[1] + max_new_tokens + gamma + 1
+    if need > capacity:  # a write past the cache would give NaN logits, which argmax reads as token 0
+        raise ValueError(f"prompts of width {tokens.shape[1]} plus max_new_tokens={max_new_tokens} and gamma + 1 = "
+                         f"{gamma + 1} verification rows is {need} tokens, more than the capacity={capacity} cache "
+                         "rows (models.generate.check_request with verify_rows=gamma + 1 sizes it)")
     key, sub = jax.random.split(key)
     s = spec_prefill(t_params, d_params, t_method, d_method, tokens, lengths, sub, t_cfg=t_cfg, d_cfg=d_cfg,
                      capacity=capacity, sampling=sampling)

@@ -201,3 +201,41 @@ def test_forced_accept_sets_the_round_length(models):
         forced_accept=jnp.array([3, 1]))
     np.testing.assert_array_equal(np.asarray(acc), [3, 1])
     np.testing.assert_array_equal(np.asarray(s2.target.lengths), [9 + 4, 6 + 2])
+
+
+def test_inputs_a_caller_can_get_wrong(models):
+    """Too small a cache for speculative_generate is an error (its NaN logits read as token 0 before); numpy
+    integer counts are integers; float or bool token ids are refused (not truncated); a tiny temperature samples the
+    largest logit (logits / T overflowed to inf, the draw took the first token, its probabilities NaN) and a subnormal
+    one (0 on the device) is refused; a Session's
+    text message on a model without a tokenizer says so."""
+    target, draft = models
+    tokens = jax.random.randint(jax.random.key(5), (2, 12), 4, CFG.vocab_size)
+    with pytest.raises(ValueError, match=r"width 12 plus max_new_tokens=8 and gamma \+ 1 = 3 verification rows is "
+                                         r"23 tokens, more than the capacity=20"):
+        speculative_generate(target, draft, DENSE, DENSE, tokens, jnp.array([12, 7]), jax.random.key(0), t_cfg=CFG,
+                             d_cfg=DRAFT_CFG, gamma=2, max_new_tokens=8, capacity=20)
+    tgt = LoadedModel(cfg=CFG, params=target, tokenizer=None, name="t")
+    drf = LoadedModel(cfg=DRAFT_CFG, params=draft, tokenizer=None, name="d")
+    ids = [[5, 6, 7, 8, 9]]
+    ref = generate_ids(tgt, ids, max_new_tokens=5)
+    assert generate_ids(tgt, ids, max_new_tokens=np.int64(5), draft=drf, gamma=np.int64(2)) == ref
+    session = Session(tgt, drf, gamma=2, capacity=64)
+    assert session.send_ids(np.asarray(ids[0]), max_new_tokens=np.int32(5)) == ref[0]
+    for bad, dtype in (([[5.7, 6.2, 9.9]], "float64"), ([[True, False]], "bool")):
+        with pytest.raises(ValueError, match=f"prompt 0 has token ids of dtype {dtype}.*expected integer token ids"):
+            generate_ids(tgt, bad, max_new_tokens=2)
+    with pytest.raises(ValueError, match="the message has token ids of dtype float64"):
+        Session(tgt, drf, gamma=2, capacity=64).send_ids([5.7, 6.0], max_new_tokens=2)
+    with pytest.raises(ValueError, match="'t' has no tokenizer .*send_ids"):
+        Session(tgt, drf, gamma=2, capacity=64).send("Hi")
+    from models.generate import sample
+
+    logits = jnp.array([[5.0, 20.0, 10.0, -30.0], [39.0, -10.0, 40.0, 0.0]])  # / 2e-38: past f32's max
+    with pytest.raises(ValueError, match=r"temperature=1e-39: expected 0 \(greedy\) or at least 1.18e-38"):
+        Sampling(temperature=1e-39)
+    tiny = Sampling(temperature=2e-38)
+    np.testing.assert_array_equal(sample(logits, jax.random.key(0), tiny), [1, 2])
+    np.testing.assert_array_equal(sampling_probs(logits, tiny), jax.nn.one_hot(jnp.array([1, 2]), 4))
+    np.testing.assert_allclose(sampling_probs(logits, Sampling(temperature=7.0)), jax.nn.softmax(logits / 7.0),
+                               rtol=1e-5, atol=1e-7)
