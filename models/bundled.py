@@ -39,7 +39,7 @@ from models.params import Params, fuse_by_default, fuse_projections
 
 BUNDLED = ("smollm2",)
 CACHE_ENV = "JSPARSE_CACHE"
-CACHE_FORMAT = "jsparse-params-v1"
+CACHE_FORMAT = "jsparse-params-v2"  # v2: GGUF rope scaling read as llama.cpp does (old entries may hold v1 configs)
 DIGESTS = "digests.json"
 TOKENIZER_FORMAT = "tokenizer-v2"  # v2: built from the GGUF metadata by models.tokenizer
 

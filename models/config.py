@@ -8,6 +8,8 @@ jitted function. `ModelConfig.from_hf` reads a Hugging Face `config.json` dict (
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import json
 import os
 from typing import Any, Mapping
@@ -164,17 +166,34 @@ class ModelConfig:
         return cls(**d)
 
     @classmethod
-    def from_hf(cls, hf: Any) -> "ModelConfig":
-        """Builds a config from a Hugging Face config dict, `PretrainedConfig` or config.json path."""
+    def from_hf(cls, hf: Any, where: str | None = None) -> "ModelConfig":
+        """Builds a config from a Hugging Face config dict, `PretrainedConfig` or config.json path (`where`: the
+        file a dict was read from, for messages).
+
+        A key the config leaves out means what it means to transformers (its config class's default; e.g.
+        Mistral's sliding window of 4096); a config without one of REQUIRED_HF_KEYS, or not a JSON object, is a
+        ConfigError naming the file."""
+        where = where or "config"
         if isinstance(hf, (str, os.PathLike)):
+            where = str(hf)
             with open(hf) as f:
-                hf = json.load(f)
-        elif not isinstance(hf, Mapping):
+                try:
+                    hf = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"{where} is not valid JSON: {e}") from None
+        elif not isinstance(hf, Mapping) and hasattr(hf, "to_dict"):
             hf = hf.to_dict()
+        if not isinstance(hf, Mapping):
+            raise ConfigError(f"{where} holds a {type(hf).__name__}: expected a JSON object (a Hugging Face config)")
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(f"unknown architecture model_type={model_type!r} (architectures="
                               f"{hf.get('architectures')}); supported: {SUPPORTED_ARCHITECTURES}")
+        missing = [k for k in REQUIRED_HF_KEYS if hf.get(k) is None]
+        if missing:
+            raise ConfigError(f"{where} lacks {', '.join(map(repr, missing))}: a {model_type} config needs "
+                              f"{', '.join(REQUIRED_HF_KEYS)} (the weights' shapes)")
+        hf = {**_class_defaults(model_type), **hf}  # a key left out means what it means to transformers
         num_heads = hf["num_attention_heads"]
         hidden = hf["hidden_size"]
         head_dim = hf.get("head_dim") or hidden // num_heads
@@ -209,6 +228,27 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos,
         )
+
+
+# The keys a config must give (their transformers defaults are one model's shapes, never another checkpoint's).
+REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# The optional keys `from_hf` reads; one a config leaves out takes the default of the architecture's transformers
+# config class (`_class_defaults`), e.g. Mistral's sliding_window 4096, Llama's 2048-token context, Qwen3's
+# head_dim 128, Qwen2's 32 KV heads.
+_OPTIONAL_HF_KEYS = ("num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "sliding_window",
+                     "use_sliding_window", "max_window_layers", "tie_word_embeddings", "hidden_act",
+                     "attention_bias", "mlp_bias")
+
+
+@functools.lru_cache(maxsize=None)
+def _class_defaults(model_type: str) -> dict[str, Any]:
+    """The values transformers gives the keys of _OPTIONAL_HF_KEYS a config.json of `model_type` leaves out: the
+    defaults of its config class's __init__ (None where transformers derives the value, e.g. Llama's head_dim)."""
+    from transformers import CONFIG_MAPPING
+
+    params = inspect.signature(CONFIG_MAPPING[model_type].__init__).parameters
+    return {k: params[k].default for k in _OPTIONAL_HF_KEYS
+            if k in params and params[k].default is not inspect.Parameter.empty}
 
 
 def _windows_from_hf(hf: Mapping[str, Any], model_type: str) -> tuple[int | None, tuple[int, ...]]:

@@ -375,7 +375,7 @@ def load_hf_folder(path: str | os.PathLike, dtype=jnp.float32, mesh=None) -> tup
             hf = json.load(f)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{config_path}: not valid JSON ({e})") from e
-    cfg = ModelConfig.from_hf(hf)
+    cfg = ModelConfig.from_hf(hf, where=str(config_path))
     source = SafetensorsSource(_weight_files(folder))
     return cfg, convert_tensors(cfg, source, dtype, where=str(folder), place=_placer(cfg, mesh))
 

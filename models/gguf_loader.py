@@ -158,8 +158,13 @@ def config_from_gguf(reader, path: str | os.PathLike = "gguf") -> ModelConfig:
     hidden = int(need("embedding_length"))
     num_heads = int(need("attention.head_count"))
     num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", num_heads))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", 0)
-                   or _field(reader, f"{arch}.rope.dimension_count", 0) or hidden // num_heads)
+    # As llama.cpp: the head size from attention.key_length (default hidden / heads); rope.dimension_count is how
+    # many of its dimensions RoPE rotates (default all of them), which must be all here.
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", 0) or hidden // num_heads)
+    n_rot = _field(reader, f"{arch}.rope.dimension_count")
+    if n_rot is not None and int(n_rot) != head_dim:  # llama.cpp refuses it for llama, rotates part for qwen
+        raise ConfigError(f"{path}: GGUF {arch}.rope.dimension_count={int(n_rot)}: this model rotates every dimension "
+                          f"of a head; expected head_dim={head_dim}")
     if "token_embd.weight" in names:
         vocab = int(names["token_embd.weight"].shape[-1])
     else:
@@ -169,10 +174,21 @@ def config_from_gguf(reader, path: str | os.PathLike = "gguf") -> ModelConfig:
         vocab = len(tokens)
     theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
     rope = RopeConfig(theta=theta)
-    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    # As llama.cpp reads them: the factor from rope.scaling.factor or the older rope.scale_linear, the type
+    # "linear" when the file names none (a factor of 0 or 1 scales nothing).
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    if factor is None:
+        factor = _field(reader, f"{arch}.rope.scale_linear")
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling is None:
+        scaling = "none" if factor is None or float(factor) in (0.0, 1.0) else "linear"
     if scaling == "linear":
-        rope = RopeConfig(theta=theta, rope_type="linear", factor=float(need("rope.scaling.factor")))
-    elif scaling not in ("none", None):
+        if factor is None:
+            raise ValueError(f"{path}: GGUF metadata key {arch}.rope.scaling.factor is missing (rope scaling type "
+                             "'linear')")
+        if float(factor) not in (0.0, 1.0):
+            rope = RopeConfig(theta=theta, rope_type="linear", factor=float(factor))
+    elif scaling != "none":
         raise ConfigError(f"{path}: GGUF rope scaling {arch}.rope.scaling.type={scaling!r} is not supported; "
                           "expected 'none' or 'linear'")
     bos = _field(reader, "tokenizer.ggml.bos_token_id")

@@ -134,9 +134,10 @@ def test_corrupt_safetensors_is_named(folder):
 # ----------------------------------------------------------------------------------------------- GGUF
 
 
-def write_gguf(model, path, qtype=gguf.GGMLQuantizationType.F32, arch=None):
+def write_gguf(model, path, qtype=gguf.GGMLQuantizationType.F32, arch=None, n_rot=None, extra=None):
     """Writes `model` (tiny HF Llama or Qwen3) as llama.cpp's convert_hf_to_gguf.py would: renamed, and for
-    Llama the Q/K rows permuted (llama.cpp runs Qwen with NEOX RoPE, unpermuted)."""
+    Llama the Q/K rows permuted (llama.cpp runs Qwen with NEOX RoPE, unpermuted). n_rot: rope.dimension_count
+    (default the head size); extra(writer): more metadata."""
     c = model.config
     arch = arch or c.model_type
     permute = c.model_type == "llama"
@@ -149,7 +150,9 @@ def write_gguf(model, path, qtype=gguf.GGMLQuantizationType.F32, arch=None):
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    w.add_rope_dimension_count(n_rot or getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    if extra is not None:
+        extra(w)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
     if c.model_type == "qwen3":
@@ -289,6 +292,26 @@ def test_gguf_truncated_is_named(llama_model, tmp_path, keep):
         load_gguf(cut)
 
 
+def test_gguf_rope_keys_read_as_llama_cpp_reads_them(llama_model, tmp_path):
+    """A linear RoPE factor without rope.scaling.type (llama.cpp's default type), or under the older key
+    rope.scale_linear, scales (it was dropped); a factor of 1 scales nothing; rope.dimension_count below the head
+    size (a partial rotation this model does not do) is refused, not ignored."""
+    def rope_of(name, fn):
+        return load_gguf(write_gguf(llama_model, tmp_path / name, extra=fn))[0].rope
+
+    for name, fn in (("factor.gguf", lambda w: w.add_rope_scaling_factor(4.0)),
+                     ("old_key.gguf", lambda w: w.add_float32("llama.rope.scale_linear", 4.0)),
+                     ("typed.gguf", lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR),
+                                               w.add_rope_scaling_factor(4.0)))):
+        rope = rope_of(name, fn)
+        assert (rope.rope_type, rope.factor) == ("linear", 4.0), name
+    assert rope_of("one.gguf", lambda w: w.add_rope_scaling_factor(1.0)).rope_type == "default"
+    head = llama_model.config.hidden_size // llama_model.config.num_attention_heads
+    with pytest.raises(ConfigError, match=rf"llama.rope.dimension_count={head // 2}: this model rotates every "
+                                          rf"dimension of a head; expected head_dim={head}"):
+        load_gguf(write_gguf(llama_model, tmp_path / "partial.gguf", n_rot=head // 2))
+
+
 def test_gguf_unknown_architecture_is_named(llama_model, tmp_path):
     path = write_gguf(llama_model, tmp_path / "falcon.gguf", arch="falcon")
     with pytest.raises(ConfigError, match="falcon"):
@@ -385,3 +408,37 @@ def test_hf_config_fields_as_transformers_reads_them(folder):
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
     with pytest.raises(ConfigError, match="eos_token_id='x': expected an integer or a list"):
         generation_stop_ids(folder)
+
+
+def test_a_key_a_config_leaves_out_means_what_it_means_to_transformers(tmp_path):
+    """config.json without an optional key takes the transformers config class's default (jsparse's own defaults
+    gave Mistral no window, Llama-3 scaling an 8192-token original context, Qwen3 head_dim hidden / heads);
+    without a shape key, or not a JSON object, it is a ConfigError naming the file."""
+    from transformers import CONFIG_MAPPING
+
+    from models.config import ConfigError, ModelConfig
+
+    base = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    for mt, extra in (("mistral", {"num_key_value_heads": 2}), ("qwen3", {"num_key_value_heads": 2}),
+                      ("qwen2", {"num_attention_heads": 32}),
+                      ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                  "high_freq_factor": 4.0}})):
+        d = {**base, **extra}
+        ours, ref = ModelConfig.from_hf({"model_type": mt, **d}), CONFIG_MAPPING[mt](**d)
+        assert ours.num_kv_heads == ref.num_key_value_heads, mt
+        assert ours.head_dim == (getattr(ref, "head_dim", None) or d["hidden_size"] // d["num_attention_heads"]), mt
+        assert ours.max_position_embeddings == ref.max_position_embeddings, mt
+        assert ours.sliding_window == (ref.sliding_window if mt == "mistral" else None), mt
+    assert ModelConfig.from_hf({"model_type": "mistral", **base, "num_key_value_heads": 2}).sliding_window == 4096
+    assert ModelConfig.from_hf({"model_type": "qwen3", **base, "num_key_value_heads": 2}).head_dim == 128
+    llama3 = ModelConfig.from_hf({"model_type": "llama", **base, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}})
+    assert llama3.rope.original_max_position == 2048 == llama3.max_position_embeddings
+    no_heads = {k: v for k, v in base.items() if k != "num_attention_heads"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", **no_heads}))
+    with pytest.raises(ConfigError, match=r"config.json lacks 'num_attention_heads': a llama config needs"):
+        ModelConfig.from_hf(str(path))
+    path.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match=r"config.json holds a list: expected a JSON object"):
+        ModelConfig.from_hf(str(path))
