@@ -80,22 +80,52 @@ def prefill_heat(q: Array, k: Array, lengths: Array, window: int, decay: float, 
     return pool_blocks(h, block_size, num_blocks)
 
 
-def scan_rows(heat: Array | None, layer, step, xs):
+def scan_rows(heat: Array | None, layer, step, xs, rows: Array | None = None):
     """Runs the T new rows of a decode in order over one layer's heat, so row t sees the heat after rows < t
     exactly as T = 1 decoding of the same tokens would.
 
     Args:
-      heat: the stacked heat f32[L, ...] (or None: no heat, the carry stays None); layer: i32[] this layer.
-      step: (heat_l: f32[...] | None, x_t) -> (heat_l, out_t), one row.
+      heat: the stacked heat f32[L, B, Hkv, NB] (or None: no heat, the carry stays None); layer: i32[] this layer.
+      step: (heat_l: f32[B, Hkv, NB] | None, x_t) -> (heat_l, out_t), one row.
       xs: a pytree of arrays [B, T, ...] (None leaves allowed), row t is x[:, t].
+      rows: None, or every layer's heat before and after each row, f32[L, B, Hkv, T + 1, NB] (`begin_rows`: a
+        speculative verification keeps the heat of the rows it accepts, `keep_rows`); this layer's slots 1 .. T
+        are written.
     Returns:
-      (outs: the out_t stacked as [B, T, ...], the stacked heat with this layer's row updated in place).
+      (outs: the out_t stacked as [B, T, ...], the stacked heat with this layer's row updated in place, rows
+       with this layer's written (None when None)).
     """
     heat_l = None if heat is None else jax.lax.dynamic_index_in_dim(heat, layer, 0, keepdims=False)
-    heat_l, out = jax.lax.scan(step, heat_l, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), xs))
+    if rows is None or heat is None:
+        heat_l, out = jax.lax.scan(step, heat_l, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), xs))
+    else:
+        def step_kept(h, x):
+            h, o = step(h, x)
+            return h, (o, h)
+
+        heat_l, (out, after) = jax.lax.scan(step_kept, heat_l, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), xs))
+        after = jnp.moveaxis(after, 0, 2)  # [B, Hkv, T, NB]
+        layer_rows = jax.lax.dynamic_index_in_dim(rows, layer, 0, keepdims=False)
+        layer_rows = jax.lax.dynamic_update_slice_in_dim(layer_rows, after.astype(rows.dtype), 1, axis=2)
+        rows = jax.lax.dynamic_update_index_in_dim(rows, layer_rows, layer, axis=0)
     if heat is not None:
         heat = jax.lax.dynamic_update_index_in_dim(heat, heat_l, layer, axis=0)
-    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), out), heat
+    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), out), heat, rows
+
+
+def begin_rows(heat: Array, T: int) -> Array:
+    """The rows buffer of a T-row decode whose rows may be rolled back (a speculative verification): f32[L, B,
+    Hkv, T + 1, NB], every slot the heat before it (slot t + 1 becomes the heat after row t in the layers that
+    update it; the others keep theirs)."""
+    L, B, H, NB = heat.shape
+    return jnp.broadcast_to(heat[:, :, :, None], (L, B, H, T + 1, NB))
+
+
+def keep_rows(rows: Array, count: Array) -> Array:
+    """The heat after each batch row's first count[b] decode rows (0: the heat before them), f32[L, B, Hkv, NB],
+    from `begin_rows`' buffer after the decode; count: i32[B] in [0, T]."""
+    idx = jnp.clip(count.astype(jnp.int32), 0, rows.shape[3] - 1)
+    return jnp.take_along_axis(rows, idx[None, :, None, None, None], axis=3)[:, :, :, 0]
 
 
 def attend_with_mass(q_t: Array, k_all: Array, v_all: Array, layer: Array, idx: Array, lengths: Array,

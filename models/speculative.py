@@ -25,7 +25,14 @@ target selection comes from the draft's attention (STS):
   target_method.adopt_draft(target_state, draft_state) -> target_state   (after the draft's steps of a round,
       after its prefill and after an appended message, before the target's forward)
   method.end_prefill(cfg, state, batch, max_len) -> state   (after the prefill: the state the decode loop carries)
-Methods whose state accumulates over decode steps (H2O, EvoSparse heat) see the rejected positions too.
+and two serve target methods whose state accumulates over decode steps (H2O's score, EvoSparse's heat), so that
+it rolls back with the caches:
+  target_method.begin_verify(state, rows) -> state   (before the verification of rows = gamma + 1 tokens: the
+      state after each of them is kept)
+  target_method.end_verify(state, count) -> state   (after the acceptance: the state after each batch row's first
+      count[b] verification rows, as if only the tokens it emitted had been decoded)
+The draft's own state is not rolled back (a draft method that accumulates sees its rejected tokens, and `prev`
+twice); drafts run dense or record their attention for STS.
 """
 
 from __future__ import annotations
@@ -88,6 +95,16 @@ def _draw(key: Array, probs: Array) -> Array:
 def _adopt(t_method, t_state, d_state):
     fn = getattr(t_method, "adopt_draft", None)
     return t_state if fn is None else fn(t_state, d_state)
+
+
+def _begin_verify(method, state, rows: int):
+    fn = getattr(method, "begin_verify", None)
+    return state if fn is None else fn(state, rows)
+
+
+def _end_verify(method, state, count):
+    fn = getattr(method, "end_verify", None)
+    return state if fn is None else fn(state, count)
 
 
 def _end_prefill(method, cfg, state, batch, max_len):
@@ -202,7 +219,7 @@ def spec_round(t_params: Params, d_params: Params, t_method, d_method, s: SpecSt
         q = None if greedy else q0[:, None]
 
     # 2. The target verifies gamma + 1 positions in one call.
-    t_state = _adopt(t_method, s.t_state, d_state)
+    t_state = _begin_verify(t_method, _adopt(t_method, s.t_state, d_state), gamma + 1)
     verify = jnp.concatenate([s.tok[:, None], drafts], axis=1)  # [B, gamma + 1]
     logits, t_cache, t_state = llama.decode(t_params, t_cfg, t_method, verify, s.target, t_state)
 
@@ -243,6 +260,7 @@ def spec_round(t_params: Params, d_params: Params, t_method, d_method, s: SpecSt
     last = jnp.where(count >= 1, emitted[rows, jnp.maximum(count - 1, 0)], s.tok)
     prev = jnp.where(count >= 2, emitted[rows, jnp.maximum(count - 2, 0)], jnp.where(count == 1, s.tok, s.prev))
     new_len = n + count
+    t_state = _end_verify(t_method, t_state, count)  # the state after the verification rows kept, 0 .. gamma + 1
     s = SpecState(target=t_cache.replace(lengths=new_len), draft=d_cache.replace(lengths=new_len),
                   t_state=t_state, d_state=d_state, tok=last, prev=prev)
     return s, emitted, count, jnp.where(limit > 0, a, 0).astype(jnp.int32)

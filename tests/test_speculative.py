@@ -239,3 +239,27 @@ def test_inputs_a_caller_can_get_wrong(models):
     np.testing.assert_array_equal(sampling_probs(logits, tiny), jax.nn.one_hot(jnp.array([1, 2]), 4))
     np.testing.assert_allclose(sampling_probs(logits, Sampling(temperature=7.0)), jax.nn.softmax(logits / 7.0),
                                rtol=1e-5, atol=1e-7)
+
+
+def test_heat_methods_roll_back_with_the_caches(models):
+    """H2O's score and EvoSparse's heat accumulate over decode steps: the verification's rejected rows are not
+    counted (`begin_verify` / `end_verify`), so greedy speculative decoding with them as the target's method
+    emits exactly their own greedy decoding (before, rejected rows' attention steered later selections and the
+    outputs differed), with a draft that is always rejected and with one accepted part of the time."""
+    from jsparse.methods.evosparse import EvoSparse
+
+    target, draft = models
+    tgt = LoadedModel(cfg=CFG, params=target, tokenizer=None, name="t")
+    drafts = (LoadedModel(cfg=DRAFT_CFG, params=draft, tokenizer=None, name="d"), tgt)  # the target runs dense
+    rng = np.random.default_rng(0)
+    ids = [[int(t) for t in rng.integers(4, 128, 60)], [int(t) for t in rng.integers(4, 128, 41)]]
+    rates = []
+    for method in (make_method("h2o", budget=0.15, min_tokens=4),
+                   EvoSparse.from_heads(CFG, [(1, 0), (2, 1)], budget_tokens=24, block_size=4, dense_layers=1,
+                                        heat_window=8, decay=0.8)):
+        ref = generate_ids(tgt, ids, method=method, max_new_tokens=40)
+        for drf in drafts:
+            stats = {}
+            assert generate_ids(tgt, ids, method=method, max_new_tokens=40, draft=drf, gamma=3, stats=stats) == ref
+            rates.append(stats["acceptance_rate"])
+    assert min(rates) == 0.0 and any(0.0 < r < 1.0 for r in rates)

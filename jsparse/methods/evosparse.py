@@ -60,8 +60,8 @@ from flax import struct
 from jsparse import budget_split
 from jsparse import selection as sel
 from jsparse.budget_split import split_counts  # noqa: F401  (re-exported)
-from jsparse.heat import (attend_with_mass, decay_heat, heat_step, heat_update, prefill_heat,  # noqa: F401
-                          scan_rows)
+from jsparse.heat import (attend_with_mass, begin_rows, decay_heat, heat_step, heat_update,  # noqa: F401
+                          keep_rows, prefill_heat, scan_rows)
 from jsparse.methods.base import register
 from jsparse.methods.common import attend_dense, dense_prefill, kwargs_for, refuse_derived, stacked_cache
 from models.attention import runs_of
@@ -93,6 +93,7 @@ class EvoState:
     heat: Optional[Array] = None
     retrieval: Optional[Array] = None
     heat_cand: Optional[Array] = None  # i32[L, B, Hkv, Wc] inside one T = 1 decode forward (`start_rows`)
+    heat_rows: Optional[Array] = None  # f32[L, B, Hkv, T + 1, NB] inside a speculative verification
 
 
 def check_fractions(fractions: Sequence[float]) -> tuple[float, ...]:
@@ -270,6 +271,16 @@ class EvoSparse:
         wr = self.widths(kv_len)["retrieval"]
         return state.replace(retrieval=jnp.full((batch, q_len, wr), -1, jnp.int32))
 
+    def begin_verify(self, state, rows: int):
+        """Before a speculative verification of `rows` tokens: keep the heat after each of them (`heat.begin_rows`),
+        so that `end_verify` keeps the rows the round accepts."""
+        return state if state.heat is None else state.replace(heat_rows=begin_rows(state.heat, rows))
+
+    def end_verify(self, state, count):
+        """After the verification: the heat after each batch row's first count[b] rows (i32[B]; a rejected row
+        neither decays the heat nor adds its mass)."""
+        return state if state.heat is None else state.replace(heat=keep_rows(state.heat_rows, count), heat_rows=None)
+
     def start_rows(self, cfg, state, phase, lengths, q_len, kv_len):
         """One-token decode: every layer's heat candidates at once (`block_scores.heat_candidates`: the n_h + n_r
         hottest middle blocks of each row, one top-k launch), so a layer only ranks those outside its retrieval
@@ -404,8 +415,9 @@ class EvoSparse:
                 heat_l = new if live is None else jnp.where(live, new, heat_l)
             return heat_l, out
 
-        out, heat = scan_rows(heat if self.uses_heat else None, ctx.layer, row, (q, ret, pos))
-        return out.astype(q.dtype), state.replace(heat=heat)
+        out, heat, rows = scan_rows(heat if self.uses_heat else None, ctx.layer, row, (q, ret, pos),
+                                    rows=state.heat_rows)
+        return out.astype(q.dtype), state.replace(heat=heat, heat_rows=rows)
 
     def select_blocks(self, heat_l, ret, pos, Hkv: int, N: int, layer=None, cand=None) -> Array:
         """The attended blocks of one decode row: i32[B, Hkv, Kb] ascending, -1 padded.

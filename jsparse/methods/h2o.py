@@ -38,7 +38,7 @@ import numpy as np
 from flax import struct
 
 from jsparse import selection as sel
-from jsparse.heat import scan_rows
+from jsparse.heat import begin_rows, keep_rows, scan_rows
 from jsparse.methods.base import register
 from jsparse.methods.common import TokenBudget, dense_prefill, kwargs_for, stacked_cache
 from pallas_kernels.block_scores import heat_candidates, sparse_decode_heat
@@ -58,6 +58,7 @@ DECODE_CONFIG = DecodeConfig(block_k=32)
 class H2OState:
     score: jax.Array  # f32[L, B, Hkv, N] accumulated attention per key (mean over the GQA group)
     kept: Optional[jax.Array] = None  # i32[L, B, Hkv, K] every layer's keys inside one gathered decode forward
+    rows: Optional[jax.Array] = None  # f32[L, B, Hkv, T + 1, N] inside a speculative verification (`begin_verify`)
 
 
 @register("h2o")
@@ -88,6 +89,16 @@ class H2O(TokenBudget):
     def is_gathered(self) -> bool:
         """Whether a one-token decode runs gathered (`gathered`; None: on a GPU)."""
         return jax.default_backend() == "gpu" if self.gathered is None else bool(self.gathered)
+
+    def begin_verify(self, state, rows: int):
+        """Before a speculative verification of `rows` tokens: keep the score after each of them (`heat.begin_rows`),
+        so that `end_verify` keeps the rows the round accepts."""
+        return state.replace(rows=begin_rows(state.score, rows))
+
+    def end_verify(self, state, count):
+        """After the verification: the score after each batch row's first count[b] rows (i32[B]; the rejected
+        rows' attention is not counted, nor kept on the positions they wrote)."""
+        return state.replace(score=keep_rows(state.rows, count), rows=None)
 
     def start_rows(self, cfg, state, phase, lengths, q_len, kv_len):
         """A gathered one-token decode: every layer's kept keys at once (`kept_indices`), before any layer runs."""
@@ -180,5 +191,6 @@ class H2O(TokenBudget):
             out = jnp.einsum("bhgn,bhnd->bhgd", probs, vf, precision=_HIGHEST)
             return score + probs.mean(axis=2), out
 
-        out, score = scan_rows(state.score, ctx.layer, row, (qg, positions))  # rows in order, as T = 1 decoding
-        return out.reshape(B, T, Hq, D).astype(q.dtype), state.replace(score=score)
+        # Rows in order, as T = 1 decoding; inside a speculative verification the score after each is kept too.
+        out, score, rows = scan_rows(state.score, ctx.layer, row, (qg, positions), rows=state.rows)
+        return out.reshape(B, T, Hq, D).astype(q.dtype), state.replace(score=score, rows=rows)
