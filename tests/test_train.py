@@ -285,6 +285,28 @@ def test_damaged_latest_checkpoint_and_cut_log_line_resume_from_the_one_before(t
         train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg, progress=False)
 
 
+def test_a_restore_failing_for_memory_moves_no_checkpoint(tmp_path, uninterrupted, model_params, pcfg, chunks,
+                                                          monkeypatch):
+    """A restore that fails for a reason of the machine's (out of memory), not the checkpoint's, propagates: the
+    newest checkpoint is not moved aside as damaged (resuming from an older one would lose its steps)."""
+    import shutil
+
+    from train import loop
+
+    src, _ = uninterrupted
+    out = str(tmp_path / "oom")
+    shutil.copytree(src, out)
+
+    def no_memory(*a, **k):
+        raise MemoryError("out of host memory")
+
+    monkeypatch.setattr(loop, "_restore", no_memory)
+    with pytest.raises(MemoryError, match="out of host memory"):
+        train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg, progress=False)
+    assert not os.path.exists(os.path.join(out, "checkpoints-damaged"))
+    assert sorted(int(d) for d in os.listdir(os.path.join(out, "checkpoints")) if d.isdigit()) == [4, 6]
+
+
 def test_butler_artifact_from_another_model_is_refused(uninterrupted):
     from jsparse.artifacts import ArtifactError
     from jsparse.methods import make_method

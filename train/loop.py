@@ -347,17 +347,25 @@ def _read_meta(mngr, step: int) -> dict:
     return dict(mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
 
 
+# Failures of a restore that say nothing about the checkpoint (out of host or device memory, a device error): they
+# propagate and no checkpoint is moved aside.
+NOT_DAMAGE = (MemoryError, jax.errors.JaxRuntimeError)
+
+
 def _resume(mngr, out_dir: str, tc: TrainConfig, expected: dict, pparams, opt_state):
     """(step, manager, (params, opt_state)) of the newest checkpoint that reads back, or (None, manager, None)
     without one. A checkpoint that does not read back (a run killed while writing it, a damaged disk) is moved to
     OUT/checkpoints-damaged/ with a warning and the next older one is tried; none readable is a TrainError. A
-    readable checkpoint of another configuration is a TrainError (`_check_resume`), never skipped."""
+    readable checkpoint of another configuration is a TrainError (`_check_resume`), never skipped; a failure that
+    is not the checkpoint's (NOT_DAMAGE: memory, the device) propagates, nothing moved."""
     where = os.path.join(out_dir, CHECKPOINTS)
     damaged = []
     found = None
     for step in sorted(mngr.all_steps(), reverse=True):
         try:
             meta = _read_meta(mngr, step)
+        except NOT_DAMAGE:
+            raise
         except Exception as e:  # noqa: BLE001  (orbax raises many kinds for a damaged folder)
             damaged.append((step, e))
             continue
@@ -365,6 +373,8 @@ def _resume(mngr, out_dir: str, tc: TrainConfig, expected: dict, pparams, opt_st
         try:
             found = (step, _restore(mngr, step, pparams, opt_state))
             break
+        except NOT_DAMAGE:
+            raise
         except Exception as e:  # noqa: BLE001
             damaged.append((step, e))
     if not damaged:
