@@ -109,12 +109,21 @@ class BlockBudget:
     def attended_fraction(self, positions) -> np.ndarray:
         """f64[...]: the fraction of its visible keys a query at each position attends to (whole blocks, its own
         block partial)."""
-        p = np.asarray(positions, np.int64)
-        n = p + 1
-        if self.tokens is not None:
-            k = np.minimum(self.tokens, n)
-        else:
-            k = np.minimum(np.maximum(np.ceil(np.float32(self.budget) * n.astype(np.float32)), self.min_tokens), n)
-        bs = self.block_size
-        kb = -(-k // bs)
-        return np.minimum(kb * bs - (bs - 1 - p % bs), n) / n
+        return attended_fraction(positions, self.budget, self.min_tokens, self.block_size, self.tokens)
+
+
+def attended_fraction(positions, budget: float, min_tokens: int, block_size: int,
+                      tokens: Optional[int] = None) -> np.ndarray:
+    """f64[...]: the fraction of its n = p + 1 visible keys a query at each position p attends to when it takes
+    ceil(k / block_size) whole blocks of the budget's k keys (`tokens`, else the fraction rule), its own block
+    among them and partial (EvoSparse's blocks, Quest's pages): between k - block_size + 1 and k + block_size - 1
+    keys."""
+    p = np.asarray(positions, np.int64)
+    n = p + 1
+    if tokens is not None:
+        k = np.minimum(tokens, n)
+    else:
+        k = np.minimum(np.maximum(np.ceil(np.float32(budget) * n.astype(np.float32)), min_tokens), n)
+    bs = block_size
+    kb = -(-k // bs)
+    return np.minimum(kb * bs - (bs - 1 - p % bs), n) / n

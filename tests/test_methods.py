@@ -174,6 +174,26 @@ def test_quest_decode_pages(gathered):
     np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
 
 
+def test_quest_sparsity_counts_the_keys_of_its_pages():
+    """Quest's reported sparsity is the share of visible keys outside the pages `page_mask` keeps at each position
+    (whole pages, its own partial), not the token rule's, which differs by up to a page either way."""
+    from jsparse import selection as sel
+    from jsparse.methods.quest import page_mask
+
+    L, budget, min_tokens = 300, 0.1, 16
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((1, L, HQ, D)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((1, HKV, L, D)), jnp.float32)
+    mask = np.asarray(page_mask(q, k, jnp.arange(L)[None], budget, min_tokens, 16))  # [1, Hq, T, N]
+    kept = mask[0].sum(-1)  # [Hq, T]: the same count for every head
+    assert (kept == kept[:1]).all()
+    measured = np.mean(1.0 - kept[0] / np.arange(1, L + 1))
+    m = make_method("quest", budget=budget, min_tokens=min_tokens, page_size=16)
+    share = (CFG.num_layers - m.dense_layers) / CFG.num_layers
+    assert m.achieved_sparsity(CFG, np.arange(L)) == pytest.approx(share * measured, rel=1e-9)
+    assert abs(share * sel.topk_sparsity(budget, np.arange(L), min_tokens) - share * measured) > 1e-3
+
+
 def test_quest_gathered_model_decode_equals_the_mask():
     """Through the model, step after step: the gathered decode (pages chosen from the state's page bounds, read
     from the stacked cache in place) equals the mask (bounds from the cache, no state), also after a T = 3 step

@@ -2,7 +2,9 @@
 
 Keys are grouped in pages of `page_size` (16). A page's score for query head h is the upper bound
 `sum_d max(q_d * kmax_d, q_d * kmin_d)` (= sum_d |q_d| * max over the page of sign(q_d) k_d); each query head
-keeps its top pages within the token budget, plus the page holding the query itself. Layers 0-1 are dense, as in
+keeps ceil(k / page_size) pages of the token budget's k keys, the page holding the query itself always among
+them (as the paper counts pages, and EvoSparse its blocks: that page is partly filled, so a row attends between
+k - page_size + 1 and k + page_size - 1 keys; `achieved_sparsity` counts them). Layers 0-1 are dense, as in
 the paper. Quest selects per *query* head, so it attends through a per-head mask rather than the KV-head index
 contract; prefill is dense (Quest is a decode method).
 
@@ -27,9 +29,11 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jsparse import selection as sel
+from jsparse.budget_split import attended_fraction
 from jsparse.methods.base import register
 from jsparse.methods.common import (TokenBudget, attend_per_query_head, kwargs_for, masked_attention_reference,
                                     prefill_dense)
@@ -68,6 +72,13 @@ class Quest(TokenBudget):
     @classmethod
     def build(cls, **options):
         return cls(**kwargs_for(cls, options))
+
+    def achieved_sparsity(self, cfg, positions) -> float:
+        """Fraction of visible keys skipped, averaged over layers and the given query positions: the keys of the
+        pages a row attends (whole pages, its own partial; the token rule's k differs by up to a page)."""
+        sparse_layers = max(cfg.num_layers - self.dense_layers, 0)
+        attended = attended_fraction(positions, self.budget, self.min_tokens, self.page_size)
+        return float(sparse_layers / cfg.num_layers * np.mean(1.0 - attended))
 
     def init_state(self, cfg, batch, max_len):
         shape = (cfg.num_layers, batch, cfg.num_kv_heads, -(-max_len // self.page_size), cfg.head_dim)
