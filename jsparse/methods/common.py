@@ -26,7 +26,8 @@ def check_tile(tile: int) -> int:
     sel.check_positive_int("tile", tile)
     if KERNEL_QUERY_BLOCK % tile:
         raise ValueError(f"tile={tile} does not divide the prefill kernel's query block of {KERNEL_QUERY_BLOCK} "
-                         f"rows; expected one of {[t for t in range(1, KERNEL_QUERY_BLOCK + 1) if KERNEL_QUERY_BLOCK % t == 0]}")
+                         f"rows; expected one of {[t for t in range(1, KERNEL_QUERY_BLOCK + 1)
+                                                   if KERNEL_QUERY_BLOCK % t == 0]}")
     return tile
 
 
