@@ -175,20 +175,35 @@ def test_heat_update_decay_and_pool_against_numpy():
 
 
 def test_scan_rows_runs_rows_in_order_on_one_layer():
-    stack = jnp.zeros((3, 2, 5))
+    stack = jnp.zeros((3, 2, 1, 5))  # [L, B, Hkv, NB]
     xs = jnp.arange(2 * 4, dtype=jnp.float32).reshape(2, 4)  # [B, T]
 
-    def step(h, x_t):  # h: [B, 5]; each row adds x_t to block 0 and returns the running total seen
-        h = h.at[:, 0].add(x_t)
-        return h, h[:, 0]
+    def step(h, x_t):  # h: [B, Hkv, NB]; each row adds x_t to block 0 and returns the running total seen
+        h = h.at[:, 0, 0].add(x_t)
+        return h, h[:, 0, 0]
 
-    out, new = heat.scan_rows(stack, jnp.int32(1), step, xs)
-    np.testing.assert_allclose(out, np.cumsum(np.asarray(xs), axis=1))
-    np.testing.assert_allclose(new[1, :, 0], np.asarray(xs).sum(1))
-    assert float(jnp.abs(new[0]).max()) == 0 and float(jnp.abs(new[2]).max()) == 0
-    out, none = heat.scan_rows(None, jnp.int32(0), lambda h, x: (h, 2 * x), xs)
+    out, new, none = heat.scan_rows(stack, jnp.int32(1), step, xs)
     assert none is None
+    running = np.cumsum(np.asarray(xs), axis=1)
+    np.testing.assert_allclose(out, running)
+    np.testing.assert_allclose(new[1, :, 0, 0], np.asarray(xs).sum(1))
+    assert float(jnp.abs(new[0]).max()) == 0 and float(jnp.abs(new[2]).max()) == 0
+    out, none, rows = heat.scan_rows(None, jnp.int32(0), lambda h, x: (h, 2 * x), xs)
+    assert none is None and rows is None
     np.testing.assert_allclose(out, 2 * np.asarray(xs))
+
+    # with a rows buffer: slot t + 1 of this layer holds the heat after row t, other layers keep the heat before
+    start = stack.at[:, :, 0, 1].set(7.0)
+    rows = heat.begin_rows(start, 4)
+    assert rows.shape == (3, 2, 1, 5, 5)
+    _, new, rows = heat.scan_rows(start, jnp.int32(1), step, xs, rows=rows)
+    np.testing.assert_allclose(rows[1, :, 0, 1:, 0], running)
+    np.testing.assert_allclose(rows[1, :, 0, 0, 0], 0.0)
+    np.testing.assert_allclose(rows[:, :, 0, :, 1], 7.0)
+    np.testing.assert_allclose(rows[0, :, 0, :, 0], 0.0)
+    kept = heat.keep_rows(rows, jnp.array([0, 3]))
+    np.testing.assert_allclose(kept[1, :, 0, 0], [0.0, running[1, 2]])
+    np.testing.assert_allclose(heat.keep_rows(rows, jnp.array([4, 4])), new)
 
 
 def test_capacities_and_the_bucket_switch():

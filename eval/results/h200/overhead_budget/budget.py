@@ -1,6 +1,7 @@
 """What each sparse method's share of its bytes-floor speedup would be with parts of its decode step gone, from the
 per-kernel profiles here (`jsparse bench profile_decode_step --method M --context 100000 --batch 4 --steps 4`, H200,
-5fd9712) and the bytes per step of `eval/results/h100/e2e/` (the same shapes; bytes do not depend on the device).
+5fd9712) and the bytes per step of `eval/results/h200/e2e_state/` (the same shapes; bytes do not depend on the
+device; the H100 JSONs of `eval/results/h100/e2e/` predate the bytes model's H2O and Quest counts).
 
 share = (dense step / method step) / (dense bytes / method bytes); the steps are the profiles' GPU spans (busy + idle).
 Rows: as profiled; without the GPU's idle time and the XLA kernels under 5 us (in both steps); that and the weight
@@ -14,8 +15,8 @@ import json
 import os
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-E2E = os.path.join(HERE, "..", "..", "h100", "e2e")
-WEIGHT_BYTES = 15014051840  # Llama-3.1-8B without the embedding table, bf16: the rows' dense bytes less the K/V
+E2E = os.path.join(HERE, "..", "e2e_state")
+WEIGHT_BYTES = 15009857536  # Llama-3.1-8B without the embedding table, bf16: the dense row's bytes less its K/V
 SELECTION = ("topk_select", "loop_select_fusion", "evosparse_select_candidates", "evosparse_finish_heat",
              "input_scatter_fusion")  # Kascade's and the oracle's pooling is `loop_select_fusion`
 
