@@ -109,7 +109,8 @@ def parse_mesh(spec: str) -> dict[str, int]:
     """"data=2,model=4" -> {"data": 2, "model": 4} (an axis left out has size 1).
 
     Raises:
-      ShardingError: an unknown axis name, a repeated one, or a size that is not a positive integer.
+      ShardingError: an unknown axis name, a repeated one, or a size that is not a positive integer written in
+        ASCII digits.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ShardingError(f"mesh spec {spec!r}: expected 'data=D,model=M' (axes {MESH_AXES})")
@@ -123,10 +124,8 @@ def parse_mesh(spec: str) -> dict[str, int]:
         if name in seen:
             raise ShardingError(f"mesh spec {spec!r}: axis {name!r} given twice")
         seen.add(name)
-        try:
-            size = int(value)
-        except ValueError:
-            size = 0
+        value_text = value.strip()
+        size = int(value_text) if value_text.isascii() and value_text.isdigit() else 0
         if size < 1:
             raise ShardingError(f"mesh spec {spec!r}: {name}={value.strip()!r}, expected a positive integer")
         sizes[name] = size
@@ -143,6 +142,8 @@ def make_mesh(spec: str | Mapping[str, int] | None = None, devices=None) -> Mesh
       ShardingError: a bad spec, or data * model differs from the number of devices.
     """
     devices = list(jax.devices() if devices is None else devices)
+    if not devices:
+        raise ShardingError("make_mesh: devices is empty: expected at least one device")
     if spec is None:
         sizes, devices = {"data": 1, "model": 1}, devices[:1]
     elif isinstance(spec, str):
@@ -286,12 +287,16 @@ def cache_sharding_for(cfg: ModelConfig, batch: int, capacity: int, mesh: Mesh) 
 def state_axes(shape, cfg: ModelConfig, batch: int) -> tuple:
     """Logical axes of one selection-state array, from its shape: the batch axis (dim 0, or dim 1 behind a
     leading per-layer axis) -> batch, and the dim after it when it counts KV or query heads -> kv_heads / heads;
-    anything else replicated. Every method's state is laid out so (heat [L, B, Hkv, nb], Kascade's indices
-    [B, Hkv, T, K], H2O's scores [L, B, Hkv, N], TSA's kept [L, B], ...): the state shards with its cache."""
+    anything else replicated. When the layer count equals the batch, a leading axis of that size is taken for the
+    layers if the dims after it read as [B, heads, ...]. Every method's state is laid out so (heat [L, B, Hkv, nb],
+    Kascade's indices [B, Hkv, T, K], H2O's scores [L, B, Hkv, N], TSA's kept [L, B], ...): the state shards with
+    its cache."""
     shape = tuple(shape)
     axes = [None] * len(shape)
-    if len(shape) >= 2 and shape[1] == batch and shape[0] != batch:
-        b = 1
+    heads = (cfg.num_kv_heads, cfg.num_heads)
+    if len(shape) >= 2 and shape[1] == batch and (shape[0] != batch or (
+            shape[0] == cfg.num_layers and (len(shape) < 3 or shape[2] in heads or shape[1] not in heads))):
+        b = 1  # behind a leading per-layer axis (also when L == B: [L, B, Hkv, ...] rather than [B, Hkv, ...])
     elif len(shape) >= 1 and shape[0] == batch:
         b = 0
     else:

@@ -76,7 +76,7 @@ def per_shard(fn: Callable, args: Sequence[jax.Array], templates: Sequence[tuple
 
     Args:
       fn: the op on local shards (it sees B / data rows and H / model heads).
-      args: its array operands.
+      args: its operands: arrays, or Python scalars (a known `layer`), taken as 0-d arrays.
       templates: one `dims(...)` tuple per operand (() for a replicated scalar).
       out_templates: a `dims(...)` tuple, or a tuple of them for several outputs.
 
@@ -87,6 +87,7 @@ def per_shard(fn: Callable, args: Sequence[jax.Array], templates: Sequence[tuple
     mesh = active_mesh()
     if mesh is None:
         return fn(*args)
+    args = [a if hasattr(a, "shape") else jax.numpy.asarray(a) for a in args]
     in_specs = tuple(_spec(mesh, t, a.shape) for t, a in zip(templates, args))
     if any(s is None for s in in_specs):
         with _unsplit():  # fn's entry point sees no mesh, so it runs the op whole instead of coming back here

@@ -53,6 +53,7 @@ ATOL = 2e-5  # f32: the model-axis psums reorder sums, nothing else differs
 # (measured: 0.7-1.4%). Run for the methods whose selection runs per shard in plain jnp, on the 1x8 mesh.
 BF16_RTOL = 3e-2
 BF16_METHODS = ("oracle", "h2o")
+ODD_BATCH_METHODS = ("quest", "kascade", "tsa+kascade", "evosparse", "butler")  # per_shard kernels, collectives
 
 
 def _head_map(seed):
@@ -90,16 +91,23 @@ METHODS = ("dense", "oracle", "streaming", "quest", "h2o", "kascade", "tsa", "ts
 
 def forward(method, params, tokens, lengths, mesh):
     """(prefill logits f32[B, V], decode logits f32[B, 1, V]) of one jitted prefill + decode step on `mesh`
-    (None: one device, no mesh): the whole forward one computation, params / rows / cache placed on the mesh."""
+    (None: one device, no mesh): the whole forward one computation, params / rows / cache placed on the mesh. A
+    batch the data axis does not divide runs with only the params placed: its rows stay whole (`constrain` leaves
+    them, and each kernel's `per_shard` runs it unsplit)."""
+    b = tokens.shape[0]
+
     def fn(params, tokens, lengths):
-        cache = sharding.constrain(init_cache(CFG, B, CAPACITY, params.embed.dtype), cache_axes())
-        state = method.init_state(CFG, B, CAPACITY)
+        cache = sharding.constrain(init_cache(CFG, b, CAPACITY, params.embed.dtype), cache_axes())
+        state = method.init_state(CFG, b, CAPACITY)
         logits, cache, state = llama.prefill(params, CFG, method, tokens, lengths, cache, state)
         tok = jnp.argmax(logits, -1).astype(jnp.int32)[:, None]
         logits2, cache, _ = llama.decode(params, CFG, method, tok, cache, state)
         return logits, logits2, cache.k
     if mesh is None:
         return jax.jit(fn)(params, tokens, lengths)
+    if b % sharding.mesh_size(mesh, "data"):
+        with sharding.use_mesh(mesh):
+            return jax.jit(fn)(params, tokens, lengths)
     rows = [sharding.batch_sharding(mesh, n) for n in (1, 2, 3)]
     kspec = sharding.cache_sharding_for(CFG, B, CAPACITY, mesh).k
     jitted = jax.jit(fn, in_shardings=(sharding.param_shardings(CFG, mesh), rows[1], rows[0]),
@@ -185,6 +193,32 @@ def generated(method, params, tokens, lengths, mesh):
     return np.asarray([r + [-1] * (4 - len(r)) for r in rows]), np.asarray([len(r) for r in rows])
 
 
+def known_layer_under_a_mesh(mesh) -> bool:
+    """sparse_decode with `layer` a Python int under a mesh equals the call without one; an out-of-range one is
+    refused there too (the shards see the layer traced, so the entry point checks it first)."""
+    from pallas_kernels.sparse_attention.api import sparse_decode
+    rng = np.random.default_rng(1)
+    L, Hkv, N, K = 2, CFG.num_kv_heads, 32, 6
+    q = jnp.asarray(rng.standard_normal((B, 1, CFG.num_heads, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((L, B, Hkv, N, 16)), jnp.float32) for _ in range(2))
+    idx = jnp.asarray(np.sort(np.stack([[rng.choice(20, (1, K), replace=False) for _ in range(Hkv)]
+                                        for _ in range(B)]), -1), jnp.int32)
+    lengths = jnp.asarray([20, 20], jnp.int32)
+    want = np.asarray(sparse_decode(q, k, v, idx, lengths, layer=1))
+    with sharding.use_mesh(mesh):
+        got = np.asarray(jax.jit(lambda *a: sparse_decode(*a, layer=1))(q, k, v, idx, lengths))
+        try:
+            sparse_decode(q, k, v, idx, lengths, layer=2)
+            refused = ""
+        except ValueError as e:
+            refused = str(e)
+    err = float(np.max(np.abs(got - want)))
+    ok = err <= ATOL and "layer=2: expected a layer in [-L, L)" in refused
+    print(json.dumps({"method": "sparse_decode", "path": "int_layer", "mesh": MESHES[0], "max_abs_err": err,
+                      "refused": refused, "ok": ok}), flush=True)
+    return ok
+
+
 def main(argv):
     names = argv or METHODS
     assert len(jax.devices()) == 8, jax.devices()
@@ -241,6 +275,24 @@ def main(argv):
                 ok &= row.get("collectives_ok", True)
             failed |= not ok
             print(json.dumps({**row, "ok": ok, "seconds": round(time.perf_counter() - t0, 2)}), flush=True)
+    # A batch of 3 rows on data=2: nothing splits the rows, every kernel runs whole (EvoSparse's block scores
+    # once called their shard-only body there).
+    odd = [n for n in ODD_BATCH_METHODS if n in names]
+    if odd:
+        odd_tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (3, T)), jnp.int32)
+        odd_lengths = jnp.asarray(LENGTHS + (41,), jnp.int32)
+    for name in odd:
+        t0 = time.perf_counter()
+        method = build(name)
+        want = [np.asarray(x) for x in forward(method, params, odd_tokens, odd_lengths, None)[:2]]
+        got = [np.asarray(x) for x in forward(method, placed[MESHES[0]], odd_tokens, odd_lengths, meshes[MESHES[0]])[:2]]
+        err = max(float(np.max(np.abs(g - w))) for g, w in zip(got, want))
+        ok = err <= ATOL
+        failed |= not ok
+        print(json.dumps({"method": name, "path": "forward", "mesh": MESHES[0], "batch": 3, "max_abs_err": err,
+                          "ok": ok, "seconds": round(time.perf_counter() - t0, 2)}), flush=True)
+    if not argv:
+        failed |= not known_layer_under_a_mesh(meshes[MESHES[0]])
     bf16 = random_params(CFG, jax.random.key(0), jnp.bfloat16, scale=0.08)
     bf16_placed = sharding.shard_params(CFG, bf16, meshes[MESHES[1]])
     for name in (n for n in BF16_METHODS if n in names):

@@ -2,8 +2,10 @@
 one-device output (tests/sharding_check.py, run in a fresh process: the device count is fixed when jax starts,
 and this suite's process has one CPU device), plus the mesh spec and head-divisibility errors (in-process)."""
 
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +39,10 @@ def test_every_method_on_2x4_and_1x8_meshes_equals_one_device():
         for mesh in ("data=2,model=4", "model=8"):
             assert (name, "forward", mesh) in got, (name, mesh, rows)
     assert ("dense", "steps", "data=2,model=4") in got and ("dense", "generated", "data=2,model=4") in got
+    # A batch of 3 rows on data=2 (rows whole, kernels run unsplit), and a known int layer under a mesh.
+    assert {r["method"] for r in rows if r.get("batch") == 3 and r["ok"]} == \
+        {"quest", "kascade", "tsa+kascade", "evosparse", "butler"}, rows
+    assert ("sparse_decode", "int_layer", "data=2,model=4") in got, rows
     # bf16 on 1x8, within the bf16 tolerance (relative to the largest logit)
     assert {r["method"] for r in rows if r.get("dtype") == "bfloat16" and r["ok"]} == {"oracle", "h2o"}, rows
     # The cross-device collectives of every method's compiled forward on 1x8 are the expected ones (checked in
@@ -56,6 +62,12 @@ def test_parse_mesh_and_errors():
         sharding.parse_mesh("model=x")
     with pytest.raises(ValueError, match="given twice"):
         sharding.parse_mesh("model=2,model=2")
+    assert sharding.parse_mesh(" model = 08 ") == {"data": 1, "model": 8}
+    for bad in ("+2", "2_0", "\u0664", "-1", "0", "1e3", "0x2"):  # ASCII digits only (int() takes the first three)
+        with pytest.raises(ValueError, match=re.escape(f"data={bad!r}, expected a positive integer")):
+            sharding.parse_mesh(f"data={bad}")
+    with pytest.raises(ValueError, match="devices is empty"):
+        sharding.make_mesh("model=1", devices=[])
     with pytest.raises(ValueError, match="= 8 devices, but 1 are available"):
         sharding.make_mesh("data=2,model=4")
     mesh = sharding.make_mesh("model=1")
@@ -89,6 +101,11 @@ def test_axis_table_specs():
     assert sharding.state_axes((3, 2, 8, 10), _cfg8(), 2) == (None, "batch", "kv_heads", None)
     assert sharding.state_axes((2, 8, 5, 4), _cfg8(), 2) == ("batch", "kv_heads", None, None)
     assert sharding.state_axes((3, 2), _cfg8(), 2) == (None, "batch")
+    # L == B: a leading axis of that size is the layers' when the dims after it read as [B, heads, ...]
+    cfg2 = dataclasses.replace(_cfg8(), num_layers=2)
+    assert sharding.state_axes((2, 2, 8, 10), cfg2, 2) == (None, "batch", "kv_heads", None)
+    assert sharding.state_axes((2, 2), cfg2, 2) == (None, "batch")
+    assert sharding.state_axes((2, 8, 5, 4), cfg2, 2) == ("batch", "kv_heads", None, None)
 
 
 def _cfg8():

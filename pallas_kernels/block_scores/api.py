@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels.block_scores import reference, xla
+from pallas_kernels.layers import check_layer
 from pallas_kernels.sharding import MODEL, active_mesh, dims, per_shard
 from pallas_kernels.sparse_attention.stacked import check_stacked_args, select_layer
 
@@ -41,9 +42,10 @@ def block_max_scores(q: Array, k_all: Array, layer: Array, kv_heads: Array, head
     holds (the others masked out), then a `pmax` over `model` of the f32[B, T, nb] result (the cross-head step:
     the retrieval set is one per row, shared by every head)."""
     if active_mesh() is not None:
+        check_layer(layer, k_all.shape[0])  # a known layer is checked here: the shards see it traced
+
         def local(q, k_all, layer, kv_heads, head_mask, positions, lo, hi):
-            mesh = jax.sharding.get_abstract_mesh()
-            if MODEL not in mesh.axis_names:
+            if MODEL not in jax.sharding.get_abstract_mesh().manual_axes:  # run whole (`per_shard`'s fallback)
                 return block_max_scores(q, k_all, layer, kv_heads, head_mask, positions, lo, hi,
                                         block_size=block_size, scale=scale, implementation=implementation)
             h = k_all.shape[2]  # local KV heads; this device holds heads [i * h, (i + 1) * h)
@@ -91,6 +93,7 @@ def sparse_decode_mass(q: Array, k_all: Array, v_all: Array, layer: Array, indic
     config: the Pallas GPU kernel's `sparse_attention.gpu.DecodeConfig` (None: its default). Under a mesh, per
     shard (rows over data, heads over model)."""
     if active_mesh() is not None:
+        check_layer(layer, k_all.shape[0])
         kv = dims(5, 1, 2)
         return per_shard(lambda q, k, v, layer, indices, lengths: sparse_decode_mass(
             q, k, v, layer, indices, lengths, block_size=block_size, scale=scale, implementation=implementation,
@@ -122,6 +125,8 @@ def sparse_decode_heat(q: Array, k_all: Array, v_all: Array, layer: Array, indic
     config: the Pallas GPU kernel's `sparse_attention.gpu.DecodeConfig` (None: its default). Under a mesh, per
     shard (rows over data, heads over model; the heat [Lh, B, Hkv, nb] with them)."""
     if active_mesh() is not None:
+        check_layer(layer, k_all.shape[0])
+        check_layer(layer if heat_layer is None else heat_layer, heat.shape[0])
         kv = dims(5, 1, 2)
         extra = [] if heat_layer is None else [heat_layer]
 
@@ -214,6 +219,9 @@ def _select_per_shard(call, heat, cand, ret, rows, layer, num_kv_heads: int):
     m = dict(active_mesh().shape).get(MODEL, 1)
     if num_kv_heads % m:
         return None
+    stack = heat if heat is not None else cand
+    if layer is not None and stack is not None:
+        check_layer(layer, stack.shape[0])  # a known layer is checked here: the shards see it traced
     per_head = dims(4, 1, 2) if layer is not None else dims(3, 0, 1)
     named = [("heat", heat, per_head), ("cand", cand, per_head), ("ret", ret, dims(2, 0)), ("layer", layer, ())]
     present = [(k, a, t) for k, a, t in named if a is not None]
@@ -222,6 +230,7 @@ def _select_per_shard(call, heat, cand, ret, rows, layer, num_kv_heads: int):
 
     def local(*xs):
         got = dict(zip([k for k, _, _ in present], xs))
+        split = MODEL in jax.sharding.get_abstract_mesh().manual_axes  # else `per_shard`'s fallback: run whole
         return call(got.get("heat"), got.get("cand"), got.get("ret"), *xs[len(present):], got.get("layer"),
-                    num_kv_heads // m)
+                    num_kv_heads // m if split else num_kv_heads)
     return per_shard(local, args, templates, dims(3, 0, 1))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.layers import check_layer
 from pallas_kernels.sharding import active_mesh, dims, per_shard
 from pallas_kernels.sparse_attention import reference, xla
 
@@ -84,6 +85,8 @@ def _pick(implementation: str | None, q: Array, block_size: int, tile: int | Non
 def _decode_shards(q, k, v, indices, lengths, layer):
     """(operands, `per_shard` templates) of a decode call: rows over data, heads (of q, the cache and the index
     rows) over model; the layer index, when given, last and replicated."""
+    if layer is not None:
+        check_layer(layer, k.shape[0])  # a known layer is checked here: the shards see it traced
     kv = dims(5, 1, 2) if layer is not None else dims(4, 0, 1)
     args = [q, k, v, indices, lengths] + ([layer] if layer is not None else [])
     return args, [dims(4, 0, 2), kv, kv, dims(4, 0, 1), dims(1, 0)] + ([()] if layer is not None else [])
