@@ -117,8 +117,8 @@ def pad_batch(token_lists: Sequence[Sequence[int]], multiple: int = 64, limit: i
 
 
 def eos_ids(model: LoadedModel) -> tuple[int, ...]:
-    """The ids that end a row: the config's, a folder's generation_config.json ones (`LoadedModel.stop_ids`) and
-    the tokenizer's eos token."""
+    """The ids that end a row: the config's, a folder's generation_config.json ones or a GGUF's end-of-turn ones
+    (`LoadedModel.stop_ids`) and the tokenizer's eos token."""
     eos = tuple(model.cfg.eos_token_ids)
     eos = eos + tuple(t for t in getattr(model, "stop_ids", ()) if t not in eos)
     tok = model.tokenizer

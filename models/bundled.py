@@ -41,7 +41,9 @@ BUNDLED = ("smollm2",)
 CACHE_ENV = "JSPARSE_CACHE"
 CACHE_FORMAT = "jsparse-params-v2"  # v2: GGUF rope scaling read as llama.cpp does (old entries may hold v1 configs)
 DIGESTS = "digests.json"
-TOKENIZER_FORMAT = "tokenizer-v2"  # v2: built from the GGUF metadata by models.tokenizer
+# v2: built from the GGUF metadata by models.tokenizer; v3: Llama 3's whole-piece tokens and default BOS, Qwen2's
+# NFC, and the file's end-of-turn ids kept beside the tokenizer (stop_ids.json)
+TOKENIZER_FORMAT = "tokenizer-v3"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +67,8 @@ class LoadedModel:
     name: str
     mesh: Any = None
     # Stop ids beside cfg.eos_token_ids: a Hugging Face folder's generation_config.json `eos_token_id` (e.g. an
-    # instruct model's end-of-turn token), which `transformers`' generate honours; not part of the fingerprint.
+    # instruct model's end-of-turn token), which `transformers`' generate honours, or a GGUF's end-of-turn and
+    # end-of-message ids, which llama.cpp's does; not part of the fingerprint.
     stop_ids: tuple[int, ...] = ()
 
 
@@ -215,25 +218,31 @@ def load_gguf_cached(path: str | os.PathLike, dtype=jnp.float32, mesh=None,
     return cfg, params, False
 
 
-def _gguf_tokenizer(path: Path, open_reader=None):
-    """The GGUF's tokenizer (`models.tokenizer.gguf_tokenizer`), cached as a save_pretrained folder next to the
-    params. `open_reader`: as `load_gguf_cached`'s."""
-    from models.tokenizer import gguf_tokenizer, transformers_module
+def _gguf_tokenizer(path: Path, open_reader=None) -> tuple[Any, tuple[int, ...]]:
+    """The GGUF's tokenizer (`models.tokenizer.gguf_tokenizer`) and its stop ids beside EOS
+    (`models.tokenizer.stop_token_ids`), cached as a save_pretrained folder next to the params (the ids in its
+    stop_ids.json). `open_reader`: as `load_gguf_cached`'s."""
+    from models.tokenizer import gguf_tokenizer, stop_token_ids, transformers_module
 
     AutoTokenizer = transformers_module().AutoTokenizer
     target = cache_dir() / f"{path.stem}-{cache_key(path, 'float32')}-{TOKENIZER_FORMAT}"
     if target.is_dir():
         try:
-            return AutoTokenizer.from_pretrained(str(target))
+            stops = json.loads((target / _STOP_IDS).read_text())
+            if not isinstance(stops, list) or not all(type(i) is int for i in stops):
+                raise ValueError(f"{_STOP_IDS} holds {stops!r}: expected a list of ids")
+            return AutoTokenizer.from_pretrained(str(target)), tuple(stops)
         except Exception as e:
             warnings.warn(f"rebuilding unreadable tokenizer cache {target}: {type(e).__name__}: {e}")
             shutil.rmtree(target, ignore_errors=True)
-    tok = gguf_tokenizer((open_reader or functools.partial(open_gguf, path))(), path)
+    reader = (open_reader or functools.partial(open_gguf, path))()
+    tok, stops = gguf_tokenizer(reader, path), stop_token_ids(reader)
     tmp = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=target.parent, suffix=".tmp"))
         tok.save_pretrained(str(tmp))
+        (tmp / _STOP_IDS).write_text(json.dumps(list(stops)))
         os.chmod(tmp, 0o755)
         os.replace(tmp, target)
     except OSError as e:
@@ -241,9 +250,10 @@ def _gguf_tokenizer(path: Path, open_reader=None):
     finally:
         if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return tok
+    return tok, stops
 
 
+_STOP_IDS = "stop_ids.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -276,7 +286,7 @@ def load_model(spec: str | os.PathLike, dtype=jnp.float32, mesh=None, fuse: bool
         # The file's metadata is parsed at most once (seconds for SmolLM2's vocabulary), and only on a cache miss.
         open_reader = functools.cache(functools.partial(open_gguf, resolved.path))
         cfg, params, _ = load_gguf_cached(resolved.path, dtype, mesh, open_reader=open_reader)
-        tokenizer = _gguf_tokenizer(resolved.path, open_reader=open_reader)
+        tokenizer, stop_ids = _gguf_tokenizer(resolved.path, open_reader=open_reader)
     else:
         cfg, params = load_hf_folder(resolved.path, dtype, mesh)
         stop_ids = generation_stop_ids(resolved.path)

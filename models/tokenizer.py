@@ -8,10 +8,13 @@ A GGUF has no tokenizer.json; llama.cpp stores the tokenizer as metadata:
   tokenizer.ggml.merges       "a b" merge rules, best first
   tokenizer.ggml.token_type   int[V]: 1 normal, 3 control (special tokens such as <|im_start|>), 4 user-defined
   tokenizer.ggml.{bos,eos,unknown,padding}_token_id, add_bos_token, add_eos_token
+  tokenizer.ggml.{eot,eom}_token_id   end of turn / message: generation stops there too (`stop_token_ids`)
   tokenizer.chat_template     the Jinja chat template
 
 `gguf_tokenizer(reader)` builds a byte-level BPE from these (`tokenizers.models.BPE` with the merges, the
-pre-tokenizer named by `tokenizer.ggml.pre`, a byte-level decoder, the control tokens as special added tokens) and
+pre-tokenizer named by `tokenizer.ggml.pre` and what that name implies beside it (Llama 3: whole-piece vocabulary
+tokens before the merges and BOS by default; Qwen2: NFC), a byte-level decoder, the control tokens as special added
+tokens) and
 wraps it as a `transformers.PreTrainedTokenizerFast` (encode, decode, `apply_chat_template`, `save_pretrained`).
 Other tokenizer kinds (SentencePiece "llama" GGUFs of Llama 2 / Mistral) are read through transformers' own GGUF
 path, which needs torch: without it the error says so.
@@ -37,6 +40,12 @@ PRE_TOKENIZERS = {
     "dbrx": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT,
     "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
+# As llama.cpp (llama-vocab.cpp) and the models' own Hugging Face tokenizers read them:
+# - Llama 3's pre-tokenizers: a piece that is itself in the vocabulary is one token, whatever the merges would make
+#   of it (`ignore_merges`), and BOS is added when the file does not say (tokenizer.ggml.add_bos_token absent);
+# - Qwen2's: text is NFC-normalized first (`Qwen2Tokenizer`'s normalizer).
+_IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3"})
+_NFC = frozenset({"qwen2"})
 _CONTROL, _USER_DEFINED = 3, 4
 
 
@@ -80,7 +89,7 @@ def byte_level_bpe(reader, where: str = "GGUF") -> Any:
     Raises:
       ValueError: the tokenizer metadata is missing or names a pre-tokenizer not in PRE_TOKENIZERS.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 
     tokens = _field(reader, "tokenizer.ggml.tokens")
     merges = _field(reader, "tokenizer.ggml.merges")
@@ -90,8 +99,12 @@ def byte_level_bpe(reader, where: str = "GGUF") -> Any:
     types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
-    tk.pre_tokenizer = _pre_tokenizer(_field(reader, "tokenizer.ggml.pre", "default"), where)
+    pre = _field(reader, "tokenizer.ggml.pre", "default")
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
+                              ignore_merges=pre in _IGNORE_MERGES))
+    tk.pre_tokenizer = _pre_tokenizer(pre, where)
+    if pre in _NFC:
+        tk.normalizer = normalizers.NFC()
     tk.decoder = decoders.ByteLevel()
     tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
                            for t, ty in zip(tokens, types) if ty == _CONTROL])
@@ -108,8 +121,21 @@ def byte_level_bpe(reader, where: str = "GGUF") -> Any:
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     return transformers_module().PreTrainedTokenizerFast(
         tokenizer_object=tk, chat_template=_field(reader, "tokenizer.chat_template"),
-        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", pre in _IGNORE_MERGES)),
         add_eos_token=bool(_field(reader, "tokenizer.ggml.add_eos_token", False)), **kwargs)
+
+
+def stop_token_ids(reader) -> tuple[int, ...]:
+    """The ids beside tokenizer.ggml.eos_token_id that end generation, as llama.cpp reads them: the end-of-turn and
+    end-of-message tokens (tokenizer.ggml.eot_token_id, eom_token_id; an instruct Llama 3's <|eot_id|>), those
+    present and in the vocabulary."""
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    out = []
+    for key in ("eot", "eom"):
+        i = _field(reader, f"tokenizer.ggml.{key}_token_id")
+        if i is not None and 0 <= int(i) < len(tokens) and int(i) not in out:
+            out.append(int(i))
+    return tuple(out)
 
 
 def gguf_tokenizer(reader, path) -> Any:

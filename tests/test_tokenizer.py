@@ -74,3 +74,66 @@ def test_unknown_pre_tokenizer_is_named():
     with pytest.raises(ValueError, match="'mystery-pre'.*expected one of"):
         tk._pre_tokenizer("mystery-pre", "x.gguf")
     assert "smollm" in PRE_TOKENIZERS and "llama-bpe" in PRE_TOKENIZERS and "qwen2" in PRE_TOKENIZERS
+
+
+def _tokenizer_gguf(path, pre, extra=None):
+    """A GGUF holding only byte-level BPE tokenizer metadata: every byte's symbol, the merge "a b" and the whole
+    token "abc" that no merge makes; extra(writer): more metadata."""
+    import gguf
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tokens = ["<|end|>", "<|eot|>"] + list(bytes_to_unicode().values()) + ["ab", "abc"]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3] + [1] * (len(tokens) - 2))
+    w.add_token_merges(["a b"])
+    w.add_eos_token_id(0)
+    if extra is not None:
+        extra(w)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return open_gguf(path)
+
+
+def test_llama3_pre_tokenizers_take_whole_vocabulary_pieces_and_bos(tmp_path):
+    """llama.cpp and Llama 3's tokenizer.json (`ignore_merges`): a piece in the vocabulary is one token even when
+    no merge makes it; other pre-tokenizers run the merges. Llama 3's add BOS when the file does not say."""
+    llama = gguf_tokenizer(_tokenizer_gguf(tmp_path / "l.gguf", "llama-bpe", lambda w: w.add_bos_token_id(0)),
+                           tmp_path / "l.gguf")
+    gpt2 = gguf_tokenizer(_tokenizer_gguf(tmp_path / "g.gguf", "gpt2", lambda w: w.add_bos_token_id(0)),
+                          tmp_path / "g.gguf")
+    assert llama.convert_ids_to_tokens(llama("abc", add_special_tokens=False)["input_ids"]) == ["abc"]
+    assert gpt2.convert_ids_to_tokens(gpt2("abc", add_special_tokens=False)["input_ids"]) == ["ab", "c"]
+    assert llama("abc")["input_ids"][0] == 0 and gpt2("abc")["input_ids"][0] != 0
+    said = gguf_tokenizer(_tokenizer_gguf(tmp_path / "s.gguf", "llama-bpe", lambda w: (
+        w.add_bos_token_id(0), w.add_add_bos_token(False))), tmp_path / "s.gguf")
+    assert said("abc")["input_ids"][0] != 0  # the file's add_bos_token wins
+
+
+def test_qwen2_pre_tokenizer_normalizes_nfc(tmp_path):
+    decomposed, composed = "e\u0301", "\u00e9"
+    qwen = gguf_tokenizer(_tokenizer_gguf(tmp_path / "q.gguf", "qwen2"), tmp_path / "q.gguf")
+    gpt2 = gguf_tokenizer(_tokenizer_gguf(tmp_path / "g.gguf", "gpt2"), tmp_path / "g.gguf")
+    assert qwen(decomposed)["input_ids"] == qwen(composed)["input_ids"] == gpt2(composed)["input_ids"]
+    assert gpt2(decomposed)["input_ids"] != gpt2(composed)["input_ids"]
+
+
+def test_end_of_turn_ids_stop_generation(tmp_path, monkeypatch):
+    """A GGUF's eot / eom ids are stop ids beside EOS (llama.cpp's end-of-generation set), kept with the
+    tokenizer's cache; ids outside the vocabulary are ignored."""
+    from models import bundled
+    from models.tokenizer import stop_token_ids
+
+    path = tmp_path / "t.gguf"
+    reader = _tokenizer_gguf(path, "gpt2", lambda w: (w.add_uint32("tokenizer.ggml.eot_token_id", 1),
+                                                      w.add_uint32("tokenizer.ggml.eom_token_id", 10 ** 6)))
+    assert stop_token_ids(reader) == (1,)
+    assert stop_token_ids(_tokenizer_gguf(tmp_path / "n.gguf", "gpt2")) == ()
+    monkeypatch.setenv("JSPARSE_CACHE", str(tmp_path / "cache"))
+    built, stops = bundled._gguf_tokenizer(path)
+    cached, again = bundled._gguf_tokenizer(path, open_reader=lambda: pytest.fail("the cache was not used"))
+    assert stops == again == (1,) and cached("abc")["input_ids"] == built("abc")["input_ids"]
