@@ -8,7 +8,7 @@ Hooked into `jsparse/cli.py` with
 Example:
 
     jsparse eval --model smollm2 --methods dense,oracle,kascade,streaming,quest --tasks passkey,ppl \
-        --lengths 2048,4096 --budget 0.1 --samples 10 --artifact kascade=artifacts/kascade --out runs/main
+        --lengths 2048,4096 --budget 0.1 --samples 10 --artifact kascade=artifacts/smollm2/kascade --out runs/main
 
 writes runs/main/results.json (records, see eval/harness.py), summary.md, report.md with plots/, run.json and outputs.json.
 
@@ -66,7 +66,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--budgets", default=None, metavar="F[,F...]",
                    help="budget fractions to sweep in one run, each in (0, 1] (e.g. 0.05,0.1,0.2): every method that "
                         "takes a budget runs once per fraction (and once per --budget-tokens N); dense and tsa take "
-                        "none and run once, their records' budget null. Replaces --budget")
+                        "none and run once, their records' budget null. Not with --budget")
     p.add_argument("--budget-tokens", default=None, metavar="N[,N...]",
                    help="fixed token budgets (instead of the default --budget; beside an explicit --budget F or "
                         "--budgets): each N runs every budgeted method with "
@@ -79,7 +79,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--ppl-samples", type=int, default=None,
                    help="ppl windows per length, when they should differ from --samples (default: --samples)")
     p.add_argument("--corpus", default=DEFAULT_CORPUS,
-                   help="UTF-8 text file for the ppl task (default: eval/data/call_of_the_wild.txt, shipped)")
+                   help="UTF-8 text file for the ppl task and for --haystack corpus; it may not be a calibration artifact's "
+                        "own text (see --allow-calibration-corpus) (default: eval/data/call_of_the_wild.txt, shipped)")
     p.add_argument("--artifact", action="append", default=None, metavar="[METHOD=]DIR",
                    help="calibration artifact folder: METHOD=DIR for one method (e.g. kascade=artifacts/k), or "
                         "DIR for every method that reads an artifact; repeat or comma-separate for several")
@@ -120,7 +121,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                         "smollm2:layers=0-14), for every method; their records carry the acceptance rate. Needed by "
                         "--methods sts (which selects the target's keys from the draft's attention; ppl variants "
                         "prefill: STS-P, and continuation: STS-D as teacher-forced verification rounds)")
-    p.add_argument("--gamma", type=int, default=4, help="draft tokens proposed per round with --draft (default 4)")
+    p.add_argument("--gamma", type=int, default=None, help="draft tokens proposed per round (default 4; needs --draft)")
     p.add_argument("--out", required=True,
                    help="output folder (created) for results.json, summary.md, report.md and plots/. A run into a "
                         "folder that holds results.json of the same configuration (model, dtype, samples, ppl "
@@ -149,6 +150,9 @@ def spec_from_args(args) -> harness.EvalSpec:
     if budgets is not None and args.budget is not None:
         raise ValueError(f"--budget {args.budget:g} and --budgets {args.budgets} both given: pass the fractions to "
                          "--budgets alone")
+    gamma = getattr(args, "gamma", None)
+    if gamma is not None and not getattr(args, "draft", None):
+        raise ValueError(f"--gamma {gamma} needs --draft (speculative decoding)")
     budget_tokens = harness.parse_budget_tokens(args.budget_tokens)
     if budget_tokens is not None and args.budget is not None:
         budgets = harness.parse_budgets((args.budget,))  # runs beside the token budgets, as --budgets F would
@@ -161,7 +165,7 @@ def spec_from_args(args) -> harness.EvalSpec:
         ppl_variants=harness.parse_list(args.ppl_variants, "--ppl-variants"), new_tokens=args.new_tokens,
         chunk=args.chunk, max_batch_tokens=args.max_batch_tokens, continuation=args.continuation_tokens,
         budget_tokens=budget_tokens,
-        method_options=harness.parse_method_options(args.method_option, methods), gamma=args.gamma,
+        method_options=harness.parse_method_options(args.method_option, methods), gamma=4 if gamma is None else gamma,
         allow_calibration_corpus=getattr(args, "allow_calibration_corpus", False),
         draft=portable_path(getattr(args, "draft", None)) or None)  # the spec here; the model once loaded
     spec.validate()

@@ -52,7 +52,7 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
         "demo", help="every CPU method on the bundled model at 10%%: passkey, two RULER tasks, co-reference, "
                      "perplexity; a report with plots",
         description="Run every method that runs on the CPU (" + ", ".join(METHODS) + ") on the bundled model at a "
-                    "10%% budget on passkey, niah_single_number, niah_multikey, coref and perplexity (continuation: "
+                    "10% budget on passkey, niah_single_number, niah_multikey, coref and perplexity (continuation: "
                     "the last 512 tokens of a window) at 2K tokens, and write results.json, summary.md, report.md and plots/ to --out. Nothing is "
                     "downloaded. Rerun into the same folder to resume an interrupted demo.")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")

@@ -50,8 +50,12 @@ def load(spec: str = "smollm2", dtype: str | None = None, mesh: Any = None, fuse
     count does not divide the model axis.
 
     fuse: hold q/k/v and gate/up as one weight each, one GEMM per pair in every layer (`models.params`); None (the
-    default) fuses on a GPU without a mesh, where it saves about 0.3 ms per Llama-3.1-8B decode step on an H100.
-    The outputs and artifact fingerprints do not depend on it.
+    default) fuses on a GPU without a mesh, where it saves 0.4-0.5 ms per Llama-3.1-8B decode step on an H200
+    (`eval/results/h200/fused/`). The outputs and artifact fingerprints do not depend on it.
+
+    Raises:
+      ValueError: an unknown dtype; a head count that does not divide the mesh's model axis; fuse=True with a
+        mesh (fused weights cannot be split by heads).
     """
     dtype = dtype or default_dtype()
     if dtype not in _DTYPES:

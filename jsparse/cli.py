@@ -27,9 +27,17 @@ def _add_mesh_arg(p: argparse.ArgumentParser) -> None:
 def cmd_generate(args) -> int:
     import jsparse
 
-    from eval.harness import parse_method_options, takes_budget
+    from eval.harness import parse_budget_tokens, parse_method_options, takes_budget, token_budget_options
 
     method_options = parse_method_options(args.method_option, [args.method], "--method").get(args.method, {})
+    if args.budget_tokens is not None:
+        parse_budget_tokens([args.budget_tokens])
+        if args.budget is not None:
+            raise ValueError(f"--budget {args.budget:g} and --budget-tokens {args.budget_tokens}: expected one of "
+                             "them (a fraction of the context, or a fixed number of keys)")
+        if "min_tokens" in method_options:
+            raise ValueError(f"--method-option {args.method}.min_tokens with --budget-tokens "
+                             f"{args.budget_tokens}: a token budget sets min_tokens itself")
     model = jsparse.load(args.model, args.dtype, mesh=args.mesh)
     options = dict(method_options)
     if args.budget is not None:
@@ -50,6 +58,11 @@ def cmd_generate(args) -> int:
     if args.method != "sts":
         options.pop("draft", None)
     method = jsparse.build_method(args.method, model, **options)
+    if args.budget_tokens is not None:  # k = min(N, visible keys) at every position the model can reach
+        extra = token_budget_options(method, args.budget_tokens, model.cfg.max_position_embeddings)
+        if not extra:
+            raise ValueError(f"--budget-tokens {args.budget_tokens}: method {args.method!r} takes no token budget")
+        method = jsparse.build_method(args.method, model, **{**options, **extra})
     if args.budget is not None and not takes_budget(method):
         how = ("it keeps the tokens that cover the attention mass: --method-option tsa.tau=T or tsa.kept_fraction=F"
                if args.method.startswith("tsa") else "it attends to every key")
@@ -102,7 +115,7 @@ def cmd_calibrate(args) -> int:
 # `jsparse bench NAME`: module of eval/bench and one-line help; each module's `main(argv, prog)` parses its own options.
 BENCHMARKS = {
     "model": ("eval.bench.model", "prefill time and decode tokens/s of a model shape beside the roofline: dense, "
-              "or every method of --methods (each checked against its masked reference first)"),
+              "or every method of --methods (each checked against its masked reference after the timing)"),
     "model_table": ("eval.bench.model_table", "the README's end-to-end table (method x context x batch: tokens/s, "
                     "speedup over dense, bytes floor, share) from `bench model --methods` JSONs, cells linked; no device"),
     "decode_step": ("eval.bench.decode_step", "whole decode step: KV cache read in place vs sliced, XLA-flag variants"),
@@ -161,7 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--method", default="dense", choices=method_names(), help="attention method (default dense)")
     g.add_argument("--budget", type=float, default=None, help="token budget of a sparse method, as a fraction of "
                    "the context in (0, 1]; for sts also > 1, a number of tokens (method default when omitted)")
-    g.add_argument("--artifact", default=None, help="calibration artifact folder of a method that needs one")
+    g.add_argument("--budget-tokens", type=int, default=None, metavar="N",
+                   help="a fixed token budget instead of --budget: every query attends to min(N, its visible keys) "
+                        "(evosparse: its budget_tokens; the fraction methods: min_tokens = N)")
+    g.add_argument("--artifact", default=None, help="calibration artifact folder of a method that needs one; "
+                   "tsa+kascade takes both, joined by the path separator (K:T; each is routed by its kind)")
     g.add_argument("--method-option", action="append", default=None, metavar="METHOD.KEY=VALUE",
                    help="an option of the method's builder, VALUE read as JSON when it parses (repeatable, "
                         "comma-separated), e.g. tsa.tau=0.01 or butler.rebalance=false")

@@ -34,7 +34,8 @@ class Session:
     Args:
       model, draft: target and draft (same vocabulary, on the same mesh or neither on one); method: the
         target's method ("dense", "sts" or a method object; STS builds its draft's recorder itself); gamma: draft
-        tokens per round; capacity: cache rows of each model (the whole conversation plus gamma + 1 must fit);
+        tokens per round; capacity: cache rows of each model (the whole conversation plus gamma + 1 must fit;
+        None: the smaller of the model's context and 4096);
         temperature, top_p, seed: sampling.
     """
 
@@ -111,8 +112,9 @@ class Session:
         return reply
 
     def send(self, text: str, max_new_tokens: int = 64) -> str:
-        """Adds a message given as raw text (tokenized without special tokens or a chat template; format turns
-        yourself, e.g. with the tokenizer's chat markers) and returns the reply's text."""
+        """Adds a message given as raw text (no chat template: format turns yourself, e.g. with the tokenizer's
+        chat markers; the first message is tokenized with the tokenizer's special tokens, such as a BOS it adds,
+        later ones without) and returns the reply's text."""
         tok = self.model.tokenizer
         if tok is None:
             raise ValueError(f"model {getattr(self.model, 'name', '?')!r} has no tokenizer (a Hugging Face folder "

@@ -2,6 +2,8 @@
 
 import re
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jsparse.cli import main
@@ -84,6 +86,30 @@ def test_generate_speculative_with_layer_skipped_draft_equals_dense(capsys):
     # on the target's mesh and the same tokens come out.
     assert main(argv + ["--draft", "smollm2:layers=0-9", "--gamma", "3", "--mesh", "model=1"]) == 0
     assert capsys.readouterr().out == dense
+
+
+def test_generate_budget_tokens_gives_each_method_its_fixed_budget(monkeypatch, capsys):
+    """`generate --budget-tokens N`: EvoSparse's budget_tokens, a fraction method's min_tokens = N under a fraction
+    small enough that k = min(N, visible keys) everywhere; refused beside --budget and for a method without one."""
+    import jsparse
+    from jsparse import selection as sel
+
+    built = {}
+    monkeypatch.setattr(jsparse, "generate", lambda model, prompts, method, **kw: built.update(m=method) or [""])
+    base = ["generate", "--model", "smollm2", "--prompt", "hi", "--budget-tokens", "200"]
+    assert main(base + ["--method", "evosparse", "--artifact", "artifacts/smollm2/evosparse"]) == 0
+    assert built["m"].budget_tokens == 200
+    assert main(base + ["--method", "quest"]) == 0
+    m = built["m"]
+    assert m.min_tokens == 200
+    n = jnp.arange(1, 8193)
+    assert np.array_equal(np.asarray(sel.budget_tokens(m.budget, n, m.min_tokens)), np.minimum(200, np.asarray(n)))
+    assert main(base + ["--method", "dense"]) == 2
+    assert "--budget-tokens 200: method 'dense' takes no token budget" in capsys.readouterr().err
+    assert main(base + ["--method", "quest", "--budget", "0.5"]) == 2
+    assert "expected one of them" in capsys.readouterr().err
+    assert main(base[:-1] + ["0", "--method", "quest"]) == 2
+    assert "budget tokens 0: expected a positive integer" in capsys.readouterr().err
 
 
 def test_bench_help_lists_every_benchmark_module(capsys):

@@ -115,6 +115,9 @@ def test_eval_command_accepts_draft_with_ruler_tasks(model, tmp_path, monkeypatc
     assert spec.tasks == ("coref",) and spec.draft is not None and spec.gamma == 3
     every = "passkey,niah_single_number,niah_multikey,niah_multivalue,niah_multiquery,vt,cwe,fwe,coref,ppl"
     assert cli_eval.spec_from_args(argparse.Namespace(**{**vars(args), "tasks": every})).tasks == tuple(every.split(","))
+    assert cli_eval.spec_from_args(argparse.Namespace(**{**vars(args), "gamma": None})).gamma == 4
+    with pytest.raises(ValueError, match="--gamma 3 needs --draft"):
+        cli_eval.spec_from_args(argparse.Namespace(**{**vars(args), "draft": None}))
     assert args.func(args) == 0
     records = json.loads((out / "results.json").read_text())["records"]
     assert [(r["task"], r["n"]) for r in records if r["depth"] is None] == [("coref", 1)]

@@ -1,8 +1,9 @@
 """Attention-mass coverage of TokenButler's selection against the baselines, per layer (diagnosis; CPU or GPU).
 
-For windows of a corpus (default: the DEV corpus, Alice in Wonderland), the dense model's per-layer queries and
-keys are recorded once; for a set of query rows, every method's decode selection (applied to the dense q/k, as
-`eval.butler_eval.token_coverage` does) is compared with the true per-query-head attention distribution:
+For windows of a corpus (default: the development corpus, Alice in Wonderland, `eval.ppl.DEV_CORPUS`), the dense
+model's per-layer queries and keys are recorded once; for a set of query rows, every method's decode selection
+(applied to the dense q/k, as `eval.butler_eval.token_coverage` does) is compared with the true per-query-head
+attention distribution:
 
     coverage = sum over the selected keys of softmax(q k^T / sqrt(d))  (per query head and row; 1 = dense)
 
@@ -38,7 +39,7 @@ from jsparse.methods.streaming import sink_window  # noqa: E402
 from pallas_kernels.sparse_attention.reference import decode_indices_to_mask  # noqa: E402
 from train.loop import predictor_qk, record_qk  # noqa: E402
 
-DEV_CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "alice_in_wonderland.txt")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 
@@ -87,17 +88,19 @@ def dense_values(model, tokens):
 
 def main(argv=None, prog=None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--artifact", default="artifacts/smollm2/butler")
-    p.add_argument("--corpus", default=DEV_CORPUS)
-    p.add_argument("--length", type=int, default=1024)
-    p.add_argument("--samples", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--budget", type=float, default=0.5)
-    p.add_argument("--min-tokens", type=int, default=128)
-    p.add_argument("--row-start", type=int, default=256)
-    p.add_argument("--row-stride", type=int, default=16)
+    p.add_argument("--model", default="smollm2", help="model spec, as `jsparse generate --model` (default smollm2)")
+    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the device's)")
+    p.add_argument("--artifact", default=os.path.join(ROOT, "artifacts", "smollm2", "butler"),
+                   help="TokenButler predictor artifact (default: the shipped artifacts/smollm2/butler)")
+    p.add_argument("--corpus", default=ppl_task.DEV_CORPUS,
+                   help="text file the windows are cut from (default: the shipped eval/data/alice_in_wonderland.txt)")
+    p.add_argument("--length", type=int, default=1024, help="tokens per window (default 1024)")
+    p.add_argument("--samples", type=int, default=2, help="windows (default 2)")
+    p.add_argument("--seed", type=int, default=0, help="window sampling seed (default 0)")
+    p.add_argument("--budget", type=float, default=0.5, help="fraction of the visible keys selected (default 0.5)")
+    p.add_argument("--min-tokens", type=int, default=128, help="least keys selected per row (default 128)")
+    p.add_argument("--row-start", type=int, default=256, help="first query row scored (default 256)")
+    p.add_argument("--row-stride", type=int, default=16, help="stride between scored query rows (default 16)")
     add_out_argument(p, "butler_coverage.json", optional=True)
     p.add_argument("--dense-count", type=int, default=0,
                    help="calibrate: write into the artifact's metadata dense_set = the layers (>= the default "

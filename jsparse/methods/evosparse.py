@@ -184,7 +184,8 @@ class EvoSparse:
             return cls(**options)
         if not artifact:
             raise ValueError("evosparse needs its retrieval heads: run `jsparse calibrate evosparse --model M "
-                             "--out DIR` and pass --artifact evosparse=DIR")
+                             "--out DIR` and pass DIR (`jsparse generate --artifact DIR`, `jsparse eval --artifact "
+                             "evosparse=DIR`, artifact=DIR in Python)")
         if cfg is None:
             raise ValueError("evosparse needs the model config (cfg) to place its retrieval heads")
         heads = load_retrieval_heads(artifact, ARTIFACT_KIND, fingerprint, cfg, num_retrieval_heads)

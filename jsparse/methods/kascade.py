@@ -114,7 +114,8 @@ class Kascade(TokenBudget):
     def build(cls, cfg=None, artifact: str | None = None, fingerprint: str | None = None, **options):
         if not artifact:
             raise ValueError("kascade needs a calibration artifact: run `jsparse calibrate kascade --model M "
-                             "--out DIR` and pass --artifact DIR")
+                             "--out DIR` and pass DIR (`jsparse generate --artifact DIR`, `jsparse eval --artifact "
+                             "kascade=DIR`, artifact=DIR in Python)")
         if cfg is None:
             raise ValueError("kascade needs the model its artifact was calibrated for: pass the model, "
                              "`build_method('kascade', model, artifact=DIR)` (or cfg= to make_method)")
