@@ -6,7 +6,8 @@ when it runs). Importing `a.b.c` also runs `a/__init__.py` and `a/b/__init__.py`
 the importer's own ancestors (already being imported when it runs). Only modules of the given packages are nodes.
 
 Layers, lowest first (an import may go down or sideways, never up):
-  0 pallas_kernels   1 models   2 jsparse (the library)   3 train, eval   4 jsparse.cli (the command)
+  0 pallas_kernels   1 models   2 jsparse (the library)   3 train, eval   4 jsparse.cli and jsparse.__main__ (the
+  command)
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import ast
 from pathlib import Path
 
 PACKAGES = ("pallas_kernels", "models", "jsparse", "train", "eval")
-LAYERS = {"pallas_kernels": 0, "models": 1, "jsparse": 2, "train": 3, "eval": 3, "jsparse.cli": 4}
+LAYERS = {"pallas_kernels": 0, "models": 1, "jsparse": 2, "train": 3, "eval": 3, "jsparse.cli": 4, "jsparse.__main__": 4}
 
 
 def module_files(root: Path, packages=PACKAGES) -> dict[str, Path]:
