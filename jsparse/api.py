@@ -14,6 +14,7 @@ the target and the draft are loaded with the same `mesh=` and both run sharded o
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 from typing import Any, Sequence
 
 import jax
@@ -21,11 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jsparse.artifacts import fingerprint
-from jsparse.methods import make_method, window_methods
+from jsparse.methods import make_method, method_names, window_methods
 from models import sharding
 from models.bundled import LoadedModel, keep_layers, load_model, parse_layers  # noqa: F401  (re-exported)
 from models.params import unfuse_projections
-from models.generate import (Sampling, check_request, check_token_ids, generate_tokens, round_up,
+from models.generate import (Sampling, check_request, check_seed, check_token_ids, generate_tokens, round_up,
                              sharded_generate_tokens)
 from models.speculative import check_gamma, check_pair, sharded_speculative_generate, speculative_generate
 
@@ -60,15 +61,25 @@ def load(spec: str = "smollm2", dtype: str | None = None, mesh: Any = None, fuse
     dtype = dtype or default_dtype()
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {sorted(_DTYPES)}")
-    if isinstance(mesh, str):
-        mesh = sharding.make_mesh(mesh)  # a bad spec fails before the model loads
+    if fuse is not None and not isinstance(fuse, bool):
+        raise ValueError(f"fuse={fuse!r}: expected True, False or None (fuse on a GPU without a mesh)")
+    mesh = _mesh_arg(mesh, allow_none=True)  # a bad spec fails before the model loads
     return load_model(spec, dtype=_DTYPES[dtype], mesh=mesh, fuse=fuse)
+
+
+def _mesh_arg(mesh: Any, allow_none: bool):
+    """A mesh argument: a `jax.sharding.Mesh`, a spec string (`models.sharding.make_mesh`) or, where allowed, None."""
+    if isinstance(mesh, str):
+        return sharding.make_mesh(mesh)
+    if (mesh is None and allow_none) or isinstance(mesh, jax.sharding.Mesh):
+        return mesh
+    raise ValueError(f"mesh={mesh!r}: expected a jax.sharding.Mesh or a spec such as 'data=2,model=4'"
+                     + (" (or None: one device)" if allow_none else ""))
 
 
 def on_mesh(model: LoadedModel, mesh: Any) -> LoadedModel:
     """`model` with its params placed on `mesh` (a Mesh or a spec string, see `load`)."""
-    if isinstance(mesh, str):
-        mesh = sharding.make_mesh(mesh)
+    mesh = _mesh_arg(mesh, allow_none=False)
     sharding.check_heads(model.cfg, mesh)
     params = sharding.shard_params(model.cfg, unfuse_projections(model.params), mesh)  # sharded: separate layout
     return dataclasses.replace(model, params=params, mesh=mesh)
@@ -131,9 +142,22 @@ def eos_ids(model: LoadedModel) -> tuple[int, ...]:
     return eos
 
 
+def check_method(method: Any) -> None:
+    """A method is a registered name or a method object (`models.attention.AttentionMethod`: init_state, prefill,
+    decode); anything else is refused here, not as an attribute error inside the model."""
+    if isinstance(method, str):
+        return
+    if not all(callable(getattr(method, f, None)) for f in ("init_state", "prefill", "decode")):
+        raise ValueError(f"method={reprlib.repr(method)}: expected a method name (one of {method_names()}) or a method "
+                         "object (`jsparse.build_method(name, model)`)")
+
+
 def check_draft(model: LoadedModel, draft: LoadedModel, gamma: int) -> None:
-    """A draft must share the target's vocabulary (and tokenizer, where both have one) and its mesh (both on
-    the same mesh, or neither on one); gamma >= 1."""
+    """A draft must be a loaded model sharing the target's vocabulary (and tokenizer, where both have one) and its
+    mesh (both on the same mesh, or neither on one); gamma >= 1."""
+    if not isinstance(draft, LoadedModel):
+        raise ValueError(f"draft={reprlib.repr(draft)}: expected a loaded model (`jsparse.load(SPEC)`, e.g. "
+                         "jsparse.load('smollm2:layers=0-14'))")
     check_gamma(gamma)
     check_pair(model.cfg, draft.cfg)
     if model.tokenizer is not None and draft.tokenizer is not None and \
@@ -170,10 +194,16 @@ def _mesh_text(mesh) -> str:
 def speculative_methods(method: Any, model: LoadedModel, draft: LoadedModel, gamma: int):
     """(target method, draft method) for speculative decoding: a method that takes its selection from the draft
     (STS: `for_round`) names the draft's method; any other method pairs with a dense draft."""
+    check_method(method)
     if isinstance(method, str):
         method = build_method(method, model, draft=draft) if method == "sts" else build_method(method, model)
     for_round = getattr(method, "for_round", None)
     if for_round is not None:
+        want = getattr(method, "draft_fingerprint", None)
+        if want is not None and want != fingerprint(draft):
+            raise ValueError(f"the STS head map was calibrated with the draft of fingerprint {want}, but this draft "
+                             f"({getattr(draft, 'name', '?')}) has {fingerprint(draft)}: build STS with the draft "
+                             "it runs with, or calibrate a head map for this one (`jsparse calibrate sts`)")
         return for_round(draft.cfg, gamma)
     return method, make_method("dense")
 
@@ -212,6 +242,9 @@ def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: An
     if isinstance(ids, (str, bytes)) or any(isinstance(t, (int, np.integer)) for t in ids):
         raise ValueError("ids: expected a list of prompts, each a list of token ids ([[1, 2, 3]] for one prompt), "
                          f"got {str(ids)[:60]!r}")
+    check_method(method)
+    check_seed(seed)
+    check_token_ids(model.cfg, ids)
     if draft is None and getattr(method, "needs_draft", False):
         raise ValueError("method 'sts' takes its selection from a draft model: pass draft= (--draft) as well")
     if draft is not None:
@@ -223,7 +256,6 @@ def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: An
         t_method, d_method = speculative_methods(method, model, draft, gamma)
         pairs = [(model, t_method), (draft, d_method)]
     lengths_list = [len(t) for t in ids]
-    check_token_ids(model.cfg, ids)
     extra = 0 if draft is None else gamma + 1  # the verification writes up to gamma + 1 rows past the accepted
     chosen = capacity
     capacity = check_request(model.cfg, lengths_list, max_new_tokens, capacity, verify_rows=extra)

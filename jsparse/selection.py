@@ -21,7 +21,8 @@ NEG_INF = -jnp.inf
 
 def check_budget(budget: float) -> float:
     """Budget as a fraction of the context: must lie in (0, 1]."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0.0 < float(budget) <= 1.0:
+    if isinstance(budget, (bool, np.bool_)) or not isinstance(budget, (int, float, np.integer, np.floating)) or \
+            not 0.0 < float(budget) <= 1.0:
         raise ValueError(f"budget={budget!r}: expected a fraction of the context in (0, 1]")
     return float(budget)
 

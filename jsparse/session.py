@@ -24,7 +24,7 @@ import numpy as np
 
 from models import sharding
 from models.bundled import LoadedModel
-from models.generate import Sampling, check_count, check_token_ids
+from models.generate import Sampling, check_count, check_seed, check_token_ids
 from models.speculative import append_step, check_heads_on_mesh, loop_step, prefill_step
 
 
@@ -53,14 +53,13 @@ class Session:
                     "data=1 (shard a session over model= only; batches of prompts go through generate)")
             check_heads_on_mesh(model.cfg, draft.cfg, self.mesh, "a Session on a mesh")
         self.model, self.draft, self.gamma = model, draft, gamma
-        if capacity is not None and capacity < 1:
-            raise ValueError(f"capacity={capacity}: expected a positive number of cache rows (None: the model's "
-                             "context, at most 4096)")
-        self.capacity = int(capacity or min(model.cfg.max_position_embeddings, 4096))
+        if capacity is not None:
+            capacity = check_count("capacity", capacity, "cache rows; None: the model's context, at most 4096")
+        self.capacity = capacity or min(model.cfg.max_position_embeddings, 4096)
         self.t_method, self.d_method = speculative_methods(method, model, draft, gamma)
         self.sampling = Sampling(temperature, top_p)
         self.eos = eos_ids(model)
-        self.key = jax.random.key(seed)
+        self.key = jax.random.key(check_seed(seed))
         self.state = None
         self.tokens: list[int] = []  # the conversation so far (messages and replies)
         self.rounds = 0
@@ -73,10 +72,10 @@ class Session:
 
     def send_ids(self, ids: Sequence[int], max_new_tokens: int = 64) -> list[int]:
         """Adds a message (token ids) and returns the reply's tokens (EOS included when one was generated)."""
+        check_token_ids(self.model.cfg, [ids], "the message")  # integers (5.7 is refused, not read as 5), in range
         if len(ids) == 0:
             raise ValueError("empty message: expected at least one token")
         max_new_tokens = check_count("max_new_tokens", max_new_tokens)
-        check_token_ids(self.model.cfg, [ids], "the message")  # integers (5.7 is refused, not read as 5), in range
         ids = [int(t) for t in ids]
         total = len(self.tokens) + len(ids) + max_new_tokens
         for who, m in (("model", self.model), ("draft", self.draft)):

@@ -24,6 +24,8 @@ and once per forward (outside the scan)
       rows' valid tokens after this forward's writes: work that depends on the query positions but not on the
       layer, done once per forward instead of in every layer)
   method.finish(state, phase) -> state                     (optional)
+  method.check_model(cfg)    (optional) raises ValueError when the method was built for another model's shapes
+      (`check_model` below runs it, with the generic checks, before every forward)
 
 `start` and `finish` bracket one forward: a method whose layers hand data to later layers (Kascade's anchor
 indices, EvoSparse's retrieval set) adds a buffer shaped for this forward's queries in `start` and drops it in
@@ -103,6 +105,27 @@ class AttentionMethod(Protocol):
     def prefill(self, ctx: LayerContext, q: Array, k: Array, v: Array, state: Any) -> tuple[Array, Any]: ...
 
     def decode(self, ctx: LayerContext, q: Array, cache: LayerKV, state: Any) -> tuple[Array, Any]: ...
+
+
+def check_model(method, cfg) -> None:
+    """Raises ValueError when `method` cannot run on the model of `cfg`: a method built (or calibrated) for another
+    model, whose per-layer arrays (`layer_info`) count other layers, or whose own `check_model(cfg)` refuses the
+    model's heads; or `dense_layers` beyond the model's layers (a budget that would never apply)."""
+    import jax
+
+    name = type(method).__name__
+    L = cfg.num_layers
+    dense = getattr(method, "dense_layers", None)
+    if isinstance(dense, int) and not isinstance(dense, bool) and dense > L:
+        raise ValueError(f"{name}: dense_layers={dense}: expected 0..{L} (the model's {L} layers)")
+    for leaf in jax.tree_util.tree_leaves(method.layer_info(cfg)):
+        if getattr(leaf, "ndim", 0) == 0 or leaf.shape[0] != L:
+            raise ValueError(f"{name} holds per-layer arrays of shape {tuple(getattr(leaf, 'shape', ()))}, but the "
+                             f"model has {L} layers: it was built or calibrated for another model; build it for "
+                             "this one (`jsparse.build_method(name, model, ...)`)")
+    own = getattr(method, "check_model", None)
+    if own is not None:
+        own(cfg)
 
 
 def start(method, cfg, state, phase: str, batch: int, q_len: int, kv_len: int, lengths=None):

@@ -107,6 +107,10 @@ def resolve_model(spec: str | os.PathLike) -> ResolvedModel:
             raise FileNotFoundError(f"GGUF file {text!r} does not exist")
         return ResolvedModel("gguf", path, path.stem)
     if not path.exists():
+        base, sep, option = text.rpartition(":")
+        if sep and base and (base.lower() in BUNDLED or Path(base).expanduser().exists()):
+            raise ValueError(f"model {text!r}: {option!r} is not an option of a model spec: expected "
+                             f"{base}:layers=RANGES (e.g. {base}:layers=0-9, the layers kept)")
         raise FileNotFoundError(f"model {text!r} not found: expected one of {list(BUNDLED)}, a Hugging Face "
                                 "folder or a .gguf file")
     raise ValueError(f"model {text!r} is neither a folder nor a .gguf file: expected one of {list(BUNDLED)}, a "

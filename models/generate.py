@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import reprlib
 from typing import Sequence
 
 import jax
@@ -36,6 +37,10 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise ValueError(f"{name}={value!r}: expected a number")
         if not 0 <= self.temperature < float("inf"):  # NaN fails too
             raise ValueError(f"temperature={self.temperature}: expected a finite value >= 0 (0 is greedy)")
         if 0 < self.temperature < _TINY:  # a subnormal is flushed to 0 on the device: logits / 0
@@ -89,6 +94,9 @@ def check_request(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_token
             raise ValueError(f"{name}={value!r}: expected an integer")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 1")
+    if verify_rows > cfg.max_position_embeddings:
+        raise ValueError(f"gamma + 1 = {verify_rows} verification rows in one forward: expected at most the model's "
+                         f"context of {cfg.max_position_embeddings} (a smaller gamma)")
     need = max(prompt_lengths) + max_new_tokens
     if need > cfg.max_position_embeddings:
         raise ValueError(f"prompt ({max(prompt_lengths)} tokens) plus max_new_tokens={max_new_tokens} is {need} "
@@ -112,12 +120,30 @@ def check_count(name: str, value, what: str = "") -> int:
     return int(value)
 
 
+def check_seed(seed) -> int:
+    """`seed` as an int when it is an integer (not a bool) that a PRNG key takes (a signed 64-bit value)."""
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or \
+            not -(2 ** 63) <= int(seed) < 2 ** 63:
+        raise ValueError(f"seed={seed!r}: expected an integer in [-2**63, 2**63)")
+    return int(seed)
+
+
 def check_token_ids(cfg: ModelConfig, rows: Sequence[Sequence[int]], what: str = "prompt") -> None:
-    """Every token id an integer (not a float or a bool, which would be truncated) in [0, vocab_size): an id
-    outside would read no embedding row (NaN logits) or wrap."""
+    """Every row a flat sequence of token ids, each an integer (not a float or a bool, which would be truncated or
+    read as 0 / 1) in [0, vocab_size): an id outside would read no embedding row (NaN logits) or wrap."""
     for i, row in enumerate(rows):
         where = f"{what} {i}" if len(rows) > 1 or what == "prompt" else what
-        ids = np.asarray(row).reshape(-1)  # one pass in numpy: prompts may hold 100K tokens
+        if isinstance(row, (str, bytes)) or not hasattr(row, "__len__"):
+            raise ValueError(f"{where} is {reprlib.repr(row)}: expected a sequence of integer token ids")
+        try:
+            ids = np.asarray(row)  # one pass in numpy: prompts may hold 100K tokens
+        except ValueError:  # ragged nesting
+            ids = None
+        if ids is None or ids.ndim != 1:
+            raise ValueError(f"{where} is nested ({reprlib.repr(row)}): expected a flat sequence of integer token ids")
+        if isinstance(row, (list, tuple)) and ids.dtype != np.bool_ and \
+                any(isinstance(t, (bool, np.bool_)) for t in row):  # numpy reads [True, 5] as integers
+            raise ValueError(f"{where} holds a bool among its token ids: expected integer token ids")
         if ids.size and (ids.dtype == np.bool_ or not np.issubdtype(ids.dtype, np.integer)):
             raise ValueError(f"{where} has token ids of dtype {ids.dtype} (first {ids[0]!r}): expected integer "
                              "token ids")

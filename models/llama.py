@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.attention import LayerContext, LayerKV, finish, segments, start
+from models.attention import LayerContext, LayerKV, check_model, finish, segments, start
 from models.cache import KVCache
 from models.config import ModelConfig
 from models.params import LayerParams, Params
@@ -278,6 +278,7 @@ def _scan_layers(params: Params, cfg: ModelConfig, method, x: Array, positions: 
       (x after the last layer, cache_k, cache_v, state, (inputs, after_attn) [L, B, T, E] each when `collect`).
     """
     B, T = positions.shape
+    check_model(method, cfg)
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     window_size = binding_window(cfg, method, kv_len)
     pad = gemm_row_padding(B * T, x.dtype)

@@ -147,6 +147,88 @@ def test_generate_ids_refuses_a_flat_list_and_non_integer_counts(smollm2):
         Session(smollm2, smollm2, gamma=2, capacity=64).send_ids([5, 6], max_new_tokens=2.5)
 
 
+def _tiny(layers=3, heads=4, kv_heads=2, seed=0):
+    import jax
+
+    from models.params import random_params
+
+    cfg = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
+                      num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=16,
+                      max_position_embeddings=256, eos_token_ids=(3,))
+    return bundled.LoadedModel(cfg=cfg, params=random_params(cfg, jax.random.key(seed), jnp.float32, scale=0.3),
+                               tokenizer=None, name="tiny")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(ids=[[True, 5]]), "prompt 0 holds a bool among its token ids"),
+    (dict(ids=[[5, 6], None]), "prompt 1 is None: expected a sequence of integer token ids"),
+    (dict(ids=[[[5, 6]]]), r"prompt 0 is nested \(\[\[5, 6\]\]\): expected a flat sequence"),
+    (dict(method=5), "method=5: expected a method name"),
+    (dict(method=None), "method=None: expected a method name"),
+    (dict(draft="smollm2"), r"draft='smollm2': expected a loaded model \(`jsparse.load\(SPEC\)`"),
+    (dict(temperature="1"), "temperature='1': expected a number"),
+    (dict(temperature=True), "temperature=True: expected a number"),
+    (dict(top_p=None), "top_p=None: expected a number"),
+    (dict(seed=1.5), r"seed=1.5: expected an integer in \[-2\*\*63, 2\*\*63\)"),
+    (dict(seed=2 ** 64), "seed=18446744073709551616: expected an integer"),
+])
+def test_generate_ids_refuses_bad_arguments_by_name(kwargs, message):
+    """Each of these was read as something else (a bool as token 1) or failed deep inside (an AttributeError on
+    a tracer, numpy's ragged-array error, a raw JAX or overflow error)."""
+    from jsparse.api import generate_ids
+
+    kwargs = {"ids": [[5, 6]], "max_new_tokens": 2, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        generate_ids(_tiny(), kwargs.pop("ids"), **kwargs)
+
+
+def test_session_and_mesh_arguments_are_refused_by_name():
+    from jsparse.session import Session
+
+    model, draft = _tiny(), _tiny(layers=2, seed=1)
+    for bad in ("64", 2.5, True):  # int() read 2.5 as 2 and True as 1
+        with pytest.raises(ValueError, match=rf"capacity={bad!r}: expected an integer >= 1"):
+            Session(model, draft, capacity=bad)
+    with pytest.raises(ValueError, match="draft=None: expected a loaded model"):
+        Session(model, None)
+    session = Session(model, draft, gamma=2, capacity=64)
+    for bad, message in ((None, "the message is None"), (5, "the message is 5"), ([[5, 6]], "the message is nested"),
+                         ([True, 5], "the message holds a bool")):
+        with pytest.raises(ValueError, match=message):
+            session.send_ids(bad, max_new_tokens=2)
+    assert len(session.send_ids([5, 6], max_new_tokens=2)) == 2  # the refusals left the session usable
+    for bad in (None, 5):
+        with pytest.raises(ValueError, match=f"mesh={bad!r}: expected a jax.sharding.Mesh or a spec"):
+            jsparse.on_mesh(model, bad)
+    with pytest.raises(ValueError, match="fuse='False': expected True, False or None"):
+        jsparse.load("smollm2", fuse="False")
+    with pytest.raises(ValueError, match="'foo=1' is not an option of a model spec: expected smollm2:layers=RANGES"):
+        jsparse.load("smollm2:foo=1")
+
+
+def test_a_method_built_for_another_model_is_refused_before_it_runs(smollm2):
+    """A method carrying another model's per-layer arrays (Kascade's roles and head maps, STS's head map, an
+    EvoSparse layout, a TokenButler predictor) failed with a shape error deep in a kernel, or not at all; a
+    dense_layers beyond the model's layers was clamped, leaving the budget unused."""
+    from jsparse.api import generate_ids
+    from jsparse.methods.evosparse import EvoSparse
+
+    tiny = _tiny()
+    kascade = jsparse.build_method("kascade", smollm2, budget=0.1, artifact=KASCADE_ARTIFACT)
+    with pytest.raises(ValueError, match=r"Kascade holds per-layer arrays of shape \(30,\), but the model has 3 "
+                                         "layers: it was built or calibrated for another model"):
+        generate_ids(tiny, [[5, 6, 7]], method=kascade, max_new_tokens=2)
+    other = EvoSparse.from_heads(_tiny(heads=6, kv_heads=2).cfg, [(1, 5)], budget_tokens=8, block_size=4,
+                                 min_tokens=4)  # the same layers, groups of 3 query heads
+    with pytest.raises(ValueError, match="retrieval heads were placed for GQA groups of 3 query heads"):
+        generate_ids(tiny, [[5, 6, 7]], method=other, max_new_tokens=2)
+    own = EvoSparse.from_heads(tiny.cfg, [(1, 3)], budget_tokens=8, block_size=4, min_tokens=4)
+    assert len(generate_ids(tiny, [[5, 6, 7]], method=own, max_new_tokens=2)[0]) == 2
+    with pytest.raises(ValueError, match=r"Oracle: dense_layers=10: expected 0..3 \(the model's 3 layers\)"):
+        generate_ids(tiny, [[5, 6]], method=jsparse.build_method("oracle", tiny, dense_layers=10),
+                     max_new_tokens=2)
+
+
 @pytest.mark.parametrize("bad", [[], ["ok", 3], None])
 def test_generate_rejects_non_prompts(smollm2, bad):
     with pytest.raises(ValueError, match="expected a str or a non-empty list of str"):

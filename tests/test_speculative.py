@@ -177,7 +177,7 @@ def test_layer_skipped_draft_and_errors(models):
         session.send_ids(list(range(4, 14)), max_new_tokens=10)
     with pytest.raises(ValueError, match=r"the message has token id 128: expected ids in \[0, 128\)"):
         session.send_ids([5, 128], max_new_tokens=2)
-    with pytest.raises(ValueError, match="capacity=-8: expected a positive number of cache rows"):
+    with pytest.raises(ValueError, match=r"capacity=-8: expected an integer >= 1 \(cache rows"):
         Session(tgt, skipped, gamma=2, capacity=-8)
 
 

@@ -305,8 +305,9 @@ def test_dense_record_api_and_errors():
     rng, q, k_all, v_all, lens = stacked_inputs(17, L, B, 1, Hq, Hkv, D, N, [40, 9], jnp.float32)
     record, bmax = randn(rng, (B, Hq, 3, N), jnp.float32), randn(rng, (B, Hq, 3, 5), jnp.float32)
     want = dense_decode_record_reference(q, k_all, v_all, 1, lens, record, bmax, 2, block=8)
-    for impl in (None, "sliced", "reference"):
-        got = dense_decode_record(q, k_all, v_all, 1, lens, record, bmax, 2, block=8, implementation=impl)
+    for impl in (None, "sliced", "reference"):  # copies: a GPU's kernel takes the buffers (donated, in place)
+        got = dense_decode_record(q, k_all, v_all, 1, lens, jnp.array(record), jnp.array(bmax), 2, block=8,
+                                  implementation=impl)
         assert_close(got[0], want[0], jnp.float32, f"record api {impl}")
         for g, w in zip(got[1:], want[1:]):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
@@ -474,9 +475,12 @@ def test_bench_fixed_selection_and_hlo_copy_counter():
     np.testing.assert_array_equal(idx[0], np.r_[0:4, 88:100])  # sinks, then the last 12 tokens
     real = idx[1][idx[1] >= 0]  # a short row: the windows overlap, every token once
     np.testing.assert_array_equal(real, np.arange(10))
-    # The copy counter finds materialised dynamic slices (outside fusion bodies), not their consumers.
+    # The copy counter finds materialised dynamic slices (outside fusion bodies), not their consumers. Compiled for
+    # the CPU on any machine: a GPU compile fuses these two slices into their consumers (no copy to count).
     f = jax.jit(lambda x, i, y: (jnp.sort(x[i], axis=-1), jnp.dot(x[i + 1], y)))
-    hlo = f.lower(jnp.ones((4, 64, 64), jnp.bfloat16), 1, jnp.ones((64, 64), jnp.bfloat16)).compile().as_text()
+    cpu = jax.devices("cpu")[0]
+    x, y = (jax.device_put(jnp.ones(s, jnp.bfloat16), cpu) for s in ((4, 64, 64), (64, 64)))
+    hlo = f.lower(x, jax.device_put(jnp.int32(1), cpu), y).compile().as_text()
     assert slice_copies(hlo, {"w": {64 * 64}, "other": {7}}) == {"w": 2, "other": 0}
 
 

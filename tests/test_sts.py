@@ -76,6 +76,30 @@ def test_artifact_keyed_to_both_models(pair, tmp_path):
         calibrate(target.params, CFG, draft.params, DRAFT_CFG, _windows(1, T=30), ks=(24,), tile=16)
 
 
+def test_sts_refuses_a_draft_other_than_the_one_its_head_map_was_calibrated_with(pair, tmp_path):
+    """The artifact is checked against the draft when STS is built, and the draft it then runs with must be that
+    one: another draft of the same shape (another layer-skipped copy, say) is refused, not run with a head map
+    made for different heads."""
+    import jsparse
+    from jsparse.api import generate_ids
+    from jsparse.artifacts import fingerprint
+    from jsparse.session import Session
+
+    target, draft = pair
+    art = calibrate(target.params, CFG, draft.params, DRAFT_CFG, _windows(1), ks=(8,), tile=16,
+                    fingerprint=fingerprint(target), draft_fingerprint=fingerprint(draft))
+    save_artifact(str(tmp_path), art)
+    sts = jsparse.build_method("sts", target, draft=draft, artifact=str(tmp_path), budget=0.5, min_tokens=4)
+    assert sts.draft_fingerprint == fingerprint(draft)
+    assert len(generate_ids(target, [[5, 6, 7, 8]], method=sts, draft=draft, gamma=2, max_new_tokens=3)[0]) == 3
+    other = LoadedModel(cfg=DRAFT_CFG, params=random_params(DRAFT_CFG, jax.random.key(7), jnp.float32, scale=0.3),
+                        tokenizer=None, name="other-draft")
+    with pytest.raises(ValueError, match="head map was calibrated with the draft of fingerprint"):
+        generate_ids(target, [[5, 6, 7, 8]], method=sts, draft=other, gamma=2, max_new_tokens=3)
+    with pytest.raises(ValueError, match="head map was calibrated with the draft of fingerprint"):
+        Session(target, other, method=sts, gamma=2)
+
+
 def _head_map(cfg, dcfg):
     return np.stack(np.meshgrid(np.arange(cfg.num_layers) % dcfg.num_layers,
                                 np.arange(cfg.num_heads) % dcfg.num_heads, indexing="ij"), axis=-1)

@@ -263,6 +263,11 @@ class Butler(TokenBudget):
 
     # -- protocol
 
+    def check_model(self, cfg):
+        """Refuses a predictor made for another model (`PredictorConfig.check_model`)."""
+        if self.pcfg is not None:
+            self.pcfg.check_model(cfg)
+
     def init_state(self, cfg, batch, max_len):
         c = self.pcfg
         return ButlerState(

@@ -250,6 +250,18 @@ class EvoSparse:
         nb = -(-max_len // self.block_size)
         return EvoState(heat=jnp.zeros((cfg.num_layers, batch, cfg.num_kv_heads, nb), jnp.float32))
 
+    def check_model(self, cfg):
+        """Refuses retrieval heads placed for another model's heads (their layers: `models.attention.check_model`)."""
+        if self.uses_retrieval and self.layout is not None:
+            want = cfg.num_heads // cfg.num_kv_heads
+            got = self.layout.head_mask.shape[-1]
+            kv = np.asarray(self.layout.kv_heads) if not isinstance(self.layout.kv_heads, jax.core.Tracer) else None
+            if got != want or (kv is not None and kv.size and int(kv.max()) >= cfg.num_kv_heads):
+                raise ValueError(f"evosparse's retrieval heads were placed for GQA groups of {got} query heads"
+                                 + ("" if kv is None or not kv.size else f" and KV heads up to {int(kv.max())}")
+                                 + f", but this model has groups of {want} and {cfg.num_kv_heads} KV heads: build "
+                                 "it for this model")
+
     def layer_info(self, cfg):
         if not self.uses_retrieval:
             return None

@@ -181,6 +181,13 @@ class Kascade(TokenBudget):
     def layer_info(self, cfg):
         return LayerRole(role=self.roles, head_map=self.head_map)
 
+    def check_model(self, cfg):
+        """Refuses a head map of another model's KV heads (`models.attention.check_model` checks the layers)."""
+        if self.head_map is not None and tuple(self.head_map.shape[1:]) != (cfg.num_kv_heads,):
+            raise ValueError(f"kascade's head map has shape {tuple(self.head_map.shape)}: expected (L, Hkv) = "
+                             f"({cfg.num_layers}, {cfg.num_kv_heads}) for this model; it was built or calibrated "
+                             "for another model")
+
     def prefill_rows(self, q_len: int, kv_len: int) -> tuple[int, int]:
         """(rows, width) of the prefill state's indices: one row per query tile, k_reuse(kv_len) keys in blocks of
         prefill_block_size."""

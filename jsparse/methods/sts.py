@@ -771,6 +771,9 @@ class STS(_Budget):
     head_map: Array = None
     draft_layers: int = struct.field(pytree_node=False, default=1)
     draft_heads: int = struct.field(pytree_node=False, default=1)
+    # The fingerprint of the draft an artifact's head map was calibrated with (None: a head map given as is);
+    # speculative decoding with another draft is refused (`jsparse.api.speculative_methods`).
+    draft_fingerprint: str | None = struct.field(pytree_node=False, default=None)
     # Fidelity options (not in the paper, whose default is 0 for all three): the first `dense_layers` target
     # layers attend densely; every selection keeps the first `sink` keys and the `local` keys just before the
     # query (its tile in prefill), inside the budget.
@@ -811,21 +814,25 @@ class STS(_Budget):
             raise ValueError("method 'sts' needs the target model and a draft model (--draft; jsparse.generate(..., "
                              "draft=...))")
         check_budget(budget)
+        draft_fingerprint = None
         if head_map is None:
             if not artifact:
                 raise ValueError("method 'sts' needs a head map: --artifact DIR from `jsparse calibrate sts --model T "
                                  "--draft D --out DIR`")
             from jsparse.artifacts import fingerprint as model_fp
-            head_map = load_head_map(artifact, fingerprint, model_fp(draft), budget)
+            draft_fingerprint = model_fp(draft)
+            head_map = load_head_map(artifact, fingerprint, draft_fingerprint, budget)
         head_map = np.asarray(head_map, np.int32)
         check_head_map(head_map, cfg, draft.cfg)
         if not 0 <= dense_layers <= cfg.num_layers:
             raise ValueError(f"dense_layers={dense_layers!r}: expected 0..{cfg.num_layers} (the target's layers)")
         refuse_derived("sts", unused, {"slack": (None, "the round's gamma (`for_round`)"),
                                        "draft_layers": (None, "the draft model"),
-                                       "draft_heads": (None, "the draft model")})
+                                       "draft_heads": (None, "the draft model"),
+                                       "draft_fingerprint": (None, "the draft model")})
         return cls(head_map=jnp.asarray(head_map), budget=float(budget), min_tokens=min_tokens, tile=tile,
                    selection=selection, draft_layers=draft.cfg.num_layers, draft_heads=draft.cfg.num_heads,
+                   draft_fingerprint=draft_fingerprint,
                    dense_layers=dense_layers, sink=sink, local=local, carry=carry,
                    first_step_mask=first_step_mask, mask_pool=mask_pool, mask_attention=mask_attention,
                    row_merge=row_merge, record_after_scan=record_after_scan, record_selection=record_selection)
@@ -854,6 +861,12 @@ class STS(_Budget):
 
     def layer_info(self, cfg):
         return self.head_map
+
+    def check_model(self, cfg):
+        """Refuses a head map made for another target's query heads (its layers: `models.attention.check_model`)."""
+        if tuple(self.head_map.shape[1:]) != (cfg.num_heads, 2):
+            raise ValueError(f"STS head map has shape {tuple(self.head_map.shape)}: expected [L_t, Hq_t, 2] = "
+                             f"({cfg.num_layers}, {cfg.num_heads}, 2) for this target; it was made for another model")
 
     def _rows(self, state, info, Hkv):
         """The draft rows of the target layer(s) whose head-map rows are `info` [..., Hq_t, 2] (one layer's, or

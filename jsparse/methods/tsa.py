@@ -318,6 +318,12 @@ class TSA:
     def _kascade(self) -> bool:
         return isinstance(self.inner, kascade_mod.Kascade)
 
+    def check_model(self, cfg):
+        """Its sparse layers within the model's; the inner method's own checks (`models.attention.check_model`)."""
+        self._given_layers(cfg.num_layers)
+        if self.inner is not None:
+            attention_protocol.check_model(self.inner, cfg)
+
     def init_state(self, cfg, batch, max_len):
         inner = None if self.inner is None else self.inner.init_state(cfg, batch, max_len)
         return TSAState(kept=jnp.zeros((cfg.num_layers, batch), I32), inner=inner)
