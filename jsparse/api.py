@@ -237,7 +237,7 @@ def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: An
 
     With `draft`, speculative decoding (gamma draft tokens per round; on a mesh the draft must be on the
     target's mesh); `stats`, when given, receives `rounds`, `accepted` and `acceptance_rate` (accepted draft
-    tokens / proposed ones).
+    tokens / proposed ones) of the speculative rounds (without a draft there are none: it is left unchanged).
     """
     if isinstance(ids, (str, bytes)) or any(isinstance(t, (int, np.integer)) for t in ids):
         raise ValueError("ids: expected a list of prompts, each a list of token ids ([[1, 2, 3]] for one prompt), "

@@ -111,18 +111,30 @@ def check_model(method, cfg) -> None:
     """Raises ValueError when `method` cannot run on the model of `cfg`: a method built (or calibrated) for another
     model, whose per-layer arrays (`layer_info`) count other layers, or whose own `check_model(cfg)` refuses the
     model's heads; or `dense_layers` beyond the model's layers (a budget that would never apply)."""
+    import dataclasses
+
     import jax
+    import numpy as np
 
     name = type(method).__name__
     L = cfg.num_layers
     dense = getattr(method, "dense_layers", None)
-    if isinstance(dense, int) and not isinstance(dense, bool) and dense > L:
+    fields = {f.name: f for f in dataclasses.fields(method)} if dataclasses.is_dataclass(method) else {}
+    default = fields["dense_layers"].default if "dense_layers" in fields else None
+    if isinstance(dense, (int, np.integer)) and not isinstance(dense, bool) and dense > L and dense != default:
+        # A default beyond a small model's layers (Quest's 2 on a 1-layer model) means all of them, as before.
         raise ValueError(f"{name}: dense_layers={dense}: expected 0..{L} (the model's {L} layers)")
-    for leaf in jax.tree_util.tree_leaves(method.layer_info(cfg)):
+    inner = getattr(method, "inner", None)
+    if inner is not None:  # first, and named as its own: the outer method's layer_info may combine the inner's
+        check_model(inner, cfg)
+    own_info = method.layer_info(cfg)
+    if inner is not None and hasattr(own_info, "inner"):
+        own_info = own_info.replace(inner=None)
+    for leaf in jax.tree_util.tree_leaves(own_info):
         if getattr(leaf, "ndim", 0) == 0 or leaf.shape[0] != L:
             raise ValueError(f"{name} holds per-layer arrays of shape {tuple(getattr(leaf, 'shape', ()))}, but the "
                              f"model has {L} layers: it was built or calibrated for another model; build it for "
-                             "this one (`jsparse.build_method(name, model, ...)`)")
+                             "this one (`jsparse.build_method(NAME, model, ...)`)")
     own = getattr(method, "check_model", None)
     if own is not None:
         own(cfg)

@@ -109,8 +109,10 @@ def resolve_model(spec: str | os.PathLike) -> ResolvedModel:
     if not path.exists():
         base, sep, option = text.rpartition(":")
         if sep and base and (base.lower() in BUNDLED or Path(base).expanduser().exists()):
-            raise ValueError(f"model {text!r}: {option!r} is not an option of a model spec: expected "
-                             f"{base}:layers=RANGES (e.g. {base}:layers=0-9, the layers kept)")
+            what = (f"layers={option[7:]!r} is not a list of layers" if option.startswith("layers=")
+                    else f"{option!r} is not an option of a model spec")
+            raise ValueError(f"model {text!r}: {what}: expected {base}:layers=RANGES (e.g. {base}:layers=0-9 or "
+                             "layers=0-5,29, the layers kept)")
         raise FileNotFoundError(f"model {text!r} not found: expected one of {list(BUNDLED)}, a Hugging Face "
                                 "folder or a .gguf file")
     raise ValueError(f"model {text!r} is neither a folder nor a .gguf file: expected one of {list(BUNDLED)}, a "

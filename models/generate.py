@@ -142,7 +142,7 @@ def check_token_ids(cfg: ModelConfig, rows: Sequence[Sequence[int]], what: str =
         if ids is None or ids.ndim != 1:
             raise ValueError(f"{where} is nested ({reprlib.repr(row)}): expected a flat sequence of integer token ids")
         if isinstance(row, (list, tuple)) and ids.dtype != np.bool_ and \
-                any(isinstance(t, (bool, np.bool_)) for t in row):  # numpy reads [True, 5] as integers
+                not {bool, np.bool_}.isdisjoint(map(type, row)):  # numpy reads [True, 5] as integers
             raise ValueError(f"{where} holds a bool among its token ids: expected integer token ids")
         if ids.size and (ids.dtype == np.bool_ or not np.issubdtype(ids.dtype, np.integer)):
             raise ValueError(f"{where} has token ids of dtype {ids.dtype} (first {ids[0]!r}): expected integer "

@@ -126,9 +126,10 @@ def byte_level_bpe(reader, where: str = "GGUF") -> Any:
 
 
 def stop_token_ids(reader) -> tuple[int, ...]:
-    """The ids beside tokenizer.ggml.eos_token_id that end generation, as llama.cpp reads them: the end-of-turn and
-    end-of-message tokens (tokenizer.ggml.eot_token_id, eom_token_id; an instruct Llama 3's <|eot_id|>), those
-    present and in the vocabulary."""
+    """The ids beside tokenizer.ggml.eos_token_id that end generation: the end-of-turn and end-of-message tokens the
+    file names (tokenizer.ggml.eot_token_id, eom_token_id; an instruct Llama 3's <|eot_id|>), those in the
+    vocabulary. llama.cpp also takes some control tokens as such by their text (<|eot_id|>, <|im_end|>, ...) when
+    a file names none; this does not (an older file without the keys stops at its EOS only)."""
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
     out = []
     for key in ("eot", "eom"):

@@ -204,6 +204,8 @@ def test_session_and_mesh_arguments_are_refused_by_name():
         jsparse.load("smollm2", fuse="False")
     with pytest.raises(ValueError, match="'foo=1' is not an option of a model spec: expected smollm2:layers=RANGES"):
         jsparse.load("smollm2:foo=1")
+    with pytest.raises(ValueError, match="layers='1..3' is not a list of layers: expected smollm2:layers=RANGES"):
+        jsparse.load("smollm2:layers=1..3")
 
 
 def test_a_method_built_for_another_model_is_refused_before_it_runs(smollm2):
@@ -218,15 +220,28 @@ def test_a_method_built_for_another_model_is_refused_before_it_runs(smollm2):
     with pytest.raises(ValueError, match=r"Kascade holds per-layer arrays of shape \(30,\), but the model has 3 "
                                          "layers: it was built or calibrated for another model"):
         generate_ids(tiny, [[5, 6, 7]], method=kascade, max_new_tokens=2)
-    other = EvoSparse.from_heads(_tiny(heads=6, kv_heads=2).cfg, [(1, 5)], budget_tokens=8, block_size=4,
-                                 min_tokens=4)  # the same layers, groups of 3 query heads
-    with pytest.raises(ValueError, match="retrieval heads were placed for GQA groups of 3 query heads"):
-        generate_ids(tiny, [[5, 6, 7]], method=other, max_new_tokens=2)
+    from jsparse.methods.kascade import Kascade
+    from jsparse.methods.tsa import TSA
+
+    inner = Kascade.from_anchors(_tiny(layers=4).cfg, [0, 2], tile=16, budget=0.3, min_tokens=8)
+    wrapped = TSA(tau=0.05, window=8, min_tokens=4, inner=inner, selection="kv_head", capacity_buckets=1,
+                  sparse_layers=(1, 2))
+    with pytest.raises(ValueError, match=r"Kascade holds per-layer arrays of shape \(4,\)"):  # named, not TSA
+        generate_ids(tiny, [[5, 6, 7]], method=wrapped, max_new_tokens=2)
+    for heads, kv_heads in ((6, 2), (8, 4)):  # the same layers; other groups, or the same group size over more heads
+        other = EvoSparse.from_heads(_tiny(heads=heads, kv_heads=kv_heads).cfg, [(1, heads - 1)], budget_tokens=8,
+                                     block_size=4, min_tokens=4)
+        with pytest.raises(ValueError, match=rf"retrieval heads were placed for a model of Hq, Hkv = \({heads}, "
+                                             rf"{kv_heads}\), but this model has Hq, Hkv = \(4, 2\)"):
+            generate_ids(tiny, [[5, 6, 7]], method=other, max_new_tokens=2)
     own = EvoSparse.from_heads(tiny.cfg, [(1, 3)], budget_tokens=8, block_size=4, min_tokens=4)
     assert len(generate_ids(tiny, [[5, 6, 7]], method=own, max_new_tokens=2)[0]) == 2
-    with pytest.raises(ValueError, match=r"Oracle: dense_layers=10: expected 0..3 \(the model's 3 layers\)"):
-        generate_ids(tiny, [[5, 6]], method=jsparse.build_method("oracle", tiny, dense_layers=10),
-                     max_new_tokens=2)
+    for given in (10, np.int64(4)):
+        with pytest.raises(ValueError, match=rf"Oracle: dense_layers={given}: expected 0..3 \(the model's 3 layers\)"):
+            generate_ids(tiny, [[5, 6]], method=jsparse.build_method("oracle", tiny, dense_layers=given),
+                         max_new_tokens=2)
+    one = _tiny(layers=1)  # a default beyond a small model's layers (Quest's 2) still means all of them
+    assert len(generate_ids(one, [[5, 6]], method="quest", max_new_tokens=2)[0]) == 2
 
 
 @pytest.mark.parametrize("bad", [[], ["ok", 3], None])

@@ -125,6 +125,9 @@ class EvoSparse:
 
     layout: Optional[RetrievalLayout] = None
     retrieval_layers: Optional[tuple[int, ...]] = struct.field(pytree_node=False, default=None)
+    # (Hq, Hkv) of the model the layout was placed for (`from_heads`): checked against the model it runs on, where
+    # the layout's own arrays are traced (`check_model`).
+    layout_heads: Optional[tuple[int, int]] = struct.field(pytree_node=False, default=None)
     budget: float = struct.field(pytree_node=False, default=0.1)
     budget_tokens: Optional[int] = struct.field(pytree_node=False, default=None)
     min_tokens: int = struct.field(pytree_node=False, default=128)
@@ -179,7 +182,7 @@ class EvoSparse:
         """From options and a `jsparse calibrate evosparse` artifact (needed when retrieval_fraction > 0)."""
         source = "the retrieval heads of its artifact (`from_heads`)"
         options = refuse_derived("evosparse", kwargs_for(cls, options),
-                                 {key: (None, source) for key in ("layout", "retrieval_layers")})
+                                 {key: (None, source) for key in ("layout", "retrieval_layers", "layout_heads")})
         if float(options.get("retrieval_fraction", DEFAULT_FRACTIONS[2])) == 0.0:
             return cls(**options)
         if not artifact:
@@ -197,7 +200,7 @@ class EvoSparse:
         if not heads:
             raise ValueError("no retrieval heads given: expected at least one (layer, head) pair")
         return cls(layout=retrieval_layout(cfg, heads), retrieval_layers=tuple(sorted({int(l) for l, _ in heads})),
-                   **options)
+                   layout_heads=(cfg.num_heads, cfg.num_kv_heads), **options)
 
     @property
     def fractions(self) -> tuple[float, float, float, float]:
@@ -252,15 +255,15 @@ class EvoSparse:
 
     def check_model(self, cfg):
         """Refuses retrieval heads placed for another model's heads (their layers: `models.attention.check_model`)."""
-        if self.uses_retrieval and self.layout is not None:
-            want = cfg.num_heads // cfg.num_kv_heads
-            got = self.layout.head_mask.shape[-1]
-            kv = np.asarray(self.layout.kv_heads) if not isinstance(self.layout.kv_heads, jax.core.Tracer) else None
-            if got != want or (kv is not None and kv.size and int(kv.max()) >= cfg.num_kv_heads):
-                raise ValueError(f"evosparse's retrieval heads were placed for GQA groups of {got} query heads"
-                                 + ("" if kv is None or not kv.size else f" and KV heads up to {int(kv.max())}")
-                                 + f", but this model has groups of {want} and {cfg.num_kv_heads} KV heads: build "
-                                 "it for this model")
+        if not self.uses_retrieval or self.layout is None:
+            return
+        want = (cfg.num_heads, cfg.num_kv_heads)
+        group = self.layout.head_mask.shape[-1]  # a layout made without `from_heads`: its group size at least
+        got = self.layout_heads
+        if (got is not None and got != want) or group != want[0] // want[1]:
+            placed = f"Hq, Hkv = {got}" if got is not None else f"GQA groups of {group} query heads"
+            raise ValueError(f"evosparse's retrieval heads were placed for a model of {placed}, but this model has "
+                             f"Hq, Hkv = {want}: build it for this model")
 
     def layer_info(self, cfg):
         if not self.uses_retrieval:

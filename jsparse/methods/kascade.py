@@ -78,6 +78,13 @@ class LayerRole:
     head_map: jax.Array  # i32[L, Hkv]
 
 
+def check_head_map_shape(shape, cfg) -> None:
+    """Raises ValueError unless a Kascade head map's shape is (L, Hkv) of the model of `cfg`."""
+    if tuple(shape) != (cfg.num_layers, cfg.num_kv_heads):
+        raise ValueError(f"kascade's head map has shape {tuple(shape)}: expected (L, Hkv) = "
+                         f"{(cfg.num_layers, cfg.num_kv_heads)} of this model (a map made for another model?)")
+
+
 def roles_from_anchors(num_layers: int, anchors) -> np.ndarray:
     anchors = list(sel.check_layers("anchors", anchors, num_layers))  # integers, before any int() truncates one
     if not anchors or anchors[0] != 0:
@@ -131,9 +138,7 @@ class Kascade(TokenBudget):
         if head_map is None:
             head_map = np.tile(np.arange(cfg.num_kv_heads, dtype=np.int32), (cfg.num_layers, 1))
         head_map = np.asarray(head_map, np.int32)
-        if head_map.shape != (cfg.num_layers, cfg.num_kv_heads):
-            raise ValueError(f"head_map has shape {head_map.shape}: expected (L, Hkv) = "
-                             f"{(cfg.num_layers, cfg.num_kv_heads)}")
+        check_head_map_shape(head_map.shape, cfg)
         if head_map.min() < 0 or head_map.max() >= cfg.num_kv_heads:
             raise ValueError(f"head_map values span [{head_map.min()}, {head_map.max()}]: expected [0, "
                              f"{cfg.num_kv_heads})")
@@ -183,10 +188,8 @@ class Kascade(TokenBudget):
 
     def check_model(self, cfg):
         """Refuses a head map of another model's KV heads (`models.attention.check_model` checks the layers)."""
-        if self.head_map is not None and tuple(self.head_map.shape[1:]) != (cfg.num_kv_heads,):
-            raise ValueError(f"kascade's head map has shape {tuple(self.head_map.shape)}: expected (L, Hkv) = "
-                             f"({cfg.num_layers}, {cfg.num_kv_heads}) for this model; it was built or calibrated "
-                             "for another model")
+        if self.head_map is not None:
+            check_head_map_shape(self.head_map.shape, cfg)
 
     def prefill_rows(self, q_len: int, kv_len: int) -> tuple[int, int]:
         """(rows, width) of the prefill state's indices: one row per query tile, k_reuse(kv_len) keys in blocks of

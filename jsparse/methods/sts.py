@@ -864,9 +864,7 @@ class STS(_Budget):
 
     def check_model(self, cfg):
         """Refuses a head map made for another target's query heads (its layers: `models.attention.check_model`)."""
-        if tuple(self.head_map.shape[1:]) != (cfg.num_heads, 2):
-            raise ValueError(f"STS head map has shape {tuple(self.head_map.shape)}: expected [L_t, Hq_t, 2] = "
-                             f"({cfg.num_layers}, {cfg.num_heads}, 2) for this target; it was made for another model")
+        check_head_map_shape(self.head_map.shape, cfg)
 
     def _rows(self, state, info, Hkv):
         """The draft rows of the target layer(s) whose head-map rows are `info` [..., Hq_t, 2] (one layer's, or
@@ -970,11 +968,17 @@ class STS(_Budget):
         return attend_selected(q, cache, indices, ctx.lengths), state
 
 
+def check_head_map_shape(shape, cfg) -> None:
+    """Raises ValueError unless an STS head map's shape is [L_t, Hq_t, 2] of the target of `cfg`."""
+    want = (cfg.num_layers, cfg.num_heads, 2)
+    if tuple(shape) != want:
+        raise ValueError(f"STS head map has shape {tuple(shape)}: expected [L_t, Hq_t, 2] = {want} for the target (a "
+                         "map made for another model?)")
+
+
 def check_head_map(head_map: np.ndarray, cfg, draft_cfg) -> None:
     """head_map: i32[L_t, Hq_t, 2] with draft layers in [0, L_d) and draft heads in [0, Hq_d)."""
-    want = (cfg.num_layers, cfg.num_heads, 2)
-    if head_map.shape != want:
-        raise ValueError(f"STS head map has shape {head_map.shape}: expected [L_t, Hq_t, 2] = {want} for the target")
+    check_head_map_shape(head_map.shape, cfg)
     if head_map[..., 0].min() < 0 or head_map[..., 0].max() >= draft_cfg.num_layers or \
             head_map[..., 1].min() < 0 or head_map[..., 1].max() >= draft_cfg.num_heads:
         raise ValueError(f"STS head map names draft layers {head_map[..., 0].min()}..{head_map[..., 0].max()} and heads "

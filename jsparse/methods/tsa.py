@@ -319,10 +319,8 @@ class TSA:
         return isinstance(self.inner, kascade_mod.Kascade)
 
     def check_model(self, cfg):
-        """Its sparse layers within the model's; the inner method's own checks (`models.attention.check_model`)."""
+        """Its sparse layers within the model's (`models.attention.check_model` checks the inner method)."""
         self._given_layers(cfg.num_layers)
-        if self.inner is not None:
-            attention_protocol.check_model(self.inner, cfg)
 
     def init_state(self, cfg, batch, max_len):
         inner = None if self.inner is None else self.inner.init_state(cfg, batch, max_len)
