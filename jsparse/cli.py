@@ -38,6 +38,12 @@ def cmd_generate(args) -> int:
         if "min_tokens" in method_options:
             raise ValueError(f"--method-option {args.method}.min_tokens with --budget-tokens "
                              f"{args.budget_tokens}: a token budget sets min_tokens itself")
+        try:  # a method that builds without a model (dense, tsa, ...) is checked before the model loads
+            bare = jsparse.make_method(args.method)
+        except (ValueError, TypeError):
+            bare = None  # needs the model or an artifact: checked once built below
+        if bare is not None and not token_budget_options(bare, args.budget_tokens, 2 ** 31 - 1):
+            raise ValueError(f"--budget-tokens {args.budget_tokens}: method {args.method!r} takes no token budget")
     model = jsparse.load(args.model, args.dtype, mesh=args.mesh)
     options = dict(method_options)
     if args.budget is not None:

@@ -104,8 +104,10 @@ def test_generate_budget_tokens_gives_each_method_its_fixed_budget(monkeypatch, 
     assert m.min_tokens == 200
     n = jnp.arange(1, 8193)
     assert np.array_equal(np.asarray(sel.budget_tokens(m.budget, n, m.min_tokens)), np.minimum(200, np.asarray(n)))
-    assert main(base + ["--method", "dense"]) == 2
-    assert "--budget-tokens 200: method 'dense' takes no token budget" in capsys.readouterr().err
+    monkeypatch.setattr(jsparse, "load", lambda *a, **k: pytest.fail("loaded the model before refusing"))
+    for name in ("dense", "tsa"):  # refused before the model loads
+        assert main(base + ["--method", name]) == 2
+        assert f"--budget-tokens 200: method '{name}' takes no token budget" in capsys.readouterr().err
     assert main(base + ["--method", "quest", "--budget", "0.5"]) == 2
     assert "expected one of them" in capsys.readouterr().err
     assert main(base[:-1] + ["0", "--method", "quest"]) == 2
