@@ -159,6 +159,7 @@ def anchor_decode_tpu(q: Array, k: Array, v: Array, lengths: Array, *, budget: f
     else:
         indices = select(scores, pos, budget, min_tokens, K, "pallas_tpu")
     if out is None and with_output:
-        # Token indices (block_size 1): the TPU sparse kernel gathers blocks of >= 8 rows, so this is XLA's gather.
-        out = sparse_decode(q, k, v, indices, lengths, scale=scale, layer=layer)
+        # Token indices (block_size 1): the TPU sparse kernel gathers blocks of >= 8 rows, so this is XLA's gather
+        # (named: the default would pick the host's kernel, a GPU's when the TPU kernels run interpreted there).
+        out = sparse_decode(q, k, v, indices, lengths, scale=scale, layer=layer, implementation="xla")
     return out, indices

@@ -195,6 +195,10 @@ def anchor_prefill_tpu(q: Array, k: Array, v: Array, lengths: Array, *, tile: in
                                          block_width(K, block_size), interpret=interpret)
     if dense_output:
         out = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale, implementation="xla")
-    else:
-        out = sparse_prefill(q, k, v, indices, lengths, tile=tile, block_size=block_size, scale=scale)
+    else:  # the TPU kernel where it takes the blocks; XLA otherwise and when interpreted (on any host, a GPU too)
+        from pallas_kernels.sparse_attention.api import supported
+        impl = "pallas_tpu" if not interpret and supported("pallas_tpu", q, block_size=block_size, tile=tile) \
+            else "xla"
+        out = sparse_prefill(q, k, v, indices, lengths, tile=tile, block_size=block_size, scale=scale,
+                             implementation=impl)
     return out, indices
