@@ -183,12 +183,15 @@ def test_cuda_lowering_for_h100():
     assert exported.mlir_module().count("xla.gpu.triton") == 2
 
 
-def test_api_dispatch_on_cpu():
+def test_api_dispatch():
     q, k = _inputs(1, 30, 2, 1, 8, jnp.float32)
     lens = jnp.array([21], jnp.int32)
     want = reference.tsa_scores_reference(q, k, window=8, pool_kernel=3, lengths=lens)
-    got = tsa_scores(q, k, window=8, pool_kernel=3, lengths=lens)  # cpu -> "xla"
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    got = tsa_scores(q, k, window=8, pool_kernel=3, lengths=lens)
+    if jax.default_backend() == "cpu":  # cpu -> "xla": the reference's own ops, bit for bit
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    else:  # a GPU or TPU host picks its compiled kernel, whose f32 sums round differently
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
     got = jax.jit(lambda q, k, l: tsa_scores(q, k, window=8, pool_kernel=3, lengths=l, implementation="xla"))(
         q, k, lens)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
