@@ -338,3 +338,21 @@ def test_prefill_tpu_lowers_for_tpu(block_size):
     with abstract_device(*TPU_V5E):
         text = jax.export.export(jax.jit(f), platforms=["tpu"])(*_prefill_args()).mlir_module()
     assert text.count("tpu_custom_call") >= 10  # lse + pooling + 8 counting passes
+
+
+def test_scoring_block_fits_the_gpus_shared_memory():
+    """The GPU scoring pass halves block_n until its pipelined tiles fit: at f32, head_dim 128, with the dense
+    output (K and V tiles) the default block_n 128 asked an H200 for 272 KiB of its 227 and failed to launch."""
+    from pallas_kernels.anchor_attention.gpu import SMEM_BUDGET, AnchorConfig, fitted_block_n
+    cfg = AnchorConfig()
+    assert (cfg.block_n, cfg.num_stages) == (128, 3)
+    assert fitted_block_n(cfg, 128, 4, True) == 64  # the failing case: 2 copies x (K + V) x 64 KiB = 256 KiB
+    for itemsize, dense in ((2, True), (2, False), (4, False)):  # the timed bf16 kernels keep their tuning
+        assert fitted_block_n(cfg, 128, itemsize, dense) == 128
+    assert fitted_block_n(cfg, 256, 4, True) == 32
+    assert fitted_block_n(AnchorConfig(block_n=16), 1024, 4, True) == 16  # never below 16
+    for D in (64, 128, 256):
+        for itemsize in (2, 4):
+            for dense in (False, True):
+                bn = fitted_block_n(cfg, D, itemsize, dense)
+                assert 2 * (1 + dense) * bn * D * itemsize + 16 * 1024 <= SMEM_BUDGET < 227 * 1024

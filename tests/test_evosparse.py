@@ -156,7 +156,9 @@ def test_fixed_sets_equal_masked_reference(budget):
     assert split_counts(kb, _cumulative_fixed(m.fractions), ensure=1) == counts == tuple(_counts_np(kb))
     heat = jax.random.uniform(jax.random.key(2), (CFG.num_layers, B, HKV, 16))
     state = m.start(CFG, EvoState(heat=heat), "decode", B, 1, 128)
-    ret = np.array([[[3, 6, -1]], [[9, 2, -1]]], np.int32)[:, :, : state.retrieval.shape[-1]]
+    # A retrieval set is ascending (`block_scores.select_blocks`; the GPU kernel binary-searches it): an unsorted
+    # [9, 2] here lost both blocks on an H200 while the XLA path, which does not search, kept them.
+    ret = np.array([[[3, 6, -1]], [[2, 9, -1]]], np.int32)[:, :, : state.retrieval.shape[-1]]
     ret = np.where(np.arange(ret.shape[-1]) < counts[2], ret, -1)  # a retrieval layer's set holds n_r blocks
     state = state.replace(retrieval=jnp.asarray(ret))
     out, new_state = _decode(m, 2, lengths, q, cache, state)  # layer 2: inherits

@@ -130,7 +130,8 @@ def test_segmented_decode_equals_one_scan(monkeypatch, branchless, static_layers
     np.testing.assert_allclose(ls, lo, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ss.heat, so.heat, rtol=1e-5, atol=1e-7)
     np.testing.assert_array_equal(np.asarray(ss.retrieval), np.asarray(so.retrieval))
-    np.testing.assert_allclose(cs.k, co.k)
+    # The CPU's two programs round alike; a GPU's fuse differently (an H200: later layers' keys 8e-6 apart).
+    np.testing.assert_allclose(cs.k, co.k, **({} if jax.default_backend() == "cpu" else dict(rtol=1e-5, atol=1e-5)))
 
 
 def test_segments_must_cover_the_layers():

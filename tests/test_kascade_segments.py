@@ -52,8 +52,14 @@ def test_segmented_decode_equals_the_switch_in_every_layer(T, reuse_scale):
     text_w, logits_w, cache_w = _decode(seg.replace(anchor_layers=None), T)
     assert "stablehlo.case" in text_w and "stablehlo.case" not in text_s
     assert text_s.count("stablehlo.while") == text_w.count("stablehlo.while") + 4  # 5 runs of layers, not 1
-    np.testing.assert_allclose(np.asarray(logits_s), np.asarray(logits_w), rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(cache_s.k), np.asarray(cache_w.k))
+    # On the CPU the two programs round alike; a GPU's kernels fuse them differently (an H200: logits 3e-5 apart,
+    # the written keys of later layers 8e-6).
+    tol = 1e-5 if jax.default_backend() == "cpu" else 1e-4
+    np.testing.assert_allclose(np.asarray(logits_s), np.asarray(logits_w), rtol=tol, atol=tol)
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(np.asarray(cache_s.k), np.asarray(cache_w.k))
+    else:
+        np.testing.assert_allclose(np.asarray(cache_s.k), np.asarray(cache_w.k), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(cache_s.lengths), np.asarray(cache_w.lengths))
 
 

@@ -129,6 +129,7 @@ def test_dispatch_and_errors():
         local_attention(*(x.astype(jnp.int32) for x in (q, k, v)), window=8)
     with pytest.raises(ValueError, match="BlockSizes.block_q"):
         BlockSizes(block_q=48)
-    assert default_implementation(64, 4) == "xla"  # on this CPU backend
+    if jax.default_backend() == "cpu":
+        assert default_implementation(64, 4) == "xla"
     with pytest.raises(ValueError, match="window=200, sinks=4: the TPU kernel serves window <= 129"):
         local_attention(q, k, v, window=200, sinks=4, implementation="pallas_tpu")

@@ -768,7 +768,8 @@ def test_record_after_scan_equals_the_per_layer_record(first_step_mask, mask_poo
             seen.append((logits, state))
         runs.append(seen)
     for (l1, s1), (l2, s2) in zip(*runs):
-        np.testing.assert_allclose(np.asarray(l1), np.asarray(l2), rtol=1e-6, atol=1e-6)
+        tol = 1e-6 if jax.default_backend() == "cpu" else 2e-5  # a GPU's fusions round differently (H200: 8e-6)
+        np.testing.assert_allclose(np.asarray(l1), np.asarray(l2), rtol=tol, atol=tol)
         for name in ("idx", "pool_idx"):
             if getattr(s1, name) is not None:
                 np.testing.assert_array_equal(np.asarray(getattr(s1, name)), np.asarray(getattr(s2, name)))

@@ -202,6 +202,22 @@ def _check_config(config: AnchorConfig) -> None:
         raise ValueError(f"AnchorConfig.pool_block={config.pool_block}: expected a power of two >= 16")
 
 
+# Shared memory the scoring pass may plan for: the H100/H200 give a block 227 KiB; Triton's pipeline holds
+# num_stages - 1 copies of each streamed tile, and about 16 KiB go to the rest. At f32, head_dim 128, with
+# dense_output (K and V tiles), the default block_n 128 and 3 stages asked for 272 KiB and failed to launch on an
+# H200 (eval/results/h200/gpu_suite/, 2026-12-04).
+SMEM_BUDGET = 200 * 1024
+
+
+def fitted_block_n(config: AnchorConfig, head_dim: int, itemsize: int, dense_output: bool) -> int:
+    """config.block_n, halved (down to 16) until the pipelined K (and V, with dense_output) tiles fit
+    SMEM_BUDGET: (num_stages - 1) * block_n * head_dim * itemsize per streamed operand, plus 16 KiB."""
+    bn, tiles, copies = config.block_n, 2 if dense_output else 1, max(1, config.num_stages - 1)
+    while bn > 16 and copies * tiles * bn * head_dim * itemsize + 16 * 1024 > SMEM_BUDGET:
+        bn //= 2
+    return bn
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "dense_output", "diagonal_tile", "config", "interpret"))
 def decode_scores_gpu(q: Array, k: Array, v: Array, lengths: Array, *, layer: Array | None = None,
                       scale: float | None = None, dense_output: bool = False, diagonal_tile: int = 0,
@@ -233,7 +249,7 @@ def decode_scores_gpu(q: Array, k: Array, v: Array, lengths: Array, *, layer: Ar
     T, Hq = q.shape[1], q.shape[2]
     G = Hq // Hkv
     scale = default_scale(D, scale)
-    bn = config.block_n
+    bn = fitted_block_n(config, D, jnp.dtype(k.dtype).itemsize, dense_output)
     chunks = pl.cdiv(N, bn)
     want = max(1, min(chunks, pl.cdiv(config.target_programs, B * Hkv * T)))
     per = pl.cdiv(chunks, want)
