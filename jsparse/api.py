@@ -27,7 +27,7 @@ from models import sharding
 from models.bundled import LoadedModel, keep_layers, load_model, parse_layers  # noqa: F401  (re-exported)
 from models.params import unfuse_projections
 from models.generate import (Sampling, check_request, check_seed, check_token_ids, generate_tokens, round_up,
-                             sharded_generate_tokens)
+                             seed_key, sharded_generate_tokens)
 from models.speculative import check_gamma, check_pair, sharded_speculative_generate, speculative_generate
 
 _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
@@ -208,22 +208,24 @@ def speculative_methods(method: Any, model: LoadedModel, draft: LoadedModel, gam
     return method, make_method("dense")
 
 
-def fit_windows(pairs, need: int, capacity: int, capped: bool) -> int:
+def fit_windows(pairs, need: int, capacity: int, capped: bool, asked: str | None = None) -> int:
     """The cache capacity for models with sliding windows run by methods that may not honour them.
 
     pairs: (LoadedModel, method) for the target (and the draft). A method outside `window_methods()` on a model
     whose window W is shorter than `need` (prompt + new tokens (+ speculative rows)) is refused; within the window
-    it runs, with the default capacity (`capped`) cut to W so the window never binds.
+    it runs, with the default capacity (`capped`) cut to W so the window never binds. asked: what `need` is, for
+    the refusal (None: a request's prompt plus max_new_tokens).
     """
     for model, method in pairs:
         W = model.cfg.window_size
         if W is None or getattr(method, "supports_window", False):
             continue
         if need > W:
+            what = asked or f"this request needs {need} tokens"
+            fix = f"a value <= {W}" if asked else f"prompt plus max_new_tokens within {W} tokens"
             raise ValueError(
-                f"method {type(method).__name__} does not support sliding-window attention and this request needs "
-                f"{need} tokens, more than {model.name}'s sliding_window={W}; use one of {window_methods()} or "
-                f"keep prompt plus max_new_tokens within {W} tokens")
+                f"method {type(method).__name__} does not support sliding-window attention and {what}, more than "
+                f"{model.name}'s sliding_window={W}; use one of {window_methods()} or keep {fix}")
         if capped:
             capacity = min(capacity, W)
     return capacity
@@ -272,24 +274,24 @@ def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: An
         tokens = np.concatenate([tokens, np.repeat(tokens[:1], extra_rows, 0)])
         lengths = np.concatenate([lengths, np.repeat(lengths[:1], extra_rows, 0)])
     if draft is None and model.mesh is not None:
-        out, num = sharded_generate_tokens(model.mesh, model.params, method, tokens, lengths, jax.random.key(seed),
+        out, num = sharded_generate_tokens(model.mesh, model.params, method, tokens, lengths, seed_key(seed),
                                            cfg=model.cfg, max_new_tokens=max_new_tokens, capacity=capacity,
                                            sampling=sampling, eos_ids=eos)
     elif draft is None:
         out, num = generate_tokens(model.params, method, jnp.asarray(tokens), jnp.asarray(lengths),
-                                   jax.random.key(seed), cfg=model.cfg, max_new_tokens=max_new_tokens,
+                                   seed_key(seed), cfg=model.cfg, max_new_tokens=max_new_tokens,
                                    capacity=capacity, sampling=sampling, eos_ids=eos)
     else:
         spec = dict(t_cfg=model.cfg, d_cfg=draft.cfg, gamma=gamma, max_new_tokens=max_new_tokens,
                     capacity=capacity, sampling=sampling, eos_ids=eos)
         if model.mesh is not None:  # the draft is on the same mesh (check_draft)
             out, num, rounds, accepted = sharded_speculative_generate(
-                model.mesh, model.params, draft.params, t_method, d_method, tokens, lengths, jax.random.key(seed),
+                model.mesh, model.params, draft.params, t_method, d_method, tokens, lengths, seed_key(seed),
                 **spec)
         else:
             out, num, rounds, accepted = speculative_generate(
                 model.params, draft.params, t_method, d_method, jnp.asarray(tokens), jnp.asarray(lengths),
-                jax.random.key(seed), **spec)
+                seed_key(seed), **spec)
         rounds, accepted = np.asarray(rounds)[:rows], np.asarray(accepted)[:rows]
         if stats is not None:
             r, acc = int(np.sum(rounds)), int(np.sum(accepted))

@@ -24,7 +24,7 @@ import numpy as np
 
 from models import sharding
 from models.bundled import LoadedModel
-from models.generate import Sampling, check_count, check_seed, check_token_ids
+from models.generate import Sampling, check_count, check_token_ids, seed_key
 from models.speculative import append_step, check_heads_on_mesh, loop_step, prefill_step
 
 
@@ -35,13 +35,15 @@ class Session:
       model, draft: target and draft (same vocabulary, on the same mesh or neither on one); method: the
         target's method ("dense", "sts" or a method object; STS builds its draft's recorder itself); gamma: draft
         tokens per round; capacity: cache rows of each model (the whole conversation plus gamma + 1 must fit;
-        None: the smaller of the model's context and 4096);
+        None: the smaller of the model's context and 4096, and of the sliding window W of a model whose method
+        does not honour windows (`jsparse.window_methods()`), as `generate` caps it; a capacity above such a W
+        is refused);
         temperature, top_p, seed: sampling.
     """
 
     def __init__(self, model: LoadedModel, draft: LoadedModel, *, method: Any = "dense", gamma: int = 4,
                  capacity: int | None = None, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0):
-        from jsparse.api import check_draft, eos_ids, speculative_methods
+        from jsparse.api import check_draft, eos_ids, fit_windows, speculative_methods
 
         check_draft(model, draft, gamma)
         self.mesh = model.mesh
@@ -55,12 +57,17 @@ class Session:
         self.model, self.draft, self.gamma = model, draft, gamma
         if capacity is not None:
             capacity = check_count("capacity", capacity, "cache rows; None: the model's context, at most 4096")
-        self.capacity = capacity or min(model.cfg.max_position_embeddings, 4096)
         self.t_method, self.d_method = speculative_methods(method, model, draft, gamma)
+        # A method that does not honour a model's sliding window: the default capacity is cut to W (as generate's)
+        # and a larger one is refused (the window would bind once the conversation passed it).
+        chosen, capacity = capacity, capacity or min(model.cfg.max_position_embeddings, 4096)
+        self.capacity = fit_windows(((model, self.t_method), (draft, self.d_method)), chosen or 0, capacity,
+                                    capped=chosen is None, asked=f"capacity={chosen}")
         self.sampling = Sampling(temperature, top_p)
         self.eos = eos_ids(model)
-        self.key = jax.random.key(check_seed(seed))
+        self.key = seed_key(seed)
         self.state = None
+        self.lost = None  # why the conversation's cache is gone (a step failed after its state was donated)
         self.tokens: list[int] = []  # the conversation so far (messages and replies)
         self.rounds = 0
         self.accepted = 0
@@ -72,6 +79,9 @@ class Session:
 
     def send_ids(self, ids: Sequence[int], max_new_tokens: int = 64) -> list[int]:
         """Adds a message (token ids) and returns the reply's tokens (EOS included when one was generated)."""
+        if self.lost is not None:
+            raise RuntimeError(f"this session's cache was lost when an earlier step failed ({self.lost}): start a new "
+                               "Session")
         check_token_ids(self.model.cfg, [ids], "the message")  # integers (5.7 is refused, not read as 5), in range
         if len(ids) == 0:
             raise ValueError("empty message: expected at least one token")
@@ -94,17 +104,26 @@ class Session:
         msg, length = jnp.asarray([ids], jnp.int32), jnp.asarray([len(ids)], jnp.int32)
         if self.mesh is not None:
             msg, length = sharding.shard_batch(msg, self.mesh), sharding.shard_batch(length, self.mesh)
-        with sharding.use_mesh(self.mesh):
-            if self.state is None:
-                self.state = prefill_step(m.params, d.params, self.t_method, self.d_method, msg, length, k1,
-                                          capacity=self.capacity, **common)
-            else:
-                self.state = append_step(m.params, d.params, self.t_method, self.d_method, self.state, msg, k1,
-                                         **common)
-            out, num, rounds, accepted, self.state = loop_step(
-                m.params, d.params, self.t_method, self.d_method, self.state, k2, gamma=self.gamma,
-                max_new_tokens=max_new_tokens, eos_ids=self.eos, **common)
-        reply = [int(t) for t in np.asarray(out)[0, : int(num[0])]]
+        # The session changes only once the whole step has succeeded: a step refused while it is traced (before
+        # anything runs) leaves it as it was; one that fails after the old state was donated marks it lost.
+        try:
+            with sharding.use_mesh(self.mesh):
+                if self.state is None:
+                    state = prefill_step(m.params, d.params, self.t_method, self.d_method, msg, length, k1,
+                                         capacity=self.capacity, **common)
+                else:
+                    state = append_step(m.params, d.params, self.t_method, self.d_method, self.state, msg, k1,
+                                        **common)
+                out, num, rounds, accepted, state = loop_step(
+                    m.params, d.params, self.t_method, self.d_method, state, k2, gamma=self.gamma,
+                    max_new_tokens=max_new_tokens, eos_ids=self.eos, **common)
+            reply = [int(t) for t in np.asarray(out)[0, : int(num[0])]]
+        except BaseException as e:
+            if self.state is not None and any(x.is_deleted() for x in jax.tree_util.tree_leaves(self.state)
+                                              if isinstance(x, jax.Array)):
+                self.state, self.lost = None, f"{type(e).__name__}: {e}"
+            raise
+        self.state = state
         self.rounds += int(rounds[0])
         self.accepted += int(accepted[0])
         self.tokens += ids + reply

@@ -285,13 +285,34 @@ def _windows_from_hf(hf: Mapping[str, Any], model_type: str) -> tuple[int | None
 
 def _rope_from_hf(hf: Mapping[str, Any]) -> RopeConfig:
     # transformers 5 keeps theta and scaling in `rope_parameters`; older configs use rope_theta/rope_scaling.
+    # transformers 5 lets a non-empty rope_scaling replace rope_parameters outright (theta included): a config saved
+    # by it (rope_parameters of type default) with a rope_scaling added by hand runs the scaling there. Both are
+    # read here and must agree; a disagreement is refused by name rather than resolved by either rule.
     params = dict(hf.get("rope_parameters") or {})
-    scaling = hf.get("rope_scaling") or {}
+    nested = sorted(k for k, v in params.items() if isinstance(v, Mapping))
+    if nested:
+        raise ConfigError(f"rope_parameters per layer type ({nested}) are not supported; expected one set of "
+                          "RoPE parameters for every layer")
+    scaling = dict(hf.get("rope_scaling") or {})
+    if params and scaling:
+        def norm(d):
+            d = {("rope_type" if k == "type" else k): v for k, v in d.items() if k != "rope_theta"}
+            return {k: v for k, v in d.items() if not (k == "rope_type" and v == "default" and len(d) == 1)}
+        if norm(params) != norm(scaling):
+            raise ConfigError(f"rope_scaling={scaling} and rope_parameters={params} disagree: expected one of them "
+                              "(transformers 5 lets rope_scaling replace rope_parameters, theta included); remove "
+                              "the one the checkpoint was not trained with")
     params = {**scaling, **params}
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(f"rope_type={rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}")
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if rope_type != "default" and partial is not None and float(partial) != 1.0:
+        # transformers' default RoPE of these architectures ignores the factor (as here); its scaled types build
+        # frequencies for part of the head and then fail in the forward.
+        raise ConfigError(f"partial_rotary_factor={partial} with rope_type={rope_type!r} is not supported; expected "
+                          "1 (every head dimension rotated)")
     # The fields a scaled type reads are required, as transformers requires them (no made-up defaults); llama3's
     # original context as transformers takes it: the top-level field first, then the scaling's, then the context.
     needed = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}.get(rope_type, ())

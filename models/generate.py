@@ -121,11 +121,21 @@ def check_count(name: str, value, what: str = "") -> int:
 
 
 def check_seed(seed) -> int:
-    """`seed` as an int when it is an integer (not a bool) that a PRNG key takes (a signed 64-bit value)."""
+    """`seed` as an int when it is an integer (not a bool) in the signed 64-bit range (see `seed_key`)."""
     if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or \
             not -(2 ** 63) <= int(seed) < 2 ** 63:
         raise ValueError(f"seed={seed!r}: expected an integer in [-2**63, 2**63)")
     return int(seed)
+
+
+def seed_key(seed) -> jax.Array:
+    """The PRNG key of a sampling seed (checked by `check_seed`), using all 64 bits: without jax_enable_x64,
+    `jax.random.key` keeps a seed's low 32 bits only, so 5 and 2**32 + 5 sampled alike. A seed in [0, 2**32) keeps
+    the key `jax.random.key(seed)`; another folds its high 32 bits (two's complement) into the key of its low 32."""
+    s = check_seed(seed) % 2 ** 64
+    lo, hi = s & 0xFFFFFFFF, s >> 32
+    key = jax.random.key(lo)
+    return key if hi == 0 else jax.random.fold_in(key, hi)
 
 
 def check_token_ids(cfg: ModelConfig, rows: Sequence[Sequence[int]], what: str = "prompt") -> None:

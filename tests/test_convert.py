@@ -397,6 +397,21 @@ def test_hf_config_fields_as_transformers_reads_them(folder):
     with pytest.raises(ConfigError, match="rope_type='llama3' needs low_freq_factor, high_freq_factor"):
         ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0},
                              "rope_parameters": None})
+    # rope_scaling next to rope_parameters: transformers 5 lets the first replace the second (theta too), so a saved
+    # config (rope_parameters of type default) with a linear scaling added ran linear x4 there and plain RoPE here.
+    default = {"rope_type": "default", "rope_theta": 5e5}
+    with pytest.raises(ConfigError, match=r"rope_scaling=\{'type': 'linear', 'factor': 4.0\} and "
+                                          r"rope_parameters=\{'rope_type': 'default', 'rope_theta': 500000.0\} disagree"):
+        ModelConfig.from_hf({**base, "rope_scaling": {"type": "linear", "factor": 4.0}, "rope_parameters": default})
+    both = ModelConfig.from_hf({**base, "rope_scaling": scaling, "rope_parameters": {**scaling, "rope_theta": 5e5}})
+    assert (both.rope.rope_type, both.rope.theta, both.rope.factor) == ("llama3", 5e5, 8.0)
+    with pytest.raises(ConfigError, match=r"rope_parameters per layer type \(\['full_attention'"):
+        ModelConfig.from_hf({**base, "rope_parameters": {"full_attention": {**scaling, "rope_theta": 1e6},
+                                                         "sliding_attention": default}})
+    with pytest.raises(ConfigError, match=r"partial_rotary_factor=0.5 with rope_type='llama3' is not supported"):
+        ModelConfig.from_hf({**base, "rope_scaling": scaling, "rope_parameters": None, "partial_rotary_factor": 0.5})
+    half = ModelConfig.from_hf({**base, "partial_rotary_factor": 0.5})  # transformers' default RoPE ignores it
+    assert half.rope.rope_type == "default"
     mistral = ModelConfig.from_hf({**base, "model_type": "mistral", "attention_bias": True, "mlp_bias": True})
     assert not (mistral.qkv_bias or mistral.o_bias or mistral.mlp_bias)
     assert generation_stop_ids(folder) == ()

@@ -326,3 +326,18 @@ def test_decode_request_limits(params):
     # Traced: the queries whose writes fall past the cache (row 0: positions 14, 15 fit, 16 does not) get NaN.
     logits = np.asarray(jax.jit(lambda c: llama.decode(params, FULL, dense, _tokens(2, 3), c, None)[0])(cache))
     assert np.isnan(logits[0, 2]).all() and np.isfinite(logits[0, :2]).all() and np.isfinite(logits[1]).all()
+
+
+def test_session_caps_its_capacity_at_the_window_as_generate_does(params):
+    """A Session whose method does not honour windows got the default capacity (the context) and failed on every
+    message, however short; its default is now cut to W as generate's, and a larger capacity is refused."""
+    model = LoadedModel(cfg=ALL, params=params, tokenizer=None, name="tiny-windowed")
+    session = jsparse.Session(model, model, method="h2o", gamma=2)
+    assert session.capacity == W
+    ids = [5, 6, 7, 8]
+    assert session.send_ids(ids, max_new_tokens=4) == jsparse.generate_ids(model, [ids], method="h2o", draft=model,
+                                                                           gamma=2, max_new_tokens=4)[0]
+    assert jsparse.Session(model, model, gamma=2).capacity == 96  # dense honours the window: the context
+    with pytest.raises(ValueError, match=r"H2O does not support sliding-window attention and capacity=64, more than "
+                                         r"tiny-windowed's sliding_window=16; .*keep a value <= 16"):
+        jsparse.Session(model, model, method="h2o", gamma=2, capacity=64)

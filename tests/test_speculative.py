@@ -263,3 +263,57 @@ def test_heat_methods_roll_back_with_the_caches(models):
             assert generate_ids(tgt, ids, method=method, max_new_tokens=40, draft=drf, gamma=3, stats=stats) == ref
             rates.append(stats["acceptance_rate"])
     assert min(rates) == 0.0 and any(0.0 < r < 1.0 for r in rates)
+
+
+def test_session_changes_only_when_a_step_succeeds(models, monkeypatch):
+    """A step that fails before anything runs leaves the session as it was (its state was set before the decode
+    loop, so every later message went down the append path and failed); one that fails after the state was
+    donated marks the session lost and the next message says so."""
+    import jsparse.session as session_mod
+
+    target, draft = models
+    tgt = LoadedModel(cfg=CFG, params=target, tokenizer=None, name="t")
+    drf = LoadedModel(cfg=DRAFT_CFG, params=draft, tokenizer=None, name="d")
+    ids = [5, 6, 7, 8, 9]
+    real = session_mod.loop_step
+    session = Session(tgt, drf, gamma=2, capacity=64)
+
+    def refused(*args, **kwargs):
+        raise ValueError("refused while traced")
+    monkeypatch.setattr(session_mod, "loop_step", refused)
+    with pytest.raises(ValueError, match="refused while traced"):
+        session.send_ids(ids, max_new_tokens=4)
+    assert session.state is None and session.tokens == [] and session.rounds == 0
+    monkeypatch.setattr(session_mod, "loop_step", real)
+    first = session.send_ids(ids, max_new_tokens=4)
+    assert first == generate_ids(tgt, [ids], max_new_tokens=4)[0]
+    state, tokens = session.state, list(session.tokens)
+    monkeypatch.setattr(session_mod, "loop_step", refused)
+    with pytest.raises(ValueError, match="refused while traced"):  # append_step ran and donated the old state
+        session.send_ids([10, 11], max_new_tokens=2)
+    monkeypatch.setattr(session_mod, "loop_step", real)
+    if any(x.is_deleted() for x in jax.tree_util.tree_leaves(state)):  # donation honoured (not on every backend)
+        assert session.state is None and session.lost == "ValueError: refused while traced"
+        with pytest.raises(RuntimeError, match=r"cache was lost when an earlier step failed \(ValueError: refused"):
+            session.send_ids([10, 11], max_new_tokens=2)
+    else:
+        assert session.state is state and session.tokens == tokens and session.lost is None
+        assert session.send_ids([10, 11], max_new_tokens=2) == generate_ids(tgt, [tokens + [10, 11]],
+                                                                             max_new_tokens=2)[0]
+
+
+def test_seeds_use_all_their_bits(models):
+    """Without x64, jax.random.key keeps a seed's low 32 bits: 5 and 2**32 + 5 sampled alike."""
+    from models.generate import seed_key
+
+    same = lambda a, b: bool(jnp.all(jax.random.key_data(a) == jax.random.key_data(b)))  # noqa: E731
+    assert same(seed_key(5), jax.random.key(5)) and same(seed_key(2 ** 32 - 1), jax.random.key(2 ** 32 - 1))
+    seeds = [0, 5, 2 ** 32 + 5, -1, 2 ** 63 - 1, -(2 ** 63), 2 ** 32, -(2 ** 32)]
+    data = [tuple(np.asarray(jax.random.key_data(seed_key(s))).tolist()) for s in seeds]
+    assert len(set(data)) == len(seeds), dict(zip(seeds, data))
+    target, _ = models
+    tgt = LoadedModel(cfg=CFG, params=target, tokenizer=None, name="t")
+    ids = [[5, 6, 7, 8, 9]]
+    outs = {s: generate_ids(tgt, ids, max_new_tokens=6, temperature=2.0, seed=s)[0] for s in (5, 2 ** 32 + 5)}
+    assert outs[5] == generate_ids(tgt, ids, max_new_tokens=6, temperature=2.0, seed=np.int64(5))[0]
+    assert outs[5] != outs[2 ** 32 + 5]
