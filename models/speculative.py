@@ -13,7 +13,10 @@ One round (`spec_round`):
   3. acceptance: greedy (d_i accepted while d_i == argmax p_{i-1}) or speculative rejection sampling (d_i
      accepted with probability min(1, p_{i-1}(d_i) / q_{i-1}(d_i)); at the first rejection a the new token is
      drawn from norm(max(p_a - q_a, 0)), after gamma acceptances from p_gamma), so the emitted tokens are
-     distributed exactly as the target's own samples;
+     distributed exactly as the target's own samples. That holds when p_0 .. p_gamma depend on the accepted
+     prefix alone: a target method that selects keys from the draft's attention over the whole round (STS, its
+     proposals and the carry of earlier rounds included) makes p_i depend on the proposals, so an STS target's
+     output (greedy too) depends on the draft and gamma;
   4. each row emits count = min(a + 1, its remaining budget, up to its first EOS) tokens and both caches'
      lengths become n + count (the rejected positions stay in the caches as garbage).
 
@@ -135,7 +138,9 @@ def spec_prefill(t_params: Params, d_params: Params, t_method, d_method, tokens:
     Args:
       tokens: i32[B, T] right-padded prompts; lengths: i32[B] (>= 1).
     Returns:
-      SpecState with tok = the first generated token per row.
+      SpecState with tok = the first generated token per row, or -1 where the row's logits came back NaN (a
+      length of 0 or past the prompt: the garbage `llama.prefill` marks so), which `spec_loop` ends with no token
+      (as `generate.generate_tokens` ends it) instead of decoding argmax's token 0 and what follows.
     """
     B = tokens.shape[0]
     d_cache = sharding.constrain(init_cache(d_cfg, B, capacity, d_params.embed.dtype), cache_axes())
@@ -145,7 +150,7 @@ def spec_prefill(t_params: Params, d_params: Params, t_method, d_method, tokens:
     _, d_cache, d_state = llama.prefill(d_params, d_cfg, d_method, tokens, lengths, d_cache, d_state)
     t_state = _adopt(t_method, t_state, d_state)
     logits, t_cache, t_state = llama.prefill(t_params, t_cfg, t_method, tokens, lengths, t_cache, t_state)
-    tok = sample(logits, key, sampling)
+    tok = jnp.where(jnp.any(jnp.isnan(logits), axis=-1), -1, sample(logits, key, sampling))
     prev = jnp.take_along_axis(tokens, (lengths - 1)[:, None], axis=1)[:, 0].astype(jnp.int32)
     return SpecState(target=t_cache, draft=d_cache,
                      t_state=_end_prefill(t_method, t_cfg, t_state, B, capacity),
@@ -179,16 +184,18 @@ def spec_round(t_params: Params, d_params: Params, t_method, d_method, s: SpecSt
 
     Args:
       s: the state before the round; key: PRNG key (unused when greedy).
-      limit: i32[B] most tokens each row may emit this round (0 for a finished row: it emits nothing and its
-        state stays as it was).
+      limit: i32[B] most tokens each row may emit this round (0, or below, for a finished row: it emits nothing
+        and its state stays as it was).
       forced_accept: i32[B] or None. For benchmarks only (random weights have no meaningful acceptance): the
         number of draft tokens accepted (0 .. gamma) instead of the acceptance test's; the work done is the same.
     Returns:
       (s, emitted: i32[B, gamma + 1] the row's new tokens then -1, count: i32[B] tokens emitted,
        accepted: i32[B] draft tokens the target accepted, 0 .. gamma).
     """
+    check_gamma(gamma)
     B = s.tok.shape[0]
     n = s.target.lengths
+    limit = jnp.maximum(limit, 0)  # a negative limit made count negative: both caches shrank under tok and prev
     greedy = sampling.temperature == 0.0
     keys = jax.random.split(key, gamma + 2)
 
@@ -271,8 +278,10 @@ def spec_loop(t_params: Params, d_params: Params, t_method, d_method, s: SpecSta
               sampling: Sampling = Sampling(), eos_ids: tuple[int, ...] = (), row_new_tokens: Array | None = None):
     """Rounds until every row has max_new_tokens tokens or an EOS; `s.tok` is the first of them.
 
-    row_new_tokens: i32[B] each row's own token count (1 .. max_new_tokens; None: max_new_tokens for all): a row
-    stops at it, so its rounds and accepted tokens count its own tokens only (rows of several tasks in one batch).
+    row_new_tokens: i32[B] each row's own token count (1 .. max_new_tokens, traced: a value outside is taken as
+    the nearer end; None: max_new_tokens for all): a row stops at it, so its rounds and accepted tokens count its
+    own tokens only (rows of several tasks in one batch). A row whose `s.tok` is -1 (NaN prefill logits,
+    `spec_prefill`) ends at once with no token.
 
     Returns:
       (out: i32[B, max_new_tokens] (-1 after a row's end), num: i32[B] tokens per row (EOS included),
@@ -281,11 +290,12 @@ def spec_loop(t_params: Params, d_params: Params, t_method, d_method, s: SpecSta
     B = s.tok.shape[0]
     width = max_new_tokens + gamma + 1
     eos = jnp.asarray(eos_ids if eos_ids else (-2,), jnp.int32)
+    bad = s.tok < 0
     out = jnp.full((B, width), -1, jnp.int32).at[:, 0].set(s.tok)
-    num = jnp.ones((B,), jnp.int32)
+    num = jnp.where(bad, 0, 1).astype(jnp.int32)
     stop = jnp.full((B,), max_new_tokens, jnp.int32) if row_new_tokens is None else \
-        jnp.minimum(jnp.asarray(row_new_tokens, jnp.int32), max_new_tokens)
-    done = jnp.isin(s.tok, eos) | (num >= stop)
+        jnp.clip(jnp.asarray(row_new_tokens, jnp.int32), 1, max_new_tokens)
+    done = bad | jnp.isin(s.tok, eos) | (num >= stop)
     zeros = jnp.zeros((B,), jnp.int32)
 
     def cond(c):

@@ -317,3 +317,34 @@ def test_seeds_use_all_their_bits(models):
     outs = {s: generate_ids(tgt, ids, max_new_tokens=6, temperature=2.0, seed=s)[0] for s in (5, 2 ** 32 + 5)}
     assert outs[5] == generate_ids(tgt, ids, max_new_tokens=6, temperature=2.0, seed=np.int64(5))[0]
     assert outs[5] != outs[2 ** 32 + 5]
+
+
+def test_bad_lengths_and_limits_end_rows_instead_of_corrupting_them(models):
+    """A prompt length of 0 or past the prompt's width gives NaN logits: speculative_generate ends that row with no
+    token, as generate_tokens does (it decoded argmax's token 0 and went on). A negative round limit emits nothing
+    (count went negative and both caches shrank under tok and prev); gamma < 1 is refused in a round."""
+    from models.speculative import round_step
+
+    target, draft = models
+    tokens = jax.random.randint(jax.random.key(5), (3, 8), 4, CFG.vocab_size)
+    lengths = jnp.array([8, 0, 12])
+    out_g, num_g = generate_tokens(target, DENSE, tokens, lengths, jax.random.key(0), cfg=CFG, max_new_tokens=6,
+                                   capacity=64)
+    out, num, rounds, _ = speculative_generate(target, draft, DENSE, DENSE, tokens, lengths, jax.random.key(0),
+                                               t_cfg=CFG, d_cfg=DRAFT_CFG, gamma=2, max_new_tokens=6, capacity=64)
+    np.testing.assert_array_equal(np.asarray(num), [6, 0, 0])
+    np.testing.assert_array_equal(np.asarray(num), np.asarray(num_g))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(out_g))  # greedy: row 0 equal, rows 1-2 all -1
+    assert int(rounds[1]) == int(rounds[2]) == 0
+    s = spec_prefill(target, draft, DENSE, DENSE, tokens[:2], jnp.array([8, 6]), jax.random.key(0), t_cfg=CFG,
+                     d_cfg=DRAFT_CFG, capacity=32)
+    s2, emitted, count, acc = jax.jit(spec_round, static_argnames=("t_cfg", "d_cfg", "gamma"))(
+        target, draft, DENSE, DENSE, s, jax.random.key(1), jnp.array([-3, 2]), t_cfg=CFG, d_cfg=DRAFT_CFG, gamma=3)
+    assert int(count[0]) == 0 and 1 <= int(count[1]) <= 2
+    np.testing.assert_array_equal(np.asarray(s2.target.lengths), [8, 6 + int(count[1])])
+    assert int(s2.tok[0]) == int(s.tok[0]) and int(s2.prev[0]) == int(s.prev[0]) and int(acc[0]) == 0
+    assert np.all(np.asarray(emitted[0]) == -1)
+    for gamma in (0, -1):
+        with pytest.raises(ValueError, match=f"gamma={gamma}: expected an integer >= 1"):
+            round_step(target, draft, DENSE, DENSE, s, jax.random.key(1), jnp.array([4, 4]), t_cfg=CFG,
+                       d_cfg=DRAFT_CFG, gamma=gamma)

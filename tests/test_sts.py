@@ -76,6 +76,21 @@ def test_artifact_keyed_to_both_models(pair, tmp_path):
         calibrate(target.params, CFG, draft.params, DRAFT_CFG, _windows(1, T=30), ks=(24,), tile=16)
 
 
+def test_calibration_records_its_length_for_fractional_budgets(pair, tmp_path):
+    """`calibrate` (not only the CLI) records the prompts' length: a fraction of it picks the map (without it the
+    largest k stood in for the length, and budget 0.25 here read 6 tokens and picked k=8 instead of k=24)."""
+    target, draft = pair
+    art = calibrate(target.params, CFG, draft.params, DRAFT_CFG, _windows(1), ks=(8, 24), tile=16,
+                    fingerprint="t" * 16, draft_fingerprint="d" * 16)
+    assert art.meta["length"] == 96
+    save_artifact(str(tmp_path), art)
+    maps = art.arrays["head_maps"]
+    np.testing.assert_array_equal(load_head_map(str(tmp_path), "t" * 16, "d" * 16, 0.25), maps[1])  # 24 tokens
+    np.testing.assert_array_equal(load_head_map(str(tmp_path), "t" * 16, "d" * 16, 0.08), maps[0])  # 7.7 tokens
+    with pytest.raises(ValueError, match="calibration prompts of 96 and 80 tokens: expected one length"):
+        calibrate(target.params, CFG, draft.params, DRAFT_CFG, _windows(1) + _windows(1, T=80), ks=(8,), tile=16)
+
+
 def test_sts_refuses_a_draft_other_than_the_one_its_head_map_was_calibrated_with(pair, tmp_path):
     """The artifact is checked against the draft when STS is built, and the draft it then runs with must be that
     one: another draft of the same shape (another layer-skipped copy, say) is refused, not run with a head map

@@ -94,7 +94,9 @@ def head_maps_from_overlap(overlap: np.ndarray, draft_heads: int) -> np.ndarray:
 def calibrate(t_params, t_cfg, d_params, d_cfg, prompts: Iterable[np.ndarray], *, ks: Sequence[int] = (64, 256),
               tile: int = 32, fingerprint: str = "", draft_fingerprint: str = "", model_name: str = "",
               draft_name: str = "", progress=None) -> Artifact:
-    """Calibrates the STS head maps on prompts (each i32[B, T], all of one length) -> the artifact."""
+    """Calibrates the STS head maps on prompts (each i32[B, T], all of one length T) -> the artifact; its meta
+    records T as "length", which a fractional budget is read against (`sts.load_head_map`: without it the largest
+    k stood in for T, so budget 0.25 of 256-token prompts picked the k=8 map instead of k=64)."""
     check_tile(tile)
     if t_cfg.vocab_size != d_cfg.vocab_size:
         raise ValueError(f"draft vocabulary of {d_cfg.vocab_size} tokens differs from the target's "
@@ -104,10 +106,14 @@ def calibrate(t_params, t_cfg, d_params, d_cfg, prompts: Iterable[np.ndarray], *
         raise ValueError(f"k={list(ks)}: expected one or more token counts >= 1")
     trace = jax.jit(_trace, static_argnames=("cfg", "recorder"))
     overlap_fn = jax.jit(_overlap, static_argnames=("ks", "tile", "T"))
-    total, n = 0.0, 0
+    total, n, length = 0.0, 0, None
     for tokens in prompts:
         tokens = jnp.asarray(tokens, jnp.int32)
         T = tokens.shape[1]
+        if length is not None and T != length:
+            raise ValueError(f"calibration prompts of {length} and {T} tokens: expected one length (the artifact "
+                             "reads fractional budgets against it)")
+        length = T
         if T <= ks[-1] + tile:
             raise ValueError(f"calibration prompts of {T} tokens are too short for k={ks[-1]} with tile={tile}: "
                              f"expected more than k + tile = {ks[-1] + tile} tokens (--length)")
@@ -125,7 +131,7 @@ def calibrate(t_params, t_cfg, d_params, d_cfg, prompts: Iterable[np.ndarray], *
     return Artifact(kind="sts", fingerprint=fingerprint,
                     arrays={"head_maps": maps, "ks": np.asarray(ks, np.int32), "overlap": overlap.astype(np.float32)},
                     meta={"model": model_name, "draft": draft_name, "draft_fingerprint": draft_fingerprint,
-                          "ks": list(ks), "tile": tile, "prompts": n})
+                          "ks": list(ks), "tile": tile, "prompts": n, "length": length})
 
 
 def add_arguments(p) -> None:
