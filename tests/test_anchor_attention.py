@@ -356,3 +356,20 @@ def test_scoring_block_fits_the_gpus_shared_memory():
             for dense in (False, True):
                 bn = fitted_block_n(cfg, D, itemsize, dense)
                 assert 2 * (1 + dense) * bn * D * itemsize + 16 * 1024 <= SMEM_BUDGET < 227 * 1024
+
+
+def test_dense_anchor_decode_in_bf16_on_the_host():
+    """The XLA path's dense output of a bf16 cache: its dot once ended in the layout "btkgd", which the CPU's dot
+    refused (UNIMPLEMENTED: DotThunk BF16 x BF16 = F32), so a bf16 Kascade's layer 0 could not run on a CPU."""
+    B, T, Hq, Hkv, D, N = 2, 1, 8, 2, 32, 96
+    ks = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(ks[0], (B, T, Hq, D), jnp.float32)
+    k = jax.random.normal(ks[1], (B, Hkv, N, D), jnp.float32)
+    v = jax.random.normal(ks[2], (B, Hkv, N, D), jnp.float32)
+    lengths = jnp.array([80, 41], jnp.int32)
+    want, _ = anchor_decode_reference(q, k, v, lengths, budget=0.25, min_tokens=8, dense_output=True)
+    bf = lambda x: x.astype(jnp.bfloat16)  # noqa: E731
+    got, _ = anchor_decode(bf(q), bf(k), bf(v), lengths, budget=0.25, min_tokens=8, dense_output=True,
+                           implementation="xla")
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=3e-2, atol=3e-2)
