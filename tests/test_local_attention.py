@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import triton as plgpu
 
+from host_rounding import assert_same_or_close
 from pallas_kernels.local_attention import (BlockSizes, banded_mask, default_implementation, local_attention,
                                             local_attention_gpu, local_attention_reference, local_attention_tpu)
 from pallas_kernels.sparse_attention.reference import masked_attention_reference
@@ -103,12 +104,8 @@ def test_cuda_lowering_for_h100():
 
 def test_dispatch_and_errors():
     q, k, v = _inputs(2, 40, 2, 1, 8, jnp.float32)
-    got = local_attention(q, k, v, window=8, sinks=2)
-    want = local_attention_reference(q, k, v, window=8, sinks=2)
-    if jax.default_backend() == "cpu":  # cpu -> "xla": the reference's own ops, bit for bit
-        np.testing.assert_array_equal(got, want)
-    else:  # a GPU or TPU host picks its compiled kernel, whose f32 sums round differently
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert_same_or_close(local_attention(q, k, v, window=8, sinks=2),  # cpu -> "xla", the reference's ops
+                         local_attention_reference(q, k, v, window=8, sinks=2), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="window=0"):
         local_attention(q, k, v, window=0)
     with pytest.raises(ValueError, match="sinks=-1"):
