@@ -54,10 +54,10 @@ def test_segmented_decode_equals_the_switch_in_every_layer(T, reuse_scale):
     assert "stablehlo.case" in text_w and "stablehlo.case" not in text_s
     assert text_s.count("stablehlo.while") == text_w.count("stablehlo.while") + 4  # 5 runs of layers, not 1
     # On the CPU the two programs round alike; a GPU's kernels fuse them differently (an H200: logits 3e-5 apart,
-    # the written keys of later layers 8e-6).
+    # the written keys of later layers up to 2e-5).
     tol = 1e-5 if jax.default_backend() == "cpu" else 1e-4
     np.testing.assert_allclose(np.asarray(logits_s), np.asarray(logits_w), rtol=tol, atol=tol)
-    assert_same_or_close(cache_s.k, cache_w.k, rtol=1e-5, atol=1e-5)
+    assert_same_or_close(cache_s.k, cache_w.k, rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(np.asarray(cache_s.lengths), np.asarray(cache_w.lengths))
 
 

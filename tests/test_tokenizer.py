@@ -137,3 +137,29 @@ def test_end_of_turn_ids_stop_generation(tmp_path, monkeypatch):
     built, stops = bundled._gguf_tokenizer(path)
     cached, again = bundled._gguf_tokenizer(path, open_reader=lambda: pytest.fail("the cache was not used"))
     assert stops == again == (1,) and cached("abc")["input_ids"] == built("abc")["input_ids"]
+
+
+def test_a_tokenizer_cache_written_meanwhile_by_another_process_is_no_warning(tmp_path, monkeypatch):
+    """Two processes that miss the cache at once (xdist workers) both build the tokenizer; the one whose rename finds
+    the other's folder in place keeps its own tokenizer without a warning, and leaves no temporary folder."""
+    import shutil
+    import warnings
+
+    from models import bundled
+
+    path = tmp_path / "t.gguf"
+    _tokenizer_gguf(path, "gpt2")
+    monkeypatch.setenv("JSPARSE_CACHE", str(tmp_path / "cache"))
+    first, _ = bundled._gguf_tokenizer(path)
+    (target,) = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    shutil.move(target, tmp_path / "other")  # the other process's folder, not yet renamed into place
+
+    def reader_meanwhile():  # called after the cache was missed: the other process's rename lands now
+        shutil.move(tmp_path / "other", target)
+        return open_gguf(path)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tok, stops = bundled._gguf_tokenizer(path, open_reader=reader_meanwhile)
+    assert tok("abc")["input_ids"] == first("abc")["input_ids"] and stops == ()
+    assert [p.name for p in (tmp_path / "cache").iterdir() if p.is_dir()] == [target.name]
