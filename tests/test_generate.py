@@ -189,5 +189,7 @@ def test_gemm_row_padding_leaves_every_output_unchanged(params, monkeypatch, met
     monkeypatch.setattr(llama, "gemm_row_padding", forced)
     padded = run()
     assert 39 in seen and 15 in seen and 3 in seen  # prefill 3 x 13, verification-like 3 x 5, decode 3 x 1
+    # A GPU's GEMMs of 15 and 16 rows sum in another order (an H200: hidden states up to 6e-5 apart).
+    tol = 1e-5 if jax.default_backend() == "cpu" else 3e-4
     for a, b in zip(jax.tree_util.tree_leaves(plain), jax.tree_util.tree_leaves(padded)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)

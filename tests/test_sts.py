@@ -790,7 +790,8 @@ def test_record_after_scan_equals_the_per_layer_record(first_step_mask, mask_poo
                 np.testing.assert_array_equal(np.asarray(getattr(s1, name)), np.asarray(getattr(s2, name)))
         # By blocks a one-query step's weights are exp(logit - lse) of the logits it records, the per-layer path's a
         # softmax: the same up to float rounding.
-        rtol = 1e-5 if record_selection == "blocks" else 1e-6
+        # (An H200's fusions add up to 1.2e-5 on the blocks' weights.)
+        rtol = (1e-5 if jax.default_backend() == "cpu" else 5e-5) if record_selection == "blocks" else 1e-6
         for name in ("val", "pool_val"):
             if getattr(s1, name) is not None:
                 np.testing.assert_allclose(np.asarray(getattr(s1, name)), np.asarray(getattr(s2, name)), rtol=rtol)
