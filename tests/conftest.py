@@ -75,6 +75,15 @@ def _xla_backend_optimization(request):
                                       f"compiled executables across files?")
 
 
+@pytest.fixture
+def mosaic_interpreter_on_the_cpu():
+    """Runs a test's Mosaic GPU interpreter on the host's CPU device, as on CI. The interpreter simulates a GPU's
+    warpgroups with host callbacks; with its inputs on a GPU (a GPU host's default device) the interpreted kernels
+    did not finish in 400 s (jax 0.11.2, an H200, 2026-12-04), where the CPU takes 2-5 s a test."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 def trim_cache(folder: Path, max_bytes: int) -> int:
     """Deletes the oldest files (by modification time) of `folder` until it holds at most max_bytes / 2, when it
     holds more than max_bytes; returns how many it deleted."""

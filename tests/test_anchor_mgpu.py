@@ -15,7 +15,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.anchor_attention import gpu_prefill, mgpu_prefill, tile_scores_reference
 
 # A miscounted barrier makes the interpreter wait forever: fail instead.
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("mosaic_interpreter_on_the_cpu")]
 
 
 def _inputs(seed, B, T, Hq, Hkv, D):

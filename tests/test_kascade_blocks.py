@@ -264,8 +264,11 @@ def test_anchor_block_selection_runs_on_the_mosaic_kernel_interpreted():
     lengths = jnp.array([T - 5], jnp.int32)
     _, idx = anchor_prefill(q, k, v, lengths, tile=tile, budget=0.2, min_tokens=16, block_size=bs)
     assert int(jnp.sum(idx >= 0)) > 0
-    got = mg.sparse_prefill_mgpu(q, k, v, idx, lengths, tile=tile, block_size=bs,
-                                 config=mg.MosaicPrefillConfig(block_kv=64), interpret=True)
+    # The interpreter runs on the host's CPU device (as conftest's mosaic_interpreter_on_the_cpu says why), the
+    # selection where the backend puts it.
+    cpu = jax.devices("cpu")[0]
+    got = mg.sparse_prefill_mgpu(*(jax.device_put(x, cpu) for x in (q, k, v, idx, lengths)), tile=tile,
+                                 block_size=bs, config=mg.MosaicPrefillConfig(block_kv=64), interpret=True)
     want = sparse_prefill_reference(q, k, v, idx, lengths, tile=tile, block_size=bs)
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < 1e-2

@@ -18,7 +18,7 @@ from pallas_kernels.sparse_attention.reference import sparse_prefill_reference
 from pallas_kernels.sparse_attention.testing import random_prefill_indices
 
 # A miscounted barrier makes the interpreter wait forever: fail instead.
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("mosaic_interpreter_on_the_cpu")]
 
 
 def _inputs(seed, B, T, Hq, Hkv, D, dtype=jnp.bfloat16):
