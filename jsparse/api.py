@@ -239,7 +239,9 @@ def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: An
 
     With `draft`, speculative decoding (gamma draft tokens per round; on a mesh the draft must be on the
     target's mesh); `stats`, when given, receives `rounds`, `accepted` and `acceptance_rate` (accepted draft
-    tokens / proposed ones) of the speculative rounds (without a draft there are none: it is left unchanged).
+    tokens / proposed ones, gamma a round: how often the target agreed with the draft, so a round's accepted tokens
+    count in full even where the row ends inside them at an EOS or at max_new_tokens) of the speculative rounds
+    (without a draft there are none: it is left unchanged).
     """
     if isinstance(ids, (str, bytes)) or any(isinstance(t, (int, np.integer)) for t in ids):
         raise ValueError("ids: expected a list of prompts, each a list of token ids ([[1, 2, 3]] for one prompt), "

@@ -297,7 +297,7 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> RopeConfig:
     if params and scaling:
         def norm(d):
             d = {("rope_type" if k == "type" else k): v for k, v in d.items() if k != "rope_theta"}
-            return {k: v for k, v in d.items() if not (k == "rope_type" and v == "default" and len(d) == 1)}
+            return {k: v for k, v in d.items() if not (k == "rope_type" and v == "default")}  # absent = default
         if norm(params) != norm(scaling):
             raise ConfigError(f"rope_scaling={scaling} and rope_parameters={params} disagree: expected one of them "
                               "(transformers 5 lets rope_scaling replace rope_parameters, theta included); remove "

@@ -285,7 +285,8 @@ def spec_loop(t_params: Params, d_params: Params, t_method, d_method, s: SpecSta
 
     Returns:
       (out: i32[B, max_new_tokens] (-1 after a row's end), num: i32[B] tokens per row (EOS included),
-       rounds: i32[B] rounds each row took part in, accepted: i32[B] draft tokens accepted over them, s).
+       rounds: i32[B] rounds each row took part in, accepted: i32[B] draft tokens the target accepted over them,
+       all of a round's, also those past the row's EOS or its last token, s).
     """
     B = s.tok.shape[0]
     width = max_new_tokens + gamma + 1

@@ -404,6 +404,10 @@ def test_hf_config_fields_as_transformers_reads_them(folder):
                                           r"rope_parameters=\{'rope_type': 'default', 'rope_theta': 500000.0\} disagree"):
         ModelConfig.from_hf({**base, "rope_scaling": {"type": "linear", "factor": 4.0}, "rope_parameters": default})
     both = ModelConfig.from_hf({**base, "rope_scaling": scaling, "rope_parameters": {**scaling, "rope_theta": 5e5}})
+    # A missing rope_type is the default type: {"partial_rotary_factor": 1.0} agrees with the same plus "default".
+    same = ModelConfig.from_hf({**base, "rope_scaling": {"partial_rotary_factor": 1.0},
+                                "rope_parameters": {**default, "partial_rotary_factor": 1.0}})
+    assert (same.rope.rope_type, same.rope.theta) == ("default", 5e5)
     assert (both.rope.rope_type, both.rope.theta, both.rope.factor) == ("llama3", 5e5, 8.0)
     with pytest.raises(ConfigError, match=r"rope_parameters per layer type \(\['full_attention'"):
         ModelConfig.from_hf({**base, "rope_parameters": {"full_attention": {**scaling, "rope_theta": 1e6},

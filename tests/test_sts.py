@@ -483,6 +483,26 @@ def test_sts_option_errors():
         STS.build(cfg=cfg, draft=draft, head_map=np.zeros((2, 2, 2), np.int32), dense_layers=3)
 
 
+def test_a_head_map_naming_draft_layers_or_heads_it_lacks_is_refused(pair):
+    """The head map indexes the draft's record: an entry outside [0, L_d) x [0, Hq_d) is refused by `build` and by
+    a direct `STS(head_map=...)` alike, naming the range, and a map of floats too; inside a trace it is not checked."""
+    target, draft = pair
+    good = np.zeros((CFG.num_layers, CFG.num_heads, 2), np.int32)
+    layer, head = good.copy(), good.copy()
+    layer[1, 2, 0] = DRAFT_CFG.num_layers  # one past the draft's last layer
+    head[0, 0, 1] = -1
+    for hm, match in ((layer, r"draft layers 0..2 and heads 0..0: expected layers in \[0, 2\) and heads in \[0, 2\)"),
+                      (head, r"heads -1..0")):
+        with pytest.raises(ValueError, match=match):
+            STS.build(cfg=CFG, draft=draft, head_map=hm)
+        with pytest.raises(ValueError, match=match):
+            STS(head_map=jnp.asarray(hm), draft_layers=DRAFT_CFG.num_layers, draft_heads=DRAFT_CFG.num_heads)
+    with pytest.raises(ValueError, match="dtype float32: expected integers"):
+        STS(head_map=good.astype(np.float32), draft_layers=2, draft_heads=2)
+    ok = STS(head_map=jnp.asarray(good), draft_layers=2, draft_heads=2)
+    assert jax.jit(lambda m: m.head_map.sum())(ok) == 0  # rebuilt around tracers inside jit: no check there
+
+
 def test_sts_draft_carry_pools_the_steps():
     """carry = 0 keeps the last step's weights alone; carry > 0 adds the decayed earlier record."""
     from types import SimpleNamespace

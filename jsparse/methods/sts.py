@@ -802,6 +802,10 @@ class STS(_Budget):
         if self.selection is not None and self.selection not in IMPLEMENTATIONS:
             raise ValueError(f"selection={self.selection!r}: expected one of {IMPLEMENTATIONS} (the topk_select "
                              f"implementation) or None (by backend)")
+        if isinstance(self.head_map, (np.ndarray, jax.Array, list, tuple)) and \
+                not isinstance(self.head_map, jax.core.Tracer):  # not a tracer, nor a pytree's stand-in leaf
+            # A head map given as is (`STS(head_map=...)`, not `build`): its entries index the draft's record.
+            check_head_map_range(self.head_map, self.draft_layers, self.draft_heads)
 
     @classmethod
     def build(cls, cfg=None, draft=None, artifact=None, fingerprint=None, head_map=None, budget=0.1,
@@ -979,11 +983,22 @@ def check_head_map_shape(shape, cfg) -> None:
 def check_head_map(head_map: np.ndarray, cfg, draft_cfg) -> None:
     """head_map: i32[L_t, Hq_t, 2] with draft layers in [0, L_d) and draft heads in [0, Hq_d)."""
     check_head_map_shape(head_map.shape, cfg)
-    if head_map[..., 0].min() < 0 or head_map[..., 0].max() >= draft_cfg.num_layers or \
-            head_map[..., 1].min() < 0 or head_map[..., 1].max() >= draft_cfg.num_heads:
+    check_head_map_range(head_map, draft_cfg.num_layers, draft_cfg.num_heads)
+
+
+def check_head_map_range(head_map, draft_layers: int, draft_heads: int) -> None:
+    """Raises ValueError unless head_map [..., 2] names draft layers in [0, draft_layers) and heads in
+    [0, draft_heads) (an entry outside would read another layer's record rows, or clipped ones, silently)."""
+    head_map = np.asarray(head_map)
+    if head_map.ndim < 1 or head_map.shape[-1] != 2:
+        raise ValueError(f"STS head map has shape {head_map.shape}: expected [L_t, Hq_t, 2]")
+    if not np.issubdtype(head_map.dtype, np.integer):
+        raise ValueError(f"STS head map has dtype {head_map.dtype}: expected integers (draft layer, draft head)")
+    if head_map.size and (head_map[..., 0].min() < 0 or head_map[..., 0].max() >= draft_layers or
+                          head_map[..., 1].min() < 0 or head_map[..., 1].max() >= draft_heads):
         raise ValueError(f"STS head map names draft layers {head_map[..., 0].min()}..{head_map[..., 0].max()} and heads "
                          f"{head_map[..., 1].min()}..{head_map[..., 1].max()}: expected layers in [0, "
-                         f"{draft_cfg.num_layers}) and heads in [0, {draft_cfg.num_heads}) of the draft")
+                         f"{draft_layers}) and heads in [0, {draft_heads}) of the draft")
 
 
 def load_head_map(path: str, fingerprint: str | None, draft_fingerprint: str, budget: float) -> np.ndarray:
