@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
+import io
 import json
 import os
 import zipfile
@@ -86,47 +87,93 @@ class Artifact:
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
+class _Arrays(dict):
+    """An artifact's arrays: a missing name is an ArtifactError naming the folder (a corrupt or hand-edited artifact),
+    not a bare KeyError deep in a method's loader."""
+
+    def __init__(self, arrays, path: str, kind: str):
+        super().__init__(arrays)
+        self._where = (path, kind)
+
+    def __missing__(self, name):
+        path, kind = self._where
+        raise ArtifactError(f"{kind} artifact at {path!r} is corrupt: {ARRAYS_NPZ} has no array {name!r} (it holds "
+                            f"{sorted(self)}); make it again with {_make_command(kind, path)}")
+
+
 def save_artifact(path: str, artifact: Artifact) -> None:
-    """Writes `artifact` into folder `path` (made if needed): arrays.npz, then artifact.json, each under a temporary
-    name renamed into place, so an interrupted save leaves the folder's earlier artifact (or none) readable, never a
-    half-written file."""
+    """Writes `artifact` into folder `path` (made if needed): artifact.json, which records the sha256 of the arrays,
+    then arrays.npz, each under a temporary name renamed into place. A save interrupted between the two renames
+    leaves the new artifact.json beside the earlier arrays, which `load_artifact` refuses by the digest (never a
+    half-written file, and never one model's metadata read with another's arrays)."""
     os.makedirs(path, exist_ok=True)
+    buf = io.BytesIO()
+    np.savez(buf, **artifact.arrays)
+    data = buf.getvalue()
     info = {"kind": artifact.kind, "model_fingerprint": artifact.fingerprint, "fingerprint_scheme": FINGERPRINT_SCHEME,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "arrays": sorted(artifact.arrays), "meta": artifact.meta}
+            "arrays": sorted(artifact.arrays), "arrays_sha256": hashlib.sha256(data).hexdigest(),
+            "meta": artifact.meta}
     text = json.dumps(info, indent=2, default=_json_default)  # before any write: a meta value json refuses fails here
-    tmp = os.path.join(path, ARRAYS_NPZ + ".tmp")
+    _write_replace(os.path.join(path, ARTIFACT_JSON), text.encode())
+    _write_replace(os.path.join(path, ARRAYS_NPZ), data)
+
+
+def update_artifact_meta(path: str, kind: str, **meta) -> Artifact:
+    """Adds or replaces metadata keys of the artifact at `path` (checked as `load_artifact` checks it), rewriting only
+    its artifact.json, atomically (its arrays and their digest stay). Returns the artifact as now saved."""
+    art = load_artifact(path, kind)
+    with open(os.path.join(path, ARTIFACT_JSON)) as f:
+        info = json.load(f)
+    info["meta"] = {**info.get("meta", {}), **meta}
+    _write_replace(os.path.join(path, ARTIFACT_JSON), json.dumps(info, indent=2, default=_json_default).encode())
+    art.meta = info["meta"]
+    return art
+
+
+def _write_replace(target: str, data: bytes) -> None:
+    tmp = target + ".tmp"
     with open(tmp, "wb") as f:
-        np.savez(f, **artifact.arrays)
-    os.replace(tmp, os.path.join(path, ARRAYS_NPZ))
-    tmp = os.path.join(path, ARTIFACT_JSON + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, os.path.join(path, ARTIFACT_JSON))
+        f.write(data)
+    os.replace(tmp, target)
 
 
 def load_artifact(path: str, kind: str, fingerprint: str | None = None) -> Artifact:
-    """Loads an artifact of `kind`; with `fingerprint`, raises ArtifactError if it was made for another model."""
+    """Loads an artifact of `kind`; with `fingerprint`, raises ArtifactError if it was made for another model. A
+    missing, corrupt or mismatched file (arrays other than those artifact.json lists or digests, a field of the
+    wrong type) is an ArtifactError naming the folder."""
     meta_path = os.path.join(path, ARTIFACT_JSON)
     if not os.path.exists(meta_path):
         raise ArtifactError(f"no artifact at {path!r}: {ARTIFACT_JSON} is missing (make one with "
                             f"{_make_command(kind, path)})")
     try:
-        with open(meta_path) as f:
-            info = json.load(f)
-        with np.load(os.path.join(path, ARRAYS_NPZ), allow_pickle=False) as z:
+        with open(meta_path, "rb") as f:
+            info = json.loads(f.read().decode("utf-8"))
+        with open(os.path.join(path, ARRAYS_NPZ), "rb") as f:
+            data = f.read()
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
-    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as e:  # (JSONDecodeError is a ValueError)
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as e:  # (JSON and UTF-8 errors: ValueError)
         raise ArtifactError(f"artifact at {path!r} is corrupt: {type(e).__name__}: {e}") from e
     if not isinstance(info, dict):
         raise ArtifactError(f"artifact at {path!r} is corrupt: {ARTIFACT_JSON} holds a {type(info).__name__}, "
                             "expected an object")
-    if isinstance(info.get("arrays"), list) and sorted(arrays) != sorted(info["arrays"]):
+    for key, types, what in (("kind", str, "a string"), ("model_fingerprint", str, "a string"),
+                             ("arrays", list, "a list of names"), ("meta", dict, "an object")):
+        if not isinstance(info.get(key), types):
+            raise ArtifactError(f"artifact at {path!r} is corrupt: {ARTIFACT_JSON} has {key}={info.get(key)!r}, "
+                                f"expected {what}")
+    if sorted(arrays) != sorted(info["arrays"]):
         raise ArtifactError(f"artifact at {path!r} is corrupt: {ARTIFACT_JSON} lists arrays {sorted(info['arrays'])}, "
                             f"{ARRAYS_NPZ} holds {sorted(arrays)} (a save interrupted between its two files?)")
-    if info.get("kind") != kind:
-        raise ArtifactError(f"artifact at {path!r} is a {info.get('kind')!r} artifact, expected {kind!r}")
-    if fingerprint is not None and info.get("model_fingerprint") != fingerprint:
+    digest = info.get("arrays_sha256")  # absent in artifacts saved before 2026-12-04
+    if digest is not None and digest != hashlib.sha256(data).hexdigest():
+        raise ArtifactError(f"artifact at {path!r} is corrupt: {ARRAYS_NPZ} is not the file {ARTIFACT_JSON} was saved "
+                            f"with (its sha256 differs: a save interrupted between its two files, or a file copied "
+                            f"from another artifact); make it again with {_make_command(kind, path)}")
+    if info["kind"] != kind:
+        raise ArtifactError(f"artifact at {path!r} is a {info['kind']!r} artifact, expected {kind!r}")
+    if fingerprint is not None and info["model_fingerprint"] != fingerprint:
         scheme = info.get("fingerprint_scheme", 1)
         if scheme != FINGERPRINT_SCHEME:
             raise ArtifactError(
@@ -134,10 +181,10 @@ def load_artifact(path: str, kind: str, fingerprint: str | None = None) -> Artif
                 f"the weights differently); this jsparse uses scheme {FINGERPRINT_SCHEME}: make it again with "
                 f"{_make_command(kind, path)}")
         raise ArtifactError(
-            f"artifact at {path!r} was calibrated for model fingerprint {info.get('model_fingerprint')!r} "
-            f"({info.get('meta', {}).get('model', '?')}), but the loaded model's fingerprint is {fingerprint!r}")
-    return Artifact(kind=info["kind"], fingerprint=info["model_fingerprint"], arrays=arrays,
-                    meta=info.get("meta", {}))
+            f"artifact at {path!r} was calibrated for model fingerprint {info['model_fingerprint']!r} "
+            f"({info['meta'].get('model', '?')}), but the loaded model's fingerprint is {fingerprint!r}")
+    return Artifact(kind=info["kind"], fingerprint=info["model_fingerprint"], arrays=_Arrays(arrays, path, kind),
+                    meta=info["meta"])
 
 
 def text_digest(path: str) -> str:
@@ -171,6 +218,8 @@ def calibrated_on(path: str, text: str) -> str | None:
                 meta = json.load(f).get("meta", {})
         except (OSError, ValueError, AttributeError):
             continue  # no artifact or a corrupt one: loading it is what reports that
+        if not isinstance(meta, dict):
+            continue
         corpus, digests = meta.get("corpus") or [], meta.get("corpus_sha256") or []
         for i, c in enumerate(corpus if isinstance(corpus, list) else []):
             same = digests[i] == digest if i < len(digests) else os.path.realpath(str(c)) == real
@@ -202,10 +251,15 @@ def artifact_kind(path: str) -> str:
     if not os.path.exists(meta):
         raise ArtifactError(f"no artifact at {path!r}: {ARTIFACT_JSON} is missing")
     try:
-        with open(meta) as f:
-            return str(json.load(f).get("kind"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ArtifactError(f"artifact at {path!r} is corrupt: {e}") from e
+        with open(meta, "rb") as f:
+            info = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError) as e:  # (JSON and UTF-8 errors are ValueErrors)
+        raise ArtifactError(f"artifact at {path!r} is corrupt: {type(e).__name__}: {e}") from e
+    kind = info.get("kind") if isinstance(info, dict) else None
+    if not isinstance(kind, str):
+        raise ArtifactError(f"artifact at {path!r} is corrupt: {ARTIFACT_JSON} records no kind (expected an object "
+                            "with a \"kind\" string)")
+    return kind
 
 
 def split_artifacts(artifact: str | None, kinds: tuple[str, ...]) -> dict[str, str]:

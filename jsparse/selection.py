@@ -39,6 +39,15 @@ def check_positive_int(name: str, value, minimum: int = 1) -> int:
     return int(value)
 
 
+def integer_array(name: str, value) -> np.ndarray:
+    """`value` as a numpy array of an integer dtype, as given; ValueError naming `name` for any other dtype (a
+    float or bool index map would be truncated or read as 0 / 1 by a cast)."""
+    arr = np.asarray(value)
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{name} has dtype {arr.dtype}: expected integers (indices)")
+    return arr
+
+
 def check_layers(name: str, layers, num_layers: int) -> tuple[int, ...]:
     """Distinct layer indices in [0, num_layers), as a sorted tuple of ints (a hashable static field)."""
     if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):

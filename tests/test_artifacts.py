@@ -102,3 +102,123 @@ def test_shipped_artifacts_record_their_calibration_text(tmp_path):
     assert calibrated_on(both, str(copy)) == alice
     assert calibrated_on(both, "eval/data/call_of_the_wild.txt") is None
     assert calibrated_on(str(tmp_path / "no_artifact_here"), str(copy)) is None  # loading it reports that
+
+
+def test_a_save_interrupted_between_its_files_is_refused_not_read_as_the_other_model(tmp_path):
+    """artifact.json records the sha256 of arrays.npz and is written first: a save of model B's calibration over model
+    A's, cut between the two renames, leaves B's metadata beside A's arrays, which loads as neither. Arrays with the
+    same names (two calibrations of one kind) are caught by the digest, not by the names."""
+    path = str(tmp_path / "a")
+    save_artifact(path, Artifact(kind="kascade", fingerprint="fp-A", arrays={"anchors": np.array([0, 1], np.int32)}))
+    old = (tmp_path / "a" / "arrays.npz").read_bytes()
+    save_artifact(path, Artifact(kind="kascade", fingerprint="fp-B", arrays={"anchors": np.array([0, 2], np.int32)}))
+    assert json.loads((tmp_path / "a" / "artifact.json").read_text())["arrays_sha256"]
+    (tmp_path / "a" / "arrays.npz").write_bytes(old)  # the new artifact.json is in place, the arrays not yet
+    for fp in ("fp-A", "fp-B", None):
+        with pytest.raises(ArtifactError, match="not the file artifact.json was saved with"):
+            load_artifact(path, "kascade", fp)
+    info = json.loads((tmp_path / "a" / "artifact.json").read_text())
+    del info["arrays_sha256"]  # an artifact saved before the digest: loads as it did
+    (tmp_path / "a" / "artifact.json").write_text(json.dumps(info))
+    assert load_artifact(path, "kascade").arrays["anchors"].tolist() == [0, 1]
+
+
+def test_corrupt_or_hand_edited_artifacts_are_artifact_errors_naming_the_field(tmp_path):
+    from jsparse.artifacts import artifact_kind, update_artifact_meta
+
+    path = str(tmp_path / "a")
+    save_artifact(path, Artifact(kind="kascade", fingerprint="fp", arrays={"anchors": np.array([0, 1], np.int32)},
+                                 meta={"model": "tiny"}))
+    meta_file = tmp_path / "a" / "artifact.json"
+    good = json.loads(meta_file.read_text())
+    for edit, match in ((lambda d: d.pop("model_fingerprint"), "model_fingerprint=None, expected a string"),
+                        (lambda d: d.update(meta=None), "meta=None, expected an object"),
+                        (lambda d: d.update(meta=[1]), r"meta=\[1\], expected an object"),
+                        (lambda d: d.pop("arrays"), "arrays=None, expected a list of names"),
+                        (lambda d: d.pop("kind"), "kind=None, expected a string")):
+        info = json.loads(json.dumps(good))
+        edit(info)
+        meta_file.write_text(json.dumps(info))
+        with pytest.raises(ArtifactError, match=match):
+            load_artifact(path, "kascade", "other")
+    meta_file.write_text(json.dumps({**good, "kind": None}))
+    with pytest.raises(ArtifactError, match="records no kind"):
+        artifact_kind(path)
+    meta_file.write_bytes(b"\xff\xfe{")
+    for call in (lambda: load_artifact(path, "kascade"), lambda: artifact_kind(path)):
+        with pytest.raises(ArtifactError, match="corrupt: UnicodeDecodeError"):
+            call()
+    meta_file.write_text(json.dumps({**good, "meta": None}))
+    assert calibrated_on(path, "eval/data/call_of_the_wild.txt") is None  # loading it is what reports that
+    meta_file.write_text(json.dumps(good))
+    with pytest.raises(ArtifactError, match=r"has no array 'head_map' \(it holds \['anchors'\]\).*jsparse calibrate"):
+        load_artifact(path, "kascade").arrays["head_map"]
+    art = update_artifact_meta(path, "kascade", dense_set=[1])  # the metadata rewritten, the digest kept
+    assert art.meta == {"model": "tiny", "dense_set": [1]} == load_artifact(path, "kascade", "fp").meta
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["arrays.npz", "artifact.json"]
+
+
+def test_method_artifacts_of_another_shape_or_with_float_indices_are_refused(tmp_path):
+    """Index arrays are refused in a float dtype (a cast would truncate 1.9 to 1); a TSA artifact's per-layer arrays
+    must have this model's layer count; an STS artifact's ks must match its head maps; Kascade's reuse_scale must be
+    a number."""
+    from jsparse.methods import make_method
+    from jsparse.methods.sts import load_head_map
+    from jsparse.methods.tsa import load_sparse_layers
+
+    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
+                      num_heads=4, num_kv_heads=2, head_dim=8)
+    tsa = lambda **a: save_artifact(str(tmp_path / "tsa"), Artifact(kind="tsa", fingerprint="fp", arrays={  # noqa: E731
+        "sparse_layers": np.array([1, 2], np.int32), "drift": np.zeros(4, np.float32),
+        "normalized_rank": np.zeros(4, np.float32), **a}))
+    tsa()
+    assert load_sparse_layers(str(tmp_path / "tsa"), None, cfg) == (1, 2)
+    tsa(drift=np.zeros(30, np.float32))
+    with pytest.raises(ArtifactError, match=r"drift of shape \(30,\): expected \(4,\)"):
+        load_sparse_layers(str(tmp_path / "tsa"), None, cfg)
+    tsa(sparse_layers=np.array([1.0, 2.7], np.float32))
+    with pytest.raises(ValueError, match="expected integer layer indices"):
+        load_sparse_layers(str(tmp_path / "tsa"), None, cfg)
+
+    hm = np.full((4, 2), 1.9, np.float32)
+    save_artifact(str(tmp_path / "k"), Artifact(kind="kascade", fingerprint="fp", arrays={
+        "anchors": np.array([0, 2], np.int32), "head_map": hm}))
+    with pytest.raises(ValueError, match="head_map of the artifact at .* has dtype float32: expected integers"):
+        make_method("kascade", cfg=cfg, artifact=str(tmp_path / "k"))
+    save_artifact(str(tmp_path / "k"), Artifact(kind="kascade", fingerprint="fp", arrays={
+        "anchors": np.array([0, 2], np.int32), "head_map": hm.astype(np.int32)}, meta={"reuse_scale": None}))
+    with pytest.raises(ArtifactError, match="reuse_scale=None, expected a number"):
+        make_method("kascade", cfg=cfg, artifact=str(tmp_path / "k"))
+
+    maps = np.zeros((2, 4, 4, 2), np.int32)
+    for arrays, meta, match in (({"ks": np.array([8, 16, 32]), "head_maps": maps}, {}, r"ks \[8, 16, 32\]"),
+                                ({"ks": np.array([], np.int32), "head_maps": maps[:0]}, {}, r"ks \[\]"),
+                                ({"ks": np.array([0, 16]), "head_maps": maps}, {}, r"ks \[0, 16\]"),
+                                ({"ks": np.array([8, 16]), "head_maps": maps}, {"length": "long"},
+                                 "meta length='long'"),
+                                ({"ks": np.array([8, 16]), "head_maps": maps.astype(np.float32)}, {},
+                                 "dtype float32: expected integers")):
+        save_artifact(str(tmp_path / "s"), Artifact(kind="sts", fingerprint="fp", arrays=arrays,
+                                                    meta={"draft_fingerprint": "d", **meta}))
+        with pytest.raises(ValueError, match=match):
+            load_head_map(str(tmp_path / "s"), "fp", "d", 0.5)
+
+
+def test_a_hand_edited_predictor_config_is_named():
+    """TokenButler's artifact stores its predictor's config: a missing field, a non-number or a non-positive epsilon
+    or theta is a PredictorConfigError (a ValueError) naming it, not a TypeError from the dataclass."""
+    import dataclasses
+
+    from jsparse.methods.butler_predictor import PredictorConfig, PredictorConfigError
+
+    full = dataclasses.asdict(PredictorConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, down_dim=16,
+                                              attn_heads=2, ffn_dim=32, qk_hidden=16, head_dim=8, key_heads=4))
+    required = [f.name for f in dataclasses.fields(PredictorConfig) if f.default is dataclasses.MISSING]
+    assert PredictorConfig.from_dict(full) == PredictorConfig(**full)
+    for d, match in (({k: v for k, v in full.items() if k != required[0]}, rf"lacks \['{required[0]}'\]"),
+                     ({**full, "rope_theta": "x"}, "rope_theta='x': expected a positive number"),
+                     ({**full, "ln_eps": -1}, "ln_eps=-1: expected a positive number"),
+                     ({**full, required[0]: float("inf")}, "expected a whole number"),
+                     (None, "expected an object of fields")):
+        with pytest.raises(PredictorConfigError, match=match):
+            PredictorConfig.from_dict(d)

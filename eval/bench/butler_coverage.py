@@ -17,7 +17,6 @@ top-50% label agreement per layer, to separate "the predictor is wrong" from "th
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -195,24 +194,18 @@ def main(argv=None, prog=None) -> int:
     print("mean layers 1..L-1: " + " ".join(f"{n}={v:.4f}" for n, v in mean.items()))
     print("mean layers 2..L-1: " + " ".join(f"{n}={v:.4f}" for n, v in mean2.items()))
     if args.dense_count:
-        from jsparse.artifacts import ARTIFACT_JSON
+        from jsparse.artifacts import update_artifact_meta
 
         err = {l + 1: c["butler-default:outerr"] for l, c in enumerate(per_layer)
                if l + 1 >= bt.DEFAULT_DENSE_LAYERS}
         dense_set = sorted(sorted(err, key=lambda l: -err[l])[:args.dense_count])
-        path = os.path.join(args.artifact, ARTIFACT_JSON)  # only the metadata changes: arrays.npz is left as it is
-        with open(path) as f:
-            info = json.load(f)
-        meta = info["meta"]
-        meta["dense_set"] = dense_set
-        meta["dense_set_calibration"] = {
+        # Only the metadata changes, rewritten atomically; arrays.npz is left as it is.
+        update_artifact_meta(args.artifact, "butler", dense_set=dense_set, dense_set_calibration={
             "rule": "layers with the largest mean relative attention-output error of butler's default selection "
                     "(dense q/k/v, per query head and row)",
             "corpus": os.path.basename(args.corpus), "length": args.length, "samples": args.samples,
             "budget": args.budget, "rows": f"{args.row_start}::{args.row_stride}",
-            "outerr_per_layer": {str(l): round(v, 5) for l, v in err.items()}}
-        with open(path, "w") as f:
-            json.dump(info, f, indent=2)
+            "outerr_per_layer": {str(l): round(v, 5) for l, v in err.items()}})
         print(f"wrote dense_set={dense_set} into {args.artifact}")
     out = out_path(args.out, "butler_coverage.json")
     if out:

@@ -127,15 +127,24 @@ class PredictorConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "PredictorConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(d, Mapping):
+            raise PredictorConfigError(f"predictor config {d!r}: expected an object of fields")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        names = set(fields)
         unknown = sorted(set(d) - names)
         if unknown:
             raise PredictorConfigError(f"unknown predictor config fields {unknown}; expected {sorted(names)}")
+        missing = sorted(n for n, f in fields.items() if n not in d and f.default is dataclasses.MISSING
+                         and f.default_factory is dataclasses.MISSING)
+        if missing:
+            raise PredictorConfigError(f"predictor config lacks {missing}; expected every field of {sorted(names)}")
         out = {}
         for k, v in d.items():
             if k in ("rope_theta", "ln_eps"):
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < float(v) < math.inf:
+                    raise PredictorConfigError(f"predictor config {k}={v!r}: expected a positive number")
                 out[k] = float(v)
-            elif isinstance(v, bool) or not isinstance(v, (int, float)) or float(v) != int(v):
+            elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or float(v) != int(v):
                 raise PredictorConfigError(f"predictor config {k}={v!r}: expected a whole number")
             else:
                 out[k] = int(v)

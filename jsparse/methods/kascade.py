@@ -54,7 +54,7 @@ import numpy as np
 from flax import struct
 
 from jsparse import selection as sel
-from jsparse.artifacts import load_artifact
+from jsparse.artifacts import ArtifactError, load_artifact
 from jsparse.methods.base import register
 from jsparse.methods.common import (TokenBudget, attend_selected, kwargs_for, refuse_derived, sparse_prefill,
                                     topk_decode)
@@ -128,8 +128,13 @@ class Kascade(TokenBudget):
                              "`build_method('kascade', model, artifact=DIR)` (or cfg= to make_method)")
         art = load_artifact(artifact, ARTIFACT_KIND, fingerprint)
         if options.get("reuse_scale") is None:
-            options["reuse_scale"] = float(art.meta.get("reuse_scale", 1.0))
-        return cls.from_anchors(cfg, art.arrays["anchors"], art.arrays["head_map"], **options)
+            scale = art.meta.get("reuse_scale", 1.0)
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+                raise ArtifactError(f"kascade artifact at {artifact!r} is corrupt: meta reuse_scale={scale!r}, "
+                                    "expected a number")
+            options["reuse_scale"] = float(scale)
+        head_map = sel.integer_array(f"the head_map of the artifact at {artifact!r}", art.arrays["head_map"])
+        return cls.from_anchors(cfg, art.arrays["anchors"], head_map, **options)
 
     @classmethod
     def from_anchors(cls, cfg, anchors, head_map=None, **options):
@@ -137,7 +142,7 @@ class Kascade(TokenBudget):
         roles = roles_from_anchors(cfg.num_layers, anchors)
         if head_map is None:
             head_map = np.tile(np.arange(cfg.num_kv_heads, dtype=np.int32), (cfg.num_layers, 1))
-        head_map = np.asarray(head_map, np.int32)
+        head_map = sel.integer_array("head_map", head_map)
         check_head_map_shape(head_map.shape, cfg)
         if head_map.min() < 0 or head_map.max() >= cfg.num_kv_heads:
             raise ValueError(f"head_map values span [{head_map.min()}, {head_map.max()}]: expected [0, "
@@ -145,7 +150,7 @@ class Kascade(TokenBudget):
         options = refuse_derived("kascade", kwargs_for(cls, options), {
             "dense_layers": (1, "Kascade itself (layer 0 is its one dense layer)"),
             "anchor_layers": (None, "the anchors of its artifact (from_anchors' `anchors`)")})
-        return cls(roles=jnp.asarray(roles), head_map=jnp.asarray(head_map), dense_layers=1,
+        return cls(roles=jnp.asarray(roles), head_map=jnp.asarray(head_map, jnp.int32), dense_layers=1,
                    anchor_layers=tuple(int(a) for a in np.flatnonzero(roles != ROLE_REUSE)), **options)
 
     @property

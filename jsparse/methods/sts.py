@@ -826,8 +826,9 @@ class STS(_Budget):
             from jsparse.artifacts import fingerprint as model_fp
             draft_fingerprint = model_fp(draft)
             head_map = load_head_map(artifact, fingerprint, draft_fingerprint, budget)
-        head_map = np.asarray(head_map, np.int32)
+        head_map = sel.integer_array("STS head map", head_map)
         check_head_map(head_map, cfg, draft.cfg)
+        head_map = head_map.astype(np.int32)
         if not 0 <= dense_layers <= cfg.num_layers:
             raise ValueError(f"dense_layers={dense_layers!r}: expected 0..{cfg.num_layers} (the target's layers)")
         refuse_derived("sts", unused, {"slack": (None, "the round's gamma (`for_round`)"),
@@ -989,11 +990,9 @@ def check_head_map(head_map: np.ndarray, cfg, draft_cfg) -> None:
 def check_head_map_range(head_map, draft_layers: int, draft_heads: int) -> None:
     """Raises ValueError unless head_map [..., 2] names draft layers in [0, draft_layers) and heads in
     [0, draft_heads) (an entry outside would read another layer's record rows, or clipped ones, silently)."""
-    head_map = np.asarray(head_map)
+    head_map = sel.integer_array("STS head map", head_map)
     if head_map.ndim < 1 or head_map.shape[-1] != 2:
         raise ValueError(f"STS head map has shape {head_map.shape}: expected [L_t, Hq_t, 2]")
-    if not np.issubdtype(head_map.dtype, np.integer):
-        raise ValueError(f"STS head map has dtype {head_map.dtype}: expected integers (draft layer, draft head)")
     if head_map.size and (head_map[..., 0].min() < 0 or head_map[..., 0].max() >= draft_layers or
                           head_map[..., 1].min() < 0 or head_map[..., 1].max() >= draft_heads):
         raise ValueError(f"STS head map names draft layers {head_map[..., 0].min()}..{head_map[..., 0].max()} and heads "
@@ -1009,7 +1008,15 @@ def load_head_map(path: str, fingerprint: str | None, draft_fingerprint: str, bu
     if got != draft_fingerprint:
         raise ArtifactError(f"STS artifact at {path!r} was calibrated with draft fingerprint {got!r} "
                             f"({art.meta.get('draft', '?')}), but the draft's fingerprint is {draft_fingerprint!r}")
-    ks = np.asarray(art.arrays["ks"])
-    tokens = budget if budget > 1 else budget * float(art.meta.get("length", ks[-1]))
+    ks, maps = np.asarray(art.arrays["ks"]), np.asarray(art.arrays["head_maps"])
+    if ks.ndim != 1 or not ks.size or not np.issubdtype(ks.dtype, np.integer) or ks.min() < 1 or \
+            maps.ndim != 4 or maps.shape[0] != ks.size:
+        raise ArtifactError(f"STS artifact at {path!r} is corrupt: ks {ks.tolist()} (dtype {ks.dtype}) and head_maps "
+                            f"of shape {maps.shape}: expected positive integer ks, one [L_t, Hq_t, 2] head map each")
+    length = art.meta.get("length", int(ks[-1]))
+    if isinstance(length, bool) or not isinstance(length, (int, float)) or length <= 0:
+        raise ArtifactError(f"STS artifact at {path!r} is corrupt: meta length={length!r}, expected a positive "
+                            "number of tokens (the calibration windows' length)")
+    tokens = budget if budget > 1 else budget * float(length)
     best = int(np.argmin(np.abs(np.log(ks / max(tokens, 1.0)))))
-    return np.asarray(art.arrays["head_maps"][best], np.int32)
+    return sel.integer_array(f"the STS head map of {path!r}", maps[best])

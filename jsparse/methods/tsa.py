@@ -63,7 +63,7 @@ import numpy as np
 from flax import struct
 
 from jsparse import selection as sel
-from jsparse.artifacts import load_artifact
+from jsparse.artifacts import ArtifactError, load_artifact
 from jsparse.compression import (Selection, attend_at_capacity, attend_compressed, attention_map_sparsity,  # noqa: F401
                                  capacities, causal_map_sparsity, compress, decompress, kept_summary,
                                  masked_reference_mask, selection_from_keep, union_selection)
@@ -505,7 +505,13 @@ class TSA:
 def load_sparse_layers(path: str, fingerprint: str | None, cfg=None) -> tuple[int, ...]:
     """The sparse layers stored in a "tsa" artifact (checked against the model's fingerprint and layers)."""
     art = load_artifact(path, ARTIFACT_KIND, fingerprint)
-    layers = tuple(int(l) for l in np.asarray(art.arrays["sparse_layers"]).ravel())
+    if cfg is not None:  # its per-layer arrays have the calibrated model's layer count
+        for name in ("drift", "normalized_rank"):
+            got = np.shape(art.arrays.get(name, np.zeros(cfg.num_layers)))
+            if got != (cfg.num_layers,):
+                raise ArtifactError(f"TSA artifact at {path!r} has {name} of shape {got}: expected ({cfg.num_layers},), "
+                                    "one value per layer of this model (an artifact made for another model?)")
+    layers = list(np.asarray(art.arrays["sparse_layers"]).ravel())  # as stored: a float is refused, not truncated
     num_layers = cfg.num_layers if cfg is not None else 1 << 30
     return check_sparse_layers(layers, num_layers)
 
