@@ -1,5 +1,6 @@
 """TokenButler predictor and its training: shapes and sizes, resume after a kill, data and checkpoint errors."""
 
+import errno
 import json
 import os
 
@@ -285,26 +286,246 @@ def test_damaged_latest_checkpoint_and_cut_log_line_resume_from_the_one_before(t
         train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg, progress=False)
 
 
-def test_a_restore_failing_for_memory_moves_no_checkpoint(tmp_path, uninterrupted, model_params, pcfg, chunks,
-                                                          monkeypatch):
-    """A restore that fails for a reason of the machine's (out of memory), not the checkpoint's, propagates: the
-    newest checkpoint is not moved aside as damaged (resuming from an older one would lose its steps)."""
+def _oserror_cause(code):
+    try:
+        raise OSError(code, os.strerror(code))
+    except OSError as e:
+        raise ValueError("orbax: reading the checkpoint failed") from e
+
+
+@pytest.mark.parametrize("where, error, match", [
+    ("_restore", lambda: MemoryError("out of host memory"), "out of host memory"),
+    ("_restore", lambda: OSError(errno.EMFILE, "Too many open files"), "Too many open files"),
+    ("_restore", lambda: PermissionError(errno.EACCES, "Permission denied"), "Permission denied"),
+    ("_read_meta", lambda: _oserror_cause(errno.ETIMEDOUT), "orbax: reading"),
+], ids=["memory", "emfile", "eacces", "etimedout-as-cause"])
+def test_a_restore_failing_for_the_machine_moves_no_checkpoint(tmp_path, uninterrupted, model_params, pcfg, chunks,
+                                                               monkeypatch, where, error, match):
+    """A restore that fails for a reason of the machine's (out of memory, too many open files, no permission, a
+    network filesystem's timeout, raised as is or under orbax's own exception), not the checkpoint's, propagates:
+    the newest checkpoint is not moved aside as damaged (resuming from an older one would lose its steps)."""
     import shutil
 
     from train import loop
 
     src, _ = uninterrupted
-    out = str(tmp_path / "oom")
+    out = str(tmp_path / "machine")
     shutil.copytree(src, out)
 
-    def no_memory(*a, **k):
-        raise MemoryError("out of host memory")
+    real, calls = getattr(loop, where), []
 
-    monkeypatch.setattr(loop, "_restore", no_memory)
-    with pytest.raises(MemoryError, match="out of host memory"):
+    def fail_once(*a, **k):  # the newest checkpoint fails; an older one would read back
+        calls.append(a[1])
+        if len(calls) == 1:
+            raise error()
+        return real(*a, **k)
+
+    monkeypatch.setattr(loop, where, fail_once)
+    with pytest.raises((MemoryError, OSError, ValueError), match=match) as info:
         train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg, progress=False)
+    assert not isinstance(info.value, TrainError) and calls == [6]
     assert not os.path.exists(os.path.join(out, "checkpoints-damaged"))
     assert sorted(int(d) for d in os.listdir(os.path.join(out, "checkpoints")) if d.isdigit()) == [4, 6]
+
+
+def test_an_io_error_on_restore_counts_as_damage(tmp_path, uninterrupted, model_params, pcfg, chunks, monkeypatch):
+    """EIO is about the checkpoint's bytes: the newest checkpoint is moved aside and the run resumes from the one
+    before it."""
+    import shutil
+
+    from train import loop
+
+    src, _ = uninterrupted
+    out = str(tmp_path / "eio")
+    shutil.copytree(src, out)
+    real, calls = loop._restore, []
+
+    def eio_once(mngr, step, *a):
+        calls.append(step)
+        if len(calls) == 1:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(mngr, step, *a)
+
+    monkeypatch.setattr(loop, "_restore", eio_once)
+    with pytest.warns(UserWarning, match="moved to .*checkpoints-damaged .*OSError.*resuming from step 4"):
+        res = train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg,
+                    progress=False)
+    assert calls == [6, 4] and res.start_step == 4 and [s for s, _ in res.losses] == [5, 6]
+    assert len(os.listdir(os.path.join(out, "checkpoints-damaged"))) == 1
+
+
+def _managers(monkeypatch):
+    """Records the checkpoint managers `train` makes, each with `closed` set once its close() has run."""
+    from train import loop
+
+    made, real = [], loop._manager
+
+    def manager(*a, **k):
+        m = real(*a, **k)
+        m.closed, close = False, m.close
+
+        def closing():
+            close()
+            m.closed = True
+
+        m.close = closing
+        made.append(m)
+        return m
+
+    monkeypatch.setattr(loop, "_manager", manager)
+    return made
+
+
+@pytest.mark.parametrize("when", ["after", "before"])
+def test_interrupt_during_a_periodic_save_propagates(tmp_path, model_params, pcfg, chunks, monkeypatch, when):
+    """Ctrl-C while the periodic checkpoint of step 2 is written: the KeyboardInterrupt propagates as itself (not
+    orbax's StepAlreadyExistsError from saving step 2 twice), step 2 is on disk whether the interrupt came after the
+    save had written it or before, and the manager is closed."""
+    from train import loop
+
+    made = _managers(monkeypatch)
+    real = loop._save
+
+    def save_interrupted(mngr, step, *a):
+        if step == 2 and not save_interrupted.done:
+            save_interrupted.done = True
+            if when == "after":
+                real(mngr, step, *a)
+            raise KeyboardInterrupt
+        real(mngr, step, *a)
+
+    save_interrupted.done = False
+    monkeypatch.setattr(loop, "_save", save_interrupted)
+    out = str(tmp_path / when)
+    with pytest.raises(KeyboardInterrupt) as info:
+        train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg, progress=False)
+    assert type(info.value) is KeyboardInterrupt
+    assert made and all(m.closed for m in made)
+    assert read_checkpoint_meta(out)["step"] == 2
+
+
+def test_interrupt_before_a_steps_loss_line_reruns_that_step(tmp_path, uninterrupted, model_params, pcfg, chunks,
+                                                             monkeypatch):
+    """Ctrl-C after step 3's update, before its loss line is written: step 3 does not count as completed (no
+    checkpoint of it), so the resumed run trains and logs it; the log has every step once."""
+    from train import loop
+
+    _, full = uninterrupted
+
+    class CutLog:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            if json.loads(text)["step"] == 3:
+                raise KeyboardInterrupt
+            return self.f.write(text)
+
+        def flush(self):
+            self.f.flush()
+
+    def cut_open(path, mode="r", *a, **k):
+        f = open(path, mode, *a, **k)
+        return CutLog(f) if mode == "a" else f
+
+    out = str(tmp_path / "cut")
+    monkeypatch.setattr(loop, "open", cut_open, raising=False)
+    with pytest.raises(KeyboardInterrupt):
+        train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg, progress=False)
+    monkeypatch.delattr(loop, "open")
+    assert read_checkpoint_meta(out)["step"] == 2
+    res = train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg, progress=False)
+    assert res.start_step == 2 and [s for s, _ in res.losses] == [3, 4, 5, 6]
+    with open(os.path.join(out, "loss.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(jax.tree.leaves(res.params), jax.tree.leaves(full.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_rewriting_the_loss_log_is_atomic(tmp_path, monkeypatch):
+    """A resume keeps the log's lines up to its checkpoint through a temporary file renamed into place: killed while
+    writing it, the log is whole."""
+    from train import loop
+
+    path = str(tmp_path / "loss.jsonl")
+    lines = [json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 11)]
+    with open(path, "w") as f:
+        f.writelines(lines)
+
+    class Killed:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def writelines(self, lines):
+            raise KeyboardInterrupt
+
+    def killing_open(p, mode="r", *a, **k):
+        f = open(p, mode, *a, **k)
+        return Killed(f) if "w" in mode else f
+
+    monkeypatch.setattr(loop, "open", killing_open, raising=False)
+    with pytest.raises(KeyboardInterrupt):
+        loop._rewrite_log(path, 8)
+    monkeypatch.delattr(loop, "open")
+    with open(path) as f:
+        assert f.readlines() == lines
+    loop._rewrite_log(path, 8)
+    with open(path) as f:
+        assert f.readlines() == lines[:8]
+    assert os.listdir(tmp_path) == ["loss.jsonl"]  # no temporary file left
+
+
+def test_rerun_of_a_finished_run_keeps_its_artifact(tmp_path, uninterrupted, model_params, pcfg, chunks):
+    """Running a finished run again trains nothing and keeps its artifact, with the metadata added to it since
+    (`bench butler_coverage --dense-count` writes dense_set); without an artifact, the rerun exports one."""
+    import shutil
+
+    src, _ = uninterrupted
+    out = str(tmp_path / "rerun")
+    shutil.copytree(src, out)
+    path = os.path.join(out, "artifact.json")
+    with open(path) as f:
+        info = json.load(f)
+    info["meta"]["dense_set"] = [2]
+    info["meta"]["dense_set_calibration"] = {"rule": "largest output error", "outerr_per_layer": {"2": 0.5}}
+    with open(path, "w") as f:
+        json.dump(info, f)
+    res = train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg, progress=False)
+    assert res.start_step == res.last_step == TC.steps and res.losses == []
+    with open(path) as f:
+        assert json.load(f) == info
+    os.remove(path)
+    train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg, progress=False)
+    with open(path) as f:
+        meta = json.load(f)["meta"]
+    assert meta["steps"] == TC.steps and "dense_set" not in meta
+
+
+def test_learning_rate_follows_its_schedule(uninterrupted):
+    """Linear warmup from 0 to the peak, then cosine decay that reaches end_lr_ratio * learning_rate at count
+    `steps`, one past the last update (the loss log's lr is the one each step's update used)."""
+    from train.loop import make_schedule
+
+    out, _ = uninterrupted
+    with open(os.path.join(out, "loss.jsonl")) as f:
+        lr = [json.loads(line)["lr"] for line in f]
+    peak, schedule = TC.learning_rate, make_schedule(TC)
+    assert lr == pytest.approx([float(schedule(i)) for i in range(TC.steps)])
+    assert lr[0] == 0 and lr[TC.warmup_steps] == pytest.approx(peak) and all(a > b for a, b in zip(lr[2:], lr[3:]))
+    end = float(schedule(TC.steps))
+    assert end == pytest.approx(peak * TC.end_lr_ratio) and end < lr[-1]
 
 
 def test_butler_artifact_from_another_model_is_refused(uninterrupted):

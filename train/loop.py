@@ -22,18 +22,24 @@ the data's fingerprint and the training config. A run whose OUT already holds ch
 one: the data stream is a pure function of (seed, step) (train/data.py), so the resumed run reads exactly the
 batches the uninterrupted run would have, and no step is lost or repeated. Ctrl-C (KeyboardInterrupt) and SIGTERM
 (what `timeout`, schedulers and preemption send; raised as `Terminated`, a KeyboardInterrupt) save a checkpoint of the
-last completed step before exiting; a killed process (SIGKILL) resumes from its last periodic checkpoint.
-Resuming with another model, predictor shape, data or training config is an error naming both values.
+last completed step before exiting (none when the periodic save the interrupt arrived during or after holds it), and
+then propagate as themselves; a killed process (SIGKILL) resumes from its last periodic checkpoint. A step's loss line
+is written before the step counts as completed, so an interrupt between the two re-runs that step rather than losing
+its line. Resuming with another model, predictor shape, data or training config is an error naming both values.
 
 When training finishes, OUT holds a "butler" artifact (artifact.json + arrays.npz: the flattened params, the
 predictor config, the model fingerprint) that `--method butler --artifact OUT` loads, and loss.jsonl (one line per
-step: step, loss, learning rate, gradient norm, tokens/s).
+step: step, loss, learning rate, gradient norm, tokens/s). Running a finished run again trains nothing and keeps the
+artifact already there when it is that run's export (same fingerprint, step count and arrays), so metadata added to it
+since (`dense_set` and `dense_set_calibration`, from `bench butler_coverage --dense-count`) stays; any other artifact
+there (none, a damaged one, an earlier export) is replaced by a fresh export, without those keys.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import json
 import math
@@ -51,7 +57,7 @@ import optax
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jsparse.artifacts import FINGERPRINT_SCHEME, Artifact, save_artifact
+from jsparse.artifacts import FINGERPRINT_SCHEME, Artifact, ArtifactError, load_artifact, save_artifact
 from jsparse.methods.butler import ARTIFACT_KIND
 from jsparse.methods.butler_predictor import Predictor, PredictorConfig, flatten_params, init_params
 from models import llama
@@ -150,7 +156,9 @@ class TrainConfig:
       seq_len: tokens per chunk (>= 16, <= the model's context). steps: optimizer steps of the whole run.
       batch_size: chunks per step over all devices (a multiple of the device count).
       learning_rate: AdamW peak; warmup_steps of linear warmup from 0, then cosine decay to
-        end_lr_ratio * learning_rate at the last step. weight_decay: AdamW's decoupled decay.
+        end_lr_ratio * learning_rate at count `steps`, one past the last update (`make_schedule`); the last update's
+        rate is a little above it (by about (peak - end) * 2.5 / (steps - warmup_steps)**2: 2.3x the end value for 6
+        steps with 2 of warmup, negligible for thousands). weight_decay: AdamW's decoupled decay.
       clip_norm: global gradient-norm clip. checkpoint_every: steps between checkpoints (the last step is always
         saved). keep_checkpoints: how many to keep. seed: predictor init and data shuffle.
       causal: the loss averages over causal pairs only (see logit_mse). loss_impl: logit_mse implementation
@@ -218,6 +226,10 @@ class TrainConfig:
 
 
 def make_schedule(tc: TrainConfig):
+    """The learning rate by optimizer count: update i (0-based; step i + 1 of the log) uses schedule(i). The cosine
+    reaches end_lr_ratio * learning_rate at count `steps`, one past the last update, which so uses a rate a little
+    above the end value (kept as the shipped predictor was trained: a checkpoint resumed under another schedule would
+    finish differently from its uninterrupted run)."""
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=tc.learning_rate, warmup_steps=tc.warmup_steps, decay_steps=tc.steps,
         end_value=tc.learning_rate * tc.end_lr_ratio)
@@ -350,6 +362,23 @@ def _read_meta(mngr, step: int) -> dict:
 # Failures of a restore that say nothing about the checkpoint (out of host or device memory, a device error): they
 # propagate and no checkpoint is moved aside.
 NOT_DAMAGE = (MemoryError, jax.errors.JaxRuntimeError)
+# OSErrors of the machine's, not of the checkpoint's bytes (file-descriptor limits, permissions, a network
+# filesystem's timeout, no memory, an interrupted or would-block call): they propagate too. EIO and the rest (a
+# missing file, a bad block) count as damage.
+NOT_DAMAGE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EACCES, errno.EPERM, errno.ETIMEDOUT, errno.ENOMEM,
+                               errno.EAGAIN, errno.EINTR})
+
+
+def _not_damage(e: BaseException) -> bool:
+    """Whether a failed restore says nothing about the checkpoint: NOT_DAMAGE, or an OSError of NOT_DAMAGE_ERRNOS,
+    raised as is or as the cause or context of what orbax raised."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, NOT_DAMAGE) or (isinstance(e, OSError) and e.errno in NOT_DAMAGE_ERRNOS):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _resume(mngr, out_dir: str, tc: TrainConfig, expected: dict, pparams, opt_state):
@@ -357,25 +386,26 @@ def _resume(mngr, out_dir: str, tc: TrainConfig, expected: dict, pparams, opt_st
     without one. A checkpoint that does not read back (a run killed while writing it, a damaged disk) is moved to
     OUT/checkpoints-damaged/ with a warning and the next older one is tried; none readable is a TrainError. A
     readable checkpoint of another configuration is a TrainError (`_check_resume`), never skipped; a failure that
-    is not the checkpoint's (NOT_DAMAGE: memory, the device) propagates, nothing moved."""
+    is not the checkpoint's (`_not_damage`: memory, the device, an OSError such as EMFILE or EACCES) propagates,
+    nothing moved."""
     where = os.path.join(out_dir, CHECKPOINTS)
     damaged = []
     found = None
     for step in sorted(mngr.all_steps(), reverse=True):
         try:
             meta = _read_meta(mngr, step)
-        except NOT_DAMAGE:
-            raise
         except Exception as e:  # noqa: BLE001  (orbax raises many kinds for a damaged folder)
+            if _not_damage(e):
+                raise
             damaged.append((step, e))
             continue
         _check_resume(meta, expected, where)
         try:
             found = (step, _restore(mngr, step, pparams, opt_state))
             break
-        except NOT_DAMAGE:
-            raise
         except Exception as e:  # noqa: BLE001
+            if _not_damage(e):
+                raise
             damaged.append((step, e))
     if not damaged:
         return (None, mngr, None) if found is None else (found[0], mngr, found[1])
@@ -428,7 +458,8 @@ class TrainResult:
 
 def _rewrite_log(path: str, upto: int) -> None:
     """Keeps the loss log's lines of steps <= upto (a resumed run re-logs the steps after its checkpoint). A last
-    line cut short (a run killed mid-write, a full disk) is dropped; an unreadable line before it is an error."""
+    line cut short (a run killed mid-write, a full disk) is dropped; an unreadable line before it is an error. The
+    kept lines go to a temporary file beside the log, renamed over it: a run killed meanwhile leaves the whole log."""
     if not os.path.exists(path):
         return
     with open(path) as f:
@@ -443,8 +474,54 @@ def _rewrite_log(path: str, upto: int) -> None:
             raise TrainError(f"{path} line {i + 1} is not a loss record ({e}): fix or delete that line to resume")
         if step <= upto:
             kept.append(ln if ln.endswith("\n") else ln + "\n")
-    with open(path, "w") as f:
-        f.writelines(kept)
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def _checkpoint_on_interrupt(mngr, step: int, save: Callable[[], None]) -> None:
+    """The interrupt path's checkpoint of `step`, the last completed one. Skipped when the folder holds that step
+    already: the interrupt may have arrived during or just after its periodic save, and orbax refuses a step twice
+    (StepAlreadyExistsError, which would replace the interrupt). The manager's own list can name a step whose save
+    the interrupt cut short, so the folder is read again after the writes in flight end. A save that fails is a
+    warning: the interrupt is what propagates, and a resumed run starts from the newest checkpoint there is."""
+    try:
+        mngr.wait_until_finished()
+        mngr.reload()
+        if step not in mngr.all_steps():
+            save()
+    except Exception as e:  # noqa: BLE001
+        warnings.warn(f"no checkpoint of step {step} was saved on the interrupt ({type(e).__name__}: {e}); a resumed "
+                      "run starts from the newest checkpoint there is", stacklevel=3)
+
+
+def _close(mngr, quiet: bool) -> None:
+    """Waits for the manager's writes and closes it. quiet (an exception is already propagating): a failure here is a
+    warning, so that it does not replace that exception."""
+    try:
+        mngr.close()  # waits for the writes in flight first
+    except Exception as e:  # noqa: BLE001
+        if not quiet:
+            raise
+        warnings.warn(f"closing the checkpoint manager failed ({type(e).__name__}: {e})", stacklevel=3)
+
+
+def _is_export(out_dir: str, fingerprint: str, params, step: int) -> bool:
+    """Whether out_dir holds this run's artifact already: a butler artifact of `fingerprint` that records `step`
+    steps and whose arrays equal `params`'."""
+    try:
+        art = load_artifact(out_dir, ARTIFACT_KIND, fingerprint)
+    except ArtifactError:
+        return False
+    want = flatten_params(params)
+    return (isinstance(art.meta, dict) and art.meta.get("steps") == step and sorted(art.arrays) == sorted(want)
+            and all(art.arrays[k].shape == v.shape and np.array_equal(art.arrays[k], v) for k, v in want.items()))
 
 
 class Terminated(KeyboardInterrupt):
@@ -486,7 +563,9 @@ def train(cfg: ModelConfig, model_params, *, fingerprint: str, chunks: np.ndarra
       fsdp: on more than one device, keep the frozen model's params sharded over 'data' between steps (each
         device holds 1/n; gathered for each step's forward), else replicated. Same results either way.
       artifact_meta: more metadata for the exported artifact (the CLI's: the training text, `corpus_meta`, so that
-        an evaluation on that text is refused).
+        an evaluation on that text is refused). A call that trains nothing (a finished run) does not export when
+        out_dir holds the run's artifact already (`_is_export`): that artifact, with whatever metadata was added to
+        it since (`dense_set`, `dense_set_calibration`), is kept as it is, and artifact_meta is not applied.
     Returns:
       TrainResult.
     """
@@ -534,63 +613,58 @@ def train(cfg: ModelConfig, model_params, *, fingerprint: str, chunks: np.ndarra
     t_start = time.perf_counter()
     step = start
     stopped_early = False
-    saved_at = start if latest is not None else None
     from tqdm.auto import tqdm
 
     bar = tqdm(total=tc.steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True,
                desc="train-predictor")
+    completed = False
     try:
-        with _sigterm_interrupts(), open(log_path, "a") as log:
-            while step < tc.steps:
-                t0 = time.perf_counter()
-                tokens = jax.device_put(stream.batch(step), batch_sharding)
-                new_p, new_o, loss, gnorm = step_fn(pparams, opt_state, mparams, tokens)
-                loss = float(loss)  # waits for the step
-                if not math.isfinite(loss):
-                    raise TrainError(f"the loss is {loss} at step {step + 1}: lower --lr or check the data")
-                pparams, opt_state, step = new_p, new_o, step + 1
-                dt = time.perf_counter() - t0
-                losses.append((step, loss))
-                rec = {"step": step, "loss": loss, "lr": float(schedule(step - 1)), "grad_norm": float(gnorm),
-                       "tokens_per_s": tokens_per_step / dt, "seconds": dt}
-                log.write(json.dumps(rec) + "\n")
-                log.flush()
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4g}", tok_s=f"{tokens_per_step / dt:,.0f}")
-                if step % tc.checkpoint_every == 0 or step == tc.steps:
-                    _save(mngr, step, pparams, opt_state, meta(step))
-                    saved_at = step
-                if on_step is not None:
-                    on_step(step, loss)
-                if max_seconds is not None and time.perf_counter() - t_start > max_seconds and step < tc.steps:
-                    stopped_early = True
-                    break
-    except KeyboardInterrupt:
-        if saved_at != step:
+        try:
+            with _sigterm_interrupts(), open(log_path, "a") as log:
+                while step < tc.steps:
+                    t0 = time.perf_counter()
+                    tokens = jax.device_put(stream.batch(step), batch_sharding)
+                    new_p, new_o, loss, gnorm = step_fn(pparams, opt_state, mparams, tokens)
+                    loss = float(loss)  # waits for the step
+                    if not math.isfinite(loss):
+                        raise TrainError(f"the loss is {loss} at step {step + 1}: lower --lr or check the data")
+                    dt = time.perf_counter() - t0
+                    # The line before the step counts: an interrupt in between re-runs the step (the resumed run
+                    # drops the line, `_rewrite_log`), where the other order would checkpoint it without its line.
+                    rec = {"step": step + 1, "loss": loss, "lr": float(schedule(step)), "grad_norm": float(gnorm),
+                           "tokens_per_s": tokens_per_step / dt, "seconds": dt}
+                    log.write(json.dumps(rec) + "\n")
+                    log.flush()
+                    pparams, opt_state, step = new_p, new_o, step + 1
+                    losses.append((step, loss))
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss:.4g}", tok_s=f"{tokens_per_step / dt:,.0f}")
+                    if step % tc.checkpoint_every == 0 or step == tc.steps:
+                        _save(mngr, step, pparams, opt_state, meta(step))
+                    if on_step is not None:
+                        on_step(step, loss)
+                    if max_seconds is not None and time.perf_counter() - t_start > max_seconds and step < tc.steps:
+                        stopped_early = True
+                        break
+        except KeyboardInterrupt:
+            _checkpoint_on_interrupt(mngr, step, lambda: _save(mngr, step, pparams, opt_state, meta(step)))
+            raise
+        if step not in mngr.all_steps():
             _save(mngr, step, pparams, opt_state, meta(step))
-        mngr.wait_until_finished()
-        mngr.close()
+        completed = True
+    finally:
         bar.close()
-        raise
-    except BaseException:
-        mngr.wait_until_finished()
-        mngr.close()
-        bar.close()
-        raise
-    bar.close()
-    if saved_at != step:
-        _save(mngr, step, pparams, opt_state, meta(step))
-    mngr.wait_until_finished()
-    mngr.close()
-    final_loss = None
-    with open(log_path) as f:
-        for line in f:
-            if line.strip():
-                final_loss = json.loads(line)["loss"]
-    export_artifact(out_dir, pparams, pcfg, fingerprint, {
-        "model": model_name, "steps": step, "planned_steps": tc.steps, "train_config": dataclasses.asdict(tc),
-        "data_fingerprint": stream.fingerprint(), "num_chunks": stream.num_chunks, "final_loss": final_loss,
-        "stopped_early": stopped_early, "predictor_params": pcfg.num_params(), **(artifact_meta or {})})
+        _close(mngr, quiet=not completed)
+    if not (step == start and _is_export(out_dir, fingerprint, pparams, step)):  # (a rerun keeps its artifact)
+        final_loss = None
+        with open(log_path) as f:
+            for line in f:
+                if line.strip():
+                    final_loss = json.loads(line)["loss"]
+        export_artifact(out_dir, pparams, pcfg, fingerprint, {
+            "model": model_name, "steps": step, "planned_steps": tc.steps, "train_config": dataclasses.asdict(tc),
+            "data_fingerprint": stream.fingerprint(), "num_chunks": stream.num_chunks, "final_loss": final_loss,
+            "stopped_early": stopped_early, "predictor_params": pcfg.num_params(), **(artifact_meta or {})})
     return TrainResult(params=pparams, pcfg=pcfg, losses=losses, start_step=start, last_step=step,
                        stopped_early=stopped_early, seconds=time.perf_counter() - t_start)
 
