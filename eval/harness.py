@@ -205,9 +205,12 @@ def parse_artifacts(values: Sequence[str] | None, methods: Sequence[str]) -> dic
 
 
 def parse_budget_tokens(text: str | Sequence[int] | None) -> tuple[int, ...] | None:
-    """'256,512' -> (256, 512): fixed token budgets (positive integers); None/'' -> None (the fraction rule)."""
-    if text is None or (isinstance(text, str) and not text.strip()):
+    """'256,512' -> (256, 512): fixed token budgets (positive integers); None -> None (the fraction rule). An empty
+    string is an error (a shell variable that expanded to nothing would otherwise fall back to the fraction rule)."""
+    if text is None:
         return None
+    if isinstance(text, str) and not text.strip():
+        raise ValueError(f"--budget-tokens {text!r}: expected token budgets N[,N...], e.g. 256,512")
     items = parse_list(text, "--budget-tokens") if isinstance(text, str) else tuple(text)
     out = []
     for i in items:
@@ -224,9 +227,12 @@ def parse_budget_tokens(text: str | Sequence[int] | None) -> tuple[int, ...] | N
 
 
 def parse_budgets(text: str | Sequence[float] | None) -> tuple[float, ...] | None:
-    """'0.05,0.1,0.2' -> (0.05, 0.1, 0.2): budget fractions in (0, 1], each once; None/'' -> None."""
-    if text is None or (isinstance(text, str) and not text.strip()):
+    """'0.05,0.1,0.2' -> (0.05, 0.1, 0.2): budget fractions in (0, 1], each once; None -> None; an empty string is
+    an error (not the default budget)."""
+    if text is None:
         return None
+    if isinstance(text, str) and not text.strip():
+        raise ValueError(f"--budgets {text!r}: expected budget fractions F[,F...] in (0, 1], e.g. 0.05,0.1")
     items = parse_list(text, "--budgets") if isinstance(text, str) else tuple(text)
     out = []
     for i in items:
@@ -272,7 +278,7 @@ def _split_options(text: str) -> list[str]:
 
 
 # Method options that are the run's budget, and the flags that set it.
-BUDGET_FLAGS = {"budget": "--budget (or --budgets)", "budget_tokens": "--budget-tokens"}
+BUDGET_FLAGS = {"budget": "--budget (jsparse generate) or --budgets (jsparse eval)", "budget_tokens": "--budget-tokens"}
 
 
 def parse_method_options(values: Sequence[str] | None, methods: Sequence[str],
@@ -393,11 +399,15 @@ class EvalSpec:
         if "ppl" in self.tasks and "continuation" in self.ppl_variants:
             for length in self.lengths:
                 ppl_task.check_continuation(self.continuation, length)
+        elif isinstance(self.continuation, bool) or not isinstance(self.continuation, int) or self.continuation < 1:
+            # unused by this run, but recorded in its resume config
+            raise ValueError(f"continuation={self.continuation!r} tokens (--continuation-tokens): expected an integer "
+                             ">= 1")
         if self.budget_tokens is not None:
             parse_budget_tokens(self.budget_tokens)
-            if "sts" in self.methods and 1 in self.budget_tokens:
-                raise ValueError("--budget-tokens 1 with method 'sts': an STS budget of 1 is the fraction 1 (every "
-                                 "key), above 1 a token count; expected token budgets >= 2 for sts")
+            if "sts" in self.methods:
+                for tokens in self.budget_tokens:
+                    check_sts_token_budget(tokens)
         if self.budgets is not None:
             parse_budgets(self.budgets)
         for name in self.method_options:
@@ -759,18 +769,28 @@ def _safe_budget(tokens: int, max_visible: int) -> float:
     return float(b)
 
 
+def check_sts_token_budget(tokens: int) -> None:
+    """STS reads a budget of 1 as the fraction 1 (every key) and above 1 as a token count: --budget-tokens 1 cannot
+    be given to it."""
+    if tokens == 1:
+        raise ValueError("--budget-tokens 1 with method 'sts': an STS budget of 1 is the fraction 1 (every key), above "
+                         "1 a token count; expected token budgets >= 2 for sts")
+
+
 def token_budget_options(method, tokens: int, max_visible: int) -> dict:
-    """Builder options that give `method` (a built instance) the fixed budget k = min(tokens, p + 1) at every
-    position p < max_visible; {} for a method without a budget (dense, tsa)."""
+    """Builder options that give `method` (a built instance, or a method class that wraps no other method) the fixed
+    budget k = min(tokens, p + 1) at every position p < max_visible; {} for a method without a budget (dense, tsa)."""
     from jsparse.methods.common import TokenBudget
 
     fields = getattr(method, "__dataclass_fields__", {})
     if getattr(method, "needs_draft", False):  # STS: budgets above 1 count tokens
-        return {"budget": float(tokens) if 1 < tokens < max_visible else 1.0}
+        check_sts_token_budget(tokens)
+        return {"budget": float(tokens) if tokens < max_visible else 1.0}
     if "budget_tokens" in fields:
         return {"budget_tokens": int(tokens)}
     inner = getattr(method, "inner", None)
-    if isinstance(method, TokenBudget) or isinstance(inner, TokenBudget):
+    own = issubclass(method, TokenBudget) if isinstance(method, type) else isinstance(method, TokenBudget)
+    if own or isinstance(inner, TokenBudget):
         return {"budget": _safe_budget(int(tokens), max_visible), "min_tokens": int(tokens)}
     return {}
 

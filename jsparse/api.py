@@ -14,8 +14,9 @@ the target and the draft are loaded with the same `mesh=` and both run sharded o
 from __future__ import annotations
 
 import dataclasses
+import os
 import reprlib
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +59,8 @@ def load(spec: str = "smollm2", dtype: str | None = None, mesh: Any = None, fuse
       ValueError: an unknown dtype; a head count that does not divide the mesh's model axis; fuse=True with a
         mesh (fused weights cannot be split by heads).
     """
+    if not isinstance(spec, (str, os.PathLike)):
+        raise ValueError(f"model {spec!r}: expected 'smollm2', a Hugging Face folder or a .gguf path")
     dtype = dtype or default_dtype()
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {sorted(_DTYPES)}")
@@ -121,6 +124,8 @@ def encode(model: LoadedModel, prompts: str | Sequence[str], chat: bool = False)
 
 def pad_batch(token_lists: Sequence[Sequence[int]], multiple: int = 64, limit: int | None = None):
     """Right-pads token lists to a bucketed length: returns (i32[B, T], i32[B] lengths)."""
+    if not len(token_lists):
+        raise ValueError("no prompts given: expected at least one token list")
     lengths = np.array([len(t) for t in token_lists], np.int32)
     T = round_up(int(lengths.max()), multiple)
     if limit is not None:
@@ -243,11 +248,16 @@ def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: An
     count in full even where the row ends inside them at an EOS or at max_new_tokens) of the speculative rounds
     (without a draft there are none: it is left unchanged).
     """
-    if isinstance(ids, (str, bytes)) or any(isinstance(t, (int, np.integer)) for t in ids):
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise ValueError("ids: expected a list of prompts, each a list of token ids ([[1, 2, 3]] for one prompt), "
+                         f"got {str(ids)[:60]!r}")
+    ids = list(ids)  # an iterator is read once, here
+    if any(isinstance(t, (int, np.integer)) for t in ids):
         raise ValueError("ids: expected a list of prompts, each a list of token ids ([[1, 2, 3]] for one prompt), "
                          f"got {str(ids)[:60]!r}")
     check_method(method)
     check_seed(seed)
+    check_gamma(gamma)
     check_token_ids(model.cfg, ids)
     if draft is None and getattr(method, "needs_draft", False):
         raise ValueError("method 'sts' takes its selection from a draft model: pass draft= (--draft) as well")
@@ -263,6 +273,8 @@ def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: An
     extra = 0 if draft is None else gamma + 1  # the verification writes up to gamma + 1 rows past the accepted
     chosen = capacity
     capacity = check_request(model.cfg, lengths_list, max_new_tokens, capacity, verify_rows=extra)
+    if chosen is not None:  # a capacity past a window a method does not honour is refused by name, as Session does
+        fit_windows(pairs, chosen, chosen, capped=False, asked=f"capacity={chosen}")
     if draft is not None:
         check_draft_context(draft, lengths_list, max_new_tokens)
     capacity = fit_windows(pairs, max(lengths_list) + max_new_tokens + extra, capacity, capped=chosen is None)

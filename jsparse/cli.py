@@ -27,23 +27,43 @@ def _add_mesh_arg(p: argparse.ArgumentParser) -> None:
 def cmd_generate(args) -> int:
     import jsparse
 
-    from eval.harness import parse_budget_tokens, parse_method_options, takes_budget, token_budget_options
+    from eval.harness import (check_sts_token_budget, parse_budget_tokens, parse_method_options, takes_budget,
+                              token_budget_options)
+    from jsparse.methods.base import method_factory
+    from models.generate import Sampling, check_count, check_seed
+    from models.speculative import check_gamma
 
     method_options = parse_method_options(args.method_option, [args.method], "--method").get(args.method, {})
     if args.budget_tokens is not None:
         parse_budget_tokens([args.budget_tokens])
+        if args.method == "sts":
+            check_sts_token_budget(args.budget_tokens)
         if args.budget is not None:
             raise ValueError(f"--budget {args.budget:g} and --budget-tokens {args.budget_tokens}: expected one of "
                              "them (a fraction of the context, or a fixed number of keys)")
         if "min_tokens" in method_options:
             raise ValueError(f"--method-option {args.method}.min_tokens with --budget-tokens "
                              f"{args.budget_tokens}: a token budget sets min_tokens itself")
-        try:  # a method that builds without a model (dense, tsa, ...) is checked before the model loads
-            bare = jsparse.make_method(args.method)
+    # The options of --budget-tokens follow from the method's class where it wraps no other method (one build: a
+    # build at the default budget first may fail where the token budget would not, e.g. butler's calibrated dense
+    # layers); a wrapper's (tsa+kascade) from its built instance.
+    factory = method_factory(args.method)
+    wraps = not isinstance(factory, type) or "inner" in getattr(factory, "__dataclass_fields__", {})
+    if args.budget_tokens is not None:
+        try:  # checked before the model loads where the method shows it without one
+            bare = jsparse.make_method(args.method) if wraps else factory
         except (ValueError, TypeError):
             bare = None  # needs the model or an artifact: checked once built below
         if bare is not None and not token_budget_options(bare, args.budget_tokens, 2 ** 31 - 1):
             raise ValueError(f"--budget-tokens {args.budget_tokens}: method {args.method!r} takes no token budget")
+    # The request's own values, before any model loads (a typo should not cost an 8B load).
+    Sampling(args.temperature, args.top_p)
+    check_seed(args.seed)
+    check_count("--max-new-tokens", args.max_new_tokens)
+    if args.gamma is not None and not args.draft:
+        raise ValueError("--gamma needs --draft (speculative decoding)")
+    if args.gamma is not None:
+        check_gamma(args.gamma)
     model = jsparse.load(args.model, args.dtype, mesh=args.mesh)
     options = dict(method_options)
     if args.budget is not None:
@@ -59,16 +79,15 @@ def cmd_generate(args) -> int:
         except ShardingError as e:
             raise ShardingError(f"--draft {args.draft} on --mesh {args.mesh}: {e}") from None
         options["draft"] = draft
-    elif args.gamma is not None:
-        raise ValueError("--gamma needs --draft (speculative decoding)")
     if args.method != "sts":
         options.pop("draft", None)
-    method = jsparse.build_method(args.method, model, **options)
     if args.budget_tokens is not None:  # k = min(N, visible keys) at every position the model can reach
-        extra = token_budget_options(method, args.budget_tokens, model.cfg.max_position_embeddings)
+        probe = jsparse.build_method(args.method, model, **options) if wraps else factory
+        extra = token_budget_options(probe, args.budget_tokens, model.cfg.max_position_embeddings)
         if not extra:
             raise ValueError(f"--budget-tokens {args.budget_tokens}: method {args.method!r} takes no token budget")
-        method = jsparse.build_method(args.method, model, **{**options, **extra})
+        options = {**options, **extra}
+    method = jsparse.build_method(args.method, model, **options)
     if args.budget is not None and not takes_budget(method):
         how = ("it keeps the tokens that cover the attention mass: --method-option tsa.tau=T or tsa.kept_fraction=F"
                if args.method.startswith("tsa") else "it attends to every key")

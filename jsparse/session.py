@@ -63,6 +63,10 @@ class Session:
         chosen, capacity = capacity, capacity or min(model.cfg.max_position_embeddings, 4096)
         self.capacity = fit_windows(((model, self.t_method), (draft, self.d_method)), chosen or 0, capacity,
                                     capped=chosen is None, asked=f"capacity={chosen}")
+        if gamma + 3 > self.capacity:  # a one-token message, one new token and the gamma + 1 verification rows
+            raise ValueError(f"gamma={gamma}: a round's gamma + 1 = {gamma + 1} verification rows after a one-token "
+                             f"message and reply need {gamma + 3} cache rows, more than the session's capacity of "
+                             f"{self.capacity}: expected a smaller gamma or a larger capacity")
         self.sampling = Sampling(temperature, top_p)
         self.eos = eos_ids(model)
         self.key = seed_key(seed)

@@ -171,6 +171,9 @@ def _tiny(layers=3, heads=4, kv_heads=2, seed=0):
     (dict(top_p=None), "top_p=None: expected a number"),
     (dict(seed=1.5), r"seed=1.5: expected an integer in \[-2\*\*63, 2\*\*63\)"),
     (dict(seed=2 ** 64), "seed=18446744073709551616: expected an integer"),
+    (dict(ids=None), "ids: expected a list of prompts"),
+    (dict(gamma=-5), "gamma=-5"),  # checked without a draft too
+    (dict(gamma="x"), "gamma='x'"),
 ])
 def test_generate_ids_refuses_bad_arguments_by_name(kwargs, message):
     """Each of these was read as something else (a bool as token 1) or failed deep inside (an AttributeError on
@@ -180,6 +183,42 @@ def test_generate_ids_refuses_bad_arguments_by_name(kwargs, message):
     kwargs = {"ids": [[5, 6]], "max_new_tokens": 2, **kwargs}
     with pytest.raises(ValueError, match=message):
         generate_ids(_tiny(), kwargs.pop("ids"), **kwargs)
+
+
+def test_generate_ids_reads_an_iterator_of_prompts_once():
+    from jsparse.api import generate_ids
+
+    model = _tiny()
+    assert generate_ids(model, (p for p in [[5, 6, 7]]), max_new_tokens=2) == generate_ids(model, [[5, 6, 7]],
+                                                                                           max_new_tokens=2)
+
+
+def test_an_explicit_capacity_past_a_window_is_refused_by_name():
+    """A method that does not honour a sliding window runs while the request fits it; an explicit capacity past the
+    window is refused naming it (as Session refuses one), not by a count of the padding the library added."""
+    import dataclasses
+
+    from jsparse.api import generate_ids
+
+    model = _tiny()
+    model = dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, sliding_window=16))
+    assert len(generate_ids(model, [[5, 6, 7]], method="oracle", max_new_tokens=3)[0]) >= 1
+    with pytest.raises(ValueError, match=r"capacity=64, more than tiny's sliding_window=16; use one of .*or keep a "
+                                         r"value <= 16"):
+        generate_ids(model, [[5, 6, 7]], method="oracle", max_new_tokens=3, capacity=64)
+
+
+def test_named_errors_for_no_model_no_prompts_and_a_gamma_past_the_capacity():
+    from jsparse.api import pad_batch
+    from jsparse.session import Session
+
+    with pytest.raises(ValueError, match="model None: expected 'smollm2', a Hugging Face folder or a .gguf path"):
+        jsparse.load(None)
+    with pytest.raises(ValueError, match="no prompts given"):
+        pad_batch([])
+    with pytest.raises(ValueError, match=r"gamma=62: .* need 65 cache rows, more than the session's capacity of 64"):
+        Session(_tiny(), _tiny(layers=2, seed=1), gamma=62, capacity=64)
+    assert Session(_tiny(), _tiny(layers=2, seed=1), gamma=61, capacity=64).capacity == 64
 
 
 def test_session_and_mesh_arguments_are_refused_by_name():

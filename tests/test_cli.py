@@ -112,6 +112,35 @@ def test_generate_budget_tokens_gives_each_method_its_fixed_budget(monkeypatch, 
     assert "expected one of them" in capsys.readouterr().err
     assert main(base[:-1] + ["0", "--method", "quest"]) == 2
     assert "budget tokens 0: expected a positive integer" in capsys.readouterr().err
+    # STS reads a budget of 1 as the fraction 1 (every key): refused, as `jsparse eval` refuses it.
+    assert main(base[:-1] + ["1", "--method", "sts", "--draft", "smollm2", "--artifact", "artifacts/smollm2/sts"]) == 2
+    assert "--budget-tokens 1 with method 'sts'" in capsys.readouterr().err
+    # The request's own values are checked before any model loads.
+    plain = ["generate", "--model", "smollm2", "--prompt", "hi"]
+    for extra, message in ((["--temperature", "-1"], "temperature=-1.0"), (["--top-p", "0"], "top_p=0.0"),
+                           (["--max-new-tokens", "0"], "--max-new-tokens=0: expected an integer >= 1"),
+                           (["--seed", str(2 ** 70)], "seed=1180591620717411303424"),
+                           (["--gamma", "3"], "--gamma needs --draft"),
+                           (["--gamma", "0", "--draft", "smollm2"], "gamma=0")):
+        assert main(plain + extra) == 2, extra
+        assert message in capsys.readouterr().err, extra
+
+
+def test_generate_budget_tokens_builds_butler_once_at_its_token_budget(monkeypatch, capsys):
+    """The shipped TokenButler artifact's calibrated dense layers need a budget above 3/28, so its default 0.1 does
+    not build; `--budget-tokens N` builds it once, at the token budget (a first build at the default failed)."""
+    import jsparse
+
+    built, calls = {}, []
+    real = jsparse.build_method
+    monkeypatch.setattr(jsparse, "build_method", lambda name, model, **kw: calls.append(kw) or real(name, model, **kw))
+    monkeypatch.setattr(jsparse, "generate", lambda model, prompts, method, **kw: built.update(m=method) or [""])
+    base = ["generate", "--model", "smollm2", "--prompt", "hi", "--method", "butler", "--artifact",
+            "artifacts/smollm2/butler"]
+    assert main(base + ["--budget-tokens", "4096"]) == 0
+    assert len(calls) == 1 and calls[0]["min_tokens"] == 4096 and built["m"].min_tokens == 4096
+    assert main(base) == 2  # its default budget: the error names the range and the options that lower it
+    assert "supported budgets: (0.1071, 1]" in capsys.readouterr().err
 
 
 def test_bench_help_lists_every_benchmark_module(capsys):

@@ -170,9 +170,13 @@ def test_eval_command_budget_tokens(model, corpus, tmp_path, monkeypatch):
     summary = (out / "summary.md").read_text()
     assert "| oracle k=16 |" in summary and "| sink-local k=32 |" in summary and "budget tokens: 16, 32" in summary
     assert json.loads((out / "run.json").read_text())["budget_tokens"] == [16, 32]
-    for bad, match in (("0", "budget tokens '0'"), ("16,abc", "budget tokens 'abc'"), ("16,16", "twice")):
+    for bad, match in (("0", "budget tokens '0'"), ("16,abc", "budget tokens 'abc'"), ("16,16", "twice"),
+                       (" ", "--budget-tokens ' ': expected token budgets")):
         with pytest.raises(ValueError, match=match):
             harness.parse_budget_tokens(bad)
+    with pytest.raises(ValueError, match="--budgets '': expected budget fractions"):
+        harness.parse_budgets("")
+    assert harness.parse_budgets(None) is None and harness.parse_budget_tokens(None) is None
 
 
 # ------------------------------------------------------------------------------------------------ options, artifacts

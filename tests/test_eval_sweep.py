@@ -265,7 +265,7 @@ def test_resume_adds_a_method_with_its_own_artifact_and_refuses_another_draft(tm
 
 
 @pytest.mark.parametrize("extra, match", [
-    (["--method-option", "streaming.budget=0.9"], r"the budget is set by --budget \(or --budgets\)"),
+    (["--method-option", "streaming.budget=0.9"], r"the budget is set by --budget \(jsparse generate\) or --budgets \(jsparse eval\)"),
     (["--method-option", "streaming.budget_tokens=9"], "the budget is set by --budget-tokens"),
     (["--seed", "-1"], r"seed=-1: expected an integer >= 0"),
     (["--methods", "sts", "--draft", "smollm2:layers=0-9", "--budget-tokens", "1,64", "--tasks", "passkey"],

@@ -43,8 +43,9 @@ the kernel adds each tile's diagonal block. The record belongs to
 one round: the next round's draft steps overwrite it.
 
 Budgets: `budget` <= 1 is a fraction of the visible keys (k = min(max(ceil(budget * n), min_tokens), n), the
-rule of the other methods); `budget` > 1 is a number of tokens (k = min(budget, n)). A token budget larger than
-the cache capacity (the longest context of the request) is an error.
+rule of the other methods); `budget` > 1 is a number of tokens (k = min(budget, n)). A token budget at or above
+the cache capacity keeps every visible key, as a token budget of the other methods does (`--budget-tokens N`: k =
+min(N, its visible keys)); the index width is then the capacity.
 
 Selection: the draft's decode record and the target's top-k use the exact threshold top-k of
 `pallas_kernels.topk_select` (a Pallas Triton kernel on GPU, `lax.top_k` on CPU; `selection` picks another
@@ -121,10 +122,8 @@ def budget_k(budget: float, n, min_tokens: int):
 
 
 def static_k(budget: float, capacity: int, min_tokens: int) -> int:
-    """The static index width for a cache of `capacity` rows; a token budget above it is an error."""
-    if budget > 1 and int(budget) > capacity:
-        raise ValueError(f"budget={int(budget)} tokens is larger than the context: the cache holds at most "
-                         f"{capacity} tokens; expected a budget between 1 and {capacity} tokens or a fraction")
+    """The static index width for a cache of `capacity` rows: `budget_k` of the capacity (a token budget above it:
+    the capacity, every key a query can see)."""
     return budget_k(budget, capacity, min_tokens)
 
 
