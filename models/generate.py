@@ -164,8 +164,6 @@ def check_token_ids(cfg: ModelConfig, rows: Sequence[Sequence[int]], what: str =
                              "vocabulary)")
 
 
-@functools.partial(model_jit, static_argnames=("cfg", "max_new_tokens", "capacity", "sampling", "eos_ids",
-                                             "return_prefill_state"))
 def generate_tokens(params: Params, method, tokens: Array, lengths: Array, key: Array, *, cfg: ModelConfig,
                     max_new_tokens: int, capacity: int, sampling: Sampling = Sampling(),
                     eos_ids: tuple[int, ...] = (), return_prefill_state: bool = False):
@@ -174,16 +172,37 @@ def generate_tokens(params: Params, method, tokens: Array, lengths: Array, key: 
     Args:
       tokens: i32[B, T] right-padded prompts; lengths: i32[B].
       method: an attention method (a pytree); key: PRNG key (unused when greedy).
+      max_new_tokens, capacity: integers >= 1 (static: one compilation per value).
       return_prefill_state: also return the method's selection state right after the prefill (what a method's
         `prefill_layer_sparsity` reads), so that measuring the prefill needs no second prefill.
     Returns:
       (out: i32[B, max_new_tokens] generated tokens, -1 after a row's EOS; num: i32[B] tokens generated per
-       row, the EOS included), then the prefill's state when `return_prefill_state`. No request checks (the
-      shapes are traced: `check_request` is the caller's); a row whose logits come back NaN (a length past the
-      prompt, a write past the cache: the garbage `llama.prefill` / `decode` mark so) ends there, its tokens -1
-      from that step and not counted, instead of argmax's token 0.
+       row, the EOS included), then the prefill's state when `return_prefill_state`. max_new_tokens, capacity,
+      the tokens' dtype and, when concrete, their ids (`llama.check_token_array`) are checked here, before the jit
+      (inside it the ids are traced); the other request limits are not (the lengths are traced: `check_request` is
+      the caller's): a row whose logits come back NaN (a length past the prompt, a write past the cache: the
+      garbage `llama.prefill` / `decode` mark so) ends there, its tokens -1 from that step and not counted,
+      instead of argmax's token 0.
+
+    Raises:
+      ValueError: max_new_tokens or capacity is not an integer >= 1 (a float or a bool included), or tokens is not
+        an integer [B, T] array, or a concrete token id lies outside [0, cfg.vocab_size).
     """
     check_count("max_new_tokens", max_new_tokens)
+    check_count("capacity", capacity, "KV cache rows")
+    llama.check_token_array(cfg, tokens)
+    return _generate_tokens(params, method, tokens, lengths, key, cfg=cfg, max_new_tokens=max_new_tokens,
+                            capacity=capacity, sampling=sampling, eos_ids=eos_ids,
+                            return_prefill_state=return_prefill_state)
+
+
+@functools.partial(model_jit, static_argnames=("cfg", "max_new_tokens", "capacity", "sampling", "eos_ids",
+                                             "return_prefill_state"))
+def _generate_tokens(params: Params, method, tokens: Array, lengths: Array, key: Array, *, cfg: ModelConfig,
+                     max_new_tokens: int, capacity: int, sampling: Sampling = Sampling(),
+                     eos_ids: tuple[int, ...] = (), return_prefill_state: bool = False):
+    """The jitted computation of `generate_tokens` (its arguments checked there; `generate_tokens.lower` is this
+    function's, unchecked)."""
     B = tokens.shape[0]
     cache = sharding.constrain(init_cache(cfg, B, capacity, params.embed.dtype), cache_axes())
     state = method.init_state(cfg, B, capacity)
@@ -216,6 +235,12 @@ def generate_tokens(params: Params, method, tokens: Array, lengths: Array, key: 
     init = (jnp.int32(1), tok, cache, state, done, out, num, key)
     _, _, _, _, _, out, num, _ = jax.lax.while_loop(cond, body, init)
     return (out, num, prefill_state) if return_prefill_state else (out, num)
+
+
+# The jitted function's tools on the checked entry point: `generate_tokens.lower(...)`, its compilation cache.
+for _name in ("lower", "trace", "eval_shape", "clear_cache", "_clear_cache", "_cache_size"):
+    setattr(generate_tokens, _name, getattr(_generate_tokens, _name))
+del _name
 
 
 @functools.partial(model_jit, static_argnames=("cfg", "all_logits"), donate_argnames=("cache",))

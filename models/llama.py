@@ -13,15 +13,17 @@ Sliding-window layers (`cfg.layer_windows`) enter the scan as data: each layer's
 read at the counter and handed to the method as `ctx.window`. The cache stays full length.
 
 Both entry points check the request limits `models.generate.check_request` checks (batch sizes agree, the prompt
-fits the cache, positions stay within the cache and the model's context): shapes always, values when they are
-concrete (an eager call, `models.generate.prefill_step` / `decode_step`). Under a trace the values cannot raise, so
-a result that would be garbage (a prefill length outside the padded prompt, a decode write past the cache) gets NaN
-logits instead of wrong numbers.
+fits the cache, positions stay within the cache and the model's context) and the token ids (integers in
+[0, vocab_size)): shapes and dtypes always, values when they are concrete (an eager call,
+`models.generate.prefill_step` / `decode_step`). Under a trace the values cannot raise, so a result that would be
+garbage (a prefill length outside the padded prompt, a decode write past the cache) gets NaN logits instead of wrong
+numbers; traced token ids are not checked (the caller's: `models.generate.check_token_ids`).
 """
 
 from __future__ import annotations
 
 import math
+import reprlib
 from typing import Any
 
 import jax
@@ -178,17 +180,44 @@ def _concrete(x) -> np.ndarray | None:
     return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
 
 
+def _check_int_array(name: str, x, shape: str) -> None:
+    """x an array (numpy, jax or traced) of an integer dtype (not bool); else ValueError naming `name` (`shape`: the
+    expected one, for the message). Type and dtype only: the same under a trace."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise ValueError(f"{name} is a {type(x).__name__} ({reprlib.repr(x)}): expected an array {shape}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):  # (bool is not an integer dtype)
+        raise ValueError(f"{name} of dtype {x.dtype}: expected an integer array {shape}")
+
+
+def check_token_array(cfg: ModelConfig, tokens: Array) -> None:
+    """tokens: an integer [B, T] array (dtype always; a float or bool array is refused by name) whose concrete ids
+    lie in [0, cfg.vocab_size) (`jnp.take` would read a negative id from the end of the embedding and give NaN past
+    it). Traced ids are not checked (their values are unknown until run)."""
+    _check_int_array("tokens", tokens, "i32[B, T]")
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens {tokens.shape}: expected i32[B, T]")
+    got = _concrete(tokens)
+    if got is not None and got.size:
+        bad = (got < 0) | (got >= cfg.vocab_size)
+        if bad.any():
+            b, t = np.argwhere(bad)[0]
+            raise ValueError(f"tokens has token id {int(got[b, t])} (row {b}, position {t}): expected ids in "
+                             f"[0, {cfg.vocab_size}) (the model's vocabulary)")
+
+
 def check_prefill_request(cfg: ModelConfig, tokens: Array, lengths: Array, cache: KVCache) -> Array | None:
     """Checks a prefill's limits; returns the rows whose logits would be garbage: bool[B] when `lengths` is traced,
     None when it is concrete (and passed).
 
-    Shapes always raise. Each row needs 1 <= lengths <= T (the padded prompt) and lengths <=
-    cfg.max_position_embeddings: concrete lengths raise, traced ones flag the rows outside [1, T] (whose last-token
-    logits would be read from the wrong position; past the context RoPE only extrapolates).
+    Shapes and dtypes always raise: tokens and lengths must be integer arrays (a list or a float array is refused
+    by name, not converted). Concrete token ids must lie in [0, cfg.vocab_size) (`check_token_array`, padding
+    included). Each row needs 1 <= lengths <= T (the padded prompt) and lengths <= cfg.max_position_embeddings:
+    concrete lengths raise, traced ones flag the rows outside [1, T] (whose last-token logits would be read from the
+    wrong position; past the context RoPE only extrapolates).
     """
-    if tokens.ndim != 2:
-        raise ValueError(f"tokens {tokens.shape}: expected i32[B, T]")
+    check_token_array(cfg, tokens)
     B, T = tokens.shape
+    _check_int_array("lengths", lengths, f"i32[{B}]")
     if lengths.shape != (B,):
         raise ValueError(f"lengths {lengths.shape}: expected i32[{B}], one length per row of tokens {tokens.shape}")
     if cache.k.shape[1] != B or cache.lengths.shape != (B,):
@@ -211,13 +240,16 @@ def check_decode_request(cfg: ModelConfig, tokens: Array, cache: KVCache) -> Arr
     """Checks a decode step's limits; returns the queries whose results would be garbage: bool[B, T] when the
     cache lengths are traced, None when they are concrete (and passed).
 
-    Each row's T new tokens take positions cache.lengths .. cache.lengths + T - 1, which must lie within the cache
-    capacity and the model's context; cache.lengths >= 0. Concrete lengths raise on any of these; traced ones flag
-    the positions at or past the cache capacity (their writes are dropped).
+    tokens must be an integer [B, T] array with T >= 1 (always checked) whose concrete ids lie in
+    [0, cfg.vocab_size) (`check_token_array`). Each row's T new tokens take positions cache.lengths ..
+    cache.lengths + T - 1, which must lie within the cache capacity and the model's context; cache.lengths >= 0.
+    Concrete lengths raise on any of these; traced ones flag the positions at or past the cache capacity (their
+    writes are dropped).
     """
-    if tokens.ndim != 2:
-        raise ValueError(f"tokens {tokens.shape}: expected i32[B, T]")
+    check_token_array(cfg, tokens)
     B, T = tokens.shape
+    if T < 1:
+        raise ValueError(f"tokens {tokens.shape}: expected at least one new token per row (i32[B, T], T >= 1)")
     if cache.k.shape[1] != B or cache.lengths.shape != (B,):
         raise ValueError(f"cache batch {cache.k.shape[1]} (lengths {cache.lengths.shape}) and tokens batch {B} "
                          "differ: expected one cache row per row of tokens")
@@ -350,7 +382,8 @@ def prefill(params: Params, cfg: ModelConfig, method, tokens: Array, lengths: Ar
       outside [1, T] under a trace gets NaN logits (see `check_prefill_request`).
 
     Raises:
-      ValueError: batch sizes differ, T exceeds the cache capacity, a concrete length lies outside
+      ValueError: tokens or lengths is not an integer array, batch sizes differ, T exceeds the cache capacity, a
+        concrete token id lies outside [0, vocab_size), a concrete length lies outside
         [1, min(T, max_position_embeddings)], or the model's sliding window binds and `method` does not honour it.
     """
     bad = check_prefill_request(cfg, tokens, lengths, cache)
@@ -383,7 +416,8 @@ def decode(params: Params, cfg: ModelConfig, method, tokens: Array, cache: KVCac
     logits (see `check_decode_request`).
 
     Raises:
-      ValueError: batch sizes differ, or (concrete lengths) a row's new tokens would pass the cache capacity or
+      ValueError: tokens is not an integer array or T = 0, batch sizes differ, a concrete token id lies outside
+        [0, vocab_size), (concrete lengths) a row's new tokens would pass the cache capacity or
         max_position_embeddings, or the model's sliding window binds and `method` does not honour it.
     """
     bad = check_decode_request(cfg, tokens, cache)

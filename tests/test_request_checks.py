@@ -1,0 +1,147 @@
+"""The model's entry points check their inputs by name (audit /tmp/audit_api items 3, 12 and 13).
+
+1. `llama.prefill` / `decode` (and `prefill_step` / `decode_step` / `generate_tokens`) refuse concrete token ids
+   outside [0, vocab_size) and token arrays of a non-integer dtype; under a trace the ids are not read (no error,
+   no host transfer), as before;
+2. `llama.prefill`'s lengths as a list or of a float dtype, and `generate_tokens`' capacity as a float or a bool,
+   are refused by name;
+3. `llama.decode` with T = 0 new tokens is refused.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jsparse.methods import make_method
+from models import llama
+from models.cache import init_cache
+from models.config import ModelConfig
+from models.generate import decode_step, generate_tokens, prefill_step
+from models.params import random_params
+
+CFG = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256, eos_token_ids=(3,))
+DENSE = make_method("dense")
+RANGE = r"expected ids in \[0, 128\)"
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_params(CFG, jax.random.key(0), jnp.float32, scale=0.3)
+
+
+def _cache(B=1, capacity=16):
+    return init_cache(CFG, B, capacity, jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def prefilled(params):
+    """A batch-1 cache holding 2 tokens (concrete lengths)."""
+    _, cache, _ = llama.prefill(params, CFG, DENSE, jnp.array([[5, 6]]), jnp.array([2]), _cache(), None)
+    return cache
+
+
+def _prefill(params, tokens, lengths):
+    return llama.prefill(params, CFG, DENSE, tokens, lengths, _cache(), None)
+
+
+def _prefill_step(params, tokens, lengths):
+    return prefill_step(params, DENSE, tokens, lengths, _cache(), None, cfg=CFG)
+
+
+# 1 ------------------------------------------------------------------------------------------- token ids
+
+
+@pytest.mark.parametrize("run", [_prefill, _prefill_step], ids=["prefill", "prefill_step"])
+@pytest.mark.parametrize("bad", [-1, 128, 10 ** 6])
+def test_prefill_refuses_out_of_vocab_ids(params, run, bad):
+    """-1 read the last embedding row (the logits of id 127), 128 gave NaN logits: now both are refused."""
+    with pytest.raises(ValueError, match=rf"token id {bad} \(row 1, position 2\): {RANGE}"):
+        run(params, jnp.array([[5, 6, 7], [5, 6, bad]]), jnp.array([3, 3]))
+
+
+def test_prefill_refuses_out_of_vocab_padding(params):
+    """The padding past a row's length is embedded and written to the cache too: its ids are checked as well."""
+    with pytest.raises(ValueError, match=rf"token id -1 \(row 0, position 2\): {RANGE}"):
+        _prefill(params, jnp.array([[5, 6, -1]]), jnp.array([2]))
+
+
+@pytest.mark.parametrize("step", [False, True], ids=["decode", "decode_step"])
+@pytest.mark.parametrize("bad", [-1, 999])
+def test_decode_refuses_out_of_vocab_ids(params, prefilled, step, bad):
+    tokens = jnp.array([[7, bad]])
+    with pytest.raises(ValueError, match=rf"token id {bad} \(row 0, position 1\): {RANGE}"):
+        if step:
+            decode_step(params, DENSE, tokens, prefilled, None, cfg=CFG)
+        else:
+            llama.decode(params, CFG, DENSE, tokens, prefilled, None)
+
+
+def test_generate_tokens_refuses_out_of_vocab_ids(params):
+    with pytest.raises(ValueError, match=rf"token id -1 \(row 0, position 1\): {RANGE}"):
+        generate_tokens(params, DENSE, jnp.array([[5, -1]]), jnp.array([2]), jax.random.key(0), cfg=CFG,
+                        max_new_tokens=2, capacity=16)
+
+
+@pytest.mark.parametrize("tokens", [jnp.array([[5.0, 6.0]]), np.array([[True, False]]), [[5, 6]]],
+                         ids=["float", "bool", "list"])
+def test_token_arrays_of_another_type_are_refused_by_name(params, prefilled, tokens):
+    match = r"tokens (of dtype|is a list).*expected an (integer )?array i32\[B, T\]"
+    with pytest.raises(ValueError, match=match):
+        _prefill(params, tokens, jnp.array([2]))
+    with pytest.raises(ValueError, match=match):
+        llama.decode(params, CFG, DENSE, tokens, prefilled, None)
+    with pytest.raises(ValueError, match=match):
+        generate_tokens(params, DENSE, tokens, jnp.array([2]), jax.random.key(0), cfg=CFG, max_new_tokens=2,
+                        capacity=16)
+
+
+def test_traced_ids_are_not_read(params, prefilled):
+    """Under a jit the ids are unknown: nothing raises and nothing is copied to the host (as before the checks)."""
+    prefill = jax.jit(lambda t: llama.prefill(params, CFG, DENSE, t, jnp.array([2]), _cache(), None)[0])
+    decode = jax.jit(lambda t, c: llama.decode(params, CFG, DENSE, t, c, None)[0])
+    tokens = jnp.array([[5, -1]])
+    with jax.transfer_guard_device_to_host("disallow"):
+        assert prefill(tokens).shape == (1, CFG.vocab_size)
+        assert decode(tokens, prefilled).shape == (1, 2, CFG.vocab_size)
+
+
+# 2 ------------------------------------------------------------------------------------ lengths, capacity
+
+
+@pytest.mark.parametrize("run", [_prefill, _prefill_step], ids=["prefill", "prefill_step"])
+@pytest.mark.parametrize("lengths, match", [([2], r"lengths is a list \(\[2\]\): expected an array i32\[1\]"),
+                                            (jnp.array([2.0]), r"lengths of dtype float32: expected an integer "
+                                                               r"array i32\[1\]"),
+                                            (np.array([True]), r"lengths of dtype bool")])
+def test_prefill_lengths_of_another_type_are_refused_by_name(params, run, lengths, match):
+    """A list was an AttributeError ('list' object has no attribute 'shape'), a float array a TypeError from
+    take_along_axis. The contract is an i32[B] array: a list is refused, not converted."""
+    with pytest.raises(ValueError, match=match):
+        run(params, jnp.array([[5, 6]]), lengths)
+
+
+@pytest.mark.parametrize("value", [16.0, True, 0])
+def test_generate_tokens_refuses_a_capacity_that_is_not_a_count(params, value):
+    """capacity=True ran as capacity 1 and 16.0 failed inside JAX's shape code (a TypeError); checked by name now,
+    as max_new_tokens is."""
+    with pytest.raises(ValueError, match=rf"capacity={value!r}: expected an integer >= 1 \(KV cache rows\)"):
+        generate_tokens(params, DENSE, jnp.array([[5]]), jnp.array([1]), jax.random.key(0), cfg=CFG,
+                        max_new_tokens=2, capacity=value)
+
+
+# 3 ------------------------------------------------------------------------------------- T = 0 new tokens
+
+
+@pytest.mark.parametrize("how", ["eager", "decode_step", "jit"])
+def test_decode_refuses_zero_new_tokens(params, prefilled, how):
+    """T >= 1 is the contract: T = 0 returned a (B, 0, V) array. A shape: refused under a trace too."""
+    tokens = jnp.zeros((1, 0), jnp.int32)
+    with pytest.raises(ValueError, match=r"tokens \(1, 0\): expected at least one new token per row"):
+        if how == "eager":
+            llama.decode(params, CFG, DENSE, tokens, prefilled, None)
+        elif how == "decode_step":
+            decode_step(params, DENSE, tokens, prefilled, None, cfg=CFG)
+        else:
+            jax.jit(lambda t, c: llama.decode(params, CFG, DENSE, t, c, None))(tokens, prefilled)
