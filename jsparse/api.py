@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import reprlib
+import warnings
 from typing import Any, Iterable, Sequence
 
 import jax
@@ -213,6 +214,16 @@ def speculative_methods(method: Any, model: LoadedModel, draft: LoadedModel, gam
     return method, make_method("dense")
 
 
+def sampling_of(temperature: float, top_p: float) -> Sampling:
+    """`Sampling(temperature, top_p)` (which checks both), with a warning when top_p is set at temperature 0: greedy
+    decoding takes the argmax, and top_p has no effect there."""
+    sampling = Sampling(temperature, top_p)
+    if sampling.temperature == 0 and sampling.top_p != 1.0:
+        warnings.warn(f"top_p={top_p} has no effect at temperature 0 (greedy decoding): pass a temperature > 0 to "
+                      "sample", stacklevel=3)
+    return sampling
+
+
 def fit_windows(pairs, need: int, capacity: int, capped: bool, asked: str | None = None) -> int:
     """The cache capacity for models with sliding windows run by methods that may not honour them.
 
@@ -280,7 +291,7 @@ def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: An
     capacity = fit_windows(pairs, max(lengths_list) + max_new_tokens + extra, capacity, capped=chosen is None)
     tokens, lengths = pad_batch(ids, limit=capacity - max_new_tokens - extra)
     eos = eos_ids(model)
-    sampling = Sampling(temperature, top_p)
+    sampling = sampling_of(temperature, top_p)
     rows = len(ids)
     if model.mesh is not None:
         # Rows over the data axis: pad the batch with copies of row 0 to a multiple of it, drop them after.

@@ -87,7 +87,12 @@ def cmd_generate(args) -> int:
         if not extra:
             raise ValueError(f"--budget-tokens {args.budget_tokens}: method {args.method!r} takes no token budget")
         options = {**options, **extra}
-    method = jsparse.build_method(args.method, model, **options)
+    try:
+        method = jsparse.build_method(args.method, model, **options)
+    except ValueError as e:
+        if args.budget_tokens is None:
+            raise
+        raise type(e)(f"--budget-tokens {args.budget_tokens} (method options {extra}): {e}") from None
     if args.budget is not None and not takes_budget(method):
         how = ("it keeps the tokens that cover the attention mass: --method-option tsa.tau=T or tsa.kept_fraction=F"
                if args.method.startswith("tsa") else "it attends to every key")

@@ -24,7 +24,7 @@ import numpy as np
 
 from models import sharding
 from models.bundled import LoadedModel
-from models.generate import Sampling, check_count, check_token_ids, seed_key
+from models.generate import check_count, check_token_ids, seed_key
 from models.speculative import append_step, check_heads_on_mesh, loop_step, prefill_step
 
 
@@ -43,7 +43,7 @@ class Session:
 
     def __init__(self, model: LoadedModel, draft: LoadedModel, *, method: Any = "dense", gamma: int = 4,
                  capacity: int | None = None, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0):
-        from jsparse.api import check_draft, eos_ids, fit_windows, speculative_methods
+        from jsparse.api import check_draft, eos_ids, fit_windows, sampling_of, speculative_methods
 
         check_draft(model, draft, gamma)
         self.mesh = model.mesh
@@ -67,7 +67,7 @@ class Session:
             raise ValueError(f"gamma={gamma}: a round's gamma + 1 = {gamma + 1} verification rows after a one-token "
                              f"message and reply need {gamma + 3} cache rows, more than the session's capacity of "
                              f"{self.capacity}: expected a smaller gamma or a larger capacity")
-        self.sampling = Sampling(temperature, top_p)
+        self.sampling = sampling_of(temperature, top_p)
         self.eos = eos_ids(model)
         self.key = seed_key(seed)
         self.state = None

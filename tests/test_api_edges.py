@@ -185,12 +185,14 @@ def test_generate_ids_refuses_bad_arguments_by_name(kwargs, message):
         generate_ids(_tiny(), kwargs.pop("ids"), **kwargs)
 
 
-def test_generate_ids_reads_an_iterator_of_prompts_once():
+def test_generate_ids_reads_an_iterator_of_prompts_once_and_warns_of_top_p_when_greedy():
     from jsparse.api import generate_ids
 
     model = _tiny()
-    assert generate_ids(model, (p for p in [[5, 6, 7]]), max_new_tokens=2) == generate_ids(model, [[5, 6, 7]],
-                                                                                           max_new_tokens=2)
+    want = generate_ids(model, [[5, 6, 7]], max_new_tokens=2)
+    assert generate_ids(model, (p for p in [[5, 6, 7]]), max_new_tokens=2) == want
+    with pytest.warns(UserWarning, match="top_p=0.5 has no effect at temperature 0"):
+        assert generate_ids(model, [[5, 6, 7]], max_new_tokens=2, top_p=0.5) == want
 
 
 def test_an_explicit_capacity_past_a_window_is_refused_by_name():

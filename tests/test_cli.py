@@ -141,6 +141,9 @@ def test_generate_budget_tokens_builds_butler_once_at_its_token_budget(monkeypat
     assert len(calls) == 1 and calls[0]["min_tokens"] == 4096 and built["m"].min_tokens == 4096
     assert main(base) == 2  # its default budget: the error names the range and the options that lower it
     assert "supported budgets: (0.1071, 1]" in capsys.readouterr().err
+    plain = ["generate", "--model", "smollm2", "--prompt", "hi", "--method", "streaming"]
+    assert main(plain + ["--budget-tokens", "1"]) == 2  # an option the token budget set, named with it
+    assert "--budget-tokens 1 (method options {'budget': " in capsys.readouterr().err
 
 
 def test_bench_help_lists_every_benchmark_module(capsys):

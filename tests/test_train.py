@@ -404,15 +404,10 @@ def test_interrupt_during_a_periodic_save_propagates(tmp_path, model_params, pcf
     assert read_checkpoint_meta(out)["step"] == 2
 
 
-def test_interrupt_before_a_steps_loss_line_reruns_that_step(tmp_path, uninterrupted, model_params, pcfg, chunks,
-                                                             monkeypatch):
-    """Ctrl-C after step 3's update, before its loss line is written: step 3 does not count as completed (no
-    checkpoint of it), so the resumed run trains and logs it; the log has every step once."""
-    from train import loop
-
-    _, full = uninterrupted
-
-    class CutLog:
+def _interrupting_open(opened_for, method: str, when):
+    """An `open` whose files opened in a mode `opened_for` accepts raise KeyboardInterrupt from their `method` when
+    `when(argument)` holds (Ctrl-C at that point of a write); other files and calls are the real ones."""
+    class Interrupting:
         def __init__(self, f):
             self.f = f
 
@@ -422,19 +417,33 @@ def test_interrupt_before_a_steps_loss_line_reruns_that_step(tmp_path, uninterru
         def __exit__(self, *exc):
             self.f.close()
 
-        def write(self, text):
-            if json.loads(text)["step"] == 3:
-                raise KeyboardInterrupt
-            return self.f.write(text)
+        def __getattr__(self, name):
+            real = getattr(self.f, name)
+            if name != method:
+                return real
 
-        def flush(self):
-            self.f.flush()
+            def call(arg):
+                if when(arg):
+                    raise KeyboardInterrupt
+                return real(arg)
+            return call
 
-    def cut_open(path, mode="r", *a, **k):
+    def interrupting_open(path, mode="r", *a, **k):
         f = open(path, mode, *a, **k)
-        return CutLog(f) if mode == "a" else f
+        return Interrupting(f) if opened_for(mode) else f
+    return interrupting_open
+
+
+def test_interrupt_before_a_steps_loss_line_reruns_that_step(tmp_path, uninterrupted, model_params, pcfg, chunks,
+                                                             monkeypatch):
+    """Ctrl-C after step 3's update, before its loss line is written: step 3 does not count as completed (no
+    checkpoint of it), so the resumed run trains and logs it; the log has every step once."""
+    from train import loop
+
+    _, full = uninterrupted
 
     out = str(tmp_path / "cut")
+    cut_open = _interrupting_open(lambda mode: mode == "a", "write", lambda text: json.loads(text)["step"] == 3)
     monkeypatch.setattr(loop, "open", cut_open, raising=False)
     with pytest.raises(KeyboardInterrupt):
         train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg, progress=False)
@@ -458,23 +467,7 @@ def test_rewriting_the_loss_log_is_atomic(tmp_path, monkeypatch):
     with open(path, "w") as f:
         f.writelines(lines)
 
-    class Killed:
-        def __init__(self, f):
-            self.f = f
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
-        def writelines(self, lines):
-            raise KeyboardInterrupt
-
-    def killing_open(p, mode="r", *a, **k):
-        f = open(p, mode, *a, **k)
-        return Killed(f) if "w" in mode else f
-
+    killing_open = _interrupting_open(lambda mode: "w" in mode, "writelines", lambda lines: True)
     monkeypatch.setattr(loop, "open", killing_open, raising=False)
     with pytest.raises(KeyboardInterrupt):
         loop._rewrite_log(path, 8)
