@@ -54,7 +54,12 @@ A record (every record has exactly the keys of `RECORD_KEYS`; results.json schem
   acceptance_rate
             passkey and the generation tasks with a draft (`EvalSpec.draft`, greedy speculative decoding):
             accepted draft tokens / proposed ones over the rounds of the record's prompts (each prompt's row
-            stops at its task's token count); None otherwise (ppl, no draft)
+            stops at its task's token count; a per-depth record: its depth's prompts); None otherwise (ppl, no
+            draft)
+
+A per-depth record carries its own value, n and acceptance rate, the sparsity of the record over all depths, and
+no layer_sparsity (measured over all depths' prefills together). With a draft, a method that measures its prefill (TSA, tsa+kascade) reports no
+sparsity on passkey and the generation tasks (speculative decoding does not hand back the prefill's state).
 
 A record's unit (`record_key`: method, budget, budget_tokens, task, length, variant) is what a resumed run skips.
 
@@ -939,14 +944,19 @@ def _unit_calls(spec: EvalSpec, length: int, todo: Sequence[tuple[str, str]]) ->
 
 
 def _score_records(task: str, metric: str, scores: Sequence[float], depths: Sequence, seconds: float,
-                   variant: str, **common) -> list[dict]:
-    """The record over all samples, then one per needle depth (when the samples have depths)."""
+                   variant: str, rate_of: Callable[[Sequence[int]], float | None] = lambda idx: None,
+                   **common) -> list[dict]:
+    """The record over all samples, then one per needle depth (when the samples have depths). rate_of(sample
+    indices): the acceptance rate over those samples' rounds (each record's own); a per-depth record's sparsity is
+    the record over all depths' and its layer_sparsity None (measured over all depths' prefills together)."""
     new = [make_record(task=task, metric=metric, value=float(np.mean(scores)), n=len(scores), variant=variant,
-                       depth=None, seconds=seconds, **common)]
+                       depth=None, seconds=seconds, acceptance_rate=rate_of(range(len(scores))), **common)]
+    per_depth = {**common, "layer_sparsity": None}
     for depth in sorted({d for d in depths if d is not None}):
-        hits = [x for x, d in zip(scores, depths) if d == depth]
-        new.append(make_record(task=task, metric=metric, value=float(np.mean(hits)), n=len(hits), variant=variant,
-                               depth=depth, seconds=None, **common))
+        idx = [i for i, d in enumerate(depths) if d == depth]
+        new.append(make_record(task=task, metric=metric, value=float(np.mean([scores[i] for i in idx])), n=len(idx),
+                               variant=variant, depth=depth, seconds=None, acceptance_rate=rate_of(idx),
+                               **per_depth))
     return new
 
 
@@ -1071,13 +1081,22 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
                     for task, _ in together:
                         idx = [i for i, o in enumerate(owners) if o == task]
                         done_gen[task] = ([completions[i] for i in idx], trackers[task],
-                                          elapsed * len(idx) / len(tokens), acceptance_rate(spec_stats, idx))
+                                          elapsed * len(idx) / len(tokens),
+                                          functools.partial(lambda own, sub: acceptance_rate(
+                                              spec_stats, [own[i] for i in sub]), idx))
                 for task, variant in todo:
                     bar.set_description(f"{run.label} {task}{'' if task != 'ppl' else '-' + variant} {length}")
                     t0 = time.perf_counter()
                     measured = LayerSparsity(method, cfg)
+
+                    def prompt_sparsity(measured, mean, variant):  # a generation record's: measured, else by rule
+                        if mean is not None:
+                            return mean
+                        if measured.active and spec.draft is not None:
+                            return None  # a prefill-measured method under speculative decoding: not measured
+                        return sparsity(variant)
                     if task == "passkey":
-                        completions, measured, seconds, rate = done_gen[task]
+                        completions, measured, seconds, rate_of = done_gen[task]
                         layers, mean = measured.result()
                         correct = [passkey_task.is_correct(c, p.key) for p, c in zip(prompts, completions)]
                         for p, c, ok in zip(prompts, completions, correct):
@@ -1085,10 +1104,9 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
                                                 budget_tokens=budget_tokens, length=length, depth=p.depth,
                                                 answers=[p.key], completion=c, score=float(ok)))
                         emit(_score_records("passkey", "accuracy", [float(ok) for ok in correct],
-                                            [p.depth for p in prompts], seconds, "generate",
-                                            sparsity=sparsity("generate") if mean is None else mean,
-                                            layer_sparsity=layers,
-                                            acceptance_rate=rate, **common))
+                                            [p.depth for p in prompts], seconds, "generate", rate_of,
+                                            sparsity=prompt_sparsity(measured, mean, "generate"), layer_sparsity=layers,
+                                            **common))
                     elif task == "ppl":
                         nll = run_ppl(model, method, windows, variant, spec.ppl_rows(length), spec.chunk, tick,
                                       spec.continuation, measured, draft=spec.draft, gamma=spec.gamma)
@@ -1101,7 +1119,7 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
                     else:
                         gen = generation[task]
                         ss = samples[task]
-                        completions, measured, seconds, rate = done_gen[task]
+                        completions, measured, seconds, rate_of = done_gen[task]
                         layers, mean = measured.result()
                         from eval import tasks as task_registry
 
@@ -1111,9 +1129,8 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
                                                 length=length, depth=s.depth, answers=list(s.answers),
                                                 completion=c, score=x))
                         emit(_score_records(task, gen.metric, scores, [s.depth for s in ss], seconds, variant,
-                                            sparsity=sparsity(variant) if mean is None else mean,
-                                            layer_sparsity=layers,
-                                            acceptance_rate=rate, **common))
+                                            rate_of, sparsity=prompt_sparsity(measured, mean, variant),
+                                            layer_sparsity=layers, **common))
     finally:
         bar.close()
     return EvalRun(records=records, outputs=outputs)

@@ -12,9 +12,10 @@ results.json, schema version 2 (`SCHEMA_VERSION`; version 1 was the bare list of
 summary.md holds
   - the results table: one row per method (per method and budget, `kascade b=0.05` / `kascade k=512`, when the
     run swept budgets), one column per (task [variant], length): passkey accuracy as `0.80 (8/10)`, generation
-    tasks as their mean score, perplexity as `12.34`, with the change relative to dense in the same column when
+    tasks as their mean score, perplexity as `12.340`, with the change relative to dense in the same column when
     dense was run (`12.50 (+1.3%)`);
-  - the fidelity gate, achieved sparsity per method and length, measured prefill sparsity per layer, and
+  - the fidelity gate, achieved sparsity per method and (task [variant], length), measured prefill sparsity
+    per layer, and
     accuracy per needle depth.
 
 report.md (`write_report(run_dir)`, regenerated from results.json alone) holds the leaderboard and the plots
@@ -226,16 +227,21 @@ def summary_markdown(records: Sequence[Mapping], meta: Mapping | None = None) ->
             r["task"] == "passkey" for r in main if is_accuracy(r)) else "- none: every method scores at least dense's."]
     lines += [""]
 
+    # One column per (task [variant], length), as in the results table: a record's sparsity is that of the phase
+    # that computes what it scores (the prompt's prefill for passkey and the generation tasks, the decode for ppl
+    # decode / continuation), so one method has different values in different columns (Quest: 0 in its dense
+    # prefill, its page rule in decode).
     lengths = sorted({r["length"] for r in records})
-    sparsity = {}
-    for r in main:
-        if sparsity.get((_row(r), r["length"])) is None:
-            sparsity[(_row(r), r["length"])] = r["sparsity"]
-    lines += ["## Achieved sparsity", "", "Fraction of the visible keys not attended, averaged over layers and "
-              "query positions (blank: the method does not report it).", ""]
-    srows = [[m] + ["" if sparsity.get((m, L)) is None else f"{sparsity[(m, L)]:.3f}" for L in lengths]
+    label_of = row_labeler(records)
+    scols = sorted({_column(r) for r in main})
+    sparsity = {(label_of(r), _column(r)): r["sparsity"] for r in main}
+    lines += ["## Achieved sparsity", "", "Fraction of the visible keys not attended, averaged over layers and the "
+              "query positions each record scores, by the rule of the phase that computes them: the prompt's "
+              "prefill for passkey, the generation tasks and ppl prefill, the decode for ppl decode and "
+              "continuation (blank: the method does not report it).", ""]
+    srows = [[m] + ["" if sparsity.get((m, c)) is None else f"{sparsity[(m, c)]:.3f}" for c in scols]
              for m in methods]
-    lines += _table(["method"] + [f"@{L}" for L in lengths], srows) + [""]
+    lines += _table(["method"] + [f"{c[2]} @{c[0]}" for c in scols], srows) + [""]
 
     measured = [r for r in main if r.get("layer_sparsity")]
     if measured:
@@ -337,12 +343,20 @@ def _mean(values):
     return sum(values) / len(values) if values else None
 
 
+def decode_phase(r: Mapping) -> bool:
+    """Whether a record scores tokens computed in decode (ppl decode / continuation), not in a prefill."""
+    return r["task"] == "ppl" and r["variant"] in ("decode", "continuation")
+
+
 def leaderboard(records: Sequence[Mapping]) -> list[dict]:
     """One row per (method, budget), best first: {label, method, budget, budget_tokens, sparsity, accuracy,
     tasks: {task column: mean over lengths}, ppl_change, below_dense}.
 
     accuracy: the mean over the row's (task, variant, length) results of passkey and the generation tasks (each
-    counts once); sparsity: its mean achieved sparsity (None when unreported); ppl_change: the mean relative
+    counts once); sparsity: its mean achieved sparsity over its records scored in the prefill (passkey, the
+    generation tasks, ppl prefill), decode_sparsity over those scored in decode (ppl decode and continuation), each
+    None when unreported or absent (the two phases' rules differ: a mean over both would be neither's); ppl_change:
+    the mean relative
     perplexity change against dense at the same (variant, length), in percent (None without dense or ppl);
     below_dense: how many of its accuracy results fall below dense's; unchecked: how many have no dense result at
     the same (task, variant, length) (`unchecked`: rows of a folder that gathered several runs may be means over
@@ -356,10 +370,11 @@ def leaderboard(records: Sequence[Mapping]) -> list[dict]:
     rows: dict[str, dict] = {}
     for r in main:
         e = rows.setdefault(row(r), dict(label=row(r), method=r["method"], budget=r["budget"],
-                                         budget_tokens=r.get("budget_tokens"), _acc=[], _sp=[], _ppl=[], _tasks={},
+                                         budget_tokens=r.get("budget_tokens"), _acc=[], _sp=[], _sp_decode=[],
+                                         _ppl=[], _tasks={},
                                          below_dense=0, unchecked=0))
         if r["sparsity"] is not None:
-            e["_sp"].append(r["sparsity"])
+            e["_sp_decode" if decode_phase(r) else "_sp"].append(r["sparsity"])
         if is_accuracy(r):
             e["_acc"].append(r["value"])
             e["_tasks"].setdefault(_column(r)[2], []).append(r["value"])
@@ -370,7 +385,7 @@ def leaderboard(records: Sequence[Mapping]) -> list[dict]:
     out = []
     for e in rows.values():
         out.append(dict(label=e["label"], method=e["method"], budget=e["budget"], budget_tokens=e["budget_tokens"],
-                        sparsity=_mean(e["_sp"]), accuracy=_mean(e["_acc"]),
+                        sparsity=_mean(e["_sp"]), decode_sparsity=_mean(e["_sp_decode"]), accuracy=_mean(e["_acc"]),
                         tasks={t: _mean(v) for t, v in e["_tasks"].items()}, ppl_change=_mean(e["_ppl"]),
                         below_dense=e["below_dense"], unchecked=e["unchecked"]))
     big = float("inf")
@@ -383,7 +398,8 @@ def leaderboard_markdown(records: Sequence[Mapping]) -> list[str]:
     rows = leaderboard(records)
     tasks = sorted({t for e in rows for t in e["tasks"]}, key=lambda t: (t != "passkey", t))
     fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
-    header = ["rank", "method", "budget", "sparsity", "mean accuracy"] + tasks + ["ppl change", "below dense"]
+    header = ["rank", "method", "budget", "prefill sparsity", "decode sparsity", "mean accuracy"] + tasks + [
+        "ppl change", "below dense"]
     some_unchecked = any(e["unchecked"] for e in rows)
     if some_unchecked:
         header.append("not checked against dense")
@@ -391,7 +407,8 @@ def leaderboard_markdown(records: Sequence[Mapping]) -> list[str]:
     for i, e in enumerate(rows, 1):
         budget = "none" if e["budget"] is None else (f"{e['budget_tokens']} tokens" if e["budget_tokens"] is not None
                                                       else f"{e['budget']:g}")
-        table.append([str(i), e["label"], budget, fmt(e["sparsity"], ".3f"), fmt(e["accuracy"], ".3f")]
+        table.append([str(i), e["label"], budget, fmt(e["sparsity"], ".3f"), fmt(e["decode_sparsity"], ".3f"),
+                      fmt(e["accuracy"], ".3f")]
                      + [fmt(e["tasks"].get(t), ".2f") for t in tasks]
                      + ["" if e["ppl_change"] is None else f"{e['ppl_change']:+.1f}%", str(e["below_dense"])]
                      + ([str(e["unchecked"])] if some_unchecked else []))
@@ -551,7 +568,9 @@ def report_markdown(records: Sequence[Mapping], meta: Mapping | None, plots: Seq
     lines += ["## Leaderboard", "",
               "One row per method and budget, best first: mean accuracy over passkey and the generation tasks (each "
               "task and length once), then the mean perplexity change against dense (every ppl variant and length); "
-              "sparsity: mean achieved sparsity (blank: not reported); below dense: results under dense's (the "
+              "prefill / decode sparsity: mean achieved sparsity of the results scored in the prompt's prefill "
+              "(passkey, the generation tasks, ppl prefill) and in decode (ppl decode, continuation) (blank: not "
+              "reported or not run); below dense: results under dense's (the "
               "fidelity gate below).", ""]
     lines += leaderboard_markdown(records) + [""]
     if plots:

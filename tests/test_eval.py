@@ -199,6 +199,22 @@ def test_fidelity_gate_marks_methods_below_dense():
     assert "not checked against dense" not in "\n".join(report.leaderboard_markdown(recs))
 
 
+def test_sparsity_is_shown_per_task_and_phase_not_the_first_records():
+    """A dense-prefill method (Quest) reports 0 on the prompt's prefill (passkey) and its page rule in decode (ppl
+    decode): the summary shows each in its own column, and the leaderboard keeps the two phases apart instead of
+    showing whichever record came first or a mean of both."""
+    def rec(task, variant, sparsity, value):
+        return harness.make_record(task=task, method="quest", length=512, budget=0.1, metric="accuracy" if task ==
+                                   "passkey" else "perplexity", value=value, sparsity=sparsity, n=4, variant=variant,
+                                   depth=None, seconds=1.0)
+    recs = [rec("passkey", "generate", 0.0, 1.0), rec("ppl", "decode", 0.861, 20.0)]
+    md = report.summary_markdown(recs, {})
+    table = md.split("## Achieved sparsity")[1].split("##")[0]
+    assert "| method | passkey @512 | ppl decode @512 |" in table and "| quest | 0.000 | 0.861 |" in table
+    (board,) = report.leaderboard(recs)
+    assert (board["sparsity"], board["decode_sparsity"]) == (0.0, 0.861)
+
+
 def test_passkey_scoring():
     assert passkey.is_correct(" 71432. Remember", "71432")
     assert passkey.is_correct("71432", "71432")

@@ -7,6 +7,7 @@ Runs on the tiny random Llama (2 layers) and tokenizer of tests/test_eval.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -121,6 +122,24 @@ def test_harness_continuation_records_and_layer_sparsity(model, corpus, tmp_path
     assert "| tsa | ppl continuation @96 |" in md and "continuation tokens: 20" in md
     report.write_results(str(tmp_path), run.records)
     assert json.loads((tmp_path / "results.json").read_text())["records"][0]["layer_sparsity"] is None
+    # With a draft the prefill's state is not handed back: TSA's passkey sparsity is not reported (it was its
+    # decode rule, 0.0, though the prefill stayed sparse).
+    from jsparse.api import keep_layers
+
+    drafted = harness.evaluate(model, dataclasses.replace(spec, tasks=("passkey",), draft=keep_layers(model, [0]),
+                                                          gamma=2), progress=False)
+    (tsa_passkey,) = [r for r in drafted.records if r["method"] == "tsa" and r["depth"] is None]
+    assert tsa_passkey["sparsity"] is None and tsa_passkey["layer_sparsity"] is None
+    assert tsa_passkey["acceptance_rate"] is not None
+
+
+def test_a_per_depth_record_carries_its_own_acceptance_rate():
+    """Each record's acceptance rate is over its own prompts' rounds: a depth's, not every depth's."""
+    recs = harness._score_records("passkey", "accuracy", [1.0, 0.0, 1.0, 1.0], [0.2, 0.8, 0.2, 0.8], 1.0, "generate",
+                                  lambda idx: float(sum(idx)), method="m", length=64, budget=None, sparsity=0.5,
+                                  layer_sparsity={"1": 0.5})
+    got = {r["depth"]: (r["acceptance_rate"], r["value"], r["sparsity"], r["layer_sparsity"]) for r in recs}
+    assert got == {None: (6.0, 0.75, 0.5, {"1": 0.5}), 0.2: (2.0, 1.0, 0.5, None), 0.8: (4.0, 0.5, 0.5, None)}
 
 
 # ------------------------------------------------------------------------------------------------ token budgets

@@ -371,10 +371,11 @@ def test_write_report_makes_leaderboard_and_plots(tmp_path):
     rows = [line.split("|")[2].strip() for line in board.splitlines() if line.startswith("| ") and "rank" not in line]
     # accuracy first (dense, tsa and oracle b=0.2 all 1.0: then the perplexity change), streaming last.
     assert rows == ["dense", "tsa", "oracle b=0.2", "oracle b=0.1", "oracle b=0.05", "oracle k=64", "streaming b=0.1"]
-    assert "| 3 | oracle b=0.2 | 0.2 | 0.600 | 1.000 | 1.00 | 1.00 | +2.0% | 0 |" in board
-    assert "| 1 | dense | none | 0.000 |" in board
-    assert "| 6 | oracle k=64 | 64 tokens | 0.850 | 0.250 | 0.25 | 0.25 | +30.0% | 4 |" in board  # 4 below dense
-    assert "| 7 | streaming b=0.1 | 0.1 |  | 0.000 |" in board  # no sparsity reported: blank
+    # prefill sparsity (passkey, the needle task), decode sparsity (ppl continuation), then accuracy
+    assert "| 3 | oracle b=0.2 | 0.2 | 0.600 | 0.600 | 1.000 | 1.00 | 1.00 | +2.0% | 0 |" in board
+    assert "| 1 | dense | none | 0.000 | 0.000 |" in board
+    assert "| 6 | oracle k=64 | 64 tokens | 0.850 | 0.850 | 0.250 | 0.25 | 0.25 | +30.0% | 4 |" in board  # 4 below
+    assert "| 7 | streaming b=0.1 | 0.1 |  |  | 0.000 |" in board  # no sparsity reported: blank
     for p in pngs:
         assert f"]({p})" in md
     assert "not plotted (no sparsity reported): streaming" in md  # its line is missing
