@@ -139,6 +139,9 @@ def test_task_samples(tokenizer, name, length):
         CHECKS[name](tokenizer, s)
         assert score(task, " ".join(s.answers), s.answers) == 1.0
         assert score(task, "", s.answers) == 0.0
+        if name == "vt":  # a whole answer in the form the prompt teaches fits the task's new tokens
+            answer = " " + ", ".join(f"VAR {v}" for v in s.answers) + "."
+            assert len(tokenizer(answer, add_special_tokens=False)["input_ids"]) <= task.max_new_tokens, answer
     depths = [s.depth for s in samples]
     if depths[0] is not None:
         assert depths == [0.1, 0.3, 0.5, 0.7, 0.9]

@@ -84,7 +84,8 @@ def _check_answers(answers: Sequence[str]) -> list[str]:
 
 def string_match_all(prediction: str, answers: Sequence[str]) -> float:
     """RULER's `string_match_all`: the fraction of the answers found in the prediction (case-insensitive
-    substring), in [0, 1]."""
+    substring), in [0, 1]. As in RULER, a substring counts: a wrong, longer number that contains the answer
+    ("12345678" for "1234567") scores (passkey's `eval.passkey.is_correct` is stricter: the first digit run)."""
     answers = _check_answers(answers)
     pred = prediction.lower()
     return sum(a.lower() in pred for a in answers) / len(answers)
