@@ -211,6 +211,10 @@ def run_config(spec: harness.EvalSpec, model: str, dtype: str | None) -> dict:
                   gamma=None if spec.draft is None else spec.gamma,
                   artifacts={k: portable_path(v) for k, v in spec.artifacts.items()},
                   method_options={k: dict(v) for k, v in spec.method_options.items()})
+    if spec.corpus and os.path.isfile(spec.corpus):  # its bytes: a file edited in place between runs differs
+        from jsparse.artifacts import text_digest
+
+        config["corpus_sha256"] = text_digest(spec.corpus)
     if spec.allow_calibration_corpus:  # only when given: folders written before it still resume
         config["allow_calibration_corpus"] = True
     if spec.ppl_samples is not None and spec.ppl_samples != spec.samples:
@@ -219,6 +223,8 @@ def run_config(spec: harness.EvalSpec, model: str, dtype: str | None) -> dict:
 
 
 def _same(key: str, a, b) -> bool:
+    if key == "corpus_sha256" and a is None:  # a folder written before the digest (2026-12-04) resumes
+        return True
     if key == "corpus" and a and b:
         return portable_path(a) == portable_path(b)
     return a == b

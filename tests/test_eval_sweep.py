@@ -229,6 +229,27 @@ def test_resume_refuses_a_dropped_method_option_or_ppl_samples(tmp_path):
     assert cli_eval.resume_config(str(tmp_path), same, False, methods)[2]["artifacts"] == {}
 
 
+def test_resume_refuses_a_corpus_edited_in_place_and_resumes_a_folder_without_its_digest(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("one text " * 200)
+
+    def config():
+        args = _parser().parse_args(["eval", "--methods", "dense", "--tasks", "ppl", "--corpus", str(corpus), "--out",
+                                     "x"])
+        return cli_eval.run_config(cli_eval.spec_from_args(args), "smollm2", "float32")
+
+    first = config()
+    out = tmp_path / "run"
+    report.write_results(str(out), [_unit("dense", "ppl")], dict(config=first))
+    assert cli_eval.resume_config(str(out), config(), False, ("dense",))[2] == first
+    corpus.write_text("another text " * 200)  # the same path, other bytes
+    with pytest.raises(ValueError, match="was run with corpus_sha256="):
+        cli_eval.resume_config(str(out), config(), False, ("dense",))
+    legacy = {k: v for k, v in first.items() if k != "corpus_sha256"}  # written before the digest
+    report.write_results(str(out), [_unit("dense", "ppl")], dict(config=legacy))
+    assert cli_eval.resume_config(str(out), config(), False, ("dense",))
+
+
 def _unit(method, task="passkey"):
     return dict(task=task, method=method, length=160, budget=0.1, budget_tokens=None, metric="accuracy", value=1.0,
                 sparsity=None, layer_sparsity=None, n=1, variant="generate", depth=None, seconds=0.1)
