@@ -88,9 +88,11 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help="run even when --corpus holds the text an --artifact was calibrated or trained on (by the "
                         "digest the artifact records); without it that is an error, as the method would be scored on "
                         "its own calibration data")
-    p.add_argument("--seed", type=int, default=0, help="seed of the passkey keys/filler and ppl windows (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the passkey keys/filler, the generation tasks' samples and the ppl windows "
+                        "(default 0)")
     p.add_argument("--depths", default=",".join(f"{d:g}" for d in DEFAULT_DEPTHS),
-                   help="passkey needle depths, fractions in [0, 1] (default 0.1,0.3,0.5,0.7,0.9)")
+                   help="passkey needle depths, fractions in [0, 1] (default 0.1,0.3,0.5,0.7,0.9; the needle tasks of "
+                        "eval/tasks cycle their own 0.1..0.9)")
     p.add_argument("--haystack", choices=["repeat", "corpus"], default="repeat",
                    help="haystack of passkey and the generation tasks: 'repeat' (the classic noise sentences, repeated; "
                         "default) or 'corpus' (stretches of --corpus at seeded offsets: real text, independent of the "
@@ -112,7 +114,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help="the generation tasks' prompts in the model's chat template (records' variant 'chat') "
                         "instead of raw completions (variant 'generate'); passkey and ppl stay raw")
     p.add_argument("--chunk", type=int, default=512,
-                   help="tokens per decode call in the ppl decode variant (bounds memory; default 512)")
+                   help="tokens per decode call in the ppl decode and continuation variants (bounds memory; "
+                        "default 512)")
     p.add_argument("--max-batch-tokens", type=int, default=8192,
                    help="tokens per forward: samples are batched max(1, this // length) at a time (default 8192)")
     p.add_argument("--draft", default=None,

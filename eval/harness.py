@@ -316,7 +316,8 @@ class EvalSpec:
     """What one evaluation run measures.
 
     Attributes:
-      methods: registry names of the methods; tasks: subset of TASKS; lengths: prompt lengths in tokens.
+      methods: registry names of the methods; tasks: subset of TASKS and the generation tasks of eval/tasks;
+        lengths: prompt lengths in tokens.
       budget: the budget every sparse method is built with, in (0, 1] (when `budgets` is None).
       budgets: budget fractions to sweep, each in (0, 1]: every method that takes a budget runs once per fraction
         (and once per token budget of `budget_tokens`); None: `budget` alone, or only `budget_tokens` when those
@@ -324,14 +325,18 @@ class EvalSpec:
       samples: passkey prompts / generation-task prompts (and ppl windows, unless `ppl_samples`) per length
         (passkey depths cycle over the samples: sample i has depth depths[i % len(depths)]).
       ppl_samples: ppl windows per length; None: `samples`.
-      seed: seeds the passkey keys and filler and the ppl window offsets.
+      seed: seeds the passkey keys and filler, the generation tasks' samples and the ppl window offsets.
       corpus: the ppl corpus (a UTF-8 text file); artifacts: method name -> artifact folder.
-      depths: passkey needle depths; ppl_variants: subset of ("decode", "prefill", "continuation").
-      haystack: the passkey filler, "repeat" (the classic sentences) or "corpus" (stretches of `corpus`).
+      depths: passkey needle depths (the needle tasks of eval/tasks cycle their own 0.1..0.9); ppl_variants: subset
+        of ("decode", "prefill", "continuation").
+      haystack: the filler of passkey and the generation tasks, "repeat" (the classic sentences) or "corpus"
+        (stretches of `corpus`).
       continuation: C, the scored tokens of the ppl "continuation" variant (the prompt is the rest).
       budget_tokens: fixed token budgets N, or None for the fraction rule (`budget`). Each N runs every method
         that takes a budget with k = min(N, p + 1) keys per query at position p: TokenBudget methods (and
-        compositions around one) get budget = N / (length + new_tokens) and min_tokens = N, methods with a
+        compositions around one) get min_tokens = N and a budget small enough that the fraction never exceeds N
+        at the longest position the run reaches (the prompt plus the most new tokens of its tasks; the length
+        for a ppl-only run), methods with a
         `budget_tokens` field (EvoSparse) get budget_tokens = N; methods without a budget (dense, tsa) run once
         per length.
       method_options: method name -> extra keyword options of its builder (e.g. {"tsa": {"tau": 0.01}}).
@@ -339,7 +344,8 @@ class EvalSpec:
         own `max_new_tokens`).
       chat: the generation tasks' prompts in the model's chat template (variant "chat") instead of raw
         completions (variant "generate"); passkey and ppl are always raw.
-      chunk: tokens per decode call in the ppl "decode" variant.
+      chunk: tokens per decode call in the ppl "decode" and "continuation" variants (the continuation runs as one
+        call when C <= chunk).
       max_batch_tokens: rows per forward = max(1, max_batch_tokens // length).
       draft: a draft model (a LoadedModel with the target's vocabulary) or None. With one, passkey and every
         generation task answer by greedy speculative decoding (`gamma` draft tokens per round; their records
