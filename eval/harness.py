@@ -452,6 +452,13 @@ class EvalSpec:
             return tuple(self.budgets)
         return () if self.budget_tokens is not None else (self.budget,)
 
+    def base_budget(self) -> float:
+        """The budget each method's base instance is built at (`build_methods`): the first fraction the run uses,
+        or 1.0 when it runs token budgets only (any budgeted method builds at 1.0: a build at a default the run
+        never uses could fail, e.g. TokenButler's calibrated dense layers need a budget above theirs)."""
+        fractions = self.fractions()
+        return fractions[0] if fractions else 1.0
+
     def generation_variant(self) -> str:
         return "chat" if self.chat else "generate"
 
@@ -841,11 +848,12 @@ def check_calibration_corpus(spec: EvalSpec) -> None:
                 "text), or pass --allow-calibration-corpus to measure anyway")
 
 
-def build_method(model, spec: EvalSpec, name: str, **overrides):
-    """Builds one method of the run with its artifact, method options and `overrides` (budget ...)."""
+def build_method(model, spec: EvalSpec, name: str, default_budget: float | None = None, **overrides):
+    """Builds one method of the run with its artifact, method options and `overrides` (budget ...); the budget is
+    `default_budget` (None: `spec.budget`) unless its method options or `overrides` set one."""
     import jsparse
 
-    options = {"budget": spec.budget}
+    options = {"budget": spec.budget if default_budget is None else default_budget}
     if name == "sts":
         options["draft"] = spec.draft
     if spec.artifacts.get(name):
@@ -858,8 +866,8 @@ def build_method(model, spec: EvalSpec, name: str, **overrides):
 
 
 def build_methods(model, spec: EvalSpec) -> dict:
-    """Builds every method of the run (before any work, so a bad artifact fails fast)."""
-    return {name: build_method(model, spec, name) for name in spec.methods}
+    """Builds every method of the run (before any work, so a bad artifact fails fast), at `spec.base_budget()`."""
+    return {name: build_method(model, spec, name, default_budget=spec.base_budget()) for name in spec.methods}
 
 
 def takes_budget(method) -> bool:
@@ -902,7 +910,7 @@ def method_runs(model, spec: EvalSpec, methods: Mapping, max_visible: int) -> li
             out.append(MethodRun(name, None, None, lambda m=method: m))
             continue
         for b in spec.fractions():
-            build = (lambda m=method: m) if b == spec.budget else \
+            build = (lambda m=method: m) if b == spec.base_budget() else \
                 (lambda n=name, b=b: build_method(model, spec, n, budget=b))
             out.append(MethodRun(name, b, None, build))
         for tokens in spec.budget_tokens or ():

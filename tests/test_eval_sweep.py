@@ -250,6 +250,23 @@ def test_resume_refuses_a_corpus_edited_in_place_and_resumes_a_folder_without_it
     assert cli_eval.resume_config(str(out), config(), False, ("dense",))
 
 
+def test_methods_are_built_at_a_budget_the_run_uses(monkeypatch):
+    """The base instance of each method is built at the run's first fraction, or at 1.0 for token budgets only: a
+    build at the default 0.1 the run never used failed for the shipped TokenButler artifact (its calibrated dense
+    layers need a budget above 3/28) and stopped `--budgets 0.2,0.5` and `--budget-tokens` runs."""
+    import jsparse
+
+    seen = []
+    monkeypatch.setattr(jsparse, "build_method", lambda name, model, **kw: seen.append(kw["budget"]) or object())
+    base = dict(methods=("oracle",), tasks=("passkey",), lengths=(64,))
+    for extra, want in ((dict(budgets=(0.2, 0.5)), 0.2), (dict(budget_tokens=(64,)), 1.0), (dict(budget=0.3), 0.3)):
+        spec = harness.EvalSpec(**base, **extra)
+        assert spec.base_budget() == want
+        seen.clear()
+        harness.build_methods(None, spec)
+        assert seen == [want], extra
+
+
 def _unit(method, task="passkey"):
     return dict(task=task, method=method, length=160, budget=0.1, budget_tokens=None, metric="accuracy", value=1.0,
                 sparsity=None, layer_sparsity=None, n=1, variant="generate", depth=None, seconds=0.1)
