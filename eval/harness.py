@@ -492,7 +492,8 @@ def achieved_sparsity(method, name: str, cfg, length: int, variant: str = "decod
       "continuation" (ppl): the last `continuation` positions, decoded after the prefill of the rest;
       "prefill" (ppl), "generate" / "chat" (passkey and the generation tasks): the prompt's positions 0..length-1
         in the method's prefill: 0.0 for a method whose prefill attends to every key (`dense_prefill`: Quest, H2O,
-        EvoSparse, TokenButler), else its rule over them."""
+        EvoSparse, TokenButler), else its rule over them (the decode rule, k(p + 1) keys at position p: for the
+        tile-based prefills, which also attend each query's own tile, an upper bound of the skipped fraction)."""
     fn = getattr(method, "achieved_sparsity", None)
     if fn is None:
         return 0.0 if name == "dense" else None
