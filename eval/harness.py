@@ -29,10 +29,12 @@ A record (every record has exactly the keys of `RECORD_KEYS`; results.json schem
   value     the metric's value (a mean over the samples)
   sparsity  achieved sparsity: fraction of visible keys not attended, averaged over layers and the query
             positions the record scores, from `method.achieved_sparsity(cfg, positions)` (`achieved_sparsity`):
-            ppl "decode" positions 0..length-1; ppl "continuation" the last C; ppl "prefill", passkey and the
-            generation tasks the prompt's positions in the method's prefill, 0.0 for the decode methods whose
-            prefill is dense (Quest, H2O, EvoSparse, TokenButler; before 2026-12-03 these records carried the
-            decode rule over 0..length-1); 0.0 for dense; None when the method does not report it. For a method
+            the rows whose predictions it scores: ppl "decode" rows 0..length-2; ppl "continuation" the C rows
+            before the last (the prefill's last row, then C - 1 decoded); ppl "prefill" rows 0..length-2 and
+            passkey and the generation tasks the prompt's rows, in the method's prefill, 0.0 for the decode
+            methods whose prefill is dense (Quest, H2O, EvoSparse, TokenButler; before 2026-12-03 these records
+            carried the decode rule over 0..length-1; before 2026-12-04 ppl counted rows 1..length-1, one off);
+            0.0 for dense; None when the method does not report it. For a method
             that measures its prefill (TSA, see layer_sparsity),
             the measured attention-map sparsity of the record's prefills averaged over all layers (dense
             layers count 0)
@@ -486,24 +488,36 @@ def make_record(**fields) -> dict:
 
 def achieved_sparsity(method, name: str, cfg, length: int, variant: str = "decode",
                       continuation: int | None = None) -> float | None:
-    """The method's achieved sparsity over the query positions a record of `variant` scores, each by the rule of
-    the phase that computes it (0.0 for dense, None if unreported):
-      "decode" (ppl): positions 0..length-1, all decoded;
-      "continuation" (ppl): the last `continuation` positions, decoded after the prefill of the rest;
-      "prefill" (ppl), "generate" / "chat" (passkey and the generation tasks): the prompt's positions 0..length-1
-        in the method's prefill: 0.0 for a method whose prefill attends to every key (`dense_prefill`: Quest, H2O,
-        EvoSparse, TokenButler), else its rule over them (the decode rule, k(p + 1) keys at position p: for the
-        tile-based prefills, which also attend each query's own tile, an upper bound of the skipped fraction)."""
+    """The method's achieved sparsity over the query rows whose outputs a record of `variant` scores, each by the
+    rule of the phase that computes it (0.0 for dense, None if unreported). A row at position p predicts token
+    p + 1, so ppl scores rows 0..length-2 (the last row predicts nothing):
+      "decode" (ppl): rows 0..length-2, all decoded;
+      "continuation" (ppl): rows length-C-1..length-2: the first is the prefill's last row, the other C - 1 are
+        decoded after it (the mean over the C rows);
+      "prefill" (ppl): rows 0..length-2 of the method's prefill; "generate" / "chat" (passkey and the generation
+        tasks): the prompt's rows 0..length-1 in the method's prefill (its last row gives the first new token).
+    A prefill row is 0.0 for a method whose prefill attends to every key (`dense_prefill`: Quest, H2O, EvoSparse,
+    TokenButler), else the method's rule over it (the decode rule, k(p + 1) keys at position p: for the tile-based
+    prefills, which also attend each query's own tile, an upper bound of the skipped fraction)."""
     fn = getattr(method, "achieved_sparsity", None)
     if fn is None:
         return 0.0 if name == "dense" else None
+    dense_prefill = getattr(method, "dense_prefill", False)
+
+    def rule(positions):
+        return float(fn(cfg, np.asarray(positions, np.int32)))
     if variant == "continuation":
         if continuation is None:
             raise ValueError("variant 'continuation' needs its continuation tokens")
-        return float(fn(cfg, np.arange(length - continuation, length, dtype=np.int32)))
-    if variant != "decode" and getattr(method, "dense_prefill", False):
+        first = length - continuation - 1  # the prefill's last row
+        head = 0.0 if dense_prefill else rule([first])
+        rest = rule(np.arange(first + 1, length - 1)) if continuation > 1 else 0.0
+        return (head + (continuation - 1) * rest) / continuation
+    if variant == "decode":
+        return rule(np.arange(length - 1))
+    if dense_prefill:
         return 0.0
-    return float(fn(cfg, np.arange(length, dtype=np.int32)))
+    return rule(np.arange(length - 1 if variant == "prefill" else length))
 
 
 def _batches(rows: np.ndarray, size: int):

@@ -465,9 +465,13 @@ def test_record_sparsity_follows_the_phase_that_computes_it():
         decode = harness.achieved_sparsity(m, name, cfg, L, "decode")
         assert decode > 0.3
         assert [harness.achieved_sparsity(m, name, cfg, L, v) for v in ("prefill", "generate", "chat")] == [0.0] * 3
+        assert decode == pytest.approx(float(m.achieved_sparsity(cfg, np.arange(L - 1))))  # rows 0..L-2 scored
         tail = harness.achieved_sparsity(m, name, cfg, L, "continuation", continuation=C)
-        assert tail == pytest.approx(float(m.achieved_sparsity(cfg, np.arange(L - C, L))))
+        # Rows L-C-1..L-2: the prefill's last row (dense here), then C - 1 decoded rows.
+        assert tail == pytest.approx((C - 1) * float(m.achieved_sparsity(cfg, np.arange(L - C, L - 1))) / C)
         assert tail > decode  # late positions see more keys than the budget's floor
+        # One scored token: it comes from the dense prefill, so nothing was skipped (it was the decode rule).
+        assert harness.achieved_sparsity(m, name, cfg, L, "continuation", continuation=1) == 0.0
     oracle = make_method("oracle", budget=0.1)
     prefill = harness.achieved_sparsity(oracle, "oracle", cfg, L, "prefill")
     assert prefill == pytest.approx(harness.achieved_sparsity(oracle, "oracle", cfg, L, "decode")) and prefill > 0.3
