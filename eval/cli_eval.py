@@ -88,7 +88,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help="run even when --corpus holds the text an --artifact was calibrated or trained on (by the "
                         "digest the artifact records); without it that is an error, as the method would be scored on "
                         "its own calibration data")
-    p.add_argument("--seed", type=int, default=0, help="seed of the passkey keys/filler, the generation tasks' samples and the ppl windows "
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the passkey keys/filler, the generation tasks' samples and the ppl windows "
                         "(default 0)")
     p.add_argument("--depths", default=",".join(f"{d:g}" for d in DEFAULT_DEPTHS),
                    help="passkey needle depths, fractions in [0, 1] (default 0.1,0.3,0.5,0.7,0.9; the needle tasks of "

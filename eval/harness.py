@@ -60,8 +60,9 @@ A record (every record has exactly the keys of `RECORD_KEYS`; results.json schem
             draft)
 
 A per-depth record carries its own value, n and acceptance rate, the sparsity of the record over all depths, and
-no layer_sparsity (measured over all depths' prefills together). With a draft, a method that measures its prefill (TSA, tsa+kascade) reports no
-sparsity on passkey and the generation tasks (speculative decoding does not hand back the prefill's state).
+no layer_sparsity (measured over all depths' prefills together). With a draft, a method that measures its prefill
+(TSA, tsa+kascade) reports no sparsity on passkey and the generation tasks (speculative decoding does not hand back
+the prefill's state).
 
 A record's unit (`record_key`: method, budget, budget_tokens, task, length, variant) is what a resumed run skips.
 
@@ -285,7 +286,8 @@ def _split_options(text: str) -> list[str]:
 
 
 # Method options that are the run's budget, and the flags that set it.
-BUDGET_FLAGS = {"budget": "--budget (jsparse generate) or --budgets (jsparse eval)", "budget_tokens": "--budget-tokens"}
+BUDGET_FLAGS = {"budget": "--budget (jsparse generate) or --budgets (jsparse eval)",
+                "budget_tokens": "--budget-tokens"}
 
 
 def parse_method_options(values: Sequence[str] | None, methods: Sequence[str],
@@ -1084,6 +1086,13 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
                 sparsity = functools.partial(achieved_sparsity, method, name, cfg, length,
                                              continuation=spec.continuation)  # of a record's variant
                 common = dict(method=name, length=length, budget=budget, budget_tokens=budget_tokens)
+
+                def prompt_sparsity(measured, mean, variant, sparsity=sparsity):  # a generation record's
+                    if mean is not None:  # measured on its prefills
+                        return mean
+                    if measured.active and spec.draft is not None:
+                        return None  # a prefill-measured method under speculative decoding: not measured
+                    return sparsity(variant)  # by the method's rule
                 # Passkey and the generation tasks: their prompts in shared generate calls (speculative decoding
                 # ones with a draft).
                 together = _generation_units(spec, todo)
@@ -1111,19 +1120,12 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
                         idx = [i for i, o in enumerate(owners) if o == task]
                         done_gen[task] = ([completions[i] for i in idx], trackers[task],
                                           elapsed * len(idx) / len(tokens),
-                                          functools.partial(lambda own, sub: acceptance_rate(
-                                              spec_stats, [own[i] for i in sub]), idx))
+                                          lambda sub, own=idx, stats=spec_stats: acceptance_rate(
+                                              stats, [own[i] for i in sub]))
                 for task, variant in todo:
                     bar.set_description(f"{run.label} {task}{'' if task != 'ppl' else '-' + variant} {length}")
                     t0 = time.perf_counter()
                     measured = LayerSparsity(method, cfg)
-
-                    def prompt_sparsity(measured, mean, variant):  # a generation record's: measured, else by rule
-                        if mean is not None:
-                            return mean
-                        if measured.active and spec.draft is not None:
-                            return None  # a prefill-measured method under speculative decoding: not measured
-                        return sparsity(variant)
                     if task == "passkey":
                         completions, measured, seconds, rate_of = done_gen[task]
                         layers, mean = measured.result()
@@ -1134,8 +1136,8 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
                                                 answers=[p.key], completion=c, score=float(ok)))
                         emit(_score_records("passkey", "accuracy", [float(ok) for ok in correct],
                                             [p.depth for p in prompts], seconds, "generate", rate_of,
-                                            sparsity=prompt_sparsity(measured, mean, "generate"), layer_sparsity=layers,
-                                            **common))
+                                            sparsity=prompt_sparsity(measured, mean, "generate"),
+                                            layer_sparsity=layers, **common))
                     elif task == "ppl":
                         nll = run_ppl(model, method, windows, variant, spec.ppl_rows(length), spec.chunk, tick,
                                       spec.continuation, measured, draft=spec.draft, gamma=spec.gamma)

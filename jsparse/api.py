@@ -259,13 +259,11 @@ def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: An
     count in full even where the row ends inside them at an EOS or at max_new_tokens) of the speculative rounds
     (without a draft there are none: it is left unchanged).
     """
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+    prompts = None if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable) else list(ids)  # read once
+    if prompts is None or any(isinstance(t, (int, np.integer)) for t in prompts):
         raise ValueError("ids: expected a list of prompts, each a list of token ids ([[1, 2, 3]] for one prompt), "
-                         f"got {str(ids)[:60]!r}")
-    ids = list(ids)  # an iterator is read once, here
-    if any(isinstance(t, (int, np.integer)) for t in ids):
-        raise ValueError("ids: expected a list of prompts, each a list of token ids ([[1, 2, 3]] for one prompt), "
-                         f"got {str(ids)[:60]!r}")
+                         f"got {str(ids if prompts is None else prompts)[:60]!r}")
+    ids = prompts
     check_method(method)
     check_seed(seed)
     check_gamma(gamma)

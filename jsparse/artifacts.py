@@ -123,12 +123,17 @@ def update_artifact_meta(path: str, kind: str, **meta) -> Artifact:
     """Adds or replaces metadata keys of the artifact at `path` (checked as `load_artifact` checks it), rewriting only
     its artifact.json, atomically (its arrays and their digest stay). Returns the artifact as now saved."""
     art = load_artifact(path, kind)
-    with open(os.path.join(path, ARTIFACT_JSON)) as f:
-        info = json.load(f)
-    info["meta"] = {**info.get("meta", {}), **meta}
+    info = _read_info(path)
+    info["meta"] = {**info["meta"], **meta}
     _write_replace(os.path.join(path, ARTIFACT_JSON), json.dumps(info, indent=2, default=_json_default).encode())
     art.meta = info["meta"]
     return art
+
+
+def _read_info(path: str):
+    """The parsed artifact.json of folder `path` (OSError; ValueError for bytes that are not UTF-8 JSON)."""
+    with open(os.path.join(path, ARTIFACT_JSON), "rb") as f:
+        return json.loads(f.read().decode("utf-8"))
 
 
 def _write_replace(target: str, data: bytes) -> None:
@@ -147,8 +152,7 @@ def load_artifact(path: str, kind: str, fingerprint: str | None = None) -> Artif
         raise ArtifactError(f"no artifact at {path!r}: {ARTIFACT_JSON} is missing (make one with "
                             f"{_make_command(kind, path)})")
     try:
-        with open(meta_path, "rb") as f:
-            info = json.loads(f.read().decode("utf-8"))
+        info = _read_info(path)
         with open(os.path.join(path, ARRAYS_NPZ), "rb") as f:
             data = f.read()
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
@@ -251,8 +255,7 @@ def artifact_kind(path: str) -> str:
     if not os.path.exists(meta):
         raise ArtifactError(f"no artifact at {path!r}: {ARTIFACT_JSON} is missing")
     try:
-        with open(meta, "rb") as f:
-            info = json.loads(f.read().decode("utf-8"))
+        info = _read_info(path)
     except (OSError, ValueError) as e:  # (JSON and UTF-8 errors are ValueErrors)
         raise ArtifactError(f"artifact at {path!r} is corrupt: {type(e).__name__}: {e}") from e
     kind = info.get("kind") if isinstance(info, dict) else None

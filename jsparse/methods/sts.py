@@ -825,8 +825,8 @@ class STS(_Budget):
             from jsparse.artifacts import fingerprint as model_fp
             draft_fingerprint = model_fp(draft)
             head_map = load_head_map(artifact, fingerprint, draft_fingerprint, budget)
-        head_map = sel.integer_array("STS head map", head_map)
-        check_head_map(head_map, cfg, draft.cfg)
+        head_map = np.asarray(head_map)
+        check_head_map(head_map, cfg, draft.cfg)  # (its dtype too: a float map is refused, not truncated)
         head_map = head_map.astype(np.int32)
         if not 0 <= dense_layers <= cfg.num_layers:
             raise ValueError(f"dense_layers={dense_layers!r}: expected 0..{cfg.num_layers} (the target's layers)")

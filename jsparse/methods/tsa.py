@@ -507,10 +507,10 @@ def load_sparse_layers(path: str, fingerprint: str | None, cfg=None) -> tuple[in
     art = load_artifact(path, ARTIFACT_KIND, fingerprint)
     if cfg is not None:  # its per-layer arrays have the calibrated model's layer count
         for name in ("drift", "normalized_rank"):
-            got = np.shape(art.arrays.get(name, np.zeros(cfg.num_layers)))
-            if got != (cfg.num_layers,):
-                raise ArtifactError(f"TSA artifact at {path!r} has {name} of shape {got}: expected ({cfg.num_layers},), "
-                                    "one value per layer of this model (an artifact made for another model?)")
+            if name in art.arrays and np.shape(art.arrays[name]) != (cfg.num_layers,):
+                raise ArtifactError(f"TSA artifact at {path!r} has {name} of shape {np.shape(art.arrays[name])}: "
+                                    f"expected ({cfg.num_layers},), one value per layer of this model (an artifact "
+                                    "made for another model?)")
     layers = list(np.asarray(art.arrays["sparse_layers"]).ravel())  # as stored: a float is refused, not truncated
     num_layers = cfg.num_layers if cfg is not None else 1 << 30
     return check_sparse_layers(layers, num_layers)
