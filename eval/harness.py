@@ -81,6 +81,7 @@ import dataclasses
 import functools
 import os
 import time
+import warnings
 from typing import Callable, Mapping, Sequence
 
 import jax
@@ -425,10 +426,23 @@ class EvalSpec:
                     check_sts_token_budget(tokens)
         if self.budgets is not None:
             parse_budgets(self.budgets)
-        for name in self.method_options:
+        for name, options in self.method_options.items():
             if name not in self.methods:
                 raise ValueError(f"method options given for method {name!r}, which is not among the methods "
                                  f"{list(self.methods)}")
+            for field in options:
+                if field in BUDGET_FLAGS:
+                    raise ValueError(f"method option {name}.{field}={options[field]!r}: the budget is set by "
+                                     f"{BUDGET_FLAGS[field]} (EvalSpec.budget / budgets / budget_tokens), not by a "
+                                     "method option (a run records the budget it gives every method)")
+            if "min_tokens" in options and self.budget_tokens is not None:
+                message = (f"method option {name}.min_tokens={options['min_tokens']!r} with token budgets "
+                           f"{list(self.budget_tokens)} (--budget-tokens): a token budget N sets min_tokens = N "
+                           "itself")
+                if not self.fractions():
+                    raise ValueError(message + "; this run has no fraction budget the option could apply to")
+                warnings.warn(message + f", so the option applies to the fraction runs {list(self.fractions())} "
+                              "only", stacklevel=2)
         for name in self.artifacts:
             if name not in self.methods:
                 raise ValueError(f"artifact given for method {name!r}, which is not among the methods "

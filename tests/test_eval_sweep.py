@@ -267,6 +267,21 @@ def test_methods_are_built_at_a_budget_the_run_uses(monkeypatch):
         assert seen == [want], extra
 
 
+def test_min_tokens_option_beside_token_budgets_is_refused_or_named():
+    """A token budget N sets min_tokens = N itself: a min_tokens method option under token budgets only would never
+    apply (refused); beside fractions it applies to the fraction runs only (a warning says so). A budget given as a
+    method option through the Python API is refused as the CLI refuses it."""
+    base = dict(methods=("oracle",), tasks=("passkey",), lengths=(64,), method_options={"oracle": {"min_tokens": 4}})
+    with pytest.raises(ValueError, match=r"oracle.min_tokens=4 with token budgets \[16\].*no fraction budget"):
+        harness.EvalSpec(**base, budget_tokens=(16,)).validate()
+    with pytest.warns(UserWarning, match=r"applies to the fraction runs \[0.25\] only"):
+        harness.EvalSpec(**base, budget_tokens=(16,), budgets=(0.25,)).validate()
+    harness.EvalSpec(**base, budgets=(0.25,)).validate()  # no token budget: nothing to say
+    for field in ("budget", "budget_tokens"):
+        with pytest.raises(ValueError, match=rf"method option oracle.{field}=.*not by a method option"):
+            harness.EvalSpec(**{**base, "method_options": {"oracle": {field: 2}}}).validate()
+
+
 def _unit(method, task="passkey"):
     return dict(task=task, method=method, length=160, budget=0.1, budget_tokens=None, metric="accuracy", value=1.0,
                 sparsity=None, layer_sparsity=None, n=1, variant="generate", depth=None, seconds=0.1)
