@@ -243,6 +243,8 @@ def _gguf_tokenizer(path: Path, open_reader=None) -> tuple[Any, tuple[int, ...]]
             shutil.rmtree(target, ignore_errors=True)
     reader = (open_reader or functools.partial(open_gguf, path))()
     tok, stops = gguf_tokenizer(reader, path), stop_token_ids(reader)
+    if tok is None:
+        return None, stops  # no tokenizer in the file: nothing to cache
     tmp = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -91,6 +91,12 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name}={value!r}: expected a positive integer")
+        mp = self.max_position_embeddings
+        if not isinstance(mp, int) or isinstance(mp, bool) or mp <= 0:
+            raise ConfigError(f"max_position_embeddings={mp!r}: expected a positive integer")
+        eps = self.rms_norm_eps
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < float("inf"):
+            raise ConfigError(f"rms_norm_eps={eps!r}: expected a positive finite number")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")

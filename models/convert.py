@@ -200,6 +200,7 @@ def convert_tensors(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32, *
     np_dtype = jnp.dtype(dtype)
     per_layer: dict[str, dict[int, np.ndarray]] = {}
     top: dict[str, np.ndarray] = {}
+    stored_head = None
     for name in source.keys():
         match = None
         for rx, m in _COMPILED:
@@ -215,8 +216,9 @@ def convert_tensors(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32, *
         hit, m = match
         field = m.target.split(".")[-1]
         if not _required(cfg, field):
-            if field == "lm_head":
-                continue  # some tied checkpoints store the (identical) head anyway
+            if field == "lm_head":  # some tied checkpoints store the (identical) head anyway: checked below
+                stored_head = name
+                continue
             raise ValueError(f"{where}: tensor {name!r} is present but config.json does not enable it "
                              f"({field} for architecture {cfg.architecture!r})")
         want = m.hf_shape(cfg)
@@ -248,6 +250,9 @@ def convert_tensors(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32, *
         elif field not in top:
             raise ValueError(f"{where}: tensor {template!r} is missing")
 
+    if stored_head is not None:
+        _check_tied_head(source, stored_head, top["embed"], np_dtype, transform, where)
+
     def put(name, x):
         if x is None:
             return None
@@ -260,6 +265,22 @@ def convert_tensors(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32, *
                     lm_head=put("lm_head", top.get("lm_head")))
     check_shapes(cfg, params, where)
     return params
+
+
+def _check_tied_head(source: TensorSource, name: str, embed: np.ndarray, np_dtype, transform, where: str) -> None:
+    """A tied checkpoint (tie_word_embeddings true) may store its output head too, but only as a copy of the
+    embedding, which the model then uses: a stored head that differs would be silently replaced, so it is refused."""
+    raw = source.get(name)  # Hugging Face stores the head [V, E], as the embedding
+    if transform is not None:
+        raw = transform(name, raw)
+    head = np.asarray(raw).astype(np_dtype, copy=False)
+    if head.shape != embed.shape or not np.array_equal(head, embed):
+        diff = (f"max |difference| {float(np.max(np.abs(head.astype(np.float32) - embed.astype(np.float32)))):.3g}"
+                if head.shape == embed.shape else f"shape {head.shape} against {embed.shape}")
+        raise ValueError(f"{where}: config.json sets tie_word_embeddings=true (the output head is the embedding), "
+                         f"but the checkpoint stores a different {name!r} ({diff}); expected no stored head or a "
+                         "copy of the embedding. If the stored head is meant, set tie_word_embeddings to false in "
+                         "config.json")
 
 
 # ----------------------------------------------------------------------------------------------- safetensors
@@ -329,7 +350,13 @@ def _weight_files(folder: Path) -> dict[str, Path]:
     single = folder / "model.safetensors"
     if index.is_file():
         with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
+            try:
+                meta = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{index}: not valid JSON ({e})") from e
+        if not isinstance(meta, dict):
+            raise ValueError(f"{index} holds a {type(meta).__name__}: expected a JSON object with a 'weight_map'")
+        weight_map = meta.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index}: no 'weight_map' in the sharded checkpoint index")
         return {name: folder / shard for name, shard in weight_map.items()}

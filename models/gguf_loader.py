@@ -136,6 +136,10 @@ def dequantize(tensor, path: Path) -> np.ndarray:
         # A copy: an F32 tensor comes back as a view of the memory-mapped file, which a rewrite of the file would
         # change under the loaded model (and a truncation turn into SIGBUS).
         return np.array(w, np.float32, copy=True).reshape(shape)
+    except NotImplementedError as e:  # the gguf package does not dequantize this type
+        raise ValueError(f"{path}: GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, which the gguf "
+                         f"package cannot dequantize ({e}); expected F32, F16, BF16 or a type it reads (Q8_0, Q4_0, "
+                         "Q4_1, Q5_0, Q5_1, the K-quants ...)") from e
     except Exception as e:
         raise ValueError(f"{path}: GGUF tensor {tensor.name!r} ({tensor.tensor_type.name}, shape {shape}) "
                          f"cannot be read (corrupt or truncated file?): {type(e).__name__}: {e}") from e

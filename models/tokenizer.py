@@ -141,12 +141,16 @@ def stop_token_ids(reader) -> tuple[int, ...]:
 
 def gguf_tokenizer(reader, path) -> Any:
     """The tokenizer of the GGUF at `path` (read by `reader`, a `gguf.GGUFReader`): byte-level BPE GGUFs are built
-    here without torch; other kinds go through transformers' GGUF loader, which needs torch and accelerate.
+    here without torch; other kinds go through transformers' GGUF loader, which needs torch and accelerate. None
+    when the file holds no tokenizer (no `tokenizer.ggml.model`): the model loads without one, as a Hugging Face
+    folder without tokenizer files does, and takes token ids.
 
     Raises:
       ValueError: a tokenizer kind this module does not build and transformers cannot load here (named).
     """
     kind = _field(reader, "tokenizer.ggml.model")
+    if kind is None:
+        return None
     if kind == "gpt2":
         return byte_level_bpe(reader, where=str(path))
     try:

@@ -131,6 +131,42 @@ def test_corrupt_safetensors_is_named(folder):
         load_hf_folder(folder)
 
 
+def test_tied_config_with_a_different_stored_head_is_refused(llama_model, tmp_path):
+    """tie_word_embeddings=true makes the model use its embedding as head: a stored copy of it loads, a stored head
+    that differs would have been dropped silently (logits unlike transformers'), so it is refused by name."""
+    tied = tiny_llama(seed=2, tie_word_embeddings=False)
+    tensors = {k: v.detach().numpy().copy() for k, v in tied.state_dict().items()}
+    tied.save_pretrained(tmp_path / "differs")
+    _edit_config(tmp_path / "differs", tie_word_embeddings=True)
+    with pytest.raises(ValueError, match=r"tie_word_embeddings=true.*stores a different 'lm_head.weight' "
+                                         r"\(max \|difference\| .*set tie_word_embeddings to false"):
+        load_hf_folder(tmp_path / "differs")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+    shutil.copytree(tmp_path / "differs", tmp_path / "copy")
+    save_file(tensors, tmp_path / "copy" / "model.safetensors", metadata={"format": "pt"})
+    cfg, params = load_hf_folder(tmp_path / "copy")
+    assert cfg.tie_word_embeddings and params.lm_head is None
+
+
+@pytest.mark.parametrize("field,value", [("max_position_embeddings", None), ("rms_norm_eps", None),
+                                         ("rms_norm_eps", 0), ("max_position_embeddings", 0)])
+def test_config_scalars_null_or_out_of_range_are_named(folder, field, value):
+    _edit_config(folder, **{field: value})
+    with pytest.raises(ConfigError, match=rf"{field}={value!r}: expected a positive"):
+        load_hf_folder(folder)
+
+
+def test_broken_shard_index_is_named(llama_model, tmp_path):
+    llama_model.save_pretrained(tmp_path, max_shard_size="100KB")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(index.read_text()[:40])
+    with pytest.raises(ValueError, match=r"index.json: not valid JSON"):
+        load_hf_folder(tmp_path)
+    index.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"index.json holds a list: expected a JSON object with a 'weight_map'"):
+        load_hf_folder(tmp_path)
+
+
 # ----------------------------------------------------------------------------------------------- GGUF
 
 
@@ -290,6 +326,27 @@ def test_gguf_truncated_is_named(llama_model, tmp_path, keep):
     cut.write_bytes(data[: int(len(data) * keep)])
     with pytest.raises(ValueError, match="truncated.gguf"):
         load_gguf(cut)
+
+
+def test_gguf_without_a_tokenizer_loads_without_one(llama_model, tmp_path, monkeypatch):
+    """A GGUF with no tokenizer.ggml.model loads as a Hugging Face folder without tokenizer files does: tokenizer
+    None (it takes token ids), where it failed inside transformers' GGUF loader."""
+    monkeypatch.setenv(bundled.CACHE_ENV, str(tmp_path / "cache"))
+    path = write_gguf(llama_model, tmp_path / "no-tokenizer.gguf")
+    model = bundled.load_model(str(path))
+    assert model.tokenizer is None and model.cfg.num_layers == 2
+
+
+def test_gguf_tensor_type_the_gguf_package_cannot_read_is_named():
+    from models.gguf_loader import dequantize
+
+    class Tensor:
+        name, tensor_type = "output_norm.weight", gguf.GGMLQuantizationType.F64
+        data, shape = np.zeros(4, np.float64), np.array([4])
+
+    with pytest.raises(ValueError, match=r"'output_norm.weight' has type F64, which the gguf package cannot "
+                                         r"dequantize"):
+        dequantize(Tensor(), "x.gguf")
 
 
 def test_gguf_rope_keys_read_as_llama_cpp_reads_them(llama_model, tmp_path):
