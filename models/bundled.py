@@ -94,6 +94,9 @@ def resolve_model(spec: str | os.PathLike) -> ResolvedModel:
     """
     text = os.fspath(spec)
     if text.lower() in BUNDLED:
+        if os.path.exists(text):
+            warnings.warn(f"model {text!r} names the bundled model, which is loaded; a path of that name exists here "
+                          f"and is not: pass {os.path.join('.', text)!r} to load it", stacklevel=2)
         path = _bundled_smollm2()
         return ResolvedModel("gguf", path, path.stem)
     path = Path(text).expanduser()

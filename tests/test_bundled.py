@@ -34,7 +34,7 @@ def cache(tmp_path_factory):
         yield path
 
 
-def test_resolve_specs(tmp_path):
+def test_resolve_specs(tmp_path, monkeypatch):
     smol = resolve_model("smollm2")
     assert smol.kind == "gguf" and smol.path.suffix == ".gguf" and smol.path.is_file()
     (tmp_path / "config.json").write_text("{}")
@@ -44,6 +44,10 @@ def test_resolve_specs(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(ValueError, match="weights.bin"):
         resolve_model(tmp_path / "weights.bin")
+    (tmp_path / "SmolLM2").mkdir()  # a folder named as the bundled model: the name wins, and a warning says so
+    monkeypatch.chdir(tmp_path)
+    with pytest.warns(UserWarning, match=r"'SmolLM2' names the bundled model.*pass './SmolLM2' to load it"):
+        assert resolve_model("SmolLM2").path == smol.path
 
 
 def test_missing_package_names_pip_command(monkeypatch):
