@@ -224,21 +224,25 @@ def sampling_of(temperature: float, top_p: float) -> Sampling:
     return sampling
 
 
-def fit_windows(pairs, need: int, capacity: int, capped: bool, asked: str | None = None) -> int:
+def fit_windows(pairs, need: int, capacity: int, capped: bool, asked: str | None = None, verify_rows: int = 0) -> int:
     """The cache capacity for models with sliding windows run by methods that may not honour them.
 
     pairs: (LoadedModel, method) for the target (and the draft). A method outside `window_methods()` on a model
     whose window W is shorter than `need` (prompt + new tokens (+ speculative rows)) is refused; within the window
     it runs, with the default capacity (`capped`) cut to W so the window never binds. asked: what `need` is, for
-    the refusal (None: a request's prompt plus max_new_tokens).
+    the refusal (None: a request's prompt plus max_new_tokens, plus `verify_rows`, speculative decoding's gamma + 1
+    verification rows, which the refusal then names).
     """
     for model, method in pairs:
         W = model.cfg.window_size
         if W is None or getattr(method, "supports_window", False):
             continue
         if need > W:
-            what = asked or f"this request needs {need} tokens"
-            fix = f"a value <= {W}" if asked else f"prompt plus max_new_tokens within {W} tokens"
+            rows = f" (prompt plus max_new_tokens plus gamma + 1 = {verify_rows} verification rows)" if verify_rows else ""
+            what = asked or f"this request needs {need} tokens{rows}"
+            fix = (f"a value <= {W}" if asked else f"prompt plus max_new_tokens within {W} tokens" if not verify_rows
+                   else f"prompt plus max_new_tokens plus gamma + 1 within {W} tokens (a smaller gamma or fewer new "
+                        "tokens)")
             raise ValueError(
                 f"method {type(method).__name__} does not support sliding-window attention and {what}, more than "
                 f"{model.name}'s sliding_window={W}; use one of {window_methods()} or keep {fix}")
@@ -286,7 +290,8 @@ def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: An
         fit_windows(pairs, chosen, chosen, capped=False, asked=f"capacity={chosen}")
     if draft is not None:
         check_draft_context(draft, lengths_list, max_new_tokens)
-    capacity = fit_windows(pairs, max(lengths_list) + max_new_tokens + extra, capacity, capped=chosen is None)
+    capacity = fit_windows(pairs, max(lengths_list) + max_new_tokens + extra, capacity, capped=chosen is None,
+                           verify_rows=extra)
     tokens, lengths = pad_batch(ids, limit=capacity - max_new_tokens - extra)
     eos = eos_ids(model)
     sampling = sampling_of(temperature, top_p)

@@ -396,7 +396,10 @@ def prefill(params: Params, cfg: ModelConfig, method, tokens: Array, lengths: Ar
     x, ck, cv, state, hidden = _scan_layers(
         params, cfg, method, embed(params, tokens), positions, lengths, cache, state, phase="prefill",
         kv_len=T, write=_write_prefill, attend=attend, collect=return_hidden)
-    cache = KVCache(k=ck, v=cv, lengths=lengths.astype(jnp.int32))
+    # A copy, not the caller's array (astype of an int32 array is the array itself outside jit): the decode steps
+    # donate the cache, which would delete the caller's lengths, and two caches prefilled from one array (the
+    # speculative target and draft) would hand the same buffer in twice.
+    cache = KVCache(k=ck, v=cv, lengths=jnp.array(lengths, jnp.int32, copy=True))
     if not all_logits:
         x = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [B, 1, E]
         logits = lm_logits(cfg, params, x)[:, 0]

@@ -341,3 +341,7 @@ def test_session_caps_its_capacity_at_the_window_as_generate_does(params):
     with pytest.raises(ValueError, match=r"H2O does not support sliding-window attention and capacity=64, more than "
                                          r"tiny-windowed's sliding_window=16; .*keep a value <= 16"):
         jsparse.Session(model, model, method="h2o", gamma=2, capacity=64)
+    # 8 + 6 = 14 tokens fit the window; the gamma + 1 = 3 verification rows make 17: the refusal names them
+    with pytest.raises(ValueError, match=r"needs 17 tokens \(prompt plus max_new_tokens plus gamma \+ 1 = 3 "
+                                         r"verification rows\).*within 16 tokens \(a smaller gamma"):
+        jsparse.generate_ids(model, [list(range(5, 13))], method="h2o", draft=model, gamma=2, max_new_tokens=6)

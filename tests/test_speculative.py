@@ -18,7 +18,8 @@ from models.cache import init_cache
 from models.config import ModelConfig
 from models.generate import Sampling, generate_tokens
 from models.params import random_params
-from models.speculative import (SpecState, sampling_probs, spec_prefill, spec_round, speculative_generate)
+from models.speculative import (SpecState, loop_step, sampling_probs, spec_prefill, spec_round,
+                               speculative_generate)
 
 CFG = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3,
                   num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256, eos_token_ids=(3,))
@@ -52,6 +53,21 @@ def test_greedy_equals_target_only_batch2(models, gamma):
     np.testing.assert_array_equal(np.asarray(num), ref_num)
     np.testing.assert_array_equal(np.asarray(out), ref_out)
     assert np.all(np.asarray(rounds) >= 1) and np.all(np.asarray(accepted) <= gamma * np.asarray(rounds))
+
+
+def test_eager_prefill_state_can_be_donated_to_the_steps(models):
+    """spec_prefill called outside jit: each cache holds its own lengths, not the caller's array, so the donating
+    loop_step neither meets one buffer twice nor deletes the caller's lengths."""
+    target, draft = models
+    tokens = jax.random.randint(jax.random.key(5), (2, 12), 4, CFG.vocab_size)
+    lengths = jnp.array([12, 7], jnp.int32)
+    s = spec_prefill(target, draft, DENSE, DENSE, tokens, lengths, jax.random.key(0), t_cfg=CFG, d_cfg=DRAFT_CFG,
+                     capacity=64)
+    assert s.target.lengths is not lengths and s.draft.lengths is not s.target.lengths
+    out = loop_step(target, draft, DENSE, DENSE, s, jax.random.key(1), t_cfg=CFG, d_cfg=DRAFT_CFG, gamma=2,
+                    max_new_tokens=5)
+    jax.block_until_ready(out)
+    assert not lengths.is_deleted() and lengths.tolist() == [12, 7]
 
 
 def test_draft_equal_to_target_accepts_everything(models):
