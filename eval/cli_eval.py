@@ -291,11 +291,21 @@ def _output_unit(r) -> tuple:
 def run_eval(args) -> int:
     """The `jsparse eval` command: validate, load the model, evaluate (resuming into --out), write the files and
     the report; returns 0."""
+    spec = spec_from_args(args)
+    made = not os.path.exists(args.out)
+    check_out(args.out)
+    try:
+        return _run_eval(args, spec)
+    except BaseException:
+        if made and os.path.isdir(args.out) and not os.listdir(args.out):
+            os.rmdir(args.out)  # a run refused (or stopped) before it wrote anything leaves no empty folder
+        raise
+
+
+def _run_eval(args, spec) -> int:
     import jsparse
     from jsparse.api import default_dtype
 
-    spec = spec_from_args(args)
-    check_out(args.out)
     config = run_config(spec, args.model, args.dtype or default_dtype())
     previous, runs, config = resume_config(args.out, config, getattr(args, "overwrite", False), spec.methods)
     model = jsparse.load(args.model, args.dtype, mesh=getattr(args, "mesh", None))
@@ -335,9 +345,9 @@ def run_eval(args) -> int:
 
     def write(records, outputs=()):
         # outputs.json with results.json after every unit: the two always describe the same units.
-        added = len(records) - len(previous)
+        added = len(records) - len(previous)  # a run that adds nothing (a resume with no unit left) is not listed
         report.write_results(args.out, records, meta, old_outputs + list(outputs),
-                             runs + [dict(this_run, records=added)])
+                             runs + ([dict(this_run, records=added)] if added else []))
 
     from models.sharding import use_mesh
 

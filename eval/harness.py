@@ -1034,15 +1034,23 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
                   default=spec.new_tokens)
     # The most prompt tokens of a length: the generation tasks' prompts may pass it by 1% unless exact.
     prompt_max = {L: max([L] + [t.max_prompt(L) for t in generation.values()]) for L in spec.lengths}
+    # Where the new tokens come from, for the errors of a length too long (they name the request's fields).
+    news = [f"passkey {spec.new_tokens} (--new-tokens)"] * ("passkey" in spec.tasks) + \
+        [f"{name} {task.max_new_tokens}" for name, task in generation.items()]
     for length in spec.lengths:  # fail before any work on a length the model cannot run
-        if "passkey" in spec.tasks or generation:
-            check_request(cfg, [prompt_max[length]], gen_new, verify_rows=0 if spec.draft is None else spec.gamma + 1)
-            if spec.draft is not None and hasattr(spec.draft, "cfg"):
-                from jsparse.api import check_draft_context
+        try:
+            if "passkey" in spec.tasks or generation:
+                check_request(cfg, [prompt_max[length]], gen_new,
+                              verify_rows=0 if spec.draft is None else spec.gamma + 1)
+                if spec.draft is not None and hasattr(spec.draft, "cfg"):
+                    from jsparse.api import check_draft_context
 
-                check_draft_context(spec.draft, [prompt_max[length]], gen_new)
-        if "ppl" in spec.tasks:
-            check_request(cfg, [length - 1], 1)
+                    check_draft_context(spec.draft, [prompt_max[length]], gen_new)
+            if "ppl" in spec.tasks:
+                check_request(cfg, [length - 1], 1)
+        except ValueError as e:
+            raise ValueError(f"length {length} (--lengths): {e}; the run's new tokens are the most any of its tasks "
+                             f"generates: {', '.join(news) or 'ppl 1'}") from None
     check_calibration_corpus(spec)
     corpus_ids = None
     if "ppl" in spec.tasks or ("passkey" in spec.tasks and spec.haystack == "corpus"):

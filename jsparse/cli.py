@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 
@@ -34,6 +35,12 @@ def cmd_generate(args) -> int:
     from models.speculative import check_gamma
 
     method_options = parse_method_options(args.method_option, [args.method], "--method").get(args.method, {})
+    if args.budget is not None and args.method != "sts" and not 0 < args.budget <= 1:  # sts: above 1 counts tokens
+        raise ValueError(f"--budget {args.budget:g}: expected a fraction of the context in (0, 1] (a number of keys "
+                         "goes to --budget-tokens N)")
+    if args.artifact and len(args.artifact) > 1 and args.method != "tsa+kascade":
+        raise ValueError(f"--artifact given {len(args.artifact)} times ({', '.join(args.artifact)}): method "
+                         f"{args.method!r} reads one artifact (two only for tsa+kascade)")
     if args.budget_tokens is not None:
         parse_budget_tokens([args.budget_tokens])
         if args.method == "sts":
@@ -69,7 +76,7 @@ def cmd_generate(args) -> int:
     if args.budget is not None:
         options["budget"] = args.budget
     if args.artifact:
-        options["artifact"] = args.artifact
+        options["artifact"] = os.pathsep.join(args.artifact)  # several folders: routed by kind (tsa+kascade)
     draft = None
     if args.draft:
         from models.sharding import ShardingError
@@ -90,9 +97,12 @@ def cmd_generate(args) -> int:
     try:
         method = jsparse.build_method(args.method, model, **options)
     except ValueError as e:
-        if args.budget_tokens is None:
-            raise
-        raise type(e)(f"--budget-tokens {args.budget_tokens} (method options {extra}): {e}") from None
+        if args.budget_tokens is not None:
+            raise type(e)(f"--budget-tokens {args.budget_tokens} (method options {extra}): {e}") from None
+        if args.budget is None and "budget" not in options and str(e).startswith("budget="):
+            raise type(e)(f"{e}. No --budget was given, so that budget is method {args.method!r}'s default: pass "
+                          "--budget B") from None
+        raise
     if args.budget is not None and not takes_budget(method):
         how = ("it keeps the tokens that cover the attention mass: --method-option tsa.tau=T or tsa.kept_fraction=F"
                if args.method.startswith("tsa") else "it attends to every key")
@@ -102,6 +112,9 @@ def cmd_generate(args) -> int:
                              chat=args.chat, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                              draft=draft, gamma=4 if args.gamma is None else args.gamma, stats=stats)
     print(texts[0])
+    if not texts[0] and not args.chat and getattr(model.tokenizer, "chat_template", None):
+        print(f"[the model ended at once (its end-of-sequence token first): {model.name} has a chat template, "
+              "so it may be an instruct model that expects --chat]", file=sys.stderr)
     if draft is not None:
         print(f"[speculative decoding: {stats['rounds']} rounds, acceptance rate {stats['acceptance_rate']:.2f}]",
               file=sys.stderr)
@@ -207,8 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--budget-tokens", type=int, default=None, metavar="N",
                    help="a fixed token budget instead of --budget: every query attends to min(N, its visible keys) "
                         "(evosparse: its budget_tokens; the fraction methods: min_tokens = N)")
-    g.add_argument("--artifact", default=None, help="calibration artifact folder of a method that needs one; "
-                   "tsa+kascade takes both, joined by the path separator (K:T; each is routed by its kind)")
+    g.add_argument("--artifact", action="append", default=None, metavar="DIR",
+                   help="calibration artifact folder of a method that needs one; tsa+kascade takes two, each routed "
+                        "by its kind: --artifact K --artifact T (or K:T, joined by the path separator)")
     g.add_argument("--method-option", action="append", default=None, metavar="METHOD.KEY=VALUE",
                    help="an option of the method's builder, VALUE read as JSON when it parses (repeatable, "
                         "comma-separated), e.g. tsa.tau=0.01 or butler.rebalance=false")

@@ -216,6 +216,8 @@ def load_gguf_cached(path: str | os.PathLike, dtype=jnp.float32, mesh=None,
         try:
             cfg, params = _load_params(target, dtype, mesh)
             return cfg, params, True
+        except sharding.ShardingError:
+            raise  # the mesh does not fit the model: the entry is sound, and a rebuild would fail the same way
         except Exception as e:  # a truncated or foreign file: rebuild it
             warnings.warn(f"rebuilding unreadable cache entry {target}: {type(e).__name__}: {e}")
             target.unlink(missing_ok=True)

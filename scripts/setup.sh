@@ -22,9 +22,13 @@ PY=${JSPARSE_PYTHON:-}
 if [ -z "$PY" ]; then
   if command -v python3.12 >/dev/null 2>&1 && python3.12 -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
     PY=python3.12
-  elif [ -x "$HOME/.pyenv/versions/3.12.1/bin/python3.12" ]; then
-    PY="$HOME/.pyenv/versions/3.12.1/bin/python3.12"
   else
+    # any Python 3.12 pyenv has installed (its root: $PYENV_ROOT, by default ~/.pyenv), the newest first
+    for cand in $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12.*/bin/python3.12 2>/dev/null | sort -rV); do
+      if [ -x "$cand" ]; then PY="$cand"; break; fi
+    done
+  fi
+  if [ -z "$PY" ]; then
     echo "Python 3.12 is required (jax 0.11.2); set JSPARSE_PYTHON=/path/to/python3.12" >&2; exit 1
   fi
 fi

@@ -2,6 +2,7 @@
 
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -20,7 +21,8 @@ def test_generate_bundled_chat_says_paris(capsys):
 def test_generate_rejects_bad_budget(capsys):
     rc = main(["generate", "--model", "smollm2", "--prompt", "Hello", "--method", "oracle", "--budget", "1.5"])
     assert rc == 2
-    assert "budget=1.5" in capsys.readouterr().err
+    assert "--budget 1.5: expected a fraction of the context in (0, 1] (a number of keys goes to --budget-tokens" \
+        in capsys.readouterr().err
 
 
 def test_generate_budget_only_for_methods_with_one_and_method_options_apply(capsys):
@@ -139,11 +141,42 @@ def test_generate_budget_tokens_builds_butler_once_at_its_token_budget(monkeypat
             "artifacts/smollm2/butler"]
     assert main(base + ["--budget-tokens", "4096"]) == 0
     assert len(calls) == 1 and calls[0]["min_tokens"] == 4096 and built["m"].min_tokens == 4096
-    assert main(base) == 2  # its default budget: the error names the range and the options that lower it
-    assert "supported budgets: (0.1071, 1]" in capsys.readouterr().err
+    assert main(base) == 2  # its default budget: the error names the range, the options that lower it, --budget
+    err = capsys.readouterr().err
+    assert "supported budgets: (0.1071, 1]" in err and "No --budget was given" in err and "pass --budget B" in err
+    assert main(base + ["--artifact", "artifacts/smollm2/kascade"]) == 2  # one method, one artifact
+    assert "--artifact given 2 times" in capsys.readouterr().err
     plain = ["generate", "--model", "smollm2", "--prompt", "hi", "--method", "streaming"]
     assert main(plain + ["--budget-tokens", "1"]) == 2  # an option the token budget set, named with it
     assert "--budget-tokens 1 (method options {'budget': " in capsys.readouterr().err
+
+
+def test_generate_takes_tsa_kascade_artifacts_as_two_flags_and_hints_at_chat(monkeypatch, capsys):
+    """`--artifact K --artifact T` gives tsa+kascade both artifacts (the last one alone was kept, and the error then
+    asked for the Kascade one); an empty reply without --chat from a model with a chat template says why."""
+    import jsparse
+
+    seen = {}
+    monkeypatch.setattr(jsparse, "generate", lambda model, prompts, method, **kw: seen.update(m=method) or [""])
+    base = ["generate", "--model", "smollm2", "--prompt", "hi"]
+    assert main(base + ["--method", "tsa+kascade", "--artifact", "artifacts/smollm2/kascade", "--artifact",
+                        "artifacts/smollm2/tsa"]) == 0
+    both = seen["m"]
+    assert main(base + ["--method", "tsa+kascade", "--artifact",
+                        "artifacts/smollm2/kascade:artifacts/smollm2/tsa"]) == 0
+    joined = seen["m"]
+    assert main(base + ["--method", "tsa+kascade", "--artifact", "artifacts/smollm2/kascade"]) == 0
+    kascade_only = seen["m"]  # TSA uncalibrated: every layer but 0 sparse
+
+    def same(a, b):
+        la, ta = jax.tree.flatten(a)
+        lb, tb = jax.tree.flatten(b)
+        return ta == tb and all(np.array_equal(x, y) for x, y in zip(la, lb))
+
+    assert same(both, joined) and not same(both, kascade_only)
+    assert "expects --chat" in capsys.readouterr().err
+    assert main(base + ["--chat"]) == 0
+    assert "expects --chat" not in capsys.readouterr().err
 
 
 def test_bench_help_lists_every_benchmark_module(capsys):

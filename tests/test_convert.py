@@ -418,6 +418,26 @@ def test_gguf_cache_hit_and_corrupt_entry_rebuilt(llama_model, tmp_path, monkeyp
     assert sorted(p.name for p in (tmp_path / "cache").glob("*.safetensors")) == [target.name]
 
 
+def test_a_mesh_that_does_not_fit_keeps_the_cache_entry(llama_model, tmp_path, monkeypatch):
+    """A mesh the model's heads do not divide fails when the cached params are placed on it: that error reaches the
+    caller and the sound entry stays (it was taken for a corrupt file, deleted and converted again for nothing)."""
+    from models import sharding
+
+    monkeypatch.setenv(bundled.CACHE_ENV, str(tmp_path / "cache"))
+    path = write_gguf(llama_model, tmp_path / "tiny.gguf")
+    load_gguf_cached(path, jnp.float32)
+    target = params_cache_path(path, jnp.float32)
+    stamp = target.stat().st_mtime_ns
+
+    def misfit(cfg, arrays, dtype, where, mesh=None):
+        raise sharding.ShardingError("num_heads (Hq)=4 is not divisible by the mesh's model axis of 3")
+
+    monkeypatch.setattr(bundled, "params_from_numpy", misfit)
+    with pytest.raises(sharding.ShardingError, match="not divisible"):
+        load_gguf_cached(path, jnp.float32, mesh="a mesh of model=3")
+    assert target.is_file() and target.stat().st_mtime_ns == stamp
+
+
 def test_gguf_rewritten_in_place_with_its_mtime_kept_is_hashed_again(llama_model, tmp_path, monkeypatch):
     """A file rewritten with other weights of the same size, its mtime set back (`cp -p`, `rsync -a`), got the old
     file's cached digest and so its cached weights: the digest key now holds the inode and ctime too. And an F32

@@ -151,7 +151,8 @@ def test_sweep_resumes_where_it_stopped(model, corpus, test_task, tmp_path, monk
     calls.clear()
     args = _parser().parse_args(argv)
     assert args.func(args) == 0 and calls == []
-    assert json.loads((out / "results.json").read_text())["records"] == data["records"]
+    third = json.loads((out / "results.json").read_text())
+    assert third["records"] == data["records"] and third["runs"] == data["runs"]  # a run that added nothing: unlisted
     args = _parser().parse_args(argv + ["--seed", "2"])
     with pytest.raises(ValueError, match=r"was run with seed=0, this run has seed=2: .*--overwrite"):
         args.func(args)
@@ -362,8 +363,26 @@ def test_context_check_takes_the_prompt_length_a_task_makes(model, test_task, mo
     with pytest.raises(ValueError, match="longer than the draft's context of"):
         harness.evaluate(model, dataclasses.replace(spec, draft=short), progress=False)
     monkeypatch.setitem(task_registry.TASKS, TASK, dataclasses.replace(test_task, exact_length=False))
-    with pytest.raises(ValueError, match=f"prompt .{int(L * 1.01) + 1} tokens"):
+    with pytest.raises(ValueError, match=rf"length {L} \(--lengths\): prompt .{int(L * 1.01) + 1} tokens.*the run's "
+                                         rf"new tokens are the most any of its tasks generates: {TASK} 3"):
         harness.evaluate(model, spec, progress=False)
+
+
+def test_a_refused_run_leaves_no_empty_out_folder(model, tmp_path, monkeypatch):
+    """--out is made before any work (so a bad one fails fast); a run refused later, before it wrote anything, takes
+    the empty folder away again. An existing folder stays."""
+    monkeypatch.setattr(jsparse, "load", lambda spec, dtype=None, **kw: model)
+    out = tmp_path / "run"
+    argv = ["eval", "--model", "tiny", "--methods", "dense", "--tasks", "passkey", "--lengths", "100000",
+            "--samples", "1", "--out", str(out), "--no-progress", "--no-report"]
+    args = _parser().parse_args(argv)
+    with pytest.raises(ValueError, match=r"length 100000 \(--lengths\)"):
+        args.func(args)
+    assert not out.exists()
+    out.mkdir()
+    with pytest.raises(ValueError, match=r"length 100000"):
+        args.func(_parser().parse_args(argv))
+    assert out.is_dir()
 
 
 def test_resume_refuses_a_version_1_results_file(tmp_path):

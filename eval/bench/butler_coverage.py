@@ -105,6 +105,9 @@ def main(argv=None, prog=None) -> int:
                    help="calibrate: write into the artifact's metadata dense_set = the layers (>= the default "
                         "dense_layers) where butler's default selection has the largest attention-output error")
     args = p.parse_args(argv)
+    if args.row_stride < 1 or not 0 <= args.row_start < args.length:
+        p.error(f"--row-start {args.row_start} --row-stride {args.row_stride} with --length {args.length}: expected "
+                "0 <= --row-start < --length and --row-stride >= 1 (the scored query rows lie in the window)")
 
     import jsparse
 
