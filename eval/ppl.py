@@ -71,8 +71,11 @@ def read_corpus(path: str | None) -> str:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"corpus {path!r} does not exist or is not a file: --corpus expects a UTF-8 "
                                 "text file")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"corpus {path!r} is not UTF-8 text ({e}): --corpus expects a UTF-8 text file") from None
     if not text.strip():
         raise ValueError(f"corpus {path!r} is empty: --corpus expects a UTF-8 text file with some text")
     return text

@@ -122,19 +122,41 @@ def cmd_generate(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
+    from eval.ppl import DEV_CORPUS, read_corpus
+    from jsparse.methods.base import calibration_check
+
+    from eval.cli_eval import check_out
+
+    # The flags' own checks and the corpora before the model loads.
+    for flag, value, least in (("--length", args.length, 2), ("--samples", args.samples, 1), ("--seed", args.seed, 0)):
+        if value < least:
+            raise ValueError(f"{flag} {value}: expected an integer >= {least}")
+    check = calibration_check(args.method)
+    if check is not None:
+        check(args)
+    corpus = args.corpus or [DEV_CORPUS]
+    texts = [read_corpus(path) for path in corpus]
+    made = not os.path.exists(args.out)
+    check_out(args.out, "the artifact (artifact.json, arrays.npz)")  # before the work, not after it
+    try:
+        return _calibrate(args, corpus, texts)
+    except BaseException:
+        if made and os.path.isdir(args.out) and not os.listdir(args.out):
+            os.rmdir(args.out)  # a run refused (or stopped) before it saved leaves no empty folder
+        raise
+
+
+def _calibrate(args, corpus, texts) -> int:
     import json
 
     import numpy as np
     from tqdm import tqdm
 
     import jsparse
-    from eval.ppl import DEV_CORPUS, make_windows, read_corpus, tokenize_corpus
+    from eval.ppl import make_windows, tokenize_corpus
     from jsparse.artifacts import corpus_meta, save_artifact
     from jsparse.methods import calibrators
 
-    from eval.cli_eval import check_out
-
-    check_out(args.out, "the artifact (artifact.json, arrays.npz)")  # before the work, not after it
     model = jsparse.load(args.model, args.dtype)
     if model.tokenizer is None:
         raise ValueError(f"model {args.model!r} has no tokenizer: calibration cuts its prompts from text (a Hugging "
@@ -142,8 +164,7 @@ def cmd_calibrate(args) -> int:
     if args.length > model.cfg.max_position_embeddings:
         raise ValueError(f"--length {args.length}: expected at most the model's context of "
                          f"{model.cfg.max_position_embeddings} tokens")
-    corpus = args.corpus or [DEV_CORPUS]
-    ids = np.concatenate([tokenize_corpus(model.tokenizer, read_corpus(path)) for path in corpus])
+    ids = np.concatenate([tokenize_corpus(model.tokenizer, text) for text in texts])
     windows = make_windows(model.tokenizer, ids, args.length, args.samples, args.seed)
     _, run, _ = calibrators()[args.method]
     with tqdm(total=len(windows), desc=f"calibrating {args.method}") as bar:

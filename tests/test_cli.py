@@ -60,6 +60,19 @@ def test_calibrate_refuses_a_file_as_out_and_a_length_past_the_context(tmp_path,
     assert main(["calibrate", "kascade", "--model", "smollm2", "--anchors", "3", "--target-share", "0.9",
                  "--length", "256", "--samples", "1", "--out", str(tmp_path / "k")]) == 2
     assert "--anchors 3 and --target-share 0.9: the anchors come from one of the two rules" in capsys.readouterr().err
+    # Refused before the model loads, by flag, leaving no empty --out folder: a budget of 1 (it searched for a
+    # prompt length up to 2**30 first), an infinite reuse scale (written into the artifact as Infinity), a negative
+    # seed, a corpus that is not UTF-8 (named).
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    out = tmp_path / "new"
+    for extra, message in ((["--budget", "1.0"], "--budget 1.0: expected a fraction in (0, 1)"),
+                           (["--reuse-scale", "inf"], "--reuse-scale inf: expected a finite number >= 1"),
+                           (["--seed", "-1"], "--seed -1: expected an integer >= 0"),
+                           (["--corpus", str(latin)], f"corpus '{latin}' is not UTF-8 text")):
+        assert main(["calibrate", "kascade", "--model", "smollm2", "--out", str(out), *extra]) == 2, extra
+        assert message in capsys.readouterr().err, extra
+        assert not out.exists(), extra
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["eval", "--help"], ["calibrate", "--help"],

@@ -139,11 +139,21 @@ def _check_options(name: str, kwargs: dict, valid: list[str]) -> None:
 # Calibration entry points, by method name: `jsparse calibrate NAME` builds its options with `add_arguments`
 # and calls `run(model, windows, args) -> Artifact`, where windows: i32[S, T] development token windows cut from
 # the user's corpus (the CLI makes them; a calibrator that builds its own prompts may ignore them).
+_CALIBRATION_CHECKS: dict = {}
 _CALIBRATORS: dict[str, tuple] = {}
+_CALIBRATION_CHECKS: dict[str, object] = {}
 
 
-def register_calibration(name: str, add_arguments, run, help: str = "") -> None:
+def register_calibration(name: str, add_arguments, run, help: str = "", check=None) -> None:
+    """`jsparse calibrate NAME`: add_arguments(parser), run(model, windows, args, progress) -> Artifact, and
+    optionally check(args), which refuses bad arguments before the model loads (named by their flags)."""
     _CALIBRATORS[name] = (add_arguments, run, help)
+    _CALIBRATION_CHECKS[name] = check
+
+
+def calibration_check(name: str):
+    """The argument check registered with calibrator `name` (None: none)."""
+    return _CALIBRATION_CHECKS.get(name)
 
 
 def calibrators() -> dict[str, tuple]:

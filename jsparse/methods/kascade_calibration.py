@@ -10,8 +10,8 @@ On development prompts, with dense attention:
   * anchors, by fidelity (the default, `target_share`): a layer's *share* is the mass its reuse set recovers over
     the mass its own exact top-k keeps (the oracle's), S[a(l), l] / S[l, l], where a(l) is the last anchor <= l
     and S[a, l] = mean over h2 of max over h1 sim[a, l, h1, h2] (the head map takes the best anchor head).
-    Layers are scanned in order and a layer becomes an anchor when the current anchor's share falls below the
-    target, so every reuse layer keeps at least `target_share` of the oracle's mass on the development prompts.
+    The anchors are the fewest (a dynamic program; among equally few, the largest total share) under which every
+    reuse layer keeps at least `target_share` of the oracle's mass on the development prompts.
     On SmolLM2-135M adjacent layers share only 52-96% (min over tiles) and the paper's fixed 5 anchors lose
     the passkey (eval/results/kascade_diagnosis/REPORT.md); a fixed anchor count is still available
     (`num_anchors`: layer 0 plus M - 1 more maximising sum_l w[l] * S[a(l), l], by dynamic programming);
@@ -164,14 +164,29 @@ def share_matrix(S: np.ndarray, S_from: np.ndarray | None = None) -> np.ndarray:
 
 
 def anchors_for_share(share: np.ndarray, target: float) -> list[int]:
-    """Layer 0, then every layer whose share from the current anchor falls below `target` (scan in order)."""
+    """The fewest anchors, layer 0 among them, under which every reuse layer's share (from its last anchor) is at
+    least `target`; among equally few, the largest total share. A dynamic program over the layer order: scanning
+    in order, making a layer an anchor only when the current one falls short, can take more (a layer the current
+    anchor serves badly may be better left to a later anchor's predecessor)."""
     if not 0.0 < target <= 1.0:
         raise ValueError(f"target_share={target}: expected a fraction in (0, 1]")
-    anchors = [0]
-    for l in range(1, share.shape[0]):
-        if share[anchors[-1], l] < target:
-            anchors.append(l)
-    return anchors
+    share = np.asarray(share, np.float64)
+    L = share.shape[0]
+    # best[a] = (anchors, -total share) of layers a..L-1 with an anchor at a, the least in that order; best[L]: none.
+    best: list[tuple[int, float, list[int]]] = [(0, 0.0, [])] * (L + 1)
+    for a in range(L - 1, -1, -1):
+        served, choice = 0.0, None
+        for b in range(a + 1, L + 1):  # the next anchor at b (L: none), a serving layers a+1 .. b-1
+            if b - 1 > a:
+                if share[a, b - 1] < target:
+                    break
+                served += share[a, b - 1]
+            n, neg, rest = best[b]
+            cand = (n + 1, neg - served - 1.0, [a] + rest)
+            if choice is None or cand[:2] < choice[:2]:
+                choice = cand
+        best[a] = choice
+    return best[0][2]
 
 
 def per_layer_share(share: np.ndarray, anchors: Sequence[int]) -> np.ndarray:
@@ -213,8 +228,8 @@ def calibrate(params, cfg, prompts: Iterable[np.ndarray], *, num_anchors: int | 
               model_name: str = "", progress=None) -> Artifact:
     """Calibrates Kascade on prompts (each i32[B, T], all of one length) and returns the artifact.
 
-    Anchors: the fewest (scanning layers in order) that keep every reuse layer's share of its own top-k mass at
-    or above `target_share`, or, with `num_anchors`, that many chosen by the dynamic program. `reuse_scale` (>= 1)
+    Anchors: the fewest that keep every reuse layer's share of its own top-k mass at or above `target_share`
+    (`anchors_for_share`), or, with `num_anchors`, that many chosen by the dynamic program. `reuse_scale` (>= 1)
     widens what anchors hand to reuse layers; it is stored in the artifact and Kascade uses it by default.
     """
     sel.check_budget(budget)
@@ -223,8 +238,12 @@ def calibrate(params, cfg, prompts: Iterable[np.ndarray], *, num_anchors: int | 
         raise ValueError(f"anchors={num_anchors}: expected between 1 and the model's {cfg.num_layers} layers")
     if not 0.0 < target_share <= 1.0:
         raise ValueError(f"target_share={target_share}: expected a fraction in (0, 1]")
-    if not reuse_scale >= 1.0:
-        raise ValueError(f"reuse_scale={reuse_scale}: expected >= 1 (1: reuse layers keep the anchor's k keys)")
+    if not 1.0 <= reuse_scale < float("inf"):
+        raise ValueError(f"reuse_scale={reuse_scale}: expected a finite number >= 1 (1: reuse layers keep the "
+                         "anchor's k keys)")
+    if budget >= 1.0:
+        raise ValueError(f"budget={budget}: a budget of 1 keeps every key, so every layer's share is 1 and there is "
+                         "nothing to calibrate; expected a fraction below 1")
     recorder = _Recorder(budget=budget, min_tokens=min_tokens, tile=tile, reuse_scale=reuse_scale)
     record = jax.jit(_record, static_argnames=("cfg",))
     sim_fn = jax.jit(_similarity, static_argnames=("tile", "wide"))
@@ -300,19 +319,34 @@ def add_arguments(p) -> None:
     p.add_argument("--reuse-scale", type=float, default=DEFAULT_REUSE_SCALE,
                    help="anchors hand their top-(reuse_scale * k) keys to the reuse layers, which attend to "
                         f"that many (default {DEFAULT_REUSE_SCALE}; 1 is the paper's rule)")
-    p.add_argument("--budget", type=float, default=0.1, help="kept fraction of the keys in (0, 1] (default 0.1)")
+    p.add_argument("--budget", type=float, default=0.1, help="kept fraction of the keys in (0, 1) (default 0.1)")
     p.add_argument("--tile", type=int, default=32, help="query rows pooled per tile (default 32)")
+
+
+def check_cli(args) -> None:
+    """The flags' checks that need no model (before it loads)."""
+    if args.anchors is not None and args.anchors < 1:
+        raise ValueError(f"--anchors {args.anchors}: expected at least 1 (layer 0 is always an anchor)")
+    if args.anchors is not None and args.target_share is not None:
+        raise ValueError(f"--anchors {args.anchors} and --target-share {args.target_share}: the anchors come from "
+                         "one of the two rules; pass one")
+    if args.target_share is not None and not 0.0 < args.target_share <= 1.0:
+        raise ValueError(f"--target-share {args.target_share}: expected a fraction in (0, 1]")
+    if not 1.0 <= args.reuse_scale < float("inf"):
+        raise ValueError(f"--reuse-scale {args.reuse_scale}: expected a finite number >= 1")
+    if not 0.0 < args.budget < 1.0:
+        raise ValueError(f"--budget {args.budget}: expected a fraction in (0, 1) (a budget of 1 keeps every key: "
+                         "nothing to calibrate)")
+    check_tile(args.tile)
 
 
 def run_cli(model, windows, args, progress=None) -> Artifact:
     from jsparse.artifacts import fingerprint
 
+    check_cli(args)
     if args.anchors is not None and not 1 <= args.anchors <= model.cfg.num_layers:
         raise ValueError(f"--anchors {args.anchors}: expected between 1 and the model's {model.cfg.num_layers} "
                          "layers")
-    if args.anchors is not None and args.target_share is not None:
-        raise ValueError(f"--anchors {args.anchors} and --target-share {args.target_share}: the anchors come from "
-                         "one of the two rules; pass one")
     share = DEFAULT_TARGET_SHARE if args.target_share is None else args.target_share
     art = calibrate(model.params, model.cfg, (w[None] for w in windows), num_anchors=args.anchors,
                     target_share=share, reuse_scale=args.reuse_scale, budget=args.budget,
@@ -321,5 +355,5 @@ def run_cli(model, windows, args, progress=None) -> Artifact:
     return art
 
 
-register_calibration("kascade", add_arguments, run_cli,
+register_calibration("kascade", add_arguments, run_cli, check=check_cli,
                      help="Kascade: anchor layers by dynamic programming and head maps")
