@@ -24,8 +24,8 @@ def test_eval_sts_full_budget_matches_dense(model, corpus):  # noqa: F811
     head_map = np.stack(np.meshgrid(np.zeros(cfg.num_layers, int), np.arange(cfg.num_heads), indexing="ij"), -1)
     spec = harness.EvalSpec(methods=("dense", "sts"), tasks=("passkey", "ppl"), lengths=(160,), samples=2,
                             corpus=corpus, ppl_variants=("prefill", "continuation"), continuation=37, new_tokens=6,
-                            draft=draft, gamma=2,
-                            method_options={"sts": {"head_map": head_map, "budget": 1.0, "tile": 16}})
+                            draft=draft, gamma=2, budget=1.0,
+                            method_options={"sts": {"head_map": head_map, "tile": 16}})
     run = harness.evaluate(model, spec, progress=False)
     main = {(r["method"], r["task"], r["variant"]): r for r in run.records if r["depth"] is None}
     for m in ("dense", "sts"):
@@ -52,7 +52,7 @@ def test_eval_sts_spec_errors(model):  # noqa: F811
 def _sts_options(model):
     cfg = model.cfg
     head_map = np.stack(np.meshgrid(np.zeros(cfg.num_layers, int), np.arange(cfg.num_heads), indexing="ij"), -1)
-    return {"sts": {"head_map": head_map, "budget": 1.0, "tile": 16}}
+    return {"sts": {"head_map": head_map, "tile": 16}}  # at the run's budget=1.0 (a budget option is refused)
 
 
 def test_eval_generation_tasks_with_draft_equal_dense_without(model, test_task):  # noqa: F811
@@ -61,7 +61,7 @@ def test_eval_generation_tasks_with_draft_equal_dense_without(model, test_task):
     generation record carries its acceptance rate."""
     tasks = ("passkey", "niah_single_number", TASK)
     spec = harness.EvalSpec(methods=("dense", "sts"), tasks=tasks, lengths=(320,), samples=2, new_tokens=6,
-                            draft=keep_layers(model, [0]), gamma=2, method_options=_sts_options(model))
+                            draft=keep_layers(model, [0]), gamma=2, budget=1.0, method_options=_sts_options(model))
     run = harness.evaluate(model, spec, progress=False)
     plain = harness.evaluate(model, dataclasses.replace(spec, methods=("dense",), draft=None, method_options={}),
                              progress=False)
