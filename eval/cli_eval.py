@@ -71,8 +71,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help="fixed token budgets (instead of the default --budget; beside an explicit --budget F or "
                         "--budgets): each N runs every budgeted method with "
                         "k = min(N, p + 1) keys per query at position p (TokenBudget methods: budget ~ N / length "
-                        "and min_tokens = N; evosparse: budget_tokens = N); methods without a budget (dense, tsa) "
-                        "run once per length. A --method-option M.min_tokens applies to the fraction runs only "
+                        "and min_tokens = N, Kascade's reuse_scale 1; evosparse: budget_tokens = N); methods without a budget (dense, tsa) "
+                        "run once per length. A --method-option M.min_tokens (or reuse_scale) applies to the fraction runs only "
                         "(refused when only token budgets run)")
     p.add_argument("--samples", type=int, default=10,
                    help="passkey prompts, generation-task prompts and ppl windows per length (default 10); passkey "

@@ -435,10 +435,12 @@ class EvalSpec:
                     raise ValueError(f"method option {name}.{field}={options[field]!r}: the budget is set by "
                                      f"{BUDGET_FLAGS[field]} (EvalSpec.budget / budgets / budget_tokens), not by a "
                                      "method option (a run records the budget it gives every method)")
-            if "min_tokens" in options and self.budget_tokens is not None:
-                message = (f"method option {name}.min_tokens={options['min_tokens']!r} with token budgets "
-                           f"{list(self.budget_tokens)} (--budget-tokens): a token budget N sets min_tokens = N "
-                           "itself")
+            for key in ("min_tokens", "reuse_scale"):
+                if key not in options or self.budget_tokens is None:
+                    continue
+                message = (f"method option {name}.{key}={options[key]!r} with token budgets "
+                           f"{list(self.budget_tokens)} (--budget-tokens): a token budget N sets {key} itself "
+                           "(N keys in every layer)")
                 if not self.fractions():
                     raise ValueError(message + "; this run has no fraction budget the option could apply to")
                 warnings.warn(message + f", so the option applies to the fraction runs {list(self.fractions())} "
@@ -828,7 +830,8 @@ def check_sts_token_budget(tokens: int) -> None:
 
 def token_budget_options(method, tokens: int, max_visible: int) -> dict:
     """Builder options that give `method` (a built instance, or a method class that wraps no other method) the fixed
-    budget k = min(tokens, p + 1) at every position p < max_visible; {} for a method without a budget (dense, tsa)."""
+    budget k = min(tokens, p + 1) at every position p < max_visible, in every sparse layer (Kascade's reuse layers
+    too: reuse_scale 1); {} for a method without a budget (dense, tsa)."""
     from jsparse.methods.common import TokenBudget
 
     fields = getattr(method, "__dataclass_fields__", {})
@@ -840,7 +843,12 @@ def token_budget_options(method, tokens: int, max_visible: int) -> dict:
     inner = getattr(method, "inner", None)
     own = issubclass(method, TokenBudget) if isinstance(method, type) else isinstance(method, TokenBudget)
     if own or isinstance(inner, TokenBudget):
-        return {"budget": _safe_budget(int(tokens), max_visible), "min_tokens": int(tokens)}
+        out = {"budget": _safe_budget(int(tokens), max_visible), "min_tokens": int(tokens)}
+        # Kascade's reuse layers keep min(max(ceil(r * budget * n), min_tokens), n) keys: the fraction binds at the
+        # longest lengths, so r > 1 would keep up to r * N there. N keys in every layer: r = 1.
+        if "reuse_scale" in getattr(method if own else inner, "__dataclass_fields__", {}):
+            out["reuse_scale"] = 1.0
+        return out
     return {}
 
 

@@ -48,9 +48,10 @@ def cmd_generate(args) -> int:
         if args.budget is not None:
             raise ValueError(f"--budget {args.budget:g} and --budget-tokens {args.budget_tokens}: expected one of "
                              "them (a fraction of the context, or a fixed number of keys)")
-        if "min_tokens" in method_options:
-            raise ValueError(f"--method-option {args.method}.min_tokens with --budget-tokens "
-                             f"{args.budget_tokens}: a token budget sets min_tokens itself")
+        for key in ("min_tokens", "reuse_scale"):
+            if key in method_options:
+                raise ValueError(f"--method-option {args.method}.{key} with --budget-tokens "
+                                 f"{args.budget_tokens}: a token budget sets {key} itself (N keys in every layer)")
     # The options of --budget-tokens follow from the method's class where it wraps no other method (one build: a
     # build at the default budget first may fail where the token budget would not, e.g. butler's calibrated dense
     # layers); a wrapper's (tsa+kascade) from its built instance.

@@ -159,8 +159,13 @@ def test_token_budget_options_give_k_min_n_p(model):
     assert harness.token_budget_options(evo, 512, 4104) == {"budget_tokens": 512}
     assert harness.token_budget_options(jsparse.build_method("dense", model), 512, 4104) == {}
     assert harness.token_budget_options(TSA(), 512, 4104) == {}
-    assert set(harness.token_budget_options(TSA(inner=Kascade(), selection="kv_head"), 512, 4104)) == {
-        "budget", "min_tokens"}
+    # Kascade's reuse layers keep N too (reuse_scale 2 kept up to 2N at the longest lengths): reuse_scale 1
+    for kascade in (Kascade(), Kascade, TSA(inner=Kascade(), selection="kv_head")):
+        opts = harness.token_budget_options(kascade, 512, 4104)
+        assert set(opts) == {"budget", "min_tokens", "reuse_scale"} and opts["reuse_scale"] == 1.0
+        built = Kascade(budget=opts["budget"], min_tokens=512, reuse_scale=opts["reuse_scale"])
+        assert built.k_reuse(4104) == 512 and Kascade(budget=opts["budget"], min_tokens=512,
+                                                        reuse_scale=2.0).k_reuse(4104) > 512
 
 
 def _parser():

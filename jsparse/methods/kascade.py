@@ -10,8 +10,9 @@ role apart (`segments`, from the static `anchor_layers`), so no decode layer wai
 
 Per-layer budgets (`reuse_scale` r >= 1): an anchor attends its own top-k but hands its top-(r * k) keys
 (k_r = min(max(ceil(r * budget * n), min_tokens), n)) to the reuse layers, which attend to those. r = 1 is the
-paper's rule. r scales the fraction, not min_tokens: under a token budget (`--budget-tokens N`: min_tokens = N
-beneath a fraction too small to bind) the reuse layers keep N keys as the anchors do, and r has no effect. On
+paper's rule. r scales the fraction, not min_tokens; a token budget (`--budget-tokens N`: min_tokens = N beneath a
+fraction that binds only at the longest lengths) also sets r = 1 (`eval.harness.token_budget_options`), so the
+reuse layers keep N keys as the anchors do (with r = 2 they kept up to 2N at the longest lengths). On
 SmolLM2-135M a reuse layer's set from even the adjacent layer misses what that layer's own top-k keeps and the
 passkey is lost (eval/results/kascade_diagnosis/REPORT.md); the calibrated artifact of the bundled model carries
 r = 2 and anchors chosen for a target share of the oracle's mass, and `build` takes them from the artifact unless
