@@ -78,7 +78,8 @@ def test_continuation_of_tsa_is_its_prefill_then_its_decode(model, corpus):
     assert (kept[0] == P).all() and (kept[1] < P).all()
     measured = tsa.prefill_layer_sparsity(cfg, state, np.full((B,), P))
     assert list(measured) == [1]
-    np.testing.assert_allclose(measured[1], 1 - kept[1] * (kept[1] + 1.0) / (P * (P + 1.0)))
+    fill = np.asarray([sum(min(tsa.local_window + tsa.local_sinks, j) for j in range(K + 1, P + 1)) for K in kept[1]])
+    np.testing.assert_allclose(measured[1], 1 - (kept[1] * (kept[1] + 1.0) / 2 + fill) / (P * (P + 1.0) / 2))
     dense = ppl.continuation_nll(params, cfg, jsparse.build_method("dense", model), w, C, chunk=8)
     assert np.abs(got - dense).max() > 1e-3
 
@@ -98,7 +99,7 @@ def test_harness_continuation_records_and_layer_sparsity(model, corpus, tmp_path
     np.testing.assert_allclose(r["value"], ppl.perplexity(nll), rtol=1e-5)
     # Sparsity measured on the prefill of the first 76 tokens, per row, averaged over the 3 windows.
     want = float(np.mean(tsa.prefill_layer_sparsity(model.cfg, state, np.full((3,), 76))[1]))
-    assert set(r["layer_sparsity"]) == {"1"} and want > 0.05
+    assert set(r["layer_sparsity"]) == {"1"} and want > 0.01  # a lower bound: fill="local" rows counted at most
     np.testing.assert_allclose(r["layer_sparsity"]["1"], want, rtol=1e-9)
     np.testing.assert_allclose(r["sparsity"], want / 2)  # over both layers, layer 0 dense
     # The prefill variant measures the whole window (96 tokens: more to drop), the passkey its prompts.

@@ -479,6 +479,11 @@ def test_sts_option_errors():
 
     with pytest.raises(ValueError, match="local=-1"):
         STS(local=-1)
+    from jsparse.methods.sts import check_budget
+
+    for bad in (float("nan"), float("inf"), 0.0, -2.0):  # NaN built and failed at generation; inf overflowed there
+        with pytest.raises(ValueError, match=r"budget=.*: expected a fraction of the context in \(0, 1\] or a "):
+            check_budget(bad)
     with pytest.raises(ValueError, match="mask_attention='no'"):
         STS(mask_attention="no")
     with pytest.raises(ValueError, match="dense_layers=3"):

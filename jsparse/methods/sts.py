@@ -109,7 +109,8 @@ RECORD_MAX_CANDIDATES = 16384
 
 def check_budget(budget) -> float:
     """A fraction in (0, 1] or a whole number of tokens > 1."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, float, np.integer, np.floating)) or budget <= 0:
+    if isinstance(budget, bool) or not isinstance(budget, (int, float, np.integer, np.floating)) or \
+            not 0 < budget < float("inf"):  # NaN fails the comparison too
         raise ValueError(f"budget={budget!r}: expected a fraction of the context in (0, 1] or a number of tokens > 1")
     if budget > 1 and float(budget) != int(budget):
         raise ValueError(f"budget={budget!r}: a budget above 1 counts tokens and must be a whole number")

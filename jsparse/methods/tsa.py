@@ -371,22 +371,36 @@ class TSA:
 
         Around Kascade (tsa+kascade) the map a layer computes is Kascade's top-k among the K tokens TSA kept (K = n
         on TSA-dense layers): 1 - (its entries over K tokens, `selection.topk_map_entries` by the layer's role) /
-        (n (n + 1) / 2), for every layer TSA or Kascade makes sparse."""
+        (n (n + 1) / 2), for every layer TSA or Kascade makes sparse.
+
+        With fill="local" each of the n - K dropped rows also attends its local window and sinks, min(C, p + 1)
+        keys for a row at position p (C = local_window + local_sinks). The state does not keep which rows were
+        dropped, so they are counted as if they were the last n - K positions, the most any n - K rows can attend:
+        the fraction given is then a lower bound (within a few thousandths at 1K tokens and above)."""
         kept = np.asarray(state.kept)
         n = np.asarray(lengths)
         if kept.shape[1] != np.shape(n)[0]:
             raise ValueError(f"state.kept has {kept.shape[1]} rows but lengths has {np.shape(n)[0]}")
-        if self.inner is None:
-            frac = causal_map_sparsity(kept, n[None])
-            return {layer: frac[layer] for layer in self.layers(cfg.num_layers)}
-        tsa_layers = set(self.layers(cfg.num_layers))
         full = np.maximum(n, 1) * (np.maximum(n, 1) + 1) / 2.0
+
+        def fill(K):  # the most entries n - K dropped rows' local fill can have: sum_{j=K+1}^{n} min(C, j)
+            if self.fill == "zeros":
+                return 0.0
+            C = self.local_window + self.local_sinks
+            lo, m = np.asarray(K, np.float64) + 1.0, np.minimum(n, C).astype(np.float64)
+            ramp = np.where(m >= lo, (lo + m) * (m - lo + 1.0) / 2.0, 0.0)
+            return ramp + C * np.maximum(0.0, n - np.maximum(lo - 1.0, C))
+
+        if self.inner is None:
+            return {layer: causal_map_sparsity(kept[layer], n) - fill(kept[layer]) / full
+                    for layer in self.layers(cfg.num_layers)}
+        tsa_layers = set(self.layers(cfg.num_layers))
         out = {}
         for layer, budget in enumerate(self.inner.layer_budgets()):
             if budget is None and layer not in tsa_layers:
                 continue
             K = kept[layer] if layer in tsa_layers else n
-            out[layer] = 1.0 - sel.topk_map_entries(budget, K, self.inner.min_tokens) / full
+            out[layer] = 1.0 - (sel.topk_map_entries(budget, K, self.inner.min_tokens) + fill(K)) / full
         return out
 
     def achieved_sparsity(self, cfg, positions) -> float:
