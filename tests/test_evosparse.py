@@ -132,6 +132,25 @@ def _variant(name, **options):
                                                         "heat_fraction"), fr)), **options)
 
 
+def test_noheat_reports_the_layers_before_its_first_retrieval_layer_as_they_attend():
+    """Without heat, a sparse layer before the first retrieval layer has no retrieval set and nothing to give its
+    slots to: it attends its sink and local blocks only, and achieved_sparsity counts it so (it counted the whole
+    budget, reporting less sparsity than attended)."""
+    fr = dict(zip(("sink_fraction", "local_fraction", "retrieval_fraction", "heat_fraction"),
+                  ablation_fractions(FRACTIONS, DROPS["evosparse-noheat"])))
+    late = EvoSparse.from_heads(CFG, [(3, 0)], budget_tokens=64, block_size=8, **fr)  # layer 2 starved
+    early = EvoSparse.from_heads(CFG, [(1, 0)], budget_tokens=64, block_size=8, **fr)  # none starved
+    p = np.arange(100, 400)
+    full = np.mean(1.0 - (np.minimum(8 * 8 - (7 - p % 8), p + 1)) / (p + 1))  # 64 tokens: 8 whole blocks
+    assert early.achieved_sparsity(CFG, p) == pytest.approx(3 / 5 * full)
+    kb, visible, counts = early._row_budget(p)
+    own = np.asarray(counts[0]) + np.asarray(counts[1])  # sink + local blocks
+    assert (own < 8).all()
+    part = np.mean(1.0 - np.minimum(own * 8 - (7 - p % 8), p + 1) / (p + 1))
+    assert late.achieved_sparsity(CFG, p) == pytest.approx((2 * full + part) / 5)
+    assert late.achieved_sparsity(CFG, p) > early.achieved_sparsity(CFG, p)
+
+
 @pytest.mark.parametrize("name,T", [("evosparse", 1), ("evosparse", 3), ("evosparse-noheat", 1),
                                     ("evosparse-noretrieval", 3), ("sink-local", 1)])
 def test_full_budget_equals_dense(name, T):

@@ -20,7 +20,9 @@ Budget (`jsparse.budget_split`). k tokens per query: `budget_tokens` (k = min(bu
 else the fraction rule of the other methods, k = min(max(ceil(budget * (p + 1)), min_tokens), p + 1): kb =
 ceil(k / block_size) blocks, split by the fractions (sink, local, retrieval, heat), which sum to 1 (small budgets
 favour sink and local; the local window, which holds the query's own position, has a block at every budget).
-Retrieval slots left empty (a layer before the first retrieval layer, too few candidates) go to heat. When kb covers every visible block the query attends to all of them (dense attention).
+Retrieval slots left empty (a layer before the first retrieval layer, too few candidates) go to heat; without heat
+(evosparse-noheat) they stay empty, so such a layer attends its sink and local blocks only (`achieved_sparsity`
+counts it). When kb covers every visible block the query attends to all of them (dense attention).
 
 Choices the paper leaves open (documented here, measured where noted):
   * retrieval set -> KV heads: ONE set per layer shared by all KV heads, ranked by the block-max over every
@@ -241,9 +243,26 @@ class EvoSparse:
         return self.block_budget.row(pos)
 
     def achieved_sparsity(self, cfg, positions) -> float:
-        """Fraction of visible keys not attended, over layers and query positions (decode rule, blocks rounded)."""
-        sparse_layers = max(cfg.num_layers - self.dense_layers, 0)
-        return float(sparse_layers / cfg.num_layers * np.mean(1.0 - self.block_budget.attended_fraction(positions)))
+        """Fraction of visible keys not attended, over layers and query positions (decode rule, blocks rounded).
+
+        Without heat (evosparse-noheat) the retrieval slots of a sparse layer before the first retrieval layer stay
+        empty: it attends its sink and local blocks only, counted so (with static `retrieval_layers`)."""
+        L = cfg.num_layers
+        sparse_layers = max(L - self.dense_layers, 0)
+        full = np.mean(1.0 - self.block_budget.attended_fraction(positions))
+        starved = 0
+        if not self.uses_heat and self.uses_retrieval and self.retrieval_layers is not None:
+            first = min(self.retrieval_layers, default=L)
+            starved = max(min(first, L) - self.dense_layers, 0)
+        if not starved:
+            return float(sparse_layers / L * full)
+        p = np.asarray(positions, np.int64)
+        bs = self.block_size
+        kb, visible, counts = (np.asarray(x) if not isinstance(x, tuple) else tuple(np.asarray(c) for c in x)
+                               for x in self._row_budget(p))
+        blocks = np.where(kb >= visible, visible, counts[0] + counts[1])  # every block (dense), or sink + local
+        part = np.mean(1.0 - np.minimum(blocks * bs - (bs - 1 - p % bs), p + 1) / (p + 1))
+        return float(((sparse_layers - starved) * full + starved * part) / L)
 
     # ------------------------------------------------------------------------------------------- protocol
 
