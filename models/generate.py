@@ -84,7 +84,8 @@ def check_request(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_token
     The prompt plus `max_new_tokens` must fit the model's context; with speculative decoding the cache also
     holds `verify_rows` (gamma + 1) rows the verification writes past the accepted tokens (never kept, so not
     counted against the context). capacity None: the prompt, new tokens and verification rows rounded up to 128
-    (without verification rows, capped at the context)."""
+    (past the context when it is not a multiple of 128: a block or page method needs a capacity its block divides,
+    and the rows past it are never written)."""
     if len(prompt_lengths) == 0:
         raise ValueError("no prompts given: expected at least one")
     if min(prompt_lengths) <= 0:
@@ -104,7 +105,7 @@ def check_request(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_token
     if capacity is None:
         if verify_rows:
             return round_up(need + verify_rows, 128)
-        return min(round_up(need, 128), max(cfg.max_position_embeddings, need))
+        return round_up(need, 128)
     if need + verify_rows > capacity:
         rows = f" and gamma + 1 = {verify_rows} verification rows" if verify_rows else ""
         raise ValueError(f"prompt ({max(prompt_lengths)} tokens) plus max_new_tokens={max_new_tokens}{rows} is "

@@ -1,5 +1,7 @@
 """Generation on the layer-scan model: cache consistency, one compiled computation, sampling, request errors."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,6 +107,9 @@ def test_request_errors():
     with pytest.raises(ValueError, match="max_new_tokens=0"):
         check_request(CFG, [5], 0)
     assert check_request(CFG, [100], 20) == 128
+    # at a context that 128 does not divide, the default still rounds to 128 (EvoSparse's blocks and Quest's pages
+    # must divide the capacity: a cap at a context of 1000 refused them for a request dense ran)
+    assert check_request(dataclasses.replace(CFG, max_position_embeddings=1000), [990], 4) == 1024
     # Speculative decoding's gamma + 1 verification rows need cache rows, not context: named apart.
     with pytest.raises(ValueError, match=r"max_new_tokens=8 and gamma \+ 1 = 5 verification rows is 73 tokens, "
                                          "longer than the KV cache capacity of 72"):
