@@ -24,7 +24,7 @@ import numpy as np
 
 from models import sharding
 from models.bundled import LoadedModel
-from models.generate import check_count, check_token_ids, seed_key
+from models.generate import check_count, check_token_ids, round_up, seed_key
 from models.speculative import append_step, check_heads_on_mesh, loop_step, prefill_step
 
 
@@ -35,7 +35,9 @@ class Session:
       model, draft: target and draft (same vocabulary, on the same mesh or neither on one); method: the
         target's method ("dense", "sts" or a method object; STS builds its draft's recorder itself); gamma: draft
         tokens per round; capacity: cache rows of each model (the whole conversation plus gamma + 1 must fit;
-        None: the smaller of the model's context and 4096, and of the sliding window W of a model whose method
+        None: the smaller of the model's context and 4096, rounded up to 128 (a block or page method needs a
+        capacity its block divides; the conversation stays within the context), and of the sliding window W of a
+        model whose method
         does not honour windows (`jsparse.window_methods()`), as `generate` caps it; a capacity above such a W
         is refused);
         temperature, top_p, seed: sampling.
@@ -56,11 +58,11 @@ class Session:
             check_heads_on_mesh(model.cfg, draft.cfg, self.mesh, "a Session on a mesh")
         self.model, self.draft, self.gamma = model, draft, gamma
         if capacity is not None:
-            capacity = check_count("capacity", capacity, "cache rows; None: the model's context, at most 4096")
+            capacity = check_count("capacity", capacity, "cache rows; None: the model's context, at most 4096, rounded up to 128")
         self.t_method, self.d_method = speculative_methods(method, model, draft, gamma)
         # A method that does not honour a model's sliding window: the default capacity is cut to W (as generate's)
         # and a larger one is refused (the window would bind once the conversation passed it).
-        chosen, capacity = capacity, capacity or min(model.cfg.max_position_embeddings, 4096)
+        chosen, capacity = capacity, capacity or round_up(min(model.cfg.max_position_embeddings, 4096), 128)
         self.capacity = fit_windows(((model, self.t_method), (draft, self.d_method)), chosen or 0, capacity,
                                     capped=chosen is None, asked=f"capacity={chosen}")
         if gamma + 3 > self.capacity:  # a one-token message, one new token and the gamma + 1 verification rows

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 
@@ -221,6 +222,14 @@ def test_named_errors_for_no_model_no_prompts_and_a_gamma_past_the_capacity():
     with pytest.raises(ValueError, match=r"gamma=62: .* need 65 cache rows, more than the session's capacity of 64"):
         Session(_tiny(), _tiny(layers=2, seed=1), gamma=62, capacity=64)
     assert Session(_tiny(), _tiny(layers=2, seed=1), gamma=61, capacity=64).capacity == 64
+    # The default at a context 128 does not divide: rounded up, so EvoSparse's blocks divide it (at 200 it decoded
+    # nothing: "cache capacity N=200 is not a multiple of block_size=16"); the conversation still stops at 200.
+    odd = dataclasses.replace(_tiny(), cfg=dataclasses.replace(_tiny().cfg, max_position_embeddings=200))
+    from jsparse.methods.evosparse import EvoSparse
+
+    evo = EvoSparse.from_heads(odd.cfg, [(1, 0)], budget_tokens=32)
+    session = Session(odd, odd, method=evo, gamma=2)
+    assert session.capacity == 256 and len(session.send_ids([5 + i % 100 for i in range(180)], max_new_tokens=4)) >= 1
 
 
 def test_session_and_mesh_arguments_are_refused_by_name():

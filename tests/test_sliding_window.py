@@ -337,7 +337,7 @@ def test_session_caps_its_capacity_at_the_window_as_generate_does(params):
     ids = [5, 6, 7, 8]
     assert session.send_ids(ids, max_new_tokens=4) == jsparse.generate_ids(model, [ids], method="h2o", draft=model,
                                                                            gamma=2, max_new_tokens=4)[0]
-    assert jsparse.Session(model, model, gamma=2).capacity == 96  # dense honours the window: the context
+    assert jsparse.Session(model, model, gamma=2).capacity == 128  # dense honours the window: the context, to 128
     with pytest.raises(ValueError, match=r"H2O does not support sliding-window attention and capacity=64, more than "
                                          r"tiny-windowed's sliding_window=16; .*keep a value <= 16"):
         jsparse.Session(model, model, method="h2o", gamma=2, capacity=64)
