@@ -75,7 +75,13 @@ def _mesh_arg(mesh: Any, allow_none: bool):
     """A mesh argument: a `jax.sharding.Mesh`, a spec string (`models.sharding.make_mesh`) or, where allowed, None."""
     if isinstance(mesh, str):
         return sharding.make_mesh(mesh)
-    if (mesh is None and allow_none) or isinstance(mesh, jax.sharding.Mesh):
+    if isinstance(mesh, jax.sharding.Mesh):
+        if set(mesh.axis_names) != set(sharding.MESH_AXES):
+            raise sharding.ShardingError(f"a mesh with axes {tuple(mesh.axis_names)}: expected the axes "
+                                         f"{sharding.MESH_AXES} (rows over data, heads over model; "
+                                         "models.sharding.make_mesh builds one)")
+        return mesh
+    if mesh is None and allow_none:
         return mesh
     raise ValueError(f"mesh={mesh!r}: expected a jax.sharding.Mesh or a spec such as 'data=2,model=4'"
                      + (" (or None: one device)" if allow_none else ""))

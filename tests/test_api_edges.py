@@ -250,6 +250,12 @@ def test_session_and_mesh_arguments_are_refused_by_name():
     for bad in (None, 5):
         with pytest.raises(ValueError, match=f"mesh={bad!r}: expected a jax.sharding.Mesh or a spec"):
             jsparse.on_mesh(model, bad)
+    import jax
+
+    # A Mesh of other axis names was taken (every weight copied whole) and generation failed inside JAX.
+    other = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("batch", "tp"))
+    with pytest.raises(ValueError, match=r"a mesh with axes \('batch', 'tp'\): expected the axes \('data', 'model'\)"):
+        jsparse.on_mesh(model, other)
     with pytest.raises(ValueError, match="fuse='False': expected True, False or None"):
         jsparse.load("smollm2", fuse="False")
     with pytest.raises(ValueError, match="'foo=1' is not an option of a model spec: expected smollm2:layers=RANGES"):
