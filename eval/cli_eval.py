@@ -25,6 +25,7 @@ Fixed token budgets (k = min(N, p + 1) keys per query) instead of the fraction r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import shlex
@@ -193,6 +194,20 @@ def check_out(out: str, contents: str = "results.json and summary.md") -> None:
         raise ValueError(f"--out {out!r}: cannot make the folder ({e.strerror or e})") from None
 
 
+@contextlib.contextmanager
+def out_folder(out: str, contents: str = "results.json and summary.md"):
+    """`check_out(out, contents)` before the body's work; when the body fails (or is stopped) before it wrote
+    anything into a folder made here, the empty folder is taken away again."""
+    made = not os.path.exists(out)
+    check_out(out, contents)
+    try:
+        yield
+    except BaseException:
+        if made and os.path.isdir(out) and not os.listdir(out):
+            os.rmdir(out)
+        raise
+
+
 def portable_path(path: str | None) -> str | None:
     """A path inside the repository as relative to its root (so results committed from one clone resume in
     another), joined paths (os.pathsep) part by part; other paths and None as given."""
@@ -292,14 +307,8 @@ def run_eval(args) -> int:
     """The `jsparse eval` command: validate, load the model, evaluate (resuming into --out), write the files and
     the report; returns 0."""
     spec = spec_from_args(args)
-    made = not os.path.exists(args.out)
-    check_out(args.out)
-    try:
+    with out_folder(args.out):  # a run refused (or stopped) before it wrote anything leaves no empty folder
         return _run_eval(args, spec)
-    except BaseException:
-        if made and os.path.isdir(args.out) and not os.listdir(args.out):
-            os.rmdir(args.out)  # a run refused (or stopped) before it wrote anything leaves no empty folder
-        raise
 
 
 def _run_eval(args, spec) -> int:

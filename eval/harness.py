@@ -289,6 +289,16 @@ def _split_options(text: str) -> list[str]:
 # Method options that are the run's budget, and the flags that set it.
 BUDGET_FLAGS = {"budget": "--budget (jsparse generate) or --budgets (jsparse eval)",
                 "budget_tokens": "--budget-tokens"}
+# Builder options a token budget sets itself (`token_budget_options`: N keys in every layer).
+TOKEN_BUDGET_SETS = ("min_tokens", "reuse_scale")
+
+
+def refuse_budget_option(what: str, field: str, setters: str = "") -> None:
+    """Raises ValueError when method option `field` (given as `what`) is the run's budget, which its flags set
+    (`BUDGET_FLAGS`, then `setters`)."""
+    if field in BUDGET_FLAGS:
+        raise ValueError(f"{what}: the budget is set by {BUDGET_FLAGS[field]}{setters}, not by a method option (a run "
+                         "records the budget it gives every method)")
 
 
 def parse_method_options(values: Sequence[str] | None, methods: Sequence[str],
@@ -309,9 +319,7 @@ def parse_method_options(values: Sequence[str] | None, methods: Sequence[str],
             if name not in methods:
                 raise ValueError(f"--method-option {item!r} names method {name!r}, which is not in {methods_flag} "
                                  f"{','.join(methods)}")
-            if field in BUDGET_FLAGS:
-                raise ValueError(f"--method-option {item!r}: the budget is set by {BUDGET_FLAGS[field]}, not by a "
-                                 "method option (a run records the budget it gives every method)")
+            refuse_budget_option(f"--method-option {item!r}", field)
             out.setdefault(name, {})[field] = _option_value(raw)
     return out
 
@@ -431,11 +439,9 @@ class EvalSpec:
                 raise ValueError(f"method options given for method {name!r}, which is not among the methods "
                                  f"{list(self.methods)}")
             for field in options:
-                if field in BUDGET_FLAGS:
-                    raise ValueError(f"method option {name}.{field}={options[field]!r}: the budget is set by "
-                                     f"{BUDGET_FLAGS[field]} (EvalSpec.budget / budgets / budget_tokens), not by a "
-                                     "method option (a run records the budget it gives every method)")
-            for key in ("min_tokens", "reuse_scale"):
+                refuse_budget_option(f"method option {name}.{field}={options[field]!r}", field,
+                                     " (EvalSpec.budget / budgets / budget_tokens)")
+            for key in TOKEN_BUDGET_SETS:
                 if key not in options or self.budget_tokens is None:
                     continue
                 message = (f"method option {name}.{key}={options[key]!r} with token budgets "

@@ -124,6 +124,12 @@ def attended_fraction(positions, budget: float, min_tokens: int, block_size: int
         k = np.minimum(tokens, n)
     else:
         k = np.minimum(np.maximum(np.ceil(np.float32(budget) * n.astype(np.float32)), min_tokens), n)
+    return blocks_fraction(-(-k // block_size), p, block_size)
+
+
+def blocks_fraction(blocks, positions, block_size: int) -> np.ndarray:
+    """f64[...]: the fraction of its n = p + 1 visible keys a query at each position p attends to in `blocks` whole
+    blocks of `block_size` keys, its own block among them and partial (at most n)."""
+    p = np.asarray(positions, np.int64)
     bs = block_size
-    kb = -(-k // bs)
-    return np.minimum(kb * bs - (bs - 1 - p % bs), n) / n
+    return np.minimum(np.asarray(blocks) * bs - (bs - 1 - p % bs), p + 1) / (p + 1)

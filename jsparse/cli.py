@@ -28,8 +28,8 @@ def _add_mesh_arg(p: argparse.ArgumentParser) -> None:
 def cmd_generate(args) -> int:
     import jsparse
 
-    from eval.harness import (check_sts_token_budget, parse_budget_tokens, parse_method_options, takes_budget,
-                              token_budget_options)
+    from eval.harness import (TOKEN_BUDGET_SETS, check_sts_token_budget, parse_budget_tokens, parse_method_options,
+                              takes_budget, token_budget_options)
     from jsparse.methods.base import method_factory
     from models.generate import Sampling, check_count, check_seed
     from models.speculative import check_gamma
@@ -48,7 +48,7 @@ def cmd_generate(args) -> int:
         if args.budget is not None:
             raise ValueError(f"--budget {args.budget:g} and --budget-tokens {args.budget_tokens}: expected one of "
                              "them (a fraction of the context, or a fixed number of keys)")
-        for key in ("min_tokens", "reuse_scale"):
+        for key in TOKEN_BUDGET_SETS:
             if key in method_options:
                 raise ValueError(f"--method-option {args.method}.{key} with --budget-tokens "
                                  f"{args.budget_tokens}: a token budget sets {key} itself (N keys in every layer)")
@@ -126,7 +126,7 @@ def cmd_calibrate(args) -> int:
     from eval.ppl import DEV_CORPUS, read_corpus
     from jsparse.methods.base import calibration_check
 
-    from eval.cli_eval import check_out
+    from eval.cli_eval import out_folder
 
     # The flags' own checks and the corpora before the model loads.
     for flag, value, least in (("--length", args.length, 2), ("--samples", args.samples, 1), ("--seed", args.seed, 0)):
@@ -137,14 +137,8 @@ def cmd_calibrate(args) -> int:
         check(args)
     corpus = args.corpus or [DEV_CORPUS]
     texts = [read_corpus(path) for path in corpus]
-    made = not os.path.exists(args.out)
-    check_out(args.out, "the artifact (artifact.json, arrays.npz)")  # before the work, not after it
-    try:
+    with out_folder(args.out, "the artifact (artifact.json, arrays.npz)"):  # checked before the work
         return _calibrate(args, corpus, texts)
-    except BaseException:
-        if made and os.path.isdir(args.out) and not os.listdir(args.out):
-            os.rmdir(args.out)  # a run refused (or stopped) before it saved leaves no empty folder
-        raise
 
 
 def _calibrate(args, corpus, texts) -> int:

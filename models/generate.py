@@ -103,9 +103,7 @@ def check_request(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_token
         raise ValueError(f"prompt ({max(prompt_lengths)} tokens) plus max_new_tokens={max_new_tokens} is {need} "
                          f"tokens, longer than the model's context of {cfg.max_position_embeddings}")
     if capacity is None:
-        if verify_rows:
-            return round_up(need + verify_rows, 128)
-        return round_up(need, 128)
+        return round_up(need + verify_rows, 128)
     if need + verify_rows > capacity:
         rows = f" and gamma + 1 = {verify_rows} verification rows" if verify_rows else ""
         raise ValueError(f"prompt ({max(prompt_lengths)} tokens) plus max_new_tokens={max_new_tokens}{rows} is "

@@ -139,7 +139,6 @@ def _check_options(name: str, kwargs: dict, valid: list[str]) -> None:
 # Calibration entry points, by method name: `jsparse calibrate NAME` builds its options with `add_arguments`
 # and calls `run(model, windows, args) -> Artifact`, where windows: i32[S, T] development token windows cut from
 # the user's corpus (the CLI makes them; a calibrator that builds its own prompts may ignore them).
-_CALIBRATION_CHECKS: dict = {}
 _CALIBRATORS: dict[str, tuple] = {}
 _CALIBRATION_CHECKS: dict[str, object] = {}
 

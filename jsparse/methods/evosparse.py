@@ -257,11 +257,10 @@ class EvoSparse:
         if not starved:
             return float(sparse_layers / L * full)
         p = np.asarray(positions, np.int64)
-        bs = self.block_size
-        kb, visible, counts = (np.asarray(x) if not isinstance(x, tuple) else tuple(np.asarray(c) for c in x)
-                               for x in self._row_budget(p))
-        blocks = np.where(kb >= visible, visible, counts[0] + counts[1])  # every block (dense), or sink + local
-        part = np.mean(1.0 - np.minimum(blocks * bs - (bs - 1 - p % bs), p + 1) / (p + 1))
+        kb, visible, (n_s, n_l, _, _) = self._row_budget(p)
+        visible = np.asarray(visible)
+        blocks = np.where(np.asarray(kb) >= visible, visible, np.asarray(n_s) + np.asarray(n_l))  # all, or sink + local
+        part = np.mean(1.0 - budget_split.blocks_fraction(blocks, p, self.block_size))
         return float(((sparse_layers - starved) * full + starved * part) / L)
 
     # ------------------------------------------------------------------------------------------- protocol

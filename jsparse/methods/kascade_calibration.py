@@ -341,9 +341,9 @@ def check_cli(args) -> None:
 
 
 def run_cli(model, windows, args, progress=None) -> Artifact:
+    """`jsparse calibrate kascade` once the model has loaded (`check_cli`, its registered check, ran before)."""
     from jsparse.artifacts import fingerprint
 
-    check_cli(args)
     if args.anchors is not None and not 1 <= args.anchors <= model.cfg.num_layers:
         raise ValueError(f"--anchors {args.anchors}: expected between 1 and the model's {model.cfg.num_layers} "
                          "layers")
