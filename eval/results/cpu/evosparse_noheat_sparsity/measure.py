@@ -24,7 +24,8 @@ cfg = model.cfg
 T, CAP = 320, 336
 text = open("eval/data/call_of_the_wild.txt", encoding="utf-8").read()[5000:12000]
 ids = jnp.asarray([jsparse.encode(model, text)[:T]], jnp.int32)
-out = {"device": f"CPU ({platform.processor() or platform.machine()}), {jax.device_count()} device",
+out = {"command": "JAX_PLATFORMS=cpu PYTHONPATH=. python3 " + " ".join(sys.argv),
+       "device": f"CPU ({platform.processor() or platform.machine()}), {jax.device_count()} device",
        "jax": jax.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
        "prompt_tokens": T, "budget": 0.2, "min_tokens": 16, "methods": {}}
