@@ -25,7 +25,7 @@ def check_fractions(fractions: Sequence[float], names: Sequence[str]) -> tuple[f
     """Fractions >= 0 that sum to 1 (names: the option names, for the error), as floats."""
     desc = ", ".join(f"{n}={f!r}" for n, f in zip(names, fractions))
     for f in fractions:
-        if not isinstance(f, (int, float)) or isinstance(f, bool) or not math.isfinite(f) or f < 0:
+        if not sel.is_real(f) or not math.isfinite(f) or f < 0:
             raise ValueError(f"budget fractions ({desc}): expected numbers >= 0 that sum to 1")
     total = float(sum(fractions))
     if abs(total - 1.0) > 1e-6:

@@ -21,10 +21,14 @@ NEG_INF = -jnp.inf
 
 def check_budget(budget: float) -> float:
     """Budget as a fraction of the context: must lie in (0, 1]."""
-    if isinstance(budget, (bool, np.bool_)) or not isinstance(budget, (int, float, np.integer, np.floating)) or \
-            not 0.0 < float(budget) <= 1.0:
+    if not is_real(budget) or not 0.0 < float(budget) <= 1.0:
         raise ValueError(f"budget={budget!r}: expected a fraction of the context in (0, 1]")
     return float(budget)
+
+
+def is_real(value) -> bool:
+    """Whether `value` is a real number, Python or numpy (np.float32 included), and not a bool."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
 
 
 def is_int(value) -> bool:

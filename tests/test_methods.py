@@ -319,6 +319,21 @@ def test_method_argument_errors():
         make_method("kascade", cfg=CFG)
 
 
+def test_real_options_take_numpy_scalars():
+    """A numpy float (np.float32 from a config array) is a number like any other: refused before as 'out of range'
+    by h2o's recent, EvoSparse's decay and its budget fractions."""
+    f = np.float32
+    assert make_method("h2o", recent=f(0.5)).recent == 0.5
+    evo = make_method("evosparse-noretrieval", decay=f(0.5), sink_fraction=f(0.25), local_fraction=0.25,
+                      heat_fraction=0.5)
+    assert evo.decay == 0.5 and type(evo.decay) is float
+    assert make_method("tsa", tau=f(0.25)).tau == 0.25
+    assert Kascade.from_anchors(CFG, [0, 1], reuse_scale=f(2)).reuse_scale == 2.0
+    for bad in (np.bool_(True), f("nan"), f(1.5)):
+        with pytest.raises(ValueError, match="recent=.*expected the recent window's share"):
+            make_method("h2o", recent=bad)
+
+
 @pytest.mark.parametrize("B,T,Hq,Hkv,tile", [(2, 1, 4, 2, None), (2, 37, 4, 2, 8), (1, 300, 9, 3, None),
                                             (1, 64, 4, 4, 64), (2, 129, 6, 2, 128)])
 def test_tiled_causal_attention_matches_full_causal_attention(B, T, Hq, Hkv, tile):

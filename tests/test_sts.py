@@ -157,6 +157,8 @@ def test_sparse_budget_runs_and_errors(pair):
         make_method("sts", cfg=CFG, draft=draft, head_map=hm, slack=100)
     with pytest.raises(ValueError, match="carry=True: expected a decay in"):
         make_method("sts", cfg=CFG, draft=draft, head_map=hm, carry=True)
+    carried = make_method("sts", cfg=CFG, draft=draft, head_map=hm, carry=np.float32(0.25))  # numpy scalars pass
+    assert carried.carry == 0.25 and type(carried.carry) is float
     with pytest.raises(ValueError, match="budget=1.5"):
         make_method("sts", cfg=CFG, draft=draft, head_map=hm, budget=1.5)
     assert isinstance(sts, STS)

@@ -158,8 +158,9 @@ class EvoSparse:
         if cum[1] == cum[0]:  # the local window's share rounds to 0: split_counts would give it no block
             raise ValueError(f"local_fraction={self.local_fraction!r}: expected at least 1/{budget_split.FIX} (the "
                              "local window holds the query's own position, whose block every budget attends)")
-        if not isinstance(self.decay, (int, float)) or not 0.0 < float(self.decay) < 1.0:
+        if not sel.is_real(self.decay) or not 0.0 < float(self.decay) < 1.0:
             raise ValueError(f"decay={self.decay!r}: expected lambda in the open interval (0, 1)")
+        object.__setattr__(self, "decay", float(self.decay))
         sel.check_positive_int("dense_layers", self.dense_layers, 0)
         sel.check_positive_int("heat_window", self.heat_window, 0)
         if self.kernels not in (None, "xla", "pallas_gpu", "reference"):

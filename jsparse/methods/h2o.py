@@ -75,9 +75,9 @@ class H2O(TokenBudget):
 
     def __post_init__(self):
         super().__post_init__()
-        if isinstance(self.recent, bool) or not isinstance(self.recent, (int, float)) or \
-                not 0.0 < float(self.recent) <= 1.0:
+        if not sel.is_real(self.recent) or not 0.0 < float(self.recent) <= 1.0:
             raise ValueError(f"recent={self.recent!r}: expected the recent window's share of the budget in (0, 1]")
+        object.__setattr__(self, "recent", float(self.recent))
 
     @classmethod
     def build(cls, **options):

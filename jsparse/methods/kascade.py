@@ -114,8 +114,7 @@ class Kascade(TokenBudget):
         super().__post_init__()
         check_block_size(self.prefill_block_size, self.tile, "prefill_block_size")
         r = self.reuse_scale
-        if isinstance(r, bool) or not isinstance(r, (int, float, np.integer, np.floating)) or not math.isfinite(r) \
-                or r < 1.0:
+        if not sel.is_real(r) or not math.isfinite(r) or r < 1.0:
             raise ValueError(f"reuse_scale={r!r}: expected a finite number >= 1 (1: reuse layers keep the anchor's k "
                              "keys)")
         object.__setattr__(self, "reuse_scale", float(r))

@@ -109,8 +109,7 @@ RECORD_MAX_CANDIDATES = 16384
 
 def check_budget(budget) -> float:
     """A fraction in (0, 1] or a whole number of tokens > 1."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, float, np.integer, np.floating)) or \
-            not 0 < budget < float("inf"):  # NaN fails the comparison too
+    if not sel.is_real(budget) or not 0 < budget < float("inf"):  # NaN fails the comparison too
         raise ValueError(f"budget={budget!r}: expected a fraction of the context in (0, 1] or a number of tokens > 1")
     if budget > 1 and float(budget) != int(budget):
         raise ValueError(f"budget={budget!r}: a budget above 1 counts tokens and must be a whole number")
@@ -789,8 +788,9 @@ class STS(_Budget):
         check_tile(self.tile)
         for name in ("dense_layers", "sink", "local"):
             sel.check_positive_int(name, getattr(self, name), 0)
-        if isinstance(self.carry, bool) or not isinstance(self.carry, (int, float)) or not 0.0 <= self.carry <= 1.0:
+        if not sel.is_real(self.carry) or not 0.0 <= self.carry <= 1.0:
             raise ValueError(f"carry={self.carry!r}: expected a decay in [0, 1] (0: the draft's last step alone)")
+        object.__setattr__(self, "carry", float(self.carry))
         for name in ("first_step_mask", "mask_attention", "record_after_scan"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected true or false")

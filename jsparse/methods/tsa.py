@@ -88,8 +88,7 @@ FILLS = ("zeros", "local")
 
 def check_tau(tau) -> float:
     """tau (the coverage threshold) must be a real number in [0, 1)."""
-    if isinstance(tau, bool) or not isinstance(tau, (int, float, np.integer, np.floating)) \
-            or not 0.0 <= float(tau) < 1.0:
+    if not sel.is_real(tau) or not 0.0 <= float(tau) < 1.0:
         raise ValueError(f"tau={tau!r}: expected the dropped attention mass as a fraction in [0, 1)")
     return float(tau)
 
@@ -99,8 +98,7 @@ def check_kept_fraction(fraction) -> float | None:
     (0, 1]."""
     if fraction is None:
         return None
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float, np.integer, np.floating)) \
-            or not 0.0 < float(fraction) <= 1.0:
+    if not sel.is_real(fraction) or not 0.0 < float(fraction) <= 1.0:
         raise ValueError(f"kept_fraction={fraction!r}: expected None (coverage) or the kept share of each row "
                          f"in (0, 1]")
     return float(fraction)

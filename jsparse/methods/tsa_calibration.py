@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jsparse import selection as sel
 from jsparse.artifacts import Artifact
 from jsparse.methods.base import register_calibration
 from jsparse.methods.dense import Dense
@@ -35,8 +36,7 @@ from models.cache import init_cache
 
 def check_delta(delta) -> float:
     """delta (the fraction of layers made sparse, by drift rank) must lie in (0, 1]."""
-    if isinstance(delta, bool) or not isinstance(delta, (int, float, np.integer, np.floating)) \
-            or not 0.0 < float(delta) <= 1.0:
+    if not sel.is_real(delta) or not 0.0 < float(delta) <= 1.0:
         raise ValueError(f"delta={delta!r}: expected the normalised drift rank threshold in (0, 1]")
     return float(delta)
 
