@@ -14,6 +14,7 @@ that says to calibrate again.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -137,10 +138,17 @@ def _read_info(path: str):
 
 
 def _write_replace(target: str, data: bytes) -> None:
+    """Writes `data` to `target` through a temporary file renamed over it; a write cut short leaves no temporary file
+    (a predictor's arrays can be hundreds of MB)."""
     tmp = target + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, target)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def load_artifact(path: str, kind: str, fingerprint: str | None = None) -> Artifact:

@@ -123,6 +123,28 @@ def test_a_save_interrupted_between_its_files_is_refused_not_read_as_the_other_m
     assert load_artifact(path, "kascade").arrays["anchors"].tolist() == [0, 1]
 
 
+def test_a_save_cut_short_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """An interrupt while the arrays are written (a predictor's can be hundreds of MB) takes the half-written
+    arrays.npz.tmp away; what is left is refused by its digest, as a save cut between its renames is."""
+    path = str(tmp_path / "a")
+    save_artifact(path, Artifact(kind="kascade", fingerprint="fp-A", arrays={"anchors": np.array([0, 1], np.int32)}))
+    real_replace = os.replace
+
+    def interrupted(src, dst):
+        if src.endswith("arrays.npz.tmp"):
+            raise KeyboardInterrupt
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_artifact(path, Artifact(kind="kascade", fingerprint="fp-A",
+                                     arrays={"anchors": np.array([0, 2], np.int32)}))
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert sorted(os.listdir(path)) == ["arrays.npz", "artifact.json"]
+    with pytest.raises(ArtifactError, match="not the file artifact.json was saved with"):
+        load_artifact(path, "kascade")
+
+
 def test_corrupt_or_hand_edited_artifacts_are_artifact_errors_naming_the_field(tmp_path):
     from jsparse.artifacts import artifact_kind, update_artifact_meta
 

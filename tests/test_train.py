@@ -209,6 +209,35 @@ def test_interrupt_saves_the_current_step(tmp_path, uninterrupted, model_params,
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 
+def test_sigterm_after_the_last_step_keeps_it(tmp_path, monkeypatch, uninterrupted, model_params, pcfg, chunks):
+    """A SIGTERM while the final checkpoint is written (after the step loop) is held back until that write and the
+    artifact are on disk, then raised: the run keeps every step. Before, it killed the process there, and the resumed
+    run re-ran the steps since the previous periodic checkpoint."""
+    import signal
+
+    from jsparse.artifacts import load_artifact
+    from train import loop
+    from train.loop import Terminated
+
+    out = str(tmp_path / "late")
+    close = loop._close
+
+    def close_after_sigterm(mngr, quiet):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return close(mngr, quiet)
+
+    monkeypatch.setattr(loop, "_close", close_after_sigterm)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Terminated, match="after its last step"):
+        train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg, progress=False)
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert read_checkpoint_meta(out)["step"] == TC.steps
+    assert load_artifact(out, "butler", "fp-a").meta["steps"] == TC.steps
+    monkeypatch.setattr(loop, "_close", close)
+    res = train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg, progress=False)
+    assert res.start_step == TC.steps and res.losses == []
+
+
 def test_checkpoint_from_another_model_or_data_is_refused(uninterrupted, model_params, pcfg, chunks):
     out, _ = uninterrupted
     with pytest.raises(TrainError, match="made for another model: fingerprint 'fp-a'.*'fp-b'"):
@@ -613,6 +642,9 @@ def test_data_pipeline_and_errors(tmp_path):
         data_lib.expand_paths([str(tmp_path / "missing.txt")])
     with pytest.raises(FileNotFoundError, match="matches no file"):
         data_lib.expand_paths([str(tmp_path / "*.md")])
+    os.mkfifo(tmp_path / "pipe")  # exists, but is no file: said so (it read "does not exist" before)
+    with pytest.raises(data_lib.DataError, match="pipe' is not a regular file"):
+        data_lib.expand_paths([str(tmp_path / "pipe")])
     with pytest.raises(data_lib.DataError, match="no training data given"):
         data_lib.expand_paths([])
     with pytest.raises(data_lib.DataError, match="empty.txt' is empty"):
@@ -670,12 +702,23 @@ def test_cli_rejects_missing_and_empty_data_before_loading(tmp_path, capsys):
     assert "is empty" in captured.out + captured.err
     text = tmp_path / "text.txt"
     text.write_text("some text", encoding="utf-8")
+    other = tmp_path / "kascade_art"
+    other.mkdir()
+    (other / "artifact.json").write_text(json.dumps({"kind": "kascade"}), encoding="utf-8")
     for extra, msg in ((["--out", str(text)], "is an existing file: expected a folder"),
-                       (["--out", out, "--max-seconds", "-5"], "--max-seconds -5.0: expected a positive number")):
+                       (["--out", out, "--max-seconds", "-5"], "--max-seconds -5.0: expected a positive number"),
+                       # (the loaded model would be named: these come first, so /nonexistent.gguf is never opened)
+                       (["--out", str(other)], "holds a 'kascade' artifact, which training would replace"),
+                       (["--out", out, "--loss-impl", "tpu"], "loss_impl='tpu' (--loss-impl) is the Pallas TPU kernel, "
+                                                              "but the devices are cpu")):
         assert main(["train-predictor", "--model", "/nonexistent.gguf", "--data", str(text), "--steps", "2",
                      *extra]) == 2
         captured = capsys.readouterr()
         assert msg in captured.out + captured.err
+    assert not os.path.exists(out)  # nothing written by a refused run
+    args = build_parser().parse_args(["train-predictor", "--data", "a", "b", "--data", "c", "--steps", "1",
+                                      "--out", "o"])
+    assert args.data == ["a", "b", "c"]  # a repeated --data adds files (it replaced the earlier ones)
 
 
 _DP_SCRIPT = """

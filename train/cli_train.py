@@ -33,8 +33,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                         "(default: smollm2)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="the frozen model's dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
-    p.add_argument("--data", nargs="+", required=True, metavar="FILE",
-                   help="UTF-8 text files or glob patterns (quoted; ** matches any depth of folders) to train on")
+    p.add_argument("--data", nargs="+", action="extend", required=True, metavar="FILE",
+                   help="UTF-8 text files or glob patterns (quoted; ** matches any depth of folders) to train on; "
+                        "repeatable")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per training chunk (default 1024)")
     p.add_argument("--steps", type=int, required=True, help="optimizer steps of the whole run")
     p.add_argument("--out", required=True, help="output folder (checkpoints, loss log, artifact)")
@@ -77,7 +78,7 @@ def run_train(args) -> int:
     import jsparse
     from jsparse.artifacts import corpus_meta
     from train import data as data_lib
-    from train.loop import TrainConfig, train
+    from train.loop import TrainConfig, check_target, train
     from train.predictor import describe, preset_config
 
     paths = data_lib.expand_paths(args.data)  # fail on missing files before loading the model
@@ -87,41 +88,42 @@ def run_train(args) -> int:
         raise ValueError(f"--steps {args.steps}: expected a positive number of steps")
     if args.max_seconds is not None and not args.max_seconds > 0:
         raise ValueError(f"--max-seconds {args.max_seconds}: expected a positive number of seconds")
-    from eval.cli_eval import check_out
+    from eval.cli_eval import out_folder
 
-    check_out(args.out, "checkpoints, loss.jsonl and the butler artifact")
-    warmup = args.warmup if args.warmup is not None else min(100, args.steps // 10)
-    devices = train_devices(getattr(args, "mesh", None))
-    model = jsparse.load(args.model, args.dtype)
-    tc = TrainConfig(seq_len=args.seq_len, steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr,
-                     warmup_steps=warmup, end_lr_ratio=args.end_lr_ratio, weight_decay=args.weight_decay,
-                     clip_norm=args.clip_norm, checkpoint_every=args.checkpoint_every, seed=args.seed,
-                     causal=not args.all_pairs, loss_impl=args.loss_impl)
-    tc.validate(model.cfg, len(devices))
-    pcfg = preset_config(model.cfg, args.preset, key_heads=args.key_heads, head_dim=args.head_dim,
-                         qk_hidden=args.qk_hidden)
-    if model.tokenizer is None:
-        raise ValueError(f"model {args.model!r} has no tokenizer: training on text needs one (a Hugging Face folder "
-                         "with tokenizer files, a GGUF, or the bundled smollm2)")
-    tok = model.tokenizer
-    sep = tok.eos_token_id if tok.eos_token_id is not None else None
-    ids = data_lib.tokenize_files(tok, paths, separator=sep)
-    from eval.passkey import special_prefix
+    with out_folder(args.out, "checkpoints, loss.jsonl and the butler artifact"):  # no empty folder left on a refusal
+        warmup = args.warmup if args.warmup is not None else min(100, args.steps // 10)
+        devices = train_devices(getattr(args, "mesh", None))
+        check_target(args.out, args.loss_impl, devices[0].platform)
+        model = jsparse.load(args.model, args.dtype)
+        tc = TrainConfig(seq_len=args.seq_len, steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr,
+                         warmup_steps=warmup, end_lr_ratio=args.end_lr_ratio, weight_decay=args.weight_decay,
+                         clip_norm=args.clip_norm, checkpoint_every=args.checkpoint_every, seed=args.seed,
+                         causal=not args.all_pairs, loss_impl=args.loss_impl)
+        tc.validate(model.cfg, len(devices))
+        pcfg = preset_config(model.cfg, args.preset, key_heads=args.key_heads, head_dim=args.head_dim,
+                             qk_hidden=args.qk_hidden)
+        if model.tokenizer is None:
+            raise ValueError(f"model {args.model!r} has no tokenizer: training on text needs one (a Hugging Face "
+                             "folder with tokenizer files, a GGUF, or the bundled smollm2)")
+        tok = model.tokenizer
+        sep = tok.eos_token_id if tok.eos_token_id is not None else None
+        ids = data_lib.tokenize_files(tok, paths, separator=sep)
+        from eval.passkey import special_prefix
 
-    chunks = data_lib.pack_chunks(ids, args.seq_len, special_prefix(tok))
-    size = describe(pcfg, model.cfg)
-    print(json.dumps({"files": len(paths), "tokens": int(len(ids)), "chunks": int(chunks.shape[0]),
-                      "devices": len(devices), **{k: size[k] for k in ("predictor_params", "model_params",
-                                                                              "fraction")}}))
-    result = train(model.cfg, model.params, fingerprint=jsparse.fingerprint(model), chunks=chunks,
-                   out_dir=args.out, tc=tc, pcfg=pcfg, model_name=model.name, progress=not args.no_progress,
-                   max_seconds=args.max_seconds, devices=devices, artifact_meta=corpus_meta(paths))
-    print(json.dumps({"out": os.path.abspath(args.out), "resumed_from": result.start_step,
-                      "steps": result.last_step, "final_loss": result.losses[-1][1] if result.losses else None,
-                      "stopped_early": result.stopped_early, "seconds": round(result.seconds, 1),
-                      "tokens_seen": int(result.last_step * tc.batch_size * tc.seq_len),
-                      "epochs": float(result.last_step * tc.batch_size / chunks.shape[0]),
-                      "artifact_bytes": os.path.getsize(os.path.join(args.out, "arrays.npz"))}))
+        chunks = data_lib.pack_chunks(ids, args.seq_len, special_prefix(tok))
+        size = describe(pcfg, model.cfg)
+        print(json.dumps({"files": len(paths), "tokens": int(len(ids)), "chunks": int(chunks.shape[0]),
+                          "devices": len(devices), **{k: size[k] for k in ("predictor_params", "model_params",
+                                                                                  "fraction")}}))
+        result = train(model.cfg, model.params, fingerprint=jsparse.fingerprint(model), chunks=chunks,
+                       out_dir=args.out, tc=tc, pcfg=pcfg, model_name=model.name, progress=not args.no_progress,
+                       max_seconds=args.max_seconds, devices=devices, artifact_meta=corpus_meta(paths))
+        print(json.dumps({"out": os.path.abspath(args.out), "resumed_from": result.start_step,
+                          "steps": result.last_step, "final_loss": result.losses[-1][1] if result.losses else None,
+                          "stopped_early": result.stopped_early, "seconds": round(result.seconds, 1),
+                          "tokens_seen": int(result.last_step * tc.batch_size * tc.seq_len),
+                          "epochs": float(result.last_step * tc.batch_size / chunks.shape[0]),
+                          "artifact_bytes": os.path.getsize(os.path.join(args.out, "arrays.npz"))}))
     return 0
 
 

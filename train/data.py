@@ -33,7 +33,7 @@ def expand_paths(patterns: Sequence[str]) -> list[str]:
     it is, even when its name holds glob characters ('notes[1].txt').
 
     Raises:
-      DataError: no pattern given.
+      DataError: no pattern given, a folder, or a path that is not a regular file (a device or pipe).
       FileNotFoundError: a plain path that does not exist, or a pattern that matches no file.
     """
     if not patterns:
@@ -50,6 +50,9 @@ def expand_paths(patterns: Sequence[str]) -> list[str]:
         elif os.path.isdir(pattern):
             raise DataError(f"--data {pattern!r} is a folder: expected text files (a glob such as "
                             f"'{os.path.join(pattern, '*.txt')}' works)")
+        elif os.path.exists(pattern):
+            raise DataError(f"--data {pattern!r} is not a regular file (a device, pipe or socket): expected text "
+                            "files")
         else:
             raise FileNotFoundError(f"training data file {pattern!r} does not exist")
     return sorted(dict.fromkeys(os.path.realpath(p) for p in out))

@@ -57,7 +57,8 @@ import optax
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jsparse.artifacts import FINGERPRINT_SCHEME, Artifact, ArtifactError, load_artifact, save_artifact
+from jsparse.artifacts import (FINGERPRINT_SCHEME, Artifact, ArtifactError, artifact_kind, load_artifact,
+                               save_artifact)
 from jsparse.methods.butler import ARTIFACT_KIND
 from jsparse.methods.butler_predictor import Predictor, PredictorConfig, flatten_params, init_params
 from models import llama
@@ -336,8 +337,12 @@ def _check_resume(meta: dict, expected: dict, where: str) -> None:
                     f"the checkpoint in {where} was made for another model: fingerprint {meta.get(key)!r} "
                     f"({meta.get('model_name', '?')}), but the loaded model's is {expected[key]!r}; use another --out")
             if key == "train_config":
-                diff = {k: (meta.get(key, {}).get(k), v) for k, v in expected[key].items()
-                        if meta.get(key, {}).get(k) != v}
+                old = meta.get(key)
+                if not isinstance(old, dict):
+                    raise TrainError(f"the checkpoint in {where} records train_config={old!r}, not a training config "
+                                     "(its metadata is damaged): delete its checkpoints to start over, or use another "
+                                     "--out")
+                diff = {k: (old.get(k), v) for k, v in expected[key].items() if old.get(k) != v}
                 raise TrainError(f"the checkpoint in {where} used another training config: (checkpoint, now) = "
                                  f"{diff}; use the same settings to resume, or another --out")
             raise TrainError(f"the checkpoint in {where} was made with another {label}: {meta.get(key)!r}, now "
@@ -512,6 +517,22 @@ def _close(mngr, quiet: bool) -> None:
         warnings.warn(f"closing the checkpoint manager failed ({type(e).__name__}: {e})", stacklevel=3)
 
 
+def check_target(out_dir: str, loss_impl: str | None, platform: str, interpret: bool = False) -> None:
+    """Refuses, before any work: a Pallas loss kernel (`loss_impl` "gpu" or "tpu") of another platform than the
+    devices' (unless `interpret`), and an out_dir that holds another method's artifact, which the export would
+    replace (an unreadable artifact.json, an export cut short, is this run's to rewrite)."""
+    if loss_impl in ("gpu", "tpu") and not interpret and platform != loss_impl:
+        raise TrainError(f"loss_impl={loss_impl!r} (--loss-impl) is the Pallas {loss_impl.upper()} kernel, but the "
+                         f"devices are {platform}: expected 'xla' or the devices' own (the default)")
+    try:
+        kind = artifact_kind(out_dir)
+    except ArtifactError:
+        return
+    if kind != ARTIFACT_KIND:
+        raise TrainError(f"{out_dir!r} holds a {kind!r} artifact, which training would replace with its "
+                         f"{ARTIFACT_KIND!r} artifact: expected another --out (an empty folder, or this predictor's own)")
+
+
 def _is_export(out_dir: str, fingerprint: str, params, step: int) -> bool:
     """Whether out_dir holds this run's artifact already: a butler artifact of `fingerprint` that records `step`
     steps and whose arrays equal `params`'."""
@@ -528,21 +549,41 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM during `train`'s steps: handled as Ctrl-C (a checkpoint of the last completed step), then raised."""
 
 
+class _SigtermControl:
+    """What `_sigterm_interrupts` yields: `defer()` holds a later SIGTERM back until the block ends."""
+
+    def __init__(self):
+        self.deferred = False
+        self.pending: str | None = None
+
+    def defer(self) -> None:
+        self.deferred = True
+
+
 @contextlib.contextmanager
 def _sigterm_interrupts():
-    """Within: SIGTERM raises `Terminated` in the main thread (elsewhere, where no handler can be set, unchanged)."""
+    """Within: SIGTERM raises `Terminated` in the main thread (elsewhere, where no handler can be set, unchanged).
+    After the yielded control's `defer()` (every step done: the final checkpoint, its write and the artifact are
+    left), a SIGTERM is held back and raised as `Terminated` when the block ends, once that work is on disk."""
+    ctl = _SigtermControl()
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield ctl
         return
 
     def handler(signum, frame):
-        raise Terminated(f"signal {signal.Signals(signum).name} during training")
+        what = f"signal {signal.Signals(signum).name} during training"
+        if ctl.deferred:
+            ctl.pending = what + " (after its last step: the checkpoint and the artifact were written first)"
+            return
+        raise Terminated(what)
 
     previous = signal.signal(signal.SIGTERM, handler)
     try:
-        yield
+        yield ctl
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if ctl.pending is not None:
+        raise Terminated(ctl.pending)
 
 
 def train(cfg: ModelConfig, model_params, *, fingerprint: str, chunks: np.ndarray, out_dir: str, tc: TrainConfig,
@@ -576,6 +617,7 @@ def train(cfg: ModelConfig, model_params, *, fingerprint: str, chunks: np.ndarra
     if chunks.ndim != 2 or chunks.shape[1] != tc.seq_len:
         raise TrainError(f"chunks have shape {chunks.shape}: expected [S, seq_len={tc.seq_len}]")
     stream = ChunkStream(chunks, tc.batch_size, tc.seed)
+    check_target(out_dir, tc.loss_impl, mesh.devices.flat[0].platform, tc.interpret)
     os.makedirs(out_dir, exist_ok=True)
     if max_seconds is not None and not max_seconds > 0:
         raise TrainError(f"max_seconds={max_seconds!r}: expected a positive number of seconds (None: no limit)")
@@ -618,53 +660,56 @@ def train(cfg: ModelConfig, model_params, *, fingerprint: str, chunks: np.ndarra
     bar = tqdm(total=tc.steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True,
                desc="train-predictor")
     completed = False
-    try:
+    with _sigterm_interrupts() as sigterm:
         try:
-            with _sigterm_interrupts(), open(log_path, "a") as log:
-                while step < tc.steps:
-                    t0 = time.perf_counter()
-                    tokens = jax.device_put(stream.batch(step), batch_sharding)
-                    new_p, new_o, loss, gnorm = step_fn(pparams, opt_state, mparams, tokens)
-                    loss = float(loss)  # waits for the step
-                    if not math.isfinite(loss):
-                        raise TrainError(f"the loss is {loss} at step {step + 1}: lower --lr or check the data")
-                    dt = time.perf_counter() - t0
-                    # The line before the step counts: an interrupt in between re-runs the step (the resumed run
-                    # drops the line, `_rewrite_log`), where the other order would checkpoint it without its line.
-                    rec = {"step": step + 1, "loss": loss, "lr": float(schedule(step)), "grad_norm": float(gnorm),
-                           "tokens_per_s": tokens_per_step / dt, "seconds": dt}
-                    log.write(json.dumps(rec) + "\n")
-                    log.flush()
-                    pparams, opt_state, step = new_p, new_o, step + 1
-                    losses.append((step, loss))
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{loss:.4g}", tok_s=f"{tokens_per_step / dt:,.0f}")
-                    if step % tc.checkpoint_every == 0 or step == tc.steps:
-                        _save(mngr, step, pparams, opt_state, meta(step))
-                    if on_step is not None:
-                        on_step(step, loss)
-                    if max_seconds is not None and time.perf_counter() - t_start > max_seconds and step < tc.steps:
-                        stopped_early = True
-                        break
-        except KeyboardInterrupt:
-            _checkpoint_on_interrupt(mngr, step, lambda: _save(mngr, step, pparams, opt_state, meta(step)))
-            raise
-        if step not in mngr.all_steps():
-            _save(mngr, step, pparams, opt_state, meta(step))
-        completed = True
-    finally:
-        bar.close()
-        _close(mngr, quiet=not completed)
-    if not (step == start and _is_export(out_dir, fingerprint, pparams, step)):  # (a rerun keeps its artifact)
-        final_loss = None
-        with open(log_path) as f:
-            for line in f:
-                if line.strip():
-                    final_loss = json.loads(line)["loss"]
-        export_artifact(out_dir, pparams, pcfg, fingerprint, {
-            "model": model_name, "steps": step, "planned_steps": tc.steps, "train_config": dataclasses.asdict(tc),
-            "data_fingerprint": stream.fingerprint(), "num_chunks": stream.num_chunks, "final_loss": final_loss,
-            "stopped_early": stopped_early, "predictor_params": pcfg.num_params(), **(artifact_meta or {})})
+            try:
+                with open(log_path, "a") as log:
+                    while step < tc.steps:
+                        t0 = time.perf_counter()
+                        tokens = jax.device_put(stream.batch(step), batch_sharding)
+                        new_p, new_o, loss, gnorm = step_fn(pparams, opt_state, mparams, tokens)
+                        loss = float(loss)  # waits for the step
+                        if not math.isfinite(loss):
+                            raise TrainError(f"the loss is {loss} at step {step + 1}: lower --lr or check the data")
+                        dt = time.perf_counter() - t0
+                        # The line before the step counts: an interrupt in between re-runs the step (the resumed run
+                        # drops the line, `_rewrite_log`), where the other order would checkpoint it without its line.
+                        rec = {"step": step + 1, "loss": loss, "lr": float(schedule(step)), "grad_norm": float(gnorm),
+                               "tokens_per_s": tokens_per_step / dt, "seconds": dt}
+                        log.write(json.dumps(rec) + "\n")
+                        log.flush()
+                        pparams, opt_state, step = new_p, new_o, step + 1
+                        losses.append((step, loss))
+                        bar.update(1)
+                        bar.set_postfix(loss=f"{loss:.4g}", tok_s=f"{tokens_per_step / dt:,.0f}")
+                        if step % tc.checkpoint_every == 0 or step == tc.steps:
+                            _save(mngr, step, pparams, opt_state, meta(step))
+                        if on_step is not None:
+                            on_step(step, loss)
+                        if max_seconds is not None and time.perf_counter() - t_start > max_seconds and step < tc.steps:
+                            stopped_early = True
+                            break
+                # Every step is done: a SIGTERM from here on waits for the final checkpoint and the artifact.
+                sigterm.defer()
+            except KeyboardInterrupt:
+                _checkpoint_on_interrupt(mngr, step, lambda: _save(mngr, step, pparams, opt_state, meta(step)))
+                raise
+            if step not in mngr.all_steps():
+                _save(mngr, step, pparams, opt_state, meta(step))
+            completed = True
+        finally:
+            bar.close()
+            _close(mngr, quiet=not completed)
+        if not (step == start and _is_export(out_dir, fingerprint, pparams, step)):  # (a rerun keeps its artifact)
+            final_loss = None
+            with open(log_path) as f:
+                for line in f:
+                    if line.strip():
+                        final_loss = json.loads(line)["loss"]
+            export_artifact(out_dir, pparams, pcfg, fingerprint, {
+                "model": model_name, "steps": step, "planned_steps": tc.steps, "train_config": dataclasses.asdict(tc),
+                "data_fingerprint": stream.fingerprint(), "num_chunks": stream.num_chunks, "final_loss": final_loss,
+                "stopped_early": stopped_early, "predictor_params": pcfg.num_params(), **(artifact_meta or {})})
     return TrainResult(params=pparams, pcfg=pcfg, losses=losses, start_step=start, last_step=step,
                        stopped_early=stopped_early, seconds=time.perf_counter() - t_start)
 
