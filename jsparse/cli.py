@@ -264,9 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
         m = csub.add_parser(name, help=help_text, description=help_text)
         _add_model_args(m)
         m.add_argument("--out", required=True, help="artifact folder to write")
-        m.add_argument("--corpus", nargs="+", default=None,
-                       help="text files to cut development prompts from (default: the development corpus bundled "
-                            "in eval/data, Alice in Wonderland)")
+        m.add_argument("--corpus", nargs="+", action="extend", default=None,
+                       help="text files to cut development prompts from; repeatable (default: the development corpus "
+                            "bundled in eval/data, Alice in Wonderland)")
         m.add_argument("--length", type=int, default=2048, help="tokens per development prompt (default 2048)")
         m.add_argument("--samples", type=int, default=4, help="development prompts (default 4)")
         m.add_argument("--seed", type=int, default=0, help="seed for choosing the prompts (default 0)")

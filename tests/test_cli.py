@@ -69,7 +69,9 @@ def test_calibrate_refuses_a_file_as_out_and_a_length_past_the_context(tmp_path,
     for extra, message in ((["--budget", "1.0"], "--budget 1.0: expected a fraction in (0, 1)"),
                            (["--reuse-scale", "inf"], "--reuse-scale inf: expected a finite number >= 1"),
                            (["--seed", "-1"], "--seed -1: expected an integer >= 0"),
-                           (["--corpus", str(latin)], f"corpus '{latin}' is not UTF-8 text")):
+                           (["--corpus", str(latin)], f"corpus '{latin}' is not UTF-8 text"),
+                           # a repeated --corpus adds files (the earlier ones were dropped, with this one unread)
+                           (["--corpus", str(latin), "--corpus", str(afile)], f"corpus '{latin}' is not UTF-8 text")):
         assert main(["calibrate", "kascade", "--model", "smollm2", "--out", str(out), *extra]) == 2, extra
         assert message in capsys.readouterr().err, extra
         assert not out.exists(), extra

@@ -837,7 +837,7 @@ def main(argv=None, prog=None):
     p.add_argument("--kascade-anchors", type=int, default=5,
                    help="anchor layers of the synthetic Kascade state (default 5, as `jsparse bench model`; a "
                         "calibrated artifact may hold more, and each anchor reads all of K)")
-    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+    p.add_argument("--merge", nargs="+", action="extend", default=None, metavar="JSON",
                    help="earlier recipe_time JSONs (same recipe, shape, dtype, budget, device kind, jax, XLA flags) "
                         "to merge: their measured cells and this run's extrapolate together, a cell measured twice "
                         "from the later run. Without --plan nothing is measured (no device work): the files alone "
