@@ -253,8 +253,17 @@ def fit_windows(pairs, need: int, capacity: int, capped: bool, asked: str | None
                 f"method {type(method).__name__} does not support sliding-window attention and {what}, more than "
                 f"{model.name}'s sliding_window={W}; use one of {window_methods()} or keep {fix}")
         if capped:
-            capacity = min(capacity, W)
+            capacity = min(capacity, window_capacity(W, need))
     return capacity
+
+
+def window_capacity(W: int, need: int) -> int:
+    """The largest cache capacity <= W (a window that never binds) on the coarsest grid of 128 rows, 16 (EvoSparse's
+    blocks, which a capacity must be made of) or 1 that still holds `need` rows (and one at least)."""
+    for grid in (128, 16, 1):
+        if W // grid * grid >= max(need, 1):
+            return W // grid * grid
+    raise ValueError(f"need={need}: expected at most the window of {W}")
 
 
 def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: Any = "dense",

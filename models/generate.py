@@ -104,6 +104,7 @@ def check_request(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_token
                          f"tokens, longer than the model's context of {cfg.max_position_embeddings}")
     if capacity is None:
         return round_up(need + verify_rows, 128)
+    check_count("capacity", capacity, "KV cache rows")
     if need + verify_rows > capacity:
         rows = f" and gamma + 1 = {verify_rows} verification rows" if verify_rows else ""
         raise ValueError(f"prompt ({max(prompt_lengths)} tokens) plus max_new_tokens={max_new_tokens}{rows} is "

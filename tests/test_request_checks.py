@@ -131,6 +131,16 @@ def test_generate_tokens_refuses_a_capacity_that_is_not_a_count(params, value):
                         max_new_tokens=2, capacity=value)
 
 
+@pytest.mark.parametrize("value", [0, -5])
+def test_check_request_names_a_capacity_that_is_not_a_count(value):
+    """generate_ids' capacity=-5 read "6 tokens, longer than the KV cache capacity of -5"; named as a bad value now,
+    as the Session names it."""
+    from models.generate import check_request
+
+    with pytest.raises(ValueError, match=rf"capacity={value}: expected an integer >= 1 \(KV cache rows\)"):
+        check_request(CFG, [3], 3, capacity=value)
+
+
 # 3 ------------------------------------------------------------------------------------- T = 0 new tokens
 
 

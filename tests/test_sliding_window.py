@@ -274,6 +274,25 @@ def test_generate_refuses_a_binding_window_for_other_methods(params):
     assert len(jsparse.generate(model, ["abcdefgh"], method="oracle", max_new_tokens=8)[0]) == 8
 
 
+def test_capped_capacity_is_whole_blocks(params):
+    """A window that is no multiple of EvoSparse's blocks of 16 (here 40): the default capacity was cut to 40, which
+    EvoSparse then refused ("not a multiple of block_size=16") for a request the library had accepted. It is cut to
+    the largest multiple of 16 that still holds the request (`window_capacity`), and the method runs."""
+    from jsparse.api import window_capacity
+
+    assert [window_capacity(40, n) for n in (0, 12, 32, 33, 40)] == [32, 32, 32, 40, 40]
+    assert window_capacity(300, 100) == 256 and window_capacity(300, 260) == 288
+    cfg = ModelConfig(**BASE, sliding_window=40)
+    model = LoadedModel(cfg=cfg, params=params, tokenizer=None, name="tiny-window-40")
+    method = jsparse.build_method("evosparse-noretrieval", model, budget=0.5)
+    ids = [list(range(5, 25)), list(range(7, 12))]
+    out = jsparse.generate_ids(model, ids, method=method, max_new_tokens=4)
+    assert [len(row) for row in out] == [4, 4]
+    session = jsparse.Session(model, model, method=method, gamma=2)
+    assert session.capacity == 32
+    assert len(session.send_ids(ids[1], max_new_tokens=4)) == 4
+
+
 # ----------------------------------------------------------------------------------------------- request limits
 
 
