@@ -225,8 +225,9 @@ def sampling_of(temperature: float, top_p: float) -> Sampling:
     decoding takes the argmax, and top_p has no effect there."""
     sampling = Sampling(temperature, top_p)
     if sampling.temperature == 0 and sampling.top_p != 1.0:
+        # Attributed to the caller's line, past every frame of this package (generate -> generate_ids -> here).
         warnings.warn(f"top_p={top_p} has no effect at temperature 0 (greedy decoding): pass a temperature > 0 to "
-                      "sample", stacklevel=3)
+                      "sample", skip_file_prefixes=(os.path.dirname(os.path.abspath(__file__)) + os.sep,))
     return sampling
 
 
