@@ -23,7 +23,8 @@ one: the data stream is a pure function of (seed, step) (train/data.py), so the 
 batches the uninterrupted run would have, and no step is lost or repeated. Ctrl-C (KeyboardInterrupt) and SIGTERM
 (what `timeout`, schedulers and preemption send; raised as `Terminated`, a KeyboardInterrupt) save a checkpoint of the
 last completed step before exiting (none when the periodic save the interrupt arrived during or after holds it), and
-then propagate as themselves; a killed process (SIGKILL) resumes from its last periodic checkpoint. A step's loss line
+then propagate as themselves; a SIGTERM after the last step waits for the final checkpoint and the artifact, then
+propagates; a killed process (SIGKILL) resumes from its last periodic checkpoint. A step's loss line
 is written before the step counts as completed, so an interrupt between the two re-runs that step rather than losing
 its line. Resuming with another model, predictor shape, data or training config is an error naming both values.
 
@@ -32,7 +33,8 @@ predictor config, the model fingerprint) that `--method butler --artifact OUT` l
 step: step, loss, learning rate, gradient norm, tokens/s). Running a finished run again trains nothing and keeps the
 artifact already there when it is that run's export (same fingerprint, step count and arrays), so metadata added to it
 since (`dense_set` and `dense_set_calibration`, from `bench butler_coverage --dense-count`) stays; any other artifact
-there (none, a damaged one, an earlier export) is replaced by a fresh export, without those keys.
+there (none, a damaged one, an earlier export) is replaced by a fresh export, without those keys. An OUT holding
+another method's artifact is refused before any work (`check_target`).
 """
 
 from __future__ import annotations
