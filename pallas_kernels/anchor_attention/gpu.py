@@ -123,10 +123,8 @@ def _logits_kernel(layer_ref, lim_ref, q_ref, k_ref, *refs, scale: float, block_
         l = corr * l + jnp.sum(p, axis=1)
         if not dense:
             return m_new, l
-        if exact:
-            v = v_ref[layer, cols, :]
-        else:
-            v = plgpu.load(v_ref.at[layer, cols, :], mask=(kpos < n)[:, None], other=0.0)
+        # Keys past the visible ones are garbage (maybe NaN): not loaded, where a 0 weight would not cancel them.
+        v = plgpu.load(v_ref.at[layer, cols, :], mask=(kpos <= lim)[:, None], other=0.0)
         o = corr[:, None] * carry[2] + plgpu.dot(p.astype(v.dtype), v)
         return m_new, l, o
 

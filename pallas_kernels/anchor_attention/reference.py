@@ -106,7 +106,9 @@ def anchor_decode_reference(q: Array, k: Array, v: Array, lengths: Array, *, bud
         return None, indices
     if dense_output:
         probs = jnp.where(jnp.isnan(probs), 0.0, probs)  # a row with no visible key
-        out = jnp.einsum("bkgtn,bknd->btkgd", probs, v.astype(jnp.float32)).reshape(B, T, Hq, D)
+        seen = jnp.arange(v.shape[2])[None, :] <= jnp.max(pos, axis=1)[:, None]  # [B, N]: keys some row sees
+        vf = jnp.where(seen[:, None, :, None], v.astype(jnp.float32), 0.0)  # the rest garbage (maybe NaN): zeroed
+        out = jnp.einsum("bkgtn,bknd->btkgd", probs, vf).reshape(B, T, Hq, D)
     else:
         out = sparse_decode_reference(q, k, v, indices, lengths, scale=scale)
     return out.astype(q.dtype), indices

@@ -71,7 +71,8 @@ def _logits_kernel(lim_ref, layer_ref, q_ref, k_ref, *refs, scale: float, chunk:
     if dense:
         v = v_ref[...]
         vpos = c * chunk + lax.broadcasted_iota(jnp.int32, v.shape, 0)
-        v = jnp.where(vpos < n, v, jnp.zeros_like(v))  # rows past the cache end may hold anything
+        # rows past the cache end, or past the visible keys (garbage, maybe NaN), may hold anything
+        v = jnp.where((vpos < n) & (vpos <= lim), v, jnp.zeros_like(v))
         acc_sc[...] = corr * acc_sc[...] + lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                                            preferred_element_type=jnp.float32)
 

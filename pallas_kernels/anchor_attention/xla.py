@@ -41,6 +41,8 @@ def decode_scores_xla(q: Array, k: Array, v: Array, lengths: Array, *, scale: fl
     out = None
     if dense_output:
         p = jnp.where(visible, jnp.exp(logits - lse[..., None]), 0.0)
+        seen = jnp.arange(N)[None, :] <= jnp.max(pos, axis=1)[:, None]  # [B, N]: keys some row sees
+        v = jnp.where(seen[:, None, :, None], v, jnp.zeros((), v.dtype))  # the rest garbage (maybe NaN): zeroed
         # The dot's batch axes lead its output (then a transpose): with "->btkgd" the CPU's bf16 dot failed
         # (UNIMPLEMENTED: DotThunk BF16 x BF16 = F32), so a bf16 Kascade's dense layer 0 could not run on a CPU.
         o = jnp.einsum("bktgn,bknd->bktgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)

@@ -124,6 +124,7 @@ def dense_decode_stacked_reference(q: Array, k_all: Array, v_all: Array, layer: 
     v = select_layer(v_all, layer).astype(jnp.float32)
     logits, valid = _scaled_logits(q, select_layer(k_all, layer), lengths, scale)  # [B, Hkv, G, T, N]
     logits = jnp.where(valid, logits, -jnp.inf)
+    v = jnp.where(jnp.any(valid, axis=(2, 3))[..., None], v, 0.0)  # rows no query sees (maybe NaN): zeroed
     m = jnp.max(logits, axis=-1, keepdims=True)
     e = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
     l = jnp.sum(e, axis=-1, keepdims=True)

@@ -158,7 +158,9 @@ def _tile_attention(q, qpos, length, end_ref, ent_ref, k_ref, v_ref, start, diag
         kpos = start + c * diag_k + jnp.arange(diag_k, dtype=jnp.int32)
         keys = pl.ds(start + c * diag_k, diag_k)
         ok = kpos[None, :] <= qpos[:, None]
-        return _online_softmax_step(q, k_ref[keys, :], v_ref[keys, :], ok, carry, scale)
+        # The tile's keys past `length` are padding or garbage (maybe NaN): zeroed, not multiplied by a 0 weight.
+        v = jnp.where((kpos < length)[:, None], v_ref[keys, :], jnp.zeros((), v_ref.dtype))
+        return _online_softmax_step(q, k_ref[keys, :], v, ok, carry, scale)
 
     if isinstance(diag_keys, int):  # a static trip count
         o, m, l = lax.fori_loop(0, pl.cdiv(diag_keys, diag_k), diagonal, carry)

@@ -93,7 +93,8 @@ def sparse_decode_reference(q: Array, k: Array, v: Array, indices: Array, length
     bi = jnp.arange(B)[:, None, None, None]
     hi = jnp.arange(Hkv)[None, :, None, None]
     kg = k.astype(jnp.float32)[bi, hi, safe]  # [B, Hkv, T, S, D]
-    vg = v.astype(jnp.float32)[bi, hi, safe]
+    # Rows never attended (past `lengths`, unselected) are garbage, maybe NaN: zeroed, not multiplied by a 0 weight.
+    vg = jnp.where(valid[..., None], v.astype(jnp.float32)[bi, hi, safe], 0.0)
 
     qf = q.astype(jnp.float32).reshape(B, T, Hkv, G, D)
     logits = jnp.einsum("bthgd,bhtsd->bhgts", qf, kg, precision=_HIGHEST) * scale
@@ -155,7 +156,7 @@ def sparse_prefill_reference(q: Array, k: Array, v: Array, indices: Array, lengt
     bi = jnp.arange(B)[:, None, None, None]
     hi = jnp.arange(Hkv)[None, :, None, None]
     kg = kf[bi, hi, keys]  # [B, Hkv, nt, S + tile, D]
-    vg = vf[bi, hi, keys]
+    vg = jnp.where(jnp.any(valid, axis=3)[..., None], vf[bi, hi, keys], 0.0)  # rows no query attends: zeroed
     logits = jnp.einsum("birhgd,bhisd->bhgirs", qf, kg, precision=_HIGHEST) * scale
     p, _ = _softmax_rows(logits, valid[:, :, None])
     out = jnp.einsum("bhgirs,bhisd->birhgd", p, vg, precision=_HIGHEST)

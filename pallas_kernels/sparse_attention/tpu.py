@@ -89,6 +89,7 @@ def _flash_block(q, k, v, ok, m_sc, l_sc, acc_sc, scale):
     corr = jnp.exp(m_prev - m_new)
     p = jnp.where(ok, jnp.exp(s - m_new), 0.0)
     l_sc[...] = corr * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
+    v = jnp.where(jnp.any(ok, axis=0)[:, None], v, jnp.zeros((), v.dtype))  # rows no query sees (maybe NaN): zeroed
     acc_sc[...] = corr * acc_sc[...] + lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                                        preferred_element_type=jnp.float32)
     m_sc[...] = m_new

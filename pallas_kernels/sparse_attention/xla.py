@@ -76,6 +76,7 @@ def sparse_decode_xla(q: Array, k: Array, v: Array, indices: Array, lengths: Arr
     logits = jnp.einsum("bthgd,bhtsd->bhgts", qg, kg.astype(q.dtype),
                         preferred_element_type=jnp.float32) * scale
     p, l, m = _masked_softmax_parts(logits, valid[:, :, None])
+    vg = jnp.where(valid[..., None], vg, jnp.zeros((), vg.dtype))  # garbage rows (maybe NaN) add nothing
     o = jnp.einsum("bhgts,bhtsd->bthgd", p, vg, preferred_element_type=jnp.float32)  # [B, T, Hkv, G, D]
     l_t = l.transpose(0, 3, 1, 2)  # [B, T, Hkv, G]
     out = jnp.where(l_t[..., None] > 0, o / jnp.where(l_t > 0, l_t, 1.0)[..., None], 0.0)
@@ -138,6 +139,7 @@ def sparse_prefill_xla(q: Array, k: Array, v: Array, indices: Array, lengths: Ar
                  & (qpos[None, None, :, None] < lengths[:, None, None, None]))  # [B, Hkv, tile, S + tile]
         logits = jnp.einsum("brhgd,bhsd->bhgrs", qi, keys, preferred_element_type=jnp.float32) * scale
         p, l, _ = _masked_softmax_parts(logits, valid[:, :, None])
+        vals = jnp.where(jnp.any(valid, axis=2)[..., None], vals, jnp.zeros((), vals.dtype))  # garbage rows: zeroed
         o = jnp.einsum("bhgrs,bhsd->brhgd", p, vals, preferred_element_type=jnp.float32)
         l = l.transpose(0, 3, 1, 2)  # [B, tile, Hkv, G]
         o = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
