@@ -226,8 +226,8 @@ def topk_indices(scores: Array, k_dyn: Array, K: int, per_shard: bool = False) -
 
     per_shard: under a mesh, select scores in the index contract's layout [B, Hkv, ..., N] per shard (rows over
     data, heads over model; the rows are independent), for scores computed per KV head: XLA's partitioner
-    gathers every head's scores onto every device for the top-k otherwise (oracle, h2o). Off, XLA places the
-    top-k (Butler's scores come from a replicated predictor; per shard would add an all-gather of the indices).
+    gathers every head's scores onto every device for the top-k otherwise (oracle, h2o, butler). Off, XLA places
+    the top-k.
     """
     if per_shard and scores.ndim >= 3 and shard.active_mesh() is not None:
         k_rows = jnp.broadcast_to(k_dyn, scores.shape[:-1])

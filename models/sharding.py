@@ -56,8 +56,8 @@ tests/sharding_check.py checks on 2x4 and 1x8 meshes for every method, tests/sts
       over `model` of f32[B, T, nb] inside `block_scores.block_max_scores` (each device maxes over the retrieval
       heads it holds); the set itself is then replicated over `model`.
   TokenButler predictor (layer-0 hidden states -> every layer's and head's logits)   none for its input (the
-      hidden state is replicated over `model`); its params (~1% of the model) are replicated and XLA partitions
-      its head outputs to the heads' devices.
+      hidden state is replicated over `model`); its params (~1% of the model) are replicated, and each device
+      selects from its own heads' predicted logits (`butler.head_mask`, `group_indices`: top-k and mask per shard).
   STS (draft attention -> target heads through a head map: target head h of layer l reads the record of draft
       (layer, head) = head_map[l, h], held by any device)   per target layer, the rows its heads read,
       i32 / f32[Hq_t, B, R, W] (R = 1 in decode, a row per query tile in prefill; W the recorded width), gathered

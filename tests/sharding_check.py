@@ -273,6 +273,13 @@ def main(argv):
                         not dense_found - found
                 row["collectives"] = {f"{op} {shape}": n for (op, shape), n in sorted(found.items())}
                 ok &= row.get("collectives_ok", True)
+            if fn is forward and spec == "data=2,model=4":
+                # No selection gathers a per-key tensor [..., N] over the mesh (butler's decode scores all-gathered
+                # over `data` f32[B, Hq, 1, N] each layer until 2026-12-04; oracle's and h2o's run per shard too).
+                row["key_gathers"] = sorted({shape for (op, shape), _ in collectives(result[3]).items()
+                                             if op == "all-gather" and shape.count(",") >= 2
+                                             and shape.rstrip("]").endswith(f",{CAPACITY}")})
+                ok &= not row["key_gathers"]
             failed |= not ok
             print(json.dumps({**row, "ok": ok, "seconds": round(time.perf_counter() - t0, 2)}), flush=True)
     # A batch of 3 rows on data=2: nothing splits the rows, every kernel runs whole (EvoSparse's block scores

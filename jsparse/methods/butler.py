@@ -86,8 +86,9 @@ from jsparse.methods.butler_predictor import Predictor, PredictorConfig, unflatt
 from jsparse.methods.common import (TokenBudget, attend_dense, attend_per_query_head, attend_selected, dense_prefill,
                                     kwargs_for, scratch)
 from models.attention import runs_of
+from models.sharding import constrain
 from pallas_kernels.predicted_logits import predicted_logits as logits_op
-from pallas_kernels.sharding import active_mesh
+from pallas_kernels.sharding import active_mesh, dims, per_shard
 from pallas_kernels.sparse_attention.reference import decode_indices_to_mask, masked_attention_reference
 from pallas_kernels.topk_select import topk_select
 
@@ -150,22 +151,31 @@ def _with_forced(scores: jax.Array, positions: jax.Array, k_dyn: jax.Array, sink
 def head_mask(logits: jax.Array, positions: jax.Array, lengths: jax.Array, budget: float, min_tokens: int,
               K: int, sink: int, local: int = 0) -> jax.Array:
     """bool[B, Hq, T, N]: each query head's top-k keys by predicted logit (`predicted_logits`), the sinks and
-    the local window first."""
+    the local window first.
+
+    Under a mesh each device selects for its own rows and heads: the predictor's logits are computed whole on every
+    device, and left to XLA the selection ran for every head on every device and all-gathered the scores over the
+    data axis (a [B, Hq, T, N] f32 tensor a layer, a step)."""
+    N = logits.shape[-1]
+    logits = constrain(logits, ("batch", "heads", None, None))
     k_dyn = sel.budget_tokens(budget, positions + 1, min_tokens)  # [B, T]
-    idx = sel.topk_indices(_with_forced(logits, positions, k_dyn, sink, local), k_dyn[:, None, :], K)
-    return decode_indices_to_mask(idx, lengths, logits.shape[-1])
+    scores = _with_forced(logits, positions, k_dyn, sink, local)
+    idx = sel.topk_indices(scores, jnp.broadcast_to(k_dyn[:, None, :], scores.shape[:-1]), K, per_shard=True)
+    return per_shard(lambda i, n: decode_indices_to_mask(i, n, N), [idx, lengths], [dims(4, 0, 1), dims(1, 0)],
+                     dims(4, 0, 1))
 
 
 def group_indices(logits: jax.Array, num_kv_heads: int, positions: jax.Array, budget: float, min_tokens: int,
                   K: int, sink: int, local: int = 0) -> jax.Array:
     """int32[B, Hkv, T, K]: per KV head, the top-k keys by predicted post-softmax weight summed over the GQA
-    group (the sinks and the local window first), in the index contract."""
+    group (the sinks and the local window first), in the index contract. Per device under a mesh, as `head_mask`."""
     B, Hq, T, N = logits.shape
+    logits = constrain(logits, ("batch", "heads", None, None))
     probs = jax.nn.softmax(logits, axis=-1).reshape(B, num_kv_heads, Hq // num_kv_heads, T, N).sum(axis=2)
     visible = (logits > sel.NEG_INF)[:, :1]  # [B, 1, T, N], the same for every head
     k_dyn = sel.budget_tokens(budget, positions + 1, min_tokens)  # [B, T]
     pooled = _with_forced(jnp.where(visible, probs, sel.NEG_INF), positions, k_dyn, sink, local)
-    return sel.topk_indices(pooled, k_dyn[:, None, :], K)
+    return sel.topk_indices(pooled, jnp.broadcast_to(k_dyn[:, None, :], pooled.shape[:-1]), K, per_shard=True)
 
 
 @register("butler")
