@@ -169,9 +169,12 @@ def check_heads(cfg: ModelConfig, mesh) -> None:
     m = mesh_size(mesh, "model")
     for name, count in (("num_heads (Hq)", cfg.num_heads), ("num_kv_heads (Hkv)", cfg.num_kv_heads)):
         if count % m:
-            ok = [d for d in range(1, cfg.num_kv_heads + 1) if cfg.num_kv_heads % d == 0 and cfg.num_heads % d == 0]
+            # Sizes that split the heads and fit this mesh's devices (data * model = the device count).
+            n = int(np.prod([s for _, s in dict(mesh.shape).items()]))
+            ok = [d for d in range(1, cfg.num_kv_heads + 1)
+                  if cfg.num_kv_heads % d == 0 and cfg.num_heads % d == 0 and n % d == 0]
             raise ShardingError(f"{name}={count} is not divisible by the mesh's model axis of {m}: each device must "
-                                f"hold whole heads; use model in {ok}")
+                                f"hold whole heads; use model in {ok} (with data = {n} / model)")
 
 
 def check_batch(batch: int, mesh) -> None:

@@ -78,10 +78,12 @@ def test_heads_must_divide_the_model_axis():
     import jax
     cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=2,
                       num_heads=9, num_kv_heads=3, head_dim=16, max_position_embeddings=128)
-    mesh = jax.sharding.AbstractMesh((1, 2), ("data", "model"))
-    with pytest.raises(ValueError, match=r"num_heads \(Hq\)=9 is not divisible by the mesh's model axis of 2.*"
-                                         r"use model in \[1, 3\]"):
-        sharding.check_heads(cfg, mesh)
+    # The sizes named are those that split the heads and divide the device count (3 on 2 devices cannot be made).
+    for shape, sizes in (((1, 2), r"\[1\] \(with data = 2 / model\)"), ((1, 6), r"\[1, 3\] \(with data = 6 / model\)")):
+        mesh = jax.sharding.AbstractMesh(shape, ("data", "model"))
+        with pytest.raises(ValueError, match=rf"num_heads \(Hq\)=9 is not divisible by the mesh's model axis of "
+                                             rf"{shape[1]}.*use model in {sizes}"):
+            sharding.check_heads(cfg, mesh)
     with pytest.raises(ValueError, match="batch of 3 rows is not divisible by the mesh's data axis of 2"):
         sharding.check_batch(3, jax.sharding.AbstractMesh((2, 1), ("data", "model")))
 
