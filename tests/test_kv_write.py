@@ -78,8 +78,16 @@ def test_entry_point_dispatch_and_errors():
         rope_write(qkv, pos, inv_freq, ck, cv[:, :, :, :15], 0, Hq, Hkv)
     with pytest.raises(ValueError, match=r"inv_freq \(15,\): expected \[D / 2\] = \[16\]"):
         rope_write(qkv, pos, inv_freq[:15], ck, cv, 0, Hq, Hkv)
-    with pytest.raises(ValueError, match="q_norm and k_norm: expected both or neither"):
+    with pytest.raises(ValueError, match="q_norm and k_norm: expected both"):
         rope_write(qkv, pos, inv_freq, ck, cv, 0, Hq, Hkv, q_norm=norms[0])
+    # Named (an integer qkv returned a truncated rotation; the others failed inside jnp with no argument named).
+    with pytest.raises(ValueError, match="qkv of dtype int32: expected a floating dtype"):
+        rope_write(qkv.astype(jnp.int32), pos, inv_freq, ck, cv, 0, Hq, Hkv)
+    for bad in (pos[0], pos.astype(jnp.float32)):
+        with pytest.raises(ValueError, match=r"positions .*: expected an integer array \[B, T\]"):
+            rope_write(qkv, bad, inv_freq, ck, cv, 0, Hq, Hkv)
+    with pytest.raises(ValueError, match=r"k_norm \(16,\): expected \[D\] = \[32\]"):
+        rope_write(qkv, pos, inv_freq, ck, cv, 0, Hq, Hkv, q_norm=norms[0], k_norm=norms[1][:16])
     with pytest.raises(ValueError, match="cannot run this call: a q/k norm: the kernel takes none"):
         rope_write(qkv, pos, inv_freq, ck, cv, 0, Hq, Hkv, q_norm=norms[0], k_norm=norms[1],
                    implementation="pallas_gpu")

@@ -75,6 +75,8 @@ def test_errors():
     q, k = jnp.zeros((2, 1, 1, 32)), jnp.zeros((2, 10, 32))
     with pytest.raises(ValueError, match=r"last of shape \(3,\): expected an i32 array broadcastable"):
         predicted_logits(q, k, last=jnp.zeros((3,), jnp.int32))
+    with pytest.raises(ValueError, match="last of dtype float32: expected integer key positions"):  # was truncated
+        predicted_logits(q, k, last=jnp.full((1,), 3.9, jnp.float32))
     with pytest.raises(ValueError, match="keep_first=-1: expected an int >= 0"):
         predicted_logits(q, k, last=jnp.zeros((1,), jnp.int32), keep_first=-1)
     with pytest.raises(ValueError, match="keep_first / keep_from without last"):

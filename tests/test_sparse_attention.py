@@ -153,6 +153,8 @@ def test_reference_errors_name_bad_values():
         ref.sparse_decode_reference(q, k, v, idx[:, :1], lens)
     with pytest.raises(ValueError, match="float32"):
         ref.sparse_decode_reference(q, k, v, idx.astype(jnp.float32), lens)
+    with pytest.raises(ValueError, match=r"lengths is a list: expected an integer array \(int32\) of shape \(1,\)"):
+        ref.sparse_decode_reference(q, k, v, idx, [40])  # an AttributeError before
     with pytest.raises(ValueError, match="block_size=True"):  # a bool is not a block size (it read as 1)
         ref.sparse_decode_reference(q, k, v, idx, lens, block_size=True)
     with pytest.raises(ValueError, match="k has dtype int32: expected a floating dtype"):  # integer products ran

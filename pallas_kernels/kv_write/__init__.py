@@ -29,10 +29,8 @@ def rope_write(qkv: Array, positions: Array, inv_freq: Array, cache_k: Array, ca
     """The module docstring's rope_write. implementation: None (on a GPU, without a mesh, when the kernel takes
     the shapes: "pallas_gpu"; else "reference") or one of IMPLEMENTATIONS (never falls back)."""
     args = (qkv, positions, inv_freq, cache_k, cache_v, layer, num_q_heads, num_kv_heads)
-    reference.check_args(*args[:5], num_q_heads, num_kv_heads)
+    reference.check_args(*args[:5], num_q_heads, num_kv_heads, q_norm, k_norm)
     check_layer(layer, cache_k.shape[0])
-    if (q_norm is None) != (k_norm is None):
-        raise ValueError("q_norm and k_norm: expected both or neither")
     from pallas_kernels.kv_write import gpu
 
     def unsupported():

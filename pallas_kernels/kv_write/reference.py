@@ -46,7 +46,12 @@ def write_decode(cache: Array, layer, positions: Array, x: Array) -> Array:
 
 
 def check_args(qkv: Array, positions: Array, inv_freq: Array, cache_k: Array, cache_v: Array, num_q_heads: int,
-               num_kv_heads: int) -> None:
+               num_kv_heads: int, q_norm: Array | None = None, k_norm: Array | None = None) -> None:
+    if getattr(positions, "ndim", None) != 2 or not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise ValueError(f"positions {getattr(positions, 'shape', None)} {getattr(positions, 'dtype', type(positions))}: "
+                         "expected an integer array [B, T]")
+    if not jnp.issubdtype(qkv.dtype, jnp.floating):
+        raise ValueError(f"qkv of dtype {qkv.dtype}: expected a floating dtype (the rotation is not an integer map)")
     B, T = positions.shape
     if qkv.ndim != 3 or qkv.shape[1] != num_q_heads + 2 * num_kv_heads or qkv.shape[0] < B * T:
         raise ValueError(f"qkv {qkv.shape}: expected [R >= B * T = {B * T}, Hq + 2 Hkv = "
@@ -58,13 +63,18 @@ def check_args(qkv: Array, positions: Array, inv_freq: Array, cache_k: Array, ca
                          f"Hkv={num_kv_heads}, N, D={D}]")
     if inv_freq.shape != (D // 2,) or D % 2:
         raise ValueError(f"inv_freq {inv_freq.shape}: expected [D / 2] = [{D // 2}] for an even head_dim D={D}")
+    for name, norm in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if norm is not None and norm.shape != (D,):
+            raise ValueError(f"{name} {norm.shape}: expected [D] = [{D}], one weight per channel")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm: expected both (Qwen3's q/k norms) or neither")
 
 
 def rope_write_reference(qkv: Array, positions: Array, inv_freq: Array, cache_k: Array, cache_v: Array, layer,
                          num_q_heads: int, num_kv_heads: int, q_norm: Array | None = None,
                          k_norm: Array | None = None, eps: float = 1e-6):
     """The module docstring's rope_write in jnp: what the model's decode computes without the kernel."""
-    check_args(qkv, positions, inv_freq, cache_k, cache_v, num_q_heads, num_kv_heads)
+    check_args(qkv, positions, inv_freq, cache_k, cache_v, num_q_heads, num_kv_heads, q_norm, k_norm)
     B, T = positions.shape
     x = qkv[:B * T].reshape(B, T, *qkv.shape[1:])
     hq, hkv = num_q_heads, num_kv_heads

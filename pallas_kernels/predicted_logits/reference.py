@@ -30,6 +30,8 @@ def check_bounds(q: Array, last, keep_first: int, keep_from) -> None:
             if not fits:
                 raise ValueError(f"{name} of shape {tuple(jnp.shape(a))}: expected an i32 array broadcastable to the "
                                  f"query rows {tuple(rows)}")
+            if not jnp.issubdtype(jnp.result_type(a), jnp.integer):  # a float was truncated to i32
+                raise ValueError(f"{name} of dtype {jnp.result_type(a)}: expected integer key positions")
     if not isinstance(keep_first, int) or keep_first < 0:
         raise ValueError(f"keep_first={keep_first!r}: expected an int >= 0 (the leading keys every row keeps)")
     if last is None and (keep_first or keep_from is not None):

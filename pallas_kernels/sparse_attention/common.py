@@ -26,6 +26,8 @@ def default_scale(head_dim: int, scale: float | None) -> float:
 
 
 def _check_int_array(name: str, x: Array, shape: tuple[int, ...]) -> None:
+    if not hasattr(x, "dtype"):
+        raise ValueError(f"{name} is a {type(x).__name__}: expected an integer array (int32) of shape {tuple(shape)}")
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise ValueError(f"{name} has dtype {x.dtype}: expected an integer dtype (int32)")
     if tuple(x.shape) != tuple(shape):
