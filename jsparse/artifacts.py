@@ -116,8 +116,8 @@ def save_artifact(path: str, artifact: Artifact) -> None:
             "arrays": sorted(artifact.arrays), "arrays_sha256": hashlib.sha256(data).hexdigest(),
             "meta": artifact.meta}
     text = json.dumps(info, indent=2, default=_json_default)  # before any write: a meta value json refuses fails here
-    _write_replace(os.path.join(path, ARTIFACT_JSON), text.encode())
-    _write_replace(os.path.join(path, ARRAYS_NPZ), data)
+    write_replace(os.path.join(path, ARTIFACT_JSON), text.encode())
+    write_replace(os.path.join(path, ARRAYS_NPZ), data)
 
 
 def update_artifact_meta(path: str, kind: str, **meta) -> Artifact:
@@ -126,7 +126,7 @@ def update_artifact_meta(path: str, kind: str, **meta) -> Artifact:
     art = load_artifact(path, kind)
     info = _read_info(path)
     info["meta"] = {**info["meta"], **meta}
-    _write_replace(os.path.join(path, ARTIFACT_JSON), json.dumps(info, indent=2, default=_json_default).encode())
+    write_replace(os.path.join(path, ARTIFACT_JSON), json.dumps(info, indent=2, default=_json_default).encode())
     art.meta = info["meta"]
     return art
 
@@ -137,7 +137,7 @@ def _read_info(path: str):
         return json.loads(f.read().decode("utf-8"))
 
 
-def _write_replace(target: str, data: bytes) -> None:
+def write_replace(target: str, data: bytes) -> None:
     """Writes `data` to `target` through a temporary file renamed over it; a write cut short leaves no temporary file
     (a predictor's arrays can be hundreds of MB)."""
     tmp = target + ".tmp"

@@ -60,7 +60,7 @@ from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jsparse.artifacts import (FINGERPRINT_SCHEME, Artifact, ArtifactError, artifact_kind, load_artifact,
-                               save_artifact)
+                               save_artifact, write_replace)
 from jsparse.methods.butler import ARTIFACT_KIND
 from jsparse.methods.butler_predictor import Predictor, PredictorConfig, flatten_params, init_params
 from models import llama
@@ -481,15 +481,7 @@ def _rewrite_log(path: str, upto: int) -> None:
             raise TrainError(f"{path} line {i + 1} is not a loss record ({e}): fix or delete that line to resume")
         if step <= upto:
             kept.append(ln if ln.endswith("\n") else ln + "\n")
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "w") as f:
-            f.writelines(kept)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
+    write_replace(path, "".join(kept).encode())
 
 
 def _checkpoint_on_interrupt(mngr, step: int, save: Callable[[], None]) -> None:
