@@ -489,6 +489,7 @@ def test_interrupt_before_a_steps_loss_line_reruns_that_step(tmp_path, uninterru
 def test_rewriting_the_loss_log_is_atomic(tmp_path, monkeypatch):
     """A resume keeps the log's lines up to its checkpoint through a temporary file renamed into place: killed while
     writing it, the log is whole."""
+    from jsparse import artifacts
     from train import loop
 
     path = str(tmp_path / "loss.jsonl")
@@ -496,11 +497,12 @@ def test_rewriting_the_loss_log_is_atomic(tmp_path, monkeypatch):
     with open(path, "w") as f:
         f.writelines(lines)
 
-    killing_open = _interrupting_open(lambda mode: "w" in mode, "writelines", lambda lines: True)
-    monkeypatch.setattr(loop, "open", killing_open, raising=False)
+    # (the write is `artifacts.write_replace`'s, which the artifact files take too)
+    killing_open = _interrupting_open(lambda mode: "w" in mode, "write", lambda data: True)
+    monkeypatch.setattr(artifacts, "open", killing_open, raising=False)
     with pytest.raises(KeyboardInterrupt):
         loop._rewrite_log(path, 8)
-    monkeypatch.delattr(loop, "open")
+    monkeypatch.delattr(artifacts, "open")
     with open(path) as f:
         assert f.readlines() == lines
     loop._rewrite_log(path, 8)
