@@ -211,6 +211,17 @@ def test_method_artifacts_of_another_shape_or_with_float_indices_are_refused(tmp
         "anchors": np.array([0, 2], np.int32), "head_map": hm.astype(np.int32)}, meta={"reuse_scale": None}))
     with pytest.raises(ArtifactError, match="reuse_scale=None, expected a number"):
         make_method("kascade", cfg=cfg, artifact=str(tmp_path / "k"))
+    # The tile and min_tokens of the calibration are the method's, unless given (the defaults 32 and 128 ran before).
+    save_artifact(str(tmp_path / "k"), Artifact(kind="kascade", fingerprint="fp", arrays={
+        "anchors": np.array([0, 2], np.int32), "head_map": hm.astype(np.int32)}, meta={"tile": 16, "min_tokens": 8}))
+    built = make_method("kascade", cfg=cfg, artifact=str(tmp_path / "k"))
+    assert (built.tile, built.min_tokens) == (16, 8)
+    given = make_method("kascade", cfg=cfg, artifact=str(tmp_path / "k"), tile=32, min_tokens=64)
+    assert (given.tile, given.min_tokens) == (32, 64)
+    save_artifact(str(tmp_path / "k"), Artifact(kind="kascade", fingerprint="fp", arrays={
+        "anchors": np.array([0, 2], np.int32), "head_map": hm.astype(np.int32)}, meta={"tile": 16.5}))
+    with pytest.raises(ArtifactError, match="meta tile=16.5, expected an integer"):
+        make_method("kascade", cfg=cfg, artifact=str(tmp_path / "k"))
 
     maps = np.zeros((2, 4, 4, 2), np.int32)
     for arrays, meta, match in (({"ks": np.array([8, 16, 32]), "head_maps": maps}, {}, r"ks \[8, 16, 32\]"),

@@ -58,6 +58,10 @@ def test_calibration_with_draft_equal_to_target_is_identity(pair):
     for m in maps:
         np.testing.assert_array_equal(m[..., 0], L)
         np.testing.assert_array_equal(m[..., 1], H)
+    assert art.meta["prompts"] == 2
+    batched = calibrate(target.params, CFG, target.params, CFG, [np.concatenate(_windows())], ks=(8, 24), tile=16)
+    assert batched.meta["prompts"] == 2  # prompts, not batches (it recorded 1 here)
+    np.testing.assert_array_equal(batched.arrays["head_maps"], maps)
 
 
 def test_artifact_keyed_to_both_models(pair, tmp_path):

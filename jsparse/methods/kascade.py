@@ -16,7 +16,7 @@ reuse layers keep N keys as the anchors do (with r = 2 they kept up to 2N at the
 SmolLM2-135M a reuse layer's set from even the adjacent layer misses what that layer's own top-k keeps and the
 passkey is lost (eval/results/kascade_diagnosis/REPORT.md); the calibrated artifact of the bundled model carries
 r = 2 and anchors chosen for a target share of the oracle's mass, and `build` takes them from the artifact unless
-given. The kept fraction over the sparse layers is reported by
+given (r, and the query tile and min_tokens the calibration pooled its scores with). The kept fraction over the sparse layers is reported by
 `achieved_sparsity` (anchors at `budget`, reuse layers at r * budget).
 
 Anchors (roles 0 and 1) run the fused anchor ops of `pallas_kernels.anchor_attention`: `anchor_decode` reads
@@ -135,6 +135,15 @@ class Kascade(TokenBudget):
                 raise ArtifactError(f"kascade artifact at {artifact!r} is corrupt: meta reuse_scale={scale!r}, "
                                     "expected a number")
             options["reuse_scale"] = float(scale)
+        # The query tile and min_tokens the anchors and head map were chosen with (the tile pools the scores they
+        # compare), unless given: they were read from the method's defaults, whatever the calibration used.
+        for name in ("tile", "min_tokens"):
+            if options.get(name) is None and name in art.meta:
+                value = art.meta[name]
+                if not sel.is_int(value):
+                    raise ArtifactError(f"kascade artifact at {artifact!r} is corrupt: meta {name}={value!r}, "
+                                        "expected an integer")
+                options[name] = int(value)
         head_map = sel.integer_array(f"the head_map of the artifact at {artifact!r}", art.arrays["head_map"])
         return cls.from_anchors(cfg, art.arrays["anchors"], head_map, **options)
 

@@ -121,7 +121,7 @@ def calibrate(t_params, t_cfg, d_params, d_cfg, prompts: Iterable[np.ndarray], *
         t_idx = trace(t_params, t_cfg, tokens, rec)
         d_idx = trace(d_params, d_cfg, tokens, rec)
         total = total + np.asarray(overlap_fn(t_idx, d_idx, ks, tile, T), np.float64)
-        n += 1
+        n += int(tokens.shape[0])  # prompts, not batches (meta "prompts", as Kascade's and TSA's)
         if progress is not None:
             progress(1)
     if n == 0:
