@@ -362,6 +362,9 @@ def _run_eval(args, spec) -> int:
 
     with use_mesh(model.mesh):  # the harness's jitted forwards run with the mesh set: kernels per shard
         run = harness.evaluate(model, spec, progress=not args.no_progress, on_record=write, previous=previous)
+    if run.ppl_overlap:  # said in run.json / results.json's meta and summary.md
+        meta["ppl_overlap"] = {str(length): {"windows": w, "non_overlapping": s}
+                               for length, (w, s) in sorted(run.ppl_overlap.items())}
     write(run.records, run.outputs)
     if not getattr(args, "no_report", False):
         report.write_report(args.out)

@@ -26,7 +26,8 @@ A record (every record has exactly the keys of `RECORD_KEYS`; results.json schem
   metric    "accuracy" (passkey: exact match of the key's digits), the generation task's metric
             ("string_match_all": fraction of the answers found in the completion; "string_match_part": 1 when
             any is), or "perplexity"
-  value     the metric's value (a mean over the samples)
+  value     the metric's value: a mean over the samples; for perplexity exp(mean NLL) over every scored token of
+            every window pooled (not a mean of the windows' perplexities)
   sparsity  achieved sparsity: fraction of visible keys not attended, averaged over layers and the query
             positions the record scores, from `method.achieved_sparsity(cfg, positions)` (`achieved_sparsity`):
             the rows whose predictions it scores: ppl "decode" rows 0..length-2; ppl "continuation" the C rows
@@ -493,10 +494,12 @@ class EvalSpec:
 class EvalRun:
     """records: the flat records (see the module docstring); outputs: one dict per sample of passkey and the
     generation tasks (task, method, budget, budget_tokens, length, depth, answers, completion, score) for
-    reading failures."""
+    reading failures; ppl_overlap: {length: (ppl windows, non-overlapping windows the corpus holds)} at the lengths
+    where the perplexity windows overlap (they share text, so n counts fewer distinct tokens)."""
 
     records: list[dict]
     outputs: list[dict]
+    ppl_overlap: dict = dataclasses.field(default_factory=dict)
 
 
 OPTIONAL_KEYS = {"budget_tokens": None, "layer_sparsity": None, "acceptance_rate": None}  # None when not given
@@ -1084,6 +1087,7 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
 
     records: list[dict] = [dict(r) for r in previous]
     outputs: list[dict] = []
+    ppl_overlap: dict = {}
     total = sum(_unit_calls(spec, L, todo) for L, _, todo in plan)
     bar = tqdm(total=total, disable=not progress, unit="call", dynamic_ncols=True)
     tick = lambda: bar.update(1)  # noqa: E731
@@ -1095,6 +1099,10 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
 
     try:
         for length in spec.lengths:
+            if "ppl" in spec.tasks:  # (a resumed run's done lengths too: the run's meta says it of all of them)
+                slots = ppl_task.check_windows(model.tokenizer, corpus_ids, length, spec.ppl_windows())
+                if spec.ppl_windows() > slots:
+                    ppl_overlap[length] = (spec.ppl_windows(), slots)
             todo_tasks = {t for L, _, todo in plan if L == length for t, _ in todo}
             if not todo_tasks:
                 continue
@@ -1200,4 +1208,4 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
                                             layer_sparsity=layers, **common))
     finally:
         bar.close()
-    return EvalRun(records=records, outputs=outputs)
+    return EvalRun(records=records, outputs=outputs, ppl_overlap=ppl_overlap)

@@ -189,6 +189,10 @@ def summary_markdown(records: Sequence[Mapping], meta: Mapping | None = None) ->
              ("draft", meta.get("draft")), ("gamma", meta.get("gamma")),
              ("samples", meta.get("samples")),
              ("ppl windows", meta.get("ppl_samples") if meta.get("ppl_samples") != meta.get("samples") else None),
+             ("ppl windows overlapping (the corpus holds fewer without overlap: they share text)",
+              "; ".join(f"{n} windows at {length} tokens, {o['non_overlapping']} without overlap"
+                        for length, o in meta["ppl_overlap"].items() for n in [o["windows"]])
+              if meta.get("ppl_overlap") else None),
              ("seed", meta.get("seed")), ("corpus", meta.get("corpus")),
              ("device", meta.get("device")), ("jax", meta.get("jax")), ("commit", meta.get("commit")),
              ("date", meta.get("date"))]

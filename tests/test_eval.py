@@ -271,6 +271,25 @@ def test_ppl_of_dense_is_exp_mean_nll_of_prefill_logits(model, corpus):
     # The per-token NLLs themselves agree (not only their mean).
     np.testing.assert_allclose(ppl.decode_nll(model.params, model.cfg, jsparse.build_method("dense", model),
                                               windows, chunk=48), nll, rtol=1e-4, atol=1e-4)
+    assert run.ppl_overlap == {}  # the corpus holds 3 windows apart
+
+
+def test_overlapping_ppl_windows_are_said(model, corpus, tmp_path):
+    """More windows than the corpus holds apart share text: the run says so (meta and summary.md), where before
+    only a Python warning did and the records' n counted every window alike."""
+    short = tmp_path / "short.txt"
+    short.write_text(open(corpus, encoding="utf-8").read()[:1500], encoding="utf-8")
+    ids = ppl.tokenize_corpus(model.tokenizer, ppl.read_corpus(str(short)))
+    slots = ppl.check_windows(model.tokenizer, ids, 128, 4)
+    assert slots < 4
+    spec = harness.EvalSpec(methods=("dense",), tasks=("ppl",), lengths=(128,), samples=4, seed=5,
+                            corpus=str(short), ppl_variants=("prefill",))
+    with pytest.warns(UserWarning, match="the windows overlap"):
+        run = harness.evaluate(model, spec, progress=False)
+    assert run.ppl_overlap == {128: (4, slots)}
+    md = report.summary_markdown(run.records, {"ppl_overlap": {"128": {"windows": 4, "non_overlapping": slots}}})
+    assert f"- ppl windows overlapping (the corpus holds fewer without overlap: they share text): 4 windows at 128 " \
+           f"tokens, {slots} without overlap" in md
 
 
 # ------------------------------------------------------------------------------------------------ the command
