@@ -227,6 +227,17 @@ def test_passkey_scoring():
 # ------------------------------------------------------------------------------------------------ ppl
 
 
+def test_corpus_tokens_are_the_whole_texts(tokenizer):
+    """The corpus is encoded whole, as the model meets text: paragraph breaks, longer breaks and indentation keep
+    their tokens and the ids decode to the text (paragraph by paragraph, "\n\n\n" shrank to "\n\n" and a "\n\n"
+    was added at the end)."""
+    text = " ".join(passkey.FILLER_SENTENCES[:3]) + "\n\n\n  " + passkey.FILLER_SENTENCES[3] + "\n\n" + \
+        passkey.FILLER_SENTENCES[4]
+    ids = ppl.tokenize_corpus(tokenizer, text)
+    assert ids.tolist() == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids.tolist()) == text
+
+
 def test_windows(tokenizer, corpus):
     ids = ppl.tokenize_corpus(tokenizer, ppl.read_corpus(corpus))
     w = ppl.make_windows(tokenizer, ids, 100, 5, seed=1)

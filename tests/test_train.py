@@ -608,6 +608,8 @@ def test_sequence_length_off_the_kernel_block_is_padded(model_params, pcfg):
 
 class ByteTokenizer:
     def __call__(self, texts, add_special_tokens=False, verbose=False):
+        if isinstance(texts, str):
+            return {"input_ids": list(texts.encode())}
         return {"input_ids": [list(t.encode()) for t in texts]}
 
 
@@ -622,6 +624,8 @@ def test_data_pipeline_and_errors(tmp_path):
     assert [os.path.basename(p) for p in paths] == ["a.txt", "b.txt"]
     ids = data_lib.tokenize_files(ByteTokenizer(), paths, separator=0)
     assert (ids == 0).sum() == 1 and len(ids) > 40
+    # Each file encoded whole: its paragraph breaks and ending as written (a "\n\n" was added to each paragraph).
+    assert ids.tolist() == list(a.read_bytes()) + [0] + list(b.read_bytes())
     chunks = data_lib.pack_chunks(ids, 16, prefix=[1])
     assert chunks.shape == (len(ids) // 15, 16) and (chunks[:, 0] == 1).all()
     s1, s2 = data_lib.ChunkStream(chunks, 2, seed=3), data_lib.ChunkStream(chunks, 2, seed=3)

@@ -70,16 +70,12 @@ def read_text(path: str) -> str:
     return text
 
 
-def tokenize_text(tokenizer, text: str, batch: int = 512) -> list[int]:
-    """Token ids of a text (no special tokens), tokenized paragraph by paragraph in batches (fast tokenizers run
-    a batch in parallel; paragraphs keep every call short)."""
-    parts = [p + "\n\n" for p in text.split("\n\n") if p.strip()]
-    ids: list[int] = []
-    for s in range(0, len(parts), batch):
-        enc = tokenizer(parts[s:s + batch], add_special_tokens=False, verbose=False)["input_ids"]
-        for row in enc:
-            ids += row
-    return ids
+def tokenize_text(tokenizer, text: str) -> list[int]:
+    """Token ids of a text (no special tokens), the text encoded whole, as the model meets it (as
+    `eval.ppl.tokenize_corpus`). Until 2026-12-04 it was encoded paragraph by paragraph with "\n\n" added back,
+    which changed the tokens of every paragraph break (one token where the whole text has two on the bundled
+    tokenizer)."""
+    return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
 
 
 def tokenize_files(tokenizer, paths: Sequence[str], separator: int | None = None) -> np.ndarray:
