@@ -110,6 +110,10 @@ def test_sts_refuses_a_draft_other_than_the_one_its_head_map_was_calibrated_with
     save_artifact(str(tmp_path), art)
     sts = jsparse.build_method("sts", target, draft=draft, artifact=str(tmp_path), budget=0.5, min_tokens=4)
     assert sts.draft_fingerprint == fingerprint(draft)
+    # The tile the overlaps were pooled with, unless given (the default 32 ran before).
+    assert sts.tile == 16
+    assert jsparse.build_method("sts", target, draft=draft, artifact=str(tmp_path), budget=0.5, min_tokens=4,
+                                tile=32).tile == 32
     assert len(generate_ids(target, [[5, 6, 7, 8]], method=sts, draft=draft, gamma=2, max_new_tokens=3)[0]) == 3
     other = LoadedModel(cfg=DRAFT_CFG, params=random_params(DRAFT_CFG, jax.random.key(7), jnp.float32, scale=0.3),
                         tokenizer=None, name="other-draft")

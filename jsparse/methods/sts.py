@@ -93,6 +93,7 @@ NEG_INF = -jnp.inf
 # Verification blocks up to this many queries use the gathered decode op; longer appended messages a mask.
 GATHER_MAX_QUERIES = 32
 ROW_MERGES = ("auto", "index", "scatter")
+DEFAULT_TILE = 32  # query rows pooled per tile, as `jsparse calibrate sts --tile` defaults
 # row_merge="auto": the index merge while a group's candidates (G * W + sink + local) are at most 1 / AUTO_INDEX_SHARE
 # of the keys, else the N-wide scatter. Measured (H200 and H100, Llama-3.1-8B shapes): at budget 512 (candidates 2-6%
 # of 32K-100K keys) the index merge is faster (100K B1 5.26 vs 5.74 ms, 32K B8 6.40 vs 7.07 ms); at budget 4096
@@ -395,7 +396,7 @@ def pool_record(rec: DraftRecord, implementation: str | None = None) -> DraftRec
 class _Budget:
     budget: float = struct.field(pytree_node=False, default=0.1)
     min_tokens: int = struct.field(pytree_node=False, default=128)
-    tile: int = struct.field(pytree_node=False, default=32)
+    tile: int = struct.field(pytree_node=False, default=DEFAULT_TILE)
     slack: int = struct.field(pytree_node=False, default=8)
     # `topk_select` implementation of the decode record and the target's top-k (None: by backend).
     selection: str | None = struct.field(pytree_node=False, default=None)
@@ -809,11 +810,12 @@ class STS(_Budget):
 
     @classmethod
     def build(cls, cfg=None, draft=None, artifact=None, fingerprint=None, head_map=None, budget=0.1,
-              min_tokens=128, tile=32, selection=None, dense_layers=0, sink=0, local=0, carry=0.5,
+              min_tokens=128, tile=None, selection=None, dense_layers=0, sink=0, local=0, carry=0.5,
               first_step_mask=False, mask_pool=1, mask_attention=True, row_merge="auto", record_after_scan=True,
               record_selection="auto", **unused):
         """Builds STS for target `cfg` and `draft` (a LoadedModel) from an `artifact` folder (`jsparse calibrate
-        sts`, checked against both models' fingerprints) or an explicit `head_map` i32[L_t, Hq_t, 2]."""
+        sts`, checked against both models' fingerprints) or an explicit `head_map` i32[L_t, Hq_t, 2]. tile None:
+        the query tile the artifact's overlaps were pooled with (its meta "tile"), else 32."""
         if cfg is None or draft is None:
             raise ValueError("method 'sts' needs the target model and a draft model (--draft; jsparse.generate(..., "
                              "draft=...))")
@@ -826,6 +828,12 @@ class STS(_Budget):
             from jsparse.artifacts import fingerprint as model_fp
             draft_fingerprint = model_fp(draft)
             head_map = load_head_map(artifact, fingerprint, draft_fingerprint, budget)
+            if tile is None:
+                tile = load_artifact(artifact, "sts", fingerprint).meta.get("tile", DEFAULT_TILE)
+                if not sel.is_int(tile):
+                    raise ArtifactError(f"STS artifact at {artifact!r} is corrupt: meta tile={tile!r}, expected an "
+                                        "integer")
+        tile = DEFAULT_TILE if tile is None else tile
         head_map = np.asarray(head_map)
         check_head_map(head_map, cfg, draft.cfg)  # (its dtype too: a float map is refused, not truncated)
         head_map = head_map.astype(np.int32)
