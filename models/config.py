@@ -301,13 +301,17 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> RopeConfig:
                           "RoPE parameters for every layer")
     scaling = dict(hf.get("rope_scaling") or {})
     if params and scaling:
-        def norm(d):
-            d = {("rope_type" if k == "type" else k): v for k, v in d.items() if k != "rope_theta"}
+        top_theta = hf.get("rope_theta") if hf.get("rope_theta") is not None else 10000.0
+
+        def norm(d):  # theta as each would be read (its own, else the top-level one, else 10000): compared too
+            d = {("rope_type" if k == "type" else k): v for k, v in d.items()}
+            d["rope_theta"] = float(d.get("rope_theta", top_theta))
             return {k: v for k, v in d.items() if not (k == "rope_type" and v == "default")}  # absent = default
         if norm(params) != norm(scaling):
-            raise ConfigError(f"rope_scaling={scaling} and rope_parameters={params} disagree: expected one of them "
-                              "(transformers 5 lets rope_scaling replace rope_parameters, theta included); remove "
-                              "the one the checkpoint was not trained with")
+            raise ConfigError(f"rope_scaling={scaling} (theta {norm(scaling)['rope_theta']:g}) and "
+                              f"rope_parameters={params} (theta {norm(params)['rope_theta']:g}) disagree: expected one "
+                              "of them (transformers 5 lets rope_scaling replace rope_parameters, theta included); "
+                              "remove the one the checkpoint was not trained with")
     params = {**scaling, **params}
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"

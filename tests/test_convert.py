@@ -477,12 +477,20 @@ def test_hf_config_fields_as_transformers_reads_them(folder):
     # rope_scaling next to rope_parameters: transformers 5 lets the first replace the second (theta too), so a saved
     # config (rope_parameters of type default) with a linear scaling added ran linear x4 there and plain RoPE here.
     default = {"rope_type": "default", "rope_theta": 5e5}
-    with pytest.raises(ConfigError, match=r"rope_scaling=\{'type': 'linear', 'factor': 4.0\} and "
-                                          r"rope_parameters=\{'rope_type': 'default', 'rope_theta': 500000.0\} disagree"):
+    with pytest.raises(ConfigError, match=r"rope_scaling=\{'type': 'linear', 'factor': 4.0\} \(theta .*\) and "
+                                          r"rope_parameters=\{'rope_type': 'default', 'rope_theta': 500000.0\} "
+                                          r"\(theta 500000\) disagree"):
         ModelConfig.from_hf({**base, "rope_scaling": {"type": "linear", "factor": 4.0}, "rope_parameters": default})
-    both = ModelConfig.from_hf({**base, "rope_scaling": scaling, "rope_parameters": {**scaling, "rope_theta": 5e5}})
+    both = ModelConfig.from_hf({**base, "rope_scaling": {**scaling, "rope_theta": 5e5},
+                                "rope_parameters": {**scaling, "rope_theta": 5e5}})
+    # Theta as each side is read: a rope_scaling without one runs transformers' top-level rope_theta (else 10000),
+    # not rope_parameters' 5e5, which ran here silently before (logits 2-3 apart at 600 tokens).
+    base_theta = float(base.get("rope_theta", 10000.0))
+    assert base_theta != 5e5
+    with pytest.raises(ConfigError, match=rf"\(theta {base_theta:g}\) and rope_parameters=.*\(theta 500000\) disagree"):
+        ModelConfig.from_hf({**base, "rope_scaling": scaling, "rope_parameters": {**scaling, "rope_theta": 5e5}})
     # A missing rope_type is the default type: {"partial_rotary_factor": 1.0} agrees with the same plus "default".
-    same = ModelConfig.from_hf({**base, "rope_scaling": {"partial_rotary_factor": 1.0},
+    same = ModelConfig.from_hf({**base, "rope_scaling": {"partial_rotary_factor": 1.0, "rope_theta": 5e5},
                                 "rope_parameters": {**default, "partial_rotary_factor": 1.0}})
     assert (same.rope.rope_type, same.rope.theta) == ("default", 5e5)
     assert (both.rope.rope_type, both.rope.theta, both.rope.factor) == ("llama3", 5e5, 8.0)
