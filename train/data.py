@@ -70,21 +70,17 @@ def read_text(path: str) -> str:
     return text
 
 
-def tokenize_text(tokenizer, text: str) -> list[int]:
-    """Token ids of a text (no special tokens), the text encoded whole, as the model meets it (as
-    `eval.ppl.tokenize_corpus`). Until 2026-12-04 it was encoded paragraph by paragraph with "\n\n" added back,
-    which changed the tokens of every paragraph break (one token where the whole text has two on the bundled
-    tokenizer)."""
-    return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
-
-
 def tokenize_files(tokenizer, paths: Sequence[str], separator: int | None = None) -> np.ndarray:
-    """i32[N]: the files' tokens in order, `separator` (e.g. EOS) between files when given."""
+    """i32[N]: the files' tokens in order, `separator` (e.g. EOS) between files when given; each file encoded
+    whole, as the model meets text (`eval.ppl.tokenize_corpus`; until 2026-12-04 paragraph by paragraph with
+    "\n\n" added back, which changed the tokens of every paragraph break)."""
+    from eval.ppl import tokenize_corpus
+
     if not paths:
         raise DataError("no training data files given")
     ids: list[int] = []
     for i, path in enumerate(paths):
-        file_ids = tokenize_text(tokenizer, read_text(path))
+        file_ids = tokenize_corpus(tokenizer, read_text(path)).tolist()
         if not file_ids:
             raise DataError(f"training data file {path!r} produced no tokens")
         if i and separator is not None:
