@@ -137,6 +137,17 @@ def _read_info(path: str):
         return json.loads(f.read().decode("utf-8"))
 
 
+def meta_number(art: Artifact, path: str, name: str, default=None, integer: bool = False) -> int | float:
+    """`art.meta[name]` (`default` when absent) as a float (an int with `integer`): a method's setting its
+    calibration used; ArtifactError naming the folder when it is not a number (an integer)."""
+    value = art.meta.get(name, default)
+    ok = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, ok):
+        raise ArtifactError(f"{art.kind} artifact at {path!r} is corrupt: meta {name}={value!r}, expected "
+                            f"{'an integer' if integer else 'a number'}")
+    return int(value) if integer else float(value)
+
+
 def write_replace(target: str, data: bytes) -> None:
     """Writes `data` to `target` through a temporary file renamed over it; a write cut short leaves no temporary file
     (a predictor's arrays can be hundreds of MB)."""

@@ -57,7 +57,7 @@ import numpy as np
 from flax import struct
 
 from jsparse import selection as sel
-from jsparse.artifacts import ArtifactError, load_artifact
+from jsparse.artifacts import load_artifact, meta_number
 from jsparse.methods.base import register
 from jsparse.methods.common import (TokenBudget, attend_selected, kwargs_for, refuse_derived, sparse_prefill,
                                     topk_decode)
@@ -130,20 +130,12 @@ class Kascade(TokenBudget):
                              "`build_method('kascade', model, artifact=DIR)` (or cfg= to make_method)")
         art = load_artifact(artifact, ARTIFACT_KIND, fingerprint)
         if options.get("reuse_scale") is None:
-            scale = art.meta.get("reuse_scale", 1.0)
-            if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-                raise ArtifactError(f"kascade artifact at {artifact!r} is corrupt: meta reuse_scale={scale!r}, "
-                                    "expected a number")
-            options["reuse_scale"] = float(scale)
+            options["reuse_scale"] = meta_number(art, artifact, "reuse_scale", 1.0)
         # The query tile and min_tokens the anchors and head map were chosen with (the tile pools the scores they
         # compare), unless given: they were read from the method's defaults, whatever the calibration used.
         for name in ("tile", "min_tokens"):
             if options.get(name) is None and name in art.meta:
-                value = art.meta[name]
-                if not sel.is_int(value):
-                    raise ArtifactError(f"kascade artifact at {artifact!r} is corrupt: meta {name}={value!r}, "
-                                        "expected an integer")
-                options[name] = int(value)
+                options[name] = meta_number(art, artifact, name, integer=True)
         head_map = sel.integer_array(f"the head_map of the artifact at {artifact!r}", art.arrays["head_map"])
         return cls.from_anchors(cfg, art.arrays["anchors"], head_map, **options)
 

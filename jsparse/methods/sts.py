@@ -74,7 +74,7 @@ import numpy as np
 from flax import struct
 
 from jsparse import selection as sel
-from jsparse.artifacts import ArtifactError, load_artifact
+from jsparse.artifacts import ArtifactError, load_artifact, meta_number
 from jsparse.methods.base import register
 from jsparse.methods.common import (attend_dense, attend_selected, check_tile, refuse_derived, scratch,
                                     stacked_cache)
@@ -827,12 +827,10 @@ class STS(_Budget):
                                  "--draft D --out DIR`")
             from jsparse.artifacts import fingerprint as model_fp
             draft_fingerprint = model_fp(draft)
-            head_map = load_head_map(artifact, fingerprint, draft_fingerprint, budget)
+            art = load_artifact(artifact, "sts", fingerprint)
+            head_map = head_map_of(art, artifact, draft_fingerprint, budget)
             if tile is None:
-                tile = load_artifact(artifact, "sts", fingerprint).meta.get("tile", DEFAULT_TILE)
-                if not sel.is_int(tile):
-                    raise ArtifactError(f"STS artifact at {artifact!r} is corrupt: meta tile={tile!r}, expected an "
-                                        "integer")
+                tile = meta_number(art, artifact, "tile", DEFAULT_TILE, integer=True)
         tile = DEFAULT_TILE if tile is None else tile
         head_map = np.asarray(head_map)
         check_head_map(head_map, cfg, draft.cfg)  # (its dtype too: a float map is refused, not truncated)
@@ -1011,7 +1009,11 @@ def check_head_map_range(head_map, draft_layers: int, draft_heads: int) -> None:
 def load_head_map(path: str, fingerprint: str | None, draft_fingerprint: str, budget: float) -> np.ndarray:
     """The head map i32[L_t, Hq_t, 2] of an STS artifact made for this target and draft: the one calibrated at
     the k nearest (in ratio) to the budget (a token count; a fraction is taken of the calibration length)."""
-    art = load_artifact(path, "sts", fingerprint)
+    return head_map_of(load_artifact(path, "sts", fingerprint), path, draft_fingerprint, budget)
+
+
+def head_map_of(art, path: str, draft_fingerprint: str, budget: float) -> np.ndarray:
+    """`load_head_map` of the loaded STS artifact `art` (read from folder `path`)."""
     got = art.meta.get("draft_fingerprint")
     if got != draft_fingerprint:
         raise ArtifactError(f"STS artifact at {path!r} was calibrated with draft fingerprint {got!r} "
