@@ -1,4 +1,4 @@
-"""`jsparse demo`: every method that runs on the CPU, on the bundled model, in one small report.
+"""`jsparse demo`: every CPU method that needs no draft model (ablations aside), on the bundled model, in one small report.
 
     jsparse demo [--out runs/demo] [--lengths 2048] [--samples 2]
 
@@ -49,9 +49,9 @@ def repo_root() -> str:
 def add_demo_parser(subparsers) -> argparse.ArgumentParser:
     """Adds the `demo` command to an argparse subparsers object; returns its parser."""
     p = subparsers.add_parser(
-        "demo", help="every CPU method on the bundled model at 10%%: passkey, two RULER tasks, co-reference, "
+        "demo", help="every CPU method that needs no draft (ablations aside) on the bundled model at 10%%: passkey, two RULER tasks, co-reference, "
                      "perplexity; a report with plots",
-        description="Run every method that runs on the CPU (" + ", ".join(METHODS) + ") on the bundled model at a "
+        description="Run every CPU method that needs no draft model, ablations aside (" + ", ".join(METHODS) + ") on the bundled model at a "
                     "10% budget on passkey, niah_single_number, niah_multikey, coref and perplexity (continuation: "
                     "the last 512 tokens of a window) at 2K tokens, and write results.json, summary.md, report.md and plots/ to --out. Nothing is "
                     "downloaded. Rerun into the same folder to resume an interrupted demo.")

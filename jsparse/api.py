@@ -236,7 +236,8 @@ def fit_windows(pairs, need: int, capacity: int, capped: bool, asked: str | None
 
     pairs: (LoadedModel, method) for the target (and the draft). A method outside `window_methods()` on a model
     whose window W is shorter than `need` (prompt + new tokens (+ speculative rows)) is refused; within the window
-    it runs, with the default capacity (`capped`) cut to W so the window never binds. asked: what `need` is, for
+    it runs, with the default capacity (`capped`) cut to W rounded down to whole blocks (`window_capacity`), so the window
+    never binds. asked: what `need` is, for
     the refusal (None: a request's prompt plus max_new_tokens, plus `verify_rows`, speculative decoding's gamma + 1
     verification rows, which the refusal then names).
     """

@@ -1,6 +1,6 @@
 """Shared selection machinery: budgets, exact (pooled) scores, top-k to the index contract, top-k by threshold.
 
-Index contract (DESIGN.md): `int32[B, Hkv, T, K]`, ascending, padded with -1 at the end; T = 1 (or the number
+Index contract (README.md, Library; models/attention.py): `int32[B, Hkv, T, K]`, ascending, padded with -1 at the end; T = 1 (or the number
 of new tokens) in decode, one row per query tile in prefill.
 """
 

@@ -36,10 +36,10 @@ class Session:
         target's method ("dense", "sts" or a method object; STS builds its draft's recorder itself); gamma: draft
         tokens per round; capacity: cache rows of each model (the whole conversation plus gamma + 1 must fit;
         None: the smaller of the model's context and 4096, rounded up to 128 (a block or page method needs a
-        capacity its block divides; the conversation stays within the context), and of the sliding window W of a
-        model whose method
-        does not honour windows (`jsparse.window_methods()`), as `generate` caps it; a capacity above such a W
-        is refused);
+        capacity its block divides; the conversation stays within the context), and, on a model with a sliding
+        window W whose method does not honour windows (`jsparse.window_methods()`), W rounded down to whole blocks
+        of 128 (else 16, else 1) rows (`api.window_capacity`), as `generate` caps it; a capacity above such a W is
+        refused);
         temperature, top_p, seed: sampling.
     """
 
@@ -60,7 +60,7 @@ class Session:
         if capacity is not None:
             capacity = check_count("capacity", capacity, "cache rows; None: the model's context, at most 4096, rounded up to 128")
         self.t_method, self.d_method = speculative_methods(method, model, draft, gamma)
-        # A method that does not honour a model's sliding window: the default capacity is cut to W (as generate's)
+        # A method that does not honour a model's sliding window: the default capacity is cut to W's whole blocks (as generate's)
         # and a larger one is refused (the window would bind once the conversation passed it).
         chosen, capacity = capacity, capacity or round_up(min(model.cfg.max_position_embeddings, 4096), 128)
         self.capacity = fit_windows(((model, self.t_method), (draft, self.d_method)), chosen or 0, capacity,

@@ -16,7 +16,8 @@ positions in XLA.
 
 Decode reads the head-major cache without a transpose: a GQA group's G query heads (times the T new
 tokens) become the query sequence of a single-head attention whose batch is B * Hkv, so the cache is only
-reshaped ([B, Hkv, N, D] -> [B * Hkv, N, 1, D]), never copied, and each KV head is read once.
+reshaped ([B, Hkv, N, D] -> [B * Hkv, N, 1, D]), never transposed, and each KV head is read once; the values of
+rows past the lengths (garbage, maybe NaN) are zeroed on the way, since the attention weights them by 0.
 """
 
 from __future__ import annotations
@@ -145,6 +146,9 @@ def dense_decode(q: Array, k: Array, v: Array, lengths: Array, *, window: Array 
     kg = k.reshape(B * Hkv, N, 1, D)
     vg = v.reshape(B * Hkv, N, 1, D)
     kv_len = jnp.repeat(lengths.astype(jnp.int32), Hkv)
+    # Rows past the lengths are garbage (maybe NaN) that no query sees; dot_product_attention weights them by 0,
+    # and 0 * NaN is NaN, so their values are zeroed (XLA fuses this into the copy or the matmul that reads V).
+    vg = jnp.where((jnp.arange(N)[None, :] < kv_len[:, None])[:, :, None, None], vg, jnp.zeros((), vg.dtype))
     if T == 1 and window is None:
         impl = implementation or _implementation(q)
         out = jax.nn.dot_product_attention(qg, kg, vg, key_value_seq_lengths=kv_len, implementation=impl)

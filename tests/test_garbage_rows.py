@@ -2,10 +2,9 @@
 an attention's output is the same whatever they hold, NaN included. A weight of 0 times a NaN value is NaN, so the
 kernels zero (or do not load) the values no query sees rather than weight them by 0. Every implementation of the
 gathered decode and prefill and of the dense anchor decode, compiled kernels in interpret mode on the CPU.
-
-Not covered: `pallas_kernels.dense.dense_decode`'s "sliced" path (the CPU and TPU default of a plain dense
-decode), which is `jax.nn.dot_product_attention` with `key_value_seq_lengths`; its XLA implementation weights
-the rows past the lengths by 0, so it needs them finite (they are: zero-initialised, or K/V the model wrote).
+`pallas_kernels.dense.dense_decode` (the "sliced" path: the CPU and TPU default of a plain dense decode, and the
+speculative verification's T > 1 queries) too: `jax.nn.dot_product_attention` weights the rows past the lengths
+by 0, so it is handed their values zeroed.
 """
 
 import jax.numpy as jnp
@@ -15,6 +14,7 @@ import pytest
 from pallas_kernels.anchor_attention import gpu as anchor_gpu
 from pallas_kernels.anchor_attention import reference as anchor_ref
 from pallas_kernels.anchor_attention import tpu as anchor_tpu
+from pallas_kernels import dense
 from pallas_kernels.anchor_attention import xla as anchor_xla
 from pallas_kernels.dense_decode import gpu as dense_gpu
 from pallas_kernels.dense_decode import reference as dense_ref
@@ -101,5 +101,22 @@ def test_dense_decode_ignores_nan_past_the_length(impl):
         def f(k, v):
             return ANCHOR_DECODE[impl](q, k[0], v[0], lens, budget=0.5, min_tokens=4, dense_output=True)[0]
     want, got = np.asarray(f(k, v)), np.asarray(f(k_nan, v_nan))
+    assert np.isfinite(want).all()
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("T, window", [(1, None), (3, None), (3, 8)])
+def test_sliced_dense_decode_ignores_nan_past_the_length(T, window):
+    """`dense.dense_decode`: one new token (the key_value_seq_lengths call), T = 3 verification rows (the masked
+    call) and a sliding window of 8; row 0 has 27 garbage cache rows."""
+    rng = np.random.default_rng(3)
+    B, Hq, Hkv, D, N = 2, 9, 3, 64, 64
+    q = jnp.asarray(rng.standard_normal((B, T, Hq, D)), jnp.float32)
+    kv = rng.standard_normal((B, Hkv, N, D)).astype(np.float32)
+    k, k_nan = _poisoned(kv, np.s_[0, :, 37:])
+    v, v_nan = _poisoned(-kv, np.s_[0, :, 37:])
+    lens = jnp.array([37, 64], jnp.int32)
+    want = np.asarray(dense.dense_decode(q, k, v, lens, window=window))
+    got = np.asarray(dense.dense_decode(q, k_nan, v_nan, lens, window=window))
     assert np.isfinite(want).all()
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

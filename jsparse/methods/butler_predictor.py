@@ -12,7 +12,7 @@ From the frozen model's layer-0 attention input `x` (the normed input of layer 0
     predicted logits of layer l, head h:  q'[l-1, h] . k'[l-1, h // (Hq / Hk')] / sqrt(d')
 
 The module lives in `jsparse` (not `train/`) because the `butler` attention method runs it at inference, and the
-library never imports its training code (DESIGN.md); `train/predictor.py` holds the size presets and the
+library never imports its training code (tests/test_imports.py); `train/predictor.py` holds the size presets and the
 training-side helpers.
 
 Two entry points share every weight:

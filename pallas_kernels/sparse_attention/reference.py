@@ -1,6 +1,6 @@
 """Plain-jnp references of the gathered sparse-attention ops: the specification every kernel matches.
 
-Two ops, one per phase (layouts as in DESIGN.md):
+Two ops, one per phase (layouts as in the README's index contract):
 
   sparse_decode_reference(q: [B, T, Hq, D], k, v: [B, Hkv, N, D], indices: i32[B, Hkv, T, K], lengths: i32[B])
       -> [B, T, Hq, D] (and optionally lse: f32[B, T, Hq])
