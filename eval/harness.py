@@ -316,12 +316,17 @@ def parse_method_options(values: Sequence[str] | None, methods: Sequence[str],
             key, sep, raw = item.partition("=")
             name, dot, field = key.rpartition(".")
             if not sep or not dot or not name or not field:
-                raise ValueError(f"--method-option {item!r}: expected METHOD.OPTION=VALUE, e.g. tsa.tau=0.01")
+                raise ValueError(f"--method-option {item!r}: expected METHOD.OPTION=VALUE, e.g. tsa.tau=0.01 (a list "
+                                 "value in brackets: tsa.sparse_layers=[1,2])")
             if name not in methods:
                 raise ValueError(f"--method-option {item!r} names method {name!r}, which is not in {methods_flag} "
                                  f"{','.join(methods)}")
             refuse_budget_option(f"--method-option {item!r}", field)
-            out.setdefault(name, {})[field] = _option_value(raw)
+            options = out.setdefault(name, {})
+            if field in options:
+                raise ValueError(f"--method-option {name}.{field} given twice ({options[field]!r}, then {raw}): "
+                                 "expected it once")
+            options[field] = _option_value(raw)
     return out
 
 
@@ -861,7 +866,7 @@ def token_budget_options(method, tokens: int, max_visible: int) -> dict:
     return {}
 
 
-def _check_options(method, name: str, options: Mapping) -> None:
+def check_method_options(method, name: str, options: Mapping) -> None:
     """--method-option keys the method (`method`, once built; else its registered options) does not take."""
     import dataclasses
 
@@ -908,7 +913,7 @@ def build_method(model, spec: EvalSpec, name: str, default_budget: float | None 
         options["artifact"] = spec.artifacts[name]
     options.update(spec.method_options.get(name, {}))
     options.update(overrides)
-    _check_options(None, name, spec.method_options.get(name, {}))  # before building (wrappers: partial list)
+    check_method_options(None, name, spec.method_options.get(name, {}))  # before building (wrappers: partial list)
     method = jsparse.build_method(name, model, **options)
     return method
 

@@ -98,12 +98,19 @@ def on_mesh(model: LoadedModel, mesh: Any) -> LoadedModel:
 def build_method(name: str, model: LoadedModel | None = None, **options: Any):
     """Builds a registered method; `options` (budget, artifact, ...) go to its builder.
 
-    An `artifact` path is checked against the model's fingerprint by the method's builder.
+    An `artifact` path is checked against the model's fingerprint by the method's builder. With a model, `cfg` and
+    `fingerprint` come from it: given as options they are refused (another fingerprint would pass an artifact made
+    for another model).
     """
     if model is not None:
-        options.setdefault("cfg", model.cfg)
+        given = sorted(k for k in ("cfg", "fingerprint") if k in options)
+        if given:
+            raise ValueError(f"build_method({name!r}, model, {', '.join(f'{k}=...' for k in given)}): "
+                             f"{' and '.join(given)} come from the model; leave them out (or call "
+                             "jsparse.make_method without a model)")
+        options["cfg"] = model.cfg
         if options.get("artifact"):
-            options.setdefault("fingerprint", fingerprint(model))
+            options["fingerprint"] = fingerprint(model)
     return make_method(name, **options)
 
 
@@ -285,6 +292,8 @@ def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: An
         raise ValueError("ids: expected a list of prompts, each a list of token ids ([[1, 2, 3]] for one prompt), "
                          f"got {str(ids if prompts is None else prompts)[:60]!r}")
     ids = prompts
+    if stats is not None and not isinstance(stats, dict):
+        raise ValueError(f"stats={stats!r}: expected a dict to receive the speculative rounds' counts, or None")
     check_method(method)
     check_seed(seed)
     check_gamma(gamma)

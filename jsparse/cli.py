@@ -25,11 +25,17 @@ def _add_mesh_arg(p: argparse.ArgumentParser) -> None:
                         "D * M = the device count (default: one device)")
 
 
+def _refuse_budget(args):
+    how = ("it keeps the tokens that cover the attention mass: --method-option tsa.tau=T or tsa.kept_fraction=F"
+           if args.method.startswith("tsa") else "it attends to every key")
+    raise ValueError(f"--budget {args.budget:g}: method {args.method!r} takes no budget ({how})")
+
+
 def cmd_generate(args) -> int:
     import jsparse
 
-    from eval.harness import (TOKEN_BUDGET_SETS, check_sts_token_budget, parse_budget_tokens, parse_method_options,
-                              takes_budget, token_budget_options)
+    from eval.harness import (TOKEN_BUDGET_SETS, check_method_options, check_sts_token_budget, parse_budget_tokens,
+                              parse_method_options, takes_budget, token_budget_options)
     from jsparse.methods.base import method_factory
     from models.generate import Sampling, check_count, check_seed
     from models.speculative import check_gamma
@@ -64,7 +70,11 @@ def cmd_generate(args) -> int:
             bare = None  # needs the model or an artifact: checked once built below
         if bare is not None and not token_budget_options(bare, args.budget_tokens, 2 ** 31 - 1):
             raise ValueError(f"--budget-tokens {args.budget_tokens}: method {args.method!r} takes no token budget")
-    # The request's own values, before any model loads (a typo should not cost an 8B load).
+    # The request's own values, before any model loads (a typo should not cost an 8B load): the method's options
+    # and budget where its class shows them (a wrapper's once built, below).
+    check_method_options(None, args.method, method_options)
+    if args.budget is not None and not wraps and not takes_budget(factory):
+        _refuse_budget(args)
     Sampling(args.temperature, args.top_p)
     check_seed(args.seed)
     check_count("--max-new-tokens", args.max_new_tokens)
@@ -105,9 +115,7 @@ def cmd_generate(args) -> int:
                           "--budget B") from None
         raise
     if args.budget is not None and not takes_budget(method):
-        how = ("it keeps the tokens that cover the attention mass: --method-option tsa.tau=T or tsa.kept_fraction=F"
-               if args.method.startswith("tsa") else "it attends to every key")
-        raise ValueError(f"--budget {args.budget:g}: method {args.method!r} takes no budget ({how})")
+        _refuse_budget(args)
     stats = {}
     texts = jsparse.generate(model, [args.prompt], method=method, max_new_tokens=args.max_new_tokens,
                              chat=args.chat, temperature=args.temperature, top_p=args.top_p, seed=args.seed,

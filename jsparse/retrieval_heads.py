@@ -63,7 +63,7 @@ def top_heads(scores: np.ndarray, num: int) -> list[tuple[int, int]]:
     """The `num` (layer, head) pairs with the highest scores f32[L, Hq] (ties: lower layer, then head)."""
     scores = np.asarray(scores, np.float64)
     if not sel.is_int(num) or num < 1 or num > scores.size:
-        raise ValueError(f"num_retrieval_heads={num}: expected between 1 and the model's {scores.size} heads")
+        raise ValueError(f"num_retrieval_heads={num!r}: expected between 1 and the model's {scores.size} heads")
     order = np.argsort(-scores.ravel(), kind="stable")[:num]
     return [(int(i // scores.shape[1]), int(i % scores.shape[1])) for i in order]
 

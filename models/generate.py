@@ -91,7 +91,8 @@ def check_request(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_token
     if min(prompt_lengths) <= 0:
         raise ValueError(f"empty prompt (prompt lengths {list(prompt_lengths)}): expected at least one token")
     for name, value in (("max_new_tokens", max_new_tokens), ("capacity", capacity)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
+        if (value is not None or name == "max_new_tokens") and (isinstance(value, bool) or
+                                                                not isinstance(value, (int, np.integer))):
             raise ValueError(f"{name}={value!r}: expected an integer")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 1")

@@ -42,7 +42,7 @@ def test_generate_budget_only_for_methods_with_one_and_method_options_apply(caps
     assert main(butler + ["--method-option", "butler.dense_set=[7,17],butler.budget_tokens=5"]) == 2  # a list value
     assert "the budget is set by --budget-tokens" in capsys.readouterr().err
     assert main(base + ["--method-option", "dense.foo=1"]) == 2
-    assert "takes no option 'foo'" in capsys.readouterr().err
+    assert "--method-option dense.foo=1: method 'dense' has no option 'foo'" in capsys.readouterr().err
     assert main(base + ["--method-option", "tsa.tau=0.01"]) == 2
     assert "names method 'tsa', which is not in --method dense" in capsys.readouterr().err
 

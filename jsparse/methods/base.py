@@ -87,6 +87,11 @@ def make_method(name: str, **kwargs):
         raise ValueError(f"unknown attention method {name!r}; expected one of {method_names()}")
     factory = _REGISTRY[name]
     build = getattr(factory, "build", factory)
+    budget = kwargs.get("budget")  # every method takes one (the CLI and eval give it to all); those without ignore it
+    if budget is not None and (isinstance(budget, (bool, np.bool_)) or not isinstance(
+            budget, (int, float, np.integer, np.floating)) or not np.isfinite(budget) or budget <= 0):
+        raise ValueError(f"method {name!r} budget={budget!r}: expected a fraction of the context in (0, 1] (sts: or "
+                         "a whole number of keys above 1)")
     if kwargs.get("artifact") and not takes_artifact(name):
         raise ValueError(f"method {name!r} takes no artifact (artifact={kwargs['artifact']!r}); the methods that "
                          f"read one: {', '.join(n for n in method_names() if takes_artifact(n))}")

@@ -84,7 +84,7 @@ from jsparse.artifacts import load_artifact
 from jsparse.methods.base import register
 from jsparse.methods.butler_predictor import Predictor, PredictorConfig, unflatten_params
 from jsparse.methods.common import (TokenBudget, attend_dense, attend_per_query_head, attend_selected, dense_prefill,
-                                    kwargs_for, scratch)
+                                    kwargs_for, refuse_derived, refuse_unused, scratch)
 from models.attention import runs_of
 from models.sharding import constrain
 from pallas_kernels.predicted_logits import predicted_logits as logits_op
@@ -254,6 +254,8 @@ class Butler(TokenBudget):
         if not artifact:
             raise ValueError("butler needs a trained predictor: run `jsparse train-predictor --model M --data "
                              "FILE... --steps N --out DIR` and pass --artifact DIR")
+        refuse_derived("butler", options, {key: (None, "its artifact") for key in ("params", "pcfg")})
+        refuse_unused("butler", options, ("tile",), "its prefill is dense, with no query tiles")
         art = load_artifact(artifact, ARTIFACT_KIND, fingerprint)
         if "predictor_config" not in art.meta:
             raise ValueError(f"butler artifact at {artifact!r} has no predictor_config in its metadata")

@@ -235,6 +235,14 @@ def refuse_derived(method: str, options: dict, derived: dict) -> dict:
     return options
 
 
+def refuse_unused(method: str, options: dict, keys, why: str) -> None:
+    """Raises ValueError for any of `keys` given in `options` (not None), which has no effect because `why`: an
+    option accepted and then ignored would leave the user believing it applied."""
+    for key in keys:
+        if options.get(key) is not None:
+            raise ValueError(f"{method} option {key}={options[key]!r} has no effect: {why} (leave it out)")
+
+
 def np_int(x) -> np.ndarray:
     return np.asarray(x, np.int32)
 

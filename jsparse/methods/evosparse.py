@@ -65,7 +65,8 @@ from jsparse.budget_split import split_counts  # noqa: F401  (re-exported)
 from jsparse.heat import (attend_with_mass, begin_rows, decay_heat, heat_step, heat_update,  # noqa: F401
                           keep_rows, prefill_heat, scan_rows)
 from jsparse.methods.base import register
-from jsparse.methods.common import attend_dense, dense_prefill, kwargs_for, refuse_derived, stacked_cache
+from jsparse.methods.common import (attend_dense, dense_prefill, kwargs_for, refuse_derived, refuse_unused,
+                                    stacked_cache)
 from models.attention import runs_of
 from jsparse.retrieval_heads import (DEFAULT_HEAD_FRACTION, RetrievalLayout, default_num_heads,  # noqa: F401
                                      load_retrieval_heads, retrieval_blocks, retrieval_layout, top_heads)
@@ -186,7 +187,14 @@ class EvoSparse:
         source = "the retrieval heads of its artifact (`from_heads`)"
         options = refuse_derived("evosparse", kwargs_for(cls, options),
                                  {key: (None, source) for key in ("layout", "retrieval_layers", "layout_heads")})
-        if float(options.get("retrieval_fraction", DEFAULT_FRACTIONS[2])) == 0.0:
+        retrieval = options.get("retrieval_fraction", DEFAULT_FRACTIONS[2])
+        if not sel.is_real(retrieval):
+            raise ValueError(f"retrieval_fraction={retrieval!r}: expected a fraction of the budget in [0, 1]")
+        if float(retrieval) == 0.0:  # no retrieval heads: an artifact (or their count) would be read for nothing
+            for key, value in (("artifact", artifact), ("num_retrieval_heads", num_retrieval_heads)):
+                if value:
+                    raise ValueError(f"evosparse {key}={value!r} with retrieval_fraction=0: the retrieval heads "
+                                     "are not used (leave it out, or give the retrieval blocks a share)")
             return cls(**options)
         if not artifact:
             raise ValueError("evosparse needs its retrieval heads: run `jsparse calibrate evosparse --model M "
@@ -502,11 +510,13 @@ def ablation_fractions(fractions: Sequence[float], drop: Sequence[str]) -> tuple
     return budget_split.drop_components(fractions, COMPONENTS, drop)
 
 
-def _ablation(drop: tuple[str, ...]):
+def _ablation(name: str, drop: tuple[str, ...]):
     def build(cfg=None, artifact=None, fingerprint=None, **options):
+        if "heat" in drop:
+            refuse_unused(name, options, ("decay", "heat_window"), "this ablation keeps no heat")
         given = tuple(options.pop(f"{c}_fraction", None) for c in COMPONENTS)
         for c, g in zip(COMPONENTS, given):
-            if c in drop and g:
+            if c in drop and g is not None and (not sel.is_real(g) or g != 0):
                 raise ValueError(f"{c}_fraction={g!r}: this ablation drops the {c} component (0 or omit it)")
         kept = [c for c in COMPONENTS if c not in drop]
         if any(g is not None for c, g in zip(COMPONENTS, given) if c in kept):  # the user's split: as given
@@ -522,6 +532,6 @@ def _ablation(drop: tuple[str, ...]):
     return build
 
 
-register("evosparse-noheat")(_ablation(("heat",)))
-register("evosparse-noretrieval")(_ablation(("retrieval",)))
-register("sink-local")(_ablation(("retrieval", "heat")))
+register("evosparse-noheat")(_ablation("evosparse-noheat", ("heat",)))
+register("evosparse-noretrieval")(_ablation("evosparse-noretrieval", ("retrieval",)))
+register("sink-local")(_ablation("sink-local", ("retrieval", "heat")))

@@ -40,7 +40,7 @@ from flax import struct
 from jsparse import selection as sel
 from jsparse.heat import begin_rows, keep_rows, scan_rows
 from jsparse.methods.base import register
-from jsparse.methods.common import TokenBudget, dense_prefill, kwargs_for, stacked_cache
+from jsparse.methods.common import TokenBudget, dense_prefill, kwargs_for, refuse_unused, stacked_cache
 from pallas_kernels.block_scores import heat_candidates, sparse_decode_heat
 from pallas_kernels.sharding import dims, per_shard
 from pallas_kernels.sparse_attention.gpu import DecodeConfig
@@ -81,6 +81,7 @@ class H2O(TokenBudget):
 
     @classmethod
     def build(cls, **options):
+        refuse_unused("h2o", options, ("tile",), "its prefill is dense, with no query tiles")
         return cls(**kwargs_for(cls, options))
 
     def init_state(self, cfg, batch, max_len):

@@ -128,6 +128,7 @@ class Kascade(TokenBudget):
         if cfg is None:
             raise ValueError("kascade needs the model its artifact was calibrated for: pass the model, "
                              "`build_method('kascade', model, artifact=DIR)` (or cfg= to make_method)")
+        refuse_derived("kascade", options, {key: (None, "its artifact") for key in ("roles", "head_map")})
         art = load_artifact(artifact, ARTIFACT_KIND, fingerprint)
         if options.get("reuse_scale") is None:
             options["reuse_scale"] = meta_number(art, artifact, "reuse_scale", 1.0)

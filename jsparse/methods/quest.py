@@ -36,7 +36,7 @@ from jsparse import selection as sel
 from jsparse.budget_split import attended_fraction
 from jsparse.methods.base import register
 from jsparse.methods.common import (TokenBudget, attend_per_query_head, kwargs_for, masked_attention_reference,
-                                    prefill_dense)
+                                    prefill_dense, refuse_unused)
 from pallas_kernels.page_scores import page_scores as page_scores_op
 from pallas_kernels.sharding import dims, per_shard
 from pallas_kernels.topk_select import topk_select
@@ -71,6 +71,7 @@ class Quest(TokenBudget):
 
     @classmethod
     def build(cls, **options):
+        refuse_unused("quest", options, ("tile",), "its prefill is dense, with no query tiles")
         return cls(**kwargs_for(cls, options))
 
     def achieved_sparsity(self, cfg, positions) -> float:

@@ -819,7 +819,12 @@ class STS(_Budget):
         if cfg is None or draft is None:
             raise ValueError("method 'sts' needs the target model and a draft model (--draft; jsparse.generate(..., "
                              "draft=...))")
+        if not hasattr(draft, "cfg"):
+            raise ValueError(f"draft={draft!r}: expected a loaded model (jsparse.load)")
         check_budget(budget)
+        if head_map is not None and artifact:
+            raise ValueError(f"sts: artifact={artifact!r} and a head_map given: expected one of them (the artifact "
+                             "holds a head map)")
         draft_fingerprint = None
         if head_map is None:
             if not artifact:
@@ -835,7 +840,7 @@ class STS(_Budget):
         head_map = np.asarray(head_map)
         check_head_map(head_map, cfg, draft.cfg)  # (its dtype too: a float map is refused, not truncated)
         head_map = head_map.astype(np.int32)
-        if not 0 <= dense_layers <= cfg.num_layers:
+        if not 0 <= sel.check_positive_int("dense_layers", dense_layers, 0) <= cfg.num_layers:
             raise ValueError(f"dense_layers={dense_layers!r}: expected 0..{cfg.num_layers} (the target's layers)")
         refuse_derived("sts", unused, {"slack": (None, "the round's gamma (`for_round`)"),
                                        "draft_layers": (None, "the draft model"),

@@ -69,7 +69,7 @@ from jsparse.compression import (Selection, attend_at_capacity, attend_compresse
                                  masked_reference_mask, selection_from_keep, union_selection)
 from jsparse.methods import kascade as kascade_mod
 from jsparse.methods.base import register
-from jsparse.methods.common import decode_dense, kwargs_for, prefill_state
+from jsparse.methods.common import decode_dense, kwargs_for, prefill_state, refuse_unused
 from jsparse.methods.kascade import translate_anchor_indices  # noqa: F401  (re-exported)
 from models import attention as attention_protocol
 from pallas_kernels.dense import dense_prefill
@@ -282,6 +282,11 @@ class TSA:
         layer but 0 without one; an explicit `sparse_layers` wins over the artifact's, which is still checked
         against the model); the other options are the dataclass fields (budget etc. are ignored)."""
         options = kwargs_for(cls, options)
+        if options.get("kept_fraction") is not None:
+            refuse_unused("tsa", options, ("tau",), f"kept_fraction={options['kept_fraction']!r} keeps a fixed share "
+                          "of each row in place of the coverage count at tau")
+        if options.get("fill") == "zeros":
+            refuse_unused("tsa", options, ("local_window", "local_sinks"), "fill='zeros' attends no local window")
         if artifact:
             layers = load_sparse_layers(artifact, fingerprint, cfg)
             if options.get("sparse_layers") is None:

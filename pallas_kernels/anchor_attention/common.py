@@ -198,14 +198,14 @@ def mask_rows_lse(lse: Array, lengths: Array | None) -> Array:
 def check_block_size(block_size, tile: int, name: str = "block_size") -> int:
     """`block_size` of anchor_prefill (`name` in messages): a power of two >= 1 dividing `tile` (a query tile
     holds whole blocks)."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 or block_size & (
-            block_size - 1):
+    if isinstance(block_size, (bool, np.bool_)) or not isinstance(block_size, (int, np.integer)) or \
+            block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"{name}={block_size!r}: expected a power of two >= 1 dividing tile={tile} (tokens per "
                          f"selected block; 1: token-level selection)")
     if tile % block_size:
         raise ValueError(f"{name}={block_size} does not divide tile={tile}: a query tile must hold whole blocks "
                          f"(expected a power of two <= {tile})")
-    return block_size
+    return int(block_size)
 
 
 def pool_blocks(scores: Array, block_size: int) -> Array:

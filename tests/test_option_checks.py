@@ -1,0 +1,147 @@
+"""Method options and generate arguments that were accepted and ignored (or crashed without naming the value):
+each is now refused by name, before any model work where the value alone shows it."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jsparse
+from eval.harness import parse_method_options
+from jsparse.cli import main
+from jsparse.methods import make_method
+from jsparse.retrieval_heads import top_heads
+from models import bundled
+from models.config import ModelConfig
+from models.params import random_params
+from pallas_kernels.anchor_attention.common import check_block_size
+
+CFG = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3,
+                  num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256, eos_token_ids=(3,))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return bundled.LoadedModel(cfg=CFG, params=random_params(CFG, jax.random.key(0), jnp.float32, scale=0.3),
+                               tokenizer=None, name="tiny")
+
+
+def test_build_method_with_a_model_takes_cfg_and_fingerprint_from_it(tiny):
+    """fingerprint=None (or a copied fingerprint) passed an artifact made for another model."""
+    for bad in ({"fingerprint": None}, {"fingerprint": "895e25527a780fcb"}, {"cfg": CFG}):
+        with pytest.raises(ValueError, match=r"come from the model; leave them out"):
+            jsparse.build_method("kascade", tiny, artifact="artifacts/smollm2/kascade", **bad)
+    with pytest.raises(Exception, match="fingerprint"):  # the check itself still runs
+        jsparse.build_method("kascade", tiny, artifact="artifacts/smollm2/kascade")
+
+
+def test_generate_names_a_bad_stats_and_max_new_tokens(tiny):
+    with pytest.raises(ValueError, match=r"stats=5: expected a dict"):
+        jsparse.generate_ids(tiny, [[5, 6, 7]], max_new_tokens=2, stats=5)
+    with pytest.raises(ValueError, match=r"max_new_tokens=None: expected an integer"):
+        jsparse.generate_ids(tiny, [[5, 6, 7]], max_new_tokens=None)
+
+
+@pytest.mark.parametrize("budget", [float("nan"), "abc", -1.0, float("inf"), True])
+def test_a_budget_no_method_could_take_is_refused_even_where_ignored(budget):
+    with pytest.raises(ValueError, match=r"method 'dense' budget=.*expected a fraction of the context in \(0, 1\]"):
+        make_method("dense", budget=budget)
+
+
+def test_a_method_without_a_budget_still_ignores_a_valid_one():
+    make_method("dense", budget=0.5)  # the CLI and eval hand every method of a run its budget
+
+
+def test_method_option_given_twice_and_a_bare_list_are_named():
+    with pytest.raises(ValueError, match=r"oracle.tile given twice \(16, then 64\)"):
+        parse_method_options(["oracle.tile=16", "oracle.tile=64"], ["oracle"])
+    with pytest.raises(ValueError, match=r"oracle.tile given twice"):
+        parse_method_options(["oracle.tile=16,oracle.tile=64"], ["oracle"])
+    with pytest.raises(ValueError, match=r"a list value in brackets: tsa.sparse_layers=\[1,2\]"):
+        parse_method_options(["tsa.sparse_layers=1,2"], ["tsa"])
+
+
+def test_evosparse_options_the_retrieval_split_leaves_unused():
+    split = dict(retrieval_fraction=0.0, sink_fraction=0.25, local_fraction=0.25, heat_fraction=0.5)
+    with pytest.raises(ValueError, match=r"retrieval_fraction='abc': expected a fraction"):
+        make_method("evosparse", cfg=CFG, retrieval_fraction="abc")
+    with pytest.raises(ValueError, match=r"evosparse artifact='/nonexistent' with retrieval_fraction=0"):
+        make_method("evosparse", cfg=CFG, artifact="/nonexistent", **split)
+    with pytest.raises(ValueError, match=r"evosparse num_retrieval_heads=5 with retrieval_fraction=0"):
+        make_method("evosparse", cfg=CFG, num_retrieval_heads=5, **split)
+    make_method("evosparse", cfg=CFG, **split)  # without them: builds
+
+
+def test_evosparse_ablations_refuse_what_they_drop():
+    with pytest.raises(ValueError, match=r"heat_fraction=False: this ablation drops the heat"):
+        make_method("evosparse-noheat", cfg=CFG, artifact="x", heat_fraction=False)
+    for name in ("evosparse-noheat", "sink-local"):
+        with pytest.raises(ValueError, match=rf"{name} option decay=0.5 has no effect: this ablation keeps no heat"):
+            make_method(name, cfg=CFG, decay=0.5)
+        with pytest.raises(ValueError, match=r"heat_window=8 has no effect"):
+            make_method(name, cfg=CFG, heat_window=8)
+    make_method("sink-local", cfg=CFG)
+
+
+@pytest.mark.parametrize("name, key", [("kascade", "roles"), ("kascade", "head_map"), ("butler", "params"),
+                                       ("butler", "pcfg")])
+def test_what_an_artifact_sets_is_refused_as_an_option(name, key):
+    """These were TypeErrors ("got multiple values for keyword argument") after the artifact loaded."""
+    with pytest.raises(ValueError, match=rf"{name} option {key}=1: {key} is set by its artifact"):
+        make_method(name, cfg=CFG, artifact="/nonexistent", **{key: 1})
+
+
+@pytest.mark.parametrize("name", ["quest", "h2o"])
+def test_a_query_tile_of_a_dense_prefill_is_refused(name):
+    with pytest.raises(ValueError, match=rf"{name} option tile=64 has no effect: its prefill is dense"):
+        make_method(name, tile=64)
+    make_method(name)
+
+
+def test_butler_refuses_a_tile_before_reading_its_artifact():
+    with pytest.raises(ValueError, match=r"butler option tile=64 has no effect"):
+        make_method("butler", cfg=CFG, artifact="/nonexistent", tile=64)
+
+
+def test_tsa_refuses_options_its_other_options_make_unused():
+    with pytest.raises(ValueError, match=r"tsa option tau=0.9 has no effect: kept_fraction=0.5 keeps a fixed share"):
+        make_method("tsa", cfg=CFG, kept_fraction=0.5, tau=0.9)
+    for key in ("local_window", "local_sinks"):
+        with pytest.raises(ValueError, match=rf"tsa option {key}=8 has no effect: fill='zeros'"):
+            make_method("tsa", cfg=CFG, fill="zeros", **{key: 8})
+    make_method("tsa", cfg=CFG, kept_fraction=0.5)
+    make_method("tsa", cfg=CFG, fill="zeros")
+
+
+def test_sts_names_a_bad_draft_two_head_map_sources_and_a_bad_dense_layers():
+    draft = types.SimpleNamespace(cfg=CFG, params=None)
+    head_map = np.zeros((CFG.num_layers, CFG.num_heads, 2), np.int32)
+    with pytest.raises(ValueError, match=r"draft='x': expected a loaded model"):
+        make_method("sts", cfg=CFG, draft="x", head_map=head_map)
+    with pytest.raises(ValueError, match=r"artifact='/nonexistent' and a head_map given: expected one of them"):
+        make_method("sts", cfg=CFG, draft=draft, artifact="/nonexistent", head_map=head_map)
+    for bad in ("1", None):
+        with pytest.raises(ValueError, match=r"dense_layers=.*: expected an integer >= 0"):
+            make_method("sts", cfg=CFG, draft=draft, head_map=head_map, dense_layers=bad)
+    assert make_method("sts", cfg=CFG, draft=draft, head_map=head_map, dense_layers=np.int64(1)).dense_layers == 1
+
+
+def test_numpy_integers_are_integers_and_strings_are_quoted():
+    assert check_block_size(np.int64(2), 32) == 2
+    with pytest.raises(ValueError, match=r"num_retrieval_heads='3': expected between 1"):
+        top_heads(np.zeros((2, 3)), "3")
+
+
+def test_generate_cli_checks_options_and_budget_before_loading_the_model(capsys):
+    """A typo should not cost a model load: the missing model file is never reached."""
+    base = ["generate", "--model", "/nonexistent/model.gguf", "--prompt", "Hi"]
+    assert main(base + ["--method", "oracle", "--method-option", "oracle.bogus=1"]) == 2
+    assert "has no option 'bogus'" in capsys.readouterr().err
+    assert main(base + ["--method", "dense", "--budget", "0.5"]) == 2
+    assert "--budget 0.5: method 'dense' takes no budget" in capsys.readouterr().err
+    assert main(base + ["--method", "oracle"]) == 2  # a valid request reaches the load, which names the file
+    assert "/nonexistent/model.gguf" in capsys.readouterr().err
