@@ -145,3 +145,19 @@ def test_generate_cli_checks_options_and_budget_before_loading_the_model(capsys)
     assert "--budget 0.5: method 'dense' takes no budget" in capsys.readouterr().err
     assert main(base + ["--method", "oracle"]) == 2  # a valid request reaches the load, which names the file
     assert "/nonexistent/model.gguf" in capsys.readouterr().err
+
+
+def test_sts_refuses_the_options_of_a_path_that_is_off():
+    """mask_pool / mask_attention shape first_step_mask's pool, record_selection record_after_scan's buffer."""
+    draft = types.SimpleNamespace(cfg=CFG, params=None)
+    head_map = np.zeros((CFG.num_layers, CFG.num_heads, 2), np.int32)
+    for key, value in (("mask_pool", 4), ("mask_attention", False)):
+        with pytest.raises(ValueError, match=rf"sts option {key}={value} has no effect: .*first_step_mask, which is "
+                                             "off"):
+            make_method("sts", cfg=CFG, draft=draft, head_map=head_map, **{key: value})
+    with pytest.raises(ValueError, match=r"sts option record_selection='rows' has no effect: .*record_after_scan"):
+        make_method("sts", cfg=CFG, draft=draft, head_map=head_map, record_after_scan=False, record_selection="rows")
+    sts = make_method("sts", cfg=CFG, draft=draft, head_map=head_map, first_step_mask=np.bool_(True), mask_pool=4)
+    assert (sts.mask_pool, sts.mask_attention, sts.record_selection) == (4, True, "auto")
+    sts = make_method("sts", cfg=CFG, draft=draft, head_map=head_map)  # the defaults
+    assert (sts.mask_pool, sts.mask_attention, sts.record_selection) == (1, True, "auto")

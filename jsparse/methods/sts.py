@@ -76,8 +76,8 @@ from flax import struct
 from jsparse import selection as sel
 from jsparse.artifacts import ArtifactError, load_artifact, meta_number
 from jsparse.methods.base import register
-from jsparse.methods.common import (attend_dense, attend_selected, check_tile, refuse_derived, scratch,
-                                    stacked_cache)
+from jsparse.methods.common import (attend_dense, attend_selected, check_tile, refuse_derived, refuse_unused,
+                                    scratch, stacked_cache)
 from models.sharding import constrain
 from pallas_kernels.anchor_attention.common import diagonal_scores
 from pallas_kernels.dense import dense_prefill
@@ -811,17 +811,28 @@ class STS(_Budget):
     @classmethod
     def build(cls, cfg=None, draft=None, artifact=None, fingerprint=None, head_map=None, budget=0.1,
               min_tokens=128, tile=None, selection=None, dense_layers=0, sink=0, local=0, carry=0.5,
-              first_step_mask=False, mask_pool=1, mask_attention=True, row_merge="auto", record_after_scan=True,
-              record_selection="auto", **unused):
+              first_step_mask=False, mask_pool=None, mask_attention=None, row_merge="auto", record_after_scan=True,
+              record_selection=None, **unused):
         """Builds STS for target `cfg` and `draft` (a LoadedModel) from an `artifact` folder (`jsparse calibrate
         sts`, checked against both models' fingerprints) or an explicit `head_map` i32[L_t, Hq_t, 2]. tile None:
-        the query tile the artifact's overlaps were pooled with (its meta "tile"), else 32."""
+        the query tile the artifact's overlaps were pooled with (its meta "tile"), else 32. mask_pool (default 1)
+        and mask_attention (default True) act with first_step_mask only, record_selection (default "auto") with
+        record_after_scan only: given without it they are refused."""
         if cfg is None or draft is None:
             raise ValueError("method 'sts' needs the target model and a draft model (--draft; jsparse.generate(..., "
                              "draft=...))")
         if not hasattr(draft, "cfg"):
             raise ValueError(f"draft={draft!r}: expected a loaded model (jsparse.load)")
         check_budget(budget)
+        if isinstance(first_step_mask, (bool, np.bool_)) and not first_step_mask:
+            refuse_unused("sts", {"mask_pool": mask_pool, "mask_attention": mask_attention},
+                          ("mask_pool", "mask_attention"), "they shape the pool of first_step_mask, which is off")
+        if isinstance(record_after_scan, (bool, np.bool_)) and not record_after_scan:
+            refuse_unused("sts", {"record_selection": record_selection}, ("record_selection",),
+                          "it picks the buffer of record_after_scan, which is off")
+        mask_pool = 1 if mask_pool is None else mask_pool
+        mask_attention = True if mask_attention is None else mask_attention
+        record_selection = "auto" if record_selection is None else record_selection
         if head_map is not None and artifact:
             raise ValueError(f"sts: artifact={artifact!r} and a head_map given: expected one of them (the artifact "
                              "holds a head map)")
