@@ -284,11 +284,21 @@ def artifact_kind(path: str) -> str:
     return kind
 
 
-def split_artifacts(artifact: str | None, kinds: tuple[str, ...]) -> dict[str, str]:
+def split_artifacts(artifact, kinds: tuple[str, ...]) -> dict[str, str]:
     """Artifact folders by kind from one string of folders separated by os.pathsep (':' on Linux, ';' on
-    Windows), each routed by the kind in its artifact.json."""
+    Windows), or a list / tuple of folders, each routed by the kind in its artifact.json."""
     out: dict[str, str] = {}
-    for path in (artifact or "").split(os.pathsep):
+    if isinstance(artifact, (list, tuple)):
+        paths = list(artifact)
+    elif artifact is None or isinstance(artifact, (str, os.PathLike)):
+        paths = os.fspath(artifact or "").split(os.pathsep)
+    else:
+        raise ArtifactError(f"artifact={artifact!r}: expected a folder, folders joined by {os.pathsep!r}, or a list "
+                            "of folders")
+    for path in paths:
+        if not isinstance(path, (str, os.PathLike)):
+            raise ArtifactError(f"artifact list entry {path!r}: expected a folder path")
+        path = os.fspath(path)
         if not path:
             continue
         kind = artifact_kind(path)

@@ -161,3 +161,20 @@ def test_sts_refuses_the_options_of_a_path_that_is_off():
     assert (sts.mask_pool, sts.mask_attention, sts.record_selection) == (4, True, "auto")
     sts = make_method("sts", cfg=CFG, draft=draft, head_map=head_map)  # the defaults
     assert (sts.mask_pool, sts.mask_attention, sts.record_selection) == (1, True, "auto")
+
+
+def test_a_composed_method_takes_its_artifacts_as_a_list():
+    """tsa+kascade's folders as a list (an AttributeError on list.split before) or joined by os.pathsep."""
+    import os
+
+    from jsparse.artifacts import ArtifactError, split_artifacts
+
+    folders = ["artifacts/smollm2/kascade", "artifacts/smollm2/tsa"]
+    want = {"kascade": folders[0], "tsa": folders[1]}
+    assert split_artifacts(folders, ("kascade", "tsa")) == want
+    assert split_artifacts(tuple(folders), ("kascade", "tsa")) == want
+    assert split_artifacts(os.pathsep.join(folders), ("kascade", "tsa")) == want
+    with pytest.raises(ArtifactError, match=r"artifact=5: expected a folder, folders joined by"):
+        split_artifacts(5, ("kascade", "tsa"))
+    with pytest.raises(ArtifactError, match=r"artifact list entry 5: expected a folder path"):
+        split_artifacts([folders[0], 5], ("kascade", "tsa"))
