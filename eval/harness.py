@@ -901,6 +901,12 @@ def check_calibration_corpus(spec: EvalSpec) -> None:
                 "text), or pass --allow-calibration-corpus to measure anyway")
 
 
+def generation_haystack(spec: EvalSpec) -> str:
+    """The `haystack` of the generation tasks (eval/tasks): with --haystack corpus, the corpus file by its absolute
+    path, so a file named "corpus" or "repeat" is read, not taken for the built-in haystack of that name."""
+    return os.path.abspath(spec.corpus) if spec.haystack == "corpus" else spec.haystack
+
+
 def build_method(model, spec: EvalSpec, name: str, default_budget: float | None = None, **overrides):
     """Builds one method of the run with its artifact, method options and `overrides` (budget ...); the budget is
     `default_budget` (None: `spec.budget`) unless its method options or `overrides` set one."""
@@ -1119,7 +1125,7 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
                     corpus_ids if spec.haystack == "corpus" else None)
             if "ppl" in todo_tasks:
                 windows = ppl_task.make_windows(model.tokenizer, corpus_ids, length, spec.ppl_windows(), spec.seed)
-            haystack = spec.corpus if spec.haystack == "corpus" else spec.haystack
+            haystack = generation_haystack(spec)
             for name, task in generation.items():
                 if name in todo_tasks:
                     samples[name] = task.make_samples(model.tokenizer, length, spec.samples, spec.seed,

@@ -19,8 +19,11 @@ Two haystacks (`haystack`):
 With "repeat", the text before the needle is whole sentences, as many as fit in `depth * F` filler tokens (F =
 the filler tokens the length leaves), so the needle starts on a sentence boundary less than one sentence before
 the requested depth; the text after it is cut to fill the length exactly (only its last sentence may be cut).
-With "corpus", the needle goes in at exactly round(depth * F) tokens into the stretch, which may be mid-sentence
-(the corpus stretch is not cut at sentence boundaries; the eval/tasks haystacks are).
+With "corpus", the needle goes in at round(depth * F) tokens into the stretch, which may be mid-sentence (the
+corpus stretch is not cut at sentence boundaries; the eval/tasks haystacks are) but not mid-word: where that
+token continues a word (a letter or digit on both sides of the cut), the needle moves back to the word's start
+(`word_start`; before 2026-12-04 it split the word, "a por The pass key is ... pass key.cupine", in about 4% of
+the prompts).
 The model generates a few tokens greedily; a sample is correct when the first run of digits in the
 completion is exactly the key.
 """
@@ -85,6 +88,19 @@ def _ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def word_start(tokenizer, ids: Sequence[int], cut: int) -> int:
+    """The largest i <= cut at which ids[:i] and ids[i:] do not split a word: cut itself unless the token before
+    it ends with a letter or digit and the token at it starts with one (then the start of that word; 0 at most)."""
+    def joins(i):  # the pair decoded together: a SentencePiece token alone drops its leading space
+        left, pair = tokenizer.decode([int(ids[i - 1])]), tokenizer.decode([int(ids[i - 1]), int(ids[i])])
+        right = pair[len(left):] if pair.startswith(left) else ""
+        return left[-1:].isalnum() and right[:1].isalnum()
+
+    while 0 < cut < len(ids) and joins(cut):
+        cut -= 1
+    return cut
+
+
 def special_prefix(tokenizer) -> list[int]:
     """The ids the tokenizer puts in front of a text when adding special tokens (e.g. [BOS]), maybe []."""
     probe = "Hello world"
@@ -144,7 +160,7 @@ def make_prompt(tokenizer, length: int, depth: float, key: str, rng: np.random.G
                              f"at least {filler_tokens + 1} of filler; give a longer --corpus or a shorter length")
         start = int(rng.integers(0, len(corpus_ids) - filler_tokens))
         filler = [int(t) for t in corpus_ids[start:start + filler_tokens]]
-        cut = int(round(depth * filler_tokens))
+        cut = word_start(tokenizer, filler, int(round(depth * filler_tokens)))
         tokens = head + filler[:cut] + needle + filler[cut:] + tail
         assert len(tokens) == length, (len(tokens), length)
         return PasskeyPrompt(tokens=np.asarray(tokens, np.int32), key=key, depth=float(depth),

@@ -8,6 +8,7 @@ remembers the artifact it was given) stands in for the sparse methods.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -164,6 +165,35 @@ def test_passkey_corpus_haystack(tokenizer, corpus):
         passkey.make_prompt(tokenizer, 200, 0.5, "12345", np.random.default_rng(0), ids[:50])
     with pytest.raises(ValueError, match="haystack='books'"):
         passkey.check_haystack("books")
+
+
+def test_the_corpus_needle_never_splits_a_word(tokenizer):
+    """The needle goes in at a word's start, the depth's token moved back while it continues a word ("a por The
+    pass key is ... pass key.cupine" before). Words the tokenizer never saw take several tokens each."""
+    rng = np.random.default_rng(0)
+    rare = ["porcupine", "Skookum", "quixotically", "zymurgy", "Buckminster", "xylophonic"]
+    text = " ".join(f"{rng.choice(passkey.FILLER_SENTENCES)} {rng.choice(rare)}." for _ in range(300))
+    ids = ppl.tokenize_corpus(tokenizer, text)
+
+    def splits(tokens, i):
+        left, pair = tokenizer.decode([tokens[i - 1]]), tokenizer.decode([tokens[i - 1], tokens[i]])
+        return left[-1:].isalnum() and pair[len(left):][:1].isalnum()
+
+    inside = [i for i in range(1, 400) if splits(ids, i)]
+    assert inside, "the corpus must hold words of several tokens for this test"
+    for i in inside[:20]:
+        cut = passkey.word_start(tokenizer, ids, i)
+        assert cut < i and not splits(ids, cut) and all(splits(ids, j) for j in range(cut + 1, i + 1))
+        assert passkey.word_start(tokenizer, ids, cut) == cut
+    moved = 0
+    for p in passkey.make_prompts(tokenizer, 301, 40, seed=5, corpus_ids=ids):
+        t = p.tokens.tolist()
+        end = p.needle_start + p.needle_len
+        left, pair = tokenizer.decode([t[p.needle_start - 1]]), tokenizer.decode([t[p.needle_start - 1], t[end]])
+        assert not (left[-1:].isalnum() and pair[len(left):][:1].isalnum())  # the two filler tokens around it
+        assert -1.0 / p.filler_tokens <= p.depth - p.achieved_depth < 0.1  # round(depth * F), then back
+        moved += p.achieved_depth < p.depth - 1.0 / p.filler_tokens
+    assert moved, "some needle should have moved back to its word's start"
 
 
 def test_fidelity_gate_marks_methods_below_dense():
@@ -508,3 +538,20 @@ def test_record_sparsity_follows_the_phase_that_computes_it():
     assert harness.achieved_sparsity(make_method("dense"), "dense", cfg, L, "prefill") == 0.0
     with pytest.raises(ValueError, match="continuation"):
         harness.achieved_sparsity(oracle, "oracle", cfg, L, "continuation")
+
+
+@pytest.mark.parametrize("name", ["corpus", "repeat"])
+def test_a_corpus_file_named_like_a_builtin_haystack_is_read(tokenizer, tmp_path, monkeypatch, name):
+    """--corpus corpus (a file of that name) with --haystack corpus: the niah tasks read the file (they took the
+    shipped default corpus, or RULER's noise sentences for "repeat", while passkey and ppl read the file)."""
+    from eval import harness
+    from eval.tasks import get_task
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / name).write_text("The zebra crossed the meadow at dawn. " * 400, encoding="utf-8")
+    spec = dataclasses.replace(harness.EvalSpec(methods=("dense",), tasks=("niah_single_number",)),
+                               corpus=name, haystack="corpus")
+    haystack = harness.generation_haystack(spec)
+    assert haystack == str(tmp_path / name)
+    sample = get_task("niah_single_number").make_samples(tokenizer, 300, 1, 0, haystack=haystack)[0]
+    assert "zebra crossed the meadow" in tokenizer.decode(sample.tokens)
