@@ -229,12 +229,13 @@ def speculative_methods(method: Any, model: LoadedModel, draft: LoadedModel, gam
 
 def sampling_of(temperature: float, top_p: float) -> Sampling:
     """`Sampling(temperature, top_p)` (which checks both), with a warning when top_p is set at temperature 0: greedy
-    decoding takes the argmax, and top_p has no effect there."""
+    decoding takes the argmax, and top_p has no effect there (it runs as top_p=1, the same compiled program)."""
     sampling = Sampling(temperature, top_p)
-    if sampling.temperature == 0 and sampling.top_p != 1.0:
+    if sampling.greedy and sampling.nucleus:
         # Attributed to the caller's line, past every frame of this package (generate -> generate_ids -> here).
         warnings.warn(f"top_p={top_p} has no effect at temperature 0 (greedy decoding): pass a temperature > 0 to "
                       "sample", skip_file_prefixes=(os.path.dirname(os.path.abspath(__file__)) + os.sep,))
+        return Sampling(0.0, 1.0)
     return sampling
 
 

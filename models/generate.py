@@ -1,13 +1,13 @@
 """Generation: a jitted prefill followed by an on-device decode loop (`lax.while_loop`), all one computation.
 
 `generate_tokens` compiles once per (config, method structure, prompt bucket, capacity, max_new_tokens,
-sampling) and never retraces per token: the loop carries the KV cache, the method's selection state, the
+greedy or sampled, with or without top_p) and never retraces per token (nor per temperature or top_p value: they
+are traced): the loop carries the KV cache, the method's selection state, the
 last tokens, the per-row done flags and the PRNG key.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import reprlib
 from typing import Sequence
@@ -15,6 +15,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from models import llama
 from models import sharding
@@ -29,14 +30,22 @@ Array = jax.Array
 _TINY = float(np.finfo(np.float32).tiny)
 
 
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class Sampling:
-    """temperature == 0 is greedy; otherwise softmax(logits / temperature) restricted to the top-p nucleus."""
+    """temperature == 0 is greedy; otherwise softmax(logits / temperature) restricted to the top-p nucleus.
+
+    A pytree: temperature and top_p are traced leaves (a jitted loop compiles once for every temperature and
+    top_p value), `greedy` (temperature 0) and `nucleus` (top_p < 1) static fields derived when it is made (the
+    code paths they choose are compiled separately)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
+    greedy: bool = struct.field(pytree_node=False, default=None)
+    nucleus: bool = struct.field(pytree_node=False, default=None)
 
     def __post_init__(self):
+        if self.greedy is not None and not isinstance(self.temperature, (int, float, np.integer, np.floating)):
+            return  # rebuilt by jax from traced leaves (checked when made)
         for name in ("temperature", "top_p"):
             value = getattr(self, name)
             if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
@@ -48,6 +57,12 @@ class Sampling:
                              "smallest normal float32")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p}: expected a value in (0, 1]")
+        for name, flag in (("greedy", self.temperature == 0.0), ("nucleus", self.top_p < 1.0)):
+            if getattr(self, name) not in (None, flag):
+                raise ValueError(f"{name}={getattr(self, name)!r}: it follows from temperature and top_p ({flag})")
+            object.__setattr__(self, name, bool(flag))
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_p", float(self.top_p))
 
 
 def scaled_logits(logits: Array, temperature: float) -> Array:
@@ -59,10 +74,10 @@ def scaled_logits(logits: Array, temperature: float) -> Array:
 
 def sample(logits: Array, key: Array, sampling: Sampling) -> Array:
     """logits: f32[B, V] -> i32[B]."""
-    if sampling.temperature == 0.0:
+    if sampling.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = scaled_logits(logits, sampling.temperature)
-    if sampling.top_p < 1.0:
+    if sampling.nucleus:
         order = jnp.argsort(-logits, axis=-1)
         sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
         probs = jax.nn.softmax(sorted_logits, axis=-1)
@@ -197,7 +212,7 @@ def generate_tokens(params: Params, method, tokens: Array, lengths: Array, key: 
                             return_prefill_state=return_prefill_state)
 
 
-@functools.partial(model_jit, static_argnames=("cfg", "max_new_tokens", "capacity", "sampling", "eos_ids",
+@functools.partial(model_jit, static_argnames=("cfg", "max_new_tokens", "capacity", "eos_ids",
                                              "return_prefill_state"))
 def _generate_tokens(params: Params, method, tokens: Array, lengths: Array, key: Array, *, cfg: ModelConfig,
                      max_new_tokens: int, capacity: int, sampling: Sampling = Sampling(),

@@ -79,7 +79,7 @@ def sampling_probs(logits: Array, sampling: Sampling) -> Array:
     """The distribution `models.generate.sample` draws from: f32[..., V] -> f32[..., V] (temperature > 0)."""
     logits = scaled_logits(logits, sampling.temperature)
     probs = jax.nn.softmax(logits, axis=-1)
-    if sampling.top_p < 1.0:
+    if sampling.nucleus:
         order = jnp.argsort(-logits, axis=-1)
         sorted_p = jnp.take_along_axis(probs, order, axis=-1)
         before = jnp.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly above each token
@@ -196,7 +196,7 @@ def spec_round(t_params: Params, d_params: Params, t_method, d_method, s: SpecSt
     B = s.tok.shape[0]
     n = s.target.lengths
     limit = jnp.maximum(limit, 0)  # a negative limit made count negative: both caches shrank under tok and prev
-    greedy = sampling.temperature == 0.0
+    greedy = sampling.greedy
     keys = jax.random.split(key, gamma + 2)
 
     def propose(logits_last, k):  # f32[B, V] -> (i32[B], f32[B, V] or None)
@@ -323,7 +323,7 @@ def spec_loop(t_params: Params, d_params: Params, t_method, d_method, s: SpecSta
 # ----------------------------------------------------------------------------------------------- jitted entry points
 
 
-@functools.partial(model_jit, static_argnames=("t_cfg", "d_cfg", "gamma", "max_new_tokens", "capacity", "sampling",
+@functools.partial(model_jit, static_argnames=("t_cfg", "d_cfg", "gamma", "max_new_tokens", "capacity",
                                              "eos_ids"))
 def speculative_generate(t_params: Params, d_params: Params, t_method, d_method, tokens: Array, lengths: Array,
                          key: Array, *, t_cfg: ModelConfig, d_cfg: ModelConfig, gamma: int, max_new_tokens: int,
@@ -391,9 +391,9 @@ def sharded_speculative_generate(mesh, t_params: Params, d_params: Params, t_met
 
 
 # The benchmark-ready round: one jitted call with both caches donated (call it repeatedly on its own output).
-round_step = model_jit(spec_round, static_argnames=("t_cfg", "d_cfg", "gamma", "sampling", "eos_ids"),
+round_step = model_jit(spec_round, static_argnames=("t_cfg", "d_cfg", "gamma", "eos_ids"),
                      donate_argnames=("s",))
-prefill_step = model_jit(spec_prefill, static_argnames=("t_cfg", "d_cfg", "capacity", "sampling"))
-append_step = model_jit(spec_append, static_argnames=("t_cfg", "d_cfg", "sampling"), donate_argnames=("s",))
-loop_step = model_jit(spec_loop, static_argnames=("t_cfg", "d_cfg", "gamma", "max_new_tokens", "sampling", "eos_ids"),
+prefill_step = model_jit(spec_prefill, static_argnames=("t_cfg", "d_cfg", "capacity"))
+append_step = model_jit(spec_append, static_argnames=("t_cfg", "d_cfg"), donate_argnames=("s",))
+loop_step = model_jit(spec_loop, static_argnames=("t_cfg", "d_cfg", "gamma", "max_new_tokens", "eos_ids"),
                     donate_argnames=("s",))

@@ -195,6 +195,11 @@ def test_generate_ids_reads_an_iterator_of_prompts_once_and_warns_of_top_p_when_
     with pytest.warns(UserWarning, match="top_p=0.5 has no effect at temperature 0") as caught:
         assert generate_ids(model, [[5, 6, 7]], max_new_tokens=2, top_p=0.5) == want
     assert [w.filename for w in caught] == [__file__]  # the caller's line (it named jsparse/api.py before)
+    from jsparse.api import sampling_of
+    from models.generate import Sampling
+
+    with pytest.warns(UserWarning):  # and it runs as top_p=1: the compiled greedy loop, not a second one
+        assert sampling_of(0.0, 0.5) == Sampling(0.0, 1.0)
 
 
 def test_an_explicit_capacity_past_a_window_is_refused_by_name():

@@ -97,6 +97,34 @@ def test_top_p_sampling_stays_in_nucleus():
         Sampling(temperature=float("nan"))
 
 
+def test_temperature_and_top_p_values_are_traced_not_compiled_in(params):
+    """A new temperature or top_p value reuses the compiled loop (they were static: one compilation each); greedy and
+    top_p < 1 still choose their own programs, and the values still reach the sampler."""
+    from models.speculative import speculative_generate
+
+    tokens, lengths = jnp.asarray([[5, 6, 7, 8]], jnp.int32), jnp.asarray([4], jnp.int32)
+
+    def run(temperature, top_p=1.0, draft=False):
+        kw = dict(max_new_tokens=6, capacity=16, sampling=Sampling(temperature, top_p))
+        if draft:
+            return speculative_generate(params, params, DENSE, DENSE, tokens, lengths, jax.random.key(1), t_cfg=CFG,
+                                        d_cfg=CFG, gamma=2, **kw)[0]
+        return generate_tokens(params, DENSE, tokens, lengths, jax.random.key(1), cfg=CFG, **kw)[0]
+
+    for draft, fn in ((False, generate_tokens), (True, speculative_generate)):
+        outs = [run(0.5, draft=draft)]
+        size = fn._cache_size()
+        outs += [run(t, draft=draft) for t in (5.0, 50.0)]
+        assert fn._cache_size() == size
+        assert len({tuple(np.asarray(o).ravel()) for o in outs}) > 1  # the values are used
+        run(5.0, 0.5, draft=draft)
+        size = fn._cache_size()
+        run(2.0, 0.9, draft=draft)
+        assert fn._cache_size() == size
+    with pytest.raises(ValueError, match=r"greedy=True: it follows from temperature and top_p \(False\)"):
+        Sampling(1.0, 1.0, greedy=True)
+
+
 def test_request_errors():
     with pytest.raises(ValueError, match="empty prompt"):
         check_request(CFG, [5, 0], 4)
