@@ -136,7 +136,10 @@ def encode(model: LoadedModel, prompts: str | Sequence[str], chat: bool = False)
     return out
 
 
-def pad_batch(token_lists: Sequence[Sequence[int]], multiple: int = 64, limit: int | None = None):
+PROMPT_BUCKET = 64  # prompts are padded to a multiple of this many tokens: one compilation serves a bucket
+
+
+def pad_batch(token_lists: Sequence[Sequence[int]], multiple: int = PROMPT_BUCKET, limit: int | None = None):
     """Right-pads token lists to a bucketed length: returns (i32[B, T], i32[B] lengths)."""
     if not len(token_lists):
         raise ValueError("no prompts given: expected at least one token list")
@@ -313,6 +316,8 @@ def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: An
     extra = 0 if draft is None else gamma + 1  # the verification writes up to gamma + 1 rows past the accepted
     chosen = capacity
     capacity = check_request(model.cfg, lengths_list, max_new_tokens, capacity, verify_rows=extra)
+    if chosen is None:  # from the padded prompt: two prompts of one bucket share the capacity, so the compilation
+        capacity = max(capacity, round_up(round_up(max(lengths_list), PROMPT_BUCKET) + max_new_tokens + extra, 128))
     if chosen is not None:  # a capacity past a window a method does not honour is refused by name, as Session does
         fit_windows(pairs, chosen, chosen, capped=False, asked=f"capacity={chosen}")
     if draft is not None:

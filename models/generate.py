@@ -1,6 +1,6 @@
 """Generation: a jitted prefill followed by an on-device decode loop (`lax.while_loop`), all one computation.
 
-`generate_tokens` compiles once per (config, method structure, prompt bucket, capacity, max_new_tokens,
+`generate_tokens` compiles once per (config, method structure, prompt bucket, capacity, bucket of max_new_tokens,
 greedy or sampled, with or without top_p) and never retraces per token (nor per temperature or top_p value: they
 are traced): the loop carries the KV cache, the method's selection state, the
 last tokens, the per-row done flags and the PRNG key.
@@ -28,6 +28,7 @@ Array = jax.Array
 
 
 _TINY = float(np.finfo(np.float32).tiny)
+NEW_TOKENS_BUCKET = 64  # generate_tokens compiles its loop for max_new_tokens rounded up to a multiple of this
 
 
 @struct.dataclass
@@ -188,7 +189,8 @@ def generate_tokens(params: Params, method, tokens: Array, lengths: Array, key: 
     Args:
       tokens: i32[B, T] right-padded prompts; lengths: i32[B].
       method: an attention method (a pytree); key: PRNG key (unused when greedy).
-      max_new_tokens, capacity: integers >= 1 (static: one compilation per value).
+      max_new_tokens, capacity: integers >= 1 (static: one compilation per capacity and per bucket of
+        NEW_TOKENS_BUCKET new tokens; the loop stops at max_new_tokens, a traced count).
       return_prefill_state: also return the method's selection state right after the prefill (what a method's
         `prefill_layer_sparsity` reads), so that measuring the prefill needs no second prefill.
     Returns:
@@ -207,18 +209,22 @@ def generate_tokens(params: Params, method, tokens: Array, lengths: Array, key: 
     check_count("max_new_tokens", max_new_tokens)
     check_count("capacity", capacity, "KV cache rows")
     llama.check_token_array(cfg, tokens)
-    return _generate_tokens(params, method, tokens, lengths, key, cfg=cfg, max_new_tokens=max_new_tokens,
-                            capacity=capacity, sampling=sampling, eos_ids=eos_ids,
-                            return_prefill_state=return_prefill_state)
+    # The loop's output width in buckets, its stop at max_new_tokens traced: one compilation serves a bucket.
+    res = _generate_tokens(params, method, tokens, lengths, key, cfg=cfg,
+                           max_new_tokens=round_up(max_new_tokens, NEW_TOKENS_BUCKET), capacity=capacity,
+                           sampling=sampling, eos_ids=eos_ids, return_prefill_state=return_prefill_state,
+                           limit=jnp.int32(max_new_tokens))
+    return (res[0][:, :max_new_tokens],) + tuple(res[1:])
 
 
 @functools.partial(model_jit, static_argnames=("cfg", "max_new_tokens", "capacity", "eos_ids",
                                              "return_prefill_state"))
 def _generate_tokens(params: Params, method, tokens: Array, lengths: Array, key: Array, *, cfg: ModelConfig,
                      max_new_tokens: int, capacity: int, sampling: Sampling = Sampling(),
-                     eos_ids: tuple[int, ...] = (), return_prefill_state: bool = False):
+                     eos_ids: tuple[int, ...] = (), return_prefill_state: bool = False, limit: Array | None = None):
     """The jitted computation of `generate_tokens` (its arguments checked there; `generate_tokens.lower` is this
-    function's, unchecked)."""
+    function's, unchecked): max_new_tokens the output's width, limit (i32[], traced; None: max_new_tokens) the
+    steps run."""
     B = tokens.shape[0]
     cache = sharding.constrain(init_cache(cfg, B, capacity, params.embed.dtype), cache_axes())
     state = method.init_state(cfg, B, capacity)
@@ -232,9 +238,11 @@ def _generate_tokens(params: Params, method, tokens: Array, lengths: Array, key:
     done = jnp.isin(tok, eos) | bad
     num = (~bad).astype(jnp.int32)
 
+    stop = max_new_tokens if limit is None else jnp.minimum(limit, max_new_tokens)
+
     def cond(c):
         step, _, _, _, done, _, _, _ = c
-        return (step < max_new_tokens) & ~jnp.all(done)
+        return (step < stop) & ~jnp.all(done)
 
     def body(c):
         step, tok, cache, state, done, out, num, key = c

@@ -386,3 +386,16 @@ def test_bundled_gguf_cache_is_shared_by_two_paths(tmp_path, monkeypatch):
     assert bundled.cache_key(src, jnp.bfloat16) not in keys
     digests = (tmp_path / "cache" / bundled.DIGESTS).read_text()
     assert str(copy.resolve()) in digests  # each path's sha256 is remembered, so a second load does not rehash
+
+
+def test_prompts_of_one_bucket_share_the_capacity_and_the_compilation():
+    """20 and 60 tokens pad to 64; with 100 new tokens the default capacity came from the unpadded prompt (128 and
+    256 rows), so the second compiled the loop again."""
+    from jsparse.api import generate_ids
+    from models.generate import _generate_tokens
+
+    model = _tiny()
+    generate_ids(model, [list(range(5, 25))], max_new_tokens=100)
+    size = _generate_tokens._cache_size()
+    out = generate_ids(model, [list(range(5, 65))], max_new_tokens=100)
+    assert _generate_tokens._cache_size() == size and 1 <= len(out[0]) <= 100

@@ -125,6 +125,26 @@ def test_temperature_and_top_p_values_are_traced_not_compiled_in(params):
         Sampling(1.0, 1.0, greedy=True)
 
 
+def test_max_new_tokens_of_one_bucket_share_the_compiled_loop(params):
+    """The loop's width is max_new_tokens rounded up to NEW_TOKENS_BUCKET and its stop traced: 3, 5 and 40 new
+    tokens run one compilation (each compiled its own before), and each returns exactly its count."""
+    from models.generate import _generate_tokens
+
+    tokens, lengths = jnp.asarray([[5, 6, 7, 8]], jnp.int32), jnp.asarray([4], jnp.int32)
+
+    def run(n):
+        return generate_tokens(params, DENSE, tokens, lengths, jax.random.key(0), cfg=CFG, max_new_tokens=n,
+                               capacity=128)
+
+    want = run(40)
+    size = _generate_tokens._cache_size()
+    for n in (3, 5, 40):
+        out, num = run(n)
+        assert out.shape == (1, n) and int(num[0]) <= n
+        np.testing.assert_array_equal(out, want[0][:, :n])  # greedy: a prefix of the longer run
+    assert _generate_tokens._cache_size() == size
+
+
 def test_request_errors():
     with pytest.raises(ValueError, match="empty prompt"):
         check_request(CFG, [5, 0], 4)
