@@ -24,7 +24,7 @@ import numpy as np
 
 from models import sharding
 from models.bundled import LoadedModel
-from models.generate import check_count, check_token_ids, round_up, seed_key
+from models.generate import NEW_TOKENS_BUCKET, check_count, check_token_ids, round_up, seed_key
 from models.speculative import append_step, check_heads_on_mesh, loop_step, prefill_step
 
 
@@ -120,9 +120,12 @@ class Session:
                 else:
                     state = append_step(m.params, d.params, self.t_method, self.d_method, self.state, msg, k1,
                                         **common)
+                # The loop's width in buckets (NEW_TOKENS_BUCKET), the reply's count traced: one compilation
+                # serves every max_new_tokens of a bucket.
                 out, num, rounds, accepted, state = loop_step(
                     m.params, d.params, self.t_method, self.d_method, state, k2, gamma=self.gamma,
-                    max_new_tokens=max_new_tokens, eos_ids=self.eos, **common)
+                    max_new_tokens=round_up(max_new_tokens, NEW_TOKENS_BUCKET), eos_ids=self.eos,
+                    row_new_tokens=jnp.full((1,), max_new_tokens, jnp.int32), **common)
             reply = [int(t) for t in np.asarray(out)[0, : int(num[0])]]
         except BaseException as e:
             if self.state is not None and any(x.is_deleted() for x in jax.tree_util.tree_leaves(self.state)

@@ -399,3 +399,19 @@ def test_prompts_of_one_bucket_share_the_capacity_and_the_compilation():
     size = _generate_tokens._cache_size()
     out = generate_ids(model, [list(range(5, 65))], max_new_tokens=100)
     assert _generate_tokens._cache_size() == size and 1 <= len(out[0]) <= 100
+
+
+def test_session_replies_of_one_bucket_share_the_compiled_loop():
+    """A Session turn's max_new_tokens was static: 6, 7 and 8 new tokens compiled the speculative loop three times.
+    Each reply still stops at its own count."""
+    from jsparse.session import Session
+    from models.speculative import loop_step
+
+    model, draft = _tiny(), _tiny(layers=1, seed=1)
+    session = Session(model, draft, gamma=2, capacity=256)
+    session.send_ids([5, 6, 7, 8], max_new_tokens=6)
+    size = loop_step._cache_size()
+    for n in (7, 8):
+        reply = session.send_ids([9, 10], max_new_tokens=n)
+        assert 1 <= len(reply) <= n
+    assert loop_step._cache_size() == size
