@@ -107,7 +107,14 @@ class Session:
         m, d = self.model, self.draft
         common = dict(t_cfg=m.cfg, d_cfg=d.cfg, sampling=self.sampling)
         self.key, k1, k2 = jax.random.split(self.key, 3)
-        msg, length = jnp.asarray([ids], jnp.int32), jnp.asarray([len(ids)], jnp.int32)
+        if self.state is None:  # the first message right-padded to its bucket: one compilation serves the bucket
+            from jsparse.api import pad_batch
+
+            msg, length = pad_batch([ids], limit=self.capacity)
+            msg, length = jnp.asarray(msg), jnp.asarray(length)
+        else:  # a later one is decoded as it is (its length compiles `append_step`: padding rows would add to the
+            # selection state of the methods that accumulate it)
+            msg, length = jnp.asarray([ids], jnp.int32), jnp.asarray([len(ids)], jnp.int32)
         if self.mesh is not None:
             msg, length = sharding.shard_batch(msg, self.mesh), sharding.shard_batch(length, self.mesh)
         # The session changes only once the whole step has succeeded: a step refused while it is traced (before

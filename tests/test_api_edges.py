@@ -415,3 +415,20 @@ def test_session_replies_of_one_bucket_share_the_compiled_loop():
         reply = session.send_ids([9, 10], max_new_tokens=n)
         assert 1 <= len(reply) <= n
     assert loop_step._cache_size() == size
+
+
+def test_session_first_messages_of_one_bucket_share_the_compiled_prefill():
+    """The first message is right-padded to its 64-token bucket (its length compiled the prefill each time); the
+    replies equal generate's over the same prompt."""
+    from jsparse.api import generate_ids
+    from jsparse.session import Session
+    from models.speculative import prefill_step
+
+    model, draft = _tiny(), _tiny(layers=1, seed=1)
+    Session(model, draft, gamma=2, capacity=256).send_ids(list(range(5, 15)), max_new_tokens=4)
+    size = prefill_step._cache_size()
+    for n in (20, 33):
+        prompt = list(range(5, 5 + n))
+        reply = Session(model, draft, gamma=2, capacity=256).send_ids(prompt, max_new_tokens=4)
+        assert reply == generate_ids(model, [prompt], max_new_tokens=4)[0]
+    assert prefill_step._cache_size() == size
