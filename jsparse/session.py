@@ -107,16 +107,21 @@ class Session:
         m, d = self.model, self.draft
         common = dict(t_cfg=m.cfg, d_cfg=d.cfg, sampling=self.sampling)
         self.key, k1, k2 = jax.random.split(self.key, 3)
-        if self.state is None:  # the first message right-padded to its bucket: one compilation serves the bucket
-            from jsparse.api import pad_batch
+        # The message right-padded to its 64-token bucket (one compilation serves the bucket), within the rows the
+        # cache has left: a later message's padding rows are decoded past the conversation, then rolled back. Not a
+        # later message to a target that selects from the draft's attention (STS): the draft's padding rows would
+        # join its selection; that message compiles `append_step` per length.
+        from jsparse.api import pad_batch
 
-            msg, length = pad_batch([ids], limit=self.capacity)
+        later = self.state is not None
+        if later and getattr(self.t_method, "adopt_draft", None) is not None:
+            msg, length = jnp.asarray([ids], jnp.int32), None
+        else:
+            msg, length = pad_batch([ids], limit=self.capacity - (len(self.tokens) + 1 if later else 0))
             msg, length = jnp.asarray(msg), jnp.asarray(length)
-        else:  # a later one is decoded as it is (its length compiles `append_step`: padding rows would add to the
-            # selection state of the methods that accumulate it)
-            msg, length = jnp.asarray([ids], jnp.int32), jnp.asarray([len(ids)], jnp.int32)
         if self.mesh is not None:
-            msg, length = sharding.shard_batch(msg, self.mesh), sharding.shard_batch(length, self.mesh)
+            msg = sharding.shard_batch(msg, self.mesh)
+            length = None if length is None else sharding.shard_batch(length, self.mesh)
         # The session changes only once the whole step has succeeded: a step refused while it is traced (before
         # anything runs) leaves it as it was; one that fails after the old state was donated marks it lost.
         try:
@@ -126,7 +131,7 @@ class Session:
                                          capacity=self.capacity, **common)
                 else:
                     state = append_step(m.params, d.params, self.t_method, self.d_method, self.state, msg, k1,
-                                        **common)
+                                        length, **common)
                 # The loop's width in buckets (NEW_TOKENS_BUCKET), the reply's count traced: one compilation
                 # serves every max_new_tokens of a bucket.
                 out, num, rounds, accepted, state = loop_step(

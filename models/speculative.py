@@ -158,23 +158,36 @@ def spec_prefill(t_params: Params, d_params: Params, t_method, d_method, tokens:
 
 
 def spec_append(t_params: Params, d_params: Params, t_method, d_method, s: SpecState, tokens: Array, key: Array,
-                *, t_cfg: ModelConfig, d_cfg: ModelConfig, sampling: Sampling = Sampling()) -> SpecState:
+                lengths: Array | None = None, *, t_cfg: ModelConfig, d_cfg: ModelConfig,
+                sampling: Sampling = Sampling()) -> SpecState:
     """Appends a message to both caches (a new turn) without recomputing earlier ones and samples the first
     token of the reply.
 
-    The pending token `s.tok` and the message tokens: i32[B, M] (M >= 1, every row the same length) are decoded
-    at positions n .. n + M by the target, and with `prev` before them (from n - 1, as in a round) by the draft,
-    the draft first (the target's method may adopt the draft's state).
+    The pending token `s.tok` and the message tokens: i32[B, M] (M >= 1) are decoded at positions n .. n + M by the
+    target, and with `prev` before them (from n - 1, as in a round) by the draft, the draft first (the target's
+    method may adopt the draft's state). lengths: i32[B] (1 .. M, traced) each row's message tokens, the rest
+    right padding (one compilation serves every message of a padded width): the padding rows are decoded as a
+    round's rejected verification rows are (the target's `begin_verify` / `end_verify` keep the state of the rows
+    kept) and both caches roll back past them by their lengths; None: all M.
     """
     n = s.target.lengths
+    B, M = tokens.shape
     feed = jnp.concatenate([s.tok[:, None], tokens.astype(jnp.int32)], axis=1)  # [B, M + 1]
     _, d_cache, d_state = llama.decode(d_params, d_cfg, d_method, jnp.concatenate([s.prev[:, None], feed], axis=1),
                                        s.draft.replace(lengths=n - 1), s.d_state)
     t_state = _adopt(t_method, s.t_state, d_state)
+    if lengths is None:
+        logits, t_cache, t_state = llama.decode(t_params, t_cfg, t_method, feed, s.target, t_state)
+        return SpecState(target=t_cache, draft=d_cache, t_state=t_state, d_state=d_state,
+                         tok=sample(logits[:, -1], key, sampling), prev=feed[:, -1])
+    m = jnp.clip(jnp.asarray(lengths, jnp.int32), 1, M)
+    t_state = _begin_verify(t_method, t_state, M + 1)
     logits, t_cache, t_state = llama.decode(t_params, t_cfg, t_method, feed, s.target, t_state)
-    tok = sample(logits[:, -1], key, sampling)
-    return SpecState(target=t_cache, draft=d_cache, t_state=t_state, d_state=d_state, tok=tok,
-                     prev=feed[:, -1])
+    t_state = _end_verify(t_method, t_state, m + 1)  # the pending token and the message rows
+    rows = jnp.arange(B)
+    return SpecState(target=t_cache.replace(lengths=n + m + 1), draft=d_cache.replace(lengths=n + m + 1),
+                     t_state=t_state, d_state=d_state, tok=sample(logits[rows, m], key, sampling),
+                     prev=feed[rows, m])
 
 
 def spec_round(t_params: Params, d_params: Params, t_method, d_method, s: SpecState, key: Array, limit: Array, *,

@@ -407,14 +407,17 @@ def test_session_replies_of_one_bucket_share_the_compiled_loop():
     from jsparse.session import Session
     from models.speculative import loop_step
 
+    from models.speculative import append_step
+
     model, draft = _tiny(), _tiny(layers=1, seed=1)
     session = Session(model, draft, gamma=2, capacity=256)
     session.send_ids([5, 6, 7, 8], max_new_tokens=6)
-    size = loop_step._cache_size()
-    for n in (7, 8):
-        reply = session.send_ids([9, 10], max_new_tokens=n)
+    session.send_ids([9, 10], max_new_tokens=6)
+    size, appends = loop_step._cache_size(), append_step._cache_size()
+    for n, msg in ((7, [11, 12, 13]), (8, list(range(20, 37)))):  # later messages of one bucket: no compile either
+        reply = session.send_ids(msg, max_new_tokens=n)
         assert 1 <= len(reply) <= n
-    assert loop_step._cache_size() == size
+    assert loop_step._cache_size() == size and append_step._cache_size() == appends
 
 
 def test_session_first_messages_of_one_bucket_share_the_compiled_prefill():
@@ -432,3 +435,36 @@ def test_session_first_messages_of_one_bucket_share_the_compiled_prefill():
         reply = Session(model, draft, gamma=2, capacity=256).send_ids(prompt, max_new_tokens=4)
         assert reply == generate_ids(model, [prompt], max_new_tokens=4)[0]
     assert prefill_step._cache_size() == size
+
+
+@pytest.mark.parametrize("method", ["dense", "h2o", "quest"])
+def test_a_padded_message_appends_as_the_message_alone(method):
+    """spec_append with a message right-padded to its bucket (lengths traced) leaves the conversation where the
+    unpadded message does: the same next token, cache lengths and following reply, the padding rows rolled back
+    (H2O's accumulated scores through end_verify; Quest's page bounds)."""
+    import jax
+
+    from jsparse.methods import make_method
+    from models.generate import Sampling
+    from models.speculative import append_step, loop_step, prefill_step
+
+    model, draft = _tiny(), _tiny(layers=1, seed=1)
+    m = make_method(method, **({} if method == "dense" else {"budget": 0.3, "min_tokens": 4}))
+    d = make_method("dense")
+    common = dict(t_cfg=model.cfg, d_cfg=draft.cfg, sampling=Sampling())
+    prompt, msg = jnp.asarray([list(range(5, 45))], jnp.int32), [7, 8, 9, 10, 11]
+    replies = []
+    for padded in (False, True):
+        s = prefill_step(model.params, draft.params, m, d, prompt, jnp.asarray([40]), jax.random.key(0),
+                         capacity=256, **common)
+        if padded:
+            s = append_step(model.params, draft.params, m, d, s, jnp.asarray([msg + [0] * 59], jnp.int32),
+                            jax.random.key(1), jnp.asarray([5], jnp.int32), **common)
+        else:
+            s = append_step(model.params, draft.params, m, d, s, jnp.asarray([msg], jnp.int32), jax.random.key(1),
+                            **common)
+        assert int(s.target.lengths[0]) == int(s.draft.lengths[0]) == 46  # the prompt, its reply's token, msg
+        out, num, _, _, s = loop_step(model.params, draft.params, m, d, s, jax.random.key(2), gamma=2,
+                                      max_new_tokens=8, eos_ids=(), **common)
+        replies.append(np.asarray(out)[0, :int(num[0])].tolist())
+    assert replies[0] == replies[1] and len(replies[0]) == 8
