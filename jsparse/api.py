@@ -28,8 +28,8 @@ from jsparse.methods import make_method, method_names, window_methods
 from models import sharding
 from models.bundled import LoadedModel, keep_layers, load_model, parse_layers  # noqa: F401  (re-exported)
 from models.params import unfuse_projections
-from models.generate import (Sampling, check_request, check_seed, check_token_ids, generate_tokens, round_up,
-                             seed_key, sharded_generate_tokens)
+from models.generate import (NEW_TOKENS_BUCKET, Sampling, check_request, check_seed, check_token_ids,
+                             generate_tokens, round_up, seed_key, sharded_generate_tokens)
 from models.speculative import check_gamma, check_pair, sharded_speculative_generate, speculative_generate
 
 _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
@@ -316,8 +316,10 @@ def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: An
     extra = 0 if draft is None else gamma + 1  # the verification writes up to gamma + 1 rows past the accepted
     chosen = capacity
     capacity = check_request(model.cfg, lengths_list, max_new_tokens, capacity, verify_rows=extra)
-    if chosen is None:  # from the padded prompt: two prompts of one bucket share the capacity, so the compilation
-        capacity = max(capacity, round_up(round_up(max(lengths_list), PROMPT_BUCKET) + max_new_tokens + extra, 128))
+    if chosen is None:  # from the padded prompt (and, speculative, the bucketed new tokens): two requests of one
+        # bucket share the capacity, so the compilation
+        new = max_new_tokens if draft is None else round_up(max_new_tokens, NEW_TOKENS_BUCKET)
+        capacity = max(capacity, round_up(round_up(max(lengths_list), PROMPT_BUCKET) + new + extra, 128))
     if chosen is not None:  # a capacity past a window a method does not honour is refused by name, as Session does
         fit_windows(pairs, chosen, chosen, capped=False, asked=f"capacity={chosen}")
     if draft is not None:
@@ -342,8 +344,12 @@ def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: An
                                    seed_key(seed), cfg=model.cfg, max_new_tokens=max_new_tokens,
                                    capacity=capacity, sampling=sampling, eos_ids=eos)
     else:
-        spec = dict(t_cfg=model.cfg, d_cfg=draft.cfg, gamma=gamma, max_new_tokens=max_new_tokens,
-                    capacity=capacity, sampling=sampling, eos_ids=eos)
+        # The rounds' output width in buckets, each row's count traced (one compilation serves a bucket), where the
+        # cache holds the bucket's rows (a capacity cut to a sliding window may not).
+        width = round_up(max_new_tokens, NEW_TOKENS_BUCKET)
+        width = width if tokens.shape[1] + width + extra <= capacity else max_new_tokens
+        spec = dict(t_cfg=model.cfg, d_cfg=draft.cfg, gamma=gamma, max_new_tokens=width, capacity=capacity,
+                    sampling=sampling, eos_ids=eos, row_new_tokens=np.full(len(tokens), max_new_tokens, np.int32))
         if model.mesh is not None:  # the draft is on the same mesh (check_draft)
             out, num, rounds, accepted = sharded_speculative_generate(
                 model.mesh, model.params, draft.params, t_method, d_method, tokens, lengths, seed_key(seed),

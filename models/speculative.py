@@ -379,7 +379,7 @@ def check_heads_on_mesh(t_cfg: ModelConfig, d_cfg: ModelConfig, mesh, what: str)
 def sharded_speculative_generate(mesh, t_params: Params, d_params: Params, t_method, d_method, tokens: Array,
                                  lengths: Array, key: Array, *, t_cfg: ModelConfig, d_cfg: ModelConfig, gamma: int,
                                  max_new_tokens: int, capacity: int, sampling: Sampling = Sampling(),
-                                 eos_ids: tuple[int, ...] = ()):
+                                 eos_ids: tuple[int, ...] = (), row_new_tokens: Array | None = None):
     """`speculative_generate` on `mesh`, the target and the draft on the same mesh: both models' params placed by
     heads (`models.sharding`; a no-op when already placed), the prompt rows over data, and the whole computation
     (both prefills, every round) one jitted call with the mesh set, so both caches shard by KV heads and rows and
@@ -397,10 +397,12 @@ def sharded_speculative_generate(mesh, t_params: Params, d_params: Params, t_met
     t_params = jax.device_put(t_params, sharding.param_shardings(t_cfg, mesh, t_params))
     d_params = jax.device_put(d_params, sharding.param_shardings(d_cfg, mesh, d_params))
     tokens, lengths = sharding.shard_batch(tokens, mesh), sharding.shard_batch(lengths, mesh)
+    if row_new_tokens is not None:
+        row_new_tokens = sharding.shard_batch(jnp.asarray(row_new_tokens, jnp.int32), mesh)
     with sharding.use_mesh(mesh):
         return speculative_generate(t_params, d_params, t_method, d_method, tokens, lengths, key, t_cfg=t_cfg,
                                     d_cfg=d_cfg, gamma=gamma, max_new_tokens=max_new_tokens, capacity=capacity,
-                                    sampling=sampling, eos_ids=eos_ids)
+                                    sampling=sampling, eos_ids=eos_ids, row_new_tokens=row_new_tokens)
 
 
 # The benchmark-ready round: one jitted call with both caches donated (call it repeatedly on its own output).

@@ -468,3 +468,18 @@ def test_a_padded_message_appends_as_the_message_alone(method):
                                       max_new_tokens=8, eos_ids=(), **common)
         replies.append(np.asarray(out)[0, :int(num[0])].tolist())
     assert replies[0] == replies[1] and len(replies[0]) == 8
+
+
+def test_speculative_max_new_tokens_of_one_bucket_share_the_compiled_rounds():
+    """Speculative generate_ids: 5, 9 and 30 new tokens run one compilation (each compiled its own), each row
+    stopping at its own count."""
+    from jsparse.api import generate_ids
+    from models.speculative import speculative_generate
+
+    model, draft = _tiny(), _tiny(layers=1, seed=1)
+    prompt = [list(range(5, 25))]
+    longest = generate_ids(model, prompt, max_new_tokens=30, draft=draft, gamma=2)[0]
+    size = speculative_generate._cache_size()
+    for n in (5, 9):
+        assert generate_ids(model, prompt, max_new_tokens=n, draft=draft, gamma=2)[0] == longest[:n]  # greedy
+    assert speculative_generate._cache_size() == size
