@@ -1,4 +1,5 @@
-"""`jsparse demo`: every CPU method that needs no draft model (ablations aside), on the bundled model, in one small report.
+"""`jsparse demo`: every CPU method that needs no draft model (ablations aside), on the bundled model, in one small
+report.
 
     jsparse demo [--out runs/demo] [--lengths 2048] [--samples 2]
 
@@ -49,10 +50,10 @@ def repo_root() -> str:
 def add_demo_parser(subparsers) -> argparse.ArgumentParser:
     """Adds the `demo` command to an argparse subparsers object; returns its parser."""
     p = subparsers.add_parser(
-        "demo", help="every CPU method that needs no draft (ablations aside) on the bundled model at 10%%: passkey, two RULER tasks, co-reference, "
-                     "perplexity; a report with plots",
-        description="Run every CPU method that needs no draft model, ablations aside (" + ", ".join(METHODS) + ") on the bundled model at a "
-                    "10% budget on passkey, niah_single_number, niah_multikey, coref and perplexity (continuation: "
+        "demo", help="every CPU method that needs no draft (ablations aside) on the bundled model at 10%%: passkey, "
+                     "two RULER tasks, co-reference, perplexity; a report with plots",
+        description="Run every CPU method that needs no draft model, ablations aside (" + ", ".join(METHODS) + ") on "
+                    "the bundled model at a 10% budget on passkey, niah_single_number, niah_multikey, coref and perplexity (continuation: "
                     "the last 512 tokens of a window) at 2K tokens, and write results.json, summary.md, report.md and plots/ to --out. Nothing is "
                     "downloaded. Rerun into the same folder to resume an interrupted demo.")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")

@@ -247,9 +247,8 @@ def fit_windows(pairs, need: int, capacity: int, capped: bool, asked: str | None
 
     pairs: (LoadedModel, method) for the target (and the draft). A method outside `window_methods()` on a model
     whose window W is shorter than `need` (prompt + new tokens (+ speculative rows)) is refused; within the window
-    it runs, with the default capacity (`capped`) cut to W rounded down to whole blocks (`window_capacity`), so the window
-    never binds. asked: what `need` is, for
-    the refusal (None: a request's prompt plus max_new_tokens, plus `verify_rows`, speculative decoding's gamma + 1
+    it runs, with the default capacity (`capped`) cut to W rounded down to whole blocks (`window_capacity`), so the
+    window never binds. asked: what `need` is, for the refusal (None: a request's prompt plus max_new_tokens, plus `verify_rows`, speculative decoding's gamma + 1
     verification rows, which the refusal then names).
     """
     for model, method in pairs:
@@ -320,7 +319,7 @@ def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: An
         # bucket share the capacity, so the compilation
         new = max_new_tokens if draft is None else round_up(max_new_tokens, NEW_TOKENS_BUCKET)
         capacity = max(capacity, round_up(round_up(max(lengths_list), PROMPT_BUCKET) + new + extra, 128))
-    if chosen is not None:  # a capacity past a window a method does not honour is refused by name, as Session does
+    else:  # a capacity past a window a method does not honour is refused by name, as Session does
         fit_windows(pairs, chosen, chosen, capped=False, asked=f"capacity={chosen}")
     if draft is not None:
         check_draft_context(draft, lengths_list, max_new_tokens)

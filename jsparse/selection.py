@@ -1,7 +1,7 @@
 """Shared selection machinery: budgets, exact (pooled) scores, top-k to the index contract, top-k by threshold.
 
-Index contract (README.md, Library; models/attention.py): `int32[B, Hkv, T, K]`, ascending, padded with -1 at the end; T = 1 (or the number
-of new tokens) in decode, one row per query tile in prefill.
+Index contract (README.md, Library; models/attention.py): `int32[B, Hkv, T, K]`, ascending, padded with -1 at the
+end; T = 1 (or the number of new tokens) in decode, one row per query tile in prefill.
 """
 
 from __future__ import annotations

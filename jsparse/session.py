@@ -60,8 +60,8 @@ class Session:
         if capacity is not None:
             capacity = check_count("capacity", capacity, "cache rows; None: the model's context, at most 4096, rounded up to 128")
         self.t_method, self.d_method = speculative_methods(method, model, draft, gamma)
-        # A method that does not honour a model's sliding window: the default capacity is cut to W's whole blocks (as generate's)
-        # and a larger one is refused (the window would bind once the conversation passed it).
+        # A method that does not honour a model's sliding window: the default capacity is cut to W's whole blocks (as
+        # generate's) and a larger one is refused (the window would bind once the conversation passed it).
         chosen, capacity = capacity, capacity or round_up(min(model.cfg.max_position_embeddings, 4096), 128)
         self.capacity = fit_windows(((model, self.t_method), (draft, self.d_method)), chosen or 0, capacity,
                                     capped=chosen is None, asked=f"capacity={chosen}")

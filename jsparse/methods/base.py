@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from jsparse.selection import is_real
+
 _REGISTRY: dict[str, Callable] = {}
 
 
@@ -88,8 +90,7 @@ def make_method(name: str, **kwargs):
     factory = _REGISTRY[name]
     build = getattr(factory, "build", factory)
     budget = kwargs.get("budget")  # every method takes one (the CLI and eval give it to all); those without ignore it
-    if budget is not None and (isinstance(budget, (bool, np.bool_)) or not isinstance(
-            budget, (int, float, np.integer, np.floating)) or not np.isfinite(budget) or budget <= 0):
+    if budget is not None and (not is_real(budget) or not np.isfinite(budget) or budget <= 0):
         raise ValueError(f"method {name!r} budget={budget!r}: expected a fraction of the context in (0, 1] (sts: or "
                          "a whole number of keys above 1)")
     if kwargs.get("artifact") and not takes_artifact(name):

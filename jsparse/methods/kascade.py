@@ -16,8 +16,8 @@ reuse layers keep N keys as the anchors do (with r = 2 they kept up to 2N at the
 SmolLM2-135M a reuse layer's set from even the adjacent layer misses what that layer's own top-k keeps and the
 passkey is lost (eval/results/kascade_diagnosis/REPORT.md); the calibrated artifact of the bundled model carries
 r = 2 and anchors chosen for a target share of the oracle's mass, and `build` takes them from the artifact unless
-given (r, and the query tile and min_tokens the calibration pooled its scores with). The kept fraction over the sparse layers is reported by
-`achieved_sparsity` (anchors at `budget`, reuse layers at r * budget).
+given (r, and the query tile and min_tokens the calibration pooled its scores with). The kept fraction over the
+sparse layers is reported by `achieved_sparsity` (anchors at `budget`, reuse layers at r * budget).
 
 Anchors (roles 0 and 1) run the fused anchor ops of `pallas_kernels.anchor_attention`: `anchor_decode` reads
 the stacked cache in place at the traced layer (`LayerKV.k_all`, `v_all`, `layer`; no copy of the layer's

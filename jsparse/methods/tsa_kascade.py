@@ -22,8 +22,8 @@ class TSAKascade:
     Artifacts: `artifact` is one folder or several separated by os.pathsep, each routed by its kind, e.g.
     `jsparse eval --methods tsa+kascade --artifact tsa+kascade=artifacts/smollm2/kascade:artifacts/smollm2/tsa`; or pass
     `kascade_artifact=` / `tsa_artifact=`, or a list of folders (Python). The Kascade artifact is required;
-    without a TSA artifact every layer but 0 is TSA-sparse. `budget`, `tile`, `min_tokens` go to Kascade (its `prefill_block_size` must
-    stay 1: the compressed coordinates move single tokens); `tau`, `window`, `pool_kernel`, `tsa_min_tokens`,
+    without a TSA artifact every layer but 0 is TSA-sparse. `budget`, `tile`, `min_tokens` go to Kascade (its
+    `prefill_block_size` must stay 1: the compressed coordinates move single tokens); `tau`, `window`, `pool_kernel`, `tsa_min_tokens`,
     `sparse_layers`, `fill`, `local_window`, `local_sinks`, `kept_fraction`, `capacity_buckets` to TSA.
     `capacity_buckets` defaults to CAPACITY_BUCKETS (4, not TSA's 8): each bucket compiles Kascade's whole layer
     again, and at the paper's kept share 0.68 four buckets run it at 0.75 T as eight would.
