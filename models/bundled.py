@@ -42,8 +42,9 @@ CACHE_ENV = "JSPARSE_CACHE"
 CACHE_FORMAT = "jsparse-params-v2"  # v2: GGUF rope scaling read as llama.cpp does (old entries may hold v1 configs)
 DIGESTS = "digests.json"
 # v2: built from the GGUF metadata by models.tokenizer; v3: Llama 3's whole-piece tokens and default BOS, Qwen2's
-# NFC, and the file's end-of-turn ids kept beside the tokenizer (stop_ids.json)
-TOKENIZER_FORMAT = "tokenizer-v3"
+# NFC, and the file's end-of-turn ids kept beside the tokenizer (stop_ids.json); v4: beside it jsparse_tokenizer.json
+# holds those ids and the add_bos_token / add_eos_token flags (a reloaded save_pretrained folder reports both False)
+TOKENIZER_FORMAT = "tokenizer-v4"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,18 +232,23 @@ def load_gguf_cached(path: str | os.PathLike, dtype=jnp.float32, mesh=None,
 
 def _gguf_tokenizer(path: Path, open_reader=None) -> tuple[Any, tuple[int, ...]]:
     """The GGUF's tokenizer (`models.tokenizer.gguf_tokenizer`) and its stop ids beside EOS
-    (`models.tokenizer.stop_token_ids`), cached as a save_pretrained folder next to the params (the ids in its
-    stop_ids.json). `open_reader`: as `load_gguf_cached`'s."""
+    (`models.tokenizer.stop_token_ids`), cached as a save_pretrained folder next to the params (the ids and the
+    tokenizer's add_bos_token / add_eos_token in its jsparse_tokenizer.json: transformers does not keep those flags
+    in the folder, though its post-processor adds the tokens). `open_reader`: as `load_gguf_cached`'s."""
     from models.tokenizer import gguf_tokenizer, stop_token_ids, transformers_module
 
     AutoTokenizer = transformers_module().AutoTokenizer
     target = cache_dir() / f"{path.stem}-{cache_key(path, 'float32')}-{TOKENIZER_FORMAT}"
     if target.is_dir():
         try:
-            stops = json.loads((target / _STOP_IDS).read_text())
-            if not isinstance(stops, list) or not all(type(i) is int for i in stops):
-                raise ValueError(f"{_STOP_IDS} holds {stops!r}: expected a list of ids")
-            return AutoTokenizer.from_pretrained(str(target)), tuple(stops)
+            side = json.loads((target / _SIDECAR).read_text())
+            stops = side.get("stop_ids") if isinstance(side, dict) else None
+            flags = {k: side.get(k) for k in _FLAGS} if isinstance(side, dict) else {}
+            if (not isinstance(stops, list) or not all(type(i) is int for i in stops)
+                    or not all(type(v) is bool for v in flags.values())):
+                raise ValueError(f"{_SIDECAR} holds {side!r}: expected {{'stop_ids': [ids], "
+                                 + ", ".join(f"{k!r}: bool" for k in _FLAGS) + "}")
+            return AutoTokenizer.from_pretrained(str(target), **flags), tuple(stops)
         except Exception as e:
             warnings.warn(f"rebuilding unreadable tokenizer cache {target}: {type(e).__name__}: {e}")
             shutil.rmtree(target, ignore_errors=True)
@@ -255,7 +261,8 @@ def _gguf_tokenizer(path: Path, open_reader=None) -> tuple[Any, tuple[int, ...]]
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=target.parent, suffix=".tmp"))
         tok.save_pretrained(str(tmp))
-        (tmp / _STOP_IDS).write_text(json.dumps(list(stops)))
+        (tmp / _SIDECAR).write_text(json.dumps({"stop_ids": list(stops),
+                                                **{k: bool(getattr(tok, k, False)) for k in _FLAGS}}))
         os.chmod(tmp, 0o755)
         os.replace(tmp, target)
     except OSError as e:
@@ -267,7 +274,8 @@ def _gguf_tokenizer(path: Path, open_reader=None) -> tuple[Any, tuple[int, ...]]
     return tok, stops
 
 
-_STOP_IDS = "stop_ids.json"
+_SIDECAR = "jsparse_tokenizer.json"
+_FLAGS = ("add_bos_token", "add_eos_token")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 

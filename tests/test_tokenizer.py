@@ -150,6 +150,35 @@ def test_end_of_turn_ids_stop_generation(tmp_path, monkeypatch):
     assert stops == again == (1,) and cached("abc")["input_ids"] == built("abc")["input_ids"]
 
 
+@pytest.mark.parametrize("pre,extra,bos,eos", [
+    ("llama-bpe", lambda w: w.add_bos_token_id(0), True, False),  # Llama 3: BOS when the file does not say
+    ("llama-bpe", lambda w: (w.add_bos_token_id(0), w.add_add_bos_token(False), w.add_add_eos_token(True)),
+     False, True),
+    ("gpt2", None, False, False)])
+def test_the_cached_tokenizer_keeps_add_bos_and_add_eos(tmp_path, monkeypatch, pre, extra, bos, eos):
+    """A save_pretrained folder reloads with add_bos_token / add_eos_token False whatever the tokenizer added: the
+    cache keeps both flags beside the folder, so the second load reports what the first did (the ids were the
+    same either way); a cache whose flags are not booleans is rebuilt with a warning."""
+    import json
+
+    from models import bundled
+
+    path = tmp_path / "t.gguf"
+    _tokenizer_gguf(path, pre, extra)
+    monkeypatch.setenv("JSPARSE_CACHE", str(tmp_path / "cache"))
+    built, _ = bundled._gguf_tokenizer(path)
+    cached, _ = bundled._gguf_tokenizer(path, open_reader=lambda: pytest.fail("the cache was not used"))
+    for tok in (built, cached):
+        assert (tok.add_bos_token, tok.add_eos_token) == (bos, eos)
+        ids = tok("abc")["input_ids"]
+        assert (ids[0] == 0, ids[-1] == 0) == (bos, eos)
+    (side,) = (tmp_path / "cache").glob("*/jsparse_tokenizer.json")
+    side.write_text(json.dumps({"stop_ids": [], "add_bos_token": "yes", "add_eos_token": False}))
+    with pytest.warns(UserWarning, match="rebuilding unreadable tokenizer cache.*'add_bos_token': bool"):
+        again, _ = bundled._gguf_tokenizer(path)
+    assert again.add_bos_token == bos
+
+
 def test_a_tokenizer_cache_written_meanwhile_by_another_process_is_no_warning(tmp_path, monkeypatch):
     """Two processes that miss the cache at once (xdist workers) both build the tokenizer; the one whose rename finds
     the other's folder in place keeps its own tokenizer without a warning, and leaves no temporary folder."""
