@@ -1081,11 +1081,12 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
                              f"generates: {', '.join(news) or 'ppl 1'}") from None
     check_calibration_corpus(spec)
     corpus_ids = None
+    slots: dict[int, int] = {}  # ppl: non-overlapping windows the corpus holds at each length
     if "ppl" in spec.tasks or ("passkey" in spec.tasks and spec.haystack == "corpus"):
         corpus_ids = ppl_task.tokenize_corpus(model.tokenizer, ppl_task.read_corpus(spec.corpus))
         for length in spec.lengths:  # a corpus too short for the windows fails before any work
-            ppl_task.check_windows(model.tokenizer, corpus_ids, length,
-                                   spec.ppl_windows() if "ppl" in spec.tasks else spec.samples)
+            slots[length] = ppl_task.check_windows(model.tokenizer, corpus_ids, length,
+                                                   spec.ppl_windows() if "ppl" in spec.tasks else spec.samples)
     methods = build_methods(model, spec)
     done = {record_key(r) for r in previous}
     units = _units(spec)
@@ -1110,10 +1111,8 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
 
     try:
         for length in spec.lengths:
-            if "ppl" in spec.tasks:  # (a resumed run's done lengths too: the run's meta says it of all of them)
-                slots = ppl_task.check_windows(model.tokenizer, corpus_ids, length, spec.ppl_windows())
-                if spec.ppl_windows() > slots:
-                    ppl_overlap[length] = (spec.ppl_windows(), slots)
+            if "ppl" in spec.tasks and spec.ppl_windows() > slots[length]:  # (a resumed run's done lengths too:
+                ppl_overlap[length] = (spec.ppl_windows(), slots[length])    # the run's meta says it of all of them)
             todo_tasks = {t for L, _, todo in plan if L == length for t, _ in todo}
             if not todo_tasks:
                 continue
