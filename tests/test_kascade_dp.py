@@ -34,13 +34,41 @@ def test_dp_rejects_bad_anchor_count():
 
 
 def test_head_map_picks_best_anchor_head():
+    """Layer l's KV head h2 reuses the head h1 of its anchor a (the last anchor at or before l) with the largest
+    sim[a, l, h1, h2]: the argmax over the anchor's heads, per reusing head, from that anchor's own row."""
     L, H = 4, 3
     sim = np.zeros((L, L, H, H))
     sim[0, 1] = np.array([[0.1, 0.9, 0.2], [0.8, 0.0, 0.1], [0.0, 0.0, 0.7]])  # [h1, h2]
+    sim[0, 1, 2, 0] = 0.95  # the argmax over h1 (axis 0) differs from the one over h2 now: [2, 0, 2] vs [1, 0, 2]
+    sim[2, 3] = np.array([[0.0, 0.0, 0.6], [0.5, 0.0, 0.0], [0.0, 0.4, 0.0]])
+    sim[0, 3] = 1.0  # layer 3 is served by anchor 2, not by layer 0's (higher) similarities
     hm = head_map_for(sim, [0, 2])
     np.testing.assert_array_equal(hm[0], [0, 1, 2])
-    np.testing.assert_array_equal(hm[1], [1, 0, 2])
+    np.testing.assert_array_equal(hm[1], [2, 0, 2])
     np.testing.assert_array_equal(hm[2], [0, 1, 2])
+    np.testing.assert_array_equal(hm[3], [1, 2, 0])
+    rng = np.random.default_rng(0)
+    L, H = 7, 5
+    sim = rng.uniform(0, 1, size=(L, L, H, H))
+    anchors = [0, 3, 4]
+    hm = head_map_for(sim, anchors)
+    for layer in range(L):
+        a = max(x for x in anchors if x <= layer)
+        for h2 in range(H):
+            want = h2 if a == layer else max(range(H), key=lambda h1: sim[a, layer, h1, h2])
+            assert hm[layer, h2] == want, (layer, h2)
+
+
+def test_layer_similarity_is_the_best_anchor_head_averaged_over_reusing_heads():
+    """S[a, l] = mean over l's heads h2 of max over a's heads h1 of sim[a, l, h1, h2] (the DP's input)."""
+    rng = np.random.default_rng(1)
+    L, H = 5, 4
+    sim = rng.uniform(0, 1, size=(L, L, H, H))
+    S = layer_similarity(sim)
+    for a in range(L):
+        for layer in range(L):
+            want = sum(max(sim[a, layer, h1, h2] for h1 in range(H)) for h2 in range(H)) / H
+            assert S[a, layer] == pytest.approx(want, rel=1e-12)
 
 
 def test_share_anchors_keep_every_reuse_layer_above_target():

@@ -53,7 +53,8 @@ def test_a_budget_no_method_could_take_is_refused_even_where_ignored(budget):
 
 
 def test_a_method_without_a_budget_still_ignores_a_valid_one():
-    make_method("dense", budget=0.5)  # the CLI and eval hand every method of a run its budget
+    # the CLI and eval hand every method of a run its budget: dense takes it and is dense still
+    assert make_method("dense", budget=0.5) == make_method("dense")
 
 
 def test_method_option_given_twice_and_a_bare_list_are_named():

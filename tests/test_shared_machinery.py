@@ -3,6 +3,7 @@ budgets and their split, heat bookkeeping, token compression's capacities, retri
 
 from __future__ import annotations
 
+import itertools
 import types
 
 import jax
@@ -61,6 +62,13 @@ def test_group_probs_pool_to_pooled_probs_and_group_sum():
     pos = jnp.array([[4, 5, 6], [7, 8, 9]])
     gp = sel.group_probs(q, k, pos)
     assert gp.shape == (B, Hkv, Hq // Hkv, T, N)
+    qn, kn = np.asarray(q, np.float64), np.asarray(k, np.float64)  # float64 softmax, one head at a time
+    for b, h, t in itertools.product(range(B), range(Hq), range(T)):
+        n = int(pos[b, t]) + 1
+        z = kn[b, h // (Hq // Hkv), :n] @ qn[b, t, h] / np.sqrt(D)
+        want = np.zeros(N)
+        want[:n] = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+        np.testing.assert_allclose(gp[b, h // (Hq // Hkv), h % (Hq // Hkv), t], want, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(gp.sum(-1), 1.0, rtol=1e-5)
     assert float(jnp.abs(jnp.where(jnp.arange(N)[None, None, None, None] > pos[:, None, None, :, None], gp, 0)).max()) == 0
     np.testing.assert_allclose(sel.pooled_probs(q, k, pos), gp.sum(axis=2), rtol=1e-6)
