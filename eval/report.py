@@ -28,7 +28,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import subprocess
 from typing import Any, Mapping, Sequence
 
 RESULTS_JSON = "results.json"
@@ -40,24 +39,15 @@ PLOTS_DIR = "plots"
 SCHEMA_VERSION = 2  # = eval.harness.SCHEMA_VERSION (tests/test_eval_sweep.py checks); bump both with RECORD_KEYS
 
 
-def _git_head() -> dict:
-    try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        return {"commit": subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
-                                         timeout=10).stdout.strip() or None}
-    except (OSError, subprocess.SubprocessError):
-        return {"commit": None}
-
-
 def run_metadata(**extra: Any) -> dict:
     """Date, git commit, jax version and devices, plus `extra` (model, command, ...)."""
     import jax
 
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    if os.environ.get("GIT_COMMIT"):  # a copy of the tree (e.g. on a GPU machine) may carry a stale .git
-        meta["commit"] = os.environ["GIT_COMMIT"]
-    else:
-        meta.update(_git_head())
+    from jsparse.provenance import source_commit
+
+    commit = source_commit()  # $GIT_COMMIT first: a copy of the tree (e.g. on a GPU machine) may carry a stale .git
+    meta["commit"] = None if commit == "unknown" else commit
     meta["jax"] = jax.__version__
     meta["device"] = str(jax.devices()[0].device_kind)
     meta["backend"] = jax.default_backend()

@@ -10,6 +10,11 @@ flattened leaf, so they spread over every axis: a plain stride of n // 4096 is a
 power-of-two shapes and would read one column only (one query head of `wq`, one vocabulary column of `lm_head`).
 Artifacts record the scheme (`FINGERPRINT_SCHEME`); one made under an earlier scheme is refused with a message
 that says to calibrate again.
+
+The bundled model's artifacts ship inside the package, in `jsparse/shipped/smollm2/<kind>` (`shipped_artifact`). A
+relative artifact path that is not a folder in the working directory is looked up under the folder jsparse is
+installed in (a clone's root, or site-packages), so `jsparse/shipped/smollm2/kascade` names the shipped Kascade
+artifact from any working directory, and so does a path a results.json records relative to the repository.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jsparse.provenance import INSTALL_ROOT
 from models.config import ModelConfig
 from models.params import Slice, projection_views
 
@@ -41,6 +47,36 @@ _GOLDEN = (5 ** 0.5 - 1) / 2
 
 class ArtifactError(ValueError):
     """An artifact that is missing, corrupt, of the wrong kind, or made for another model."""
+
+
+SHIPPED = os.path.join("jsparse", "shipped")
+
+
+def artifact_folder(path) -> str:
+    """`path` as given, unless it is relative and names no file or folder from the working directory while it names
+    a folder under INSTALL_ROOT (`jsparse/shipped/...` from anywhere): then that folder."""
+    path = os.fspath(path)
+    if os.path.isabs(path) or os.path.exists(path):
+        return path
+    inside = os.path.join(INSTALL_ROOT, path)
+    return inside if os.path.isdir(inside) else path
+
+
+def shipped_artifact(kind: str, model: str = "smollm2") -> str:
+    """The absolute path of the artifact of `kind` shipped for the bundled `model` ("kascade", "tsa", "evosparse",
+    "sts", "butler" for "smollm2").
+
+    Raises:
+      ArtifactError: no such shipped artifact, naming those there are."""
+    root = os.path.join(INSTALL_ROOT, SHIPPED)
+    path = os.path.join(root, model, kind)
+    if not os.path.isfile(os.path.join(path, ARTIFACT_JSON)):
+        there = sorted(f"{m}/{k}" for m in (os.listdir(root) if os.path.isdir(root) else [])
+                       for k in sorted(os.listdir(os.path.join(root, m)))
+                       if os.path.isfile(os.path.join(root, m, k, ARTIFACT_JSON)))
+        raise ArtifactError(f"no shipped {kind!r} artifact for model {model!r}: expected one of {there} (under "
+                            f"{root})")
+    return path
 
 
 def sample_positions(n: int, samples: int = _SAMPLES_PER_LEAF) -> np.ndarray:
@@ -165,7 +201,8 @@ def write_replace(target: str, data: bytes) -> None:
 def load_artifact(path: str, kind: str, fingerprint: str | None = None) -> Artifact:
     """Loads an artifact of `kind`; with `fingerprint`, raises ArtifactError if it was made for another model. A
     missing, corrupt or mismatched file (arrays other than those artifact.json lists or digests, a field of the
-    wrong type) is an ArtifactError naming the folder."""
+    wrong type) is an ArtifactError naming the folder. A relative path is found as `artifact_folder` says."""
+    path = artifact_folder(path)
     meta_path = os.path.join(path, ARTIFACT_JSON)
     if not os.path.exists(meta_path):
         raise ArtifactError(f"no artifact at {path!r}: {ARTIFACT_JSON} is missing (make one with "
@@ -237,7 +274,7 @@ def calibrated_on(path: str, text: str) -> str | None:
         if not folder:
             continue
         try:
-            with open(os.path.join(folder, ARTIFACT_JSON)) as f:
+            with open(os.path.join(artifact_folder(folder), ARTIFACT_JSON)) as f:
                 meta = json.load(f).get("meta", {})
         except (OSError, ValueError, AttributeError):
             continue  # no artifact or a corrupt one: loading it is what reports that
@@ -269,7 +306,8 @@ def _json_default(x):
 
 
 def artifact_kind(path: str) -> str:
-    """The kind recorded in an artifact folder's artifact.json."""
+    """The kind recorded in an artifact folder's artifact.json (a relative path found as `artifact_folder` says)."""
+    path = artifact_folder(path)
     meta = os.path.join(path, ARTIFACT_JSON)
     if not os.path.exists(meta):
         raise ArtifactError(f"no artifact at {path!r}: {ARTIFACT_JSON} is missing")

@@ -25,7 +25,7 @@ from jsparse.methods.base import method_options
 from models import bundled
 from models.config import ModelConfig
 
-KASCADE_ARTIFACT = os.path.join(os.path.dirname(__file__), "..", "artifacts", "smollm2", "kascade")
+KASCADE_ARTIFACT = os.path.join(os.path.dirname(__file__), "..", "jsparse", "shipped", "smollm2", "kascade")
 
 
 @pytest.fixture(scope="module")

@@ -92,13 +92,13 @@ def test_shipped_artifacts_record_their_calibration_text(tmp_path):
     (The Call of the Wild) is another."""
     alice = "eval/data/alice_in_wonderland.txt"
     for name in ("kascade", "tsa", "evosparse", "sts"):
-        with open(f"artifacts/smollm2/{name}/artifact.json") as f:
+        with open(f"jsparse/shipped/smollm2/{name}/artifact.json") as f:
             meta = json.load(f)["meta"]
         assert meta["corpus"] == [alice] and meta["corpus_sha256"] == [text_digest(alice)], name
     copy = tmp_path / "renamed.txt"
     with open(alice, "rb") as f:
         copy.write_bytes(f.read())
-    both = os.pathsep.join(["artifacts/smollm2/kascade", "artifacts/smollm2/tsa"])  # a composed method's folders
+    both = os.pathsep.join(["jsparse/shipped/smollm2/kascade", "jsparse/shipped/smollm2/tsa"])  # a composed method's folders
     assert calibrated_on(both, str(copy)) == alice
     assert calibrated_on(both, "eval/data/call_of_the_wild.txt") is None
     assert calibrated_on(str(tmp_path / "no_artifact_here"), str(copy)) is None  # loading it reports that
@@ -255,3 +255,27 @@ def test_a_hand_edited_predictor_config_is_named():
                      (None, "expected an object of fields")):
         with pytest.raises(PredictorConfigError, match=match):
             PredictorConfig.from_dict(d)
+
+
+def test_shipped_artifacts_are_found_from_any_working_directory(tmp_path, monkeypatch):
+    """`shipped_artifact` names the bundled model's artifacts inside the package; a relative artifact path that is
+    no folder here is looked up where jsparse is installed, one that is a folder here wins, and an unknown shipped
+    kind is refused naming those there are."""
+    import jsparse
+    from jsparse.artifacts import ArtifactError, artifact_folder, artifact_kind, load_artifact
+
+    path = jsparse.shipped_artifact("kascade")
+    assert os.path.isabs(path) and os.path.isfile(os.path.join(path, "artifact.json"))
+    monkeypatch.chdir(tmp_path)
+    assert artifact_folder("jsparse/shipped/smollm2/kascade") == path.replace("/", os.sep)
+    assert load_artifact("jsparse/shipped/smollm2/tsa", "tsa").kind == "tsa"
+    assert artifact_kind("jsparse/shipped/smollm2/sts") == "sts"
+    (tmp_path / "jsparse" / "shipped" / "smollm2" / "kascade").mkdir(parents=True)  # a folder here wins
+    with pytest.raises(ArtifactError, match="no artifact at 'jsparse/shipped/smollm2/kascade'"):
+        load_artifact("jsparse/shipped/smollm2/kascade", "kascade")
+    with pytest.raises(ArtifactError, match="no artifact at 'elsewhere/kascade'"):
+        load_artifact("elsewhere/kascade", "kascade")
+    with pytest.raises(ArtifactError, match=r"no shipped 'quest' artifact for model 'smollm2': expected one of "
+                                            r"\['smollm2/butler', 'smollm2/evosparse', 'smollm2/kascade', "
+                                            r"'smollm2/sts', 'smollm2/tsa'\]"):
+        jsparse.shipped_artifact("quest")

@@ -55,3 +55,28 @@ def test_git_commit_marks_a_tree_that_differs_from_head(tmp_path, monkeypatch):
     assert git_commit(root) == head + "-dirty"
     monkeypatch.setenv("GIT_COMMIT", "abc1234")
     assert git_commit(root) == "abc1234"
+
+
+def test_an_installed_jsparse_records_its_version_not_a_surrounding_repository(tmp_path, monkeypatch):
+    """jsparse installed in a venv that lies inside another git repository recorded that repository's commit as
+    its own; now a jsparse that does not run from the top of a checkout records its installed version (or the
+    commit pip recorded for a git+ install)."""
+    from jsparse import provenance
+
+    monkeypatch.delenv("GIT_COMMIT", raising=False)
+    git = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True,  # noqa: E731
+                                    text=True).stdout.strip()
+    git("init", "-q")
+    (tmp_path / "f.py").write_text("a = 1\n")
+    git("add", "f.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    site = tmp_path / "venv" / "lib" / "site-packages"
+    site.mkdir(parents=True)
+    monkeypatch.setattr(provenance, "INSTALL_ROOT", str(site))
+    installed = provenance.installed_version()
+    assert installed.startswith("jsparse 0.1.0") or len(installed) == 40
+    assert provenance.source_commit() == installed != git("rev-parse", "HEAD")
+    monkeypatch.setattr(provenance, "INSTALL_ROOT", str(tmp_path))  # the top of a checkout: its HEAD
+    assert provenance.source_commit() == git("rev-parse", "HEAD")
+    monkeypatch.setenv("GIT_COMMIT", "abc1234")
+    assert provenance.source_commit() == "abc1234"

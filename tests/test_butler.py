@@ -483,7 +483,7 @@ def test_shipped_artifact_states_its_supported_budgets():
     import jsparse
 
     m = jsparse.load("smollm2")
-    art = "artifacts/smollm2/butler"
+    art = "jsparse/shipped/smollm2/butler"
     with pytest.raises(ValueError, match=r"budget=0\.1 .*supported budgets: \(0\.1071, 1\].*dense_set=\(\)"):
         jsparse.build_method("butler", m, artifact=art, budget=0.1)
     assert jsparse.build_method("butler", m, artifact=art, budget=0.1, dense_set=()).dense_set == ()
@@ -506,7 +506,7 @@ def test_butler_eval_refuses_the_predictors_training_text(tmp_path, monkeypatch)
         raise AssertionError("the model must not be loaded")
 
     monkeypatch.setattr(jsparse, "load", no_load)
-    with open("artifacts/smollm2/butler/artifact.json") as f:
+    with open("jsparse/shipped/smollm2/butler/artifact.json") as f:
         meta = json.load(f)["meta"]
     assert len(meta["corpus_sha256"]) == 18 and "london_the_call_of_the_wild.txt" not in meta["corpus"]
     trained = tmp_path / "book.txt"
@@ -518,4 +518,4 @@ def test_butler_eval_refuses_the_predictors_training_text(tmp_path, monkeypatch)
         butler_eval.main(["--artifact", str(art), "--corpus", str(trained), "--tasks", "accuracy",
                           "--out", str(tmp_path / "out")])
     with pytest.raises(AssertionError, match="must not be loaded"):  # the default corpus is not a training text
-        butler_eval.main(["--artifact", "artifacts/smollm2/butler", "--tasks", "ppl", "--out", str(tmp_path / "o")])
+        butler_eval.main(["--artifact", "jsparse/shipped/smollm2/butler", "--tasks", "ppl", "--out", str(tmp_path / "o")])

@@ -34,7 +34,7 @@ def test_generate_budget_only_for_methods_with_one_and_method_options_apply(caps
     assert "--budget 0.5: method 'dense' takes no budget" in capsys.readouterr().err
     assert main(base + ["--method", "tsa", "--budget", "0.2"]) == 2
     assert "tsa.tau=T or tsa.kept_fraction=F" in capsys.readouterr().err
-    butler = base + ["--method", "butler", "--artifact", "artifacts/smollm2/butler"]
+    butler = base + ["--method", "butler", "--artifact", "jsparse/shipped/smollm2/butler"]
     assert main(butler) == 2
     assert "--method-option butler.dense_set=[] or butler.rebalance=false" in capsys.readouterr().err
     assert main(butler + ["--method-option", "butler.rebalance=false"]) == 0
@@ -114,7 +114,7 @@ def test_generate_budget_tokens_gives_each_method_its_fixed_budget(monkeypatch, 
     built = {}
     monkeypatch.setattr(jsparse, "generate", lambda model, prompts, method, **kw: built.update(m=method) or [""])
     base = ["generate", "--model", "smollm2", "--prompt", "hi", "--budget-tokens", "200"]
-    assert main(base + ["--method", "evosparse", "--artifact", "artifacts/smollm2/evosparse"]) == 0
+    assert main(base + ["--method", "evosparse", "--artifact", "jsparse/shipped/smollm2/evosparse"]) == 0
     assert built["m"].budget_tokens == 200
     assert main(base + ["--method", "quest"]) == 0
     m = built["m"]
@@ -130,7 +130,7 @@ def test_generate_budget_tokens_gives_each_method_its_fixed_budget(monkeypatch, 
     assert main(base[:-1] + ["0", "--method", "quest"]) == 2
     assert "budget tokens 0: expected a positive integer" in capsys.readouterr().err
     # STS reads a budget of 1 as the fraction 1 (every key): refused, as `jsparse eval` refuses it.
-    assert main(base[:-1] + ["1", "--method", "sts", "--draft", "smollm2", "--artifact", "artifacts/smollm2/sts"]) == 2
+    assert main(base[:-1] + ["1", "--method", "sts", "--draft", "smollm2", "--artifact", "jsparse/shipped/smollm2/sts"]) == 2
     assert "--budget-tokens 1 with method 'sts'" in capsys.readouterr().err
     # The request's own values are checked before any model loads.
     plain = ["generate", "--model", "smollm2", "--prompt", "hi"]
@@ -153,13 +153,13 @@ def test_generate_budget_tokens_builds_butler_once_at_its_token_budget(monkeypat
     monkeypatch.setattr(jsparse, "build_method", lambda name, model, **kw: calls.append(kw) or real(name, model, **kw))
     monkeypatch.setattr(jsparse, "generate", lambda model, prompts, method, **kw: built.update(m=method) or [""])
     base = ["generate", "--model", "smollm2", "--prompt", "hi", "--method", "butler", "--artifact",
-            "artifacts/smollm2/butler"]
+            "jsparse/shipped/smollm2/butler"]
     assert main(base + ["--budget-tokens", "4096"]) == 0
     assert len(calls) == 1 and calls[0]["min_tokens"] == 4096 and built["m"].min_tokens == 4096
     assert main(base) == 2  # its default budget: the error names the range, the options that lower it, --budget
     err = capsys.readouterr().err
     assert "supported budgets: (0.1071, 1]" in err and "No --budget was given" in err and "pass --budget B" in err
-    assert main(base + ["--artifact", "artifacts/smollm2/kascade"]) == 2  # one method, one artifact
+    assert main(base + ["--artifact", "jsparse/shipped/smollm2/kascade"]) == 2  # one method, one artifact
     assert "--artifact given 2 times" in capsys.readouterr().err
     plain = ["generate", "--model", "smollm2", "--prompt", "hi", "--method", "streaming"]
     assert main(plain + ["--budget-tokens", "1"]) == 2  # an option the token budget set, named with it
@@ -174,13 +174,13 @@ def test_generate_takes_tsa_kascade_artifacts_as_two_flags_and_hints_at_chat(mon
     seen = {}
     monkeypatch.setattr(jsparse, "generate", lambda model, prompts, method, **kw: seen.update(m=method) or [""])
     base = ["generate", "--model", "smollm2", "--prompt", "hi"]
-    assert main(base + ["--method", "tsa+kascade", "--artifact", "artifacts/smollm2/kascade", "--artifact",
-                        "artifacts/smollm2/tsa"]) == 0
+    assert main(base + ["--method", "tsa+kascade", "--artifact", "jsparse/shipped/smollm2/kascade", "--artifact",
+                        "jsparse/shipped/smollm2/tsa"]) == 0
     both = seen["m"]
     assert main(base + ["--method", "tsa+kascade", "--artifact",
-                        "artifacts/smollm2/kascade:artifacts/smollm2/tsa"]) == 0
+                        "jsparse/shipped/smollm2/kascade:jsparse/shipped/smollm2/tsa"]) == 0
     joined = seen["m"]
-    assert main(base + ["--method", "tsa+kascade", "--artifact", "artifacts/smollm2/kascade"]) == 0
+    assert main(base + ["--method", "tsa+kascade", "--artifact", "jsparse/shipped/smollm2/kascade"]) == 0
     kascade_only = seen["m"]  # TSA uncalibrated: every layer but 0 sparse
 
     def same(a, b):

@@ -301,13 +301,13 @@ def test_resume_adds_a_method_with_its_own_artifact_and_refuses_another_draft(tm
 
     first, _ = config("--methods", "dense")
     report.write_results(str(tmp_path), [_unit("dense")], dict(config=first))
-    more, methods = config("--methods", "kascade", "--artifact", "kascade=artifacts/smollm2/kascade",
+    more, methods = config("--methods", "kascade", "--artifact", "kascade=jsparse/shipped/smollm2/kascade",
                            "--method-option", "kascade.min_tokens=8")
     merged = cli_eval.resume_config(str(tmp_path), more, False, methods)[2]
-    assert merged["artifacts"] == {"kascade": "artifacts/smollm2/kascade"}
+    assert merged["artifacts"] == {"kascade": "jsparse/shipped/smollm2/kascade"}
     report.write_results(str(tmp_path), [_unit("dense"), _unit("kascade")], dict(config=merged))
     other, methods = config("--methods", "kascade", "--artifact", "kascade=elsewhere")
-    with pytest.raises(ValueError, match="artifacts kascade='artifacts/smollm2/kascade', this run has 'elsewhere'"):
+    with pytest.raises(ValueError, match="artifacts kascade='jsparse/shipped/smollm2/kascade', this run has 'elsewhere'"):
         cli_eval.resume_config(str(tmp_path), other, False, methods)
 
     with_a, _ = config("--methods", "sts", "--draft", "smollm2:layers=0-9")
@@ -393,8 +393,8 @@ def test_resume_refuses_a_version_1_results_file(tmp_path):
     assert cli_eval.resume_config(str(tmp_path), {"seed": 0}, overwrite=True) == ([], [], {"seed": 0})
     # Paths inside the repository are recorded relative to it, so committed results resume in another clone.
     root = os.path.dirname(os.path.dirname(os.path.abspath(cli_eval.__file__)))
-    inside = os.path.join(root, "artifacts", "smollm2", "tsa") + os.pathsep + os.path.join(root, "eval", "data")
-    assert cli_eval.portable_path(inside) == os.path.join("artifacts", "smollm2", "tsa") + os.pathsep + os.path.join(
+    inside = os.path.join(root, "jsparse", "shipped", "smollm2", "tsa") + os.pathsep + os.path.join(root, "eval", "data")
+    assert cli_eval.portable_path(inside) == os.path.join("jsparse", "shipped", "smollm2", "tsa") + os.pathsep + os.path.join(
         "eval", "data")
     assert cli_eval.portable_path(str(tmp_path)) == str(tmp_path) and cli_eval.portable_path(None) is None
 

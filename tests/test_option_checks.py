@@ -34,9 +34,9 @@ def test_build_method_with_a_model_takes_cfg_and_fingerprint_from_it(tiny):
     """fingerprint=None (or a copied fingerprint) passed an artifact made for another model."""
     for bad in ({"fingerprint": None}, {"fingerprint": "895e25527a780fcb"}, {"cfg": CFG}):
         with pytest.raises(ValueError, match=r"come from the model; leave them out"):
-            jsparse.build_method("kascade", tiny, artifact="artifacts/smollm2/kascade", **bad)
+            jsparse.build_method("kascade", tiny, artifact="jsparse/shipped/smollm2/kascade", **bad)
     with pytest.raises(Exception, match="fingerprint"):  # the check itself still runs
-        jsparse.build_method("kascade", tiny, artifact="artifacts/smollm2/kascade")
+        jsparse.build_method("kascade", tiny, artifact="jsparse/shipped/smollm2/kascade")
 
 
 def test_generate_names_a_bad_stats_and_max_new_tokens(tiny):
@@ -170,7 +170,7 @@ def test_a_composed_method_takes_its_artifacts_as_a_list():
 
     from jsparse.artifacts import ArtifactError, split_artifacts
 
-    folders = ["artifacts/smollm2/kascade", "artifacts/smollm2/tsa"]
+    folders = ["jsparse/shipped/smollm2/kascade", "jsparse/shipped/smollm2/tsa"]
     want = {"kascade": folders[0], "tsa": folders[1]}
     assert split_artifacts(folders, ("kascade", "tsa")) == want
     assert split_artifacts(tuple(folders), ("kascade", "tsa")) == want

@@ -10,7 +10,7 @@ attention distribution:
 averaged over heads and rows, per layer and overall. Also reported: mean |predicted - true| logit error and the
 top-50% label agreement per layer, to separate "the predictor is wrong" from "the selection rule is wrong".
 
-    jsparse bench butler_coverage --artifact artifacts/smollm2/butler --length 1024 --samples 2 \\
+    jsparse bench butler_coverage --artifact jsparse/shipped/smollm2/butler --length 1024 --samples 2 \\
         --out /tmp/cov.json
 """
 
@@ -89,8 +89,8 @@ def main(argv=None, prog=None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2", help="model spec, as `jsparse generate --model` (default smollm2)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the device's)")
-    p.add_argument("--artifact", default=os.path.join(ROOT, "artifacts", "smollm2", "butler"),
-                   help="TokenButler predictor artifact (default: the shipped artifacts/smollm2/butler)")
+    p.add_argument("--artifact", default=os.path.join(ROOT, "jsparse", "shipped", "smollm2", "butler"),
+                   help="TokenButler predictor artifact (default: the shipped jsparse/shipped/smollm2/butler)")
     p.add_argument("--corpus", default=ppl_task.DEV_CORPUS,
                    help="text file the windows are cut from (default: the shipped eval/data/alice_in_wonderland.txt)")
     p.add_argument("--length", type=int, default=1024, help="tokens per window (default 1024)")

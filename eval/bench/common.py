@@ -11,7 +11,6 @@ import json
 import math
 import os
 import shlex
-import subprocess
 import sys
 import time
 from typing import Callable
@@ -19,6 +18,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jsparse.provenance import source_commit
 
 
 def time_ms(fn: Callable, *args, warmup: int = 3, iters: int = 20) -> float:
@@ -74,21 +75,7 @@ def out_path(out: str | None, name: str) -> str | None:
     return path
 
 
-def git_commit(root: str | None = None) -> str:
-    """$GIT_COMMIT, else HEAD's hash of the checkout at `root` (None: the one this code runs from, whatever the
-    working directory) with "-dirty" when tracked files differ from it (the code that ran was not that commit's: an
-    uncommitted edit, or a copied tree whose .git is older than its files), else "unknown"."""
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    try:
-        if root is None:
-            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        run = lambda *a: subprocess.check_output(["git", "-C", root, *a], text=True,  # noqa: E731
-                                                 stderr=subprocess.DEVNULL).strip()
-        head = run("rev-parse", "HEAD")
-        return head + ("-dirty" if run("status", "--porcelain", "--untracked-files=no") else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+git_commit = source_commit  # (the name the benchmarks and their tests use)
 
 
 def device_facts() -> dict:

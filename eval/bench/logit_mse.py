@@ -227,12 +227,9 @@ def main(argv=None, prog=None) -> None:
     # The parent never touches the GPU (a client here would hold memory the children need).
     start = time.perf_counter()
     deadline = start + BUDGET_S
-    commit = os.environ.get("GIT_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-        except OSError:
-            commit = ""
+    from jsparse.provenance import source_commit
+
+    commit = source_commit()
     check = _run_child(["check"], deadline)
     report = dict(
         benchmark="logit_mse forward+backward (value_and_grad wrt q', k'), blockwise Pallas Triton vs materialised jnp",

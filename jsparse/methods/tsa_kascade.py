@@ -20,7 +20,7 @@ class TSAKascade:
     decode (the method object is a `TSA` with `inner` a `Kascade` and selection "kv_head").
 
     Artifacts: `artifact` is one folder or several separated by os.pathsep, each routed by its kind, e.g.
-    `jsparse eval --methods tsa+kascade --artifact tsa+kascade=artifacts/smollm2/kascade:artifacts/smollm2/tsa`; or pass
+    `jsparse eval --methods tsa+kascade --artifact tsa+kascade=jsparse/shipped/smollm2/kascade:jsparse/shipped/smollm2/tsa`; or pass
     `kascade_artifact=` / `tsa_artifact=`, or a list of folders (Python). The Kascade artifact is required;
     without a TSA artifact every layer but 0 is TSA-sparse. `budget`, `tile`, `min_tokens` go to Kascade (its
     `prefill_block_size` must stay 1: the compressed coordinates move single tokens); `tau`, `window`, `pool_kernel`, `tsa_min_tokens`,
