@@ -62,6 +62,15 @@ def artifact_folder(path) -> str:
     return inside if os.path.isdir(inside) else path
 
 
+def _moved(path: str) -> str:
+    """A hint for a path under artifacts/, where the shipped artifacts were before 2026-12-05."""
+    parts = os.path.normpath(path).split(os.sep)
+    if "artifacts" in parts[:-1] and parts[-1] in ("kascade", "tsa", "evosparse", "sts", "butler"):
+        return (f"; the shipped artifacts moved from artifacts/<model>/<kind> to {SHIPPED}/<model>/<kind> "
+                f"(jsparse.shipped_artifact({parts[-1]!r}))")
+    return ""
+
+
 def shipped_artifact(kind: str, model: str = "smollm2") -> str:
     """The absolute path of the artifact of `kind` shipped for the bundled `model` ("kascade", "tsa", "evosparse",
     "sts", "butler" for "smollm2").
@@ -206,7 +215,7 @@ def load_artifact(path: str, kind: str, fingerprint: str | None = None) -> Artif
     meta_path = os.path.join(path, ARTIFACT_JSON)
     if not os.path.exists(meta_path):
         raise ArtifactError(f"no artifact at {path!r}: {ARTIFACT_JSON} is missing (make one with "
-                            f"{_make_command(kind, path)})")
+                            f"{_make_command(kind, path)}){_moved(path)}")
     try:
         info = _read_info(path)
         with open(os.path.join(path, ARRAYS_NPZ), "rb") as f:
@@ -310,7 +319,7 @@ def artifact_kind(path: str) -> str:
     path = artifact_folder(path)
     meta = os.path.join(path, ARTIFACT_JSON)
     if not os.path.exists(meta):
-        raise ArtifactError(f"no artifact at {path!r}: {ARTIFACT_JSON} is missing")
+        raise ArtifactError(f"no artifact at {path!r}: {ARTIFACT_JSON} is missing{_moved(path)}")
     try:
         info = _read_info(path)
     except (OSError, ValueError) as e:  # (JSON and UTF-8 errors are ValueErrors)

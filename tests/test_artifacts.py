@@ -273,8 +273,12 @@ def test_shipped_artifacts_are_found_from_any_working_directory(tmp_path, monkey
     (tmp_path / "jsparse" / "shipped" / "smollm2" / "kascade").mkdir(parents=True)  # a folder here wins
     with pytest.raises(ArtifactError, match="no artifact at 'jsparse/shipped/smollm2/kascade'"):
         load_artifact("jsparse/shipped/smollm2/kascade", "kascade")
-    with pytest.raises(ArtifactError, match="no artifact at 'elsewhere/kascade'"):
+    with pytest.raises(ArtifactError, match="no artifact at 'elsewhere/kascade'") as e:
         load_artifact("elsewhere/kascade", "kascade")
+    assert "moved" not in str(e.value)
+    with pytest.raises(ArtifactError, match=r"moved from artifacts/<model>/<kind> to jsparse/shipped/<model>/<kind> "
+                                            r"\(jsparse.shipped_artifact\('tsa'\)\)"):
+        artifact_kind("artifacts/smollm2/tsa")  # where they were before 2026-12-05
     with pytest.raises(ArtifactError, match=r"no shipped 'quest' artifact for model 'smollm2': expected one of "
                                             r"\['smollm2/butler', 'smollm2/evosparse', 'smollm2/kascade', "
                                             r"'smollm2/sts', 'smollm2/tsa'\]"):
