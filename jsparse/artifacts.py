@@ -168,6 +168,7 @@ def save_artifact(path: str, artifact: Artifact) -> None:
 def update_artifact_meta(path: str, kind: str, **meta) -> Artifact:
     """Adds or replaces metadata keys of the artifact at `path` (checked as `load_artifact` checks it), rewriting only
     its artifact.json, atomically (its arrays and their digest stay). Returns the artifact as now saved."""
+    path = artifact_folder(path)
     art = load_artifact(path, kind)
     info = _read_info(path)
     info["meta"] = {**info["meta"], **meta}

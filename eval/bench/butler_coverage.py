@@ -19,26 +19,23 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+from eval import ppl as ppl_task
+from eval.bench.common import add_out_argument, device_facts, out_path, write_json
+from jsparse import selection as sel
+from jsparse.artifacts import shipped_artifact
+from jsparse.methods import butler as bt
+from jsparse.methods.oracle import select_decode
+from jsparse.methods.quest import page_mask
+from jsparse.methods.streaming import sink_window
+from pallas_kernels.sparse_attention.reference import decode_indices_to_mask
+from train.loop import predictor_qk, record_qk
 
-from eval import ppl as ppl_task  # noqa: E402
-from eval.bench.common import add_out_argument, device_facts, out_path, write_json  # noqa: E402
-from jsparse import selection as sel  # noqa: E402
-from jsparse.methods import butler as bt  # noqa: E402
-from jsparse.methods.oracle import select_decode  # noqa: E402
-from jsparse.methods.quest import page_mask  # noqa: E402
-from jsparse.methods.streaming import sink_window  # noqa: E402
-from pallas_kernels.sparse_attention.reference import decode_indices_to_mask  # noqa: E402
-from train.loop import predictor_qk, record_qk  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 
@@ -89,7 +86,7 @@ def main(argv=None, prog=None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2", help="model spec, as `jsparse generate --model` (default smollm2)")
     p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the device's)")
-    p.add_argument("--artifact", default=os.path.join(ROOT, "jsparse", "shipped", "smollm2", "butler"),
+    p.add_argument("--artifact", default=shipped_artifact("butler"),
                    help="TokenButler predictor artifact (default: the shipped jsparse/shipped/smollm2/butler)")
     p.add_argument("--corpus", default=ppl_task.DEV_CORPUS,
                    help="text file the windows are cut from (default: the shipped eval/data/alice_in_wonderland.txt)")
@@ -218,4 +215,4 @@ def main(argv=None, prog=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())
