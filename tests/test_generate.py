@@ -78,10 +78,32 @@ def test_greedy_generation_matches_step_by_step(params):
                 break
 
 
-def test_eos_stops_a_row():
-    cfg = CFG
-    logits = jnp.zeros((2, cfg.vocab_size)).at[0, 3].set(10.0).at[1, 5].set(10.0)
+def test_greedy_sample_is_the_argmax():
+    logits = jnp.zeros((2, CFG.vocab_size)).at[0, 3].set(10.0).at[1, 5].set(10.0)
     assert list(np.asarray(sample(logits, jax.random.key(0), Sampling()))) == [3, 5]
+
+
+@pytest.mark.parametrize("at", [0, 2])
+def test_eos_ends_the_row_and_is_counted(params, at):
+    """A row stops at its first EOS (the prefill's token too, at=0), which is counted in `num` and kept in `out`,
+    -1 after it; the other row runs on as without the EOS."""
+    tokens = jax.random.randint(jax.random.key(3), (2, 10), 4, CFG.vocab_size)
+    lengths = jnp.asarray([10, 7])
+
+    def run(eos):
+        return [np.asarray(x) for x in generate_tokens(params, DENSE, tokens, lengths, jax.random.key(0), cfg=CFG,
+                                                       max_new_tokens=8, capacity=64, eos_ids=eos)]
+
+    free, free_num = run(())
+    e = int(free[0, at])
+    assert e not in free[0, :at] and free_num[0] == 8
+    out, num = run((e,))
+    assert num[0] == at + 1
+    np.testing.assert_array_equal(out[0, :at + 1], free[0, :at + 1])
+    assert np.all(out[0, at + 1:] == -1)
+    if e not in free[1]:
+        np.testing.assert_array_equal(out[1], free[1])
+        assert num[1] == 8
 
 
 def test_top_p_sampling_stays_in_nucleus():

@@ -248,6 +248,13 @@ def test_retrieval_layout_and_top_heads():
         retrieval_heads.retrieval_layout(cfg, [(0, 4)])
     scores = np.array([[0, 5, 1, 1], [2, 0, 0, 5], [0, 0, 0, 0]], float)
     assert retrieval_heads.top_heads(scores, 3) == [(0, 1), (1, 3), (1, 0)]
+    # Ties (hit fractions tie often) go to the lower layer, then head, on a grid of a real model's size too, where
+    # an unstable sort orders equal scores otherwise.
+    grid = np.random.default_rng(0).integers(0, 20, (30, 9)) / 20
+    flat = grid.ravel()
+    for num in (1, 4, 17):
+        want = sorted(range(flat.size), key=lambda i: (-flat[i], i))[:num]
+        assert retrieval_heads.top_heads(grid, num) == [(i // 9, i % 9) for i in want]
     assert retrieval_heads.default_num_heads(cfg) == 1
 
 

@@ -18,7 +18,7 @@ from models.cache import init_cache
 from models.config import ModelConfig
 from models.generate import Sampling, generate_tokens
 from models.params import random_params
-from models.speculative import (SpecState, loop_step, sampling_probs, spec_prefill, spec_round,
+from models.speculative import (SpecState, loop_step, sampling_probs, spec_append, spec_prefill, spec_round,
                                speculative_generate)
 
 CFG = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3,
@@ -114,29 +114,36 @@ def test_round_rolls_back_by_lengths_and_rows_accept_independently(models):
         np.testing.assert_allclose(s2.target.k[:, b, :, :n], ref_cache.k[:, 0, :, :n], atol=1e-4)
 
 
-def test_rejection_sampling_matches_the_target_distribution():
-    """Chi-square: the first three sampled tokens (x1 from the prefill, x2, x3 from speculative rounds with a
-    different draft) over 4000 rows follow the target's exact joint distribution p(x1) p(x2|x1) p(x3|x1,x2)."""
+@pytest.mark.parametrize("own_draft", [False, True])
+def test_rejection_sampling_matches_the_target_distribution(own_draft):
+    """Chi-square: the first three sampled tokens (x1 from the prefill, x2, x3 from speculative rounds) over 4000
+    rows follow the target's exact joint distribution p(x1) p(x2|x1) p(x3|x1,x2). A different draft at gamma 2:
+    both acceptance and rejection happen; the target as its own draft at gamma 1: every draft is accepted, so x3 is
+    always the bonus token drawn from p after the round's last draft (q there is 0)."""
     V = 5
     cfg = dataclasses.replace(CFG, vocab_size=V, eos_token_ids=())
-    dcfg = dataclasses.replace(DRAFT_CFG, vocab_size=V, eos_token_ids=())
+    dcfg = cfg if own_draft else dataclasses.replace(DRAFT_CFG, vocab_size=V, eos_token_ids=())
     target = random_params(cfg, jax.random.key(10), jnp.float32, scale=0.5)
-    draft = random_params(dcfg, jax.random.key(11), jnp.float32, scale=0.5)
+    draft = target if own_draft else random_params(dcfg, jax.random.key(11), jnp.float32, scale=0.5)
+    gamma = 1 if own_draft else 2
     B = 4000
     prompt = jnp.broadcast_to(jnp.array([1, 4, 2, 0], jnp.int32), (B, 4))
     lengths = jnp.full((B,), 4, jnp.int32)
     sampling = Sampling(temperature=1.0)
     out, num, rounds, accepted = speculative_generate(
-        target, draft, DENSE, DENSE, prompt, lengths, jax.random.key(3), t_cfg=cfg, d_cfg=dcfg, gamma=2,
+        target, draft, DENSE, DENSE, prompt, lengths, jax.random.key(3), t_cfg=cfg, d_cfg=dcfg, gamma=gamma,
         max_new_tokens=3, capacity=16, sampling=sampling)
     out = np.asarray(out)
     assert np.all(np.asarray(num) == 3)
-    acc = np.asarray(accepted).sum() / (np.asarray(rounds).sum() * 2)
-    assert 0.05 < acc < 0.95  # the draft differs from the target: both acceptance and rejection happen
+    acc = np.asarray(accepted).sum() / (np.asarray(rounds).sum() * gamma)
+    if own_draft:
+        assert acc == 1.0 and np.all(np.asarray(rounds) == 1)  # x2 accepted, x3 the bonus token of one round
+    else:
+        assert 0.05 < acc < 0.95  # the draft differs from the target: both acceptance and rejection happen
     # Exact joint from the target: all V^2 continuations in one batch.
     pairs = np.array([[a, b] for a in range(V) for b in range(V)], np.int32)
     seqs = np.concatenate([np.tile([1, 4, 2, 0], (V * V, 1)), pairs], axis=1)
-    logits, _, _ = llama.prefill(target, cfg, DENSE, jnp.asarray(seqs), jnp.full((V * V,), 6), 
+    logits, _, _ = llama.prefill(target, cfg, DENSE, jnp.asarray(seqs), jnp.full((V * V,), 6),
                                  init_cache(cfg, V * V, 8, jnp.float32), None, all_logits=True)
     probs = np.asarray(sampling_probs(logits, sampling))  # [V*V, 6, V]
     p1 = probs[0, 3]
@@ -151,6 +158,42 @@ def test_rejection_sampling_matches_the_target_distribution():
     stat = float(np.sum((obs - exp) ** 2 / exp))
     pval = scipy_stats.chi2.sf(stat, len(obs) - 1)
     assert pval > 1e-3, pval
+
+
+def test_gamma1_draft_equal_to_target_accepts_everything(models):
+    """gamma 1 with the target as its own draft: every round emits 2 tokens (a draft and the bonus), so `prev` after
+    a round is the round's first token; a wrong one corrupts the draft's cache and its acceptance, not the output."""
+    target, _ = models
+    tokens = jax.random.randint(jax.random.key(6), (2, 10), 4, CFG.vocab_size)
+    lengths = jnp.array([10, 6])
+    ref_out, _ = _target_only(target, tokens, lengths, 7)
+    out, num, rounds, accepted = speculative_generate(
+        target, target, DENSE, DENSE, tokens, lengths, jax.random.key(0), t_cfg=CFG, d_cfg=CFG, gamma=1,
+        max_new_tokens=7, capacity=128)
+    np.testing.assert_array_equal(np.asarray(out), ref_out)
+    np.testing.assert_array_equal(np.asarray(num), 7)
+    np.testing.assert_array_equal(np.asarray(rounds), 3)  # 1 token from the prefill + 3 rounds of 2
+    np.testing.assert_array_equal(np.asarray(accepted), 3)
+
+
+@pytest.mark.timeout(300)  # a row whose round starts with its EOS once emitted nothing and looped for ever
+@pytest.mark.parametrize("at", [0, 1, 3])
+def test_speculative_eos_equals_target_only(models, at):
+    """An EOS at the `at`-th new token (the prefill's, the first of a round, inside a round) ends the row there,
+    counted, as in target-only generation with the same eos_ids."""
+    target, draft = models
+    tokens = jax.random.randint(jax.random.key(3), (2, 10), 4, CFG.vocab_size)
+    lengths = jnp.array([10, 7])
+    free, _ = _target_only(target, tokens, lengths, 8)
+    eos = (int(free[0, at]),)
+    assert eos[0] not in free[0, :at]
+    ref_out, ref_num = [np.asarray(x) for x in generate_tokens(target, DENSE, tokens, lengths, jax.random.key(0),
+                                                               cfg=CFG, max_new_tokens=8, capacity=128, eos_ids=eos)]
+    assert ref_num[0] == at + 1 and np.all(ref_out[0, at + 1:] == -1)
+    out, num, _, _ = speculative_generate(target, draft, DENSE, DENSE, tokens, lengths, jax.random.key(0), t_cfg=CFG,
+                                          d_cfg=DRAFT_CFG, gamma=3, max_new_tokens=8, capacity=128, eos_ids=eos)
+    np.testing.assert_array_equal(np.asarray(out), ref_out)
+    np.testing.assert_array_equal(np.asarray(num), ref_num)
 
 
 def test_sampling_probs_nucleus():
@@ -364,3 +407,21 @@ def test_bad_lengths_and_limits_end_rows_instead_of_corrupting_them(models):
         with pytest.raises(ValueError, match=f"gamma={gamma}: expected an integer >= 1"):
             round_step(target, draft, DENSE, DENSE, s, jax.random.key(1), jnp.array([4, 4]), t_cfg=CFG,
                        d_cfg=DRAFT_CFG, gamma=gamma)
+
+
+def test_a_padded_message_keeps_the_heat_of_every_message_row(models):
+    """spec_append with `lengths` (a Session's message padded to its bucket) leaves a heat-keeping target (H2O) in
+    the state of the unpadded append: the pending token's and every message row's attention mass, not the padding's."""
+    target, draft = models
+    h2o = make_method("h2o", budget=0.5, min_tokens=4)
+    tokens = jax.random.randint(jax.random.key(7), (2, 12), 4, CFG.vocab_size)
+    kw = dict(t_cfg=CFG, d_cfg=DRAFT_CFG)
+    s = spec_prefill(target, draft, h2o, DENSE, tokens, jnp.array([12, 9]), jax.random.key(0), capacity=64, **kw)
+    msg = jax.random.randint(jax.random.key(8), (2, 3), 4, CFG.vocab_size)
+    ref = spec_append(target, draft, h2o, DENSE, s, msg, jax.random.key(1), **kw)
+    padded = jnp.concatenate([msg, jnp.zeros((2, 2), msg.dtype)], axis=1)
+    got = spec_append(target, draft, h2o, DENSE, s, padded, jax.random.key(1), jnp.array([3, 3]), **kw)
+    np.testing.assert_array_equal(np.asarray(got.target.lengths), np.asarray(ref.target.lengths))
+    np.testing.assert_array_equal(np.asarray(got.tok), np.asarray(ref.tok))
+    np.testing.assert_array_equal(np.asarray(got.prev), np.asarray(ref.prev))
+    np.testing.assert_allclose(np.asarray(got.t_state.score), np.asarray(ref.t_state.score), atol=1e-5)
