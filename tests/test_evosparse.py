@@ -483,3 +483,29 @@ def test_errors(tmp_path):
         EvoSparse(retrieval_layers=(True,))
     with pytest.raises(ValueError, match=r"retrieval head \(layer=1.7, head=0.9\): expected integer indices"):
         EvoSparse.from_heads(CFG, [(1.7, 0.9)])
+
+
+def _attended_blocks(m, ret, pos, N, heat):
+    idx = np.asarray(m.select_blocks(heat, ret, pos, HKV, N))  # [B, Hkv, Kb]
+    for row in idx.reshape(-1, idx.shape[-1]):  # valid entries distinct and within the visible blocks
+        v = row[row >= 0]
+        assert len(set(v.tolist())) == len(v)
+    return (idx >= 0).sum(-1)  # [B, Hkv]
+
+
+def test_empty_retrieval_slots_are_filled_by_heat():
+    """Retrieval slots left empty (a sparse layer before the first retrieval layer, or a short set) go to heat, so
+    the layer still attends its whole block budget kb = n_s + n_l + n_r + n_h."""
+    bs, N = 8, 256
+    m = EvoSparse.from_heads(CFG, [(3, 0)], budget_tokens=64, block_size=bs)  # layers 1, 2: no set yet
+    pos = jnp.asarray([200, 255], jnp.int32)
+    kb, nbv, (n_s, n_l, n_r, n_h) = m._row_budget(pos)
+    kb, nbv, n_r = np.asarray(kb), np.asarray(nbv), np.asarray(n_r)
+    assert (kb < nbv).all() and (n_r > 0).all()  # a sparse row with retrieval slots
+    heat = jax.random.uniform(jax.random.key(0), (B, HKV, N // bs), jnp.float32)
+    wr = m.widths(N)["retrieval"]
+    empty = jnp.full((B, wr), -1, jnp.int32)
+    np.testing.assert_array_equal(_attended_blocks(m, empty, pos, N, heat), np.broadcast_to(kb[:, None], (B, HKV)))
+    # a set holding one block: the other n_r - 1 slots go to heat, the total is kb again
+    one = empty.at[:, 0].set(jnp.asarray([10, 12], jnp.int32))
+    np.testing.assert_array_equal(_attended_blocks(m, one, pos, N, heat), np.broadcast_to(kb[:, None], (B, HKV)))

@@ -157,3 +157,20 @@ def test_calibrate_by_share_on_a_tiny_model():
     with pytest.raises(ValueError, match=r"prompts of 16 tokens: no query tile's top-k leaves a key out .*at least "
                                          r"17 tokens"):
         calibrate(params, cfg, [p[:, :16] for p in prompts], **kw)
+
+
+def test_share_equal_to_target_is_served():
+    """A reuse layer whose share equals the target exactly is served ('at least `target`')."""
+    from jsparse.methods.kascade_calibration import anchors_for_share, per_layer_share
+
+    L = 5
+    # A perfect recovery (share 1.0 everywhere) meets target 1.0: one anchor, layer 0.
+    assert anchors_for_share(np.ones((L, L)), 1.0) == [0]
+    # Shares of exactly 0.5 (a binary fraction, so no rounding) meet target 0.5.
+    share = np.full((L, L), 0.5)
+    np.fill_diagonal(share, 1.0)
+    anchors = anchors_for_share(share, 0.5)
+    assert anchors == [0]
+    assert per_layer_share(share, anchors).min() >= 0.5
+    # ... and a target a hair above the shares is met by no anchor but the layer itself.
+    assert anchors_for_share(share, np.nextafter(0.5, 1.0)) == list(range(L))

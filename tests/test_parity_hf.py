@@ -49,6 +49,8 @@ FAMILIES = {
     "llama3_rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
         rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "llama_linear_rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(  # position interpolation
+        num_hidden_layers=2, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})),
     "mistral_w64": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(
         sliding_window=64, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
     "qwen2_window": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
@@ -108,13 +110,18 @@ def saved(request, tmp_path_factory):
 def test_config_features(saved):
     family, folder = saved.family, saved.folder
     cfg, params = load_hf_folder(folder)
-    expect = {"llama3_rope": ("llama", "rope", "llama3"), "mistral_w64": ("mistral", None, None),
+    expect = {"llama3_rope": ("llama", "rope", "llama3"), "llama_linear_rope": ("llama", "rope", "linear"),
+              "mistral_w64": ("mistral", None, None),
               "qwen2_window": ("qwen2", "qkv_bias", True), "qwen3_qknorm": ("qwen3", "qk_norm", True),
               "qwen3_layer_types": ("qwen3", "qk_norm", True),
               "llama_tied": ("llama", "tie_word_embeddings", True)}[family]
     assert cfg.architecture == expect[0]
     if family == "llama3_rope":
         assert cfg.rope.rope_type == "llama3" and cfg.rope.original_max_position == 64
+    elif family == "llama_linear_rope":  # the default frequencies divided by the factor
+        assert (cfg.rope.rope_type, cfg.rope.factor) == ("linear", 4.0)
+        base = 1.0 / (10000.0 ** (np.arange(0, cfg.head_dim, 2, dtype=np.float32) / cfg.head_dim))
+        np.testing.assert_allclose(llama.rope_inv_freq(cfg), base / 4.0, rtol=1e-6)
     elif expect[1] is not None:
         assert getattr(cfg, expect[1]) is expect[2]
     if family == "llama_tied":

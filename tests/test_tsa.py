@@ -401,6 +401,45 @@ def test_translate_anchor_indices():
     np.testing.assert_array_equal(got[1], [0, 1, 2, 3, -1, -1, -1, -1])
 
 
+
+def test_reuse_head_reads_the_mapped_anchor_heads_coordinates():
+    """A reuse layer's KV head h reads anchor head head_map[h]'s indices and that head's slot -> position map
+    (per-KV-head compression gives each anchor head its own coordinates): mapping heads equals permuting the
+    anchor's heads, indices and coordinates together."""
+    B, H, T, tile, K = 1, 2, 16, 4, 3
+    nT = T // tile
+    # anchor head 0 kept every position; anchor head 1 only the even ones (slot s = position 2 s; T = empty slot)
+    amap = np.full((B, H, T), T, np.int32)
+    amap[0, 0] = np.arange(T)
+    amap[0, 1, :T // 2] = np.arange(0, T, 2)
+    # the anchor's selection per tile row (its compressed slots), -1 padded
+    aidx = np.full((B, H, nT, K), -1, np.int32)
+    aidx[0, 0] = [[0, -1, -1], [1, 2, -1], [0, 3, 5], [2, 6, 9]]
+    aidx[0, 1] = [[0, -1, -1], [0, 1, -1], [1, 3, 4], [2, 5, 6]]
+    # this layer kept every position, in both heads (identity coordinates)
+    cur_map = np.broadcast_to(np.arange(T, dtype=np.int32), (B, H, T)).copy()
+    cur_slot = cur_map.copy()
+    args = [jnp.asarray(x) for x in (aidx, amap)]
+    both_one = np.asarray(translate_anchor_indices(*args, jnp.asarray([1, 1], jnp.int32), jnp.asarray(cur_map),
+                                                   jnp.asarray(cur_slot), tile))
+    # both heads reuse anchor head 1 in the same coordinates: the same keys
+    np.testing.assert_array_equal(both_one[:, 0], both_one[:, 1])
+    assert (both_one >= 0).sum() > 0
+    # head mapping == permuting the anchor's heads (indices and coordinates) under the identity map
+    hm = np.asarray([1, 0], np.int32)
+    swapped = np.asarray(translate_anchor_indices(*args, jnp.asarray(hm), jnp.asarray(cur_map), jnp.asarray(cur_slot),
+                                                  tile))
+    ident = np.asarray(translate_anchor_indices(jnp.asarray(aidx[:, hm]), jnp.asarray(amap[:, hm]),
+                                                jnp.asarray([0, 1], jnp.int32), jnp.asarray(cur_map),
+                                                jnp.asarray(cur_slot), tile))
+    np.testing.assert_array_equal(swapped, ident)
+    # tile 1 of head 0 (reusing anchor head 1): anchor tile 0's row (slot 0 = position 0) and its diagonal slots
+    # 0..2 (positions 0, 2, 4), those before the tile's first query (position 4): {0, 2} (slot 0 in both; the
+    # row is not deduplicated)
+    row = swapped[0, 0, 1]
+    assert sorted(set(row[row >= 0].tolist())) == [0, 2]
+
+
 def _kascade():
     return Kascade.from_anchors(CFG, [0, 1], tile=16, min_tokens=16, budget=0.3)
 
