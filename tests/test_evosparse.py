@@ -22,6 +22,7 @@ from models.generate import Sampling, generate_tokens
 from models.params import random_params
 from pallas_kernels.dense import dense_decode
 from pallas_kernels.sparse_attention.reference import masked_attention_reference
+from jsparse.methods.evosparse_calibration import head_scores
 
 B, HQ, HKV, D = 2, 4, 2, 16
 G = HQ // HKV
@@ -509,3 +510,15 @@ def test_empty_retrieval_slots_are_filled_by_heat():
     # a set holding one block: the other n_r - 1 slots go to heat, the total is kb again
     one = empty.at[:, 0].set(jnp.asarray([10, 12], jnp.int32))
     np.testing.assert_array_equal(_attended_blocks(m, one, pos, N, heat), np.broadcast_to(kb[:, None], (B, HKV)))
+
+
+def test_head_scores_ignores_a_copy_from_just_past_the_needle():
+    """A head that copies the generated token from the key just past the needle is no retrieval head."""
+    tokens = np.array([[5, 6, 7, 8, 7, 10]])  # needle 7, 8 at 2..3; another 7 right after it, at 4
+    gen = np.array([[7], [8]])
+    am = np.zeros((2, 1, 1, 2), np.int32)
+    am[:, 0, 0, 0] = [2, 3]  # head 0 copies from the needle
+    am[:, 0, 0, 1] = [4, 1]  # head 1 copies the 7 just past the needle, then looks elsewhere
+    scores, recall = head_scores(tokens, gen, am, [2], [np.array([7, 8])])
+    np.testing.assert_allclose(scores[0, 0], [1.0, 0.0])
+    np.testing.assert_allclose(recall, [1.0])

@@ -13,6 +13,7 @@ from models.attention import LayerContext, LayerKV
 from models.config import ModelConfig
 from pallas_kernels.dense import dense_decode, dense_prefill
 from pallas_kernels.sparse_attention.reference import masked_attention_reference
+from jsparse.methods.quest import QuestState, finite_bounds, page_bounds, update_bounds
 
 B, HQ, HKV, D = 2, 4, 2, 16
 G = HQ // HKV
@@ -541,3 +542,31 @@ def test_oracle_prefill_scores_memory_is_a_chunk_not_the_map():
     chunk = B * HQ * sel.PROB_CHUNK_ROWS * T * 4  # one chunk's f32 weights at the widest band
     result = B * HKV * (T // tile) * T * 4
     assert temp < 4 * chunk + result <= full_map / 6, (temp, chunk, result, full_map)
+
+
+@pytest.mark.parametrize("sink, min_tokens", [(16, 16), (1, 0), (1, 1)])
+def test_streaming_refuses_a_sink_of_min_tokens_or_more(sink, min_tokens):
+    """A sink as large as min_tokens would leave a row at min_tokens keys no recent window, not even its own key."""
+    with pytest.raises(ValueError, match="expected fewer sink tokens than min_tokens"):
+        make_method("streaming", budget=0.25, min_tokens=min_tokens, sink=sink)
+
+
+def test_streaming_accepts_a_sink_below_min_tokens():
+    assert make_method("streaming", budget=0.25, min_tokens=16, sink=15).sink == 15
+
+
+@pytest.mark.parametrize("start, T", [(15, 2), (14, 5), (8, 17), (30, 3)])
+def test_update_bounds_refreshes_every_page_the_new_tokens_touch(start, T):
+    """A forward of T new tokens (a speculative verification) that straddles a page boundary refreshes the bounds of
+    every page its tokens fall in."""
+    B, Hkv, N, D, ps, L = 2, 2, 64, 8, 16, 3
+    k = jax.random.normal(jax.random.key(0), (B, Hkv, N, D), jnp.float32)
+    lengths = jnp.full((B,), start + T, jnp.int32)
+    P = N // ps
+    state = QuestState(kmin=jnp.zeros((L, B, Hkv, P, D)), kmax=jnp.zeros((L, B, Hkv, P, D)))
+    new = update_bounds(state, jnp.int32(1), k, lengths, T, ps)
+    want_min, want_max = finite_bounds(*page_bounds(k, lengths, ps))
+    for p in range(start // ps, (start + T - 1) // ps + 1):  # every page holding a new token
+        np.testing.assert_array_equal(new.kmin[1, :, :, p], want_min[:, :, p])
+        np.testing.assert_array_equal(new.kmax[1, :, :, p], want_max[:, :, p])
+    np.testing.assert_array_equal(new.kmin[0], 0.0)  # other layers untouched

@@ -19,6 +19,7 @@ from models.cache import init_cache
 from models.config import ModelConfig
 from models.generate import decode_step, generate_tokens, prefill_step
 from models.params import random_params
+from models import bundled
 
 CFG = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256, eos_token_ids=(3,))
@@ -155,3 +156,26 @@ def test_decode_refuses_zero_new_tokens(params, prefilled, how):
             decode_step(params, DENSE, tokens, prefilled, None, cfg=CFG)
         else:
             jax.jit(lambda t, c: llama.decode(params, CFG, DENSE, t, c, None))(tokens, prefilled)
+
+
+def _tiny(layers=3, seed=0):
+    from models.params import random_params
+
+    cfg = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
+                      num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=16,
+                      max_position_embeddings=256, eos_token_ids=(3,))
+    return bundled.LoadedModel(cfg=cfg, params=random_params(cfg, jax.random.key(seed), jnp.float32, scale=0.3),
+                               tokenizer=None, name="tiny")
+
+
+def test_session_refuses_a_message_one_row_past_the_capacity():
+    """A message whose conversation, message, max_new_tokens and gamma + 1 verification rows exceed the capacity by
+    one row is refused before anything runs."""
+    from jsparse.session import Session
+
+    s = Session(_tiny(), _tiny(layers=2, seed=1), gamma=4, capacity=64)
+    # 10 + 49 + gamma + 1 = 64 rows fit; 10 + 50 + 5 = 65 do not.
+    with pytest.raises(ValueError, match=r"\(\+ gamma \+ 1 = 5 verification rows\) need 65 cache rows, more than "
+                                         r"the session's capacity of 64"):
+        s.send_ids([5] * 10, max_new_tokens=50)
+    assert s.tokens == [] and s.state is None  # refused before anything ran

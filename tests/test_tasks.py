@@ -14,6 +14,7 @@ from eval.tasks import TASKS, Sample, get_task, score, string_match_all, string_
 from eval.tasks import common
 from eval.ppl import DEV_CORPUS
 from eval.tasks.words import NOUNS
+from eval.tasks import get_task
 
 LENGTHS = (512, 4096)
 
@@ -295,3 +296,27 @@ def test_cwe_gap_the_words_cannot_close_is_padded(tokenizer):
         assert len(s.tokens) == 3044
         _check_cwe(tokenizer, s)
     assert any("\n\n\nQuestion:" in _text(tokenizer, s) for s in samples)
+
+
+@pytest.mark.parametrize("name", ["niah_multikey", "niah_single_number"])
+def test_queried_needle_sits_at_the_requested_depth(tokenizer, name):
+    """The queried needle of a one-needle-to-find niah task sits at the sample's depth (the share of the filler
+    before it), not a distractor."""
+    samples = get_task(name).make_samples(tokenizer, 4096, 5, seed=1)
+    for s in samples:
+        text = tokenizer.decode(list(s.tokens), skip_special_tokens=False)
+        start = text.index("afterwards.\n") + len("afterwards.\n")
+        end = text.index("\nWhat are all the special magic")
+        query = re.search(r"What are all the special magic \w+ for (.+?) mentioned", text).group(1)
+        body = text[start:end]
+        needle = re.compile(r" ?One of the special magic \w+ for ([\w-]+) is: [\w-]+\.")
+        # The filler alone (needles cut out), and the filler characters before the queried needle.
+        filler_before, filler, pos = None, 0, 0
+        for m in needle.finditer(body):
+            filler += m.start() - pos
+            pos = m.end()
+            if m.group(1) == query:
+                filler_before = filler
+        filler += len(body) - pos
+        assert filler_before is not None, query
+        assert abs(filler_before / filler - s.depth) < 0.03, (name, s.depth, filler_before / filler)

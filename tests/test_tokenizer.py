@@ -10,6 +10,7 @@ import pytest
 from models.bundled import resolve_model
 from models.gguf_loader import open_gguf
 from models.tokenizer import PRE_TOKENIZERS, gguf_tokenizer
+from models.tokenizer import _field, gguf_tokenizer
 
 TEXT = Path(__file__).parent / "data" / "austen_pride_and_prejudice_ch1-2.txt"
 SAMPLES = [
@@ -203,3 +204,17 @@ def test_a_tokenizer_cache_written_meanwhile_by_another_process_is_no_warning(tm
         tok, stops = bundled._gguf_tokenizer(path, open_reader=reader_meanwhile)
     assert tok("abc")["input_ids"] == first("abc")["input_ids"] and stops == ()
     assert [p.name for p in (tmp_path / "cache").iterdir() if p.is_dir()] == [target.name]
+
+
+def test_every_control_token_is_one_special_token():
+    """Every control token of the GGUF (type 3) encodes as its one id and is dropped by skip_special_tokens, not
+    only those named bos/eos/unk/pad (which transformers registers anyway)."""
+    path = resolve_model("smollm2").path
+    reader = open_gguf(path)
+    tok = gguf_tokenizer(reader, path)
+    tokens, types = _field(reader, "tokenizer.ggml.tokens"), _field(reader, "tokenizer.ggml.token_type")
+    control = [(i, t) for i, (t, ty) in enumerate(zip(tokens, types)) if ty == 3]
+    assert len(control) > 4  # more than bos / eos / unk / pad
+    for i, t in control:
+        assert tok(f"a{t}b", add_special_tokens=False)["input_ids"][1:-1] == [i], t
+        assert tok.decode([i], skip_special_tokens=True) == "", t

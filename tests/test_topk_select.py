@@ -17,6 +17,7 @@ from pallas_kernels.topk_select import gpu, tpu, topk_select, topk_select_refere
 from pallas_kernels.topk_select.common import float_keys
 from pallas_kernels.topk_select.xla import topk_select_xla
 from lowering import H100, TPU_V5E, abstract_device
+from pallas_kernels.topk_select import api
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
@@ -165,3 +166,11 @@ def test_tpu_kernel_lowers_for_tpu():
         exp = jax.export.export(jax.jit(functools.partial(tpu.topk_select_tpu, K=1000)), platforms=["tpu"])(
             sds((64, 10000), jnp.float32), sds((64,), jnp.int32))
     assert exp.mlir_module().count("tpu_custom_call") == 8  # one counting kernel per 4-bit pass
+
+
+@pytest.mark.parametrize("backend, want", [("gpu", "pallas_gpu"), ("tpu", "pallas_tpu"), ("cpu", "top_k")])
+def test_default_implementation_by_backend(monkeypatch, backend, want):
+    """The implementation `topk_select` runs by default on each backend (the GPU tests skip on the CPU)."""
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    assert api._pick(None) == want
+    assert api._pick("xla") == "xla"  # an explicit choice is kept

@@ -650,3 +650,14 @@ def test_tsa_decode_is_the_dense_methods_decode():
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
         out[window] = np.asarray(got)
     assert not np.allclose(out[None], out[8], atol=1e-4)  # the window of 8 binds (rows at positions 39, 22)
+
+
+def test_layer_drift_ignores_the_padding_of_a_row():
+    """A right-padded row's padding does not count in TSA's calibration drift (full rows never showed it)."""
+    params = random_params(CFG, jax.random.key(0), jnp.float32, scale=0.3)
+    row = np.asarray(jax.random.randint(jax.random.key(1), (1, 20), 4, CFG.vocab_size), np.int32)
+    padded = np.concatenate([row, np.asarray(jax.random.randint(jax.random.key(2), (1, 12), 4, CFG.vocab_size),
+                                             np.int32)], axis=1)  # 12 junk tokens past the row's length
+    want = tcal.layer_drift(params, CFG, jnp.asarray(row), jnp.asarray([20], jnp.int32))
+    got = tcal.layer_drift(params, CFG, jnp.asarray(padded), jnp.asarray([20], jnp.int32))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
