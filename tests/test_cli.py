@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jsparse
 from jsparse.cli import main
 
 
@@ -262,3 +263,28 @@ def test_bench_attention_writes_its_json_through_the_cli(tmp_path, capsys):
     data = json.loads((tmp_path / "new" / "bench_attention.json").read_text())
     assert data["args"]["context"] == "256" and data["args"]["phase"] == "decode"
     assert data["records"] and data["command"].startswith("jsparse bench attention")
+
+
+def test_generate_flags_reach_generate(monkeypatch, capsys):
+    """`jsparse generate`'s --temperature/--top-p/--seed/--chat/--dtype reach jsparse.load / jsparse.generate unchanged
+    (mutation: `seed=args.seed` -> `seed=0` in jsparse/cli.py survived the suite)."""
+    loads, calls = [], []
+    real_load = jsparse.load
+
+    def load(spec, dtype=None, **kw):
+        loads.append(dtype)
+        return real_load(spec, dtype, **kw)
+
+    def generate(model, prompts, **kw):
+        calls.append(kw)
+        return ["stub"]
+
+    monkeypatch.setattr(jsparse, "load", load)
+    monkeypatch.setattr(jsparse, "generate", generate)
+    rc = main(["generate", "--model", "smollm2", "--prompt", "Hi", "--max-new-tokens", "3", "--temperature", "0.7",
+               "--top-p", "0.9", "--seed", "123", "--chat", "--dtype", "float32"])
+    assert rc == 0 and "stub" in capsys.readouterr().out
+    assert loads and str(loads[0]) == "float32"
+    (kw,) = calls
+    assert kw["temperature"] == 0.7 and kw["top_p"] == 0.9 and kw["seed"] == 123
+    assert kw["chat"] is True and kw["max_new_tokens"] == 3

@@ -30,6 +30,7 @@ from models.cache import init_cache
 from models.config import ModelConfig
 from models.params import expected_shapes
 from pallas_kernels.dense import dense_decode, dense_prefill
+from eval import report
 
 SEEN_ARTIFACTS: list = []
 
@@ -555,3 +556,19 @@ def test_a_corpus_file_named_like_a_builtin_haystack_is_read(tokenizer, tmp_path
     assert haystack == str(tmp_path / name)
     sample = get_task("niah_single_number").make_samples(tokenizer, 300, 1, 0, haystack=haystack)[0]
     assert "zebra crossed the meadow" in tokenizer.decode(sample.tokens)
+
+
+def _rec(value, n, method="oracle"):
+    return dict(task="passkey", metric="accuracy", variant="generate", method=method, value=value, n=n, length=1024,
+                depth=None, budget=None, budget_tokens=None, sparsity=None)
+
+
+def test_passkey_cell_counts_hits_exactly():
+    """The summary's passkey cell shows hits/n rounded from the mean, not truncated (mutation
+    `hits = round(r["value"] * r["n"])` -> `int(...)` in eval/report.py survived the suite: 29 hits of 100 are a
+    mean of 0.29, and 0.29 * 100 = 28.999999999999996, shown as 28/100)."""
+    for hits, n in ((29, 100), (57, 100), (7, 25), (3, 10)):
+        value = float(np.mean([1.0] * hits + [0.0] * (n - hits)))
+        cell = report._cell(_rec(value, n), None)
+        assert f"({hits}/{n})" in cell, (hits, n, cell)
+        assert report._score(_rec(value, n)) == f"{hits}/{n}"

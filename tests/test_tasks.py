@@ -6,6 +6,7 @@ hand-made predictions; errors name the bad value."""
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import pytest
 
@@ -14,7 +15,6 @@ from eval.tasks import TASKS, Sample, get_task, score, string_match_all, string_
 from eval.tasks import common
 from eval.ppl import DEV_CORPUS
 from eval.tasks.words import NOUNS
-from eval.tasks import get_task
 
 LENGTHS = (512, 4096)
 
@@ -320,3 +320,49 @@ def test_queried_needle_sits_at_the_requested_depth(tokenizer, name):
         filler += len(body) - pos
         assert filler_before is not None, query
         assert abs(filler_before / filler - s.depth) < 0.03, (name, s.depth, filler_before / filler)
+
+
+class BosTokenizer:
+    """The bundled tokenizer, adding a BOS id in front when add_special_tokens (as Llama's does)."""
+
+    def __init__(self, tok, bos):
+        self._tok, self.bos = tok, bos
+
+    def __call__(self, text, add_special_tokens=True, **kw):
+        ids = list(self._tok(text, add_special_tokens=False, **kw)["input_ids"])
+        return {"input_ids": ([self.bos] if add_special_tokens else []) + ids}
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+def test_coref_chat_body_has_no_bos(tokenizer):
+    """coref's chat mode puts the story in the user's turn without the tokenizer's BOS (mutation
+    `p.tokens[len(special):p.context_len]` -> `p.tokens[:p.context_len]` in eval/tasks/coref.py survived the suite:
+    the bundled SmolLM2 tokenizer adds no BOS, so it is only visible with a tokenizer that does, e.g. Llama's)."""
+    bos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    tok = BosTokenizer(tokenizer, bos)
+    raw = get_task("coref").make_samples(tok, 1024, 2, seed=0)
+    assert all(s.tokens[0] == bos for s in raw)  # the shim works: raw prompts start with BOS
+    for s in get_task("coref").make_samples(tok, 1024, 2, seed=0, chat=True):
+        assert len(s.tokens) == 1024
+        assert bos not in s.tokens  # no BOS inside the chat turn
+
+
+def test_cwe_items_are_interleaved(tokenizer):
+    """cwe's numbered list interleaves the words (a seeded shuffle), so the ten common words are not ten runs of
+    repeats (mutation `order = rng.permutation(len(items_list))` -> `range(len(items_list))` in eval/tasks/cwe.py
+    survived the suite: the prompt then lists every word's copies back to back, a far easier task)."""
+    for s in get_task("cwe").make_samples(tokenizer, 2048, 2, seed=0):
+        text = tokenizer.decode(list(s.tokens))
+        items = re.findall(r"^\s*(\d+)\. *(.+?)\s*$", text, flags=re.M)
+        assert [int(i) for i, _ in items] == list(range(1, len(items) + 1))
+        words = [w for _, w in items]
+        counts = Counter(words)
+        assert all(counts[a] == max(counts.values()) for a in s.answers)
+        repeats = sum(a == b for a, b in zip(words, words[1:]))
+        runs_if_sorted = sum(c - 1 for c in counts.values())
+        assert runs_if_sorted >= 20
+        assert repeats < runs_if_sorted / 4, (repeats, runs_if_sorted)
+        first = words[:10]  # the first items are not all one common word
+        assert len(set(first)) > 3

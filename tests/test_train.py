@@ -3,6 +3,7 @@
 import errno
 import json
 import os
+import types
 
 import jax
 import jax.numpy as jnp
@@ -802,3 +803,45 @@ def test_fsdp_dims_split_the_frozen_model_over_data(model_params):
     assert dims.layers.wq == model_params.layers.wq.ndim - 1
     assert fsdp_spec(dims.layers.wq) == jax.sharding.PartitionSpec(None, None, None, "data")
     assert all(d == -1 for d in jax.tree.leaves(fsdp_dims(model_params, 1)))
+
+
+def test_train_predictor_packs_eos_separated_files(tmp_path, monkeypatch, capsys):
+    """`jsparse train-predictor` glue: files are joined with the tokenizer's EOS, packed into --seq-len chunks, and
+    --seq-len reaches TrainConfig (mutation `separator=sep` -> `separator=None` in train/cli_train.py survived the
+    suite: no test runs the command past its argument checks). The training itself is stubbed."""
+    seen = {}
+
+    def fake_train(cfg, params, *, chunks, out_dir, tc, **kw):
+        seen.update(chunks=np.asarray(chunks), tc=tc)
+        os.makedirs(out_dir, exist_ok=True)
+        np.savez(os.path.join(out_dir, "arrays.npz"), x=np.zeros(1))
+        return types.SimpleNamespace(start_step=0, last_step=1, losses=[(1, 0.5)], stopped_early=False, seconds=0.0)
+
+    import train.loop as train_loop
+    from jsparse.cli import main
+
+    monkeypatch.setattr(train_loop, "train", fake_train)
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("The quick brown fox jumps over the lazy dog. " * 20, encoding="utf-8")
+    b.write_text("Pack my box with five dozen liquor jugs. " * 20, encoding="utf-8")
+    rc = main(["train-predictor", "--model", "smollm2", "--data", str(a), str(b), "--steps", "1",
+               "--seq-len", "64", "--batch-size", "1", "--out", str(tmp_path / "out"), "--no-progress"])
+    assert rc == 0, capsys.readouterr()
+    import jsparse
+
+    tok = jsparse.load("smollm2").tokenizer
+    chunks, tc = seen["chunks"], seen["tc"]
+    assert tc.seq_len == 64 and chunks.shape[1] == 64
+    assert tok.eos_token_id is not None and tok.eos_token_id in chunks  # the files' separator
+
+
+def test_pack_chunks_keeps_the_last_exact_window():
+    """pack_chunks keeps every whole window, including the last one when the tokens fill it exactly
+    (mutation `n = len(ids) // body` -> `(len(ids) - 1) // body` in train/data.py survived the suite)."""
+    ids = np.arange(8, dtype=np.int32)
+    np.testing.assert_array_equal(data_lib.pack_chunks(ids, 4), [[0, 1, 2, 3], [4, 5, 6, 7]])
+    np.testing.assert_array_equal(data_lib.pack_chunks(ids, 5, prefix=[99]), [[99, 0, 1, 2, 3], [99, 4, 5, 6, 7]])
+    # exactly one chunk's worth of tokens is enough for one chunk
+    np.testing.assert_array_equal(data_lib.pack_chunks(ids[:4], 4), [[0, 1, 2, 3]])
+    # a trailing partial window is dropped
+    assert data_lib.pack_chunks(np.arange(11), 4).shape == (2, 4)
