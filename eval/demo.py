@@ -26,11 +26,9 @@ from __future__ import annotations
 import argparse
 import os
 
-# The methods of the demo and the shipped artifacts they load (relative to the folder jsparse is in: a clone's root,
-# or site-packages; `jsparse.shipped_artifact`).
+# The methods of the demo and the kinds of the shipped artifacts they load (`jsparse.shipped_artifact`).
 METHODS = ("dense", "oracle", "streaming", "quest", "h2o", "kascade", "tsa", "tsa+kascade", "evosparse", "butler")
-ARTIFACTS = {"kascade": "jsparse/shipped/smollm2/kascade", "tsa": "jsparse/shipped/smollm2/tsa",
-             "evosparse": "jsparse/shipped/smollm2/evosparse", "butler": "jsparse/shipped/smollm2/butler"}
+ARTIFACTS = ("kascade", "tsa", "evosparse", "butler")
 # The shipped predictor keeps 3 of its 28 sparse layers dense, which allows budgets above 3/28 only when the
 # budget is rebalanced over the layers; the demo's 10% keeps the dense layers on top of the budget instead.
 METHOD_OPTIONS = ("butler.rebalance=false",)
@@ -42,13 +40,6 @@ PPL_VARIANTS = "continuation"
 CONTINUATION = 512  # scored tokens of the ppl window (its last 512; the method prefills the 1536 before them)
 MAX_BATCH_TOKENS = 8192  # tokens per forward: 4 prompts of 2K per generate call
 DEFAULT_OUT = os.path.join("runs", "demo")
-
-
-def repo_root() -> str:
-    """The folder jsparse is in: a clone's root, or site-packages (`jsparse.provenance.INSTALL_ROOT`)."""
-    from jsparse.provenance import INSTALL_ROOT
-
-    return INSTALL_ROOT
 
 
 def add_demo_parser(subparsers) -> argparse.ArgumentParser:
@@ -82,19 +73,19 @@ def demo_argv(out: str, lengths: str = LENGTHS, samples: int = SAMPLES, progress
               methods: str | None = None) -> list[str]:
     """The `jsparse eval` arguments the demo runs (artifact paths absolute, so it runs from any folder)."""
     from eval.harness import parse_list
+    from jsparse.artifacts import shipped_artifact
 
     chosen = METHODS if methods is None else parse_list(methods, "--methods")
     bad = [m for m in chosen if m not in METHODS]
     if bad:
         raise ValueError(f"--methods {methods!r}: {bad} are not among the demo's methods {', '.join(METHODS)}")
-    root = repo_root()
     argv = ["eval", "--model", "smollm2", "--methods", ",".join(chosen), "--tasks", ",".join(TASKS),
             "--lengths", lengths, "--budget", str(BUDGET), "--samples", str(samples),
             "--ppl-samples", str(ppl_windows(samples)), "--ppl-variants", PPL_VARIANTS,
             "--continuation-tokens", str(CONTINUATION), "--max-batch-tokens", str(MAX_BATCH_TOKENS), "--out", out]
-    for name, path in ARTIFACTS.items():
+    for name in ARTIFACTS:
         if name in chosen or any(name in c.split("+") for c in chosen):
-            argv += ["--artifact", f"{name}={os.path.join(root, path)}"]
+            argv += ["--artifact", f"{name}={shipped_artifact(name)}"]
     for option in METHOD_OPTIONS:
         if option.split(".")[0] in chosen:
             argv += ["--method-option", option]
@@ -104,12 +95,15 @@ def demo_argv(out: str, lengths: str = LENGTHS, samples: int = SAMPLES, progress
 def run_demo(args) -> int:
     """The `jsparse demo` command: `jsparse eval` with `demo_argv`; returns its exit code."""
     from eval.cli_eval import add_eval_parser
+    from jsparse.artifacts import ArtifactError, shipped_artifact
 
-    missing = [p for p in ARTIFACTS.values() if not os.path.isdir(os.path.join(repo_root(), p))]
-    if missing:
-        raise FileNotFoundError(f"the demo's calibration artifacts {missing} are missing under {repo_root()}: a "
-                                "jsparse installed without its package data (jsparse/shipped); reinstall it, or run "
-                                "it from a clone of the repository")
+    try:
+        for name in ARTIFACTS:
+            shipped_artifact(name)
+    except ArtifactError as e:
+        raise FileNotFoundError(f"the demo's calibration artifacts are missing ({e}): a jsparse installed without "
+                                "its package data (jsparse/shipped); reinstall it, or run it from a clone of the "
+                                "repository") from None
     parser = argparse.ArgumentParser(prog="jsparse")
     add_eval_parser(parser.add_subparsers(dest="command", required=True))
     eval_args = parser.parse_args(demo_argv(args.out, args.lengths, args.samples, not args.no_progress,

@@ -316,7 +316,7 @@ def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: An
     chosen = capacity
     capacity = check_request(model.cfg, lengths_list, max_new_tokens, capacity, verify_rows=extra)
     if chosen is None:  # from the padded prompt (and, speculative, the bucketed new tokens): two requests of one
-        # bucket share the capacity, so the compilation
+        # bucket share the capacity, so they share the compilation
         new = max_new_tokens if draft is None else round_up(max_new_tokens, NEW_TOKENS_BUCKET)
         capacity = max(capacity, round_up(round_up(max(lengths_list), PROMPT_BUCKET) + new + extra, 128))
     else:  # a capacity past a window a method does not honour is refused by name, as Session does

@@ -63,9 +63,10 @@ def artifact_folder(path) -> str:
 
 
 def _moved(path: str) -> str:
-    """A hint for a path under artifacts/, where the shipped artifacts were before 2026-12-05."""
+    """A hint for a path artifacts/<model>/<kind>, where the shipped artifacts were before 2026-12-05, when one of
+    that model and kind ships."""
     parts = os.path.normpath(path).split(os.sep)
-    if "artifacts" in parts[:-1] and parts[-1] in ("kascade", "tsa", "evosparse", "sts", "butler"):
+    if parts[-3:-2] == ["artifacts"] and os.path.isdir(os.path.join(INSTALL_ROOT, SHIPPED, *parts[-2:])):
         return (f"; the shipped artifacts moved from artifacts/<model>/<kind> to {SHIPPED}/<model>/<kind> "
                 f"(jsparse.shipped_artifact({parts[-1]!r}))")
     return ""

@@ -6,7 +6,8 @@ import time
 
 import jax.numpy as jnp
 
-from eval.bench.common import git_commit, pipelined_ms, time_ms
+from eval.bench.common import pipelined_ms, time_ms
+from jsparse.provenance import source_commit
 
 
 def _sleeper(calls, ms):
@@ -37,9 +38,9 @@ def test_git_commit_marks_a_tree_that_differs_from_head(tmp_path, monkeypatch):
     repository recorded that repository's commit)."""
     monkeypatch.delenv("GIT_COMMIT", raising=False)
     monkeypatch.chdir(tmp_path)
-    assert git_commit(str(tmp_path)) == "unknown"
+    assert source_commit(str(tmp_path)) == "unknown"
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    assert git_commit().split("-")[0] == subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], check=True,
+    assert source_commit().split("-")[0] == subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], check=True,
                                                         capture_output=True, text=True).stdout.strip()
     git = lambda *a: subprocess.run(["git", *a], check=True, capture_output=True, text=True).stdout.strip()  # noqa: E731
     git("init", "-q")
@@ -48,13 +49,13 @@ def test_git_commit_marks_a_tree_that_differs_from_head(tmp_path, monkeypatch):
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
     head = git("rev-parse", "HEAD")
     root = str(tmp_path)
-    assert git_commit(root) == head
+    assert source_commit(root) == head
     (tmp_path / "new.py").write_text("untracked\n")  # untracked files do not make the run another commit's code
-    assert git_commit(root) == head
+    assert source_commit(root) == head
     (tmp_path / "f.py").write_text("a = 2\n")
-    assert git_commit(root) == head + "-dirty"
+    assert source_commit(root) == head + "-dirty"
     monkeypatch.setenv("GIT_COMMIT", "abc1234")
-    assert git_commit(root) == "abc1234"
+    assert source_commit(root) == "abc1234"
 
 
 def test_an_installed_jsparse_records_its_version_not_a_surrounding_repository(tmp_path, monkeypatch):

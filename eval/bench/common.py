@@ -75,14 +75,11 @@ def out_path(out: str | None, name: str) -> str | None:
     return path
 
 
-git_commit = source_commit  # (the name the benchmarks and their tests use)
-
-
 def device_facts() -> dict:
     d = jax.devices()[0]
     return {"device": getattr(d, "device_kind", str(d)), "platform": d.platform, "jax": jax.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": git_commit(), "command": command_line()}
+            "commit": source_commit(), "command": command_line()}
 
 
 def measure_hbm_gbs(nbytes: int = 2 << 30) -> float:

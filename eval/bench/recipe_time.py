@@ -526,7 +526,7 @@ def merge_runs(named: list[tuple[str, dict]]) -> dict:
     x["not_counted"] = list(NOT_COUNTED)
     measured = {(c["method"], c["length"]) for c in cells}
     commits = list(dict.fromkeys(d["commit"] for _, d in runs))
-    merged_by = {"commit": bm.git_commit(), "command": bm.command_line(),
+    merged_by = {"commit": bm.source_commit(), "command": bm.command_line(),
                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     return {"device": first["device"], "platform": first["platform"], "jax": first["jax"],
             "date": last["date"], "commit": ", ".join(commits),
