@@ -239,6 +239,21 @@ def _generate_tokens(params: Params, method, tokens: Array, lengths: Array, key:
     num = (~bad).astype(jnp.int32)
 
     stop = max_new_tokens if limit is None else jnp.minimum(limit, max_new_tokens)
+    _, _, _, _, out, num, _ = decode_loop(params, method, tok, cache, state, key, cfg=cfg, sampling=sampling,
+                                          eos=eos, stop=stop, out=out, done=done, num=num)
+    return (out, num, prefill_state) if return_prefill_state else (out, num)
+
+
+def decode_loop(params: Params, method, tok: Array, cache: KVCache, state, key: Array, *, cfg: ModelConfig,
+                sampling: Sampling, eos: Array, stop, out: Array, done: Array, num: Array, start: int = 1):
+    """The decode loop of `generate_tokens` (traced inside its jit; also what `jsparse bench model --loop generate`
+    times): from step `start` while step < stop (traced or static) and some row is not done, one `llama.decode`
+    step, a token sampled per row, written into out[:, step] (-1 for a done row), num counted and done updated
+    (an `eos` token, or NaN logits: garbage, the row ends uncounted).
+
+    Args: tok i32[B] the last tokens; key the PRNG key (split each step); eos i32[E] the stop ids; out
+      i32[B, W] (W >= stop), done bool[B], num i32[B] as the prefill left them.
+    Returns: (tok, cache, state, done, out, num, key) after the last step."""
 
     def cond(c):
         step, _, _, _, done, _, _, _ = c
@@ -256,9 +271,8 @@ def _generate_tokens(params: Params, method, tokens: Array, lengths: Array, key:
         done = done | jnp.isin(new, eos)
         return step + 1, jnp.where(new < 0, tok, new), cache, state, done, out, num, key
 
-    init = (jnp.int32(1), tok, cache, state, done, out, num, key)
-    _, _, _, _, _, out, num, _ = jax.lax.while_loop(cond, body, init)
-    return (out, num, prefill_state) if return_prefill_state else (out, num)
+    init = (jnp.int32(start), tok, cache, state, done, out, num, key)
+    return jax.lax.while_loop(cond, body, init)[1:]
 
 
 # The jitted function's tools on the checked entry point: `generate_tokens.lower(...)`, its compilation cache.

@@ -388,3 +388,64 @@ def test_unroll_layers_needs_the_methods_comparison(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         bench_model.main(["--unroll-layers", "--context", "64", "--batch", "1"])
     assert "--unroll-layers times the methods' decode loop: give --methods" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["dense", "evosparse"])
+def test_generate_loop_takes_the_fori_loops_steps(tiny, name):
+    """`--loop generate` times `generate_tokens`' own loop (a while_loop, no known trip count) over the same
+    steps: the fori loop's tokens, cache and state."""
+    cfg, params = tiny
+    method, _ = bench_model.bench_method(name, cfg, 0.25)
+
+    def args():
+        cache = bench_model.filled_cache(cfg, 2, 96, 128, jnp.float32)
+        state, _ = bench_model.filled_state(method, cfg, cache, 128)
+        return params, method, jnp.array([[5], [9]], jnp.int32), cache, state
+
+    out = [bench_model.method_decode_steps(*args(), cfg=cfg, steps=3, loop=loop) for loop in bench_model.LOOPS]
+    (tok1, cache1, state1), (tok2, cache2, state2) = out
+    assert tok2.shape == tok1.shape == (2, 1) and (tok1 == tok2).all()
+    assert (cache1.lengths == 96 + 3).all() and (cache2.lengths == cache1.lengths).all()
+    assert jnp.allclose(cache1.k, cache2.k, atol=1e-5) and jnp.allclose(cache1.v, cache2.v, atol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(state1), jax.tree_util.tree_leaves(state2)):
+        assert jnp.allclose(a, b, atol=1e-5)
+    with pytest.raises(ValueError, match="loop='scan'"):
+        bench_model.method_decode_steps(*args(), cfg=cfg, steps=3, loop="scan")
+    with pytest.raises(ValueError, match="unroll=True"):
+        bench_model.method_decode_steps(*args(), cfg=cfg, steps=3, loop="generate", unroll=True)
+
+
+def test_generate_loop_is_generate_tokens_loop(tiny):
+    """generate_tokens runs `models.generate.decode_loop`: the tokens it gives after a prefill are the loop's,
+    continued from the prefill's cache and first token."""
+    from models import llama
+    from models.cache import init_cache
+    from models.generate import Sampling, decode_loop, generate_tokens
+
+    cfg, params = tiny
+    method, _ = bench_model.bench_method("dense", cfg, 0.25)
+    tokens = jax.random.randint(jax.random.key(4), (2, 40), 0, cfg.vocab_size)
+    lengths = jnp.array([40, 33], jnp.int32)
+    want, num = generate_tokens(params, method, tokens, lengths, jax.random.key(0), cfg=cfg, max_new_tokens=6,
+                                capacity=64)
+    cache = init_cache(cfg, 2, 64, params.embed.dtype)
+    logits, cache, state = llama.prefill(params, cfg, method, tokens, lengths, cache, method.init_state(cfg, 2, 64))
+    tok = jnp.argmax(logits, -1).astype(jnp.int32)
+    out = jnp.full((2, 6), -1, jnp.int32).at[:, 0].set(tok)
+    res = decode_loop(params, method, tok, cache, state, jax.random.key(0), cfg=cfg, sampling=Sampling(),
+                      eos=jnp.asarray((-2,), jnp.int32), stop=6, out=out, done=jnp.zeros((2,), bool),
+                      num=jnp.ones((2,), jnp.int32))
+    np.testing.assert_array_equal(res[4], want)
+    np.testing.assert_array_equal(res[5], num)
+    assert (res[1].lengths == lengths + 5).all()
+
+
+def test_loop_needs_the_methods_comparison(monkeypatch, capsys):
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    with pytest.raises(SystemExit):
+        bench_model.main(["--loop", "generate", "--context", "64", "--batch", "1"])
+    assert "--loop times the methods' decode loop: give --methods" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_model.main(["--loop", "generate", "--unroll-layers", "--methods", "dense,kascade", "--context", "64"])
+    assert "--unroll-layers with --loop generate" in capsys.readouterr().err

@@ -64,7 +64,7 @@ from jsparse.xla_flags import GPU_XLA_FLAGS
 from jsparse.methods import make_method
 from models import llama
 from models.cache import KVCache, init_cache
-from models.generate import round_up
+from models.generate import Sampling, decode_loop, round_up
 from models.params import LAYOUTS, is_fused, random_params, with_layout
 from models.presets import preset
 from models.compile_options import model_jit
@@ -401,10 +401,30 @@ def attention_bytes(name: str, method, cfg, batch: int, n: int) -> int:
     raise ValueError(f"no byte model for method {name!r}")
 
 
-@functools.partial(model_jit, static_argnames=("cfg", "steps", "unroll"), donate_argnames=("cache", "state"))
-def method_decode_steps(params, method, tok, cache, state, *, cfg, steps, unroll: int | bool = 1):
+LOOPS = ("fori", "generate")
+
+
+@functools.partial(model_jit, static_argnames=("cfg", "steps", "unroll", "loop"), donate_argnames=("cache", "state"))
+def method_decode_steps(params, method, tok, cache, state, *, cfg, steps, unroll: int | bool = 1,
+                        loop: str = "fori"):
     """`steps` greedy decode steps of `models.llama.decode` (the library's step), carrying the method's state;
-    unroll: the layer scan's (`models.llama.decode`'s `unroll`; True unrolls it in full)."""
+    unroll: the layer scan's (`models.llama.decode`'s `unroll`; True unrolls it in full).
+
+    loop: "fori", a `fori_loop` of `steps` (a known trip count), or "generate", `generate_tokens`' own loop
+    (`models.generate.decode_loop`: a `while_loop` whose stop the tokens decide, with its sampling, EOS and
+    output bookkeeping; greedy, no EOS id given), its layer scan rolled."""
+    if loop == "generate":
+        if unroll is True or unroll != 1:  # True == 1 in Python, but unrolls in full
+            raise ValueError(f"unroll={unroll!r}: generate's loop runs the rolled layer scan; expected 1")
+        B = tok.shape[0]
+        res = decode_loop(params, method, tok[:, 0], cache, state, jax.random.key(0), cfg=cfg, sampling=Sampling(),
+                          eos=jnp.asarray((-2,), jnp.int32), stop=steps + 1,
+                          out=jnp.full((B, steps + 1), -1, jnp.int32), done=jnp.zeros((B,), bool),
+                          num=jnp.ones((B,), jnp.int32))
+        return res[0][:, None], res[1], res[2]
+    if loop != "fori":
+        raise ValueError(f"loop={loop!r}: expected one of {LOOPS}")
+
     def body(_, carry):
         tok, cache, state = carry
         logits, cache, state = llama.decode(params, cfg, method, tok, cache, state, unroll=unroll)
@@ -414,9 +434,10 @@ def method_decode_steps(params, method, tok, cache, state, *, cfg, steps, unroll
 
 def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, prefill_contexts=(),
                 mm: float = 0.0, built: dict | None = None, tsa_kept: float = TSA_KEPT,
-                method_options: dict | None = None, unroll: int | bool = 1) -> list[dict]:
+                method_options: dict | None = None, unroll: int | bool = 1, loop: str = "fori") -> list[dict]:
     """Decode rows (and prefill rows at `prefill_contexts`, batch 1) of every method; dense first. The prefill
-    methods (PREFILL_METHODS) get prefill rows only. unroll: the decode layer scan's (`method_decode_steps`).
+    methods (PREFILL_METHODS) get prefill rows only. unroll: the decode layer scan's, loop: the decode loop
+    (`method_decode_steps`).
 
     built: {row name: (method, how its state was made)} for names whose method is not `bench_method(name)`'s
     (a variant named "method:variant" takes the byte model of "method"; eval/bench/profile_decode_step.py)."""
@@ -451,7 +472,7 @@ def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, pre
                     shapes = jax.eval_shape(lambda: (filled_cache(cfg, batch, context, capacity, params.embed.dtype),
                                                      method.init_state(cfg, batch, capacity)))  # noqa: B023
                     step = method_decode_steps.lower(params, method, tok, *shapes, cfg=cfg, steps=steps,
-                                                     unroll=unroll).compile()
+                                                     unroll=unroll, loop=loop).compile()
                     cache = filled_cache(cfg, batch, context, capacity, params.embed.dtype)
                     state, row["state_values"] = filled_state(method, cfg, cache, capacity)
                     row["memory_gib"] = _memory_gib()  # beside the cache and state, before the first call
@@ -530,7 +551,8 @@ def _raise_failed(checks: dict) -> None:
 
 def run_methods(shape: str, methods, contexts, batches, steps: int, out: str | None, budget: float,
                 prefill_contexts=(), check: bool = True, tsa_kept: float = TSA_KEPT, attention_only: bool = False,
-                method_options: dict | None = None, layout: str = "default", unroll: int | bool = 1):
+                method_options: dict | None = None, layout: str = "default", unroll: int | bool = 1,
+                loop: str = "fori"):
     cfg = attention_only_config(preset(shape)) if attention_only else preset(shape)
     if methods[0] != "dense":
         methods = ("dense",) + tuple(m for m in methods if m != "dense")  # the baseline of the same run, first
@@ -541,7 +563,7 @@ def run_methods(shape: str, methods, contexts, batches, steps: int, out: str | N
     params = bench_params(cfg, layout)
     mm = bm.measure_matmul_tflops() if prefill_contexts else 0.0
     rows = method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, prefill_contexts, mm,
-                       tsa_kept=tsa_kept, method_options=method_options, unroll=unroll)
+                       tsa_kept=tsa_kept, method_options=method_options, unroll=unroll, loop=loop)
     nparams, fused = param_bytes(params), is_fused(params)
     del params  # the check's small model next (after the timing: the module docstring says why)
     checks = method_checks(cfg, tuple(m for m in methods if m not in PREFILL_METHODS), budget, check, method_options,
@@ -556,7 +578,7 @@ def run_methods(shape: str, methods, contexts, batches, steps: int, out: str | N
                                                        "num_kv_heads", "head_dim", "vocab_size")},
                "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), "measured_hbm_gbs": hbm,
                "param_bytes": nparams, "fused_projections": fused, "decode_steps_timed": steps,
-               "decode_layer_unroll": unroll, "measured_matmul_tflops": mm or None, "methods": checks, "rows": rows}
+               "decode_layer_unroll": unroll, "decode_loop": loop, "measured_matmul_tflops": mm or None, "methods": checks, "rows": rows}
     if out:
         bm.write_json(out, payload)
     if contexts:
@@ -665,6 +687,10 @@ def main(argv=None, prog=None):
                    help="with --methods: time decode steps whose layer scan is unrolled in full "
                         "(models.llama.decode(unroll=True)): no loop bookkeeping per layer, but each call of the "
                         "decode loop starts later (eval/results/h200/unroll/NOTES.md); default: the rolled scan")
+    p.add_argument("--loop", default="fori", choices=LOOPS,
+                   help="with --methods: the decode loop timed: fori (default), a fori_loop of --steps decode steps, "
+                        "or generate, the loop `jsparse generate` runs (models.generate.decode_loop: a while_loop "
+                        "that stops on the tokens, with its sampling and bookkeeping; greedy)")
     p.add_argument("--no-check", action="store_true",
                    help="skip the correctness check that runs after the timing (each method's decode step against its "
                         "masked reference on a small model; see above)")
@@ -699,6 +725,8 @@ def main(argv=None, prog=None):
             memory_stats()
         except ValueError as e:
             p.error(str(e))
+    if a.unroll_layers and a.loop != "fori":
+        p.error(f"--unroll-layers with --loop {a.loop}: generate's loop runs the rolled layer scan; expected --loop fori")
     if not contexts and (methods == ("dense",) or not a.prefill_context.strip()):
         p.error("--context is empty: expected decode contexts, or --methods with --prefill-context")
     from eval.bench.model_check import CheckFailed
@@ -709,14 +737,15 @@ def main(argv=None, prog=None):
                 p.error("--method-option: dense alone takes no options")
             if a.attention_only:
                 p.error("--attention-only compares methods: give --methods (dense and others)")
-            if a.unroll_layers:
-                p.error("--unroll-layers times the methods' decode loop: give --methods (dense and others)")
+            for flag, given in (("--unroll-layers", a.unroll_layers), ("--loop", a.loop != "fori")):
+                if given:
+                    p.error(f"{flag} times the methods' decode loop: give --methods (dense and others)")
             run(a.shape, contexts, batches, a.steps, out, check=not a.no_check, layout=a.layout)
         else:
             pre = [int(x) for x in a.prefill_context.split(",") if x.strip()]
             run_methods(a.shape, methods, contexts, batches, a.steps, out, a.budget, pre, check=not a.no_check,
                         tsa_kept=a.tsa_kept, attention_only=a.attention_only, method_options=method_options,
-                        layout=a.layout, unroll=True if a.unroll_layers else 1)
+                        layout=a.layout, unroll=True if a.unroll_layers else 1, loop=a.loop)
     except CheckFailed as e:
         sys.exit(f"{p.prog}: error: {e}")
 
