@@ -2,20 +2,18 @@
 # Does `jsparse generate`'s decode loop run at the speed `jsparse bench model` times? The bench's fori_loop has a
 # known trip count; generate's loop (models.generate.decode_loop) is a while_loop that stops on the tokens, so on a
 # GPU each iteration may copy its predicate to the host and wait. One device call, GPU:
-#   1. issue 24's part a at this commit (regression check, masked-reference checks on) -> $OUT/e2e/e2e_a.json
-#   2. dense, Kascade, EvoSparse at 32K and 100K, batch 4, in the variants of ORDER (alternating processes):
+#   a, b, c, d: issue 24's parts at this commit (eval/results/h100/e2e/run.sh; the masked-reference checks on)
+#      -> $OUT/e2e/e2e_{a,b,c,qwen3}.json
+#   loops: dense, Kascade, EvoSparse at 32K and 100K, batch 4, in the variants of ORDER (alternating processes):
 #      fori (the bench's loop), generate (generate's loop), whilecb (generate's loop with while loops and
 #      conditionals in XLA's CUDA graphs: --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL)
-# Usage: OUT=... GIT_COMMIT=<sha> [PARTS="e2e loops"] [ORDER="generate fori whilecb"] bash run.sh
+# Usage: OUT=... GIT_COMMIT=<sha> [PARTS="a loops"] [ORDER="generate fori whilecb"] bash run.sh
 set -eu
 export PYTHONUNBUFFERED=1 PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
 mkdir -p "$OUT"
-PARTS=${PARTS:-"e2e loops"}
-if [[ " $PARTS " == *" e2e "* ]]; then
-  OUT=$OUT/e2e PART=a bash eval/results/h100/e2e/run.sh
-fi
-if [[ " $PARTS " == *" loops "* ]]; then
-  i=0
+for part in ${PARTS:-a loops}; do
+  [ "$part" = loops ] || { OUT=$OUT/e2e PART=$part bash eval/results/h100/e2e/run.sh; continue; }
+  i=${START:-0}  # the first JSON's number - 1 (a later call continues the numbering)
   for v in ${ORDER:-generate fori whilecb}; do
     i=$((i + 1))
     loop=$v; flags=()
@@ -25,4 +23,4 @@ if [[ " $PARTS " == *" loops "* ]]; then
       --loop "$loop" --no-check "${flags[@]}" --out "$OUT/loop_${i}_$v.json" 2>&1 \
       | grep -vE "^W[0-9]{4}|^I[0-9]{4}|^\{'phase'" | tail -9
   done
-fi
+done
