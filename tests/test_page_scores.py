@@ -42,8 +42,8 @@ def test_errors():
 
 
 def test_layer_is_checked_and_read_alike():
-    """A known layer outside [-L, L) is an error naming it; -1 is the last layer, in the reference and the kernel
-    alike (as every stacked op reads a layer: pallas_kernels.layers)."""
+    """A known layer outside [-L, L) is an error naming it; -1 is the last layer and -L the first, in the reference
+    and the kernel alike (as every stacked op reads a layer: pallas_kernels.layers)."""
     q = _rand(0, (1, 2, 3, 16))
     a, b = _rand(1, (3, 1, 2, 40, 16)), _rand(2, (3, 1, 2, 40, 16))
     kmin, kmax = jnp.minimum(a, b), jnp.maximum(a, b)
@@ -54,3 +54,7 @@ def test_layer_is_checked_and_read_alike():
     np.testing.assert_array_equal(page_scores(q, kmin, kmax, -1, implementation="reference"), last)
     np.testing.assert_allclose(page_scores_gpu(q, kmin, kmax, -1, block_p=32, interpret=True), last, rtol=1e-6,
                                atol=1e-5)
+    first = page_scores_reference(q, kmin, kmax, 0)
+    for layer in (-3, jnp.int32(-3)):  # the range's lower bound, static and traced
+        np.testing.assert_array_equal(page_scores(q, kmin, kmax, layer, implementation="reference"), first)
+    assert not np.array_equal(first, last)

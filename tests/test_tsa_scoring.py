@@ -233,3 +233,30 @@ def test_shape_errors():
     with pytest.raises(ValueError, match=r"block_q must be a power of two >= 16, got 24"):
         gpu.BlockSizes(block_q=24)
     assert default_scale(64, None) == 0.125
+
+
+def _np_pool(scores, pool, lengths):
+    B, H, T = scores.shape
+    half = pool // 2
+    out = np.zeros((B, H, T))
+    for b in range(B):
+        n = int(lengths[b])
+        for j in range(n):
+            out[b, :, j] = scores[b, :, max(0, j - half):min(n, j + half + 1)].sum(-1) / pool
+    return out
+
+
+@pytest.mark.parametrize("pool", [3, 7])
+def test_avg_pool_keys_pads_with_zeros_past_lengths(pool):
+    """avg_pool_keys treats the keys at or past `lengths` as zero padding going in, not only zeroes them coming out.
+    tsa_scores' own call cannot show it (its mean probabilities are already 0 past each row's length), but the
+    official TSA prefix-only pooling that tsa_scores' docstring gives, `avg_pool_keys(mean, pool_kernel,
+    lengths - window)`, pools scores that are nonzero past that bound (the window's keys): the last pool_kernel // 2
+    prefix keys must not average them in. Compared with a float64 numpy pooling of each row's prefix alone."""
+    rng = np.random.default_rng(5)
+    B, H, T = 3, 2, 20
+    scores = rng.uniform(0.1, 1.0, (B, H, T)).astype(np.float32)  # nonzero everywhere, past the lengths too
+    lengths = np.array([12, 1, 20], np.int32)  # a prefix, a one-key row, a full row
+    got = avg_pool_keys(scores, pool, lengths)
+    np.testing.assert_allclose(np.asarray(got, np.float64), _np_pool(scores.astype(np.float64), pool, lengths),
+                               rtol=1e-6, atol=1e-7)
