@@ -1,6 +1,7 @@
 """STS: tile-wise top-k, the head-map calibration, STS-D/STS-P inside speculative decoding, multi-turn sessions."""
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -11,8 +12,9 @@ from jsparse import selection as sel
 from jsparse.api import generate_ids
 from jsparse.artifacts import ArtifactError, save_artifact
 from jsparse.methods import make_method
-from jsparse.methods.sts import STS, _scores, _topk_rows, _topk_set, tile_head_topk
+from jsparse.methods.sts import STS, _scores, _topk_rows, _topk_set, empty_record, tile_head_topk
 from jsparse.methods.sts_calibration import calibrate, load_head_map
+from models.attention import LayerContext
 from models.bundled import LoadedModel
 from models.config import ModelConfig
 from models.params import random_params
@@ -893,3 +895,89 @@ def test_record_selection_option():
     hm = jnp.zeros((2, 4, 2), jnp.int32)
     with pytest.raises(ValueError, match="record_selection='fast'"):
         STS(head_map=hm, draft_layers=1, draft_heads=4, record_selection="fast")
+
+
+def _causal_np(q, k, v):
+    B, T, Hq, D = q.shape
+    G = Hq // k.shape[2]
+    out = np.zeros_like(q, dtype=np.float64)
+    for b in range(B):
+        for h in range(Hq):
+            x = q[b, :, h].astype(np.float64) @ k[b, :, h // G].astype(np.float64).T / math.sqrt(D)
+            x = np.where(np.tril(np.ones((T, T), bool)), x, -np.inf)
+            p = np.exp(x - x.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            out[b, :, h] = p @ v[b, :, h // G]
+    return out
+
+
+def test_layer_dense_layers_is_sparse_and_the_one_before_dense():
+    """STS(dense_layers=d): layers 0..d-1 attend densely in prefill and layer d is already sparse. With an empty draft
+    record (no recorded key) a sparse layer's query sees only its own causal tile, so its output differs from full
+    causal attention; layer d - 1's equals it (numpy causal attention)."""
+    rng = np.random.default_rng(0)
+    L, B, T, Hq, Hkv, D, tile = 3, 1, 16, 2, 1, 8, 4
+    q = rng.standard_normal((B, T, Hq, D)).astype(np.float32)
+    k = rng.standard_normal((B, T, Hkv, D)).astype(np.float32)
+    v = rng.standard_normal((B, T, Hkv, D)).astype(np.float32)
+    head_map = jnp.zeros((L, Hq, 2), jnp.int32)
+    m = STS(head_map=head_map, draft_layers=1, draft_heads=Hq, budget=0.25, min_tokens=0, tile=tile, dense_layers=1)
+    state = empty_record(1, B, Hq, T // tile, 4)  # nothing recorded
+    dense = _causal_np(q, k, v)
+    lengths = jnp.asarray([T], jnp.int32)
+    outs = {}
+    for layer in (0, 1):
+        ctx = LayerContext(layer=jnp.int32(layer), lengths=lengths, info=head_map[layer])
+        out, _ = m.prefill(ctx, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), state)
+        outs[layer] = np.asarray(out, np.float64)
+    np.testing.assert_allclose(outs[0], dense, rtol=1e-4, atol=1e-5)  # layer 0 < dense_layers: dense
+    # layer 1 == dense_layers: sparse; its queries past the first tile miss the keys before their tile
+    assert np.abs(outs[1][:, tile:] - dense[:, tile:]).max() > 1e-2
+    np.testing.assert_allclose(outs[1][:, :tile], dense[:, :tile], rtol=1e-4, atol=1e-5)  # first tile: all it sees
+
+
+def _pooled_np(q, k, tile, lengths):
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    nT = -(-T // tile)
+    out = np.zeros((B, Hq, nT, T))
+    for b in range(B):
+        for h in range(Hq):
+            kk = k[b, :, h // G].astype(np.float64)
+            for i in range(nT):
+                s = i * tile
+                for t in range(s, min(s + tile, T)):
+                    if t >= lengths[b]:
+                        continue
+                    x = kk[:t + 1] @ q[b, t, h].astype(np.float64) / math.sqrt(D)
+                    p = np.exp(x - x.max())
+                    p /= p.sum()
+                    out[b, h, i, :t + 1] += p
+    return out
+
+
+def test_padding_rows_add_nothing_to_the_pooled_weights():
+    """sts.tile_head_topk with lengths: the query rows at or past a row's length (right padding) add nothing to the
+    tile-pooled weights. Checked against numpy: per query head and query tile starting at s, the causal softmax
+    weights of the tile's rows t < lengths[b], summed over those rows, over the keys j < s; the top W of them."""
+    rng = np.random.default_rng(0)
+    B, T, Hq, Hkv, D, tile, W = 2, 12, 2, 1, 8, 4, 3
+    q = rng.standard_normal((B, T, Hq, D)).astype(np.float32)
+    k = rng.standard_normal((B, T, Hkv, D)).astype(np.float32)
+    lengths = np.asarray([10, 12], np.int32)  # row 0: positions 10, 11 are padding (inside its last tile)
+    val, idx = tile_head_topk(jnp.asarray(q), jnp.asarray(k), tile, W, jnp.asarray(lengths))
+    val, idx = np.asarray(val), np.asarray(idx)
+    pooled = _pooled_np(q, k, tile, lengths)
+    for b in range(B):
+        for h in range(Hq):
+            for i in range(-(-T // tile)):
+                s = i * tile
+                n_keys = min(W, s)
+                assert (idx[b, h, i] >= 0).sum() == n_keys
+                if not n_keys:
+                    continue
+                want = np.sort(pooled[b, h, i, :s])[::-1][:n_keys]
+                np.testing.assert_allclose(val[b, h, i, :n_keys], want, rtol=1e-4, atol=1e-6)
+                # the indices hold those weights
+                np.testing.assert_allclose(pooled[b, h, i, idx[b, h, i, :n_keys]], want, rtol=1e-4, atol=1e-6)

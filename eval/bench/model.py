@@ -15,7 +15,8 @@ state fit beside the weights (`largest_batch`, from the device's free memory; th
     python -m eval.bench.model --methods dense,kascade,evosparse --context 131072 --batch 1,4,max --out b.json
 
 The decode loop is the library's own decode (`models.llama.decode` in a jitted `fori_loop`, the cache and the
-method's state carried and donated), as `jsparse generate` runs it. Methods whose calibration means nothing on
+method's state carried and donated); `--loop generate` times `jsparse generate`'s own loop instead
+(`models.generate.decode_loop`: a `while_loop` that stops on the tokens, with its sampling and bookkeeping). Methods whose calibration means nothing on
 random weights get synthetic state of the right shape (the JSON's `state` field says which): Kascade 5 anchors
 evenly spread (layer 0 first) with the identity head map; EvoSparse 1.5% of the heads as retrieval heads drawn
 at random (as eval/bench/evosparse.py); TokenButler a randomly initialised predictor of the model's preset size.
