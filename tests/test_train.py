@@ -1,5 +1,6 @@
 """TokenButler predictor and its training: shapes and sizes, resume after a kill, data and checkpoint errors."""
 
+import dataclasses
 import errno
 import json
 import os
@@ -260,6 +261,29 @@ def test_checkpoint_from_another_model_or_data_is_refused(uninterrupted, model_p
     with pytest.raises(TrainError, match="max_seconds=-5: expected a positive number"):
         train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg, progress=False,
               max_seconds=-5)
+
+
+MAY_CHANGE = {"checkpoint_every", "keep_checkpoints", "loss_impl", "interpret"}  # TrainConfig's docstring
+
+
+def test_identity_is_every_field_but_the_changeable_ones():
+    """A run's identity (what a resume must match) is every TrainConfig field but those the docstring lets change;
+    a field dropped from it (say end_lr_ratio) would let a resumed run finish under another schedule."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert set(TC.identity()) == names - MAY_CHANGE
+    for name in names - MAY_CHANGE:
+        assert TC.identity()[name] == getattr(TC, name)
+
+
+@pytest.mark.parametrize("change", [{"end_lr_ratio": 0.5}, {"weight_decay": 0.05}, {"clip_norm": 0.5},
+                                    {"warmup_steps": 3}, {"steps": 7}, {"seed": 1}, {"causal": False}])
+def test_resume_with_another_schedule_or_optimizer_setting_is_refused(uninterrupted, model_params, pcfg, chunks,
+                                                                     change):
+    out, _ = uninterrupted
+    (name, _), = change.items()
+    with pytest.raises(TrainError, match=f"another training config.*{name}"):
+        train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=dataclasses.replace(TC, **change),
+              pcfg=pcfg, progress=False)
 
 
 def test_checkpoint_of_an_earlier_fingerprint_scheme_says_so(tmp_path, uninterrupted, model_params, pcfg, chunks):
