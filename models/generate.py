@@ -89,6 +89,12 @@ def sample(logits: Array, key: Array, sampling: Sampling) -> Array:
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+def stop_ids(eos_ids: tuple[int, ...]) -> Array:
+    """i32[E]: the ids that end a row, for `jnp.isin`; with none, -2, which no sampled token equals (-1 marks a
+    done row's slot)."""
+    return jnp.asarray(eos_ids if eos_ids else (-2,), jnp.int32)
+
+
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -233,7 +239,7 @@ def _generate_tokens(params: Params, method, tokens: Array, lengths: Array, key:
     key, sub = jax.random.split(key)
     tok = sample(logits, sub, sampling)
     bad = jnp.any(jnp.isnan(logits), axis=-1)  # garbage: the row ends with no token
-    eos = jnp.asarray(eos_ids if eos_ids else (-2,), jnp.int32)
+    eos = stop_ids(eos_ids)
     out = jnp.full((B, max_new_tokens), -1, jnp.int32).at[:, 0].set(jnp.where(bad, -1, tok))
     done = jnp.isin(tok, eos) | bad
     num = (~bad).astype(jnp.int32)
@@ -245,13 +251,13 @@ def _generate_tokens(params: Params, method, tokens: Array, lengths: Array, key:
 
 
 def decode_loop(params: Params, method, tok: Array, cache: KVCache, state, key: Array, *, cfg: ModelConfig,
-                sampling: Sampling, eos: Array, stop, out: Array, done: Array, num: Array, start: int = 1):
+                sampling: Sampling, eos: Array, stop, out: Array, done: Array, num: Array):
     """The decode loop of `generate_tokens` (traced inside its jit; also what `jsparse bench model --loop generate`
-    times): from step `start` while step < stop (traced or static) and some row is not done, one `llama.decode`
-    step, a token sampled per row, written into out[:, step] (-1 for a done row), num counted and done updated
-    (an `eos` token, or NaN logits: garbage, the row ends uncounted).
+    times): from step 1 (the prefill wrote step 0) while step < stop (traced or static) and some row is not done, one
+    `llama.decode` step, a token sampled per row, written into out[:, step] (-1 for a done row), num counted and done
+    updated (an `eos` token, or NaN logits: garbage, the row ends uncounted).
 
-    Args: tok i32[B] the last tokens; key the PRNG key (split each step); eos i32[E] the stop ids; out
+    Args: tok i32[B] the last tokens; key the PRNG key (split each step); eos i32[E] the stop ids (`stop_ids`); out
       i32[B, W] (W >= stop), done bool[B], num i32[B] as the prefill left them.
     Returns: (tok, cache, state, done, out, num, key) after the last step."""
 
@@ -271,7 +277,7 @@ def decode_loop(params: Params, method, tok: Array, cache: KVCache, state, key: 
         done = done | jnp.isin(new, eos)
         return step + 1, jnp.where(new < 0, tok, new), cache, state, done, out, num, key
 
-    init = (jnp.int32(start), tok, cache, state, done, out, num, key)
+    init = (jnp.int32(1), tok, cache, state, done, out, num, key)
     return jax.lax.while_loop(cond, body, init)[1:]
 
 

@@ -51,7 +51,7 @@ from models import llama
 from models import sharding
 from models.cache import KVCache, cache_axes, init_cache
 from models.config import ModelConfig
-from models.generate import Sampling, check_count, sample, scaled_logits
+from models.generate import Sampling, check_count, sample, scaled_logits, stop_ids
 from models.params import Params
 from models.compile_options import model_jit
 
@@ -272,7 +272,7 @@ def spec_round(t_params: Params, d_params: Params, t_method, d_method, s: SpecSt
     j = jnp.arange(gamma + 1)[None]
     emitted = jnp.concatenate([drafts, drafts[:, :1]], axis=1)
     emitted = jnp.where(j == a[:, None], new[:, None], emitted)
-    eos = jnp.asarray(eos_ids if eos_ids else (-2,), jnp.int32)
+    eos = stop_ids(eos_ids)
     is_eos = jnp.isin(emitted, eos) & (j <= a[:, None])
     first_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1), gamma + 1)
     count = jnp.minimum(jnp.minimum(a + 1, first_eos + 1), limit).astype(jnp.int32)
@@ -303,7 +303,7 @@ def spec_loop(t_params: Params, d_params: Params, t_method, d_method, s: SpecSta
     """
     B = s.tok.shape[0]
     width = max_new_tokens + gamma + 1
-    eos = jnp.asarray(eos_ids if eos_ids else (-2,), jnp.int32)
+    eos = stop_ids(eos_ids)
     bad = s.tok < 0
     out = jnp.full((B, width), -1, jnp.int32).at[:, 0].set(s.tok)
     num = jnp.where(bad, 0, 1).astype(jnp.int32)

@@ -420,7 +420,7 @@ def test_generate_loop_is_generate_tokens_loop(tiny):
     continued from the prefill's cache and first token."""
     from models import llama
     from models.cache import init_cache
-    from models.generate import Sampling, decode_loop, generate_tokens
+    from models.generate import Sampling, decode_loop, generate_tokens, stop_ids
 
     cfg, params = tiny
     method, _ = bench_model.bench_method("dense", cfg, 0.25)
@@ -433,7 +433,7 @@ def test_generate_loop_is_generate_tokens_loop(tiny):
     tok = jnp.argmax(logits, -1).astype(jnp.int32)
     out = jnp.full((2, 6), -1, jnp.int32).at[:, 0].set(tok)
     res = decode_loop(params, method, tok, cache, state, jax.random.key(0), cfg=cfg, sampling=Sampling(),
-                      eos=jnp.asarray((-2,), jnp.int32), stop=6, out=out, done=jnp.zeros((2,), bool),
+                      eos=stop_ids(()), stop=6, out=out, done=jnp.zeros((2,), bool),
                       num=jnp.ones((2,), jnp.int32))
     np.testing.assert_array_equal(res[4], want)
     np.testing.assert_array_equal(res[5], num)

@@ -14,17 +14,17 @@ state fit beside the weights (`largest_batch`, from the device's free memory; th
 
     python -m eval.bench.model --methods dense,kascade,evosparse --context 131072 --batch 1,4,max --out b.json
 
-The decode loop is the library's own decode (`models.llama.decode` in a jitted `fori_loop`, the cache and the
-method's state carried and donated); `--loop generate` times `jsparse generate`'s own loop instead
-(`models.generate.decode_loop`: a `while_loop` that stops on the tokens, with its sampling and bookkeeping). Methods whose calibration means nothing on
-random weights get synthetic state of the right shape (the JSON's `state` field says which): Kascade 5 anchors
-evenly spread (layer 0 first) with the identity head map; EvoSparse 1.5% of the heads as retrieval heads drawn
-at random (as eval/bench/evosparse.py); TokenButler a randomly initialised predictor of the model's preset size.
-`tsa` and `tsa+kascade` are prefill methods: `tsa` decodes as dense and `tsa+kascade` exactly as `kascade` (TSA
-hands Kascade's per-role runs of layers on), so they get prefill rows only (`--prefill-context`). Random weights
-give flat attention, on which TSA's coverage keeps nearly every token, so both keep a fixed share of every row
-(`TSA.kept_fraction`, `--tsa-kept`, default 0.68: the paper's 54% attention-map sparsity), the selection still
-TSA's own scoring; `tsa+kascade` runs Kascade's synthetic state inside the compressed space.
+The decode loop is the library's own decode (`models.llama.decode` in a jitted `fori_loop`, the cache and the method's
+state carried and donated); `--loop generate` times `jsparse generate`'s own loop instead
+(`models.generate.decode_loop`: a `while_loop` that stops on the tokens, with its sampling and bookkeeping). Methods
+whose calibration means nothing on random weights get synthetic state of the right shape (the JSON's `state` field says
+which): Kascade 5 anchors evenly spread (layer 0 first) with the identity head map; EvoSparse 1.5% of the heads as
+retrieval heads drawn at random (as eval/bench/evosparse.py); TokenButler a randomly initialised predictor of the
+model's preset size. `tsa` and `tsa+kascade` are prefill methods: `tsa` decodes as dense and `tsa+kascade` exactly as
+`kascade` (TSA hands Kascade's per-role runs of layers on), so they get prefill rows only (`--prefill-context`). Random
+weights give flat attention, on which TSA's coverage keeps nearly every token, so both keep a fixed share of every row
+(`TSA.kept_fraction`, `--tsa-kept`, default 0.68: the paper's 54% attention-map sparsity), the selection still TSA's own
+scoring; `tsa+kascade` runs Kascade's synthetic state inside the compressed space.
 
 `--attention-only` cuts the preset's hidden and MLP widths to 512 and keeps its attention (layers, heads, KV heads,
 head dim): the prefill and decode rows then time each method's whole-model attention, its selection state
@@ -65,7 +65,7 @@ from jsparse.xla_flags import GPU_XLA_FLAGS
 from jsparse.methods import make_method
 from models import llama
 from models.cache import KVCache, init_cache
-from models.generate import Sampling, decode_loop, round_up
+from models.generate import Sampling, decode_loop, round_up, stop_ids
 from models.params import LAYOUTS, is_fused, random_params, with_layout
 from models.presets import preset
 from models.compile_options import model_jit
@@ -419,7 +419,7 @@ def method_decode_steps(params, method, tok, cache, state, *, cfg, steps, unroll
             raise ValueError(f"unroll={unroll!r}: generate's loop runs the rolled layer scan; expected 1")
         B = tok.shape[0]
         res = decode_loop(params, method, tok[:, 0], cache, state, jax.random.key(0), cfg=cfg, sampling=Sampling(),
-                          eos=jnp.asarray((-2,), jnp.int32), stop=steps + 1,
+                          eos=stop_ids(()), stop=steps + 1,
                           out=jnp.full((B, steps + 1), -1, jnp.int32), done=jnp.zeros((B,), bool),
                           num=jnp.ones((B,), jnp.int32))
         return res[0][:, None], res[1], res[2]
@@ -579,7 +579,8 @@ def run_methods(shape: str, methods, contexts, batches, steps: int, out: str | N
                                                        "num_kv_heads", "head_dim", "vocab_size")},
                "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), "measured_hbm_gbs": hbm,
                "param_bytes": nparams, "fused_projections": fused, "decode_steps_timed": steps,
-               "decode_layer_unroll": unroll, "decode_loop": loop, "measured_matmul_tflops": mm or None, "methods": checks, "rows": rows}
+               "decode_layer_unroll": unroll, "decode_loop": loop, "measured_matmul_tflops": mm or None,
+               "methods": checks, "rows": rows}
     if out:
         bm.write_json(out, payload)
     if contexts:
@@ -727,7 +728,8 @@ def main(argv=None, prog=None):
         except ValueError as e:
             p.error(str(e))
     if a.unroll_layers and a.loop != "fori":
-        p.error(f"--unroll-layers with --loop {a.loop}: generate's loop runs the rolled layer scan; expected --loop fori")
+        p.error(f"--unroll-layers with --loop {a.loop}: generate's loop runs the rolled layer scan; expected "
+                "--loop fori")
     if not contexts and (methods == ("dense",) or not a.prefill_context.strip()):
         p.error("--context is empty: expected decode contexts, or --methods with --prefill-context")
     from eval.bench.model_check import CheckFailed
