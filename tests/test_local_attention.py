@@ -25,11 +25,12 @@ def _inputs(seed, T, Hq, Hkv, D, dtype, B=2):
     return q, k, v
 
 
-def _dense_reference(q, k, v, window, sinks):
+def _dense_reference(q, k, v, window, sinks, scale=None):
     B, T, Hq, _ = q.shape
     f = lambda x: x.astype(jnp.float32)  # noqa: E731
     mask = jnp.broadcast_to(jnp.asarray(banded_mask(T, window, sinks)), (B, Hq, T, T))
-    return masked_attention_reference(f(q), f(k).transpose(0, 2, 1, 3), f(v).transpose(0, 2, 1, 3), mask)
+    return masked_attention_reference(f(q), f(k).transpose(0, 2, 1, 3), f(v).transpose(0, 2, 1, 3), mask,
+                                      scale=scale)
 
 
 CASES = [  # T, Hq, Hkv, D, window, sinks, dtype, block sizes
@@ -130,3 +131,15 @@ def test_dispatch_and_errors():
         assert default_implementation(64, 4) == "xla"
     with pytest.raises(ValueError, match="window=200, sinks=4: the TPU kernel serves window <= 129"):
         local_attention(q, k, v, window=200, sinks=4, implementation="pallas_tpu")
+
+
+@pytest.mark.parametrize("scale", [0.05, 0.9])
+def test_xla_path_uses_the_given_scale(scale):
+    """The CPU default honours a custom softmax scale (no library caller passes one, so a path falling back to
+    1/sqrt(D) had passed every other test; a mutation audit's survivor)."""
+    q, k, v = _inputs(0, 45, 4, 2, 16, jnp.float32)
+    got = local_attention(q, k, v, window=8, sinks=3, scale=scale, implementation="xla")
+    want = _dense_reference(q, k, v, 8, 3, scale=scale)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    default = local_attention(q, k, v, window=8, sinks=3, implementation="xla")
+    assert float(jnp.max(jnp.abs(default - want))) > 1e-2  # the test tells the scales apart

@@ -23,15 +23,27 @@ def _inputs(B, T, Hq, Hkv, D, dtype, seed=0):
     return q, k
 
 
-def _brute_force(q, k, window, pool_kernel, lengths):
-    """float64 numpy: the full causal attention matrix of every row, its last-W rows, explicit pooling."""
+def _np_pool(scores, pool, lengths):
+    """float64 numpy: 'same' average pooling of each row's first lengths[b] scores, zero padded, 0 past them."""
+    B, H, T = scores.shape
+    half = pool // 2
+    out = np.zeros((B, H, T))
+    for b in range(B):
+        n = int(lengths[b])
+        for j in range(n):
+            out[b, :, j] = scores[b, :, max(0, j - half):min(n, j + half + 1)].sum(-1) / pool
+    return out
+
+
+def _brute_force(q, k, window, pool_kernel, lengths, scale=None):
+    """float64 numpy: the full causal attention matrix of every row, its last-W rows, explicit pooling
+    (`_np_pool`)."""
     q = np.asarray(jnp.asarray(q, jnp.float32), np.float64)
     k = np.asarray(jnp.asarray(k, jnp.float32), np.float64)
     B, T, Hq, D = q.shape
     G = Hq // k.shape[2]
-    scale = D ** -0.5
-    out = np.zeros((B, Hq, T))
-    half = pool_kernel // 2
+    scale = D ** -0.5 if scale is None else scale
+    mean = np.zeros((B, Hq, T))
     for b in range(B):
         n = int(lengths[b])
         if n == 0:
@@ -41,11 +53,8 @@ def _brute_force(q, k, window, pool_kernel, lengths):
             logits = np.where(np.tril(np.ones((n, n), bool)), logits, -np.inf)
             probs = np.exp(logits - logits.max(1, keepdims=True))
             probs /= probs.sum(1, keepdims=True)
-            mean = probs[max(0, n - window):].mean(0)  # [n]
-            for j in range(n):
-                lo, hi = max(0, j - half), min(n, j + half + 1)
-                out[b, h, j] = mean[lo:hi].sum() / pool_kernel
-    return out
+            mean[b, h, :n] = probs[max(0, n - window):].mean(0)
+    return _np_pool(mean, pool_kernel, lengths)
 
 
 def _rel_err(a, b):
@@ -235,17 +244,6 @@ def test_shape_errors():
     assert default_scale(64, None) == 0.125
 
 
-def _np_pool(scores, pool, lengths):
-    B, H, T = scores.shape
-    half = pool // 2
-    out = np.zeros((B, H, T))
-    for b in range(B):
-        n = int(lengths[b])
-        for j in range(n):
-            out[b, :, j] = scores[b, :, max(0, j - half):min(n, j + half + 1)].sum(-1) / pool
-    return out
-
-
 @pytest.mark.parametrize("pool", [3, 7])
 def test_avg_pool_keys_pads_with_zeros_past_lengths(pool):
     """avg_pool_keys treats the keys at or past `lengths` as zero padding going in, not only zeroes them coming out.
@@ -260,3 +258,14 @@ def test_avg_pool_keys_pads_with_zeros_past_lengths(pool):
     got = avg_pool_keys(scores, pool, lengths)
     np.testing.assert_allclose(np.asarray(got, np.float64), _np_pool(scores.astype(np.float64), pool, lengths),
                                rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("scale", [0.03, 1.0])
+def test_xla_path_uses_the_given_scale(scale):
+    """tsa_scores' CPU default honours a custom softmax scale (no library caller passes one, so a path falling back
+    to 1/sqrt(D) had passed every other test; a mutation audit's survivor)."""
+    q, k = _inputs(2, 30, 4, 2, 16, jnp.float32, seed=3)
+    lengths = np.array([30, 17], np.int32)
+    got = tsa_scores(q, k, window=8, pool_kernel=3, lengths=lengths, scale=scale, implementation="xla")
+    np.testing.assert_allclose(np.asarray(got, np.float64), _brute_force(q, k, 8, 3, lengths, scale=scale),
+                               rtol=1e-4, atol=1e-6)
