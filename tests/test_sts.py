@@ -18,6 +18,7 @@ from models.attention import LayerContext
 from models.bundled import LoadedModel
 from models.config import ModelConfig
 from models.params import random_params
+from pallas_kernels.sparse_attention.reference import masked_attention_reference
 
 CFG = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3,
                   num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512, eos_token_ids=(3,))
@@ -897,24 +898,10 @@ def test_record_selection_option():
         STS(head_map=hm, draft_layers=1, draft_heads=4, record_selection="fast")
 
 
-def _causal_np(q, k, v):
-    B, T, Hq, D = q.shape
-    G = Hq // k.shape[2]
-    out = np.zeros_like(q, dtype=np.float64)
-    for b in range(B):
-        for h in range(Hq):
-            x = q[b, :, h].astype(np.float64) @ k[b, :, h // G].astype(np.float64).T / math.sqrt(D)
-            x = np.where(np.tril(np.ones((T, T), bool)), x, -np.inf)
-            p = np.exp(x - x.max(-1, keepdims=True))
-            p /= p.sum(-1, keepdims=True)
-            out[b, :, h] = p @ v[b, :, h // G]
-    return out
-
-
 def test_layer_dense_layers_is_sparse_and_the_one_before_dense():
     """STS(dense_layers=d): layers 0..d-1 attend densely in prefill and layer d is already sparse. With an empty draft
     record (no recorded key) a sparse layer's query sees only its own causal tile, so its output differs from full
-    causal attention; layer d - 1's equals it (numpy causal attention)."""
+    causal attention; layer d - 1's equals it (the masked dense reference, causal)."""
     rng = np.random.default_rng(0)
     L, B, T, Hq, Hkv, D, tile = 3, 1, 16, 2, 1, 8, 4
     q = rng.standard_normal((B, T, Hq, D)).astype(np.float32)
@@ -923,7 +910,9 @@ def test_layer_dense_layers_is_sparse_and_the_one_before_dense():
     head_map = jnp.zeros((L, Hq, 2), jnp.int32)
     m = STS(head_map=head_map, draft_layers=1, draft_heads=Hq, budget=0.25, min_tokens=0, tile=tile, dense_layers=1)
     state = empty_record(1, B, Hq, T // tile, 4)  # nothing recorded
-    dense = _causal_np(q, k, v)
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, Hq, T, T))
+    head_major = lambda x: jnp.asarray(x).transpose(0, 2, 1, 3)  # noqa: E731 - [B, Hkv, T, D], as the reference reads
+    dense = np.asarray(masked_attention_reference(jnp.asarray(q), head_major(k), head_major(v), causal), np.float64)
     lengths = jnp.asarray([T], jnp.int32)
     outs = {}
     for layer in (0, 1):
