@@ -10,6 +10,7 @@ import pytest
 from flax import struct
 
 from jsparse.artifacts import Artifact, ArtifactError, save_artifact
+from jsparse.methods import evosparse_calibration as ecal
 from jsparse.methods import make_method
 from jsparse.methods.evosparse import (DEFAULT_FRACTIONS, EvoSparse, EvoState, _cumulative_fixed, ablation_fractions,
                                       split_counts)
@@ -22,7 +23,6 @@ from models.generate import Sampling, generate_tokens
 from models.params import random_params
 from pallas_kernels.dense import dense_decode
 from pallas_kernels.sparse_attention.reference import masked_attention_reference
-from jsparse.methods.evosparse_calibration import head_scores
 
 B, HQ, HKV, D = 2, 4, 2, 16
 G = HQ // HKV
@@ -417,6 +417,30 @@ def test_calibration_scores_and_artifact(params):
             run_cli(Model, windows, SimpleNamespace(**{**base, **extra}))
     with pytest.raises(ValueError, match="--length 100: the default needle prompts .* expected --length >= 128"):
         run_cli(Model, windows[:, :100], SimpleNamespace(**base))
+
+
+def test_calibration_counts_a_prompt_at_exactly_min_recall(monkeypatch):
+    """The head scores are averaged over the prompts where the model retrieved the needle, "at least `min_recall` of
+    the needle tokens reproduced": a prompt whose recall equals min_recall counts (with `>` for `>=` a needle of 8
+    tokens copied 4 times would be dropped at the default 0.5). The model run is stubbed to give the outcomes."""
+    L = CFG.num_layers
+    # Prompt 0 copies half its needle (recall 0.5 == min_recall), prompt 1 a quarter.
+    outcomes = iter([(np.ones((1, L, HQ)), np.array([0.5])), (np.zeros((1, L, HQ)), np.array([0.25]))])
+    monkeypatch.setattr(ecal, "special_prefix", lambda tok: [])
+    monkeypatch.setattr(ecal, "needle_prompt",
+                        lambda tok, filler, length, depth, words: (np.zeros(length, np.int32), 10,
+                                                                   np.arange(4, dtype=np.int32)))
+    monkeypatch.setattr(ecal, "copy_run", lambda params, tokens, lengths, *, cfg, steps, capacity: (
+        np.zeros((steps, tokens.shape[0]), np.int32), np.zeros((steps, L, tokens.shape[0], HQ), np.int32)))
+    monkeypatch.setattr(ecal, "head_scores", lambda tokens, gen, am, starts, needles: next(outcomes))
+
+    class Model:
+        cfg, params, tokenizer, name = CFG, None, None, "stub"
+
+    art = calibrate(Model, np.zeros((2, 64), np.int32), lengths=[64], depths=[0.5], min_recall=0.5)
+    assert art.meta["retrieved_prompts"] == 1 and art.meta["fallback"] is None
+    np.testing.assert_allclose(art.arrays["scores"], np.ones((L, HQ)))  # the retrieving prompt's scores alone
+    np.testing.assert_allclose(art.arrays["recall"], [0.5, 0.25])
 
 
 def test_head_scores_counts_copy_events():

@@ -1,11 +1,30 @@
-"""The anchor dynamic program against brute force, and the head map."""
+"""The anchor dynamic program against brute force, the head map, and calibration on a tiny random model."""
 
 import itertools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jsparse.methods.kascade_calibration import brute_force_anchors, head_map_for, layer_similarity, select_anchors
+from jsparse.methods.kascade_calibration import (anchors_for_share, brute_force_anchors, calibrate, head_map_for,
+                                                 layer_similarity, per_layer_share, report, select_anchors,
+                                                 share_matrix)
+from models.config import ModelConfig
+from models.params import random_params
+
+TINY = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=5,
+                   num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512)
+KW = dict(budget=0.1, tile=16, min_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def tiny_params():
+    return random_params(TINY, jax.random.key(0), jnp.float32, scale=0.5)
+
+
+def _prompts(n, T):
+    return [np.asarray(jax.random.randint(jax.random.key(i), (1, T), 0, 64)) for i in range(n)]
 
 
 @pytest.mark.parametrize("L", [1, 2, 3, 5, 7, 10])
@@ -72,8 +91,6 @@ def test_layer_similarity_is_the_best_anchor_head_averaged_over_reusing_heads():
 
 
 def test_share_anchors_keep_every_reuse_layer_above_target():
-    from jsparse.methods.kascade_calibration import anchors_for_share, per_layer_share, share_matrix
-
     rng = np.random.default_rng(0)
     L = 12
     S = rng.uniform(0.3, 0.9, size=(L, L))
@@ -99,8 +116,6 @@ def test_share_anchors_are_the_fewest_brute_force():
     in order took more in about 1 case in 8: a layer the current anchor serves badly can start a run whose anchor
     serves it and its successors well, where the scan made both an anchor); among equally few, the largest total
     share."""
-    from jsparse.methods.kascade_calibration import anchors_for_share, per_layer_share
-
     rng = np.random.default_rng(1)
     scan_took_more = 0
     for trial in range(300):
@@ -122,21 +137,10 @@ def test_share_anchors_are_the_fewest_brute_force():
     assert scan_took_more > 0  # the case the dynamic program is for occurs on such matrices
 
 
-def test_calibrate_by_share_on_a_tiny_model():
+def test_calibrate_by_share_on_a_tiny_model(tiny_params):
     """End to end on a tiny random model: anchors, head map and the per-layer shares in the artifact's meta."""
-    import jax
-    import jax.numpy as jnp
-
-    from jsparse.methods.kascade_calibration import calibrate, report
-    from models.config import ModelConfig
-    from models.params import random_params
-
-    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=5,
-                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512)
-    params = random_params(cfg, jax.random.key(0), jnp.float32, scale=0.5)
-    prompts = [np.asarray(jax.random.randint(jax.random.key(i), (1, 256), 0, 64)) for i in range(2)]
-    kw = dict(budget=0.1, tile=16, min_tokens=8)
-    art = calibrate(params, cfg, prompts, target_share=0.97, reuse_scale=2.0, **kw)
+    prompts = _prompts(2, 256)
+    art = calibrate(tiny_params, TINY, prompts, target_share=0.97, reuse_scale=2.0, **KW)
     m = art.meta
     assert m["target_share"] == 0.97 and m["reuse_scale"] == 2.0 and m["anchors"][0] == 0
     assert len(m["share"]) == len(m["share_wide"]) == 5
@@ -144,25 +148,43 @@ def test_calibrate_by_share_on_a_tiny_model():
         assert (m["share"][l] == 1.0) if l in m["anchors"] else (0.97 <= m["share"][l] <= m["share_wide"][l] + 1e-9)
     assert art.arrays["head_map"].shape == (5, 2) and art.arrays["similarity_wide"].shape == (5, 5, 2, 2)
     assert "anchors" in report(art) and f"{len(m['anchors'])} anchors" in report(art)
-    fixed = calibrate(params, cfg, prompts, num_anchors=2, **kw)
+    # sim[l1, l2, h1, h2] is a share of layer l2's tile-pooled attention mass, normalised over the keys before each
+    # tile (the module docstring), so every similarity, plain or wide, lies in [0, 1] (up to ~17 unnormalised).
+    for name in ("similarity", "similarity_wide"):
+        s = art.arrays[name]
+        assert s.min() >= 0.0 and s.max() <= 1.0 + 1e-5, (name, s.min(), s.max())
+    # The wider sets (reuse_scale * k keys, a superset per tile) recover at least as much.
+    assert np.all(art.arrays["similarity_wide"] >= art.arrays["similarity"] - 1e-5)
+    fixed = calibrate(tiny_params, TINY, prompts, num_anchors=2, **KW)
     assert len(fixed.meta["anchors"]) == 2 and fixed.meta["target_share"] is None
     with pytest.raises(ValueError, match="reuse_scale=0.5"):
-        calibrate(params, cfg, prompts, reuse_scale=0.5, **kw)
-    # The prompts count alike however they are batched (each batch counted once before).
-    batched = calibrate(params, cfg, [np.concatenate(prompts)], target_share=0.97, reuse_scale=2.0, **kw)
-    for name in ("similarity", "similarity_wide", "importance"):
-        np.testing.assert_allclose(batched.arrays[name], art.arrays[name], rtol=1e-5, atol=1e-6)
+        calibrate(tiny_params, TINY, prompts, reuse_scale=0.5, **KW)
     # Prompts too short for any tile's top-k to leave a key out: every similarity was 1, anchors [0], a collapsed
     # head map, written without a word.
     with pytest.raises(ValueError, match=r"prompts of 16 tokens: no query tile's top-k leaves a key out .*at least "
                                          r"17 tokens"):
-        calibrate(params, cfg, [p[:, :16] for p in prompts], **kw)
+        calibrate(tiny_params, TINY, [p[:, :16] for p in prompts], **KW)
+
+
+def test_calibration_counts_every_prompt_once_in_batches_of_unequal_size(tiny_params):
+    """similarity, similarity_wide and importance are means over the prompts, each counting once however they are
+    batched (batches of one size cannot tell a per-row weighting from weighting only the first batch by its rows)."""
+    rows = _prompts(3, 128)
+    kw = dict(KW, target_share=0.97, reuse_scale=2.0)
+    names = ("similarity", "similarity_wide", "importance")
+    each = [calibrate(tiny_params, TINY, [r], **kw) for r in rows]
+    want = {n: np.mean([a.arrays[n].astype(np.float64) for a in each], axis=0) for n in names}
+    assert not np.allclose(each[0].arrays["similarity"], each[1].arrays["similarity"], atol=1e-3)
+    for batches in ([rows[0], np.concatenate(rows[1:])], [np.concatenate(rows[:2]), rows[2]], rows,
+                    [np.concatenate(rows)]):
+        art = calibrate(tiny_params, TINY, batches, **kw)
+        assert art.meta["prompts"] == 3
+        for n in names:
+            np.testing.assert_allclose(art.arrays[n], want[n], rtol=1e-5, atol=1e-6)
 
 
 def test_share_equal_to_target_is_served():
     """A reuse layer whose share equals the target exactly is served ('at least `target`')."""
-    from jsparse.methods.kascade_calibration import anchors_for_share, per_layer_share
-
     L = 5
     # A perfect recovery (share 1.0 everywhere) meets target 1.0: one anchor, layer 0.
     assert anchors_for_share(np.ones((L, L)), 1.0) == [0]

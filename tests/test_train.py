@@ -18,7 +18,7 @@ from models.presets import preset
 from pallas_kernels.logit_mse import logit_mse_reference
 from train import data as data_lib
 from train.loop import TrainConfig, TrainError, predictor_qk, record_qk, read_checkpoint_meta, train
-from train.predictor import checked_param_count, describe, preset_config
+from train.predictor import auto_config, checked_param_count, describe, preset_config
 
 CFG = ModelConfig(architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=3,
                   num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
@@ -56,6 +56,7 @@ def uninterrupted(tmp_path_factory, model_params, pcfg, chunks):
 
 def test_smollm2_preset_is_about_one_percent():
     pc = preset_config(SMOLLM2)
+    pc_smol_width = pc.qk_hidden
     size = describe(pc, SMOLLM2)
     assert pc.num_params() == checked_param_count(pc) == 1_381_504
     assert 0.009 < size["fraction"] < 0.011, size
@@ -64,6 +65,29 @@ def test_smollm2_preset_is_about_one_percent():
         pc = preset_config(cfg)
         assert pc.num_params() == checked_param_count(pc)
         assert 0.009 < describe(pc, cfg)["fraction"] < 0.0115, name
+    assert auto_config(SMOLLM2).qk_hidden == pc_smol_width == 128  # the preset's width is auto's rule (d' 16)
+
+
+AUTO_MODELS = [
+    SMOLLM2,
+    ModelConfig(architecture="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+                num_heads=32, num_kv_heads=8, head_dim=64, tie_word_embeddings=True, max_position_embeddings=8192),
+    ModelConfig(architecture="llama", vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_layers=24,
+                num_heads=16, num_kv_heads=4, head_dim=64, max_position_embeddings=4096),
+]
+
+
+@pytest.mark.parametrize("key_heads", ["query", "kv"])
+def test_auto_qk_hidden_is_the_closest_multiple_of_64(key_heads):
+    """auto_config's qk_hidden is the multiple of 64 (at least 64) whose predictor comes closest to `fraction` of
+    the model (train/predictor.py); on models where the floor of 64 binds, rounding down looked the same."""
+    for cfg in AUTO_MODELS:
+        for fraction in (0.005, 0.01, 0.013, 0.02, 0.03, 0.047):
+            base = auto_config(cfg, fraction, key_heads)
+            target = fraction * cfg.num_params()
+            size = lambda h: dataclasses.replace(base, qk_hidden=h).num_params()  # noqa: E731
+            want = min(range(64, 64 * 400, 64), key=lambda h: (abs(size(h) - target), h))
+            assert base.qk_hidden == want, (cfg.hidden_size, fraction, base.qk_hidden, want)
 
 
 @pytest.mark.parametrize("chunk", [None, 3])
@@ -95,6 +119,57 @@ def test_predictor_shapes_and_incremental_equals_full(pcfg, chunk, monkeypatch):
         ks.append(k_t)
     np.testing.assert_allclose(jnp.concatenate(qs, 1), qp, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(jnp.concatenate(ks, 1), kp, rtol=1e-5, atol=1e-5)
+
+
+def _np_rope(x, pos, theta):  # x: [B, T, H, d], rotate-half convention
+    d = x.shape[-1]
+    f = pos[..., None] * (1.0 / theta ** (np.arange(0, d, 2) / d))
+    emb = np.concatenate([f, f], -1)[:, :, None]
+    return x * np.cos(emb) + np.concatenate([-x[..., d // 2:], x[..., :d // 2]], -1) * np.sin(emb)
+
+
+def _np_silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def _np_predictor(p, c, x, pos):
+    """float64 numpy transcription of butler_predictor's module docstring: down-projection, causal softmax attention
+    with RoPE (scaled by 1/sqrt(head width)) plus residual, LayerNorm, feed-forward back up to E plus the residual x,
+    then q' = rope(q_out(silu(q_in(y)))) and k' = rope(k_out(silu(k_in(y))))."""
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
+    B, T, _ = x.shape
+    h = x @ p["down"]["kernel"]
+    q = _np_rope(np.einsum("btd,dhk->bthk", h, p["wq"]["kernel"]), pos, c.rope_theta)
+    k = _np_rope(np.einsum("btd,dhk->bthk", h, p["wk"]["kernel"]), pos, c.rope_theta)
+    v = np.einsum("btd,dhk->bthk", h, p["wv"]["kernel"])
+    s = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1])
+    s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+    w = np.exp(s - s.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    h = h + np.einsum("bthk,hkd->btd", np.einsum("bhts,bshd->bthd", w, v), p["wo"]["kernel"])
+    mu, var = h.mean(-1, keepdims=True), h.var(-1, keepdims=True)
+    h = (h - mu) / np.sqrt(var + c.ln_eps) * p["norm"]["scale"] + p["norm"]["bias"]
+    y = x + _np_silu(h @ p["ffn_up"]["kernel"] + p["ffn_up"]["bias"]) @ p["ffn_down"]["kernel"] + p["ffn_down"]["bias"]
+
+    def net(a, b, heads):
+        out = _np_silu(y @ p[a]["kernel"] + p[a]["bias"]) @ p[b]["kernel"] + p[b]["bias"]
+        out = _np_rope(out.reshape(B, T, (c.num_layers - 1) * heads, c.head_dim), pos, c.rope_theta)
+        return out.reshape(B, T, c.num_layers - 1, heads, c.head_dim)
+
+    return net("q_in", "q_out", c.num_heads), net("k_in", "k_out", c.key_heads)
+
+
+def test_predictor_forward_matches_its_definition(pcfg):
+    """The module against the numpy transcription (the other tests compare it only with itself, so a dropped
+    attention scale or residual went unnoticed)."""
+    params = init_params(pcfg, jax.random.key(0))
+    # Larger attention weights than the default init, so that the softmax's scale matters.
+    params = {**params, "wq": {"kernel": params["wq"]["kernel"] * 4.0}, "wk": {"kernel": params["wk"]["kernel"] * 4.0}}
+    x = np.random.default_rng(1).standard_normal((2, 12, CFG.hidden_size))
+    pos = np.broadcast_to(np.arange(12), (2, 12))
+    got = Predictor(pcfg).apply({"params": params}, jnp.asarray(x, jnp.float32), jnp.asarray(pos, jnp.int32))
+    for g, want in zip(got, _np_predictor(params, pcfg, x, pos)):
+        np.testing.assert_allclose(np.asarray(g), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
 def test_predictor_config_errors():

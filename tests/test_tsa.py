@@ -83,15 +83,25 @@ def test_delta_outside_range_is_an_error(delta, params):
         tcal.calibrate(params, CFG, [np.zeros((1, 16), np.int32)], delta=delta)
 
 
-def test_calibration_weights_prompts_alike_and_refuses_an_empty_selection(params):
-    """The drift is a token mean over every prompt however they are batched (each batch counted once before), and a
-    delta below 1/L, which selects no layer, is refused (an artifact with no sparse layer was written)."""
-    rows = [np.asarray(jax.random.randint(jax.random.key(i), (1, 32), 4, CFG.vocab_size)) for i in range(3)]
-    one = tcal.calibrate(params, CFG, rows, delta=1.0).arrays["drift"]
-    two = tcal.calibrate(params, CFG, [np.concatenate(rows[:2]), rows[2]], delta=1.0).arrays["drift"]
-    np.testing.assert_allclose(two, one, rtol=1e-5)
+def test_calibration_drift_is_a_token_mean_and_refuses_an_empty_selection(params):
+    """The drift is one mean over every valid token of all prompts (a longer prompt weighs more; not a mean of
+    per-prompt or per-batch means) however they are batched and padded, and a delta below 1/L, which selects no
+    layer, is refused (an artifact with no sparse layer was written). Prompts of two lengths: with one length a
+    weighting by rows agrees with one by tokens."""
+    short = np.asarray(jax.random.randint(jax.random.key(1), (1, 8), 4, CFG.vocab_size), np.int32)
+    long = np.asarray(jax.random.randint(jax.random.key(2), (1, 56), 4, CFG.vocab_size), np.int32)
+    d_short = tcal.calibrate(params, CFG, [short], delta=1.0).arrays["drift"].astype(np.float64)
+    d_long = tcal.calibrate(params, CFG, [long], delta=1.0).arrays["drift"].astype(np.float64)
+    assert not np.allclose(d_short, d_long, rtol=1e-2)  # the weighting matters for these prompts
+    want = (8 * d_short + 56 * d_long) / 64  # every token counts once
+    separate = tcal.calibrate(params, CFG, [short, long], delta=1.0).arrays["drift"]
+    np.testing.assert_allclose(separate, want, rtol=1e-5)
+    # One right-padded batch of both rows (lengths 8 and 56) gives the same token mean.
+    padded = np.concatenate([np.pad(short, ((0, 0), (0, 48)), constant_values=5), long])
+    batched = tcal.calibrate(params, CFG, [(padded, np.asarray([8, 56], np.int32))], delta=1.0).arrays["drift"]
+    np.testing.assert_allclose(batched, want, rtol=1e-5)
     with pytest.raises(ValueError, match=rf"delta=0.1: selects none of the {CFG.num_layers} layers"):
-        tcal.calibrate(params, CFG, rows, delta=0.1)
+        tcal.calibrate(params, CFG, [short, long], delta=0.1)
 
 
 def test_other_argument_errors():
