@@ -108,20 +108,16 @@ class Session:
         common = dict(t_cfg=m.cfg, d_cfg=d.cfg, sampling=self.sampling)
         self.key, k1, k2 = jax.random.split(self.key, 3)
         # The message right-padded to its 64-token bucket (one compilation serves the bucket), within the rows the
-        # cache has left: a later message's padding rows are decoded past the conversation, then rolled back. Not a
-        # later message to a target that selects from the draft's attention (STS): the draft's padding rows would
-        # join its selection; that message compiles `append_step` per length.
+        # cache has left: a later message's padding rows are decoded past the conversation, then rolled back (an
+        # STS draft leaves them out of the record its target selects by).
         from jsparse.api import pad_batch
 
         later = self.state is not None
-        if later and getattr(self.t_method, "adopt_draft", None) is not None:
-            msg, length = jnp.asarray([ids], jnp.int32), None
-        else:
-            msg, length = pad_batch([ids], limit=self.capacity - (len(self.tokens) + 1 if later else 0))
-            msg, length = jnp.asarray(msg), jnp.asarray(length)
+        msg, length = pad_batch([ids], limit=self.capacity - (len(self.tokens) + 1 if later else 0))
+        msg, length = jnp.asarray(msg), jnp.asarray(length)
         if self.mesh is not None:
             msg = sharding.shard_batch(msg, self.mesh)
-            length = None if length is None else sharding.shard_batch(length, self.mesh)
+            length = sharding.shard_batch(length, self.mesh)
         # The session changes only once the whole step has succeeded: a step refused while it is traced (before
         # anything runs) leaves it as it was; one that fails after the old state was donated marks it lost.
         try:

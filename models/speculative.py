@@ -110,6 +110,11 @@ def _end_verify(method, state, count):
     return state if fn is None else fn(state, count)
 
 
+def _message_rows(method, state, rows):
+    fn = getattr(method, "message_rows", None)
+    return state if fn is None else fn(state, rows)
+
+
 def _end_prefill(method, cfg, state, batch, max_len):
     fn = getattr(method, "end_prefill", None)
     return state if fn is None else fn(cfg, state, batch, max_len)
@@ -168,19 +173,23 @@ def spec_append(t_params: Params, d_params: Params, t_method, d_method, s: SpecS
     method may adopt the draft's state). lengths: i32[B] (1 .. M, traced) each row's message tokens, the rest
     right padding (one compilation serves every message of a padded width): the padding rows are decoded as a
     round's rejected verification rows are (the target's `begin_verify` / `end_verify` keep the state of the rows
-    kept) and both caches roll back past them by their lengths; None: all M.
+    kept; a recording draft's `message_rows` keeps them out of the record a target selects by) and both caches roll
+    back past them by their lengths; None: all M.
     """
     n = s.target.lengths
     B, M = tokens.shape
     feed = jnp.concatenate([s.tok[:, None], tokens.astype(jnp.int32)], axis=1)  # [B, M + 1]
+    m = None if lengths is None else jnp.clip(jnp.asarray(lengths, jnp.int32), 1, M)
+    d_state = s.d_state if m is None else _message_rows(d_method, s.d_state, m + 2)  # [prev, tok] and the message
     _, d_cache, d_state = llama.decode(d_params, d_cfg, d_method, jnp.concatenate([s.prev[:, None], feed], axis=1),
-                                       s.draft.replace(lengths=n - 1), s.d_state)
+                                       s.draft.replace(lengths=n - 1), d_state)
+    if m is not None:
+        d_state = _message_rows(d_method, d_state, None)
     t_state = _adopt(t_method, s.t_state, d_state)
-    if lengths is None:
+    if m is None:
         logits, t_cache, t_state = llama.decode(t_params, t_cfg, t_method, feed, s.target, t_state)
         return SpecState(target=t_cache, draft=d_cache, t_state=t_state, d_state=d_state,
                          tok=sample(logits[:, -1], key, sampling), prev=feed[:, -1])
-    m = jnp.clip(jnp.asarray(lengths, jnp.int32), 1, M)
     t_state = _begin_verify(t_method, t_state, M + 1)
     logits, t_cache, t_state = llama.decode(t_params, t_cfg, t_method, feed, s.target, t_state)
     t_state = _end_verify(t_method, t_state, m + 1)  # the pending token and the message rows

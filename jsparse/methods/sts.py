@@ -147,9 +147,11 @@ def in_place_probs(q: Array, cache) -> bool:
             and q.dtype in (jnp.bfloat16, jnp.float16) and dense_decode_supported("pallas_gpu", q))
 
 
-def attend_and_probs(q: Array, cache, lengths: Array, in_place: bool | None = None) -> tuple[Array, Array]:
+def attend_and_probs(q: Array, cache, lengths: Array, in_place: bool | None = None,
+                     rows: Array | None = None) -> tuple[Array, Array]:
     """Dense decode attention and the draft's record row: each query head's post-softmax weights over the cache,
-    summed over the T new queries.
+    summed over the T new queries (with `rows`, i32[B], over row b's first rows[b] queries alone: the others are a
+    padded message's padding; this takes the XLA path).
 
     In place (`in_place_probs`; None: by that rule): the split-K dense decode kernel reads the layer's K and V
     from the stacked cache (no copy of the layer) and writes the logits it computes, from which one XLA pass
@@ -163,12 +165,15 @@ def attend_and_probs(q: Array, cache, lengths: Array, in_place: bool | None = No
       (out [B, T, Hq, D] in q's dtype, probs f32[B, Hq, N]; 0 at keys >= lengths).
     """
     if in_place is None:
-        in_place = in_place_probs(q, cache)
+        in_place = rows is None and in_place_probs(q, cache)
     if in_place:
         k_all, v_all, layer = stacked_cache(cache)
         return dense_decode_stacked(q, k_all, v_all, layer, lengths, return_probs=True, implementation="pallas_gpu")
-    probs = head_probs(q, cache.k, sel.decode_positions(lengths, q.shape[1])).sum(axis=2)  # [B, Hq, N]
-    return attend_dense(q, cache, lengths), probs
+    T = q.shape[1]
+    probs = head_probs(q, cache.k, sel.decode_positions(lengths, T))  # [B, Hq, T, N]
+    if rows is not None:
+        probs = jnp.where(jnp.arange(T)[None, None, :, None] < rows[:, None, None, None], probs, 0.0)
+    return attend_dense(q, cache, lengths), probs.sum(axis=2)
 
 
 def record_limit(lengths: Array, T: int) -> Array:
@@ -362,6 +367,10 @@ class DraftRecord:
     # The target's keys of every sparse target layer inside one decode forward (`STS.start_rows`, dropped by
     # `STS.finish`): i32[L_t - dense_layers, B, Hkv_t, K + T], ascending, -1 padded.
     chosen: Array | None = None
+    # Inside the draft's forward of an appended message right-padded to its bucket (`StsDraft.message_rows`, set
+    # and cleared around that forward by `models.speculative.spec_append`): i32[B], the forward's real query rows
+    # ([prev, tok] and the message); the rows past them are padding, whose weights are not recorded.
+    rows: Array | None = None
 
 
 def empty_record(layers: int, batch: int, heads: int, rows: int, width: int, pool: int = 0) -> DraftRecord:
@@ -487,6 +496,12 @@ class StsDraft(_Budget):
         `first_step_mask` the round's first: T >= 2)."""
         return not (self.first_step_mask and q_len == 1)
 
+    def message_rows(self, state, rows):
+        """The state for (rows: i32[B]) or after (None) a decode forward of an appended message right-padded to its
+        bucket, whose first rows[b] query rows are real: the padding rows' weights stay out of the record (the
+        target would otherwise select keys by them)."""
+        return state.replace(rows=rows)
+
     def start_rows(self, cfg, state, phase, lengths, q_len, kv_len):
         """A recording decode forward with `record_after_scan`: the buffer of every layer's weight rows."""
         if phase != "decode" or not self.record_after_scan or not self.records(q_len):
@@ -585,7 +600,8 @@ class StsDraft(_Budget):
             out, lse, weights, bmax = dense_decode_record(q, k_all, v_all, layer, ctx.lengths, state.weights,
                                                           state.bmax, ctx.layer, block=RECORD_BLOCK)
             return out, state.replace(weights=weights, lse=at_layer(state.lse, lse), bmax=bmax)
-        out, probs = attend_and_probs(q, cache, ctx.lengths)  # probs f32[B, Hq, N], 0 at keys >= lengths
+        # probs f32[B, Hq, N], 0 at keys >= lengths; in a padded message's forward its real rows' alone
+        out, probs = attend_and_probs(q, cache, ctx.lengths, rows=state.rows)
         limit = record_limit(ctx.lengths, T)
         if T > 1:  # the forward's own new keys past `prev` are not recorded (`record_limit`)
             probs = jnp.where(jnp.arange(probs.shape[-1], dtype=jnp.int32) < limit[:, None, None], probs, 0.0)
