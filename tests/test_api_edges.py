@@ -437,11 +437,16 @@ def test_session_first_messages_of_one_bucket_share_the_compiled_prefill():
     assert prefill_step._cache_size() == size
 
 
-@pytest.mark.parametrize("method", ["dense", "h2o", "quest"])
+STS_OPTIONS = {"sts": {}, "sts-per-layer": {"record_after_scan": False},
+               "sts-first-step-mask": {"first_step_mask": True, "mask_pool": 2}}
+
+
+@pytest.mark.parametrize("method", ["dense", "h2o", "quest", *STS_OPTIONS])
 def test_a_padded_message_appends_as_the_message_alone(method):
     """spec_append with a message right-padded to its bucket (lengths traced) leaves the conversation where the
-    unpadded message does: the same next token, cache lengths and following reply, the padding rows rolled back
-    (H2O's accumulated scores through end_verify; Quest's page bounds)."""
+    unpadded message does: the same state, next token, cache lengths and following reply, the padding rows rolled
+    back (H2O's accumulated scores through end_verify; Quest's page bounds) or, for an STS draft, left out of the
+    record its target selects by (a Session compiled its STS appends per message length before)."""
     import jax
 
     from jsparse.methods import make_method
@@ -449,24 +454,36 @@ def test_a_padded_message_appends_as_the_message_alone(method):
     from models.speculative import append_step, loop_step, prefill_step
 
     model, draft = _tiny(), _tiny(layers=1, seed=1)
-    m = make_method(method, **({} if method == "dense" else {"budget": 0.3, "min_tokens": 4}))
-    d = make_method("dense")
+    if method in STS_OPTIONS:
+        rng = np.random.default_rng(3)
+        hm = np.stack([np.zeros((3, 4), np.int32), rng.integers(0, 4, (3, 4))], -1).astype(np.int32)
+        m, d = make_method("sts", cfg=model.cfg, draft=draft, head_map=hm, budget=0.2, min_tokens=4, tile=16,
+                           **STS_OPTIONS[method]).for_round(draft.cfg, 2)
+    else:
+        m = make_method(method, **({} if method == "dense" else {"budget": 0.3, "min_tokens": 4}))
+        d = make_method("dense")
     common = dict(t_cfg=model.cfg, d_cfg=draft.cfg, sampling=Sampling())
-    prompt, msg = jnp.asarray([list(range(5, 45))], jnp.int32), [7, 8, 9, 10, 11]
-    replies = []
+    prompt, msg = jnp.asarray([list(range(5, 65))], jnp.int32), [7, 8, 9, 10, 11, 40, 41, 42, 43]
+    states, replies = [], []
     for padded in (False, True):
-        s = prefill_step(model.params, draft.params, m, d, prompt, jnp.asarray([40]), jax.random.key(0),
+        s = prefill_step(model.params, draft.params, m, d, prompt, jnp.asarray([60]), jax.random.key(0),
                          capacity=256, **common)
         if padded:
-            s = append_step(model.params, draft.params, m, d, s, jnp.asarray([msg + [0] * 59], jnp.int32),
-                            jax.random.key(1), jnp.asarray([5], jnp.int32), **common)
+            s = append_step(model.params, draft.params, m, d, s, jnp.asarray([msg + [0] * 55], jnp.int32),
+                            jax.random.key(1), jnp.asarray([9], jnp.int32), **common)
         else:
             s = append_step(model.params, draft.params, m, d, s, jnp.asarray([msg], jnp.int32), jax.random.key(1),
                             **common)
-        assert int(s.target.lengths[0]) == int(s.draft.lengths[0]) == 46  # the prompt, its reply's token, msg
+        assert int(s.target.lengths[0]) == int(s.draft.lengths[0]) == 70  # the prompt, its reply's token, msg
+        states.append(jax.tree.map(np.asarray, (s.d_state, s.t_state, s.tok, s.prev)))
         out, num, _, _, s = loop_step(model.params, draft.params, m, d, s, jax.random.key(2), gamma=2,
                                       max_new_tokens=8, eos_ids=(), **common)
         replies.append(np.asarray(out)[0, :int(num[0])].tolist())
+    if method == "quest":  # the bounds of the page the padding reached hold it until a write there refreshes them
+        states = [(d_s, jax.tree.map(lambda x: x[:, :, :, :70 // m.page_size], t_s), *rest)
+                  for d_s, t_s, *rest in states]
+    for got, want in zip(jax.tree.leaves(states[1]), jax.tree.leaves(states[0]), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert replies[0] == replies[1] and len(replies[0]) == 8
 
 

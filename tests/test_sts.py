@@ -225,44 +225,6 @@ def test_three_turn_session_equals_dense(pair):
         session.send_ids([4 + i % 100 for i in range(200)], max_new_tokens=10)
 
 
-@pytest.mark.parametrize("options", [{}, {"record_after_scan": False}, {"first_step_mask": True, "mask_pool": 2}])
-def test_a_padded_message_keeps_the_draft_record_of_its_rows(pair, options):
-    """spec_append with a message right-padded to its bucket (a Session's later message, one compilation per
-    bucket) leaves the state of the unpadded append: the draft records the weights of [prev, tok] and the message's
-    rows alone (the padding rows' weights are not in the record the target selects by), and the replies that follow
-    are the same. A Session compiled its STS appends per message length before."""
-    from models.generate import Sampling
-    from models.speculative import append_step, loop_step, prefill_step
-
-    target, draft = pair
-    rng = np.random.default_rng(3)
-    hm = np.stack([rng.integers(0, DRAFT_CFG.num_layers, (CFG.num_layers, CFG.num_heads)),
-                   rng.integers(0, DRAFT_CFG.num_heads, (CFG.num_layers, CFG.num_heads))], -1).astype(np.int32)
-    sts = make_method("sts", cfg=CFG, draft=draft, head_map=hm, budget=0.2, min_tokens=4, tile=16, **options)
-    m, d = sts.for_round(DRAFT_CFG, 2)
-    common = dict(t_cfg=CFG, d_cfg=DRAFT_CFG, sampling=Sampling())
-    prompt = jnp.asarray(rng.integers(4, 128, (1, 60)), jnp.int32)
-    msg = [int(t) for t in rng.integers(4, 128, 9)]
-    states, replies = [], []
-    for padded in (False, True):
-        s = prefill_step(target.params, draft.params, m, d, prompt, jnp.asarray([60]), jax.random.key(0),
-                         capacity=256, **common)
-        if padded:
-            s = append_step(target.params, draft.params, m, d, s, jnp.asarray([msg + [5] * 55], jnp.int32),
-                            jax.random.key(1), jnp.asarray([9], jnp.int32), **common)
-        else:
-            s = append_step(target.params, draft.params, m, d, s, jnp.asarray([msg], jnp.int32), jax.random.key(1),
-                            **common)
-        assert int(s.target.lengths[0]) == int(s.draft.lengths[0]) == 70 and s.d_state.rows is None
-        states.append(jax.tree.map(np.asarray, (s.d_state, s.t_state, s.tok, s.prev)))
-        out, num, _, _, s = loop_step(target.params, draft.params, m, d, s, jax.random.key(2), gamma=2,
-                                      max_new_tokens=12, eos_ids=(), **common)
-        replies.append(np.asarray(out)[0, :int(num[0])].tolist())
-    for got, want in zip(jax.tree.leaves(states[1]), jax.tree.leaves(states[0])):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    assert replies[0] == replies[1] and len(replies[0]) == 12
-
-
 @pytest.mark.parametrize("selection", [None, "xla"])
 def test_sts_decode_selects_the_mapped_draft_heads_top_k(selection):
     """STS-D on one layer: the draft's recorded rows (its T newest queries, pooled) -> per query head top-W ->
