@@ -39,6 +39,12 @@ def test_topk_mask_matches_sorting_with_ties_to_the_lower_position():
     want = _np_topk_mask(scores, np.broadcast_to(k, (3, 2)), np.broadcast_to(eligible, scores.shape))
     np.testing.assert_array_equal(got, want)
     assert (got.sum(-1) == np.broadcast_to(k, (3, 2))).all()
+    scores = jnp.array([[0.0, 0.0, 1.0, 0.0, 0.0]])
+    eligible = jnp.array([[False, True, True, False, True]])
+    got = np.asarray(sel.topk_mask(scores, jnp.array([2], jnp.int32), eligible))
+    np.testing.assert_array_equal(got, [[False, True, True, False, False]])  # the zero tie: lowest eligible position
+    got = np.asarray(sel.topk_mask(scores, jnp.array([3], jnp.int32), eligible))
+    np.testing.assert_array_equal(got, [[False, True, True, False, True]])
 
 
 def test_coverage_drop_count_is_the_light_tail_below_tau():
@@ -52,6 +58,12 @@ def test_coverage_drop_count_is_the_light_tail_below_tau():
             p = s / s.sum() if s.size else s
             assert got[b] == int(np.sum(np.cumsum(p) < tau)), (b, tau)
     assert np.asarray(sel.coverage_drop_count(jnp.asarray(scores), jnp.asarray(eligible), 0.0)).max() == 0
+    scores = jnp.array([[1.0, 1.0, 2.0, 0.0], [0.0, 0.0, 3.0, 1.0]])
+    eligible = jnp.ones((2, 4), bool)
+    # row 0: p = (.25, .25, .5, 0) sorted (0, .25, .25, .5), cumsum (0, .25, .5, 1): below 0.5 are 2, not 3
+    np.testing.assert_array_equal(sel.coverage_drop_count(scores, eligible, 0.5), [2, 3])
+    # tau = 0 drops nothing, even keys of zero mass (0 < 0 is false)
+    np.testing.assert_array_equal(sel.coverage_drop_count(scores, eligible, 0.0), [0, 0])
 
 
 def test_group_probs_pool_to_pooled_probs_and_group_sum():
@@ -99,6 +111,11 @@ def test_check_layers_and_positive_int():
     for bad in (0, True, 1.5, "2"):
         with pytest.raises(ValueError, match="expected an integer >= 1"):
             sel.check_positive_int("n", bad)
+    assert sel.integer_array("head_map", np.array([[0, 2]], np.int16)).dtype == np.int16
+    np.testing.assert_array_equal(sel.integer_array("head_map", [3, 1]), [3, 1])
+    for bad, dtype in (([0.0, 1.7], "float64"), ([True, False], "bool"), (np.array([1.0], np.float32), "float32")):
+        with pytest.raises(ValueError, match=rf"head_map has dtype {dtype}: expected integers \(indices\)"):
+            sel.integer_array("head_map", bad)
 
 
 def test_budget_tokens_of_an_int_equal_a_traced_rows():
@@ -113,6 +130,17 @@ def test_budget_tokens_of_an_int_equal_a_traced_rows():
     assert budget_count(0.3, 3200, 16) == 961 == int(budget_count(0.3, jnp.asarray([3200]), 16)[0])
     with pytest.raises(ValueError, match="budget=True"):
         sel.check_budget(True)
+    n = np.arange(3150, 3250)
+    np.testing.assert_array_equal(sel.topk_kept(0.3, n, 16), [sel.budget_tokens(0.3, int(i), 16) for i in n])
+    assert sel.topk_kept(0.3, 3200, 16) == 961.0
+    np.testing.assert_array_equal(sel.topk_map_entries(None, np.array([0, 1, 4])), [0.0, 1.0, 10.0])
+    # min_tokens 1, budget 0.5: queries 0..3 keep 1, 1, 2, 2 of their 1, 2, 3, 4 keys
+    np.testing.assert_array_equal(sel.topk_map_entries(0.5, np.array([0, 1, 3, 4]), 1), [0.0, 1.0, 4.0, 6.0])
+    assert sel.check_budget(1) == 1.0 and sel.check_budget(np.float32(0.5)) == 0.5
+    assert sel.check_budget(1e-9) == 1e-9
+    for bad in (0, 0.0, -0.1, 1.0000001, float("nan")):
+        with pytest.raises(ValueError, match=rf"budget={bad!r}: expected a fraction of the context in \(0, 1\]"):
+            sel.check_budget(bad)
 
 
 def test_budget_split_counts_sum_to_the_budget_and_favour_the_first_components():
@@ -142,6 +170,23 @@ def test_budget_split_counts_sum_to_the_budget_and_favour_the_first_components()
         budget_split.drop_components((0, 0, 1, 0), "abcd", ("c",))
     with pytest.raises(ValueError, match="sum to 0.9"):
         budget_split.check_fractions((0.5, 0.4), ("x_fraction", "y_fraction"))
+    # Ensuring a component of fraction 0 ensures it nothing (the split is the plain one).
+    cum = budget_split.cumulative_fixed((0.5, 0.0, 0.5))
+    for kb in range(0, 40):
+        assert budget_split.split_counts(kb, cum, ensure=1) == budget_split.split_counts(kb, cum)
+    # the first component has fraction 0: the ensured block comes from the first component that has one
+    cum = budget_split.cumulative_fixed((0.0, 0.5, 0.5))
+    assert budget_split.split_counts(1, cum) == (0, 1, 0)
+    assert budget_split.split_counts(1, cum, ensure=2) == (0, 0, 1)
+    kb = np.arange(0, 40)
+    counts = budget_split.split_counts(kb, cum, ensure=2)
+    assert min(int(c.min()) for c in counts) == 0 and (sum(counts) == kb).all()
+    assert ((counts[2] >= 1) == (kb >= 1)).all()
+    names = ("x_fraction", "y_fraction")
+    for bad in ((1.5, -0.5), (float("nan"), 1.0), (float("inf"), 1.0), (True, 0.0)):
+        with pytest.raises(ValueError, match=r"expected numbers >= 0 that sum to 1"):
+            budget_split.check_fractions(bad, names)
+    assert budget_split.check_fractions((np.float32(0.25), 0.75), names) == (0.25, 0.75)
 
 
 def test_block_budget_attended_fraction_counts_whole_blocks():
@@ -158,6 +203,14 @@ def test_block_budget_attended_fraction_counts_whole_blocks():
     assert (nb, Kb) == (16, 4) and len(widths) == 2
     tok = budget_split.BlockBudget(budget=0.25, min_tokens=8, block_size=4, fractions=(1.0,), tokens=6)
     assert tok.widths(64)[1] == 2
+    # attended_fraction takes the blocks `row` (the kernels' f32 rule) gives: at budget 0.3 and n = 3200 the f32
+    # product keeps 961 keys (61 blocks of 16), the f64 one 960 (60 blocks).
+    bb = budget_split.BlockBudget(budget=0.3, min_tokens=16, block_size=16, fractions=(0.5, 0.5))
+    p = np.arange(3100, 3300)
+    kb, _, _ = bb.row(jnp.asarray(p, jnp.int32))
+    want = budget_split.blocks_fraction(np.asarray(kb), p, 16)
+    np.testing.assert_array_equal(bb.attended_fraction(p), want)
+    assert bb.attended_fraction(3199) == pytest.approx(61 * 16 / 3200)  # its own block complete
 
 
 def test_heat_update_decay_and_pool_against_numpy():
@@ -180,6 +233,12 @@ def test_heat_update_decay_and_pool_against_numpy():
     np.testing.assert_allclose(heat.pool_blocks(x, 4, 5), [[6, 22, 17, 0, 0]])
     with pytest.raises(ValueError, match="need 3 blocks of 4, more than the 2"):
         heat.pool_blocks(x, 4, 2)
+    rng = np.random.default_rng(5)
+    h = rng.random((2, 3, 6)).astype(np.float32)
+    mass = rng.random((2, 3, 6)).astype(np.float32)
+    want = 0.25 * h.astype(np.float64) + mass
+    np.testing.assert_allclose(heat.heat_step(jnp.asarray(h), jnp.asarray(mass), 0.25), want, rtol=1e-6)
+    np.testing.assert_allclose(heat.heat_step(jnp.asarray(h), jnp.asarray(mass), 1.0), h + mass, rtol=1e-6)  # H2O
 
 
 def test_scan_rows_runs_rows_in_order_on_one_layer():
@@ -224,6 +283,10 @@ def test_capacities_and_the_bucket_switch():
     for largest, want in ((1, 256), (256, 256), (257, 512), (999, 1000), (1000, 1000)):
         assert float(pick(jnp.int32(largest), jnp.bool_(False))) == want
     assert float(pick(jnp.int32(10), jnp.bool_(True))) == -1
+    assert compression.capacities(1000, 4, exact=0) == (128, 256, 512, 768, 1000)  # never a capacity of 0
+    assert compression.capacities(1000, 4, exact=1) == (128, 256, 512, 768, 1000)
+    assert compression.capacities(1000, 4, exact=600) == (256, 512, 640, 768, 1000)
+    assert compression.capacities(100, 2, exact=0) == (100,)  # capped at T
 
 
 def test_map_sparsity_and_kept_summary():
@@ -234,6 +297,11 @@ def test_map_sparsity_and_kept_summary():
     s = compression.kept_summary(kept, lengths)
     np.testing.assert_allclose(s["kept_fraction"], [1.0, 0.75])
     np.testing.assert_allclose(s["attention_map_sparsity"], [0, (1 - 30 / 110) / 2])
+    got = compression.causal_map_sparsity(np.array([0, 0, 1]), np.array([0, -3, 1]))
+    np.testing.assert_array_equal(got, [1.0, 1.0, 0.0])  # n < 1 counts as 1: k = 0 skips all of it
+    s = compression.kept_summary(np.array([[0, 4]]), np.array([0, 4]))
+    np.testing.assert_array_equal(s["kept_fraction"], [0.5])
+    np.testing.assert_array_equal(s["attention_map_sparsity"], [0.5])
 
 
 def test_retrieval_layout_and_top_heads():
@@ -256,6 +324,32 @@ def test_retrieval_layout_and_top_heads():
         want = sorted(range(flat.size), key=lambda i: (-flat[i], i))[:num]
         assert retrieval_heads.top_heads(grid, num) == [(i // 9, i % 9) for i in want]
     assert retrieval_heads.default_num_heads(cfg) == 1
+    for L, Hq in ((32, 32), (28, 28), (24, 14), (2, 4)):
+        cfg = types.SimpleNamespace(num_layers=L, num_heads=Hq, num_kv_heads=2)
+        assert retrieval_heads.default_num_heads(cfg) == max(1, round(0.015 * L * Hq)), (L, Hq)
+    cfg = types.SimpleNamespace(num_layers=28, num_heads=28, num_kv_heads=4)
+    assert retrieval_heads.default_num_heads(cfg) == 12  # 11.76 rounds up
+    assert retrieval_heads.default_num_heads(types.SimpleNamespace(num_layers=32, num_heads=32)) == 15  # 15.36
+    assert retrieval_heads.default_num_heads(cfg, fraction=0.1) == 78  # 78.4
+    scores = np.array([[0, 5, 1, 1], [2, 0, 0, 5], [0, 0, 0, 0]], float)
+    flat = scores.ravel()
+    want = [(i // 4, i % 4) for i in sorted(range(12), key=lambda i: (-flat[i], i))]
+    assert retrieval_heads.top_heads(scores, 12) == want  # num = L * Hq: every head, best first
+    for bad in (13, 0, 2.0, True):
+        with pytest.raises(ValueError, match=rf"num_retrieval_heads={bad!r}: expected between 1 and the model's 12"):
+            retrieval_heads.top_heads(scores, bad)
+    cfg = types.SimpleNamespace(num_layers=3, num_heads=4, num_kv_heads=2)
+    with pytest.raises(ValueError, match=r"\(layer=3, head=0\): expected layer in \[0, 3\) and head in \[0, 4\)"):
+        retrieval_heads.retrieval_layout(cfg, [(3, 0)])
+    with pytest.raises(ValueError, match=r"\(layer=-1, head=0\): expected layer in \[0, 3\)"):
+        retrieval_heads.retrieval_layout(cfg, [(-1, 0)])
+    for layer, head in ((1.7, 0), (True, 0), (1, np.float32(2.0))):
+        with pytest.raises(ValueError, match="expected integer indices"):
+            retrieval_heads.retrieval_layout(cfg, [(layer, head)])
+    lay = retrieval_heads.retrieval_layout(cfg, [(np.int64(0), np.int32(3))])  # numpy integers are integers
+    np.testing.assert_array_equal(lay.has_retrieval, [True, False, False])
+    assert int(lay.kv_heads[0, 0]) == 1
+    np.testing.assert_array_equal(lay.head_mask[0, 0], [False, True])
 
 
 def test_load_retrieval_heads_refuses_zero_heads(tmp_path):
@@ -313,3 +407,17 @@ def test_scratch_is_uninitialised_without_a_mesh_and_zeros_under_one():
     with jax.sharding.use_abstract_mesh(AbstractMesh((2,), ("data",))):
         assert prims(lambda: scratch((2, 3), jnp.float32)) == ["broadcast_in_dim"]
         assert jax.eval_shape(lambda: scratch((2, 3), jnp.int32)).dtype == jnp.int32
+
+
+def test_prefill_tile_probs_ignores_lengths_past_the_prompt():
+    """lengths >= T count T rows (`row_limits`): the padding rows that fill the last tile past T add nothing."""
+    np.testing.assert_array_equal(sel.row_limits(jnp.array([3, 10, 5]), 3, 5), [3, 5, 5])
+    np.testing.assert_array_equal(sel.row_limits(None, 2, 7), [7, 7])
+    B, T, Hq, Hkv, D = 2, 10, 4, 2, 8
+    rng = np.random.default_rng(7)
+    q = jnp.asarray(rng.standard_normal((B, T, Hq, D)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, T, Hkv, D)), jnp.float32)
+    want = np.asarray(sel.prefill_tile_probs(q, k, 4))  # [B, Hkv, 3, T]
+    got = np.asarray(sel.prefill_tile_probs(q, k, 4, jnp.array([T + 3, T])))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(want[:, :, 2].sum(-1), 2 * (Hq // Hkv), rtol=1e-5)  # 2 real rows in the last tile
