@@ -353,17 +353,31 @@ def parse_layers(text: str, num_layers: int) -> list[int]:
         if b < a:
             raise ValueError(f"layers={text!r}: range {part} runs backwards")
         layers.extend(range(a, b + 1))
+    return check_layers(layers, num_layers, text)
+
+
+def check_layers(layers: Sequence[int], num_layers: int, text=None) -> list[int]:
+    """`layers` as a list of ints if each lies in [0, num_layers) and appears once, ascending (the kept layers of
+    `keep_layers`; an index past the model would read its last layer, as JAX clamps a gather), else an error naming
+    them (as `text`, the user's spelling, when given)."""
+    shown = f"layers={text if text is not None else list(layers)!r}"
+    if isinstance(layers, (str, bytes)) or not all(
+            isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in layers) or len(layers) == 0:
+        raise ValueError(f"{shown}: expected a non-empty list of integer layer indices")
+    layers = [int(x) for x in layers]
     if any(not 0 <= x < num_layers for x in layers):
-        raise ValueError(f"layers={text!r}: expected layers between 0 and {num_layers - 1} (the model has "
-                         f"{num_layers} layers)")
+        raise ValueError(f"{shown}: expected layers between 0 and {num_layers - 1} (the model has {num_layers} "
+                         "layers)")
     if layers != sorted(set(layers)):
-        raise ValueError(f"layers={text!r}: expected each layer once, in ascending order")
+        raise ValueError(f"{shown}: expected each layer once, in ascending order")
     return layers
 
 
 def keep_layers(model: LoadedModel, layers: Sequence[int]) -> LoadedModel:
     """A copy of `model` with only `layers` (embedding, final norm and head kept): a layer-skipped draft. A model
-    on a mesh stays on it (its params placed as `models.sharding` places the new shapes)."""
+    on a mesh stays on it (its params placed as `models.sharding` places the new shapes). `layers`: distinct, ascending,
+    in [0, num_layers) (`check_layers`)."""
+    layers = check_layers(layers, model.cfg.num_layers)
     idx = np.asarray(layers, np.int32)
     params = model.params.replace(layers=jax.tree_util.tree_map(lambda x: x[idx], model.params.layers))
     # A windowed model keeps each kept layer's own window (Qwen2/Qwen3 window only some layers).

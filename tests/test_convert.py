@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 from models import bundled
 from models.bundled import load_gguf_cached, params_cache_path
-from models.config import ConfigError
+from models.config import ConfigError, RopeConfig
 from models.convert import from_transformers, load_hf_folder
 from models.gguf_loader import load_gguf, permute_qk, unpermute_qk
 
@@ -546,3 +546,132 @@ def test_a_key_a_config_leaves_out_means_what_it_means_to_transformers(tmp_path)
     path.write_text("[1, 2]")
     with pytest.raises(ConfigError, match=r"config.json holds a list: expected a JSON object"):
         ModelConfig.from_hf(str(path))
+
+
+def test_gguf_metadata_scalars_reach_the_config(tmp_path):
+    """rms eps, rope theta, context length and the bos / eos ids come from the file, not from their defaults
+    (the tiny model's values equal the defaults 1e-5 / 10000, which hid a reader that ignored them)."""
+    model = tiny_llama()
+    model.config.rms_norm_eps = 1e-6
+    model.config.rope_parameters = {"rope_type": "default", "rope_theta": 500000.0}
+    model.config.max_position_embeddings = 300
+    path = write_gguf(model, tmp_path / "meta.gguf", extra=lambda w: (w.add_bos_token_id(3), w.add_eos_token_id(5)))
+    cfg, _ = load_gguf(path)
+    assert cfg.rms_norm_eps == pytest.approx(1e-6, rel=1e-6)
+    assert cfg.rope == RopeConfig(theta=500000.0)
+    assert cfg.max_position_embeddings == 300
+    assert (cfg.bos_token_id, cfg.eos_token_ids) == (3, (5,))
+
+
+def test_gguf_qwen2_biases_load_equal_to_hf_folder(tmp_path):
+    """Qwen2 GGUFs carry q/k/v biases (blk.N.attn_q.bias ...) and are not Q/K-permuted."""
+    torch.manual_seed(7)
+    config = transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(0.3 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "hf")
+    cfg_g, params_g = load_gguf(write_gguf(model, tmp_path / "qwen2.gguf"))
+    cfg_h, params_h = load_hf_folder(tmp_path / "hf")
+    assert cfg_g.architecture == "qwen2" and cfg_g.qkv_bias and not cfg_g.o_bias
+    _assert_trees_close(params_g, params_h)
+
+
+def test_gguf_unknown_tensor_is_named(llama_model, tmp_path):
+    extra = lambda w: w.add_tensor("blk.0.attn_gate.weight", np.zeros((4, 4), np.float32))  # noqa: E731
+    path = write_gguf(llama_model, tmp_path / "gated.gguf", extra=extra)
+    with pytest.raises(ValueError, match=r"gated.gguf: GGUF tensor 'blk.0.attn_gate.weight' is not part of a "
+                                         r"decoder this library implements \(unknown tensor\)"):
+        load_gguf(path)
+
+
+def _llama31_rope_freqs(theta, head_dim, factor, low, high, original):
+    """llama.cpp's convert_hf_to_gguf.py rope_freqs for Llama 3.1 scaling: per frequency, the divisor of the
+    unscaled inverse frequency (1 above the high-frequency wavelength, `factor` below the low, smooth between)."""
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    out = []
+    for f in inv:
+        wavelen = 2 * np.pi / f
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
+
+
+def test_gguf_rope_freqs_read_as_llama31_scaling_or_refused(llama_model, tmp_path):
+    """rope_freqs.weight (llama.cpp's Llama 3.1 frequency divisors) becomes rope_type llama3 with the file's
+    factor and original context; divisors that no Llama 3.1 scaling makes are refused. head_dim 16, theta 1e4 and
+    an original context of 256 put the 8 frequencies in all three bands."""
+    head = llama_model.config.hidden_size // llama_model.config.num_attention_heads
+    freqs = _llama31_rope_freqs(10000.0, head, 8.0, 1.0, 4.0, 256)
+    assert freqs.min() == 1.0 and freqs.max() == 8.0 and ((freqs > 1) & (freqs < 8)).any()
+
+    def write(name, f):
+        return write_gguf(llama_model, tmp_path / name, extra=lambda w: (
+            w.add_uint32("llama.rope.scaling.original_context_length", 256), w.add_tensor("rope_freqs.weight", f)))
+
+    cfg, params = load_gguf(write("llama31.gguf", freqs))
+    assert cfg.rope == RopeConfig(theta=10000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                  high_freq_factor=4.0, original_max_position=256)
+    assert params.lm_head is not None  # rope_freqs is config, not a parameter
+    with pytest.raises(ConfigError, match=r"rope_freqs.weight holds frequency factors that are not Llama 3.1 "
+                                          r"scaling \(factor=8.0"):
+        load_gguf(write("other.gguf", np.linspace(1.0, 8.0, head // 2, dtype=np.float32)))
+
+
+def test_tensor_the_config_does_not_enable_is_refused(tmp_path):
+    """A bias the checkpoint holds but config.json switches off would be dropped silently (different outputs)."""
+    tiny_llama(attention_bias=True).save_pretrained(tmp_path)
+    _edit_config(tmp_path, attention_bias=False)
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.\d+.self_attn.([qkvo])_proj.bias' is present but "
+                                         r"config.json does not enable it \(b\1 for architecture 'llama'\)"):
+        load_hf_folder(tmp_path)
+
+
+def test_tensor_of_a_layer_beyond_the_config_is_named(folder):
+    """A checkpoint with more layers than config.json says would be truncated silently."""
+    _edit_config(folder, num_hidden_layers=1)
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.1.[a-z_.]+' is for layer 1, but the config has "
+                                         r"num_layers=1 \(valid 0..0\)"):
+        load_hf_folder(folder)
+
+
+def test_from_transformers_returns_the_dtype_asked_for(llama_model):
+    _, ref = from_transformers(llama_model)
+    _, half = from_transformers(llama_model, jnp.bfloat16)
+    for a, b in zip(jax.tree_util.tree_leaves(half), jax.tree_util.tree_leaves(ref)):
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(jnp.bfloat16)))
+
+
+def test_gguf_cache_keeps_one_entry_per_dtype(llama_model, tmp_path, monkeypatch):
+    """f32 and bf16 conversions of one file are two cache entries: alternating dtypes hits both, with no rebuild."""
+    import warnings
+
+    monkeypatch.setenv(bundled.CACHE_ENV, str(tmp_path / "cache"))
+    path = write_gguf(llama_model, tmp_path / "tiny.gguf")
+    assert params_cache_path(path, jnp.float32) != params_cache_path(path, jnp.bfloat16)
+    assert not load_gguf_cached(path, jnp.float32)[2] and not load_gguf_cached(path, jnp.bfloat16)[2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a "rebuilding unreadable cache entry" warning fails the test
+        _, p32, hit32 = load_gguf_cached(path, jnp.float32)
+        _, p16, hit16 = load_gguf_cached(path, jnp.bfloat16)
+    assert hit32 and hit16
+    assert p32.embed.dtype == jnp.float32 and p16.embed.dtype == jnp.bfloat16
+
+
+def test_generation_config_boolean_eos_is_named(folder):
+    from models.bundled import generation_stop_ids
+
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, True]}))
+    with pytest.raises(ConfigError, match=r"eos_token_id=\[2, True\]: expected an integer or a list"):
+        generation_stop_ids(folder)

@@ -94,7 +94,7 @@ def test_donate_deletes_the_separate_weights():
     assert not fused.layers.wqkv.is_deleted()
 
 
-def test_the_default_layout_is_fused_on_a_gpu_only():
+def test_the_default_layout_is_fused_on_a_gpu_only(monkeypatch):
     sep = _random(CONFIGS["llama"])
     assert P.fuse_by_default() == (jax.default_backend() == "gpu")
     assert not P.fuse_by_default(mesh=object())  # never on a mesh
@@ -102,6 +102,11 @@ def test_the_default_layout_is_fused_on_a_gpu_only():
     assert P.is_fused(P.with_layout(sep, "fused")) and not P.is_fused(P.with_layout(P.fuse_projections(sep), "separate"))
     with pytest.raises(ValueError, match="layout='packed'"):
         P.with_layout(sep, "packed")
+    # On a GPU (simulated: a CPU host sees only the backend check): fused without a mesh, separate on any mesh
+    # (sharding splits the separate weights by heads).
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert P.fuse_by_default() and not P.fuse_by_default(mesh=object())
+    assert P.is_fused(P.with_layout(sep)) and not P.is_fused(P.with_layout(sep, mesh=object()))
 
 
 @pytest.fixture(scope="module")
@@ -199,3 +204,26 @@ def test_sharded_steps_name_the_fused_layout():
     with pytest.raises(sharding.ShardingError, match="fused q/k/v and gate/up layout .*unfuse_projections"):
         sharded_prefill_step(mesh, fused, make_method("dense"), tokens, lengths, init_cache(cfg, 1, 16, jnp.float32),
                              None, cfg=cfg)
+
+
+def test_saved_arrays_of_the_wrong_shape_are_named():
+    """`params_from_numpy` (the GGUF cache's reader) checks every shape against the config (`check_shapes`)."""
+    from models.convert import params_from_numpy
+
+    cfg = CONFIGS["llama"]
+    arrays = params_to_numpy(_random(cfg))
+    params_from_numpy(cfg, arrays)  # sound arrays load
+    L, E, Hkv, D = cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
+    bad = {**arrays, "layers.wk": arrays["layers.wk"][:, :, :1]}
+    with pytest.raises(ValueError, match=rf"saved.npz: tensor \.layers\.wk has shape \({L}, {E}, 1, {D}\), but the "
+                                         rf"config implies \({L}, {E}, {Hkv}, {D}\)"):
+        params_from_numpy(cfg, bad, where="saved.npz")
+
+
+def test_random_params_norms_are_ones():
+    cfg = CONFIGS["qwen3_qk_norm"]
+    params = P.random_params(cfg, jax.random.key(0), jnp.float32)
+    for norm in (params.final_norm, params.layers.attn_norm, params.layers.mlp_norm, params.layers.q_norm,
+                 params.layers.k_norm):
+        np.testing.assert_array_equal(np.asarray(norm), 1.0)
+    assert float(jnp.std(params.layers.wq)) == pytest.approx(0.02, rel=0.1)

@@ -210,6 +210,21 @@ def test_layer_skipped_draft_and_errors(models):
         parse_layers("0 2", 3)  # read as layer 2 before: spaces were deleted
     with pytest.raises(ValueError, match="between 0 and 2"):
         parse_layers("0-5", 3)
+    assert parse_layers("2", 3) == [2] == parse_layers("2-2", 3)
+    with pytest.raises(ValueError, match=r"layers='2-1': range 2-1 runs backwards"):
+        parse_layers("2-1", 3)
+    with pytest.raises(ValueError, match=r"layers='0-3': expected layers between 0 and 2 \(the model has 3 layers\)"):
+        parse_layers("0-3", 3)
+    for text in ("0,1,1", "1,0"):
+        with pytest.raises(ValueError, match=rf"layers='{text}': expected each layer once, in ascending order"):
+            parse_layers(text, 3)
+    # keep_layers itself (public, beside parse_layers): a layer past the model read the last one (a clamped gather)
+    for bad, match in (([0, 3], r"layers=\[0, 3\]: expected layers between 0 and 2"),
+                       ([2, 0], "expected each layer once, in ascending order"),
+                       ([], "expected a non-empty list of integer layer indices"),
+                       ([0, 1.0], "expected a non-empty list of integer layer indices")):
+        with pytest.raises(ValueError, match=match):
+            keep_layers(tgt, bad)
     skipped = keep_layers(tgt, [0, 2])
     assert skipped.cfg.num_layers == 2 and skipped.params.layers.wq.shape[0] == 2
     np.testing.assert_array_equal(skipped.params.layers.wq[1], target.layers.wq[2])

@@ -9,8 +9,7 @@ import pytest
 
 from models.bundled import resolve_model
 from models.gguf_loader import open_gguf
-from models.tokenizer import PRE_TOKENIZERS, gguf_tokenizer
-from models.tokenizer import _field, gguf_tokenizer
+from models.tokenizer import PRE_TOKENIZERS, _field, gguf_tokenizer
 
 TEXT = Path(__file__).parent / "data" / "austen_pride_and_prejudice_ch1-2.txt"
 SAMPLES = [
@@ -88,18 +87,19 @@ def test_unknown_pre_tokenizer_is_named():
     assert "smollm" in PRE_TOKENIZERS and "llama-bpe" in PRE_TOKENIZERS and "qwen2" in PRE_TOKENIZERS
 
 
-def _tokenizer_gguf(path, pre, extra=None):
+def _tokenizer_gguf(path, pre, extra=None, more_tokens=(), more_types=()):
     """A GGUF holding only byte-level BPE tokenizer metadata: every byte's symbol, the merge "a b" and the whole
-    token "abc" that no merge makes; extra(writer): more metadata."""
+    token "abc" that no merge makes, then `more_tokens` of token types `more_types` (after the normal ones);
+    extra(writer): more metadata."""
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    tokens = ["<|end|>", "<|eot|>"] + list(bytes_to_unicode().values()) + ["ab", "abc"]
+    tokens = ["<|end|>", "<|eot|>"] + list(bytes_to_unicode().values()) + ["ab", "abc", *more_tokens]
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
-    w.add_token_types([3, 3] + [1] * (len(tokens) - 2))
+    w.add_token_types([3, 3] + [1] * (len(tokens) - 2 - len(more_types)) + list(more_types))
     w.add_token_merges(["a b"])
     w.add_eos_token_id(0)
     if extra is not None:
@@ -145,6 +145,9 @@ def test_end_of_turn_ids_stop_generation(tmp_path, monkeypatch):
                                                       w.add_uint32("tokenizer.ggml.eom_token_id", 10 ** 6)))
     assert stop_token_ids(reader) == (1,)
     assert stop_token_ids(_tokenizer_gguf(tmp_path / "n.gguf", "gpt2")) == ()
+    eom = _tokenizer_gguf(tmp_path / "m.gguf", "gpt2", lambda w: (w.add_uint32("tokenizer.ggml.eot_token_id", 1),
+                                                                  w.add_uint32("tokenizer.ggml.eom_token_id", 0)))
+    assert stop_token_ids(eom) == (1, 0)
     monkeypatch.setenv("JSPARSE_CACHE", str(tmp_path / "cache"))
     built, stops = bundled._gguf_tokenizer(path)
     cached, again = bundled._gguf_tokenizer(path, open_reader=lambda: pytest.fail("the cache was not used"))
@@ -218,3 +221,39 @@ def test_every_control_token_is_one_special_token():
     for i, t in control:
         assert tok(f"a{t}b", add_special_tokens=False)["input_ids"][1:-1] == [i], t
         assert tok.decode([i], skip_special_tokens=True) == "", t
+
+
+def test_user_defined_tokens_are_kept_whole_and_not_special(tmp_path):
+    """tokenizer.ggml.token_type 4 (user-defined, e.g. Qwen2's <tool_call>) is one token wherever it occurs in the
+    text, as llama.cpp reads it, and is not special (decode keeps it when skipping special tokens)."""
+    path = tmp_path / "u.gguf"
+    tok = gguf_tokenizer(_tokenizer_gguf(path, "gpt2", more_tokens=["<tool>"], more_types=[4]), path)
+    ids = tok("x<tool>y", add_special_tokens=False)["input_ids"]
+    assert tok.convert_ids_to_tokens(ids) == ["x", "<tool>", "y"]
+    assert ids[1] == len(tok) - 1
+    assert tok.decode(ids, skip_special_tokens=True) == "x<tool>y"
+
+
+def test_special_token_ids_outside_the_vocabulary_are_ignored(tmp_path):
+    """A padding / unknown id past the vocabulary (files in the wild carry such ids) leaves that token unset."""
+    path = tmp_path / "p.gguf"
+    tok = gguf_tokenizer(_tokenizer_gguf(path, "gpt2", extra=lambda w: (w.add_pad_token_id(10 ** 6),
+                                                                        w.add_unk_token_id(10 ** 6))), path)
+    assert tok.pad_token is None and tok.unk_token is None
+    assert (tok.eos_token, tok.eos_token_id) == ("<|end|>", 0)
+
+
+def test_llama3_split_is_the_only_regex(tmp_path):
+    """Llama 3's pre-tokenizer splits with its own regex only (tokenizer.json: ByteLevel use_regex=false): ".abc"
+    stays one piece, which is not in the vocabulary, so the merges make ".", "ab", "c" (a second GPT-2 split would
+    give the whole token "abc"); digits go in runs of up to three ("123" whole, then "4", "5"), where Qwen2's
+    split takes each digit on its own."""
+    llama, qwen = (gguf_tokenizer(_tokenizer_gguf(tmp_path / f"{pre}.gguf", pre, more_tokens=["123"]),
+                                  tmp_path / f"{pre}.gguf") for pre in ("llama-bpe", "qwen2"))
+
+    def pieces(tok, text):
+        return tok.convert_ids_to_tokens(tok(text, add_special_tokens=False)["input_ids"])
+
+    assert pieces(llama, ".abc") == [".", "ab", "c"]
+    assert pieces(llama, "12345") == ["123", "4", "5"]
+    assert pieces(qwen, "12345") == ["1", "2", "3", "4", "5"]
