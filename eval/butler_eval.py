@@ -234,7 +234,7 @@ def run_ppl_sweep(model, artifact: str, methods: Sequence[str], sparsities: Sequ
     records = []
     runs = [("dense", 1.0, None)] + [(m, s, round(1.0 - s, 6)) for s in sparsities for m in methods]
     for name, target, budget in runs:
-        spec = EvalSpec(methods=(name,), tasks=("ppl",), lengths=tuple(lengths), budget=budget or 1.0,
+        spec = EvalSpec(methods=(name,), tasks=("ppl",), lengths=tuple(lengths), budget=1.0 if budget is None else budget,
                         samples=samples, seed=seed, corpus=corpus, ppl_variants=("decode",), chunk=chunk,
                         artifacts={name: artifact} if name.startswith("butler") else {})
         for r in evaluate(model, spec, progress=progress).records:

@@ -1,6 +1,7 @@
 """TokenButler decode and the H2O baseline: each equals a masked dense reference over the keys it should select."""
 
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ from models.config import ModelConfig
 from models.params import random_params
 from pallas_kernels.dense import dense_decode
 from pallas_kernels.sparse_attention.reference import masked_attention_reference
-from train.loop import record_qk
+from train.loop import predictor_qk, record_qk
 from train.predictor import preset_config
 
 B, HQ, HKV, D = 2, 4, 2, 16
@@ -519,3 +520,127 @@ def test_butler_eval_refuses_the_predictors_training_text(tmp_path, monkeypatch)
                           "--out", str(tmp_path / "out")])
     with pytest.raises(AssertionError, match="must not be loaded"):  # the default corpus is not a training text
         butler_eval.main(["--artifact", "jsparse/shipped/smollm2/butler", "--tasks", "ppl", "--out", str(tmp_path / "o")])
+
+
+def _top50_np(q, k, qp, kp, rows, hq, hkv, hk):
+    """numpy f64: per layer (agreeing, visible) (row, key) pairs of the top-ceil(n/2) labels by true and by
+    predicted logits, over query heads and the given rows (keys j <= i visible)."""
+    q, k, qp, kp = (np.asarray(a, np.float64) for a in (q, k, qp, kp))
+    Bn, T = q.shape[0], q.shape[2]
+    Lp = q.shape[1] // hq
+    out = np.zeros((Lp, 2))
+    for l in range(Lp):
+        for b in range(Bn):
+            for h in range(hq):
+                for i in rows:
+                    n = i + 1
+                    top = math.ceil(n / 2)
+                    s = k[b, l * hkv + h // (hq // hkv), :n] @ q[b, l * hq + h, i] / math.sqrt(q.shape[-1])
+                    p = kp[b, l * hk + h // (hq // hk), :n] @ qp[b, l * hq + h, i] / math.sqrt(qp.shape[-1])
+                    ls = np.zeros(n, bool)
+                    ls[np.argsort(-s, kind="stable")[:top]] = True
+                    lp = np.zeros(n, bool)
+                    lp[np.argsort(-p, kind="stable")[:top]] = True
+                    out[l] += (np.sum(ls == lp), n)
+    return out
+
+
+def test_butler_eval_top50_accuracy_equals_numpy_reference(model, pcfg):
+    """top50_accuracy: the fraction of visible (row, key) pairs whose top-ceil(n/2) labels by the true logits and by
+    the predictor's agree, over rows min_row, min_row + stride, ... <= T - 1, pooled and per layer 1..L-1."""
+    from eval import butler_eval
+
+    pp = init_params(pcfg, jax.random.key(11))
+    T, stride, min_row = 24, 3, 2
+    windows = np.random.default_rng(5).integers(0, CFG.vocab_size, (2, T)).astype(np.int32)
+    acc = butler_eval.top50_accuracy(types.SimpleNamespace(params=model, cfg=CFG),
+                                     types.SimpleNamespace(params=pp, pcfg=pcfg), windows, stride=stride,
+                                     min_row=min_row, batch=1)
+    rows = list(range(min_row, T, stride))  # 2, 5, ..., 23 (the last position included)
+    h0, q, k = record_qk(model, CFG, jnp.asarray(windows))
+    qp, kp = predictor_qk(pp, pcfg, h0)
+    want = _top50_np(q, k, qp, kp, rows, HQ, HKV, pcfg.key_heads)
+    assert acc["rows"] == len(rows) and acc["windows"] == 2
+    # within one pair of the 864 per layer
+    np.testing.assert_allclose(acc["per_layer"], want[:, 0] / want[:, 1], atol=5e-4)
+    np.testing.assert_allclose(acc["accuracy"], want[:, 0].sum() / want[:, 1].sum(), atol=5e-4)  # 1728 pairs in all
+    assert 0.3 < acc["accuracy"] < 0.95  # an untrained predictor: neither all nor none of the labels agree
+
+
+def test_butler_eval_ppl_sweep_runs_dense_once_then_each_sparsity(monkeypatch):
+    """run_ppl_sweep: dense once (target sparsity 0, budget 1), then every method at every target sparsity s with
+    budget 1 - s, the butler variants given the artifact."""
+    from eval import butler_eval, harness
+
+    seen = []
+
+    def fake_evaluate(model, spec, progress=False):
+        seen.append((spec.methods, spec.budget, dict(spec.artifacts), spec.ppl_variants))
+        rec = dict(task="ppl", method=spec.methods[0], length=spec.lengths[0], value=10.0, sparsity=None)
+        return types.SimpleNamespace(records=[rec])
+
+    monkeypatch.setattr(harness, "evaluate", fake_evaluate)
+    recs = butler_eval.run_ppl_sweep(None, "ART", ["butler", "quest"], [0.3, 0.6], [64], 2, 0, "c.txt", 32)
+    assert seen == [(("dense",), 1.0, {}, ("decode",)),
+                    (("butler",), 0.7, {"butler": "ART"}, ("decode",)), (("quest",), 0.7, {}, ("decode",)),
+                    (("butler",), 0.4, {"butler": "ART"}, ("decode",)), (("quest",), 0.4, {}, ("decode",))]
+    assert [(r["method"], r["target_sparsity"]) for r in recs] == [
+        ("dense", 0.0), ("butler", 0.3), ("quest", 0.3), ("butler", 0.6), ("quest", 0.6)]
+
+
+def test_butler_eval_summary_tables():
+    """summary.md: dense's perplexity heads each length, a method's cell shows its perplexity and achieved sparsity
+    under its target sparsity, and coref accuracy shows hits/n rounded from the mean (0.29 * 100 -> 29/100)."""
+    from eval import butler_eval
+
+    recs = [dict(task="ppl", method="dense", length=64, value=10.0, sparsity=0.0, target_sparsity=0.0),
+            dict(task="ppl", method="butler", length=64, value=12.5, sparsity=0.48, target_sparsity=0.5),
+            dict(task="ppl", method="quest", length=64, value=11.25, sparsity=None, target_sparsity=0.5),
+            dict(task="ppl", method="butler", length=64, value=11.0, sparsity=0.28, target_sparsity=0.3),
+            dict(task="coref", method="butler", length=64, value=float(np.mean([1.0] * 29 + [0.0] * 71)), n=100,
+                 budget=0.5, coverage=0.75)]
+    md = butler_eval.summary_markdown(recs, {"command": "python -m eval.butler_eval"})
+    assert "Length 64; dense: 10.000" in md
+    assert "| method | sparsity 0.3 | sparsity 0.5 |" in md
+    assert "| butler | 11.000 (achieved 0.28) | 12.500 (achieved 0.48) |" in md
+    assert "| quest |  | 11.250 |" in md
+    assert "| butler | 64 | 0.5 | 0.29 (29/100) | 0.750 |" in md
+
+
+def test_butler_eval_token_coverage_of_streaming_by_its_rule(model):
+    """token_coverage: mean over prompts, layers 1..L-1 and query heads of the fraction of the span kept at the last
+    position P. Streaming at budget 0.25 of n = 40 keys keeps k = 10: the 4 sinks and keys 34..39; its layer 1 is
+    dense here (dense_layers=2), keeping every key <= P."""
+    from eval import butler_eval
+
+    T = 40
+    m = make_method("streaming", cfg=CFG, budget=0.25, min_tokens=8, sink=4, dense_layers=2)
+    tokens = np.random.default_rng(2).integers(0, CFG.vocab_size, (2, T)).astype(np.int32)
+    prompts = [types.SimpleNamespace(tokens=tokens[0], span=(2, 6)),  # layer 2 keeps 2, 3: 2/4
+               types.SimpleNamespace(tokens=tokens[1], span=(30, 40))]  # layer 2 keeps 34..39: 6/10
+    cov = butler_eval.token_coverage(types.SimpleNamespace(params=model, cfg=CFG), {"streaming": m}, prompts)
+    assert cov["streaming"] == pytest.approx(((1.0 + 2 / 4) / 2 + (1.0 + 6 / 10) / 2) / 2)
+
+
+def test_butler_eval_selection_mask_keeps_every_key_of_a_dense_layer(pcfg):
+    """A layer the method keeps dense (below dense_layers or in its calibrated dense_set) covers every key <= P."""
+    from eval import butler_eval
+
+    m = Butler.from_params(CFG, pcfg, None, budget=0.75, min_tokens=6, dense_layers=1, dense_set=(2,))
+    P, T = 20, 32
+    q_row, k = _normal(21, (B, 1, HQ, D)), _normal(22, (B, HKV, T, D))
+    want = np.broadcast_to(np.arange(T) <= P, (B, HQ, T))
+    for layer in (0, 2):
+        np.testing.assert_array_equal(butler_eval.selection_mask("butler", m, CFG, layer, q_row, k, P), want)
+
+
+def test_butler_eval_refuses_a_sparsity_of_one(tmp_path, monkeypatch):
+    """--sparsities must be fractions in [0, 1): sparsity 1 is budget 0, which run_ppl_sweep's `budget or 1.0` would
+    silently run as dense."""
+    import jsparse
+    from eval import butler_eval
+
+    monkeypatch.setattr(jsparse, "load", lambda *a, **k: pytest.fail("the model must not be loaded"))
+    with pytest.raises(SystemExit, match=r"sparsity 1.0: expected a fraction in \[0, 1\)"):
+        butler_eval.main(["--artifact", "jsparse/shipped/smollm2/butler", "--tasks", "ppl", "--sparsities", "0.5,1",
+                          "--out", str(tmp_path / "o")])

@@ -14,6 +14,7 @@ import os
 import re
 import shlex
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,6 @@ from models.cache import init_cache
 from models.config import ModelConfig
 from models.params import expected_shapes
 from pallas_kernels.dense import dense_decode, dense_prefill
-from eval import report
 
 SEEN_ARTIFACTS: list = []
 
@@ -145,6 +145,13 @@ def test_passkey_errors(tokenizer):
         passkey.make_prompt(tokenizer, 200, 1.5, "12345", np.random.default_rng(0))
 
 
+def _filler(p) -> np.ndarray:
+    """A passkey prompt's filler tokens: the text before the needle, then the text after it."""
+    end = p.needle_start + p.needle_len
+    return np.concatenate([p.tokens[p.filler_start:p.needle_start],
+                           p.tokens[end:end + p.filler_tokens - (p.needle_start - p.filler_start)]])
+
+
 def test_passkey_corpus_haystack(tokenizer, corpus):
     """The "corpus" haystack: exact length, the needle at the requested depth of a seeded stretch of the corpus."""
     ids = ppl.tokenize_corpus(tokenizer, ppl.read_corpus(corpus))
@@ -157,8 +164,7 @@ def test_passkey_corpus_haystack(tokenizer, corpus):
         needle = tokenizer(" " + passkey.NEEDLE.format(key=p.key), add_special_tokens=False)["input_ids"]
         assert list(p.tokens[p.needle_start:p.needle_start + p.needle_len]) == needle
         assert abs(p.achieved_depth - p.depth) <= 1.0 / p.filler_tokens
-        filler = np.concatenate([p.tokens[p.filler_start:p.needle_start],
-                                 p.tokens[p.needle_start + p.needle_len:p.filler_start + p.needle_len + p.filler_tokens]])
+        filler = _filler(p)
         assert len(filler) == p.filler_tokens and ",".join(map(str, filler)) in text  # one stretch of the corpus
     classic = passkey.make_prompts(tokenizer, 200, 5, seed=3)
     assert not any(np.array_equal(p.tokens, q.tokens) for p, q in zip(a, classic))
@@ -572,3 +578,139 @@ def test_passkey_cell_counts_hits_exactly():
         cell = report._cell(_rec(value, n), None)
         assert f"({hits}/{n})" in cell, (hits, n, cell)
         assert report._score(_rec(value, n)) == f"{hits}/{n}"
+
+
+def test_ppl_argument_checks_name_the_bad_value(model):
+    with pytest.raises(ValueError, match=r"no perplexity variant given: expected some of \['decode'"):
+        ppl.check_variants(())
+    for bad in (True, 0, 9, 2.0):  # a bool is not a token count; C in [1, length - 2]
+        with pytest.raises(ValueError, match=rf"continuation={bad!r} tokens with length 10: expected an integer in "
+                                             r"\[1, 8\]"):
+            ppl.check_continuation(bad, 10)
+    assert ppl.check_continuation(8, 10) == 8 and ppl.check_continuation(1, 10) == 1
+    tokens = np.zeros((1, 12), np.int32)
+    dense = jsparse.build_method("dense", model)
+    with pytest.raises(ValueError, match="chunk=0: expected >= 1 tokens per decode call"):
+        ppl.decode_nll(model.params, model.cfg, dense, tokens, chunk=0)
+    with pytest.raises(ValueError, match="chunk=0: expected >= 1 tokens per decode call"):
+        ppl.continuation_nll(model.params, model.cfg, dense, tokens, 4, chunk=0)
+
+
+def test_check_windows_bounds(tokenizer):
+    """BOS + body: a window needs a body of >= 2 corpus tokens; a corpus of exactly one body holds one window; the
+    corpus's n - body + 1 distinct offsets are the most samples allowed."""
+    ids = np.arange(100, 100 + 60, dtype=np.int32)
+    with pytest.raises(ValueError, match="ppl length=2: expected at least 3 tokens"):
+        ppl.check_windows(tokenizer, ids, 2, 1)
+    assert ppl.check_windows(tokenizer, ids, 3, 1) == 30  # body 2
+    assert ppl.check_windows(tokenizer, ids[:20], 21, 1) == 1  # exactly one window's body
+    with pytest.raises(ValueError, match="the corpus has 19 tokens, fewer than the 20 needed"):
+        ppl.check_windows(tokenizer, ids[:19], 21, 1)
+    assert ppl.check_windows(tokenizer, ids, 21, 41) == 3  # 60 - 20 + 1 = 41 distinct offsets
+    with pytest.raises(ValueError, match="--samples 42: the corpus .60 tokens. has only 41 distinct windows"):
+        ppl.check_windows(tokenizer, ids, 21, 42)
+    with pytest.raises(ValueError, match="samples=0: expected >= 1"):
+        ppl.make_windows(tokenizer, ids, 21, 0, seed=0)
+
+
+def test_windows_tile_a_corpus_that_holds_exactly_the_samples(tokenizer):
+    """As many samples as the corpus holds apart: the windows are its consecutive blocks, in order, with no
+    warning (for every seed: there is no room to shift the grid)."""
+    ids = np.arange(100, 100 + 60, dtype=np.int32)
+    bos = tokenizer.bos_token_id
+    want = np.stack([np.concatenate([[bos], ids[i * 20:(i + 1) * 20]]) for i in range(3)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for seed in range(8):
+            np.testing.assert_array_equal(ppl.make_windows(tokenizer, ids, 21, 3, seed=seed), want)
+
+
+def test_overlapping_windows_are_whole_stretches_of_the_corpus(tokenizer):
+    """A corpus of body + 1 tokens holds 2 distinct windows and 1 apart: 2 samples overlap, each still a full
+    window at offset 0 or 1."""
+    ids = np.arange(100, 100 + 21, dtype=np.int32)
+    bos = tokenizer.bos_token_id
+    allowed = [np.concatenate([[bos], ids[s:s + 20]]) for s in (0, 1)]
+    for seed in range(20):
+        with pytest.warns(UserWarning, match="the windows overlap"):
+            w = ppl.make_windows(tokenizer, ids, 21, 2, seed=seed)
+        assert w.shape == (2, 21)
+        assert all(any(np.array_equal(row, a) for a in allowed) for row in w)
+
+
+def test_decode_nll_with_a_chunk_that_leaves_one_token(model, corpus):
+    """T - 1 a multiple of the chunk (T = 16, chunk 5 and 1): the last token is still fed and all T - 1 NLLs
+    equal the prefill logits' (every chunk size gives the same NLLs)."""
+    ids = ppl.tokenize_corpus(model.tokenizer, ppl.read_corpus(corpus))
+    windows = ppl.make_windows(model.tokenizer, ids, 16, 2, seed=0)
+    want = _direct_nll(model, windows)
+    dense = jsparse.build_method("dense", model)
+    for chunk in (5, 1):
+        got = ppl.decode_nll(model.params, model.cfg, dense, windows, chunk=chunk)
+        assert got.shape == (2, 15)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_passkey_answer_is_the_first_digit_run_anywhere():
+    assert passkey.extract_answer("The pass key is 71432.") == "71432"
+    assert passkey.is_correct(" is 71432. Remember it.", "71432")
+    assert passkey.extract_answer("\nno digits") is None
+
+
+def test_passkey_depth_and_length_bounds(tokenizer, corpus):
+    """Depths 0 and 1 are valid (the needle right after the intro / right before the question); no depth is an
+    error; the shortest length is the one the error names, with a single filler token."""
+    assert passkey.check_depths([0.0, 1.0]) == (0.0, 1.0)
+    for d in (0.0, 1.0):
+        p = passkey.make_prompt(tokenizer, 200, d, "12345", np.random.default_rng(0))
+        assert p.achieved_depth <= 1.0 and abs(p.achieved_depth - d) < 0.1
+    with pytest.raises(ValueError, match=r"no passkey depths given: expected at least one fraction in \[0, 1\]"):
+        passkey.make_prompts(tokenizer, 200, 2, seed=0, depths=())
+    with pytest.raises(ValueError, match="too short") as e:
+        passkey.make_prompt(tokenizer, 40, 0.5, "12345", np.random.default_rng(0))
+    shortest = int(re.search(r"expected a length >= (\d+)", str(e.value)).group(1))
+    assert passkey.make_prompt(tokenizer, shortest, 0.5, "12345", np.random.default_rng(0)).filler_tokens == 1
+    with pytest.raises(ValueError, match=f"expected a length >= {shortest}"):
+        passkey.make_prompt(tokenizer, shortest - 1, 0.5, "12345", np.random.default_rng(0))
+    ids = ppl.tokenize_corpus(tokenizer, ppl.read_corpus(corpus))
+    F = passkey.make_prompt(tokenizer, 200, 0.5, "12345", np.random.default_rng(0)).filler_tokens
+    with pytest.raises(ValueError, match=f"the corpus has {F} tokens: .* needs at least {F + 1} of filler"):
+        passkey.make_prompt(tokenizer, 200, 0.5, "12345", np.random.default_rng(0), ids[:F])
+    fits = passkey.make_prompt(tokenizer, 200, 0.5, "12345", np.random.default_rng(0), ids[:F + 1])
+    assert fits.tokens.shape == (200,)
+
+
+def test_passkey_needle_position_follows_its_rule(tokenizer, corpus):
+    """"repeat": the text before the needle is as many whole sentences as fit in round(depth * F) tokens (the next
+    sentence, which follows the needle, would not fit); "corpus": the needle goes in at word_start(round(depth * F))."""
+    sentences = [tokenizer(" " + s, add_special_tokens=False)["input_ids"] for s in passkey.FILLER_SENTENCES]
+    ids = ppl.tokenize_corpus(tokenizer, ppl.read_corpus(corpus))
+    differs = 0
+    for i, depth in enumerate(np.linspace(0.0, 1.0, 41)):
+        p = passkey.make_prompt(tokenizer, 160, depth, "12345", np.random.default_rng(i))
+        before, end = p.needle_start - p.filler_start, p.needle_start + p.needle_len
+        target = round(depth * p.filler_tokens)
+        avail = p.filler_tokens - before  # the text after the needle, cut to fill the length
+        nxt = {len(s) for s in sentences if p.tokens[end:end + min(len(s), avail)].tolist() == s[:avail]}
+        assert before <= target and (avail == 0 or before + min(nxt) > target), (depth, before, target)
+        c = passkey.make_prompt(tokenizer, 160, depth, "12345", np.random.default_rng(i), ids)
+        filler = _filler(c).tolist()
+        cut = round(depth * c.filler_tokens)
+        assert c.needle_start - c.filler_start == passkey.word_start(tokenizer, filler, cut)
+        differs += cut != int(depth * c.filler_tokens)
+    assert differs  # some depth rounds up
+
+
+def test_passkey_prompts_draw_their_own_filler_and_ask_on_a_new_line(tokenizer, corpus):
+    """Each sample's filler depends on (seed, length, i): samples at the same depth differ; the question is on its
+    own line; no samples is an error."""
+    ids = ppl.tokenize_corpus(tokenizer, ppl.read_corpus(corpus))
+    for corpus_ids in (None, ids):
+        ps = passkey.make_prompts(tokenizer, 200, 6, seed=1, corpus_ids=corpus_ids)
+        a, b = ps[0], ps[5]  # both at depth 0.1
+        assert a.depth == b.depth and a.tokens[:a.filler_start].tolist() == b.tokens[:b.filler_start].tolist()
+        filler = [_filler(p) for p in (a, b)]
+        assert not np.array_equal(*filler)
+        assert tokenizer.decode(a.tokens, skip_special_tokens=True).endswith("\n" + passkey.QUESTION)
+    with pytest.raises(ValueError, match="samples=0: expected >= 1"):
+        passkey.make_prompts(tokenizer, 200, 0, seed=1)

@@ -526,3 +526,90 @@ def test_token_budget_record_budget_is_a_fraction_for_sts(monkeypatch):
         r.build()
     assert [(r.budget, r.budget_tokens) for r in runs] == [(64 / 1024, 64), (1.0, 4096)]
     assert built == [{"budget": 64.0}, {"budget": 1.0}]
+
+
+def _rec(method, task, value, *, variant="generate", metric=None, budget=None, tokens=None, sparsity=None, n=10,
+         length=64, **extra):
+    metric = metric or {"passkey": "accuracy", "ppl": "perplexity"}.get(task, "string_match_all")
+    return harness.make_record(task=task, method=method, length=length, budget=budget, budget_tokens=tokens,
+                               metric=metric, value=value, sparsity=sparsity, n=n, variant=variant, depth=None,
+                               seconds=1.0, **extra)
+
+
+def test_gate_compares_each_variant_with_dense_of_the_same_variant():
+    """A chat result is checked against dense's chat result, not dense's raw-prompt one (the gate's unit is
+    (task, variant, length))."""
+    t = "niah_single_number"
+    recs = [_rec("dense", t, 0.9, variant="chat"), _rec("dense", t, 0.5),
+            _rec("oracle", t, 0.7, variant="chat"), _rec("oracle", t, 0.6)]
+    gate = [(label, r["variant"], d["value"]) for label, _, r, d in report.below_dense(recs)]
+    assert gate == [("oracle niah_single_number chat", "chat", 0.9)]
+
+
+def test_results_columns_are_passkey_then_generation_tasks_then_ppl():
+    recs = [_rec(m, t, v) for m in ("dense", "oracle") for t, v in (("ppl", 10.0), ("niah_single_number", 1.0),
+                                                                    ("passkey", 1.0))]
+    md = report.summary_markdown(recs, {})
+    assert "| method | passkey @64 | niah_single_number @64 | ppl generate @64 |" in md
+
+
+def test_leaderboard_ranks_missing_accuracy_and_ppl_last():
+    """Sorted by accuracy (high first), then perplexity change (low first): a row without accuracy results comes
+    after one that scored 0, and at equal accuracy one without a perplexity change after one with it."""
+    recs = [_rec("dense", "passkey", 1.0), _rec("dense", "ppl", 10.0),
+            _rec("a", "passkey", 1.0),  # no ppl
+            _rec("b", "passkey", 1.0), _rec("b", "ppl", 10.5),  # +5%
+            _rec("c", "passkey", 0.0),  # no ppl
+            _rec("d", "ppl", 10.1)]  # no accuracy, +1%
+    board = report.leaderboard(recs)
+    assert [e["label"] for e in board] == ["dense", "b", "a", "c", "d"]
+    assert [e["ppl_change"] for e in board] == [pytest.approx(0.0), pytest.approx(5.0), None, None,
+                                                pytest.approx(1.0)]
+
+
+def test_layer_sparsity_mean_is_over_each_records_own_layers():
+    """The per-layer table's mean is over the layers a record measured, not over every layer of the table."""
+    recs = [_rec("tsa", "ppl", 10.0, variant="prefill", layer_sparsity={"1": 0.5, "2": 0.7}),
+            _rec("kascade", "ppl", 11.0, variant="prefill", layer_sparsity={"2": 0.4})]
+    md = report.summary_markdown(recs, {})
+    assert "| tsa | ppl prefill @64 | 0.600 | 0.500 | 0.700 |" in md
+    assert "| kascade | ppl prefill @64 | 0.400 |  | 0.400 |" in md
+
+
+def test_token_budget_records_do_not_make_budget_fractions_appear():
+    """One budget fraction beside a token budget (whose record also carries its fraction k / length): the rows are
+    `oracle` and `oracle k=16`, with no `b=` label, since the run swept no budget fractions."""
+    recs = [_rec("dense", "passkey", 1.0), _rec("oracle", "passkey", 0.9, budget=0.1),
+            _rec("oracle", "passkey", 0.8, budget=0.25, tokens=16)]
+    assert [e["label"] for e in report.leaderboard(recs)] == ["dense", "oracle", "oracle k=16"]
+    assert "| oracle | 0.90 (9/10) **below dense** |" in report.summary_markdown(recs, {})
+
+
+def test_gate_and_facts_name_what_the_run_lacks():
+    """A run whose only dense result is a perplexity has nothing to check passkey against (not a missing length);
+    the ppl window count is a fact only when it differs from --samples."""
+    recs = [_rec("dense", "ppl", 10.0), _rec("oracle", "ppl", 11.0), _rec("oracle", "passkey", 0.5)]
+    md = report.summary_markdown(recs, {"samples": 4, "ppl_samples": 4})
+    assert "- not checked: the run has no dense passkey or generation-task result." in md
+    assert "no dense result at the same task and length" not in md and "- ppl windows:" not in md
+    assert "- ppl windows: 8\n" in report.summary_markdown(recs, {"samples": 4, "ppl_samples": 8})
+
+
+def test_depth_tables_show_each_length_and_budget_row():
+    """Accuracy by needle depth: one table per length, each row a method and budget, each cell that length's
+    record (a sweep over budgets keeps its `b=` rows)."""
+    recs = []
+    for L, hits in ((64, (3, 4)), (128, (7, 8))):
+        for b, h in zip((0.1, 0.2), hits):
+            recs.append(_rec("oracle", "passkey", h / 10, budget=b, length=L))
+            recs.append(dict(_rec("oracle", "passkey", h / 10, budget=b, length=L), depth=0.5))
+    md = report.summary_markdown(recs, {}).split("## Accuracy by needle depth")[1]
+    t64, t128 = md.split("Length 64:")[1].split("Length 128:")
+    assert "| oracle b=0.1 | 0.30 (3/10) |" in t64 and "| oracle b=0.2 | 0.40 (4/10) |" in t64
+    assert "| oracle b=0.1 | 0.70 (7/10) |" in t128 and "| oracle b=0.2 | 0.80 (8/10) |" in t128
+
+
+def test_sparsity_table_has_each_lengths_own_value():
+    recs = [_rec("quest", "ppl", 11.0, variant="decode", sparsity=s, length=L) for L, s in ((64, 0.5), (128, 0.75))]
+    table = report.summary_markdown(recs, {}).split("## Achieved sparsity")[1].split("##")[0]
+    assert "| method | ppl decode @64 | ppl decode @128 |" in table and "| quest | 0.500 | 0.750 |" in table
