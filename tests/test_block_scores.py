@@ -290,3 +290,31 @@ def test_decode_mass_xla_drops_entries_past_the_cache():
     np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(m, want_m, rtol=1e-4, atol=1e-6)
     assert np.all(np.asarray(m)[..., 5] == 0.0)
+
+
+def test_block_max_xla_clamps_kv_heads_like_the_reference():
+    """kv_heads values outside [0, Hkv) are clamped (the reference's contract), in the XLA path too: -1 reads head 0
+    and Hkv + 3 head Hkv - 1 (neither wraps nor reads NaN)."""
+    q, k, _ = _cache(21, 1)
+    hm = jnp.array([[True, False, True, False], [False, True, False, True]])
+    pos, lo = jnp.array([[200], [37]], jnp.int32), jnp.zeros((B, 1), jnp.int32)
+    hi = jnp.full((B, 1), N // BS, jnp.int32)
+    want = reference.block_max_scores_reference(q, k, jnp.int32(1), jnp.array([0, HKV - 1], jnp.int32), hm, pos, lo,
+                                                hi, block_size=BS)
+    bad = jnp.array([-1, HKV + 3], jnp.int32)
+    for got in (xla.block_max_scores_xla(q, k, jnp.int32(1), bad, hm, pos, lo, hi, block_size=BS),
+                reference.block_max_scores_reference(q, k, jnp.int32(1), bad, hm, pos, lo, hi, block_size=BS)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_heat_add_drops_padding_entries():
+    """`heat_add`: each valid entry's value added into its block of row `layer`; the -1 padding adds nothing
+    anywhere (its values are dropped, block 0 included), the other layers untouched."""
+    heat = jnp.asarray(np.random.default_rng(22).uniform(size=(2, 1, 2, 6)), jnp.float32)
+    idx = jnp.array([[[1, 4, -1, -1], [0, 5, -1, -1]]], jnp.int32)
+    vals = jnp.array([[[0.5, 0.25, 7.0, 9.0], [1.0, 2.0, 3.0, 4.0]]], jnp.float32)
+    got = np.asarray(xla.heat_add(heat, jnp.int32(1), idx, vals))
+    want = np.asarray(heat).copy()
+    want[1, 0, 0, [1, 4]] += [0.5, 0.25]
+    want[1, 0, 1, [0, 5]] += [1.0, 2.0]
+    np.testing.assert_allclose(got, want, rtol=1e-6)

@@ -333,3 +333,21 @@ def test_sts_later_step_with_dense_attention_in_place_equals_xla(monkeypatch):
     np.testing.assert_allclose(np.asarray(out_p), np.asarray(out_x), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(p_p), np.asarray(p_x), rtol=1e-5, atol=1e-7)
     assert np.all(np.asarray(p_p)[np.asarray(idx) < 0] == 0) and float(p_p.max()) > 0
+
+
+def test_head_probs_default_on_gpu_falls_back_for_an_unsupported_head_dim(monkeypatch):
+    """implementation=None on a GPU backend with a head_dim the kernel does not take (24): the reference runs."""
+    q, k_all, v_all, lens = inputs(9, 2, 2, 1, 4, 2, 24, 32, [32, 7], jnp.float32)
+    lse = dense_decode_stacked_reference(q, k_all, v_all, jnp.int32(1), lens, return_lse=True)[1]
+    want = head_probs_stacked_reference(q, k_all, jnp.int32(1), lens, lse)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert_close(head_probs_stacked(q, k_all, 1, lens, lse), want, jnp.float32, "gpu backend, D=24")
+
+
+def test_head_probs_lse_of_the_wrong_heads_or_dtype_is_named():
+    q, k_all, v_all, lens = inputs(10, 2, 2, 2, 4, 2, 16, 40, [40, 9], jnp.float32)
+    lse = dense_decode_stacked_reference(q, k_all, v_all, jnp.int32(1), lens, return_lse=True)[1]
+    with pytest.raises(ValueError, match=r"lse has shape \(2, 2, 2\) .*expected f32\[B=2, T=2, Hq=4\]"):
+        head_probs_stacked(q, k_all, 1, lens, lse[..., :2])
+    with pytest.raises(ValueError, match=r"lse has shape \(2, 2, 4\) and dtype int32"):
+        head_probs_stacked(q, k_all, 1, lens, lse.astype(jnp.int32))

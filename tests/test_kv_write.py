@@ -166,3 +166,44 @@ def test_model_decode_through_the_kernel_equals_the_separate_layout(monkeypatch,
     np.testing.assert_allclose(np.asarray(got[1].v), np.asarray(want[1].v), rtol=1e-5, atol=1e-5)
     for g, w in ((got[0], separate[0]), (got[1].k, separate[1].k), (got[1].v, separate[1].v)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+def test_default_on_a_gpu_backend_runs_the_reference_for_a_qk_norm(monkeypatch):
+    """implementation=None on a GPU backend: a q/k norm (which the kernel does not take) runs the reference, it does
+    not reach the kernel (dispatch.gpu_or_reference consults `unsupported()` for None too)."""
+    B, T, Hq, Hkv, D = 2, 1, 4, 2, 32
+    qkv, pos, inv_freq, ck, cv, norms = _inputs(7, B, T, Hq, Hkv, D, 2, 16, jnp.float32)
+    want = rope_write_reference(qkv, pos, inv_freq, ck, cv, 0, Hq, Hkv, norms[0], norms[1])
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    for g, w in zip(rope_write(qkv, pos, inv_freq, ck, cv, 0, Hq, Hkv, norms[0], norms[1]), want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_qkv_with_fewer_rows_than_tokens_is_named():
+    B, T, Hq, Hkv, D = 2, 3, 4, 2, 32
+    qkv, pos, inv_freq, ck, cv, _ = _inputs(8, B, T, Hq, Hkv, D, 2, 16, jnp.float32)
+    with pytest.raises(ValueError, match=r"qkv \(5, 8, 32\): expected \[R >= B \* T = 6"):
+        rope_write(qkv[:5], pos, inv_freq, ck, cv, 0, Hq, Hkv)
+
+
+def test_qk_norm_reference_equals_numpy():
+    """Qwen3's q/k norms: q normed with q_norm, k with k_norm (distinct weights), eps inside the root (an all-zero
+    head stays zero, not NaN), then the rotate-half rotation; k and v written at [layer, b, :, position]."""
+    B, T, Hq, Hkv, D, L, N, eps = 2, 1, 4, 2, 32, 2, 16, 1e-6
+    qkv, pos, inv_freq, ck, cv, norms = _inputs(9, B, T, Hq, Hkv, D, L, N, jnp.float32)
+    qkv = qkv.at[0, 1].set(0.0).at[1, Hq].set(0.0)  # a zero q head and a zero k head
+    q, k_out, v_out = rope_write(qkv, pos, inv_freq, ck, cv, 1, Hq, Hkv, norms[0], norms[1], eps)
+    x, w, f = np.asarray(qkv, np.float64), np.asarray(norms, np.float64), np.asarray(inv_freq, np.float64)
+
+    def norm_rope(a, weight, p):  # a: [H, D]
+        a = a / np.sqrt(np.mean(a * a, axis=-1, keepdims=True) + eps) * weight
+        ang = p * np.concatenate([f, f])
+        rot = np.concatenate([-a[:, D // 2:], a[:, :D // 2]], axis=-1)
+        return a * np.cos(ang) + rot * np.sin(ang)
+    for b in range(B):
+        p = int(pos[b, 0])
+        np.testing.assert_allclose(np.asarray(q[b, 0]), norm_rope(x[b, :Hq], w[0], p), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(k_out[1, b, :, p]), norm_rope(x[b, Hq:Hq + Hkv], w[1], p),
+                                   rtol=1e-4, atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(v_out[1, b, :, p]), np.asarray(qkv[b, Hq + Hkv:]))
+    assert not np.asarray(q[0, 0, 1]).any() and not np.asarray(k_out[1, 1, 0, int(pos[1, 0])]).any()

@@ -179,3 +179,31 @@ def test_gpu_lowering():
     text = exported.mlir_module()
     assert text.count(plgpu.CUSTOM_CALL_TARGET_NAME) == 2
     assert "logit_mse_fwd" in text and "logit_mse_dkp" in text
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_kernel_loss_without_grad_matches_reference(causal):
+    """The loss alone (no jax.grad: the custom_vjp's primal, as an evaluation computes it) is normalised by the pairs
+    of its own `causal`, like the loss under jax.grad."""
+    B, Hq, Hkv, Hkp, L, d, dp, dtype = CASES["gqa_odd_f32"]
+    q, k, qp, kp, _ = _inputs(B, Hq, Hkv, Hkp, L, d, dp, dtype)
+    want = logit_mse_reference(q, k, qp, kp, causal=causal)
+    for impl in ("gpu", "tpu"):
+        bq, bk = BLOCKS[impl]
+        got = logit_mse(q, k, qp, kp, causal=causal, block_q=bq, block_k=bk, implementation=impl, interpret=True)
+        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=impl)
+
+
+def test_empty_sequence_is_named():
+    q, k, qp, kp, _ = _inputs(1, 2, 2, 2, 1, 8, 8)
+    with pytest.raises(ValueError, match="sequence length L=0 must be >= 1"):
+        logit_mse(q[:, :, :0], k[:, :, :0], qp[:, :, :0], kp[:, :, :0], implementation="xla")
+
+
+def test_default_implementation_on_tpu_is_the_mosaic_kernel(monkeypatch):
+    """implementation=None on a TPU backend lowers to the Mosaic kernels (fwd and dk'), not the Triton ones."""
+    from lowering import export_for
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    exported = export_for("tpu", _value_and_grad(None, True), *_train_step_args(1, 2, 1, 200, 64, 32))
+    assert exported.mlir_module().count("tpu_custom_call") == 2

@@ -83,3 +83,20 @@ def test_errors():
         predicted_logits(q, k, keep_first=4)
     with pytest.raises(ValueError, match="implementation='triton'"):
         predicted_logits(jnp.zeros((2, 1, 1, 32)), jnp.zeros((2, 10, 32)), implementation="triton")
+
+
+def test_keep_from_without_last_is_named():
+    q, k = jnp.zeros((2, 1, 1, 32)), jnp.zeros((2, 10, 32))
+    with pytest.raises(ValueError, match="keep_first / keep_from without last"):
+        predicted_logits(q, k, keep_from=jnp.zeros((1,), jnp.int32))
+
+
+def test_kernel_bounds_without_a_window_keep_no_last_key():
+    """`last` alone (no keep_from, keep_first 0): no key is forced to +inf, the last key of the cache included (the
+    kernel's "no window" sentinel must lie past every key)."""
+    q, k = _rand(7, (2, 2, 1, 32)), _rand(8, (2, 200, 32))
+    last = jnp.full((1,), 199, jnp.int32)  # every row sees every key
+    plain = np.asarray(predicted_logits_reference(q, k))
+    np.testing.assert_allclose(predicted_logits_gpu(q, k, last=last, block_n=128, interpret=True), plain,
+                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(predicted_logits_reference(q, k, last=last), plain, rtol=1e-6, atol=1e-6)

@@ -514,3 +514,35 @@ def test_dense_method_on_gpu_branch_reads_stacked_cache(monkeypatch):
     got = llama.decode(params, cfg, dense, tok, cache, None)[0]
     assert calls == [(empty.k.shape, "pallas_gpu")]  # traced once, in the scan body, on the stacked cache
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=0.01)  # wrong layer: 0.4 off
+
+
+def test_dense_reference_ignores_nan_values_no_query_sees():
+    """The reference's output does not read V rows no query sees: NaN there (a cache's unwritten tail) leaves every
+    output finite and equal to the clean cache's, a row with no visible key included."""
+    L, B, T, Hq, Hkv, D, N = 2, 2, 2, 4, 2, 16, 32
+    _, q, k_all, v_all, _ = stacked_inputs(18, L, B, T, Hq, Hkv, D, N, [1, 1], jnp.float32)
+    lens = jnp.array([1, 20], jnp.int32)
+    past = jnp.arange(N)[None, :] >= lens[:, None]
+    nan_v = jnp.where(past[None, :, None, :, None], jnp.nan, v_all)
+    got = np.asarray(dense_decode_stacked_reference(q, k_all, nan_v, jnp.int32(1), lens))
+    want = np.asarray(dense_decode_stacked_reference(q, k_all, v_all, jnp.int32(1), lens))
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got, want)
+    assert not got[0, 0].any()
+
+
+def test_dense_decode_more_new_tokens_than_the_cache_is_named():
+    L, B, Hq, Hkv, D, N = 1, 1, 4, 2, 16, 8
+    _, q, k_all, v_all, lens = stacked_inputs(19, L, B, N + 1, Hq, Hkv, D, N, [N], jnp.float32)
+    with pytest.raises(ValueError, match=r"T=9 new tokens: expected 1 <= T <= N=8"):
+        dense_decode_stacked(q, k_all, v_all, 0, lens, implementation="reference")
+
+
+def test_dense_record_block_not_a_power_of_two_is_named():
+    from pallas_kernels.dense_decode import dense_decode_record
+
+    L, B, Hq, Hkv, D, N = 2, 2, 4, 2, 16, 40
+    rng, q, k_all, v_all, lens = stacked_inputs(20, L, B, 1, Hq, Hkv, D, N, [40, 9], jnp.float32)
+    record, bmax = randn(rng, (B, Hq, 3, N), jnp.float32), randn(rng, (B, Hq, 3, 4), jnp.float32)  # ceil(40 / 12)
+    with pytest.raises(ValueError, match="block=12: expected a power of two"):
+        dense_decode_record(q, k_all, v_all, 0, lens, record, bmax, 0, block=12)
