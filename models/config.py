@@ -150,10 +150,13 @@ class ModelConfig:
         return bool(self.layer_windows) and all(self.layer_windows)
 
     def num_params(self) -> int:
-        """Parameter count (embeddings and LM head included)."""
+        """Parameter count (embeddings and LM head included, and every bias and q/k norm the config enables: the
+        element count of `models.params.expected_shapes`)."""
         e, f, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = e * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        layer = attn + 3 * e * f + 2 * e
+        extra = (self.qkv_bias * d * (self.num_heads + 2 * self.num_kv_heads) + self.o_bias * e
+                 + self.mlp_bias * (2 * f + e) + self.qk_norm * 2 * d)
+        layer = attn + 3 * e * f + 2 * e + extra
         head = 0 if self.tie_word_embeddings else self.vocab_size * e
         return self.num_layers * layer + self.vocab_size * e + head + e
 

@@ -1,8 +1,9 @@
 """Reading Hugging Face configs where transformers is the definition (checked against it): a Qwen2 config without
 layer_types and the use_sliding_window flag, llama3 RoPE's original context, the legacy rope_scaling "type" key,
-rope_parameters' theta over a stale top-level one; and init_cache's capacity check (a fifth mutation audit's
-survivors, each test failing on its mutant)."""
+rope_parameters' theta over a stale top-level one; init_cache's capacity check; ModelConfig's own checks and its
+parameter count (mutation audits' survivors, each test failing on its mutant)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,7 +13,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from models import llama
 from models.cache import init_cache
-from models.config import ModelConfig
+from models.config import ConfigError, ModelConfig
+from models.params import random_params
 
 
 def _hf(use_sliding_window):
@@ -109,3 +111,28 @@ def test_capacity_one_is_a_cache():
     c = init_cache(CFG, 3, 1, jnp.float32)
     assert c.k.shape == c.v.shape == (2, 3, 1, 1, 8) and c.capacity == 1
     assert c.lengths.shape == (3,) and int(c.lengths.sum()) == 0
+
+
+_LLAMA = dict(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
+              num_kv_heads=2, head_dim=16)
+
+
+@pytest.mark.parametrize("extra", [{}, {"tie_word_embeddings": True}, {"architecture": "qwen2", "qkv_bias": True},
+                                   {"o_bias": True, "mlp_bias": True}, {"architecture": "qwen3", "qk_norm": True}])
+def test_num_params_counts_every_weight(extra):
+    """num_params is the element count of the params pytree: two norms per layer, the final norm, the LM head
+    unless tied, and every bias and q/k norm the config enables (it left those out: 127424 for the Qwen2 and Qwen3
+    configs here, whose params hold 127808 and 127520)."""
+    cfg = ModelConfig(**{**_LLAMA, **extra})
+    params = random_params(cfg, jax.random.key(0), jnp.float32)
+    assert cfg.num_params() == sum(x.size for x in jax.tree_util.tree_leaves(params))
+    assert cfg.num_params() == {(): 127424, ("tie_word_embeddings",): 127424 - 128 * 64,
+                                ("architecture", "qkv_bias"): 127808, ("architecture", "qk_norm"): 127520,
+                                ("mlp_bias", "o_bias"): 127424 + 3 * (64 + 2 * 128 + 64)}[tuple(sorted(extra))]
+
+
+def test_heads_must_group_and_rms_norm_eps_must_be_positive():
+    with pytest.raises(ConfigError, match="num_heads=6 is not a multiple of num_kv_heads=4"):
+        ModelConfig(**{**_LLAMA, "num_heads": 6, "num_kv_heads": 4})
+    with pytest.raises(ConfigError, match="rms_norm_eps=0.0: expected a positive finite number"):
+        ModelConfig(**_LLAMA, rms_norm_eps=0.0)

@@ -268,3 +268,65 @@ def test_gemm_row_padding_leaves_every_output_unchanged(params, monkeypatch, met
     tol = 1e-5 if jax.default_backend() == "cpu" else 3e-4
     for a, b in zip(jax.tree_util.tree_leaves(plain), jax.tree_util.tree_leaves(padded)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
+
+
+def test_top_p_keeps_the_smallest_set_that_reaches_top_p():
+    """The nucleus is the smallest set of tokens whose mass reaches top_p: with 4 equal tokens (mass 0.25 each,
+    exact in f32), top_p = 0.5 keeps 2 of them and top_p = 0.75 keeps 3, never the token whose mass above is
+    exactly top_p."""
+    logits = jnp.zeros((4000, 4))
+    for top_p, kept in ((0.5, 2), (0.75, 3)):
+        draws = np.asarray(sample(logits, jax.random.key(0), Sampling(temperature=1.0, top_p=top_p)))
+        counts = np.bincount(draws, minlength=4)
+        assert np.count_nonzero(counts) == kept, (top_p, counts)
+        assert np.all(np.abs(counts[counts > 0] / 4000 - 1 / kept) < 0.04), (top_p, counts)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_temperature_divides_the_logits(temperature):
+    """softmax(logits / temperature): p = [0.8, 0.2] becomes p_i^(1/t) renormalised (0.941 at t = 0.5, 0.667 at t = 2),
+    not softmax(logits * t)."""
+    p = np.array([0.8, 0.2])
+    logits = jnp.log(jnp.asarray(np.tile(p, (4000, 1)), jnp.float32))
+    draws = np.asarray(sample(logits, jax.random.key(0), Sampling(temperature=temperature)))
+    want = p[0] ** (1 / temperature) / np.sum(p ** (1 / temperature))
+    assert abs(np.mean(draws == 0) - want) < 0.03, (np.mean(draws == 0), want)
+
+
+def test_a_tiny_temperature_samples_the_argmax_and_a_subnormal_one_is_refused():
+    """A temperature as small as 1e-37 sends every logit but the largest to -inf (the row max subtracted first),
+    rather than overflowing them all to +inf; a subnormal temperature (flushed to 0 on a device) is refused by name."""
+    logits = jnp.array([[100.0, 200.0, 150.0], [3.0, -1.0, 2.0]])
+    got = np.asarray(sample(logits, jax.random.key(0), Sampling(temperature=1e-37)))
+    np.testing.assert_array_equal(got, [1, 0])
+    with pytest.raises(ValueError, match=r"temperature=1e-40: expected 0 \(greedy\) or at least 1.18e-38"):
+        Sampling(temperature=1e-40)
+
+
+def test_each_decode_step_samples_with_a_fresh_key(params):
+    """The loop splits its key every step: at a high temperature (near-uniform over 128 ids) 32 sampled tokens are
+    mostly distinct; one key reused every step draws the same Gumbel noise and repeats the same few ids."""
+    tokens, lengths = jnp.asarray([[5, 6, 7, 8]], jnp.int32), jnp.asarray([4], jnp.int32)
+    out, num = generate_tokens(params, DENSE, tokens, lengths, jax.random.key(1), cfg=CFG, max_new_tokens=32,
+                               capacity=64, sampling=Sampling(temperature=100.0))
+    assert int(num[0]) == 32
+    assert len(set(np.asarray(out[0]).tolist())) > 16, np.asarray(out[0])
+
+
+def test_a_garbage_prefill_row_generates_and_counts_nothing(params):
+    """A row of length 0 (traced, not checked) has NaN prefill logits: it gets no token and num 0, while the other row
+    generates as it does alone."""
+    tokens = jax.random.randint(jax.random.key(1), (2, 8), 4, CFG.vocab_size)
+    kw = dict(cfg=CFG, max_new_tokens=5, capacity=64)
+    out, num = generate_tokens(params, DENSE, tokens, jnp.asarray([8, 0]), jax.random.key(0), **kw)
+    alone, alone_num = generate_tokens(params, DENSE, tokens[:1], jnp.asarray([8]), jax.random.key(0), **kw)
+    np.testing.assert_array_equal(num, [int(alone_num[0]), 0])
+    np.testing.assert_array_equal(out[0], alone[0])
+    assert np.all(np.asarray(out[1]) == -1)
+
+
+def test_check_request_refuses_more_verification_rows_than_the_context():
+    with pytest.raises(ValueError, match=r"gamma \+ 1 = 300 verification rows in one forward: expected at most the "
+                                         "model's context of 256"):
+        check_request(CFG, [5], 4, verify_rows=300)
+    assert check_request(CFG, [5], 4, verify_rows=256) == 384  # the context itself is allowed

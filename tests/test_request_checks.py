@@ -179,3 +179,17 @@ def test_session_refuses_a_message_one_row_past_the_capacity():
                                          r"the session's capacity of 64"):
         s.send_ids([5] * 10, max_new_tokens=50)
     assert s.tokens == [] and s.state is None  # refused before anything ran
+
+
+def test_prefill_refuses_a_prompt_one_token_past_the_capacity(params):
+    tokens = jnp.full((1, 17), 5, jnp.int32)
+    with pytest.raises(ValueError, match=r"prompt of 17 tokens \(padded\) is longer than the KV cache capacity of 16"):
+        llama.prefill(params, CFG, DENSE, tokens, jnp.array([3]), _cache(capacity=16), None)
+
+
+def test_decode_refuses_a_negative_cache_length(params, prefilled):
+    """A negative length would write the new token nowhere (dropped) and attend to nothing: refused by name."""
+    cache = prefilled.replace(lengths=jnp.array([-1], jnp.int32))
+    with pytest.raises(ValueError, match=r"cache lengths \[-1\] plus 1 new tokens: expected every row to end within "
+                                         "16 tokens"):
+        llama.decode(params, CFG, DENSE, jnp.array([[7]]), cache, None)

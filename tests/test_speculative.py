@@ -16,7 +16,7 @@ from models import llama
 from models.bundled import LoadedModel
 from models.cache import init_cache
 from models.config import ModelConfig
-from models.generate import Sampling, generate_tokens
+from models.generate import Sampling, check_seed, generate_tokens
 from models.params import random_params
 from models.speculative import (SpecState, loop_step, sampling_probs, spec_append, spec_prefill, spec_round,
                                speculative_generate)
@@ -385,6 +385,11 @@ def test_seeds_use_all_their_bits(models):
     seeds = [0, 5, 2 ** 32 + 5, -1, 2 ** 63 - 1, -(2 ** 63), 2 ** 32, -(2 ** 32)]
     data = [tuple(np.asarray(jax.random.key_data(seed_key(s))).tolist()) for s in seeds]
     assert len(set(data)) == len(seeds), dict(zip(seeds, data))
+    # Outside 64 bits refused by name (2**63 would alias -2**63: both fold in the high word 2**31).
+    for seed in (2 ** 63, -(2 ** 63) - 1):
+        with pytest.raises(ValueError, match=rf"seed={seed}: expected an integer in \[-2\*\*63, 2\*\*63\)"):
+            check_seed(seed)
+    assert check_seed(2 ** 63 - 1) == 2 ** 63 - 1 and check_seed(-(2 ** 63)) == -(2 ** 63)
     target, _ = models
     tgt = LoadedModel(cfg=CFG, params=target, tokenizer=None, name="t")
     ids = [[5, 6, 7, 8, 9]]
