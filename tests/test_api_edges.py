@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import types
+import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -500,3 +502,156 @@ def test_speculative_max_new_tokens_of_one_bucket_share_the_compiled_rounds():
     for n in (5, 9):
         assert generate_ids(model, prompt, max_new_tokens=n, draft=draft, gamma=2)[0] == longest[:n]  # greedy
     assert speculative_generate._cache_size() == size
+
+
+def test_load_names_an_unknown_dtype():
+    """An unknown dtype is refused by name with the valid ones (a KeyError from the table before)."""
+    with pytest.raises(ValueError, match=r"dtype='float16': expected one of \['bf16', 'bfloat16', 'f32', 'float32'\]"):
+        jsparse.load("smollm2", dtype="float16")
+
+
+class _CharTokenizer:
+    """One character per token id (chr(id + 40)), `size` ids, eos_token_id as given, and with `bos` that id first
+    when asked for special tokens."""
+
+    def __init__(self, eos_token_id=None, size=128, bos=None):
+        self.eos_token_id, self.size, self.bos = eos_token_id, size, bos
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [self.bos] * (add_special_tokens and self.bos is not None) + [ord(c) - 40 for c in text]}
+
+    def __len__(self):
+        return self.size
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i + 40) for i in ids)
+
+
+def test_the_tokenizers_eos_ends_a_row():
+    """eos_ids adds the tokenizer's eos (and the model's stop_ids) to the config's, once each, and generation stops
+    at it: the row is the greedy row up to and including that token."""
+    from jsparse.api import eos_ids, generate_ids
+
+    model = _tiny()
+    free = generate_ids(model, [[5, 6, 7]], max_new_tokens=6)[0]
+    stop = free[2]
+    assert 3 not in free and stop not in free[:2]  # the row reaches `stop` at its third token
+    with_tok = dataclasses.replace(model, tokenizer=_CharTokenizer(eos_token_id=stop))
+    assert eos_ids(with_tok) == (3, stop)
+    assert eos_ids(dataclasses.replace(with_tok, stop_ids=(9, 3, stop))) == (3, 9, stop)
+    assert generate_ids(with_tok, [[5, 6, 7]], max_new_tokens=6)[0] == free[:3]
+
+
+def test_a_method_object_missing_decode_is_refused_by_name():
+    from jsparse.api import generate_ids
+
+    partial = types.SimpleNamespace(init_state=lambda *a, **k: None, prefill=lambda *a, **k: None)
+    with pytest.raises(ValueError, match=r"method=namespace\(.*\): expected a method name"):
+        generate_ids(_tiny(), [[5, 6]], method=partial, max_new_tokens=2)
+
+
+def test_session_refuses_a_bad_gamma_by_name():
+    from jsparse.session import Session
+
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match=rf"gamma={bad}: expected an integer >= 1"):
+            Session(_tiny(), _tiny(layers=2, seed=1), gamma=bad, capacity=64)
+
+
+def test_a_draft_with_another_tokenizer_is_refused():
+    """Same vocab_size in both configs, different tokenizers: refused naming both sizes."""
+    from jsparse.api import generate_ids
+
+    model = dataclasses.replace(_tiny(), tokenizer=_CharTokenizer(size=128))
+    draft = dataclasses.replace(_tiny(layers=2, seed=1), tokenizer=_CharTokenizer(size=100))
+    with pytest.raises(ValueError, match="draft tokenizer has 100 tokens, the target's 128: a draft must share"):
+        generate_ids(model, [[5, 6]], max_new_tokens=2, draft=draft, gamma=2)
+
+
+def test_a_draft_off_the_targets_mesh_is_refused():
+    from jsparse.api import generate_ids
+    from jsparse.session import Session
+
+    model, draft = _tiny(), _tiny(layers=2, seed=1)
+    meshed = jsparse.on_mesh(model, "data=1,model=1")
+    message = r"the target is on a mesh data=1,model=1 and the draft on one device \(no mesh\)"
+    with pytest.raises(ValueError, match=message):
+        generate_ids(meshed, [[5, 6]], max_new_tokens=2, draft=draft, gamma=2)
+    with pytest.raises(ValueError, match=message):
+        Session(meshed, draft, gamma=2, capacity=64)
+
+
+def test_a_request_that_fills_the_drafts_context_exactly_runs():
+    """prompt + max_new_tokens equal to the draft's context fits it (one more token is refused): greedy speculative
+    output equals the target's own."""
+    from jsparse.api import generate_ids
+
+    model, draft = _tiny(), _tiny(layers=2, seed=1)
+    short = dataclasses.replace(draft, cfg=dataclasses.replace(draft.cfg, max_position_embeddings=16))
+    ids = [[5, 6, 7, 8]]
+    assert generate_ids(model, ids, max_new_tokens=12, draft=short, gamma=2) == \
+        generate_ids(model, ids, max_new_tokens=12)
+    with pytest.raises(ValueError, match="is 17 tokens, longer than the draft's context of 16"):
+        generate_ids(model, ids, max_new_tokens=13, draft=short, gamma=2)
+
+
+def test_greedy_sampling_without_top_p_does_not_warn():
+    from jsparse.api import sampling_of
+    from models.generate import Sampling
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert sampling_of(0.0, 1.0) == Sampling(0.0, 1.0)
+        assert sampling_of(0.7, 0.5) == Sampling(0.7, 0.5)
+
+
+def test_generate_text_leaves_out_the_eos():
+    """generate's text is the row's tokens before the EOS: the EOS itself is not decoded into it."""
+    from jsparse.api import generate_ids
+
+    model = _tiny()
+    free = generate_ids(model, [[ord(c) - 40 for c in "abc"]], max_new_tokens=6)[0]
+    stop = free[2]
+    assert 3 not in free and stop not in free[:2]
+    text = jsparse.generate(dataclasses.replace(model, tokenizer=_CharTokenizer(stop)), "abc", max_new_tokens=6)
+    assert text == "".join(chr(t + 40) for t in free[:2])
+
+
+def test_a_capacity_that_holds_the_bucket_shares_the_compiled_rounds():
+    """capacity = padded prompt (64) + the new-token bucket (NEW_TOKENS_BUCKET = 64) + gamma + 1 (3) = 131 rows
+    holds the bucket's width exactly: 5 and 30 new tokens run one compilation, each row stopping at its own count."""
+    from jsparse.api import generate_ids
+    from models.generate import NEW_TOKENS_BUCKET
+    from models.speculative import speculative_generate
+
+    assert 64 + NEW_TOKENS_BUCKET + 3 == 131
+    model, draft = _tiny(), _tiny(layers=1, seed=1)
+    prompt = [list(range(5, 25))]
+    longest = generate_ids(model, prompt, max_new_tokens=30, draft=draft, gamma=2, capacity=131)[0]
+    size = speculative_generate._cache_size()
+    assert generate_ids(model, prompt, max_new_tokens=5, draft=draft, gamma=2, capacity=131)[0] == longest[:5]
+    assert speculative_generate._cache_size() == size
+
+
+def test_session_text_reply_leaves_out_the_eos():
+    from jsparse.api import generate_ids
+    from jsparse.session import Session
+
+    model = _tiny()
+    free = generate_ids(model, [[ord(c) - 40 for c in "abc"]], max_new_tokens=4)[0]
+    stop = free[1]
+    assert 3 not in free[:2] and stop != free[0]
+    chat = dataclasses.replace(model, tokenizer=_CharTokenizer(stop))
+    assert Session(chat, chat, gamma=2, capacity=64).send("abc", max_new_tokens=4) == chr(free[0] + 40)
+
+
+def test_session_text_adds_special_tokens_to_the_first_message_only():
+    from jsparse.session import Session
+
+    model = dataclasses.replace(_tiny(), tokenizer=_CharTokenizer(bos=1))
+    s = Session(model, model, gamma=2, capacity=64)
+    s.send("ab", max_new_tokens=2)
+    assert s.tokens[:3] == [1, ord("a") - 40, ord("b") - 40]
+    n = len(s.tokens)
+    s.send("cd", max_new_tokens=2)
+    assert s.tokens[n:n + 2] == [ord("c") - 40, ord("d") - 40]

@@ -8,6 +8,8 @@
 3. `llama.decode` with T = 0 new tokens is refused.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -193,3 +195,30 @@ def test_decode_refuses_a_negative_cache_length(params, prefilled):
     with pytest.raises(ValueError, match=r"cache lengths \[-1\] plus 1 new tokens: expected every row to end within "
                                          "16 tokens"):
         llama.decode(params, CFG, DENSE, jnp.array([[7]]), cache, None)
+
+
+def test_session_refuses_an_empty_message_and_runs_one_that_fills_the_capacity_exactly():
+    """An empty message is refused by name; 10 + 49 + gamma + 1 = 64 rows fit a capacity of 64 (the 65-row case
+    is refused above): the reply equals generate's over the same prompt."""
+    from jsparse.api import generate_ids
+    from jsparse.session import Session
+
+    model = _tiny()
+    s = Session(model, _tiny(layers=2, seed=1), gamma=4, capacity=64)
+    with pytest.raises(ValueError, match="empty message: expected at least one token"):
+        s.send_ids([], max_new_tokens=2)
+    ids = list(range(5, 15))
+    assert s.send_ids(ids, max_new_tokens=49) == generate_ids(model, [ids], max_new_tokens=49)[0]
+
+
+def test_session_message_that_fills_the_drafts_context_exactly_runs():
+    """conversation + message + max_new_tokens equal to the draft's context (16) fits it; one more is refused."""
+    from jsparse.api import generate_ids
+    from jsparse.session import Session
+
+    model, draft = _tiny(), _tiny(layers=2, seed=1)
+    short = dataclasses.replace(draft, cfg=dataclasses.replace(draft.cfg, max_position_embeddings=16))
+    with pytest.raises(ValueError, match="is 17 tokens, longer than the draft's context of 16"):
+        Session(model, short, gamma=2, capacity=64).send_ids([5, 6, 7, 8, 9], max_new_tokens=12)
+    assert Session(model, short, gamma=2, capacity=64).send_ids([5, 6, 7, 8], max_new_tokens=12) == \
+        generate_ids(model, [[5, 6, 7, 8]], max_new_tokens=12)[0]

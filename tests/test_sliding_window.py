@@ -364,3 +364,34 @@ def test_session_caps_its_capacity_at_the_window_as_generate_does(params):
     with pytest.raises(ValueError, match=r"needs 17 tokens \(prompt plus max_new_tokens plus gamma \+ 1 = 3 "
                                          r"verification rows\).*within 16 tokens \(a smaller gamma"):
         jsparse.generate_ids(model, [list(range(5, 13))], method="h2o", draft=model, gamma=2, max_new_tokens=6)
+
+
+def test_session_default_capacity_is_the_smaller_of_the_context_and_the_window(params):
+    """A window longer than the context (W=300, context 96) does not raise the default capacity past the context's
+    128 rows: the window's whole blocks (256) are a cap, not a size."""
+    model = LoadedModel(cfg=ModelConfig(**BASE, sliding_window=300), params=params, tokenizer=None, name="w300")
+    assert jsparse.Session(model, model, method="h2o", gamma=2).capacity == 128
+    assert jsparse.Session(model, model, method="h2o", gamma=2, capacity=64).capacity == 64
+
+
+class _Ran(Exception):
+    pass
+
+
+def test_an_explicit_capacity_within_the_window_is_used_as_given(params, monkeypatch):
+    """capacity=40 on a model with W=40 runs with a cache of 40 rows: only the default capacity is cut to the
+    window's whole blocks (32 here), a user's capacity is not silently changed."""
+    from jsparse import api
+
+    seen = []
+
+    def spy(*args, **kwargs):  # the capacity generate_ids runs with; nothing is compiled
+        seen.append(kwargs["capacity"])
+        raise _Ran
+
+    monkeypatch.setattr(api, "generate_tokens", spy)
+    model = LoadedModel(cfg=ModelConfig(**BASE, sliding_window=40), params=params, tokenizer=None, name="w40")
+    for capacity in (40, 33, None):
+        with pytest.raises(_Ran):
+            jsparse.generate_ids(model, [list(range(5, 25))], method="oracle", max_new_tokens=4, capacity=capacity)
+    assert seen == [40, 33, 32]

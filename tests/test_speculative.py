@@ -445,3 +445,56 @@ def test_a_padded_message_keeps_the_heat_of_every_message_row(models):
     np.testing.assert_array_equal(np.asarray(got.tok), np.asarray(ref.tok))
     np.testing.assert_array_equal(np.asarray(got.prev), np.asarray(ref.prev))
     np.testing.assert_allclose(np.asarray(got.t_state.score), np.asarray(ref.t_state.score), atol=1e-5)
+
+
+def test_session_counts_every_turns_rounds(models):
+    """With the target as its own draft every draft token is accepted: over two turns the session's rounds and
+    accepted counts add up (gamma accepted a round: acceptance_rate 1.0), not the last turn's alone."""
+    target, _ = models
+    tgt = LoadedModel(cfg=CFG, params=target, tokenizer=None, name="t")
+    session = Session(tgt, tgt, gamma=2, capacity=64)
+    session.send_ids([5, 6, 7, 8, 9], max_new_tokens=7)
+    first = session.rounds
+    assert first >= 1 and session.accepted == 2 * first
+    session.send_ids([10, 11], max_new_tokens=7)
+    assert session.rounds > first and session.accepted == 2 * session.rounds
+    assert session.acceptance_rate == 1.0
+
+
+def test_session_samples_with_its_top_p(models):
+    target, draft = models
+    tgt = LoadedModel(cfg=CFG, params=target, tokenizer=None, name="t")
+    drf = LoadedModel(cfg=DRAFT_CFG, params=draft, tokenizer=None, name="d")
+    assert Session(tgt, drf, gamma=2, capacity=64, temperature=0.7, top_p=0.5).sampling == Sampling(0.7, 0.5)
+    with pytest.warns(UserWarning, match="top_p=0.5 has no effect at temperature 0"):
+        assert Session(tgt, drf, gamma=2, capacity=64, top_p=0.5).sampling == Sampling(0.0, 1.0)
+
+
+def test_session_default_capacity_is_at_most_4096_rows(models):
+    """None: the smaller of the model's context and 4096, rounded up to 128 (a context of 10000 is not 10112 rows
+    of cache per model)."""
+    target, draft = models
+    long = dataclasses.replace(CFG, max_position_embeddings=10000)
+    tgt = LoadedModel(cfg=long, params=target, tokenizer=None, name="t")
+    drf = LoadedModel(cfg=dataclasses.replace(DRAFT_CFG, max_position_embeddings=10000), params=draft,
+                      tokenizer=None, name="d")
+    assert Session(tgt, drf, gamma=2).capacity == 4096
+    assert Session(LoadedModel(cfg=dataclasses.replace(CFG, max_position_embeddings=200), params=target,
+                               tokenizer=None, name="t"), drf, gamma=2).capacity == 256
+
+
+def test_generate_stats_sum_the_rows_and_rate_per_proposed_token(models):
+    """stats over a batch are the sums of each row's rounds and accepted tokens (every row, not the first), and
+    acceptance_rate is accepted / (rounds * gamma): 1.0 with the target as its own draft."""
+    target, _ = models
+    tgt = LoadedModel(cfg=CFG, params=target, tokenizer=None, name="t")
+    ids = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    alone = []
+    for row in ids:
+        s = {}
+        generate_ids(tgt, [row], max_new_tokens=10, draft=tgt, gamma=2, stats=s)
+        alone.append(s)
+    both = {}
+    generate_ids(tgt, ids, max_new_tokens=10, draft=tgt, gamma=2, stats=both)
+    assert both["rounds"] == alone[0]["rounds"] + alone[1]["rounds"] >= 2
+    assert both["accepted"] == 2 * both["rounds"] and both["acceptance_rate"] == 1.0

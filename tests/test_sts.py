@@ -975,3 +975,13 @@ def test_padding_rows_add_nothing_to_the_pooled_weights():
                 np.testing.assert_allclose(val[b, h, i, :n_keys], want, rtol=1e-4, atol=1e-6)
                 # the indices hold those weights
                 np.testing.assert_allclose(pooled[b, h, i, idx[b, h, i, :n_keys]], want, rtol=1e-4, atol=1e-6)
+
+
+def test_sts_by_name_with_a_draft_is_built_with_that_draft(pair):
+    """method="sts" with draft= builds STS with the draft (refused only for its missing head map), not as if no
+    draft were given."""
+    target, draft = pair
+    for call in (lambda: generate_ids(target, [[5, 6, 7]], method="sts", draft=draft, gamma=2, max_new_tokens=2),
+                 lambda: __import__("jsparse").Session(target, draft, method="sts", gamma=2)):
+        with pytest.raises(ValueError, match="method 'sts' needs a head map: --artifact DIR"):
+            call()
