@@ -714,3 +714,15 @@ def test_passkey_prompts_draw_their_own_filler_and_ask_on_a_new_line(tokenizer, 
         assert tokenizer.decode(a.tokens, skip_special_tokens=True).endswith("\n" + passkey.QUESTION)
     with pytest.raises(ValueError, match="samples=0: expected >= 1"):
         passkey.make_prompts(tokenizer, 200, 0, seed=1)
+
+
+def test_ppl_windows_that_just_fit_the_corpus_are_not_said_to_overlap(model, corpus, tmp_path):
+    """As many windows as the corpus holds apart do not overlap: ppl_overlap stays empty (one more would)."""
+    short = tmp_path / "short.txt"
+    short.write_text(open(corpus, encoding="utf-8").read()[:1500], encoding="utf-8")
+    ids = ppl.tokenize_corpus(model.tokenizer, ppl.read_corpus(str(short)))
+    slots = ppl.check_windows(model.tokenizer, ids, 128, 1)
+    assert 1 <= slots < 4
+    spec = harness.EvalSpec(methods=("dense",), tasks=("ppl",), lengths=(128,), samples=slots, seed=5,
+                            corpus=str(short), ppl_variants=("prefill",))
+    assert harness.evaluate(model, spec, progress=False).ppl_overlap == {}

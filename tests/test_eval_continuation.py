@@ -266,3 +266,56 @@ def test_layer_sparsity_table_names_each_task():
     assert "| tsa | niah_single_number @96 | 0.250 | 0.250 |" in md
     assert "| tsa | ppl continuation @96 | 0.500 | 0.500 |" in md and "| tsa | passkey @96 | 0.750 | 0.750 |" in md
     assert "ppl generate" not in md
+
+
+def test_acceptance_rate_is_accepted_over_gamma_per_round():
+    stats = {"rounds": [2, 3, 5], "accepted": [4, 6, 1], "gamma": 4}
+    assert harness.acceptance_rate(stats) == pytest.approx(11 / (10 * 4))
+    assert harness.acceptance_rate(stats, [0, 1]) == pytest.approx(10 / (5 * 4))
+    assert harness.acceptance_rate({}) is None
+
+
+def test_generation_gives_each_prompts_prefill_to_its_own_tracker_across_batches(model):
+    """Prompts of two tasks in one run_generation, 2 rows per call: each accumulator receives exactly its own
+    prompts' measured prefill rows, also in the second batch (a wrong row offset gave task A a row of task B)."""
+    from jsparse.methods.common import prefill_state
+
+    tsa = TSA(**TSA_OPTIONS)
+    rng = np.random.default_rng(0)
+    prompts = [tuple(int(t) for t in rng.integers(2, len(model.tokenizer), 96)) for _ in range(4)]
+    a, b = harness.LayerSparsity(tsa, model.cfg), harness.LayerSparsity(tsa, model.cfg)
+    harness.run_generation(model, tsa, prompts, 1, rows=2, layer_sparsity=[a, a, b, b])
+    state = prefill_state(model.params, model.cfg, tsa, np.asarray(prompts, np.int32), np.full((4,), 96))
+    want = {int(k): np.asarray(v, np.float64) for k, v in
+            tsa.prefill_layer_sparsity(model.cfg, state, np.full((4,), 96)).items()}
+    assert set(a.rows) == set(want) and want
+    for layer, values in want.items():
+        np.testing.assert_allclose(a.rows[layer], values[:2], rtol=1e-6)
+        np.testing.assert_allclose(b.rows[layer], values[2:], rtol=1e-6)
+
+
+def test_a_composed_method_runs_at_every_budget_and_tsa_alone_once():
+    """tsa+kascade has no budget field of its own, but its Kascade takes one: it runs once per fraction and per
+    token budget (TSA alone takes none: once, budget None)."""
+    both, alone = TSA(inner=Kascade(), selection="kv_head"), TSA()
+    spec = harness.EvalSpec(methods=("tsa+kascade", "tsa"), tasks=("ppl",), lengths=(64,), budgets=(0.2,),
+                            budget_tokens=(16,))
+    runs = harness.method_runs(None, spec, {"tsa+kascade": both, "tsa": alone}, 64)
+    assert [(r.name, r.budget, r.budget_tokens) for r in runs] == [
+        ("tsa+kascade", 0.2, None), ("tsa+kascade", 0.25, 16), ("tsa", None, None)]
+
+
+def test_a_token_budget_run_keeps_its_min_tokens_over_a_method_option(monkeypatch):
+    """A min_tokens method option applies to the fraction runs only: the token budget N's own min_tokens = N (and
+    its budget) win over the option in the build of a token-budget run."""
+    from jsparse.methods import make_method
+
+    built = []
+    monkeypatch.setattr(jsparse, "build_method", lambda name, model, **kw: built.append(kw) or object())
+    spec = harness.EvalSpec(methods=("oracle",), tasks=("ppl",), lengths=(64,), budgets=(0.25,), budget_tokens=(16,),
+                            method_options={"oracle": {"min_tokens": 4}})
+    runs = harness.method_runs(None, spec, {"oracle": make_method("oracle", budget=0.25)}, 64)
+    for r in runs:
+        r.build()
+    assert [(r.budget, r.budget_tokens) for r in runs] == [(0.25, None), (0.25, 16)]
+    assert built == [{"budget": 0.25, "min_tokens": 16}]  # (the fraction run reuses the base instance)

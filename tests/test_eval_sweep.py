@@ -613,3 +613,137 @@ def test_sparsity_table_has_each_lengths_own_value():
     recs = [_rec("quest", "ppl", 11.0, variant="decode", sparsity=s, length=L) for L, s in ((64, 0.5), (128, 0.75))]
     table = report.summary_markdown(recs, {}).split("## Achieved sparsity")[1].split("##")[0]
     assert "| method | ppl decode @64 | ppl decode @128 |" in table and "| quest | 0.500 | 0.750 |" in table
+
+
+def test_parse_bounds_are_inclusive_where_documented():
+    """--lengths takes 16 tokens (>= 16), --budgets and EvalSpec.budget take 1.0 (in (0, 1]); one below / above is
+    refused naming the value."""
+    assert harness.parse_lengths("16,17") == (16, 17)
+    with pytest.raises(ValueError, match=r"length 15: expected an integer >= 16 tokens"):
+        harness.parse_lengths((15,))
+    assert harness.parse_budgets("0.5,1") == (0.5, 1.0)
+    assert harness.EvalSpec(methods=("dense",), tasks=("passkey",), lengths=(64,), budget=1.0).validate().budget == 1.0
+    with pytest.raises(ValueError, match=r"budget=1.0001: expected a fraction in \(0, 1\]"):
+        harness.EvalSpec(methods=("dense",), tasks=("passkey",), lengths=(64,), budget=1.0001).validate()
+
+
+def test_budget_tokens_refuse_a_fractional_count():
+    """A token budget given as a float must be a whole number (2.5 was truncated to 2 tokens)."""
+    assert harness.parse_budget_tokens((64.0, 128)) == (64, 128)
+    with pytest.raises(ValueError, match=r"budget tokens 2.5: expected a positive integer number of tokens"):
+        harness.parse_budget_tokens((2.5,))
+
+
+def test_spec_validate_names_each_bad_field():
+    base = dict(methods=("dense",), tasks=("passkey",), lengths=(64,))
+    with pytest.raises(ValueError, match=r"seed=True: expected an integer >= 0"):
+        harness.EvalSpec(**base, seed=True).validate()
+    # An unused continuation is still recorded in the resume config: it must be a count >= 1.
+    with pytest.raises(ValueError, match=r"continuation=0 tokens \(--continuation-tokens\): expected an integer >= 1"):
+        harness.EvalSpec(**base, continuation=0).validate()
+    with pytest.raises(ValueError,
+                       match=r"artifact given for method 'kascade', which is not among the methods \['dense'\]"):
+        harness.EvalSpec(**base, artifacts={"kascade": "K"}).validate()
+    with pytest.raises(ValueError, match=r"method options given for method 'tsa', which is not among the methods"):
+        harness.EvalSpec(**base, method_options={"tsa": {"tau": 0.1}}).validate()
+    with pytest.raises(ValueError, match=r"method 'sts' runs perplexity as ppl variants \['prefill', 'continuation'\] "
+                                         r"only .*got variants \['decode', 'prefill'\]"):
+        harness.EvalSpec(methods=("sts",), tasks=("ppl",), lengths=(64,), draft=object(),
+                         ppl_variants=("decode", "prefill")).validate()
+
+
+def test_make_record_refuses_a_key_outside_the_schema():
+    fields = dict(task="ppl", method="dense", length=64, budget=None, metric="perplexity", value=1.0, sparsity=0.0,
+                  n=1, variant="decode", depth=None, seconds=1.0)
+    assert list(harness.make_record(**fields)) == list(harness.RECORD_KEYS)
+    with pytest.raises(KeyError, match=r"record keys \['extra'\] do not match"):
+        harness.make_record(**fields, extra=1)
+
+
+def test_eos_ids_add_the_tokenizers_own_eos():
+    """A completion stops at the config's EOS ids and at the tokenizer's EOS when that is another id (once)."""
+    from types import SimpleNamespace
+
+    def fake(cfg_eos, tok_eos):
+        return SimpleNamespace(cfg=SimpleNamespace(eos_token_ids=cfg_eos),
+                               tokenizer=SimpleNamespace(eos_token_id=tok_eos))
+
+    assert harness._eos_ids(fake((1, 2), 7)) == (1, 2, 7)
+    assert harness._eos_ids(fake((1, 2), 2)) == (1, 2)
+    assert harness._eos_ids(fake((1,), None)) == (1,)
+
+
+def test_units_of_a_chat_run_are_chat_for_the_generation_tasks_only():
+    spec = harness.EvalSpec(methods=("dense",), tasks=("passkey", "niah_single_number", "ppl"), lengths=(64,),
+                            chat=True, ppl_variants=("decode", "prefill"))
+    assert harness._units(spec) == [("passkey", "generate"), ("niah_single_number", "chat"), ("ppl", "decode"),
+                                    ("ppl", "prefill")]
+    assert harness._units(dataclasses.replace(spec, chat=False))[1] == ("niah_single_number", "generate")
+
+
+def test_token_budgets_cover_the_generated_tokens(model, test_task, monkeypatch):
+    """The token budget's fraction is safe up to the prompt plus the most new tokens any task generates (passkey's
+    --new-tokens 5 here, the test task's 3), not up to the prompt alone."""
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def stop(model, spec, methods, max_visible):
+        seen.append(max_visible)
+        raise Stop
+
+    monkeypatch.setattr(harness, "method_runs", stop)
+    spec = harness.EvalSpec(methods=("dense",), tasks=("passkey", TASK), lengths=(64,), samples=1, new_tokens=5,
+                            budget_tokens=(16,))
+    with pytest.raises(Stop):
+        harness.evaluate(model, spec, progress=False)
+    assert seen == [64 + 5]
+
+
+def test_method_option_lists_keep_their_commas_and_methods_are_named_once():
+    assert harness.parse_method_options(["tsa.sparse_layers=[1, 2],tsa.tau=0.01"], ("dense", "tsa")) == {
+        "tsa": {"sparse_layers": [1, 2], "tau": 0.01}}
+    with pytest.raises(ValueError, match=r"methods \['dense', 'oracle', 'dense'\] name a method twice"):
+        harness.check_methods(("dense", "oracle", "dense"))
+
+
+def test_gamma_without_a_draft_is_refused():
+    with pytest.raises(ValueError, match=r"--gamma 3 needs --draft"):
+        cli_eval.spec_from_args(_parser().parse_args(["eval", "--gamma", "3", "--out", "x"]))
+
+
+def test_resume_records_this_runs_artifact_for_a_method_the_folder_has_no_records_of(tmp_path):
+    """A method the folder names in its config but holds no records of brings this run's artifact: the merged
+    config (written to the folder) records the one the new records are made with, not the folder's old one."""
+    old = {"seed": 0, "artifacts": {"kascade": "A"}, "method_options": {"kascade": {"min_tokens": 4}}}
+    report.write_results(str(tmp_path), [_unit("dense")], dict(config=old))
+    new = {"seed": 0, "artifacts": {"kascade": "B"}, "method_options": {"kascade": {"min_tokens": 8}}}
+    merged = cli_eval.resume_config(str(tmp_path), new, False, ("dense", "kascade"))[2]
+    assert merged["artifacts"] == {"kascade": "B"} and merged["method_options"] == {"kascade": {"min_tokens": 8}}
+
+
+def test_resume_keeps_only_the_outputs_of_the_units_results_json_holds(model, test_task, tmp_path, monkeypatch):
+    """outputs.json entries of a unit results.json does not hold (another configuration's, left by an older
+    version) are dropped on resume, a token-budget unit being another unit than a fraction one of the same budget."""
+    monkeypatch.setattr(jsparse, "load", lambda spec, dtype=None, **kw: model)
+    out = tmp_path / "run"
+    argv = ["eval", "--model", "tiny", "--methods", "dense", "--tasks", TASK, "--lengths", "64", "--samples", "2",
+            "--out", str(out), "--no-progress", "--no-report"]
+    args = _parser().parse_args(argv)
+    assert args.func(args) == 0
+    outputs = json.loads((out / "outputs.json").read_text())
+    assert len(outputs) == 2
+    stray = [dict(outputs[0], budget_tokens=16), dict(outputs[0], method="oracle")]
+    (out / "outputs.json").write_text(json.dumps(outputs + stray))
+    args = _parser().parse_args(argv)
+    assert args.func(args) == 0  # nothing left to run
+    assert json.loads((out / "outputs.json").read_text()) == outputs
+
+
+def test_portable_path_keeps_a_sibling_of_the_root_that_shares_its_prefix():
+    from jsparse.provenance import INSTALL_ROOT
+
+    sibling = INSTALL_ROOT + "_other" + os.sep + "corpus.txt"
+    assert cli_eval.portable_path(sibling) == sibling
+    assert cli_eval.portable_path(os.path.join(INSTALL_ROOT, "eval", "x.txt")) == os.path.join("eval", "x.txt")
