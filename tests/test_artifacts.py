@@ -1,12 +1,14 @@
 """Calibration artifacts are keyed to the model: fingerprints, round trips, and clear errors."""
 
+import hashlib
+import json
+import math
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import json
-import os
 
 from jsparse.artifacts import (Artifact, ArtifactError, calibrated_on, load_artifact, model_fingerprint,
                                sample_positions, save_artifact, text_digest)
@@ -283,3 +285,112 @@ def test_shipped_artifacts_are_found_from_any_working_directory(tmp_path, monkey
                                             r"\['smollm2/butler', 'smollm2/evosparse', 'smollm2/kascade', "
                                             r"'smollm2/sts', 'smollm2/tsa'\]"):
         jsparse.shipped_artifact("quest")
+
+
+def test_sample_positions_are_every_position_up_to_the_sample_count_then_the_distinct_golden_ratio_floors():
+    """The docstring's definition, in Python floats: every position while n <= 4096 (n = 4096 included), else the
+    ascending distinct floor(n * frac(i * phi)) for i < 4096, which reaches the last position n - 1 for n near 4096."""
+    np.testing.assert_array_equal(sample_positions(4096), np.arange(4096))
+    phi = (math.sqrt(5) - 1) / 2
+    for n in (4097, 5000, 123457):
+        want = sorted({math.floor(n * math.modf(i * phi)[0]) for i in range(4096)})
+        got = sample_positions(n)
+        assert got.dtype == np.int64 and got.tolist() == want, n
+    assert sample_positions(4097)[-1] == 4096
+
+
+def test_numpy_metadata_round_trips_and_update_replaces_a_key(tmp_path):
+    """Calibrators record numpy scalars and arrays as metadata: they load back as JSON numbers and lists; and
+    `update_artifact_meta` replaces an existing key ("Adds or replaces"), keeping the others."""
+    from jsparse.artifacts import update_artifact_meta
+
+    path = str(tmp_path / "a")
+    save_artifact(path, Artifact(kind="kascade", fingerprint="fp", arrays={"anchors": np.array([0, 1], np.int32)},
+                                 meta={"tile": np.int64(16), "share": np.float32(0.5),
+                                       "dense_set": np.array([3, 7], np.int32), "model": "tiny"}))
+    meta = load_artifact(path, "kascade", "fp").meta
+    assert meta == {"tile": 16, "share": 0.5, "dense_set": [3, 7], "model": "tiny"}
+    assert type(meta["tile"]) is int
+    art = update_artifact_meta(path, "kascade", tile=32)
+    assert art.meta["tile"] == 32 == load_artifact(path, "kascade", "fp").meta["tile"]
+    assert load_artifact(path, "kascade", "fp").meta["dense_set"] == [3, 7]
+
+
+def test_hand_edited_or_truncated_artifacts_name_what_is_wrong(tmp_path):
+    """An arrays list naming an array the file lacks, an artifact.json that is not an object, an empty arrays.npz,
+    and the mismatch message names the model the artifact was made for."""
+    from jsparse.artifacts import artifact_kind
+
+    path = str(tmp_path / "a")
+    save_artifact(path, Artifact(kind="kascade", fingerprint="abc", arrays={"anchors": np.array([0, 1], np.int32)},
+                                 meta={"model": "tiny"}))
+    with pytest.raises(ArtifactError, match=r"calibrated for model fingerprint 'abc' \(tiny\), but the loaded "
+                                            r"model's fingerprint is 'xyz'"):
+        load_artifact(path, "kascade", "xyz")
+    meta_file = tmp_path / "a" / "artifact.json"
+    good = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps({**good, "arrays": ["anchors", "head_map"]}))  # the digest still matches
+    with pytest.raises(ArtifactError, match=r"lists arrays \['anchors', 'head_map'\], arrays.npz holds \['anchors'\]"):
+        load_artifact(path, "kascade")
+    meta_file.write_text("[1, 2]")
+    with pytest.raises(ArtifactError, match="artifact.json holds a list, expected an object"):
+        load_artifact(path, "kascade")
+    with pytest.raises(ArtifactError, match="records no kind"):
+        artifact_kind(path)
+    meta_file.write_text(json.dumps(good))
+    (tmp_path / "a" / "arrays.npz").write_bytes(b"")  # a zero-byte file (a crash before any byte was written)
+    with pytest.raises(ArtifactError, match="corrupt: EOFError"):
+        load_artifact(path, "kascade")
+
+
+def test_meta_number_refuses_a_boolean():
+    """True is an int to Python, not a number of a calibration: refused as integer and as number."""
+    from jsparse.artifacts import meta_number
+
+    art = Artifact(kind="kascade", fingerprint="fp", arrays={}, meta={"tile": True, "scale": False})
+    with pytest.raises(ArtifactError, match="meta tile=True, expected an integer"):
+        meta_number(art, "/a", "tile", integer=True)
+    with pytest.raises(ArtifactError, match="meta scale=False, expected a number"):
+        meta_number(art, "/a", "scale")
+
+
+def test_a_shipped_folder_without_artifact_json_is_not_an_artifact(tmp_path, monkeypatch):
+    """A kind folder left without its artifact.json is refused, and not listed among those there are."""
+    from jsparse import artifacts
+
+    root = tmp_path / "jsparse" / "shipped" / "smollm2"
+    (root / "quest").mkdir(parents=True)
+    (root / "kascade").mkdir()
+    (root / "kascade" / "artifact.json").write_text("{}")
+    monkeypatch.setattr(artifacts, "INSTALL_ROOT", str(tmp_path))
+    assert artifacts.shipped_artifact("kascade") == str(root / "kascade")
+    with pytest.raises(ArtifactError, match=r"no shipped 'quest' artifact for model 'smollm2': expected one of "
+                                            r"\['smollm2/kascade'\]"):
+        artifacts.shipped_artifact("quest")
+
+
+def test_calibrated_on_skips_missing_folders_and_matches_old_artifacts_by_path(tmp_path, monkeypatch):
+    """Several folders (an empty or missing one skipped, not ending the search), a shipped folder named relative to
+    the install from another directory, an artifact from before digests matched by its file's path; and
+    `text_digest` hashes a file of several read blocks whole, `corpus_meta` records absolute paths."""
+    from jsparse.artifacts import corpus_meta
+
+    alice = os.path.abspath("eval/data/alice_in_wonderland.txt")
+    monkeypatch.chdir(tmp_path)
+    shipped = "jsparse/shipped/smollm2/kascade"
+    assert calibrated_on(shipped, alice) == "eval/data/alice_in_wonderland.txt"
+    assert calibrated_on(os.pathsep.join(["", str(tmp_path / "missing"), shipped]), alice) \
+        == "eval/data/alice_in_wonderland.txt"
+    text = tmp_path / "dev.txt"
+    text.write_text("dev text\n" * 10)
+    old = str(tmp_path / "old")
+    save_artifact(old, Artifact(kind="kascade", fingerprint="fp", arrays={"a": np.zeros(1)},
+                                meta={"corpus": [str(text)]}))  # no corpus_sha256
+    assert calibrated_on(old, "dev.txt") == str(text)
+    assert calibrated_on(old, alice) is None
+    big = tmp_path / "big.txt"
+    data = os.urandom(3 * (1 << 20) + 5)
+    big.write_bytes(data)
+    assert text_digest(str(big)) == hashlib.sha256(data).hexdigest()[:16]
+    assert corpus_meta(["dev.txt"]) == {"corpus": [str(text)],
+                                        "corpus_sha256": [hashlib.sha256(text.read_bytes()).hexdigest()[:16]]}

@@ -1,8 +1,10 @@
 """eval.bench.common's timing helpers and the commit a benchmark JSON names."""
 
+import json
 import os
 import subprocess
 import time
+import types
 
 import jax.numpy as jnp
 
@@ -81,3 +83,43 @@ def test_an_installed_jsparse_records_its_version_not_a_surrounding_repository(t
     assert provenance.source_commit() == git("rev-parse", "HEAD")
     monkeypatch.setenv("GIT_COMMIT", "abc1234")
     assert provenance.source_commit() == "abc1234"
+
+
+def test_source_commit_of_a_subfolder_and_of_an_install_outside_any_repository(tmp_path, monkeypatch):
+    """An explicit root inside a checkout records that checkout's HEAD; jsparse installed outside any repository
+    records its installed version (not "unknown")."""
+    from jsparse import provenance
+
+    monkeypatch.delenv("GIT_COMMIT", raising=False)
+    repo = tmp_path / "repo"
+    (repo / "sub").mkdir(parents=True)
+    git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True,  # noqa: E731
+                                    text=True).stdout.strip()
+    git("init", "-q")
+    (repo / "sub" / "f.py").write_text("a = 1\n")
+    git("add", "sub/f.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    assert source_commit(str(repo / "sub")) == git("rev-parse", "HEAD")
+    site = tmp_path / "venv" / "lib" / "site-packages"  # no repository around it
+    site.mkdir(parents=True)
+    monkeypatch.setattr(provenance, "INSTALL_ROOT", str(site))
+    assert provenance.source_commit() == provenance.installed_version() != "unknown"
+
+
+def test_installed_version_reads_the_commit_pip_recorded(monkeypatch):
+    """A `git+` install: direct_url.json's vcs_info.commit_id; without it (or a direct_url.json that is not an
+    object) the version."""
+    from importlib import metadata
+
+    from jsparse import provenance
+
+    def dist(text):
+        return types.SimpleNamespace(version="9.9", read_text=lambda name: text if name == "direct_url.json" else None)
+
+    for text, want in ((json.dumps({"url": "git+https://x", "vcs_info": {"vcs": "git", "commit_id": "c0ffee"}}),
+                        "c0ffee"),
+                       (json.dumps({"url": "file:///x"}), "jsparse 9.9 (installed; commit unknown)"),
+                       ("[1]", "jsparse 9.9 (installed; commit unknown)"),
+                       (None, "jsparse 9.9 (installed; commit unknown)")):
+        monkeypatch.setattr(metadata, "distribution", lambda name, t=text: dist(t))
+        assert provenance.installed_version() == want, text

@@ -288,3 +288,19 @@ def test_generate_flags_reach_generate(monkeypatch, capsys):
     (kw,) = calls
     assert kw["temperature"] == 0.7 and kw["top_p"] == 0.9 and kw["seed"] == 123
     assert kw["chat"] is True and kw["max_new_tokens"] == 3
+
+
+def test_calibrate_refuses_too_short_prompts_or_no_samples_and_a_length_one_past_the_context(tmp_path, capsys):
+    """--length 1 (no next token to predict) and --samples 0 are refused by flag before the model loads; --length
+    8193 is one past smollm2's 8192-token context; an unknown flag is a usage error, not silently dropped."""
+    out = tmp_path / "o"
+    for extra, message in ((["--length", "1"], "--length 1: expected an integer >= 2"),
+                           (["--samples", "0"], "--samples 0: expected an integer >= 1")):
+        assert main(["calibrate", "tsa", "--model", "/nonexistent/model.gguf", "--out", str(out), *extra]) == 2
+        assert message in capsys.readouterr().err
+        assert not out.exists()
+    assert main(["calibrate", "tsa", "--model", "smollm2", "--length", "8193", "--out", str(out)]) == 2
+    assert "--length 8193: expected at most the model's context of 8192 tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--prompt", "Hi", "--bogus-flag"])
+    assert e.value.code == 2 and "unrecognized arguments: --bogus-flag" in capsys.readouterr().err

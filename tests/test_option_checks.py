@@ -3,6 +3,7 @@ each is now refused by name, before any model work where the value alone shows i
 
 from __future__ import annotations
 
+import os
 import types
 
 import jax
@@ -179,3 +180,37 @@ def test_a_composed_method_takes_its_artifacts_as_a_list():
         split_artifacts(5, ("kascade", "tsa"))
     with pytest.raises(ArtifactError, match=r"artifact list entry 5: expected a folder path"):
         split_artifacts([folders[0], 5], ("kascade", "tsa"))
+
+
+def test_split_artifacts_skips_empty_entries_and_refuses_a_wrong_or_repeated_kind():
+    """None or "" is no artifact (tsa+kascade given its folders one by one); an empty entry (a trailing separator)
+    is skipped; an artifact of another kind, or two of one kind, are refused naming both."""
+    from jsparse.artifacts import ArtifactError, split_artifacts
+
+    kascade, tsa, butler = (f"jsparse/shipped/smollm2/{k}" for k in ("kascade", "tsa", "butler"))
+    kinds = ("kascade", "tsa")
+    assert split_artifacts(None, kinds) == {} == split_artifacts("", kinds)
+    assert split_artifacts(kascade + os.pathsep, kinds) == {"kascade": kascade}
+    with pytest.raises(ArtifactError, match=rf"artifact at '{butler}' is a 'butler' artifact: expected one of "
+                                            r"\['kascade', 'tsa'\]"):
+        split_artifacts([kascade, butler], kinds)
+    with pytest.raises(ArtifactError, match=rf"two 'kascade' artifacts given: '{kascade}' and '{kascade}'"):
+        split_artifacts([kascade, tsa, kascade], kinds)
+
+
+def test_generate_cli_budget_bounds_and_token_budget_checks_come_before_the_load(capsys):
+    """--budget 1 (every key) and an STS budget above 1 (a token count) are valid and reach the load (which names
+    the missing file); --budget 0, an STS token budget of 1, and a --method-option the token budget would
+    overwrite are refused before it."""
+    base = ["generate", "--model", "/nonexistent/model.gguf", "--prompt", "Hi"]
+    for extra in (["--method", "oracle", "--budget", "1"], ["--method", "sts", "--budget", "64"]):
+        assert main(base + extra) == 2
+        assert "'/nonexistent/model.gguf' does not exist" in capsys.readouterr().err, extra
+    for extra, message in ((["--method", "oracle", "--budget", "0"], "--budget 0: expected a fraction of the context "
+                                                                     "in (0, 1]"),
+                           (["--method", "sts", "--budget-tokens", "1"], "--budget-tokens 1 with method 'sts'"),
+                           (["--method", "quest", "--budget-tokens", "200", "--method-option", "quest.min_tokens=5"],
+                            "--method-option quest.min_tokens with --budget-tokens 200: a token budget sets "
+                            "min_tokens itself")):
+        assert main(base + extra) == 2
+        assert message in capsys.readouterr().err, extra

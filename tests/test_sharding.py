@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from models import sharding
@@ -269,3 +270,81 @@ def test_an_op_whose_rows_do_not_divide_the_mesh_runs_whole():
         out, mass = jax.eval_shape(sparse_decode_mass, *args)
         assert kshard.active_mesh() is not None  # the fallback's no-mesh context ended with it
     assert out.shape == (B, 1, Hq, D) and mass.shape == (B, Hkv, 1, K)
+
+
+def test_make_mesh_refuses_more_devices_than_the_spec_uses():
+    import jax
+    two = [jax.devices()[0]] * 2  # two device entries; a mesh of one must not silently take them
+    with pytest.raises(sharding.ShardingError, match=r"mesh data=1 x model=1 = 1 devices, but 2 are available"):
+        sharding.make_mesh("model=1", devices=two)
+
+
+def test_kv_heads_must_divide_the_model_axis_too():
+    import jax
+    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=2,
+                      num_heads=8, num_kv_heads=2, head_dim=8, max_position_embeddings=128)
+    mesh = jax.sharding.AbstractMesh((1, 4), ("data", "model"))
+    with pytest.raises(sharding.ShardingError, match=re.escape(
+            "num_kv_heads (Hkv)=2 is not divisible by the mesh's model axis of 4") + r".*use model in \[1, 2\]"):
+        sharding.check_heads(cfg, mesh)
+
+
+def test_placer_names_an_unknown_tensor():
+    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128)
+    place = sharding.placer(cfg, sharding.make_mesh("model=1"))
+    with pytest.raises(sharding.ShardingError,
+                       match=r"no sharding for tensor 'layers\.wqkv': expected one of .*'layers\.wq'"):
+        place("layers.wqkv", np.zeros((2, 32, 32), np.float32))
+    got = place("layers.wq", np.arange(2 * 32 * 4 * 8, dtype=np.float32).reshape(2, 32, 4, 8))
+    np.testing.assert_array_equal(np.asarray(got), np.arange(2 * 32 * 4 * 8, dtype=np.float32).reshape(2, 32, 4, 8))
+
+
+def test_state_axes_shard_a_per_query_head_axis():
+    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=3,
+                      num_heads=16, num_kv_heads=8, head_dim=16, max_position_embeddings=128)
+    assert sharding.state_axes((2, 16, 5), cfg, 2) == ("batch", "heads", None)
+    assert sharding.state_axes((3, 2, 16, 5), cfg, 2) == (None, "batch", "heads", None)
+
+
+def test_state_axes_take_a_leading_layer_axis_when_no_head_axis_follows():
+    # L == B == 2 and a state [L, B, N] (no head dim): the leading axis is the layers', the batch is dim 1.
+    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=2,
+                      num_heads=16, num_kv_heads=8, head_dim=16, max_position_embeddings=128)
+    assert sharding.state_axes((2, 2, 10), cfg, 2) == (None, "batch", None)
+
+
+def test_state_axes_find_the_batch_behind_a_leading_axis_of_another_size():
+    # A leading per-layer axis that is neither L nor B (a state kept for 5 of the layers only): batch is dim 1.
+    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=3,
+                      num_heads=16, num_kv_heads=8, head_dim=16, max_position_embeddings=128)
+    assert sharding.state_axes((5, 2, 8, 4), cfg, 2) == (None, "batch", "kv_heads", None)
+
+
+SHARD_BATCH_ODD = """
+import numpy as np
+from models import sharding
+mesh = sharding.make_mesh("data=2")
+x = sharding.shard_batch(np.arange(8).reshape(4, 2), mesh)
+assert x.sharding.spec == sharding.batch_sharding(mesh, 2).spec and (np.asarray(x) == np.arange(8).reshape(4, 2)).all()
+try:
+    sharding.shard_batch(np.zeros((3, 2), np.int32), mesh)
+except sharding.ShardingError as e:
+    print("ERROR:", e)
+"""
+
+
+def test_shard_batch_refuses_rows_that_do_not_divide_the_data_axis():
+    proc = _run_script("-c", SHARD_BATCH_ODD, devices=2, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ERROR: batch of 3 rows is not divisible by the mesh's data axis of 2" in proc.stdout, proc.stdout
+
+
+def test_head_error_names_sizes_for_the_whole_device_count():
+    # data=3 x model=2: 6 devices, so model=3 (with data=2) is a fit to suggest, though it does not divide model=2.
+    import jax
+    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=2,
+                      num_heads=9, num_kv_heads=3, head_dim=16, max_position_embeddings=128)
+    mesh = jax.sharding.AbstractMesh((3, 2), ("data", "model"))
+    with pytest.raises(sharding.ShardingError, match=re.escape("use model in [1, 3] (with data = 6 / model)")):
+        sharding.check_heads(cfg, mesh)
