@@ -232,14 +232,14 @@ def run_ppl_sweep(model, artifact: str, methods: Sequence[str], sparsities: Sequ
     from eval.harness import EvalSpec, evaluate
 
     records = []
-    runs = [("dense", 1.0, None)] + [(m, s, round(1.0 - s, 6)) for s in sparsities for m in methods]
+    runs = [("dense", 0.0, 1.0)] + [(m, s, round(1.0 - s, 6)) for s in sparsities for m in methods]
     for name, target, budget in runs:
-        spec = EvalSpec(methods=(name,), tasks=("ppl",), lengths=tuple(lengths), budget=1.0 if budget is None else budget,
+        spec = EvalSpec(methods=(name,), tasks=("ppl",), lengths=tuple(lengths), budget=budget,
                         samples=samples, seed=seed, corpus=corpus, ppl_variants=("decode",), chunk=chunk,
                         artifacts={name: artifact} if name.startswith("butler") else {})
         for r in evaluate(model, spec, progress=progress).records:
             r = dict(r)
-            r["target_sparsity"] = 0.0 if name == "dense" else target
+            r["target_sparsity"] = target
             records.append(r)
     return records
 
