@@ -91,6 +91,7 @@ import numpy as np
 
 from eval import passkey as passkey_task
 from eval import ppl as ppl_task
+from jsparse.api import eos_ids
 from models.generate import Sampling, check_request, generate_tokens
 from models.compile_options import model_jit
 
@@ -562,14 +563,6 @@ def _batches(rows: np.ndarray, size: int):
         yield part, valid
 
 
-def _eos_ids(model) -> tuple[int, ...]:
-    eos = tuple(model.cfg.eos_token_ids)
-    tok_eos = getattr(model.tokenizer, "eos_token_id", None)
-    if tok_eos is not None and tok_eos not in eos:
-        eos = eos + (tok_eos,)
-    return eos
-
-
 class LayerSparsity:
     """Accumulates a method's measured prefill sparsity per layer over the samples (valid rows only)."""
 
@@ -643,7 +636,7 @@ def run_generation(model, method, prompts: Sequence[Sequence[int]], new_tokens: 
         # The verification writes up to gamma + 1 rows past the accepted tokens.
         capacity = check_request(model.cfg, [width], steps, verify_rows=gamma + 1)
         t_method, d_method = speculative_methods(method, model, draft, gamma)
-    eos = _eos_ids(model)
+    eos = eos_ids(model)
     tokens = np.zeros((len(prompts), width), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, :len(p)] = np.asarray(p, np.int32)

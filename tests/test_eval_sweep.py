@@ -660,17 +660,23 @@ def test_make_record_refuses_a_key_outside_the_schema():
         harness.make_record(**fields, extra=1)
 
 
-def test_eos_ids_add_the_tokenizers_own_eos():
-    """A completion stops at the config's EOS ids and at the tokenizer's EOS when that is another id (once)."""
-    from types import SimpleNamespace
+def test_generation_stops_at_the_models_stop_ids(model):
+    """An eval completion ends where `jsparse generate` ends it: at the model's stop ids (a GGUF's end-of-turn or
+    generation_config.json's) as well as the config's EOS, through the library's own `eos_ids`."""
+    import dataclasses
 
-    def fake(cfg_eos, tok_eos):
-        return SimpleNamespace(cfg=SimpleNamespace(eos_token_ids=cfg_eos),
-                               tokenizer=SimpleNamespace(eos_token_id=tok_eos))
+    from jsparse.api import generate_ids
 
-    assert harness._eos_ids(fake((1, 2), 7)) == (1, 2, 7)
-    assert harness._eos_ids(fake((1, 2), 2)) == (1, 2)
-    assert harness._eos_ids(fake((1,), None)) == (1,)
+    dense = jsparse.build_method("dense", model)
+    prompt = list(range(5, 25))
+    free = generate_ids(model, [prompt], max_new_tokens=6)[0]
+    stop = next(t for t in free[2:] if t not in free[:2])
+    cut = free.index(stop)  # the tokens before the stop id (which the completion leaves out)
+    stopped = dataclasses.replace(model, stop_ids=(stop,))
+    assert harness.run_generation(stopped, dense, [prompt], 6, rows=1) == \
+        harness.run_generation(model, dense, [prompt], cut, rows=1)
+    assert harness.run_generation(model, dense, [prompt], 6, rows=1) != \
+        harness.run_generation(model, dense, [prompt], cut, rows=1)
 
 
 def test_units_of_a_chat_run_are_chat_for_the_generation_tasks_only():
