@@ -234,6 +234,21 @@ class Crash(Exception):
     pass
 
 
+@pytest.mark.parametrize("value, loss", [(float("nan"), "nan"), (1e30, "inf")])
+def test_a_non_finite_loss_stops_the_run_before_its_step_counts(tmp_path, model_params, pcfg, chunks, value, loss):
+    """A NaN or infinite loss (here: the frozen model's W_q all NaN, or so large that the true logits overflow) is an
+    error naming the loss and the step; the step is neither logged nor checkpointed."""
+    wq = jnp.full_like(model_params.layers.wq, value)
+    bad = model_params.replace(layers=model_params.layers.replace(wq=wq))
+    out = str(tmp_path / loss)
+    with pytest.raises(TrainError, match=f"the loss is {loss} at step 1: lower --lr or check the data"):
+        train(CFG, bad, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg, progress=False)
+    with open(os.path.join(out, "loss.jsonl")) as f:
+        assert f.read() == ""
+    ckpt = os.path.join(out, "checkpoints")
+    assert not os.path.isdir(ckpt) or not [d for d in os.listdir(ckpt) if d.isdigit()]
+
+
 def test_killed_run_resumes_to_the_same_parameters(tmp_path, uninterrupted, model_params, pcfg, chunks):
     """A crash after step 5 (last checkpoint: step 4) resumes at step 4 and ends where the uninterrupted run does."""
     _, full = uninterrupted
