@@ -246,6 +246,70 @@ def test_quest_gathered_needs_whole_pages():
     assert make_method("quest", gathered=None).is_gathered(100) is False  # on the CPU, and not whole pages
 
 
+def test_quest_gathered_default_on_a_gpu_needs_whole_pages(monkeypatch):
+    """gathered=None: the gathered kernel on a GPU only where page_size divides the cache (it reads whole pages);
+    the mask elsewhere."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    m = make_method("quest", page_size=16)
+    assert m.is_gathered(96) is True
+    assert m.is_gathered(100) is False
+
+
+def test_quest_prefill_refuses_a_state_smaller_than_the_prompt():
+    T = 40  # 3 pages of 16; a state of max_len 32 holds 2
+    q = jnp.zeros((1, T, HQ, D), jnp.float32)
+    k = jnp.zeros((1, T, HKV, D), jnp.float32)
+    m = make_method("quest", page_size=16)
+    with pytest.raises(ValueError, match=r"a prefill of 40 tokens fills 3 pages of 16; the Quest state holds 2: "
+                                         r"init_state\(max_len\) must be the cache capacity"):
+        m.prefill(_ctx(1, jnp.asarray([T], jnp.int32)), q, k, k, m.init_state(CFG, 1, 32))
+
+
+def test_quest_decode_refuses_a_state_of_another_capacity():
+    """A state made for 112 keys (7 pages) read beside a cache of 96 (6 pages): refused by name, not run on the
+    mask path with bounds of other pages."""
+    q, cache, lengths = _inputs(4, N=96)
+    m = make_method("quest", budget=0.2, min_tokens=16, page_size=16, gathered=False)
+    with pytest.raises(ValueError, match=r"Quest state of 7 pages for a cache of 96 keys in pages of 16: "
+                                         r"init_state\(max_len\) must be the cache capacity"):
+        m.decode(_ctx(3, lengths), q, cache, m.init_state(CFG, B, 112))
+
+
+def test_quest_prefill_bounds_are_of_the_keys_the_cache_holds():
+    """With a bf16 cache (ctx.kv_dtype) the prefill's page bounds are those of the keys rounded to bf16, as the
+    cache holds them and as the decode recomputes them (numpy reference over each page's valid keys)."""
+    T, lengths = 40, jnp.asarray([40, 27], jnp.int32)
+    k = jax.random.normal(jax.random.key(3), (B, T, HKV, D), jnp.float32) * 3.0
+    q = jax.random.normal(jax.random.key(4), (B, T, HQ, D), jnp.float32)
+    m = make_method("quest", budget=0.2, min_tokens=16, page_size=16)
+    ctx = LayerContext(layer=jnp.int32(1), lengths=lengths, kv_dtype=jnp.bfloat16)
+    _, st = m.prefill(ctx, q, k, k, m.init_state(CFG, B, 48))
+    kb = np.asarray(k.astype(jnp.bfloat16).astype(jnp.float32))
+    assert not np.array_equal(kb, np.asarray(k))  # the rounding changes the keys
+    for b, n in enumerate(np.asarray(lengths)):
+        for p in range(3):
+            keys = kb[b, p * 16: min(p * 16 + 16, n)]  # [*, Hkv, D]; none: bounds 0 (QuestState)
+            want_min, want_max = (keys.min(0), keys.max(0)) if len(keys) else (np.zeros((HKV, D)),) * 2
+            np.testing.assert_array_equal(st.kmin[1, b, :, p], want_min, err_msg=f"row {b} page {p}")
+            np.testing.assert_array_equal(st.kmax[1, b, :, p], want_max, err_msg=f"row {b} page {p}")
+
+
+def test_page_bounds_take_only_the_keys_below_the_length():
+    """Per-page min / max over the keys below the row's length only; +inf / -inf for a page holding none."""
+    rng = np.random.default_rng(0)
+    k = rng.uniform(1.0, 2.0, size=(2, 1, 20, 3)).astype(np.float32)  # all positive: a 0 fill would show
+    k[:, :, 18:] = 100.0  # past row 0's length
+    lengths = np.array([18, 8])
+    kmin, kmax = (np.asarray(a) for a in page_bounds(jnp.asarray(k), jnp.asarray(lengths), 8))
+    for b, n in enumerate(lengths):
+        for p in range(3):
+            keys = k[b, 0, p * 8: min(p * 8 + 8, n)]
+            want_min = keys.min(0) if len(keys) else np.full(3, np.inf)
+            want_max = keys.max(0) if len(keys) else np.full(3, -np.inf)
+            np.testing.assert_array_equal(kmin[b, 0, p], want_min, err_msg=f"row {b} page {p}")
+            np.testing.assert_array_equal(kmax[b, 0, p], want_max, err_msg=f"row {b} page {p}")
+
+
 def test_kascade_decode_anchor_and_reuse():
     q, cache, lengths = _inputs(6)
     head_map = np.array([[0, 1], [1, 0], [0, 1], [1, 1]], np.int32)
@@ -318,6 +382,23 @@ def test_method_argument_errors():
     assert Kascade.from_anchors(CFG, np.array([0, 2]), reuse_scale=2).reuse_scale == 2.0
     with pytest.raises(ValueError, match="calibration artifact"):
         make_method("kascade", cfg=CFG)
+    # a head map value of Hkv (one past the last head) was accepted; the gather clamped it to head Hkv - 1
+    with pytest.raises(ValueError, match=r"head_map values span \[0, 2\]: expected \[0, 2\)"):
+        Kascade.from_anchors(CFG, [0, 2], np.array([[0, 1], [0, 2], [0, 1], [1, 0]]))
+    for bad in (0.0, 0):  # recent=0 ran as a window of one key (row_budget's floor of 1)
+        with pytest.raises(ValueError, match=rf"recent={bad!r}: expected the recent window's share of the budget "
+                                             r"in \(0, 1\]"):
+            make_method("h2o", recent=bad)
+    for name in ("quest", "h2o", "oracle"):  # dense_layers=-1 ran every layer sparse without a word
+        with pytest.raises(ValueError, match=r"dense_layers=-1: expected an integer >= 0"):
+            make_method(name, dense_layers=-1)
+
+
+def test_options_given_as_none_take_the_defaults():
+    """An option given as None means "not given" (a CLI flag left out): the method's default applies."""
+    m = make_method("quest", page_size=None, min_tokens=None, budget=None, dense_layers=None)
+    assert (m.page_size, m.min_tokens, m.budget, m.dense_layers) == (16, 128, 0.1, 2)
+    assert make_method("h2o", recent=None, gathered=None).recent == 0.5
 
 
 def test_real_options_take_numpy_scalars():
@@ -570,3 +651,48 @@ def test_update_bounds_refreshes_every_page_the_new_tokens_touch(start, T):
         np.testing.assert_array_equal(new.kmin[1, :, :, p], want_min[:, :, p])
         np.testing.assert_array_equal(new.kmax[1, :, :, p], want_max[:, :, p])
     np.testing.assert_array_equal(new.kmin[0], 0.0)  # other layers untouched
+
+
+def _kept_share_np(budget, positions, min_tokens):
+    """numpy: mean over the rows at `positions` of the share of visible keys a top-k row skips (k from the
+    docstring rule min(max(ceil(budget * n), min_tokens), n), budgets exact in binary)."""
+    n = np.asarray(positions) + 1
+    k = np.minimum(np.maximum(np.ceil(budget * n), min_tokens), n)
+    return float(np.mean(1.0 - k / n))
+
+
+def test_oracle_prefill_is_sparse_from_layer_dense_layers_on():
+    """TokenBudget.prefill: layers 0 .. dense_layers - 1 dense, layer dense_layers already sparse."""
+    T, lengths = 64, jnp.asarray([64, 50], jnp.int32)
+    ks = jax.random.split(jax.random.key(7), 3)
+    q = jax.random.normal(ks[0], (B, T, HQ, D), jnp.float32)
+    k = jax.random.normal(ks[1], (B, T, HKV, D), jnp.float32)
+    v = jax.random.normal(ks[2], (B, T, HKV, D), jnp.float32)
+    m = make_method("oracle", budget=0.125, min_tokens=4, tile=16, dense_layers=1)
+    dense = dense_prefill(q, k, v)
+    sparse, _ = m.sparse_prefill(_ctx(1, lengths), q, k, v, None)
+    assert float(jnp.abs(sparse[0] - dense[0]).max()) > 1e-2  # the budget binds: the two differ
+    out0, _ = jax.jit(m.prefill)(_ctx(0, lengths), q, k, v, None)
+    out1, _ = jax.jit(m.prefill)(_ctx(1, lengths), q, k, v, None)
+    np.testing.assert_allclose(out0, dense, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(out1, sparse, rtol=2e-5, atol=2e-5)
+
+
+def test_oracle_sparsity_counts_only_its_sparse_layers():
+    """achieved_sparsity averages over all layers, the dense_layers first ones skipping nothing."""
+    pos = np.arange(100)
+    for dense_layers in (0, 1, 3):
+        m = make_method("oracle", budget=0.125, min_tokens=4, dense_layers=dense_layers)
+        want = (CFG.num_layers - dense_layers) / CFG.num_layers * _kept_share_np(0.125, pos, 4)
+        assert m.achieved_sparsity(CFG, pos) == pytest.approx(want, rel=1e-9)
+
+
+def test_kascade_sparsity_counts_anchors_at_budget_and_reuse_layers_at_r_budget():
+    """Layer 0 dense, the anchor (layer 2) at budget, the reuse layers (1, 3) at min(r * budget, 1)."""
+    pos = np.arange(200)
+    m = Kascade.from_anchors(CFG, [0, 2], budget=0.125, min_tokens=4, reuse_scale=2.0)
+    want = (_kept_share_np(0.125, pos, 4) + 2 * _kept_share_np(0.25, pos, 4)) / 4
+    assert m.achieved_sparsity(CFG, pos) == pytest.approx(want, rel=1e-9)
+    m = Kascade.from_anchors(CFG, [0, 2], budget=0.625, reuse_scale=2.0)  # r * budget is capped at 1
+    assert m.reuse_budget == 1.0
+    assert m.layer_budgets() == [None, 1.0, 0.625, 1.0]

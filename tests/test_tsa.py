@@ -671,3 +671,16 @@ def test_layer_drift_ignores_the_padding_of_a_row():
     want = tcal.layer_drift(params, CFG, jnp.asarray(row), jnp.asarray([20], jnp.int32))
     got = tcal.layer_drift(params, CFG, jnp.asarray(padded), jnp.asarray([20], jnp.int32))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
+
+
+def test_translate_anchor_indices_keeps_the_anchor_slot_just_before_a_dropped_first_query():
+    """The anchor layer dropped position 4, the first query of this layer's tile 1 (tile = 4, this layer keeps
+    every position): p0 = 4 maps to anchor slot 3 (position 3, the last at or before it), whose tile 0 the anchor
+    attended densely; all of that tile's slots up to and including slot 3 (positions 0..3) lie before the query
+    tile and are kept."""
+    tile, T = 4, 8
+    anchor_idx = jnp.asarray([[[[-1, -1, -1, -1], [0, 1, 2, 3]]]], jnp.int32)  # rows: anchor tiles 0, 1
+    a_map = jnp.asarray([[[0, 1, 2, 3, 5, 6, 7, 8]]], jnp.int32)  # anchor dropped position 4
+    ident = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (1, 1, T))
+    got = np.asarray(translate_anchor_indices(anchor_idx, a_map, jnp.zeros((1,), jnp.int32), ident, ident, tile))
+    np.testing.assert_array_equal(got[0, 0, 1], [0, 1, 2, 3, -1, -1, -1, -1])
