@@ -546,3 +546,29 @@ def test_head_scores_ignores_a_copy_from_just_past_the_needle():
     scores, recall = head_scores(tokens, gen, am, [2], [np.array([7, 8])])
     np.testing.assert_allclose(scores[0, 0], [1.0, 0.0])
     np.testing.assert_allclose(recall, [1.0])
+
+
+def test_duplicate_retrieval_layers_are_refused():
+    with pytest.raises(ValueError, match=r"retrieval_layers=\(1, 1\): expected ascending distinct layer indices"):
+        EvoSparse(retrieval_layers=(1, 1))
+
+
+def test_check_model_refuses_a_layout_of_another_gqa_group_without_layout_heads():
+    """A layout built without `from_heads` (no layout_heads): its GQA group size is still checked."""
+    from jsparse.retrieval_heads import retrieval_layout
+
+    other = ModelConfig(architecture="llama", vocab_size=64, hidden_size=48, intermediate_size=64, num_layers=5,
+                        num_heads=6, num_kv_heads=2, head_dim=D, max_position_embeddings=512, eos_token_ids=(3,))
+    m = EvoSparse(layout=retrieval_layout(other, [(1, 0)]))
+    with pytest.raises(ValueError, match=r"placed for a model of GQA groups of 3 query heads, but this model has "
+                                         r"Hq, Hkv = \(4, 2\)"):
+        m.check_model(CFG)
+    EvoSparse(layout=retrieval_layout(CFG, [(1, 0)])).check_model(CFG)  # its own group size: accepted
+
+
+def test_decode_refuses_a_cache_capacity_not_a_multiple_of_block_size():
+    q, cache, lengths = _inputs(0, N=100, lengths=(77, 100))
+    m = EvoSparse.from_heads(CFG, HEADS, budget_tokens=32, block_size=16)
+    state = m.start(CFG, m.init_state(CFG, B, 100), "decode", B, 1, 100)
+    with pytest.raises(ValueError, match="cache capacity N=100 is not a multiple of block_size=16"):
+        _decode(m, 3, lengths, q, cache, state)

@@ -985,3 +985,24 @@ def test_sts_by_name_with_a_draft_is_built_with_that_draft(pair):
                  lambda: __import__("jsparse").Session(target, draft, method="sts", gamma=2)):
         with pytest.raises(ValueError, match="method 'sts' needs a head map: --artifact DIR"):
             call()
+
+
+def test_pool_record_takes_each_rows_own_pool_keys():
+    """The target reads the top pool_keys[b] keys of each pool row by pooled weight (ties to the lower position),
+    ascending, -1 padded: a row whose own budget is below the record's width W does not take W keys."""
+    from jsparse.methods.sts import DraftRecord, pool_record
+
+    W = 4
+    pool_idx = np.array([[[[2, 5, 7, 9, 11, 14]], [[0, 1, 3, 4, 6, -1]]]], np.int32)  # [L=1, B=2, H=1, P=6]
+    pool_val = np.array([[[[0.1, 0.5, 0.3, 0.5, 0.2, 0.05]], [[0.4, 0.1, 0.3, 0.2, 0.6, 0.0]]]], np.float32)
+    keys = np.array([3, 4], np.int32)
+    rec = DraftRecord(idx=jnp.full((1, 2, 1, 1, W), -1, jnp.int32), val=jnp.zeros((1, 2, 1, 1, W), jnp.float32),
+                      pool_idx=jnp.asarray(pool_idx), pool_val=jnp.asarray(pool_val), pool_keys=jnp.asarray(keys))
+    got = pool_record(rec)
+    for b in range(2):
+        entries = [(-float(v), int(i)) for i, v in zip(pool_idx[0, b, 0], pool_val[0, b, 0]) if i >= 0]
+        top = sorted(i for _, i in sorted(entries)[: keys[b]])
+        want = top + [-1] * (W - len(top))
+        np.testing.assert_array_equal(np.asarray(got.idx)[0, b, 0, 0], want)
+        wv = [float(pool_val[0, b, 0][list(pool_idx[0, b, 0]).index(i)]) if i >= 0 else 0.0 for i in want]
+        np.testing.assert_allclose(np.asarray(got.val)[0, b, 0, 0], wv)

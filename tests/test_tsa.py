@@ -684,3 +684,38 @@ def test_translate_anchor_indices_keeps_the_anchor_slot_just_before_a_dropped_fi
     ident = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (1, 1, T))
     got = np.asarray(translate_anchor_indices(anchor_idx, a_map, jnp.zeros((1,), jnp.int32), ident, ident, tile))
     np.testing.assert_array_equal(got[0, 0, 1], [0, 1, 2, 3, -1, -1, -1, -1])
+
+
+def test_batch_with_one_dense_row_still_compresses_the_long_row():
+    """A batch where one row is too short to compress (n <= min_tokens + W: dense) and another drops tokens: the
+    long row is still compressed (only a batch where no row drops anything takes the dense path)."""
+    q, k, v = _qkv(1)
+    lengths = jnp.asarray([256, 40], jnp.int32)  # 40 <= min_tokens + window = 48: row 1 is dense
+    m = TSA(tau=0.3, fill="zeros", **SMALL)
+    out, state = jax.jit(m.prefill)(_ctx(lengths), q, k, v, m.init_state(CFG, 2, 256))
+    counts, sel = jax.jit(m.select)(q, k, lengths)
+    assert int(counts[0]) < 256 and int(counts[1]) == 40
+    np.testing.assert_array_equal(state.kept[1], counts)
+    want = masked_attention_reference(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+                                      masked_reference_mask(sel, HQ))
+    for b, n in enumerate(np.asarray(lengths)):
+        np.testing.assert_allclose(out[b, :n], want[b, :n], rtol=1e-5, atol=1e-5)
+    assert np.any(np.all(np.asarray(out[0]) == 0, axis=-1))  # row 0's dropped rows are zeros (not dense rows)
+
+
+def test_prefill_layer_sparsity_counts_the_local_fill_at_the_ramps_edge():
+    """fill="local": the n - K dropped rows are counted as attending sum_{j=K+1}^{n} min(C, j) keys (C =
+    local_window + local_sinks), also where the first such row j = K + 1 is exactly C (or n) keys long."""
+    from jsparse.methods.tsa import TSAState
+
+    m = TSA(fill="local", local_window=8, local_sinks=2, **SMALL)  # C = 10
+    C = 10
+    lengths = np.asarray([100, 6, 200, 100], np.int32)
+    kept = np.asarray([[100, 6, 200, 100], [9, 5, 120, 40], [100, 6, 10, 99]], np.int32)  # K = C - 1, K = n - 1
+    got = m.prefill_layer_sparsity(CFG, TSAState(kept=jnp.asarray(kept)), lengths)
+    assert sorted(got) == [1, 2]
+    for layer in (1, 2):
+        for row, n in enumerate(lengths):
+            K = int(kept[layer, row])
+            entries = K * (K + 1) / 2 + sum(min(C, j) for j in range(K + 1, n + 1))
+            assert got[layer][row] == pytest.approx(1.0 - entries / (n * (n + 1) / 2), abs=1e-12)
