@@ -1,6 +1,7 @@
 """`jsparse bench model --methods`: every method's decode step in the library's own loop, with its bytes floor."""
 
 import dataclasses
+import math
 import json
 
 import jax
@@ -449,3 +450,212 @@ def test_loop_needs_the_methods_comparison(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         bench_model.main(["--loop", "generate", "--unroll-layers", "--methods", "dense,kascade", "--context", "64"])
     assert "--unroll-layers with --loop generate" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_decode_bytes_read_every_weight_once_and_the_kv_of_the_context(tiny, tied):
+    """Every weight once (the LM head's matrix once, tied or not; of the embedding one row per batch row) + K and V of
+    every layer and KV head at the context, bf16."""
+    cfg, _ = tiny
+    cfg = dataclasses.replace(cfg, tie_word_embeddings=tied)
+    params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
+    E, I, V, L, D = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers, cfg.head_dim
+    Hq, Hkv, B, ctx = cfg.num_heads, cfg.num_kv_heads, 3, 1000
+    layer = E * D * (Hq + 2 * Hkv) + Hq * D * E + 3 * E * I + 2 * E  # q, k, v, o; gate, up, down; two norms
+    weights = 2 * (L * layer + E + E * V) + 2 * E * B  # + final norm, LM head; one embedding row per batch row
+    kv = 2 * L * B * Hkv * ctx * D * 2
+    assert bench_model.decode_bytes(cfg, params, B, ctx) == weights + kv
+
+
+def test_kascade_and_oracle_bytes_are_a_hand_count_per_layer(tiny):
+    """Kascade: layer 0 reads all of K and V, every other anchor all of K (its top-k scores) and the picked rows of K
+    and V, a reuse layer the picked rows only (the method's own roles). Oracle: its dense layers all of K and V, the
+    others all of K (exact scores) and the picked rows."""
+    from jsparse.methods.kascade import ROLE_ANCHOR, ROLE_DENSE_ANCHOR, ROLE_REUSE
+    cfg, _ = tiny
+    n, B, k = 10_000, 2, 1000  # k = ceil(0.1 * n)
+    U = B * cfg.num_kv_heads * cfg.head_dim * 2  # one position of K (or V), bf16, every row and KV head
+    kascade, _ = bench_model.bench_method("kascade", cfg, 0.1)
+    per_role = {ROLE_DENSE_ANCHOR: 2 * n * U, ROLE_ANCHOR: n * U + 2 * k * U, ROLE_REUSE: 2 * k * U}
+    roles = np.asarray(kascade.roles).tolist()
+    assert roles.count(ROLE_REUSE) == 1  # the tiny model: anchors 0, 1, 2, 4, 5
+    assert bench_model.attention_bytes("kascade", kascade, cfg, B, n) == sum(per_role[r] for r in roles)
+    oracle, _ = bench_model.bench_method("oracle", cfg, 0.1)
+    d = oracle.dense_layers
+    assert 0 < d < cfg.num_layers
+    assert bench_model.attention_bytes("oracle", oracle, cfg, B, n) == (
+        d * 2 * n * U + (cfg.num_layers - d) * (n * U + 2 * k * U))
+
+
+def test_quest_bytes_count_the_partial_last_page(tiny):
+    """Quest's f32 page bounds cover ceil(n / page_size) pages: a context that is not a multiple of the page size
+    (100K + 8 at 16-token pages) reads its partial last page's bounds too."""
+    cfg, _ = tiny
+    quest, _ = bench_model.bench_method("quest", cfg, 0.1)
+    n, B, k = 10_007, 2, 1001
+    U = B * cfg.num_kv_heads * cfg.head_dim * 2
+    pages = 626  # 625 full pages of 16 and one of 7 keys
+    G, d, L = cfg.num_heads // cfg.num_kv_heads, quest.dense_layers, cfg.num_layers
+    bounds = 2 * pages * B * cfg.num_kv_heads * cfg.head_dim * 4  # kmin and kmax, f32
+    assert bench_model.attention_bytes("quest", quest, cfg, B, n) == (
+        d * 2 * n * U + (L - d) * (bounds + G * 2 * k * U))
+
+
+def test_evosparse_bytes_are_a_hand_count_per_layer(tiny):
+    """EvoSparse: its dense layers read all of K and V; each sparse layer the K and V of its 2048-token selection per
+    KV head and its f32 block heat (read twice, written once), and a layer with retrieval heads all of K of each KV
+    head that holds one."""
+    from eval.bench import evo_layout as be
+    cfg, _ = tiny
+    evo, _ = bench_model.bench_method("evosparse", cfg, 0.1)
+    n, B = 10_000, 2
+    Hkv, D, G = cfg.num_kv_heads, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
+    heads = be.model_heads(cfg)
+    want = 0
+    for layer in range(cfg.num_layers):
+        if layer < evo.dense_layers:
+            want += 2 * B * Hkv * n * D * 2
+            continue
+        R = len({h // G for l, h in heads if l == layer})
+        want += 2 * B * Hkv * 2048 * D * 2 + 3 * B * Hkv * (n // 16) * 4 + B * R * n * D * 2
+    assert heads and bench_model.attention_bytes("evosparse", evo, cfg, B, n) == want
+
+
+def test_butler_bytes_are_its_state_and_predictor_beside_the_picked_rows(tiny):
+    """TokenButler: its dense layers read all of K and V, the others each query head's picked rows (selection "head":
+    G sets per KV head); every step also reads the whole state at the context (the predictor's f32 K/V cache and the
+    predicted keys) and the predictor's f32 weights."""
+    from jsparse.methods.butler_predictor import init_params
+    cfg, _ = tiny
+    butler, _ = bench_model.bench_method("butler", cfg, 0.1)
+    n, B, k = 10_000, 2, 1000
+    assert butler.selection == "head" and butler.sparse_budget(butler.pcfg.num_layers) == 0.1
+    U = B * cfg.num_kv_heads * cfg.head_dim * 2
+    G, d, L = cfg.num_heads // cfg.num_kv_heads, butler.dense_layers, cfg.num_layers
+    state = butler.init_state(cfg, B, n)
+    state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    predictor = sum(x.size * 4 for x in jax.tree.leaves(init_params(butler.pcfg, jax.random.key(7))))
+    assert bench_model.attention_bytes("butler", butler, cfg, B, n) == (
+        d * 2 * n * U + (L - d) * G * 2 * k * U + state_bytes + predictor)
+
+
+def test_method_rows_count_the_bytes_at_the_timed_steps_mean_context(tiny):
+    """A row's bytes are the weights once + its attention's at the mean context of the timed steps (context +
+    steps // 2), and floor_speedup is dense's bytes over the method's."""
+    cfg, params = tiny
+    context, B, steps = 384, 2, 4
+    rows = bench_model.method_rows(cfg, params, ("dense", "streaming"), [context], [B], steps, 1000.0, 0.25)
+    r = {x["method"]: x for x in rows}
+    n = context + steps // 2
+    U = B * cfg.num_kv_heads * cfg.head_dim * 2
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) - params.embed.size * 4 \
+        + cfg.hidden_size * 2
+    assert r["dense"]["bytes"] == weights + cfg.num_layers * 2 * n * U
+    k = 128  # max(ceil(0.25 * n), min_tokens 128): streaming's sink and window
+    assert r["streaming"]["bytes"] == weights + cfg.num_layers * 2 * k * U
+    assert r["streaming"]["floor_speedup"] == pytest.approx(r["dense"]["bytes"] / r["streaming"]["bytes"], rel=1e-12)
+
+
+def test_prefill_flops_of_a_tied_model_count_its_lm_head_once(tiny):
+    """Tied embeddings: the embedding is still a lookup and the LM head (the same matrix) runs once per row: the
+    FLOPs of the untied model of the same shape."""
+    cfg, _ = tiny
+    T = 1000
+    E, I, V, L, D, Hq, Hkv = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers, cfg.head_dim,
+                              cfg.num_heads, cfg.num_kv_heads)
+    layers = L * (E * D * (Hq + 2 * Hkv) + Hq * D * E + 3 * E * I + 2 * E)
+    want = 2 * (layers + E) * T + 2 * V * E + 2 * L * Hq * D * T * T
+    for tied in (False, True):
+        c = dataclasses.replace(cfg, tie_word_embeddings=tied)
+        assert bench_model.prefill_flops(c, 2, T) == pytest.approx(2 * want, rel=1e-12), tied
+
+
+def test_largest_batch_leaves_the_headroom_beside_the_caches():
+    """BATCH_HEADROOM stays free beside the caches: room for 7 rows and half the headroom fits 6, not 7."""
+    from models.presets import preset
+    cfg = preset("llama3-8b")
+    capacity = 131328
+    dense, _ = bench_model.bench_method("dense", cfg, 0.1)
+    per_row = 2 * 32 * 8 * capacity * 128 * 2
+    dev = _Device({"bytes_limit": 7 * per_row + bench_model.BATCH_HEADROOM // 2 + 2**30, "bytes_in_use": 2**30,
+                   "largest_free_block_bytes": 7 * per_row + bench_model.BATCH_HEADROOM // 2})
+    assert bench_model.largest_batch(cfg, [dense], capacity, jnp.bfloat16, dev) == 6
+    dev = _Device({"bytes_limit": 7 * per_row + bench_model.BATCH_HEADROOM + 2**30, "bytes_in_use": 2**30})
+    assert bench_model.largest_batch(cfg, [dense], capacity, jnp.bfloat16, dev) == 7
+
+
+def test_check_fails_when_the_probed_logits_differ_from_the_plain_step(monkeypatch):
+    """Step 3 of the check: the probe's logits must equal the plain step's within probe_logits_tol; a step whose
+    attention matches its reference but whose probed logits differ fails, and the message says so."""
+    from eval.bench import model_check
+    from models.presets import preset
+    real = model_check.checked_step
+
+    def off(*args, **kw):
+        out, (diff, big), probe = real(*args, **kw)
+        return out, (diff + 1.0, big), probe  # the probed logits one unit off the plain step's
+    monkeypatch.setattr(model_check, "checked_step", off)
+    build = lambda name, cfg: bench_model.bench_method(name, cfg, 0.1)[0]  # noqa: E731
+    c = model_check.run_checks(preset("llama3-8b"), ["dense"], build, jnp.float32, raise_on_failure=False)["dense"]
+    assert c["err_over_tol"] <= 1.0 and c["probe_logits_max_diff"] >= 1.0 > c["probe_logits_tol"]
+    assert not c["passed"]
+    msg = model_check.failure_message({"dense": c})
+    assert msg.startswith("decode step differs from its masked reference on the check shape: dense: probed logits "
+                          f"differ from the plain step's by {c['probe_logits_max_diff']:.4g} > ")
+
+
+def test_decode_memory_counts_a_row_of_state_once(tiny):
+    """Per batch row: K and V of every layer at the capacity + the row's state (H2O: an f32 score per layer, KV head
+    and position); nothing whatever the batch."""
+    cfg, _ = tiny
+    h2o, _ = bench_model.bench_method("h2o", cfg, 0.1)
+    L, Hkv, D, N = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 512
+    assert bench_model.decode_memory(cfg, h2o, N, jnp.bfloat16) == (2 * L * Hkv * N * D * 2 + L * Hkv * N * 4, 0)
+
+
+@pytest.mark.parametrize("name, options", [
+    ("streaming", {"dense_layers": 2}), ("h2o", {"dense_layers": 2}), ("oracle", {"dense_layers": 3}),
+    ("kascade", {"reuse_scale": 2.0}), ("evosparse", {"budget_tokens": 512, "dense_layers": 3}),
+    ("evosparse", {"heat_fraction": 0.0, "sink_fraction": 0.25, "local_fraction": 0.5, "retrieval_fraction": 0.25}),
+    ("butler", {"dense_set": (3,)})])
+def test_method_options_reach_the_bytes_model(tiny, name, options):
+    """--method-option changes what a step reads, so it changes the bytes floor: the bytes of the method built with
+    the options are the hand count of its dense layers, budgets and state (they were those of the defaults before:
+    2 dense layers and 2048 tokens for EvoSparse, no dense layers for StreamingLLM and H2O, Kascade's reuse layers at
+    the anchors' budget, TokenButler without its calibrated dense layers)."""
+    from eval.bench import evo_layout as be
+    cfg, _ = tiny
+    n, B, L = 10_000, 2, cfg.num_layers
+    Hkv, D, G = cfg.num_kv_heads, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
+    U = B * Hkv * D * 2
+    k = 1000  # ceil(0.1 * n)
+    budget = 0.5 if name == "butler" else 0.1  # TokenButler's calibrated dense layer needs a budget > 1/4 here
+    method, _ = bench_model.bench_method(name, cfg, budget, options=options)
+    got = bench_model.attention_bytes(name, method, cfg, B, n)
+    assert got != bench_model.attention_bytes(name, bench_model.bench_method(name, cfg, budget)[0], cfg, B, n)
+    if name in ("streaming", "h2o", "oracle"):
+        d = options["dense_layers"]
+        per = {"streaming": 2 * k * U, "h2o": 2 * k * U + B * Hkv * (n + 2 * k) * 4, "oracle": n * U + 2 * k * U}
+        assert got == d * 2 * n * U + (L - d) * per[name]
+    elif name == "kascade":
+        from jsparse.methods.kascade import ROLE_ANCHOR, ROLE_DENSE_ANCHOR
+        roles = np.asarray(method.roles).tolist()
+        per_role = {ROLE_DENSE_ANCHOR: 2 * n * U, ROLE_ANCHOR: n * U + 2 * k * U}
+        assert got == sum(per_role.get(r, 2 * 2 * k * U) for r in roles)  # reuse layers at 2 * budget
+    elif name == "evosparse":
+        d, sel = options.get("dense_layers", 2), options.get("budget_tokens", 2048)
+        heat = 3 * B * Hkv * (n // 16) * 4 if "heat_fraction" not in options else 0
+        heads = be.model_heads(cfg)
+        want = d * 2 * n * U
+        for layer in range(d, L):
+            R = len({h // G for l, h in heads if l == layer})
+            want += 2 * B * Hkv * sel * D * 2 + heat + B * R * n * D * 2
+        assert got == want
+    else:  # TokenButler: layer 3 calibrated dense, the others at b' = (n_s * 0.5 - 1) / (n_s - 1), n_s = L - 2
+        from jsparse.methods.butler_predictor import init_params
+        b = ((L - 2) * 0.5 - 1) / (L - 3)
+        assert method.sparse_budget(L) == pytest.approx(b) == 1 / 3
+        kb = math.ceil(b * n)
+        state = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(method.init_state(cfg, B, n)))
+        predictor = sum(x.size * 4 for x in jax.tree.leaves(init_params(method.pcfg, jax.random.key(7))))
+        assert got == 3 * 2 * n * U + (L - 3) * G * 2 * kb * U + state + predictor

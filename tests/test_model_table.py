@@ -100,3 +100,31 @@ def test_the_readme_tables_are_the_tool_output_of_their_jsons(capsys, folder, fi
         readme = f.read().splitlines()
     start = readme.index(table[2]) - 2  # the first dense row (the header can repeat across tables)
     assert readme[start:start + len(table)] == table
+
+
+def test_a_share_at_the_bar_is_bold_and_a_bar_of_one_is_allowed(tmp_path, capsys):
+    """The module docstring: "bold at or past `--bar`": a share exactly at the bar is bold, one just under it is not;
+    --bar takes any share in (0, 1], 1.0 included."""
+    a = _run(tmp_path, "a.json", [_row("dense", 32768, 1, 8.0, 8.0, 1.0), _row("streaming", 32768, 1, 4.0, 8.0, 2.5),
+                                  _row("quest", 32768, 1, 4.0, 8.0, 2.0)])
+    text = model_table.markdown(model_table.load_runs([a]), link_root=str(tmp_path), bar=0.8)
+    body = {ln.split(" | ")[0][2:]: ln for ln in text.splitlines()[4:]}
+    assert body["streaming"] == "| streaming | [250](a.json) (2.00x / 2.50x, **0.800**) |"  # 2 / 2.5 = 0.8: at the bar
+    assert body["quest"] == "| quest | [250](a.json) (2.00x / 2.00x, **1.000**) |"
+    assert model_table.main([a, "--bar", "1.0"]) == 0
+    assert "(2.00x / 2.00x, **1.000**)" in capsys.readouterr().out
+
+
+def test_runs_of_different_model_shapes_are_an_error(tmp_path):
+    dense = _row("dense", 100000, 4, 16.0, 16.0, 1.0)
+    a = _run(tmp_path, "a.json", [dense])
+    b = tmp_path / "b.json"
+    b.write_text(open(a).read().replace('"llama3-8b"', '"qwen3-8b"'))
+    with pytest.raises(ValueError, match=r"the runs differ in shape: \['llama3-8b', 'qwen3-8b'\]"):
+        model_table.load_runs([a, str(b)])
+
+
+def test_no_json_is_an_error():
+    with pytest.raises(ValueError,
+                       match="no JSON given: expected one or more `jsparse bench model --methods ...` JSONs"):
+        model_table.load_runs([])

@@ -12,14 +12,15 @@ BUDGET_TOKENS, BLOCK = 2048, 16
 CFG8B = preset("llama3-8b")
 
 
-def layer_kinds(cfg, heads) -> dict[int, int]:
-    """How many sparse layers (>= 2) hold retrieval heads in R distinct KV heads: {R: layers} (R = 0: inherit)."""
+def layer_kinds(cfg, heads, dense_layers: int = 2) -> dict[int, int]:
+    """How many sparse layers (>= dense_layers) hold retrieval heads in R distinct KV heads: {R: layers} (R = 0:
+    inherit)."""
     G = cfg.num_heads // cfg.num_kv_heads
     kv = {}
     for l, h in heads:
         kv.setdefault(l, set()).add(h // G)
     counts = {}
-    for l in range(2, cfg.num_layers):
+    for l in range(dense_layers, cfg.num_layers):
         R = len(kv.get(l, ()))
         counts[R] = counts.get(R, 0) + 1
     return counts
@@ -33,14 +34,15 @@ def model_heads(cfg, seed: int = 0) -> list[tuple[int, int]]:
     return sorted((2 + int(i) // cfg.num_heads, int(i) % cfg.num_heads) for i in flat)
 
 
-def attention_floors(B, N, hbm_gbs, R: int, cfg=CFG8B):
+def attention_floors(B, N, hbm_gbs, R: int, cfg=CFG8B, sel: int = BUDGET_TOKENS, block: int = BLOCK,
+                     heat: bool = True):
     """Bytes (and ms at hbm_gbs) of a dense layer, an EvoSparse sparse layer and one with retrieval heads in R KV
-    heads, at batch B and context N."""
+    heads, at batch B and context N: the K and V of `sel` selected tokens per KV head, the heat of the N // block
+    blocks read twice and written once (with `heat`), and the retrieval heads' whole K."""
     Hkv, D = cfg.num_kv_heads, cfg.head_dim
     dense = 2 * B * Hkv * N * D * 2
-    sel = BUDGET_TOKENS  # selected tokens per KV head
-    nb = N // BLOCK
-    sparse = 2 * B * Hkv * sel * D * 2 + 3 * B * Hkv * nb * 4  # K, V of the selection; heat read twice, written
+    nb = N // block
+    sparse = 2 * B * Hkv * sel * D * 2 + (3 * B * Hkv * nb * 4 if heat else 0)
     ret = sparse + B * R * N * D * 2
     ms = lambda b: b / (hbm_gbs * 1e9) * 1e3  # noqa: E731
     return dict(dense_bytes=dense, sparse_bytes=sparse, retrieval_bytes=ret, dense_floor_ms=ms(dense),

@@ -355,50 +355,64 @@ def _bench_method(name, cfg, budget, evo_budget_tokens, tsa_kept, options):
 
 def attention_bytes(name: str, method, cfg, batch: int, n: int) -> int:
     """Bytes one decode step's attention must read over all layers at context n: K/V rows (bf16) and the
-    selection state the method reads (and writes) per step."""
+    selection state the method reads (and writes) per step. Counted from the method as built, its options included
+    (dense layers, budgets, Kascade's roles and reuse budget, EvoSparse's token budget, blocks and components,
+    TokenButler's calibrated dense layers)."""
     from jsparse import selection as sel
     U = batch * cfg.num_kv_heads * cfg.head_dim * 2  # one token position of K (or V), all rows and KV heads
     L = cfg.num_layers
     dense_layer = 2 * n * U
     if name == "dense":
         return L * dense_layer
+    min_tokens = getattr(method, "min_tokens", 128)
     if name == "evosparse":
         from eval.bench import evo_layout as be
-        heads = be.model_heads(cfg)
-        kinds = be.layer_kinds(cfg, heads)
-        fl = {R: be.attention_floors(batch, n, 1.0, R, cfg) for R in kinds}
-        return 2 * dense_layer + sum(c * fl[R]["retrieval_bytes"] for R, c in kinds.items())
-    k = sel.budget_tokens(getattr(method, "budget", 1.0), n, getattr(method, "min_tokens", 128))
-    picked = 2 * k * U
-    if name == "kascade":
-        anchors = KASCADE_ANCHORS - 1  # layer 0 is the dense anchor
-        return dense_layer + anchors * (n * U + picked) + (L - 1 - anchors) * picked
+        d = min(method.dense_layers, L)
+        tokens = (min(method.budget_tokens, n) if method.budget_tokens is not None
+                  else sel.budget_tokens(method.budget, n, min_tokens))
+        block = method.block_size
+        heads = be.model_heads(cfg) if method.uses_retrieval else []
+        kinds = be.layer_kinds(cfg, heads, d)
+        fl = {R: be.attention_floors(batch, n, 1.0, R, cfg, sel=-(-tokens // block) * block, block=block,
+                                     heat=method.uses_heat) for R in kinds}
+        return d * dense_layer + sum(c * fl[R]["retrieval_bytes"] for R, c in kinds.items())
+
+    def picked(budget):  # the K and V rows of a budget's selection
+        return 2 * sel.budget_tokens(budget, n, min_tokens) * U
+
+    if name == "kascade":  # layer 0 dense; each anchor scores the whole K, then reads its picked rows
+        from jsparse.methods.kascade import ROLE_ANCHOR, ROLE_DENSE_ANCHOR
+        roles = np.asarray(method.roles)
+        dense, anchors = int((roles == ROLE_DENSE_ANCHOR).sum()), int((roles == ROLE_ANCHOR).sum())
+        return (dense * dense_layer + anchors * (n * U + picked(method.budget))
+                + (L - dense - anchors) * picked(method.reuse_budget))
+    d = min(method.dense_layers, L)
     if name == "oracle":  # exact scores over K, then the picked rows
-        d = method.dense_layers
-        return d * dense_layer + (L - d) * (n * U + picked)
+        return d * dense_layer + (L - d) * (n * U + picked(method.budget))
     if name == "streaming":
-        return L * picked
+        return d * dense_layer + (L - d) * picked(method.budget)
     if name == "quest":  # per-page min and max of K (f32, `QuestState`) + each query head's pages
         # Quest picks pages per query head: a KV head's G query heads read up to G sets (their union; with the cache's
         # own page bounds they rarely overlap). Counted as G sets since 2026-11-28 (one set before, which overstated
         # the floor); the bounds as f32 since 2026-12-03 (counted as bf16 before, which overstated it too).
-        d = method.dense_layers
         pages = -(-n // method.page_size)
         G = cfg.num_heads // cfg.num_kv_heads
-        return d * dense_layer + (L - d) * (2 * 2 * pages * U + G * picked)
+        return d * dense_layer + (L - d) * (2 * 2 * pages * U + G * picked(method.budget))
     if name == "h2o":  # the accumulated score row (f32) read by the selection, its k kept entries updated
         rows = batch * cfg.num_kv_heads
-        return L * (picked + rows * n * 4 + 2 * rows * k * 4)
+        k = sel.budget_tokens(method.budget, n, min_tokens)
+        return d * dense_layer + (L - d) * (picked(method.budget) + rows * n * 4 + 2 * rows * k * 4)
     if name == "butler":  # the predicted keys of every predicted layer (f32, or bf16 with key_dtype) + the picked rows
         # Selection "head" picks per query head: a KV head's G query heads read up to G sets (counted as G since
-        # 2026-11-29, when the gathered decode came; one set before, which overstated the floor).
+        # 2026-11-29, when the gathered decode came; one set before, which overstated the floor). The calibrated
+        # dense layers (dense_set) read the whole cache; the others pick at the rebalanced budget.
         c = method.pcfg
-        d = method.dense_layers
+        d += len(method.extra_dense(L))
         G = cfg.num_heads // cfg.num_kv_heads if method.selection == "head" else 1
         keys = (L - 1) * batch * c.key_heads * n * c.head_dim * jnp.dtype(method.key_dtype).itemsize
         # The predictor's own attention block reads its f32 K/V cache in full, and its f32 weights, every step.
         predictor = 2 * batch * n * c.attn_heads * c.attn_head_dim * 4 + 4 * c.num_params()
-        return d * dense_layer + (L - d) * G * picked + keys + predictor
+        return d * dense_layer + (L - d) * G * picked(method.sparse_budget(L)) + keys + predictor
     raise ValueError(f"no byte model for method {name!r}")
 
 
