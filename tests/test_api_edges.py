@@ -655,3 +655,27 @@ def test_session_text_adds_special_tokens_to_the_first_message_only():
     n = len(s.tokens)
     s.send("cd", max_new_tokens=2)
     assert s.tokens[n:n + 2] == [ord("c") - 40, ord("d") - 40]
+
+
+def test_bool_option_of_a_wrapper_builder_is_refused_as_a_string():
+    """A builder that is a function (the evosparse ablations): the bool options of the method it builds are checked
+    after building, so 'False' (truthy) is refused, not silently read as True."""
+    with pytest.raises(ValueError, match=r"method 'sink-local' option branchless='False': expected true or false"):
+        make_method("sink-local", branchless="False")
+    assert make_method("sink-local", branchless=False).branchless is False
+
+
+def test_plain_bool_option_refuses_none():
+    """None is allowed only for Optional[bool] options: a plain `bool` (sts.first_step_mask) given None is refused."""
+    from jsparse.methods.base import check_options
+
+    with pytest.raises(ValueError, match=r"method 'sts' option first_step_mask=None: expected true or false"):
+        check_options("sts", {"first_step_mask": None})
+    check_options("sts", {"first_step_mask": False})
+
+
+def test_a_builders_catch_all_parameter_is_no_option():
+    """method_options lists named parameters only: a builder's `**options` / `**unused` is not an option name."""
+    assert "unused" not in method_options("dense") and "options" not in method_options("streaming")
+    with pytest.raises(ValueError, match=r"method 'dense' takes no option 'unused'"):
+        make_method("dense", unused=1)

@@ -644,3 +644,72 @@ def test_butler_eval_refuses_a_sparsity_of_one(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match=r"sparsity 1.0: expected a fraction in \[0, 1\)"):
         butler_eval.main(["--artifact", "jsparse/shipped/smollm2/butler", "--tasks", "ppl", "--sparsities", "0.5,1",
                           "--out", str(tmp_path / "o")])
+
+
+def test_butler_segments_keep_the_first_dense_layers_dense(pcfg):
+    """dense_layers=2 (butler's default): decode scans layer 0 ("first"), layer 1 dense, layer 2 sparse."""
+    m = Butler.from_params(CFG, pcfg, None, dense_layers=2)
+    assert m.segments(CFG, "decode") == ((0, 1, "first"), (1, 2, "dense"), (2, 3, "sparse"))
+    assert Butler.from_params(CFG, pcfg, None, dense_layers=3).segments(CFG, "decode") == ((0, 1, "first"),
+                                                                                         (1, 3, "dense"))
+
+
+def test_butler_kept_indices_use_the_rebalanced_budget(pcfg):
+    """With a calibrated dense layer and rebalance, the gathered path's keys (`kept_indices`) are `head_mask`'s at
+    the rebalanced budget b' = (2 * 0.75 - 1) / 1 = 0.5, as the mask path's (`sparse_decode`)."""
+    from jsparse.methods.butler import head_mask, predicted_logits
+
+    m = Butler.from_params(CFG, pcfg, None, budget=0.75, min_tokens=6, local=3, dense_layers=1, dense_set=(2,))
+    assert m.sparse_budget(CFG.num_layers) == pytest.approx(0.5)
+    Lp, Hk, d = pcfg.predicted_layers, pcfg.key_heads, pcfg.head_dim
+    keys = _normal(21, (Lp, B, Hk, N, d))
+    queries = _normal(22, (Lp, B, HQ, 1, d))
+    state = ButlerState(attn_k=None, attn_v=None, keys=keys, queries=queries)
+    pos = jnp.asarray([[36], [47]], jnp.int32)
+    idx = np.asarray(m.kept_indices(state, pos, N))[0]  # layer 1, the sparse one
+    mask = np.asarray(head_mask(predicted_logits(queries[0], keys[0], pos), pos, pos[:, 0] + 1, 0.5, 6, N, m.sink,
+                                m.local))  # [B, Hq, 1, N]
+    for b in range(B):
+        assert mask[b].sum(-1).max() == _budget(int(pos[b, 0]) + 1, 0.5, 6)
+        for h in range(HQ):
+            row = idx[b, h, 0]
+            np.testing.assert_array_equal(row[row >= 0], np.flatnonzero(mask[b, h, 0]), err_msg=f"{b} {h}")
+
+
+def test_butler_group_selection_ignores_gathered(model, pcfg):
+    """`gathered` is for selection "head" only: with selection "group", gathered=True decodes as gathered=False
+    (the group's pooled top-k, not each query head's keys)."""
+    pp = init_params(pcfg, jax.random.key(3))
+    opts = dict(budget=0.3, min_tokens=4, local=2, dense_layers=1, selection="group")
+    on, off = (Butler.from_params(CFG, pcfg, pp, gathered=g, **opts) for g in (True, False))
+    assert not on.is_gathered()
+    cache, state = _prefilled(model, off, np.random.default_rng(4))
+    tok = jnp.asarray(np.random.default_rng(5).integers(0, CFG.vocab_size, (B, 1)), jnp.int32)
+    step = jax.jit(lambda p, m, t, c, s: llama.decode(p, CFG, m, t, c, s)[0])
+    np.testing.assert_allclose(step(model, on, tok, cache, state), step(model, off, tok, cache, state), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_butler_refuses_a_negative_local_window(pcfg):
+    with pytest.raises(ValueError, match=r"local=-1: expected an integer >= 0"):
+        Butler.from_params(CFG, pcfg, None, local=-1)
+    with pytest.raises(ValueError, match=r"sink=-2: expected an integer >= 0"):
+        Butler.from_params(CFG, pcfg, None, sink=-2)
+
+
+def test_butler_run_predictor_queries_are_the_predictors_in_state_layout(pcfg):
+    """A decode forward's predicted queries in the state, f32[L', B, Hq, T, d']: entry [l, b, h, t] is the
+    whole-sequence predictor's q'[b, t, l, h] (from an empty predictor cache, positions 0..T-1)."""
+    pp = init_params(pcfg, jax.random.key(6))
+    m = Butler.from_params(CFG, pcfg, pp, budget=0.5, min_tokens=4, dense_layers=1)
+    T = 5
+    hidden = _normal(31, (B, T, CFG.hidden_size))
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    state = m.start(CFG, m.init_state(CFG, B, 16), "decode", B, T, 16)
+    got = np.asarray(jax.jit(m.run_predictor)(hidden, positions, state).queries)
+    qp = np.asarray(Predictor(pcfg).apply({"params": pp}, hidden, positions)[0])  # [B, T, L', Hq, d']
+    assert got.shape == (pcfg.predicted_layers, B, HQ, T, pcfg.head_dim)
+    for layer in range(pcfg.predicted_layers):
+        for h in range(HQ):
+            np.testing.assert_allclose(got[layer, :, h], qp[:, :, layer, h], rtol=1e-4, atol=1e-5,
+                                       err_msg=f"layer {layer} head {h}")

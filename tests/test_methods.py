@@ -392,6 +392,8 @@ def test_method_argument_errors():
     for name in ("quest", "h2o", "oracle"):  # dense_layers=-1 ran every layer sparse without a word
         with pytest.raises(ValueError, match=r"dense_layers=-1: expected an integer >= 0"):
             make_method(name, dense_layers=-1)
+    with pytest.raises(ValueError, match=r"sink=-1: expected an integer >= 0"):
+        make_method("streaming", budget=0.25, min_tokens=16, sink=-1)
 
 
 def test_options_given_as_none_take_the_defaults():
@@ -696,3 +698,47 @@ def test_kascade_sparsity_counts_anchors_at_budget_and_reuse_layers_at_r_budget(
     m = Kascade.from_anchors(CFG, [0, 2], budget=0.625, reuse_scale=2.0)  # r * budget is capped at 1
     assert m.reuse_budget == 1.0
     assert m.layer_budgets() == [None, 1.0, 0.625, 1.0]
+
+
+def test_streaming_prefill_sink_and_window_before_each_tile():
+    """Prefill: every query attends to the sinks and the k - sink keys just before its tile (k by the budget rule
+    over the tile's start), plus its own tile causally; numpy mask against the masked reference."""
+    T, tile = 96, 32
+    ks = jax.random.split(jax.random.key(8), 3)
+    q = jax.random.normal(ks[0], (B, T, HQ, D))
+    k = jax.random.normal(ks[1], (B, T, HKV, D))
+    v = jax.random.normal(ks[2], (B, T, HKV, D))
+    m = make_method("streaming", budget=0.25, min_tokens=8, sink=4, tile=tile)
+    out, _ = m.prefill(_ctx(0, jnp.array([T, T])), q, k, v, None)
+    mask = np.zeros((B, HKV, T, T), bool)
+    for p in range(T):
+        s = (p // tile) * tile
+        kk = min(max(math.ceil(0.25 * s), 8), s)  # keys before the tile
+        if kk >= s:
+            mask[:, :, p, :s] = True
+        else:
+            mask[:, :, p, :4] = True
+            mask[:, :, p, s - (kk - 4): s] = True
+        mask[:, :, p, s: p + 1] = True  # the diagonal tile, causal
+    assert mask[0, 0, 64].sum() < 64  # the last tile's window is sparse: keys 4..47 are skipped
+    want = masked_attention_reference(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), jnp.asarray(mask))
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("seed, lengths, options, kept", [
+    (3, (61, 96), dict(min_tokens=16), [16, 24]),  # no `sink` option: the default 4 (README)
+    (5, (65, 89), dict(min_tokens=8, sink=4), [17, 23])])  # 16 and 22 if the query were not counted
+def test_streaming_decode_keeps_the_sinks_and_the_recent_keys(seed, lengths, options, kept):
+    """Decode keeps keys 0..3 and the k - 4 most recent, k = min(max(ceil(budget * n), min_tokens), n) over the
+    n = position + 1 visible keys (the new token's own included)."""
+    q, cache, lengths = _inputs(seed, lengths=lengths)
+    m = make_method("streaming", budget=0.25, **options)
+    out, _ = m.decode(_ctx(0, lengths), q, cache, None)
+    mask = np.zeros((B, HKV, 1, 96), bool)
+    for b, n in enumerate(np.asarray(lengths)):
+        kk = min(max(math.ceil(0.25 * n), options["min_tokens"]), n)
+        mask[b, :, 0, :4] = True
+        mask[b, :, 0, n - (kk - 4): n] = True
+    assert mask[:, 0, 0].sum(-1).tolist() == kept
+    want = masked_attention_reference(q, cache.k, cache.v, jnp.asarray(mask))
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)

@@ -214,3 +214,23 @@ def test_generate_cli_budget_bounds_and_token_budget_checks_come_before_the_load
                             "min_tokens itself")):
         assert main(base + extra) == 2
         assert message in capsys.readouterr().err, extra
+
+
+@pytest.mark.parametrize("bs", [0, -2, 4])
+def test_tsa_kascade_refuses_any_prefill_block_size_but_one(bs):
+    """Kascade inside TSA selects single tokens: every prefill_block_size other than 1 is refused by name, before
+    any artifact is read."""
+    from jsparse.methods.tsa_kascade import split_options
+
+    with pytest.raises(ValueError, match=rf"tsa\+kascade does not take prefill_block_size={bs}:"):
+        split_options({"prefill_block_size": bs})
+    assert split_options({"prefill_block_size": 1, "tau": 0.2}) == ({"prefill_block_size": 1}, {"tau": 0.2})
+
+
+@pytest.mark.parametrize("budget", [0, 0.0])
+def test_a_budget_of_zero_is_refused_even_where_ignored(budget):
+    """0 keeps no key: refused for every method, those that ignore the budget (dense) included."""
+    for name in ("dense", "oracle"):
+        with pytest.raises(ValueError, match=rf"method '{name}' budget={budget!r}: expected a fraction of the "
+                                             r"context in \(0, 1\]"):
+            make_method(name, budget=budget)
