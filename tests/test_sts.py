@@ -1006,3 +1006,68 @@ def test_pool_record_takes_each_rows_own_pool_keys():
         np.testing.assert_array_equal(np.asarray(got.idx)[0, b, 0, 0], want)
         wv = [float(pool_val[0, b, 0][list(pool_idx[0, b, 0]).index(i)]) if i >= 0 else 0.0 for i in want]
         np.testing.assert_allclose(np.asarray(got.val)[0, b, 0, 0], wv)
+
+
+def test_carry_one_is_a_valid_decay():
+    """carry is a decay in [0, 1] (docstring and error message): 1.0, the undecayed sum of the round's steps, is
+    accepted by STS and handed to the round's draft; just above it is refused naming the value."""
+    from jsparse.methods.sts import STS
+
+    assert STS(carry=1.0).carry == 1.0 and STS(carry=0.0).carry == 0.0
+    target_m, draft_m = STS(carry=1.0, draft_layers=DRAFT_CFG.num_layers,
+                            draft_heads=DRAFT_CFG.num_heads).for_round(DRAFT_CFG, 2)
+    assert target_m.carry == 1.0 and draft_m.carry == 1.0
+    with pytest.raises(ValueError, match=r"carry=1.0001: expected a decay in \[0, 1\]"):
+        STS(carry=1.0001)
+
+
+def test_decode_width_is_the_budget_plus_the_rounds_slack():
+    """The draft records per decode row the budget's k at the capacity plus `slack` (the round's new keys, which the
+    target drops from the draft's choice), at most the capacity; `for_round` sets slack to gamma (at least 1)."""
+    from jsparse.methods.sts import STS, StsDraft, static_k
+
+    assert StsDraft(budget=16, min_tokens=0, slack=3).decode_width(128) == 16 + 3
+    assert StsDraft(budget=0.25, min_tokens=0, slack=2).decode_width(128) == static_k(0.25, 128, 0) + 2 == 34
+    assert StsDraft(budget=16, min_tokens=0, slack=3).decode_width(18) == 18  # capped at the capacity
+    sts = STS(budget=16, min_tokens=0, draft_layers=DRAFT_CFG.num_layers, draft_heads=DRAFT_CFG.num_heads)
+    for gamma, slack in ((3, 3), (1, 1), (0, 1)):
+        target_m, draft_m = sts.for_round(DRAFT_CFG, gamma)
+        assert target_m.slack == draft_m.slack == slack
+        assert draft_m.decode_width(128) == target_m.decode_width(128) == 16 + slack
+        assert draft_m.init_state(DRAFT_CFG, 1, 128).idx.shape[-1] == 16 + slack
+
+
+def test_head_map_of_picks_the_k_nearest_in_ratio():
+    """`load_head_map`: the map calibrated at the k nearest the budget in ratio, |log(k / tokens)| (a fraction taken
+    of the calibration length), not in absolute difference: 14 tokens lie nearer 24 than 8 in ratio (24/14 < 14/8)
+    though nearer 8 in tokens."""
+    from jsparse.artifacts import Artifact
+    from jsparse.methods.sts import head_map_of
+
+    ks = np.asarray([8, 24, 96])
+    maps = np.stack([np.full((CFG.num_layers, CFG.num_heads, 2), i, np.int32) for i in range(3)])
+    art = Artifact(kind="sts", fingerprint="t" * 16, arrays={"ks": ks, "head_maps": maps},
+                   meta={"draft_fingerprint": "d" * 16, "length": 96})
+    for budget, want in ((14, 1), (13, 0), (40, 1), (50, 2), (14 / 96, 1), (0.6, 2), (1, 2)):
+        got = head_map_of(art, "art", "d" * 16, budget)
+        np.testing.assert_array_equal(got, maps[want])
+
+
+def test_pool_keys_are_the_rows_own_budget_plus_slack_not_the_pools():
+    """With first_step_mask and mask_pool = 2, the first step pools mask_pool * (k + slack) keys per row but records
+    as pool_keys the row's own k + slack (k: the budget at the keys it may record, below lengths - 1), at most the
+    record's width W: the target reads that many keys from the pool (`pool_record`), not the pool's share."""
+    from jsparse.methods.sts import budget_k, pool_record
+
+    states, _, _, k, _, lengths, W, gamma = _draft_round(True, 0.25, 0.5, mask_pool=2)
+    first = states[0]
+    limits = np.asarray(lengths) - 1  # `record_limit` of the round's first step (T = 2)
+    want = [min(int(budget_k(0.25, int(n), 0)) + gamma, W, int(n)) for n in limits]
+    assert want[0] < W and want[1] < W  # the rows' own widths, below the static one
+    assert (np.asarray(first.pool_idx[0]) >= 0).sum(axis=-1).tolist() == [[min(2 * w, n)] * 4 for w, n in
+                                                                          zip(want, limits)]
+    np.testing.assert_array_equal(np.asarray(first.pool_keys), want)
+    for st in states:  # the later steps keep the first step's pool_keys
+        rec = pool_record(st)
+        np.testing.assert_array_equal((np.asarray(rec.idx[0, :, :, 0]) >= 0).sum(axis=-1),
+                                      np.broadcast_to(np.asarray(want)[:, None], (2, 4)))
