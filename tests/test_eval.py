@@ -726,3 +726,16 @@ def test_ppl_windows_that_just_fit_the_corpus_are_not_said_to_overlap(model, cor
     spec = harness.EvalSpec(methods=("dense",), tasks=("ppl",), lengths=(128,), samples=slots, seed=5,
                             corpus=str(short), ppl_variants=("prefill",))
     assert harness.evaluate(model, spec, progress=False).ppl_overlap == {}
+
+
+def test_word_start_moves_back_from_the_last_token_too(tokenizer):
+    """word_start backs out of a word wherever the cut is, the sequence's last token included (mutation
+    `0 < cut < len(ids)` -> `0 < cut < len(ids) - 1` survived: a needle at depth ~1 then split the last word)."""
+    rng = np.random.default_rng(0)
+    rare = ["porcupine", "Skookum", "quixotically", "zymurgy", "Buckminster", "xylophonic"]
+    text = " ".join(f"{rng.choice(passkey.FILLER_SENTENCES)} {rng.choice(rare)}." for _ in range(100))
+    ids = ppl.tokenize_corpus(tokenizer, text)
+    inside = [i for i in range(1, 300) if passkey.word_start(tokenizer, ids, i) < i]
+    assert len(inside) >= 5
+    for i in inside[:10]:  # the same cut with the token at i the last one
+        assert passkey.word_start(tokenizer, ids[:i + 1], i) == passkey.word_start(tokenizer, ids, i) < i

@@ -8,11 +8,14 @@ from __future__ import annotations
 import re
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from eval import tasks as tasks_pkg
 from eval.tasks import TASKS, Sample, get_task, score, string_match_all, string_match_part
 from eval.tasks import common
+from eval.tasks import fwe as fwe_task
+from eval.tasks import niah
 from eval.ppl import DEV_CORPUS
 from eval.tasks.words import NOUNS
 
@@ -366,3 +369,207 @@ def test_cwe_items_are_interleaved(tokenizer):
         assert repeats < runs_if_sorted / 4, (repeats, runs_if_sorted)
         first = words[:10]  # the first items are not all one common word
         assert len(set(first)) > 3
+
+
+def test_a_string_answer_is_one_answer_not_its_characters():
+    """A bare string is one reference (mutation: dropping the `isinstance(answers, str)` branch of
+    `_check_answers` scored "a" against "abc" as 1/3 and "b" as a hit for _part; test_metrics only used a
+    prediction equal to the answer)."""
+    assert string_match_all("a", "abc") == 0.0
+    assert string_match_part("b c", "abc") == 0.0
+    assert string_match_all("ABC!", "abc") == 1.0
+
+
+def test_task_refuses_zero_new_tokens_and_max_prompt_allows_one_percent():
+    """max_new_tokens >= 1 (mutation `< 1` -> `< 0` survived); a non-exact task's prompt may have
+    int(length * 1.01) + 1 tokens (mutation dropping the + 1 survived)."""
+    with pytest.raises(ValueError, match=r"max_new_tokens=0, expected >= 1"):
+        tasks_pkg.Task(name="t", metric="string_match_all", max_new_tokens=0, make_samples=lambda: [], doc="d")
+    loose = tasks_pkg.Task(name="t", metric="string_match_all", max_new_tokens=1, make_samples=lambda: [], doc="d",
+                           exact_length=False)
+    assert loose.max_prompt(1000) == 1011 and loose.max_prompt(100) == 102
+    assert get_task("vt").max_prompt(1000) == 1000
+
+
+def test_a_bool_sample_count_is_refused(tokenizer):
+    """samples=True is not a count (mutation dropping the bool check of check_request survived)."""
+    with pytest.raises(ValueError, match=r"samples=True, expected >= 1"):
+        get_task("niah_single_number").make_samples(tokenizer, 512, True, 0)
+    with pytest.raises(ValueError, match=r"length=True"):
+        get_task("niah_single_number").make_samples(tokenizer, True, 1, 0)
+
+
+def test_count_is_case_insensitive_and_counts_overlaps():
+    """common.count's docstring: case-insensitive, overlapping occurrences too (mutations dropping the lower() and
+    stepping past a whole match survived)."""
+    assert common.count("Apple pie, APPLE tart", "apple") == 2
+    assert common.count("aaaa", "aa") == 3
+    assert common.count("1212121", "121") == 3
+    assert common.count("nothing", "x") == 0
+
+
+def test_numbers_have_seven_digits():
+    """RULER's values are 7-digit numbers (mutation widening the range to 6-digit ones survived)."""
+    rng = np.random.default_rng(0)
+    values = [common.number(rng) for _ in range(500)]
+    assert all(len(v) == 7 and v.isdigit() and v[0] != "0" for v in values)
+
+
+def test_assemble_puts_a_needle_at_the_last_boundary_at_or_before_its_depth(tokenizer):
+    """A needle goes at the last sentence boundary <= round(depth * F), the filler's end included (mutations
+    `side="right"` -> `"left"`, dropping the `- 1`, and `b <= n` -> `b < n` in common.py survived: the depth test
+    allows 3%)."""
+    needle = common.ids(tokenizer, " One of the special magic numbers for x is: 1234567.")
+    _, bounds = common.filler(tokenizer, "repeat", 400, np.random.default_rng(0))
+    n = max(b for b in bounds if b <= 400)  # a filler that ends on a sentence boundary
+    tokens, bounds = common.filler(tokenizer, "repeat", n, np.random.default_rng(0))
+    assert bounds[-1] == n
+    cases = [0.0, 1.0] + [b / n for b in bounds[1:6]] + [(b + 1) / n for b in bounds[1:6]] + [0.37, 0.5, 0.93]
+    for depth in cases:
+        out = common.assemble(tokenizer, "t", n + len(needle), [], [], [(needle, depth)], "repeat",
+                              np.random.default_rng(0))
+        cut = max(b for b in bounds if b <= round(depth * n))
+        assert out == tokens[:cut] + needle + tokens[cut:], (depth, cut)
+
+
+def test_assemble_keeps_sixteen_filler_tokens(tokenizer):
+    """min_filler defaults to 16 filler tokens (mutation 16 -> 0 survived)."""
+    prefix, suffix = common.ids(tokenizer, "Head.\n"), common.ids(tokenizer, "\nTail?")
+    fixed = len(prefix) + len(suffix)
+    with pytest.raises(ValueError, match=rf"length={fixed + 15} is too short.*expected a length >= {fixed + 16}"):
+        common.assemble(tokenizer, "t", fixed + 15, prefix, suffix, [], "repeat", np.random.default_rng(0))
+    assert len(common.assemble(tokenizer, "t", fixed + 16, prefix, suffix, [], "repeat",
+                               np.random.default_rng(0))) == fixed + 16
+
+
+def test_corpus_filler_starts_and_breaks_after_sentence_ends(tokenizer):
+    """A corpus filler starts at a sentence's start and its needle boundaries follow a sentence's last token
+    (mutations dropping the `+ 1` of `starts` and of `bounds` in common.filler survived: a needle then went between
+    a sentence and its full stop)."""
+    corpus = common.corpus_tokens(tokenizer, "corpus")
+    for seed in range(4):
+        tokens, bounds = common.filler(tokenizer, "corpus", 300, np.random.default_rng(seed))
+        starts = [int(s) for s in np.flatnonzero(corpus.ids == tokens[0]) if corpus.ids[s:s + 300].tolist() == tokens]
+        assert starts, seed
+        start = starts[0]
+        assert start == 0 or corpus.ends[start - 1], seed
+        assert bounds[0] == 0 and len(bounds) > 3
+        assert all(corpus.ends[start + b - 1] for b in bounds[1:]), seed
+
+
+def test_a_value_the_haystack_holds_is_redrawn(tokenizer, tmp_path):
+    """A drawn value that the corpus haystack also holds is redrawn, so the answer occurs once (mutation `== c` ->
+    `>= c` in common.retry survived: the shipped corpus rarely holds a 7-digit number or a drawn noun)."""
+    story = tmp_path / "nouns.txt"
+    half = NOUNS[::2]
+    story.write_text(" ".join(f"The {w} slept." for w in half) + "\n\n" * 1 + " ".join(f"A {w} ran." for w in half))
+    for s in get_task("niah_single_word").make_samples(tokenizer, 512, 10, 0, haystack=str(story)):
+        text = _text(tokenizer, s)
+        assert any(f" {w} " in text for w in half)  # the haystack's nouns are in the prompt
+        (answer,) = s.answers
+        assert common.count(text, answer) == 1, answer
+
+
+def test_niah_query_joins_keys_as_ruler():
+    """"a", "a and b", "a, b and c" (mutation joining every key with ", " survived)."""
+    assert niah.query_text(["a"]) == "a"
+    assert niah.query_text(["a", "b"]) == "a and b"
+    assert niah.query_text(["a", "b", "c", "d"]) == "a, b, c and d"
+
+
+@pytest.mark.parametrize("name,needles,asked,answers", [("niah_multikey", 4, 1, 1), ("niah_multiquery", 4, 4, 4),
+                                                        ("niah_multivalue", 4, 1, 4)])
+def test_niah_variants_have_their_needle_counts_and_no_depth(tokenizer, name, needles, asked, answers):
+    """Multi-key: 4 needles, 1 key asked (3 distractors); multi-query: 4 keys asked; multi-value: 4 values of one key;
+    the last two have Sample.depth None (mutations DISTRACTORS 3 -> 2, QUERIES 4 -> 3 and `single = queries == 1`
+    survived)."""
+    for s in get_task(name).make_samples(tokenizer, 512, 5, seed=0):
+        text = _text(tokenizer, s)
+        found = re.findall(r"One of the special magic numbers for ([\w-]+) is: (\d+)\.", text)
+        query = re.search(r"special magic numbers for (.+?) mentioned in the provided text\?", text).group(1)
+        keys = [k.strip() for k in re.split(r",| and ", query)]
+        assert len(found) == needles and len(keys) == asked and len(s.answers) == answers
+        assert len({k for k, _ in found}) == (4 if name != "niah_multivalue" else 1)
+        if name != "niah_multikey":
+            assert s.depth is None
+
+
+def test_niah_chat_answer_prefix_opens_the_assistant_turn(tokenizer):
+    """In chat mode the answer prefix follows the assistant header directly (mutation dropping `.lstrip()` in
+    common.frame survived: a stray space opened the assistant's turn)."""
+    for s in get_task("niah_single_number").make_samples(tokenizer, 512, 2, 0, chat=True):
+        assert "<|im_start|>assistant\nThe special magic numbers for " in _text(tokenizer, s)
+
+
+def test_cwe_words_occur_only_as_their_items(tokenizer, tmp_path):
+    """A word of the list occurs nowhere else in the prompt (not in the instructions or the chat template), so a
+    substring match scores only its own item (mutation dropping `word in self.avoid` in WordSource._ok survived:
+    a haystack holding the instructions' words, "most", "often", "list", then put them in the list)."""
+    instructions = ["below", "numbered", "list", "words", "appear", "often", "others", "memorize", "most", "common",
+                    "question", "answer", "above", "system", "assistant", "user"]
+    mixed = tmp_path / "mixed.txt"
+    mixed.write_text(" ".join(list(NOUNS) + instructions * 5) + ".\n")
+    for chat in (False, True):
+        for s in get_task("cwe").make_samples(tokenizer, 2048, 3, 0, haystack=str(mixed), chat=chat):
+            text = _text(tokenizer, s)
+            items = Counter(re.findall(r"^\d+\. (\S+)$", text, flags=re.M))
+            assert len(items) > 50
+            bad = {w: (c, common.count(text, w)) for w, c in items.items() if common.count(text, w) != c}
+            assert not bad, bad
+
+
+def test_cwe_common_words_fill_about_half_the_list(tokenizer):
+    """Each common word appears max(3, N // 20) times for about N items: the ten take about half the list (mutation
+    N // 20 -> N // 40 survived)."""
+    for length in (1024, 4096):
+        for s in get_task("cwe").make_samples(tokenizer, length, 2, 0):
+            items = re.findall(r"^\d+\. (\S+)$", _text(tokenizer, s), flags=re.M)
+            counts = Counter(items)
+            share = sum(counts[a] for a in s.answers) / len(items)
+            assert 0.45 <= share <= 0.7, (length, share)
+
+
+def test_cwe_refuses_uncommon_words_as_frequent_as_the_common_ones(tokenizer, tmp_path):
+    """At 600 tokens with a 40-word pool the other words would need 5 copies each, as many as the ten answers: an
+    error, not a list whose answers are not the most common (mutation `uncommon >= freq` -> `>` survived)."""
+    few = tmp_path / "few40.txt"
+    few.write_text(" ".join(NOUNS[:40]) + ".\n")
+    assert len(common.corpus_words(tokenizer, str(few))) == 40
+    with pytest.raises(ValueError, match=r"length=600 needs more distinct words than the 40 of the word pool"):
+        get_task("cwe").make_samples(tokenizer, 600, 1, 0, haystack=str(few))
+
+
+def test_fwe_counts_follow_zipf_and_take_85_percent(tokenizer):
+    """The word of rank r appears floor(S / r^2) times (so count_r == count_1 // r^2) while that is >= 2, and these
+    ranked words take RANKED_SHARE = 85% of the text's tokens (floors leave it a little under) (mutations ALPHA 2 ->
+    1.5, RANKED_SHARE 0.85 -> 0.6 survived)."""
+    for length in (1024, 4096):
+        for s in get_task("fwe").make_samples(tokenizer, length, 2, 0):
+            text = _text(tokenizer, s)
+            body = text[text.index("coded words.\n") + len("coded words.\n"):text.index("\nQuestion:")]
+            counts = Counter(body.split())
+            ranked = [c for _, c in counts.most_common() if c >= 2]
+            assert len(ranked) > 3 and ranked == [ranked[0] // r ** 2 for r in range(1, len(ranked) + 1)]
+            cost = {w: len(common.ids(tokenizer, " " + w)) for w in counts}
+            share = sum(c * cost[w] for w, c in counts.items() if c >= 2) / sum(c * cost[w] for w, c in counts.items())
+            assert 0.8 <= share <= 0.86, (length, share)
+
+
+def test_fwe_coded_words_have_three_to_six_letters():
+    """RULER's coded words: 3-6 lowercase letters (mutation `integers(3, 7)` -> `(3, 6)` survived)."""
+    rng = np.random.default_rng(0)
+    words = [fwe_task.coded_word(rng) for _ in range(400)]
+    assert {len(w) for w in words} == {3, 4, 5, 6} and all(w.isalpha() and w.islower() for w in words)
+
+
+@pytest.mark.parametrize("name", ["niah_single_number", "vt", "cwe", "fwe", "passkey"])
+def test_raw_prompts_start_with_bos_and_chat_turns_hold_none(tokenizer, name):
+    """With a tokenizer that adds a BOS (Llama's), a raw prompt starts with it once and a chat prompt has none in the
+    user's turn (mutations dropping special_prefix in common.frame, and `p.tokens[len(special):...]` ->
+    `p.tokens[:...]` in eval/tasks/passkey.py, survived: the bundled SmolLM2 tokenizer adds no BOS)."""
+    bos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    tok = BosTokenizer(tokenizer, bos)
+    for s in get_task(name).make_samples(tok, 1024, 2, seed=0):
+        assert len(s.tokens) == 1024 and s.tokens[0] == bos and s.tokens.count(bos) == 1
+    for s in get_task(name).make_samples(tok, 1024, 2, seed=0, chat=True):
+        assert len(s.tokens) == 1024 and bos not in s.tokens
