@@ -4,7 +4,9 @@ budgets and their split, heat bookkeeping, token compression's capacities, retri
 from __future__ import annotations
 
 import itertools
+import math
 import types
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +15,7 @@ import pytest
 
 from jsparse import budget_split, compression, heat, retrieval_heads
 from jsparse import selection as sel
+from jsparse.artifacts import Artifact, save_artifact
 from jsparse.methods.common import stacked_cache
 from models.attention import LayerKV
 
@@ -421,3 +424,75 @@ def test_prefill_tile_probs_ignores_lengths_past_the_prompt():
     got = np.asarray(sel.prefill_tile_probs(q, k, 4, jnp.array([T + 3, T])))
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(want[:, :, 2].sum(-1), 2 * (Hq // Hkv), rtol=1e-5)  # 2 real rows in the last tile
+
+
+def test_check_fractions_refuses_a_sum_off_by_more_than_1e_6():
+    names = ("x_fraction", "y_fraction")
+    with pytest.raises(ValueError, match=r"budget fractions sum to 0.9995 \(x_fraction=0.5, y_fraction=0.4995\): "
+                                         r"expected x_fraction \+ y_fraction = 1"):
+        budget_split.check_fractions((0.5, 0.4995), names)
+    assert budget_split.check_fractions((0.5, 0.5 + 1e-7), names) == (0.5, 0.5 + 1e-7)  # within 1e-6
+
+
+def test_cumulative_fixed_rounds_to_the_nearest_fix_unit():
+    # 0.1 * 4096 = 409.6 -> 410 (nearest 1/4096), 0.1 + 0.3 = 0.4 -> 1638.4 -> 1638; the last exactly FIX
+    assert budget_split.cumulative_fixed((0.1, 0.3, 0.6)) == (410, 1638, budget_split.FIX)
+    fr = (0.15, 0.35, 0.2, 0.3)
+    want = tuple(int(np.floor(c * budget_split.FIX + 0.5)) for c in np.cumsum(fr)[:-1]) + (budget_split.FIX,)
+    assert budget_split.cumulative_fixed(fr) == want == (614, 2048, 2867, 4096)
+
+
+def test_blocks_fraction_is_at_most_the_visible_keys():
+    """More blocks than a query sees (its own, partial, block and all before it) attend all n = p + 1 keys: 1."""
+    p = np.array([2, 2, 2, 9, 9, 9, 9])
+    blocks = np.array([1, 2, 5, 1, 2, 3, 4])
+    n = p + 1
+    own = p % 4 + 1  # keys of the own, partial, block
+    want = np.minimum((blocks - 1) * 4 + own, n) / n
+    np.testing.assert_allclose(budget_split.blocks_fraction(blocks, p, 4), want, rtol=0, atol=0)
+    np.testing.assert_allclose(want, [1.0, 1.0, 1.0, 0.2, 0.6, 1.0, 1.0])
+
+
+def test_heat_update_drops_the_padding_even_of_an_empty_row():
+    """-1 padding adds nothing, whatever its value, also where a row selected no block (all -1)."""
+    h = np.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], np.float32)
+    idx = np.array([[-1, -1], [2, -1]], np.int32)
+    vals = np.array([[5.0, 7.0], [0.25, 9.0]], np.float32)
+    want = 0.5 * h.astype(np.float64)
+    want[1, 2] += 0.25
+    np.testing.assert_allclose(heat.heat_update(jnp.asarray(h), jnp.asarray(idx), jnp.asarray(vals), 0.5), want,
+                               rtol=1e-6)
+
+
+def test_pool_blocks_with_exactly_the_blocks_it_needs():
+    x = np.arange(8, dtype=np.float32)[None]
+    np.testing.assert_allclose(heat.pool_blocks(jnp.asarray(x), 4, 2), x.reshape(1, 2, 4).sum(-1))  # [[6, 22]]
+    np.testing.assert_allclose(heat.pool_blocks(jnp.asarray(x[:, :7]), 4, 2), [[6, 15]])  # the last block partial
+
+
+def test_load_retrieval_heads_refuses_scores_of_another_shape(tmp_path):
+    cfg = types.SimpleNamespace(num_layers=3, num_heads=4, num_kv_heads=2)
+    scores = np.array([[0, 5, 1, 1], [2, 0, 0, 5]], np.float32)  # 2 layers, the model has 3
+    save_artifact(str(tmp_path), Artifact(kind="evosparse", fingerprint="fp", arrays={"scores": scores}))
+    with pytest.raises(ValueError, match=r"scores \(2, 4\) heads: expected \(L, Hq\) = \(3, 4\)"):
+        retrieval_heads.load_retrieval_heads(str(tmp_path), "evosparse", "fp", cfg)
+
+
+def test_capacities_round_the_bucket_up_before_aligning():
+    """ceil(i * T / buckets), then up to a multiple of 128, capped at T: T = 1025 in 8 buckets has 128.125 tokens
+    per bucket, so the smallest capacity is 256, not 128."""
+    T, buckets = 1025, 8
+    per = [math.ceil(Fraction(i * T, buckets)) for i in range(1, buckets + 1)]  # exact ceil(i * T / buckets)
+    want = sorted({min(T, math.ceil(Fraction(c, 128)) * 128) for c in per} | {T})
+    assert compression.capacities(T, buckets) == tuple(want) == (256, 384, 512, 640, 768, 896, 1024, 1025)
+
+
+def test_check_layers_accepts_no_layers():
+    assert sel.check_layers("dense_layers", [], 4) == ()
+    assert sel.check_layers("dense_layers", (), 0) == ()
+
+
+def test_topk_sparsity_is_the_mean_skipped_share_of_the_visible_keys():
+    # min_tokens 1, budget 0.5: queries 0..3 see 1, 2, 3, 4 keys and keep 1, 1, 2, 2 of them
+    assert sel.topk_sparsity(0.5, np.arange(4), 1) == pytest.approx(np.mean([0, 1 / 2, 1 / 3, 1 / 2]), abs=1e-12)
+    assert sel.topk_sparsity(0.5, [0], 1) == 0.0  # query 0 sees only itself
