@@ -249,19 +249,24 @@ def test_a_non_finite_loss_stops_the_run_before_its_step_counts(tmp_path, model_
     assert not os.path.isdir(ckpt) or not [d for d in os.listdir(ckpt) if d.isdigit()]
 
 
-def test_killed_run_resumes_to_the_same_parameters(tmp_path, uninterrupted, model_params, pcfg, chunks):
-    """A crash after step 5 (last checkpoint: step 4) resumes at step 4 and ends where the uninterrupted run does."""
+@pytest.mark.parametrize("crash_at", [5, 4])
+def test_killed_run_resumes_to_the_same_parameters(tmp_path, uninterrupted, model_params, pcfg, chunks, crash_at):
+    """A crash after step 5 (last checkpoint: step 4) resumes at step 4 and ends where the uninterrupted run does.
+    on_step runs after the step is complete, its periodic checkpoint included: a crash raised from on_step at step 4
+    (checkpoint_every=2) keeps the checkpoint of step 4, so no completed step is lost (a mutation calling on_step
+    before the periodic save survived the suite; the resumed run then re-ran steps 3 and 4)."""
     _, full = uninterrupted
     out = str(tmp_path / "crash")
 
     def crash(step, loss):
-        if step == 5:
+        if step == crash_at:
             raise Crash()
 
     with pytest.raises(Crash):
         train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg, progress=False,
               on_step=crash)
-    assert read_checkpoint_meta(out)["step"] == 4
+    meta = read_checkpoint_meta(out)
+    assert meta["step"] == 4 and meta["data_position"] == 4 * TC.batch_size
     res = train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg, progress=False)
     assert res.start_step == 4 and [s for s, _ in res.losses] == [5, 6]
     np.testing.assert_allclose([l for _, l in res.losses], [l for _, l in full.losses[4:]], rtol=1e-6)
@@ -1245,23 +1250,6 @@ def test_exported_final_loss_is_the_last_steps(uninterrupted):
         last = [json.loads(line) for line in f][-1]
     assert last["step"] == TC.steps and full.losses[-1] == (TC.steps, last["loss"])
     assert meta["final_loss"] == last["loss"] != full.losses[0][1]
-
-
-def test_crash_in_on_step_keeps_that_steps_checkpoint(tmp_path, model_params, pcfg, chunks):
-    """on_step runs after the step is complete, its periodic checkpoint included: a crash raised from on_step at
-    step 4 (checkpoint_every=2) leaves the checkpoint of step 4, so no completed step is lost (mutation calling
-    on_step before the periodic save survived; the resumed run then re-ran steps 3 and 4)."""
-    out = str(tmp_path / "crash4")
-
-    def crash(step, loss):
-        if step == 4:
-            raise Crash()
-
-    with pytest.raises(Crash):
-        train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg, progress=False,
-              on_step=crash)
-    meta = read_checkpoint_meta(out)
-    assert meta["step"] == 4 and meta["data_position"] == 4 * TC.batch_size
 
 
 def test_checkpoint_of_another_predictor_shape_is_refused(tmp_path, uninterrupted, model_params, pcfg, chunks):
