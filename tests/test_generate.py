@@ -111,6 +111,11 @@ def test_top_p_sampling_stays_in_nucleus():
     draws = np.asarray(sample(logits, jax.random.key(0), Sampling(temperature=1.0, top_p=0.7)))
     assert set(draws) <= {0, 1}
     assert 0.55 < np.mean(draws == 0) < 0.70  # 0.5 / 0.8 renormalised
+    # Unsorted: the nucleus is found in sorted order but the draw is a vocab id (ids 3 and 1, not positions 0 and 1)
+    logits = jnp.log(jnp.array([[0.05, 0.3, 0.15, 0.5]] * 4000))
+    draws = np.asarray(sample(logits, jax.random.key(0), Sampling(temperature=1.0, top_p=0.7)))
+    assert set(draws.tolist()) == {1, 3}, np.bincount(draws, minlength=4)
+    assert abs(np.mean(draws == 3) - 0.625) < 0.03, np.mean(draws == 3)
     with pytest.raises(ValueError, match="top_p=0"):
         Sampling(temperature=1.0, top_p=0.0)
     with pytest.raises(ValueError, match="temperature=-1"):

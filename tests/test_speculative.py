@@ -196,10 +196,39 @@ def test_speculative_eos_equals_target_only(models, at):
     np.testing.assert_array_equal(np.asarray(num), ref_num)
 
 
+def _nucleus_reference(logits, temperature, top_p):
+    """float64 numpy: softmax(logits / temperature) kept on the smallest prefix (by descending probability) whose mass
+    reaches top_p (a token is kept when the mass strictly above it is < top_p), renormalised, in vocab order."""
+    z = np.asarray(logits, np.float64) / temperature
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = np.zeros_like(p)
+    for b in range(p.shape[0]):
+        order = np.argsort(-p[b], kind="stable")
+        above = np.cumsum(p[b, order]) - p[b, order]
+        keep = order[above < top_p]
+        out[b, keep] = p[b, keep] / p[b, keep].sum()
+    return out
+
+
 def test_sampling_probs_nucleus():
+    """The target's and the draft's distributions: the nucleus in vocab order (the inverse of the sort's permutation)
+    against a float64 reference, and no token whose mass above equals top_p (4 equal tokens: top_p 0.5 keeps 2, 0.75
+    keeps 3, as `sample` does in test_generate), or speculative sampling's output is not the target's."""
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
     p = np.asarray(sampling_probs(logits, Sampling(temperature=1.0, top_p=0.7)))
     np.testing.assert_allclose(p[0], [0.625, 0.375, 0, 0], atol=1e-6)
+    logits = jnp.log(jnp.array([[0.15, 0.5, 0.05, 0.3]]))
+    p = np.asarray(sampling_probs(logits, Sampling(temperature=1.0, top_p=0.7)))
+    np.testing.assert_allclose(p[0], [0, 0.625, 0, 0.375], atol=1e-6)
+    rand = jax.random.normal(jax.random.key(0), (16, 11)) * 2.0
+    for temperature, top_p in ((1.0, 0.6), (0.7, 0.9)):
+        got = np.asarray(sampling_probs(rand, Sampling(temperature=temperature, top_p=top_p)))
+        np.testing.assert_allclose(got, _nucleus_reference(rand, temperature, top_p), atol=1e-5)
+    for top_p, kept in ((0.5, 2), (0.75, 3)):
+        p = np.asarray(sampling_probs(jnp.zeros((1, 4)), Sampling(temperature=1.0, top_p=top_p)))[0]
+        assert np.count_nonzero(p) == kept, (top_p, p)
+        np.testing.assert_allclose(p[p > 0], 1 / kept, atol=1e-6)
 
 
 def test_layer_skipped_draft_and_errors(models):
@@ -498,3 +527,37 @@ def test_generate_stats_sum_the_rows_and_rate_per_proposed_token(models):
     generate_ids(tgt, ids, max_new_tokens=10, draft=tgt, gamma=2, stats=both)
     assert both["rounds"] == alone[0]["rounds"] + alone[1]["rounds"] >= 2
     assert both["accepted"] == 2 * both["rounds"] and both["acceptance_rate"] == 1.0
+
+
+def test_speculative_rounds_sample_with_fresh_keys(models):
+    """At a high temperature (near-uniform over 128 ids) the target as its own draft accepts every draft; 33 tokens
+    (the prefill's + 8 rounds of gamma + 1 = 4) are mostly distinct and adjacent repeats rare (~1/128 each). A key
+    reused across rounds repeats the rounds' tokens; one reused across a round's draft steps repeats d_1 as d_2."""
+    target, _ = models
+    tokens, lengths = jnp.asarray([[5, 6, 7, 8]], jnp.int32), jnp.asarray([4], jnp.int32)
+    out, num, rounds, accepted = speculative_generate(
+        target, target, DENSE, DENSE, tokens, lengths, jax.random.key(1), t_cfg=CFG, d_cfg=CFG, gamma=3,
+        max_new_tokens=33, capacity=64, sampling=Sampling(temperature=100.0))
+    out = np.asarray(out[0])
+    assert int(num[0]) == 33
+    assert len(set(out.tolist())) > 20, out
+    assert int(np.sum(out[1:] == out[:-1])) <= 2, out
+
+
+def test_a_one_token_round_leaves_the_draft_cache_right(models):
+    """A round that emits one token (limit 1) sets prev to the round's pending token: with the target as its own
+    draft (greedy), the next round accepts all gamma drafts. A wrong prev rewrites position n - 1 of the draft's
+    cache with another token, and the draft's proposals stop matching the target."""
+    target, _ = models
+    tokens = jax.random.randint(jax.random.key(9), (2, 10), 4, CFG.vocab_size)
+    lengths = jnp.array([10, 7])
+    kw = dict(t_cfg=CFG, d_cfg=CFG, gamma=4)
+    rnd = jax.jit(spec_round, static_argnames=("t_cfg", "d_cfg", "gamma"))
+    s = spec_prefill(target, target, DENSE, DENSE, tokens, lengths, jax.random.key(0), t_cfg=CFG, d_cfg=CFG,
+                     capacity=64)
+    s1, _, count, _ = rnd(target, target, DENSE, DENSE, s, jax.random.key(1), jnp.array([1, 1]), **kw)
+    np.testing.assert_array_equal(np.asarray(count), [1, 1])
+    np.testing.assert_array_equal(np.asarray(s1.prev), np.asarray(s.tok))
+    s2, emitted, count, acc = rnd(target, target, DENSE, DENSE, s1, jax.random.key(2), jnp.array([10, 10]), **kw)
+    np.testing.assert_array_equal(np.asarray(acc), [4, 4])
+    np.testing.assert_array_equal(np.asarray(count), [5, 5])
