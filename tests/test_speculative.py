@@ -561,3 +561,24 @@ def test_a_one_token_round_leaves_the_draft_cache_right(models):
     s2, emitted, count, acc = rnd(target, target, DENSE, DENSE, s1, jax.random.key(2), jnp.array([10, 10]), **kw)
     np.testing.assert_array_equal(np.asarray(acc), [4, 4])
     np.testing.assert_array_equal(np.asarray(count), [5, 5])
+
+
+def test_row_new_tokens_stop_each_row_and_count_only_its_own_rounds(models):
+    """row_new_tokens [3, 12] with the target as its own draft (greedy, gamma 2: every draft accepted). Row 0 stops
+    at 3 tokens (the prefill's + one round limited to 2) and row 1 at 12 (1 + 3 + 3 + 3 + 2): each row's tokens are
+    the target's own greedy tokens, -1 after; rounds count only the rounds a row took part in (1 and 4), and
+    accepted only theirs (2 a round: 2 and 8), not the rounds run for the other row after it finished."""
+    target, _ = models
+    tokens = jax.random.randint(jax.random.key(11), (2, 9), 4, CFG.vocab_size)
+    lengths = jnp.array([9, 6])
+    ref_out, _ = _target_only(target, tokens, lengths, 12)
+    out, num, rounds, accepted = speculative_generate(
+        target, target, DENSE, DENSE, tokens, lengths, jax.random.key(0), t_cfg=CFG, d_cfg=CFG, gamma=2,
+        max_new_tokens=12, capacity=64, row_new_tokens=jnp.array([3, 12]))
+    out = np.asarray(out)
+    np.testing.assert_array_equal(np.asarray(num), [3, 12])
+    np.testing.assert_array_equal(out[0, :3], ref_out[0, :3])
+    assert np.all(out[0, 3:] == -1), out[0]
+    np.testing.assert_array_equal(out[1], ref_out[1])
+    np.testing.assert_array_equal(np.asarray(rounds), [1, 4])
+    np.testing.assert_array_equal(np.asarray(accepted), [2, 8])
