@@ -160,22 +160,6 @@ def test_rejection_sampling_matches_the_target_distribution(own_draft):
     assert pval > 1e-3, pval
 
 
-def test_gamma1_draft_equal_to_target_accepts_everything(models):
-    """gamma 1 with the target as its own draft: every round emits 2 tokens (a draft and the bonus), so `prev` after
-    a round is the round's first token; a wrong one corrupts the draft's cache and its acceptance, not the output."""
-    target, _ = models
-    tokens = jax.random.randint(jax.random.key(6), (2, 10), 4, CFG.vocab_size)
-    lengths = jnp.array([10, 6])
-    ref_out, _ = _target_only(target, tokens, lengths, 7)
-    out, num, rounds, accepted = speculative_generate(
-        target, target, DENSE, DENSE, tokens, lengths, jax.random.key(0), t_cfg=CFG, d_cfg=CFG, gamma=1,
-        max_new_tokens=7, capacity=128)
-    np.testing.assert_array_equal(np.asarray(out), ref_out)
-    np.testing.assert_array_equal(np.asarray(num), 7)
-    np.testing.assert_array_equal(np.asarray(rounds), 3)  # 1 token from the prefill + 3 rounds of 2
-    np.testing.assert_array_equal(np.asarray(accepted), 3)
-
-
 @pytest.mark.timeout(300)  # a row whose round starts with its EOS once emitted nothing and looped for ever
 @pytest.mark.parametrize("at", [0, 1, 3])
 def test_speculative_eos_equals_target_only(models, at):
@@ -563,22 +547,31 @@ def test_a_one_token_round_leaves_the_draft_cache_right(models):
     np.testing.assert_array_equal(np.asarray(count), [5, 5])
 
 
-def test_row_new_tokens_stop_each_row_and_count_only_its_own_rounds(models):
-    """row_new_tokens [3, 12] with the target as its own draft (greedy, gamma 2: every draft accepted). Row 0 stops
-    at 3 tokens (the prefill's + one round limited to 2) and row 1 at 12 (1 + 3 + 3 + 3 + 2): each row's tokens are
-    the target's own greedy tokens, -1 after; rounds count only the rounds a row took part in (1 and 4), and
-    accepted only theirs (2 a round: 2 and 8), not the rounds run for the other row after it finished."""
+@pytest.mark.parametrize("seed, T, lengths, gamma, row_new, num, rounds, accepted", [
+    (6, 10, [10, 6], 1, None, [7, 7], [3, 3], [3, 3]),
+    (11, 9, [9, 6], 2, [3, 12], [3, 12], [1, 4], [2, 8])])
+def test_the_target_as_its_own_draft_accepts_everything(models, seed, T, lengths, gamma, row_new, num, rounds,
+                                                         accepted):
+    """The target as its own draft (greedy) accepts every draft; each row's tokens are the target's own greedy
+    tokens, -1 after its last.
+    - gamma 1: every round emits 2 tokens (a draft and the bonus), so `prev` after a round is the round's first
+      token; a wrong one corrupts the draft's cache and its acceptance, not the output (7 tokens: the prefill's + 3
+      rounds of 2).
+    - gamma 2, row_new_tokens [3, 12]: row 0 stops at 3 tokens (the prefill's + one round limited to 2) and row 1
+      at 12 (1 + 3 + 3 + 3 + 2); rounds count only the rounds a row took part in (1 and 4), and accepted only
+      theirs (2 a round: 2 and 8), not the rounds run for the other row after it finished."""
     target, _ = models
-    tokens = jax.random.randint(jax.random.key(11), (2, 9), 4, CFG.vocab_size)
-    lengths = jnp.array([9, 6])
-    ref_out, _ = _target_only(target, tokens, lengths, 12)
-    out, num, rounds, accepted = speculative_generate(
-        target, target, DENSE, DENSE, tokens, lengths, jax.random.key(0), t_cfg=CFG, d_cfg=CFG, gamma=2,
-        max_new_tokens=12, capacity=64, row_new_tokens=jnp.array([3, 12]))
+    tokens = jax.random.randint(jax.random.key(seed), (2, T), 4, CFG.vocab_size)
+    steps = max(num)
+    ref_out, _ = _target_only(target, tokens, jnp.array(lengths), steps)
+    out, got_num, got_rounds, got_accepted = speculative_generate(
+        target, target, DENSE, DENSE, tokens, jnp.array(lengths), jax.random.key(0), t_cfg=CFG, d_cfg=CFG,
+        gamma=gamma, max_new_tokens=steps, capacity=64,
+        row_new_tokens=None if row_new is None else jnp.array(row_new))
     out = np.asarray(out)
-    np.testing.assert_array_equal(np.asarray(num), [3, 12])
-    np.testing.assert_array_equal(out[0, :3], ref_out[0, :3])
-    assert np.all(out[0, 3:] == -1), out[0]
-    np.testing.assert_array_equal(out[1], ref_out[1])
-    np.testing.assert_array_equal(np.asarray(rounds), [1, 4])
-    np.testing.assert_array_equal(np.asarray(accepted), [2, 8])
+    np.testing.assert_array_equal(np.asarray(got_num), num)
+    for b, n in enumerate(num):
+        np.testing.assert_array_equal(out[b, :n], ref_out[b, :n])
+        assert np.all(out[b, n:] == -1), out[b]
+    np.testing.assert_array_equal(np.asarray(got_rounds), rounds)
+    np.testing.assert_array_equal(np.asarray(got_accepted), accepted)
