@@ -368,8 +368,7 @@ def attention_bytes(name: str, method, cfg, batch: int, n: int) -> int:
     if name == "evosparse":
         from eval.bench import evo_layout as be
         d = min(method.dense_layers, L)
-        tokens = (min(method.budget_tokens, n) if method.budget_tokens is not None
-                  else sel.budget_tokens(method.budget, n, min_tokens))
+        tokens = method.block_budget.keys(n)  # EvoSparse's own rule: a token count, else the fraction rule
         block = method.block_size
         heads = be.model_heads(cfg) if method.uses_retrieval else []
         kinds = be.layer_kinds(cfg, heads, d)
@@ -401,7 +400,7 @@ def attention_bytes(name: str, method, cfg, batch: int, n: int) -> int:
     if name == "h2o":  # the accumulated score row (f32) read by the selection, its k kept entries updated
         rows = batch * cfg.num_kv_heads
         k = sel.budget_tokens(method.budget, n, min_tokens)
-        return d * dense_layer + (L - d) * (picked(method.budget) + rows * n * 4 + 2 * rows * k * 4)
+        return d * dense_layer + (L - d) * (2 * k * U + rows * n * 4 + 2 * rows * k * 4)
     if name == "butler":  # the predicted keys of every predicted layer (f32, or bf16 with key_dtype) + the picked rows
         # Selection "head" picks per query head: a KV head's G query heads read up to G sets (counted as G since
         # 2026-11-29, when the gathered decode came; one set before, which overstated the floor). The calibrated
