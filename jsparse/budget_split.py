@@ -2,9 +2,10 @@
 
 A query at position p sees n = p + 1 keys and keeps k of them: k = min(tokens, n) with a token count, else the
 fraction rule k = min(max(ceil(budget * n), min_tokens), n) (`selection.budget_tokens`: an f32 product); that is
-kb = ceil(k / block_size) blocks. With cumulative fractions c_i resolved to 1/4096 in integer arithmetic, component
-i gets ceil(c_i * kb) - ceil(c_{i-1} * kb) blocks: the counts always sum to kb, and small budgets favour the first
-components, except one component that may be given at least one block (EvoSparse's local window, which holds the
+kb = ceil(k / block_size) blocks. With cumulative fractions c_i taken as the nearest fractions of denominator at most
+4096 (so 1/3 is 1/3 and 0.1 is 1/10, not the floats' nearest 4096ths) in integer arithmetic, component i gets
+ceil(c_i * kb) - ceil(c_{i-1} * kb) blocks: the counts always sum to kb, equal fractions split kb evenly when they can
+(1/3 each: 1, 1, 1 blocks of 3), and small budgets favour the first components, except one component that may be given at least one block (EvoSparse's local window, which holds the
 query's own position).
 """
 
@@ -12,13 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from fractions import Fraction
 from typing import Optional, Sequence
 
 import numpy as np
 
 from jsparse import selection as sel
 
-FIX = 4096  # fractions are resolved to 1/FIX in integer arithmetic
+FIX = 4096  # the largest denominator of a cumulative fraction (`cumulative_fixed`)
 
 
 def check_fractions(fractions: Sequence[float], names: Sequence[str]) -> tuple[float, ...]:
@@ -33,21 +35,22 @@ def check_fractions(fractions: Sequence[float], names: Sequence[str]) -> tuple[f
     return tuple(float(f) for f in fractions)
 
 
-def cumulative_fixed(fractions: Sequence[float]) -> tuple[int, ...]:
-    """Cumulative fractions in units of 1/FIX, the last exactly FIX."""
+def cumulative_fixed(fractions: Sequence[float]) -> tuple[Fraction, ...]:
+    """Cumulative fractions as exact rationals: each the nearest fraction of denominator at most FIX (1/3 + 1/3 is
+    2/3, where its nearest 4096th, 2731/4096, split 3 blocks as 1, 2, 0), the last exactly 1."""
     cum = np.cumsum(np.asarray(fractions, np.float64))
-    fixed = [int(round(c * FIX)) for c in cum]
-    fixed[-1] = FIX
+    fixed = [Fraction(float(c)).limit_denominator(FIX) for c in cum]
+    fixed[-1] = Fraction(1)
     return tuple(fixed)
 
 
-def split_counts(kb, cum_fixed: Sequence[int], ensure: Optional[int] = None):
+def split_counts(kb, cum_fixed: Sequence[Fraction], ensure: Optional[int] = None):
     """Blocks per component for kb budget blocks (int or int array): a tuple of counts summing to kb.
 
     ensure: a component (index) with a fraction > 0 that gets at least one block whenever kb >= 1 (EvoSparse's
     local window, which holds the query's own position): when the rounding left it none, it takes one from the
     first component that has one."""
-    ends = [(c * kb + FIX - 1) // FIX for c in cum_fixed]
+    ends = [(c.numerator * kb + c.denominator - 1) // c.denominator for c in cum_fixed]  # ceil(c * kb), exactly
     starts = [0 * kb] + ends[:-1]
     counts = [e - s for s, e in zip(starts, ends)]
     if ensure is not None and cum_fixed[ensure] > (cum_fixed[ensure - 1] if ensure else 0):
@@ -62,7 +65,7 @@ def split_counts(kb, cum_fixed: Sequence[int], ensure: Optional[int] = None):
     return tuple(counts)
 
 
-def max_counts(Kb: int, cum_fixed: Sequence[int], ensure: Optional[int] = None) -> tuple[int, ...]:
+def max_counts(Kb: int, cum_fixed: Sequence[Fraction], ensure: Optional[int] = None) -> tuple[int, ...]:
     """Static width of each component: the largest count over budgets of 1..Kb blocks."""
     kb = np.arange(1, Kb + 1, dtype=np.int64)
     return tuple(int(np.max(c)) for c in split_counts(kb, cum_fixed, ensure))

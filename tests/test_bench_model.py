@@ -150,7 +150,7 @@ def test_check_fails_when_the_step_attends_other_keys(name, monkeypatch, fresh_j
     assert f"{name}: max_abs_err" in msg and "x the tolerance" in msg
 
 
-def test_bench_checks_after_timing_and_exits_naming_a_failed_check(monkeypatch, tiny, tmp_path):
+def test_bench_checks_after_timing_and_exits_naming_a_failed_check(monkeypatch, tiny, tmp_path, capsys):
     """`jsparse bench model` times first, then checks each method in the same process (a check run before the
     timing slowed the timed steps): a failed check ends it with a non-zero exit naming the failed method, after
     the JSON is written with every check beside the rows; --no-check records the skip."""
@@ -169,6 +169,7 @@ def test_bench_checks_after_timing_and_exits_naming_a_failed_check(monkeypatch, 
     monkeypatch.setattr(bench_model, "preset", lambda name: cfg)  # time the tiny model, not Llama-3.1-8B
     monkeypatch.setattr(bench_model.bm, "measure_hbm_gbs", lambda: order.append(("timing",)) or 1000.0)
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
     argv = ["--methods", "dense,streaming", "--context", "384", "--batch", "1", "--steps", "1", "--xla-flags", "",
             "--out", str(tmp_path / "bench.json")]
     with pytest.raises(SystemExit) as e:
@@ -180,9 +181,15 @@ def test_bench_checks_after_timing_and_exits_naming_a_failed_check(monkeypatch, 
     record = json.loads((tmp_path / "bench.json").read_text())
     assert {m: c["check"]["passed"] for m, c in record["methods"].items()} == {"dense": True, "streaming": False}
 
+    assert record["preallocate"] is None and "warning" not in capsys.readouterr().err
+
     verdict["streaming"] = True
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "False")  # the large rows' out-of-memory setting: a warning
     bench_model.main(argv, prog="jsparse bench model")
+    assert ("jsparse bench model: warning: XLA_PYTHON_CLIENT_PREALLOCATE=False: the allocator grows on demand"
+            in capsys.readouterr().err)
     record = json.loads((tmp_path / "bench.json").read_text())
+    assert record["preallocate"] == "False"
     assert {m: c["check"]["passed"] for m, c in record["methods"].items()} == {"dense": True, "streaming": True}
     assert {r["method"] for r in record["rows"] if "step_ms" in r} == {"dense", "streaming"}
     assert bench_model.method_checks(cfg, ("dense", "kascade"), 0.1, check=False) == {
@@ -659,3 +666,13 @@ def test_method_options_reach_the_bytes_model(tiny, name, options):
         state = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(method.init_state(cfg, B, n)))
         predictor = sum(x.size * 4 for x in jax.tree.leaves(init_params(method.pcfg, jax.random.key(7))))
         assert got == 3 * 2 * n * U + (L - 3) * G * 2 * kb * U + state + predictor
+
+
+@pytest.mark.parametrize("value,warns", [(None, False), ("true", False), ("1", False), ("false", True),
+                                         (" FALSE ", True), ("0", True)])
+def test_allocator_warning_only_when_preallocation_is_off(value, warns):
+    env = {} if value is None else {"XLA_PYTHON_CLIENT_PREALLOCATE": value}
+    warning = bench_model.allocator_warning(env)
+    assert (warning is not None) == warns
+    if warns:
+        assert warning.startswith(f"XLA_PYTHON_CLIENT_PREALLOCATE={value}:") and "run out of memory" in warning

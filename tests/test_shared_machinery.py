@@ -149,7 +149,7 @@ def test_budget_tokens_of_an_int_equal_a_traced_rows():
 def test_budget_split_counts_sum_to_the_budget_and_favour_the_first_components():
     fr = (1 / 16, 3 / 8, 5 / 16, 1 / 4)
     cum = budget_split.cumulative_fixed(fr)
-    assert cum[-1] == budget_split.FIX
+    assert cum[-1] == 1 and cum[1] == Fraction(7, 16)
     for kb in range(0, 200):
         counts = budget_split.split_counts(kb, cum)
         assert sum(counts) == kb and min(counts) >= 0
@@ -169,6 +169,17 @@ def test_budget_split_counts_sum_to_the_budget_and_favour_the_first_components()
     kb = np.arange(1, 41)
     assert widths == tuple(int(c.max()) for c in budget_split.split_counts(kb, cum))
     assert budget_split.drop_components(fr, ("a", "b", "c", "d"), ("c",)) == pytest.approx((1 / 11, 6 / 11, 0, 4 / 11))
+    # Fractions that are not 4096ths split as their exact values: equal thirds evenly (their nearest 4096ths, 1365 and
+    # 2731, split 3 blocks as 1, 2, 0), 0.1 of 10 blocks as one block (410/4096 gave two), and the no-retrieval
+    # ablation's 1/11, 6/11, 4/11 of 11 blocks as 1, 6, 4 (2607/4096 for 7/11 gave 1, 7, 3).
+    thirds = budget_split.cumulative_fixed((1 / 3, 1 / 3, 1 / 3))
+    assert thirds == (Fraction(1, 3), Fraction(2, 3), Fraction(1))
+    for kb in range(0, 40):
+        one, two = -(-kb // 3), -(-2 * kb // 3)  # ceil(kb / 3), ceil(2 kb / 3)
+        assert budget_split.split_counts(kb, thirds) == (one, two - one, kb - two)
+    assert budget_split.split_counts(10, budget_split.cumulative_fixed((0.1, 0.9))) == (1, 9)
+    assert budget_split.split_counts(11, budget_split.cumulative_fixed((1 / 11, 6 / 11, 0.0, 4 / 11))) == (1, 6, 0, 4)
+    assert budget_split.split_counts(jnp.arange(9, 12), thirds)[1].tolist() == [3, 3, 4]  # in jnp as in Python
     with pytest.raises(ValueError, match="leave nothing"):
         budget_split.drop_components((0, 0, 1, 0), "abcd", ("c",))
     with pytest.raises(ValueError, match="sum to 0.9"):
@@ -434,12 +445,13 @@ def test_check_fractions_refuses_a_sum_off_by_more_than_1e_6():
     assert budget_split.check_fractions((0.5, 0.5 + 1e-7), names) == (0.5, 0.5 + 1e-7)  # within 1e-6
 
 
-def test_cumulative_fixed_rounds_to_the_nearest_fix_unit():
-    # 0.1 * 4096 = 409.6 -> 410 (nearest 1/4096), 0.1 + 0.3 = 0.4 -> 1638.4 -> 1638; the last exactly FIX
-    assert budget_split.cumulative_fixed((0.1, 0.3, 0.6)) == (410, 1638, budget_split.FIX)
-    fr = (0.15, 0.35, 0.2, 0.3)
-    want = tuple(int(np.floor(c * budget_split.FIX + 0.5)) for c in np.cumsum(fr)[:-1]) + (budget_split.FIX,)
-    assert budget_split.cumulative_fixed(fr) == want == (614, 2048, 2867, 4096)
+def test_cumulative_fixed_takes_the_nearest_fraction_of_denominator_at_most_fix():
+    # the floats' sums 0.1 + 0.3 = 0.4 and 0.15 + 0.35 + 0.2 = 0.7000000000000001 are 2/5 and 7/10; the last exactly 1
+    assert budget_split.cumulative_fixed((0.1, 0.3, 0.6)) == (Fraction(1, 10), Fraction(2, 5), 1)
+    assert budget_split.cumulative_fixed((0.15, 0.35, 0.2, 0.3)) == (Fraction(3, 20), Fraction(1, 2), Fraction(7, 10), 1)
+    # a hair off a simple fraction is that fraction; otherwise the nearest of denominator <= 4096 (not 4096ths)
+    assert budget_split.cumulative_fixed((0.3, 0.2 + 1e-7, 0.5 - 1e-7))[1] == Fraction(1, 2)
+    assert budget_split.cumulative_fixed((0.123, 0.877)) == (Fraction(123, 1000), 1)
 
 
 def test_blocks_fraction_is_at_most_the_visible_keys():

@@ -43,6 +43,11 @@ with a non-zero exit naming the method and its error (the JSON is written first,
 1-4% (H200, 100K, batch 4, alternating runs: dense 16.38-16.41 -> 16.60-16.61 ms, EvoSparse 6.70 -> 6.94 ms;
 eval/results/h200/fixed_cost/order_*.json).
 
+Run it with JAX's default preallocation (the bench sets its fraction to 0.95 unless XLA_PYTHON_CLIENT_MEM_FRACTION
+is set). With XLA_PYTHON_CLIENT_PREALLOCATE=false the allocator grows on demand and keeps the earlier rows' regions in
+pieces: on an H100 every 100K, batch 4 row then ran out of memory allocating one 24.4 GiB cache half
+(eval/results/h100/generate_loop/NOTES.md). The bench warns when that variable is false and records it in the JSON.
+
 Each row carries `speedup` (dense step time / the method's, dense measured in the same run),
 `floor_speedup` (dense bytes per step / the method's bytes per step, weights included) and their ratio
 `floor_fraction`, the issue's "share of its own bytes-floor speedup".
@@ -149,6 +154,17 @@ def decode_memory(cfg, method, capacity: int, dtype) -> tuple[int, int]:
 
     one, two = state_bytes(1), state_bytes(2)
     return cache_row + two - one, 2 * one - two
+
+
+def allocator_warning(env=os.environ) -> str | None:
+    """The warning `main` prints when XLA_PYTHON_CLIENT_PREALLOCATE turns JAX's preallocation off (the module
+    docstring says why the large rows need it); None when preallocation is on."""
+    value = env.get("XLA_PYTHON_CLIENT_PREALLOCATE")
+    if value is None or value.strip().lower() not in ("false", "0"):
+        return None
+    return (f"XLA_PYTHON_CLIENT_PREALLOCATE={value}: the allocator grows on demand and splits its free memory "
+            "between rows, so the large rows may run out of memory (on an H100 every 100K, batch 4 row did, "
+            "eval/results/h100/generate_loop/NOTES.md); unset it for figures that need the whole device")
 
 
 def memory_stats(device=None) -> dict:
@@ -590,7 +606,8 @@ def run_methods(shape: str, methods, contexts, batches, steps: int, out: str | N
                "attention_only": attention_only, "method_options": method_options or {},
                "config": {k: getattr(cfg, k) for k in ("num_layers", "hidden_size", "intermediate_size", "num_heads",
                                                        "num_kv_heads", "head_dim", "vocab_size")},
-               "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), "measured_hbm_gbs": hbm,
+               "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
+               "preallocate": os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE"), "measured_hbm_gbs": hbm,
                "param_bytes": nparams, "fused_projections": fused, "decode_steps_timed": steps,
                "decode_layer_unroll": unroll, "decode_loop": loop, "measured_matmul_tflops": mm or None,
                "methods": checks, "rows": rows}
@@ -746,6 +763,8 @@ def main(argv=None, prog=None):
     if not contexts and (methods == ("dense",) or not a.prefill_context.strip()):
         p.error("--context is empty: expected decode contexts, or --methods with --prefill-context")
     from eval.bench.model_check import CheckFailed
+    if warning := allocator_warning():
+        print(f"{p.prog}: warning: {warning}", file=sys.stderr, flush=True)
     out = bm.out_path(a.out, "bench_model.json")
     try:
         if methods == ("dense",):

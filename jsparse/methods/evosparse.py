@@ -156,7 +156,7 @@ class EvoSparse:
                              f"{KERNEL_BLOCK} tokens (1, 2, 4, 8, 16, 32, 64 or 128)")
         check_fractions(self.fractions)
         cum = _cumulative_fixed(self.fractions)
-        if cum[1] == cum[0]:  # the local window's share rounds to 0: split_counts would give it no block
+        if self.local_fraction < 1 / budget_split.FIX or cum[1] == cum[0]:  # else split_counts might give it none
             raise ValueError(f"local_fraction={self.local_fraction!r}: expected at least 1/{budget_split.FIX} (the "
                              "local window holds the query's own position, whose block every budget attends)")
         if not sel.is_real(self.decay) or not 0.0 < float(self.decay) < 1.0:
