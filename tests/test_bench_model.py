@@ -508,42 +508,82 @@ def test_quest_bytes_count_the_partial_last_page(tiny):
         d * 2 * n * U + (L - d) * (bounds + G * 2 * k * U))
 
 
-def test_evosparse_bytes_are_a_hand_count_per_layer(tiny):
-    """EvoSparse: its dense layers read all of K and V; each sparse layer the K and V of its 2048-token selection per
-    KV head and its f32 block heat (read twice, written once), and a layer with retrieval heads all of K of each KV
-    head that holds one."""
+def _evo_bytes(cfg, evo, B, n, sel, heat_blocks, heads):
+    """EvoSparse's bytes by hand: its dense layers all of K and V; each sparse layer the K and V of `sel` rows per KV
+    head, its f32 block heat of `heat_blocks` blocks (read twice, written once) and all of K of each KV head that
+    holds one of the retrieval `heads`."""
+    Hkv, D, G = cfg.num_kv_heads, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
+    want = evo.dense_layers * 2 * B * Hkv * n * D * 2
+    for layer in range(evo.dense_layers, cfg.num_layers):
+        R = len({h // G for l, h in heads if l == layer})
+        want += 2 * B * Hkv * sel * D * 2 + 3 * B * Hkv * heat_blocks * 4 + B * R * n * D * 2
+    return want
+
+
+@pytest.mark.parametrize("options, n, sel, heat_blocks", [
+    ({}, 10_000, 2048, 625),  # its 2048-token budget, the heat of n // 16 blocks
+    ({}, 10_007, 2048, 625),  # the heat of whole blocks only
+    ({}, 1000, 63 * 16, 62),  # a context under the token budget: its min(2048, n) keys in 63 whole blocks
+    ({"budget_tokens": 500}, 10_000, 512, 625),  # 500 tokens: ceil(500 / 16) = 32 whole blocks
+    ({"budget_tokens": None, "min_tokens": 2048}, 10_000, 2048, 625),  # the fraction rule with its own min_tokens
+    ({"block_size": 32}, 10_000, 2048, 312),
+    ({"retrieval_fraction": 0.0, "heat_fraction": 0.5, "sink_fraction": 0.25, "local_fraction": 0.25}, 10_000, 2048,
+     625)])  # no retrieval heads: no layer reads a whole K
+def test_evosparse_bytes_are_a_hand_count_per_layer(tiny, options, n, sel, heat_blocks):
+    """EvoSparse: its dense layers read all of K and V; each sparse layer the K and V of its selection (whole blocks)
+    per KV head and its f32 block heat (read twice, written once), and a layer with retrieval heads all of K of each
+    KV head that holds one."""
     from eval.bench import evo_layout as be
     cfg, _ = tiny
-    evo, _ = bench_model.bench_method("evosparse", cfg, 0.1)
-    n, B = 10_000, 2
-    Hkv, D, G = cfg.num_kv_heads, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
+    evo, _ = bench_model.bench_method("evosparse", cfg, 0.1, options=options)
+    heads = [] if options.get("retrieval_fraction") == 0 else be.model_heads(cfg)
+    B = 2
+    assert bench_model.attention_bytes("evosparse", evo, cfg, B, n) == _evo_bytes(cfg, evo, B, n, sel, heat_blocks,
+                                                                                    heads)
+
+
+def test_evo_layout_counts_distinct_kv_heads_in_layers_from_2():
+    """`layer_kinds`: {R: sparse layers}, R the distinct KV heads that hold retrieval heads; `model_heads`: 1.5% of
+    the heads, distinct, in layers >= 2; `attention_floors`: the hand count of a dense, a plain sparse and a
+    retrieval layer."""
+    from eval.bench import evo_layout as be
+    from jsparse.methods.evosparse import default_num_heads
+    cfg = dataclasses.replace(preset("llama3-8b"), num_layers=6, num_heads=8, num_kv_heads=2)  # G = 4
+    heads = [(2, 0), (2, 3), (3, 0), (3, 4), (4, 7)]  # layer 2: KV head 0 twice; 3: KV heads 0 and 1; 4: KV head 1
+    assert be.layer_kinds(cfg, heads, 2) == {1: 2, 2: 1, 0: 1}
+    assert be.layer_kinds(cfg, heads, 3) == {2: 1, 1: 1, 0: 1}
+    cfg = dataclasses.replace(preset("llama3-8b"), num_layers=3, num_heads=64, num_kv_heads=8)
     heads = be.model_heads(cfg)
-    want = 0
-    for layer in range(cfg.num_layers):
-        if layer < evo.dense_layers:
-            want += 2 * B * Hkv * n * D * 2
-            continue
-        R = len({h // G for l, h in heads if l == layer})
-        want += 2 * B * Hkv * 2048 * D * 2 + 3 * B * Hkv * (n // 16) * 4 + B * R * n * D * 2
-    assert heads and bench_model.attention_bytes("evosparse", evo, cfg, B, n) == want
+    assert len(set(heads)) == len(heads) == default_num_heads(cfg) == 3
+    assert all(layer == 2 and 0 <= h < 64 for layer, h in heads)
+    B, N, Hkv, D = 2, 4096, 8, 128  # Llama-3.1-8B, R = 3, 2048 selected tokens, blocks of 16, at 1000 GB/s
+    f = be.attention_floors(B, N, 1000.0, 3)
+    dense = 2 * B * Hkv * N * D * 2
+    sparse = 2 * B * Hkv * 2048 * D * 2 + 3 * B * Hkv * (N // 16) * 4
+    assert (f["dense_bytes"], f["sparse_bytes"], f["retrieval_bytes"]) == (dense, sparse, sparse + B * 3 * N * D * 2)
+    assert f["dense_floor_ms"] == pytest.approx(dense / 1e12 * 1e3, rel=1e-12)
+    assert f["retrieval_floor_ms"] == pytest.approx((sparse + B * 3 * N * D * 2) / 1e12 * 1e3, rel=1e-12)
 
 
-def test_butler_bytes_are_its_state_and_predictor_beside_the_picked_rows(tiny):
-    """TokenButler: its dense layers read all of K and V, the others each query head's picked rows (selection "head":
-    G sets per KV head); every step also reads the whole state at the context (the predictor's f32 K/V cache and the
-    predicted keys) and the predictor's f32 weights."""
+@pytest.mark.parametrize("options, sets, key_bytes", [({}, "G", 4), ({"selection": "group"}, 1, 4),
+                                                      ({"key_dtype": "bfloat16"}, "G", 2)])
+def test_butler_bytes_are_its_state_and_predictor_beside_the_picked_rows(tiny, options, sets, key_bytes):
+    """TokenButler: its dense layers read all of K and V, the others the picked rows (selection "head": G sets per KV
+    head, "group": one); every step also reads the whole state at the context (the predictor's f32 K/V cache and the
+    predicted keys, f32 or bf16) and the predictor's f32 weights."""
     from jsparse.methods.butler_predictor import init_params
     cfg, _ = tiny
-    butler, _ = bench_model.bench_method("butler", cfg, 0.1)
+    butler, _ = bench_model.bench_method("butler", cfg, 0.1, options=options)
     n, B, k = 10_000, 2, 1000
-    assert butler.selection == "head" and butler.sparse_budget(butler.pcfg.num_layers) == 0.1
+    assert butler.sparse_budget(butler.pcfg.num_layers) == 0.1
     U = B * cfg.num_kv_heads * cfg.head_dim * 2
     G, d, L = cfg.num_heads // cfg.num_kv_heads, butler.dense_layers, cfg.num_layers
     state = butler.init_state(cfg, B, n)
+    assert {x.dtype.itemsize for x in jax.tree.leaves(state.keys)} == {key_bytes}
     state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
     predictor = sum(x.size * 4 for x in jax.tree.leaves(init_params(butler.pcfg, jax.random.key(7))))
     assert bench_model.attention_bytes("butler", butler, cfg, B, n) == (
-        d * 2 * n * U + (L - d) * G * 2 * k * U + state_bytes + predictor)
+        d * 2 * n * U + (L - d) * (G if sets == "G" else 1) * 2 * k * U + state_bytes + predictor)
 
 
 def test_method_rows_count_the_bytes_at_the_timed_steps_mean_context(tiny):
@@ -621,10 +661,11 @@ def test_decode_memory_counts_a_row_of_state_once(tiny):
 
 
 @pytest.mark.parametrize("name, options", [
-    ("streaming", {"dense_layers": 2}), ("h2o", {"dense_layers": 2}), ("oracle", {"dense_layers": 3}),
+    ("streaming", {"dense_layers": 2}), ("streaming", {"min_tokens": 2048}), ("h2o", {"dense_layers": 2}),
+    ("oracle", {"dense_layers": 3}),
     ("kascade", {"reuse_scale": 2.0}), ("evosparse", {"budget_tokens": 512, "dense_layers": 3}),
     ("evosparse", {"heat_fraction": 0.0, "sink_fraction": 0.25, "local_fraction": 0.5, "retrieval_fraction": 0.25}),
-    ("butler", {"dense_set": (3,)})])
+    ("butler", {"dense_set": (3,)}), ("butler", {"dense_set": (1, 3)})])  # layer 1 is one of its dense layers
 def test_method_options_reach_the_bytes_model(tiny, name, options):
     """--method-option changes what a step reads, so it changes the bytes floor: the bytes of the method built with
     the options are the hand count of its dense layers, budgets and state (they were those of the defaults before:
@@ -641,7 +682,7 @@ def test_method_options_reach_the_bytes_model(tiny, name, options):
     got = bench_model.attention_bytes(name, method, cfg, B, n)
     assert got != bench_model.attention_bytes(name, bench_model.bench_method(name, cfg, budget)[0], cfg, B, n)
     if name in ("streaming", "h2o", "oracle"):
-        d = options["dense_layers"]
+        d, k = options.get("dense_layers", 0), max(k, options.get("min_tokens", 0))  # its own min_tokens
         per = {"streaming": 2 * k * U, "h2o": 2 * k * U + B * Hkv * (n + 2 * k) * 4, "oracle": n * U + 2 * k * U}
         assert got == d * 2 * n * U + (L - d) * per[name]
     elif name == "kascade":
@@ -650,14 +691,9 @@ def test_method_options_reach_the_bytes_model(tiny, name, options):
         per_role = {ROLE_DENSE_ANCHOR: 2 * n * U, ROLE_ANCHOR: n * U + 2 * k * U}
         assert got == sum(per_role.get(r, 2 * 2 * k * U) for r in roles)  # reuse layers at 2 * budget
     elif name == "evosparse":
-        d, sel = options.get("dense_layers", 2), options.get("budget_tokens", 2048)
-        heat = 3 * B * Hkv * (n // 16) * 4 if "heat_fraction" not in options else 0
-        heads = be.model_heads(cfg)
-        want = d * 2 * n * U
-        for layer in range(d, L):
-            R = len({h // G for l, h in heads if l == layer})
-            want += 2 * B * Hkv * sel * D * 2 + heat + B * R * n * D * 2
-        assert got == want
+        assert method.dense_layers == options.get("dense_layers", 2)
+        heat_blocks = n // 16 if "heat_fraction" not in options else 0
+        assert got == _evo_bytes(cfg, method, B, n, options.get("budget_tokens", 2048), heat_blocks, be.model_heads(cfg))
     else:  # TokenButler: layer 3 calibrated dense, the others at b' = (n_s * 0.5 - 1) / (n_s - 1), n_s = L - 2
         from jsparse.methods.butler_predictor import init_params
         b = ((L - 2) * 0.5 - 1) / (L - 3)
