@@ -3,6 +3,8 @@ layer_types and the use_sliding_window flag, llama3 RoPE's original context, the
 rope_parameters' theta over a stale top-level one; init_cache's capacity check; ModelConfig's own checks and its
 parameter count (mutation audits' survivors, each test failing on its mutant)."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -136,3 +138,25 @@ def test_heads_must_group_and_rms_norm_eps_must_be_positive():
         ModelConfig(**{**_LLAMA, "num_heads": 6, "num_kv_heads": 4})
     with pytest.raises(ConfigError, match="rms_norm_eps=0.0: expected a positive finite number"):
         ModelConfig(**_LLAMA, rms_norm_eps=0.0)
+
+
+def test_llama3_rope_wavelengths_exactly_on_the_band_edges_match_transformers():
+    """llama3 RoPE's medium band is closed at both ends (transformers: ~(wavelen < high) & ~(wavelen > low)), and a
+    wavelength exactly at low_wavelen is scaled once (inv_freq / factor, smooth = 0), not twice and not left
+    unscaled. The factors are chosen so that one wavelength lies exactly on each edge (in f32, as both compute)."""
+    D, theta, orig = 32, 10000.0, 64
+    inv = 1.0 / (theta ** (np.arange(0, D, 2, dtype=np.float32) / D))
+    wavelen = 2 * math.pi / inv  # f32
+    low, high = orig / float(wavelen[6]), orig / float(wavelen[2])
+    assert np.float32(orig / low) == wavelen[6] and np.float32(orig / high) == wavelen[2]  # exactly on the edges
+    d = dict(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096, rope_theta=theta,
+             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": low, "high_freq_factor": high,
+                           "original_max_position_embeddings": orig})
+    cfg = ModelConfig.from_hf(d)
+    assert cfg.head_dim == D
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](transformers.LlamaConfig(**{k: v for k, v in d.items()
+                                                                         if k != "model_type"}), "cpu")
+    got = llama.rope_inv_freq(cfg)
+    np.testing.assert_allclose(got[[2, 6]], [inv[2], inv[6] / 8.0], rtol=1e-6)  # the definition at the edges
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-6)

@@ -335,3 +335,27 @@ def test_check_request_refuses_more_verification_rows_than_the_context():
                                          "model's context of 256"):
         check_request(CFG, [5], 4, verify_rows=300)
     assert check_request(CFG, [5], 4, verify_rows=256) == 384  # the context itself is allowed
+
+
+def test_prefill_into_a_cache_of_another_dtype_stores_k_and_v_rounded_to_it(params):
+    """init_cache's default dtype is bf16: f32 params prefilled into a bf16 cache store each layer's k and v rounded
+    to bf16, exactly the f32 cache's values cast to bf16 (prefill attends to k and v, not the cache, so nothing
+    else changes), and the last-token logits equal the f32 cache's."""
+    tokens = jax.random.randint(jax.random.key(5), (2, 9), 0, CFG.vocab_size)
+    lengths = jnp.array([9, 6])
+    ref_logits, ref, _ = llama.prefill(params, CFG, DENSE, tokens, lengths, init_cache(CFG, 2, 16, jnp.float32), None)
+    logits, cache, _ = llama.prefill(params, CFG, DENSE, tokens, lengths, init_cache(CFG, 2, 16), None)
+    assert cache.k.dtype == cache.v.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(cache.k, np.float32), np.asarray(ref.k.astype(jnp.bfloat16), np.float32))
+    np.testing.assert_array_equal(np.asarray(cache.v, np.float32), np.asarray(ref.v.astype(jnp.bfloat16), np.float32))
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(ref_logits))
+
+
+def test_gemm_row_padding_on_a_gpu_pads_bf16_and_f16_only_and_never_a_single_row(monkeypatch):
+    """`llama.gemm_row_padding` as its docstring defines it on a GPU host (the backend faked: the function only asks
+    which it is): rows up to the next multiple of 8 for bf16 / f16, none for one row (a GEMV), a multiple of 8 or
+    another dtype."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    for dtype in (jnp.bfloat16, jnp.float16):
+        assert [llama.gemm_row_padding(r, dtype) for r in (1, 2, 3, 8, 15, 16, 39)] == [0, 6, 5, 0, 1, 0, 1]
+    assert [llama.gemm_row_padding(r, jnp.float32) for r in (1, 2, 15)] == [0, 0, 0]

@@ -9,6 +9,7 @@
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -222,3 +223,25 @@ def test_session_message_that_fills_the_drafts_context_exactly_runs():
         Session(model, short, gamma=2, capacity=64).send_ids([5, 6, 7, 8, 9], max_new_tokens=12)
     assert Session(model, short, gamma=2, capacity=64).send_ids([5, 6, 7, 8], max_new_tokens=12) == \
         generate_ids(model, [[5, 6, 7, 8]], max_new_tokens=12)[0]
+
+
+@pytest.mark.parametrize("shape", [(5,), (1, 2, 3)])
+def test_token_arrays_of_another_rank_are_refused_by_shape(params, prefilled, shape):
+    """tokens must be i32[B, T]: a 1-D or 3-D integer array is refused naming its shape (not a bare unpacking error
+    from `B, T = tokens.shape`), by prefill and decode alike."""
+    tokens = jnp.full(shape, 5, jnp.int32)
+    msg = rf"tokens {re.escape(str(shape))}: expected i32\[B, T\]"
+    with pytest.raises(ValueError, match=msg):
+        _prefill(params, tokens, jnp.array([2]))
+    with pytest.raises(ValueError, match=msg):
+        llama.decode(params, CFG, DENSE, tokens, prefilled, None)
+
+
+def test_traced_negative_cache_length_gets_nan_logits(params, prefilled):
+    """Under a trace a negative cache length cannot raise (`check_decode_request`): its queries would write nowhere
+    and attend to nothing, so they get NaN logits, while the same step from the real length (2) is finite."""
+    step = jax.jit(lambda c: llama.decode(params, CFG, DENSE, jnp.array([[7, 8]]), c, None)[0])
+    bad = np.asarray(step(prefilled.replace(lengths=jnp.array([-1], jnp.int32))))
+    good = np.asarray(step(prefilled))
+    assert np.isnan(bad).all()
+    assert np.isfinite(good).all()

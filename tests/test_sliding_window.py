@@ -395,3 +395,15 @@ def test_an_explicit_capacity_within_the_window_is_used_as_given(params, monkeyp
         with pytest.raises(_Ran):
             jsparse.generate_ids(model, [list(range(5, 25))], method="oracle", max_new_tokens=4, capacity=capacity)
     assert seen == [40, 33, 32]
+
+
+def test_prefill_within_the_window_runs_any_method_whatever_the_cache_capacity(params):
+    """A prefill's queries see at most T keys, so a window W >= T never binds in it (`llama.binding_window(cfg,
+    method, T)`), however large the cache: a method without window support prefills 12 tokens of a W = 16 model
+    into a 32-row cache, with the logits of the same model without a window. (Its decode into that cache, whose
+    queries may see 32 keys, is refused: test_methods_without_window_support_are_refused.)"""
+    m = make_method("oracle")
+    tokens = _tokens(1, 12)
+    logits, _, _ = _prefill_logits(ALL, params, m, tokens, capacity=32)
+    ref, _, _ = _prefill_logits(FULL, params, m, tokens, capacity=32)
+    np.testing.assert_allclose(logits, ref, atol=1e-6)
