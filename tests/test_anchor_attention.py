@@ -373,3 +373,39 @@ def test_dense_anchor_decode_in_bf16_on_the_host():
                            implementation="xla")
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=3e-2, atol=3e-2)
+
+
+def test_prefill_xla_chunks_whole_tiles_when_the_tile_does_not_divide_the_chunk():
+    """tile_scores_xla scores rows in chunks of whole tiles (SCORE_CHUNK_ROWS rounded down to a multiple of the
+    tile). With tile 48 (which does not divide 256) and T = 300, a chunk of exactly 256 rows would split tile 5
+    (rows 240..287) across two chunks and pool each half as its own tile (mutation: `rows = SCORE_CHUNK_ROWS`)."""
+    from pallas_kernels.anchor_attention import xla
+
+    T, tile = 300, 48
+    assert xla.SCORE_CHUNK_ROWS % tile and xla.SCORE_CHUNK_ROWS < T
+    q, k, _, lens = prefill_inputs(11, 1, T, 4, 2, 16, [290])
+    want = np.asarray(tile_scores_reference(q, k, tile=tile, lengths=lens))
+    got = np.asarray(xla.tile_scores_xla(q, k, tile=tile, lengths=lens))
+    fin = np.isfinite(want)
+    np.testing.assert_array_equal(np.isfinite(got), fin)
+    np.testing.assert_allclose(got[fin], want[fin], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_prefill_xla_honours_a_custom_scale_in_its_attention(dense):
+    """anchor_prefill_xla's output (sparse: sparse_prefill; dense: causal attention) uses the caller's softmax scale,
+    as anchor_prefill_reference does (mutations: dropping scale= from the sparse_prefill call, or always taking
+    dense_prefill(q, k, v) at 1/sqrt(D), both survived; only the scores saw a custom scale before)."""
+    from pallas_kernels.anchor_attention import xla
+
+    scale = 0.7  # 1/sqrt(16) = 0.25: far enough apart to tell
+    q, k, v, lens = prefill_inputs(12, 2, 40, 4, 2, 16, [40, 29])
+    kw = dict(tile=8, budget=0.3, min_tokens=2, scale=scale, dense_output=dense)
+    want, want_idx = anchor_prefill_reference(q, k, v, lens, **kw)
+    got, idx = xla.anchor_prefill_xla(q, k, v, lens, **kw)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(want_idx))
+    n = np.asarray(lens)
+    for b in range(2):  # valid rows (a dense anchor's padding rows are not specified as zeros)
+        assert_close(got[b, :n[b]], want[b, :n[b]], jnp.float32, f"anchor prefill at scale {scale}, row {b}")
+    default, _ = anchor_prefill_reference(q, k, v, lens, **{**kw, "scale": None})
+    assert float(jnp.max(jnp.abs(default[:, :29] - want[:, :29]))) > 1e-2  # the test tells the scales apart

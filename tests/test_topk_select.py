@@ -194,3 +194,23 @@ def test_span_matches_the_masked_reference(implementation):
     np.testing.assert_array_equal(got, want)
     assert (got >= 0).any()
     assert ((got < 0) | ((got >= np.asarray(lo)[..., None]) & (got < np.asarray(hi)[..., None]))).all()
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "top_k"])
+def test_k_that_would_add_rows_is_refused_by_name(impl):
+    """k must broadcast to the rows without adding any: k of shape (2, 3) against rows (3,) broadcasts to (2, 3),
+    six rows that scores does not have. The check names k's shape and the rows (mutation: removing it from
+    common.check_args survived; every path then failed inside jnp.broadcast_to with a message naming neither)."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 20)).astype(np.float32))
+    k = jnp.ones((2, 3), jnp.int32)
+    fn = {"reference": lambda: topk_select_reference(x, k, 4), "xla": lambda: topk_select_xla(x, k, 4),
+          "top_k": lambda: topk_select(x, k, 4, implementation="top_k")}[impl]
+    with pytest.raises(ValueError, match=r"k has shape \(2, 3\): broadcasting it with the rows \(3,\) would add rows"):
+        fn()
+    # A k that broadcasts without adding rows is taken, per row.
+    got = np.asarray(topk_select_xla(x, jnp.array([1, 0, 2], jnp.int32), 4))
+    np.testing.assert_array_equal(got, np.asarray(topk_select_reference(x, jnp.array([1, 0, 2], jnp.int32), 4)))
+    xs = np.asarray(x)
+    np.testing.assert_array_equal(got[0], [int(np.argmax(xs[0])), -1, -1, -1])
+    np.testing.assert_array_equal(got[1], [-1, -1, -1, -1])
+    np.testing.assert_array_equal(got[2], np.concatenate([np.sort(np.argsort(-xs[2])[:2]), [-1, -1]]))
