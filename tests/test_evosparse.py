@@ -23,6 +23,8 @@ from models.generate import Sampling, generate_tokens
 from models.params import random_params
 from pallas_kernels.dense import dense_decode
 from pallas_kernels.sparse_attention.reference import masked_attention_reference
+from jsparse.methods.evosparse_calibration import INTRO, NEEDLE, QUESTION, needle_prompt, special_prefix
+from types import SimpleNamespace
 
 B, HQ, HKV, D = 2, 4, 2, 16
 G = HQ // HKV
@@ -407,8 +409,6 @@ def test_calibration_scores_and_artifact(params):
     assert art.meta["prompts"] == 2 and 0.0 <= art.arrays["scores"].min() <= art.arrays["scores"].max() <= 1.0
     # The CLI names an empty list and a --length too short for its default prompts (numpy's "max() iterable
     # argument is empty" before, or an error blaming --prompt-lengths the user never gave).
-    from types import SimpleNamespace
-
     from jsparse.methods.evosparse_calibration import run_cli
     base = dict(prompt_lengths=None, depths="0.5", needle_words=4, min_recall=0.5, seed=0)
     for extra, match in (({"depths": ","}, "--depths ',': expected at least one needle depth"),
@@ -417,6 +417,12 @@ def test_calibration_scores_and_artifact(params):
             run_cli(Model, windows, SimpleNamespace(**{**base, **extra}))
     with pytest.raises(ValueError, match="--length 100: the default needle prompts .* expected --length >= 128"):
         run_cli(Model, windows[:, :100], SimpleNamespace(**base))
+    with pytest.raises(ValueError, match="--prompt-lengths value 200: expected between 64 and --length 128"):
+        run_cli(Model, windows, SimpleNamespace(**{**base, "prompt_lengths": "64,200"}))
+    with pytest.raises(ValueError, match=r"min_recall=0.0: expected a fraction in \(0, 1\]"):
+        calibrate(Model, windows, lengths=[64], min_recall=0.0)
+    with pytest.raises(ValueError, match=r"depth 1.5: expected a fraction in \[0, 1\]"):
+        calibrate(Model, windows, lengths=[64], depths=[0.5, 1.5])
 
 
 def test_calibration_counts_a_prompt_at_exactly_min_recall(monkeypatch):
@@ -572,3 +578,100 @@ def test_decode_refuses_a_cache_capacity_not_a_multiple_of_block_size():
     state = m.start(CFG, m.init_state(CFG, B, 100), "decode", B, 1, 100)
     with pytest.raises(ValueError, match="cache capacity N=100 is not a multiple of block_size=16"):
         _decode(m, 3, lengths, q, cache, state)
+
+
+class _BosWordTokenizer(_WordTokenizer):
+    """The word tokenizer with a [BOS] (id 0) before the text when adding special tokens, as most LLM tokenizers."""
+
+    def __call__(self, text, add_special_tokens=True, **kw):
+        ids = super().__call__(text, **kw)["input_ids"]
+        return {"input_ids": ([0] if add_special_tokens else []) + ids}
+
+
+def _bos_tokenizer():
+    from jsparse.methods.evosparse_calibration import WORDS
+
+    return _BosWordTokenizer(["<bos>", "<unk>"] + list(WORDS)[:60])
+
+
+def test_needle_prompt_layout_with_a_bos_tokenizer():
+    """[BOS] INTRO FILLER[:d] NEEDLE FILLER[d:] QUESTION (the module docstring), one [BOS] only, the start pointing at
+    the needle's words, and a length that leaves no filler refused with the shortest length that works."""
+    tok = _bos_tokenizer()
+    ids = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    assert special_prefix(tok) == [0]
+    words = ["apple", "river", "stone"]
+    filler = np.arange(100, 160, dtype=np.int32)
+    head, tail = [0] + ids(INTRO), ids(QUESTION)
+    needle = ids(NEEDLE) + ids(" apple river stone") + ids(".")
+    length = 80
+    n_fill = length - len(head) - len(needle) - len(tail)
+    tokens, start, needle_ids = needle_prompt(tok, filler, length, 0.5, words)
+    before = int(round(0.5 * n_fill))
+    want = head + list(range(100, 100 + before)) + needle + list(range(100 + before, 100 + n_fill)) + tail
+    np.testing.assert_array_equal(tokens, want)
+    np.testing.assert_array_equal(needle_ids, ids(" apple river stone"))
+    np.testing.assert_array_equal(tokens[start:start + len(needle_ids)], needle_ids)
+    short = length - n_fill  # no filler at all
+    with pytest.raises(ValueError, match=f"needle prompt length={short} is too short: .* expected a length >= "
+                                         f"{short + 1}"):
+        needle_prompt(tok, filler, short, 0.5, words)
+
+
+def test_head_scores_divides_by_each_prompts_own_needle_length():
+    """A batch decodes for the longest needle (S steps); a prompt with a shorter needle of n tokens scores its copy
+    events / n, over its first n steps only."""
+    tokens = np.array([[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 9, 10]])
+    gen = np.array([[7, 7], [8, 8], [9, 9]])  # S = 3 steps for both rows
+    am = np.zeros((3, 1, 2, 1), np.int32)
+    am[:, 0, 0, 0] = [2, 3, 4]  # row 0 (needle of 3): three copy events
+    am[:, 0, 1, 0] = [2, 3, 4]  # row 1 (needle of 2): two within its needle, the third step is past it
+    scores, recall = head_scores(tokens, gen, am, [2, 2], [np.array([7, 8, 9]), np.array([7, 8])])
+    np.testing.assert_allclose(scores[:, 0, 0], [1.0, 1.0])
+    np.testing.assert_allclose(recall, [1.0, 1.0])
+
+
+def test_argmax_recorder_ignores_keys_past_the_length():
+    """The top-1 key is taken among the keys before n_valid: a key at position n_valid, however large its score,
+    is not attended (decode) and in prefill the query is each row's last valid one, not the padding's."""
+    rng = np.random.default_rng(0)
+    T, n = 16, np.array([9, 16])
+    q = rng.normal(size=(B, T, HQ, D)).astype(np.float32)
+    k = rng.normal(size=(B, T, HKV, D)).astype(np.float32)
+    k[0, 9] = 50.0 * np.sign(q[0, 8].reshape(HKV, G, D).sum(1))  # the first padding key of row 0 would win
+    v = rng.normal(size=(B, T, HKV, D)).astype(np.float32)
+    got = np.asarray(_ArgmaxRecorder._argmax(jnp.asarray(q[:, 8]), jnp.asarray(k.swapaxes(1, 2)), jnp.asarray(n)))
+    for b in range(B):
+        for h in range(HQ):
+            assert got[b, h] == np.argmax(k[b, :n[b], h // G] @ q[b, 8, h]), (b, h)
+    rec = _ArgmaxRecorder()
+    _, st = rec.prefill(_ctx(0, jnp.asarray(n, jnp.int32)), jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                        rec.init_state(CFG, B, T))
+    for b in range(B):
+        for h in range(HQ):
+            want = np.argmax(k[b, :n[b], h // G] @ q[b, n[b] - 1, h])
+            assert int(st.argmax[0, b, h]) == want, (b, h)
+
+
+def test_calibration_decodes_for_the_longest_needle_and_skips_the_special_prefix(monkeypatch):
+    """Needles of different token counts in one batch: the model decodes max(|needle|) steps; the filler is the
+    window past the tokenizer's special prefix (the windows start with [BOS])."""
+    L = CFG.num_layers
+    seen = {}
+    monkeypatch.setattr(ecal, "needle_prompt", lambda tok, filler, length, depth, words: (
+        seen.setdefault("fillers", []).append(np.asarray(filler)) or np.zeros(length, np.int32), 10,
+        np.arange(3 if depth < 0.5 else 5, dtype=np.int32)))
+
+    def copy_run(params, tokens, lengths, *, cfg, steps, capacity):
+        seen["steps"], seen["capacity"] = steps, capacity
+        return np.zeros((steps, tokens.shape[0]), np.int32), np.zeros((steps, L, tokens.shape[0], HQ), np.int32)
+    monkeypatch.setattr(ecal, "copy_run", copy_run)
+
+    class Model:
+        cfg, params, tokenizer, name = CFG, None, _bos_tokenizer(), "stub"
+
+    windows = np.concatenate([np.zeros((1, 1), np.int32), np.arange(4, 67, dtype=np.int32)[None]], axis=1)
+    calibrate(Model, windows, lengths=[64], depths=[0.1, 0.9])
+    assert seen["steps"] == 5 and seen["capacity"] == 128
+    for f in seen["fillers"]:
+        np.testing.assert_array_equal(f, np.arange(4, 67))

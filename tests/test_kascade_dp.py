@@ -12,6 +12,11 @@ from jsparse.methods.kascade_calibration import (anchors_for_share, brute_force_
                                                  share_matrix)
 from models.config import ModelConfig
 from models.params import random_params
+from types import SimpleNamespace
+from jsparse.methods.kascade_calibration import RecorderState, _similarity, check_cli
+from jsparse.methods import make_method
+from models import llama
+from models.cache import init_cache
 
 TINY = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=5,
                    num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512)
@@ -196,3 +201,86 @@ def test_share_equal_to_target_is_served():
     assert per_layer_share(share, anchors).min() >= 0.5
     # ... and a target a hair above the shares is met by no anchor but the layer itself.
     assert anchors_for_share(share, np.nextafter(0.5, 1.0)) == list(range(L))
+
+
+def test_similarity_is_the_min_over_eligible_tiles_of_the_recovered_mass_averaged_over_the_batch():
+    """`_similarity` against its definition, in float64 loops: sim[l1, l2, h1, h2] = mean over the batch of the min
+    over the tiles where top-k leaves keys out (n_before > k) of sum_j P[l2, h2, i, I[l1, h1, i, j]], the -1
+    padding of a tile's shorter set counting nothing (the source's indices, the destination's weights)."""
+    rng = np.random.default_rng(0)
+    L, B, H, tile, nT, K = 3, 2, 2, 4, 4, 3
+    T = tile * nT
+    tile_budget = np.array([1, 1, 2, 3])  # eligible: tiles 1, 2, 3 (4, 8, 12 keys before them)
+    probs = np.zeros((L, B, H, nT, T))
+    idx = np.full((L, B, H, nT, K), -1, np.int64)
+    for l, b, h, i in np.ndindex(L, B, H, nT):
+        n = i * tile
+        if n:
+            p = rng.uniform(0.0, 1.0, n) ** 3
+            probs[l, b, h, i, :n] = p / p.sum()
+            kk = min(int(tile_budget[i]), n)
+            idx[l, b, h, i, :kk] = rng.choice(n, kk, replace=False)  # fewer than K: -1 padded
+    state = RecorderState(probs=jnp.asarray(probs, jnp.float32), indices=jnp.asarray(idx, jnp.int32),
+                          wide=jnp.asarray(idx, jnp.int32))
+    got = np.asarray(_similarity(state, jnp.asarray(tile_budget), tile))
+    want = np.zeros((L, L, H, H))
+    for l1, l2, h1, h2 in np.ndindex(L, L, H, H):
+        per_b = []
+        for b in range(B):
+            rec = [sum(probs[l2, b, h2, i, j] for j in idx[l1, b, h1, i] if j >= 0)
+                   for i in range(nT) if i * tile > tile_budget[i]]
+            per_b.append(min(rec))
+        want[l1, l2, h1, h2] = np.mean(per_b)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(want, want.transpose(1, 0, 3, 2), atol=1e-3)  # the source/destination order matters
+
+
+def test_importance_is_one_minus_the_cosine_of_each_layers_input_and_after_attention_residual(tiny_params):
+    """importance w[l] = mean over tokens of 1 - cos(x_l, x_l + attn_l(x_l)) (the module docstring), by hand from
+    the dense prefill's hidden states."""
+    tokens = _prompts(1, 64)[0]
+    art = calibrate(tiny_params, TINY, [tokens], num_anchors=2, **KW)
+    _, _, _, (x_in, x_attn) = llama.prefill(tiny_params, TINY, make_method("dense"), jnp.asarray(tokens),
+                                            jnp.full((1,), 64, jnp.int32), init_cache(TINY, 1, 64, jnp.float32),
+                                            None, return_hidden=True)
+    xi, xa = np.asarray(x_in, np.float64), np.asarray(x_attn, np.float64)
+    cos = np.sum(xi * xa, -1) / (np.linalg.norm(xi, axis=-1) * np.linalg.norm(xa, axis=-1))
+    np.testing.assert_allclose(art.arrays["importance"], np.mean(1.0 - cos, axis=(1, 2)), rtol=1e-4, atol=1e-6)
+
+
+def test_fixed_anchor_count_maximises_the_importance_weighted_layer_similarity(tiny_params):
+    """With `num_anchors`, the anchors and the objective are the dynamic program's on S = layer_similarity(sim)
+    and the importance (sum_l w[l] * S[a(l), l]), checked by brute force on the artifact's own arrays."""
+    art = calibrate(tiny_params, TINY, _prompts(2, 128), num_anchors=3, **KW)
+    S = layer_similarity(art.arrays["similarity"].astype(np.float64))
+    w = art.arrays["importance"].astype(np.float64)
+    want, want_score = brute_force_anchors(S, w, 3)
+    assert art.meta["anchors"] == want
+    np.testing.assert_allclose(art.meta["objective"], want_score, rtol=1e-5)
+
+
+def test_wide_sets_of_every_key_recover_all_the_mass(tiny_params):
+    """reuse_scale * budget >= 1: an anchor hands every key before the tile to its reuse layers, so every wide
+    similarity is 1 and a reuse layer's share_wide, the wide mass over its own top-k mass S[l, l], is 1 / S[l, l];
+    the plain top-k sets recover less."""
+    art = calibrate(tiny_params, TINY, _prompts(1, 128), target_share=0.01, reuse_scale=10.0, **KW)
+    np.testing.assert_allclose(art.arrays["similarity_wide"], 1.0, atol=1e-5)
+    assert art.meta["anchors"] == [0]  # every layer reuses layer 0's sets
+    own = np.diag(layer_similarity(art.arrays["similarity"].astype(np.float64)))
+    np.testing.assert_allclose(art.meta["share_wide"], [1.0, *(1.0 / own[1:])], atol=2e-4)
+    assert max(art.meta["share"][1:]) < 0.99 and art.arrays["similarity"].min() < 0.99
+
+
+def test_calibrate_checks_its_arguments_before_any_prompt():
+    """An anchor count past the model's layers and a target share outside (0, 1] are named before the work (here
+    with no prompts at all, which would otherwise be the error)."""
+    with pytest.raises(ValueError, match="anchors=6: expected between 1 and the model's 5 layers"):
+        calibrate(None, TINY, [], num_anchors=6, **KW)
+    with pytest.raises(ValueError, match=r"target_share=0.0: expected a fraction in \(0, 1\]"):
+        calibrate(None, TINY, [], num_anchors=2, target_share=0.0, **KW)
+
+
+def test_check_cli_refuses_a_zero_anchor_count():
+    args = SimpleNamespace(anchors=0, target_share=None, reuse_scale=2.0, budget=0.1, tile=32)
+    with pytest.raises(ValueError, match="--anchors 0: expected at least 1"):
+        check_cli(args)

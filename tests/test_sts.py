@@ -19,6 +19,8 @@ from models.bundled import LoadedModel
 from models.config import ModelConfig
 from models.params import random_params
 from pallas_kernels.sparse_attention.reference import masked_attention_reference
+import itertools
+from jsparse.methods.sts_calibration import _overlap, head_maps_from_overlap
 
 CFG = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3,
                   num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512, eos_token_ids=(3,))
@@ -1071,3 +1073,60 @@ def test_pool_keys_are_the_rows_own_budget_plus_slack_not_the_pools():
         rec = pool_record(st)
         np.testing.assert_array_equal((np.asarray(rec.idx[0, :, :, 0]) >= 0).sum(axis=-1),
                                       np.broadcast_to(np.asarray(want)[:, None], (2, 4)))
+
+
+def test_overlap_counts_shared_top_k_keys_over_the_tiles_past_k():
+    """`_overlap` against its definition in Python sets: for each k, overlap[k][target head, draft head] = the sum
+    over traces and over the tiles with more than k keys before them (start > k) of |first k of I_t ∩ first k of
+    I_d| (rank order, -1 padded), and the head map takes its argmax as (draft layer, draft head)."""
+    rng = np.random.default_rng(0)
+    Lt, Ht, Ld, Hd, B, tile, nT, kmax = 2, 2, 3, 2, 2, 4, 5, 8
+    T, ks = tile * nT, (4, 8)  # tile starts 0, 4, 8, 12, 16: k=4 counts the tiles at 8, 12, 16 (not 4); k=8 12, 16
+
+    def ranked(L, H):
+        idx = np.full((L, B, H, nT, kmax), -1, np.int64)
+        for l, b, h, i in np.ndindex(L, B, H, nT):
+            n = min(i * tile, kmax)
+            idx[l, b, h, i, :n] = rng.choice(max(i * tile, 1), n, replace=False) if n else []
+        return idx
+
+    t_idx, d_idx = ranked(Lt, Ht), ranked(Ld, Hd)
+    got = np.asarray(_overlap(jnp.asarray(t_idx, jnp.int32), jnp.asarray(d_idx, jnp.int32), ks, tile, T))
+    want = np.zeros((len(ks), Lt * Ht, Ld * Hd))
+    for n_k, k in enumerate(ks):
+        for (lt, ht), (ld, hd) in itertools.product(np.ndindex(Lt, Ht), np.ndindex(Ld, Hd)):
+            for b, i in np.ndindex(B, nT):
+                if i * tile > k:
+                    a = {int(x) for x in t_idx[lt, b, ht, i, :k] if x >= 0}
+                    c = {int(x) for x in d_idx[ld, b, hd, i, :k] if x >= 0}
+                    want[n_k, lt * Ht + ht, ld * Hd + hd] += len(a & c)
+    np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(want[0], want[1])  # the maps of the two k differ in what they count
+    maps = head_maps_from_overlap(want.reshape(len(ks), Lt, Ht, Ld, Hd), Hd)
+    for n_k, lt, ht in np.ndindex(len(ks), Lt, Ht):
+        flat = want[n_k, lt * Ht + ht]
+        best = int(np.flatnonzero(flat == flat.max())[0])
+        assert tuple(maps[n_k, lt, ht]) == (best // Hd, best % Hd)
+
+
+def test_identity_overlap_is_k_per_eligible_tile(pair):
+    """Draft = target: a head's own top-k overlaps itself in all k keys of every tile with more than k keys before
+    it, so overlap[k][l, h, l, h] = k * (prompts) * (tiles starting past k): T=96, tile=16 (starts 0..80) gives 5
+    tiles for k=8 and 4 for k=24."""
+    target, _ = pair
+    art = calibrate(target.params, CFG, target.params, CFG, [np.concatenate(_windows())], ks=(8, 24), tile=16)
+    ov = art.arrays["overlap"].reshape(2, CFG.num_layers * CFG.num_heads, -1)
+    np.testing.assert_array_equal(np.diagonal(ov, axis1=1, axis2=2), [[2 * 5 * 8] * 12, [2 * 4 * 24] * 12])
+
+
+def test_calibration_argument_errors(pair):
+    """Refused before any trace: a draft of another vocabulary, a k below 1, prompts of k + tile tokens or fewer."""
+    target, draft = pair
+    other = dataclasses.replace(DRAFT_CFG, vocab_size=64)
+    with pytest.raises(ValueError, match="draft vocabulary of 64 tokens differs from the target's 128"):
+        calibrate(target.params, CFG, draft.params, other, _windows(1), ks=(8,), tile=16)
+    with pytest.raises(ValueError, match=r"k=\[0, 8\]: expected one or more token counts >= 1"):
+        calibrate(target.params, CFG, draft.params, DRAFT_CFG, _windows(1), ks=(8, 0), tile=16)
+    with pytest.raises(ValueError, match="calibration prompts of 40 tokens are too short for k=24 with tile=16: "
+                                         "expected more than k \\+ tile = 40 tokens"):
+        calibrate(target.params, CFG, draft.params, DRAFT_CFG, _windows(1, T=40), ks=(24, 8), tile=16)

@@ -719,3 +719,10 @@ def test_prefill_layer_sparsity_counts_the_local_fill_at_the_ramps_edge():
             K = int(kept[layer, row])
             entries = K * (K + 1) / 2 + sum(min(C, j) for j in range(K + 1, n + 1))
             assert got[layer][row] == pytest.approx(1.0 - entries / (n * (n + 1) / 2), abs=1e-12)
+
+
+def test_drift_rank_ties_put_the_lower_layer_first():
+    """normalized_rank: rank 1 for the smallest drift, ties broken by the lower layer first (its docstring), so
+    with delta = 0.5 and equal drifts the lower half of the tied layers is sparse."""
+    np.testing.assert_allclose(tcal.normalized_rank([0.5, 0.5, 0.2, 0.5]), np.array([2, 3, 1, 4]) / 4)
+    assert tcal.sparse_layers_from_drift([0.3, 0.3, 0.3, 0.3], 0.5) == [0, 1]
