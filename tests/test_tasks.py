@@ -555,6 +555,31 @@ def test_fwe_counts_follow_zipf_and_take_85_percent(tokenizer):
             assert 0.8 <= share <= 0.86, (length, share)
 
 
+def test_fwe_needs_a_fourth_rank_below_the_third():
+    """Words of one token each: ranks join while floor(0.85 budget / sum_r 1/r^2 / r^2) >= 2. At a budget of 53 the
+    fourth rank would get 0.85 * 53 / 1.4236 / 16 = 1.98 (no fourth rank: not enough to rank three words, None),
+    at 54 it gets 2.02: counts floor(32.24 / r^2) = 32, 8, 3, 2 (with `< TOP` for `<= TOP` the three-rank case
+    crashed on a missing fourth word instead of the task's "too short" error)."""
+    class Words:  # common.WordSource's interface, one token per word
+        def __init__(self):
+            self.made, self.back = 0, []
+
+        def take(self):
+            if self.back:
+                return self.back.pop()
+            self.made += 1
+            return f"w{self.made}"
+
+        def give_back(self, w):
+            self.back.append(w)
+
+        def cost(self, w):
+            return 1
+
+    assert fwe_task._ranked_counts(Words(), 53) is None
+    assert fwe_task._ranked_counts(Words(), 54) == {"w1": 32, "w2": 8, "w3": 3, "w4": 2}
+
+
 def test_fwe_coded_words_have_three_to_six_letters():
     """RULER's coded words: 3-6 lowercase letters (mutation `integers(3, 7)` -> `(3, 6)` survived)."""
     rng = np.random.default_rng(0)
