@@ -1130,3 +1130,28 @@ def test_calibration_argument_errors(pair):
     with pytest.raises(ValueError, match="calibration prompts of 40 tokens are too short for k=24 with tile=16: "
                                          "expected more than k \\+ tile = 40 tokens"):
         calibrate(target.params, CFG, draft.params, DRAFT_CFG, _windows(1, T=40), ks=(24, 8), tile=16)
+
+
+def test_dense_step_pool_weights_are_the_softmax_weights_of_visible_keys_only():
+    """The later draft step's pooling weights: each key of idx weighs exp(q.k / sqrt(D) - lse) in its row's dense
+    softmax over the keys below the length, and padding (-1) and keys at or past the length weigh 0 (their K rows
+    hold values no query sees; a mutant dropping `idx < lengths` gave them weight); the output is the dense
+    attention, in float64 by hand."""
+    from jsparse.methods.sts import dense_step_pool_weights
+    from models.attention import LayerKV
+    rng = np.random.default_rng(3)
+    B, Hq, Hkv, N, D = 2, 4, 2, 16, 8
+    q = rng.normal(size=(B, 1, Hq, D)).astype(np.float32)
+    k, v = (rng.normal(size=(B, Hkv, N, D)).astype(np.float32) for _ in range(2))
+    lengths = np.array([16, 9])
+    idx = np.broadcast_to(np.array([0, 3, 8, 12, 15, -1]), (B, Hq, 6)).astype(np.int32)  # 12 and 15 past row 1's 9
+    out, p = dense_step_pool_weights(jnp.asarray(q), LayerKV(k=jnp.asarray(k), v=jnp.asarray(v)), jnp.asarray(lengths),
+                                     jnp.asarray(idx))
+    for b, h in itertools.product(range(B), range(Hq)):
+        n = lengths[b]
+        s = k[b, h // 2, :n].astype(np.float64) @ q[b, 0, h] / math.sqrt(D)
+        w = np.exp(s - s.max()) / np.exp(s - s.max()).sum()
+        want = [w[i] if 0 <= i < n else 0.0 for i in idx[b, h]]
+        np.testing.assert_allclose(np.asarray(p[b, h]), want, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(out[b, 0, h]), w @ v[b, h // 2, :n], rtol=1e-5, atol=1e-6)
+    assert (np.asarray(p[1, :, 3:]) == 0).all() and (np.asarray(p[0, :, 3:5]) > 0).all()
