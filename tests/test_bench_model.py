@@ -712,3 +712,15 @@ def test_allocator_warning_only_when_preallocation_is_off(value, warns):
     assert (warning is not None) == warns
     if warns:
         assert warning.startswith(f"XLA_PYTHON_CLIENT_PREALLOCATE={value}:") and "run out of memory" in warning
+
+
+def test_model_jit_options_are_xla_compile_options():
+    """The model's compile options (models.compile_options) are options XLA knows: a misspelt one is refused at
+    compile time ("No such compile option"), so a typo cannot silently leave, e.g., rematerialization on."""
+    from models.compile_options import MODEL_COMPILER_OPTIONS, model_jit
+    from jsparse.xla_flags import GPU_XLA_FLAGS
+    assert MODEL_COMPILER_OPTIONS["xla_disable_hlo_passes"] == "rematerialization"
+    assert "--xla_disable_hlo_passes=rematerialization" in GPU_XLA_FLAGS
+    assert float(model_jit(lambda x: (x @ x.T).sum())(jnp.ones((4, 4)))) == 64.0
+    with pytest.raises(Exception, match="No such compile option"):
+        jax.jit(lambda x: x + 1, compiler_options={"xla_disable_hlo_passe": "rematerialization"})(1.0)
