@@ -307,9 +307,12 @@ def read_results(run_dir: str) -> dict:
                 meta = json.load(f)
         return {"schema_version": 1, "meta": meta, "runs": [], "records": data}
     version = data.get("schema_version") if isinstance(data, dict) else None
-    if version != SCHEMA_VERSION or not isinstance(data.get("records"), list):
+    if version != SCHEMA_VERSION:
         raise ValueError(f"{path}: schema_version {version!r}, expected {SCHEMA_VERSION} (or a version-1 list of "
                          "records)")
+    if not isinstance(data.get("records"), list):
+        raise ValueError(f"{path}: schema_version {version} without a list of records: expected the 'records' of a "
+                         "`jsparse eval` run")
     return {"schema_version": version, "meta": data.get("meta") or {}, "runs": data.get("runs") or [],
             "records": data["records"]}
 

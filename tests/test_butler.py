@@ -713,3 +713,139 @@ def test_butler_run_predictor_queries_are_the_predictors_in_state_layout(pcfg):
         for h in range(HQ):
             np.testing.assert_allclose(got[layer, :, h], qp[:, :, layer, h], rtol=1e-4, atol=1e-5,
                                        err_msg=f"layer {layer} head {h}")
+
+
+def _h2o_keep_np(score, P, budget, min_tokens, recent):
+    """numpy H2O selection of the row at P: bool[B, Hq, T] (query head h uses KV head h // G), as in `_h2o_np`."""
+    Bs, Hkv, T = score.shape
+    kk = _budget(P + 1, budget, min_tokens)
+    r = max(math.ceil(recent * kk), 1)
+    keep = np.zeros((Bs, Hkv * G, T), bool)
+    for b in range(Bs):
+        for h in range(Hkv):
+            row = np.zeros(T, bool)
+            row[max(P - r + 1, 0): P + 1] = True
+            older = np.arange(0, max(P - r + 1, 0))
+            row[older[np.argsort(-score[b, h, older], kind="stable")[: kk - r]]] = True
+            keep[b, h * G:(h + 1) * G] = row
+    return keep
+
+
+def test_butler_eval_selection_mask_of_h2o_equals_numpy_reference():
+    """selection_mask("h2o"): the r = ceil(recent * k) most recent keys <= P and the k - r older ones with the largest
+    accumulated score, per KV head, for its query heads h * G .. h * G + G - 1 (recent=0.3, k=12: r=4, not floor's
+    3)."""
+    from eval import butler_eval
+
+    m = make_method("h2o", budget=0.3, min_tokens=6, recent=0.3)
+    P = 36
+    score = jnp.asarray(np.random.default_rng(4).uniform(size=(B, HKV, N)), jnp.float32)
+    q_row, k = _normal(31, (B, 1, HQ, D)), _normal(32, (B, HKV, N, D))
+    got = np.asarray(butler_eval.selection_mask("h2o", m, CFG, 1, q_row, k, P, h2o_score=score))
+    want = _h2o_keep_np(np.asarray(score), P, 0.3, 6, 0.3)
+    assert want.sum(-1).max() == _budget(P + 1, 0.3, 6) == 12
+    np.testing.assert_array_equal(got, want)
+
+
+def test_butler_eval_token_coverage_of_h2o_scores_the_rows_before_p(model):
+    """token_coverage("h2o"): the accumulated score at the last position P is the attention the rows 0..P-1 paid
+    (pooled over each GQA group), not including row P's own."""
+    from eval import butler_eval
+
+    T = 40
+    m = make_method("h2o", budget=0.25, min_tokens=6, recent=0.5)
+    tokens = np.random.default_rng(8).integers(0, CFG.vocab_size, (2, T)).astype(np.int32)
+    prompts = [types.SimpleNamespace(tokens=tokens[0], span=(3, 8)),  # row P's own attention would swap in key 10
+               types.SimpleNamespace(tokens=tokens[1], span=(10, 30))]
+    cov = butler_eval.token_coverage(types.SimpleNamespace(params=model, cfg=CFG), {"h2o": m}, prompts)
+    _, q, k = record_qk(model, CFG, jnp.asarray(tokens))
+    Lp, P = CFG.num_layers - 1, T - 1
+    q = np.asarray(q, np.float64).reshape(2, Lp, HQ, T, D)
+    k = np.asarray(k, np.float64).reshape(2, Lp, HKV, T, D)
+    fracs = []
+    for l in range(Lp):
+        score = np.zeros((2, HKV, T))
+        for b in range(2):
+            for i in range(P):  # rows before P
+                for h in range(HQ):
+                    s = k[b, l, h // G, :i + 1] @ q[b, l, h, i] / math.sqrt(D)
+                    w = np.exp(s - s.max())
+                    score[b, h // G, :i + 1] += w / w.sum()
+        keep = _h2o_keep_np(score, P, 0.25, 6, 0.5)
+        for b, p in enumerate(prompts):
+            fracs.append(keep[b, :, p.span[0]:p.span[1]].mean(-1))
+    assert cov["h2o"] == pytest.approx(float(np.mean(fracs)), abs=1e-6)
+
+
+def test_butler_eval_selection_mask_of_butler_uses_the_rebalanced_budget(pcfg):
+    """With a calibrated dense layer and rebalance, butler's coverage uses the budget its sparse layers run at,
+    b' = (2 * 0.75 - 1) / 1 = 0.5 (as its decode), not the nominal 0.75."""
+    from eval import butler_eval
+    from jsparse.methods.butler import predicted_logits
+
+    m = Butler.from_params(CFG, pcfg, None, budget=0.75, min_tokens=6, dense_layers=1, dense_set=(2,))
+    assert m.sparse_budget(CFG.num_layers) == pytest.approx(0.5) and m.selection == "head"
+    P, d = 36, pcfg.head_dim
+    qp, kp = _normal(41, (B, HQ, 1, d)), _normal(42, (B, pcfg.key_heads, N, d))
+    logits = predicted_logits(qp, kp, jnp.full((B, 1), P, jnp.int32))
+    q_row, k = _normal(43, (B, 1, HQ, D)), _normal(44, (B, HKV, N, D))
+    got = np.asarray(butler_eval.selection_mask("butler", m, CFG, 1, q_row, k, P, butler_logits=logits))
+    want = _butler_mask_np(qp, kp, np.full((B, 1), P), 0.5, 6, m.sink, False, m.local)[:, :, 0]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_butler_eval_coref_coverage_is_weighted_by_prompts_and_dense_covers_all(monkeypatch):
+    """run_coref_task: a method's coverage is the mean over prompts (batches of `rows` weighted by their prompt
+    count), dense's is 1.0; accuracy is the fraction of completions that start with the answer."""
+    from eval import butler_eval, coref
+
+    prompts = [types.SimpleNamespace(answer=a) for a in ("attic", "barn", "cellar", "garden", "tower")]
+    monkeypatch.setattr(coref, "make_prompts", lambda tok, length, samples, seed: prompts[:samples])
+    batches = iter([{"quest": 0.5}, {"quest": 1.0}])  # rows=4: prompts 0..3, then prompt 4
+    monkeypatch.setattr(butler_eval, "token_coverage", lambda model, methods, part: next(batches))
+    answers = {"dense": [" attic", " barn", " Cellar.", " garden", " tower"],
+               "quest": [" attic", " the barn", " cellar", " x", " tower"]}
+    monkeypatch.setattr(coref, "run_coref", lambda model, method, ps, new_tokens, rows: answers[method.name])
+    methods = {"dense": types.SimpleNamespace(name="dense"),
+               "quest": types.SimpleNamespace(name="quest", budget=0.5)}
+    recs, outs = butler_eval.run_coref_task(types.SimpleNamespace(tokenizer=None), methods, 64, 5, 0, rows=4)
+    got = {r["method"]: (r["value"], r["n"], r["coverage"], r["budget"]) for r in recs}
+    assert got == {"dense": (1.0, 5, 1.0, 1.0), "quest": (pytest.approx(0.6), 5, pytest.approx(0.6), 0.5)}
+    assert [o["correct"] for o in outs if o["method"] == "quest"] == [True, False, True, False, True]
+
+
+def test_butler_eval_summary_shows_a_coverage_of_zero():
+    """A coverage of 0.0 (the method kept none of the location) is a value in the coref table, not a blank."""
+    from eval import butler_eval
+
+    recs = [dict(task="coref", method="streaming", length=64, value=0.25, n=4, budget=0.5, coverage=0.0),
+            dict(task="coref", method="h2o", length=64, value=0.5, n=4, budget=0.5, coverage=None)]
+    md = butler_eval.summary_markdown(recs, {"command": "python -m eval.butler_eval"})
+    assert "| streaming | 64 | 0.5 | 0.25 (1/4) | 0.000 |" in md and "| h2o | 64 | 0.5 | 0.50 (2/4) |  |" in md
+
+
+def test_butler_eval_accepts_a_sparsity_of_zero(tmp_path, monkeypatch):
+    """--sparsities takes fractions in [0, 1): 0 (the dense budget 1) passes the check and the model is loaded."""
+    import jsparse
+    from eval import butler_eval
+
+    class Loaded(Exception):
+        pass
+
+    def load(*a, **k):
+        raise Loaded
+
+    monkeypatch.setattr(jsparse, "load", load)
+    with pytest.raises(Loaded):
+        butler_eval.main(["--artifact", "jsparse/shipped/smollm2/butler", "--tasks", "ppl", "--sparsities", "0,0.5",
+                          "--out", str(tmp_path / "o")])
+
+
+def test_butler_eval_refuses_an_unknown_task(tmp_path, monkeypatch):
+    """--tasks names tasks of TASKS; another is refused naming it, before the model is loaded."""
+    import jsparse
+    from eval import butler_eval
+
+    monkeypatch.setattr(jsparse, "load", lambda *a, **k: pytest.fail("the model must not be loaded"))
+    with pytest.raises(SystemExit, match=r"unknown task 'acc'; expected some of \('accuracy', 'ppl', 'coref'\)"):
+        butler_eval.main(["--artifact", "jsparse/shipped/smollm2/butler", "--tasks", "acc", "--out", str(tmp_path)])

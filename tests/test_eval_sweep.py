@@ -19,6 +19,7 @@ import jsparse
 from eval import cli_eval, harness, report
 from eval import tasks as task_registry
 from test_eval import corpus, model, tokenizer  # noqa: F401  (fixtures)
+from eval import coref
 
 TASK = "sweep_test_task"
 
@@ -753,3 +754,106 @@ def test_portable_path_keeps_a_sibling_of_the_root_that_shares_its_prefix():
     sibling = INSTALL_ROOT + "_other" + os.sep + "corpus.txt"
     assert cli_eval.portable_path(sibling) == sibling
     assert cli_eval.portable_path(os.path.join(INSTALL_ROOT, "eval", "x.txt")) == os.path.join("eval", "x.txt")
+
+
+def test_dense_ppl_cell_shows_no_change_against_itself():
+    """The perplexity change is a method's against dense: dense's own cell is its perplexity alone (mutation
+    `if dense is not None and r["method"] != "dense"` -> `if dense is not None` in report._cell survived)."""
+    md = report.summary_markdown([_rec("dense", "ppl", 12.34), _rec("oracle", "ppl", 12.5)], {})
+    assert "| dense | 12.340 |" in md and "| oracle | 12.500 (+1.3%) |" in md
+
+
+def test_gate_says_passkey_only_when_every_accuracy_result_is_passkey():
+    """A run with passkey and a generation task, nothing below dense: the gate's 'none' line does not claim the check
+    was of passkey alone (mutation `all(` -> `any(` survived); budgets are listed ascending."""
+    t = "niah_single_number"
+    mixed = [_rec(m, task, 1.0, budget=b) for m, b in (("dense", None), ("oracle", 0.5), ("oracle", 0.05))
+             for task in ("passkey", t)]
+    md = report.summary_markdown(mixed, {})
+    assert "- none: every method scores at least dense's.\n" in md and "dense's passkey" not in md
+    assert "- budget: 0.05, 0.5\n" in md
+    only_passkey = [r for r in mixed if r["task"] == "passkey"]
+    assert "- none: every method scores at least dense's passkey." in report.summary_markdown(only_passkey, {})
+
+
+def test_acceptance_rate_of_zero_is_shown():
+    """A speculative run whose drafts were all rejected has acceptance rate 0.0: a value, not a blank (mutation
+    `r.get("acceptance_rate") is not None` -> `r.get("acceptance_rate")` dropped the table)."""
+    recs = [_rec("dense", "passkey", 1.0, acceptance_rate=0.0), _rec("oracle", "passkey", 1.0, acceptance_rate=0.25)]
+    table = report.summary_markdown(recs, {}).split("## Speculative decoding acceptance rate")[1].split("##")[0]
+    assert "| dense | 0.000 |" in table and "| oracle | 0.250 |" in table
+
+
+def test_depth_tables_list_only_methods_with_depth_results():
+    """A method with no needle-depth record (ppl only) has no row in the depth table (mutation dropping
+    `if any((m, d) in cell for d in depths)` left an empty row)."""
+    recs = [_rec("oracle", "passkey", 0.5), dict(_rec("oracle", "passkey", 0.5), depth=0.5),
+            _rec("quest", "ppl", 11.0)]
+    table = report.summary_markdown(recs, {}).split("## Accuracy by needle depth")[1]
+    assert "| oracle | 0.50 (5/10) |" in table and "| quest |" not in table
+
+
+def test_read_results_refuses_a_file_without_records_and_reads_version_1_meta(tmp_path):
+    """A version-2 file must hold a list of records (ValueError, not a KeyError later); a version-1 file (a bare list)
+    takes its meta from run.json beside it (mutations dropping either survived)."""
+    (tmp_path / "results.json").write_text(json.dumps({"schema_version": 2, "meta": {}}))
+    with pytest.raises(ValueError, match="schema_version 2 without a list of records"):
+        report.read_results(str(tmp_path))
+    recs = [_rec("dense", "passkey", 1.0)]
+    (tmp_path / "results.json").write_text(json.dumps(recs))
+    (tmp_path / "run.json").write_text(json.dumps({"model": "m", "command": "jsparse eval x"}))
+    data = report.read_results(str(tmp_path))
+    assert data == {"schema_version": 1, "meta": {"model": "m", "command": "jsparse eval x"}, "runs": [],
+                    "records": recs}
+
+
+def test_leaderboard_task_columns_put_passkey_first():
+    """Leaderboard columns: passkey, then the generation tasks alphabetically (mutation to a plain alphabetical sort
+    put niah_multikey first)."""
+    recs = [_rec("dense", t, 1.0) for t in ("passkey", "vt", "niah_multikey")]
+    header = report.leaderboard_markdown(recs)[0]
+    assert "| mean accuracy | passkey | niah_multikey | vt | ppl change |" in header
+
+
+def test_plots_draw_the_documented_values(tmp_path, monkeypatch):
+    """The plots' data: dense's band is +- one binomial standard error, the ppl panel's y is the change against dense
+    in percent (a variant without dense gets no panel), a method without sparsity is named in the caption, and a
+    depth heatmap cell is the sample-weighted mean over the needle tasks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.axes import Axes
+
+    seen = {"span": [], "plot": [], "imshow": []}
+    for name, key in (("axhspan", "span"), ("plot", "plot"), ("imshow", "imshow")):
+        orig = getattr(Axes, name)
+        monkeypatch.setattr(Axes, name, lambda self, *a, _o=orig, _k=key, **kw: (seen[_k].append((a, kw)),
+                                                                                 _o(self, *a, **kw))[1])
+    (tmp_path / "plots").mkdir()
+    acc = [_rec("dense", "passkey", 0.8, n=25), _rec("oracle", "passkey", 0.6, sparsity=0.5, budget=0.5),
+           _rec("streaming", "passkey", 0.4, budget=0.5)]
+    (_, caption), = report.plot_accuracy_vs_sparsity(acc, str(tmp_path))
+    (lo, hi), = [a[:2] for a, _ in seen["span"]]
+    assert (lo, hi) == (pytest.approx(0.8 - 0.08), pytest.approx(0.8 + 0.08))  # sqrt(0.8 * 0.2 / 25)
+    assert caption.endswith("not plotted (no sparsity reported): streaming")
+    seen["plot"].clear()
+    ppl = [_rec("dense", "ppl", 10.0, variant="decode"), _rec("quest", "ppl", 12.5, variant="decode", sparsity=0.5),
+           _rec("quest", "ppl", 11.0, variant="prefill", sparsity=0.5)]  # no dense prefill: no panel
+    assert len(report.plot_ppl_vs_sparsity(ppl, str(tmp_path))) == 1
+    (xs, ys), = [a for a, kw in seen["plot"] if kw.get("label") == "quest"]
+    assert xs == [0.5] and ys == [pytest.approx(25.0)]
+    depth = [dict(_rec("oracle", "passkey", 1.0, n=30), depth=0.5),
+             dict(_rec("oracle", "niah_single_number", 0.0, n=10), depth=0.5)]
+    report.plot_depth_heatmaps(depth, str(tmp_path))
+    (data,), _ = seen["imshow"][-1]
+    assert data == [[pytest.approx(0.75)]]  # (30 * 1.0 + 10 * 0.0) / 40
+
+
+def test_run_coref_under_dense_is_the_greedy_continuation_of_each_prompt(model):  # noqa: F811
+    """run_coref (prefill the context, decode the question token by token, then generate) under dense gives each
+    prompt's greedy continuation, one completion per prompt (a padded last batch adds none)."""
+    dense = jsparse.build_method("dense", model)
+    prompts = coref.make_prompts(model.tokenizer, 256, 3, seed=1)
+    got = coref.run_coref(model, dense, prompts, new_tokens=3, rows=2)
+    want = [harness.run_generation(model, dense, [p.tokens.tolist()], 3, rows=1)[0] for p in prompts]
+    assert got == want and any(got)

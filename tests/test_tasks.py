@@ -18,6 +18,7 @@ from eval.tasks import fwe as fwe_task
 from eval.tasks import niah
 from eval.ppl import DEV_CORPUS
 from eval.tasks.words import NOUNS
+from eval import coref as coref_prompts
 
 LENGTHS = (512, 4096)
 
@@ -598,3 +599,59 @@ def test_raw_prompts_start_with_bos_and_chat_turns_hold_none(tokenizer, name):
         assert len(s.tokens) == 1024 and s.tokens[0] == bos and s.tokens.count(bos) == 1
     for s in get_task(name).make_samples(tok, 1024, 2, seed=0, chat=True):
         assert len(s.tokens) == 1024 and bos not in s.tokens
+
+
+def test_coref_prompt_span_question_and_distractor_spacing(tokenizer):
+    """eval.coref.make_prompt: `span` covers exactly the location's tokens in INTRO, tokens[context_len:] is exactly the
+    QUESTION, and the k-th of the 8 distractor facts starts at the first sentence boundary at or after k / 9 of the
+    body (mutations `span_start + 1`, `context_len + 1` and `body // (facts + 8)` survived the suite)."""
+    length = 1024
+    for i in range(3):
+        p = coref_prompts.make_prompt(tokenizer, length, np.random.default_rng([0, length, i]))
+        assert len(p.tokens) == length and p.distractors == 8
+        assert tokenizer.decode(p.tokens[p.span[0]:p.span[1]].tolist()) == " " + p.answer
+        question = coref_prompts.QUESTION.format(name=p.name, object=p.object)
+        assert tokenizer.decode(p.tokens[p.context_len:].tolist()) == question
+        body_start, body_end = p.span[1] + len(coref_prompts._ids(tokenizer, ".")), p.context_len
+        body = p.tokens[body_start:body_end].tolist()
+        starts = []
+        for m in re.finditer(r" (\w+) put the ([\w ]+?) in the (\w+)\.", tokenizer.decode(body)):
+            fact = coref_prompts._ids(tokenizer, m.group(0))
+            starts.append(next(j for j in range(len(body)) if body[j:j + len(fact)] == fact))
+        step = len(body) // 9
+        assert len(starts) == 8
+        for k, s in enumerate(starts, 1):
+            assert k * step <= s < k * step + 40, (k, s, step)  # a filler sentence is < 40 tokens
+
+
+def test_coref_prompt_errors_name_the_value(tokenizer):
+    """A length that leaves fewer than 64 body tokens is refused naming the shortest length, which works; zero samples
+    are refused (mutations `body_tokens < 1` and `samples < 0` survived)."""
+    with pytest.raises(ValueError, match=r"coref length=100 is too short: expected at least (\d+) tokens") as e:
+        coref_prompts.make_prompt(tokenizer, 100, np.random.default_rng(0))
+    shortest = int(re.search(r"at least (\d+)", str(e.value)).group(1))
+    assert len(coref_prompts.make_prompt(tokenizer, shortest, np.random.default_rng(0)).tokens) == shortest
+    with pytest.raises(ValueError, match=f"coref length={shortest - 1} is too short: expected at least {shortest} "):
+        coref_prompts.make_prompt(tokenizer, shortest - 1, np.random.default_rng(0))
+    with pytest.raises(ValueError, match=r"samples=0: expected >= 1"):
+        coref_prompts.make_prompts(tokenizer, 1024, 0)
+
+
+def test_coref_is_correct_is_a_case_insensitive_prefix_match():
+    """The answer is correct when the completion starts with the location, case-insensitive, after leading spaces."""
+    assert coref_prompts.is_correct(" Attic, under the", "attic")
+    assert coref_prompts.is_correct("  greenhouse.", "greenhouse")
+    assert not coref_prompts.is_correct(" old attic", "attic")  # the location must come first
+    assert not coref_prompts.is_correct(" cellar", "attic")
+
+
+def test_coref_draws_every_name_object_and_location():
+    """The target is drawn uniformly from each pool, its last entry included, and never among its distractors
+    (mutation `rng.integers(len(pool) - 1)` in eval.coref._pick survived)."""
+    for pool in (coref_prompts.NAMES, coref_prompts.OBJECTS, coref_prompts.LOCATIONS):
+        picks = set()
+        for seed in range(300):
+            target, others = coref_prompts._pick(np.random.default_rng(seed), pool)
+            assert sorted(others + [target]) == sorted(pool) and target not in others
+            picks.add(target)
+        assert picks == set(pool)
