@@ -6,6 +6,9 @@
 #   base      the library's flags
 #   noremat   the same with --xla_disable_hlo_passes=rematerialization
 #   prof      a profile of Kascade's step under noremat (the launch counts of the GEMMs)
+#   all       after the library turned the pass off (821cb1a): every decode method but TokenButler (out of memory
+#             there) at 100K, batch 4 with the library's flags, each checked against its masked reference
+#   optonly   Kascade's profile with XLA_FLAGS naming another pass: the model's compile options alone turn it off
 # Usage: OUT=... [ORDER="noremat base"] [METHODS=dense,kascade,evosparse] [START=n] bash run.sh
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -19,6 +22,17 @@ for v in ${ORDER:-noremat base}; do
     XLA_FLAGS=$NOREMAT python3 -m jsparse.cli bench profile_decode_step --method kascade --context 100000 --batch 4 \
       --steps 4 --top 60 --out "$OUT/profile_kascade_noremat_100k_b4.json" 2>&1 | grep -vE "^W[0-9]{4}|^I[0-9]{4}" \
       | tail -2
+    continue
+  fi
+  if [ "$v" = optonly ]; then
+    XLA_FLAGS=--xla_disable_hlo_passes=no_such_pass python3 -m jsparse.cli bench profile_decode_step --method kascade \
+      --context 100000 --batch 4 --steps 4 --top 60 --out "$OUT/profile_kascade_options_only_100k_b4.json" 2>&1 \
+      | grep -E "kernels/step" | tail -1
+    continue
+  fi
+  if [ "$v" = all ]; then
+    python3 -m jsparse.cli bench model --methods dense,kascade,evosparse,streaming,oracle,quest,h2o --context 100000 \
+      --batch 4 --out "$OUT/remat_off_all_100k_b4.json" 2>&1 | grep -E "^\| |^\|--|error" | tail -10
     continue
   fi
   flags=()
