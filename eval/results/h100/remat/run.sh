@@ -9,6 +9,8 @@
 #   all       after the library turned the pass off (821cb1a): every decode method but TokenButler (out of memory
 #             there) at 100K, batch 4 with the library's flags, each checked against its masked reference
 #   optonly   Kascade's profile with XLA_FLAGS naming another pass: the model's compile options alone turn it off
+#   onoff     after 821cb1a: dense, StreamingLLM and H2O with the pass back on (the option popped from
+#             MODEL_COMPILER_OPTIONS before anything compiles), then off
 # Usage: OUT=... [ORDER="noremat base"] [METHODS=dense,kascade,evosparse] [START=n] bash run.sh
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -28,6 +30,18 @@ for v in ${ORDER:-noremat base}; do
     XLA_FLAGS=--xla_disable_hlo_passes=no_such_pass python3 -m jsparse.cli bench profile_decode_step --method kascade \
       --context 100000 --batch 4 --steps 4 --top 60 --out "$OUT/profile_kascade_options_only_100k_b4.json" 2>&1 \
       | grep -E "kernels/step" | tail -1
+    continue
+  fi
+  if [ "$v" = onoff ]; then
+    for w in on off; do
+      python3 -c "
+import sys, models.compile_options as c
+if sys.argv[1] == 'on': c.MODEL_COMPILER_OPTIONS.pop('xla_disable_hlo_passes')
+from eval.bench import model
+model.main(['--methods', 'dense,streaming,h2o', '--context', '100000', '--batch', '4', '--no-check',
+            '--xla-flags=--xla_gpu_enable_triton_gemm=false', '--out', sys.argv[2]], prog='jsparse bench model')
+" $w "$OUT/remat_${w}_streaming_h2o.json" 2>&1 | grep -E "^\| |ematerializ" | tail -5
+    done
     continue
   fi
   if [ "$v" = all ]; then
