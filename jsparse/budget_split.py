@@ -5,8 +5,8 @@ fraction rule k = min(max(ceil(budget * n), min_tokens), n) (`selection.budget_t
 kb = ceil(k / block_size) blocks. With cumulative fractions c_i taken as the nearest fractions of denominator at most
 4096 (so 1/3 is 1/3 and 0.1 is 1/10, not the floats' nearest 4096ths) in integer arithmetic, component i gets
 ceil(c_i * kb) - ceil(c_{i-1} * kb) blocks: the counts always sum to kb, equal fractions split kb evenly when they can
-(1/3 each: 1, 1, 1 blocks of 3), and small budgets favour the first components, except one component that may be given at least one block (EvoSparse's local window, which holds the
-query's own position).
+(1/3 each: 1, 1, 1 blocks of 3), and small budgets favour the first components, except one component that may be
+given at least one block (EvoSparse's local window, which holds the query's own position).
 """
 
 from __future__ import annotations

@@ -693,7 +693,8 @@ def test_method_options_reach_the_bytes_model(tiny, name, options):
     elif name == "evosparse":
         assert method.dense_layers == options.get("dense_layers", 2)
         heat_blocks = n // 16 if "heat_fraction" not in options else 0
-        assert got == _evo_bytes(cfg, method, B, n, options.get("budget_tokens", 2048), heat_blocks, be.model_heads(cfg))
+        sel_rows = options.get("budget_tokens", 2048)
+        assert got == _evo_bytes(cfg, method, B, n, sel_rows, heat_blocks, be.model_heads(cfg))
     else:  # TokenButler: layer 3 calibrated dense, the others at b' = (n_s * 0.5 - 1) / (n_s - 1), n_s = L - 2
         from jsparse.methods.butler_predictor import init_params
         b = ((L - 2) * 0.5 - 1) / (L - 3)

@@ -448,7 +448,8 @@ def test_check_fractions_refuses_a_sum_off_by_more_than_1e_6():
 def test_cumulative_fixed_takes_the_nearest_fraction_of_denominator_at_most_fix():
     # the floats' sums 0.1 + 0.3 = 0.4 and 0.15 + 0.35 + 0.2 = 0.7000000000000001 are 2/5 and 7/10; the last exactly 1
     assert budget_split.cumulative_fixed((0.1, 0.3, 0.6)) == (Fraction(1, 10), Fraction(2, 5), 1)
-    assert budget_split.cumulative_fixed((0.15, 0.35, 0.2, 0.3)) == (Fraction(3, 20), Fraction(1, 2), Fraction(7, 10), 1)
+    want = (Fraction(3, 20), Fraction(1, 2), Fraction(7, 10), 1)
+    assert budget_split.cumulative_fixed((0.15, 0.35, 0.2, 0.3)) == want
     # a hair off a simple fraction is that fraction; otherwise the nearest of denominator <= 4096 (not 4096ths)
     assert budget_split.cumulative_fixed((0.3, 0.2 + 1e-7, 0.5 - 1e-7))[1] == Fraction(1, 2)
     assert budget_split.cumulative_fixed((0.123, 0.877)) == (Fraction(123, 1000), 1)
