@@ -575,3 +575,42 @@ def test_the_target_as_its_own_draft_accepts_everything(models, seed, T, lengths
         assert np.all(out[b, n:] == -1), out[b]
     np.testing.assert_array_equal(np.asarray(got_rounds), rounds)
     np.testing.assert_array_equal(np.asarray(got_accepted), accepted)
+
+
+def test_every_prng_key_is_used_once(models, monkeypatch):
+    """Deterministic key bookkeeping of a sampled speculative_generate (a weak draft, gamma 3, at least 2 rounds):
+    every key jax.random.split, categorical or uniform receives is recorded (jax.debug.callback inside the jit), and
+    each key is consumed exactly once, by one split or one draw. A key used twice correlates two random draws: the
+    acceptance uniforms' key reused for the residual draw, the first proposal's key reused in the draft's scan, or
+    the loop's carried key handed to a round (the round splits it, and so does the next loop step). The counts pin
+    that the recording saw the whole computation: splits 1 + 2 a round, draws 1 + (gamma + 2) a round."""
+    target, draft = models
+    log = []
+
+    def recorded(kind, real):
+        def wrapped(key, *args, **kwargs):
+            data = jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+            jax.debug.callback(lambda d: log.append((kind, tuple(np.asarray(d).ravel().tolist()))), data)
+            return real(key, *args, **kwargs)
+        return wrapped
+
+    for name in ("split", "categorical", "uniform"):
+        monkeypatch.setattr(jax.random, name, recorded(name, getattr(jax.random, name)))
+    tokens = jax.random.randint(jax.random.key(5), (2, 8), 4, CFG.vocab_size)
+    gamma = 3
+    # A fresh jit of the unjitted function: a cached trace of speculative_generate would record nothing.
+    run = jax.jit(lambda key: speculative_generate.__wrapped__(
+        target, draft, DENSE, DENSE, tokens, jnp.array([8, 5]), key, t_cfg=CFG, d_cfg=DRAFT_CFG, gamma=gamma,
+        max_new_tokens=7, capacity=32, sampling=Sampling(temperature=1.0)))
+    out, num, rounds, _ = run(jax.random.key(4))
+    jax.block_until_ready(out)
+    jax.effects_barrier()
+    R = int(np.max(np.asarray(rounds)))  # loop iterations: each has an active row
+    assert R >= 2, rounds  # 1 + at most gamma + 1 tokens a round < 7
+    splits = [k for kind, k in log if kind == "split"]
+    draws = [k for kind, k in log if kind != "split"]
+    assert len(splits) == 1 + 2 * R and len(draws) == 1 + (gamma + 2) * R, (R, log)
+    assert sum(kind == "uniform" for kind, _ in log) == R
+    keys = splits + draws
+    reused = {k for k in keys if keys.count(k) > 1}
+    assert not reused, [(kind, k) for kind, k in log if k in reused]

@@ -655,3 +655,33 @@ def test_coref_draws_every_name_object_and_location():
             assert sorted(others + [target]) == sorted(pool) and target not in others
             picks.add(target)
         assert picks == set(pool)
+
+
+class _SentencePieceNewline:
+    """A stand-in tokenizer whose "\\n" is two ids, a word-start piece then the newline byte (as Llama's
+    SentencePiece gives ["▁", "<0x0A>"]); the bundled SmolLM2 tokenizer has "\\n" as one id."""
+
+    def __call__(self, text, add_special_tokens=True):
+        assert text == "\n" and not add_special_tokens, text
+        return {"input_ids": [29871, 13]}
+
+
+def test_close_word_list_pads_up_to_one_percent_with_newlines_and_refuses_more():
+    """common.close_word_list's docstring: a gap of at most 1% of the length becomes blank lines (the newline id,
+    not the word-start piece before it) between the list and the question; one token more is a ValueError naming
+    the length, the shortfall and the hint (mutations `gap > 0.01 * length` -> `> 0.02 *` or `>= 0.01 *`, and
+    `ids(tokenizer, "\\n")[-1:]` -> `[:1]` survived the suite: the real tasks' gaps stay far from the boundary and
+    the bundled tokenizer's "\\n" is one id)."""
+    tok, length = _SentencePieceNewline(), 200
+    prefix, suffix = [1, 2, 3], [7, 8]
+
+    def body(gap):
+        return [5] * (length - gap - len(prefix) - len(suffix))
+
+    tokens = common.close_word_list(tok, "cwe", prefix, body(2), suffix, 2, length, 40, "use a bigger corpus")
+    assert tokens == tuple(prefix + body(2) + [13, 13] + suffix)
+    assert common.close_word_list(tok, "cwe", prefix, body(0), suffix, 0, length, 40, "h") == tuple(
+        prefix + body(0) + suffix)
+    with pytest.raises(ValueError, match=r"task 'fwe': length=200: the word source ran out of distinct words after "
+                                         r"40 \(3 tokens short\); use a bigger corpus or a shorter length"):
+        common.close_word_list(tok, "fwe", prefix, body(3), suffix, 3, length, 40, "use a bigger corpus")

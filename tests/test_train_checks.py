@@ -159,3 +159,52 @@ def test_two_steps_equal_clipped_adamw(tmp_path):
         got = np.asarray(got, np.float64)
         # The step moved the parameters by about lr per entry: compare the moves (tolerance << lr).
         np.testing.assert_allclose(got - p, w - p, atol=lr * 2e-2)
+
+
+# TrainConfig(loss_impl="gpu", interpret=True) trains with the Pallas GPU kernel run in the interpreter (how the
+# kernel's training path is tested on a CPU): the step's loss equals the XLA loss's. The suite only ran the kernel
+# outside `train` (test_train.py's padding test), so the train step dropping `interpret=tc.interpret` from its
+# `logit_mse` call went unnoticed (on a CPU the kernel then fails to lower; on a GPU the flag would be ignored).
+
+def test_interpreted_gpu_kernel_trains_to_the_xla_loss(tmp_path, setup):
+    params, pcfg, chunks = setup
+    losses = {}
+    for impl in ("xla", "gpu"):
+        tc = TrainConfig(seq_len=T, steps=1, batch_size=2, warmup_steps=0, checkpoint_every=10, seed=2,
+                         loss_impl=impl, interpret=impl == "gpu")
+        res = train(CFG, params, fingerprint="fp", chunks=chunks, out_dir=str(tmp_path / impl), tc=tc, pcfg=pcfg,
+                    progress=False)
+        assert [s for s, _ in res.losses] == [1]
+        losses[impl] = res.losses[0][1]
+    assert losses["xla"] > 0
+    np.testing.assert_allclose(losses["gpu"], losses["xla"], rtol=1e-4)
+
+
+# `_close(mngr, quiet)`: a failing close of the checkpoint manager propagates when nothing else is (quiet=False: a
+# run that completed must not report success over lost writes), and is only a warning while another exception is
+# propagating (quiet=True, so that it does not replace that one), a warning that says what failed. The suite never
+# made a close fail, so always warning, or swallowing the failure silently, went unnoticed.
+
+class _FailingCloseManager:
+    def __init__(self):
+        self.closed = 0
+
+    def close(self):
+        self.closed += 1
+        raise OSError("disk gone")
+
+
+def test_a_failing_close_raises_unless_quiet_and_then_warns():
+    import warnings
+
+    from train.loop import _close
+
+    mngr = _FailingCloseManager()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not a warning: the exception itself
+        with pytest.raises(OSError, match="disk gone"):
+            _close(mngr, quiet=False)
+    assert mngr.closed == 1
+    with pytest.warns(UserWarning, match=r"closing the checkpoint manager failed \(OSError: disk gone\)"):
+        _close(mngr, quiet=True)  # returns: no exception
+    assert mngr.closed == 2
