@@ -106,7 +106,7 @@ class Session:
                              f"need {need} cache rows, more than the session's capacity of {self.capacity}")
         m, d = self.model, self.draft
         common = dict(t_cfg=m.cfg, d_cfg=d.cfg, sampling=self.sampling)
-        self.key, k1, k2 = jax.random.split(self.key, 3)
+        next_key, k1, k2 = jax.random.split(self.key, 3)  # stored with the rest once the step succeeded
         # The message right-padded to its 64-token bucket (one compilation serves the bucket), within the rows the
         # cache has left: a later message's padding rows are decoded past the conversation, then rolled back (an
         # STS draft leaves them out of the record its target selects by).
@@ -140,7 +140,7 @@ class Session:
                                               if isinstance(x, jax.Array)):
                 self.state, self.lost = None, f"{type(e).__name__}: {e}"
             raise
-        self.state = state
+        self.state, self.key = state, next_key
         self.rounds += int(rounds[0])
         self.accepted += int(accepted[0])
         self.tokens += ids + reply

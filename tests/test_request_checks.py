@@ -245,3 +245,75 @@ def test_traced_negative_cache_length_gets_nan_logits(params, prefilled):
     good = np.asarray(step(prefilled))
     assert np.isnan(bad).all()
     assert np.isfinite(good).all()
+
+
+def test_sampled_session_draws_fresh_keys_every_turn(monkeypatch):
+    """With sampling (temperature > 0) every step of every turn draws with a key of its own: each turn splits the
+    session's key into the key kept for the next turn and the turn's two step keys (its message step, prefill or
+    append, and its decoding loop). The audit found this untested: a key not stored back (every turn sampling as
+    the first did), a turn's step key kept as the next turn's key, or one key shared by both steps of a turn all
+    passed. Pinned on the keys the steps receive: the four step keys of two turns are distinct, the key kept after
+    a turn is none of them, the same seed gives the same keys and another seed other ones."""
+    import jsparse.session as session_mod
+
+    used = []
+
+    def recording(name, step):
+        def run(*args, **kwargs):
+            keys = [a for a in (*args, *kwargs.values())
+                    if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jax.dtypes.prng_key)]
+            assert len(keys) == 1, f"{name} received {len(keys)} PRNG keys"
+            used.append((name, _key_bytes(keys[0])))
+            return step(*args, **kwargs)
+        return run
+
+    for name in ("prefill_step", "append_step", "loop_step"):
+        monkeypatch.setattr(session_mod, name, recording(name, getattr(session_mod, name)))
+    model, draft = _tiny(), _tiny(layers=2, seed=1)
+
+    def session(seed):
+        return session_mod.Session(model, draft, gamma=2, capacity=64, temperature=1.0, seed=seed)
+
+    s = session(7)
+    s.send_ids([5, 6, 7], max_new_tokens=4)
+    kept = [_key_bytes(s.key)]
+    s.send_ids([8, 9], max_new_tokens=4)
+    kept.append(_key_bytes(s.key))
+    assert [n for n, _ in used] == ["prefill_step", "loop_step", "append_step", "loop_step"]
+    keys = [k for _, k in used]
+    assert len(set(keys)) == 4, "two steps (of one turn or of two turns) sampled with the same key"
+    assert not set(kept) & set(keys) and kept[0] != kept[1], "a used key was kept as the next turn's key"
+    del used[:]
+    session(7).send_ids([5, 6, 7], max_new_tokens=4)
+    session(8).send_ids([5, 6, 7], max_new_tokens=4)
+    assert [k for _, k in used[:2]] == keys[:2]  # the same seed: the same keys (reproducible)
+    assert not {k for _, k in used[2:]} & set(keys)  # another seed: other keys
+
+
+def _key_bytes(key):
+    return np.asarray(jax.random.key_data(key)).tobytes()
+
+
+def test_a_failed_turn_leaves_the_sampling_key_as_it_was(monkeypatch):
+    """"The session changes only once the whole step has succeeded" holds for its PRNG key too: a turn whose step is
+    refused before anything runs (here the decoding loop raising) leaves the key unchanged, so the retried turn samples
+    as if the failure had never happened (the key was split before the step and stored at once until 2026-12-05)."""
+    import jsparse.session as session_mod
+
+    model, draft = _tiny(), _tiny(layers=2, seed=1)
+    clean = session_mod.Session(model, draft, gamma=2, capacity=64, temperature=1.0, seed=3)
+    want = clean.send_ids([5, 6, 7], max_new_tokens=4)
+    s = session_mod.Session(model, draft, gamma=2, capacity=64, temperature=1.0, seed=3)
+    before = _key_bytes(s.key)
+    real = session_mod.loop_step
+
+    def refused(*args, **kwargs):
+        raise ValueError("refused while traced")
+
+    monkeypatch.setattr(session_mod, "loop_step", refused)
+    with pytest.raises(ValueError, match="refused while traced"):
+        s.send_ids([5, 6, 7], max_new_tokens=4)
+    assert _key_bytes(s.key) == before and s.state is None and s.lost is None and s.tokens == []
+    monkeypatch.setattr(session_mod, "loop_step", real)
+    assert s.send_ids([5, 6, 7], max_new_tokens=4) == want
+    assert _key_bytes(s.key) == _key_bytes(clean.key)
