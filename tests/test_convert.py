@@ -369,6 +369,31 @@ def test_gguf_rope_keys_read_as_llama_cpp_reads_them(llama_model, tmp_path):
         load_gguf(write_gguf(llama_model, tmp_path / "partial.gguf", n_rot=head // 2))
 
 
+def test_gguf_explicit_rope_scaling_type_read_as_llama_cpp_reads_it(llama_model, tmp_path):
+    """An explicit rope.scaling.type: "linear" with a factor of 1 or 0 scales nothing (plain RoPE, not linear x1);
+    "linear" without a factor is an error; "none" never scales, whatever the factor (llama.cpp: never scale if
+    the type is none); any other type (yarn) is refused. Mutants of each of these survived the key test above."""
+    linear, none = gguf.RopeScalingType.LINEAR, gguf.RopeScalingType.NONE
+
+    def rope_of(name, scaling, factor=None):
+        def extra(w):
+            w.add_rope_scaling_type(scaling)
+            if factor is not None:
+                w.add_rope_scaling_factor(factor)
+        return load_gguf(write_gguf(llama_model, tmp_path / name, extra=extra))[0].rope
+
+    plain = RopeConfig(theta=10000.0)
+    assert rope_of("one.gguf", linear, 1.0) == plain
+    assert rope_of("zero.gguf", linear, 0.0) == plain
+    assert rope_of("none.gguf", none, 4.0) == plain
+    with pytest.raises(ValueError, match=r"GGUF metadata key llama.rope.scaling.factor is missing \(rope scaling "
+                                         r"type 'linear'\)"):
+        rope_of("no_factor.gguf", linear)
+    with pytest.raises(ConfigError, match=r"llama.rope.scaling.type='yarn' is not supported; expected 'none' or "
+                                          r"'linear'"):
+        rope_of("yarn.gguf", gguf.RopeScalingType.YARN, 4.0)
+
+
 def test_gguf_unknown_architecture_is_named(llama_model, tmp_path):
     path = write_gguf(llama_model, tmp_path / "falcon.gguf", arch="falcon")
     with pytest.raises(ConfigError, match="falcon"):

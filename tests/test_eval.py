@@ -174,6 +174,23 @@ def test_passkey_corpus_haystack(tokenizer, corpus):
         passkey.check_haystack("books")
 
 
+def test_passkey_corpus_stretch_is_a_contiguous_run_at_a_seeded_legal_offset(tokenizer):
+    """The "corpus" filler is corpus[start:start + F] with start drawn by rng.integers(0, N - F): a fake corpus of
+    distinct ids shows the start. With N = F + 3 samples must use every start 0, 1, 2 and no other (mutants the
+    bound N - F + 1 and the stretch one past the offset survived before); N = F + 1 allows only start 0. The
+    stretch never holds the corpus's last token (as the error asks for F + 1 tokens)."""
+    F = passkey.make_prompt(tokenizer, 200, 0.5, "12345", np.random.default_rng(0)).filler_tokens
+    for extra, allowed in ((3, {0, 1, 2}), (1, {0})):
+        corpus_ids = np.arange(2, 2 + F + extra, dtype=np.int32)  # distinct, non-special ids: the value is the place
+        starts = set()
+        for p in passkey.make_prompts(tokenizer, 200, 40, seed=7, corpus_ids=corpus_ids):
+            filler = _filler(p)
+            start = int(filler[0]) - 2
+            assert filler.tolist() == corpus_ids[start:start + F].tolist()  # one contiguous run, F long
+            starts.add(start)
+        assert starts == allowed, (extra, sorted(starts))
+
+
 def test_the_corpus_needle_never_splits_a_word(tokenizer):
     """The needle goes in at a word's start, the depth's token moved back while it continues a word ("a por The
     pass key is ... pass key.cupine" before). Words the tokenizer never saw take several tokens each."""
