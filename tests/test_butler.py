@@ -747,6 +747,27 @@ def test_butler_eval_selection_mask_of_h2o_equals_numpy_reference():
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("recent, r", [(0.2, 3), (1e-46, 1)])
+def test_butler_eval_selection_mask_of_h2o_rounds_the_recent_window_up_to_at_least_one(recent, r):
+    """H2O's recent window in the coverage is its decode's (`H2O.kept_keys`): r = max(ceil(recent * k), 1) keys.
+    At k = 12 (P = 36, budget 0.3), recent=0.2 gives r = ceil(2.4) = 3, not round's 2; recent=1e-46 (valid, > 0)
+    is 0 as an f32 product, and r = 1 still keeps the query's own key P. Scores fall with the position, so the
+    heavy keys are 0 .. k - r - 1 and the window's size shows: keys 0..8 and 34..36 (r=3), 0..10 and 36 (r=1)."""
+    from eval import butler_eval
+
+    m = make_method("h2o", budget=0.3, min_tokens=6, recent=recent)
+    P, k = 36, 12
+    assert _budget(P + 1, 0.3, 6) == k
+    score = jnp.broadcast_to(-jnp.arange(N, dtype=jnp.float32), (B, HKV, N))
+    q_row, kc = _normal(33, (B, 1, HQ, D)), _normal(34, (B, HKV, N, D))
+    got = np.asarray(butler_eval.selection_mask("h2o", m, CFG, 1, q_row, kc, P, h2o_score=score))
+    want = np.zeros(N, bool)
+    want[:k - r] = want[P - r + 1:P + 1] = True
+    np.testing.assert_array_equal(got, np.broadcast_to(want, (B, HQ, N)))
+    decode = np.asarray(m.kept_keys(score, jnp.full((B,), P, jnp.int32), N))  # [B, Hkv, N]
+    np.testing.assert_array_equal(got, np.repeat(decode, G, axis=1))
+
+
 def test_butler_eval_token_coverage_of_h2o_scores_the_rows_before_p(model):
     """token_coverage("h2o"): the accumulated score at the last position P is the attention the rows 0..P-1 paid
     (pooled over each GQA group), not including row P's own."""
