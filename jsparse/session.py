@@ -40,7 +40,10 @@ class Session:
         window W whose method does not honour windows (`jsparse.window_methods()`), W rounded down to whole blocks
         of 128 (else 16, else 1) rows (`api.window_capacity`), as `generate` caps it; a capacity above such a W is
         refused);
-        temperature, top_p, seed: sampling.
+        temperature, top_p, seed: sampling. Each turn draws with keys split from the session's key, which
+        advances once per successful turn: a turn refused before its step runs leaves the key and the
+        conversation as they were, so retrying it samples as if it had not failed (one that fails after the old
+        cache was donated marks the session lost).
     """
 
     def __init__(self, model: LoadedModel, draft: LoadedModel, *, method: Any = "dense", gamma: int = 4,
