@@ -1,6 +1,7 @@
 """pallas_kernels.page_scores: the Triton kernel (interpret mode) equals the jnp reference, which equals the plain
 sum over d of max(q kmax, q kmin); one layer's scores equal its row of a stack's."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -58,3 +59,35 @@ def test_layer_is_checked_and_read_alike():
     for layer in (-3, jnp.int32(-3)):  # the range's lower bound, static and traced
         np.testing.assert_array_equal(page_scores(q, kmin, kmax, layer, implementation="reference"), first)
     assert not np.array_equal(first, last)
+
+
+def test_kernel_stores_only_the_valid_pages():
+    """The store mask writes pages < P of each row and nothing past them. The wrapper's output is [.., Rp, P], so
+    the interpreter drops out-of-bounds lanes whatever the mask (pads, writes, unpads): dropping the mask, or
+    widening it to pages <= P, passes every test through `page_scores_gpu`; on a GPU those lanes of row r land in
+    row r + 1's first pages (row stride P), a race with the program writing them. So run the kernel into a row
+    wider than P (a whole number of blocks, prefilled with a sentinel): pages past P must keep the sentinel
+    (their lanes computed page 0's scores), the pages before it the reference's scores."""
+    from jax.experimental import pallas as pl
+
+    from pallas_kernels.page_scores.gpu import _kernel
+
+    L, B, Hkv, R, P, D, bp, layer = 2, 1, 2, 3, 37, 16, 16, 1
+    Rp, W = 4, 48  # rows padded to a power of two; 3 blocks of 16 pages
+    q = _rand(0, (B, Hkv, R, D))
+    a, b = _rand(1, (L, B, Hkv, P, D)), _rand(2, (L, B, Hkv, P, D))
+    kmin, kmax = jnp.minimum(a, b), jnp.maximum(a, b)
+    sentinel = 12345.0
+    bounds = pl.BlockSpec((L, None, None, P, D), lambda b, h, j: (0, b, h, 0, 0))
+    out = pl.BlockSpec((None, None, Rp, W), lambda b, h, j: (b, h, 0, 0))
+    got = pl.pallas_call(
+        lambda lay, q_, lo, hi, _init, o: _kernel(lay, q_, lo, hi, o, n=P, rows=Rp, block_p=bp, L=L),
+        grid=(B, Hkv, pl.cdiv(P, bp)),
+        in_specs=[pl.BlockSpec((1,), lambda b, h, j: (0,)),
+                  pl.BlockSpec((None, None, Rp, D), lambda b, h, j: (b, h, 0, 0)), bounds, bounds, out],
+        out_specs=out, out_shape=jax.ShapeDtypeStruct((B, Hkv, Rp, W), jnp.float32),
+        input_output_aliases={4: 0}, interpret=True,
+    )(jnp.array([layer], jnp.int32), jnp.pad(q, ((0, 0), (0, 0), (0, Rp - R), (0, 0))), kmin, kmax,
+      jnp.full((B, Hkv, Rp, W), sentinel, jnp.float32))
+    np.testing.assert_array_equal(got[..., P:], sentinel)  # lanes past P: not stored
+    np.testing.assert_allclose(got[:, :, :R, :P], page_scores_reference(q, kmin, kmax, layer), rtol=1e-6, atol=1e-5)
