@@ -304,3 +304,40 @@ def test_calibrate_refuses_too_short_prompts_or_no_samples_and_a_length_one_past
     with pytest.raises(SystemExit) as e:
         main(["generate", "--prompt", "Hi", "--bogus-flag"])
     assert e.value.code == 2 and "unrecognized arguments: --bogus-flag" in capsys.readouterr().err
+
+
+def test_bench_forwards_its_arguments_prog_and_exit_status(monkeypatch, capsys):
+    """`jsparse bench NAME ARGS...` hands every ARG (in order, values and positionals too) to NAME's module
+    `main(argv, prog="jsparse bench NAME")`, sets the command its JSON records before the module runs, and returns
+    the module's exit status (None: 0). A real module's usage error names `jsparse bench NAME` and the argument
+    that was passed last (model_table checks --bar before reading any file; nothing runs)."""
+    import sys
+    import types
+
+    from eval.bench import common
+    from jsparse.cli import BENCHMARKS
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "model_table", "runs.json", "--link-root", ".", "--bar", "2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage: jsparse bench model_table " in err
+    assert "--bar 2.0: expected a share in (0, 1]" in err
+
+    calls = []
+
+    def fake_main(argv, prog=None):
+        calls.append((list(argv), prog, common.COMMAND))
+        return len(calls) - 1  # 0, then 1
+
+    fake = types.ModuleType("fake_bench_module")
+    fake.main = fake_main
+    monkeypatch.setitem(sys.modules, "fake_bench_module", fake)
+    monkeypatch.setitem(BENCHMARKS, "fake", ("fake_bench_module", "a stand-in benchmark"))
+    monkeypatch.setattr(common, "COMMAND", None)
+    argv = ["--context", "4096", "in.json", "--flag", "--out", "x/"]
+    assert main(["bench", "fake", *argv]) == 0
+    assert main(["bench", "fake", "--help"]) == 1
+    assert calls == [(argv, "jsparse bench fake", "jsparse bench fake --context 4096 in.json --flag --out x/"),
+                     (["--help"], "jsparse bench fake", "jsparse bench fake --help")]
+    fake.main = lambda argv, prog=None: None
+    assert main(["bench", "fake"]) == 0

@@ -122,3 +122,34 @@ def test_eval_command_accepts_draft_with_ruler_tasks(model, tmp_path, monkeypatc
     records = json.loads((out / "results.json").read_text())["records"]
     assert [(r["task"], r["n"]) for r in records if r["depth"] is None] == [("coref", 1)]
     assert 0.0 <= records[0]["acceptance_rate"] <= 1.0
+
+
+def test_eval_command_records_gamma_only_with_a_draft(model, tmp_path, monkeypatch):  # noqa: F811
+    """--gamma is what ran, recorded only where a draft ran: results.json's meta and its resume config carry the
+    given gamma with --draft (so a resume with another gamma is refused) and gamma None without one (a run without
+    a draft decodes no speculative rounds; its default 4 in the spec is not a configuration, and folders written
+    without a draft must keep resuming). (--gamma without --draft is refused: test above.)"""
+    draft = keep_layers(model, [0])
+    monkeypatch.setattr(jsparse, "load", lambda spec, dtype=None, **kw: draft if spec == "tiny:draft" else model)
+    parser = argparse.ArgumentParser(prog="jsparse")
+    cli_eval.add_eval_parser(parser.add_subparsers(dest="command", required=True))
+    base = ["eval", "--model", "tiny", "--methods", "dense", "--tasks", "passkey", "--lengths", "160", "--samples",
+            "1", "--new-tokens", "4", "--no-progress", "--no-report"]
+    with_draft = ["--draft", "tiny:draft", "--gamma", "3"]
+
+    def config(*extra):
+        return cli_eval.run_config(cli_eval.spec_from_args(parser.parse_args(base + ["--out", "x", *extra])), "m",
+                                   None)
+
+    assert config()["gamma"] is None and config()["draft"] is None
+    assert config(*with_draft)["gamma"] == 3 and config("--draft", "tiny:draft")["gamma"] == 4
+    for extra, gamma in ((with_draft, 3), ([], None)):
+        out = tmp_path / f"gamma{gamma}"
+        args = parser.parse_args(base + ["--out", str(out), *extra])
+        assert args.func(args) == 0
+        meta = json.loads((out / "results.json").read_text())["meta"]
+        assert meta["gamma"] == meta["config"]["gamma"] == gamma
+        assert (meta["draft"] is None) == (gamma is None)
+    first = json.loads((tmp_path / "gamma3" / "results.json").read_text())["meta"]["config"]
+    with pytest.raises(ValueError, match="was run with gamma=3, this run has gamma=5"):
+        cli_eval.resume_config(str(tmp_path / "gamma3"), {**first, "gamma": 5}, False, ("dense",))
