@@ -88,6 +88,25 @@ def test_compact_entries():
     np.testing.assert_array_equal(np.asarray(ent[0, 0, 2]), [7, 2, 5, 6, 0])  # valid first, in order, then 0
     ent, count = mg.compact_entries(idx, tile=64, block_size=8)  # starts 0, 64, 128: blocks < 0, 8, 16
     np.testing.assert_array_equal(np.asarray(count), [[[0, 0, 4]]])
+    # An entry whose block start overflows int32 (2^28 * 8 = 2^31 wraps to -2^31 < every start) is past every
+    # tile, not before it: compared as ind < ceil(start / block_size), never multiplied.
+    huge = jnp.asarray([[[[2 ** 28, 1], [2 ** 29 + 1, 3], [2 ** 30, 9]]]], jnp.int32)
+    ent, count = mg.compact_entries(huge, tile=32, block_size=8)
+    np.testing.assert_array_equal(np.asarray(count), [[[0, 1, 0]]])
+    np.testing.assert_array_equal(np.asarray(ent[0, 0, 1]), [3, 0])
+
+
+def test_useful_end_never_counts_an_index_whose_block_start_overflows():
+    """`gpu_common._useful_end` (1 + the last entry whose block starts at or before the limit), the tile-gathered
+    prefill's and the decode's bound on the entries they read: an index past 2^31 / block_size is past every limit
+    (its start, multiplied out, would wrap around int32 to a negative and count as usable), and limit -1 (nothing
+    visible) takes no entry."""
+    from pallas_kernels.sparse_attention.gpu_common import _useful_end
+    idx = jnp.asarray([[0, 2, 2 ** 28, 5], [2 ** 29 + 1, 1, -1, 2 ** 28 + 3], [0, 1, 2, 3]], jnp.int32)
+    end = _useful_end(idx, jnp.asarray([40, 15, -1], jnp.int32), block_size=8)  # blocks <= 5, <= 1, none
+    np.testing.assert_array_equal(np.asarray(end), [4, 2, 0])
+    end = _useful_end(idx, jnp.asarray([39, 7, 0], jnp.int32), block_size=8)  # blocks <= 4, <= 0, <= 0
+    np.testing.assert_array_equal(np.asarray(end), [2, 0, 1])
 
 
 @pytest.mark.parametrize("tile,bs,block_kv", [(128, 64, 128), (32, 8, 64)])

@@ -108,7 +108,9 @@ def _useful_end(indices: Array, limit: Array, block_size: int) -> Array:
       indices: int32[..., K]; limit: int32[...] (last usable token, inclusive).
     """
     K = indices.shape[-1]
-    ok = (indices >= 0) & (indices * block_size <= limit[..., None])
+    # indices <= floor(limit / block_size), not indices * block_size <= limit: the product of an index past 2^31 /
+    # block_size wraps around int32 and would count as a block before the limit (limit -1: no index passes).
+    ok = (indices >= 0) & (indices <= jnp.floor_divide(limit, block_size)[..., None])
     return jnp.max(jnp.where(ok, jnp.arange(1, K + 1, dtype=jnp.int32), 0), axis=-1).astype(jnp.int32)
 
 
