@@ -126,3 +126,18 @@ def block_token_positions(indices: Array, block_size: int) -> Array:
     offsets = jnp.arange(block_size, dtype=jnp.int32)
     tok = jnp.where(indices[..., None] >= 0, indices[..., None] * block_size + offsets, -1)
     return tok.reshape(*indices.shape[:-1], indices.shape[-1] * block_size)
+
+
+def blocks_at_or_before(indices: Array, limit: Array, block_size: int) -> Array:
+    """Which entries are blocks (>= 0) starting at or before token `limit` (broadcast against indices; -1: none).
+
+    Compared as indices <= floor(limit / block_size), never as indices * block_size <= limit: the product of an index
+    past 2^31 / block_size wraps around int32 and would pass as a block before the limit.
+    """
+    return (indices >= 0) & (indices <= jnp.floor_divide(limit, block_size))
+
+
+def blocks_before(indices: Array, start: Array, block_size: int) -> Array:
+    """Which entries are blocks (>= 0) starting before token `start` (>= 0, broadcast against indices): indices <
+    ceil(start / block_size), without the int32 product that wraps around (`blocks_at_or_before`)."""
+    return (indices >= 0) & (indices < -(-start // block_size))

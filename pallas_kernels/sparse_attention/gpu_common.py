@@ -12,7 +12,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.sparse_attention.common import check_prefill_args
+from pallas_kernels.sparse_attention.common import blocks_at_or_before, check_prefill_args
 
 Array = jax.Array
 
@@ -108,9 +108,7 @@ def _useful_end(indices: Array, limit: Array, block_size: int) -> Array:
       indices: int32[..., K]; limit: int32[...] (last usable token, inclusive).
     """
     K = indices.shape[-1]
-    # indices <= floor(limit / block_size), not indices * block_size <= limit: the product of an index past 2^31 /
-    # block_size wraps around int32 and would count as a block before the limit (limit -1: no index passes).
-    ok = (indices >= 0) & (indices <= jnp.floor_divide(limit, block_size)[..., None])
+    ok = blocks_at_or_before(indices, limit[..., None], block_size)
     return jnp.max(jnp.where(ok, jnp.arange(1, K + 1, dtype=jnp.int32), 0), axis=-1).astype(jnp.int32)
 
 

@@ -56,7 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.sparse_attention.common import check_prefill_args, default_scale
+from pallas_kernels.sparse_attention.common import blocks_before, check_prefill_args, default_scale
 
 Array = jax.Array
 
@@ -152,9 +152,7 @@ def compact_entries(indices: Array, tile: int, block_size: int) -> tuple[Array, 
     nt = indices.shape[2]
     ind = indices.astype(jnp.int32)
     starts = jnp.arange(nt, dtype=jnp.int32) * tile
-    # ind < ceil(start / block_size), not ind * block_size < start: the product wraps around int32 for an index
-    # past 2^31 / block_size (a garbage entry would pass as a block before the tile).
-    ok = (ind >= 0) & (ind < -(-starts[:, None] // block_size))
+    ok = blocks_before(ind, starts[:, None], block_size)
     count = jnp.sum(ok, axis=-1, dtype=jnp.int32)
     pos = jnp.where(ok, jnp.cumsum(ok, axis=-1, dtype=jnp.int32) - 1, K)  # K: dropped
     rows = ind.reshape(-1, K)

@@ -36,7 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.layers import check_layer, layer_index, select_layer  # noqa: F401  (re-exported)
 from pallas_kernels.sparse_attention import gpu, reference, tpu
-from pallas_kernels.sparse_attention.common import check_decode_args, default_scale
+from pallas_kernels.sparse_attention.common import blocks_at_or_before, check_decode_args, default_scale
 
 Array = jax.Array
 
@@ -370,7 +370,7 @@ def sparse_decode_stacked_tpu(q: Array, k_all: Array, v_all: Array, layer: Array
     lengths = lengths.astype(jnp.int32)
     lim = jnp.minimum(lengths[:, None] - T + jnp.arange(T, dtype=jnp.int32), N - 1)  # [B, T]
     ent = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, 0), (0, M - K)), constant_values=-1)
-    ent = jnp.where((ent >= 0) & (ent * block_size <= lim[:, None, :, None]), ent, -1)  # drop useless ones
+    ent = jnp.where(blocks_at_or_before(ent, lim[:, None, :, None], block_size), ent, -1)  # drop useless ones
     blk = tpu._forward_fill(ent.reshape(-1, M))
     qg = q.reshape(B, T, Hkv, G, D).transpose(0, 2, 1, 3, 4)  # [B, Hkv, T, G, D]
     lay = layer_index(layer, L).reshape(1)

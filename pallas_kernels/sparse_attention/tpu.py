@@ -27,7 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.sparse_attention.common import check_decode_args, check_prefill_args, default_scale
+from pallas_kernels.sparse_attention.common import (blocks_at_or_before, blocks_before, check_decode_args,
+                                                   check_prefill_args, default_scale)
 
 Array = jax.Array
 
@@ -167,7 +168,7 @@ def sparse_decode_tpu(q: Array, k: Array, v: Array, indices: Array, lengths: Arr
     lengths = lengths.astype(jnp.int32)
     lim = jnp.minimum(lengths[:, None] - T + jnp.arange(T, dtype=jnp.int32), N - 1)  # [B, T]
     ent = jnp.pad(indices.astype(jnp.int32), ((0, 0), (0, 0), (0, 0), (0, M - K)), constant_values=-1)
-    ent = jnp.where((ent >= 0) & (ent * block_size <= lim[:, None, :, None]), ent, -1)  # drop useless ones
+    ent = jnp.where(blocks_at_or_before(ent, lim[:, None, :, None], block_size), ent, -1)  # drop useless ones
     blk = _forward_fill(ent.reshape(-1, M))
     qg = q.reshape(B, T, Hkv, G, D).transpose(0, 2, 1, 3, 4)  # [B, Hkv, T, G, D]
 
@@ -270,7 +271,7 @@ def sparse_prefill_tpu(q: Array, k: Array, v: Array, indices: Array, lengths: Ar
 
     starts = jnp.arange(nt, dtype=jnp.int32) * tile
     sel = indices.astype(jnp.int32)
-    sel = jnp.where((sel >= 0) & (sel * block_size < starts[:, None]), sel, -1)  # before the tile start only
+    sel = jnp.where(blocks_before(sel, starts[:, None], block_size), sel, -1)  # before the tile start only
     diag = jnp.broadcast_to(starts[:, None] // block_size + jnp.arange(nd, dtype=jnp.int32), (B, Hkv, nt, nd))
     ent = jnp.concatenate([sel, diag, jnp.full((B, Hkv, nt, M - K - nd), -1, jnp.int32)], axis=-1)
     blk = _forward_fill(ent.reshape(-1, M))
