@@ -244,6 +244,46 @@ def test_decode_gpu_interpret_empty_rows_and_empty_splits():
     np.testing.assert_allclose(np.asarray(out[1, 0]), np.asarray(v[1, :, 63].repeat(2, 0)), rtol=1e-6)
 
 
+def test_an_entry_whose_tokens_wrap_int32_is_no_block_in_every_path():
+    """An index entry past 2^31 / block_size names tokens past int32, so no token of any cache: (2^28 + 1) * 16 =
+    2^32 + 16 wraps around to token 16. The reference, XLA and the Triton kernels (interpret; the decode with its
+    in-kernel entry check) give what the same call with that entry -1 gives, not what entry 1 (the wrapped
+    block) gives; so does the API's default implementation (on a GPU host: the compiled kernels)."""
+    huge = 2 ** 28 + 1
+    B, T, Hq, Hkv, D, N, K, lengths, bs = DECODE_CASES[3]
+    q, k, v, idx, lens = decode_inputs(5, B, T, Hq, Hkv, D, N, K, lengths, bs, jnp.float32)
+    at = (0, 0, 0, 1)  # row 0 (97 tokens: block 1 is visible), in the middle of the row
+    calls = {
+        "reference": lambda i: ref.sparse_decode_reference(q, k, v, i, lens, block_size=bs),
+        "xla": lambda i: sparse_decode_xla(q, k, v, i, lens, block_size=bs),
+        "gpu": lambda i: gpu.sparse_decode_gpu(q, k, v, i, lens, block_size=bs, interpret=True,
+                                               config=gpu.DecodeConfig(block_k=16, num_splits=2)),
+        "default": lambda i: sparse_decode(q, k, v, i, lens, block_size=bs),
+    }
+    want = ref.sparse_decode_reference(q, k, v, idx.at[at].set(-1), lens, block_size=bs)
+    wrapped = ref.sparse_decode_reference(q, k, v, idx.at[at].set(1), lens, block_size=bs)
+    assert float(jnp.max(jnp.abs(wrapped - want))) > 1e-3  # reading block 1 would show
+    for name, call in calls.items():
+        assert_close(call(idx.at[at].set(huge)), want, jnp.float32, f"decode {name}")
+
+    B, T, Hq, Hkv, D, K, lengths, tile, bs = PREFILL_CASES[2]  # block_size 8: (2^28 + 1) * 8 wraps to 2^31 + 8
+    huge = 2 ** 29 + 1  # * 8 = 2^32 + 8: block 1
+    q, k, v, idx, lens = prefill_inputs(7, B, T, Hq, Hkv, D, K, lengths, tile, bs, jnp.float32)
+    at = (0, 0, 2, 0)  # tile 2 (rows 32..39): block 1 lies before it
+    want = ref.sparse_prefill_reference(q, k, v, idx.at[at].set(-1), lens, tile=tile, block_size=bs)
+    wrapped = ref.sparse_prefill_reference(q, k, v, idx.at[at].set(1), lens, tile=tile, block_size=bs)
+    assert float(jnp.max(jnp.abs(wrapped - want))) > 1e-3
+    bad = idx.at[at].set(huge)
+    assert_close(ref.sparse_prefill_reference(q, k, v, bad, lens, tile=tile, block_size=bs), want, jnp.float32,
+                 "prefill reference")
+    assert_close(sparse_prefill_xla(q, k, v, bad, lens, tile=tile, block_size=bs), want, jnp.float32, "prefill xla")
+    got = gpu.sparse_prefill_gpu(q, k, v, bad, lens, tile=tile, block_size=bs, interpret=True,
+                                 config=gpu.PrefillConfig(block_k=16))
+    assert_close(got, want, jnp.float32, "prefill gpu")
+    got = sparse_prefill(q, k, v, bad, lens, tile=tile, block_size=bs)
+    assert_close(got, want, jnp.float32, "prefill default")
+
+
 @pytest.mark.parametrize("case,dtype", [
     (PREFILL_CASES[0], jnp.float32),
     (PREFILL_CASES[1], jnp.bfloat16),

@@ -79,6 +79,26 @@ def test_sparse_stacked_gpu_interpret_matches_sliced_reference(case, dtype, laye
     assert float(jnp.max(jnp.abs(other.astype(jnp.float32) - want.astype(jnp.float32)))) > 0.1
 
 
+def test_sparse_stacked_gpu_entry_whose_tokens_wrap_int32_is_no_block():
+    """An entry past 2^31 / block_size ((2^28 + 1) * 16 = 2^32 + 16, which wraps around to token 16) is no block
+    for the stacked kernel's in-kernel checks: the call equals the one with that entry -1, as the reference,
+    whether it sits mid-row or last. One split per row, so a mid-row entry is inside its split's useful end and
+    only the gather's own check drops it."""
+    L, B, T, Hq, Hkv, D, N, K, lengths, bs = SPARSE_GPU_CASES[1][0]
+    rng, q, k_all, v_all, lens = stacked_inputs(10, L, B, T, Hq, Hkv, D, N, lengths, jnp.float32)
+    idx = jnp.asarray(random_decode_indices(rng, lengths, Hkv, T, K, block_size=bs))
+    for at in ((0, 0, 0, 1), (0, 1, 1, K - 1)):
+        want = ref.sparse_decode_reference(q, k_all[1], v_all[1], idx.at[at].set(-1), lens, block_size=bs)
+        wrapped = ref.sparse_decode_reference(q, k_all[1], v_all[1], idx.at[at].set(1), lens, block_size=bs)
+        assert float(jnp.max(jnp.abs(wrapped - want))) > 1e-3  # reading block 1 would show
+        got = stacked.sparse_decode_stacked_gpu(q, k_all, v_all, jnp.int32(1), idx.at[at].set(2 ** 28 + 1), lens,
+                                                block_size=bs, config=gpu.DecodeConfig(block_k=16, num_splits=1),
+                                                interpret=True)
+        assert_close(got, want, jnp.float32, f"entry at {at}")
+        got = sparse_decode(q, k_all, v_all, idx.at[at].set(2 ** 28 + 1), lens, layer=jnp.int32(1), block_size=bs)
+        assert_close(got, want, jnp.float32, f"default implementation, entry at {at}")  # a GPU host: compiled
+
+
 @pytest.mark.parametrize("case,dtype,layers,config", SPARSE_GPU_CASES)
 def test_sparse_stacked_gpu_head_map_equals_taken_indices(case, dtype, layers, config):
     """head_map read in-kernel (Kascade's reuse layers) = the call on jnp.take(indices, head_map, axis=1)."""

@@ -118,26 +118,37 @@ def block_token_positions(indices: Array, block_size: int) -> Array:
 
     Returns:
       int32[..., K * block_size]: entry j's tokens j*bs .. j*bs + bs - 1, in order; a -1 entry gives
-      negative positions (every one of them < 0), so `>= 0` tells the real tokens.
+      negative positions (every one of them < 0), so `>= 0` tells the real tokens. So does an entry whose tokens
+      lie past int32 (j > (2^31 - 1) // bs - 1: past any cache), where j * bs would wrap around to a real token.
     """
     indices = indices.astype(jnp.int32)
     if block_size == 1:
         return indices
     offsets = jnp.arange(block_size, dtype=jnp.int32)
-    tok = jnp.where(indices[..., None] >= 0, indices[..., None] * block_size + offsets, -1)
+    real = (indices >= 0) & (indices < (2 ** 31 - 1) // block_size)  # its last token j * bs + bs - 1 < 2^31
+    tok = jnp.where(real[..., None], indices[..., None] * block_size + offsets, -1)
     return tok.reshape(*indices.shape[:-1], indices.shape[-1] * block_size)
+
+
+def floor_blocks(x: Array, block_size: int) -> Array:
+    """floor(x / block_size) of int32 x (negative x too): an arithmetic shift for a power-of-two block_size (what
+    the Pallas kernels take; Triton lowers it), a floor division otherwise."""
+    if block_size & (block_size - 1) == 0:
+        return jax.lax.shift_right_arithmetic(x, jnp.full_like(x, block_size.bit_length() - 1))
+    return jnp.floor_divide(x, block_size)
 
 
 def blocks_at_or_before(indices: Array, limit: Array, block_size: int) -> Array:
     """Which entries are blocks (>= 0) starting at or before token `limit` (broadcast against indices; -1: none).
 
     Compared as indices <= floor(limit / block_size), never as indices * block_size <= limit: the product of an index
-    past 2^31 / block_size wraps around int32 and would pass as a block before the limit.
+    past 2^31 / block_size wraps around int32 and would pass as a block before the limit. The Triton kernels take it
+    in-kernel too (the entries they read are raw), so an entry it passes has tokens j * bs .. that do not wrap.
     """
-    return (indices >= 0) & (indices <= jnp.floor_divide(limit, block_size))
+    return (indices >= 0) & (indices <= floor_blocks(jnp.asarray(limit, jnp.int32), block_size))
 
 
 def blocks_before(indices: Array, start: Array, block_size: int) -> Array:
     """Which entries are blocks (>= 0) starting before token `start` (>= 0, broadcast against indices): indices <
     ceil(start / block_size), without the int32 product that wraps around (`blocks_at_or_before`)."""
-    return (indices >= 0) & (indices < -(-start // block_size))
+    return (indices >= 0) & (indices < -floor_blocks(-jnp.asarray(start, jnp.int32), block_size))

@@ -82,8 +82,8 @@ def _gather_rows(ent_ref, k_ref, v_ref, first_entry, limit, block_size: int, blo
     else:
         lane = jnp.arange(block_k, dtype=jnp.int32)
         ent = ent_ref[first_entry + lane // block_size]  # each entry repeated block_size times
-        tok = ent * block_size + lane % block_size
-        ok = (ent >= 0) & (tok <= limit)
+        tok = ent * block_size + lane % block_size  # wraps for an entry past 2^31 / block_size: not ok
+        ok = blocks_at_or_before(ent, limit, block_size) & (tok <= limit)
     safe = jnp.where(ok, tok, 0)
     return ok, k_ref[safe, :], v_ref[safe, :]
 

@@ -113,8 +113,8 @@ def _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, first_entry, n_valid, lim
     else:
         e = first_entry + lane // block_size
         ent = _entries(ent_ref, head, e, e < n_valid)
-        tok = ent * block_size + lane % block_size
-        ok = (ent >= 0) & (tok <= limit)
+        tok = ent * block_size + lane % block_size  # wraps for an entry past 2^31 / block_size: not ok
+        ok = blocks_at_or_before(ent, limit, block_size) & (tok <= limit)
     safe = jnp.where(ok, tok, 0)
     # One indexer (layer, rows, :): Triton lowering supports a single indexer per load.
     return ok, k_ref[layer, safe, :], v_ref[layer, safe, :]
@@ -155,7 +155,7 @@ def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, e
     Ep = max(16, pl.next_power_of_2(E))
     j = jnp.arange(Ep, dtype=jnp.int32)
     e = _entries(ent_ref, head, pl.ds(base, Ep), base + j < n_valid)
-    useful = (e >= 0) & (e * block_size <= limit)
+    useful = blocks_at_or_before(e, limit, block_size)
     n_entries = jnp.max(jnp.where(useful, j + 1, 0))
     lane = jnp.arange(max(gpu._MIN_ROWS, pl.next_power_of_2(G)), dtype=jnp.int32)
     q = q_ref[pl.program_id(1) * G + jnp.minimum(lane, G - 1), :]  # [Gp, D]
