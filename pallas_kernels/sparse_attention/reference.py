@@ -14,7 +14,8 @@ The index contract (shared by every implementation):
     its keys twice (in every implementation alike), so methods must not emit duplicates.
   * Query head h reads KV head h // G (G = Hq // Hkv), so the whole GQA group shares one index row.
   * Entries (or tokens of a block) that fall outside the valid range (after the query's own position, at or
-    beyond `lengths`, past the cache end) are ignored, never read out of bounds.
+    beyond `lengths`, past the cache end) are ignored, never read out of bounds; so is an entry whose tokens lie
+    past int32 (j > 2^31 / block_size - 1), whose j * bs would wrap around to a real token.
   * Softmax runs over exactly the valid selected keys, with f32 accumulation; a query row with no valid key
     outputs zeros (and, where returned, lse = -inf).
 
