@@ -10,6 +10,7 @@ import pytest
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.anchor_attention import (anchor_decode, anchor_decode_reference, anchor_prefill,
@@ -142,6 +143,105 @@ def test_stacked_cache_read_in_place():
         assert_close(out, want, jnp.float32, f"stacked dense={dense}")
     with pytest.raises(ValueError, match="stacked cache"):
         anchor_decode(q, k[0], v[0], lens, budget=budget, layer=jnp.int32(0))
+
+
+# The GPU scoring pass on the inputs the cases above miss: scores (both pooling passes) and the dense anchor's output
+# against the reference, with several splits of several key chunks each (block_n 16).
+
+def gpu_scores_config(pool, target_programs):
+    return gpu.AnchorConfig(block_n=16, target_programs=target_programs, pool=pool, pool_block=32)
+
+
+def check_gpu_scores(q, k, v, lens, cfg, scale=None, clean=None, rtol=1e-5, decode_scores=None):
+    """decode_scores_gpu (interpret) against the reference's scores and dense output (on `clean`, the cache the
+    reference reads, when the kernel's one holds garbage past the rows' lengths)."""
+    kr, vr = clean if clean is not None else (k, v)
+    scores, out = (decode_scores or gpu.decode_scores_gpu)(q, k, v, lens, scale=scale, dense_output=True, config=cfg,
+                                                           interpret=True)
+    want = np.asarray(decode_scores_reference(q, kr, lens, scale=scale))
+    want_out = anchor_decode_reference(q, kr, vr, lens, budget=1.0, min_tokens=0, scale=scale, dense_output=True)[0]
+    scores = np.asarray(scores)
+    np.testing.assert_array_equal(np.isneginf(scores), np.isneginf(want))
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(scores[fin], want[fin], rtol=rtol, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=rtol, atol=1e-5)
+
+
+@pytest.mark.parametrize("pool", ["xla", "triton"])
+def test_gpu_scores_at_split_and_chunk_edges(pool):
+    """G = 3 (padded rows), N = 72 (a masked tail), two splits of 3 and 2 chunks. Row 0's positions 31, 32 end
+    mid-split, the last on a chunk's first key (mutation: `lim + 1` -> `lim` in the chunk count dropped key 32);
+    row 1 (length 1 < T = 2) has a query with no visible key: scores all -inf, dense output 0 (mutations: reading
+    key 0 for it, or dividing by its zero sum); row 2 sees every key, the tail's last."""
+    q, k, v, lens = inputs(13, 3, 2, 6, 2, 16, 72, [33, 1, 72])
+    check_gpu_scores(q, k, v, lens, gpu_scores_config(pool, 24))
+
+
+@pytest.mark.parametrize("pool", ["xla", "triton"])
+def test_gpu_scores_ignore_garbage_past_the_length(pool):
+    """The cache past a row's length is garbage (NaN here): the scores and the dense output equal the reference's
+    on a clean cache (mutations: dropping the logits' visibility mask, whose NaN then became the running max, or
+    loading V up to N instead of the position)."""
+    q, k, v, lens = inputs(14, 2, 1, 4, 2, 16, 64, [40, 9])
+    past = (jnp.arange(64)[None, :] >= lens[:, None])[:, None, :, None]  # [B, 1, N, 1]
+    check_gpu_scores(q, jnp.where(past, jnp.nan, k), jnp.where(past, jnp.nan, v), lens,
+                     gpu_scores_config(pool, 8), clean=(k, v))
+
+
+def test_gpu_scores_with_logits_far_from_zero():
+    """Logits of +-150 (exp overflows f32 at 89): the online (max, sum) and the splits' merge must rescale by the
+    running max. Split 0 holds a chunk of +150 logits then one of -150 for one head (the reverse for the other);
+    row 1 sees one chunk of -150 logits only for its second head (mutations: each chunk's own max instead of the
+    running one, a running max starting at 0, the dense merge's weights exp(m) without the max: inf or 0)."""
+    B, Hq, Hkv, D, N = 2, 4, 2, 16, 64
+    rng = np.random.default_rng(15)
+    u = np.full(D, 0.25, np.float32)  # |u| = 1
+    sign = np.where(np.arange(N) // 16 % 2 == 0, 1.0, -1.0).astype(np.float32)  # chunks +, -, +, -
+    k = sign[None, None, :, None] * u + 0.05 * rng.standard_normal((B, Hkv, N, D)).astype(np.float32)
+    v = rng.standard_normal((B, Hkv, N, D)).astype(np.float32)
+    q = np.broadcast_to(np.array([150.0, -150.0] * Hkv, np.float32)[:, None] * u, (B, 1, Hq, D))
+    lens = jnp.asarray([64, 14], jnp.int32)
+    check_gpu_scores(*(jnp.asarray(x) for x in (q, k, v)), lens, gpu_scores_config("xla", 8), scale=1.0, rtol=1e-4)
+
+
+def _in_bounds(ref):
+    """bool[...]: which lanes of a `plgpu.load`/`plgpu.store` on the view ref (`x.at[...]`) fall inside x."""
+    (idx,) = ref.transforms
+    slices = sum(isinstance(s, pl.Slice) for s in idx.indices)
+    ok, dim = True, 0
+    for s, n in zip(idx.indices, idx.shape):
+        if isinstance(s, pl.Slice):
+            c = (s.start + jnp.arange(s.size)).reshape([-1 if j == dim else 1 for j in range(slices)])
+            dim += 1
+        else:
+            c = jnp.asarray(s)
+        ok = ok & (c >= 0) & (c < n)
+    return ok
+
+
+def test_gpu_kernels_never_touch_memory_outside_their_blocks(monkeypatch):
+    """On the GPU a lane that loads or stores outside its block reads or overwrites another program's rows (the
+    interpreter drops such stores, and such loads give values the kernels mask anyway: nothing else shows it).
+    Here every masked load and store of the scoring and pooling kernels turns all its values into NaN when a lane
+    its mask lets through is out of bounds, and the results must still equal the reference: G = 3 (padded query
+    rows), N = 72 (a partial last key chunk and pooling block), a row that sees every key (mutations: the logits'
+    store without the row mask or the key mask, the K load without its mask, the pooling load without its row
+    mask)."""
+    load, store = plgpu.load, plgpu.store
+
+    def checked_load(ref, *, mask=None, **kw):
+        out = load(ref, mask=mask, **kw)
+        return jnp.where(jnp.any(~_in_bounds(ref) & (True if mask is None else mask)), jnp.nan, out)
+
+    def checked_store(ref, val, *, mask=None, **kw):
+        stray = jnp.any(~_in_bounds(ref) & (True if mask is None else mask))
+        store(ref, jnp.where(stray, jnp.nan, val), mask=mask, **kw)
+
+    monkeypatch.setattr(plgpu, "load", checked_load)
+    monkeypatch.setattr(plgpu, "store", checked_store)
+    q, k, v, lens = inputs(16, 2, 1, 6, 2, 16, 72, [72, 30])
+    # Unjitted, so that no trace cached by another test runs instead of the checked kernels.
+    check_gpu_scores(q, k, v, lens, gpu_scores_config("triton", 8), decode_scores=gpu.decode_scores_gpu.__wrapped__)
 
 
 def test_api_dispatch_and_errors():
