@@ -318,6 +318,91 @@ def test_sample_ties_at_the_bracket_ends_do_not_fill_the_band():
     _sample_exact(x, k, K, sample_size=512, band_cap=64)
 
 
+
+# Negative rows, N = 1000 not a multiple of any chunk (64, 128) nor of the row program's 1024 lanes.
+TAIL_CONFIGS = [dict(path="row"), dict(path="fused", block_n=64, compact_block_n=128, target_programs=24),
+                dict(path="passes", block_n=64, compact_block_n=128, target_programs=24),
+                dict(SAMPLE, band_cap=32), dict(ORDERED, ordered_cap=32)]
+
+
+@pytest.mark.parametrize("config", TAIL_CONFIGS, ids=["row", "fused", "passes", "sample_fallback", "ordered_stream"])
+def test_masked_tail_is_never_counted(config):
+    """Every score below +0.0, the value a masked load gives past the row's end: the positions past N (the last
+    chunk's tail, the row program's padding) are never counted, so the threshold is the row's own (the streaming
+    fallbacks of "sample" and "ordered" included, cap 32)."""
+    rng = np.random.default_rng(17)
+    R, N, K = 6, 1000, 300
+    x = -(np.abs(rng.standard_normal((R, N))) + 0.5).astype(np.float32)
+    x[1] = -rng.integers(1, 5, N).astype(np.float32) / 2  # negative ties
+    x[2] = -0.0  # just below +0.0
+    x[3, rng.random(N) < 0.3] = -np.inf
+    k = np.array([1, 10, 100, 300, 250, 37], np.int32)
+    want = np.asarray(topk_select_reference(jnp.asarray(x), jnp.asarray(k), K))
+    got = gpu.topk_select_gpu(jnp.asarray(x), jnp.asarray(k), K, config=gpu.SelectConfig(**config), interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("config", TAIL_CONFIGS + [dict(SAMPLE, target_programs=1)],
+                         ids=["row", "fused", "passes", "sample_fallback", "ordered_stream", "sample_whole_rows"])
+def test_nan_above_the_threshold_takes_no_tie_quota(config):
+    """A few +NaNs above a tie group: they are ranked (they use up k) but never output, so the ties taken are
+    k - (keys above the ties, NaNs included), not k - (outputs above them)."""
+    rng = np.random.default_rng(19)
+    R, N, K = 4, 1000, 300
+    nan = np.array([0x7FC00000, 0x7FFFFFFF, 0x7F800001], np.uint32).view(np.float32)
+    x = rng.standard_normal((R, N)).astype(np.float32) - 3.0
+    x[:, rng.random(N) < 0.4] = 1.0  # the tie group, about 400 positions
+    for r in range(R):
+        x[r, rng.choice(N, 3 + r, replace=False)] = nan[rng.integers(0, 3, 3 + r)]
+    x[3, :20] = np.inf  # output above the ties, beside the NaNs
+    k = np.array([5, 40, 300, 40], np.int32)
+    want = np.asarray(topk_select_reference(jnp.asarray(x), jnp.asarray(k), K))
+    assert ((want >= 0).sum(axis=1) < k).all()  # the NaNs took ranks and no slot
+    got = gpu.topk_select_gpu(jnp.asarray(x), jnp.asarray(k), K, config=gpu.SelectConfig(**config), interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("path", ["sample", "ordered"])
+def test_sample_of_one_tie_group_the_row_mostly_lacks(path):
+    """Every sampled position holds 1.0 and no other position does: the bracket (A = B = 1.0, or the ordered
+    bound B = 1.0) lies above the threshold for k past the 256 ones, and its tie group must not be counted twice
+    (as == A and == B, or in the band and == B), so such rows take the exact fallback."""
+    from pallas_kernels.topk_select.gpu_sample import sample_positions
+
+    rng = np.random.default_rng(23)
+    R, N, K = 5, 2048, 400
+    x = (rng.standard_normal((R, N)) * 0.1 - 1.0).astype(np.float32)
+    x[:, np.asarray(sample_positions(N, SAMPLE["sample_size"]))] = 1.0
+    k = np.array([100, 256, 257, 300, 400], np.int32)
+    if path == "sample":
+        _sample_exact(x, k, K)
+    else:
+        want = np.asarray(topk_select_reference(jnp.asarray(x), jnp.asarray(k), K))
+        got = gpu.topk_select_gpu(jnp.asarray(x), jnp.asarray(k), K, config=gpu.SelectConfig(**ORDERED),
+                                  interpret=True)
+        np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_row_pick_mask_matches_reference():
+    """`gpu_row.row_pick_mask` (the in-register top-k of `block_scores`): exactly the reference's picks among the
+    candidates (non-candidates as -inf), heavy ties taken by position, k from 0 to every candidate."""
+    rng = np.random.default_rng(29)
+    R, P = 8, 256
+    x = (rng.integers(-6, 6, (R, P)) / 4).astype(np.float32)  # ties galore
+    cand = rng.random((R, P)) < 0.7
+    cand[0] = True
+    n = cand.sum(axis=1).astype(np.int32)
+    kk = np.array([0, 1, 5, 40, 100, 150, int(n[6]), int(n[7]) - 1], np.int32)
+    key = jnp.where(jnp.asarray(cand), float_keys(jnp.asarray(x)), np.int32(-2 ** 31))
+    got = np.asarray(jax.vmap(lambda kr, c, k_, n_: gpu_row.row_pick_mask(kr, c, k_, n_, 2))(
+        key, jnp.asarray(cand), jnp.asarray(kk), jnp.asarray(n)))
+    ref = np.asarray(topk_select_reference(jnp.where(jnp.asarray(cand), jnp.asarray(x), -jnp.inf), jnp.asarray(kk), P))
+    want = np.zeros((R, P), bool)
+    for r in range(R):
+        want[r, ref[r][ref[r] >= 0]] = True
+    np.testing.assert_array_equal(got, want)
+
+
 def test_sample_positions_stratified():
     from pallas_kernels.topk_select.gpu_sample import sample_positions
     for n, ns in [(8192, 8192), (100096, 8192), (12345, 1024), (2 ** 24 + 3, 32768)]:
@@ -355,6 +440,30 @@ def test_dispatch_and_config_errors():
             gpu.topk_select_gpu(x, 1, 4, config=gpu.SelectConfig(**bad), interpret=True)
     with pytest.raises(ValueError, match="N=40000"):
         gpu_row.topk_select_rows(jnp.zeros((1, 40000), jnp.float32), jnp.zeros((1,), jnp.int32), 8)
+
+
+
+def test_sample_positions_offsets_span_each_stratum():
+    """The hashed offset ranges over a stratum's whole width: with strata of 1 or 2 positions (n = 1.5 ns) both
+    offsets of the 2-wide strata occur (not always the stratum's start, a fixed stride)."""
+    from pallas_kernels.topk_select.gpu_sample import sample_positions
+    n, ns = 1536, 1024
+    i = np.arange(ns)
+    start, end = i * n // ns, (i + 1) * n // ns
+    off = np.asarray(sample_positions(n, ns)) - start
+    assert set(off[end - start == 2]) == {0, 1} and (off[end - start == 1] == 0).all()
+
+
+def test_auto_takes_ordered_at_exactly_its_bounds():
+    """"auto" takes "ordered" from exactly `ordered_min_rows` rows and for a band of exactly `ordered_max_cap`
+    ("at least this many rows whose band fits this capacity"), "sample" just below / above them."""
+    from pallas_kernels.topk_select import gpu_ordered
+
+    N, K = 100000, 2080
+    cap = gpu_ordered.band_capacity(K, N, gpu.SelectConfig().sample_for("ordered"), 4.0)
+    exact = gpu.SelectConfig(ordered_min_rows=512, ordered_max_cap=cap)
+    assert exact.pick_path(N, 512, K) == "ordered" and exact.pick_path(N, 511, K) == "sample"
+    assert gpu.SelectConfig(ordered_max_cap=cap // 2).pick_path(N, 512, K) == "sample"
 
 
 @pytest.mark.parametrize("path,shape,K,launches", [
