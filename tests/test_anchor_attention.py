@@ -10,7 +10,6 @@ import pytest
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.anchor_attention import (anchor_decode, anchor_decode_reference, anchor_prefill,
@@ -21,6 +20,7 @@ from pallas_kernels.anchor_attention.reference import decode_scores_reference
 from pallas_kernels.anchor_attention.xla import anchor_decode_xla
 from pallas_kernels.sparse_attention.reference import sparse_decode_reference, sparse_prefill_reference
 from lowering import H100, TPU_V5E, abstract_device
+from pallas_bounds import checked_memory
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
@@ -204,44 +204,18 @@ def test_gpu_scores_with_logits_far_from_zero():
     check_gpu_scores(*(jnp.asarray(x) for x in (q, k, v)), lens, gpu_scores_config("xla", 8), scale=1.0, rtol=1e-4)
 
 
-def _in_bounds(ref):
-    """bool[...]: which lanes of a `plgpu.load`/`plgpu.store` on the view ref (`x.at[...]`) fall inside x."""
-    (idx,) = ref.transforms
-    slices = sum(isinstance(s, pl.Slice) for s in idx.indices)
-    ok, dim = True, 0
-    for s, n in zip(idx.indices, idx.shape):
-        if isinstance(s, pl.Slice):
-            c = (s.start + jnp.arange(s.size)).reshape([-1 if j == dim else 1 for j in range(slices)])
-            dim += 1
-        else:
-            c = jnp.asarray(s)
-        ok = ok & (c >= 0) & (c < n)
-    return ok
-
-
-def test_gpu_kernels_never_touch_memory_outside_their_blocks(monkeypatch):
+def test_gpu_kernels_never_touch_memory_outside_their_blocks():
     """On the GPU a lane that loads or stores outside its block reads or overwrites another program's rows (the
     interpreter drops such stores, and such loads give values the kernels mask anyway: nothing else shows it).
-    Here every masked load and store of the scoring and pooling kernels turns all its values into NaN when a lane
-    its mask lets through is out of bounds, and the results must still equal the reference: G = 3 (padded query
-    rows), N = 72 (a partial last key chunk and pooling block), a row that sees every key (mutations: the logits'
-    store without the row mask or the key mask, the K load without its mask, the pooling load without its row
-    mask)."""
-    load, store = plgpu.load, plgpu.store
-
-    def checked_load(ref, *, mask=None, **kw):
-        out = load(ref, mask=mask, **kw)
-        return jnp.where(jnp.any(~_in_bounds(ref) & (True if mask is None else mask)), jnp.nan, out)
-
-    def checked_store(ref, val, *, mask=None, **kw):
-        stray = jnp.any(~_in_bounds(ref) & (True if mask is None else mask))
-        store(ref, jnp.where(stray, jnp.nan, val), mask=mask, **kw)
-
-    monkeypatch.setattr(plgpu, "load", checked_load)
-    monkeypatch.setattr(plgpu, "store", checked_store)
+    Under `checked_memory` every load and store of the scoring and pooling kernels that lets a lane outside its
+    block through is reported and turns its values into NaN, and the results must still equal the reference: G = 3
+    (padded query rows), N = 72 (a partial last key chunk and pooling block), a row that sees every key (mutations:
+    the logits' store without the row mask or the key mask, the K load without its mask, the pooling load without
+    its row mask)."""
     q, k, v, lens = inputs(16, 2, 1, 6, 2, 16, 72, [72, 30])
-    # Unjitted, so that no trace cached by another test runs instead of the checked kernels.
-    check_gpu_scores(q, k, v, lens, gpu_scores_config("triton", 8), decode_scores=gpu.decode_scores_gpu.__wrapped__)
+    with checked_memory():
+        # Unjitted, so that no trace cached by another test runs instead of the checked kernels.
+        check_gpu_scores(q, k, v, lens, gpu_scores_config("triton", 8), decode_scores=gpu.decode_scores_gpu.__wrapped__)
 
 
 def test_api_dispatch_and_errors():

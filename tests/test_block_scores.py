@@ -13,6 +13,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.block_scores import block_max_scores, gpu, reference, sparse_decode_mass, xla
 from pallas_kernels.sparse_attention import sparse_decode, stacked
 from lowering import H100, abstract_device
+from pallas_bounds import checked_memory
 
 L, B, HQ, HKV, D, N, BS = 3, 2, 8, 2, 16, 256, 8
 G = HQ // HKV
@@ -275,6 +276,39 @@ def test_decode_heat_with_a_gqa_group_of_three():
     np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(h, want_h, rtol=1e-5, atol=1e-6)
     assert float(jnp.abs(want_h - heat).max()) > 0  # the mass really moved the heat
+
+
+def test_kernels_stay_in_their_blocks():
+    """Every load and store of the block-max and heat kernels stays inside its block
+    (`pallas_bounds.checked_memory`: the interpreter pads stray loads and drops stray stores, where a GPU reads or
+    overwrites another program's rows): G = 3 (query rows padded to 16) and 25 blocks (N = 200), so the second
+    program of 16 blocks is partial; a head mask with a row of no head, positions mid-block; the decode with heat
+    with 9 entries in 2 splits (the split partials' padded rows and entries, the finish kernel's masked rows and
+    lanes), a row of length 0."""
+    n, nb = 200, 200 // BS
+    ks = jax.random.split(jax.random.key(23), 4)
+    q = jax.random.normal(ks[0], (B, 1, 6, D))
+    k = jax.random.normal(ks[1], (L, B, HKV, n, D))
+    v = jax.random.normal(ks[2], (L, B, HKV, n, D))
+    pos = jnp.array([[197], [37]], jnp.int32)
+    args = (q, k, jnp.int32(1), jnp.array([1, 0], jnp.int32), jnp.array([[True, False, True], [False] * 3]), pos,
+            jnp.array([[1], [0]], jnp.int32), pos // BS + jnp.array([[1], [0]], jnp.int32))
+    rng = np.random.default_rng(23)
+    idx = np.full((B, HKV, 1, 9), -1, np.int32)
+    for b, h in np.ndindex(B, HKV):
+        idx[b, h, 0, :6] = np.sort(rng.choice(nb, 6, replace=False))
+    heat_args = (q, k, v, jnp.int32(-1), jnp.asarray(idx), jnp.array([197, 0], jnp.int32),
+                 jax.random.uniform(ks[3], (L, B, HKV, nb)))
+    with checked_memory():
+        got = gpu.block_max_scores_gpu.__wrapped__(*args, block_size=BS, interpret=True,  # unjitted: traced here
+                                                   config=gpu.BlockMaxConfig(blocks_per_program=16))
+        np.testing.assert_allclose(got, reference.block_max_scores_reference(*args, block_size=BS), rtol=1e-5,
+                                   atol=1e-5)
+        o, h = gpu.sparse_decode_heat_gpu(*heat_args, block_size=BS, interpret=True,
+                                          config=gpu.sgpu.DecodeConfig(block_k=16, num_splits=2))
+        want_o, want_h = reference.sparse_decode_heat_reference(*heat_args, block_size=BS)
+        np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(h, want_h, rtol=1e-5, atol=1e-6)
 
 
 def test_decode_mass_xla_drops_entries_past_the_cache():

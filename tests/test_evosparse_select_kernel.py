@@ -10,6 +10,7 @@ import pytest
 
 from pallas_kernels.block_scores import gpu, xla
 from pallas_kernels.block_scores.api import select_blocks
+from pallas_bounds import checked_memory
 
 
 def _case(rng, B, Hkv, nb, width, wr, ties):
@@ -156,6 +157,28 @@ def test_selection_from_heat_candidates_equals_select_blocks(nb, width, wr, ties
         np.testing.assert_array_equal(got, want)
         got = select_from_candidates_xla(stacked_h, stacked_c, ret, n_s, hi, nbv, count, full,
                                          layer=jnp.int32(layer), **kw)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_select_kernels_stay_in_their_blocks():
+    """Every load and store of the two selection kernels stays inside its block (`pallas_bounds.checked_memory`:
+    the interpreter pads stray loads and drops stray stores, where a GPU reads or overwrites another program's
+    rows): 37 blocks in a row of 64 lanes, a width of 12 in 32 lanes, 3 retrieval slots searched in 4, heat and
+    candidates read at a layer of the stack, candidates padded with -1 and past the middle."""
+    from pallas_kernels.block_scores.xla import heat_candidates
+    rng = np.random.default_rng(6)
+    B, Hkv, nb, width, wr = 5, 3, 37, 12, 3
+    heat, ret, n_s, hi, nbv, count, full = _case(rng, B, Hkv, nb, width, wr, True)
+    kw = dict(num_kv_heads=Hkv, width=width, heat_width=width // 2)
+    want = np.asarray(xla.select_blocks_xla(heat, ret, n_s, hi, nbv, count, full, nb=nb, **kw))
+    cand = heat_candidates(heat, n_s, hi, jnp.minimum(count, width // 2) + wr, width=width // 2 + wr + 3)
+    stacked_h, stacked_c = jnp.stack([heat * 2.0, heat]), jnp.stack([cand[..., ::-1], cand])
+    with checked_memory():
+        got = gpu.select_blocks_gpu(stacked_h, ret, n_s, hi, nbv, count, full, nb=nb, layer=jnp.int32(1),
+                                    interpret=True, **kw)
+        np.testing.assert_array_equal(got, want)
+        got = gpu.select_from_candidates_gpu(stacked_h, stacked_c, ret, n_s, hi, nbv, count, full,
+                                             layer=jnp.int32(-1), interpret=True, **kw)
         np.testing.assert_array_equal(got, want)
 
 

@@ -23,6 +23,7 @@ from pallas_kernels.dense_decode import gpu as dgpu
 from pallas_kernels.head_probs import head_probs_stacked, head_probs_stacked_reference
 from pallas_kernels.head_probs import gpu
 from lowering import export_for
+from pallas_bounds import checked_memory
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
@@ -98,6 +99,21 @@ def test_head_probs_gpu_never_reads_past_lengths():
     got = np.asarray(got)
     np.testing.assert_allclose(got[0, :, :2].sum(-1), 2.0, rtol=1e-6)
     assert np.all(got[0, :, 0] >= 1.0)
+
+
+def test_head_probs_gpu_stays_in_its_blocks():
+    """Every load and store of the kernel stays inside its block (`pallas_bounds.checked_memory`: the interpreter
+    pads stray loads and drops stray stores, where a GPU reads another head's keys or writes into the next row's
+    weights): N = 70 in blocks of 16 (a partial last block, splits past every row's last key), G = 3; T * G = 9
+    rows in a tile of 16, and 18 rows in two tiles of 16 (the second mostly padding); a row shorter than T."""
+    L, B, Hq, Hkv, D, N, layer = 2, 2, 6, 2, 16, 70, jnp.int32(1)
+    with checked_memory():  # unjitted: traced under the check
+        for T, config in ((3, gpu.HeadProbsConfig(block_k=16, num_splits=3)),
+                          (6, gpu.HeadProbsConfig(block_k=16, block_q=16, num_splits=2))):
+            q, k_all, _, lens = inputs(5, L, B, T, Hq, Hkv, D, N, [70, T - 1], jnp.float32)
+            lse = dense_decode_stacked_reference(q, k_all, k_all, layer, lens, return_lse=True)[1]
+            got = gpu.head_probs_stacked_gpu.__wrapped__(q, k_all, layer, lens, lse, config=config, interpret=True)
+            assert_close(got, head_probs_stacked_reference(q, k_all, layer, lens, lse), jnp.float32, f"T = {T}")
 
 
 @pytest.mark.parametrize("case,dtype", [((3, 2, 1, 8, 2, 16, 70, [37, 70]), jnp.float32),

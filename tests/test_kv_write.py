@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from lowering import export_for
+from pallas_bounds import checked_memory
 from pallas_kernels.kv_write import rope_write
 from pallas_kernels.kv_write import gpu as kgpu
 from pallas_kernels.kv_write.reference import rope_write_reference
@@ -113,6 +114,20 @@ def test_layer_is_checked_and_written_alike():
                 kgpu.rope_write_gpu(qkv, pos, inv_freq, ck, cv, jnp.int32(-1), Hq, Hkv, interpret=True)):
         for g, w in zip(got, want):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_stays_in_its_blocks():
+    """Every store of the kernel stays inside its block (`pallas_bounds.checked_memory`: the interpreter drops stray
+    stores, where a GPU writes into another row's or layer's cache): positions past the cache and before it (their
+    stores masked off), T = 3, padding rows of qkv, the last layer named -1."""
+    B, T, Hq, Hkv, D, L, N = 2, 3, 4, 2, 32, 2, 16
+    qkv, pos, inv_freq, ck, cv, _ = _inputs(9, B, T, Hq, Hkv, D, L, N, jnp.float32, pad=2)
+    pos = pos.at[0, -1].set(N + 5).at[1, 0].set(-3)
+    want = rope_write_reference(qkv, pos, inv_freq, ck, cv, L - 1, Hq, Hkv)
+    with checked_memory():
+        got = kgpu.rope_write_gpu(qkv, pos, inv_freq, ck, cv, jnp.int32(-1), Hq, Hkv, interpret=True)
+        for g, w, name in zip(got, want, ("q", "cache_k", "cache_v")):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5, err_msg=name)
 
 
 def test_lowers_for_cuda_with_both_caches_aliased():

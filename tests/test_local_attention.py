@@ -15,6 +15,7 @@ from pallas_kernels.local_attention import (BlockSizes, banded_mask, default_imp
                                             local_attention_gpu, local_attention_reference, local_attention_tpu)
 from pallas_kernels.sparse_attention.reference import masked_attention_reference
 from lowering import H100, TPU_V5E, abstract_device
+from pallas_bounds import checked_memory
 
 
 def _inputs(seed, T, Hq, Hkv, D, dtype, B=2):
@@ -54,6 +55,17 @@ def test_kernel_interpret_and_blocked_jnp_match_dense_reference(T, Hq, Hkv, D, w
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol)
     blocked = local_attention_reference(q, k, v, window=window, sinks=sinks)
     np.testing.assert_allclose(np.asarray(blocked, np.float32), want, rtol=tol, atol=tol)
+
+
+def test_kernel_stays_in_its_blocks():
+    """Every load of the Triton kernel stays inside its block (`pallas_bounds.checked_memory`: the interpreter pads
+    stray loads, where a GPU reads another head's rows or past the keys): T = 45 in query and key blocks of 16 (a
+    partial last block of each), D = 8 padded to 16, G = 3, sinks and a window that cross block edges."""
+    q, k, v = _inputs(45, 45, 3, 1, 8, jnp.float32)
+    with checked_memory():  # unjitted: traced under the check
+        got = local_attention_gpu.__wrapped__(q, k, v, window=7, sinks=5, interpret=True,
+                                              block_sizes=BlockSizes(block_q=16, block_k=16))
+        np.testing.assert_allclose(got, _dense_reference(q, k, v, 7, 5), rtol=2e-5, atol=2e-5)
 
 
 TPU_CASES = [  # T, Hq, Hkv, D, window, sinks, dtype: the kernel serves window <= 129, sinks <= 128

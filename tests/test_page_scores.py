@@ -9,6 +9,7 @@ import pytest
 from pallas_kernels.page_scores import page_scores
 from pallas_kernels.page_scores.gpu import page_scores_gpu
 from pallas_kernels.page_scores.reference import page_scores_reference
+from pallas_bounds import checked_memory
 
 
 def _rand(seed, shape):
@@ -91,3 +92,15 @@ def test_kernel_stores_only_the_valid_pages():
       jnp.full((B, Hkv, Rp, W), sentinel, jnp.float32))
     np.testing.assert_array_equal(got[..., P:], sentinel)  # lanes past P: not stored
     np.testing.assert_allclose(got[:, :, :R, :P], page_scores_reference(q, kmin, kmax, layer), rtol=1e-6, atol=1e-5)
+
+
+def test_kernel_stays_in_its_blocks():
+    """Every load and store of the kernel stays inside its block (`pallas_bounds.checked_memory`, which sees what
+    the sentinel above sees through any wrapper: a lane that a GPU would store into the next row's pages): 37 pages
+    in blocks of 16 (a partial last block), 3 query rows padded to 4, the last layer named -1."""
+    q = _rand(0, (2, 2, 3, 16))
+    a, b = _rand(1, (2, 2, 2, 37, 16)), _rand(2, (2, 2, 2, 37, 16))
+    kmin, kmax = jnp.minimum(a, b), jnp.maximum(a, b)
+    with checked_memory():
+        got = page_scores_gpu(q, kmin, kmax, jnp.int32(-1), block_p=16, interpret=True)
+        np.testing.assert_allclose(got, page_scores_reference(q, kmin, kmax, 1), rtol=1e-6, atol=1e-5)

@@ -11,6 +11,7 @@ from pallas_kernels.predicted_logits import predicted_logits
 from pallas_kernels.predicted_logits.gpu import predicted_logits_gpu
 from pallas_kernels.predicted_logits.reference import predicted_logits_reference
 from host_rounding import assert_same_or_close
+from pallas_bounds import checked_memory
 
 
 def _rand(seed, shape):
@@ -65,6 +66,20 @@ def test_bounds_in_the_kernel_equal_masking_after(lead, Hk, G, T, N):
     only_last = predicted_logits_gpu(q, k, last=last, block_n=128, interpret=True)
     np.testing.assert_allclose(only_last, np.where(n > lst, -np.inf, plain), rtol=1e-6, atol=1e-6)
     assert np.isposinf(want).any() and np.isneginf(want).any() and np.isfinite(want).any()
+
+
+def test_kernel_stays_in_its_blocks():
+    """Every load and store of the kernel stays inside its block (`pallas_bounds.checked_memory`: the interpreter
+    pads stray loads and drops stray stores, where a GPU reads past the keys or writes into the next row's logits):
+    N = 150 keys in blocks of 128 (a partial last block), G * T = 6 query rows padded to 8, with and without the
+    per-row bounds."""
+    q, k = _rand(7, (2, 2, 3, 2, 16)), _rand(8, (2, 2, 150, 16))
+    last = jnp.asarray(np.random.default_rng(9).integers(0, 150, (2, 1, 1, 2)), jnp.int32)
+    with checked_memory():
+        np.testing.assert_allclose(predicted_logits_gpu(q, k, block_n=128, interpret=True),
+                                   predicted_logits_reference(q, k), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(predicted_logits_gpu(q, k, last=last, keep_first=3, block_n=128, interpret=True),
+                                   predicted_logits_reference(q, k, last=last, keep_first=3), rtol=1e-6, atol=1e-6)
 
 
 def test_errors():

@@ -17,6 +17,7 @@ from pallas_kernels.sparse_attention import sparse_decode, sparse_prefill
 from pallas_kernels.sparse_attention.xla import sparse_decode_xla, sparse_prefill_xla
 from pallas_kernels.sparse_attention.testing import random_decode_indices, random_prefill_indices
 from lowering import export_for
+from pallas_bounds import checked_memory
 
 # Triton-backed Pallas is deprecated upstream in favour of Mosaic GPU; the warning is expected here.
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -297,6 +298,31 @@ def test_prefill_gpu_interpret_matches_reference(case, dtype):
     for cfg in (gpu.PrefillConfig(block_k=16, gqa_rows=0), gpu.PrefillConfig(block_k=16)):
         got = gpu.sparse_prefill_gpu(q, k, v, idx, lens, tile=tile, block_size=bs, interpret=True, config=cfg)
         assert_close(got, want, dtype, f"prefill gpu {cfg}")
+
+
+def test_gpu_kernels_stay_in_their_blocks():
+    """Every load and store of the Triton decode and prefill kernels stays inside its block
+    (`pallas_bounds.checked_memory`: the interpreter pads stray loads and drops stray stores, where a GPU reads or
+    overwrites another program's rows): decode with G = 3 (query rows padded to 16), 13 entries in 3 splits (the
+    last one partial), a query with no visible key, entries past the cache end, blocks of 1 and 8 tokens; prefill
+    of T = 45 in tiles of 8 (a partial last tile) with a row ending mid-tile, one program per query head (G = 3)
+    and the GQA-packed kernel (G = 2). The kernels' wrappers unjitted, so that they are traced under the check."""
+    with checked_memory():
+        for bs in (1, 8):
+            q, k, v, idx, lens = decode_inputs(8, 2, 2, 6, 2, 16, 72, 13, [72, 1], bs, jnp.float32)
+            idx = idx.at[0, 1, 1].set(jnp.full((13,), -1).at[0].set(2).at[1].set(10 ** 6))  # past the cache end
+            out, lse = gpu.sparse_decode_gpu.__wrapped__(q, k, v, idx, lens, block_size=bs, return_lse=True,
+                                                         config=gpu.DecodeConfig(block_k=16, num_splits=3),
+                                                         interpret=True)
+            want, want_lse = ref.sparse_decode_reference(q, k, v, idx, lens, block_size=bs, return_lse=True)
+            assert_close(out, want, jnp.float32, f"decode, block_size {bs}")
+            assert_close(lse, want_lse, jnp.float32, f"decode lse, block_size {bs}")
+        for Hq, bs in ((6, 8), (4, 1)):  # G = 3: a program per query head; G = 2: the GQA-packed kernel
+            q, k, v, idx, lens = prefill_inputs(9, 2, 45, Hq, 2, 16, 6, [45, 30], 8, bs, jnp.float32)
+            got = gpu.sparse_prefill_gpu.__wrapped__(q, k, v, idx, lens, tile=8, block_size=bs, interpret=True,
+                                                     config=gpu.PrefillConfig(block_k=16))
+            want = ref.sparse_prefill_reference(q, k, v, idx, lens, tile=8, block_size=bs)
+            assert_close(got, want, jnp.float32, f"prefill, G = {Hq // 2}")
 
 
 @pytest.mark.parametrize("block_size", [1, 16])

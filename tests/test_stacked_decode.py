@@ -24,6 +24,7 @@ from pallas_kernels.sparse_attention import gpu, sparse_decode, stacked, tpu
 from pallas_kernels.sparse_attention import reference as ref
 from pallas_kernels.sparse_attention.testing import random_decode_indices
 from lowering import export_for
+from pallas_bounds import checked_memory
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
@@ -173,6 +174,41 @@ def test_sparse_stacked_gpu_query_heads_equals_each_head_alone(case, dtype, laye
         sparse_decode_query_heads(q, k_all, v_all, idx[:, :Hkv], lens, layer=jnp.int32(0), block_size=bs)
 
 
+def test_sparse_stacked_gpu_stays_in_its_blocks():
+    """Every load and store of the stacked gathered-decode kernel stays inside its block
+    (`pallas_bounds.checked_memory`: the interpreter pads stray loads and drops stray stores, where a GPU reads or
+    overwrites another program's rows): G = 3 (query rows padded to 16), 13 entries in 3 splits (the last one
+    partial: the unpadded row is read in place), a query with no visible key, an entry past the cache end; every
+    layer's rows with the per-entry mass (blocks of 1 token), a head map and one row per query head (blocks of 8)."""
+    from pallas_kernels.block_scores.reference import sparse_decode_mass_reference
+
+    L, B, T, Hq, Hkv, D, N, K, lengths = 2, 2, 2, 6, 2, 16, 72, 13, [72, 1]
+    rng, q, k_all, v_all, lens = stacked_inputs(17, L, B, T, Hq, Hkv, D, N, lengths, jnp.float32)
+    cfg, layer = gpu.DecodeConfig(block_k=16, num_splits=3), jnp.int32(1)
+    decode = functools.partial(stacked.sparse_decode_stacked_gpu.__wrapped__, q, k_all, v_all, layer,
+                               config=cfg, interpret=True)  # unjitted: traced under the check
+    with checked_memory():
+        rows = jnp.stack([jnp.asarray(random_decode_indices(rng, lengths, Hkv, T, K)) for _ in range(L)])
+        rows = rows.at[1, 0, 1, 1].set(jnp.full((K,), -1).at[0].set(3).at[1].set(10 ** 6))  # past the cache end
+        out, lse, mass = decode(rows, lens, return_lse=True, return_mass=True)
+        want, want_lse = ref.sparse_decode_reference(q, k_all[1], v_all[1], rows[1], lens, return_lse=True)
+        assert_close(out, want, jnp.float32, "every layer's rows")
+        np.testing.assert_allclose(lse, want_lse, rtol=1e-5)  # -inf for the query with no visible key
+        np.testing.assert_allclose(mass, sparse_decode_mass_reference(q, k_all, v_all, layer, rows[1], lens)[1],
+                                   rtol=1e-4, atol=1e-6)
+        idx = jnp.asarray(random_decode_indices(rng, lengths, Hkv, T, K, block_size=8))
+        hm = jnp.asarray([1, 1], jnp.int32)
+        want = ref.sparse_decode_reference(q, k_all[1], v_all[1], jnp.take(idx, hm, axis=1), lens, block_size=8)
+        assert_close(decode(idx, lens, block_size=8, head_map=hm), want, jnp.float32, "head map")
+        idx = jnp.asarray(random_decode_indices(rng, lengths, Hq, T, K, block_size=8))  # [B, Hq, T, K]
+        out = decode(idx, lens, block_size=8, query_heads=True)
+        for h in range(Hq):  # query head h alone: its KV head and its own row
+            kv = slice(h // 3, h // 3 + 1)
+            want = ref.sparse_decode_reference(q[:, :, h:h + 1], k_all[1][:, kv], v_all[1][:, kv], idx[:, h:h + 1],
+                                               lens, block_size=8)
+            assert_close(out[:, :, h:h + 1], want, jnp.float32, f"query head {h}")
+
+
 def test_sparse_stacked_tpu_interpret_matches_sliced_reference():
     L, B, T, Hq, Hkv, D, N, K, lengths, bs = 3, 2, 1, 4, 2, 16, 128, 5, [77, 128], 8
     rng, q, k_all, v_all, lens = stacked_inputs(11, L, B, T, Hq, Hkv, D, N, lengths, jnp.float32)
@@ -314,6 +350,42 @@ def test_dense_record_gpu_interpret_matches_reference(case, config):
     p = np.exp(np.asarray(got[2])[:, :, -1] - np.asarray(got[1])[..., None])  # the weights the logits give
     p = np.where(np.arange(N)[None, None] < np.asarray(lens)[:, None, None], p, 0.0)
     np.testing.assert_allclose(p.sum(-1), 1.0, rtol=1e-4)
+
+
+def test_dense_stacked_gpu_stays_in_its_blocks():
+    """Every load and store of the dense decode kernels stays inside its block (`pallas_bounds.checked_memory`: the
+    interpreter pads stray loads and drops stray stores, where a GPU reads or overwrites another program's rows):
+    N = 70 (a partial last key block), 3 splits, a row shorter than T (a query with no visible key, splits with
+    nothing to read); T * G = 18 rows over two query blocks of 16 (the second mostly padding) with the logits
+    written (`return_probs`); the record kernel with G = 3 (rows padded to 16), blocks of 8 keys, a record buffer
+    of more layers than the cache."""
+    from pallas_kernels.dense_decode.reference import dense_decode_record_reference
+    from pallas_kernels.head_probs import head_probs_stacked_reference
+
+    L, B, Hq, Hkv, D, N, lengths = 2, 2, 6, 2, 16, 70, [70, 2]
+    layer = jnp.int32(1)
+    with checked_memory():  # the wrappers unjitted: traced under the check
+        for T, config in ((3, dgpu.DenseDecodeConfig(block_k=16, num_splits=3)),
+                          (6, dgpu.DenseDecodeConfig(block_k=16, block_q=16, num_splits=3))):
+            _, q, k_all, v_all, lens = stacked_inputs(18, L, B, T, Hq, Hkv, D, N, lengths, jnp.float32)
+            out, lse, probs = dgpu.dense_decode_stacked_gpu.__wrapped__(q, k_all, v_all, layer, lens, return_lse=True,
+                                                                        return_probs=True, config=config,
+                                                                        interpret=True)
+            want, want_lse = dense_decode_stacked_reference(q, k_all, v_all, layer, lens, return_lse=True)
+            assert_close(out, want, jnp.float32, f"T = {T}")
+            np.testing.assert_allclose(lse, want_lse, rtol=1e-5)  # -inf for a query with no visible key
+            assert_close(probs, head_probs_stacked_reference(q, k_all, layer, lens, want_lse), jnp.float32, "probs")
+        rng, q, k_all, v_all, lens = stacked_inputs(19, L, B, 1, Hq, Hkv, D, N, [70, 5], jnp.bfloat16)
+        record = randn(rng, (B, Hq, 3, N), jnp.float32)
+        bmax = randn(rng, (B, Hq, 3, -(-N // 8)), jnp.float32)
+        want = dense_decode_record_reference(q, k_all, v_all, layer, lens, record, bmax, jnp.int32(2), block=8)
+        got = dgpu.dense_decode_record_gpu.__wrapped__(q, k_all, v_all, layer, lens, record, bmax, jnp.int32(2),
+                                                       block=8, config=dgpu.DenseDecodeConfig(block_k=16,
+                                                                                              num_splits=3),
+                                                       interpret=True)
+        assert_close(got[0], want[0], jnp.bfloat16, "record out")
+        for g, w in zip(got[1:], want[1:]):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
 def test_dense_record_api_and_errors():

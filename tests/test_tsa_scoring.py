@@ -13,6 +13,7 @@ from host_rounding import assert_same_or_close
 from pallas_kernels.tsa_scoring import avg_pool_keys, gpu, reference, tpu, tsa_scores
 from pallas_kernels.tsa_scoring.common import default_scale
 from lowering import export_for
+from pallas_bounds import checked_memory
 
 
 def _inputs(B, T, Hq, Hkv, D, dtype, seed=0):
@@ -117,6 +118,19 @@ def test_gpu_kernel_interpret_matches_reference(B, T, Hq, Hkv, D, window, length
     assert _rel_err(got, want) < _tolerance(dtype)
     for b, n in enumerate(lengths):
         assert float(jnp.abs(got[b, :, n:]).max(initial=0.0)) == 0.0
+
+
+def test_gpu_kernels_stay_in_their_blocks():
+    """Every load of the two Triton kernels stays inside its block (`pallas_bounds.checked_memory`: the interpreter
+    pads stray loads, where a GPU reads another head's keys or past the row): T = 45 in key blocks of 16 and 32 (a
+    partial last block of each), 3 splits, D = 8 padded to 16, G = 3, W = 20 in two query blocks of 16, a row
+    shorter than the window and an empty row. The jitted pass inside is traced anew under the check."""
+    q, k = _inputs(3, 45, 6, 2, 8, jnp.float32, seed=45)
+    lens = jnp.array([45, 13, 0], jnp.int32)
+    bs = gpu.BlockSizes(block_q=16, block_k=16, block_k_mean=32, num_splits=3)
+    with checked_memory():
+        got = gpu.tsa_scores_gpu(q, k, window=20, pool_kernel=7, lengths=lens, block_sizes=bs, interpret=True)
+        assert _rel_err(got, reference.tsa_scores_reference(q, k, window=20, pool_kernel=7, lengths=lens)) < 1e-5
 
 
 @pytest.mark.parametrize("B,T,Hq,Hkv,D,window,lengths,dtype", _KERNEL_CASES[:3])
