@@ -366,6 +366,31 @@ def test_prefill_gpu_interpret_matches_reference(dtype, dense):
                   functools.partial(gpu_prefill.tile_scores_gpu, config=cfg, interpret=True), dtype, dense)
 
 
+@pytest.mark.parametrize("tile", [8, 16])
+def test_prefill_gpu_kernels_stay_in_their_blocks(tile):
+    """Every read and write of the Triton prefill lse and pooling kernels stays inside its block
+    (`pallas_bounds.checked_memory`): their key loops index the zero-padded rows unmasked, so a loop bound one block
+    too far reads or writes past the block, which the interpreter pads or drops and a GPU does not. T = 45, a
+    multiple of no block (lse blocks of 16 rows, tiles of 8 or 16, key blocks of 8), G = 3 query heads per KV head,
+    a row of length 30 (its padding rows add nothing); the tile scores, the selection and the sparse anchor's output
+    against the reference (mutations: the lse pass's key loop or the pooling pass's -inf fill one block longer).
+    The wrappers unjitted, so that they are traced under the check."""
+    cfg = gpu_prefill.PrefillScoresConfig(lse_block_m=16, block_n=8, pool_block_n=8)
+    q, k, v, lens = prefill_inputs(21, 2, 45, 6, 2, 16, [45, 30])
+    kw = dict(tile=tile, budget=0.3, min_tokens=2)
+    want_scores = np.asarray(tile_scores_reference(q, k, tile=tile, lengths=lens))
+    want, want_idx = anchor_prefill_reference(q, k, v, lens, **kw)
+    with checked_memory():
+        scores = np.asarray(gpu_prefill.tile_scores_gpu.__wrapped__(q, k, tile=tile, lengths=lens, config=cfg,
+                                                                    interpret=True))
+        out, idx = gpu_prefill.anchor_prefill_gpu.__wrapped__(q, k, v, lens, config=cfg, interpret=True, **kw)
+    fin = np.isfinite(want_scores)
+    np.testing.assert_array_equal(np.isfinite(scores), fin)
+    np.testing.assert_allclose(scores[fin], want_scores[fin], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(want_idx))
+    assert_close(out, want, jnp.float32, f"anchor prefill, tile {tile}")
+
+
 def test_prefill_tpu_interpret_matches_reference():
     cfg = tpu_prefill.TpuPrefillScoresConfig(block_m=64, block_n=128, chunk=128)
     check_prefill(functools.partial(tpu_prefill.anchor_prefill_tpu, config=cfg, interpret=True),

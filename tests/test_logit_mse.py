@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_bounds import checked_memory
 from pallas_kernels.logit_mse import logit_mse, logit_mse_reference, num_pairs
-from pallas_kernels.logit_mse.gpu import logit_mse_fwd_gpu
+from pallas_kernels.logit_mse.gpu import logit_mse_dkp_gpu, logit_mse_fwd_gpu
 from pallas_kernels.logit_mse.tpu import logit_mse_fwd_tpu
 
 # Small tiles so that short sequences span several tiles in both directions (GPU: powers of two >= 16).
@@ -118,6 +119,31 @@ def test_padding_is_exact_for_any_block(fwd, blocks):
         sq, dqp = fwd(q, k, qp, kp, causal=True, block_q=bq, block_k=bk, with_dqp=True, interpret=True)
         assert dqp.shape == qp.shape
         np.testing.assert_allclose(sq, want_sq, rtol=1e-5, err_msg=f"block_q={bq} block_k={bk}")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_kernels_stay_in_their_blocks(causal):
+    """Every read and write of the forward (with dq') and dk' kernels stays inside its block
+    (`pallas_bounds.checked_memory`: their tile loops index the zero-padded rows with no mask, so a loop bound one
+    tile too far reads past the block, which the interpreter pads and a GPU does not): L = 45 (a multiple of no
+    tile, padded to 64), query tiles larger and smaller than key tiles (16 x 32, 32 x 16: the causal bounds'
+    rounding), GQA on k and on k', head dims 24 and 8 padded to 32 and 16. The loss and both unscaled gradients
+    against `jax.grad` of the reference (mutations: the forward's key loop, causal or full, or the dk' kernel's
+    query loop one tile longer). The wrappers unjitted, so that they are traced under the check."""
+    B, Hq, Hkv, Hkp, L, d, dp = 2, 4, 2, 2, 45, 24, 8
+    q, k, qp, kp, _ = _inputs(B, Hq, Hkv, Hkp, L, d, dp, seed=3)
+    n = num_pairs(L, causal)
+    sq_err = lambda qp, kp: jnp.sum(logit_mse_reference(q, k, qp, kp, causal=causal)) * n  # noqa: E731
+    want_dqp, want_dkp = (g * math.sqrt(dp) / 2 for g in jax.grad(sq_err, argnums=(0, 1))(qp, kp))
+    want_sq = logit_mse_reference(q, k, qp, kp, causal=causal) * n
+    for bq, bk in ((16, 32), (32, 16)):
+        kw = dict(causal=causal, block_q=bq, block_k=bk, interpret=True)
+        with checked_memory():
+            sq, dqp = logit_mse_fwd_gpu.__wrapped__(q, k, qp, kp, with_dqp=True, **kw)
+            dkp = logit_mse_dkp_gpu.__wrapped__(q, k, qp, kp, **kw)
+        dkp = dkp.reshape(B, Hkp, Hq // Hkp, L, dp).sum(axis=2)  # k' head c serves query heads c * 2, c * 2 + 1
+        np.testing.assert_allclose(sq, want_sq, rtol=1e-5, err_msg=f"block_q={bq} block_k={bk}")
+        assert _rel_err(dqp, want_dqp) < 1e-5 and _rel_err(dkp, want_dkp) < 1e-5, (bq, bk)
 
 
 def test_xla_implementation_is_the_reference_with_frozen_model():

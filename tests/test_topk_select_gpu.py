@@ -18,6 +18,7 @@ from pallas_kernels.topk_select import gpu, gpu_row, topk_select_reference
 from pallas_kernels.topk_select.common import float_keys
 from pallas_kernels.topk_select.testing import adversarial, kascade_like_rows
 from lowering import H100, abstract_device
+from pallas_bounds import checked_memory
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
@@ -464,6 +465,52 @@ def test_auto_takes_ordered_at_exactly_its_bounds():
     exact = gpu.SelectConfig(ordered_min_rows=512, ordered_max_cap=cap)
     assert exact.pick_path(N, 512, K) == "ordered" and exact.pick_path(N, 511, K) == "sample"
     assert gpu.SelectConfig(ordered_max_cap=cap // 2).pick_path(N, 512, K) == "sample"
+
+
+# Every path in 6 rows of N = 300 scores (no multiple of any chunk: 64, 128, the row program's 512 lanes), a sample of
+# 32. fused / passes: counting splits of 2 chunks of 64 (the last split partial, fused's fourth one empty), compaction
+# splits of 128; band_cap 32: every band of more than 32 keys overflows (sample: the streaming fallback; ordered:
+# the stream); target_programs 1: one program per row (sample's band counted in a register, `compact_rows`).
+BOUNDS_CONFIGS = {
+    "row": dict(path="row"),
+    "fused": dict(path="fused", block_n=64, compact_block_n=128, target_programs=24),
+    "passes": dict(path="passes", block_n=64, compact_block_n=128, target_programs=24),
+    "sample": dict(path="sample", sample_size=32, band_cap=512, compact_block_n=128, target_programs=24),
+    "sample_fallback": dict(path="sample", sample_size=32, band_cap=32, compact_block_n=128, target_programs=24),
+    "sample_whole_rows": dict(path="sample", sample_size=32, band_cap=512, compact_block_n=128, target_programs=1),
+    "sample_whole_rows_fallback": dict(path="sample", sample_size=32, band_cap=32, compact_block_n=128,
+                                       target_programs=1),
+    "ordered": dict(path="ordered", sample_size=32, compact_block_n=128),
+    "ordered_stream": dict(path="ordered", sample_size=32, ordered_cap=32, compact_block_n=128),
+}
+
+
+@pytest.mark.parametrize("name", list(BOUNDS_CONFIGS))
+def test_gpu_kernels_stay_in_their_blocks(name):
+    """Every load and store of every path's kernels stays inside its block (`pallas_bounds.checked_memory`: the
+    interpreter pads stray loads and drops stray stores, where a GPU reads another row's scores or overwrites its
+    output): N = 300 (a partial last chunk, the row program's padded lanes), adversarial rows with k below 0, 0,
+    K and above K; then K = 296 (near N: output slots up to the padded width's edge) with spans whole, empty,
+    short and past the row's end (mutations: the mask of the row kernel's load, scatter or padding store, of
+    `gpu_fused._chunk`'s load, of the compaction's scatter or padding store, of the sample and ordered band stores or
+    of the ordered select store, dropped). The wrapper unjitted, so that it is traced under the check."""
+    from pallas_kernels.topk_select.common import mask_span
+
+    rng = np.random.default_rng(31)
+    R, N = 6, 300
+    config = gpu.SelectConfig(**BOUNDS_CONFIGS[name])
+    x = adversarial(rng, R, N)
+    x2 = np.concatenate([x[:3], rng.standard_normal((R - 3, N)).astype(np.float32)])
+    lo = np.array([0, 5, 0, 200, 17, 0], np.int32)
+    hi = np.array([N, 5, 40, N + 9, 290, N], np.int32)  # whole, empty, short, past the end
+    cases = [(x, row_k(rng, R, 40), 40, None), (x2, np.array([296, 290, 0, 296, 301, 150], np.int32), 296, (lo, hi))]
+    for x, k, K, span in cases:
+        x, k = jnp.asarray(x), jnp.asarray(k)
+        span = None if span is None else tuple(jnp.asarray(a) for a in span)
+        want = np.asarray(topk_select_reference(mask_span(x, span), k, K))
+        with checked_memory():
+            got = gpu.topk_select_gpu.__wrapped__(x, k, K, span=span, config=config, interpret=True)
+            np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"K = {K}, span {span is not None}")
 
 
 @pytest.mark.parametrize("path,shape,K,launches", [
