@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.block_scores import block_max_scores, gpu, reference, sparse_decode_mass, xla
+from pallas_kernels.block_scores import (block_max_scores, gpu, reference, sparse_decode_heat, sparse_decode_mass,
+                                         xla)
 from pallas_kernels.sparse_attention import sparse_decode, stacked
 from lowering import H100, abstract_device
 from pallas_bounds import checked_memory
@@ -352,3 +353,117 @@ def test_heat_add_drops_padding_entries():
     want[1, 0, 0, [1, 4]] += [0.5, 0.25]
     want[1, 0, 1, [0, 5]] += [1.0, 2.0]
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+# Where the cases above leave a gap (a mutation audit): the block-max kernel's KV-head clamp and program edges, GQA
+# groups of one and three on the mass path, the heat kernel's full rows and -1 padding beside the last block, and the
+# dispatcher's Triton paths passing every argument.
+
+def test_block_max_kernel_clamps_kv_heads_like_the_reference():
+    """kv_heads outside [0, Hkv) are clamped in the kernel too (the reference's contract): -1 reads KV head 0 and
+    its query group, Hkv + 3 KV head Hkv - 1 (neither wraps to the last head nor reads queries past Hq)."""
+    q, k, _ = _cache(21, 1)
+    hm = jnp.array([[True, False, True, False], [False, True, False, True]])
+    pos, lo = jnp.array([[200], [37]], jnp.int32), jnp.zeros((B, 1), jnp.int32)
+    hi = jnp.full((B, 1), N // BS, jnp.int32)
+    want = reference.block_max_scores_reference(q, k, jnp.int32(1), jnp.array([0, HKV - 1], jnp.int32), hm, pos, lo,
+                                                hi, block_size=BS)
+    for bad in ([-1, HKV + 3], [-5, HKV]):
+        got = gpu.block_max_scores_gpu(q, k, jnp.int32(1), jnp.array(bad, jnp.int32), hm, pos, lo, hi, block_size=BS,
+                                       interpret=True, config=gpu.BlockMaxConfig(blocks_per_program=16))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_block_max_kernel_ranges_at_program_edges():
+    """cb = 16 blocks a program over nb = 25 blocks (the last program holds 9): a middle range that is only the
+    last block of program 0 and the first of program 1 (lo = 15, hi = 17), only program 1's first block
+    (lo = 16, hi = 17), the whole row read to a mid-block position, and only the row's last block. Every block in
+    [lo, hi) and visible is scored, the others are -inf, and the last program writes none of the blocks before
+    it."""
+    n = 200  # 25 blocks of 8
+    q, k, _ = _cache(31, 2)
+    k = k[:, :, :, :n]
+    kvh = jnp.array([1, 0], jnp.int32)
+    hm = jnp.array([[True, False, True, True], [False, True, False, False]])
+    pos = jnp.array([[199, 199], [150, 199]], jnp.int32)
+    lo = jnp.array([[15, 16], [0, 24]], jnp.int32)
+    hi = jnp.array([[17, 17], [25, 25]], jnp.int32)
+    args = (q, k, jnp.int32(2), kvh, hm, pos, lo, hi)
+    want = reference.block_max_scores_reference(*args, block_size=BS)
+    got = gpu.block_max_scores_gpu(*args, block_size=BS, interpret=True,
+                                   config=gpu.BlockMaxConfig(blocks_per_program=16))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    finite = np.isfinite(np.asarray(want))
+    np.testing.assert_array_equal(finite.sum(-1), [[2, 1], [150 // BS + 1, 1]])  # the ranges above, visible part
+
+
+def test_decode_mass_kernel_with_groups_of_one_and_three():
+    """The mass path (`sparse_decode_mass_gpu`: the stacked decode's entry sums and the epilogue's mean over the
+    group) for G = 1 (one query head per KV head) and G = 3 (not a power of two: padded partial rows): equal to
+    the reference, and each query's masses sum to 1 over its entries."""
+    _, k, v = _cache(12)
+    idx = _indices(1, K=9, used=6)
+    lengths = jnp.array([150, 231], jnp.int32)
+    for g in (1, 3):
+        q = jax.random.normal(jax.random.key(g), (B, 1, HKV * g, D))
+        want_o, want_m = reference.sparse_decode_mass_reference(q, k, v, jnp.int32(1), idx, lengths, block_size=BS)
+        o, m = gpu.sparse_decode_mass_gpu(q, k, v, jnp.int32(1), idx, lengths, block_size=BS, interpret=True,
+                                          config=gpu.sgpu.DecodeConfig(block_k=16, num_splits=2))
+        np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(m, want_m, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(want_m).sum(-1), 1.0, rtol=1e-5)
+
+
+def test_decode_heat_kernel_full_rows_and_padding_next_to_the_last_block():
+    """Splits whose written count runs past their entries (block_k = 32: 4 entries an iteration; K = 9 in splits of
+    4, 4, 1): rows of K valid entries (the last split's lanes past K must not add into entry K - 1's block again)
+    and a row [0, 31, -1, ...] (its -1 lanes inside the written count add nothing, not into block 0 or the last
+    block nb - 1 = 31). The heat equals the reference's, and each visible entry's block gained its mass."""
+    q, k, v = _cache(17)
+    pad = [-1] * 7
+    idx = jnp.array([[[1, 5, 7, 11, 13, 25, 26, 28, 31], [0, 31] + pad],
+                     [[2, 4, 6, 8, 10, 12, 14, 16, 18], [0, 3, 30, 31] + pad[:5]]], jnp.int32)[:, :, None]
+    lengths = jnp.array([256, 150], jnp.int32)  # row 1 sees blocks 0 .. 18
+    heat = jax.random.uniform(jax.random.key(5), (L, B, HKV, N // BS))
+    args = (q, k, v, jnp.int32(1), idx, lengths, heat)
+    want_o, want_h = reference.sparse_decode_heat_reference(*args, block_size=BS)
+    for splits in (3, 1):
+        o, h = gpu.sparse_decode_heat_gpu(*args, block_size=BS, interpret=True,
+                                          config=gpu.sgpu.DecodeConfig(block_k=32, num_splits=splits))
+        np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(h, want_h, rtol=1e-5, atol=1e-6)
+    gained = np.asarray(want_h[1] - heat[1]) > 0  # [B, Hkv, nb]
+    for b, h_, blocks in ((0, 0, idx[0, 0, 0]), (0, 1, [0, 31]), (1, 0, idx[1, 0, 0]), (1, 1, [0, 3])):
+        np.testing.assert_array_equal(np.flatnonzero(gained[b, h_]), np.asarray(blocks))
+
+
+def test_dispatcher_triton_paths_pass_every_argument(monkeypatch):
+    """implementation="pallas_gpu" through `api` (each kernel run interpreted): block_max_scores and
+    sparse_decode_mass with a scale, and sparse_decode_heat with a heat row named apart from the cache layer,
+    equal the reference; the other heat rows do not move."""
+    for name in ("block_max_scores_gpu", "sparse_decode_mass_gpu", "sparse_decode_heat_gpu"):
+        real = getattr(gpu, name)
+        monkeypatch.setattr(gpu, name, lambda *a, _f=real, **kw: _f(*a, interpret=True, **kw))
+    q, k, v = _cache(14)
+    scale = 0.3
+    hm = jnp.array([[True, False, True, True]])
+    pos = jnp.array([[200], [77]], jnp.int32)
+    lo, hi = jnp.ones((B, 1), jnp.int32), jnp.full((B, 1), N // BS - 1, jnp.int32)
+    bm = (q, k, jnp.int32(1), jnp.array([1], jnp.int32), hm, pos, lo, hi)
+    np.testing.assert_allclose(block_max_scores(*bm, block_size=BS, scale=scale, implementation="pallas_gpu"),
+                               reference.block_max_scores_reference(*bm, block_size=BS, scale=scale),
+                               rtol=1e-5, atol=1e-5)
+    idx, lengths = _indices(1), jnp.array([200, 77], jnp.int32)
+    got = sparse_decode_mass(q, k, v, jnp.int32(2), idx, lengths, block_size=BS, scale=scale,
+                             implementation="pallas_gpu")
+    want = reference.sparse_decode_mass_reference(q, k, v, jnp.int32(2), idx, lengths, block_size=BS, scale=scale)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+    heat = jax.random.uniform(jax.random.key(3), (L, B, HKV, N // BS))
+    args = (q, k, v, jnp.int32(2), idx, lengths, heat, jnp.int32(0))
+    got_o, got_h = sparse_decode_heat(*args, block_size=BS, scale=scale, implementation="pallas_gpu")
+    want_o, want_h = reference.sparse_decode_heat_reference(*args, block_size=BS, scale=scale)
+    np.testing.assert_allclose(got_o, want_o, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got_h, want_h, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(want_h)[1:], np.asarray(heat)[1:])  # only row 0 moved
+    assert float(jnp.abs(want_h[0] - heat[0]).max()) > 0

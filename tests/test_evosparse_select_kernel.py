@@ -195,3 +195,110 @@ def test_select_from_candidates_limits():
     got = select_from_candidates(jnp.zeros((B, Hkv, nb)), wide - 1, None, z, z + 5, z + 9, z, z.astype(bool),
                                  num_kv_heads=Hkv, width=8, heat_width=4)  # dispatch: XLA
     np.testing.assert_array_equal(got[0, 0], [5, 6, 7, 8, -1, -1, -1, -1])  # no sink, no candidate: local 5-8
+
+
+def _edge_rows():
+    """Two rows (2 KV heads, 40 blocks, width 24) whose retrieval sets touch the middle's ends: row 0 has no sink
+    and block 0 in its set (a valid entry of value 0), row 1 has its first middle block n_s = 3 and its last
+    hi - 1 = 29 in its set, and a block of its sink (1) and of its local range (33) that count as none. Heat in
+    quarter steps (ties, zeros)."""
+    rng = np.random.default_rng(11)
+    n_s, hi, nbv = np.array([0, 3]), np.array([30, 30]), np.array([36, 40])
+    ret = np.array([[0, 7, 12, 20, -1], [1, 3, 9, 29, 33]], np.int32)
+    heat = np.round(rng.random((2, 2, 40)) * 4).astype(np.float32) / 4
+    count, full = np.array([5, 4]), np.array([False, False])
+    return [jnp.asarray(x) for x in (heat, ret, n_s, hi, nbv, count, full)]
+
+
+def test_select_kernels_take_retrieval_blocks_at_the_middles_ends():
+    """A retrieval block 0 (the binary search's count of valid entries must take it) and retrieval blocks at n_s
+    and hi - 1: both kernels select them whatever their heat, as the XLA specification and the numpy model,
+    with and without heat."""
+    from pallas_kernels.block_scores.xla import heat_candidates, select_from_candidates_xla
+    heat, ret, n_s, hi, nbv, count, full = _edge_rows()
+    kw = dict(num_kv_heads=2, width=24, heat_width=6)
+    for h in (heat, None):
+        want = np.asarray(xla.select_blocks_xla(h, ret, n_s, hi, nbv, count, full, nb=40, **kw))
+        np.testing.assert_array_equal(want, _np_select(h, ret, n_s, hi, nbv, count, full, 2, 24, 6))
+        got = gpu.select_blocks_gpu(h, ret, n_s, hi, nbv, count, full, nb=40, interpret=True, **kw)
+        np.testing.assert_array_equal(got, want)
+    for b, blocks in ((0, [0, 7, 12, 20]), (1, [3, 9, 29])):
+        assert all(x in want[b, 0] for x in blocks)
+    k = jnp.minimum(count, 6) + jnp.sum((ret >= n_s[:, None]) & (ret < hi[:, None]), axis=-1)
+    cand = heat_candidates(heat, n_s, hi, k, width=12)
+    want = np.asarray(xla.select_blocks_xla(heat, ret, n_s, hi, nbv, count, full, nb=40, **kw))
+    np.testing.assert_array_equal(select_from_candidates_xla(heat, cand, ret, n_s, hi, nbv, count, full, **kw), want)
+    got = gpu.select_from_candidates_gpu(heat, cand, ret, n_s, hi, nbv, count, full, interpret=True, **kw)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_select_from_candidates_kernel_drops_candidates_outside_the_middle():
+    """Candidates that are not middle blocks (hi itself, a local block, a sink block, hot ones: heat 9) are none,
+    in the kernel as in its XLA specification: the blocks are `select_blocks`'."""
+    from pallas_kernels.block_scores.xla import heat_candidates, select_from_candidates_xla
+    heat, ret, n_s, hi, nbv, count, full = _edge_rows()
+    kw = dict(num_kv_heads=2, width=24, heat_width=6)
+    want = np.asarray(xla.select_blocks_xla(heat, ret, n_s, hi, nbv, count, full, nb=40, **kw))
+    stray = jnp.array([[30, 31, 39], [30, 35, 2]], jnp.int32)  # hi, local, past nbv; row 1: hi, local, sink
+    hot = heat.at[jnp.arange(2)[:, None], :, stray].set(9.0)  # the middle's heat unchanged
+    np.testing.assert_array_equal(xla.select_blocks_xla(hot, ret, n_s, hi, nbv, count, full, nb=40, **kw), want)
+    k = jnp.minimum(count, 6) + jnp.sum((ret >= n_s[:, None]) & (ret < hi[:, None]), axis=-1)
+    cand = jnp.concatenate([jnp.broadcast_to(stray[:, None], (2, 2, 3)), heat_candidates(hot, n_s, hi, k, width=12)],
+                           axis=-1)
+    np.testing.assert_array_equal(select_from_candidates_xla(hot, cand, ret, n_s, hi, nbv, count, full, **kw), want)
+    got = gpu.select_from_candidates_gpu(hot, cand, ret, n_s, hi, nbv, count, full, interpret=True, **kw)
+    np.testing.assert_array_equal(got, want)
+
+
+def _interpreted(monkeypatch, calls):
+    """Runs the two select kernels interpreted wherever `gpu` is called (the dispatcher too), counting calls."""
+    for name in ("select_blocks_gpu", "select_from_candidates_gpu"):
+        def run(*a, _f=getattr(gpu, name), _name=name, **kw):
+            calls.append(_name)
+            return _f(*a, interpret=True, **kw)
+        monkeypatch.setattr(gpu, name, run)
+
+
+@pytest.mark.parametrize("layer", [0, 1, -1])
+def test_select_kernels_read_the_layers_own_candidates_and_heat(monkeypatch, layer):
+    """Stacked heat and candidates whose layers differ (independent heat, each layer's own candidates): row
+    `layer` of both is used, by the kernels and by the dispatcher's Triton path with `layer`, equal to the call on
+    that layer's rows alone."""
+    from pallas_kernels.block_scores.api import select_from_candidates
+    from pallas_kernels.block_scores.xla import heat_candidates
+    calls = []
+    _interpreted(monkeypatch, calls)
+    rng = np.random.default_rng(12)
+    B, Hkv, nb, width, hw = 4, 2, 50, 16, 8
+    _, ret, n_s, hi, nbv, count, full = _case(rng, B, Hkv, nb, width, 4, False)
+    heat = jnp.asarray(rng.random((3, B, Hkv, nb)).astype(np.float32))
+    k = jnp.minimum(count, hw) + jnp.sum((ret >= n_s[:, None]) & (ret < hi[:, None]), axis=-1)
+    cand = heat_candidates(heat, n_s, hi, k, width=hw + 4)  # [3, B, Hkv, Wc]
+    kw = dict(num_kv_heads=Hkv, width=width, heat_width=hw)
+    rows = (ret, n_s, hi, nbv, count, full)
+    want = np.asarray(xla.select_blocks_xla(heat[layer], *rows, nb=nb, **kw))
+    lay = jnp.int32(layer)
+    np.testing.assert_array_equal(gpu.select_from_candidates_gpu(heat, cand, *rows, layer=lay, **kw), want)
+    np.testing.assert_array_equal(select_from_candidates(heat, cand, *rows, layer=lay, implementation="pallas_gpu",
+                                                         **kw), want)
+    np.testing.assert_array_equal(select_blocks(heat, *rows, nb=nb, layer=lay, implementation="pallas_gpu", **kw),
+                                  want)
+    assert calls == ["select_from_candidates_gpu"] * 2 + ["select_blocks_gpu"]
+
+
+def test_select_from_candidates_dispatch_on_a_gpu(monkeypatch):
+    """implementation=None on a GPU: the rank kernel for candidates and a retrieval set at most CAND_LIMIT wide;
+    XLA when the retrieval set alone is wider (the kernel would refuse it), with the same blocks."""
+    from pallas_kernels.block_scores.api import select_from_candidates
+    calls = []
+    _interpreted(monkeypatch, calls)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    heat, ret, n_s, hi, nbv, count, full = _edge_rows()
+    kw = dict(num_kv_heads=2, width=24, heat_width=6)
+    cand = jnp.broadcast_to(jnp.arange(3, 15, dtype=jnp.int32), (2, 2, 12))
+    want = np.asarray(xla.select_from_candidates_xla(heat, cand, ret, n_s, hi, nbv, count, full, **kw))
+    np.testing.assert_array_equal(select_from_candidates(heat, cand, ret, n_s, hi, nbv, count, full, **kw), want)
+    assert calls == ["select_from_candidates_gpu"]
+    wide = jnp.concatenate([ret, jnp.full((2, gpu.CAND_LIMIT + 1 - ret.shape[1]), -1, jnp.int32)], axis=1)
+    np.testing.assert_array_equal(select_from_candidates(heat, cand, wide, n_s, hi, nbv, count, full, **kw), want)
+    assert calls == ["select_from_candidates_gpu"]
