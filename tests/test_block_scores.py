@@ -327,19 +327,23 @@ def test_decode_mass_xla_drops_entries_past_the_cache():
     assert np.all(np.asarray(m)[..., 5] == 0.0)
 
 
-def test_block_max_xla_clamps_kv_heads_like_the_reference():
-    """kv_heads values outside [0, Hkv) are clamped (the reference's contract), in the XLA path too: -1 reads head 0
-    and Hkv + 3 head Hkv - 1 (neither wraps nor reads NaN)."""
+def test_block_max_clamps_kv_heads_like_the_reference():
+    """kv_heads values outside [0, Hkv) are clamped (the reference's contract) in the XLA path and the kernel too:
+    -1 reads KV head 0 and its query group, Hkv + 3 KV head Hkv - 1 (neither wraps to the last head nor reads
+    queries past Hq or NaN)."""
     q, k, _ = _cache(21, 1)
     hm = jnp.array([[True, False, True, False], [False, True, False, True]])
     pos, lo = jnp.array([[200], [37]], jnp.int32), jnp.zeros((B, 1), jnp.int32)
     hi = jnp.full((B, 1), N // BS, jnp.int32)
     want = reference.block_max_scores_reference(q, k, jnp.int32(1), jnp.array([0, HKV - 1], jnp.int32), hm, pos, lo,
                                                 hi, block_size=BS)
-    bad = jnp.array([-1, HKV + 3], jnp.int32)
-    for got in (xla.block_max_scores_xla(q, k, jnp.int32(1), bad, hm, pos, lo, hi, block_size=BS),
-                reference.block_max_scores_reference(q, k, jnp.int32(1), bad, hm, pos, lo, hi, block_size=BS)):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for bad in ([-1, HKV + 3], [-5, HKV]):
+        bad = jnp.array(bad, jnp.int32)
+        for got in (xla.block_max_scores_xla(q, k, jnp.int32(1), bad, hm, pos, lo, hi, block_size=BS),
+                    reference.block_max_scores_reference(q, k, jnp.int32(1), bad, hm, pos, lo, hi, block_size=BS),
+                    gpu.block_max_scores_gpu(q, k, jnp.int32(1), bad, hm, pos, lo, hi, block_size=BS, interpret=True,
+                                             config=gpu.BlockMaxConfig(blocks_per_program=16))):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_heat_add_drops_padding_entries():
@@ -355,23 +359,9 @@ def test_heat_add_drops_padding_entries():
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
-# Where the cases above leave a gap (a mutation audit): the block-max kernel's KV-head clamp and program edges, GQA
+# Where the cases above leave a gap (a mutation audit): the block-max kernel at program edges, GQA
 # groups of one and three on the mass path, the heat kernel's full rows and -1 padding beside the last block, and the
 # dispatcher's Triton paths passing every argument.
-
-def test_block_max_kernel_clamps_kv_heads_like_the_reference():
-    """kv_heads outside [0, Hkv) are clamped in the kernel too (the reference's contract): -1 reads KV head 0 and
-    its query group, Hkv + 3 KV head Hkv - 1 (neither wraps to the last head nor reads queries past Hq)."""
-    q, k, _ = _cache(21, 1)
-    hm = jnp.array([[True, False, True, False], [False, True, False, True]])
-    pos, lo = jnp.array([[200], [37]], jnp.int32), jnp.zeros((B, 1), jnp.int32)
-    hi = jnp.full((B, 1), N // BS, jnp.int32)
-    want = reference.block_max_scores_reference(q, k, jnp.int32(1), jnp.array([0, HKV - 1], jnp.int32), hm, pos, lo,
-                                                hi, block_size=BS)
-    for bad in ([-1, HKV + 3], [-5, HKV]):
-        got = gpu.block_max_scores_gpu(q, k, jnp.int32(1), jnp.array(bad, jnp.int32), hm, pos, lo, hi, block_size=BS,
-                                       interpret=True, config=gpu.BlockMaxConfig(blocks_per_program=16))
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_block_max_kernel_ranges_at_program_edges():

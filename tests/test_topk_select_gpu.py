@@ -470,14 +470,14 @@ def test_auto_takes_ordered_at_exactly_its_bounds():
 # Every path in 6 rows of N = 300 scores (no multiple of any chunk: 64, 128, the row program's 512 lanes), a sample of
 # 32. fused / passes: counting splits of 2 chunks of 64 (the last split partial, fused's fourth one empty), compaction
 # splits of 128; band_cap 32: every band of more than 32 keys overflows (sample: the streaming fallback; ordered:
-# the stream); target_programs 1: one program per row (sample's band counted in a register, `compact_rows`).
+# the stream); target_programs 1: one program per row (sample's band counted in a register, `compact_rows`). The
+# sample path runs with its fallback only: the same sample, band, count and compaction kernels, and the fallback's
+# stream besides (the resolve kernel's in-band search reads only inside its band buffer, whatever its mask).
 BOUNDS_CONFIGS = {
     "row": dict(path="row"),
     "fused": dict(path="fused", block_n=64, compact_block_n=128, target_programs=24),
     "passes": dict(path="passes", block_n=64, compact_block_n=128, target_programs=24),
-    "sample": dict(path="sample", sample_size=32, band_cap=512, compact_block_n=128, target_programs=24),
     "sample_fallback": dict(path="sample", sample_size=32, band_cap=32, compact_block_n=128, target_programs=24),
-    "sample_whole_rows": dict(path="sample", sample_size=32, band_cap=512, compact_block_n=128, target_programs=1),
     "sample_whole_rows_fallback": dict(path="sample", sample_size=32, band_cap=32, compact_block_n=128,
                                        target_programs=1),
     "ordered": dict(path="ordered", sample_size=32, compact_block_n=128),
