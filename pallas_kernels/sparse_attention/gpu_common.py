@@ -76,16 +76,29 @@ def _gather_rows(ent_ref, k_ref, v_ref, first_entry, limit, block_size: int, blo
       (ok: bool[block_k] rows that are real tokens <= limit; k: [block_k, D]; v: [block_k, D]). Other rows
       read row 0 (never out of bounds, whatever the entry holds) and must be masked by the caller.
     """
+    lane = jnp.arange(block_k, dtype=jnp.int32)
     if block_size == 1:
-        tok = ent_ref[pl.ds(first_entry, block_k)]
+        ent = ent_ref[pl.ds(first_entry, block_k)]
+    else:
+        ent = ent_ref[first_entry + lane // block_size]  # each entry repeated block_size times
+    ok, safe = entry_rows(ent, lane, limit, block_size)
+    return ok, k_ref[safe, :], v_ref[safe, :]
+
+
+def entry_rows(ent, lane, limit, block_size: int):
+    """In-kernel: the cache rows of a gather's lanes. ent i32[block_k]: lane i's index entry (block_size lanes per
+    entry, in order); lane i32[block_k] the lane numbers; limit: the last usable token (inclusive).
+
+    Returns (ok: bool[block_k] lanes whose row is a real token <= limit; safe: i32[block_k] that row, 0 where not
+    ok). An entry's block is checked before its tokens are multiplied out: past 2^31 / block_size they would wrap
+    around int32 to a real token (`common.blocks_at_or_before`)."""
+    if block_size == 1:
+        tok = ent
         ok = (tok >= 0) & (tok <= limit)
     else:
-        lane = jnp.arange(block_k, dtype=jnp.int32)
-        ent = ent_ref[first_entry + lane // block_size]  # each entry repeated block_size times
-        tok = ent * block_size + lane % block_size  # wraps for an entry past 2^31 / block_size: not ok
+        tok = ent * block_size + lane % block_size
         ok = blocks_at_or_before(ent, limit, block_size) & (tok <= limit)
-    safe = jnp.where(ok, tok, 0)
-    return ok, k_ref[safe, :], v_ref[safe, :]
+    return ok, jnp.where(ok, tok, 0)
 
 
 def _online_softmax_step(q, k, v, ok, carry, scale):

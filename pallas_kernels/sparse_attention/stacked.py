@@ -37,6 +37,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.layers import check_layer, layer_index, select_layer  # noqa: F401  (re-exported)
 from pallas_kernels.sparse_attention import gpu, reference, tpu
 from pallas_kernels.sparse_attention.common import blocks_at_or_before, check_decode_args, default_scale
+from pallas_kernels.sparse_attention.gpu_common import entry_rows
 
 Array = jax.Array
 
@@ -108,14 +109,11 @@ def _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, first_entry, n_valid, lim
     """
     lane = jnp.arange(block_k, dtype=jnp.int32)
     if block_size == 1:
-        tok = _entries(ent_ref, head, pl.ds(first_entry, block_k), first_entry + lane < n_valid)
-        ok = (tok >= 0) & (tok <= limit)
+        ent = _entries(ent_ref, head, pl.ds(first_entry, block_k), first_entry + lane < n_valid)
     else:
         e = first_entry + lane // block_size
         ent = _entries(ent_ref, head, e, e < n_valid)
-        tok = ent * block_size + lane % block_size  # wraps for an entry past 2^31 / block_size: not ok
-        ok = blocks_at_or_before(ent, limit, block_size) & (tok <= limit)
-    safe = jnp.where(ok, tok, 0)
+    ok, safe = entry_rows(ent, lane, limit, block_size)
     # One indexer (layer, rows, :): Triton lowering supports a single indexer per load.
     return ok, k_ref[layer, safe, :], v_ref[layer, safe, :]
 
