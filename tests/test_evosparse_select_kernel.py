@@ -37,6 +37,13 @@ def _case(rng, B, Hkv, nb, width, wr, ties):
     return [jnp.asarray(x) for x in (heat, ret, n_s, hi, nbv, count)] + [jnp.asarray(full)]
 
 
+def _least_k(count, ret, n_s, hi, heat_width):
+    """The fewest heat candidates a row's selection can be made from: its heat part (count, at most heat_width)
+    and the retrieval blocks in its middle [n_s, hi) (which `select_from_candidates` skips among them)."""
+    n_ret_mid = 0 if ret is None else jnp.sum((ret >= n_s[:, None]) & (ret < hi[:, None]), axis=-1)
+    return jnp.minimum(count, heat_width) + n_ret_mid
+
+
 @pytest.mark.parametrize("nb,width,wr,ties,seed", [(37, 12, 3, True, 0), (100, 30, 5, False, 1),
                                                    (64, 64, 1, True, 2), (300, 41, 8, True, 3)])
 @pytest.mark.parametrize("parts", ["both", "no_heat", "no_ret"])
@@ -141,9 +148,8 @@ def test_selection_from_heat_candidates_equals_select_blocks(nb, width, wr, ties
     hw = max(1, width // 2)
     kw = dict(num_kv_heads=Hkv, width=width, heat_width=hw)
     want = np.asarray(xla.select_blocks_xla(heat, ret, n_s, hi, nbv, count, full, nb=nb, **kw))
-    n_ret_mid = 0 if ret is None else jnp.sum((ret >= n_s[:, None]) & (ret < hi[:, None]), axis=-1)
     for extra in (0, 3):  # the least k that works, and more
-        k = jnp.minimum(count, hw) + n_ret_mid + extra
+        k = _least_k(count, ret, n_s, hi, hw) + extra
         cand = heat_candidates(heat, n_s, hi, k, width=hw + wr + 3)
         got = select_from_candidates_xla(heat, cand, ret, n_s, hi, nbv, count, full, **kw)
         np.testing.assert_array_equal(got, want)
@@ -224,7 +230,7 @@ def test_select_kernels_take_retrieval_blocks_at_the_middles_ends():
         np.testing.assert_array_equal(got, want)
     for b, blocks in ((0, [0, 7, 12, 20]), (1, [3, 9, 29])):
         assert all(x in want[b, 0] for x in blocks)
-    k = jnp.minimum(count, 6) + jnp.sum((ret >= n_s[:, None]) & (ret < hi[:, None]), axis=-1)
+    k = _least_k(count, ret, n_s, hi, 6)
     cand = heat_candidates(heat, n_s, hi, k, width=12)
     want = np.asarray(xla.select_blocks_xla(heat, ret, n_s, hi, nbv, count, full, nb=40, **kw))
     np.testing.assert_array_equal(select_from_candidates_xla(heat, cand, ret, n_s, hi, nbv, count, full, **kw), want)
@@ -242,7 +248,7 @@ def test_select_from_candidates_kernel_drops_candidates_outside_the_middle():
     stray = jnp.array([[30, 31, 39], [30, 35, 2]], jnp.int32)  # hi, local, past nbv; row 1: hi, local, sink
     hot = heat.at[jnp.arange(2)[:, None], :, stray].set(9.0)  # the middle's heat unchanged
     np.testing.assert_array_equal(xla.select_blocks_xla(hot, ret, n_s, hi, nbv, count, full, nb=40, **kw), want)
-    k = jnp.minimum(count, 6) + jnp.sum((ret >= n_s[:, None]) & (ret < hi[:, None]), axis=-1)
+    k = _least_k(count, ret, n_s, hi, 6)
     cand = jnp.concatenate([jnp.broadcast_to(stray[:, None], (2, 2, 3)), heat_candidates(hot, n_s, hi, k, width=12)],
                            axis=-1)
     np.testing.assert_array_equal(select_from_candidates_xla(hot, cand, ret, n_s, hi, nbv, count, full, **kw), want)
@@ -272,7 +278,7 @@ def test_select_kernels_read_the_layers_own_candidates_and_heat(monkeypatch, lay
     B, Hkv, nb, width, hw = 4, 2, 50, 16, 8
     _, ret, n_s, hi, nbv, count, full = _case(rng, B, Hkv, nb, width, 4, False)
     heat = jnp.asarray(rng.random((3, B, Hkv, nb)).astype(np.float32))
-    k = jnp.minimum(count, hw) + jnp.sum((ret >= n_s[:, None]) & (ret < hi[:, None]), axis=-1)
+    k = _least_k(count, ret, n_s, hi, hw)
     cand = heat_candidates(heat, n_s, hi, k, width=hw + 4)  # [3, B, Hkv, Wc]
     kw = dict(num_kv_heads=Hkv, width=width, heat_width=hw)
     rows = (ret, n_s, hi, nbv, count, full)

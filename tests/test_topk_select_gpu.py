@@ -319,7 +319,6 @@ def test_sample_ties_at_the_bracket_ends_do_not_fill_the_band():
     _sample_exact(x, k, K, sample_size=512, band_cap=64)
 
 
-
 # Negative rows, N = 1000 not a multiple of any chunk (64, 128) nor of the row program's 1024 lanes.
 TAIL_CONFIGS = [dict(path="row"), dict(path="fused", block_n=64, compact_block_n=128, target_programs=24),
                 dict(path="passes", block_n=64, compact_block_n=128, target_programs=24),
@@ -441,7 +440,6 @@ def test_dispatch_and_config_errors():
             gpu.topk_select_gpu(x, 1, 4, config=gpu.SelectConfig(**bad), interpret=True)
     with pytest.raises(ValueError, match="N=40000"):
         gpu_row.topk_select_rows(jnp.zeros((1, 40000), jnp.float32), jnp.zeros((1,), jnp.int32), 8)
-
 
 
 def test_sample_positions_offsets_span_each_stratum():
