@@ -267,7 +267,7 @@ def test_an_entry_whose_tokens_wrap_int32_is_no_block_in_every_path():
     for name, call in calls.items():
         assert_close(call(idx.at[at].set(huge)), want, jnp.float32, f"decode {name}")
 
-    B, T, Hq, Hkv, D, K, lengths, tile, bs = PREFILL_CASES[2]  # block_size 8: (2^28 + 1) * 8 wraps to 2^31 + 8
+    B, T, Hq, Hkv, D, K, lengths, tile, bs = PREFILL_CASES[2]  # block_size 8
     huge = 2 ** 29 + 1  # * 8 = 2^32 + 8: block 1
     q, k, v, idx, lens = prefill_inputs(7, B, T, Hq, Hkv, D, K, lengths, tile, bs, jnp.float32)
     at = (0, 0, 2, 0)  # tile 2 (rows 32..39): block 1 lies before it
