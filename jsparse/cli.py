@@ -243,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "the context in (0, 1]; for sts also > 1, a number of tokens (method default when omitted)")
     g.add_argument("--budget-tokens", type=int, default=None, metavar="N",
                    help="a fixed token budget instead of --budget: every query attends to min(N, its visible keys) "
-                        "(evosparse: its budget_tokens; the fraction methods: min_tokens = N)")
+                        "(evosparse: its budget_tokens; sts: budget = N; the fraction methods: min_tokens = N and a "
+                        "budget fraction that never binds, kascade's reuse layers included: reuse_scale 1)")
     g.add_argument("--artifact", action="append", default=None, metavar="DIR",
                    help="calibration artifact folder of a method that needs one; tsa+kascade takes two, each routed "
                         "by its kind: --artifact K --artifact T (or K:T, joined by the path separator)")
