@@ -52,8 +52,9 @@ def tsa(old, new):
 
 def evosparse(old, new, num):
     (mo, ao), (mn, an) = old, new
-    return {"heads_used": num, "heads_old": top_heads(ao["scores"], num), "heads_new": top_heads(an["scores"], num),
-            "same_set": set(top_heads(ao["scores"], num)) == set(top_heads(an["scores"], num)),
+    heads_old, heads_new = top_heads(ao["scores"], num), top_heads(an["scores"], num)
+    return {"heads_used": num, "heads_old": heads_old, "heads_new": heads_new,
+            "same_set": set(heads_old) == set(heads_new),
             "prompts_new": mn["prompts"], "retrieved_prompts_new": mn["retrieved_prompts"],
             "prompts_old": mo["prompts"], "retrieved_prompts_old": mo["retrieved_prompts"]}
 
