@@ -261,6 +261,34 @@ def test_gpu_pool_variants_interpret(pool, G, dense, dt):
         gpu.decode_scores_gpu(q, k, v, lens, config=gpu.AnchorConfig(pool="cuda"), interpret=True)
 
 
+@pytest.mark.parametrize("S,G,Gm", [(5, 3, 16), (4, 4, 4), (1, 2, 2)])
+def test_gpu_pool_merges_partials_interpret(S, G, Gm):
+    # The Triton pooling pass merges the scoring pass's split partials itself: S = 5 (not a power of two) with
+    # one split empty (l = 0, m = the kernel's -1e30), G = 3 of Gm = 16 rows (the rest garbage), against
+    # combine_lse + pool_scores + force_diagonal; S = 1, l = 1 is one given logsumexp.
+    from pallas_kernels.anchor_attention.common import combine_lse, force_diagonal, pool_scores
+
+    rng = np.random.default_rng(S * 10 + G)
+    Bq, H, T, N = 2, 2, 2, 70
+    logits = jnp.asarray(rng.standard_normal((Bq, H, T, G, N)) * 3, jnp.float32)
+    m = jnp.asarray(rng.standard_normal((S, Bq, H, T, Gm)), jnp.float32)
+    l = jnp.asarray(rng.uniform(0.5, 4.0, (S, Bq, H, T, Gm)), jnp.float32)
+    if S > 1:
+        m, l = m.at[2].set(-1e30), l.at[2].set(0.0)
+    pos = jnp.array([[68, 69], [-1, 10]], jnp.int32)  # a row with nothing visible
+    got = np.asarray(gpu.pool_gpu(logits, m, l, pos, diagonal_tile=8, interpret=True,
+                                  config=gpu.AnchorConfig(pool="triton", pool_block=32)))
+    mg, lg = m[..., :G], l[..., :G]
+    lse = combine_lse(jnp.where(lg > 0, mg, -jnp.inf), lg)
+    want = np.asarray(force_diagonal(pool_scores(logits, lse, pos), pos, 8))
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    assert np.isneginf(got[1, :, 0]).all() and np.isfinite(got[0, :, 1]).all()
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[fin], want[fin], rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="expected equal shapes"):
+        gpu.pool_gpu(logits, m, l[..., :1], pos, interpret=True)
+
+
 def test_gpu_stacked_with_output_false_interpret():
     q, k, v, lens = _decode_inputs(4, 1, 64, [64, 30])
     k_all, v_all = jnp.stack([v, k, v]), jnp.stack([k, v, k])

@@ -201,7 +201,7 @@ def time_decode(records, N):
         nbytes=pool_bytes)
     for pb, w in ((2048, 4), (4096, 8)):
         add(f"pool_only[triton_b{pb}_w{w}]", lambda lg, ls, p, pb=pb, w=w: gpu.pool_gpu(
-            lg, ls, p, config=gpu.AnchorConfig(pool="triton", pool_block=pb, pool_warps=w)), logits, lse, pos,
+            lg, ls[None], jnp.ones_like(ls)[None], p, config=gpu.AnchorConfig(pool="triton", pool_block=pb, pool_warps=w)), logits, lse, pos,
             part="pool", nbytes=pool_bytes)
     for r in records:
         if r.get("phase") == "decode" and r.get("N") == N and "ms" in r and "ms" in dense:

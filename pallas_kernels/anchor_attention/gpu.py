@@ -11,10 +11,10 @@ splits so the grid fills the GPU). It holds the GQA group's queries as one [Gp, 
 for the tensor-core dot), streams its split's keys `block_n` rows at a time, writes the G real rows of the
 scaled logits to f32[B, Hkv, T, G, N], and keeps an online (max, sum of exp) per query head; with
 `dense_output` it also reads V and accumulates the dense attention (flash decoding). Splits past the query's
-position read nothing. The splits' partials are merged in XLA (logsumexp per query head); pooling (an XLA
-fusion, or with AnchorConfig.pool="triton" the Triton pass `_pool_kernel`, which never reads the logits of
-keys past a query's position), selection (`topk_select`, Triton) and the gathered attention (`sparse_decode`,
-Triton) follow (common.py).
+position read nothing. Pooling: with AnchorConfig.pool="xla" the splits' partials are merged in XLA (logsumexp
+per query head) and an XLA fusion pools; with pool="triton" the Triton pass `_pool_kernel` merges the partials
+itself and pools, never reading the logits of keys past a query's position. Selection (`topk_select`, Triton)
+and the gathered attention (`sparse_decode`, Triton) follow (common.py).
 
 Why the logits pass writes G values per key, not one: the pooled score sum_g exp(s_g - lse_g) needs each query
 head's global logsumexp, known only after every split has run. A per-key scalar written earlier (say
@@ -58,8 +58,9 @@ class AnchorConfig:
       num_stages: software pipelining depth.
       pool: how the logits become pooled scores after the splits' (max, sum) partials are merged:
         "xla": an XLA fusion (`common.pool_scores`, then `force_diagonal`);
-        "triton": `_pool_kernel`, one Triton pass that reads each visible key's G logits once (keys past the
-        query's position are never read) and writes its pooled score, visibility and diagonal applied.
+        "triton": `_pool_kernel`, one Triton pass that merges the splits' partials into each query head's
+        logsumexp, reads each visible key's G logits once (keys past the query's position are never read) and
+        writes its pooled score, visibility and diagonal applied.
       pool_block: keys per program of the Triton pooling pass (a power of two >= 16).
       pool_warps: warps per program of the Triton pooling pass.
     """
@@ -138,18 +139,27 @@ def _logits_kernel(layer_ref, lim_ref, q_ref, k_ref, *refs, scale: float, block_
         o_ref[...] = out[2]
 
 
-def _pool_kernel(pos_ref, lse_ref, lg_ref, o_ref, *, G: int, bp: int, n: int, diagonal_tile: int):
+def _pool_kernel(pos_ref, m_ref, l_ref, lg_ref, o_ref, *, G: int, S: int, bp: int, n: int, diagonal_tile: int):
     """One (b, h, t, key block) program of the pooling pass.
 
-    Refs: pos i32[1] the query's position (last visible key; < 0: none); lse f32[Gp] each query head's
-    logsumexp (+inf on the padding rows >= G); lg f32[G, N] the logits (written only for visible keys);
-    o f32[N] the pooled scores.
+    Refs: pos i32[1] the query's position (last visible key; < 0: none); m, l f32[S, Gm] the scoring pass's
+    split partials of each query head (running max, sum of exp(logit - max); rows >= G and splits that saw no
+    key contribute nothing); lg f32[G, N] the logits (written only for visible keys); o f32[N] the pooled scores.
+    Each program merges the S partials into the G logsumexps itself (a few hundred bytes, from L2), so no XLA
+    fusion runs between the scoring pass and this one.
     """
     pos = pos_ref[0]
-    lse = lse_ref[...]
-    gp = lse.shape[0]
+    gl, sp = pl.next_power_of_2(G), pl.next_power_of_2(S)
+    rows = jnp.arange(gl, dtype=jnp.int32)
+    split = jnp.arange(sp, dtype=jnp.int32)
+    part = m_ref.at[split[:, None], rows[None, :]], l_ref.at[split[:, None], rows[None, :]]
+    ok = (split < S)[:, None] & (rows < G)[None, :]
+    m = plgpu.load(part[0], mask=ok, other=_MASK)  # [sp, gl]
+    l = plgpu.load(part[1], mask=ok, other=0.0)
+    m_all = jnp.max(m, axis=0)
+    l_all = jnp.sum(jnp.exp(m - m_all[None, :]) * l, axis=0)  # an empty split: l = 0 (its m is finite)
+    lse = jnp.where(l_all > 0, m_all + jnp.log(jnp.where(l_all > 0, l_all, 1.0)), jnp.inf)  # +inf: weight 0
     kpos = pl.program_id(3) * bp + jnp.arange(bp, dtype=jnp.int32)
-    rows = jnp.arange(gp, dtype=jnp.int32)
     visible = (kpos <= pos) & (kpos < n)
     # Keys past the position were never written: masked, so never read (their lanes issue no load).
     s = plgpu.load(lg_ref.at[rows[:, None], kpos[None, :]], mask=(rows < G)[:, None] & visible[None, :],
@@ -161,34 +171,39 @@ def _pool_kernel(pos_ref, lse_ref, lg_ref, o_ref, *, G: int, bp: int, n: int, di
     plgpu.store(o_ref.at[kpos], out, mask=kpos < n)
 
 
-def pool_gpu(logits: Array, lse: Array, pos: Array, *, diagonal_tile: int = 0, config: AnchorConfig = AnchorConfig(),
-             interpret: bool = False) -> Array:
-    """`common.pool_scores` (then `common.force_diagonal`) as one Triton pass.
+def pool_gpu(logits: Array, m: Array, l: Array, pos: Array, *, diagonal_tile: int = 0,
+             config: AnchorConfig = AnchorConfig(), interpret: bool = False) -> Array:
+    """`common.combine_lse`, `common.pool_scores` (then `common.force_diagonal`) as one Triton pass.
 
     Args:
-      logits: f32[B, Hkv, T, G, N] (read only where visible); lse: f32[B, Hkv, T, G]; pos: i32[B, T].
+      logits: f32[B, Hkv, T, G, N] (read only where visible).
+      m, l: f32[S, B, Hkv, T, Gm] (Gm >= G) the split partials of each query head's softmax: running max and sum
+        of exp(logit - max) over the split's visible keys (m anything finite and l = 0 for a split that saw none);
+        rows >= G are ignored. One logsumexp lse f32[B, Hkv, T, G] is the partials m = lse[None], l = 1.
+      pos: i32[B, T].
 
     Returns:
       f32[B, Hkv, T, N]: sum_g exp(logits - lse) over visible keys, -inf elsewhere, `common.diagonal_scores` on the
       diagonal tile.
     """
     B, Hkv, T, G, N = logits.shape
+    S, Gm = m.shape[0], m.shape[-1]
+    if m.shape != (S, B, Hkv, T, Gm) or l.shape != m.shape or Gm < G:
+        raise ValueError(f"partials m {tuple(m.shape)}, l {tuple(l.shape)}: expected equal shapes [S, B={B}, "
+                         f"Hkv={Hkv}, T={T}, Gm >= G={G}]")
     bp = config.pool_block
-    Gp = pl.next_power_of_2(G)
-    if Gp != G:
-        lse = jnp.pad(lse, ((0, 0), (0, 0), (0, 0), (0, Gp - G)), constant_values=jnp.inf)
+    part = pl.BlockSpec((S, None, None, None, Gm), lambda b, h, t, c: (0, b, h, t, 0))
     return pl.pallas_call(
-        functools.partial(_pool_kernel, G=G, bp=bp, n=N, diagonal_tile=diagonal_tile),
+        functools.partial(_pool_kernel, G=G, S=S, bp=bp, n=N, diagonal_tile=diagonal_tile),
         grid=(B, Hkv, T, pl.cdiv(N, bp)),
-        in_specs=[pl.BlockSpec((None, 1), lambda b, h, t, c: (b, t)),
-                  pl.BlockSpec((None, None, None, Gp), lambda b, h, t, c: (b, h, t, 0)),
+        in_specs=[pl.BlockSpec((None, 1), lambda b, h, t, c: (b, t)), part, part,
                   pl.BlockSpec((None, None, None, G, N), lambda b, h, t, c: (b, h, t, 0, 0))],
         out_specs=pl.BlockSpec((None, None, None, N), lambda b, h, t, c: (b, h, t, 0)),
         out_shape=jax.ShapeDtypeStruct((B, Hkv, T, N), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=config.pool_warps, num_stages=1),
         interpret=interpret,
         name="anchor_decode_pool",
-    )(pos.astype(jnp.int32), lse.astype(jnp.float32), logits)
+    )(pos.astype(jnp.int32), m.astype(jnp.float32), l.astype(jnp.float32), logits)
 
 
 def _check_config(config: AnchorConfig) -> None:
@@ -286,12 +301,14 @@ def decode_scores_gpu(q: Array, k: Array, v: Array, lengths: Array, *, layer: Ar
         interpret=interpret,
         name="anchor_decode_logits",
     )(*args)
-    logits, m, l = res[0], res[1][..., :G], res[2][..., :G]
+    logits = res[0]
+    if config.pool == "triton":  # the partials merged in-kernel
+        scores = pool_gpu(logits, res[1], res[2], pos, diagonal_tile=diagonal_tile, config=config,
+                          interpret=interpret)
+    m, l = res[1][..., :G], res[2][..., :G]
     m = jnp.where(l > 0, m, -jnp.inf)  # an empty split contributes nothing
-    lse = combine_lse(m, l)  # [B, Hkv, T, G]
-    if config.pool == "triton":
-        scores = pool_gpu(logits, lse, pos, diagonal_tile=diagonal_tile, config=config, interpret=interpret)
-    else:
+    if config.pool != "triton":
+        lse = combine_lse(m, l)  # [B, Hkv, T, G]
         scores = force_diagonal(pool_scores(logits, lse, pos), pos, diagonal_tile)
     out = None
     if dense_output:
