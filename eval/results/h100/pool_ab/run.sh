@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Kascade's anchor pooling on the H100, issue 24: AnchorConfig.pool "xla" (the default: an XLA logsumexp of the
 # scoring pass's split partials, then an XLA pooling fusion) against "triton" (`gpu._pool_kernel`, which merges the
-# partials itself), at pool_block 2048 / 4 warps and 4096 / 8 warps, in the whole decode step at 100K, batch 4.
+# partials itself), at pool_block 2048 / 4 warps and 4096 / 8 warps, in the whole decode step at 100K, batch 4
+# (Kascade's 5 anchors and the oracle's 31 exact-top-k layers run this pass).
 # Each variant is the tree with AnchorConfig's defaults edited (sed, in a copy under /tmp); one `jsparse bench
 # model --no-check` process per variant, dense first in each, variants alternating.
 #   PART=tests: the GPU kernel tests of the anchor, sparse-attention, stacked-decode and top-k kernels
@@ -31,9 +32,9 @@ case "${PART:?PART=tests|ab}" in
         esac
         grep -nE '^    pool(_block|_warps)?: ' "$f" | tr '\n' ' '; echo
       fi
-      (cd "$dir" && PYTHONPATH=. python3 -m jsparse.cli bench model --no-check --methods dense,kascade \
+      (cd "$dir" && PYTHONPATH=. python3 -m jsparse.cli bench model --no-check --methods dense,kascade,oracle \
          --context 100000 --batch 4 --out "$OUT/ab_${i}_$v.json" > "$OUT/ab_${i}_$v.log" 2>&1
-       grep -E "^\| (dense|kascade) " "$OUT/ab_${i}_$v.log" || grep -vE "^W[0-9]{4}|^I[0-9]{4}" "$OUT/ab_${i}_$v.log" | tail -20)
+       grep -E "^\| (dense|kascade|oracle) " "$OUT/ab_${i}_$v.log" || grep -vE "^W[0-9]{4}|^I[0-9]{4}" "$OUT/ab_${i}_$v.log" | tail -20)
       echo "-- $i $v done $(date +%T)"
     done ;;
   *) echo "PART=$PART: expected tests or ab" >&2; exit 2 ;;
