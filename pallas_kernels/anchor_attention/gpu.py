@@ -57,7 +57,8 @@ class AnchorConfig:
       num_warps: warps per program.
       num_stages: software pipelining depth.
       pool: how the logits become pooled scores after the splits' (max, sum) partials are merged:
-        "xla": an XLA fusion (`common.pool_scores`, then `force_diagonal`);
+        "xla" (the default; as fast end to end as "triton", eval/results/h200/pool_ab/): an XLA logsumexp of
+        the partials and an XLA fusion (`common.pool_scores`, then `force_diagonal`);
         "triton": `_pool_kernel`, one Triton pass that merges the splits' partials into each query head's
         logsumexp, reads each visible key's G logits once (keys past the query's position are never read) and
         writes its pooled score, visibility and diagonal applied.

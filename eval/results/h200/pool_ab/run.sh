@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Kascade's anchor pooling on the H100, issue 24: AnchorConfig.pool "xla" (the default: an XLA logsumexp of the
+# Kascade's anchor pooling on a GPU (ran on an H200; no H100 was lent), issue 24: AnchorConfig.pool "xla" (the default: an XLA logsumexp of the
 # scoring pass's split partials, then an XLA pooling fusion) against "triton" (`gpu._pool_kernel`, which merges the
 # partials itself), at pool_block 2048 / 4 warps and 4096 / 8 warps, in the whole decode step at 100K, batch 4
 # (Kascade's 5 anchors and the oracle's 31 exact-top-k layers run this pass).
@@ -7,7 +7,7 @@
 # model --no-check` process per variant, dense first in each, variants alternating.
 #   PART=tests: the GPU kernel tests of the anchor, sparse-attention, stacked-decode and top-k kernels
 #   PART=ab ORDER="xla t2048 t4096": the A/B runs, $OUT/ab_<i>_<variant>.json and .log
-# Usage (GPU): GIT_COMMIT=<sha> OUT=... PART=tests|ab bash eval/results/h100/pool_ab/run.sh
+# Usage (GPU): GIT_COMMIT=<sha> OUT=... PART=tests|ab [START=n] bash eval/results/h200/pool_ab/run.sh
 set -u
 export PYTHONUNBUFFERED=1
 here=$PWD
