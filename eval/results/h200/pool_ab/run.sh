@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Kascade's anchor pooling on a GPU (ran on an H200; no H100 was lent), issue 24: AnchorConfig.pool "xla"
 # (the default: an XLA logsumexp of the scoring pass's split partials, then an XLA pooling fusion) against "triton"
-# (`gpu._pool_kernel`, which merges the partials itself), at pool_block 2048 / 4 warps and 4096 / 8 warps, in the whole decode step at 100K, batch 4
-# (Kascade's 5 anchors and the oracle's 31 exact-top-k layers run this pass).
+# (`gpu._pool_kernel`, which merges the partials itself), at pool_block 2048 / 4 warps and 4096 / 8 warps, in the
+# whole decode step at 100K, batch 4 (Kascade's 5 anchors and the oracle's 31 exact-top-k layers run this pass).
 # Each variant is the tree with AnchorConfig's defaults edited (sed, in a copy under /tmp); one `jsparse bench
 # model --no-check` process per variant, dense first in each, variants alternating.
 #   PART=tests: the GPU kernel tests of the anchor, sparse-attention, stacked-decode and top-k kernels
