@@ -200,9 +200,9 @@ def time_decode(records, N):
     add("pool_only[xla]", lambda lg, ls, p: pool_scores(lg, ls, p), logits, lse, pos, part="pool",
         nbytes=pool_bytes)
     for pb, w in ((2048, 4), (4096, 8)):
-        add(f"pool_only[triton_b{pb}_w{w}]", lambda lg, ls, p, pb=pb, w=w: gpu.pool_gpu(
-            lg, ls[None], jnp.ones_like(ls)[None], p, config=gpu.AnchorConfig(pool="triton", pool_block=pb, pool_warps=w)), logits, lse, pos,
-            part="pool", nbytes=pool_bytes)
+        cfg = gpu.AnchorConfig(pool="triton", pool_block=pb, pool_warps=w)
+        add(f"pool_only[triton_b{pb}_w{w}]", lambda lg, ls, p, cfg=cfg: gpu.pool_gpu(  # lse as one split's partials
+            lg, ls[None], jnp.ones_like(ls)[None], p, config=cfg), logits, lse, pos, part="pool", nbytes=pool_bytes)
     for r in records:
         if r.get("phase") == "decode" and r.get("N") == N and "ms" in r and "ms" in dense:
             r["ratio_to_dense"] = r["ms"] / dense["ms"]

@@ -153,10 +153,9 @@ def _pool_kernel(pos_ref, m_ref, l_ref, lg_ref, o_ref, *, G: int, S: int, bp: in
     gl, sp = pl.next_power_of_2(G), pl.next_power_of_2(S)
     rows = jnp.arange(gl, dtype=jnp.int32)
     split = jnp.arange(sp, dtype=jnp.int32)
-    part = m_ref.at[split[:, None], rows[None, :]], l_ref.at[split[:, None], rows[None, :]]
     ok = (split < S)[:, None] & (rows < G)[None, :]
-    m = plgpu.load(part[0], mask=ok, other=_MASK)  # [sp, gl]
-    l = plgpu.load(part[1], mask=ok, other=0.0)
+    m = plgpu.load(m_ref.at[split[:, None], rows[None, :]], mask=ok, other=_MASK)  # [sp, gl]
+    l = plgpu.load(l_ref.at[split[:, None], rows[None, :]], mask=ok, other=0.0)
     m_all = jnp.max(m, axis=0)
     l_all = jnp.sum(jnp.exp(m - m_all[None, :]) * l, axis=0)  # an empty split: l = 0 (its m is finite)
     lse = jnp.where(l_all > 0, m_all + jnp.log(jnp.where(l_all > 0, l_all, 1.0)), jnp.inf)  # +inf: weight 0
@@ -302,15 +301,13 @@ def decode_scores_gpu(q: Array, k: Array, v: Array, lengths: Array, *, layer: Ar
         interpret=interpret,
         name="anchor_decode_logits",
     )(*args)
-    logits = res[0]
-    if config.pool == "triton":  # the partials merged in-kernel
+    logits, m, l = res[0], res[1][..., :G], res[2][..., :G]
+    m = jnp.where(l > 0, m, -jnp.inf)  # an empty split contributes nothing
+    if config.pool == "triton":  # the raw partials, merged in-kernel
         scores = pool_gpu(logits, res[1], res[2], pos, diagonal_tile=diagonal_tile, config=config,
                           interpret=interpret)
-    m, l = res[1][..., :G], res[2][..., :G]
-    m = jnp.where(l > 0, m, -jnp.inf)  # an empty split contributes nothing
-    if config.pool != "triton":
-        lse = combine_lse(m, l)  # [B, Hkv, T, G]
-        scores = force_diagonal(pool_scores(logits, lse, pos), pos, diagonal_tile)
+    else:
+        scores = force_diagonal(pool_scores(logits, combine_lse(m, l), pos), pos, diagonal_tile)
     out = None
     if dense_output:
         w = jnp.where(l > 0, jnp.exp(m - jnp.max(m, axis=0)[None]), 0.0)  # [S, B, Hkv, T, G]
