@@ -101,6 +101,41 @@ def test_sparse_stacked_gpu_entry_whose_tokens_wrap_int32_is_no_block():
 
 
 @pytest.mark.parametrize("case,dtype,layers,config", SPARSE_GPU_CASES)
+def test_sparse_stacked_gpu_every_layers_head_map_reads_the_layers_row(case, dtype, layers, config):
+    """Every layer's map i32[L, Hkv] (what Kascade's reuse layers hand the kernel inside the layer scan): the kernel
+    reads row `layer` (wrapped and clamped as the cache's layer), clips its values, and equals the call with that
+    row, in the kernel and through the API's XLA path alike; the rows differ, so reading another would show."""
+    L, B, T, Hq, Hkv, D, N, K, lengths, bs = case
+    Hq, Hkv = Hq * 2, Hkv * 2
+    rng, q, k_all, v_all, lens = stacked_inputs(17, L, B, T, Hq, Hkv, D, N, lengths, dtype)
+    idx = jnp.asarray(random_decode_indices(rng, lengths, Hkv, T, K, block_size=bs))
+    rows = [[1, 0, 3, 2], [2, 2, 0, 1], [3, 3, 3, 0]][:L]
+    table = jnp.asarray(rows, jnp.int32)
+    kernel = jax.jit(lambda table, layer: stacked.sparse_decode_stacked_gpu(
+        q, k_all, v_all, layer, idx, lens, block_size=bs, config=config, head_map=table, interpret=True))
+    for layer in layers + (L + 5,):  # past the end: clamped to the last layer, as the cache
+        row = rows[min(layer % L if layer < 0 else layer, L - 1)]
+        want = ref.sparse_decode_reference(q, k_all[min(layer, L - 1)], v_all[min(layer, L - 1)],
+                                           jnp.take(idx, jnp.asarray(row), axis=1), lens, block_size=bs)
+        assert_close(kernel(table, jnp.int32(layer)), want, dtype, f"layer {layer}")
+        for impl in ("xla", None):  # None: the default (on a GPU host the compiled kernel)
+            api = jax.jit(lambda layer: sparse_decode(q, k_all, v_all, idx, lens, layer=layer, block_size=bs,
+                                                      head_map=table, implementation=impl))(jnp.int32(layer))
+            assert_close(api, want, dtype, f"api {impl}, layer {layer}")
+    # A traced table's values outside [0, Hkv) are clipped in-kernel, as the XLA path clips them.
+    bad = table.at[layers[0]].set(jnp.asarray([-1, 0, 3, 4], jnp.int32)[:Hkv])
+    clipped = jnp.take(idx, jnp.clip(bad[layers[0]], 0, Hkv - 1), axis=1)
+    want = ref.sparse_decode_reference(q, k_all[layers[0]], v_all[layers[0]], clipped, lens, block_size=bs)
+    assert_close(kernel(bad, jnp.int32(layers[0])), want, dtype, "traced table, clipped")
+    with pytest.raises(ValueError, match=re.escape(f"expected an integer [Hkv={Hkv}] or [L={L}, Hkv={Hkv}] array")):
+        stacked.sparse_decode_stacked_gpu(q, k_all, v_all, jnp.int32(0), idx, lens, block_size=bs,
+                                          head_map=jnp.zeros((L + 1, Hkv), jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match=r"expected values in \[0, Hkv=4\)"):
+        sparse_decode(q, k_all, v_all, idx, lens, layer=jnp.int32(0), block_size=bs, head_map=bad,
+                      implementation="xla")
+
+
+@pytest.mark.parametrize("case,dtype,layers,config", SPARSE_GPU_CASES)
 def test_sparse_stacked_gpu_head_map_equals_taken_indices(case, dtype, layers, config):
     """head_map read in-kernel (Kascade's reuse layers) = the call on jnp.take(indices, head_map, axis=1)."""
     L, B, T, Hq, Hkv, D, N, K, lengths, bs = case

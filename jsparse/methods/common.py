@@ -15,6 +15,7 @@ from pallas_kernels.dense import dense_decode, dense_prefill
 from pallas_kernels.dense_decode import dense_decode_stacked
 from pallas_kernels.dense_decode import supported as dense_decode_supported
 from pallas_kernels.sparse_attention import sparse_decode, sparse_decode_query_heads, sparse_prefill
+from pallas_kernels.layers import select_layer
 from pallas_kernels.sharding import active_mesh
 from pallas_kernels.sparse_attention.reference import decode_indices_to_mask, masked_attention_reference
 
@@ -38,10 +39,18 @@ def attend_selected(q, cache, indices, lengths, head_map=None):
     simulated for every row) scatters the indices into a mask, which is cheaper than gathering T * K rows.
     Inside the model's layer scan the cache view carries the stacked cache and the layer index; the gathered
     op then reads the selected rows of that layer in place (no copy of the layer's cache per step).
-    head_map: i32[Hkv] or None: KV head h uses the index row of head head_map[h] (read in place on the GPU).
+    head_map: i32[Hkv] or None: KV head h uses the index row of head head_map[h] (read in place on the GPU); with
+    the stacked cache view also every layer's map i32[L, Hkv], of which the view's layer's row is used (on the
+    GPU the gathered kernel reads it: no XLA op on the map in the layer).
     """
+    stacked = getattr(cache, "layer", None) is not None
+    if head_map is not None and jnp.ndim(head_map) == 2 and not (stacked and q.shape[1] == 1):
+        if not stacked:
+            raise ValueError(f"head_map has shape {tuple(jnp.shape(head_map))}: every layer's map needs the stacked "
+                             "cache view (a layer index); expected one layer's map [Hkv]")
+        head_map = select_layer(head_map, cache.layer)
     if q.shape[1] == 1:
-        if getattr(cache, "layer", None) is not None:
+        if stacked:
             return sparse_decode(q, cache.k_all, cache.v_all, indices, lengths, layer=cache.layer,
                                  head_map=head_map)
         return sparse_decode(q, cache.k, cache.v, indices, lengths, head_map=head_map)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.layers import check_layer
+from pallas_kernels.layers import check_layer, select_layer
 from pallas_kernels.sharding import active_mesh, dims, per_shard
 from pallas_kernels.sparse_attention import reference, xla
 
@@ -92,6 +92,12 @@ def _decode_shards(q, k, v, indices, lengths, layer):
     return args, [dims(4, 0, 2), kv, kv, dims(4, 0, 1), dims(1, 0)] + ([()] if layer is not None else [])
 
 
+def _map_row(head_map: Array, layer) -> Array:
+    """The head map of `layer` (every layer's map [L, Hkv], row `layer` as the stacked cache is indexed) or the
+    one layer's map [Hkv]."""
+    return select_layer(head_map, layer) if jnp.ndim(head_map) == 2 else head_map
+
+
 def sparse_decode(q: Array, k: Array, v: Array, indices: Array, lengths: Array, *, layer: Array | None = None,
                   block_size: int = 1, scale: float | None = None, return_lse: bool = False,
                   head_map: Array | None = None, implementation: str | None = None) -> Array | tuple[Array, Array]:
@@ -113,7 +119,9 @@ def sparse_decode(q: Array, k: Array, v: Array, indices: Array, lengths: Array, 
       scale: softmax scale (None: 1/sqrt(D)).
       return_lse: also return f32[B, T, Hq] logsumexp over the attended keys.
       head_map: i32[Hkv] or None: KV head h attends over the index row of KV head head_map[h] (as
-        `jnp.take(indices, head_map, axis=1)`; the stacked Pallas GPU kernel reads the rows in place).
+        `jnp.take(indices, head_map, axis=1)`; the stacked Pallas GPU kernel reads the rows in place). With
+        `layer` also every layer's map i32[L, Hkv], of which row `layer` is used (the stacked Pallas GPU kernel
+        reads that row itself: no XLA op on the map in a layer scan).
       implementation: see the module docstring.
 
     Returns:
@@ -122,11 +130,12 @@ def sparse_decode(q: Array, k: Array, v: Array, indices: Array, lengths: Array, 
     Under a mesh (`pallas_kernels.sharding`) the op runs per shard (rows over data, heads over model); a
     `head_map` is applied first, outside the shards (its take over the head axis reads other devices' rows).
     """
+    if head_map is not None:
+        from pallas_kernels.sparse_attention.stacked import check_head_map
+        check_head_map(head_map, indices.shape[1], None if layer is None else k.shape[0])
     if active_mesh() is not None:
         if head_map is not None:
-            from pallas_kernels.sparse_attention.stacked import check_head_map
-            check_head_map(head_map, indices.shape[1])
-            indices = jnp.take(indices, head_map, axis=1, mode="clip")  # clipped, as the kernel does
+            indices = jnp.take(indices, _map_row(head_map, layer), axis=1, mode="clip")  # clipped, as the kernel
         args, templates = _decode_shards(q, k, v, indices, lengths, layer)
         outs = (dims(4, 0, 2), dims(3, 0, 2)) if return_lse else dims(4, 0, 2)
 
@@ -137,9 +146,8 @@ def sparse_decode(q: Array, k: Array, v: Array, indices: Array, lengths: Array, 
     impl = _pick(implementation, q, block_size, None)
     kw = dict(block_size=block_size, scale=scale, return_lse=return_lse)
     if head_map is not None and not (layer is not None and impl == "pallas_gpu"):
-        from pallas_kernels.sparse_attention.stacked import check_head_map
-        check_head_map(head_map, indices.shape[1])
-        indices, head_map = jnp.take(indices, head_map, axis=1, mode="clip"), None  # clipped, as the kernel does
+        indices = jnp.take(indices, _map_row(head_map, layer), axis=1, mode="clip")  # clipped, as the kernel does
+        head_map = None
     if layer is not None:
         from pallas_kernels.sparse_attention import stacked
         stacked.check_stacked_args(q, k, v, layer, indices, lengths, block_size)

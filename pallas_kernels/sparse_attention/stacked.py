@@ -11,7 +11,8 @@ the stacked cache and the layer index instead and read only the selected rows of
       64-bit when the array is over 4 GiB). No XLA work precedes the launch (the layer is wrapped and clamped,
       the positions come from the lengths, each split finds its useful length from its own entries of the
       unpadded index row, the GQA group's query rows are gathered in-kernel); only the split combine follows.
-      With head_map (i32[Hkv]) KV head h reads the index row of head head_map[h] (Kascade's reuse layers).
+      With head_map (i32[Hkv]) KV head h reads the index row of head head_map[h] (Kascade's reuse layers);
+      with every layer's map i32[L, Hkv] the kernel reads the layer's row itself (no XLA op on the map either).
   sparse_decode_stacked_tpu(q, k_all, v_all, layer, indices, lengths)   Pallas TPU: `layer` is one more
       scalar-prefetch argument and the K/V index maps return (layer, b, h, block, 0), so the pipeline DMAs
       the selected [block_size, D] blocks of that layer only.
@@ -66,13 +67,16 @@ def check_stacked_args(q: Array, k_all: Array, v_all: Array, layer: Array, indic
     check_decode_args(q, one, one, indices, lengths, block_size)
 
 
-def check_head_map(head_map, num_kv_heads: int) -> None:
-    """head_map: i32[Hkv] with values in [0, Hkv): checked when its values are known (not traced); a traced map's
-    values outside are clipped, by the kernel and by the XLA paths alike."""
+def check_head_map(head_map, num_kv_heads: int, num_layers: int | None = None) -> None:
+    """head_map: i32[Hkv] with values in [0, Hkv), or with num_layers (a stacked cache's layers) also every
+    layer's map i32[L, Hkv]: checked when its values are known (not traced); a traced map's values outside are
+    clipped, by the kernel and by the XLA paths alike."""
     hm = jnp.asarray(head_map)
-    if hm.shape != (num_kv_heads,) or not jnp.issubdtype(hm.dtype, jnp.integer):
-        raise ValueError(f"head_map has shape {tuple(hm.shape)} and dtype {hm.dtype}: expected an integer "
-                         f"[Hkv={num_kv_heads}] array")
+    shapes = [(num_kv_heads,)] + ([] if num_layers is None else [(num_layers, num_kv_heads)])
+    if hm.shape not in shapes or not jnp.issubdtype(hm.dtype, jnp.integer):
+        want = f"[Hkv={num_kv_heads}]" + ("" if num_layers is None else f" or [L={num_layers}, Hkv={num_kv_heads}]")
+        raise ValueError(f"head_map has shape {tuple(hm.shape)} and dtype {hm.dtype}: expected an integer {want} "
+                         "array")
     if not isinstance(head_map, jax.core.Tracer):
         values = np.asarray(head_map)
         if values.size and (values.min() < 0 or values.max() >= num_kv_heads):
@@ -119,14 +123,15 @@ def _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, first_entry, n_valid, lim
 
 
 def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, entries_per_split: int, K: int,
-                           T: int, N: int, L: int, G: int, mapped: bool = False, mass: bool = False,
-                           stacked_indices: bool = False):
+                           T: int, N: int, L: int, G: int, Hkv: int = 1, mapped: bool = False,
+                           stacked_map: bool = False, mass: bool = False, stacked_indices: bool = False):
     """One (b, h, t, split) program; as `gpu._decode_kernel` with k_ref, v_ref: [L, N, D] and layer_ref: i32[1].
 
     Refs: ([hm_ref,] layer_ref, len_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref[, el_ref, em_ref,
     nw_ref]). Everything XLA used to prepare is done here: the layer index is wrapped and clamped (jnp
     semantics), the query's last visible token comes from the row's length, the split's entries are read from
-    the unpadded row [K] (or, mapped, the row of head hm_ref[h] of [Hkv, K]; with stacked_indices, the row of
+    the unpadded row [K] (or, mapped, the row of head hm_ref[h] of [Hkv, K], hm_ref i32[Hkv] or with stacked_map
+    every layer's map i32[L, Hkv] read at the layer, its value clipped to [0, Hkv); with stacked_indices, the row of
     the layer of [L, K], every layer's rows read in place) and the split's useful length is
     found from them (no padded copy of the indices, no reduction over them in XLA), and the GQA group's queries
     are gathered from q [Hq, D] (rows past G repeat row G - 1; their outputs are dropped).
@@ -137,9 +142,10 @@ def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, e
     head = None
     if mapped:
         hm_ref, *refs = refs
-        head = hm_ref[pl.program_id(1)]  # clipped to [0, Hkv) by the wrapper
     layer_ref, len_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *mass_refs = refs
     layer = layer_index(layer_ref[0], L)
+    if mapped:  # the map's row of this layer (every layer's map, read in place) or the one layer's map
+        head = jnp.clip(hm_ref[layer, pl.program_id(1)] if stacked_map else hm_ref[pl.program_id(1)], 0, Hkv - 1)
     if stacked_indices:
         head = layer  # the row of ent_ref [L, K] (`_entries`)
     split = pl.program_id(3)
@@ -214,7 +220,9 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
         (no second read of K; EvoSparse's heat).
       config: `gpu.DecodeConfig` (the kernel's tuning, shared with `gpu.sparse_decode_gpu`).
       head_map: i32[Hkv] or None: KV head h attends over the index row of KV head head_map[h] (Kascade's reuse
-        layers), read in place: the same as `jnp.take(indices, head_map, axis=1)` without that copy. Not with
+        layers), read in place: the same as `jnp.take(indices, head_map, axis=1)` without that copy; or every
+        layer's map i32[L, Hkv], of which the kernel reads row `layer` (as `layer` indexes the cache): the same as
+        head_map[layer] without an XLA slice per layer. Values outside [0, Hkv) are clipped in-kernel. Not with
         return_mass, nor with every layer's rows.
       query_heads: indices int32[B, Hq, T, K] hold one row per query head (Quest's pages, TokenButler's keys):
         one program per query head (grid (B, Hq, T, S)), each reading its KV head's cache in place, in one launch.
@@ -271,7 +279,7 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
     else:
         check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size, stacked_indices=stacked)
     if head_map is not None:
-        check_head_map(head_map, k_all.shape[2])
+        check_head_map(head_map, k_all.shape[2], k_all.shape[0])
         if return_mass:
             raise ValueError("head_map with return_mass: the entry mass is defined for unmapped heads only")
         if stacked:
@@ -287,9 +295,10 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
     block_k, splits, E, Gp = gpu.decode_split_plan(config, K, block_size, B * H * T, G)
 
     mapped = head_map is not None
+    stacked_map = mapped and jnp.ndim(head_map) == 2
     kernel = functools.partial(_decode_kernel_stacked, scale=scale, block_size=block_size, block_k=block_k,
-                               entries_per_split=E, K=K, T=T, N=N, L=L, G=G, mapped=mapped, mass=return_mass,
-                               stacked_indices=stacked)
+                               entries_per_split=E, K=K, T=T, N=N, L=L, G=G, Hkv=Hkv, mapped=mapped,
+                               stacked_map=stacked_map, mass=return_mass, stacked_indices=stacked)
     out_specs, out_shape = gpu.split_outputs(splits, B, H, T, Gp, D)
     if return_mass:  # per entry: sum of exp(s - m) and that m; and how many entries the program wrote
         out_specs += [pl.BlockSpec((None, None, None, None, Gp, E), lambda b, h, t, s: (s, b, h, t, 0, 0))] * 2
@@ -313,9 +322,10 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
     ]
     args = (jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32), indices.astype(jnp.int32), q,
             k_all, v_all)
-    if mapped:
-        in_specs = [pl.BlockSpec((Hkv,), lambda b, h, t, s: (0,))] + in_specs
-        args = (jnp.clip(head_map.astype(jnp.int32), 0, Hkv - 1),) + args
+    if mapped:  # clipped in-kernel: with every layer's map [L, Hkv] no XLA op runs on it per layer
+        hm_shape = jnp.shape(head_map)
+        in_specs = [pl.BlockSpec(hm_shape, lambda b, h, t, s: (0,) * len(hm_shape))] + in_specs
+        args = (jnp.asarray(head_map).astype(jnp.int32),) + args
     return tuple(pl.pallas_call(
         kernel,
         grid=(B, H, T, splits),
