@@ -114,6 +114,13 @@ def test_layer_is_checked_and_written_alike():
                 kgpu.rope_write_gpu(qkv, pos, inv_freq, ck, cv, jnp.int32(-1), Hq, Hkv, interpret=True)):
         for g, w in zip(got, want):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+    # A traced layer is wrapped and clamped in-kernel (no XLA op before the launch): -1 and L + 4 write the last
+    # layer, -L - 2 the first, as a traced index into the stacked cache reads.
+    kernel = jax.jit(lambda layer: kgpu.rope_write_gpu(qkv, pos, inv_freq, ck, cv, layer, Hq, Hkv, interpret=True))
+    for layer, row in ((-1, L - 1), (L + 4, L - 1), (-L - 2, 0)):
+        want = rope_write_reference(qkv, pos, inv_freq, ck, cv, row, Hq, Hkv)
+        for g, w in zip(kernel(jnp.int32(layer)), want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5, err_msg=f"layer {layer}")
 
 
 def test_kernel_stays_in_its_blocks():

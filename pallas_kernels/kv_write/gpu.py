@@ -3,9 +3,10 @@
 grid (B * T,): program r takes token row r of the fused q/k/v projection ([Hq + 2 Hkv, D], read as its two halves
 along D), applies the rotary embedding at positions[r] in f32, stores the rotated q heads, and stores the rotated k
 and the v heads straight into the stacked caches at [layer, r // T, :, positions[r]] (both caches aliased: in
-place; nothing stored for a position outside [0, N)). One launch replaces the model's four per layer (the q rotation, an
-index clamp and the two cache scatters). No q/k norm (Qwen3's): there the model runs the reference (on an H200 a
-per-head norm in the kernel, rounded to bf16 before the rotation, did not match XLA's, which keeps the f32 value:
+place; nothing stored for a position outside [0, N)). One launch replaces the model's four per layer (the q rotation,
+an index clamp and the two cache scatters); the layer index is wrapped and clamped in-kernel too, where an XLA scalar
+op before the launch was one more kernel every layer. No q/k norm (Qwen3's): there the model runs the reference (on an
+H200 a per-head norm in the kernel, rounded to bf16 before the rotation, did not match XLA's, which keeps the f32 value:
 eval/results/h200/fixed_cost/).
 Runs in interpret mode on CPU (`interpret=True`).
 """
@@ -44,7 +45,7 @@ def _rows(ref, start: int, n: int, half: int):
 def _kernel(lay_ref, pos_ref, qkv_ref, freq_ref, _ck, _cv, q_out, k_out, v_out, *, hq: int, hkv: int, L: int,
             N: int):
     r = pl.program_id(0)
-    layer = jnp.clip(lay_ref[0], 0, L - 1)
+    layer = layer_index(lay_ref[0], L)  # wrapped and clamped here: in XLA it was a kernel of its own every layer
     p = pos_ref[r]
     D = qkv_ref.shape[-1]
     half = D // 2
@@ -92,6 +93,6 @@ def rope_write_gpu(qkv: Array, positions: Array, inv_freq: Array, cache_k: Array
         input_output_aliases={4: 1, 5: 2},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret, name="rope_write",
-    )(layer_index(layer, cache_k.shape[0]).reshape(1), positions.reshape(B * T).astype(jnp.int32), qkv,
+    )(jnp.asarray(layer).astype(jnp.int32).reshape(1), positions.reshape(B * T).astype(jnp.int32), qkv,
       inv_freq.astype(F32), cache_k, cache_v)
     return q.reshape(B, T, hq, D), ck, cv
