@@ -36,9 +36,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.layers import layer_index
 from pallas_kernels.sparse_attention import gpu as sparse_gpu
 from pallas_kernels.anchor_attention.common import (check_args, check_diagonal_tile, combine_lse, default_scale,
-                                                    diagonal_scores, force_diagonal, layer_of, pool_scores,
+                                                    diagonal_scores, force_diagonal, pool_scores,
                                                     positions, select, unstack)
 
 Array = jax.Array
@@ -84,21 +85,26 @@ def unsupported_reason(dtype, head_dim: int) -> str | None:
     return sparse_gpu.unsupported_reason(dtype, head_dim, 1, None)
 
 
-def _logits_kernel(layer_ref, lim_ref, q_ref, k_ref, *refs, scale: float, block_n: int, per_split: int, n: int,
-                   G: int, dense: bool):
+def _logits_kernel(layer_ref, len_ref, q_ref, k_ref, *refs, scale: float, block_n: int, per_split: int, n: int,
+                   G: int, T: int, L: int, gp: int, dense: bool):
     """One (b, h, t, split) program.
 
-    Refs: layer i32[1] the cache layer to read; lim i32[1] last visible key (the query's position; < 0:
-    none); q [Gp, D]; k [L, N, D] every layer of the KV head (and v with dense); outputs logits f32[G, N]
-    (only this split's visible chunks are written), m, l f32[Gp] (and o f32[Gp, D] with dense).
+    Refs: layer i32[1] the cache layer to read (wrapped and clamped here, as jnp reads a traced index); len i32[1]
+    the row's length (the query's position, its last visible key, is len - T + t; < 0: none); q [Hq, D] the
+    token's queries (the program gathers its GQA group's G rows, padded to gp by repeating row G - 1, whose outputs
+    are never used); k [L, N, D] every layer of the KV head (and v with dense); outputs logits f32[G, N] (only this
+    split's visible chunks are written), m, l f32[gp] (and o f32[gp, D] with dense). Nothing is prepared in XLA
+    before the launch (the positions, the padded queries and the layer index were three small kernels a layer).
     """
     if dense:
         v_ref, lg_ref, m_ref, l_ref, o_ref = refs
     else:
         lg_ref, m_ref, l_ref = refs
-    layer, lim = layer_ref[0], lim_ref[0]
-    q = q_ref[...]
-    gp, d = q.shape
+    layer = layer_index(layer_ref[0], L)
+    lim = jnp.minimum(len_ref[0] - T + pl.program_id(2), n - 1)
+    lane = jnp.arange(gp, dtype=jnp.int32)
+    q = q_ref[pl.program_id(1) * G + jnp.minimum(lane, G - 1), :]  # [gp, D]
+    d = q.shape[1]
     first = pl.program_id(3) * per_split
     count = jnp.clip(pl.cdiv(jnp.minimum(lim + 1, n), block_n) - first, 0, per_split)
     rows = jnp.arange(gp, dtype=jnp.int32)
@@ -270,29 +276,26 @@ def decode_scores_gpu(q: Array, k: Array, v: Array, lengths: Array, *, layer: Ar
     Gp = max(_MIN_ROWS, pl.next_power_of_2(G))
 
     pos = positions(lengths, T)
-    lim = jnp.minimum(pos, N - 1)
-    qg = q.reshape(B, T, Hkv, G, D).transpose(0, 2, 1, 3, 4)  # [B, Hkv, T, G, D]
-    if Gp != G:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, Gp - G), (0, 0)))
 
     cache_spec = pl.BlockSpec((L, None, None, N, D), lambda b, h, t, s: (0, b, h, 0, 0))  # every layer
     in_specs = [pl.BlockSpec((1,), lambda b, h, t, s: (0,)),  # the layer index
-                pl.BlockSpec((None, 1), lambda b, h, t, s: (b, t)),
-                pl.BlockSpec((None, None, None, Gp, D), lambda b, h, t, s: (b, h, t, 0, 0)),
+                pl.BlockSpec((1,), lambda b, h, t, s: (b,)),  # the row's length
+                pl.BlockSpec((None, None, Hq, D), lambda b, h, t, s: (b, t, 0, 0)),  # the token's queries
                 cache_spec]
     part = pl.BlockSpec((None, None, None, None, Gp), lambda b, h, t, s: (s, b, h, t, 0))
     out_specs = [pl.BlockSpec((None, None, None, G, N), lambda b, h, t, s: (b, h, t, 0, 0)), part, part]
     out_shape = [jax.ShapeDtypeStruct((B, Hkv, T, G, N), jnp.float32),
                  jax.ShapeDtypeStruct((S, B, Hkv, T, Gp), jnp.float32),
                  jax.ShapeDtypeStruct((S, B, Hkv, T, Gp), jnp.float32)]
-    args = [layer_of(layer, L), lim, qg, k]
+    args = [jnp.asarray(layer).astype(jnp.int32).reshape(1), lengths.astype(jnp.int32), q, k]
     if dense_output:
         in_specs.append(cache_spec)
         out_specs.append(pl.BlockSpec((None, None, None, None, Gp, D), lambda b, h, t, s: (s, b, h, t, 0, 0)))
         out_shape.append(jax.ShapeDtypeStruct((S, B, Hkv, T, Gp, D), jnp.float32))
         args.append(v)
     res = pl.pallas_call(
-        functools.partial(_logits_kernel, scale=scale, block_n=bn, per_split=per, n=N, G=G, dense=dense_output),
+        functools.partial(_logits_kernel, scale=scale, block_n=bn, per_split=per, n=N, G=G, T=T, L=L, gp=Gp,
+                          dense=dense_output),
         grid=(B, Hkv, T, S),
         in_specs=in_specs,
         out_specs=out_specs,

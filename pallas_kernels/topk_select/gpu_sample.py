@@ -87,9 +87,14 @@ def sample_positions(n: int, ns: int) -> Array:
 
 
 def _sample_kernel(k_ref, x_ref, *refs, n: int, width: int, ns: int, bits: int, sigmas: float,
-                   upper: bool = True, spanned: bool = False):
+                   upper: bool = True, spanned: bool = False, zero_count: bool = False):
     """Row r. Refs: k i32[1]; x f32[N]; (spanned: sp i32[2] the row's span (lo, hi), -inf outside); o i32[4] =
-    (A, B, above_on, 0). upper=False: no A (above_on 0; the bracket is every key above B, `gpu_ordered`)."""
+    (A, B, above_on, 0); (zero_count: z i32[1], set to 0: the band kernel's count, which its splits add to
+    atomically, so it needs no zeros of XLA's, a fill and a copy of their own). upper=False: no A (above_on 0; the
+    bracket is every key above B, `gpu_ordered`)."""
+    if zero_count:
+        *refs, z_ref = refs
+        z_ref[...] = jnp.zeros((1,), jnp.int32)
     sp_ref, o_ref = refs if spanned else (None, *refs)
     kk = jnp.clip(k_ref[0], 0, width)
     at = sample_positions(n, ns)
@@ -241,19 +246,23 @@ def topk_select_sample(x: Array, k_rows: Array, K: int, *, sample: int = 4096, s
 
 
 def sample_bracket(x: Array, k2: Array, K: int, *, sample: int, sigmas: float, bits: int, upper: bool = True,
-                   span: Array | None = None, interpret: bool = False) -> Array:
+                   span: Array | None = None, zero_count: bool = False, interpret: bool = False):
     """Launch 1 (`_sample_kernel`): i32[R, 4] = (A, B, above_on, 0) per row of x f32[R, N]; k2 i32[R, 1]; span
-    i32[R, 2] (lo, hi) or None (the scores outside a row's [lo, hi) count as -inf)."""
+    i32[R, 2] (lo, hi) or None (the scores outside a row's [lo, hi) count as -inf). zero_count: also i32[R, 1]
+    zeros (the band kernel's count), as (bracket, zeros)."""
     R, N = x.shape
     row1 = lambda w: pl.BlockSpec((None, w), lambda r: (r, 0))  # noqa: E731
     spanned = span is not None
-    return pl.pallas_call(
+    out = pl.pallas_call(
         functools.partial(_sample_kernel, n=N, width=K, ns=sample, bits=bits, sigmas=sigmas, upper=upper,
-                          spanned=spanned),
-        grid=(R,), in_specs=[row1(1), row1(N)] + ([row1(2)] if spanned else []), out_specs=row1(4),
-        out_shape=jax.ShapeDtypeStruct((R, 4), jnp.int32),
+                          spanned=spanned, zero_count=zero_count),
+        grid=(R,), in_specs=[row1(1), row1(N)] + ([row1(2)] if spanned else []),
+        out_specs=[row1(4)] + ([row1(1)] if zero_count else []),
+        out_shape=[jax.ShapeDtypeStruct((R, 4), jnp.int32)] + ([jax.ShapeDtypeStruct((R, 1), jnp.int32)]
+                                                                if zero_count else []),
         compiler_params=plgpu.CompilerParams(num_warps=max(4, min(16, sample // 1024)), num_stages=1),
         interpret=interpret, name="topk_select_sample")(k2, x, *([span] if spanned else []))
+    return tuple(out) if zero_count else out[0]
 
 
 def sample_band(x: Array, k2: Array, K: int, *, sample: int, sigmas: float, cap: int, bits: int, block_n: int,
@@ -264,7 +273,8 @@ def sample_band(x: Array, k2: Array, K: int, *, sample: int, sigmas: float, cap:
     fallback when G < kk <= G + E_A + Bn + E_B and, if G + E_A < kk <= G + E_A + Bn, Bn <= cap."""
     R, N = x.shape
     row2 = lambda w: pl.BlockSpec((None, w), lambda r, s: (r, 0))  # noqa: E731
-    bracket = sample_bracket(x, k2, K, sample=sample, sigmas=sigmas, bits=bits, interpret=interpret)
+    bracket, zeros = sample_bracket(x, k2, K, sample=sample, sigmas=sigmas, bits=bits, zero_count=True,
+                                    interpret=interpret)
     S, per = gpu_fused.pow2_splits(R, pl.cdiv(N, block_n), target_programs)
     n_band, band, counts = pl.pallas_call(
         functools.partial(_band_kernel, n=N, block_n=block_n, per_split=per, cap=cap, whole_row=S == 1),
@@ -274,5 +284,5 @@ def sample_band(x: Array, k2: Array, K: int, *, sample: int, sigmas: float, cap:
                    jax.ShapeDtypeStruct((R, S, 4), jnp.int32)),
         input_output_aliases={2: 0},
         compiler_params=params, interpret=interpret, name="topk_select_band",
-    )(bracket, x, jnp.zeros((R, 1), jnp.int32))
+    )(bracket, x, zeros)
     return bracket, counts, n_band, band

@@ -24,7 +24,7 @@ if [ "${PART:?PART=ab|profile}" = profile ]; then
   exit 0
 fi
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE \
-  tests/test_stacked_decode.py tests/test_kv_write.py > "$OUT/gpu_tests.txt" 2>&1
+  tests/test_stacked_decode.py tests/test_kv_write.py tests/test_topk_select_gpu.py > "$OUT/gpu_tests.txt" 2>&1
 tail -3 "$OUT/gpu_tests.txt"
 mkdir -p /tmp/old && tar -xzf "$OLD_TGZ" -C /tmp/old
 i=0
