@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Two per-layer XLA kernels out of the decode step (issue 24): Kascade's reuse layers hand every layer's head map to
-# the gathered decode kernel, which reads the layer's row itself (before, each reuse layer sliced and clipped its row
-# in an XLA kernel of its own: 27 launches a step at 100K, batch 4, `../overhead_budget/profile_kascade_100k_b4.json`,
-# loop_clamp_fusion*), and rope_write wraps and clamps the layer index in-kernel (an XLA scalar kernel in every layer
-# of every method, loop_minimum_fusion*).
+# Small XLA kernels out of the decode step (issue 24; `../overhead_budget/profile_kascade_100k_b4.json` at 100K,
+# batch 4 for the counts): Kascade's reuse layers hand every layer's head map to the gathered decode kernel, which
+# reads the layer's row itself (each reuse layer sliced and clipped its row in a kernel of its own: 27 launches a
+# step, loop_clamp_fusion*); rope_write wraps and clamps the layer index in-kernel (a scalar kernel in every layer of
+# every method); the sampled top-k's first launch writes the band count's zeros (an XLA fill and copy per top-k: per
+# anchor, per oracle layer); the anchor scoring pass gathers its queries and finds its positions and layer itself
+# (three small kernels per anchor / oracle layer).
 #   PART=ab:
-#   1. the stacked-decode and rope_write GPU tests (compiled kernels against their references);
+#   1. the GPU tests of the changed kernels (compiled kernels against their references);
 #   2. A/B in one warm machine: this tree ("new") and the old one ("old", `git archive $OLD models jsparse
 #      pallas_kernels train eval ':(exclude)eval/results'`, carried as OLD_TGZ), alternating, one `jsparse bench
 #      model --no-check --methods dense,kascade,evosparse --context 100000 --batch 4` process each, dense first;
@@ -24,7 +26,8 @@ if [ "${PART:?PART=ab|profile}" = profile ]; then
   exit 0
 fi
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE \
-  tests/test_stacked_decode.py tests/test_kv_write.py tests/test_topk_select_gpu.py > "$OUT/gpu_tests.txt" 2>&1
+  tests/test_stacked_decode.py tests/test_kv_write.py tests/test_topk_select_gpu.py tests/test_anchor_attention.py \
+  > "$OUT/gpu_tests.txt" 2>&1
 tail -3 "$OUT/gpu_tests.txt"
 mkdir -p /tmp/old && tar -xzf "$OLD_TGZ" -C /tmp/old
 i=0
