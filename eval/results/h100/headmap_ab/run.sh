@@ -6,18 +6,21 @@
 # every method); the sampled top-k's first launch writes the band count's zeros (an XLA fill and copy per top-k: per
 # anchor, per oracle layer); the anchor scoring pass gathers its queries and finds its positions and layer itself
 # (three small kernels per anchor / oracle layer).
-#   PART=ab:
-#   1. the GPU tests of the changed kernels (compiled kernels against their references);
-#   2. A/B in one warm machine: this tree ("new") and the old one ("old", `git archive $OLD models jsparse
+#   PART=ab: A/B in one warm machine: this tree ("new") and the old one ("old", `git archive $OLD models jsparse
 #      pallas_kernels train eval ':(exclude)eval/results'`, carried as OLD_TGZ), alternating, one `jsparse bench
-#      model --no-check --methods dense,kascade,evosparse --context 100000 --batch 4` process each, dense first;
-#   PART=profile: `jsparse bench profile_decode_step` of the new Kascade and EvoSparse steps (each with its compiled
+#      model --no-check --methods dense,kascade,evosparse,oracle --context 100000 --batch 4` process each, dense first;
+#   PART=profile: the GPU tests of the changed kernels (compiled kernels against their references), then
+#   `jsparse bench profile_decode_step` of the new Kascade and EvoSparse steps (each with its compiled
 #   HLO beside it), to find the next per-layer kernels.
 # Usage (GPU): GIT_COMMIT=<new sha> OLD=<old sha> OLD_TGZ=... OUT=... PART=ab|profile [ORDER=...] bash run.sh
 set -u
 export PYTHONUNBUFFERED=1
 here=$PWD
 if [ "${PART:?PART=ab|profile}" = profile ]; then
+XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE \
+  tests/test_stacked_decode.py tests/test_kv_write.py tests/test_topk_select_gpu.py tests/test_anchor_attention.py \
+  > "$OUT/gpu_tests.txt" 2>&1
+tail -3 "$OUT/gpu_tests.txt"
   for m in kascade evosparse; do
     PYTHONPATH=. timeout 200 python3 -m jsparse.cli bench profile_decode_step --method $m --context 100000 \
       --batch 4 --steps 4 --top 150 --out "$OUT/profile_${m}_100k_b4.json" > "$OUT/profile_$m.log" 2>&1
@@ -25,17 +28,13 @@ if [ "${PART:?PART=ab|profile}" = profile ]; then
   done
   exit 0
 fi
-XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE \
-  tests/test_stacked_decode.py tests/test_kv_write.py tests/test_topk_select_gpu.py tests/test_anchor_attention.py \
-  > "$OUT/gpu_tests.txt" 2>&1
-tail -3 "$OUT/gpu_tests.txt"
 mkdir -p /tmp/old && tar -xzf "$OLD_TGZ" -C /tmp/old
 i=0
 for v in ${ORDER:-new old new old}; do
   i=$((i + 1))
   if [ "$v" = new ]; then dir=$here; commit=$GIT_COMMIT; else dir=/tmp/old; commit=$OLD; fi
-  (cd "$dir" && GIT_COMMIT=$commit PYTHONPATH=. timeout 170 python3 -m jsparse.cli bench model --no-check \
-     --methods dense,kascade,evosparse --context 100000 --batch 4 --out "$OUT/ab_${i}_$v.json" > "$OUT/ab_${i}_$v.log" 2>&1
-   grep -E "^\| (dense|kascade|evosparse) " "$OUT/ab_${i}_$v.log" || grep -vE "^W[0-9]{4}|^I[0-9]{4}" "$OUT/ab_${i}_$v.log" | tail -8)
+  (cd "$dir" && GIT_COMMIT=$commit PYTHONPATH=. timeout 200 python3 -m jsparse.cli bench model --no-check \
+     --methods dense,kascade,evosparse,oracle --context 100000 --batch 4 --out "$OUT/ab_${i}_$v.json" > "$OUT/ab_${i}_$v.log" 2>&1
+   grep -E "^\| (dense|kascade|evosparse|oracle) " "$OUT/ab_${i}_$v.log" || grep -vE "^W[0-9]{4}|^I[0-9]{4}" "$OUT/ab_${i}_$v.log" | tail -8)
   echo "-- $i $v done $(date +%T)"
 done
