@@ -17,10 +17,10 @@ set -u
 export PYTHONUNBUFFERED=1
 here=$PWD
 if [ "${PART:?PART=ab|profile}" = profile ]; then
-XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE \
-  tests/test_stacked_decode.py tests/test_kv_write.py tests/test_topk_select_gpu.py tests/test_anchor_attention.py \
-  > "$OUT/gpu_tests.txt" 2>&1
-tail -3 "$OUT/gpu_tests.txt"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE \
+    tests/test_stacked_decode.py tests/test_kv_write.py tests/test_topk_select_gpu.py tests/test_anchor_attention.py \
+    > "$OUT/gpu_tests.txt" 2>&1
+  tail -3 "$OUT/gpu_tests.txt"
   for m in kascade evosparse; do
     PYTHONPATH=. timeout 200 python3 -m jsparse.cli bench profile_decode_step --method $m --context 100000 \
       --batch 4 --steps 4 --top 150 --out "$OUT/profile_${m}_100k_b4.json" > "$OUT/profile_$m.log" 2>&1
