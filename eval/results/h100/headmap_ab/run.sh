@@ -8,7 +8,9 @@
 # (three small kernels per anchor / oracle layer).
 #   PART=ab: A/B in one warm machine: this tree ("new") and the old one ("old", `git archive $OLD models jsparse
 #      pallas_kernels train eval ':(exclude)eval/results'`, carried as OLD_TGZ), alternating, one `jsparse bench
-#      model --no-check --methods dense,kascade,evosparse,oracle --context 100000 --batch 4` process each, dense first;
+#      model --no-check --methods dense,kascade,evosparse,oracle --context 100000 --batch 4` process each, dense first,
+#      then the new tree once more with the checks (each method's step against its masked reference on a small shape,
+#      on the GPU: the changed kernels in the model's own step); runs past DEADLINE seconds are skipped;
 #   PART=profile: the GPU tests of the changed kernels (compiled kernels against their references), then
 #   `jsparse bench profile_decode_step` of the new Kascade and EvoSparse steps (each with its compiled
 #   HLO beside it), to find the next per-layer kernels.
@@ -30,10 +32,13 @@ if [ "${PART:?PART=ab|profile}" = profile ]; then
 fi
 mkdir -p /tmp/old && tar -xzf "$OLD_TGZ" -C /tmp/old
 i=0
-for v in ${ORDER:-new old new old}; do
+for v in ${ORDER:-new old new old newcheck}; do
   i=$((i + 1))
+  check=--no-check
+  if [ "$v" = newcheck ]; then check=; v=new; fi  # the masked-reference checks of every method, after its timing
   if [ "$v" = new ]; then dir=$here; commit=$GIT_COMMIT; else dir=/tmp/old; commit=$OLD; fi
-  (cd "$dir" && GIT_COMMIT=$commit PYTHONPATH=. timeout 200 python3 -m jsparse.cli bench model --no-check \
+  [ $SECONDS -gt ${DEADLINE:-480} ] && { echo "-- $i $v skipped: past ${DEADLINE:-480} s"; continue; }
+  (cd "$dir" && GIT_COMMIT=$commit PYTHONPATH=. timeout 200 python3 -m jsparse.cli bench model $check \
      --methods dense,kascade,evosparse,oracle --context 100000 --batch 4 --out "$OUT/ab_${i}_$v.json" > "$OUT/ab_${i}_$v.log" 2>&1
    grep -E "^\| (dense|kascade|evosparse|oracle) " "$OUT/ab_${i}_$v.log" || grep -vE "^W[0-9]{4}|^I[0-9]{4}" "$OUT/ab_${i}_$v.log" | tail -8)
   echo "-- $i $v done $(date +%T)"
