@@ -43,3 +43,8 @@ for v in ${ORDER:-new old new old newcheck}; do
    grep -E "^\| (dense|kascade|evosparse|oracle) " "$OUT/ab_${i}_$v.log" || grep -vE "^W[0-9]{4}|^I[0-9]{4}" "$OUT/ab_${i}_$v.log" | tail -8)
   echo "-- $i $v done $(date +%T)"
 done
+if [ $SECONDS -lt ${PROFILE_BY:-440} ]; then  # time left in the call: where the new Kascade step goes now
+  PYTHONPATH=. timeout $((570 - SECONDS)) python3 -m jsparse.cli bench profile_decode_step --method kascade \
+    --context 100000 --batch 4 --steps 4 --top 150 --out "$OUT/profile_kascade_100k_b4.json" > "$OUT/profile.log" 2>&1
+  tail -2 "$OUT/profile.log"
+fi
