@@ -76,3 +76,28 @@ def test_tsa_kascade_decodes_in_kascades_runs():
     assert "stablehlo.case" not in text_t and "stablehlo.case" in text_w
     assert text_t.count("stablehlo.while") == text_w.count("stablehlo.while") + 4
     np.testing.assert_allclose(np.asarray(logits_t), np.asarray(logits_w), rtol=1e-5, atol=1e-5)
+
+
+def test_reuse_layers_hand_the_gathered_kernel_every_layers_head_map(monkeypatch):
+    """Inside the layer scan a reuse layer gives the stacked gathered decode the whole head-map table [L, Hkv] (the
+    kernel reads the layer's row itself), not its own row: the row's slice was an XLA kernel in every reuse layer of
+    every GPU step (`eval/results/h100/headmap_ab/`). The GPU path is forced here (the kernel in interpret mode), and
+    the logits equal the CPU path's."""
+    from pallas_kernels.sparse_attention import api, stacked
+
+    m = Kascade.from_anchors(CFG, ANCHORS, HEAD_MAP, budget=0.25, min_tokens=8, tile=16)
+    _, want, _ = _decode(m, 1)
+    seen = []
+    kernel, pick = stacked.sparse_decode_stacked_gpu, api._pick
+
+    def recording(*args, head_map=None, **kw):  # traced: the map's shape says whether it is the table or a row
+        seen.append(None if head_map is None else tuple(head_map.shape))
+        return kernel(*args, head_map=head_map, interpret=True, **kw)
+
+    monkeypatch.setattr(stacked, "sparse_decode_stacked_gpu", recording)
+    monkeypatch.setattr(api, "_pick", lambda impl, q, bs, tile, group=None: (
+        "pallas_gpu" if tile is None and impl is None else pick(impl, q, bs, tile, group)))
+    _, got, _ = _decode(m, 1)
+    maps = [s for s in seen if s is not None]
+    assert maps and all(s == (CFG.num_layers, CFG.num_kv_heads) for s in maps), seen  # the table, never a row
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
