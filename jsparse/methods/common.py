@@ -14,8 +14,7 @@ from pallas_kernels.anchor_attention import anchor_decode
 from pallas_kernels.dense import dense_decode, dense_prefill
 from pallas_kernels.dense_decode import dense_decode_stacked
 from pallas_kernels.dense_decode import supported as dense_decode_supported
-from pallas_kernels.sparse_attention import sparse_decode, sparse_decode_query_heads, sparse_prefill
-from pallas_kernels.layers import select_layer
+from pallas_kernels.sparse_attention import head_map_row, sparse_decode, sparse_decode_query_heads, sparse_prefill
 from pallas_kernels.sharding import active_mesh
 from pallas_kernels.sparse_attention.reference import decode_indices_to_mask, masked_attention_reference
 
@@ -48,7 +47,7 @@ def attend_selected(q, cache, indices, lengths, head_map=None):
         if not stacked:
             raise ValueError(f"head_map has shape {tuple(jnp.shape(head_map))}: every layer's map needs the stacked "
                              "cache view (a layer index); expected one layer's map [Hkv]")
-        head_map = select_layer(head_map, cache.layer)
+        head_map = head_map_row(head_map, cache.layer)
     if q.shape[1] == 1:
         if stacked:
             return sparse_decode(q, cache.k_all, cache.v_all, indices, lengths, layer=cache.layer,

@@ -260,8 +260,7 @@ class Kascade(TokenBudget):
         def reuse():
             # In the layer scan (the stacked cache view) every layer's map goes to the gathered kernel, which reads
             # this layer's row itself: the per-layer slice of the map was an XLA kernel in every reuse layer.
-            stacked = getattr(cache, "layer", None) is not None and self.head_map is not None
-            head_map = self.head_map if stacked else ctx.info.head_map
+            head_map = self.head_map if getattr(cache, "layer", None) is not None else ctx.info.head_map
             return attend_selected(q, cache, indices, ctx.lengths, head_map=head_map), indices
 
         branches = [anchor(True), anchor(False), reuse]

@@ -10,14 +10,15 @@ selections also the Mosaic GPU one, mgpu_prefill.py, by `implementation="mosaic_
 `indices_to_mask` for brute-force checks of every method.
 """
 
-from pallas_kernels.sparse_attention.api import (IMPLEMENTATIONS, sparse_decode, sparse_decode_query_heads,
-                                                 sparse_prefill, supported)
+from pallas_kernels.sparse_attention.api import (IMPLEMENTATIONS, head_map_row, sparse_decode,
+                                                 sparse_decode_query_heads, sparse_prefill, supported)
 from pallas_kernels.sparse_attention.reference import (decode_indices_to_mask, indices_to_mask,
                                                        masked_attention_reference, prefill_indices_to_mask,
                                                        sparse_decode_reference, sparse_prefill_reference)
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "head_map_row",
     "sparse_decode",
     "sparse_decode_query_heads",
     "sparse_prefill",

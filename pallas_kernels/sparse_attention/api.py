@@ -92,9 +92,9 @@ def _decode_shards(q, k, v, indices, lengths, layer):
     return args, [dims(4, 0, 2), kv, kv, dims(4, 0, 1), dims(1, 0)] + ([()] if layer is not None else [])
 
 
-def _map_row(head_map: Array, layer) -> Array:
+def head_map_row(head_map: Array, layer) -> Array:
     """The head map of `layer` (every layer's map [L, Hkv], row `layer` as the stacked cache is indexed) or the
-    one layer's map [Hkv]."""
+    one layer's map [Hkv] as it is."""
     return select_layer(head_map, layer) if jnp.ndim(head_map) == 2 else head_map
 
 
@@ -135,7 +135,7 @@ def sparse_decode(q: Array, k: Array, v: Array, indices: Array, lengths: Array, 
         check_head_map(head_map, indices.shape[1], None if layer is None else k.shape[0])
     if active_mesh() is not None:
         if head_map is not None:
-            indices = jnp.take(indices, _map_row(head_map, layer), axis=1, mode="clip")  # clipped, as the kernel
+            indices = jnp.take(indices, head_map_row(head_map, layer), axis=1, mode="clip")  # clipped, as the kernel
         args, templates = _decode_shards(q, k, v, indices, lengths, layer)
         outs = (dims(4, 0, 2), dims(3, 0, 2)) if return_lse else dims(4, 0, 2)
 
@@ -146,7 +146,7 @@ def sparse_decode(q: Array, k: Array, v: Array, indices: Array, lengths: Array, 
     impl = _pick(implementation, q, block_size, None)
     kw = dict(block_size=block_size, scale=scale, return_lse=return_lse)
     if head_map is not None and not (layer is not None and impl == "pallas_gpu"):
-        indices = jnp.take(indices, _map_row(head_map, layer), axis=1, mode="clip")  # clipped, as the kernel does
+        indices = jnp.take(indices, head_map_row(head_map, layer), axis=1, mode="clip")  # clipped, as the kernel does
         head_map = None
     if layer is not None:
         from pallas_kernels.sparse_attention import stacked
