@@ -359,3 +359,32 @@ def test_gemm_row_padding_on_a_gpu_pads_bf16_and_f16_only_and_never_a_single_row
     for dtype in (jnp.bfloat16, jnp.float16):
         assert [llama.gemm_row_padding(r, dtype) for r in (1, 2, 3, 8, 15, 16, 39)] == [0, 6, 5, 0, 1, 0, 1]
     assert [llama.gemm_row_padding(r, jnp.float32) for r in (1, 2, 15)] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_lm_head_pads_a_single_bf16_row_to_a_gemm_on_a_gpu(params, monkeypatch, tied):
+    """`llama.lm_logits` of one bf16 row on a GPU host (the backend faked: the padding only asks which it is) runs its
+    dot on 8 rows, the row and 7 of zeros (`lm_head_row_padding`: XLA would convert the whole weight to f32 for a
+    one-row product), and returns the logits of the unpadded dot (to f32 rounding); two rows, f32 and other backends are not padded."""
+    p = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), params)
+    if tied:
+        p = dataclasses.replace(p, lm_head=None)
+    x = jax.random.normal(jax.random.key(5), (1, 1, CFG.hidden_size), jnp.bfloat16)
+    want = llama.lm_logits(CFG, p, x)  # the CPU: no padding
+    assert llama.lm_head_row_padding(1, jnp.bfloat16) == 0
+
+    def dot_rows(x):
+        eqns = jax.make_jaxpr(lambda x: llama.lm_logits(CFG, p, x))(x).jaxpr.eqns
+        return [e.invars[0].aval.shape[:2] for e in eqns if e.primitive.name == "dot_general"]
+
+    assert dot_rows(x) == [(1, 1)]
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert [llama.lm_head_row_padding(r, jnp.bfloat16) for r in (1, 2, 8)] == [7, 0, 0]
+    assert llama.lm_head_row_padding(1, jnp.float16) == 7 and llama.lm_head_row_padding(1, jnp.float32) == 0
+    got = llama.lm_logits(CFG, p, x)
+    assert got.shape == (1, 1, CFG.vocab_size) and got.dtype == jnp.float32
+    # the same products in f32, summed in another order by the CPU's matrix-matrix and matrix-vector paths
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert dot_rows(x) == [(1, 8)]
+    x2 = jnp.concatenate([x, x], axis=0)  # two rows: XLA's own GEMM path, left alone
+    assert dot_rows(x2) == [(2, 1)]
