@@ -344,12 +344,12 @@ def _scan_layers(params: Params, cfg: ModelConfig, method, x: Array, positions: 
         x, ck, cv, state = carry
         lp, layer, info, window = xs
         h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-        if phase == "decode" and lp.wqkv is not None and lp.q_norm is None and active_mesh() is None:
-            # The rotation and the cache write in one launch on a GPU (`pallas_kernels.kv_write`); the method's
-            # decode reads the cache, not k and v.
+        if phase == "decode" and lp.wqkv is not None and active_mesh() is None:
+            # The rotation and the cache write in one launch on a GPU (`pallas_kernels.kv_write`; a q/k norm as an
+            # XLA fusion before it); the method's decode reads the cache, not k and v.
             qkv = _dense(h, lp.wqkv, "bte,ehd->bthd", lp.bqkv)
             q, ck, cv = rope_write(qkv.reshape((-1,) + qkv.shape[2:]), positions, inv_freq, ck, cv, layer,
-                                   *lp.fused_heads)
+                                   *lp.fused_heads, lp.q_norm, lp.k_norm, cfg.rms_norm_eps)
             k = v = None
         else:
             q, k, v = (unrows(a) for a in qkv_projection(cfg, lp, h, rope_positions, inv_freq))

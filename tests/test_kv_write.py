@@ -1,7 +1,7 @@
 """`pallas_kernels.kv_write.rope_write` (a decode step's rotation and cache write in one launch): the Triton kernel in
 interpret mode against its jnp reference on random inputs (bf16 and f32, T = 1 and 3, padding rows, a position past
-the cache and a negative one dropped, the other layers and positions untouched), the entry point's dispatch and errors (a q/k norm runs
-the reference), CUDA lowering with both caches aliased, and the model's decode through it."""
+the cache and a negative one dropped, the other layers and positions untouched), the entry point's dispatch and errors (a q/k norm
+normed in XLA, then the kernel), CUDA lowering with both caches aliased, and the model's decode through it."""
 
 import functools
 
@@ -89,9 +89,9 @@ def test_entry_point_dispatch_and_errors():
             rope_write(qkv, bad, inv_freq, ck, cv, 0, Hq, Hkv)
     with pytest.raises(ValueError, match=r"k_norm \(16,\): expected \[D\] = \[32\]"):
         rope_write(qkv, pos, inv_freq, ck, cv, 0, Hq, Hkv, q_norm=norms[0], k_norm=norms[1][:16])
-    with pytest.raises(ValueError, match="cannot run this call: a q/k norm: the kernel takes none"):
-        rope_write(qkv, pos, inv_freq, ck, cv, 0, Hq, Hkv, q_norm=norms[0], k_norm=norms[1],
-                   implementation="pallas_gpu")
+    q48, pos48, f48, ck48, cv48, _ = _inputs(3, B, T, Hq, Hkv, 48, 2, 16, jnp.float32)
+    with pytest.raises(ValueError, match="cannot run this call: head_dim=48: the kernel takes a power of two >= 32"):
+        rope_write(q48, pos48, f48, ck48, cv48, 0, Hq, Hkv, implementation="pallas_gpu")
     want = rope_write_reference(qkv, pos, inv_freq, ck, cv, 0, Hq, Hkv, norms[0], norms[1])
     for g, w in zip(rope_write(qkv, pos, inv_freq, ck, cv, 0, Hq, Hkv, norms[0], norms[1]), want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
@@ -152,9 +152,9 @@ def test_lowers_for_cuda_with_both_caches_aliased():
 
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_model_decode_through_the_kernel_equals_the_separate_layout(monkeypatch, qk_norm):
-    """The model's decode with fused q/k/v weights goes through `rope_write` (here the kernel in interpret mode;
-    with a q/k norm the XLA path): the same logits and cache as the reference, and as the separate layout's XLA
-    rotation and scatters (batch 3: rows padded to 8)."""
+    """The model's decode with fused q/k/v weights goes through `rope_write` (here the kernel in interpret mode; with
+    a q/k norm the heads normed first, `norm_heads`): the same logits and cache as the reference, and as the separate
+    layout's XLA rotation and scatters (batch 3: rows padded to 8)."""
     from jsparse.methods import make_method
     from models import llama, params as P
     from models.cache import init_cache
@@ -172,16 +172,17 @@ def test_model_decode_through_the_kernel_equals_the_separate_layout(monkeypatch,
     m = make_method("dense")
     calls = []
 
-    def kernel(*args, **kw):
+    def kernel(*args, **kw):  # the entry point, made to take the kernel (interpreted) as on a GPU
         calls.append(1)
-        return kgpu.rope_write_gpu(*args, interpret=True, **kw)
+        return rope_write(*args, implementation="pallas_gpu", **kw)
+    monkeypatch.setattr(kgpu, "rope_write_gpu", functools.partial(kgpu.rope_write_gpu, interpret=True))
     monkeypatch.setattr(llama, "gemm_row_padding", lambda rows, dtype: -rows % 8)  # as on a GPU
     step = lambda p: jax.jit(lambda p, t, c: llama.decode(p, cfg, m, t, c, None))(p, tok, cache)  # noqa: E731
     separate = step(P.with_layout(params, "separate"))
     want = step(P.with_layout(params, "fused"))  # through the reference
     monkeypatch.setattr(llama, "rope_write", kernel)
     got = step(P.with_layout(params, "fused"))
-    assert bool(calls) != qk_norm  # a q/k norm keeps the XLA path
+    assert calls  # with a q/k norm too
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-5)  # the q/k norm's sum
     np.testing.assert_allclose(np.asarray(got[1].k), np.asarray(want[1].k), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(got[1].v[0]), np.asarray(want[1].v[0]))  # layer 0: v copied as is
@@ -190,15 +191,36 @@ def test_model_decode_through_the_kernel_equals_the_separate_layout(monkeypatch,
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
 
 
-def test_default_on_a_gpu_backend_runs_the_reference_for_a_qk_norm(monkeypatch):
-    """implementation=None on a GPU backend: a q/k norm (which the kernel does not take) runs the reference, it does
-    not reach the kernel (dispatch.gpu_or_reference consults `unsupported()` for None too)."""
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_default_on_a_gpu_backend_norms_a_qk_norm_in_xla_then_runs_the_kernel(monkeypatch, dtype):
+    """implementation=None on a GPU backend with a q/k norm: the heads are normed (`norm_heads`, each head by its own
+    weight, v untouched) and the kernel rotates and writes them; the reference's q, k and v within f32 rounding, and
+    in bf16 within the normed heads' one rounding before the rotation (the reference's XLA may keep them in f32)."""
+    from pallas_kernels.kv_write import norm_heads
+
     B, T, Hq, Hkv, D = 2, 1, 4, 2, 32
-    qkv, pos, inv_freq, ck, cv, norms = _inputs(7, B, T, Hq, Hkv, D, 2, 16, jnp.float32)
+    qkv, pos, inv_freq, ck, cv, norms = _inputs(7, B, T, Hq, Hkv, D, 2, 16, dtype)
     want = rope_write_reference(qkv, pos, inv_freq, ck, cv, 0, Hq, Hkv, norms[0], norms[1])
+    normed = norm_heads(qkv, Hq, Hkv, norms[0], norms[1], 1e-6)
+    assert normed.dtype == qkv.dtype
+    np.testing.assert_array_equal(np.asarray(normed[:, Hq + Hkv:]), np.asarray(qkv[:, Hq + Hkv:]))
+    unit = lambda a: np.sqrt(np.mean(np.asarray(a, np.float64) ** 2, axis=-1))  # noqa: E731  (the normed heads' rms)
+    np.testing.assert_allclose(unit(normed[:, :Hq] / norms[0].astype(jnp.float32)), 1.0, rtol=2e-2)
+    np.testing.assert_allclose(unit(normed[:, Hq:Hq + Hkv] / norms[1].astype(jnp.float32)), 1.0, rtol=2e-2)
+    seen, original = [], kgpu.rope_write_gpu
+
+    def kernel(qkv_in, *args, **kw):
+        seen.append(qkv_in)
+        return original(qkv_in, *args, interpret=True, **kw)
+    monkeypatch.setattr(kgpu, "rope_write_gpu", kernel)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    for g, w in zip(rope_write(qkv, pos, inv_freq, ck, cv, 0, Hq, Hkv, norms[0], norms[1]), want):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    got = rope_write(qkv, pos, inv_freq, ck, cv, 0, Hq, Hkv, norms[0], norms[1])
+    assert len(seen) == 1
+    np.testing.assert_array_equal(np.asarray(seen[0]), np.asarray(normed))  # the kernel got the normed heads
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
+    for g, w, name in zip(got, want, ("q", "cache_k", "cache_v")):
+        assert g.dtype == w.dtype, name
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), err_msg=name, **tol)
 
 
 def test_qkv_with_fewer_rows_than_tokens_is_named():

@@ -7,13 +7,19 @@ qkv holds the token rows of a forward's fused q/k/v projection (the first B * T 
 token's q and k heads get the optional per-head RMSNorm and the rotation at its position, q is returned, and k and
 v are written into layer `layer` of the stacked caches at the token's position (a position >= N is dropped), as
 `models.llama`'s decode does with four XLA kernels per layer (reference.py). On a GPU a Pallas Triton kernel
-(gpu.py) does it in place in one launch, without a q/k norm; elsewhere, with a q/k norm and under a mesh, the
-reference runs.
+(gpu.py) does it in place in one launch; elsewhere and under a mesh the reference runs.
+
+With a q/k norm (Qwen3's) on a GPU, an XLA fusion norms the q and k heads first (`norm_heads`: the reference's
+`rms_norm`, rounded to qkv's dtype, as transformers' Qwen3 RMSNorm returns its input dtype) and the kernel rotates
+and writes them: two launches instead of about nine XLA kernels a layer. XLA's compiled reference may instead keep
+the normed heads in f32 into the rotation (its excess precision): the two then differ by the one rounding, about an
+ulp of bf16 (eval/results/h200/fixed_cost/ found that difference when the kernel normed in-kernel).
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.dispatch import GPU_OR_REFERENCE as IMPLEMENTATIONS, gpu_or_reference
 from pallas_kernels.kv_write import reference
@@ -36,12 +42,21 @@ def rope_write(qkv: Array, positions: Array, inv_freq: Array, cache_k: Array, ca
     def unsupported():
         if active_mesh() is not None:
             return "under a mesh"
-        if q_norm is not None:
-            return "a q/k norm: the kernel takes none"
         return gpu.unsupported_reason(qkv, num_q_heads, num_kv_heads)
     if gpu_or_reference(implementation, unsupported) == "pallas_gpu":
-        return gpu.rope_write_gpu(*args)
+        if q_norm is not None:  # normed in XLA, rotated and written by the kernel (module docstring)
+            qkv = norm_heads(qkv, num_q_heads, num_kv_heads, q_norm, k_norm, eps)
+        return gpu.rope_write_gpu(qkv, *args[1:])
     return reference.rope_write_reference(*args, q_norm, k_norm, eps)
 
 
-__all__ = ["IMPLEMENTATIONS", "rope_write"]
+def norm_heads(qkv: Array, num_q_heads: int, num_kv_heads: int, q_norm: Array, k_norm: Array, eps: float) -> Array:
+    """qkv [R, Hq + 2 Hkv, D] with its q heads normed by q_norm and its k heads by k_norm (`reference.rms_norm` per
+    head, in qkv's dtype); the v heads as they are."""
+    hq, hkv = num_q_heads, num_kv_heads
+    q = reference.rms_norm(qkv[:, :hq], q_norm, eps)
+    k = reference.rms_norm(qkv[:, hq:hq + hkv], k_norm, eps)
+    return jnp.concatenate([q, k, qkv[:, hq + hkv:]], axis=1)
+
+
+__all__ = ["IMPLEMENTATIONS", "norm_heads", "rope_write"]

@@ -5,9 +5,8 @@ along D), applies the rotary embedding at positions[r] in f32, stores the rotate
 and the v heads straight into the stacked caches at [layer, r // T, :, positions[r]] (both caches aliased: in
 place; nothing stored for a position outside [0, N)). One launch replaces the model's four per layer (the q rotation,
 an index clamp and the two cache scatters); the layer index is wrapped and clamped in-kernel too, where an XLA scalar
-op before the launch was one more kernel every layer. No q/k norm (Qwen3's): there the model runs the reference (on an
-H200 a per-head norm in the kernel, rounded to bf16 before the rotation, did not match XLA's, which keeps the f32 value:
-eval/results/h200/fixed_cost/).
+op before the launch was one more kernel every layer. No q/k norm in the kernel: `rope_write` norms Qwen3's heads in
+XLA first (see its module docstring).
 Runs in interpret mode on CPU (`interpret=True`).
 """
 
