@@ -166,6 +166,41 @@ def test_selection_from_heat_candidates_equals_select_blocks(nb, width, wr, ties
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("has_ret", [True, False])
+def test_selection_from_a_plan_subtracts_the_retrieval_set_in_kernel(has_ret):
+    """`select_from_plan` (the five row arrays as one plan, `gpu.make_plan`, made once per step) with count_less_ret:
+    `count` is given before the retrieval set, whose valid entries (ret >= 0, wherever they lie) the kernel subtracts
+    itself; the same blocks as `select_from_candidates_xla` given the subtracted count, for the Triton kernel
+    (interpret mode, stacked with a layer index) and the dispatch's XLA path (the plan unpacked)."""
+    from pallas_kernels.block_scores.api import select_from_plan
+    from pallas_kernels.block_scores.xla import heat_candidates, select_from_candidates_xla
+    rng = np.random.default_rng(11)
+    B, Hkv, nb, width, wr = 5, 3, 100, 30, 5
+    heat, ret, n_s, hi, nbv, count, full = _case(rng, B, Hkv, nb, width, wr, True)
+    ret = ret.at[0, 1].set(-1).at[2].set(-1) if has_ret else None  # a gap in row 0, an empty set in row 2
+    hw = width // 2
+    kw = dict(num_kv_heads=Hkv, width=width, heat_width=hw)
+    valid = np.zeros(B, np.int32) if ret is None else np.sum(np.asarray(ret) >= 0, axis=-1)
+    before = count + valid  # the count before the retrieval set, as the plan holds it
+    assert (np.asarray(before) > np.asarray(count)).any() == has_ret
+    k = _least_k(count, ret, n_s, hi, hw) + 2
+    cand = heat_candidates(heat, n_s, hi, k, width=hw + wr + 3)
+    want = np.asarray(select_from_candidates_xla(heat, cand, ret, n_s, hi, nbv, count, full, **kw))
+    plan = gpu.make_plan(n_s, hi, nbv, before, full)
+    assert plan.shape == (B, gpu.PLAN) and not np.asarray(plan[:, 5:]).any()
+    stacked_h, stacked_c = jnp.stack([heat * 2.0, heat]), jnp.stack([cand[..., ::-1], cand])
+    got = gpu.select_from_plan_gpu(stacked_h, stacked_c, ret, plan, layer=jnp.int32(1), count_less_ret=True,
+                                   interpret=True, **kw)
+    np.testing.assert_array_equal(got, want)
+    got = select_from_plan(heat, cand, ret, plan, count_less_ret=True, implementation="xla", **kw)
+    np.testing.assert_array_equal(got, want)
+    if has_ret:  # without the subtraction the heat takes more blocks: the flag matters
+        more = gpu.select_from_plan_gpu(heat, cand, ret, plan, interpret=True, **kw)
+        assert not np.array_equal(np.asarray(more), want)
+    with pytest.raises(ValueError, match=r"plan of shape \(5, 5\): expected \[B, 8\]"):
+        gpu.select_from_plan_gpu(heat, cand, ret, plan[:, :5], interpret=True, **kw)
+
+
 def test_select_kernels_stay_in_their_blocks():
     """Every load and store of the two selection kernels stays inside its block (`pallas_bounds.checked_memory`:
     the interpreter pads stray loads and drops stray stores, where a GPU reads or overwrites another program's

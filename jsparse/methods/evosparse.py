@@ -70,8 +70,9 @@ from jsparse.methods.common import (attend_dense, dense_prefill, kwargs_for, ref
 from models.attention import runs_of
 from jsparse.retrieval_heads import (DEFAULT_HEAD_FRACTION, RetrievalLayout, default_num_heads,  # noqa: F401
                                      load_retrieval_heads, retrieval_blocks, retrieval_layout, top_heads)
-from pallas_kernels.block_scores import heat_candidates, select_blocks, select_from_candidates, sparse_decode_heat
-from pallas_kernels.block_scores.gpu import CAND_LIMIT
+from pallas_kernels.block_scores import (heat_candidates, select_blocks, select_from_candidates, select_from_plan,
+                                        sparse_decode_heat)
+from pallas_kernels.block_scores.gpu import CAND_LIMIT, make_plan
 from pallas_kernels.sparse_attention import sparse_decode
 
 Array = jax.Array
@@ -91,11 +92,14 @@ class EvoState:
     """heat: f32[L, B, Hkv, NB] (NB = max_len / block_size) decayed sparse-attention mass per block, or None
     without heat; retrieval: i32[B, T, Wr] the latest retrieval blocks (ascending, -1 padded) inside one
     decode forward, else None; heat_cand: every layer's heat candidates of a one-token decode forward (the
-    n_h + n_r hottest middle blocks, `start_rows`), else None."""
+    n_h + n_r hottest middle blocks, `start_rows`), else None; plan: beside them, each row's block budget
+    (`block_scores.gpu.make_plan`: sink, middle end, visible blocks, heat count before the retrieval set, full),
+    the same in every layer of the forward."""
 
     heat: Optional[Array] = None
     retrieval: Optional[Array] = None
     heat_cand: Optional[Array] = None  # i32[L, B, Hkv, Wc] inside one T = 1 decode forward (`start_rows`)
+    plan: Optional[Array] = None  # i32[B, PLAN] every layer's selection plan beside heat_cand (`start_rows`)
     heat_rows: Optional[Array] = None  # f32[L, B, Hkv, T + 1, NB] inside a speculative verification
 
 
@@ -306,7 +310,7 @@ class EvoSparse:
         decayed and updated row by row inside each layer (`heat_update`)."""
         if phase != "decode":
             return state
-        state = state.replace(heat_cand=None)  # candidates belong to one forward (`start_rows` adds them)
+        state = state.replace(heat_cand=None, plan=None)  # they belong to one forward (`start_rows` adds them)
         if self.uses_heat and q_len == 1:
             state = state.replace(heat=decay_heat(state.heat, self.dense_layers, self.decay))
         if not self.uses_retrieval:
@@ -327,20 +331,22 @@ class EvoSparse:
     def start_rows(self, cfg, state, phase, lengths, q_len, kv_len):
         """One-token decode: every layer's heat candidates at once (`block_scores.heat_candidates`: the n_h + n_r
         hottest middle blocks of each row, one top-k launch), so a layer only ranks those outside its retrieval
-        set (`select_from_candidates`); a layer's heat does not change before it runs, so the blocks are the same."""
+        set (`select_from_plan`); a layer's heat does not change before it runs, so the blocks are the same. The
+        rows' block budget goes beside them as one plan (`plan`): each layer's selection kernel reads it, where
+        each layer derived it again in XLA (five small kernels a layer on a GPU)."""
         if phase != "decode" or q_len != 1 or not self.uses_heat or state.heat is None:
             return state
         width = self.widths(state.heat.shape[-1] * self.block_size)["heat"]
         if width > CAND_LIMIT:  # too many candidates to rank pairwise: search each row
             return state
         pos = lengths.astype(jnp.int32) - 1
-        _, nbv, (n_s, n_l, n_r, n_h) = self._row_budget(pos)
+        kb, nbv, (n_s, n_l, n_r, n_h) = self._row_budget(pos)
         k = n_h + n_r if self.uses_retrieval else n_h
         cand = heat_candidates(state.heat, n_s, nbv - n_l, k, width)
-        return state.replace(heat_cand=cand)
+        return state.replace(heat_cand=cand, plan=make_plan(n_s, nbv - n_l, nbv, k, kb >= nbv))
 
     def finish(self, state, phase):
-        return state.replace(retrieval=None, heat_cand=None)
+        return state.replace(retrieval=None, heat_cand=None, plan=None)
 
     def prefill(self, ctx, q, k, v, state):
         out = dense_prefill(q, k, v)
@@ -438,11 +444,12 @@ class EvoSparse:
         Hkv, N = cache.k.shape[1], cache.k.shape[2]
         if T == 1:  # one decode token: the heat was decayed by `start`; the mass is added in place
             idx = self.select_blocks(heat, None if ret is None else ret[:, 0], pos[:, 0], Hkv, N, layer=ctx.layer,
-                                     cand=state.heat_cand)
+                                     cand=state.heat_cand, plan=state.plan)
             if not self.uses_heat:
                 return self.attend(q[:, 0], cache, idx, pos[:, 0], live=live)[0][:, None].astype(q.dtype), state
-            # live=False: lengths 0, so every entry's mass is 0 and the heat is unchanged.
-            lengths = pos[:, 0] + 1 if live is None else jnp.where(live, pos[:, 0] + 1, 0)
+            # live=False: lengths 0, so every entry's mass is 0 and the heat is unchanged. (ctx.lengths is pos + 1:
+            # no kernel derives it again.)
+            lengths = ctx.lengths if live is None else jnp.where(live, ctx.lengths, 0)
             k_all, v_all, layer = stacked_cache(cache)
             out, heat = sparse_decode_heat(q, k_all, v_all, layer, idx[:, :, None], lengths, heat, ctx.layer,
                                            block_size=self.block_size, implementation=self.kernels,
@@ -462,7 +469,7 @@ class EvoSparse:
                                     rows=state.heat_rows)
         return out.astype(q.dtype), state.replace(heat=heat, heat_rows=rows)
 
-    def select_blocks(self, heat_l, ret, pos, Hkv: int, N: int, layer=None, cand=None) -> Array:
+    def select_blocks(self, heat_l, ret, pos, Hkv: int, N: int, layer=None, cand=None, plan=None) -> Array:
         """The attended blocks of one decode row: i32[B, Hkv, Kb] ascending, -1 padded.
 
         Sink [0, n_s) and local [nbv - n_l, nbv) are ranges; the retrieval blocks and the heat blocks lie between
@@ -474,9 +481,13 @@ class EvoSparse:
           heat_l: f32[B, Hkv, nb] this layer's heat (None without heat), or with `layer` (i32[]) the stacked heat
           f32[L, B, Hkv, nb] (read in place); ret: i32[B, Wr] the retrieval set (or None); pos: i32[B] the query
           positions; Hkv, N: KV heads and cache length; cand: the stacked heat candidates of `start_rows`
-          (with `layer`), or None (search the heat row).
+          (with `layer`), or None (search the heat row); plan: `start_rows`'s plan of these positions beside cand
+          (the rows' budget read in-kernel), or None (derived here).
         """
         w = self.widths(N)
+        if cand is not None and heat_l is not None and plan is not None:
+            return select_from_plan(heat_l, cand, ret, plan, num_kv_heads=Hkv, width=w["Kb"], heat_width=w["heat"],
+                                    layer=layer, count_less_ret=ret is not None, implementation=self.kernels)
         kb, nbv, (n_s, n_l, n_r, n_h) = self._row_budget(pos)
         n_ret_valid = jnp.zeros_like(n_r) if ret is None else jnp.sum(ret >= 0, axis=-1)
         count = n_h + (n_r - n_ret_valid) if ret is not None or self.uses_retrieval else n_h

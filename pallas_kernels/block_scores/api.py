@@ -184,9 +184,11 @@ def select_blocks(heat: Array | None, ret: Array | None, n_s: Array, hi: Array, 
 
 def select_from_candidates(heat: Array, cand: Array, ret: Array | None, n_s: Array, hi: Array, nbv: Array,
                            count: Array, full: Array, *, num_kv_heads: int, width: int, heat_width: int,
-                           layer: Array | None = None, implementation: str | None = None) -> Array:
+                           layer: Array | None = None, count_less_ret: bool = False,
+                           implementation: str | None = None) -> Array:
     """`select_blocks` given each row's heat candidates (`xla.heat_candidates`, computed once per decode step
-    for every layer): i32[B, Hkv, width], the same blocks (semantics: `xla.select_from_candidates_xla`).
+    for every layer): i32[B, Hkv, width], the same blocks (semantics: `xla.select_from_candidates_xla`; with
+    count_less_ret, `count` is before the retrieval set's valid entries, subtracted there).
     implementation=None: the Triton kernel on a GPU when the candidates and the retrieval set are at most
     `gpu.CAND_LIMIT` wide (it ranks them pairwise in registers), else XLA. Under a mesh, per shard (see
     `select_blocks`)."""
@@ -194,22 +196,46 @@ def select_from_candidates(heat: Array, cand: Array, ret: Array | None, n_s: Arr
         out = _select_per_shard(
             lambda heat, cand, ret, n_s, hi, nbv, count, full, layer, h: select_from_candidates(
                 heat, cand, ret, n_s, hi, nbv, count, full, num_kv_heads=h, width=width, heat_width=heat_width,
-                layer=layer, implementation=implementation),
+                layer=layer, count_less_ret=count_less_ret, implementation=implementation),
             heat, cand, ret, (n_s, hi, nbv, count, full), layer, num_kv_heads)
         if out is not None:
             return out
+    args = (heat, cand, ret, n_s, hi, nbv, count, full)
+    kw = dict(num_kv_heads=num_kv_heads, width=width, heat_width=heat_width, layer=layer,
+              count_less_ret=count_less_ret)
+    if _candidates_impl(implementation, cand, ret) == "pallas_gpu":
+        from pallas_kernels.block_scores import gpu
+        return gpu.select_from_candidates_gpu(*args, **kw)
+    return xla.select_from_candidates_xla(*args, **kw)
+
+
+def select_from_plan(heat: Array, cand: Array, ret: Array | None, plan: Array, *, num_kv_heads: int, width: int,
+                     heat_width: int, layer: Array | None = None, count_less_ret: bool = False,
+                     implementation: str | None = None) -> Array:
+    """`select_from_candidates` with the five row arrays as one plan i32[B, gpu.PLAN] (`gpu.make_plan`: n_s, hi,
+    nbv, count, full, zeros), made once per decode step: the Triton kernel reads it in place, so a layer runs no
+    XLA kernel before the selection. Elsewhere (and under a mesh) the plan is unpacked into
+    `select_from_candidates`, the same blocks."""
+    if active_mesh() is None and _candidates_impl(implementation, cand, ret) == "pallas_gpu":
+        from pallas_kernels.block_scores import gpu
+        return gpu.select_from_plan_gpu(heat, cand, ret, plan, num_kv_heads=num_kv_heads, width=width,
+                                        heat_width=heat_width, layer=layer, count_less_ret=count_less_ret)
+    n_s, hi, nbv, count, full = (plan[:, j] for j in range(5))
+    return select_from_candidates(heat, cand, ret, n_s, hi, nbv, count, full != 0, num_kv_heads=num_kv_heads,
+                                  width=width, heat_width=heat_width, layer=layer, count_less_ret=count_less_ret,
+                                  implementation=implementation)
+
+
+def _candidates_impl(implementation: str | None, cand: Array, ret: Array | None) -> str:
+    """The candidate rank's implementation: None picks the Triton kernel on a GPU when the candidates and the
+    retrieval set are at most `gpu.CAND_LIMIT` wide (it ranks them pairwise in registers), else XLA."""
     if implementation is None:
         from pallas_kernels.block_scores.gpu import CAND_LIMIT
         small = cand.shape[-1] <= CAND_LIMIT and (ret is None or ret.shape[-1] <= CAND_LIMIT)
         implementation = "pallas_gpu" if jax.default_backend() == "gpu" and small else "xla"
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r}: expected one of {IMPLEMENTATIONS} or None")
-    args = (heat, cand, ret, n_s, hi, nbv, count, full)
-    kw = dict(num_kv_heads=num_kv_heads, width=width, heat_width=heat_width, layer=layer)
-    if implementation == "pallas_gpu":
-        from pallas_kernels.block_scores import gpu
-        return gpu.select_from_candidates_gpu(*args, **kw)
-    return xla.select_from_candidates_xla(*args, **kw)
+    return implementation
 
 
 def _select_per_shard(call, heat, cand, ret, rows, layer, num_kv_heads: int):

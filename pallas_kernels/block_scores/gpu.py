@@ -411,12 +411,13 @@ CAND_LIMIT = 256  # widest candidate / retrieval row the rank kernel takes (pair
 CAND_WARPS = 8
 
 
-def _select_cand_kernel(ns_ref, hi_ref, nbv_ref, count_ref, full_ref, lay_ref, ret_ref, cand_ref, heat_ref, o_ref,
-                        *, wr: int, wc: int, has_ret: bool, width: int, wpad: int, heat_width: int, L: int):
-    """Row (b, kv head). Refs: n_s, hi, nbv, count, full, lay i32[1]; ret i32[wr]; cand i32[L, wc] (the row's
-    heat candidates of every layer); heat f32[L, nb]; o i32[width]. Pairwise ranks over the candidates (no
-    search over the row): the `count` hottest outside the retrieval set, then the union written ascending."""
-    n_s, hi, nbv, count, full = (r[0] for r in (ns_ref, hi_ref, nbv_ref, count_ref, full_ref))
+def _select_cand_kernel(plan_ref, lay_ref, ret_ref, cand_ref, heat_ref, o_ref, *, wr: int, wc: int, has_ret: bool,
+                        less_ret: bool, width: int, wpad: int, heat_width: int, L: int):
+    """Row (b, kv head). Refs: plan i32[PLAN] the row's (n_s, hi, nbv, count, full, zeros); lay i32[1]; ret i32[wr]; cand
+    i32[L, wc] (the row's heat candidates of every layer); heat f32[L, nb]; o i32[width]. Pairwise ranks over the
+    candidates (no search over the row): the `count` hottest outside the retrieval set (less_ret: `count` less the
+    retrieval set's valid entries, counted here), then the union written ascending."""
+    n_s, hi, nbv, count, full = (plan_ref[j] for j in range(5))
     layer = layer_index(lay_ref[0], L)
     i32 = jnp.int32
     cp, rp = max(16, next_pow2(wc)), max(16, next_pow2(wr))
@@ -429,6 +430,8 @@ def _select_cand_kernel(ns_ref, hi_ref, nbv_ref, count_ref, full_ref, lay_ref, r
         rmid = (r < wr) & (rv >= n_s) & (rv < hi)
         hit = (cv[:, None] == rv[None, :]) & rmid[None, :]
         valid = valid & (jnp.max(hit.astype(i32), axis=1) == 0)
+        if less_ret:  # the set's valid entries, wherever they lie (`xla.select_from_candidates_xla`)
+            count = count - jnp.sum(((r < wr) & (rv >= 0)).astype(i32))
     else:
         rv = jnp.full((rp,), -1, i32)
         rmid = r < 0
@@ -457,11 +460,35 @@ def _select_cand_kernel(ns_ref, hi_ref, nbv_ref, count_ref, full_ref, lay_ref, r
 
 def select_from_candidates_gpu(heat: Array, cand: Array, ret: Array | None, n_s: Array, hi: Array, nbv: Array,
                                count: Array, full: Array, *, num_kv_heads: int, width: int, heat_width: int,
-                               layer: Array | None = None, interpret: bool = False) -> Array:
+                               layer: Array | None = None, count_less_ret: bool = False,
+                               interpret: bool = False) -> Array:
     """`xla.select_from_candidates_xla` in one launch, grid (B, Hkv): pairwise ranks over the row's Wc heat
     candidates (read in place from the stacked candidates and heat with `layer`), no search over the blocks.
-    Args / returns as there."""
-    B, Hkv = n_s.shape[0], num_kv_heads
+    Args / returns as there. The five row arrays are packed into one plan (`select_from_plan_gpu`)."""
+    return select_from_plan_gpu(heat, cand, ret, make_plan(n_s, hi, nbv, count, full), num_kv_heads=num_kv_heads, width=width,
+                                heat_width=heat_width, layer=layer, count_less_ret=count_less_ret,
+                                interpret=interpret)
+
+
+PLAN = 8  # a selection plan's entries per row: n_s, hi, nbv, count, full, then zeros (Triton blocks are powers of 2)
+
+
+def make_plan(n_s: Array, hi: Array, nbv: Array, count: Array, full: Array) -> Array:
+    """i32[B, PLAN]: the five row arrays i32/bool[B] of `select_from_candidates` as one plan, zero padded."""
+    rows = [x.astype(jnp.int32) for x in (n_s, hi, nbv, count, full)]
+    return jnp.stack(rows + [jnp.zeros_like(rows[0])] * (PLAN - len(rows)), axis=-1)
+
+
+def select_from_plan_gpu(heat: Array, cand: Array, ret: Array | None, plan: Array, *, num_kv_heads: int, width: int,
+                         heat_width: int, layer: Array | None = None, count_less_ret: bool = False,
+                         interpret: bool = False) -> Array:
+    """`select_from_candidates_gpu` given each row's five integers as one plan i32[B, PLAN] = (n_s, hi, nbv, count,
+    full, zeros) (`make_plan`), read in-kernel: a plan made once per decode step (EvoSparse's `start_rows`) costs its layers no XLA kernel
+    before the launch (five a layer when each layer derived them). count_less_ret: `count` is before the retrieval
+    set, whose valid entries (ret >= 0) the kernel subtracts."""
+    B, Hkv = plan.shape[0], num_kv_heads
+    if plan.ndim != 2 or plan.shape[1] != PLAN:
+        raise ValueError(f"plan of shape {plan.shape}: expected [B, {PLAN}] (n_s, hi, nbv, count, full per row)")
     wide = max(cand.shape[-1], 0 if ret is None else ret.shape[-1])
     if wide > CAND_LIMIT:
         raise ValueError(f"{wide} candidates or retrieval blocks per row: the rank kernel takes at most "
@@ -475,17 +502,16 @@ def select_from_candidates_gpu(heat: Array, cand: Array, ret: Array | None, n_s:
     ret = ret.astype(jnp.int32) if has_ret else jnp.full((B, 1), -1, jnp.int32)
     L, nb, wc, wr = heat.shape[0], heat.shape[-1], cand.shape[-1], ret.shape[-1]
     lay = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
-    row = pl.BlockSpec((1,), lambda b, h: (b,))
     return pl.pallas_call(
-        functools.partial(_select_cand_kernel, wr=wr, wc=wc, has_ret=has_ret, width=width,
+        functools.partial(_select_cand_kernel, wr=wr, wc=wc, has_ret=has_ret, less_ret=count_less_ret, width=width,
                           wpad=max(32, next_pow2(width)), heat_width=heat_width, L=L),
         grid=(B, Hkv),
-        in_specs=[row] * 5 + [pl.BlockSpec((1,), lambda b, h: (0,)), pl.BlockSpec((None, wr), lambda b, h: (b, 0)),
+        in_specs=[pl.BlockSpec((None, PLAN), lambda b, h: (b, 0)), pl.BlockSpec((1,), lambda b, h: (0,)),
+                  pl.BlockSpec((None, wr), lambda b, h: (b, 0)),
                   pl.BlockSpec((L, None, None, wc), lambda b, h: (0, b, h, 0)),
                   pl.BlockSpec((L, None, None, nb), lambda b, h: (0, b, h, 0))],
         out_specs=pl.BlockSpec((None, None, width), lambda b, h: (b, h, 0)),
         out_shape=jax.ShapeDtypeStruct((B, Hkv, width), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=CAND_WARPS, num_stages=1),
         interpret=interpret, name="evosparse_select_candidates",
-    )(*(x.astype(jnp.int32) for x in (n_s, hi, nbv, count, full)), lay, ret, cand.astype(jnp.int32),
-      heat.astype(jnp.float32))
+    )(plan.astype(jnp.int32), lay, ret, cand.astype(jnp.int32), heat.astype(jnp.float32))

@@ -179,14 +179,18 @@ def _heat_candidates(heat: Array, n_s: Array, hi: Array, k: Array, width: int) -
 
 def select_from_candidates_xla(heat: Array, cand: Array, ret: Array | None, n_s: Array, hi: Array, nbv: Array,
                                count: Array, full: Array, *, num_kv_heads: int, width: int, heat_width: int,
-                               layer: Array | None = None) -> Array:
+                               layer: Array | None = None, count_less_ret: bool = False) -> Array:
     """`select_blocks_xla` given each row's heat candidates (`heat_candidates` with k >= count + the retrieval
     blocks in the middle): the `count` hottest candidates outside the retrieval set (ties to the lower block)
     by pairwise ranks over the few candidates, instead of a top-k over every block.
 
-    Args: as `select_blocks_xla`, plus cand i32[B, Hkv, Wc] (or [L, B, Hkv, Wc] with `layer`, like heat).
+    Args: as `select_blocks_xla`, plus cand i32[B, Hkv, Wc] (or [L, B, Hkv, Wc] with `layer`, like heat);
+    count_less_ret: `count` is before the retrieval set, whose valid entries (ret >= 0, wherever they lie) are
+    subtracted here (EvoSparse's heat also fills the retrieval slots the set left empty).
     """
     B, Hkv = n_s.shape[0], num_kv_heads
+    if count_less_ret and ret is not None:
+        count = count - jnp.sum(ret >= 0, axis=-1)
     if layer is not None:
         heat = heat[layer_index(layer, heat.shape[0])]
         cand = cand[layer_index(layer, cand.shape[0])]
