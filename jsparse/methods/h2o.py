@@ -175,7 +175,8 @@ class H2O(TokenBudget):
             k_all, v_all, layer = stacked_cache(cache)
             # Every layer's rows, the layer's read in place by the GPU kernel (a slice of them was a copy per layer)
             # and each key's mass added into the layer's score row in place (EvoSparse's heat step, one key a block)
-            out, score = sparse_decode_heat(q, k_all, v_all, layer, state.kept[:, :, :, None], positions[:, 0] + 1,
+            # ctx.lengths is positions + 1 (a kernel of its own a layer when derived again here)
+            out, score = sparse_decode_heat(q, k_all, v_all, layer, state.kept[:, :, :, None], ctx.lengths,
                                             state.score, ctx.layer, config=DECODE_CONFIG)
             return out, state.replace(score=score)
         G = Hq // Hkv
