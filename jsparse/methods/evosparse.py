@@ -93,8 +93,8 @@ class EvoState:
     without heat; retrieval: i32[B, T, Wr] the latest retrieval blocks (ascending, -1 padded) inside one
     decode forward, else None; heat_cand: every layer's heat candidates of a one-token decode forward (the
     n_h + n_r hottest middle blocks, `start_rows`), else None; plan: beside them, each row's block budget
-    (`block_scores.gpu.make_plan`: sink, middle end, visible blocks, heat count before the retrieval set, full),
-    the same in every layer of the forward."""
+    (`block_scores.gpu.make_plan`: sink, middle end, visible blocks, heat count before the retrieval set, full,
+    then the retrieval count n_r), the same in every layer of the forward."""
 
     heat: Optional[Array] = None
     retrieval: Optional[Array] = None
@@ -343,7 +343,7 @@ class EvoSparse:
         kb, nbv, (n_s, n_l, n_r, n_h) = self._row_budget(pos)
         k = n_h + n_r if self.uses_retrieval else n_h
         cand = heat_candidates(state.heat, n_s, nbv - n_l, k, width)
-        return state.replace(heat_cand=cand, plan=make_plan(n_s, nbv - n_l, nbv, k, kb >= nbv))
+        return state.replace(heat_cand=cand, plan=make_plan(n_s, nbv - n_l, nbv, k, kb >= nbv, n_r))
 
     def finish(self, state, phase):
         return state.replace(retrieval=None, heat_cand=None, plan=None)
@@ -397,7 +397,7 @@ class EvoSparse:
         retrieval = state.retrieval
         kind, _, scoring = (ctx.segment or "").partition(":")
         if self.uses_retrieval and scoring == "score":  # a run of layers holding retrieval heads (`segments`)
-            retrieval = self.retrieval_blocks(ctx.info, q, cache, pos)
+            retrieval = self.retrieval_blocks(ctx.info, q, cache, pos, plan=state.plan)
         elif self.uses_retrieval and scoring != "inherit":
             if branchless:  # no retrieval heads here: the block max reads nothing and the top-k picks none
                 retrieval = jnp.where(ctx.info.has_retrieval,
@@ -425,13 +425,18 @@ class EvoSparse:
 
     # ------------------------------------------------------------------------------------------- pieces
 
-    def retrieval_blocks(self, info: RetrievalLayout, q: Array, cache, pos: Array, active=None) -> Array:
+    def retrieval_blocks(self, info: RetrievalLayout, q: Array, cache, pos: Array, active=None, plan=None) -> Array:
         """The retrieval set of every new token, i32[B, T, Wr] (`retrieval_heads.retrieval_blocks` over the blocks
         outside sink and local); q: [B, T, Hq, D]; cache: the layer's view; pos: i32[B, T]; active: bool[] or
-        None (False: choose no block; the caller discards the result)."""
+        None (False: choose no block; the caller discards the result); plan: `start_rows`'s plan of a one-token
+        forward (its sink, middle end and n_r columns), or None (the budget derived here)."""
         k_all, _, layer = stacked_cache(cache)
-        _, nbv, (n_s, n_l, n_r, _) = self._row_budget(pos)
-        return retrieval_blocks(info, q, k_all, layer, pos, n_s, nbv - n_l,
+        if plan is not None and pos.shape[1] == 1:
+            n_s, hi, n_r = plan[:, 0:1], plan[:, 1:2], plan[:, 5:6]  # [B, 1] each, one slice of the plan
+        else:
+            _, nbv, (n_s, n_l, n_r, _) = self._row_budget(pos)
+            hi = nbv - n_l
+        return retrieval_blocks(info, q, k_all, layer, pos, n_s, hi,
                                 n_r if active is None else jnp.where(active, n_r, 0),
                                 self.widths(cache.k.shape[2])["retrieval"], self.block_size, self.kernels)
 

@@ -473,9 +473,12 @@ def select_from_candidates_gpu(heat: Array, cand: Array, ret: Array | None, n_s:
 PLAN = 8  # a selection plan's entries per row: n_s, hi, nbv, count, full, then zeros (Triton blocks are powers of 2)
 
 
-def make_plan(n_s: Array, hi: Array, nbv: Array, count: Array, full: Array) -> Array:
-    """i32[B, PLAN]: the five row arrays i32/bool[B] of `select_from_candidates` as one plan, zero padded."""
-    rows = [x.astype(jnp.int32) for x in (n_s, hi, nbv, count, full)]
+def make_plan(n_s: Array, hi: Array, nbv: Array, count: Array, full: Array, *extra: Array) -> Array:
+    """i32[B, PLAN]: the five row arrays i32/bool[B] of `select_from_candidates` as one plan, then the caller's own
+    `extra` rows (at most PLAN - 5; the kernel ignores them), zero padded."""
+    rows = [x.astype(jnp.int32) for x in (n_s, hi, nbv, count, full, *extra)]
+    if len(rows) > PLAN:
+        raise ValueError(f"{len(extra)} extra plan rows: at most {PLAN - 5} fit beside the five")
     return jnp.stack(rows + [jnp.zeros_like(rows[0])] * (PLAN - len(rows)), axis=-1)
 
 
