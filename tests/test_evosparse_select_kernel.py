@@ -177,8 +177,11 @@ def test_selection_from_a_plan_subtracts_the_retrieval_set_in_kernel(has_ret):
     rng = np.random.default_rng(11)
     B, Hkv, nb, width, wr = 5, 3, 100, 30, 5
     heat, ret, n_s, hi, nbv, count, full = _case(rng, B, Hkv, nb, width, wr, True)
-    ret = ret.at[0, 1].set(-1).at[2].set(-1) if has_ret else None  # a gap in row 0, an empty set in row 2
+    # A gap in row 0, an empty set in row 2, and in a row whose heat count bites an entry past the middle: it counts
+    # too (`ret >= 0`).
     hw = width // 2
+    b = next(b for b in (1, 3, 4) if not full[b] and 1 <= count[b] <= hw and hi[b] - n_s[b] > count[b] + wr)
+    ret = ret.at[0, 1].set(-1).at[2].set(-1).at[b, wr - 1].set(hi[b]) if has_ret else None
     kw = dict(num_kv_heads=Hkv, width=width, heat_width=hw)
     valid = np.zeros(B, np.int32) if ret is None else np.sum(np.asarray(ret) >= 0, axis=-1)
     before = count + valid  # the count before the retrieval set, as the plan holds it
@@ -186,6 +189,10 @@ def test_selection_from_a_plan_subtracts_the_retrieval_set_in_kernel(has_ret):
     k = _least_k(count, ret, n_s, hi, hw) + 2
     cand = heat_candidates(heat, n_s, hi, k, width=hw + wr + 3)
     want = np.asarray(select_from_candidates_xla(heat, cand, ret, n_s, hi, nbv, count, full, **kw))
+    if has_ret:  # the entry past the middle changes the count: a subtraction of the middle's entries alone differs
+        mid = np.sum((np.asarray(ret) >= np.asarray(n_s)[:, None]) & (np.asarray(ret) < np.asarray(hi)[:, None]), -1)
+        other = select_from_candidates_xla(heat, cand, ret, n_s, hi, nbv, before - mid, full, **kw)
+        assert not np.array_equal(np.asarray(other), want)
     plan = gpu.make_plan(n_s, hi, nbv, before, full)
     assert plan.shape == (B, gpu.PLAN) and not np.asarray(plan[:, 5:]).any()
     stacked_h, stacked_c = jnp.stack([heat * 2.0, heat]), jnp.stack([cand[..., ::-1], cand])
