@@ -203,6 +203,8 @@ BENCHMARKS = {
     "profile_decode_step": ("eval.bench.profile_decode_step", "per-kernel device time of a method's decode step "
                             "as `bench model` builds it (jax.profiler trace); --time: its step times beside dense"),
     "profile_ops": ("eval.bench.profile_ops", "per-kernel device time of single ops (jax.profiler trace)"),
+    "op_census": ("eval.bench.op_census", "a method's decode step traced on the GPU code paths without a device: "
+                  "each layer scan's ops and Pallas kernels"),
     "sharded": ("eval.bench.sharded", "sharded decode on 1/2/4/8 devices (dense, Kascade, EvoSparse): tokens/s, "
                 "bytes floor per device; --compare-unsharded: a mesh of one vs no mesh"),
     "recipe_time": ("eval.bench.recipe_time", "the README's GPU recipe (jsparse eval, every method, RULER 4K-32K) on "

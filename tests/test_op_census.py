@@ -1,0 +1,48 @@
+"""`jsparse bench op_census`: a method's decode step traced as a GPU traces it (no device, shapes only), one census
+row per layer scan."""
+
+import json
+
+import jax
+
+from eval.bench import op_census
+
+
+def _layer_rows(method, gpu=True, shape="llama3-8b"):
+    jaxpr, cfg = op_census.trace_step(method, shape, batch=4, context=100000, budget=0.1, gpu=gpu)
+    rows = [r for r in op_census.census(jaxpr.jaxpr) if r["path"] == "scan/"]  # the layer scans of the step loop
+    assert sum(r["length"] for r in rows) == cfg.num_layers
+    return rows
+
+
+def test_dense_layers_run_their_gpu_kernels_only_on_the_gpu_paths():
+    """On the GPU paths every dense layer calls `rope_write` and the in-place dense decode; on the host's own (CPU)
+    paths none calls a Pallas kernel. The backend is restored after the trace."""
+    rows = _layer_rows("dense")
+    assert [r["kernels"] for r in rows] == [["rope_write", "dense_decode_stacked"]]
+    assert jax.default_backend() == "cpu"
+    assert all(not r["kernels"] for r in _layer_rows("dense", gpu=False))
+
+
+def test_evosparse_layers_derive_no_budget_of_their_own():
+    """EvoSparse's sparse layers read the step's plan (`start_rows`): no layer body computes the block budget's floor
+    divisions (`rem`, `sign`: five small kernels a layer when each layer derived it). The layers that score their
+    retrieval heads run the block max and its top-k; the others do not."""
+    rows = _layer_rows("evosparse")
+    sparse = [r for r in rows if "evosparse_select_candidates" in r["kernels"]]
+    assert len(sparse) >= 2 and sum(r["length"] for r in sparse) == 30  # two dense layers first
+    for r in sparse:
+        assert "rem" not in r["ops"] and "sign" not in r["ops"], r["ops"]
+    scoring = [r for r in sparse if "evosparse_block_max" in r["kernels"]]
+    assert scoring and len(scoring) < len(sparse)
+    assert min(r["eqns"] for r in scoring) > max(r["eqns"] for r in sparse if r not in scoring)
+
+
+def test_main_writes_the_census(tmp_path, capsys):
+    out = tmp_path / "census.json"
+    assert op_census.main(["--method", "streaming", "--context", "4096", "--batch", "2", "--out", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["benchmark"] == "op_census" and payload["gpu_paths"] is True
+    layers = [r for r in payload["scans"] if r["path"] == "scan/"]
+    assert sum(r["length"] for r in layers) == payload["num_layers"] == 32
+    assert "| scan/ |" in capsys.readouterr().out
