@@ -115,9 +115,14 @@ def lm_head_row_padding(rows: int, dtype) -> int:
     Llama-3.1-8B's vocabulary) and then reads that copy, 1.74 ms of a batch-1 decode step on an H100 against the
     0.35 ms the 8-row GEMM takes (eval/results/h100/profile_b1/). Two or more rows take the GEMM already (XLA pads
     them to 8 itself); other backends and dtypes are left alone."""
-    if rows != 1 or jax.default_backend() != "gpu" or active_mesh() is not None:
-        return 0
-    return 7 if jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else 0
+    return 7 if rows == 1 and _gpu_gemm_rows(dtype) else 0
+
+
+def _gpu_gemm_rows(dtype) -> bool:
+    """Whether a forward pads GEMM rows itself (`gemm_row_padding`, `lm_head_row_padding`): on a GPU, outside a mesh
+    (where the batch rows are split), for bf16 / f16 activations."""
+    return (jax.default_backend() == "gpu" and active_mesh() is None
+            and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
 
 
 def lm_logits(cfg: ModelConfig, params: Params, x: Array) -> Array:
@@ -309,11 +314,7 @@ def gemm_row_padding(rows: int, dtype) -> int:
     runs every GEMM, norm and the MLP on them, slicing only q / k / v for the attention. One row (M = 1, a GEMV) is
     left alone, and so are other backends, other dtypes and forwards under a mesh (where the batch rows are split).
     """
-    if rows <= 1 or rows % 8 == 0 or jax.default_backend() != "gpu" or active_mesh() is not None:
-        return 0
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return 0
-    return -rows % 8
+    return -rows % 8 if rows > 1 and _gpu_gemm_rows(dtype) else 0
 
 
 def _scan_layers(params: Params, cfg: ModelConfig, method, x: Array, positions: Array, lengths: Array,

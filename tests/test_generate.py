@@ -365,7 +365,8 @@ def test_gemm_row_padding_on_a_gpu_pads_bf16_and_f16_only_and_never_a_single_row
 def test_lm_head_pads_a_single_bf16_row_to_a_gemm_on_a_gpu(params, monkeypatch, tied):
     """`llama.lm_logits` of one bf16 row on a GPU host (the backend faked: the padding only asks which it is) runs its
     dot on 8 rows, the row and 7 of zeros (`lm_head_row_padding`: XLA would convert the whole weight to f32 for a
-    one-row product), and returns the logits of the unpadded dot (to f32 rounding); two rows, f32 and other backends are not padded."""
+    one-row product), and returns the logits of the unpadded dot (to f32 rounding); two rows, f32 and other backends
+    are not padded."""
     p = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), params)
     if tied:
         p = dataclasses.replace(p, lm_head=None)

@@ -1,7 +1,8 @@
 """`pallas_kernels.kv_write.rope_write` (a decode step's rotation and cache write in one launch): the Triton kernel in
 interpret mode against its jnp reference on random inputs (bf16 and f32, T = 1 and 3, padding rows, a position past
-the cache and a negative one dropped, the other layers and positions untouched), the entry point's dispatch and errors (a q/k norm
-normed in XLA, then the kernel), CUDA lowering with both caches aliased, and the model's decode through it."""
+the cache and a negative one dropped, the other layers and positions untouched), the entry point's dispatch and
+errors (a q/k norm normed in XLA, then the kernel), CUDA lowering with both caches aliased, and the model's decode
+through it."""
 
 import functools
 

@@ -70,8 +70,7 @@ from jsparse.methods.common import (attend_dense, dense_prefill, kwargs_for, ref
 from models.attention import runs_of
 from jsparse.retrieval_heads import (DEFAULT_HEAD_FRACTION, RetrievalLayout, default_num_heads,  # noqa: F401
                                      load_retrieval_heads, retrieval_blocks, retrieval_layout, top_heads)
-from pallas_kernels.block_scores import (heat_candidates, select_blocks, select_from_candidates, select_from_plan,
-                                        sparse_decode_heat)
+from pallas_kernels.block_scores import heat_candidates, select_blocks, select_from_plan, sparse_decode_heat
 from pallas_kernels.block_scores.gpu import CAND_LIMIT, make_plan
 from pallas_kernels.sparse_attention import sparse_decode
 
@@ -339,11 +338,16 @@ class EvoSparse:
         width = self.widths(state.heat.shape[-1] * self.block_size)["heat"]
         if width > CAND_LIMIT:  # too many candidates to rank pairwise: search each row
             return state
-        pos = lengths.astype(jnp.int32) - 1
+        plan = self.row_plan(lengths.astype(jnp.int32) - 1)
+        cand = heat_candidates(state.heat, plan[:, 0], plan[:, 1], plan[:, 3], width)
+        return state.replace(heat_cand=cand, plan=plan)
+
+    def row_plan(self, pos: Array) -> Array:
+        """i32[B, PLAN] of decode rows at positions pos: i32[B]: their block budget as the selection kernel reads it
+        (`block_scores.gpu.make_plan`): sink n_s, middle end nbv - n_l, visible blocks nbv, the heat count before the
+        retrieval set n_h + n_r (n_r is 0 without retrieval), full (kb >= nbv), then n_r."""
         kb, nbv, (n_s, n_l, n_r, n_h) = self._row_budget(pos)
-        k = n_h + n_r if self.uses_retrieval else n_h
-        cand = heat_candidates(state.heat, n_s, nbv - n_l, k, width)
-        return state.replace(heat_cand=cand, plan=make_plan(n_s, nbv - n_l, nbv, k, kb >= nbv, n_r))
+        return make_plan(n_s, nbv - n_l, nbv, n_h + n_r, kb >= nbv, n_r)
 
     def finish(self, state, phase):
         return state.replace(retrieval=None, heat_cand=None, plan=None)
@@ -487,19 +491,16 @@ class EvoSparse:
           f32[L, B, Hkv, nb] (read in place); ret: i32[B, Wr] the retrieval set (or None); pos: i32[B] the query
           positions; Hkv, N: KV heads and cache length; cand: the stacked heat candidates of `start_rows`
           (with `layer`), or None (search the heat row); plan: `start_rows`'s plan of these positions beside cand
-          (the rows' budget read in-kernel), or None (derived here).
+          (the rows' budget read in-kernel), or None (`row_plan`).
         """
         w = self.widths(N)
-        if cand is not None and heat_l is not None and plan is not None:
+        if cand is not None and heat_l is not None:
+            plan = self.row_plan(pos) if plan is None else plan
             return select_from_plan(heat_l, cand, ret, plan, num_kv_heads=Hkv, width=w["Kb"], heat_width=w["heat"],
                                     layer=layer, count_less_ret=ret is not None, implementation=self.kernels)
         kb, nbv, (n_s, n_l, n_r, n_h) = self._row_budget(pos)
         n_ret_valid = jnp.zeros_like(n_r) if ret is None else jnp.sum(ret >= 0, axis=-1)
         count = n_h + (n_r - n_ret_valid) if ret is not None or self.uses_retrieval else n_h
-        if cand is not None and heat_l is not None:
-            return select_from_candidates(heat_l, cand, ret, n_s, nbv - n_l, nbv, count, kb >= nbv,
-                                          num_kv_heads=Hkv, width=w["Kb"], heat_width=w["heat"], layer=layer,
-                                          implementation=self.kernels)
         return select_blocks(heat_l, ret, n_s, nbv - n_l, nbv, count, kb >= nbv, num_kv_heads=Hkv, nb=w["nb"],
                              width=w["Kb"], heat_width=w["heat"], layer=None if heat_l is None else layer,
                              implementation=self.kernels)

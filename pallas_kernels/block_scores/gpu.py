@@ -413,10 +413,10 @@ CAND_WARPS = 8
 
 def _select_cand_kernel(plan_ref, lay_ref, ret_ref, cand_ref, heat_ref, o_ref, *, wr: int, wc: int, has_ret: bool,
                         less_ret: bool, width: int, wpad: int, heat_width: int, L: int):
-    """Row (b, kv head). Refs: plan i32[PLAN] the row's (n_s, hi, nbv, count, full, zeros); lay i32[1]; ret i32[wr]; cand
-    i32[L, wc] (the row's heat candidates of every layer); heat f32[L, nb]; o i32[width]. Pairwise ranks over the
-    candidates (no search over the row): the `count` hottest outside the retrieval set (less_ret: `count` less the
-    retrieval set's valid entries, counted here), then the union written ascending."""
+    """Row (b, kv head). Refs: plan i32[PLAN] the row's (n_s, hi, nbv, count, full, zeros); lay i32[1]; ret
+    i32[wr]; cand i32[L, wc] (the row's heat candidates of every layer); heat f32[L, nb]; o i32[width]. Pairwise
+    ranks over the candidates (no search over the row): the `count` hottest outside the retrieval set (less_ret:
+    `count` less the retrieval set's valid entries, counted here), then the union written ascending."""
     n_s, hi, nbv, count, full = (plan_ref[j] for j in range(5))
     layer = layer_index(lay_ref[0], L)
     i32 = jnp.int32
@@ -465,8 +465,8 @@ def select_from_candidates_gpu(heat: Array, cand: Array, ret: Array | None, n_s:
     """`xla.select_from_candidates_xla` in one launch, grid (B, Hkv): pairwise ranks over the row's Wc heat
     candidates (read in place from the stacked candidates and heat with `layer`), no search over the blocks.
     Args / returns as there. The five row arrays are packed into one plan (`select_from_plan_gpu`)."""
-    return select_from_plan_gpu(heat, cand, ret, make_plan(n_s, hi, nbv, count, full), num_kv_heads=num_kv_heads, width=width,
-                                heat_width=heat_width, layer=layer, count_less_ret=count_less_ret,
+    return select_from_plan_gpu(heat, cand, ret, make_plan(n_s, hi, nbv, count, full), num_kv_heads=num_kv_heads,
+                                width=width, heat_width=heat_width, layer=layer, count_less_ret=count_less_ret,
                                 interpret=interpret)
 
 
@@ -486,9 +486,9 @@ def select_from_plan_gpu(heat: Array, cand: Array, ret: Array | None, plan: Arra
                          heat_width: int, layer: Array | None = None, count_less_ret: bool = False,
                          interpret: bool = False) -> Array:
     """`select_from_candidates_gpu` given each row's five integers as one plan i32[B, PLAN] = (n_s, hi, nbv, count,
-    full, zeros) (`make_plan`), read in-kernel: a plan made once per decode step (EvoSparse's `start_rows`) costs its layers no XLA kernel
-    before the launch (five a layer when each layer derived them). count_less_ret: `count` is before the retrieval
-    set, whose valid entries (ret >= 0) the kernel subtracts."""
+    full, zeros) (`make_plan`), read in-kernel: a plan made once per decode step (EvoSparse's `start_rows`) costs
+    its layers no XLA kernel before the launch (five a layer when each layer derived them). count_less_ret: `count`
+    is before the retrieval set, whose valid entries (ret >= 0) the kernel subtracts."""
     B, Hkv = plan.shape[0], num_kv_heads
     if plan.ndim != 2 or plan.shape[1] != PLAN:
         raise ValueError(f"plan of shape {plan.shape}: expected [B, {PLAN}] (n_s, hi, nbv, count, full per row)")

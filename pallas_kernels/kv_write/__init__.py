@@ -58,12 +58,10 @@ def norm_heads(qkv: Array, num_q_heads: int, num_kv_heads: int, q_norm: Array, k
     GPU compiler fuses into a single kernel, where two norms of slices and a concatenation were several."""
     hq, hkv = num_q_heads, num_kv_heads
     D = qkv.shape[-1]
-    xf = qkv.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     w = jnp.concatenate([jnp.broadcast_to(q_norm.astype(jnp.float32), (hq, D)),
                          jnp.broadcast_to(k_norm.astype(jnp.float32), (hkv, D)), jnp.ones((hkv, D), jnp.float32)])
     is_v = (jnp.arange(qkv.shape[1]) >= hq + hkv)[:, None]
-    return jnp.where(is_v, qkv, (xf * w).astype(qkv.dtype))
+    return jnp.where(is_v, qkv, reference.rms_norm(qkv, w, eps))
 
 
 __all__ = ["IMPLEMENTATIONS", "norm_heads", "rope_write"]
