@@ -307,6 +307,28 @@ def test_dense_stacked_gpu_interpret_matches_dense_decode(case, dtype, config):
     assert plan["splits"] > 1 and plan["splits"] * plan["chunk"] >= N
 
 
+def test_dense_stacked_gpu_wraps_a_traced_layer_and_prepares_nothing_in_xla():
+    # The kernel wraps and clamps a traced layer as jnp reads one (-1: the last layer, past either end: clamped),
+    # finds each row's limit from the lengths and gathers its query rows from q itself: before the launch only free
+    # reshapes and casts of the arguments run (each of the regrouped queries, the limits and the layer stack was
+    # an XLA kernel a layer). T = 3 over G = 3 rows: the gathered rows cross tokens and a partial tile.
+    L, B, T, Hq, Hkv, D, N, lengths = 3, 2, 3, 6, 2, 16, 40, [40, 2]
+    _, q, k_all, v_all, lens = stacked_inputs(16, L, B, T, Hq, Hkv, D, N, lengths, jnp.float32)
+    config = dgpu.DenseDecodeConfig(block_k=16, num_splits=2)
+    run = jax.jit(lambda layer: dgpu.dense_decode_stacked_gpu(q, k_all, v_all, layer, lens, config=config,
+                                                              interpret=True))
+    for layer, read in ((-1, L - 1), (L + 2, L - 1), (-L - 3, 0), (1, 1)):
+        got = run(jnp.int32(layer))
+        assert_close(got, dense_decode(q, k_all[read], v_all[read], lens), jnp.float32, f"layer {layer}")
+    jaxpr = jax.make_jaxpr(lambda q, layer, lens: dgpu.dense_decode_stacked_gpu(q, k_all, v_all, layer, lens))(
+        q.astype(jnp.bfloat16), jnp.int32(0), lens).jaxpr
+    while [e.primitive.name for e in jaxpr.eqns] in (["pjit"], ["jit"]):  # the jitted entry point's own body
+        jaxpr = jaxpr.eqns[0].params["jaxpr"].jaxpr
+    names = [e.primitive.name for e in jaxpr.eqns]
+    before = names[:names.index("pallas_call")]
+    assert set(before) <= {"reshape", "convert_element_type"}, before
+
+
 def test_dense_stacked_masks_garbage_and_empty_rows():
     # NaN past each row's length must not leak (masked loads, not multiply-by-zero); a query whose position
     # is negative (lengths < T) sees no key and outputs zeros, as the reference says.

@@ -113,14 +113,16 @@ def _check_config(config: DenseDecodeConfig) -> None:
         raise ValueError(f"DenseDecodeConfig.num_stages={config.num_stages}: expected >= 1 or None")
 
 
-def _decode_kernel(layer_ref, lim_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_k: int, chunk: int,
-                   rows: int, outputs: str, block: int):
-    """One (b, h, query block, split) program; `rows` = T * G real query rows per KV head.
+def _decode_kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_k: int, chunk: int,
+                   rows: int, outputs: str, block: int, mb: int, T: int, G: int, L: int, Lw: int):
+    """One (b, h, query block, split) program; `rows` = T * G real query rows per KV head, `mb` of them a program.
 
-    Refs: layer_ref: i32[2] (the cache's layer, the record buffer's layer); lim_ref: i32[Mb] last key each query
-    row may see (-1: none, padding rows too); q_ref: [Mb, D]; k_ref, v_ref: [L, N, D] (every layer of the
-    program's KV head); outputs o_ref: f32[Mb, D], m_ref, l_ref: f32[Mb] (only real rows are written); then by
-    `outputs`:
+    Refs: layer_ref: i32[1] the cache's layer (i32[2] with "record": then the record buffer's layer), wrapped and
+    clamped here as jnp reads a traced index; len_ref: i32[1] the batch row's length (its T new tokens sit at
+    positions len - T .. len - 1); q_ref: [T * Hq, D] the batch row's queries (the program gathers its rows: row
+    r = t * G + g is query head h * G + g of token t; padding rows repeat the last real one and see no key);
+    k_ref, v_ref: [L, N, D] (every layer of the program's KV head); outputs o_ref: f32[mb, D], m_ref, l_ref:
+    f32[mb] (only real rows are written); then by `outputs`:
       "logits": s_ref f32[Mb, N], the scaled logits (masked -1e30 past a row's last key) of the real rows at the
         keys this program reads (the rest unwritten);
       "record" (T = 1: the rows are the KV head's G query heads, all seeing keys <= hi): the record buffers'
@@ -130,16 +132,21 @@ def _decode_kernel(layer_ref, lim_ref, q_ref, k_ref, v_ref, *refs, scale: float,
     """
     o_ref, m_ref, l_ref = refs[:3] if outputs != "record" else refs[2:5]
     extra = refs[3:] if outputs != "record" else refs[5:]
-    head = jnp.arange(q_ref.shape[0], dtype=jnp.int32)  # row r of the tile: query head r of the KV group
-    layer = layer_ref[0]
-    real = pl.program_id(2) * q_ref.shape[0] + jnp.arange(q_ref.shape[0], dtype=jnp.int32) < rows
+    head = jnp.arange(mb, dtype=jnp.int32)  # row r of the tile: query head r of the KV group (T = 1 with "record")
+    layer = layer_index(layer_ref[0], L)
+    row = pl.program_id(2) * mb + head
+    real = row < rows
+    t = jnp.minimum(row, rows - 1) // G
+    n = k_ref.shape[1]
+    # Last key each row may see (its token's position, below N); -1: none (and every padding row).
+    lim = jnp.where(real, jnp.maximum(jnp.minimum(len_ref[0] - T + t, n - 1), -1), -1)
     split = pl.program_id(3)
-    lim = lim_ref[...]
     hi = jnp.max(lim)  # last key any row of this program sees
     start = split * chunk
     n_iter = pl.cdiv(jnp.clip(hi + 1 - start, 0, chunk), block_k)
-    q = q_ref[...]
-    mb, d = q.shape
+    hq = q_ref.shape[0] // T
+    q = q_ref[t * hq + pl.program_id(1) * G + jnp.minimum(row, rows - 1) % G, :]  # [mb, D]
+    d = q.shape[1]
 
     def body(i, carry):
         o, m, l = carry
@@ -158,7 +165,7 @@ def _decode_kernel(layer_ref, lim_ref, q_ref, k_ref, v_ref, *refs, scale: float,
             # Padding rows (r >= rows) and keys past hi are masked (no write; distinct addresses, so the
             # interpreter's scatter drops them too).
             w_ref, bm_ref = extra
-            plgpu.store(w_ref.at[head[:, None], layer_ref[1], kpos[None, :]], s,
+            plgpu.store(w_ref.at[head[:, None], layer_index(layer_ref[1], Lw), kpos[None, :]], s,
                         mask=real[:, None] & (kpos <= hi)[None, :])
             store_block_max(bm_ref, k0, jnp.max(s.reshape(mb, block_k // block, block), axis=2))
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -170,7 +177,7 @@ def _decode_kernel(layer_ref, lim_ref, q_ref, k_ref, v_ref, *refs, scale: float,
 
     def store_block_max(bm_ref, k0, bmax):  # bmax [Mb, block_k // block] of the blocks from key k0 on
         blk = k0 // block + jnp.arange(block_k // block, dtype=jnp.int32)
-        plgpu.store(bm_ref.at[head[:, None], layer_ref[1], blk[None, :]],
+        plgpu.store(bm_ref.at[head[:, None], layer_index(layer_ref[1], Lw), blk[None, :]],
                     jnp.where((blk * block <= hi)[None, :], bmax, -jnp.inf),
                     mask=real[:, None] & (blk < bm_ref.shape[-1])[None, :])
 
@@ -218,8 +225,9 @@ def plan(B: int, T: int, Hq: int, Hkv: int, N: int, config: DenseDecodeConfig) -
 def _launch(q: Array, k_all: Array, v_all: Array, layer: Array, lengths: Array, scale: float | None,
             config: DenseDecodeConfig | None, interpret: bool, outputs: str = "", record: Array | None = None,
             bmax: Array | None = None, record_layer: Array | None = None, block: int = 0):
-    """Checks the arguments and runs the kernel: (out [B, T, Hq, D], lse f32[B, Hkv, rows], lim i32[B, Rp], the
-    extra outputs of `outputs` (`_decode_kernel`)). config None: `default_config(D, record=outputs == "record")`."""
+    """Checks the arguments and runs the kernel: (out [B, T, Hq, D], lse f32[B, Hkv, rows], lim i32[B, Rp] with
+    outputs "logits" (else None), the extra outputs of `outputs` (`_decode_kernel`)). config None:
+    `default_config(D, record=outputs == "record")`."""
     check_args(q, k_all, v_all, layer, lengths)
     reason = unsupported_reason(q.dtype, q.shape[-1])
     if reason is not None:
@@ -239,17 +247,20 @@ def _launch(q: Array, k_all: Array, v_all: Array, layer: Array, lengths: Array, 
     rows, Mb, R, splits, chunk = p["rows"], p["Mb"], p["R"], p["splits"], p["chunk"]
     Rp = R * Mb
 
-    qg = rows_by_kv_head(q, Hkv, Rp)
-    lim = row_limits(lengths, T, G, N, Rp)
-    lay = layer_index(layer, L)
-    lay = jnp.stack([lay, layer_index(record_layer, record.shape[2]) if record is not None else lay])
+    # Nothing is prepared in XLA before the launch: the kernel wraps the layer index, finds each row's last visible key
+    # from the length and gathers its query rows from q (the regrouped, padded queries, the limits and the stacked
+    # layer index were three small kernels a layer). A [B, T * Hq, D] view of q is a free reshape.
+    lay = jnp.asarray(layer).astype(jnp.int32).reshape(1)
+    if record is not None:
+        lay = jnp.concatenate([lay, jnp.asarray(record_layer).astype(jnp.int32).reshape(1)])
+    Lw = record.shape[2] if record is not None else 1
 
     kernel = functools.partial(_decode_kernel, scale=scale, block_k=config.block_k, chunk=chunk, rows=rows,
-                               outputs=outputs, block=block)
+                               outputs=outputs, block=block, mb=Mb, T=T, G=G, L=L, Lw=Lw)
     in_specs = [
-        pl.BlockSpec((2,), lambda b, h, r, s: (0,)),  # the layer indices
-        pl.BlockSpec((None, Mb), lambda b, h, r, s: (b, r)),  # last visible key per query row
-        pl.BlockSpec((None, None, Mb, D), lambda b, h, r, s: (b, h, r, 0)),  # query rows of KV head h
+        pl.BlockSpec(lay.shape, lambda b, h, r, s: (0,)),  # the layer index (and the record buffer's)
+        pl.BlockSpec((1,), lambda b, h, r, s: (b,)),  # the batch row's length
+        pl.BlockSpec((None, T * Hq, D), lambda b, h, r, s: (b, 0, 0)),  # the batch row's queries
         pl.BlockSpec((L, None, None, N, D), lambda b, h, r, s: (0, b, h, 0, 0)),  # every layer of the KV head
         pl.BlockSpec((L, None, None, N, D), lambda b, h, r, s: (0, b, h, 0, 0)),
     ]
@@ -263,7 +274,7 @@ def _launch(q: Array, k_all: Array, v_all: Array, layer: Array, lengths: Array, 
         jax.ShapeDtypeStruct((splits, B, Hkv, Rp), jnp.float32),
         jax.ShapeDtypeStruct((splits, B, Hkv, Rp), jnp.float32),
     ]
-    args, aliases = [lay, lim, qg, k_all, v_all], {}
+    args, aliases = [lay, lengths.astype(jnp.int32), q.reshape(B, T * Hq, D), k_all, v_all], {}
     if outputs == "logits":
         out_specs.append(pl.BlockSpec((None, None, Mb, N), lambda b, h, r, s: (b, h, r, 0)))
         out_shape.append(jax.ShapeDtypeStruct((B, Hkv, Rp, N), jnp.float32))
@@ -289,6 +300,7 @@ def _launch(q: Array, k_all: Array, v_all: Array, layer: Array, lengths: Array, 
     # [B, Hkv, rows(, D)]
     out, lse = sparse_gpu.combine_splits(o[:, :, :, :rows], m[:, :, :, :rows], l[:, :, :, :rows])
     out = out.reshape(B, Hkv, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D).astype(q.dtype)
+    lim = row_limits(lengths, T, G, N, Rp) if outputs == "logits" else None  # for return_probs' XLA pass
     return out, lse, lim, extra
 
 
