@@ -2,9 +2,10 @@
 
 grid (B, Hkv, R, S): one program per batch row, KV head, block of query rows and split of the cache.
   * Queries: the T new tokens times the GQA group's G heads form T * G rows per KV head (row = t * G + g, as
-    `pallas_kernels.dense.dense_decode` orders them); a program holds `Mb` of them as one [Mb, D] tile
-    (padded to >= 16 rows for the tensor-core dot). In plain decoding (T = 1) R = 1 and the whole group
-    shares one read of the cache.
+    `pallas_kernels.dense.dense_decode` orders them); a program gathers `Mb` of them from q as one [Mb, D] tile
+    (padded to >= 16 rows for the tensor-core dot) and finds each row's last visible key from the batch row's
+    length, so nothing runs in XLA before the launch. In plain decoding (T = 1) R = 1 and the whole group shares
+    one read of the cache.
   * Keys: split s covers cache rows [s * chunk, (s + 1) * chunk); the program streams them `block_k` rows at a
     time straight from `k_all[layer, b, h]` (the K/V BlockSpec spans the L axis; the loads index it with the
     traced layer, so the pointer is offset in place and nothing is copied), with an online softmax in f32.
