@@ -13,8 +13,8 @@
   "top_k"               `reference.py`: `lax.top_k` and a sort; the specification.
 
 Every implementation returns exactly the same indices (`reference.py` states the semantics). `span=(lo, hi)`
-restricts each row to positions lo <= p < hi, as if the others held -inf: the GPU's "row" and "ordered" kernels
-read the scores in place, the other implementations mask a copy first.
+restricts each row to positions lo <= p < hi, as if the others held -inf: the GPU's "row", "ordered" and "sample"
+kernels read the scores in place, the other implementations (and the GPU's "fused" path) mask a copy first.
 
 Under a mesh (`pallas_kernels.sharding`: more than one device, axes `data` and `model`) the Pallas
 implementations run per shard: the rows are independent, so a score array in the index contract's layout
@@ -53,8 +53,8 @@ def topk_select(scores: Array, k, K: int, *, span=None, implementation: str | No
         [0, min(K, N)]).
       K: static output width.
       span: None or (lo, hi), int arrays broadcastable to scores.shape[:-1]: only positions lo <= p < hi of a row
-        may be chosen, exactly as if the others held -inf (`common.mask_span`). The GPU's "row" and "ordered"
-        paths read the scores in place (no masked copy of them); the other implementations mask a copy.
+        may be chosen, exactly as if the others held -inf (`common.mask_span`). The GPU's "row", "ordered" and
+        "sample" paths read the scores in place (no masked copy of them); the other implementations mask a copy.
       implementation: see the module docstring.
       config: tuning of the picked implementation (`gpu.SelectConfig`, `tpu.TpuSelectConfig`, or for "xla"
         the int bits_per_pass); None: the default.

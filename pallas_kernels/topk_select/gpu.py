@@ -229,8 +229,8 @@ def topk_select_gpu(scores: Array, k, K: int, *, span=None, config: SelectConfig
     Args:
       scores: f32[..., N]; k: int or int array broadcastable to scores.shape[:-1]; K: static width.
       span: None or (lo, hi), int arrays broadcastable to scores.shape[:-1]: the scores outside a row's [lo, hi)
-        count as -inf (`common.mask_span`). The "row" and "ordered" paths read them in place; the others mask a
-        copy first.
+        count as -inf (`common.mask_span`). The "row", "ordered" and "sample" paths read them in place; the others
+        mask a copy first.
       config: `SelectConfig`.
       interpret: run the kernels in the Pallas interpreter (CPU tests).
 
@@ -243,7 +243,7 @@ def topk_select_gpu(scores: Array, k, K: int, *, span=None, config: SelectConfig
     path = config.pick_path(N, R, Kp)
     sp = None
     if span is not None:
-        if path in ("row", "ordered"):
+        if path in ("row", "ordered", "sample"):
             sp = span_rows(span, lead)
         else:
             scores = mask_span(scores, span)
@@ -262,7 +262,7 @@ def topk_select_gpu(scores: Array, k, K: int, *, span=None, config: SelectConfig
             out = gpu_sample.topk_select_sample(
                 x, k_rows, Kp, sample=config.sample_for("sample"), sigmas=config.sample_sigmas, cap=config.band_cap,
                 bits=config.row_bits, block_n=config.compact_block_n, target_programs=config.target_programs,
-                num_warps=config.num_warps, interpret=interpret)
+                num_warps=config.num_warps, span=sp, interpret=interpret)
         else:
             out = gpu_fused.topk_select_fused(
                 x, k_rows, Kp, bits=config.bits_per_pass, block_n=config.count_block(),

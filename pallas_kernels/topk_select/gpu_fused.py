@@ -27,7 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.topk_select.common import INT_MIN, KEY_NEG_INF, KEY_POS_INF, float_keys, in_span, selection_rule
+from pallas_kernels.topk_select.common import (INT_MIN, KEY_NEG_INF, KEY_POS_INF, float_keys, in_span, ref_span,
+                                               selection_rule)
 
 Array = jax.Array
 
@@ -159,12 +160,12 @@ def _final_kernel(k_ref, st_ref, c_ref, x_ref, r_out, o_ref, *, n: int, width: i
     rule_counts(o_ref, x_ref, a, t, on > 0, done, n=n, block_n=block_n, per_split=per_split)
 
 
-def rule_counts(o_ref, x_ref, a, t, on, done, *, n: int, block_n: int, per_split: int):
+def rule_counts(o_ref, x_ref, a, t, on, done, *, n: int, block_n: int, per_split: int, span=None):
     """Writes o i32[4] = (#key >= a, #(key >= a and x > -inf), #key == t, 0) over this program's split (bulk
     counts 0 when bulk is off, ties 0 for a done row): the per-split counts `_compact_kernel` plans with."""
     first, count = _split_chunks(n, block_n, per_split)
     count = jnp.where(done & jnp.logical_not(on), 0, count)
-    ge, out, tie = rule_totals(x_ref, first, count, a, t, on, done, n=n, block_n=block_n)
+    ge, out, tie = rule_totals(x_ref, first, count, a, t, on, done, n=n, block_n=block_n, span=span)
     lane = jnp.arange(4, dtype=jnp.int32)
     o_ref[...] = jnp.where(lane == 0, ge, jnp.where(lane == 1, out, jnp.where(lane == 2, tie, 0)))
 
@@ -223,10 +224,12 @@ def pad_output(o_ref, total, active, *, width: int, wblock: int):
                   jnp.int32(0))  # bounds of one dtype (Triton's scf.for needs it)
 
 
-def _compact_kernel(k_ref, r_ref, f_ref, x_ref, o_ref, *, n: int, width: int, wblock: int, block_n: int,
-                    per_split: int, S: int):
+def _compact_kernel(k_ref, r_ref, f_ref, x_ref, *refs, n: int, width: int, wblock: int, block_n: int,
+                    per_split: int, S: int, spanned: bool = False):
     """One (row, split): its picks to their output slots. Refs: k i32[1]; r i32[4] = (a, t, bulk_on, done);
-    f i32[S, 4] every split's final counts; x f32[N]; o i32[width] the row's output."""
+    f i32[S, 4] every split's final counts; x f32[N]; (spanned: sp i32[2] the row's span (lo, hi), -inf outside);
+    o i32[width] the row's output."""
+    sp_ref, o_ref = refs if spanned else (None, *refs)
     kk = _kk(k_ref, width)
     a, t, on, done = r_ref[0], r_ref[1], r_ref[2] > 0, r_ref[3] > 0
     f = f_ref[...]
@@ -246,29 +249,37 @@ def _compact_kernel(k_ref, r_ref, f_ref, x_ref, o_ref, *, n: int, width: int, wb
     total = jnp.sum(out_s)
     first, count = _split_chunks(n, block_n, per_split)
     compact_chunks(x_ref, o_ref, first, count, a, t, on, jnp.logical_not(done), my_quota, base, n=n,
-                   block_n=block_n, width=width)
+                   block_n=block_n, width=width, span=ref_span(sp_ref))
     pad_output(o_ref, total, me == 0, width=width, wblock=wblock)
 
 
-def _compact_row_kernel(r_ref, x_ref, o_ref, *, n: int, width: int, block_n: int):
+def _compact_row_kernel(r_ref, x_ref, *refs, n: int, width: int, block_n: int, spanned: bool = False):
     """One whole row: its picks to their output slots, then -1 after them. Refs: r i32[8] = (a, t, bulk_on, done,
     quota, 0, 0, 0), quota the ties == t the row takes (kk - #key > t for a row that is not done, else 0); x f32[N];
-    o i32[width]. The row's rule counts (`rule_counts`) are not needed: one program ranks the whole row."""
+    (spanned: sp i32[2] the row's span); o i32[width]. The row's rule counts (`rule_counts`) are not needed: one
+    program ranks the whole row."""
+    sp_ref, o_ref = refs if spanned else (None, *refs)
     a, t, on, done, quota = r_ref[0], r_ref[1], r_ref[2] > 0, r_ref[3] > 0, r_ref[4]
     total = compact_chunks(x_ref, o_ref, jnp.int32(0), jnp.int32(pl.cdiv(n, block_n)), a, t, on,
-                           jnp.logical_not(done), quota, jnp.int32(0), n=n, block_n=block_n, width=width)
+                           jnp.logical_not(done), quota, jnp.int32(0), n=n, block_n=block_n, width=width,
+                           span=ref_span(sp_ref))
     pad_output(o_ref, total, jnp.bool_(True), width=width, wblock=block_n)
 
 
-def compact_rows(x: Array, rule: Array, K: int, *, block_n: int, params, interpret: bool = False) -> Array:
+def compact_rows(x: Array, rule: Array, K: int, *, block_n: int, params, span: Array | None = None,
+                 interpret: bool = False) -> Array:
     """The chosen positions of each row from its rule i32[R, 8] = (a, t, bulk_on, done, quota, 0, 0, 0): one
-    program per row (`_compact_row_kernel`), for launches of so many rows that each takes one split anyway."""
+    program per row (`_compact_row_kernel`), for launches of so many rows that each takes one split anyway. span:
+    i32[R, 2] (lo, hi) or None: the scores outside a row's [lo, hi) count as -inf, read in place."""
     R, N = x.shape
+    spanned = span is not None
     return pl.pallas_call(
-        functools.partial(_compact_row_kernel, n=N, width=K, block_n=block_n),
-        grid=(R,), in_specs=[pl.BlockSpec((None, 8), lambda r: (r, 0)), pl.BlockSpec((None, N), lambda r: (r, 0))],
+        functools.partial(_compact_row_kernel, n=N, width=K, block_n=block_n, spanned=spanned),
+        grid=(R,), in_specs=[pl.BlockSpec((None, 8), lambda r: (r, 0)), pl.BlockSpec((None, N), lambda r: (r, 0))]
+        + ([pl.BlockSpec((None, 2), lambda r: (r, 0))] if spanned else []),
         out_specs=pl.BlockSpec((None, K), lambda r: (r, 0)), out_shape=jax.ShapeDtypeStruct((R, K), jnp.int32),
-        compiler_params=params, interpret=interpret, name="topk_select_fused_compact")(rule, x)
+        compiler_params=params, interpret=interpret, name="topk_select_fused_compact")(
+            rule, x, *([span] if spanned else []))
 
 
 def topk_select_fused(x: Array, k_rows: Array, K: int, *, bits: int, block_n: int, compact_block_n: int,
@@ -320,37 +331,48 @@ def topk_select_fused(x: Array, k_rows: Array, K: int, *, bits: int, block_n: in
     return _compact_call(x, k2, rule, fin, K, block_n=cb, per_split=per_c, params=params, interpret=interpret)
 
 
-def _compact_call(x, k2, rule, fin, K: int, *, block_n: int, per_split: int, params, interpret: bool):
-    """The compaction launch: rule i32[R, 4] = (a, t, bulk_on, done), fin i32[R, S, 4] the splits' counts."""
+def _compact_call(x, k2, rule, fin, K: int, *, block_n: int, per_split: int, params, interpret: bool,
+                  span: Array | None = None):
+    """The compaction launch: rule i32[R, 4] = (a, t, bulk_on, done), fin i32[R, S, 4] the splits' counts; span
+    i32[R, 2] or None (read in place, as `compact_rows`')."""
     R, N = x.shape
     Sc = fin.shape[1]
+    spanned = span is not None
     return pl.pallas_call(
         functools.partial(_compact_kernel, n=N, width=K, wblock=block_n, block_n=block_n, per_split=per_split,
-                          S=Sc),
+                          S=Sc, spanned=spanned),
         grid=(R, Sc),
         in_specs=[pl.BlockSpec((None, 1), lambda r, s: (r, 0)), pl.BlockSpec((None, 4), lambda r, s: (r, 0)),
-                  pl.BlockSpec((None, Sc, 4), lambda r, s: (r, 0, 0)), pl.BlockSpec((None, N), lambda r, s: (r, 0))],
+                  pl.BlockSpec((None, Sc, 4), lambda r, s: (r, 0, 0)), pl.BlockSpec((None, N), lambda r, s: (r, 0))]
+        + ([pl.BlockSpec((None, 2), lambda r, s: (r, 0))] if spanned else []),
         out_specs=pl.BlockSpec((None, K), lambda r, s: (r, 0)),
         out_shape=jax.ShapeDtypeStruct((R, K), jnp.int32),
-        compiler_params=params, interpret=interpret, name="topk_select_fused_compact")(k2, rule, fin, x)
+        compiler_params=params, interpret=interpret, name="topk_select_fused_compact")(
+            k2, rule, fin, x, *([span] if spanned else []))
 
 
-def _rule_count_kernel(r_ref, x_ref, o_ref, *, n: int, block_n: int, per_split: int):
+def _rule_count_kernel(r_ref, x_ref, *refs, n: int, block_n: int, per_split: int, spanned: bool = False):
+    sp_ref, o_ref = refs if spanned else (None, *refs)
     a, t, on, done = r_ref[0], r_ref[1], r_ref[2] > 0, r_ref[3] > 0
-    rule_counts(o_ref, x_ref, a, t, on, done, n=n, block_n=block_n, per_split=per_split)
+    rule_counts(o_ref, x_ref, a, t, on, done, n=n, block_n=block_n, per_split=per_split, span=ref_span(sp_ref))
 
 
 def compact_with_rule(x: Array, k2: Array, rule: Array, K: int, *, block_n: int, target_programs: int, params,
-                      interpret: bool = False) -> Array:
+                      span: Array | None = None, interpret: bool = False) -> Array:
     """The chosen positions from each row's rule i32[R, 4] = (a, t, bulk_on, done): one launch counting per
-    split (`rule_counts`), one compacting (`_compact_kernel`). k2: i32[R, 1] the rows' k (clipped in-kernel)."""
+    split (`rule_counts`), one compacting (`_compact_kernel`). k2: i32[R, 1] the rows' k (clipped in-kernel); span:
+    i32[R, 2] (lo, hi) or None: the scores outside a row's [lo, hi) count as -inf, read in place."""
     R, N = x.shape
     Sc, per_c = pow2_splits(R, pl.cdiv(N, block_n), target_programs)
+    spanned = span is not None
     fin = pl.pallas_call(
-        functools.partial(_rule_count_kernel, n=N, block_n=block_n, per_split=per_c),
+        functools.partial(_rule_count_kernel, n=N, block_n=block_n, per_split=per_c, spanned=spanned),
         grid=(R, Sc),
-        in_specs=[pl.BlockSpec((None, 4), lambda r, s: (r, 0)), pl.BlockSpec((None, N), lambda r, s: (r, 0))],
+        in_specs=[pl.BlockSpec((None, 4), lambda r, s: (r, 0)), pl.BlockSpec((None, N), lambda r, s: (r, 0))]
+        + ([pl.BlockSpec((None, 2), lambda r, s: (r, 0))] if spanned else []),
         out_specs=pl.BlockSpec((None, None, 4), lambda r, s: (r, s, 0)),
         out_shape=jax.ShapeDtypeStruct((R, Sc, 4), jnp.int32),
-        compiler_params=params, interpret=interpret, name="topk_select_rule_count")(rule, x)
-    return _compact_call(x, k2, rule, fin, K, block_n=block_n, per_split=per_c, params=params, interpret=interpret)
+        compiler_params=params, interpret=interpret, name="topk_select_rule_count")(
+            rule, x, *([span] if spanned else []))
+    return _compact_call(x, k2, rule, fin, K, block_n=block_n, per_split=per_c, params=params, interpret=interpret,
+                         span=span)

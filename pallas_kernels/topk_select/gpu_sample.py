@@ -112,21 +112,23 @@ def _sample_kernel(k_ref, x_ref, *refs, n: int, width: int, ns: int, bits: int, 
     o_ref[...] = jnp.where(lane == 0, a_key, jnp.where(lane == 1, b_key, jnp.where(lane == 2, r_hi > 0, 0)))
 
 
-def _band_kernel(br_ref, x_ref, cnt_in, cnt_ref, band_ref, o_ref, *, n: int, block_n: int, per_split: int,
-                 cap: int, whole_row: bool = False):
-    """(row, split). Refs: br i32[4] the bracket; x f32[N]; cnt i32[1] the row's band count (zero in, aliased
-    out, atomically added); band i32[cap] the row's band keys (B < key < A; key > B when A is off); o i32[4] this
-    split's counts (#key > A, #key == A, #key == B below A, 0) (the A counts 0 when A is off).
+def _band_kernel(br_ref, x_ref, *refs, n: int, block_n: int, per_split: int, cap: int, whole_row: bool = False,
+                 spanned: bool = False):
+    """(row, split). Refs: br i32[4] the bracket; x f32[N]; (spanned: sp i32[2] the row's span (lo, hi), -inf
+    outside); cnt i32[1] the row's band count (zero in, aliased out, atomically added); band i32[cap] the row's band
+    keys (B < key < A; key > B when A is off); o i32[4] this split's counts (#key > A, #key == A, #key == B below
+    A, 0) (the A counts 0 when A is off).
 
     whole_row (one split per row: many rows, as TokenButler's every layer and head at once): the program owns its
     row's band, so it counts the slots in a register and stores the count once, where the splits of a row reserve
     theirs with an atomic add per chunk (a round trip to memory before each chunk's stores); the same slots."""
-    del cnt_in
+    sp_ref, _, cnt_ref, band_ref, o_ref = refs if spanned else (None, *refs)  # the count's input is aliased
+    span = ref_span(sp_ref)
     a_key, b_key, on = br_ref[0], br_ref[1], br_ref[2] > 0
     first, count = gpu_fused._split_chunks(n, block_n, per_split)
 
     def body(i, acc):
-        _, ok, x = gpu_fused._chunk(x_ref, first + i, block_n, n)
+        _, ok, x = gpu_fused._chunk(x_ref, first + i, block_n, n, span)
         key = float_keys(x)
         at_a = ok & on & (key >= a_key)
         below = ok & jnp.logical_not(at_a)
@@ -150,13 +152,16 @@ def _band_kernel(br_ref, x_ref, cnt_in, cnt_ref, band_ref, o_ref, *, n: int, blo
                                                              jnp.where(lane == 2, jnp.sum(eq_b), 0)))
 
 
-def _resolve_kernel(k_ref, c_ref, cnt_ref, band_ref, br_ref, x_ref, r_out, *, n: int, width: int, cap: int,
-                    bits: int, block_n: int, with_quota: bool = False):
+def _resolve_kernel(k_ref, c_ref, cnt_ref, band_ref, br_ref, x_ref, *refs, n: int, width: int, cap: int,
+                    bits: int, block_n: int, with_quota: bool = False, spanned: bool = False):
     """Row r. Refs: k i32[1]; c i32[S, 4] the splits' counts (#key > A, #key == A, #key == B below A, 0); cnt
     i32[1] the band count; band i32[cap]; br i32[4] the bracket (A, B, above_on, 0); x f32[N] (read by the
-    fallback); out r i32[4] = (a, t, bulk_on, done), or with_quota i32[8] = (a, t, bulk_on, done, quota, 0, 0, 0):
+    fallback); (spanned: sp i32[2] the row's span); out r i32[4] = (a, t, bulk_on, done), or with_quota i32[8] =
+    (a, t, bulk_on, done, quota, 0, 0, 0):
     the ties == t the row takes, kk - #(key > t), from the counts this kernel has (#key > A, #key > B, the band
     above t; a row of the fallback counts its keys > t in one more pass), for `gpu_fused.compact_rows`."""
+    sp_ref, r_out = refs if spanned else (None, *refs)
+    span = ref_span(sp_ref)
     kk = jnp.clip(k_ref[0], 0, width)
     c = jnp.sum(c_ref[...], axis=0)
     lane = jnp.arange(4, dtype=jnp.int32)
@@ -179,7 +184,7 @@ def _resolve_kernel(k_ref, c_ref, cnt_ref, band_ref, br_ref, x_ref, r_out, *, n:
     done = jnp.where(at_a, kk == ge_a, jnp.where(at_b, kk == ge_b, done))
 
     # Fallback: the streaming radix search over the whole row, in this one program.
-    lo_f, cnt_f = gpu_fused.stream_threshold(x_ref, kk, jnp.logical_not(ok), n=n, block_n=block_n)
+    lo_f, cnt_f = gpu_fused.stream_threshold(x_ref, kk, jnp.logical_not(ok), n=n, block_n=block_n, span=span)
     lo = jnp.where(ok, lo, lo_f)
     done = jnp.where(ok, done | (kk <= 0), (kk <= 0) | (cnt_f == kk))
     a, t, on = selection_rule(lo, done, kk)
@@ -191,7 +196,7 @@ def _resolve_kernel(k_ref, c_ref, cnt_ref, band_ref, br_ref, x_ref, r_out, *, n:
     recount = jnp.logical_not(ok) & jnp.logical_not(done)
     gt_f, _, _ = gpu_fused.rule_totals(x_ref, jnp.int32(0), jnp.where(recount, jnp.int32(pl.cdiv(n, block_n)),
                                                                       jnp.int32(0)), a, t, on, done, n=n,
-                                       block_n=block_n)
+                                       block_n=block_n, span=span)
     n_gt = jnp.where(at_a, gt_a, jnp.where(in_band, ge_a + band_gt, jnp.where(at_b, gt_b, gt_f)))
     quota = jnp.where(done, 0, kk - n_gt)
     lane8 = jnp.arange(8, dtype=jnp.int32)
@@ -201,7 +206,7 @@ def _resolve_kernel(k_ref, c_ref, cnt_ref, band_ref, br_ref, x_ref, r_out, *, n:
 
 def topk_select_sample(x: Array, k_rows: Array, K: int, *, sample: int = 4096, sigmas: float = 4.0,
                        cap: int | None = None, bits: int = 2, block_n: int = 1024, target_programs: int = 1024,
-                       num_warps: int = 4, interpret: bool = False) -> Array:
+                       num_warps: int = 4, span: Array | None = None, interpret: bool = False) -> Array:
     """Selection of every row by sampling (module docstring).
 
     Args:
@@ -210,7 +215,9 @@ def topk_select_sample(x: Array, k_rows: Array, K: int, *, sample: int = 4096, s
         half-width in standard deviations of the sample rank; cap: band capacity per row (a power of two,
         <= 32768); bits: radix bits of the in-register searches; block_n: scores per inner iteration of the
         streaming kernels (a power of two); target_programs: about rows x splits per streaming launch;
-        num_warps: warps per program.
+        num_warps: warps per program; span: i32[R, 2] (lo, hi) or None: the scores outside a row's [lo, hi) count
+        as -inf (`common.mask_span`), read in place by every launch (a masked copy of the rows was an XLA pass
+        over them: 63 us for H2O's 256 rows of 100K at batch 1 on an H100, eval/results/h100/profile_b1/).
       interpret: Pallas interpreter (CPU tests).
 
     Returns:
@@ -227,22 +234,25 @@ def topk_select_sample(x: Array, k_rows: Array, K: int, *, sample: int = 4096, s
     k2 = k_rows.reshape(R, 1).astype(jnp.int32)
     bracket, counts, n_band, band = sample_band(x, k2, K, sample=sample, sigmas=sigmas, cap=cap, bits=bits,
                                                 block_n=block_n, target_programs=target_programs, params=params,
-                                                interpret=interpret)
+                                                span=span, interpret=interpret)
     S = counts.shape[1]
     whole_rows = S == 1  # one program per row (many rows): the compaction ranks whole rows from the rule alone
     w = 8 if whole_rows else 4
     row1 = lambda w: pl.BlockSpec((None, w), lambda r: (r, 0))  # noqa: E731
+    spanned = span is not None
     rule = pl.pallas_call(
-        functools.partial(_resolve_kernel, n=N, width=K, cap=cap, bits=bits, block_n=block_n, with_quota=whole_rows),
+        functools.partial(_resolve_kernel, n=N, width=K, cap=cap, bits=bits, block_n=block_n, with_quota=whole_rows,
+                          spanned=spanned),
         grid=(R,), in_specs=[row1(1), pl.BlockSpec((None, S, 4), lambda r: (r, 0, 0)), row1(1), row1(cap), row1(4),
-                             row1(N)],
+                             row1(N)] + ([row1(2)] if spanned else []),
         out_specs=row1(w), out_shape=jax.ShapeDtypeStruct((R, w), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=max(4, min(16, cap // 1024)), num_stages=1),
-        interpret=interpret, name="topk_select_resolve")(k2, counts, n_band, band, bracket, x)
+        interpret=interpret, name="topk_select_resolve")(k2, counts, n_band, band, bracket, x,
+                                                          *([span] if spanned else []))
     if whole_rows:
-        return gpu_fused.compact_rows(x, rule, K, block_n=block_n, params=params, interpret=interpret)
+        return gpu_fused.compact_rows(x, rule, K, block_n=block_n, params=params, span=span, interpret=interpret)
     return gpu_fused.compact_with_rule(x, k2, rule, K, block_n=block_n, target_programs=target_programs,
-                                       params=params, interpret=interpret)
+                                       params=params, span=span, interpret=interpret)
 
 
 def sample_bracket(x: Array, k2: Array, K: int, *, sample: int, sigmas: float, bits: int, upper: bool = True,
@@ -266,23 +276,26 @@ def sample_bracket(x: Array, k2: Array, K: int, *, sample: int, sigmas: float, b
 
 
 def sample_band(x: Array, k2: Array, K: int, *, sample: int, sigmas: float, cap: int, bits: int, block_n: int,
-                target_programs: int, params, interpret: bool = False):
+                target_programs: int, params, span: Array | None = None, interpret: bool = False):
     """Launches 1 and 2: (bracket i32[R, 4] = (A, B, above_on, 0), counts i32[R, S, 4] the splits' (#key > A,
     #key == A, #key == B below A, 0), n_band i32[R, 1] the keys strictly between B and A, band i32[R, cap] their
     keys). With G, E_A, E_B the counts summed over the splits and Bn = n_band[r], row r resolves without the
-    fallback when G < kk <= G + E_A + Bn + E_B and, if G + E_A < kk <= G + E_A + Bn, Bn <= cap."""
+    fallback when G < kk <= G + E_A + Bn + E_B and, if G + E_A < kk <= G + E_A + Bn, Bn <= cap. span: i32[R, 2] or
+    None, as `topk_select_sample`'s."""
     R, N = x.shape
     row2 = lambda w: pl.BlockSpec((None, w), lambda r, s: (r, 0))  # noqa: E731
-    bracket, zeros = sample_bracket(x, k2, K, sample=sample, sigmas=sigmas, bits=bits, zero_count=True,
+    bracket, zeros = sample_bracket(x, k2, K, sample=sample, sigmas=sigmas, bits=bits, zero_count=True, span=span,
                                     interpret=interpret)
     S, per = gpu_fused.pow2_splits(R, pl.cdiv(N, block_n), target_programs)
+    spanned = span is not None
     n_band, band, counts = pl.pallas_call(
-        functools.partial(_band_kernel, n=N, block_n=block_n, per_split=per, cap=cap, whole_row=S == 1),
-        grid=(R, S), in_specs=[row2(4), row2(N), row2(1)],
+        functools.partial(_band_kernel, n=N, block_n=block_n, per_split=per, cap=cap, whole_row=S == 1,
+                          spanned=spanned),
+        grid=(R, S), in_specs=[row2(4), row2(N)] + ([row2(2)] if spanned else []) + [row2(1)],
         out_specs=(row2(1), row2(cap), pl.BlockSpec((None, None, 4), lambda r, s: (r, s, 0))),
         out_shape=(jax.ShapeDtypeStruct((R, 1), jnp.int32), jax.ShapeDtypeStruct((R, cap), jnp.int32),
                    jax.ShapeDtypeStruct((R, S, 4), jnp.int32)),
-        input_output_aliases={2: 0},
+        input_output_aliases={3 if spanned else 2: 0},
         compiler_params=params, interpret=interpret, name="topk_select_band",
-    )(bracket, x, zeros)
+    )(bracket, x, *([span] if spanned else []), zeros)
     return bracket, counts, n_band, band
