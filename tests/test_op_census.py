@@ -45,4 +45,22 @@ def test_main_writes_the_census(tmp_path, capsys):
     assert payload["benchmark"] == "op_census" and payload["gpu_paths"] is True
     layers = [r for r in payload["scans"] if r["path"] == "scan/"]
     assert sum(r["length"] for r in layers) == payload["num_layers"] == 32
-    assert "| scan/ |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| scan/ |" in printed and "XLA ops over at least 4 MiB" in printed
+    assert payload["large_mb"] == 4.0 and isinstance(payload["large_ops"], list)
+
+
+def test_large_ops_find_whole_array_passes_outside_the_kernels():
+    """`large_ops` lists the XLA ops over large arrays outside the kernels and GEMMs. H2O's one top-k over every
+    layer's scores [L, B, Hkv, N] reads its span in place at batch 1 (the "sample" path, 256 rows): no op of the step
+    touches an array of that size (a masked copy of it was 63 us a step on an H100). The oracle's pooling of each
+    layer's logits is an XLA pass by design (`AnchorConfig.pool="xla"`): found in its sparse layers' scan, 31 a step.
+    Dense has none (the embedding's gather counts the rows it picks, not the table)."""
+    jaxpr, cfg = op_census.trace_step("h2o", "llama3-8b", batch=1, context=100000, budget=0.1, gpu=True)
+    scores = cfg.num_layers * cfg.num_kv_heads * 100096 * 4  # the score rows' bytes at this cache size
+    assert op_census.large_ops(jaxpr.jaxpr, 4 << 20) and not op_census.large_ops(jaxpr.jaxpr, scores // 2)
+    jaxpr, _ = op_census.trace_step("oracle", "llama3-8b", batch=1, context=100000, budget=0.1, gpu=True)
+    pool = [r for r in op_census.large_ops(jaxpr.jaxpr, 4 << 20) if r["op"] == "exp"]
+    assert pool and all(r["per_step"] == cfg.num_layers - 1 and r["shape"][-1] == 100096 for r in pool)
+    jaxpr, _ = op_census.trace_step("dense", "llama3-8b", batch=4, context=100000, budget=0.1, gpu=True)
+    assert op_census.large_ops(jaxpr.jaxpr, 4 << 20) == []

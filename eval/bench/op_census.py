@@ -12,6 +12,10 @@ and the XLA ops around them. Nothing is compiled or run.
     jsparse bench op_census --method evosparse --context 100000 --batch 4
     jsparse bench op_census --method kascade --shape qwen3-8b --verbose --out census.json
 
+After the scans it lists the XLA ops that read or write at least `--large-mb` MiB outside the Pallas kernels and GEMMs
+(`large_ops`): each is a pass over a whole array, such as the masked copy of H2O's every-layer scores that its top-k
+made at batch 1 until its kernels read the span in place (63 us a step on an H100).
+
 Read it as a count of jaxpr equations, not of GPU kernels: XLA fuses several elementwise ops into one kernel, and
 reshapes cost nothing. An op on a few scalars per row in a layer body is still one small kernel per layer on a GPU
 (about 1-2 us each on an H100; `eval/results/h100/profile_b1/`); the census finds them, a profile
@@ -99,6 +103,53 @@ def census(jaxpr, path: str = "", verbose: bool = False) -> list[dict]:
     return rows
 
 
+# Ops that move no data of their own (views, index math, fused into their consumer) or update a buffer in place, and
+# the kernels and GEMMs, which `large_ops` leaves out: what remains over large arrays is an XLA pass of its own.
+NOT_PASSES = INLINE + ("scan", "while", "cond", "pallas_call", "dot_general", "reshape", "squeeze", "broadcast_in_dim",
+                       "iota", "dynamic_slice", "dynamic_update_slice", "scatter", "scatter-add", "scatter_add",
+                       "copy_p")
+PICKS = ("gather", "slice")
+
+
+def _nbytes(aval) -> int:
+    shape, dtype = getattr(aval, "shape", None), getattr(aval, "dtype", None)
+    if shape is None or dtype is None:
+        return 0
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n * jnp.dtype(dtype).itemsize
+
+
+def large_ops(jaxpr, min_bytes: int, path: str = "", times: int = 1) -> list[dict]:
+    """The XLA ops of a step that read or write at least `min_bytes` (the largest of their operands and results; of a
+    gather or slice, its result),
+    outside the Pallas kernels and GEMMs and leaving out `NOT_PASSES`: each a pass over a large array that runs as an
+    XLA kernel of its own (or inside a fusion that still reads it), such as a masked copy of a score array before a
+    kernel that could read it in place. One dict per op: path, op, shape (its largest result), bytes, and per_step
+    (the trip counts of its enclosing scans multiplied: how often a step runs it)."""
+    rows = []
+    for eqn in _flat(jaxpr):
+        name = eqn.primitive.name
+        if name == "scan":
+            rows += large_ops(eqn.params["jaxpr"].jaxpr, min_bytes, path + "scan/", times * int(eqn.params["length"]))
+            continue
+        if name in ("while", "cond"):
+            for inner in _sub_jaxprs(eqn):
+                rows += large_ops(inner, min_bytes, path + name + "/", times)
+            continue
+        if name in NOT_PASSES:
+            continue
+        # A gather or slice reads what it writes (the rows it picks), whatever the size of the array it picks from.
+        read = [] if name in PICKS else [_nbytes(v.aval) for v in eqn.invars]
+        big = max(read + [_nbytes(v.aval) for v in eqn.outvars], default=0)
+        if big >= min_bytes:
+            out = max(eqn.outvars, key=lambda v: _nbytes(v.aval))
+            rows.append({"path": path or "-", "op": name, "shape": list(out.aval.shape), "bytes": big,
+                         "per_step": times})
+    return rows
+
+
 def trace_step(method_name: str, shape: str, batch: int, context: int, budget: float, *, gpu: bool = True):
     """(closed jaxpr, cfg) of one decode step of `jsparse bench model` (`method_decode_steps`, steps=1) for the
     method as that benchmark builds it, weights, cache and state as shapes only (the cache sized as the benchmark
@@ -133,10 +184,15 @@ def main(argv=None, prog: str = "jsparse bench op_census") -> int:
     p.add_argument("--no-gpu-paths", dest="gpu", action="store_false",
                    help="trace this host's own code paths (default: the GPU's, whatever the host)")
     p.add_argument("--verbose", action="store_true", help="also list every op of each scan's body")
+    p.add_argument("--large-mb", type=float, default=4.0,
+                   help="list the XLA ops (outside the Pallas kernels and GEMMs) that read or write at least this "
+                        "many MiB (`large_ops`): passes over whole arrays, such as masked copies (default 4)")
     add_out_argument(p, "op_census.json", optional=True)
     args = p.parse_args(argv)
     if args.batch < 1 or args.context < 2:
         p.error(f"--batch {args.batch} --context {args.context}: expected a batch >= 1 and a context >= 2")
+    if not args.large_mb > 0:
+        p.error(f"--large-mb {args.large_mb}: expected a size in MiB > 0")
     jaxpr, cfg = trace_step(args.method, args.shape, args.batch, args.context, args.budget, gpu=args.gpu)
     rows = census(jaxpr.jaxpr, verbose=args.verbose)
     print(f"{args.method} on {args.shape} shapes, batch {args.batch}, context {args.context}, "
@@ -148,11 +204,19 @@ def main(argv=None, prog: str = "jsparse bench op_census") -> int:
         print(f"| {r['path'] or '-'} | {r['length']} | {r['eqns']} | {', '.join(r['kernels']) or '-'} | {top} |")
         for line in r.get("body", []):
             print(f"|   | | | | {line} |")
+    large = large_ops(jaxpr.jaxpr, int(args.large_mb * 2**20))
+    print(f"\nXLA ops over at least {args.large_mb:g} MiB outside the kernels and GEMMs: {len(large) or 'none'}")
+    if large:
+        print("| path | op | largest result | MiB | per step |")
+        print("|---|---|---|---|---|")
+        for r in large:
+            print(f"| {r['path']} | {r['op']} | {tuple(r['shape'])} | {r['bytes'] / 2**20:.1f} | {r['per_step']} |")
     path = out_path(args.out, "op_census.json")
     if path:
         write_json(path, {**device_facts(), "benchmark": "op_census", "method": args.method, "shape": args.shape,
                           "batch": args.batch, "context": args.context, "budget": args.budget,
-                          "gpu_paths": args.gpu, "num_layers": cfg.num_layers, "scans": rows})
+                          "gpu_paths": args.gpu, "num_layers": cfg.num_layers, "scans": rows,
+                          "large_mb": args.large_mb, "large_ops": large})
     return 0
 
 
