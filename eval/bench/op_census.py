@@ -107,7 +107,7 @@ def census(jaxpr, path: str = "", verbose: bool = False) -> list[dict]:
 # the kernels and GEMMs, which `large_ops` leaves out: what remains over large arrays is an XLA pass of its own.
 NOT_PASSES = INLINE + ("scan", "while", "cond", "pallas_call", "dot_general", "reshape", "squeeze", "broadcast_in_dim",
                        "iota", "dynamic_slice", "dynamic_update_slice", "scatter", "scatter-add", "scatter_add",
-                       "copy_p")
+                       "copy_p", "empty")  # empty: an allocation (`lax.empty`; no fill on a GPU)
 PICKS = ("gather", "slice")
 
 
