@@ -66,9 +66,9 @@ def build(name):
     small = dict(budget=0.3, min_tokens=8)
     if name in ("dense",):
         return make_method(name)
-    if name == "quest":  # the gathered decode (a GPU's default), not the mask the CPU would run
+    if name in ("quest", "h2o"):  # the gathered decode (a GPU's default), not the mask the CPU would run
         return make_method(name, gathered=True, **small)
-    if name in ("oracle", "streaming", "h2o"):
+    if name in ("oracle", "streaming"):
         return make_method(name, **small)
     if name == "kascade":
         return Kascade.from_anchors(CFG, [0, 1], _head_map(0), tile=16, **small)

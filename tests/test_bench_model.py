@@ -79,10 +79,13 @@ def test_attention_bytes_follow_what_each_method_reads(tiny):
     G, d, pages = cfg.num_heads // cfg.num_kv_heads, quest.dense_layers, -(-n // quest.page_size)
     assert bench_model.attention_bytes("quest", quest, cfg, B, n) == (  # f32 bounds: 2x a bf16 row of K
         d * 2 * n * U + (cfg.num_layers - d) * (2 * 2 * pages * U + G * 2 * 1000 * U))
-    h2o, _ = bench_model.bench_method("h2o", cfg, 0.1)  # the f32 score row read, its 1000 kept entries updated
+    # H2O: its 500 carried candidates of each row (positions read and written, scores gathered; 500 = k - r, the most
+    # heavy keys of 1000 with half of them the window), its 1000 kept entries' scores updated
+    h2o, _ = bench_model.bench_method("h2o", cfg, 0.1)
     rows = B * cfg.num_kv_heads
+    assert h2o.kept_width(1000) == 500
     assert bench_model.attention_bytes("h2o", h2o, cfg, B, n) == cfg.num_layers * (
-        2 * 1000 * U + rows * n * 4 + 2 * rows * 1000 * 4)
+        2 * 1000 * U + 3 * rows * 500 * 4 + 2 * rows * 1000 * 4)
     with pytest.raises(ValueError, match="unknown method 'nope'"):
         bench_model.bench_method("nope", cfg, 0.1)
 
@@ -364,6 +367,11 @@ def test_filled_state_makes_each_head_choose_its_own_keys(tiny):
     h2o, _ = bench_model.bench_method("h2o", cfg, 0.25)
     state, how = bench_model.filled_state(h2o, cfg, cache, 128)
     assert "random" in how and float(jnp.std(state.score)) > 0.5
+    # The gathered H2O's carried candidates as init_state makes them: stale (-1), not zeros naming key 0 as every
+    # candidate of a fresh set (its first step would keep key 0 alone and ranks nothing).
+    h2o = bench_model.bench_method("h2o", cfg, 0.25, options={"gathered": True})[0]
+    state, _ = bench_model.filled_state(h2o, cfg, cache, 128)
+    assert np.all(np.asarray(state.cand_end) == -1) and np.all(np.asarray(state.cand) == -1)
     dense, _ = bench_model.bench_method("dense", cfg, 0.25)
     assert bench_model.filled_state(dense, cfg, cache, 128)[1] == "none"
 
@@ -683,7 +691,8 @@ def test_method_options_reach_the_bytes_model(tiny, name, options):
     assert got != bench_model.attention_bytes(name, bench_model.bench_method(name, cfg, budget)[0], cfg, B, n)
     if name in ("streaming", "h2o", "oracle"):
         d, k = options.get("dense_layers", 0), max(k, options.get("min_tokens", 0))  # its own min_tokens
-        per = {"streaming": 2 * k * U, "h2o": 2 * k * U + B * Hkv * (n + 2 * k) * 4, "oracle": n * U + 2 * k * U}
+        w = method.kept_width(k) if name == "h2o" else 0  # H2O's carried candidates per row
+        per = {"streaming": 2 * k * U, "h2o": 2 * k * U + B * Hkv * (3 * w + 2 * k) * 4, "oracle": n * U + 2 * k * U}
         assert got == d * 2 * n * U + (L - d) * per[name]
     elif name == "kascade":
         from jsparse.methods.kascade import ROLE_ANCHOR, ROLE_DENSE_ANCHOR

@@ -251,7 +251,8 @@ def filled_state(method, cfg, cache: KVCache, capacity: int, seed: int = 5):
       Quest: the page bounds of the cache's keys, layer by layer (`quest.page_bounds`, its own prefill rule);
       any other state (H2O's scores, EvoSparse's heat, TokenButler's predictor cache and keys): random normal
         values of the state's shapes and dtypes, drawn leaf by leaf along the leading axis (synthetic: what a
-        prefill would leave depends on weights that are random here; each head's choice differs, as in a run).
+        prefill would leave depends on weights that are random here; each head's choice differs, as in a run);
+        integer leaves (H2O's carried candidates, stale after a prefill) as `init_state` makes them.
     """
     from jsparse.methods.quest import Quest, QuestState, finite_bounds, page_bounds
 
@@ -267,9 +268,9 @@ def filled_state(method, cfg, cache: KVCache, capacity: int, seed: int = 5):
     if not jax.tree_util.tree_leaves(shapes):
         return method.init_state(cfg, batch, capacity), "none"
 
-    def fill(shape, key):
+    def fill(shape, key, init):
         if not jnp.issubdtype(shape.dtype, jnp.floating):
-            return jnp.zeros(shape.shape, shape.dtype)
+            return init
         if len(shape.shape) < 2:
             return jax.random.normal(key, shape.shape, shape.dtype)
 
@@ -282,7 +283,10 @@ def filled_state(method, cfg, cache: KVCache, capacity: int, seed: int = 5):
 
     leaves, tree = jax.tree_util.tree_flatten(shapes)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    state = jax.tree_util.tree_unflatten(tree, [fill(sh, k) for sh, k in zip(leaves, keys)])
+    ints = [not jnp.issubdtype(sh.dtype, jnp.floating) for sh in leaves]
+    # The integer leaves' own values (an index -1 means "none"; zeros would name key 0), made only where there are any.
+    inits = jax.tree_util.tree_leaves(method.init_state(cfg, batch, capacity)) if any(ints) else [None] * len(leaves)
+    state = jax.tree_util.tree_unflatten(tree, [fill(sh, k, i) for sh, k, i in zip(leaves, keys, inits)])
     return state, "random normal values of its shapes (synthetic: each head's choice differs, as in a run)"
 
 
@@ -413,10 +417,14 @@ def attention_bytes(name: str, method, cfg, batch: int, n: int) -> int:
         pages = -(-n // method.page_size)
         G = cfg.num_heads // cfg.num_kv_heads
         return d * dense_layer + (L - d) * (2 * 2 * pages * U + G * picked(method.budget))
-    if name == "h2o":  # the accumulated score row (f32) read by the selection, its k kept entries updated
+    if name == "h2o":
+        # The gathered decode's selection ranks the W carried candidates of each row (their positions read and
+        # written, their scores gathered: `H2OState.cand`) instead of the whole accumulated score row (f32), which
+        # was counted here before 2026-12-06 (rows * n * 4 a layer); the k kept entries' scores are updated.
         rows = batch * cfg.num_kv_heads
         k = sel.budget_tokens(method.budget, n, min_tokens)
-        return d * dense_layer + (L - d) * (2 * k * U + rows * n * 4 + 2 * rows * k * 4)
+        W = method.kept_width(k)
+        return d * dense_layer + (L - d) * (2 * k * U + 3 * rows * W * 4 + 2 * rows * k * 4)
     if name == "butler":  # the predicted keys of every predicted layer (f32, or bf16 with key_dtype) + the picked rows
         # Selection "head" picks per query head: a KV head's G query heads read up to G sets (counted as G since
         # 2026-11-29, when the gathered decode came; one set before, which overstated the floor). The calibrated

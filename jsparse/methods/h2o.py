@@ -23,8 +23,18 @@ layer's rows in place, and its second launch adds each key's mass into the layer
 and the same softmax as the mask path, which T > 1 tokens and the CPU by default take.
 
 Unlike H2O's fixed-size cache, a key is never deleted: it is re-ranked at every step, but since an unselected
-key's score stops growing while the kept ones' keep growing, it rarely comes back. Selection is per KV head
-(GQA groups pooled), in the index contract's granularity. All layers are sparse (dense_layers=0), as in the paper.
+key's score stops growing while the kept ones' keep growing, it rarely comes back.
+
+The gathered decode also keeps, per layer and KV head, the W = `kept_width` highest-scoring keys older than the
+window (`H2OState.cand`, exact: ties to the lower position). Between two gathered steps a score changes only where
+it grows (the kept keys gain their mass), and at most one key leaves the window, so the next step's heavy hitters lie
+among those W keys and the one that left: the step ranks W + 1 scores per row instead of every score (one top-k over
+rows of W, `heavy_from_candidates`), and the W candidates are carried on by dropping the lowest. A prefill, a
+multi-token decode (the mask path) or a position that moved by more than one key invalidates them
+(`cand_end` -1): that step ranks every score once (`kept_indices`' top-k, at width W) and carries on from there.
+
+Selection is per KV head (GQA groups pooled), in the index contract's granularity. All layers are sparse
+(dense_layers=0), as in the paper.
 """
 
 from __future__ import annotations
@@ -45,6 +55,8 @@ from pallas_kernels.block_scores import heat_candidates, sparse_decode_heat
 from pallas_kernels.sharding import dims, per_shard
 from pallas_kernels.sparse_attention.gpu import DecodeConfig
 from pallas_kernels.sparse_attention.reference import decode_indices_to_mask
+from pallas_kernels.topk_select import topk_select
+from pallas_kernels.topk_select.common import float_keys
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -59,6 +71,11 @@ class H2OState:
     score: jax.Array  # f32[L, B, Hkv, N] accumulated attention per key (mean over the GQA group)
     kept: Optional[jax.Array] = None  # i32[L, B, Hkv, K] every layer's keys inside one gathered decode forward
     rows: Optional[jax.Array] = None  # f32[L, B, Hkv, T + 1, N] inside a speculative verification (`begin_verify`)
+    # The gathered decode's carried candidates (module docstring; None when the decode is not gathered): i32[L, B,
+    # Hkv, W] the W highest-scoring keys below cand_end (ascending, -1 padded), and cand_end i32[B] the window start
+    # they were ranked at, -1 when they are stale (after a prefill or a mask-path forward).
+    cand: Optional[jax.Array] = None
+    cand_end: Optional[jax.Array] = None
 
 
 @register("h2o")
@@ -85,7 +102,24 @@ class H2O(TokenBudget):
         return cls(**kwargs_for(cls, options))
 
     def init_state(self, cfg, batch, max_len):
-        return H2OState(score=jnp.zeros((cfg.num_layers, batch, cfg.num_kv_heads, max_len), jnp.float32))
+        score = jnp.zeros((cfg.num_layers, batch, cfg.num_kv_heads, max_len), jnp.float32)
+        if not self.is_gathered():
+            return H2OState(score=score)
+        W = self.kept_width(self.k_static(max_len))
+        return H2OState(score=score, cand=jnp.full(score.shape[:-1] + (W,), -1, jnp.int32),
+                        cand_end=jnp.full((batch,), -1, jnp.int32))
+
+    def kept_width(self, K: int) -> int:
+        """The most heavy keys a row keeps (the static width of the heavy top-k and of the carried candidates) when
+        it keeps at most K keys: k - r never decreases with k, so K - r(K) (`row_budget`'s f32 rounding)."""
+        r_max = max(int(np.ceil(np.float32(self.recent) * np.float32(K))), 1)
+        return max(K - r_max, 1)
+
+    def _stale(self, state):
+        """The state with its carried candidates marked stale (a forward that ranked no candidates)."""
+        if state.cand_end is None:
+            return state
+        return state.replace(cand_end=jnp.full_like(state.cand_end, -1))
 
     def is_gathered(self) -> bool:
         """Whether a one-token decode runs gathered (`gathered`; None: on a GPU)."""
@@ -106,7 +140,11 @@ class H2O(TokenBudget):
         if phase != "decode" or q_len != 1 or not isinstance(state, H2OState) or not self.is_gathered():
             return state
         pos = lengths.astype(jnp.int32) - 1
-        return state.replace(kept=self.kept_indices(state.score, pos, self.k_static(kv_len)))
+        if state.cand is None:  # a state made without the candidates (as by a gathered=False method)
+            return state.replace(kept=self.kept_indices(state.score, pos, self.k_static(kv_len)))
+        kept, cand, end = self.kept_from_candidates(state.score, state.cand, state.cand_end, pos,
+                                                    self.k_static(kv_len))
+        return state.replace(kept=kept, cand=cand, cand_end=end)
 
     def finish(self, state, phase):
         return state.replace(kept=None) if isinstance(state, H2OState) else state
@@ -126,7 +164,7 @@ class H2O(TokenBudget):
         N = state.score.shape[-1]
         row = jnp.pad(colsum, ((0, 0), (0, 0), (0, N - T)))
         score = jax.lax.dynamic_update_index_in_dim(state.score, row, ctx.layer, 0)
-        return dense_prefill(q, k, v), state.replace(score=score)
+        return dense_prefill(q, k, v), self._stale(state.replace(score=score))
 
     def row_budget(self, p):
         """(k, r) i32[...] of decode rows at positions p: the k keys they keep, of which the r most recent."""
@@ -156,16 +194,40 @@ class H2O(TokenBudget):
         top-k over all the rows, ties to the lower position as the mask's), then the window p - r + 1 .. p."""
         k_t, r = self.row_budget(p)
         start = p + 1 - r  # [B] the window's first key (>= 0: r <= k <= p + 1)
-        # k - r never decreases with k, so rows keep at most K - r(K) heavy keys: the top-k's width (a narrower
-        # band lets `topk_select` take its one-pass "ordered" path).
-        r_max = max(int(np.ceil(np.float32(self.recent) * np.float32(K))), 1)  # row_budget's f32 rounding
-        width = max(K - r_max, 1)
+        # Rows keep at most kept_width(K) heavy keys: the top-k's width (a narrower band lets `topk_select` take its
+        # one-pass "ordered" path).
+        width = self.kept_width(K)
         heavy = heat_candidates(score, jnp.zeros_like(p), start, k_t - r, width)  # [L, B, Hkv, width]
-        heavy = jnp.pad(heavy, [(0, 0)] * 3 + [(0, K - width)], constant_values=-1)
+        return self._with_window(heavy, start, r, K)
+
+    def _with_window(self, heavy, start, r, K: int):
+        """i32[L, B, Hkv, K]: the heavy keys (ascending, -1 padded) then the window start .. start + r - 1."""
+        heavy = jnp.pad(heavy, [(0, 0)] * 3 + [(0, K - heavy.shape[-1])], constant_values=-1)
         n_heavy = jnp.sum(heavy >= 0, axis=-1, keepdims=True)
         j = jnp.arange(K, dtype=jnp.int32) - n_heavy  # slot in the window
         window = jnp.where(j < r[:, None, None], start[:, None, None] + j, -1)
         return jnp.where(j < 0, heavy, window)
+
+    def kept_from_candidates(self, score, cand, cand_end, p, K: int):
+        """`kept_indices` from the carried candidates (module docstring): (kept i32[L, B, Hkv, K], the next
+        candidates i32[L, B, Hkv, W], their cand_end i32[B]) for score f32[L, B, Hkv, N] before this step's update,
+        cand / cand_end as carried, p: i32[B] this step's positions. The same keys as `kept_indices`: when every row
+        moved by at most one key since its candidates were ranked (one `lax.cond` a step), the W + 1 candidates are
+        ranked, else every score is (the candidates ranked afresh, W of them)."""
+        W = cand.shape[-1]
+        k_t, r = self.row_budget(p)
+        start = p + 1 - r  # [B] this step's window start: the heavy keys lie below it
+        fresh = jnp.all((cand_end >= 0) & (start >= cand_end) & (start - cand_end <= 1))
+
+        def carried():  # the candidates plus the key that left the window, the lowest of them dropped
+            return carry_candidates(score, cand, jnp.where(start > cand_end, cand_end, -1))
+
+        def ranked():  # every key below the window start
+            ranked = heat_candidates(score, jnp.zeros_like(p), start, jnp.full_like(p, W), W)
+            return ranked, candidate_scores(score, ranked)
+        cand, x = jax.lax.cond(fresh, carried, ranked)
+        heavy = heavy_from_candidates(x, cand, k_t - r)
+        return self._with_window(heavy, start, r, K), cand, start
 
     def sparse_decode(self, ctx, q, cache, state):
         B, T, Hq, D = q.shape
@@ -195,4 +257,52 @@ class H2O(TokenBudget):
 
         # Rows in order, as T = 1 decoding; inside a speculative verification the score after each is kept too.
         out, score, rows = scan_rows(state.score, ctx.layer, row, (qg, positions), rows=state.rows)
-        return out.reshape(B, T, Hq, D).astype(q.dtype), state.replace(score=score, rows=rows)
+        return out.reshape(B, T, Hq, D).astype(q.dtype), self._stale(state.replace(score=score, rows=rows))
+
+
+def candidate_scores(score, cand):
+    """f32[L, B, Hkv, W]: the scores of the candidates cand i32[L, B, Hkv, W] (-inf at the -1 padding), gathered from
+    score f32[L, B, Hkv, N]; per shard under a mesh."""
+    def local(score, cand):
+        return jnp.where(cand >= 0, jnp.take_along_axis(score, jnp.maximum(cand, 0), axis=-1), -jnp.inf)
+    row = dims(4, 1, 2)
+    return per_shard(local, [score, cand], [row, row], row)
+
+
+def carry_candidates(score, cand, extra):
+    """`_carry_candidates` per shard under a mesh (rows over data, KV heads over model, as the scores are laid out)."""
+    row = dims(4, 1, 2)
+    return per_shard(_carry_candidates, [score, cand, extra], [row, row, dims(1, 0)], (row, row))
+
+
+def _carry_candidates(score, cand, extra):
+    """The W highest-scoring of each row's candidates and one extra key: score f32[L, B, Hkv, N]; cand i32[L, B,
+    Hkv, W] ascending, -1 padded; extra i32[B] a key above every candidate of the batch row, or -1 for none ->
+    (i32[L, B, Hkv, W] ascending, -1 padded, their scores f32[L, B, Hkv, W], -inf at the padding: gathered once for
+    the drop and the heavy keys' top-k). With W + 1 keys the lowest by (score, then the higher position) is dropped,
+    the rule of a top-k with ties to the lower position; with fewer every key stays."""
+    W = cand.shape[-1]
+    n = jnp.sum(cand >= 0, axis=-1, keepdims=True)  # valid candidates (a prefix)
+    i = jnp.arange(W + 1, dtype=jnp.int32)
+    padded = jnp.pad(cand, [(0, 0)] * 3 + [(0, 1)], constant_values=-1)
+    keys = jnp.where(i < n, padded, jnp.where((i == n) & (extra[:, None, None] >= 0), extra[:, None, None], -1))
+    valid = keys >= 0
+    x = jnp.where(valid, jnp.take_along_axis(score, jnp.maximum(keys, 0), axis=-1), -jnp.inf)
+    fk = float_keys(x)
+    lowest = jnp.min(jnp.where(valid, fk, jnp.iinfo(jnp.int32).max), axis=-1, keepdims=True)
+    drop = jnp.max(jnp.where(valid & (fk == lowest), i, -1), axis=-1, keepdims=True)  # the last of the lowest
+    drop = jnp.where(jnp.sum(valid, axis=-1, keepdims=True) > W, drop, W + 1)  # W + 1 keys: drop one
+    def shift(a, fill):
+        return jnp.where(i < drop, a, jnp.pad(a[..., 1:], [(0, 0)] * 3 + [(0, 1)], constant_values=fill))[..., :W]
+    return shift(keys, -1), shift(x, -jnp.inf)
+
+
+def heavy_from_candidates(x, cand, k):
+    """The k highest-scoring of each row's candidates (ties to the lower position), ascending, -1 padded: x f32[L, B,
+    Hkv, W] their scores (`candidate_scores`, -inf at the padding), cand i32[L, B, Hkv, W] ascending, -1 padded, k
+    i32[B] -> i32[L, B, Hkv, W]. One top-k over rows of W scores (`topk_select`; per shard under a mesh)."""
+    def local(x, cand, k):
+        idx = topk_select(x, jnp.broadcast_to(k[:, None], cand.shape[:-1]), cand.shape[-1])
+        return jnp.where(idx >= 0, jnp.take_along_axis(cand, jnp.maximum(idx, 0), axis=-1), -1)
+    row = dims(4, 1, 2)
+    return per_shard(local, [x, cand, k], [row, row, dims(1, 0)], row)
