@@ -136,3 +136,17 @@ def test_gathered_steps_check_against_the_masked_reference():
     c = model_check.run_checks(preset("llama3-8b"), ["h2o"], build, jnp.float32)["h2o"]
     assert c["passed"] and c["shape"]["decode_steps"] == 2, c
     assert max(c["kept_fraction_per_layer"]) < 0.5
+
+
+def test_a_state_for_another_cache_size_ranks_every_score():
+    """Candidates sized for another cache (init_state's max_len unlike the decode's) are not read: the step ranks
+    every score, the keys of `kept_indices`, and leaves the state's candidates as they were."""
+    m = _method()
+    rng = np.random.default_rng(9)
+    lengths = jnp.asarray([40, 71], jnp.int32)
+    state = _state(m, rng, np.asarray(lengths), coarse=False)
+    other = state.replace(cand=jnp.full(state.cand.shape[:-1] + (state.cand.shape[-1] + 3,), -1, jnp.int32))
+    st = m.start_rows(CFG, other, "decode", lengths, 1, N)
+    np.testing.assert_array_equal(np.asarray(st.kept), np.asarray(m.kept_indices(state.score, lengths - 1,
+                                                                                 m.k_static(N))))
+    assert st.cand.shape == other.cand.shape and np.all(np.asarray(st.cand_end) == -1)

@@ -136,14 +136,17 @@ class H2O(TokenBudget):
         return state.replace(score=keep_rows(state.rows, count), rows=None)
 
     def start_rows(self, cfg, state, phase, lengths, q_len, kv_len):
-        """A gathered one-token decode: every layer's kept keys at once (`kept_indices`), before any layer runs."""
+        """A gathered one-token decode: every layer's kept keys at once, before any layer runs (`kept_from_candidates`:
+        the keys of `kept_indices`, from the carried candidates)."""
         if phase != "decode" or q_len != 1 or not isinstance(state, H2OState) or not self.is_gathered():
             return state
         pos = lengths.astype(jnp.int32) - 1
-        if state.cand is None:  # a state made without the candidates (as by a gathered=False method)
-            return state.replace(kept=self.kept_indices(state.score, pos, self.k_static(kv_len)))
-        kept, cand, end = self.kept_from_candidates(state.score, state.cand, state.cand_end, pos,
-                                                    self.k_static(kv_len))
+        K = self.k_static(kv_len)
+        if state.cand is None or state.cand.shape[-1] != self.kept_width(K):
+            # A state made without the candidates (by a method that does not decode gathered), or for another cache
+            # size: every score ranked, as before the candidates.
+            return state.replace(kept=self.kept_indices(state.score, pos, K))
+        kept, cand, end = self.kept_from_candidates(state.score, state.cand, state.cand_end, pos, K)
         return state.replace(kept=kept, cand=cand, cand_end=end)
 
     def finish(self, state, phase):
