@@ -295,7 +295,8 @@ def _carry_candidates(score, cand, extra):
     lowest = jnp.min(jnp.where(valid, fk, jnp.iinfo(jnp.int32).max), axis=-1, keepdims=True)
     drop = jnp.max(jnp.where(valid & (fk == lowest), i, -1), axis=-1, keepdims=True)  # the last of the lowest
     drop = jnp.where(jnp.sum(valid, axis=-1, keepdims=True) > W, drop, W + 1)  # W + 1 keys: drop one
-    def shift(a, fill):
+
+    def shift(a, fill):  # the entries after the dropped one moved down a slot, the last W + 1th slot cut
         return jnp.where(i < drop, a, jnp.pad(a[..., 1:], [(0, 0)] * 3 + [(0, 1)], constant_values=fill))[..., :W]
     return shift(keys, -1), shift(x, -jnp.inf)
 
