@@ -670,6 +670,7 @@ def test_decode_memory_counts_a_row_of_state_once(tiny):
 
 @pytest.mark.parametrize("name, options", [
     ("streaming", {"dense_layers": 2}), ("streaming", {"min_tokens": 2048}), ("h2o", {"dense_layers": 2}),
+    ("h2o", {"carry": False}),  # the whole score row ranked at every step again
     ("oracle", {"dense_layers": 3}),
     ("kascade", {"reuse_scale": 2.0}), ("evosparse", {"budget_tokens": 512, "dense_layers": 3}),
     ("evosparse", {"heat_fraction": 0.0, "sink_fraction": 0.25, "local_fraction": 0.5, "retrieval_fraction": 0.25}),
@@ -691,8 +692,9 @@ def test_method_options_reach_the_bytes_model(tiny, name, options):
     assert got != bench_model.attention_bytes(name, bench_model.bench_method(name, cfg, budget)[0], cfg, B, n)
     if name in ("streaming", "h2o", "oracle"):
         d, k = options.get("dense_layers", 0), max(k, options.get("min_tokens", 0))  # its own min_tokens
-        w = method.kept_width(k) if name == "h2o" else 0  # H2O's carried candidates per row
-        per = {"streaming": 2 * k * U, "h2o": 2 * k * U + B * Hkv * (3 * w + 2 * k) * 4, "oracle": n * U + 2 * k * U}
+        # H2O's carried candidates per row (positions read and written, scores gathered), or its whole score row
+        ranked = (3 * method.kept_width(k) if method.carry else n) if name == "h2o" else 0
+        per = {"streaming": 2 * k * U, "h2o": 2 * k * U + B * Hkv * (ranked + 2 * k) * 4, "oracle": n * U + 2 * k * U}
         assert got == d * 2 * n * U + (L - d) * per[name]
     elif name == "kascade":
         from jsparse.methods.kascade import ROLE_ANCHOR, ROLE_DENSE_ANCHOR

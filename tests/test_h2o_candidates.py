@@ -150,3 +150,20 @@ def test_a_state_for_another_cache_size_ranks_every_score():
     np.testing.assert_array_equal(np.asarray(st.kept), np.asarray(m.kept_indices(state.score, lengths - 1,
                                                                                  m.k_static(N))))
     assert st.cand.shape == other.cand.shape and np.all(np.asarray(st.cand_end) == -1)
+
+
+def test_carry_false_ranks_every_score_as_before():
+    """`carry=False` (`--method-option h2o.carry=false`): no candidates in the state, every step ranks every score
+    (the keys of `kept_indices`, as before the candidates); a carry that is not a bool is named."""
+    import pytest
+
+    m = _method(carry=False)
+    rng = np.random.default_rng(13)
+    lengths = jnp.asarray([40, 71], jnp.int32)
+    state = _state(m, rng, np.asarray(lengths), coarse=True)
+    assert state.cand is None and state.cand_end is None
+    st = m.start_rows(CFG, state, "decode", lengths, 1, N)
+    np.testing.assert_array_equal(np.asarray(st.kept), np.asarray(m.kept_indices(state.score, lengths - 1,
+                                                                                 m.k_static(N))))
+    with pytest.raises(ValueError, match="carry='no': expected true or false"):
+        _method(carry="no")

@@ -421,10 +421,11 @@ def attention_bytes(name: str, method, cfg, batch: int, n: int) -> int:
         # The gathered decode's selection ranks the W carried candidates of each row (their positions read and
         # written, their scores gathered: `H2OState.cand`) instead of the whole accumulated score row (f32), which
         # was counted here before 2026-12-06 (rows * n * 4 a layer); the k kept entries' scores are updated.
+        # With carry=False the whole score row again.
         rows = batch * cfg.num_kv_heads
         k = sel.budget_tokens(method.budget, n, min_tokens)
-        W = method.kept_width(k)
-        return d * dense_layer + (L - d) * (2 * k * U + 3 * rows * W * 4 + 2 * rows * k * 4)
+        ranked = 3 * rows * method.kept_width(k) * 4 if method.carry else rows * n * 4
+        return d * dense_layer + (L - d) * (2 * k * U + ranked + 2 * rows * k * 4)
     if name == "butler":  # the predicted keys of every predicted layer (f32, or bf16 with key_dtype) + the picked rows
         # Selection "head" picks per query head: a KV head's G query heads read up to G sets (counted as G since
         # 2026-11-29, when the gathered decode came; one set before, which overstated the floor). The calibrated

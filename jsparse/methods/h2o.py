@@ -81,7 +81,9 @@ class H2OState:
 @register("h2o")
 @struct.dataclass
 class H2O(TokenBudget):
-    """recent: fraction of the kept keys that form the recent window (H2O's even split: 0.5)."""
+    """recent: fraction of the kept keys that form the recent window (H2O's even split: 0.5). carry: the gathered
+    decode carries its candidates from step to step (module docstring; the same keys); False ranks every score at
+    every step, as before 2026-12-06."""
 
     dense_prefill = True  # a decode method: its prefill attends to every key (and accumulates the scores)
 
@@ -89,12 +91,15 @@ class H2O(TokenBudget):
     dense_layers: int = struct.field(pytree_node=False, default=0)
     # One decode token through the gathered kernel (module docstring); None: on a GPU.
     gathered: Optional[bool] = struct.field(pytree_node=False, default=None)
+    carry: bool = struct.field(pytree_node=False, default=True)
 
     def __post_init__(self):
         super().__post_init__()
         if not sel.is_real(self.recent) or not 0.0 < float(self.recent) <= 1.0:
             raise ValueError(f"recent={self.recent!r}: expected the recent window's share of the budget in (0, 1]")
         object.__setattr__(self, "recent", float(self.recent))
+        if not isinstance(self.carry, (bool, np.bool_)):
+            raise ValueError(f"carry={self.carry!r}: expected true or false")
 
     @classmethod
     def build(cls, **options):
@@ -103,7 +108,7 @@ class H2O(TokenBudget):
 
     def init_state(self, cfg, batch, max_len):
         score = jnp.zeros((cfg.num_layers, batch, cfg.num_kv_heads, max_len), jnp.float32)
-        if not self.is_gathered():
+        if not (self.is_gathered() and self.carry):
             return H2OState(score=score)
         W = self.kept_width(self.k_static(max_len))
         return H2OState(score=score, cand=jnp.full(score.shape[:-1] + (W,), -1, jnp.int32),
