@@ -6,10 +6,12 @@ that moved by more than one key) ranks every score again."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jsparse.methods import make_method
 from jsparse.methods.h2o import candidate_scores, carry_candidates, heavy_from_candidates
 from models.config import ModelConfig
+from pallas_kernels.block_scores import heat_candidates
 
 CFG = ModelConfig(architecture="llama", vocab_size=32, hidden_size=64, intermediate_size=64, num_layers=3,
                   num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
@@ -76,7 +78,6 @@ def test_carried_candidates_are_the_top_w_of_the_keys_below_the_window():
     for t in range(12):
         state = _step(m, state, jnp.asarray(lengths), rng, coarse=True)
         end = np.asarray(state.cand_end)
-        from pallas_kernels.block_scores import heat_candidates
         want = heat_candidates(state.score, jnp.zeros(2, jnp.int32), jnp.asarray(end), jnp.full(2, W, jnp.int32), W)
         np.testing.assert_array_equal(np.asarray(state.cand), np.asarray(want))
         lengths = lengths + 1
@@ -155,8 +156,6 @@ def test_a_state_for_another_cache_size_ranks_every_score():
 def test_carry_false_ranks_every_score_as_before():
     """`carry=False` (`--method-option h2o.carry=false`): no candidates in the state, every step ranks every score
     (the keys of `kept_indices`, as before the candidates); a carry that is not a bool is named."""
-    import pytest
-
     m = _method(carry=False)
     rng = np.random.default_rng(13)
     lengths = jnp.asarray([40, 71], jnp.int32)

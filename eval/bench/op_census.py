@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import math
 
 import jax
 import jax.numpy as jnp
@@ -80,26 +81,35 @@ def _kernel_name(eqn) -> str:
     return getattr(info, "name", None) or str(eqn.params.get("name", "pallas_call"))
 
 
+def _walk(jaxpr, path: str = "", times: int = 1):
+    """(eqn, path, times) of every equation of `jaxpr`, INLINE calls spliced in, each scan, while or cond followed by
+    its body (path: the scans, while loops and conditionals on the way; times: the trip counts of the enclosing
+    scans multiplied, how often a step runs the equation)."""
+    for eqn in _flat(jaxpr):
+        yield eqn, path, times
+        name = eqn.primitive.name
+        if name == "scan":
+            yield from _walk(eqn.params["jaxpr"].jaxpr, path + "scan/", times * int(eqn.params["length"]))
+        elif name in ("while", "cond"):
+            for inner in _sub_jaxprs(eqn):
+                yield from _walk(inner, path + name + "/", times)
+
+
 def census(jaxpr, path: str = "", verbose: bool = False) -> list[dict]:
     """One dict per scan found in `jaxpr` (nested scans after their parent, the path naming the while loops and
     conditionals on the way): length, ops (primitive -> count), eqns (their total), kernels (the Pallas calls by
     name, in order) and, with verbose, every op with its output shapes."""
     rows = []
-    for eqn in _flat(jaxpr):
-        name = eqn.primitive.name
-        if name == "scan":
-            body = eqn.params["jaxpr"].jaxpr
-            eqns = _flat(body)
-            row = {"path": path, "length": int(eqn.params["length"]), "eqns": len(eqns),
-                   "ops": dict(collections.Counter(e.primitive.name for e in eqns).most_common()),
-                   "kernels": [_kernel_name(e) for e in eqns if e.primitive.name == "pallas_call"]}
-            if verbose:
-                row["body"] = [f"{e.primitive.name}{[tuple(v.aval.shape) for v in e.outvars]}" for e in eqns]
-            rows.append(row)
-            rows += census(body, path + "scan/", verbose)
-        elif name in ("while", "cond"):
-            for inner in _sub_jaxprs(eqn):
-                rows += census(inner, path + name + "/", verbose)
+    for eqn, where, _ in _walk(jaxpr, path):
+        if eqn.primitive.name != "scan":
+            continue
+        eqns = _flat(eqn.params["jaxpr"].jaxpr)
+        row = {"path": where, "length": int(eqn.params["length"]), "eqns": len(eqns),
+               "ops": dict(collections.Counter(e.primitive.name for e in eqns).most_common()),
+               "kernels": [_kernel_name(e) for e in eqns if e.primitive.name == "pallas_call"]}
+        if verbose:
+            row["body"] = [f"{e.primitive.name}{[tuple(v.aval.shape) for v in e.outvars]}" for e in eqns]
+        rows.append(row)
     return rows
 
 
@@ -113,40 +123,27 @@ PICKS = ("gather", "slice")
 
 def _nbytes(aval) -> int:
     shape, dtype = getattr(aval, "shape", None), getattr(aval, "dtype", None)
-    if shape is None or dtype is None:
-        return 0
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n * jnp.dtype(dtype).itemsize
+    return 0 if shape is None or dtype is None else math.prod(shape) * jnp.dtype(dtype).itemsize
 
 
 def large_ops(jaxpr, min_bytes: int, path: str = "", times: int = 1) -> list[dict]:
     """The XLA ops of a step that read or write at least `min_bytes` (the largest of their operands and results; of a
-    gather or slice, its result),
-    outside the Pallas kernels and GEMMs and leaving out `NOT_PASSES`: each a pass over a large array that runs as an
-    XLA kernel of its own (or inside a fusion that still reads it), such as a masked copy of a score array before a
-    kernel that could read it in place. One dict per op: path, op, shape (its largest result), bytes, and per_step
-    (the trip counts of its enclosing scans multiplied: how often a step runs it)."""
+    gather or slice, its result), outside the Pallas kernels and GEMMs and leaving out `NOT_PASSES`: each a pass over
+    a large array that runs as an XLA kernel of its own (or inside a fusion that still reads it), such as a masked
+    copy of a score array before a kernel that could read it in place. One dict per op: path, op, shape (its largest
+    result), bytes, and per_step (the trip counts of its enclosing scans multiplied: how often a step runs it)."""
     rows = []
-    for eqn in _flat(jaxpr):
+    for eqn, where, per_step in _walk(jaxpr, path, times):
         name = eqn.primitive.name
-        if name == "scan":
-            rows += large_ops(eqn.params["jaxpr"].jaxpr, min_bytes, path + "scan/", times * int(eqn.params["length"]))
-            continue
-        if name in ("while", "cond"):
-            for inner in _sub_jaxprs(eqn):
-                rows += large_ops(inner, min_bytes, path + name + "/", times)
-            continue
-        if name in NOT_PASSES:
+        if name in NOT_PASSES:  # the scans, while loops and conditionals too: their bodies are walked
             continue
         # A gather or slice reads what it writes (the rows it picks), whatever the size of the array it picks from.
         read = [] if name in PICKS else [_nbytes(v.aval) for v in eqn.invars]
         big = max(read + [_nbytes(v.aval) for v in eqn.outvars], default=0)
         if big >= min_bytes:
             out = max(eqn.outvars, key=lambda v: _nbytes(v.aval))
-            rows.append({"path": path or "-", "op": name, "shape": list(out.aval.shape), "bytes": big,
-                         "per_step": times})
+            rows.append({"path": where or "-", "op": name, "shape": list(out.aval.shape), "bytes": big,
+                         "per_step": per_step})
     return rows
 
 

@@ -271,10 +271,13 @@ class H2O(TokenBudget):
 def candidate_scores(score, cand):
     """f32[L, B, Hkv, W]: the scores of the candidates cand i32[L, B, Hkv, W] (-inf at the -1 padding), gathered from
     score f32[L, B, Hkv, N]; per shard under a mesh."""
-    def local(score, cand):
-        return jnp.where(cand >= 0, jnp.take_along_axis(score, jnp.maximum(cand, 0), axis=-1), -jnp.inf)
     row = dims(4, 1, 2)
-    return per_shard(local, [score, cand], [row, row], row)
+    return per_shard(_scores_at, [score, cand], [row, row], row)
+
+
+def _scores_at(score, keys):
+    """score f32[..., N] at keys i32[..., W] along the last axis, -inf where a key is -1 (one shard's)."""
+    return jnp.where(keys >= 0, jnp.take_along_axis(score, jnp.maximum(keys, 0), axis=-1), -jnp.inf)
 
 
 def carry_candidates(score, cand, extra):
@@ -295,7 +298,7 @@ def _carry_candidates(score, cand, extra):
     padded = jnp.pad(cand, [(0, 0)] * 3 + [(0, 1)], constant_values=-1)
     keys = jnp.where(i < n, padded, jnp.where((i == n) & (extra[:, None, None] >= 0), extra[:, None, None], -1))
     valid = keys >= 0
-    x = jnp.where(valid, jnp.take_along_axis(score, jnp.maximum(keys, 0), axis=-1), -jnp.inf)
+    x = _scores_at(score, keys)
     fk = float_keys(x)
     lowest = jnp.min(jnp.where(valid, fk, jnp.iinfo(jnp.int32).max), axis=-1, keepdims=True)
     drop = jnp.max(jnp.where(valid & (fk == lowest), i, -1), axis=-1, keepdims=True)  # the last of the lowest

@@ -137,7 +137,8 @@ def _decode_kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, *refs, scale: float,
     layer = layer_index(layer_ref[0], L)
     row = pl.program_id(2) * mb + head
     real = row < rows
-    t = jnp.minimum(row, rows - 1) // G
+    rc = jnp.minimum(row, rows - 1)  # padding rows read the last real row's query
+    t = rc // G
     n = k_ref.shape[1]
     # Last key each row may see (its token's position, below N); -1: none (and every padding row).
     lim = jnp.where(real, jnp.maximum(jnp.minimum(len_ref[0] - T + t, n - 1), -1), -1)
@@ -146,7 +147,7 @@ def _decode_kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, *refs, scale: float,
     start = split * chunk
     n_iter = pl.cdiv(jnp.clip(hi + 1 - start, 0, chunk), block_k)
     hq = q_ref.shape[0] // T
-    q = q_ref[t * hq + pl.program_id(1) * G + jnp.minimum(row, rows - 1) % G, :]  # [mb, D]
+    q = q_ref[t * hq + pl.program_id(1) * G + rc % G, :]  # [mb, D]
     d = q.shape[1]
 
     def body(i, carry):
