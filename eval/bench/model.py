@@ -471,6 +471,16 @@ def method_decode_steps(params, method, tok, cache, state, *, cfg, steps, unroll
     return jax.lax.fori_loop(0, steps, body, (tok, cache, state))
 
 
+STEPS = 16  # decode steps timed per case (`--steps`)
+
+
+def decode_capacity(context: int, steps: int = STEPS) -> int:
+    """The cache capacity of a decode case: `context` tokens and `steps` decode steps, with room for twice the steps,
+    rounded up to 256 (the same for every method of a case; `jsparse bench profile_decode_step` and `op_census` size
+    theirs by it too)."""
+    return round_up(context + 2 * steps + 1, 256)
+
+
 def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, prefill_contexts=(),
                 mm: float = 0.0, built: dict | None = None, tsa_kept: float = TSA_KEPT,
                 method_options: dict | None = None, unroll: int | bool = 1, loop: str = "fori") -> list[dict]:
@@ -489,7 +499,7 @@ def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, pre
              for m in methods}
     decoders = [m for m in methods if m not in PREFILL_METHODS]
     for context in contexts:
-        capacity = round_up(context + 2 * steps + 1, 256)
+        capacity = decode_capacity(context, steps)
         for asked in batches:
             batch = asked
             if asked == MAX_BATCH:  # with nothing but the weights on the device
@@ -697,7 +707,7 @@ def main(argv=None, prog=None):
     p.add_argument("--batch", default="1,8",
                    help=f"comma-separated batch sizes; with --methods also '{MAX_BATCH}': the largest at which every "
                         "method's cache and state fit beside the weights (largest_batch)")
-    p.add_argument("--steps", type=int, default=16, help="decode steps timed per case")
+    p.add_argument("--steps", type=int, default=STEPS, help="decode steps timed per case")
     bm.add_out_argument(p, "bench_model.json", optional=True)
     p.add_argument("--methods", default="dense",
                    help=f"comma-separated methods (some of {','.join(METHODS + PREFILL_METHODS)}); anything beside "

@@ -153,13 +153,12 @@ def trace_step(method_name: str, shape: str, batch: int, context: int, budget: f
     sizes it for `context`); with gpu, traced on the GPU paths."""
     from eval.bench import model as bm
     from models.cache import KVCache
-    from models.generate import round_up
 
     cfg = bm.preset(shape)
     with gpu_paths(gpu):
         params = jax.eval_shape(lambda: bm.bench_params(cfg, dtype=jnp.bfloat16))
         method, _ = bm.bench_method(method_name, cfg, budget)
-        cap = round_up(context + 2 * 16 + 1, 256)  # as `jsparse bench model` sizes its cache for 16 steps
+        cap = bm.decode_capacity(context)  # as `jsparse bench model` sizes its cache for its 16 steps
         kv = jax.ShapeDtypeStruct((cfg.num_layers, batch, cfg.num_kv_heads, cap, cfg.head_dim), jnp.bfloat16)
         cache = KVCache(k=kv, v=kv, lengths=jax.ShapeDtypeStruct((batch,), jnp.int32))
         state = jax.eval_shape(lambda: method.init_state(cfg, batch, cap))

@@ -196,7 +196,6 @@ def main(argv=None, prog=None):
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # 100K x batch 4: 53 GB of cache + 16 GB weights
     from eval.bench import common as bm
     from models.cache import KVCache
-    from models.generate import round_up
     cfg = bench_model.preset(a.shape)
     dtype = jnp.dtype(a.dtype)
     params = bench_model.bench_params(cfg, dtype=dtype)
@@ -210,7 +209,7 @@ def main(argv=None, prog=None):
         timed = bench_model.method_rows(cfg, params, timed_methods, [ctx], [B], steps, hbm, a.budget, built=built)
 
     m, how = build_method(a.method, cfg, a.budget)
-    cap = round_up(ctx + 2 * steps + 1, 256)
+    cap = bench_model.decode_capacity(ctx, steps)
     cache = bench_model.filled_cache(cfg, B, ctx, cap, dtype)
     state = m.init_state(cfg, B, cap)
     step = bench_model.method_decode_steps
