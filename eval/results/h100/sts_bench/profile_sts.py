@@ -6,9 +6,11 @@ Steps profiled at CTX (default 100000), batch B (default 2), budget K (default 5
 step (dense + top-W; and with `first_step_mask`). STEPS (comma-separated, default all) picks steps by name:
 verify_dense, dense_step (T = 1), verify_sts, target_step_1k, draft_dense, draft_first, draft_later_dense, draft_later_mask,
 and draft_first_rows, draft_later_dense_rows (the two recording steps with `record_selection="rows"`).
-Writes $OUT/$JSON (default profile_sts.json: per step the wall time, the kernels' total time, the launches, and
+Writes $OUT/$JSON (default profile_sts.json: per step the wall time (each call waited for), the queued time (calls
+dispatched back to back, one wait at the end), the kernels' total time, the launches, and
 per kernel name its time and launches per call) and prints the top kernels per step; HLO=1 also writes the STS
-verification's optimized HLO to $OUT/hlo_verify_sts.txt. LAYOUT: the weights' layout, as in `bench_sts.py`.
+verification's optimized HLO to $OUT/hlo_verify_sts.txt and the draft's later step's to
+$OUT/hlo_draft_later.txt. LAYOUT: the weights' layout, as in `bench_sts.py`.
 """
 import dataclasses, datetime, glob, gzip, json, os, sys, time
 from collections import defaultdict
@@ -52,6 +54,11 @@ def profile(name, fn, carry, reps=3):
     for _ in range(reps):
         carry = jax.block_until_ready(fn(carry))
     wall = (time.perf_counter() - t) / reps * 1e3
+    t = time.perf_counter()  # the same calls dispatched back to back (as a decode loop does), one wait at the end
+    for _ in range(reps):
+        carry = fn(carry)
+    carry = jax.block_until_ready(carry)
+    queued = (time.perf_counter() - t) / reps * 1e3
     d = f"/tmp/prof_{name}"
     with jax.profiler.trace(d, create_perfetto_trace=True):
         for _ in range(reps):
@@ -59,10 +66,10 @@ def profile(name, fn, carry, reps=3):
     tot, cnt = kernel_totals(d)
     tot = {k: v / reps for k, v in tot.items()}
     gpu = sum(tot.values()) / 1e3
-    print(f"\n== {name}: wall {wall:.2f} ms, GPU kernels {gpu:.2f} ms, {len(tot)} kernel names", flush=True)
+    print(f"\n== {name}: wall {wall:.2f} ms (queued {queued:.2f}), GPU kernels {gpu:.2f} ms, {len(tot)} kernel names", flush=True)
     for k, v in list(tot.items())[:18]:
         print(f"  {v:9.1f} us  {k[:110]}")
-    return dict(wall_ms=wall, gpu_ms=gpu, launches=sum(cnt.values()) / reps, kernels_us=dict(list(tot.items())[:60]),
+    return dict(wall_ms=wall, queued_ms=queued, gpu_ms=gpu, launches=sum(cnt.values()) / reps, kernels_us=dict(list(tot.items())[:60]),
                 kernels_n={k: cnt[k] / reps for k in list(tot)[:60]}), carry
 
 
@@ -117,6 +124,9 @@ def main():
             continue
         st = (dc, copy(rec))
         res[label], st = profile(label, lambda c, m=m, t=t: ddec(dp, m, t, *c), st)
+        if os.environ.get("HLO") and label == "draft_later_dense":
+            with open(os.path.join(out, "hlo_draft_later.txt"), "w") as f:
+                f.write(ddec.lower(dp, m, t, *st).compile().as_text())
         dc = st[0].replace(lengths=jnp.full((B,), n, jnp.int32))
     json.dump(res, open(os.path.join(out, os.environ.get("JSON", "profile_sts.json")), "w"), indent=1)
 
