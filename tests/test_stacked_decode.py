@@ -100,6 +100,71 @@ def test_sparse_stacked_gpu_entry_whose_tokens_wrap_int32_is_no_block():
         assert_close(got, want, jnp.float32, f"default implementation, entry at {at}")  # a GPU host: compiled
 
 
+# (L, B, T, Hq, Hkv, D, N, K, lengths, block_size), dtype, config: one index row for the T queries
+SHARED_CASES = [
+    ((2, 3, 5, 8, 2, 16, 64, 20, [64, 23, 9], 1), jnp.float32, gpu.DecodeConfig(block_k=16)),  # T x G = 20 rows
+    ((2, 2, 3, 6, 2, 16, 96, 5, [96, 40], 16), jnp.bfloat16, gpu.DecodeConfig(block_k=32, num_splits=2)),  # G 3
+    ((2, 1, 2, 4, 4, 16, 64, 9, [50], 1), jnp.float32, gpu.DecodeConfig(block_k=16, num_splits=1)),  # G 1
+]
+
+
+@pytest.mark.parametrize("case,dtype,config", SHARED_CASES)
+def test_sparse_stacked_gpu_one_row_for_all_queries_equals_the_broadcast_rows(case, dtype, config):
+    """Index rows [B, Hkv, 1, K] shared by the T queries (an STS verification's keys): the kernel's one program
+    over the T x G query rows equals the reference on the rows broadcast to [B, Hkv, T, K], each query masked
+    at its own position (the newest keys are in the rows, so a query that saw its successors would differ);
+    the entry point takes the same rows on every implementation; with return_mass or a head map the rows are
+    broadcast first; and the launch has one program per (row, KV head, split), not per query."""
+    L, B, T, Hq, Hkv, D, N, K, lengths, bs = case
+    rng, q, k_all, v_all, lens = stacked_inputs(23, L, B, T, Hq, Hkv, D, N, lengths, dtype)
+    one = np.asarray(random_decode_indices(rng, lengths, Hkv, 1, K, block_size=bs))  # [B, Hkv, 1, K]
+    last = (np.asarray(lengths) - 1) // bs  # the newest token's block in every row: causal masking matters
+    one[:, :, 0, 0] = last[:, None]
+    one = jnp.asarray(one)
+    rows = jnp.broadcast_to(one, (B, Hkv, T, K))
+    for layer in (0, 1):
+        want, want_lse = ref.sparse_decode_reference(q, k_all[layer], v_all[layer], rows, lens, block_size=bs,
+                                                     return_lse=True)
+        out, lse = stacked.sparse_decode_stacked_gpu(q, k_all, v_all, jnp.int32(layer), one, lens, block_size=bs,
+                                                     return_lse=True, config=config, interpret=True)
+        assert out.dtype == dtype
+        assert_close(out, want, dtype, f"shared rows, layer {layer}")
+        assert_close(lse, want_lse, dtype, f"shared rows lse, layer {layer}")
+        for impl in ("reference", "xla"):
+            got = sparse_decode(q, k_all, v_all, one, lens, layer=jnp.int32(layer), block_size=bs,
+                                implementation=impl)
+            assert_close(got, want, dtype, f"shared rows through the API, {impl}")
+        hm = jnp.arange(Hkv, dtype=jnp.int32)[::-1]
+        got = stacked.sparse_decode_stacked_gpu(q, k_all, v_all, jnp.int32(layer), one, lens, block_size=bs,
+                                                head_map=hm, config=config, interpret=True)
+        assert_close(got, ref.sparse_decode_reference(q, k_all[layer], v_all[layer], rows[:, ::-1], lens,
+                                                      block_size=bs), dtype, "shared rows with a head map")
+    if T > 1:  # a query seeing its successors' keys would differ
+        causal = ref.sparse_decode_reference(q, k_all[1], v_all[1], rows, lens, block_size=bs)
+        blind = ref.sparse_decode_reference(q, k_all[1], v_all[1], rows,
+                                            jnp.minimum(lens + T, N).astype(jnp.int32), block_size=bs)
+        assert float(jnp.max(jnp.abs(causal.astype(jnp.float32) - blind.astype(jnp.float32)))) > 1e-3
+    parts = stacked.decode_partials_stacked(q, k_all, v_all, jnp.int32(0), one, lens, block_size=bs, scale=None,
+                                            return_mass=False, config=config, head_map=None, interpret=True)
+    assert parts[0].shape[1:4] == (B, Hkv, 1)  # one program per (row, KV head, split) for the T queries
+    assert parts[0].shape[4] >= T * Hq // Hkv
+    with pytest.raises(ValueError, match="one row for all"):
+        stacked.decode_partials_stacked(q, k_all, v_all, jnp.int32(0), one, lens, block_size=bs, scale=None,
+                                        return_mass=True, config=config, head_map=None, interpret=True)
+
+
+def test_decode_rows_shared_only_where_a_call_takes_them():
+    """[B, Hkv, 1, K] is a decode's shared row only for the sparse decode ops; a row count other than 1 or T is
+    an error naming the shape."""
+    rng, q, k_all, v_all, lens = stacked_inputs(3, 2, 1, 4, 4, 2, 16, 64, [40], jnp.float32)
+    with pytest.raises(ValueError, match=r"indices has shape \(1, 2, 2, 3\).*or \[B, Hkv, 1, K\]"):
+        sparse_decode(q, k_all, v_all, jnp.zeros((1, 2, 2, 3), jnp.int32), lens, layer=jnp.int32(0),
+                      implementation="xla")
+    from pallas_kernels.sparse_attention.common import check_decode_args
+    with pytest.raises(ValueError, match=r"expected \[B=1, Hkv=2, T=4, K>=1\]$"):
+        check_decode_args(q, k_all[0], v_all[0], jnp.zeros((1, 2, 1, 3), jnp.int32), lens, 1)
+
+
 @pytest.mark.parametrize("case,dtype,layers,config", SPARSE_GPU_CASES)
 def test_sparse_stacked_gpu_every_layers_head_map_reads_the_layers_row(case, dtype, layers, config):
     """Every layer's map i32[L, Hkv] (what Kascade's reuse layers hand the kernel inside the layer scan): the kernel
@@ -552,6 +617,11 @@ def test_stacked_kernels_lower_for_cuda_and_tpu():
                      q, big, big, layer, sds((8, 32, 1, 819), jnp.int32), lens)  # one launch over the query heads
     text = exp.mlir_module()
     assert "sparse_decode_gathered_stacked_query_heads" in text and text.count("stablehlo.custom_call") == 1
+    verify = sds((32, 3, 8, 100352, 128), jnp.bfloat16)  # an STS verification at 100K, batch 3, gamma 4
+    exp = export_for("cuda", stacked.sparse_decode_stacked_gpu, sds((3, 5, 32, 128), jnp.bfloat16), verify, verify,
+                     layer, sds((3, 8, 1, 517), jnp.int32), sds((3,), jnp.int32))  # one row for the 5 queries
+    text = exp.mlir_module()
+    assert "sparse_decode_gathered_stacked" in text and text.count("stablehlo.custom_call") == 1
     exp = export_for("cuda", dgpu.dense_decode_stacked_gpu, q, big, big, layer, lens)
     assert "dense_decode_stacked" in exp.mlir_module()
     small = sds((4, 2, 8, 2000, 128), jnp.bfloat16)  # N not a multiple of block_k, T = 3

@@ -1001,13 +1001,14 @@ class STS(_Budget):
             both = state.chosen[ctx.layer - self.dense_layers]
         else:  # a layer called on its own (no start_rows): the same keys, this layer alone
             both = self.decode_keys(state, ctx.info, ctx.lengths, T, Hkv, N)
-        indices = jnp.broadcast_to(both[:, :, None], (B, Hkv, T, both.shape[-1]))
-        if T <= GATHER_MAX_QUERIES:
+        if T <= GATHER_MAX_QUERIES:  # one row for the T queries: the stacked kernel reads each key once for all
+            rows = both[:, :, None]
             if getattr(cache, "layer", None) is not None:
-                out = sparse_decode(q, cache.k_all, cache.v_all, indices, ctx.lengths, layer=cache.layer)
+                out = sparse_decode(q, cache.k_all, cache.v_all, rows, ctx.lengths, layer=cache.layer)
             else:
-                out = sparse_decode(q, cache.k, cache.v, indices, ctx.lengths)
+                out = sparse_decode(q, cache.k, cache.v, rows, ctx.lengths)
             return out, state
+        indices = jnp.broadcast_to(both[:, :, None], (B, Hkv, T, both.shape[-1]))
         return attend_selected(q, cache, indices, ctx.lengths), state
 
 

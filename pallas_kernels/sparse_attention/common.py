@@ -68,16 +68,26 @@ def check_decode_cache(q: Array, k: Array, v: Array) -> tuple[int, int, int, int
     return B, T, Hq, D, Hkv, N
 
 
-def check_decode_args(q: Array, k: Array, v: Array, indices: Array, lengths: Array, block_size: int) -> None:
-    """Validates the shapes of a `sparse_decode` call (see `reference.sparse_decode_reference`)."""
+def check_decode_args(q: Array, k: Array, v: Array, indices: Array, lengths: Array, block_size: int,
+                      shared_rows: bool = False) -> None:
+    """Validates the shapes of a `sparse_decode` call (see `reference.sparse_decode_reference`): indices
+    [B, Hkv, T, K], or with shared_rows also [B, Hkv, 1, K] (one row for all T queries, `query_rows`)."""
     B, T, Hq, D, Hkv, N = check_decode_cache(q, k, v)
     _check_block_size(block_size)
     if N % block_size:
         raise ValueError(f"cache length N={N} is not a multiple of block_size={block_size}")
     if T < 1 or T > N:
         raise ValueError(f"T={T} new tokens: expected 1 <= T <= N={N}")
-    if indices.ndim != 4 or indices.shape[:3] != (B, Hkv, T) or indices.shape[3] < 1:
-        raise ValueError(f"indices has shape {tuple(indices.shape)}: expected [B={B}, Hkv={Hkv}, T={T}, K>=1]")
+    rows = (1, T) if shared_rows else (T,)
+    if indices.ndim != 4 or indices.shape[:2] != (B, Hkv) or indices.shape[2] not in rows or indices.shape[3] < 1:
+        raise ValueError(f"indices has shape {tuple(indices.shape)}: expected [B={B}, Hkv={Hkv}, T={T}, K>=1]"
+                         + (" (or [B, Hkv, 1, K], one row for every query)" if shared_rows else ""))
+
+
+def query_rows(indices: Array, T: int) -> Array:
+    """Decode index rows [B, Hkv, T, K] from rows that may be shared by the T queries ([B, Hkv, 1, K]: the
+    same keys for every new token, as a speculative verification's selection), broadcast."""
+    return jnp.broadcast_to(indices, indices.shape[:2] + (T,) + indices.shape[3:])
     _check_int_array("indices", indices, indices.shape)
     _check_int_array("lengths", lengths, (B,))
 

@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.layers import check_layer, layer_index, select_layer  # noqa: F401  (re-exported)
 from pallas_kernels.sparse_attention import gpu, reference, tpu
-from pallas_kernels.sparse_attention.common import blocks_at_or_before, check_decode_args, default_scale
+from pallas_kernels.sparse_attention.common import blocks_at_or_before, check_decode_args, default_scale, query_rows
 from pallas_kernels.sparse_attention.gpu_common import entry_rows
 
 Array = jax.Array
@@ -48,10 +48,10 @@ Array = jax.Array
 
 
 def check_stacked_args(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array,
-                       block_size: int, stacked_indices: bool = False) -> None:
+                       block_size: int, stacked_indices: bool = False, shared_rows: bool = False) -> None:
     """Validates a stacked-cache decode call: k_all, v_all [L, B, Hkv, N, D], layer an integer scalar, and the
     per-layer arguments as `check_decode_args` (with stacked_indices, indices [L, B, Hkv, T, K]: every layer's
-    rows, of which the call reads layer `layer`'s)."""
+    rows, of which the call reads layer `layer`'s; with shared_rows also one row for all T queries)."""
     if k_all.ndim != 5:
         raise ValueError(f"k_all has shape {tuple(k_all.shape)}: expected a stacked head-major cache "
                          f"[L, B, Hkv, N, D]")
@@ -64,7 +64,7 @@ def check_stacked_args(q: Array, k_all: Array, v_all: Array, layer: Array, indic
             raise ValueError(f"indices has shape {tuple(indices.shape)}: expected every layer's index rows "
                              f"[L={k_all.shape[0]}, B, Hkv, T, K]")
         indices = jax.ShapeDtypeStruct(indices.shape[1:], indices.dtype)
-    check_decode_args(q, one, one, indices, lengths, block_size)
+    check_decode_args(q, one, one, indices, lengths, block_size, shared_rows=shared_rows)
 
 
 def check_head_map(head_map, num_kv_heads: int, num_layers: int | None = None) -> None:
@@ -87,7 +87,7 @@ def sparse_decode_stacked_reference(q: Array, k_all: Array, v_all: Array, layer:
                                     lengths: Array, *, block_size: int = 1, scale: float | None = None,
                                     return_lse: bool = False) -> Array | tuple[Array, Array]:
     """The specification: slice the layer, then `reference.sparse_decode_reference`."""
-    check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size)
+    check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size, shared_rows=True)
     return reference.sparse_decode_reference(q, select_layer(k_all, layer), select_layer(v_all, layer), indices,
                                              lengths, block_size=block_size, scale=scale, return_lse=return_lse)
 
@@ -109,7 +109,8 @@ def _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, first_entry, n_valid, lim
     entries first_entry .. first_entry + block_k / block_size of the row (those at or past n_valid read as -1).
 
     Returns:
-      (ok: bool[block_k], k: [block_k, D], v: [block_k, D]); rows not ok read row 0 of the layer.
+      (ok: bool[block_k], tok: i32[block_k] the lanes' tokens (0 where not ok), k: [block_k, D], v: [block_k, D]);
+      rows not ok read row 0 of the layer.
     """
     lane = jnp.arange(block_k, dtype=jnp.int32)
     if block_size == 1:
@@ -119,13 +120,17 @@ def _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, first_entry, n_valid, lim
         ent = _entries(ent_ref, head, e, e < n_valid)
     ok, safe = entry_rows(ent, lane, limit, block_size)
     # One indexer (layer, rows, :): Triton lowering supports a single indexer per load.
-    return ok, k_ref[layer, safe, :], v_ref[layer, safe, :]
+    return ok, safe, k_ref[layer, safe, :], v_ref[layer, safe, :]
 
 
 def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, entries_per_split: int, K: int,
                            T: int, N: int, L: int, G: int, Hkv: int = 1, mapped: bool = False,
-                           stacked_map: bool = False, mass: bool = False, stacked_indices: bool = False):
+                           stacked_map: bool = False, mass: bool = False, stacked_indices: bool = False,
+                           shared: bool = False):
     """One (b, h, t, split) program; as `gpu._decode_kernel` with k_ref, v_ref: [L, N, D] and layer_ref: i32[1].
+    Shared (one index row for all T queries): one (b, h, 0, split) program attends the T x G query rows
+    r = t * G + g (q_ref [T * Hq, D]) over the gathered keys, each row masked at its own position, so the keys
+    are read once for the T queries instead of once per query.
 
     Refs: ([hm_ref,] layer_ref, len_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref[, el_ref, em_ref,
     nw_ref]). Everything XLA used to prepare is done here: the layer index is wrapped and clamped (jnp
@@ -149,7 +154,7 @@ def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, e
     if stacked_indices:
         head = layer  # the row of ent_ref [L, K] (`_entries`)
     split = pl.program_id(3)
-    pos = len_ref[0] - T + pl.program_id(2)
+    pos = len_ref[0] - (1 if shared else T - pl.program_id(2))  # shared: the last query's (the rows mask their own)
     limit = jnp.minimum(pos, N - 1)
     per_iter = block_k // block_size
     E = entries_per_split
@@ -161,15 +166,23 @@ def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, e
     e = _entries(ent_ref, head, pl.ds(base, Ep), base + j < n_valid)
     useful = blocks_at_or_before(e, limit, block_size)
     n_entries = jnp.max(jnp.where(useful, j + 1, 0))
-    lane = jnp.arange(max(gpu._MIN_ROWS, pl.next_power_of_2(G)), dtype=jnp.int32)
-    q = q_ref[pl.program_id(1) * G + jnp.minimum(lane, G - 1), :]  # [Gp, D]
+    rows = T * G if shared else G
+    lane = jnp.arange(max(gpu._MIN_ROWS, pl.next_power_of_2(rows)), dtype=jnp.int32)
+    r = jnp.minimum(lane, rows - 1)  # rows past the real ones repeat the last; their outputs are dropped
+    if shared:
+        t_r = r // G
+        q = q_ref[t_r * (Hkv * G) + pl.program_id(1) * G + r % G, :]  # [Mp, D]
+        row_limit = jnp.minimum(len_ref[0] - T + t_r, N - 1)  # [Mp] each row's last visible token
+    else:
+        q = q_ref[pl.program_id(1) * G + r, :]  # [Gp, D]
     gp, d = q.shape
 
     def body(it, carry):
-        ok, k, v = _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, base + it * per_iter, n_valid, limit,
-                                        block_size, block_k, head)
+        ok, tok, k, v = _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, base + it * per_iter, n_valid, limit,
+                                             block_size, block_k, head)
         if not mass:
-            return gpu._online_softmax_step(q, k, v, ok[None, :], carry, scale)
+            seen = ok[None, :] & (tok[None, :] <= row_limit[:, None]) if shared else ok[None, :]
+            return gpu._online_softmax_step(q, k, v, seen, carry, scale)
         o, m, l = carry
         s = plgpu.dot(q, k, trans_b=True) * scale  # [Gp, block_k] f32
         s = jnp.where(ok[None, :], s, gpu._MASK)
@@ -190,7 +203,7 @@ def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, e
             jnp.zeros((gp,), jnp.float32))
     iters = pl.cdiv(n_entries, per_iter)
     o, m, l = jax.lax.fori_loop(jnp.int32(0), iters, body, init)
-    gpu.store_partials(o_ref, m_ref, l_ref, o, m, l, G)
+    gpu.store_partials(o_ref, m_ref, l_ref, o, m, l, rows)
     if mass:
         mass_refs[2][...] = jnp.full((1,), iters * per_iter, jnp.int32)
 
@@ -210,7 +223,10 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
       v_all: [L, B, Hkv, N, D] stacked value cache.
       layer: i32[] (traced) layer to read, as `k_all[layer]`.
       indices: int32[B, Hkv, T, K] selected blocks, -1 padded (contract of `reference.py`); or every layer's
-        rows int32[L, B, Hkv, T, K], of which layer `layer`'s are read in place (no slice of them in XLA).
+        rows int32[L, B, Hkv, T, K], of which layer `layer`'s are read in place (no slice of them in XLA); or
+        one row for all T queries, int32[B, Hkv, 1, K] (`shared_rows`): one program per (row, KV head, split)
+        attends all T x G query rows, each masked at its own position, so every selected key is read once
+        (with return_mass, head_map or query_heads the row is broadcast to the T queries first).
       lengths: int32[B] valid tokens per row.
       block_size: tokens per index entry (a power of two).
       scale: softmax scale (None: 1/sqrt(D)).
@@ -232,13 +248,19 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
     Returns:
       [B, T, Hq, D] in q.dtype, followed by lse: f32[B, T, Hq] with return_lse and by the mass with return_mass.
     """
+    B, T, Hq, D = q.shape
+    if shared_rows(indices, T) and (return_mass or head_map is not None or query_heads):
+        indices = query_rows(indices, T)  # one program per query: the entry mass and maps are per query row
     res = decode_partials_stacked(q, k_all, v_all, layer, indices, lengths, block_size=block_size, scale=scale,
                                   return_mass=return_mass, config=config, head_map=head_map, query_heads=query_heads,
                                   interpret=interpret)
-    B, T, Hq, _ = q.shape
     Hkv, K = k_all.shape[2], indices.shape[-1]
     G = 1 if query_heads else Hq // Hkv  # query heads: a "group" of one query per program
     o, m, l = res[:3]
+    if shared_rows(indices, T):  # one program's rows r = t * G + g: as T programs of G rows each
+        S = o.shape[0]
+        o = o[:, :, :, 0, :T * G].reshape(S, B, Hkv, T, G, D)
+        m, l = (x[:, :, :, 0, :T * G].reshape(S, B, Hkv, T, G) for x in (m, l))
     out, lse = gpu.finish_splits(o, m, l, G, q.dtype)
     extra = []
     if return_lse:
@@ -257,14 +279,26 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
     return (out, *extra) if extra else out
 
 
+def shared_rows(indices: Array, T: int) -> bool:
+    """Whether decode index rows [B, Hkv, 1, K] serve T > 1 queries (one row for all of them)."""
+    return indices.ndim == 4 and indices.shape[2] == 1 and T > 1
+
+
 def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array,
                             *, block_size: int, scale: float | None, return_mass: bool, config: gpu.DecodeConfig,
                             head_map: Array | None, query_heads: bool = False, interpret: bool) -> tuple:
     """The launch of `sparse_decode_stacked_gpu` (arguments as there), without its epilogue: the split partials
     (o f32[S, B, H, T, Gp, D], m, l f32[S, B, H, T, Gp], H = Hkv, or Hq with query_heads; rows past G (1 with
     query_heads) are never written) and with return_mass the entry sums el, em f32[S, B, Hkv, T, Gp, E] and the
-    written counts nw i32[S, B, Hkv, T, 1]."""
+    written counts nw i32[S, B, Hkv, T, 1]. With one index row for the T queries ([B, Hkv, 1, K], `shared_rows`;
+    not with return_mass, head_map or query_heads) the partials are o f32[S, B, Hkv, 1, Mp, D], m, l
+    f32[S, B, Hkv, 1, Mp]: row r = t * G + g of the one program per (b, h, split), rows past T * G never written."""
     stacked = indices.ndim == 5  # every layer's index rows, the layer's read in place
+    B, T = q.shape[:2]
+    shared = shared_rows(indices, T)
+    if shared and (return_mass or head_map is not None or query_heads):
+        raise ValueError(f"indices has shape {tuple(indices.shape)} (one row for all T={T} queries) with "
+                         "return_mass, head_map or query_heads: expected a row per query [B, Hkv, T, K]")
     if query_heads:
         Hq, Hkv = q.shape[2], k_all.shape[2]
         for bad, what in ((return_mass, "return_mass"), (head_map is not None, "head_map"),
@@ -277,7 +311,8 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
         per_kv_head = jax.ShapeDtypeStruct((indices.shape[0], Hkv) + indices.shape[2:], indices.dtype)
         check_stacked_args(q, k_all, v_all, layer, per_kv_head, lengths, block_size)
     else:
-        check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size, stacked_indices=stacked)
+        check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size, stacked_indices=stacked,
+                           shared_rows=True)
     if head_map is not None:
         check_head_map(head_map, k_all.shape[2], k_all.shape[0])
         if return_mass:
@@ -291,15 +326,16 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
     G, K = Hq // Hkv, indices.shape[-1]
     # Query heads: programs over the Hq rows, one query each, program h reading KV head h // G's cache.
     H, group, G = (Hq, G, 1) if query_heads else (Hkv, 1, G)
+    Tg, rows = (1, T * G) if shared else (T, G)  # grid steps over the queries; query rows per program
     scale = default_scale(D, scale)
-    block_k, splits, E, Gp = gpu.decode_split_plan(config, K, block_size, B * H * T, G)
+    block_k, splits, E, Gp = gpu.decode_split_plan(config, K, block_size, B * H * Tg, rows)
 
     mapped = head_map is not None
     stacked_map = mapped and jnp.ndim(head_map) == 2
     kernel = functools.partial(_decode_kernel_stacked, scale=scale, block_size=block_size, block_k=block_k,
                                entries_per_split=E, K=K, T=T, N=N, L=L, G=G, Hkv=Hkv, mapped=mapped,
-                               stacked_map=stacked_map, mass=return_mass, stacked_indices=stacked)
-    out_specs, out_shape = gpu.split_outputs(splits, B, H, T, Gp, D)
+                               stacked_map=stacked_map, mass=return_mass, stacked_indices=stacked, shared=shared)
+    out_specs, out_shape = gpu.split_outputs(splits, B, H, Tg, Gp, D)
     if return_mass:  # per entry: sum of exp(s - m) and that m; and how many entries the program wrote
         out_specs += [pl.BlockSpec((None, None, None, None, Gp, E), lambda b, h, t, s: (s, b, h, t, 0, 0))] * 2
         out_shape += [jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp, E), jnp.float32)] * 2
@@ -316,19 +352,20 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
         pl.BlockSpec((1,), lambda b, h, t, s: (0,)),  # the layer index (wrapped and clamped in-kernel)
         pl.BlockSpec((1,), lambda b, h, t, s: (b,)),  # the row's length
         rows,
-        pl.BlockSpec((None, None, Hq, D), lambda b, h, t, s: (b, t, 0, 0)),  # the token's queries
+        # the token's queries (shared: every token's, [T * Hq, D])
+        pl.BlockSpec((None, None, T * Hq if shared else Hq, D), lambda b, h, t, s: (b, t, 0, 0)),
         pl.BlockSpec((L, None, None, N, D), lambda b, h, t, s: (0, b, h // group, 0, 0)),  # every layer of the KV head
         pl.BlockSpec((L, None, None, N, D), lambda b, h, t, s: (0, b, h // group, 0, 0)),
     ]
-    args = (jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32), indices.astype(jnp.int32), q,
-            k_all, v_all)
+    args = (jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32), indices.astype(jnp.int32),
+            q.reshape(B, 1, T * Hq, D) if shared else q, k_all, v_all)
     if mapped:  # clipped in-kernel: with every layer's map [L, Hkv] no XLA op runs on it per layer
         hm_shape = jnp.shape(head_map)
         in_specs = [pl.BlockSpec(hm_shape, lambda b, h, t, s: (0,) * len(hm_shape))] + in_specs
         args = (jnp.asarray(head_map).astype(jnp.int32),) + args
     return tuple(pl.pallas_call(
         kernel,
-        grid=(B, H, T, splits),
+        grid=(B, H, Tg, splits),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
@@ -365,7 +402,8 @@ def sparse_decode_stacked_tpu(q: Array, k_all: Array, v_all: Array, layer: Array
     Returns:
       [B, T, Hq, D] in q.dtype (and lse: f32[B, T, Hq] with return_lse).
     """
-    check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size)
+    check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size, shared_rows=True)
+    indices = query_rows(indices, q.shape[1])
     tpu._check_supported(q, block_size, None, config)
     B, T, Hq, D = q.shape
     L, _, Hkv, N, _ = k_all.shape

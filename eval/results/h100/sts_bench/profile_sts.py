@@ -5,7 +5,9 @@ Steps profiled at CTX (default 100000), batch B (default 2), budget K (default 5
 (T = gamma + 1), the STS verification (index merge), the draft's dense step, its STS first step (T = 2) and later
 step (dense + top-W; and with `first_step_mask`). STEPS (comma-separated, default all) picks steps by name:
 verify_dense, dense_step (T = 1), verify_sts, target_step_1k, draft_dense, draft_first, draft_later_dense, draft_later_mask,
-and draft_first_rows, draft_later_dense_rows (the two recording steps with `record_selection="rows"`).
+draft_first_rows, draft_later_dense_rows (the two recording steps with `record_selection="rows"`), and whole rounds
+(`models.speculative.round_step`, ACCEPT of `bench_sts.py` draft tokens accepted): round_dense (dense speculative
+decoding), round_sts (the default STS round; HLO=1 writes its optimized HLO to $OUT/hlo_round_sts.txt.gz).
 Writes $OUT/$JSON (default profile_sts.json: per step the wall time (each call waited for), the queued time (calls
 dispatched back to back, one wait at the end), the kernels' total time, the launches, and
 per kernel name its time and launches per call) and prints the top kernels per step; HLO=1 also writes the STS
@@ -24,6 +26,7 @@ from jsparse.methods.sts import STS  # noqa: E402
 from models import llama  # noqa: E402
 from models.compile_options import model_jit  # noqa: E402
 from models.params import is_fused  # noqa: E402
+from models.speculative import SpecState, round_step  # noqa: E402
 
 CTX, B, K = int(os.environ.get("CTX", 100000)), int(os.environ.get("B", 2)), int(os.environ.get("K", 512))
 T_CFG, D_CFG, GAMMA = bs.T_CFG, bs.D_CFG, bs.GAMMA
@@ -128,6 +131,24 @@ def main():
             with open(os.path.join(out, "hlo_draft_later.txt"), "w") as f:
                 f.write(ddec.lower(dp, m, t, *st).compile().as_text())
         dc = st[0].replace(lengths=jnp.full((B,), n, jnp.int32))
+    # Whole rounds (`round_step`, both caches donated, ACCEPT draft tokens accepted): dense speculative decoding and
+    # the default STS round.
+    key, limit = jax.random.key(0), jnp.full((B,), GAMMA + 1, jnp.int32)
+    fa = jnp.full((B,), bs.ACCEPT, jnp.int32)
+    for label, t_m, d_m in (("round_dense", dense, dense), ("round_sts", tm, dm)):
+        if not wanted(label):
+            continue
+        sts = label == "round_sts"
+        s = SpecState(target=tc, draft=dc.replace(lengths=tc.lengths), t_state=copy(rec) if sts else None,
+                      d_state=d_m.init_state(D_CFG, B, cap) if sts else None, tok=tok[:, 0] + 0, prev=tok[:, 0] + 0)
+        fn = lambda st, t_m=t_m, d_m=d_m: round_step(tp, dp, t_m, d_m, st, key, limit, t_cfg=T_CFG,  # noqa: E731
+                                                      d_cfg=D_CFG, gamma=GAMMA, forced_accept=fa)[0]
+        res[label], s = profile(label, fn, s)
+        if os.environ.get("HLO") and sts:
+            with gzip.open(os.path.join(out, "hlo_round_sts.txt.gz"), "wt") as f:
+                f.write(round_step.lower(tp, dp, t_m, d_m, s, key, limit, t_cfg=T_CFG, d_cfg=D_CFG, gamma=GAMMA,
+                                         forced_accept=fa).compile().as_text())
+        tc, dc = s.target, s.draft
     json.dump(res, open(os.path.join(out, os.environ.get("JSON", "profile_sts.json")), "w"), indent=1)
 
 
