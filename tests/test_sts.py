@@ -365,7 +365,7 @@ def test_row_merge_auto_takes_the_index_merge_for_few_candidates_only(monkeypatc
     assert auto.replace(row_merge="index").merge_kind(4 * 4104, 32_768) == "index"
     assert auto.replace(row_merge="scatter").merge_kind(8, 100_000) == "scatter"
     called = []
-    monkeypatch.setattr(sts_module, "merge_rows", lambda *a: called.append("index"))
+    monkeypatch.setattr(sts_module, "merge_rows", lambda *a, **kw: called.append("index"))
     monkeypatch.setattr(sts_module, "merge_rows_reference", lambda *a: called.append("scatter"))
     idx = jnp.zeros((1, 2, 8), jnp.int32)
     auto._merge(idx, idx.astype(jnp.float32), 1000, None, 4, 4)
@@ -580,21 +580,23 @@ def test_merge_rows_selects_the_keys_of_the_scatter_reference(implementation, si
     """The index-level union of a group's draft rows (`merge_rows`) chooses exactly the keys of the N-wide path
     (`merge_rows_reference`): duplicates across rows summed, ties to the lower key, -1 padding, keys past the
     limit dropped, budgets above the candidate count, forced sink/local keys (overlapping when the limit is
-    small), per-row budgets, and the prefill's scalar limit."""
+    small), per-row budgets, and the prefill's scalar limit; with a static bound (the packed one-key sort) and with
+    a bound too large to pack (the three-operand sort) alike."""
     from jsparse.methods.sts import merge_rows, merge_rows_reference
 
     B, H, G, W, N = 3, 2, 4, 6, 64
     limit = jnp.array([40, 7, 0])  # row 2: nothing below the limit
     idx, val = _random_rows(sink * 10 + local + dyadic, B, H, G, W, N, limit, dyadic)
-    for k, K in ((jnp.array([[5], [3], [4]]), 8), (jnp.array([[30], [30], [30]]), 48), (2, 2)):
-        got = merge_rows(idx, val, limit, k, K, sink, local, implementation)
-        ref = merge_rows_reference(idx, val, N, limit, k, K, sink, local, implementation)
-        assert got.shape == ref.shape == (B, H, K)
+    for bound in (None, N, 2 ** 30):  # 2^30: (bound + 1) * entries >= 2^31, not packed
+        for k, K in ((jnp.array([[5], [3], [4]]), 8), (jnp.array([[30], [30], [30]]), 48), (2, 2)):
+            got = merge_rows(idx, val, limit, k, K, sink, local, implementation, bound=bound)
+            ref = merge_rows_reference(idx, val, N, limit, k, K, sink, local, implementation)
+            assert got.shape == ref.shape == (B, H, K)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+        got = merge_rows(idx, val, jnp.int32(20), 6, 10, sink, local, implementation, bound=bound)  # a tile's start
+        ref = merge_rows_reference(idx, val, N, jnp.int32(20), 6, 10, sink, local, implementation)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
-    got = merge_rows(idx, val, jnp.int32(20), 6, 10, sink, local, implementation)  # prefill: one tile's start
-    ref = merge_rows_reference(idx, val, N, jnp.int32(20), 6, 10, sink, local, implementation)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
-    assert np.all(np.asarray(got)[2] >= -1)
+        assert np.all(np.asarray(got)[2] >= -1)
 
 
 def test_merge_rows_sums_duplicates_and_breaks_ties_low():
@@ -608,6 +610,9 @@ def test_merge_rows_sums_duplicates_and_breaks_ties_low():
     assert np.asarray(merge_rows(idx, val, jnp.asarray([7]), 8, 8)).tolist() == [[[2, 4] + [-1] * 6]]
     # a tie between the sums of 2 and 7 goes to the lower key; sink keys 0, 1 are forced first
     assert np.asarray(merge_rows(idx, val, jnp.asarray([10]), 3, 3, sink=2)).tolist() == [[[0, 1, 2]]]
+    for bound in (10, 16):  # the packed sort: the same
+        assert np.asarray(merge_rows(idx, val, jnp.asarray([10]), 3, 3, bound=bound)).tolist() == [[[2, 4, 7]]]
+        assert np.asarray(merge_rows(idx, val, jnp.asarray([10]), 3, 3, sink=2, bound=bound)).tolist() == [[[0, 1, 2]]]
 
 
 def test_row_merge_option_same_generation(pair):

@@ -5,16 +5,21 @@
    newest among them, 100K-key rows of different lengths, 4 layers of the stacked cache): the shared row
    [B, Hkv, 1, K] against the same row broadcast to [B, Hkv, T, K] (the kernel's per-query programs) and against the
    reference; outputs and log-sum-exps.
-2. Both launches timed alone (median of 50 calls in one jit of 32 layers' worth, the layer index cycling).
+2. Both launches timed alone (median of 50 calls in one jit of 32 layers' worth, the layer index cycling), and the
+   shared launch at other `DecodeConfig`s (block_k, num_splits).
+3. The verification's index merge (`jsparse.methods.sts.merge_rows`) at its 100K shape (32 layers x batch 3 rows,
+   8 KV heads, 4 x 516 draft entries each, budget 512): the three-operand stable sort (bound None) against the
+   packed one-key sort (bound = the capacity): the same keys, and each timed.
 Writes $OUT/check_shared.json; exits non-zero when a check fails.
 Usage (repo root): PYTHONPATH=. OUT=... GIT_COMMIT=... python eval/results/h100/sts_shared/check_shared.py
 (SMOKE=1: tiny shapes, the kernel interpreted: a CPU check of the script).
 """
-import datetime, json, os, sys, time
+import dataclasses, datetime, json, os, sys, time
 import numpy as np
 import jax, jax.numpy as jnp
 
-from pallas_kernels.sparse_attention import reference as ref
+from jsparse.methods.sts import merge_rows
+from pallas_kernels.sparse_attention import gpu, reference as ref
 from pallas_kernels.sparse_attention import stacked
 
 SMOKE = bool(os.environ.get("SMOKE"))
@@ -39,8 +44,12 @@ for b, n in enumerate(lengths):  # K - T keys before the T newest, then the T ne
 one, lens = jnp.asarray(rows), jnp.asarray(lengths)
 every = jnp.broadcast_to(one, (B, Hkv, T, K))
 layer = jnp.int32(2)
-run = jax.jit(lambda r, lay: stacked.sparse_decode_stacked_gpu(q, k_all, v_all, lay, r, lens, return_lse=True,
-                                                               interpret=SMOKE))
+def launcher(config=gpu.DecodeConfig()):
+    return jax.jit(lambda r, lay: stacked.sparse_decode_stacked_gpu(q, k_all, v_all, lay, r, lens, return_lse=True,
+                                                                    config=config, interpret=SMOKE))
+
+
+run = launcher()
 got, got_lse = run(one, layer)
 old, old_lse = run(every, layer)
 want, want_lse = ref.sparse_decode_reference(q, k_all[2], v_all[2], every, lens, return_lse=True)
@@ -56,12 +65,12 @@ res["ok"] = bool(ok)
 print("shared rows vs reference:", errs, "OK" if ok else "FAILED", flush=True)
 
 
-def timed(r, reps=3 if SMOKE else 50):
+def timed(r, reps=3 if SMOKE else 50, fn=run):
     """ms per launch: 32 launches (layers cycling) in one jit, median over reps calls."""
     @jax.jit
     def loop(acc):
         def body(i, acc):
-            return acc + run(r, i % L)[0][0, 0, 0, 0].astype(jnp.float32)
+            return acc + fn(r, i % L)[0][0, 0, 0, 0].astype(jnp.float32)
         return jax.lax.fori_loop(0, 32, body, acc)
     jax.block_until_ready(loop(jnp.float32(0)))
     ts = []
@@ -73,6 +82,36 @@ def timed(r, reps=3 if SMOKE else 50):
 
 
 res["ms_per_launch"] = dict(shared=timed(one), per_query=timed(every))
+for bk in (32, 64):
+    for splits in (None, 2, 3, 5):
+        cfg = gpu.DecodeConfig(block_k=bk, num_splits=splits)
+        res["ms_per_launch"][f"shared_block_k{bk}_splits{splits}"] = timed(one, fn=launcher(cfg))
 print("ms per launch:", res["ms_per_launch"], flush=True)
+
+# 3. the index merge
+R, H, C, N_cap, budget = (32 * B, Hkv, 4 * 516, 100_640, 512) if not SMOKE else (6, Hkv, 4 * 20, 640, 16)
+limit = jnp.asarray(np.tile(lengths - T, R // B).clip(1, None), jnp.int32)
+idx = np.sort(rng.integers(0, int(lengths.min()) - T, (R, H, 4, C // 4)), axis=-1).reshape(R, H, C).astype(np.int32)
+idx, val = jnp.asarray(idx), jnp.asarray(rng.random((R, H, C)), jnp.float32)
+merge = {b: jax.jit(lambda i, v, b=b: merge_rows(i, v, limit, budget, budget, bound=b)) for b in (None, N_cap)}
+keys = {b: np.asarray(m(idx, val)) for b, m in merge.items()}
+same = bool(np.array_equal(keys[None], keys[N_cap]))
+ok &= same
+
+
+def timed_merge(m, reps=3 if SMOKE else 50):
+    jax.block_until_ready(m(idx, val))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(m(idx, val))
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts)) * 1e3
+
+
+res["merge"] = dict(shape=[R, H, C], same_keys=same, ms_stable_sort=timed_merge(merge[None]),
+                    ms_packed_sort=timed_merge(merge[N_cap]))
+res["ok"] = bool(ok)
+print("merge:", res["merge"], flush=True)
 json.dump(res, open(os.path.join(out_dir, "check_shared.json"), "w"), indent=1)
 sys.exit(0 if ok else 1)
