@@ -45,13 +45,15 @@ one, lens = jnp.asarray(rows), jnp.asarray(lengths)
 every = jnp.broadcast_to(one, (B, Hkv, T, K))
 layer = jnp.int32(2)
 def launcher(config=gpu.DecodeConfig()):
-    return jax.jit(lambda r, lay: stacked.sparse_decode_stacked_gpu(q, k_all, v_all, lay, r, lens, return_lse=True,
-                                                                    config=config, interpret=SMOKE))
+    """fn(rows, layer, q, k_all, v_all, lengths): every array an argument (a jit closing over 10 GB of cache would
+    embed it as constants and take minutes to compile)."""
+    return jax.jit(lambda r, lay, q, k_all, v_all, lens: stacked.sparse_decode_stacked_gpu(
+        q, k_all, v_all, lay, r, lens, return_lse=True, config=config, interpret=SMOKE))
 
 
 run = launcher()
-got, got_lse = run(one, layer)
-old, old_lse = run(every, layer)
+got, got_lse = run(one, layer, q, k_all, v_all, lens)
+old, old_lse = run(every, layer, q, k_all, v_all, lens)
 want, want_lse = ref.sparse_decode_reference(q, k_all[2], v_all[2], every, lens, return_lse=True)
 f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32))  # noqa: E731
 errs = dict(shared_vs_reference=float(np.max(np.abs(f32(got) - f32(want)))),
@@ -68,15 +70,16 @@ print("shared rows vs reference:", errs, "OK" if ok else "FAILED", flush=True)
 def timed(r, reps=3 if SMOKE else 50, fn=run):
     """ms per launch: 32 launches (layers cycling) in one jit, median over reps calls."""
     @jax.jit
-    def loop(acc):
+    def loop(acc, r, q, k_all, v_all, lens):  # the arrays as arguments, not constants
         def body(i, acc):
-            return acc + fn(r, i % L)[0][0, 0, 0, 0].astype(jnp.float32)
+            return acc + fn(r, i % L, q, k_all, v_all, lens)[0][0, 0, 0, 0].astype(jnp.float32)
         return jax.lax.fori_loop(0, 32, body, acc)
-    jax.block_until_ready(loop(jnp.float32(0)))
+    args = (jnp.float32(0), r, q, k_all, v_all, lens)
+    jax.block_until_ready(loop(*args))
     ts = []
     for _ in range(reps):
         t = time.perf_counter()
-        jax.block_until_ready(loop(jnp.float32(0)))
+        jax.block_until_ready(loop(*args))
         ts.append(time.perf_counter() - t)
     return float(np.median(ts)) / 32 * 1e3
 
@@ -93,18 +96,18 @@ R, H, C, N_cap, budget = (32 * B, Hkv, 4 * 516, 100_640, 512) if not SMOKE else 
 limit = jnp.asarray(np.tile(lengths - T, R // B).clip(1, None), jnp.int32)
 idx = np.sort(rng.integers(0, int(lengths.min()) - T, (R, H, 4, C // 4)), axis=-1).reshape(R, H, C).astype(np.int32)
 idx, val = jnp.asarray(idx), jnp.asarray(rng.random((R, H, C)), jnp.float32)
-merge = {b: jax.jit(lambda i, v, b=b: merge_rows(i, v, limit, budget, budget, bound=b)) for b in (None, N_cap)}
-keys = {b: np.asarray(m(idx, val)) for b, m in merge.items()}
+merge = {b: jax.jit(lambda i, v, lim, b=b: merge_rows(i, v, lim, budget, budget, bound=b)) for b in (None, N_cap)}
+keys = {b: np.asarray(m(idx, val, limit)) for b, m in merge.items()}
 same = bool(np.array_equal(keys[None], keys[N_cap]))
 ok &= same
 
 
 def timed_merge(m, reps=3 if SMOKE else 50):
-    jax.block_until_ready(m(idx, val))
+    jax.block_until_ready(m(idx, val, limit))
     ts = []
     for _ in range(reps):
         t = time.perf_counter()
-        jax.block_until_ready(m(idx, val))
+        jax.block_until_ready(m(idx, val, limit))
         ts.append(time.perf_counter() - t)
     return float(np.median(ts)) * 1e3
 
