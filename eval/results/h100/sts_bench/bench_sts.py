@@ -23,7 +23,8 @@ Bytes floors: weights + KV bytes read per step. Writes JSON to $OUT/$JSON (defau
 Caches hold random normal values (`cache`). Run it with XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (batch 3 at 100K needs
 about 68 GB: weights 18.5 GB, target cache 39.6 GB, draft cache 9.9 GB).
 Environment: CELLS="32768:1,100000:2" (context:batch list; the default), BUDGETS="512,4096", ROUND_BUDGETS="512"
-(budgets whose rounds are timed), ACCEPT=3, POOLS="2,4" (the `mask_pool` values), ROUND_VARIANTS (default
+(budgets whose rounds are timed), QUEUED=1 (each time the mean of calls dispatched back to back, one wait at the end,
+as the library's jitted loops run them; default: the median of calls each waited for), ACCEPT=3, POOLS="2,4" (the `mask_pool` values), ROUND_VARIANTS (default
 "index,index+mask" and "index+mask_poolP" for each pool; "old" only when named), SMOKE=1 (tiny shapes: a CPU
 check of the script), AT_LAYER (variant names, e.g. "index,index+densemask_pool4", also timed as "NAME@layer" with
 the draft's top-W per layer inside the layer scan, `record_after_scan=False`: the first step, the later dense step and
@@ -74,10 +75,21 @@ def make_params(cfg, key):
     return with_layout(random_params(cfg, key, BF), LAYOUT, donate=True)
 
 
+QUEUED = bool(os.environ.get("QUEUED"))  # time n calls dispatched back to back, one wait at the end
+
+
 def timeit(fn, carry, n=5, warm=2):
-    """fn(carry) -> carry (donated buffers threaded through); median ms of n calls after warm-up."""
+    """fn(carry) -> carry (donated buffers threaded through); median ms of n calls after warm-up, each waited for;
+    with QUEUED the mean of n calls dispatched back to back with one wait at the end (as the library's jitted
+    generation loops run steps and rounds: no host round trip between them)."""
     for _ in range(warm):
         carry = jax.block_until_ready(fn(carry))
+    if QUEUED:
+        t = time.perf_counter()
+        for _ in range(n):
+            carry = fn(carry)
+        carry = jax.block_until_ready(carry)
+        return (time.perf_counter() - t) / n * 1e3, carry
     ts = []
     for _ in range(n):
         t = time.perf_counter(); carry = jax.block_until_ready(fn(carry)); ts.append(time.perf_counter() - t)
@@ -126,6 +138,7 @@ def dump(out, recs, wb_t, wb_d):
                                                   if os.environ.get("DRAFT_DENSE_CONFIG") else ""),
                    target="llama3-8b shapes", draft="llama3.2-1b shapes", dtype="bfloat16", gamma=GAMMA,
                    accepted_timed=ACCEPT, smoke=SMOKE, layout=LAYOUT,
+                   timing="queued (mean of calls dispatched back to back)" if QUEUED else "waited (median of calls)",
                    fused_projections=LAYOUT == "fused" or (LAYOUT == "default" and fuse_by_default()),
                    weights_bytes=dict(target=wb_t, draft=wb_d), records=recs),
               open(os.path.join(out, os.environ.get("JSON", "sts_bench.json")), "w"), indent=1)
