@@ -12,7 +12,8 @@ Per (context, batch) cell, in one process (dense measured in the same run):
     and with `first_step_mask` and a pool of `mask_pool` p * W keys (POOLS; the first step takes the top p * W);
   * whole rounds (gamma draft steps + verification, `models.speculative.round_step`, caches donated) for dense
     speculative decoding and for STS (ROUND_VARIANTS): "old" (scatter merge, dense draft steps), "index"
-    (index-level merge, dense draft steps), "index+rows" (the same with `record_selection="rows"`), "index+mask"
+    (index-level merge, dense draft steps), "index+rows" (the same with `record_selection="rows"`), "index+blocks" (with
+    "blocks": the round's two-query first step by blocks too), "index+mask"
     (index-level merge, `first_step_mask`),
     "index+mask_poolP" (the same with `mask_pool` P), "index+densemask_poolP" (the pool with
     `mask_attention=False`: dense later draft steps, the record limited to the pool). A round does the same work
@@ -195,6 +196,7 @@ def main():
                            draft_heads=D_CFG.num_heads, row_merge="index")  # labelled "index" below ("auto": either)
                 variants = {"old": base.replace(row_merge="scatter"), "index": base,
                             "index+rows": base.replace(record_selection="rows"),
+                            "index+blocks": base.replace(record_selection="blocks"),
                             "index+mask": base.replace(first_step_mask=True)}
                 variants.update({f"index+mask_pool{p}": base.replace(first_step_mask=True, mask_pool=p)
                                  for p in POOLS})
@@ -221,7 +223,8 @@ def main():
                 steps = [("draft_sts_first_step_ms", pairs["index"][1], two),
                          ("draft_sts_later_step_dense_ms", pairs["index"][1], tok[:, None]),
                          ("draft_sts_first_step_rows_ms", pairs["index+rows"][1], two),
-                         ("draft_sts_later_step_dense_rows_ms", pairs["index+rows"][1], tok[:, None])]
+                         ("draft_sts_later_step_dense_rows_ms", pairs["index+rows"][1], tok[:, None]),
+                         ("draft_sts_first_step_blocks_ms", pairs["index+blocks"][1], two)]
                 for name in ["index+mask"] + [f"index+{m}_pool{p}" for m in ("mask", "densemask") for p in POOLS]:
                     suffix = name.split("+")[1]
                     steps += [(f"draft_sts_first_step_{suffix}_ms", pairs[name][1], two),
