@@ -105,6 +105,7 @@ SHARED_CASES = [
     ((2, 3, 5, 8, 2, 16, 64, 20, [64, 23, 9], 1), jnp.float32, gpu.DecodeConfig(block_k=16)),  # T x G = 20 rows
     ((2, 2, 3, 6, 2, 16, 96, 5, [96, 40], 16), jnp.bfloat16, gpu.DecodeConfig(block_k=32, num_splits=2)),  # G 3
     ((2, 1, 2, 4, 4, 16, 64, 9, [50], 1), jnp.float32, gpu.DecodeConfig(block_k=16, num_splits=1)),  # G 1
+    ((2, 1, 17, 16, 2, 16, 64, 24, [60], 1), jnp.float32, gpu.DecodeConfig(block_k=16)),  # 136 rows: per query
 ]
 
 
@@ -113,8 +114,9 @@ def test_sparse_stacked_gpu_one_row_for_all_queries_equals_the_broadcast_rows(ca
     """Index rows [B, Hkv, 1, K] shared by the T queries (an STS verification's keys): the kernel's one program
     over the T x G query rows equals the reference on the rows broadcast to [B, Hkv, T, K], each query masked
     at its own position (the newest keys are in the rows, so a query that saw its successors would differ);
-    the entry point takes the same rows on every implementation; with return_mass or a head map the rows are
-    broadcast first; and the launch has one program per (row, KV head, split), not per query."""
+    the entry point takes the same rows on every implementation; with return_mass, a head map or more query rows
+    than one program takes the rows are broadcast first; and the launch has one program per (row, KV head, split),
+    not per query."""
     L, B, T, Hq, Hkv, D, N, K, lengths, bs = case
     rng, q, k_all, v_all, lens = stacked_inputs(23, L, B, T, Hq, Hkv, D, N, lengths, dtype)
     one = np.asarray(random_decode_indices(rng, lengths, Hkv, 1, K, block_size=bs))  # [B, Hkv, 1, K]
@@ -144,13 +146,17 @@ def test_sparse_stacked_gpu_one_row_for_all_queries_equals_the_broadcast_rows(ca
         blind = ref.sparse_decode_reference(q, k_all[1], v_all[1], rows,
                                             jnp.minimum(lens + T, N).astype(jnp.int32), block_size=bs)
         assert float(jnp.max(jnp.abs(causal.astype(jnp.float32) - blind.astype(jnp.float32)))) > 1e-3
-    parts = stacked.decode_partials_stacked(q, k_all, v_all, jnp.int32(0), one, lens, block_size=bs, scale=None,
-                                            return_mass=False, config=config, head_map=None, interpret=True)
-    assert parts[0].shape[1:4] == (B, Hkv, 1)  # one program per (row, KV head, split) for the T queries
-    assert parts[0].shape[4] >= T * Hq // Hkv
+    partials = functools.partial(stacked.decode_partials_stacked, q, k_all, v_all, jnp.int32(0), one, lens,
+                                 block_size=bs, scale=None, config=config, head_map=None, interpret=True)
+    if T * Hq // Hkv <= stacked.SHARED_MAX_ROWS:
+        parts = partials(return_mass=False)
+        assert parts[0].shape[1:4] == (B, Hkv, 1)  # one program per (row, KV head, split) for the T queries
+        assert parts[0].shape[4] >= T * Hq // Hkv
+    else:
+        with pytest.raises(ValueError, match=f"more than {stacked.SHARED_MAX_ROWS} query rows"):
+            partials(return_mass=False)
     with pytest.raises(ValueError, match="one row for all"):
-        stacked.decode_partials_stacked(q, k_all, v_all, jnp.int32(0), one, lens, block_size=bs, scale=None,
-                                        return_mass=True, config=config, head_map=None, interpret=True)
+        partials(return_mass=True)
 
 
 def test_decode_rows_shared_only_where_a_call_takes_them():

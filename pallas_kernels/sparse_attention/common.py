@@ -82,14 +82,14 @@ def check_decode_args(q: Array, k: Array, v: Array, indices: Array, lengths: Arr
     if indices.ndim != 4 or indices.shape[:2] != (B, Hkv) or indices.shape[2] not in rows or indices.shape[3] < 1:
         raise ValueError(f"indices has shape {tuple(indices.shape)}: expected [B={B}, Hkv={Hkv}, T={T}, K>=1]"
                          + (" (or [B, Hkv, 1, K], one row for every query)" if shared_rows else ""))
+    _check_int_array("indices", indices, indices.shape)
+    _check_int_array("lengths", lengths, (B,))
 
 
 def query_rows(indices: Array, T: int) -> Array:
     """Decode index rows [B, Hkv, T, K] from rows that may be shared by the T queries ([B, Hkv, 1, K]: the
     same keys for every new token, as a speculative verification's selection), broadcast."""
     return jnp.broadcast_to(indices, indices.shape[:2] + (T,) + indices.shape[3:])
-    _check_int_array("indices", indices, indices.shape)
-    _check_int_array("lengths", lengths, (B,))
 
 
 def check_prefill_args(q: Array, k: Array, v: Array, indices: Array, lengths: Array, tile: int,

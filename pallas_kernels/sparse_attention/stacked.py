@@ -226,7 +226,8 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
         rows int32[L, B, Hkv, T, K], of which layer `layer`'s are read in place (no slice of them in XLA); or
         one row for all T queries, int32[B, Hkv, 1, K] (`shared_rows`): one program per (row, KV head, split)
         attends all T x G query rows, each masked at its own position, so every selected key is read once
-        (with return_mass, head_map or query_heads the row is broadcast to the T queries first).
+        (with return_mass, head_map, query_heads or more than `SHARED_MAX_ROWS` query rows per KV head the row
+        is broadcast to the T queries first).
       lengths: int32[B] valid tokens per row.
       block_size: tokens per index entry (a power of two).
       scale: softmax scale (None: 1/sqrt(D)).
@@ -249,13 +250,14 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
       [B, T, Hq, D] in q.dtype, followed by lse: f32[B, T, Hq] with return_lse and by the mass with return_mass.
     """
     B, T, Hq, D = q.shape
-    if shared_rows(indices, T) and (return_mass or head_map is not None or query_heads):
+    G = 1 if query_heads else Hq // k_all.shape[2]  # query heads: a "group" of one query per program
+    if shared_rows(indices, T) and (return_mass or head_map is not None or query_heads
+                                    or pl.next_power_of_2(T * G) > SHARED_MAX_ROWS):
         indices = query_rows(indices, T)  # one program per query: the entry mass and maps are per query row
     res = decode_partials_stacked(q, k_all, v_all, layer, indices, lengths, block_size=block_size, scale=scale,
                                   return_mass=return_mass, config=config, head_map=head_map, query_heads=query_heads,
                                   interpret=interpret)
     Hkv, K = k_all.shape[2], indices.shape[-1]
-    G = 1 if query_heads else Hq // Hkv  # query heads: a "group" of one query per program
     o, m, l = res[:3]
     if shared_rows(indices, T):  # one program's rows r = t * G + g: as T programs of G rows each
         S = o.shape[0]
@@ -279,6 +281,11 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
     return (out, *extra) if extra else out
 
 
+# Most query rows (T x G, padded to a power of two) one shared-row program takes: its f32 accumulator is
+# rows x D on 4 warps, as `gpu.PrefillConfig.gqa_rows`; wider calls get one program per query.
+SHARED_MAX_ROWS = 128
+
+
 def shared_rows(indices: Array, T: int) -> bool:
     """Whether decode index rows [B, Hkv, 1, K] serve T > 1 queries (one row for all of them)."""
     return indices.ndim == 4 and indices.shape[2] == 1 and T > 1
@@ -296,9 +303,11 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
     stacked = indices.ndim == 5  # every layer's index rows, the layer's read in place
     B, T = q.shape[:2]
     shared = shared_rows(indices, T)
-    if shared and (return_mass or head_map is not None or query_heads):
+    if shared and (return_mass or head_map is not None or query_heads
+                   or pl.next_power_of_2(T * (q.shape[2] // k_all.shape[2])) > SHARED_MAX_ROWS):
         raise ValueError(f"indices has shape {tuple(indices.shape)} (one row for all T={T} queries) with "
-                         "return_mass, head_map or query_heads: expected a row per query [B, Hkv, T, K]")
+                         f"return_mass, head_map, query_heads or more than {SHARED_MAX_ROWS} query rows per KV head: "
+                         "expected a row per query [B, Hkv, T, K]")
     if query_heads:
         Hq, Hkv = q.shape[2], k_all.shape[2]
         for bad, what in ((return_mass, "return_mass"), (head_map is not None, "head_map"),
