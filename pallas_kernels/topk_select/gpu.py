@@ -71,8 +71,9 @@ class SelectConfig:
       compact_block_n: scores per inner iteration of the compaction (a power of two).
       target_programs: about how many programs each launch should have (rows x splits).
       num_warps: warps per program.
-      path: "auto" ("row" when N <= row_max; else "ordered" for at least ordered_min_rows rows whose band fits
-        ordered_max_cap, "sample" otherwise), "row", "fused", "sample", "ordered" or "passes" (module docstring);
+      path: "auto" ("row" when N <= row_max, except "ordered" for at least ordered_min_rows rows of more than
+        ordered_row_above scores; else "ordered" for at least ordered_min_rows rows whose band fits ordered_max_cap,
+        "sample" otherwise), "row", "fused", "sample", "ordered" or "passes" (module docstring);
         "sample" and "ordered" take "fused" for rows shorter than their sample.
         bits_per_pass, block_n, compact_block_n, target_programs and num_warps tune "fused" and "passes".
       row_max: the longest row "auto" sends to the single-launch "row" kernel (<= gpu_row.ROW_LIMIT).
@@ -91,6 +92,9 @@ class SelectConfig:
         whose band fits this capacity (measured on an H200, eval/results/h200/topk_ordered/: 1536 rows of 100K
         scores, K = 520 / 2080: 0.89 / 0.97 ms against 1.89 / 1.90 ms; at 96 rows the two are within the
         dispatch's noise, and at K = 10K on 32 rows of heavy ties "sample" is faster, 0.15 against 0.19+ ms).
+      ordered_row_above: rows longer than this take "ordered" over "row" when there are ordered_min_rows of them
+        (H100, eval/results/h100/sts_shared/topk_paths.json: 1536 rows, K = 520, the STS draft record's two
+        selections: 8,320 scores 119 us "ordered" against 163 us "row"; 6,290 scores 109 against 85 us).
     """
 
     bits_per_pass: int = 4
@@ -108,6 +112,7 @@ class SelectConfig:
     ordered_cap: int | None = None
     ordered_min_rows: int = 512
     ordered_max_cap: int = 8192
+    ordered_row_above: int = 8192
 
     def sample_for(self, path: str) -> int:
         """The sampled scores per row of the "sample" or "ordered" path: sample_size, or the path's default."""
@@ -117,9 +122,9 @@ class SelectConfig:
         """The path for `rows` rows of N scores and width K (rows / K unknown: "sample" above row_max)."""
         if self.path == "auto":
             path = "row" if N <= self.row_max else "sample"
-            if (path == "sample" and K is not None and rows >= self.ordered_min_rows
-                    and gpu_ordered.band_capacity(K, N, self.sample_for("ordered"), self.sample_sigmas)
-                    <= self.ordered_max_cap):
+            if (path == "sample" or N > self.ordered_row_above) and K is not None and rows >= self.ordered_min_rows \
+                    and gpu_ordered.band_capacity(K, N, self.sample_for("ordered"), self.sample_sigmas) \
+                    <= self.ordered_max_cap:
                 path = "ordered"
         else:
             path = self.path
