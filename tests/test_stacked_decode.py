@@ -157,6 +157,13 @@ def test_sparse_stacked_gpu_one_row_for_all_queries_equals_the_broadcast_rows(ca
             partials(return_mass=False)
     with pytest.raises(ValueError, match="one row for all"):
         partials(return_mass=True)
+    if T > 1:  # the entry mass and every layer's rows [L, B, Hkv, T, K] take a row per query, as their references
+        with pytest.raises(ValueError, match=r"indices has shape .*expected \[B=.*T=%d" % T):
+            stacked.sparse_decode_stacked_gpu(q, k_all, v_all, jnp.int32(0), one, lens, block_size=bs,
+                                              return_mass=True, config=config, interpret=True)
+        with pytest.raises(ValueError, match="indices has shape"):
+            stacked.sparse_decode_stacked_gpu(q, k_all, v_all, jnp.int32(0), jnp.stack([one] * L), lens,
+                                              block_size=bs, config=config, interpret=True)
 
 
 def test_decode_rows_shared_only_where_a_call_takes_them():

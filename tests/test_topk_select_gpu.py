@@ -434,6 +434,7 @@ def test_dispatch_and_config_errors():
     assert gpu.SelectConfig().pick_path(8320, 1536, 520) == "ordered"  # many rows just past ordered_row_above
     assert gpu.SelectConfig().pick_path(8320, 96, 520) == "row"  # few rows: "row"
     assert gpu.SelectConfig(ordered_row_above=16384).pick_path(8320, 1536, 520) == "row"
+    assert gpu.SelectConfig(ordered_row_above=100).pick_path(1000, 1536, 20) == "row"  # shorter than its sample
     x = jnp.zeros((2, 40), jnp.float32)
     for bad, match in [(dict(path="tree"), "path='tree'"), (dict(row_max=1 << 16), "row_max=65536"),
                        (dict(row_bits=3), "row_bits=3"), (dict(row_warps=6), "row_warps=6"),

@@ -737,8 +737,8 @@ def merge_rows(idx: Array, val: Array, limit: Array, k, K: int, sink: int = 0, l
     keeps the top k of these at most C + sink + local distinct keys. Same rule as the reference: largest sum
     first, ties to the lower position, keys whose score is -inf dropped.
 
-    With `bound` (static: every key and limit is at most it, e.g. the cache's capacity) and (bound + 1) times the
-    row's entries below 2^31, the sort runs on one int32 key per entry, position * entries + entry: the same order
+    With `bound` (static, every limit at most it: the cache's capacity; a key at or past it could not count) and
+    (bound + 1) times the row's entries below 2^31, the sort runs on one int32 key per entry, position * entries + entry: the same order
     as the stable sort by position (ties by entry), so the same keys and sums, with the weights then gathered in
     that order (a one-operand sort: on a GPU about a tenth of the three-operand one at a 100K verification's rows).
 
@@ -746,7 +746,8 @@ def merge_rows(idx: Array, val: Array, limit: Array, k, K: int, sink: int = 0, l
       idx: i32[B, H, C] recorded keys (-1 padded); val: f32[B, H, C] their weights.
       limit: i32[B] or i32[]: only keys below it count (the cache before the verified block; the tile's start).
       k: int or i32 broadcastable to [B, H]: keys to keep per row; K: static output width.
-      bound: None, or a static int >= every key of idx and every limit (the packed sort above).
+      bound: None, or a static int >= every limit (the packed sort above; not checked, the limit being traced: a
+        limit past it would drop the keys in [bound, limit)).
     Returns:
       i32[B, H, K]: the kept keys ascending, -1 padded (the index contract's row).
     """
@@ -1017,7 +1018,7 @@ class STS(_Budget):
             both = state.chosen[ctx.layer - self.dense_layers]
         else:  # a layer called on its own (no start_rows): the same keys, this layer alone
             both = self.decode_keys(state, ctx.info, ctx.lengths, T, Hkv, N)
-        if T <= GATHER_MAX_QUERIES:  # one row for the T queries: the stacked kernel reads each key once for all
+        if T <= GATHER_MAX_QUERIES:  # one row for the T queries (the stacked GPU kernel reads each key once for all)
             rows = both[:, :, None]
             if getattr(cache, "layer", None) is not None:
                 out = sparse_decode(q, cache.k_all, cache.v_all, rows, ctx.lengths, layer=cache.layer)

@@ -112,8 +112,9 @@ def sparse_decode(q: Array, k: Array, v: Array, indices: Array, lengths: Array, 
         no causal diagonal (unlike `sparse_prefill`): a query attends to exactly these blocks, so a method lists
         the query's own block itself (as `jsparse.methods.common.topk_decode` does with its diagonal tile).
         Or [B, Hkv, 1, K]: one row for all T queries (each still masked at its own position), as the broadcast
-        row; the stacked Pallas GPU kernel then reads each selected key once for the T queries (one program
-        over the T x G query rows of a KV head) instead of once per query.
+        row; the stacked Pallas GPU kernel (`layer` given, no head_map, T x G at most `stacked.SHARED_MAX_ROWS`)
+        then reads each selected key once for the T queries (one program over the T x G query rows of a KV head)
+        instead of once per query; every other path broadcasts the row.
       lengths: int32[B] valid tokens per row.
       layer: i32[] in [-L, L) (traced, or a known value, which is checked) or None. Given, k and v are stacked and the op equals the call on k[layer],
         v[layer]; the Pallas kernels read that layer in place (stacked.py), where a slice handed to a kernel

@@ -226,8 +226,8 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
         rows int32[L, B, Hkv, T, K], of which layer `layer`'s are read in place (no slice of them in XLA); or
         one row for all T queries, int32[B, Hkv, 1, K] (`shared_rows`): one program per (row, KV head, split)
         attends all T x G query rows, each masked at its own position, so every selected key is read once
-        (with return_mass, head_map, query_heads or more than `SHARED_MAX_ROWS` query rows per KV head the row
-        is broadcast to the T queries first).
+        (with head_map, query_heads or more than `SHARED_MAX_ROWS` query rows per KV head the row is broadcast
+        to the T queries first; return_mass takes a row per query only).
       lengths: int32[B] valid tokens per row.
       block_size: tokens per index entry (a power of two).
       scale: softmax scale (None: 1/sqrt(D)).
@@ -251,6 +251,8 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
     """
     B, T, Hq, D = q.shape
     G = 1 if query_heads else Hq // k_all.shape[2]  # query heads: a "group" of one query per program
+    if return_mass and not query_heads:  # the entry mass is per query row ([B, Hkv, T, K], `sparse_decode_mass_reference`'s contract)
+        check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size, stacked_indices=indices.ndim == 5)
     if shared_rows(indices, T) and (return_mass or head_map is not None or query_heads
                                     or pl.next_power_of_2(T * G) > SHARED_MAX_ROWS):
         indices = query_rows(indices, T)  # one program per query: the entry mass and maps are per query row
@@ -321,7 +323,7 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
         check_stacked_args(q, k_all, v_all, layer, per_kv_head, lengths, block_size)
     else:
         check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size, stacked_indices=stacked,
-                           shared_rows=True)
+                           shared_rows=not stacked)  # every layer's rows [L, B, Hkv, T, K]: one row per query
     if head_map is not None:
         check_head_map(head_map, k_all.shape[2], k_all.shape[0])
         if return_mass:

@@ -72,8 +72,8 @@ class SelectConfig:
       target_programs: about how many programs each launch should have (rows x splits).
       num_warps: warps per program.
       path: "auto" ("row" when N <= row_max, except "ordered" for at least ordered_min_rows rows of more than
-        ordered_row_above scores; else "ordered" for at least ordered_min_rows rows whose band fits ordered_max_cap,
-        "sample" otherwise), "row", "fused", "sample", "ordered" or "passes" (module docstring);
+        ordered_row_above scores (and at least its sample) whose band fits ordered_max_cap; above row_max "ordered"
+        for at least ordered_min_rows rows whose band fits ordered_max_cap, "sample" otherwise), "row", "fused", "sample", "ordered" or "passes" (module docstring);
         "sample" and "ordered" take "fused" for rows shorter than their sample.
         bits_per_pass, block_n, compact_block_n, target_programs and num_warps tune "fused" and "passes".
       row_max: the longest row "auto" sends to the single-launch "row" kernel (<= gpu_row.ROW_LIMIT).
@@ -93,8 +93,9 @@ class SelectConfig:
         scores, K = 520 / 2080: 0.89 / 0.97 ms against 1.89 / 1.90 ms; at 96 rows the two are within the
         dispatch's noise, and at K = 10K on 32 rows of heavy ties "sample" is faster, 0.15 against 0.19+ ms).
       ordered_row_above: rows longer than this take "ordered" over "row" when there are ordered_min_rows of them
-        (H100, eval/results/h100/sts_shared/topk_paths.json: 1536 rows, K = 520, the STS draft record's two
-        selections: 8,320 scores 119 us "ordered" against 163 us "row"; 6,290 scores 109 against 85 us).
+        and the band fits (H100, eval/results/h100/sts_shared/topk_paths.json, the one shape measured: 1536 rows,
+        K = 520, the STS draft record's two selections: 8,320 scores 119 us "ordered" against 163 us "row"; 6,290
+        scores 109 against 85 us).
     """
 
     bits_per_pass: int = 4
@@ -122,7 +123,8 @@ class SelectConfig:
         """The path for `rows` rows of N scores and width K (rows / K unknown: "sample" above row_max)."""
         if self.path == "auto":
             path = "row" if N <= self.row_max else "sample"
-            if (path == "sample" or N > self.ordered_row_above) and K is not None and rows >= self.ordered_min_rows \
+            longer = N > max(self.ordered_row_above, self.sample_for("ordered") - 1)
+            if (path == "sample" or longer) and K is not None and rows >= self.ordered_min_rows \
                     and gpu_ordered.band_capacity(K, N, self.sample_for("ordered"), self.sample_sigmas) \
                     <= self.ordered_max_cap:
                 path = "ordered"
