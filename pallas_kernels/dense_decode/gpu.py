@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.sparse_attention import gpu as sparse_gpu
+from pallas_kernels.sparse_attention.gpu_common import group_query_rows
 from pallas_kernels.dense_decode.reference import check_args, check_record_args, default_scale, layer_index
 
 Array = jax.Array
@@ -137,8 +138,7 @@ def _decode_kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, *refs, scale: float,
     layer = layer_index(layer_ref[0], L)
     row = pl.program_id(2) * mb + head
     real = row < rows
-    rc = jnp.minimum(row, rows - 1)  # padding rows read the last real row's query
-    t = rc // G
+    q, t = group_query_rows(q_ref, row, rows, G, T, pl.program_id(1))  # [mb, D]; padding rows repeat the last
     n = k_ref.shape[1]
     # Last key each row may see (its token's position, below N); -1: none (and every padding row).
     lim = jnp.where(real, jnp.maximum(jnp.minimum(len_ref[0] - T + t, n - 1), -1), -1)
@@ -146,8 +146,6 @@ def _decode_kernel(layer_ref, len_ref, q_ref, k_ref, v_ref, *refs, scale: float,
     hi = jnp.max(lim)  # last key any row of this program sees
     start = split * chunk
     n_iter = pl.cdiv(jnp.clip(hi + 1 - start, 0, chunk), block_k)
-    hq = q_ref.shape[0] // T
-    q = q_ref[t * hq + pl.program_id(1) * G + rc % G, :]  # [mb, D]
     d = q.shape[1]
 
     def body(i, carry):

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from pallas_kernels.layers import check_layer, select_layer
 from pallas_kernels.sharding import active_mesh, dims, per_shard
 from pallas_kernels.sparse_attention import reference, xla
+from pallas_kernels.sparse_attention.common import check_decode_args, query_rows
 
 Array = jax.Array
 
@@ -155,6 +156,11 @@ def sparse_decode(q: Array, k: Array, v: Array, indices: Array, lengths: Array, 
     if layer is not None:
         from pallas_kernels.sparse_attention import stacked
         stacked.check_stacked_args(q, k, v, layer, indices, lengths, block_size, shared_rows=True)
+    else:
+        check_decode_args(q, k, v, indices, lengths, block_size, shared_rows=True)
+    if not (layer is not None and impl == "pallas_gpu"):  # one row for all T queries: the stacked GPU kernel's alone
+        indices = query_rows(indices, q.shape[1])
+    if layer is not None:
         if impl == "pallas_gpu":
             if STACKED_DECODE_CONFIG is not None:
                 kw["config"] = STACKED_DECODE_CONFIG

@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.sparse_attention import gpu_prefill_gqa as gqa
-from pallas_kernels.sparse_attention.common import check_decode_args, default_scale, query_rows
+from pallas_kernels.sparse_attention.common import check_decode_args, default_scale
 from pallas_kernels.sparse_attention.gpu_common import (  # noqa: F401  (unsupported_reason, _MASK, _pow2: also used by other kernels)
     _MASK, _MIN_ROWS, _check_prefill, _check_supported, _gather_rows, _online_softmax_step, _pow2, _tile_attention,
     _useful_end, prefill_operands, unsupported_reason)
@@ -200,8 +200,7 @@ def sparse_decode_gpu(q: Array, k: Array, v: Array, indices: Array, lengths: Arr
     Returns:
       [B, T, Hq, D] in q.dtype (and lse: f32[B, T, Hq] with return_lse).
     """
-    check_decode_args(q, k, v, indices, lengths, block_size, shared_rows=True)
-    indices = query_rows(indices, q.shape[1])
+    check_decode_args(q, k, v, indices, lengths, block_size)
     _check_supported(q, block_size, None, interpret)
     B, T, Hq, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]

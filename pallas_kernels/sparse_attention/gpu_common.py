@@ -101,6 +101,15 @@ def entry_rows(ent, lane, limit, block_size: int):
     return ok, jnp.where(ok, tok, 0)
 
 
+def group_query_rows(q_ref, row, rows: int, G: int, T: int, head):
+    """In-kernel: query rows `row` (i32[M]) of KV head `head`'s GQA group over the T new tokens, row = t * G + g,
+    from q_ref [T * Hq, D] (every token's query heads, token-major); rows at or past `rows` repeat the last real one
+    (their outputs are dropped). Returns (q [M, D], t i32[M] each row's token)."""
+    rc = jnp.minimum(row, rows - 1)
+    t = rc // G
+    return q_ref[t * (q_ref.shape[0] // T) + head * G + rc % G, :], t
+
+
 def _online_softmax_step(q, k, v, ok, carry, scale):
     """One flash step: q [M, D], k/v [n, D], ok bool[M, n] (or [1, n]); carry (o f32[M, D], m f32[M], l f32[M])."""
     o, m, l = carry

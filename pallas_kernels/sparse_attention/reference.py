@@ -30,7 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.sparse_attention.common import (block_token_positions, check_decode_args, query_rows,
+from pallas_kernels.sparse_attention.common import (block_token_positions, check_decode_args,
                                                     check_prefill_args, default_scale)
 
 Array = jax.Array
@@ -68,7 +68,7 @@ def sparse_decode_reference(q: Array, k: Array, v: Array, indices: Array, length
       k: [B, Hkv, N, D] head-major key cache (the new tokens already written), N % block_size == 0.
       v: [B, Hkv, N, D] value cache, like k.
       indices: int32[B, Hkv, T, K] selected blocks per KV head and new token, -1 padded (see the module
-        docstring for the contract); or [B, Hkv, 1, K], one row for all T tokens (the same as broadcast).
+        docstring for the contract).
       lengths: int32[B] valid tokens per row after the write (T <= lengths <= N).
       block_size: tokens per index entry.
       scale: softmax scale; None means 1 / sqrt(D).
@@ -80,9 +80,8 @@ def sparse_decode_reference(q: Array, k: Array, v: Array, indices: Array, length
       lse (only with return_lse): f32[B, T, Hq]; a selected key's post-softmax probability is
         exp(scale * q.k - lse); -inf for a query with no valid key.
     """
-    check_decode_args(q, k, v, indices, lengths, block_size, shared_rows=True)
+    check_decode_args(q, k, v, indices, lengths, block_size)
     B, T, Hq, D = q.shape
-    indices = query_rows(indices, T)
     Hkv, N = k.shape[1], k.shape[2]
     G = Hq // Hkv
     scale = default_scale(D, scale)

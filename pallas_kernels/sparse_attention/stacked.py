@@ -38,7 +38,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.layers import check_layer, layer_index, select_layer  # noqa: F401  (re-exported)
 from pallas_kernels.sparse_attention import gpu, reference, tpu
 from pallas_kernels.sparse_attention.common import blocks_at_or_before, check_decode_args, default_scale, query_rows
-from pallas_kernels.sparse_attention.gpu_common import entry_rows
+from pallas_kernels.sparse_attention.gpu_common import entry_rows, group_query_rows
 
 Array = jax.Array
 
@@ -87,7 +87,7 @@ def sparse_decode_stacked_reference(q: Array, k_all: Array, v_all: Array, layer:
                                     lengths: Array, *, block_size: int = 1, scale: float | None = None,
                                     return_lse: bool = False) -> Array | tuple[Array, Array]:
     """The specification: slice the layer, then `reference.sparse_decode_reference`."""
-    check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size, shared_rows=True)
+    check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size)
     return reference.sparse_decode_reference(q, select_layer(k_all, layer), select_layer(v_all, layer), indices,
                                              lengths, block_size=block_size, scale=scale, return_lse=return_lse)
 
@@ -166,15 +166,10 @@ def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, e
     e = _entries(ent_ref, head, pl.ds(base, Ep), base + j < n_valid)
     useful = blocks_at_or_before(e, limit, block_size)
     n_entries = jnp.max(jnp.where(useful, j + 1, 0))
-    rows = T * G if shared else G
+    rows = T * G if shared else G  # shared: q_ref [T * Hq, D], row t * G + g; else the token's q_ref [Hq, D]
     lane = jnp.arange(max(gpu._MIN_ROWS, pl.next_power_of_2(rows)), dtype=jnp.int32)
-    r = jnp.minimum(lane, rows - 1)  # rows past the real ones repeat the last; their outputs are dropped
-    if shared:
-        t_r = r // G
-        q = q_ref[t_r * (Hkv * G) + pl.program_id(1) * G + r % G, :]  # [Mp, D]
-        row_limit = jnp.minimum(len_ref[0] - T + t_r, N - 1)  # [Mp] each row's last visible token
-    else:
-        q = q_ref[pl.program_id(1) * G + r, :]  # [Gp, D]
+    q, t_r = group_query_rows(q_ref, lane, rows, G, T if shared else 1, pl.program_id(1))  # [Mp, D]
+    row_limit = jnp.minimum(len_ref[0] - T + t_r, N - 1) if shared else None  # each row's last visible token
     gp, d = q.shape
 
     def body(it, carry):
@@ -251,11 +246,10 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
     """
     B, T, Hq, D = q.shape
     G = 1 if query_heads else Hq // k_all.shape[2]  # query heads: a "group" of one query per program
-    if return_mass and not query_heads:  # the entry mass is per query row ([B, Hkv, T, K], `sparse_decode_mass_reference`'s contract)
-        check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size, stacked_indices=indices.ndim == 5)
-    if shared_rows(indices, T) and (return_mass or head_map is not None or query_heads
-                                    or pl.next_power_of_2(T * G) > SHARED_MAX_ROWS):
-        indices = query_rows(indices, T)  # one program per query: the entry mass and maps are per query row
+    # A program per query where one program cannot take the shared row's T x G query rows; the entry mass takes a
+    # row per query only (`sparse_decode_mass_reference`'s contract), refused by the launch's check.
+    if shared_rows(indices, T) and not return_mass and (head_map is not None or query_heads or too_wide(T, G)):
+        indices = query_rows(indices, T)
     res = decode_partials_stacked(q, k_all, v_all, layer, indices, lengths, block_size=block_size, scale=scale,
                                   return_mass=return_mass, config=config, head_map=head_map, query_heads=query_heads,
                                   interpret=interpret)
@@ -293,6 +287,11 @@ def shared_rows(indices: Array, T: int) -> bool:
     return indices.ndim == 4 and indices.shape[2] == 1 and T > 1
 
 
+def too_wide(T: int, G: int) -> bool:
+    """Whether T x G query rows (padded to a power of two) are more than one shared-row program takes."""
+    return pl.next_power_of_2(T * G) > SHARED_MAX_ROWS
+
+
 def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array,
                             *, block_size: int, scale: float | None, return_mass: bool, config: gpu.DecodeConfig,
                             head_map: Array | None, query_heads: bool = False, interpret: bool) -> tuple:
@@ -300,16 +299,11 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
     (o f32[S, B, H, T, Gp, D], m, l f32[S, B, H, T, Gp], H = Hkv, or Hq with query_heads; rows past G (1 with
     query_heads) are never written) and with return_mass the entry sums el, em f32[S, B, Hkv, T, Gp, E] and the
     written counts nw i32[S, B, Hkv, T, 1]. With one index row for the T queries ([B, Hkv, 1, K], `shared_rows`;
-    not with return_mass, head_map or query_heads) the partials are o f32[S, B, Hkv, 1, Mp, D], m, l
+    not with return_mass, head_map, query_heads or `too_wide` rows) the partials are o f32[S, B, Hkv, 1, Mp, D], m, l
     f32[S, B, Hkv, 1, Mp]: row r = t * G + g of the one program per (b, h, split), rows past T * G never written."""
     stacked = indices.ndim == 5  # every layer's index rows, the layer's read in place
     B, T = q.shape[:2]
     shared = shared_rows(indices, T)
-    if shared and (return_mass or head_map is not None or query_heads
-                   or pl.next_power_of_2(T * (q.shape[2] // k_all.shape[2])) > SHARED_MAX_ROWS):
-        raise ValueError(f"indices has shape {tuple(indices.shape)} (one row for all T={T} queries) with "
-                         f"return_mass, head_map, query_heads or more than {SHARED_MAX_ROWS} query rows per KV head: "
-                         "expected a row per query [B, Hkv, T, K]")
     if query_heads:
         Hq, Hkv = q.shape[2], k_all.shape[2]
         for bad, what in ((return_mass, "return_mass"), (head_map is not None, "head_map"),
@@ -321,9 +315,14 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
                              f"query head [B, Hq={Hq}, T, K]")
         per_kv_head = jax.ShapeDtypeStruct((indices.shape[0], Hkv) + indices.shape[2:], indices.dtype)
         check_stacked_args(q, k_all, v_all, layer, per_kv_head, lengths, block_size)
-    else:
+    else:  # every layer's rows [L, B, Hkv, T, K] take a row per query
         check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size, stacked_indices=stacked,
-                           shared_rows=not stacked)  # every layer's rows [L, B, Hkv, T, K]: one row per query
+                           shared_rows=not stacked)
+    Hkv = k_all.shape[2]
+    if shared and (return_mass or head_map is not None or too_wide(T, q.shape[2] // Hkv)):
+        raise ValueError(f"indices has shape {tuple(indices.shape)} (one row for all T={T} queries) with "
+                         f"return_mass, a head_map or more than {SHARED_MAX_ROWS} query rows per KV head: expected "
+                         f"[B={B}, Hkv={Hkv}, T={T}, K] (a row per query)")
     if head_map is not None:
         check_head_map(head_map, k_all.shape[2], k_all.shape[0])
         if return_mass:
@@ -413,8 +412,7 @@ def sparse_decode_stacked_tpu(q: Array, k_all: Array, v_all: Array, layer: Array
     Returns:
       [B, T, Hq, D] in q.dtype (and lse: f32[B, T, Hq] with return_lse).
     """
-    check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size, shared_rows=True)
-    indices = query_rows(indices, q.shape[1])
+    check_stacked_args(q, k_all, v_all, layer, indices, lengths, block_size)
     tpu._check_supported(q, block_size, None, config)
     B, T, Hq, D = q.shape
     L, _, Hkv, N, _ = k_all.shape

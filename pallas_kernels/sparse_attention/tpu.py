@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.sparse_attention.common import (blocks_at_or_before, blocks_before, check_decode_args, query_rows,
+from pallas_kernels.sparse_attention.common import (blocks_at_or_before, blocks_before, check_decode_args,
                                                    check_prefill_args, default_scale)
 
 Array = jax.Array
@@ -155,8 +155,7 @@ def sparse_decode_tpu(q: Array, k: Array, v: Array, indices: Array, lengths: Arr
     Returns:
       [B, T, Hq, D] in q.dtype (and lse: f32[B, T, Hq] with return_lse).
     """
-    check_decode_args(q, k, v, indices, lengths, block_size, shared_rows=True)
-    indices = query_rows(indices, q.shape[1])
+    check_decode_args(q, k, v, indices, lengths, block_size)
     _check_supported(q, block_size, None, config)
     B, T, Hq, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]

@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.sparse_attention.common import (block_token_positions, check_decode_args, query_rows,
+from pallas_kernels.sparse_attention.common import (block_token_positions, check_decode_args,
                                                     check_prefill_args, default_scale)
 
 Array = jax.Array
@@ -56,9 +56,8 @@ def sparse_decode_xla(q: Array, k: Array, v: Array, indices: Array, lengths: Arr
     Returns:
       out: [B, T, Hq, D] in q.dtype (and lse: f32[B, T, Hq] with return_lse).
     """
-    check_decode_args(q, k, v, indices, lengths, block_size, shared_rows=True)
+    check_decode_args(q, k, v, indices, lengths, block_size)
     B, T, Hq, D = q.shape
-    indices = query_rows(indices, T)
     Hkv, N = k.shape[1], k.shape[2]
     G, K, nb = Hq // Hkv, indices.shape[3], N // block_size
     scale = default_scale(D, scale)

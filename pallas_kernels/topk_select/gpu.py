@@ -73,7 +73,8 @@ class SelectConfig:
       num_warps: warps per program.
       path: "auto" ("row" when N <= row_max, except "ordered" for at least ordered_min_rows rows of more than
         ordered_row_above scores (and at least its sample) whose band fits ordered_max_cap; above row_max "ordered"
-        for at least ordered_min_rows rows whose band fits ordered_max_cap, "sample" otherwise), "row", "fused", "sample", "ordered" or "passes" (module docstring);
+        for at least ordered_min_rows rows whose band fits ordered_max_cap, "sample" otherwise), "row", "fused",
+        "sample", "ordered" or "passes" (module docstring);
         "sample" and "ordered" take "fused" for rows shorter than their sample.
         bits_per_pass, block_n, compact_block_n, target_programs and num_warps tune "fused" and "passes".
       row_max: the longest row "auto" sends to the single-launch "row" kernel (<= gpu_row.ROW_LIMIT).
