@@ -284,8 +284,12 @@ def filled_state(method, cfg, cache: KVCache, capacity: int, seed: int = 5):
     leaves, tree = jax.tree_util.tree_flatten(shapes)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     ints = [not jnp.issubdtype(sh.dtype, jnp.floating) for sh in leaves]
-    # The integer leaves' own values (an index -1 means "none"; zeros would name key 0), made only where there are any.
-    inits = jax.tree_util.tree_leaves(method.init_state(cfg, batch, capacity)) if any(ints) else [None] * len(leaves)
+    # The integer leaves' own values (an index -1 means "none"; zeros would name key 0), made only where there are any,
+    # in one jit that returns them alone: the float leaves (H2O's scores) are not allocated a second time.
+    def int_leaves():
+        return [x for x, i in zip(jax.tree_util.tree_leaves(method.init_state(cfg, batch, capacity)), ints) if i]
+    made = iter(jax.jit(int_leaves)() if any(ints) else ())
+    inits = [next(made) if i else None for i in ints]
     state = jax.tree_util.tree_unflatten(tree, [fill(sh, k, i) for sh, k, i in zip(leaves, keys, inits)])
     return state, "random normal values of its shapes (synthetic: each head's choice differs, as in a run)"
 
