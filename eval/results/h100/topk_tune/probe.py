@@ -5,7 +5,9 @@ cache of Llama-3.1-8B / Qwen3-8B heads (Hq 32, Hkv 8, D 128) at the bench's cont
 `topk_select_gpu` keeps budget 0.1 (min 128) of them per (row, KV head), K wide, as `anchor_attention.common.select`
 does. For each case (batch, context) it times, in a jitted loop of 31 calls (a step's sparse layers; each call's k
 depends on the one before, so nothing is hoisted), every `SelectConfig` variant below, and checks its indices
-against the default's (exact equality). Then the scoring pass with its pooling in XLA (the default) and in Triton
+against the default's (exact equality); the "reduce2d" variants turn `gpu_row.REDUCE_2D` on (each radix pass's
+candidate counts in one 2-D reduction instead of one per two candidates). First, the one-launch "row" path on rows
+of EvoSparse's retrieval block scores (random normal), with and without REDUCE_2D. Then the scoring pass with its pooling in XLA (the default) and in Triton
 (`AnchorConfig(pool="triton")`), 31 calls, outputs compared.
 
     GIT_COMMIT=<sha> PYTHONPATH=. python3 probe.py      (SMOKE=1: a small shape in the Pallas interpreter, on a CPU)
@@ -13,6 +15,8 @@ against the default's (exact equality). Then the scoring pass with its pooling i
 Writes $OUT/topk_tune.json and prints a table last (us per call).
 """
 import json, os, sys, time
+
+import pallas_kernels.topk_select.gpu_row as gpu_row
 
 import jax
 import jax.numpy as jnp
@@ -44,9 +48,14 @@ VARIANTS = {
     "fused": SelectConfig(path="fused"),
     "row": SelectConfig(path="row"),
     "bits4_cb2048_tp2048": SelectConfig(row_bits=4, compact_block_n=2048, target_programs=2048),
+    "reduce2d": SelectConfig(),  # gpu_row.REDUCE_2D on: each radix pass's counts in one 2-D reduction
+    "reduce2d_bits4": SelectConfig(row_bits=4),
+    "reduce2d_row": SelectConfig(path="row"),
 }
+# Rows of EvoSparse's retrieval block scores (100K / 16 blocks, 128 kept) on the one-launch "row" path.
+ROW_CASES = [] if SMOKE else [(32, 6256, 128), (8, 6256, 128), (32, 2016, 128)]
 if SMOKE:
-    VARIANTS = {k: v for k, v in VARIANTS.items() if k in ("default", "row_bits4", "ordered", "row")}
+    VARIANTS = {k: v for k, v in VARIANTS.items() if k in ("default", "row_bits4", "ordered", "row", "reduce2d")}
     VARIANTS = {k: (v if k == "row" else SelectConfig(**{**v.__dict__, "sample_size": 32, "band_cap": 64}))
                 for k, v in VARIANTS.items()}
 OUT = os.path.join(os.environ.get("OUT", "/tmp"), "topk_tune.json")
@@ -54,13 +63,36 @@ T0 = time.time()
 BUDGET_S = 540.0
 
 
+def set_2d(name):
+    on = name.startswith("reduce2d")
+    if gpu_row.REDUCE_2D != on:
+        gpu_row.REDUCE_2D = on
+        jax.clear_caches()  # the kernels trace again
+
+
+def row_cases(facts, rows):
+    for R, N, k in ROW_CASES:
+        x = jax.random.normal(jax.random.key(R + N), (R, N), jnp.float32)
+        kk = jnp.full((R,), k, jnp.int32)
+        ref = None
+        for name in ("default", "reduce2d", "default"):
+            set_2d(name)
+            out = np.asarray(topk_select_gpu(x, kk, k))
+            ref = out if ref is None else ref
+            us = pipelined_ms(select_loop(SelectConfig(), k), (x, kk), n=10) * 1e3 / LOOP
+            rows.append({"rows": R, "N": N, "K": k, "variant": name, "path": SelectConfig().pick_path(N, R, k),
+                         "us_per_call": us, "equal_to_default": bool(np.array_equal(out, ref))})
+            print(rows[-1], flush=True)
+            json.dump({**facts, "rows": rows}, open(OUT, "w"), indent=1)
+
+
 def select_loop(cfg, K):
     @jax.jit
     def run(scores, kk):
         def body(i, c):
             acc, k = c
-            idx = topk_select_gpu(scores, k, K, config=cfg, interpret=SMOKE)
-            return acc + idx[0, 0, 0, 0], k + jnp.minimum(idx[0, 0, 0, 0], 0)  # k unchanged; a dependence
+            idx = topk_select_gpu(scores, k, K, config=cfg, interpret=SMOKE).reshape(-1)
+            return acc + idx[0], k + jnp.minimum(idx[0], 0)  # k unchanged; a dependence
         return jax.lax.fori_loop(0, LOOP, body, (jnp.int32(0), kk))[0]
     return run
 
@@ -80,6 +112,7 @@ def main():
     rows = []
     facts = {**device_facts(), "commit": os.environ.get("GIT_COMMIT"), "command": "python " + " ".join(sys.argv)}
     best = []
+    row_cases(facts, rows)
     for B, ctx in CASES:
         if time.time() - T0 > BUDGET_S:
             rows.append({"batch": B, "context": ctx, "skipped": "time budget"})
@@ -97,8 +130,9 @@ def main():
         names = list(VARIANTS) if (B, ctx) in FULL or SMOKE else ["default"] + best[:3]
         for name in names:
             cfg = VARIANTS[name]
-            if name == "row" and N > 32768:
+            if name.endswith("row") and N > 32768:
                 continue
+            set_2d(name)
             try:
                 out = np.asarray(topk_select_gpu(scores, kk, K, config=cfg, interpret=SMOKE))
                 if ref is None:
@@ -118,6 +152,7 @@ def main():
             r = sorted([r for r in rows if r.get("context") == ctx and r.get("batch") == B and "us_per_call" in r
                         and r["variant"] != "default" and r["equal_to_default"]], key=lambda r: r["us_per_call"])
             best = [r["variant"] for r in r]
+        set_2d("default")
         s_ref = None
         for pool in ("xla", "triton"):
             cfg = AnchorConfig(pool=pool)
@@ -133,7 +168,7 @@ def main():
     print("\n| batch | context | variant | path | us a call | equal |")
     for r in rows:
         if "us_per_call" in r:
-            print(f"| {r['batch']} | {r['context']} | {r['variant']} | {r.get('path', '')} | {r['us_per_call']:.1f} | "
+            print(f"| {r.get('batch', r.get('rows'))} | {r.get('context', r.get('N'))} | {r['variant']} | {r.get('path', '')} | {r['us_per_call']:.1f} | "
                   f"{r.get('equal_to_default', r.get('max_abs_diff_vs_xla'))} |")
 
 
