@@ -60,7 +60,7 @@ if SMOKE:
                 for k, v in VARIANTS.items()}
 OUT = os.path.join(os.environ.get("OUT", "/tmp"), "topk_tune.json")
 T0 = time.time()
-BUDGET_S = 540.0
+BUDGET_S = 280.0
 
 
 def set_2d(name):
