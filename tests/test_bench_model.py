@@ -485,13 +485,16 @@ def test_decode_bytes_read_every_weight_once_and_the_kv_of_the_context(tiny, tie
 def test_kascade_and_oracle_bytes_are_a_hand_count_per_layer(tiny):
     """Kascade: layer 0 reads all of K and V, every other anchor all of K (its top-k scores) and the picked rows of K
     and V, a reuse layer the picked rows only (the method's own roles). Oracle: its dense layers all of K and V, the
-    others all of K (exact scores) and the picked rows."""
+    others all of K (exact scores) and the picked rows. Every layer that scores all of K also writes and reads each
+    query head's f32 logits and the f32 pooled scores of each (row, KV head)."""
     from jsparse.methods.kascade import ROLE_ANCHOR, ROLE_DENSE_ANCHOR, ROLE_REUSE
     cfg, _ = tiny
     n, B, k = 10_000, 2, 1000  # k = ceil(0.1 * n)
     U = B * cfg.num_kv_heads * cfg.head_dim * 2  # one position of K (or V), bf16, every row and KV head
     kascade, _ = bench_model.bench_method("kascade", cfg, 0.1)
-    per_role = {ROLE_DENSE_ANCHOR: 2 * n * U, ROLE_ANCHOR: n * U + 2 * k * U, ROLE_REUSE: 2 * k * U}
+    G = cfg.num_heads // cfg.num_kv_heads
+    scores = B * cfg.num_kv_heads * n * (2 * G * 4 + 2 * 4)  # logits (G a key) and pooled scores, f32, out and in
+    per_role = {ROLE_DENSE_ANCHOR: 2 * n * U + scores, ROLE_ANCHOR: n * U + scores + 2 * k * U, ROLE_REUSE: 2 * k * U}
     roles = np.asarray(kascade.roles).tolist()
     assert roles.count(ROLE_REUSE) == 1  # the tiny model: anchors 0, 1, 2, 4, 5
     assert bench_model.attention_bytes("kascade", kascade, cfg, B, n) == sum(per_role[r] for r in roles)
@@ -499,7 +502,7 @@ def test_kascade_and_oracle_bytes_are_a_hand_count_per_layer(tiny):
     d = oracle.dense_layers
     assert 0 < d < cfg.num_layers
     assert bench_model.attention_bytes("oracle", oracle, cfg, B, n) == (
-        d * 2 * n * U + (cfg.num_layers - d) * (n * U + 2 * k * U))
+        d * 2 * n * U + (cfg.num_layers - d) * (n * U + scores + 2 * k * U))
 
 
 def test_quest_bytes_count_the_partial_last_page(tiny):
@@ -595,13 +598,15 @@ def test_butler_bytes_are_its_state_and_predictor_beside_the_picked_rows(tiny, o
 
 
 def test_method_rows_count_the_bytes_at_the_timed_steps_mean_context(tiny):
-    """A row's bytes are the weights once + its attention's at the mean context of the timed steps (context +
-    steps // 2), and floor_speedup is dense's bytes over the method's."""
+    """A row's bytes are the weights once + its attention's at the mean context of the timed steps, which go on from
+    the untimed first call's (context + steps + steps // 2), and floor_speedup is dense's bytes over the method's;
+    the first call's time per step is kept beside the timed one."""
     cfg, params = tiny
     context, B, steps = 384, 2, 4
     rows = bench_model.method_rows(cfg, params, ("dense", "streaming"), [context], [B], steps, 1000.0, 0.25)
     r = {x["method"]: x for x in rows}
-    n = context + steps // 2
+    assert all(x["first_call_step_ms"] > 0 and x["step_ms"] > 0 for x in rows)
+    n = context + steps + steps // 2
     U = B * cfg.num_kv_heads * cfg.head_dim * 2
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) - params.embed.size * 4 \
         + cfg.hidden_size * 2
@@ -694,12 +699,15 @@ def test_method_options_reach_the_bytes_model(tiny, name, options):
         d, k = options.get("dense_layers", 0), max(k, options.get("min_tokens", 0))  # its own min_tokens
         # H2O's carried candidates per row (positions read and written, scores gathered), or its whole score row
         ranked = (3 * method.kept_width(k) if method.carry else n) if name == "h2o" else 0
-        per = {"streaming": 2 * k * U, "h2o": 2 * k * U + B * Hkv * (ranked + 2 * k) * 4, "oracle": n * U + 2 * k * U}
+        scores = B * Hkv * n * (2 * G + 2) * 4  # the oracle's logits and pooled scores (f32, written and read)
+        per = {"streaming": 2 * k * U, "h2o": 2 * k * U + B * Hkv * (ranked + 2 * k) * 4,
+               "oracle": n * U + scores + 2 * k * U}
         assert got == d * 2 * n * U + (L - d) * per[name]
     elif name == "kascade":
         from jsparse.methods.kascade import ROLE_ANCHOR, ROLE_DENSE_ANCHOR
         roles = np.asarray(method.roles).tolist()
-        per_role = {ROLE_DENSE_ANCHOR: 2 * n * U, ROLE_ANCHOR: n * U + 2 * k * U}
+        scores = B * Hkv * n * (2 * G + 2) * 4  # every anchor's logits and pooled scores
+        per_role = {ROLE_DENSE_ANCHOR: 2 * n * U + scores, ROLE_ANCHOR: n * U + scores + 2 * k * U}
         assert got == sum(per_role.get(r, 2 * 2 * k * U) for r in roles)  # reuse layers at 2 * budget
     elif name == "evosparse":
         assert method.dense_layers == options.get("dense_layers", 2)

@@ -48,6 +48,11 @@ is set). With XLA_PYTHON_CLIENT_PREALLOCATE=false the allocator grows on demand 
 pieces: on an H100 every 100K, batch 4 row then ran out of memory allocating one 24.4 GiB cache half
 (eval/results/h100/generate_loop/NOTES.md). The bench warns when that variable is false and records it in the JSON.
 
+Decode timing: one untimed call of `--steps` steps from the filled cache (its time per step is the row's
+`first_call_step_ms`: the first steps after a fill, with any one-time work a method does there, such as H2O ranking
+every score once, and the first execution's own costs), then one timed call of as many steps going on from where the
+first left off (`step_ms`: steady-state decode, each method's state the one its own steps left).
+
 Each row carries `speedup` (dense step time / the method's, dense measured in the same run),
 `floor_speedup` (dense bytes per step / the method's bytes per step, weights included) and their ratio
 `floor_fraction`, the issue's "share of its own bytes-floor speedup".
@@ -403,15 +408,21 @@ def attention_bytes(name: str, method, cfg, batch: int, n: int) -> int:
     def picked(budget):  # the K and V rows of a budget's selection
         return 2 * sel.budget_tokens(budget, n, min_tokens) * U
 
+    # The exact pooled scores of a layer that scores every key (Kascade's anchors, the oracle's sparse layers): each
+    # query head's f32 logits written by the scoring pass and read by the pooling (the pooled score needs every
+    # head's logsumexp over the whole row first: `pallas_kernels.anchor_attention.gpu`), and the f32 pooled scores
+    # written and read once by the selection. Counted since 2026-12-06 (omitted before, which overstated these two
+    # methods' floors by 3-8%), as H2O's scores and Quest's bounds are.
+    scores = batch * cfg.num_kv_heads * n * (2 * cfg.num_heads // cfg.num_kv_heads * 4 + 2 * 4)
     if name == "kascade":  # layer 0 dense; each anchor scores the whole K, then reads its picked rows
         from jsparse.methods.kascade import ROLE_ANCHOR, ROLE_DENSE_ANCHOR
         roles = np.asarray(method.roles)
         dense, anchors = int((roles == ROLE_DENSE_ANCHOR).sum()), int((roles == ROLE_ANCHOR).sum())
-        return (dense * dense_layer + anchors * (n * U + picked(method.budget))
+        return (dense * (dense_layer + scores) + anchors * (n * U + scores + picked(method.budget))
                 + (L - dense - anchors) * picked(method.reuse_budget))
     d = min(method.dense_layers, L)
     if name == "oracle":  # exact scores over K, then the picked rows
-        return d * dense_layer + (L - d) * (n * U + picked(method.budget))
+        return d * dense_layer + (L - d) * (n * U + scores + picked(method.budget))
     if name == "streaming":
         return d * dense_layer + (L - d) * picked(method.budget)
     if name == "quest":  # per-page min and max of K (f32, `QuestState`) + each query head's pages
@@ -529,14 +540,19 @@ def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, pre
                     cache = filled_cache(cfg, batch, context, capacity, params.embed.dtype)
                     state, row["state_values"] = filled_state(method, cfg, cache, capacity)
                     row["memory_gib"] = _memory_gib()  # beside the cache and state, before the first call
+                    t0 = time.perf_counter()
                     tok, cache, state = step(params, method, tok, cache, state)
                     jax.block_until_ready(tok)  # warm
-                    cache = KVCache(k=cache.k, v=cache.v, lengths=jnp.full((batch,), context, jnp.int32))
+                    row["first_call_step_ms"] = (time.perf_counter() - t0) * 1e3 / steps
+                    # The timed steps go on from the warm ones (positions context + steps ..), so every method's
+                    # state is the one its own steps left: steady-state decode. Rewound to the context instead (as
+                    # before 2026-12-06), H2O's carried candidates were stale and its first timed step ranked every
+                    # score again, a cost a generation pays once after its prefill (`first_call_step_ms` holds it).
                     t0 = time.perf_counter()
                     tok, cache, state = step(params, method, tok, cache, state)
                     jax.block_until_ready(tok)
                     ms = (time.perf_counter() - t0) * 1e3 / steps
-                    n = context + steps // 2
+                    n = context + steps + steps // 2  # the timed steps' middle position
                     nbytes = weights + attention_bytes(name.split(":")[0], method, cfg, batch, n)
                     dense_bytes = weights + attention_bytes("dense", None, cfg, batch, n)
                     row.update(step_ms=ms, tokens_per_s=batch / (ms * 1e-3), bytes=nbytes,
