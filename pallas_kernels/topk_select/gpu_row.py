@@ -54,8 +54,6 @@ def row_threshold(key: Array, kk: Array, n, bits: int, max_passes: int | None = 
     """
     M = 1 << bits
     passes = 32 // bits if max_passes is None else max_passes
-    if REDUCE_2D:
-        return _row_threshold_2d(key, kk, n, bits, passes)
 
     def cond(c):
         p, _, cnt = c
@@ -79,35 +77,6 @@ def row_threshold(key: Array, kk: Array, n, bits: int, max_passes: int | None = 
             ge = cj >= kk  # counts fall with j: the last candidate still >= kk wins
             jstar = jstar + ge.astype(jnp.int32)
             new_cnt = jnp.where(ge, cj, new_cnt)
-        return p + 1, lo + lax.shift_left(jstar, shift), new_cnt
-
-    _, lo, cnt = lax.while_loop(cond, body, (jnp.int32(0), jnp.int32(INT_MIN), jnp.asarray(n, jnp.int32)))
-    return lo, cnt, (kk <= 0) | (cnt == kk)
-
-
-# The candidates' counts of a pass as ONE reduction of a [2**bits, P] comparison (True) or one reduction per two
-# candidates, packed in 16-bit halves (False). Probe: eval/results/h100/topk_tune/.
-REDUCE_2D = False
-
-
-def _row_threshold_2d(key: Array, kk: Array, n, bits: int, passes: int):
-    """`row_threshold` with each pass's 2**bits candidate counts from one 2-D reduction (candidate 0 is lo itself,
-    its count the running one; the counts fall with the candidate, so the last one still >= kk wins)."""
-    j = jnp.arange(1 << bits, dtype=jnp.int32)
-
-    def cond(c):
-        p, _, cnt = c
-        return (p < passes) & (cnt != kk) & (kk > 0)
-
-    def body(c):
-        p, lo, cnt = c
-        shift = jnp.int32(32 - bits) - jnp.int32(bits) * p
-        cand = lo + lax.shift_left(j, shift)  # wrapping, as row_threshold's
-        counts = jnp.sum((key[None, :] >= cand[:, None]).astype(jnp.int32), axis=1)  # [2**bits]
-        counts = jnp.where(j == 0, cnt, counts)  # lo's own: padding keys INT_MIN are >= lo = INT_MIN
-        ge = counts >= kk
-        jstar = jnp.sum(ge.astype(jnp.int32)) - 1
-        new_cnt = jnp.min(jnp.where(ge, counts, jnp.int32(2**31 - 1)))
         return p + 1, lo + lax.shift_left(jstar, shift), new_cnt
 
     _, lo, cnt = lax.while_loop(cond, body, (jnp.int32(0), jnp.int32(INT_MIN), jnp.asarray(n, jnp.int32)))
