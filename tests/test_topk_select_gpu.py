@@ -417,15 +417,20 @@ def test_dispatch_and_config_errors():
     assert gpu.SelectConfig().pick_path(16384) == "row"
     assert gpu.SelectConfig().pick_path(16385) == "sample"
     assert gpu.SelectConfig(row_max=1000).pick_path(6256) == "sample"
-    assert gpu.SelectConfig(row_max=1000).pick_path(2047) == "fused"  # shorter than the sample (2048)
+    assert gpu.SelectConfig(row_max=1000).pick_path(1023) == "fused"  # shorter than the sample (1024 at N <= 32K)
+    assert gpu.SelectConfig(row_max=1000).pick_path(2047) == "sample"
     assert gpu.SelectConfig(path="passes").pick_path(10) == "passes"
-    assert gpu.SelectConfig(path="sample").pick_path(2047) == "fused"  # shorter than the sample
-    assert gpu.SelectConfig(path="sample").pick_path(2048) == "sample"
+    assert gpu.SelectConfig(path="sample").pick_path(1023) == "fused"  # shorter than the sample
+    assert gpu.SelectConfig(path="sample").pick_path(1024) == "sample"
     assert gpu.SelectConfig(path="ordered").pick_path(4095) == "fused"  # the "ordered" path samples 4096
     assert gpu.SelectConfig(path="ordered").pick_path(4096) == "ordered"
     set_ = gpu.SelectConfig(path="sample", sample_size=8192)  # a sample set: both paths take it
     assert (set_.pick_path(8191), set_.sample_for("sample"), set_.sample_for("ordered")) == ("fused", 8192, 8192)
     assert (gpu.SelectConfig().sample_for("sample"), gpu.SelectConfig().sample_for("ordered")) == (2048, 4096)
+    # rows of at most 32K scores sample 1024 on the "sample" path (not "ordered", nor a set sample_size)
+    cases = [("sample", 32768), ("sample", 32769), ("ordered", 32768)]
+    assert [gpu.SelectConfig().sample_for(p, n) for p, n in cases] == [1024, 2048, 4096]
+    assert set_.sample_for("sample", 1000) == 8192
     # "ordered" for many rows of a small K only (its band must fit ordered_max_cap)
     assert gpu.SelectConfig().pick_path(100000, 1536, 2080) == "ordered"
     assert gpu.SelectConfig().pick_path(100000, 96, 520) == "sample"

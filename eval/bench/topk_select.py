@@ -165,7 +165,7 @@ def resolution(x, k, K: int) -> dict:
     """How the sampled path resolves each row, counted from its launches 1 and 2 at the default config:
     {'a', 'band', 'b', 'fallback'} -> rows ('a' / 'b': t at a bracket end)."""
     c = gpu.SelectConfig()
-    sample = c.sample_for("sample")
+    sample = c.sample_for("sample", x.shape[-1])
     cap = c.band_cap or gpu_sample.band_capacity(K, x.shape[-1], sample, c.sample_sigmas)
     kw = dict(sample=sample, sigmas=c.sample_sigmas, cap=cap, bits=c.row_bits,
               block_n=c.compact_block_n, target_programs=c.target_programs, params=None, interpret=SMOKE)

@@ -16,7 +16,8 @@ for many rows of a small K, else "sample" (rows shorter than the sample: "fused"
     `common.split_plan` in XLA between them (~20 launches at 4 bits).
 
 The "passes" path: three kernels, each on a grid (R, S): one program per row and split of the row (S splits
-of whole chunks of `block_n` scores, so that R * S is about `target_programs` and every SM has work even with a few rows):
+of whole chunks of `block_n` scores, so that R * S is about `target_programs` and every SM has work even with a
+few rows):
   * `_count_kernel` (32 / bits_per_pass launches): for the 2**bits candidate keys lo + j * 2**shift of its
     row, how many of its scores have a key >= each (by the keys' radix digits, see the kernel); the split
     counts are summed and the next bin chosen in XLA (`common.radix_threshold`). Rows already resolved skip
@@ -57,6 +58,8 @@ PATHS = ("auto", "row", "fused", "sample", "ordered", "passes")
 
 
 DEFAULT_SAMPLE = {"sample": 2048, "ordered": 4096}  # SelectConfig.sample_size None: per path (its docstring)
+SHORT_SAMPLE = 1024  # the "sample" path's default sample for rows of at most SHORT_ROW scores
+SHORT_ROW = 32768
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +90,9 @@ class SelectConfig:
         None: `DEFAULT_SAMPLE` of the path, 2048 scores for "sample" and 4096 for "ordered" (`sample_for`;
         measured on an H200, eval/results/h200/topk_sample/: of 2048, 4096, 8192 and 16384, 2048 was the fastest
         "sample" at every shape tried, 8 to 3840 rows of 32K to 128K, e.g. Kascade's anchor rows at 100K, batch
-        4 66.3 -> 58.3 us; H2O's 1024 "ordered" rows were fastest at 4096, 662 -> 638 us).
+        4 66.3 -> 58.3 us; H2O's 1024 "ordered" rows were fastest at 4096, 662 -> 638 us), except SHORT_SAMPLE =
+        1024 for "sample" rows of at most SHORT_ROW scores (H100, eval/results/h100/topk_tune/: the anchors' rows of
+        32K, 8 and 56 of them, 30.0 -> 28.1 and 45.3 -> 43.4 us; 32 rows of 100K were 1 us slower at 1024).
       ordered_cap: the "ordered" path's band capacity (None: `gpu_ordered.band_capacity` of K).
       ordered_min_rows, ordered_max_cap: "auto" takes "ordered" instead of "sample" for at least this many rows
         whose band fits this capacity (measured on an H200, eval/results/h200/topk_ordered/: 1536 rows of 100K
@@ -116,9 +121,14 @@ class SelectConfig:
     ordered_max_cap: int = 8192
     ordered_row_above: int = 8192
 
-    def sample_for(self, path: str) -> int:
-        """The sampled scores per row of the "sample" or "ordered" path: sample_size, or the path's default."""
-        return DEFAULT_SAMPLE[path] if self.sample_size is None else self.sample_size
+    def sample_for(self, path: str, N: int | None = None) -> int:
+        """The sampled scores per row of the "sample" or "ordered" path for rows of N scores (None: long rows):
+        sample_size, or the path's default (SHORT_SAMPLE for "sample" rows of at most SHORT_ROW scores)."""
+        if self.sample_size is not None:
+            return self.sample_size
+        if path == "sample" and N is not None and N <= SHORT_ROW:
+            return SHORT_SAMPLE
+        return DEFAULT_SAMPLE[path]
 
     def pick_path(self, N: int, rows: int = 0, K: int | None = None) -> str:
         """The path for `rows` rows of N scores and width K (rows / K unknown: "sample" above row_max)."""
@@ -131,7 +141,7 @@ class SelectConfig:
                 path = "ordered"
         else:
             path = self.path
-        return "fused" if path in ("sample", "ordered") and N < self.sample_for(path) else path
+        return "fused" if path in ("sample", "ordered") and N < self.sample_for(path, N) else path
 
     def count_block(self) -> int:
         if self.block_n is not None:
@@ -268,7 +278,7 @@ def topk_select_gpu(scores: Array, k, K: int, *, span=None, config: SelectConfig
                 interpret=interpret)
         elif path == "sample":
             out = gpu_sample.topk_select_sample(
-                x, k_rows, Kp, sample=config.sample_for("sample"), sigmas=config.sample_sigmas, cap=config.band_cap,
+                x, k_rows, Kp, sample=config.sample_for("sample", N), sigmas=config.sample_sigmas, cap=config.band_cap,
                 bits=config.row_bits, block_n=config.compact_block_n, target_programs=config.target_programs,
                 num_warps=config.num_warps, span=sp, interpret=interpret)
         else:
