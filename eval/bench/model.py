@@ -727,7 +727,8 @@ def main(argv=None, prog=None):
     p.add_argument("--batch", default="1,8",
                    help=f"comma-separated batch sizes; with --methods also '{MAX_BATCH}': the largest at which every "
                         "method's cache and state fit beside the weights (largest_batch)")
-    p.add_argument("--steps", type=int, default=STEPS, help="decode steps timed per case, going on from as many untimed ones")
+    p.add_argument("--steps", type=int, default=STEPS,
+                   help="decode steps timed per case, going on from as many untimed ones")
     bm.add_out_argument(p, "bench_model.json", optional=True)
     p.add_argument("--methods", default="dense",
                    help=f"comma-separated methods (some of {','.join(METHODS + PREFILL_METHODS)}); anything beside "
