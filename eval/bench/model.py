@@ -412,7 +412,7 @@ def attention_bytes(name: str, method, cfg, batch: int, n: int) -> int:
     # query head's f32 logits written by the scoring pass and read by the pooling (the pooled score needs every
     # head's logsumexp over the whole row first: `pallas_kernels.anchor_attention.gpu`), and the f32 pooled scores
     # written and read once by the selection. Counted since 2026-12-06 (omitted before, which overstated these two
-    # methods' floors by 3-8%), as H2O's scores and Quest's bounds are.
+    # methods' floors by 0.3-8%), as H2O's scores and Quest's bounds are.
     scores = batch * cfg.num_kv_heads * n * (2 * cfg.num_heads // cfg.num_kv_heads * 4 + 2 * 4)
     if name == "kascade":  # layer 0 dense; each anchor scores the whole K, then reads its picked rows
         from jsparse.methods.kascade import ROLE_ANCHOR, ROLE_DENSE_ANCHOR
@@ -545,9 +545,9 @@ def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, pre
                     jax.block_until_ready(tok)  # warm
                     row["first_call_step_ms"] = (time.perf_counter() - t0) * 1e3 / steps
                     # The timed steps go on from the warm ones (positions context + steps ..), so every method's
-                    # state is the one its own steps left: steady-state decode. Rewound to the context instead (as
-                    # before 2026-12-06), H2O's carried candidates were stale and its first timed step ranked every
-                    # score again, a cost a generation pays once after its prefill (`first_call_step_ms` holds it).
+                    # state is the one its own steps left: steady-state decode. Before 2026-12-06 the lengths were
+                    # rewound to the context, leaving e.g. H2O's carried candidates ahead of the positions; no step
+                    # time moved measurably with the change (eval/results/h100/e2e_1206c/NOTES.md).
                     t0 = time.perf_counter()
                     tok, cache, state = step(params, method, tok, cache, state)
                     jax.block_until_ready(tok)
