@@ -159,3 +159,42 @@ def test_retrieval_layers_must_match_the_layout():
         m.replace(retrieval_layers=(3, 1))
     with pytest.raises(ValueError, match="the model has 5 layers"):
         EvoSparse(retrieval_layers=(7,)).segments(CFG, "decode")
+
+
+@pytest.mark.parametrize("heads,kw,lead,groups", [
+    # layer 1 (dense) scores: it selects layer 2; layer 3 scores and selects 3 and 4
+    (HEADS, {}, (0, 0), ((0, 0), (2, 1), (0, 0), (3, 2), (0, 0))),
+    # layer 2 inherits the empty set: selected before any layer runs; layer 3 selects 3 and 4
+    ([(3, 1)], {}, (2, 1), ((0, 0), (0, 0), (0, 0), (3, 2), (0, 0))),
+    # without retrieval every sparse layer is selected before any layer runs
+    ([(3, 1)], dict(retrieval_fraction=0.0, heat_fraction=0.5625), (2, 3), ((0, 0),) * 5)])
+def test_grouped_selection_equals_per_layer(heads, kw, lead, groups):
+    """`group_select` (the default): the sparse layers that inherit one retrieval set are selected at once, where
+    the set is computed (`selection_groups`), and decode steps give the same logits, heat and cache as each layer
+    selecting for itself; the groups are dropped at the end of the forward."""
+    m = EvoSparse.from_heads(CFG, heads, **KW)
+    if kw:
+        m = EvoSparse(**KW, **kw)
+    assert m.selection_groups(CFG.num_layers) == (lead, groups)
+    assert m.replace(group_select=False).selection_groups(CFG.num_layers) is None
+    params = random_params(CFG, jax.random.key(0), jnp.float32, scale=0.4)
+    ks = jax.random.split(jax.random.key(2), 3)
+    cache = init_cache(CFG, B, N, jnp.float32)
+    cache = cache.replace(k=jax.random.normal(ks[0], cache.k.shape), v=jax.random.normal(ks[1], cache.v.shape),
+                          lengths=jnp.array([90, 100], jnp.int32))
+    heat = jax.random.uniform(ks[2], m.init_state(CFG, B, N).heat.shape)
+    step = jax.jit(lambda p, m, t, c, s: llama.decode(p, CFG, m, t, c, s))
+    runs = []
+    for method in (m, m.replace(group_select=False)):
+        tok, c, s, logits = jnp.zeros((B, 1), jnp.int32), cache, method.init_state(CFG, B, N).replace(heat=heat), []
+        for _ in range(3):
+            out, c, s = step(params, method, tok, c, s)
+            logits.append(out)
+            tok = jnp.argmax(out, -1).astype(jnp.int32)
+        assert s.sel is None and s.heat_cand is None
+        runs.append((jnp.stack(logits), c, s))
+    (lg, cg, sg), (lp, cp, sp) = runs
+    np.testing.assert_allclose(lg, lp, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(sg.heat, sp.heat, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(np.asarray(cg.k), np.asarray(cp.k))
+    assert not np.allclose(sg.heat, heat)  # the steps attended and moved the heat

@@ -209,7 +209,7 @@ def test_selection_from_a_plan_subtracts_the_retrieval_set_in_kernel(has_ret):
 
 
 def test_select_kernels_stay_in_their_blocks():
-    """Every load and store of the two selection kernels stays inside its block (`pallas_bounds.checked_memory`:
+    """Every load and store of the selection kernels stays inside its block (`pallas_bounds.checked_memory`:
     the interpreter pads stray loads and drops stray stores, where a GPU reads or overwrites another program's
     rows): 37 blocks in a row of 64 lanes, a width of 12 in 32 lanes, 3 retrieval slots searched in 4, heat and
     candidates read at a layer of the stack, candidates padded with -1 and past the middle."""
@@ -228,6 +228,11 @@ def test_select_kernels_stay_in_their_blocks():
         got = gpu.select_from_candidates_gpu(stacked_h, stacked_c, ret, n_s, hi, nbv, count, full,
                                              layer=jnp.int32(-1), interpret=True, **kw)
         np.testing.assert_array_equal(got, want)
+        # Both layers at once into a stack of their rows, the last one included (a grid of 4 for the 2).
+        out = jnp.full((2, B, Hkv, width), -7, jnp.int32)
+        got = gpu.select_span_gpu(stacked_h, stacked_c, ret, gpu.make_plan(n_s, hi, nbv, count, full), out,
+                                  jnp.int32(0), jnp.int32(2), span=4, heat_width=width // 2, interpret=True)
+        np.testing.assert_array_equal(got[1], want)
 
 
 def test_select_from_candidates_limits():
@@ -350,3 +355,36 @@ def test_select_from_candidates_dispatch_on_a_gpu(monkeypatch):
     wide = jnp.concatenate([ret, jnp.full((2, gpu.CAND_LIMIT + 1 - ret.shape[1]), -1, jnp.int32)], axis=1)
     np.testing.assert_array_equal(select_from_candidates(heat, cand, wide, n_s, hi, nbv, count, full, **kw), want)
     assert calls == ["select_from_candidates_gpu"]
+
+
+@pytest.mark.parametrize("first,count", [(1, 3), (0, 4), (2, 0), (3, 1)])
+@pytest.mark.parametrize("has_ret", [True, False])
+def test_span_selects_several_layers_at_once(first, count, has_ret):
+    """`select_span` (several layers' selections in one launch, into their rows of a stacked output) writes rows
+    first .. first + count - 1 exactly as `select_from_plan` selects each layer (its own heat and candidates, the
+    shared set and plan) and keeps every other row: the Triton kernel (interpret mode, grid wider than count) and
+    the XLA path alike."""
+    from pallas_kernels.block_scores.api import select_from_plan, select_span
+    from pallas_kernels.block_scores.xla import heat_candidates
+    rng = np.random.default_rng(17 + first + 5 * count)
+    B, Hkv, nb, width, wr, L = 3, 2, 90, 24, 4, 5
+    heat, ret, n_s, hi, nbv, count_r, full = _case(rng, B, Hkv, nb, width, wr, True)
+    ret = ret if has_ret else None
+    hw = width // 2
+    k = _least_k(count_r, ret, n_s, hi, hw) + 2
+    plan = gpu.make_plan(n_s, hi, nbv, count_r + (0 if ret is None else jnp.sum(ret >= 0, axis=-1)), full)
+    heats = jnp.stack([heat * (1.0 + 0.5 * layer) + jnp.asarray(rng.random(heat.shape), jnp.float32)
+                       for layer in range(L)])  # every layer its own order
+    cands = heat_candidates(heats, n_s, hi, k, width=hw + wr + 3)
+    kw = dict(heat_width=hw, count_less_ret=True)
+    out = jnp.asarray(rng.integers(-1, nb, (L, B, Hkv, width)), jnp.int32)
+    want = np.array(out)
+    for layer in range(first, first + count):
+        want[layer] = select_from_plan(heats, cands, ret, plan, num_kv_heads=Hkv, width=width, layer=jnp.int32(layer),
+                                       implementation="xla", **kw)
+    assert count == 0 or not np.array_equal(want, np.asarray(out))
+    f, c = jnp.int32(first), jnp.int32(count)
+    got = gpu.select_span_gpu(heats, cands, ret, plan, out, f, c, span=4, interpret=True, **kw)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    got = select_span(heats, cands, ret, plan, out, f, c, span=4, implementation="xla", **kw)
+    np.testing.assert_array_equal(np.asarray(got), want)

@@ -14,7 +14,8 @@ the cache and the method's state donated). `--time` first times the listed metho
 `jsparse bench model` does (`method_rows`: dense first, speedup and bytes floor; no correctness check), so the
 profile sits beside the timings of the same build. Beside the methods, `VARIANTS` can be profiled or timed:
 `kascade:switch` decodes as Kascade did before its runs of layers of one role were scanned apart (one layer scan,
-a `lax.switch` on the role in every layer).
+a `lax.switch` on the role in every layer); `evosparse:per_layer` as EvoSparse did before it selected each group of
+layers that inherit one retrieval set at once (`group_select=False`: one selection launch per sparse layer).
 
 The JSON's kernel table counts the device ops of the trace (events on GPU streams): per step, the kernels and
 their device time (`device_us_per_step`), the time some kernel runs (`gpu_busy_us_per_step`, overlaps counted
@@ -150,7 +151,9 @@ def kernel_table(trace_dir: str, steps: int, top: int) -> dict:
 
 # Variants of `jsparse bench model`'s methods, profiled (--method) or timed (--time) beside them: name -> what differs.
 VARIANTS = {"kascade:switch": "decode as one layer scan with a lax.switch on the role in every layer "
-                              "(anchor_layers=None), not as runs of layers of one role"}
+                              "(anchor_layers=None), not as runs of layers of one role",
+            "evosparse:per_layer": "every sparse layer makes its own selection (group_select=False), not each group "
+                                   "of layers that inherit one retrieval set at once"}
 
 
 def build_method(name: str, cfg, budget: float):
@@ -160,6 +163,8 @@ def build_method(name: str, cfg, budget: float):
     method, how = bench_model.bench_method(name.split(":")[0], cfg, budget)
     if name == "kascade:switch":
         method = method.replace(anchor_layers=None)
+    elif name == "evosparse:per_layer":
+        method = method.replace(group_select=False)
     elif name not in bench_model.METHODS:
         raise ValueError(f"unknown method {name!r}: expected one of {list(bench_model.METHODS) + list(VARIANTS)}")
     return method, how + (f"; {VARIANTS[name]}" if name in VARIANTS else "")

@@ -70,8 +70,10 @@ from jsparse.methods.common import (attend_dense, dense_prefill, kwargs_for, ref
 from models.attention import runs_of
 from jsparse.retrieval_heads import (DEFAULT_HEAD_FRACTION, RetrievalLayout, default_num_heads,  # noqa: F401
                                      load_retrieval_heads, retrieval_blocks, retrieval_layout, top_heads)
-from pallas_kernels.block_scores import heat_candidates, select_blocks, select_from_plan, sparse_decode_heat
+from pallas_kernels.block_scores import (heat_candidates, select_blocks, select_from_plan, select_span,
+                                         sparse_decode_heat)
 from pallas_kernels.block_scores.gpu import CAND_LIMIT, make_plan
+from pallas_kernels.sharding import active_mesh
 from pallas_kernels.sparse_attention import sparse_decode
 
 Array = jax.Array
@@ -93,12 +95,16 @@ class EvoState:
     decode forward, else None; heat_cand: every layer's heat candidates of a one-token decode forward (the
     n_h + n_r hottest middle blocks, `start_rows`), else None; plan: beside them, each row's block budget
     (`block_scores.gpu.make_plan`: sink, middle end, visible blocks, heat count before the retrieval set, full,
-    then the retrieval count n_r), the same in every layer of the forward."""
+    then the retrieval count n_r), the same in every layer of the forward; sel: beside them, the attended blocks of
+    every sparse layer, each group's made at once (`EvoSparse.selection_groups`)."""
 
     heat: Optional[Array] = None
     retrieval: Optional[Array] = None
     heat_cand: Optional[Array] = None  # i32[L, B, Hkv, Wc] inside one T = 1 decode forward (`start_rows`)
     plan: Optional[Array] = None  # i32[B, PLAN] every layer's selection plan beside heat_cand (`start_rows`)
+    # i32[L, B, Hkv, Kb] the sparse layers' selections inside one T = 1 decode forward, each made with its group
+    # (`EvoSparse.selection_groups`), or None
+    sel: Optional[Array] = None
     heat_rows: Optional[Array] = None  # f32[L, B, Hkv, T + 1, NB] inside a speculative verification
 
 
@@ -124,6 +130,8 @@ class EvoSparse:
     kernels: implementation of the block_scores ops (None: by backend; "xla", "pallas_gpu", "reference").
     retrieval_layers: the layers holding retrieval heads, ascending (static; `from_heads` sets it from the
     layout), or None: then decode scores every layer and keeps the set of the layers that hold one.
+    group_select: a one-token decode makes the selections of the layers that share their inputs at once (one
+    launch on a GPU, `selection_groups`) instead of one per layer; the same blocks either way.
     Leaves: layout (RetrievalLayout) or None without retrieval.
     """
 
@@ -147,6 +155,7 @@ class EvoSparse:
     heat_window: int = struct.field(pytree_node=False, default=64)
     branchless: Optional[bool] = struct.field(pytree_node=False, default=None)
     kernels: Optional[str] = struct.field(pytree_node=False, default=None)
+    group_select: bool = struct.field(pytree_node=False, default=True)
 
     def __post_init__(self):
         sel.check_budget(self.budget)
@@ -167,6 +176,8 @@ class EvoSparse:
         object.__setattr__(self, "decay", float(self.decay))
         sel.check_positive_int("dense_layers", self.dense_layers, 0)
         sel.check_positive_int("heat_window", self.heat_window, 0)
+        if not isinstance(self.group_select, (bool, np.bool_)):
+            raise ValueError(f"group_select={self.group_select!r}: expected true or false")
         if self.kernels not in (None, "xla", "pallas_gpu", "reference"):
             raise ValueError(f"kernels={self.kernels!r}: expected None, 'xla', 'pallas_gpu' or 'reference'")
         if self.retrieval_layers is not None:
@@ -309,7 +320,7 @@ class EvoSparse:
         decayed and updated row by row inside each layer (`heat_update`)."""
         if phase != "decode":
             return state
-        state = state.replace(heat_cand=None, plan=None)  # they belong to one forward (`start_rows` adds them)
+        state = state.replace(heat_cand=None, plan=None, sel=None)  # they belong to one forward (`start_rows`)
         if self.uses_heat and q_len == 1:
             state = state.replace(heat=decay_heat(state.heat, self.dense_layers, self.decay))
         if not self.uses_retrieval:
@@ -340,7 +351,40 @@ class EvoSparse:
             return state
         plan = self.row_plan(lengths.astype(jnp.int32) - 1)
         cand = heat_candidates(state.heat, plan[:, 0], plan[:, 1], plan[:, 3], width)
-        return state.replace(heat_cand=cand, plan=plan)
+        state = state.replace(heat_cand=cand, plan=plan)
+        groups = self.selection_groups(cfg.num_layers)
+        if groups is None or active_mesh() is not None:
+            return state
+        L, B, Hkv, nb = state.heat.shape
+        state = state.replace(sel=jnp.full((L, B, Hkv, self.widths(nb * self.block_size)["Kb"]), -1, jnp.int32))
+        first, count = groups[0]
+        return self._select_group(state, first, count, count) if count else state
+
+    def selection_groups(self, num_layers: int):
+        """With `group_select` (and heat, and static retrieval layers where there are retrieval heads): where each
+        sparse layer's selection of a one-token decode is made, as ((first, count), per_layer). A sparse layer's
+        selection reads its own heat and candidates, the forward's plan and the retrieval set it inherits: every
+        input is known once the last retrieval layer at or before it has scored (before any layer when none has,
+        or without retrieval), and its heat does not change before it runs. So the sparse layers first ..
+        first + count - 1 that inherit one set are selected at once: (first, count) of `start_rows` first, then
+        per_layer[l] of layer l (a scoring layer; (0, 0) for the others). None: each layer selects for itself."""
+        if not (self.group_select and self.uses_heat) or (self.uses_retrieval and self.retrieval_layers is None):
+            return None
+        L, d = num_layers, min(self.dense_layers, num_layers)
+        score = sorted(self.retrieval_layers) if self.uses_retrieval else []
+        maker = {m: max([s for s in score if s <= m], default=-1) for m in range(d, L)}  # -1: `start_rows`
+        made = {x: [m for m in maker if maker[m] == x] for x in set(maker.values())}
+        group = {x: (ms[0], len(ms)) for x, ms in made.items()}
+        return group.get(-1, (0, 0)), tuple(group.get(l, (0, 0)) for l in range(L))
+
+    def _select_group(self, state, first, count, span: int):
+        """state.sel with the selections of the sparse layers first .. first + count - 1 (count <= span) made at once
+        (`block_scores.select_span`), from the current retrieval set."""
+        ret = None if state.retrieval is None else state.retrieval[:, 0]
+        w = self.widths(state.heat.shape[-1] * self.block_size)
+        sel_ = select_span(state.heat, state.heat_cand, ret, state.plan, state.sel, first, count, span=span,
+                           heat_width=w["heat"], count_less_ret=ret is not None, implementation=self.kernels)
+        return state.replace(sel=sel_)
 
     def row_plan(self, pos: Array) -> Array:
         """i32[B, PLAN] of decode rows at positions pos: i32[B]: their block budget as the selection kernel reads it
@@ -350,7 +394,7 @@ class EvoSparse:
         return make_plan(n_s, nbv - n_l, nbv, n_h + n_r, kb >= nbv, n_r)
 
     def finish(self, state, phase):
-        return state.replace(retrieval=None, heat_cand=None, plan=None)
+        return state.replace(retrieval=None, heat_cand=None, plan=None, sel=None)
 
     def prefill(self, ctx, q, k, v, state):
         out = dense_prefill(q, k, v)
@@ -402,6 +446,12 @@ class EvoSparse:
         kind, _, scoring = (ctx.segment or "").partition(":")
         if self.uses_retrieval and scoring == "score":  # a run of layers holding retrieval heads (`segments`)
             retrieval = self.retrieval_blocks(ctx.info, q, cache, pos, plan=state.plan)
+            if state.sel is not None:  # the selections of the sparse layers that inherit this set, at once
+                groups = self.selection_groups(state.heat.shape[0])[1]
+                span = max(c for _, c in groups)
+                if span:
+                    first, count = jnp.asarray(groups, jnp.int32)[ctx.layer]
+                    state = self._select_group(state.replace(retrieval=retrieval), first, count, span)
         elif self.uses_retrieval and scoring != "inherit":
             if branchless:  # no retrieval heads here: the block max reads nothing and the top-k picks none
                 retrieval = jnp.where(ctx.info.has_retrieval,
@@ -452,15 +502,21 @@ class EvoSparse:
         ret = state.retrieval  # [B, T, Wr] or None
         Hkv, N = cache.k.shape[1], cache.k.shape[2]
         if T == 1:  # one decode token: the heat was decayed by `start`; the mass is added in place
-            idx = self.select_blocks(heat, None if ret is None else ret[:, 0], pos[:, 0], Hkv, N, layer=ctx.layer,
-                                     cand=state.heat_cand, plan=state.plan)
-            if not self.uses_heat:
-                return self.attend(q[:, 0], cache, idx, pos[:, 0], live=live)[0][:, None].astype(q.dtype), state
+            k_all, v_all, layer = stacked_cache(cache)
+            grouped = state.sel is not None and getattr(cache, "layer", None) is not None and live is None and (
+                ctx.segment is not None or not self.uses_retrieval)  # else a scoring layer made no group
+            if grouped:  # made with its group (`selection_groups`): every layer's rows, this layer's read in place
+                rows = state.sel[:, :, :, None]
+            else:
+                rows = self.select_blocks(heat, None if ret is None else ret[:, 0], pos[:, 0], Hkv, N,
+                                          layer=ctx.layer, cand=state.heat_cand, plan=state.plan)
+                if not self.uses_heat:
+                    return self.attend(q[:, 0], cache, rows, pos[:, 0], live=live)[0][:, None].astype(q.dtype), state
+                rows = rows[:, :, None]
             # live=False: lengths 0, so every entry's mass is 0 and the heat is unchanged. (ctx.lengths is pos + 1:
             # no kernel derives it again.)
             lengths = ctx.lengths if live is None else jnp.where(live, ctx.lengths, 0)
-            k_all, v_all, layer = stacked_cache(cache)
-            out, heat = sparse_decode_heat(q, k_all, v_all, layer, idx[:, :, None], lengths, heat, ctx.layer,
+            out, heat = sparse_decode_heat(q, k_all, v_all, layer, rows, lengths, heat, ctx.layer,
                                            block_size=self.block_size, implementation=self.kernels,
                                            config=DECODE_CONFIG)
             return out.astype(q.dtype), state.replace(heat=heat)

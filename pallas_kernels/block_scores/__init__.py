@@ -25,19 +25,21 @@
   heat_candidates(heat, n_s, hi, k, width) / select_from_candidates(heat, cand, ret, ..., width, heat_width)
       the same selection in two parts: the k hottest middle blocks of every layer's heat at once (one top-k
       launch per decode step), then per layer pairwise ranks over those few candidates (no search over nb);
-      select_from_plan(heat, cand, ret, plan, ...) takes the row arrays as one plan made once per step.
+      select_from_plan(heat, cand, ret, plan, ...) takes the row arrays as one plan made once per step;
+      select_span(heat, cand, ret, plan, out, first, count, *, span, ...) makes several layers' selections at once
+      (one launch on the GPU), into their rows of a stacked out i32[L, B, Hkv, width].
 
 gpu.py: Pallas Triton kernels; xla.py: the XLA fallback (any backend; slices and gathers); reference.py: the
 plain-jnp specification; api.py dispatches (gpu -> "pallas_gpu" when the kernel takes the arguments, else "xla").
 """
 
 from pallas_kernels.block_scores.api import (IMPLEMENTATIONS, block_max_scores, select_blocks,
-                                             select_from_candidates, select_from_plan, sparse_decode_heat,
-                                             sparse_decode_mass, supported)
+                                             select_from_candidates, select_from_plan, select_span,
+                                             sparse_decode_heat, sparse_decode_mass, supported)
 from pallas_kernels.block_scores.reference import (block_max_scores_reference, sparse_decode_heat_reference,
                                                    sparse_decode_mass_reference)
 from pallas_kernels.block_scores.xla import heat_add, heat_candidates
 
 __all__ = ["IMPLEMENTATIONS", "block_max_scores", "select_blocks", "select_from_candidates", "select_from_plan",
-           "sparse_decode_heat", "sparse_decode_mass", "supported", "block_max_scores_reference",
+           "select_span", "sparse_decode_heat", "sparse_decode_mass", "supported", "block_max_scores_reference",
            "sparse_decode_heat_reference", "sparse_decode_mass_reference", "heat_add", "heat_candidates"]

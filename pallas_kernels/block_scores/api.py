@@ -4,6 +4,7 @@ arguments, else "xla"; "reference" is the plain-jnp specification. Naming one ex
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.block_scores import reference, xla
 from pallas_kernels.layers import check_layer
@@ -224,6 +225,26 @@ def select_from_plan(heat: Array, cand: Array, ret: Array | None, plan: Array, *
     return select_from_candidates(heat, cand, ret, n_s, hi, nbv, count, full != 0, num_kv_heads=num_kv_heads,
                                   width=width, heat_width=heat_width, layer=layer, count_less_ret=count_less_ret,
                                   implementation=implementation)
+
+
+def select_span(heat: Array, cand: Array, ret: Array | None, plan: Array, out: Array, first: Array, count: Array, *,
+                span: int, heat_width: int, count_less_ret: bool = False, implementation: str | None = None) -> Array:
+    """`select_from_plan` of the layers first .. first + count - 1 (i32[] each, traced; count <= span static,
+    first + count <= L), written into their rows of out i32[L, B, Hkv, width] and returned (the other rows kept):
+    heat f32[L, B, Hkv, nb] and cand i32[L, B, Hkv, Wc] stacked, ret and plan shared by the layers. On a GPU one
+    launch for them all (`gpu.select_span_gpu`); elsewhere (and under a mesh) `span` masked `select_from_plan`
+    calls, the same blocks."""
+    L, B, Hkv, width = out.shape
+    if active_mesh() is None and _candidates_impl(implementation, cand, ret) == "pallas_gpu":
+        from pallas_kernels.block_scores import gpu
+        return gpu.select_span_gpu(heat, cand, ret, plan, out, first, count, span=span, heat_width=heat_width,
+                                   count_less_ret=count_less_ret)
+    for j in range(span):
+        row = jnp.minimum(jnp.asarray(first, jnp.int32) + j, L - 1)
+        idx = select_from_plan(heat, cand, ret, plan, num_kv_heads=Hkv, width=width, heat_width=heat_width,
+                               layer=row, count_less_ret=count_less_ret, implementation=implementation)
+        out = jnp.where(j < count, jax.lax.dynamic_update_index_in_dim(out, idx.astype(out.dtype), row, 0), out)
+    return out
 
 
 def _candidates_impl(implementation: str | None, cand: Array, ret: Array | None) -> str:

@@ -411,14 +411,37 @@ CAND_LIMIT = 256  # widest candidate / retrieval row the rank kernel takes (pair
 CAND_WARPS = 8
 
 
-def _select_cand_kernel(plan_ref, lay_ref, ret_ref, cand_ref, heat_ref, o_ref, *, wr: int, wc: int, has_ret: bool,
-                        less_ret: bool, width: int, wpad: int, heat_width: int, L: int):
+def _select_cand_kernel(plan_ref, lay_ref, ret_ref, cand_ref, heat_ref, *o_refs, wr: int, wc: int, has_ret: bool,
+                        less_ret: bool, width: int, wpad: int, heat_width: int, L: int, span: int = 0):
     """Row (b, kv head). Refs: plan i32[PLAN] the row's (n_s, hi, nbv, count, full, zeros); lay i32[1]; ret
     i32[wr]; cand i32[L, wc] (the row's heat candidates of every layer); heat f32[L, nb]; o i32[width]. Pairwise
     ranks over the candidates (no search over the row): the `count` hottest outside the retrieval set (less_ret:
-    `count` less the retrieval set's valid entries, counted here), then the union written ascending."""
+    `count` less the retrieval set's valid entries, counted here), then the union written ascending.
+
+    span > 0 (`select_span_gpu`): program (b, kv head, j) of a grid of `span` layers; lay i32[2] = (first layer,
+    count); o i32[L, width] every layer's rows (aliased: only rows first .. first + count - 1 are written); the
+    program selects layer first + j when j < count, else does nothing (o_refs: the aliased input, then o)."""
+    o_ref = o_refs[-1]
+    if span:
+        j = pl.program_id(2)
+        row = layer_index(lay_ref[0] + j, L)  # in range: the caller's first + count <= L
+
+        @pl.when(j < lay_ref[1])
+        def _():
+            _select_cand_row(plan_ref, ret_ref, cand_ref, heat_ref, row,
+                             lambda at, val, mask: plgpu.store(o_ref.at[row, at], val, mask=mask), wr=wr, wc=wc,
+                             has_ret=has_ret, less_ret=less_ret, width=width, wpad=wpad, heat_width=heat_width)
+        return
+    _select_cand_row(plan_ref, ret_ref, cand_ref, heat_ref, layer_index(lay_ref[0], L),
+                     lambda at, val, mask: plgpu.store(o_ref.at[at], val, mask=mask), wr=wr, wc=wc, has_ret=has_ret,
+                     less_ret=less_ret, width=width, wpad=wpad, heat_width=heat_width)
+
+
+def _select_cand_row(plan_ref, ret_ref, cand_ref, heat_ref, layer, put, *, wr: int, wc: int, has_ret: bool,
+                     less_ret: bool, width: int, wpad: int, heat_width: int):
+    """`_select_cand_kernel`'s selection of one row at layer `layer` (i32, in range); put(at, values, mask) stores
+    into the row's output."""
     n_s, hi, nbv, count, full = (plan_ref[j] for j in range(5))
-    layer = layer_index(lay_ref[0], L)
     i32 = jnp.int32
     cp, rp = max(16, next_pow2(wc)), max(16, next_pow2(wr))
     c = jnp.arange(cp, dtype=i32)
@@ -449,13 +472,13 @@ def _select_cand_kernel(plan_ref, lay_ref, ret_ref, cand_ref, heat_ref, o_ref, *
     part = full == 0
     keep_r = rmid & part & (r_slot < width)
     keep_c = chosen & part & (c_slot < width)
-    plgpu.store(o_ref.at[jnp.where(keep_r, r_slot, width)], rv, mask=keep_r)  # masked lanes point past the row
-    plgpu.store(o_ref.at[jnp.where(keep_c, c_slot, width)], cv, mask=keep_c)
+    put(jnp.where(keep_r, r_slot, width), rv, keep_r)  # masked lanes point past the row
+    put(jnp.where(keep_c, c_slot, width), cv, keep_c)
     j = jnp.arange(wpad, dtype=i32)
     after = j - n_s - n_mid
     ranged = jnp.where(j < n_s, j, jnp.where(after < nbv - hi, hi + after, -1))
     val = jnp.where(part, ranged, jnp.where(j < nbv, j, -1))
-    plgpu.store(o_ref.at[pl.ds(0, wpad)], val, mask=(j < width) & (jnp.logical_not(part) | (j < n_s) | (after >= 0)))
+    put(pl.ds(0, wpad), val, (j < width) & (jnp.logical_not(part) | (j < n_s) | (after >= 0)))
 
 
 def select_from_candidates_gpu(heat: Array, cand: Array, ret: Array | None, n_s: Array, hi: Array, nbv: Array,
@@ -489,6 +512,30 @@ def select_from_plan_gpu(heat: Array, cand: Array, ret: Array | None, plan: Arra
     full, zeros) (`make_plan`), read in-kernel: a plan made once per decode step (EvoSparse's `start_rows`) costs
     its layers no XLA kernel before the launch (five a layer when each layer derived them). count_less_ret: `count`
     is before the retrieval set, whose valid entries (ret >= 0) the kernel subtracts."""
+    return _select_plan_call(heat, cand, ret, plan, num_kv_heads=num_kv_heads, width=width, heat_width=heat_width,
+                             layer=layer, count_less_ret=count_less_ret, interpret=interpret)
+
+
+def select_span_gpu(heat: Array, cand: Array, ret: Array | None, plan: Array, out: Array, first: Array,
+                    count: Array, *, span: int, heat_width: int, count_less_ret: bool = False,
+                    interpret: bool = False) -> Array:
+    """`select_from_plan_gpu` of layers first .. first + count - 1 (count <= span, first + count <= L) in ONE launch,
+    grid (B, Hkv, span): the selections of layers whose inputs are all known at once (EvoSparse's layers that
+    inherit a retrieval set, made where the set is computed), written into their rows of out i32[L, B, Hkv, width]
+    (aliased: the other rows are kept) and returned. heat f32[L, B, Hkv, nb] and cand i32[L, B, Hkv, Wc] stacked;
+    first, count: i32[] (traced); span: the static grid extent (programs j >= count do nothing)."""
+    if span < 1:
+        raise ValueError(f"span={span}: expected at least one layer")
+    if out.ndim != 4 or out.shape[:3] != heat.shape[:3]:
+        raise ValueError(f"out of shape {out.shape}: expected [L, B, Hkv, width] beside heat {heat.shape}")
+    return _select_plan_call(heat, cand, ret, plan, num_kv_heads=heat.shape[2], width=out.shape[-1],
+                             heat_width=heat_width, layer=jnp.stack([jnp.asarray(first, jnp.int32),
+                                                                     jnp.asarray(count, jnp.int32)]),
+                             count_less_ret=count_less_ret, interpret=interpret, out=out, span=span)
+
+
+def _select_plan_call(heat, cand, ret, plan, *, num_kv_heads: int, width: int, heat_width: int, layer,
+                      count_less_ret: bool, interpret: bool, out: Array | None = None, span: int = 0) -> Array:
     B, Hkv = plan.shape[0], num_kv_heads
     if plan.ndim != 2 or plan.shape[1] != PLAN:
         raise ValueError(f"plan of shape {plan.shape}: expected [B, {PLAN}] (n_s, hi, nbv, count, full per row)")
@@ -504,17 +551,28 @@ def select_from_plan_gpu(heat: Array, cand: Array, ret: Array | None, plan: Arra
     has_ret = ret is not None
     ret = ret.astype(jnp.int32) if has_ret else jnp.full((B, 1), -1, jnp.int32)
     L, nb, wc, wr = heat.shape[0], heat.shape[-1], cand.shape[-1], ret.shape[-1]
-    lay = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
+    lay = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(-1)
+    grid = (B, Hkv, span) if span else (B, Hkv)
+    if span:  # every layer's rows of (b, h), the program's row written in place
+        out_spec = pl.BlockSpec((L, None, None, width), lambda b, h, *_: (0, b, h, 0))
+        out_shape = jax.ShapeDtypeStruct(out.shape, jnp.int32)
+    else:
+        out_spec = pl.BlockSpec((None, None, width), lambda b, h: (b, h, 0))
+        out_shape = jax.ShapeDtypeStruct((B, Hkv, width), jnp.int32)
+    args = (plan.astype(jnp.int32), lay, ret, cand.astype(jnp.int32), heat.astype(jnp.float32))
     return pl.pallas_call(
         functools.partial(_select_cand_kernel, wr=wr, wc=wc, has_ret=has_ret, less_ret=count_less_ret, width=width,
-                          wpad=max(32, next_pow2(width)), heat_width=heat_width, L=L),
-        grid=(B, Hkv),
-        in_specs=[pl.BlockSpec((None, PLAN), lambda b, h: (b, 0)), pl.BlockSpec((1,), lambda b, h: (0,)),
-                  pl.BlockSpec((None, wr), lambda b, h: (b, 0)),
-                  pl.BlockSpec((L, None, None, wc), lambda b, h: (0, b, h, 0)),
-                  pl.BlockSpec((L, None, None, nb), lambda b, h: (0, b, h, 0))],
-        out_specs=pl.BlockSpec((None, None, width), lambda b, h: (b, h, 0)),
-        out_shape=jax.ShapeDtypeStruct((B, Hkv, width), jnp.int32),
+                          wpad=max(32, next_pow2(width)), heat_width=heat_width, L=L, span=span),
+        grid=grid,
+        in_specs=[pl.BlockSpec((None, PLAN), lambda b, h, *_: (b, 0)),
+                  pl.BlockSpec((lay.shape[0],), lambda b, h, *_: (0,)),
+                  pl.BlockSpec((None, wr), lambda b, h, *_: (b, 0)),
+                  pl.BlockSpec((L, None, None, wc), lambda b, h, *_: (0, b, h, 0)),
+                  pl.BlockSpec((L, None, None, nb), lambda b, h, *_: (0, b, h, 0))]
+        + ([out_spec] if span else []),
+        out_specs=out_spec,
+        out_shape=out_shape,
+        input_output_aliases={5: 0} if span else {},
         compiler_params=plgpu.CompilerParams(num_warps=CAND_WARPS, num_stages=1),
-        interpret=interpret, name="evosparse_select_candidates",
-    )(plan.astype(jnp.int32), lay, ret, cand.astype(jnp.int32), heat.astype(jnp.float32))
+        interpret=interpret, name="evosparse_select_" + ("span" if span else "candidates"),
+    )(*args, *((out.astype(jnp.int32),) if span else ()))
