@@ -27,14 +27,18 @@ def test_dense_layers_run_their_gpu_kernels_only_on_the_gpu_paths():
 def test_evosparse_layers_derive_no_budget_of_their_own():
     """EvoSparse's sparse layers read the step's plan (`start_rows`): no layer body computes the block budget's floor
     divisions (`rem`, `sign`: five small kernels a layer when each layer derived it). The layers that score their
-    retrieval heads run the block max and its top-k; the others do not."""
+    retrieval heads run the block max and its top-k, and select themselves and the layers that inherit their set at
+    once (`group_select`); the others run no scoring and no selection."""
     rows = _layer_rows("evosparse")
-    sparse = [r for r in rows if "evosparse_select_candidates" in r["kernels"]]
+    sparse = [r for r in rows if "evosparse_finish_heat" in r["kernels"]]
     assert len(sparse) >= 2 and sum(r["length"] for r in sparse) == 30  # two dense layers first
     for r in sparse:
         assert "rem" not in r["ops"] and "sign" not in r["ops"], r["ops"]
     scoring = [r for r in sparse if "evosparse_block_max" in r["kernels"]]
     assert scoring and len(scoring) < len(sparse)
+    for r in sparse:
+        assert ("evosparse_select_span" in r["kernels"]) == (r in scoring), r["kernels"]
+        assert "evosparse_select_candidates" not in r["kernels"]
     assert min(r["eqns"] for r in scoring) > max(r["eqns"] for r in sparse if r not in scoring)
 
 
