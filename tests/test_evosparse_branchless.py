@@ -198,3 +198,21 @@ def test_grouped_selection_equals_per_layer(heads, kw, lead, groups):
     np.testing.assert_allclose(sg.heat, sp.heat, rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(np.asarray(cg.k), np.asarray(cp.k))
     assert not np.allclose(sg.heat, heat)  # the steps attended and moved the heat
+
+
+def test_layer_benchmark_carries_the_step_state():
+    """`jsparse bench evosparse`'s layer loop (`eval.bench.evosparse.evo_layers`) runs the model's per-step work
+    (`start`, `start_rows`) in every iteration and drops what belongs to one forward (candidates, plan, groups), so
+    its loop carry keeps one structure: an inheriting and a scoring layer 2 run on a CPU."""
+    from eval.bench import evosparse as be
+    cfg = be.layer_cfg()
+    Bq, Nq = 1, 2048
+    ks = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(ks[0], (Bq, 1, cfg.num_heads, cfg.head_dim), jnp.float32)
+    k = jax.random.normal(ks[1], (Bq, cfg.num_kv_heads, Nq, cfg.head_dim), jnp.float32)
+    v = jax.random.normal(ks[2], k.shape, jnp.float32)
+    lengths = jnp.full((Bq,), Nq - 5, jnp.int32)
+    for heads in ([(1, 0)], [(2, 0), (2, 9)]):
+        m = be.method_for(cfg, heads)
+        got = be.evo_layers(m, q, k, v, lengths, be._state(m, cfg, Bq, Nq, ks[3]), jnp.int32(2), iters=2)
+        assert np.isfinite(float(got))

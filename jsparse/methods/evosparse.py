@@ -352,7 +352,7 @@ class EvoSparse:
         plan = self.row_plan(lengths.astype(jnp.int32) - 1)
         cand = heat_candidates(state.heat, plan[:, 0], plan[:, 1], plan[:, 3], width)
         state = state.replace(heat_cand=cand, plan=plan)
-        groups = self.selection_groups(cfg.num_layers)
+        groups = self.selection_groups(state.heat.shape[0])
         if groups is None or active_mesh() is not None:
             return state
         L, B, Hkv, nb = state.heat.shape
