@@ -45,7 +45,8 @@ component's must be 0 or omitted.
 State (`EvoState`): heat f32[L, B, Hkv, N / block_size] crosses decode steps (`jsparse.heat`); the retrieval set
 i32[B, T, Wr] crosses layers inside one forward (`start` adds it, `finish` drops it). For one new token `start`
 decays every sparse layer's heat at once and `start_rows` takes every layer's heat candidates (one top-k launch);
-each sparse layer ranks its candidates outside its retrieval set and adds its mass in place
+the candidates outside a layer's retrieval set are ranked into its blocks, for each group of layers that inherit one
+set at once (`selection_groups`, `group_select`), and each sparse layer adds its mass in place
 (`block_scores.sparse_decode_heat`). The heat is the recurrence above exactly; the selection sees fl(lambda * h),
 which orders the blocks as h does up to rounding ties (none for lambda a power of two, as the default 0.5).
 """
