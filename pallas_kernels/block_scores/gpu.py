@@ -422,19 +422,15 @@ def _select_cand_kernel(plan_ref, lay_ref, ret_ref, cand_ref, heat_ref, *o_refs,
     count); o i32[L, width] every layer's rows (aliased: only rows first .. first + count - 1 are written); the
     program selects layer first + j when j < count, else does nothing (o_refs: the aliased input, then o)."""
     o_ref = o_refs[-1]
-    if span:
-        j = pl.program_id(2)
-        row = layer_index(lay_ref[0] + j, L)  # in range: the caller's first + count <= L
-
-        @pl.when(j < lay_ref[1])
-        def _():
-            _select_cand_row(plan_ref, ret_ref, cand_ref, heat_ref, row,
-                             lambda at, val, mask: plgpu.store(o_ref.at[row, at], val, mask=mask), wr=wr, wc=wc,
-                             has_ret=has_ret, less_ret=less_ret, width=width, wpad=wpad, heat_width=heat_width)
+    select = functools.partial(_select_cand_row, plan_ref, ret_ref, cand_ref, heat_ref, wr=wr, wc=wc, has_ret=has_ret,
+                               less_ret=less_ret, width=width, wpad=wpad, heat_width=heat_width)
+    if not span:
+        select(layer_index(lay_ref[0], L), lambda at, val, mask: plgpu.store(o_ref.at[at], val, mask=mask))
         return
-    _select_cand_row(plan_ref, ret_ref, cand_ref, heat_ref, layer_index(lay_ref[0], L),
-                     lambda at, val, mask: plgpu.store(o_ref.at[at], val, mask=mask), wr=wr, wc=wc, has_ret=has_ret,
-                     less_ret=less_ret, width=width, wpad=wpad, heat_width=heat_width)
+    j = pl.program_id(2)
+    row = layer_index(lay_ref[0] + j, L)  # in range: the caller's first + count <= L
+    pl.when(j < lay_ref[1])(
+        lambda: select(row, lambda at, val, mask: plgpu.store(o_ref.at[row, at], val, mask=mask)))
 
 
 def _select_cand_row(plan_ref, ret_ref, cand_ref, heat_ref, layer, put, *, wr: int, wc: int, has_ret: bool,
