@@ -196,7 +196,8 @@ def _finish_heat_kernel(lay_ref, hl_ref, idx_ref, o_ref, m_ref, l_ref, el_ref, e
     partials' outputs (the G real rows written).
 
     Refs: lay, hl i32[1] the cache layer and the heat row; idx i32[K] the entries (stacked: i32[L, K], every
-    layer's, row `lay` read); o f32[S, Gp, D], m, l f32[S, Gp]; el, em f32[S, Gp, E]; nw i32[S, 1]; heat (in and
+    layer's, row `lay` read); o f32[S, Gp, D], m, l f32[S, Gp]; el f32[S, Gp, E], em f32[S, Gp, E // P] (the max of
+    each iteration of P entries); nw i32[S, 1]; heat (in and
     out, aliased) f32[Lh, nb]; out [Gp, D]. The splits' (m, l) and outputs are loaded at once as [S, rows, ...]
     tensors (gathers by index arrays); only the first next_pow2(G) rows are loaded (the partials' padding rows
     were never written) and rows past G are masked. One program per split keeps the entries a program holds to
@@ -238,7 +239,7 @@ def _finish_heat_kernel(lay_ref, hl_ref, idx_ref, o_ref, m_ref, l_ref, el_ref, e
     ok = written[None, :] & ((rows < G) & nonempty[:, None])
     at = (s, jnp.broadcast_to(rows, (gq, Ep)), jnp.broadcast_to(jnp.minimum(e, E - 1)[None, :], (gq, Ep)))
     el = plgpu.load(el_ref.at[at], mask=ok, other=0.0)
-    em = plgpu.load(em_ref.at[at], mask=ok, other=0.0)
+    em = plgpu.load(em_ref.at[at[:2] + (at[2] // (E // em_ref.shape[-1]),)], mask=ok, other=0.0)
     p = jnp.where(ok, el * jnp.exp(jnp.where(ok, em - lse[:, None], 0.0)), 0.0)
     mass = jnp.sum(p, axis=0) / G  # [Ep]
     slot = jnp.minimum(ent, K - 1)
@@ -276,7 +277,7 @@ def sparse_decode_heat_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
                                                   interpret=interpret)
     S, B, Hkv, _, Gp, D = o.shape
     L, (Lh, nb), K, E = k_all.shape[0], (heat.shape[0], heat.shape[-1]), indices.shape[-1], el.shape[-1]
-    G = q.shape[2] // Hkv
+    G, Ei = q.shape[2] // Hkv, em.shape[-1]  # Ei: the splits' iterations (one max each)
     stacked = indices.ndim == 5
     part = lambda *tail: pl.BlockSpec((S, None, None, None) + tail,  # noqa: E731
                                       lambda b, h, s: (0, b, h, 0) + (0,) * len(tail))
@@ -287,7 +288,7 @@ def sparse_decode_heat_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
     out, heat = pl.pallas_call(
         functools.partial(_finish_heat_kernel, S=S, E=E, K=K, G=G, L=L, Lh=Lh, stacked=stacked),
         grid=(B, Hkv, S),
-        in_specs=[scalar, scalar, rows, part(Gp, D), part(Gp), part(Gp), part(Gp, E), part(Gp, E), part(1),
+        in_specs=[scalar, scalar, rows, part(Gp, D), part(Gp), part(Gp), part(Gp, E), part(Gp, Ei), part(1),
                   heat_spec],
         out_specs=[pl.BlockSpec((None, None, Gp, D), lambda b, h, s: (b, h, 0, 0)), heat_spec],
         out_shape=[jax.ShapeDtypeStruct((B, Hkv, Gp, D), q.dtype), jax.ShapeDtypeStruct(heat.shape, heat.dtype)],

@@ -140,9 +140,10 @@ def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, e
     the layer of [L, K], every layer's rows read in place) and the split's useful length is
     found from them (no padded copy of the indices, no reduction over them in XLA), and the GQA group's queries
     are gathered from q [Hq, D] (rows past G repeat row G - 1; their outputs are dropped).
-    With mass, el_ref, em_ref f32[Gp, E]: per index entry of the split, the sum of exp(s - m) over the entry's
-    tokens and that m (the running max after the iteration that processed it), written for the entries before
-    nw_ref i32[1] (what this program wrote; the rest of the block is garbage).
+    With mass, el_ref f32[Gp, E]: per index entry of the split, the sum of exp(s - m) over the entry's tokens, and
+    em_ref f32[Gp, E // per_iter]: that m per iteration (the running max after the iteration, shared by its
+    per_iter = block_k // block_size entries: one column an iteration, not one an entry), written for the entries
+    before nw_ref i32[1] (what this program wrote; the rest of the block is garbage).
     """
     head = None
     if mapped:
@@ -191,7 +192,7 @@ def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, e
         cols = pl.ds(it * per_iter, per_iter)
         real = jnp.broadcast_to((lane < G)[:, None], (gp, per_iter))  # padding rows are never read
         plgpu.store(el_ref.at[:, cols], pe, mask=real)
-        plgpu.store(em_ref.at[:, cols], jnp.broadcast_to(m_new[:, None], (gp, per_iter)), mask=real)
+        plgpu.store(em_ref.at[:, pl.ds(it, 1)], m_new[:, None], mask=(lane < G)[:, None])
         return o, m_new, l
 
     init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), gpu._MASK, jnp.float32),
@@ -266,6 +267,7 @@ def sparse_decode_stacked_gpu(q: Array, k_all: Array, v_all: Array, layer: Array
     if return_mass:
         el, em, nw = res[3:]
         splits, E = el.shape[0], el.shape[-1]
+        em = jnp.repeat(em, E // em.shape[-1], axis=-1)  # an iteration's max, for each of its entries
         # Entry j = s * E + e; entries a split did not write are garbage: select, never multiply.
         el = jnp.moveaxis(el[..., :G, :], 0, -2).reshape(B, Hkv, T, G, splits * E)[..., :K]
         em = jnp.moveaxis(em[..., :G, :], 0, -2).reshape(B, Hkv, T, G, splits * E)[..., :K]
@@ -297,7 +299,8 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
                             head_map: Array | None, query_heads: bool = False, interpret: bool) -> tuple:
     """The launch of `sparse_decode_stacked_gpu` (arguments as there), without its epilogue: the split partials
     (o f32[S, B, H, T, Gp, D], m, l f32[S, B, H, T, Gp], H = Hkv, or Hq with query_heads; rows past G (1 with
-    query_heads) are never written) and with return_mass the entry sums el, em f32[S, B, Hkv, T, Gp, E] and the
+    query_heads) are never written) and with return_mass the entry sums el f32[S, B, Hkv, T, Gp, E], their maxima
+    em f32[S, B, Hkv, T, Gp, E // per_iter] (one per iteration of per_iter = block_k // block_size entries) and the
     written counts nw i32[S, B, Hkv, T, 1]. With one index row for the T queries ([B, Hkv, 1, K], `shared_rows`;
     not with return_mass, head_map, query_heads or `too_wide` rows) the partials are o f32[S, B, Hkv, 1, Mp, D], m, l
     f32[S, B, Hkv, 1, Mp]: row r = t * G + g of the one program per (b, h, split), rows past T * G never written."""
@@ -346,9 +349,10 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
                                entries_per_split=E, K=K, T=T, N=N, L=L, G=G, Hkv=Hkv, mapped=mapped,
                                stacked_map=stacked_map, mass=return_mass, stacked_indices=stacked, shared=shared)
     out_specs, out_shape = gpu.split_outputs(splits, B, H, Tg, Gp, D)
-    if return_mass:  # per entry: sum of exp(s - m) and that m; and how many entries the program wrote
-        out_specs += [pl.BlockSpec((None, None, None, None, Gp, E), lambda b, h, t, s: (s, b, h, t, 0, 0))] * 2
-        out_shape += [jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp, E), jnp.float32)] * 2
+    if return_mass:  # per entry sum of exp(s - m), per iteration m; and how many entries the program wrote
+        for width in (E, E // (block_k // block_size)):
+            out_specs.append(pl.BlockSpec((None, None, None, None, Gp, width), lambda b, h, t, s: (s, b, h, t, 0, 0)))
+            out_shape.append(jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp, width), jnp.float32))
         out_specs.append(pl.BlockSpec((None, None, None, None, 1), lambda b, h, t, s: (s, b, h, t, 0)))
         out_shape.append(jax.ShapeDtypeStruct((splits, B, Hkv, T, 1), jnp.int32))
     # Mapped: every KV head's index row of (b, t), the head chosen in-kernel by the head map. Stacked: every
