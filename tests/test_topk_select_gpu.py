@@ -563,3 +563,54 @@ def test_spanned_kernels_lower_for_cuda_reading_the_scores_in_place(path, shape,
                                                             "concatenate"}
     assert not ops, ops
 
+
+
+def test_distinct_counts_keep_one_count_per_leading_row():
+    """k varies over a prefix of the row dims: only that prefix is kept, row r reads entry r // rep."""
+    from pallas_kernels.topk_select.common import count_spec, distinct_counts
+    B, H, T = 3, 4, 2
+    k = jnp.arange(B, dtype=jnp.int32) + 5
+    assert distinct_counts(k[:, None, None], (B, H, 1)).tolist() == [5, 6, 7]  # a decode's [B, 1, 1]
+    assert distinct_counts(7, (B, H)).tolist() == [7]
+    assert distinct_counts(k[:, None, None], (B, H, T)).shape == (B,)
+    per_head = jnp.arange(H, dtype=jnp.int32)[None, :]  # varies inside: every (b, h) kept
+    assert distinct_counts(per_head, (B, H)).tolist() == np.tile(np.arange(H), B).tolist()
+    want = np.repeat(np.asarray(k), H * T)
+    rows = distinct_counts(k[:, None, None], (B, H, T))
+    spec = count_spec(rows.reshape(-1, 1), B * H * T)
+    assert [int(rows[spec.index_map(r)[0]]) for r in range(B * H * T)] == want.tolist()
+    with pytest.raises(ValueError, match="3 counts for 8 rows"):
+        count_spec(jnp.zeros((3, 1), jnp.int32), 8)
+
+
+@pytest.mark.parametrize("config", [dict(path="row"), dict(ORDERED), dict(SAMPLE), dict(SAMPLE, target_programs=1),
+                                    dict(path="fused", target_programs=24)],
+                         ids=["row", "ordered", "sample", "sample_whole_rows", "fused"])
+def test_k_per_leading_row_reads_its_rows(config):
+    """k [B, 1] over rows [B, H, N] (a decode's budget per batch row): every path picks each row's k, as the
+    reference with k broadcast."""
+    rng = np.random.default_rng(5)
+    B, H, N, K = 3, 4, 2048, 300
+    x = jnp.asarray(rng.standard_normal((B, H, N)).astype(np.float32))
+    k = jnp.asarray([[0], [K // 3], [K]], jnp.int32)
+    got = gpu.topk_select_gpu(x, k, K, config=gpu.SelectConfig(**config), interpret=True)
+    want = topk_select_reference(x, jnp.broadcast_to(k, (B, H)), K)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("path", ["row", "sample", "ordered", "fused"])
+def test_k_per_leading_row_lowers_without_a_broadcast(path):
+    """k [B, 1, 1] over rows [B, Hkv, 1]: the kernels read it as [B] (no broadcast op to every row, which was an XLA
+    kernel of its own in each layer of a decode scan)."""
+    N = 6256 if path == "row" else 131072
+    shape, K = (4, 8, 1, N), 64 if path == "row" else 2080
+    sds = jax.ShapeDtypeStruct
+    check = jax.export.DisabledSafetyCheck.custom_call(plgpu.CUSTOM_CALL_TARGET_NAME)
+    f = functools.partial(gpu.topk_select_gpu, K=K, config=gpu.SelectConfig(path=path))
+    with abstract_device(*H100):
+        exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(
+            sds(shape, jnp.float32), sds((4, 1, 1), jnp.int32))
+    text = exp.mlir_module()
+    assert "stablehlo.custom_call" in text
+    ops = set(re.findall(r"= stablehlo\.(\w+)", text)) - {"custom_call", "reshape", "constant"}
+    assert not ops, ops

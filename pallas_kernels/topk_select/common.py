@@ -117,6 +117,30 @@ def check_args(scores: Array, k, K: int) -> tuple[tuple[int, ...], int, int]:
     return lead, N, min(int(K), N)
 
 
+def distinct_counts(k, lead: tuple[int, ...]) -> Array:
+    """i32[R']: k (an int or int array broadcastable to lead) at the rows' R' = R / rep distinct leading entries,
+    rep the product of lead's trailing dims over which k does not vary: row r of the R = prod(lead) rows takes entry
+    r // rep (`count_spec`). A decode's k of [B, 1, 1] over rows [B, Hkv, 1] stays [B] instead of a broadcast to
+    every row, which was a kernel of its own in every layer of a scan (XLA does not hoist broadcasts)."""
+    k = jnp.asarray(k, jnp.int32)
+    shape = (1,) * (len(lead) - k.ndim) + tuple(k.shape)
+    p = len(lead)
+    while p and shape[p - 1] == 1:
+        p -= 1
+    return jnp.broadcast_to(k.reshape(shape[:p]), lead[:p]).reshape(-1)
+
+
+def count_spec(k2: Array, R: int):
+    """The BlockSpec of k2 i32[R', 1] (`distinct_counts`, R' dividing R) for a grid whose first axis is the R rows:
+    row r reads entry r // (R / R')."""
+    from jax.experimental import pallas as pl
+
+    if R % k2.shape[0]:
+        raise ValueError(f"{k2.shape[0]} counts for {R} rows: expected a divisor of the row count")
+    rep = R // k2.shape[0]
+    return pl.BlockSpec((None, 1), lambda r, *_: (r // rep, 0))
+
+
 def row_counts(k, lead: tuple[int, ...], K: int) -> Array:
     """i32[R]: kk = clip(k, 0, K) per row (R = prod(lead)), k broadcast to the rows."""
     k_arr = jnp.broadcast_to(jnp.asarray(k, jnp.int32), lead).reshape(-1)

@@ -48,9 +48,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.topk_select import gpu_fused, gpu_ordered, gpu_row, gpu_sample
 from pallas_kernels.topk_select.gpu_fused import _chunk, _split_chunks
-from pallas_kernels.topk_select.common import (check_args, check_bits, float_keys, mask_span, pad_output,
-                                               radix_threshold, row_counts, selection_rule, span_rows, split_plan,
-                                               splits_for)
+from pallas_kernels.topk_select.common import (check_args, check_bits, distinct_counts, float_keys, mask_span,
+                                               pad_output, radix_threshold, row_counts, selection_rule, span_rows,
+                                               split_plan, splits_for)
 
 Array = jax.Array
 
@@ -267,7 +267,7 @@ def topk_select_gpu(scores: Array, k, K: int, *, span=None, config: SelectConfig
             scores = mask_span(scores, span)
     x = scores.reshape(-1, N)
     if path in ("row", "fused", "sample", "ordered"):
-        k_rows = jnp.broadcast_to(jnp.asarray(k, jnp.int32), lead).reshape(R)  # clipped in-kernel
+        k_rows = distinct_counts(k, lead)  # row r's k at r // (R / k_rows.size); clipped in-kernel
         if path == "row":
             out = gpu_row.topk_select_rows(x, k_rows, Kp, bits=config.row_bits, num_warps=config.row_warps,
                                            span=sp, interpret=interpret)

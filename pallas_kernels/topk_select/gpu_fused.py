@@ -27,8 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.topk_select.common import (INT_MIN, KEY_NEG_INF, KEY_POS_INF, float_keys, in_span, ref_span,
-                                               selection_rule)
+from pallas_kernels.topk_select.common import (INT_MIN, KEY_NEG_INF, KEY_POS_INF, count_spec, float_keys, in_span,
+                                               ref_span, selection_rule)
 
 Array = jax.Array
 
@@ -287,7 +287,8 @@ def topk_select_fused(x: Array, k_rows: Array, K: int, *, bits: int, block_n: in
     """Selection of every row by 32 / bits + 2 launches and no XLA work between them.
 
     Args:
-      x: f32[R, N] scores; k_rows: i32[R] keys to keep per row (clipped to [0, K] in-kernel); K: width <= N.
+      x: f32[R, N] scores; k_rows: i32[R'] keys to keep (row r's at r // (R / R'), `common.distinct_counts`;
+        clipped to [0, K] in-kernel); K: width <= N.
       bits: radix bits per counting pass (1, 2, 4 or 8); block_n, compact_block_n: scores per inner
         iteration of the counting / final-count and compaction kernels (powers of two); target_programs:
         about rows x splits per launch; num_warps: warps per program.
@@ -300,8 +301,8 @@ def topk_select_fused(x: Array, k_rows: Array, K: int, *, bits: int, block_n: in
     M = 1 << bits
     passes = 32 // bits
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
-    k2 = k_rows.reshape(R, 1)
-    k_spec = pl.BlockSpec((None, 1), lambda r, s: (r, 0))
+    k2 = k_rows.reshape(-1, 1).astype(jnp.int32)
+    k_spec = count_spec(k2, R)
     row_spec = pl.BlockSpec((None, N), lambda r, s: (r, 0))
     st_spec = pl.BlockSpec((None, 4), lambda r, s: (r, 0))
     S, per = pow2_splits(R, pl.cdiv(N, block_n), target_programs)
@@ -342,7 +343,7 @@ def _compact_call(x, k2, rule, fin, K: int, *, block_n: int, per_split: int, par
         functools.partial(_compact_kernel, n=N, width=K, wblock=block_n, block_n=block_n, per_split=per_split,
                           S=Sc, spanned=spanned),
         grid=(R, Sc),
-        in_specs=[pl.BlockSpec((None, 1), lambda r, s: (r, 0)), pl.BlockSpec((None, 4), lambda r, s: (r, 0)),
+        in_specs=[count_spec(k2, R), pl.BlockSpec((None, 4), lambda r, s: (r, 0)),
                   pl.BlockSpec((None, Sc, 4), lambda r, s: (r, 0, 0)), pl.BlockSpec((None, N), lambda r, s: (r, 0))]
         + ([pl.BlockSpec((None, 2), lambda r, s: (r, 0))] if spanned else []),
         out_specs=pl.BlockSpec((None, K), lambda r, s: (r, 0)),
@@ -360,8 +361,9 @@ def _rule_count_kernel(r_ref, x_ref, *refs, n: int, block_n: int, per_split: int
 def compact_with_rule(x: Array, k2: Array, rule: Array, K: int, *, block_n: int, target_programs: int, params,
                       span: Array | None = None, interpret: bool = False) -> Array:
     """The chosen positions from each row's rule i32[R, 4] = (a, t, bulk_on, done): one launch counting per
-    split (`rule_counts`), one compacting (`_compact_kernel`). k2: i32[R, 1] the rows' k (clipped in-kernel); span:
-    i32[R, 2] (lo, hi) or None: the scores outside a row's [lo, hi) count as -inf, read in place."""
+    split (`rule_counts`), one compacting (`_compact_kernel`). k2: i32[R', 1] the rows' k (`topk_select_fused`'s
+    k_rows; clipped in-kernel); span: i32[R, 2] (lo, hi) or None: the scores outside a row's [lo, hi) count as
+    -inf, read in place."""
     R, N = x.shape
     Sc, per_c = pow2_splits(R, pl.cdiv(N, block_n), target_programs)
     spanned = span is not None

@@ -40,8 +40,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.topk_select import gpu_fused
-from pallas_kernels.topk_select.common import (INT_MIN, KEY_NEG_INF, KEY_POS_INF, float_keys, in_span, ref_span,
-                                               selection_rule)
+from pallas_kernels.topk_select.common import (INT_MIN, KEY_NEG_INF, KEY_POS_INF, count_spec, float_keys, in_span,
+                                               ref_span, selection_rule)
 from pallas_kernels.topk_select.gpu_row import ROW_LIMIT, next_pow2, row_picks
 from pallas_kernels.topk_select.gpu_sample import rank_halfwidth, sample_bracket
 
@@ -140,7 +140,8 @@ def topk_select_ordered(x: Array, k_rows: Array, K: int, *, sample: int = 8192, 
     """Selection of every row from an ordered band above a sampled bound (module docstring).
 
     Args:
-      x: f32[R, N] scores (N >= sample); k_rows: i32[R] keys to keep (clipped to [0, K] in-kernel); K: width <= N.
+      x: f32[R, N] scores (N >= sample); k_rows: i32[R'] keys to keep (row r's at r // (R / R'),
+        `common.distinct_counts`; clipped to [0, K] in-kernel); K: width <= N.
       sample: sampled scores per row (a power of two, <= 32768); sigmas: the bound's distance below the sample
         rank in standard deviations; cap: band capacity per row (a power of two <= 32768; None: `band_capacity`);
         bits: radix bits of the in-register searches; block_n: scores per iteration of the streaming loops (a
@@ -159,7 +160,7 @@ def topk_select_ordered(x: Array, k_rows: Array, K: int, *, sample: int = 8192, 
             raise ValueError(f"{name}={v}: expected a power of two in [32, {ROW_LIMIT}]")
     if N < sample:
         raise ValueError(f"N={N} scores per row: the ordered path needs N >= sample={sample}")
-    k2 = k_rows.reshape(R, 1).astype(jnp.int32)
+    k2 = k_rows.reshape(-1, 1).astype(jnp.int32)
     bound = sample_bracket(x, k2, K, sample=sample, sigmas=sigmas, bits=bits, upper=False, span=span,
                            interpret=interpret)
     row = lambda w: pl.BlockSpec((None, w), lambda r: (r, 0))  # noqa: E731
@@ -175,7 +176,7 @@ def topk_select_ordered(x: Array, k_rows: Array, K: int, *, sample: int = 8192, 
     return pl.pallas_call(
         functools.partial(_select_kernel, n=N, width=K, cap=cap, bits=bits, block_n=block_n,
                           wpad=min(1024, max(32, next_pow2(K))), spanned=spanned),
-        grid=(R,), in_specs=[row(1), row(4), row(1), row(1), row(cap), row(N)] + sp_spec,
+        grid=(R,), in_specs=[count_spec(k2, R), row(4), row(1), row(1), row(cap), row(N)] + sp_spec,
         out_specs=row(K),
         out_shape=jax.ShapeDtypeStruct((R, K), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=max(4, min(16, cap // 1024)), num_stages=1),

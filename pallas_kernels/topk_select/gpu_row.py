@@ -25,8 +25,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.topk_select.common import (INT_MIN, KEY_NEG_INF, KEY_POS_INF, float_keys, in_span, ref_span,
-                                               selection_rule)
+from pallas_kernels.topk_select.common import (INT_MIN, KEY_NEG_INF, KEY_POS_INF, count_spec, float_keys, in_span,
+                                               ref_span, selection_rule)
 
 Array = jax.Array
 
@@ -155,7 +155,8 @@ def topk_select_rows(x: Array, k_rows: Array, K: int, *, bits: int = 2, num_warp
 
     Args:
       x: f32[R, N] scores, N <= ROW_LIMIT.
-      k_rows: i32[R] keys to keep per row (clipped to [0, K] in-kernel).
+      k_rows: i32[R'] keys to keep (row r's at r // (R / R'), `common.distinct_counts`; clipped to [0, K]
+        in-kernel).
       K: output width (<= N).
       bits: radix bits per in-kernel pass (1, 2, 4 or 8).
       num_warps: warps per program (None: `row_warps`).
@@ -171,15 +172,16 @@ def topk_select_rows(x: Array, k_rows: Array, K: int, *, bits: int = 2, num_warp
     if not 1 <= K <= N:
         raise ValueError(f"K={K}: expected 1 <= K <= N={N}")
     P = max(32, next_pow2(N))
+    k2 = k_rows.reshape(-1, 1).astype(jnp.int32)
     warps = row_warps(P) if num_warps is None else num_warps
     spanned = span is not None
     return pl.pallas_call(
         functools.partial(_row_kernel, n=N, P=P, bits=bits, width=K, wpad=max(32, next_pow2(K)), spanned=spanned),
         grid=(R,),
-        in_specs=[pl.BlockSpec((None, 1), lambda r: (r, 0)), pl.BlockSpec((None, N), lambda r: (r, 0))]
+        in_specs=[count_spec(k2, R), pl.BlockSpec((None, N), lambda r: (r, 0))]
         + ([pl.BlockSpec((None, 2), lambda r: (r, 0))] if spanned else []),
         out_specs=pl.BlockSpec((None, K), lambda r: (r, 0)),
         out_shape=jax.ShapeDtypeStruct((R, K), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1),
         interpret=interpret, name="topk_select_row",
-    )(k_rows.reshape(R, 1), x, *([span] if spanned else []))
+    )(k2, x, *([span] if spanned else []))

@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.topk_select import gpu_fused
-from pallas_kernels.topk_select.common import INT_MIN, float_keys, in_span, ref_span, selection_rule
+from pallas_kernels.topk_select.common import (INT_MIN, count_spec, float_keys, in_span, ref_span, selection_rule)
 from pallas_kernels.topk_select.gpu_row import row_threshold
 
 Array = jax.Array
@@ -210,7 +210,8 @@ def topk_select_sample(x: Array, k_rows: Array, K: int, *, sample: int = 4096, s
     """Selection of every row by sampling (module docstring).
 
     Args:
-      x: f32[R, N] scores (N >= sample); k_rows: i32[R] keys to keep (clipped to [0, K] in-kernel); K: width <= N.
+      x: f32[R, N] scores (N >= sample); k_rows: i32[R'] keys to keep (row r's at r // (R / R'),
+        `common.distinct_counts`; clipped to [0, K] in-kernel); K: width <= N.
       sample: sampled scores per row (`sample_positions`; a power of two, <= 32768); sigmas: bracket
         half-width in standard deviations of the sample rank; cap: band capacity per row (a power of two,
         <= 32768); bits: radix bits of the in-register searches; block_n: scores per inner iteration of the
@@ -231,7 +232,7 @@ def topk_select_sample(x: Array, k_rows: Array, K: int, *, sample: int = 4096, s
     if N < sample:
         raise ValueError(f"N={N} scores per row: the sampling path needs N >= sample={sample}")
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
-    k2 = k_rows.reshape(R, 1).astype(jnp.int32)
+    k2 = k_rows.reshape(-1, 1).astype(jnp.int32)
     bracket, counts, n_band, band = sample_band(x, k2, K, sample=sample, sigmas=sigmas, cap=cap, bits=bits,
                                                 block_n=block_n, target_programs=target_programs, params=params,
                                                 span=span, interpret=interpret)
@@ -243,8 +244,8 @@ def topk_select_sample(x: Array, k_rows: Array, K: int, *, sample: int = 4096, s
     rule = pl.pallas_call(
         functools.partial(_resolve_kernel, n=N, width=K, cap=cap, bits=bits, block_n=block_n, with_quota=whole_rows,
                           spanned=spanned),
-        grid=(R,), in_specs=[row1(1), pl.BlockSpec((None, S, 4), lambda r: (r, 0, 0)), row1(1), row1(cap), row1(4),
-                             row1(N)] + ([row1(2)] if spanned else []),
+        grid=(R,), in_specs=[count_spec(k2, R), pl.BlockSpec((None, S, 4), lambda r: (r, 0, 0)), row1(1), row1(cap),
+                             row1(4), row1(N)] + ([row1(2)] if spanned else []),
         out_specs=row1(w), out_shape=jax.ShapeDtypeStruct((R, w), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=max(4, min(16, cap // 1024)), num_stages=1),
         interpret=interpret, name="topk_select_resolve")(k2, counts, n_band, band, bracket, x,
@@ -257,16 +258,16 @@ def topk_select_sample(x: Array, k_rows: Array, K: int, *, sample: int = 4096, s
 
 def sample_bracket(x: Array, k2: Array, K: int, *, sample: int, sigmas: float, bits: int, upper: bool = True,
                    span: Array | None = None, zero_count: bool = False, interpret: bool = False):
-    """Launch 1 (`_sample_kernel`): i32[R, 4] = (A, B, above_on, 0) per row of x f32[R, N]; k2 i32[R, 1]; span
-    i32[R, 2] (lo, hi) or None (the scores outside a row's [lo, hi) count as -inf). zero_count: also i32[R, 1]
-    zeros (the band kernel's count), as (bracket, zeros)."""
+    """Launch 1 (`_sample_kernel`): i32[R, 4] = (A, B, above_on, 0) per row of x f32[R, N]; k2 i32[R', 1] (row r's
+    k at r // (R / R')); span i32[R, 2] (lo, hi) or None (the scores outside a row's [lo, hi) count as -inf).
+    zero_count: also i32[R, 1] zeros (the band kernel's count), as (bracket, zeros)."""
     R, N = x.shape
     row1 = lambda w: pl.BlockSpec((None, w), lambda r: (r, 0))  # noqa: E731
     spanned = span is not None
     out = pl.pallas_call(
         functools.partial(_sample_kernel, n=N, width=K, ns=sample, bits=bits, sigmas=sigmas, upper=upper,
                           spanned=spanned, zero_count=zero_count),
-        grid=(R,), in_specs=[row1(1), row1(N)] + ([row1(2)] if spanned else []),
+        grid=(R,), in_specs=[count_spec(k2, R), row1(N)] + ([row1(2)] if spanned else []),
         out_specs=[row1(4)] + ([row1(1)] if zero_count else []),
         out_shape=[jax.ShapeDtypeStruct((R, 4), jnp.int32)] + ([jax.ShapeDtypeStruct((R, 1), jnp.int32)]
                                                                 if zero_count else []),
