@@ -373,22 +373,12 @@ def _scan_layers(params: Params, cfg: ModelConfig, method, x: Array, positions: 
     # params with its loop counter (a slice of the params outside the loop would copy them; an index read from
     # an array would keep XLA from fusing the weight slice into the GEMMs, which then copies it every layer).
     parts = []
-    # A decode run is a while loop over the layer index itself. As a scan, a run from layer 1 had the scan's counter
-    # j and the index i = j + 1 folded into one value, which the loop then copied before each layer's increment (a
-    # device copy and an idle gap, about 5 us a layer on an H100: the oracle's sparse layers, Kascade's run after
-    # its dense anchor). The scan stays where it is needed: per-layer outputs (collect) or unrolling.
-    rolled = phase == "decode" and not collect and unroll is not True and unroll == 1
     for a, b, tag in segments(method, cfg, phase):
         def seg_fn(c, _, tag=tag):
             i, inner = c
             lp, info, window = read(i)
             inner, h = layer_fn(inner, (lp, i, info, window), segment=tag)
             return (i + 1, inner), h
-        if rolled:
-            _, carry = jax.lax.while_loop(lambda c, b=b: c[0] < b, lambda c, f=seg_fn: f(c, None)[0],
-                                          (jnp.int32(a), carry))
-            parts.append(None)
-            continue
         (_, carry), h = jax.lax.scan(seg_fn, (jnp.int32(a), carry), None, length=b - a, unroll=unroll)
         parts.append(h)
     hidden = jax.tree_util.tree_map(lambda *hs: jnp.concatenate(hs), *parts) if collect else None
