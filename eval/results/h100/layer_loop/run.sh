@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On an H100, one call: the decode's layer runs as while loops (47456b0) against issue 24's step times. `jsparse bench
+# On an H100, one call: the decode's layer runs as while loops (47456b0, reverted in e80187a) against issue 24's step times. `jsparse bench
 # model` for dense, the oracle and Kascade at 100K, batch 1 and 4 (compare with `../e2e_1206e/`, 4533c58, the same
 # methods as scans), then the oracle's profile at batch 1 (its memcpy32_post launches a step; 33 in `../check_1206d/`).
 # Usage (GPU, repository root): GIT_COMMIT=<sha> OUT=<dir> bash eval/results/h100/layer_loop/run.sh
