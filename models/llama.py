@@ -317,6 +317,12 @@ def gemm_row_padding(rows: int, dtype) -> int:
     return -rows % 8 if rows > 1 and _gpu_gemm_rows(dtype) else 0
 
 
+def layer_start(a: int) -> Array:
+    """The layer index a run of the layer scan starts from (`_scan_layers`; a hook for probes of how XLA carries it,
+    `eval/results/h100/layer_loop/`)."""
+    return jnp.int32(a)
+
+
 def _scan_layers(params: Params, cfg: ModelConfig, method, x: Array, positions: Array, lengths: Array,
                  cache: KVCache, state: Any, *, phase: str, kv_len: int, write, attend, collect: bool = False,
                  unroll: int | bool = 1):
@@ -379,7 +385,7 @@ def _scan_layers(params: Params, cfg: ModelConfig, method, x: Array, positions: 
             lp, info, window = read(i)
             inner, h = layer_fn(inner, (lp, i, info, window), segment=tag)
             return (i + 1, inner), h
-        (_, carry), h = jax.lax.scan(seg_fn, (jnp.int32(a), carry), None, length=b - a, unroll=unroll)
+        (_, carry), h = jax.lax.scan(seg_fn, (layer_start(a), carry), None, length=b - a, unroll=unroll)
         parts.append(h)
     hidden = jax.tree_util.tree_map(lambda *hs: jnp.concatenate(hs), *parts) if collect else None
     x, ck, cv, state = carry
