@@ -278,6 +278,60 @@ def test_sample_resolves_kascade_like_rows_without_fallback():
     _sample_exact(x, k, K, sample_size=1024, band_cap=2048)
 
 
+def test_sample_band_taken_whole_keeps_nothing_at_or_below_b():
+    """k takes every band key and no more (kk = #(key > B)): the band's search is done at its start, below B, and
+    the row's rule must still be the keys > B. Rows of 3000 ties at 5.0 (the bracket's A), 20 distinct scores (the
+    band) and 1.0 everywhere else (B): before the fix this row kept every position (all 4000 slots filled)."""
+    rng = np.random.default_rng(3)
+    N, K = 8192, 4000
+    x = np.full((3, N), 1.0, np.float32)
+    for r in range(3):
+        p = rng.permutation(N)
+        x[r, p[:3000]] = 5.0
+        x[r, p[3000:3020]] = rng.uniform(1.5, 4.5, 20)
+    k = np.array([3020, 3010, 3001], np.int32)  # the whole band, most of it, one key of it
+    how, nb = _sample_resolution(x, k, K, sample=1024, cap=2048)
+    assert (how == "band").all() and (nb == 20).all(), (how, nb)
+    _sample_exact(x, k, K, sample_size=1024, band_cap=2048)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_row_threshold_start_and_pair_match_the_plain_search(bits):
+    """`gpu_row.row_threshold` started from `common_prefix_start` of bounds that hold every key gives the plain
+    search's count, done and choice (t itself when not done), in fewer passes; `row_threshold_pair` gives the two plain searches' thresholds.
+    Keys of continuous, narrow (a shared exponent), tied and sign-crossing rows, k from 0 to n, padding INT_MIN."""
+    from pallas_kernels.topk_select.common import INT_MIN
+    rng = np.random.default_rng(bits)
+    P = 256
+    rows = [rng.standard_normal(200), 1.0 + rng.random(200) * 1e-3, rng.integers(0, 4, 200).astype(float),
+            rng.standard_normal(200) * 1e-30, np.full(200, 2.5)]
+    plain = jax.jit(functools.partial(gpu_row.row_threshold, bits=bits))
+    started = jax.jit(lambda key, kk, n, lower, upper: gpu_row.row_threshold(
+        key, kk, n, bits, start=gpu_row.common_prefix_start(lower, upper, bits)))
+    pair = jax.jit(functools.partial(gpu_row.row_threshold_pair, bits=bits))
+    passes_saved = 0
+    for row in rows:
+        n = len(row)
+        key = np.full(P, INT_MIN, np.int32)
+        key[:n] = np.asarray(float_keys(jnp.asarray(row, jnp.float32)))
+        lower, upper = key[:n].min(), key[:n].max()
+        _, p0 = gpu_row.common_prefix_start(jnp.int32(lower), jnp.int32(upper), bits)
+        passes_saved += int(p0)
+        for kk in (0, 1, 7, n // 2, n - 1, n):
+            want = plain(jnp.asarray(key), jnp.int32(kk), n)
+            got = started(jnp.asarray(key), jnp.int32(kk), n, jnp.int32(lower), jnp.int32(upper))
+            assert (int(got[1]), bool(got[2])) == (int(want[1]), bool(want[2])), (bits, kk, got, want)
+            if bool(want[2]):  # done: the same keys chosen (lo itself may differ below the smallest one chosen)
+                np.testing.assert_array_equal(key[:n] >= int(got[0]), key[:n] >= int(want[0]))
+            else:  # lo = t, the kk-th largest key
+                assert int(got[0]) == int(want[0]), (bits, kk, got, want)
+        for k1, k2 in ((1, n // 2), (n // 3, n), (0, 5), (n, n)):
+            lo1, lo2 = pair(jnp.asarray(key), jnp.int32(k1), jnp.int32(k2), n)
+            assert (int(lo1), int(lo2)) == (int(plain(jnp.asarray(key), jnp.int32(k1), n)[0]),
+                                            int(plain(jnp.asarray(key), jnp.int32(k2), n)[0])), (bits, k1, k2)
+    assert passes_saved >= 24 // bits  # the narrow, tied and constant rows share long prefixes
+
+
 def test_sample_band_capacity_fits_the_band_it_sizes():
     """The "sample" path's default capacity (`gpu_sample.band_capacity`, band_cap=None) holds the band of
     continuous and pooled-like rows at every k <= K (no row takes the fallback), is not loose by more than 4x at

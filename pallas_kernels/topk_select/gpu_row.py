@@ -37,7 +37,48 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def row_threshold(key: Array, kk: Array, n, bits: int, max_passes: int | None = None):
+def _packed_counts(ind: list[Array]) -> list[Array]:
+    """Sums of the 0/1 i32 vectors `ind` (each sum < 2**16), two per reduction (low and high 16 bits)."""
+    out = []
+    for i in range(0, len(ind), 2):
+        if i + 1 < len(ind):
+            both = jnp.sum(ind[i] + lax.shift_left(ind[i + 1], jnp.int32(16)))
+            out += [both & 0xFFFF, lax.shift_right_logical(both, jnp.int32(16))]
+        else:
+            out.append(jnp.sum(ind[i]))
+    return out
+
+
+def _pick_candidate(counts: list[Array], kk: Array, lo: Array, cnt: Array, shift: Array):
+    """(lo, cnt) after a pass: the last candidate lo + j * 2**shift whose count (falling with j) is still >= kk."""
+    jstar = jnp.int32(0)
+    for cj in counts:
+        ge = cj >= kk
+        jstar = jstar + ge.astype(jnp.int32)
+        cnt = jnp.where(ge, cj, cnt)
+    return lo + lax.shift_left(jstar, shift), cnt
+
+
+def common_prefix_start(lower: Array, upper: Array, bits: int) -> tuple[Array, Array]:
+    """Where `row_threshold` can start for keys known to lie in [lower, upper] (signed keys, lower <= upper):
+    (lo0, p0), p0 the passes of `bits` bits in which every such key has the same digit (their common prefix) and
+    lo0 that prefix, the rest zero bits, as the search holds it. The search's first p0 passes would pick exactly
+    these digits (all the keys are at or above a candidate of the prefix's digit, none above the next), so
+    starting there gives the same result in p0 fewer passes."""
+    passes = 32 // bits
+    diff = lower ^ upper  # the signed and unsigned views differ in the top bit of both: the same differing bits
+    p0 = jnp.int32(0)
+    for p in range(1, passes + 1):
+        same = (diff == 0) if p * bits == 32 else (lax.shift_right_logical(diff, jnp.int32(32 - p * bits)) == 0)
+        p0 = p0 + same.astype(jnp.int32)  # monotone: equal top p * bits bits imply equal top (p - 1) * bits
+    keep = jnp.int32(32) - jnp.int32(bits) * p0
+    mask = jnp.where(p0 == 0, jnp.int32(0), lax.shift_left(jnp.int32(-1), jnp.minimum(keep, 31)))
+    mask = jnp.where(keep == 0, jnp.int32(-1), mask)
+    return ((lower ^ INT_MIN) & mask) ^ INT_MIN, p0
+
+
+def row_threshold(key: Array, kk: Array, n, bits: int, max_passes: int | None = None,
+                  start: tuple[Array, Array] | None = None):
     """In-kernel radix search of a row's threshold key (keys held as one vector).
 
     Args:
@@ -47,6 +88,8 @@ def row_threshold(key: Array, kk: Array, n, bits: int, max_passes: int | None = 
       n: i32 scalar or int, the row's real length (count(key >= INT_MIN) over the real keys).
       bits: bits per pass (1, 2, 4 or 8).
       max_passes: static bound of passes (default 32 / bits).
+      start: None, or (lo0, p0) of `common_prefix_start` for bounds every real key lies within: the search
+        starts at pass p0 from lo0 (the same result, p0 passes sooner).
 
     Returns:
       (lo: i32, cnt: i32 = count(key >= lo), done: bool). Done (kk == 0 or cnt == kk): the choice is the keys
@@ -54,6 +97,7 @@ def row_threshold(key: Array, kk: Array, n, bits: int, max_passes: int | None = 
     """
     M = 1 << bits
     passes = 32 // bits if max_passes is None else max_passes
+    lo0, p0 = (jnp.int32(INT_MIN), jnp.int32(0)) if start is None else start
 
     def cond(c):
         p, _, cnt = c
@@ -63,24 +107,42 @@ def row_threshold(key: Array, kk: Array, n, bits: int, max_passes: int | None = 
         p, lo, cnt = c
         shift = jnp.int32(32 - bits) - jnp.int32(bits) * p
         # Candidate j is lo + j * 2**shift (wrapping: the keys' unsigned order is their signed order + 2**31).
-        ge_c = lambda j: (key >= lo + lax.shift_left(jnp.int32(j), shift)).astype(jnp.int32)
-        counts = []
-        for j in range(1, M, 2):  # two counts (< 2**16 each) per reduction: low and high 16 bits
-            if j + 1 < M:
-                both = jnp.sum(ge_c(j) + lax.shift_left(ge_c(j + 1), jnp.int32(16)))
-                counts += [both & 0xFFFF, lax.shift_right_logical(both, jnp.int32(16))]
-            else:
-                counts.append(jnp.sum(ge_c(j)))
-        jstar = jnp.int32(0)
-        new_cnt = cnt
-        for cj in counts:
-            ge = cj >= kk  # counts fall with j: the last candidate still >= kk wins
-            jstar = jstar + ge.astype(jnp.int32)
-            new_cnt = jnp.where(ge, cj, new_cnt)
-        return p + 1, lo + lax.shift_left(jstar, shift), new_cnt
+        counts = _packed_counts([(key >= lo + lax.shift_left(jnp.int32(j), shift)).astype(jnp.int32)
+                                 for j in range(1, M)])
+        return p + 1, *_pick_candidate(counts, kk, lo, cnt, shift)
 
-    _, lo, cnt = lax.while_loop(cond, body, (jnp.int32(0), jnp.int32(INT_MIN), jnp.asarray(n, jnp.int32)))
+    _, lo, cnt = lax.while_loop(cond, body, (p0, lo0, jnp.asarray(n, jnp.int32)))
     return lo, cnt, (kk <= 0) | (cnt == kk)
+
+
+def row_threshold_pair(key: Array, kk1: Array, kk2: Array, n, bits: int):
+    """`row_threshold` of one row for two targets at once, as (lo1, lo2): one loop whose passes count both
+    targets' candidates in shared packed reductions ((2**bits - 1) * 2 counts, two a reduction), instead of two
+    loops one after the other. A target stops moving once done, as its own search would stop there."""
+    M = 1 << bits
+    passes = 32 // bits
+
+    def live(kk, cnt):
+        return (cnt != kk) & (kk > 0)
+
+    def cond(c):
+        p, _, c1, _, c2 = c
+        return (p < passes) & (live(kk1, c1) | live(kk2, c2))
+
+    def body(c):
+        p, lo1, c1, lo2, c2 = c
+        shift = jnp.int32(32 - bits) - jnp.int32(bits) * p
+        ind = [(key >= lo + lax.shift_left(jnp.int32(j), shift)).astype(jnp.int32)
+               for lo in (lo1, lo2) for j in range(1, M)]
+        counts = _packed_counts(ind)
+        n1, m1 = _pick_candidate(counts[:M - 1], kk1, lo1, c1, shift)
+        n2, m2 = _pick_candidate(counts[M - 1:], kk2, lo2, c2, shift)
+        a1, a2 = live(kk1, c1), live(kk2, c2)
+        return p + 1, jnp.where(a1, n1, lo1), jnp.where(a1, m1, c1), jnp.where(a2, n2, lo2), jnp.where(a2, m2, c2)
+
+    n = jnp.asarray(n, jnp.int32)
+    _, lo1, _, lo2, _ = lax.while_loop(cond, body, (jnp.int32(0), jnp.int32(INT_MIN), n, jnp.int32(INT_MIN), n))
+    return lo1, lo2
 
 
 def row_pick_mask(key: Array, cand: Array, kk: Array, n, bits: int) -> Array:

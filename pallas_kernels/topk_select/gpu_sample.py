@@ -39,8 +39,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.topk_select import gpu_fused
-from pallas_kernels.topk_select.common import (INT_MIN, count_spec, float_keys, in_span, ref_span, selection_rule)
-from pallas_kernels.topk_select.gpu_row import row_threshold
+from pallas_kernels.topk_select.common import (INT_MAX, INT_MIN, count_spec, float_keys, in_span, ref_span,
+                                               selection_rule)
+from pallas_kernels.topk_select.gpu_row import common_prefix_start, row_threshold, row_threshold_pair
 
 Array = jax.Array
 
@@ -103,11 +104,10 @@ def _sample_kernel(k_ref, x_ref, *refs, n: int, width: int, ns: int, bits: int, 
     m = sigmas * jnp.sqrt(jnp.maximum(r * (1.0 - r / ns), 0.0)) + 8.0
     r_hi = jnp.clip(jnp.floor(r - m), 0, ns).astype(jnp.int32) if upper else jnp.int32(0)
     r_lo = jnp.clip(jnp.ceil(r + m), 0, ns).astype(jnp.int32)
-    if upper:
-        a_key, _, _ = row_threshold(key, r_hi, ns, bits)  # count(sample key >= A) ~ r_hi
+    if upper:  # count(sample key >= A) ~ r_hi; r_lo = ns: B = INT_MIN (every key)
+        a_key, b_key = row_threshold_pair(key, r_hi, r_lo, ns, bits)
     else:
-        a_key = jnp.int32(0)
-    b_key, _, _ = row_threshold(key, r_lo, ns, bits)  # r_lo = ns: B = INT_MIN (every key)
+        a_key, (b_key, _, _) = jnp.int32(0), row_threshold(key, r_lo, ns, bits)
     lane = jnp.arange(4, dtype=jnp.int32)
     o_ref[...] = jnp.where(lane == 0, a_key, jnp.where(lane == 1, b_key, jnp.where(lane == 2, r_hi > 0, 0)))
 
@@ -179,7 +179,14 @@ def _resolve_kernel(k_ref, c_ref, cnt_ref, band_ref, br_ref, x_ref, *refs, n: in
     slot = jnp.arange(cap, dtype=jnp.int32)
     band = plgpu.load(band_ref.at[pl.ds(0, cap)], mask=slot < n_band, other=INT_MIN)
     band = jnp.where(slot < n_band, band, INT_MIN)
-    lo, _, done = row_threshold(band, jnp.where(in_band, need, 0), jnp.where(in_band, n_band, 0), bits)
+    # Every band key lies in [B + 1, A - 1]: the search starts after the passes of their common prefix.
+    lo0, p0 = common_prefix_start(jnp.where(b_key == INT_MAX, INT_MAX, b_key + 1),
+                                  jnp.where(br_ref[2] > 0, a_key - 1, INT_MAX), bits)
+    start = (jnp.where(in_band, lo0, INT_MIN), jnp.where(in_band, p0, 0))
+    lo, _, done = row_threshold(band, jnp.where(in_band, need, 0), jnp.where(in_band, n_band, 0), bits, start=start)
+    # A band search done at or below B + 1 (every band key taken, need = n_band: the search may stop at its start,
+    # below B) means the keys >= B + 1 of the whole row, not the keys at or below B as well.
+    lo = jnp.where(in_band & done, jnp.maximum(lo, b_key + 1), lo)
     lo = jnp.where(at_a, a_key, jnp.where(at_b, b_key, lo))
     done = jnp.where(at_a, kk == ge_a, jnp.where(at_b, kk == ge_b, done))
 
