@@ -284,14 +284,14 @@ def test_sample_band_taken_whole_keeps_nothing_at_or_below_b():
     band) and 1.0 everywhere else (B): before the fix this row kept every position (all 4000 slots filled)."""
     rng = np.random.default_rng(3)
     N, K = 8192, 4000
-    x = np.full((3, N), 1.0, np.float32)
-    for r in range(3):
+    x = np.full((5, N), 1.0, np.float32)
+    for r in range(5):
         p = rng.permutation(N)
         x[r, p[:3000]] = 5.0
         x[r, p[3000:3020]] = rng.uniform(1.5, 4.5, 20)
-    k = np.array([3020, 3010, 3001], np.int32)  # the whole band, most of it, one key of it
+    k = np.array([3020, 3010, 3001, 3000, 3021], np.int32)  # the whole band, most, one key; every A; one B more
     how, nb = _sample_resolution(x, k, K, sample=1024, cap=2048)
-    assert (how == "band").all() and (nb == 20).all(), (how, nb)
+    assert list(how) == ["band"] * 3 + ["a", "b"] and (nb == 20).all(), (how, nb)
     _sample_exact(x, k, K, sample_size=1024, band_cap=2048)
 
 
