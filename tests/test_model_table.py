@@ -77,8 +77,8 @@ def test_bad_inputs_are_errors_naming_the_file_or_case(tmp_path):
 README_TABLES = [  # the README's tables made by the tool: (folder, JSONs)
     (("h200", "end_to_end"), ("bench_model_b1_1202.json", "bench_model_100k_b4_1202_a.json",
                               "bench_model_100k_b4_1202_b.json")),
-    (("h100", "e2e_1206e"), ("e2e_a.json", "e2e_b.json", "e2e_c.json")),
-    (("h100", "e2e_1206e"), ("e2e_qwen3.json",)),
+    (("h100", "e2e_1206f"), ("e2e_a.json", "e2e_b.json", "e2e_c.json")),
+    (("h100", "e2e_1206f"), ("e2e_qwen3.json",)),
     (("h200", "e2e_state"), ("e2e_a.json", "e2e_b.json")),
     (("h200", "e2e_state"), ("e2e_qwen3.json",)),
 ]
