@@ -3,8 +3,8 @@
 One program per row (grid (R,)): it loads the whole row once (P = next power of two >= N scores, the padding
 masked out), turns it into int32 keys held in registers, runs the complete radix threshold search in-kernel
 (a `lax.while_loop` over passes of `bits` bits: 2**bits - 1 candidate counts per pass, two per reduction over
-the row, packed in 16-bit halves; the loop stops as soon as count(key >= lo) == kk, usually well before 32 / bits passes on continuous
-scores), and then compacts: one packed exclusive cumulative sum (bulk picks in the low 16 bits, threshold ties
+the row, packed in 16-bit halves; the loop stops as soon as count(key >= lo) == kk, usually well before 32 / bits
+passes on continuous scores), and then compacts: one packed exclusive cumulative sum (bulk picks in the low 16 bits, threshold ties
 in the high 16) ranks every pick, and the positions are scattered to their output slots, ascending; the slots
 after the row's last pick get -1. The whole `topk_select` is this one launch (k is clipped in-kernel).
 

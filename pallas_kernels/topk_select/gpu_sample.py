@@ -6,15 +6,17 @@ path's 32 / bits counting passes of 2**bits comparisons each:
   1. `_sample_kernel` (one program per row): the keys of `sample` scores, one at a hashed offset inside each of
      `sample` equal strata of the row (`sample_positions`: the whole row is covered, and a periodic row, such as
      a cache of tiled keys, is not aliased by a fixed stride), held in registers; the exact in-register radix
-     search (`gpu_row.row_threshold`) finds two sample keys A >= B around the sample rank that corresponds to kk
-     (kk * sample / N, +- `sigmas` binomial standard deviations + 8).
+     search finds two sample keys A >= B around the sample rank that corresponds to kk (kk * sample / N, +-
+     `sigmas` binomial standard deviations + 8), both in one loop (`gpu_row.row_threshold_pair`).
   2. `_band_kernel` (row x split): counts per split the keys > A, == A and == B (B < A), and appends every key
      strictly between B and A to the row's band buffer (capacity `cap`; slots reserved with one atomic add per
      chunk, so the band's order is arbitrary, which does not matter for a threshold).
   3. `_resolve_kernel` (one program per row): with G = #(key > A), E_A = #(key == A), Bn the band's count and
      E_B = #(key == B), the kk-th largest key t is A when G < kk <= G + E_A, the (kk - G - E_A)-th largest of
      the band when the band fits and G + E_A < kk <= G + E_A + Bn (the in-register radix search over the band
-     gives it exactly), and B when the next E_B ranks hold kk. So ties at either end of the bracket, however
+     gives it exactly; it starts after the common prefix of the band's bounds B + 1 and A - 1,
+     `gpu_row.common_prefix_start`: on continuous scores most of its passes; a band taken whole is the keys > B),
+     and B when the next E_B ranks hold kk. So ties at either end of the bracket, however
      many, never fill the band. Otherwise (a bracket the sample missed, a band over `cap`: rare, even for rows
      of a few distinct values) the program runs the streaming radix search over its whole row
      (`gpu_fused.count_digits`, 4 bits a pass): slow (one program reads its row 8 times) but exact, so no input
