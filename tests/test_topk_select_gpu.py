@@ -298,8 +298,9 @@ def test_sample_band_taken_whole_keeps_nothing_at_or_below_b():
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 def test_row_threshold_start_and_pair_match_the_plain_search(bits):
     """`gpu_row.row_threshold` started from `common_prefix_start` of bounds that hold every key gives the plain
-    search's count, done and choice (t itself when not done), in fewer passes; `row_threshold_pair` gives the two plain searches' thresholds.
-    Keys of continuous, narrow (a shared exponent), tied and sign-crossing rows, k from 0 to n, padding INT_MIN."""
+    search's count, done and choice (t itself when not done), in fewer passes; `row_threshold_pair` gives the two
+    plain searches' thresholds. Keys of continuous, narrow (a shared exponent), tied and sign-crossing rows, k from
+    0 to n, padding INT_MIN."""
     from pallas_kernels.topk_select.common import INT_MIN
     rng = np.random.default_rng(bits)
     P = 256
