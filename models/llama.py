@@ -323,6 +323,14 @@ def layer_start(a: int) -> Array:
     return jnp.int32(a)
 
 
+def layer_run(seg_fn, a: int, b: int, carry, unroll: int | bool = 1):
+    """Layers a .. b - 1 of `_scan_layers` as one `lax.scan` of seg_fn ((i, carry), None) -> ((i + 1, carry), h)
+    from layer_start(a): returns (carry, h stacked). A hook for probes of the loop's form
+    (`eval/results/h100/layer_while/`)."""
+    (_, carry), h = jax.lax.scan(seg_fn, (layer_start(a), carry), None, length=b - a, unroll=unroll)
+    return carry, h
+
+
 def _scan_layers(params: Params, cfg: ModelConfig, method, x: Array, positions: Array, lengths: Array,
                  cache: KVCache, state: Any, *, phase: str, kv_len: int, write, attend, collect: bool = False,
                  unroll: int | bool = 1):
@@ -385,7 +393,7 @@ def _scan_layers(params: Params, cfg: ModelConfig, method, x: Array, positions: 
             lp, info, window = read(i)
             inner, h = layer_fn(inner, (lp, i, info, window), segment=tag)
             return (i + 1, inner), h
-        (_, carry), h = jax.lax.scan(seg_fn, (layer_start(a), carry), None, length=b - a, unroll=unroll)
+        carry, h = layer_run(seg_fn, a, b, carry, unroll)
         parts.append(h)
     hidden = jax.tree_util.tree_map(lambda *hs: jnp.concatenate(hs), *parts) if collect else None
     x, ck, cv, state = carry
