@@ -151,6 +151,13 @@ def test_decode_heat_matches_reference(splits, block_k, K, layer):
                                       config=gpu.sgpu.DecodeConfig(block_k=block_k, num_splits=splits))
     np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(h, want_h, rtol=1e-5, atol=1e-6)
+    # In one launch (tickets): the last program of each row finishes it, and hands the counters back as zeros.
+    tickets = jnp.zeros((B, HKV, 1), jnp.int32)
+    o1, h1, t1 = gpu.sparse_decode_heat_gpu(*args, block_size=BS, interpret=True, tickets=tickets,
+                                            config=gpu.sgpu.DecodeConfig(block_k=block_k, num_splits=splits))
+    np.testing.assert_allclose(o1, o, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(h1, h, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(t1, tickets)
     o, h = xla.sparse_decode_heat_xla(*args, block_size=BS)
     np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(h, want_h, rtol=1e-5, atol=1e-6)
@@ -196,6 +203,14 @@ def test_decode_heat_reads_every_layers_rows_at_the_layer():
                                               block_size=BS, config=cfg, interpret=True)
             np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-5)
             np.testing.assert_allclose(h, want_h, rtol=1e-5, atol=1e-6)
+            tickets = jnp.zeros((B, HKV, 1), jnp.int32)  # the one-launch finish, twice on the same counters
+            for _ in range(2):
+                o, h, tickets = gpu.sparse_decode_heat_gpu(q, k, v, jnp.int32(layer), idx, lengths, heat,
+                                                           jnp.int32(heat_layer), block_size=BS, config=cfg,
+                                                           tickets=tickets, interpret=True)
+                np.testing.assert_allclose(o, want_o, rtol=1e-4, atol=1e-5)
+                np.testing.assert_allclose(h, want_h, rtol=1e-5, atol=1e-6)
+                assert not np.asarray(tickets).any()
         for impl in ("xla", "reference"):
             o, h = sparse_decode_heat(q, k, v, jnp.int32(layer), rows, lengths, heat, jnp.int32(heat_layer),
                                       block_size=BS, implementation=impl)

@@ -120,7 +120,8 @@ def evo_layers(method, q, k, v, lengths, state, layer, *, iters):
         acc, st = c
         st = start_forward(method, layer_cfg(), st, "decode", B, 1, N, lengths=lengths)
         out, st = method.decode(ctx, (q + acc[:, :, :, :1] * 1e-3).astype(q.dtype), LayerKV(k=k, v=v), st)
-        return out.astype(jnp.float32) * 0.5, st.replace(heat_cand=None, plan=None, sel=None)  # the step's own
+        # the step's own fields, made again by the next start_forward
+        return out.astype(jnp.float32) * 0.5, st.replace(heat_cand=None, plan=None, sel=None, tickets=None)
 
     acc, st = jax.lax.fori_loop(0, iters, body, (jnp.zeros(q.shape, jnp.float32), state))
     return acc.sum() + st.heat.sum()

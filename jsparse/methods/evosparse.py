@@ -107,6 +107,9 @@ class EvoState:
     # (`EvoSparse.selection_groups`), or None
     sel: Optional[Array] = None
     heat_rows: Optional[Array] = None  # f32[L, B, Hkv, T + 1, NB] inside a speculative verification
+    # i32[B, Hkv, 1] zeros inside a one-token decode forward with `finish_in_launch` (`start_rows`): the row
+    # counters of the gathered decode's one-launch finish, which every launch hands back as zeros
+    tickets: Optional[Array] = None
 
 
 def check_fractions(fractions: Sequence[float]) -> tuple[float, ...]:
@@ -133,6 +136,9 @@ class EvoSparse:
     layout), or None: then decode scores every layer and keeps the set of the layers that hold one.
     group_select: a one-token decode makes the selections of the layers that share their inputs at once (one
     launch on a GPU, `selection_groups`) instead of one per layer; the same blocks either way.
+    finish_in_launch: on a GPU, a one-token decode layer's gathered decode also merges its splits and adds the
+    mass into the heat, by the last program of each row (`block_scores.sparse_decode_heat`'s tickets), instead of a
+    second launch; the same results either way.
     Leaves: layout (RetrievalLayout) or None without retrieval.
     """
 
@@ -157,6 +163,7 @@ class EvoSparse:
     branchless: Optional[bool] = struct.field(pytree_node=False, default=None)
     kernels: Optional[str] = struct.field(pytree_node=False, default=None)
     group_select: bool = struct.field(pytree_node=False, default=True)
+    finish_in_launch: bool = struct.field(pytree_node=False, default=True)
 
     def __post_init__(self):
         sel.check_budget(self.budget)
@@ -177,8 +184,9 @@ class EvoSparse:
         object.__setattr__(self, "decay", float(self.decay))
         sel.check_positive_int("dense_layers", self.dense_layers, 0)
         sel.check_positive_int("heat_window", self.heat_window, 0)
-        if not isinstance(self.group_select, (bool, np.bool_)):
-            raise ValueError(f"group_select={self.group_select!r}: expected true or false")
+        for name in ("group_select", "finish_in_launch"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected true or false")
         if self.kernels not in (None, "xla", "pallas_gpu", "reference"):
             raise ValueError(f"kernels={self.kernels!r}: expected None, 'xla', 'pallas_gpu' or 'reference'")
         if self.retrieval_layers is not None:
@@ -321,7 +329,8 @@ class EvoSparse:
         decayed and updated row by row inside each layer (`heat_update`)."""
         if phase != "decode":
             return state
-        state = state.replace(heat_cand=None, plan=None, sel=None)  # they belong to one forward (`start_rows`)
+        # They belong to one forward (`start_rows`).
+        state = state.replace(heat_cand=None, plan=None, sel=None, tickets=None)
         if self.uses_heat and q_len == 1:
             state = state.replace(heat=decay_heat(state.heat, self.dense_layers, self.decay))
         if not self.uses_retrieval:
@@ -347,6 +356,8 @@ class EvoSparse:
         each layer derived it again in XLA (five small kernels a layer on a GPU)."""
         if phase != "decode" or q_len != 1 or not self.uses_heat or state.heat is None:
             return state
+        if self.finish_in_launch:
+            state = state.replace(tickets=jnp.zeros(state.heat.shape[1:3] + (1,), jnp.int32))
         width = self.widths(state.heat.shape[-1] * self.block_size)["heat"]
         if width > CAND_LIMIT:  # too many candidates to rank pairwise: search each row
             return state
@@ -395,7 +406,7 @@ class EvoSparse:
         return make_plan(n_s, nbv - n_l, nbv, n_h + n_r, kb >= nbv, n_r)
 
     def finish(self, state, phase):
-        return state.replace(retrieval=None, heat_cand=None, plan=None, sel=None)
+        return state.replace(retrieval=None, heat_cand=None, plan=None, sel=None, tickets=None)
 
     def prefill(self, ctx, q, k, v, state):
         out = dense_prefill(q, k, v)
@@ -517,10 +528,10 @@ class EvoSparse:
             # live=False: lengths 0, so every entry's mass is 0 and the heat is unchanged. (ctx.lengths is pos + 1:
             # no kernel derives it again.)
             lengths = ctx.lengths if live is None else jnp.where(live, ctx.lengths, 0)
-            out, heat = sparse_decode_heat(q, k_all, v_all, layer, rows, lengths, heat, ctx.layer,
-                                           block_size=self.block_size, implementation=self.kernels,
-                                           config=DECODE_CONFIG)
-            return out.astype(q.dtype), state.replace(heat=heat)
+            res = sparse_decode_heat(q, k_all, v_all, layer, rows, lengths, heat, ctx.layer,
+                                     block_size=self.block_size, implementation=self.kernels, config=DECODE_CONFIG,
+                                     tickets=state.tickets)
+            return res[0].astype(q.dtype), state.replace(heat=res[1], tickets=res[2] if len(res) > 2 else None)
 
         def row(heat_l, xs):
             q_t, ret_t, pos_t = xs  # [B, Hq, D], [B, Wr] | None, [B]

@@ -34,7 +34,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.block_scores.reference import check_block_max_args, check_heat_args
 from pallas_kernels.sparse_attention import gpu as sgpu
 from pallas_kernels.sparse_attention.common import default_scale
-from pallas_kernels.sparse_attention.stacked import decode_partials_stacked, layer_index, sparse_decode_stacked_gpu
+from pallas_kernels.sparse_attention.stacked import (Finish, decode_partials_stacked, layer_index,
+                                                     sparse_decode_stacked_gpu)
 from pallas_kernels.topk_select.common import INT_MIN, float_keys
 from pallas_kernels.topk_select.gpu_row import ROW_LIMIT, next_pow2, row_pick_mask, row_warps
 
@@ -189,6 +190,63 @@ def sparse_decode_mass_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
                                      return_mass=True, config=config, interpret=interpret)
 
 
+def _group_lse(m_ref, l_ref, S: int, G: int, cache: str | None = None):
+    """The GQA group's merge weights over the S splits' partials (m_ref, l_ref f32[S, Gp]; only the first G rows
+    read, padded to gq = next_pow2(G) >= 2): (w f32[sp, gq] each split's weight exp(m - m_all), its row mask,
+    lse f32[gq], l_safe, nonempty bool[gq]); loaded at once as [sp, gq] tensors (gathers by index arrays)."""
+    gq, sp = max(2, pl.next_power_of_2(G)), max(2, pl.next_power_of_2(S))
+    split = jnp.arange(sp, dtype=jnp.int32)[:, None]  # [sp, 1]
+    row = jnp.arange(gq, dtype=jnp.int32)[None, :]  # [1, gq]
+    ok2 = (split < S) & (row < G)  # [sp, gq]
+    at = (jnp.minimum(split, S - 1), jnp.broadcast_to(row, (sp, gq)))
+    m = plgpu.load(m_ref.at[at], mask=ok2, other=_MASK, cache_modifier=cache)
+    m_all = jnp.max(m, axis=0)  # [gq]
+    w = jnp.where(ok2, jnp.exp(m - m_all[None, :]), 0.0)
+    l_all = jnp.sum(w * plgpu.load(l_ref.at[at], mask=ok2, other=0.0, cache_modifier=cache), axis=0)
+    nonempty = l_all > 0
+    l_safe = jnp.where(nonempty, l_all, 1.0)
+    return w, (ok2, at), m_all + jnp.log(l_safe), l_safe, nonempty
+
+
+def _merge_outputs(o_ref, out_ref, row0, w, mask_at, l_safe, nonempty, G: int, cache: str | None = None):
+    """Stores the group's merged output (the S splits' o_ref f32[S, Gp, D] weighted by w, over l) into rows
+    row0 .. row0 + G - 1 of out_ref [rows, D] (one indexer per store: Triton's lowering)."""
+    ok2, (s2, r2) = mask_at
+    d = o_ref.shape[-1]
+    col = jnp.arange(d, dtype=jnp.int32)[None, None, :]
+    ok3 = jnp.broadcast_to(ok2[:, :, None], ok2.shape + (d,))
+    o = plgpu.load(o_ref.at[s2[:, :, None], r2[:, :, None], col], mask=ok3, other=0.0, cache_modifier=cache)
+    out = jnp.where(nonempty[:, None], jnp.sum(w[:, :, None] * o, axis=0) / l_safe[:, None], 0.0)  # [gq, D]
+    gq = out.shape[0]
+    real2 = jnp.broadcast_to((jnp.arange(gq, dtype=jnp.int32) < G)[:, None], (gq, d))
+    plgpu.store(out_ref.at[pl.ds(row0, gq), :], out.astype(out_ref.dtype), mask=real2)
+
+
+def _add_entry_mass(ent, el_ref, em_ref, nw_ref, entries, heat_ref, hrow, lse, nonempty, *, E: int, K: int, G: int,
+                    cache: str | None = None):
+    """Adds the softmax mass of index entries ent (i32[n], entry j = s * E + e of split s) into heat row hrow
+    (heat_ref f32[Lh, nb], in place): el_ref f32[S, Gp, E] the entries' sums of exp(s - m), em_ref f32[S, Gp,
+    E // per_iter] their iteration's m, nw_ref i32[S, 1] the entries each split wrote; entries(idx, valid) the
+    row's index entries (blocks). The entries must be distinct blocks (no two lanes update one heat block)."""
+    gq, n = lse.shape[0], ent.shape[0]
+    S = el_ref.shape[0]
+    s_j, e_j = jnp.minimum(ent // E, S - 1), ent % E
+    written = (ent < K) & (ent < S * E) & (e_j < plgpu.load(nw_ref.at[s_j, 0], cache_modifier=cache))  # [n]
+    rows = jnp.arange(gq, dtype=jnp.int32)[:, None]  # [gq, 1]
+    ok = written[None, :] & ((rows < G) & nonempty[:, None])
+    at = (jnp.broadcast_to(s_j[None, :], (gq, n)), jnp.broadcast_to(rows, (gq, n)),
+          jnp.broadcast_to(e_j[None, :], (gq, n)))
+    el = plgpu.load(el_ref.at[at], mask=ok, other=0.0, cache_modifier=cache)
+    em = plgpu.load(em_ref.at[at[:2] + (at[2] // (E // em_ref.shape[-1]),)], mask=ok, other=0.0,
+                    cache_modifier=cache)
+    p = jnp.where(ok, el * jnp.exp(jnp.where(ok, em - lse[:, None], 0.0)), 0.0)
+    mass = jnp.sum(p, axis=0) / G  # [n]
+    blk = entries(jnp.minimum(ent, K - 1), written)
+    hit = written & (blk >= 0)
+    ref = heat_ref.at[hrow, jnp.where(hit, blk, heat_ref.shape[1])]  # masked lanes point past the row
+    plgpu.store(ref, plgpu.load(ref, mask=hit, other=0.0) + mass, mask=hit)
+
+
 def _finish_heat_kernel(lay_ref, hl_ref, idx_ref, o_ref, m_ref, l_ref, el_ref, em_ref, nw_ref, _heat_in, out_ref,
                         heat_ref, *, S: int, E: int, K: int, G: int, L: int, Lh: int, stacked: bool):
     """Program (b, kv head, split s) of one decode token: the GQA group's log-sum-exp from every split's (m, l),
@@ -197,65 +255,66 @@ def _finish_heat_kernel(lay_ref, hl_ref, idx_ref, o_ref, m_ref, l_ref, el_ref, e
 
     Refs: lay, hl i32[1] the cache layer and the heat row; idx i32[K] the entries (stacked: i32[L, K], every
     layer's, row `lay` read); o f32[S, Gp, D], m, l f32[S, Gp]; el f32[S, Gp, E], em f32[S, Gp, E // P] (the max of
-    each iteration of P entries); nw i32[S, 1]; heat (in and
-    out, aliased) f32[Lh, nb]; out [Gp, D]. The splits' (m, l) and outputs are loaded at once as [S, rows, ...]
-    tensors (gathers by index arrays); only the first next_pow2(G) rows are loaded (the partials' padding rows
-    were never written) and rows past G are masked. One program per split keeps the entries a program holds to
-    E (H2O's 10K keys a row are 16 splits of 640), and every split's entries are distinct blocks of the row, so
-    the programs' read-modify-writes of the heat never meet."""
+    each iteration of P entries); nw i32[S, 1]; heat (in and out, aliased) f32[Lh, nb]; out [Gp, D]. Only the first
+    next_pow2(G) rows of the partials are loaded (their padding rows were never written) and rows past G are
+    masked. One program per split keeps the entries a program holds to E (H2O's 10K keys a row are 16 splits of
+    640), and every split's entries are distinct blocks of the row, so the programs' read-modify-writes of the heat
+    never meet. (`sparse_decode_heat_gpu` with tickets does all of this in the decode's own launch instead.)"""
     s = pl.program_id(2)
-    hrow = layer_index(hl_ref[0], Lh)
-    gq, sp = max(2, pl.next_power_of_2(G)), max(2, pl.next_power_of_2(S))
-    d = o_ref.shape[-1]
-    Ep = max(16, pl.next_power_of_2(E))
-    i32 = jnp.int32
-    split = jnp.arange(sp, dtype=i32)[:, None]  # [sp, 1]
-    row = jnp.arange(gq, dtype=i32)[None, :]  # [1, gq]
-    ok2 = (split < S) & (row < G)  # [sp, gq]
-    s2, r2 = jnp.minimum(split, S - 1), jnp.broadcast_to(row, (sp, gq))
-    m = plgpu.load(m_ref.at[s2, r2], mask=ok2, other=_MASK)
-    m_all = jnp.max(m, axis=0)  # [gq]
-    w = jnp.where(ok2, jnp.exp(m - m_all[None, :]), 0.0)
-    l_all = jnp.sum(w * plgpu.load(l_ref.at[s2, r2], mask=ok2, other=0.0), axis=0)
-    nonempty = l_all > 0
-    l_safe = jnp.where(nonempty, l_all, 1.0)
-    lse = m_all + jnp.log(l_safe)  # [gq]
+    w, mask_at, lse, l_safe, nonempty = _group_lse(m_ref, l_ref, S, G)
 
     @pl.when(s == 0)
     def _merge():
-        col = jnp.arange(d, dtype=i32)[None, None, :]
-        ok3 = jnp.broadcast_to(ok2[:, :, None], (sp, gq, d))
-        o = plgpu.load(o_ref.at[s2[:, :, None], r2[:, :, None], col], mask=ok3, other=0.0)  # [sp, gq, D]
-        o_all = jnp.sum(w[:, :, None] * o, axis=0)  # [gq, D]
-        out = jnp.where(nonempty[:, None], o_all / l_safe[:, None], 0.0)
-        real2 = jnp.broadcast_to((jnp.arange(gq, dtype=i32) < G)[:, None], (gq, d))
-        plgpu.store(out_ref.at[pl.ds(0, gq), :], out.astype(out_ref.dtype), mask=real2)
+        _merge_outputs(o_ref, out_ref, 0, w, mask_at, l_safe, nonempty, G)
 
-    # This split's entries j = s * E + e: [gq, Ep] sums and maxima.
-    e = jnp.arange(Ep, dtype=i32)
-    ent = s * E + e
-    written = (e < E) & (e < nw_ref[s, 0]) & (ent < K)  # [Ep]
-    rows = jnp.arange(gq, dtype=i32)[:, None]  # [gq, 1]
-    ok = written[None, :] & ((rows < G) & nonempty[:, None])
-    at = (s, jnp.broadcast_to(rows, (gq, Ep)), jnp.broadcast_to(jnp.minimum(e, E - 1)[None, :], (gq, Ep)))
-    el = plgpu.load(el_ref.at[at], mask=ok, other=0.0)
-    em = plgpu.load(em_ref.at[at[:2] + (at[2] // (E // em_ref.shape[-1]),)], mask=ok, other=0.0)
-    p = jnp.where(ok, el * jnp.exp(jnp.where(ok, em - lse[:, None], 0.0)), 0.0)
-    mass = jnp.sum(p, axis=0) / G  # [Ep]
-    slot = jnp.minimum(ent, K - 1)
-    entries = idx_ref.at[layer_index(lay_ref[0], L), slot] if stacked else idx_ref.at[slot]
-    blk = plgpu.load(entries, mask=written, other=-1)
-    hit = written & (blk >= 0)
-    ref = heat_ref.at[hrow, jnp.where(hit, blk, heat_ref.shape[1])]  # masked lanes point past the row
-    plgpu.store(ref, plgpu.load(ref, mask=hit, other=0.0) + mass, mask=hit)
+    ent = s * E + jnp.arange(max(16, pl.next_power_of_2(E)), dtype=jnp.int32)
+    ent = jnp.where(ent < s * E + E, ent, K)  # lanes past this split's E entries: none
+    layer = layer_index(lay_ref[0], L)
+    entries = (lambda i, ok: plgpu.load(idx_ref.at[layer, i], mask=ok, other=-1)) if stacked else (
+        lambda i, ok: plgpu.load(idx_ref.at[i], mask=ok, other=-1))
+    _add_entry_mass(ent, el_ref, em_ref, nw_ref, entries, heat_ref, layer_index(hl_ref[0], Lh), lse, nonempty,
+                    E=E, K=K, G=G)
+
+
+def _finish_in_launch(splits: int, E: int, per_iter: int, *, G: int, K: int, Lh: int, interpret: bool):
+    """The epilogue of `sparse_decode_heat_gpu`'s one launch (`stacked.Finish`): after storing its partials, each
+    (b, h, split) program takes a ticket from the row's counter (an acquire-release atomic add at GPU scope, after a
+    CTA barrier so that all its threads' stores come first); the program drawing ticket splits - 1 is the row's
+    last, sees every split's partials, and does what `_finish_heat_kernel`'s programs do: the group's log-sum-exp,
+    the merged output, every entry's mass into the heat row. It then sets the counter back to 0, so the same
+    counters serve the next launch (no zeroing launch). Loads of the partials bypass L1 (".cg")."""
+    del per_iter
+    cache = None if interpret else ".cg"
+
+    def finish(ins, outs, partials, entries, layer):
+        del layer
+        hl_ref, _heat_in, _tick_in = ins
+        out_ref, heat_ref, tick_ref = outs
+        o_ref, m_ref, l_ref, el_ref, em_ref, nw_ref = partials
+        if not interpret:  # the interpreter runs the programs one after another and has no barrier
+            plgpu.debug_barrier()
+        ticket = plgpu.atomic_add(tick_ref, (jnp.int32(0),), jnp.int32(1))
+        row0 = pl.program_id(1) * G  # the group's first query head (read here: not inside the branch)
+
+        @pl.when(ticket == splits - 1)
+        def _last():
+            tick_ref[...] = jnp.zeros((1,), jnp.int32)
+            w, mask_at, lse, l_safe, nonempty = _group_lse(m_ref, l_ref, splits, G, cache)
+            _merge_outputs(o_ref, out_ref, row0, w, mask_at, l_safe, nonempty, G, cache)
+            ent = jnp.arange(max(16, pl.next_power_of_2(splits * E)), dtype=jnp.int32)
+            _add_entry_mass(ent, el_ref, em_ref, nw_ref, entries, heat_ref, layer_index(hl_ref[0], Lh), lse,
+                            nonempty, E=E, K=K, G=G, cache=cache)
+    return finish
 
 
 def sparse_decode_heat_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array,
                            heat: Array, heat_layer: Array | None = None, *, block_size: int = 1,
                            scale: float | None = None,
-                           config: sgpu.DecodeConfig = sgpu.DecodeConfig(), interpret: bool = False):
-    """`reference.sparse_decode_heat_reference` in two launches: the stacked gathered decode with its entry
-    sums (`sparse_attention.stacked.decode_partials_stacked`), then one program per (row, KV head, split)
+                           config: sgpu.DecodeConfig = sgpu.DecodeConfig(), tickets: Array | None = None,
+                           interpret: bool = False):
+    """`reference.sparse_decode_heat_reference` in two launches (or in one, with tickets): the stacked gathered
+    decode with its entry sums (`sparse_attention.stacked.decode_partials_stacked`), then one program per (row, KV
+    head, split)
     (`_finish_heat_kernel`) that takes the group's log-sum-exp from the splits, adds its split's entries' mass
     into heat[heat_layer] in place (the heat buffer is aliased: only the B * Hkv * K touched blocks are read and
     written) and, in split 0, merges the outputs. This replaces the XLA epilogue of `sparse_decode_mass_gpu`
@@ -265,13 +324,35 @@ def sparse_decode_heat_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
       q: [B, 1, Hq, D]; k_all, v_all: [L, B, Hkv, N, D]; layer: i32[]; indices: int32[B, Hkv, 1, K] (valid
       entries unique and ascending per row, then -1), or every layer's rows [L, B, Hkv, 1, K] of which layer
       `layer`'s are used (read in place by both kernels); lengths: int32[B]; heat: f32[Lh, B, Hkv,
-      N // block_size]; heat_layer: i32[] the heat row to update (None: `layer`).
+      N // block_size]; heat_layer: i32[] the heat row to update (None: `layer`); tickets: i32[B, Hkv, 1] zeros
+      (as every such launch leaves them), or None: with them the finish runs in the decode's own launch, by the
+      last program of each (row, KV head) to finish its split (`_finish_in_launch`).
 
     Returns:
-      (out [B, 1, Hq, D] in q.dtype, heat).
+      (out [B, 1, Hq, D] in q.dtype, heat), and tickets (zeros again) when given.
     """
     check_heat_args(q, indices, heat, k_all, block_size)
     _check_supported(q, block_size)
+    hl = jnp.asarray(layer if heat_layer is None else heat_layer, jnp.int32).reshape(1)
+    if tickets is not None:
+        B, _, Hq, D = q.shape
+        Hkv = k_all.shape[2]
+        if tickets.shape != (B, Hkv, 1) or tickets.dtype != jnp.int32:
+            raise ValueError(f"tickets {tickets.dtype}{list(tickets.shape)}: expected int32[{B}, {Hkv}, 1] zeros")
+        heat_spec = pl.BlockSpec((heat.shape[0], None, None, heat.shape[-1]), lambda b, h, t, s: (0, b, h, 0))
+        tick_spec = pl.BlockSpec((None, None, 1), lambda b, h, t, s: (b, h, 0))
+        fin = Finish(fn=functools.partial(_finish_in_launch, G=Hq // Hkv, K=indices.shape[-1], Lh=heat.shape[0],
+                                          interpret=interpret),
+                     in_specs=(pl.BlockSpec((1,), lambda b, h, t, s: (0,)), heat_spec, tick_spec),
+                     args=(hl, heat, tickets),
+                     out_specs=(pl.BlockSpec((None, None, Hq, D), lambda b, h, t, s: (b, t, 0, 0)), heat_spec,
+                                tick_spec),
+                     out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(heat.shape, heat.dtype),
+                                jax.ShapeDtypeStruct(tickets.shape, tickets.dtype)),
+                     aliases={1: 1, 2: 2})
+        return decode_partials_stacked(q, k_all, v_all, layer, indices, lengths, block_size=block_size, scale=scale,
+                                       return_mass=True, config=config, head_map=None, interpret=interpret,
+                                       finish=fin)[-3:]
     o, m, l, el, em, nw = decode_partials_stacked(q, k_all, v_all, layer, indices, lengths, block_size=block_size,
                                                   scale=scale, return_mass=True, config=config, head_map=None,
                                                   interpret=interpret)
@@ -295,9 +376,7 @@ def sparse_decode_heat_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
         input_output_aliases={9: 1},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret, name="evosparse_finish_heat",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(layer if heat_layer is None else heat_layer,
-                                                            jnp.int32).reshape(1),
-      indices.astype(jnp.int32), o, m, l, el, em, nw, heat)
+    )(jnp.asarray(layer, jnp.int32).reshape(1), hl, indices.astype(jnp.int32), o, m, l, el, em, nw, heat)
     return out[:, :, :G].reshape(B, 1, Hkv * G, D), heat
 
 

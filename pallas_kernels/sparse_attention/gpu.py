@@ -126,14 +126,15 @@ def _decode_kernel(pos_ref, end_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, m_ref,
     l_ref[...] = l
 
 
-def store_partials(o_ref, m_ref, l_ref, o: Array, m: Array, l: Array, G: int) -> None:
+def store_partials(o_ref, m_ref, l_ref, o: Array, m: Array, l: Array, G: int, at: tuple = ()) -> None:
     """Writes a program's split partials (o [Gp, D], m, l [Gp]): only the G real query rows, since the padding
-    rows of the Gp block are never read (at G = 4 of 16 rows, a quarter of the bytes)."""
+    rows of the Gp block are never read (at G = 4 of 16 rows, a quarter of the bytes). at: the leading indices of
+    the program's partials in blocks that hold more (every split's: `(split,)`), or () for a block of its own."""
     gp = o.shape[0]
     rows = jnp.arange(gp, dtype=jnp.int32) < G
-    plgpu.store(o_ref.at[pl.ds(0, gp), :], o, mask=jnp.broadcast_to(rows[:, None], o.shape))
-    plgpu.store(m_ref.at[pl.ds(0, gp)], m, mask=rows)
-    plgpu.store(l_ref.at[pl.ds(0, gp)], l, mask=rows)
+    plgpu.store(o_ref.at[at + (pl.ds(0, gp), slice(None))], o, mask=jnp.broadcast_to(rows[:, None], o.shape))
+    plgpu.store(m_ref.at[at + (pl.ds(0, gp),)], m, mask=rows)
+    plgpu.store(l_ref.at[at + (pl.ds(0, gp),)], l, mask=rows)
 
 
 

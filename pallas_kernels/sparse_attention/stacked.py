@@ -27,6 +27,7 @@ tpu.py; only the addressing of K/V differs.
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -126,7 +127,7 @@ def _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, first_entry, n_valid, lim
 def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, entries_per_split: int, K: int,
                            T: int, N: int, L: int, G: int, Hkv: int = 1, mapped: bool = False,
                            stacked_map: bool = False, mass: bool = False, stacked_indices: bool = False,
-                           shared: bool = False):
+                           shared: bool = False, finish=None, finish_inputs: int = 0):
     """One (b, h, t, split) program; as `gpu._decode_kernel` with k_ref, v_ref: [L, N, D] and layer_ref: i32[1].
     Shared (one index row for all T queries): one (b, h, 0, split) program attends the T x G query rows
     r = t * G + g (q_ref [T * Hq, D]) over the gathered keys, each row masked at its own position, so the keys
@@ -144,17 +145,26 @@ def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, e
     em_ref f32[Gp, E // per_iter]: that m per iteration (the running max after the iteration, shared by its
     per_iter = block_k // block_size entries: one column an iteration, not one an entry), written for the entries
     before nw_ref i32[1] (what this program wrote; the rest of the block is garbage).
+    With finish (a callable; mass only): `finish_inputs` more input refs after v_ref and more output refs after
+    nw_ref; the partials' and mass blocks hold every split of the (b, h, t) row ([S, ...], this program's at its
+    split), and after storing them the program calls finish(ins, outs, partials, entries, layer): ins and outs
+    those extra refs, partials (o, m, l, el, em, nw refs), entries(idx, valid) the row's index entries at idx
+    (-1 where not valid), layer the wrapped layer index (`block_scores.gpu`'s one-launch heat update).
     """
     head = None
     if mapped:
         hm_ref, *refs = refs
-    layer_ref, len_ref, ent_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *mass_refs = refs
+    layer_ref, len_ref, ent_ref, q_ref, k_ref, v_ref, *refs = refs
+    ins, refs = refs[:finish_inputs], refs[finish_inputs:]
+    o_ref, m_ref, l_ref, *mass_refs = refs
+    mass_refs, outs = mass_refs[:3], mass_refs[3:]
     layer = layer_index(layer_ref[0], L)
     if mapped:  # the map's row of this layer (every layer's map, read in place) or the one layer's map
         head = jnp.clip(hm_ref[layer, pl.program_id(1)] if stacked_map else hm_ref[pl.program_id(1)], 0, Hkv - 1)
     if stacked_indices:
         head = layer  # the row of ent_ref [L, K] (`_entries`)
     split = pl.program_id(3)
+    at = () if finish is None else (split,)  # where this program's partials go in their blocks
     pos = len_ref[0] - (1 if shared else T - pl.program_id(2))  # shared: the last query's (the rows mask their own)
     limit = jnp.minimum(pos, N - 1)
     per_iter = block_k // block_size
@@ -191,17 +201,20 @@ def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, e
         el_ref, em_ref, _ = mass_refs
         cols = pl.ds(it * per_iter, per_iter)
         real = jnp.broadcast_to((lane < G)[:, None], (gp, per_iter))  # padding rows are never read
-        plgpu.store(el_ref.at[:, cols], pe, mask=real)
-        plgpu.store(em_ref.at[:, pl.ds(it, 1)], m_new[:, None], mask=(lane < G)[:, None])
+        plgpu.store(el_ref.at[at + (slice(None), cols)], pe, mask=real)
+        plgpu.store(em_ref.at[at + (slice(None), pl.ds(it, 1))], m_new[:, None], mask=(lane < G)[:, None])
         return o, m_new, l
 
     init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), gpu._MASK, jnp.float32),
             jnp.zeros((gp,), jnp.float32))
     iters = pl.cdiv(n_entries, per_iter)
     o, m, l = jax.lax.fori_loop(jnp.int32(0), iters, body, init)
-    gpu.store_partials(o_ref, m_ref, l_ref, o, m, l, rows)
+    gpu.store_partials(o_ref, m_ref, l_ref, o, m, l, rows, at)
     if mass:
-        mass_refs[2][...] = jnp.full((1,), iters * per_iter, jnp.int32)
+        plgpu.store(mass_refs[2].at[at + (pl.ds(0, 1),)], jnp.full((1,), iters * per_iter, jnp.int32))
+    if finish is not None:
+        finish(ins, outs, (o_ref, m_ref, l_ref, *mass_refs), lambda idx, valid: _entries(ent_ref, head, idx, valid),
+               layer)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "scale", "return_lse", "return_mass", "config",
@@ -294,16 +307,32 @@ def too_wide(T: int, G: int) -> bool:
     return pl.next_power_of_2(T * G) > SHARED_MAX_ROWS
 
 
+class Finish(NamedTuple):
+    """An epilogue of the mass launch (`decode_partials_stacked`'s finish): fn(splits, entries_per_split, per_iter)
+    -> the kernel's finish callable (`_decode_kernel_stacked`); in_specs, args: its extra inputs; out_specs,
+    out_shape: its extra outputs; aliases: {extra input: extra output} (indices among the extras)."""
+
+    fn: Any
+    in_specs: tuple
+    args: tuple
+    out_specs: tuple
+    out_shape: tuple
+    aliases: dict
+
+
 def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array,
                             *, block_size: int, scale: float | None, return_mass: bool, config: gpu.DecodeConfig,
-                            head_map: Array | None, query_heads: bool = False, interpret: bool) -> tuple:
+                            head_map: Array | None, query_heads: bool = False, interpret: bool,
+                            finish: Finish | None = None) -> tuple:
     """The launch of `sparse_decode_stacked_gpu` (arguments as there), without its epilogue: the split partials
     (o f32[S, B, H, T, Gp, D], m, l f32[S, B, H, T, Gp], H = Hkv, or Hq with query_heads; rows past G (1 with
     query_heads) are never written) and with return_mass the entry sums el f32[S, B, Hkv, T, Gp, E], their maxima
     em f32[S, B, Hkv, T, Gp, E // per_iter] (one per iteration of per_iter = block_k // block_size entries) and the
     written counts nw i32[S, B, Hkv, T, 1]. With one index row for the T queries ([B, Hkv, 1, K], `shared_rows`;
     not with return_mass, head_map, query_heads or `too_wide` rows) the partials are o f32[S, B, Hkv, 1, Mp, D], m, l
-    f32[S, B, Hkv, 1, Mp]: row r = t * G + g of the one program per (b, h, split), rows past T * G never written."""
+    f32[S, B, Hkv, 1, Mp]: row r = t * G + g of the one program per (b, h, split), rows past T * G never written.
+    finish (with return_mass, one layer's rows or every layer's, no head map): the launch also runs that epilogue
+    (`Finish`; the partials' blocks then hold every split of a row) and returns its extra outputs after the mass."""
     stacked = indices.ndim == 5  # every layer's index rows, the layer's read in place
     B, T = q.shape[:2]
     shared = shared_rows(indices, T)
@@ -345,9 +374,13 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
 
     mapped = head_map is not None
     stacked_map = mapped and jnp.ndim(head_map) == 2
+    if finish is not None and (not return_mass or mapped or query_heads):
+        raise ValueError("finish: expected return_mass, no head_map and no query_heads")
     kernel = functools.partial(_decode_kernel_stacked, scale=scale, block_size=block_size, block_k=block_k,
                                entries_per_split=E, K=K, T=T, N=N, L=L, G=G, Hkv=Hkv, mapped=mapped,
-                               stacked_map=stacked_map, mass=return_mass, stacked_indices=stacked, shared=shared)
+                               stacked_map=stacked_map, mass=return_mass, stacked_indices=stacked, shared=shared,
+                               finish=None if finish is None else finish.fn(splits, E, block_k // block_size),
+                               finish_inputs=0 if finish is None else len(finish.args))
     out_specs, out_shape = gpu.split_outputs(splits, B, H, Tg, Gp, D)
     if return_mass:  # per entry sum of exp(s - m), per iteration m; and how many entries the program wrote
         for width in (E, E // (block_k // block_size)):
@@ -355,6 +388,11 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
             out_shape.append(jax.ShapeDtypeStruct((splits, B, Hkv, T, Gp, width), jnp.float32))
         out_specs.append(pl.BlockSpec((None, None, None, None, 1), lambda b, h, t, s: (s, b, h, t, 0)))
         out_shape.append(jax.ShapeDtypeStruct((splits, B, Hkv, T, 1), jnp.int32))
+    if finish is not None:  # every split's partials of a row in its block (the last program reads them all)
+        out_specs = [pl.BlockSpec((splits,) + spec.block_shape[1:],
+                                  lambda b, h, t, s, im=spec.index_map: (0,) + tuple(im(b, h, t, s))[1:])
+                     for spec in out_specs] + list(finish.out_specs)
+        out_shape = out_shape + list(finish.out_shape)
     # Mapped: every KV head's index row of (b, t), the head chosen in-kernel by the head map. Stacked: every
     # layer's row of (b, h, t), the layer chosen in-kernel.
     if stacked:
@@ -373,6 +411,11 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
     ]
     args = (jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32), indices.astype(jnp.int32),
             q.reshape(B, 1, T * Hq, D) if shared else q, k_all, v_all)
+    aliases = {}
+    if finish is not None:
+        aliases = {len(args) + i: len(out_specs) - len(finish.out_specs) + o for i, o in finish.aliases.items()}
+        in_specs += list(finish.in_specs)
+        args += tuple(finish.args)
     if mapped:  # clipped in-kernel: with every layer's map [L, Hkv] no XLA op runs on it per layer
         hm_shape = jnp.shape(head_map)
         in_specs = [pl.BlockSpec(hm_shape, lambda b, h, t, s: (0,) * len(hm_shape))] + in_specs
@@ -383,9 +426,11 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
-        name="sparse_decode_gathered_stacked" + ("_mass" if return_mass else "") + ("_mapped" if mapped else "")
+        name="sparse_decode_gathered_stacked" + ("_mass" if return_mass else "") + ("_finish" if finish else "")
+        + ("_mapped" if mapped else "")
         + ("_query_heads" if query_heads else ""),
     )(*args))
 
