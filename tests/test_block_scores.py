@@ -182,6 +182,32 @@ def test_decode_heat_matches_reference(splits, block_k, K, layer):
         sparse_decode_heat(q, k, v, jnp.int32(0), idx, lengths, xla_h, block_size=BS)
 
 
+def test_decode_heat_in_one_launch_in_chunks_and_its_limit(monkeypatch):
+    """The one-launch finish's last program adds a row's entries in static chunks (FINISH_CHUNK; 16 here, so the
+    row's 31 entries take two): the same output and heat as the two launches. Rows of more than
+    FINISH_MAX_ENTRIES entries are refused by name (H2O's keep the two launches)."""
+    monkeypatch.setattr(gpu, "FINISH_CHUNK", 16)
+    q, k, v = _cache(12)
+    idx = _indices(1, K=31, used=29)
+    lengths = jnp.array([256, 140], jnp.int32)
+    heat = jax.random.uniform(jax.random.key(3), (L, B, HKV, N // BS))
+    cfg = gpu.sgpu.DecodeConfig(block_k=16, num_splits=3)
+    args = (q, k, v, jnp.int32(2), idx, lengths, heat)
+    o, h = gpu.sparse_decode_heat_gpu(*args, block_size=BS, config=cfg, interpret=True)
+    o1, h1, t1 = gpu.sparse_decode_heat_gpu(*args, block_size=BS, config=cfg, interpret=True,
+                                            tickets=jnp.zeros((B, HKV, 1), jnp.int32))
+    np.testing.assert_allclose(o1, o, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(h1, h, rtol=1e-6, atol=1e-7)
+    assert float(jnp.abs(h1 - heat).sum()) > 0 and not np.asarray(t1).any()
+    monkeypatch.setattr(gpu, "FINISH_MAX_ENTRIES", 16)
+    with pytest.raises(ValueError, match="31 index entries a row: the one-launch finish takes at most 16"):
+        gpu.sparse_decode_heat_gpu(*args, block_size=BS, config=cfg, interpret=True,
+                                   tickets=jnp.zeros((B, HKV, 1), jnp.int32))
+    with pytest.raises(ValueError, match=r"tickets int32\[2, 2\]: expected int32\[2, 2, 1\] zeros"):
+        gpu.sparse_decode_heat_gpu(*args, block_size=BS, config=cfg, interpret=True,
+                                   tickets=jnp.zeros((B, HKV), jnp.int32))
+
+
 def test_decode_heat_reads_every_layers_rows_at_the_layer():
     """indices [L, B, Hkv, 1, K] (H2O's kept keys of every layer): the Triton pair (interpret mode) reads layer
     `layer`'s rows in place, in both launches, and equals the call on that layer's rows, the heat row named apart

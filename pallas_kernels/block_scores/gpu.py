@@ -276,6 +276,12 @@ def _finish_heat_kernel(lay_ref, hl_ref, idx_ref, o_ref, m_ref, l_ref, el_ref, e
                     E=E, K=K, G=G)
 
 
+# Entries the one-launch finish's last program adds to the heat per chunk ([next_pow2(G), chunk] f32 tensors), and
+# the most entries a row may have for that finish: each row's entries are the last program's alone, so H2O's 10K
+# keys a row (the two launches spread them over one program per split) are not for it.
+FINISH_CHUNK, FINISH_MAX_ENTRIES = 512, 2048
+
+
 def _finish_in_launch(splits: int, E: int, per_iter: int, *, G: int, K: int, Lh: int, interpret: bool):
     """The epilogue of `sparse_decode_heat_gpu`'s one launch (`stacked.Finish`): after storing its partials, each
     (b, h, split) program takes a ticket from the row's counter (an acquire-release atomic add at GPU scope, after a
@@ -301,9 +307,10 @@ def _finish_in_launch(splits: int, E: int, per_iter: int, *, G: int, K: int, Lh:
             tick_ref[...] = jnp.zeros((1,), jnp.int32)
             w, mask_at, lse, l_safe, nonempty = _group_lse(m_ref, l_ref, splits, G, cache)
             _merge_outputs(o_ref, out_ref, row0, w, mask_at, l_safe, nonempty, G, cache)
-            ent = jnp.arange(max(16, pl.next_power_of_2(splits * E)), dtype=jnp.int32)
-            _add_entry_mass(ent, el_ref, em_ref, nw_ref, entries, heat_ref, layer_index(hl_ref[0], Lh), lse,
-                            nonempty, E=E, K=K, G=G, cache=cache)
+            width = min(FINISH_CHUNK, max(16, pl.next_power_of_2(splits * E)))
+            for c in range(0, splits * E, width):  # static chunks: one for EvoSparse's 128 entries a row
+                _add_entry_mass(c + jnp.arange(width, dtype=jnp.int32), el_ref, em_ref, nw_ref, entries, heat_ref,
+                                layer_index(hl_ref[0], Lh), lse, nonempty, E=E, K=K, G=G, cache=cache)
     return finish
 
 
@@ -339,6 +346,9 @@ def sparse_decode_heat_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
         Hkv = k_all.shape[2]
         if tickets.shape != (B, Hkv, 1) or tickets.dtype != jnp.int32:
             raise ValueError(f"tickets {tickets.dtype}{list(tickets.shape)}: expected int32[{B}, {Hkv}, 1] zeros")
+        if indices.shape[-1] > FINISH_MAX_ENTRIES:
+            raise ValueError(f"tickets with {indices.shape[-1]} index entries a row: the one-launch finish takes at "
+                             f"most {FINISH_MAX_ENTRIES} (expected tickets=None: the two launches)")
         heat_spec = pl.BlockSpec((heat.shape[0], None, None, heat.shape[-1]), lambda b, h, t, s: (0, b, h, 0))
         tick_spec = pl.BlockSpec((None, None, 1), lambda b, h, t, s: (b, h, 0))
         fin = Finish(fn=functools.partial(_finish_in_launch, G=Hq // Hkv, K=indices.shape[-1], Lh=heat.shape[0],
