@@ -84,6 +84,10 @@ class LayerContext:
       kv_dtype: static dtype of the cache, which stores k and v rounded to it (None: not given). A method that
         keeps something computed from the prefill's k beside the cache rounds k as the cache does (on a GPU XLA
         may carry a bf16 value at higher precision into a fusion, `xla_allow_excess_precision`).
+      rows_out: static R when the forward pads its B x T token rows to R for its GEMMs
+        (`models.llama.gemm_row_padding`), else None. A method may then return its attention output in that form,
+        [1, R, Hq, D] (token row b * T + t, zeros past B * T), which the model takes as is instead of padding
+        [B, T, Hq, D] itself (one XLA kernel a layer on a GPU).
     """
 
     layer: Array
@@ -95,6 +99,7 @@ class LayerContext:
     window_size: int | None = struct.field(pytree_node=False, default=None)
     every_layer_windowed: bool = struct.field(pytree_node=False, default=False)
     kv_dtype: Any = struct.field(pytree_node=False, default=None)
+    rows_out: int | None = struct.field(pytree_node=False, default=None)
 
 
 class AttentionMethod(Protocol):

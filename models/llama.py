@@ -375,9 +375,11 @@ def _scan_layers(params: Params, cfg: ModelConfig, method, x: Array, positions: 
         h = unrows(h)
         ctx = LayerContext(layer=layer, lengths=lengths, info=info, hidden=h, segment=segment, window=window,
                            window_size=window_size, every_layer_windowed=cfg.every_layer_windowed,
-                           kv_dtype=ck.dtype)
+                           kv_dtype=ck.dtype, rows_out=B * T + pad if pad else None)
         attn, state = attend(ctx, q, k, v, ck, cv, state)
-        x_attn = x + _dense(rows(attn.astype(x.dtype)), lp.wo, "bthd,hde->bte", lp.bo)
+        padded = pad and attn.shape[:2] == (1, B * T + pad)  # already in the GEMMs' rows (`ctx.rows_out`)
+        x_attn = x + _dense(attn.astype(x.dtype) if padded else rows(attn.astype(x.dtype)), lp.wo, "bthd,hde->bte",
+                            lp.bo)
         return (x_attn + mlp(cfg, lp, x_attn), ck, cv, state), ((unrows(x), unrows(x_attn)) if collect else None)
 
     state = start(method, cfg, state, phase, B, T, kv_len, lengths=lengths)

@@ -184,7 +184,8 @@ def test_decode_heat_matches_reference(splits, block_k, K, layer):
 
 def test_decode_heat_in_one_launch_in_chunks_and_its_limit(monkeypatch):
     """The one-launch finish's last program adds a row's entries in static chunks (FINISH_CHUNK; 16 here, so the
-    row's 31 entries take two): the same output and heat as the two launches. Rows of more than
+    row's 31 entries take two): the same output and heat as the two launches; with rows_out the output in the
+    GEMMs' padded rows (zeros past the batch). Rows of more than
     FINISH_MAX_ENTRIES entries are refused by name (H2O's keep the two launches)."""
     monkeypatch.setattr(gpu, "FINISH_CHUNK", 16)
     q, k, v = _cache(12)
@@ -199,6 +200,17 @@ def test_decode_heat_in_one_launch_in_chunks_and_its_limit(monkeypatch):
     np.testing.assert_allclose(o1, o, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(h1, h, rtol=1e-6, atol=1e-7)
     assert float(jnp.abs(h1 - heat).sum()) > 0 and not np.asarray(t1).any()
+    # The output in the GEMMs' padded rows (`LayerContext.rows_out`): token row b, then zero rows.
+    padded = jax.ShapeDtypeStruct((1, 8, HQ, D), q.dtype)
+    o2, h2, _ = gpu.sparse_decode_heat_gpu(*args, block_size=BS, config=cfg, interpret=True, rows_out=8,
+                                           tickets=jnp.zeros((B, HKV, 1), jnp.int32))
+    assert o2.shape == padded.shape
+    np.testing.assert_allclose(o2[0, :B], o[:, 0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(o2[0, B:], 0)
+    np.testing.assert_allclose(h2, h, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="rows_out=1: expected at least the batch of 2 token rows"):
+        gpu.sparse_decode_heat_gpu(*args, block_size=BS, config=cfg, interpret=True, rows_out=1,
+                                   tickets=jnp.zeros((B, HKV, 1), jnp.int32))
     monkeypatch.setattr(gpu, "FINISH_MAX_ENTRIES", 16)
     with pytest.raises(ValueError, match="31 index entries a row: the one-launch finish takes at most 16"):
         gpu.sparse_decode_heat_gpu(*args, block_size=BS, config=cfg, interpret=True,

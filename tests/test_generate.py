@@ -275,6 +275,37 @@ def test_gemm_row_padding_leaves_every_output_unchanged(params, monkeypatch, met
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
 
 
+def test_a_method_may_answer_in_the_gemm_rows(params, monkeypatch):
+    """`LayerContext.rows_out`: with the forward's rows padded (forced on the CPU), a method may return its decode
+    attention as [1, R, Hq, D] (token rows first, zeros after), which the model takes as is: the same logits as
+    the [B, T, Hq, D] answer. Unpadded forwards tell the method None."""
+    dense, seen = make_method("dense"), []
+
+    class Padded:  # dense, answering in the GEMMs' rows when told them
+        def __getattr__(self, name):
+            return getattr(dense, name)
+
+        def decode(self, ctx, q, cache, state):
+            out, state = dense.decode(ctx, q, cache, state)
+            seen.append(ctx.rows_out)
+            if ctx.rows_out is None:
+                return out, state
+            B, T = out.shape[:2]
+            rows = out.reshape((1, B * T) + out.shape[2:])
+            return jnp.pad(rows, [(0, 0), (0, ctx.rows_out - B * T), (0, 0), (0, 0)]), state
+
+    tokens = jax.random.randint(jax.random.key(5), (3, 9), 0, CFG.vocab_size)
+    _, cache, st = llama.prefill(params, CFG, dense, tokens, jnp.array([9, 6, 8]), init_cache(CFG, 3, 32, jnp.float32),
+                                 dense.init_state(CFG, 3, 32))
+    want = llama.decode(params, CFG, dense, tokens[:, :2], cache, st)[0]
+    llama.decode(params, CFG, Padded(), tokens[:, :2], cache, st)
+    assert set(seen) == {None}
+    monkeypatch.setattr(llama, "gemm_row_padding", lambda rows, dtype: -rows % 8 if rows > 1 else 0)
+    got = llama.decode(params, CFG, Padded(), tokens[:, :2], cache, st)[0]
+    assert seen[-1] == 8  # 3 x 2 token rows as 8
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 def test_top_p_keeps_the_smallest_set_that_reaches_top_p():
     """The nucleus is the smallest set of tokens whose mass reaches top_p: with 4 equal tokens (mass 0.25 each,
     exact in f32), top_p = 0.5 keeps 2 of them and top_p = 0.75 keeps 3, never the token whose mass above is

@@ -530,7 +530,7 @@ class EvoSparse:
             lengths = ctx.lengths if live is None else jnp.where(live, ctx.lengths, 0)
             res = sparse_decode_heat(q, k_all, v_all, layer, rows, lengths, heat, ctx.layer,
                                      block_size=self.block_size, implementation=self.kernels, config=DECODE_CONFIG,
-                                     tickets=state.tickets)
+                                     tickets=state.tickets, rows_out=ctx.rows_out if live is None else None)
             return res[0].astype(q.dtype), state.replace(heat=res[1], tickets=res[2] if len(res) > 2 else None)
 
         def row(heat_l, xs):

@@ -208,9 +208,10 @@ def _group_lse(m_ref, l_ref, S: int, G: int, cache: str | None = None):
     return w, (ok2, at), m_all + jnp.log(l_safe), l_safe, nonempty
 
 
-def _merge_outputs(o_ref, out_ref, row0, w, mask_at, l_safe, nonempty, G: int, cache: str | None = None):
+def _merge_outputs(o_ref, out_ref, row0, w, mask_at, l_safe, nonempty, G: int, cache: str | None = None,
+                   at: tuple = ()):
     """Stores the group's merged output (the S splits' o_ref f32[S, Gp, D] weighted by w, over l) into rows
-    row0 .. row0 + G - 1 of out_ref [rows, D] (one indexer per store: Triton's lowering)."""
+    row0 .. row0 + G - 1 of out_ref [rows, D] (or of out_ref[at], one indexer per store: Triton's lowering)."""
     ok2, (s2, r2) = mask_at
     d = o_ref.shape[-1]
     col = jnp.arange(d, dtype=jnp.int32)[None, None, :]
@@ -219,7 +220,7 @@ def _merge_outputs(o_ref, out_ref, row0, w, mask_at, l_safe, nonempty, G: int, c
     out = jnp.where(nonempty[:, None], jnp.sum(w[:, :, None] * o, axis=0) / l_safe[:, None], 0.0)  # [gq, D]
     gq = out.shape[0]
     real2 = jnp.broadcast_to((jnp.arange(gq, dtype=jnp.int32) < G)[:, None], (gq, d))
-    plgpu.store(out_ref.at[pl.ds(row0, gq), :], out.astype(out_ref.dtype), mask=real2)
+    plgpu.store(out_ref.at[at + (pl.ds(row0, gq), slice(None))], out.astype(out_ref.dtype), mask=real2)
 
 
 def _add_entry_mass(ent, el_ref, em_ref, nw_ref, entries, heat_ref, hrow, lse, nonempty, *, E: int, K: int, G: int,
@@ -282,13 +283,16 @@ def _finish_heat_kernel(lay_ref, hl_ref, idx_ref, o_ref, m_ref, l_ref, el_ref, e
 FINISH_CHUNK, FINISH_MAX_ENTRIES = 512, 2048
 
 
-def _finish_in_launch(splits: int, E: int, per_iter: int, *, G: int, K: int, Lh: int, interpret: bool):
+def _finish_in_launch(splits: int, E: int, per_iter: int, *, G: int, K: int, Lh: int, interpret: bool,
+                      batch: int, rows_out: int | None):
     """The epilogue of `sparse_decode_heat_gpu`'s one launch (`stacked.Finish`): after storing its partials, each
     (b, h, split) program takes a ticket from the row's counter (an acquire-release atomic add at GPU scope, after a
     CTA barrier so that all its threads' stores come first); the program drawing ticket splits - 1 is the row's
     last, sees every split's partials, and does what `_finish_heat_kernel`'s programs do: the group's log-sum-exp,
     the merged output, every entry's mass into the heat row. It then sets the counter back to 0, so the same
-    counters serve the next launch (no zeroing launch). Loads of the partials bypass L1 (".cg")."""
+    counters serve the next launch (no zeroing launch). Loads of the partials bypass L1 (".cg"). With rows_out the
+    output is [rows_out, Hq, D], token row b (one token a row), and the last programs of batch row 0 also write
+    the zero rows past `batch`."""
     del per_iter
     cache = None if interpret else ".cg"
 
@@ -301,12 +305,23 @@ def _finish_in_launch(splits: int, E: int, per_iter: int, *, G: int, K: int, Lh:
             plgpu.debug_barrier()
         ticket = plgpu.atomic_add(tick_ref, (jnp.int32(0),), jnp.int32(1))
         row0 = pl.program_id(1) * G  # the group's first query head (read here: not inside the branch)
+        b = pl.program_id(0)
 
         @pl.when(ticket == splits - 1)
         def _last():
             tick_ref[...] = jnp.zeros((1,), jnp.int32)
             w, mask_at, lse, l_safe, nonempty = _group_lse(m_ref, l_ref, splits, G, cache)
-            _merge_outputs(o_ref, out_ref, row0, w, mask_at, l_safe, nonempty, G, cache)
+            _merge_outputs(o_ref, out_ref, row0, w, mask_at, l_safe, nonempty, G, cache,
+                           at=() if rows_out is None else (b,))
+            if rows_out is not None and rows_out > batch:  # the GEMMs' padding rows, zeros
+                gq, d = max(2, pl.next_power_of_2(G)), o_ref.shape[-1]
+                zr = max(2, pl.next_power_of_2(rows_out - batch))
+                shape = (zr, gq, d)
+                r = jnp.broadcast_to(batch + jnp.arange(zr, dtype=jnp.int32)[:, None, None], shape)
+                g = jnp.broadcast_to(jnp.arange(gq, dtype=jnp.int32)[None, :, None], shape)
+                c = jnp.broadcast_to(jnp.arange(d, dtype=jnp.int32)[None, None, :], shape)
+                plgpu.store(out_ref.at[r, row0 + g, c], jnp.zeros(shape, out_ref.dtype),
+                            mask=(r < rows_out) & (g < G) & (b == 0))
             width = min(FINISH_CHUNK, max(16, pl.next_power_of_2(splits * E)))
             for c in range(0, splits * E, width):  # static chunks: one for EvoSparse's 128 entries a row
                 _add_entry_mass(c + jnp.arange(width, dtype=jnp.int32), el_ref, em_ref, nw_ref, entries, heat_ref,
@@ -318,7 +333,7 @@ def sparse_decode_heat_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
                            heat: Array, heat_layer: Array | None = None, *, block_size: int = 1,
                            scale: float | None = None,
                            config: sgpu.DecodeConfig = sgpu.DecodeConfig(), tickets: Array | None = None,
-                           interpret: bool = False):
+                           rows_out: int | None = None, interpret: bool = False):
     """`reference.sparse_decode_heat_reference` in two launches (or in one, with tickets): the stacked gathered
     decode with its entry sums (`sparse_attention.stacked.decode_partials_stacked`), then one program per (row, KV
     head, split)
@@ -333,10 +348,11 @@ def sparse_decode_heat_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
       `layer`'s are used (read in place by both kernels); lengths: int32[B]; heat: f32[Lh, B, Hkv,
       N // block_size]; heat_layer: i32[] the heat row to update (None: `layer`); tickets: i32[B, Hkv, 1] zeros
       (as every such launch leaves them), or None: with them the finish runs in the decode's own launch, by the
-      last program of each (row, KV head) to finish its split (`_finish_in_launch`).
+      last program of each (row, KV head) to finish its split (`_finish_in_launch`); rows_out (with tickets): the
+      output as [1, rows_out, Hq, D], token row b then zero rows (`models.attention.LayerContext.rows_out`).
 
     Returns:
-      (out [B, 1, Hq, D] in q.dtype, heat), and tickets (zeros again) when given.
+      (out [B, 1, Hq, D] (or [1, rows_out, Hq, D]) in q.dtype, heat), and tickets (zeros again) when given.
     """
     check_heat_args(q, indices, heat, k_all, block_size)
     _check_supported(q, block_size)
@@ -351,13 +367,17 @@ def sparse_decode_heat_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
                              f"most {FINISH_MAX_ENTRIES} (expected tickets=None: the two launches)")
         heat_spec = pl.BlockSpec((heat.shape[0], None, None, heat.shape[-1]), lambda b, h, t, s: (0, b, h, 0))
         tick_spec = pl.BlockSpec((None, None, 1), lambda b, h, t, s: (b, h, 0))
+        if rows_out is not None and rows_out < B:
+            raise ValueError(f"rows_out={rows_out}: expected at least the batch of {B} token rows")
+        out_shape = q.shape if rows_out is None else (1, rows_out, Hq, D)
         fin = Finish(fn=functools.partial(_finish_in_launch, G=Hq // Hkv, K=indices.shape[-1], Lh=heat.shape[0],
-                                          interpret=interpret),
+                                          interpret=interpret, batch=B, rows_out=rows_out),
                      in_specs=(pl.BlockSpec((1,), lambda b, h, t, s: (0,)), heat_spec, tick_spec),
                      args=(hl, heat, tickets),
-                     out_specs=(pl.BlockSpec((None, None, Hq, D), lambda b, h, t, s: (b, t, 0, 0)), heat_spec,
-                                tick_spec),
-                     out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(heat.shape, heat.dtype),
+                     out_specs=(pl.BlockSpec((None, None, Hq, D), lambda b, h, t, s: (b, t, 0, 0)) if rows_out is None
+                                else pl.BlockSpec((None, rows_out, Hq, D), lambda b, h, t, s: (0, 0, 0, 0)),
+                                heat_spec, tick_spec),
+                     out_shape=(jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct(heat.shape, heat.dtype),
                                 jax.ShapeDtypeStruct(tickets.shape, tickets.dtype)),
                      aliases={1: 1, 2: 2})
         return decode_partials_stacked(q, k_all, v_all, layer, indices, lengths, block_size=block_size, scale=scale,
