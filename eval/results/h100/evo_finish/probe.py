@@ -3,7 +3,8 @@ tickets) against the two launches (the gathered decode, then `evosparse_finish_h
 
 1. check: Llama-3.1-8B decode shapes (Hkv 8, G 4, D 128, blocks of 16, 128 entries = 2048 tokens a row) at 100K,
    batch 4 and 1, random bf16 cache, heat and index rows drawn afresh in each of REPEATS rounds; the one-launch
-   result (output and heat) against the two launches', and the tickets handed back as zeros. The last program of
+   result (output and heat) against the two launches', the tickets handed back as zeros, and the output
+   in the GEMMs' 8 padded rows (`rows_out`): the same rows, then zeros. The last program of
    each row reads the other splits' partials through an acquire-release ticket: a missed write shows up here.
 2. time: `method_rows` (the rows of `jsparse bench model`, 16 timed steps) of dense and EvoSparse with
    finish_in_launch true and false, alternating, each traced afresh (CASES shape:batch:context).
@@ -50,6 +51,11 @@ def check(B, N=100096, L=2, Hkv=8, G=4, D=128, bs=16, K=128, repeats=5, interpre
         o1, h1, t1 = jax.jit(lambda *a: gpu.sparse_decode_heat_gpu(
             *a, block_size=bs, config=DecodeConfig(), tickets=jnp.zeros((B, Hkv, 1), jnp.int32),
             interpret=interpret))(*args)
+        o3 = jax.jit(lambda *a: gpu.sparse_decode_heat_gpu(  # in the GEMMs' 8 padded rows
+            *a, block_size=bs, config=DecodeConfig(), tickets=jnp.zeros((B, Hkv, 1), jnp.int32), rows_out=8,
+            interpret=interpret))(*args)[0]
+        assert not np.asarray(o3[0, B:]).any() and np.isfinite(np.asarray(o3, np.float32)).all()
+        np.testing.assert_array_equal(np.asarray(o3[0, :B], np.float32), np.asarray(o1[:, 0], np.float32))
         worst["out"] = max(worst["out"], float(jnp.max(jnp.abs(o1.astype(jnp.float32) - o2.astype(jnp.float32)))))
         worst["heat"] = max(worst["heat"], float(jnp.max(jnp.abs(h1 - h2))))
         assert not np.asarray(t1).any(), "tickets not handed back as zeros"
