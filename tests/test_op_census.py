@@ -28,12 +28,15 @@ def test_evosparse_layers_derive_no_budget_of_their_own():
     """EvoSparse's sparse layers read the step's plan (`start_rows`): no layer body computes the block budget's floor
     divisions (`rem`, `sign`: five small kernels a layer when each layer derived it). The layers that score their
     retrieval heads run the block max and its top-k, and select themselves and the layers that inherit their set at
-    once (`group_select`); the others run no scoring and no selection."""
+    once (`group_select`); the others run no scoring and no selection. Each sparse layer's gathered decode also
+    finishes itself (`finish_in_launch`: no second launch) and answers in the GEMMs' padded rows (no pad op)."""
     rows = _layer_rows("evosparse")
-    sparse = [r for r in rows if "evosparse_finish_heat" in r["kernels"]]
+    sparse = [r for r in rows if "sparse_decode_gathered_stacked_mass_finish" in r["kernels"]]
     assert len(sparse) >= 2 and sum(r["length"] for r in sparse) == 30  # two dense layers first
     for r in sparse:
         assert "rem" not in r["ops"] and "sign" not in r["ops"], r["ops"]
+        assert "evosparse_finish_heat" not in r["kernels"] and "pad" not in r["ops"], (r["kernels"], r["ops"])
+    assert all("pad" in r["ops"] for r in rows if r not in sparse)  # the dense layers' output is padded by the model
     scoring = [r for r in sparse if "evosparse_block_max" in r["kernels"]]
     assert scoring and len(scoring) < len(sparse)
     for r in sparse:
