@@ -53,30 +53,34 @@ def smoke():
     print("smoke: the same logits", float(np.max(np.abs(out["barrier"] - out["scan"]))))
 
 
-def main(out_dir):
+def main(out_dir, hook="layer_start", variants=None, cases="dense:1 oracle:1 dense:4 kascade:4",
+         order="scan barrier scan barrier", command="PYTHONPATH=. python eval/results/h100/layer_loop/probe.py"):
+    """Alternates the variants of `models.llama.<hook>` (CASES, ORDER from the environment override the defaults)
+    and writes $OUT/probe.json; also `../layer_while/probe.py`'s runner."""
     from eval.bench import common as bm
     from eval.bench.model import method_rows
     from models.params import random_params, with_layout
     from models.presets import preset
+    variants = VARIANTS if variants is None else variants
+    library = getattr(llama, hook)
     cfg = preset("llama3-8b")
     hbm = bm.measure_hbm_gbs()
     params = with_layout(random_params(cfg, jax.random.key(0), jnp.bfloat16), "default", donate=True)
-    cases = [c.split(":") for c in os.environ.get("CASES", "dense:1 oracle:1 dense:4 kascade:4").split()]
     rows = []
-    for rep, name in enumerate(os.environ.get("ORDER", "scan barrier scan barrier").split()):
-        llama.layer_start = VARIANTS[name]
-        for m, b in cases:
+    for rep, name in enumerate(os.environ.get("ORDER", order).split()):
+        setattr(llama, hook, variants[name])
+        for m, b in (c.split(":") for c in os.environ.get("CASES", cases).split()):
             jax.clear_caches()
             row = method_rows(cfg, params, (m,), (100000,), (int(b),), 16, hbm, 0.1)[0]
             row.update(variant=name, rep=rep)
             rows.append(row)
             print(f"{rep} {name} {m} b{b}: {row.get('step_ms', float('nan')):.3f} ms", flush=True)
-    llama.layer_start = LIBRARY
+    setattr(llama, hook, library)
     out = {**bm.device_facts(), "date": datetime.now(timezone.utc).isoformat(), "commit": os.environ.get("GIT_COMMIT", ""),
-           "command": "PYTHONPATH=. python eval/results/h100/layer_loop/probe.py", "shape": "llama3-8b",
-           "context": 100000, "measured_hbm_gbs": hbm, "rows": rows}
+           "command": command, "shape": "llama3-8b", "context": 100000, "measured_hbm_gbs": hbm, "rows": rows}
     with open(os.path.join(out_dir, "probe.json"), "w") as f:
         json.dump(out, f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":

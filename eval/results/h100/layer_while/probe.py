@@ -11,9 +11,7 @@ Environment: CASES (method:batch at 100K, default "dense:4 evosparse:4 kascade:4
 "scan while_a while_a scan").
 """
 
-import json
 import os
-from datetime import datetime, timezone
 
 import jax
 import jax.numpy as jnp
@@ -63,30 +61,14 @@ def smoke():
 
 
 def main(out_dir):
-    from eval.bench import common as bm
-    from eval.bench.model import method_rows
-    from models.params import random_params, with_layout
-    from models.presets import preset
-    cfg = preset("llama3-8b")
-    hbm = bm.measure_hbm_gbs()
-    params = with_layout(random_params(cfg, jax.random.key(0), jnp.bfloat16), "default", donate=True)
-    cases = [c.split(":") for c in os.environ.get("CASES", "dense:4 evosparse:4 kascade:4").split()]
-    rows = []
-    for rep, name in enumerate(os.environ.get("ORDER", "scan while_a while_a scan").split()):
-        llama.layer_run = VARIANTS[name]
-        for m, b in cases:
-            jax.clear_caches()
-            row = method_rows(cfg, params, (m,), (100000,), (int(b),), 16, hbm, 0.1)[0]
-            row.update(variant=name, rep=rep)
-            rows.append(row)
-            print(f"{rep} {name} {m} b{b}: {row.get('step_ms', float('nan')):.3f} ms", flush=True)
-    llama.layer_run = LIBRARY
-    out = {**bm.device_facts(), "date": datetime.now(timezone.utc).isoformat(),
-           "commit": os.environ.get("GIT_COMMIT", ""),
-           "command": "PYTHONPATH=. python eval/results/h100/layer_while/probe.py", "shape": "llama3-8b",
-           "context": 100000, "measured_hbm_gbs": hbm, "rows": rows}
-    with open(os.path.join(out_dir, "probe.json"), "w") as f:
-        json.dump(out, f, indent=1)
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "layer_loop_probe", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "layer_loop", "probe.py"))
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)  # its runner, with this probe's hook and variants
+    rows = runner.main(out_dir, hook="layer_run", variants=VARIANTS, cases="dense:4 evosparse:4 kascade:4",
+                       order="scan while_a while_a scan",
+                       command="PYTHONPATH=. python eval/results/h100/layer_while/probe.py")
     print("variant  rep  method  batch  step_ms")
     for r in rows:
         print(r["variant"], r["rep"], r["method"], r["batch"], round(r.get("step_ms", float("nan")), 3))
