@@ -290,11 +290,11 @@ def _finish_in_launch(splits: int, E: int, per_iter: int, *, G: int, K: int, Lh:
     CTA barrier so that all its threads' stores come first); the program drawing ticket splits - 1 is the row's
     last, sees every split's partials, and does what `_finish_heat_kernel`'s programs do: the group's log-sum-exp,
     the merged output, every entry's mass into the heat row. It then sets the counter back to 0, so the same
-    counters serve the next launch (no zeroing launch). Loads of the partials bypass L1 ("cg"). With rows_out the
+    counters serve the next launch (no zeroing launch). (Each row's partials are read once, by its last program: no stale L1 line of them. With rows_out the
     output is [rows_out, Hq, D], token row b (one token a row), and the last programs of batch row 0 also write
     the zero rows past `batch`."""
     del per_iter
-    cache = None if interpret else "cg"
+    cache = None  # ("cg", L2 only, is refused by jax 0.11.2's Triton lowering: its table lacks the dot)
 
     def finish(ins, outs, partials, entries, layer):
         del layer
