@@ -190,7 +190,7 @@ def sparse_decode_mass_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
                                      return_mass=True, config=config, interpret=interpret)
 
 
-def _group_lse(m_ref, l_ref, S: int, G: int, cache: str | None = None):
+def _group_lse(m_ref, l_ref, S: int, G: int):
     """The GQA group's merge weights over the S splits' partials (m_ref, l_ref f32[S, Gp]; only the first G rows
     read, padded to gq = next_pow2(G) >= 2): (w f32[sp, gq] each split's weight exp(m - m_all), its row mask,
     lse f32[gq], l_safe, nonempty bool[gq]); loaded at once as [sp, gq] tensors (gathers by index arrays)."""
@@ -199,32 +199,30 @@ def _group_lse(m_ref, l_ref, S: int, G: int, cache: str | None = None):
     row = jnp.arange(gq, dtype=jnp.int32)[None, :]  # [1, gq]
     ok2 = (split < S) & (row < G)  # [sp, gq]
     at = (jnp.minimum(split, S - 1), jnp.broadcast_to(row, (sp, gq)))
-    m = plgpu.load(m_ref.at[at], mask=ok2, other=_MASK, cache_modifier=cache)
+    m = plgpu.load(m_ref.at[at], mask=ok2, other=_MASK)
     m_all = jnp.max(m, axis=0)  # [gq]
     w = jnp.where(ok2, jnp.exp(m - m_all[None, :]), 0.0)
-    l_all = jnp.sum(w * plgpu.load(l_ref.at[at], mask=ok2, other=0.0, cache_modifier=cache), axis=0)
+    l_all = jnp.sum(w * plgpu.load(l_ref.at[at], mask=ok2, other=0.0), axis=0)
     nonempty = l_all > 0
     l_safe = jnp.where(nonempty, l_all, 1.0)
     return w, (ok2, at), m_all + jnp.log(l_safe), l_safe, nonempty
 
 
-def _merge_outputs(o_ref, out_ref, row0, w, mask_at, l_safe, nonempty, G: int, cache: str | None = None,
-                   at: tuple = ()):
+def _merge_outputs(o_ref, out_ref, row0, w, mask_at, l_safe, nonempty, G: int, at: tuple = ()):
     """Stores the group's merged output (the S splits' o_ref f32[S, Gp, D] weighted by w, over l) into rows
     row0 .. row0 + G - 1 of out_ref [rows, D] (or of out_ref[at], one indexer per store: Triton's lowering)."""
     ok2, (s2, r2) = mask_at
     d = o_ref.shape[-1]
     col = jnp.arange(d, dtype=jnp.int32)[None, None, :]
     ok3 = jnp.broadcast_to(ok2[:, :, None], ok2.shape + (d,))
-    o = plgpu.load(o_ref.at[s2[:, :, None], r2[:, :, None], col], mask=ok3, other=0.0, cache_modifier=cache)
+    o = plgpu.load(o_ref.at[s2[:, :, None], r2[:, :, None], col], mask=ok3, other=0.0)
     out = jnp.where(nonempty[:, None], jnp.sum(w[:, :, None] * o, axis=0) / l_safe[:, None], 0.0)  # [gq, D]
     gq = out.shape[0]
     real2 = jnp.broadcast_to((jnp.arange(gq, dtype=jnp.int32) < G)[:, None], (gq, d))
     plgpu.store(out_ref.at[at + (pl.ds(row0, gq), slice(None))], out.astype(out_ref.dtype), mask=real2)
 
 
-def _add_entry_mass(ent, el_ref, em_ref, nw_ref, entries, heat_ref, hrow, lse, nonempty, *, E: int, K: int, G: int,
-                    cache: str | None = None):
+def _add_entry_mass(ent, el_ref, em_ref, nw_ref, entries, heat_ref, hrow, lse, nonempty, *, E: int, K: int, G: int):
     """Adds the softmax mass of index entries ent (i32[n], entry j = s * E + e of split s) into heat row hrow
     (heat_ref f32[Lh, nb], in place): el_ref f32[S, Gp, E] the entries' sums of exp(s - m), em_ref f32[S, Gp,
     E // per_iter] their iteration's m, nw_ref i32[S, 1] the entries each split wrote; entries(idx, valid) the
@@ -232,14 +230,13 @@ def _add_entry_mass(ent, el_ref, em_ref, nw_ref, entries, heat_ref, hrow, lse, n
     gq, n = lse.shape[0], ent.shape[0]
     S = el_ref.shape[0]
     s_j, e_j = jnp.minimum(ent // E, S - 1), ent % E
-    written = (ent < K) & (ent < S * E) & (e_j < plgpu.load(nw_ref.at[s_j, 0], cache_modifier=cache))  # [n]
+    written = (ent < K) & (ent < S * E) & (e_j < plgpu.load(nw_ref.at[s_j, 0]))  # [n]
     rows = jnp.arange(gq, dtype=jnp.int32)[:, None]  # [gq, 1]
     ok = written[None, :] & ((rows < G) & nonempty[:, None])
     at = (jnp.broadcast_to(s_j[None, :], (gq, n)), jnp.broadcast_to(rows, (gq, n)),
           jnp.broadcast_to(e_j[None, :], (gq, n)))
-    el = plgpu.load(el_ref.at[at], mask=ok, other=0.0, cache_modifier=cache)
-    em = plgpu.load(em_ref.at[at[:2] + (at[2] // (E // em_ref.shape[-1]),)], mask=ok, other=0.0,
-                    cache_modifier=cache)
+    el = plgpu.load(el_ref.at[at], mask=ok, other=0.0)
+    em = plgpu.load(em_ref.at[at[:2] + (at[2] // (E // em_ref.shape[-1]),)], mask=ok, other=0.0)
     p = jnp.where(ok, el * jnp.exp(jnp.where(ok, em - lse[:, None], 0.0)), 0.0)
     mass = jnp.sum(p, axis=0) / G  # [n]
     blk = entries(jnp.minimum(ent, K - 1), written)
@@ -290,11 +287,10 @@ def _finish_in_launch(splits: int, E: int, per_iter: int, *, G: int, K: int, Lh:
     CTA barrier so that all its threads' stores come first); the program drawing ticket splits - 1 is the row's
     last, sees every split's partials, and does what `_finish_heat_kernel`'s programs do: the group's log-sum-exp,
     the merged output, every entry's mass into the heat row. It then sets the counter back to 0, so the same
-    counters serve the next launch (no zeroing launch). (Each row's partials are read once, by its last program: no stale L1 line of them. With rows_out the
-    output is [rows_out, Hq, D], token row b (one token a row), and the last programs of batch row 0 also write
-    the zero rows past `batch`."""
+    counters serve the next launch (no zeroing launch). Each row's partials are read once, by its last program, so
+    no SM holds a stale L1 line of them. With rows_out the output is [rows_out, Hq, D], token row b (one token a
+    row), and the last programs of batch row 0 also write the zero rows past `batch`."""
     del per_iter
-    cache = None  # ("cg", L2 only, is refused by jax 0.11.2's Triton lowering: its table lacks the dot)
 
     def finish(ins, outs, partials, entries, layer):
         del layer
@@ -310,8 +306,8 @@ def _finish_in_launch(splits: int, E: int, per_iter: int, *, G: int, K: int, Lh:
         @pl.when(ticket == splits - 1)
         def _last():
             tick_ref[...] = jnp.zeros((1,), jnp.int32)
-            w, mask_at, lse, l_safe, nonempty = _group_lse(m_ref, l_ref, splits, G, cache)
-            _merge_outputs(o_ref, out_ref, row0, w, mask_at, l_safe, nonempty, G, cache,
+            w, mask_at, lse, l_safe, nonempty = _group_lse(m_ref, l_ref, splits, G)
+            _merge_outputs(o_ref, out_ref, row0, w, mask_at, l_safe, nonempty, G,
                            at=() if rows_out is None else (b,))
             if rows_out is not None and rows_out > batch:  # the GEMMs' padding rows, zeros
                 gq, d = max(2, pl.next_power_of_2(G)), o_ref.shape[-1]
@@ -325,7 +321,7 @@ def _finish_in_launch(splits: int, E: int, per_iter: int, *, G: int, K: int, Lh:
             width = min(FINISH_CHUNK, max(16, pl.next_power_of_2(splits * E)))
             for c in range(0, splits * E, width):  # static chunks: one for EvoSparse's 128 entries a row
                 _add_entry_mass(c + jnp.arange(width, dtype=jnp.int32), el_ref, em_ref, nw_ref, entries, heat_ref,
-                                layer_index(hl_ref[0], Lh), lse, nonempty, E=E, K=K, G=G, cache=cache)
+                                layer_index(hl_ref[0], Lh), lse, nonempty, E=E, K=K, G=G)
     return finish
 
 
