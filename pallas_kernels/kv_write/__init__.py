@@ -55,12 +55,14 @@ def norm_heads(qkv: Array, num_q_heads: int, num_kv_heads: int, q_norm: Array, k
     head, in qkv's dtype: the same products in the same order); the v heads as they are.
 
     Written as one norm over every head (one row of weights per head, then the v heads put back), the pattern XLA's
-    GPU compiler fuses into a single kernel, where two norms of slices and a concatenation were several."""
+    GPU compiler fuses into a single kernel, where two norms of slices and a concatenation were several. The rows of
+    weights are chosen per head by a select, not built by a concatenation: XLA ran that concatenation as a kernel of
+    its own in every layer (eval/results/h100/evo_finish/NOTES.md)."""
     hq, hkv = num_q_heads, num_kv_heads
-    D = qkv.shape[-1]
-    w = jnp.concatenate([jnp.broadcast_to(q_norm.astype(jnp.float32), (hq, D)),
-                         jnp.broadcast_to(k_norm.astype(jnp.float32), (hkv, D)), jnp.ones((hkv, D), jnp.float32)])
-    is_v = (jnp.arange(qkv.shape[1]) >= hq + hkv)[:, None]
+    head = jnp.arange(qkv.shape[1])[:, None]
+    w = jnp.where(head < hq, q_norm.astype(jnp.float32)[None, :],
+                  jnp.where(head < hq + hkv, k_norm.astype(jnp.float32)[None, :], jnp.float32(1.0)))
+    is_v = head >= hq + hkv
     return jnp.where(is_v, qkv, reference.rms_norm(qkv, w, eps))
 
 
