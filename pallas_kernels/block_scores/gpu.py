@@ -34,7 +34,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.block_scores.reference import check_block_max_args, check_heat_args
 from pallas_kernels.sparse_attention import gpu as sgpu
 from pallas_kernels.sparse_attention.common import default_scale
-from pallas_kernels.sparse_attention.stacked import (Finish, decode_partials_stacked, layer_index,
+from pallas_kernels.sparse_attention.stacked import (Finish, decode_partials_stacked, layer_index, row_entries,
                                                      sparse_decode_stacked_gpu)
 from pallas_kernels.topk_select.common import INT_MIN, float_keys
 from pallas_kernels.topk_select.gpu_row import ROW_LIMIT, next_pow2, row_pick_mask, row_warps
@@ -267,9 +267,8 @@ def _finish_heat_kernel(lay_ref, hl_ref, idx_ref, o_ref, m_ref, l_ref, el_ref, e
 
     ent = s * E + jnp.arange(max(16, pl.next_power_of_2(E)), dtype=jnp.int32)
     ent = jnp.where(ent < s * E + E, ent, K)  # lanes past this split's E entries: none
-    layer = layer_index(lay_ref[0], L)
-    entries = (lambda i, ok: plgpu.load(idx_ref.at[layer, i], mask=ok, other=-1)) if stacked else (
-        lambda i, ok: plgpu.load(idx_ref.at[i], mask=ok, other=-1))
+    row = layer_index(lay_ref[0], L) if stacked else None  # the layer's row of every layer's entries
+    entries = lambda i, ok: row_entries(idx_ref, row, i, ok)  # noqa: E731
     _add_entry_mass(ent, el_ref, em_ref, nw_ref, entries, heat_ref, layer_index(hl_ref[0], Lh), lse, nonempty,
                     E=E, K=K, G=G)
 
@@ -280,8 +279,8 @@ def _finish_heat_kernel(lay_ref, hl_ref, idx_ref, o_ref, m_ref, l_ref, el_ref, e
 FINISH_CHUNK, FINISH_MAX_ENTRIES = 512, 2048
 
 
-def _finish_in_launch(splits: int, E: int, per_iter: int, *, G: int, K: int, Lh: int, interpret: bool,
-                      batch: int, rows_out: int | None):
+def _finish_in_launch(splits: int, E: int, *, G: int, K: int, Lh: int, interpret: bool, batch: int,
+                      rows_out: int | None):
     """The epilogue of `sparse_decode_heat_gpu`'s one launch (`stacked.Finish`): after storing its partials, each
     (b, h, split) program takes a ticket from the row's counter (an acquire-release atomic add at GPU scope, after a
     CTA barrier so that all its threads' stores come first); the program drawing ticket splits - 1 is the row's
@@ -290,10 +289,7 @@ def _finish_in_launch(splits: int, E: int, per_iter: int, *, G: int, K: int, Lh:
     counters serve the next launch (no zeroing launch). Each row's partials are read once, by its last program, so
     no SM holds a stale L1 line of them. With rows_out the output is [rows_out, Hq, D], token row b (one token a
     row), and the last programs of batch row 0 also write the zero rows past `batch`."""
-    del per_iter
-
-    def finish(ins, outs, partials, entries, layer):
-        del layer
+    def finish(ins, outs, partials, entries):
         hl_ref, _heat_in, _tick_in = ins
         out_ref, heat_ref, tick_ref = outs
         o_ref, m_ref, l_ref, el_ref, em_ref, nw_ref = partials
@@ -319,9 +315,10 @@ def _finish_in_launch(splits: int, E: int, per_iter: int, *, G: int, K: int, Lh:
                 plgpu.store(out_ref.at[r, row0 + g, c], jnp.zeros(shape, out_ref.dtype),
                             mask=(r < rows_out) & (g < G) & (b == 0))
             width = min(FINISH_CHUNK, max(16, pl.next_power_of_2(splits * E)))
+            hrow = layer_index(hl_ref[0], Lh)
             for c in range(0, splits * E, width):  # static chunks: one for EvoSparse's 128 entries a row
                 _add_entry_mass(c + jnp.arange(width, dtype=jnp.int32), el_ref, em_ref, nw_ref, entries, heat_ref,
-                                layer_index(hl_ref[0], Lh), lse, nonempty, E=E, K=K, G=G)
+                                hrow, lse, nonempty, E=E, K=K, G=G)
     return finish
 
 
@@ -332,10 +329,9 @@ def sparse_decode_heat_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
                            rows_out: int | None = None, interpret: bool = False):
     """`reference.sparse_decode_heat_reference` in two launches (or in one, with tickets): the stacked gathered
     decode with its entry sums (`sparse_attention.stacked.decode_partials_stacked`), then one program per (row, KV
-    head, split)
-    (`_finish_heat_kernel`) that takes the group's log-sum-exp from the splits, adds its split's entries' mass
-    into heat[heat_layer] in place (the heat buffer is aliased: only the B * Hkv * K touched blocks are read and
-    written) and, in split 0, merges the outputs. This replaces the XLA epilogue of `sparse_decode_mass_gpu`
+    head, split) (`_finish_heat_kernel`) that takes the group's log-sum-exp from the splits, adds its split's
+    entries' mass into heat[heat_layer] in place (the heat buffer is aliased: only the B * Hkv * K touched blocks are
+    read and written) and, in split 0, merges the outputs. This replaces the XLA epilogue of `sparse_decode_mass_gpu`
     (split max, split sum, written mask) and the heat scatter.
 
     Args:

@@ -97,9 +97,10 @@ def sparse_decode_stacked_reference(q: Array, k_all: Array, v_all: Array, layer:
 # Pallas GPU (Triton).
 
 
-def _entries(ent_ref, head, idx, valid):
+def row_entries(ent_ref, head, idx, valid):
     """Index entries at positions idx (a pl.ds or an i32 vector) of the row, -1 where not valid; ent_ref is the
-    row [K], or every KV head's row [Hkv, K] with head (i32 scalar). One indexer per load (Triton's lowering)."""
+    row [K], or a table of rows [R, K] (every KV head's, or every layer's) with head the row (i32 scalar). One
+    indexer per load (Triton's lowering)."""
     ref = ent_ref.at[idx] if head is None else ent_ref.at[head, idx]
     return plgpu.load(ref, mask=valid, other=-1)
 
@@ -115,10 +116,10 @@ def _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, first_entry, n_valid, lim
     """
     lane = jnp.arange(block_k, dtype=jnp.int32)
     if block_size == 1:
-        ent = _entries(ent_ref, head, pl.ds(first_entry, block_k), first_entry + lane < n_valid)
+        ent = row_entries(ent_ref, head, pl.ds(first_entry, block_k), first_entry + lane < n_valid)
     else:
         e = first_entry + lane // block_size
-        ent = _entries(ent_ref, head, e, e < n_valid)
+        ent = row_entries(ent_ref, head, e, e < n_valid)
     ok, safe = entry_rows(ent, lane, limit, block_size)
     # One indexer (layer, rows, :): Triton lowering supports a single indexer per load.
     return ok, safe, k_ref[layer, safe, :], v_ref[layer, safe, :]
@@ -147,9 +148,9 @@ def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, e
     before nw_ref i32[1] (what this program wrote; the rest of the block is garbage).
     With finish (a callable; mass only): `finish_inputs` more input refs after v_ref and more output refs after
     nw_ref; the partials' and mass blocks hold every split of the (b, h, t) row ([S, ...], this program's at its
-    split), and after storing them the program calls finish(ins, outs, partials, entries, layer): ins and outs
-    those extra refs, partials (o, m, l, el, em, nw refs), entries(idx, valid) the row's index entries at idx
-    (-1 where not valid), layer the wrapped layer index (`block_scores.gpu`'s one-launch heat update).
+    split), and after storing them the program calls finish(ins, outs, partials, entries): ins and outs those
+    extra refs, partials (o, m, l, el, em, nw refs), entries(idx, valid) the row's index entries at idx (-1 where
+    not valid) (`block_scores.gpu`'s one-launch heat update).
     """
     head = None
     if mapped:
@@ -174,7 +175,7 @@ def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, e
     # The split's useful length: 1 + its last entry whose block starts at or before the query.
     Ep = max(16, pl.next_power_of_2(E))
     j = jnp.arange(Ep, dtype=jnp.int32)
-    e = _entries(ent_ref, head, pl.ds(base, Ep), base + j < n_valid)
+    e = row_entries(ent_ref, head, pl.ds(base, Ep), base + j < n_valid)
     useful = blocks_at_or_before(e, limit, block_size)
     n_entries = jnp.max(jnp.where(useful, j + 1, 0))
     rows = T * G if shared else G  # shared: q_ref [T * Hq, D], row t * G + g; else the token's q_ref [Hq, D]
@@ -213,8 +214,7 @@ def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, e
     if mass:
         plgpu.store(mass_refs[2].at[at + (pl.ds(0, 1),)], jnp.full((1,), iters * per_iter, jnp.int32))
     if finish is not None:
-        finish(ins, outs, (o_ref, m_ref, l_ref, *mass_refs), lambda idx, valid: _entries(ent_ref, head, idx, valid),
-               layer)
+        finish(ins, outs, (o_ref, m_ref, l_ref, *mass_refs), lambda idx, valid: row_entries(ent_ref, head, idx, valid))
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "scale", "return_lse", "return_mass", "config",
@@ -308,8 +308,8 @@ def too_wide(T: int, G: int) -> bool:
 
 
 class Finish(NamedTuple):
-    """An epilogue of the mass launch (`decode_partials_stacked`'s finish): fn(splits, entries_per_split, per_iter)
-    -> the kernel's finish callable (`_decode_kernel_stacked`); in_specs, args: its extra inputs; out_specs,
+    """An epilogue of the mass launch (`decode_partials_stacked`'s finish): fn(splits, entries_per_split) -> the
+    kernel's finish callable (`_decode_kernel_stacked`); in_specs, args: its extra inputs; out_specs,
     out_shape: its extra outputs; aliases: {extra input: extra output} (indices among the extras)."""
 
     fn: Any
@@ -379,7 +379,7 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
     kernel = functools.partial(_decode_kernel_stacked, scale=scale, block_size=block_size, block_k=block_k,
                                entries_per_split=E, K=K, T=T, N=N, L=L, G=G, Hkv=Hkv, mapped=mapped,
                                stacked_map=stacked_map, mass=return_mass, stacked_indices=stacked, shared=shared,
-                               finish=None if finish is None else finish.fn(splits, E, block_k // block_size),
+                               finish=None if finish is None else finish.fn(splits, E),
                                finish_inputs=0 if finish is None else len(finish.args))
     out_specs, out_shape = gpu.split_outputs(splits, B, H, Tg, Gp, D)
     if return_mass:  # per entry sum of exp(s - m), per iteration m; and how many entries the program wrote
