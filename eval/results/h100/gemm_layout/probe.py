@@ -7,14 +7,21 @@ Llama-3.1-8B and Qwen3-8B shapes. Variants:
 - kn: weights [L, in, out] (the library's layout today), einsum "te,ef->tf";
 - nk: weights [L, out, in] (PyTorch's Linear layout), einsum "te,fe->tf";
 - each with cuBLASLt on (`xla_gpu_enable_cublaslt`) and with XLA's GEMM autotuning off (`xla_gpu_autotune_level=0`).
-Each variant's output is checked against kn's. Then each GEMM alone in its own scan. Writes $OUT/gemm_layout.json.
+Each variant's output is checked against kn's. Then each GEMM alone in a loop over the layers (the layer a traced
+index): XLA kn / nk (with and without cuBLASLt) against a Pallas Triton kernel on nk weights in which each program
+streams BN whole rows of the layer's [out, in] weight (contiguous memory, no split of K), checked against XLA first.
+Writes $OUT/gemm_layout.json.
 """
+import functools
 import json
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from eval.bench.common import device_facts, pipelined_ms
 from models.compile_options import MODEL_COMPILER_OPTIONS
@@ -49,13 +56,47 @@ def stack_fn(layout, E, options):
                    compiler_options={**MODEL_COMPILER_OPTIONS, **options})
 
 
-def single_fn(layout, options):
-    def run(x, ws):
-        def body(c, w):
-            y = dot((x * c).astype(x.dtype), w, layout)
-            return c + y[0, 0].astype(jnp.float32) * 1e-9, None
-        return jax.lax.scan(body, jnp.float32(1), ws)[0]
+def _rows_kernel(lay_ref, x_ref, w_ref, o_ref, *, M, BN, BK, K):
+    layer = lay_ref[0]
+    n0 = pl.program_id(0) * BN
+    rows = jnp.minimum(jnp.arange(16, dtype=jnp.int32), M - 1)
+
+    def body(i, acc):
+        xt = x_ref[rows, pl.ds(i * BK, BK)]
+        wt = w_ref[layer, pl.ds(n0, BN), pl.ds(i * BK, BK)]
+        return acc + jax.lax.dot_general(xt, wt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    acc = jax.lax.fori_loop(0, K // BK, body, jnp.zeros((16, BN), jnp.float32))
+    o_ref[:, pl.ds(n0, BN)] = acc.astype(o_ref.dtype)
+
+
+def rows_gemm(x, w_all, layer, *, BN, BK, warps, stages):
+    """x [M, K] @ w_all[layer].T, w_all [L, N, K]: grid N / BN, each program BN whole rows."""
+    M, K = x.shape
+    N = w_all.shape[1]
+    out = pl.pallas_call(
+        functools.partial(_rows_kernel, M=M, BN=BN, BK=BK, K=K), grid=(N // BN,),
+        out_shape=jax.ShapeDtypeStruct((16, N), x.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages), interpret=bool(os.environ.get("SMOKE")),
+    )(jnp.asarray(layer, jnp.int32).reshape(1), x, w_all)
+    return out[:M]
+
+
+def xla_gemm(layout):
+    return lambda x, w_all, l: dot(x, w_all[l], layout)
+
+
+def single_fn(gemm, L, options):
+    """One GEMM a layer over the L layers (fori, the layer a traced index), its input scaled by a carried scalar."""
+    def run(x, w_all):
+        def body(l, c):
+            y = gemm((x * c).astype(x.dtype), w_all, l)
+            return c + y[0, 0].astype(jnp.float32) * 1e-9
+        return jax.lax.fori_loop(0, L, body, jnp.float32(1))
     return jax.jit(run, compiler_options={**MODEL_COMPILER_OPTIONS, **options})
+
+
+def time_ms(f, args):
+    return min(pipelined_ms(f, args, n=20) for _ in range(3))
 
 
 def main():
@@ -83,16 +124,38 @@ def main():
             table.append((shape, "stack", name, ms, nbytes / ms / 1e9, err))
             print(f"{shape} stack {name}: {ms:.3f} ms {nbytes / ms / 1e9:.0f} GB/s err {err:.2e}", flush=True)
         for g in dims:
+            b = kn[g].size * 2
+            xin = jax.random.normal(jax.random.key(2), (M, dims[g][0]), jnp.bfloat16)
+            ref = np.asarray(jax.jit(xla_gemm("kn"), compiler_options=MODEL_COMPILER_OPTIONS)(xin, kn[g], 3),
+                             np.float32)
+            timed = {}
             for name in ("kn", "nk", "kn_lt", "nk_lt"):
                 layout, options = VARIANTS[name]
-                w = (kn if layout == "kn" else nk)[g]
-                xin = jax.random.normal(jax.random.key(2), (M, dims[g][0]), jnp.bfloat16)
-                f = single_fn(layout, options)
-                ms = min(pipelined_ms(f, (xin, w), n=20) for _ in range(3))
-                b = w.size * 2
+                timed[name] = time_ms(single_fn(xla_gemm(layout), L, options), (xin, kn[g] if layout == "kn" else nk[g]))
+            N, K = dims[g][1], dims[g][0]
+            for BN in (16, 32, 64):
+                for BK in (128, 256, 512):
+                    for warps, stages in ((4, 3), (4, 4), (8, 4)):
+                        if N % BN or K % BK:
+                            continue
+                        name = f"rows_bn{BN}_bk{BK}_w{warps}_s{stages}"
+                        gemm = functools.partial(rows_gemm, BN=BN, BK=BK, warps=warps, stages=stages)
+                        try:
+                            got = np.asarray(jax.jit(gemm)(xin, nk[g], 3), np.float32)
+                            err = float(np.abs(got - ref).max() / (np.abs(ref).max() + 1e-9))
+                            if err > 2e-2:
+                                print(f"{shape} {g} {name}: wrong, err {err:.2e}", flush=True)
+                                continue
+                            timed[name] = time_ms(single_fn(gemm, L, {}), (xin, nk[g]))
+                        except Exception as e:  # noqa: BLE001
+                            print(f"{shape} {g} {name}: failed {repr(e)[:300]}", flush=True)
+            for name, ms in timed.items():
                 res["single"].setdefault(g, {})[name] = {"ms": ms, "tbs": b / ms / 1e9}
-                table.append((shape, g, name, ms, b / ms / 1e9, None))
                 print(f"{shape} {g} {name}: {ms:.3f} ms {b / ms / 1e9:.0f} GB/s", flush=True)
+            best = min((n for n in timed if n.startswith("rows")), key=timed.get, default=None)
+            for name in ("kn", "nk", "kn_lt", "nk_lt", best):
+                if name:
+                    table.append((shape, g, name, timed[name], b / timed[name] / 1e9, None))
         out["shapes"][shape] = res
         del kn, nk
     path = os.path.join(os.environ.get("OUT", "."), "gemm_layout.json")
