@@ -376,10 +376,11 @@ def test_filled_state_makes_each_head_choose_its_own_keys(tiny):
     assert bench_model.filled_state(dense, cfg, cache, 128)[1] == "none"
 
 
-@pytest.mark.parametrize("name", ["dense", "kascade"])
+@pytest.mark.parametrize("name", ["dense", "kascade", "evosparse"])
 def test_unrolled_decode_steps_equal_the_rolled_scan(tiny, name):
     """`--unroll-layers` times the same steps: the layer scan unrolled in full (one scan, or Kascade's runs of
-    layers of one role) gives the rolled scan's tokens, cache and state."""
+    layers of one role, EvoSparse's dense, scoring and inheriting runs) gives the rolled scan's tokens, cache and
+    state."""
     cfg, params = tiny
     method, _ = bench_model.bench_method(name, cfg, 0.25)
     out, loops = [], []
