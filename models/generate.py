@@ -189,7 +189,7 @@ def check_token_ids(cfg: ModelConfig, rows: Sequence[Sequence[int]], what: str =
 
 def generate_tokens(params: Params, method, tokens: Array, lengths: Array, key: Array, *, cfg: ModelConfig,
                     max_new_tokens: int, capacity: int, sampling: Sampling = Sampling(),
-                    eos_ids: tuple[int, ...] = (), return_prefill_state: bool = False):
+                    eos_ids: tuple[int, ...] = (), return_prefill_state: bool = False, unroll_layers: bool = False):
     """Prefill + decode loop in one jitted computation.
 
     Args:
@@ -199,6 +199,8 @@ def generate_tokens(params: Params, method, tokens: Array, lengths: Array, key: 
         NEW_TOKENS_BUCKET new tokens; the loop stops at max_new_tokens, a traced count).
       return_prefill_state: also return the method's selection state right after the prefill (what a method's
         `prefill_layer_sparsity` reads), so that measuring the prefill needs no second prefill.
+      unroll_layers: unroll each decode step's layer scan in full (`llama.decode(unroll=True)`; static): no loop
+        bookkeeping per layer, a longer compilation.
     Returns:
       (out: i32[B, max_new_tokens] generated tokens, -1 after a row's EOS; num: i32[B] tokens generated per
        row, the EOS included), then the prefill's state when `return_prefill_state`. max_new_tokens, capacity,
@@ -219,15 +221,16 @@ def generate_tokens(params: Params, method, tokens: Array, lengths: Array, key: 
     res = _generate_tokens(params, method, tokens, lengths, key, cfg=cfg,
                            max_new_tokens=round_up(max_new_tokens, NEW_TOKENS_BUCKET), capacity=capacity,
                            sampling=sampling, eos_ids=eos_ids, return_prefill_state=return_prefill_state,
-                           limit=jnp.int32(max_new_tokens))
+                           limit=jnp.int32(max_new_tokens), unroll_layers=bool(unroll_layers))
     return (res[0][:, :max_new_tokens],) + tuple(res[1:])
 
 
 @functools.partial(model_jit, static_argnames=("cfg", "max_new_tokens", "capacity", "eos_ids",
-                                             "return_prefill_state"))
+                                             "return_prefill_state", "unroll_layers"))
 def _generate_tokens(params: Params, method, tokens: Array, lengths: Array, key: Array, *, cfg: ModelConfig,
                      max_new_tokens: int, capacity: int, sampling: Sampling = Sampling(),
-                     eos_ids: tuple[int, ...] = (), return_prefill_state: bool = False, limit: Array | None = None):
+                     eos_ids: tuple[int, ...] = (), return_prefill_state: bool = False, limit: Array | None = None,
+                     unroll_layers: bool = False):
     """The jitted computation of `generate_tokens` (its arguments checked there; `generate_tokens.lower` is this
     function's, unchecked): max_new_tokens the output's width, limit (i32[], traced; None: max_new_tokens) the
     steps run."""
@@ -246,19 +249,21 @@ def _generate_tokens(params: Params, method, tokens: Array, lengths: Array, key:
 
     stop = max_new_tokens if limit is None else jnp.minimum(limit, max_new_tokens)
     _, _, _, _, out, num, _ = decode_loop(params, method, tok, cache, state, key, cfg=cfg, sampling=sampling,
-                                          eos=eos, stop=stop, out=out, done=done, num=num)
+                                          eos=eos, stop=stop, out=out, done=done, num=num,
+                                          unroll=True if unroll_layers else 1)
     return (out, num, prefill_state) if return_prefill_state else (out, num)
 
 
 def decode_loop(params: Params, method, tok: Array, cache: KVCache, state, key: Array, *, cfg: ModelConfig,
-                sampling: Sampling, eos: Array, stop, out: Array, done: Array, num: Array):
+                sampling: Sampling, eos: Array, stop, out: Array, done: Array, num: Array, unroll: int | bool = 1):
     """The decode loop of `generate_tokens` (traced inside its jit; also what `jsparse bench model --loop generate`
     times): from step 1 (the prefill wrote step 0) while step < stop (traced or static) and some row is not done, one
     `llama.decode` step, a token sampled per row, written into out[:, step] (-1 for a done row), num counted and done
     updated (an `eos` token, or NaN logits: garbage, the row ends uncounted).
 
     Args: tok i32[B] the last tokens; key the PRNG key (split each step); eos i32[E] the stop ids (`stop_ids`); out
-      i32[B, W] (W >= stop), done bool[B], num i32[B] as the prefill left them.
+      i32[B, W] (W >= stop), done bool[B], num i32[B] as the prefill left them; unroll: each step's layer scan's
+      (`llama.decode`'s; True unrolls it in full).
     Returns: (tok, cache, state, done, out, num, key) after the last step."""
 
     def cond(c):
@@ -267,7 +272,7 @@ def decode_loop(params: Params, method, tok: Array, cache: KVCache, state, key: 
 
     def body(c):
         step, tok, cache, state, done, out, num, key = c
-        logits, cache, state = llama.decode(params, cfg, method, tok[:, None], cache, state)
+        logits, cache, state = llama.decode(params, cfg, method, tok[:, None], cache, state, unroll=unroll)
         key, sub = jax.random.split(key)
         new = sample(logits[:, 0], sub, sampling)
         done = done | jnp.any(jnp.isnan(logits[:, 0]), axis=-1)  # garbage (a write past the cache): the row ends

@@ -410,7 +410,7 @@ def test_unroll_layers_needs_the_methods_comparison(monkeypatch, capsys):
 @pytest.mark.parametrize("name", ["dense", "evosparse"])
 def test_generate_loop_takes_the_fori_loops_steps(tiny, name):
     """`--loop generate` times `generate_tokens`' own loop (a while_loop, no known trip count) over the same
-    steps: the fori loop's tokens, cache and state."""
+    steps: the fori loop's tokens, cache and state, its layer scan rolled or unrolled (`--unroll-layers`)."""
     cfg, params = tiny
     method, _ = bench_model.bench_method(name, cfg, 0.25)
 
@@ -419,17 +419,17 @@ def test_generate_loop_takes_the_fori_loops_steps(tiny, name):
         state, _ = bench_model.filled_state(method, cfg, cache, 128)
         return params, method, jnp.array([[5], [9]], jnp.int32), cache, state
 
-    out = [bench_model.method_decode_steps(*args(), cfg=cfg, steps=3, loop=loop) for loop in bench_model.LOOPS]
-    (tok1, cache1, state1), (tok2, cache2, state2) = out
-    assert tok2.shape == tok1.shape == (2, 1) and (tok1 == tok2).all()
-    assert (cache1.lengths == 96 + 3).all() and (cache2.lengths == cache1.lengths).all()
-    assert jnp.allclose(cache1.k, cache2.k, atol=1e-5) and jnp.allclose(cache1.v, cache2.v, atol=1e-5)
-    for a, b in zip(jax.tree_util.tree_leaves(state1), jax.tree_util.tree_leaves(state2)):
-        assert jnp.allclose(a, b, atol=1e-5)
+    (tok1, cache1, state1), *others = [bench_model.method_decode_steps(*args(), cfg=cfg, steps=3, loop=loop,
+                                                                       unroll=unroll)
+                                       for loop, unroll in (("fori", 1), ("generate", 1), ("generate", True))]
+    assert tok1.shape == (2, 1) and (cache1.lengths == 96 + 3).all()
+    for tok2, cache2, state2 in others:
+        assert tok2.shape == tok1.shape and (tok1 == tok2).all() and (cache2.lengths == cache1.lengths).all()
+        assert jnp.allclose(cache1.k, cache2.k, atol=1e-5) and jnp.allclose(cache1.v, cache2.v, atol=1e-5)
+        for a, b in zip(jax.tree_util.tree_leaves(state1), jax.tree_util.tree_leaves(state2)):
+            assert jnp.allclose(a, b, atol=1e-5)
     with pytest.raises(ValueError, match="loop='scan'"):
         bench_model.method_decode_steps(*args(), cfg=cfg, steps=3, loop="scan")
-    with pytest.raises(ValueError, match="unroll=True"):
-        bench_model.method_decode_steps(*args(), cfg=cfg, steps=3, loop="generate", unroll=True)
 
 
 def test_generate_loop_is_generate_tokens_loop(tiny):
@@ -455,6 +455,10 @@ def test_generate_loop_is_generate_tokens_loop(tiny):
     np.testing.assert_array_equal(res[4], want)
     np.testing.assert_array_equal(res[5], num)
     assert (res[1].lengths == lengths + 5).all()
+    unrolled = generate_tokens(params, method, tokens, lengths, jax.random.key(0), cfg=cfg, max_new_tokens=6,
+                               capacity=64, unroll_layers=True)
+    np.testing.assert_array_equal(unrolled[0], want)
+    np.testing.assert_array_equal(unrolled[1], num)
 
 
 def test_loop_needs_the_methods_comparison(monkeypatch, capsys):
@@ -463,9 +467,6 @@ def test_loop_needs_the_methods_comparison(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         bench_model.main(["--loop", "generate", "--context", "64", "--batch", "1"])
     assert "--loop times the methods' decode loop: give --methods" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        bench_model.main(["--loop", "generate", "--unroll-layers", "--methods", "dense,kascade", "--context", "64"])
-    assert "--unroll-layers with --loop generate" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -466,15 +466,13 @@ def method_decode_steps(params, method, tok, cache, state, *, cfg, steps, unroll
 
     loop: "fori", a `fori_loop` of `steps` (a known trip count), or "generate", `generate_tokens`' own loop
     (`models.generate.decode_loop`: a `while_loop` whose stop the tokens decide, with its sampling, EOS and
-    output bookkeeping; greedy, no EOS id given), its layer scan rolled."""
+    output bookkeeping; greedy, no EOS id given; `generate_tokens(unroll_layers=True)` unrolls its layer scan)."""
     if loop == "generate":
-        if unroll is True or unroll != 1:  # True == 1 in Python, but unrolls in full
-            raise ValueError(f"unroll={unroll!r}: generate's loop runs the rolled layer scan; expected 1")
         B = tok.shape[0]
         res = decode_loop(params, method, tok[:, 0], cache, state, jax.random.key(0), cfg=cfg, sampling=Sampling(),
                           eos=stop_ids(()), stop=steps + 1,
                           out=jnp.full((B, steps + 1), -1, jnp.int32), done=jnp.zeros((B,), bool),
-                          num=jnp.ones((B,), jnp.int32))
+                          num=jnp.ones((B,), jnp.int32), unroll=unroll)
         return res[0][:, None], res[1], res[2]
     if loop != "fori":
         raise ValueError(f"loop={loop!r}: expected one of {LOOPS}")
@@ -797,9 +795,6 @@ def main(argv=None, prog=None):
             memory_stats()
         except ValueError as e:
             p.error(str(e))
-    if a.unroll_layers and a.loop != "fori":
-        p.error(f"--unroll-layers with --loop {a.loop}: generate's loop runs the rolled layer scan; expected "
-                "--loop fori")
     if not contexts and (methods == ("dense",) or not a.prefill_context.strip()):
         p.error("--context is empty: expected decode contexts, or --methods with --prefill-context")
     from eval.bench.model_check import CheckFailed
