@@ -402,9 +402,24 @@ def test_unrolled_decode_steps_equal_the_rolled_scan(tiny, name):
 def test_unroll_layers_needs_the_methods_comparison(monkeypatch, capsys):
     monkeypatch.setenv("XLA_FLAGS", "")
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    for flag in ("--unroll-layers", "--rolled-layers"):
+        with pytest.raises(SystemExit):
+            bench_model.main([flag, "--context", "64", "--batch", "1"])
+        assert f"{flag} times the methods' decode loop: give --methods" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        bench_model.main(["--unroll-layers", "--context", "64", "--batch", "1"])
-    assert "--unroll-layers times the methods' decode loop: give --methods" in capsys.readouterr().err
+        bench_model.main(["--unroll-layers", "--rolled-layers", "--methods", "dense,kascade", "--context", "64"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_layer_unroll_follows_generate(monkeypatch):
+    """The bench's default layer scan is generate's on the backend (unrolled on a GPU, rolled elsewhere)."""
+    assert bench_model.layer_unroll("unrolled") is True and bench_model.layer_unroll("rolled") == 1
+    monkeypatch.setattr(bench_model, "default_unroll_layers", lambda: True)
+    assert bench_model.layer_unroll(None) is True
+    monkeypatch.setattr(bench_model, "default_unroll_layers", lambda: False)
+    assert bench_model.layer_unroll(None) == 1 and bench_model.layer_unroll(None) is not True
+    with pytest.raises(ValueError, match="layer_scan='loop'"):
+        bench_model.layer_unroll("loop")
 
 
 @pytest.mark.parametrize("name", ["dense", "evosparse"])
@@ -455,6 +470,8 @@ def test_generate_loop_is_generate_tokens_loop(tiny):
     np.testing.assert_array_equal(res[4], want)
     np.testing.assert_array_equal(res[5], num)
     assert (res[1].lengths == lengths + 5).all()
+    from models.generate import default_unroll_layers
+    assert default_unroll_layers() is (jax.default_backend() == "gpu")  # unrolled on a GPU only
     unrolled = generate_tokens(params, method, tokens, lengths, jax.random.key(0), cfg=cfg, max_new_tokens=6,
                                capacity=64, unroll_layers=True)
     np.testing.assert_array_equal(unrolled[0], want)

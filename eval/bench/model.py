@@ -75,7 +75,7 @@ from jsparse.xla_flags import GPU_XLA_FLAGS
 from jsparse.methods import make_method
 from models import llama
 from models.cache import KVCache, init_cache
-from models.generate import Sampling, decode_loop, round_up, stop_ids
+from models.generate import Sampling, decode_loop, default_unroll_layers, round_up, stop_ids
 from models.params import LAYOUTS, is_fused, random_params, with_layout
 from models.presets import preset
 from models.compile_options import model_jit
@@ -487,6 +487,16 @@ def method_decode_steps(params, method, tok, cache, state, *, cfg, steps, unroll
 STEPS = 16  # decode steps timed per case (`--steps`)
 
 
+def layer_unroll(layer_scan: str | None) -> int | bool:
+    """`llama.decode`'s unroll for "unrolled" (True), "rolled" (1) or None (generate's default on this backend,
+    `models.generate.default_unroll_layers`)."""
+    if layer_scan is None:
+        layer_scan = "unrolled" if default_unroll_layers() else "rolled"
+    if layer_scan not in ("unrolled", "rolled"):
+        raise ValueError(f"layer_scan={layer_scan!r}: expected 'unrolled', 'rolled' or None")
+    return True if layer_scan == "unrolled" else 1
+
+
 def decode_capacity(context: int, steps: int = STEPS) -> int:
     """The cache capacity of a decode case: `context` tokens and `steps` decode steps, with room for twice the steps,
     rounded up to 256 (the same for every method of a case; `jsparse bench profile_decode_step` and `op_census` size
@@ -496,16 +506,18 @@ def decode_capacity(context: int, steps: int = STEPS) -> int:
 
 def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, prefill_contexts=(),
                 mm: float = 0.0, built: dict | None = None, tsa_kept: float = TSA_KEPT,
-                method_options: dict | None = None, unroll: int | bool = 1, loop: str = "fori") -> list[dict]:
+                method_options: dict | None = None, unroll: int | bool | None = None,
+                loop: str = "fori") -> list[dict]:
     """Decode rows (and prefill rows at `prefill_contexts`, batch 1) of every method; dense first. The prefill
-    methods (PREFILL_METHODS) get prefill rows only. unroll: the decode layer scan's, loop: the decode loop
-    (`method_decode_steps`).
+    methods (PREFILL_METHODS) get prefill rows only. unroll: the decode layer scan's (None: generate's default on
+    this backend, `layer_unroll`), loop: the decode loop (`method_decode_steps`).
 
     built: {row name: (method, how its state was made)} for names whose method is not `bench_method(name)`'s
     (a variant named "method:variant" takes the byte model of "method"; eval/bench/profile_decode_step.py)."""
     import time
 
     rows = []
+    unroll = layer_unroll(None) if unroll is None else unroll
     weights = decode_bytes(cfg, params, 1, 0)
     opts = method_options or {}
     built = {m: (built or {}).get(m) or bench_method(m, cfg, budget, tsa_kept=tsa_kept, options=opts.get(m))
@@ -618,9 +630,10 @@ def _raise_failed(checks: dict) -> None:
 
 def run_methods(shape: str, methods, contexts, batches, steps: int, out: str | None, budget: float,
                 prefill_contexts=(), check: bool = True, tsa_kept: float = TSA_KEPT, attention_only: bool = False,
-                method_options: dict | None = None, layout: str = "default", unroll: int | bool = 1,
+                method_options: dict | None = None, layout: str = "default", unroll: int | bool | None = None,
                 loop: str = "fori"):
     cfg = attention_only_config(preset(shape)) if attention_only else preset(shape)
+    unroll = layer_unroll(None) if unroll is None else unroll
     if methods[0] != "dense":
         methods = ("dense",) + tuple(m for m in methods if m != "dense")  # the baseline of the same run, first
     if not prefill_contexts:  # the prefill methods have no decode rows of their own
@@ -753,10 +766,15 @@ def main(argv=None, prog=None):
     p.add_argument("--layout", default="default", choices=LAYOUTS,
                    help="the weights' layout: default (what jsparse.load gives: q/k/v and gate/up fused into one "
                         "weight each on a GPU, models.params), fused, or separate (one GEMM per projection)")
-    p.add_argument("--unroll-layers", action="store_true",
-                   help="with --methods: time decode steps whose layer scan is unrolled in full "
-                        "(models.llama.decode(unroll=True)): no loop bookkeeping per layer, but each call of the "
-                        "decode loop starts later (eval/results/h200/unroll/NOTES.md); default: the rolled scan")
+    scan = p.add_mutually_exclusive_group()
+    scan.add_argument("--unroll-layers", dest="layer_scan", action="store_const", const="unrolled",
+                      help="with --methods: time decode steps whose layer scan is unrolled in full "
+                           "(models.llama.decode(unroll=True)); the default on a GPU, as in generate "
+                           "(models.generate.default_unroll_layers)")
+    scan.add_argument("--rolled-layers", dest="layer_scan", action="store_const", const="rolled",
+                      help="with --methods: time decode steps whose layer scan is rolled (a loop over the layers: "
+                           "a counter, slices and a gap a layer; eval/results/h100/unroll_lead/NOTES.md); the "
+                           "default elsewhere")
     p.add_argument("--loop", default="fori", choices=LOOPS,
                    help="with --methods: the decode loop timed: fori (default), a fori_loop of --steps decode steps, "
                         "or generate, the loop `jsparse generate` runs (models.generate.decode_loop: a while_loop "
@@ -807,7 +825,8 @@ def main(argv=None, prog=None):
                 p.error("--method-option: dense alone takes no options")
             if a.attention_only:
                 p.error("--attention-only compares methods: give --methods (dense and others)")
-            for flag, given in (("--unroll-layers", a.unroll_layers), ("--loop", a.loop != "fori")):
+            scan_flag = {"unrolled": "--unroll-layers", "rolled": "--rolled-layers"}.get(a.layer_scan)
+            for flag, given in ((scan_flag, a.layer_scan), ("--loop", a.loop != "fori")):
                 if given:
                     p.error(f"{flag} times the methods' decode loop: give --methods (dense and others)")
             run(a.shape, contexts, batches, a.steps, out, check=not a.no_check, layout=a.layout)
@@ -815,7 +834,7 @@ def main(argv=None, prog=None):
             pre = [int(x) for x in a.prefill_context.split(",") if x.strip()]
             run_methods(a.shape, methods, contexts, batches, a.steps, out, a.budget, pre, check=not a.no_check,
                         tsa_kept=a.tsa_kept, attention_only=a.attention_only, method_options=method_options,
-                        layout=a.layout, unroll=True if a.unroll_layers else 1, loop=a.loop)
+                        layout=a.layout, unroll=layer_unroll(a.layer_scan), loop=a.loop)
     except CheckFailed as e:
         sys.exit(f"{p.prog}: error: {e}")
 
