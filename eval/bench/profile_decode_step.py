@@ -219,13 +219,14 @@ def main(argv=None, prog=None):
     cache = bench_model.filled_cache(cfg, B, ctx, cap, dtype)
     state = m.init_state(cfg, B, cap)
     # The layer scan as `jsparse bench model` and generate run it on this backend (unrolled on a GPU).
-    step = functools.partial(bench_model.method_decode_steps, unroll=bench_model.layer_unroll(None))
+    unroll = bench_model.layer_unroll(None)
+    step = functools.partial(bench_model.method_decode_steps, unroll=unroll)
     tok = jnp.zeros((B, 1), jnp.int32)
     tok, cache, state = step(params, m, tok, cache, state, cfg=cfg, steps=steps)  # compiled (or cached) and warm
     jax.block_until_ready(tok)
     cache = KVCache(k=cache.k, v=cache.v, lengths=jnp.full((B,), ctx, jnp.int32))
     hlo = bench_model.method_decode_steps.lower(params, m, tok, cache, state, cfg=cfg, steps=steps,
-                                                unroll=step.keywords["unroll"]).compile().as_text()
+                                                unroll=unroll).compile().as_text()
     with gzip.open(os.path.splitext(a.out)[0] + ".hlo.txt.gz", "wt") as f:  # to look up what a fusion computes
         f.write(hlo)
     d = a.trace_dir or f"/tmp/jsparse_profile_{a.method}_{os.getpid()}"
@@ -237,7 +238,7 @@ def main(argv=None, prog=None):
     tab = kernel_table(d, steps, a.top)
     res = {**device_facts(), "benchmark": "profile_decode_step", "method": a.method, "state": how, "shape": a.shape,
            "dtype": a.dtype, "batch": B, "context": ctx, "budget": a.budget, "steps": steps,
-           "decode_layer_unroll": step.keywords["unroll"],
+           "decode_layer_unroll": unroll,
            "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), "wall_ms_per_step_traced": wall,
            **tab, "timed": timed}
