@@ -510,3 +510,55 @@ def test_dispatcher_triton_paths_pass_every_argument(monkeypatch):
     np.testing.assert_allclose(got_h, want_h, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(want_h)[1:], np.asarray(heat)[1:])  # only row 0 moved
     assert float(jnp.abs(want_h[0] - heat[0]).max()) > 0
+
+
+@pytest.mark.parametrize("splits,block_k,first", [(3, 16, 0), (1, 32, 1), (4, 16, 2)])
+def test_decode_pending_then_every_layers_mass_at_once(splits, block_k, first):
+    """H2O's one launch a layer (`sparse_decode_pending_gpu`, interpret mode): blocks of one token, every layer's rows
+    [L, B, Hkv, 1, K] read in place, each layer's partials kept in its slot of buffers holding NaN where nothing was
+    written; the last program of each row merges the output (the counters handed back as zeros), and after the
+    layers first .. L - 1 ran, one launch (`add_pending_mass_gpu`) adds their entry mass into their heat rows. The
+    outputs and the heat equal the reference's layer-by-layer heat step; rows below `first` and a row with no
+    visible key keep their heat; with rows_out the output lies in the GEMMs' padded rows."""
+    q, k, v = _cache(14)
+    K = 37  # keys a row: several splits of whole iterations, the last one short
+    rows = np.full((L, B, HKV, 1, K), -1, np.int32)
+    rng = np.random.default_rng(15)
+    for layer in range(L):
+        for h in range(HKV):
+            used = K - 2 * layer - h  # a different count and set a layer and head, then -1
+            rows[layer, :, h, 0, :used] = np.sort(rng.choice(N, used, replace=False))
+    idx = jnp.asarray(rows)
+    lengths = jnp.array([N, 0], jnp.int32)  # row 1 sees nothing
+    heat = jax.random.uniform(jax.random.key(16), (L, B, HKV, N))
+    cfg = gpu.sgpu.DecodeConfig(block_k=block_k, num_splits=splits)
+    pending = tuple(jnp.full(s.shape, jnp.nan if s.dtype == jnp.float32 else 10 ** 6, s.dtype)
+                    for s in gpu.pending_shapes(q.shape, K, L, HKV, config=cfg))
+    assert pending[3].shape[1] == min(splits, -(-K // block_k))  # splits of whole iterations
+    want_h, tickets = heat, jnp.zeros((B, HKV, 1), jnp.int32)
+    for layer in range(first, L):
+        want_o, want_h = reference.sparse_decode_heat_reference(q, k, v, jnp.int32(layer), idx[layer], lengths,
+                                                               want_h, block_size=1)
+        o, pending, tickets = gpu.sparse_decode_pending_gpu(q, k, v, jnp.int32(layer), idx, lengths, pending,
+                                                            tickets, config=cfg, rows_out=None if layer % 2 else 4,
+                                                            interpret=True)
+        got = o[:, 0] if layer % 2 else o[0, :B]
+        np.testing.assert_allclose(got, want_o[:, 0], rtol=1e-4, atol=1e-5)
+        if not layer % 2:
+            np.testing.assert_array_equal(o[0, B:], 0)
+        assert not np.asarray(tickets).any()
+    h = gpu.add_pending_mass_gpu(idx, pending, heat, group=G, first=first, interpret=True)
+    np.testing.assert_allclose(h, want_h, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(h[:first], heat[:first])
+    np.testing.assert_array_equal(h[:, 1], heat[:, 1])
+    assert float(jnp.abs(h - heat).sum()) > 0
+    with pytest.raises(ValueError, match=r"expected every layer's rows \[L, B, Hkv, 1, K\]"):
+        gpu.sparse_decode_pending_gpu(q, k, v, jnp.int32(0), idx[0], lengths, pending, tickets, config=cfg,
+                                      interpret=True)
+    with pytest.raises(ValueError, match=r"partials .* expected a finish, one token and"):
+        gpu.sparse_decode_pending_gpu(q, k, v, jnp.int32(0), idx[..., :5], lengths, pending, tickets,
+                                      config=cfg, interpret=True)
+    with pytest.raises(ValueError, match="first=3: expected"):
+        gpu.add_pending_mass_gpu(idx, pending, heat, group=G, first=L, interpret=True)
+    with pytest.raises(ValueError, match=r"group=17: expected the query heads a KV head, 1 \.\. 16"):
+        gpu.add_pending_mass_gpu(idx, pending, heat, group=17, first=0, interpret=True)

@@ -34,8 +34,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.block_scores.reference import check_block_max_args, check_heat_args
 from pallas_kernels.sparse_attention import gpu as sgpu
 from pallas_kernels.sparse_attention.common import default_scale
-from pallas_kernels.sparse_attention.stacked import (Finish, decode_partials_stacked, layer_index, row_entries,
-                                                     sparse_decode_stacked_gpu)
+from pallas_kernels.sparse_attention.stacked import (Finish, decode_partials_stacked, layer_index, partial_shapes,
+                                                     row_entries, sparse_decode_stacked_gpu)
 from pallas_kernels.topk_select.common import INT_MIN, float_keys
 from pallas_kernels.topk_select.gpu_row import ROW_LIMIT, next_pow2, row_pick_mask, row_warps
 
@@ -190,15 +190,17 @@ def sparse_decode_mass_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
                                      return_mass=True, config=config, interpret=interpret)
 
 
-def _group_lse(m_ref, l_ref, S: int, G: int):
+def _group_lse(m_ref, l_ref, S: int, G: int, lead: tuple = ()):
     """The GQA group's merge weights over the S splits' partials (m_ref, l_ref f32[S, Gp]; only the first G rows
-    read, padded to gq = next_pow2(G) >= 2): (w f32[sp, gq] each split's weight exp(m - m_all), its row mask,
-    lse f32[gq], l_safe, nonempty bool[gq]); loaded at once as [sp, gq] tensors (gathers by index arrays)."""
+    read, padded to gq = next_pow2(G) >= 2): (w f32[sp, gq] each split's weight exp(m - m_all), its row mask and
+    index arrays, lse f32[gq], l_safe, nonempty bool[gq]); loaded at once as [sp, gq] tensors (gathers by index
+    arrays). lead: leading scalar indices of refs that hold more ([L, S, Gp] and lead (layer,))."""
     gq, sp = max(2, pl.next_power_of_2(G)), max(2, pl.next_power_of_2(S))
     split = jnp.arange(sp, dtype=jnp.int32)[:, None]  # [sp, 1]
     row = jnp.arange(gq, dtype=jnp.int32)[None, :]  # [1, gq]
     ok2 = (split < S) & (row < G)  # [sp, gq]
-    at = (jnp.minimum(split, S - 1), jnp.broadcast_to(row, (sp, gq)))
+    at = tuple(jnp.full((sp, gq), x, jnp.int32) for x in lead) + (jnp.minimum(split, S - 1),
+                                                                     jnp.broadcast_to(row, (sp, gq)))
     m = plgpu.load(m_ref.at[at], mask=ok2, other=_MASK)
     m_all = jnp.max(m, axis=0)  # [gq]
     w = jnp.where(ok2, jnp.exp(m - m_all[None, :]), 0.0)
@@ -210,12 +212,13 @@ def _group_lse(m_ref, l_ref, S: int, G: int):
 
 def _merge_outputs(o_ref, out_ref, row0, w, mask_at, l_safe, nonempty, G: int, at: tuple = ()):
     """Stores the group's merged output (the S splits' o_ref f32[S, Gp, D] weighted by w, over l) into rows
-    row0 .. row0 + G - 1 of out_ref [rows, D] (or of out_ref[at], one indexer per store: Triton's lowering)."""
-    ok2, (s2, r2) = mask_at
+    row0 .. row0 + G - 1 of out_ref [rows, D] (or of out_ref[at], one indexer per store: Triton's lowering); the
+    partials are read at `_group_lse`'s index arrays (its lead included)."""
+    ok2, idx = mask_at
     d = o_ref.shape[-1]
     col = jnp.arange(d, dtype=jnp.int32)[None, None, :]
     ok3 = jnp.broadcast_to(ok2[:, :, None], ok2.shape + (d,))
-    o = plgpu.load(o_ref.at[s2[:, :, None], r2[:, :, None], col], mask=ok3, other=0.0)
+    o = plgpu.load(o_ref.at[tuple(i[:, :, None] for i in idx) + (col,)], mask=ok3, other=0.0)
     out = jnp.where(nonempty[:, None], jnp.sum(w[:, :, None] * o, axis=0) / l_safe[:, None], 0.0)  # [gq, D]
     gq = out.shape[0]
     real2 = jnp.broadcast_to((jnp.arange(gq, dtype=jnp.int32) < G)[:, None], (gq, d))
@@ -265,12 +268,29 @@ def _finish_heat_kernel(lay_ref, hl_ref, idx_ref, o_ref, m_ref, l_ref, el_ref, e
     def _merge():
         _merge_outputs(o_ref, out_ref, 0, w, mask_at, l_safe, nonempty, G)
 
+    row = layer_index(lay_ref[0], L) if stacked else None  # the layer's row of every layer's entries
+    _split_mass(s, lse, nonempty, idx_ref, row, el_ref, em_ref, nw_ref, heat_ref, layer_index(hl_ref[0], Lh),
+                E=E, K=K, G=G)
+
+
+def _split_mass(s, lse, nonempty, idx_ref, row, el_ref, em_ref, nw_ref, heat_ref, hrow, *, E: int, K: int, G: int):
+    """Split s's index entries' mass (the group's lse, nonempty from `_group_lse`) added into heat row hrow; the
+    entries are row `row` of idx_ref (None: idx_ref is the row)."""
     ent = s * E + jnp.arange(max(16, pl.next_power_of_2(E)), dtype=jnp.int32)
     ent = jnp.where(ent < s * E + E, ent, K)  # lanes past this split's E entries: none
-    row = layer_index(lay_ref[0], L) if stacked else None  # the layer's row of every layer's entries
     entries = lambda i, ok: row_entries(idx_ref, row, i, ok)  # noqa: E731
-    _add_entry_mass(ent, el_ref, em_ref, nw_ref, entries, heat_ref, layer_index(hl_ref[0], Lh), lse, nonempty,
-                    E=E, K=K, G=G)
+    _add_entry_mass(ent, el_ref, em_ref, nw_ref, entries, heat_ref, hrow, lse, nonempty, E=E, K=K, G=G)
+
+
+def _pending_mass_kernel(idx_ref, m_ref, l_ref, el_ref, em_ref, nw_ref, _heat_in, heat_ref, *, S: int, E: int,
+                         K: int, G: int, first: int):
+    """Program (layer first + l, b, kv head, split s) of `add_pending_mass_gpu`: `_finish_heat_kernel`'s mass add
+    from that layer's kept partials, into the layer's heat row (idx_ref i32[L, K] every layer's entries of the row;
+    the partials' blocks the layer's [S, ...]; heat f32[L, nb], in place)."""
+    layer = pl.program_id(0) + first
+    _, _, lse, _, nonempty = _group_lse(m_ref, l_ref, S, G)
+    _split_mass(pl.program_id(3), lse, nonempty, idx_ref, layer, el_ref, em_ref, nw_ref, heat_ref, layer,
+                E=E, K=K, G=G)
 
 
 # Entries the one-launch finish's last program adds to the heat per chunk ([next_pow2(G), chunk] f32 tensors), and
@@ -279,8 +299,8 @@ def _finish_heat_kernel(lay_ref, hl_ref, idx_ref, o_ref, m_ref, l_ref, el_ref, e
 FINISH_CHUNK, FINISH_MAX_ENTRIES = 512, 2048
 
 
-def _finish_in_launch(splits: int, E: int, *, G: int, K: int, Lh: int, interpret: bool, batch: int,
-                      rows_out: int | None):
+def _finish_in_launch(splits: int, E: int, *, G: int, K: int, Lh: int | None, interpret: bool, batch: int,
+                      rows_out: int | None, layers: int | None = None):
     """The epilogue of `sparse_decode_heat_gpu`'s one launch (`stacked.Finish`): after storing its partials, each
     (b, h, split) program takes a ticket from the row's counter (an acquire-release atomic add at GPU scope, after a
     CTA barrier so that all its threads' stores come first); the program drawing ticket splits - 1 is the row's
@@ -288,10 +308,17 @@ def _finish_in_launch(splits: int, E: int, *, G: int, K: int, Lh: int, interpret
     the merged output, every entry's mass into the heat row. It then sets the counter back to 0, so the same
     counters serve the next launch (no zeroing launch). Each row's partials are read once, by its last program, so
     no SM holds a stale L1 line of them. With rows_out the output is [rows_out, Hq, D], token row b (one token a
-    row), and the last programs of batch row 0 also write the zero rows past `batch`."""
+    row), and the last programs of batch row 0 also write the zero rows past `batch`.
+    layers (the number of cache layers L): the partials are every layer's ([L, S, ...], `sparse_decode_pending_gpu`),
+    read at the launch's layer, and the last program merges the output only (no heat: `add_pending_mass_gpu` adds
+    the mass later)."""
     def finish(ins, outs, partials, entries):
-        hl_ref, _heat_in, _tick_in = ins
-        out_ref, heat_ref, tick_ref = outs
+        if layers is None:
+            hl_ref, _heat_in, _tick_in = ins
+            out_ref, heat_ref, tick_ref = outs
+        else:
+            lay_ref, _tick_in = ins
+            out_ref, tick_ref = outs
         o_ref, m_ref, l_ref, el_ref, em_ref, nw_ref = partials
         if not interpret:  # the interpreter runs the programs one after another and has no barrier
             plgpu.debug_barrier()
@@ -302,7 +329,8 @@ def _finish_in_launch(splits: int, E: int, *, G: int, K: int, Lh: int, interpret
         @pl.when(ticket == splits - 1)
         def _last():
             tick_ref[...] = jnp.zeros((1,), jnp.int32)
-            w, mask_at, lse, l_safe, nonempty = _group_lse(m_ref, l_ref, splits, G)
+            lead = () if layers is None else (layer_index(lay_ref[0], layers),)
+            w, mask_at, lse, l_safe, nonempty = _group_lse(m_ref, l_ref, splits, G, lead)
             _merge_outputs(o_ref, out_ref, row0, w, mask_at, l_safe, nonempty, G,
                            at=() if rows_out is None else (b,))
             if rows_out is not None and rows_out > batch:  # the GEMMs' padding rows, zeros
@@ -314,6 +342,8 @@ def _finish_in_launch(splits: int, E: int, *, G: int, K: int, Lh: int, interpret
                 c = jnp.broadcast_to(jnp.arange(d, dtype=jnp.int32)[None, None, :], shape)
                 plgpu.store(out_ref.at[r, row0 + g, c], jnp.zeros(shape, out_ref.dtype),
                             mask=(r < rows_out) & (g < G) & (b == 0))
+            if layers is not None:
+                return
             width = min(FINISH_CHUNK, max(16, pl.next_power_of_2(splits * E)))
             hrow = layer_index(hl_ref[0], Lh)
             for c in range(0, splits * E, width):  # static chunks: one for EvoSparse's 128 entries a row
@@ -350,26 +380,18 @@ def sparse_decode_heat_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
     _check_supported(q, block_size)
     hl = jnp.asarray(layer if heat_layer is None else heat_layer, jnp.int32).reshape(1)
     if tickets is not None:
-        B, _, Hq, D = q.shape
-        Hkv = k_all.shape[2]
-        if tickets.shape != (B, Hkv, 1) or tickets.dtype != jnp.int32:
-            raise ValueError(f"tickets {tickets.dtype}{list(tickets.shape)}: expected int32[{B}, {Hkv}, 1] zeros")
         if indices.shape[-1] > FINISH_MAX_ENTRIES:
             raise ValueError(f"tickets with {indices.shape[-1]} index entries a row: the one-launch finish takes at "
                              f"most {FINISH_MAX_ENTRIES} (expected tickets=None: the two launches)")
+        out_spec, out_struct, tick_spec = _ticketed_output(q, k_all, tickets, rows_out)
+        B, _, Hq, _ = q.shape
         heat_spec = pl.BlockSpec((heat.shape[0], None, None, heat.shape[-1]), lambda b, h, t, s: (0, b, h, 0))
-        tick_spec = pl.BlockSpec((None, None, 1), lambda b, h, t, s: (b, h, 0))
-        if rows_out is not None and rows_out < B:
-            raise ValueError(f"rows_out={rows_out}: expected at least the batch of {B} token rows")
-        out_shape = q.shape if rows_out is None else (1, rows_out, Hq, D)
-        fin = Finish(fn=functools.partial(_finish_in_launch, G=Hq // Hkv, K=indices.shape[-1], Lh=heat.shape[0],
-                                          interpret=interpret, batch=B, rows_out=rows_out),
+        fin = Finish(fn=functools.partial(_finish_in_launch, G=Hq // k_all.shape[2], K=indices.shape[-1],
+                                          Lh=heat.shape[0], interpret=interpret, batch=B, rows_out=rows_out),
                      in_specs=(pl.BlockSpec((1,), lambda b, h, t, s: (0,)), heat_spec, tick_spec),
                      args=(hl, heat, tickets),
-                     out_specs=(pl.BlockSpec((None, None, Hq, D), lambda b, h, t, s: (b, t, 0, 0)) if rows_out is None
-                                else pl.BlockSpec((None, rows_out, Hq, D), lambda b, h, t, s: (0, 0, 0, 0)),
-                                heat_spec, tick_spec),
-                     out_shape=(jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct(heat.shape, heat.dtype),
+                     out_specs=(out_spec, heat_spec, tick_spec),
+                     out_shape=(out_struct, jax.ShapeDtypeStruct(heat.shape, heat.dtype),
                                 jax.ShapeDtypeStruct(tickets.shape, tickets.dtype)),
                      aliases={1: 1, 2: 2})
         return decode_partials_stacked(q, k_all, v_all, layer, indices, lengths, block_size=block_size, scale=scale,
@@ -400,6 +422,101 @@ def sparse_decode_heat_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
         interpret=interpret, name="evosparse_finish_heat",
     )(jnp.asarray(layer, jnp.int32).reshape(1), hl, indices.astype(jnp.int32), o, m, l, el, em, nw, heat)
     return out[:, :, :G].reshape(B, 1, Hkv * G, D), heat
+
+
+def _ticketed_output(q: Array, k_all: Array, tickets: Array, rows_out: int | None):
+    """(out spec, out struct, tickets spec) of a launch whose last programs merge the output (`_finish_in_launch`):
+    the output [B, 1, Hq, D], or [1, rows_out, Hq, D] with rows_out; the tickets i32[B, Hkv, 1] checked."""
+    B, _, Hq, D = q.shape
+    Hkv = k_all.shape[2]
+    if tickets.shape != (B, Hkv, 1) or tickets.dtype != jnp.int32:
+        raise ValueError(f"tickets {tickets.dtype}{list(tickets.shape)}: expected int32[{B}, {Hkv}, 1] zeros")
+    if rows_out is not None and rows_out < B:
+        raise ValueError(f"rows_out={rows_out}: expected at least the batch of {B} token rows")
+    if rows_out is None:
+        spec = pl.BlockSpec((None, None, Hq, D), lambda b, h, t, s: (b, t, 0, 0))
+    else:
+        spec = pl.BlockSpec((None, rows_out, Hq, D), lambda b, h, t, s: (0, 0, 0, 0))
+    shape = q.shape if rows_out is None else (1, rows_out, Hq, D)
+    return spec, jax.ShapeDtypeStruct(shape, q.dtype), pl.BlockSpec((None, None, 1), lambda b, h, t, s: (b, h, 0))
+
+
+def pending_shapes(q_shape: tuple, K: int, L: int, Hkv: int, *, config: sgpu.DecodeConfig) -> tuple:
+    """The shapes of the every-layer partials that `sparse_decode_pending_gpu` writes and `add_pending_mass_gpu`
+    reads, for one token's queries [B, 1, Hq, D] over K keys a row (blocks of one token) of an L-layer cache with
+    Hkv KV heads (`sparse_attention.stacked.partial_shapes`)."""
+    return partial_shapes(q_shape, K, L, Hkv, block_size=1, config=config)
+
+
+def sparse_decode_pending_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array,
+                              pending: tuple, tickets: Array, *, scale: float | None = None,
+                              config: sgpu.DecodeConfig = sgpu.DecodeConfig(), rows_out: int | None = None,
+                              interpret: bool = False):
+    """`sparse_decode_heat_gpu`'s one launch with the heat update left for later (blocks of one token: H2O's rows of
+    10K keys, more than the last program of a row adds in time): each program stores its split's partials and entry
+    sums into layer `layer`'s slot of `pending` (every layer's, `pending_shapes`, written in place), and the last
+    program of each row merges the output (tickets, as there). `add_pending_mass_gpu`, once after every layer ran,
+    adds all layers' entry mass into their heat rows, in place of one finish launch a layer.
+
+    Args:
+      q: [B, 1, Hq, D]; k_all, v_all: [L, B, Hkv, N, D]; layer: i32[]; indices: every layer's rows int32[L, B, Hkv,
+      1, K] (valid entries unique and ascending per row, then -1); lengths: int32[B]; pending: the partials of
+      `pending_shapes` (uninitialised is fine: a launch writes all that is read of its layer); tickets: i32[B, Hkv,
+      1] zeros; rows_out: the output as [1, rows_out, Hq, D] (`models.attention.LayerContext.rows_out`).
+
+    Returns:
+      (out [B, 1, Hq, D] (or [1, rows_out, Hq, D]) in q.dtype, pending, tickets (zeros again)).
+    """
+    _check_supported(q, 1)
+    if indices.ndim != 5:
+        raise ValueError(f"indices has shape {tuple(indices.shape)}: expected every layer's rows [L, B, Hkv, 1, K]")
+    out_spec, out_struct, tick_spec = _ticketed_output(q, k_all, tickets, rows_out)
+    B, _, Hq, _ = q.shape
+    L = k_all.shape[0]
+    lay = pl.BlockSpec((1,), lambda b, h, t, s: (0,))
+    fin = Finish(fn=functools.partial(_finish_in_launch, G=Hq // k_all.shape[2], K=indices.shape[-1], Lh=None,
+                                      interpret=interpret, batch=B, rows_out=rows_out, layers=L),
+                 in_specs=(lay, tick_spec), args=(jnp.asarray(layer, jnp.int32).reshape(1), tickets),
+                 out_specs=(out_spec, tick_spec),
+                 out_shape=(out_struct, jax.ShapeDtypeStruct(tickets.shape, tickets.dtype)), aliases={1: 1})
+    res = decode_partials_stacked(q, k_all, v_all, layer, indices, lengths, block_size=1, scale=scale,
+                                  return_mass=True, config=config, head_map=None, interpret=interpret, finish=fin,
+                                  partials=tuple(pending))
+    return res[-2], tuple(res[:-2]), res[-1]
+
+
+def add_pending_mass_gpu(indices: Array, pending: tuple, heat: Array, *, group: int, first: int = 0,
+                         interpret: bool = False) -> Array:
+    """Adds the entry mass of layers first .. L - 1, kept by `sparse_decode_pending_gpu` in `pending`, into their heat
+    rows: heat f32[L, B, Hkv, N] (blocks of one token), updated in place (returned); indices: those launches' rows
+    int32[L, B, Hkv, 1, K]; group: the GQA group size (query heads a KV head). One launch, grid (L - first, B, Hkv,
+    S): program (l, b, h, s) does for layer first + l what `_finish_heat_kernel`'s program (b, h, s) does, without
+    the output."""
+    el = pending[3]
+    L, S, B, Hkv, _, Gp, E = el.shape
+    K, N = indices.shape[-1], heat.shape[-1]
+    if heat.shape[:3] != (L, B, Hkv) or indices.shape[:4] != (L, B, Hkv, 1) or not 0 <= first < L:
+        raise ValueError(f"heat {tuple(heat.shape)}, indices {tuple(indices.shape)}, first={first}: expected "
+                         f"[{L}, {B}, {Hkv}, N], [{L}, {B}, {Hkv}, 1, K] and 0 <= first < {L} for these partials")
+    if not 0 < group <= Gp:
+        raise ValueError(f"group={group}: expected the query heads a KV head, 1 .. {Gp}")
+
+    def part(x):  # layer first + l's partials of row (b, h), every split
+        tail = x.shape[5:]
+        return pl.BlockSpec((None, S, None, None, None) + tail,
+                            lambda l, b, h, s: (l + first, 0, b, h, 0) + (0,) * len(tail))
+    heat_spec = pl.BlockSpec((L, None, None, N), lambda l, b, h, s: (0, b, h, 0))
+    return pl.pallas_call(
+        functools.partial(_pending_mass_kernel, S=S, E=E, K=K, G=group, first=first),
+        grid=(L - first, B, Hkv, S),
+        in_specs=[pl.BlockSpec((L, None, None, None, K), lambda l, b, h, s: (0, b, h, 0, 0))]
+        + [part(x) for x in pending[1:]] + [heat_spec],
+        out_specs=heat_spec,
+        out_shape=jax.ShapeDtypeStruct(heat.shape, heat.dtype),
+        input_output_aliases={6: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret, name="pending_mass",
+    )(indices.astype(jnp.int32), *pending[1:], heat)
 
 
 # ---------------------------------------------------------------------------------------------------------

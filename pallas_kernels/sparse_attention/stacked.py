@@ -128,7 +128,7 @@ def _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, first_entry, n_valid, lim
 def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, entries_per_split: int, K: int,
                            T: int, N: int, L: int, G: int, Hkv: int = 1, mapped: bool = False,
                            stacked_map: bool = False, mass: bool = False, stacked_indices: bool = False,
-                           shared: bool = False, finish=None, finish_inputs: int = 0):
+                           shared: bool = False, finish=None, finish_inputs: int = 0, layer_partials: bool = False):
     """One (b, h, t, split) program; as `gpu._decode_kernel` with k_ref, v_ref: [L, N, D] and layer_ref: i32[1].
     Shared (one index row for all T queries): one (b, h, 0, split) program attends the T x G query rows
     r = t * G + g (q_ref [T * Hq, D]) over the gathered keys, each row masked at its own position, so the keys
@@ -150,13 +150,17 @@ def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, e
     nw_ref; the partials' and mass blocks hold every split of the (b, h, t) row ([S, ...], this program's at its
     split), and after storing them the program calls finish(ins, outs, partials, entries): ins and outs those
     extra refs, partials (o, m, l, el, em, nw refs), entries(idx, valid) the row's index entries at idx (-1 where
-    not valid) (`block_scores.gpu`'s one-launch heat update).
+    not valid) (`block_scores.gpu`'s one-launch heat update). With layer_partials (finish only): the partials' and
+    mass refs hold every layer's [L, S, ...] (written in place at this layer: `decode_partials_stacked`'s partials),
+    after as many aliased input refs, which the program skips.
     """
     head = None
     if mapped:
         hm_ref, *refs = refs
     layer_ref, len_ref, ent_ref, q_ref, k_ref, v_ref, *refs = refs
     ins, refs = refs[:finish_inputs], refs[finish_inputs:]
+    if layer_partials:  # the aliased inputs of every layer's partials: written through their outputs
+        refs = refs[_PARTIALS:]
     o_ref, m_ref, l_ref, *mass_refs = refs
     mass_refs, outs = mass_refs[:3], mass_refs[3:]
     layer = layer_index(layer_ref[0], L)
@@ -165,7 +169,8 @@ def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, e
     if stacked_indices:
         head = layer  # the row of ent_ref [L, K] (`_entries`)
     split = pl.program_id(3)
-    at = () if finish is None else (split,)  # where this program's partials go in their blocks
+    # Where this program's partials go in their blocks: its own block, its split of the row's, or its layer's split.
+    at = () if finish is None else (layer, split) if layer_partials else (split,)
     pos = len_ref[0] - (1 if shared else T - pl.program_id(2))  # shared: the last query's (the rows mask their own)
     limit = jnp.minimum(pos, N - 1)
     per_iter = block_k // block_size
@@ -307,6 +312,10 @@ def too_wide(T: int, G: int) -> bool:
     return pl.next_power_of_2(T * G) > SHARED_MAX_ROWS
 
 
+# The partial outputs of a mass launch: o, m, l, el, em, nw (`decode_partials_stacked`).
+_PARTIALS = 6
+
+
 class Finish(NamedTuple):
     """An epilogue of the mass launch (`decode_partials_stacked`'s finish): fn(splits, entries_per_split) -> the
     kernel's finish callable (`_decode_kernel_stacked`); in_specs, args: its extra inputs; out_specs,
@@ -320,10 +329,28 @@ class Finish(NamedTuple):
     aliases: dict
 
 
+def partial_shapes(q_shape: tuple, K: int, L: int, Hkv: int, *, block_size: int,
+                   config: gpu.DecodeConfig) -> tuple:
+    """The shapes of every layer's partials of a one-token mass launch over K index entries a row
+    (`decode_partials_stacked`'s partials): o f32[L, S, B, Hkv, 1, Gp, D], m, l f32[L, S, B, Hkv, 1, Gp], el f32[L,
+    S, B, Hkv, 1, Gp, E], em f32[L, S, B, Hkv, 1, Gp, E // per_iter], nw i32[L, S, B, Hkv, 1, 1], for queries of
+    shape q_shape [B, 1, Hq, D] (the split plan of `gpu.decode_split_plan`)."""
+    B, T, Hq, D = q_shape
+    if T != 1:
+        raise ValueError(f"q of shape {tuple(q_shape)}: expected one token [B, 1, Hq, D]")
+    block_k, S, E, Gp = gpu.decode_split_plan(config, K, block_size, B * Hkv, Hq // Hkv)
+    row = (L, S, B, Hkv, 1)
+    f32 = jnp.float32
+    return (jax.ShapeDtypeStruct(row + (Gp, D), f32), jax.ShapeDtypeStruct(row + (Gp,), f32),
+            jax.ShapeDtypeStruct(row + (Gp,), f32), jax.ShapeDtypeStruct(row + (Gp, E), f32),
+            jax.ShapeDtypeStruct(row + (Gp, E // (block_k // block_size)), f32),
+            jax.ShapeDtypeStruct(row + (1,), jnp.int32))
+
+
 def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array,
                             *, block_size: int, scale: float | None, return_mass: bool, config: gpu.DecodeConfig,
                             head_map: Array | None, query_heads: bool = False, interpret: bool,
-                            finish: Finish | None = None) -> tuple:
+                            finish: Finish | None = None, partials: tuple | None = None) -> tuple:
     """The launch of `sparse_decode_stacked_gpu` (arguments as there), without its epilogue: the split partials
     (o f32[S, B, H, T, Gp, D], m, l f32[S, B, H, T, Gp], H = Hkv, or Hq with query_heads; rows past G (1 with
     query_heads) are never written) and with return_mass the entry sums el f32[S, B, Hkv, T, Gp, E], their maxima
@@ -332,7 +359,11 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
     not with return_mass, head_map, query_heads or `too_wide` rows) the partials are o f32[S, B, Hkv, 1, Mp, D], m, l
     f32[S, B, Hkv, 1, Mp]: row r = t * G + g of the one program per (b, h, split), rows past T * G never written.
     finish (with return_mass, one layer's rows or every layer's, no head map): the launch also runs that epilogue
-    (`Finish`; the partials' blocks then hold every split of a row) and returns its extra outputs after the mass."""
+    (`Finish`; the partials' blocks then hold every split of a row) and returns its extra outputs after the mass.
+    partials (with finish, T = 1): every layer's partials (o, m, l, el, em, nw with a leading L axis, shaped as
+    `partial_shapes` gives), written at layer `layer` in place (aliased; the other layers' are kept) and returned
+    as the first six outputs, so that a later launch may read a layer's partials after the model's other layers ran
+    (`block_scores.gpu.add_pending_mass_gpu`)."""
     stacked = indices.ndim == 5  # every layer's index rows, the layer's read in place
     B, T = q.shape[:2]
     shared = shared_rows(indices, T)
@@ -376,11 +407,18 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
     stacked_map = mapped and jnp.ndim(head_map) == 2
     if finish is not None and (not return_mass or mapped or query_heads):
         raise ValueError("finish: expected return_mass, no head_map and no query_heads")
+    if partials is not None:
+        want = partial_shapes(q.shape, K, L, Hkv, block_size=block_size, config=config)
+        got = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in partials]
+        if finish is None or T != 1 or got != list(want):
+            raise ValueError(f"partials {[(str(p.dtype), p.shape) for p in got]}: expected a finish, one token and "
+                             f"{[(str(p.dtype), p.shape) for p in want]}")
     kernel = functools.partial(_decode_kernel_stacked, scale=scale, block_size=block_size, block_k=block_k,
                                entries_per_split=E, K=K, T=T, N=N, L=L, G=G, Hkv=Hkv, mapped=mapped,
                                stacked_map=stacked_map, mass=return_mass, stacked_indices=stacked, shared=shared,
                                finish=None if finish is None else finish.fn(splits, E),
-                               finish_inputs=0 if finish is None else len(finish.args))
+                               finish_inputs=0 if finish is None else len(finish.args),
+                               layer_partials=partials is not None)
     out_specs, out_shape = gpu.split_outputs(splits, B, H, Tg, Gp, D)
     if return_mass:  # per entry sum of exp(s - m), per iteration m; and how many entries the program wrote
         for width in (E, E // (block_k // block_size)):
@@ -389,9 +427,12 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
         out_specs.append(pl.BlockSpec((None, None, None, None, 1), lambda b, h, t, s: (s, b, h, t, 0)))
         out_shape.append(jax.ShapeDtypeStruct((splits, B, Hkv, T, 1), jnp.int32))
     if finish is not None:  # every split's partials of a row in its block (the last program reads them all)
-        out_specs = [pl.BlockSpec((splits,) + spec.block_shape[1:],
-                                  lambda b, h, t, s, im=spec.index_map: (0,) + tuple(im(b, h, t, s))[1:])
+        lead = (L, splits) if partials is not None else (splits,)  # with partials, every layer's too
+        out_specs = [pl.BlockSpec(lead + spec.block_shape[1:],
+                                  lambda b, h, t, s, im=spec.index_map, n=len(lead): (0,) * n + tuple(im(b, h, t, s))[1:])
                      for spec in out_specs] + list(finish.out_specs)
+        if partials is not None:
+            out_shape = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in partials]
         out_shape = out_shape + list(finish.out_shape)
     # Mapped: every KV head's index row of (b, t), the head chosen in-kernel by the head map. Stacked: every
     # layer's row of (b, h, t), the layer chosen in-kernel.
@@ -416,6 +457,10 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
         aliases = {len(args) + i: len(out_specs) - len(finish.out_specs) + o for i, o in finish.aliases.items()}
         in_specs += list(finish.in_specs)
         args += tuple(finish.args)
+    if partials is not None:  # written in place through the first outputs, their blocks
+        aliases.update({len(args) + i: i for i in range(_PARTIALS)})
+        in_specs += out_specs[:_PARTIALS]
+        args += tuple(partials)
     if mapped:  # clipped in-kernel: with every layer's map [L, Hkv] no XLA op runs on it per layer
         hm_shape = jnp.shape(head_map)
         in_specs = [pl.BlockSpec(hm_shape, lambda b, h, t, s: (0,) * len(hm_shape))] + in_specs
