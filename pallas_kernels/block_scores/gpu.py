@@ -380,10 +380,10 @@ def sparse_decode_heat_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
     _check_supported(q, block_size)
     hl = jnp.asarray(layer if heat_layer is None else heat_layer, jnp.int32).reshape(1)
     if tickets is not None:
+        out_spec, out_struct, tick_spec = _ticketed_output(q, k_all, tickets, rows_out)
         if indices.shape[-1] > FINISH_MAX_ENTRIES:
             raise ValueError(f"tickets with {indices.shape[-1]} index entries a row: the one-launch finish takes at "
                              f"most {FINISH_MAX_ENTRIES} (expected tickets=None: the two launches)")
-        out_spec, out_struct, tick_spec = _ticketed_output(q, k_all, tickets, rows_out)
         B, _, Hq, _ = q.shape
         heat_spec = pl.BlockSpec((heat.shape[0], None, None, heat.shape[-1]), lambda b, h, t, s: (0, b, h, 0))
         fin = Finish(fn=functools.partial(_finish_in_launch, G=Hq // k_all.shape[2], K=indices.shape[-1],
