@@ -166,3 +166,55 @@ def test_carry_false_ranks_every_score_as_before():
                                                                                  m.k_static(N))))
     with pytest.raises(ValueError, match="carry='no': expected true or false"):
         _method(carry="no")
+
+
+@pytest.mark.parametrize("dense_layers", [0, 1])
+def test_mass_at_end_decodes_as_the_two_launches(monkeypatch, dense_layers):
+    """`mass_at_end` (on a GPU: one launch a layer that keeps its entry sums, one launch at the forward's end for every
+    layer's mass), run here by its Triton kernels in interpret mode: four gathered steps of a small model give the
+    logits, scores and candidates of `mass_at_end=False` (the per-layer heat step); the state that crosses steps
+    holds no buffer of it. Layers below dense_layers keep their scores."""
+    import functools
+
+    from jsparse.methods import h2o as h2o_mod
+    from models import llama
+    from models.cache import init_cache
+    from models.params import random_params
+    from pallas_kernels.block_scores import gpu as bgpu
+
+    cfg = CFG
+    params = random_params(cfg, jax.random.key(1), jnp.float32)
+    tokens = jax.random.randint(jax.random.key(2), (2, 70), 0, cfg.vocab_size)
+    lengths = jnp.array([70, 51], jnp.int32)
+
+    def run(mass_at_end):
+        m = _method(mass_at_end=mass_at_end, dense_layers=dense_layers)
+        cache = init_cache(cfg, 2, N, jnp.float32)
+        logits, cache, state = llama.prefill(params, cfg, m, tokens, lengths, cache, m.init_state(cfg, 2, N))
+        out, tok = [], jnp.argmax(logits, -1).astype(jnp.int32)[:, None]
+        for _ in range(4):
+            logits, cache, state = llama.decode(params, cfg, m, tok, cache, state)
+            assert state.pending is None and state.tickets is None and state.kept is None
+            out.append(logits)
+            tok = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)[:, None]
+        return jnp.stack(out), state
+
+    want, want_state = run(False)
+    monkeypatch.setattr(h2o_mod, "pending_available", lambda head_dim: True)
+    monkeypatch.setattr(h2o_mod, "sparse_decode_pending", functools.partial(bgpu.sparse_decode_pending_gpu,
+                                                                            interpret=True))
+    calls = []
+
+    def add(*a, **kw):
+        calls.append(kw["first"])
+        return bgpu.add_pending_mass_gpu(*a, **kw, interpret=True)
+    monkeypatch.setattr(h2o_mod, "add_pending_mass", add)
+    got, state = run(True)
+    assert calls == [dense_layers] * 4
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(state.score, want_state.score, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(state.cand, want_state.cand)
+    if dense_layers:
+        assert not np.asarray(state.score[0, :, :, 70:]).any()  # the dense layer's scores: the prefill's only
+    with pytest.raises(ValueError, match="mass_at_end=1: expected true or false"):
+        _method(mass_at_end=1)

@@ -50,8 +50,9 @@ from flax import struct
 from jsparse import selection as sel
 from jsparse.heat import begin_rows, keep_rows, scan_rows
 from jsparse.methods.base import register
-from jsparse.methods.common import TokenBudget, dense_prefill, kwargs_for, refuse_unused, stacked_cache
-from pallas_kernels.block_scores import heat_candidates, sparse_decode_heat
+from jsparse.methods.common import TokenBudget, dense_prefill, kwargs_for, refuse_unused, scratch, stacked_cache
+from pallas_kernels.block_scores import (add_pending_mass, heat_candidates, pending_available, pending_shapes,
+                                         sparse_decode_heat, sparse_decode_pending)
 from pallas_kernels.sharding import dims, per_shard
 from pallas_kernels.sparse_attention.gpu import DecodeConfig
 from pallas_kernels.sparse_attention.reference import decode_indices_to_mask
@@ -76,6 +77,12 @@ class H2OState:
     # they were ranked at, -1 when they are stale (after a prefill or a mask-path forward).
     cand: Optional[jax.Array] = None
     cand_end: Optional[jax.Array] = None
+    # Inside one gathered decode forward with `mass_at_end` (`start_rows` .. `finish`): every layer's partials and
+    # entry sums (`block_scores.gpu.pending_shapes`), whose mass `finish` adds into the scores, and the rows' counters
+    # i32[B, Hkv, 1] (zeros) of the launches' last programs.
+    pending: Optional[tuple] = None
+    tickets: Optional[jax.Array] = None
+    group: int = struct.field(pytree_node=False, default=0)  # the GQA group size beside them (0 outside)
 
 
 @register("h2o")
@@ -83,7 +90,11 @@ class H2OState:
 class H2O(TokenBudget):
     """recent: fraction of the kept keys that form the recent window (H2O's even split: 0.5). carry: the gathered
     decode carries its candidates from step to step (module docstring; the same keys); False ranks every score at
-    every step, as before 2026-12-06."""
+    every step, as before 2026-12-06. mass_at_end: on a GPU (Pallas kernels, no mesh), a gathered decode layer runs one
+    launch that keeps its entry sums and merges its own output (`block_scores.gpu.sparse_decode_pending_gpu`), and
+    `finish` adds every layer's mass into the scores in one launch (`add_pending_mass_gpu`), where each layer ran a
+    second launch for it; the same scores, since a layer's score is read only when the next forward starts. False:
+    the two launches a layer."""
 
     dense_prefill = True  # a decode method: its prefill attends to every key (and accumulates the scores)
 
@@ -92,14 +103,16 @@ class H2O(TokenBudget):
     # One decode token through the gathered kernel (module docstring); None: on a GPU.
     gathered: Optional[bool] = struct.field(pytree_node=False, default=None)
     carry: bool = struct.field(pytree_node=False, default=True)
+    mass_at_end: bool = struct.field(pytree_node=False, default=True)
 
     def __post_init__(self):
         super().__post_init__()
         if not sel.is_real(self.recent) or not 0.0 < float(self.recent) <= 1.0:
             raise ValueError(f"recent={self.recent!r}: expected the recent window's share of the budget in (0, 1]")
         object.__setattr__(self, "recent", float(self.recent))
-        if not isinstance(self.carry, (bool, np.bool_)):
-            raise ValueError(f"carry={self.carry!r}: expected true or false")
+        for name in ("carry", "mass_at_end"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected true or false")
 
     @classmethod
     def build(cls, **options):
@@ -150,12 +163,28 @@ class H2O(TokenBudget):
         if state.cand is None or state.cand.shape[-1] != self.kept_width(K):
             # A state made without the candidates (by a method that does not decode gathered), or for another cache
             # size: every score ranked, as before the candidates.
-            return state.replace(kept=self.kept_indices(state.score, pos, K))
+            return self._with_pending(cfg, state.replace(kept=self.kept_indices(state.score, pos, K)), pos.shape[0], K)
         kept, cand, end = self.kept_from_candidates(state.score, state.cand, state.cand_end, pos, K)
-        return state.replace(kept=kept, cand=cand, cand_end=end)
+        return self._with_pending(cfg, state.replace(kept=kept, cand=cand, cand_end=end), pos.shape[0], K)
+
+    def _with_pending(self, cfg, state, batch: int, K: int):
+        """The state with the buffers of `mass_at_end` (where it applies: the Pallas GPU kernels, no mesh)."""
+        if not self.mass_at_end or not pending_available(cfg.head_dim):
+            return state
+        q_shape = (batch, 1, cfg.num_heads, cfg.head_dim)
+        shapes = pending_shapes(q_shape, K, cfg.num_layers, cfg.num_kv_heads, config=DECODE_CONFIG)
+        return state.replace(pending=tuple(scratch(x.shape, x.dtype) for x in shapes),
+                             tickets=jnp.zeros((batch, cfg.num_kv_heads, 1), jnp.int32),
+                             group=cfg.num_heads // cfg.num_kv_heads)
 
     def finish(self, state, phase):
-        return state.replace(kept=None) if isinstance(state, H2OState) else state
+        if not isinstance(state, H2OState):
+            return state
+        if state.pending is not None:  # every gathered layer's mass, at once (`mass_at_end`)
+            score = add_pending_mass(state.kept[:, :, :, None], state.pending, state.score, group=state.group,
+                                     first=min(self.dense_layers, state.score.shape[0]))
+            state = state.replace(score=score)
+        return state.replace(kept=None, pending=None, tickets=None, group=0)
 
     def prefill(self, ctx, q, k, v, state):
         B, T = q.shape[:2]
@@ -246,6 +275,11 @@ class H2O(TokenBudget):
             # Every layer's rows, the layer's read in place by the GPU kernel (a slice of them was a copy per layer)
             # and each key's mass added into the layer's score row in place (EvoSparse's heat step, one key a block)
             # ctx.lengths is positions + 1 (a kernel of its own a layer when derived again here)
+            if state.pending is not None:  # `mass_at_end`: one launch; `finish` adds the mass
+                out, pending, tickets = sparse_decode_pending(q, k_all, v_all, layer, state.kept[:, :, :, None],
+                                                              ctx.lengths, state.pending, state.tickets,
+                                                              config=DECODE_CONFIG, rows_out=ctx.rows_out)
+                return out, state.replace(pending=pending, tickets=tickets)
             out, score = sparse_decode_heat(q, k_all, v_all, layer, state.kept[:, :, :, None], ctx.lengths,
                                             state.score, ctx.layer, config=DECODE_CONFIG)
             return out, state.replace(score=score)

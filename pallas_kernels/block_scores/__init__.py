@@ -29,17 +29,25 @@
       select_span(heat, cand, ret, plan, out, first, count, *, span, ...) makes several layers' selections at once
       (one launch on the GPU), into their rows of a stacked out i32[L, B, Hkv, width].
 
+  sparse_decode_pending(q, k_all, v_all, layer, indices: i32[L, B, Hkv, 1, K], lengths, pending, tickets)
+                     -> (out, pending, tickets) / add_pending_mass(indices, pending, heat, *, group, first) -> heat
+      sparse_decode_heat with blocks of one token in two parts, GPU only (`pending_available`): each layer's one
+      launch keeps its entry sums in its slot of every layer's buffers (`pending_shapes`) and merges its output
+      (the row's last program); after every layer, one launch adds all their mass into the heat (H2O's decode).
+
 gpu.py: Pallas Triton kernels; xla.py: the XLA fallback (any backend; slices and gathers); reference.py: the
 plain-jnp specification; api.py dispatches (gpu -> "pallas_gpu" when the kernel takes the arguments, else "xla").
 """
 
-from pallas_kernels.block_scores.api import (IMPLEMENTATIONS, block_max_scores, select_blocks,
-                                             select_from_candidates, select_from_plan, select_span,
-                                             sparse_decode_heat, sparse_decode_mass, supported)
+from pallas_kernels.block_scores.api import (IMPLEMENTATIONS, add_pending_mass, block_max_scores, pending_available,
+                                             pending_shapes, select_blocks, select_from_candidates, select_from_plan,
+                                             select_span, sparse_decode_heat, sparse_decode_mass,
+                                             sparse_decode_pending, supported)
 from pallas_kernels.block_scores.reference import (block_max_scores_reference, sparse_decode_heat_reference,
                                                    sparse_decode_mass_reference)
 from pallas_kernels.block_scores.xla import heat_add, heat_candidates
 
 __all__ = ["IMPLEMENTATIONS", "block_max_scores", "select_blocks", "select_from_candidates", "select_from_plan",
-           "select_span", "sparse_decode_heat", "sparse_decode_mass", "supported", "block_max_scores_reference",
+           "select_span", "sparse_decode_heat", "sparse_decode_pending", "add_pending_mass", "pending_available",
+           "pending_shapes", "sparse_decode_mass", "supported", "block_max_scores_reference",
            "sparse_decode_heat_reference", "sparse_decode_mass_reference", "heat_add", "heat_candidates"]

@@ -163,6 +163,42 @@ def sparse_decode_heat(q: Array, k_all: Array, v_all: Array, layer: Array, indic
     return xla.sparse_decode_heat_xla(*args, block_size=block_size, scale=scale)
 
 
+def pending_available(head_dim: int) -> bool:
+    """Whether `sparse_decode_pending` / `add_pending_mass` run here: on a GPU whose Triton kernels take this head_dim
+    (blocks of one token; they take every float dtype a model runs in), outside a mesh. They have no other
+    implementation: a caller that gets False runs `sparse_decode_heat` per layer instead (the same result)."""
+    if jax.default_backend() != "gpu" or active_mesh() is not None:
+        return False
+    from pallas_kernels.block_scores import gpu
+    return gpu.unsupported_reason(jnp.bfloat16, head_dim, 1) is None
+
+
+def pending_shapes(q_shape: tuple, K: int, L: int, Hkv: int, *, config=None) -> tuple:
+    """The every-layer buffers of `sparse_decode_pending` (`gpu.pending_shapes`; config None: the kernel's default
+    `DecodeConfig`), for one token's queries of shape q_shape [B, 1, Hq, D] over K keys a row."""
+    from pallas_kernels.block_scores import gpu
+    from pallas_kernels.sparse_attention.gpu import DecodeConfig
+    return gpu.pending_shapes(q_shape, K, L, Hkv, config=DecodeConfig() if config is None else config)
+
+
+def sparse_decode_pending(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array,
+                          pending: tuple, tickets: Array, *, config=None, rows_out: int | None = None):
+    """`sparse_decode_heat` (blocks of one token, every layer's rows [L, B, Hkv, 1, K]) with the heat update kept
+    for `add_pending_mass`: (out, pending, tickets), one launch on the GPU (`gpu.sparse_decode_pending_gpu`; where
+    `pending_available` is False there is none)."""
+    from pallas_kernels.block_scores import gpu
+    from pallas_kernels.sparse_attention.gpu import DecodeConfig
+    return gpu.sparse_decode_pending_gpu(q, k_all, v_all, layer, indices, lengths, pending, tickets,
+                                         config=DecodeConfig() if config is None else config, rows_out=rows_out)
+
+
+def add_pending_mass(indices: Array, pending: tuple, heat: Array, *, group: int, first: int = 0) -> Array:
+    """The heat f32[L, B, Hkv, N] with the entry mass of layers first .. L - 1 kept by `sparse_decode_pending` added
+    (`gpu.add_pending_mass_gpu`, in place)."""
+    from pallas_kernels.block_scores import gpu
+    return gpu.add_pending_mass_gpu(indices, pending, heat, group=group, first=first)
+
+
 def select_blocks(heat: Array | None, ret: Array | None, n_s: Array, hi: Array, nbv: Array, count: Array,
                   full: Array, *, num_kv_heads: int, nb: int, width: int, heat_width: int, layer: Array | None = None,
                   implementation: str | None = None) -> Array:
