@@ -147,17 +147,19 @@ def large_ops(jaxpr, min_bytes: int, path: str = "", times: int = 1) -> list[dic
     return rows
 
 
-def trace_step(method_name: str, shape: str, batch: int, context: int, budget: float, *, gpu: bool = True):
+def trace_step(method_name: str, shape: str, batch: int, context: int, budget: float, *, gpu: bool = True,
+               options: dict | None = None):
     """(closed jaxpr, cfg) of one decode step of `jsparse bench model` (`method_decode_steps`, steps=1) for the
-    method as that benchmark builds it, weights, cache and state as shapes only (the cache sized as the benchmark
-    sizes it for `context`); with gpu, traced on the GPU paths."""
+    method as that benchmark builds it (options: its method options, as `--method-option`), weights, cache and
+    state as shapes only (the cache sized as the benchmark sizes it for `context`); with gpu, traced on the GPU
+    paths."""
     from eval.bench import model as bm
     from models.cache import KVCache
 
     cfg = bm.preset(shape)
     with gpu_paths(gpu):
         params = jax.eval_shape(lambda: bm.bench_params(cfg, dtype=jnp.bfloat16))
-        method, _ = bm.bench_method(method_name, cfg, budget)
+        method, _ = bm.bench_method(method_name, cfg, budget, options=options)
         cap = bm.decode_capacity(context)  # as `jsparse bench model` sizes its cache for its 16 steps
         kv = jax.ShapeDtypeStruct((cfg.num_layers, batch, cfg.num_kv_heads, cap, cfg.head_dim), jnp.bfloat16)
         cache = KVCache(k=kv, v=kv, lengths=jax.ShapeDtypeStruct((batch,), jnp.int32))
