@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # H2O's gathered decode in one launch a layer plus one launch a step for every layer's mass (`H2O.mass_at_end`, issue
 # 24) against the two launches a layer (`--method-option h2o.mass_at_end=false`), on an H100, one warm machine:
-#   the changed kernels' and H2O's tests on the GPU (gpu_tests.txt), then `jsparse bench model --methods dense,h2o`
+#   the changed kernels' and H2O's tests on the GPU (their summary in the output), then `jsparse bench model --methods dense,h2o`
 #   alternating new, old, new, old at Llama-3.1-8B 100K batch 4 (the first with the masked-reference check), then
 #   new, old at Llama 32K batch 7 and Qwen3-8B 100K batch 3.
 # Usage (GPU): GIT_COMMIT=<sha> OUT=... bash run.sh
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m pytest -q -p no:cacheprovider -x -rfE \
-  tests/test_block_scores.py tests/test_h2o_candidates.py > "$OUT/gpu_tests.txt" 2>&1
-echo "gpu tests rc=$? $(tail -1 "$OUT/gpu_tests.txt")"
+  tests/test_block_scores.py tests/test_h2o_candidates.py > /tmp/gpu_tests.txt 2>&1
+echo "gpu tests rc=$?"; grep -E "passed|failed|Error" /tmp/gpu_tests.txt | tail -5
 run() {  # name, shape, context, batch, variant, check
   local opt=(); [ "$5" = old ] && opt=(--method-option h2o.mass_at_end=false)
   local check=(--no-check); [ "$6" = check ] && check=()
