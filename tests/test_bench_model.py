@@ -80,12 +80,13 @@ def test_attention_bytes_follow_what_each_method_reads(tiny):
     assert bench_model.attention_bytes("quest", quest, cfg, B, n) == (  # f32 bounds: 2x a bf16 row of K
         d * 2 * n * U + (cfg.num_layers - d) * (2 * 2 * pages * U + G * 2 * 1000 * U))
     # H2O: its 500 carried candidates of each row (positions read and written, scores gathered; 500 = k - r, the most
-    # heavy keys of 1000 with half of them the window), its 1000 kept entries' scores updated
+    # heavy keys of 1000 with half of them the window), its 1000 kept entries' scores updated, and their entry sums
+    # (each query head's f32, written by the decode and read by the mass add)
     h2o, _ = bench_model.bench_method("h2o", cfg, 0.1)
     rows = B * cfg.num_kv_heads
     assert h2o.kept_width(1000) == 500
     assert bench_model.attention_bytes("h2o", h2o, cfg, B, n) == cfg.num_layers * (
-        2 * 1000 * U + 3 * rows * 500 * 4 + 2 * rows * 1000 * 4)
+        2 * 1000 * U + 3 * rows * 500 * 4 + 2 * rows * 1000 * 4 + 2 * rows * 1000 * G * 4)
     with pytest.raises(ValueError, match="unknown method 'nope'"):
         bench_model.bench_method("nope", cfg, 0.1)
 
@@ -719,7 +720,7 @@ def test_method_options_reach_the_bytes_model(tiny, name, options):
         # H2O's carried candidates per row (positions read and written, scores gathered), or its whole score row
         ranked = (3 * method.kept_width(k) if method.carry else n) if name == "h2o" else 0
         scores = B * Hkv * n * (2 * G + 2) * 4  # the oracle's logits and pooled scores (f32, written and read)
-        per = {"streaming": 2 * k * U, "h2o": 2 * k * U + B * Hkv * (ranked + 2 * k) * 4,
+        per = {"streaming": 2 * k * U, "h2o": 2 * k * U + B * Hkv * (ranked + 2 * k + 2 * k * G) * 4,
                "oracle": n * U + scores + 2 * k * U}
         assert got == d * 2 * n * U + (L - d) * per[name]
     elif name == "kascade":

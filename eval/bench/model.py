@@ -436,11 +436,15 @@ def attention_bytes(name: str, method, cfg, batch: int, n: int) -> int:
         # The gathered decode's selection ranks the W carried candidates of each row (their positions read and
         # written, their scores gathered: `H2OState.cand`) instead of the whole accumulated score row (f32), which
         # was counted here before 2026-12-06 (rows * n * 4 a layer); the k kept entries' scores are updated.
-        # With carry=False the whole score row again.
+        # With carry=False the whole score row again. The kept keys' entry sums, each query head's f32 written by the
+        # gathered decode and read by the mass add (the mass needs the group's log-sum-exp over every split first:
+        # `block_scores.gpu`), are counted since 2026-12-07 (omitted before, as Kascade's logits were until
+        # 2026-12-06, which overstated H2O's floor by 1-2%).
         rows = batch * cfg.num_kv_heads
         k = sel.budget_tokens(method.budget, n, min_tokens)
         ranked = 3 * rows * method.kept_width(k) * 4 if method.carry else rows * n * 4
-        return d * dense_layer + (L - d) * (2 * k * U + ranked + 2 * rows * k * 4)
+        sums = 2 * rows * k * (cfg.num_heads // cfg.num_kv_heads) * 4
+        return d * dense_layer + (L - d) * (2 * k * U + ranked + 2 * rows * k * 4 + sums)
     if name == "butler":  # the predicted keys of every predicted layer (f32, or bf16 with key_dtype) + the picked rows
         # Selection "head" picks per query head: a KV head's G query heads read up to G sets (counted as G since
         # 2026-11-29, when the gathered decode came; one set before, which overstated the floor). The calibrated
