@@ -19,8 +19,12 @@ at the start of the forward every layer's heavy keys are chosen at once (`block_
 `topk_select` over the stacked score, a layer's score does not change before the layer runs), each layer appends
 its recent window to its row (`kept_indices`, ascending) and attends through EvoSparse's gathered decode with
 the heat update (`block_scores.sparse_decode_heat`, blocks of one token: it reads the stacked cache and every
-layer's rows in place, and its second launch adds each key's mass into the layer's score in place). The same keys
-and the same softmax as the mask path, which T > 1 tokens and the CPU by default take.
+layer's rows in place, and its second launch adds each key's mass into the layer's score in place). With
+`mass_at_end` (the default, where the Pallas GPU kernels run outside a mesh) each layer runs one launch instead: it
+keeps its keys' entry sums in its slot of buffers made for the forward and merges its own output
+(`block_scores.sparse_decode_pending`), and `finish` adds every layer's mass into the scores in one launch
+(`add_pending_mass`); a layer's score is read only when the next forward chooses its keys, so the scores are the
+same. The same keys and the same softmax as the mask path, which T > 1 tokens and the CPU by default take.
 
 Unlike H2O's fixed-size cache, a key is never deleted: it is re-ranked at every step, but since an unselected
 key's score stops growing while the kept ones' keep growing, it rarely comes back.

@@ -428,9 +428,8 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
         out_shape.append(jax.ShapeDtypeStruct((splits, B, Hkv, T, 1), jnp.int32))
     if finish is not None:  # every split's partials of a row in its block (the last program reads them all)
         lead = (L, splits) if partials is not None else (splits,)  # with partials, every layer's too
-        out_specs = [pl.BlockSpec(lead + spec.block_shape[1:],
-                                  lambda b, h, t, s, im=spec.index_map, n=len(lead): (0,) * n + tuple(im(b, h, t, s))[1:])
-                     for spec in out_specs] + list(finish.out_specs)
+        out_specs = [pl.BlockSpec(lead + spec.block_shape[1:], lambda b, h, t, s, im=spec.index_map, n=len(lead):
+                                  (0,) * n + tuple(im(b, h, t, s))[1:]) for spec in out_specs] + list(finish.out_specs)
         if partials is not None:
             out_shape = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in partials]
         out_shape = out_shape + list(finish.out_shape)
