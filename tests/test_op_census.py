@@ -74,17 +74,17 @@ def test_large_ops_find_whole_array_passes_outside_the_kernels():
 
 
 def test_h2o_layers_run_one_launch_and_the_step_one_mass_launch():
-    """H2O's gathered decode on the GPU paths (`mass_at_end`): each layer runs one launch, which merges its own output
-    into the GEMMs' padded rows (no `evosparse_finish_heat`, no pad op); the step adds every layer's mass in one
-    `pending_mass` launch after the layer scan. With mass_at_end=False the two launches a layer are back."""
-    rows = _layer_rows("h2o")
+    """H2O's gathered decode on the GPU paths with `mass_at_end`: each layer runs one launch, which merges its own
+    output into the GEMMs' padded rows (no `evosparse_finish_heat`, no pad op); the step adds every layer's mass in
+    one `pending_mass` launch after the layer scan. By default (mass_at_end=False) the two launches a layer."""
+    jaxpr, _ = op_census.trace_step("h2o", "llama3-8b", batch=4, context=100000, budget=0.1, gpu=True,
+                                    options={"mass_at_end": True})
+    rows = [r for r in op_census.census(jaxpr.jaxpr) if r["path"] == "scan/"]
     assert [r["kernels"] for r in rows] == [["rope_write", "sparse_decode_gathered_stacked_mass_finish"]]
     assert "pad" not in rows[0]["ops"]
-    jaxpr, _ = op_census.trace_step("h2o", "llama3-8b", batch=4, context=100000, budget=0.1, gpu=True)
     step = [r for r in op_census.census(jaxpr.jaxpr) if "pending_mass" in r["kernels"]]
     assert len(step) == 1 and step[0]["path"] != "scan/" and step[0]["length"] == 1
-    jaxpr, _ = op_census.trace_step("h2o", "llama3-8b", batch=4, context=100000, budget=0.1, gpu=True,
-                                    options={"mass_at_end": False})
+    jaxpr, _ = op_census.trace_step("h2o", "llama3-8b", batch=4, context=100000, budget=0.1, gpu=True)
     rows = [r for r in op_census.census(jaxpr.jaxpr) if r["path"] == "scan/"]
     assert [r["kernels"] for r in rows] == [["rope_write", "sparse_decode_gathered_stacked_mass",
                                              "evosparse_finish_heat"]]

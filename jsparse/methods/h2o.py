@@ -20,7 +20,7 @@ at the start of the forward every layer's heavy keys are chosen at once (`block_
 its recent window to its row (`kept_indices`, ascending) and attends through EvoSparse's gathered decode with
 the heat update (`block_scores.sparse_decode_heat`, blocks of one token: it reads the stacked cache and every
 layer's rows in place, and its second launch adds each key's mass into the layer's score in place). With
-`mass_at_end` (the default, where the Pallas GPU kernels run outside a mesh) each layer runs one launch instead: it
+`mass_at_end` (off by default; where the Pallas GPU kernels run outside a mesh) each layer runs one launch instead: it
 keeps its keys' entry sums in its slot of buffers made for the forward and merges its own output
 (`block_scores.sparse_decode_pending`), and `finish` adds every layer's mass into the scores in one launch
 (`add_pending_mass`); a layer's score is read only when the next forward chooses its keys, so the scores are the
@@ -97,8 +97,9 @@ class H2O(TokenBudget):
     every step, as before 2026-12-06. mass_at_end: on a GPU (Pallas kernels, no mesh), a gathered decode layer runs one
     launch that keeps its entry sums and merges its own output (`block_scores.gpu.sparse_decode_pending_gpu`), and
     `finish` adds every layer's mass into the scores in one launch (`add_pending_mass_gpu`), where each layer ran a
-    second launch for it; the same scores, since a layer's score is read only when the next forward starts. False:
-    the two launches a layer."""
+    second launch for it; the same scores, since a layer's score is read only when the next forward starts. False
+    (the default): the two launches a layer (on an H100 mass_at_end was 0.3% faster at Llama-3.1-8B 100K, batch 4
+    and no faster at Qwen3-8B 100K, batch 3: `eval/results/h100/h2o_one_launch/`)."""
 
     dense_prefill = True  # a decode method: its prefill attends to every key (and accumulates the scores)
 
@@ -107,7 +108,7 @@ class H2O(TokenBudget):
     # One decode token through the gathered kernel (module docstring); None: on a GPU.
     gathered: Optional[bool] = struct.field(pytree_node=False, default=None)
     carry: bool = struct.field(pytree_node=False, default=True)
-    mass_at_end: bool = struct.field(pytree_node=False, default=True)
+    mass_at_end: bool = struct.field(pytree_node=False, default=False)
 
     def __post_init__(self):
         super().__post_init__()
