@@ -7,7 +7,7 @@
 # Usage (GPU, repository root): GIT_COMMIT=<sha> OUT=<dir> bash eval/results/h100/e2e_1207/run.sh
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
-XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 90 python3 -m pytest -q -p no:cacheprovider -x --tb=short \
+XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 60 python3 -m pytest -q -p no:cacheprovider -x --tb=short \
   tests/test_h2o_candidates.py -k "not mass_at_end" > "$OUT/gpu_tests.txt" 2>&1
 echo "gpu tests rc=$?"; tail -4 "$OUT/gpu_tests.txt"
 PART="${PART:-d a b c}" bash eval/results/h100/e2e_plan/run.sh
