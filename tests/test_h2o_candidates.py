@@ -173,7 +173,8 @@ def test_mass_at_end_decodes_as_the_two_launches(monkeypatch, dense_layers):
     """`mass_at_end` (on a GPU: one launch a layer that keeps its entry sums, one launch at the forward's end for every
     layer's mass), run here by its Triton kernels in interpret mode: four gathered steps of a small model give the
     logits, scores and candidates of `mass_at_end=False` (the per-layer heat step); the state that crosses steps
-    holds no buffer of it. Layers below dense_layers keep their scores."""
+    holds no buffer of it. Layers below dense_layers keep their scores, and so does every layer of a forward that ran
+    no gathered launch."""
     import functools
 
     from jsparse.methods import h2o as h2o_mod
@@ -209,6 +210,9 @@ def test_mass_at_end_decodes_as_the_two_launches(monkeypatch, dense_layers):
         calls.append(kw["first"])
         return bgpu.add_pending_mass_gpu(*a, **kw, interpret=True)
     monkeypatch.setattr(h2o_mod, "add_pending_mass", add)
+    # Uninitialised buffers hold anything: here NaN and counts of 7 wherever nothing is written before a read.
+    monkeypatch.setattr(h2o_mod, "scratch", lambda shape, dtype: jnp.full(shape, 7 if dtype == jnp.int32 else jnp.nan,
+                                                                          dtype))
     got, state = run(True)
     assert calls == [dense_layers] * 4
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
@@ -216,5 +220,11 @@ def test_mass_at_end_decodes_as_the_two_launches(monkeypatch, dense_layers):
     np.testing.assert_array_equal(state.cand, want_state.cand)
     if dense_layers:
         assert not np.asarray(state.score[0, :, :, 70:]).any()  # the dense layer's scores: the prefill's only
+    # A forward whose layers ran no gathered launch (start_rows, then finish: the buffers as made, their written
+    # counts zero) adds no mass: the scores stay.
+    m = _method(mass_at_end=True, dense_layers=dense_layers)
+    st = m.start_rows(cfg, state, "decode", lengths + 4, 1, N)
+    assert st.pending is not None and not np.asarray(st.pending[-1]).any()
+    np.testing.assert_array_equal(m.finish(st, "decode").score, state.score)
     with pytest.raises(ValueError, match="mass_at_end=1: expected true or false"):
         _method(mass_at_end=1)

@@ -178,7 +178,10 @@ class H2O(TokenBudget):
             return state
         q_shape = (batch, 1, cfg.num_heads, cfg.head_dim)
         shapes = pending_shapes(q_shape, K, cfg.num_layers, cfg.num_kv_heads, config=DECODE_CONFIG)
-        return state.replace(pending=tuple(scratch(x.shape, x.dtype) for x in shapes),
+        # The written counts zeroed (a few KB): a layer that runs no gathered launch this forward adds no mass at
+        # `finish` (its other buffers are read only below its counts).
+        pending = tuple(scratch(x.shape, x.dtype) for x in shapes[:-1]) + (jnp.zeros(shapes[-1].shape, jnp.int32),)
+        return state.replace(pending=pending,
                              tickets=jnp.zeros((batch, cfg.num_kv_heads, 1), jnp.int32),
                              group=cfg.num_heads // cfg.num_kv_heads)
 
