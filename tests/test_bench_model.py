@@ -128,6 +128,42 @@ def test_check_passes_for_every_method(name):
         assert 0.0 < min(kept) < 0.5 and c["wrong_selection_err_over_tol"] > 1.0
 
 
+def test_check_measures_an_answer_in_the_gemm_rows(monkeypatch, fresh_jit):
+    """On a GPU the model pads a forward's token rows for its GEMMs and a method may answer its decode attention in
+    them ([1, R, Hq, D], `LayerContext.rows_out`: EvoSparse's one-launch finish). Padding forced on the CPU, the
+    same method answering there passes its check (the probe measures its token rows: it compared the [1, R] rows
+    with the [B, T] reference before, and failed), and an answer one token row off fails it."""
+    from flax import struct
+
+    from models import llama
+
+    @struct.dataclass
+    class InRows:  # a method answering in the GEMMs' rows when told them (shift: token rows moved down by one)
+        inner: object
+        shift: int = struct.field(pytree_node=False, default=0)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def decode(self, ctx, q, cache, state):
+            out, state = self.inner.decode(ctx, q, cache, state)
+            if ctx.rows_out is None:
+                return out, state
+            B, T = out.shape[:2]
+            rows = jnp.roll(out.reshape((1, B * T) + out.shape[2:]), self.shift, axis=1)
+            return jnp.pad(rows, [(0, 0), (0, ctx.rows_out - B * T), (0, 0), (0, 0)]), state
+
+    monkeypatch.setattr(llama, "gemm_row_padding", lambda rows, dtype: -rows % 8 if rows > 1 else 0)
+    for shift, passed in ((0, True), (1, False)):
+        def build(name, cfg):
+            return InRows(_build()(name, cfg), shift)
+        c = model_check.run_checks(preset("llama3-8b"), ["streaming"], build, jnp.float32,
+                                   raise_on_failure=False)["streaming"]
+        assert c["passed"] is passed, c
+    with pytest.raises(ValueError, match=r"decode attention of shape \(1, 3, 8, 4\): expected \[2, 2, ...\]"):
+        model_check.token_rows(jnp.zeros((1, 3, 8, 4)), (2, 2, 8, 4))
+
+
 @pytest.mark.parametrize("name", ["kascade", "evosparse"])
 def test_check_fails_when_the_step_attends_other_keys(name, monkeypatch, fresh_jit):
     """An off-by-one in the indices handed to the attention kernel (Kascade's reuse layers; EvoSparse's blocks)

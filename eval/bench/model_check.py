@@ -224,6 +224,20 @@ class ProbeState:
     kept: jax.Array
 
 
+def token_rows(out, q_shape):
+    """A method's decode attention as [B, T, Hq, D]: out as it is, or its token rows when the method answered in
+    the GEMMs' padded rows [1, R, Hq, D] (`models.attention.LayerContext.rows_out`: the model pads on a GPU).
+    Before 2026-12-07 the probe compared those [1, R] rows with the [B, T] reference by broadcasting, so every
+    method answering there (EvoSparse's one-launch finish since 30bea18) failed its check on a GPU."""
+    B, T = q_shape[:2]
+    if out.shape[:2] == (B, T):
+        return out
+    if out.shape[0] != 1 or out.shape[1] < B * T:
+        raise ValueError(f"decode attention of shape {tuple(out.shape)}: expected [{B}, {T}, ...] or the GEMMs' "
+                         f"rows [1, R >= {B * T}, ...]")
+    return out[0, :B * T].reshape((B, T) + out.shape[2:])
+
+
 @struct.dataclass
 class Probe:
     """Wraps a method: every layer runs the method's own `decode` and measures its output against
@@ -257,6 +271,7 @@ class Probe:
         out, inner = self.inner.decode(ctx, q, cache, state.inner)
         mask = self.selected(self.inner, ctx, q, cache, state.inner, inner)
         ref = masked_attention_reference(q, cache.k, cache.v, mask).astype(jnp.float32)
+        rows = token_rows(out, q.shape)  # measured as [B, T, Hq, D]; the model takes `out` as the method gave it
         vis = visible_keys(ctx, q, cache)
         if mask.shape[1] != vis.shape[1]:
             vis = jnp.repeat(vis, mask.shape[1] // vis.shape[1], axis=1)
@@ -264,7 +279,7 @@ class Probe:
         wrong = masked_attention_reference(q, cache.k, cache.v, shifted).astype(jnp.float32)
         kept = jnp.sum(mask & vis) / jnp.maximum(jnp.sum(vis), 1)
         vmax = jnp.max(jnp.abs(cache.v.astype(jnp.float32)))
-        outf = out.astype(jnp.float32)
+        outf = rows.astype(jnp.float32)
         ratio = lambda a, b: jnp.max(jnp.abs(a - b) / (self.rtol * jnp.abs(b) + self.atol_v * vmax))  # noqa: E731
         at = lambda a, x: a.at[ctx.layer].max(x)  # noqa: E731
         return out, ProbeState(inner=inner, err=at(state.err, jnp.max(jnp.abs(outf - ref))),
