@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.block_scores import (block_max_scores, gpu, reference, sparse_decode_heat, sparse_decode_mass,
-                                         xla)
+from pallas_kernels.block_scores import (block_max_scores, gpu, pending_shapes, reference, sparse_decode_heat,
+                                         sparse_decode_mass, xla)
 from pallas_kernels.sparse_attention import sparse_decode, stacked
 from lowering import H100, abstract_device
 from pallas_bounds import checked_memory
@@ -533,7 +533,7 @@ def test_decode_pending_then_every_layers_mass_at_once(splits, block_k, first):
     heat = jax.random.uniform(jax.random.key(16), (L, B, HKV, N))
     cfg = gpu.sgpu.DecodeConfig(block_k=block_k, num_splits=splits)
     pending = tuple(jnp.full(s.shape, jnp.nan if s.dtype == jnp.float32 else 10 ** 6, s.dtype)
-                    for s in gpu.pending_shapes(q.shape, K, L, HKV, config=cfg))
+                    for s in pending_shapes(q.shape, K, L, HKV, config=cfg))
     assert pending[3].shape[1] == min(splits, -(-K // block_k))  # splits of whole iterations
     want_h, tickets = heat, jnp.zeros((B, HKV, 1), jnp.int32)
     for layer in range(first, L):

@@ -82,7 +82,7 @@ class H2OState:
     cand: Optional[jax.Array] = None
     cand_end: Optional[jax.Array] = None
     # Inside one gathered decode forward with `mass_at_end` (`start_rows` .. `finish`): every layer's partials and
-    # entry sums (`block_scores.gpu.pending_shapes`), whose mass `finish` adds into the scores, and the rows' counters
+    # entry sums (`block_scores.pending_shapes`), whose mass `finish` adds into the scores, and the rows' counters
     # i32[B, Hkv, 1] (zeros) of the launches' last programs.
     pending: Optional[tuple] = None
     tickets: Optional[jax.Array] = None

@@ -174,11 +174,12 @@ def pending_available(head_dim: int) -> bool:
 
 
 def pending_shapes(q_shape: tuple, K: int, L: int, Hkv: int, *, config=None) -> tuple:
-    """The every-layer buffers of `sparse_decode_pending` (`gpu.pending_shapes`; config None: the kernel's default
-    `DecodeConfig`), for one token's queries of shape q_shape [B, 1, Hq, D] over K keys a row."""
-    from pallas_kernels.block_scores import gpu
+    """The every-layer buffers of `sparse_decode_pending` (`sparse_attention.stacked.partial_shapes` with blocks of
+    one token; config None: the kernel's default `DecodeConfig`), for one token's queries of shape q_shape [B, 1,
+    Hq, D] over K keys a row of an L-layer cache with Hkv KV heads."""
     from pallas_kernels.sparse_attention.gpu import DecodeConfig
-    return gpu.pending_shapes(q_shape, K, L, Hkv, config=DecodeConfig() if config is None else config)
+    from pallas_kernels.sparse_attention.stacked import partial_shapes
+    return partial_shapes(q_shape, K, L, Hkv, block_size=1, config=DecodeConfig() if config is None else config)
 
 
 def sparse_decode_pending(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array,

@@ -34,8 +34,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.block_scores.reference import check_block_max_args, check_heat_args
 from pallas_kernels.sparse_attention import gpu as sgpu
 from pallas_kernels.sparse_attention.common import default_scale
-from pallas_kernels.sparse_attention.stacked import (Finish, decode_partials_stacked, layer_index, partial_shapes,
-                                                     row_entries, sparse_decode_stacked_gpu)
+from pallas_kernels.sparse_attention.stacked import (Finish, decode_partials_stacked, layer_index, row_entries,
+                                                     sparse_decode_stacked_gpu)
 from pallas_kernels.topk_select.common import INT_MIN, float_keys
 from pallas_kernels.topk_select.gpu_row import ROW_LIMIT, next_pow2, row_pick_mask, row_warps
 
@@ -441,27 +441,20 @@ def _ticketed_output(q: Array, k_all: Array, tickets: Array, rows_out: int | Non
     return spec, jax.ShapeDtypeStruct(shape, q.dtype), pl.BlockSpec((None, None, 1), lambda b, h, t, s: (b, h, 0))
 
 
-def pending_shapes(q_shape: tuple, K: int, L: int, Hkv: int, *, config: sgpu.DecodeConfig) -> tuple:
-    """The shapes of the every-layer partials that `sparse_decode_pending_gpu` writes and `add_pending_mass_gpu`
-    reads, for one token's queries [B, 1, Hq, D] over K keys a row (blocks of one token) of an L-layer cache with
-    Hkv KV heads (`sparse_attention.stacked.partial_shapes`)."""
-    return partial_shapes(q_shape, K, L, Hkv, block_size=1, config=config)
-
-
 def sparse_decode_pending_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array,
                               pending: tuple, tickets: Array, *, scale: float | None = None,
                               config: sgpu.DecodeConfig = sgpu.DecodeConfig(), rows_out: int | None = None,
                               interpret: bool = False):
     """`sparse_decode_heat_gpu`'s one launch with the heat update left for later (blocks of one token: H2O's rows of
     10K keys, more than the last program of a row adds in time): each program stores its split's partials and entry
-    sums into layer `layer`'s slot of `pending` (every layer's, `pending_shapes`, written in place), and the last
+    sums into layer `layer`'s slot of `pending` (every layer's, `api.pending_shapes`, written in place), and the last
     program of each row merges the output (tickets, as there). `add_pending_mass_gpu`, once after every layer ran,
     adds all layers' entry mass into their heat rows, in place of one finish launch a layer.
 
     Args:
       q: [B, 1, Hq, D]; k_all, v_all: [L, B, Hkv, N, D]; layer: i32[]; indices: every layer's rows int32[L, B, Hkv,
       1, K] (valid entries unique and ascending per row, then -1); lengths: int32[B]; pending: the partials of
-      `pending_shapes` (uninitialised is fine: a launch writes all that is read of its layer); tickets: i32[B, Hkv,
+      `api.pending_shapes` (uninitialised is fine: a launch writes all that is read of its layer); tickets: i32[B, Hkv,
       1] zeros; rows_out: the output as [1, rows_out, Hq, D] (`models.attention.LayerContext.rows_out`).
 
     Returns:
