@@ -9,7 +9,7 @@ set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 for scan in unroll rolled; do
   opt=(); [ $scan = rolled ] && opt=(--rolled-layers)
-  timeout 70 python3 -m jsparse.cli bench model "${opt[@]}" --methods dense,h2o,evosparse --context 4096 \
+  timeout 120 python3 -m jsparse.cli bench model "${opt[@]}" --methods dense,h2o,evosparse --context 4096 \
     --batch 1 --out "$OUT/check_$scan.json" > /tmp/check_$scan.log 2>&1
   echo "-- check $scan rc=$? $(date +%T)"; grep -iE "check|^\| (h2o|evosparse) " /tmp/check_$scan.log | tail -6
 done
