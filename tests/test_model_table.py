@@ -74,32 +74,36 @@ def test_bad_inputs_are_errors_naming_the_file_or_case(tmp_path):
         "32K", "128K", "100K", "5K", "4097"]
 
 
-README_TABLES = [  # the README's tables made by the tool: (folder, JSONs)
-    (("h200", "end_to_end"), ("bench_model_b1_1202.json", "bench_model_100k_b4_1202_a.json",
-                              "bench_model_100k_b4_1202_b.json")),
-    (("h100", "e2e_1206f"), ("e2e_a.json", "e2e_b.json", "e2e_c.json")),
-    (("h100", "e2e_1206f"), ("e2e_qwen3.json",)),
-    (("h200", "e2e_state"), ("e2e_a.json", "e2e_b.json")),
-    (("h200", "e2e_state"), ("e2e_qwen3.json",)),
+HISTORY = os.path.join("eval", "results", "e2e_history.md")
+
+
+README_TABLES = [  # the tables made by the tool: (document, folder, JSONs); links relative to the document's folder
+    ("README.md", ("h100", "e2e_1206f"), ("e2e_a.json", "e2e_b.json", "e2e_c.json")),
+    ("README.md", ("h100", "e2e_1206f"), ("e2e_qwen3.json",)),
+    (HISTORY, ("h200", "end_to_end"), ("bench_model_b1_1202.json", "bench_model_100k_b4_1202_a.json",
+                                       "bench_model_100k_b4_1202_b.json")),
+    (HISTORY, ("h200", "e2e_state"), ("e2e_a.json", "e2e_b.json")),
+    (HISTORY, ("h200", "e2e_state"), ("e2e_qwen3.json",)),
 ]
 
 
-@pytest.mark.parametrize("folder,files", README_TABLES)
-def test_the_readme_tables_are_the_tool_output_of_their_jsons(capsys, folder, files):
-    """The README's end-to-end tables (H200 of 2026-12-02 and 2026-12-03; H100 at Llama-3.1-8B and Qwen3-8B shapes) are
-    `jsparse bench model_table` of their JSONs, line for line."""
+@pytest.mark.parametrize("doc,folder,files", README_TABLES)
+def test_the_readme_tables_are_the_tool_output_of_their_jsons(capsys, doc, folder, files):
+    """The end-to-end tables of the README (H100 at Llama-3.1-8B and Qwen3-8B shapes) and of its history
+    (eval/results/e2e_history.md: H200 of 2026-12-02 and 2026-12-03) are `jsparse bench model_table` of their JSONs,
+    line for line, linked from the document's folder."""
     runs = [os.path.join("eval", "results", *folder, f) for f in files]
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
-        assert model_table.main([*runs, "--link-root", ".", "--bar", "0.85"]) == 0
+        assert model_table.main([*runs, "--link-root", os.path.dirname(doc) or ".", "--bar", "0.85"]) == 0
     finally:
         os.chdir(cwd)
     table = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("|")]
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = f.read().splitlines()
-    start = readme.index(table[2]) - 2  # the first dense row (the header can repeat across tables)
-    assert readme[start:start + len(table)] == table
+    with open(os.path.join(ROOT, doc)) as f:
+        text = f.read().splitlines()
+    start = text.index(table[2]) - 2  # the first dense row (the header can repeat across tables)
+    assert text[start:start + len(table)] == table
 
 
 def test_a_share_at_the_bar_is_bold_and_a_bar_of_one_is_allowed(tmp_path, capsys):
