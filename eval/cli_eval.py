@@ -7,14 +7,14 @@ Hooked into `jsparse/cli.py` with
 
 Example:
 
-    jsparse eval --model smollm2 --methods dense,oracle,kascade,streaming,quest --tasks passkey,ppl \
+    jsparse eval --model smollm2 --methods dense,oracle,kascade,streaming,quest --tasks passkey,ppl \\
         --lengths 2048,4096 --budget 0.1 --samples 10 --artifact kascade=jsparse/shipped/smollm2/kascade --out runs/main
 
 writes runs/main/results.json (records, see eval/harness.py), summary.md, report.md with plots/, run.json and outputs.json.
 
 A prefill method (tsa) as a user meets it, with a fixed tau and its measured per-layer sparsity:
 
-    jsparse eval --model smollm2 --methods dense,tsa --tasks passkey,ppl --lengths 4096 \
+    jsparse eval --model smollm2 --methods dense,tsa --tasks passkey,ppl --lengths 4096 \\
         --ppl-variants continuation,prefill --artifact tsa=jsparse/shipped/smollm2/tsa --method-option tsa.tau=0.01 ...
 
 Fixed token budgets (k = min(N, p + 1) keys per query) instead of the fraction rule:

@@ -86,7 +86,15 @@ def test_every_command_has_help(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 0
-    assert "usage: jsparse" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "usage: jsparse" in out
+    assert not joined_examples(out), joined_examples(out)
+
+
+def joined_examples(help_text: str) -> list[str]:
+    """The example command lines of a help text that a docstring's bare line continuation (a backslash before the
+    newline, not escaped) joined with their next line: `... h2o,butler         --context ...`."""
+    return [ln for ln in help_text.splitlines() if re.match(r"\s+(jsparse|python3? -m) .*\S {4,}--", ln)]
 
 
 def test_generate_speculative_with_layer_skipped_draft_equals_dense(capsys):
@@ -242,7 +250,9 @@ def test_every_benchmark_takes_its_output_as_out(capsys, tmp_path):
         with pytest.raises(SystemExit) as exit_:
             main(["bench", name, "--help"])
         assert exit_.value.code == 0, name
-        text = " ".join(capsys.readouterr().out.split())
+        out = capsys.readouterr().out
+        assert not joined_examples(out), (name, joined_examples(out))
+        text = " ".join(out.split())
         assert "--out" in text, f"jsparse bench {name} takes no --out"
         assert (not_a_json.get(name) or "JSON file to write, or a folder to write") in text, (name, text)
     assert out_path(None, "x.json") is None  # an optional --out not given

@@ -6,7 +6,7 @@ floors: prefill FLOPs over the measured matmul rate; decode bytes per step (ever
 selection state the method must read) over the measured HBM bandwidth.
 
     python -m eval.bench.model --shape llama3-8b --context 8192,32768 --batch 1,8 --out bench.json
-    python -m eval.bench.model --methods dense,kascade,evosparse,quest,streaming,oracle,h2o,butler \
+    python -m eval.bench.model --methods dense,kascade,evosparse,quest,streaming,oracle,h2o,butler \\
         --context 32768,100000 --batch 1,4 --out bench_methods.json
 
 `--batch max` (with `--methods`) times each context at the largest batch at which every listed method's cache and
@@ -30,7 +30,7 @@ scoring; `tsa+kascade` runs Kascade's synthetic state inside the compressed spac
 head dim): the prefill and decode rows then time each method's whole-model attention, its selection state
 included, through the model's own path (issue 19's whole-model attention figures, with TSA's overhead in):
 
-    python -m eval.bench.model --methods dense,kascade,tsa,tsa+kascade --context '' --prefill-context 131072 \
+    python -m eval.bench.model --methods dense,kascade,tsa,tsa+kascade --context '' --prefill-context 131072 \\
         --attention-only --out bench_attention_only.json
 
 In the same process, after the timing, each method's decode step is checked against its own masked reference on a
