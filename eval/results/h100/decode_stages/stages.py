@@ -1,11 +1,16 @@
-"""Software-pipelining depth (`DecodeConfig.num_stages`) of the gathered decodes in the model's own decode loop, on
-the GPU: a split of EvoSparse's decode runs 2 iterations at 100K, batch 4 and the oracle's 3 at batch 1, where
-three stages of K and V tiles in shared memory may only cost occupancy. Llama-3.1-8B shapes, random bf16 weights
-and cache, `eval.bench.model.method_rows` (16 timed steps, dense first and again last); each variant traced afresh.
+"""Variants of the gathered decodes' `DecodeConfig` in the model's own decode loop, on the GPU: first the
+software-pipelining depth (`num_stages`; a split of EvoSparse's decode runs 2 iterations at 100K, batch 4 and the
+oracle's 3 at batch 1, where three stages of K and V tiles in shared memory may only cost occupancy), then any field
+(`KNOBS`, e.g. the split heuristic's `target_programs`: `../decode_waves/`). Random bf16 weights and cache of the
+`SHAPE` preset (default llama3-8b), `eval.bench.model.method_rows` (16 timed steps, dense first and again last); each
+variant traced afresh.
 
     CASES="evosparse:4 oracle:1 h2o:4" STAGES="3 2 1" PYTHONPATH=. python eval/results/h100/decode_stages/stages.py
+    SHAPE=qwen3-8b CASES="evosparse:3" KNOBS="target_programs=264 target_programs=768" PYTHONPATH=. python ...
 
-Writes $OUT/stages_<method>_b<batch>.json per case; a case's variants: the library's config, then each of STAGES.
+Writes $OUT/stages_<method>_b<batch>.json per case (`stages_<shape>_<method>_b<batch>.json` for another SHAPE); a
+case's variants: the library's config, then each of STAGES (`num_stages=S`) or, when set, each of KNOBS
+(`field=value`, an int field of `DecodeConfig` set on the library's config).
 """
 
 import dataclasses
@@ -26,6 +31,19 @@ from models.presets import preset
 from pallas_kernels.sparse_attention.gpu import DecodeConfig
 
 CONTEXT = int(os.environ.get("CONTEXT", 100000))
+SHAPE = os.environ.get("SHAPE", "llama3-8b")
+
+
+def knobs() -> list[tuple[str, dict]]:
+    """(name, DecodeConfig fields) of each variant after the library's: KNOBS' `field=value` words, else STAGES'."""
+    words = os.environ.get("KNOBS", "").split() or [f"num_stages={s}" for s in os.environ.get("STAGES", "2 1").split()]
+    out = []
+    for w in words:
+        field, _, value = w.partition("=")
+        if field not in {f.name for f in dataclasses.fields(DecodeConfig)} or not value.lstrip("-").isdigit():
+            raise SystemExit(f"KNOBS word {w!r}: expected FIELD=INT with FIELD a DecodeConfig field")
+        out.append((w, {field: int(value)}))
+    return out
 
 
 def set_config(method: str, config):
@@ -39,7 +57,7 @@ def set_config(method: str, config):
 
 
 def main(out_dir):
-    cfg = preset("llama3-8b")
+    cfg = preset(SHAPE)
     hbm = bm.measure_hbm_gbs()
     params = with_layout(random_params(cfg, jax.random.key(0), jnp.bfloat16), "default", donate=True)
     library = {"evosparse": evo.DECODE_CONFIG, "h2o": h2o.DECODE_CONFIG, "other": sapi.STACKED_DECODE_CONFIG}
@@ -47,8 +65,7 @@ def main(out_dir):
         method, batch = case.split(":")
         batch = int(batch)
         base = library.get(method, library["other"]) or DecodeConfig()
-        variants = [("library", None)] + [(f"num_stages={s}", dataclasses.replace(base, num_stages=int(s)))
-                                          for s in os.environ.get("STAGES", "2 1").split()]
+        variants = [("library", None)] + [(name, dataclasses.replace(base, **fields)) for name, fields in knobs()]
         rows = []
 
         def run(name, m, config):
@@ -70,10 +87,12 @@ def main(out_dir):
         set_config(method, None if method not in library else library[method])
         out = {**bm.device_facts(), "date": datetime.now(timezone.utc).isoformat(),
                "commit": os.environ.get("GIT_COMMIT", ""),
-               "command": f"CASES={case} STAGES=\"{os.environ.get('STAGES', '2 1')}\" PYTHONPATH=. python "
-                          "eval/results/h100/decode_stages/stages.py", "shape": "llama3-8b", "context": CONTEXT,
+               "command": f"SHAPE={SHAPE} CASES={case} STAGES=\"{os.environ.get('STAGES', '2 1')}\" "
+                          f"KNOBS=\"{os.environ.get('KNOBS', '')}\" PYTHONPATH=. python "
+                          "eval/results/h100/decode_stages/stages.py", "shape": SHAPE, "context": CONTEXT,
                "batch": batch, "method": method, "measured_hbm_gbs": hbm, "rows": rows}
-        with open(os.path.join(out_dir, f"stages_{method}_b{batch}.json"), "w") as f:
+        prefix = "stages" if SHAPE == "llama3-8b" else f"stages_{SHAPE}"
+        with open(os.path.join(out_dir, f"{prefix}_{method}_b{batch}.json"), "w") as f:
             json.dump(out, f, indent=1)
 
 
