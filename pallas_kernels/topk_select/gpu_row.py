@@ -96,54 +96,49 @@ def row_threshold(key: Array, kk: Array, n, bits: int, max_passes: int | None = 
       (lo: i32, cnt: i32 = count(key >= lo), done: bool). Done (kk == 0 or cnt == kk): the choice is the keys
       >= lo. Otherwise lo = t, the kk-th largest key, with count(key > t) < kk < count(key >= t).
     """
-    M = 1 << bits
     passes = 32 // bits if max_passes is None else max_passes
-    lo0, p0 = (jnp.int32(INT_MIN), jnp.int32(0)) if start is None else start
-
-    def cond(c):
-        p, _, cnt = c
-        return (p < passes) & (cnt != kk) & (kk > 0)
-
-    def body(c):
-        p, lo, cnt = c
-        shift = jnp.int32(32 - bits) - jnp.int32(bits) * p
-        # Candidate j is lo + j * 2**shift (wrapping: the keys' unsigned order is their signed order + 2**31).
-        counts = _packed_counts([(key >= lo + lax.shift_left(jnp.int32(j), shift)).astype(jnp.int32)
-                                 for j in range(1, M)])
-        return p + 1, *_pick_candidate(counts, kk, lo, cnt, shift)
-
-    _, lo, cnt = lax.while_loop(cond, body, (p0, lo0, jnp.asarray(n, jnp.int32)))
+    (lo, cnt), = _searches(key, (kk,), n, bits, passes, None if start is None else (start,))
     return lo, cnt, (kk <= 0) | (cnt == kk)
 
 
 def row_threshold_pair(key: Array, kk1: Array, kk2: Array, n, bits: int):
     """`row_threshold` of one row for two targets at once, as (lo1, lo2): one loop whose passes count both
     targets' candidates in shared packed reductions ((2**bits - 1) * 2 counts, two a reduction), instead of two
-    loops one after the other. A target stops moving once done, as its own search would stop there."""
-    M = 1 << bits
-    passes = 32 // bits
+    loops one after the other."""
+    (lo1, _), (lo2, _) = _searches(key, (kk1, kk2), n, bits, 32 // bits, None)
+    return lo1, lo2
 
-    def live(kk, cnt):
-        return (cnt != kk) & (kk > 0)
+
+def _searches(key: Array, kks: tuple, n, bits: int, passes: int, starts: tuple | None) -> list[tuple[Array, Array]]:
+    """The radix searches of `row_threshold` for each target kk in kks over the same keys, in one loop: each pass
+    counts every live target's candidates in shared packed reductions. A target is live until its own search would
+    stop (after `passes` passes, or count == kk, or kk <= 0) and stays where it stopped. starts: None, or one
+    (lo0, p0) a target. Returns [(lo, count(key >= lo))] a target."""
+    M = 1 << bits
+    n = jnp.asarray(n, jnp.int32)
+    starts = starts or ((jnp.int32(INT_MIN), jnp.int32(0)),) * len(kks)
+
+    def live(st, kk):
+        p, _, cnt = st
+        return (p < passes) & (cnt != kk) & (kk > 0)
 
     def cond(c):
-        p, _, c1, _, c2 = c
-        return (p < passes) & (live(kk1, c1) | live(kk2, c2))
+        return functools.reduce(jnp.logical_or, [live(st, kk) for st, kk in zip(c, kks)])
 
     def body(c):
-        p, lo1, c1, lo2, c2 = c
-        shift = jnp.int32(32 - bits) - jnp.int32(bits) * p
-        ind = [(key >= lo + lax.shift_left(jnp.int32(j), shift)).astype(jnp.int32)
-               for lo in (lo1, lo2) for j in range(1, M)]
-        counts = _packed_counts(ind)
-        n1, m1 = _pick_candidate(counts[:M - 1], kk1, lo1, c1, shift)
-        n2, m2 = _pick_candidate(counts[M - 1:], kk2, lo2, c2, shift)
-        a1, a2 = live(kk1, c1), live(kk2, c2)
-        return p + 1, jnp.where(a1, n1, lo1), jnp.where(a1, m1, c1), jnp.where(a2, n2, lo2), jnp.where(a2, m2, c2)
+        # Candidate j is lo + j * 2**shift (wrapping: the keys' unsigned order is their signed order + 2**31).
+        shifts = [jnp.int32(32 - bits) - jnp.int32(bits) * p for p, _, _ in c]
+        counts = _packed_counts([(key >= lo + lax.shift_left(jnp.int32(j), sh)).astype(jnp.int32)
+                                 for (_, lo, _), sh in zip(c, shifts) for j in range(1, M)])
+        out = []
+        for i, ((p, lo, cnt), kk, sh) in enumerate(zip(c, kks, shifts)):
+            new_lo, new_cnt = _pick_candidate(counts[i * (M - 1):(i + 1) * (M - 1)], kk, lo, cnt, sh)
+            on = live((p, lo, cnt), kk)
+            out.append((p + on.astype(jnp.int32), jnp.where(on, new_lo, lo), jnp.where(on, new_cnt, cnt)))
+        return tuple(out)
 
-    n = jnp.asarray(n, jnp.int32)
-    _, lo1, _, lo2, _ = lax.while_loop(cond, body, (jnp.int32(0), jnp.int32(INT_MIN), n, jnp.int32(INT_MIN), n))
-    return lo1, lo2
+    final = lax.while_loop(cond, body, tuple((p0, lo0, n) for lo0, p0 in starts))
+    return [(lo, cnt) for _, lo, cnt in final]
 
 
 def row_pick_mask(key: Array, cand: Array, kk: Array, n, bits: int) -> Array:
