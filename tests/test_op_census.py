@@ -8,11 +8,20 @@ import jax
 from eval.bench import op_census
 
 
-def _layer_rows(method, gpu=True, shape="llama3-8b"):
-    jaxpr, cfg = op_census.trace_step(method, shape, batch=4, context=100000, budget=0.1, gpu=gpu)
-    rows = [r for r in op_census.census(jaxpr.jaxpr) if r["path"] == "scan/"]  # the layer scans of the step loop
+def _census(method, gpu=True, shape="llama3-8b", options=None):
+    """(every op-census row of one decode step at 100K, batch 4, the model's config)."""
+    jaxpr, cfg = op_census.trace_step(method, shape, batch=4, context=100000, budget=0.1, gpu=gpu, options=options)
+    return op_census.census(jaxpr.jaxpr), cfg
+
+
+def _scan_rows(census, cfg):
+    rows = [r for r in census if r["path"] == "scan/"]  # the layer scans of the step loop
     assert sum(r["length"] for r in rows) == cfg.num_layers
     return rows
+
+
+def _layer_rows(method, gpu=True, shape="llama3-8b"):
+    return _scan_rows(*_census(method, gpu, shape))
 
 
 def test_dense_layers_run_their_gpu_kernels_only_on_the_gpu_paths():
@@ -77,15 +86,14 @@ def test_h2o_layers_run_one_launch_and_the_step_one_mass_launch():
     """H2O's gathered decode on the GPU paths with `mass_at_end`: each layer runs one launch, which merges its own
     output into the GEMMs' padded rows (no `evosparse_finish_heat`, no pad op); the step adds every layer's mass in
     one `pending_mass` launch after the layer scan. By default (mass_at_end=False) the two launches a layer."""
-    jaxpr, _ = op_census.trace_step("h2o", "llama3-8b", batch=4, context=100000, budget=0.1, gpu=True,
-                                    options={"mass_at_end": True})
-    rows = [r for r in op_census.census(jaxpr.jaxpr) if r["path"] == "scan/"]
+    census, cfg = _census("h2o", options={"mass_at_end": True})
+    rows = _scan_rows(census, cfg)
     assert [r["kernels"] for r in rows] == [["rope_write", "sparse_decode_gathered_stacked_mass_finish"]]
     assert "pad" not in rows[0]["ops"]
-    step = [r for r in op_census.census(jaxpr.jaxpr) if "pending_mass" in r["kernels"]]
+    step = [r for r in census if "pending_mass" in r["kernels"]]
     assert len(step) == 1 and step[0]["path"] != "scan/" and step[0]["length"] == 1
-    jaxpr, _ = op_census.trace_step("h2o", "llama3-8b", batch=4, context=100000, budget=0.1, gpu=True)
-    rows = [r for r in op_census.census(jaxpr.jaxpr) if r["path"] == "scan/"]
+    census, cfg = _census("h2o")
+    rows = _scan_rows(census, cfg)
     assert [r["kernels"] for r in rows] == [["rope_write", "sparse_decode_gathered_stacked_mass",
                                              "evosparse_finish_heat"]]
-    assert not any("pending_mass" in r["kernels"] for r in op_census.census(jaxpr.jaxpr))
+    assert not any("pending_mass" in r["kernels"] for r in census)
