@@ -413,22 +413,28 @@ def test_filled_state_makes_each_head_choose_its_own_keys(tiny):
     assert bench_model.filled_state(dense, cfg, cache, 128)[1] == "none"
 
 
-@pytest.mark.parametrize("name", ["dense", "kascade", "evosparse"])
+@pytest.mark.parametrize("name", bench_model.METHODS + ("h2o:gathered",))
 def test_unrolled_decode_steps_equal_the_rolled_scan(tiny, name):
     """`--unroll-layers` times the same steps: the layer scan unrolled in full (one scan, or Kascade's runs of
     layers of one role, EvoSparse's dense, scoring and inheriting runs) gives the rolled scan's tokens, cache and
-    state."""
+    state, for every method of the benchmark (the unrolled scan is what a GPU runs by default), and for H2O's
+    gathered decode (a GPU's path: every layer's keys chosen at the step's start, its carried candidates) from a
+    filled state."""
     cfg, params = tiny
-    method, _ = bench_model.bench_method(name, cfg, 0.25)
+    name, _, variant = name.partition(":")
+    method, _ = bench_model.bench_method(name, cfg, 0.25, options={"gathered": True} if variant else None)
     out, loops = [], []
     for unroll in (1, True):
         cache = bench_model.filled_cache(cfg, 2, 96, 128, jnp.float32)
-        state = method.init_state(cfg, 2, 128)
+        state = bench_model.filled_state(method, cfg, cache, 128)[0] if variant else method.init_state(cfg, 2, 128)
         args = (params, method, jnp.zeros((2, 1), jnp.int32), cache, state)
         loops.append(bench_model.method_decode_steps.lower(*args, cfg=cfg, steps=3, unroll=unroll).as_text()
                      .count("stablehlo.while"))
         out.append(bench_model.method_decode_steps(*args, cfg=cfg, steps=3, unroll=unroll))
-    assert loops[1] < loops[0]  # the layer scans are gone; the steps' loop stays
+    if name == "h2o" and not variant:  # the CPU's mask path scans its rows in each layer: one such loop per layer when unrolled
+        assert loops == [3, 1 + cfg.num_layers]  # the steps, the layer scan, the rows' scan
+    else:
+        assert loops[1] < loops[0]  # the layer scans are gone; the steps' loop stays
     (tok1, cache1, state1), (tok2, cache2, state2) = out
     assert (tok1 == tok2).all() and (cache1.lengths == cache2.lengths).all()
     assert jnp.allclose(cache1.k, cache2.k, atol=1e-5) and jnp.allclose(cache1.v, cache2.v, atol=1e-5)
