@@ -57,7 +57,7 @@ class DecodeConfig:
 
     block_k: int = 64
     num_splits: int | None = None
-    target_programs: int = 512
+    target_programs: int = 264  # one wave of 2 programs (96 KB of stages) x 132 SMs: eval/results/h100/decode_waves/
     num_warps: int = 4
     num_stages: int = 3  # H100, 128K B8 10%: 0.174 ms vs 0.188 at 2 (bench_attention_llama3-8b_128k_decode_tunings)
 
