@@ -76,7 +76,6 @@ from pallas_kernels.block_scores import (heat_candidates, select_blocks, select_
 from pallas_kernels.block_scores.gpu import CAND_LIMIT, make_plan
 from pallas_kernels.sharding import active_mesh
 from pallas_kernels.sparse_attention import sparse_decode
-from pallas_kernels.sparse_attention.gpu import DecodeConfig
 
 Array = jax.Array
 ARTIFACT_KIND = "evosparse"
@@ -84,11 +83,7 @@ KERNEL_BLOCK = 128  # the sparse kernels' key block: block_size must divide it
 COMPONENTS = ("sink", "local", "retrieval", "heat")
 DEFAULT_FRACTIONS = (1 / 16, 3 / 8, 5 / 16, 1 / 4)  # sink, local, retrieval, heat
 DEFAULT_DECAY = 0.5
-# The gathered decode's DecodeConfig on the GPU (read when traced): its split heuristic aims at one wave of programs
-# (two an SM hold, with 3 stages of 64-row K and V tiles, x 132 SMs on an H100): 8.294 -> 8.234 ms a step at 100K,
-# batch 4 (Llama-3.1-8B shapes) and 8.038 -> 8.011 at batch 3 (Qwen3-8B) against the kernel's 512 (eval/results/h100/
-# decode_waves/; 768: 8.206).
-DECODE_CONFIG = DecodeConfig(target_programs=264)
+DECODE_CONFIG = None  # the gathered decode's DecodeConfig on the GPU (None: the kernel's default); read when traced
 # The defaults come from a development sweep on SmolLM2 (eval/results/cpu/evosparse_dev_sweep/README.md: inside
 # the swept range the choice moves perplexity +-0.3%; dropping a component matters more).
 DEFAULTS_NOTE = "fractions (1/16, 3/8, 5/16, 1/4), decay 0.5: chosen by the development sweep above"

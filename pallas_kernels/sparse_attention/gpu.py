@@ -50,14 +50,18 @@ class DecodeConfig:
       block_k: key rows gathered per inner iteration (a power of two >= block_size).
       num_splits: splits of the index entries per (row, KV head, token); None picks enough splits for about
         `target_programs` programs in total.
-      target_programs: grid size the split heuristic aims for (a few waves of 132 SMs on an H100).
+      target_programs: grid size the split heuristic aims for: one wave, 132 SMs of an H100 holding two programs
+        each (3 stages of 64-row K and V tiles, 96 KB). Against 512, at 100K on Llama-3.1-8B shapes, batch 4:
+        EvoSparse 8.294 -> 8.234 ms a step, Kascade 9.672 -> 9.627; at batch 1 the oracle and EvoSparse within
+        0.1% (eval/results/h100/decode_waves/). A config with smaller tiles fits more programs an SM and wants
+        a larger target (H2O's 32-row tiles: 512).
       num_warps: warps per program.
       num_stages: software pipelining depth of the inner loop.
     """
 
     block_k: int = 64
     num_splits: int | None = None
-    target_programs: int = 264  # one wave of 2 programs (96 KB of stages) x 132 SMs: eval/results/h100/decode_waves/
+    target_programs: int = 264
     num_warps: int = 4
     num_stages: int = 3  # H100, 128K B8 10%: 0.174 ms vs 0.188 at 2 (bench_attention_llama3-8b_128k_decode_tunings)
 
