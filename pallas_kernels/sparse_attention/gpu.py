@@ -161,8 +161,8 @@ def decode_split_plan(config: DecodeConfig, K: int, block_size: int, rows: int, 
     """(block_k, splits, E entries per split, Gp padded GQA rows) of a gathered decode over K index entries
     for `rows` = B * Hkv * T programs before splitting (validates the config). Every split holds entries: once E is
     rounded up to whole iterations, the splits are the ones the K entries fill (EvoSparse's 128 blocks at batch 3
-    over 8 KV heads: 16 splits of 8, where the target of 512 programs asked for 22, six of them empty until
-    2026-12-07)."""
+    over 8 KV heads: at a target of 512 programs 16 splits of 8, where the heuristic asked for 22, six of them empty
+    until 2026-12-07; at the default 264, 11 splits of 12)."""
     block_k = max(config.block_k, block_size)
     if not _pow2(block_k):
         raise ValueError(f"DecodeConfig.block_k={config.block_k}: expected a power of two")
