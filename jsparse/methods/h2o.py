@@ -68,9 +68,10 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 # The gathered decode's DecodeConfig on the GPU (read when traced): key rows of 32 per iteration, 7.65 -> 7.43 ms per
 # step at 100K, batch 4 on an H200 (64, the kernel's default; 16: 8.13; eval/results/h200/tuning/). Its split target
-# stays 512 programs: with 32-row tiles four programs share an SM (48 KB of stages), so 512 is about one wave of an
-# H100's 132 SMs, where the kernel's default of 264 (one wave of its 96 KB programs) left H100 SMs half full: 100K,
-# batch 4 8.532 -> 8.658 ms, Qwen3-8B shapes at batch 3 8.19 -> 8.65 (eval/results/h100/e2e_1207b/NOTES.md).
+# stays 512 programs: with 32-row tiles four programs fit an SM (48 KB of stages), so 512 is about one wave of an
+# H100's 132 SMs, where the kernel's default of 264 is one wave of its 96 KB programs. At 264 the full run on an H100
+# was slower (100K, batch 4 8.533 -> 8.658 ms, Qwen3-8B shapes at batch 3 8.193 -> 8.653, against the run before on
+# another H100), though a same-machine A/B on Qwen3 at batch 3 saw no difference (eval/results/h100/e2e_1207b/NOTES.md).
 DECODE_CONFIG = DecodeConfig(block_k=32, target_programs=512)
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On an H100 (prepared 2026-12-07, not run yet; NOTES.md): the gathered decodes' split heuristic against the waves
+# On an H100 (round 1, run 2026-12-07 at 667230d; NOTES.md): the gathered decodes' split heuristic against the waves
 # of programs an H100 holds at once. `../decode_stages/stages.py` with KNOBS of `DecodeConfig.target_programs`:
 # EvoSparse and H2O on Qwen3-8B shapes at 100K, batch 3, then EvoSparse on Llama-3.1-8B at 100K, batch 4; dense first
 # and again last in each case. Usage (GPU, repository root): GIT_COMMIT=<sha> OUT=<dir> bash eval/results/h100/decode_waves/run.sh
