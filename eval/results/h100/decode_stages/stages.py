@@ -7,10 +7,12 @@ variant traced afresh.
 
     CASES="evosparse:4 oracle:1 h2o:4" STAGES="3 2 1" PYTHONPATH=. python eval/results/h100/decode_stages/stages.py
     SHAPE=qwen3-8b CASES="evosparse:3" KNOBS="target_programs=264 target_programs=768" PYTHONPATH=. python ...
+    CASES="evosparse:4" KNOBS="block_k=128,target_programs=132" PYTHONPATH=. python ...
 
 Writes $OUT/stages_<method>_b<batch>.json per case (`stages_<shape>_<method>_b<batch>.json` for another SHAPE); a
 case's variants: the library's config, then each of STAGES (`num_stages=S`) or, when set, each of KNOBS
-(`field=value`, an int field of `DecodeConfig` set on the library's config).
+(`field=value`, an int field of `DecodeConfig` set on the library's config; several joined by commas,
+`block_k=128,target_programs=132`, set together).
 """
 
 import dataclasses
@@ -38,11 +40,14 @@ def knobs() -> list[tuple[str, dict]]:
     """(name, DecodeConfig fields) of each variant after the library's: KNOBS' `field=value` words, else STAGES'."""
     words = os.environ.get("KNOBS", "").split() or [f"num_stages={s}" for s in os.environ.get("STAGES", "2 1").split()]
     out = []
-    for w in words:
-        field, _, value = w.partition("=")
-        if field not in {f.name for f in dataclasses.fields(DecodeConfig)} or not value.lstrip("-").isdigit():
-            raise SystemExit(f"KNOBS word {w!r}: expected FIELD=INT with FIELD a DecodeConfig field")
-        out.append((w, {field: int(value)}))
+    for w in words:  # a word sets one field or several, joined by commas: block_k=128,target_programs=132
+        fields = {}
+        for part in w.split(","):
+            field, _, value = part.partition("=")
+            if field not in {f.name for f in dataclasses.fields(DecodeConfig)} or not value.lstrip("-").isdigit():
+                raise SystemExit(f"KNOBS word {w!r}: expected FIELD=INT[,FIELD=INT...] with FIELD a DecodeConfig field")
+            fields[field] = int(value)
+        out.append((w, fields))
     return out
 
 
