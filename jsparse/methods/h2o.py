@@ -71,7 +71,8 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 # stays 512 programs: with 32-row tiles four programs fit an SM (48 KB of stages), so 512 is about one wave of an
 # H100's 132 SMs, where the kernel's default of 264 is one wave of its 96 KB programs. At 264 the full run on an H100
 # was slower (100K, batch 4 8.533 -> 8.658 ms, Qwen3-8B shapes at batch 3 8.193 -> 8.653, against the run before on
-# another H100), though a same-machine A/B on Qwen3 at batch 3 saw no difference (eval/results/h100/e2e_1207b/NOTES.md).
+# another H100), though a same-machine A/B on Qwen3 at batch 3 saw no difference (eval/results/h100/e2e_1207b/NOTES.md);
+# back at 512 on a third H100, 8.539 and 8.209 ms (eval/results/h100/e2e_1207c/NOTES.md).
 DECODE_CONFIG = DecodeConfig(block_k=32, target_programs=512)
 
 
