@@ -12,6 +12,7 @@ Usage (GPU): OUT=... python3 probe.py
 import json
 import os
 import time
+from datetime import datetime, timezone
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +56,8 @@ for B in (1, 4):
         r.update(batch=B, kv_stream=kv, gemm_after_warm_us=r["warm"] - r["read"],
                  gemm_after_cold_us=r["cold"] - r["read"])
         rows.append(r)
-out = dict(command="OUT=$OUT python3 eval/results/h100/l2_warm/probe.py", device=jax.devices()[0].device_kind, jax=jax.__version__, commit=os.environ.get("GIT_COMMIT"),
+out = dict(command="OUT=$OUT python3 eval/results/h100/l2_warm/probe.py", device=jax.devices()[0].device_kind,
+           jax=jax.__version__, commit=os.environ.get("GIT_COMMIT"), date=datetime.now(timezone.utc).isoformat(),
            iters=ITERS, rows=rows)
 with open(os.path.join(os.environ.get("OUT", "."), "l2_warm.json"), "w") as f:
     json.dump(out, f, indent=1)
