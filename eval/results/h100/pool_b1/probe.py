@@ -5,8 +5,8 @@ batch 1 the oracle on Qwen3-8B shapes is issue 24's cell under the bar (share 0.
 profile (`../profile_qwen3/`) has eight XLA kernels a sparse layer beside its Pallas ones.
 
 Random bf16 weights and cache (`eval.bench.model.method_rows`, 16 timed steps, dense first and last), 100K context;
-for each SHAPE: the oracle and Kascade at batch 1 and the oracle at batch 4, each with the library's AnchorConfig and
-with `POOLS` (`pool_block:pool_warps` of the Triton pass); each variant traced afresh.
+for each SHAPE: the oracle and Kascade at batch 1 and the oracle at batch 4, each with the library's AnchorConfig, with
+pool="xla" and with `POOLS` (`pool_block:pool_warps` of the Triton pass), then "xla" again; each traced afresh.
 
     GIT_COMMIT=<sha> OUT=... PYTHONPATH=. python3 eval/results/h100/pool_b1/probe.py
     SHAPES="qwen3-8b" CASES="oracle:1" POOLS="2048:4" ...
@@ -35,13 +35,14 @@ LIBRARY = agpu.anchor_decode_gpu
 
 
 def set_pool(pool):
-    """The anchor layers trace with AnchorConfig(pool="triton", pool_block, pool_warps), or the library's (None)."""
+    """The anchor layers trace with AnchorConfig(pool="triton", pool_block, pool_warps), with pool="xla" ("xla"), or
+    with the library's default (None)."""
     if pool is None:
         agpu.anchor_decode_gpu = LIBRARY
         return
-    block, warps = pool
-    agpu.anchor_decode_gpu = functools.partial(
-        LIBRARY, config=agpu.AnchorConfig(pool="triton", pool_block=block, pool_warps=warps))
+    config = agpu.AnchorConfig(pool="xla") if pool == "xla" else agpu.AnchorConfig(
+        pool="triton", pool_block=pool[0], pool_warps=pool[1])
+    agpu.anchor_decode_gpu = functools.partial(LIBRARY, config=config)
 
 
 def main(out_dir):
@@ -70,7 +71,9 @@ def main(out_dir):
             run("dense", "dense", batch, None)
         for case in cases:
             method, batch = case.split(":")
-            for name, pool in [("xla", None)] + [(f"triton {b}:{w}", (b, w)) for b, w in pools] + [("xla (again)", None)]:
+            variants = ([("library", None), ("xla", "xla")] + [(f"triton {b}:{w}", (b, w)) for b, w in pools]
+                        + [("xla (again)", "xla")])
+            for name, pool in variants:
                 try:
                     run(name, method, int(batch), pool)
                 except Exception as e:  # a variant that cannot compile: recorded, the others still run
