@@ -46,7 +46,9 @@ def setup(B):
     return kc, vc, q, idx, wo
 
 
-def prefetch(w, c):
+def prefetch(wo, layer, c):
+    """A read of Wo[layer] (the slice inside: a sliced operand handed to the stream's call would be copied first)."""
+    w = jax.lax.dynamic_index_in_dim(wo, layer, keepdims=False)
     return jnp.sum(w.astype(jnp.float32)) * c
 
 
@@ -63,11 +65,11 @@ def make(kind, B):
             qq = q * (1 + c * 1e-30).astype(q.dtype)
             s = jnp.float32(0)
             if kind == "stream":
-                s = on_stream(w, c * 1e-30)
+                s = on_stream(wo, layer, c * 1e-30)
             out = sparse_decode_stacked_gpu(qq, kc, vc, jnp.int32(0), idx, lengths, interpret=SMOKE)
             x = out.reshape(B, E)
             if kind == "serial":
-                s = prefetch(w, c * 1e-30)
+                s = prefetch(wo, layer, c * 1e-30)
             x = x * (1 + s * 1e-30).astype(x.dtype)
             y = x @ w
             return c + y[0, 0].astype(jnp.float32) * 1e-30
