@@ -334,3 +334,29 @@ def test_gpu_pool_variant_lowers_for_cuda():
     text = export_for("cuda", f, *args).mlir_module()
     for name in ("anchor_decode_logits", "anchor_decode_pool", "topk_select", "sparse_decode_gathered_stacked"):
         assert name in text, name
+
+
+def test_gpu_pool_auto_takes_triton_for_one_query_row():
+    """AnchorConfig(pool="auto") (the default) pools in Triton for at most POOL_TRITON_ROWS query rows (B * T: the
+    batch-1 decode, eval/results/h100/pool_b1/) and in XLA above; explicit choices stand. The traced scoring pass
+    holds the pooling kernel exactly where the path is Triton, and both paths give the same scores."""
+    assert gpu.AnchorConfig().pool == "auto"
+    assert gpu.pool_path(gpu.AnchorConfig(), 1) == "triton" and gpu.pool_path(gpu.AnchorConfig(), 2) == "xla"
+    assert gpu.pool_path(gpu.AnchorConfig(pool="xla"), 1) == "xla"
+    assert gpu.pool_path(gpu.AnchorConfig(pool="triton"), 8) == "triton"
+    rng = np.random.default_rng(7)
+    for rows, lens in ((1, [50]), (2, [64, 30])):
+        q = jnp.asarray(rng.standard_normal((rows, 1, 8, D)), jnp.float32)
+        k, v = (jnp.asarray(rng.standard_normal((rows, 2, 64, D)), jnp.float32) for _ in range(2))
+        lengths = jnp.asarray(lens, jnp.int32)
+        if rows == 1:
+            with pytest.raises(ValueError, match="expected 'xla', 'triton' or 'auto'"):
+                gpu.decode_scores_gpu(q, k, v, lengths, config=gpu.AnchorConfig(pool="fast"), interpret=True)
+        cfg = dict(block_n=16, target_programs=8, pool_block=16)
+        run = lambda pool: gpu.decode_scores_gpu(q, k, v, lengths, config=gpu.AnchorConfig(pool=pool, **cfg),  # noqa
+                                                 interpret=True)
+        jaxpr = str(jax.make_jaxpr(lambda: run("auto"))())
+        assert ("anchor_decode_pool" in jaxpr) == (rows == 1)
+        got, want = np.asarray(run("auto")[0]), np.asarray(run("xla")[0])
+        np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+        np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], rtol=1e-5, atol=1e-7)

@@ -70,14 +70,17 @@ def test_large_ops_find_whole_array_passes_outside_the_kernels():
     """`large_ops` lists the XLA ops over large arrays outside the kernels and GEMMs. H2O's one top-k over every
     layer's scores [L, B, Hkv, N] reads its span in place at batch 1 (the "sample" path, 256 rows): no op of the step
     touches an array of that size (a masked copy of it was 63 us a step on an H100). The oracle's pooling of each
-    layer's logits is an XLA pass by design (`AnchorConfig.pool="xla"`): found in its sparse layers' scan, 31 a step.
+    layer's logits is an XLA pass at batch 4 (`AnchorConfig.pool="auto"` above one query row): found in its sparse
+    layers' scan, 31 a step; at batch 1 the Triton pooling pass reads them (no such XLA op).
     Dense has none (the embedding's gather counts the rows it picks, not the table)."""
     jaxpr, cfg = op_census.trace_step("h2o", "llama3-8b", batch=1, context=100000, budget=0.1, gpu=True)
     scores = cfg.num_layers * cfg.num_kv_heads * 100096 * 4  # the score rows' bytes at this cache size
     assert op_census.large_ops(jaxpr.jaxpr, 4 << 20) and not op_census.large_ops(jaxpr.jaxpr, scores // 2)
-    jaxpr, _ = op_census.trace_step("oracle", "llama3-8b", batch=1, context=100000, budget=0.1, gpu=True)
+    jaxpr, _ = op_census.trace_step("oracle", "llama3-8b", batch=4, context=100000, budget=0.1, gpu=True)
     pool = [r for r in op_census.large_ops(jaxpr.jaxpr, 4 << 20) if r["op"] == "exp"]
     assert pool and all(r["per_step"] == cfg.num_layers - 1 and r["shape"][-1] == 100096 for r in pool)
+    jaxpr, _ = op_census.trace_step("oracle", "llama3-8b", batch=1, context=100000, budget=0.1, gpu=True)
+    assert not [r for r in op_census.large_ops(jaxpr.jaxpr, 4 << 20) if r["op"] == "exp"]
     jaxpr, _ = op_census.trace_step("dense", "llama3-8b", batch=4, context=100000, budget=0.1, gpu=True)
     assert op_census.large_ops(jaxpr.jaxpr, 4 << 20) == []
 

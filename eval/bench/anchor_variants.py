@@ -42,10 +42,10 @@ HQ, HKV, D = 32, 8, 128
 BUDGET = 0.1
 
 DECODE_VARIANTS = {  # name -> (AnchorConfig, diagonal_tile)
-    "pool_xla": (gpu.AnchorConfig(), 0),
+    "pool_xla": (gpu.AnchorConfig(pool="xla"), 0),
     "pool_triton": (gpu.AnchorConfig(pool="triton"), 0),
     "pool_triton_b4096_w8": (gpu.AnchorConfig(pool="triton", pool_block=4096, pool_warps=8), 0),
-    "pool_xla_diag32": (gpu.AnchorConfig(), 32),
+    "pool_xla_diag32": (gpu.AnchorConfig(pool="xla"), 32),
     "pool_triton_diag32": (gpu.AnchorConfig(pool="triton"), 32),
 }
 PREFILL_CONFIGS = {"default": gpu_prefill.PrefillScoresConfig(), "tuned_h100": gpu_prefill.TUNED_H100}

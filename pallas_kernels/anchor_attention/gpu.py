@@ -13,7 +13,8 @@ scaled logits to f32[B, Hkv, T, G, N], and keeps an online (max, sum of exp) per
 `dense_output` it also reads V and accumulates the dense attention (flash decoding). Splits past the query's
 position read nothing. Pooling: with AnchorConfig.pool="xla" the splits' partials are merged in XLA (logsumexp
 per query head) and an XLA fusion pools; with pool="triton" the Triton pass `_pool_kernel` merges the partials
-itself and pools, never reading the logits of keys past a query's position. Selection (`topk_select`, Triton)
+itself and pools, never reading the logits of keys past a query's position; "auto" (the default) takes the Triton
+pass for one query row (batch 1 decode) and XLA for more. Selection (`topk_select`, Triton)
 and the gathered attention (`sparse_decode`, Triton) follow (common.py).
 
 Why the logits pass writes G values per key, not one: the pooled score sum_g exp(s_g - lse_g) needs each query
@@ -58,11 +59,15 @@ class AnchorConfig:
       num_warps: warps per program.
       num_stages: software pipelining depth.
       pool: how the logits become pooled scores after the splits' (max, sum) partials are merged:
-        "xla" (the default; as fast end to end as "triton", eval/results/h200/pool_ab/): an XLA logsumexp of
-        the partials and an XLA fusion (`common.pool_scores`, then `force_diagonal`);
+        "xla": an XLA logsumexp of the partials and an XLA fusion (`common.pool_scores`, then `force_diagonal`);
         "triton": `_pool_kernel`, one Triton pass that merges the splits' partials into each query head's
         logsumexp, reads each visible key's G logits once (keys past the query's position are never read) and
-        writes its pooled score, visibility and diagonal applied.
+        writes its pooled score, visibility and diagonal applied;
+        "auto" (the default): "triton" for at most `POOL_TRITON_ROWS` query rows (B * T), else "xla". In the
+        model's decode step on an H100 at 100K the Triton pass was 0.5-0.8% faster at batch 1 (the oracle on
+        Llama-3.1-8B and Qwen3-8B shapes, Kascade on Qwen3: there the XLA path's three small log-sum-exp kernels
+        cost more than the pass) and level at batch 4 (eval/results/h100/pool_b1/); on an H200 at batch 4 the
+        XLA path was 0.2-0.4% faster (eval/results/h200/pool_ab/).
       pool_block: keys per program of the Triton pooling pass (a power of two >= 16).
       pool_warps: warps per program of the Triton pooling pass.
     """
@@ -71,9 +76,19 @@ class AnchorConfig:
     target_programs: int = 1024
     num_warps: int = 4
     num_stages: int = 3
-    pool: str = "xla"
+    pool: str = "auto"
     pool_block: int = 2048
     pool_warps: int = 4
+
+
+POOL_TRITON_ROWS = 1  # query rows (B * T) up to which AnchorConfig(pool="auto") pools in Triton
+
+
+def pool_path(config: AnchorConfig, rows: int) -> str:
+    """The pooling path ("xla" or "triton") `decode_scores_gpu` takes for `rows` = B * T query rows."""
+    if config.pool == "auto":
+        return "triton" if rows <= POOL_TRITON_ROWS else "xla"
+    return config.pool
 
 
 _pow2 = sparse_gpu._pow2
@@ -215,8 +230,8 @@ def pool_gpu(logits: Array, m: Array, l: Array, pos: Array, *, diagonal_tile: in
 def _check_config(config: AnchorConfig) -> None:
     if not _pow2(config.block_n) or config.block_n < 16:
         raise ValueError(f"AnchorConfig.block_n={config.block_n}: expected a power of two >= 16")
-    if config.pool not in ("xla", "triton"):
-        raise ValueError(f"AnchorConfig.pool={config.pool!r}: expected 'xla' or 'triton'")
+    if config.pool not in ("xla", "triton", "auto"):
+        raise ValueError(f"AnchorConfig.pool={config.pool!r}: expected 'xla', 'triton' or 'auto'")
     if not _pow2(config.pool_block) or config.pool_block < 16:
         raise ValueError(f"AnchorConfig.pool_block={config.pool_block}: expected a power of two >= 16")
 
@@ -306,7 +321,7 @@ def decode_scores_gpu(q: Array, k: Array, v: Array, lengths: Array, *, layer: Ar
     )(*args)
     logits, m, l = res[0], res[1][..., :G], res[2][..., :G]
     m = jnp.where(l > 0, m, -jnp.inf)  # an empty split contributes nothing
-    if config.pool == "triton":  # the raw partials, merged in-kernel
+    if pool_path(config, B * T) == "triton":  # the raw partials, merged in-kernel
         scores = pool_gpu(logits, res[1], res[2], pos, diagonal_tile=diagonal_tile, config=config,
                           interpret=interpret)
     else:
