@@ -806,3 +806,19 @@ def test_model_jit_options_are_xla_compile_options():
     assert float(model_jit(lambda x: (x @ x.T).sum())(jnp.ones((4, 4)))) == 64.0
     with pytest.raises(Exception, match="No such compile option"):
         jax.jit(lambda x: x + 1, compiler_options={"xla_disable_hlo_passe": "rematerialization"})(1.0)
+
+
+def test_probe_rows_apply_each_setting_and_record_failures(tiny, monkeypatch):
+    """`probe_rows` (the probes under eval/results): each run's setting applied before its row, the library's (None)
+    after the last; a run that raises (here: an unknown method) is a row with its error, and the others still run.
+    `probe_record` names the command beside the device facts."""
+    cfg, params = tiny
+    applied = []
+    rows = bench_model.probe_rows(cfg, params, [("a", "dense", 1, "x"), ("b", "no-such-method", 1, "y"),
+                                                ("c", "streaming", 1, None)], applied.append, 256, 1000.0, steps=2)
+    assert applied == ["x", "y", None, None]
+    assert [r["variant"] for r in rows] == ["a", "b", "c"]
+    assert rows[0]["step_ms"] > 0 and rows[2]["step_ms"] > 0 and "no-such-method" in rows[1]["error"]
+    record = bench_model.probe_record("python3 probe.py", rows, shape="tiny")
+    assert record["command"] == "python3 probe.py" and record["rows"] is rows and record["shape"] == "tiny"
+    assert {"device", "jax", "date", "commit"} <= set(record)

@@ -228,6 +228,42 @@ def parse_batches(text: str) -> list:
     return out
 
 
+def probe_model(shape: str, smoke: bool = False):
+    """(cfg, random bf16 params in the default layout) of a preset, for the probes under eval/results that time the
+    model's step through `method_rows`; smoke: a 4-layer, 256-wide model of the preset's kind (a probe's harness on a
+    CPU)."""
+    cfg = preset(shape)
+    if smoke:
+        cfg = dataclasses.replace(cfg, num_layers=4, hidden_size=256, intermediate_size=512, num_heads=4,
+                                  num_kv_heads=2, head_dim=64, vocab_size=512)
+    return cfg, with_layout(random_params(cfg, jax.random.key(0), jnp.bfloat16), "default", donate=True)
+
+
+def probe_rows(cfg, params, runs, apply, context: int, hbm: float, steps: int = 16) -> list[dict]:
+    """A probe's decode rows: for each (name, method, batch, setting) of `runs`, apply(setting) (the probe's change
+    to what the step traces, None the library's), then that method's `method_rows` row afresh (its traces cleared),
+    with `variant` = name; a run that raises (a config that cannot compile) gives a row with its error. apply(None)
+    last."""
+    rows = []
+    for name, method, batch, setting in runs:
+        try:
+            apply(setting)
+            jax.clear_caches()
+            row = method_rows(cfg, params, (method,), (context,), (batch,), steps, hbm, 0.1)[0]
+        except Exception as e:  # noqa: BLE001 - recorded, the other runs still go
+            row = dict(method=method, batch=batch, error=f"{type(e).__name__}: {e}"[:500])
+        row.update(variant=name)
+        rows.append(row)
+        print(f"{method} b{batch} {name}: {row.get('step_ms', float('nan')):.3f} ms", flush=True)
+    apply(None)
+    return rows
+
+
+def probe_record(command: str, rows: list, **fields) -> dict:
+    """A probe's JSON: the device facts, its `command` (how to run it again), its other fields and its rows."""
+    return {**bm.device_facts(), "command": command, **fields, "rows": rows}
+
+
 def filled_cache(cfg, batch, context, capacity, dtype, seed: int = 3):
     """A cache whose first `context` positions (all `capacity`, in fact) hold random normal keys and values, drawn
     layer by layer into one buffer each (no temporary as large as the cache).

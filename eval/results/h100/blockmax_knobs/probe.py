@@ -16,18 +16,12 @@ Writes $OUT/blockmax_<shape>_b<batch>.json per case and prints a table.
 
 import dataclasses
 import functools
-import json
 import os
-from datetime import datetime, timezone
 
-import jax
-import jax.numpy as jnp
 
 import pallas_kernels.block_scores.gpu as bgpu
 from eval.bench import common as bm
-from eval.bench.model import method_rows
-from models.params import random_params, with_layout
-from models.presets import preset
+from eval.bench.model import probe_model, probe_record, probe_rows
 
 CONTEXT = int(os.environ.get("CONTEXT", 100000))
 LIBRARY = bgpu.block_max_scores_gpu
@@ -51,48 +45,25 @@ def set_config(config):
 
 
 def main(out_dir):
-    table = []
+    printed = []
+    base = bgpu.BlockMaxConfig()
     for case in os.environ.get("CASES", "llama3-8b:4 qwen3-8b:3").split():
         shape, batch = case.split(":")
         batch = int(batch)
-        cfg = preset(shape)
-        if os.environ.get("SMOKE"):
-            cfg = dataclasses.replace(cfg, num_layers=3, hidden_size=256, intermediate_size=512, num_heads=4,
-                                      num_kv_heads=2, head_dim=64, vocab_size=512)
+        cfg, params = probe_model(shape, bool(os.environ.get("SMOKE")))
         hbm = bm.measure_hbm_gbs()
-        params = with_layout(random_params(cfg, jax.random.key(0), jnp.bfloat16), "default", donate=True)
-        rows = []
-
-        def run(name, method, config):
-            set_config(config)
-            jax.clear_caches()
-            row = method_rows(cfg, params, (method,), (CONTEXT,), (batch,), 16, hbm, 0.1)[0]
-            row.update(variant=name, block_max_config=None if config is None else str(config))
-            rows.append(row)
-            table.append((shape, batch, name, row.get("step_ms", float("nan"))))
-            print(f"{shape} b{batch} {name}: {row.get('step_ms', float('nan')):.3f} ms", flush=True)
-
-        run("dense", "dense", None)
-        base = bgpu.BlockMaxConfig()
-        for name, config in ([("library", None)] + [(w, dataclasses.replace(base, **f)) for w, f in knobs()]
-                             + [("library (again)", None)]):
-            try:
-                run(name, "evosparse", config)
-            except Exception as e:  # a config the kernel cannot compile: recorded, the others still run
-                rows.append(dict(variant=name, error=f"{type(e).__name__}: {e}"[:500]))
-                print(name, "failed", rows[-1]["error"][:200], flush=True)
-        run("dense (again)", "dense", None)
-        set_config(None)
-        out = {**bm.device_facts(), "date": datetime.now(timezone.utc).isoformat(),
-               "commit": os.environ.get("GIT_COMMIT", ""),
-               "command": f"CASES={case} KNOBS=\"{os.environ.get('KNOBS', 'num_warps=8 blocks_per_program=32 num_stages=4')}\""
-                          " PYTHONPATH=. python3 eval/results/h100/blockmax_knobs/probe.py",
-               "shape": shape, "context": CONTEXT, "batch": batch, "measured_hbm_gbs": hbm, "rows": rows}
-        with open(os.path.join(out_dir, f"blockmax_{shape}_b{batch}.json"), "w") as f:
-            json.dump(out, f, indent=1)
-    print("\nshape      b  variant                    step ms")
-    for shape, batch, name, ms in table:
-        print(f"{shape:10s} {batch:2d} {name:26s} {ms:8.3f}")
+        runs = ([("dense", "dense", batch, None), ("library", "evosparse", batch, None)]
+                + [(w, "evosparse", batch, dataclasses.replace(base, **f)) for w, f in knobs()]
+                + [("library (again)", "evosparse", batch, None), ("dense (again)", "dense", batch, None)])
+        rows = probe_rows(cfg, params, runs, set_config, CONTEXT, hbm)
+        for r, (_, _, _, config) in zip(rows, runs):
+            r["block_max_config"] = None if config is None else str(config)
+        printed += [dict(r, shape=shape) for r in rows]
+        record = probe_record(f"CASES={case} KNOBS=\"{os.environ.get('KNOBS', 'num_warps=8 blocks_per_program=32 num_stages=4')}\""
+                           " PYTHONPATH=. python3 eval/results/h100/blockmax_knobs/probe.py", rows,
+                           shape=shape, context=CONTEXT, batch=batch, measured_hbm_gbs=hbm)
+        bm.write_json(os.path.join(out_dir, f"blockmax_{shape}_b{batch}.json"), record)
+    print(bm.table(printed, ["shape", "method", "batch", "variant", "step_ms"]))
 
 
 if __name__ == "__main__":

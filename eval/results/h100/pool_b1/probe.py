@@ -15,20 +15,13 @@ pool="xla" and with `POOLS` (`pool_block:pool_warps` of the Triton pass), then "
 Writes $OUT/pool_<shape>.json and prints a table.
 """
 
-import dataclasses
 import functools
-import json
 import os
-from datetime import datetime, timezone
 
-import jax
-import jax.numpy as jnp
 
 import pallas_kernels.anchor_attention.gpu as agpu
 from eval.bench import common as bm
-from eval.bench.model import method_rows
-from models.params import random_params, with_layout
-from models.presets import preset
+from eval.bench.model import probe_model, probe_record, probe_rows
 
 CONTEXT = int(os.environ.get("CONTEXT", 100000))
 LIBRARY = agpu.anchor_decode_gpu
@@ -48,51 +41,25 @@ def set_pool(pool):
 def main(out_dir):
     pools = [tuple(int(x) for x in w.split(":")) for w in os.environ.get("POOLS", "2048:4 1024:4").split()]
     cases = os.environ.get("CASES", "oracle:1 kascade:1 oracle:4").split()
-    table = []
+    batches = sorted({int(c.split(":")[1]) for c in cases})
+    printed = []
     for shape in os.environ.get("SHAPES", "qwen3-8b llama3-8b").split():
-        cfg = preset(shape)
-        if os.environ.get("SMOKE"):  # the harness on a CPU: a small model of the shape's kind
-            cfg = dataclasses.replace(cfg, num_layers=3, hidden_size=256, intermediate_size=512, num_heads=4,
-                                      num_kv_heads=2, head_dim=64, vocab_size=512)
+        cfg, params = probe_model(shape, bool(os.environ.get("SMOKE")))
         hbm = bm.measure_hbm_gbs()
-        params = with_layout(random_params(cfg, jax.random.key(0), jnp.bfloat16), "default", donate=True)
-        rows = []
-
-        def run(name, method, batch, pool):
-            set_pool(pool)
-            jax.clear_caches()
-            row = method_rows(cfg, params, (method,), (CONTEXT,), (batch,), 16, hbm, 0.1)[0]
-            row.update(variant=name, batch=batch)
-            rows.append(row)
-            table.append((shape, method, batch, name, row.get("step_ms", float("nan"))))
-            print(f"{shape} {method} b{batch} {name}: {row.get('step_ms', float('nan')):.3f} ms", flush=True)
-
-        for batch in sorted({int(c.split(":")[1]) for c in cases}):
-            run("dense", "dense", batch, None)
+        runs = [("dense", "dense", b, None) for b in batches]
         for case in cases:
             method, batch = case.split(":")
-            variants = ([("library", None), ("xla", "xla")] + [(f"triton {b}:{w}", (b, w)) for b, w in pools]
-                        + [("xla (again)", "xla")])
-            for name, pool in variants:
-                try:
-                    run(name, method, int(batch), pool)
-                except Exception as e:  # a variant that cannot compile: recorded, the others still run
-                    rows.append(dict(variant=name, method=method, batch=int(batch),
-                                     error=f"{type(e).__name__}: {e}"[:500]))
-                    print(name, "failed", rows[-1]["error"][:200], flush=True)
-        for batch in sorted({int(c.split(":")[1]) for c in cases}):
-            run("dense (again)", "dense", batch, None)
-        set_pool(None)
-        out = {**bm.device_facts(), "date": datetime.now(timezone.utc).isoformat(),
-               "commit": os.environ.get("GIT_COMMIT", ""),
-               "command": f"SHAPES={shape} CASES=\"{' '.join(cases)}\" POOLS=\"{os.environ.get('POOLS', '2048:4 1024:4')}\""
-                          " PYTHONPATH=. python3 eval/results/h100/pool_b1/probe.py",
-               "shape": shape, "context": CONTEXT, "measured_hbm_gbs": hbm, "rows": rows}
-        with open(os.path.join(out_dir, f"pool_{shape}.json"), "w") as f:
-            json.dump(out, f, indent=1)
-    print("\nshape      method   b  variant          step ms")
-    for shape, method, batch, name, ms in table:
-        print(f"{shape:10s} {method:8s} {batch:2d} {name:16s} {ms:8.3f}")
+            runs += [(name, method, int(batch), pool) for name, pool in
+                     [("library", None), ("xla", "xla")] + [(f"triton {b}:{w}", (b, w)) for b, w in pools]
+                     + [("xla (again)", "xla")]]
+        runs += [("dense (again)", "dense", b, None) for b in batches]
+        rows = probe_rows(cfg, params, runs, set_pool, CONTEXT, hbm)
+        printed += [dict(r, shape=shape) for r in rows]
+        record = probe_record(f"SHAPES={shape} CASES=\"{' '.join(cases)}\" POOLS=\"{os.environ.get('POOLS', '2048:4 1024:4')}\""
+                           " PYTHONPATH=. python3 eval/results/h100/pool_b1/probe.py", rows,
+                           shape=shape, context=CONTEXT, measured_hbm_gbs=hbm)
+        bm.write_json(os.path.join(out_dir, f"pool_{shape}.json"), record)
+    print(bm.table(printed, ["shape", "method", "batch", "variant", "step_ms"]))
 
 
 if __name__ == "__main__":
