@@ -323,24 +323,6 @@ def layer_start(a: int) -> Array:
     return jnp.int32(a)
 
 
-# A probe's hook (`eval/results/h100/l2_stream/`), None in the library: a callable (segment tag) -> bool. Where it
-# answers True, a one-token GPU decode layer (no mesh) reads its O projection's weights on a second stream
-# (`jax.experimental.compute_on("gpu_stream:1")`, with XLA's --xla_gpu_experimental_stream_annotation=true) while
-# its attention runs, so that the O GEMM after it finds them in L2. The values are the same either way.
-O_PREFETCH = None
-
-
-def _o_prefetch(wo_all: Array, layer: Array, q: Array) -> Array:
-    """f32[] zero that depends on a read of wo_all[layer] and on q (so it starts once q exists), computed on stream
-    1; the slice is taken inside the stream's call (a sliced operand handed to it would be copied first)."""
-    from jax.experimental.compute_on import compute_on
-
-    def read(wo_all, layer, q):
-        w = jax.lax.dynamic_index_in_dim(wo_all, layer, keepdims=False)
-        return jnp.sum(w.astype(F32)) * 0.0 + q.reshape(-1)[0].astype(F32) * 0.0
-    return compute_on(compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)(read)(wo_all, layer, q)
-
-
 def layer_run(seg_fn, a: int, b: int, carry, unroll: int | bool = 1):
     """Layers a .. b - 1 of `_scan_layers` as one `lax.scan` of seg_fn ((i, carry), None) -> ((i + 1, carry), h)
     from layer_start(a): returns (carry, h stacked). A hook for probes of the loop's form
@@ -391,16 +373,10 @@ def _scan_layers(params: Params, cfg: ModelConfig, method, x: Array, positions: 
             k, v = (constrain(a, ("batch", None, "kv_heads", "head_dim")) for a in (k, v))
             ck, cv = (constrain(c, _CACHE_AXES) for c in (write(ck, layer, k), write(cv, layer, v)))
         h = unrows(h)
-        prefetch = (O_PREFETCH is not None and phase == "decode" and T == 1 and active_mesh() is None
-                    and O_PREFETCH(segment))
-        if prefetch:
-            z = _o_prefetch(params.layers.wo, layer, q)
         ctx = LayerContext(layer=layer, lengths=lengths, info=info, hidden=h, segment=segment, window=window,
                            window_size=window_size, every_layer_windowed=cfg.every_layer_windowed,
                            kv_dtype=ck.dtype, rows_out=B * T + pad if pad else None)
         attn, state = attend(ctx, q, k, v, ck, cv, state)
-        if prefetch:  # the O GEMM after the read (no kernel: a barrier ties the two values)
-            attn, _ = jax.lax.optimization_barrier((attn, z))
         padded = pad and attn.shape[:2] == (1, B * T + pad)  # already in the GEMMs' rows (`ctx.rows_out`)
         x_attn = x + _dense(attn.astype(x.dtype) if padded else rows(attn.astype(x.dtype)), lp.wo, "bthd,hde->bte",
                             lp.bo)

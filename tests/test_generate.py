@@ -422,18 +422,3 @@ def test_lm_head_pads_a_single_bf16_row_to_a_gemm_on_a_gpu(params, monkeypatch, 
     assert dot_rows(x) == [(1, 8)]
     x2 = jnp.concatenate([x, x], axis=0)  # two rows: XLA's own GEMM path, left alone
     assert dot_rows(x2) == [(2, 1)]
-
-
-def test_o_prefetch_hook_keeps_the_logits(params, monkeypatch):
-    """`llama.O_PREFETCH` (a probe's hook: the O projection's weights read on a second stream during attention) is
-    annotated in the lowered step and changes no value (on a CPU the stream annotation is ignored)."""
-    tok = jax.random.randint(jax.random.key(3), (2, 20), 0, CFG.vocab_size)
-    _, cache, _ = llama.prefill(params, CFG, DENSE, tok, jnp.array([20, 15]), init_cache(CFG, 2, 64, jnp.float32), None)
-
-    def step():
-        return jax.jit(lambda p, t, c: llama.decode(p, CFG, DENSE, t, c, None)[0])
-    plain = step()(params, tok[:, :1], cache)
-    assert "_xla_stream_annotation" not in step().lower(params, tok[:, :1], cache).as_text()
-    monkeypatch.setattr(llama, "O_PREFETCH", lambda segment: True)
-    assert "_xla_stream_annotation" in step().lower(params, tok[:, :1], cache).as_text()
-    np.testing.assert_array_equal(np.asarray(step()(params, tok[:, :1], cache)), np.asarray(plain))
