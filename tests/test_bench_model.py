@@ -110,17 +110,22 @@ def fresh_jit():
 
 @pytest.mark.parametrize("name", bench_model.METHODS)
 def test_check_passes_for_every_method(name):
-    """Each method's real decode step (8 layers, 2 prompts of 384 and 301 tokens, 2 steps after the method's
-    prefill) equals the masked reference over the keys it selected, layer by layer; the probe leaves the step's
-    logits unchanged; the sparse methods select (well under every visible key) and a selection one key off would
-    fail the tolerance."""
-    c = model_check.run_checks(preset("llama3-8b"), [name], _build(), jnp.float32)[name]
+    """Each method's real decode step (8 layers, 2 prompts of 384 and 301 tokens and 1 prompt of 301, 2 steps after
+    the method's prefill) equals the masked reference over the keys it selected, layer by layer; the probe leaves
+    the step's logits unchanged; the sparse methods select (well under every visible key) and a selection one key
+    off would fail the tolerance."""
+    shapes = (model_check.CHECK_LENGTHS, model_check.CHECK_ONE_ROW)
+    c = model_check.run_checks(preset("llama3-8b"), [name], _build(), jnp.float32, shapes=shapes)[name]
     assert c["passed"], c
+    assert [(s["batch"], s["lengths"], s["passed"]) for s in c["by_shape"]] == [(2, [384, 301], True),
+                                                                               (1, [301], True)]
+    assert c["err_over_tol"] == max(s["err_over_tol"] for s in c["by_shape"])  # the worst batch's fields
     assert c["err_over_tol"] <= 1.0 and c["max_abs_err"] < 1e-4  # f32 on the CPU: rounding only
     assert c["probe_logits_max_diff"] <= c["probe_logits_tol"]
     assert c["reference"].startswith("masked_attention_reference over the keys the method selected: ")
-    assert c["shape"] == {"layers": 8, "hidden": 256, "heads": 8, "kv_heads": 2, "head_dim": 128, "batch": 2,
-                          "lengths": [384, 301], "decode_steps": 2, "capacity": 512, "dtype": "float32"}
+    assert c["shape"] == {"layers": 8, "hidden": 256, "heads": 8, "kv_heads": 2, "head_dim": 128,
+                          "batch": c["shape"]["batch"], "lengths": c["shape"]["lengths"], "decode_steps": 2,
+                          "capacity": 512, "dtype": "float32"}
     kept = c["kept_fraction_per_layer"]
     if name == "dense":
         assert kept == [1.0] * 8
@@ -164,6 +169,22 @@ def test_check_measures_an_answer_in_the_gemm_rows(monkeypatch, fresh_jit):
         model_check.token_rows(jnp.zeros((1, 3, 8, 4)), (2, 2, 8, 4))
 
 
+def test_merge_checks_keeps_the_worst_batch_and_passes_only_if_every_batch_did():
+    """A method checked at two batches: the merged check's fields are the failed batch's (even with the smaller
+    err/tol: its logits failed), else the larger err/tol's; `by_shape` keeps each batch's verdict."""
+    def check(batch, ratio, passed):
+        return {"passed": passed, "err_over_tol": ratio, "max_abs_err": 2 * ratio,
+                "shape": {"batch": batch, "lengths": [301] * batch}}
+    merged = model_check.merge_checks([check(2, 0.4, True), check(1, 0.3, False)])
+    assert not merged["passed"] and merged["err_over_tol"] == 0.3 and merged["shape"]["batch"] == 1
+    assert merged["by_shape"] == [{"batch": 2, "lengths": [301, 301], "err_over_tol": 0.4, "passed": True},
+                                  {"batch": 1, "lengths": [301], "err_over_tol": 0.3, "passed": False}]
+    merged = model_check.merge_checks([check(2, 0.4, True), check(1, 0.7, True)])
+    assert merged["passed"] and merged["err_over_tol"] == 0.7 and merged["max_abs_err"] == 1.4
+    with pytest.raises(ValueError, match="expected at least one check"):
+        model_check.merge_checks([])
+
+
 @pytest.mark.parametrize("name", ["kascade", "evosparse"])
 def test_check_fails_when_the_step_attends_other_keys(name, monkeypatch, fresh_jit):
     """An off-by-one in the indices handed to the attention kernel (Kascade's reuse layers; EvoSparse's blocks)
@@ -197,11 +218,12 @@ def test_bench_checks_after_timing_and_exits_naming_a_failed_check(monkeypatch, 
     verdict = {"streaming": False}
     order = []
 
-    def fake(name, method, cfg, params, **kw):
-        order.append(("check", name))
+    def fake(name, method, cfg, params, lengths, **kw):
+        order.append(("check", name, len(lengths)))
         return {"passed": verdict.get(name, True), "max_abs_err": 0.5, "err_over_tol": 7.0,
                 "tol": {"rtol": 1e-3, "atol": 1e-3}, "wrong_selection_err_over_tol": 9.0,
-                "probe_logits_max_diff": 0.0, "probe_logits_tol": 1e-3}
+                "probe_logits_max_diff": 0.0, "probe_logits_tol": 1e-3,
+                "shape": {"batch": len(lengths), "lengths": list(lengths)}}
     cfg, _ = tiny
     monkeypatch.setattr(model_check, "check_method", fake)
     monkeypatch.setattr(model_check, "random_params", lambda *a: None)  # the fake check takes no weights
@@ -214,12 +236,15 @@ def test_bench_checks_after_timing_and_exits_naming_a_failed_check(monkeypatch, 
             "--out", str(tmp_path / "bench.json")]
     with pytest.raises(SystemExit) as e:
         bench_model.main(argv, prog="jsparse bench model")
-    assert order == [("timing",), ("check", "dense"), ("check", "streaming")]
+    # batch 1 timed: each method checked at the batch of two prompts and at one (the one-row paths)
+    assert order == [("timing",), ("check", "dense", 2), ("check", "dense", 1), ("check", "streaming", 2),
+                     ("check", "streaming", 1)]
     assert str(e.value.code).startswith("jsparse bench model: error: decode step differs from its masked reference")
     assert "streaming: max_abs_err 0.5, 7x the tolerance" in str(e.value.code) and "dense:" not in str(e.value.code)
     assert "do not use those methods' figures" in str(e.value.code)
     record = json.loads((tmp_path / "bench.json").read_text())
     assert {m: c["check"]["passed"] for m, c in record["methods"].items()} == {"dense": True, "streaming": False}
+    assert [s["batch"] for s in record["methods"]["dense"]["check"]["by_shape"]] == [2, 1]
 
     assert record["preallocate"] is None and "warning" not in capsys.readouterr().err
 

@@ -35,7 +35,7 @@ included, through the model's own path (issue 19's whole-model attention figures
 
 In the same process, after the timing, each method's decode step is checked against its own masked reference on a
 small model of the same shape family (eval/bench/model_check.py: 8 layers, batch 2, prompts of 384 and 301 tokens,
-the run's dtype; the method and its state built as here): at every layer the method's attention output must equal
+and one prompt of 301 where the run times batch 1; the run's dtype; the method and its state built as here): at every layer the method's attention output must equal
 a dense softmax over exactly the keys it selected (read from its own state and selection functions) within
 |out - ref| <= rtol * |ref| + atol. The JSON's `methods` holds each method's `check`; a failed check ends the run
 with a non-zero exit naming the method and its error (the JSON is written first, its rows beside the failure).
@@ -647,17 +647,19 @@ def method_rows(cfg, params, methods, contexts, batches, steps, hbm, budget, pre
 
 
 def method_checks(cfg, methods, budget: float, check: bool, method_options: dict | None = None,
-                  layout: str = "default") -> dict:
+                  layout: str = "default", one_row: bool = False) -> dict:
     """{method: {"check": ...}} for the JSON: each method's correctness check (`model_check.run_checks`, in bf16 as
-    the timed run; a failed one is recorded, and `_raise_failed` raises for it), or a note that it was skipped."""
+    the timed run; a failed one is recorded, and `_raise_failed` raises for it), or a note that it was skipped.
+    one_row: the run timed batch 1, so a batch of one prompt is checked beside the batch of two."""
     if not check:
         return {m: {"check": "skipped (--no-check)"} for m in methods}
     from eval.bench import model_check
     def build(name, small_cfg):
         return bench_method(name, small_cfg, budget, evo_budget_tokens=model_check.CHECK_EVO_TOKENS,
                             options=(method_options or {}).get(name))[0]
+    shapes = (model_check.CHECK_LENGTHS,) + ((model_check.CHECK_ONE_ROW,) if one_row else ())
     return {m: {"check": c} for m, c in model_check.run_checks(cfg, methods, build, jnp.bfloat16, layout=layout,
-                                                               raise_on_failure=False).items()}
+                                                               raise_on_failure=False, shapes=shapes).items()}
 
 
 def _raise_failed(checks: dict) -> None:
@@ -686,8 +688,9 @@ def run_methods(shape: str, methods, contexts, batches, steps: int, out: str | N
                        tsa_kept=tsa_kept, method_options=method_options, unroll=unroll, loop=loop)
     nparams, fused = param_bytes(params), is_fused(params)
     del params  # the check's small model next (after the timing: the module docstring says why)
+    one_row = any(r.get("batch") == 1 for r in rows if r.get("phase") == "decode")  # a "max" batch of 1 too
     checks = method_checks(cfg, tuple(m for m in methods if m not in PREFILL_METHODS), budget, check, method_options,
-                           layout)
+                           layout, one_row)
     checks.update({m: {"check": f"prefill only: decodes as {'dense' if m == 'tsa' else 'kascade'} (checked there); "
                                 "its prefill kernels are checked by `jsparse bench tsa`"}
                    for m in methods if m in PREFILL_METHODS})
@@ -757,7 +760,8 @@ def run(shape: str, contexts, batches, steps: int = 16, out: str | None = None, 
             print(row, flush=True)
     nparams, fused = param_bytes(params), is_fused(params)
     del params
-    checks = method_checks(cfg, ("dense",), 0.1, check, layout=layout)  # after the timing (module docstring)
+    checks = method_checks(cfg, ("dense",), 0.1, check, layout=layout,  # after the timing (module docstring)
+                           one_row=1 in [r["batch"] for r in rows])
     payload = {**facts, "benchmark": "model_dense", "xla_flags": os.environ.get("XLA_FLAGS", ""), "shape": shape,
                "dtype": "bfloat16", "weights": "random", "measured_hbm_gbs": hbm, "measured_matmul_tflops": mm,
                "param_bytes": nparams, "fused_projections": fused, "decode_steps_timed": steps, "methods": checks,

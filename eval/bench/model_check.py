@@ -6,7 +6,9 @@ dtype; `check_config`), with its state built as the timed run builds it (`eval.b
 EvoSparse's token budget is scaled to the small context, 128 tokens instead of 2048, so that it selects):
 
   1. a batch of 2 prompts of 384 and 301 random tokens is prefilled by the library's `models.llama.prefill`
-     (so the method's state, heat, scores or predicted keys, is the one a real decode starts from);
+     (so the method's state, heat, scores or predicted keys, is the one a real decode starts from); where the
+     timed run has rows of batch 1, a batch of one prompt of 301 tokens is checked too (`CHECK_ONE_ROW`): a step
+     can take another path for one query row (the anchor layers' pooling, `AnchorConfig.pool="auto"`);
   2. `steps` (2) decode steps run the library's step, `models.llama.decode(params, cfg, method, ...)`, the
      function the timed `fori_loop` calls, jitted. In the same jitted call the model decodes the same token
      again with the method wrapped in a probe (`Probe`): at every layer the probe calls the method's own `decode`
@@ -25,8 +27,10 @@ The JSON's `check` per method: `reference` (what the mask is read from), `max_ab
 (`kept_fraction_per_layer`: a check over a dense selection would prove little), `wrong_selection_err_over_tol`
 (the same ratio against the reference with every selected key moved one position later, what an off-by-one
 selection would score: above 1 where the check can tell such a selection; one or two keys of a few hundred
-moved, as for dense, can stay below) and `seconds` (the check's wall time, compiles included). `run_checks`
-raises `CheckFailed` naming the methods that failed, with their errors.
+moved, as for dense, can stay below) and `seconds` (the check's wall time, compiles included). With more than one
+batch checked (`run_checks(shapes=...)`) these fields are the worst batch's (a failed one first, else the largest
+`err_over_tol`), `passed` holds only if every batch passed, and `by_shape` lists each batch's `batch`, `lengths`,
+`err_over_tol` and `passed`. `run_checks` raises `CheckFailed` naming the methods that failed, with their errors.
 
 Tolerances, by the output dtype, atol = atol_v * max|v| of the layer's cache:
   * bf16: rtol 2^-6, atol_v 2^-8. The kernel and the reference each round the output once (one unit in the last
@@ -59,6 +63,7 @@ from pallas_kernels.sparse_attention.reference import decode_indices_to_mask, ma
 
 CHECK_LAYERS, CHECK_KV_HEADS, CHECK_HIDDEN, CHECK_VOCAB = 8, 2, 256, 512
 CHECK_LENGTHS = (384, 301)  # the batch of 2 prompts (ragged: the second row is padded to 384 = 3 x 128)
+CHECK_ONE_ROW = (301,)  # the batch of one prompt, checked beside it where the run times batch 1
 CHECK_STEPS = 2
 CHECK_CAPACITY = 512
 CHECK_EVO_TOKENS = 128  # EvoSparse's token budget at the check's context (the timed run: 2048 of 32K-128K)
@@ -352,19 +357,33 @@ def check_method(name: str, method, cfg, params, *, lengths=CHECK_LENGTHS, steps
     }
 
 
+def merge_checks(checks: list[dict]) -> dict:
+    """One method's check dict over several batches (`check_method`'s dicts, one a batch): the worst batch's
+    fields (a failed one first, else the largest err_over_tol), `passed` only if every batch passed, and
+    `by_shape`: each batch's batch, lengths, err_over_tol and passed."""
+    if not checks:
+        raise ValueError("merge_checks: expected at least one check")
+    worst = min(checks, key=lambda c: (c["passed"], -c["err_over_tol"]))
+    return {**worst, "passed": all(c["passed"] for c in checks),
+            "by_shape": [{"batch": c["shape"]["batch"], "lengths": c["shape"]["lengths"],
+                          "err_over_tol": c["err_over_tol"], "passed": c["passed"]} for c in checks]}
+
+
 def run_checks(shape_cfg, methods, build: Callable, dtype=jnp.bfloat16, *, raise_on_failure: bool = True,
-               seed: int = 0, layout: str = "default") -> dict[str, dict]:
+               seed: int = 0, layout: str = "default", shapes=(CHECK_LENGTHS,)) -> dict[str, dict]:
     """The check of every method of a run at model shape `shape_cfg` (the preset of the timed run): {name: check
     dict}. build(name, cfg) -> the method as the timed run builds it, for the check's model config `cfg`
     (`eval.bench.model.bench_method`). Raises CheckFailed naming each failed method, its error and tolerance
-    (after checking them all). layout: the weights' layout (`models.params.with_layout`), as the timed run's."""
+    (after checking them all). layout: the weights' layout (`models.params.with_layout`), as the timed run's.
+    shapes: the prompt lengths of each batch checked (`merge_checks` joins them; `CHECK_ONE_ROW` for batch 1)."""
     cfg = check_config(shape_cfg)
     params = with_layout(random_params(cfg, jax.random.key(seed), dtype), layout, donate=True)
     out = {}
     for name in methods:
         t0 = time.perf_counter()
         try:
-            out[name] = check_method(name, build(name, cfg), cfg, params)
+            method = build(name, cfg)
+            out[name] = merge_checks([check_method(name, method, cfg, params, lengths=lengths) for lengths in shapes])
         except Exception as e:  # noqa: BLE001 - a check that cannot run fails, naming the error
             out[name] = {"passed": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
         c = out[name]
