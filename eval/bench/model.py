@@ -35,13 +35,13 @@ included, through the model's own path (issue 19's whole-model attention figures
 
 In the same process, after the timing, each method's decode step is checked against its own masked reference on a
 small model of the same shape family (eval/bench/model_check.py: 8 layers, batch 2, prompts of 384 and 301 tokens,
-and one prompt of 301 where the run times batch 1; the run's dtype; the method and its state built as here): at every layer the method's attention output must equal
-a dense softmax over exactly the keys it selected (read from its own state and selection functions) within
-|out - ref| <= rtol * |ref| + atol. The JSON's `methods` holds each method's `check`; a failed check ends the run
-with a non-zero exit naming the method and its error (the JSON is written first, its rows beside the failure).
-`--no-check` skips it. The check runs after the timing because run before it, it slowed every timed step by
-1-4% (H200, 100K, batch 4, alternating runs: dense 16.38-16.41 -> 16.60-16.61 ms, EvoSparse 6.70 -> 6.94 ms;
-eval/results/h200/fixed_cost/order_*.json).
+and one prompt of 301 where the run times batch 1; the run's dtype; the method and its state built as here): at
+every layer the method's attention output must equal a dense softmax over exactly the keys it selected (read from
+its own state and selection functions) within |out - ref| <= rtol * |ref| + atol. The JSON's `methods` holds each
+method's `check`; a failed check ends the run with a non-zero exit naming the method and its error (the JSON is
+written first, its rows beside the failure). `--no-check` skips it. The check runs after the timing because run
+before it, it slowed every timed step by 1-4% (H200, 100K, batch 4, alternating runs: dense 16.38-16.41 ->
+16.60-16.61 ms, EvoSparse 6.70 -> 6.94 ms; eval/results/h200/fixed_cost/order_*.json).
 
 Run it with JAX's default preallocation (the bench sets its fraction to 0.95 unless XLA_PYTHON_CLIENT_MEM_FRACTION
 is set). With XLA_PYTHON_CLIENT_PREALLOCATE=false the allocator grows on demand and keeps the earlier rows' regions in
