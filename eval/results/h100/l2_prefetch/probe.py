@@ -56,7 +56,7 @@ def _read_rows(ref, first: jax.Array, rows: int, cols: int, evict):
         for c in range(0, cols, TILE_C):
             acc = acc + plgpu.load(ref.at[pl.ds(first + r, TILE_R), pl.ds(c, TILE_C)],
                                    eviction_policy=evict).astype(jnp.float32)
-    return jnp.sum(acc)
+    return jnp.sum(jnp.sum(acc, axis=1), axis=0)  # by axis (a full sum failed to lower for CUDA)
 
 
 @functools.lru_cache(maxsize=None)
