@@ -228,3 +228,51 @@ def test_mass_at_end_decodes_as_the_two_launches(monkeypatch, dense_layers):
     np.testing.assert_array_equal(m.finish(st, "decode").score, state.score)
     with pytest.raises(ValueError, match="mass_at_end=1: expected true or false"):
         _method(mass_at_end=1)
+
+
+def test_prefetch_o_hands_the_stacked_o_weights_and_decodes_the_same(monkeypatch):
+    """`prefetch_o`: the model hands every layer's stacked O projection (`LayerContext.o_weights`) to the gathered
+    decode, whose Triton kernels (interpret mode here) append prefetch programs reading the layer's slice; three
+    gathered steps give the logits and scores of `prefetch_o=False` to the bit, and the weights are not handed
+    without the option; a value that is not a bool is refused."""
+    import dataclasses
+    import functools
+
+    from jsparse.methods import h2o as h2o_mod
+    from models import llama
+    from models.cache import init_cache
+    from models.params import random_params
+    from pallas_kernels.block_scores import gpu as bgpu
+
+    cfg = CFG
+    params = random_params(cfg, jax.random.key(1), jnp.float32)
+    tokens = jax.random.randint(jax.random.key(2), (2, 70), 0, cfg.vocab_size)
+    lengths = jnp.array([70, 51], jnp.int32)
+    handed = []
+
+    def heat(*a, prefetch=None, **kw):
+        handed.append(None if prefetch is None else prefetch.shape)
+        return bgpu.sparse_decode_heat_gpu(*a, prefetch=prefetch, interpret=True, **kw)
+    monkeypatch.setattr(h2o_mod, "sparse_decode_heat", heat)
+    monkeypatch.setattr(h2o_mod, "DECODE_CONFIG", dataclasses.replace(h2o_mod.DECODE_CONFIG, prefetch_programs=8))
+
+    def run(prefetch_o):
+        m = _method(prefetch_o=prefetch_o)
+        cache = init_cache(cfg, 2, N, jnp.float32)
+        logits, cache, state = llama.prefill(params, cfg, m, tokens, lengths, cache, m.init_state(cfg, 2, N))
+        out, tok = [], jnp.argmax(logits, -1).astype(jnp.int32)[:, None]
+        for _ in range(3):
+            logits, cache, state = llama.decode(params, cfg, m, tok, cache, state)
+            out.append(logits)
+            tok = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)[:, None]
+        return jnp.stack(out), state.score
+
+    want = run(False)
+    assert handed and set(handed) == {None}
+    handed.clear()
+    got = run(True)
+    assert set(handed) == {(cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.hidden_size)}
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="prefetch_o=1: expected true or false"):
+        _method(prefetch_o=1)

@@ -312,7 +312,7 @@ def _finish_in_launch(splits: int, E: int, *, G: int, K: int, Lh: int | None, in
     layers (the number of cache layers L): the partials are every layer's ([L, S, ...], `sparse_decode_pending_gpu`),
     read at the launch's layer, and the last program merges the output only (no heat: `add_pending_mass_gpu` adds
     the mass later)."""
-    def finish(ins, outs, partials, entries):
+    def finish(ins, outs, partials, entries, pids):
         if layers is None:
             hl_ref, _heat_in, _tick_in = ins
             out_ref, heat_ref, tick_ref = outs
@@ -323,8 +323,8 @@ def _finish_in_launch(splits: int, E: int, *, G: int, K: int, Lh: int | None, in
         if not interpret:  # the interpreter runs the programs one after another and has no barrier
             plgpu.debug_barrier()
         ticket = plgpu.atomic_add(tick_ref, (jnp.int32(0),), jnp.int32(1))
-        row0 = pl.program_id(1) * G  # the group's first query head (read here: not inside the branch)
-        b = pl.program_id(0)
+        row0 = pids[1] * G  # the group's first query head (read outside any branch: the interpreter's rule)
+        b = pids[0]
 
         @pl.when(ticket == splits - 1)
         def _last():
@@ -356,7 +356,7 @@ def sparse_decode_heat_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
                            heat: Array, heat_layer: Array | None = None, *, block_size: int = 1,
                            scale: float | None = None,
                            config: sgpu.DecodeConfig = sgpu.DecodeConfig(), tickets: Array | None = None,
-                           rows_out: int | None = None, interpret: bool = False):
+                           rows_out: int | None = None, prefetch: Array | None = None, interpret: bool = False):
     """`reference.sparse_decode_heat_reference` in two launches (or in one, with tickets): the stacked gathered
     decode with its entry sums (`sparse_attention.stacked.decode_partials_stacked`), then one program per (row, KV
     head, split) (`_finish_heat_kernel`) that takes the group's log-sum-exp from the splits, adds its split's
@@ -371,7 +371,9 @@ def sparse_decode_heat_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
       N // block_size]; heat_layer: i32[] the heat row to update (None: `layer`); tickets: i32[B, Hkv, 1] zeros
       (as every such launch leaves them), or None: with them the finish runs in the decode's own launch, by the
       last program of each (row, KV head) to finish its split (`_finish_in_launch`); rows_out (with tickets): the
-      output as [1, rows_out, Hq, D], token row b then zero rows (`models.attention.LayerContext.rows_out`).
+      output as [1, rows_out, Hq, D], token row b then zero rows (`models.attention.LayerContext.rows_out`);
+      prefetch: the next GEMM's stacked weights [L, ...], read into L2 by programs of the decode's launch
+      (`sparse_attention.stacked.decode_partials_stacked`), or None.
 
     Returns:
       (out [B, 1, Hq, D] (or [1, rows_out, Hq, D]) in q.dtype, heat), and tickets (zeros again) when given.
@@ -396,10 +398,10 @@ def sparse_decode_heat_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
                      aliases={1: 1, 2: 2})
         return decode_partials_stacked(q, k_all, v_all, layer, indices, lengths, block_size=block_size, scale=scale,
                                        return_mass=True, config=config, head_map=None, interpret=interpret,
-                                       finish=fin)[-3:]
+                                       finish=fin, prefetch=prefetch)[-3:]
     o, m, l, el, em, nw = decode_partials_stacked(q, k_all, v_all, layer, indices, lengths, block_size=block_size,
                                                   scale=scale, return_mass=True, config=config, head_map=None,
-                                                  interpret=interpret)
+                                                  interpret=interpret, prefetch=prefetch)
     S, B, Hkv, _, Gp, D = o.shape
     L, (Lh, nb), K, E = k_all.shape[0], (heat.shape[0], heat.shape[-1]), indices.shape[-1], el.shape[-1]
     G, Ei = q.shape[2] // Hkv, em.shape[-1]  # Ei: the splits' iterations (one max each)
