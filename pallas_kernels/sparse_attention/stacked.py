@@ -194,9 +194,10 @@ def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, e
     nw_ref; the partials' and mass blocks hold every split of the (b, h, t) row ([S, ...], this program's at its
     split), and after storing them the program calls finish(ins, outs, partials, entries, pids): ins and outs those
     extra refs, partials (o, m, l, el, em, nw refs), entries(idx, valid) the row's index entries at idx (-1 where
-    not valid), pids the program's ids (read outside any branch) (`block_scores.gpu`'s one-launch heat update). With layer_partials (finish only): the partials' and
-    mass refs hold every layer's [L, S, ...] (written in place at this layer: `decode_partials_stacked`'s partials),
-    after as many aliased input refs, which the program skips.
+    not valid), pids the program's ids (read outside any branch) (`block_scores.gpu`'s one-launch heat update).
+    With layer_partials (finish only): the partials' and mass refs hold every layer's [L, S, ...] (written in place
+    at this layer: `decode_partials_stacked`'s partials), after as many aliased input refs, which the program
+    skips.
     With prefetch (splits, X, rows_each): one more input ref last, the next GEMM's weights [L, R, C]; the grid has
     splits + X programs a (b, h, t) row: the first splits decode (their K/V rows read `evict_first`), the other X
     read their slice of the layer's weights into L2 (`_prefetch_slice`).
