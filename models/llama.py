@@ -356,7 +356,7 @@ def _scan_layers(params: Params, cfg: ModelConfig, method, x: Array, positions: 
     rope_positions = rows(positions)
     # Every layer's O projection for a method that reads it into L2 (`LayerContext.o_weights`): the stacked array,
     # a constant of the scan (a layer's slice as a kernel operand would be a copy).
-    wants_o = phase == "decode" and getattr(method, "prefetch_o", False) and active_mesh() is None
+    wants_o = phase == "decode" and getattr(method, "prefetch_o", "off") != "off" and active_mesh() is None
     o_weights = params.layers.wo if wants_o else None
 
     def layer_fn(carry, xs, segment=None):

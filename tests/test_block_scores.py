@@ -184,9 +184,10 @@ def test_decode_heat_matches_reference(splits, block_k, K, layer):
 
 def test_decode_heat_with_prefetch_programs_is_the_same_decode():
     """Prefetch programs appended to the decode's launch (the next GEMM's weights read into L2, the K/V rows read
-    evict_first; `stacked.decode_partials_stacked(prefetch=...)`) change no output: the two launches and the one
-    launch with tickets give the same output and heat, to the bit, with or without them; the launch's grid holds the
-    extra programs; weights of another layer count are refused."""
+    evict_first; `stacked.decode_partials_stacked(prefetch=...)`) or to the finish launch change no output: the two
+    launches and the one launch with tickets give the same output and heat, to the bit, with or without them; the
+    launch holds the extra programs; weights of another layer count are refused, and so is a finish placement with
+    tickets."""
     q, k, v = _cache(6)
     idx = _indices(1, K=9, used=5)
     lengths = jnp.array([200, 37], jnp.int32)
@@ -200,7 +201,15 @@ def test_decode_heat_with_prefetch_programs_is_the_same_decode():
         for got, want in zip(run(prefetch=w), run()):
             np.testing.assert_array_equal(got, want)
         text = str(jax.make_jaxpr(lambda: run(prefetch=w))())
-        assert "_prefetch" in text and str(2 + 2) in text  # 2 splits + 2 prefetch programs of each (b, h) row
+        assert "sparse_decode_gathered_stacked_mass" + ("_finish" if tickets is not None else "") + "_prefetch" in text
+    # In the two launches' finish launch instead (after the decode read its K/V rows): the same to the bit.
+    run = functools.partial(gpu.sparse_decode_heat_gpu, *args, block_size=BS, interpret=True, config=cfg)
+    for got, want in zip(run(prefetch=w, prefetch_at="finish"), run()):
+        np.testing.assert_array_equal(got, want)
+    text = str(jax.make_jaxpr(lambda: run(prefetch=w, prefetch_at="finish"))())
+    assert "evosparse_finish_heat_prefetch" in text and "sparse_decode_gathered_stacked_mass_prefetch" not in text
+    with pytest.raises(ValueError, match="prefetch_at='finish': expected 'decode', or 'finish' without tickets"):
+        run(prefetch=w, prefetch_at="finish", tickets=jnp.zeros((B, HKV, 1), jnp.int32))
     assert stacked.prefetch_plan(40, B * HKV, 8) == (2, 8)  # 2 a row, 8 rows each: 64 >= 40
     assert stacked.prefetch_view(jnp.zeros((L, 32, 128, 64))).shape == (L, 256, 1024)
     assert stacked.prefetch_view(jnp.zeros((L, 3, 100))).shape == (L, 3, 100)
@@ -320,6 +329,12 @@ def test_kernels_lower_for_cuda():
             q, cache, cache, i32(), i32(4, Bn, Hkv, 1, 128), i32(Bn), sds((4, Bn, Hkv, Nn // 16), jnp.float32),
             i32(Bn, Hkv, 1), sds((4, Hq, Dn, 4096), jnp.bfloat16)).mlir_module()
         assert "sparse_decode_gathered_stacked_mass_finish_prefetch" in text and "dynamic_slice" not in text
+        def f(*a):  # in the finish launch of the two (H2O's prefetch_o="finish")
+            return gpu.sparse_decode_heat_gpu(*a[:7], block_size=16, prefetch=a[7], prefetch_at="finish")
+        text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(
+            q, cache, cache, i32(), i32(4, Bn, Hkv, 1, 128), i32(Bn), sds((4, Bn, Hkv, Nn // 16), jnp.float32),
+            sds((4, Hq, Dn, 4096), jnp.bfloat16)).mlir_module()
+        assert "evosparse_finish_heat_prefetch" in text and "dynamic_slice" not in text
         # EvoSparse's rank kernel at the benchmark's shape (100K / 16 blocks, budget 2048: 40 retrieval and 80
         # candidate blocks, width 128), stacked with a layer index.
         f = functools.partial(gpu.select_from_candidates_gpu, num_kv_heads=Hkv, width=128, heat_width=80)

@@ -232,9 +232,9 @@ def test_mass_at_end_decodes_as_the_two_launches(monkeypatch, dense_layers):
 
 def test_prefetch_o_hands_the_stacked_o_weights_and_decodes_the_same(monkeypatch):
     """`prefetch_o`: the model hands every layer's stacked O projection (`LayerContext.o_weights`) to the gathered
-    decode, whose Triton kernels (interpret mode here) append prefetch programs reading the layer's slice; three
-    gathered steps give the logits and scores of `prefetch_o=False` to the bit, and the weights are not handed
-    without the option; a value that is not a bool is refused."""
+    decode, whose Triton kernels (interpret mode here) append prefetch programs reading the layer's slice to the
+    decode's launch ("decode") or the mass launch ("finish"); three gathered steps give the logits and scores of
+    "off" to the bit, and the weights are not handed without the option; another value is refused."""
     import dataclasses
     import functools
 
@@ -250,9 +250,9 @@ def test_prefetch_o_hands_the_stacked_o_weights_and_decodes_the_same(monkeypatch
     lengths = jnp.array([70, 51], jnp.int32)
     handed = []
 
-    def heat(*a, prefetch=None, **kw):
+    def heat(*a, prefetch=None, prefetch_at="decode", **kw):
         handed.append(None if prefetch is None else prefetch.shape)
-        return bgpu.sparse_decode_heat_gpu(*a, prefetch=prefetch, interpret=True, **kw)
+        return bgpu.sparse_decode_heat_gpu(*a, prefetch=prefetch, prefetch_at=prefetch_at, interpret=True, **kw)
     monkeypatch.setattr(h2o_mod, "sparse_decode_heat", heat)
     monkeypatch.setattr(h2o_mod, "DECODE_CONFIG", dataclasses.replace(h2o_mod.DECODE_CONFIG, prefetch_programs=8))
 
@@ -267,12 +267,13 @@ def test_prefetch_o_hands_the_stacked_o_weights_and_decodes_the_same(monkeypatch
             tok = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)[:, None]
         return jnp.stack(out), state.score
 
-    want = run(False)
+    want = run("off")
     assert handed and set(handed) == {None}
-    handed.clear()
-    got = run(True)
-    assert set(handed) == {(cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.hidden_size)}
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    with pytest.raises(ValueError, match="prefetch_o=1: expected true or false"):
-        _method(prefetch_o=1)
+    for at in ("decode", "finish"):
+        handed.clear()
+        got = run(at)
+        assert set(handed) == {(cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.hidden_size)}
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="prefetch_o=True: expected 'off', 'decode' or 'finish'"):
+        _method(prefetch_o=True)

@@ -103,17 +103,20 @@ def test_h2o_layers_run_one_launch_and_the_step_one_mass_launch():
 
 
 def test_prefetch_o_appends_prefetch_programs_to_every_gathered_decode():
-    """With `prefetch_o` (EvoSparse, H2O) every gathered decode of the step reads the model's stacked O projection in
-    place, in prefetch programs of its own launch (the `_prefetch` kernels: one per sparse layer, none without the
-    option), and the step runs no XLA op over large arrays that it does not run without it (the layer's slice of
-    the weights as the kernel's operand would be a copy of 32 MiB; the GEMMs' own slices are there either way)."""
-    for method, sparse in (("evosparse", 30), ("h2o", 32)):
+    """With `prefetch_o` (EvoSparse "decode", H2O "decode" or "finish") every sparse layer of the step reads the
+    model's stacked O projection in place, in prefetch programs of its gathered decode's launch or of H2O's mass
+    launch (the `_prefetch` kernels: one per sparse layer, none without the option), and the step runs no XLA op
+    over large arrays that it does not run without it (the layer's slice of the weights as the kernel's operand
+    would be a copy of 32 MiB; the GEMMs' own slices are there either way)."""
+    for method, sparse, places in (("evosparse", 30, ("decode",)), ("h2o", 32, ("decode", "finish"))):
         large = {}
-        for on in (False, True):
+        for at in ("off",) + places:
             jaxpr, cfg = op_census.trace_step(method, "llama3-8b", batch=4, context=100000, budget=0.1, gpu=True,
-                                              options={"prefetch_o": on})
+                                              options={"prefetch_o": at})
             rows = _scan_rows(op_census.census(jaxpr.jaxpr), cfg)
-            decodes = [k for r in rows for k in r["kernels"] * r["length"] if k.startswith("sparse_decode_gathered")]
-            assert len(decodes) == sparse and all(k.endswith("_prefetch") == on for k in decodes), decodes
-            large[on] = op_census.large_ops(jaxpr.jaxpr, 4 * 2 ** 20)
-        assert large[True] == large[False], method
+            kernels = [k for r in rows for k in r["kernels"] * r["length"]]
+            decodes = [k for k in kernels if k.startswith("sparse_decode_gathered")]
+            assert len(decodes) == sparse and all(k.endswith("_prefetch") == (at == "decode") for k in decodes)
+            assert sum(k.endswith("_prefetch") for k in kernels) == (0 if at == "off" else sparse), (method, at)
+            large[at] = op_census.large_ops(jaxpr.jaxpr, 4 * 2 ** 20)
+        assert all(large[at] == large["off"] for at in places), method

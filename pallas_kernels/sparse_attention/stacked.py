@@ -148,7 +148,7 @@ def prefetch_plan(rows: int, programs: int, target: int) -> tuple[int, int]:
     return x, -(-each // PREFETCH_TILE[0]) * PREFETCH_TILE[0]
 
 
-def _prefetch_slice(w_ref, sink_ref, layer, index, rows_each: int):
+def prefetch_slice(w_ref, sink_ref, layer, index, rows_each: int):
     """Prefetch program `index`: rows index * rows_each .. + rows_each of layer `layer` of w_ref [L, R, C] read into
     L2 (`evict_last`); their sum feeds a store into sink_ref (a real output block) that never happens (|sum| <
     1e30 for weights), so the compiler keeps the loads and nothing is written."""
@@ -165,7 +165,7 @@ def _prefetch_slice(w_ref, sink_ref, layer, index, rows_each: int):
                                    other=0.0, eviction_policy="evict_last").astype(jnp.float32)
     s = jnp.sum(jnp.sum(acc, axis=1), axis=0)  # by axis (a full sum failed to lower for CUDA)
     at = (jnp.int32(0),) * (len(sink_ref.shape) - 1)
-    plgpu.store(sink_ref.at[at + (pl.ds(0, 1),)], jnp.full((1,), s), mask=jnp.full((1,), s == 1e30))
+    plgpu.store(sink_ref.at[at + (pl.ds(0, 1),)], jnp.full((1,), s, sink_ref.dtype), mask=jnp.full((1,), s == 1e30))
 
 
 def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, entries_per_split: int, K: int,
@@ -200,7 +200,7 @@ def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, e
     skips.
     With prefetch (splits, X, rows_each): one more input ref last, the next GEMM's weights [L, R, C]; the grid has
     splits + X programs a (b, h, t) row: the first splits decode (their K/V rows read `evict_first`), the other X
-    read their slice of the layer's weights into L2 (`_prefetch_slice`).
+    read their slice of the layer's weights into L2 (`prefetch_slice`).
     """
     if mapped:
         hm_ref, *refs = refs
@@ -288,7 +288,7 @@ def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, e
 
     @pl.when(split >= splits)
     def _prefetch():
-        _prefetch_slice(w_ref, m_ref, layer, row * X + split - splits, rows_each)
+        prefetch_slice(w_ref, m_ref, layer, row * X + split - splits, rows_each)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "scale", "return_lse", "return_mass", "config",
@@ -436,7 +436,7 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
     (`block_scores.gpu.add_pending_mass_gpu`).
     prefetch (T = 1, not shared): the stacked weights of the GEMM after the attention, [L, ...] (the model's O
     projection, `models.attention.LayerContext.o_weights`): about `config.prefetch_programs` more programs read layer
-    `layer`'s slice into L2 while the decode runs (`_prefetch_slice`), and the decode reads its K/V rows
+    `layer`'s slice into L2 while the decode runs (`prefetch_slice`), and the decode reads its K/V rows
     `evict_first`; the outputs are the same."""
     stacked = indices.ndim == 5  # every layer's index rows, the layer's read in place
     B, T = q.shape[:2]

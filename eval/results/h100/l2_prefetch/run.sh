@@ -1,28 +1,35 @@
 #!/usr/bin/env bash
-# Issue 24's L2 lead on an H100, one device call (about 8 minutes):
-#   1. probe.py: prefetch programs beside a latency-bound and a streaming launch, then the GEMM (l2_prefetch.json);
-#   2. A/B in the model's decode step, alternating on one warm machine: `jsparse bench model --methods
-#      dense,evosparse,h2o --context 100000 --batch 4` without, with, without, with `--method-option
-#      evosparse.prefetch_o=true --method-option h2o.prefetch_o=true` (the runs with it checked against the masked
-#      reference, batch 2 and 1; the runs without it `--no-check`), then EvoSparse and H2O on Qwen3-8B shapes at
-#      batch 3, without and with.
-# Usage (GPU): GIT_COMMIT=<sha> OUT=... bash eval/results/h100/l2_prefetch/run.sh
+# Issue 24's L2 lead on an H100, two device calls on one warm machine:
+#   PART=llama (about 7 minutes): probe.py (prefetch programs beside a latency-bound and a streaming launch, then the
+#     GEMM; l2_prefetch.json), then `jsparse bench model --methods dense,evosparse,h2o --context 100000 --batch 4`
+#     alternating: off (`--no-check`), EvoSparse and H2O prefetch_o=decode, off, EvoSparse decode and H2O
+#     prefetch_o=finish (the runs with it checked against the masked reference at batch 2);
+#   PART=qwen3 (about 4 minutes): the same methods on Qwen3-8B shapes at batch 3: off, on (EvoSparse decode, H2O the
+#     better of PART=llama's: PLACE=decode or finish), off, on, all `--no-check`.
+# Usage (GPU): GIT_COMMIT=<sha> OUT=... PART=llama|qwen3 [PLACE=finish] bash eval/results/h100/l2_prefetch/run.sh
 set -u
 export PYTHONUNBUFFERED=1
-echo "== probe $(date +%T)"
-PYTHONPATH=. timeout 150 python3 eval/results/h100/l2_prefetch/probe.py 2>&1 | grep -E "^\|" | tail -40
-ON=(--method-option evosparse.prefetch_o=true --method-option h2o.prefetch_o=true)
 bench() {  # $1 = JSON name, then bench model options
   local name=$1; shift
   PYTHONPATH=. timeout 170 python3 -m jsparse.cli bench model --out "$OUT/$name.json" "$@" 2>&1 \
     | grep -E "^\| (dense|evosparse|h2o) |^check|rror" | tail -12
   echo "-- $name done $(date +%T)"
 }
-i=0
-for v in off on off on; do
-  i=$((i + 1))
-  if [ $v = on ]; then opts=("${ON[@]}"); else opts=(--no-check); fi
-  bench "ab_${i}_$v" --methods dense,evosparse,h2o --context 100000 --batch 4 "${opts[@]}"
-done
-bench qwen3_off --shape qwen3-8b --methods dense,evosparse,h2o --context 100000 --batch 3 --no-check
-bench qwen3_on --shape qwen3-8b --methods dense,evosparse,h2o --context 100000 --batch 3 --no-check "${ON[@]}"
+on() { echo --method-option evosparse.prefetch_o=decode --method-option "h2o.prefetch_o=$1"; }
+case "${PART:?PART=llama|qwen3}" in
+  llama)
+    echo "== probe $(date +%T)"
+    PYTHONPATH=. timeout 150 python3 eval/results/h100/l2_prefetch/probe.py 2>&1 | grep -E "^\|" | tail -40
+    M=(--methods dense,evosparse,h2o --context 100000 --batch 4)
+    bench ab_1_off "${M[@]}" --no-check
+    bench ab_2_decode "${M[@]}" $(on decode)
+    bench ab_3_off "${M[@]}" --no-check
+    bench ab_4_finish "${M[@]}" $(on finish) ;;
+  qwen3)
+    M=(--shape qwen3-8b --methods dense,evosparse,h2o --context 100000 --batch 3 --no-check)
+    for i in 1 2; do
+      bench "qwen3_${i}_off" "${M[@]}"
+      bench "qwen3_${i}_on" "${M[@]}" $(on "${PLACE:-finish}")
+    done ;;
+  *) echo "PART=$PART: expected llama or qwen3" >&2; exit 2 ;;
+esac
