@@ -34,8 +34,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.block_scores.reference import check_block_max_args, check_heat_args
 from pallas_kernels.sparse_attention import gpu as sgpu
 from pallas_kernels.sparse_attention.common import default_scale
-from pallas_kernels.sparse_attention.stacked import (Finish, decode_partials_stacked, layer_index, prefetch_plan,
-                                                     prefetch_slice, prefetch_view, row_entries,
+from pallas_kernels.sparse_attention.stacked import (Finish, decode_partials_stacked, layer_index,
+                                                     prefetch_operand, prefetch_slice, row_entries,
                                                      sparse_decode_stacked_gpu)
 from pallas_kernels.topk_select.common import INT_MIN, float_keys
 from pallas_kernels.topk_select.gpu_row import ROW_LIMIT, next_pow2, row_pick_mask, row_warps
@@ -441,10 +441,7 @@ def sparse_decode_heat_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
     scalar = pl.BlockSpec((1,), lambda b, h, s: (0,))
     plan, extra, extra_specs = None, (), []
     if at_finish is not None:  # the weights read in place by X more programs a row (`_finish_heat_kernel`)
-        view = prefetch_view(at_finish)
-        if view.shape[0] != L:
-            raise ValueError(f"prefetch has {view.shape[0]} layers: expected the cache's {L}")
-        plan = prefetch_plan(view.shape[1], B * Hkv, config.prefetch_programs)
+        view, plan = prefetch_operand(at_finish, L, B * Hkv, config.prefetch_programs)
         extra, extra_specs = (view,), [pl.BlockSpec(view.shape, lambda b, h, s: (0, 0, 0))]
     out, heat = pl.pallas_call(
         functools.partial(_finish_heat_kernel, S=S, E=E, K=K, G=G, L=L, Lh=Lh, stacked=stacked, prefetch=plan),

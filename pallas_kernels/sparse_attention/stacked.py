@@ -148,6 +148,15 @@ def prefetch_plan(rows: int, programs: int, target: int) -> tuple[int, int]:
     return x, -(-each // PREFETCH_TILE[0]) * PREFETCH_TILE[0]
 
 
+def prefetch_operand(w: Array, layers: int, programs: int, target: int) -> tuple[Array, tuple[int, int]]:
+    """(the weights' [L, R, C] view, `prefetch_plan` for `programs` rows of a grid): what a launch that appends
+    prefetch programs takes; weights of another layer count than the cache's `layers` are refused."""
+    view = prefetch_view(w)
+    if view.shape[0] != layers:
+        raise ValueError(f"prefetch has {view.shape[0]} layers: expected the cache's {layers}")
+    return view, prefetch_plan(view.shape[1], programs, target)
+
+
 def prefetch_slice(w_ref, sink_ref, layer, index, rows_each: int):
     """Prefetch program `index`: rows index * rows_each .. + rows_each of layer `layer` of w_ref [L, R, C] read into
     L2 (`evict_last`); their sum feeds a store into sink_ref (a real output block) that never happens (|sum| <
@@ -220,8 +229,7 @@ def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, e
 
     def _decode(head=None):
         if mapped:  # the map's row of this layer (every layer's map, read in place) or the one layer's map
-            head = jnp.clip(hm_ref[layer, pids[1]] if stacked_map else hm_ref[pids[1]], 0,
-                            Hkv - 1)
+            head = jnp.clip(hm_ref[layer, pids[1]] if stacked_map else hm_ref[pids[1]], 0, Hkv - 1)
         if stacked_indices:
             head = layer  # the row of ent_ref [L, K] (`_entries`)
         # Where this program's partials go in their blocks: its own block, its split of the row's, or its layer's
@@ -491,10 +499,8 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
     if prefetch is not None:
         if T != 1 or shared:
             raise ValueError(f"prefetch with {T} queries a row: expected one decode token (T = 1)")
-        prefetch = prefetch_view(prefetch)
-        if prefetch.shape[0] != L:
-            raise ValueError(f"prefetch has {prefetch.shape[0]} layers: expected the cache's {L}")
-        plan = (splits,) + prefetch_plan(prefetch.shape[1], B * H * Tg, config.prefetch_programs)
+        prefetch, xr = prefetch_operand(prefetch, L, B * H * Tg, config.prefetch_programs)
+        plan = (splits,) + xr
     kernel = functools.partial(_decode_kernel_stacked, scale=scale, block_size=block_size, block_k=block_k,
                                entries_per_split=E, K=K, T=T, N=N, L=L, G=G, Hkv=Hkv, mapped=mapped,
                                stacked_map=stacked_map, mass=return_mass, stacked_indices=stacked, shared=shared,
