@@ -88,10 +88,6 @@ class LayerContext:
         (`models.llama.gemm_row_padding`), else None. A method may then return its attention output in that form,
         [1, R, Hq, D] (token row b * T + t, zeros past B * T), which the model takes as is instead of padding
         [B, T, Hq, D] itself (one XLA kernel a layer on a GPU).
-      o_weights: in decode, for a method whose `prefetch_o` is not "off" (outside a mesh), every layer's stacked output
-        projection weights [L, Hq, D, E] (`Params.layers.wo`, whole: a layer's slice would be a copy), which its
-        kernels may read into L2 while the attention runs (`pallas_kernels.sparse_attention.stacked`'s prefetch
-        programs); else None.
     """
 
     layer: Array
@@ -104,7 +100,6 @@ class LayerContext:
     every_layer_windowed: bool = struct.field(pytree_node=False, default=False)
     kv_dtype: Any = struct.field(pytree_node=False, default=None)
     rows_out: int | None = struct.field(pytree_node=False, default=None)
-    o_weights: Any = None
 
 
 class AttentionMethod(Protocol):

@@ -354,10 +354,6 @@ def _scan_layers(params: Params, cfg: ModelConfig, method, x: Array, positions: 
     else:
         rows = unrows = lambda a: a
     rope_positions = rows(positions)
-    # Every layer's O projection for a method that reads it into L2 (`LayerContext.o_weights`): the stacked array,
-    # a constant of the scan (a layer's slice as a kernel operand would be a copy).
-    wants_o = phase == "decode" and getattr(method, "prefetch_o", "off") != "off" and active_mesh() is None
-    o_weights = params.layers.wo if wants_o else None
 
     def layer_fn(carry, xs, segment=None):
         x, ck, cv, state = carry
@@ -379,7 +375,7 @@ def _scan_layers(params: Params, cfg: ModelConfig, method, x: Array, positions: 
         h = unrows(h)
         ctx = LayerContext(layer=layer, lengths=lengths, info=info, hidden=h, segment=segment, window=window,
                            window_size=window_size, every_layer_windowed=cfg.every_layer_windowed,
-                           kv_dtype=ck.dtype, rows_out=B * T + pad if pad else None, o_weights=o_weights)
+                           kv_dtype=ck.dtype, rows_out=B * T + pad if pad else None)
         attn, state = attend(ctx, q, k, v, ck, cv, state)
         padded = pad and attn.shape[:2] == (1, B * T + pad)  # already in the GEMMs' rows (`ctx.rows_out`)
         x_attn = x + _dense(attn.astype(x.dtype) if padded else rows(attn.astype(x.dtype)), lp.wo, "bthd,hde->bte",

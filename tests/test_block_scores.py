@@ -182,41 +182,6 @@ def test_decode_heat_matches_reference(splits, block_k, K, layer):
         sparse_decode_heat(q, k, v, jnp.int32(0), idx, lengths, xla_h, block_size=BS)
 
 
-def test_decode_heat_with_prefetch_programs_is_the_same_decode():
-    """Prefetch programs appended to the decode's launch (the next GEMM's weights read into L2, the K/V rows read
-    evict_first; `stacked.decode_partials_stacked(prefetch=...)`) or to the finish launch change no output: the two
-    launches and the one launch with tickets give the same output and heat, to the bit, with or without them; the
-    launch holds the extra programs; weights of another layer count are refused, and so is a finish placement with
-    tickets."""
-    q, k, v = _cache(6)
-    idx = _indices(1, K=9, used=5)
-    lengths = jnp.array([200, 37], jnp.int32)
-    heat = jax.random.uniform(jax.random.key(9), (L, B, HKV, N // BS))
-    w = jax.random.normal(jax.random.key(4), (L, 40, 1024), jnp.float32)  # 40 rows: the last program's masked
-    args = (q, k, v, jnp.int32(1), idx, lengths, heat)
-    cfg = gpu.sgpu.DecodeConfig(block_k=16, num_splits=2, prefetch_programs=8)
-    for tickets in (None, jnp.zeros((B, HKV, 1), jnp.int32)):
-        run = functools.partial(gpu.sparse_decode_heat_gpu, *args, block_size=BS, interpret=True, config=cfg,
-                                tickets=tickets)
-        for got, want in zip(run(prefetch=w), run()):
-            np.testing.assert_array_equal(got, want)
-        text = str(jax.make_jaxpr(lambda: run(prefetch=w))())
-        assert "sparse_decode_gathered_stacked_mass" + ("_finish" if tickets is not None else "") + "_prefetch" in text
-    # In the two launches' finish launch instead (after the decode read its K/V rows): the same to the bit.
-    run = functools.partial(gpu.sparse_decode_heat_gpu, *args, block_size=BS, interpret=True, config=cfg)
-    for got, want in zip(run(prefetch=w, prefetch_at="finish"), run()):
-        np.testing.assert_array_equal(got, want)
-    text = str(jax.make_jaxpr(lambda: run(prefetch=w, prefetch_at="finish"))())
-    assert "evosparse_finish_heat_prefetch" in text and "sparse_decode_gathered_stacked_mass_prefetch" not in text
-    with pytest.raises(ValueError, match="prefetch_at='finish': expected 'decode', or 'finish' without tickets"):
-        run(prefetch=w, prefetch_at="finish", tickets=jnp.zeros((B, HKV, 1), jnp.int32))
-    assert stacked.prefetch_plan(40, B * HKV, 8) == (2, 8)  # 2 a row, 8 rows each: 64 >= 40
-    assert stacked.prefetch_view(jnp.zeros((L, 32, 128, 64))).shape == (L, 256, 1024)
-    assert stacked.prefetch_view(jnp.zeros((L, 3, 100))).shape == (L, 3, 100)
-    with pytest.raises(ValueError, match="prefetch has 2 layers: expected the cache's 3"):
-        gpu.sparse_decode_heat_gpu(*args, block_size=BS, interpret=True, config=cfg, prefetch=w[:2])
-
-
 def test_decode_heat_in_one_launch_in_chunks_and_its_limit(monkeypatch):
     """The one-launch finish's last program adds a row's entries in static chunks (FINISH_CHUNK; 16 here, so the
     row's 31 entries take two): the same output and heat as the two launches; with rows_out the output in the
@@ -322,19 +287,6 @@ def test_kernels_lower_for_cuda():
             q, cache, cache, i32(), i32(4, Bn, Hkv, 1, 128), i32(Bn), sds((4, Bn, Hkv, Nn // 16), jnp.float32)
         ).mlir_module()
         assert "evosparse_finish_heat" in text and "dynamic_slice" not in text
-        # With prefetch programs (the O projection's stacked weights, read in place) and in one launch (tickets).
-        def f(*a):
-            return gpu.sparse_decode_heat_gpu(*a[:7], block_size=16, tickets=a[7], prefetch=a[8])
-        text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(
-            q, cache, cache, i32(), i32(4, Bn, Hkv, 1, 128), i32(Bn), sds((4, Bn, Hkv, Nn // 16), jnp.float32),
-            i32(Bn, Hkv, 1), sds((4, Hq, Dn, 4096), jnp.bfloat16)).mlir_module()
-        assert "sparse_decode_gathered_stacked_mass_finish_prefetch" in text and "dynamic_slice" not in text
-        def f(*a):  # in the finish launch of the two (H2O's prefetch_o="finish")
-            return gpu.sparse_decode_heat_gpu(*a[:7], block_size=16, prefetch=a[7], prefetch_at="finish")
-        text = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(
-            q, cache, cache, i32(), i32(4, Bn, Hkv, 1, 128), i32(Bn), sds((4, Bn, Hkv, Nn // 16), jnp.float32),
-            sds((4, Hq, Dn, 4096), jnp.bfloat16)).mlir_module()
-        assert "evosparse_finish_heat_prefetch" in text and "dynamic_slice" not in text
         # EvoSparse's rank kernel at the benchmark's shape (100K / 16 blocks, budget 2048: 40 retrieval and 80
         # candidate blocks, width 128), stacked with a layer index.
         f = functools.partial(gpu.select_from_candidates_gpu, num_kv_heads=Hkv, width=128, heat_width=80)

@@ -100,23 +100,3 @@ def test_h2o_layers_run_one_launch_and_the_step_one_mass_launch():
     assert [r["kernels"] for r in rows] == [["rope_write", "sparse_decode_gathered_stacked_mass",
                                              "evosparse_finish_heat"]]
     assert not any("pending_mass" in r["kernels"] for r in census)
-
-
-def test_prefetch_o_appends_prefetch_programs_to_every_gathered_decode():
-    """With `prefetch_o` (EvoSparse "decode", H2O "decode" or "finish") every sparse layer of the step reads the
-    model's stacked O projection in place, in prefetch programs of its gathered decode's launch or of H2O's mass
-    launch (the `_prefetch` kernels: one per sparse layer, none without the option), and the step runs no XLA op
-    over large arrays that it does not run without it (the layer's slice of the weights as the kernel's operand
-    would be a copy of 32 MiB; the GEMMs' own slices are there either way)."""
-    for method, sparse, places in (("evosparse", 30, ("decode",)), ("h2o", 32, ("decode", "finish"))):
-        large = {}
-        for at in ("off",) + places:
-            jaxpr, cfg = op_census.trace_step(method, "llama3-8b", batch=4, context=100000, budget=0.1, gpu=True,
-                                              options={"prefetch_o": at})
-            rows = _scan_rows(op_census.census(jaxpr.jaxpr), cfg)
-            kernels = [k for r in rows for k in r["kernels"] * r["length"]]
-            decodes = [k for k in kernels if k.startswith("sparse_decode_gathered")]
-            assert len(decodes) == sparse and all(k.endswith("_prefetch") == (at == "decode") for k in decodes)
-            assert sum(k.endswith("_prefetch") for k in kernels) == (0 if at == "off" else sparse), (method, at)
-            large[at] = op_census.large_ops(jaxpr.jaxpr, 4 * 2 ** 20)
-        assert all(large[at] == large["off"] for at in places), method

@@ -139,9 +139,6 @@ class EvoSparse:
     finish_in_launch: on a GPU, a one-token decode layer's gathered decode also merges its splits and adds the
     mass into the heat, by the last program of each row (`block_scores.sparse_decode_heat`'s tickets), instead of a
     second launch; the same results either way.
-    prefetch_o: "decode", on a GPU the gathered decode's launch also reads the layer's O projection weights into L2
-    (`models.attention.LayerContext.o_weights`), its K/V rows read `evict_first`; "off" (the default): not. The
-    same results (not measured in the model yet: eval/results/h100/l2_prefetch/).
     Leaves: layout (RetrievalLayout) or None without retrieval.
     """
 
@@ -167,7 +164,6 @@ class EvoSparse:
     kernels: Optional[str] = struct.field(pytree_node=False, default=None)
     group_select: bool = struct.field(pytree_node=False, default=True)
     finish_in_launch: bool = struct.field(pytree_node=False, default=True)
-    prefetch_o: str = struct.field(pytree_node=False, default="off")
 
     def __post_init__(self):
         sel.check_budget(self.budget)
@@ -188,8 +184,6 @@ class EvoSparse:
         object.__setattr__(self, "decay", float(self.decay))
         sel.check_positive_int("dense_layers", self.dense_layers, 0)
         sel.check_positive_int("heat_window", self.heat_window, 0)
-        if self.prefetch_o not in ("off", "decode"):
-            raise ValueError(f"prefetch_o={self.prefetch_o!r}: expected 'off' or 'decode'")
         for name in ("group_select", "finish_in_launch"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected true or false")
@@ -536,8 +530,7 @@ class EvoSparse:
             lengths = ctx.lengths if live is None else jnp.where(live, ctx.lengths, 0)
             res = sparse_decode_heat(q, k_all, v_all, layer, rows, lengths, heat, ctx.layer,
                                      block_size=self.block_size, implementation=self.kernels, config=DECODE_CONFIG,
-                                     tickets=state.tickets, rows_out=ctx.rows_out if live is None else None,
-                                     prefetch=ctx.o_weights)
+                                     tickets=state.tickets, rows_out=ctx.rows_out if live is None else None)
             return res[0].astype(q.dtype), state.replace(heat=res[1], tickets=res[2] if len(res) > 2 else None)
 
         def row(heat_l, xs):

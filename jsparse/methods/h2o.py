@@ -104,11 +104,7 @@ class H2O(TokenBudget):
     `finish` adds every layer's mass into the scores in one launch (`add_pending_mass_gpu`), where each layer ran a
     second launch for it; the same scores, since a layer's score is read only when the next forward starts. False
     (the default): the two launches a layer (on an H100 mass_at_end was 0.3% faster at Llama-3.1-8B 100K, batch 4
-    and no faster at Qwen3-8B 100K, batch 3: `eval/results/h100/h2o_one_launch/`). prefetch_o (on a GPU, the two
-    launches): "decode", the gathered decode's launch also reads the layer's O projection weights into L2
-    (`models.attention.LayerContext.o_weights`), its K/V rows read `evict_first`; "finish", the mass launch after it
-    does; "off" (the default): neither. The same outputs (not measured in the model yet:
-    eval/results/h100/l2_prefetch/)."""
+    and no faster at Qwen3-8B 100K, batch 3: `eval/results/h100/h2o_one_launch/`)."""
 
     dense_prefill = True  # a decode method: its prefill attends to every key (and accumulates the scores)
 
@@ -118,12 +114,9 @@ class H2O(TokenBudget):
     gathered: Optional[bool] = struct.field(pytree_node=False, default=None)
     carry: bool = struct.field(pytree_node=False, default=True)
     mass_at_end: bool = struct.field(pytree_node=False, default=False)
-    prefetch_o: str = struct.field(pytree_node=False, default="off")
 
     def __post_init__(self):
         super().__post_init__()
-        if self.prefetch_o not in ("off", "decode", "finish"):
-            raise ValueError(f"prefetch_o={self.prefetch_o!r}: expected 'off', 'decode' or 'finish'")
         if not sel.is_real(self.recent) or not 0.0 < float(self.recent) <= 1.0:
             raise ValueError(f"recent={self.recent!r}: expected the recent window's share of the budget in (0, 1]")
         object.__setattr__(self, "recent", float(self.recent))
@@ -301,8 +294,7 @@ class H2O(TokenBudget):
                                                               config=DECODE_CONFIG, rows_out=ctx.rows_out)
                 return out, state.replace(pending=pending, tickets=tickets)
             out, score = sparse_decode_heat(q, k_all, v_all, layer, state.kept[:, :, :, None], ctx.lengths,
-                                            state.score, ctx.layer, config=DECODE_CONFIG, prefetch=ctx.o_weights,
-                                            prefetch_at="finish" if self.prefetch_o == "finish" else "decode")
+                                            state.score, ctx.layer, config=DECODE_CONFIG)
             return out, state.replace(score=score)
         G = Hq // Hkv
         K = self.k_static(N)

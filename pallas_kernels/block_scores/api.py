@@ -117,8 +117,7 @@ def sparse_decode_mass(q: Array, k_all: Array, v_all: Array, layer: Array, indic
 def sparse_decode_heat(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array,
                        heat: Array, heat_layer: Array | None = None, *, block_size: int = 1,
                        scale: float | None = None, implementation: str | None = None, config=None,
-                       tickets: Array | None = None, rows_out: int | None = None, prefetch: Array | None = None,
-                       prefetch_at: str = "decode"):
+                       tickets: Array | None = None, rows_out: int | None = None):
     """One decode token's gathered decode over layer `layer` of a stacked cache, with each index entry's softmax
     mass added into the stacked heat's row `heat_layer` (None: `layer`): (out [B, 1, Hq, D], heat f32[Lh, B,
     Hkv, nb]) (semantics: `reference.sparse_decode_heat_reference`; on the GPU the heat is updated in place).
@@ -130,10 +129,7 @@ def sparse_decode_heat(q: Array, k_all: Array, v_all: Array, layer: Array, indic
     tickets: i32[B, Hkv, 1] zeros, or None: with them the Pallas GPU kernel finishes in the decode's own launch (the
     last program of each row merges it: `gpu.sparse_decode_heat_gpu`) and the result is (out, heat, tickets), the
     tickets zeros again (returned as given by the other implementations and under a mesh); rows_out (with
-    tickets, on that kernel only): the output as [1, rows_out, Hq, D] (`models.attention.LayerContext.rows_out`).
-    prefetch: the next GEMM's stacked weights [L, ...], read into L2 by programs of the Pallas GPU kernel's decode
-    launch while it runs (`models.attention.LayerContext.o_weights`), or with prefetch_at "finish" (no tickets) of
-    its finish launch, after the decode; the other implementations ignore them."""
+    tickets, on that kernel only): the output as [1, rows_out, Hq, D] (`models.attention.LayerContext.rows_out`)."""
     if tickets is not None and (active_mesh() is not None or _pick(implementation, q, block_size) != "pallas_gpu"):
         return sparse_decode_heat(q, k_all, v_all, layer, indices, lengths, heat, heat_layer, block_size=block_size,
                                   scale=scale, implementation=implementation, config=config) + (tickets,)
@@ -157,8 +153,7 @@ def sparse_decode_heat(q: Array, k_all: Array, v_all: Array, layer: Array, indic
         from pallas_kernels.block_scores import gpu
         from pallas_kernels.sparse_attention.gpu import DecodeConfig
         return gpu.sparse_decode_heat_gpu(*args, block_size=block_size, scale=scale, tickets=tickets,
-                                          rows_out=None if tickets is None else rows_out, prefetch=prefetch,
-                                          prefetch_at=prefetch_at,
+                                          rows_out=None if tickets is None else rows_out,
                                           config=DecodeConfig() if config is None else config)
     reference.check_heat_args(q, indices, heat, k_all, block_size)
     rows = _layer_rows(q, k_all, v_all, layer, indices, lengths, block_size)

@@ -34,8 +34,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.block_scores.reference import check_block_max_args, check_heat_args
 from pallas_kernels.sparse_attention import gpu as sgpu
 from pallas_kernels.sparse_attention.common import default_scale
-from pallas_kernels.sparse_attention.stacked import (Finish, decode_partials_stacked, layer_index,
-                                                     prefetch_operand, prefetch_slice, row_entries,
+from pallas_kernels.sparse_attention.stacked import (Finish, decode_partials_stacked, layer_index, row_entries,
                                                      sparse_decode_stacked_gpu)
 from pallas_kernels.topk_select.common import INT_MIN, float_keys
 from pallas_kernels.topk_select.gpu_row import ROW_LIMIT, next_pow2, row_pick_mask, row_warps
@@ -249,8 +248,8 @@ def _add_entry_mass(ent, el_ref, em_ref, nw_ref, entries, heat_ref, hrow, lse, n
     plgpu.store(ref, plgpu.load(ref, mask=hit, other=0.0) + mass, mask=hit)
 
 
-def _finish_heat_kernel(lay_ref, hl_ref, idx_ref, o_ref, m_ref, l_ref, el_ref, em_ref, nw_ref, _heat_in, *refs,
-                        S: int, E: int, K: int, G: int, L: int, Lh: int, stacked: bool, prefetch: tuple | None = None):
+def _finish_heat_kernel(lay_ref, hl_ref, idx_ref, o_ref, m_ref, l_ref, el_ref, em_ref, nw_ref, _heat_in, out_ref,
+                        heat_ref, *, S: int, E: int, K: int, G: int, L: int, Lh: int, stacked: bool):
     """Program (b, kv head, split s) of one decode token: the GQA group's log-sum-exp from every split's (m, l),
     then split s's index entries' mass added into heat row `heat_layer` in place; split 0 also merges the S
     partials' outputs (the G real rows written).
@@ -261,36 +260,17 @@ def _finish_heat_kernel(lay_ref, hl_ref, idx_ref, o_ref, m_ref, l_ref, el_ref, e
     next_pow2(G) rows of the partials are loaded (their padding rows were never written) and rows past G are
     masked. One program per split keeps the entries a program holds to E (H2O's 10K keys a row are 16 splits of
     640), and every split's entries are distinct blocks of the row, so the programs' read-modify-writes of the heat
-    never meet. (`sparse_decode_heat_gpu` with tickets does all of this in the decode's own launch instead.)
-    With prefetch (X, rows_each): one more input ref after the heat, the next GEMM's weights [L, R, C], and X more
-    programs a (b, kv head) row after its S, each reading its slice of layer `lay`'s weights into L2
-    (`stacked.prefetch_slice`)."""
-    if prefetch is not None:
-        w_ref, *refs = refs
-    out_ref, heat_ref = refs
-    s = pl.program_id(2)  # the program ids read outside any branch (the interpreter's rule)
+    never meet. (`sparse_decode_heat_gpu` with tickets does all of this in the decode's own launch instead.)"""
+    s = pl.program_id(2)
+    w, mask_at, lse, l_safe, nonempty = _group_lse(m_ref, l_ref, S, G)
 
-    def finish():
-        w, mask_at, lse, l_safe, nonempty = _group_lse(m_ref, l_ref, S, G)
+    @pl.when(s == 0)
+    def _merge():
+        _merge_outputs(o_ref, out_ref, 0, w, mask_at, l_safe, nonempty, G)
 
-        @pl.when(s == 0)
-        def _merge():
-            _merge_outputs(o_ref, out_ref, 0, w, mask_at, l_safe, nonempty, G)
-
-        entries_row = layer_index(lay_ref[0], L) if stacked else None  # the layer's row of every layer's entries
-        _split_mass(s, lse, nonempty, idx_ref, entries_row, el_ref, em_ref, nw_ref, heat_ref,
-                    layer_index(hl_ref[0], Lh), E=E, K=K, G=G)
-
-    if prefetch is None:
-        finish()
-        return
-    X, rows_each = prefetch
-    row = pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)  # of the (b, kv head) rows
-    pl.when(s < S)(finish)
-
-    @pl.when(s >= S)
-    def _prefetch():
-        prefetch_slice(w_ref, out_ref, layer_index(lay_ref[0], L), row * X + s - S, rows_each)
+    row = layer_index(lay_ref[0], L) if stacked else None  # the layer's row of every layer's entries
+    _split_mass(s, lse, nonempty, idx_ref, row, el_ref, em_ref, nw_ref, heat_ref, layer_index(hl_ref[0], Lh),
+                E=E, K=K, G=G)
 
 
 def _split_mass(s, lse, nonempty, idx_ref, row, el_ref, em_ref, nw_ref, heat_ref, hrow, *, E: int, K: int, G: int):
@@ -332,7 +312,7 @@ def _finish_in_launch(splits: int, E: int, *, G: int, K: int, Lh: int | None, in
     layers (the number of cache layers L): the partials are every layer's ([L, S, ...], `sparse_decode_pending_gpu`),
     read at the launch's layer, and the last program merges the output only (no heat: `add_pending_mass_gpu` adds
     the mass later)."""
-    def finish(ins, outs, partials, entries, pids):
+    def finish(ins, outs, partials, entries):
         if layers is None:
             hl_ref, _heat_in, _tick_in = ins
             out_ref, heat_ref, tick_ref = outs
@@ -343,8 +323,8 @@ def _finish_in_launch(splits: int, E: int, *, G: int, K: int, Lh: int | None, in
         if not interpret:  # the interpreter runs the programs one after another and has no barrier
             plgpu.debug_barrier()
         ticket = plgpu.atomic_add(tick_ref, (jnp.int32(0),), jnp.int32(1))
-        row0 = pids[1] * G  # the group's first query head (read outside any branch: the interpreter's rule)
-        b = pids[0]
+        row0 = pl.program_id(1) * G  # the group's first query head (read here: not inside the branch)
+        b = pl.program_id(0)
 
         @pl.when(ticket == splits - 1)
         def _last():
@@ -376,8 +356,7 @@ def sparse_decode_heat_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
                            heat: Array, heat_layer: Array | None = None, *, block_size: int = 1,
                            scale: float | None = None,
                            config: sgpu.DecodeConfig = sgpu.DecodeConfig(), tickets: Array | None = None,
-                           rows_out: int | None = None, prefetch: Array | None = None, prefetch_at: str = "decode",
-                           interpret: bool = False):
+                           rows_out: int | None = None, interpret: bool = False):
     """`reference.sparse_decode_heat_reference` in two launches (or in one, with tickets): the stacked gathered
     decode with its entry sums (`sparse_attention.stacked.decode_partials_stacked`), then one program per (row, KV
     head, split) (`_finish_heat_kernel`) that takes the group's log-sum-exp from the splits, adds its split's
@@ -392,10 +371,7 @@ def sparse_decode_heat_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
       N // block_size]; heat_layer: i32[] the heat row to update (None: `layer`); tickets: i32[B, Hkv, 1] zeros
       (as every such launch leaves them), or None: with them the finish runs in the decode's own launch, by the
       last program of each (row, KV head) to finish its split (`_finish_in_launch`); rows_out (with tickets): the
-      output as [1, rows_out, Hq, D], token row b then zero rows (`models.attention.LayerContext.rows_out`);
-      prefetch: the next GEMM's stacked weights [L, ...], read into L2 by programs of the decode's launch
-      (`sparse_attention.stacked.decode_partials_stacked`; prefetch_at "decode") or, without tickets, of the finish's
-      (prefetch_at "finish": after the decode has read its K/V rows), or None.
+      output as [1, rows_out, Hq, D], token row b then zero rows (`models.attention.LayerContext.rows_out`).
 
     Returns:
       (out [B, 1, Hq, D] (or [1, rows_out, Hq, D]) in q.dtype, heat), and tickets (zeros again) when given.
@@ -403,11 +379,6 @@ def sparse_decode_heat_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
     check_heat_args(q, indices, heat, k_all, block_size)
     _check_supported(q, block_size)
     hl = jnp.asarray(layer if heat_layer is None else heat_layer, jnp.int32).reshape(1)
-    if prefetch_at not in ("decode", "finish") or (prefetch_at == "finish" and tickets is not None):
-        raise ValueError(f"prefetch_at={prefetch_at!r}: expected 'decode', or 'finish' without tickets (the one "
-                         "launch has no finish launch)")
-    at_finish = prefetch if prefetch_at == "finish" else None
-    prefetch = None if prefetch_at == "finish" else prefetch
     if tickets is not None:
         out_spec, out_struct, tick_spec = _ticketed_output(q, k_all, tickets, rows_out)
         if indices.shape[-1] > FINISH_MAX_ENTRIES:
@@ -425,10 +396,10 @@ def sparse_decode_heat_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
                      aliases={1: 1, 2: 2})
         return decode_partials_stacked(q, k_all, v_all, layer, indices, lengths, block_size=block_size, scale=scale,
                                        return_mass=True, config=config, head_map=None, interpret=interpret,
-                                       finish=fin, prefetch=prefetch)[-3:]
+                                       finish=fin)[-3:]
     o, m, l, el, em, nw = decode_partials_stacked(q, k_all, v_all, layer, indices, lengths, block_size=block_size,
                                                   scale=scale, return_mass=True, config=config, head_map=None,
-                                                  interpret=interpret, prefetch=prefetch)
+                                                  interpret=interpret)
     S, B, Hkv, _, Gp, D = o.shape
     L, (Lh, nb), K, E = k_all.shape[0], (heat.shape[0], heat.shape[-1]), indices.shape[-1], el.shape[-1]
     G, Ei = q.shape[2] // Hkv, em.shape[-1]  # Ei: the splits' iterations (one max each)
@@ -439,21 +410,17 @@ def sparse_decode_heat_gpu(q: Array, k_all: Array, v_all: Array, layer: Array, i
     rows = (pl.BlockSpec((L, None, None, None, K), lambda b, h, s: (0, b, h, 0, 0)) if stacked
             else pl.BlockSpec((None, None, None, K), lambda b, h, s: (b, h, 0, 0)))
     scalar = pl.BlockSpec((1,), lambda b, h, s: (0,))
-    plan, extra, extra_specs = None, (), []
-    if at_finish is not None:  # the weights read in place by X more programs a row (`_finish_heat_kernel`)
-        view, plan = prefetch_operand(at_finish, L, B * Hkv, config.prefetch_programs)
-        extra, extra_specs = (view,), [pl.BlockSpec(view.shape, lambda b, h, s: (0, 0, 0))]
     out, heat = pl.pallas_call(
-        functools.partial(_finish_heat_kernel, S=S, E=E, K=K, G=G, L=L, Lh=Lh, stacked=stacked, prefetch=plan),
-        grid=(B, Hkv, S + (0 if plan is None else plan[0])),
+        functools.partial(_finish_heat_kernel, S=S, E=E, K=K, G=G, L=L, Lh=Lh, stacked=stacked),
+        grid=(B, Hkv, S),
         in_specs=[scalar, scalar, rows, part(Gp, D), part(Gp), part(Gp), part(Gp, E), part(Gp, Ei), part(1),
-                  heat_spec] + extra_specs,
+                  heat_spec],
         out_specs=[pl.BlockSpec((None, None, Gp, D), lambda b, h, s: (b, h, 0, 0)), heat_spec],
         out_shape=[jax.ShapeDtypeStruct((B, Hkv, Gp, D), q.dtype), jax.ShapeDtypeStruct(heat.shape, heat.dtype)],
         input_output_aliases={9: 1},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret, name="evosparse_finish_heat" + ("_prefetch" if plan else ""),
-    )(jnp.asarray(layer, jnp.int32).reshape(1), hl, indices.astype(jnp.int32), o, m, l, el, em, nw, heat, *extra)
+        interpret=interpret, name="evosparse_finish_heat",
+    )(jnp.asarray(layer, jnp.int32).reshape(1), hl, indices.astype(jnp.int32), o, m, l, el, em, nw, heat)
     return out[:, :, :G].reshape(B, 1, Hkv * G, D), heat
 
 

@@ -57,10 +57,6 @@ class DecodeConfig:
         a larger target (H2O's 32-row tiles: 512).
       num_warps: warps per program.
       num_stages: software pipelining depth of the inner loop.
-      prefetch_programs: with a prefetch array (`stacked.decode_partials_stacked(prefetch=...)`: the next GEMM's
-        weights), about this many programs appended to the grid read the layer's slice of it into L2
-        (`evict_last`) while the decode runs, and the decode reads its K/V rows `evict_first`
-        (eval/results/h100/l2_prefetch/).
     """
 
     block_k: int = 64
@@ -68,7 +64,6 @@ class DecodeConfig:
     target_programs: int = 264
     num_warps: int = 4
     num_stages: int = 3  # H100, 128K B8 10%: 0.174 ms vs 0.188 at 2 (bench_attention_llama3-8b_128k_decode_tunings)
-    prefetch_programs: int = 256
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,6 @@ tpu.py; only the addressing of K/V differs.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -107,10 +106,9 @@ def row_entries(ent_ref, head, idx, valid):
 
 
 def _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, first_entry, n_valid, limit, block_size: int, block_k: int,
-                         head=None, evict: str | None = None):
+                         head=None):
     """`gpu._gather_rows` on a stacked ref: k_ref, v_ref [L, N, D]; rows of layer `layer` (an i32 scalar); the
-    entries first_entry .. first_entry + block_k / block_size of the row (those at or past n_valid read as -1);
-    evict: the K/V loads' eviction policy (None: the default).
+    entries first_entry .. first_entry + block_k / block_size of the row (those at or past n_valid read as -1).
 
     Returns:
       (ok: bool[block_k], tok: i32[block_k] the lanes' tokens (0 where not ok), k: [block_k, D], v: [block_k, D]);
@@ -124,64 +122,13 @@ def _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, first_entry, n_valid, lim
         ent = row_entries(ent_ref, head, e, e < n_valid)
     ok, safe = entry_rows(ent, lane, limit, block_size)
     # One indexer (layer, rows, :): Triton lowering supports a single indexer per load.
-    if evict is None:
-        return ok, safe, k_ref[layer, safe, :], v_ref[layer, safe, :]
-    cols = jnp.arange(k_ref.shape[-1], dtype=jnp.int32)[None, :]  # index arrays only (the interpreter's load)
-    return ok, safe, *(plgpu.load(r.at[layer, safe[:, None], cols], eviction_policy=evict) for r in (k_ref, v_ref))
-
-
-PREFETCH_TILE = (8, 1024)  # rows x columns a prefetch program reads at a time ([L, R, 1024] views: 16 KB of bf16)
-
-
-def prefetch_view(w: Array) -> Array:
-    """The stacked weights w [L, ...] as [L, R, C] (C = PREFETCH_TILE[1] where it divides a layer's elements, else
-    the last axis): a reshape of the contiguous array, no copy, for the prefetch programs' tiles."""
-    n, c = math.prod(w.shape[1:]), PREFETCH_TILE[1]  # from the shape: no op on w
-    return w.reshape(w.shape[0], n // c, c) if n % c == 0 else w.reshape(w.shape[0], -1, w.shape[-1])
-
-
-def prefetch_plan(rows: int, programs: int, target: int) -> tuple[int, int]:
-    """(X, rows_each): X prefetch programs for each of the decode's `programs` (b, h, t) rows of its grid, about
-    `target` in all, each reading rows_each rows (a multiple of PREFETCH_TILE[0]) of the layer's `rows`."""
-    x = max(1, round(target / programs))
-    each = -(-rows // (x * programs))
-    return x, -(-each // PREFETCH_TILE[0]) * PREFETCH_TILE[0]
-
-
-def prefetch_operand(w: Array, layers: int, programs: int, target: int) -> tuple[Array, tuple[int, int]]:
-    """(the weights' [L, R, C] view, `prefetch_plan` for `programs` rows of a grid): what a launch that appends
-    prefetch programs takes; weights of another layer count than the cache's `layers` are refused."""
-    view = prefetch_view(w)
-    if view.shape[0] != layers:
-        raise ValueError(f"prefetch has {view.shape[0]} layers: expected the cache's {layers}")
-    return view, prefetch_plan(view.shape[1], programs, target)
-
-
-def prefetch_slice(w_ref, sink_ref, layer, index, rows_each: int):
-    """Prefetch program `index`: rows index * rows_each .. + rows_each of layer `layer` of w_ref [L, R, C] read into
-    L2 (`evict_last`); their sum feeds a store into sink_ref (a real output block) that never happens (|sum| <
-    1e30 for weights), so the compiler keeps the loads and nothing is written."""
-    R, C = w_ref.shape[1], w_ref.shape[2]
-    tr, tc = PREFETCH_TILE[0], min(PREFETCH_TILE[1], pl.next_power_of_2(C))
-    r = jnp.arange(tr, dtype=jnp.int32)[:, None]
-    c = jnp.arange(tc, dtype=jnp.int32)[None, :]
-    acc = jnp.zeros((tr, tc), jnp.float32)
-    for r0 in range(0, rows_each, tr):
-        rows = index * rows_each + r0 + r
-        for c0 in range(0, C, tc):
-            ok = (rows < R) & (c0 + c < C)
-            acc = acc + plgpu.load(w_ref.at[layer, jnp.minimum(rows, R - 1), jnp.minimum(c0 + c, C - 1)], mask=ok,
-                                   other=0.0, eviction_policy="evict_last").astype(jnp.float32)
-    s = jnp.sum(jnp.sum(acc, axis=1), axis=0)  # by axis (a full sum failed to lower for CUDA)
-    at = (jnp.int32(0),) * (len(sink_ref.shape) - 1)
-    plgpu.store(sink_ref.at[at + (pl.ds(0, 1),)], jnp.full((1,), s, sink_ref.dtype), mask=jnp.full((1,), s == 1e30))
+    return ok, safe, k_ref[layer, safe, :], v_ref[layer, safe, :]
 
 
 def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, entries_per_split: int, K: int,
                            T: int, N: int, L: int, G: int, Hkv: int = 1, mapped: bool = False,
                            stacked_map: bool = False, mass: bool = False, stacked_indices: bool = False,
-                           shared: bool = False, finish=None, finish_inputs: int = 0, layer_partials: bool = False,
-                           prefetch: tuple | None = None):
+                           shared: bool = False, finish=None, finish_inputs: int = 0, layer_partials: bool = False):
     """One (b, h, t, split) program; as `gpu._decode_kernel` with k_ref, v_ref: [L, N, D] and layer_ref: i32[1].
     Shared (one index row for all T queries): one (b, h, 0, split) program attends the T x G query rows
     r = t * G + g (q_ref [T * Hq, D]) over the gathered keys, each row masked at its own position, so the keys
@@ -201,102 +148,78 @@ def _decode_kernel_stacked(*refs, scale: float, block_size: int, block_k: int, e
     before nw_ref i32[1] (what this program wrote; the rest of the block is garbage).
     With finish (a callable; mass only): `finish_inputs` more input refs after v_ref and more output refs after
     nw_ref; the partials' and mass blocks hold every split of the (b, h, t) row ([S, ...], this program's at its
-    split), and after storing them the program calls finish(ins, outs, partials, entries, pids): ins and outs those
+    split), and after storing them the program calls finish(ins, outs, partials, entries): ins and outs those
     extra refs, partials (o, m, l, el, em, nw refs), entries(idx, valid) the row's index entries at idx (-1 where
-    not valid), pids the program's ids (read outside any branch) (`block_scores.gpu`'s one-launch heat update).
-    With layer_partials (finish only): the partials' and mass refs hold every layer's [L, S, ...] (written in place
-    at this layer: `decode_partials_stacked`'s partials), after as many aliased input refs, which the program
-    skips.
-    With prefetch (splits, X, rows_each): one more input ref last, the next GEMM's weights [L, R, C]; the grid has
-    splits + X programs a (b, h, t) row: the first splits decode (their K/V rows read `evict_first`), the other X
-    read their slice of the layer's weights into L2 (`prefetch_slice`).
+    not valid) (`block_scores.gpu`'s one-launch heat update). With layer_partials (finish only): the partials' and
+    mass refs hold every layer's [L, S, ...] (written in place at this layer: `decode_partials_stacked`'s partials),
+    after as many aliased input refs, which the program skips.
     """
+    head = None
     if mapped:
         hm_ref, *refs = refs
     layer_ref, len_ref, ent_ref, q_ref, k_ref, v_ref, *refs = refs
     ins, refs = refs[:finish_inputs], refs[finish_inputs:]
     if layer_partials:  # the aliased inputs of every layer's partials: written through their outputs
         refs = refs[_PARTIALS:]
-    if prefetch is not None:
-        w_ref, *refs = refs
     o_ref, m_ref, l_ref, *mass_refs = refs
     mass_refs, outs = mass_refs[:3], mass_refs[3:]
     layer = layer_index(layer_ref[0], L)
-    # The program ids, read here: the interpreter substitutes them outside a branch only (the prefetch's pl.when).
-    pids = tuple(pl.program_id(i) for i in range(4))
-    split = pids[3]
-    evict = None if prefetch is None else "evict_first"  # K/V rows read once: keep the prefetched weights in L2
+    if mapped:  # the map's row of this layer (every layer's map, read in place) or the one layer's map
+        head = jnp.clip(hm_ref[layer, pl.program_id(1)] if stacked_map else hm_ref[pl.program_id(1)], 0, Hkv - 1)
+    if stacked_indices:
+        head = layer  # the row of ent_ref [L, K] (`_entries`)
+    split = pl.program_id(3)
+    # Where this program's partials go in their blocks: its own block, its split of the row's, or its layer's split.
+    at = () if finish is None else (layer, split) if layer_partials else (split,)
+    pos = len_ref[0] - (1 if shared else T - pl.program_id(2))  # shared: the last query's (the rows mask their own)
+    limit = jnp.minimum(pos, N - 1)
+    per_iter = block_k // block_size
+    E = entries_per_split
+    base = split * E
+    n_valid = jnp.minimum(K, base + E)  # entries of this split: [base, n_valid)
+    # The split's useful length: 1 + its last entry whose block starts at or before the query.
+    Ep = max(16, pl.next_power_of_2(E))
+    j = jnp.arange(Ep, dtype=jnp.int32)
+    e = row_entries(ent_ref, head, pl.ds(base, Ep), base + j < n_valid)
+    useful = blocks_at_or_before(e, limit, block_size)
+    n_entries = jnp.max(jnp.where(useful, j + 1, 0))
+    rows = T * G if shared else G  # shared: q_ref [T * Hq, D], row t * G + g; else the token's q_ref [Hq, D]
+    lane = jnp.arange(max(gpu._MIN_ROWS, pl.next_power_of_2(rows)), dtype=jnp.int32)
+    q, t_r = group_query_rows(q_ref, lane, rows, G, T if shared else 1, pl.program_id(1))  # [Mp, D]
+    row_limit = jnp.minimum(len_ref[0] - T + t_r, N - 1) if shared else None  # each row's last visible token
+    gp, d = q.shape
 
-    def _decode(head=None):
-        if mapped:  # the map's row of this layer (every layer's map, read in place) or the one layer's map
-            head = jnp.clip(hm_ref[layer, pids[1]] if stacked_map else hm_ref[pids[1]], 0, Hkv - 1)
-        if stacked_indices:
-            head = layer  # the row of ent_ref [L, K] (`_entries`)
-        # Where this program's partials go in their blocks: its own block, its split of the row's, or its layer's
-        # split.
-        at = () if finish is None else (layer, split) if layer_partials else (split,)
-        # shared: the last query's position (the rows mask their own)
-        pos = len_ref[0] - (1 if shared else T - pids[2])
-        limit = jnp.minimum(pos, N - 1)
-        per_iter = block_k // block_size
-        E = entries_per_split
-        base = split * E
-        n_valid = jnp.minimum(K, base + E)  # entries of this split: [base, n_valid)
-        # The split's useful length: 1 + its last entry whose block starts at or before the query.
-        Ep = max(16, pl.next_power_of_2(E))
-        j = jnp.arange(Ep, dtype=jnp.int32)
-        e = row_entries(ent_ref, head, pl.ds(base, Ep), base + j < n_valid)
-        useful = blocks_at_or_before(e, limit, block_size)
-        n_entries = jnp.max(jnp.where(useful, j + 1, 0))
-        rows = T * G if shared else G  # shared: q_ref [T * Hq, D], row t * G + g; else the token's q_ref [Hq, D]
-        lane = jnp.arange(max(gpu._MIN_ROWS, pl.next_power_of_2(rows)), dtype=jnp.int32)
-        q, t_r = group_query_rows(q_ref, lane, rows, G, T if shared else 1, pids[1])  # [Mp, D]
-        row_limit = jnp.minimum(len_ref[0] - T + t_r, N - 1) if shared else None  # each row's last visible token
-        gp, d = q.shape
+    def body(it, carry):
+        ok, tok, k, v = _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, base + it * per_iter, n_valid, limit,
+                                             block_size, block_k, head)
+        if not mass:
+            seen = ok[None, :] & (tok[None, :] <= row_limit[:, None]) if shared else ok[None, :]
+            return gpu._online_softmax_step(q, k, v, seen, carry, scale)
+        o, m, l = carry
+        s = plgpu.dot(q, k, trans_b=True) * scale  # [Gp, block_k] f32
+        s = jnp.where(ok[None, :], s, gpu._MASK)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        corr = jnp.exp(m - m_new)
+        p = jnp.where(ok[None, :], jnp.exp(s - m_new[:, None]), 0.0)
+        l = corr * l + jnp.sum(p, axis=1)
+        o = corr[:, None] * o + plgpu.dot(p.astype(v.dtype), v)
+        pe = p if block_size == 1 else jnp.sum(p.reshape(gp, per_iter, block_size), axis=2)  # [Gp, per_iter]
+        el_ref, em_ref, _ = mass_refs
+        cols = pl.ds(it * per_iter, per_iter)
+        real = jnp.broadcast_to((lane < G)[:, None], (gp, per_iter))  # padding rows are never read
+        plgpu.store(el_ref.at[at + (slice(None), cols)], pe, mask=real)
+        plgpu.store(em_ref.at[at + (slice(None), pl.ds(it, 1))], m_new[:, None], mask=(lane < G)[:, None])
+        return o, m_new, l
 
-        def body(it, carry):
-            ok, tok, k, v = _gather_rows_stacked(ent_ref, k_ref, v_ref, layer, base + it * per_iter, n_valid, limit,
-                                                 block_size, block_k, head, evict)
-            if not mass:
-                seen = ok[None, :] & (tok[None, :] <= row_limit[:, None]) if shared else ok[None, :]
-                return gpu._online_softmax_step(q, k, v, seen, carry, scale)
-            o, m, l = carry
-            s = plgpu.dot(q, k, trans_b=True) * scale  # [Gp, block_k] f32
-            s = jnp.where(ok[None, :], s, gpu._MASK)
-            m_new = jnp.maximum(m, jnp.max(s, axis=1))
-            corr = jnp.exp(m - m_new)
-            p = jnp.where(ok[None, :], jnp.exp(s - m_new[:, None]), 0.0)
-            l = corr * l + jnp.sum(p, axis=1)
-            o = corr[:, None] * o + plgpu.dot(p.astype(v.dtype), v)
-            pe = p if block_size == 1 else jnp.sum(p.reshape(gp, per_iter, block_size), axis=2)  # [Gp, per_iter]
-            el_ref, em_ref, _ = mass_refs
-            cols = pl.ds(it * per_iter, per_iter)
-            real = jnp.broadcast_to((lane < G)[:, None], (gp, per_iter))  # padding rows are never read
-            plgpu.store(el_ref.at[at + (slice(None), cols)], pe, mask=real)
-            plgpu.store(em_ref.at[at + (slice(None), pl.ds(it, 1))], m_new[:, None], mask=(lane < G)[:, None])
-            return o, m_new, l
-
-        init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), gpu._MASK, jnp.float32),
-                jnp.zeros((gp,), jnp.float32))
-        iters = pl.cdiv(n_entries, per_iter)
-        o, m, l = jax.lax.fori_loop(jnp.int32(0), iters, body, init)
-        gpu.store_partials(o_ref, m_ref, l_ref, o, m, l, rows, at)
-        if mass:
-            plgpu.store(mass_refs[2].at[at + (pl.ds(0, 1),)], jnp.full((1,), iters * per_iter, jnp.int32))
-        if finish is not None:
-            finish(ins, outs, (o_ref, m_ref, l_ref, *mass_refs),
-                   lambda idx, valid: row_entries(ent_ref, head, idx, valid), pids)
-
-    if prefetch is None:
-        _decode()
-        return
-    splits, X, rows_each = prefetch
-    row = (pids[0] * pl.num_programs(1) + pids[1]) * pl.num_programs(2) + pids[2]  # of the (b, h, t) rows
-    pl.when(split < splits)(_decode)
-
-    @pl.when(split >= splits)
-    def _prefetch():
-        prefetch_slice(w_ref, m_ref, layer, row * X + split - splits, rows_each)
+    init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), gpu._MASK, jnp.float32),
+            jnp.zeros((gp,), jnp.float32))
+    iters = pl.cdiv(n_entries, per_iter)
+    o, m, l = jax.lax.fori_loop(jnp.int32(0), iters, body, init)
+    gpu.store_partials(o_ref, m_ref, l_ref, o, m, l, rows, at)
+    if mass:
+        plgpu.store(mass_refs[2].at[at + (pl.ds(0, 1),)], jnp.full((1,), iters * per_iter, jnp.int32))
+    if finish is not None:
+        finish(ins, outs, (o_ref, m_ref, l_ref, *mass_refs), lambda idx, valid: row_entries(ent_ref, head, idx, valid))
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "scale", "return_lse", "return_mass", "config",
@@ -427,8 +350,7 @@ def partial_shapes(q_shape: tuple, K: int, L: int, Hkv: int, *, block_size: int,
 def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, indices: Array, lengths: Array,
                             *, block_size: int, scale: float | None, return_mass: bool, config: gpu.DecodeConfig,
                             head_map: Array | None, query_heads: bool = False, interpret: bool,
-                            finish: Finish | None = None, partials: tuple | None = None,
-                            prefetch: Array | None = None) -> tuple:
+                            finish: Finish | None = None, partials: tuple | None = None) -> tuple:
     """The launch of `sparse_decode_stacked_gpu` (arguments as there), without its epilogue: the split partials
     (o f32[S, B, H, T, Gp, D], m, l f32[S, B, H, T, Gp], H = Hkv, or Hq with query_heads; rows past G (1 with
     query_heads) are never written) and with return_mass the entry sums el f32[S, B, Hkv, T, Gp, E], their maxima
@@ -441,11 +363,7 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
     partials (with finish, T = 1): every layer's partials (o, m, l, el, em, nw with a leading L axis, shaped as
     `partial_shapes` gives), written at layer `layer` in place (aliased; the other layers' are kept) and returned
     as the first six outputs, so that a later launch may read a layer's partials after the model's other layers ran
-    (`block_scores.gpu.add_pending_mass_gpu`).
-    prefetch (T = 1, not shared): the stacked weights of the GEMM after the attention, [L, ...] (the model's O
-    projection, `models.attention.LayerContext.o_weights`): about `config.prefetch_programs` more programs read layer
-    `layer`'s slice into L2 while the decode runs (`prefetch_slice`), and the decode reads its K/V rows
-    `evict_first`; the outputs are the same."""
+    (`block_scores.gpu.add_pending_mass_gpu`)."""
     stacked = indices.ndim == 5  # every layer's index rows, the layer's read in place
     B, T = q.shape[:2]
     shared = shared_rows(indices, T)
@@ -495,18 +413,12 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
         if finish is None or T != 1 or got != list(want):
             raise ValueError(f"partials {[(str(p.dtype), p.shape) for p in got]}: expected a finish, one token and "
                              f"{[(str(p.dtype), p.shape) for p in want]}")
-    plan = None
-    if prefetch is not None:
-        if T != 1 or shared:
-            raise ValueError(f"prefetch with {T} queries a row: expected one decode token (T = 1)")
-        prefetch, xr = prefetch_operand(prefetch, L, B * H * Tg, config.prefetch_programs)
-        plan = (splits,) + xr
     kernel = functools.partial(_decode_kernel_stacked, scale=scale, block_size=block_size, block_k=block_k,
                                entries_per_split=E, K=K, T=T, N=N, L=L, G=G, Hkv=Hkv, mapped=mapped,
                                stacked_map=stacked_map, mass=return_mass, stacked_indices=stacked, shared=shared,
                                finish=None if finish is None else finish.fn(splits, E),
                                finish_inputs=0 if finish is None else len(finish.args),
-                               layer_partials=partials is not None, prefetch=plan)
+                               layer_partials=partials is not None)
     out_specs, out_shape = gpu.split_outputs(splits, B, H, Tg, Gp, D)
     if return_mass:  # per entry sum of exp(s - m), per iteration m; and how many entries the program wrote
         for width in (E, E // (block_k // block_size)):
@@ -548,19 +460,13 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
         aliases.update({len(args) + i: i for i in range(_PARTIALS)})
         in_specs += out_specs[:_PARTIALS]
         args += tuple(partials)
-    if plan is not None:  # the weights, read in place; the prefetch programs' split indices clamped in every block
-        in_specs.append(pl.BlockSpec(prefetch.shape, lambda b, h, t, s: (0, 0, 0)))
-        args += (prefetch,)
-        clamp = lambda spec: pl.BlockSpec(spec.block_shape, lambda b, h, t, s, im=spec.index_map:  # noqa: E731
-                                          im(b, h, t, jnp.minimum(s, splits - 1)))
-        in_specs, out_specs = [clamp(s) for s in in_specs], [clamp(s) for s in out_specs]
     if mapped:  # clipped in-kernel: with every layer's map [L, Hkv] no XLA op runs on it per layer
         hm_shape = jnp.shape(head_map)
         in_specs = [pl.BlockSpec(hm_shape, lambda b, h, t, s: (0,) * len(hm_shape))] + in_specs
         args = (jnp.asarray(head_map).astype(jnp.int32),) + args
     return tuple(pl.pallas_call(
         kernel,
-        grid=(B, H, Tg, splits + (0 if plan is None else plan[1])),
+        grid=(B, H, Tg, splits),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
@@ -569,7 +475,7 @@ def decode_partials_stacked(q: Array, k_all: Array, v_all: Array, layer: Array, 
         interpret=interpret,
         name="sparse_decode_gathered_stacked" + ("_mass" if return_mass else "") + ("_finish" if finish else "")
         + ("_mapped" if mapped else "")
-        + ("_query_heads" if query_heads else "") + ("_prefetch" if plan else ""),
+        + ("_query_heads" if query_heads else ""),
     )(*args))
 
 

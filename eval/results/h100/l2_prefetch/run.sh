@@ -6,6 +6,7 @@
 #     prefetch_o=finish (the runs with it checked against the masked reference at batch 2);
 #   PART=qwen3 (about 4 minutes): the same methods on Qwen3-8B shapes at batch 3: off, on (EvoSparse decode, H2O the
 #     better of PART=llama's: PLACE=decode or finish), off, on, all `--no-check`.
+# Ran at 3f6dec1 (NOTES.md): the prefetch lost, its library code was removed after it; run it at that commit.
 # Usage (GPU): GIT_COMMIT=<sha> OUT=... PART=llama|qwen3 [PLACE=finish] bash eval/results/h100/l2_prefetch/run.sh
 set -u
 export PYTHONUNBUFFERED=1
