@@ -287,7 +287,9 @@ def test_attention_only_config_keeps_the_attention_and_cuts_the_rest():
 @pytest.mark.parametrize("argv,message", [
     (["--attention-only", "--context", "1024"], "--attention-only compares methods"),
     (["--methods", "dense,tsa", "--prefill-context", "4096", "--tsa-kept", "1.5"], "kept_fraction=1.5"),
-    (["--methods", "dense,tsa", "--context", ""], "--context is empty"),
+    (["--methods", "dense,tsa", "--context", ""], "--prefill-context, or --methods without them"),
+    (["--methods", "dense", "--context", ""], "--context is empty"),
+    (["--methods", "dense,kascade,tsa+kascade", "--context", "1024"], "['tsa+kascade'] time prefill rows only"),
     (["--methods", "dense,tsa+kascade,nope"], "unknown ['nope']"),
     (["--methods", "dense,kascade", "--method-option", "quest.page_size=16"], "names method 'quest'"),
     (["--method-option", "dense.tile=16", "--context", "1024"], "dense alone takes no options"),

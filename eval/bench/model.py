@@ -21,10 +21,10 @@ whose calibration means nothing on random weights get synthetic state of the rig
 which): Kascade 5 anchors evenly spread (layer 0 first) with the identity head map; EvoSparse 1.5% of the heads as
 retrieval heads drawn at random (as eval/bench/evosparse.py); TokenButler a randomly initialised predictor of the
 model's preset size. `tsa` and `tsa+kascade` are prefill methods: `tsa` decodes as dense and `tsa+kascade` exactly as
-`kascade` (TSA hands Kascade's per-role runs of layers on), so they get prefill rows only (`--prefill-context`). Random
-weights give flat attention, on which TSA's coverage keeps nearly every token, so both keep a fixed share of every row
-(`TSA.kept_fraction`, `--tsa-kept`, default 0.68: the paper's 54% attention-map sparsity), the selection still TSA's own
-scoring; `tsa+kascade` runs Kascade's synthetic state inside the compressed space.
+`kascade` (TSA hands Kascade's per-role runs of layers on), so they get prefill rows only (`--prefill-context`, which
+they need). Random weights give flat attention, on which TSA's coverage keeps nearly every token, so both keep a fixed
+share of every row (`TSA.kept_fraction`, `--tsa-kept`, default 0.68: the paper's 54% attention-map sparsity), the
+selection still TSA's own scoring; `tsa+kascade` runs Kascade's synthetic state inside the compressed space.
 
 `--attention-only` cuts the preset's hidden and MLP widths to 512 and keeps its attention (layers, heads, KV heads,
 head dim): the prefill and decode rows then time each method's whole-model attention, its selection state
@@ -788,7 +788,7 @@ def main(argv=None, prog=None):
     p.add_argument("--methods", default="dense",
                    help=f"comma-separated methods (some of {','.join(METHODS + PREFILL_METHODS)}); anything beside "
                         "dense runs the per-method comparison (dense first, in the same run); tsa and tsa+kascade "
-                        "get prefill rows only")
+                        "get prefill rows only and need --prefill-context")
     p.add_argument("--budget", type=float, default=0.1, help="kept fraction of the context for the budgeted methods "
                    "(default 0.1; EvoSparse keeps its 2048-token budget)")
     p.add_argument("--prefill-context", default="",
@@ -857,6 +857,9 @@ def main(argv=None, prog=None):
             memory_stats()
         except ValueError as e:
             p.error(str(e))
+    if (prefill_only := [m for m in methods if m in PREFILL_METHODS]) and not a.prefill_context.strip():
+        p.error(f"--methods: {prefill_only} time prefill rows only (their decode is dense's / kascade's): expected "
+                "--prefill-context, or --methods without them")
     if not contexts and (methods == ("dense",) or not a.prefill_context.strip()):
         p.error("--context is empty: expected decode contexts, or --methods with --prefill-context")
     from eval.bench.model_check import CheckFailed
