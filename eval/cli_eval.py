@@ -77,7 +77,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                         "(refused when only token budgets run)")
     p.add_argument("--samples", type=int, default=10,
                    help="passkey prompts, generation-task prompts and ppl windows per length (default 10); passkey "
-                        "depths cycle over them")
+                        "depths cycle over them (with fewer samples than depths the run names the depths left out)")
     p.add_argument("--ppl-samples", type=int, default=None,
                    help="ppl windows per length, when they should differ from --samples (default: --samples)")
     p.add_argument("--corpus", default=DEFAULT_CORPUS,
@@ -159,6 +159,9 @@ def spec_from_args(args) -> harness.EvalSpec:
     gamma = getattr(args, "gamma", None)
     if gamma is not None and not getattr(args, "draft", None):
         raise ValueError(f"--gamma {gamma} needs --draft (speculative decoding)")
+    if getattr(args, "ppl_samples", None) is not None and "ppl" not in tasks:
+        raise ValueError(f"--ppl-samples {args.ppl_samples}: the ppl task's windows, but --tasks {','.join(tasks)} "
+                         "has no ppl (expected --tasks with ppl, or no --ppl-samples)")
     budget_tokens = harness.parse_budget_tokens(args.budget_tokens)
     if budget_tokens is not None and args.budget is not None:
         budgets = harness.parse_budgets((args.budget,))  # runs beside the token budgets, as --budgets F would
@@ -305,10 +308,23 @@ def _output_unit(r) -> tuple:
     return r["task"], r["method"], r["budget"], r.get("budget_tokens"), r["length"]
 
 
+def depth_note(spec) -> str | None:
+    """The passkey depths a run leaves out (they cycle over the samples: sample i has depth i % len(depths)), said
+    where --samples is below the number of depths; None where every depth runs or passkey does not."""
+    if "passkey" not in spec.tasks or spec.samples >= len(spec.depths):
+        return None
+    run = ",".join(f"{d:g}" for d in spec.depths[:spec.samples])
+    left = ",".join(f"{d:g}" for d in spec.depths[spec.samples:])
+    return (f"passkey with --samples {spec.samples} places its needles at depths {run} only, not at {left} (the "
+            f"depths cycle over the samples): pass --samples {len(spec.depths)} or more for every depth")
+
+
 def run_eval(args) -> int:
     """The `jsparse eval` command: validate, load the model, evaluate (resuming into --out), write the files and
     the report; returns 0."""
     spec = spec_from_args(args)
+    if note := depth_note(spec):
+        print(f"jsparse eval: note: {note}", file=sys.stderr, flush=True)
     with out_folder(args.out):  # a run refused (or stopped) before it wrote anything leaves no empty folder
         return _run_eval(args, spec)
 

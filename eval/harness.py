@@ -180,6 +180,9 @@ def parse_artifacts(values: Sequence[str] | None, methods: Sequence[str]) -> dic
     also be a component of a composed method: `--artifact kascade=K --artifact tsa=T` gives `--methods
     tsa+kascade` the folders 'K' + os.pathsep + 'T' (the composed builder routes each by its kind), unless a
     'tsa+kascade=...' entry names the composed method itself.
+
+    Raises ValueError for a NAME given two different folders, and for a plain DIR when no method of `methods` reads
+    an artifact (it would go nowhere).
     """
     import os
 
@@ -191,6 +194,9 @@ def parse_artifacts(values: Sequence[str] | None, methods: Sequence[str]) -> dic
         for item in parse_list(value, "--artifact"):
             name, sep, path = item.partition("=")
             if sep and (name in methods or name in used):
+                if per.get(name, path) != path or parts.get(name, path) != path:
+                    raise ValueError(f"--artifact gives method {name!r} two folders "
+                                     f"({per.get(name, parts.get(name))!r} and {path!r}): expected one")
                 if name in methods:
                     per[name] = path
                 if name in used:
@@ -207,6 +213,9 @@ def parse_artifacts(values: Sequence[str] | None, methods: Sequence[str]) -> dic
                                      "use NAME=DIR for per-method artifacts")
                 common = item
     out = {m: common for m in methods if common is not None and takes_artifact(m)}  # a plain DIR: those reading one
+    if common is not None and not out:
+        raise ValueError(f"--artifact {common!r}: no method of --methods {','.join(methods)} reads an artifact "
+                         "(expected NAME=DIR for a method that does, or no --artifact)")
     for m in methods:
         given = [parts[c] for c in components(m) if c in parts]
         if given:

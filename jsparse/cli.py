@@ -60,9 +60,11 @@ def cmd_generate(args) -> int:
                                  f"{args.budget_tokens}: a token budget sets {key} itself (N keys in every layer)")
     # The options of --budget-tokens follow from the method's class where it wraps no other method (one build: a
     # build at the default budget first may fail where the token budget would not, e.g. butler's calibrated dense
-    # layers); a wrapper's (tsa+kascade) from its built instance.
+    # layers); a wrapper's (tsa+kascade) or a builder's (butler-local: a class whose build makes another method's
+    # instance) from its built instance.
     factory = method_factory(args.method)
-    wraps = not isinstance(factory, type) or "inner" in getattr(factory, "__dataclass_fields__", {})
+    fields = getattr(factory, "__dataclass_fields__", None)
+    wraps = not isinstance(factory, type) or fields is None or "inner" in fields
     if args.budget_tokens is not None:
         try:  # checked before the model loads where the method shows it without one
             bare = jsparse.make_method(args.method) if wraps else factory
@@ -77,6 +79,9 @@ def cmd_generate(args) -> int:
         _refuse_budget(args)
     Sampling(args.temperature, args.top_p)
     check_seed(args.seed)
+    if args.seed != 0 and args.temperature == 0:
+        print(f"jsparse generate: warning: --seed {args.seed} has no effect at temperature 0 (greedy decoding): pass "
+              "a --temperature > 0 to sample", file=sys.stderr, flush=True)
     check_count("--max-new-tokens", args.max_new_tokens)
     if args.gamma is not None and not args.draft:
         raise ValueError("--gamma needs --draft (speculative decoding)")

@@ -134,6 +134,19 @@ def test_generate_budget_tokens_gives_each_method_its_fixed_budget(monkeypatch, 
     for name in ("dense", "tsa"):  # refused before the model loads
         assert main(base + ["--method", name]) == 2
         assert f"--budget-tokens 200: method '{name}' takes no token budget" in capsys.readouterr().err
+    # Builder-only variants (a class whose build makes a Butler) were refused as if they took no budget.
+    monkeypatch.undo()
+    monkeypatch.setattr(jsparse, "generate", lambda model, prompts, method, **kw: built.update(m=method) or [""])
+    variant = ["--method", "butler-local", "--artifact", "jsparse/shipped/smollm2/butler",
+               "--method-option", "butler-local.rebalance=false"]
+    assert main(base + variant) == 0, capsys.readouterr().err
+    assert type(built["m"]).__name__ == "Butler" and built["m"].min_tokens == 200 and built["m"].local == 32
+    assert main(base[:-2] + ["--budget", "0.25"] + variant) == 0, capsys.readouterr().err
+    assert built["m"].budget == 0.25
+    # A seed at temperature 0 is said to do nothing (it did nothing silently).
+    capsys.readouterr()
+    assert main(base + ["--method", "quest", "--seed", "3"]) == 0
+    assert "--seed 3 has no effect at temperature 0" in capsys.readouterr().err
     assert main(base + ["--method", "quest", "--budget", "0.5"]) == 2
     assert "expected one of them" in capsys.readouterr().err
     assert main(base[:-1] + ["0", "--method", "quest"]) == 2

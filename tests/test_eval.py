@@ -756,3 +756,17 @@ def test_word_start_moves_back_from_the_last_token_too(tokenizer):
     assert len(inside) >= 5
     for i in inside[:10]:  # the same cut with the token at i the last one
         assert passkey.word_start(tokenizer, ids[:i + 1], i) == passkey.word_start(tokenizer, ids, i) < i
+
+
+def test_eval_says_which_passkey_depths_fewer_samples_leave_out(tmp_path):
+    """Depths cycle over the samples: with fewer samples than depths the run says which depths it leaves out."""
+    def note(*argv):
+        args = _parser().parse_args(["eval", "--out", str(tmp_path / "x"), "--methods", "dense", *argv])
+        return cli_eval.depth_note(cli_eval.spec_from_args(args))
+
+    said = note("--tasks", "passkey", "--samples", "2", "--depths", "0.1,0.5,0.9")
+    assert "depths 0.1,0.5 only, not at 0.9" in said and "--samples 3 or more" in said
+    assert note("--tasks", "passkey", "--samples", "3", "--depths", "0.1,0.5,0.9") is None
+    assert note("--tasks", "ppl", "--samples", "1") is None  # no needles
+    with pytest.raises(ValueError, match="--ppl-samples 4: the ppl task's windows, but --tasks passkey has no ppl"):
+        note("--tasks", "passkey", "--ppl-samples", "4")

@@ -236,6 +236,14 @@ def test_component_artifacts_of_a_composed_method(model, tmp_path):
         harness.parse_artifacts(["quest=Q"], both)
     # A plain DIR goes to every method that reads an artifact, not to dense or quest.
     assert harness.parse_artifacts(["D"], ("dense", "quest", "kascade")) == {"kascade": "D"}
+    # ... and is refused where none does; one method, one folder.
+    with pytest.raises(ValueError, match="'D': no method of --methods dense,oracle reads an artifact"):
+        harness.parse_artifacts(["D"], ("dense", "oracle"))
+    with pytest.raises(ValueError, match="method 'kascade' two folders \\('A' and 'B'\\)"):
+        harness.parse_artifacts(["kascade=A", "kascade=B"], ("kascade",))
+    with pytest.raises(ValueError, match="method 'kascade' two folders"):
+        harness.parse_artifacts(["kascade=A,kascade=B"], both)
+    assert harness.parse_artifacts(["kascade=A", "kascade=A"], ("kascade",)) == {"kascade": "A"}
     # Built through the harness from two real folders, each routed by its kind.
     fp = jsparse.fingerprint(model)
     kdir, tdir = str(tmp_path / "k"), str(tmp_path / "t")

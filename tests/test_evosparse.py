@@ -447,6 +447,12 @@ def test_calibration_counts_a_prompt_at_exactly_min_recall(monkeypatch):
     assert art.meta["retrieved_prompts"] == 1 and art.meta["fallback"] is None
     np.testing.assert_allclose(art.arrays["scores"], np.ones((L, HQ)))  # the retrieving prompt's scores alone
     np.testing.assert_allclose(art.arrays["recall"], [0.5, 0.25])
+    # No prompt at min_recall: every prompt's mean, said by a warning beside meta["fallback"].
+    outcomes = iter([(np.ones((1, L, HQ)), np.array([0.5])), (np.zeros((1, L, HQ)), np.array([0.25]))])
+    with pytest.warns(UserWarning, match=r"no needle prompt of 2 reached min_recall=0.9 \(mean recall 0.375\)"):
+        art = calibrate(Model, np.zeros((2, 64), np.int32), lengths=[64], depths=[0.5], min_recall=0.9)
+    assert art.meta["retrieved_prompts"] == 0 and art.meta["fallback"] == "all prompts"
+    np.testing.assert_allclose(art.arrays["scores"], np.full((L, HQ), 0.5))
 
 
 def test_head_scores_counts_copy_events():

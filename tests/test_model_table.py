@@ -68,6 +68,9 @@ def test_bad_inputs_are_errors_naming_the_file_or_case(tmp_path):
     broken.write_text("{not json")
     with pytest.raises(ValueError, match="broken.json: not a readable JSON file"):
         model_table.load_runs([str(broken)])
+    pre = _run(tmp_path, "prefill.json", [dict(_row("tsa", 131072, 1, 90.0, 100.0, 1.2), phase="prefill")])
+    with pytest.raises(ValueError, match=r"no decode rows in .*prefill.json: the table is of decode rows"):
+        model_table.decode_cells(model_table.load_runs([pre]))
     with pytest.raises(SystemExit):
         model_table.main([a, "--bar", "1.5"])
     assert [model_table.context_label(c) for c in (32768, 131072, 100000, 5000, 4097)] == [

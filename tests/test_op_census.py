@@ -4,6 +4,7 @@ row per layer scan."""
 import json
 
 import jax
+import pytest
 
 from eval.bench import op_census
 
@@ -100,3 +101,14 @@ def test_h2o_layers_run_one_launch_and_the_step_one_mass_launch():
     assert [r["kernels"] for r in rows] == [["rope_write", "sparse_decode_gathered_stacked_mass",
                                              "evosparse_finish_heat"]]
     assert not any("pending_mass" in r["kernels"] for r in census)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--method", "evosparse", "--budget", "0.2"], "method 'evosparse' is built without it"),
+    (["--method", "dense", "--budget", "0.2"], "method 'dense' is built without it"),
+    (["--method", "streaming", "--budget", "7"], "--budget 7: expected a kept fraction"),
+])
+def test_op_census_refuses_a_budget_it_would_not_use(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        op_census.main(argv)
+    assert message in capsys.readouterr().err

@@ -348,3 +348,14 @@ def test_head_error_names_sizes_for_the_whole_device_count():
     mesh = jax.sharding.AbstractMesh((3, 2), ("data", "model"))
     with pytest.raises(sharding.ShardingError, match=re.escape("use model in [1, 3] (with data = 6 / model)")):
         sharding.check_heads(cfg, mesh)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--tiny", "--context", "512", "--dtype", "bfloat16"], "--context, --dtype with --tiny, which sets them"),
+    (["--compare-unsharded", "--devices", "2"], "--devices with --compare-unsharded: it times one device"),
+])
+def test_bench_sharded_refuses_options_it_would_override(argv, message, capsys):
+    from eval.bench import sharded
+    with pytest.raises(SystemExit):
+        sharded.main(argv)
+    assert message in capsys.readouterr().err

@@ -789,11 +789,11 @@ def main(argv=None, prog=None):
                    help=f"comma-separated methods (some of {','.join(METHODS + PREFILL_METHODS)}); anything beside "
                         "dense runs the per-method comparison (dense first, in the same run); tsa and tsa+kascade "
                         "get prefill rows only and need --prefill-context")
-    p.add_argument("--budget", type=float, default=0.1, help="kept fraction of the context for the budgeted methods "
-                   "(default 0.1; EvoSparse keeps its 2048-token budget)")
+    p.add_argument("--budget", type=float, default=None, help="kept fraction of the context for the budgeted "
+                   "methods, in (0, 1] (default 0.1; EvoSparse keeps its 2048-token budget)")
     p.add_argument("--prefill-context", default="",
                    help="with --methods: comma-separated contexts at which to time each method's prefill (batch 1)")
-    p.add_argument("--tsa-kept", type=float, default=TSA_KEPT,
+    p.add_argument("--tsa-kept", type=float, default=None,
                    help=f"the fixed kept share of every row for tsa and tsa+kascade (default {TSA_KEPT}: the paper's "
                         "54%% attention-map sparsity; coverage on random weights keeps nearly every token)")
     p.add_argument("--xla-flags", default=" ".join(GPU_XLA_FLAGS),
@@ -839,6 +839,16 @@ def main(argv=None, prog=None):
     unknown = sorted(set(methods) - set(METHODS) - set(PREFILL_METHODS))
     if unknown:
         p.error(f"--methods: unknown {unknown}; expected some of {list(METHODS + PREFILL_METHODS)}")
+    if methods == ("dense",):  # what only the per-method comparison reads
+        given = [flag for flag, v in (("--budget", a.budget), ("--tsa-kept", a.tsa_kept),
+                                      ("--prefill-context", a.prefill_context.strip() or None)) if v is not None]
+        if given:
+            p.error(f"{', '.join(given)}: the per-method comparison's (--methods dense,...); dense alone takes none")
+    if a.budget is None:
+        a.budget = 0.1
+    elif not 0 < a.budget <= 1:
+        p.error(f"--budget {a.budget:g}: expected a kept fraction of the context in (0, 1]")
+    a.tsa_kept = TSA_KEPT if a.tsa_kept is None else a.tsa_kept
     from jsparse.methods.tsa import check_kept_fraction
     try:
         check_kept_fraction(a.tsa_kept)

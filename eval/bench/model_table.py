@@ -69,6 +69,9 @@ def decode_cells(runs) -> tuple[list[str], list[tuple[int, int]], dict]:
             columns.add(col)
             if m not in methods:
                 methods.append(m)
+    if not cells:
+        raise ValueError(f"no decode rows in {', '.join(path for path, _ in runs)}: the table is of decode rows "
+                         "(expected `jsparse bench model --methods ... --context ...` JSONs, not prefill-only runs)")
     dense = sorted((m for m in methods if m.startswith("dense")), key=lambda m: (m != "dense", m))
     return dense + [m for m in methods if not m.startswith("dense")], sorted(columns), cells
 

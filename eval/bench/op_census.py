@@ -178,7 +178,9 @@ def main(argv=None, prog: str = "jsparse bench op_census") -> int:
     p.add_argument("--shape", default="llama3-8b", help="model shape preset (shapes only: nothing is allocated)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--context", type=int, default=100000, help="cache capacity in tokens")
-    p.add_argument("--budget", type=float, default=0.1, help="kept fraction of the budgeted methods")
+    p.add_argument("--budget", type=float, default=None,
+                   help="kept fraction of the budgeted methods, in (0, 1] (default 0.1; dense has none and EvoSparse "
+                        "keeps its 2048-token budget, as in `jsparse bench model`: refused for them)")
     p.add_argument("--no-gpu-paths", dest="gpu", action="store_false",
                    help="trace this host's own code paths (default: the GPU's, whatever the host)")
     p.add_argument("--verbose", action="store_true", help="also list every op of each scan's body")
@@ -189,6 +191,13 @@ def main(argv=None, prog: str = "jsparse bench op_census") -> int:
     args = p.parse_args(argv)
     if args.batch < 1 or args.context < 2:
         p.error(f"--batch {args.batch} --context {args.context}: expected a batch >= 1 and a context >= 2")
+    if args.budget is not None and args.method in ("dense", "evosparse"):
+        p.error(f"--budget {args.budget:g}: method {args.method!r} is built without it (dense attends to every key, "
+                "EvoSparse keeps its 2048-token budget)")
+    if args.budget is None:
+        args.budget = 0.1
+    elif not 0 < args.budget <= 1:
+        p.error(f"--budget {args.budget:g}: expected a kept fraction of the context in (0, 1]")
     if not args.large_mb > 0:
         p.error(f"--large-mb {args.large_mb}: expected a size in MiB > 0")
     jaxpr, cfg = trace_step(args.method, args.shape, args.batch, args.context, args.budget, gpu=args.gpu)

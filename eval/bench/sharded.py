@@ -222,31 +222,45 @@ def run_compare(cfg, shape, methods, batch, context, budget, block, steps, round
     return payload
 
 
+# What --tiny sets, and the options' defaults without it.
+TINY_RUN = dict(shape="tiny", context=96, batch=2, steps=2, dtype="float32", rounds=1, block=8)
+FULL_RUN = dict(shape="llama3-8b", context=131072, batch=8, steps=16, dtype="bfloat16", rounds=5, block=16)
+
+
 def main(argv=None, prog=None):
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="llama3-8b", help=f"model shape: {', '.join(sorted(SHAPES))}")
+    p.add_argument("--shape", default=None, help=f"model shape: {', '.join(sorted(SHAPES))} (default llama3-8b)")
     p.add_argument("--layers", type=int, default=None, help="keep the first N layers of the shape (70B: to fit)")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated among {','.join(METHODS)}")
     p.add_argument("--devices", default=None,
                    help="comma-separated device counts, the first n devices each (default 1,2,4,8; with --tiny "
                         "those available)")
-    p.add_argument("--layout", choices=["model", "data"], default="model",
-                   help="model: tensor parallel over heads (data=1,model=n); data: batch rows (data=n,model=1)")
-    p.add_argument("--context", type=int, default=131072, help="tokens in the cache (default 131072)")
-    p.add_argument("--batch", type=int, default=8, help="rows (default 8)")
+    p.add_argument("--layout", choices=["model", "data"], default=None,
+                   help="model (the default): tensor parallel over heads (data=1,model=n); data: batch rows "
+                        "(data=n,model=1)")
+    p.add_argument("--context", type=int, default=None, help="tokens in the cache (default 131072)")
+    p.add_argument("--batch", type=int, default=None, help="rows (default 8)")
     p.add_argument("--budget", type=float, default=0.1, help="kept fraction of the sparse methods (default 0.1)")
-    p.add_argument("--block", type=int, default=16, help="EvoSparse block size (default 16)")
-    p.add_argument("--steps", type=int, default=16, help="decode steps timed per case (default 16)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--block", type=int, default=None, help="EvoSparse block size (default 16)")
+    p.add_argument("--steps", type=int, default=None, help="decode steps timed per case (default 16)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="default bfloat16")
     p.add_argument("--compare-unsharded", action="store_true",
                    help="one device: time the unsharded decode step against the sharded one on a mesh of one")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of --compare-unsharded (default 5)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds of --compare-unsharded (default 5)")
     p.add_argument("--tiny", action="store_true",
-                   help="smoke run on tiny shapes (CPU): shape tiny, context 96, batch 2, 2 steps, f32")
+                   help="smoke run on tiny shapes (CPU): shape tiny, context 96, batch 2, 2 steps, f32 (those "
+                        "options refused beside it)")
     bm.add_out_argument(p, "sharded.json")  # --compare-unsharded: sharded_vs_unsharded.json in a folder --out
     a = p.parse_args(argv)
+    if a.compare_unsharded and (given := [f"--{k}" for k in ("devices", "layout") if getattr(a, k) is not None]):
+        p.error(f"{', '.join(given)} with --compare-unsharded: it times one device, unsharded and on a mesh of one")
+    if a.tiny and (given := [f"--{k}" for k in TINY_RUN if getattr(a, k) is not None]):
+        p.error(f"{', '.join(given)} with --tiny, which sets them (a smoke run on tiny shapes): expected one or the "
+                "other")
+    for k, v in (TINY_RUN if a.tiny else FULL_RUN).items():
+        setattr(a, k, v if getattr(a, k) is None else getattr(a, k))
+    a.layout = a.layout or "model"
     if a.tiny:
-        a.shape, a.context, a.batch, a.steps, a.dtype, a.rounds, a.block = "tiny", 96, 2, 2, "float32", 1, 8
         if a.devices is None:
             a.devices = ",".join(str(n) for n in (1, 2, 4, 8) if n <= len(jax.devices()))
     cfg = shape_config(a.shape, a.layers)

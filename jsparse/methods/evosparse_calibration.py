@@ -12,7 +12,7 @@ steps. At every step, for every (layer, query head), the head's top-1 attended p
 attention weights, recorded by `_ArgmaxRecorder` from the query that produces the step's token) scores
 1/|needle| when j lies in the needle's words and the generated token equals tokens[j] (copy-paste). A prompt's
 scores are averaged over the prompts where the model retrieved the needle (at least `min_recall` of the needle
-tokens reproduced in place); when no prompt does, over all prompts (meta["fallback"] says so).
+tokens reproduced in place); when no prompt does, over all prompts (meta["fallback"] says so, and a warning).
 
 The artifact (kind "evosparse") keeps every head's score, f32[L, Hq]; the method takes the top N heads.
 """
@@ -20,6 +20,7 @@ The artifact (kind "evosparse") keeps every head's score, f32[L, Hq]; the method
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Sequence
 
 import jax
@@ -217,6 +218,11 @@ def calibrate(model, windows: np.ndarray, *, lengths: Sequence[int], depths: Seq
     recall = np.concatenate(all_recall)
     ok = recall >= min_recall
     mean = scores[ok].mean(axis=0) if ok.any() else scores.mean(axis=0)
+    if not ok.any():
+        warnings.warn(f"no needle prompt of {len(recall)} reached min_recall={min_recall:g} (mean recall "
+                      f"{float(recall.mean()):.3f}): the head scores are the mean over every prompt, which may not "
+                      "find retrieval heads; expected a lower --min-recall, more prompts or other lengths/depths",
+                      stacklevel=2)
     n_default = max(1, int(round(DEFAULT_HEAD_FRACTION * cfg.num_layers * cfg.num_heads)))
     heads = top_heads(mean, n_default)
     return Artifact(kind=ARTIFACT_KIND, fingerprint=fingerprint,
