@@ -95,6 +95,14 @@ def on_mesh(model: LoadedModel, mesh: Any) -> LoadedModel:
     return dataclasses.replace(model, params=params, mesh=mesh)
 
 
+def check_model(model: Any, arg: str = "model") -> None:
+    """A loaded model (`jsparse.load(SPEC)`); anything else (its name, a path) is refused here, not as an attribute
+    error further in."""
+    if not isinstance(model, LoadedModel):
+        raise ValueError(f"{arg}={reprlib.repr(model)}: expected a loaded model (`jsparse.load(SPEC)`, e.g. "
+                         "jsparse.load('smollm2'))")
+
+
 def build_method(name: str, model: LoadedModel | None = None, **options: Any):
     """Builds a registered method; `options` (budget, artifact, ...) go to its builder.
 
@@ -103,6 +111,7 @@ def build_method(name: str, model: LoadedModel | None = None, **options: Any):
     for another model).
     """
     if model is not None:
+        check_model(model)
         given = sorted(k for k in ("cfg", "fingerprint") if k in options)
         if given:
             raise ValueError(f"build_method({name!r}, model, {', '.join(f'{k}=...' for k in given)}): "
@@ -119,7 +128,10 @@ def encode(model: LoadedModel, prompts: str | Sequence[str], chat: bool = False)
     of prompts -> one list of ids per prompt."""
     if isinstance(prompts, str):
         return encode(model, [prompts], chat)[0]
+    check_model(model)
     _check_prompts(prompts)
+    if not isinstance(chat, (bool, np.bool_)):
+        raise ValueError(f"chat={chat!r}: expected True or False")
     tok = model.tokenizer
     if tok is None:
         raise ValueError(f"model {getattr(model, 'name', '?')!r} has no tokenizer (a Hugging Face folder without "
@@ -169,7 +181,8 @@ def check_method(method: Any) -> None:
     decode); anything else is refused here, not as an attribute error inside the model."""
     if isinstance(method, str):
         return
-    if not all(callable(getattr(method, f, None)) for f in ("init_state", "prefill", "decode")):
+    if isinstance(method, type) or not all(callable(getattr(method, f, None))
+                                           for f in ("init_state", "prefill", "decode")):
         raise ValueError(f"method={reprlib.repr(method)}: expected a method name (one of {method_names()}) or a method "
                          "object (`jsparse.build_method(name, model)`)")
 
@@ -295,6 +308,7 @@ def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: An
         raise ValueError("ids: expected a list of prompts, each a list of token ids ([[1, 2, 3]] for one prompt), "
                          f"got {str(ids if prompts is None else prompts)[:60]!r}")
     ids = prompts
+    check_model(model)
     if stats is not None and not isinstance(stats, dict):
         raise ValueError(f"stats={stats!r}: expected a dict to receive the speculative rounds' counts, or None")
     check_method(method)

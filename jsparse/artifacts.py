@@ -55,6 +55,8 @@ SHIPPED = os.path.join("jsparse", "shipped")
 def artifact_folder(path) -> str:
     """`path` as given, unless it is relative and names no file or folder from the working directory while it names
     a folder under INSTALL_ROOT (`jsparse/shipped/...` from anywhere): then that folder."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"artifact={path!r}: expected the path of an artifact folder (a str)")
     path = os.fspath(path)
     if os.path.isabs(path) or os.path.exists(path):
         return path
@@ -119,6 +121,9 @@ def model_fingerprint(cfg: ModelConfig, params: Any) -> str:
 def fingerprint(model: Any) -> str:
     """The fingerprint of a loaded model (`models.bundled.LoadedModel`: its cfg and params), computed once and
     cached on the model object; calibration artifacts are keyed by it."""
+    if not (hasattr(model, "cfg") and hasattr(model, "params")):
+        raise ValueError(f"model={model!r:.80}: expected a loaded model (`jsparse.load(SPEC)`), whose cfg and params "
+                         "the fingerprint hashes")
     fp = getattr(model, "_fingerprint", None)
     if fp is None:
         fp = model_fingerprint(model.cfg, model.params)

@@ -62,6 +62,10 @@ class Session:
         self.model, self.draft, self.gamma = model, draft, gamma
         if capacity is not None:
             capacity = check_count("capacity", capacity, "cache rows; None: the model's context, at most 4096, rounded up to 128")
+            most = round_up(model.cfg.max_position_embeddings + gamma + 1, 128)
+            if capacity > most:
+                raise ValueError(f"capacity={capacity}: more cache rows than the model's context of "
+                                 f"{model.cfg.max_position_embeddings} tokens can fill; expected at most {most}")
         self.t_method, self.d_method = speculative_methods(method, model, draft, gamma)
         # A method that does not honour a model's sliding window: the default capacity is cut to W's whole blocks (as
         # generate's) and a larger one is refused (the window would bind once the conversation passed it).

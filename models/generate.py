@@ -107,7 +107,7 @@ def check_request(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_token
     holds `verify_rows` (gamma + 1) rows the verification writes past the accepted tokens (never kept, so not
     counted against the context). capacity None: the prompt, new tokens and verification rows rounded up to 128
     (past the context when it is not a multiple of 128: a block or page method needs a capacity its block divides,
-    and the rows past it are never written)."""
+    and the rows past it are never written); a capacity given may not exceed that rounding of the context."""
     if len(prompt_lengths) == 0:
         raise ValueError("no prompts given: expected at least one")
     if min(prompt_lengths) <= 0:
@@ -128,6 +128,10 @@ def check_request(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_token
     if capacity is None:
         return round_up(need + verify_rows, 128)
     check_count("capacity", capacity, "KV cache rows")
+    most = round_up(cfg.max_position_embeddings + verify_rows, 128)
+    if capacity > most:  # rows no request can fill, allocated all the same (an out-of-memory error naming none)
+        raise ValueError(f"capacity={capacity}: more KV cache rows than the model's context of "
+                         f"{cfg.max_position_embeddings} tokens can fill; expected at most {most}")
     if need + verify_rows > capacity:
         rows = f" and gamma + 1 = {verify_rows} verification rows" if verify_rows else ""
         raise ValueError(f"prompt ({max(prompt_lengths)} tokens) plus max_new_tokens={max_new_tokens}{rows} is "

@@ -679,3 +679,33 @@ def test_a_builders_catch_all_parameter_is_no_option():
     assert "unused" not in method_options("dense") and "options" not in method_options("streaming")
     with pytest.raises(ValueError, match=r"method 'dense' takes no option 'unused'"):
         make_method("dense", unused=1)
+
+
+def test_api_refuses_what_is_not_a_model_a_method_or_a_path():
+    """A model's name where the loaded model goes, a method class, an artifact that is no path, a chat flag that is
+    a string, a capacity no request can fill: each refused by name (they were attribute and type errors from deep
+    inside, a chat template applied for chat="False", an out-of-memory error)."""
+    from jsparse.artifacts import fingerprint
+    from jsparse.methods.quest import Quest
+    from jsparse.session import Session
+
+    for call in (lambda: jsparse.generate("smollm2", "hi"), lambda: jsparse.build_method("quest", "smollm2"),
+                 lambda: jsparse.generate_ids("smollm2", [[5, 6]])):
+        with pytest.raises(ValueError, match=r"model='smollm2': expected a loaded model \(`jsparse.load"):
+            call()
+    with pytest.raises(ValueError, match=r"model='smollm2': expected a loaded model"):
+        fingerprint("smollm2")
+    model = _tiny()
+    with pytest.raises(ValueError, match=r"method=<class .*Quest'>: expected a method name"):
+        jsparse.generate_ids(model, [[5, 6, 7]], method=Quest, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"artifact=5: expected the path of an artifact folder"):
+        jsparse.make_method("kascade", cfg=model.cfg, artifact=5)
+    with pytest.raises(ValueError, match=r"chat='False': expected True or False"):
+        jsparse.encode(model, ["hi"], chat="False")
+    with pytest.raises(ValueError, match=r"capacity=1000000: more KV cache rows than the model's context of 256 "
+                                         r"tokens can fill; expected at most 256"):
+        jsparse.generate_ids(model, [[5, 6, 7]], max_new_tokens=2, capacity=10 ** 6)
+    assert len(jsparse.generate_ids(model, [[5, 6, 7]], max_new_tokens=2, capacity=256)[0]) <= 2
+    with pytest.raises(ValueError, match=r"capacity=200000: more cache rows than the model's context of 256 tokens "
+                                         r"can fill; expected at most 384"):
+        Session(model, _tiny(layers=2, seed=1), gamma=2, capacity=200000)
