@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jsparse.artifacts import fingerprint
+from jsparse.artifacts import check_calibrated_for, fingerprint
 from jsparse.methods import make_method, method_names, window_methods
 from models import sharding
 from models.bundled import LoadedModel, keep_layers, load_model, parse_layers  # noqa: F401  (re-exported)
@@ -312,6 +312,10 @@ def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: An
     if stats is not None and not isinstance(stats, dict):
         raise ValueError(f"stats={stats!r}: expected a dict to receive the speculative rounds' counts, or None")
     check_method(method)
+    if not isinstance(method, str):  # built for another model's shapes (named by them), then calibrated for another
+        from models.attention import check_model as check_shapes
+        check_shapes(method, model.cfg)
+        check_calibrated_for(method, model)
     check_seed(seed)
     check_gamma(gamma)
     check_token_ids(model.cfg, ids)

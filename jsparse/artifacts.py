@@ -189,6 +189,31 @@ def _read_info(path: str):
         return json.loads(f.read().decode("utf-8"))
 
 
+def calibrated_for(artifact: str) -> dict[str, str]:
+    """{folder: the model fingerprint its artifact.json records} for an `artifact` option (folders joined by
+    os.pathsep, as tsa+kascade takes them); folders without a readable fingerprint are left out (the method's builder
+    has refused them already)."""
+    out = {}
+    for path in str(artifact).split(os.pathsep):
+        try:
+            fp = _read_info(artifact_folder(path)).get("model_fingerprint")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(fp, str):
+            out[path] = fp
+    return out
+
+
+def check_calibrated_for(method: Any, model: Any) -> None:
+    """A method built from artifacts (`jsparse.make_method`/`build_method`, which record their fingerprints on it)
+    runs only on the model they were calibrated for: ArtifactError naming the folder and both fingerprints."""
+    for path, fp in (getattr(method, "_calibrated_for", None) or {}).items():
+        if fp != fingerprint(model):
+            raise ArtifactError(f"the method's artifact at {path!r} was calibrated for model fingerprint {fp!r}, but "
+                                f"this model ({getattr(model, 'name', '?')}) has fingerprint {fingerprint(model)!r}: "
+                                "build the method for this model (an artifact calibrated on it)")
+
+
 def meta_number(art: Artifact, path: str, name: str, default=None, integer: bool = False) -> int | float:
     """`art.meta[name]` (`default` when absent) as a float (an int with `integer`): a method's setting its
     calibration used; ArtifactError naming the folder when it is not a number (an integer)."""

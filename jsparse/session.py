@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jsparse.artifacts import check_calibrated_for
 from models import sharding
 from models.bundled import LoadedModel
 from models.generate import NEW_TOKENS_BUCKET, check_count, check_token_ids, round_up, seed_key
@@ -67,6 +68,7 @@ class Session:
                 raise ValueError(f"capacity={capacity}: more cache rows than the model's context of "
                                  f"{model.cfg.max_position_embeddings} tokens can fill; expected at most {most}")
         self.t_method, self.d_method = speculative_methods(method, model, draft, gamma)
+        check_calibrated_for(self.t_method, model)
         # A method that does not honour a model's sliding window: the default capacity is cut to W's whole blocks (as
         # generate's) and a larger one is refused (the window would bind once the conversation passed it).
         chosen, capacity = capacity, capacity or round_up(min(model.cfg.max_position_embeddings, 4096), 128)

@@ -709,3 +709,26 @@ def test_api_refuses_what_is_not_a_model_a_method_or_a_path():
     with pytest.raises(ValueError, match=r"capacity=200000: more cache rows than the model's context of 256 tokens "
                                          r"can fill; expected at most 384"):
         Session(model, _tiny(layers=2, seed=1), gamma=2, capacity=200000)
+
+
+def test_a_method_runs_only_on_the_model_its_artifact_was_calibrated_for(tmp_path):
+    """A method built from an artifact remembers the fingerprint the artifact records: on another model of the same
+    shape (a fine-tune, or make_method with cfg and no fingerprint) generate refuses it, naming both fingerprints."""
+    from jsparse.artifacts import Artifact, ArtifactError, fingerprint, save_artifact
+    from jsparse.session import Session
+
+    model, other = _tiny(), _tiny(seed=1)
+    L, Hkv = model.cfg.num_layers, model.cfg.num_kv_heads
+    path = str(tmp_path / "k")
+    save_artifact(path, Artifact(kind="kascade", fingerprint=fingerprint(model), arrays={
+        "anchors": np.array([0, 1], np.int32), "head_map": np.tile(np.arange(Hkv, dtype=np.int32), (L, 1))}))
+    built = jsparse.build_method("kascade", model, artifact=path)
+    assert len(jsparse.generate_ids(model, [[5, 6, 7]], method=built, max_new_tokens=2)[0]) <= 2
+    unchecked = jsparse.make_method("kascade", cfg=other.cfg, artifact=path)  # no fingerprint: built all the same
+    for method in (built, unchecked):
+        with pytest.raises(ArtifactError, match=rf"artifact at '{path}' was calibrated for model fingerprint "
+                                                rf"'{fingerprint(model)}', but this model \(tiny\) has fingerprint "
+                                                rf"'{fingerprint(other)}'"):
+            jsparse.generate_ids(other, [[5, 6, 7]], method=method, max_new_tokens=2)
+    with pytest.raises(ArtifactError, match="was calibrated for model fingerprint"):
+        Session(other, _tiny(layers=2, seed=2), method=built, gamma=2, capacity=128)

@@ -101,6 +101,12 @@ def make_method(name: str, **kwargs):
     _check_bools(name, kwargs, factory)
     method = build(**kwargs)
     check_options(name, kwargs, method)  # wrappers: the options (and bool types) of what they built
+    if kwargs.get("artifact"):  # the fingerprints its artifacts were calibrated for: checked where it runs
+        from jsparse.artifacts import calibrated_for
+        try:
+            object.__setattr__(method, "_calibrated_for", calibrated_for(kwargs["artifact"]))
+        except AttributeError:  # an object without a __dict__ (slots): nothing recorded
+            pass
     return method
 
 
