@@ -700,6 +700,8 @@ def test_api_refuses_what_is_not_a_model_a_method_or_a_path():
         jsparse.generate_ids(model, [[5, 6, 7]], method=Quest, max_new_tokens=2)
     with pytest.raises(ValueError, match=r"artifact=5: expected the path of an artifact folder"):
         jsparse.make_method("kascade", cfg=model.cfg, artifact=5)
+    with pytest.raises(ValueError, match=r"method 'kascade' cfg='smollm2': expected a models.config.ModelConfig"):
+        jsparse.make_method("kascade", cfg="smollm2", artifact="x")
     with pytest.raises(ValueError, match=r"chat='False': expected True or False"):
         jsparse.encode(model, ["hi"], chat="False")
     with pytest.raises(ValueError, match=r"capacity=1000000: more KV cache rows than the model's context of 256 "

@@ -89,6 +89,10 @@ def make_method(name: str, **kwargs):
         raise ValueError(f"unknown attention method {name!r}; expected one of {method_names()}")
     factory = _REGISTRY[name]
     build = getattr(factory, "build", factory)
+    from models.config import ModelConfig
+    if kwargs.get("cfg") is not None and not isinstance(kwargs["cfg"], ModelConfig):
+        raise ValueError(f"method {name!r} cfg={kwargs['cfg']!r:.60}: expected a models.config.ModelConfig (a loaded "
+                         "model's .cfg; jsparse.build_method(name, model) passes it)")
     budget = kwargs.get("budget")  # every method takes one (the CLI and eval give it to all); those without ignore it
     if budget is not None and (not is_real(budget) or not np.isfinite(budget) or budget <= 0):
         raise ValueError(f"method {name!r} budget={budget!r}: expected a fraction of the context in (0, 1] (sts: or "
