@@ -159,6 +159,8 @@ class Session:
         """Adds a message given as raw text (no chat template: format turns yourself, e.g. with the tokenizer's
         chat markers; the first message is tokenized with the tokenizer's special tokens, such as a BOS it adds,
         later ones without) and returns the reply's text."""
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"text={text!r:.60}: expected a non-empty str (token ids go to `send_ids`)")
         tok = self.model.tokenizer
         if tok is None:
             raise ValueError(f"model {getattr(self.model, 'name', '?')!r} has no tokenizer (a Hugging Face folder "

@@ -702,6 +702,9 @@ def test_api_refuses_what_is_not_a_model_a_method_or_a_path():
         jsparse.make_method("kascade", cfg=model.cfg, artifact=5)
     with pytest.raises(ValueError, match=r"method 'kascade' cfg='smollm2': expected a models.config.ModelConfig"):
         jsparse.make_method("kascade", cfg="smollm2", artifact="x")
+    with pytest.raises(ValueError, match=r"method 'tsa' artifact='': expected an artifact folder's path, or "
+                                         r"artifact=None"):
+        jsparse.make_method("tsa", cfg=model.cfg, artifact="")
     with pytest.raises(ValueError, match=r"chat='False': expected True or False"):
         jsparse.encode(model, ["hi"], chat="False")
     with pytest.raises(ValueError, match=r"capacity=1000000: more KV cache rows than the model's context of 256 "
@@ -734,3 +737,13 @@ def test_a_method_runs_only_on_the_model_its_artifact_was_calibrated_for(tmp_pat
             jsparse.generate_ids(other, [[5, 6, 7]], method=method, max_new_tokens=2)
     with pytest.raises(ArtifactError, match="was calibrated for model fingerprint"):
         Session(other, _tiny(layers=2, seed=2), method=built, gamma=2, capacity=128)
+
+
+def test_session_send_refuses_what_is_not_text(smollm2):
+    from jsparse.session import Session
+
+    session = Session(smollm2, smollm2, gamma=2, capacity=64)
+    for bad in (None, "", [5, 6]):
+        with pytest.raises(ValueError, match=r"text=.*: expected a non-empty str \(token ids go to `send_ids`\)"):
+            session.send(bad)
+    assert session.tokens == []  # nothing of the conversation changed

@@ -97,6 +97,9 @@ def make_method(name: str, **kwargs):
     if budget is not None and (not is_real(budget) or not np.isfinite(budget) or budget <= 0):
         raise ValueError(f"method {name!r} budget={budget!r}: expected a fraction of the context in (0, 1] (sts: or "
                          "a whole number of keys above 1)")
+    if isinstance(kwargs.get("artifact"), str) and not kwargs["artifact"].strip():
+        raise ValueError(f"method {name!r} artifact={kwargs['artifact']!r}: expected an artifact folder's path, or "
+                         "artifact=None for none")
     if kwargs.get("artifact") and not takes_artifact(name):
         raise ValueError(f"method {name!r} takes no artifact (artifact={kwargs['artifact']!r}); the methods that "
                          f"read one: {', '.join(n for n in method_names() if takes_artifact(n))}")
