@@ -85,7 +85,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                         "own text (see --allow-calibration-corpus) (default: eval/data/call_of_the_wild.txt, shipped)")
     p.add_argument("--artifact", action="append", default=None, metavar="[METHOD=]DIR",
                    help="calibration artifact folder: METHOD=DIR for one method (e.g. kascade=artifacts/k), or "
-                        "DIR for every method that reads an artifact; repeat or comma-separate for several")
+                        "DIR for every method that reads an artifact (refused where none does); repeat or "
+                        "comma-separate for several (one folder a method)")
     p.add_argument("--allow-calibration-corpus", action="store_true",
                    help="run even when --corpus holds the text an --artifact was calibrated or trained on (by the "
                         "digest the artifact records); without it that is an error, as the method would be scored on "
