@@ -207,11 +207,13 @@ def calibrated_for(artifact: str) -> dict[str, str]:
 def check_calibrated_for(method: Any, model: Any) -> None:
     """A method built from artifacts (`jsparse.make_method`/`build_method`, which record their fingerprints on it)
     runs only on the model they were calibrated for: ArtifactError naming the folder and both fingerprints."""
-    for path, fp in (getattr(method, "_calibrated_for", None) or {}).items():
-        if fp != fingerprint(model):
+    recorded = getattr(method, "_calibrated_for", None) or {}
+    own = fingerprint(model) if recorded else None
+    for path, fp in recorded.items():
+        if fp != own:
             raise ArtifactError(f"the method's artifact at {path!r} was calibrated for model fingerprint {fp!r}, but "
-                                f"this model ({getattr(model, 'name', '?')}) has fingerprint {fingerprint(model)!r}: "
-                                "build the method for this model (an artifact calibrated on it)")
+                                f"this model ({getattr(model, 'name', '?')}) has fingerprint {own!r}: build the "
+                                "method for this model (an artifact calibrated on it)")
 
 
 def meta_number(art: Artifact, path: str, name: str, default=None, integer: bool = False) -> int | float:

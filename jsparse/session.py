@@ -25,7 +25,8 @@ import numpy as np
 from jsparse.artifacts import check_calibrated_for
 from models import sharding
 from models.bundled import LoadedModel
-from models.generate import NEW_TOKENS_BUCKET, check_count, check_token_ids, round_up, seed_key
+from models.generate import (NEW_TOKENS_BUCKET, check_capacity_fits, check_count, check_token_ids, round_up,
+                             seed_key)
 from models.speculative import append_step, check_heads_on_mesh, loop_step, prefill_step
 
 
@@ -63,10 +64,7 @@ class Session:
         self.model, self.draft, self.gamma = model, draft, gamma
         if capacity is not None:
             capacity = check_count("capacity", capacity, "cache rows; None: the model's context, at most 4096, rounded up to 128")
-            most = round_up(model.cfg.max_position_embeddings + gamma + 1, 128)
-            if capacity > most:
-                raise ValueError(f"capacity={capacity}: more cache rows than the model's context of "
-                                 f"{model.cfg.max_position_embeddings} tokens can fill; expected at most {most}")
+            check_capacity_fits(model.cfg, capacity, verify_rows=gamma + 1)
         self.t_method, self.d_method = speculative_methods(method, model, draft, gamma)
         check_calibrated_for(self.t_method, model)
         # A method that does not honour a model's sliding window: the default capacity is cut to W's whole blocks (as

@@ -99,6 +99,16 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def check_capacity_fits(cfg: ModelConfig, capacity: int, verify_rows: int = 0) -> None:
+    """ValueError naming `capacity` when it is past the rows any request can fill: the model's context and the
+    `verify_rows` a speculative verification writes past it, rounded up to 128 (the rows past that would be
+    allocated all the same: an out-of-memory error that names nothing)."""
+    most = round_up(cfg.max_position_embeddings + verify_rows, 128)
+    if capacity > most:
+        raise ValueError(f"capacity={capacity}: more KV cache rows than the model's context of "
+                         f"{cfg.max_position_embeddings} tokens can fill; expected at most {most}")
+
+
 def check_request(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_tokens: int,
                   capacity: int | None = None, verify_rows: int = 0) -> int:
     """Validates a generation request and returns the cache capacity to use.
@@ -128,10 +138,7 @@ def check_request(cfg: ModelConfig, prompt_lengths: Sequence[int], max_new_token
     if capacity is None:
         return round_up(need + verify_rows, 128)
     check_count("capacity", capacity, "KV cache rows")
-    most = round_up(cfg.max_position_embeddings + verify_rows, 128)
-    if capacity > most:  # rows no request can fill, allocated all the same (an out-of-memory error naming none)
-        raise ValueError(f"capacity={capacity}: more KV cache rows than the model's context of "
-                         f"{cfg.max_position_embeddings} tokens can fill; expected at most {most}")
+    check_capacity_fits(cfg, capacity, verify_rows)
     if need + verify_rows > capacity:
         rows = f" and gamma + 1 = {verify_rows} verification rows" if verify_rows else ""
         raise ValueError(f"prompt ({max(prompt_lengths)} tokens) plus max_new_tokens={max_new_tokens}{rows} is "

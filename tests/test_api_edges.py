@@ -711,7 +711,7 @@ def test_api_refuses_what_is_not_a_model_a_method_or_a_path():
                                          r"tokens can fill; expected at most 256"):
         jsparse.generate_ids(model, [[5, 6, 7]], max_new_tokens=2, capacity=10 ** 6)
     assert len(jsparse.generate_ids(model, [[5, 6, 7]], max_new_tokens=2, capacity=256)[0]) <= 2
-    with pytest.raises(ValueError, match=r"capacity=200000: more cache rows than the model's context of 256 tokens "
+    with pytest.raises(ValueError, match=r"capacity=200000: more KV cache rows than the model's context of 256 tokens "
                                          r"can fill; expected at most 384"):
         Session(model, _tiny(layers=2, seed=1), gamma=2, capacity=200000)
 

@@ -683,8 +683,7 @@ def run_bench_attention(args) -> int:
     contexts = [int(x) for x in str(args.context).split(",") if x]
     if not contexts or min(contexts) < 1:
         raise ValueError(f"--context {args.context!r}: expected comma-separated positive integers")
-    if not 0 < args.budget <= 1:
-        raise ValueError(f"--budget {args.budget}: expected a fraction in (0, 1]")
+    bm.check_budget(args.budget)
     from pallas_kernels.anchor_attention.common import check_block_size
     check_block_size(args.block_size, args.tile, "--block-size")
     if not 1 <= args.anchors <= cfg.num_layers:

@@ -66,6 +66,12 @@ def add_out_argument(parser, name: str, optional: bool = False) -> None:
                              + ("(default: none written)" if optional else f"(default ./{name})"))
 
 
+def check_budget(budget: float) -> None:
+    """A `--budget` of the benchmarks: ValueError naming it unless it is a kept fraction of the context in (0, 1]."""
+    if not 0.0 < budget <= 1.0:  # NaN fails too
+        raise ValueError(f"--budget {budget:g}: expected a kept fraction of the context in (0, 1]")
+
+
 def out_path(out: str | None, name: str) -> str | None:
     """The file `--out` names (see `add_out_argument`; None for none); its folder is created."""
     if out is None:

@@ -844,10 +844,11 @@ def main(argv=None, prog=None):
                                       ("--prefill-context", a.prefill_context.strip() or None)) if v is not None]
         if given:
             p.error(f"{', '.join(given)}: the per-method comparison's (--methods dense,...); dense alone takes none")
-    if a.budget is None:
-        a.budget = 0.1
-    elif not 0 < a.budget <= 1:
-        p.error(f"--budget {a.budget:g}: expected a kept fraction of the context in (0, 1]")
+    a.budget = 0.1 if a.budget is None else a.budget
+    try:
+        bm.check_budget(a.budget)
+    except ValueError as e:
+        p.error(str(e))
     a.tsa_kept = TSA_KEPT if a.tsa_kept is None else a.tsa_kept
     from jsparse.methods.tsa import check_kept_fraction
     try:

@@ -32,7 +32,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from eval.bench.common import add_out_argument, device_facts, out_path, write_json
+from eval.bench.common import add_out_argument, check_budget, device_facts, out_path, write_json
 
 # Primitives whose bodies belong to the caller's body (followed); a scan's body is a census row of its own.
 INLINE = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
@@ -194,10 +194,11 @@ def main(argv=None, prog: str = "jsparse bench op_census") -> int:
     if args.budget is not None and args.method in ("dense", "evosparse"):
         p.error(f"--budget {args.budget:g}: method {args.method!r} is built without it (dense attends to every key, "
                 "EvoSparse keeps its 2048-token budget)")
-    if args.budget is None:
-        args.budget = 0.1
-    elif not 0 < args.budget <= 1:
-        p.error(f"--budget {args.budget:g}: expected a kept fraction of the context in (0, 1]")
+    args.budget = 0.1 if args.budget is None else args.budget
+    try:
+        check_budget(args.budget)
+    except ValueError as e:
+        p.error(str(e))
     if not args.large_mb > 0:
         p.error(f"--large-mb {args.large_mb}: expected a size in MiB > 0")
     jaxpr, cfg = trace_step(args.method, args.shape, args.batch, args.context, args.budget, gpu=args.gpu)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.bench.common import add_out_argument, device_facts, out_path, write_json
+from eval.bench.common import add_out_argument, check_budget, device_facts, out_path, write_json
 from eval.bench.profile_decode_step import kernel_table
 from pallas_kernels.topk_select import gpu, topk_select_reference
 
@@ -68,8 +68,10 @@ def main(argv=None, prog=None):
     bad = [w for w in what if w not in WHAT]
     if bad or not what:
         p.error(f"--what {a.what!r}: expected a comma-separated subset of {WHAT}")
-    if not 0.0 < a.budget <= 1.0:
-        p.error(f"--budget {a.budget}: expected a fraction of the context in (0, 1]")
+    try:
+        check_budget(a.budget)
+    except ValueError as e:
+        p.error(str(e))
     a.out = out_path(a.out, "profile_ops.json")
     B, Hq, Hkv, D, N = a.batch, 32, 8, 128, a.context
     K = int(np.ceil(a.budget * N))
