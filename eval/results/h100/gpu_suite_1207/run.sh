@@ -6,7 +6,7 @@
 # then PART=tests carrying part03 and the gguf wheel, then PART=tests again with FILES of the next group (the site
 # stays in /tmp while the machine is warm).
 #   FILES: the test files (default: every tests/test_*.py; -v, so a run cut by LIMIT still names each result);
-#   log names under $OUT, default tests).
+#   WORKERS (12), LIMIT (seconds, 560), NAME (the junit and log names under $OUT, default tests).
 set -uo pipefail
 if [ "${PART:-tests}" = copy ]; then PART=copy exec bash eval/results/h100/fidelity_1206/run.sh; fi
 SITE=/tmp/site
