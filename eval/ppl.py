@@ -78,7 +78,16 @@ def read_corpus(path: str | None) -> str:
         raise ValueError(f"corpus {path!r} is not UTF-8 text ({e}): --corpus expects a UTF-8 text file") from None
     if not text.strip():
         raise ValueError(f"corpus {path!r} is empty: --corpus expects a UTF-8 text file with some text")
+    if (why := not_text(text)) is not None:
+        raise ValueError(f"corpus {path!r} {why}: --corpus expects a UTF-8 text file")
     return text
+
+
+def not_text(text: str) -> str | None:
+    """Why decoded UTF-8 is not text, or None: a NUL character (a file of zeros, or other binary data that happens to
+    decode, is refused rather than tokenized)."""
+    i = text.find("\x00")
+    return None if i < 0 else f"holds a NUL character (at character {i}): binary data, not text"
 
 
 def tokenize_corpus(tokenizer, text: str) -> np.ndarray:

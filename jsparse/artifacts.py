@@ -365,6 +365,18 @@ def artifact_kind(path: str) -> str:
     return kind
 
 
+def check_artifact_target(out_dir: str, kind: str, writer: str) -> None:
+    """ArtifactError when out_dir holds an artifact of another kind than `kind`, which `writer` (what writes there,
+    e.g. "calibrate tsa") would replace; none there, or an unreadable artifact.json (an export cut short), passes."""
+    try:
+        found = artifact_kind(out_dir)
+    except ArtifactError:
+        return
+    if found != kind:
+        raise ArtifactError(f"{out_dir!r} holds a {found!r} artifact, which {writer} would replace with its {kind!r} "
+                            f"artifact: expected another --out (an empty folder, or a {kind!r} artifact's own)")
+
+
 def split_artifacts(artifact, kinds: tuple[str, ...]) -> dict[str, str]:
     """Artifact folders by kind from one string of folders separated by os.pathsep (':' on Linux, ';' on
     Windows), or a list / tuple of folders, each routed by the kind in its artifact.json."""

@@ -137,6 +137,7 @@ def cmd_generate(args) -> int:
 
 def cmd_calibrate(args) -> int:
     from eval.ppl import DEV_CORPUS, read_corpus
+    from jsparse.artifacts import check_artifact_target
     from jsparse.methods.base import calibration_check
 
     from eval.cli_eval import out_folder
@@ -150,6 +151,7 @@ def cmd_calibrate(args) -> int:
         check(args)
     corpus = args.corpus or [DEV_CORPUS]
     texts = [read_corpus(path) for path in corpus]
+    check_artifact_target(args.out, args.method, f"calibrate {args.method}")  # (a trained predictor, say)
     with out_folder(args.out, "the artifact (artifact.json, arrays.npz)"):  # checked before the work
         return _calibrate(args, corpus, texts)
 

@@ -76,6 +76,15 @@ def test_calibrate_refuses_a_file_as_out_and_a_length_past_the_context(tmp_path,
         assert main(["calibrate", "kascade", "--model", "smollm2", "--out", str(out), *extra]) == 2, extra
         assert message in capsys.readouterr().err, extra
         assert not out.exists(), extra
+    # An --out holding another method's artifact (a trained predictor, say) was replaced without a word.
+    butler = tmp_path / "butler"
+    butler.mkdir()
+    (butler / "artifact.json").write_text('{"kind": "butler"}', encoding="utf-8")
+    for method in ("tsa", "kascade"):
+        assert main(["calibrate", method, "--model", "/nonexistent/model.gguf", "--out", str(butler)]) == 2
+        assert (f"holds a 'butler' artifact, which calibrate {method} would replace with its '{method}' artifact"
+                in capsys.readouterr().err)
+    assert sorted(p.name for p in butler.iterdir()) == ["artifact.json"]
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["eval", "--help"], ["calibrate", "--help"],

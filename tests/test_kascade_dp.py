@@ -284,3 +284,21 @@ def test_check_cli_refuses_a_zero_anchor_count():
     args = SimpleNamespace(anchors=0, target_share=None, reuse_scale=2.0, budget=0.1, tile=32)
     with pytest.raises(ValueError, match="--anchors 0: expected at least 1"):
         check_cli(args)
+
+
+def test_a_budget_under_the_floor_at_the_prompts_length_warns(tiny_params):
+    """k = max(ceil(budget * n), min_tokens): on prompts no longer than min_tokens / budget every budget keeps
+    min_tokens keys, so the calibration is that of any of them (`calibrate kascade --budget` had no effect at a short
+    --length, silently); said, and a longer prompt does not warn."""
+    import warnings
+
+    from jsparse.methods.kascade_calibration import calibrate
+
+    short = np.asarray(jax.random.randint(jax.random.key(1), (1, 64), 0, TINY.vocab_size), np.int32)
+    with pytest.warns(UserWarning, match=r"prompts of 64 tokens at budget 0.1: k = max\(ceil\(0.1 \* n\), "
+                                         r"min_tokens=8\) is 8 at every position \(the budget sets k only past 80"):
+        calibrate(tiny_params, TINY, [short], num_anchors=2, **KW)
+    longer = np.asarray(jax.random.randint(jax.random.key(1), (1, 96), 0, TINY.vocab_size), np.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        calibrate(tiny_params, TINY, [longer], num_anchors=2, **KW)

@@ -1266,3 +1266,126 @@ def test_checkpoint_of_another_predictor_shape_is_refused(tmp_path, uninterrupte
         train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=other, progress=False)
     assert not os.path.exists(os.path.join(out, "checkpoints-damaged"))
     assert sorted(int(d) for d in os.listdir(os.path.join(out, "checkpoints")) if d.isdigit()) == [4, 6]
+
+
+@pytest.mark.parametrize("damage", ["data", "digest"])
+def test_a_checkpoint_reading_back_other_numbers_is_moved_aside(tmp_path, uninterrupted, model_params, pcfg, chunks,
+                                                                 damage):
+    """A damaged data file can read back without an error, as other numbers (a rerun of the finished run then exported
+    them as its artifact, with a NaN among them): each checkpoint's metadata holds a digest of its arrays, and one
+    whose arrays differ from it is moved aside like an unreadable one. "data": bytes in the middle of the newest
+    checkpoint's largest data file flipped (orbax may or may not notice); "digest": the digest itself changed, so only
+    the comparison can notice."""
+    import glob
+    import shutil
+
+    src, full = uninterrupted
+    out = str(tmp_path / damage)
+    shutil.copytree(src, out)
+    if damage == "data":
+        files = [f for f in glob.glob(os.path.join(out, "checkpoints", "6", "state", "**", "*"), recursive=True)
+                 if os.path.isfile(f) and f"{os.sep}d{os.sep}" in f]
+        path = max(files, key=os.path.getsize)
+        with open(path, "r+b") as f:
+            data = bytearray(f.read())
+            mid = len(data) // 2
+            data[mid:mid + 64] = bytes(b ^ 0x5A for b in data[mid:mid + 64])
+            f.seek(0)
+            f.write(data)
+    else:
+        meta_file = os.path.join(out, "checkpoints", "6", "meta", "metadata")
+        with open(meta_file) as f:
+            meta = json.load(f)
+        assert len(meta["state_digest"]) == 32
+        meta["state_digest"] = "0" * 32
+        with open(meta_file, "w") as f:
+            json.dump(meta, f)
+    with pytest.warns(UserWarning, match="moved to .*checkpoints-damaged .*resuming from step 4"):
+        res = train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg,
+                    progress=False)
+    assert res.start_step == 4 and [s for s, _ in res.losses] == [5, 6]
+    for a, b in zip(jax.tree.leaves(res.params), jax.tree.leaves(full.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name, make, match", [
+    ("checkpoints", lambda p: open(p, "w").close(), r"checkpoints' is not a folder, where the run keeps the folder"),
+    ("loss.jsonl", os.mkdir, r"loss.jsonl' is a folder, where the run keeps the run's loss log"),
+])
+def test_out_entries_of_the_wrong_kind_are_refused_before_the_steps(tmp_path, model_params, pcfg, chunks, name,
+                                                                    make, match):
+    """A file named `checkpoints` in out_dir made orbax's save thread fail after every step had trained, and the run
+    hung; a folder named loss.jsonl failed at the first step. Both are refused before any work."""
+    out = tmp_path / "out"
+    out.mkdir()
+    make(str(out / name))
+    with pytest.raises(TrainError, match=match):
+        train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=str(out), tc=TC, pcfg=pcfg,
+              progress=False)
+    assert sorted(os.listdir(out)) == [name]
+
+
+def test_a_loss_log_line_without_a_loss_is_named(tmp_path):
+    """A loss log line with a step but no loss: the resume's rewrite refuses it (before the last line) and the
+    export's final loss names it (a KeyError after every step had trained)."""
+    from train.loop import _rewrite_log, last_logged_loss
+
+    path = tmp_path / "loss.jsonl"
+    path.write_text('{"step": 1, "lossx": 3.0}\n{"step": 2, "loss": 2.5}\n')
+    with pytest.raises(TrainError, match=r"line 1 is not a loss record .*'loss'"):
+        _rewrite_log(str(path), 2)
+    assert last_logged_loss(str(tmp_path)) == 2.5
+    path.write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "loss": "2.5"}\n')
+    with pytest.raises(TrainError, match=r"loss.jsonl line 2 is not a loss record .*loss '2.5'"):
+        last_logged_loss(str(tmp_path))
+    assert last_logged_loss(str(tmp_path / "none")) is None
+
+
+@pytest.mark.parametrize("interrupt, rc", [("sigterm", 143), ("ctrl-c", 130)])
+def test_cli_interrupt_says_where_to_resume(tmp_path, monkeypatch, capsys, interrupt, rc):
+    """An interrupted `train-predictor` ends with one line naming the checkpoint saved and how to resume, and the
+    signal's exit status (128 + its number), not a traceback."""
+    import train.loop as train_loop
+    from jsparse.cli import main
+
+    def interrupted(cfg, params, *, out_dir, **kw):
+        os.makedirs(out_dir, exist_ok=True)
+        raise train_loop.Terminated("signal SIGTERM during training") if interrupt == "sigterm" else KeyboardInterrupt
+
+    monkeypatch.setattr(train_loop, "train", interrupted)
+    monkeypatch.setattr(train_loop, "read_checkpoint_meta", lambda out: {"step": 44})
+    text = tmp_path / "a.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20, encoding="utf-8")
+    out = str(tmp_path / "out")
+    assert main(["train-predictor", "--model", "smollm2", "--data", str(text), "--steps", "100", "--seq-len", "64",
+                 "--batch-size", "1", "--out", out, "--no-progress"]) == rc
+    err = capsys.readouterr().err
+    why = "signal SIGTERM during training" if interrupt == "sigterm" else "Ctrl-C"
+    assert (f"train-predictor: interrupted ({why}); the checkpoint of step 44 is in {os.path.join(out, 'checkpoints')}"
+            ": run the same command again to resume") in err
+
+
+def test_cli_warns_when_a_batch_repeats_chunks(tmp_path, monkeypatch):
+    """--batch-size above the data's chunks repeats chunks within every step: said, not silent."""
+    seen = {}
+    _stub_train(monkeypatch, seen)
+    from jsparse.cli import main
+
+    text = tmp_path / "a.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20, encoding="utf-8")
+    with pytest.warns(UserWarning, match=r"--batch-size 40 is more than the data's \d+ chunks of --seq-len 64"):
+        assert main(["train-predictor", "--model", "smollm2", "--data", str(text), "--steps", "1", "--seq-len", "64",
+                     "--batch-size", "40", "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    assert seen["tc"].batch_size == 40
+
+
+def test_text_with_nul_characters_is_refused(tmp_path):
+    """A file of zeros is valid UTF-8: training data and corpora holding a NUL are refused as binary."""
+    from eval.ppl import read_corpus
+
+    path = tmp_path / "zeros.bin"
+    path.write_bytes(b"some words\x00\x00\x00")
+    with pytest.raises(data_lib.DataError, match=r"zeros.bin' holds a NUL character \(at character 10\)"):
+        data_lib.read_text(str(path))
+    with pytest.raises(ValueError, match=r"corpus .*zeros.bin' holds a NUL character .*--corpus expects"):
+        read_corpus(str(path))

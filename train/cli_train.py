@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+import warnings
 
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
@@ -27,7 +29,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         "train-predictor", help="train TokenButler's importance predictor (writes a butler artifact)",
         description="Train TokenButler's ~1% predictor against the frozen model's attention logits (blockwise MSE), "
                     "data-parallel over the devices present. Writes checkpoints, loss.jsonl and a 'butler' artifact "
-                    "to --out; rerunning the same command resumes from the latest checkpoint.")
+                    "to --out; rerunning the same command resumes from the latest checkpoint (Ctrl-C or SIGTERM saves one "
+                    "of the last completed step first, and exits with 130 or 143).")
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (the bundled SmolLM2-135M-Instruct), a Hugging Face folder or a .gguf file "
                         "(default: smollm2)")
@@ -78,7 +81,7 @@ def run_train(args) -> int:
     import jsparse
     from jsparse.artifacts import corpus_meta
     from train import data as data_lib
-    from train.loop import TrainConfig, check_target, train
+    from train.loop import TrainConfig, Terminated, check_target, last_logged_loss, read_checkpoint_meta, train
     from train.predictor import describe, preset_config
 
     paths = data_lib.expand_paths(args.data)  # fail on missing files before loading the model
@@ -115,11 +118,26 @@ def run_train(args) -> int:
         print(json.dumps({"files": len(paths), "tokens": int(len(ids)), "chunks": int(chunks.shape[0]),
                           "devices": len(devices), **{k: size[k] for k in ("predictor_params", "model_params",
                                                                                   "fraction")}}))
-        result = train(model.cfg, model.params, fingerprint=jsparse.fingerprint(model), chunks=chunks,
-                       out_dir=args.out, tc=tc, pcfg=pcfg, model_name=model.name, progress=not args.no_progress,
-                       max_seconds=args.max_seconds, devices=devices, artifact_meta=corpus_meta(paths))
+        if tc.batch_size > chunks.shape[0]:
+            warnings.warn(f"--batch-size {tc.batch_size} is more than the data's {chunks.shape[0]} chunks of "
+                          f"--seq-len {tc.seq_len} tokens: every step repeats chunks (about "
+                          f"{tc.batch_size / chunks.shape[0]:.1f} times each)", stacklevel=2)
+        try:
+            result = train(model.cfg, model.params, fingerprint=jsparse.fingerprint(model), chunks=chunks,
+                           out_dir=args.out, tc=tc, pcfg=pcfg, model_name=model.name, progress=not args.no_progress,
+                           max_seconds=args.max_seconds, devices=devices, artifact_meta=corpus_meta(paths))
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (train.loop.Terminated): the last step was checkpointed
+            try:
+                meta = read_checkpoint_meta(args.out)
+            except Exception:  # noqa: BLE001  (a checkpoint the interrupt cut short: the resume moves it aside)
+                meta = None
+            saved = (f"the checkpoint of step {meta['step']} is in {os.path.join(args.out, 'checkpoints')}"
+                     if meta else "no checkpoint was saved")
+            print(f"jsparse train-predictor: interrupted ({str(e) or 'Ctrl-C'}); {saved}: run the same command again "
+                  "to resume", file=sys.stderr)
+            return 143 if isinstance(e, Terminated) else 130
         print(json.dumps({"out": os.path.abspath(args.out), "resumed_from": result.start_step,
-                          "steps": result.last_step, "final_loss": result.losses[-1][1] if result.losses else None,
+                          "steps": result.last_step, "final_loss": last_logged_loss(args.out),
                           "stopped_early": result.stopped_early, "seconds": round(result.seconds, 1),
                           "tokens_seen": int(result.last_step * tc.batch_size * tc.seq_len),
                           "epochs": float(result.last_step * tc.batch_size / chunks.shape[0]),

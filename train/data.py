@@ -59,7 +59,7 @@ def expand_paths(patterns: Sequence[str]) -> list[str]:
 
 
 def read_text(path: str) -> str:
-    """A UTF-8 text file's content; DataError when it holds no text."""
+    """A UTF-8 text file's content; DataError when it holds no text, or binary data (`eval.ppl.not_text`)."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -67,6 +67,10 @@ def read_text(path: str) -> str:
         raise DataError(f"training data file {path!r} is not UTF-8 text: {e}") from None
     if not text.strip():
         raise DataError(f"training data file {path!r} is empty: expected UTF-8 text")
+    from eval.ppl import not_text
+
+    if (why := not_text(text)) is not None:
+        raise DataError(f"training data file {path!r} {why}: expected UTF-8 text")
     return text
 
 

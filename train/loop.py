@@ -43,6 +43,7 @@ import contextlib
 import dataclasses
 import errno
 import functools
+import hashlib
 import json
 import math
 import os
@@ -59,7 +60,7 @@ import optax
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jsparse.artifacts import (FINGERPRINT_SCHEME, Artifact, ArtifactError, artifact_kind, load_artifact,
+from jsparse.artifacts import (FINGERPRINT_SCHEME, Artifact, ArtifactError, check_artifact_target, load_artifact,
                                save_artifact, write_replace)
 from jsparse.methods.butler import ARTIFACT_KIND
 from jsparse.methods.butler_predictor import Predictor, PredictorConfig, flatten_params, init_params
@@ -312,11 +313,29 @@ def _manager(out_dir: str, tc: TrainConfig):
     return ocp.CheckpointManager(path, options=options)
 
 
+def state_digest(tree) -> str:
+    """A checksum of a checkpoint's arrays (dtype, shape and bytes of each leaf, in tree order). `_save` writes it into
+    the checkpoint's metadata and `_resume` compares it after the restore: a damaged data file can read back as other
+    numbers without an error."""
+    h = hashlib.blake2b(digest_size=16)
+    for x in jax.tree_util.tree_leaves(tree):
+        a = np.ascontiguousarray(jax.device_get(x))
+        h.update(f"{a.dtype.str}{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+class CheckpointDigestError(ValueError):
+    """A restored checkpoint whose arrays differ from the digest written with them (damage, moved aside)."""
+
+
 def _save(mngr, step: int, pparams, opt_state, meta: dict) -> None:
     import orbax.checkpoint as ocp
 
-    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": pparams, "opt_state": opt_state}),
-                                            meta=ocp.args.JsonSave(meta)), force=True)
+    state = {"params": pparams, "opt_state": opt_state}
+    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                            meta=ocp.args.JsonSave({**meta, "state_digest": state_digest(state)})),
+              force=True)
 
 
 def _check_resume(meta: dict, expected: dict, where: str) -> None:
@@ -351,13 +370,17 @@ def _check_resume(meta: dict, expected: dict, where: str) -> None:
                              f"{expected[key]!r}; use the same {label} to resume, or another --out")
 
 
-def _restore(mngr, step: int, pparams, opt_state):
+def _restore(mngr, step: int, pparams, opt_state, digest: str | None = None):
+    """(params, opt_state) of checkpoint `step`; with `digest` (its metadata's `state_digest`; None for a checkpoint
+    written before it was recorded) a CheckpointDigestError when the arrays read back differ from it."""
     import orbax.checkpoint as ocp
 
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                             {"params": pparams, "opt_state": opt_state})
-    out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
-    return out["state"]["params"], out["state"]["opt_state"]
+    state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+    if digest is not None and state_digest(state) != digest:
+        raise CheckpointDigestError(f"its arrays read back differ from the digest written with them ({digest})")
+    return state["params"], state["opt_state"]
 
 
 def _read_meta(mngr, step: int) -> dict:
@@ -390,7 +413,8 @@ def _not_damage(e: BaseException) -> bool:
 
 def _resume(mngr, out_dir: str, tc: TrainConfig, expected: dict, pparams, opt_state):
     """(step, manager, (params, opt_state)) of the newest checkpoint that reads back, or (None, manager, None)
-    without one. A checkpoint that does not read back (a run killed while writing it, a damaged disk) is moved to
+    without one. A checkpoint that does not read back (a run killed while writing it, a damaged disk; or arrays that
+    read back other than the digest written with them, `state_digest`) is moved to
     OUT/checkpoints-damaged/ with a warning and the next older one is tried; none readable is a TrainError. A
     readable checkpoint of another configuration is a TrainError (`_check_resume`), never skipped; a failure that
     is not the checkpoint's (`_not_damage`: memory, the device, an OSError such as EMFILE or EACCES) propagates,
@@ -408,7 +432,7 @@ def _resume(mngr, out_dir: str, tc: TrainConfig, expected: dict, pparams, opt_st
             continue
         _check_resume(meta, expected, where)
         try:
-            found = (step, _restore(mngr, step, pparams, opt_state))
+            found = (step, _restore(mngr, step, pparams, opt_state, meta.get("state_digest")))
             break
         except Exception as e:  # noqa: BLE001
             if _not_damage(e):
@@ -474,14 +498,43 @@ def _rewrite_log(path: str, upto: int) -> None:
     kept = []
     for i, ln in enumerate(lines):
         try:
-            step = json.loads(ln)["step"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            step, _ = _loss_record(ln)
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             if i == len(lines) - 1:
                 break  # the line the interrupted run was writing: its step is logged again
             raise TrainError(f"{path} line {i + 1} is not a loss record ({e}): fix or delete that line to resume")
         if step <= upto:
             kept.append(ln if ln.endswith("\n") else ln + "\n")
     write_replace(path, "".join(kept).encode())
+
+
+def _loss_record(line: str) -> tuple[int, float]:
+    """(step, loss) of a loss log line; KeyError, TypeError or ValueError (json's errors are ValueErrors) when the line
+    is not a loss record."""
+    rec = json.loads(line)
+    step, loss = rec["step"], rec["loss"]
+    if (isinstance(step, bool) or not isinstance(step, int) or isinstance(loss, bool)
+            or not isinstance(loss, (int, float))):
+        raise TypeError(f"step {step!r} and loss {loss!r}: expected an integer and a number")
+    return step, float(loss)
+
+
+def last_logged_loss(out_dir: str) -> float | None:
+    """The loss of the last line of out_dir's loss log (the last completed step's), None without one; TrainError
+    naming the line when it is not a loss record."""
+    path = os.path.join(out_dir, LOSS_LOG)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        lines = [(i, ln) for i, ln in enumerate(f, 1) if ln.strip()]
+    if not lines:
+        return None
+    i, ln = lines[-1]
+    try:
+        return _loss_record(ln)[1]
+    except (KeyError, TypeError, ValueError) as e:
+        raise TrainError(f"{path} line {i} is not a loss record ({type(e).__name__}: {e}): fix or delete that "
+                         "line") from None
 
 
 def _checkpoint_on_interrupt(mngr, step: int, save: Callable[[], None]) -> None:
@@ -512,19 +565,26 @@ def _close(mngr, quiet: bool) -> None:
 
 
 def check_target(out_dir: str, loss_impl: str | None, platform: str, interpret: bool = False) -> None:
-    """Refuses, before any work: a Pallas loss kernel (`loss_impl` "gpu" or "tpu") of another platform than the
-    devices' (unless `interpret`), and an out_dir that holds another method's artifact, which the export would
-    replace (an unreadable artifact.json, an export cut short, is this run's to rewrite)."""
+    """Refuses, before any work: an out_dir that is a file, or whose `checkpoints` is not a folder or `loss.jsonl` not
+    a file (orbax's save thread failed there and the run hung after its steps); a Pallas loss kernel (`loss_impl`
+    "gpu" or "tpu") of another platform than the devices' (unless `interpret`); and an out_dir that holds another
+    method's artifact, which the export would replace (an unreadable artifact.json, an export cut short, is this
+    run's to rewrite)."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise TrainError(f"out_dir {out_dir!r} is a file: expected a folder (new, or this run's own)")
+    for name, folder, what in ((CHECKPOINTS, True, "the folder of the run's checkpoints"),
+                               (LOSS_LOG, False, "the run's loss log, a file")):
+        path = os.path.join(out_dir, name)
+        if os.path.lexists(path) and os.path.isdir(path) != folder:
+            raise TrainError(f"{path!r} is {'not a folder' if folder else 'a folder'}, where the run keeps {what}: "
+                             "move it aside, or use another --out")
     if loss_impl in ("gpu", "tpu") and not interpret and platform != loss_impl:
         raise TrainError(f"loss_impl={loss_impl!r} (--loss-impl) is the Pallas {loss_impl.upper()} kernel, but the "
                          f"devices are {platform}: expected 'xla' or the devices' own (the default)")
     try:
-        kind = artifact_kind(out_dir)
-    except ArtifactError:
-        return
-    if kind != ARTIFACT_KIND:
-        raise TrainError(f"{out_dir!r} holds a {kind!r} artifact, which training would replace with its "
-                         f"{ARTIFACT_KIND!r} artifact: expected another --out (an empty folder, or this predictor's own)")
+        check_artifact_target(out_dir, ARTIFACT_KIND, "training")
+    except ArtifactError as e:
+        raise TrainError(str(e)) from None
 
 
 def _is_export(out_dir: str, fingerprint: str, params, step: int) -> bool:
@@ -695,11 +755,7 @@ def train(cfg: ModelConfig, model_params, *, fingerprint: str, chunks: np.ndarra
             bar.close()
             _close(mngr, quiet=not completed)
         if not (step == start and _is_export(out_dir, fingerprint, pparams, step)):  # (a rerun keeps its artifact)
-            final_loss = None
-            with open(log_path) as f:
-                for line in f:
-                    if line.strip():
-                        final_loss = json.loads(line)["loss"]
+            final_loss = last_logged_loss(out_dir)
             export_artifact(out_dir, pparams, pcfg, fingerprint, {
                 "model": model_name, "steps": step, "planned_steps": tc.steps, "train_config": dataclasses.asdict(tc),
                 "data_fingerprint": stream.fingerprint(), "num_chunks": stream.num_chunks, "final_loss": final_loss,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import warnings
 from typing import Iterable, Sequence
 
 import jax
@@ -259,6 +260,11 @@ def calibrate(params, cfg, prompts: Iterable[np.ndarray], *, num_anchors: int | 
                              f"max(ceil({budget} * n), min_tokens={min_tokens}), tile={tile}), so every similarity "
                              f"would be 1 and the anchors [0]; expected prompts of at least {need + 1} tokens "
                              "(--length)")
+        if n_rows == 0 and sel.budget_tokens(budget, T, 0) <= min_tokens:  # the floor binds at every position
+            warnings.warn(f"calibration prompts of {T} tokens at budget {budget}: k = max(ceil({budget} * n), "
+                          f"min_tokens={min_tokens}) is {min_tokens} at every position (the budget sets k only past "
+                          f"{int(min_tokens / budget)} tokens), so the anchors are those of any budget up to "
+                          f"{min_tokens / T:.3g}; calibrate on longer prompts (--length) for this budget's", stacklevel=2)
         state, importance = record(params, cfg, tokens, recorder)
         # Each batch's means weighted by its rows: the prompts count alike however they are batched.
         sims = sims + B * np.asarray(sim_fn(state, tile_budget, tile), np.float64)
@@ -319,7 +325,10 @@ def add_arguments(p) -> None:
     p.add_argument("--reuse-scale", type=float, default=DEFAULT_REUSE_SCALE,
                    help="anchors hand their top-(reuse_scale * k) keys to the reuse layers, which attend to "
                         f"that many (default {DEFAULT_REUSE_SCALE}; 1 is the paper's rule)")
-    p.add_argument("--budget", type=float, default=0.1, help="kept fraction of the keys in (0, 1) (default 0.1)")
+    p.add_argument("--budget", type=float, default=0.1,
+                   help="kept fraction of the keys in (0, 1) (default 0.1); a query keeps max(ceil(budget * n), 128) "
+                        "of its n keys, so prompts (--length) of at most 128 / budget tokens calibrate every budget "
+                        "alike (a warning says so)")
     p.add_argument("--tile", type=int, default=32, help="query rows pooled per tile (default 32)")
 
 
