@@ -1262,7 +1262,8 @@ def test_checkpoint_of_another_predictor_shape_is_refused(tmp_path, uninterrupte
     out = str(tmp_path / "other_pcfg")
     shutil.copytree(src, out)
     other = dataclasses.replace(pcfg, qk_hidden=pcfg.qk_hidden + 64)
-    with pytest.raises(TrainError, match=r"made with another predictor config: .*'qk_hidden': 64.*'qk_hidden': 128"):
+    with pytest.raises(TrainError, match=r"used another predictor config: \(checkpoint, now\) = "
+                                         r"\{'qk_hidden': \(64, 128\)\}; use"):
         train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=other, progress=False)
     assert not os.path.exists(os.path.join(out, "checkpoints-damaged"))
     assert sorted(int(d) for d in os.listdir(os.path.join(out, "checkpoints")) if d.isdigit()) == [4, 6]
@@ -1389,3 +1390,15 @@ def test_text_with_nul_characters_is_refused(tmp_path):
         data_lib.read_text(str(path))
     with pytest.raises(ValueError, match=r"corpus .*zeros.bin' holds a NUL character .*--corpus expects"):
         read_corpus(str(path))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--steps", "3", "--lr", "0"], "learning_rate=0.0 (--lr): expected a number in (0, 1.0]"),
+    (["--steps", "3", "--warmup", "3"], "warmup_steps=3 (--warmup): expected fewer than steps=3"),
+    (["--steps", "3", "--weight-decay", "2"], "weight_decay=2.0 (--weight-decay): expected a number in [0, 1.0]"),
+])
+def test_cli_config_errors_name_the_flag(tmp_path, monkeypatch, capsys, extra, message):
+    """The training config's errors name its field and the flag that set it (the field alone before)."""
+    with pytest.raises(AssertionError):
+        _cli_train_config(tmp_path, monkeypatch, *extra)
+    assert message in capsys.readouterr().err

@@ -19,8 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import warnings
+
+
+# TrainConfig's fields as `train-predictor` sets them (its errors name both).
+FLAGS = {"seq_len": "--seq-len", "steps": "--steps", "batch_size": "--batch-size", "learning_rate": "--lr",
+         "warmup_steps": "--warmup", "end_lr_ratio": "--end-lr-ratio", "weight_decay": "--weight-decay",
+         "clip_norm": "--clip-norm", "checkpoint_every": "--checkpoint-every", "seed": "--seed",
+         "loss_impl": "--loss-impl"}
 
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
@@ -29,8 +37,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         "train-predictor", help="train TokenButler's importance predictor (writes a butler artifact)",
         description="Train TokenButler's ~1% predictor against the frozen model's attention logits (blockwise MSE), "
                     "data-parallel over the devices present. Writes checkpoints, loss.jsonl and a 'butler' artifact "
-                    "to --out; rerunning the same command resumes from the latest checkpoint (Ctrl-C or SIGTERM saves one "
-                    "of the last completed step first, and exits with 130 or 143).")
+                    "to --out; rerunning the same command resumes from the latest checkpoint (Ctrl-C or SIGTERM "
+                    "saves one of the last completed step first, and exits with 130 or 143).")
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (the bundled SmolLM2-135M-Instruct), a Hugging Face folder or a .gguf file "
                         "(default: smollm2)")
@@ -81,7 +89,8 @@ def run_train(args) -> int:
     import jsparse
     from jsparse.artifacts import corpus_meta
     from train import data as data_lib
-    from train.loop import TrainConfig, Terminated, check_target, last_logged_loss, read_checkpoint_meta, train
+    from train.loop import (TrainConfig, TrainError, Terminated, check_target, last_logged_loss, read_checkpoint_meta,
+                            train)
     from train.predictor import describe, preset_config
 
     paths = data_lib.expand_paths(args.data)  # fail on missing files before loading the model
@@ -102,7 +111,11 @@ def run_train(args) -> int:
                          warmup_steps=warmup, end_lr_ratio=args.end_lr_ratio, weight_decay=args.weight_decay,
                          clip_norm=args.clip_norm, checkpoint_every=args.checkpoint_every, seed=args.seed,
                          causal=not args.all_pairs, loss_impl=args.loss_impl)
-        tc.validate(model.cfg, len(devices))
+        try:
+            tc.validate(model.cfg, len(devices))
+        except TrainError as e:  # named by its flag too ("learning_rate=0.0 (--lr): ...")
+            raise TrainError(re.sub(r"^(\w+)(=\S*?)([: ])", lambda m: f"{m[1]}{m[2]} ({FLAGS[m[1]]}){m[3]}"
+                                    if m[1] in FLAGS else m[0], str(e), count=1)) from None
         pcfg = preset_config(model.cfg, args.preset, key_heads=args.key_heads, head_dim=args.head_dim,
                              qk_hidden=args.qk_hidden)
         if model.tokenizer is None:

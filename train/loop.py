@@ -357,15 +357,15 @@ def _check_resume(meta: dict, expected: dict, where: str) -> None:
                 raise TrainError(
                     f"the checkpoint in {where} was made for another model: fingerprint {meta.get(key)!r} "
                     f"({meta.get('model_name', '?')}), but the loaded model's is {expected[key]!r}; use another --out")
-            if key == "train_config":
+            if key in ("train_config", "predictor_config"):
                 old = meta.get(key)
                 if not isinstance(old, dict):
-                    raise TrainError(f"the checkpoint in {where} records train_config={old!r}, not a training config "
-                                     "(its metadata is damaged): delete its checkpoints to start over, or use another "
-                                     "--out")
-                diff = {k: (old.get(k), v) for k, v in expected[key].items() if old.get(k) != v}
-                raise TrainError(f"the checkpoint in {where} used another training config: (checkpoint, now) = "
-                                 f"{diff}; use the same settings to resume, or another --out")
+                    raise TrainError(f"the checkpoint in {where} records {key}={old!r}, not a {label} (its metadata is "
+                                     "damaged): delete its checkpoints to start over, or use another --out")
+                now = expected[key]
+                diff = {k: (old.get(k), now.get(k)) for k in sorted(set(old) | set(now)) if old.get(k) != now.get(k)}
+                raise TrainError(f"the checkpoint in {where} used another {label}: (checkpoint, now) = {diff}; use "
+                                 "the same settings to resume, or another --out")
             raise TrainError(f"the checkpoint in {where} was made with another {label}: {meta.get(key)!r}, now "
                              f"{expected[key]!r}; use the same {label} to resume, or another --out")
 
