@@ -29,7 +29,9 @@ import contextlib
 import dataclasses
 import os
 import shlex
+import shutil
 import sys
+import warnings
 
 from eval import harness, report
 from eval.passkey import DEFAULT_DEPTHS
@@ -137,7 +139,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                         "variant) are skipped and new records are appended; another configuration is an error "
                         "(use --overwrite or another folder)")
     p.add_argument("--overwrite", action="store_true",
-                   help="discard the records of an existing results.json in --out instead of resuming")
+                   help="discard the records of an existing results.json in --out (and its outputs.json, report.md "
+                        "and plots/) instead of resuming")
     p.add_argument("--no-report", action="store_true",
                    help="skip report.md and its plots (write them later with eval.report.write_report(DIR))")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -274,7 +277,10 @@ def resume_config(out: str, config: dict, overwrite: bool,
     folder), and methods this run does not name keep theirs from the folder."""
     if overwrite or not os.path.exists(os.path.join(out, report.RESULTS_JSON)):
         return [], [], config
-    data = report.read_results(out)
+    try:
+        data = report.read_results(out)
+    except ValueError as e:  # a damaged results.json: named, with the way out
+        raise ValueError(f"{e}; pass --overwrite or another --out") from None
     where = os.path.join(out, report.RESULTS_JSON)
     if data["schema_version"] != report.SCHEMA_VERSION:
         raise ValueError(f"{where} has schema version {data['schema_version']} (a list of records written before "
@@ -302,6 +308,43 @@ def resume_config(out: str, config: dict, overwrite: bool,
             raise ValueError(f"{where} was run with {key}={old.get(key)!r}, this run has {key}={value!r}{hint}: a "
                              "run resumes only into the same configuration; pass --overwrite or another --out")
     return list(data["records"]), list(data["runs"]), merged
+
+
+def check_files(out: str) -> None:
+    """ValueError, before any work, for a file of the run (results.json, outputs.json, run.json, summary.md,
+    report.md) that is a folder in `out`: its rewrite after the first unit failed (also with --overwrite)."""
+    for name in (report.RESULTS_JSON, report.OUTPUTS_JSON, report.RUN_JSON, report.SUMMARY_MD, report.REPORT_MD):
+        path = os.path.join(out, name)
+        if os.path.isdir(path):
+            raise ValueError(f"{path} is a folder, where the run writes its {name} file: move it aside, or use "
+                             "another --out")
+
+
+def previous_outputs(out: str, previous: list[dict]) -> list[dict]:
+    """The completions in out's outputs.json of the units `previous` (results.json's records) holds; ValueError
+    naming the file when it is damaged. A warning when results.json holds generation units whose completions are
+    not there (outputs.json deleted or cut): their scores stay, their completions are gone."""
+    if not previous:
+        return []
+    path = os.path.join(out, report.OUTPUTS_JSON)
+    old = []
+    if os.path.isfile(path):
+        try:
+            old = report.check_entries(report.read_json(path), path, report.OUTPUT_KEYS)
+        except ValueError as e:
+            raise ValueError(f"{e}; pass --overwrite or another --out") from None
+    # Only the completions of the units results.json holds: a folder written before 2026-12-03 wrote outputs.json
+    # at the end of a run alone, so an interrupted --overwrite run could leave another configuration's there.
+    units = {_output_unit(r) for r in previous}
+    old = [o for o in old if _output_unit(o) in units]
+    have = {_output_unit(o) for o in old}
+    lost = sorted({u for r in previous if r.get("task") != "ppl" and (u := _output_unit(r)) not in have},
+                  key=str)
+    if lost:
+        warnings.warn(f"{path} holds no completions of {len(lost)} unit(s) whose records {report.RESULTS_JSON} "
+                      f"keeps (e.g. {lost[0]}): their scores stay, their completions are gone (the file was deleted "
+                      "or cut); --overwrite reruns them", stacklevel=2)
+    return old
 
 
 def _output_unit(r) -> tuple:
@@ -335,7 +378,14 @@ def _run_eval(args, spec) -> int:
     from jsparse.api import default_dtype
 
     config = run_config(spec, args.model, args.dtype or default_dtype())
-    previous, runs, config = resume_config(args.out, config, getattr(args, "overwrite", False), spec.methods)
+    overwrite = getattr(args, "overwrite", False)
+    check_files(args.out)
+    previous, runs, config = resume_config(args.out, config, overwrite, spec.methods)
+    if overwrite:  # the discarded run's report and plots described its records
+        stale = [p for p in (report.REPORT_MD, report.PLOTS_DIR) if os.path.exists(os.path.join(args.out, p))]
+        for name in stale:
+            path = os.path.join(args.out, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     model = jsparse.load(args.model, args.dtype, mesh=getattr(args, "mesh", None))
     if spec.draft is not None:
         # On the target's mesh: speculative decoding runs both models on one mesh.
@@ -358,18 +408,7 @@ def _run_eval(args, spec) -> int:
     if previous:
         print(f"resuming into {args.out}: {len(previous)} records already there; their (method, budget, task, "
               "length, variant) units are skipped", file=sys.stderr)
-    outputs_path = os.path.join(args.out, report.OUTPUTS_JSON)
-    old_outputs = []
-    if previous and os.path.isfile(outputs_path):
-        import json
-
-        with open(outputs_path) as f:
-            old_outputs = json.load(f)
-        # Only the completions of the units results.json holds: a folder written before 2026-12-03 wrote
-        # outputs.json at the end of a run alone, so an interrupted --overwrite run could leave another
-        # configuration's there.
-        units = {_output_unit(r) for r in previous}
-        old_outputs = [o for o in old_outputs if _output_unit(o) in units]
+    old_outputs = previous_outputs(args.out, previous)
 
     def write(records, outputs=()):
         # outputs.json with results.json after every unit: the two always describe the same units.
@@ -379,8 +418,14 @@ def _run_eval(args, spec) -> int:
 
     from models.sharding import use_mesh
 
-    with use_mesh(model.mesh):  # the harness's jitted forwards run with the mesh set: kernels per shard
-        run = harness.evaluate(model, spec, progress=not args.no_progress, on_record=write, previous=previous)
+    try:
+        with use_mesh(model.mesh):  # the harness's jitted forwards run with the mesh set: kernels per shard
+            run = harness.evaluate(model, spec, progress=not args.no_progress, on_record=write, previous=previous)
+    except KeyboardInterrupt:  # every finished unit is on disk already (`write` after each)
+        print(f"jsparse eval: interrupted; the finished units' records are in "
+              f"{os.path.join(args.out, report.RESULTS_JSON)}: run the same command again to resume",
+              file=sys.stderr)
+        return 130
     if run.ppl_overlap:  # said in run.json / results.json's meta and summary.md
         meta["ppl_overlap"] = {str(length): {"windows": w, "non_overlapping": s}
                                for length, (w, s) in sorted(run.ppl_overlap.items())}

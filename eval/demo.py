@@ -52,8 +52,8 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
                     "the last 512 tokens of a window) at 2K tokens, and write results.json, summary.md, report.md and plots/ to --out. Nothing is "
                     "downloaded. Rerun into the same folder to resume an interrupted demo.")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
-    p.add_argument("--lengths", default=LENGTHS, help=f"prompt lengths in tokens (default {LENGTHS}; 2048,4096 "
-                   "adds 4K, about three times the time)")
+    p.add_argument("--lengths", default=LENGTHS, help=f"prompt lengths in tokens, each >= {CONTINUATION + 2} "
+                   f"(default {LENGTHS}; 2048,4096 adds 4K, about three times the time)")
     p.add_argument("--samples", type=int, default=SAMPLES,
                    help=f"prompts per task and length (default {SAMPLES}); perplexity scores one window per two")
     p.add_argument("--methods", default=",".join(METHODS),
@@ -72,9 +72,14 @@ def ppl_windows(samples: int) -> int:
 def demo_argv(out: str, lengths: str = LENGTHS, samples: int = SAMPLES, progress: bool = True,
               methods: str | None = None) -> list[str]:
     """The `jsparse eval` arguments the demo runs (artifact paths absolute, so it runs from any folder)."""
-    from eval.harness import parse_list
+    from eval.harness import parse_lengths, parse_list
     from jsparse.artifacts import shipped_artifact
 
+    short = [n for n in parse_lengths(lengths) if n < CONTINUATION + 2]
+    if short:
+        raise ValueError(f"--lengths {lengths}: {short[0]} tokens is too short for the demo, whose perplexity scores "
+                         f"the last {CONTINUATION} tokens of a window after a prompt of at least 2; expected lengths "
+                         f">= {CONTINUATION + 2}")
     chosen = METHODS if methods is None else parse_list(methods, "--methods")
     bad = [m for m in chosen if m not in METHODS]
     if bad:

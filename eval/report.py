@@ -297,15 +297,14 @@ def read_results(run_dir: str) -> dict:
     """
     path = os.path.join(run_dir, RESULTS_JSON)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} does not exist: expected the results.json of a `jsparse eval` run")
-    with open(path) as f:
-        data = json.load(f)
+        what = "is a folder" if os.path.isdir(path) else "does not exist"
+        raise FileNotFoundError(f"{path} {what}: expected the results.json of a `jsparse eval` run")
+    data = read_json(path)
     if isinstance(data, list):
         meta = {}
         if os.path.isfile(os.path.join(run_dir, RUN_JSON)):
-            with open(os.path.join(run_dir, RUN_JSON)) as f:
-                meta = json.load(f)
-        return {"schema_version": 1, "meta": meta, "runs": [], "records": data}
+            meta = read_json(os.path.join(run_dir, RUN_JSON))
+        return {"schema_version": 1, "meta": meta, "runs": [], "records": check_entries(data, path, RECORD_KEYS)}
     version = data.get("schema_version") if isinstance(data, dict) else None
     if version != SCHEMA_VERSION:
         raise ValueError(f"{path}: schema_version {version!r}, expected {SCHEMA_VERSION} (or a version-1 list of "
@@ -314,7 +313,34 @@ def read_results(run_dir: str) -> dict:
         raise ValueError(f"{path}: schema_version {version} without a list of records: expected the 'records' of a "
                          "`jsparse eval` run")
     return {"schema_version": version, "meta": data.get("meta") or {}, "runs": data.get("runs") or [],
-            "records": data["records"]}
+            "records": check_entries(data["records"], path, RECORD_KEYS)}
+
+
+# The keys every record has (`harness.record_key`'s, budget_tokens aside) and every outputs.json entry.
+RECORD_KEYS = ("method", "budget", "task", "length", "variant")
+OUTPUT_KEYS = ("task", "method", "budget", "length")
+
+
+def read_json(path: str):
+    """A JSON file's content; ValueError naming the file when it is not JSON (a damaged or cut file)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}): a damaged file") from None
+
+
+def check_entries(entries, path: str, keys: tuple[str, ...]) -> list:
+    """entries as a list of objects with `keys`; ValueError naming the file and the first entry that is not."""
+    if not isinstance(entries, list):
+        raise ValueError(f"{path} holds a {type(entries).__name__} where a list of entries was expected: a damaged "
+                         "file")
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict) or any(k not in e for k in keys):
+            missing = [k for k in keys if k not in e] if isinstance(e, dict) else None
+            raise ValueError(f"{path} entry {i} is {json.dumps(e)[:120]}: expected an object with the keys "
+                             f"{', '.join(keys)}{f' (missing {missing})' if missing else ''}: a damaged file")
+    return entries
 
 
 def write_results(out_dir: str, records: Sequence[Mapping], meta: Mapping | None = None,
@@ -582,13 +608,17 @@ def write_report(run_dir: str) -> list[str]:
 
     Returns the paths written (report.md first). Plots: `plots/accuracy_vs_sparsity_TASK.png` per accuracy task,
     `plots/ppl_vs_sparsity.png` (with dense perplexity in the run), `plots/depth_heatmap_METHOD.png` per method
-    with needle-depth records.
+    with needle-depth records; other PNGs in plots/ (of records an --overwrite run discarded) are removed.
     """
     data = read_results(run_dir)
     records, meta = data["records"], data["meta"]
     os.makedirs(os.path.join(run_dir, PLOTS_DIR), exist_ok=True)
     plots = (plot_accuracy_vs_sparsity(records, run_dir) + plot_ppl_vs_sparsity(records, run_dir)
              + plot_depth_heatmaps(records, run_dir))
+    made = {os.path.normpath(p) for p, _ in plots}
+    for name in os.listdir(os.path.join(run_dir, PLOTS_DIR)):  # plots of records no longer there (a rerun's)
+        if name.endswith(".png") and os.path.normpath(f"{PLOTS_DIR}/{name}") not in made:
+            os.remove(os.path.join(run_dir, PLOTS_DIR, name))
     with open(os.path.join(run_dir, REPORT_MD), "w") as f:
         f.write(report_markdown(records, meta, plots))
     with open(os.path.join(run_dir, SUMMARY_MD), "w") as f:

@@ -115,8 +115,7 @@ def test_sweep_resumes_where_it_stopped(model, corpus, test_task, tmp_path, monk
     monkeypatch.setattr(harness, "run_generation", counting(real_gen, "gen", stop_at=5))
     monkeypatch.setattr(harness, "run_ppl", counting(real_ppl, "ppl", stop_at=5))
     args = _parser().parse_args(argv)
-    with pytest.raises(KeyboardInterrupt):
-        args.func(args)
+    assert args.func(args) == 130  # interrupted (said in one line)
     first = json.loads((out / "results.json").read_text())
     done = {harness.record_key(r) for r in first["records"]}
     first_outputs = json.loads((out / "outputs.json").read_text())  # written with each unit, as results.json is
@@ -164,8 +163,7 @@ def test_sweep_resumes_where_it_stopped(model, corpus, test_task, tmp_path, monk
     monkeypatch.setattr(harness, "run_ppl", real_ppl)
     monkeypatch.setattr(harness, "run_generation", counting(real_gen, "gen", stop_at=2))  # in its second gen unit
     args = _parser().parse_args(over)
-    with pytest.raises(KeyboardInterrupt):
-        args.func(args)
+    assert args.func(args) == 130
     monkeypatch.setattr(harness, "run_generation", real_gen)
     args = _parser().parse_args(argv + ["--seed", "1"])
     assert args.func(args) == 0
@@ -432,7 +430,12 @@ def test_write_report_makes_leaderboard_and_plots(tmp_path):
     records = _records()
     report.write_results(str(tmp_path), records, {"command": "jsparse eval ...", "model": "m"})
     (tmp_path / "report.md").write_text("stale")
+    os.makedirs(tmp_path / "plots")
+    (tmp_path / "plots" / "depth_heatmap_quest.png").write_bytes(b"a discarded run's")  # removed: no quest records
+    (tmp_path / "plots" / "notes.txt").write_text("the user's")  # kept: not a plot
     written = report.write_report(str(tmp_path))
+    assert sorted(p for p in os.listdir(tmp_path / "plots") if not p.endswith(".png")) == ["notes.txt"]
+    assert not (tmp_path / "plots" / "depth_heatmap_quest.png").exists()
     pngs = sorted(os.path.relpath(p, tmp_path) for p in written if p.endswith(".png"))
     assert pngs == sorted(["plots/accuracy_vs_sparsity_passkey.png", "plots/accuracy_vs_sparsity_niah_single_number.png",
                            "plots/ppl_vs_sparsity.png"]
@@ -857,3 +860,78 @@ def test_run_coref_under_dense_is_the_greedy_continuation_of_each_prompt(model):
     got = coref.run_coref(model, dense, prompts, new_tokens=3, rows=2)
     want = [harness.run_generation(model, dense, [p.tokens.tolist()], 3, rows=1)[0] for p in prompts]
     assert got == want and any(got)
+
+
+def test_a_damaged_folder_is_named_before_the_work(model, test_task, tmp_path, monkeypatch, capsys):
+    """What a resume meets in a damaged --out: a cut results.json or outputs.json, entries of the wrong shape, a file
+    of the run that is a folder (its rewrite failed after the first unit, also with --overwrite), a deleted
+    outputs.json (its completions lost without a word): each named, the folder's files before the model loads.
+    --overwrite removes the discarded run's report and plots; an interrupt ends in one line (exit status 130)."""
+    loads = []
+    monkeypatch.setattr(jsparse, "load", lambda spec, dtype=None, **kw: loads.append(spec) or model)
+    out = tmp_path / "run"
+    argv = ["eval", "--model", "tiny", "--methods", "dense", "--tasks", f"{TASK},ppl", "--lengths", "64",
+            "--samples", "2", "--ppl-variants", "prefill", "--out", str(out), "--no-progress", "--no-report"]
+
+    def run(*extra):
+        args = _parser().parse_args(argv + list(extra))
+        return args.func(args)
+    assert run() == 0
+    good = {name: (out / name).read_text() for name in ("results.json", "outputs.json")}
+
+    def damaged(name, text, match):
+        for n, t in good.items():
+            (out / n).write_text(t)
+        (out / name).write_text(text)
+        with pytest.raises(ValueError, match=match):
+            run()
+    cut = good["results.json"][:len(good["results.json"]) // 2]
+    damaged("results.json", cut, r"results.json is not valid JSON \(.*\): a damaged file; pass --overwrite")
+    data = json.loads(good["results.json"])
+    damaged("results.json", json.dumps(dict(data, records=data["records"] + [1])),
+            rf"results.json entry {len(data['records'])} is 1: expected an object with the keys method, budget, task, length, variant")
+    no_variant = [{k: v for k, v in r.items() if k != "variant"} for r in data["records"]]
+    damaged("results.json", json.dumps(dict(data, records=no_variant)), r"entry 0 .* \(missing \['variant'\]\)")
+    damaged("outputs.json", "not json", r"outputs.json is not valid JSON .*; pass --overwrite or another --out")
+    damaged("outputs.json", '{"a": 1}', r"outputs.json holds a dict where a list of entries was expected")
+    (out / "outputs.json").write_text(good["outputs.json"])
+    for name in ("outputs.json", "run.json", "results.json"):
+        moved = out / f"{name}.aside"
+        os.replace(out / name, moved)
+        (out / name).mkdir()
+        loads.clear()
+        for extra in ((), ("--overwrite",)):
+            with pytest.raises(ValueError, match=f"{name} is a folder, where the run writes its {name} file"):
+                run(*extra)
+        assert loads == []  # before the model loads
+        (out / name).rmdir()
+        os.replace(moved, out / name)
+    os.remove(out / "outputs.json")
+    with pytest.warns(UserWarning, match=r"outputs.json holds no completions of 1 unit\(s\) whose records "
+                                         r"results.json keeps .*--overwrite reruns them"):
+        assert run() == 0
+    (out / "report.md").write_text("the discarded run's")
+    (out / "plots").mkdir()
+    (out / "plots" / "depth_heatmap_quest.png").write_bytes(b"png")
+    assert run("--overwrite") == 0
+    assert not (out / "report.md").exists() and not (out / "plots").exists()
+    assert len(json.loads((out / "outputs.json").read_text())) == 2
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(harness, "evaluate", interrupted)
+    capsys.readouterr()
+    assert run("--overwrite") == 130
+    assert (f"jsparse eval: interrupted; the finished units' records are in {out / 'results.json'}: run the same "
+            "command again to resume") in capsys.readouterr().err
+
+
+def test_demo_refuses_lengths_its_perplexity_cannot_score():
+    """The demo scores the last 512 tokens of each perplexity window: a shorter length was refused by eval with a
+    message about a continuation option the demo does not have."""
+    from eval.demo import demo_argv
+
+    with pytest.raises(ValueError, match=r"--lengths 2048,256: 256 tokens is too short for the demo, whose perplexity "
+                                         r"scores the last 512 tokens .*expected lengths >= 514"):
+        demo_argv("out", "2048,256")
+    assert "514" in demo_argv("out", "514")
