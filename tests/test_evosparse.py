@@ -619,8 +619,8 @@ def test_needle_prompt_layout_with_a_bos_tokenizer():
     np.testing.assert_array_equal(needle_ids, ids(" apple river stone"))
     np.testing.assert_array_equal(tokens[start:start + len(needle_ids)], needle_ids)
     short = length - n_fill  # no filler at all
-    with pytest.raises(ValueError, match=f"needle prompt length={short} is too short: .* expected a length >= "
-                                         f"{short + 1}"):
+    with pytest.raises(ValueError, match=rf"needle prompt length={short} \(--prompt-lengths\) is too short: .*the "
+                                         rf"needle of 3 words \(--needle-words\).* expected a length >= {short + 1}"):
         needle_prompt(tok, filler, short, 0.5, words)
 
 

@@ -141,8 +141,9 @@ def needle_prompt(tokenizer, filler: np.ndarray, length: int, depth: float, word
     tail = _ids(tokenizer, QUESTION)
     n_fill = length - len(head) - len(needle) - len(tail)
     if n_fill < 1:
-        raise ValueError(f"needle prompt length={length} is too short: the instructions, needle and question take "
-                         f"{length - n_fill} tokens; expected a length >= {length - n_fill + 1}")
+        raise ValueError(f"needle prompt length={length} (--prompt-lengths) is too short: the instructions, the "
+                         f"needle of {len(words)} words (--needle-words) and the question take {length - n_fill} "
+                         f"tokens; expected a length >= {length - n_fill + 1}, or fewer needle words")
     if len(filler) < n_fill:
         raise ValueError(f"filler of {len(filler)} tokens is shorter than the {n_fill} a {length}-token prompt "
                          "needs: use longer development windows (--length)")
