@@ -195,14 +195,28 @@ def check_draft(model: LoadedModel, draft: LoadedModel, gamma: int) -> None:
                          "jsparse.load('smollm2:layers=0-14'))")
     check_gamma(gamma)
     check_pair(model.cfg, draft.cfg)
-    if model.tokenizer is not None and draft.tokenizer is not None and \
-            len(model.tokenizer) != len(draft.tokenizer):
-        raise ValueError(f"draft tokenizer has {len(draft.tokenizer)} tokens, the target's {len(model.tokenizer)}: "
-                         "a draft must share the target's tokenizer")
+    tm, td = model.tokenizer, draft.tokenizer
+    if tm is not None and td is not None and tm is not td:
+        if len(tm) != len(td):
+            raise ValueError(f"draft tokenizer has {len(td)} tokens, the target's {len(tm)}: a draft must share the "
+                             "target's tokenizer")
+        ids_m, ids_d = _tokens_by_id(tm), _tokens_by_id(td)
+        if ids_m is not None and ids_d is not None and ids_m != ids_d:
+            i = next(i for i in sorted(set(ids_m) | set(ids_d)) if ids_m.get(i) != ids_d.get(i))
+            raise ValueError(f"draft tokenizer's token {i} is {ids_d.get(i)!r}, the target's {ids_m.get(i)!r}: a "
+                             "draft must share the target's tokenizer (the same number of tokens is not enough)")
     if not _same_mesh(model.mesh, draft.mesh):
         raise ValueError(f"the target is on {_mesh_text(model.mesh)} and the draft on {_mesh_text(draft.mesh)}: "
                          "speculative decoding runs both models on the same mesh; load them with the same mesh= "
                          "(--mesh loads both)")
+
+
+def _tokens_by_id(tokenizer) -> dict | None:
+    """{id: token} of a tokenizer's vocabulary (`get_vocab`, with its added tokens), None where it has none."""
+    get = getattr(tokenizer, "get_vocab", None)
+    if get is None:
+        return None
+    return {i: t for t, i in get().items()}
 
 
 def check_draft_context(draft: LoadedModel, prompt_lengths: Sequence[int], max_new_tokens: int) -> None:
@@ -243,14 +257,19 @@ def speculative_methods(method: Any, model: LoadedModel, draft: LoadedModel, gam
     return method, make_method("dense")
 
 
-def sampling_of(temperature: float, top_p: float) -> Sampling:
-    """`Sampling(temperature, top_p)` (which checks both), with a warning when top_p is set at temperature 0: greedy
-    decoding takes the argmax, and top_p has no effect there (it runs as top_p=1, the same compiled program)."""
+def sampling_of(temperature: float, top_p: float, seed: int = 0) -> Sampling:
+    """`Sampling(temperature, top_p)` (which checks both), with a warning when top_p or a seed (other than 0) is set at
+    temperature 0: greedy decoding takes the argmax, and neither has an effect there (top_p runs as 1, the same
+    compiled program)."""
     sampling = Sampling(temperature, top_p)
+    # Attributed to the caller's line, past every frame of this package (generate -> generate_ids -> here).
+    caller = (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+    if sampling.greedy and seed != 0:
+        warnings.warn(f"seed={seed} has no effect at temperature 0 (greedy decoding): pass a temperature > 0 to "
+                      "sample", skip_file_prefixes=caller)
     if sampling.greedy and sampling.nucleus:
-        # Attributed to the caller's line, past every frame of this package (generate -> generate_ids -> here).
         warnings.warn(f"top_p={top_p} has no effect at temperature 0 (greedy decoding): pass a temperature > 0 to "
-                      "sample", skip_file_prefixes=(os.path.dirname(os.path.abspath(__file__)) + os.sep,))
+                      "sample", skip_file_prefixes=caller)
         return Sampling(0.0, 1.0)
     return sampling
 
@@ -345,7 +364,7 @@ def generate_ids(model: LoadedModel, ids: Sequence[Sequence[int]], *, method: An
                            verify_rows=extra)
     tokens, lengths = pad_batch(ids, limit=capacity - max_new_tokens - extra)
     eos = eos_ids(model)
-    sampling = sampling_of(temperature, top_p)
+    sampling = sampling_of(temperature, top_p, seed)
     rows = len(ids)
     if model.mesh is not None:
         # Rows over the data axis: pad the batch with copies of row 0 to a multiple of it, drop them after.

@@ -6,6 +6,7 @@ import argparse
 import os
 import shlex
 import sys
+import warnings
 
 from jsparse.xla_flags import set_xla_flags
 
@@ -75,6 +76,10 @@ def cmd_generate(args) -> int:
     # The request's own values, before any model loads (a typo should not cost an 8B load): the method's options
     # and budget where its class shows them (a wrapper's once built, below).
     check_method_options(None, args.method, method_options)
+    for key, flag in (("draft", "--draft"), ("artifact", "--artifact")):  # (their flags' values replaced them)
+        if key in method_options:
+            raise ValueError(f"--method-option {args.method}.{key}={method_options[key]!r}: the {key} is given by "
+                             f"{flag}")
     if args.budget is not None and not wraps and not takes_budget(factory):
         _refuse_budget(args)
     Sampling(args.temperature, args.top_p)
@@ -122,9 +127,11 @@ def cmd_generate(args) -> int:
     if args.budget is not None and not takes_budget(method):
         _refuse_budget(args)
     stats = {}
-    texts = jsparse.generate(model, [args.prompt], method=method, max_new_tokens=args.max_new_tokens,
-                             chat=args.chat, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                             draft=draft, gamma=4 if args.gamma is None else args.gamma, stats=stats)
+    with warnings.catch_warnings():  # (the seed's warning is printed above, by its flag)
+        warnings.filterwarnings("ignore", message=r"seed=\S+ has no effect at temperature 0")
+        texts = jsparse.generate(model, [args.prompt], method=method, max_new_tokens=args.max_new_tokens,
+                                 chat=args.chat, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                                 draft=draft, gamma=4 if args.gamma is None else args.gamma, stats=stats)
     print(texts[0])
     if not texts[0] and not args.chat and getattr(model.tokenizer, "chat_template", None):
         print(f"[the model ended at once (its end-of-sequence token first): {model.name} has a chat template, "

@@ -76,9 +76,9 @@ class Session:
             raise ValueError(f"gamma={gamma}: a round's gamma + 1 = {gamma + 1} verification rows after a one-token "
                              f"message and reply need {gamma + 3} cache rows, more than the session's capacity of "
                              f"{self.capacity}: expected a smaller gamma or a larger capacity")
-        self.sampling = sampling_of(temperature, top_p)
+        self.key = seed_key(seed)  # (checks the seed first)
+        self.sampling = sampling_of(temperature, top_p, seed)
         self.eos = eos_ids(model)
-        self.key = seed_key(seed)
         self.state = None
         self.lost = None  # why the conversation's cache is gone (a step failed after its state was donated)
         self.tokens: list[int] = []  # the conversation so far (messages and replies)

@@ -568,6 +568,52 @@ def test_a_draft_with_another_tokenizer_is_refused():
         generate_ids(model, [[5, 6]], max_new_tokens=2, draft=draft, gamma=2)
 
 
+class _VocabTokenizer(_CharTokenizer):
+    """A _CharTokenizer whose vocabulary (`get_vocab`) maps its characters from `offset` on."""
+
+    def __init__(self, offset=40, **kw):
+        super().__init__(**kw)
+        self.offset = offset
+
+    def get_vocab(self):
+        return {chr(i + self.offset): i for i in range(self.size)}
+
+
+def test_a_draft_with_another_vocabulary_of_the_same_size_is_refused():
+    """Two tokenizers of 128 tokens each with other tokens at the same ids: the size alone passed (the draft proposed
+    tokens of its own vocabulary, each rejected); now the first id that differs is named. The same vocabulary in two
+    tokenizer objects (a target and a draft loaded apart) passes, and so does one object shared."""
+    from jsparse.api import generate_ids
+
+    model = dataclasses.replace(_tiny(), tokenizer=_VocabTokenizer(offset=40))
+    other = dataclasses.replace(_tiny(layers=2, seed=1), tokenizer=_VocabTokenizer(offset=41))
+    with pytest.raises(ValueError, match=r"draft tokenizer's token 0 is '\)', the target's '\(': a draft must share "
+                                         r"the target's tokenizer \(the same number of tokens is not enough\)"):
+        generate_ids(model, [[5, 6]], max_new_tokens=2, draft=other, gamma=2)
+    same = dataclasses.replace(_tiny(layers=2, seed=1), tokenizer=_VocabTokenizer(offset=40))
+    want = generate_ids(model, [[5, 6]], max_new_tokens=2)
+    assert generate_ids(model, [[5, 6]], max_new_tokens=2, draft=same, gamma=2) == want
+    shared = dataclasses.replace(_tiny(layers=2, seed=1), tokenizer=model.tokenizer)
+    assert generate_ids(model, [[5, 6]], max_new_tokens=2, draft=shared, gamma=2) == want
+
+
+def test_a_seed_at_temperature_0_warns_in_the_api_as_on_the_command_line():
+    """`--seed` at temperature 0 warned on the command line only: generate and Session warn too."""
+    from jsparse.api import generate_ids
+    from jsparse.session import Session
+
+    with pytest.warns(UserWarning, match="seed=5 has no effect at temperature 0") as caught:
+        generate_ids(_tiny(), [[5, 6, 7]], max_new_tokens=2, seed=5)
+    assert [w.filename for w in caught] == [__file__]
+    with pytest.warns(UserWarning, match="seed=5 has no effect at temperature 0"):
+        Session(_tiny(), _tiny(layers=2, seed=1), seed=5, capacity=64)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        generate_ids(_tiny(), [[5, 6, 7]], max_new_tokens=2, seed=5, temperature=0.5)
+
+
 def test_a_draft_off_the_targets_mesh_is_refused():
     from jsparse.api import generate_ids
     from jsparse.session import Session

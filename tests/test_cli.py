@@ -373,3 +373,13 @@ def test_bench_forwards_its_arguments_prog_and_exit_status(monkeypatch, capsys):
                      (["--help"], "jsparse bench fake", "jsparse bench fake --help")]
     fake.main = lambda argv, prog=None: None
     assert main(["bench", "fake"]) == 0
+
+
+@pytest.mark.parametrize("option, flag", [("sts.draft=bogus", "--draft"), ("sts.artifact=/nonexistent", "--artifact")])
+def test_generate_refuses_a_method_option_its_flag_would_replace(capsys, option, flag):
+    """`--method-option sts.draft=...` / `sts.artifact=...` were replaced by --draft / --artifact without a word;
+    refused before the model loads, naming the flag."""
+    assert main(["generate", "--model", "/nonexistent/model.gguf", "--prompt", "Hi", "--method", "sts",
+                 "--method-option", option]) == 2
+    key, value = option.split(".", 1)[1].split("=")
+    assert f"--method-option sts.{key}={value!r}: the {key} is given by {flag}" in capsys.readouterr().err
