@@ -110,6 +110,9 @@ def cmd_generate(args) -> int:
     if args.method != "sts":
         options.pop("draft", None)
     if args.budget_tokens is not None:  # k = min(N, visible keys) at every position the model can reach
+        if args.budget_tokens > model.cfg.max_position_embeddings:
+            raise ValueError(f"--budget-tokens {args.budget_tokens}: more than the model's context of "
+                             f"{model.cfg.max_position_embeddings} tokens; expected at most that")
         probe = jsparse.build_method(args.method, model, **options) if wraps else factory
         extra = token_budget_options(probe, args.budget_tokens, model.cfg.max_position_embeddings)
         if not extra:

@@ -383,3 +383,11 @@ def test_generate_refuses_a_method_option_its_flag_would_replace(capsys, option,
                  "--method-option", option]) == 2
     key, value = option.split(".", 1)[1].split("=")
     assert f"--method-option sts.{key}={value!r}: the {key} is given by {flag}" in capsys.readouterr().err
+
+
+def test_generate_refuses_a_token_budget_past_the_context(capsys):
+    """--budget-tokens above the model's context (no row ever sees that many keys) was turned into every key."""
+    assert main(["generate", "--model", "smollm2", "--prompt", "Hi", "--method", "oracle",
+                 "--budget-tokens", "100000"]) == 2
+    assert ("--budget-tokens 100000: more than the model's context of 8192 tokens; expected at most that"
+            in capsys.readouterr().err)

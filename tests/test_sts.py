@@ -155,7 +155,10 @@ def test_sparse_budget_runs_and_errors(pair):
     # `--budget-tokens N` promises (k = min(N, visible keys)): the width is the capacity.
     from jsparse.methods.sts import static_k
     assert static_k(4096.0, 128, 0) == 128 and static_k(16.0, 128, 0) == 16
-    big = make_method("sts", cfg=CFG, draft=draft, head_map=hm, budget=4096)
+    big = make_method("sts", cfg=CFG, draft=draft, head_map=hm, budget=512)  # the model's context
+    with pytest.raises(ValueError, match=r"budget=4096 tokens: more than the model's context of 512 tokens; expected "
+                                         r"at most 512 \(budget=1.0 keeps every key\)"):
+        make_method("sts", cfg=CFG, draft=draft, head_map=hm, budget=4096)  # no row ever sees that many keys
     dense = generate_ids(target, ids, max_new_tokens=8)
     assert generate_ids(target, ids, method=big, max_new_tokens=8, draft=draft, gamma=2) == dense  # greedy: exact
     with pytest.raises(ValueError, match="pass draft="):

@@ -45,7 +45,8 @@ one round: the next round's draft steps overwrite it.
 Budgets: `budget` <= 1 is a fraction of the visible keys (k = min(max(ceil(budget * n), min_tokens), n), the
 rule of the other methods); `budget` > 1 is a number of tokens (k = min(budget, n)). A token budget at or above
 the cache capacity keeps every visible key, as a token budget of the other methods does (`--budget-tokens N`: k =
-min(N, its visible keys)); the index width is then the capacity.
+min(N, its visible keys)); the index width is then the capacity. A token budget above the model's context is refused
+(no row ever sees that many keys).
 
 Selection: the draft's decode record and the target's top-k use the exact threshold top-k of
 `pallas_kernels.topk_select` (a Pallas Triton kernel on GPU, `lax.top_k` on CPU; `selection` picks another
@@ -855,6 +856,9 @@ class STS(_Budget):
         if not hasattr(draft, "cfg"):
             raise ValueError(f"draft={draft!r}: expected a loaded model (jsparse.load)")
         check_budget(budget)
+        if budget > 1 and budget > cfg.max_position_embeddings:  # no row ever sees that many keys
+            raise ValueError(f"budget={budget:g} tokens: more than the model's context of {cfg.max_position_embeddings}"
+                             f" tokens; expected at most {cfg.max_position_embeddings} (budget=1.0 keeps every key)")
         if isinstance(first_step_mask, (bool, np.bool_)) and not first_step_mask:
             refuse_unused("sts", {"mask_pool": mask_pool, "mask_attention": mask_attention},
                           ("mask_pool", "mask_attention"), "they shape the pool of first_step_mask, which is off")
