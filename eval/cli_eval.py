@@ -382,10 +382,11 @@ def _run_eval(args, spec) -> int:
     check_files(args.out)
     previous, runs, config = resume_config(args.out, config, overwrite, spec.methods)
     if overwrite:  # the discarded run's report and plots described its records
-        stale = [p for p in (report.REPORT_MD, report.PLOTS_DIR) if os.path.exists(os.path.join(args.out, p))]
-        for name in stale:
-            path = os.path.join(args.out, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        for path in (os.path.join(args.out, name) for name in (report.REPORT_MD, report.PLOTS_DIR)):
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.exists(path):
+                os.remove(path)
     model = jsparse.load(args.model, args.dtype, mesh=getattr(args, "mesh", None))
     if spec.draft is not None:
         # On the target's mesh: speculative decoding runs both models on one mesh.

@@ -200,23 +200,16 @@ def check_draft(model: LoadedModel, draft: LoadedModel, gamma: int) -> None:
         if len(tm) != len(td):
             raise ValueError(f"draft tokenizer has {len(td)} tokens, the target's {len(tm)}: a draft must share the "
                              "target's tokenizer")
-        ids_m, ids_d = _tokens_by_id(tm), _tokens_by_id(td)
-        if ids_m is not None and ids_d is not None and ids_m != ids_d:
-            i = next(i for i in sorted(set(ids_m) | set(ids_d)) if ids_m.get(i) != ids_d.get(i))
-            raise ValueError(f"draft tokenizer's token {i} is {ids_d.get(i)!r}, the target's {ids_m.get(i)!r}: a "
+        vm, vd = (getattr(t, "get_vocab", lambda: None)() for t in (tm, td))  # {token: id} with the added tokens
+        if vm is not None and vd is not None and vm != vd:
+            by_m, by_d = ({i: t for t, i in v.items()} for v in (vm, vd))
+            i = next(i for i in sorted(set(by_m) | set(by_d)) if by_m.get(i) != by_d.get(i))
+            raise ValueError(f"draft tokenizer's token {i} is {by_d.get(i)!r}, the target's {by_m.get(i)!r}: a "
                              "draft must share the target's tokenizer (the same number of tokens is not enough)")
     if not _same_mesh(model.mesh, draft.mesh):
         raise ValueError(f"the target is on {_mesh_text(model.mesh)} and the draft on {_mesh_text(draft.mesh)}: "
                          "speculative decoding runs both models on the same mesh; load them with the same mesh= "
                          "(--mesh loads both)")
-
-
-def _tokens_by_id(tokenizer) -> dict | None:
-    """{id: token} of a tokenizer's vocabulary (`get_vocab`, with its added tokens), None where it has none."""
-    get = getattr(tokenizer, "get_vocab", None)
-    if get is None:
-        return None
-    return {i: t for t, i in get().items()}
 
 
 def check_draft_context(draft: LoadedModel, prompt_lengths: Sequence[int], max_new_tokens: int) -> None:

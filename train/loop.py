@@ -499,7 +499,7 @@ def _rewrite_log(path: str, upto: int) -> None:
     for i, ln in enumerate(lines):
         try:
             step, _ = _loss_record(ln)
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError) as e:  # (json's errors are ValueErrors)
             if i == len(lines) - 1:
                 break  # the line the interrupted run was writing: its step is logged again
             raise TrainError(f"{path} line {i + 1} is not a loss record ({e}): fix or delete that line to resume")
