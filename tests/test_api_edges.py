@@ -300,10 +300,11 @@ def test_a_method_built_for_another_model_is_refused_before_it_runs(smollm2):
             generate_ids(tiny, [[5, 6, 7]], method=other, max_new_tokens=2)
     own = EvoSparse.from_heads(tiny.cfg, [(1, 3)], budget_tokens=8, block_size=4, min_tokens=4)
     assert len(generate_ids(tiny, [[5, 6, 7]], method=own, max_new_tokens=2)[0]) == 2
-    for given in (10, np.int64(4)):
+    for given in (10, np.int64(4)):  # refused where the method is built for the model, and where it runs
+        with pytest.raises(ValueError, match=rf"option dense_layers={given}: expected 0..3 \(the model's 3 layers"):
+            jsparse.build_method("oracle", tiny, dense_layers=given)
         with pytest.raises(ValueError, match=rf"Oracle: dense_layers={given}: expected 0..3 \(the model's 3 layers\)"):
-            generate_ids(tiny, [[5, 6]], method=jsparse.build_method("oracle", tiny, dense_layers=given),
-                         max_new_tokens=2)
+            generate_ids(tiny, [[5, 6]], method=jsparse.make_method("oracle", dense_layers=given), max_new_tokens=2)
     one = _tiny(layers=1)  # a default beyond a small model's layers (Quest's 2) still means all of them
     assert len(generate_ids(one, [[5, 6]], method="quest", max_new_tokens=2)[0]) == 2
 

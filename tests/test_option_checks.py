@@ -4,6 +4,7 @@ each is now refused by name, before any model work where the value alone shows i
 from __future__ import annotations
 
 import os
+import re
 import types
 
 import jax
@@ -234,3 +235,33 @@ def test_a_budget_of_zero_is_refused_even_where_ignored(budget):
         with pytest.raises(ValueError, match=rf"method '{name}' budget={budget!r}: expected a fraction of the "
                                              r"context in \(0, 1\]"):
             make_method(name, budget=budget)
+
+
+def test_token_counted_options_above_the_context_are_refused_by_name(tiny):
+    """Quest with a page wider than the context, or STS with more sink keys than the context, ran as dense attention
+    (every key kept) without a word; every option counted in tokens is now checked against the model's context
+    where the model is known, and dense_layers against its layers (more than L ran as L)."""
+    from jsparse.methods.base import TOKEN_OPTIONS, check_extents, method_options
+    n = CFG.max_position_embeddings
+    pairs = [(m, key) for m in jsparse.methods.method_names() for key in TOKEN_OPTIONS if key in method_options(m)]
+    assert {("quest", "page_size"), ("sts", "sink"), ("sts", "local"), ("streaming", "sink")} <= set(pairs)
+    for method, key in pairs:
+        with pytest.raises(ValueError, match=re.escape(f"method '{method}' option {key}={n + 1}: more than the model's "
+                                             f"context of {n} tokens; expected at most {n}")):
+            check_extents(method, {"cfg": CFG, key: n + 1})
+        check_extents(method, {"cfg": CFG, key: n})  # the context itself passes
+    with pytest.raises(ValueError, match=r"method 'quest' option page_size=257: more than the model's context"):
+        jsparse.build_method("quest", tiny, page_size=n + 1)
+    with pytest.raises(ValueError, match=r"option dense_layers=4: expected 0..3 \(the model's 3 layers; 3: every"):
+        jsparse.build_method("oracle", tiny, dense_layers=4)
+    assert jsparse.build_method("oracle", tiny, dense_layers=3).dense_layers == 3
+    assert jsparse.build_method("quest", tiny, page_size=n).page_size == n
+    assert make_method("quest", page_size=n + 1).page_size == n + 1  # no model: no context to check against
+
+
+def test_generate_cli_refuses_a_page_wider_than_the_context(tiny, monkeypatch, capsys):
+    monkeypatch.setattr(jsparse, "load", lambda *a, **k: tiny)
+    code = main(["generate", "--method", "quest", "--method-option", "quest.page_size=1000000", "--prompt", "x",
+                 "--max-new-tokens", "1"])
+    err = capsys.readouterr().err
+    assert code != 0 and "option page_size=1000000: more than the model's context of 256 tokens" in err, err

@@ -1277,21 +1277,25 @@ def test_checkpoint_of_another_predictor_shape_is_refused(tmp_path, uninterrupte
     assert sorted(int(d) for d in os.listdir(os.path.join(out, "checkpoints")) if d.isdigit()) == [4, 6]
 
 
-@pytest.mark.parametrize("damage", ["data", "digest"])
+@pytest.mark.parametrize("damage", ["data", "digest", "truncated"])
 def test_a_checkpoint_reading_back_other_numbers_is_moved_aside(tmp_path, uninterrupted, model_params, pcfg, chunks,
-                                                                 damage):
+                                                                 damage, caplog):
     """A damaged data file can read back without an error, as other numbers (a rerun of the finished run then exported
     them as its artifact, with a NaN among them): each checkpoint's metadata holds a digest of its arrays, and one
     whose arrays differ from it is moved aside like an unreadable one. "data": bytes in the middle of the newest
     checkpoint's largest data file flipped (orbax may or may not notice); "digest": the digest itself changed, so only
-    the comparison can notice."""
+    the comparison can notice; "truncated": every data file of the newest checkpoint cut to 100 bytes, which orbax's
+    concurrent reads fail on, leaving nothing printed by asyncio (`_quiet_failed_reads`)."""
     import glob
     import shutil
 
     src, full = uninterrupted
     out = str(tmp_path / damage)
     shutil.copytree(src, out)
-    if damage == "data":
+    if damage == "truncated":
+        for f in glob.glob(os.path.join(out, "checkpoints", "6", "state", "**", "d", "*"), recursive=True):
+            os.truncate(f, 100)
+    elif damage == "data":
         files = [f for f in glob.glob(os.path.join(out, "checkpoints", "6", "state", "**", "*"), recursive=True)
                  if os.path.isfile(f) and f"{os.sep}d{os.sep}" in f]
         path = max(files, key=os.path.getsize)
@@ -1311,6 +1315,74 @@ def test_a_checkpoint_reading_back_other_numbers_is_moved_aside(tmp_path, uninte
             json.dump(meta, f)
     _resumes_from_step_4(out, full, model_params, pcfg, chunks, why="CheckpointDigestError" if damage == "digest"
                          else "")
+    import gc
+    gc.collect()
+    assert not [r for r in caplog.records if r.name == "asyncio"], [r.getMessage()[:200] for r in caplog.records]
+
+
+def test_a_failed_reads_leftovers_are_dropped_and_nothing_else(tmp_path, monkeypatch):
+    """What orbax's failed reads of a damaged checkpoint leave to be printed as they are collected or finish late
+    (unraisable coroutines, TensorStore's late callbacks on a closed event loop, asyncio's never-retrieved task and
+    future exceptions, coroutines never awaited; 4 to 1,227 lines a resume) is dropped once `_resume` has quieted
+    the checkpoint folder; anything else still reaches the hook, the log and the warnings."""
+    import logging
+    import sys
+    import types
+    import warnings
+
+    from train import loop
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    asyncio_log = logging.getLogger("asyncio")
+    monkeypatch.setattr(asyncio_log, "filters", [])
+    folder = str(tmp_path / "checkpoints")
+    loop._quiet_failed_reads(folder)
+    loop._quiet_failed_reads(folder)  # installed once
+    assert len(asyncio_log.filters) == 1 and sys.unraisablehook is not seen.append
+
+    def raised(make, name="f", filename="x.py"):
+        code = compile(f"def {name}():\n    raise make()\n", filename, "exec")
+        scope = {"make": make}
+        exec(code, scope)
+        try:
+            scope[name]()
+        except BaseException as e:  # noqa: BLE001
+            return e
+
+    scope = {}
+    exec(compile("async def _read_shard():\n    pass\n", "/x/orbax/checkpoint/s.py", "exec"), scope)
+    coro = scope["_read_shard"]()
+    noise = [types.SimpleNamespace(object=coro, exc_value=ValueError("x"), exc_traceback=None),
+             types.SimpleNamespace(object=None, exc_value=ValueError(f'reading "a/0" in OCDBT at "{folder}/6/state/"'),
+                                   exc_traceback=None),
+             types.SimpleNamespace(object=None, exc_value=(e := raised(lambda: RuntimeError("Event loop is closed"),
+                                                                       "call_soon_threadsafe")),
+                                   exc_traceback=e.__traceback__)]
+    other = [types.SimpleNamespace(object=None, exc_value=(e := raised(lambda: RuntimeError("Event loop is closed"))),
+                                   exc_traceback=e.__traceback__),
+             types.SimpleNamespace(object=None, exc_value=ValueError("another folder"), exc_traceback=None)]
+    for u in noise + other:
+        sys.unraisablehook(u)
+    coro.close()
+    assert seen == other
+
+    def record(message, exc):
+        return logging.LogRecord("asyncio", logging.ERROR, "x", 1, message, None, (type(exc), exc, None))
+
+    drop = asyncio_log.filters[0]
+    in_orbax = raised(lambda: ValueError("x"), filename="/x/orbax/checkpoint/s.py")
+    assert not drop.filter(record("Future exception was never retrieved\nfuture: <Future>",
+                                  ValueError(f"{folder}/6/state/ is short")))
+    assert not drop.filter(record("_GatheringFuture exception was never retrieved", in_orbax))
+    assert drop.filter(record("Task exception was never retrieved", ValueError("elsewhere")))
+    assert drop.filter(record("Unclosed event loop", in_orbax))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loop._quiet_failed_reads(folder)  # (catch_warnings restores the filters it installs)
+        warnings.warn("coroutine '_read_array_index_and_device_put' was never awaited", RuntimeWarning)
+        warnings.warn("coroutine 'mine' was never awaited", RuntimeWarning)
+    assert [str(w.message) for w in caught] == ["coroutine 'mine' was never awaited"]
 
 
 @pytest.mark.parametrize("name, make, match", [

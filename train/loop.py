@@ -43,11 +43,14 @@ import contextlib
 import dataclasses
 import errno
 import functools
+import gc
 import hashlib
 import json
+import logging
 import math
 import os
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -411,7 +414,94 @@ def _not_damage(e: BaseException) -> bool:
     return False
 
 
+# Checkpoint folders whose failed reads leave nothing printed (`_quiet_failed_reads`), and the coroutines of orbax's
+# array reads, which a failed read leaves unawaited.
+_QUIET_FOLDERS: set[str] = set()
+_ORBAX_READS = r"coroutine '(_read_array_index_and_device_put|_read_and_create_array|_read_shard|async_deserialize)'" \
+    r" was never awaited"
+
+
+def _failed_read(e: BaseException | None) -> bool:
+    """Whether e, its cause or its context was raised in orbax's code or names a folder of _QUIET_FOLDERS (what
+    TensorStore raises under orbax names the file it could not read)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if any(folder in str(e) for folder in _QUIET_FOLDERS):
+            return True
+        tb = e.__traceback__
+        while tb is not None:
+            if "orbax" in tb.tb_frame.f_code.co_filename:
+                return True
+            tb = tb.tb_next
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _read_noise(unraisable) -> bool:
+    """Whether an unraisable exception is a failed read's leftover: a read coroutine's, one `_failed_read` tells, or
+    TensorStore's callback of a read that finished after orbax closed its event loop ("Event loop is closed" in
+    asyncio's call_soon_threadsafe, with no object)."""
+    code = getattr(unraisable.object, "cr_code", None)
+    if (code is not None and "orbax" in code.co_filename) or _failed_read(unraisable.exc_value):
+        return True
+    if unraisable.object is None and isinstance(unraisable.exc_value, RuntimeError) \
+            and str(unraisable.exc_value) == "Event loop is closed":
+        tb = unraisable.exc_traceback
+        while tb is not None:
+            if tb.tb_frame.f_code.co_name == "call_soon_threadsafe":
+                return True
+            tb = tb.tb_next
+    return False
+
+
+class _DropFailedReads(logging.Filter):
+    """asyncio's "... exception was never retrieved" of a failed read's tasks and futures (`_failed_read`)."""
+
+    def filter(self, record):
+        first = record.getMessage().split("\n", 1)[0]
+        return not ("exception was never retrieved" in first and record.exc_info and _failed_read(record.exc_info[1]))
+
+
+def _quiet_failed_reads(folder: str) -> None:
+    """Drops, for the rest of the process, what Python prints of orbax's failed reads of the checkpoints in `folder`
+    as they are collected or finish late: unraisable exceptions (`_read_noise`), asyncio's never-retrieved task and
+    future exceptions (`_DropFailedReads`) and the RuntimeWarning of read coroutines never awaited. One truncated
+    checkpoint printed 4 to 1,227 lines of tracebacks and TensorStore specs around the one warning `_resume` gives,
+    some while training went on. Every other unraisable exception goes to the hook there was, every other record of
+    asyncio's logger is logged."""
+    _QUIET_FOLDERS.add(os.path.abspath(folder))
+    warnings.filterwarnings("ignore", message=_ORBAX_READS, category=RuntimeWarning)
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _DropFailedReads) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_DropFailedReads())
+    previous = sys.unraisablehook
+    if getattr(previous, "_drops_failed_reads", False):
+        return
+
+    def hook(unraisable):
+        if not _read_noise(unraisable):
+            previous(unraisable)
+
+    hook._drops_failed_reads = True
+    sys.unraisablehook = hook
+
+
 def _resume(mngr, out_dir: str, tc: TrainConfig, expected: dict, pparams, opt_state):
+    """See `_find_checkpoint`; the leftovers of orbax's failed reads of a damaged checkpoint are not printed."""
+    _quiet_failed_reads(os.path.join(out_dir, CHECKPOINTS))
+    found = _find_checkpoint(mngr, out_dir, tc, expected, pparams, opt_state)
+    gc.collect()  # the failed reads' coroutines, now
+    return found
+
+
+def _describe(e: BaseException) -> str:
+    """An exception's type and first line (at most 160 characters), kept instead of the exception: its traceback
+    holds orbax's failed read coroutines, collected once it is dropped."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+
+
+def _find_checkpoint(mngr, out_dir: str, tc: TrainConfig, expected: dict, pparams, opt_state):
     """(step, manager, (params, opt_state)) of the newest checkpoint that reads back, or (None, manager, None)
     without one. A checkpoint that does not read back (a run killed while writing it, a damaged disk; or arrays that
     read back other than the digest written with them, `state_digest`) is moved to
@@ -428,7 +518,7 @@ def _resume(mngr, out_dir: str, tc: TrainConfig, expected: dict, pparams, opt_st
         except Exception as e:  # noqa: BLE001  (orbax raises many kinds for a damaged folder)
             if _not_damage(e):
                 raise
-            damaged.append((step, e))
+            damaged.append((step, _describe(e)))
             continue
         _check_resume(meta, expected, where)
         try:
@@ -437,11 +527,10 @@ def _resume(mngr, out_dir: str, tc: TrainConfig, expected: dict, pparams, opt_st
         except Exception as e:  # noqa: BLE001
             if _not_damage(e):
                 raise
-            damaged.append((step, e))
+            damaged.append((step, _describe(e)))
     if not damaged:
         return (None, mngr, None) if found is None else (found[0], mngr, found[1])
-    listed = "; ".join(f"step {s}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-                       for s, e in damaged)
+    listed = "; ".join(f"step {s}: {why}" for s, why in damaged)
     if found is None:
         raise TrainError(f"no checkpoint in {where} reads back ({listed}); delete the damaged step folders to start "
                          "over, or use another --out")
@@ -451,7 +540,7 @@ def _resume(mngr, out_dir: str, tc: TrainConfig, expected: dict, pparams, opt_st
     for s, _ in damaged:
         os.replace(os.path.join(where, str(s)), os.path.join(aside, f"{s}-{int(time.time())}"))
     warnings.warn(f"checkpoints that do not read back were moved to {aside} ({listed}); resuming from step "
-                  f"{found[0]}", stacklevel=2)
+                  f"{found[0]}", stacklevel=3)
     return found[0], _manager(out_dir, tc), found[1]
 
 

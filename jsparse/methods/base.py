@@ -78,12 +78,38 @@ def takes_artifact(name: str) -> bool:
     return bool(flag) if flag is not None else "artifact" in inspect.signature(build).parameters
 
 
+# Options counted in tokens (keys, rows, a page): one above the model's context can never be reached by a prompt, and
+# the method would keep every key (min_tokens, sink, local, a page as wide as the cache) or the option would act as
+# "all of them", either way without a word. Checked where the model's config is known (`jsparse.build_method`).
+TOKEN_OPTIONS = ("min_tokens", "sink", "local", "page_size", "budget_tokens", "heat_window", "window",
+                 "local_window", "local_sinks", "tsa_min_tokens")
+
+
+def check_extents(name: str, kwargs: dict) -> None:
+    """ValueError naming the option when a token-counted option (TOKEN_OPTIONS) is above the model's context or
+    `dense_layers` above its layers (more dense layers than layers ran as all of them). Without a cfg: nothing."""
+    cfg = kwargs.get("cfg")
+    if cfg is None:
+        return
+    n = cfg.max_position_embeddings
+    for key in TOKEN_OPTIONS:
+        value = kwargs.get(key)
+        if is_real(value) and value > n:
+            raise ValueError(f"method {name!r} option {key}={value}: more than the model's context of {n} tokens; "
+                             f"expected at most {n}")
+    layers = kwargs.get("dense_layers")
+    if is_real(layers) and layers > cfg.num_layers:
+        raise ValueError(f"method {name!r} option dense_layers={layers}: expected 0..{cfg.num_layers} (the "
+                         f"model's {cfg.num_layers} layers; {cfg.num_layers}: every layer dense)")
+
+
 def make_method(name: str, **kwargs):
     """Builds the method registered as `name` (keyword arguments go to its `build` classmethod).
 
     Raises:
       ValueError: an unknown method name, or an option the method does not take (e.g. a misspelled `budgett`),
-        naming the options it takes (`method_options`).
+        naming the options it takes (`method_options`); with a cfg, a token-counted option above the model's
+        context or dense_layers above its layers (`check_extents`).
     """
     if name not in _REGISTRY:
         raise ValueError(f"unknown attention method {name!r}; expected one of {method_names()}")
@@ -106,6 +132,7 @@ def make_method(name: str, **kwargs):
     if dataclasses.is_dataclass(factory):  # the options are known before building: check them first
         _check_options(name, kwargs, method_options(name))
     _check_bools(name, kwargs, factory)
+    check_extents(name, kwargs)
     method = build(**kwargs)
     check_options(name, kwargs, method)  # wrappers: the options (and bool types) of what they built
     if kwargs.get("artifact"):  # the fingerprints its artifacts were calibrated for: checked where it runs
