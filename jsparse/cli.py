@@ -147,7 +147,7 @@ def cmd_generate(args) -> int:
 
 def cmd_calibrate(args) -> int:
     from eval.ppl import DEV_CORPUS, read_corpus
-    from jsparse.artifacts import check_artifact_target
+    from jsparse.artifacts import ARRAYS_NPZ, ARTIFACT_JSON, check_artifact_target
     from jsparse.methods.base import calibration_check
 
     from eval.cli_eval import out_folder
@@ -162,6 +162,14 @@ def cmd_calibrate(args) -> int:
     corpus = args.corpus or [DEV_CORPUS]
     texts = [read_corpus(path) for path in corpus]
     check_artifact_target(args.out, args.method, f"calibrate {args.method}")  # (a trained predictor, say)
+    # A folder of other files (a results folder, the repository, a parent of artifacts) would get an artifact mixed
+    # in; an artifact's own files (a save cut short: its temporary files too) are what calibrate replaces.
+    own = {ARTIFACT_JSON, ARRAYS_NPZ, ARTIFACT_JSON + ".tmp", ARRAYS_NPZ + ".tmp"}
+    others = sorted(set(os.listdir(args.out)) - own) if os.path.isdir(args.out) else []
+    if others and not os.path.isfile(os.path.join(args.out, ARTIFACT_JSON)):
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise ValueError(f"--out {args.out!r} is a folder holding other files than an artifact ({shown}): expected a "
+                         "new or empty folder, or an artifact's own folder (artifact.json), for the artifact")
     with out_folder(args.out, "the artifact (artifact.json, arrays.npz)"):  # checked before the work
         return _calibrate(args, corpus, texts)
 
@@ -185,13 +193,18 @@ def _calibrate(args, corpus, texts) -> int:
         raise ValueError(f"--length {args.length}: expected at most the model's context of "
                          f"{model.cfg.max_position_embeddings} tokens")
     ids = np.concatenate([tokenize_corpus(model.tokenizer, text) for text in texts])
-    windows = make_windows(model.tokenizer, ids, args.length, args.samples, args.seed)
+    try:
+        windows = make_windows(model.tokenizer, ids, args.length, args.samples, args.seed)
+    except ValueError as e:  # (its words are perplexity's: name the flags)
+        which = f"--corpus {' '.join(corpus)}" if args.corpus else f"the default corpus {corpus[0]}"
+        raise ValueError(f"{which} with --length {args.length} and --samples {args.samples}: {e}") from None
     _, run, _ = calibrators()[args.method]
     with tqdm(total=len(windows), desc=f"calibrating {args.method}") as bar:
         art = run(model, windows, args, progress=bar.update)
     art.meta.update({**corpus_meta(corpus), "length": args.length, "samples": args.samples, "seed": args.seed})
     save_artifact(args.out, art)
-    summary = {k: art.meta[k] for k in ("anchors", "share", "objective", "sparse_layers", "retrieval_heads") if k in art.meta}
+    summary = {k: art.meta[k] for k in ("anchors", "share", "objective", "sparse_layers", "retrieval_heads")
+               if k in art.meta}
     print(json.dumps({"out": args.out, **summary}))
     return 0
 

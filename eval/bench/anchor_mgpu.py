@@ -19,15 +19,19 @@ import jax
 import jax.numpy as jnp
 
 from eval.bench.attention import rel_err
-from eval.bench.common import device_facts, table, time_ms, write_json
+from eval.bench.common import device_facts, out_path, positive_int, table, time_ms, write_json
 
 
 def main(argv=None, prog=None) -> None:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--context", type=int, default=131072, help="T of the timed shapes (default 131072)")
-    p.add_argument("--iters", type=int, default=10, help="timed calls per variant (default 10)")
+    p.add_argument("--context", type=positive_int, default=131072, help="T of the timed shapes (default 131072)")
+    p.add_argument("--iters", type=positive_int, default=10, help="timed calls per variant (default 10)")
     args = p.parse_args(argv)
+    try:
+        path = out_path(os.path.join(args.out, ""), "anchor_mgpu.json")  # a folder, made before the run
+    except ValueError as e:
+        p.error(str(e))
 
     from pallas_kernels.anchor_attention import gpu_prefill as tri, mgpu_prefill as mg
     from pallas_kernels.anchor_attention.reference import tile_scores_reference
@@ -104,8 +108,7 @@ def main(argv=None, prog=None) -> None:
     rec("upper_triangle_select", jax.jit(lambda x: jnp.where(
         jnp.arange(T)[None, :] < (jnp.arange(nt) * 128)[:, None], x, -jnp.inf)), x, flops=0)
 
-    os.makedirs(args.out, exist_ok=True)
-    write_json(os.path.join(args.out, "anchor_mgpu.json"), out)
+    write_json(path, out)
     print(table(out["checks"], ["B", "T", "Hq", "Hkv", "D", "lse_max_abs_diff", "pool_rel_err_vs_triton",
                                 "pool_rel_err_vs_reference", "pattern_ok", "ok"]))
     print(table(out["records"], ["impl", "T", "ms", "tflops", "error"]))

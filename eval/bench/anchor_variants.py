@@ -258,6 +258,10 @@ def main(argv=None, prog=None):
     if jax.default_backend() != "gpu":
         print("jsparse bench anchor_variants needs a GPU", file=sys.stderr)
         return 2
+    try:
+        path = bm.out_path(args.out, "anchor_variants.json")  # before the run: a bad --out ends none
+    except ValueError as e:
+        p.error(str(e))
     t0 = time.time()
     checks, records = [], []
     check_decode(checks)
@@ -270,7 +274,6 @@ def main(argv=None, prog=None):
                    xla_flags=os.environ.get("XLA_FLAGS", ""), shape=dict(Hq=HQ, Hkv=HKV, D=D, dtype="bfloat16",
                                                                          budget=BUDGET),
                    checks=checks, records=records, wall_s=time.time() - t0)
-    path = bm.out_path(args.out, "anchor_variants.json")
     bm.write_json(path, payload)
     failed = [c for c in checks if not c.get("ok")]
     print(f"\nwrote {path}; checks: {len(checks) - len(failed)}/{len(checks)} ok; {time.time() - t0:.0f} s")

@@ -73,14 +73,15 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", default="llama3-8b", help="model shape preset: llama3-8b or qwen3-8b")
     p.add_argument("--context", default="32768,131072", help="comma-separated context lengths (decode cache "
                    "length N, prefill length T)")
-    p.add_argument("--batch", type=int, default=8, help="decode batch size (default 8)")
-    p.add_argument("--prefill-batch", type=int, default=1, help="prefill batch size (default 1)")
+    p.add_argument("--batch", type=bm.positive_int, default=8, help="decode batch size (default 8)")
+    p.add_argument("--prefill-batch", type=bm.positive_int, default=1, help="prefill batch size (default 1)")
     p.add_argument("--budget", type=float, default=0.1, help="kept fraction of the context (default 0.1)")
     p.add_argument("--min-tokens", type=int, default=128, help="floor of Kascade's budget rule (default 128)")
     p.add_argument("--phase", choices=("decode", "prefill", "both"), default="decode",
                    help="which phase to benchmark (default decode)")
-    p.add_argument("--anchors", type=int, default=5, help="Kascade anchor layers, layer 0 included (default 5)")
-    p.add_argument("--tile", type=int, default=128, help="prefill query rows per index row (default 128)")
+    p.add_argument("--anchors", type=bm.positive_int, default=5,
+                   help="Kascade anchor layers, layer 0 included (default 5)")
+    p.add_argument("--tile", type=bm.positive_int, default=128, help="prefill query rows per index row (default 128)")
     p.add_argument("--block-size", type=int, default=1,
                    help="prefill: Kascade's anchors select key blocks of this many tokens (jsparse's kascade "
                         "prefill_block_size: the tile scores summed per block, ceil(k / bs) blocks kept); the "
@@ -677,12 +678,15 @@ def run_prefill(run: Bench, cfg, T: int, summary: dict) -> None:
 
 def run_bench_attention(args) -> int:
     """Runs the benchmark described in the module docstring; returns 0 if every check passed."""
-    from models.presets import preset
-
-    cfg = preset(args.shape)
-    contexts = [int(x) for x in str(args.context).split(",") if x]
-    if not contexts or min(contexts) < 1:
+    cfg = bm.shape_preset(args.shape)
+    try:
+        contexts = bm.positive_ints(args.context)  # kept a string in args: the JSON records the command's options
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"--context {args.context!r}: {e}") from None
+    if not contexts:
         raise ValueError(f"--context {args.context!r}: expected comma-separated positive integers")
+    bm.check_contexts("--context", contexts, cfg, args.shape)
+    out = bm.out_path(args.out, "bench_attention.json")  # before the run: a bad --out ends none
     bm.check_budget(args.budget)
     from pallas_kernels.anchor_attention.common import check_block_size
     check_block_size(args.block_size, args.tile, "--block-size")
@@ -717,7 +721,6 @@ def run_bench_attention(args) -> int:
                    xla_flags=os.environ.get("XLA_FLAGS", ""), hbm_gbs_measured=run.hbm,
                    matmul_tflops_measured=mm, summary=summary, checks=run.checks, records=run.records,
                    wall_s=run.elapsed())
-    out = bm.out_path(args.out, "bench_attention.json")
     if out:
         bm.write_json(out, payload)
     cols = ["phase", "N", "T", "impl", "ms", "gbs", "tflops", "speedup_vs_best_dense", "ratio_to_best_dense",

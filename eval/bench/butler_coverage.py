@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from eval import ppl as ppl_task
-from eval.bench.common import add_out_argument, device_facts, out_path, write_json
+from eval.bench.common import (add_out_argument, check_budget, check_contexts, device_facts, out_path, positive_int,
+                               write_json)
 from jsparse import selection as sel
 from jsparse.artifacts import shipped_artifact
 from jsparse.methods import butler as bt
@@ -90,8 +91,8 @@ def main(argv=None, prog=None) -> int:
                    help="TokenButler predictor artifact (default: the shipped jsparse/shipped/smollm2/butler)")
     p.add_argument("--corpus", default=ppl_task.DEV_CORPUS,
                    help="text file the windows are cut from (default: the shipped eval/data/alice_in_wonderland.txt)")
-    p.add_argument("--length", type=int, default=1024, help="tokens per window (default 1024)")
-    p.add_argument("--samples", type=int, default=2, help="windows (default 2)")
+    p.add_argument("--length", type=positive_int, default=1024, help="tokens per window (default 1024)")
+    p.add_argument("--samples", type=positive_int, default=2, help="windows (default 2)")
     p.add_argument("--seed", type=int, default=0, help="window sampling seed (default 0)")
     p.add_argument("--budget", type=float, default=0.5, help="fraction of the visible keys selected (default 0.5)")
     p.add_argument("--min-tokens", type=int, default=128, help="least keys selected per row (default 128)")
@@ -105,11 +106,25 @@ def main(argv=None, prog=None) -> int:
     if args.row_stride < 1 or not 0 <= args.row_start < args.length:
         p.error(f"--row-start {args.row_start} --row-stride {args.row_stride} with --length {args.length}: expected "
                 "0 <= --row-start < --length and --row-stride >= 1 (the scored query rows lie in the window)")
+    if args.dense_count < 0:
+        p.error(f"--dense-count {args.dense_count}: expected a number of layers >= 0 (0: no calibration)")
+    try:
+        check_budget(args.budget)
+        out = out_path(args.out, "butler_coverage.json")  # before the work: a bad --out ends none
+    except ValueError as e:
+        p.error(str(e))
 
     import jsparse
 
     model = jsparse.load(args.model, args.dtype)
     cfg = model.cfg
+    try:
+        check_contexts("--length", [args.length], cfg, args.model)
+    except ValueError as e:
+        p.error(str(e))
+    if args.dense_count > (eligible := cfg.num_layers - bt.DEFAULT_DENSE_LAYERS):  # layers DEFAULT..L-1
+        p.error(f"--dense-count {args.dense_count}: the model has {eligible} layers past its default dense_layers "
+                f"({bt.DEFAULT_DENSE_LAYERS}) to choose from; expected at most {eligible}")
     butler = jsparse.build_method("butler", model, artifact=args.artifact, budget=args.budget)
     ids = ppl_task.tokenize_corpus(model.tokenizer, ppl_task.read_corpus(args.corpus))
     windows = ppl_task.make_windows(model.tokenizer, ids, args.length, args.samples, args.seed)
@@ -207,7 +222,6 @@ def main(argv=None, prog=None) -> int:
             "budget": args.budget, "rows": f"{args.row_start}::{args.row_stride}",
             "outerr_per_layer": {str(l): round(v, 5) for l, v in err.items()}})
         print(f"wrote dense_set={dense_set} into {args.artifact}")
-    out = out_path(args.out, "butler_coverage.json")
     if out:
         write_json(out, {**device_facts(), "args": {k: v for k, v in vars(args).items() if not callable(v)},
                          "per_layer": per_layer, "mean": mean, "mean_from_layer2": mean2})

@@ -6,6 +6,7 @@ command line that reproduces it); its rows hold the dense baseline measured in t
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import math
@@ -66,6 +67,39 @@ def add_out_argument(parser, name: str, optional: bool = False) -> None:
                              + ("(default: none written)" if optional else f"(default ./{name})"))
 
 
+def positive_int(text: str) -> int:
+    """argparse `type` of a count flag (--steps, --batch, --iters, ...): a positive integer, else an error naming the
+    flag and the value (argparse prefixes 'argument --FLAG: ')."""
+    value = text.strip() if isinstance(text, str) else text
+    if not (isinstance(value, int) or value.isdigit()) or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
+    return int(value)
+
+
+def positive_ints(text: str) -> list[int]:
+    """argparse `type` of a list flag (--context, --lengths, --batches, ...): '8192,32768' -> [8192, 32768], each a
+    positive integer (empty items skipped, '' -> []), else an error naming the item (and, from argparse, the flag)."""
+    return [positive_int(x) for x in str(text).split(",") if x.strip()]
+
+
+def shape_preset(shape: str):
+    """The model shape preset `--shape` names (models.presets); ValueError naming --shape and the presets."""
+    from models.presets import preset
+    try:
+        return preset(shape)
+    except ValueError as e:
+        raise ValueError(f"--shape: {e}") from None
+
+
+def check_contexts(flag: str, contexts, cfg, shape: str) -> None:
+    """ValueError naming `flag` for a context longer than the model shape's max_position_embeddings (no checkpoint
+    of the shape has seen such positions; RoPE past them only extrapolates)."""
+    over = [c for c in contexts if c > cfg.max_position_embeddings]
+    if over:
+        raise ValueError(f"{flag} {','.join(map(str, over))}: longer than the {shape} shape's context of "
+                         f"{cfg.max_position_embeddings} tokens (max_position_embeddings); expected at most that")
+
+
 def check_budget(budget: float) -> None:
     """A `--budget` of the benchmarks: ValueError naming it unless it is a kept fraction of the context in (0, 1]."""
     if not 0.0 < budget <= 1.0:  # NaN fails too
@@ -73,11 +107,17 @@ def check_budget(budget: float) -> None:
 
 
 def out_path(out: str | None, name: str) -> str | None:
-    """The file `--out` names (see `add_out_argument`; None for none); its folder is created."""
+    """The file `--out` names (see `add_out_argument`; None for none); its folder is created (ValueError naming
+    --out when a file is in the way). Benchmarks call it before their work, so that a bad --out ends no run."""
     if out is None:
         return None
     path = os.path.join(out, name) if out.endswith(("/", os.sep)) or os.path.isdir(out) else out
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    folder = os.path.dirname(path) or "."
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # a file where the folder, or one above it, would be
+        raise ValueError(f"--out {out}: {folder} cannot be a folder, a file is in its way: expected a file in a "
+                         f"folder, or a folder to write {name} in") from None
     return path
 
 

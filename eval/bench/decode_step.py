@@ -399,15 +399,11 @@ def step_section(args, hbm: float, deadline: float, out: dict) -> None:
     out["param_bytes"] = param_bytes(params)
     out["shape"] = dataclasses.asdict(cfg) if args.smoke else args.shape
     methods = make_methods(k_tokens, sinks)
-    paths = [p for p in args.paths.split(",")]
-    for p in paths:
-        if p not in methods:
-            raise ValueError(f"--paths: unknown path {p!r}; expected some of {list(methods)}")
+    paths = parse_paths(args.paths)
     weight_numels = {x.size // cfg.num_layers for x in jax.tree_util.tree_leaves(params.layers)
                      if x.ndim >= 3 or (x.ndim == 2 and x.shape[1] > 8192)}
     rows = out.setdefault("steps", [])
-    for case in args.cases.split(","):
-        context, batch = (int(x) for x in case.split(":"))
+    for context, batch in parse_cases(args.cases):
         capacity = round_up(context + args.steps + 1, 256)
         kv_layer = batch * cfg.num_kv_heads * capacity * cfg.head_dim
         targets = {"kv": {kv_layer}, "kv_stacked": {cfg.num_layers * kv_layer}, "weights": weight_numels}
@@ -506,14 +502,37 @@ def child(args) -> int:
     return 0
 
 
+def parse_cases(text: str) -> list[tuple[int, int]]:
+    """'32768:1,100000:4' -> [(32768, 1), (100000, 4)] (context:batch, each positive); ValueError naming the case."""
+    cases = []
+    for case in (c.strip() for c in text.split(",") if c.strip()):
+        parts = case.split(":")
+        if len(parts) != 2 or not all(x.strip().isdigit() and int(x) >= 1 for x in parts):
+            raise ValueError(f"--cases: {case!r} is not a case: expected context:batch, two positive integers "
+                             "(e.g. 32768:1)")
+        cases.append((int(parts[0]), int(parts[1])))
+    if not cases:
+        raise ValueError(f"--cases {text!r}: expected one or more context:batch cases")
+    return cases
+
+
+def parse_paths(text: str) -> list[str]:
+    """'dense_inplace,sparse_inplace' -> the attention paths of PATHS; ValueError naming one that is not."""
+    paths = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown or not paths:
+        raise ValueError(f"--paths {text!r}: {f'unknown {unknown}; ' if unknown else ''}expected some of {list(PATHS)}")
+    return paths
+
+
 def main(argv=None, prog=None) -> int:
-    from eval.bench.common import add_out_argument
+    from eval.bench.common import add_out_argument, check_contexts, out_path, positive_int, shape_preset
 
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="llama3-8b", help="model shape preset")
     p.add_argument("--cases", default=DEFAULT_CASES, help="comma-separated context:batch cases, by priority")
     p.add_argument("--paths", default=",".join(PATHS), help=f"attention paths, some of {PATHS}")
-    p.add_argument("--steps", type=int, default=STEPS, help="decode steps per timing")
+    p.add_argument("--steps", type=positive_int, default=STEPS, help="decode steps per timing")
     p.add_argument("--budget-s", type=float, default=290.0, help="wall-clock budget of the whole run")
     p.add_argument("--variant-reserve-s", type=float, default=80.0, help="part of the budget kept for variants")
     p.add_argument("--kernel-budget-s", type=float, default=75.0, help="most seconds of the kernel section")
@@ -529,10 +548,16 @@ def main(argv=None, prog=None) -> int:
     args = p.parse_args(argv)
     if args.smoke and args.cases == DEFAULT_CASES:
         args.cases = "1024:1,2048:2"
-    if args.role == "orchestrate":
-        from models.presets import preset
-
-        preset(args.shape)  # an unknown shape fails here, not in every child
+    if args.role == "orchestrate":  # the arguments checked here, not in every child
+        try:
+            cfg = shape_preset(args.shape)
+            cases = parse_cases(args.cases)
+            parse_paths(args.paths)
+            if not args.smoke:
+                check_contexts("--cases", [c for c, _ in cases], cfg, args.shape)
+            out_path(args.out, "bench_decode_step.json")
+        except ValueError as e:
+            p.error(str(e))
         return orchestrate(args)
     return child(args)
 

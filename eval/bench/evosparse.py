@@ -66,7 +66,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from eval.bench import model as bench_model
-from eval.bench.common import add_out_argument, device_facts, measure_hbm_gbs, out_path, table, time_ms, write_json
+from eval.bench.common import (add_out_argument, device_facts, measure_hbm_gbs, out_path, positive_int, positive_ints,
+                               table, time_ms, write_json)
 from jsparse.xla_flags import set_xla_flags
 from jsparse.methods.evosparse import EvoSparse, EvoState, decay_heat, default_num_heads
 from models.attention import LayerContext, LayerKV
@@ -520,11 +521,11 @@ def e2e_rows(batches, steps, hbm, heads_model, params, t0) -> list[dict]:
 
 def main(argv=None, prog=None):
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--contexts", default="32768,65536,100000,131072")
-    p.add_argument("--batches", default="1,4")
-    p.add_argument("--e2e-batches", default="1,4")
-    p.add_argument("--iters", type=int, default=20, help="layer calls per timed loop (attention part)")
-    p.add_argument("--steps", type=int, default=16, help="decode steps per timed loop (end to end)")
+    p.add_argument("--contexts", default="32768,65536,100000,131072", type=positive_ints)
+    p.add_argument("--batches", default="1,4", type=positive_ints)
+    p.add_argument("--e2e-batches", default="1,4", type=positive_ints)
+    p.add_argument("--iters", type=positive_int, default=20, help="layer calls per timed loop (attention part)")
+    p.add_argument("--steps", type=positive_int, default=16, help="decode steps per timed loop (end to end)")
     p.add_argument("--no-e2e", action="store_true")
     p.add_argument("--evo-kernels", default=None, choices=["xla", "pallas_gpu"],
                    help="EvoSparse's block_scores kernels (default: Triton on the GPU)")
@@ -532,15 +533,20 @@ def main(argv=None, prog=None):
     p.add_argument("--no-program", action="store_true", help="skip the one-program whole-model attention")
     add_out_argument(p, "bench_evosparse.json")
     a = p.parse_args(argv)
-    a.out = out_path(a.out, "bench_evosparse.json")
+    if not a.batches:
+        p.error("--batches is empty: expected one or more batch sizes")
+    try:
+        a.out = out_path(a.out, "bench_evosparse.json")
+    except ValueError as e:
+        p.error(str(e))
     global EVO_KERNELS
     EVO_KERNELS = a.evo_kernels
     set_xla_flags()  # cuBLAS GEMMs + dynamic-slice fusion, before the backend starts (as bench_model)
     # The batch-4 decode step holds 16 GB of weights and a 24.5 GiB cache (donated): more than JAX's default 75%.
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     t0 = time.perf_counter()
-    contexts = [round_up(int(x), 256) for x in a.contexts.split(",")]  # 100000 -> 100096 (whole blocks)
-    batches = [int(x) for x in a.batches.split(",")]
+    contexts = [round_up(n, 256) for n in a.contexts]  # 100000 -> 100096 (whole blocks)
+    batches = a.batches
     facts = device_facts()
     hbm = measure_hbm_gbs()
     heads_model = model_heads(CFG8B)
@@ -550,7 +556,7 @@ def main(argv=None, prog=None):
     e2e = []
     if not a.no_e2e:  # first, while the GPU memory is empty (a 100K batch-4 cache is 24.5 GiB)
         params = random_params(CFG8B, jax.random.key(0), jnp.bfloat16)
-        e2e = e2e_rows([int(x) for x in a.e2e_batches.split(",")], a.steps, hbm, heads_model, params, t0)
+        e2e = e2e_rows(a.e2e_batches, a.steps, hbm, heads_model, params, t0)
         del params
         jax.clear_caches()
     program = [] if a.no_program else model_program_rows(max(batches), heads_model, hbm)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.bench.common import add_out_argument, device_facts, out_path, table, write_json
+from eval.bench.common import add_out_argument, device_facts, out_path, positive_int, table, write_json
 from jsparse.heat import heat_step, heat_update
 from pallas_kernels.block_scores import gpu as bs_gpu
 from pallas_kernels.block_scores import xla as bs_xla
@@ -49,10 +49,13 @@ def timed(fn, *args, iters):
 
 def main(argv=None, prog=None):
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--iters", type=positive_int, default=200)
     add_out_argument(p, "evosparse_parts.json")
     a = p.parse_args(argv)
-    a.out = out_path(a.out, "evosparse_parts.json")
+    try:
+        a.out = out_path(a.out, "evosparse_parts.json")
+    except ValueError as e:
+        p.error(str(e))
     from pallas_kernels.topk_select.gpu import SelectConfig
     B, H, nb, K, k = 4, 8, 6256, 128, 40
     key = jax.random.key(0)

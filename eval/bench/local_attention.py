@@ -60,6 +60,10 @@ def main(argv=None, prog=None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     add_out_argument(p, "local_attention.json")
     args = p.parse_args(argv)
+    try:
+        path = out_path(args.out, "local_attention.json")  # before the run: a bad --out ends none
+    except ValueError as e:
+        p.error(str(e))
     t0 = time.perf_counter()
     facts = device_facts()
     hbm = measure_hbm_gbs()
@@ -94,7 +98,6 @@ def main(argv=None, prog=None) -> int:
                "config": {"B": 1, "T": T, "Hq": HQ, "Hkv": HKV, "D": D, "dtype": "bfloat16", "window": WINDOW,
                           "sinks": SINKS},
                "checks": check_rows, "cases": cases, "seconds": time.perf_counter() - t0}
-    path = out_path(args.out, "local_attention.json")
     write_json(path, payload)
     ok = all(r["ok"] for r in check_rows)
     print("\nchecks: %s (%s)" % ("all ok" if ok else "FAILED",

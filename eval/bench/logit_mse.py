@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 
-from eval.bench.common import add_out_argument, command_line, out_path, write_json
+from eval.bench.common import add_out_argument, command_line, out_path, positive_int, positive_ints, write_json
 
 BUDGET_S = 235.0  # the whole script, including subprocess start-up
 CHILD_TIMEOUT_S = 120.0
@@ -206,8 +206,8 @@ def _fmt_bytes(b) -> str:
 def main(argv=None, prog=None) -> None:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--child", nargs="*", help=argparse.SUPPRESS)
-    ap.add_argument("--lengths", default="1024,2048,4096,8192,16384")
-    ap.add_argument("--heads", type=int, default=LAYERS, help="stacked layers (x9 query heads, x3 KV heads)")
+    ap.add_argument("--lengths", default="1024,2048,4096,8192,16384", type=positive_ints)
+    ap.add_argument("--heads", type=positive_int, default=LAYERS, help="stacked layers (x9 query heads, x3 KV heads)")
     ap.add_argument("--full", action="store_true", help="also time causal=False")
     ap.add_argument("--no-sweep", action="store_true")
     add_out_argument(ap, "logit_mse.json")
@@ -225,6 +225,10 @@ def main(argv=None, prog=None) -> None:
         return
 
     # The parent never touches the GPU (a client here would hold memory the children need).
+    try:
+        path = out_path(a.out, "logit_mse.json")  # before the run: a bad --out ends none
+    except ValueError as e:
+        ap.error(str(e))
     start = time.perf_counter()
     deadline = start + BUDGET_S
     from jsparse.provenance import source_commit
@@ -243,7 +247,7 @@ def main(argv=None, prog=None) -> None:
         print(f"warning: platform {report['platform']!r} is not a GPU; the kernel cases will fail", file=sys.stderr)
     report["check"] = check.get("check", check)
 
-    lengths = [int(x) for x in a.lengths.split(",")]
+    lengths = a.lengths
     cases = []
     for causal in ([True, False] if a.full else [True]):
         for impl in ("gpu", "xla"):
@@ -270,7 +274,6 @@ def main(argv=None, prog=None) -> None:
     report["sweep_L4096_causal"] = sweep
     report["total_s"] = time.perf_counter() - start
 
-    path = out_path(a.out, "logit_mse.json")
     write_json(path, report)
 
     # Table last.

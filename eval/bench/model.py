@@ -350,6 +350,8 @@ def attention_only_config(cfg):
 
 METHODS = ("dense", "kascade", "evosparse", "quest", "streaming", "oracle", "h2o", "butler")
 PREFILL_METHODS = ("tsa", "tsa+kascade")  # prefill rows only: their decode is dense's / Kascade's
+# Built without --budget (`bench_method`): dense attends to every key, EvoSparse keeps its token budget, TSA --tsa-kept.
+UNBUDGETED = ("dense", "evosparse", "tsa")
 KASCADE_ANCHORS = 5
 TSA_KEPT = 0.68  # the paper's operating point: 1 - 0.68^2 = 54% attention-map sparsity
 
@@ -777,12 +779,12 @@ def run(shape: str, contexts, batches, steps: int = 16, out: str | None = None, 
 def main(argv=None, prog=None):
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama3-8b", help="model shape preset (llama3-8b, qwen3-8b)")
-    p.add_argument("--context", default="8192,32768",
+    p.add_argument("--context", default="8192,32768", type=bm.positive_ints,
                    help="comma-separated context lengths of the decode rows (with --methods, '' times prefill only)")
     p.add_argument("--batch", default="1,8",
                    help=f"comma-separated batch sizes; with --methods also '{MAX_BATCH}': the largest at which every "
                         "method's cache and state fit beside the weights (largest_batch)")
-    p.add_argument("--steps", type=int, default=STEPS,
+    p.add_argument("--steps", type=bm.positive_int, default=STEPS,
                    help="decode steps timed per case, going on from as many untimed ones")
     bm.add_out_argument(p, "bench_model.json", optional=True)
     p.add_argument("--methods", default="dense",
@@ -791,7 +793,7 @@ def main(argv=None, prog=None):
                         "get prefill rows only and need --prefill-context")
     p.add_argument("--budget", type=float, default=None, help="kept fraction of the context for the budgeted "
                    "methods, in (0, 1] (default 0.1; EvoSparse keeps its 2048-token budget)")
-    p.add_argument("--prefill-context", default="",
+    p.add_argument("--prefill-context", default=[], type=bm.positive_ints,
                    help="with --methods: comma-separated contexts at which to time each method's prefill (batch 1)")
     p.add_argument("--tsa-kept", type=float, default=None,
                    help=f"the fixed kept share of every row for tsa and tsa+kascade (default {TSA_KEPT}: the paper's "
@@ -830,7 +832,13 @@ def main(argv=None, prog=None):
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # 100K x batch 4: 53 GB of cache + 16 GB weights
     if a.xla_flags:
         os.environ["XLA_FLAGS"] = merged_xla_flags(os.environ.get("XLA_FLAGS", ""), a.xla_flags)
-    contexts = [int(x) for x in a.context.split(",") if x.strip()]
+    contexts = a.context
+    try:
+        cfg = bm.shape_preset(a.shape)
+        for flag, given in (("--context", contexts), ("--prefill-context", a.prefill_context)):
+            bm.check_contexts(flag, given, cfg, a.shape)
+    except ValueError as e:
+        p.error(str(e))
     try:
         batches = parse_batches(a.batch)
     except ValueError as e:
@@ -841,9 +849,12 @@ def main(argv=None, prog=None):
         p.error(f"--methods: unknown {unknown}; expected some of {list(METHODS + PREFILL_METHODS)}")
     if methods == ("dense",):  # what only the per-method comparison reads
         given = [flag for flag, v in (("--budget", a.budget), ("--tsa-kept", a.tsa_kept),
-                                      ("--prefill-context", a.prefill_context.strip() or None)) if v is not None]
+                                      ("--prefill-context", a.prefill_context or None)) if v is not None]
         if given:
             p.error(f"{', '.join(given)}: the per-method comparison's (--methods dense,...); dense alone takes none")
+    if a.budget is not None and methods != ("dense",) and all(m in UNBUDGETED for m in methods):
+        p.error(f"--budget {a.budget:g}: {list(methods)} are built without it (dense attends to every key, EvoSparse "
+                "keeps its 2048-token budget, TSA its --tsa-kept share)")
     a.budget = 0.1 if a.budget is None else a.budget
     try:
         bm.check_budget(a.budget)
@@ -868,15 +879,18 @@ def main(argv=None, prog=None):
             memory_stats()
         except ValueError as e:
             p.error(str(e))
-    if (prefill_only := [m for m in methods if m in PREFILL_METHODS]) and not a.prefill_context.strip():
+    if (prefill_only := [m for m in methods if m in PREFILL_METHODS]) and not a.prefill_context:
         p.error(f"--methods: {prefill_only} time prefill rows only (their decode is dense's / kascade's): expected "
                 "--prefill-context, or --methods without them")
-    if not contexts and (methods == ("dense",) or not a.prefill_context.strip()):
+    if not contexts and (methods == ("dense",) or not a.prefill_context):
         p.error("--context is empty: expected decode contexts, or --methods with --prefill-context")
     from eval.bench.model_check import CheckFailed
     if warning := allocator_warning():
         print(f"{p.prog}: warning: {warning}", file=sys.stderr, flush=True)
-    out = bm.out_path(a.out, "bench_model.json")
+    try:
+        out = bm.out_path(a.out, "bench_model.json")
+    except ValueError as e:
+        p.error(str(e))
     try:
         if methods == ("dense",):
             if method_options:
@@ -889,10 +903,9 @@ def main(argv=None, prog=None):
                     p.error(f"{flag} times the methods' decode loop: give --methods (dense and others)")
             run(a.shape, contexts, batches, a.steps, out, check=not a.no_check, layout=a.layout)
         else:
-            pre = [int(x) for x in a.prefill_context.split(",") if x.strip()]
-            run_methods(a.shape, methods, contexts, batches, a.steps, out, a.budget, pre, check=not a.no_check,
-                        tsa_kept=a.tsa_kept, attention_only=a.attention_only, method_options=method_options,
-                        layout=a.layout, unroll=layer_unroll(a.layer_scan), loop=a.loop)
+            run_methods(a.shape, methods, contexts, batches, a.steps, out, a.budget, a.prefill_context,
+                        check=not a.no_check, tsa_kept=a.tsa_kept, attention_only=a.attention_only,
+                        method_options=method_options, layout=a.layout, unroll=layer_unroll(a.layer_scan), loop=a.loop)
     except CheckFailed as e:
         sys.exit(f"{p.prog}: error: {e}")
 

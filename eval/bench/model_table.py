@@ -20,6 +20,7 @@ import os
 import re
 
 BENCHMARK = "model_methods"
+OUT_NAME = "model_table.md"  # what `--out FOLDER` writes
 
 
 def load_runs(paths) -> list[tuple[str, dict]]:
@@ -52,9 +53,14 @@ def decode_cells(runs) -> tuple[list[str], list[tuple[int, int]], dict]:
     methods, columns, cells = [], set(), {}
     for path, payload in runs:
         checks = payload.get("methods") or {}
-        for row in payload.get("rows", []):
-            if row.get("phase") != "decode":
+        rows = payload.get("rows", [])
+        if not isinstance(rows, list):
+            raise ValueError(f"{path}: rows is a {type(rows).__name__}: expected a list of rows (a `jsparse bench "
+                             "model --methods ...` JSON)")
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict) or row.get("phase") != "decode":
                 continue
+            _check_decode_row(path, i, row)
             m, col = row["method"], (int(row["context"]), int(row["batch"]))
             if m == "dense":  # every run measures its own dense: a second run's is a row of its own
                 k = 1
@@ -74,6 +80,23 @@ def decode_cells(runs) -> tuple[list[str], list[tuple[int, int]], dict]:
                          "(expected `jsparse bench model --methods ... --context ...` JSONs, not prefill-only runs)")
     dense = sorted((m for m in methods if m.startswith("dense")), key=lambda m: (m != "dense", m))
     return dense + [m for m in methods if not m.startswith("dense")], sorted(columns), cells
+
+
+DECODE_KEYS = {"method": str, "context": int, "batch": int}  # and tokens_per_s, or the error of a failed case
+SPEEDUP_KEYS = ("speedup", "floor_speedup", "floor_fraction")  # a method's row beside dense: all or none
+
+
+def _check_decode_row(path: str, i: int, row: dict) -> None:
+    """ValueError naming the file and row when a decode row lacks what its cell reads (a damaged or hand-made JSON,
+    not one of `jsparse bench model --methods`)."""
+    missing = [k for k, kind in DECODE_KEYS.items() if not isinstance(row.get(k), kind) or isinstance(row[k], bool)]
+    if "error" not in row:
+        missing += [k for k in ("tokens_per_s",) + (SPEEDUP_KEYS if "speedup" in row else ())
+                    if not isinstance(row.get(k), (int, float)) or isinstance(row[k], bool)]
+    if missing:
+        raise ValueError(f"{path}: decode row {i} ({row.get('method')!r}) lacks {missing} or has them of another "
+                         "kind: expected a `jsparse bench model --methods ...` row (method, context, batch, "
+                         "tokens_per_s, or the error of a failed case)")
 
 
 def _cell(path: str, row: dict, check, link_root: str | None, bar: float | None) -> str:
@@ -128,16 +151,19 @@ def main(argv=None, prog=None):
                    help="folder the cells' links are relative to (e.g. the repository root, for README.md); "
                         "default: the paths as given")
     p.add_argument("--bar", type=float, default=None, help="bold the shares of the bytes floor at or past this")
-    p.add_argument("--out", default=None, help="markdown file to write (default: print only)")
+    p.add_argument("--out", default=None, metavar="PATH",
+                   help=f"markdown file to write, or a folder to write {OUT_NAME} in (default: print only)")
     a = p.parse_args(argv)
     if a.bar is not None and not 0.0 < a.bar <= 1.0:
         p.error(f"--bar {a.bar}: expected a share in (0, 1]")
+    from eval.bench.common import out_path
     try:
+        out = out_path(a.out, OUT_NAME)
         text = markdown(load_runs(a.jsons), a.link_root, a.bar)
     except ValueError as e:
         p.error(str(e))
-    if a.out:
-        with open(a.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             f.write(text)
     print(text, end="")
     return 0

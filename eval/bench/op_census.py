@@ -32,7 +32,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from eval.bench.common import add_out_argument, check_budget, device_facts, out_path, write_json
+from eval.bench.common import (add_out_argument, check_budget, check_contexts, device_facts, out_path, shape_preset,
+                               write_json)
 
 # Primitives whose bodies belong to the caller's body (followed); a scan's body is a census row of its own.
 INLINE = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
@@ -170,7 +171,7 @@ def trace_step(method_name: str, shape: str, batch: int, context: int, budget: f
 
 
 def main(argv=None, prog: str = "jsparse bench op_census") -> int:
-    from eval.bench.model import METHODS
+    from eval.bench.model import METHODS, UNBUDGETED
 
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--method", required=True, choices=METHODS,
@@ -191,7 +192,7 @@ def main(argv=None, prog: str = "jsparse bench op_census") -> int:
     args = p.parse_args(argv)
     if args.batch < 1 or args.context < 2:
         p.error(f"--batch {args.batch} --context {args.context}: expected a batch >= 1 and a context >= 2")
-    if args.budget is not None and args.method in ("dense", "evosparse"):
+    if args.budget is not None and args.method in UNBUDGETED:
         p.error(f"--budget {args.budget:g}: method {args.method!r} is built without it (dense attends to every key, "
                 "EvoSparse keeps its 2048-token budget)")
     args.budget = 0.1 if args.budget is None else args.budget
@@ -201,6 +202,11 @@ def main(argv=None, prog: str = "jsparse bench op_census") -> int:
         p.error(str(e))
     if not args.large_mb > 0:
         p.error(f"--large-mb {args.large_mb}: expected a size in MiB > 0")
+    try:
+        check_contexts("--context", [args.context], shape_preset(args.shape), args.shape)
+        path = out_path(args.out, "op_census.json")
+    except ValueError as e:
+        p.error(str(e))
     jaxpr, cfg = trace_step(args.method, args.shape, args.batch, args.context, args.budget, gpu=args.gpu)
     rows = census(jaxpr.jaxpr, verbose=args.verbose)
     print(f"{args.method} on {args.shape} shapes, batch {args.batch}, context {args.context}, "
@@ -219,7 +225,6 @@ def main(argv=None, prog: str = "jsparse bench op_census") -> int:
         print("|---|---|---|---|---|")
         for r in large:
             print(f"| {r['path']} | {r['op']} | {tuple(r['shape'])} | {r['bytes'] / 2**20:.1f} | {r['per_step']} |")
-    path = out_path(args.out, "op_census.json")
     if path:
         write_json(path, {**device_facts(), "benchmark": "op_census", "method": args.method, "shape": args.shape,
                           "batch": args.batch, "context": args.context, "budget": args.budget,

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.bench.common import add_out_argument, device_facts, out_path, table, time_ms, write_json
+from eval.bench.common import add_out_argument, device_facts, out_path, positive_int, table, time_ms, write_json
 from pallas_kernels.dense import dense_prefill
 from pallas_kernels.sparse_attention import gpu
 from pallas_kernels.sparse_attention.gpu_prefill_gqa import PrefillGQAConfig, sparse_prefill_gqa_gpu
@@ -137,11 +137,14 @@ PER_HEAD_EXTRAS = [gpu.PrefillConfig(64, 4, 2, 0), gpu.PrefillConfig(64, 4, 3, 0
 def main(argv=None, prog=None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     add_out_argument(p, "prefill_gqa.json")
-    p.add_argument("--T", type=int, default=131072)
-    p.add_argument("--tile", type=int, default=128, help="query rows per index row (default 128)")
+    p.add_argument("--T", type=positive_int, default=131072)
+    p.add_argument("--tile", type=positive_int, default=128, help="query rows per index row (default 128)")
     p.add_argument("--smoke", action="store_true", help="CPU dry run: interpreter, T 512, check at T 256")
     args = p.parse_args(argv)
-    args.out = out_path(args.out, "prefill_gqa.json")
+    try:
+        args.out = out_path(args.out, "prefill_gqa.json")
+    except ValueError as e:
+        p.error(str(e))
     global TILE
     TILE = args.tile
     if args.smoke:

@@ -50,7 +50,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from eval.bench.common import add_out_argument, device_facts, out_path, write_json
+from eval.bench.common import (add_out_argument, check_budget, check_contexts, device_facts, out_path, positive_int,
+                               write_json)
 
 SMALL_US = 5.0  # an XLA kernel under this per launch counts as per-layer bookkeeping (`small_xla_*`)
 LARGEST_GAPS = 8  # the idle gaps listed (`largest_gaps`)
@@ -179,12 +180,13 @@ def main(argv=None, prog=None):
                    help="the method whose step is profiled, built as `jsparse bench model` builds it")
     p.add_argument("--shape", default="llama3-8b", help="model shape preset (random weights)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--context", type=int, default=100_000, help="tokens in the cache before the steps")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--budget", type=float, default=0.1,
-                   help="kept fraction of the budgeted methods (EvoSparse keeps its 2048-token budget)")
-    p.add_argument("--steps", type=int, default=4, help="decode steps traced (and timed per case with --time)")
-    p.add_argument("--top", type=int, default=40, help="kernels listed (by device time)")
+    p.add_argument("--context", type=positive_int, default=100_000, help="tokens in the cache before the steps")
+    p.add_argument("--batch", type=positive_int, default=4)
+    p.add_argument("--budget", type=float, default=None,
+                   help="kept fraction of the budgeted methods, in (0, 1] (default 0.1; dense has none and EvoSparse "
+                        "keeps its 2048-token budget: refused when only they are profiled and timed)")
+    p.add_argument("--steps", type=positive_int, default=4, help="decode steps traced (and timed per case with --time)")
+    p.add_argument("--top", type=positive_int, default=40, help="kernels listed (by device time)")
     p.add_argument("--time", default="", metavar="METHODS",
                    help="comma-separated methods (or variants) to time first in the same process (`jsparse "
                         "bench model`'s method_rows, dense first); e.g. dense,kascade,kascade:switch")
@@ -192,17 +194,26 @@ def main(argv=None, prog=None):
                    help="folder of the Perfetto trace (default /tmp/jsparse_profile_METHOD_PID)")
     add_out_argument(p, "profile_decode_step.json")
     a = p.parse_args(argv)
-    a.out = out_path(a.out, "profile_decode_step.json")
     timed_methods = tuple(m.strip() for m in a.time.split(",") if m.strip())
     unknown = sorted(set(timed_methods) - set(bench_model.METHODS) - set(VARIANTS))
     if unknown:
         p.error(f"--time: unknown {unknown}; expected some of {list(bench_model.METHODS) + list(VARIANTS)}")
+    if a.budget is not None and all(m.split(":")[0] in bench_model.UNBUDGETED for m in (a.method, *timed_methods)):
+        p.error(f"--budget {a.budget:g}: {sorted({a.method, *timed_methods})} are built without it (dense attends to "
+                "every key, EvoSparse keeps its 2048-token budget)")
+    a.budget = 0.1 if a.budget is None else a.budget
+    try:
+        cfg = bench_model.preset(a.shape)  # (an unknown shape: ValueError naming it and the presets)
+        check_contexts("--context", [a.context], cfg, a.shape)
+        check_budget(a.budget)
+        a.out = out_path(a.out, "profile_decode_step.json")
+    except ValueError as e:
+        p.error(str(e))
     from jsparse.xla_flags import set_xla_flags
     set_xla_flags()
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # 100K x batch 4: 53 GB of cache + 16 GB weights
     from eval.bench import common as bm
     from models.cache import KVCache
-    cfg = bench_model.preset(a.shape)
     dtype = jnp.dtype(a.dtype)
     params = bench_model.bench_params(cfg, dtype=dtype)
     B, ctx, steps = a.batch, a.context, a.steps

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.bench.common import add_out_argument, check_budget, device_facts, out_path, write_json
+from eval.bench.common import add_out_argument, check_budget, device_facts, out_path, positive_int, write_json
 from eval.bench.profile_decode_step import kernel_table
 from pallas_kernels.topk_select import gpu, topk_select_reference
 
@@ -58,9 +58,9 @@ def profile(name: str, fn, args, calls: int) -> dict:
 def main(argv=None, prog=None):
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--what", default="select,anchor", help=f"comma-separated, some of {WHAT} (default: both)")
-    p.add_argument("--calls", type=int, default=5)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--context", type=int, default=131072, help="N, the cache length")
+    p.add_argument("--calls", type=positive_int, default=5)
+    p.add_argument("--batch", type=positive_int, default=8)
+    p.add_argument("--context", type=positive_int, default=131072, help="N, the cache length")
     p.add_argument("--budget", type=float, default=0.1, help="k = ceil(budget * N)")
     add_out_argument(p, "profile_ops.json")
     a = p.parse_args(argv)
@@ -70,9 +70,9 @@ def main(argv=None, prog=None):
         p.error(f"--what {a.what!r}: expected a comma-separated subset of {WHAT}")
     try:
         check_budget(a.budget)
+        a.out = out_path(a.out, "profile_ops.json")
     except ValueError as e:
         p.error(str(e))
-    a.out = out_path(a.out, "profile_ops.json")
     B, Hq, Hkv, D, N = a.batch, 32, 8, 128, a.context
     K = int(np.ceil(a.budget * N))
     res = {**device_facts(), "shape": dict(B=B, Hq=Hq, Hkv=Hkv, D=D, N=N, K=K)}

@@ -650,6 +650,7 @@ def run(a) -> dict:
     from jsparse.artifacts import fingerprint
     from models.generate import check_request
 
+    out = bm.out_path(a.out, "recipe_time.json")  # before the work: a bad --out ends none
     CompileClock.start()
     t0 = time.perf_counter()
     tokenizer = offline_tokenizer()
@@ -724,7 +725,6 @@ def run(a) -> dict:
         payload["note_prompt_errors"] = (
             "the recipe as given stops at these tasks' prompt errors before any forward; the extrapolation counts "
             "their prompts anyway (every prompt of a length has the same shape), i.e. the recipe once they are fixed")
-    out = bm.out_path(a.out, "recipe_time.json")
     earlier = [(f, load_run(f)) for f in a.merge or ()]
     check_mergeable([*earlier, ("this run", payload)])  # before any forward
     times, overhead, failed = {}, {}, []
@@ -844,8 +844,10 @@ def main(argv=None, prog=None):
                         "are merged into --out")
     bm.add_out_argument(p, "recipe_time.json")
     a = p.parse_args(argv)
-    if a.repeat < 0 or a.kascade_anchors < 1:
-        p.error("--repeat must be >= 0 and --kascade-anchors >= 1")
+    if a.repeat < 0:
+        p.error(f"--repeat {a.repeat}: expected an integer >= 0 (more timed calls per cell after the first)")
+    if a.kascade_anchors < 1:
+        p.error(f"--kascade-anchors {a.kascade_anchors}: expected a positive integer (layer 0 included)")
     try:
         if a.merge and a.plan is None:
             payload = merge_runs([(f, load_run(f)) for f in a.merge])

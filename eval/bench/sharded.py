@@ -82,7 +82,7 @@ def build_method(name: str, cfg: ModelConfig, budget: float, block: int):
 def mesh_for(n: int, layout: str):
     devices = jax.devices()[:n]
     if len(devices) < n:
-        raise ValueError(f"{n} devices asked, {len(jax.devices())} available")
+        raise ValueError(f"{n} devices asked, {len(jax.devices())} available: expected at most that many")
     return sharding.make_mesh({"data": n, "model": 1} if layout == "data" else {"data": 1, "model": n}, devices)
 
 
@@ -230,23 +230,25 @@ FULL_RUN = dict(shape="llama3-8b", context=131072, batch=8, steps=16, dtype="bfl
 def main(argv=None, prog=None):
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default=None, help=f"model shape: {', '.join(sorted(SHAPES))} (default llama3-8b)")
-    p.add_argument("--layers", type=int, default=None, help="keep the first N layers of the shape (70B: to fit)")
+    p.add_argument("--layers", type=bm.positive_int, default=None,
+                   help="keep the first N layers of the shape (70B: to fit)")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated among {','.join(METHODS)}")
-    p.add_argument("--devices", default=None,
+    p.add_argument("--devices", default=None, type=bm.positive_ints,
                    help="comma-separated device counts, the first n devices each (default 1,2,4,8; with --tiny "
                         "those available)")
     p.add_argument("--layout", choices=["model", "data"], default=None,
                    help="model (the default): tensor parallel over heads (data=1,model=n); data: batch rows "
                         "(data=n,model=1)")
-    p.add_argument("--context", type=int, default=None, help="tokens in the cache (default 131072)")
-    p.add_argument("--batch", type=int, default=None, help="rows (default 8)")
+    p.add_argument("--context", type=bm.positive_int, default=None, help="tokens in the cache (default 131072)")
+    p.add_argument("--batch", type=bm.positive_int, default=None, help="rows (default 8)")
     p.add_argument("--budget", type=float, default=0.1, help="kept fraction of the sparse methods (default 0.1)")
-    p.add_argument("--block", type=int, default=None, help="EvoSparse block size (default 16)")
-    p.add_argument("--steps", type=int, default=None, help="decode steps timed per case (default 16)")
+    p.add_argument("--block", type=bm.positive_int, default=None, help="EvoSparse block size (default 16)")
+    p.add_argument("--steps", type=bm.positive_int, default=None, help="decode steps timed per case (default 16)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None, help="default bfloat16")
     p.add_argument("--compare-unsharded", action="store_true",
                    help="one device: time the unsharded decode step against the sharded one on a mesh of one")
-    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds of --compare-unsharded (default 5)")
+    p.add_argument("--rounds", type=bm.positive_int, default=None,
+                   help="interleaved rounds of --compare-unsharded (default 5)")
     p.add_argument("--tiny", action="store_true",
                    help="smoke run on tiny shapes (CPU): shape tiny, context 96, batch 2, 2 steps, f32 (those "
                         "options refused beside it)")
@@ -260,23 +262,32 @@ def main(argv=None, prog=None):
     for k, v in (TINY_RUN if a.tiny else FULL_RUN).items():
         setattr(a, k, v if getattr(a, k) is None else getattr(a, k))
     a.layout = a.layout or "model"
-    if a.tiny:
-        if a.devices is None:
-            a.devices = ",".join(str(n) for n in (1, 2, 4, 8) if n <= len(jax.devices()))
-    cfg = shape_config(a.shape, a.layers)
+    if a.tiny and a.devices is None:
+        a.devices = [n for n in (1, 2, 4, 8) if n <= len(jax.devices())]
+    devices = a.devices or [1, 2, 4, 8]
     methods = [m for m in a.methods.split(",") if m]
-    for m in methods:
-        if m not in METHODS:
-            raise ValueError(f"--methods: unknown method {m!r}; expected among {METHODS}")
+    try:
+        for m in methods:
+            if m not in METHODS:
+                raise ValueError(f"--methods: unknown method {m!r}; expected among {METHODS}")
+        cfg = shape_config(a.shape, a.layers)
+        bm.check_contexts("--context", [a.context], cfg, a.shape)
+        bm.check_budget(a.budget)
+        for n in [] if a.compare_unsharded else devices:  # before any timing: a count past the host's ends no run
+            try:
+                sharding.check_heads(cfg, mesh_for(n, a.layout))
+            except ValueError as e:
+                raise ValueError(f"--devices {','.join(map(str, devices))}: {e}") from None
+        name = "sharded_vs_unsharded.json" if a.compare_unsharded else "sharded.json"  # --out's default: sharded.json
+        out = bm.out_path(name if a.out == "sharded.json" else a.out, name)
+    except ValueError as e:  # sharding.ShardingError too
+        p.error(str(e))
     dtype = jnp.bfloat16 if a.dtype == "bfloat16" else jnp.float32
     if a.compare_unsharded:
-        out = bm.out_path(a.out, "sharded_vs_unsharded.json") if a.out != "sharded.json" else \
-            "sharded_vs_unsharded.json"
         return run_compare(cfg, a.shape, methods, a.batch, a.context, a.budget, a.block, a.steps, a.rounds, dtype,
                            out)
-    devices = [int(x) for x in (a.devices or "1,2,4,8").split(",")]
     return run_sharded(cfg, a.shape, methods, devices, a.layout, a.batch, a.context, a.budget, a.block, a.steps,
-                       dtype, bm.out_path(a.out, "sharded.json"))
+                       dtype, out)
 
 
 if __name__ == "__main__":

@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.bench.common import (add_out_argument, dense_einsum_decode, device_facts, measure_hbm_gbs, out_path, table,
-                               write_json)
+from eval.bench.common import (add_out_argument, dense_einsum_decode, device_facts, measure_hbm_gbs, out_path,
+                               positive_int, positive_ints, table, write_json)
 from pallas_kernels.dense import dense_decode, dense_prefill
 from pallas_kernels.sparse_attention import gpu, reference, xla
 from pallas_kernels.sparse_attention.testing import strided_indices
@@ -262,14 +262,17 @@ def run_prefill(T: int, tile: int, variants: bool, records: list, checks: list) 
 def main(argv=None, prog=None) -> int:
     global ARGS
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    p.add_argument("--contexts", default="32768,131072", help="decode cache lengths N")
-    p.add_argument("--prefill-length", type=int, default=32768)
-    p.add_argument("--tile", type=int, default=128)
+    p.add_argument("--contexts", default="32768,131072", type=positive_ints, help="decode cache lengths N")
+    p.add_argument("--prefill-length", type=positive_int, default=32768)
+    p.add_argument("--tile", type=positive_int, default=128)
     p.add_argument("--no-variants", action="store_true", help="default kernel configs only")
     p.add_argument("--no-prefill", action="store_true")
     add_out_argument(p, "sparse_attention.json")
     ARGS = p.parse_args(argv)
-    ARGS.contexts = [int(x) for x in ARGS.contexts.split(",")]
+    try:
+        out = out_path(ARGS.out, "sparse_attention.json")  # before the run: a bad --out ends none
+    except ValueError as e:
+        p.error(str(e))
 
     facts = device_facts()
     print(f"# {facts}", flush=True)
@@ -291,7 +294,6 @@ def main(argv=None, prog=None) -> int:
                    default_decode_config=dataclasses.asdict(gpu.DecodeConfig()),
                    default_prefill_config=dataclasses.asdict(gpu.PrefillConfig()),
                    hbm_gbs_measured=hbm, checks=checks, records=records, wall_s=elapsed())
-    out = out_path(ARGS.out, "sparse_attention.json")
     write_json(out, payload)
 
     print(table(checks, ["phase", "N", "T", "block_size", "K", "impl", "rel_err", "lse_abs_err", "ok"]))

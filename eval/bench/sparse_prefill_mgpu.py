@@ -31,29 +31,26 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from eval.bench.common import add_out_argument, device_facts, out_path, table, time_ms, write_json
+from eval.bench.common import (add_out_argument, device_facts, out_path, positive_int, positive_ints, table, time_ms,
+                               write_json)
 
 NAME = "sparse_prefill_mgpu.json"
-
-
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
 
 
 def _parser(prog=None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_out_argument(p, NAME)
-    p.add_argument("--context", type=_ints, default=[32768, 131072],
+    p.add_argument("--context", type=positive_ints, default=[32768, 131072],
                    help="T of the timed shapes (default 32768,131072)")
-    p.add_argument("--tiles", type=_ints, default=[128, 64, 32], help="query tiles (default 128,64,32)")
-    p.add_argument("--block-sizes", type=_ints, default=[64, 16],
+    p.add_argument("--tiles", type=positive_ints, default=[128, 64, 32], help="query tiles (default 128,64,32)")
+    p.add_argument("--block-sizes", type=positive_ints, default=[64, 16],
                    help="tokens per index entry of the Mosaic kernel's selection (default 64,16)")
     p.add_argument("--budget", type=float, default=0.1, help="selected fraction of the keys before each tile")
     p.add_argument("--min-tokens", type=int, default=128, help="Kascade's minimum selection per tile (default 128)")
     p.add_argument("--mosaic-configs", default="128x2",
                    help="Mosaic kernel configs to time, block_kv x stages, comma separated (default 128x2; "
                         "e.g. 128x2,64x3,64x4)")
-    p.add_argument("--iters", type=int, default=5, help="timed calls per variant (default 5)")
+    p.add_argument("--iters", type=positive_int, default=5, help="timed calls per variant (default 5)")
     p.add_argument("--time-budget", type=float, default=210.0,
                    help="seconds after which the remaining variants are skipped (recorded; default 210)")
     p.add_argument("--interpret", action="store_true",
@@ -103,7 +100,12 @@ def rel_err(got, want) -> float:
 
 
 def main(argv=None, prog=None) -> int:
-    args = _parser(prog).parse_args(argv)
+    p = _parser(prog)
+    args = p.parse_args(argv)
+    try:
+        path = out_path(args.out, NAME)  # before the run: a bad --out ends none
+    except ValueError as e:
+        p.error(str(e))
     from pallas_kernels.dense import dense_prefill
     from pallas_kernels.sparse_attention import gpu, mgpu_prefill as mg
     from pallas_kernels.sparse_attention.reference import sparse_prefill_reference
@@ -205,7 +207,6 @@ def main(argv=None, prog=None) -> int:
     del data
 
     out["seconds"] = time.perf_counter() - t0
-    path = out_path(args.out, NAME)
     write_json(path, out)
     print(table(out["checks"], ["B", "T", "tile", "block_size", "config", "rel_err", "ok", "seconds", "error"]))
     print(table(out["records"], ["T", "tile", "block_size", "impl", "ms", "tflops", "speedup_vs_dense", "error",

@@ -220,6 +220,10 @@ def main(argv=None, prog=None) -> int:
                    help="all: the small checks, the timed cases and the Kascade case; kascade: the small checks "
                         "and the Kascade case only")
     args = p.parse_args(argv)
+    try:
+        path = out_path(args.out, "topk_select.json")  # before the run: a bad --out ends none
+    except ValueError as e:
+        p.error(str(e))
     t_start = time.perf_counter()
     facts = device_facts()
     tiny = jnp.zeros((4, 64), jnp.float32)
@@ -236,7 +240,7 @@ def main(argv=None, prog=None) -> int:
     print(f"kascade case done at {time.perf_counter() - t_start:.1f} s", flush=True)
     all_exact = (all(r["exact"] for r in small) and all(r.get("exact", True) for r in rows + kascade)
                  and not any("error" in r for r in kascade))
-    write_json(out_path(args.out, "topk_select.json"),
+    write_json(path,
                {**facts, "all_exact": all_exact, "small_checks": small, "cases": rows, "kascade": kascade,
                 "wall_s": time.perf_counter() - t_start})
     bad = [r for r in small if not r["exact"]] + [r for r in rows + kascade

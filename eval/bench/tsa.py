@@ -51,8 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.bench.common import (add_out_argument, device_facts, measure_hbm_gbs, measure_matmul_tflops, out_path, table,
-                               time_ms, write_json)
+from eval.bench.common import (add_out_argument, device_facts, measure_hbm_gbs, measure_matmul_tflops, out_path,
+                               positive_ints, table, time_ms, write_json)
 from jsparse.compression import attend_compressed, compress, decompress, masked_reference_mask
 from jsparse.methods.tsa import TSA, TSALayerInfo, coverage_counts, select_tokens, selection_scores
 from models.attention import LayerContext
@@ -221,13 +221,23 @@ def bench_case(T: int, fraction: float, dense_ms: float, iters: int, hbm_gbs: fl
 
 def main(argv=None, prog=None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    p.add_argument("--lengths", default="32768,65536,131072")
+    p.add_argument("--lengths", default="32768,65536,131072", type=positive_ints)
     p.add_argument("--fractions", default="0.68,0.5,0.3")
     p.add_argument("--iters", type=int, default=0, help="timed calls per measurement (default: 10, 5 at >= 64K)")
     add_out_argument(p, "bench_tsa.json")
     args = p.parse_args(argv)
-    lengths = [int(x) for x in args.lengths.split(",")]
-    fractions = [float(x) for x in args.fractions.split(",")]
+    lengths = args.lengths
+    from jsparse.methods.tsa import check_kept_fraction
+    try:
+        fractions = [check_kept_fraction(float(x)) for x in args.fractions.split(",")]
+    except ValueError as e:  # a word, or a share outside (0, 1]
+        p.error(f"--fractions {args.fractions}: {e}")
+    if args.iters < 0:
+        p.error(f"--iters {args.iters}: expected a positive integer, or 0 for the default")
+    try:
+        path = out_path(args.out, "bench_tsa.json")  # before the run: a bad --out ends none
+    except ValueError as e:
+        p.error(str(e))
     t0 = time.perf_counter()
     facts = device_facts()
     hbm, tflops = measure_hbm_gbs(), measure_matmul_tflops()
@@ -240,7 +250,6 @@ def main(argv=None, prog=None) -> int:
                           "tau": TAU, "min_tokens": MIN_TOKENS, "dense": "cudnn causal GQA",
                           "compressed_attention": "cudnn causal on gathered [B, C, Hq, D] (query_head)"},
                "checks": check_rows, "cases": []}
-    path = out_path(args.out, "bench_tsa.json")
     for T in sorted(lengths, reverse=True):  # the acceptance case (128K, f = 0.68) first
         iters = args.iters or (10 if T < 65536 else 5)
         if time.perf_counter() - t0 > BUDGET_S:

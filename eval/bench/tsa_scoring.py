@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.bench.common import (add_out_argument, device_facts, measure_hbm_gbs, measure_matmul_tflops, out_path, time_ms,
-                               write_json)
+from eval.bench.common import (add_out_argument, device_facts, measure_hbm_gbs, measure_matmul_tflops, out_path,
+                               positive_ints, time_ms, write_json)
 from pallas_kernels.tsa_scoring import gpu, reference
 
 BUDGET_S = 170.0
@@ -153,10 +153,14 @@ def long_case(T: int, variants: dict, peak_tflops: float, hbm_gbs: float, t_star
 
 def main(argv=None, prog=None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    p.add_argument("--lengths", default="32768,65536,131072")
+    p.add_argument("--lengths", default="32768,65536,131072", type=positive_ints)
     p.add_argument("--no-variants", action="store_true")
     add_out_argument(p, "tsa_scoring.json")
     args = p.parse_args(argv)
+    try:
+        path = out_path(args.out, "tsa_scoring.json")  # before the run: a bad --out ends none
+    except ValueError as e:
+        p.error(str(e))
     t_start = time.perf_counter()
 
     record: dict = dict(device_facts())
@@ -172,7 +176,7 @@ def main(argv=None, prog=None) -> int:
 
     variants = {"default": VARIANTS["default"]} if args.no_variants else VARIANTS
     record["cases"] = []
-    for T in [int(x) for x in args.lengths.split(",")]:
+    for T in args.lengths:
         if time.perf_counter() - t_start > BUDGET_S:
             record["cases"].append(dict(T=T, skipped="budget"))
             continue
@@ -182,7 +186,6 @@ def main(argv=None, prog=None) -> int:
     record["all_ok"] = bool(all(all(v for kk, v in r.items() if kk.startswith("ok_")) for r in record["checks"])
                             and all(r.get("ok", False) for r in record["cases"] if "skipped" not in r))
 
-    path = out_path(args.out, "tsa_scoring.json")
     write_json(path, record)
 
     print(f"\nwrote {path}; device {record['device']}, jax {record['jax']}, commit {record['git_commit']}")

@@ -194,9 +194,13 @@ def calibrate(model, windows: np.ndarray, *, lengths: Sequence[int], depths: Seq
             raise ValueError(f"depth {d}: expected a fraction in [0, 1]")
     skip = len(special_prefix(tok))
     rng = np.random.default_rng(seed)
-    all_scores, all_recall = [], []
+    # Every prompt is built (tokenizing only) before any runs: one past the model's context is refused before the
+    # work. The answer's |needle| tokens are decoded after the prompt, the last from the token at position
+    # length + |needle| - 2, which must lie in the context (RoPE past it only extrapolates, without a word).
+    batches = []  # per window, per length: (rows, starts, needles)
     for w in windows:
         filler = w[skip:]
+        batches.append([])
         for length in lengths:
             rows, starts, needles = [], [], []
             for depth in depths:
@@ -205,6 +209,16 @@ def calibrate(model, windows: np.ndarray, *, lengths: Sequence[int], depths: Seq
                 rows.append(t)
                 starts.append(s)
                 needles.append(n)
+            steps = max(len(n) for n in needles)
+            if length + steps - 1 > cfg.max_position_embeddings:
+                raise ValueError(f"needle prompt length={length} (--prompt-lengths, default --length/2 and --length) "
+                                 f"and the {steps} needle tokens decoded after it pass the model's context of "
+                                 f"{cfg.max_position_embeddings} tokens: expected lengths <= "
+                                 f"{cfg.max_position_embeddings + 1 - steps}, or fewer needle words")
+            batches[-1].append((length, rows, starts, needles))
+    all_scores, all_recall = [], []
+    for window_batches in batches:
+        for length, rows, starts, needles in window_batches:
             steps = max(len(n) for n in needles)
             capacity = -(-(length + steps) // 128) * 128
             tokens = np.stack(rows)
@@ -238,8 +252,8 @@ def calibrate(model, windows: np.ndarray, *, lengths: Sequence[int], depths: Seq
 
 def add_arguments(p) -> None:
     p.add_argument("--prompt-lengths", default=None,
-                   help="comma-separated needle prompt lengths in tokens, each <= --length (default: --length/2 "
-                        "and --length)")
+                   help="comma-separated needle prompt lengths in tokens, each between 64 and --length (default: "
+                        "--length/2 and --length)")
     p.add_argument("--depths", default=",".join(f"{d:g}" for d in DEFAULT_DEPTHS),
                    help="needle depths, fractions in [0, 1] (default 0.1,0.3,0.5,0.7,0.9)")
     p.add_argument("--needle-words", type=int, default=8, help="random words in the needle (default 8)")
@@ -247,10 +261,8 @@ def add_arguments(p) -> None:
                    help="a prompt counts when at least this fraction of the needle is copied back (default 0.5)")
 
 
-def run_cli(model, windows, args, progress=None) -> Artifact:
-    from jsparse.artifacts import fingerprint
-
-    T = int(np.asarray(windows).shape[1])
+def _cli_lengths_depths(args, T: int) -> tuple[list[int], list[float]]:
+    """The needle prompt lengths and depths of the flags, checked (T: the windows' length, --length)."""
     if args.prompt_lengths is not None:
         try:
             lengths = [int(x) for x in args.prompt_lengths.split(",") if x.strip()]
@@ -272,9 +284,29 @@ def run_cli(model, windows, args, progress=None) -> Artifact:
         raise ValueError(f"--depths {args.depths!r}: expected comma-separated fractions in [0, 1]") from None
     if not depths:
         raise ValueError(f"--depths {args.depths!r}: expected at least one needle depth in [0, 1]")
+    for d in depths:
+        if not 0.0 <= d <= 1.0:  # (NaN fails too)
+            raise ValueError(f"--depths value {d:g}: expected fractions in [0, 1]")
+    if not 1 <= args.needle_words <= len(WORDS):
+        raise ValueError(f"--needle-words {args.needle_words}: expected between 1 and {len(WORDS)} (the words "
+                         "drawn without repetition)")
+    if not 0.0 < args.min_recall <= 1.0:
+        raise ValueError(f"--min-recall {args.min_recall:g}: expected a fraction in (0, 1]")
+    return lengths, depths
+
+
+def check_cli(args) -> None:
+    """The flags' checks that need no model (before it loads)."""
+    _cli_lengths_depths(args, args.length)
+
+
+def run_cli(model, windows, args, progress=None) -> Artifact:
+    from jsparse.artifacts import fingerprint
+
+    lengths, depths = _cli_lengths_depths(args, int(np.asarray(windows).shape[1]))
     return calibrate(model, windows, lengths=lengths, depths=depths, needle_words=args.needle_words,
                      min_recall=args.min_recall, seed=args.seed, fingerprint=fingerprint(model), progress=progress)
 
 
-register_calibration("evosparse", add_arguments, run_cli,
+register_calibration("evosparse", add_arguments, run_cli, check=check_cli,
                      help="EvoSparse: retrieval heads by needle copying (every head's score; the method takes the top)")

@@ -219,13 +219,23 @@ def head_map_for(sim: np.ndarray, anchors: Sequence[int]) -> np.ndarray:
     return hm
 
 
+def shortest_prompt(budget: float, tile: int, min_tokens: int, longest: int = 1 << 22) -> int | None:
+    """The fewest prompt tokens (up to `longest`; None: none) with a query tile whose top-k leaves a key out, its
+    start s > k(s) = max(ceil(budget * s), min_tokens); s - k(s) grows with s, so every longer prompt has one too.
+    (A budget whose f32 is 1 has none.)"""
+    starts = np.arange(tile, longest, tile, dtype=np.int32)
+    found = np.flatnonzero(starts > np.asarray(sel.budget_tokens(budget, starts, min_tokens)))
+    return int(starts[found[0]]) + 1 if len(found) else None
+
+
 DEFAULT_TARGET_SHARE = 0.95
+DEFAULT_MIN_TOKENS = 128
 DEFAULT_REUSE_SCALE = 2.0
 
 
 def calibrate(params, cfg, prompts: Iterable[np.ndarray], *, num_anchors: int | None = None,
               target_share: float = DEFAULT_TARGET_SHARE, reuse_scale: float = DEFAULT_REUSE_SCALE,
-              budget: float = 0.1, tile: int = 32, min_tokens: int = 128, fingerprint: str = "",
+              budget: float = 0.1, tile: int = 32, min_tokens: int = DEFAULT_MIN_TOKENS, fingerprint: str = "",
               model_name: str = "", progress=None) -> Artifact:
     """Calibrates Kascade on prompts (each i32[B, T], all of one length) and returns the artifact.
 
@@ -255,16 +265,17 @@ def calibrate(params, cfg, prompts: Iterable[np.ndarray], *, num_anchors: int | 
         starts = np.asarray(sel.tile_starts(T, tile))
         tile_budget = sel.budget_tokens(budget, sel.tile_starts(T, tile), min_tokens)
         if not np.any(starts > np.asarray(tile_budget)):  # no tile whose top-k leaves a key out: every share 1
-            need = next(s for s in range(tile, 1 << 30, tile) if s > sel.budget_tokens(budget, s, min_tokens))
+            need = shortest_prompt(budget, tile, min_tokens)
             raise ValueError(f"calibration prompts of {T} tokens: no query tile's top-k leaves a key out (k = "
                              f"max(ceil({budget} * n), min_tokens={min_tokens}), tile={tile}), so every similarity "
-                             f"would be 1 and the anchors [0]; expected prompts of at least {need + 1} tokens "
-                             "(--length)")
+                             "would be 1 and the anchors [0]; expected "
+                             + (f"prompts of at least {need} tokens (--length)" if need else "a lower budget"))
         if n_rows == 0 and sel.budget_tokens(budget, T, 0) <= min_tokens:  # the floor binds at every position
             warnings.warn(f"calibration prompts of {T} tokens at budget {budget}: k = max(ceil({budget} * n), "
                           f"min_tokens={min_tokens}) is {min_tokens} at every position (the budget sets k only past "
                           f"{int(min_tokens / budget)} tokens), so the anchors are those of any budget up to "
-                          f"{min_tokens / T:.3g}; calibrate on longer prompts (--length) for this budget's", stacklevel=2)
+                          f"{min_tokens / T:.3g}; calibrate on longer prompts (--length) for this budget's",
+                          stacklevel=2)
         state, importance = record(params, cfg, tokens, recorder)
         # Each batch's means weighted by its rows: the prompts count alike however they are batched.
         sims = sims + B * np.asarray(sim_fn(state, tile_budget, tile), np.float64)
@@ -346,7 +357,17 @@ def check_cli(args) -> None:
     if not 0.0 < args.budget < 1.0:
         raise ValueError(f"--budget {args.budget}: expected a fraction in (0, 1) (a budget of 1 keeps every key: "
                          "nothing to calibrate)")
-    check_tile(args.tile)
+    try:
+        check_tile(args.tile)
+    except ValueError as e:
+        raise ValueError(f"--tile {args.tile}: {e}") from None
+    need = shortest_prompt(args.budget, args.tile, DEFAULT_MIN_TOKENS, longest=args.length + args.tile)
+    if need is None or args.length < need:  # (the windows are --length tokens)
+        need = shortest_prompt(args.budget, args.tile, DEFAULT_MIN_TOKENS)
+        raise ValueError(f"--length {args.length}: no query tile's top-k leaves a key out at --budget {args.budget:g} "
+                         f"(k = max(ceil(budget * n), {DEFAULT_MIN_TOKENS}) of a tile's n keys, --tile {args.tile}), "
+                         "so every similarity would be 1 and the anchors [0]; expected "
+                         + (f"--length >= {need}" if need else "a lower --budget"))
 
 
 def run_cli(model, windows, args, progress=None) -> Artifact:

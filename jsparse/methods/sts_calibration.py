@@ -137,25 +137,49 @@ def calibrate(t_params, t_cfg, d_params, d_cfg, prompts: Iterable[np.ndarray], *
 def add_arguments(p) -> None:
     p.add_argument("--draft", required=True, help="the draft model (any --model spec with the target's vocabulary, "
                    "e.g. smollm2:layers=0-14)")
-    p.add_argument("--k", default="64,256", help="comma-separated top-k sizes in tokens; one head map per k "
-                   "(default 64,256)")
+    p.add_argument("--k", default="64,256", help="comma-separated top-k sizes in tokens; one head map per k; "
+                   "--length must exceed the largest k + --tile (default 64,256)")
     p.add_argument("--tile", type=int, default=32, help="query rows pooled per tile (default 32)")
+
+
+def _cli_ks(args, length: int) -> list[int]:
+    """--k's token counts, checked with --tile and the prompts' length (--length; no model needed)."""
+    try:
+        ks = [int(x) for x in str(args.k).split(",")]
+    except ValueError:
+        raise ValueError(f"--k {args.k!r}: expected comma-separated token counts like 64,256") from None
+    if min(ks) < 1:
+        raise ValueError(f"--k {args.k!r}: expected token counts >= 1")
+    try:
+        check_tile(args.tile)
+    except ValueError as e:
+        raise ValueError(f"--tile {args.tile}: {e}") from None
+    if length <= max(ks) + args.tile:
+        raise ValueError(f"--length {length}: too short for --k {max(ks)} with --tile {args.tile} (top-k is a "
+                         f"choice only in tiles past k keys): expected --length > k + tile = {max(ks) + args.tile}")
+    return ks
+
+
+def check_cli(args) -> None:
+    """The flags' checks that need no model (before it loads)."""
+    _cli_ks(args, args.length)
 
 
 def run_cli(model, windows, args, progress=None) -> Artifact:
     from jsparse.artifacts import fingerprint
     from models.bundled import load_model
 
-    try:
-        ks = [int(x) for x in str(args.k).split(",")]
-    except ValueError:
-        raise ValueError(f"--k {args.k!r}: expected comma-separated token counts like 64,256") from None
+    T = int(np.asarray(windows).shape[1])  # --length
+    ks = _cli_ks(args, T)
     draft = load_model(args.draft, dtype=model.params.embed.dtype)  # the target's dtype
+    if T > draft.cfg.max_position_embeddings:  # (the target's context is checked by the CLI)
+        raise ValueError(f"--length {T}: expected at most the draft's context of {draft.cfg.max_position_embeddings} "
+                         f"tokens (--draft {args.draft})")
     return calibrate(model.params, model.cfg, draft.params, draft.cfg, (w[None] for w in windows), ks=ks,
                      tile=args.tile, fingerprint=fingerprint(model), draft_fingerprint=fingerprint(draft),
                      model_name=model.name, draft_name=draft.name, progress=progress)
 
 
-register_calibration("sts", add_arguments, run_cli,
+register_calibration("sts", add_arguments, run_cli, check=check_cli,
                      help="STS: the draft->target head map (max top-k overlap on prefill traces)")
 

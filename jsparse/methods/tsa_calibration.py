@@ -127,12 +127,22 @@ def add_arguments(p) -> None:
                    help="sparse layers: those whose normalised drift rank is <= delta, in (0, 1] (default 0.5)")
 
 
+def check_cli(args) -> None:
+    """The flags' checks that need no model (before it loads)."""
+    if not 0.0 < args.delta <= 1.0:  # (NaN fails too)
+        raise ValueError(f"--delta {args.delta:g}: expected the normalised drift rank threshold in (0, 1]")
+
+
 def run_cli(model, windows, args, progress=None) -> Artifact:
     from jsparse.artifacts import fingerprint
 
+    L = model.cfg.num_layers
+    if not sparse_layers_from_drift(np.zeros(L), args.delta):  # rank / L <= delta: none below 1 / L
+        raise ValueError(f"--delta {args.delta:g}: selects none of the model's {L} layers (those whose normalised "
+                         f"drift rank, rank / {L}, is <= delta); expected --delta >= 1/{L} = {1 / L:.4f}")
     return calibrate(model.params, model.cfg, (w[None] for w in windows), delta=check_delta(args.delta),
                      fingerprint=fingerprint(model), model_name=model.name, progress=progress)
 
 
-register_calibration(ARTIFACT_KIND, add_arguments, run_cli,
+register_calibration(ARTIFACT_KIND, add_arguments, run_cli, check=check_cli,
                      help="TSA: sparse layers from inter-layer representation drift (rank <= delta)")
