@@ -178,3 +178,22 @@ def test_positive_int_helpers_as_argparse_types():
     common.check_contexts("--context", [131072], cfg, "llama3-8b")  # the shape's own context fits
     with pytest.raises(ValueError, match=r"--context 131073,200000: longer"):
         common.check_contexts("--context", [1024, 131073, 200000], cfg, "llama3-8b")
+
+
+@pytest.mark.parametrize("name,argv,smoke", [
+    ("evosparse", [], None), ("tsa", [], None), ("sparse_attention", [], None), ("prefill_gqa", [], "--smoke"),
+    ("topk_select", [], "TOPK_SMOKE=1"), ("local_attention", [], None), ("profile_ops", [], None),
+    ("evosparse_parts", [], None), ("anchor_mgpu", ["--out", "OUT"], None),
+    ("sparse_prefill_mgpu", [], "--interpret"), ("anchor_variants", [], None), ("tsa_scoring", [], None),
+])
+def test_a_gpu_benchmark_on_a_cpu_host_is_refused_before_it_measures(tmp_path, capsys, name, argv, smoke):
+    """Before: these started timing Llama-3.1-8B shapes on the CPU (hours, or out of memory), and anchor_variants and
+    tsa_scoring printed a line of their own; now each ends in one error naming the backend (and the CPU smoke run's
+    flag where there is one), before its --out is made."""
+    assert jax.default_backend() == "cpu"
+    out = tmp_path / "out"
+    message = _refused(capsys, name, [str(out) if a == "OUT" else a for a in argv])
+    assert f"jsparse bench {name} times GPU kernels at real model shapes; this host's JAX backend is 'cpu': " \
+           "expected 'gpu'" in message
+    assert (f"(or {smoke} for a CPU smoke run at tiny sizes)" in message) == (smoke is not None)
+    assert not out.exists()

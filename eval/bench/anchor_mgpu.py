@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from eval.bench.attention import rel_err
-from eval.bench.common import device_facts, out_path, positive_int, table, time_ms, write_json
+from eval.bench.common import device_facts, out_path, positive_int, require_gpu, table, time_ms, write_json
 
 
 def main(argv=None, prog=None) -> None:
@@ -29,6 +29,7 @@ def main(argv=None, prog=None) -> None:
     p.add_argument("--iters", type=positive_int, default=10, help="timed calls per variant (default 10)")
     args = p.parse_args(argv)
     try:
+        require_gpu("anchor_mgpu")
         path = out_path(os.path.join(args.out, ""), "anchor_mgpu.json")  # a folder, made before the run
     except ValueError as e:
         p.error(str(e))

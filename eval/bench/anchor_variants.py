@@ -255,10 +255,8 @@ def main(argv=None, prog=None):
     bm.add_out_argument(p, "anchor_variants.json")
     p.add_argument("--quick", action="store_true", help="N 32768 and T 8192 instead of 131072 and 32768")
     args = p.parse_args(argv)
-    if jax.default_backend() != "gpu":
-        print("jsparse bench anchor_variants needs a GPU", file=sys.stderr)
-        return 2
     try:
+        bm.require_gpu("anchor_variants")
         path = bm.out_path(args.out, "anchor_variants.json")  # before the run: a bad --out ends none
     except ValueError as e:
         p.error(str(e))

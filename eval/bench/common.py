@@ -100,6 +100,18 @@ def check_contexts(flag: str, contexts, cfg, shape: str) -> None:
                          f"{cfg.max_position_embeddings} tokens (max_position_embeddings); expected at most that")
 
 
+def require_gpu(bench: str, smoke: str | None = None) -> None:
+    """ValueError unless JAX's backend is the GPU: `jsparse bench BENCH` times GPU kernels at real model shapes, which
+    on a CPU ran for hours or ran out of memory, measuring nothing. `smoke`: the flag of the benchmark's CPU smoke
+    run (interpreted kernels at tiny sizes), named in the message."""
+    import jax
+
+    if jax.default_backend() != "gpu":
+        raise ValueError(f"jsparse bench {bench} times GPU kernels at real model shapes; this host's JAX backend is "
+                         f"{jax.default_backend()!r}: expected 'gpu'"
+                         + (f" (or {smoke} for a CPU smoke run at tiny sizes)" if smoke else ""))
+
+
 def check_budget(budget: float) -> None:
     """A `--budget` of the benchmarks: ValueError naming it unless it is a kept fraction of the context in (0, 1]."""
     if not 0.0 < budget <= 1.0:  # NaN fails too

@@ -67,7 +67,7 @@ import numpy as np
 
 from eval.bench import model as bench_model
 from eval.bench.common import (add_out_argument, device_facts, measure_hbm_gbs, out_path, positive_int, positive_ints,
-                               table, time_ms, write_json)
+                               require_gpu, table, time_ms, write_json)
 from jsparse.xla_flags import set_xla_flags
 from jsparse.methods.evosparse import EvoSparse, EvoState, decay_heat, default_num_heads
 from models.attention import LayerContext, LayerKV
@@ -536,6 +536,7 @@ def main(argv=None, prog=None):
     if not a.batches:
         p.error("--batches is empty: expected one or more batch sizes")
     try:
+        require_gpu("evosparse")
         a.out = out_path(a.out, "bench_evosparse.json")
     except ValueError as e:
         p.error(str(e))

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.bench.common import add_out_argument, device_facts, out_path, positive_int, table, write_json
+from eval.bench.common import add_out_argument, device_facts, out_path, positive_int, require_gpu, table, write_json
 from jsparse.heat import heat_step, heat_update
 from pallas_kernels.block_scores import gpu as bs_gpu
 from pallas_kernels.block_scores import xla as bs_xla
@@ -53,6 +53,7 @@ def main(argv=None, prog=None):
     add_out_argument(p, "evosparse_parts.json")
     a = p.parse_args(argv)
     try:
+        require_gpu("evosparse_parts")
         a.out = out_path(a.out, "evosparse_parts.json")
     except ValueError as e:
         p.error(str(e))

@@ -26,7 +26,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from eval.bench.common import add_out_argument, device_facts, measure_hbm_gbs, out_path, table, time_ms, write_json
+from eval.bench.common import (add_out_argument, device_facts, measure_hbm_gbs, out_path, require_gpu, table, time_ms,
+                               write_json)
 from pallas_kernels.local_attention import BlockSizes, banded_mask, local_attention_gpu, local_attention_reference
 from pallas_kernels.sparse_attention.reference import masked_attention_reference
 
@@ -61,6 +62,7 @@ def main(argv=None, prog=None) -> int:
     add_out_argument(p, "local_attention.json")
     args = p.parse_args(argv)
     try:
+        require_gpu("local_attention")
         path = out_path(args.out, "local_attention.json")  # before the run: a bad --out ends none
     except ValueError as e:
         p.error(str(e))

@@ -39,7 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.bench.common import add_out_argument, device_facts, out_path, positive_int, table, time_ms, write_json
+from eval.bench.common import (add_out_argument, device_facts, out_path, positive_int, require_gpu, table, time_ms,
+                               write_json)
 from pallas_kernels.dense import dense_prefill
 from pallas_kernels.sparse_attention import gpu
 from pallas_kernels.sparse_attention.gpu_prefill_gqa import PrefillGQAConfig, sparse_prefill_gqa_gpu
@@ -142,6 +143,8 @@ def main(argv=None, prog=None) -> int:
     p.add_argument("--smoke", action="store_true", help="CPU dry run: interpreter, T 512, check at T 256")
     args = p.parse_args(argv)
     try:
+        if not args.smoke:
+            require_gpu("prefill_gqa", "--smoke")
         args.out = out_path(args.out, "prefill_gqa.json")
     except ValueError as e:
         p.error(str(e))

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.bench.common import add_out_argument, check_budget, device_facts, out_path, positive_int, write_json
+from eval.bench.common import (add_out_argument, check_budget, device_facts, out_path, positive_int, require_gpu,
+                               write_json)
 from eval.bench.profile_decode_step import kernel_table
 from pallas_kernels.topk_select import gpu, topk_select_reference
 
@@ -70,6 +71,7 @@ def main(argv=None, prog=None):
         p.error(f"--what {a.what!r}: expected a comma-separated subset of {WHAT}")
     try:
         check_budget(a.budget)
+        require_gpu("profile_ops")
         a.out = out_path(a.out, "profile_ops.json")
     except ValueError as e:
         p.error(str(e))

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eval.bench.common import (add_out_argument, dense_einsum_decode, device_facts, measure_hbm_gbs, out_path,
-                               positive_int, positive_ints, table, write_json)
+                               positive_int, positive_ints, require_gpu, table, write_json)
 from pallas_kernels.dense import dense_decode, dense_prefill
 from pallas_kernels.sparse_attention import gpu, reference, xla
 from pallas_kernels.sparse_attention.testing import strided_indices
@@ -270,6 +270,7 @@ def main(argv=None, prog=None) -> int:
     add_out_argument(p, "sparse_attention.json")
     ARGS = p.parse_args(argv)
     try:
+        require_gpu("sparse_attention")
         out = out_path(ARGS.out, "sparse_attention.json")  # before the run: a bad --out ends none
     except ValueError as e:
         p.error(str(e))

@@ -31,8 +31,8 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from eval.bench.common import (add_out_argument, device_facts, out_path, positive_int, positive_ints, table, time_ms,
-                               write_json)
+from eval.bench.common import (add_out_argument, device_facts, out_path, positive_int, positive_ints, require_gpu,
+                               table, time_ms, write_json)
 
 NAME = "sparse_prefill_mgpu.json"
 
@@ -103,6 +103,8 @@ def main(argv=None, prog=None) -> int:
     p = _parser(prog)
     args = p.parse_args(argv)
     try:
+        if not args.interpret:
+            require_gpu("sparse_prefill_mgpu", "--interpret")
         path = out_path(args.out, NAME)  # before the run: a bad --out ends none
     except ValueError as e:
         p.error(str(e))

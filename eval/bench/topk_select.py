@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eval.bench.common import add_out_argument, device_facts, out_path, table, time_ms, write_json
+from eval.bench.common import add_out_argument, device_facts, out_path, require_gpu, table, time_ms, write_json
 from pallas_kernels.topk_select import gpu, gpu_row, gpu_sample, topk_select_reference
 from pallas_kernels.topk_select.testing import adversarial, kascade_like_rows
 
@@ -221,6 +221,8 @@ def main(argv=None, prog=None) -> int:
                         "and the Kascade case only")
     args = p.parse_args(argv)
     try:
+        if not SMOKE:
+            require_gpu("topk_select", "TOPK_SMOKE=1")
         path = out_path(args.out, "topk_select.json")  # before the run: a bad --out ends none
     except ValueError as e:
         p.error(str(e))

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eval.bench.common import (add_out_argument, device_facts, measure_hbm_gbs, measure_matmul_tflops, out_path,
-                               positive_ints, table, time_ms, write_json)
+                               positive_ints, require_gpu, table, time_ms, write_json)
 from jsparse.compression import attend_compressed, compress, decompress, masked_reference_mask
 from jsparse.methods.tsa import TSA, TSALayerInfo, coverage_counts, select_tokens, selection_scores
 from models.attention import LayerContext
@@ -235,6 +235,7 @@ def main(argv=None, prog=None) -> int:
     if args.iters < 0:
         p.error(f"--iters {args.iters}: expected a positive integer, or 0 for the default")
     try:
+        require_gpu("tsa")
         path = out_path(args.out, "bench_tsa.json")  # before the run: a bad --out ends none
     except ValueError as e:
         p.error(str(e))

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eval.bench.common import (add_out_argument, device_facts, measure_hbm_gbs, measure_matmul_tflops, out_path,
-                               positive_ints, time_ms, write_json)
+                               positive_ints, require_gpu, time_ms, write_json)
 from pallas_kernels.tsa_scoring import gpu, reference
 
 BUDGET_S = 170.0
@@ -158,6 +158,7 @@ def main(argv=None, prog=None) -> int:
     add_out_argument(p, "tsa_scoring.json")
     args = p.parse_args(argv)
     try:
+        require_gpu("tsa_scoring")
         path = out_path(args.out, "tsa_scoring.json")  # before the run: a bad --out ends none
     except ValueError as e:
         p.error(str(e))
@@ -167,9 +168,6 @@ def main(argv=None, prog=None) -> int:
     record["git_commit"] = os.environ.get("GIT_COMMIT", record.get("commit"))
     record["config"] = dict(Hq=HQ, Hkv=HKV, D=D, W=W, pool_kernel=POOL, dtype="bfloat16", B=1,
                             variants={n: dataclasses.asdict(b) for n, b in VARIANTS.items()})
-    if jax.default_backend() != "gpu":
-        print(f"needs a GPU, backend is {jax.default_backend()}", file=sys.stderr)
-        return 2
     record["measured_matmul_tflops"] = measure_matmul_tflops()
     record["measured_hbm_gbs"] = measure_hbm_gbs()
     record["checks"] = small_checks()
