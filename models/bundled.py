@@ -94,6 +94,8 @@ def resolve_model(spec: str | os.PathLike) -> ResolvedModel:
       ValueError: the spec is none of the accepted forms.
     """
     text = os.fspath(spec)
+    if not isinstance(text, str) or not text.strip():  # Path("") is the working directory: not a guess to make
+        raise ValueError(f"model {text!r}: expected one of {list(BUNDLED)}, a Hugging Face folder or a .gguf file")
     if text.lower() in BUNDLED:
         if os.path.exists(text):
             warnings.warn(f"model {text!r} names the bundled model, which is loaded; a path of that name exists here "
@@ -310,15 +312,28 @@ def load_model(spec: str | os.PathLike, dtype=jnp.float32, mesh=None, fuse: bool
         cfg, params, _ = load_gguf_cached(resolved.path, dtype, mesh, open_reader=open_reader)
         tokenizer, stop_ids = _gguf_tokenizer(resolved.path, open_reader=open_reader)
     else:
-        cfg, params = load_hf_folder(resolved.path, dtype, mesh)
+        # The small files first: a broken config, generation config or tokenizer is named before the weights are
+        # read (config.json before the tokenizer, which transformers may look up there).
+        ModelConfig.from_hf(resolved.path / "config.json")
         stop_ids = generation_stop_ids(resolved.path)
-        tokenizer = None
-        if any((resolved.path / f).is_file() for f in _TOKENIZER_FILES):
-            from models.tokenizer import transformers_module
-
-            tokenizer = transformers_module().AutoTokenizer.from_pretrained(str(resolved.path))
+        tokenizer = _folder_tokenizer(resolved.path)
+        cfg, params = load_hf_folder(resolved.path, dtype, mesh)
     return _fused(LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, name=resolved.name, mesh=mesh,
                               stop_ids=stop_ids), fuse)
+
+
+def _folder_tokenizer(folder: Path) -> Any:
+    """The tokenizer of a Hugging Face folder (`AutoTokenizer`), None when it has no tokenizer files; files that
+    transformers cannot read are a ValueError naming the folder and its tokenizer files."""
+    present = [f for f in _TOKENIZER_FILES if (folder / f).is_file()]
+    if not present:
+        return None
+    from models.tokenizer import transformers_module
+
+    try:
+        return transformers_module().AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # a JSONDecodeError or transformers' own message, neither naming the folder
+        raise ValueError(f"{folder}: the tokenizer files {present} cannot be loaded: {type(e).__name__}: {e}") from e
 
 
 def generation_stop_ids(folder: Path) -> tuple[int, ...]:

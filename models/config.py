@@ -11,6 +11,8 @@ import dataclasses
 import functools
 import inspect
 import json
+import math
+import numbers
 import os
 from typing import Any, Mapping
 
@@ -42,6 +44,27 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+
+    def __post_init__(self):
+        # theta <= 0 or a factor of 0 gives NaN / infinite frequencies, and llama3's low_freq_factor >= high_freq_factor
+        # divides by zero (or inverts its band): each would load and run with wrong positions.
+        for name in ("theta", "factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, name)
+            if not _is_number(value) or not 0 < value < math.inf:
+                raise ConfigError(f"rope {name}={value!r}: expected a positive finite number")
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ConfigError(f"rope_type={self.rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}")
+        mp = self.original_max_position
+        if not isinstance(mp, int) or isinstance(mp, bool) or mp <= 0:
+            raise ConfigError(f"rope original_max_position_embeddings={mp!r}: expected a positive integer")
+        if self.rope_type == "llama3" and not self.low_freq_factor < self.high_freq_factor:
+            raise ConfigError(f"rope low_freq_factor={self.low_freq_factor} and high_freq_factor="
+                              f"{self.high_freq_factor}: llama3 scaling expects low_freq_factor < high_freq_factor")
+
+
+def _is_number(value) -> bool:
+    """A real number (Python or numpy), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +112,12 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name}={value!r}: expected a positive integer")
+        for name, ids in (("bos_token_id", () if self.bos_token_id is None else (self.bos_token_id,)),
+                          ("eos_token_ids", self.eos_token_ids)):
+            if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids):
+                raise ConfigError(f"{name}={getattr(self, name)!r}: expected non-negative integer token ids")
         mp = self.max_position_embeddings
         if not isinstance(mp, int) or isinstance(mp, bool) or mp <= 0:
             raise ConfigError(f"max_position_embeddings={mp!r}: expected a positive integer")
@@ -185,10 +212,10 @@ class ModelConfig:
         where = where or "config"
         if isinstance(hf, (str, os.PathLike)):
             where = str(hf)
-            with open(hf) as f:
+            with open(hf, "rb") as f:
                 try:
                     hf = json.load(f)
-                except json.JSONDecodeError as e:
+                except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for a binary file
                     raise ConfigError(f"{where} is not valid JSON: {e}") from None
         elif not isinstance(hf, Mapping) and hasattr(hf, "to_dict"):
             hf = hf.to_dict()
@@ -203,9 +230,26 @@ class ModelConfig:
             raise ConfigError(f"{where} lacks {', '.join(map(repr, missing))}: a {model_type} config needs "
                               f"{', '.join(REQUIRED_HF_KEYS)} (the weights' shapes)")
         hf = {**_class_defaults(model_type), **hf}  # a key left out means what it means to transformers
+        try:
+            return cls._from_hf_dict(hf, model_type)
+        except ConfigError as e:  # every message names the file
+            raise ConfigError(f"{where}: {e}") from None
+
+    @classmethod
+    def _from_hf_dict(cls, hf: Mapping[str, Any], model_type: str) -> "ModelConfig":
+        for key in REQUIRED_HF_KEYS + ("num_key_value_heads", "head_dim"):
+            value = hf.get(key)  # null: what transformers derives (the KV heads, the head size), else a size
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ConfigError(f"{key}={value!r}: expected a positive integer")
         num_heads = hf["num_attention_heads"]
         hidden = hf["hidden_size"]
-        head_dim = hf.get("head_dim") or hidden // num_heads
+        head_dim = hf.get("head_dim")
+        # transformers' LlamaConfig refuses such a hidden_size; without a head_dim the others would floor it.
+        if hidden % num_heads and (head_dim is None or model_type == "llama"):
+            raise ConfigError(f"hidden_size={hidden} is not a multiple of num_attention_heads={num_heads}: expected a "
+                              + ("multiple (transformers' LlamaConfig requires one)" if model_type == "llama"
+                                 else "multiple, or an explicit head_dim"))
+        head_dim = head_dim or hidden // num_heads
         eos = hf.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
         sliding, layer_windows = _windows_from_hf(hf, model_type)
@@ -220,17 +264,17 @@ class ModelConfig:
             intermediate_size=hf["intermediate_size"],
             num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            num_kv_heads=num_heads if hf.get("num_key_value_heads") is None else hf["num_key_value_heads"],
             head_dim=head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope=_rope_from_hf(hf),
             # transformers reads attention_bias for Llama and Qwen3 only (Qwen2 has q/k/v biases always, Mistral
             # none) and mlp_bias for Llama only: a flag another architecture ignores is ignored here too.
-            qkv_bias=model_type == "qwen2" or (model_type in ("llama", "qwen3") and bool(hf.get("attention_bias"))),
-            o_bias=model_type in ("llama", "qwen3") and bool(hf.get("attention_bias", False)),
-            mlp_bias=model_type == "llama" and bool(hf.get("mlp_bias", False)),
+            qkv_bias=model_type == "qwen2" or (model_type in ("llama", "qwen3") and _flag(hf, "attention_bias")),
+            o_bias=model_type in ("llama", "qwen3") and _flag(hf, "attention_bias"),
+            mlp_bias=model_type == "llama" and _flag(hf, "mlp_bias"),
             qk_norm=model_type == "qwen3",
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=_flag(hf, "tie_word_embeddings"),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             sliding_window=sliding,
             layer_windows=layer_windows,
@@ -247,6 +291,14 @@ REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidde
 _OPTIONAL_HF_KEYS = ("num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "sliding_window",
                      "use_sliding_window", "max_window_layers", "tie_word_embeddings", "hidden_act",
                      "attention_bias", "mlp_bias")
+
+
+def _flag(hf: Mapping[str, Any], key: str) -> bool:
+    """A boolean key (absent or null: false); a string such as "false" is refused, not read as true."""
+    value = hf.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r}: expected true or false")
+    return bool(value)
 
 
 @functools.lru_cache(maxsize=None)
@@ -275,10 +327,12 @@ def _windows_from_hf(hf: Mapping[str, Any], model_type: str) -> tuple[int | None
         raise ConfigError(f"sliding_window={W!r}: expected a positive number of tokens or null")
     if model_type == "mistral":
         return W, (W,) * L
-    if not hf.get("use_sliding_window", False):
+    if not _flag(hf, "use_sliding_window"):
         return None, ()
     types = hf.get("layer_types")
     if types is not None:
+        if not isinstance(types, list):
+            raise ConfigError(f"layer_types={types!r}: expected a list with one entry per layer")
         if len(types) != L:
             raise ConfigError(f"layer_types has {len(types)} entries: expected num_hidden_layers={L}")
         unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
@@ -288,6 +342,8 @@ def _windows_from_hf(hf: Mapping[str, Any], model_type: str) -> tuple[int | None
         windows = tuple(W if t == "sliding_attention" else 0 for t in types)
     else:
         first = hf.get("max_window_layers", 28)  # transformers' default
+        if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+            raise ConfigError(f"max_window_layers={first!r}: expected a non-negative number of layers")
         windows = tuple(W if i >= first else 0 for i in range(L))
     return (W, windows) if any(windows) else (None, ())
 
@@ -297,6 +353,9 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> RopeConfig:
     # transformers 5 lets a non-empty rope_scaling replace rope_parameters outright (theta included): a config saved
     # by it (rope_parameters of type default) with a rope_scaling added by hand runs the scaling there. Both are
     # read here and must agree; a disagreement is refused by name rather than resolved by either rule.
+    for key in ("rope_parameters", "rope_scaling"):
+        if hf.get(key) is not None and not isinstance(hf[key], Mapping):
+            raise ConfigError(f"{key}={hf[key]!r}: expected a JSON object (or null)")
     params = dict(hf.get("rope_parameters") or {})
     nested = sorted(k for k, v in params.items() if isinstance(v, Mapping))
     if nested:
@@ -316,7 +375,15 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> RopeConfig:
                               "of them (transformers 5 lets rope_scaling replace rope_parameters, theta included); "
                               "remove the one the checkpoint was not trained with")
     params = {**scaling, **params}
+
+    def number(key, default):  # null as absent (a type that needs the key was checked for it above)
+        value = default if params.get(key) is None else params[key]
+        if not _is_number(value):
+            raise ConfigError(f"rope {key}={value!r}: expected a number")
+        return float(value)
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if not _is_number(theta):
+        raise ConfigError(f"rope_theta={theta!r}: expected a positive number")
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(f"rope_type={rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}")
@@ -337,11 +404,13 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> RopeConfig:
     if rope_type == "llama3":
         original = hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings") or \
             hf.get("max_position_embeddings") or 8192
+        if not _is_number(original) or original != int(original):
+            raise ConfigError(f"rope original_max_position_embeddings={original!r}: expected a positive integer")
     return RopeConfig(
         theta=float(theta),
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        factor=number("factor", 1.0),
+        low_freq_factor=number("low_freq_factor", 1.0),
+        high_freq_factor=number("high_freq_factor", 4.0),
         original_max_position=int(original),
     )

@@ -226,6 +226,8 @@ def convert_tensors(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32, *
         if got != want:
             raise ValueError(f"{where}: tensor {name!r} has shape {got}, but the config implies {want}")
         raw = source.get(name)
+        if not jnp.issubdtype(raw.dtype, jnp.floating):  # an integer or bool tensor would be cast, not refused
+            raise ValueError(f"{where}: tensor {name!r} has dtype {raw.dtype}: expected a floating-point tensor")
         if transform is not None:
             raw = transform(name, raw)
         # Cast each tensor as it is read, so a large checkpoint is never held whole in f32.
@@ -349,16 +351,19 @@ def _weight_files(folder: Path) -> dict[str, Path]:
     index = folder / "model.safetensors.index.json"
     single = folder / "model.safetensors"
     if index.is_file():
-        with open(index) as f:
+        with open(index, "rb") as f:
             try:
                 meta = json.load(f)
-            except json.JSONDecodeError as e:
+            except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for a binary file
                 raise ValueError(f"{index}: not valid JSON ({e})") from e
         if not isinstance(meta, dict):
             raise ValueError(f"{index} holds a {type(meta).__name__}: expected a JSON object with a 'weight_map'")
         weight_map = meta.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index}: no 'weight_map' in the sharded checkpoint index")
+        bad = next(((k, v) for k, v in weight_map.items() if not isinstance(v, str) or not v), None)
+        if bad is not None:
+            raise ValueError(f"{index}: weight_map maps {bad[0]!r} to {bad[1]!r}: expected a shard file name")
         return {name: folder / shard for name, shard in weight_map.items()}
     if single.is_file():
         from safetensors import safe_open
@@ -397,10 +402,10 @@ def load_hf_folder(path: str | os.PathLike, dtype=jnp.float32, mesh=None) -> tup
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{str(config_path)!r} does not exist (a Hugging Face folder needs config.json)")
-    with open(config_path) as f:
+    with open(config_path, "rb") as f:
         try:
             hf = json.load(f)
-        except json.JSONDecodeError as e:
+        except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for a binary file
             raise ConfigError(f"{config_path}: not valid JSON ({e})") from e
     cfg = ModelConfig.from_hf(hf, where=str(config_path))
     source = SafetensorsSource(_weight_files(folder))

@@ -98,6 +98,25 @@ def _field(reader, key: str, default=None):
     return value
 
 
+def _count(reader, key: str, path, default=None) -> int | None:
+    """The positive integer metadata value `key` (a count or a size), `default` when absent; another value (0, a
+    string, a per-layer array) is a ValueError naming the key, not a ZeroDivisionError or a guess later."""
+    value = _field(reader, key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{path}: GGUF metadata {key}={value!r}: expected a positive integer")
+    return int(value)
+
+
+def _number(reader, key: str, path, default=None) -> float | None:
+    """The real-number metadata value `key` (`default` when absent); a string or an array is named."""
+    value = _field(reader, key, default)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float, np.number))):
+        raise ValueError(f"{path}: GGUF metadata {key}={value!r}: expected a number")
+    return None if value is None else float(value)
+
+
 class GGUFSource(TensorSource):
     """A GGUF file's tensors under their Hugging Face names, dequantized to f32 on read."""
 
@@ -154,35 +173,46 @@ def config_from_gguf(reader, path: str | os.PathLike = "gguf") -> ModelConfig:
     names = {t.name: t for t in reader.tensors}
 
     def need(key):
-        value = _field(reader, f"{arch}.{key}")
+        value = _count(reader, f"{arch}.{key}", path)
         if value is None:
             raise ValueError(f"{path}: GGUF metadata key {arch}.{key!r} is missing")
         return value
 
-    hidden = int(need("embedding_length"))
-    num_heads = int(need("attention.head_count"))
-    num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", num_heads))
+    hidden = need("embedding_length")
+    num_heads = need("attention.head_count")
+    num_kv_heads = _count(reader, f"{arch}.attention.head_count_kv", path, num_heads)
     # As llama.cpp: the head size from attention.key_length (default hidden / heads); rope.dimension_count is how
     # many of its dimensions RoPE rotates (default all of them), which must be all here.
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", 0) or hidden // num_heads)
-    n_rot = _field(reader, f"{arch}.rope.dimension_count")
-    if n_rot is not None and int(n_rot) != head_dim:  # llama.cpp refuses it for llama, rotates part for qwen
+    head_dim = _count(reader, f"{arch}.attention.key_length", path)
+    if head_dim is None:
+        if hidden % num_heads:
+            raise ValueError(f"{path}: GGUF {arch}.embedding_length={hidden} is not a multiple of "
+                             f"{arch}.attention.head_count={num_heads} and no {arch}.attention.key_length gives the "
+                             "head size; expected one of them")
+        head_dim = hidden // num_heads
+    n_rot = _count(reader, f"{arch}.rope.dimension_count", path)
+    if n_rot is not None and n_rot != head_dim:  # llama.cpp refuses it for llama, rotates part for qwen
         raise ConfigError(f"{path}: GGUF {arch}.rope.dimension_count={int(n_rot)}: this model rotates every dimension "
                           f"of a head; expected head_dim={head_dim}")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
     if "token_embd.weight" in names:
         vocab = int(names["token_embd.weight"].shape[-1])
+        if tokens is not None and len(tokens) != vocab:  # ids past the embedding would read its last row
+            raise ValueError(f"{path}: tokenizer.ggml.tokens holds {len(tokens)} tokens, but token_embd.weight has "
+                             f"{vocab} rows; expected one row per token (llama.cpp refuses such a file too)")
     else:
-        tokens = _field(reader, "tokenizer.ggml.tokens")
         if tokens is None:
             raise ValueError(f"{path}: neither token_embd.weight nor tokenizer.ggml.tokens gives a vocab size")
         vocab = len(tokens)
-    theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    theta = _number(reader, f"{arch}.rope.freq_base", path, 10000.0)
+    if not 0 < theta < float("inf"):  # NaN or infinite frequencies
+        raise ConfigError(f"{path}: GGUF metadata {arch}.rope.freq_base={theta!r}: expected a positive finite number")
     rope = RopeConfig(theta=theta)
     # As llama.cpp reads them: the factor from rope.scaling.factor or the older rope.scale_linear, the type
     # "linear" when the file names none (a factor of 0 or 1 scales nothing).
-    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    factor = _number(reader, f"{arch}.rope.scaling.factor", path)
     if factor is None:
-        factor = _field(reader, f"{arch}.rope.scale_linear")
+        factor = _number(reader, f"{arch}.rope.scale_linear", path)
     scaling = _field(reader, f"{arch}.rope.scaling.type")
     if scaling is None:
         scaling = "none" if factor is None or float(factor) in (0.0, 1.0) else "linear"
@@ -190,6 +220,8 @@ def config_from_gguf(reader, path: str | os.PathLike = "gguf") -> ModelConfig:
         if factor is None:
             raise ValueError(f"{path}: GGUF metadata key {arch}.rope.scaling.factor is missing (rope scaling type "
                              "'linear')")
+        if factor < 0:
+            raise ConfigError(f"{path}: GGUF rope scaling factor {factor}: expected a positive factor (or 0: none)")
         if float(factor) not in (0.0, 1.0):
             rope = RopeConfig(theta=theta, rope_type="linear", factor=float(factor))
     elif scaling != "none":
@@ -197,27 +229,30 @@ def config_from_gguf(reader, path: str | os.PathLike = "gguf") -> ModelConfig:
                           "expected 'none' or 'linear'")
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    cfg = ModelConfig(
-        architecture=arch,
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope=rope,
-        qkv_bias="blk.0.attn_q.bias" in names,
-        o_bias="blk.0.attn_output.bias" in names,
-        mlp_bias="blk.0.ffn_gate.bias" in names,
-        qk_norm="blk.0.attn_q_norm.weight" in names,
-        tie_word_embeddings="output.weight" not in names,
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
-        sliding_window=None,
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=() if eos is None else (int(eos),),
-    )
+    try:
+        cfg = ModelConfig(
+            architecture=arch,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=need("feed_forward_length"),
+            num_layers=need("block_count"),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=_number(reader, f"{arch}.attention.layer_norm_rms_epsilon", path, 1e-5),
+            rope=rope,
+            qkv_bias="blk.0.attn_q.bias" in names,
+            o_bias="blk.0.attn_output.bias" in names,
+            mlp_bias="blk.0.ffn_gate.bias" in names,
+            qk_norm="blk.0.attn_q_norm.weight" in names,
+            tie_word_embeddings="output.weight" not in names,
+            max_position_embeddings=_count(reader, f"{arch}.context_length", path, 4096),
+            sliding_window=None,
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=() if eos is None else (int(eos),),
+        )
+    except ConfigError as e:  # a value ModelConfig refuses (rms_norm_eps 0, KV heads not dividing the heads...)
+        raise ConfigError(f"{path}: GGUF metadata gives {e}") from None
     if "rope_freqs.weight" in names:
         cfg = _with_llama3_rope(cfg, reader, names["rope_freqs.weight"], path)
     return cfg

@@ -97,11 +97,23 @@ def byte_level_bpe(reader, where: str = "GGUF") -> Any:
         raise ValueError(f"{where}: no tokenizer.ggml.tokens / tokenizer.ggml.merges metadata (a GGUF without a "
                          "tokenizer)")
     types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    if len(types) != len(tokens):  # zip would drop the types of the last tokens (control tokens split as text)
+        raise ValueError(f"{where}: tokenizer.ggml.token_type has {len(types)} entries, but tokenizer.ggml.tokens "
+                         f"has {len(tokens)}; expected one type per token")
     vocab = {t: i for i, t in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    # As llama.cpp splits a merge: at the first space after its first character.
+    bad = next((m for m in merges if not isinstance(m, str) or m.find(" ", 1) < 0), None)
+    if bad is not None:
+        raise ValueError(f"{where}: tokenizer.ggml.merges holds {bad!r}: expected merges of two symbols, "
+                         "'left right'")
+    pairs = [(m[:m.find(" ", 1)], m[m.find(" ", 1) + 1:]) for m in merges]
     pre = _field(reader, "tokenizer.ggml.pre", "default")
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
-                              ignore_merges=pre in _IGNORE_MERGES))
+    try:
+        bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
+                         ignore_merges=pre in _IGNORE_MERGES)
+    except Exception as e:  # tokenizers raises a bare Exception, e.g. for a merge of a symbol not in the vocabulary
+        raise ValueError(f"{where}: the tokenizer metadata does not make a BPE tokenizer: {e}") from None
+    tk = Tokenizer(bpe)
     tk.pre_tokenizer = _pre_tokenizer(pre, where)
     if pre in _NFC:
         tk.normalizer = normalizers.NFC()
@@ -161,4 +173,8 @@ def gguf_tokenizer(reader, path) -> Any:
                          f"GGUF tokenizers itself; for {kind!r} it uses transformers' GGUF loader, which needs torch "
                          f"and accelerate ({e}): `pip install torch accelerate`, or load a Hugging Face folder with "
                          "its tokenizer files") from None
-    return transformers_module().AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        return transformers_module().AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:  # transformers' messages do not name the file
+        raise ValueError(f"{path}: tokenizer.ggml.model={kind!r}: transformers cannot build this GGUF's tokenizer: "
+                         f"{type(e).__name__}: {e}") from e
