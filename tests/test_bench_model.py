@@ -454,7 +454,9 @@ def test_unrolled_decode_steps_equal_the_rolled_scan(tiny, name):
     filled state."""
     cfg, params = tiny
     name, _, variant = name.partition(":")
-    method, _ = bench_model.bench_method(name, cfg, 0.25, options={"gathered": True} if variant else None)
+    # h2o: the mask path pinned (a GPU's default is the gathered one, its own case here)
+    options = {"gathered": bool(variant)} if name == "h2o" else None
+    method, _ = bench_model.bench_method(name, cfg, 0.25, options=options)
     out, loops = [], []
     for unroll in (1, True):
         cache = bench_model.filled_cache(cfg, 2, 96, 128, jnp.float32)
@@ -463,7 +465,7 @@ def test_unrolled_decode_steps_equal_the_rolled_scan(tiny, name):
         loops.append(bench_model.method_decode_steps.lower(*args, cfg=cfg, steps=3, unroll=unroll).as_text()
                      .count("stablehlo.while"))
         out.append(bench_model.method_decode_steps(*args, cfg=cfg, steps=3, unroll=unroll))
-    if name == "h2o" and not variant:  # the CPU's mask path scans its rows in each layer: one such loop per layer when unrolled
+    if name == "h2o" and not variant:  # the mask path scans its rows in each layer: one such loop per layer unrolled
         assert loops == [3, 1 + cfg.num_layers]  # the steps, the layer scan, the rows' scan
     else:
         assert loops[1] < loops[0]  # the layer scans are gone; the steps' loop stays
@@ -764,7 +766,14 @@ def test_decode_memory_counts_a_row_of_state_once(tiny):
     cfg, _ = tiny
     h2o, _ = bench_model.bench_method("h2o", cfg, 0.1)
     L, Hkv, D, N = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 512
-    assert bench_model.decode_memory(cfg, h2o, N, jnp.bfloat16) == (2 * L * Hkv * N * D * 2 + L * Hkv * N * 4, 0)
+    kv, score = 2 * L * Hkv * N * D * 2, L * Hkv * N * 4
+    # The masked path (the CPU's default) keeps the scores; the gathered one (the GPU's) its carried candidates too:
+    # i32 positions of the kept_width heavy keys per layer and KV head, and the row's i32 end.
+    cand = L * Hkv * h2o.kept_width(h2o.k_static(N)) * 4 + 4
+    for gathered, state in ((False, score), (True, score + cand)):
+        method = dataclasses.replace(h2o, gathered=gathered)
+        assert bench_model.decode_memory(cfg, method, N, jnp.bfloat16) == (kv + state, 0), gathered
+    assert bench_model.decode_memory(cfg, h2o, N, jnp.bfloat16)[0] == kv + score + cand * h2o.is_gathered()
 
 
 @pytest.mark.parametrize("name, options", [

@@ -103,12 +103,13 @@ def test_token_arrays_of_another_type_are_refused_by_name(params, prefilled, tok
 
 def test_traced_ids_are_not_read(params, prefilled):
     """Under a jit the ids are unknown: nothing raises and nothing is copied to the host (as before the checks)."""
-    prefill = jax.jit(lambda t: llama.prefill(params, CFG, DENSE, t, jnp.array([2]), _cache(), None)[0])
-    decode = jax.jit(lambda t, c: llama.decode(params, CFG, DENSE, t, c, None)[0])
+    # The params are arguments: closed over, a device's arrays become constants, read back to embed them (on a GPU).
+    prefill = jax.jit(lambda p, t: llama.prefill(p, CFG, DENSE, t, jnp.array([2]), _cache(), None)[0])
+    decode = jax.jit(lambda p, t, c: llama.decode(p, CFG, DENSE, t, c, None)[0])
     tokens = jnp.array([[5, -1]])
     with jax.transfer_guard_device_to_host("disallow"):
-        assert prefill(tokens).shape == (1, CFG.vocab_size)
-        assert decode(tokens, prefilled).shape == (1, 2, CFG.vocab_size)
+        assert prefill(params, tokens).shape == (1, CFG.vocab_size)
+        assert decode(params, tokens, prefilled).shape == (1, 2, CFG.vocab_size)
 
 
 # 2 ------------------------------------------------------------------------------------ lengths, capacity

@@ -844,7 +844,7 @@ def test_cli_rejects_missing_and_empty_data_before_loading(tmp_path, capsys):
                        # (the loaded model would be named: these come first, so /nonexistent.gguf is never opened)
                        (["--out", str(other)], "holds a 'kascade' artifact, which training would replace"),
                        (["--out", out, "--loss-impl", "tpu"], "loss_impl='tpu' (--loss-impl) is the Pallas TPU kernel, "
-                                                              "but the devices are cpu")):
+                                                              f"but the devices are {jax.default_backend()}")):
         assert main(["train-predictor", "--model", "/nonexistent.gguf", "--data", str(text), "--steps", "2",
                      *extra]) == 2
         captured = capsys.readouterr()
