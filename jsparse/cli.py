@@ -165,7 +165,8 @@ def cmd_calibrate(args) -> int:
     # A folder of other files (a results folder, the repository, a parent of artifacts) would get an artifact mixed
     # in; an artifact's own files (a save cut short: its temporary files too) are what calibrate replaces.
     own = {ARTIFACT_JSON, ARRAYS_NPZ, ARTIFACT_JSON + ".tmp", ARRAYS_NPZ + ".tmp"}
-    others = sorted(set(os.listdir(args.out)) - own) if os.path.isdir(args.out) else []
+    others = sorted(n for n in set(os.listdir(args.out)) - own if not n.startswith(".")) \
+        if os.path.isdir(args.out) else []  # (a .gitkeep or .DS_Store is no content)
     if others and not os.path.isfile(os.path.join(args.out, ARTIFACT_JSON)):
         shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
         raise ValueError(f"--out {args.out!r} is a folder holding other files than an artifact ({shown}): expected a "

@@ -172,6 +172,7 @@ def test_out_folder_of_other_files_is_refused_and_left_alone(tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["a.png", "b.png", "results.json", "summary.md"]
     empty = tmp_path / "empty"
     empty.mkdir()
+    (empty / ".gitkeep").write_text("")  # a hidden file is no content
     own = tmp_path / "own"
     own.mkdir()
     (own / "artifact.json").write_text('{"kind": "tsa"}')

@@ -1320,6 +1320,25 @@ def test_a_checkpoint_reading_back_other_numbers_is_moved_aside(tmp_path, uninte
     assert not [r for r in caplog.records if r.name == "asyncio"], [r.getMessage()[:200] for r in caplog.records]
 
 
+def test_a_resume_that_reads_no_damage_leaves_pythons_reporting_alone(tmp_path, uninterrupted, model_params, pcfg,
+                                                                       chunks):
+    """The filters of a failed read's leftovers stay only after a checkpoint failed to read back: a resume that read
+    none damaged (and a fresh run) leaves the unraisable hook, asyncio's log and the warnings filters as they were."""
+    import logging
+    import shutil
+    import sys
+    import warnings
+
+    src, _ = uninterrupted
+    out = str(tmp_path / "clean")
+    shutil.copytree(src, out)
+    hook, filters, log_filters = sys.unraisablehook, list(warnings.filters), list(logging.getLogger("asyncio").filters)
+    res = train(CFG, model_params, fingerprint="fp-a", chunks=chunks, out_dir=out, tc=TC, pcfg=pcfg, progress=False)
+    assert res.start_step == 6
+    assert sys.unraisablehook is hook and logging.getLogger("asyncio").filters == log_filters
+    assert list(warnings.filters) == filters
+
+
 def test_a_failed_reads_leftovers_are_dropped_and_nothing_else(tmp_path, monkeypatch):
     """What orbax's failed reads of a damaged checkpoint leave to be printed as they are collected or finish late
     (unraisable coroutines, TensorStore's late callbacks on a closed event loop, asyncio's never-retrieved task and

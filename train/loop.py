@@ -463,36 +463,55 @@ class _DropFailedReads(logging.Filter):
         return not ("exception was never retrieved" in first and record.exc_info and _failed_read(record.exc_info[1]))
 
 
-def _quiet_failed_reads(folder: str) -> None:
-    """Drops, for the rest of the process, what Python prints of orbax's failed reads of the checkpoints in `folder`
-    as they are collected or finish late: unraisable exceptions (`_read_noise`), asyncio's never-retrieved task and
-    future exceptions (`_DropFailedReads`) and the RuntimeWarning of read coroutines never awaited. One truncated
-    checkpoint printed 4 to 1,227 lines of tracebacks and TensorStore specs around the one warning `_resume` gives,
-    some while training went on. Every other unraisable exception goes to the hook there was, every other record of
-    asyncio's logger is logged."""
-    _QUIET_FOLDERS.add(os.path.abspath(folder))
+def _quiet_failed_reads(folder: str) -> Callable[[], None]:
+    """Drops what Python prints of orbax's failed reads of the checkpoints in `folder` as they are collected or
+    finish late: unraisable exceptions (`_read_noise`), asyncio's never-retrieved task and future exceptions
+    (`_DropFailedReads`) and the RuntimeWarning of read coroutines never awaited. One truncated checkpoint printed 4
+    to 1,227 lines of tracebacks and TensorStore specs around the one warning `_resume` gives, some while training
+    went on. Every other unraisable exception goes to the hook there was, every other record of asyncio's logger is
+    logged. Returns what undoes it (`_resume` calls it when no checkpoint failed: a run that read none damaged keeps
+    Python's own reporting)."""
+    path = os.path.abspath(folder)
+    added = path not in _QUIET_FOLDERS
+    _QUIET_FOLDERS.add(path)
+    saved_filters = list(warnings.filters)
     warnings.filterwarnings("ignore", message=_ORBAX_READS, category=RuntimeWarning)
     asyncio_log = logging.getLogger("asyncio")
+    drop = None
     if not any(isinstance(f, _DropFailedReads) for f in asyncio_log.filters):
-        asyncio_log.addFilter(_DropFailedReads())
+        drop = _DropFailedReads()
+        asyncio_log.addFilter(drop)
     previous = sys.unraisablehook
-    if getattr(previous, "_drops_failed_reads", False):
-        return
+    hook = None
+    if not getattr(previous, "_drops_failed_reads", False):
+        def hook(unraisable):
+            if not _read_noise(unraisable):
+                previous(unraisable)
 
-    def hook(unraisable):
-        if not _read_noise(unraisable):
-            previous(unraisable)
+        hook._drops_failed_reads = True
+        sys.unraisablehook = hook
 
-    hook._drops_failed_reads = True
-    sys.unraisablehook = hook
+    def undo():
+        if added:
+            _QUIET_FOLDERS.discard(path)
+        warnings.filters[:] = saved_filters
+        if drop is not None:
+            asyncio_log.removeFilter(drop)
+        if hook is not None and sys.unraisablehook is hook:
+            sys.unraisablehook = previous
+
+    return undo
 
 
 def _resume(mngr, out_dir: str, tc: TrainConfig, expected: dict, pparams, opt_state):
-    """See `_find_checkpoint`; the leftovers of orbax's failed reads of a damaged checkpoint are not printed."""
-    _quiet_failed_reads(os.path.join(out_dir, CHECKPOINTS))
-    found = _find_checkpoint(mngr, out_dir, tc, expected, pparams, opt_state)
+    """See `_find_checkpoint`; the leftovers of orbax's failed reads of a damaged checkpoint are not printed (for the
+    rest of the process: late reads finish while training goes on)."""
+    undo = _quiet_failed_reads(os.path.join(out_dir, CHECKPOINTS))
+    *found, damaged = _find_checkpoint(mngr, out_dir, tc, expected, pparams, opt_state)
     gc.collect()  # the failed reads' coroutines, now
-    return found
+    if not damaged:
+        undo()
+    return tuple(found)
 
 
 def _describe(e: BaseException) -> str:
@@ -502,8 +521,8 @@ def _describe(e: BaseException) -> str:
 
 
 def _find_checkpoint(mngr, out_dir: str, tc: TrainConfig, expected: dict, pparams, opt_state):
-    """(step, manager, (params, opt_state)) of the newest checkpoint that reads back, or (None, manager, None)
-    without one. A checkpoint that does not read back (a run killed while writing it, a damaged disk; or arrays that
+    """(step, manager, (params, opt_state), damaged) of the newest checkpoint that reads back, or (None, manager,
+    None, False) without one; damaged: whether a newer one failed to read back. A checkpoint that does not read back (a run killed while writing it, a damaged disk; or arrays that
     read back other than the digest written with them, `state_digest`) is moved to
     OUT/checkpoints-damaged/ with a warning and the next older one is tried; none readable is a TrainError. A
     readable checkpoint of another configuration is a TrainError (`_check_resume`), never skipped; a failure that
@@ -529,7 +548,7 @@ def _find_checkpoint(mngr, out_dir: str, tc: TrainConfig, expected: dict, pparam
                 raise
             damaged.append((step, _describe(e)))
     if not damaged:
-        return (None, mngr, None) if found is None else (found[0], mngr, found[1])
+        return (None, mngr, None, False) if found is None else (found[0], mngr, found[1], False)
     listed = "; ".join(f"step {s}: {why}" for s, why in damaged)
     if found is None:
         raise TrainError(f"no checkpoint in {where} reads back ({listed}); delete the damaged step folders to start "
@@ -541,7 +560,7 @@ def _find_checkpoint(mngr, out_dir: str, tc: TrainConfig, expected: dict, pparam
         os.replace(os.path.join(where, str(s)), os.path.join(aside, f"{s}-{int(time.time())}"))
     warnings.warn(f"checkpoints that do not read back were moved to {aside} ({listed}); resuming from step "
                   f"{found[0]}", stacklevel=3)
-    return found[0], _manager(out_dir, tc), found[1]
+    return found[0], _manager(out_dir, tc), found[1], True
 
 
 def read_checkpoint_meta(out_dir: str) -> dict | None:
