@@ -198,3 +198,17 @@ def test_a_gpu_benchmark_on_a_cpu_host_is_refused_before_it_measures(tmp_path, c
            "expected 'gpu'" in message
     assert (f"(or {smoke} for a CPU smoke run at tiny sizes)" in message) == (smoke is not None)
     assert not out.exists()
+
+
+def test_attention_checks_its_flags_before_making_out_and_refuses_a_cpu_backend(tmp_path, monkeypatch):
+    """A bad --budget left the --out folder made before it was checked; the CPU refusal is the shared one, naming
+    --interpret."""
+    attention = _module("attention")
+    out = tmp_path / "runs" / "attn.json"
+    with pytest.raises(ValueError, match=r"--budget"):
+        attention.main(["--context", "256", "--budget", "1.5", "--interpret", "--out", str(out)])
+    assert not out.parent.exists()
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    with pytest.raises(ValueError, match=r"jsparse bench attention times GPU kernels .* \(or --interpret for a CPU "):
+        attention.main(["--context", "256", "--out", str(out)])
+    assert not out.parent.exists()

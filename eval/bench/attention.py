@@ -686,15 +686,14 @@ def run_bench_attention(args) -> int:
     if not contexts:
         raise ValueError(f"--context {args.context!r}: expected comma-separated positive integers")
     bm.check_contexts("--context", contexts, cfg, args.shape)
-    out = bm.out_path(args.out, "bench_attention.json")  # before the run: a bad --out ends none
     bm.check_budget(args.budget)
     from pallas_kernels.anchor_attention.common import check_block_size
     check_block_size(args.block_size, args.tile, "--block-size")
     if not 1 <= args.anchors <= cfg.num_layers:
         raise ValueError(f"--anchors {args.anchors}: expected 1 .. {cfg.num_layers} (layer 0 included)")
-    if jax.default_backend() != "gpu" and not args.interpret:
-        raise ValueError(f"the attention benchmark times Pallas GPU kernels; backend is "
-                         f"{jax.default_backend()!r} (use --interpret for a CPU smoke test at tiny sizes)")
+    if not args.interpret:
+        bm.require_gpu("attention", "--interpret")
+    out = bm.out_path(args.out, "bench_attention.json")  # after the checks, before the run: none leaves a folder
     run = Bench(args)
     facts = bm.device_facts()
     print(f"# {facts}", flush=True)
