@@ -137,7 +137,7 @@ def test_butler_coverage_refuses_a_dense_count_above_the_layers_and_a_long_windo
     message = _refused(capsys, "butler_coverage", ["--dense-count", "5"])
     assert "--dense-count 5: the model has 4 layers past its default dense_layers (2)" in message
     message = _refused(capsys, "butler_coverage", ["--length", "4096"])
-    assert "--length 4096: longer than the smollm2 shape's context of 2048 tokens" in message
+    assert "--length 4096: longer than the smollm2 model's context of 2048 tokens" in message
 
 
 def _write(path, payload):

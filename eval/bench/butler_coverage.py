@@ -119,7 +119,7 @@ def main(argv=None, prog=None) -> int:
     model = jsparse.load(args.model, args.dtype)
     cfg = model.cfg
     try:
-        check_contexts("--length", [args.length], cfg, args.model)
+        check_contexts("--length", [args.length], cfg, args.model, kind="model")
     except ValueError as e:
         p.error(str(e))
     if args.dense_count > (eligible := cfg.num_layers - bt.DEFAULT_DENSE_LAYERS):  # layers DEFAULT..L-1

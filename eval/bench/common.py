@@ -91,12 +91,13 @@ def shape_preset(shape: str):
         raise ValueError(f"--shape: {e}") from None
 
 
-def check_contexts(flag: str, contexts, cfg, shape: str) -> None:
+def check_contexts(flag: str, contexts, cfg, shape: str, kind: str = "shape") -> None:
     """ValueError naming `flag` for a context longer than the model shape's max_position_embeddings (no checkpoint
-    of the shape has seen such positions; RoPE past them only extrapolates)."""
+    of the shape has seen such positions; RoPE past them only extrapolates). kind: what `shape` names ("model" for a
+    loaded model's spec)."""
     over = [c for c in contexts if c > cfg.max_position_embeddings]
     if over:
-        raise ValueError(f"{flag} {','.join(map(str, over))}: longer than the {shape} shape's context of "
+        raise ValueError(f"{flag} {','.join(map(str, over))}: longer than the {shape} {kind}'s context of "
                          f"{cfg.max_position_embeddings} tokens (max_position_embeddings); expected at most that")
 
 
