@@ -350,8 +350,19 @@ def attention_only_config(cfg):
 
 METHODS = ("dense", "kascade", "evosparse", "quest", "streaming", "oracle", "h2o", "butler")
 PREFILL_METHODS = ("tsa", "tsa+kascade")  # prefill rows only: their decode is dense's / Kascade's
-# Built without --budget (`bench_method`): dense attends to every key, EvoSparse keeps its token budget, TSA --tsa-kept.
-UNBUDGETED = ("dense", "evosparse", "tsa")
+# Built without --budget (`bench_method`), and what each keeps instead.
+UNBUDGETED = {"dense": "dense attends to every key", "evosparse": "EvoSparse keeps its 2048-token budget",
+              "tsa": "TSA its --tsa-kept share"}
+
+
+def unread_budget(budget: float | None, methods, subject: str | None = None) -> str | None:
+    """The error of a --budget that none of `methods` (names, or variants NAME:...) reads, each of UNBUDGETED; None
+    when one reads it or none was given. subject: how the message names the methods (default: their list)."""
+    names = list(dict.fromkeys(m.split(":")[0] for m in methods))
+    if budget is None or not all(m in UNBUDGETED for m in names):
+        return None
+    subject = subject or f"{sorted(set(methods))} are"
+    return f"--budget {budget:g}: {subject} built without it ({', '.join(UNBUDGETED[m] for m in names)})"
 KASCADE_ANCHORS = 5
 TSA_KEPT = 0.68  # the paper's operating point: 1 - 0.68^2 = 54% attention-map sparsity
 
@@ -852,9 +863,8 @@ def main(argv=None, prog=None):
                                       ("--prefill-context", a.prefill_context or None)) if v is not None]
         if given:
             p.error(f"{', '.join(given)}: the per-method comparison's (--methods dense,...); dense alone takes none")
-    if a.budget is not None and methods != ("dense",) and all(m in UNBUDGETED for m in methods):
-        p.error(f"--budget {a.budget:g}: {list(methods)} are built without it (dense attends to every key, EvoSparse "
-                "keeps its 2048-token budget, TSA its --tsa-kept share)")
+    if methods != ("dense",) and (error := unread_budget(a.budget, methods)):  # (dense alone: refused above)
+        p.error(error)
     a.budget = 0.1 if a.budget is None else a.budget
     try:
         bm.check_budget(a.budget)

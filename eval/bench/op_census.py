@@ -171,7 +171,7 @@ def trace_step(method_name: str, shape: str, batch: int, context: int, budget: f
 
 
 def main(argv=None, prog: str = "jsparse bench op_census") -> int:
-    from eval.bench.model import METHODS, UNBUDGETED
+    from eval.bench.model import METHODS, unread_budget
 
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--method", required=True, choices=METHODS,
@@ -192,9 +192,8 @@ def main(argv=None, prog: str = "jsparse bench op_census") -> int:
     args = p.parse_args(argv)
     if args.batch < 1 or args.context < 2:
         p.error(f"--batch {args.batch} --context {args.context}: expected a batch >= 1 and a context >= 2")
-    if args.budget is not None and args.method in UNBUDGETED:
-        p.error(f"--budget {args.budget:g}: method {args.method!r} is built without it (dense attends to every key, "
-                "EvoSparse keeps its 2048-token budget)")
+    if error := unread_budget(args.budget, [args.method], f"method {args.method!r} is"):
+        p.error(error)
     args.budget = 0.1 if args.budget is None else args.budget
     try:
         check_budget(args.budget)

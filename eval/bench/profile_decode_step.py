@@ -198,9 +198,8 @@ def main(argv=None, prog=None):
     unknown = sorted(set(timed_methods) - set(bench_model.METHODS) - set(VARIANTS))
     if unknown:
         p.error(f"--time: unknown {unknown}; expected some of {list(bench_model.METHODS) + list(VARIANTS)}")
-    if a.budget is not None and all(m.split(":")[0] in bench_model.UNBUDGETED for m in (a.method, *timed_methods)):
-        p.error(f"--budget {a.budget:g}: {sorted({a.method, *timed_methods})} are built without it (dense attends to "
-                "every key, EvoSparse keeps its 2048-token budget)")
+    if error := bench_model.unread_budget(a.budget, (a.method, *timed_methods)):
+        p.error(error)
     a.budget = 0.1 if a.budget is None else a.budget
     try:
         cfg = bench_model.preset(a.shape)  # (an unknown shape: ValueError naming it and the presets)
