@@ -402,16 +402,27 @@ NOT_DAMAGE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EACCES, errno.E
                                errno.EAGAIN, errno.EINTR})
 
 
-def _not_damage(e: BaseException) -> bool:
-    """Whether a failed restore says nothing about the checkpoint: NOT_DAMAGE, or an OSError of NOT_DAMAGE_ERRNOS,
-    raised as is or as the cause or context of what orbax raised."""
+def _chain(e: BaseException | None):
+    """e, then its cause (or else its context), and theirs in turn, each once."""
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, NOT_DAMAGE) or (isinstance(e, OSError) and e.errno in NOT_DAMAGE_ERRNOS):
-            return True
+        yield e
         e = e.__cause__ or e.__context__
-    return False
+
+
+def _codes(tb):
+    """The code objects of a traceback's frames, outermost first."""
+    while tb is not None:
+        yield tb.tb_frame.f_code
+        tb = tb.tb_next
+
+
+def _not_damage(e: BaseException) -> bool:
+    """Whether a failed restore says nothing about the checkpoint: NOT_DAMAGE, or an OSError of NOT_DAMAGE_ERRNOS,
+    raised as is or as the cause or context of what orbax raised."""
+    return any(isinstance(x, NOT_DAMAGE) or (isinstance(x, OSError) and x.errno in NOT_DAMAGE_ERRNOS)
+               for x in _chain(e))
 
 
 # Checkpoint folders whose failed reads leave nothing printed (`_quiet_failed_reads`), and the coroutines of orbax's
@@ -424,18 +435,8 @@ _ORBAX_READS = r"coroutine '(_read_array_index_and_device_put|_read_and_create_a
 def _failed_read(e: BaseException | None) -> bool:
     """Whether e, its cause or its context was raised in orbax's code or names a folder of _QUIET_FOLDERS (what
     TensorStore raises under orbax names the file it could not read)."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if any(folder in str(e) for folder in _QUIET_FOLDERS):
-            return True
-        tb = e.__traceback__
-        while tb is not None:
-            if "orbax" in tb.tb_frame.f_code.co_filename:
-                return True
-            tb = tb.tb_next
-        e = e.__cause__ or e.__context__
-    return False
+    return any(any(folder in str(x) for folder in _QUIET_FOLDERS)
+               or any("orbax" in code.co_filename for code in _codes(x.__traceback__)) for x in _chain(e))
 
 
 def _read_noise(unraisable) -> bool:
@@ -445,14 +446,9 @@ def _read_noise(unraisable) -> bool:
     code = getattr(unraisable.object, "cr_code", None)
     if (code is not None and "orbax" in code.co_filename) or _failed_read(unraisable.exc_value):
         return True
-    if unraisable.object is None and isinstance(unraisable.exc_value, RuntimeError) \
-            and str(unraisable.exc_value) == "Event loop is closed":
-        tb = unraisable.exc_traceback
-        while tb is not None:
-            if tb.tb_frame.f_code.co_name == "call_soon_threadsafe":
-                return True
-            tb = tb.tb_next
-    return False
+    return (unraisable.object is None and isinstance(unraisable.exc_value, RuntimeError)
+            and str(unraisable.exc_value) == "Event loop is closed"
+            and any(code.co_name == "call_soon_threadsafe" for code in _codes(unraisable.exc_traceback)))
 
 
 class _DropFailedReads(logging.Filter):
@@ -522,12 +518,12 @@ def _describe(e: BaseException) -> str:
 
 def _find_checkpoint(mngr, out_dir: str, tc: TrainConfig, expected: dict, pparams, opt_state):
     """(step, manager, (params, opt_state), damaged) of the newest checkpoint that reads back, or (None, manager,
-    None, False) without one; damaged: whether a newer one failed to read back. A checkpoint that does not read back (a run killed while writing it, a damaged disk; or arrays that
-    read back other than the digest written with them, `state_digest`) is moved to
-    OUT/checkpoints-damaged/ with a warning and the next older one is tried; none readable is a TrainError. A
-    readable checkpoint of another configuration is a TrainError (`_check_resume`), never skipped; a failure that
-    is not the checkpoint's (`_not_damage`: memory, the device, an OSError such as EMFILE or EACCES) propagates,
-    nothing moved."""
+    None, False) without one; damaged: whether a newer one failed to read back. A checkpoint that does not read back
+    (a run killed while writing it, a damaged disk; or arrays that read back other than the digest written with
+    them, `state_digest`) is moved to OUT/checkpoints-damaged/ with a warning and the next older one is tried; none
+    readable is a TrainError. A readable checkpoint of another configuration is a TrainError (`_check_resume`), never
+    skipped; a failure that is not the checkpoint's (`_not_damage`: memory, the device, an OSError such as EMFILE or
+    EACCES) propagates, nothing moved."""
     where = os.path.join(out_dir, CHECKPOINTS)
     damaged = []
     found = None
