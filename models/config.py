@@ -55,7 +55,7 @@ class RopeConfig:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ConfigError(f"rope_type={self.rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}")
         mp = self.original_max_position
-        if not isinstance(mp, int) or isinstance(mp, bool) or mp <= 0:
+        if not _is_count(mp):
             raise ConfigError(f"rope original_max_position_embeddings={mp!r}: expected a positive integer")
         if self.rope_type == "llama3" and not self.low_freq_factor < self.high_freq_factor:
             raise ConfigError(f"rope low_freq_factor={self.low_freq_factor} and high_freq_factor="
@@ -65,6 +65,11 @@ class RopeConfig:
 def _is_number(value) -> bool:
     """A real number (Python or numpy), not a bool."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_count(value, minimum: int = 1) -> bool:
+    """A Python int (not a bool) >= minimum."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,14 +117,14 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not _is_count(value):
                 raise ConfigError(f"{name}={value!r}: expected a positive integer")
         for name, ids in (("bos_token_id", () if self.bos_token_id is None else (self.bos_token_id,)),
                           ("eos_token_ids", self.eos_token_ids)):
-            if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids):
+            if not all(_is_count(i, 0) for i in ids):
                 raise ConfigError(f"{name}={getattr(self, name)!r}: expected non-negative integer token ids")
         mp = self.max_position_embeddings
-        if not isinstance(mp, int) or isinstance(mp, bool) or mp <= 0:
+        if not _is_count(mp):
             raise ConfigError(f"max_position_embeddings={mp!r}: expected a positive integer")
         eps = self.rms_norm_eps
         if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < float("inf"):
@@ -135,7 +140,7 @@ class ModelConfig:
     def _normalise_windows(self) -> None:
         W, L = self.sliding_window, self.num_layers
         windows = tuple(int(w) for w in self.layer_windows)
-        if W is not None and (not isinstance(W, int) or isinstance(W, bool) or W <= 0):
+        if W is not None and not _is_count(W):
             raise ConfigError(f"sliding_window={W!r}: expected a positive number of tokens or None")
         if W is None:
             if any(windows):
@@ -239,7 +244,7 @@ class ModelConfig:
     def _from_hf_dict(cls, hf: Mapping[str, Any], model_type: str) -> "ModelConfig":
         for key in REQUIRED_HF_KEYS + ("num_key_value_heads", "head_dim"):
             value = hf.get(key)  # null: what transformers derives (the KV heads, the head size), else a size
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            if value is not None and not _is_count(value):
                 raise ConfigError(f"{key}={value!r}: expected a positive integer")
         num_heads = hf["num_attention_heads"]
         hidden = hf["hidden_size"]
@@ -323,7 +328,7 @@ def _windows_from_hf(hf: Mapping[str, Any], model_type: str) -> tuple[int | None
     L = hf["num_hidden_layers"]
     if model_type == "llama" or W is None:
         return None, ()
-    if not isinstance(W, int) or isinstance(W, bool) or W <= 0:
+    if not _is_count(W):
         raise ConfigError(f"sliding_window={W!r}: expected a positive number of tokens or null")
     if model_type == "mistral":
         return W, (W,) * L
@@ -342,7 +347,7 @@ def _windows_from_hf(hf: Mapping[str, Any], model_type: str) -> tuple[int | None
         windows = tuple(W if t == "sliding_attention" else 0 for t in types)
     else:
         first = hf.get("max_window_layers", 28)  # transformers' default
-        if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+        if not _is_count(first, 0):
             raise ConfigError(f"max_window_layers={first!r}: expected a non-negative number of layers")
         windows = tuple(W if i >= first else 0 for i in range(L))
     return (W, windows) if any(windows) else (None, ())
