@@ -31,6 +31,14 @@ def check_tile(tile: int) -> int:
     return tile
 
 
+def check_tile_flag(tile) -> int:
+    """`check_tile` of a command's --tile flag: its error begins with the flag and the value."""
+    try:
+        return check_tile(tile)
+    except ValueError as e:
+        raise ValueError(f"--tile {tile}: {e}") from None
+
+
 def attend_selected(q, cache, indices, lengths, head_map=None):
     """Attention of q: [B, T, Hq, D] over exactly the selected keys int32[B, Hkv, T, K] of a head-major cache.
 

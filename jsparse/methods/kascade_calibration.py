@@ -35,7 +35,7 @@ from flax import struct
 from jsparse import selection as sel
 from jsparse.artifacts import Artifact
 from jsparse.methods.base import register_calibration
-from jsparse.methods.common import check_tile
+from jsparse.methods.common import check_tile, check_tile_flag
 from jsparse.methods.oracle import select_prefill
 from models import llama
 from models.cache import init_cache
@@ -357,10 +357,7 @@ def check_cli(args) -> None:
     if not 0.0 < args.budget < 1.0:
         raise ValueError(f"--budget {args.budget}: expected a fraction in (0, 1) (a budget of 1 keeps every key: "
                          "nothing to calibrate)")
-    try:
-        check_tile(args.tile)
-    except ValueError as e:
-        raise ValueError(f"--tile {args.tile}: {e}") from None
+    check_tile_flag(args.tile)
     need = shortest_prompt(args.budget, args.tile, DEFAULT_MIN_TOKENS, longest=args.length + args.tile)
     if need is None or args.length < need:  # (the windows are --length tokens)
         need = shortest_prompt(args.budget, args.tile, DEFAULT_MIN_TOKENS)

@@ -23,7 +23,7 @@ from flax import struct
 
 from jsparse.artifacts import Artifact
 from jsparse.methods.base import register_calibration
-from jsparse.methods.common import check_tile
+from jsparse.methods.common import check_tile, check_tile_flag
 from jsparse.methods.sts import load_head_map, tile_head_topk  # noqa: F401  (load_head_map re-exported)
 from models import llama
 from models.cache import init_cache
@@ -150,10 +150,7 @@ def _cli_ks(args, length: int) -> list[int]:
         raise ValueError(f"--k {args.k!r}: expected comma-separated token counts like 64,256") from None
     if min(ks) < 1:
         raise ValueError(f"--k {args.k!r}: expected token counts >= 1")
-    try:
-        check_tile(args.tile)
-    except ValueError as e:
-        raise ValueError(f"--tile {args.tile}: {e}") from None
+    check_tile_flag(args.tile)
     if length <= max(ks) + args.tile:
         raise ValueError(f"--length {length}: too short for --k {max(ks)} with --tile {args.tile} (top-k is a "
                          f"choice only in tiles past k keys): expected --length > k + tile = {max(ks) + args.tile}")
