@@ -43,6 +43,8 @@ def _refused(capsys, name, argv) -> str:
     ("logit_mse", ["--heads", "0"], "argument --heads: '0': expected a positive integer"),
     ("sparse_attention", ["--contexts", "32768,-1"], "argument --contexts: '-1': expected a positive integer"),
     ("sparse_prefill_mgpu", ["--tiles", "128,0"], "argument --tiles: '0': expected a positive integer"),
+    ("sparse_prefill_mgpu", ["--min-tokens", "-1"], "argument --min-tokens: '-1': expected an integer >= 0"),
+    ("attention", ["--min-tokens", "-5"], "argument --min-tokens: '-5': expected an integer >= 0"),
     ("decode_step", ["--steps", "0"], "argument --steps: '0': expected a positive integer"),
     ("decode_step", ["--cases", "32768:1,100000"], "--cases: '100000' is not a case: expected context:batch"),
     ("decode_step", ["--paths", "dense_inplace,sparse"], "unknown ['sparse']; expected some of"),
@@ -174,6 +176,9 @@ def test_positive_int_helpers_as_argparse_types():
     for bad in ("0", "-3", "1.5", "2e3", "x"):
         with pytest.raises(argparse.ArgumentTypeError, match=rf"'{bad}': expected a positive integer"):
             common.positive_int(bad)
+    assert common.nonnegative_int("0") == 0 and common.nonnegative_int(" 7") == 7
+    with pytest.raises(argparse.ArgumentTypeError, match=r"'-1': expected an integer >= 0"):
+        common.nonnegative_int("-1")
     cfg = bench_model.preset("llama3-8b")
     common.check_contexts("--context", [131072], cfg, "llama3-8b")  # the shape's own context fits
     with pytest.raises(ValueError, match=r"--context 131073,200000: longer"):

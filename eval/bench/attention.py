@@ -76,7 +76,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=bm.positive_int, default=8, help="decode batch size (default 8)")
     p.add_argument("--prefill-batch", type=bm.positive_int, default=1, help="prefill batch size (default 1)")
     p.add_argument("--budget", type=float, default=0.1, help="kept fraction of the context (default 0.1)")
-    p.add_argument("--min-tokens", type=int, default=128, help="floor of Kascade's budget rule (default 128)")
+    p.add_argument("--min-tokens", type=bm.nonnegative_int, default=128, help="floor of Kascade's budget rule (default 128)")
     p.add_argument("--phase", choices=("decode", "prefill", "both"), default="decode",
                    help="which phase to benchmark (default decode)")
     p.add_argument("--anchors", type=bm.positive_int, default=5,

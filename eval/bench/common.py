@@ -67,13 +67,19 @@ def add_out_argument(parser, name: str, optional: bool = False) -> None:
                              + ("(default: none written)" if optional else f"(default ./{name})"))
 
 
-def positive_int(text: str) -> int:
-    """argparse `type` of a count flag (--steps, --batch, --iters, ...): a positive integer, else an error naming the
-    flag and the value (argparse prefixes 'argument --FLAG: ')."""
+def positive_int(text: str, minimum: int = 1) -> int:
+    """argparse `type` of a count flag (--steps, --batch, --iters, ...): a positive integer (at least `minimum`), else
+    an error naming the flag and the value (argparse prefixes 'argument --FLAG: ')."""
     value = text.strip() if isinstance(text, str) else text
-    if not (isinstance(value, int) or value.isdigit()) or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
+    if not (isinstance(value, int) or value.isdigit()) or int(value) < minimum:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected " + ("a positive integer" if minimum == 1 else
+                                                                   f"an integer >= {minimum}"))
     return int(value)
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse `type` of a count flag where 0 means none (--min-tokens): an integer >= 0, else an error naming it."""
+    return positive_int(text, 0)
 
 
 def positive_ints(text: str) -> list[int]:

@@ -31,8 +31,8 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from eval.bench.common import (add_out_argument, device_facts, out_path, positive_int, positive_ints, require_gpu,
-                               table, time_ms, write_json)
+from eval.bench.common import (add_out_argument, device_facts, nonnegative_int, out_path, positive_int, positive_ints,
+                               require_gpu, table, time_ms, write_json)
 
 NAME = "sparse_prefill_mgpu.json"
 
@@ -46,7 +46,7 @@ def _parser(prog=None) -> argparse.ArgumentParser:
     p.add_argument("--block-sizes", type=positive_ints, default=[64, 16],
                    help="tokens per index entry of the Mosaic kernel's selection (default 64,16)")
     p.add_argument("--budget", type=float, default=0.1, help="selected fraction of the keys before each tile")
-    p.add_argument("--min-tokens", type=int, default=128, help="Kascade's minimum selection per tile (default 128)")
+    p.add_argument("--min-tokens", type=nonnegative_int, default=128, help="Kascade's minimum selection per tile (default 128)")
     p.add_argument("--mosaic-configs", default="128x2",
                    help="Mosaic kernel configs to time, block_kv x stages, comma separated (default 128x2; "
                         "e.g. 128x2,64x3,64x4)")
