@@ -59,14 +59,16 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                    help="final learning rate of the cosine decay, as a fraction of --lr (default 0.1)")
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default 0.01)")
     p.add_argument("--clip-norm", type=float, default=1.0, help="global gradient-norm clip (default 1.0)")
-    p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (default 100)")
+    p.add_argument("--checkpoint-every", type=int, default=None,
+                   help="steps between checkpoints, at most --steps (default: min(100, steps); the last step is "
+                        "always saved)")
     p.add_argument("--seed", type=int, default=0, help="seed of the predictor init and the data shuffle (default 0)")
     p.add_argument("--preset", default=None,
                    help="predictor size preset: smollm2-135m, llama3-8b, qwen3-8b or auto (default: the preset "
                         "matching the model's shape, else auto: ~1%% of the model)")
     p.add_argument("--key-heads", choices=["query", "kv"], default="query",
                    help="predicted keys per query head (the paper) or per KV head (default query)")
-    p.add_argument("--head-dim", type=int, default=None, help="override d', the predicted q/k width")
+    p.add_argument("--head-dim", type=int, default=None, help="override d', the predicted q/k width (even)")
     p.add_argument("--qk-hidden", type=int, default=None, help="override the QK networks' hidden width")
     p.add_argument("--all-pairs", action="store_true",
                    help="average the loss over all L x L query-key pairs (the official code) instead of the causal "
@@ -84,15 +86,17 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_train(args) -> int:
-    """The `train-predictor` command: check the data, load the model, tokenize, train; prints a JSON summary."""
+    """The `train-predictor` command: check the data, the options and --out (all that needs no model), load the
+    model, tokenize, train; prints a JSON summary."""
 
     import jsparse
     from jsparse.artifacts import corpus_meta
     from train import data as data_lib
-    from train.loop import (TrainConfig, TrainError, Terminated, check_target, last_logged_loss, read_checkpoint_meta,
-                            train)
-    from train.predictor import describe, preset_config
+    from train.loop import (TrainConfig, Terminated, check_resume_config, check_target, last_logged_loss,
+                            read_checkpoint_meta, train)
+    from train.predictor import check_preset_name, describe, preset_config
 
+    # Everything that needs no model is checked first: loading one can take minutes.
     paths = data_lib.expand_paths(args.data)  # fail on missing files before loading the model
     for path in paths:
         data_lib.read_text(path)
@@ -100,22 +104,31 @@ def run_train(args) -> int:
         raise ValueError(f"--steps {args.steps}: expected a positive number of steps")
     if args.max_seconds is not None and not args.max_seconds > 0:
         raise ValueError(f"--max-seconds {args.max_seconds}: expected a positive number of seconds")
+    if args.checkpoint_every is not None and args.checkpoint_every > args.steps:
+        raise ValueError(f"--checkpoint-every {args.checkpoint_every} is more than --steps {args.steps}: no checkpoint "
+                         f"would be saved before the last step; expected at most {args.steps}")
+    for flag, value in (("--head-dim", args.head_dim), ("--qk-hidden", args.qk_hidden)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: expected a positive integer")
+    if args.head_dim is not None and args.head_dim % 2:
+        raise ValueError(f"--head-dim {args.head_dim}: expected an even width (RoPE rotates d' in pairs)")
+    check_preset_name(args.preset)
     from eval.cli_eval import out_folder
 
     with out_folder(args.out, "checkpoints, loss.jsonl and the butler artifact"):  # no empty folder left on a refusal
         warmup = args.warmup if args.warmup is not None else min(100, args.steps // 10)
         devices = train_devices(getattr(args, "mesh", None))
         check_target(args.out, args.loss_impl, devices[0].platform)
-        model = jsparse.load(args.model, args.dtype)
+        check_writable(args.out)
         tc = TrainConfig(seq_len=args.seq_len, steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr,
                          warmup_steps=warmup, end_lr_ratio=args.end_lr_ratio, weight_decay=args.weight_decay,
-                         clip_norm=args.clip_norm, checkpoint_every=args.checkpoint_every, seed=args.seed,
-                         causal=not args.all_pairs, loss_impl=args.loss_impl)
-        try:
-            tc.validate(model.cfg, len(devices))
-        except TrainError as e:  # named by its flag too ("learning_rate=0.0 (--lr): ...")
-            raise TrainError(re.sub(r"^(\w+)(=\S*?)([: ])", lambda m: f"{m[1]}{m[2]} ({FLAGS[m[1]]}){m[3]}"
-                                    if m[1] in FLAGS else m[0], str(e), count=1)) from None
+                         clip_norm=args.clip_norm, seed=args.seed, causal=not args.all_pairs, loss_impl=args.loss_impl,
+                         checkpoint_every=(args.checkpoint_every if args.checkpoint_every is not None
+                                           else min(100, args.steps)))
+        validate(tc, None, len(devices))  # all but the model's bounds of seq_len
+        check_resume_config(args.out, tc)  # a checkpoint there of another training config
+        model = jsparse.load(args.model, args.dtype)
+        validate(tc, model.cfg, len(devices))
         pcfg = preset_config(model.cfg, args.preset, key_heads=args.key_heads, head_dim=args.head_dim,
                              qk_hidden=args.qk_hidden)
         if model.tokenizer is None:
@@ -126,7 +139,7 @@ def run_train(args) -> int:
         ids = data_lib.tokenize_files(tok, paths, separator=sep)
         from eval.passkey import special_prefix
 
-        chunks = data_lib.pack_chunks(ids, args.seq_len, special_prefix(tok))
+        chunks = data_lib.pack_chunks(ids, args.seq_len, special_prefix(tok), source=data_lib.describe_files(paths))
         size = describe(pcfg, model.cfg)
         print(json.dumps({"files": len(paths), "tokens": int(len(ids)), "chunks": int(chunks.shape[0]),
                           "devices": len(devices), **{k: size[k] for k in ("predictor_params", "model_params",
@@ -156,6 +169,42 @@ def run_train(args) -> int:
                           "epochs": float(result.last_step * tc.batch_size / chunks.shape[0]),
                           "artifact_bytes": os.path.getsize(os.path.join(args.out, "arrays.npz"))}))
     return 0
+
+
+def validate(tc, cfg, num_devices: int) -> None:
+    """`tc.validate(cfg, num_devices)`, its error naming the flag too ("learning_rate=0.0 (--lr): ...")."""
+    from train.loop import TrainError
+
+    try:
+        tc.validate(cfg, num_devices)
+    except TrainError as e:
+        raise TrainError(re.sub(r"^(\w+)(=\S*?)([: ])", lambda m: f"{m[1]}{m[2]} ({FLAGS[m[1]]}){m[3]}"
+                                if m[1] in FLAGS else m[0], str(e), count=1)) from None
+
+
+def check_writable(out: str) -> None:
+    """Refuses, before any work, an --out this process cannot write in (no permission, a read-only file system): a
+    file made and dropped in the folder and in its checkpoints folder when there, and loss.jsonl, when there, opened
+    to append (the steps would fail at their first write, or orbax's save thread after them)."""
+    import tempfile
+
+    from train.loop import CHECKPOINTS, LOSS_LOG
+
+    for folder in (out, os.path.join(out, CHECKPOINTS)):
+        if os.path.isdir(folder):
+            try:
+                with tempfile.TemporaryFile(dir=folder):
+                    pass
+            except OSError as e:
+                raise ValueError(f"--out {out!r}: cannot write in {folder!r} ({e.strerror or e}): expected a folder "
+                                 "this user can write") from None
+    log = os.path.join(out, LOSS_LOG)
+    if os.path.isfile(log):
+        try:
+            open(log, "a").close()
+        except OSError as e:
+            raise ValueError(f"--out {out!r}: cannot append to {log!r} ({e.strerror or e}): expected a file this user "
+                             "can write") from None
 
 
 def train_devices(mesh: str | None) -> list:

@@ -59,12 +59,18 @@ def expand_paths(patterns: Sequence[str]) -> list[str]:
 
 
 def read_text(path: str) -> str:
-    """A UTF-8 text file's content; DataError when it holds no text, or binary data (`eval.ppl.not_text`)."""
+    """A UTF-8 text file's content; DataError when it cannot be read (no permission, a folder), holds no text, or
+    binary data (`eval.ppl.not_text`); FileNotFoundError when it is gone."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except UnicodeDecodeError as e:
         raise DataError(f"training data file {path!r} is not UTF-8 text: {e}") from None
+    except FileNotFoundError:
+        raise FileNotFoundError(f"training data file {path!r} does not exist") from None
+    except OSError as e:
+        raise DataError(f"training data file {path!r} cannot be read ({e.strerror or e}): expected a readable UTF-8 "
+                        "text file") from None
     if not text.strip():
         raise DataError(f"training data file {path!r} is empty: expected UTF-8 text")
     from eval.ppl import not_text
@@ -93,9 +99,12 @@ def tokenize_files(tokenizer, paths: Sequence[str], separator: int | None = None
     return np.asarray(ids, np.int32)
 
 
-def pack_chunks(ids: np.ndarray, seq_len: int, prefix: Sequence[int] = ()) -> np.ndarray:
+def pack_chunks(ids: np.ndarray, seq_len: int, prefix: Sequence[int] = (), source: str = "the training data"
+                ) -> np.ndarray:
     """i32[S, seq_len]: consecutive non-overlapping windows of `ids`, each `prefix` (e.g. BOS) + body tokens.
 
+    Args:
+      source: what the tokens are, for the error when there are too few (`describe_files`: the files' paths).
     Raises:
       DataError: seq_len too small for the prefix, or fewer tokens than one chunk needs.
     """
@@ -105,12 +114,21 @@ def pack_chunks(ids: np.ndarray, seq_len: int, prefix: Sequence[int] = ()) -> np
         raise DataError(f"seq_len={seq_len}: expected at least {len(prefix) + 2} tokens per chunk")
     n = len(ids) // body
     if n == 0:
-        raise DataError(f"the training data has {len(ids)} tokens, fewer than the {body} one chunk of "
+        raise DataError(f"{source} has {len(ids)} tokens, fewer than the {body} one chunk of "
                         f"seq_len={seq_len} needs: give more text or a shorter --seq-len")
     rows = np.asarray(ids[: n * body], np.int32).reshape(n, body)
     if len(prefix):
         rows = np.concatenate([np.broadcast_to(prefix, (n, len(prefix))), rows], axis=1)
     return np.ascontiguousarray(rows, np.int32)
+
+
+def describe_files(paths: Sequence[str], shown: int = 3) -> str:
+    """The training data as errors name it: its file's path, or the first `shown` paths and how many more."""
+    if len(paths) == 1:
+        return f"training data file {paths[0]!r}"
+    listed = ", ".join(repr(p) for p in paths[:shown])
+    more = f" and {len(paths) - shown} more" if len(paths) > shown else ""
+    return f"the training data ({len(paths)} files: {listed}{more})"
 
 
 class ChunkStream:

@@ -187,7 +187,10 @@ class TrainConfig:
     loss_impl: Optional[str] = None
     interpret: bool = False
 
-    def validate(self, cfg: ModelConfig, num_devices: int) -> "TrainConfig":
+    def validate(self, cfg: ModelConfig | None, num_devices: int) -> "TrainConfig":
+        """Raises TrainError naming the first bad field and its range; returns self. With cfg None, checks what needs
+        no model (everything but seq_len's upper bounds, the model's context and sliding window): the command runs
+        that before it loads the model, and the whole check after."""
         def pos_int(name, minimum=1):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
@@ -199,24 +202,30 @@ class TrainConfig:
         pos_int("seed", 0)
         if self.seed > SEED_MAX:  # jax keys keep 32 bits; numpy's shuffle would take more, and overflow at 2**63
             raise TrainError(f"seed={self.seed}: expected an integer in [0, {SEED_MAX}]")
-        W = cfg.window_size
-        if W is not None and self.seq_len > W:
-            raise TrainError(f"seq_len={self.seq_len}: the model's sliding-window layers attend within {W} tokens, "
-                             f"which the predictor's targets (full causal attention logits) do not model; expected "
-                             f"seq_len <= {W}")
-        if not isinstance(self.seq_len, int) or not MIN_SEQ_LEN <= self.seq_len <= cfg.max_position_embeddings:
-            raise TrainError(f"seq_len={self.seq_len!r}: expected an integer in [{MIN_SEQ_LEN}, "
-                             f"{cfg.max_position_embeddings}] (the model's context)")
+        if cfg is None:
+            if not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool) or self.seq_len < MIN_SEQ_LEN:
+                raise TrainError(f"seq_len={self.seq_len!r}: expected an integer >= {MIN_SEQ_LEN} (at most the "
+                                 "model's context)")
+        else:
+            W = cfg.window_size
+            if W is not None and isinstance(self.seq_len, int) and self.seq_len > W:
+                raise TrainError(f"seq_len={self.seq_len}: the model's sliding-window layers attend within {W} "
+                                 f"tokens, which the predictor's targets (full causal attention logits) do not model; "
+                                 f"expected seq_len <= {W}")
+            if (not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool)
+                    or not MIN_SEQ_LEN <= self.seq_len <= cfg.max_position_embeddings):
+                raise TrainError(f"seq_len={self.seq_len!r}: expected an integer in [{MIN_SEQ_LEN}, "
+                                 f"{cfg.max_position_embeddings}] (the model's context)")
         if self.warmup_steps >= self.steps:
             raise TrainError(f"warmup_steps={self.warmup_steps}: expected fewer than steps={self.steps}")
         if self.batch_size % num_devices:
             raise TrainError(f"batch_size={self.batch_size} is not a multiple of the {num_devices} devices the "
                              "batch is split over")
-        for name, lo, hi in (("learning_rate", 0.0, 1.0), ("end_lr_ratio", -1e-12, 1.0),
-                             ("weight_decay", -1e-12, 1.0)):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not lo < v <= hi:
-                raise TrainError(f"{name}={v!r}: expected a number in {'(0' if lo >= 0 else '[0'}, {hi}]")
+        for name, open_low in (("learning_rate", True), ("end_lr_ratio", False), ("weight_decay", False)):
+            v = getattr(self, name)  # in (0, 1] or [0, 1]; nan fails both comparisons
+            if (not isinstance(v, (int, float)) or isinstance(v, bool)
+                    or not ((0.0 < v) if open_low else (0.0 <= v)) or not v <= 1.0):
+                raise TrainError(f"{name}={v!r}: expected a number in {'(0' if open_low else '[0'}, 1.0]")
         if (not isinstance(self.clip_norm, (int, float)) or isinstance(self.clip_norm, bool)
                 or not 0 < self.clip_norm < math.inf):
             raise TrainError(f"clip_norm={self.clip_norm!r}: expected a positive finite number")
@@ -273,8 +282,8 @@ def make_train_step(mesh, cfg: ModelConfig, pcfg: PredictorConfig, tc: TrainConf
     grad_norm); tokens sharded over 'data', the predictor and its optimizer state replicated. The frozen model's
     params are replicated (mdims None) or FSDP-sharded at rest: mdims (`fsdp_dims`, the params' tree) names the
     dim of each param split over 'data' (-1: replicated), and the step all-gathers them before the forward (each
-    device holds 1/n of the frozen model between steps; the gathered copy lives for the step only). Cached, so that runs of one process with the same
-    settings (a resume, tests) reuse the compiled step."""
+    device holds 1/n of the frozen model between steps; the gathered copy lives for the step only). Cached, so that
+    runs of one process with the same settings (a resume, tests) reuse the compiled step."""
     tx = make_optimizer(tc)
 
     def loss_fn(pparams, h0, q, k):
@@ -365,12 +374,37 @@ def _check_resume(meta: dict, expected: dict, where: str) -> None:
                 if not isinstance(old, dict):
                     raise TrainError(f"the checkpoint in {where} records {key}={old!r}, not a {label} (its metadata is "
                                      "damaged): delete its checkpoints to start over, or use another --out")
-                now = expected[key]
-                diff = {k: (old.get(k), now.get(k)) for k in sorted(set(old) | set(now)) if old.get(k) != now.get(k)}
-                raise TrainError(f"the checkpoint in {where} used another {label}: (checkpoint, now) = {diff}; use "
-                                 "the same settings to resume, or another --out")
+                raise TrainError(_config_differs(where, label, old, expected[key]))
+            if key == "data_fingerprint":  # (the chunk counts when they differ: a digest alone says little)
+                old_n, now_n = meta.get("num_chunks"), expected.get("num_chunks")
+                counts = old_n is not None and now_n is not None and old_n != now_n
+                raise TrainError(f"the checkpoint in {where} was made with another data set: fingerprint "
+                                 f"{meta.get(key)!r}{f' ({old_n} chunks)' if counts else ''}, now {expected[key]!r}"
+                                 f"{f' ({now_n} chunks)' if counts else ''}; use the same --data files, unchanged, "
+                                 "to resume, or another --out")
             raise TrainError(f"the checkpoint in {where} was made with another {label}: {meta.get(key)!r}, now "
                              f"{expected[key]!r}; use the same {label} to resume, or another --out")
+
+
+def _config_differs(where: str, label: str, old: dict, now: dict) -> str:
+    """The error of a checkpoint whose `label` config (`old`) differs from this run's (`now`): the differing fields."""
+    diff = {k: (old.get(k), now.get(k)) for k in sorted(set(old) | set(now)) if old.get(k) != now.get(k)}
+    return (f"the checkpoint in {where} used another {label}: (checkpoint, now) = {diff}; use the same settings to "
+            "resume, or another --out")
+
+
+def check_resume_config(out_dir: str, tc: TrainConfig) -> None:
+    """Refuses, before the model loads, an out_dir whose latest checkpoint was made with another training config
+    (TrainError naming the fields that differ, as the resume itself would). A checkpoint that does not read back,
+    or records no training config, is left to the resume (`_find_checkpoint`), as is everything that needs the
+    model (its fingerprint, the predictor config, the data)."""
+    try:
+        meta = read_checkpoint_meta(out_dir)
+    except Exception:  # noqa: BLE001  (a damaged checkpoint: the resume moves it aside and tries the one before)
+        return
+    old = None if meta is None else meta.get("train_config")
+    if isinstance(old, dict) and old != tc.identity():
+        raise TrainError(_config_differs(os.path.join(out_dir, CHECKPOINTS), "training config", old, tc.identity()))
 
 
 def _restore(mngr, step: int, pparams, opt_state, digest: str | None = None):
@@ -752,7 +786,8 @@ def train(cfg: ModelConfig, model_params, *, fingerprint: str, chunks: np.ndarra
 
     Args:
       cfg, model_params: the frozen model. fingerprint: its `jsparse.artifacts.model_fingerprint`.
-      chunks: i32[S, seq_len] training chunks (train/data.py). out_dir: checkpoints, loss log and artifact.
+      chunks: i32[S, seq_len] training chunks (train/data.py), ids in [0, vocab_size). out_dir: checkpoints, loss
+        log and artifact.
       tc: hyper-parameters. pcfg: the predictor's shape (train/predictor.py presets).
       on_step: called as on_step(step, loss) after every completed step (step counts from 1); an exception it
         raises ends the run like a crash (a KeyboardInterrupt saves a checkpoint of that step first; so does a
@@ -774,6 +809,10 @@ def train(cfg: ModelConfig, model_params, *, fingerprint: str, chunks: np.ndarra
     chunks = np.asarray(chunks, np.int32)
     if chunks.ndim != 2 or chunks.shape[1] != tc.seq_len:
         raise TrainError(f"chunks have shape {chunks.shape}: expected [S, seq_len={tc.seq_len}]")
+    if chunks.size and not 0 <= int(chunks.min()) <= int(chunks.max()) < cfg.vocab_size:  # (else a nan loss)
+        bad = int(chunks.max()) if chunks.max() >= cfg.vocab_size else int(chunks.min())
+        raise TrainError(f"the chunks hold token id {bad}: expected ids in [0, {cfg.vocab_size}), the model's "
+                         "vocabulary (a tokenizer of another model?)")
     stream = ChunkStream(chunks, tc.batch_size, tc.seed)
     check_target(out_dir, tc.loss_impl, mesh.devices.flat[0].platform, tc.interpret)
     os.makedirs(out_dir, exist_ok=True)
@@ -782,7 +821,7 @@ def train(cfg: ModelConfig, model_params, *, fingerprint: str, chunks: np.ndarra
     # The fingerprint is the same for the f32 and bf16 loads of a checkpoint; a resumed run keeps the dtype too.
     expected = {"model_fingerprint": fingerprint, "model_dtype": str(jax.tree_util.tree_leaves(model_params)[0].dtype),
                 "predictor_config": pcfg.to_dict(), "data_fingerprint": stream.fingerprint(),
-                "train_config": tc.identity()}
+                "train_config": tc.identity(), "num_chunks": stream.num_chunks}
 
     replicated = NamedSharding(mesh, P())
     batch_sharding = NamedSharding(mesh, P("data"))

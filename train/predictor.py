@@ -75,6 +75,14 @@ def auto_config(cfg: ModelConfig, fraction: float = TARGET_FRACTION, key_heads: 
                   head_dim=dp)
 
 
+def check_preset_name(preset: str | None) -> None:
+    """PredictorConfigError unless `preset` is a key of PRESETS, "auto" or None (needs no model: the command checks
+    it before loading one)."""
+    if preset not in (None, "auto") and preset not in PRESETS:
+        raise PredictorConfigError(f"unknown predictor preset {preset!r}; expected one of "
+                                   f"{['auto', *sorted(PRESETS)]}")
+
+
 def preset_config(cfg: ModelConfig, preset: str | None = None, key_heads: str = "query",
                   **overrides) -> PredictorConfig:
     """The predictor for `cfg`: a named preset, the preset matching the model's shape, or `auto_config`.
@@ -85,9 +93,7 @@ def preset_config(cfg: ModelConfig, preset: str | None = None, key_heads: str = 
       overrides: PredictorConfig sizes to replace (down_dim, attn_heads, ffn_dim, qk_hidden, head_dim), None ignored.
     """
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    if preset not in (None, "auto") and preset not in PRESETS:
-        raise PredictorConfigError(f"unknown predictor preset {preset!r}; expected one of "
-                                   f"{['auto', *sorted(PRESETS)]}")
+    check_preset_name(preset)
     if preset is None:
         preset = next((name for name, (shape, _) in PRESETS.items() if shape == _shape(cfg)), "auto")
     if preset == "auto":
