@@ -314,6 +314,54 @@ def summary_markdown(records: Sequence[dict], meta: dict) -> str:
     return "\n".join(lines)
 
 
+def check_args(args) -> tuple[list[str], list[str], list[float], tuple[int, ...]]:
+    """(tasks, methods beside butler, sparsities, ppl lengths) of `main`'s arguments, each checked before the model
+    loads; ValueError (FileNotFoundError for a missing corpus) naming the flag and the value."""
+    from eval.harness import check_methods, parse_lengths, parse_list
+
+    tasks = list(parse_list(args.tasks, "--tasks"))
+    for t in tasks:
+        if t not in TASKS:
+            raise ValueError(f"unknown task {t!r}; expected some of {TASKS}")
+    if len(set(tasks)) != len(tasks):
+        raise ValueError(f"--tasks {args.tasks!r} names a task twice: expected each once")
+    baselines = list(check_methods(parse_list(args.methods, "--methods")))
+    always = [m for m in baselines if m in ("dense", "butler")]
+    if always:
+        raise ValueError(f"--methods {args.methods!r} names {always[0]!r}, which runs anyway: expected the methods "
+                         "beside dense and butler")
+    sparsities = []
+    for item in parse_list(args.sparsities, "--sparsities"):
+        try:
+            s = float(item)
+        except ValueError:
+            raise ValueError(f"--sparsities {args.sparsities!r}: {item!r} is not a number; expected comma-separated "
+                             "fractions in [0, 1)") from None
+        if not 0.0 <= s < 1.0:
+            raise ValueError(f"sparsity {s}: expected a fraction in [0, 1)")
+        sparsities.append(s)
+    if len(set(sparsities)) != len(sparsities):
+        raise ValueError(f"--sparsities {args.sparsities!r} names a sparsity twice: expected each once")
+    if not 0.0 <= args.coref_sparsity < 1.0:
+        raise ValueError(f"--coref-sparsity {args.coref_sparsity}: expected a fraction in [0, 1)")
+    lengths = parse_lengths(args.lengths)
+    for flag, value, least in (("--samples", args.samples, 1), ("--acc-samples", args.acc_samples, 1),
+                               ("--coref-samples", args.coref_samples, 1), ("--chunk", args.chunk, 1),
+                               ("--acc-length", args.acc_length, 16), ("--coref-length", args.coref_length, 16),
+                               ("--seed", args.seed, 0)):
+        if value < least:
+            raise ValueError(f"{flag} {value}: expected an integer >= {least}")
+    if "accuracy" in tasks or "ppl" in tasks:
+        ppl_task.read_corpus(args.corpus)  # missing, empty or not text: named now, not after the model loads
+    from jsparse.artifacts import artifact_kind
+
+    kind = artifact_kind(args.artifact)  # missing or unreadable: named by artifact_kind
+    if kind != "butler":
+        raise ValueError(f"--artifact {args.artifact!r} is a {kind!r} artifact: expected a 'butler' one (jsparse "
+                         "train-predictor --out)")
+    return tasks, baselines, sparsities, lengths
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.butler_eval", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
@@ -340,26 +388,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     import jsparse
     from eval.report import run_metadata
 
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    for t in tasks:
-        if t not in TASKS:
-            raise SystemExit(f"unknown task {t!r}; expected some of {TASKS}")
-    baselines = [m.strip() for m in args.methods.split(",") if m.strip()]
-    sparsities = [float(s) for s in args.sparsities.split(",")]
-    for s in sparsities:
-        if not 0.0 <= s < 1.0:
-            raise SystemExit(f"sparsity {s}: expected a fraction in [0, 1)")
+    try:  # every argument before the model loads (the ppl sweep runs last: a bad --lengths failed after the rest)
+        tasks, baselines, sparsities, lengths = check_args(args)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"python -m eval.butler_eval: error: {e}") from None
     if "accuracy" in tasks or "ppl" in tasks:  # never scored on the predictor's own training text
         from eval.harness import EvalSpec, check_calibration_corpus
 
         check_calibration_corpus(EvalSpec(methods=("butler",), tasks=("ppl",), corpus=args.corpus,
                                           artifacts={"butler": args.artifact}))
+    from eval.cli_eval import check_out
+
+    try:  # made (and found writable) before the model loads
+        check_out(args.out, "results.json and summary.md")
+    except ValueError as e:
+        raise SystemExit(f"python -m eval.butler_eval: error: {e}") from None
     model = jsparse.load(args.model, args.dtype)
     meta = run_metadata(command=shlex.join(["python", "-m", "eval.butler_eval", *(argv or sys.argv[1:])]),
                         model=model.name, artifact=os.path.abspath(args.artifact), tasks=tasks)
     records: list[dict] = []
     outputs: list[dict] = []
-    os.makedirs(args.out, exist_ok=True)
 
     def write():
         with open(os.path.join(args.out, "results.json"), "w") as f:
@@ -385,7 +433,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         outputs += outs
         write()
     if "ppl" in tasks:
-        lengths = [int(x) for x in args.lengths.split(",")]
         records += run_ppl_sweep(model, args.artifact, ["butler", *baselines], sparsities, lengths, args.samples,
                                  args.seed, args.corpus, args.chunk, progress=args.progress)
         write()

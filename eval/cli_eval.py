@@ -31,6 +31,7 @@ import os
 import shlex
 import shutil
 import sys
+import tempfile
 import warnings
 
 from eval import harness, report
@@ -113,7 +114,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"C, the scored tokens of the ppl continuation variant (default {DEFAULT_CONTINUATION})")
     p.add_argument("--method-option", action="append", default=None, metavar="METHOD.OPTION=VALUE",
                    help="an option of one method's builder, VALUE read as JSON when it parses (e.g. "
-                        "tsa.tau=0.01 or tsa.fill=local); repeat or comma-separate for several")
+                        "tsa.tau=0.01 or tsa.fill=local; not its budget, artifact or draft, which --budget(s), "
+                        "--budget-tokens, --artifact and --draft give); repeat or comma-separate for several")
     p.add_argument("--new-tokens", type=int, default=8, help="tokens generated for a passkey answer (default 8; a "
                    "generation task generates its own number)")
     p.add_argument("--chat", action="store_true",
@@ -191,14 +193,21 @@ def spec_from_args(args) -> harness.EvalSpec:
 
 
 def check_out(out: str, contents: str = "results.json and summary.md") -> None:
-    """Makes the --out folder, before any work; raises ValueError when `out` is an existing file or cannot be made
-    (a parent that is a file, no permission). contents: what the folder is for, for the message."""
+    """Makes the --out folder, before any work; raises ValueError when `out` is an existing file, cannot be made
+    (a parent that is a file, no permission) or takes no new file (a read-only folder or file system: a file is
+    made in it and removed). contents: what the folder is for, for the message."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out {out!r} is an existing file: expected a folder (new or existing) for {contents}")
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
         raise ValueError(f"--out {out!r}: cannot make the folder ({e.strerror or e})") from None
+    try:  # the run writes its files at the end of its first unit: a folder it cannot write in is named now
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise ValueError(f"--out {out!r}: cannot write in the folder ({e.strerror or e}): expected a writable "
+                         f"folder for {contents}") from None
 
 
 @contextlib.contextmanager
@@ -310,14 +319,20 @@ def resume_config(out: str, config: dict, overwrite: bool,
     return list(data["records"]), list(data["runs"]), merged
 
 
-def check_files(out: str) -> None:
+def check_files(out: str, plots: bool = False) -> None:
     """ValueError, before any work, for a file of the run (results.json, outputs.json, run.json, summary.md,
-    report.md) that is a folder in `out`: its rewrite after the first unit failed (also with --overwrite)."""
+    report.md) that is a folder in `out`: its rewrite after the first unit failed (also with --overwrite); with
+    `plots` (a report is written and nothing removes what is there), for a plots/ that is a file: the report at the
+    end of the run failed."""
     for name in (report.RESULTS_JSON, report.OUTPUTS_JSON, report.RUN_JSON, report.SUMMARY_MD, report.REPORT_MD):
         path = os.path.join(out, name)
         if os.path.isdir(path):
             raise ValueError(f"{path} is a folder, where the run writes its {name} file: move it aside, or use "
                              "another --out")
+    path = os.path.join(out, report.PLOTS_DIR)
+    if plots and os.path.lexists(path) and not os.path.isdir(path):
+        raise ValueError(f"{path} is a file, where the report writes its {report.PLOTS_DIR}/ folder: move it aside, "
+                         "use another --out, or pass --no-report")
 
 
 def previous_outputs(out: str, previous: list[dict]) -> list[dict]:
@@ -379,7 +394,7 @@ def _run_eval(args, spec) -> int:
 
     config = run_config(spec, args.model, args.dtype or default_dtype())
     overwrite = getattr(args, "overwrite", False)
-    check_files(args.out)
+    check_files(args.out, plots=not overwrite and not getattr(args, "no_report", False))
     previous, runs, config = resume_config(args.out, config, overwrite, spec.methods)
     if overwrite:  # the discarded run's report and plots described its records
         for path in (os.path.join(args.out, name) for name in (report.REPORT_MD, report.PLOTS_DIR)):

@@ -300,6 +300,8 @@ def _split_options(text: str) -> list[str]:
 # Method options that are the run's budget, and the flags that set it.
 BUDGET_FLAGS = {"budget": "--budget (jsparse generate) or --budgets (jsparse eval)",
                 "budget_tokens": "--budget-tokens"}
+# Builder options the run gives a method from its own flags (`build_method`), and those flags.
+RUN_SETS = {"artifact": "--artifact (EvalSpec.artifacts)", "draft": "--draft (EvalSpec.draft)"}
 # Builder options a token budget sets itself (`token_budget_options`: N keys in every layer).
 TOKEN_BUDGET_SETS = ("min_tokens", "reuse_scale")
 
@@ -368,7 +370,8 @@ class EvalSpec:
         for a ppl-only run), methods with a
         `budget_tokens` field (EvoSparse) get budget_tokens = N; methods without a budget (dense, tsa) run once
         per length.
-      method_options: method name -> extra keyword options of its builder (e.g. {"tsa": {"tau": 0.01}}).
+      method_options: method name -> extra keyword options of its builder (e.g. {"tsa": {"tau": 0.01}}); not its
+        budget, artifact or draft, which `budget(s)` / `budget_tokens`, `artifacts` and `draft` give.
       new_tokens: tokens generated greedily for a passkey answer (a generation task of eval/tasks generates its
         own `max_new_tokens`).
       chat: the generation tasks' prompts in the model's chat template (variant "chat") instead of raw
@@ -457,6 +460,10 @@ class EvalSpec:
             for field in options:
                 refuse_budget_option(f"method option {name}.{field}={options[field]!r}", field,
                                      " (EvalSpec.budget / budgets / budget_tokens)")
+                if field in RUN_SETS:  # the run's value would be replaced by the option's, unrecorded
+                    raise ValueError(f"--method-option {name}.{field}={options[field]!r}: the {field} is given by "
+                                     f"{RUN_SETS[field]}")
+            check_method_options(None, name, options)  # the options a method's class shows: before any model loads
             for key in TOKEN_BUDGET_SETS:
                 if key not in options or self.budget_tokens is None:
                     continue
@@ -869,10 +876,11 @@ def token_budget_options(method, tokens: int, max_visible: int) -> dict:
 
 
 def check_method_options(method, name: str, options: Mapping) -> None:
-    """--method-option keys the method (`method`, once built; else its registered options) does not take."""
+    """--method-option keys the method (`method`, once built; else its registered options) does not take, and
+    (before it is built) a value of an option its class declares bool that is not one."""
     import dataclasses
 
-    from jsparse.methods.base import method_factory, method_options
+    from jsparse.methods.base import check_options, method_factory, method_options
 
     if method is None and not dataclasses.is_dataclass(method_factory(name)):
         return  # a builder wrapping another method: make_method checks the options of what it builds
@@ -881,6 +889,8 @@ def check_method_options(method, name: str, options: Mapping) -> None:
         if key not in valid:
             raise ValueError(f"--method-option {name}.{key}={value!r}: method {name!r} has no option {key!r}; its "
                              f"options are {', '.join(v for v in valid if v not in ('cfg', 'fingerprint'))}")
+    if method is None:
+        check_options(name, dict(options))  # its bool options: 'False' (not JSON) is a truthy string
 
 
 def check_calibration_corpus(spec: EvalSpec) -> None:
@@ -1081,14 +1091,22 @@ def evaluate(model, spec: EvalSpec, *, progress: bool = True,
         except ValueError as e:
             raise ValueError(f"length {length} (--lengths): {e}; the run's new tokens are the most any of its tasks "
                              f"generates: {', '.join(news) or 'ppl 1'}") from None
+    context = cfg.max_position_embeddings
+    if spec.budget_tokens is not None and max(spec.budget_tokens) > context:  # named by its flag, not its option
+        raise ValueError(f"--budget-tokens {max(spec.budget_tokens)}: more than the model's context of {context} "
+                         "tokens; expected at most that")
     check_calibration_corpus(spec)
     corpus_ids = None
     slots: dict[int, int] = {}  # ppl: non-overlapping windows the corpus holds at each length
     if "ppl" in spec.tasks or ("passkey" in spec.tasks and spec.haystack == "corpus"):
         corpus_ids = ppl_task.tokenize_corpus(model.tokenizer, ppl_task.read_corpus(spec.corpus))
-        for length in spec.lengths:  # a corpus too short for the windows fails before any work
-            slots[length] = ppl_task.check_windows(model.tokenizer, corpus_ids, length,
-                                                   spec.ppl_windows() if "ppl" in spec.tasks else spec.samples)
+        windows, flag = ((spec.ppl_windows(), "--samples" if spec.ppl_samples is None else "--ppl-samples")
+                         if "ppl" in spec.tasks else (spec.samples, "--samples"))
+        for length in spec.lengths:  # a corpus too short for the windows fails before any work, naming the file
+            try:
+                slots[length] = ppl_task.check_windows(model.tokenizer, corpus_ids, length, windows, flag)
+            except ValueError as e:
+                raise ValueError(f"--corpus {spec.corpus!r} at length {length}: {e}") from None
     methods = build_methods(model, spec)
     done = {record_key(r) for r in previous}
     units = _units(spec)

@@ -119,6 +119,9 @@ def check_depths(depths: Sequence[float]) -> tuple[float, ...]:
     for d in depths:
         if not 0.0 <= d <= 1.0:
             raise ValueError(f"passkey depth {d}: expected a fraction in [0, 1]")
+    twice = sorted({d for d in depths if depths.count(d) > 1})
+    if twice:  # the samples cycle over the depths: a repeated one would weigh twice and share one per-depth record
+        raise ValueError(f"passkey depths {list(depths)} name depth {twice[0]:g} twice: expected each depth once")
     return depths
 
 

@@ -61,6 +61,8 @@ def check_variants(variants) -> tuple[str, ...]:
     for v in variants:
         if v not in VARIANTS:
             raise ValueError(f"unknown perplexity variant {v!r}: expected one of {list(VARIANTS)}")
+    if len(set(variants)) != len(variants):  # one record per (method, budget, length, variant)
+        raise ValueError(f"perplexity variants {list(variants)} name a variant twice: expected each once")
     return variants
 
 
@@ -101,9 +103,10 @@ def tokenize_corpus(tokenizer, text: str) -> np.ndarray:
     return np.asarray(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"], np.int32)
 
 
-def check_windows(tokenizer, corpus_ids: np.ndarray, length: int, samples: int) -> int:
+def check_windows(tokenizer, corpus_ids: np.ndarray, length: int, samples: int, flag: str = "--samples") -> int:
     """Checks that the corpus can give `samples` windows of `length` tokens; returns how many non-overlapping
-    windows it holds (more samples than that overlap, with a warning from `make_windows`).
+    windows it holds (more samples than that overlap, with a warning from `make_windows`). `flag`: the option that
+    gave `samples`, for the message.
 
     Raises:
       ValueError: samples < 1; a length too short for the special prefix; a corpus shorter than one window; or
@@ -121,8 +124,8 @@ def check_windows(tokenizer, corpus_ids: np.ndarray, length: int, samples: int) 
                          "use a longer corpus or a shorter length")
     offsets = n - body + 1
     if samples > offsets:
-        raise ValueError(f"--samples {samples}: the corpus ({n} tokens) has only {offsets} distinct windows of "
-                         f"length {length} ({n // body} without overlap); use --samples <= {n // body}, a longer "
+        raise ValueError(f"{flag} {samples}: the corpus ({n} tokens) has only {offsets} distinct windows of "
+                         f"length {length} ({n // body} without overlap); use {flag} <= {n // body}, a longer "
                          "--corpus or a shorter length")
     return n // body
 
