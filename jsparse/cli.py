@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import sys
 import warnings
@@ -32,12 +33,52 @@ def _refuse_budget(args):
     raise ValueError(f"--budget {args.budget:g}: method {args.method!r} takes no budget ({how})")
 
 
+def _check_artifacts(args) -> None:
+    """--artifact before the model loads: a method that reads one, and each folder an artifact (its kind and model
+    are checked by the method's builder once the model is loaded)."""
+    from jsparse.artifacts import ArtifactError, artifact_kind
+    from jsparse.methods import method_names
+    from jsparse.methods.base import takes_artifact
+
+    if not takes_artifact(args.method):
+        raise ValueError(f"{' '.join(f'--artifact {a}' for a in args.artifact)}: method {args.method!r} takes no "
+                         "artifact; the methods that read one: "
+                         f"{', '.join(n for n in method_names() if takes_artifact(n))}")
+    for value in args.artifact:
+        paths = [p for p in value.split(os.pathsep) if p.strip()]  # (K:T: tsa+kascade's two, joined)
+        if not paths:
+            raise ValueError(f"--artifact {value!r}: expected an artifact folder's path")
+        for path in paths:
+            try:
+                artifact_kind(path)
+            except ArtifactError as e:
+                raise ArtifactError(f"--artifact {path}: {e}") from None
+
+
+def _check_model_spec(flag: str, spec: str) -> None:
+    """--model or --draft before any model loads (the draft's is loaded after the target): an empty spec, or a model
+    that cannot be found (the layers of SPEC:layers=... are checked against the model once it loads)."""
+    from models.bundled import resolve_model
+
+    if not spec.strip():
+        raise ValueError(f"{flag} {spec!r}: expected a model spec (smollm2, a Hugging Face folder or a .gguf file; "
+                         "SPEC:layers=0-9 keeps those layers)")
+    base, sep, layers = spec.rpartition(":layers=")  # (as `models.bundled.load_model` reads it)
+    try:
+        with warnings.catch_warnings():  # (a warning of the spec is given when it loads)
+            warnings.simplefilter("ignore")
+            resolve_model(base if sep and base and re.fullmatch(r"[0-9,\- ]+", layers) else spec)
+    except (ValueError, FileNotFoundError) as e:
+        raise type(e)(f"{flag} {spec}: {e}") from None
+
+
 def cmd_generate(args) -> int:
     import jsparse
 
     from eval.harness import (TOKEN_BUDGET_SETS, check_method_options, check_sts_token_budget, parse_budget_tokens,
                               parse_method_options, takes_budget, token_budget_options)
-    from jsparse.methods.base import method_factory
+    from jsparse.methods.base import method_factory, takes_artifact
+    from jsparse.methods.sts import check_budget as check_sts_budget
     from models.generate import Sampling, check_count, check_seed
     from models.speculative import check_gamma
 
@@ -45,9 +86,16 @@ def cmd_generate(args) -> int:
     if args.budget is not None and args.method != "sts" and not 0 < args.budget <= 1:  # sts: above 1 counts tokens
         raise ValueError(f"--budget {args.budget:g}: expected a fraction of the context in (0, 1] (a number of keys "
                          "goes to --budget-tokens N)")
+    if args.budget is not None and args.method == "sts":
+        try:
+            check_sts_budget(args.budget)
+        except ValueError as e:
+            raise ValueError(f"--budget {args.budget:g} with method 'sts': {e}") from None
     if args.artifact and len(args.artifact) > 1 and args.method != "tsa+kascade":
         raise ValueError(f"--artifact given {len(args.artifact)} times ({', '.join(args.artifact)}): method "
                          f"{args.method!r} reads one artifact (two only for tsa+kascade)")
+    if args.artifact:
+        _check_artifacts(args)
     if args.budget_tokens is not None:
         parse_budget_tokens([args.budget_tokens])
         if args.method == "sts":
@@ -66,32 +114,41 @@ def cmd_generate(args) -> int:
     factory = method_factory(args.method)
     fields = getattr(factory, "__dataclass_fields__", None)
     wraps = not isinstance(factory, type) or fields is None or "inner" in fields
-    if args.budget_tokens is not None:
-        try:  # checked before the model loads where the method shows it without one
-            bare = jsparse.make_method(args.method) if wraps else factory
-        except (ValueError, TypeError):
-            bare = None  # needs the model or an artifact: checked once built below
-        if bare is not None and not token_budget_options(bare, args.budget_tokens, 2 ** 31 - 1):
-            raise ValueError(f"--budget-tokens {args.budget_tokens}: method {args.method!r} takes no token budget")
+    try:  # what the method shows before the model loads: its class, or a wrapper built without a model
+        bare = jsparse.make_method(args.method) if wraps else factory
+    except (ValueError, TypeError):
+        bare = None  # needs the model or an artifact: checked once built below
+    if args.budget_tokens is not None and bare is not None and \
+            not token_budget_options(bare, args.budget_tokens, 2 ** 31 - 1):
+        raise ValueError(f"--budget-tokens {args.budget_tokens}: method {args.method!r} takes no token budget")
     # The request's own values, before any model loads (a typo should not cost an 8B load): the method's options
-    # and budget where its class shows them (a wrapper's once built, below).
+    # and budget where its class shows them (a wrapper's where it builds without the model, else once built, below).
     check_method_options(None, args.method, method_options)
     for key, flag in (("draft", "--draft"), ("artifact", "--artifact")):  # (their flags' values replaced them)
         if key in method_options:
             raise ValueError(f"--method-option {args.method}.{key}={method_options[key]!r}: the {key} is given by "
                              f"{flag}")
-    if args.budget is not None and not wraps and not takes_budget(factory):
+    if args.budget is not None and bare is not None and not takes_budget(bare):
         _refuse_budget(args)
+    if not wraps and not takes_artifact(args.method):  # a plain builder reads no model: its option values too
+        jsparse.make_method(args.method, **method_options, **({} if args.budget is None else {"budget": args.budget}))
     Sampling(args.temperature, args.top_p)
     check_seed(args.seed)
-    if args.seed != 0 and args.temperature == 0:
-        print(f"jsparse generate: warning: --seed {args.seed} has no effect at temperature 0 (greedy decoding): pass "
-              "a --temperature > 0 to sample", file=sys.stderr, flush=True)
+    for flag, value, unused in (("--seed", args.seed, args.seed != 0), ("--top-p", args.top_p, args.top_p != 1)):
+        if unused and args.temperature == 0:
+            print(f"jsparse generate: warning: {flag} {value} has no effect at temperature 0 (greedy decoding): "
+                  "pass a --temperature > 0 to sample", file=sys.stderr, flush=True)
     check_count("--max-new-tokens", args.max_new_tokens)
+    _check_model_spec("--model", args.model)
+    if args.draft is not None:
+        _check_model_spec("--draft", args.draft)
     if args.gamma is not None and not args.draft:
         raise ValueError("--gamma needs --draft (speculative decoding)")
     if args.gamma is not None:
         check_gamma(args.gamma)
+    if getattr(factory, "needs_draft", False) and not args.draft:
+        raise ValueError(f"--method {args.method} takes its selection from a draft model: expected --draft SPEC as "
+                         "well (e.g. --draft smollm2:layers=0-9)")
     model = jsparse.load(args.model, args.dtype, mesh=args.mesh)
     options = dict(method_options)
     if args.budget is not None:
@@ -130,8 +187,8 @@ def cmd_generate(args) -> int:
     if args.budget is not None and not takes_budget(method):
         _refuse_budget(args)
     stats = {}
-    with warnings.catch_warnings():  # (the seed's warning is printed above, by its flag)
-        warnings.filterwarnings("ignore", message=r"seed=\S+ has no effect at temperature 0")
+    with warnings.catch_warnings():  # (the seed's and top-p's warnings are printed above, by their flags)
+        warnings.filterwarnings("ignore", message=r"(seed|top_p)=\S+ has no effect at temperature 0")
         texts = jsparse.generate(model, [args.prompt], method=method, max_new_tokens=args.max_new_tokens,
                                  chat=args.chat, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                                  draft=draft, gamma=4 if args.gamma is None else args.gamma, stats=stats)

@@ -367,6 +367,8 @@ def parse_layers(text: str, num_layers: int) -> list[int]:
         a, b = int(m.group(1)), int(m.group(2) or m.group(1))
         if b < a:
             raise ValueError(f"layers={text!r}: range {part} runs backwards")
+        if b >= num_layers:  # before the range is built: 0-99999999999 would make 10**11 ints
+            check_layers([b], num_layers, text)
         layers.extend(range(a, b + 1))
     return check_layers(layers, num_layers, text)
 

@@ -58,6 +58,9 @@ class Sampling:
                              "smallest normal float32")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p}: expected a value in (0, 1]")
+        if self.top_p < _TINY:  # 0 or subnormal in float32 on the device: an empty nucleus (NaN probabilities)
+            raise ValueError(f"top_p={self.top_p}: expected a value in (0, 1] of at least {_TINY:.3g}, the smallest "
+                             "normal float32")
         for name, flag in (("greedy", self.temperature == 0.0), ("nucleus", self.top_p < 1.0)):
             if getattr(self, name) not in (None, flag):
                 raise ValueError(f"{name}={getattr(self, name)!r}: it follows from temperature and top_p ({flag})")

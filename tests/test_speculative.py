@@ -228,6 +228,8 @@ def test_layer_skipped_draft_and_errors(models):
         parse_layers("2-1", 3)
     with pytest.raises(ValueError, match=r"layers='0-3': expected layers between 0 and 2 \(the model has 3 layers\)"):
         parse_layers("0-3", 3)
+    with pytest.raises(ValueError, match=r"layers='0-99999999999': expected layers between 0 and 2"):
+        parse_layers("0-99999999999", 3)  # refused before the range is built (10**11 ints)
     for text in ("0,1,1", "1,0"):
         with pytest.raises(ValueError, match=rf"layers='{text}': expected each layer once, in ascending order"):
             parse_layers(text, 3)
