@@ -21,6 +21,8 @@ from train import data as data_lib
 from train.loop import TrainConfig, TrainError, check_resume_config, train
 from train.predictor import preset_config
 
+from tests.test_train import _stub_train
+
 CFG = ModelConfig(architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=3,
                   num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
 T = 32
@@ -49,15 +51,9 @@ def cli(tmp_path, monkeypatch):
         loads.append(name)
         return model
 
-    def fake_train(cfg, params, *, chunks, out_dir, tc, **kw):
-        seen.update(chunks=np.asarray(chunks), tc=tc)
-        os.makedirs(out_dir, exist_ok=True)
-        np.savez(os.path.join(out_dir, "arrays.npz"), x=np.zeros(1))
-        return types.SimpleNamespace(start_step=0, last_step=1, losses=[(1, 0.5)], stopped_early=False, seconds=0.0)
-
     monkeypatch.setattr(jsparse, "load", load)
     monkeypatch.setattr(jsparse, "fingerprint", lambda m: "fp-tiny")
-    monkeypatch.setattr(train_loop, "train", fake_train)
+    _stub_train(monkeypatch, seen)
     text = tmp_path / "text.txt"
     text.write_text(TEXT, encoding="utf-8")
 
