@@ -217,3 +217,15 @@ def test_attention_checks_its_flags_before_making_out_and_refuses_a_cpu_backend(
     with pytest.raises(ValueError, match=r"jsparse bench attention times GPU kernels .* \(or --interpret for a CPU "):
         attention.main(["--context", "256", "--out", str(out)])
     assert not out.parent.exists()
+
+
+def test_decode_step_on_a_cpu_host_stops_at_its_first_child(tmp_path, capsys):
+    """Before: its orchestrator (which starts no JAX backend: the children need the GPU's memory) ran the main child
+    and every XLA-flag variant on the CPU for about five minutes and wrote a JSON of skipped rows; now the first child
+    refuses (the tests' backend is the CPU's) and the orchestrator stops with that error, writing no JSON."""
+    out = tmp_path / "out"
+    assert _module("decode_step").main(["--out", str(out)], prog="jsparse bench decode_step") == 2
+    err = capsys.readouterr().err
+    assert "jsparse bench decode_step: error: jsparse bench decode_step times GPU kernels at real model shapes; " \
+           "this host's JAX backend is 'cpu': expected 'gpu' (or --smoke for a CPU smoke run at tiny sizes)" in err
+    assert not any(out.rglob("*.json"))

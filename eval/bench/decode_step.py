@@ -110,6 +110,9 @@ def orchestrate(args) -> int:
     extra = ["--cases", args.cases, "--paths", args.paths, "--kernel-budget-s", str(args.kernel_budget_s)]
     extra += ["--no-kernels"] if args.no_kernels else []
     main = _run_child("main", BASE_FLAGS, main_deadline, args, os.path.join(tmp, "main.json"), extra)
+    if "refused" in main:  # not a GPU host: no variant runs, no JSON is written
+        print(f"jsparse bench decode_step: error: {main['refused']}", file=sys.stderr, flush=True)
+        return 2
     variants = []
     if not args.no_variants:
         case = "1024:1" if args.smoke else "32768:1"
@@ -477,6 +480,13 @@ def child(args) -> int:
 
     from eval.bench import common as bm
 
+    if not args.smoke:  # the first child says it, and the orchestrator stops (it starts no backend itself)
+        try:
+            bm.require_gpu("decode_step", "--smoke")
+        except ValueError as e:
+            with open(args.result, "w") as f:
+                json.dump({"refused": str(e)}, f)
+            return 2
     out = dict(bm.device_facts())
     out["xla_flags"] = os.environ.get("XLA_FLAGS", "")
     hbm = bm.measure_hbm_gbs(64 << 20) if args.smoke else bm.measure_hbm_gbs()
