@@ -81,8 +81,8 @@ HISTORY = os.path.join("eval", "results", "e2e_history.md")
 
 
 README_TABLES = [  # the tables made by the tool: (document, folder, JSONs); links relative to the document's folder
-    ("README.md", ("h100", "e2e_1207d"), ("e2e_a.json", "e2e_b.json", "e2e_c.json")),
-    ("README.md", ("h100", "e2e_1207d"), ("e2e_qwen3.json",)),
+    ("README.md", ("h100", "e2e_1208"), ("e2e_a.json", "e2e_b.json", "e2e_c.json")),
+    ("README.md", ("h100", "e2e_1208"), ("e2e_qwen3.json",)),
     (HISTORY, ("h200", "end_to_end"), ("bench_model_b1_1202.json", "bench_model_100k_b4_1202_a.json",
                                        "bench_model_100k_b4_1202_b.json")),
     (HISTORY, ("h200", "e2e_state"), ("e2e_a.json", "e2e_b.json")),
