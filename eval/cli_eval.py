@@ -202,12 +202,20 @@ def check_out(out: str, contents: str = "results.json and summary.md") -> None:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
         raise ValueError(f"--out {out!r}: cannot make the folder ({e.strerror or e})") from None
-    try:  # the run writes its files at the end of its first unit: a folder it cannot write in is named now
-        with tempfile.TemporaryFile(dir=out):
+    # The run writes its files at the end of its first unit: a folder it cannot write in is named now.
+    check_writable(out, out, contents)
+
+
+def check_writable(out: str, folder: str, contents: str) -> None:
+    """ValueError naming --out `out` when this process cannot make a file in `folder` (`out` or a folder in it; no
+    permission, a read-only file system): a temporary file is made there and removed. contents: what it is for."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as e:
-        raise ValueError(f"--out {out!r}: cannot write in the folder ({e.strerror or e}): expected a writable "
-                         f"folder for {contents}") from None
+        where = "the folder" if folder == out else repr(folder)
+        raise ValueError(f"--out {out!r}: cannot write in {where} ({e.strerror or e}): expected a writable folder for "
+                         f"{contents}") from None
 
 
 @contextlib.contextmanager

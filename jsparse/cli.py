@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shlex
 import sys
 import warnings
@@ -58,16 +57,15 @@ def _check_artifacts(args) -> None:
 def _check_model_spec(flag: str, spec: str) -> None:
     """--model or --draft before any model loads (the draft's is loaded after the target): an empty spec, or a model
     that cannot be found (the layers of SPEC:layers=... are checked against the model once it loads)."""
-    from models.bundled import resolve_model
+    from models.bundled import resolve_model, split_layers_spec
 
     if not spec.strip():
         raise ValueError(f"{flag} {spec!r}: expected a model spec (smollm2, a Hugging Face folder or a .gguf file; "
                          "SPEC:layers=0-9 keeps those layers)")
-    base, sep, layers = spec.rpartition(":layers=")  # (as `models.bundled.load_model` reads it)
     try:
         with warnings.catch_warnings():  # (a warning of the spec is given when it loads)
             warnings.simplefilter("ignore")
-            resolve_model(base if sep and base and re.fullmatch(r"[0-9,\- ]+", layers) else spec)
+            resolve_model(split_layers_spec(spec)[0])
     except (ValueError, FileNotFoundError) as e:
         raise type(e)(f"{flag} {spec}: {e}") from None
 

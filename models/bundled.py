@@ -281,6 +281,12 @@ _FLAGS = ("add_bos_token", "add_eos_token")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+def split_layers_spec(spec: str | os.PathLike) -> tuple[str, str | None]:
+    """`SPEC:layers=0-9,12` -> ("SPEC", "0-9,12") (the last such suffix); a spec without one -> (spec, None)."""
+    m = re.fullmatch(r"(.+):layers=([0-9,\- ]+)", os.fspath(spec))
+    return (os.fspath(spec), None) if m is None else (m.group(1), m.group(2))
+
+
 def load_model(spec: str | os.PathLike, dtype=jnp.float32, mesh=None, fuse: bool | None = None) -> LoadedModel:
     """Loads "smollm2", a Hugging Face folder or a .gguf file (see `resolve_model`).
 
@@ -300,10 +306,10 @@ def load_model(spec: str | os.PathLike, dtype=jnp.float32, mesh=None, fuse: bool
     if fuse and mesh is not None:
         raise ValueError("fuse=True with a mesh: fused q/k/v and gate/up weights cannot be sharded by heads; "
                          "expected fuse=None or False on a mesh")
-    m = re.fullmatch(r"(.+):layers=([0-9,\- ]+)", os.fspath(spec))
-    if m is not None:
-        model = load_model(m.group(1), dtype, mesh, fuse=False)
-        return _fused(keep_layers(model, parse_layers(m.group(2), model.cfg.num_layers)), fuse)
+    base, layers = split_layers_spec(spec)
+    if layers is not None:
+        model = load_model(base, dtype, mesh, fuse=False)
+        return _fused(keep_layers(model, parse_layers(layers, model.cfg.num_layers)), fuse)
     resolved = resolve_model(spec)
     stop_ids: tuple[int, ...] = ()
     if resolved.kind == "gguf":

@@ -183,21 +183,16 @@ def validate(tc, cfg, num_devices: int) -> None:
 
 
 def check_writable(out: str) -> None:
-    """Refuses, before any work, an --out this process cannot write in (no permission, a read-only file system): a
-    file made and dropped in the folder and in its checkpoints folder when there, and loss.jsonl, when there, opened
-    to append (the steps would fail at their first write, or orbax's save thread after them)."""
-    import tempfile
-
+    """Refuses, before any work, an --out whose checkpoints folder (an earlier run's) this process cannot write in
+    (no permission, a read-only file system), or whose loss.jsonl, when there, it cannot open to append: the steps
+    would fail at their first write, or orbax's save thread after them. (The --out folder itself is probed by
+    `eval.cli_eval.check_out`, through `out_folder`.)"""
+    from eval.cli_eval import check_writable as check_folder
     from train.loop import CHECKPOINTS, LOSS_LOG
 
-    for folder in (out, os.path.join(out, CHECKPOINTS)):
-        if os.path.isdir(folder):
-            try:
-                with tempfile.TemporaryFile(dir=folder):
-                    pass
-            except OSError as e:
-                raise ValueError(f"--out {out!r}: cannot write in {folder!r} ({e.strerror or e}): expected a folder "
-                                 "this user can write") from None
+    checkpoints = os.path.join(out, CHECKPOINTS)
+    if os.path.isdir(checkpoints):
+        check_folder(out, checkpoints, "the checkpoints")
     log = os.path.join(out, LOSS_LOG)
     if os.path.isfile(log):
         try:

@@ -202,20 +202,17 @@ class TrainConfig:
         pos_int("seed", 0)
         if self.seed > SEED_MAX:  # jax keys keep 32 bits; numpy's shuffle would take more, and overflow at 2**63
             raise TrainError(f"seed={self.seed}: expected an integer in [0, {SEED_MAX}]")
-        if cfg is None:
-            if not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool) or self.seq_len < MIN_SEQ_LEN:
-                raise TrainError(f"seq_len={self.seq_len!r}: expected an integer >= {MIN_SEQ_LEN} (at most the "
-                                 "model's context)")
-        else:
-            W = cfg.window_size
-            if W is not None and isinstance(self.seq_len, int) and self.seq_len > W:
-                raise TrainError(f"seq_len={self.seq_len}: the model's sliding-window layers attend within {W} "
-                                 f"tokens, which the predictor's targets (full causal attention logits) do not model; "
-                                 f"expected seq_len <= {W}")
-            if (not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool)
-                    or not MIN_SEQ_LEN <= self.seq_len <= cfg.max_position_embeddings):
-                raise TrainError(f"seq_len={self.seq_len!r}: expected an integer in [{MIN_SEQ_LEN}, "
-                                 f"{cfg.max_position_embeddings}] (the model's context)")
+        W = None if cfg is None else cfg.window_size
+        if W is not None and isinstance(self.seq_len, int) and self.seq_len > W:
+            raise TrainError(f"seq_len={self.seq_len}: the model's sliding-window layers attend within {W} tokens, "
+                             f"which the predictor's targets (full causal attention logits) do not model; expected "
+                             f"seq_len <= {W}")
+        context = math.inf if cfg is None else cfg.max_position_embeddings
+        if (not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool)
+                or not MIN_SEQ_LEN <= self.seq_len <= context):
+            raise TrainError(f"seq_len={self.seq_len!r}: expected an integer "
+                             + (f">= {MIN_SEQ_LEN} (at most the model's context)" if cfg is None else
+                                f"in [{MIN_SEQ_LEN}, {context}] (the model's context)"))
         if self.warmup_steps >= self.steps:
             raise TrainError(f"warmup_steps={self.warmup_steps}: expected fewer than steps={self.steps}")
         if self.batch_size % num_devices:
@@ -809,8 +806,9 @@ def train(cfg: ModelConfig, model_params, *, fingerprint: str, chunks: np.ndarra
     chunks = np.asarray(chunks, np.int32)
     if chunks.ndim != 2 or chunks.shape[1] != tc.seq_len:
         raise TrainError(f"chunks have shape {chunks.shape}: expected [S, seq_len={tc.seq_len}]")
-    if chunks.size and not 0 <= int(chunks.min()) <= int(chunks.max()) < cfg.vocab_size:  # (else a nan loss)
-        bad = int(chunks.max()) if chunks.max() >= cfg.vocab_size else int(chunks.min())
+    lo, hi = (int(chunks.min()), int(chunks.max())) if chunks.size else (0, 0)
+    if not 0 <= lo <= hi < cfg.vocab_size:  # (else a nan loss)
+        bad = hi if hi >= cfg.vocab_size else lo
         raise TrainError(f"the chunks hold token id {bad}: expected ids in [0, {cfg.vocab_size}), the model's "
                          "vocabulary (a tokenizer of another model?)")
     stream = ChunkStream(chunks, tc.batch_size, tc.seed)

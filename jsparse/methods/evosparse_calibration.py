@@ -197,7 +197,7 @@ def calibrate(model, windows: np.ndarray, *, lengths: Sequence[int], depths: Seq
     # Every prompt is built (tokenizing only) before any runs: one past the model's context is refused before the
     # work. The answer's |needle| tokens are decoded after the prompt, the last from the token at position
     # length + |needle| - 2, which must lie in the context (RoPE past it only extrapolates, without a word).
-    batches = []  # per window, per length: (rows, starts, needles)
+    batches = []  # per window, per length: (length, steps, rows, starts, needles)
     for w in windows:
         filler = w[skip:]
         batches.append([])
@@ -215,11 +215,10 @@ def calibrate(model, windows: np.ndarray, *, lengths: Sequence[int], depths: Seq
                                  f"and the {steps} needle tokens decoded after it pass the model's context of "
                                  f"{cfg.max_position_embeddings} tokens: expected lengths <= "
                                  f"{cfg.max_position_embeddings + 1 - steps}, or fewer needle words")
-            batches[-1].append((length, rows, starts, needles))
+            batches[-1].append((length, steps, rows, starts, needles))
     all_scores, all_recall = [], []
     for window_batches in batches:
-        for length, rows, starts, needles in window_batches:
-            steps = max(len(n) for n in needles)
+        for length, steps, rows, starts, needles in window_batches:
             capacity = -(-(length + steps) // 128) * 128
             tokens = np.stack(rows)
             gen, am = copy_run(params, jnp.asarray(tokens), jnp.full((len(rows),), length, jnp.int32), cfg=cfg,
